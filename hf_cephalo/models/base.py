@@ -1,0 +1,98 @@
+"""The StagedModel contract: a model seen as root modules + a list of identical units.
+
+The layered engine (``hf_cephalo.engine``) never imports a concrete model; it drives any
+``StagedModel``. An adapter for a Hugging Face architecture (``models/llama.py``, ...) or the
+generic test model (``models/toy.py``) implements it. DESIGN.md contract 5.
+
+Data flow for one microbatch (a dict of tensors as produced by a collator)::
+
+    hidden, ctx = staged.embed(microbatch)             # root unit params
+    for i in range(staged.num_units):
+        hidden = staged.run_unit(i, hidden, ctx)      # unit i params only
+    out = staged.head_loss(hidden, microbatch, ctx)   # root unit params
+
+``ctx`` carries per-microbatch tensors that are NOT differentiated through (attention masks,
+position ids, rotary cos/sin). It is built once per microbatch by ``embed`` and reused by the
+recompute in backward, so it must not depend on unit parameters.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Mapping, NamedTuple
+
+import torch
+from torch import nn
+
+Microbatch = Mapping[str, torch.Tensor]
+
+
+class HeadOutput(NamedTuple):
+    """Result of ``StagedModel.head_loss`` for one microbatch.
+
+    loss_sum: 0-dim tensor, the SUM (not mean) of the per-item losses of this microbatch.
+    num_items: number of items the sum runs over (tokens with label != -100 after the causal
+        shift for language models; samples for classification), as a Python int.
+    """
+
+    loss_sum: torch.Tensor
+    num_items: int
+
+
+class StagedModel(abc.ABC):
+    """A model split into a root unit and ``num_units`` identical transformer layers.
+
+    The root unit holds every parameter that is not inside a unit: embeddings, final norm,
+    head (tied weights once). Adapters must not register extra parameters.
+
+    Attributes:
+        model: the wrapped ``nn.Module`` (an HF ``PreTrainedModel`` for adapters); its
+            ``state_dict()`` keys are the keys checkpoints use.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    # ---- structure -------------------------------------------------------------------
+    @abc.abstractmethod
+    def units(self) -> list[nn.Module]:
+        """The transformer layers in execution order (one engine unit each)."""
+
+    @abc.abstractmethod
+    def root_modules(self) -> list[nn.Module]:
+        """Modules whose parameters form the root unit (embeddings, final norm, head).
+
+        Their parameters plus the units' parameters must be exactly ``model.parameters()``.
+        """
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units())
+
+    # ---- computation -----------------------------------------------------------------
+    @abc.abstractmethod
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Any]:
+        """Root-unit input step. Returns ``(hidden, ctx)``; hidden is (m, S, H) or (m, T, H)."""
+
+    @abc.abstractmethod
+    def run_unit(self, index: int, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Run unit ``index`` on ``hidden`` (shape kept). Must be deterministic in eval mode
+        and replayable (dropout RNG is handled by the engine's recompute)."""
+
+    @abc.abstractmethod
+    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> HeadOutput:
+        """Final norm + head + loss SUM over this microbatch's items (see ``HeadOutput``)."""
+
+    @abc.abstractmethod
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
+        """Final norm + head, returning logits as the HF model's forward would: (m, S, V) for
+        causal LMs, (m, num_labels) for classifiers."""
+
+    @abc.abstractmethod
+    def count_items(self, microbatch: Microbatch) -> int:
+        """Items ``head_loss`` will sum over for this microbatch, computed from the inputs
+        alone (before any forward), so the engine can all-reduce the global count first."""
+
+    # ---- misc -------------------------------------------------------------------------
+    def prepare_for_training(self) -> None:
+        """Hook run once before wrapping (e.g. force ``use_cache=False``). Default: nothing."""

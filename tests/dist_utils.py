@@ -1,0 +1,76 @@
+"""Run a function on several gloo ranks in fresh processes, with a hard timeout.
+
+Each test module should call ``run_ranks`` few times and loop over many sub-cases inside the
+function (process start-up costs ~2-3 s per rank on CI's 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        out.put((rank, "ok", result))
+    except BaseException:  # report every failure to the parent, including assertion errors
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``fn`` must be a module-level function (spawned processes import it). Raises AssertionError
+    with the failing rank's traceback, or TimeoutError (all processes killed) after
+    ``timeout_s`` seconds so a hung collective fails the test instead of stalling CI.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, payload = out.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not "
+                                   f"finish within {timeout_s} s (hang?)") from None
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break  # the other ranks are probably blocked in a collective now
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
