@@ -1,0 +1,190 @@
+"""Weighted batch sampler: rank i gets exactly b_i samples of every global batch.
+
+Cephalo balances compute by giving ranks different batch sizes b_i (paper §2.4, constraint I:
+sum_i b_i = B, the global batch size). Every rank builds the SAME permutation of the dataset
+(seeded by ``seed + epoch``, like ``torch.utils.data.DistributedSampler``), cuts it into global
+batches of B indices, and takes its own contiguous slice of each global batch. The result is a
+pure function of (epoch, seed, dataset length, batch sizes), so no communication is needed and
+every rank takes the same number of steps.
+
+[Note: last partial global batch]
+When the dataset length N is not a multiple of B, the last global batch holds n = N mod B
+samples. They are split proportionally to b_i with the largest-remainder method (exact integer
+arithmetic, ties to the lower rank): rank i gets floor(n·b_i/B) or one more, never more than
+b_i, and a rank with b_i = 0 gets none. No sample is duplicated or dropped (unless
+``drop_last``), so every sample is used exactly once per epoch. A rank may therefore get ZERO
+samples in the last step (e.g. 1 leftover sample on 3 ranks); it still yields an empty list
+so that it joins the step's collectives — the engine accepts an empty microbatch list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = [
+    "WeightedBatchSampler",
+    "MicrobatchCollator",
+    "split_counts",
+    "split_microbatches",
+    "global_batches",
+]
+
+
+def _check_batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
+    sizes = list(batch_sizes)
+    if not sizes:
+        raise ValueError("batch_sizes is empty; give one batch size b_i (samples) per rank")
+    for rank, b in enumerate(sizes):
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise ValueError(f"batch_sizes[{rank}] = {b!r}: each per-rank batch size must be an "
+                             f"integer >= 0 (samples); got {sizes}")
+    if sum(sizes) == 0:
+        raise ValueError(f"batch_sizes {sizes} sum to 0: at least one rank must take samples")
+    return sizes
+
+
+def split_counts(num_samples: int, batch_sizes: Sequence[int]) -> list[int]:
+    """Split ``num_samples`` (<= sum of ``batch_sizes``) proportionally to ``batch_sizes``.
+
+    Largest-remainder method with exact integer arithmetic; ties go to the lower rank. Returns
+    per-rank counts (samples) that sum to ``num_samples``, with ``count_i <= batch_sizes[i]``
+    and ``count_i == 0`` where ``batch_sizes[i] == 0``. For ``num_samples == sum(batch_sizes)``
+    this returns ``batch_sizes`` itself. See [Note: last partial global batch].
+
+    Raises ValueError if ``num_samples`` is negative or larger than the global batch size.
+    """
+    sizes = _check_batch_sizes(batch_sizes)
+    global_batch_size = sum(sizes)
+    if not 0 <= num_samples <= global_batch_size:
+        raise ValueError(f"num_samples = {num_samples} must be in [0, {global_batch_size}] "
+                         f"(the global batch size, sum of {sizes})")
+    quotients = [num_samples * b // global_batch_size for b in sizes]
+    remainders = [num_samples * b % global_batch_size for b in sizes]
+    missing = num_samples - sum(quotients)
+    # Sum of remainders / B == missing and every remainder < B, so the `missing` largest
+    # remainders are all > 0: a rank with b_i = 0 (remainder 0) never receives a sample.
+    order = sorted(range(len(sizes)), key=lambda r: (-remainders[r], r))
+    for rank in order[:missing]:
+        quotients[rank] += 1
+    return quotients
+
+
+def global_batches(dataset_length: int, global_batch_size: int, *, epoch: int = 0, seed: int = 0,
+                   shuffle: bool = True, drop_last: bool = False) -> list[list[int]]:
+    """The epoch's global batches: lists of dataset indices, ``global_batch_size`` each.
+
+    The permutation is ``torch.randperm(dataset_length)`` from a generator seeded with
+    ``seed + epoch`` (identical on every rank), or ``range(dataset_length)`` without shuffle.
+    The last batch is shorter unless ``drop_last`` (then it is dropped).
+    """
+    if dataset_length < 0 or global_batch_size < 1:
+        raise ValueError(f"dataset_length = {dataset_length} must be >= 0 and global_batch_size = "
+                         f"{global_batch_size} must be >= 1 (samples)")
+    if shuffle:
+        generator = torch.Generator()
+        generator.manual_seed(seed + epoch)
+        order = torch.randperm(dataset_length, generator=generator).tolist()
+    else:
+        order = list(range(dataset_length))
+    stop = dataset_length - dataset_length % global_batch_size if drop_last else dataset_length
+    return [order[start:min(start + global_batch_size, stop)]
+            for start in range(0, stop, global_batch_size)]
+
+
+def split_microbatches(indices: Sequence[Any], microbatch_size: int) -> list[list[Any]]:
+    """Cut a rank's batch into consecutive microbatches of ``microbatch_size`` (m_i) items.
+
+    A full batch b_i = l_i·m_i gives exactly l_i microbatches; a partial last batch gives
+    ceil(len/m_i) microbatches, the last one shorter; an empty batch gives ``[]``.
+    Raises ValueError if ``microbatch_size < 1``.
+    """
+    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
+        raise ValueError(f"microbatch_size = {microbatch_size!r} must be an integer >= 1 (samples)")
+    items = list(indices)
+    return [items[i:i + microbatch_size] for i in range(0, len(items), microbatch_size)]
+
+
+class WeightedBatchSampler(Sampler[list[int]]):
+    """Batch sampler that yields, per step, this rank's b_i indices of the global batch.
+
+    Args:
+        dataset_length: number of samples N in the dataset.
+        batch_sizes: per-rank batch sizes b_i in rank order (samples; zeros allowed); the
+            global batch size is B = sum(batch_sizes).
+        rank: this process's rank (index into ``batch_sizes``).
+        seed: base seed; the permutation of epoch e uses ``seed + e`` (call ``set_epoch``).
+        shuffle: permute the dataset each epoch (False for evaluation: dataset order).
+        drop_last: drop the last partial global batch instead of splitting it.
+
+    Every rank yields ``len(self)`` lists (= ceil(N/B), or floor with ``drop_last``); the lists
+    of all ranks at one step are disjoint and together form the global batch; over an epoch each
+    index appears exactly once. Lists may be empty in the last step (see module note).
+
+    Use it as ``DataLoader(dataset, batch_sampler=sampler, collate_fn=MicrobatchCollator(...))``
+    and do NOT pass that loader to ``Accelerator.prepare`` (it would re-shard it by world size);
+    ``CephaloAccelerator.prepare_data_loader`` returns such loaders unchanged.
+
+    Raises ValueError for a negative length, invalid batch sizes, or a rank out of range.
+    """
+
+    def __init__(self, dataset_length: int, batch_sizes: Sequence[int], rank: int, *,
+                 seed: int = 0, shuffle: bool = True, drop_last: bool = False) -> None:
+        self.batch_sizes = _check_batch_sizes(batch_sizes)
+        if isinstance(dataset_length, bool) or not isinstance(dataset_length, int) or dataset_length < 0:
+            raise ValueError(f"dataset_length = {dataset_length!r} must be an integer >= 0 (samples)")
+        if not 0 <= rank < len(self.batch_sizes):
+            raise ValueError(f"rank = {rank} is out of range for {len(self.batch_sizes)} per-rank "
+                             f"batch sizes {self.batch_sizes}; the plan must have one entry per rank")
+        self.dataset_length = dataset_length
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = 0
+
+    @property
+    def global_batch_size(self) -> int:
+        """B = sum of the per-rank batch sizes (samples per optimizer step, all ranks)."""
+        return sum(self.batch_sizes)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of ``epoch`` (same call on every rank)."""
+        self.epoch = epoch
+
+    def rank_batches(self, rank: int) -> list[list[int]]:
+        """All of ``rank``'s per-step index lists for the current epoch (pure; no communication)."""
+        steps = []
+        for batch in global_batches(self.dataset_length, self.global_batch_size, epoch=self.epoch,
+                                    seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last):
+            counts = split_counts(len(batch), self.batch_sizes)
+            start = sum(counts[:rank])
+            steps.append(batch[start:start + counts[rank]])
+        return steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self.rank_batches(self.rank)
+
+    def __len__(self) -> int:
+        full, partial = divmod(self.dataset_length, self.global_batch_size)
+        return full + (1 if partial and not self.drop_last else 0)
+
+
+class MicrobatchCollator:
+    """DataLoader ``collate_fn`` that turns a rank's batch into a list of collated microbatches.
+
+    ``collate_fn`` (e.g. a ``DataCollatorForLanguageModeling``) is applied to each microbatch of
+    ``microbatch_size`` samples separately, so padding is per microbatch. An empty batch (a rank
+    with no samples in the last step) gives ``[]``.
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], microbatch_size: int) -> None:
+        split_microbatches([], microbatch_size)  # validates microbatch_size
+        self.collate_fn = collate_fn
+        self.microbatch_size = microbatch_size
+
+    def __call__(self, samples: list[Any]) -> list[Any]:
+        return [self.collate_fn(chunk) for chunk in split_microbatches(samples, self.microbatch_size)]

@@ -1,0 +1,146 @@
+"""Weighted batch sampler: exact per-rank counts, disjoint cover of the dataset, equal step counts."""
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from hf_cephalo.integrations.sampler import (
+    MicrobatchCollator,
+    WeightedBatchSampler,
+    global_batches,
+    split_counts,
+    split_microbatches,
+)
+
+
+def _all_ranks(length, sizes, **kw):
+    return [WeightedBatchSampler(length, sizes, r, **kw) for r in range(len(sizes))]
+
+
+def _check_epoch(length, sizes, epoch=0, seed=0, shuffle=True, drop_last=False):
+    samplers = _all_ranks(length, sizes, seed=seed, shuffle=shuffle, drop_last=drop_last)
+    for s in samplers:
+        s.set_epoch(epoch)
+    per_rank = [list(s) for s in samplers]
+    num_steps = {len(steps) for steps in per_rank}
+    assert num_steps == {len(samplers[0])}, (length, sizes, num_steps)  # same steps -> no hang
+    global_b = sum(sizes)
+    seen = []
+    for step in range(len(samplers[0])):
+        lists = [per_rank[r][step] for r in range(len(sizes))]
+        step_total = sum(len(x) for x in lists)
+        last = step == len(samplers[0]) - 1
+        if not last or length % global_b == 0 or drop_last:
+            assert [len(x) for x in lists] == list(sizes)  # exactly b_i in every full step
+        else:
+            assert step_total == length % global_b
+            for x, b in zip(lists, sizes):
+                assert len(x) <= b and (b > 0 or len(x) == 0)
+        seen.extend(itertools.chain.from_iterable(lists))
+    expected = length - (length % global_b if drop_last else 0)
+    assert len(seen) == expected and len(set(seen)) == expected  # no duplicates
+    assert set(seen) <= set(range(length))
+    return per_rank
+
+
+def test_issue_example_37_samples_ratios_02_03_05():
+    per_rank = _check_epoch(37, [2, 3, 5])
+    assert [len(steps) for steps in per_rank] == [4, 4, 4]
+    # last global batch: 7 samples split 0.2/0.3/0.5 -> 1.4/2.1/3.5 -> 1/2/4 (largest remainder)
+    assert [len(steps[-1]) for steps in per_rank] == [1, 2, 4]
+
+
+def test_property_many_sizes():
+    rng = random.Random(0)
+    for _ in range(300):
+        world = rng.randint(1, 6)
+        sizes = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(world)]
+        if sum(sizes) == 0:
+            sizes[rng.randrange(world)] = 1
+        length = rng.randint(0, 60)
+        _check_epoch(length, sizes, epoch=rng.randint(0, 3), seed=rng.randint(0, 9),
+                     shuffle=rng.random() < 0.8, drop_last=rng.random() < 0.3)
+
+
+def test_split_counts_properties():
+    for sizes in [[1], [2, 3, 5], [0, 4, 0, 1], [7, 7], [1, 1, 1], [3, 0, 0]]:
+        global_b = sum(sizes)
+        for n in range(global_b + 1):
+            counts = split_counts(n, sizes)
+            assert sum(counts) == n
+            for c, b in zip(counts, sizes):
+                assert 0 <= c <= b and (b > 0 or c == 0)
+                # proportional: within one sample of the exact share
+                assert abs(c - n * b / global_b) < 1
+        assert split_counts(global_b, sizes) == sizes
+    assert split_counts(1, [1, 1, 1]) == [1, 0, 0]  # ties go to the lower rank
+    assert split_counts(7, [2, 3, 5]) == [1, 2, 4]
+
+
+def test_pure_function_of_epoch_and_seed():
+    a = WeightedBatchSampler(50, [3, 5], 1, seed=7)
+    b = WeightedBatchSampler(50, [3, 5], 1, seed=7)
+    assert list(a) == list(b)
+    a.set_epoch(1)
+    assert list(a) != list(b)  # new permutation per epoch
+    b.set_epoch(1)
+    assert list(a) == list(b)
+    c = WeightedBatchSampler(50, [3, 5], 1, seed=8)
+    c.set_epoch(1)
+    assert list(c) != list(a)
+    unshuffled = WeightedBatchSampler(10, [1, 3], 0, shuffle=False)
+    assert list(unshuffled) == [[0], [4], [8]]
+    assert global_batches(5, 2, shuffle=False) == [[0, 1], [2, 3], [4]]
+    assert global_batches(5, 2, shuffle=False, drop_last=True) == [[0, 1], [2, 3]]
+
+
+def test_split_microbatches():
+    for b in range(0, 13):
+        for m in range(1, 6):
+            chunks = split_microbatches(list(range(b)), m)
+            assert [x for c in chunks for x in c] == list(range(b))
+            assert len(chunks) == -(-b // m)
+            assert all(len(c) == m for c in chunks[:-1])
+            assert all(1 <= len(c) <= m for c in chunks)
+    assert split_microbatches(range(6), 2) == [[0, 1], [2, 3], [4, 5]]  # b = l*m -> exactly l
+
+
+def test_dataloader_microbatch_collation_and_empty_last_step():
+    data = [{"x": torch.tensor([float(i)])} for i in range(7)]
+
+    def collate(samples):
+        return torch.stack([s["x"] for s in samples])
+
+    # 7 samples, sizes [4, 1, 1]: last partial batch of 1 -> ranks 1 and 2 get nothing
+    loaders = [DataLoader(data, batch_sampler=WeightedBatchSampler(7, [4, 1, 1], r, shuffle=False),
+                          collate_fn=MicrobatchCollator(collate, 2)) for r in range(3)]
+    steps = [list(dl) for dl in loaders]
+    assert [len(s) for s in steps] == [2, 2, 2]
+    assert [mb.flatten().tolist() for mb in steps[0][0]] == [[0.0, 1.0], [2.0, 3.0]]
+    assert [mb.flatten().tolist() for mb in steps[0][1]] == [[6.0]]
+    assert steps[1][1] == [] and steps[2][1] == []
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dataset_length=10, batch_sizes=[], rank=0), "empty"),
+    (dict(dataset_length=10, batch_sizes=[0, 0], rank=0), "sum to 0"),
+    (dict(dataset_length=10, batch_sizes=[2, -1], rank=0), r"batch_sizes\[1\] = -1"),
+    (dict(dataset_length=10, batch_sizes=[2, 1.5], rank=0), r"batch_sizes\[1\] = 1.5"),
+    (dict(dataset_length=-1, batch_sizes=[2], rank=0), "dataset_length = -1"),
+    (dict(dataset_length=10, batch_sizes=[2, 2], rank=2), "rank = 2"),
+])
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WeightedBatchSampler(**kwargs)
+
+
+def test_bad_input_helpers():
+    with pytest.raises(ValueError, match="num_samples = 11"):
+        split_counts(11, [5, 5])
+    with pytest.raises(ValueError, match="microbatch_size = 0"):
+        split_microbatches([1, 2], 0)
+    with pytest.raises(ValueError, match="microbatch_size = 0"):
+        MicrobatchCollator(list, 0)
