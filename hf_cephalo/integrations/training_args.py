@@ -1,0 +1,206 @@
+"""CephaloTrainingArguments: TrainingArguments plus the cephalo_* settings.
+
+Every cephalo_* field left unset (None) falls back to the environment variable
+``HF_CEPHALO_<FIELD NAME WITHOUT PREFIX, UPPER CASE>`` (e.g. ``HF_CEPHALO_PLAN_FILE``) and then
+to its built-in default. Precedence: explicit argument > environment > default. The
+environment route exists because stock ``accelerate launch`` rejects unknown keys in its YAML
+config (DESIGN contract 6), so Cephalo settings cannot live there.
+
+[Note: batch size semantics]
+- The global batch size B (samples per optimizer step, all ranks together) comes from the plan
+  (``Plan.global_batch_size``); ``cephalo_global_batch_size`` asks the planner for a B when no
+  plan file is given, and must equal the plan's B when both are given.
+- Without either, B = ``per_device_train_batch_size`` × world size: the optimizer sees the same
+  batch as stock ``Trainer`` with ``gradient_accumulation_steps = 1``. Otherwise
+  ``per_device_train_batch_size`` is ignored: each rank's b_i comes from the plan.
+- Cephalo already accumulates gradients inside each step (l_i microbatches of m_i samples per
+  rank, layered, paper §3.2), so ``gradient_accumulation_steps`` must stay 1: any other value is
+  rejected with the equivalent ``cephalo_global_batch_size`` to use instead.
+- ``per_device_eval_batch_size`` is the evaluation microbatch size of every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+import torch
+from transformers import TrainingArguments
+
+__all__ = ["CephaloTrainingArguments", "ENV_PREFIX", "ACTIVATION_OFFLOAD_CHOICES"]
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "HF_CEPHALO_"
+ACTIVATION_OFFLOAD_CHOICES = ("on", "off", "auto")
+_DEFAULT_MEMORY_FRACTION = 0.8
+_DEFAULT_ACTIVATION_OFFLOAD = "auto"
+
+
+def _env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.removeprefix("cephalo_").upper()
+
+
+def _parse_list(value: str | list | tuple, cast: type, what: str) -> list:
+    """'1,2.5' or '1 2.5' or [1, 2.5] -> list of ``cast`` (float or int); ValueError naming ``what``."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    try:
+        numbers = [float(x) for x in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} = {value!r} is not a list of numbers (use e.g. '1,2.5')") from None
+    if cast is int:
+        if any(x != int(x) for x in numbers):
+            raise ValueError(f"{what} = {value!r}: entries must be whole numbers")
+        return [int(x) for x in numbers]
+    return numbers
+
+
+@dataclass
+class CephaloTrainingArguments(TrainingArguments):
+    """TrainingArguments for CephaloTrainer; see the module docstring for batch size rules.
+
+    When CUDA is absent, ``use_cpu`` is set automatically: workers started by stock
+    ``accelerate launch`` then build a MULTI_CPU (gloo) state with the real number of processes
+    instead of silently reporting a single process (DESIGN contract 6).
+
+    Raises ValueError in ``__post_init__`` for an invalid cephalo_* value (after environment
+    fallback; the message names the field, its environment variable and the value), a missing
+    plan/profile file, or ``gradient_accumulation_steps != 1``.
+    """
+
+    cephalo_plan_file: str | None = field(default=None, metadata={"help": (
+        "Path of a plan JSON written by `hf-cephalo plan --out plan.json` (per-rank batch size, "
+        "microbatch size, number of microbatches and training-state ratio). If unset, the trainer "
+        "plans at start from --cephalo_profile_file. Env: HF_CEPHALO_PLAN_FILE.")})
+    cephalo_profile_file: str | None = field(default=None, metadata={"help": (
+        "Path of a cluster profile JSON (per-rank seconds per unit fwd/bwd, memory bytes, "
+        "collective seconds; `hf-cephalo profile`). Used to plan when no plan file is given; if "
+        "neither is given the trainer profiles this cluster at start. Env: HF_CEPHALO_PROFILE_FILE.")})
+    cephalo_global_batch_size: int | None = field(default=None, metadata={"help": (
+        "Global batch size B in samples per optimizer step, summed over all ranks. Must equal the "
+        "plan's value if a plan file is given. Default: the plan's value, else "
+        "per_device_train_batch_size x world size. Env: HF_CEPHALO_GLOBAL_BATCH_SIZE.")})
+    cephalo_memory_fraction: float | None = field(default=None, metadata={"help": (
+        "Fraction c in (0, 1] of each device's memory capacity (bytes) the plan may use "
+        "(paper §2.4 memory constraints). Default 0.8. Env: HF_CEPHALO_MEMORY_FRACTION.")})
+    cephalo_activation_offload: Literal["on", "off", "auto"] | None = field(default=None, metadata={
+        "help": ("Offload checkpointed boundary activations to pinned CPU memory: 'on', 'off', or "
+                 "'auto' (on for CUDA, off on CPU). Default 'auto'. Env: HF_CEPHALO_ACTIVATION_OFFLOAD.")})
+    cephalo_emulate_slowdown: list[float] | None = field(default=None, metadata={"help": (
+        "Emulate a heterogeneous cluster on identical devices: per-rank compute slowdown factors "
+        "(dimensionless, >= 1; 2.0 = each unit's compute takes twice as long), one per rank in "
+        "rank order. Env: HF_CEPHALO_EMULATE_SLOWDOWN='1,2'.")})
+    cephalo_emulate_memory_cap_bytes: list[int] | None = field(default=None, metadata={"help": (
+        "Emulated per-rank memory capacity in bytes (> 0), one per rank in rank order; the planner "
+        "uses it instead of the device's real capacity. Env: "
+        "HF_CEPHALO_EMULATE_MEMORY_CAP_BYTES='8e9,4e9'.")})
+
+    def __post_init__(self) -> None:
+        self._apply_env_fallbacks()
+        self._validate_cephalo_fields()
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"gradient_accumulation_steps = {self.gradient_accumulation_steps}: Cephalo accumulates "
+                "gradients inside each step itself (l_i microbatches of m_i samples per rank, from "
+                "the plan), so leave gradient_accumulation_steps = 1 and set "
+                "--cephalo_global_batch_size to the global batch size you want (stock Trainer's "
+                "equivalent is per_device_train_batch_size x world size x gradient_accumulation_steps)")
+        if not self.use_cpu and not torch.cuda.is_available():
+            # Without cpu=True, torchrun-started workers see an initialized process group but
+            # Accelerate reports DistributedType.NO and one process (DESIGN contract 6).
+            logger.info("CUDA is not available: setting use_cpu=True (MULTI_CPU over gloo)")
+            self.use_cpu = True
+        super().__post_init__()
+
+    def _apply_env_fallbacks(self) -> None:
+        for f in fields(self):
+            if not f.name.startswith("cephalo_") or getattr(self, f.name) is not None:
+                continue
+            value = os.environ.get(_env_name(f.name))
+            if value is not None and value.strip():
+                setattr(self, f.name, value.strip())
+        if self.cephalo_memory_fraction is None:
+            self.cephalo_memory_fraction = _DEFAULT_MEMORY_FRACTION
+        if self.cephalo_activation_offload is None:
+            self.cephalo_activation_offload = _DEFAULT_ACTIVATION_OFFLOAD
+
+    def _validate_cephalo_fields(self) -> None:
+        def bad(name: str, requirement: str) -> ValueError:
+            return ValueError(f"{name} = {getattr(self, name)!r} (or env {_env_name(name)}): "
+                              f"{requirement}")
+
+        for name in ("cephalo_plan_file", "cephalo_profile_file"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise bad(name, "no such file; write one with `hf-cephalo "
+                                f"{'plan --out' if 'plan' in name else 'profile --out'}` or unset it")
+        if self.cephalo_global_batch_size is not None:
+            try:
+                self.cephalo_global_batch_size = int(str(self.cephalo_global_batch_size))
+            except ValueError:
+                raise bad("cephalo_global_batch_size", "must be an integer >= 1 (samples)") from None
+            if self.cephalo_global_batch_size < 1:
+                raise bad("cephalo_global_batch_size", "must be an integer >= 1 (samples)")
+        try:
+            self.cephalo_memory_fraction = float(self.cephalo_memory_fraction)
+        except ValueError:
+            raise bad("cephalo_memory_fraction", "must be a number in (0, 1]") from None
+        if not 0.0 < self.cephalo_memory_fraction <= 1.0:
+            raise bad("cephalo_memory_fraction", "must be a number in (0, 1]")
+        self.cephalo_activation_offload = str(self.cephalo_activation_offload).lower()
+        if self.cephalo_activation_offload not in ACTIVATION_OFFLOAD_CHOICES:
+            raise bad("cephalo_activation_offload", f"must be one of {ACTIVATION_OFFLOAD_CHOICES}")
+        if self.cephalo_emulate_slowdown is not None:
+            self.cephalo_emulate_slowdown = _parse_list(
+                self.cephalo_emulate_slowdown, float, "cephalo_emulate_slowdown")
+            if not self.cephalo_emulate_slowdown or not all(
+                    1.0 <= x < math.inf for x in self.cephalo_emulate_slowdown):
+                raise bad("cephalo_emulate_slowdown", "need one factor >= 1 per rank (a device "
+                                                      "cannot be emulated faster than it is)")
+        if self.cephalo_emulate_memory_cap_bytes is not None:
+            self.cephalo_emulate_memory_cap_bytes = _parse_list(
+                self.cephalo_emulate_memory_cap_bytes, int, "cephalo_emulate_memory_cap_bytes")
+            if not self.cephalo_emulate_memory_cap_bytes or min(self.cephalo_emulate_memory_cap_bytes) < 1:
+                raise bad("cephalo_emulate_memory_cap_bytes", "need one capacity > 0 (bytes) per rank")
+        if (self.cephalo_emulate_slowdown is not None and self.cephalo_emulate_memory_cap_bytes is not None
+                and len(self.cephalo_emulate_slowdown) != len(self.cephalo_emulate_memory_cap_bytes)):
+            raise ValueError(
+                f"cephalo_emulate_slowdown has {len(self.cephalo_emulate_slowdown)} entries but "
+                f"cephalo_emulate_memory_cap_bytes has {len(self.cephalo_emulate_memory_cap_bytes)}; "
+                "give one value per rank in both")
+
+    @property
+    def cephalo_offload_activations(self) -> bool | None:
+        """``cephalo_activation_offload`` as the engine's argument: True, False, or None (auto)."""
+        return {"on": True, "off": False, "auto": None}[self.cephalo_activation_offload]
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ValueError if a per-rank emulation list does not have ``world_size`` entries.
+
+        Called by the trainer once the world size is known, before any collective.
+        """
+        for name in ("cephalo_emulate_slowdown", "cephalo_emulate_memory_cap_bytes"):
+            values = getattr(self, name)
+            if values is not None and len(values) != world_size:
+                raise ValueError(f"{name} = {values} has {len(values)} entries but the world size "
+                                 f"is {world_size}; give one value per rank in rank order")
+
+    def resolve_global_batch_size(self, world_size: int, plan_global_batch_size: int | None = None) -> int:
+        """The global batch size B (samples per optimizer step) per [Note: batch size semantics].
+
+        Raises ValueError if ``cephalo_global_batch_size`` disagrees with the plan's value.
+        """
+        if plan_global_batch_size is not None:
+            if (self.cephalo_global_batch_size is not None
+                    and self.cephalo_global_batch_size != plan_global_batch_size):
+                raise ValueError(
+                    f"cephalo_global_batch_size = {self.cephalo_global_batch_size} but the plan "
+                    f"{self.cephalo_plan_file!r} has global_batch_size = {plan_global_batch_size}; "
+                    "re-plan with the batch size you want or drop the flag")
+            return plan_global_batch_size
+        if self.cephalo_global_batch_size is not None:
+            return self.cephalo_global_batch_size
+        return self.per_device_train_batch_size * world_size

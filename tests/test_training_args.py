@@ -1,0 +1,105 @@
+"""CephaloTrainingArguments: parsing, environment fallbacks, validation, batch size rules."""
+
+import json
+
+import pytest
+import torch
+from transformers import HfArgumentParser
+
+from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+
+ENV_NAMES = ["PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE", "MEMORY_FRACTION",
+             "ACTIVATION_OFFLOAD", "EMULATE_SLOWDOWN", "EMULATE_MEMORY_CAP_BYTES"]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ENV_NAMES:
+        monkeypatch.delenv("HF_CEPHALO_" + name, raising=False)
+
+
+def _args(tmp_path, **kw):
+    return CephaloTrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", **kw)
+
+
+def test_defaults(tmp_path):
+    args = _args(tmp_path)
+    assert args.cephalo_plan_file is None and args.cephalo_global_batch_size is None
+    assert args.cephalo_memory_fraction == 0.8
+    assert args.cephalo_activation_offload == "auto" and args.cephalo_offload_activations is None
+    if not torch.cuda.is_available():
+        assert args.use_cpu  # so accelerate-launched workers build a MULTI_CPU state
+
+
+def test_hf_argument_parser(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({}))
+    parser = HfArgumentParser(CephaloTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path / "o"), "--report_to", "none",
+        "--cephalo_plan_file", str(plan), "--cephalo_global_batch_size", "12",
+        "--cephalo_memory_fraction", "0.5", "--cephalo_activation_offload", "off",
+        "--cephalo_emulate_slowdown", "1", "2.5", "--cephalo_emulate_memory_cap_bytes", "4000000000", "2000000000"])
+    assert args.cephalo_plan_file == str(plan)
+    assert args.cephalo_global_batch_size == 12 and args.cephalo_memory_fraction == 0.5
+    assert args.cephalo_offload_activations is False
+    assert args.cephalo_emulate_slowdown == [1.0, 2.5]
+    assert args.cephalo_emulate_memory_cap_bytes == [4_000_000_000, 2_000_000_000]
+    with pytest.raises(SystemExit):  # argparse rejects a value outside the choices
+        parser.parse_args_into_dataclasses(["--output_dir", "o", "--cephalo_activation_offload", "maybe"])
+
+
+def test_env_fallbacks_and_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_CEPHALO_GLOBAL_BATCH_SIZE", "24")
+    monkeypatch.setenv("HF_CEPHALO_MEMORY_FRACTION", "0.6")
+    monkeypatch.setenv("HF_CEPHALO_ACTIVATION_OFFLOAD", "ON")
+    monkeypatch.setenv("HF_CEPHALO_EMULATE_SLOWDOWN", "1, 3")
+    monkeypatch.setenv("HF_CEPHALO_EMULATE_MEMORY_CAP_BYTES", "8e9,4e9")
+    args = _args(tmp_path)
+    assert args.cephalo_global_batch_size == 24 and args.cephalo_memory_fraction == 0.6
+    assert args.cephalo_offload_activations is True
+    assert args.cephalo_emulate_slowdown == [1.0, 3.0]
+    assert args.cephalo_emulate_memory_cap_bytes == [8_000_000_000, 4_000_000_000]
+    explicit = _args(tmp_path, cephalo_global_batch_size=8, cephalo_memory_fraction=0.9)
+    assert explicit.cephalo_global_batch_size == 8 and explicit.cephalo_memory_fraction == 0.9
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(cephalo_memory_fraction=0.0), r"cephalo_memory_fraction = 0.0 .*HF_CEPHALO_MEMORY_FRACTION"),
+    (dict(cephalo_memory_fraction=1.5), "cephalo_memory_fraction = 1.5"),
+    (dict(cephalo_memory_fraction=float("nan")), "cephalo_memory_fraction = nan"),
+    (dict(cephalo_global_batch_size=0), "cephalo_global_batch_size = 0"),
+    (dict(cephalo_activation_offload="sometimes"), "cephalo_activation_offload = 'sometimes'"),
+    (dict(cephalo_emulate_slowdown=[1.0, 0.5]), r"cephalo_emulate_slowdown = \[1.0, 0.5\]"),
+    (dict(cephalo_emulate_slowdown="1,x"), "cephalo_emulate_slowdown = '1,x' is not a list"),
+    (dict(cephalo_emulate_memory_cap_bytes=[0]), r"cephalo_emulate_memory_cap_bytes = \[0\]"),
+    (dict(cephalo_emulate_memory_cap_bytes="1.5"), "whole numbers"),
+    (dict(cephalo_emulate_slowdown=[1, 2], cephalo_emulate_memory_cap_bytes=[5]), "one value per rank"),
+    (dict(cephalo_plan_file="/nonexistent/plan.json"), "cephalo_plan_file = '/nonexistent/plan.json'.*no such file"),
+    (dict(cephalo_profile_file="/nonexistent/p.json"), "cephalo_profile_file"),
+    (dict(gradient_accumulation_steps=4), "gradient_accumulation_steps = 4.*cephalo_global_batch_size"),
+])
+def test_validation(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _args(tmp_path, **kw)
+
+
+def test_env_value_is_validated(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_CEPHALO_MEMORY_FRACTION", "abc")
+    with pytest.raises(ValueError, match="cephalo_memory_fraction = 'abc'"):
+        _args(tmp_path)
+
+
+def test_batch_size_rules_and_world_size_check(tmp_path):
+    args = _args(tmp_path, per_device_train_batch_size=3)
+    assert args.resolve_global_batch_size(world_size=4) == 12  # same as stock Trainer
+    assert args.resolve_global_batch_size(world_size=4, plan_global_batch_size=10) == 10
+    args = _args(tmp_path, cephalo_global_batch_size=16)
+    assert args.resolve_global_batch_size(world_size=2) == 16
+    assert args.resolve_global_batch_size(world_size=2, plan_global_batch_size=16) == 16
+    with pytest.raises(ValueError, match="cephalo_global_batch_size = 16 but the plan"):
+        args.resolve_global_batch_size(world_size=2, plan_global_batch_size=10)
+    args = _args(tmp_path, cephalo_emulate_slowdown=[1.0, 2.0])
+    args.check_world_size(2)
+    with pytest.raises(ValueError, match="has 2 entries but the world size is 3"):
+        args.check_world_size(3)
