@@ -1,1 +1,23 @@
-"""models"""
+"""Models as staged models: root unit + identical units (DESIGN contract 5).
+
+``stage_model(model)`` wraps a supported Hugging Face model in its adapter; unknown classes get
+a ValueError listing the supported ones. See docs/adding_a_model.md to add an architecture.
+
+The registry (and with it ``transformers``) is imported on first use, so code that only needs
+the ``StagedModel`` contract (the engine, toy models) does not pay for importing transformers.
+"""
+
+from typing import Any
+
+from hf_cephalo.models.base import HeadOutput, Microbatch, StagedModel
+
+_REGISTRY_NAMES = ("adapter_for", "register_adapter", "stage_model", "supported_model_classes")
+
+__all__ = ["HeadOutput", "Microbatch", "StagedModel", *_REGISTRY_NAMES]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REGISTRY_NAMES:
+        from hf_cephalo.models import registry
+        return getattr(registry, name)
+    raise AttributeError(f"module 'hf_cephalo.models' has no attribute {name!r}")

@@ -1,0 +1,75 @@
+"""Adapter for GPT2LMHeadModel.
+
+Layout (transformers 5.x): ``transformer.wte`` + ``transformer.wpe`` (learned positions) ->
+``transformer.drop`` -> ``transformer.h[i]`` -> ``transformer.ln_f`` -> ``lm_head``. The head
+weight is tied to ``wte`` by default: the root unit holds that one storage, so its gradient is
+the sum of the embedding use and the head use, exactly as in the model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask
+
+from hf_cephalo.models.base import HeadOutput, Microbatch
+from hf_cephalo.models.hf_common import (HFStagedModel, causal_lm_loss_sum, count_causal_items,
+                                         require_key)
+from hf_cephalo.models.llama import FULL, DecoderContext, default_position_ids
+
+
+class GPT2StagedModel(HFStagedModel):
+    """GPT-2 causal LM as a staged model.
+
+    Microbatch keys: ``input_ids`` (m, S) (required), ``attention_mask`` (m, S), ``position_ids``
+    (m, S) (packed sequences), ``token_type_ids`` (m, S) (embedded with ``wte`` like the model
+    does), ``labels`` (m, S) with -100 ignored (shifted inside ``head_loss``). With
+    ``add_cross_attention=True`` the cross-attention weights get no encoder states and hence no
+    gradient, as in the model's own forward without ``encoder_hidden_states``.
+    """
+
+    model_classes = ("GPT2LMHeadModel",)
+
+    def units(self) -> list[nn.Module]:
+        return list(self.model.transformer.h)
+
+    def root_modules(self) -> list[nn.Module]:
+        t = self.model.transformer
+        return [t.wte, t.wpe, t.ln_f, self.model.lm_head]
+
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, DecoderContext]:
+        """input_ids (m, S) -> token + position (+ token type) embeddings (m, S, H), dropout."""
+        input_ids = require_key(microbatch, "input_ids", type(self).__name__)
+        t = self.model.transformer
+        inputs_embeds = t.wte(input_ids)
+        position_ids = microbatch.get("position_ids")
+        if position_ids is None:
+            position_ids = default_position_ids(input_ids)
+        hidden = inputs_embeds + t.wpe(position_ids)
+        mask = create_causal_mask(config=self.model.config, inputs_embeds=inputs_embeds,
+                                  attention_mask=microbatch.get("attention_mask"), cache=None,
+                                  position_ids=position_ids)
+        token_type_ids = microbatch.get("token_type_ids")
+        if token_type_ids is not None:
+            hidden = hidden + t.wte(token_type_ids)
+        return t.drop(hidden), DecoderContext({FULL: mask}, position_ids)
+
+    def run_unit(self, index: int, hidden: torch.Tensor, ctx: DecoderContext) -> torch.Tensor:
+        """GPT2Block ``index``: (m, S, H) -> (m, S, H)."""
+        block = self.model.transformer.h[index]
+        return block(hidden, None, ctx.masks[FULL], None, encoder_attention_mask=None,
+                     use_cache=False, position_ids=ctx.position_ids)
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                    ctx: DecoderContext) -> torch.Tensor:
+        """ln_f + lm_head: (m, S, H) -> logits (m, S, V)."""
+        return self.model.lm_head(self.model.transformer.ln_f(hidden))
+
+    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch,
+                  ctx: DecoderContext) -> HeadOutput:
+        """Summed next-token cross entropy over labels != -100 (after the causal shift)."""
+        labels = require_key(microbatch, "labels", type(self).__name__)
+        return causal_lm_loss_sum(self.head_logits(hidden, microbatch, ctx), labels)
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        return count_causal_items(require_key(microbatch, "labels", type(self).__name__))

@@ -1,0 +1,65 @@
+"""Adapter for GPTNeoXForCausalLM (Pythia and friends).
+
+Layout (transformers 5.x): ``gpt_neox.embed_in`` -> ``gpt_neox.emb_dropout`` ->
+``gpt_neox.layers[i]`` (rotary cos/sin from ``gpt_neox.rotary_emb``) ->
+``gpt_neox.final_layer_norm`` -> ``lm_head`` (untied unless ``tie_word_embeddings``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask
+
+from hf_cephalo.models.base import HeadOutput, Microbatch
+from hf_cephalo.models.hf_common import (HFStagedModel, causal_lm_loss_sum, count_causal_items,
+                                         require_key)
+from hf_cephalo.models.llama import FULL, DecoderContext, default_position_ids
+
+
+class GPTNeoXStagedModel(HFStagedModel):
+    """GPT-NeoX causal LM as a staged model. Microbatch keys as for ``LlamaStagedModel``."""
+
+    model_classes = ("GPTNeoXForCausalLM",)
+
+    def units(self) -> list[nn.Module]:
+        return list(self.model.gpt_neox.layers)
+
+    def root_modules(self) -> list[nn.Module]:
+        g = self.model.gpt_neox
+        return [g.embed_in, g.rotary_emb, g.final_layer_norm, self.model.lm_head]
+
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, DecoderContext]:
+        """input_ids (m, S) -> hidden (m, S, H) and the microbatch's mask and rotary cos/sin."""
+        input_ids = require_key(microbatch, "input_ids", type(self).__name__)
+        g = self.model.gpt_neox
+        inputs_embeds = g.embed_in(input_ids)
+        position_ids = microbatch.get("position_ids")
+        if position_ids is None:
+            position_ids = default_position_ids(input_ids)
+        mask = create_causal_mask(config=self.model.config, inputs_embeds=inputs_embeds,
+                                  attention_mask=microbatch.get("attention_mask"), cache=None,
+                                  position_ids=position_ids)
+        hidden = g.emb_dropout(inputs_embeds)
+        with torch.no_grad():
+            cos_sin = g.rotary_emb(hidden, position_ids=position_ids)
+        return hidden, DecoderContext({FULL: mask}, position_ids, cos_sin)
+
+    def run_unit(self, index: int, hidden: torch.Tensor, ctx: DecoderContext) -> torch.Tensor:
+        """GPTNeoXLayer ``index``: (m, S, H) -> (m, S, H)."""
+        return self.model.gpt_neox.layers[index](
+            hidden, attention_mask=ctx.masks[FULL], position_ids=ctx.position_ids,
+            use_cache=False, position_embeddings=ctx.position_embeddings)
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                    ctx: DecoderContext) -> torch.Tensor:
+        """final_layer_norm + lm_head: (m, S, H) -> logits (m, S, V)."""
+        return self.model.lm_head(self.model.gpt_neox.final_layer_norm(hidden))
+
+    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch,
+                  ctx: DecoderContext) -> HeadOutput:
+        labels = require_key(microbatch, "labels", type(self).__name__)
+        return causal_lm_loss_sum(self.head_logits(hidden, microbatch, ctx), labels)
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        return count_causal_items(require_key(microbatch, "labels", type(self).__name__))

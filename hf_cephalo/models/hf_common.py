@@ -1,0 +1,168 @@
+"""Shared pieces of the Hugging Face adapters: partition check, losses as sums, training prep.
+
+Every adapter reproduces the model's own forward by calling the model's own submodules (the
+embedding modules, each decoder layer, the final norm and head) and the same mask builders
+(``transformers.masking_utils``) with the same arguments as the model's ``forward`` does, so
+attention backends (eager / sdpa / flex), packed-sequence detection and sliding windows behave
+exactly as in ``model(**inputs)``. Written against transformers 5.x.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from hf_cephalo.models.base import HeadOutput, Microbatch, StagedModel
+
+IGNORE_INDEX = -100
+"""Label value excluded from the loss and from the item count (the HF / PyTorch convention)."""
+
+
+def require_key(microbatch: Microbatch, key: str, adapter: str) -> torch.Tensor:
+    """Return ``microbatch[key]`` or raise ValueError naming the missing key and the keys present."""
+    value = microbatch.get(key) if isinstance(microbatch, Mapping) else None
+    if value is None:
+        present = sorted(microbatch) if isinstance(microbatch, Mapping) else type(microbatch).__name__
+        raise ValueError(f"{adapter}: the microbatch has no {key!r} (keys present: {present}); "
+                         f"pass it as the collator's {key!r} field.")
+    return value
+
+
+def check_partition(model: nn.Module, root_modules: Sequence[nn.Module],
+                    units: Sequence[nn.Module], adapter: str) -> None:
+    """Check that root and unit parameters are disjoint and together exactly ``model.parameters()``.
+
+    Tied weights count once (by identity). Raises ValueError naming the stray parameters, e.g.
+    when a user attached an extra module the adapter does not know about.
+    """
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+    root_ids = {id(p) for m in root_modules for p in m.parameters()}
+    unit_ids: set[int] = set()
+    for i, unit in enumerate(units):
+        ids = {id(p) for p in unit.parameters()}
+        if ids & (root_ids | unit_ids):
+            raise ValueError(f"{adapter}: unit {i} shares parameters with the root unit or an "
+                             f"earlier unit; units must own their parameters.")
+        unit_ids |= ids
+    covered = root_ids | unit_ids
+    missing = sorted(names[i] for i in names.keys() - covered)
+    extra = len(covered - names.keys())
+    if missing or extra:
+        raise ValueError(f"{adapter}: root modules + units do not cover model.parameters() exactly "
+                         f"(not covered: {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+                         f"{extra} foreign parameters). A model with extra modules needs its own "
+                         f"adapter: see docs/adding_a_model.md.")
+
+
+# ---- losses as SUMS (the engine divides by the global item count) ---------------------------
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Causal shift as in ``transformers.loss.loss_utils.ForCausalLMLoss``: position t is scored
+    against label t+1; the last position gets IGNORE_INDEX. labels (m, S) -> (m, S)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def count_causal_items(labels: torch.Tensor) -> int:
+    """Tokens scored by the causal LM loss: labels != -100 after the shift."""
+    return int((shift_labels(labels) != IGNORE_INDEX).sum().item())
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> HeadOutput:
+    """Summed next-token cross entropy. logits (m, S, V), labels (m, S) with -100 ignored.
+
+    Equals ``ForCausalLMLoss`` (fp32 upcast, same shift) times its item count, so
+    loss_sum / num_items == the model's own mean loss.
+    """
+    targets = shift_labels(labels.to(logits.device)).reshape(-1)
+    loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets,
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    return HeadOutput(loss_sum, int((targets != IGNORE_INDEX).sum().item()))
+
+
+def problem_type(config: Any, labels: torch.Tensor) -> str:
+    """The classification problem type HF resolves (``ForSequenceClassificationLoss``), without
+    mutating ``config``: regression for 1 label, single-label for integer labels, else multi-label."""
+    if config.problem_type is not None:
+        return config.problem_type
+    if config.num_labels == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int):
+        return "single_label_classification"
+    return "multi_label_classification"
+
+
+def count_classification_items(labels: torch.Tensor, config: Any) -> int:
+    """Items the HF classification loss averages over: samples with label != -100 for
+    single-label cross entropy; every label element for regression (MSE) and multi-label (BCE)."""
+    if problem_type(config, labels) == "single_label_classification":
+        return int((labels != IGNORE_INDEX).sum().item())
+    return labels.numel()
+
+
+def classification_loss_sum(logits: torch.Tensor, labels: torch.Tensor, config: Any) -> HeadOutput:
+    """Summed classification loss. logits (m, num_labels); labels (m,) or (m, num_labels).
+
+    Mirrors ``BertForSequenceClassification.forward`` / ``ForSequenceClassificationLoss`` with
+    reduction "sum" instead of "mean", so loss_sum / num_items equals the model's loss.
+    """
+    labels = labels.to(logits.device)
+    kind = problem_type(config, labels)
+    num_items = count_classification_items(labels, config)
+    if kind == "single_label_classification":
+        loss_sum = F.cross_entropy(logits.reshape(-1, config.num_labels), labels.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+    elif kind == "regression":
+        if config.num_labels == 1:
+            loss_sum = F.mse_loss(logits.squeeze(), labels.squeeze(), reduction="sum")
+        else:
+            loss_sum = F.mse_loss(logits, labels, reduction="sum")
+    elif kind == "multi_label_classification":
+        loss_sum = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+    else:
+        raise ValueError(f"config.problem_type={kind!r} is not supported; use "
+                         f"'single_label_classification', 'multi_label_classification' or 'regression'.")
+    return HeadOutput(loss_sum, num_items)
+
+
+# ---- base adapter -----------------------------------------------------------------------------
+
+class HFStagedModel(StagedModel):
+    """Common part of the HF adapters: partition check at construction, training preparation.
+
+    Subclasses set ``model_classes`` (class names they accept) and implement the contract of
+    ``StagedModel``. Raises ValueError at construction if root modules + units do not cover the
+    model's parameters exactly.
+    """
+
+    model_classes: tuple[str, ...] = ()
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        check_partition(model, self.root_modules(), self.units(), type(self).__name__)
+
+    def prepare_for_training(self) -> None:
+        """Force ``config.use_cache = False`` and map the model's own activation checkpointing
+        onto the engine's.
+
+        The engine always recomputes every unit in backward (per-unit activation checkpointing,
+        DESIGN contract 4), so a model-level ``gradient_checkpointing_enable()`` is redundant: it
+        would recompute each layer a second time inside the engine's recompute. It is therefore
+        switched off here with a warning; the memory saving it asked for is provided by the engine.
+        """
+        config = getattr(self.model, "config", None)
+        if config is not None and getattr(config, "use_cache", False):
+            config.use_cache = False
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules()):
+            warnings.warn("The model has Hugging Face gradient checkpointing enabled; hf_cephalo "
+                          "turns it off because its engine already recomputes every layer in "
+                          "backward (per-unit activation checkpointing).", UserWarning, stacklevel=2)
+            disable = getattr(self.model, "activation_checkpointing_disable", None)
+            if disable is None:
+                disable = self.model.gradient_checkpointing_disable
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                disable()

@@ -1,0 +1,136 @@
+"""Adapter for Llama-shaped causal LMs: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
+
+Layout (transformers 5.x): ``model.model.embed_tokens`` -> ``model.model.layers[i]`` ->
+``model.model.norm`` -> ``model.lm_head``; rotary cos/sin come from ``model.model.rotary_emb``
+(no parameters). Root unit: embed_tokens, norm, lm_head (one storage when
+``tie_word_embeddings=True``), rotary_emb (buffers only).
+
+Masks: one per attention type, built like the model's forward builds them — Llama:
+``create_causal_mask``; Mistral: ``create_sliding_window_causal_mask`` when
+``config.sliding_window`` is set; Qwen2: one mask per entry of ``config.layer_types``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from hf_cephalo.models.base import HeadOutput, Microbatch
+from hf_cephalo.models.hf_common import (HFStagedModel, causal_lm_loss_sum, count_causal_items,
+                                         require_key)
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+@dataclass
+class DecoderContext:
+    """Per-microbatch, parameter-free tensors shared by all units (never differentiated).
+
+    masks: attention type ("full_attention" / "sliding_attention") -> the mask the model's
+        forward would pass its layers (None when the backend uses ``is_causal`` instead).
+    position_ids: (m, S) or (1, S) int64, the positions used for rotary / learned embeddings.
+    position_embeddings: rotary (cos, sin), each (m or 1, S, head_dim); None for models
+        without rotary embeddings.
+    """
+
+    masks: dict[str, Any]
+    position_ids: torch.Tensor
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def default_position_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    """(1, S) positions 0..S-1, as the HF forward makes them without a cache."""
+    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+
+
+_MASK_BUILDERS: dict[str, Callable[..., Any]] = {
+    FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+
+
+def build_masks(config: Any, layer_types: list[str], inputs_embeds: torch.Tensor,
+                attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> dict[str, Any]:
+    """One mask per attention type in ``layer_types``, with the model's own builders."""
+    return {kind: _MASK_BUILDERS[kind](config=config, inputs_embeds=inputs_embeds,
+                                       attention_mask=attention_mask, cache=None,
+                                       position_ids=position_ids)
+            for kind in dict.fromkeys(layer_types)}
+
+
+class LlamaStagedModel(HFStagedModel):
+    """Llama / Mistral / Qwen2 causal LM as a staged model.
+
+    Microbatch keys: ``input_ids`` (m, S) int64 (required), ``attention_mask`` (m, S) 0/1
+    (optional; padding), ``position_ids`` (m, S) (optional; packed sequences restart at 0 and get a
+    block-diagonal causal mask), ``labels`` (m, S) with -100 ignored (required for the loss;
+    ``labels = input_ids`` style, shifted inside ``head_loss`` as the model does).
+    """
+
+    model_classes = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        config = model.config
+        self._layer_types = [self._layer_type(config, i) for i in range(self.num_units)]
+        unknown = sorted(set(self._layer_types) - _MASK_BUILDERS.keys())
+        if unknown:
+            raise ValueError(f"{type(model).__name__}: config.layer_types contains {unknown}; "
+                             f"this adapter supports {sorted(_MASK_BUILDERS)}.")
+
+    @staticmethod
+    def _layer_type(config: Any, index: int) -> str:
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types:  # Qwen2 (and Llama variants that declare per-layer attention types)
+            return layer_types[index]
+        if config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+            return SLIDING  # MistralModel.forward uses one sliding-window mask for every layer
+        return FULL
+
+    # ---- structure ----
+    def units(self) -> list[nn.Module]:
+        return list(self.model.model.layers[: self.model.config.num_hidden_layers])
+
+    def root_modules(self) -> list[nn.Module]:
+        inner = self.model.model
+        return [inner.embed_tokens, inner.rotary_emb, inner.norm, self.model.lm_head]
+
+    # ---- computation ----
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, DecoderContext]:
+        """input_ids (m, S) -> hidden (m, S, H) and the microbatch's masks and rotary cos/sin."""
+        input_ids = require_key(microbatch, "input_ids", type(self).__name__)
+        inner = self.model.model
+        hidden = inner.embed_tokens(input_ids)
+        position_ids = microbatch.get("position_ids")
+        if position_ids is None:
+            position_ids = default_position_ids(input_ids)
+        masks = build_masks(self.model.config, self._layer_types, hidden,
+                            microbatch.get("attention_mask"), position_ids)
+        # cos/sin are computed from positions only; no_grad keeps ctx free of autograd history
+        with torch.no_grad():
+            cos_sin = inner.rotary_emb(hidden, position_ids=position_ids)
+        return hidden, DecoderContext(masks, position_ids, cos_sin)
+
+    def run_unit(self, index: int, hidden: torch.Tensor, ctx: DecoderContext) -> torch.Tensor:
+        """Decoder layer ``index``: (m, S, H) -> (m, S, H)."""
+        layer = self.model.model.layers[index]
+        return layer(hidden, attention_mask=ctx.masks[self._layer_types[index]],
+                     position_embeddings=ctx.position_embeddings,
+                     position_ids=ctx.position_ids, use_cache=False)
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                    ctx: DecoderContext) -> torch.Tensor:
+        """Final RMSNorm + lm_head: (m, S, H) -> logits (m, S, V)."""
+        return self.model.lm_head(self.model.model.norm(hidden))
+
+    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch,
+                  ctx: DecoderContext) -> HeadOutput:
+        """Summed next-token cross entropy over labels != -100 (after the causal shift)."""
+        labels = require_key(microbatch, "labels", type(self).__name__)
+        return causal_lm_loss_sum(self.head_logits(hidden, microbatch, ctx), labels)
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        return count_causal_items(require_key(microbatch, "labels", type(self).__name__))

@@ -1,0 +1,80 @@
+"""Adapter for ViTForImageClassification.
+
+Layout (transformers 5.x): ``vit.embeddings`` (patch projection, [CLS] token, learned
+positions) -> ``vit.layers[i]`` -> ``vit.layernorm`` -> [CLS] hidden state -> ``classifier``.
+The classification model builds ``ViTModel(add_pooling_layer=False)``, so there is no pooler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_bidirectional_mask
+
+from hf_cephalo.models.base import HeadOutput, Microbatch
+from hf_cephalo.models.hf_common import (HFStagedModel, classification_loss_sum,
+                                         count_classification_items, require_key)
+
+
+@dataclass
+class EncoderContext:
+    """Per-microbatch tensors for bidirectional encoders (never differentiated).
+
+    mask: what the model's forward passes its layers (None without padding).
+    position_ids: (m, S) or None, forwarded to the layers as the model does.
+    """
+
+    mask: Any
+    position_ids: torch.Tensor | None = None
+
+
+class ViTStagedModel(HFStagedModel):
+    """ViT image classifier as a staged model.
+
+    Microbatch keys: ``pixel_values`` (m, C, H, W) float (required; cast to the weights' dtype
+    like the model does), ``labels`` (m,) int64 class ids (-100 ignored), or float targets for
+    regression / multi-label (see ``hf_common.classification_loss_sum``). Items = samples.
+    """
+
+    model_classes = ("ViTForImageClassification",)
+
+    def units(self) -> list[nn.Module]:
+        return list(self.model.vit.layers)
+
+    def root_modules(self) -> list[nn.Module]:
+        vit = self.model.vit
+        modules = [vit.embeddings, vit.layernorm, self.model.classifier]
+        return modules + ([vit.pooler] if vit.pooler is not None else [])
+
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, EncoderContext]:
+        """pixel_values (m, C, H, W) -> hidden (m, 1 + num_patches, H)."""
+        pixel_values = require_key(microbatch, "pixel_values", type(self).__name__)
+        vit = self.model.vit
+        dtype = vit.embeddings.patch_embeddings.projection.weight.dtype
+        hidden = vit.embeddings(pixel_values.to(dtype),
+                                interpolate_pos_encoding=microbatch.get("interpolate_pos_encoding"))
+        mask = create_bidirectional_mask(config=self.model.config, inputs_embeds=hidden,
+                                         attention_mask=microbatch.get("attention_mask"))
+        return hidden, EncoderContext(mask)
+
+    def run_unit(self, index: int, hidden: torch.Tensor, ctx: EncoderContext) -> torch.Tensor:
+        """ViTLayer ``index``: (m, S, H) -> (m, S, H)."""
+        return self.model.vit.layers[index](hidden, ctx.mask)
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                    ctx: EncoderContext) -> torch.Tensor:
+        """layernorm -> [CLS] -> classifier: (m, S, H) -> logits (m, num_labels)."""
+        return self.model.classifier(self.model.vit.layernorm(hidden)[:, 0, :])
+
+    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch,
+                  ctx: EncoderContext) -> HeadOutput:
+        labels = require_key(microbatch, "labels", type(self).__name__)
+        return classification_loss_sum(self.head_logits(hidden, microbatch, ctx), labels,
+                                       self.model.config)
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        labels = require_key(microbatch, "labels", type(self).__name__)
+        return count_classification_items(labels, self.model.config)
