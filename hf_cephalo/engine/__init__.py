@@ -1,1 +1,8 @@
-"""engine"""
+"""Engine: uneven flat-parameter sharding and layered gradient accumulation (DESIGN contract 4)."""
+
+from .engine import CephaloEngine, EvalOutput, StepOutput
+from .flat_param import ParamInfo, ShardedState, UnitShardMeta
+from .stats import CollectiveStats
+
+__all__ = ["CephaloEngine", "CollectiveStats", "EvalOutput", "ParamInfo", "ShardedState",
+           "StepOutput", "UnitShardMeta"]

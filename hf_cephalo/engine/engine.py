@@ -1,0 +1,311 @@
+"""CephaloEngine: uneven flat-parameter sharding + layered gradient accumulation.
+
+Usage (every rank, inside an initialized process group)::
+
+    engine = CephaloEngine(staged, state_ratios=[0.75, 0.25])
+    opt = torch.optim.AdamW(engine.parameters(), lr=1e-3)
+    for microbatches in loader:               # this rank's l_i microbatches (maybe none)
+        out = engine.train_step(microbatches)  # out.loss: global item-mean loss
+        engine.clip_grad_norm_(1.0)
+        opt.step(); engine.zero_grad()
+
+See DESIGN.md contract 4 and [Note: layered schedule] in ``schedule.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Mapping, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models.base import StagedModel
+from . import collectives as C
+from .flat_param import FlatParamUnit, LiveTracker, UnitShardMeta, collect_params
+from .offload import ActivationStash, CudaStreams
+from .schedule import LayeredStep
+from .stats import CollectiveStats
+
+
+class StepOutput(NamedTuple):
+    """Result of ``train_step``.
+
+    loss: global item-mean loss (sum over all ranks' items / global item count), same on all ranks.
+    num_items: global item count N; local_loss_sum / local_num_items: this rank's share.
+    """
+
+    loss: float
+    num_items: int
+    local_loss_sum: float
+    local_num_items: int
+
+
+class EvalOutput(NamedTuple):
+    """Result of ``evaluate``: loss (global item mean, NaN if no items), num_items (global),
+    logits: this rank's logits, one tensor per microbatch (as ``StagedModel.head_logits``)."""
+
+    loss: float
+    num_items: int
+    logits: list[torch.Tensor]
+
+
+def _check_ratios(state_ratios, world_size: int) -> list[float]:
+    if state_ratios is None:
+        return [1.0 / world_size] * world_size
+    ratios = [float(r) for r in state_ratios]
+    if len(ratios) != world_size:
+        raise ValueError(f"state_ratios has {len(ratios)} entries {ratios} but the world size is "
+                         f"{world_size}: give one training-state ratio per rank")
+    if any(not math.isfinite(r) or r < 0 for r in ratios) or abs(sum(ratios) - 1.0) > 1e-6:
+        raise ValueError(f"state_ratios {ratios} must be finite, non-negative and sum to 1 "
+                         f"(sum is {sum(ratios)})")
+    return ratios
+
+
+def _layout(ratios: list[float], unit_numels: list[int]) -> list[list[int]]:
+    """Per-unit per-rank element counts from the planner (root unit last)."""
+    try:
+        from ..planner.state import layout_unit_shards
+    except ImportError:  # planner not installed yet: proportional split with remainders first
+        warnings.warn("hf_cephalo.planner.state.layout_unit_shards is unavailable; using a "
+                      "proportional per-unit shard layout", stacklevel=3)
+        return [_proportional(ratios, n) for n in unit_numels]
+    return [list(map(int, row)) for row in layout_unit_shards(ratios, unit_numels)]
+
+
+def _proportional(ratios: list[float], numel: int) -> list[int]:
+    sizes = [int(math.floor(r * numel)) for r in ratios]
+    order = sorted(range(len(ratios)), key=lambda r: -(ratios[r] * numel - sizes[r]))
+    for r in order[:numel - sum(sizes)]:
+        sizes[r] += 1
+    return sizes
+
+
+class CephaloEngine:
+    """Runs a ``StagedModel`` with uneven ZeRO-3 sharding and layered gradient accumulation.
+
+    Args:
+        staged: the model adapter; its model must already be on ``device`` (or is moved there).
+        state_ratios: r_i per rank (world-size floats, >= 0, sum 1); default even. Used to lay
+            out shards with ``hf_cephalo.planner.state.layout_unit_shards`` unless
+            ``shard_layout`` is given.
+        shard_layout: per unit (layers in order, root unit LAST) the per-rank element counts.
+        process_group: default the world group. device: compute device (default: the model's).
+        offload_activations: stash boundary activations in pinned CPU memory (CUDA only);
+            None = on for CUDA, off on CPU.
+        reduce_scatter_fallback: force the all-reduce-and-slice path instead of reduce-scatter.
+    Raises:
+        ValueError: bad ratios / layout, parameters outside units and root or shared between
+            units, mixed dtypes in a unit — all before the first collective.
+    """
+
+    def __init__(self, staged: StagedModel, state_ratios: Sequence[float] | None = None, *,
+                 shard_layout: Sequence[Sequence[int]] | None = None,
+                 process_group: dist.ProcessGroup | None = None,
+                 device: torch.device | None = None, offload_activations: bool | None = None,
+                 reduce_scatter_fallback: bool = False):
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("CephaloEngine needs an initialized torch.distributed process group "
+                             "(call dist.init_process_group first, e.g. via torchrun)")
+        self.staged, self.group = staged, process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        ratios = _check_ratios(state_ratios, self.world_size)
+        staged.prepare_for_training()
+        model = staged.model
+        first = next(iter(model.parameters()), None)
+        self.device = torch.device(device) if device is not None else \
+            (first.device if first is not None else torch.device("cpu"))
+        model.to(self.device)
+        self.offload_activations = (self.device.type == "cuda") if offload_activations is None \
+            else bool(offload_activations)
+        self.streams = CudaStreams(self.device) if self.device.type == "cuda" else None
+        self.stats = CollectiveStats()
+        self._tracker = LiveTracker(self.stats)
+        use_all_reduce = reduce_scatter_fallback or not C.reduce_scatter_supported(process_group)
+        self._build_units(ratios, shard_layout, use_all_reduce)
+        self.num_units = len(self.units)
+
+    # ---- construction ---------------------------------------------------------------------
+    def _build_units(self, ratios, shard_layout, use_all_reduce) -> None:
+        model = self.staged.model
+        fqns: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            fqns.setdefault(id(p), []).append(name)
+        groups = [(f"unit {i}", [m]) for i, m in enumerate(self.staged.units())]
+        groups.append(("root", list(self.staged.root_modules())))
+        collected = [collect_params(name, mods, fqns) for name, mods in groups]
+        self._check_coverage(groups, collected, fqns)
+        numels = [sum(p.numel() for p in params) for params, _ in collected]
+        if shard_layout is None:
+            layout = _layout(ratios, numels)
+        else:
+            layout = [list(row) for row in shard_layout]
+            if len(layout) != len(groups):
+                raise ValueError(f"shard_layout has {len(layout)} rows but the model has "
+                                 f"{len(groups) - 1} units + 1 root unit (root LAST)")
+        self._key_map = self._state_dict_keys()
+        flat_units = [FlatParamUnit(name, params, uses, fqns, row, rank=self.rank,
+                                    world_size=self.world_size, group=self.group,
+                                    device=self.device, stats=self.stats, tracker=self._tracker,
+                                    streams=self.streams, use_all_reduce=use_all_reduce)
+                      for (name, _), (params, uses), row in zip(groups, collected, layout)]
+        self.units, self.root = flat_units[:-1], flat_units[-1]
+
+    @staticmethod
+    def _check_coverage(groups, collected, fqns) -> None:
+        owner: dict[int, str] = {}
+        for (name, _), (params, _) in zip(groups, collected):
+            for p in params:
+                if id(p) in owner:
+                    raise ValueError(f"parameter {fqns.get(id(p), ['?'])[0]} is in both "
+                                     f"{owner[id(p)]} and {name}; tied weights must live in the "
+                                     "root unit only")
+                owner[id(p)] = name
+        missing = [names[0] for pid, names in fqns.items() if pid not in owner]
+        if missing:
+            raise ValueError(f"parameters {missing} are in no unit and not in root_modules(); "
+                             "the StagedModel adapter must cover every model parameter")
+
+    def _state_dict_keys(self) -> list[tuple[str, str, object]]:
+        """(key, 'param', id) or (key, 'buffer', tensor) in ``model.state_dict()`` order."""
+        param_ids = {id(p) for p in self.staged.model.parameters()}
+        out = []
+        for key, value in self.staged.model.state_dict(keep_vars=True).items():
+            out.append((key, "param", id(value)) if id(value) in param_ids else
+                       (key, "buffer", key))
+        return out
+
+    # ---- public API ---------------------------------------------------------------------------
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's 1-D trainable shards (possibly empty), units in order, root last."""
+        return [u.shard_param for u in self._all_units()]
+
+    def _all_units(self) -> list[FlatParamUnit]:
+        return self.units + [self.root]
+
+    def _global_items(self, microbatches) -> tuple[int, int]:
+        local = sum(int(self.staged.count_items(mb)) for mb in microbatches)
+        t = torch.tensor([local], dtype=torch.int64, device=self.device)
+        C.all_reduce_sum(t, self.group, self.stats)
+        return local, int(t.item())
+
+    def train_step(self, microbatches: Sequence[Mapping[str, torch.Tensor]]) -> StepOutput:
+        """Forward + backward of the layered schedule over this rank's microbatches.
+
+        Every rank must call it (a rank with no samples passes ``[]``). Afterwards each shard's
+        ``.grad`` holds the gradient of the GLOBAL item-mean loss, ADDED to any existing
+        ``.grad`` (call ``zero_grad`` between optimizer steps).
+        Raises ValueError (on every rank, before any all-gather) if the global item count is 0.
+        """
+        mbs = list(microbatches)
+        local_items, global_items = self._global_items(mbs)
+        if global_items == 0:
+            raise ValueError("the global batch has no items (every label is -100 or no rank has "
+                             "samples); nothing to train on")
+        stash = ActivationStash(self.offload_activations, self.streams)
+        step = LayeredStep(self.staged, self.units, self.root, mbs, global_items, stash,
+                           self.device)
+        step.run()
+        assert len(stash) == 0, "schedule left stashed tensors behind"
+        loss = step.local_loss_sum.to(self.device, copy=True)
+        C.all_reduce_sum(loss.view(1), self.group, self.stats)
+        return StepOutput(float(loss) / global_items, global_items, float(step.local_loss_sum),
+                          local_items)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip shard grads by the GLOBAL L2 norm (one all-reduce of squared sums); return it.
+
+        Same formula as ``torch.nn.utils.clip_grad_norm_``: scale = min(1, max_norm/(norm+1e-6)).
+        """
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for p in self.parameters():
+            if p.grad is not None:
+                sq += p.grad.double().pow(2).sum()
+        C.all_reduce_sum(sq, self.group, self.stats)
+        norm = sq.sqrt().to(torch.float32).reshape(())
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
+
+    def zero_grad(self) -> None:
+        """Drop every shard's gradient (set to None)."""
+        for p in self.parameters():
+            p.grad = None
+
+    @torch.no_grad()
+    def evaluate(self, microbatches) -> EvalOutput:
+        """Layered forward only; does not change train/eval mode (call ``model.eval()``)."""
+        mbs = list(microbatches)
+        _, global_items = self._global_items(mbs)
+        self.root.wait_unshard(requires_grad=False)
+        hiddens, ctxs = [], []
+        for mb in mbs:
+            self.root.use_params()
+            h, ctx = self.staged.embed(mb)
+            hiddens.append(h)
+            ctxs.append(ctx)
+        for i, unit in enumerate(self.units):
+            unit.wait_unshard(requires_grad=False)
+            if i + 1 < len(self.units):
+                self.units[i + 1].start_unshard()
+            unit.use_params()
+            hiddens = [self.staged.run_unit(i, h, c) for h, c in zip(hiddens, ctxs)]
+            unit.reshard()
+        logits, loss_sum = [], torch.zeros(1, dtype=torch.float64, device=self.device)
+        self.root.use_params()
+        for h, mb, c in zip(hiddens, mbs, ctxs):
+            logits.append(self.staged.head_logits(h, mb, c))
+            if global_items:
+                loss_sum += self.staged.head_loss(h, mb, c).loss_sum.double()
+        self.root.reshard()
+        C.all_reduce_sum(loss_sum, self.group, self.stats)
+        loss = float(loss_sum) / global_items if global_items else float("nan")
+        return EvalOutput(loss, global_items, logits)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: rank 0 gets ``model.state_dict()``'s keys (fp32 CPU, tied aliases
+        included) with the current values; other ranks get None."""
+        by_id: dict[int, torch.Tensor] = {}
+        for unit in self._all_units():
+            full = unit.gather_full()
+            if self.rank == 0:
+                for info, p in zip(unit.infos, unit._params):
+                    t = full[info.offset:info.offset + info.numel].view(info.shape)
+                    by_id[id(p)] = t.detach().to("cpu", torch.float32, copy=True)
+        if self.rank != 0:
+            return None
+        model = self.staged.model
+        return {key: by_id[ref] if kind == "param" else
+                model.get_buffer(ref).detach().to("cpu", copy=True)
+                for key, kind, ref in self._key_map}
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Every rank passes the same full dict (``model.state_dict()`` keys); takes its shards.
+
+        Raises ValueError naming missing / unexpected keys or a shape mismatch (no collective).
+        """
+        expected = {key for key, _, _ in self._key_map}
+        missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+        if missing or unexpected:
+            raise ValueError(f"state dict mismatch: missing {sorted(missing)}, unexpected "
+                             f"{sorted(unexpected)}")
+        key_of = {}
+        for key, kind, ref in self._key_map:
+            if kind == "param":
+                key_of.setdefault(ref, key)
+        for unit in self._all_units():
+            unit.load_flat(unit.flat_from_tensors([state_dict[key_of[id(p)]] for p in unit._params]))
+        with torch.no_grad():
+            for key, kind, ref in self._key_map:
+                if kind == "buffer":
+                    self.staged.model.get_buffer(ref).copy_(state_dict[key])
+
+    def shard_metadata(self) -> list[UnitShardMeta]:
+        """Per unit (layers in order, root LAST): per-rank numel and parameter fqns/offsets."""
+        return [u.meta() for u in self._all_units()]

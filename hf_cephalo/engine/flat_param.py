@@ -1,0 +1,325 @@
+"""One unit's parameters as a flat buffer, sharded at element granularity across ranks.
+
+[Note: flat unit layout]
+The unit's distinct parameters (tied weights once) are flattened in a fixed order, trainable
+parameters first, then frozen ones (``requires_grad=False``)::
+
+    flat (N,) = [ trainable params ... (Nt) | frozen params ... (N - Nt) ]
+
+Rank r owns the contiguous slice ``[start_r, start_r + n_r)`` of ``flat`` (``n_r`` from the
+planner's per-unit layout, zeros allowed). Because trainable parameters come first, the trainable
+part of a rank's shard is a prefix of it: that prefix is the ``nn.Parameter`` handed to the
+optimizer (``shard_param``), a view into the rank's padded local buffer, so frozen elements never
+get a gradient or optimizer state. See [Note: padded uneven collectives] for the padding.
+
+[Note: parameter views while unsharded]
+After the all-gather, ``flat[:Nt]`` becomes a fresh autograd leaf (``requires_grad=True``) and each
+module parameter entry is replaced by a view into it, so autograd accumulates every microbatch's
+gradient of the unit straight into ONE flat (Nt,) buffer (``leaf.grad``), tied uses included.
+Views are re-created before every forward call (``use_params``), so no autograd graph is shared
+between microbatches. On reshard the entries become empty placeholders and the gathered buffer
+is released.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from . import collectives as C
+from .stats import CollectiveStats
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One distinct parameter inside a unit's flat buffer.
+
+    fqn: the model's parameter name (first one for tied weights); aliases: every name it has.
+    offset, numel: element range in the unit's flat buffer; shape: the parameter's shape.
+    """
+
+    fqn: str
+    aliases: tuple[str, ...]
+    shape: torch.Size
+    offset: int
+    numel: int
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class UnitShardMeta:
+    """Sharding of one unit (for sharded checkpoints).
+
+    numel_per_rank: elements of the flat buffer each rank owns (rank order; sum = numel);
+    trainable_numel: the first ``trainable_numel`` flat elements are trainable; params: layout.
+    """
+
+    name: str
+    numel: int
+    trainable_numel: int
+    numel_per_rank: tuple[int, ...]
+    params: tuple[ParamInfo, ...]
+
+
+class LiveTracker:
+    """Accounting of unsharded parameter / gradient elements alive (feeds ``CollectiveStats``)."""
+
+    def __init__(self, stats: CollectiveStats):
+        self.stats = stats
+        self.param_numel = 0
+        self.grad_numel = 0
+
+    def add_params(self, numel: int) -> None:
+        self.param_numel += numel
+        self.stats.peak_unsharded_numel = max(self.stats.peak_unsharded_numel, self.param_numel)
+
+    def add_grad(self, numel: int) -> None:
+        self.grad_numel += numel
+        self.stats.peak_unsharded_grad_numel = max(self.stats.peak_unsharded_grad_numel,
+                                                   self.grad_numel)
+
+
+def collect_params(name: str, modules: Sequence[nn.Module], fqns: dict[int, list[str]]):
+    """Distinct parameters of ``modules`` (trainable first) and every (module, attr) use of each.
+
+    Raises ValueError for mixed or non-floating dtypes (one flat buffer per unit).
+    """
+    order: list[nn.Parameter] = []
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in modules:
+        for sub in module.modules():
+            for attr, p in sub._parameters.items():
+                if p is None:
+                    continue
+                if id(p) not in uses:
+                    order.append(p)
+                    uses[id(p)] = []
+                if (sub, attr) not in uses[id(p)]:
+                    uses[id(p)].append((sub, attr))
+    dtypes = sorted({str(p.dtype) for p in order})
+    if len(dtypes) > 1:
+        raise ValueError(f"unit {name!r} mixes parameter dtypes {dtypes}; the engine keeps one "
+                         "flat buffer per unit: cast the model to one dtype (e.g. model.float()) "
+                         "before wrapping")
+    if order and not order[0].dtype.is_floating_point:
+        raise ValueError(f"unit {name!r} has non-floating parameters ({dtypes[0]})")
+    order.sort(key=lambda p: not p.requires_grad)  # stable: trainable first
+    return order, uses
+
+
+class FlatParamUnit:
+    """A unit's flat parameter buffer, its local shard and its unshard/reshard lifecycle.
+
+    Args:
+        name: unit name for messages ("unit 3", "root").
+        params, uses: from ``collect_params``; fqns: id(param) -> model parameter names.
+        numel_per_rank: (world_size,) shard sizes in elements, summing to the unit's numel.
+        rank, world_size, group, device: process group placement.
+        stats, tracker: shared counters.
+        streams: ``offload.CudaStreams`` on CUDA, else None (synchronous collectives' waits).
+    Raises:
+        ValueError: a layout of the wrong length, negative sizes, or a sum != the unit's numel.
+    """
+
+    def __init__(self, name, params, uses, fqns, numel_per_rank, *, rank, world_size, group,
+                 device, stats, tracker, streams=None, use_all_reduce=False):
+        self.name = name
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.device, self.stats, self.tracker, self.streams = device, stats, tracker, streams
+        self.use_all_reduce = use_all_reduce
+        self._params = params
+        self._uses = [uses[id(p)] for p in params]
+        infos, offset = [], 0
+        for p in params:
+            names = tuple(fqns.get(id(p), [f"{name}.<unnamed>"]))
+            infos.append(ParamInfo(names[0], names, p.shape, offset, p.numel(), p.requires_grad))
+            offset += p.numel()
+        self.infos = tuple(infos)
+        self.numel = offset
+        self.trainable_numel = sum(i.numel for i in infos if i.requires_grad)
+        self.dtype = params[0].dtype if params else torch.float32
+        self.numel_per_rank = self._check_layout(numel_per_rank)
+        self.starts = [sum(self.numel_per_rank[:r]) for r in range(world_size)]
+        self.pad_numel = max(self.numel_per_rank) if world_size else 0
+        self.local_numel = self.numel_per_rank[rank]
+        start = self.starts[rank]
+        self.local_trainable_numel = max(0, min(start + self.local_numel, self.trainable_numel) - start)
+        self.local_padded = torch.zeros(self.pad_numel, dtype=self.dtype, device=device)  # (P,)
+        self.shard_param = nn.Parameter(self.local_padded[:self.local_trainable_numel])
+        self.state = ShardedState.SHARDED
+        self._pending_ag: C.AllGatherResult | None = None
+        self._pending_rs: C.ReduceScatterResult | None = None
+        self._full: torch.Tensor | None = None    # (N,) gathered flat buffer
+        self._leaf: torch.Tensor | None = None    # (Nt,) autograd leaf over full[:Nt]
+        self._grad_live = False
+        self._rs_input: torch.Tensor | None = None
+        self._load_from_modules()
+        self._set_placeholders()
+
+    # ---- construction ---------------------------------------------------------------------
+    def _check_layout(self, numel_per_rank) -> list[int]:
+        sizes = [int(n) for n in numel_per_rank]
+        if len(sizes) != self.world_size or any(n < 0 for n in sizes) or sum(sizes) != self.numel:
+            raise ValueError(f"shard layout of {self.name} is {sizes}: it needs {self.world_size} "
+                             f"non-negative per-rank element counts summing to the unit's "
+                             f"{self.numel} elements")
+        return sizes
+
+    def _load_from_modules(self) -> None:
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in self._params]) \
+                if self._params else torch.zeros(0, dtype=self.dtype)
+            self.load_flat(flat)
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        """Take this rank's shard from a full (N,) flat buffer (any device)."""
+        start = self.starts[self.rank]
+        with torch.no_grad():
+            self.local_padded[:self.local_numel].copy_(flat[start:start + self.local_numel])
+
+    def flat_from_tensors(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """(N,) flat buffer (CPU) from full tensors in ``self.infos`` order, shapes checked."""
+        parts = []
+        for info, t in zip(self.infos, tensors):
+            if tuple(t.shape) != tuple(info.shape):
+                raise ValueError(f"{info.fqn}: shape {tuple(t.shape)} does not match the model's "
+                                 f"{tuple(info.shape)}")
+            parts.append(t.detach().reshape(-1).to(device="cpu", dtype=self.dtype))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype)
+
+    # ---- unshard / reshard ----------------------------------------------------------------
+    def start_unshard(self) -> None:
+        """Issue the async all-gather of this unit (no-op if already unsharded or in flight)."""
+        if self.state is ShardedState.UNSHARDED or self._pending_ag is not None:
+            return
+        if self.streams is not None:
+            self._pending_ag = self.streams.all_gather(self)
+        else:
+            self._pending_ag = C.all_gather_padded(self.local_padded, self.world_size, self.group,
+                                                   self.stats, async_op=True)
+
+    def wait_unshard(self, requires_grad: bool) -> None:
+        """Wait for the all-gather, copy out the unpadded (N,) buffer, install parameter views."""
+        if self.state is ShardedState.UNSHARDED:
+            return
+        self.start_unshard()
+        result, self._pending_ag = self._pending_ag, None
+        if self.streams is not None:
+            self.streams.wait_all_gather(result)
+        elif result.work is not None:
+            result.work.wait()
+        self._full = self._unpad(result.output)
+        self.tracker.add_params(self.numel)
+        leaf = self._full[:self.trainable_numel].detach()
+        self._leaf = leaf.requires_grad_(requires_grad and self.trainable_numel > 0)
+        self.state = ShardedState.UNSHARDED
+        self.use_params()
+
+    def _unpad(self, gathered: torch.Tensor) -> torch.Tensor:
+        if all(n == self.pad_numel for n in self.numel_per_rank):
+            return gathered[:self.numel]
+        pad = self.pad_numel
+        return torch.cat([gathered[r * pad:r * pad + n] for r, n in enumerate(self.numel_per_rank)])
+
+    def use_params(self) -> None:
+        """Point every module parameter entry at a fresh view of the gathered buffer.
+
+        See [Note: parameter views while unsharded].
+        """
+        assert self.state is ShardedState.UNSHARDED, f"{self.name} used while sharded"
+        frozen = self._full[self.trainable_numel:].detach()
+        for info, uses in zip(self.infos, self._uses):
+            if info.requires_grad:
+                view = self._leaf[info.offset:info.offset + info.numel].view(info.shape)
+            else:
+                start = info.offset - self.trainable_numel
+                view = frozen[start:start + info.numel].view(info.shape)
+            for module, attr in uses:
+                module._parameters[attr] = view
+
+    def reshard(self) -> None:
+        """Release the gathered buffer; module entries become empty placeholders."""
+        if self.state is ShardedState.SHARDED:
+            return
+        self._set_placeholders()
+        self._full = self._leaf = None
+        self.tracker.param_numel -= self.numel
+        self.state = ShardedState.SHARDED
+
+    def _set_placeholders(self) -> None:
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for uses in self._uses:
+            for module, attr in uses:
+                module._parameters[attr] = empty
+
+    # ---- gradients --------------------------------------------------------------------------
+    def note_grad(self) -> None:
+        """Account the unit's full gradient once it exists (called after each backward)."""
+        if not self._grad_live and self._leaf is not None and self._leaf.grad is not None:
+            self._grad_live = True
+            self.tracker.add_grad(self.trainable_numel)
+
+    def start_reduce_grad(self) -> None:
+        """Issue the SUM reduce-scatter of the unit's accumulated gradient (once per step).
+
+        A rank that ran no microbatch contributes zeros. Frozen elements and padding send zeros.
+        """
+        grad = self._leaf.grad if self._leaf is not None else None
+        pad = self.pad_numel
+        if grad is not None and self.trainable_numel == self.numel and \
+                all(n == pad for n in self.numel_per_rank):
+            padded = grad  # even layout, nothing frozen: already (world_size * P,)
+        else:
+            padded = torch.zeros(self.world_size * pad, dtype=self.dtype, device=self.device)
+            if grad is not None:
+                for r, (start, n) in enumerate(zip(self.starts, self.numel_per_rank)):
+                    k = max(0, min(start + n, self.trainable_numel) - start)
+                    padded[r * pad:r * pad + k].copy_(grad[start:start + k])
+        if self._leaf is not None:
+            self._leaf.grad = None
+        self._rs_input = padded  # kept alive until the collective completes
+        if self.streams is not None:
+            self._pending_rs = self.streams.reduce_scatter(self, padded)
+        else:
+            self._pending_rs = C.reduce_scatter_padded(
+                padded, self.world_size, self.rank, self.group, self.stats, async_op=True,
+                use_all_reduce=self.use_all_reduce)
+
+    def wait_reduce_grad(self) -> None:
+        """Wait for the reduce-scatter; ADD the result into ``shard_param.grad``."""
+        if self._pending_rs is None:
+            return
+        result, self._pending_rs = self._pending_rs, None
+        if self.streams is not None:
+            self.streams.wait_reduce_scatter(result)
+        elif result.work is not None:
+            result.work.wait()
+        self._rs_input = None
+        local = result.output[:self.local_trainable_numel]
+        if self.shard_param.grad is None:
+            self.shard_param.grad = local.clone()
+        else:
+            self.shard_param.grad.add_(local)
+        if self._grad_live:
+            self._grad_live = False
+            self.tracker.grad_numel -= self.trainable_numel
+
+    # ---- full tensors -----------------------------------------------------------------------
+    def gather_full(self) -> torch.Tensor:
+        """Collective: the (N,) flat buffer on every rank (synchronous all-gather)."""
+        result = C.all_gather_padded(self.local_padded, self.world_size, self.group, self.stats,
+                                     async_op=False)
+        return self._unpad(result.output)
+
+    def meta(self) -> UnitShardMeta:
+        return UnitShardMeta(self.name, self.numel, self.trainable_numel,
+                             tuple(self.numel_per_rank), self.infos)

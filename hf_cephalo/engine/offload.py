@@ -1,0 +1,144 @@
+"""Boundary-activation stash (CPU: kept in place; CUDA: async offload to pinned memory) and the
+CUDA side streams of the engine.
+
+[Note: CUDA streams]
+Three streams: the compute (current) stream, an all-gather stream and an offload stream.
+* All-gather: the gathered output is allocated on the all-gather stream after it waited for the
+  compute stream (the optimizer may have just written the local shard); the compute stream waits
+  on an event recorded after the collective before it reads the output, and the output is
+  ``record_stream``-ed on the compute stream so the caching allocator does not reuse it early.
+  Reduce-scatter mirrors this (input produced on compute, collective on the all-gather stream).
+* Offload: a boundary activation produced on the compute stream is copied to pinned CPU memory
+  on the offload stream after an event; the GPU tensor is ``record_stream``-ed on the offload
+  stream so freeing it on the compute stream is safe. Reload copies back on the offload stream
+  and the compute stream waits for its event.
+* One microbatch in flight: the compute stream never runs two microbatches of a unit at once,
+  the schedule processes them one after the other and drops each one's graph before the next
+  (the paper's fix for allocator fragmentation, §3.3).
+On CPU none of this exists: collectives are waited on directly and the stash keeps tensors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import collectives as C
+
+
+class _Stashed(NamedTuple):
+    tensor: torch.Tensor           # CPU pinned copy (offloaded) or the original tensor
+    event: object | None           # CUDA event recorded after the copy was issued
+    device: torch.device | None    # where to reload it; None = kept in place
+
+
+class ActivationStash:
+    """Per-(stage, microbatch) store of boundary tensors (activations and boundary gradients).
+
+    ``start_offload(key, t)`` / ``wait_offload(key)`` is the named async pair: on CUDA with
+    ``offload=True`` the tensor is copied to pinned CPU memory on the offload stream; ``pop`` /
+    ``get`` return it on the original device (reloaded synchronously w.r.t. the compute stream).
+    """
+
+    def __init__(self, offload: bool, streams: "CudaStreams | None"):
+        self.offload = bool(offload and streams is not None)
+        self.streams = streams
+        self._store: dict[tuple, _Stashed] = {}
+
+    def start_offload(self, key: tuple, t: torch.Tensor) -> None:
+        t = t.detach()
+        if not self.offload or t.device.type != "cuda":
+            self._store[key] = _Stashed(t, None, None)
+            return
+        stream = self.streams.offload_stream
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(stream):
+            cpu = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            cpu.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        t.record_stream(stream)
+        self._store[key] = _Stashed(cpu, event, t.device)
+
+    def wait_offload(self, key: tuple) -> None:
+        item = self._store.get(key)
+        if item is not None and item.event is not None:
+            item.event.synchronize()
+
+    def pop(self, key: tuple) -> torch.Tensor:
+        return self._load(self._store.pop(key))
+
+    def get(self, key: tuple) -> torch.Tensor:
+        return self._load(self._store[key])
+
+    def _load(self, item: _Stashed) -> torch.Tensor:
+        if item.device is None:
+            return item.tensor
+        item.event.synchronize()  # the offload copy has finished before we read the pinned copy
+        stream = self.streams.offload_stream
+        with torch.cuda.stream(stream):
+            gpu = item.tensor.to(item.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        torch.cuda.current_stream(item.device).wait_event(done)
+        gpu.record_stream(torch.cuda.current_stream(item.device))
+        return gpu
+
+    def clear(self) -> None:
+        self._store.clear()
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+class CudaStreams:
+    """The engine's CUDA side streams; see [Note: CUDA streams]."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.all_gather_stream = torch.cuda.Stream(device)
+        self.offload_stream = torch.cuda.Stream(device)
+
+    def all_gather(self, unit) -> C.AllGatherResult:
+        compute = torch.cuda.current_stream(self.device)
+        self.all_gather_stream.wait_stream(compute)
+        with torch.cuda.stream(self.all_gather_stream):
+            result = C.all_gather_padded(unit.local_padded, unit.world_size, unit.group,
+                                         unit.stats, async_op=False)
+            event = torch.cuda.Event()
+            event.record(self.all_gather_stream)
+        unit.local_padded.record_stream(self.all_gather_stream)
+        return C.AllGatherResult(result.output, _EventWork(event))
+
+    def wait_all_gather(self, result: C.AllGatherResult) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(result.work.event)
+        result.output.record_stream(compute)
+
+    def reduce_scatter(self, unit, padded: torch.Tensor) -> C.ReduceScatterResult:
+        compute = torch.cuda.current_stream(self.device)
+        self.all_gather_stream.wait_stream(compute)
+        with torch.cuda.stream(self.all_gather_stream):
+            result = C.reduce_scatter_padded(padded, unit.world_size, unit.rank, unit.group,
+                                             unit.stats, async_op=False,
+                                             use_all_reduce=unit.use_all_reduce)
+            event = torch.cuda.Event()
+            event.record(self.all_gather_stream)
+        padded.record_stream(self.all_gather_stream)
+        return C.ReduceScatterResult(result.output, _EventWork(event), result.full)
+
+    def wait_reduce_scatter(self, result: C.ReduceScatterResult) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(result.work.event)
+        result.output.record_stream(compute)
+
+
+class _EventWork:
+    """A completed-on-stream collective: ``event`` marks its end on the side stream."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
