@@ -1,0 +1,134 @@
+"""The latency/memory model of the paper (§2.4), DESIGN contract 2.
+
+All functions are pure numpy and vectorize over the microbatch size ``m`` (an int or an int
+array). Units: seconds and bytes. Used by the optimizer (``optimize.py``), the state partition
+(``state.py``) and the plan simulator (``simulate.py``).
+
+* F_i(m), B_i(m): the profiled value at a profiled m; linear interpolation between profiled
+  points; beyond the largest profiled m, the least-squares line through the upper profiled
+  points (the upper half, at least two) -- "sublinear for small m, linear after" (paper §2.4,
+  Fig. 5 left). A profile with only m = 1 extrapolates proportionally (F(m) = m·F(1)).
+* M_i(m): least-squares line through all profiled compute-memory points (paper Fig. 5 right);
+  with only m = 1, proportional. Clamped at 0.
+* Per-unit latency with l microbatches of size m (all-gather of the next unit overlaps compute;
+  backward recomputes the forward because activations are checkpointed):
+  ``T_i(l, m) = max(l·F(m), AG·u) + max(l·(F(m) + B(m)), (AG + RS)·u)``,
+  u = 1.15 if the plan shards the training state unevenly (paper §3: measured overhead of
+  uneven collectives stays within 15 %), else 1. An idle rank (b_i = 0) pays
+  ``AG·u + (AG + RS)·u`` and has no compute memory.
+* Iteration time = num_units · max_i T_i.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile
+
+__all__ = [
+    "UNEVEN_FACTOR",
+    "DEFAULT_MEMORY_FRACTION",
+    "fwd_time_s",
+    "bwd_time_s",
+    "compute_memory_bytes",
+    "unit_time_s",
+    "idle_unit_time_s",
+    "iteration_time_s",
+    "is_uneven",
+]
+
+UNEVEN_FACTOR = 1.15
+"""u: collective slowdown when the state is sharded unevenly (paper §2.4/§3)."""
+DEFAULT_MEMORY_FRACTION = 0.8
+"""c: the fraction of each GPU's memory the plan may use (paper §3: cap at 80 %)."""
+
+
+def _upper_line(ms: np.ndarray, values: np.ndarray) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the upper profiled points."""
+    k = max(2, math.ceil(len(ms) / 2))
+    slope, intercept = np.polyfit(ms[-k:], values[-k:], 1)
+    return float(slope), float(intercept)
+
+
+def _curve(ms_profiled: Sequence[int], values: Sequence[float], m) -> np.ndarray:
+    ms = np.asarray(ms_profiled, dtype=np.float64)
+    vs = np.asarray(values, dtype=np.float64)
+    m = np.asarray(m, dtype=np.float64)
+    if len(ms) == 1:
+        return vs[0] * m / ms[0]
+    out = np.interp(m, ms, vs)
+    beyond = m > ms[-1]
+    if np.any(beyond):
+        slope, intercept = _upper_line(ms, vs)
+        out = np.where(beyond, np.maximum(slope * m + intercept, 0.0), out)
+    return out
+
+
+def fwd_time_s(device: DeviceProfile, m) -> np.ndarray:
+    """F_i(m): forward time of one unit for one microbatch of size ``m`` (seconds), m >= 1."""
+    return _curve(device.microbatch_sizes, device.fwd_s, m)
+
+
+def bwd_time_s(device: DeviceProfile, m) -> np.ndarray:
+    """B_i(m): backward time (without recompute) of one unit, microbatch size ``m`` (seconds)."""
+    return _curve(device.microbatch_sizes, device.bwd_s, m)
+
+
+def memory_line(device: DeviceProfile) -> tuple[float, float]:
+    """(slope bytes/sample, intercept bytes) of the least-squares compute-memory line."""
+    ms = np.asarray(device.microbatch_sizes, dtype=np.float64)
+    vs = np.asarray(device.compute_memory_bytes, dtype=np.float64)
+    if len(ms) == 1:
+        return float(vs[0] / ms[0]), 0.0
+    slope, intercept = np.polyfit(ms, vs, 1)
+    return float(slope), float(intercept)
+
+
+def compute_memory_bytes(device: DeviceProfile, m) -> np.ndarray:
+    """M_i(m): peak compute memory (peak minus training state) at microbatch size ``m``, bytes.
+
+    ``m = 0`` (an idle rank) is defined as 0 bytes.
+    """
+    slope, intercept = memory_line(device)
+    m = np.asarray(m, dtype=np.float64)
+    return np.where(m > 0, np.maximum(slope * m + intercept, 0.0), 0.0)
+
+
+def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool) -> np.ndarray:
+    """T_i(l, m) for one unit (forward + backward with recompute), seconds.
+
+    Args:
+        fwd_s, bwd_s: F_i(m), B_i(m) (scalars or arrays, broadcast together).
+        num_microbatches: l (0 for an idle rank, which then only waits on the collectives).
+        comm: AG and RS for one unit with even shards.
+        uneven: whether the plan shards state unevenly (u = 1.15).
+    """
+    u = UNEVEN_FACTOR if uneven else 1.0
+    ag = comm.allgather_s * u
+    agrs = (comm.allgather_s + comm.reducescatter_s) * u
+    l = np.asarray(num_microbatches, dtype=np.float64)
+    f = np.asarray(fwd_s, dtype=np.float64)
+    b = np.asarray(bwd_s, dtype=np.float64)
+    return np.maximum(l * f, ag) + np.maximum(l * (f + b), agrs)
+
+
+def idle_unit_time_s(comm: CommProfile, uneven: bool) -> float:
+    """T_i of a rank with b_i = 0: ``AG·u + (AG + RS)·u`` seconds."""
+    return float(unit_time_s(0.0, 0.0, 0, comm, uneven))
+
+
+def iteration_time_s(unit_times_s: Sequence[float], num_units: int) -> float:
+    """num_units · max_i T_i, seconds."""
+    return float(num_units * max(unit_times_s))
+
+
+def is_uneven(cluster: ClusterProfile, compute_memory: Sequence[float],
+              memory_fraction: float) -> bool:
+    """DESIGN contract 2: uneven iff S/N + M_i(m_i) > c·C_i for some rank (M_i = 0 if idle)."""
+    n = cluster.world_size
+    share = cluster.model.state_bytes / n
+    return any(share + mem > memory_fraction * d.memory_capacity_bytes
+               for d, mem in zip(cluster.devices, compute_memory))

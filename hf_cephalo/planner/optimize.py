@@ -1,0 +1,366 @@
+"""Exact optimizer for (b_i, m_i, l_i) under the cost model of ``cost.py`` (DESIGN contract 2).
+
+Problem (paper §2.4): minimize max_i T_i(l_i, m_i) subject to (I) Σ b_i = B, b_i = l_i·m_i
+(b_i = 0 allowed: an idle rank), (II) M_i(m_i) ≤ c·C_i for b_i > 0, (III) S + Σ M_i ≤ c·Σ C_i.
+T_i depends on whether the state is sharded unevenly (u = 1.15), which depends on the choice, so
+two cases are solved and the better one kept:
+
+* even case (u = 1): every rank must hold S/N, so (II) becomes M_i(m_i) ≤ c·C_i − S/N (and an
+  idle rank needs S/N ≤ c·C_i); (III) then holds automatically.
+* uneven case (u = 1.15): (II) and (III) as written. Searching only below the even optimum
+  makes min(even, uneven) the exact minimum of the model (an even-feasible choice only ever
+  looks slower under u = 1.15).
+
+Algorithm (threshold search; see docs/planner.md):
+
+1. Candidate unit times = every T_i(l, m) with l·m ≤ B and M_i(m) under its cap, plus the idle
+   time. The optimum is one of them.
+2. ``feasible(t)``: rank i may take batch b iff some (l, m) with l·m = b has T_i ≤ t. Whether
+   Σ b_i = B is reachable is a boolean sumset (FFT convolution); for (III) a min-plus knapsack
+   gives the least Σ M_i over all reachable assignments. Identical GPUs are grouped and their
+   k-fold sums computed by doubling, so a check costs O(G·log n·B log B) (boolean) or
+   O(G·log n·B²) (min-plus) for G device types.
+3. Binary search over the sorted candidates (feasibility is monotone in t); min-plus checks
+   only start above the boolean optimum and stop at the even optimum.
+4. Backtrack through the sumset tree to per-rank batch sizes; per rank choose the (l, m) with
+   T_i ≤ t (least memory in the uneven case, then least time).
+
+Then the greedy state partition (``state.partition_state``) for uneven plans, 1/N otherwise.
+The paper's O(N·B³·log B) recurrence is kept in ``reference.py`` for cross-checking.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from hf_cephalo.planner import cost
+from hf_cephalo.planner.state import partition_state
+from hf_cephalo.planner.types import Plan, RankPlan
+from hf_cephalo.profiler.types import ClusterProfile, DeviceProfile
+
+__all__ = ["optimize", "solve_assignment", "Assignment", "InfeasiblePlanError"]
+
+GIB = float(1 << 30)
+_MEM_RTOL = 1e-12
+
+
+class InfeasiblePlanError(ValueError):
+    """No plan fits; the message names the binding constraint."""
+
+
+class Assignment(NamedTuple):
+    """Per-rank solution of the (b, m, l) problem before the state partition."""
+
+    batch_sizes: list[int]
+    microbatch_sizes: list[int]
+    num_microbatches: list[int]
+    uneven: bool
+    unit_time_s: float  # max_i T_i, seconds
+
+
+@dataclass
+class _Options:
+    """All (l, m) choices of one device type in one case, flattened."""
+
+    b: np.ndarray  # (K,) int batch sizes l·m
+    m: np.ndarray  # (K,) int
+    l: np.ndarray  # (K,) int
+    t: np.ndarray  # (K,) unit time, s
+    mem: np.ndarray  # (K,) compute memory M(m), bytes
+    idle_ok: bool
+    idle_t: float
+
+
+def _device_options(device: DeviceProfile, comm, B: int, mem_cap: float, uneven: bool,
+                    idle_ok: bool) -> _Options:
+    ms = np.arange(1, B + 1)
+    mem = cost.compute_memory_bytes(device, ms)
+    ms = ms[mem <= mem_cap * (1 + _MEM_RTOL)]
+    if len(ms):
+        f = cost.fwd_time_s(device, ms)
+        bw = cost.bwd_time_s(device, ms)
+        counts = B // ms
+        m_rep = np.repeat(ms, counts)
+        starts = np.cumsum(counts) - counts
+        l_rep = np.arange(len(m_rep)) - np.repeat(starts, counts) + 1
+        idx = np.repeat(np.arange(len(ms)), counts)
+        t = cost.unit_time_s(f[idx], bw[idx], l_rep, comm, uneven)
+        memv = cost.compute_memory_bytes(device, m_rep)
+    else:
+        m_rep = l_rep = np.zeros(0, dtype=np.int64)
+        t = memv = np.zeros(0)
+    return _Options(b=m_rep * l_rep, m=m_rep, l=l_rep, t=t, mem=memv, idle_ok=idle_ok,
+                    idle_t=cost.idle_unit_time_s(comm, uneven))
+
+
+# --- semirings: boolean sumset (FFT) and min-plus ----------------------------------------------
+def _bool_conv(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    n = len(x)
+    if not x.any() or not y.any():
+        return np.zeros(n, dtype=bool)
+    size = 1 << (2 * n - 1).bit_length()
+    z = np.fft.irfft(np.fft.rfft(x.astype(np.float64), size) *
+                     np.fft.rfft(y.astype(np.float64), size), size)[:n]
+    return z > 0.5
+
+
+def _minplus_conv(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    n = len(x)
+    out = np.full(n, np.inf)
+    fx, fy = np.flatnonzero(np.isfinite(x)), np.flatnonzero(np.isfinite(y))
+    if len(fx) == 0 or len(fy) == 0:
+        return out
+    if len(fx) > len(fy):
+        x, y, fx, fy = y, x, fy, fx
+    lo, hi = fy[0], fy[-1] + 1
+    ys = y[lo:hi]
+    for s in fx:
+        a, b = s + lo, min(s + hi, n)
+        if a >= n:
+            break
+        np.minimum(out[a:b], x[s] + ys[: b - a], out=out[a:b])
+    return out
+
+
+class _Node:
+    """A table over batch sums 0..B for ``count`` ranks, with its two children (or a leaf)."""
+
+    __slots__ = ("table", "left", "right", "count", "group")
+
+    def __init__(self, table, count, left=None, right=None, group=None):
+        self.table, self.count, self.left, self.right, self.group = table, count, left, right, group
+
+
+def _power(leaf: _Node, n: int, conv) -> _Node:
+    pows = [leaf]
+    while (1 << len(pows)) <= n:
+        p = pows[-1]
+        pows.append(_Node(conv(p.table, p.table), 2 * p.count, p, p))
+    acc = None
+    for k, p in enumerate(pows):
+        if n >> k & 1:
+            acc = p if acc is None else _Node(conv(acc.table, p.table), acc.count + p.count, acc, p)
+    return acc
+
+
+def _split(node: _Node, target: int, minplus: bool) -> int:
+    """Part of ``target`` that goes to node.left (balanced by rank count among optimal splits)."""
+    x, y = node.left.table, node.right.table
+    xs = np.arange(target + 1)
+    if minplus:
+        vals = x[: target + 1] + y[target::-1]
+        ok = vals <= vals.min()
+    else:
+        ok = x[: target + 1] & y[target::-1]
+    cand = xs[ok]
+    want = target * node.left.count / node.count
+    return int(cand[np.argmin(np.abs(cand - want))])
+
+
+def _assign(node: _Node, target: int, minplus: bool, out: list) -> None:
+    stack = [(node, target)]
+    while stack:
+        nd, tg = stack.pop()
+        if nd.left is None:
+            out.append((nd.group, tg))
+            continue
+        part = _split(nd, tg, minplus)
+        stack.append((nd.right, tg - part))
+        stack.append((nd.left, part))
+
+
+class _Case:
+    """One case (even or uneven) of the problem with grouped identical devices."""
+
+    def __init__(self, cluster: ClusterProfile, groups, B: int, c: float, uneven: bool,
+                 allow_idle: bool):
+        self.B, self.uneven, self.groups = B, uneven, groups
+        S, N = cluster.model.state_bytes, cluster.world_size
+        self.mem_budget = c * sum(d.memory_capacity_bytes for d in cluster.devices) - S
+        self.options = []
+        for ranks in groups:
+            d = cluster.devices[ranks[0]]
+            cap = c * d.memory_capacity_bytes - (0.0 if uneven else S / N)
+            idle_ok = allow_idle and (uneven or S / N <= c * d.memory_capacity_bytes)
+            self.options.append(_device_options(d, cluster.comm, B, cap, uneven, idle_ok))
+        self.infeasible_even_state = (not uneven) and any(
+            S / N > c * cluster.devices[r[0]].memory_capacity_bytes for r in groups)
+        ts = [o.t for o in self.options] + [[o.idle_t] for o in self.options if o.idle_ok]
+        self.candidates = np.unique(np.concatenate([np.asarray(t, dtype=np.float64) for t in ts]))
+
+    def _leaf_bool(self, k: int, t: float) -> np.ndarray:
+        o = self.options[k]
+        a = np.zeros(self.B + 1, dtype=bool)
+        a[o.b[o.t <= t]] = True
+        a[0] = o.idle_ok and o.idle_t <= t
+        return a
+
+    def _leaf_mem(self, k: int, t: float) -> np.ndarray:
+        o = self.options[k]
+        w = np.full(self.B + 1, np.inf)
+        sel = o.t <= t
+        np.minimum.at(w, o.b[sel], o.mem[sel])
+        w[0] = 0.0 if (o.idle_ok and o.idle_t <= t) else np.inf
+        return w
+
+    def tree(self, t: float, minplus: bool) -> _Node:
+        conv = _minplus_conv if minplus else _bool_conv
+        root = None
+        for k, ranks in enumerate(self.groups):
+            leaf_table = self._leaf_mem(k, t) if minplus else self._leaf_bool(k, t)
+            p = _power(_Node(leaf_table, 1, group=k), len(ranks), conv)
+            root = p if root is None else _Node(conv(root.table, p.table), root.count + p.count,
+                                                 root, p)
+        return root
+
+    def feasible(self, t: float, minplus: bool) -> bool:
+        if self.infeasible_even_state:
+            return False
+        table = self.tree(t, minplus).table
+        if minplus:
+            return bool(table[self.B] <= self.mem_budget + abs(self.mem_budget) * _MEM_RTOL)
+        return bool(table[self.B])
+
+    def search(self, lo: int, hi: int, minplus: bool) -> int | None:
+        """Smallest candidate index in [lo, hi) that is feasible, or None."""
+        if lo >= hi or not self.feasible(self.candidates[hi - 1], minplus):
+            return None
+        hi -= 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.feasible(self.candidates[mid], minplus):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def solve(self, below: float) -> float | None:
+        """The optimal unit time of this case if it is < ``below``, else None."""
+        hi = int(np.searchsorted(self.candidates, below, side="left"))
+        idx = self.search(0, hi, minplus=False)
+        if idx is not None and self.uneven:
+            idx = self.search(idx, hi, minplus=True)
+        return None if idx is None else float(self.candidates[idx])
+
+    def reconstruct(self, t: float, world_size: int) -> Assignment:
+        minplus = self.uneven
+        parts: list = []
+        _assign(self.tree(t, minplus), self.B, minplus, parts)
+        per_group = {k: [] for k in range(len(self.groups))}
+        for k, b in parts:
+            per_group[k].append(b)
+        bs, ms, ls = [0] * world_size, [0] * world_size, [0] * world_size
+        for k, ranks in enumerate(self.groups):
+            o = self.options[k]
+            for rank, b in zip(ranks, sorted(per_group[k], reverse=True)):
+                if b == 0:
+                    continue
+                sel = np.flatnonzero((o.b == b) & (o.t <= t))
+                # Uneven: the knapsack assumed the least memory for b; among those, least time.
+                key = np.lexsort((o.t[sel], o.mem[sel])) if minplus else np.argsort(o.t[sel])
+                j = sel[key[0]]
+                bs[rank], ms[rank], ls[rank] = b, int(o.m[j]), int(o.l[j])
+        return Assignment(bs, ms, ls, self.uneven, t)
+
+
+def _groups(cluster: ClusterProfile) -> list[list[int]]:
+    seen: dict[str, list[int]] = {}
+    for i, d in enumerate(cluster.devices):
+        seen.setdefault(json.dumps(d.to_json(), sort_keys=True), []).append(i)
+    return list(seen.values())
+
+
+def _check_inputs(cluster: ClusterProfile, B: int, c: float) -> None:
+    if not isinstance(cluster, ClusterProfile):
+        raise TypeError(f"cluster must be a ClusterProfile, got {type(cluster).__name__}")
+    if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
+        raise ValueError(f"global batch size must be an integer >= 1, got {B!r}")
+    if not (isinstance(c, (int, float)) and 0 < c <= 1):
+        raise ValueError(f"memory fraction must be in (0, 1], got {c!r}")
+
+
+def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool) -> str:
+    """Name the binding constraint of an infeasible problem."""
+    devs = cluster.devices
+    need1 = [float(cost.compute_memory_bytes(d, 1)) for d in devs]
+    too_big = [i for i, d in enumerate(devs) if need1[i] > c * d.memory_capacity_bytes]
+    msgs = [f"rank {i} ({devs[i].name}): microbatch size 1 needs {need1[i] / GIB:.1f} GiB, "
+            f"cap {c * devs[i].memory_capacity_bytes / GIB:.1f} GiB" for i in too_big]
+    if too_big and (not allow_idle or len(too_big) == len(devs)):
+        return "; ".join(msgs)
+    S = cluster.model.state_bytes
+    total = sum(d.memory_capacity_bytes for d in devs)
+    relaxed = _Case(cluster, _groups(cluster), B, c, True, allow_idle)
+    min_compute = float(relaxed.tree(np.inf, minplus=True).table[B])
+    return (f"aggregate memory: model state {S / GIB:.1f} GiB + compute "
+            f"{min_compute / GIB:.1f} GiB exceeds {c} × {total / GIB:.1f} GiB")
+
+
+def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
+                     memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
+                     allow_idle: bool = True) -> Assignment:
+    """Exact minimum of max_i T_i over (b_i, m_i, l_i) under (I)-(III); see module doc.
+
+    Raises:
+        InfeasiblePlanError (a ValueError): no assignment fits; the message names the binding
+            constraint (a rank whose microbatch size 1 exceeds its cap, or aggregate memory).
+        ValueError: B < 1, memory_fraction outside (0, 1].
+    """
+    B, c = global_batch_size, memory_fraction
+    _check_inputs(cluster, B, c)
+    groups = _groups(cluster)
+    even = _Case(cluster, groups, B, c, False, allow_idle)
+    t_even = even.solve(np.inf)
+    uneven = _Case(cluster, groups, B, c, True, allow_idle)
+    t_uneven = uneven.solve(np.inf if t_even is None else t_even)
+    if t_uneven is not None:
+        return uneven.reconstruct(t_uneven, cluster.world_size)
+    if t_even is not None:
+        return even.reconstruct(t_even, cluster.world_size)
+    raise InfeasiblePlanError(f"no plan for global batch size {B} fits: "
+                              f"{_diagnose(cluster, B, c, allow_idle)}")
+
+
+def optimize(cluster: ClusterProfile, global_batch_size: int,
+             memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
+             allow_idle: bool = True) -> Plan:
+    """The optimal Plan: exact (b_i, m_i, l_i) plus greedy state ratios r_i.
+
+    Args:
+        cluster: profiles of the model, every rank's device and the collectives.
+        global_batch_size: B, samples per iteration (>= 1).
+        memory_fraction: c, fraction of each device's memory the plan may use.
+        allow_idle: allow ranks with b_i = 0 (they still hold state and join collectives).
+
+    Raises:
+        InfeasiblePlanError / ValueError: see ``solve_assignment``.
+    """
+    a = solve_assignment(cluster, global_batch_size, memory_fraction, allow_idle=allow_idle)
+    devs = cluster.devices
+    S, N = cluster.model.state_bytes, cluster.world_size
+    mem = [float(cost.compute_memory_bytes(d, m)) for d, m in zip(devs, a.microbatch_sizes)]
+    uneven = cost.is_uneven(cluster, mem, memory_fraction)
+    if uneven:
+        ratios = partition_state(S, mem, [d.memory_capacity_bytes for d in devs])
+    else:
+        ratios = [1.0 / N] * N
+    ranks = [RankPlan(rank=i, device=d.name, batch_size=a.batch_sizes[i],
+                      microbatch_size=a.microbatch_sizes[i],
+                      num_microbatches=a.num_microbatches[i], state_ratio=ratios[i],
+                      predicted_memory_bytes=ratios[i] * S + mem[i],
+                      memory_capacity_bytes=d.memory_capacity_bytes)
+             for i, d in enumerate(devs)]
+    model = cluster.model
+    plan = Plan(global_batch_size=global_batch_size, memory_fraction=memory_fraction,
+                uneven_state=uneven, ranks=ranks,
+                model={"name": model.name, "num_units": model.num_units,
+                       "params_per_unit": model.params_per_unit,
+                       "params_other": model.params_other})
+    from hf_cephalo.planner.simulate import predict
+
+    plan.predicted_iteration_s = predict(plan, cluster).iteration_s
+    return plan

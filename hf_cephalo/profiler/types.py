@@ -1,0 +1,238 @@
+"""Profile types (DESIGN contract 1): what the planner knows about the model, GPUs and network.
+
+Pure Python (no torch import) so ``hf-cephalo plan`` starts fast. Every type round-trips
+through JSON (``to_json`` / ``from_json``; ``ClusterProfile.save`` / ``load``); the format is
+documented with an example in ``docs/profiles.md``.
+
+Validation happens in ``__post_init__`` and raises ``ValueError`` naming the field, the
+offending value and what to do: a device profile without microbatch size 1, negative, NaN or
+missing numbers, mismatched list lengths.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["ModelProfile", "DeviceProfile", "CommProfile", "ClusterProfile"]
+
+GIB = float(1 << 30)
+
+
+def _check_number(owner: str, name: str, value: Any, *, positive: bool = False) -> float:
+    """Return ``value`` as float; ValueError if missing, NaN, infinite or negative."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{owner}: {name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}: {name} must be finite, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        kind = "positive" if positive else "non-negative"
+        raise ValueError(f"{owner}: {name} must be {kind}, got {value!r}")
+    return float(value)
+
+
+def _check_int(owner: str, name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise ValueError(f"{owner}: {name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{owner}: {name} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _require_keys(owner: str, data: Mapping[str, Any], keys: tuple[str, ...]) -> None:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{owner}: expected a JSON object, got {type(data).__name__}")
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise ValueError(f"{owner}: missing field(s) {missing}; see docs/profiles.md for the format")
+
+
+@dataclass(kw_only=True)
+class ModelProfile:
+    """Shape of the model as the planner sees it.
+
+    Attributes:
+        name: model name (free text, e.g. ``"llama-3b"``); used to check plan/model matches.
+        num_units: number of transformer layers (each one FSDP unit).
+        params_per_unit: parameters (elements) of one transformer layer.
+        params_other: parameters outside the layers: embeddings, final norm, head (the root unit).
+        state_bytes_per_param: training-state bytes per parameter; 16 for fp32 Adam
+            (param 4 + grad 4 + two moments 8; paper §2.4).
+    """
+
+    name: str = "model"
+    num_units: int
+    params_per_unit: int
+    params_other: int
+    state_bytes_per_param: float = 16.0
+
+    def __post_init__(self) -> None:
+        owner = f"model profile {self.name!r}"
+        self.num_units = _check_int(owner, "num_units", self.num_units, minimum=1)
+        self.params_per_unit = _check_int(owner, "params_per_unit", self.params_per_unit, minimum=1)
+        self.params_other = _check_int(owner, "params_other", self.params_other, minimum=0)
+        self.state_bytes_per_param = _check_number(
+            owner, "state_bytes_per_param", self.state_bytes_per_param, positive=True
+        )
+
+    @property
+    def num_params(self) -> int:
+        """Total parameter count (elements)."""
+        return self.num_units * self.params_per_unit + self.params_other
+
+    @property
+    def state_bytes(self) -> float:
+        """S: bytes of the whole training state (paper §2.4: M_state = 16·|P|)."""
+        return self.num_params * self.state_bytes_per_param
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ModelProfile":
+        _require_keys("model profile", data, ("num_units", "params_per_unit", "params_other"))
+        return cls(**{k: data[k] for k in ("name", "num_units", "params_per_unit", "params_other",
+                                            "state_bytes_per_param") if k in data})
+
+
+@dataclass(kw_only=True)
+class DeviceProfile:
+    """One rank's GPU: capacity and the measured (or estimated) cost of ONE unit.
+
+    Attributes:
+        name: device type, e.g. ``"A10G"``.
+        memory_capacity_bytes: C_i, total device memory in bytes.
+        microbatch_sizes: profiled microbatch sizes m (strictly increasing, must contain 1).
+        fwd_s: forward time of one unit at each profiled m, seconds.
+        bwd_s: backward time (without the recompute) of one unit at each profiled m, seconds.
+        compute_memory_bytes: peak memory minus training state at each profiled m, bytes.
+    """
+
+    name: str
+    memory_capacity_bytes: float
+    microbatch_sizes: list[int]
+    fwd_s: list[float]
+    bwd_s: list[float]
+    compute_memory_bytes: list[float]
+
+    def __post_init__(self) -> None:
+        owner = f"device profile {self.name!r}"
+        self.memory_capacity_bytes = _check_number(
+            owner, "memory_capacity_bytes", self.memory_capacity_bytes, positive=True
+        )
+        if not isinstance(self.microbatch_sizes, (list, tuple)) or not self.microbatch_sizes:
+            raise ValueError(f"{owner}: microbatch_sizes must be a non-empty list, got "
+                             f"{self.microbatch_sizes!r}")
+        ms = [_check_int(owner, "microbatch_sizes[]", m, minimum=1) for m in self.microbatch_sizes]
+        if any(b <= a for a, b in zip(ms, ms[1:])):
+            raise ValueError(f"{owner}: microbatch_sizes must be strictly increasing, got {ms}")
+        if ms[0] != 1:
+            raise ValueError(f"{owner}: the profile must include microbatch size 1 (got {ms}); "
+                             "profile m = 1 so the planner can fall back to it")
+        self.microbatch_sizes = ms
+        for name in ("fwd_s", "bwd_s", "compute_memory_bytes"):
+            values = getattr(self, name)
+            if not isinstance(values, (list, tuple)) or len(values) != len(ms):
+                raise ValueError(f"{owner}: {name} must be a list with one value per microbatch "
+                                 f"size {ms}, got {values!r}")
+            positive = name != "compute_memory_bytes"
+            setattr(self, name, [_check_number(owner, f"{name}[m={m}]", v, positive=positive)
+                                 for m, v in zip(ms, values)])
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "DeviceProfile":
+        keys = ("name", "memory_capacity_bytes", "microbatch_sizes", "fwd_s", "bwd_s",
+                "compute_memory_bytes")
+        _require_keys("device profile", data, keys)
+        return cls(**{k: data[k] for k in keys})
+
+
+@dataclass(kw_only=True)
+class CommProfile:
+    """Collective latency for ONE unit with EVEN shards over the whole world, seconds.
+
+    Attributes:
+        allgather_s: AG, all-gather of one unit's parameters.
+        reducescatter_s: RS, reduce-scatter of one unit's gradients.
+    """
+
+    allgather_s: float
+    reducescatter_s: float
+
+    def __post_init__(self) -> None:
+        self.allgather_s = _check_number("comm profile", "allgather_s", self.allgather_s)
+        self.reducescatter_s = _check_number("comm profile", "reducescatter_s", self.reducescatter_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "CommProfile":
+        _require_keys("comm profile", data, ("allgather_s", "reducescatter_s"))
+        return cls(allgather_s=data["allgather_s"], reducescatter_s=data["reducescatter_s"])
+
+
+@dataclass(kw_only=True)
+class ClusterProfile:
+    """Everything the planner needs: the model, one DeviceProfile per rank (rank order), comm.
+
+    ``source`` says where the numbers come from (``"measured"`` or ``"spec-sheet estimate"``).
+    """
+
+    model: ModelProfile
+    devices: list[DeviceProfile]
+    comm: CommProfile
+    source: str = "measured"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.devices, (list, tuple)) or not self.devices:
+            raise ValueError("cluster profile: no devices; give one device profile per rank")
+        self.devices = list(self.devices)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": "hf_cephalo.cluster_profile/1",
+            "source": self.source,
+            "model": self.model.to_json(),
+            "comm": self.comm.to_json(),
+            "devices": [d.to_json() for d in self.devices],
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ClusterProfile":
+        _require_keys("cluster profile", data, ("model", "comm", "devices"))
+        if not isinstance(data["devices"], list):
+            raise ValueError(f"cluster profile: devices must be a list, got {data['devices']!r}")
+        return cls(
+            model=ModelProfile.from_json(data["model"]),
+            comm=CommProfile.from_json(data["comm"]),
+            devices=[DeviceProfile.from_json(d) for d in data["devices"]],
+            source=str(data.get("source", "measured")),
+            extra=dict(data.get("extra", {})),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ClusterProfile":
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"cluster profile {str(path)!r} is not valid JSON: {e}") from e
+        return cls.from_json(data)

@@ -1,0 +1,82 @@
+"""Shared helpers for planner tests: random monotone profiles and a brute-force solver."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from hf_cephalo.planner import cost
+from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+
+GIB = float(1 << 30)
+
+
+def random_device(rng: np.random.Generator, name: str, shared_memory=None) -> DeviceProfile:
+    """Monotone profile: sublinear times for small m; memory either random or a shared line."""
+    # A shared memory line needs >= 2 points (one point extrapolates through the origin).
+    n = int(rng.integers(1 if shared_memory is None else 2, 5))
+    ms = sorted({1, *rng.choice(np.arange(2, 9), size=n - 1, replace=False).tolist()})
+    base = rng.uniform(0.5, 3.0)
+    fwd = np.cumsum(rng.uniform(0.2, 1.0, size=len(ms))) * base
+    bwd = fwd * rng.uniform(1.5, 2.5)
+    if shared_memory is None:
+        mem0, slope = rng.uniform(0.0, 2.0), rng.uniform(0.3, 2.0)
+    else:
+        mem0, slope = shared_memory
+    mem = [(mem0 + slope * m) * GIB for m in ms]
+    return DeviceProfile(name=name, memory_capacity_bytes=float(rng.uniform(2.0, 16.0)) * GIB,
+                         microbatch_sizes=ms, fwd_s=fwd.tolist(), bwd_s=bwd.tolist(),
+                         compute_memory_bytes=mem)
+
+
+def random_cluster(rng: np.random.Generator, n: int, shared_memory=None) -> ClusterProfile:
+    kinds = [random_device(rng, f"gpu{k}", shared_memory) for k in range(int(rng.integers(1, n + 1)))]
+    devices = [kinds[int(rng.integers(0, len(kinds)))] for _ in range(n)]
+    # Training state between 5 % and 110 % of the usable memory: feasible and infeasible mixes.
+    total = 0.8 * sum(d.memory_capacity_bytes for d in devices)
+    units = int(rng.integers(1, 5))
+    model = ModelProfile(name="rand", num_units=units, params_per_unit=1, params_other=0,
+                         state_bytes_per_param=float(rng.uniform(0.05, 1.1)) * total / units)
+    comm = CommProfile(allgather_s=float(rng.uniform(0, 4)), reducescatter_s=float(rng.uniform(0, 4)))
+    return ClusterProfile(model=model, devices=devices, comm=comm)
+
+
+def brute_force(cluster: ClusterProfile, B: int, c: float = 0.8, allow_idle: bool = True) -> float:
+    """min over every assignment of max_i T_i with u decided by the assignment; inf if none."""
+    devs, comm = cluster.devices, cluster.comm
+    N, S = len(devs), cluster.model.state_bytes
+    total_cap = c * sum(d.memory_capacity_bytes for d in devs)
+    per_rank = []
+    for d in devs:
+        opts = [(0, 0, 0.0, cost.idle_unit_time_s(comm, False), cost.idle_unit_time_s(comm, True))] \
+            if allow_idle else []
+        for m in range(1, B + 1):
+            mem = float(cost.compute_memory_bytes(d, m))
+            if mem > c * d.memory_capacity_bytes:
+                continue
+            f, bw = float(cost.fwd_time_s(d, m)), float(cost.bwd_time_s(d, m))
+            for l in range(1, B // m + 1):
+                opts.append((l * m, m, mem, float(cost.unit_time_s(f, bw, l, comm, False)),
+                             float(cost.unit_time_s(f, bw, l, comm, True))))
+        per_rank.append(opts)
+    best = np.inf
+
+    def rec(i, left, chosen):
+        nonlocal best
+        if i == N:
+            if left:
+                return
+            mems = [o[2] for o in chosen]
+            if S + sum(mems) > total_cap:
+                return
+            uneven = any(S / N + mem > c * d.memory_capacity_bytes for d, mem in zip(devs, mems))
+            t = max(o[4] if uneven else o[3] for o in chosen)
+            best = min(best, t)
+            return
+        for o in per_rank[i]:
+            if o[0] <= left:
+                rec(i + 1, left - o[0], chosen + [o])
+
+    rec(0, B, [])
+    return best
