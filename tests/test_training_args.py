@@ -65,18 +65,20 @@ def test_env_fallbacks_and_precedence(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(cephalo_memory_fraction=0.0), r"cephalo_memory_fraction = 0.0 .*HF_CEPHALO_MEMORY_FRACTION"),
-    (dict(cephalo_memory_fraction=1.5), "cephalo_memory_fraction = 1.5"),
-    (dict(cephalo_memory_fraction=float("nan")), "cephalo_memory_fraction = nan"),
-    (dict(cephalo_global_batch_size=0), "cephalo_global_batch_size = 0"),
-    (dict(cephalo_activation_offload="sometimes"), "cephalo_activation_offload = 'sometimes'"),
-    (dict(cephalo_emulate_slowdown=[1.0, 0.5]), r"cephalo_emulate_slowdown = \[1.0, 0.5\]"),
-    (dict(cephalo_emulate_slowdown="1,x"), "cephalo_emulate_slowdown = '1,x' is not a list"),
-    (dict(cephalo_emulate_memory_cap_bytes=[0]), r"cephalo_emulate_memory_cap_bytes = \[0\]"),
+    (dict(cephalo_memory_fraction=0.0), r"memory_fraction = 0.0 \(--cephalo_memory_fraction or env HF_CEPHALO_MEMORY_FRACTION\)"),
+    (dict(cephalo_memory_fraction=1.5), "memory_fraction = 1.5"),
+    (dict(cephalo_memory_fraction=float("nan")), "memory_fraction = nan"),
+    (dict(cephalo_global_batch_size=0), "global_batch_size = 0"),
+    (dict(cephalo_activation_offload="sometimes"), "activation_offload = 'sometimes'"),
+    (dict(cephalo_emulate_slowdown=[1.0, 0.5]), r"emulate_slowdown = \[1.0, 0.5\]"),
+    (dict(cephalo_emulate_slowdown="1,x"), "emulate_slowdown = '1,x' is not a list"),
+    (dict(cephalo_emulate_memory_cap_bytes=[0]), r"emulate_memory_cap_bytes = \[0\]"),
     (dict(cephalo_emulate_memory_cap_bytes="1.5"), "whole numbers"),
     (dict(cephalo_emulate_slowdown=[1, 2], cephalo_emulate_memory_cap_bytes=[5]), "one value per rank"),
-    (dict(cephalo_plan_file="/nonexistent/plan.json"), "cephalo_plan_file = '/nonexistent/plan.json'.*no such file"),
+    (dict(cephalo_plan_file="/nonexistent/plan.json"), "plan_file = '/nonexistent/plan.json'.*no such file"),
     (dict(cephalo_profile_file="/nonexistent/p.json"), "cephalo_profile_file"),
+    (dict(cephalo_global_batch_size=2.5), "global_batch_size = 2.5"),
+    (dict(cephalo_emulate_slowdown=[1.0, float("inf")]), "emulate_slowdown"),
     (dict(gradient_accumulation_steps=4), "gradient_accumulation_steps = 4.*cephalo_global_batch_size"),
 ])
 def test_validation(tmp_path, kw, match):
@@ -86,7 +88,7 @@ def test_validation(tmp_path, kw, match):
 
 def test_env_value_is_validated(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_CEPHALO_MEMORY_FRACTION", "abc")
-    with pytest.raises(ValueError, match="cephalo_memory_fraction = 'abc'"):
+    with pytest.raises(ValueError, match="memory_fraction = 'abc'"):
         _args(tmp_path)
 
 

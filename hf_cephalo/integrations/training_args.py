@@ -22,40 +22,19 @@ config (DESIGN contract 6), so Cephalo settings cannot live there.
 from __future__ import annotations
 
 import logging
-import math
-import os
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
 from transformers import TrainingArguments
 
-__all__ = ["CephaloTrainingArguments", "ENV_PREFIX", "ACTIVATION_OFFLOAD_CHOICES"]
+from hf_cephalo.integrations.accelerate import CephaloPlugin
+
+__all__ = ["CephaloTrainingArguments"]
 
 logger = logging.getLogger(__name__)
 
-ENV_PREFIX = "HF_CEPHALO_"
-ACTIVATION_OFFLOAD_CHOICES = ("on", "off", "auto")
-_DEFAULT_MEMORY_FRACTION = 0.8
-_DEFAULT_ACTIVATION_OFFLOAD = "auto"
-
-
-def _env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.removeprefix("cephalo_").upper()
-
-
-def _parse_list(value: str | list | tuple, cast: type, what: str) -> list:
-    """'1,2.5' or '1 2.5' or [1, 2.5] -> list of ``cast`` (float or int); ValueError naming ``what``."""
-    items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
-    try:
-        numbers = [float(x) for x in items]
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} = {value!r} is not a list of numbers (use e.g. '1,2.5')") from None
-    if cast is int:
-        if any(x != int(x) for x in numbers):
-            raise ValueError(f"{what} = {value!r}: entries must be whole numbers")
-        return [int(x) for x in numbers]
-    return numbers
+_PLUGIN_FIELDS = [f.name for f in fields(CephaloPlugin) if f.name != "distributed_type"]
 
 
 @dataclass
@@ -99,8 +78,7 @@ class CephaloTrainingArguments(TrainingArguments):
         "HF_CEPHALO_EMULATE_MEMORY_CAP_BYTES='8e9,4e9'.")})
 
     def __post_init__(self) -> None:
-        self._apply_env_fallbacks()
-        self._validate_cephalo_fields()
+        self._resolve_cephalo_fields()
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"gradient_accumulation_steps = {self.gradient_accumulation_steps}: Cephalo accumulates "
@@ -115,62 +93,12 @@ class CephaloTrainingArguments(TrainingArguments):
             self.use_cpu = True
         super().__post_init__()
 
-    def _apply_env_fallbacks(self) -> None:
-        for f in fields(self):
-            if not f.name.startswith("cephalo_") or getattr(self, f.name) is not None:
-                continue
-            value = os.environ.get(_env_name(f.name))
-            if value is not None and value.strip():
-                setattr(self, f.name, value.strip())
-        if self.cephalo_memory_fraction is None:
-            self.cephalo_memory_fraction = _DEFAULT_MEMORY_FRACTION
-        if self.cephalo_activation_offload is None:
-            self.cephalo_activation_offload = _DEFAULT_ACTIVATION_OFFLOAD
-
-    def _validate_cephalo_fields(self) -> None:
-        def bad(name: str, requirement: str) -> ValueError:
-            return ValueError(f"{name} = {getattr(self, name)!r} (or env {_env_name(name)}): "
-                              f"{requirement}")
-
-        for name in ("cephalo_plan_file", "cephalo_profile_file"):
-            path = getattr(self, name)
-            if path is not None and not os.path.isfile(path):
-                raise bad(name, "no such file; write one with `hf-cephalo "
-                                f"{'plan --out' if 'plan' in name else 'profile --out'}` or unset it")
-        if self.cephalo_global_batch_size is not None:
-            try:
-                self.cephalo_global_batch_size = int(str(self.cephalo_global_batch_size))
-            except ValueError:
-                raise bad("cephalo_global_batch_size", "must be an integer >= 1 (samples)") from None
-            if self.cephalo_global_batch_size < 1:
-                raise bad("cephalo_global_batch_size", "must be an integer >= 1 (samples)")
-        try:
-            self.cephalo_memory_fraction = float(self.cephalo_memory_fraction)
-        except ValueError:
-            raise bad("cephalo_memory_fraction", "must be a number in (0, 1]") from None
-        if not 0.0 < self.cephalo_memory_fraction <= 1.0:
-            raise bad("cephalo_memory_fraction", "must be a number in (0, 1]")
-        self.cephalo_activation_offload = str(self.cephalo_activation_offload).lower()
-        if self.cephalo_activation_offload not in ACTIVATION_OFFLOAD_CHOICES:
-            raise bad("cephalo_activation_offload", f"must be one of {ACTIVATION_OFFLOAD_CHOICES}")
-        if self.cephalo_emulate_slowdown is not None:
-            self.cephalo_emulate_slowdown = _parse_list(
-                self.cephalo_emulate_slowdown, float, "cephalo_emulate_slowdown")
-            if not self.cephalo_emulate_slowdown or not all(
-                    1.0 <= x < math.inf for x in self.cephalo_emulate_slowdown):
-                raise bad("cephalo_emulate_slowdown", "need one factor >= 1 per rank (a device "
-                                                      "cannot be emulated faster than it is)")
-        if self.cephalo_emulate_memory_cap_bytes is not None:
-            self.cephalo_emulate_memory_cap_bytes = _parse_list(
-                self.cephalo_emulate_memory_cap_bytes, int, "cephalo_emulate_memory_cap_bytes")
-            if not self.cephalo_emulate_memory_cap_bytes or min(self.cephalo_emulate_memory_cap_bytes) < 1:
-                raise bad("cephalo_emulate_memory_cap_bytes", "need one capacity > 0 (bytes) per rank")
-        if (self.cephalo_emulate_slowdown is not None and self.cephalo_emulate_memory_cap_bytes is not None
-                and len(self.cephalo_emulate_slowdown) != len(self.cephalo_emulate_memory_cap_bytes)):
-            raise ValueError(
-                f"cephalo_emulate_slowdown has {len(self.cephalo_emulate_slowdown)} entries but "
-                f"cephalo_emulate_memory_cap_bytes has {len(self.cephalo_emulate_memory_cap_bytes)}; "
-                "give one value per rank in both")
+    def _resolve_cephalo_fields(self) -> None:
+        # CephaloPlugin owns environment fallback, defaults and validation; copy its normalized
+        # values back so that args and plugin never disagree.
+        plugin = CephaloPlugin(**{name: getattr(self, "cephalo_" + name) for name in _PLUGIN_FIELDS})
+        for name in _PLUGIN_FIELDS:
+            setattr(self, "cephalo_" + name, getattr(plugin, name))
 
     @property
     def cephalo_offload_activations(self) -> bool | None:
@@ -178,15 +106,8 @@ class CephaloTrainingArguments(TrainingArguments):
         return {"on": True, "off": False, "auto": None}[self.cephalo_activation_offload]
 
     def check_world_size(self, world_size: int) -> None:
-        """Raise ValueError if a per-rank emulation list does not have ``world_size`` entries.
-
-        Called by the trainer once the world size is known, before any collective.
-        """
-        for name in ("cephalo_emulate_slowdown", "cephalo_emulate_memory_cap_bytes"):
-            values = getattr(self, name)
-            if values is not None and len(values) != world_size:
-                raise ValueError(f"{name} = {values} has {len(values)} entries but the world size "
-                                 f"is {world_size}; give one value per rank in rank order")
+        """Raise ValueError if a per-rank emulation list does not have ``world_size`` entries."""
+        CephaloPlugin.from_training_args(self).check_world_size(world_size)
 
     def resolve_global_batch_size(self, world_size: int, plan_global_batch_size: int | None = None) -> int:
         """The global batch size B (samples per optimizer step) per [Note: batch size semantics].

@@ -1,0 +1,223 @@
+"""Cephalo's place inside Accelerate: CephaloDistributedType, CephaloPlugin, CephaloAccelerator.
+
+[Note: why Cephalo does not extend Accelerate's DistributedType]
+Stock ``accelerate launch`` validates its YAML config in the launcher process and rejects unknown
+keys and unknown ``distributed_type`` values, and Accelerate's gather / reduce / broadcast
+dispatch on ``AcceleratorState.distributed_type``: a new member written there turns them into
+silent no-ops. So Accelerate's own type stays MULTI_GPU (CUDA, NCCL) or MULTI_CPU (gloo), and
+Cephalo registers itself beside it: ``CephaloDistributedType.CEPHALO`` carried by a
+``CephaloPlugin`` on the ``CephaloAccelerator`` (DESIGN contract 6). Cephalo's settings come from
+``CephaloTrainingArguments`` or ``HF_CEPHALO_*`` environment variables, never from the YAML.
+
+[Note: CPU workers under accelerate launch]
+On a machine without CUDA, stock ``accelerate launch`` with ``distributed_type: MULTI_CPU``
+starts one process (it expects mpirun), and ``use_cpu: true`` in the YAML is not passed to the
+workers. Cephalo's CPU config therefore says MULTI_GPU with ``num_processes`` N (torchrun starts
+N workers), and each worker builds its state with ``cpu=True``: Accelerate then reports
+MULTI_CPU, gloo and the real number of processes. Without ``cpu=True`` the workers would see an
+initialized process group while Accelerate reports DistributedType.NO and one process.
+``CephaloAccelerator`` and ``CephaloTrainingArguments`` set ``cpu=True`` automatically when CUDA
+is absent.
+
+[Note: Accelerate must not re-shard the weighted sampler]
+``Accelerator.prepare`` wraps a DataLoader so that each process reads 1/world_size of its
+batches; Cephalo's per-rank DataLoader already yields only this rank's b_i samples (see
+``sampler.WeightedBatchSampler``). ``CephaloAccelerator.prepare_data_loader`` returns such a
+loader unchanged (no re-sharding, no device placement: the engine moves microbatches itself).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from hf_cephalo.integrations.sampler import WeightedBatchSampler
+
+__all__ = ["CephaloDistributedType", "CephaloPlugin", "CephaloAccelerator", "ENV_PREFIX",
+           "ACTIVATION_OFFLOAD_CHOICES"]
+
+ENV_PREFIX = "HF_CEPHALO_"
+ACTIVATION_OFFLOAD_CHOICES = ("on", "off", "auto")
+
+
+class CephaloDistributedType(str, enum.Enum):
+    """Cephalo's distributed type, kept beside (not inside) Accelerate's ``DistributedType``."""
+
+    CEPHALO = "CEPHALO"
+
+
+def env_name(name: str) -> str:
+    """Environment variable of a setting: ``memory_fraction`` -> ``HF_CEPHALO_MEMORY_FRACTION``."""
+    return ENV_PREFIX + name.removeprefix("cephalo_").upper()
+
+
+def _parse_list(value: Any, cast: type, what: str) -> list:
+    """'1,2.5' or '1 2.5' or [1, 2.5] -> list of ``cast`` (float or int); ValueError naming ``what``."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    try:
+        numbers = [float(x) for x in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} is not a list of numbers (use e.g. '1,2.5')") from None
+    if cast is int:
+        if any(not math.isfinite(x) or x != int(x) for x in numbers):
+            raise ValueError(f"{what}: entries must be whole numbers")
+        return [int(x) for x in numbers]
+    return numbers
+
+
+@dataclass(kw_only=True)
+class CephaloPlugin:
+    """Cephalo's settings, carried on ``CephaloAccelerator.cephalo_plugin``.
+
+    Every field left None falls back to the environment variable ``HF_CEPHALO_<NAME>`` (e.g.
+    ``HF_CEPHALO_PLAN_FILE``), then to its default. Values are normalized in ``__post_init__``
+    (strings from the environment become numbers/lists).
+
+    Raises ValueError naming the field, its ``--cephalo_*`` flag, its environment variable and
+    the value, for: a missing plan/profile file, a global batch size < 1, a memory fraction
+    outside (0, 1], an unknown activation offload mode, a slowdown factor < 1 or not finite, a
+    memory cap < 1 byte, or emulation lists of different lengths.
+    """
+
+    plan_file: str | None = None
+    """Plan JSON (``hf-cephalo plan --out``); None: plan at start from ``profile_file``."""
+    profile_file: str | None = None
+    """Cluster profile JSON; None with no plan: profile this cluster at start."""
+    global_batch_size: int | None = None
+    """Global batch size B (samples per optimizer step, all ranks); None: the plan's value."""
+    memory_fraction: float | None = None
+    """Fraction c in (0, 1] of each device's memory capacity (bytes) the plan may use; default 0.8."""
+    activation_offload: str | None = None
+    """'on', 'off' or 'auto' (on for CUDA, off on CPU); default 'auto'."""
+    emulate_slowdown: list[float] | None = None
+    """Per-rank compute slowdown factors (dimensionless, >= 1), rank order; None: no emulation."""
+    emulate_memory_cap_bytes: list[int] | None = None
+    """Per-rank emulated memory capacity (bytes, > 0), rank order; None: real capacity."""
+    distributed_type: CephaloDistributedType = CephaloDistributedType.CEPHALO
+    """Cephalo's own distributed type (Accelerate's stays MULTI_GPU / MULTI_CPU)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name != "distributed_type" and getattr(self, f.name) is None:
+                value = os.environ.get(env_name(f.name), "").strip()
+                if value:
+                    setattr(self, f.name, value)
+        if self.memory_fraction is None:
+            self.memory_fraction = 0.8
+        if self.activation_offload is None:
+            self.activation_offload = "auto"
+        self._validate()
+
+    def _bad(self, name: str, requirement: str) -> ValueError:
+        return ValueError(f"{name} = {getattr(self, name)!r} (--cephalo_{name} or env "
+                          f"{env_name(name)}): {requirement}")
+
+    def _validate(self) -> None:
+        for name, command in (("plan_file", "plan"), ("profile_file", "profile")):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise self._bad(name, f"no such file; write one with `hf-cephalo {command} --out "
+                                      f"FILE` or leave it unset")
+        if self.global_batch_size is not None:
+            try:
+                value = float(self.global_batch_size)
+            except (TypeError, ValueError):
+                value = math.nan
+            if not (math.isfinite(value) and value == int(value) and value >= 1):
+                raise self._bad("global_batch_size", "must be an integer >= 1 (samples)")
+            self.global_batch_size = int(value)
+        try:
+            fraction = float(self.memory_fraction)
+        except (TypeError, ValueError):
+            fraction = math.nan
+        if not 0.0 < fraction <= 1.0:
+            raise self._bad("memory_fraction", "must be a number in (0, 1]")
+        self.memory_fraction = fraction
+        if str(self.activation_offload).lower() not in ACTIVATION_OFFLOAD_CHOICES:
+            raise self._bad("activation_offload", f"must be one of {ACTIVATION_OFFLOAD_CHOICES}")
+        self.activation_offload = str(self.activation_offload).lower()
+        self._validate_emulation()
+
+    def _validate_emulation(self) -> None:
+        if self.emulate_slowdown is not None:
+            what = f"emulate_slowdown = {self.emulate_slowdown!r}"
+            self.emulate_slowdown = _parse_list(self.emulate_slowdown, float, what)
+            if not self.emulate_slowdown or not all(1.0 <= x < math.inf for x in self.emulate_slowdown):
+                raise self._bad("emulate_slowdown", "need one finite factor >= 1 per rank (a device "
+                                                    "cannot be emulated faster than it is)")
+        if self.emulate_memory_cap_bytes is not None:
+            what = f"emulate_memory_cap_bytes = {self.emulate_memory_cap_bytes!r}"
+            self.emulate_memory_cap_bytes = _parse_list(self.emulate_memory_cap_bytes, int, what)
+            if not self.emulate_memory_cap_bytes or min(self.emulate_memory_cap_bytes) < 1:
+                raise self._bad("emulate_memory_cap_bytes", "need one capacity >= 1 (bytes) per rank")
+        if (self.emulate_slowdown is not None and self.emulate_memory_cap_bytes is not None
+                and len(self.emulate_slowdown) != len(self.emulate_memory_cap_bytes)):
+            raise ValueError(f"emulate_slowdown has {len(self.emulate_slowdown)} entries but "
+                             f"emulate_memory_cap_bytes has {len(self.emulate_memory_cap_bytes)}; "
+                             "give one value per rank in both")
+
+    @property
+    def offload_activations(self) -> bool | None:
+        """``activation_offload`` as the engine's argument: True, False, or None (auto)."""
+        return {"on": True, "off": False, "auto": None}[self.activation_offload]
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ValueError if a per-rank emulation list does not have ``world_size`` entries.
+
+        Call once the world size is known, before any collective.
+        """
+        for name in ("emulate_slowdown", "emulate_memory_cap_bytes"):
+            values = getattr(self, name)
+            if values is not None and len(values) != world_size:
+                raise ValueError(f"{name} = {values} ({env_name(name)} / --cephalo_{name}) has "
+                                 f"{len(values)} entries but the world size is {world_size}; give "
+                                 "one value per rank in rank order")
+
+    @classmethod
+    def from_training_args(cls, args: Any) -> CephaloPlugin:
+        """The plugin of a ``CephaloTrainingArguments`` (its cephalo_* fields, already resolved)."""
+        return cls(**{f.name: getattr(args, "cephalo_" + f.name)
+                      for f in fields(cls) if f.name != "distributed_type"})
+
+
+class CephaloAccelerator(Accelerator):
+    """An ``Accelerator`` that carries a ``CephaloPlugin`` and leaves Cephalo's loaders alone.
+
+    Takes every ``Accelerator`` argument plus ``cephalo_plugin`` (default: ``CephaloPlugin()``,
+    i.e. from ``HF_CEPHALO_*``). ``cpu`` defaults to True when CUDA is absent (see
+    [Note: CPU workers under accelerate launch]). ``distributed_type`` / ``num_processes`` remain
+    Accelerate's (MULTI_GPU or MULTI_CPU, real world size), so gather, reduce, broadcast and RNG
+    synchronization work as usual; ``cephalo_distributed_type`` is CEPHALO.
+
+    Raises ValueError (on every rank, before any collective) if the plugin's per-rank lists do
+    not match the number of processes.
+    """
+
+    def __init__(self, *args: Any, cephalo_plugin: CephaloPlugin | None = None, **kwargs: Any) -> None:
+        if "cpu" not in kwargs and not torch.cuda.is_available():
+            kwargs["cpu"] = True
+        super().__init__(*args, **kwargs)
+        self.cephalo_plugin = cephalo_plugin if cephalo_plugin is not None else CephaloPlugin()
+        self.cephalo_plugin.check_world_size(self.num_processes)
+
+    @property
+    def cephalo_distributed_type(self) -> CephaloDistributedType:
+        """Cephalo's distributed type (``self.distributed_type`` is Accelerate's own)."""
+        return self.cephalo_plugin.distributed_type
+
+    def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement=None,
+                            slice_fn_for_dispatch=None):
+        """Return a loader over a ``WeightedBatchSampler`` unchanged; others as ``Accelerator`` does.
+
+        See [Note: Accelerate must not re-shard the weighted sampler].
+        """
+        if isinstance(getattr(data_loader, "batch_sampler", None), WeightedBatchSampler):
+            return data_loader
+        return super().prepare_data_loader(data_loader, device_placement=device_placement,
+                                           slice_fn_for_dispatch=slice_fn_for_dispatch)

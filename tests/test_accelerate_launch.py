@@ -1,0 +1,95 @@
+"""Real `accelerate launch` runs of the shipped configs: 2 CPU processes over gloo.
+
+Each launch costs several seconds, so there are few of them and the worker script
+(tests/launch_scripts/check_accelerate.py) runs many checks inside each launched process.
+Every launch runs in its own session under a hard timeout; on timeout the whole process group
+(launcher, torchrun and workers) is killed so a hang fails the test instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import free_port
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "accelerate_configs"
+WORKER = ROOT / "tests" / "launch_scripts" / "check_accelerate.py"
+LAUNCH_TIMEOUT_S = 150
+
+
+def _launch(config: str, port: int, out_dir: Path, env_extra: dict[str, str] | None = None,
+            extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_CEPHALO_")}
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+           "--main_process_port", str(port), *extra_args, str(WORKER), str(out_dir)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=LAUNCH_TIMEOUT_S)
+            results.append((p.returncode, out))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError(f"accelerate launch did not finish within {LAUNCH_TIMEOUT_S} s (hang?)")
+    return results
+
+
+def _summaries(out_dir: Path, world_size: int) -> list[dict]:
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def _check_multi_cpu(summaries: list[dict]) -> None:
+    for rank, s in enumerate(summaries):
+        assert s["rank"] == s["process_index"] == rank
+        assert s["num_processes"] == s["world_size"] == 2  # the real number, not 1
+        assert s["distributed_type"] == "DistributedType.MULTI_CPU" and s["backend"] == "gloo"
+        assert s["cephalo_distributed_type"] == "CEPHALO" and s["use_cpu"] is True
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU (gloo) path")
+def test_single_machine_cpu_config(tmp_path):
+    [(rc, out)] = _wait_all([_launch("cephalo_cpu.yaml", free_port(), tmp_path,
+                                     env_extra={"HF_CEPHALO_GLOBAL_BATCH_SIZE": "6"})])
+    assert rc == 0, out[-4000:]
+    summaries = _summaries(tmp_path, 2)
+    _check_multi_cpu(summaries)
+    # the environment fallback reaches the workers through the launcher
+    assert all(s["plugin_global_batch_size"] == s["args_global_batch_size"] == 6 for s in summaries)
+    # 37 samples, b = (2, 5): 5 full steps + a last step of 2 split 1/1 (proportional 0.57/1.43)
+    assert summaries[0]["local_steps"] == [2, 2, 2, 2, 2, 1]
+    assert summaries[1]["local_steps"] == [5, 5, 5, 5, 5, 1]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU (gloo) path")
+def test_two_machines_on_loopback(tmp_path):
+    port = free_port()
+    procs = [_launch(f"cephalo_cpu_2machines_rank{r}.yaml", port, tmp_path) for r in range(2)]
+    results = _wait_all(procs)
+    for machine, (rc, out) in enumerate(results):
+        assert rc == 0, f"machine_rank {machine}:\n{out[-4000:]}"
+    _check_multi_cpu(_summaries(tmp_path, 2))
+
+
+def test_bad_setting_fails_on_every_rank_without_hanging(tmp_path):
+    [(rc, out)] = _wait_all([_launch("cephalo_cpu.yaml", free_port(), tmp_path,
+                                     env_extra={"HF_CEPHALO_MEMORY_FRACTION": "2"})])
+    assert rc != 0
+    assert "memory_fraction = '2' (--cephalo_memory_fraction or env HF_CEPHALO_MEMORY_FRACTION)" in out
+    assert not list(tmp_path.glob("rank*.json"))
