@@ -50,14 +50,16 @@ def _gpt_neox(**kw):
 
 
 def _vit(**kw):
+    kw = {"num_labels": 5, **kw}
     cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, intermediate_size=128,
-                                 num_labels=5, **COMMON, **kw)
+                                 **COMMON, **kw)
     return transformers.ViTForImageClassification(cfg)
 
 
 def _bert(**kw):
+    kw = {"num_labels": 3, **kw}
     cfg = transformers.BertConfig(vocab_size=VOCAB, intermediate_size=128, max_position_embeddings=64,
-                                  num_labels=3, **COMMON, **kw)
+                                  **COMMON, **kw)
     return transformers.BertForSequenceClassification(cfg)
 
 
@@ -153,7 +155,8 @@ def staged_backward(staged: StagedModel, microbatches, num_items: int) -> float:
             y.backward(grad)
             grad = x.grad
         hidden, _ = staged.embed(mb)  # root input step last, as the engine's root backward
-        hidden.backward(grad)
+        if hidden.requires_grad:  # False when every embedding parameter is frozen
+            hidden.backward(grad)
     return total / num_items
 
 

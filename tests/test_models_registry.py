@@ -1,0 +1,109 @@
+"""Adapter lookup, structure checks, clear errors and training preparation (issue 4, items 1, 6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from hf_cephalo.models import adapter_for, register_adapter, stage_model, supported_model_classes
+from hf_cephalo.models.bert import BertStagedModel
+from hf_cephalo.models.gpt2 import GPT2StagedModel
+from hf_cephalo.models.gpt_neox import GPTNeoXStagedModel
+from hf_cephalo.models.llama import LlamaStagedModel
+from hf_cephalo.models.vit import ViTStagedModel
+from tests.models_fixtures import BUILDERS, build, make_batch
+
+EXPECTED = {"llama": LlamaStagedModel, "mistral": LlamaStagedModel, "qwen2": LlamaStagedModel,
+            "gpt2": GPT2StagedModel, "gpt_neox": GPTNeoXStagedModel, "vit": ViTStagedModel,
+            "bert": BertStagedModel}
+
+
+def test_every_required_class_is_registered():
+    assert set(supported_model_classes()) >= {
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel",
+        "ViTForImageClassification", "GPTNeoXForCausalLM", "BertForSequenceClassification"}
+
+
+@pytest.mark.parametrize("arch", list(BUILDERS))
+def test_structure_covers_parameters_exactly(arch):
+    model = build(arch)
+    staged = stage_model(model)
+    assert type(staged) is EXPECTED[arch]
+    assert staged.num_units == 2 and staged.model is model
+    root = [p for m in staged.root_modules() for p in m.parameters()]
+    units = [p for u in staged.units() for p in u.parameters()]
+    ids = {id(p) for p in root} | {id(p) for p in units}
+    assert ids == {id(p) for p in model.parameters()}
+    assert len({id(p) for p in root} & {id(p) for p in units}) == 0
+    assert sum(p.numel() for p in {id(p): p for p in root + units}.values()) == model.num_parameters()
+    numels = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
+    assert len(set(numels)) == 1  # identical units
+
+
+def test_unknown_model_class_lists_supported_and_points_to_docs():
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
+        word_embed_proj_dim=16))
+    with pytest.raises(ValueError, match="OPTForCausalLM") as info:
+        stage_model(model)
+    assert "LlamaForCausalLM" in str(info.value) and "docs/adding_a_model.md" in str(info.value)
+    with pytest.raises(ValueError, match="no staged-model adapter"):
+        stage_model(torch.nn.Linear(2, 2))
+
+
+def test_subclass_finds_base_adapter_and_register_adapter_overrides():
+    class MyLlama(transformers.LlamaForCausalLM):
+        pass
+
+    model = MyLlama(build("llama").config)
+    assert adapter_for(model) is LlamaStagedModel
+
+    class MyAdapter(LlamaStagedModel):
+        pass
+
+    register_adapter(MyLlama, MyAdapter)
+    try:
+        assert type(stage_model(model)) is MyAdapter
+        assert type(stage_model(build("llama"))) is LlamaStagedModel
+    finally:
+        from hf_cephalo.models import registry
+        registry._ADAPTERS.pop("MyLlama")
+    with pytest.raises(TypeError, match="StagedModel subclass"):
+        register_adapter("X", object)
+
+
+def test_extra_module_is_rejected():
+    model = build("gpt2")
+    model.value_head = torch.nn.Linear(64, 1)
+    with pytest.raises(ValueError, match="value_head.weight.*adding_a_model.md"):
+        stage_model(model)
+
+
+def test_bert_without_pooler_is_rejected():
+    model = build("bert")
+    model.bert.pooler = None
+    with pytest.raises(ValueError, match="pooler"):
+        stage_model(model)
+
+
+@pytest.mark.parametrize("arch", list(BUILDERS))
+def test_prepare_for_training_forces_use_cache_off(arch):
+    model = build(arch)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = True
+    stage_model(model).prepare_for_training()
+    assert getattr(model.config, "use_cache", False) is False
+
+
+@pytest.mark.parametrize("arch,key", [("llama", "input_ids"), ("llama", "labels"), ("gpt2", "labels"),
+                                      ("vit", "pixel_values"), ("vit", "labels"), ("bert", "labels")])
+def test_missing_key_is_a_clear_error(arch, key):
+    staged = stage_model(build(arch))
+    batch = make_batch(arch, 2)
+    del batch[key]
+    with pytest.raises(ValueError, match=f"no '{key}'.*keys present"):
+        if key == "labels":
+            staged.count_items(batch)
+        else:
+            staged.embed(batch)
