@@ -1,0 +1,170 @@
+"""``hf-cephalo`` command line. Subcommands live in one registry (``SUBCOMMANDS``).
+
+Adding a subcommand (``profile``, ``simulate``, ``export``, ...)::
+
+    from hf_cephalo.cli import register_subcommand
+    register_subcommand("simulate", "predict a plan", add_arguments=_add, run=_run)
+
+or add an entry to ``_BUILTIN`` below. ``run(args) -> int`` returns the exit status; a
+``ValueError`` it raises is printed as ``error: ...`` with exit status 2 (bad user input).
+Heavy imports (torch, matplotlib) happen inside ``run`` so ``hf-cephalo plan`` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, NamedTuple, Sequence
+
+__all__ = ["main", "register_subcommand", "SUBCOMMANDS"]
+
+GIB = float(1 << 30)
+
+
+class Subcommand(NamedTuple):
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def register_subcommand(name: str, help: str, *, add_arguments, run) -> None:
+    """Register ``hf-cephalo <name>``; ValueError if the name is taken."""
+    if name in SUBCOMMANDS:
+        raise ValueError(f"subcommand {name!r} is already registered")
+    SUBCOMMANDS[name] = Subcommand(help, add_arguments, run)
+
+
+# --- plan ------------------------------------------------------------------------------------
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", help="measured cluster profile JSON (docs/profiles.md)")
+    src.add_argument("--cluster", help="cluster YAML of GPU types per machine (spec-sheet "
+                                       "estimate; needs --model)")
+    p.add_argument("--model", help="model shape for --cluster, e.g. llama-3b (see docs/planner.md)")
+    p.add_argument("--global-batch-size", "-B", type=int, required=True,
+                   help="B, samples per iteration over all ranks")
+    p.add_argument("--memory-fraction", type=float, default=0.8,
+                   help="c, fraction of each GPU's memory the plan may use (default 0.8)")
+    p.add_argument("--no-idle", action="store_true",
+                   help="require every rank to process at least one sample (b_i >= 1)")
+    p.add_argument("--efficiency", type=float, default=0.5,
+                   help="assumed fraction of peak FLOP/s for --cluster estimates (default 0.5)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="peak FLOP/s column for --cluster estimates (default fp32)")
+    p.add_argument("--out", help="write the plan JSON here")
+    p.add_argument("--save-profile", help="write the (estimated) cluster profile JSON here")
+    p.add_argument("--plot", help="write a PNG: per-GPU batch share and state share")
+
+
+def _load_cluster(args: argparse.Namespace):
+    if args.profile:
+        from hf_cephalo.profiler.types import ClusterProfile
+
+        return ClusterProfile.load(args.profile)
+    if not args.model:
+        raise ValueError("--cluster needs --model (one of the shapes in docs/planner.md, "
+                         "e.g. --model llama-3b)")
+    from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
+
+    return estimate_cluster_profile(load_cluster_yaml(args.cluster), args.model,
+                                    efficiency=args.efficiency, precision=args.precision)
+
+
+def format_plan_table(plan, prediction) -> str:
+    """The per-rank table printed by ``hf-cephalo plan``."""
+    head = (f"{'rank':>4}  {'device':<10} {'b_i':>5} {'m_i':>4} {'l_i':>4} {'r_i':>7}  "
+            f"{'memory used / cap (GiB)':>23}  {'unit time (ms)':>14}")
+    lines = [head, "-" * len(head)]
+    for r, p in zip(plan.ranks, prediction.ranks):
+        mem = f"{p.memory_bytes / GIB:8.2f} / {p.cap_bytes / GIB:8.2f}"
+        lines.append(f"{r.rank:>4}  {r.device:<10} {r.batch_size:>5} {r.microbatch_size:>4} "
+                     f"{r.num_microbatches:>4} {r.state_ratio:>7.4f}  {mem:>23}  "
+                     f"{p.unit_time_s * 1e3:>14.2f}")
+    return "\n".join(lines)
+
+
+def plot_plan(plan, path: str) -> None:
+    """Bar chart: per-GPU batch share b_i / B beside state share r_i (matplotlib, lazy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    n = plan.world_size
+    x = np.arange(n)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * n + 2), 3.5))
+    ax.bar(x - 0.2, [b / plan.global_batch_size for b in plan.batch_sizes], 0.4,
+           label="batch share b_i / B")
+    ax.bar(x + 0.2, plan.state_ratios, 0.4, label="state share r_i")
+    ax.set_xticks(x, [f"{r.rank}\n{r.device}" for r in plan.ranks],
+                  fontsize=8 if n <= 16 else 5)
+    ax.set_ylabel("fraction")
+    ax.set_title(f"Cephalo plan, B = {plan.global_batch_size}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from hf_cephalo.planner.optimize import optimize
+    from hf_cephalo.planner.simulate import predict
+
+    cluster = _load_cluster(args)
+    if args.save_profile:
+        cluster.save(args.save_profile)
+    plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
+                    allow_idle=not args.no_idle)
+    pred = predict(plan, cluster)
+    print(f"profile: {cluster.source}, model {cluster.model.name}, "
+          f"{cluster.world_size} ranks, training state {cluster.model.state_bytes / GIB:.1f} GiB")
+    if cluster.source != "measured":
+        print("note: spec-sheet estimates; measured profiles (hf-cephalo profile) replace them")
+    print(format_plan_table(plan, pred))
+    print(f"state sharding: {'uneven' if plan.uneven_state else 'even'}")
+    print(f"predicted iteration time: {pred.iteration_s:.3f} s, "
+          f"{pred.samples_per_s:.2f} samples/s")
+    if args.out:
+        plan.save(args.out)
+        print(f"plan written to {args.out}")
+    if args.plot:
+        plot_plan(plan, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+_BUILTIN = {
+    "plan": Subcommand("choose per-rank batch, microbatch and state share (exact optimizer)",
+                       _add_plan_arguments, _run_plan),
+}
+for _name, _sub in _BUILTIN.items():
+    SUBCOMMANDS.setdefault(_name, _sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-cephalo", description="Heterogeneous-GPU training "
+                                     "for Hugging Face models (Cephalo).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, spec in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=spec.help, description=spec.help)
+        spec.add_arguments(p)
+        p.set_defaults(_run=spec.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hf-cephalo`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

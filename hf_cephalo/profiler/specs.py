@@ -1,0 +1,355 @@
+"""What-if planning from spec sheets: GPU and model tables -> an analytical ClusterProfile.
+
+ESTIMATES ONLY. Peak TFLOP/s from vendor data sheets times an assumed efficiency, and
+activation memory from a textbook formula, stand in for measurements until the profiler
+(``hf-cephalo profile``) measures the real ones; a measured ``ClusterProfile`` replaces all of
+this. Pure Python (no torch) so ``hf-cephalo plan`` starts fast.
+
+Formulas (per transformer layer, per sample, sequence length s, hidden h, heads a, FFN f):
+
+* forward FLOPs = 2·P_matmul·s + 4·s²·h (two FLOPs per multiply-add for the weight matmuls;
+  QKᵀ and attention·V add 2·s²·h each); backward = 2 × forward (Kaplan et al. 2020, §2.1;
+  Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters", §5.1).
+* F(m) = launch overhead + m·FLOPs / (efficiency · peak), B(m) = 2·(F(m) − overhead) + overhead.
+* activation bytes of one layer during its recompute + backward = s·h·(34 + 5·a·s/h) for 16-bit
+  activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", eq. 1), doubled for fp32; plus logits and their gradient for a language-model head
+  (2·s·V·4 bytes). Boundary activations are offloaded to the host (DESIGN contract 4), so
+  compute memory grows with m, not with l.
+* fixed compute memory: the gathered current and prefetched unit (2 × 4·P_unit bytes), its
+  unsharded gradient (4·P_unit), the gathered root unit with its gradient (2 × 4·P_other) and a
+  framework reserve (``framework_reserve_bytes``, default 1 GiB).
+* all-gather / reduce-scatter of one unit in a ring: (N − 1)/N · 4·P_unit bytes over the slowest
+  link (the network between machines if the job spans several, else the intra-machine link).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+
+__all__ = [
+    "GPUSpec", "GPU_SPECS", "ModelShape", "MODEL_SHAPES", "ClusterSpec",
+    "get_gpu_spec", "get_model_shape", "load_cluster_yaml", "estimate_device_profile",
+    "estimate_comm_profile", "estimate_cluster_profile",
+]
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    """Vendor spec-sheet figures of one GPU type.
+
+    Attributes:
+        name: type name used in cluster YAML files.
+        memory_gib: device memory, GiB (vendor "GB" of GPU memory are binary capacities).
+        fp32_tflops: peak fp32 (non-tensor) TFLOP/s.
+        bf16_tflops: peak dense bf16 tensor-core TFLOP/s; None if the GPU has no bf16.
+        source: where the figures come from.
+    """
+
+    name: str
+    memory_gib: float
+    fp32_tflops: float
+    bf16_tflops: float | None
+    source: str
+
+
+_DATASHEET = "NVIDIA data sheet"
+GPU_SPECS: dict[str, GPUSpec] = {s.name: s for s in [
+    GPUSpec(name="L4", memory_gib=24, fp32_tflops=30.3, bf16_tflops=121.0,
+            source=f"{_DATASHEET}, https://www.nvidia.com/en-us/data-center/l4/ "
+                   "(BF16 242 TFLOPS is with sparsity; dense is half)"),
+    GPUSpec(name="A6000", memory_gib=48, fp32_tflops=38.7, bf16_tflops=154.8,
+            source=f"{_DATASHEET} (RTX A6000), https://www.nvidia.com/en-us/design-visualization/"
+                   "rtx-a6000/ (tensor 309.7 TFLOPS with sparsity; dense is half)"),
+    GPUSpec(name="P40", memory_gib=24, fp32_tflops=12.0, bf16_tflops=None,
+            source=f"{_DATASHEET} (Tesla P40), https://www.nvidia.com/en-us/data-center/"
+                   "tesla-p40/ (no bf16)"),
+    GPUSpec(name="P100", memory_gib=16, fp32_tflops=9.3, bf16_tflops=None,
+            source=f"{_DATASHEET} (Tesla P100 PCIe 16 GB), https://www.nvidia.com/en-us/"
+                   "data-center/tesla-p100/ (no bf16)"),
+    GPUSpec(name="V100-16GB", memory_gib=16, fp32_tflops=15.7, bf16_tflops=None,
+            source=f"{_DATASHEET} (V100 SXM2), https://www.nvidia.com/en-us/data-center/v100/ "
+                   "(no bf16; fp16 tensor 125)"),
+    GPUSpec(name="T4", memory_gib=16, fp32_tflops=8.1, bf16_tflops=None,
+            source=f"{_DATASHEET}, https://www.nvidia.com/en-us/data-center/tesla-t4/ "
+                   "(no bf16; fp16 tensor 65)"),
+    GPUSpec(name="A10G", memory_gib=24, fp32_tflops=31.2, bf16_tflops=125.0,
+            source=f"{_DATASHEET} of the A10, https://www.nvidia.com/en-us/data-center/products/"
+                   "a10-gpu/ ; memory from https://aws.amazon.com/ec2/instance-types/g5/ (AWS "
+                   "does not publish separate A10G peaks; treat as an upper estimate)"),
+    GPUSpec(name="A100-40GB", memory_gib=40, fp32_tflops=19.5, bf16_tflops=312.0,
+            source=f"{_DATASHEET} (A100 SXM), https://www.nvidia.com/en-us/data-center/a100/"),
+    GPUSpec(name="A100-80GB", memory_gib=80, fp32_tflops=19.5, bf16_tflops=312.0,
+            source=f"{_DATASHEET} (A100 SXM), https://www.nvidia.com/en-us/data-center/a100/"),
+    GPUSpec(name="H100", memory_gib=80, fp32_tflops=67.0, bf16_tflops=989.4,
+            source=f"{_DATASHEET} (H100 SXM), https://www.nvidia.com/en-us/data-center/h100/ "
+                   "(BF16 1979 TFLOPS is with sparsity; dense is half)"),
+    GPUSpec(name="H200", memory_gib=141, fp32_tflops=67.0, bf16_tflops=989.4,
+            source=f"{_DATASHEET} (H200 SXM), https://www.nvidia.com/en-us/data-center/h200/ "
+                   "(BF16 1979 TFLOPS is with sparsity; dense is half)"),
+]}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """Transformer shape used for analytical profiles.
+
+    Attributes:
+        name: table key, e.g. ``"llama-3b"``.
+        family: ``"gpt"`` (learned positions, tied head), ``"llama"`` (gated FFN, untied head),
+            ``"bert"`` or ``"vit"`` (bias + LayerNorm layers).
+        num_layers, hidden, heads, ffn: layer count, hidden size, attention heads, FFN width.
+        vocab: vocabulary size (classes for ``vit``).
+        seq_len: tokens per sample used for planning (paper §4: 512; ViT: patches + class token).
+        max_positions: learned position embeddings (``gpt``/``bert``/``vit``).
+        nominal_params: the advertised parameter count, for the consistency check.
+        source: where the shape comes from.
+    """
+
+    name: str
+    family: str
+    num_layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    max_positions: int = 0
+    patch: int = 0
+    nominal_params: float
+    source: str
+
+    @property
+    def params_per_layer(self) -> int:
+        h, f = self.hidden, self.ffn
+        if self.family == "llama":
+            return 4 * h * h + 3 * h * f + 2 * h  # q,k,v,o; gate/up/down; two RMSNorms
+        return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # + biases and two LayerNorms
+
+    @property
+    def params_other(self) -> int:
+        h, v = self.hidden, self.vocab
+        if self.family == "llama":
+            return 2 * v * h + h  # embedding, untied head, final norm
+        if self.family == "gpt":
+            return v * h + self.max_positions * h + 2 * h  # tied head
+        if self.family == "bert":
+            return v * h + self.max_positions * h + 2 * h + 2 * h + h * h + h  # + pooler
+        # vit: patch embedding, class token, positions, final norm, classifier
+        return 3 * self.patch ** 2 * h + h + h + self.seq_len * h + 2 * h + h * v + v
+
+    @property
+    def num_params(self) -> int:
+        return self.num_layers * self.params_per_layer + self.params_other
+
+    @property
+    def matmul_params_per_layer(self) -> int:
+        h, f = self.hidden, self.ffn
+        return 4 * h * h + (3 if self.family == "llama" else 2) * h * f
+
+    def model_profile(self) -> ModelProfile:
+        return ModelProfile(name=self.name, num_units=self.num_layers,
+                            params_per_unit=self.params_per_layer, params_other=self.params_other)
+
+
+MODEL_SHAPES: dict[str, ModelShape] = {s.name: s for s in [
+    ModelShape(name="gpt-1.3b", family="gpt", num_layers=24, hidden=2048, heads=16, ffn=8192,
+               vocab=50257, seq_len=512, max_positions=2048, nominal_params=1.3e9,
+               source="Brown et al. 2020 (GPT-3) Table 2.1 'GPT-3 XL'; 16 heads as in the "
+                      "public GPT-Neo 1.3B config"),
+    ModelShape(name="gpt-2.7b", family="gpt", num_layers=32, hidden=2560, heads=32, ffn=10240,
+               vocab=50257, seq_len=512, max_positions=2048, nominal_params=2.7e9,
+               source="Brown et al. 2020 (GPT-3) Table 2.1 'GPT-3 2.7B'"),
+    ModelShape(name="gpt-6.7b", family="gpt", num_layers=32, hidden=4096, heads=32, ffn=16384,
+               vocab=50257, seq_len=512, max_positions=2048, nominal_params=6.7e9,
+               source="Brown et al. 2020 (GPT-3) Table 2.1 'GPT-3 6.7B'"),
+    ModelShape(name="llama-3b", family="llama", num_layers=26, hidden=3200, heads=32, ffn=8640,
+               vocab=32000, seq_len=512, nominal_params=3.4e9,
+               source="OpenLLaMA 3B public config (openlm-research/open_llama_3b)"),
+    ModelShape(name="llama-7b", family="llama", num_layers=32, hidden=4096, heads=32, ffn=11008,
+               vocab=32000, seq_len=512, nominal_params=6.7e9,
+               source="Touvron et al. 2023 (LLaMA) Table 2"),
+    ModelShape(name="vit-g", family="vit", num_layers=40, hidden=1408, heads=16, ffn=6144,
+               vocab=1000, seq_len=257, patch=14, nominal_params=1.0e9,
+               source="Zhai et al. 2022 (Scaling Vision Transformers) Table 2, ViT-g/14 at 224 px"),
+    ModelShape(name="vit-e", family="vit", num_layers=56, hidden=1792, heads=16, ffn=15360,
+               vocab=1000, seq_len=257, patch=14, nominal_params=3.9e9,
+               source="Chen et al. 2022 (PaLI) Table 1, ViT-e/14 at 224 px"),
+    ModelShape(name="bert-large", family="bert", num_layers=24, hidden=1024, heads=16, ffn=4096,
+               vocab=30522, seq_len=512, max_positions=512, nominal_params=3.4e8,
+               source="Devlin et al. 2019 (BERT) §3, BERT-LARGE"),
+]}
+
+
+def get_gpu_spec(name: str) -> GPUSpec:
+    """Case-insensitive lookup; ValueError listing the known types."""
+    for key, spec in GPU_SPECS.items():
+        if key.lower() == str(name).lower():
+            return spec
+    raise ValueError(f"unknown GPU type {name!r}; known: {sorted(GPU_SPECS)}")
+
+
+def get_model_shape(name: str) -> ModelShape:
+    for key, shape in MODEL_SHAPES.items():
+        if key.lower() == str(name).lower():
+            return shape
+    raise ValueError(f"unknown model {name!r}; known: {sorted(MODEL_SHAPES)}")
+
+
+def _layer_fwd_flops(shape: ModelShape) -> float:
+    s, h = shape.seq_len, shape.hidden
+    return 2.0 * shape.matmul_params_per_layer * s + 4.0 * s * s * h
+
+
+def _activation_bytes_per_sample(shape: ModelShape) -> float:
+    s, h, a = shape.seq_len, shape.hidden, shape.heads
+    layer = 2.0 * s * h * (34 + 5 * a * s / h)  # fp32: twice the 16-bit figure
+    head = 2.0 * s * shape.vocab * 4 if shape.family in ("gpt", "llama", "bert") else 0.0
+    return layer + head
+
+
+def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency: float = 0.5,
+                            precision: str = "fp32", launch_overhead_s: float = 2e-4,
+                            framework_reserve_bytes: float = GIB,
+                            microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16)) -> DeviceProfile:
+    """Analytical DeviceProfile of ``gpu`` running one layer of ``shape`` (an ESTIMATE).
+
+    Args:
+        efficiency: assumed fraction of peak reached by a layer (0 < e <= 1).
+        precision: ``"fp32"`` (the paper's full-precision training) or ``"bf16"``.
+        launch_overhead_s: fixed per-microbatch time of one layer's kernels, seconds.
+        framework_reserve_bytes: memory the framework keeps besides the model, bytes.
+
+    Raises:
+        ValueError: unknown GPU, efficiency outside (0, 1], bf16 on a GPU without bf16.
+    """
+    spec = gpu if isinstance(gpu, GPUSpec) else get_gpu_spec(gpu)
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+    if precision == "fp32":
+        peak = spec.fp32_tflops
+    elif precision == "bf16":
+        if spec.bf16_tflops is None:
+            raise ValueError(f"{spec.name} has no bf16 support; use precision='fp32'")
+        peak = spec.bf16_tflops
+    else:
+        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+    per_sample_s = _layer_fwd_flops(shape) / (efficiency * peak * 1e12)
+    ms = list(microbatch_sizes)
+    fwd = [launch_overhead_s + m * per_sample_s for m in ms]
+    bwd = [launch_overhead_s + 2 * m * per_sample_s for m in ms]
+    fixed = 3 * 4.0 * shape.params_per_layer + 2 * 4.0 * shape.params_other + framework_reserve_bytes
+    act = _activation_bytes_per_sample(shape)
+    return DeviceProfile(name=spec.name, memory_capacity_bytes=spec.memory_gib * GIB,
+                         microbatch_sizes=ms, fwd_s=fwd, bwd_s=bwd,
+                         compute_memory_bytes=[fixed + m * act for m in ms])
+
+
+def estimate_comm_profile(shape: ModelShape, world_size: int, bandwidth_gbps: float,
+                          *, latency_s: float = 2e-5) -> CommProfile:
+    """Ring all-gather / reduce-scatter time of one fp32 unit over ``bandwidth_gbps`` (Gbit/s)."""
+    if bandwidth_gbps <= 0 or world_size < 1:
+        raise ValueError(f"bandwidth_gbps ({bandwidth_gbps}) and world_size ({world_size}) "
+                         "must be positive")
+    unit_bytes = 4.0 * shape.params_per_layer
+    t = (world_size - 1) / world_size * unit_bytes / (bandwidth_gbps * 1e9 / 8)
+    t += (world_size - 1) * latency_s if world_size > 1 else 0.0
+    return CommProfile(allgather_s=t, reducescatter_s=t)
+
+
+@dataclass(kw_only=True)
+class ClusterSpec:
+    """A cluster described by GPU types per machine (rank order = machine order, GPU order).
+
+    Attributes:
+        name: free text.
+        machines: GPU type names per machine.
+        interconnect_gbps: network bandwidth between machines, Gbit/s.
+        intra_machine_gbps: GPU-to-GPU bandwidth inside a machine, Gbit/s (default: PCIe 3.0
+            x16, about 128 Gbit/s).
+    """
+
+    name: str = "cluster"
+    machines: list[list[str]]
+    interconnect_gbps: float
+    intra_machine_gbps: float = 128.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.machines or not any(self.machines):
+            raise ValueError(f"cluster {self.name!r}: no devices; list GPUs under 'machines'")
+        for machine in self.machines:
+            for g in machine:
+                get_gpu_spec(g)
+        for key in ("interconnect_gbps", "intra_machine_gbps"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"cluster {self.name!r}: {key} must be a positive number, got {v!r}")
+
+    @property
+    def gpus(self) -> list[str]:
+        return [g for machine in self.machines for g in machine]
+
+
+def _machine_gpus(entry: Any, where: str) -> list[str]:
+    gpus = entry.get("gpus") if isinstance(entry, Mapping) else entry
+    if isinstance(gpus, Mapping):  # {A10G: 8}
+        out = []
+        for name, count in gpus.items():
+            if not isinstance(count, int) or count < 0:
+                raise ValueError(f"{where}: GPU count for {name!r} must be an integer >= 0")
+            out += [str(name)] * count
+        return out
+    if isinstance(gpus, list):
+        return [str(g) for g in gpus]
+    raise ValueError(f"{where}: 'gpus' must be a list of GPU types or a mapping type -> count, "
+                     f"got {gpus!r}")
+
+
+def load_cluster_yaml(path: str | Path) -> ClusterSpec:
+    """Read a cluster YAML (format in docs/profiles.md); ValueError on a malformed file."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"cluster file {str(path)!r} is not valid YAML: {e}") from e
+    if not isinstance(data, Mapping) or "machines" not in data:
+        raise ValueError(f"cluster file {str(path)!r} needs a 'machines' list; see docs/profiles.md")
+    if "interconnect_gbps" not in data:
+        raise ValueError(f"cluster file {str(path)!r} needs 'interconnect_gbps' (Gbit/s)")
+    machines = [_machine_gpus(m, f"{path}: machines[{i}]") for i, m in enumerate(data["machines"])]
+    extra = {k: v for k, v in data.items()
+             if k not in ("name", "machines", "interconnect_gbps", "intra_machine_gbps")}
+    return ClusterSpec(name=str(data.get("name", Path(path).stem)), machines=machines,
+                       interconnect_gbps=data["interconnect_gbps"],
+                       intra_machine_gbps=data.get("intra_machine_gbps", 128.0), extra=extra)
+
+
+def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kwargs) -> ClusterProfile:
+    """Analytical ClusterProfile (spec-sheet ESTIMATE) for ``model`` on ``cluster``.
+
+    ``kwargs`` go to ``estimate_device_profile`` (efficiency, precision, ...).
+    """
+    shape = model if isinstance(model, ModelShape) else get_model_shape(model)
+    gpus = cluster.gpus
+    multi = sum(1 for m in cluster.machines if m) > 1
+    bw = min(cluster.interconnect_gbps, cluster.intra_machine_gbps) if multi \
+        else cluster.intra_machine_gbps
+    cache: dict[str, DeviceProfile] = {}
+    devices = []
+    for g in gpus:
+        if g not in cache:
+            cache[g] = estimate_device_profile(g, shape, **kwargs)
+        devices.append(cache[g])
+    return ClusterProfile(model=shape.model_profile(), devices=devices,
+                          comm=estimate_comm_profile(shape, len(gpus), bw),
+                          source="spec-sheet estimate",
+                          extra={"cluster": cluster.name, "model_shape": shape.name})
