@@ -226,7 +226,7 @@ class CephaloEngine:
             if p.grad is not None:
                 sq += p.grad.double().pow(2).sum()
         C.all_reduce_sum(sq, self.group, self.stats)
-        norm = sq.sqrt().to(torch.float32).reshape(())
+        norm = sq.sqrt().to(self.root.dtype).reshape(())  # 0-dim, training dtype
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in self.parameters():
             if p.grad is not None:
@@ -269,15 +269,16 @@ class CephaloEngine:
         return EvalOutput(loss, global_items, logits)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Collective: rank 0 gets ``model.state_dict()``'s keys (fp32 CPU, tied aliases
-        included) with the current values; other ranks get None."""
+        """Collective: rank 0 gets ``model.state_dict()``'s keys (CPU tensors in the training
+        dtype — fp32 for an fp32 model — tied aliases included, each alias the same tensor)
+        with the current values; other ranks get None."""
         by_id: dict[int, torch.Tensor] = {}
         for unit in self._all_units():
             full = unit.gather_full()
             if self.rank == 0:
                 for info, p in zip(unit.infos, unit._params):
                     t = full[info.offset:info.offset + info.numel].view(info.shape)
-                    by_id[id(p)] = t.detach().to("cpu", torch.float32, copy=True)
+                    by_id[id(p)] = t.detach().to("cpu", copy=True)
         if self.rank != 0:
             return None
         model = self.staged.model
