@@ -12,6 +12,10 @@ _EXPORTS = {
     "MicrobatchCollator": "sampler",
     "split_counts": "sampler",
     "split_microbatches": "sampler",
+    "pydoc_text_dataset": "data",
+    "train_bpe_tokenizer": "data",
+    "group_texts": "data",
+    "digits_image_datasets": "data",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,0 +1,167 @@
+"""Default demo data that needs no download: Python's documentation text and scikit-learn digits.
+
+- Text: ``pydoc_data.topics`` ships with CPython (about 0.46 MB of help text in 3.11). It becomes a
+  ``datasets.Dataset`` with a "text" column; ``train_bpe_tokenizer`` trains a byte-level BPE
+  tokenizer on it with the ``tokenizers`` library and wraps it as a transformers
+  ``PreTrainedTokenizerFast`` (``save_pretrained`` / ``AutoTokenizer.from_pretrained`` work);
+  ``group_texts`` tokenizes and cuts the stream into fixed-length blocks for causal LM training
+  (the recipe of transformers' ``run_clm.py``).
+- Images: ``sklearn.datasets.load_digits`` (1797 grayscale 8x8 images of digits 0-9, bundled
+  with scikit-learn) upscaled to ``image_size`` for ViT, with a stratified held-out split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "pydoc_texts",
+    "pydoc_text_dataset",
+    "train_bpe_tokenizer",
+    "group_texts",
+    "digits_image_datasets",
+    "EOS_TOKEN",
+    "PAD_TOKEN",
+]
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+
+
+def pydoc_texts(max_chars: int | None = None) -> list[str]:
+    """The texts of ``pydoc_data.topics`` in topic-name order (deterministic).
+
+    ``max_chars`` keeps whole topics, in order, until their total length would exceed it
+    (at least one topic). Raises ValueError if ``max_chars < 1``.
+    """
+    from pydoc_data.topics import topics
+
+    if max_chars is not None and max_chars < 1:
+        raise ValueError(f"max_chars = {max_chars} must be >= 1 (characters) or None")
+    texts, total_chars = [], 0
+    for name in sorted(topics):
+        text = topics[name].strip()
+        if max_chars is not None and texts and total_chars + len(text) > max_chars:
+            break
+        texts.append(text)
+        total_chars += len(text)
+    return texts
+
+
+def pydoc_text_dataset(max_chars: int | None = None):
+    """``datasets.Dataset`` with one "text" row per pydoc topic (see ``pydoc_texts``)."""
+    import datasets
+
+    return datasets.Dataset.from_dict({"text": pydoc_texts(max_chars)})
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048, *, min_frequency: int = 2,
+                        model_max_length: int = 1024):
+    """Train a byte-level BPE tokenizer on ``texts``; return a ``PreTrainedTokenizerFast``.
+
+    Byte-level (GPT-2 style): any string round-trips, no unknown token. Special tokens:
+    ``EOS_TOKEN`` (also bos), ``PAD_TOKEN``. ``vocab_size`` includes the 256 byte symbols and the
+    special tokens. Raises ValueError if ``vocab_size`` < 258 (bytes + specials).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special_tokens = [EOS_TOKEN, PAD_TOKEN]
+    min_vocab = len(pre_tokenizers.ByteLevel.alphabet()) + len(special_tokens)
+    if vocab_size < min_vocab:
+        raise ValueError(f"vocab_size = {vocab_size} must be >= {min_vocab} (256 byte symbols + "
+                         f"{len(special_tokens)} special tokens)")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
+                                   pad_token=PAD_TOKEN, model_max_length=model_max_length)
+
+
+def group_texts(dataset, tokenizer, block_size: int, *, text_column: str = "text"):
+    """Tokenize ``dataset[text_column]`` and cut it into blocks of ``block_size`` tokens.
+
+    Documents are joined with the tokenizer's eos token; the tail shorter than one block is
+    dropped. Returns a ``datasets.Dataset`` with "input_ids", "attention_mask" (all ones) and
+    "labels" (= input_ids; causal LM models shift labels themselves), each of length
+    ``block_size``. Raises ValueError if ``block_size < 2``, the column is missing, or the text
+    is shorter than one block.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size = {block_size} must be >= 2 (tokens)")
+    if text_column not in dataset.column_names:
+        raise ValueError(f"text_column = {text_column!r} is not a column of the dataset "
+                         f"(columns: {dataset.column_names}); pass --text_column")
+    eos_id = tokenizer.eos_token_id
+
+    def tokenize(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
+        encoded = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [ids + ([eos_id] if eos_id is not None else []) for ids in encoded]}
+
+    def chunk(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+        stream = [t for ids in batch["input_ids"] for t in ids]
+        num_blocks = len(stream) // block_size
+        blocks = [stream[i * block_size:(i + 1) * block_size] for i in range(num_blocks)]
+        return {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks],
+                "labels": [list(b) for b in blocks]}
+
+    tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names)
+    # One batch over the whole corpus keeps every token (run_clm.py drops a tail per 1000 rows).
+    grouped = tokenized.map(chunk, batched=True, batch_size=None,
+                            remove_columns=tokenized.column_names)
+    if len(grouped) == 0:
+        raise ValueError(f"the text has fewer than block_size = {block_size} tokens; use a smaller "
+                         "--block_size or more text")
+    return grouped
+
+
+def digits_image_datasets(image_size: int = 32, *, num_channels: int = 3, test_fraction: float = 0.2,
+                          seed: int = 0, mean: Sequence[float] = (0.5,), std: Sequence[float] = (0.5,)):
+    """scikit-learn digits as a ``datasets.DatasetDict`` with "train" and "test" splits.
+
+    Each 8x8 image (values 0..16) is scaled to [0, 1], upscaled bilinearly to
+    ``image_size`` x ``image_size``, repeated over ``num_channels`` channels and normalized as
+    ``(x - mean) / std`` (ViTImageProcessor's default 0.5/0.5 maps to [-1, 1]). Columns:
+    "pixel_values" float32 (num_channels, image_size, image_size) and "labels" (ClassLabel
+    "0".."9"). The split is stratified by label with ``seed``; the "test" split holds
+    ``test_fraction`` of the 1797 images. Formatted as torch tensors.
+
+    Raises ValueError for ``image_size < 8``, ``num_channels < 1`` or ``test_fraction`` outside (0, 1).
+    """
+    import datasets
+    import torch
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    if image_size < 8 or num_channels < 1 or not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"image_size = {image_size} (>= 8 pixels), num_channels = {num_channels} "
+                         f"(>= 1), test_fraction = {test_fraction} (in (0, 1)): a value is out of range")
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8)
+    images = torch.nn.functional.interpolate(images, size=(image_size, image_size), mode="bilinear",
+                                             align_corners=False).clamp_(0.0, 1.0)
+    images = images.expand(-1, num_channels, -1, -1)  # (N, C, H, W)
+    mean_t = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+    std_t = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+    pixel_values = ((images - mean_t) / std_t).numpy().astype(np.float32)
+    labels = digits.target.astype(np.int64)
+    train_idx, test_idx = train_test_split(np.arange(len(labels)), test_size=test_fraction,
+                                           random_state=seed, stratify=labels)
+    features = datasets.Features({
+        "pixel_values": datasets.Array3D(shape=(num_channels, image_size, image_size), dtype="float32"),
+        "labels": datasets.ClassLabel(names=[str(d) for d in range(10)]),
+    })
+    splits = {name: datasets.Dataset.from_dict(
+        {"pixel_values": pixel_values[idx], "labels": labels[idx]}, features=features)
+        for name, idx in (("train", train_idx), ("test", test_idx))}
+    result = datasets.DatasetDict(splits)
+    result.set_format("torch")
+    return result
