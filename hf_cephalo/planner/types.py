@@ -169,6 +169,8 @@ class Plan:
                 ratios that are negative or do not sum to 1.
         """
         n = len(batch_sizes)
+        if n == 0:
+            raise ValueError("Plan.from_ratios: no ranks; give one batch size per rank")
         if len(microbatch_sizes) != n or len(state_ratios) != n:
             raise ValueError(f"Plan.from_ratios: batch_sizes ({n}), microbatch_sizes "
                              f"({len(microbatch_sizes)}) and state_ratios ({len(state_ratios)}) "

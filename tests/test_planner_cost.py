@@ -1,0 +1,73 @@
+"""Cost model (DESIGN contract 2) against hand-computed values."""
+
+import math
+
+import pytest
+
+from hf_cephalo.planner import cost
+from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+
+
+def _dev(**kw):
+    base = dict(name="g", memory_capacity_bytes=100.0, microbatch_sizes=[1, 2, 4],
+                fwd_s=[1.0, 1.5, 2.5], bwd_s=[2.0, 3.0, 5.0], compute_memory_bytes=[10.0, 12.0, 16.0])
+    base.update(kw)
+    return DeviceProfile(**base)
+
+
+def test_interpolation_and_extrapolation():
+    d = _dev()
+    # profiled points exactly, then linear interpolation between 2 and 4
+    assert cost.fwd_time_s(d, [1, 2, 4]).tolist() == [1.0, 1.5, 2.5]
+    assert float(cost.fwd_time_s(d, 3)) == pytest.approx(2.0)
+    assert float(cost.bwd_time_s(d, 3)) == pytest.approx(4.0)
+    # beyond m = 4: least-squares line through the upper points (2, 1.5), (4, 2.5): 0.5 m + 0.5
+    assert float(cost.fwd_time_s(d, 8)) == pytest.approx(4.5)
+    assert float(cost.bwd_time_s(d, 8)) == pytest.approx(9.0)  # line 1.0 m + 1.0
+
+
+def test_extrapolation_uses_least_squares_of_upper_half():
+    d = _dev(microbatch_sizes=[1, 2, 3, 4, 5], fwd_s=[1.0, 1.2, 2.0, 2.9, 4.1],
+             bwd_s=[1.0] * 5, compute_memory_bytes=[1.0] * 5)
+    # upper half = m 3, 4, 5 -> least squares slope 2.1 / 2 = 1.05, intercept 3.0 - 4.2 = -1.2
+    assert float(cost.fwd_time_s(d, 10)) == pytest.approx(9.3)
+
+
+def test_single_point_profile_is_proportional():
+    d = _dev(microbatch_sizes=[1], fwd_s=[0.5], bwd_s=[1.0], compute_memory_bytes=[3.0])
+    assert float(cost.fwd_time_s(d, 6)) == pytest.approx(3.0)
+    assert float(cost.compute_memory_bytes(d, 6)) == pytest.approx(18.0)
+
+
+def test_memory_line_and_idle():
+    d = _dev()
+    # exact line through (1,10), (2,12), (4,16): 2 m + 8
+    assert float(cost.compute_memory_bytes(d, 5)) == pytest.approx(18.0)
+    assert float(cost.compute_memory_bytes(d, 3)) == pytest.approx(14.0)
+    assert float(cost.compute_memory_bytes(d, 0)) == 0.0
+
+
+def test_unit_time_overlap_cases():
+    comm = CommProfile(allgather_s=1.5, reducescatter_s=1.0)
+    # compute-bound: max(2·1, 1.5) + max(2·(1+2), 2.5) = 2 + 6
+    assert float(cost.unit_time_s(1.0, 2.0, 2, comm, uneven=False)) == pytest.approx(8.0)
+    comm = CommProfile(allgather_s=3.0, reducescatter_s=5.0)
+    # communication-bound: max(2, 3) + max(6, 8) = 11
+    assert float(cost.unit_time_s(1.0, 2.0, 2, comm, uneven=False)) == pytest.approx(11.0)
+    # uneven: collectives x1.15 -> 3.45 + 9.2
+    assert float(cost.unit_time_s(1.0, 2.0, 2, comm, uneven=True)) == pytest.approx(12.65)
+    assert cost.idle_unit_time_s(comm, False) == pytest.approx(11.0)
+    assert cost.idle_unit_time_s(comm, True) == pytest.approx(12.65)
+    assert cost.UNEVEN_FACTOR == 1.15 and cost.DEFAULT_MEMORY_FRACTION == 0.8
+
+
+def test_iteration_time_and_uneven_rule():
+    assert cost.iteration_time_s([1.0, 2.5, 2.0], 4) == pytest.approx(10.0)
+    d = _dev(memory_capacity_bytes=100.0)
+    cl = ClusterProfile(model=ModelProfile(num_units=1, params_per_unit=10, params_other=0,
+                                           state_bytes_per_param=10.0),  # S = 100
+                        devices=[d, d], comm=CommProfile(allgather_s=0, reducescatter_s=0))
+    # S/N = 50; cap 80: 50 + 30 = 80 fits (even), 50 + 31 does not (uneven)
+    assert not cost.is_uneven(cl, [30.0, 0.0], 0.8)
+    assert cost.is_uneven(cl, [31.0, 0.0], 0.8)
+    assert math.isclose(cl.model.state_bytes, 100.0)

@@ -1,0 +1,187 @@
+"""Exactness of the optimizer: brute force, the paper's recurrence, the public 24/12 GB failure."""
+
+import numpy as np
+import pytest
+
+from hf_cephalo.planner import cost
+from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize, solve_assignment
+from hf_cephalo.planner.reference import reference_unit_time
+from hf_cephalo.planner.simulate import predict
+from hf_cephalo.planner.types import Plan
+from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from tests.planner_fixtures import GIB, brute_force, random_cluster
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or abs(a - b) <= 1e-12 * max(1.0, abs(b))
+
+
+def _solve_or_inf(cluster, B, allow_idle=True) -> float:
+    try:
+        return solve_assignment(cluster, B, allow_idle=allow_idle).unit_time_s
+    except InfeasiblePlanError:
+        return float("inf")
+
+
+def _check_assignment(cluster, B, a, c=0.8):
+    """The returned assignment itself satisfies (I)-(III) and achieves the claimed time."""
+    assert sum(a.batch_sizes) == B
+    devs, S, N = cluster.devices, cluster.model.state_bytes, cluster.world_size
+    mems = []
+    for d, b, m, l in zip(devs, a.batch_sizes, a.microbatch_sizes, a.num_microbatches):
+        assert b == l * m
+        mem = float(cost.compute_memory_bytes(d, m))
+        mems.append(mem)
+        if b:
+            assert mem <= c * d.memory_capacity_bytes * (1 + 1e-12)
+    assert S + sum(mems) <= c * sum(d.memory_capacity_bytes for d in devs) * (1 + 1e-12)
+    uneven = cost.is_uneven(cluster, mems, c)
+    times = [cost.idle_unit_time_s(cluster.comm, uneven) if b == 0 else
+             float(cost.unit_time_s(cost.fwd_time_s(d, m), cost.bwd_time_s(d, m), l,
+                                    cluster.comm, uneven))
+             for d, b, m, l in zip(devs, a.batch_sizes, a.microbatch_sizes, a.num_microbatches)]
+    assert _same(max(times), a.unit_time_s)
+
+
+def test_equals_brute_force_on_random_instances():
+    rng = np.random.default_rng(2024)
+    outcomes = {"feasible": 0, "infeasible": 0, "uneven": 0, "idle": 0}
+    for k in range(320):
+        n, B = int(rng.integers(1, 5)), int(rng.integers(1, 17))
+        cluster = random_cluster(rng, n)
+        allow_idle = k % 4 != 0
+        expected = brute_force(cluster, B, allow_idle=allow_idle)
+        got = _solve_or_inf(cluster, B, allow_idle)
+        assert _same(got, expected), (k, n, B, got, expected)
+        if np.isfinite(got):
+            a = solve_assignment(cluster, B, allow_idle=allow_idle)
+            _check_assignment(cluster, B, a)
+            outcomes["feasible"] += 1
+            outcomes["uneven"] += a.uneven
+            outcomes["idle"] += 0 in a.batch_sizes
+        else:
+            outcomes["infeasible"] += 1
+    # the instances exercise every branch, not just the easy one
+    assert min(outcomes.values()) >= 10, outcomes
+
+
+def test_equals_paper_recurrence_on_small_instances():
+    rng = np.random.default_rng(7)
+    finite = 0
+    for _ in range(60):
+        n, B = int(rng.integers(1, 5)), int(rng.integers(1, 13))
+        shared = (float(rng.uniform(0.0, 2.0)), float(rng.uniform(0.3, 2.0)))
+        cluster = random_cluster(rng, n, shared_memory=shared)
+        ref = reference_unit_time(cluster, B)
+        assert _same(_solve_or_inf(cluster, B, allow_idle=False), ref)
+        assert _same(brute_force(cluster, B, allow_idle=False), ref)
+        finite += bool(np.isfinite(ref))
+    assert finite >= 15
+
+
+def test_reference_rejects_per_device_memory_models():
+    rng = np.random.default_rng(3)
+    cluster = random_cluster(rng, 3)
+    while len({cost.memory_line(d) for d in cluster.devices}) < 2:
+        cluster = random_cluster(rng, 3)
+    with pytest.raises(ValueError, match="one compute-memory model"):
+        reference_unit_time(cluster, 4)
+
+
+def _two_card_cluster(state_gib=8.0):
+    """A 24 GiB card beside a 12 GiB card of half the speed (the public failure)."""
+    ms = [1, 2, 4, 8]
+
+    def dev(name, cap_gib, sec_per_sample):
+        return DeviceProfile(name=name, memory_capacity_bytes=cap_gib * GIB, microbatch_sizes=ms,
+                             fwd_s=[0.002 + sec_per_sample * m for m in ms],
+                             bwd_s=[0.004 + 2 * sec_per_sample * m for m in ms],
+                             compute_memory_bytes=[(0.5 + 0.75 * m) * GIB for m in ms])
+
+    model = ModelProfile(name="toy", num_units=12, params_per_unit=int(state_gib * GIB / 16 / 12),
+                         params_other=0)
+    return ClusterProfile(model=model, devices=[dev("big", 24, 0.01), dev("small", 12, 0.02)],
+                          comm=CommProfile(allgather_s=0.005, reducescatter_s=0.005))
+
+
+def test_public_failure_fast_big_card_gets_twice_the_batch():
+    cluster = _two_card_cluster()
+    B = 24
+    plan = optimize(cluster, B)
+    big, small = plan.ranks
+    assert 1.6 <= big.batch_size / small.batch_size <= 2.5, plan.batch_sizes
+    pred = predict(plan, cluster)
+    assert pred.fits
+    for r, p in zip(plan.ranks, pred.ranks):
+        assert p.memory_bytes <= 0.8 * r.memory_capacity_bytes
+        assert r.predicted_memory_bytes == pytest.approx(p.memory_bytes)
+    # the even split either runs the small card out of memory or is slower
+    even = [predict(Plan.even(2, B, m), cluster) for m in range(1, B // 2 + 1)]
+    assert not predict(Plan.even(2, B), cluster).fits  # one microbatch of 12: OOM on 12 GiB
+    best_even = min(p.iteration_s for p in even if p.fits)
+    assert plan.predicted_iteration_s < best_even
+    assert plan.predicted_iteration_s == pytest.approx(pred.iteration_s)
+
+
+def test_uneven_plan_state_partition_keeps_every_rank_under_cap():
+    rng = np.random.default_rng(11)
+    seen_uneven = 0
+    for _ in range(150):
+        cluster = random_cluster(rng, int(rng.integers(2, 5)))
+        try:
+            plan = optimize(cluster, int(rng.integers(1, 17)))
+        except InfeasiblePlanError:
+            continue
+        pred = predict(plan, cluster)
+        assert pred.fits, plan
+        seen_uneven += plan.uneven_state
+        if not plan.uneven_state:
+            assert plan.state_ratios == [1 / cluster.world_size] * cluster.world_size
+    assert seen_uneven >= 5
+
+
+def test_error_aggregate_memory_names_the_numbers():
+    cluster = _two_card_cluster(state_gib=40.0)  # 40 GiB state > 0.8 x 36 GiB
+    with pytest.raises(InfeasiblePlanError,
+                       match=r"aggregate memory: model state 40\.0 GiB \+ compute 1\.2 GiB "
+                             r"exceeds 0\.8 × 36\.0 GiB"):
+        optimize(cluster, 8)
+
+
+def test_error_microbatch_one_too_big_names_the_rank():
+    cluster = _two_card_cluster()
+    for d in cluster.devices:
+        d.compute_memory_bytes = [x + 20 * GIB for x in d.compute_memory_bytes]
+    with pytest.raises(ValueError) as e:
+        optimize(cluster, 8)
+    msg = str(e.value)
+    assert "rank 0 (big): microbatch size 1 needs 21.2 GiB, cap 19.2 GiB" in msg
+    assert "rank 1 (small): microbatch size 1 needs 21.2 GiB, cap 9.6 GiB" in msg
+    # with idle ranks forbidden, one rank that cannot run m = 1 is enough
+    cluster = _two_card_cluster()
+    cluster.devices[1].compute_memory_bytes = [x + 12 * GIB for x in
+                                               cluster.devices[1].compute_memory_bytes]
+    assert optimize(cluster, 8).batch_sizes == [8, 0]
+    with pytest.raises(ValueError, match=r"rank 1 \(small\): microbatch size 1"):
+        optimize(cluster, 8, allow_idle=False)
+
+
+@pytest.mark.parametrize("B", [0, -3, 2.5, True])
+def test_error_bad_batch_size(B):
+    with pytest.raises(ValueError, match="global batch size"):
+        optimize(_two_card_cluster(), B)
+
+
+def test_error_bad_memory_fraction():
+    with pytest.raises(ValueError, match="memory fraction"):
+        optimize(_two_card_cluster(), 8, memory_fraction=1.5)
+
+
+def test_idle_rank_is_allowed_and_priced():
+    cluster = _two_card_cluster()
+    cluster.devices[1].fwd_s = [x * 1000 for x in cluster.devices[1].fwd_s]  # useless card
+    plan = optimize(cluster, 4)
+    assert plan.batch_sizes == [4, 0]
+    small = plan.ranks[1]
+    assert (small.microbatch_size, small.num_microbatches) == (0, 0)
+    assert small.state_ratio > 0  # an idle rank still holds state

@@ -1,0 +1,91 @@
+"""Greedy state partition and the per-unit shard layout (DESIGN contract 2, paper §3)."""
+
+import numpy as np
+import pytest
+
+from hf_cephalo.planner.state import integer_targets, layout_unit_shards, partition_state
+
+
+def _uneven_units(layout, ratios):
+    holders = [i for i, r in enumerate(ratios) if r > 0]
+    return sum(1 for row in layout if max(row[i] for i in holders) - min(row[i] for i in holders) > 1
+               or any(row[i] for i in range(len(row)) if i not in holders))
+
+
+def test_three_to_one_over_two_equal_units():
+    layout = layout_unit_shards([0.75, 0.25], [4, 4])
+    assert sorted(map(tuple, layout)) == [(2, 2), (4, 0)]
+    assert _uneven_units(layout, [0.75, 0.25]) == 1
+
+
+def test_even_ratios_give_even_units():
+    layout = layout_unit_shards([0.25] * 4, [100, 100, 37])
+    assert layout[0] == [25] * 4 and layout[1] == [25] * 4
+    assert sorted(layout[2]) == [9, 9, 9, 10]
+
+
+def test_unequal_units_root_last_and_zero_ratio():
+    ratios = [0.5, 0.3, 0.0, 0.2]
+    numels = [1000, 1000, 1000, 5003]  # root unit last, larger than the layers
+    layout = layout_unit_shards(ratios, numels)
+    assert [sum(row) for row in layout] == numels
+    totals = np.sum(layout, axis=0).tolist()
+    assert totals == integer_targets(ratios, sum(numels))
+    assert all(row[2] == 0 for row in layout)
+
+
+def test_random_layouts_are_exact_and_minimal():
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n = int(rng.integers(1, 6))
+        ratios = rng.dirichlet(np.ones(n))
+        if rng.random() < 0.3:
+            ratios[int(rng.integers(0, n))] = 0.0
+            if ratios.sum() == 0:
+                ratios[0] = 1.0
+            ratios = ratios / ratios.sum()
+        numels = rng.integers(0, 50, size=int(rng.integers(1, 7))).tolist()
+        layout = layout_unit_shards(ratios.tolist(), numels)
+        assert [sum(row) for row in layout] == numels
+        assert all(x >= 0 for row in layout for x in row)
+        targets = integer_targets(ratios.tolist(), sum(numels))
+        assert np.sum(layout, axis=0).tolist() == targets
+        assert all(abs(t - r * sum(numels)) < 1 for t, r in zip(targets, ratios))
+        for i, r in enumerate(ratios):
+            if r == 0:
+                assert all(row[i] == 0 for row in layout)
+
+
+def test_minimal_uneven_count_matches_exhaustive_bound():
+    # Equal units, ratio target t_min: at most floor(t_min / (numel/n)) units can be even.
+    ratios, numels = [0.6, 0.3, 0.1], [30] * 10
+    layout = layout_unit_shards(ratios, numels)
+    # rank 2 holds 30 elements = 3 even shares of 10 -> 3 even units, 7 uneven
+    assert _uneven_units(layout, ratios) == 7
+
+
+@pytest.mark.parametrize("ratios", [[0.5, 0.6], [1.2, -0.2], [float("nan"), 1.0], []])
+def test_bad_ratios_are_rejected_with_values(ratios):
+    with pytest.raises(ValueError, match="ratios"):
+        layout_unit_shards(ratios, [10, 10])
+
+
+def test_partition_minimizes_max_utilization():
+    S = 100.0
+    mem, cap = [10.0, 50.0, 0.0], [100.0, 100.0, 50.0]
+    r = partition_state(S, mem, cap)
+    assert sum(r) == pytest.approx(1.0)
+    util = [(ri * S + m) / c for ri, m, c in zip(r, mem, cap)]
+    # water level: (100 + 10 + 50 + 0) / 250 = 0.64 for all three
+    assert util == pytest.approx([0.64] * 3)
+    # a rank already above the level gets no state
+    r = partition_state(10.0, [90.0, 0.0], [100.0, 100.0])
+    assert r == pytest.approx([0.0, 1.0])
+    # brute-force check on random instances: no other split lowers the maximum
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        mem, cap = rng.uniform(0, 5, 3), rng.uniform(5, 10, 3)
+        r = np.array(partition_state(7.0, mem, cap))
+        best = max((r * 7.0 + mem) / cap)
+        for other in rng.dirichlet(np.ones(3), size=200):
+            assert max((other * 7.0 + mem) / cap) >= best - 1e-12

@@ -1,0 +1,87 @@
+"""Plan (DESIGN contract 3): constructors, JSON round-trip, validation."""
+
+import json
+
+import pytest
+
+from hf_cephalo.planner.types import Plan, RankPlan
+from hf_cephalo.profiler.types import ModelProfile
+
+
+def test_even_plan():
+    p = Plan.even(3, 10)
+    assert p.batch_sizes == [4, 3, 3] and p.microbatch_sizes == [4, 3, 3]
+    assert p.num_microbatches == [1, 1, 1] and not p.uneven_state
+    assert p.state_ratios == pytest.approx([1 / 3] * 3)
+    p = Plan.even(2, 7, microbatch_size=2)
+    assert p.batch_sizes == [4, 3] and p.num_microbatches == [2, 2]
+    assert p.ranks[1].last_microbatch_size == 1  # 3 = 2 + 1: last microbatch smaller
+
+
+def test_from_ratios_with_idle_rank():
+    p = Plan.from_ratios([5, 0, 3], [2, 4, 3], [0.5, 0.25, 0.25], devices=["a", "b", "c"])
+    assert p.global_batch_size == 8 and p.uneven_state
+    assert p.num_microbatches == [3, 0, 1] and p.microbatch_sizes == [2, 0, 3]
+    assert p.ranks[0].last_microbatch_size == 1
+
+
+def test_json_round_trip(tmp_path):
+    p = Plan.from_ratios([5, 0, 3], [2, 4, 3], [0.5, 0.25, 0.25])
+    p.predicted_iteration_s = 1.5
+    p.model = {"name": "m", "num_units": 2, "params_per_unit": 10, "params_other": 3}
+    path = tmp_path / "plan.json"
+    p.save(path)
+    q = Plan.load(path)
+    assert q == p
+    assert json.loads(path.read_text())["format"] == "hf_cephalo.plan/1"
+
+
+def test_validate_for_world_size_and_model():
+    p = Plan.even(4, 8)
+    p.validate_for(4)
+    with pytest.raises(ValueError, match="world size 4 but the job has world size 2"):
+        p.validate_for(2)
+    p.model = {"name": "m", "num_units": 2, "params_per_unit": 10, "params_other": 3}
+    p.validate_for(4, ModelProfile(name="m", num_units=2, params_per_unit=10, params_other=3))
+    with pytest.raises(ValueError, match="plan was made for model 'm'"):
+        p.validate_for(4, ModelProfile(name="x", num_units=3, params_per_unit=10, params_other=3))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"global_batch_size": 9}, "must equal the sum"),
+    ({"ranks": []}, "no ranks"),
+    ({"memory_fraction": 0.0}, "memory_fraction"),
+])
+def test_plan_validation(bad, match):
+    fields = dict(global_batch_size=8, ranks=Plan.even(2, 8).ranks)
+    fields.update(bad)
+    with pytest.raises(ValueError, match=match):
+        Plan(**fields)
+
+
+def test_rank_validation():
+    with pytest.raises(ValueError, match="ceil"):
+        RankPlan(rank=0, batch_size=5, microbatch_size=2, num_microbatches=2, state_ratio=1.0)
+    with pytest.raises(ValueError, match="batch_size 0"):
+        RankPlan(rank=0, batch_size=0, microbatch_size=2, num_microbatches=1, state_ratio=1.0)
+    with pytest.raises(ValueError, match="state_ratio"):
+        RankPlan(rank=0, batch_size=1, microbatch_size=1, num_microbatches=1, state_ratio=-0.1)
+    with pytest.raises(ValueError, match="sum to"):
+        Plan.from_ratios([1, 1], [1, 1], [0.5, 0.6])
+    with pytest.raises(ValueError, match="rank order"):
+        Plan(global_batch_size=2, ranks=list(reversed(Plan.even(2, 2).ranks)))
+
+
+def test_unit_layout_uses_ratios():
+    p = Plan.from_ratios([1, 1], [1, 1], [0.75, 0.25])
+    assert sorted(map(tuple, p.unit_layout([4, 4]))) == [(2, 2), (4, 0)]
+
+
+def test_load_rejects_garbage(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Plan.load(path)
+    path.write_text(json.dumps({"ranks": []}))
+    with pytest.raises(ValueError, match="global_batch_size"):
+        Plan.load(path)
