@@ -1,0 +1,319 @@
+"""Engine semantics beyond random-plan parity: token weighting, collective counts and memory
+accounting, recompute, frozen / rarely-used / tied parameters, clipping, state dicts, evaluation,
+the reduce-scatter fallback, dropout replay and input validation (no hang on bad input).
+
+One 2-rank process group runs every multi-rank sub-case; one 1-rank group checks dropout replay.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hf_cephalo.engine import CephaloEngine
+from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
+from tests.dist_utils import run_ranks
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def gather_grads(engine: CephaloEngine) -> dict[str, torch.Tensor]:
+    """Full gradients by parameter name, assembled from every rank's shard grads (collective)."""
+    out = {}
+    for meta, param in zip(engine.shard_metadata(), engine.parameters()):
+        local = param.grad if param.grad is not None else torch.zeros_like(param)
+        pieces = [None] * engine.world_size
+        dist.all_gather_object(pieces, local.detach().cpu())
+        flat = torch.cat(pieces)
+        assert flat.numel() == meta.trainable_numel
+        for info in meta.params:
+            if info.requires_grad:
+                out[info.fqn] = flat[info.offset:info.offset + info.numel].view(info.shape)
+    return out
+
+
+def reference_grads(model: ToyLM, ids, labels) -> dict[str, torch.Tensor]:
+    ref = copy.deepcopy(model)
+    loss, _ = ref(ids, labels)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(got, expected, what):
+    assert set(got) == set(expected), (what, sorted(set(got) ^ set(expected)))
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{what}: {name}: {m}")
+
+
+def padded_batch(lengths, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    seq = max(lengths)
+    ids = torch.randint(1, vocab, (len(lengths), seq), generator=gen)
+    labels = ids.clone()
+    for b, n in enumerate(lengths):
+        ids[b, n:] = 0
+        labels[b, n:] = -100
+    return ids, labels
+
+
+def mbs_of(ids, labels, sizes):
+    out, k = [], 0
+    for s in sizes:
+        out.append({"input_ids": ids[k:k + s], "labels": labels[k:k + s]})
+        k += s
+    return out
+
+
+def fresh(cfg, seed=0, **engine_kw):
+    torch.manual_seed(seed)
+    model = ToyLM(cfg)
+    reference = copy.deepcopy(model)
+    return CephaloEngine(ToyStaged(model), **engine_kw), reference
+
+
+# ---- sub-cases (each runs on every rank) ------------------------------------------------------
+def case_token_weighting(rank, world):
+    """8 sequences of lengths 3..40; splits {8}, {4,4}, {1x8}, {3,5} give the token-mean grad."""
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=40)
+    ids, labels = padded_batch([3, 40, 7, 12, 25, 5, 33, 18], cfg.vocab_size, seed=1)
+    splits = {"{8}": ([8, 0], [[8], []]), "{4,4}": ([4, 4], [[4], [4]]),
+              "{1x8}": ([8, 0], [[1] * 8, []]), "{3,5}": ([3, 5], [[3], [5]]),
+              "{3,5} as 2+1, 1+4": ([3, 5], [[2, 1], [1, 4]])}
+    for name, (sizes_b, micro) in splits.items():
+        engine, ref = fresh(cfg, state_ratios=[0.6, 0.4])
+        start = sum(sizes_b[:rank])
+        mine = mbs_of(ids[start:start + sizes_b[rank]], labels[start:start + sizes_b[rank]],
+                      micro[rank])
+        engine.train_step(mine)
+        assert_grads_close(gather_grads(engine), reference_grads(ref, ids, labels), name)
+
+
+def case_uneven_batches_vs_naive_mean(rank, world):
+    """Local batches 2 and 6 equal the full-batch step on 8, and differ from the average of
+    per-rank means (the naive data-parallel answer)."""
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=24)
+    ids, labels = padded_batch([4, 24, 9, 13, 20, 6, 17, 11], cfg.vocab_size, seed=2)
+    engine, ref = fresh(cfg)
+    lo, hi = (0, 2) if rank == 0 else (2, 8)
+    engine.train_step(mbs_of(ids[lo:hi], labels[lo:hi], [hi - lo]))
+    got = gather_grads(engine)
+    full = reference_grads(ref, ids, labels)
+    assert_grads_close(got, full, "2+6 vs full batch")
+    g0, g1 = reference_grads(ref, ids[:2], labels[:2]), reference_grads(ref, ids[2:], labels[2:])
+    naive = {k: (g0[k] + g1[k]) / 2 for k in full}
+    worst = max(float((got[k] - naive[k]).abs().max()) for k in full)
+    assert worst > 1e-3, f"engine gradient equals the naive mean of per-rank means ({worst})"
+
+
+def case_collective_counts_and_accounting(rank, world):
+    """Counts/bytes of all-gathers and reduce-scatters per step do not depend on the number of
+    microbatches; full unit gradients alive at once stay within root + 2 units."""
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=4, max_seq_len=12)
+    ids, labels = padded_batch([12] * 8, cfg.vocab_size, seed=3)
+    mine = slice(0, 4) if rank == 0 else slice(4, 8)
+    per_l = {}
+    for micro in ([4], [2, 2], [1, 1, 1, 1], [3, 1]):
+        engine, _ = fresh(cfg, state_ratios=[0.7, 0.3])
+        engine.stats.reset()
+        engine.train_step(mbs_of(ids[mine], labels[mine], micro if rank == 0 else [4]))
+        s = engine.stats
+        per_l[len(micro)] = (s.all_gather_count, s.all_gather_bytes, s.reduce_scatter_count,
+                             s.reduce_scatter_bytes, s.all_reduce_count)
+        L = engine.num_units
+        assert s.all_gather_count == 2 * L and s.reduce_scatter_count == L + 1, s
+        metas = engine.shard_metadata()
+        root_nt, unit_nt = metas[-1].trainable_numel, max(m.trainable_numel for m in metas[:-1])
+        all_nt = sum(m.trainable_numel for m in metas)
+        assert s.peak_unsharded_grad_numel <= root_nt + 2 * unit_nt < all_nt, s
+        root_n, unit_n = metas[-1].numel, max(m.numel for m in metas[:-1])
+        assert s.peak_unsharded_numel <= root_n + 2 * unit_n, s
+        assert all(u.state.value == "sharded" for u in engine._all_units())
+    assert len(set(per_l.values())) == 1, per_l
+
+
+def case_recompute_sees_gathered_params(rank, world):
+    """Every unit call (forward and recompute) sees full-shape parameters; l forward + l
+    recompute calls per unit; a frozen norm inside each unit gets no grad, no optimizer state
+    and keeps its value."""
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=3, max_seq_len=10,
+                    frozen_norm=True)
+    engine, ref = fresh(cfg, state_ratios=[1.0, 0.0])
+    calls = []
+    shapes = {n: p.shape for n, p in ref.blocks[0].named_parameters()}
+
+    def check(module, args):
+        for n, p in module.named_parameters():
+            assert p.shape == shapes[n], f"{n} has shape {tuple(p.shape)} inside the unit"
+        calls.append(module)
+
+    hooks = [b.register_forward_pre_hook(check) for b in engine.staged.model.blocks]
+    ids, labels = padded_batch([10, 6, 8, 9, 4, 10], cfg.vocab_size, seed=4)
+    lo, hi = (0, 3) if rank == 0 else (3, 6)
+    engine.train_step(mbs_of(ids[lo:hi], labels[lo:hi], [1, 1, 1]))
+    assert len(calls) == 3 * 2 * 3, len(calls)
+    for h in hooks:
+        h.remove()
+    got = gather_grads(engine)
+    assert not any(".ln1." in k for k in got), "frozen norm got a gradient"
+    assert_grads_close(got, reference_grads(ref, ids, labels), "frozen norm")
+    trainable = sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    local = torch.tensor([sum(p.numel() for p in engine.parameters())])
+    dist.all_reduce(local)
+    assert int(local) == trainable
+    opt = torch.optim.AdamW(engine.parameters(), lr=0.1)
+    opt.step()
+    state_numel = sum(v.numel() for st in opt.state.values() for v in st.values() if v.dim())
+    assert state_numel == 2 * sum(p.numel() for p in engine.parameters())
+    full = engine.full_state_dict()
+    if rank == 0:
+        for k, v in ref.state_dict().items():
+            if ".ln1." in k:
+                torch.testing.assert_close(full[k], v, rtol=0, atol=0)
+
+
+def case_param_used_by_last_microbatch(rank, world):
+    """``rare`` is used only when a microbatch holds token 0; only the last one does."""
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=8,
+                    rare_token_id=0)
+    ids, labels = padded_batch([8] * 6, cfg.vocab_size, seed=5)  # ids in 1..31
+    ids[5, 3] = 0
+    engine, ref = fresh(cfg, state_ratios=[0.5, 0.5])
+    lo, hi = (0, 6) if rank == 0 else (6, 6)
+    engine.train_step(mbs_of(ids[lo:hi], labels[lo:hi], [2, 2, 2]) if rank == 0 else [])
+    got = gather_grads(engine)
+    assert_grads_close(got, reference_grads(ref, ids, labels), "rare parameter")
+    assert float(got["blocks.0.rare"].abs().max()) > 0
+
+
+def case_clip_norm_uneven(rank, world):
+    """The clipped global norm and the clipped grads equal torch's single-process ones."""
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=8,
+                    tie_embeddings=True)
+    ids, labels = padded_batch([8, 5, 7, 8, 3], cfg.vocab_size, seed=6)
+    for ratios in ([0.9, 0.1], [1.0, 0.0], [0.0, 1.0]):
+        engine, ref = fresh(cfg, state_ratios=ratios)
+        lo, hi = (0, 1) if rank == 0 else (1, 5)
+        engine.train_step(mbs_of(ids[lo:hi], labels[lo:hi], [1] * (hi - lo)))
+        norm = engine.clip_grad_norm_(0.1)
+        loss, _ = ref(ids, labels)
+        loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL)
+        expected = {n: p.grad for n, p in ref.named_parameters()}
+        assert_grads_close(gather_grads(engine), expected, f"clipped grads {ratios}")
+
+
+def case_state_dict_roundtrip_and_eval(rank, world):
+    """load_full_state_dict -> full_state_dict is the identity (tied keys included); evaluate
+    gives the reference loss and this rank's logits."""
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=8,
+                    tie_embeddings=True)
+    engine, ref = fresh(cfg, shard_layout=None, state_ratios=[0.25, 0.75])
+    torch.manual_seed(99)
+    other = ToyLM(cfg).state_dict()
+    engine.load_full_state_dict(other)
+    full = engine.full_state_dict()
+    if rank == 0:
+        assert list(full) == list(ref.state_dict()) and "head.weight" in full
+        for k in other:
+            torch.testing.assert_close(full[k], other[k], rtol=0, atol=0)
+    ref.load_state_dict(other)
+    ids, labels = padded_batch([8, 6, 7], cfg.vocab_size, seed=7)
+    lo, hi = (0, 2) if rank == 0 else (2, 3)
+    out = engine.evaluate(mbs_of(ids[lo:hi], labels[lo:hi], [1] * (hi - lo)))
+    with torch.no_grad():
+        ref_loss, ref_logits = ref(ids, labels)
+    torch.testing.assert_close(out.loss, float(ref_loss), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.cat(out.logits), ref_logits[lo:hi], rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="missing"):
+        engine.load_full_state_dict({k: v for k, v in other.items() if k != "wpe.weight"})
+
+
+def case_all_reduce_fallback(rank, world):
+    """The all-reduce-and-slice path gives the same gradients as reduce-scatter."""
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=8)
+    ids, labels = padded_batch([8, 5, 7, 6], cfg.vocab_size, seed=8)
+    engine, ref = fresh(cfg, state_ratios=[0.8, 0.2], reduce_scatter_fallback=True)
+    lo, hi = (0, 3) if rank == 0 else (3, 4)
+    engine.train_step(mbs_of(ids[lo:hi], labels[lo:hi], [hi - lo]))
+    assert_grads_close(gather_grads(engine), reference_grads(ref, ids, labels), "fallback")
+
+
+def case_bad_input(rank, world):
+    """Bad input raises ValueError on every rank before any collective (no hang)."""
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=8)
+    staged = lambda: ToyStaged(ToyLM(cfg))  # noqa: E731
+    with pytest.raises(ValueError, match="world size"):
+        CephaloEngine(staged(), [1.0])
+    with pytest.raises(ValueError, match="sum to 1"):
+        CephaloEngine(staged(), [0.5, 0.6])
+    with pytest.raises(ValueError, match="non-negative"):
+        CephaloEngine(staged(), [1.5, -0.5])
+    with pytest.raises(ValueError, match="rows"):
+        CephaloEngine(staged(), shard_layout=[[1, 1]])
+    numels = [sum(p.numel() for p in b.parameters()) for b in ToyLM(cfg).blocks]
+    with pytest.raises(ValueError, match="summing to"):
+        CephaloEngine(staged(), shard_layout=[[numels[0], 1], [numels[1], 0], [0, 0]])
+    mixed = ToyLM(cfg)
+    mixed.blocks[1].fc1.double()
+    with pytest.raises(ValueError, match="mixes parameter dtypes"):
+        CephaloEngine(ToyStaged(mixed))
+
+    class Uncovered(ToyStaged):
+        def root_modules(self):
+            return super().root_modules()[:-1]
+
+    with pytest.raises(ValueError, match="head.weight"):
+        CephaloEngine(Uncovered(ToyLM(cfg)))
+    engine, _ = fresh(cfg)
+    ids, labels = padded_batch([8], cfg.vocab_size, seed=9)
+    with pytest.raises(ValueError, match="no items"):
+        engine.train_step(mbs_of(ids, torch.full_like(labels, -100), [1]) if rank == 0 else [])
+    engine.train_step(mbs_of(ids, labels, [1]) if rank == 1 else [])  # still in lockstep
+
+
+CASES = [case_token_weighting, case_uneven_batches_vs_naive_mean,
+         case_collective_counts_and_accounting, case_recompute_sees_gathered_params,
+         case_param_used_by_last_microbatch, case_clip_norm_uneven,
+         case_state_dict_roundtrip_and_eval, case_all_reduce_fallback, case_bad_input]
+
+
+def semantics_worker(rank, world):
+    done = []
+    for case in CASES:
+        case(rank, world)
+        done.append(case.__name__)
+    return done
+
+
+def test_engine_semantics_two_ranks():
+    names = [c.__name__ for c in CASES]
+    assert run_ranks(semantics_worker, 2, timeout_s=300) == [names, names]
+
+
+def dropout_worker(rank, world):
+    """One rank, one microbatch: the engine consumes the RNG in the order of a plain forward,
+    so with the same seed its gradient equals the reference's only if the recompute replays
+    the forward's dropout masks."""
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=3, max_seq_len=8,
+                    dropout=0.3)
+    ids, labels = padded_batch([8, 6, 7], cfg.vocab_size, seed=10)
+    engine, ref = fresh(cfg)
+    torch.manual_seed(123)
+    engine.train_step(mbs_of(ids, labels, [3]))
+    torch.manual_seed(123)
+    expected = reference_grads(ref, ids, labels)
+    assert_grads_close(gather_grads(engine), expected, "dropout replay")
+    torch.manual_seed(124)
+    assert float(F.dropout(torch.ones(4), 0.3).sum()) >= 0  # RNG still usable after fork_rng
+    return True
+
+
+def test_dropout_replay_one_rank():
+    assert run_ranks(dropout_worker, 1, timeout_s=120) == [True]
