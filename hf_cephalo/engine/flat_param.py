@@ -9,7 +9,7 @@ parameters first, then frozen ones (``requires_grad=False``)::
 Rank r owns the contiguous slice ``[start_r, start_r + n_r)`` of ``flat`` (``n_r`` from the
 planner's per-unit layout, zeros allowed). Because trainable parameters come first, the trainable
 part of a rank's shard is a prefix of it: that prefix is the ``nn.Parameter`` handed to the
-optimizer (``shard_param``), a view into the rank's padded local buffer, so frozen elements never
+optimizer (``shard_param``), a view into the rank's local shard buffer, so frozen elements never
 get a gradient or optimizer state. See [Note: padded uneven collectives] for the padding.
 
 [Note: parameter views while unsharded]
@@ -153,8 +153,10 @@ class FlatParamUnit:
         self.local_numel = self.numel_per_rank[rank]
         start = self.starts[rank]
         self.local_trainable_numel = max(0, min(start + self.local_numel, self.trainable_numel) - start)
-        self.local_padded = torch.zeros(self.pad_numel, dtype=self.dtype, device=device)  # (P,)
-        self.shard_param = nn.Parameter(self.local_padded[:self.local_trainable_numel])
+        # (n_r,) this rank's shard; padded to P only transiently for the all-gather, so the
+        # training state is exactly r_i of the model (the paper's memory model)
+        self.local = torch.zeros(self.local_numel, dtype=self.dtype, device=device)
+        self.shard_param = nn.Parameter(self.local[:self.local_trainable_numel])
         self.state = ShardedState.SHARDED
         self._pending_ag: C.AllGatherResult | None = None
         self._pending_rs: C.ReduceScatterResult | None = None
@@ -162,6 +164,7 @@ class FlatParamUnit:
         self._leaf: torch.Tensor | None = None    # (Nt,) autograd leaf over full[:Nt]
         self._grad_live = False
         self._rs_input: torch.Tensor | None = None
+        self._send: torch.Tensor | None = None
         self._load_from_modules()
         self._set_placeholders()
 
@@ -184,7 +187,7 @@ class FlatParamUnit:
         """Take this rank's shard from a full (N,) flat buffer (any device)."""
         start = self.starts[self.rank]
         with torch.no_grad():
-            self.local_padded[:self.local_numel].copy_(flat[start:start + self.local_numel])
+            self.local.copy_(flat[start:start + self.local_numel])
 
     def flat_from_tensors(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """(N,) flat buffer (CPU) from full tensors in ``self.infos`` order, shapes checked."""
@@ -204,7 +207,8 @@ class FlatParamUnit:
         if self.streams is not None:
             self._pending_ag = self.streams.all_gather(self)
         else:
-            self._pending_ag = C.all_gather_padded(self.local_padded, self.world_size, self.group,
+            self._send = self.send_buffer()  # kept alive until the collective completes
+            self._pending_ag = C.all_gather_padded(self._send, self.world_size, self.group,
                                                    self.stats, async_op=True)
 
     def wait_unshard(self, requires_grad: bool) -> None:
@@ -217,12 +221,21 @@ class FlatParamUnit:
             self.streams.wait_all_gather(result)
         elif result.work is not None:
             result.work.wait()
+        self._send = None
         self._full = self._unpad(result.output)
         self.tracker.add_params(self.numel)
         leaf = self._full[:self.trainable_numel].detach()
         self._leaf = leaf.requires_grad_(requires_grad and self.trainable_numel > 0)
         self.state = ShardedState.UNSHARDED
         self.use_params()
+
+    def send_buffer(self) -> torch.Tensor:
+        """(P,) the local shard padded to the largest shard (a copy only if n_r < P)."""
+        if self.local_numel == self.pad_numel:
+            return self.local
+        padded = torch.zeros(self.pad_numel, dtype=self.dtype, device=self.device)
+        padded[:self.local_numel].copy_(self.local)
+        return padded
 
     def _unpad(self, gathered: torch.Tensor) -> torch.Tensor:
         if all(n == self.pad_numel for n in self.numel_per_rank):
@@ -316,7 +329,7 @@ class FlatParamUnit:
     # ---- full tensors -----------------------------------------------------------------------
     def gather_full(self) -> torch.Tensor:
         """Collective: the (N,) flat buffer on every rank (synchronous all-gather)."""
-        result = C.all_gather_padded(self.local_padded, self.world_size, self.group, self.stats,
+        result = C.all_gather_padded(self.send_buffer(), self.world_size, self.group, self.stats,
                                      async_op=False)
         return self._unpad(result.output)
 

@@ -102,13 +102,14 @@ class CudaStreams:
 
     def all_gather(self, unit) -> C.AllGatherResult:
         compute = torch.cuda.current_stream(self.device)
+        send = unit.send_buffer()  # produced on the compute stream
         self.all_gather_stream.wait_stream(compute)
         with torch.cuda.stream(self.all_gather_stream):
-            result = C.all_gather_padded(unit.local_padded, unit.world_size, unit.group,
+            result = C.all_gather_padded(send, unit.world_size, unit.group,
                                          unit.stats, async_op=False)
             event = torch.cuda.Event()
             event.record(self.all_gather_stream)
-        unit.local_padded.record_stream(self.all_gather_stream)
+        send.record_stream(self.all_gather_stream)
         return C.AllGatherResult(result.output, _EventWork(event))
 
     def wait_all_gather(self, result: C.AllGatherResult) -> None:
