@@ -292,10 +292,15 @@ def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool) -> st
             f"cap {c * devs[i].memory_capacity_bytes / GIB:.1f} GiB" for i in too_big]
     if too_big and (not allow_idle or len(too_big) == len(devs)):
         return "; ".join(msgs)
+    if not allow_idle and B < len(devs):
+        return (f"every rank needs at least one sample but the global batch size {B} is smaller "
+                f"than the world size {len(devs)}; allow idle ranks or raise the batch size")
     S = cluster.model.state_bytes
     total = sum(d.memory_capacity_bytes for d in devs)
     relaxed = _Case(cluster, _groups(cluster), B, c, True, allow_idle)
     min_compute = float(relaxed.tree(np.inf, minplus=True).table[B])
+    if not np.isfinite(min_compute):
+        return "no rank can take a microbatch: " + "; ".join(msgs)
     return (f"aggregate memory: model state {S / GIB:.1f} GiB + compute "
             f"{min_compute / GIB:.1f} GiB exceeds {c} × {total / GIB:.1f} GiB")
 
