@@ -205,11 +205,28 @@ class CephaloAccelerator(Accelerator):
         super().__init__(*args, **kwargs)
         self.cephalo_plugin = cephalo_plugin if cephalo_plugin is not None else CephaloPlugin()
         self.cephalo_plugin.check_world_size(self.num_processes)
+        self.cephalo_engine: Any = None
+
+    def attach_engine(self, engine: Any) -> None:
+        """Register the ``CephaloEngine`` that owns the model's parameters (set by CephaloTrainer).
+
+        Afterwards ``prepare_model`` returns that model unchanged: the engine already shards
+        and synchronizes it, and a DistributedDataParallel wrapper would all-reduce again.
+        """
+        self.cephalo_engine = engine
 
     @property
     def cephalo_distributed_type(self) -> CephaloDistributedType:
         """Cephalo's distributed type (``self.distributed_type`` is Accelerate's own)."""
         return self.cephalo_plugin.distributed_type
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False):
+        """Return the engine's model unchanged (see ``attach_engine``); others as ``Accelerator`` does."""
+        if self.cephalo_engine is not None and model is self.cephalo_engine.staged.model:
+            return model
+        return super().prepare_model(model, device_placement=device_placement,
+                                     evaluation_mode=evaluation_mode)
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement=None,
                             slice_fn_for_dispatch=None):

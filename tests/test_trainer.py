@@ -1,0 +1,164 @@
+"""CephaloTrainer on 2 gloo ranks with an uneven plan vs a single-process full-batch reference.
+
+One run_ranks call trains tiny Llama / GPT-2 / ViT models through the Trainer and returns what
+it logged, evaluated and saved; the test process replays the same global batches with the plain
+HF model (full batch, fp32, SGD so that no optimizer amplifies rounding) and compares.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+from transformers import get_linear_schedule_with_warmup
+
+from hf_cephalo.integrations.sampler import global_batches
+from tests.dist_utils import run_ranks
+from tests.models_fixtures import build
+
+RTOL, ATOL = 1e-5, 1e-6
+# dropout off: the Trainer trains in train mode and the reference cannot replay the engine's RNG
+OVERRIDES = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
+LR, MAX_NORM, SEED = 0.5, 0.05, 11
+CASES = {  # arch: (num train samples, num eval samples, batch sizes, microbatch sizes, state ratios)
+    "llama": (13, 7, [1, 3], [1, 2], [0.7, 0.3]),
+    "gpt2": (6, 5, [3, 1], [2, 1], [0.25, 0.75]),
+    "vit": (9, 5, [2, 2], [1, 2], [0.5, 0.5]),
+}
+
+
+def _samples(arch: str, n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    if arch == "vit":
+        return [{"pixel_values": torch.randn(3, 16, 16, generator=g),
+                 "labels": torch.randint(0, 5, (), generator=g)} for _ in range(n)]
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(1, 97, (12,), generator=g)
+        labels = ids.clone()
+        labels[: int(torch.randint(0, 6, (), generator=g))] = -100  # uneven item counts per sample
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(12, dtype=torch.long),
+                     "labels": labels})
+    return rows
+
+
+class _ListDataset(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def _collate(rows):
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _worker(rank, world_size, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import Plan
+
+    results = {}
+    for arch, (n_train, n_eval, sizes, micro, ratios) in CASES.items():
+        args = CephaloTrainingArguments(
+            output_dir=os.path.join(out_dir, arch), report_to="none", optim="sgd",
+            learning_rate=LR, max_grad_norm=MAX_NORM, num_train_epochs=1, logging_steps=1,
+            save_strategy="no", seed=SEED, per_device_eval_batch_size=2, disable_tqdm=True,
+            remove_unused_columns=False)
+        assert args.world_size == world_size and args.use_cpu
+        plan = Plan.from_ratios(sizes, micro, ratios)
+        trainer = CephaloTrainer(
+            model=build(arch, **OVERRIDES.get(arch, {})), args=args, plan=plan, data_collator=_collate,
+            train_dataset=_ListDataset(_samples(arch, n_train, 0)),
+            eval_dataset=_ListDataset(_samples(arch, n_eval, 1)),
+            preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
+            compute_metrics=lambda p: {"num_predictions": len(p.predictions)})
+        assert trainer.accelerator.num_processes == world_size
+        assert trainer.model is trainer.engine.staged.model  # not wrapped in DDP
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+        output = trainer.predict(trainer.eval_dataset)
+        save_dir = os.path.join(out_dir, arch, "final")
+        trainer.save_model(save_dir)
+        results[arch] = dict(losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
+                             eval_loss=output.metrics["test_loss"],
+                             num_predictions=output.metrics["test_num_predictions"],
+                             predictions=output.predictions, label_ids=output.label_ids,
+                             save_dir=save_dir)
+    return results
+
+
+def _reference(arch: str):
+    n_train, n_eval, sizes, _, _ = CASES[arch]
+    model = build(arch, **OVERRIDES.get(arch, {})).train()
+    data, eval_data = _samples(arch, n_train, 0), _samples(arch, n_eval, 1)
+    batches = global_batches(n_train, sum(sizes), epoch=0, seed=SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sched = get_linear_schedule_with_warmup(opt, 0, len(batches))
+    losses, norms = [], []
+    for batch in batches:
+        out = model(**_collate([data[i] for i in batch]))  # HF mean over the global batch
+        out.loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        losses.append(float(out.loss.detach()))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        eval_out = model(**_collate(eval_data))
+    return model, losses, norms, float(eval_out.loss), eval_out.logits.argmax(-1), _collate(eval_data)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("trainer"))
+    return run_ranks(_worker, 2, out_dir, timeout_s=400)
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_matches_full_batch_reference(trained, arch):
+    ref_model, ref_losses, ref_norms, ref_eval_loss, ref_preds, eval_batch = _reference(arch)
+    for rank_result in trained:  # logged values are global, identical on every rank
+        got = rank_result[arch]
+        torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
+                                   torch.tensor(ref_losses, dtype=torch.float64), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(torch.tensor(got["grad_norms"], dtype=torch.float64),
+                                   torch.tensor(ref_norms, dtype=torch.float64), rtol=RTOL, atol=ATOL)
+        assert got["eval_loss"] == pytest.approx(ref_eval_loss, rel=RTOL, abs=ATOL)
+        # every eval sample predicted exactly once, in dataset order
+        assert got["num_predictions"] == CASES[arch][1]
+        assert torch.equal(torch.as_tensor(got["predictions"]), ref_preds)
+        assert torch.equal(torch.as_tensor(got["label_ids"]), eval_batch["labels"])
+    assert max(ref_norms) > MAX_NORM  # clipping was active
+
+    # the checkpoint: from_pretrained loads exactly the model's own keys and the trained values
+    save_dir = trained[0][arch]["save_dir"]
+    loaded = type(ref_model).from_pretrained(save_dir).eval()
+    assert set(loaded.state_dict()) == set(ref_model.state_dict())
+    for key, value in ref_model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=RTOL, atol=ATOL, msg=key)
+    inputs = {k: v for k, v in eval_batch.items() if k != "labels"}
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, ref_model(**inputs).logits,
+                                   rtol=RTOL, atol=ATOL)
+    if arch == "gpt2":  # tied embeddings stay tied after the round trip
+        assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    with open(os.path.join(save_dir, "model.safetensors"), "rb"):
+        pass  # safetensors, not pickle
+
+
+def test_rejects_bad_setup(tmp_path):
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    with pytest.raises(TypeError, match="CephaloTrainingArguments"):
+        CephaloTrainer(model=build("llama"), args=args)
