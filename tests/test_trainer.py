@@ -44,15 +44,16 @@ def _samples(arch: str, n: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-class _ListDataset(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
+def _dataset(rows):
+    """A datasets.Dataset with an extra text column the Trainer's column pruning must drop
+    (while keeping the model's inputs, e.g. ViT's pixel_values)."""
+    import datasets
 
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
+    columns = {k: [r[k].tolist() for r in rows] for k in rows[0]}
+    columns["note"] = [f"row {i}" for i in range(len(rows))]
+    ds = datasets.Dataset.from_dict(columns)
+    ds.set_format("torch")
+    return ds
 
 
 def _collate(rows):
@@ -71,14 +72,13 @@ def _worker(rank, world_size, out_dir):
         args = CephaloTrainingArguments(
             output_dir=os.path.join(out_dir, arch), report_to="none", optim="sgd",
             learning_rate=LR, max_grad_norm=MAX_NORM, num_train_epochs=1, logging_steps=1,
-            save_strategy="no", seed=SEED, per_device_eval_batch_size=2, disable_tqdm=True,
-            remove_unused_columns=False)
+            save_strategy="no", seed=SEED, per_device_eval_batch_size=2, disable_tqdm=True)
         assert args.world_size == world_size and args.use_cpu
         plan = Plan.from_ratios(sizes, micro, ratios)
         trainer = CephaloTrainer(
             model=build(arch, **OVERRIDES.get(arch, {})), args=args, plan=plan, data_collator=_collate,
-            train_dataset=_ListDataset(_samples(arch, n_train, 0)),
-            eval_dataset=_ListDataset(_samples(arch, n_eval, 1)),
+            train_dataset=_dataset(_samples(arch, n_train, 0)),
+            eval_dataset=_dataset(_samples(arch, n_eval, 1)),
             preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
             compute_metrics=lambda p: {"num_predictions": len(p.predictions)})
         assert trainer.accelerator.num_processes == world_size
