@@ -206,7 +206,7 @@ class CephaloEngine:
         if global_items == 0:
             raise ValueError("the global batch has no items (every label is -100 or no rank has "
                              "samples); nothing to train on")
-        stash = ActivationStash(self.offload_activations, self.streams)
+        stash = ActivationStash(self.offload_activations, self.streams, self.stats)
         step = LayeredStep(self.staged, self.units, self.root, mbs, global_items, stash,
                            self.device)
         step.run()

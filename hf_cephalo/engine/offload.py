@@ -41,15 +41,33 @@ class ActivationStash:
     ``get`` return it on the original device (reloaded synchronously w.r.t. the compute stream).
     """
 
-    def __init__(self, offload: bool, streams: "CudaStreams | None"):
+    def __init__(self, offload: bool, streams: "CudaStreams | None", stats=None):
         self.offload = bool(offload and streams is not None)
         self.streams = streams
+        self.stats = stats
         self._store: dict[tuple, _Stashed] = {}
+        self._device_bytes = self._host_bytes = 0
+
+    def _account(self, item: _Stashed, sign: int) -> None:
+        nbytes = sign * item.tensor.numel() * item.tensor.element_size()
+        if item.device is None:
+            self._device_bytes += nbytes
+        else:
+            self._host_bytes += nbytes
+        if self.stats is not None and sign > 0:
+            self.stats.peak_stash_device_bytes = max(self.stats.peak_stash_device_bytes,
+                                                     self._device_bytes)
+            self.stats.peak_stash_host_bytes = max(self.stats.peak_stash_host_bytes,
+                                                   self._host_bytes)
+
+    def _put(self, key: tuple, item: _Stashed) -> None:
+        self._store[key] = item
+        self._account(item, +1)
 
     def start_offload(self, key: tuple, t: torch.Tensor) -> None:
         t = t.detach()
         if not self.offload or t.device.type != "cuda":
-            self._store[key] = _Stashed(t, None, None)
+            self._put(key, _Stashed(t, None, None))
             return
         stream = self.streams.offload_stream
         stream.wait_stream(torch.cuda.current_stream(t.device))
@@ -59,7 +77,7 @@ class ActivationStash:
             event = torch.cuda.Event()
             event.record(stream)
         t.record_stream(stream)
-        self._store[key] = _Stashed(cpu, event, t.device)
+        self._put(key, _Stashed(cpu, event, t.device))
 
     def wait_offload(self, key: tuple) -> None:
         item = self._store.get(key)
@@ -67,7 +85,9 @@ class ActivationStash:
             item.event.synchronize()
 
     def pop(self, key: tuple) -> torch.Tensor:
-        return self._load(self._store.pop(key))
+        item = self._store.pop(key)
+        self._account(item, -1)
+        return self._load(item)
 
     def get(self, key: tuple) -> torch.Tensor:
         return self._load(self._store[key])

@@ -16,7 +16,8 @@ class CollectiveStats:
     The ``peak_*`` fields are memory accounting of the schedule, in elements (numel), taken at
     every unshard / gradient allocation:
     ``peak_unsharded_numel``: most parameter elements held unsharded at once;
-    ``peak_unsharded_grad_numel``: most elements of full (unsharded) unit gradients alive at once.
+    ``peak_unsharded_grad_numel``: most elements of full (unsharded) unit gradients alive at once;
+    ``peak_stash_*_bytes``: most bytes of stashed boundary tensors at once (device / pinned host).
     """
 
     all_gather_count: int = 0      # all-gathers (one per unshard of a unit)
@@ -27,6 +28,8 @@ class CollectiveStats:
     all_reduce_bytes: int = 0
     peak_unsharded_numel: int = 0
     peak_unsharded_grad_numel: int = 0
+    peak_stash_device_bytes: int = 0   # boundary activations/grads stashed on the compute device
+    peak_stash_host_bytes: int = 0     # ... offloaded to pinned CPU memory (CUDA offload only)
 
     def reset(self) -> None:
         """Zero every counter."""

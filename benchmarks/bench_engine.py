@@ -1,0 +1,258 @@
+"""Engine benchmark: layered gradient accumulation vs torch FSDP2 with standard accumulation.
+
+Runs ``--world-size`` gloo ranks (CPU) or NCCL ranks (``--device cuda``, one GPU per rank) on
+a Llama-shaped model built from a config (no weights are downloaded). For l = 1, 4, 8
+microbatches of size ``local_batch / l`` it measures, per step (forward + backward + AdamW):
+  * step time (median of ``--steps`` timed steps after one warm-up), and
+  * all-gather / reduce-scatter counts and bytes, read from a ``torch.profiler`` trace of one
+    step (the ``c10d::_allgather_base_`` / ``c10d::_reduce_scatter_base_`` ops) for BOTH
+    systems, so they are counted the same way,
+for the Cephalo engine and for FSDP2 (``fully_shard`` per decoder layer + root, gradient sync
+only on the last microbatch, i.e. ``set_requires_gradient_sync(False)`` before the others). It
+prints ratios Cephalo / FSDP2-GA. It also prints, per rank, the training-state bytes under an
+uneven state split (expected r_i x 16 bytes x parameters: fp32 param 4 + grad 4 + Adam 8) and
+the peak memory for l = 1, 4, 8 at a fixed microbatch size (CUDA: max_memory_allocated; CPU:
+only the engine's stash accounting: CPU has no offload, so the stash grows with l there).
+
+Usage: python benchmarks/bench_engine.py [--world-size 2] [--device cpu|cuda] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                      max_position_embeddings=args.seq, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).float()
+
+
+def batch(args, rank, step, size):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, args.vocab, (size, args.seq), generator=gen)
+    return ids
+
+
+def count_collectives(prof) -> dict:
+    """Counts and bytes (fp32) of all-gathers and reduce-scatters in a profiler trace."""
+    out = {"ag": 0, "ag_bytes": 0, "rs": 0, "rs_bytes": 0}
+    for e in prof.events():
+        if e.name == "c10d::_allgather_base_":
+            out["ag"] += 1
+            out["ag_bytes"] += 4 * e.input_shapes[0][0]
+        elif e.name == "c10d::_reduce_scatter_base_":
+            out["rs"] += 1
+            out["rs_bytes"] += 4 * e.input_shapes[1][0]
+    return out
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step_fn, args, device):
+    step_fn(0)  # warm-up
+    times = []
+    for s in range(1, args.steps + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        step_fn(s)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step_fn(args.steps + 1)
+    return statistics.median(times), count_collectives(prof)
+
+
+def cephalo_runner(args, rank, device, num_mb, ratios=None):
+    from hf_cephalo.engine import CephaloEngine
+    from hf_cephalo.models.registry import stage_model
+    model = build_model(args).to(device)
+    engine = CephaloEngine(stage_model(model), ratios, device=device)
+    opt = torch.optim.AdamW(engine.parameters(), lr=1e-4)
+    m = args.local_batch // num_mb
+
+    def step(s):
+        ids = batch(args, rank, s, args.local_batch).to(device)
+        engine.train_step([{"input_ids": ids[k:k + m], "labels": ids[k:k + m]}
+                           for k in range(0, args.local_batch, m)])
+        opt.step()
+        engine.zero_grad()
+    return step, engine, opt
+
+
+def fsdp2_runner(args, rank, device, num_mb):
+    from torch.distributed.fsdp import fully_shard
+    model = build_model(args).to(device)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    m = args.local_batch // num_mb
+
+    def step(s):
+        ids = batch(args, rank, s, args.local_batch).to(device)
+        for k in range(num_mb):
+            model.set_requires_gradient_sync(k == num_mb - 1)
+            mb = ids[k * m:(k + 1) * m]
+            (model(input_ids=mb, labels=mb).loss / num_mb).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def state_bytes(engine, opt) -> int:
+    """fp32 param + grad + AdamW moments held by this rank for its shards, in bytes."""
+    total = 0
+    for p in engine.parameters():
+        total += p.numel() * p.element_size() * 2  # parameter + gradient
+        for v in opt.state.get(p, {}).values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                total += v.numel() * v.element_size()
+    return total
+
+
+def peak_memory(args, rank, device, num_mb) -> dict:
+    """Peak memory (bytes) of a step with ``num_mb`` microbatches of ``args.peak_m``.
+
+    ``device_peak``: CUDA max_memory_allocated above the memory held before the step (0 on CPU,
+    where no per-step allocator peak exists); ``stash_device`` / ``stash_host``: the engine's
+    peak bytes of stashed boundary tensors on the device / offloaded to pinned host memory.
+    """
+    local = args.local_batch
+    args.local_batch = args.peak_m * num_mb
+    step, engine, _ = cephalo_runner(args, rank, device, num_mb)
+    step(0)
+    engine.stats.reset()
+    peak = 0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step(1)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        step(1)
+    args.local_batch = local
+    return {"device_peak": peak, "stash_device": engine.stats.peak_stash_device_bytes,
+            "stash_host": engine.stats.peak_stash_host_bytes}
+
+
+def worker(rank, args, port, out_q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.world_size)
+    try:
+        res = {"time": {}, "coll": {}}
+        for num_mb in args.num_mb:
+            for name in ("cephalo", "fsdp2"):
+                step = (cephalo_runner(args, rank, device, num_mb)[0] if name == "cephalo"
+                        else fsdp2_runner(args, rank, device, num_mb))
+                t, coll = time_steps(step, args, device)
+                res["time"][f"{name}/{num_mb}"] = t
+                res["coll"][f"{name}/{num_mb}"] = coll
+        ratios = [0.7] + [0.3 / (args.world_size - 1)] * (args.world_size - 1)
+        step, engine, opt = cephalo_runner(args, rank, device, 1, ratios)
+        step(0)
+        res["state"] = (ratios[rank], state_bytes(engine, opt),
+                        sum(p.numel() for p in build_model(args).parameters()))
+        res["peak"] = {l: peak_memory(args, rank, device, l) for l in args.num_mb}
+        out_q.put((rank, res))
+    finally:
+        dist.destroy_process_group()
+
+
+def report(args, results):
+    r0 = results[0]
+    print(f"# bench_engine: {args.world_size} ranks on {args.device}, Llama {args.layers} layers, "
+          f"hidden {args.hidden}, seq {args.seq}, {args.local_batch} sequences per rank")
+    print(f"{'l':>3} {'m':>3} | {'cephalo s':>10} {'fsdp2-GA s':>10} {'ratio':>6} | "
+          f"{'AG cnt':>11} {'AG MiB':>15} {'AG ratio':>8} | {'RS cnt':>9}")
+    for l in args.num_mb:
+        c, f = r0["coll"][f"cephalo/{l}"], r0["coll"][f"fsdp2/{l}"]
+        tc = max(r["time"][f"cephalo/{l}"] for r in results)
+        tf = max(r["time"][f"fsdp2/{l}"] for r in results)
+        print(f"{l:>3} {args.local_batch // l:>3} | {tc:>10.3f} {tf:>10.3f} {tc / tf:>6.2f} | "
+              f"{c['ag']:>4} vs {f['ag']:>4} {c['ag_bytes'] / 2**20:>6.1f} vs "
+              f"{f['ag_bytes'] / 2**20:>6.1f} {c['ag_bytes'] / f['ag_bytes']:>8.3f} | "
+              f"{c['rs']:>3} vs {f['rs']:>3}")
+    l1 = args.num_mb[0]
+    print(f"step time vs FSDP2 without accumulation (l={l1}): "
+          f"{max(r['time'][f'cephalo/{l1}'] for r in results) / max(r['time'][f'fsdp2/{l1}'] for r in results):.2f}x")
+    print("training state per rank (uneven split), expected r_i x 16 B x params:")
+    for rank, r in enumerate(results):
+        ratio, got, params = r["state"]
+        expected = ratio * 16 * params
+        print(f"  rank {rank}: r={ratio:.3f} state {got / 2**20:8.2f} MiB, expected "
+              f"{expected / 2**20:8.2f} MiB, off by {100 * (got - expected) / expected:+.2f}%")
+    print(f"peak memory per step at microbatch size {args.peak_m} (MiB: device peak above "
+          f"the state [CUDA only] / stash on device / stash offloaded to host):")
+    for rank, r in enumerate(results):
+        print(f"  rank {rank}: " + ", ".join(
+            f"l={l}: {r['peak'][l]['device_peak'] / 2**20:.1f}/"
+            f"{r['peak'][l]['stash_device'] / 2**20:.1f}/{r['peak'][l]['stash_host'] / 2**20:.1f}"
+            for l in args.num_mb))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "results": results}, fh, indent=1, default=str)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=704)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seq", type=int, default=128, help="sequence length (tokens)")
+    p.add_argument("--local-batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--num-mb", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--peak-m", type=int, default=1, help="microbatch size of the memory runs")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
+    p.add_argument("--json", default=None, help="also write the raw results here")
+    p.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
+    args = p.parse_args()
+    if args.quick:
+        args.layers, args.hidden, args.intermediate, args.vocab, args.seq = 2, 64, 128, 256, 32
+        args.steps = 1
+    if any(args.local_batch % l for l in args.num_mb):
+        p.error(f"--local-batch {args.local_batch} must be divisible by every --num-mb {args.num_mb}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args, port, q)) for r in range(args.world_size)]
+    for proc in procs:
+        proc.start()
+    results = dict(q.get(timeout=3600) for _ in procs)
+    for proc in procs:
+        proc.join()
+    report(args, [results[r] for r in range(args.world_size)])
+
+
+if __name__ == "__main__":
+    main()
