@@ -39,6 +39,7 @@ def _qwen2(**kw):
 
 def _gpt2(**kw):
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                  bos_token_id=1, eos_token_id=2,
                                   **kw)
     return transformers.GPT2LMHeadModel(cfg)
 

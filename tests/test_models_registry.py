@@ -107,3 +107,32 @@ def test_missing_key_is_a_clear_error(arch, key):
             staged.count_items(batch)
         else:
             staged.embed(batch)
+
+
+def test_guide_example_runs_and_matches_the_model(tmp_path):
+    """The adapter written in docs/adding_a_model.md works as printed."""
+    import pathlib
+    import re
+
+    from hf_cephalo.models import registry
+    from tests.models_fixtures import staged_logits
+
+    guide = pathlib.Path(__file__).resolve().parents[1] / "docs" / "adding_a_model.md"
+    code = re.search(r"```python\n(.*?)```", guide.read_text(), re.S).group(1)
+
+    class MyDecoderForCausalLM(transformers.LlamaForCausalLM):
+        pass
+
+    namespace: dict = {}
+    try:
+        exec(compile(code, str(guide), "exec"), namespace)
+        model = MyDecoderForCausalLM(build("llama").config).eval()
+        staged = stage_model(model)
+        assert type(staged).__name__ == "MyDecoderStagedModel"
+        staged.prepare_for_training()
+        batch = make_batch("llama", 3, padding=True)
+        with torch.no_grad():
+            torch.testing.assert_close(staged_logits(staged, batch), model(**batch).logits,
+                                       rtol=0, atol=1e-5)
+    finally:
+        registry._ADAPTERS.pop("MyDecoderForCausalLM", None)

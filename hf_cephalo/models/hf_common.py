@@ -74,11 +74,14 @@ def count_causal_items(labels: torch.Tensor) -> int:
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> HeadOutput:
     """Summed next-token cross entropy. logits (m, S, V), labels (m, S) with -100 ignored.
 
-    Equals ``ForCausalLMLoss`` (fp32 upcast, same shift) times its item count, so
-    loss_sum / num_items == the model's own mean loss.
+    Equals ``ForCausalLMLoss`` (same shift, half-precision logits upcast to fp32) times its item
+    count, so loss_sum / num_items == the model's own mean loss. Unlike ``ForCausalLMLoss``,
+    fp64 logits are kept in fp64 (never downcast).
     """
     targets = shift_labels(labels.to(logits.device)).reshape(-1)
-    loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets,
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets,
                                ignore_index=IGNORE_INDEX, reduction="sum")
     return HeadOutput(loss_sum, int((targets != IGNORE_INDEX).sum().item()))
 
