@@ -136,3 +136,12 @@ def test_guide_example_runs_and_matches_the_model(tmp_path):
                                        rtol=0, atol=1e-5)
     finally:
         registry._ADAPTERS.pop("MyDecoderForCausalLM", None)
+
+
+def test_old_transformers_is_a_clear_error():
+    from hf_cephalo.models.registry import check_transformers_version
+
+    check_transformers_version(transformers.__version__)
+    check_transformers_version("5.0.0")
+    with pytest.raises(ValueError, match=r"transformers>=5.0 \(found 4.46.0\)"):
+        check_transformers_version("4.46.0")

@@ -7,6 +7,7 @@ docs/adding_a_model.md).
 
 from __future__ import annotations
 
+import transformers
 from torch import nn
 
 from hf_cephalo.models.base import StagedModel
@@ -17,6 +18,18 @@ from hf_cephalo.models.llama import LlamaStagedModel
 from hf_cephalo.models.vit import ViTStagedModel
 
 _ADAPTERS: dict[str, type[StagedModel]] = {}
+
+MIN_TRANSFORMERS_MAJOR = 5
+"""The built-in adapters follow transformers 5.x module layouts and mask builders (tested with
+5.24); 4.x lays models out differently (e.g. ``vit.encoder.layer``, ``past_key_values``)."""
+
+
+def check_transformers_version(version: str) -> None:
+    """Raise ValueError if ``version`` (e.g. "4.46.0") is older than the adapters support."""
+    major = int(version.split(".")[0])
+    if major < MIN_TRANSFORMERS_MAJOR:
+        raise ValueError(f"hf_cephalo's model adapters need transformers>={MIN_TRANSFORMERS_MAJOR}.0 "
+                         f"(found {version}); upgrade with `pip install -U 'transformers>=5'`.")
 
 
 def register_adapter(model_class: type | str, adapter: type[StagedModel]) -> None:
@@ -54,12 +67,16 @@ def adapter_for(model: nn.Module) -> type[StagedModel]:
 def stage_model(model: nn.Module) -> StagedModel:
     """Wrap a Hugging Face model in its staged-model adapter (no copy; shares parameters).
 
-    Raises ValueError for an unsupported class, or when the adapter's root modules and units do
-    not cover ``model.parameters()`` exactly (e.g. extra modules attached to the model).
+    Raises ValueError for an unsupported class, for a built-in adapter with transformers < 5,
+    or when the adapter's root modules and units do not cover ``model.parameters()`` exactly
+    (e.g. extra modules attached to the model).
     """
     if isinstance(model, StagedModel):
         return model
-    return adapter_for(model)(model)
+    adapter = adapter_for(model)
+    if adapter.__module__.startswith("hf_cephalo.models."):
+        check_transformers_version(transformers.__version__)
+    return adapter(model)
 
 
 for _adapter in (LlamaStagedModel, GPT2StagedModel, GPTNeoXStagedModel, ViTStagedModel,
