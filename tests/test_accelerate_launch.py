@@ -28,11 +28,11 @@ LAUNCH_TIMEOUT_S = 150
 
 
 def _launch(config: str, port: int, out_dir: Path, env_extra: dict[str, str] | None = None,
-            extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
+            extra_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_CEPHALO_")}
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-           "--main_process_port", str(port), *extra_args, str(WORKER), str(out_dir)]
+           "--main_process_port", str(port), *extra_args, str(WORKER), str(out_dir), *worker_args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
@@ -65,8 +65,13 @@ def _check_multi_cpu(summaries: list[dict]) -> None:
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU (gloo) path")
 def test_single_machine_cpu_config(tmp_path):
-    [(rc, out)] = _wait_all([_launch("cephalo_cpu.yaml", free_port(), tmp_path,
-                                     env_extra={"HF_CEPHALO_GLOBAL_BATCH_SIZE": "6"})])
+    from hf_cephalo.planner import Plan
+
+    plan_file = tmp_path / "plan.json"
+    Plan.from_ratios([2, 4], [1, 2], [0.6, 0.4]).save(plan_file)  # uneven batch and state
+    env = {"HF_CEPHALO_GLOBAL_BATCH_SIZE": "6", "HF_CEPHALO_PLAN_FILE": str(plan_file)}
+    [(rc, out)] = _wait_all([_launch("cephalo_cpu.yaml", free_port(), tmp_path, env_extra=env,
+                                     worker_args=("train",))])
     assert rc == 0, out[-4000:]
     summaries = _summaries(tmp_path, 2)
     _check_multi_cpu(summaries)
@@ -75,6 +80,14 @@ def test_single_machine_cpu_config(tmp_path):
     # 37 samples, b = (2, 5): 5 full steps + a last step of 2 split 1/1 (proportional 0.57/1.43)
     assert summaries[0]["local_steps"] == [2, 2, 2, 2, 2, 1]
     assert summaries[1]["local_steps"] == [5, 5, 5, 5, 5, 1]
+    # CephaloTrainer end to end under the launcher: global loss identical on both ranks, going
+    # down; the saved checkpoint reloads with from_pretrained and generates on rank 0
+    train = [s["train"] for s in summaries]
+    assert train[0]["losses"] == train[1]["losses"] and len(train[0]["losses"]) == 6
+    assert train[0]["losses"][-1] < train[0]["losses"][0]
+    assert train[0]["eval_loss"] == train[1]["eval_loss"]
+    assert train[0]["sample"].startswith("The assert statement") and train[1]["sample"] is None
+    assert "Cephalo plan: global batch size 6" in out
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU (gloo) path")

@@ -103,7 +103,8 @@ def group_texts(dataset, tokenizer, block_size: int, *, text_column: str = "text
     eos_id = tokenizer.eos_token_id
 
     def tokenize(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
-        encoded = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        # verbose=False: whole documents exceed model_max_length by design (cut into blocks below)
+        encoded = tokenizer(batch[text_column], add_special_tokens=False, verbose=False)["input_ids"]
         return {"input_ids": [ids + ([eos_id] if eos_id is not None else []) for ids in encoded]}
 
     def chunk(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:

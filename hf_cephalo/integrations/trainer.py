@@ -206,6 +206,10 @@ class CephaloTrainer(Trainer):
     def get_test_dataloader(self, test_dataset) -> DataLoader:
         return self.get_eval_dataloader(test_dataset)
 
+    def get_total_train_batch_size(self, args) -> int:
+        """The plan's global batch size B (Trainer's speed metrics and logs use it)."""
+        return self.plan.global_batch_size
+
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         # A batch is a list of microbatch dicts; the engine counts items itself (all-reduce).
         return list(itertools.islice(epoch_iterator, num_batches)), None

@@ -5,7 +5,8 @@ the launched process, that Accelerate kept its own distributed type and real wor
 that its collectives, RNG synchronization and data loader handling behave. Every check is an
 assert (a failure exits non-zero); a JSON summary goes to <out_dir>/rank<R>.json for the test.
 
-Usage: check_accelerate.py OUT_DIR
+Usage: check_accelerate.py OUT_DIR [train]   ("train" also runs CephaloTrainer end to end:
+pydoc text -> BPE tokenizer -> tiny Llama -> train/evaluate/save -> from_pretrained + generate)
 """
 
 import json
@@ -76,16 +77,57 @@ def main(out_dir: str) -> None:
     for step in range(len(my_steps) - 1):
         assert len(my_steps[step]) == sizes[rank]
 
-    summary = dict(rank=rank, world_size=n, process_index=accelerator.process_index,
+    summary = dict(train=train_end_to_end(out_dir, n) if "train" in sys.argv[2:] else None)
+    summary.update(rank=rank, world_size=n, process_index=accelerator.process_index,
                    num_processes=accelerator.num_processes, distributed_type=str(accelerator.distributed_type),
                    backend=state.backend, cephalo_distributed_type=accelerator.cephalo_distributed_type.value,
                    plugin_global_batch_size=accelerator.cephalo_plugin.global_batch_size,
                    args_global_batch_size=args.cephalo_global_batch_size, use_cpu=args.use_cpu,
                    local_steps=[len(s) for s in my_steps])
+    accelerator.wait_for_everyone()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(summary, f)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+
+
+def train_end_to_end(out_dir: str, world_size: int) -> dict:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, default_data_collator
+
+    from hf_cephalo.integrations.data import group_texts, pydoc_text_dataset, train_bpe_tokenizer
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+
+    texts = pydoc_text_dataset(max_chars=30_000)
+    tokenizer = train_bpe_tokenizer(texts["text"], vocab_size=400)
+    blocks = group_texts(texts, tokenizer, 32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id))
+    args = CephaloTrainingArguments(output_dir=os.path.join(out_dir, "clm"), report_to="none",
+                                    max_steps=6, learning_rate=3e-3, logging_steps=1,
+                                    save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = CephaloTrainer(model=model, args=args, train_dataset=blocks.select(range(40)),
+                             eval_dataset=blocks.select(range(40, 51)), processing_class=tokenizer,
+                             data_collator=default_data_collator)
+    assert trainer.plan.batch_sizes == [2, 4][:world_size] or world_size != 2, trainer.plan
+    trainer.train()
+    eval_metrics = trainer.evaluate()
+    save_dir = os.path.join(out_dir, "clm", "final")
+    trainer.save_model(save_dir)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    sample = None
+    trainer.accelerator.wait_for_everyone()
+    if trainer.is_world_process_zero():
+        reloaded = LlamaForCausalLM.from_pretrained(save_dir).eval()
+        reloaded_tokenizer = AutoTokenizer.from_pretrained(save_dir)
+        prompt = reloaded_tokenizer("The assert statement", return_tensors="pt")
+        generated = reloaded.generate(**prompt, max_new_tokens=8, do_sample=False)
+        sample = reloaded_tokenizer.decode(generated[0])
+        assert sample.startswith("The assert statement") and generated.shape[1] > prompt["input_ids"].shape[1]
+    return dict(losses=losses, eval_loss=eval_metrics["eval_loss"], sample=sample)
 
 
 if __name__ == "__main__":
