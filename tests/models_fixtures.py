@@ -59,8 +59,8 @@ def _vit(**kw):
 
 def _bert(**kw):
     kw = {"num_labels": 3, **kw}
-    cfg = transformers.BertConfig(vocab_size=VOCAB, intermediate_size=128, max_position_embeddings=64,
-                                  **COMMON, **kw)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, intermediate_size=128,
+                                  max_position_embeddings=64, **COMMON, **kw)
     return transformers.BertForSequenceClassification(cfg)
 
 
@@ -102,7 +102,8 @@ def make_batch(arch: str, batch_size: int, *, seed: int = 0, padding: bool = Fal
         pos = torch.where(pos >= cut[:, None], pos - cut[:, None], pos)
         batch["position_ids"] = pos
     if arch == "bert":
-        batch["token_type_ids"] = (torch.arange(SEQ)[None, :] >= SEQ // 2).long().repeat(batch_size, 1)
+        second_half = (torch.arange(SEQ)[None, :] >= SEQ // 2).long()
+        batch["token_type_ids"] = second_half.repeat(batch_size, 1)
         batch["labels"] = torch.randint(0, 3, (batch_size,), generator=g)
     else:
         labels = batch["input_ids"].clone()

@@ -81,8 +81,10 @@ def test_frozen_embeddings_layers_still_get_grads(arch):
     each unit a detached leaf that requires grad, so every trainable layer gets the reference
     gradient."""
     model = build(arch)
-    embeddings = {"llama": lambda: model.model.embed_tokens, "gpt2": lambda: model.transformer.wte,
-                  "vit": lambda: model.vit.embeddings, "bert": lambda: model.bert.embeddings}[arch]()
+    embeddings = {"llama": lambda: model.model.embed_tokens,
+                  "gpt2": lambda: model.transformer.wte,
+                  "vit": lambda: model.vit.embeddings,
+                  "bert": lambda: model.bert.embeddings}[arch]()
     if arch == "gpt2":
         model.transformer.wpe.requires_grad_(False)
         model.lm_head.weight.requires_grad_(False)  # tied to wte

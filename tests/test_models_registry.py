@@ -36,7 +36,8 @@ def test_structure_covers_parameters_exactly(arch):
     ids = {id(p) for p in root} | {id(p) for p in units}
     assert ids == {id(p) for p in model.parameters()}
     assert len({id(p) for p in root} & {id(p) for p in units}) == 0
-    assert sum(p.numel() for p in {id(p): p for p in root + units}.values()) == model.num_parameters()
+    unique = {id(p): p for p in root + units}.values()
+    assert sum(p.numel() for p in unique) == model.num_parameters()
     numels = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
     assert len(set(numels)) == 1  # identical units
 
@@ -96,8 +97,9 @@ def test_prepare_for_training_forces_use_cache_off(arch):
     assert getattr(model.config, "use_cache", False) is False
 
 
-@pytest.mark.parametrize("arch,key", [("llama", "input_ids"), ("llama", "labels"), ("gpt2", "labels"),
-                                      ("vit", "pixel_values"), ("vit", "labels"), ("bert", "labels")])
+@pytest.mark.parametrize("arch,key", [("llama", "input_ids"), ("llama", "labels"),
+                                      ("gpt2", "labels"), ("vit", "pixel_values"),
+                                      ("vit", "labels"), ("bert", "labels")])
 def test_missing_key_is_a_clear_error(arch, key):
     staged = stage_model(build(arch))
     batch = make_batch(arch, 2)

@@ -14,9 +14,8 @@ from torch import nn
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
 from hf_cephalo.models.base import HeadOutput, Microbatch
-from hf_cephalo.models.hf_common import (HFStagedModel, classification_loss_sum,
+from hf_cephalo.models.hf_common import (EncoderContext, HFStagedModel, classification_loss_sum,
                                          count_classification_items, require_key)
-from hf_cephalo.models.vit import EncoderContext
 
 
 class BertStagedModel(HFStagedModel):
@@ -33,7 +32,8 @@ class BertStagedModel(HFStagedModel):
     def __init__(self, model: nn.Module):
         if model.bert.pooler is None:
             raise ValueError("BertForSequenceClassification without a pooler (bert.pooler is None) "
-                             "cannot run its head; build it with BertModel(add_pooling_layer=True).")
+                             "cannot run its head; build it with "
+                             "BertModel(add_pooling_layer=True).")
         super().__init__(model)
 
     def units(self) -> list[nn.Module]:
@@ -67,7 +67,8 @@ class BertStagedModel(HFStagedModel):
 
     def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
                     ctx: EncoderContext) -> torch.Tensor:
-        """pooler ([CLS] -> dense -> tanh) -> dropout -> classifier: (m, S, H) -> (m, num_labels)."""
+        """pooler ([CLS] -> dense -> tanh) -> dropout -> classifier:
+        (m, S, H) -> logits (m, num_labels)."""
         pooled = self.model.bert.pooler(hidden)
         return self.model.classifier(self.model.dropout(pooled))
 

@@ -13,9 +13,8 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 
 from hf_cephalo.models.base import HeadOutput, Microbatch
-from hf_cephalo.models.hf_common import (HFStagedModel, causal_lm_loss_sum, count_causal_items,
-                                         require_key)
-from hf_cephalo.models.llama import FULL, DecoderContext, default_position_ids
+from hf_cephalo.models.hf_common import (FULL, DecoderContext, HFStagedModel, causal_lm_loss_sum,
+                                         count_causal_items, default_position_ids, require_key)
 
 
 class GPT2StagedModel(HFStagedModel):

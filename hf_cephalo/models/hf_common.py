@@ -10,6 +10,7 @@ exactly as in ``model(**inputs)``. Written against transformers 5.x.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -21,12 +22,50 @@ from hf_cephalo.models.base import HeadOutput, Microbatch, StagedModel
 IGNORE_INDEX = -100
 """Label value excluded from the loss and from the item count (the HF / PyTorch convention)."""
 
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+@dataclass
+class DecoderContext:
+    """Per-microbatch, parameter-free tensors shared by all units of a decoder (never
+    differentiated; built once by ``embed`` and reused by the engine's recompute).
+
+    masks: attention type ("full_attention" / "sliding_attention") -> the mask the model's
+        forward would pass its layers (None when the backend uses ``is_causal`` instead).
+    position_ids: (m, S) or (1, S) int64, the positions used for rotary / learned embeddings.
+    position_embeddings: rotary (cos, sin), each (m or 1, S, head_dim); None for models
+        without rotary embeddings.
+    """
+
+    masks: dict[str, Any]
+    position_ids: torch.Tensor
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class EncoderContext:
+    """Per-microbatch tensors for bidirectional encoders (never differentiated).
+
+    mask: what the model's forward passes its layers (None without padding).
+    position_ids: (m, S) or None, forwarded to the layers as the model does.
+    """
+
+    mask: Any
+    position_ids: torch.Tensor | None = None
+
+
+def default_position_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    """(1, S) positions 0..S-1, as the HF forward makes them without a cache."""
+    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+
 
 def require_key(microbatch: Microbatch, key: str, adapter: str) -> torch.Tensor:
-    """Return ``microbatch[key]`` or raise ValueError naming the missing key and the keys present."""
+    """``microbatch[key]``, or ValueError naming the missing key and the keys present."""
     value = microbatch.get(key) if isinstance(microbatch, Mapping) else None
     if value is None:
-        present = sorted(microbatch) if isinstance(microbatch, Mapping) else type(microbatch).__name__
+        present = (sorted(microbatch) if isinstance(microbatch, Mapping)
+                   else type(microbatch).__name__)
         raise ValueError(f"{adapter}: the microbatch has no {key!r} (keys present: {present}); "
                          f"pass it as the collator's {key!r} field.")
     return value
@@ -88,7 +127,8 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> HeadOutput
 
 def problem_type(config: Any, labels: torch.Tensor) -> str:
     """The classification problem type HF resolves (``ForSequenceClassificationLoss``), without
-    mutating ``config``: regression for 1 label, single-label for integer labels, else multi-label."""
+    mutating ``config``: regression for 1 label, single-label for integer labels, else
+    multi-label."""
     if config.problem_type is not None:
         return config.problem_type
     if config.num_labels == 1:
@@ -127,7 +167,8 @@ def classification_loss_sum(logits: torch.Tensor, labels: torch.Tensor, config: 
         loss_sum = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
     else:
         raise ValueError(f"config.problem_type={kind!r} is not supported; use "
-                         f"'single_label_classification', 'multi_label_classification' or 'regression'.")
+                         f"'single_label_classification', 'multi_label_classification' or "
+                         f"'regression'.")
     return HeadOutput(loss_sum, num_items)
 
 
@@ -162,7 +203,8 @@ class HFStagedModel(StagedModel):
         if any(getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules()):
             warnings.warn("The model has Hugging Face gradient checkpointing enabled; hf_cephalo "
                           "turns it off because its engine already recomputes every layer in "
-                          "backward (per-unit activation checkpointing).", UserWarning, stacklevel=2)
+                          "backward (per-unit activation checkpointing).", UserWarning,
+                          stacklevel=2)
             disable = getattr(self.model, "activation_checkpointing_disable", None)
             if disable is None:
                 disable = self.model.gradient_checkpointing_disable

@@ -12,7 +12,6 @@ Masks: one per attention type, built like the model's forward builds them — Ll
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -20,33 +19,9 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from hf_cephalo.models.base import HeadOutput, Microbatch
-from hf_cephalo.models.hf_common import (HFStagedModel, causal_lm_loss_sum, count_causal_items,
-                                         require_key)
-
-FULL = "full_attention"
-SLIDING = "sliding_attention"
-
-
-@dataclass
-class DecoderContext:
-    """Per-microbatch, parameter-free tensors shared by all units (never differentiated).
-
-    masks: attention type ("full_attention" / "sliding_attention") -> the mask the model's
-        forward would pass its layers (None when the backend uses ``is_causal`` instead).
-    position_ids: (m, S) or (1, S) int64, the positions used for rotary / learned embeddings.
-    position_embeddings: rotary (cos, sin), each (m or 1, S, head_dim); None for models
-        without rotary embeddings.
-    """
-
-    masks: dict[str, Any]
-    position_ids: torch.Tensor
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-def default_position_ids(input_ids: torch.Tensor) -> torch.Tensor:
-    """(1, S) positions 0..S-1, as the HF forward makes them without a cache."""
-    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-
+from hf_cephalo.models.hf_common import (FULL, SLIDING, DecoderContext, HFStagedModel,
+                                         causal_lm_loss_sum, count_causal_items,
+                                         default_position_ids, require_key)
 
 _MASK_BUILDERS: dict[str, Callable[..., Any]] = {
     FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}

@@ -28,7 +28,8 @@ def check_transformers_version(version: str) -> None:
     """Raise ValueError if ``version`` (e.g. "4.46.0") is older than the adapters support."""
     major = int(version.split(".")[0])
     if major < MIN_TRANSFORMERS_MAJOR:
-        raise ValueError(f"hf_cephalo's model adapters need transformers>={MIN_TRANSFORMERS_MAJOR}.0 "
+        raise ValueError(f"hf_cephalo's model adapters need "
+                         f"transformers>={MIN_TRANSFORMERS_MAJOR}.0 "
                          f"(found {version}); upgrade with `pip install -U 'transformers>=5'`.")
 
 

@@ -7,28 +7,13 @@ The classification model builds ``ViTModel(add_pooling_layer=False)``, so there 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from torch import nn
 from transformers.masking_utils import create_bidirectional_mask
 
 from hf_cephalo.models.base import HeadOutput, Microbatch
-from hf_cephalo.models.hf_common import (HFStagedModel, classification_loss_sum,
+from hf_cephalo.models.hf_common import (EncoderContext, HFStagedModel, classification_loss_sum,
                                          count_classification_items, require_key)
-
-
-@dataclass
-class EncoderContext:
-    """Per-microbatch tensors for bidirectional encoders (never differentiated).
-
-    mask: what the model's forward passes its layers (None without padding).
-    position_ids: (m, S) or None, forwarded to the layers as the model does.
-    """
-
-    mask: Any
-    position_ids: torch.Tensor | None = None
 
 
 class ViTStagedModel(HFStagedModel):
