@@ -72,7 +72,7 @@ def _worker(rank, world_size, out_dir):
         args = CephaloTrainingArguments(
             output_dir=os.path.join(out_dir, arch), report_to="none", optim="sgd",
             learning_rate=LR, max_grad_norm=MAX_NORM, num_train_epochs=1, logging_steps=1,
-            save_strategy="no", seed=SEED, per_device_eval_batch_size=2, disable_tqdm=True)
+            save_strategy="steps" if arch == "llama" else "no", save_steps=2, seed=SEED, per_device_eval_batch_size=2, disable_tqdm=True)
         assert args.world_size == world_size and args.use_cpu
         plan = Plan.from_ratios(sizes, micro, ratios)
         trainer = CephaloTrainer(
@@ -88,7 +88,8 @@ def _worker(rank, world_size, out_dir):
         output = trainer.predict(trainer.eval_dataset)
         save_dir = os.path.join(out_dir, arch, "final")
         trainer.save_model(save_dir)
-        results[arch] = dict(losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
+        checkpoints = sorted(os.listdir(os.path.join(out_dir, arch)))
+        results[arch] = dict(checkpoints=checkpoints,losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
                              eval_loss=output.metrics["test_loss"],
                              num_predictions=output.metrics["test_num_predictions"],
                              predictions=output.predictions, label_ids=output.label_ids,
@@ -139,6 +140,11 @@ def test_matches_full_batch_reference(trained, arch):
         assert torch.equal(torch.as_tensor(got["predictions"]), ref_preds)
         assert torch.equal(torch.as_tensor(got["label_ids"]), eval_batch["labels"])
     assert max(ref_norms) > MAX_NORM  # clipping was active
+    if arch == "llama":  # mid-training checkpoints: the model plus one optimizer shard per rank
+        assert trained[0][arch]["checkpoints"][:2] == ["checkpoint-2", "checkpoint-4"]
+        for step in (2, 4):
+            files = os.listdir(os.path.join(os.path.dirname(trained[0][arch]["save_dir"]), f"checkpoint-{step}"))
+            assert {"model.safetensors", "optimizer_rank0.pt", "optimizer_rank1.pt", "scheduler.pt"} <= set(files)
 
     # the checkpoint: from_pretrained loads exactly the model's own keys and the trained values
     save_dir = trained[0][arch]["save_dir"]
@@ -156,9 +162,35 @@ def test_matches_full_batch_reference(trained, arch):
         pass  # safetensors, not pickle
 
 
-def test_rejects_bad_setup(tmp_path):
+def test_rejects_bad_setup(tmp_path, monkeypatch):
+    """Single process, no process group: every error is raised before any collective."""
     from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import Plan
 
+    for name in ("PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE"):
+        monkeypatch.delenv("HF_CEPHALO_" + name, raising=False)
     args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none")
     with pytest.raises(TypeError, match="CephaloTrainingArguments"):
         CephaloTrainer(model=build("llama"), args=args)
+    plan_file = tmp_path / "plan.json"
+    Plan.from_ratios([2, 2], [1, 1], [0.5, 0.5]).save(plan_file)
+    args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none",
+                                    cephalo_plan_file=str(plan_file))
+    with pytest.raises(ValueError, match="plan is for world size 2 but the job has world size 1"):
+        CephaloTrainer(model=build("llama"), args=args)
+    args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none",
+                                    cephalo_global_batch_size=3)
+    with pytest.raises(ValueError, match="cephalo_global_batch_size = 3 but the plan"):
+        CephaloTrainer(model=build("llama"), args=args, plan=Plan.even(1, 4))
+    args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none",
+                                    load_best_model_at_end=True, eval_strategy="steps", save_steps=5,
+                                    eval_steps=5)
+    with pytest.raises(NotImplementedError, match="load_best_model_at_end"):
+        CephaloTrainer(model=build("llama"), args=args)
+    args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none")
+    with pytest.raises(ValueError, match="CephaloTrainer needs a model"):
+        CephaloTrainer(model=None, args=args)
+    with pytest.raises(ValueError, match="no adapter|not supported|supported"):
+        CephaloTrainer(model=torch.nn.Linear(2, 2), args=args)
+    assert not torch.distributed.is_initialized()

@@ -128,6 +128,7 @@ class CephaloTrainer(Trainer):
         TypeError: ``args`` is not ``CephaloTrainingArguments``.
         ValueError: no model (``model_init`` is not supported), a plan that does not fit the
             job, an unsupported model class, an iterable dataset — before any collective.
+        NotImplementedError: ``load_best_model_at_end``; ``train(resume_from_checkpoint=...)``.
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
@@ -137,9 +138,14 @@ class CephaloTrainer(Trainer):
             raise TypeError(f"CephaloTrainer needs CephaloTrainingArguments, got {type(args).__name__}")
         if model is None:
             raise ValueError("CephaloTrainer needs a model (model_init is not supported)")
+        if args.load_best_model_at_end:
+            raise NotImplementedError("load_best_model_at_end is not supported by CephaloTrainer yet "
+                                      "(it would load a full state dict into sharded parameters); "
+                                      "reload the best checkpoint with from_pretrained instead")
         world_size = args.world_size  # sets up the process group (accelerate launch / torchrun)
         self.plan = plan if plan is not None else resolve_plan(args, world_size)
         self.plan.validate_for(world_size)
+        args.resolve_global_batch_size(world_size, self.plan.global_batch_size)  # consistency
         args.check_world_size(world_size)
         staged = stage_model(model)  # unsupported model: ValueError before any collective
         super().__init__(model=model, args=args, **kwargs)
@@ -335,9 +341,13 @@ class CephaloTrainer(Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Each rank writes its own optimizer shard (``optimizer_rank<R>.pt``); rank 0 the scheduler.
+
+        Resuming from these files is not supported yet (``train`` rejects resume_from_checkpoint).
+        """
         import os
 
-        # Each rank owns a different shard of the optimizer state.
+        os.makedirs(output_dir, exist_ok=True)  # rank 0 may not have created it yet
         torch.save(self.optimizer.state_dict(),
                    os.path.join(output_dir, f"optimizer_rank{self.args.process_index}.pt"))
         if self.args.should_save and self.lr_scheduler is not None:
