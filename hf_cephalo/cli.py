@@ -137,9 +137,102 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- simulate --------------------------------------------------------------------------------
+def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", help="measured cluster profile JSON (docs/profiles.md)")
+    src.add_argument("--cluster", help="cluster YAML of GPU types per machine (spec-sheet "
+                                       "estimate; needs --model)")
+    p.add_argument("--model", help="model shape for --cluster, e.g. llama-7b (see docs/planner.md)")
+    p.add_argument("--global-batch-size", "-B", type=int, nargs="+", required=True,
+                   help="B, samples per iteration; several values compare plans across B")
+    p.add_argument("--memory-fraction", type=float, default=0.8,
+                   help="c, fraction of each GPU's memory a plan may use (default 0.8)")
+    p.add_argument("--gpu-types", nargs="+",
+                   help="with --cluster: keep only the machines of these GPU types")
+    p.add_argument("--no-idle", action="store_true",
+                   help="Cephalo plan: every rank processes at least one sample (b_i >= 1)")
+    p.add_argument("--efficiency", type=float, default=0.5,
+                   help="assumed fraction of peak FLOP/s for --cluster estimates (default 0.5)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="peak FLOP/s column for estimates and batch-proportional (default fp32)")
+    p.add_argument("--plot", help="write a PNG of predicted samples/s per plan")
+
+
+def _restrict_gpu_types(args: argparse.Namespace):
+    """The cluster YAML with only the machines whose GPUs are all of ``--gpu-types``."""
+    from hf_cephalo.profiler.specs import ClusterSpec, get_gpu_spec, load_cluster_yaml
+
+    spec = load_cluster_yaml(args.cluster)
+    keep = {get_gpu_spec(g).name for g in args.gpu_types}
+    machines = [m for m in spec.machines if m and all(get_gpu_spec(g).name in keep for g in m)]
+    if not machines:
+        raise ValueError(f"--gpu-types {args.gpu_types}: no machine of {args.cluster} has only "
+                         f"these GPU types (machines: {spec.machines})")
+    return ClusterSpec(name=f"{spec.name} [{'+'.join(sorted(keep))}]", machines=machines,
+                       interconnect_gbps=spec.interconnect_gbps,
+                       intra_machine_gbps=spec.intra_machine_gbps)
+
+
+def _peak_flops(cluster, precision: str):
+    """Spec-sheet peak TFLOP/s per rank, or None if a device type is not in the tables."""
+    from hf_cephalo.profiler.specs import get_gpu_spec
+
+    try:
+        specs = [get_gpu_spec(d.name) for d in cluster.devices]
+    except ValueError:
+        return None
+    peaks = [s.bf16_tflops if precision == "bf16" else s.fp32_tflops for s in specs]
+    return None if any(p is None for p in peaks) else peaks
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from hf_cephalo.planner import simulate
+
+    if args.gpu_types and not args.cluster:
+        raise ValueError("--gpu-types needs --cluster (a measured profile fixes its ranks)")
+    if args.gpu_types:
+        if not args.model:
+            raise ValueError("--cluster needs --model (e.g. --model llama-7b)")
+        from hf_cephalo.profiler.specs import estimate_cluster_profile
+
+        cluster = estimate_cluster_profile(_restrict_gpu_types(args), args.model,
+                                           efficiency=args.efficiency, precision=args.precision)
+    else:
+        cluster = _load_cluster(args)
+    peaks = _peak_flops(cluster, args.precision)
+    name = cluster.extra.get("cluster", "cluster")
+    counts: dict[str, int] = {}
+    for d in cluster.devices:
+        counts[d.name] = counts.get(d.name, 0) + 1
+    print(f"profile: {cluster.source}, model {cluster.model.name}, {name}: {cluster.world_size} "
+          f"ranks ({', '.join(f'{k} x {t}' for t, k in counts.items())}), training state {cluster.model.state_bytes / GIB:.1f} GiB, "
+          f"memory fraction {args.memory_fraction}")
+    if cluster.source != "measured":
+        print("note: spec-sheet estimates; measured profiles (hf-cephalo profile) replace them")
+    results = {}
+    for B in args.global_batch_size:
+        results[B] = simulate.compare_plans(cluster, B, args.memory_fraction, peak_flops=peaks,
+                                            allow_idle=not args.no_idle)
+        print(f"\nglobal batch size {B} (memory cells: GiB used by the fullest rank of the type, "
+              "'!' over the cap, then its b_i/m_i)")
+        print(simulate.format_comparison_table(cluster, results[B]))
+    if len(results) > 1:
+        print("\npredicted samples/s by global batch size")
+        print(simulate.format_sweep_table(results))
+    if args.plot:
+        simulate.plot_comparison(results, args.plot,
+                                 title=f"{cluster.model.name} on {name} ({cluster.source})")
+        print(f"plot written to {args.plot}")
+    return 0
+
+
 _BUILTIN = {
     "plan": Subcommand("choose per-rank batch, microbatch and state share (exact optimizer)",
                        _add_plan_arguments, _run_plan),
+    "simulate": Subcommand("predict throughput and memory of Cephalo's plan and the baselines "
+                           "(even split, compute or memory balance only, batch ∝ peak FLOP/s)",
+                           _add_simulate_arguments, _run_simulate),
 }
 for _name, _sub in _BUILTIN.items():
     SUBCOMMANDS.setdefault(_name, _sub)
