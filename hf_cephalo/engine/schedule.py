@@ -14,7 +14,9 @@ Head (root still gathered)::
 Backward::
 
     for unit i in L-1..0: wait unit i; prefetch unit i-1
-        for each microbatch j: recompute unit_i(h[i][j]) with the forward's RNG state,
+        for each microbatch j (last first): recompute unit_i(h[i][j]) with the forward's RNG state
+                               (not for the last unit's last microbatch: its forward graph was
+                               kept, it is the first one backward needs),
                                backward with g[i+1][j] -> g[i][j] (stashed), grads accumulate
         reduce-scatter unit i's gradient ONCE; wait unit i+1's reduce-scatter; reshard unit i
     for each microbatch j: recompute embed(j), backward with g[0][j]
@@ -79,6 +81,7 @@ class LayeredStep:
         self.mbs, self.N, self.stash, self.device = list(microbatches), global_num_items, stash, device
         self.ctxs: list[Any] = []
         self.rng: dict[tuple, RngState] = {}
+        self.kept: tuple | None = None  # (j, input, output) of the last unit's last microbatch
         self.local_loss_sum = torch.zeros((), dtype=torch.float64)
         self.local_num_items = 0
 
@@ -105,12 +108,25 @@ class LayeredStep:
                     self.units[i + 1].start_unshard()
                 for j in range(len(self.mbs)):
                     self.stash.wait_offload((i, j))
+                    if i == L - 1 and j == len(self.mbs) - 1:
+                        self._forward_kept(unit, i, j)
+                        continue
                     x = self.stash.get((i, j))
                     self.rng[(i, j)] = RngState(self.device)
                     unit.use_params()
                     self.stash.start_offload((i + 1, j), self.staged.run_unit(i, x, self.ctxs[j]))
                 if i + 1 < L:
                     unit.reshard()
+
+    def _forward_kept(self, unit: FlatParamUnit, i: int, j: int) -> None:
+        """Last unit, last microbatch: keep its autograd graph (backward starts right there),
+        saving one recompute; peak memory is that of the recompute it replaces."""
+        x = self.stash.pop((i, j)).detach().requires_grad_(True)
+        with torch.enable_grad():  # views made under no_grad would not track the leaf
+            unit.use_params()
+            y = self.staged.run_unit(i, x, self.ctxs[j])
+        self.kept = (j, x, y)
+        self.stash.start_offload((i + 1, j), y.detach())
 
     def head(self) -> None:
         """Head loss + its backward per microbatch; stashes the boundary gradients g[L][j]."""
@@ -134,7 +150,7 @@ class LayeredStep:
             unit.wait_unshard(requires_grad=True)
             if i > 0:
                 self.units[i - 1].start_unshard()
-            for j in range(len(self.mbs)):
+            for j in reversed(range(len(self.mbs))):  # the kept graph (last j) goes first
                 self._recompute_backward(unit, i, j)
             unit.start_reduce_grad()
             if i + 1 < L:
@@ -159,8 +175,15 @@ class LayeredStep:
         self.root.reshard()
 
     def _recompute_backward(self, unit: FlatParamUnit, i: int, j: int) -> None:
-        self.stash.wait_offload((i, j))
         self.stash.wait_offload(("grad", j))
+        if self.kept is not None and i == len(self.units) - 1 and self.kept[0] == j:
+            _, x, y = self.kept
+            self.kept = None
+            torch.autograd.backward(y, self.stash.pop(("grad", j)))
+            unit.note_grad()
+            self.stash.start_offload(("grad", j), _grad_or_zeros(x))
+            return
+        self.stash.wait_offload((i, j))
         x = self.stash.pop((i, j)).detach().requires_grad_(True)
         grad = self.stash.pop(("grad", j))
         fork = self.rng.pop((i, j)).replay()
