@@ -206,8 +206,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     for d in cluster.devices:
         counts[d.name] = counts.get(d.name, 0) + 1
     print(f"profile: {cluster.source}, model {cluster.model.name}, {name}: {cluster.world_size} "
-          f"ranks ({', '.join(f'{k} x {t}' for t, k in counts.items())}), training state {cluster.model.state_bytes / GIB:.1f} GiB, "
-          f"memory fraction {args.memory_fraction}")
+          f"ranks ({', '.join(f'{k} x {t}' for t, k in counts.items())}), training state "
+          f"{cluster.model.state_bytes / GIB:.1f} GiB, memory fraction {args.memory_fraction}")
     if cluster.source != "measured":
         print("note: spec-sheet estimates; measured profiles (hf-cephalo profile) replace them")
     results = {}

@@ -101,8 +101,21 @@ def test_memory_balance_uses_microbatch_one_and_the_greedy_state():
     assert predict(plan, cluster).fits
 
 
-def test_speed_proportional_batches_and_per_rank_microbatch():
-    cluster = _two_type_cluster()
+def _superlinear_cluster():
+    """Microbatches above 4 get slower per sample (the largest m that fits is not the best)."""
+    ms = [1, 2, 4, 8]
+    dev = DeviceProfile(name="sl", memory_capacity_bytes=32 * GIB, microbatch_sizes=ms,
+                        fwd_s=[1e-2, 2e-2, 4e-2, 12e-2], bwd_s=[2e-2, 4e-2, 8e-2, 24e-2],
+                        compute_memory_bytes=[(1 + 0.5 * m) * GIB for m in ms])
+    model = ModelProfile(name="toy", num_units=4, params_per_unit=1, params_other=0,
+                         state_bytes_per_param=GIB)
+    return ClusterProfile(model=model, devices=[dev, dev, _device("slow", 32, 4e-2, 0.5)],
+                          comm=CommProfile(allgather_s=1e-3, reducescatter_s=1e-3))
+
+
+@pytest.mark.parametrize("make_cluster", [_two_type_cluster, _superlinear_cluster])
+def test_speed_proportional_batches_and_per_rank_microbatch(make_cluster):
+    cluster = make_cluster()
     B, peaks = 31, [4.0, 4.0, 1.0]
     plan = speed_proportional_plan(cluster, B, peaks)
     assert plan.batch_sizes == integer_targets([p / 9 for p in peaks], B) == [14, 14, 3]
@@ -115,6 +128,8 @@ def test_speed_proportional_batches_and_per_rank_microbatch():
                             ClusterProfile(model=cluster.model, devices=[d],
                                            comm=cluster.comm)).iteration_s for m in fits}
         assert r.microbatch_size == min(times, key=lambda m: (times[m], m))
+    if make_cluster is _superlinear_cluster:
+        assert max(plan.microbatch_sizes[:2]) <= 4  # per-sample time rises above m = 4
     with pytest.raises(ValueError, match="one positive value per rank"):
         speed_proportional_plan(cluster, B, [1.0, 2.0])
     with pytest.raises(ValueError, match="one positive value per rank"):

@@ -360,7 +360,8 @@ def format_comparison_table(cluster: ClusterProfile, rows: Sequence[PlanComparis
                     key=lambda i: pred.ranks[i].memory_bytes)
             p, r = pred.ranks[k], plan.ranks[k]
             mark = "!" if not p.fits else " "
-            mem.append(f"{f'{p.memory_bytes / GIB:.1f}{mark} {r.batch_size}/{r.microbatch_size}':>{w}}")
+            cell = f"{p.memory_bytes / GIB:.1f}{mark} {r.batch_size}/{r.microbatch_size}"
+            mem.append(f"{cell:>{w}}")
         status = "ok" if row.fits else row.note
         lines.append(f"{row.label:<26} {pred.samples_per_s:>9.2f} {pred.iteration_s:>9.2f} "
                      f"{speedup}  " + "  ".join(mem) + f"  {status}")
