@@ -3,7 +3,8 @@
 Runs ``--world-size`` gloo ranks (CPU) or NCCL ranks (``--device cuda``, one GPU per rank) on
 a Llama-shaped model built from a config (no weights are downloaded). For l = 1, 4, 8
 microbatches of size ``local_batch / l`` it measures, per step (forward + backward + AdamW):
-  * step time (median of ``--steps`` timed steps after one warm-up), and
+  * step time (median of ``--steps`` timed steps after one warm-up; the two systems' steps
+    alternate so load changes on a shared machine hit both alike), and
   * all-gather / reduce-scatter counts and bytes, read from a ``torch.profiler`` trace of one
     step (the ``c10d::_allgather_base_`` / ``c10d::_reduce_scatter_base_`` ops) for BOTH
     systems, so they are counted the same way,
@@ -65,19 +66,26 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_steps(step_fn, args, device):
-    step_fn(0)  # warm-up
-    times = []
-    for s in range(1, args.steps + 1):
-        sync(device)
-        t0 = time.perf_counter()
-        step_fn(s)
-        sync(device)
-        times.append(time.perf_counter() - t0)
+def time_interleaved(steps: dict, args, device) -> tuple[dict, dict]:
+    """Median step time (s) and profiled collectives per system; the systems' steps alternate
+    so that load changes on a shared machine hit both alike."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        step_fn(args.steps + 1)
-    return statistics.median(times), count_collectives(prof)
+    times = {name: [] for name in steps}
+    for name, fn in steps.items():
+        fn(0)  # warm-up
+    for s in range(1, args.steps + 1):
+        for name, fn in steps.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn(s)
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    colls = {}
+    for name, fn in steps.items():
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            fn(args.steps + 1)
+        colls[name] = count_collectives(prof)
+    return {k: statistics.median(v) for k, v in times.items()}, colls
 
 
 def cephalo_runner(args, rank, device, num_mb, ratios=None):
@@ -165,12 +173,12 @@ def worker(rank, args, port, out_q):
     try:
         res = {"time": {}, "coll": {}}
         for num_mb in args.num_mb:
-            for name in ("cephalo", "fsdp2"):
-                step = (cephalo_runner(args, rank, device, num_mb)[0] if name == "cephalo"
-                        else fsdp2_runner(args, rank, device, num_mb))
-                t, coll = time_steps(step, args, device)
-                res["time"][f"{name}/{num_mb}"] = t
-                res["coll"][f"{name}/{num_mb}"] = coll
+            steps = {"cephalo": cephalo_runner(args, rank, device, num_mb)[0],
+                     "fsdp2": fsdp2_runner(args, rank, device, num_mb)}
+            times, colls = time_interleaved(steps, args, device)
+            for name in steps:
+                res["time"][f"{name}/{num_mb}"] = times[name]
+                res["coll"][f"{name}/{num_mb}"] = colls[name]
         ratios = [0.7] + [0.3 / (args.world_size - 1)] * (args.world_size - 1)
         step, engine, opt = cephalo_runner(args, rank, device, 1, ratios)
         step(0)
@@ -230,7 +238,7 @@ def main():
     p.add_argument("--local-batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--num-mb", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--peak-m", type=int, default=1, help="microbatch size of the memory runs")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    p.add_argument("--steps", type=int, default=7, help="timed steps per configuration")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")

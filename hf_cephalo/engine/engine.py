@@ -15,7 +15,6 @@ See DESIGN.md contract 4 and [Note: layered schedule] in ``schedule.py``.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Mapping, NamedTuple, Sequence
 
 import torch
@@ -67,21 +66,21 @@ def _check_ratios(state_ratios, world_size: int) -> list[float]:
 
 def _layout(ratios: list[float], unit_numels: list[int]) -> list[list[int]]:
     """Per-unit per-rank element counts from the planner (root unit last)."""
-    try:
-        from ..planner.state import layout_unit_shards
-    except ImportError:  # planner not installed yet: proportional split with remainders first
-        warnings.warn("hf_cephalo.planner.state.layout_unit_shards is unavailable; using a "
-                      "proportional per-unit shard layout", stacklevel=3)
-        return [_proportional(ratios, n) for n in unit_numels]
+    from ..planner.state import layout_unit_shards  # pure planning code, no torch.distributed
     return [list(map(int, row)) for row in layout_unit_shards(ratios, unit_numels)]
 
 
-def _proportional(ratios: list[float], numel: int) -> list[int]:
-    sizes = [int(math.floor(r * numel)) for r in ratios]
-    order = sorted(range(len(ratios)), key=lambda r: -(ratios[r] * numel - sizes[r]))
-    for r in order[:numel - sum(sizes)]:
-        sizes[r] += 1
-    return sizes
+def _check_layout(layout: list[list[int]], names: list[str], numels: list[int],
+                  world_size: int) -> None:
+    """Every row: world-size non-negative ints summing to the unit's numel (else ValueError)."""
+    if len(layout) != len(names):
+        raise ValueError(f"shard_layout has {len(layout)} rows but the model has "
+                         f"{len(names) - 1} units + 1 root unit (root LAST)")
+    for name, row, numel in zip(names, layout, numels):
+        if len(row) != world_size or any(n < 0 for n in row) or sum(row) != numel:
+            raise ValueError(f"shard layout of {name} is {row}: it needs {world_size} "
+                             f"non-negative per-rank element counts summing to the unit's "
+                             f"{numel} elements")
 
 
 class CephaloEngine:
@@ -140,13 +139,9 @@ class CephaloEngine:
         collected = [collect_params(name, mods, fqns) for name, mods in groups]
         self._check_coverage(groups, collected, fqns)
         numels = [sum(p.numel() for p in params) for params, _ in collected]
-        if shard_layout is None:
-            layout = _layout(ratios, numels)
-        else:
-            layout = [list(row) for row in shard_layout]
-            if len(layout) != len(groups):
-                raise ValueError(f"shard_layout has {len(layout)} rows but the model has "
-                                 f"{len(groups) - 1} units + 1 root unit (root LAST)")
+        layout = _layout(ratios, numels) if shard_layout is None else \
+            [[int(n) for n in row] for row in shard_layout]
+        _check_layout(layout, [name for name, _ in groups], numels, self.world_size)
         self._key_map = self._state_dict_keys()
         flat_units = [FlatParamUnit(name, params, uses, fqns, row, rank=self.rank,
                                     world_size=self.world_size, group=self.group,
@@ -244,6 +239,8 @@ class CephaloEngine:
         mbs = list(microbatches)
         _, global_items = self._global_items(mbs)
         self.root.wait_unshard(requires_grad=False)
+        if self.units:
+            self.units[0].start_unshard()
         hiddens, ctxs = [], []
         for mb in mbs:
             self.root.use_params()
