@@ -22,6 +22,7 @@ RTOL, ATOL = 1e-5, 1e-6
 # dropout off: the Trainer trains in train mode and the reference cannot replay the engine's RNG
 OVERRIDES = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
 LR, MAX_NORM, SEED = 0.5, 0.05, 11
+EPOCHS = {"llama": 1, "gpt2": 2, "vit": 1}  # 2 epochs: each epoch must reshuffle (set_epoch)
 CASES = {  # arch: (num train samples, num eval samples, batch sizes, microbatch sizes, state ratios)
     "llama": (13, 7, [1, 3], [1, 2], [0.7, 0.3]),
     "gpt2": (6, 5, [3, 1], [2, 1], [0.25, 0.75]),
@@ -71,7 +72,7 @@ def _worker(rank, world_size, out_dir):
     for arch, (n_train, n_eval, sizes, micro, ratios) in CASES.items():
         args = CephaloTrainingArguments(
             output_dir=os.path.join(out_dir, arch), report_to="none", optim="sgd",
-            learning_rate=LR, max_grad_norm=MAX_NORM, num_train_epochs=1, logging_steps=1,
+            learning_rate=LR, max_grad_norm=MAX_NORM, num_train_epochs=EPOCHS[arch], logging_steps=1,
             save_strategy="steps" if arch == "llama" else "no", save_steps=2, seed=SEED, per_device_eval_batch_size=2, disable_tqdm=True)
         assert args.world_size == world_size and args.use_cpu
         plan = Plan.from_ratios(sizes, micro, ratios)
@@ -84,6 +85,7 @@ def _worker(rank, world_size, out_dir):
         assert trainer.accelerator.num_processes == world_size
         assert trainer.model is trainer.engine.staged.model  # not wrapped in DDP
         trainer.train()
+        assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
         logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
         output = trainer.predict(trainer.eval_dataset)
         save_dir = os.path.join(out_dir, arch, "final")
@@ -101,7 +103,8 @@ def _reference(arch: str):
     n_train, n_eval, sizes, _, _ = CASES[arch]
     model = build(arch, **OVERRIDES.get(arch, {})).train()
     data, eval_data = _samples(arch, n_train, 0), _samples(arch, n_eval, 1)
-    batches = global_batches(n_train, sum(sizes), epoch=0, seed=SEED)
+    batches = [b for epoch in range(EPOCHS[arch])
+               for b in global_batches(n_train, sum(sizes), epoch=epoch, seed=SEED)]
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     sched = get_linear_schedule_with_warmup(opt, 0, len(batches))
     losses, norms = [], []
