@@ -96,7 +96,33 @@ def _worker(rank, world_size, out_dir):
                              num_predictions=output.metrics["test_num_predictions"],
                              predictions=output.predictions, label_ids=output.label_ids,
                              save_dir=save_dir)
+    results["image_transform_batch"] = _image_column_survives(out_dir)
     return results
+
+
+def _image_column_survives(out_dir):
+    """A vision dataset whose "image" column becomes pixel_values in a with_transform: the
+    Trainer's column pruning must keep "image" (stock Trainer needs remove_unused_columns=False)."""
+    import datasets
+
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import Plan
+
+    def to_pixels(batch):
+        images = torch.tensor(batch["image"], dtype=torch.float32)  # (n, 16, 16)
+        return {"pixel_values": images[:, None].expand(-1, 3, -1, -1),
+                "labels": torch.tensor(batch["label"]), "caption": batch["caption"]}
+
+    raw = datasets.Dataset.from_dict({"image": torch.rand(6, 16, 16).tolist(), "label": [1, 2, 3, 4, 0, 1],
+                                      "caption": ["x"] * 6})
+    args = CephaloTrainingArguments(output_dir=os.path.join(out_dir, "image"), report_to="none",
+                                    disable_tqdm=True)
+    trainer = CephaloTrainer(model=build("vit"), args=args, plan=Plan.from_ratios([1, 2], [1, 1], [0.5, 0.5]),
+                             train_dataset=raw.with_transform(to_pixels), data_collator=_collate)
+    first_step = next(iter(trainer.get_train_dataloader()))
+    out = trainer.engine.train_step(first_step)  # the engine accepts what the loader yields
+    return dict(keys=sorted(first_step[0]), num_microbatches=len(first_step), num_items=out.num_items)
 
 
 def _reference(arch: str):
@@ -163,6 +189,13 @@ def test_matches_full_batch_reference(trained, arch):
         assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
     with open(os.path.join(save_dir, "model.safetensors"), "rb"):
         pass  # safetensors, not pickle
+
+
+def test_image_column_survives_column_pruning(trained):
+    for rank, result in enumerate(trained):
+        got = result["image_transform_batch"]
+        assert got["keys"] == ["labels", "pixel_values"]  # "caption" pruned after the transform
+        assert got["num_microbatches"] == [1, 2][rank] and got["num_items"] == 3
 
 
 def test_rejects_bad_setup(tmp_path, monkeypatch):

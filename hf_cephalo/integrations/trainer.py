@@ -178,9 +178,12 @@ class CephaloTrainer(Trainer):
         collator = self.data_collator
         import datasets
 
-        if isinstance(dataset, datasets.Dataset):
+        if isinstance(dataset, datasets.Dataset) and dataset.format.get("type") != "custom":
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
+            # A dataset with a transform (e.g. an "image" column turned into pixel_values by
+            # with_transform) keeps its raw columns; unused keys are dropped per sample after the
+            # transform, so the image column survives the pruning.
             collator = self._get_collator_with_removed_columns(collator, description=description)
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         sampler = WeightedBatchSampler(len(dataset), self.plan.batch_sizes, self.args.process_index,
