@@ -9,8 +9,9 @@ microbatches of size ``local_batch / l`` it measures, per step (forward + backwa
     step (the ``c10d::_allgather_base_`` / ``c10d::_reduce_scatter_base_`` ops) for BOTH
     systems, so they are counted the same way,
 for the Cephalo engine and for FSDP2 (``fully_shard`` per decoder layer + root, gradient sync
-only on the last microbatch, i.e. ``set_requires_gradient_sync(False)`` before the others). It
-prints ratios Cephalo / FSDP2-GA. It also prints, per rank, the training-state bytes under an
+only on the last microbatch, i.e. ``set_requires_gradient_sync(False)`` before the others),
+with and without HF gradient checkpointing (the equal-memory baseline, since Cephalo
+recomputes). It prints ratios Cephalo / FSDP2-GA. It also prints, per rank, the training-state bytes under an
 uneven state split (expected r_i x 16 bytes x parameters: fp32 param 4 + grad 4 + Adam 8) and
 the peak memory for l = 1, 4, 8 at a fixed microbatch size (CUDA: max_memory_allocated; CPU:
 only the engine's stash accounting: CPU has no offload, so the stash grows with l there).
@@ -105,9 +106,11 @@ def cephalo_runner(args, rank, device, num_mb, ratios=None):
     return step, engine, opt
 
 
-def fsdp2_runner(args, rank, device, num_mb):
+def fsdp2_runner(args, rank, device, num_mb, checkpointing=False):
     from torch.distributed.fsdp import fully_shard
     model = build_model(args).to(device)
+    if checkpointing:  # HF's public switch: non-reentrant torch.utils.checkpoint per layer
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -174,7 +177,8 @@ def worker(rank, args, port, out_q):
         res = {"time": {}, "coll": {}}
         for num_mb in args.num_mb:
             steps = {"cephalo": cephalo_runner(args, rank, device, num_mb)[0],
-                     "fsdp2": fsdp2_runner(args, rank, device, num_mb)}
+                     "fsdp2": fsdp2_runner(args, rank, device, num_mb),
+                     "fsdp2-ac": fsdp2_runner(args, rank, device, num_mb, checkpointing=True)}
             times, colls = time_interleaved(steps, args, device)
             for name in steps:
                 res["time"][f"{name}/{num_mb}"] = times[name]
@@ -194,19 +198,23 @@ def report(args, results):
     r0 = results[0]
     print(f"# bench_engine: {args.world_size} ranks on {args.device}, Llama {args.layers} layers, "
           f"hidden {args.hidden}, seq {args.seq}, {args.local_batch} sequences per rank")
-    print(f"{'l':>3} {'m':>3} | {'cephalo s':>10} {'fsdp2-GA s':>10} {'ratio':>6} | "
-          f"{'AG cnt':>11} {'AG MiB':>15} {'AG ratio':>8} | {'RS cnt':>9}")
+    print(f"{'l':>3} {'m':>3} | {'cephalo s':>9} {'fsdp2-GA':>8} {'ratio':>5} {'+AC':>7} "
+          f"{'ratio':>5} | {'AG count':>11} {'AG MiB':>15} {'AG ratio':>8} | {'RS count':>9}")
+
+    def t(name, l):  # a step ends when the slowest rank ends
+        return max(r["time"][f"{name}/{l}"] for r in results)
     for l in args.num_mb:
         c, f = r0["coll"][f"cephalo/{l}"], r0["coll"][f"fsdp2/{l}"]
-        tc = max(r["time"][f"cephalo/{l}"] for r in results)
-        tf = max(r["time"][f"fsdp2/{l}"] for r in results)
-        print(f"{l:>3} {args.local_batch // l:>3} | {tc:>10.3f} {tf:>10.3f} {tc / tf:>6.2f} | "
-              f"{c['ag']:>4} vs {f['ag']:>4} {c['ag_bytes'] / 2**20:>6.1f} vs "
-              f"{f['ag_bytes'] / 2**20:>6.1f} {c['ag_bytes'] / f['ag_bytes']:>8.3f} | "
-              f"{c['rs']:>3} vs {f['rs']:>3}")
+        tc, tf, ta = t("cephalo", l), t("fsdp2", l), t("fsdp2-ac", l)
+        print(f"{l:>3} {args.local_batch // l:>3} | {tc:>9.3f} {tf:>8.3f} {tc / tf:>5.2f} "
+              f"{ta:>7.3f} {tc / ta:>5.2f} | {c['ag']:>4} vs {f['ag']:>4} "
+              f"{c['ag_bytes'] / 2**20:>6.1f} vs {f['ag_bytes'] / 2**20:>6.1f} "
+              f"{c['ag_bytes'] / f['ag_bytes']:>8.3f} | {c['rs']:>3} vs {f['rs']:>3}")
     l1 = args.num_mb[0]
+    print(f"(ratio = cephalo / FSDP2-GA; +AC = FSDP2-GA with per-layer activation checkpointing, "
+          f"the equal-memory baseline: Cephalo recomputes each unit's forward in backward)")
     print(f"step time vs FSDP2 without accumulation (l={l1}): "
-          f"{max(r['time'][f'cephalo/{l1}'] for r in results) / max(r['time'][f'fsdp2/{l1}'] for r in results):.2f}x")
+          f"{t('cephalo', l1) / t('fsdp2', l1):.2f}x (vs +AC: {t('cephalo', l1) / t('fsdp2-ac', l1):.2f}x)")
     print("training state per rank (uneven split), expected r_i x 16 B x params:")
     for rank, r in enumerate(results):
         ratio, got, params = r["state"]

@@ -206,7 +206,7 @@ class CephaloEngine:
                            self.device)
         step.run()
         assert len(stash) == 0, "schedule left stashed tensors behind"
-        loss = step.local_loss_sum.to(self.device, copy=True)
+        loss = step.local_loss_sum.clone()
         C.all_reduce_sum(loss.view(1), self.group, self.stats)
         return StepOutput(float(loss) / global_items, global_items, float(step.local_loss_sum),
                           local_items)

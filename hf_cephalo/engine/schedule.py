@@ -82,7 +82,7 @@ class LayeredStep:
         self.ctxs: list[Any] = []
         self.rng: dict[tuple, RngState] = {}
         self.kept: tuple | None = None  # (j, input, output) of the last unit's last microbatch
-        self.local_loss_sum = torch.zeros((), dtype=torch.float64)
+        self.local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # no host sync
         self.local_num_items = 0
 
     def run(self) -> None:
@@ -138,7 +138,7 @@ class LayeredStep:
             out = self.staged.head_loss(hidden, mb, self.ctxs[j])
             torch.autograd.backward(out.loss_sum / self.N)
             self.root.note_grad()
-            self.local_loss_sum += out.loss_sum.detach().double().cpu()
+            self.local_loss_sum += out.loss_sum.detach().double()
             self.local_num_items += int(out.num_items)
             self.stash.start_offload(("grad", j), _grad_or_zeros(hidden))
 
