@@ -280,10 +280,28 @@ def case_bad_input(rank, world):
     engine.train_step(mbs_of(ids, labels, [1]) if rank == 1 else [])  # still in lockstep
 
 
+def case_accumulate_and_empty_rank_eval(rank, world):
+    """Two train_steps without zero_grad ADD their gradients (documented); a rank with no
+    microbatches still joins evaluate and gets no logits."""
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=8)
+    ids, labels = padded_batch([8, 5, 7, 6], cfg.vocab_size, seed=11)
+    engine, ref = fresh(cfg, state_ratios=[0.5, 0.5])
+    for _ in range(2):
+        engine.train_step(mbs_of(ids, labels, [2, 2]) if rank == 0 else [])
+    expected = {k: 2 * v for k, v in reference_grads(ref, ids, labels).items()}
+    assert_grads_close(gather_grads(engine), expected, "two steps accumulate")
+    out = engine.evaluate(mbs_of(ids, labels, [4]) if rank == 1 else [])
+    with torch.no_grad():
+        ref_loss, _ = ref(ids, labels)
+    torch.testing.assert_close(out.loss, float(ref_loss), rtol=RTOL, atol=ATOL)
+    assert len(out.logits) == (1 if rank == 1 else 0)
+
+
 CASES = [case_token_weighting, case_uneven_batches_vs_naive_mean,
          case_collective_counts_and_accounting, case_recompute_sees_gathered_params,
          case_param_used_by_last_microbatch, case_clip_norm_uneven,
-         case_state_dict_roundtrip_and_eval, case_all_reduce_fallback, case_bad_input]
+         case_state_dict_roundtrip_and_eval, case_all_reduce_fallback,
+         case_accumulate_and_empty_rank_eval, case_bad_input]
 
 
 def semantics_worker(rank, world):
