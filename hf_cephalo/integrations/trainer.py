@@ -7,9 +7,10 @@ accelerate_configs/cephalo_cpu.yaml train.py`` (or ``cephalo.yaml`` on GPUs).
 What changes against stock Trainer (everything else — LR scheduler, logging, report_to,
 callbacks — is the Trainer's own):
 
-- **Plan** (``resolve_plan``): the plan file, else the exact optimizer over the profile file,
-  else an even plan (b_i = B/N, m_i = per_device_train_batch_size, r_i = 1/N). The per-rank
-  plan table is printed by rank 0 at start.
+- **Plan** (``auto_plan.resolve_plan_for_model``): the plan file, else the exact optimizer
+  over the profile file, else over a profile measured at start (cached on disk; emulated
+  devices included); profile.json and plan.json are saved in output_dir. The per-rank plan
+  table is printed by rank 0 at start, predicted vs measured step time and memory at the end.
 - **Engine**: the model's parameters are sharded by the plan's r_i (``CephaloEngine``); the
   Accelerator does not wrap it in DDP (``CephaloAccelerator.attach_engine``).
 - **Data**: each rank's DataLoader uses ``WeightedBatchSampler`` (rank i gets exactly b_i samples
@@ -46,6 +47,8 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 
 from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
+from hf_cephalo.integrations.auto_plan import (PlanAccuracyCallback, resolve_plan_for_model,
+                                               wrap_staged)
 from hf_cephalo.integrations.sampler import MicrobatchCollator, WeightedBatchSampler
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 from hf_cephalo.models import stage_model
@@ -143,16 +146,22 @@ class CephaloTrainer(Trainer):
                                       "(it would load a full state dict into sharded parameters); "
                                       "reload the best checkpoint with from_pretrained instead")
         world_size = args.world_size  # sets up the process group (accelerate launch / torchrun)
-        self.plan = plan if plan is not None else resolve_plan(args, world_size)
+        self.cluster_profile = None  # the profile an automatic plan was made from
+        if plan is None:  # plan file > profile file > profile this cluster (auto_plan.py)
+            plan, self.cluster_profile = resolve_plan_for_model(args, world_size, model,
+                                                                kwargs.get("train_dataset"))
+        self.plan = plan
         self.plan.validate_for(world_size)
         args.resolve_global_batch_size(world_size, self.plan.global_batch_size)  # consistency
         args.check_world_size(world_size)
         staged = stage_model(model)  # unsupported model: ValueError before any collective
+        staged = wrap_staged(staged, args, world_size)  # emulated slowdown / compute timing
         super().__init__(model=model, args=args, **kwargs)
         _ensure_process_group(args.device)
         self.engine = CephaloEngine(staged, self.plan.state_ratios, device=args.device,
                                     offload_activations=args.cephalo_offload_activations)
         self.accelerator.attach_engine(self.engine)
+        self.add_callback(PlanAccuracyCallback(self))  # predicted vs measured at train end
         if self.is_world_process_zero():
             print(format_plan_table(self.plan), flush=True)
 

@@ -1,0 +1,271 @@
+"""Automatic planning at start and the predicted-vs-measured report (DESIGN contract 6).
+
+``CephaloTrainer`` without a plan calls ``resolve_plan_for_model``:
+
+1. profile: ``cephalo_profile_file`` if given (refused if it was measured for another model,
+   dtype or device: ``measure.check_profile_matches``), else ``profile_cluster`` on every rank
+   (collective; per-rank device profiles come from the on-disk cache when present, so a second
+   start skips the measurement);
+2. plan: the exact optimizer (``planner.optimize``) for the global batch size and memory
+   fraction of the arguments;
+3. rank 0 saves ``profile.json`` and ``plan.json`` in ``output_dir``;
+4. emulated memory caps (``cephalo_emulate_memory_cap_bytes``) are applied (CUDA allocator
+   fraction) and checked (every device: r_i·S + M_i(m_i) <= C_i, else
+   ``EmulatedOutOfMemoryError`` on every rank before training starts).
+
+Emulated slowdown (``cephalo_emulate_slowdown``) wraps the staged model in
+``EmulatedStagedModel`` for both the profiler and the engine (``wrap_staged``), so an emulated
+cluster goes through the same profile -> plan -> train path as a real one.
+
+``PlanAccuracyCallback`` prints, at the end of training, each rank's predicted vs measured unit
+compute time per step, step time and memory (the paper's model-accuracy check, §4).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from hf_cephalo.models import stage_model
+from hf_cephalo.models.base import StagedModel
+from hf_cephalo.planner import Plan, optimize, predict
+from hf_cephalo.planner import cost
+from hf_cephalo.profiler.emulate import (EmulatedStagedModel, EmulationConfig, apply_memory_cap,
+                                         check_plan_memory, emulated_device_name)
+from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches, local_device_name,
+                                         model_dtype, model_profile, profile_cluster,
+                                         sequence_length_of)
+from hf_cephalo.profiler.cache import model_fingerprint
+from hf_cephalo.profiler.types import ClusterProfile
+
+__all__ = ["ResolvedPlan", "resolve_plan_for_model", "wrap_staged", "PlanAccuracyCallback",
+           "format_accuracy_table"]
+
+logger = logging.getLogger(__name__)
+GIB = float(1 << 30)
+DEFAULT_SEQUENCE_LENGTH = 128
+
+
+class ResolvedPlan(NamedTuple):
+    """The job's plan and the cluster profile it was made from (None for a plan file)."""
+
+    plan: Plan
+    cluster: ClusterProfile | None
+
+
+def _world(args) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return args.process_index, 1
+
+
+def _emulation(args, world_size: int) -> EmulationConfig | None:
+    emulation = EmulationConfig.from_training_args(args)
+    if emulation is not None:
+        emulation.check_world_size(world_size)
+    return emulation
+
+
+def wrap_staged(staged: StagedModel, args, world_size: int) -> StagedModel:
+    """``staged`` wrapped in ``EmulatedStagedModel`` with this rank's slowdown when emulating
+    (or, on CPU, with slowdown 1 to time compute for ``PlanAccuracyCallback``); else unchanged."""
+    emulation = _emulation(args, world_size)
+    device = torch.device(args.device)
+    slowdown = 1.0 if emulation is None else emulation.slowdown_of(args.process_index)
+    if slowdown == 1.0 and device.type == "cuda":
+        return staged  # timing would synchronize the device and cost the real run its overlap
+    return EmulatedStagedModel(staged, slowdown, device)
+
+
+def _local_name(args, emulation: EmulationConfig | None) -> str:
+    rank = args.process_index
+    return emulated_device_name(local_device_name(args.device),
+                                1.0 if emulation is None else emulation.slowdown_of(rank),
+                                None if emulation is None else emulation.cap_of(rank))
+
+
+def _measure_config(args, global_batch_size: int, train_dataset) -> MeasureConfig:
+    max_m = int(os.environ.get("HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE", "8"))
+    seq = sequence_length_of(train_dataset, DEFAULT_SEQUENCE_LENGTH) if train_dataset is not None \
+        else DEFAULT_SEQUENCE_LENGTH
+    return MeasureConfig(max_microbatch_size=max(1, min(max_m, global_batch_size)),
+                         sequence_length=seq)
+
+
+def _gather_names(name: str, world_size: int) -> list[str]:
+    if world_size == 1:
+        return [name]
+    names: list[Any] = [None] * world_size
+    dist.all_gather_object(names, name)
+    return names
+
+
+def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
+                           train_dataset: Any = None) -> ResolvedPlan:
+    """Plan file > profile file > profile this cluster; then optimize, save, check caps.
+
+    Collective when profiling or checking a profile file with world size > 1 (every rank calls
+    it, from ``CephaloTrainer.__init__``). Every rank ends with the same plan or the same error.
+
+    Raises:
+        ValueError: unsupported model (before any collective), a profile of another model or
+            device, a plan that does not fit the world size or the global batch size,
+            ``InfeasiblePlanError`` when no plan fits, ``EmulatedOutOfMemoryError`` when a plan
+            exceeds an emulated memory cap.
+    """
+    staged = stage_model(model)  # unsupported class: ValueError before any collective
+    emulation = _emulation(args, world_size)
+    cap = None if emulation is None else emulation.cap_of(args.process_index)
+    if cap is not None:
+        logger.info("emulated memory cap on rank %d: %s", args.process_index,
+                    apply_memory_cap(cap, args.device))
+    caps = [None] * world_size if emulation is None or emulation.memory_cap_bytes is None \
+        else list(emulation.memory_cap_bytes)
+    if args.cephalo_plan_file is not None:
+        plan = Plan.load(args.cephalo_plan_file)
+        plan.validate_for(world_size, model_profile(staged))
+        args.resolve_global_batch_size(world_size, plan.global_batch_size)
+        if all(r.predicted_memory_bytes is not None for r in plan.ranks):
+            check_plan_memory([r.predicted_memory_bytes for r in plan.ranks], caps)
+        return ResolvedPlan(plan, None)
+    B = args.resolve_global_batch_size(world_size)
+    cluster = _cluster(args, world_size, staged, emulation, train_dataset, B)
+    plan = optimize(cluster, B, args.cephalo_memory_fraction)
+    plan.validate_for(world_size, cluster.model)
+    check_plan_memory([p.memory_bytes for p in predict(plan, cluster).ranks], caps)
+    if args.process_index == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+        cluster.save(os.path.join(args.output_dir, "profile.json"))
+        plan.save(os.path.join(args.output_dir, "plan.json"))
+        print(f"[hf-cephalo] profile and plan saved to {args.output_dir}/profile.json, plan.json",
+              flush=True)
+    return ResolvedPlan(plan, cluster)
+
+
+def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterProfile:
+    """The given profile file (checked against this job) or a fresh/cached measurement."""
+    if args.cephalo_profile_file is None:
+        config = _measure_config(args, B, train_dataset)
+        return profile_cluster(staged, config, device=args.device, emulation=emulation)
+    cluster = ClusterProfile.load(args.cephalo_profile_file)
+    names = _gather_names(_local_name(args, emulation), world_size)
+    check_profile_matches(cluster, model_profile(staged), names,
+                          source=f"cephalo_profile_file {args.cephalo_profile_file!r}",
+                          dtype=str(model_dtype(staged)).replace("torch.", ""),
+                          fingerprint=model_fingerprint(staged.model))
+    return cluster
+
+
+# ---- predicted vs measured ------------------------------------------------------------------------
+def _predicted_unit_compute_s(plan: Plan, cluster: ClusterProfile, rank: int) -> float:
+    """num_units · (l·F + l·(F + B)) of one rank, seconds per step (compute only, no comm)."""
+    r, d = plan.ranks[rank], cluster.devices[rank]
+    if r.batch_size == 0:
+        return 0.0
+    full, last = r.num_microbatches - 1, r.last_microbatch_size
+    f = full * float(cost.fwd_time_s(d, r.microbatch_size)) + float(cost.fwd_time_s(d, last))
+    b = full * float(cost.bwd_time_s(d, r.microbatch_size)) + float(cost.bwd_time_s(d, last))
+    return cluster.model.num_units * (2 * f + b)
+
+
+def format_accuracy_table(rows: list[dict[str, Any]], predicted_iteration_s: float | None) -> str:
+    """Text table of ``PlanAccuracyCallback`` rows (one per rank)."""
+    head = (f"{'rank':>4} {'b_i':>4} {'m_i':>4} {'unit compute s/step pred':>25} {'measured':>9} "
+            f"{'step s pred':>12} {'measured':>9} {'memory GiB pred':>16} {'measured':>9}")
+    lines = ["Cephalo cost model accuracy (predicted vs measured, median over steps after the first)",
+             head]
+    for r in rows:
+        def fmt(v, scale=1.0, width=9):
+            return f"{'-':>{width}}" if v is None else f"{v / scale:>{width}.4f}"
+        lines.append(f"{r['rank']:>4} {r['b']:>4} {r['m']:>4} "
+                     f"{fmt(r['pred_compute_s'], width=25)} {fmt(r['compute_s'])} "
+                     f"{fmt(predicted_iteration_s, width=12)} {fmt(r['step_s'])} "
+                     f"{fmt(r['pred_memory_bytes'], GIB, 16)} {fmt(r['memory_bytes'], GIB)}")
+    lines.append("unit compute: forward + recompute + backward of all units on this rank; "
+                 "memory on CPU is accounted (state tensors + profiled compute memory), "
+                 "on CUDA the allocator peak")
+    return "\n".join(lines)
+
+
+class PlanAccuracyCallback(TrainerCallback):
+    """Times each training step and prints predicted vs measured per rank at train end.
+
+    Collective at ``on_train_end`` (one ``all_gather_object``); every rank runs callbacks.
+    Results are kept in ``self.rows`` (rank order, same on every rank).
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.step_s: list[float] = []
+        self.compute_s: list[float] = []
+        self.rows: list[dict[str, Any]] = []
+
+    def _timer(self):
+        staged = self.trainer.engine.staged
+        return staged.timer if isinstance(staged, EmulatedStagedModel) else None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step_s, self.compute_s = [], []
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.reset_peak_memory_stats(args.device)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        timer = self._timer()
+        self._t0 = time.perf_counter()
+        self._c0 = None if timer is None else timer.unit_s
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_s.append(time.perf_counter() - self._t0)
+        timer = self._timer()
+        if timer is not None and self._c0 is not None:
+            self.compute_s.append(timer.unit_s - self._c0)
+
+    def _measured_memory_bytes(self, args) -> float | None:
+        device = torch.device(args.device)
+        if device.type == "cuda":
+            return float(torch.cuda.max_memory_allocated(device))
+        cluster, plan = self.trainer.cluster_profile, self.trainer.plan
+        # Accounted: each shard's parameter and gradient, plus the optimizer's state tensors.
+        state = 0
+        opt = self.trainer.optimizer
+        for p in self.trainer.engine.parameters():
+            state += 2 * p.numel() * p.element_size()
+            if opt is not None:
+                state += sum(v.numel() * v.element_size() for v in opt.state.get(p, {}).values()
+                             if torch.is_tensor(v) and v.dim() > 0)
+        if cluster is None:
+            return float(state)
+        r = plan.ranks[args.process_index]
+        d = cluster.devices[args.process_index]
+        return state + (float(cost.compute_memory_bytes(d, r.microbatch_size)) if r.batch_size else 0.0)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        plan, cluster = self.trainer.plan, self.trainer.cluster_profile
+        rank = args.process_index
+        steps = self.step_s[1:] or self.step_s
+        comp = self.compute_s[1:] or self.compute_s
+        pred = predict(plan, cluster).ranks[rank] if cluster is not None else None
+        row = dict(rank=rank, b=plan.ranks[rank].batch_size, m=plan.ranks[rank].microbatch_size,
+                   step_s=statistics.median(steps) if steps else None,
+                   compute_s=statistics.median(comp) if comp else None,
+                   pred_compute_s=None if cluster is None else
+                   _predicted_unit_compute_s(plan, cluster, rank),
+                   pred_memory_bytes=None if pred is None else pred.memory_bytes,
+                   memory_bytes=self._measured_memory_bytes(args))
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rows = [row] if world == 1 else _gather_rows(row, world)
+        if rank == 0:
+            print(format_accuracy_table(self.rows, plan.predicted_iteration_s), flush=True)
+
+
+def _gather_rows(row, world_size):
+    rows: list[Any] = [None] * world_size
+    dist.all_gather_object(rows, row)
+    return rows

@@ -1,0 +1,113 @@
+"""On-disk cache of measured profiles, so a second start skips profiling.
+
+A device profile is keyed by (model fingerprint, device name, dtype, sequence length, profiled
+microbatch sizes); the collective profile by (model fingerprint, dtype, world size, backend,
+every rank's device name). The model fingerprint (``model_fingerprint``) hashes the model class
+and its config (or, without a config, every parameter's name and shape), so another model never
+hits. Emulated devices have their own names (``emulate.emulated_device_name``), so they never
+share entries with the real device.
+
+Location: ``$HF_CEPHALO_PROFILE_CACHE`` if set, else ``~/.cache/hf_cephalo/profiles``. One JSON
+file per entry, written atomically (temp file + rename) so ranks writing the same key at once
+cannot leave a torn file. Delete the directory to re-profile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+from hf_cephalo.profiler.types import CommProfile, DeviceProfile
+
+__all__ = ["ProfileCache", "default_cache_dir", "model_fingerprint", "device_key", "comm_key"]
+
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "use_cache",
+                         "return_dict", "output_hidden_states", "output_attentions")
+
+
+def default_cache_dir() -> Path:
+    """``$HF_CEPHALO_PROFILE_CACHE`` or ``~/.cache/hf_cephalo/profiles``."""
+    env = os.environ.get("HF_CEPHALO_PROFILE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "hf_cephalo" / "profiles"
+
+
+def _digest(obj: Any) -> str:
+    text = json.dumps(obj, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def model_fingerprint(model: Any) -> str:
+    """A short hash of the model class and shape-defining config (hex string).
+
+    Uses ``model.config.to_dict()`` without volatile keys (checkpoint path, library version,
+    output switches) when the model has a config; else the parameter names and shapes.
+    """
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        desc = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    else:
+        desc = {name: list(p.shape) for name, p in model.named_parameters()}
+    return _digest({"class": type(model).__name__, "desc": desc})
+
+
+def device_key(fingerprint: str, device_name: str, dtype: str, sequence_length: int,
+               microbatch_sizes: list[int]) -> str:
+    return "device-" + _digest([fingerprint, device_name, dtype, sequence_length, microbatch_sizes])
+
+
+def comm_key(fingerprint: str, dtype: str, device_names: list[str], backend: str) -> str:
+    return "comm-" + _digest([fingerprint, dtype, device_names, backend])
+
+
+class ProfileCache:
+    """Reads and writes cached ``DeviceProfile`` / ``CommProfile`` entries under ``root``.
+
+    Args:
+        root: cache directory (created on first write); default ``default_cache_dir()``.
+    """
+
+    def __init__(self, root: str | Path | None = None):
+        self.root = Path(root) if root is not None else default_cache_dir()
+
+    def _path(self, key: str) -> Path:
+        return self.root / f"{key}.json"
+
+    def _read(self, key: str) -> Mapping[str, Any] | None:
+        path = self._path(key)
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (json.JSONDecodeError, OSError):
+            return None  # a damaged entry is re-measured and overwritten
+
+    def _write(self, key: str, data: Mapping[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, self._path(key))
+
+    def get_device(self, key: str) -> DeviceProfile | None:
+        data = self._read(key)
+        try:
+            return None if data is None else DeviceProfile.from_json(data)
+        except ValueError:
+            return None
+
+    def put_device(self, key: str, profile: DeviceProfile) -> None:
+        self._write(key, profile.to_json())
+
+    def get_comm(self, key: str) -> CommProfile | None:
+        data = self._read(key)
+        try:
+            return None if data is None else CommProfile.from_json(data)
+        except ValueError:
+            return None
+
+    def put_comm(self, key: str, profile: CommProfile) -> None:
+        self._write(key, profile.to_json())

@@ -1,0 +1,533 @@
+"""Measure the cost model's inputs on this cluster (paper §2.4 profiler; DESIGN contract 1).
+
+What is measured, per rank, with the real model, its dtype and a microbatch of the training
+sequence length (synthetic token ids / pixels of the right shape, ``synthetic_microbatch``):
+
+- ``fwd_s[m]``: one unit's forward without autograd (the engine's forward pass), m = 1..M.
+- ``bwd_s[m]``: the engine's backward of one unit is a recompute (forward WITH autograd) plus
+  the backward; ``bwd_s[m]`` is that measured time minus ``fwd_s[m]``, so the cost model's
+  ``F + B`` per microbatch equals what the engine's backward really costs (the recompute that
+  keeps activations is slower than the no-grad forward; the difference lands in ``bwd_s``).
+  Median of ``repeats`` runs after ``warmup`` runs.
+- ``compute_memory_bytes[m]``: peak memory of one step minus training state, for one
+  microbatch of m in flight: activations of one unit's recompute + backward, or of the head's
+  loss + backward (the larger), plus one unit's and the root's full gradients and the gathered
+  copies of two units (current + prefetched) and the root (held all step).
+  CUDA: caching-allocator peak (``torch.cuda.max_memory_allocated``) over a unit pass and a head
+  pass, minus the allocation before them. CPU (no allocator statistics): an estimate, the bytes
+  of the distinct storages autograd saves for backward (``torch.autograd.graph.
+  saved_tensors_hooks``, parameters excluded) plus input, output and their gradients. It misses
+  short-lived temporaries, so it is a lower bound of the real peak.
+- ``allgather_s`` / ``reducescatter_s``: one unit with EVEN shards over the whole world through
+  the engine's own padded collectives; the slowest rank's median (every rank plans with the
+  same numbers).
+
+``profile_cluster`` runs all of it on every rank (collective when the world size is > 1),
+uses the on-disk cache (``profiler.cache``) when it can, and returns the same
+``ClusterProfile`` on every rank. ``check_profile_matches`` refuses a profile of another model
+or device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hf_cephalo.models.base import StagedModel
+from hf_cephalo.profiler.cache import ProfileCache, comm_key, device_key, model_fingerprint
+from hf_cephalo.profiler.emulate import EmulatedStagedModel, EmulationConfig, emulated_device_name
+from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+
+__all__ = ["MeasureConfig", "synthetic_microbatch", "model_profile", "local_device_name",
+           "device_capacity_bytes", "measure_device", "measure_comm", "profile_cluster",
+           "check_profile_matches", "sequence_length_of"]
+
+logger = logging.getLogger(__name__)
+GIB = float(1 << 30)
+MakeMicrobatch = Callable[[int], Mapping[str, torch.Tensor]]
+
+
+@dataclass(kw_only=True)
+class MeasureConfig:
+    """How to profile.
+
+    Attributes:
+        max_microbatch_size: M; microbatch sizes 1..M are profiled (samples).
+        sequence_length: tokens per sample of the synthetic text microbatches (ignored for
+            vision models, whose image size comes from the config).
+        warmup: untimed runs per microbatch size.
+        repeats: timed runs per microbatch size (the median is kept).
+        comm_repeats: timed runs of each collective (the median is kept).
+        progress: print progress lines (rank, microbatch size, estimated time left).
+    """
+
+    max_microbatch_size: int = 8
+    sequence_length: int = 128
+    warmup: int = 1
+    repeats: int = 3
+    comm_repeats: int = 5
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("max_microbatch_size", 1), ("sequence_length", 1), ("warmup", 0),
+                              ("repeats", 1), ("comm_repeats", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"MeasureConfig.{name} = {value!r}: need an integer >= {minimum}")
+
+    @property
+    def microbatch_sizes(self) -> list[int]:
+        return list(range(1, self.max_microbatch_size + 1))
+
+
+# ---- model and device facts -----------------------------------------------------------------
+def _unique_params(modules) -> list[torch.nn.Parameter]:
+    seen, out = set(), []
+    for mod in modules:
+        for p in mod.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def model_dtype(staged: StagedModel) -> torch.dtype:
+    return next(iter(staged.units()[0].parameters())).dtype
+
+
+def model_profile(staged: StagedModel, name: str | None = None) -> ModelProfile:
+    """ModelProfile of a staged model: units, parameters per unit / outside units, state bytes.
+
+    ``state_bytes_per_param`` = 4 × element size (parameter, gradient and Adam's two moments in
+    the parameter dtype: 16 for fp32, paper §2.4). Raises ValueError if units differ in size.
+    """
+    units = staged.units()
+    sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    if len(set(sizes)) != 1:
+        raise ValueError(f"units have different parameter counts {sizes}; the cost model needs "
+                         "identical units (DESIGN contract 1)")
+    unit_ids = {id(p) for u in units for p in u.parameters()}
+    other = sum(p.numel() for p in _unique_params(staged.root_modules()) if id(p) not in unit_ids)
+    model = staged.model
+    if name is None:
+        cfg = getattr(model, "config", None)
+        name = str(getattr(cfg, "name_or_path", "") or type(model).__name__)
+    elem = torch.empty((), dtype=model_dtype(staged)).element_size()
+    return ModelProfile(name=name, num_units=len(units), params_per_unit=sizes[0],
+                        params_other=other, state_bytes_per_param=4.0 * elem)
+
+
+def local_device_name(device: torch.device | str) -> str:
+    """``torch.cuda.get_device_name`` for CUDA, else the device type (e.g. ``"cpu"``)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def device_capacity_bytes(device: torch.device | str) -> float:
+    """Total memory of the device in bytes (CUDA: device properties; CPU: physical RAM)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return float(16 * (1 << 30))
+
+
+def synthetic_microbatch(model: torch.nn.Module, m: int, sequence_length: int,
+                         device: torch.device | str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """A microbatch of m samples shaped like the training data, built from the model's config.
+
+    Text models: ``input_ids`` / ``labels`` (m, S) int64 (causal LM: labels = inputs; sequence
+    classification: labels (m,)), ``attention_mask`` (m, S) of ones. Vision models
+    (``main_input_name == "pixel_values"``): ``pixel_values`` (m, C, H, W) and ``labels`` (m,).
+
+    Raises ValueError for a model without a config describing its inputs.
+    """
+    cfg = getattr(model, "config", None)
+    g = torch.Generator().manual_seed(seed)
+    cls = type(model).__name__
+    classify = cls.endswith("ForSequenceClassification") or cls.endswith("ForImageClassification")
+    num_labels = max(int(getattr(cfg, "num_labels", 2) or 2), 1)
+    if getattr(model, "main_input_name", "input_ids") == "pixel_values":
+        size = getattr(cfg, "image_size", None)
+        channels = getattr(cfg, "num_channels", 3)
+        if size is None:
+            raise ValueError(f"{cls}: config has no image_size; pass make_microbatch to profile it")
+        mb = {"pixel_values": torch.randn(m, channels, size, size, generator=g),
+              "labels": torch.randint(0, num_labels, (m,), generator=g)}
+    else:
+        vocab = getattr(cfg, "vocab_size", None)
+        if vocab is None:
+            raise ValueError(f"{cls}: no config.vocab_size to build synthetic token ids; pass "
+                             "make_microbatch to profile this model")
+        limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        if limit is not None and sequence_length > limit:
+            raise ValueError(f"sequence_length {sequence_length} exceeds the model's "
+                             f"{limit} positions; profile with a shorter sequence length")
+        ids = torch.randint(0, vocab, (m, sequence_length), generator=g)
+        labels = torch.randint(0, num_labels, (m,), generator=g) if classify else ids.clone()
+        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    return {k: v.to(device) for k, v in mb.items()}
+
+
+def sequence_length_of(dataset: Any, default: int, max_samples: int = 16) -> int:
+    """Longest ``input_ids`` among the first ``max_samples`` samples of ``dataset``, else
+    ``default`` (datasets without ``input_ids``, e.g. images, or without a length)."""
+    try:
+        n = min(len(dataset), max_samples)
+        lengths = [len(dataset[i]["input_ids"]) for i in range(n)]
+    except (TypeError, KeyError, IndexError, AttributeError):
+        return default
+    return max(lengths) if lengths else default
+
+
+# ---- one device ---------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _SavedBytes:
+    """Bytes of distinct storages autograd saves for backward inside the context (CPU method).
+
+    Parameters (and anything in ``exclude`` storage pointers) are not counted: they are state.
+    """
+
+    def __init__(self, exclude: set[int]):
+        self.exclude, self.seen, self.bytes = exclude, set(), 0
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.exclude and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.bytes += storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _unit_backward(staged: StagedModel, hidden: torch.Tensor, ctx: Any,
+                   grad: torch.Tensor) -> torch.Tensor:
+    """Recompute (forward with autograd) + backward of unit 0, as the engine's backward does."""
+    x = hidden.detach().requires_grad_(True)
+    with torch.enable_grad():
+        y = staged.run_unit(0, x, ctx)
+    torch.autograd.backward(y, grad)
+    return y.detach()
+
+
+def _head_backward(staged: StagedModel, hidden: torch.Tensor, mb, ctx: Any) -> None:
+    h = hidden.detach().requires_grad_(True)
+    with torch.enable_grad():
+        out = staged.head_loss(h, mb, ctx)
+    torch.autograd.backward(out.loss_sum)
+
+
+def _compute_memory(staged: StagedModel, hidden, mb, ctx, grad, device, params) -> float:
+    """Compute memory of one microbatch in bytes (see the module docstring for the method)."""
+    for p in params:
+        p.grad = None
+    unit_params = list(staged.units()[0].parameters())
+    unit_ids = {id(p) for u in staged.units() for p in u.parameters()}
+    root_params = [p for p in _unique_params(staged.root_modules()) if id(p) not in unit_ids]
+    # Gathered copies beside the shards: current + prefetched unit, and the root all step.
+    gathered = 2 * _bytes(unit_params) + _bytes(root_params)
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        y = _unit_backward(staged, hidden, ctx, grad)
+        _head_backward(staged, y, mb, ctx)
+        _sync(device)
+        transient = torch.cuda.max_memory_allocated(device) - base
+    else:
+        exclude = {p.untyped_storage().data_ptr() for p in params}
+        with _SavedBytes(exclude) as unit_saved:
+            y = _unit_backward(staged, hidden, ctx, grad)
+        with _SavedBytes(exclude) as head_saved:
+            _head_backward(staged, y, mb, ctx)
+        io = 4 * _tensor_bytes(hidden)  # input, output and both gradients
+        grads = _bytes(unit_params) + _bytes(root_params)
+        transient = grads + io + max(unit_saved.bytes, head_saved.bytes)
+    for p in params:
+        p.grad = None
+    return float(gathered + transient)
+
+
+def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.device | str,
+                   name: str, capacity_bytes: float, rank: int = 0,
+                   make_microbatch: MakeMicrobatch | None = None) -> DeviceProfile:
+    """Profile one unit on this rank for m = 1..M (local; no collectives).
+
+    Args:
+        staged: the staged model (an ``EmulatedStagedModel`` measures the emulated device);
+            its parameters must be on ``device`` (moved there if not).
+        config: what to profile. device: the compute device. name: recorded device name.
+        capacity_bytes: C_i recorded in the profile. rank: used in progress lines.
+        make_microbatch: ``m -> microbatch`` override of ``synthetic_microbatch``.
+    Returns:
+        A ``DeviceProfile``; the model's gradients are left as None.
+    """
+    device = torch.device(device)
+    model = staged.model
+    model.to(device)
+    was_training = model.training
+    model.train()
+    params = list(model.parameters())
+    make = make_microbatch or (lambda m: synthetic_microbatch(model, m, config.sequence_length, device))
+    fwd, bwd, mem = [], [], []
+    ms = config.microbatch_sizes
+    work_done, total_work, t_start = 0, sum(ms), time.perf_counter()
+    try:
+        for m in ms:
+            mb = {k: v.to(device) for k, v in make(m).items()}
+            with torch.no_grad():
+                hidden, ctx = staged.embed(mb)
+            grad = torch.randn_like(hidden)
+            f_times, fb_times = [], []
+            for k in range(config.warmup + config.repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    staged.run_unit(0, hidden, ctx)
+                _sync(device)
+                t1 = time.perf_counter()
+                _unit_backward(staged, hidden, ctx, grad)
+                _sync(device)
+                t2 = time.perf_counter()
+                for p in params:
+                    p.grad = None
+                if k >= config.warmup:
+                    f_times.append(t1 - t0)
+                    fb_times.append(t2 - t1)
+            f = statistics.median(f_times)
+            fwd.append(f)
+            bwd.append(max(statistics.median(fb_times) - f, 1e-9))
+            mem.append(_compute_memory(staged, hidden, mb, ctx, grad, device, params))
+            work_done += m
+            if config.progress:
+                elapsed = time.perf_counter() - t_start
+                left = elapsed / work_done * (total_work - work_done)
+                print(f"[hf-cephalo profile] rank {rank} ({name}): microbatch size {m}/{ms[-1]}: "
+                      f"fwd {f * 1e3:.2f} ms, bwd {bwd[-1] * 1e3:.2f} ms, compute memory "
+                      f"{mem[-1] / GIB:.3f} GiB; about {left:.0f} s left", flush=True)
+    finally:
+        for p in params:
+            p.grad = None
+        model.train(was_training)
+    return DeviceProfile(name=name, memory_capacity_bytes=capacity_bytes, microbatch_sizes=ms,
+                         fwd_s=fwd, bwd_s=bwd, compute_memory_bytes=mem)
+
+
+# ---- collectives --------------------------------------------------------------------------------
+def measure_comm(staged: StagedModel, *, device: torch.device | str, repeats: int = 5,
+                 group: dist.ProcessGroup | None = None) -> CommProfile:
+    """One unit's all-gather and reduce-scatter with EVEN shards (collective on every rank).
+
+    Uses the engine's padded collectives (``engine.collectives``), the reduce-scatter fallback
+    included where the backend lacks reduce-scatter. Returns the slowest rank's medians, in
+    seconds, identical on every rank. Without a process group or with world size 1: zeros.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return CommProfile(allgather_s=0.0, reducescatter_s=0.0)
+    from hf_cephalo.engine import collectives as C
+    from hf_cephalo.engine.stats import CollectiveStats
+
+    device = torch.device(device)
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    numel = sum(p.numel() for p in staged.units()[0].parameters())
+    shard = torch.ones(math.ceil(numel / n), dtype=model_dtype(staged), device=device)
+    use_all_reduce = not C.reduce_scatter_supported(group)
+    stats = CollectiveStats()
+    ag, rs = [], []
+    for k in range(1 + repeats):
+        dist.barrier(group)
+        _sync(device)
+        t0 = time.perf_counter()
+        full = C.all_gather_padded(shard, n, group, stats, async_op=False).output
+        _sync(device)
+        t1 = time.perf_counter()
+        dist.barrier(group)
+        _sync(device)
+        t2 = time.perf_counter()
+        C.reduce_scatter_padded(full, n, rank, group, stats, async_op=False,
+                                use_all_reduce=use_all_reduce)
+        _sync(device)
+        t3 = time.perf_counter()
+        if k:
+            ag.append(t1 - t0)
+            rs.append(t3 - t2)
+    times = torch.tensor([statistics.median(ag), statistics.median(rs)], dtype=torch.float64,
+                         device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return CommProfile(allgather_s=float(times[0]), reducescatter_s=float(times[1]))
+
+
+# ---- the whole cluster --------------------------------------------------------------------------
+def _world(group) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _all_gather_objects(obj: Any, group, world_size: int) -> list[Any]:
+    if world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
+                    device: torch.device | str = "cpu", emulation: EmulationConfig | None = None,
+                    cache: ProfileCache | None | bool = True, group: dist.ProcessGroup | None = None,
+                    make_microbatch: MakeMicrobatch | None = None,
+                    model_name: str | None = None) -> ClusterProfile:
+    """Profile every rank and the collectives; the same ``ClusterProfile`` on every rank.
+
+    Collective when a process group with world size > 1 is initialized (every rank must call
+    it); plain single-process use needs no process group.
+
+    Args:
+        staged: the model (a plain adapter; emulation wraps it here if ``emulation`` slows
+            this rank).
+        config: what to profile (default ``MeasureConfig()``).
+        device: this rank's compute device.
+        emulation: per-rank emulated slowdown / memory capacity (recorded in device names and
+            capacities, see ``profiler.emulate``).
+        cache: True (default directory), a ``ProfileCache``, or False/None (always measure).
+        make_microbatch: ``m -> microbatch`` override of ``synthetic_microbatch``.
+    Raises:
+        ValueError: bad config or emulation lists that do not match the world size.
+    """
+    config = config or MeasureConfig()
+    device = torch.device(device)
+    rank, world_size = _world(group)
+    if emulation is not None:
+        emulation.check_world_size(world_size)
+    slowdown = 1.0 if emulation is None else emulation.slowdown_of(rank)
+    cap = None if emulation is None else emulation.cap_of(rank)
+    base = staged.inner if isinstance(staged, EmulatedStagedModel) else staged
+    measured = EmulatedStagedModel(base, slowdown, device) if slowdown != 1.0 else base
+    name = emulated_device_name(local_device_name(device), slowdown, cap)
+    capacity = float(cap) if cap is not None else device_capacity_bytes(device)
+    dtype = str(model_dtype(base)).replace("torch.", "")
+    fingerprint = model_fingerprint(base.model)
+    store = ProfileCache() if cache is True else (cache or None)
+    key = device_key(fingerprint, name, dtype, config.sequence_length, config.microbatch_sizes)
+    dev = store.get_device(key) if store is not None else None
+    if dev is not None:
+        dev.memory_capacity_bytes = capacity
+        if config.progress:
+            print(f"[hf-cephalo profile] rank {rank} ({name}): cached profile {store.root}/{key}.json",
+                  flush=True)
+    else:
+        dev = measure_device(measured, config, device=device, name=name, capacity_bytes=capacity,
+                             rank=rank, make_microbatch=make_microbatch)
+        if store is not None:
+            store.put_device(key, dev)
+    devices = [DeviceProfile.from_json(d) for d in
+               _all_gather_objects(dev.to_json(), group, world_size)]
+    comm = _cluster_comm(base, store, fingerprint, dtype, [d.name for d in devices], device,
+                         config, group, world_size)
+    return ClusterProfile(
+        model=model_profile(base, model_name), devices=devices, comm=comm, source="measured",
+        extra={"model_fingerprint": fingerprint, "model_class": type(base.model).__name__,
+               "dtype": dtype, "sequence_length": config.sequence_length,
+               "emulated": emulation is not None})
+
+
+def _cluster_comm(staged, store, fingerprint, dtype, names, device, config, group,
+                  world_size) -> CommProfile:
+    """Cached comm profile if EVERY rank has it (all ranks agree via one all-reduce), else measure."""
+    if world_size == 1:
+        return CommProfile(allgather_s=0.0, reducescatter_s=0.0)
+    backend = str(dist.get_backend(group))
+    key = comm_key(fingerprint, dtype, names, backend)
+    cached = store.get_comm(key) if store is not None else None
+    hit = torch.tensor([1 if cached is not None else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(hit, op=dist.ReduceOp.MIN, group=group)  # int32: gloo and NCCL reduce it
+    if int(hit.item()) == 1:
+        times = torch.tensor([cached.allgather_s, cached.reducescatter_s], dtype=torch.float64,
+                             device=device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        return CommProfile(allgather_s=float(times[0]), reducescatter_s=float(times[1]))
+    comm = measure_comm(staged, device=device, repeats=config.comm_repeats, group=group)
+    if store is not None:
+        store.put_comm(key, comm)
+    return comm
+
+
+# ---- refusing foreign profiles --------------------------------------------------------------------
+def _same_device(profiled: str, local: str) -> bool:
+    """Same name (case-insensitive), or one contains the other ("A10G" vs "NVIDIA A10G") when
+    neither is emulated (an emulated device never matches the real one)."""
+    a, b = profiled.strip().lower(), local.strip().lower()
+    if a == b:
+        return True
+    return "[emulated" not in a + b and (a in b or b in a)
+
+
+def check_profile_matches(cluster: ClusterProfile, model: ModelProfile, device_names: Sequence[str],
+                          *, source: str = "the profile", dtype: str | None = None,
+                          fingerprint: str | None = None) -> None:
+    """Refuse a profile measured for another model, another dtype or other devices.
+
+    Args:
+        cluster: the given or cached profile.
+        model: this job's ``ModelProfile`` (``model_profile(staged)``).
+        device_names: this job's device name per rank (rank order, emulation included).
+        source: how to name the profile in messages (e.g. the file path).
+        dtype / fingerprint: this job's parameter dtype and ``model_fingerprint``; checked
+            when the profile records them (measured profiles do).
+    Raises:
+        ValueError: world size, model shape, model fingerprint, dtype or a rank's device name
+            differ; the message says what differs and how to re-profile.
+    """
+    redo = ("re-profile this cluster (`hf-cephalo profile`, or leave cephalo_profile_file unset so "
+            "the trainer profiles at start) or give a plan file")
+    if cluster.world_size != len(device_names):
+        raise ValueError(f"{source} describes {cluster.world_size} ranks but the job has world size "
+                         f"{len(device_names)}; {redo}")
+    mine = {k: getattr(cluster.model, k) for k in ("num_units", "params_per_unit", "params_other")}
+    theirs = {k: getattr(model, k) for k in mine}
+    if mine != theirs:
+        raise ValueError(f"{source} was measured for model {cluster.model.name!r} {mine} but this job's "
+                         f"model {model.name!r} has {theirs}; {redo}")
+    if fingerprint is not None and cluster.extra.get("model_fingerprint") not in (None, fingerprint):
+        raise ValueError(f"{source} was measured for another model configuration (fingerprint "
+                         f"{cluster.extra['model_fingerprint']} vs this model's {fingerprint}); {redo}")
+    if dtype is not None and cluster.extra.get("dtype") not in (None, dtype):
+        raise ValueError(f"{source} was measured in {cluster.extra['dtype']} but the model's "
+                         f"parameters are {dtype}; {redo}")
+    bad = [(i, d.name, local) for i, (d, local) in enumerate(zip(cluster.devices, device_names))
+           if not _same_device(d.name, local)]
+    if bad:
+        detail = "; ".join(f"rank {i}: profiled {p!r}, this job {l!r}" for i, p, l in bad)
+        raise ValueError(f"{source} was measured on other devices ({detail}); {redo}")
