@@ -2,7 +2,8 @@
 
 Each plan draws per-rank batch sizes b_i (zeros allowed), microbatch sizes m_i, and either
 state ratios r_i (zeros allowed, laid out by the planner) or an explicit random per-unit
-element layout (zero-size shards, odd splits). After 3 AdamW steps (some plans with global-norm
+element layout (zero-size shards, odd splits); about 30% of the plans run without activation
+checkpointing (kept graphs, storage freed and refilled across reshard). After 3 AdamW steps (some plans with global-norm
 clipping) the gathered parameters, the per-step losses and the clip norms must equal the
 reference at rtol 1e-5, atol 1e-6. Three process groups (2, 3, 4 ranks) loop over the plans.
 """
@@ -85,7 +86,7 @@ def draw_plan(rng: random.Random, world: int, dtype=torch.float32) -> dict:
     return dict(sizes_b=sizes_b, sizes_m=sizes_m, ratios=ratios, cfg=cfg,
                 explicit_layout=rng.random() < 0.5, seq=rng.randint(3, 8),
                 max_norm=rng.choice([None, 0.5, 100.0]), seed=rng.randrange(1 << 30),
-                dtype=dtype)
+                dtype=dtype, activation_checkpointing=rng.random() < 0.7)
 
 
 def run_plan(rank: int, world: int, plan: dict) -> None:
@@ -97,7 +98,8 @@ def run_plan(rank: int, world: int, plan: dict) -> None:
     if plan["explicit_layout"]:
         lrng = random.Random(plan["seed"])
         layout = [random_layout(lrng, n, world) for n in unit_numels(model)]
-    engine = CephaloEngine(ToyStaged(model), plan["ratios"], shard_layout=layout)
+    engine = CephaloEngine(ToyStaged(model), plan["ratios"], shard_layout=layout,
+                           activation_checkpointing=plan["activation_checkpointing"])
     opt = torch.optim.AdamW(engine.parameters(), lr=LR, weight_decay=WD)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     gen = torch.Generator().manual_seed(plan["seed"] + 1)

@@ -96,6 +96,10 @@ class CephaloEngine:
         offload_activations: stash boundary activations in pinned CPU memory (CUDA only);
             None = on for CUDA, off on CPU.
         reduce_scatter_fallback: force the all-reduce-and-slice path instead of reduce-scatter.
+        activation_checkpointing: True (the paper's schedule): keep only boundary activations
+            and recompute each unit's forward in backward. False: keep every microbatch's
+            autograd graph (no recompute, ~1/3 less compute; activation memory grows with the
+            number of microbatches like standard training; same collectives).
     Raises:
         ValueError: bad ratios / layout, parameters outside units and root or shared between
             units, mixed dtypes in a unit — all before the first collective.
@@ -105,7 +109,7 @@ class CephaloEngine:
                  shard_layout: Sequence[Sequence[int]] | None = None,
                  process_group: dist.ProcessGroup | None = None,
                  device: torch.device | None = None, offload_activations: bool | None = None,
-                 reduce_scatter_fallback: bool = False):
+                 reduce_scatter_fallback: bool = False, activation_checkpointing: bool = True):
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("CephaloEngine needs an initialized torch.distributed process group "
                              "(call dist.init_process_group first, e.g. via torchrun)")
@@ -122,6 +126,7 @@ class CephaloEngine:
         self.offload_activations = (self.device.type == "cuda") if offload_activations is None \
             else bool(offload_activations)
         self.streams = CudaStreams(self.device) if self.device.type == "cuda" else None
+        self.activation_checkpointing = bool(activation_checkpointing)
         self.stats = CollectiveStats()
         self._tracker = LiveTracker(self.stats)
         use_all_reduce = reduce_scatter_fallback or not C.reduce_scatter_supported(process_group)
@@ -203,9 +208,9 @@ class CephaloEngine:
                              "samples); nothing to train on")
         stash = ActivationStash(self.offload_activations, self.streams, self.stats)
         step = LayeredStep(self.staged, self.units, self.root, mbs, global_items, stash,
-                           self.device)
+                           self.device, keep_graphs=not self.activation_checkpointing)
         step.run()
-        assert len(stash) == 0, "schedule left stashed tensors behind"
+        assert len(stash) == 0 and not step.kept, "schedule left stashed tensors behind"
         loss = step.local_loss_sum.clone()
         C.all_reduce_sum(loss.view(1), self.group, self.stats)
         return StepOutput(float(loss) / global_items, global_items, float(step.local_loss_sum),

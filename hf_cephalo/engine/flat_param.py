@@ -19,6 +19,14 @@ gradient of the unit straight into ONE flat (Nt,) buffer (``leaf.grad``), tied u
 Views are re-created before every forward call (``use_params``), so no autograd graph is shared
 between microbatches. On reshard the entries become empty placeholders and the gathered buffer
 is released.
+
+[Note: kept graphs across reshard]
+With activation checkpointing off, every microbatch's forward graph is kept until backward, and
+those graphs save views of the gathered buffer. Resharding then frees only the buffer's storage
+(``untyped_storage().resize_(0)``) and keeps the tensor objects (FSDP2 frees its unsharded
+parameters the same way); the backward all-gather resizes the storage back and copies the data
+in through ``.data`` so the version counter that autograd checks for the saved views does not
+change. The autograd leaf stays the same object, so gradients still accumulate in one buffer.
 """
 
 from __future__ import annotations
@@ -165,6 +173,7 @@ class FlatParamUnit:
         self._grad_live = False
         self._rs_input: torch.Tensor | None = None
         self._send: torch.Tensor | None = None
+        self._freed_nbytes: int | None = None  # set while resharded with kept graphs
         self._load_from_modules()
         self._set_placeholders()
 
@@ -222,11 +231,16 @@ class FlatParamUnit:
         elif result.work is not None:
             result.work.wait()
         self._send = None
-        self._full = self._unpad(result.output)
         self.tracker.add_params(self.numel)
+        self.state = ShardedState.UNSHARDED
+        if self._freed_nbytes is not None:  # see [Note: kept graphs across reshard]
+            self._full.untyped_storage().resize_(self._freed_nbytes)
+            self._full.data.copy_(self._unpad(result.output))  # .data: no version bump
+            self._freed_nbytes = None
+            return
+        self._full = self._unpad(result.output)
         leaf = self._full[:self.trainable_numel].detach()
         self._leaf = leaf.requires_grad_(requires_grad and self.trainable_numel > 0)
-        self.state = ShardedState.UNSHARDED
         self.use_params()
 
     def send_buffer(self) -> torch.Tensor:
@@ -259,12 +273,23 @@ class FlatParamUnit:
             for module, attr in uses:
                 module._parameters[attr] = view
 
-    def reshard(self) -> None:
-        """Release the gathered buffer; module entries become empty placeholders."""
+    def reshard(self, keep_graph_storage: bool = False) -> None:
+        """Release the gathered buffer; module entries become empty placeholders.
+
+        ``keep_graph_storage``: autograd graphs recorded on this unit's views will run later
+        (no-recompute mode): free the buffer's memory but keep the tensor objects, so the next
+        ``wait_unshard`` refills the same storage. See [Note: kept graphs across reshard].
+        """
         if self.state is ShardedState.SHARDED:
             return
         self._set_placeholders()
-        self._full = self._leaf = None
+        if keep_graph_storage:
+            storage = self._full.untyped_storage()
+            self._freed_nbytes = storage.nbytes()
+            storage.resize_(0)
+        else:
+            self._full = self._leaf = None
+            self._freed_nbytes = None
         self.tracker.param_numel -= self.numel
         self.state = ShardedState.SHARDED
 

@@ -72,16 +72,19 @@ class LayeredStep:
         microbatches: this rank's microbatches (may be empty).
         global_num_items: N, the all-reduced item count every loss sum is divided by.
         stash: boundary activation / gradient store; device: compute device.
+        keep_graphs: keep every forward graph instead of recomputing in backward (activation
+            memory grows with l like standard training; see [Note: kept graphs across reshard]).
     """
 
     def __init__(self, staged, units: Sequence[FlatParamUnit], root: FlatParamUnit,
                  microbatches: Sequence[Any], global_num_items: int, stash: ActivationStash,
-                 device: torch.device):
+                 device: torch.device, keep_graphs: bool = False):
         self.staged, self.units, self.root = staged, list(units), root
         self.mbs, self.N, self.stash, self.device = list(microbatches), global_num_items, stash, device
         self.ctxs: list[Any] = []
         self.rng: dict[tuple, RngState] = {}
-        self.kept: tuple | None = None  # (j, input, output) of the last unit's last microbatch
+        self.keep_graphs = keep_graphs
+        self.kept: dict[tuple, tuple] = {}  # (unit, microbatch) -> (input, output) with graph
         self.local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # no host sync
         self.local_num_items = 0
 
@@ -108,7 +111,7 @@ class LayeredStep:
                     self.units[i + 1].start_unshard()
                 for j in range(len(self.mbs)):
                     self.stash.wait_offload((i, j))
-                    if i == L - 1 and j == len(self.mbs) - 1:
+                    if self.keep_graphs or (i == L - 1 and j == len(self.mbs) - 1):
                         self._forward_kept(unit, i, j)
                         continue
                     x = self.stash.get((i, j))
@@ -116,16 +119,17 @@ class LayeredStep:
                     unit.use_params()
                     self.stash.start_offload((i + 1, j), self.staged.run_unit(i, x, self.ctxs[j]))
                 if i + 1 < L:
-                    unit.reshard()
+                    unit.reshard(keep_graph_storage=self.keep_graphs)
 
     def _forward_kept(self, unit: FlatParamUnit, i: int, j: int) -> None:
-        """Last unit, last microbatch: keep its autograd graph (backward starts right there),
-        saving one recompute; peak memory is that of the recompute it replaces."""
+        """Run with autograd and keep the graph for backward instead of recomputing. Always
+        for the last unit's last microbatch (backward starts right there; same peak as the
+        recompute it replaces); for every (unit, microbatch) when ``keep_graphs``."""
         x = self.stash.pop((i, j)).detach().requires_grad_(True)
         with torch.enable_grad():  # views made under no_grad would not track the leaf
             unit.use_params()
             y = self.staged.run_unit(i, x, self.ctxs[j])
-        self.kept = (j, x, y)
+        self.kept[(i, j)] = (x, y)
         self.stash.start_offload((i + 1, j), y.detach())
 
     def head(self) -> None:
@@ -176,9 +180,8 @@ class LayeredStep:
 
     def _recompute_backward(self, unit: FlatParamUnit, i: int, j: int) -> None:
         self.stash.wait_offload(("grad", j))
-        if self.kept is not None and i == len(self.units) - 1 and self.kept[0] == j:
-            _, x, y = self.kept
-            self.kept = None
+        if (i, j) in self.kept:
+            x, y = self.kept.pop((i, j))
             torch.autograd.backward(y, self.stash.pop(("grad", j)))
             unit.note_grad()
             self.stash.start_offload(("grad", j), _grad_or_zeros(x))
