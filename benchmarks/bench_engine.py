@@ -10,8 +10,8 @@ microbatches of size ``local_batch / l`` it measures, per step (forward + backwa
     systems, so they are counted the same way,
 for the Cephalo engine and for FSDP2 (``fully_shard`` per decoder layer + root, gradient sync
 only on the last microbatch, i.e. ``set_requires_gradient_sync(False)`` before the others),
-with and without HF gradient checkpointing (the equal-memory baseline, since Cephalo
-recomputes). It prints ratios Cephalo / FSDP2-GA. It also prints, per rank, the training-state bytes under an
+with and without HF gradient checkpointing, against Cephalo with and without its activation
+checkpointing (recompute in backward, the default). It prints ratios Cephalo / FSDP2-GA. It also prints, per rank, the training-state bytes under an
 uneven state split (expected r_i x 16 bytes x parameters: fp32 param 4 + grad 4 + Adam 8) and
 the peak memory for l = 1, 4, 8 at a fixed microbatch size (CUDA: max_memory_allocated; CPU:
 only the engine's stash accounting: CPU has no offload, so the stash grows with l there).
@@ -89,11 +89,12 @@ def time_interleaved(steps: dict, args, device) -> tuple[dict, dict]:
     return {k: statistics.median(v) for k, v in times.items()}, colls
 
 
-def cephalo_runner(args, rank, device, num_mb, ratios=None):
+def cephalo_runner(args, rank, device, num_mb, ratios=None, checkpointing=True):
     from hf_cephalo.engine import CephaloEngine
     from hf_cephalo.models.registry import stage_model
     model = build_model(args).to(device)
-    engine = CephaloEngine(stage_model(model), ratios, device=device)
+    engine = CephaloEngine(stage_model(model), ratios, device=device,
+                           activation_checkpointing=checkpointing)
     opt = torch.optim.AdamW(engine.parameters(), lr=1e-4)
     m = args.local_batch // num_mb
 
@@ -177,6 +178,8 @@ def worker(rank, args, port, out_q):
         res = {"time": {}, "coll": {}}
         for num_mb in args.num_mb:
             steps = {"cephalo": cephalo_runner(args, rank, device, num_mb)[0],
+                     "cephalo-noac": cephalo_runner(args, rank, device, num_mb,
+                                                    checkpointing=False)[0],
                      "fsdp2": fsdp2_runner(args, rank, device, num_mb),
                      "fsdp2-ac": fsdp2_runner(args, rank, device, num_mb, checkpointing=True)}
             times, colls = time_interleaved(steps, args, device)
@@ -198,23 +201,29 @@ def report(args, results):
     r0 = results[0]
     print(f"# bench_engine: {args.world_size} ranks on {args.device}, Llama {args.layers} layers, "
           f"hidden {args.hidden}, seq {args.seq}, {args.local_batch} sequences per rank")
-    print(f"{'l':>3} {'m':>3} | {'cephalo s':>9} {'fsdp2-GA':>8} {'ratio':>5} {'+AC':>7} "
-          f"{'ratio':>5} | {'AG count':>11} {'AG MiB':>15} {'AG ratio':>8} | {'RS count':>9}")
+    print(f"{'l':>3} {'m':>3} | {'cephalo':>7} {'+AC':>6} {'FSDP2':>6} {'+AC':>6} | "
+          f"{'AC/AC':>5} {'noAC/noAC':>9} | {'AG count':>11} {'AG MiB':>15} {'AG ratio':>8} | "
+          f"{'RS count':>9}")
 
     def t(name, l):  # a step ends when the slowest rank ends
         return max(r["time"][f"{name}/{l}"] for r in results)
     for l in args.num_mb:
         c, f = r0["coll"][f"cephalo/{l}"], r0["coll"][f"fsdp2/{l}"]
-        tc, tf, ta = t("cephalo", l), t("fsdp2", l), t("fsdp2-ac", l)
-        print(f"{l:>3} {args.local_batch // l:>3} | {tc:>9.3f} {tf:>8.3f} {tc / tf:>5.2f} "
-              f"{ta:>7.3f} {tc / ta:>5.2f} | {c['ag']:>4} vs {f['ag']:>4} "
+        cn, ca, fn, fa = (t("cephalo-noac", l), t("cephalo", l), t("fsdp2", l),
+                          t("fsdp2-ac", l))
+        print(f"{l:>3} {args.local_batch // l:>3} | {cn:>7.3f} {ca:>6.3f} {fn:>6.3f} {fa:>6.3f} | "
+              f"{ca / fa:>5.2f} {cn / fn:>9.2f} | {c['ag']:>4} vs {f['ag']:>4} "
               f"{c['ag_bytes'] / 2**20:>6.1f} vs {f['ag_bytes'] / 2**20:>6.1f} "
               f"{c['ag_bytes'] / f['ag_bytes']:>8.3f} | {c['rs']:>3} vs {f['rs']:>3}")
     l1 = args.num_mb[0]
-    print(f"(ratio = cephalo / FSDP2-GA; +AC = FSDP2-GA with per-layer activation checkpointing, "
-          f"the equal-memory baseline: Cephalo recomputes each unit's forward in backward)")
-    print(f"step time vs FSDP2 without accumulation (l={l1}): "
-          f"{t('cephalo', l1) / t('fsdp2', l1):.2f}x (vs +AC: {t('cephalo', l1) / t('fsdp2-ac', l1):.2f}x)")
+    print("(seconds per step; cephalo = activation_checkpointing=False, +AC = with activation "
+          "checkpointing (Cephalo's default: recompute in backward); FSDP2 = FSDP2 with standard "
+          "gradient accumulation; AC/AC and noAC/noAC = Cephalo / FSDP2 at equal memory policy)")
+    print(f"step time vs FSDP2 without accumulation (l={l1}): no AC "
+          f"{t('cephalo-noac', l1) / t('fsdp2', l1):.2f}x, with AC "
+          f"{t('cephalo', l1) / t('fsdp2-ac', l1):.2f}x; at l={args.num_mb[-1]}: no AC "
+          f"{t('cephalo-noac', args.num_mb[-1]) / t('fsdp2', args.num_mb[-1]):.2f}x, with AC "
+          f"{t('cephalo', args.num_mb[-1]) / t('fsdp2-ac', args.num_mb[-1]):.2f}x")
     print("training state per rank (uneven split), expected r_i x 16 B x params:")
     for rank, r in enumerate(results):
         ratio, got, params = r["state"]
