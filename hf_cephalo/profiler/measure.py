@@ -46,7 +46,7 @@ from hf_cephalo.profiler.cache import ProfileCache, comm_key, device_key, model_
 from hf_cephalo.profiler.emulate import EmulatedStagedModel, EmulationConfig, emulated_device_name
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 
-__all__ = ["MeasureConfig", "synthetic_microbatch", "model_profile", "local_device_name",
+__all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "model_profile", "local_device_name",
            "device_capacity_bytes", "measure_device", "measure_comm", "profile_cluster",
            "check_profile_matches", "sequence_length_of"]
 
@@ -183,6 +183,45 @@ def synthetic_microbatch(model: torch.nn.Module, m: int, sequence_length: int,
         labels = torch.randint(0, num_labels, (m,), generator=g) if classify else ids.clone()
         mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     return {k: v.to(device) for k, v in mb.items()}
+
+
+def build_model_from_config(config_path: str, model_class: str | None = None,
+                            dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A model with random weights from a local Hugging Face config (file or directory).
+
+    ``model_class`` (e.g. ``"LlamaForCausalLM"``) defaults to the config's first
+    ``architectures`` entry, else ``AutoModelForCausalLM``. Nothing is downloaded: the path must exist locally.
+
+    Raises:
+        ValueError: the path does not exist, or no usable model class is named.
+    """
+    import transformers
+
+    if not os.path.exists(config_path):
+        raise ValueError(f"model config {config_path!r} does not exist; give a config.json file "
+                         "or a directory holding one")
+    if os.path.isdir(config_path):
+        config = transformers.AutoConfig.from_pretrained(config_path)
+    else:
+        import json
+
+        with open(config_path) as f:
+            data = json.load(f)
+        if "model_type" not in data:
+            raise ValueError(f"{config_path!r} has no 'model_type'; is it a Hugging Face config?")
+        config = transformers.AutoConfig.for_model(**data)
+    name = model_class or (config.architectures or [None])[0]
+    if name is None:  # a bare config: assume a causal language model
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+        except ValueError as e:
+            raise ValueError(f"{config_path!r} names no architecture and is not a causal LM; pass "
+                             f"--model-class (e.g. ViTForImageClassification): {e}") from None
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise ValueError(f"model class {name!r} not found in transformers; pass --model-class "
+                         "(e.g. LlamaForCausalLM)")
+    return cls(config).to(dtype)
 
 
 def sequence_length_of(dataset: Any, default: int, max_samples: int = 16) -> int:
@@ -440,10 +479,13 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
     dtype = str(model_dtype(base)).replace("torch.", "")
     fingerprint = model_fingerprint(base.model)
     store = ProfileCache() if cache is True else (cache or None)
-    key = device_key(fingerprint, name, dtype, config.sequence_length, config.microbatch_sizes)
+    # The capacity does not change timings: the key names the (emulated) speed only.
+    timing_name = emulated_device_name(local_device_name(device), slowdown, None)
+    key = device_key(fingerprint, timing_name, dtype, config.sequence_length,
+                     config.microbatch_sizes)
     dev = store.get_device(key) if store is not None else None
     if dev is not None:
-        dev.memory_capacity_bytes = capacity
+        dev.name, dev.memory_capacity_bytes = name, capacity
         if config.progress:
             print(f"[hf-cephalo profile] rank {rank} ({name}): cached profile {store.root}/{key}.json",
                   flush=True)

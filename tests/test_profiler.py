@@ -1,0 +1,165 @@
+"""Profiler: measured profiles are valid and grow with m, the cache skips measurement, foreign
+profiles are refused, and ``hf-cephalo profile`` writes a loadable ClusterProfile.
+
+Single process (no process group): the collective part is covered by tests/test_emulate.py's
+2-rank trainer run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from hf_cephalo.models import stage_model
+from hf_cephalo.profiler import measure
+from hf_cephalo.profiler.cache import ProfileCache, model_fingerprint
+from hf_cephalo.profiler.emulate import EmulationConfig
+from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches, model_profile,
+                                         profile_cluster)
+from hf_cephalo.profiler.types import ClusterProfile
+from tests.models_fixtures import build
+
+
+def _llama(hidden=128, layers=2):
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_measured_profile_is_valid_and_grows_with_microbatch_size(capsys):
+    model = _llama()
+    staged = stage_model(model)
+    cluster = profile_cluster(staged, MeasureConfig(max_microbatch_size=8, sequence_length=64,
+                                                    repeats=3), cache=False)
+    again = ClusterProfile.from_json(json.loads(json.dumps(cluster.to_json())))  # validates
+    assert again.to_json() == cluster.to_json()
+    (dev,) = cluster.devices
+    assert dev.name == "cpu" and dev.microbatch_sizes == list(range(1, 9))
+    assert all(t > 0 for t in dev.fwd_s + dev.bwd_s)
+    # The CPU memory estimate is exact bookkeeping of saved tensors: strictly linear in m.
+    mem = dev.compute_memory_bytes
+    steps = [b - a for a, b in zip(mem, mem[1:])]
+    assert all(s > 0 for s in steps) and max(steps) == min(steps)
+    # Times are noisy on a shared machine, but 8 samples cost clearly more than 1.
+    assert dev.fwd_s[-1] + dev.bwd_s[-1] > 2.0 * (dev.fwd_s[0] + dev.bwd_s[0])
+    # The model profile covers every parameter; fp32 Adam state is 16 bytes per parameter.
+    mp = cluster.model
+    assert mp.num_units == 2 and mp.state_bytes_per_param == 16.0
+    assert mp.num_params == sum(p.numel() for p in model.parameters())
+    assert cluster.extra["model_fingerprint"] == model_fingerprint(model)
+    assert cluster.extra["sequence_length"] == 64 and cluster.extra["dtype"] == "float32"
+    out = capsys.readouterr().out
+    assert "rank 0 (cpu): microbatch size 8/8" in out and "s left" in out  # progress lines
+
+
+def test_profiles_every_supported_architecture():
+    """Synthetic microbatches fit each adapter's inputs (text, classification, vision)."""
+    config = MeasureConfig(max_microbatch_size=2, sequence_length=12, repeats=1, warmup=0,
+                           progress=False)
+    for arch in ("gpt2", "gpt_neox", "vit", "bert", "mistral"):
+        cluster = profile_cluster(stage_model(build(arch)), config, cache=False)
+        assert cluster.devices[0].microbatch_sizes == [1, 2], arch
+
+
+def test_cache_hit_skips_measurement(tmp_path, monkeypatch):
+    staged = stage_model(_llama(hidden=64))
+    cache = ProfileCache(tmp_path)
+    config = MeasureConfig(max_microbatch_size=3, sequence_length=16, repeats=1, progress=False)
+    first = profile_cluster(staged, config, cache=cache)
+    assert len(list(tmp_path.glob("device-*.json"))) == 1
+
+    calls = []
+    real = measure.measure_device
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("name"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "measure_device", counting)
+    second = profile_cluster(staged, config, cache=cache)
+    assert calls == [] and second.devices[0].to_json() == first.devices[0].to_json()
+    # Any key component changing is a miss: sequence length, microbatch sizes, emulated device,
+    # another model configuration.
+    profile_cluster(staged, MeasureConfig(max_microbatch_size=3, sequence_length=17, repeats=1,
+                                          progress=False), cache=cache)
+    profile_cluster(staged, MeasureConfig(max_microbatch_size=2, sequence_length=16, repeats=1,
+                                          progress=False), cache=cache)
+    profile_cluster(staged, config, cache=cache, emulation=EmulationConfig(slowdown=[2.0]))
+    profile_cluster(stage_model(_llama(hidden=64, layers=3)), config, cache=cache)
+    assert calls == ["cpu", "cpu", "cpu [emulated 2x slower]", "cpu"]
+    # An emulated capacity is not a new measurement but is recorded in the name and profile.
+    capped = profile_cluster(staged, config, cache=cache,
+                             emulation=EmulationConfig(memory_cap_bytes=[10**9]))
+    assert capped.devices[0].memory_capacity_bytes == 1e9
+    assert capped.devices[0].name == "cpu [emulated cap 0.931 GiB]"
+
+
+def test_refuses_profiles_of_other_models_and_devices(tmp_path, monkeypatch):
+    llama = stage_model(_llama(hidden=64))
+    config = MeasureConfig(max_microbatch_size=2, sequence_length=8, repeats=1, progress=False)
+    cluster = profile_cluster(llama, config, cache=False)
+    mine = model_profile(llama)
+    fp = model_fingerprint(llama.model)
+    check_profile_matches(cluster, mine, ["cpu"], dtype="float32", fingerprint=fp)  # accepted
+    gpt2 = stage_model(build("gpt2"))
+    with pytest.raises(ValueError, match=r"measured for model .* but this job's model .*re-profile"):
+        check_profile_matches(cluster, model_profile(gpt2), ["cpu"])
+    with pytest.raises(ValueError, match="another model configuration"):
+        check_profile_matches(cluster, mine, ["cpu"], fingerprint="0" * 20)
+    with pytest.raises(ValueError, match="measured in float32 but the model's parameters are bfloat16"):
+        check_profile_matches(cluster, mine, ["cpu"], dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"other devices \(rank 0: profiled 'cpu', this job 'NVIDIA A10G'\)"):
+        check_profile_matches(cluster, mine, ["NVIDIA A10G"])
+    with pytest.raises(ValueError, match="other devices"):  # emulated never matches the real one
+        check_profile_matches(cluster, mine, ["cpu [emulated 3x slower]"])
+    with pytest.raises(ValueError, match="describes 1 ranks but the job has world size 2"):
+        check_profile_matches(cluster, mine, ["cpu", "cpu"])
+    cluster.devices[0].name = "A10G"
+    check_profile_matches(cluster, mine, ["NVIDIA A10G"])  # spec-sheet style names match
+
+    # Through the trainer: a profile file of another model is refused before training.
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+
+    for name in ("PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE"):
+        monkeypatch.delenv("HF_CEPHALO_" + name, raising=False)
+    path = tmp_path / "gpt2_profile.json"
+    profile_cluster(gpt2, config, cache=False).save(path)
+    args = CephaloTrainingArguments(output_dir=str(tmp_path / "out"), report_to="none",
+                                    cephalo_profile_file=str(path))
+    with pytest.raises(ValueError, match=f"cephalo_profile_file '{path}' was measured for model"):
+        CephaloTrainer(model=llama.model, args=args)
+    assert not torch.distributed.is_initialized()
+
+
+def test_cli_profile_writes_a_cluster_profile(tmp_path, capsys):
+    from hf_cephalo.cli import main
+
+    cfg_dir = tmp_path / "model"
+    _llama(hidden=64).config.save_pretrained(cfg_dir)
+    out = tmp_path / "profile.json"
+    argv = ["profile", "--model-config", str(cfg_dir), "--out", str(out), "--sequence-length", "16",
+            "--max-microbatch-size", "3", "--repeats", "1", "--cache-dir", str(tmp_path / "cache"),
+            "--emulate-slowdown", "2"]
+    assert main(argv) == 0
+    cluster = ClusterProfile.load(out)
+    assert cluster.devices[0].name == "cpu [emulated 2x slower]"
+    assert cluster.devices[0].microbatch_sizes == [1, 2, 3]
+    assert "cluster profile written to" in capsys.readouterr().out
+    # The plan subcommand accepts it.
+    assert main(["plan", "--profile", str(out), "-B", "4"]) == 0
+    assert main(["profile", "--model-config", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
