@@ -227,12 +227,114 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- export ----------------------------------------------------------------------------------
+def _add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a sharded checkpoint directory (a Trainer checkpoint-N or "
+                                      "one written by hf_cephalo.engine.checkpoint.save_checkpoint)")
+    p.add_argument("--out", required=True, help="write the Hugging Face model directory here")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the CRC-32 check of the shard files (sizes are still checked)")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from hf_cephalo.engine.checkpoint import export_hf
+
+    out = export_hf(args.checkpoint, args.out, verify=not args.no_verify)
+    print(f"exported {args.checkpoint} to {out} (load with from_pretrained)")
+    return 0
+
+
+# --- profile ---------------------------------------------------------------------------------
+def _add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-config", required=True,
+                   help="Hugging Face model config: a config.json file or a directory holding one "
+                        "(the model is built from it with random weights; nothing is downloaded)")
+    p.add_argument("--model-class", help="model class, e.g. LlamaForCausalLM (default: the "
+                                         "config's first 'architectures' entry)")
+    p.add_argument("--out", required=True, help="write the cluster profile JSON here (rank 0)")
+    p.add_argument("--sequence-length", type=int, default=128,
+                   help="tokens per sample of the profiled microbatches (default 128)")
+    p.add_argument("--max-microbatch-size", type=int, default=8,
+                   help="M: microbatch sizes 1..M are profiled (default 8)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="parameter dtype of the profiled model (default float32)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per microbatch size (median)")
+    p.add_argument("--emulate-slowdown", help="emulation: per-rank compute slowdown, e.g. '1,3'")
+    p.add_argument("--emulate-memory-cap-bytes",
+                   help="emulation: per-rank memory capacity in bytes, e.g. '8e9,4e9'")
+    p.add_argument("--no-cache", action="store_true", help="measure even if a cached profile exists")
+    p.add_argument("--cache-dir", help="profile cache directory (default $HF_CEPHALO_PROFILE_CACHE "
+                                       "or ~/.cache/hf_cephalo/profiles)")
+
+
+def _per_rank_list(text: str | None, cast, flag: str):
+    if text is None:
+        return None
+    try:
+        return [cast(float(x)) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: give comma-separated numbers, one per rank") from None
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    """Profile every rank (one process per rank under torchrun / accelerate launch, or one)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from hf_cephalo.models import stage_model
+    from hf_cephalo.profiler.cache import ProfileCache
+    from hf_cephalo.profiler.emulate import EmulationConfig
+    from hf_cephalo.profiler.measure import MeasureConfig, build_model_from_config, profile_cluster
+
+    config = MeasureConfig(max_microbatch_size=args.max_microbatch_size,
+                           sequence_length=args.sequence_length, repeats=args.repeats)
+    slow = _per_rank_list(args.emulate_slowdown, float, "--emulate-slowdown")
+    caps = _per_rank_list(args.emulate_memory_cap_bytes, int, "--emulate-memory-cap-bytes")
+    emulation = None if slow is None and caps is None else \
+        EmulationConfig(slowdown=slow, memory_cap_bytes=caps)
+    model = build_model_from_config(args.model_config, args.model_class, getattr(torch, args.dtype))
+    staged = stage_model(model)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    cache = False if args.no_cache else ProfileCache(args.cache_dir)
+    try:
+        cluster = profile_cluster(staged, config, device=device, emulation=emulation, cache=cache)
+    finally:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank == 0:
+        cluster.save(args.out)
+        m = cluster.model
+        print(f"model {m.name}: {m.num_units} units x {m.params_per_unit} params + "
+              f"{m.params_other} other; all-gather {cluster.comm.allgather_s * 1e3:.2f} ms, "
+              f"reduce-scatter {cluster.comm.reducescatter_s * 1e3:.2f} ms per unit")
+        for i, d in enumerate(cluster.devices):
+            print(f"rank {i} {d.name}: m=1 fwd {d.fwd_s[0] * 1e3:.2f} ms bwd {d.bwd_s[0] * 1e3:.2f} ms, "
+                  f"m={d.microbatch_sizes[-1]} fwd {d.fwd_s[-1] * 1e3:.2f} ms bwd "
+                  f"{d.bwd_s[-1] * 1e3:.2f} ms, compute memory {d.compute_memory_bytes[-1] / GIB:.3f} GiB")
+        print(f"cluster profile written to {args.out}")
+    return 0
+
+
 _BUILTIN = {
     "plan": Subcommand("choose per-rank batch, microbatch and state share (exact optimizer)",
                        _add_plan_arguments, _run_plan),
     "simulate": Subcommand("predict throughput and memory of Cephalo's plan and the baselines "
                            "(even split, compute or memory balance only, batch ∝ peak FLOP/s)",
                            _add_simulate_arguments, _run_simulate),
+    "export": Subcommand("merge a sharded checkpoint into a Hugging Face model directory "
+                         "(offline, no process group)", _add_export_arguments, _run_export),
+    "profile": Subcommand("measure this cluster (one unit's forward/backward and memory per rank, "
+                          "collectives) and write a cluster profile JSON",
+                          _add_profile_arguments, _run_profile),
 }
 for _name, _sub in _BUILTIN.items():
     SUBCOMMANDS.setdefault(_name, _sub)

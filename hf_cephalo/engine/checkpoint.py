@@ -1,0 +1,612 @@
+"""Sharded checkpoints of a ``CephaloEngine``: save per rank, load onto any plan / world size.
+
+A checkpoint directory holds (``FILES`` names them):
+
+* ``cephalo_layout.json`` (rank 0): format version, model fingerprint, world size and, per unit
+  (layers in order, root LAST), its numel, trainable numel, per-rank numel and every
+  parameter's fqn / aliases / shape / flat offset; the model buffers' keys; the model config.
+* ``cephalo_shard_rank<R>.safetensors`` (rank R): ``units.<u>.param`` — (n_R,) this rank's slice
+  of unit u's flat buffer; ``units.<u>.optim.<key>`` — (t_R,) every optimizer state tensor with
+  the shard's shape (AdamW: ``exp_avg``, ``exp_avg_sq``), t_R = the trainable part of the
+  slice. Its safetensors metadata (JSON) carries the rank, the fingerprint, 0-dim optimizer
+  state (AdamW ``step``) per unit and the optimizer's param groups (lr, betas, ...).
+* ``cephalo_buffers.safetensors`` (rank 0): the model's persistent buffers.
+* ``cephalo_complete.json`` (rank 0, written LAST): size and CRC-32 of each shard file.
+
+[Note: atomic checkpoints] ``atomic_checkpoint_dir`` writes everything into a hidden sibling
+``.tmp-<name>``, fsyncs, writes the completeness marker, then renames the directory into place.
+A run killed at any moment leaves either no ``<name>`` at all or a complete one; Trainer's
+``get_last_checkpoint`` (regex ``^checkpoint-\\d+$``) never sees the staging directory, and
+``load_sharded`` refuses a directory without the marker.
+
+Re-layout: a unit's flat buffer is the same on every plan (same parameter order), only the
+per-rank cut points differ, so each rank of the new plan copies the overlap of its new range
+with every old rank's range (``safetensors`` reads just those slices). Optimizer state tensors
+are cut the same way over the trainable prefix. Loading needs no process group (every rank
+reads the files it overlaps; the directory must be visible to every rank).
+
+Loading never executes code: tensors come through ``safetensors``, everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import zlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as safetensors_save
+from safetensors.torch import save_file
+
+__all__ = ["FORMAT", "FILES", "CheckpointError", "CheckpointLayout", "atomic_checkpoint_dir",
+           "save_sharded", "save_checkpoint", "staging_path", "load_sharded", "load_sharded_optimizer", "read_layout",
+           "read_full_state_dict", "export_hf", "is_complete", "model_fingerprint"]
+
+FORMAT = "hf_cephalo.sharded/1"
+
+
+class FILES:
+    """File names inside a checkpoint directory."""
+
+    LAYOUT = "cephalo_layout.json"
+    BUFFERS = "cephalo_buffers.safetensors"
+    COMPLETE = "cephalo_complete.json"
+
+    @staticmethod
+    def shard(rank: int) -> str:
+        return f"cephalo_shard_rank{rank}.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: missing, incomplete, corrupt or of another model.
+
+    The message names the file and what is wrong.
+    """
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Parsed ``cephalo_layout.json``.
+
+    world_size: ranks that wrote the checkpoint; units: per unit (root LAST) a dict with
+    ``name``, ``numel``, ``trainable_numel``, ``numel_per_rank`` (list of ints) and ``params``
+    (fqn, aliases, shape, offset, numel, requires_grad); buffers: buffer keys; fingerprint:
+    ``model_fingerprint`` of the saved model; config: the model config dict (or None).
+    """
+
+    directory: str
+    world_size: int
+    units: list[dict[str, Any]]
+    buffers: list[str]
+    fingerprint: dict[str, str]
+    config: dict[str, Any] | None
+
+
+# ---- model identity ---------------------------------------------------------------------------
+def _units_description(engine) -> list[dict[str, Any]]:
+    out = []
+    for meta in engine.shard_metadata():
+        out.append(dict(name=meta.name, numel=int(meta.numel),
+                        trainable_numel=int(meta.trainable_numel),
+                        numel_per_rank=[int(n) for n in meta.numel_per_rank],
+                        params=[dict(fqn=p.fqn, aliases=list(p.aliases), shape=list(p.shape),
+                                     offset=int(p.offset), numel=int(p.numel),
+                                     requires_grad=bool(p.requires_grad)) for p in meta.params]))
+    return out
+
+
+def _buffer_keys(engine) -> list[str]:
+    param_keys = {a for u in engine.shard_metadata() for p in u.params for a in p.aliases}
+    return [k for k in engine.staged.model.state_dict(keep_vars=True) if k not in param_keys]
+
+
+def model_fingerprint(engine) -> dict[str, str]:
+    """{"model_class", "sha256"}: the class name and a hash of every parameter's unit, fqn,
+    aliases, shape and dtype, and the buffer keys — the same for every plan and world size."""
+    h = hashlib.sha256()
+    for unit in engine.shard_metadata():
+        for p in unit.params:
+            h.update(f"{unit.name}|{p.fqn}|{','.join(p.aliases)}|{tuple(p.shape)}|"
+                     f"{p.requires_grad}\n".encode())
+    h.update(f"dtype {engine.root.dtype}\n".encode())
+    for key in _buffer_keys(engine):
+        h.update(f"buffer {key}\n".encode())
+    return {"model_class": type(engine.staged.model).__name__, "sha256": h.hexdigest()}
+
+
+# ---- atomic directory ---------------------------------------------------------------------------
+def _rank(group) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier(group) -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_file(os.path.join(dirpath, name))
+        _fsync_file(dirpath)
+
+
+def staging_path(path: str) -> str:
+    """The hidden sibling ``.tmp-<name>`` a checkpoint ``path`` is written into first."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.dirname(path), f".tmp-{os.path.basename(path)}")
+
+
+@contextlib.contextmanager
+def atomic_checkpoint_dir(path: str, group: dist.ProcessGroup | None = None) -> Iterator[str]:
+    """Collective (every rank): yield a staging directory; on exit publish it as ``path``.
+
+    See [Note: atomic checkpoints]. On exit: barrier, every rank fsyncs what is there, rank 0
+    writes ``cephalo_complete.json`` (sizes and CRC-32 of the shard files written by
+    ``save_sharded``), renames the staging directory to ``path`` (replacing an existing one),
+    fsyncs the parent; barrier. If the body raises, nothing is published.
+    """
+    final, staging = os.path.abspath(path), staging_path(path)
+    rank = _rank(group)
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a run killed mid-save
+        os.makedirs(staging)
+    _barrier(group)
+    yield staging
+    _barrier(group)
+    _fsync_tree(staging)
+    _barrier(group)
+    if rank == 0:
+        _write_marker(staging)
+        old = os.path.join(os.path.dirname(final), f".old-{os.path.basename(final)}")
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(staging, final)
+        _fsync_file(os.path.dirname(final))
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(group)
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _write_marker(directory: str) -> None:
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        full = os.path.join(directory, name)
+        if os.path.isfile(full):
+            entry = {"size_bytes": os.path.getsize(full)}
+            if name.startswith("cephalo_") and name.endswith(".safetensors"):
+                entry["crc32"] = _crc32(full)
+            files[name] = entry
+    tmp = os.path.join(directory, FILES.COMPLETE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": FORMAT, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, os.path.join(directory, FILES.COMPLETE))
+
+
+def is_complete(directory: str) -> bool:
+    """True if ``directory`` carries the completeness marker (written last by a save)."""
+    return os.path.isfile(os.path.join(directory, FILES.COMPLETE))
+
+
+# ---- save -------------------------------------------------------------------------------------
+def _optimizer_state_by_unit(engine, optimizer) -> tuple[dict, list[dict]]:
+    """{unit index: optimizer state dict of its shard parameter}, param groups (no params)."""
+    unit_of = {id(p): u for u, p in enumerate(engine.parameters())}
+    by_unit: dict[int, dict] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in unit_of:
+                raise ValueError("the optimizer holds a parameter that is not one of "
+                                 "engine.parameters(); build it over engine.parameters() only")
+            if p in optimizer.state:
+                by_unit[unit_of[id(p)]] = optimizer.state[p]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return by_unit, groups
+
+
+def _json_value(value: Any, where: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise NotImplementedError(f"optimizer state {where} is a tensor of shape "
+                                      f"{tuple(value.shape)} that is not shard-aligned; sharded "
+                                      "checkpoints support per-element state and scalars only")
+        return {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, (tuple, list)):
+        return {"tuple" if isinstance(value, tuple) else "list":
+                [_json_value(v, where) for v in value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise NotImplementedError(f"optimizer state {where} = {value!r} cannot be saved as JSON")
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict) and "tensor" in value:
+        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+    if isinstance(value, dict) and "tuple" in value:
+        return tuple(_from_json(v) for v in value["tuple"])
+    if isinstance(value, dict) and "list" in value:
+        return [_from_json(v) for v in value["list"]]
+    return value
+
+
+def save_sharded(engine, directory: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write this rank's shard (and on rank 0 the layout and buffers) into ``directory``.
+
+    Every rank calls it (no collective; ``directory`` must exist). Not atomic by itself: wrap
+    it in ``atomic_checkpoint_dir`` (``save_checkpoint`` does both).
+
+    Args:
+        engine: the ``CephaloEngine`` (parameters SHARDED, i.e. outside ``train_step``).
+        optimizer: built over ``engine.parameters()``; per-element state tensors (shape of the
+            shard) and 0-dim state are saved, e.g. AdamW's exp_avg, exp_avg_sq, step.
+    Raises:
+        ValueError: the optimizer holds parameters that are not the engine's.
+        NotImplementedError: optimizer state that is neither per-element nor 0-dim.
+    """
+    rank, fingerprint = engine.rank, model_fingerprint(engine)
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    groups: list[dict] = []
+    for u, unit in enumerate([*engine.units, engine.root]):
+        tensors[f"units.{u}.param"] = unit.local.detach().to("cpu", copy=True).contiguous()
+    if optimizer is not None:
+        by_unit, raw_groups = _optimizer_state_by_unit(engine, optimizer)
+        groups = [{k: _json_value(v, f"param_groups.{k}") for k, v in g.items()} for g in raw_groups]
+        params = engine.parameters()
+        for u, state in by_unit.items():
+            scalars[str(u)] = {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 1 and \
+                        value.shape == params[u].shape:
+                    tensors[f"units.{u}.optim.{key}"] = value.detach().to("cpu", copy=True)
+                else:
+                    scalars[str(u)][key] = _json_value(value, f"{key} of unit {u}")
+    meta = {"format": FORMAT, "rank": rank, "world_size": engine.world_size,
+            "fingerprint": fingerprint, "has_optimizer": optimizer is not None,
+            "optimizer_scalars": scalars, "param_groups": groups}
+    path = os.path.join(directory, FILES.shard(rank))
+    with open(path, "wb") as f:
+        f.write(safetensors_save(tensors, metadata={"cephalo": json.dumps(meta)}))
+        f.flush()
+        os.fsync(f.fileno())
+    if rank == 0:
+        _save_rank0_files(engine, directory, fingerprint)
+
+
+def _save_rank0_files(engine, directory: str, fingerprint: dict[str, str]) -> None:
+    model = engine.staged.model
+    keys = _buffer_keys(engine)
+    buffers = {k: model.get_buffer(k).detach().to("cpu", copy=True).contiguous() for k in keys}
+    save_file(buffers, os.path.join(directory, FILES.BUFFERS), metadata={"format": FORMAT})
+    config = getattr(model, "config", None)
+    config_dict = config.to_dict() if hasattr(config, "to_dict") else None
+    if config_dict is not None and not config_dict.get("architectures"):
+        config_dict["architectures"] = [type(model).__name__]  # as save_pretrained records it
+    layout = {"format": FORMAT, "world_size": engine.world_size, "fingerprint": fingerprint,
+              "units": _units_description(engine), "buffers": keys, "config": config_dict}
+    with open(os.path.join(directory, FILES.LAYOUT), "w") as f:
+        json.dump(layout, f, indent=1, default=str)
+
+
+def save_checkpoint(engine, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Collective: ``save_sharded`` into ``path`` atomically (see [Note: atomic checkpoints])."""
+    with atomic_checkpoint_dir(path, engine.group) as staging:
+        save_sharded(engine, staging, optimizer)
+
+
+# ---- read -------------------------------------------------------------------------------------
+def _read_json(path: str, what: str) -> dict:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing ({what})")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt JSON ({what}): {e}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} file (format "
+                              f"{data.get('format') if isinstance(data, dict) else None!r})")
+    return data
+
+
+def read_layout(directory: str) -> CheckpointLayout:
+    """Check the completeness marker and parse the layout of a checkpoint directory.
+
+    Raises CheckpointError: the directory or marker is missing (a save that did not finish),
+    or the layout file is missing / corrupt.
+    """
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    marker = os.path.join(directory, FILES.COMPLETE)
+    if not os.path.isfile(marker):
+        raise CheckpointError(f"{marker}: missing — {directory} is an incomplete checkpoint (its "
+                              "save did not finish, e.g. the run was killed); resume from an "
+                              "earlier checkpoint")
+    _read_json(marker, "completeness marker")
+    data = _read_json(os.path.join(directory, FILES.LAYOUT), "shard layout")
+    try:
+        return CheckpointLayout(directory, int(data["world_size"]), list(data["units"]),
+                                list(data["buffers"]), dict(data["fingerprint"]),
+                                data.get("config"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{os.path.join(directory, FILES.LAYOUT)}: corrupt layout ({e})") from None
+
+
+class _ShardReader:
+    """Opens shard files on demand, verifying size / CRC-32 against the marker and the header."""
+
+    def __init__(self, layout: CheckpointLayout, verify: bool = True):
+        self.layout, self.verify = layout, verify
+        marker = _read_json(os.path.join(layout.directory, FILES.COMPLETE), "completeness marker")
+        self.expected = marker.get("files", {})
+        self._open: dict[str, Any] = {}
+        self.meta: dict[int, dict] = {}
+
+    def open(self, name: str):
+        if name in self._open:
+            return self._open[name]
+        path = os.path.join(self.layout.directory, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing (a shard of a {self.layout.world_size}-rank "
+                                  "checkpoint; copy every cephalo_* file of the checkpoint)")
+        want = self.expected.get(name)
+        if want is None:
+            raise CheckpointError(f"{path}: not listed in {FILES.COMPLETE} (file from another save?)")
+        size = os.path.getsize(path)
+        if size != want["size_bytes"]:
+            raise CheckpointError(f"{path}: corrupt — {size} bytes, the checkpoint recorded "
+                                  f"{want['size_bytes']} (truncated or overwritten)")
+        if self.verify and "crc32" in want and _crc32(path) != want["crc32"]:
+            raise CheckpointError(f"{path}: corrupt — CRC-32 does not match the one recorded at save")
+        try:
+            handle = safe_open(path, framework="pt", device="cpu")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
+        self._open[name] = handle
+        return handle
+
+    def shard_meta(self, rank: int) -> dict:
+        if rank not in self.meta:
+            name = FILES.shard(rank)
+            path = os.path.join(self.layout.directory, name)
+            try:
+                meta = json.loads((self.open(name).metadata() or {})["cephalo"])
+            except (KeyError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{path}: corrupt shard metadata ({e})") from None
+            if meta.get("fingerprint") != self.layout.fingerprint or meta.get("rank") != rank:
+                raise CheckpointError(
+                    f"{path}: shard of another checkpoint (model {meta.get('fingerprint')}, rank "
+                    f"{meta.get('rank')}), expected rank {rank} of {self.layout.fingerprint}")
+            self.meta[rank] = meta
+        return self.meta[rank]
+
+    def read_range(self, unit: int, key: str, start: int, stop: int, part: str) -> torch.Tensor:
+        """Elements [start, stop) of unit ``unit``'s flat buffer (``part`` "param") or of its
+        trainable prefix (optimizer state ``key``), concatenated over the old ranks' files."""
+        info = self.layout.units[unit]
+        pieces, offset = [], 0
+        for r, n in enumerate(info["numel_per_rank"]):
+            begin = offset
+            held = n if part == "param" else max(0, min(begin + n, info["trainable_numel"]) - begin)
+            offset += n
+            lo, hi = max(start, begin), min(stop, begin + held)
+            if lo >= hi:
+                continue
+            name = FILES.shard(r)
+            self.shard_meta(r)
+            tensor_key = f"units.{unit}.{key}"
+            handle = self.open(name)
+            if tensor_key not in handle.keys():
+                raise CheckpointError(f"{os.path.join(self.layout.directory, name)}: no tensor "
+                                      f"{tensor_key!r} (corrupt or written without an optimizer)")
+            sl = handle.get_slice(tensor_key)
+            if sl.get_shape() != [held]:
+                raise CheckpointError(f"{os.path.join(self.layout.directory, name)}: tensor "
+                                      f"{tensor_key!r} has shape {sl.get_shape()}, the layout says "
+                                      f"[{held}]")
+            pieces.append(sl[lo - begin:hi - begin])
+        got = sum(p.numel() for p in pieces)
+        assert got == stop - start, f"re-layout read {got} of {stop - start} elements"
+        return torch.cat(pieces) if pieces else torch.zeros(0)
+
+
+def _check_model(layout: CheckpointLayout, engine) -> None:
+    mine = model_fingerprint(engine)
+    if mine != layout.fingerprint:
+        raise CheckpointError(
+            f"{os.path.join(layout.directory, FILES.LAYOUT)}: checkpoint of another model "
+            f"({layout.fingerprint['model_class']}, parameter hash "
+            f"{layout.fingerprint['sha256'][:12]}) than the engine's "
+            f"({mine['model_class']}, {mine['sha256'][:12]}): parameter names, shapes, dtype or "
+            "unit split differ")
+
+
+def _flat_units(engine) -> list:
+    return [*engine.units, engine.root]
+
+
+def load_sharded(engine, directory: str, *, verify: bool = True) -> None:
+    """Load the parameters and buffers of a checkpoint into ``engine`` (any plan / world size).
+
+    Every rank calls it (no collective); each reads the slices its new shard overlaps.
+
+    Raises:
+        CheckpointError: incomplete checkpoint (no marker), missing / truncated / corrupt file
+            (size or CRC-32 mismatch, bad header), or a checkpoint of another model — the
+            message names the file. Raised before anything is copied into the engine.
+    """
+    layout = read_layout(directory)
+    _check_model(layout, engine)
+    reader = _ShardReader(layout, verify)
+    new_locals = []
+    for u, unit in enumerate(_flat_units(engine)):
+        start = unit.starts[unit.rank]
+        new_locals.append(reader.read_range(u, "param", start, start + unit.local_numel, "param"))
+    buffers = _read_buffers(layout, reader)
+    with torch.no_grad():
+        for unit, local in zip(_flat_units(engine), new_locals):
+            unit.local.copy_(local.to(unit.local.dtype))
+        for key, value in buffers.items():
+            engine.staged.model.get_buffer(key).copy_(value)
+
+
+def _read_buffers(layout: CheckpointLayout, reader: _ShardReader) -> dict[str, torch.Tensor]:
+    handle = reader.open(FILES.BUFFERS)
+    missing = [k for k in layout.buffers if k not in handle.keys()]
+    if missing:
+        raise CheckpointError(f"{os.path.join(layout.directory, FILES.BUFFERS)}: missing buffers "
+                              f"{missing}")
+    return {k: handle.get_tensor(k) for k in layout.buffers}
+
+
+def load_sharded_optimizer(engine, optimizer: torch.optim.Optimizer, directory: str, *,
+                           verify: bool = True) -> None:
+    """Load optimizer state (re-laid for this plan) and param-group values into ``optimizer``.
+
+    ``optimizer`` must be built over ``engine.parameters()`` with the same class as the saved
+    one. Scalars such as AdamW's ``step`` must agree over the old ranks of a unit.
+
+    Raises:
+        CheckpointError: as ``load_sharded``; the checkpoint has no optimizer state; old ranks
+            disagree on a unit's scalar state.
+        ValueError: a different number of param groups.
+    """
+    layout = read_layout(directory)
+    _check_model(layout, engine)
+    reader = _ShardReader(layout, verify)
+    metas = [reader.shard_meta(r) for r in range(layout.world_size)]
+    path0 = os.path.join(directory, FILES.shard(0))
+    if not metas[0]["has_optimizer"]:
+        raise CheckpointError(f"{path0}: the checkpoint was saved without optimizer state")
+    params = engine.parameters()
+    state_dict = optimizer.state_dict()
+    saved_groups = [{k: _from_json(v) for k, v in g.items()} for g in metas[0]["param_groups"]]
+    if len(saved_groups) != len(state_dict["param_groups"]):
+        raise ValueError(f"{path0}: the checkpoint's optimizer has {len(saved_groups)} param "
+                         f"groups, this one {len(state_dict['param_groups'])}")
+    index_of = {}
+    idx = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index_of[id(p)] = idx
+            idx += 1
+    new_state = {}
+    for u, unit in enumerate(_flat_units(engine)):
+        state = _unit_optimizer_state(reader, metas, u, unit)
+        if state is not None and id(params[u]) in index_of:
+            new_state[index_of[id(params[u])]] = state
+    for group, saved in zip(state_dict["param_groups"], saved_groups):
+        for key, value in saved.items():
+            if key in group:
+                group[key] = value
+    state_dict["state"] = new_state
+    optimizer.load_state_dict(state_dict)
+
+
+def _unit_optimizer_state(reader: _ShardReader, metas: list[dict], u: int, unit) -> dict | None:
+    """The optimizer state of this rank's new shard of unit ``u`` (None if never stepped)."""
+    info = reader.layout.units[u]
+    holders = [r for r, m in enumerate(metas) if str(u) in m["optimizer_scalars"]]
+    if not holders:
+        return None
+    scalars: dict[str, Any] = {}
+    for r in holders:
+        for key, value in metas[r]["optimizer_scalars"][str(u)].items():
+            if key in scalars and scalars[key] != value:
+                raise CheckpointError(
+                    f"{os.path.join(reader.layout.directory, FILES.shard(r))}: optimizer state "
+                    f"{key!r} of unit {info['name']} is {value}, rank {holders[0]} has "
+                    f"{scalars[key]} (shards of different steps?)")
+            scalars[key] = value
+    handle = reader.open(FILES.shard(holders[0]))
+    prefix = f"units.{u}.optim."
+    keys = [k[len(prefix):] for k in handle.keys() if k.startswith(prefix)]
+    state = {k: _from_json(v) for k, v in scalars.items()}
+    start = unit.starts[unit.rank]
+    for key in keys:
+        state[key] = reader.read_range(u, f"optim.{key}", start,
+                                       start + unit.local_trainable_numel, "optim")
+    return state
+
+
+# ---- offline merge ----------------------------------------------------------------------------
+def read_full_state_dict(directory: str, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Merge a sharded checkpoint into the model's full state dict (no process group).
+
+    Returns ``model.state_dict()``'s keys (CPU tensors; tied aliases share one tensor).
+    Raises CheckpointError as ``load_sharded``.
+    """
+    layout = read_layout(directory)
+    reader = _ShardReader(layout, verify)
+    out: dict[str, torch.Tensor] = {}
+    for u, info in enumerate(layout.units):
+        flat = reader.read_range(u, "param", 0, info["numel"], "param")
+        for p in info["params"]:
+            t = flat[p["offset"]:p["offset"] + p["numel"]].view(p["shape"]).clone()
+            for alias in p["aliases"]:
+                out[alias] = t
+    out.update(_read_buffers(layout, reader))
+    return out
+
+
+def export_hf(directory: str, out_dir: str, *, verify: bool = True) -> str:
+    """Write a ``from_pretrained``-loadable model directory from a sharded checkpoint.
+
+    Offline (no process group). Builds the model class named by the saved config's
+    ``architectures`` from ``transformers`` (never remote code), loads the merged state dict
+    and calls ``save_pretrained(out_dir)`` (safetensors; tied weights once). Returns out_dir.
+
+    Raises:
+        CheckpointError: as ``read_full_state_dict``; no config in the checkpoint; a config
+            that needs remote code or names no transformers class.
+    """
+    import transformers
+
+    layout = read_layout(directory)
+    layout_path = os.path.join(directory, FILES.LAYOUT)
+    config_dict = layout.config
+    if not config_dict or not config_dict.get("architectures"):
+        raise CheckpointError(f"{layout_path}: no model config with 'architectures' (the model "
+                              "was not a transformers PreTrainedModel); use read_full_state_dict")
+    if config_dict.get("auto_map"):
+        raise CheckpointError(f"{layout_path}: the config needs remote code (auto_map); export "
+                              "never executes code from a checkpoint")
+    arch = config_dict["architectures"][0]
+    model_cls = getattr(transformers, arch, None)
+    if model_cls is None or not isinstance(model_cls, type):
+        raise CheckpointError(f"{layout_path}: architecture {arch!r} is not a transformers class")
+    state_dict = read_full_state_dict(directory, verify=verify)
+    config_cls = model_cls.config_class
+    config = config_cls.from_dict({k: v for k, v in config_dict.items()
+                                   if k not in ("transformers_version",)})
+    with torch.device("meta"):
+        model = model_cls(config)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    model.save_pretrained(out_dir)
+    return out_dir
+
