@@ -62,7 +62,7 @@ def test_measured_profile_is_valid_and_grows_with_microbatch_size(capsys):
     assert cluster.extra["model_fingerprint"] == model_fingerprint(model)
     assert cluster.extra["sequence_length"] == 64 and cluster.extra["dtype"] == "float32"
     out = capsys.readouterr().out
-    assert "rank 0 (cpu): microbatch size 8/8" in out and "s left" in out  # progress lines
+    assert "rank 0 (cpu): round 4/4, microbatch size 8/8" in out and "s left" in out  # progress
 
 
 def test_profiles_every_supported_architecture():

@@ -340,17 +340,24 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
     model.train()
     params = list(model.parameters())
     make = make_microbatch or (lambda m: synthetic_microbatch(model, m, config.sequence_length, device))
-    fwd, bwd, mem = [], [], []
     ms = config.microbatch_sizes
-    work_done, total_work, t_start = 0, sum(ms), time.perf_counter()
+    rounds = config.warmup + config.repeats
+    work_done, total_work = 0, rounds * sum(ms)
+    t_start = last_print = time.perf_counter()
+    f_times: dict[int, list[float]] = {m: [] for m in ms}
+    fb_times: dict[int, list[float]] = {m: [] for m in ms}
     try:
+        inputs = {}
         for m in ms:
             mb = {k: v.to(device) for k, v in make(m).items()}
             with torch.no_grad():
                 hidden, ctx = staged.embed(mb)
-            grad = torch.randn_like(hidden)
-            f_times, fb_times = [], []
-            for k in range(config.warmup + config.repeats):
+            inputs[m] = (mb, hidden, ctx, torch.randn_like(hidden))
+        # Rounds over all m (not all repeats of one m at a time), so load changes on a shared
+        # machine spread over every microbatch size instead of bending the curve.
+        for k in range(rounds):
+            for m in ms:
+                _, hidden, ctx, grad = inputs[m]
                 _sync(device)
                 t0 = time.perf_counter()
                 with torch.no_grad():
@@ -363,19 +370,25 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
                 for p in params:
                     p.grad = None
                 if k >= config.warmup:
-                    f_times.append(t1 - t0)
-                    fb_times.append(t2 - t1)
-            f = statistics.median(f_times)
-            fwd.append(f)
-            bwd.append(max(statistics.median(fb_times) - f, 1e-9))
-            mem.append(_compute_memory(staged, hidden, mb, ctx, grad, device, params))
-            work_done += m
-            if config.progress:
-                elapsed = time.perf_counter() - t_start
-                left = elapsed / work_done * (total_work - work_done)
-                print(f"[hf-cephalo profile] rank {rank} ({name}): microbatch size {m}/{ms[-1]}: "
-                      f"fwd {f * 1e3:.2f} ms, bwd {bwd[-1] * 1e3:.2f} ms, compute memory "
-                      f"{mem[-1] / GIB:.3f} GiB; about {left:.0f} s left", flush=True)
+                    f_times[m].append(t1 - t0)
+                    fb_times[m].append(t2 - t1)
+                work_done += m
+                now = time.perf_counter()
+                if config.progress and (now - last_print > 1.0 or work_done == total_work):
+                    last_print = now
+                    left = (now - t_start) / work_done * (total_work - work_done)
+                    print(f"[hf-cephalo profile] rank {rank} ({name}): round {k + 1}/{rounds}, "
+                          f"microbatch size {m}/{ms[-1]}: fwd {(t1 - t0) * 1e3:.2f} ms, "
+                          f"recompute + bwd {(t2 - t1) * 1e3:.2f} ms; about {left:.0f} s left",
+                          flush=True)
+        fwd = [statistics.median(f_times[m]) for m in ms]
+        bwd = [max(statistics.median(fb_times[m]) - f, 1e-9) for m, f in zip(ms, fwd)]
+        mem = [_compute_memory(staged, inputs[m][1], inputs[m][0], inputs[m][2], inputs[m][3],
+                               device, params) for m in ms]
+        if config.progress:
+            print(f"[hf-cephalo profile] rank {rank} ({name}): done; m={ms[-1]}: fwd "
+                  f"{fwd[-1] * 1e3:.2f} ms, bwd {bwd[-1] * 1e3:.2f} ms, compute memory "
+                  f"{mem[-1] / GIB:.3f} GiB per unit", flush=True)
     finally:
         for p in params:
             p.grad = None

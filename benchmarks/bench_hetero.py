@@ -1,0 +1,194 @@
+"""Heterogeneous benchmark on emulated devices: even split vs compute balance vs Cephalo.
+
+Two gloo ranks on CPU emulate a 1x and a 3x slower device (``profiler.emulate``: the slow
+rank really waits 2x its measured compute time after every unit call and unit backward).
+Each rank profiles itself with the real Llama-shaped model (``profile_cluster``, one unit's
+forward/backward for m = 1..M and the even-shard collectives), then three plans for the same
+global batch are built from that one profile and TRAINED through the same engine:
+
+  (a) even split: b_i = B/N, r_i = 1/N, the fastest common microbatch size (FSDP's split);
+  (b) compute balance with even state: b_i balancing compute, m_i = b_i, r_i = 1/N
+      (the paper's Cephalo-CB);
+  (c) the Cephalo plan: ``planner.optimize`` (b_i, m_i, l_i exact, r_i greedy).
+
+Measured: median over ``--steps`` timed steps of the engine's forward + backward
+(``CephaloEngine.train_step``; the optimizer step is outside the timed region, as it is
+outside the cost model), the step ending when the slowest rank ends. The plans' steps
+alternate so load changes on a shared machine hit all three alike. Predicted:
+``planner.predict(plan, profile).iteration_s`` (num_units x max_i T_i; the embedding and head
+are not in the cost model). Ratios are printed against (a).
+
+Usage: python benchmarks/bench_hetero.py [--steps 5] [--global-batch-size 32] [--slowdown 1,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+PLAN_NAMES = ("even split", "compute balance (even state)", "Cephalo")
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                      max_position_embeddings=args.seq)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).float()
+
+
+def microbatches(args, rank, step, batch_size, microbatch_size):
+    """This rank's b_i samples as microbatches of m_i (the last may be smaller)."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, args.vocab, (batch_size, args.seq), generator=gen)
+    return [{"input_ids": ids[i:i + microbatch_size], "labels": ids[i:i + microbatch_size]}
+            for i in range(0, batch_size, max(microbatch_size, 1))]
+
+
+def make_plans(cluster, B):
+    from hf_cephalo.planner import optimize
+    from hf_cephalo.planner.simulate import compute_balance_plan, even_split_plan
+
+    return [even_split_plan(cluster, B), compute_balance_plan(cluster, B), optimize(cluster, B)]
+
+
+def worker(rank, args, port, out_q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=len(args.slowdown))
+    try:
+        out_q.put((rank, run(rank, args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(rank, args):
+    from hf_cephalo.engine import CephaloEngine
+    from hf_cephalo.models import stage_model
+    from hf_cephalo.planner import predict
+    from hf_cephalo.profiler.emulate import EmulatedStagedModel, EmulationConfig
+    from hf_cephalo.profiler.measure import MeasureConfig, profile_cluster
+
+    emulation = EmulationConfig(slowdown=args.slowdown)
+    t0 = time.perf_counter()
+    cluster = profile_cluster(stage_model(build_model(args)),
+                              MeasureConfig(max_microbatch_size=args.max_microbatch_size,
+                                            sequence_length=args.seq, progress=rank == 0),
+                              emulation=emulation, cache=False)
+    profile_s = time.perf_counter() - t0
+    plans = make_plans(cluster, args.global_batch_size)
+    runners = []
+    for plan in plans:
+        staged = EmulatedStagedModel(stage_model(build_model(args)), args.slowdown[rank])
+        engine = CephaloEngine(staged, plan.state_ratios)
+        opt = torch.optim.AdamW(engine.parameters(), lr=1e-4)
+        runners.append((plan, engine, opt))
+    times = [[] for _ in plans]
+    unit_s = [[] for _ in plans]  # this rank's seconds inside units (compute + emulated wait)
+    for step in range(args.steps + 1):  # step 0 warms up
+        for k, (plan, engine, opt) in enumerate(runners):
+            r = plan.ranks[rank]
+            mbs = microbatches(args, rank, step, r.batch_size, r.microbatch_size)
+            dist.barrier()
+            u0 = engine.staged.timer.unit_s
+            t = time.perf_counter()
+            engine.train_step(mbs)
+            elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends with the slowest rank
+            opt.step()
+            engine.zero_grad()
+            if step:
+                times[k].append(float(elapsed))
+                unit_s[k].append(engine.staged.timer.unit_s - u0)
+    return dict(profile=cluster.to_json(), profile_s=profile_s,
+                plans=[p.to_json() for p in plans],
+                predicted_s=[predict(p, cluster).iteration_s for p in plans],
+                measured_s=[statistics.median(t) for t in times],
+                measured_all_s=times, unit_s=[statistics.median(u) for u in unit_s],
+                predicted_unit_s=[_predicted_unit_s(p, cluster, rank) for p in plans])
+
+
+def _predicted_unit_s(plan, cluster, rank):
+    from hf_cephalo.integrations.auto_plan import _predicted_unit_compute_s
+
+    return _predicted_unit_compute_s(plan, cluster, rank)
+
+
+def report(args, result):
+    print(f"\n2 CPU ranks emulating slowdown {args.slowdown}; Llama-shaped model: "
+          f"{args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
+          f"vocab {args.vocab}, sequence {args.seq}; global batch {args.global_batch_size}; "
+          f"median of {args.steps} steps (profiling took {result['profile_s']:.1f} s)")
+    head = (f"{'plan':<30} {'b_i':>9} {'m_i':>9} {'r_i':>13} {'predicted s':>12} "
+            f"{'measured s':>11} {'pred/meas':>10} {'speedup vs even':>16}")
+    print(head)
+    print("-" * len(head))
+    base = result["measured_s"][0]
+    base_pred = result["predicted_s"][0]
+    for name, plan, pred, meas in zip(PLAN_NAMES, result["plans"], result["predicted_s"],
+                                      result["measured_s"]):
+        b = "/".join(str(r["batch_size"]) for r in plan["ranks"])
+        m = "/".join(str(r["microbatch_size"]) for r in plan["ranks"])
+        rs = "/".join(f"{r['state_ratio']:.2f}" for r in plan["ranks"])
+        print(f"{name:<30} {b:>9} {m:>9} {rs:>13} {pred:>12.3f} {meas:>11.3f} "
+              f"{pred / meas:>10.2f} {base / meas:>9.2f}x (pred {base_pred / pred:.2f}x)")
+    cephalo = base / result["measured_s"][2]
+    err = abs(result["predicted_s"][2] / result["measured_s"][2] - 1)
+    print(f"\nCephalo vs even split: {cephalo:.2f}x measured (target >= 1.6x); Cephalo "
+          f"prediction error {100 * err:.1f}% (target <= 15%)")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min), "
+          f"{os.cpu_count()} CPUs")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--slowdown", default="1,3", help="per-rank emulated slowdown (default 1,3)")
+    p.add_argument("--global-batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per plan (after 1 warm-up)")
+    p.add_argument("--max-microbatch-size", type=int, default=8, help="profiled m = 1..M")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=688)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--json", help="also write the raw results here")
+    args = p.parse_args()
+    args.slowdown = [float(x) for x in args.slowdown.split(",")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args, port, out_q))
+             for r in range(len(args.slowdown))]
+    for proc in procs:
+        proc.start()
+    results = dict(out_q.get(timeout=1800) for _ in procs)
+    for proc in procs:
+        proc.join()
+    report(args, results[0])
+    print("\nper rank, unit compute per step (forward + recompute + backward of every unit, "
+          "emulated wait included), predicted / measured s:")
+    for k, name in enumerate(PLAN_NAMES):
+        cells = [f"rank {r}: {results[r]['predicted_unit_s'][k]:.3f} / {results[r]['unit_s'][k]:.3f}"
+                 for r in sorted(results)]
+        print(f"  {name:<30} " + ", ".join(cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results[0], f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
