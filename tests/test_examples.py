@@ -1,0 +1,116 @@
+"""The shipped examples, run for real (tiny models, few steps) under `accelerate launch` on 2 CPU
+processes, plus the user mistakes that must fail fast with a clear message instead of hanging.
+
+Every launch runs in its own session under a hard timeout; on timeout the whole process group
+(launcher, torchrun and workers) is killed so a hang fails the test instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import free_port
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_CONFIG = ROOT / "accelerate_configs" / "cephalo_cpu.yaml"
+LAUNCH_TIMEOUT_S = 240  # a tiny run takes ~15 s alone; generous for a shared 2-core machine
+
+# Tiny but real: every run trains, evaluates, saves and reloads.
+COMMON = ("--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--seed", "0")
+TINY_CLM = ("--hidden_size", "32", "--num_layers", "2", "--num_heads", "2", "--vocab_size", "300",
+            "--block_size", "32", "--max_chars", "30000", "--max_steps", "6", "--logging_steps", "1",
+            "--learning_rate", "3e-3", "--max_new_tokens", "8", *COMMON)
+
+
+def _launch(script: str, *args: str, launcher_args: tuple[str, ...] = ()) -> tuple[int, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_CEPHALO_")}
+    env["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args,
+           "--main_process_port", str(free_port()), str(ROOT / "examples" / script), *args]
+    if "--config_file" not in launcher_args and "--config" not in launcher_args:
+        cmd[3:3] = ["--config_file", str(CPU_CONFIG)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"{script} did not finish within {LAUNCH_TIMEOUT_S} s (hang?)") from None
+    return proc.returncode, out
+
+
+def _uneven_plan(path: Path, batch_sizes=(3, 5), microbatch_sizes=(2, 3), ratios=(0.65, 0.35)) -> str:
+    from hf_cephalo.planner import Plan
+
+    Plan.from_ratios(list(batch_sizes), list(microbatch_sizes), list(ratios)).save(path)
+    return str(path)
+
+
+def _losses(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\{'loss': '([0-9.]+)'", out)]
+
+
+def test_train_clm_llama_uneven_plan(tmp_path):
+    plan = _uneven_plan(tmp_path / "plan.json")
+    rc, out = _launch("train_clm.py", "--cephalo_plan_file", plan, "--output_dir", str(tmp_path / "o"),
+                      *TINY_CLM)
+    assert rc == 0, out[-6000:]
+    assert "Cephalo plan: global batch size 8" in out
+    assert re.search(r"\n\s+0 \S+\s+3\s+2\s+2\s+65\.00\n\s+1 \S+\s+5\s+3\s+2\s+35\.00", out), out[-6000:]
+    losses = _losses(out)
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    assert "(went down; 6 logged values)" in out
+    assert "logits equal the trained model's on a sample batch (2, 32)" in out
+    [generated] = re.findall(r"generated \(greedy, 8 new tokens\): '(.*)'", out)
+    assert generated.startswith("The assert statement")
+    final = tmp_path / "o" / "final"
+    assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
+
+
+def test_train_clm_gpt2_and_image_classification(tmp_path):
+    rc, out = _launch("train_clm.py", "--model_type", "gpt2", "--output_dir", str(tmp_path / "g"),
+                      "--cephalo_plan_file", _uneven_plan(tmp_path / "p.json", (2, 4), (1, 4), (0.3, 0.7)),
+                      *TINY_CLM)
+    assert rc == 0, out[-6000:]
+    assert "model: GPT2LMHeadModel" in out and "logits equal the trained model's" in out
+    losses = _losses(out)
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+    plan = _uneven_plan(tmp_path / "vit_plan.json", (6, 10), (3, 5), (0.6, 0.4))
+    rc, out = _launch("train_image_classification.py", "--cephalo_plan_file", plan,
+                      "--output_dir", str(tmp_path / "v"), "--image_size", "16", "--hidden_size", "32",
+                      "--num_layers", "2", "--num_heads", "2", "--num_train_epochs", "1",
+                      "--max_train_samples", "480", "--learning_rate", "3e-3", "--logging_steps", "5",
+                      *COMMON)
+    assert rc == 0, out[-6000:]
+    assert "Cephalo plan: global batch size 16" in out
+    [(accuracy, num_images)] = re.findall(r"held-out accuracy: ([0-9.]+) on (\d+) images", out)
+    assert int(num_images) == 360  # 20% of the 1797 digits, each gathered exactly once
+    assert float(accuracy) > 0.2, out[-3000:]  # chance is 0.1; 30 steps of a tiny ViT reach ~0.5
+    losses = _losses(out)
+    assert losses[-1] < losses[0], losses
+    assert (tmp_path / "v" / "model.safetensors").is_file()
+
+
+def test_user_mistakes_fail_fast_with_clear_errors(tmp_path):
+    # a plan made for 3 ranks launched on 2: every rank refuses before any collective
+    plan = _uneven_plan(tmp_path / "plan3.json", (2, 3, 3), (1, 1, 1), (0.2, 0.3, 0.5))
+    rc, out = _launch("train_clm.py", "--cephalo_plan_file", plan, "--output_dir", str(tmp_path / "a"),
+                      *TINY_CLM)
+    assert rc != 0 and "plan is for world size 3 but the job has world size 2" in out, out[-4000:]
+    # an empty training file
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    rc, out = _launch("train_clm.py", "--train_file", str(empty), "--output_dir", str(tmp_path / "b"),
+                      *TINY_CLM)
+    assert rc != 0 and f"--train_file {str(empty)!r} is empty" in out, out[-4000:]
