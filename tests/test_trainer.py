@@ -173,7 +173,8 @@ def test_matches_full_batch_reference(trained, arch):
         assert trained[0][arch]["checkpoints"][:2] == ["checkpoint-2", "checkpoint-4"]
         for step in (2, 4):
             files = os.listdir(os.path.join(os.path.dirname(trained[0][arch]["save_dir"]), f"checkpoint-{step}"))
-            assert {"model.safetensors", "optimizer_rank0.pt", "optimizer_rank1.pt", "scheduler.pt"} <= set(files)
+            assert {"model.safetensors", "cephalo_shard_rank0.safetensors", "cephalo_shard_rank1.safetensors",
+                    "cephalo_complete.json", "scheduler.pt"} <= set(files)
 
     # the checkpoint: from_pretrained loads exactly the model's own keys and the trained values
     save_dir = trained[0][arch]["save_dir"]

@@ -30,6 +30,10 @@ callbacks — is the Trainer's own):
   prediction gathered exactly once in dataset order.
 - **Saving**: ``save_model`` gathers the full state dict (collective) and rank 0 writes a
   ``from_pretrained``-loadable safetensors checkpoint with the model's own keys.
+- **Checkpoints** (``save_steps``): written atomically (staging directory renamed after a
+  completeness marker); besides the stock files each rank writes its parameter and optimizer
+  shards with their layout, so ``resume_from_checkpoint`` works onto any plan and world size
+  (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ class CephaloTrainer(Trainer):
         TypeError: ``args`` is not ``CephaloTrainingArguments``.
         ValueError: no model (``model_init`` is not supported), a plan that does not fit the
             job, an unsupported model class, an iterable dataset — before any collective.
-        NotImplementedError: ``load_best_model_at_end``; ``train(resume_from_checkpoint=...)``.
+        NotImplementedError: ``load_best_model_at_end``.
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
@@ -269,10 +273,10 @@ class CephaloTrainer(Trainer):
         return self.optimizer
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        if resume_from_checkpoint not in (None, False):
-            raise NotImplementedError("CephaloTrainer cannot resume from a checkpoint yet (sharded "
-                                      "optimizer state); start without resume_from_checkpoint")
-        return super().train(resume_from_checkpoint=None, trial=trial,
+        """Stock ``Trainer.train``; ``resume_from_checkpoint`` (a path, or True for the last
+        complete ``checkpoint-N`` in ``output_dir``) loads the sharded state re-laid for this
+        plan and world size (see ``_load_from_checkpoint``)."""
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     # ---- evaluation ----------------------------------------------------------------------
@@ -352,18 +356,96 @@ class CephaloTrainer(Trainer):
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Each rank writes its own optimizer shard (``optimizer_rank<R>.pt``); rank 0 the scheduler.
+    # ---- checkpoints (docs/checkpoints.md) ---------------------------------------------------
+    def _save_checkpoint(self, model: torch.nn.Module, trial=None) -> None:
+        """Collective: the stock checkpoint contents, written atomically.
 
-        Resuming from these files is not supported yet (``train`` rejects resume_from_checkpoint).
+        Everything (``model.safetensors`` + config, the sharded engine state, scheduler, RNG,
+        ``trainer_state.json``) goes into a hidden ``.tmp-checkpoint-N`` that is renamed to
+        ``checkpoint-N`` after the completeness marker (``hf_cephalo.engine.checkpoint``
+        [Note: atomic checkpoints]); a run killed mid-save leaves no ``checkpoint-N``.
         """
         import os
 
-        os.makedirs(output_dir, exist_ok=True)  # rank 0 may not have created it yet
-        torch.save(self.optimizer.state_dict(),
-                   os.path.join(output_dir, f"optimizer_rank{self.args.process_index}.pt"))
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        from hf_cephalo.engine.checkpoint import atomic_checkpoint_dir
+
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        with atomic_checkpoint_dir(output_dir, self.engine.group) as staging:
+            self.save_model(staging, _internal_call=True)
+            if not self.args.save_only_model:
+                self._save_optimizer_and_scheduler(staging)
+                self._save_scaler(staging)
+                self._save_rng_state(staging)
+            if self.args.should_save:
+                for cb in self.callback_handler.callbacks + [self.control]:
+                    if isinstance(cb, ExportableState):
+                        name, cb_state = cb.__class__.__name__, cb.state()
+                        if isinstance(self.state.stateful_callbacks[name], list):
+                            self.state.stateful_callbacks[name].append(cb_state)
+                        else:
+                            self.state.stateful_callbacks[name] = cb_state
+                self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best):
+                self.state.best_model_checkpoint = best
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(output_dir)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint,
+                               use_mtime=True)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank writes its parameter and optimizer shards with the layout
+        (``hf_cephalo.engine.checkpoint.save_sharded``); rank 0 also ``scheduler.pt``."""
+        import os
+
+        from hf_cephalo.engine.checkpoint import save_sharded
+
+        save_sharded(self.engine, output_dir, _unwrap_optimizer(self.optimizer))
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Load the sharded parameters and buffers, re-laid for this plan / world size.
+
+        Raises ``hf_cephalo.engine.checkpoint.CheckpointError`` (a ValueError naming the file)
+        for an incomplete, corrupt or other-model checkpoint — before training starts.
+        """
+        from hf_cephalo.engine.checkpoint import load_sharded
+
+        load_sharded(self.engine, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Optimizer state re-laid for this plan (exact values) and the scheduler's position.
+
+        Reads only safetensors, JSON and ``torch.load(weights_only=True)``.
+        """
+        if checkpoint is None:
+            return
+        import os
+
+        from hf_cephalo.engine.checkpoint import CheckpointError, load_sharded_optimizer
+
+        load_sharded_optimizer(self.engine, _unwrap_optimizer(self.optimizer), checkpoint)
+        path = os.path.join(checkpoint, "scheduler.pt")
+        if self.lr_scheduler is not None:
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: missing (the LR scheduler's position)")
+            self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu",
+                                                         weights_only=True))
+
+
+def _unwrap_optimizer(optimizer):
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (or itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def _ensure_process_group(device: torch.device) -> None:
