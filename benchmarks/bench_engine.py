@@ -3,7 +3,7 @@
 Runs ``--world-size`` gloo ranks (CPU) or NCCL ranks (``--device cuda``, one GPU per rank) on
 a Llama-shaped model built from a config (no weights are downloaded). For l = 1, 4, 8
 microbatches of size ``local_batch / l`` it measures, per step (forward + backward + AdamW):
-  * step time (median of ``--steps`` timed steps after one warm-up; the two systems' steps
+  * step time (median of ``--steps`` timed steps after one warm-up; the systems' steps
     alternate so load changes on a shared machine hit both alike), and
   * all-gather / reduce-scatter counts and bytes, read from a ``torch.profiler`` trace of one
     step (the ``c10d::_allgather_base_`` / ``c10d::_reduce_scatter_base_`` ops) for BOTH
@@ -11,8 +11,8 @@ microbatches of size ``local_batch / l`` it measures, per step (forward + backwa
 for the Cephalo engine and for FSDP2 (``fully_shard`` per decoder layer + root, gradient sync
 only on the last microbatch, i.e. ``set_requires_gradient_sync(False)`` before the others),
 with and without HF gradient checkpointing, against Cephalo with and without its activation
-checkpointing (recompute in backward, the default). It prints ratios Cephalo / FSDP2-GA. It also prints, per rank, the training-state bytes under an
-uneven state split (expected r_i x 16 bytes x parameters: fp32 param 4 + grad 4 + Adam 8) and
+checkpointing (recompute in backward, the default). It prints ratios Cephalo / FSDP2-GA. It
+also prints, per rank, the training-state bytes under an uneven state split (expected r_i x 16 bytes x parameters: fp32 param 4 + grad 4 + Adam 8) and
 the peak memory for l = 1, 4, 8 at a fixed microbatch size (CUDA: max_memory_allocated; CPU:
 only the engine's stash accounting: CPU has no offload, so the stash grows with l there).
 
@@ -264,7 +264,8 @@ def main():
         args.layers, args.hidden, args.intermediate, args.vocab, args.seq = 2, 64, 128, 256, 32
         args.steps = 1
     if any(args.local_batch % l for l in args.num_mb):
-        p.error(f"--local-batch {args.local_batch} must be divisible by every --num-mb {args.num_mb}")
+        p.error(f"--local-batch {args.local_batch} must be divisible by every --num-mb "
+                f"{args.num_mb}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -139,8 +139,8 @@ def case_collective_counts_and_accounting(rank, world):
 
 def case_recompute_sees_gathered_params(rank, world):
     """Every unit call (forward and recompute) sees full-shape parameters; l forward + l
-    recompute calls per unit (l - 1 recomputes for the last unit); a frozen norm inside each unit gets no grad, no optimizer state
-    and keeps its value."""
+    recompute calls per unit (l - 1 recomputes for the last unit); a frozen norm inside each
+    unit gets no grad, no optimizer state and keeps its value."""
     cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=3, max_seq_len=10,
                     frozen_norm=True)
     engine, ref = fresh(cfg, state_ratios=[1.0, 0.0])

@@ -303,7 +303,8 @@ class CephaloEngine:
             if kind == "param":
                 key_of.setdefault(ref, key)
         for unit in self._all_units():
-            unit.load_flat(unit.flat_from_tensors([state_dict[key_of[id(p)]] for p in unit._params]))
+            tensors = [state_dict[key_of[id(p)]] for p in unit._params]
+            unit.load_flat(unit.flat_from_tensors(tensors))
         with torch.no_grad():
             for key, kind, ref in self._key_map:
                 if kind == "buffer":

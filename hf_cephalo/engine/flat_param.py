@@ -160,7 +160,8 @@ class FlatParamUnit:
         self.pad_numel = max(self.numel_per_rank) if world_size else 0
         self.local_numel = self.numel_per_rank[rank]
         start = self.starts[rank]
-        self.local_trainable_numel = max(0, min(start + self.local_numel, self.trainable_numel) - start)
+        end = min(start + self.local_numel, self.trainable_numel)
+        self.local_trainable_numel = max(0, end - start)
         # (n_r,) this rank's shard; padded to P only transiently for the all-gather, so the
         # training state is exactly r_i of the model (the paper's memory model)
         self.local = torch.zeros(self.local_numel, dtype=self.dtype, device=device)

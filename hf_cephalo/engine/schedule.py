@@ -80,7 +80,8 @@ class LayeredStep:
                  microbatches: Sequence[Any], global_num_items: int, stash: ActivationStash,
                  device: torch.device, keep_graphs: bool = False):
         self.staged, self.units, self.root = staged, list(units), root
-        self.mbs, self.N, self.stash, self.device = list(microbatches), global_num_items, stash, device
+        self.mbs, self.N = list(microbatches), global_num_items
+        self.stash, self.device = stash, device
         self.ctxs: list[Any] = []
         self.rng: dict[tuple, RngState] = {}
         self.keep_graphs = keep_graphs
