@@ -84,7 +84,8 @@ def run(rank, args):
     t0 = time.perf_counter()
     cluster = profile_cluster(stage_model(build_model(args)),
                               MeasureConfig(max_microbatch_size=args.max_microbatch_size,
-                                            sequence_length=args.seq, progress=rank == 0),
+                                            sequence_length=args.seq, repeats=args.repeats,
+                                            progress=rank == 0),
                               emulation=emulation, cache=False)
     profile_s = time.perf_counter() - t0
     plans = make_plans(cluster, args.global_batch_size)
@@ -156,7 +157,10 @@ def main():
     p.add_argument("--slowdown", default="1,3", help="per-rank emulated slowdown (default 1,3)")
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=5, help="timed steps per plan (after 1 warm-up)")
-    p.add_argument("--max-microbatch-size", type=int, default=8, help="profiled m = 1..M")
+    p.add_argument("--max-microbatch-size", type=int, default=16,
+                   help="profiled m = 1..M (default 16: plans use microbatches up to ~B/2, "
+                        "beyond M the cost model extrapolates)")
+    p.add_argument("--repeats", type=int, default=5, help="profiler: timed runs per m (median)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=688)

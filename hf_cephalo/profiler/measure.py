@@ -8,7 +8,9 @@ sequence length (synthetic token ids / pixels of the right shape, ``synthetic_mi
   the backward; ``bwd_s[m]`` is that measured time minus ``fwd_s[m]``, so the cost model's
   ``F + B`` per microbatch equals what the engine's backward really costs (the recompute that
   keeps activations is slower than the no-grad forward; the difference lands in ``bwd_s``).
-  Median of ``repeats`` runs after ``warmup`` runs.
+  Median of ``repeats`` runs after ``warmup`` runs, the microbatch sizes interleaved in
+  rounds; the medians are then fitted non-decreasing in m (``_non_decreasing``: a larger
+  microbatch cannot really be faster, so a dip is load noise on a shared machine).
 - ``compute_memory_bytes[m]``: peak memory of one step minus training state, for one
   microbatch of m in flight: activations of one unit's recompute + backward, or of the head's
   loss + backward (the larger), plus one unit's and the root's full gradients and the gathered
@@ -319,10 +321,31 @@ def _compute_memory(staged: StagedModel, hidden, mb, ctx, grad, device, params) 
     return float(gathered + transient)
 
 
+def _non_decreasing(values: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators) of per-m medians.
+
+    A larger microbatch cannot take less time than a smaller one on the same unit; where the
+    medians say so it is measurement noise (a shared machine), which would otherwise bend the
+    cost model's interpolation. Values that already increase are returned unchanged.
+    """
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    out: list[float] = []
+    for total, count in blocks:
+        out += [total / count] * int(count)
+    return out
+
+
 def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.device | str,
                    name: str, capacity_bytes: float, rank: int = 0,
-                   make_microbatch: MakeMicrobatch | None = None) -> DeviceProfile:
-    """Profile one unit on this rank for m = 1..M (local; no collectives).
+                   make_microbatch: MakeMicrobatch | None = None,
+                   before_each: Callable[[], None] | None = None) -> DeviceProfile:
+    """Profile one unit on this rank for m = 1..M (no collectives unless ``before_each`` has).
 
     Args:
         staged: the staged model (an ``EmulatedStagedModel`` measures the emulated device);
@@ -330,6 +353,8 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
         config: what to profile. device: the compute device. name: recorded device name.
         capacity_bytes: C_i recorded in the profile. rank: used in progress lines.
         make_microbatch: ``m -> microbatch`` override of ``synthetic_microbatch``.
+        before_each: called before each timed (round, m) item, outside the timed region
+            (``profile_cluster`` passes a barrier: [Note: lockstep profiling]).
     Returns:
         A ``DeviceProfile``; the model's gradients are left as None.
     """
@@ -358,6 +383,8 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
         for k in range(rounds):
             for m in ms:
                 _, hidden, ctx, grad = inputs[m]
+                if before_each is not None:
+                    before_each()
                 _sync(device)
                 t0 = time.perf_counter()
                 with torch.no_grad():
@@ -381,8 +408,9 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
                           f"microbatch size {m}/{ms[-1]}: fwd {(t1 - t0) * 1e3:.2f} ms, "
                           f"recompute + bwd {(t2 - t1) * 1e3:.2f} ms; about {left:.0f} s left",
                           flush=True)
-        fwd = [statistics.median(f_times[m]) for m in ms]
-        bwd = [max(statistics.median(fb_times[m]) - f, 1e-9) for m, f in zip(ms, fwd)]
+        fwd = _non_decreasing([statistics.median(f_times[m]) for m in ms])
+        fb = _non_decreasing([statistics.median(fb_times[m]) for m in ms])
+        bwd = [max(t - f, 1e-9) for t, f in zip(fb, fwd)]
         mem = [_compute_memory(staged, inputs[m][1], inputs[m][0], inputs[m][2], inputs[m][3],
                                device, params) for m in ms]
         if config.progress:
@@ -497,14 +525,20 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
     key = device_key(fingerprint, timing_name, dtype, config.sequence_length,
                      config.microbatch_sizes)
     dev = store.get_device(key) if store is not None else None
-    if dev is not None:
+    if _all_ranks(dev is not None, device, group, world_size):
         dev.name, dev.memory_capacity_bytes = name, capacity
         if config.progress:
             print(f"[hf-cephalo profile] rank {rank} ({name}): cached profile {store.root}/{key}.json",
                   flush=True)
     else:
+        # [Note: lockstep profiling] Every rank measures, in lockstep (a barrier before each
+        # timed item), even where its own cache entry exists: ranks share the machine's cores
+        # and memory bandwidth as they will in training, where a fast rank waits for the slow
+        # one at every collective. Without it a fast rank would finish early and the slow rank
+        # would be profiled alone, faster than it will train.
+        barrier = (lambda: dist.barrier(group)) if world_size > 1 else None
         dev = measure_device(measured, config, device=device, name=name, capacity_bytes=capacity,
-                             rank=rank, make_microbatch=make_microbatch)
+                             rank=rank, make_microbatch=make_microbatch, before_each=barrier)
         if store is not None:
             store.put_device(key, dev)
     devices = [DeviceProfile.from_json(d) for d in
@@ -518,6 +552,15 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
                "emulated": emulation is not None})
 
 
+def _all_ranks(flag: bool, device, group, world_size: int) -> bool:
+    """True iff ``flag`` is True on every rank (one int32 MIN all-reduce when world size > 1)."""
+    if world_size == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)  # int32: gloo and NCCL reduce it
+    return bool(t.item())
+
+
 def _cluster_comm(staged, store, fingerprint, dtype, names, device, config, group,
                   world_size) -> CommProfile:
     """Cached comm profile if EVERY rank has it (all ranks agree via one all-reduce), else measure."""
@@ -526,9 +569,7 @@ def _cluster_comm(staged, store, fingerprint, dtype, names, device, config, grou
     backend = str(dist.get_backend(group))
     key = comm_key(fingerprint, dtype, names, backend)
     cached = store.get_comm(key) if store is not None else None
-    hit = torch.tensor([1 if cached is not None else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(hit, op=dist.ReduceOp.MIN, group=group)  # int32: gloo and NCCL reduce it
-    if int(hit.item()) == 1:
+    if _all_ranks(cached is not None, device, group, world_size):
         times = torch.tensor([cached.allgather_s, cached.reducescatter_s], dtype=torch.float64,
                              device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
