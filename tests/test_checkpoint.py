@@ -167,7 +167,23 @@ def _two_ranks(rank, world_size, root, reference):
         results["other_model_error"] = None
     except ckpt.CheckpointError as e:
         results["other_model_error"] = str(e)
+    # a shard only rank 1 reads is corrupt: BOTH ranks raise (no rank runs ahead and hangs)
+    own = os.path.join(root, "two_rank_ckpt")
+    ckpt.save_checkpoint(engine, own)
+    if rank == 0:
+        path = os.path.join(own, ckpt.FILES.shard(1))
+        with open(path, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            f.write(b"\x00\x01\x02")
     dist.barrier()
+    try:
+        ckpt.load_checkpoint(engine, own)
+        results[f"one_rank_corrupt_error_{rank}"] = None
+    except ckpt.CheckpointError as e:
+        results[f"one_rank_corrupt_error_{rank}"] = str(e)
+    gathered = [None, None]
+    dist.all_gather_object(gathered, results[f"one_rank_corrupt_error_{rank}"])
+    results["one_rank_corrupt_errors"] = gathered
     return results if rank == 0 else None
 
 
@@ -339,6 +355,15 @@ def test_bad_checkpoints_name_the_file(runs, tmp_path):
     shutil.copy(gpt2_shard, os.path.join(d, ckpt.FILES.shard(1)))
     with pytest.raises(ckpt.CheckpointError, match=r"rank1\.safetensors: corrupt"):
         ckpt.read_full_state_dict(d, verify=True)
+
+    os.makedirs(tmp_path / "plain")
+    with pytest.raises(ckpt.CheckpointError, match="plain: not a Cephalo sharded checkpoint"):
+        ckpt.read_full_state_dict(str(tmp_path / "plain"))
+
+    on_rank0, on_rank1 = runs[1]["one_rank_corrupt_errors"]
+    assert on_rank1 is not None and "rank1.safetensors: corrupt" in on_rank1
+    assert on_rank0 is not None and on_rank0.startswith("rank 1 could not load the checkpoint")
+    assert "rank1.safetensors: corrupt" in on_rank0
 
     err = runs[1]["other_model_error"]
     assert err is not None and "cephalo_layout.json: checkpoint of another model" in err

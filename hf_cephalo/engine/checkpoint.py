@@ -46,7 +46,8 @@ from safetensors.torch import save as safetensors_save
 from safetensors.torch import save_file
 
 __all__ = ["FORMAT", "FILES", "CheckpointError", "CheckpointLayout", "atomic_checkpoint_dir",
-           "save_sharded", "save_checkpoint", "staging_path", "load_sharded", "load_sharded_optimizer", "read_layout",
+           "save_sharded", "save_checkpoint", "staging_path", "load_sharded",
+           "load_checkpoint", "errors_on_every_rank", "load_sharded_optimizer", "read_layout",
            "read_full_state_dict", "export_hf", "is_complete", "model_fingerprint"]
 
 FORMAT = "hf_cephalo.sharded/1"
@@ -343,6 +344,10 @@ def read_layout(directory: str) -> CheckpointLayout:
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: no such checkpoint directory")
     marker = os.path.join(directory, FILES.COMPLETE)
+    if not os.path.isfile(marker) and not os.path.isfile(os.path.join(directory, FILES.LAYOUT)):
+        raise CheckpointError(f"{directory}: not a Cephalo sharded checkpoint (no {FILES.LAYOUT}, "
+                              f"no {FILES.COMPLETE}); to start from a plain model directory, "
+                              "load it with from_pretrained and train without resuming")
     if not os.path.isfile(marker):
         raise CheckpointError(f"{marker}: missing — {directory} is an incomplete checkpoint (its "
                               "save did not finish, e.g. the run was killed); resume from an "
@@ -444,6 +449,43 @@ def _check_model(layout: CheckpointLayout, engine) -> None:
             f"{layout.fingerprint['sha256'][:12]}) than the engine's "
             f"({mine['model_class']}, {mine['sha256'][:12]}): parameter names, shapes, dtype or "
             "unit split differ")
+
+
+@contextlib.contextmanager
+def errors_on_every_rank(group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Collective: if the body raises on ANY rank, raise on EVERY rank (no rank runs ahead
+    into a training collective while another gave up, which would hang).
+
+    One ``all_gather_object`` of the error messages after the body. The failing rank re-raises
+    its own exception; the others raise CheckpointError quoting the first failing rank's.
+    """
+    error: BaseException | None = None
+    try:
+        yield
+    except (ValueError, NotImplementedError, OSError) as e:  # CheckpointError is a ValueError
+        error = e
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        messages: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, None if error is None else
+                               f"{type(error).__name__}: {error}", group=group)
+    else:
+        messages = [None if error is None else str(error)]
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"rank {rank} could not load the checkpoint: {message}")
+
+
+def load_checkpoint(engine, directory: str, optimizer: torch.optim.Optimizer | None = None, *,
+                    verify: bool = True) -> None:
+    """Collective: ``load_sharded`` (+ ``load_sharded_optimizer``) with errors raised on every
+    rank (``errors_on_every_rank``). Raises CheckpointError as those functions."""
+    with errors_on_every_rank(engine.group):
+        load_sharded(engine, directory, verify=verify)
+        if optimizer is not None:
+            load_sharded_optimizer(engine, optimizer, directory, verify=verify)
 
 
 def _flat_units(engine) -> list:

@@ -419,9 +419,10 @@ class CephaloTrainer(Trainer):
         Raises ``hf_cephalo.engine.checkpoint.CheckpointError`` (a ValueError naming the file)
         for an incomplete, corrupt or other-model checkpoint — before training starts.
         """
-        from hf_cephalo.engine.checkpoint import load_sharded
+        from hf_cephalo.engine.checkpoint import errors_on_every_rank, load_sharded
 
-        load_sharded(self.engine, resume_from_checkpoint)
+        with errors_on_every_rank(self.engine.group):  # a bad shard on one rank stops all ranks
+            load_sharded(self.engine, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Optimizer state re-laid for this plan (exact values) and the scheduler's position.
@@ -432,15 +433,17 @@ class CephaloTrainer(Trainer):
             return
         import os
 
-        from hf_cephalo.engine.checkpoint import CheckpointError, load_sharded_optimizer
+        from hf_cephalo.engine.checkpoint import (CheckpointError, errors_on_every_rank,
+                                                  load_sharded_optimizer)
 
-        load_sharded_optimizer(self.engine, _unwrap_optimizer(self.optimizer), checkpoint)
         path = os.path.join(checkpoint, "scheduler.pt")
-        if self.lr_scheduler is not None:
-            if not os.path.isfile(path):
-                raise CheckpointError(f"{path}: missing (the LR scheduler's position)")
-            self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu",
-                                                         weights_only=True))
+        with errors_on_every_rank(self.engine.group):
+            load_sharded_optimizer(self.engine, _unwrap_optimizer(self.optimizer), checkpoint)
+            if self.lr_scheduler is not None:
+                if not os.path.isfile(path):
+                    raise CheckpointError(f"{path}: missing (the LR scheduler's position)")
+                self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu",
+                                                             weights_only=True))
 
 
 def _unwrap_optimizer(optimizer):
