@@ -167,6 +167,13 @@ def _two_ranks(rank, world_size, root, reference):
         results["other_model_error"] = None
     except ckpt.CheckpointError as e:
         results["other_model_error"] = str(e)
+    # optimizer state of another optimizer class is refused, naming the file
+    sgd = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
+    try:
+        ckpt.load_sharded_optimizer(engine, sgd, reference["llama"]["directory"])
+        results["other_optimizer_error"] = None
+    except ckpt.CheckpointError as e:
+        results["other_optimizer_error"] = str(e)
     # a shard only rank 1 reads is corrupt: BOTH ranks raise (no rank runs ahead and hangs)
     own = os.path.join(root, "two_rank_ckpt")
     ckpt.save_checkpoint(engine, own)
@@ -364,6 +371,10 @@ def test_bad_checkpoints_name_the_file(runs, tmp_path):
     assert on_rank1 is not None and "rank1.safetensors: corrupt" in on_rank1
     assert on_rank0 is not None and on_rank0.startswith("rank 1 could not load the checkpoint")
     assert "rank1.safetensors: corrupt" in on_rank0
+
+    err = runs[1]["other_optimizer_error"]
+    assert err is not None and "rank0.safetensors: optimizer state of AdamW, but the " \
+        "optimizer is SGD" in err
 
     err = runs[1]["other_model_error"]
     assert err is not None and "cephalo_layout.json: checkpoint of another model" in err

@@ -277,7 +277,8 @@ def save_sharded(engine, directory: str, optimizer: torch.optim.Optimizer | None
         tensors[f"units.{u}.param"] = unit.local.detach().to("cpu", copy=True).contiguous()
     if optimizer is not None:
         by_unit, raw_groups = _optimizer_state_by_unit(engine, optimizer)
-        groups = [{k: _json_value(v, f"param_groups.{k}") for k, v in g.items()} for g in raw_groups]
+        groups = [{k: _json_value(v, f"param_groups.{k}") for k, v in g.items()}
+                  for g in raw_groups]
         params = engine.parameters()
         for u, state in by_unit.items():
             scalars[str(u)] = {}
@@ -289,6 +290,7 @@ def save_sharded(engine, directory: str, optimizer: torch.optim.Optimizer | None
                     scalars[str(u)][key] = _json_value(value, f"{key} of unit {u}")
     meta = {"format": FORMAT, "rank": rank, "world_size": engine.world_size,
             "fingerprint": fingerprint, "has_optimizer": optimizer is not None,
+            "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
             "optimizer_scalars": scalars, "param_groups": groups}
     path = os.path.join(directory, FILES.shard(rank))
     with open(path, "wb") as f:
@@ -359,7 +361,8 @@ def read_layout(directory: str) -> CheckpointLayout:
                                 list(data["buffers"]), dict(data["fingerprint"]),
                                 data.get("config"))
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{os.path.join(directory, FILES.LAYOUT)}: corrupt layout ({e})") from None
+        path = os.path.join(directory, FILES.LAYOUT)
+        raise CheckpointError(f"{path}: corrupt layout ({e})") from None
 
 
 class _ShardReader:
@@ -381,13 +384,15 @@ class _ShardReader:
                                   "checkpoint; copy every cephalo_* file of the checkpoint)")
         want = self.expected.get(name)
         if want is None:
-            raise CheckpointError(f"{path}: not listed in {FILES.COMPLETE} (file from another save?)")
+            raise CheckpointError(f"{path}: not listed in {FILES.COMPLETE} (a file from "
+                                  "another save?)")
         size = os.path.getsize(path)
         if size != want["size_bytes"]:
             raise CheckpointError(f"{path}: corrupt — {size} bytes, the checkpoint recorded "
                                   f"{want['size_bytes']} (truncated or overwritten)")
         if self.verify and "crc32" in want and _crc32(path) != want["crc32"]:
-            raise CheckpointError(f"{path}: corrupt — CRC-32 does not match the one recorded at save")
+            raise CheckpointError(f"{path}: corrupt — CRC-32 does not match the one recorded "
+                                  "at save")
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except (SafetensorError, OSError, ValueError) as e:
@@ -534,8 +539,8 @@ def load_sharded_optimizer(engine, optimizer: torch.optim.Optimizer, directory: 
     one. Scalars such as AdamW's ``step`` must agree over the old ranks of a unit.
 
     Raises:
-        CheckpointError: as ``load_sharded``; the checkpoint has no optimizer state; old ranks
-            disagree on a unit's scalar state.
+        CheckpointError: as ``load_sharded``; the checkpoint has no optimizer state or that of
+            another optimizer class; old ranks disagree on a unit's scalar state.
         ValueError: a different number of param groups.
     """
     layout = read_layout(directory)
@@ -545,6 +550,10 @@ def load_sharded_optimizer(engine, optimizer: torch.optim.Optimizer, directory: 
     path0 = os.path.join(directory, FILES.shard(0))
     if not metas[0]["has_optimizer"]:
         raise CheckpointError(f"{path0}: the checkpoint was saved without optimizer state")
+    if metas[0].get("optimizer_class") != type(optimizer).__name__:
+        raise CheckpointError(f"{path0}: optimizer state of {metas[0].get('optimizer_class')}, "
+                              f"but the optimizer is {type(optimizer).__name__}; resume with the "
+                              "same optimizer")
     params = engine.parameters()
     state_dict = optimizer.state_dict()
     saved_groups = [{k: _from_json(v) for k, v in g.items()} for g in metas[0]["param_groups"]]
