@@ -1,13 +1,15 @@
 """CephaloTrainer checkpoints through the stock Trainer flow (save_steps, resume_from_checkpoint).
 
-Three process groups of 2 gloo ranks:
-1. the uninterrupted run (AdamW, linear warmup/decay, 2 epochs, a checkpoint every 2 steps);
+Four process groups:
+1. (2 gloo ranks) the uninterrupted run (AdamW, linear warmup/decay, 2 epochs, a checkpoint
+   every 2 steps);
 2. the same run SIGKILLed on rank 0 in the middle of saving checkpoint-4 (its shards are written,
    the marker is not) — a real kill, the surviving rank is killed by the test;
 3. ``train(resume_from_checkpoint=True)`` on the killed run's directory (picks checkpoint-2,
-   resumes mid-epoch): identical losses, learning rates and final parameters; then a resume
-   from the uninterrupted run's checkpoint-4 onto another plan (other batch split and state
-   ratios): same losses and parameters up to rounding.
+   resumes mid-epoch): identical losses, learning rates and final parameters;
+4. (3 gloo ranks) a resume from the uninterrupted run's checkpoint-4 onto another world size
+   and plan (other batch split, a rank without state): same losses and parameters up to
+   rounding. (3 ranks -> 2 with exact optimizer state is in test_checkpoint.py.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from tests.models_fixtures import build
 
 RTOL, ATOL = 1e-5, 1e-6
 NUM_SAMPLES, MAX_STEPS, SAVE_STEPS, KILL_AT = 12, 6, 2, 4  # B = 4: 3 steps per epoch, 2 epochs
-PLANS = {"first": ([3, 1], [2, 1], [0.7, 0.3]), "other": ([1, 3], [1, 2], [0.25, 0.75])}
+PLANS = {"first": ([3, 1], [2, 1], [0.7, 0.3]),
+         "other": ([1, 2, 1], [1, 1, 1], [0.25, 0.0, 0.75])}  # 3 ranks, rank 1 holds no state
 
 
 def _dataset():
@@ -99,13 +102,16 @@ def _killed(rank, world_size, out_dir):
     return "finished"  # never reached on rank 0
 
 
-def _resumed(rank, world_size, killed_dir, full_dir, other_dir):
+def _resumed(rank, world_size, killed_dir):
     trainer = _trainer(rank, world_size, killed_dir, "first")
     trainer.train(resume_from_checkpoint=True)
-    same = _summary(trainer)
+    return _summary(trainer)
+
+
+def _resumed_other_plan(rank, world_size, full_dir, other_dir):
     trainer = _trainer(rank, world_size, other_dir, "other")
     trainer.train(resume_from_checkpoint=os.path.join(full_dir, f"checkpoint-{KILL_AT}"))
-    return dict(same=same, other=_summary(trainer))
+    return _summary(trainer)
 
 
 def _run_until_killed(fn, world_size, *args, timeout_s=300.0):
@@ -151,7 +157,8 @@ def runs(tmp_path_factory):
         after_kill["staging_error"] = None
     except ckpt.CheckpointError as e:
         after_kill["staging_error"] = str(e)
-    resumed = run_ranks(_resumed, 2, killed_dir, full_dir, other_dir, timeout_s=300)[0]
+    resumed = dict(same=run_ranks(_resumed, 2, killed_dir, timeout_s=300)[0],
+                   other=run_ranks(_resumed_other_plan, 3, full_dir, other_dir, timeout_s=300)[0])
     return dict(full=full, after_kill=after_kill, resumed=resumed, killed_dir=killed_dir,
                 full_dir=full_dir)
 
