@@ -27,11 +27,14 @@ import logging
 import math
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config,
+import torch.distributed as dist
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config,
                           GPT2LMHeadModel, HfArgumentParser, LlamaConfig, LlamaForCausalLM,
                           default_data_collator, set_seed)
 
@@ -131,22 +134,31 @@ def load_text(data_args: DataArguments):
 
 def load_tokenizer(model_args: ModelArguments, text, training_args: CephaloTrainingArguments,
                    text_column: str):
-    """The given tokenizer, or a BPE trained on ``text`` by rank 0 and loaded by the others
-    (one tokenizer for every rank even if BPE training were not deterministic)."""
+    """The given tokenizer, or a BPE trained on ``text`` by rank 0 and sent to the other ranks.
+
+    The trained tokenizer's files travel by broadcast, not through ``output_dir``: machines of a
+    multi-machine job need not share a filesystem, and every rank must use the same vocabulary.
+    """
     name = model_args.tokenizer_name or model_args.model_name_or_path
     if name is not None:
         tokenizer = AutoTokenizer.from_pretrained(name)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
-    tokenizer_dir = os.path.join(training_args.output_dir, "tokenizer")
-    with training_args.main_process_first(desc="train the BPE tokenizer"):
-        if training_args.process_index == 0:
-            tokenizer = train_bpe_tokenizer(text[text_column], vocab_size=model_args.vocab_size)
-            tokenizer.save_pretrained(tokenizer_dir)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    return tokenizer
+    files = [None]
+    if training_args.process_index == 0:
+        tokenizer = train_bpe_tokenizer(text[text_column], vocab_size=model_args.vocab_size)
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save_pretrained(tmp)
+            files = [{f: Path(tmp, f).read_bytes() for f in os.listdir(tmp)}]
+    if training_args.world_size > 1:  # args.world_size has set up the process group
+        dist.broadcast_object_list(files, src=0)
+    if training_args.process_index == 0:
+        return tokenizer
+    with tempfile.TemporaryDirectory() as tmp:
+        for f, data in files[0].items():
+            Path(tmp, f).write_bytes(data)
+        return AutoTokenizer.from_pretrained(tmp)
 
 
 def build_model(model_args: ModelArguments, tokenizer, block_size: int):

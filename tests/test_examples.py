@@ -31,22 +31,32 @@ TINY_CLM = ("--hidden_size", "32", "--num_layers", "2", "--num_heads", "2", "--v
             "--learning_rate", "3e-3", "--max_new_tokens", "8", *COMMON)
 
 
-def _launch(script: str, *args: str, launcher_args: tuple[str, ...] = ()) -> tuple[int, str]:
+def _start(script: str, *args: str, config: Path = CPU_CONFIG, port: int | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_CEPHALO_")}
     env["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args,
-           "--main_process_port", str(free_port()), str(ROOT / "examples" / script), *args]
-    if "--config_file" not in launcher_args and "--config" not in launcher_args:
-        cmd[3:3] = ["--config_file", str(CPU_CONFIG)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+           "--main_process_port", str(port or free_port()), str(ROOT / "examples" / script), *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    results = []
     try:
-        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        for proc in procs:
+            out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+            results.append((proc.returncode, out))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(f"{script} did not finish within {LAUNCH_TIMEOUT_S} s (hang?)") from None
-    return proc.returncode, out
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"a launch did not finish within {LAUNCH_TIMEOUT_S} s (hang?)") from None
+    return results
+
+
+def _launch(script: str, *args: str) -> tuple[int, str]:
+    [result] = _wait_all([_start(script, *args)])
+    return result
 
 
 def _uneven_plan(path: Path, batch_sizes=(3, 5), microbatch_sizes=(2, 3), ratios=(0.65, 0.35)) -> str:
@@ -114,3 +124,17 @@ def test_user_mistakes_fail_fast_with_clear_errors(tmp_path):
     rc, out = _launch("train_clm.py", "--train_file", str(empty), "--output_dir", str(tmp_path / "b"),
                       *TINY_CLM)
     assert rc != 0 and f"--train_file {str(empty)!r} is empty" in out, out[-4000:]
+
+
+def test_train_clm_two_machines_without_shared_filesystem(tmp_path):
+    """num_machines 2 on loopback, each machine with its own output_dir: the trained tokenizer
+    reaches machine 1 by broadcast (it once was read back from machine 0's output_dir)."""
+    plan = _uneven_plan(tmp_path / "plan.json")
+    port = free_port()
+    procs = [_start("train_clm.py", "--cephalo_plan_file", plan, "--output_dir", str(tmp_path / f"m{r}"),
+                    *TINY_CLM, config=ROOT / "accelerate_configs" / f"cephalo_cpu_2machines_rank{r}.yaml",
+                    port=port) for r in range(2)]
+    (rc0, out0), (rc1, out1) = _wait_all(procs)
+    assert rc0 == 0 and rc1 == 0, f"machine 0:\n{out0[-4000:]}\nmachine 1:\n{out1[-4000:]}"
+    assert "logits equal the trained model's" in out0 and "(went down; 6 logged values)" in out0
+    assert not (tmp_path / "m1" / "tokenizer").exists()
