@@ -166,7 +166,8 @@ def main():
     p.add_argument("--intermediate", type=int, default=688)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--seq", type=int, default=128,
+                   help="tokens per sample (at 64 per-call overheads and load noise dominate)")
     p.add_argument("--json", help="also write the raw results here")
     args = p.parse_args()
     args.slowdown = [float(x) for x in args.slowdown.split(",")]
