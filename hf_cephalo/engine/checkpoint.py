@@ -42,7 +42,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as safetensors_save
 from safetensors.torch import save_file
 
 __all__ = ["FORMAT", "FILES", "CheckpointError", "CheckpointLayout", "atomic_checkpoint_dir",
@@ -133,7 +132,10 @@ def _barrier(group) -> None:
 
 
 def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # another rank's temporary file, renamed meanwhile
+        return
     try:
         os.fsync(fd)
     finally:
@@ -157,10 +159,12 @@ def staging_path(path: str) -> str:
 def atomic_checkpoint_dir(path: str, group: dist.ProcessGroup | None = None) -> Iterator[str]:
     """Collective (every rank): yield a staging directory; on exit publish it as ``path``.
 
-    See [Note: atomic checkpoints]. On exit: barrier, every rank fsyncs what is there, rank 0
-    writes ``cephalo_complete.json`` (sizes and CRC-32 of the shard files written by
-    ``save_sharded``), renames the staging directory to ``path`` (replacing an existing one),
-    fsyncs the parent; barrier. If the body raises, nothing is published.
+    See [Note: atomic checkpoints]. On exit: every rank fsyncs what is there, the ranks exchange
+    the sizes and CRC-32 of the shard files they wrote (``save_sharded``; one
+    ``all_gather_object``, which is also the barrier), rank 0 writes ``cephalo_complete.json``,
+    renames the staging directory to ``path`` (replacing an existing one) and fsyncs the
+    parent; barrier. If the body raises, nothing is published (the staging directory stays
+    until the next save of the same path removes it).
     """
     final, staging = os.path.abspath(path), staging_path(path)
     rank = _rank(group)
@@ -168,12 +172,18 @@ def atomic_checkpoint_dir(path: str, group: dist.ProcessGroup | None = None) -> 
         shutil.rmtree(staging, ignore_errors=True)  # left by a run killed mid-save
         os.makedirs(staging)
     _barrier(group)
-    yield staging
-    _barrier(group)
+    _RECORDS[staging] = {}
+    try:
+        yield staging
+    finally:
+        records = _RECORDS.pop(staging)
     _fsync_tree(staging)
-    _barrier(group)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone: list[dict | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, records, group=group)  # also the barrier after writing
+        records = {k: v for r in everyone for k, v in (r or {}).items()}
     if rank == 0:
-        _write_marker(staging)
+        _write_marker(staging, records)
         old = os.path.join(os.path.dirname(final), f".old-{os.path.basename(final)}")
         if os.path.exists(final):
             shutil.rmtree(old, ignore_errors=True)
@@ -192,15 +202,25 @@ def _crc32(path: str) -> int:
     return crc
 
 
-def _write_marker(directory: str) -> None:
+# staging directory -> {file name: {"size_bytes", "crc32"}} of the files this rank wrote there
+_RECORDS: dict[str, dict[str, dict[str, int]]] = {}
+
+
+def _record(path: str) -> None:
+    """Remember the size and CRC-32 of a file just written (read back from the page cache by
+    the rank that wrote it, so no rank reads the whole checkpoint) for the marker."""
+    directory = os.path.abspath(os.path.dirname(path))
+    if directory in _RECORDS:
+        _RECORDS[directory][os.path.basename(path)] = {"size_bytes": os.path.getsize(path),
+                                                       "crc32": _crc32(path)}
+
+
+def _write_marker(directory: str, records: dict[str, dict[str, int]]) -> None:
     files = {}
     for name in sorted(os.listdir(directory)):
         full = os.path.join(directory, name)
         if os.path.isfile(full):
-            entry = {"size_bytes": os.path.getsize(full)}
-            if name.startswith("cephalo_") and name.endswith(".safetensors"):
-                entry["crc32"] = _crc32(full)
-            files[name] = entry
+            files[name] = records.get(name, {"size_bytes": os.path.getsize(full)})
     tmp = os.path.join(directory, FILES.COMPLETE + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"format": FORMAT, "files": files}, f, indent=1)
@@ -293,10 +313,8 @@ def save_sharded(engine, directory: str, optimizer: torch.optim.Optimizer | None
             "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
             "optimizer_scalars": scalars, "param_groups": groups}
     path = os.path.join(directory, FILES.shard(rank))
-    with open(path, "wb") as f:
-        f.write(safetensors_save(tensors, metadata={"cephalo": json.dumps(meta)}))
-        f.flush()
-        os.fsync(f.fileno())
+    save_file(tensors, path, metadata={"cephalo": json.dumps(meta)})
+    _record(path)
     if rank == 0:
         _save_rank0_files(engine, directory, fingerprint)
 
@@ -306,6 +324,7 @@ def _save_rank0_files(engine, directory: str, fingerprint: dict[str, str]) -> No
     keys = _buffer_keys(engine)
     buffers = {k: model.get_buffer(k).detach().to("cpu", copy=True).contiguous() for k in keys}
     save_file(buffers, os.path.join(directory, FILES.BUFFERS), metadata={"format": FORMAT})
+    _record(os.path.join(directory, FILES.BUFFERS))
     config = getattr(model, "config", None)
     config_dict = config.to_dict() if hasattr(config, "to_dict") else None
     if config_dict is not None and not config_dict.get("architectures"):
