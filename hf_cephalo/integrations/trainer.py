@@ -95,12 +95,14 @@ def resolve_plan(args: CephaloTrainingArguments, world_size: int) -> Plan:
 
 def format_plan_table(plan: Plan) -> str:
     """The plan as a text table: one row per rank (batch, microbatch, microbatches, state %)."""
+    # full device names: emulated ones differ only after the base name ("cpu [emulated 2x ...]")
+    width = max([12] + [len(r.device) for r in plan.ranks])
     rows = [f"Cephalo plan: global batch size {plan.global_batch_size}, uneven state "
             f"{plan.uneven_state}, predicted iteration "
             f"{'-' if plan.predicted_iteration_s is None else f'{plan.predicted_iteration_s:.3f} s'}",
-            f"{'rank':>4} {'device':<12} {'b_i':>5} {'m_i':>5} {'l_i':>5} {'r_i %':>7}"]
+            f"{'rank':>4} {'device':<{width}} {'b_i':>5} {'m_i':>5} {'l_i':>5} {'r_i %':>7}"]
     for r in plan.ranks:
-        rows.append(f"{r.rank:>4} {r.device[:12]:<12} {r.batch_size:>5} {r.microbatch_size:>5} "
+        rows.append(f"{r.rank:>4} {r.device:<{width}} {r.batch_size:>5} {r.microbatch_size:>5} "
                     f"{r.num_microbatches:>5} {100 * r.state_ratio:>7.2f}")
     return "\n".join(rows)
 
