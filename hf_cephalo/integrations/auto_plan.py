@@ -163,7 +163,7 @@ def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterPr
     return cluster
 
 
-# ---- predicted vs measured ------------------------------------------------------------------------
+# ---- predicted vs measured --------------------------------------------------------------------
 def _predicted_unit_compute_s(plan: Plan, cluster: ClusterProfile, rank: int) -> float:
     """num_units · (l·F + l·(F + B)) of one rank, seconds per step (compute only, no comm)."""
     r, d = plan.ranks[rank], cluster.devices[rank]
@@ -179,7 +179,8 @@ def format_accuracy_table(rows: list[dict[str, Any]], predicted_iteration_s: flo
     """Text table of ``PlanAccuracyCallback`` rows (one per rank)."""
     head = (f"{'rank':>4} {'b_i':>4} {'m_i':>4} {'unit compute s/step pred':>25} {'measured':>9} "
             f"{'step s pred':>12} {'measured':>9} {'memory GiB pred':>16} {'measured':>9}")
-    lines = ["Cephalo cost model accuracy (predicted vs measured, median over steps after the first)",
+    lines = ["Cephalo cost model accuracy (predicted vs measured, median over steps after the "
+             "first)",
              head]
     for r in rows:
         def fmt(v, scale=1.0, width=9):
@@ -244,7 +245,8 @@ class PlanAccuracyCallback(TrainerCallback):
             return float(state)
         r = plan.ranks[args.process_index]
         d = cluster.devices[args.process_index]
-        return state + (float(cost.compute_memory_bytes(d, r.microbatch_size)) if r.batch_size else 0.0)
+        compute = float(cost.compute_memory_bytes(d, r.microbatch_size)) if r.batch_size else 0.0
+        return state + compute
 
     def on_train_end(self, args, state, control, **kwargs):
         plan, cluster = self.trainer.plan, self.trainer.cluster_profile

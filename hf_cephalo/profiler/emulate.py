@@ -88,8 +88,8 @@ class EmulationConfig:
         for name in ("slowdown", "memory_cap_bytes"):
             values = getattr(self, name)
             if values is not None and len(values) != world_size:
-                raise ValueError(f"emulated {name} has {len(values)} entries {values} but the world "
-                                 f"size is {world_size}: give one value per rank")
+                raise ValueError(f"emulated {name} has {len(values)} entries {values} but the "
+                                 f"world size is {world_size}: give one value per rank")
 
     def slowdown_of(self, rank: int) -> float:
         return 1.0 if self.slowdown is None else self.slowdown[rank]
@@ -98,7 +98,8 @@ class EmulationConfig:
         return None if self.memory_cap_bytes is None else self.memory_cap_bytes[rank]
 
 
-def emulated_device_name(base_name: str, slowdown: float = 1.0, cap_bytes: int | None = None) -> str:
+def emulated_device_name(base_name: str, slowdown: float = 1.0,
+                         cap_bytes: int | None = None) -> str:
     """Device name recorded in profiles for an emulated device, e.g. ``"cpu [emulated 3x]"``.
 
     The name differs from the real device's, so cached and given profiles of the real device
@@ -199,7 +200,10 @@ class EmulatedStagedModel(StagedModel):
         return out
 
     def _slow_backward(self, inp: torch.Tensor, out: torch.Tensor, unit: bool) -> None:
-        """Stretch the backward from ``out`` to ``inp`` (see [Note: slowdown of the backward pass])."""
+        """Stretch the backward from ``out`` to ``inp``.
+
+        See [Note: slowdown of the backward pass].
+        """
         if not (torch.is_grad_enabled() and isinstance(inp, torch.Tensor) and inp.requires_grad
                 and out.requires_grad):
             return

@@ -32,7 +32,6 @@ or device.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import statistics
@@ -48,11 +47,11 @@ from hf_cephalo.profiler.cache import ProfileCache, comm_key, device_key, model_
 from hf_cephalo.profiler.emulate import EmulatedStagedModel, EmulationConfig, emulated_device_name
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 
-__all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "model_profile", "local_device_name",
+__all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "model_profile",
+           "local_device_name",
            "device_capacity_bytes", "measure_device", "measure_comm", "profile_cluster",
            "check_profile_matches", "sequence_length_of"]
 
-logger = logging.getLogger(__name__)
 GIB = float(1 << 30)
 MakeMicrobatch = Callable[[int], Mapping[str, torch.Tensor]]
 
@@ -151,7 +150,8 @@ def device_capacity_bytes(device: torch.device | str) -> float:
 
 
 def synthetic_microbatch(model: torch.nn.Module, m: int, sequence_length: int,
-                         device: torch.device | str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+                         device: torch.device | str = "cpu",
+                         seed: int = 0) -> dict[str, torch.Tensor]:
     """A microbatch of m samples shaped like the training data, built from the model's config.
 
     Text models: ``input_ids`` / ``labels`` (m, S) int64 (causal LM: labels = inputs; sequence
@@ -192,7 +192,8 @@ def build_model_from_config(config_path: str, model_class: str | None = None,
     """A model with random weights from a local Hugging Face config (file or directory).
 
     ``model_class`` (e.g. ``"LlamaForCausalLM"``) defaults to the config's first
-    ``architectures`` entry, else ``AutoModelForCausalLM``. Nothing is downloaded: the path must exist locally.
+    ``architectures`` entry, else ``AutoModelForCausalLM``. Nothing is downloaded: the path
+    must exist locally.
 
     Raises:
         ValueError: the path does not exist, or no usable model class is named.
@@ -364,7 +365,8 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
     was_training = model.training
     model.train()
     params = list(model.parameters())
-    make = make_microbatch or (lambda m: synthetic_microbatch(model, m, config.sequence_length, device))
+    make = make_microbatch or (
+        lambda m: synthetic_microbatch(model, m, config.sequence_length, device))
     ms = config.microbatch_sizes
     rounds = config.warmup + config.repeats
     work_done, total_work = 0, rounds * sum(ms)
@@ -486,7 +488,8 @@ def _all_gather_objects(obj: Any, group, world_size: int) -> list[Any]:
 
 def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
                     device: torch.device | str = "cpu", emulation: EmulationConfig | None = None,
-                    cache: ProfileCache | None | bool = True, group: dist.ProcessGroup | None = None,
+                    cache: ProfileCache | None | bool = True,
+                    group: dist.ProcessGroup | None = None,
                     make_microbatch: MakeMicrobatch | None = None,
                     model_name: str | None = None) -> ClusterProfile:
     """Profile every rank and the collectives; the same ``ClusterProfile`` on every rank.
@@ -528,8 +531,8 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
     if _all_ranks(dev is not None, device, group, world_size):
         dev.name, dev.memory_capacity_bytes = name, capacity
         if config.progress:
-            print(f"[hf-cephalo profile] rank {rank} ({name}): cached profile {store.root}/{key}.json",
-                  flush=True)
+            print(f"[hf-cephalo profile] rank {rank} ({name}): cached profile "
+                  f"{store.root}/{key}.json", flush=True)
     else:
         # [Note: lockstep profiling] Every rank measures, in lockstep (a barrier before each
         # timed item), even where its own cache entry exists: ranks share the machine's cores
@@ -563,7 +566,7 @@ def _all_ranks(flag: bool, device, group, world_size: int) -> bool:
 
 def _cluster_comm(staged, store, fingerprint, dtype, names, device, config, group,
                   world_size) -> CommProfile:
-    """Cached comm profile if EVERY rank has it (all ranks agree via one all-reduce), else measure."""
+    """Cached comm profile if EVERY rank has it (one all-reduce decides), else measure."""
     if world_size == 1:
         return CommProfile(allgather_s=0.0, reducescatter_s=0.0)
     backend = str(dist.get_backend(group))
@@ -580,7 +583,7 @@ def _cluster_comm(staged, store, fingerprint, dtype, names, device, config, grou
     return comm
 
 
-# ---- refusing foreign profiles --------------------------------------------------------------------
+# ---- refusing foreign profiles ----------------------------------------------------------------
 def _same_device(profiled: str, local: str) -> bool:
     """Same name (case-insensitive), or one contains the other ("A10G" vs "NVIDIA A10G") when
     neither is emulated (an emulated device never matches the real one)."""
@@ -609,16 +612,17 @@ def check_profile_matches(cluster: ClusterProfile, model: ModelProfile, device_n
     redo = ("re-profile this cluster (`hf-cephalo profile`, or leave cephalo_profile_file unset so "
             "the trainer profiles at start) or give a plan file")
     if cluster.world_size != len(device_names):
-        raise ValueError(f"{source} describes {cluster.world_size} ranks but the job has world size "
-                         f"{len(device_names)}; {redo}")
+        raise ValueError(f"{source} describes {cluster.world_size} ranks but the job has world "
+                         f"size {len(device_names)}; {redo}")
     mine = {k: getattr(cluster.model, k) for k in ("num_units", "params_per_unit", "params_other")}
     theirs = {k: getattr(model, k) for k in mine}
     if mine != theirs:
-        raise ValueError(f"{source} was measured for model {cluster.model.name!r} {mine} but this job's "
-                         f"model {model.name!r} has {theirs}; {redo}")
-    if fingerprint is not None and cluster.extra.get("model_fingerprint") not in (None, fingerprint):
+        raise ValueError(f"{source} was measured for model {cluster.model.name!r} {mine} but this "
+                         f"job's model {model.name!r} has {theirs}; {redo}")
+    recorded = cluster.extra.get("model_fingerprint")
+    if fingerprint is not None and recorded not in (None, fingerprint):
         raise ValueError(f"{source} was measured for another model configuration (fingerprint "
-                         f"{cluster.extra['model_fingerprint']} vs this model's {fingerprint}); {redo}")
+                         f"{recorded} vs this model's {fingerprint}); {redo}")
     if dtype is not None and cluster.extra.get("dtype") not in (None, dtype):
         raise ValueError(f"{source} was measured in {cluster.extra['dtype']} but the model's "
                          f"parameters are {dtype}; {redo}")
