@@ -22,11 +22,11 @@ export HF_DATASETS_DISABLE_PROGRESS_BARS=1
 case "$DEMO_PLAN" in
   auto)
     # Two identical CPU ranks made heterogeneous by emulation: rank 0 computes 2x slower,
-    # rank 1 may use only 30 MB. CephaloTrainer profiles both ranks at start (cached on disk),
+    # rank 1 may use only 25 MB. CephaloTrainer profiles both ranks at start (cached on disk),
     # runs the exact planner for global batch 16, and saves profile.json and plan.json.
-    echo "== plan: profiled at start on an emulated cluster (rank 0 2x slower, rank 1 capped at 30 MB)"
+    echo "== plan: profiled at start on an emulated cluster (rank 0 2x slower, rank 1 capped at 25 MB)"
     PLAN_ARGS=(--cephalo_global_batch_size 16 --cephalo_emulate_slowdown 2 1
-               --cephalo_emulate_memory_cap_bytes 4000000000 30000000) ;;
+               --cephalo_emulate_memory_cap_bytes 4000000000 25000000) ;;
   handmade)
     echo "== plan: hand-made uneven 2-rank plan (not measured) in $OUT/plan.json"
     .venv/bin/python - "$OUT/plan.json" <<'PY'
