@@ -5,7 +5,8 @@ sequence length (synthetic token ids / pixels of the right shape, ``synthetic_mi
 
 - ``fwd_s[m]``: one unit's forward without autograd (the engine's forward pass), m = 1..M.
 - ``bwd_s[m]``: the engine's backward of one unit is a recompute (forward WITH autograd) plus
-  the backward; ``bwd_s[m]`` is that measured time minus ``fwd_s[m]``, so the cost model's
+  the backward; ``bwd_s[m]`` is that measured time minus the forward time of the same repeat
+  (median over repeats), so the cost model's
   ``F + B`` per microbatch equals what the engine's backward really costs (the recompute that
   keeps activations is slower than the no-grad forward; the difference lands in ``bwd_s``).
   Median of ``repeats`` runs after ``warmup`` runs, the microbatch sizes interleaved in
@@ -410,9 +411,12 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
                           f"microbatch size {m}/{ms[-1]}: fwd {(t1 - t0) * 1e3:.2f} ms, "
                           f"recompute + bwd {(t2 - t1) * 1e3:.2f} ms; about {left:.0f} s left",
                           flush=True)
+        # bwd per repeat = (recompute + backward) - forward of the SAME repeat, so a load spike
+        # in one forward does not cancel the backward of another repeat.
         fwd = _non_decreasing([statistics.median(f_times[m]) for m in ms])
-        fb = _non_decreasing([statistics.median(fb_times[m]) for m in ms])
-        bwd = [max(t - f, 1e-9) for t, f in zip(fb, fwd)]
+        bwd = _non_decreasing([statistics.median([fb - f for f, fb in zip(f_times[m], fb_times[m])])
+                               for m in ms])
+        bwd = [max(b, 1e-9) for b in bwd]
         mem = [_compute_memory(staged, inputs[m][1], inputs[m][0], inputs[m][2], inputs[m][3],
                                device, params) for m in ms]
         if config.progress:
