@@ -73,6 +73,9 @@ class ModelArguments:
         for name in ("hidden_size", "num_layers", "num_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} = {getattr(self, name)} must be >= 1")
+        if self.vocab_size < 258:  # checked on every rank: only rank 0 trains the tokenizer
+            raise ValueError(f"--vocab_size {self.vocab_size} must be >= 258 (256 byte symbols + "
+                             "2 special tokens)")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"--hidden_size {self.hidden_size} must be a multiple of "
                              f"--num_heads {self.num_heads}")
