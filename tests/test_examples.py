@@ -138,3 +138,39 @@ def test_train_clm_two_machines_without_shared_filesystem(tmp_path):
     assert rc0 == 0 and rc1 == 0, f"machine 0:\n{out0[-4000:]}\nmachine 1:\n{out1[-4000:]}"
     assert "logits equal the trained model's" in out0 and "(went down; 6 logged values)" in out0
     assert not (tmp_path / "m1" / "tokenizer").exists()
+
+
+def test_killed_rank_ends_the_job_with_an_error(tmp_path):
+    """SIGKILL one worker in the middle of training: the launcher must stop the other rank and
+    exit non-zero naming the killed rank, well before any collective timeout."""
+    import time
+
+    import psutil
+
+    log = tmp_path / "launch.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_CEPHALO_")}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
+           "--main_process_port", str(free_port()), str(ROOT / "examples" / "train_clm.py"),
+           "--cephalo_plan_file", _uneven_plan(tmp_path / "plan.json"), "--output_dir", str(tmp_path / "o"),
+           *TINY_CLM, "--max_steps", "1000000"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while "{'loss'" not in log.read_text():  # training has started on both ranks
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) == 2, workers
+        victim = max(workers, key=lambda p: p.pid)
+        victim.kill()
+        killed_at = time.monotonic()
+        proc.wait(timeout=60)
+        assert time.monotonic() - killed_at < 60
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert proc.returncode != 0
+    assert "Signal 9 (SIGKILL) received by PID" in text and f"pid: {victim.pid}" in text, text[-4000:]
