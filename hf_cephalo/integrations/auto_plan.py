@@ -60,12 +60,6 @@ class ResolvedPlan(NamedTuple):
     cluster: ClusterProfile | None
 
 
-def _world(args) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return args.process_index, 1
-
-
 def _emulation(args, world_size: int) -> EmulationConfig | None:
     emulation = EmulationConfig.from_training_args(args)
     if emulation is not None:

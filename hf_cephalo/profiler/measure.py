@@ -275,6 +275,40 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class _FlatViews:
+    """Unit 0's trainable parameters as views of one flat leaf, as the engine runs them.
+
+    Mirrors the engine's [Note: parameter views while unsharded] (``engine/flat_param.py``):
+    before each call the module entries point at fresh views of a flat 1-D leaf, and the
+    backward accumulates into the leaf's gradient. The views' backward (a full-size gradient
+    per parameter, summed into the leaf) is a per-microbatch cost independent of m that plain
+    module parameters would not show. ``restore`` puts the original parameters back.
+    """
+
+    def __init__(self, unit: torch.nn.Module):
+        self.entries = [(mod, name, p) for mod in unit.modules()
+                        for name, p in mod._parameters.items()
+                        if p is not None and p.requires_grad]
+        self.offsets: dict[int, int] = {}
+        chunks = []
+        for _, _, p in self.entries:
+            if id(p) not in self.offsets:
+                self.offsets[id(p)] = sum(c.numel() for c in chunks)
+                chunks.append(p.detach().reshape(-1))
+        self.leaf = torch.cat(chunks).requires_grad_(True) if chunks else None
+
+    def install(self) -> None:
+        for mod, name, p in self.entries:
+            off = self.offsets[id(p)]
+            mod._parameters[name] = self.leaf[off:off + p.numel()].view(p.shape)
+
+    def restore(self) -> None:
+        for mod, name, p in self.entries:
+            mod._parameters[name] = p
+        if self.leaf is not None:
+            self.leaf.grad = None
+
+
 def _unit_backward(staged: StagedModel, hidden: torch.Tensor, ctx: Any,
                    grad: torch.Tensor) -> torch.Tensor:
     """Recompute (forward with autograd) + backward of unit 0, as the engine's backward does."""
@@ -343,6 +377,43 @@ def _non_decreasing(values: list[float]) -> list[float]:
     return out
 
 
+def _time_rounds(staged, config: MeasureConfig, inputs, views: _FlatViews, device, rank: int,
+                 name: str, before_each, f_times, fb_times) -> None:
+    """``warmup + repeats`` rounds over every m; appends per-repeat times (seconds)."""
+    ms = config.microbatch_sizes
+    rounds = config.warmup + config.repeats
+    work_done, total_work = 0, rounds * sum(ms)
+    t_start = last_print = time.perf_counter()
+    for k in range(rounds):
+        for m in ms:
+            _, hidden, ctx, grad = inputs[m]
+            if before_each is not None:
+                before_each()
+            _sync(device)
+            t0 = time.perf_counter()
+            views.install()  # the engine's use_params before every call
+            with torch.no_grad():
+                staged.run_unit(0, hidden, ctx)
+            _sync(device)
+            t1 = time.perf_counter()
+            views.install()
+            _unit_backward(staged, hidden, ctx, grad)  # accumulates like layered GA
+            _sync(device)
+            t2 = time.perf_counter()
+            if k >= config.warmup:
+                f_times[m].append(t1 - t0)
+                fb_times[m].append(t2 - t1)
+            work_done += m
+            now = time.perf_counter()
+            if config.progress and (now - last_print > 1.0 or work_done == total_work):
+                last_print = now
+                left = (now - t_start) / work_done * (total_work - work_done)
+                print(f"[hf-cephalo profile] rank {rank} ({name}): round {k + 1}/{rounds}, "
+                      f"microbatch size {m}/{ms[-1]}: fwd {(t1 - t0) * 1e3:.2f} ms, "
+                      f"recompute + bwd {(t2 - t1) * 1e3:.2f} ms; about {left:.0f} s left",
+                      flush=True)
+
+
 def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.device | str,
                    name: str, capacity_bytes: float, rank: int = 0,
                    make_microbatch: MakeMicrobatch | None = None,
@@ -369,9 +440,6 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
     make = make_microbatch or (
         lambda m: synthetic_microbatch(model, m, config.sequence_length, device))
     ms = config.microbatch_sizes
-    rounds = config.warmup + config.repeats
-    work_done, total_work = 0, rounds * sum(ms)
-    t_start = last_print = time.perf_counter()
     f_times: dict[int, list[float]] = {m: [] for m in ms}
     fb_times: dict[int, list[float]] = {m: [] for m in ms}
     try:
@@ -383,39 +451,17 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
             inputs[m] = (mb, hidden, ctx, torch.randn_like(hidden))
         # Rounds over all m (not all repeats of one m at a time), so load changes on a shared
         # machine spread over every microbatch size instead of bending the curve.
-        for k in range(rounds):
-            for m in ms:
-                _, hidden, ctx, grad = inputs[m]
-                if before_each is not None:
-                    before_each()
-                _sync(device)
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    staged.run_unit(0, hidden, ctx)
-                _sync(device)
-                t1 = time.perf_counter()
-                _unit_backward(staged, hidden, ctx, grad)
-                _sync(device)
-                t2 = time.perf_counter()
-                for p in params:
-                    p.grad = None
-                if k >= config.warmup:
-                    f_times[m].append(t1 - t0)
-                    fb_times[m].append(t2 - t1)
-                work_done += m
-                now = time.perf_counter()
-                if config.progress and (now - last_print > 1.0 or work_done == total_work):
-                    last_print = now
-                    left = (now - t_start) / work_done * (total_work - work_done)
-                    print(f"[hf-cephalo profile] rank {rank} ({name}): round {k + 1}/{rounds}, "
-                          f"microbatch size {m}/{ms[-1]}: fwd {(t1 - t0) * 1e3:.2f} ms, "
-                          f"recompute + bwd {(t2 - t1) * 1e3:.2f} ms; about {left:.0f} s left",
-                          flush=True)
+        views = _FlatViews(staged.units()[0])
+        try:
+            _time_rounds(staged, config, inputs, views, device, rank, name, before_each,
+                         f_times, fb_times)
+        finally:
+            views.restore()
         # bwd per repeat = (recompute + backward) - forward of the SAME repeat, so a load spike
         # in one forward does not cancel the backward of another repeat.
         fwd = _non_decreasing([statistics.median(f_times[m]) for m in ms])
-        bwd = _non_decreasing([statistics.median([fb - f for f, fb in zip(f_times[m], fb_times[m])])
-                               for m in ms])
+        bwd = _non_decreasing([statistics.median([fb - f for f, fb in
+                                                  zip(f_times[m], fb_times[m])]) for m in ms])
         bwd = [max(b, 1e-9) for b in bwd]
         mem = [_compute_memory(staged, inputs[m][1], inputs[m][0], inputs[m][2], inputs[m][3],
                                device, params) for m in ms]
