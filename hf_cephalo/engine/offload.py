@@ -12,9 +12,15 @@ Three streams: the compute (current) stream, an all-gather stream and an offload
   on the offload stream after an event; the GPU tensor is ``record_stream``-ed on the offload
   stream so freeing it on the compute stream is safe. Reload copies back on the offload stream
   and the compute stream waits for its event.
-* One microbatch in flight: the compute stream never runs two microbatches of a unit at once,
-  the schedule processes them one after the other and drops each one's graph before the next
-  (the paper's fix for allocator fragmentation, §3.3).
+* Reload: ``start_reload(key)`` prefetches the next microbatch's tensor back to the GPU on the
+  offload stream while the current microbatch computes. The copy back is ordered after the
+  copy out by the offload stream itself, so no host synchronization is needed; the compute
+  stream waits on the reload's event only when it reads the tensor (``get``/``pop``), and the
+  reloaded tensor is ``record_stream``-ed on the compute stream.
+* One microbatch in flight: the schedule synchronizes the compute stream after each
+  microbatch (``one_microbatch_in_flight``), so the host never queues the next microbatch's
+  kernels and allocations while the current one runs. Without this the caching allocator
+  holds blocks of several microbatches at once and fragments (the paper's fix, §3.3).
 On CPU none of this exists: collectives are waited on directly and the stash keeps tensors.
 """
 
@@ -38,7 +44,7 @@ class ActivationStash:
 
     ``start_offload(key, t)`` / ``wait_offload(key)`` is the named async pair: on CUDA with
     ``offload=True`` the tensor is copied to pinned CPU memory on the offload stream; ``pop`` /
-    ``get`` return it on the original device (reloaded synchronously w.r.t. the compute stream).
+    ``get`` return it on the original device; ``start_reload`` prefetches it there ahead of use.
     """
 
     def __init__(self, offload: bool, streams: "CudaStreams | None", stats=None):
@@ -46,6 +52,7 @@ class ActivationStash:
         self.streams = streams
         self.stats = stats
         self._store: dict[tuple, _Stashed] = {}
+        self._reloads: dict[tuple, tuple[torch.Tensor, object]] = {}  # key -> (GPU copy, event)
         self._device_bytes = self._host_bytes = 0
 
     def _account(self, item: _Stashed, sign: int) -> None:
@@ -61,6 +68,7 @@ class ActivationStash:
                                                    self._host_bytes)
 
     def _put(self, key: tuple, item: _Stashed) -> None:
+        self._reloads.pop(key, None)  # a prefetch of the value this one replaces is stale
         self._store[key] = item
         self._account(item, +1)
 
@@ -84,29 +92,47 @@ class ActivationStash:
         if item is not None and item.event is not None:
             item.event.synchronize()
 
+    def start_reload(self, key: tuple) -> None:
+        """Prefetch: start copying an offloaded tensor back to its device (no-op when the tensor
+        was kept in place, is unknown, or is already being reloaded)."""
+        item = self._store.get(key)
+        if item is not None and item.device is not None and key not in self._reloads:
+            self._reloads[key] = self._issue_reload(item)
+
     def pop(self, key: tuple) -> torch.Tensor:
         item = self._store.pop(key)
         self._account(item, -1)
-        return self._load(item)
+        return self._load(key, item)
 
     def get(self, key: tuple) -> torch.Tensor:
-        return self._load(self._store[key])
+        return self._load(key, self._store[key])
 
-    def _load(self, item: _Stashed) -> torch.Tensor:
-        if item.device is None:
-            return item.tensor
-        item.event.synchronize()  # the offload copy has finished before we read the pinned copy
-        stream = self.streams.offload_stream
-        with torch.cuda.stream(stream):
+    def _issue_reload(self, item: _Stashed) -> tuple[torch.Tensor, object]:
+        # Same stream as the copy out: ordered after it without a host wait.
+        with torch.cuda.stream(self.streams.offload_stream):
             gpu = item.tensor.to(item.device, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(stream)
-        torch.cuda.current_stream(item.device).wait_event(done)
-        gpu.record_stream(torch.cuda.current_stream(item.device))
+            done.record(self.streams.offload_stream)
+        return gpu, done
+
+    def _load(self, key: tuple, item: _Stashed) -> torch.Tensor:
+        if item.device is None:
+            return item.tensor
+        gpu, done = self._reloads.pop(key, None) or self._issue_reload(item)
+        compute = torch.cuda.current_stream(item.device)
+        compute.wait_event(done)
+        gpu.record_stream(compute)
         return gpu
+
+    def one_microbatch_in_flight(self, device: torch.device) -> None:
+        """On CUDA, wait until the compute stream finished the current microbatch (see
+        [Note: CUDA streams]); nothing on CPU, where every op is synchronous."""
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
     def clear(self) -> None:
         self._store.clear()
+        self._reloads.clear()
 
     def __len__(self) -> int:
         return len(self._store)

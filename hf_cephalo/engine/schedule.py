@@ -18,6 +18,8 @@ Backward::
                                (not for the last unit's last microbatch: its forward graph was
                                kept, it is the first one backward needs),
                                backward with g[i+1][j] -> g[i][j] (stashed), grads accumulate
+        (each microbatch first prefetches the next one's stashed tensors and waits until the
+        previous one has finished on the compute stream: see [Note: CUDA streams])
         reduce-scatter unit i's gradient ONCE; wait unit i+1's reduce-scatter; reshard unit i
     for each microbatch j: recompute embed(j), backward with g[0][j]
     reduce-scatter root; reshard root; wait every reduce-scatter
@@ -112,6 +114,8 @@ class LayeredStep:
                     self.units[i + 1].start_unshard()
                 for j in range(len(self.mbs)):
                     self.stash.wait_offload((i, j))
+                    self.stash.start_reload((i, j + 1))  # prefetch the next microbatch's input
+                    self.stash.one_microbatch_in_flight(self.device)
                     if self.keep_graphs or (i == L - 1 and j == len(self.mbs) - 1):
                         self._forward_kept(unit, i, j)
                         continue
@@ -138,6 +142,8 @@ class LayeredStep:
         L = len(self.units)
         for j, mb in enumerate(self.mbs):
             self.stash.wait_offload((L, j))
+            self.stash.start_reload((L, j + 1))
+            self.stash.one_microbatch_in_flight(self.device)
             hidden = self.stash.pop((L, j)).detach().requires_grad_(True)
             self.root.use_params()
             out = self.staged.head_loss(hidden, mb, self.ctxs[j])
@@ -163,6 +169,8 @@ class LayeredStep:
             unit.reshard()
         for j, mb in enumerate(self.mbs):
             self.stash.wait_offload(("grad", j))
+            self.stash.start_reload(("grad", j + 1))
+            self.stash.one_microbatch_in_flight(self.device)
             grad = self.stash.pop(("grad", j))
             fork = self.rng.pop(("embed", j)).replay()
             try:
@@ -181,6 +189,9 @@ class LayeredStep:
 
     def _recompute_backward(self, unit: FlatParamUnit, i: int, j: int) -> None:
         self.stash.wait_offload(("grad", j))
+        self.stash.start_reload(("grad", j - 1))  # backward walks microbatches last to first
+        self.stash.start_reload((i, j - 1))
+        self.stash.one_microbatch_in_flight(self.device)
         if (i, j) in self.kept:
             x, y = self.kept.pop((i, j))
             torch.autograd.backward(y, self.stash.pop(("grad", j)))
