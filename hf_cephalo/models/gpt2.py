@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask
 
-from hf_cephalo.models.base import HeadOutput, Microbatch
-from hf_cephalo.models.hf_common import (FULL, DecoderContext, HFStagedModel, causal_lm_loss_sum,
-                                         count_causal_items, default_position_ids, require_key)
+from hf_cephalo.models.base import Microbatch
+from hf_cephalo.models.hf_common import (FULL, CausalLMStagedModel, DecoderContext,
+                                         build_causal_masks, microbatch_position_ids, require_key)
 
 
-class GPT2StagedModel(HFStagedModel):
+class GPT2StagedModel(CausalLMStagedModel):
     """GPT-2 causal LM as a staged model.
 
     Microbatch keys: ``input_ids`` (m, S) (required), ``attention_mask`` (m, S), ``position_ids``
@@ -41,17 +40,14 @@ class GPT2StagedModel(HFStagedModel):
         input_ids = require_key(microbatch, "input_ids", type(self).__name__)
         t = self.model.transformer
         inputs_embeds = t.wte(input_ids)
-        position_ids = microbatch.get("position_ids")
-        if position_ids is None:
-            position_ids = default_position_ids(input_ids)
+        position_ids = microbatch_position_ids(microbatch, input_ids)
         hidden = inputs_embeds + t.wpe(position_ids)
-        mask = create_causal_mask(config=self.model.config, inputs_embeds=inputs_embeds,
-                                  attention_mask=microbatch.get("attention_mask"), cache=None,
-                                  position_ids=position_ids)
+        masks = build_causal_masks(self.model.config, [FULL], inputs_embeds,
+                                   microbatch.get("attention_mask"), position_ids)
         token_type_ids = microbatch.get("token_type_ids")
         if token_type_ids is not None:
             hidden = hidden + t.wte(token_type_ids)
-        return t.drop(hidden), DecoderContext({FULL: mask}, position_ids)
+        return t.drop(hidden), DecoderContext(masks, position_ids)
 
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: DecoderContext) -> torch.Tensor:
         """GPT2Block ``index``: (m, S, H) -> (m, S, H)."""
@@ -63,12 +59,3 @@ class GPT2StagedModel(HFStagedModel):
                     ctx: DecoderContext) -> torch.Tensor:
         """ln_f + lm_head: (m, S, H) -> logits (m, S, V)."""
         return self.model.lm_head(self.model.transformer.ln_f(hidden))
-
-    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch,
-                  ctx: DecoderContext) -> HeadOutput:
-        """Summed next-token cross entropy over labels != -100 (after the causal shift)."""
-        labels = require_key(microbatch, "labels", type(self).__name__)
-        return causal_lm_loss_sum(self.head_logits(hidden, microbatch, ctx), labels)
-
-    def count_items(self, microbatch: Microbatch) -> int:
-        return count_causal_items(require_key(microbatch, "labels", type(self).__name__))

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask
 
-from hf_cephalo.models.base import HeadOutput, Microbatch
-from hf_cephalo.models.hf_common import (FULL, DecoderContext, HFStagedModel, causal_lm_loss_sum,
-                                         count_causal_items, default_position_ids, require_key)
+from hf_cephalo.models.base import Microbatch
+from hf_cephalo.models.hf_common import (FULL, CausalLMStagedModel, DecoderContext,
+                                         build_causal_masks, microbatch_position_ids, require_key,
+                                         rotary_cos_sin)
 
 
-class GPTNeoXStagedModel(HFStagedModel):
+class GPTNeoXStagedModel(CausalLMStagedModel):
     """GPT-NeoX causal LM as a staged model. Microbatch keys as for ``LlamaStagedModel``."""
 
     model_classes = ("GPTNeoXForCausalLM",)
@@ -33,16 +33,12 @@ class GPTNeoXStagedModel(HFStagedModel):
         input_ids = require_key(microbatch, "input_ids", type(self).__name__)
         g = self.model.gpt_neox
         inputs_embeds = g.embed_in(input_ids)
-        position_ids = microbatch.get("position_ids")
-        if position_ids is None:
-            position_ids = default_position_ids(input_ids)
-        mask = create_causal_mask(config=self.model.config, inputs_embeds=inputs_embeds,
-                                  attention_mask=microbatch.get("attention_mask"), cache=None,
-                                  position_ids=position_ids)
+        position_ids = microbatch_position_ids(microbatch, input_ids)
+        masks = build_causal_masks(self.model.config, [FULL], inputs_embeds,
+                                   microbatch.get("attention_mask"), position_ids)
         hidden = g.emb_dropout(inputs_embeds)
-        with torch.no_grad():
-            cos_sin = g.rotary_emb(hidden, position_ids=position_ids)
-        return hidden, DecoderContext({FULL: mask}, position_ids, cos_sin)
+        cos_sin = rotary_cos_sin(g.rotary_emb, hidden, position_ids)
+        return hidden, DecoderContext(masks, position_ids, cos_sin)
 
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: DecoderContext) -> torch.Tensor:
         """GPTNeoXLayer ``index``: (m, S, H) -> (m, S, H)."""
@@ -54,11 +50,3 @@ class GPTNeoXStagedModel(HFStagedModel):
                     ctx: DecoderContext) -> torch.Tensor:
         """final_layer_norm + lm_head: (m, S, H) -> logits (m, S, V)."""
         return self.model.lm_head(self.model.gpt_neox.final_layer_norm(hidden))
-
-    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch,
-                  ctx: DecoderContext) -> HeadOutput:
-        labels = require_key(microbatch, "labels", type(self).__name__)
-        return causal_lm_loss_sum(self.head_logits(hidden, microbatch, ctx), labels)
-
-    def count_items(self, microbatch: Microbatch) -> int:
-        return count_causal_items(require_key(microbatch, "labels", type(self).__name__))

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from hf_cephalo.models.base import HeadOutput, Microbatch, StagedModel
 
@@ -58,6 +59,46 @@ class EncoderContext:
 def default_position_ids(input_ids: torch.Tensor) -> torch.Tensor:
     """(1, S) positions 0..S-1, as the HF forward makes them without a cache."""
     return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+
+
+def microbatch_position_ids(microbatch: Microbatch, input_ids: torch.Tensor) -> torch.Tensor:
+    """The microbatch's ``position_ids`` (m, S) when given (packed sequences), else
+    ``default_position_ids(input_ids)`` (1, S)."""
+    position_ids = microbatch.get("position_ids")
+    if position_ids is None:
+        position_ids = default_position_ids(input_ids)
+    return position_ids
+
+
+CAUSAL_MASK_BUILDERS: dict[str, Callable[..., Any]] = {
+    FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+"""Attention type -> the ``transformers.masking_utils`` builder a decoder's forward uses for it."""
+
+
+def build_causal_masks(config: Any, layer_types: Sequence[str], inputs_embeds: torch.Tensor,
+                       attention_mask: torch.Tensor | None,
+                       position_ids: torch.Tensor) -> dict[str, Any]:
+    """One mask per attention type in ``layer_types``, built by the model's own builder
+    (``CAUSAL_MASK_BUILDERS``) with the arguments a decoder's forward passes it without a cache.
+
+    inputs_embeds (m, S, H); attention_mask (m, S) 0/1 or None; position_ids (m or 1, S).
+    Raises KeyError for a type not in ``CAUSAL_MASK_BUILDERS`` (adapters check first).
+    """
+    return {kind: CAUSAL_MASK_BUILDERS[kind](config=config, inputs_embeds=inputs_embeds,
+                                             attention_mask=attention_mask, cache=None,
+                                             position_ids=position_ids)
+            for kind in dict.fromkeys(layer_types)}
+
+
+def rotary_cos_sin(rotary_emb: nn.Module, hidden: torch.Tensor,
+                   position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's rotary (cos, sin), each (m or 1, S, head_dim), for ``DecoderContext``.
+
+    cos/sin depend on positions only (``hidden`` gives dtype and device); no_grad keeps the
+    context free of autograd history, since the engine reuses it across recomputes.
+    """
+    with torch.no_grad():
+        return rotary_emb(hidden, position_ids=position_ids)
 
 
 def require_key(microbatch: Microbatch, key: str, adapter: str) -> torch.Tensor:
@@ -211,3 +252,23 @@ class HFStagedModel(StagedModel):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 disable()
+
+
+class CausalLMStagedModel(HFStagedModel):
+    """Common part of the decoder-only causal-LM adapters: the summed next-token loss and its
+    item count, read from the microbatch's ``labels`` (m, S) with -100 ignored.
+
+    Subclasses implement structure, ``embed``, ``run_unit`` and ``head_logits`` (m, S, V).
+    Raises ValueError when the microbatch has no ``labels``.
+    """
+
+    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch,
+                  ctx: DecoderContext) -> HeadOutput:
+        """Summed next-token cross entropy over labels != -100 (after the causal shift)."""
+        labels = require_key(microbatch, "labels", type(self).__name__)
+        return causal_lm_loss_sum(self.head_logits(hidden, microbatch, ctx), labels)
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        """Tokens scored by ``head_loss``: labels != -100 after the causal shift."""
+        return count_causal_items(require_key(microbatch, "labels", type(self).__name__))
+

@@ -12,31 +12,18 @@ Masks: one per attention type, built like the model's forward builds them — Ll
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from hf_cephalo.models.base import HeadOutput, Microbatch
-from hf_cephalo.models.hf_common import (FULL, SLIDING, DecoderContext, HFStagedModel,
-                                         causal_lm_loss_sum, count_causal_items,
-                                         default_position_ids, require_key)
-
-_MASK_BUILDERS: dict[str, Callable[..., Any]] = {
-    FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+from hf_cephalo.models.base import Microbatch
+from hf_cephalo.models.hf_common import (CAUSAL_MASK_BUILDERS, FULL, SLIDING, CausalLMStagedModel,
+                                         DecoderContext, build_causal_masks,
+                                         microbatch_position_ids, require_key, rotary_cos_sin)
 
 
-def build_masks(config: Any, layer_types: list[str], inputs_embeds: torch.Tensor,
-                attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> dict[str, Any]:
-    """One mask per attention type in ``layer_types``, with the model's own builders."""
-    return {kind: _MASK_BUILDERS[kind](config=config, inputs_embeds=inputs_embeds,
-                                       attention_mask=attention_mask, cache=None,
-                                       position_ids=position_ids)
-            for kind in dict.fromkeys(layer_types)}
-
-
-class LlamaStagedModel(HFStagedModel):
+class LlamaStagedModel(CausalLMStagedModel):
     """Llama / Mistral / Qwen2 causal LM as a staged model.
 
     Microbatch keys: ``input_ids`` (m, S) int64 (required), ``attention_mask`` (m, S) 0/1
@@ -51,10 +38,10 @@ class LlamaStagedModel(HFStagedModel):
         super().__init__(model)
         config = model.config
         self._layer_types = [self._layer_type(config, i) for i in range(self.num_units)]
-        unknown = sorted(set(self._layer_types) - _MASK_BUILDERS.keys())
+        unknown = sorted(set(self._layer_types) - CAUSAL_MASK_BUILDERS.keys())
         if unknown:
             raise ValueError(f"{type(model).__name__}: config.layer_types contains {unknown}; "
-                             f"this adapter supports {sorted(_MASK_BUILDERS)}.")
+                             f"this adapter supports {sorted(CAUSAL_MASK_BUILDERS)}.")
 
     @staticmethod
     def _layer_type(config: Any, index: int) -> str:
@@ -79,14 +66,10 @@ class LlamaStagedModel(HFStagedModel):
         input_ids = require_key(microbatch, "input_ids", type(self).__name__)
         inner = self.model.model
         hidden = inner.embed_tokens(input_ids)
-        position_ids = microbatch.get("position_ids")
-        if position_ids is None:
-            position_ids = default_position_ids(input_ids)
-        masks = build_masks(self.model.config, self._layer_types, hidden,
-                            microbatch.get("attention_mask"), position_ids)
-        # cos/sin are computed from positions only; no_grad keeps ctx free of autograd history
-        with torch.no_grad():
-            cos_sin = inner.rotary_emb(hidden, position_ids=position_ids)
+        position_ids = microbatch_position_ids(microbatch, input_ids)
+        masks = build_causal_masks(self.model.config, self._layer_types, hidden,
+                                   microbatch.get("attention_mask"), position_ids)
+        cos_sin = rotary_cos_sin(inner.rotary_emb, hidden, position_ids)
         return hidden, DecoderContext(masks, position_ids, cos_sin)
 
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: DecoderContext) -> torch.Tensor:
@@ -100,12 +83,3 @@ class LlamaStagedModel(HFStagedModel):
                     ctx: DecoderContext) -> torch.Tensor:
         """Final RMSNorm + lm_head: (m, S, H) -> logits (m, S, V)."""
         return self.model.lm_head(self.model.model.norm(hidden))
-
-    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch,
-                  ctx: DecoderContext) -> HeadOutput:
-        """Summed next-token cross entropy over labels != -100 (after the causal shift)."""
-        labels = require_key(microbatch, "labels", type(self).__name__)
-        return causal_lm_loss_sum(self.head_logits(hidden, microbatch, ctx), labels)
-
-    def count_items(self, microbatch: Microbatch) -> int:
-        return count_causal_items(require_key(microbatch, "labels", type(self).__name__))
