@@ -13,12 +13,11 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
-from hf_cephalo.models.base import HeadOutput, Microbatch
-from hf_cephalo.models.hf_common import (EncoderContext, HFStagedModel, classification_loss_sum,
-                                         count_classification_items, require_key)
+from hf_cephalo.models.base import Microbatch
+from hf_cephalo.models.hf_common import ClassifierStagedModel, EncoderContext, require_key
 
 
-class BertStagedModel(HFStagedModel):
+class BertStagedModel(ClassifierStagedModel):
     """BERT sequence classifier as a staged model.
 
     Microbatch keys: ``input_ids`` (m, S) (required), ``attention_mask`` (m, S) 0/1,
@@ -71,13 +70,3 @@ class BertStagedModel(HFStagedModel):
         (m, S, H) -> logits (m, num_labels)."""
         pooled = self.model.bert.pooler(hidden)
         return self.model.classifier(self.model.dropout(pooled))
-
-    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch,
-                  ctx: EncoderContext) -> HeadOutput:
-        labels = require_key(microbatch, "labels", type(self).__name__)
-        return classification_loss_sum(self.head_logits(hidden, microbatch, ctx), labels,
-                                       self.model.config)
-
-    def count_items(self, microbatch: Microbatch) -> int:
-        labels = require_key(microbatch, "labels", type(self).__name__)
-        return count_classification_items(labels, self.model.config)

@@ -272,3 +272,24 @@ class CausalLMStagedModel(HFStagedModel):
         """Tokens scored by ``head_loss``: labels != -100 after the causal shift."""
         return count_causal_items(require_key(microbatch, "labels", type(self).__name__))
 
+
+class ClassifierStagedModel(HFStagedModel):
+    """Common part of the classification adapters (sequence and image): the summed
+    classification loss and its item count under HF's ``problem_type`` rule, read from the
+    microbatch's ``labels`` ((m,) int64 class ids with -100 ignored, or float targets for
+    regression / multi-label).
+
+    Subclasses implement structure, ``embed``, ``run_unit`` and ``head_logits`` (m, num_labels).
+    Raises ValueError when the microbatch has no ``labels``.
+    """
+
+    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> HeadOutput:
+        """Summed classification loss (see ``classification_loss_sum``)."""
+        labels = require_key(microbatch, "labels", type(self).__name__)
+        return classification_loss_sum(self.head_logits(hidden, microbatch, ctx), labels,
+                                       self.model.config)
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        """Samples with label != -100 (single-label), else label elements."""
+        labels = require_key(microbatch, "labels", type(self).__name__)
+        return count_classification_items(labels, self.model.config)

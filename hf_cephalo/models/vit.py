@@ -11,12 +11,11 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_bidirectional_mask
 
-from hf_cephalo.models.base import HeadOutput, Microbatch
-from hf_cephalo.models.hf_common import (EncoderContext, HFStagedModel, classification_loss_sum,
-                                         count_classification_items, require_key)
+from hf_cephalo.models.base import Microbatch
+from hf_cephalo.models.hf_common import ClassifierStagedModel, EncoderContext, require_key
 
 
-class ViTStagedModel(HFStagedModel):
+class ViTStagedModel(ClassifierStagedModel):
     """ViT image classifier as a staged model.
 
     Microbatch keys: ``pixel_values`` (m, C, H, W) float (required; cast to the weights' dtype
@@ -53,13 +52,3 @@ class ViTStagedModel(HFStagedModel):
                     ctx: EncoderContext) -> torch.Tensor:
         """layernorm -> [CLS] -> classifier: (m, S, H) -> logits (m, num_labels)."""
         return self.model.classifier(self.model.vit.layernorm(hidden)[:, 0, :])
-
-    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch,
-                  ctx: EncoderContext) -> HeadOutput:
-        labels = require_key(microbatch, "labels", type(self).__name__)
-        return classification_loss_sum(self.head_logits(hidden, microbatch, ctx), labels,
-                                       self.model.config)
-
-    def count_items(self, microbatch: Microbatch) -> int:
-        labels = require_key(microbatch, "labels", type(self).__name__)
-        return count_classification_items(labels, self.model.config)
