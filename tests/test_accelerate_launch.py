@@ -2,26 +2,24 @@
 
 Each launch costs several seconds, so there are few of them and the worker script
 (tests/launch_scripts/check_accelerate.py) runs many checks inside each launched process.
-Every launch runs in its own session under a hard timeout; on timeout the whole process group
-(launcher, torchrun and workers) is killed so a hang fails the test instead of stalling CI.
+Every launch runs in its own session under a hard timeout (tests/launch_utils.py); on timeout the
+whole process group (launcher, torchrun and workers) is killed so a hang fails the test instead of
+stalling CI.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.dist_utils import free_port
+from tests.launch_utils import ROOT, LaunchResult, start_launch, wait_all
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
 WORKER = ROOT / "tests" / "launch_scripts" / "check_accelerate.py"
 LAUNCH_TIMEOUT_S = 150
@@ -29,26 +27,12 @@ LAUNCH_TIMEOUT_S = 150
 
 def _launch(config: str, port: int, out_dir: Path, env_extra: dict[str, str] | None = None,
             extra_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_CEPHALO_")}
-    env.update(env_extra or {})
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-           "--main_process_port", str(port), *extra_args, str(WORKER), str(out_dir), *worker_args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return start_launch(CONFIGS / config, WORKER, (str(out_dir), *worker_args), port=port,
+                        launcher_args=extra_args, env_extra=env_extra)
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
-    results = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=LAUNCH_TIMEOUT_S)
-            results.append((p.returncode, out))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        raise AssertionError(f"accelerate launch did not finish within {LAUNCH_TIMEOUT_S} s (hang?)")
-    return results
+def _wait_all(procs: list[subprocess.Popen]) -> list[LaunchResult]:
+    return wait_all(procs, LAUNCH_TIMEOUT_S)
 
 
 def _summaries(out_dir: Path, world_size: int) -> list[dict]:

@@ -1,8 +1,9 @@
 """The shipped examples, run for real (tiny models, few steps) under `accelerate launch` on 2 CPU
 processes, plus the user mistakes that must fail fast with a clear message instead of hanging.
 
-Every launch runs in its own session under a hard timeout; on timeout the whole process group
-(launcher, torchrun and workers) is killed so a hang fails the test instead of stalling CI.
+Every launch runs in its own session under a hard timeout (tests/launch_utils.py); on timeout the
+whole process group (launcher, torchrun and workers) is killed so a hang fails the test instead of
+stalling CI.
 """
 
 from __future__ import annotations
@@ -11,16 +12,15 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.dist_utils import free_port
+from tests.launch_utils import ROOT, LaunchResult, start_launch, wait_all
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU_CONFIG = ROOT / "accelerate_configs" / "cephalo_cpu.yaml"
 LAUNCH_TIMEOUT_S = 240  # a tiny run takes ~15 s alone; generous for a shared 2-core machine
 
@@ -32,26 +32,12 @@ TINY_CLM = ("--hidden_size", "32", "--num_layers", "2", "--num_heads", "2", "--v
 
 
 def _start(script: str, *args: str, config: Path = CPU_CONFIG, port: int | None = None) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_CEPHALO_")}
-    env["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-           "--main_process_port", str(port or free_port()), str(ROOT / "examples" / script), *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return start_launch(config, ROOT / "examples" / script, args, port=port,
+                        env_extra={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
-    results = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-            results.append((proc.returncode, out))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"a launch did not finish within {LAUNCH_TIMEOUT_S} s (hang?)") from None
-    return results
+def _wait_all(procs: list[subprocess.Popen]) -> list[LaunchResult]:
+    return wait_all(procs, LAUNCH_TIMEOUT_S)
 
 
 def _launch(script: str, *args: str) -> tuple[int, str]:
@@ -148,14 +134,11 @@ def test_killed_rank_ends_the_job_with_an_error(tmp_path):
     import psutil
 
     log = tmp_path / "launch.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_CEPHALO_")}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
-           "--main_process_port", str(free_port()), str(ROOT / "examples" / "train_clm.py"),
-           "--cephalo_plan_file", _uneven_plan(tmp_path / "plan.json"), "--output_dir", str(tmp_path / "o"),
-           *TINY_CLM, "--max_steps", "1000000"]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = start_launch(CPU_CONFIG, ROOT / "examples" / "train_clm.py",
+                            ("--cephalo_plan_file", _uneven_plan(tmp_path / "plan.json"),
+                             "--output_dir", str(tmp_path / "o"), *TINY_CLM, "--max_steps", "1000000"),
+                            stdout=out)
     try:
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         while "{'loss'" not in log.read_text():  # training has started on both ranks
