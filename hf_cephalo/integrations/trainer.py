@@ -58,39 +58,9 @@ from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 from hf_cephalo.models import stage_model
 from hf_cephalo.planner import Plan
 
-__all__ = ["CephaloTrainer", "resolve_plan", "format_plan_table"]
+__all__ = ["CephaloTrainer", "format_plan_table"]
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_plan(args: CephaloTrainingArguments, world_size: int) -> Plan:
-    """The plan for this job: plan file > optimizer over the profile file > even plan.
-
-    Raises ValueError (before any collective) if the plan does not fit the world size or its
-    global batch size disagrees with ``cephalo_global_batch_size``.
-    """
-    if args.cephalo_plan_file is not None:
-        plan = Plan.load(args.cephalo_plan_file)
-    elif args.cephalo_profile_file is not None:
-        from hf_cephalo.planner import optimize
-        from hf_cephalo.profiler.types import ClusterProfile
-
-        cluster = ClusterProfile.load(args.cephalo_profile_file)
-        if cluster.world_size != world_size:
-            raise ValueError(f"cephalo_profile_file {args.cephalo_profile_file!r} describes "
-                             f"{cluster.world_size} ranks but the job has world size {world_size}")
-        plan = optimize(cluster, args.resolve_global_batch_size(world_size),
-                        args.cephalo_memory_fraction)
-    else:
-        global_batch_size = args.resolve_global_batch_size(world_size)
-        logger.warning("no cephalo_plan_file or cephalo_profile_file: using an even plan "
-                       "(global batch size %d, microbatch size %d)", global_batch_size,
-                       args.per_device_train_batch_size)
-        plan = Plan.even(world_size, global_batch_size,
-                         microbatch_size=args.per_device_train_batch_size)
-    plan.validate_for(world_size)
-    args.resolve_global_batch_size(world_size, plan.global_batch_size)
-    return plan
 
 
 def format_plan_table(plan: Plan) -> str:
