@@ -12,13 +12,12 @@ state share and joins every collective but computes nothing.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from hf_cephalo.profiler.types import ModelProfile
+from hf_cephalo.profiler.types import ModelProfile, read_json_file, write_json_file
 
 __all__ = ["RankPlan", "Plan"]
 
@@ -228,12 +227,8 @@ class Plan:
                    ranks=ranks, model=data.get("model"))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        write_json_file(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"plan file {str(path)!r} is not valid JSON: {e}") from e
-        return cls.from_json(data)
+        return cls.from_json(read_json_file(path, "plan file"))

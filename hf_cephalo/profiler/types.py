@@ -53,6 +53,21 @@ def _require_keys(owner: str, data: Mapping[str, Any], keys: tuple[str, ...]) ->
         raise ValueError(f"{owner}: missing field(s) {missing}; see docs/profiles.md for the format")
 
 
+def write_json_file(path: str | Path, data: Any) -> None:
+    """Write ``data`` as JSON indented by 2 with a trailing newline: the on-disk form of
+    profile and plan files (docs/profiles.md)."""
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def read_json_file(path: str | Path, what: str) -> Any:
+    """The parsed JSON in ``path``. Raises ValueError ("{what} '<path>' is not valid JSON: ...")
+    when it does not parse; OSError (e.g. a missing file) propagates unchanged."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {str(path)!r} is not valid JSON: {e}") from e
+
+
 @dataclass(kw_only=True)
 class ModelProfile:
     """Shape of the model as the planner sees it.
@@ -227,12 +242,8 @@ class ClusterProfile:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        write_json_file(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "ClusterProfile":
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"cluster profile {str(path)!r} is not valid JSON: {e}") from e
-        return cls.from_json(data)
+        return cls.from_json(read_json_file(path, "cluster profile"))
