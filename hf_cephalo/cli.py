@@ -38,12 +38,18 @@ def register_subcommand(name: str, help: str, *, add_arguments, run) -> None:
 
 
 # --- plan ------------------------------------------------------------------------------------
-def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+def _add_cluster_source_arguments(p: argparse.ArgumentParser, model_example: str) -> None:
+    """--profile | --cluster (+ --model): where ``_load_cluster`` gets the cluster profile."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", help="measured cluster profile JSON (docs/profiles.md)")
     src.add_argument("--cluster", help="cluster YAML of GPU types per machine (spec-sheet "
                                        "estimate; needs --model)")
-    p.add_argument("--model", help="model shape for --cluster, e.g. llama-3b (see docs/planner.md)")
+    p.add_argument("--model", help=f"model shape for --cluster, e.g. {model_example} "
+                                   f"(see docs/planner.md)")
+
+
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    _add_cluster_source_arguments(p, "llama-3b")
     p.add_argument("--global-batch-size", "-B", type=int, required=True,
                    help="B, samples per iteration over all ranks")
     p.add_argument("--memory-fraction", type=float, default=0.8,
@@ -139,11 +145,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 # --- simulate --------------------------------------------------------------------------------
 def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--profile", help="measured cluster profile JSON (docs/profiles.md)")
-    src.add_argument("--cluster", help="cluster YAML of GPU types per machine (spec-sheet "
-                                       "estimate; needs --model)")
-    p.add_argument("--model", help="model shape for --cluster, e.g. llama-7b (see docs/planner.md)")
+    _add_cluster_source_arguments(p, "llama-7b")
     p.add_argument("--global-batch-size", "-B", type=int, nargs="+", required=True,
                    help="B, samples per iteration; several values compare plans across B")
     p.add_argument("--memory-fraction", type=float, default=0.8,
