@@ -1,4 +1,4 @@
-"""Cost model (DESIGN contract 2) against hand-computed values."""
+"""Cost model (docs/design.md contract 2) against hand-computed values."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Greedy state partition and the per-unit shard layout (DESIGN contract 2, paper §3)."""
+"""Greedy state partition and the per-unit shard layout (docs/design.md contract 2, paper §3)."""
 
 import numpy as np
 import pytest

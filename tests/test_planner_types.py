@@ -1,4 +1,4 @@
-"""Plan (DESIGN contract 3): constructors, JSON round-trip, validation."""
+"""Plan (docs/design.md contract 3): constructors, JSON round-trip, validation."""
 
 import json
 

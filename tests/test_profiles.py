@@ -1,4 +1,4 @@
-"""Profile types (DESIGN contract 1) and spec-sheet estimates."""
+"""Profile types (docs/design.md contract 1) and spec-sheet estimates."""
 
 import json
 import math

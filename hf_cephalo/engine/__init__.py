@@ -1,4 +1,4 @@
-"""Engine: uneven flat-parameter sharding and layered gradient accumulation (DESIGN contract 4)."""
+"""Engine: uneven flat-parameter sharding and layered gradient accumulation (docs/design.md contract 4)."""
 
 from .engine import CephaloEngine, EvalOutput, StepOutput
 from .flat_param import ParamInfo, ShardedState, UnitShardMeta

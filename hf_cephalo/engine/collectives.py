@@ -7,7 +7,7 @@ A unit of N elements is split at element granularity into per-rank shards of ``n
 ``all_gather_single`` / ``reduce_scatter_single`` (named ``*_into_tensor`` / ``*_tensor`` before
 torch 2.13), which gloo and NCCL both support; list-based uneven all-gather fails on gloo. A rank
 holding zero elements still sends its padding. Gradients are reduced with SUM only: the engine
-normalizes by the all-reduced global item count before backward (DESIGN contract 4), never with
+normalizes by the all-reduced global item count before backward (docs/design.md contract 4), never with
 AVG or a division by the world size (gloo has neither AVG nor PREMUL_SUM).
 """
 

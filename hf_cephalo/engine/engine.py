@@ -9,7 +9,7 @@ Usage (every rank, inside an initialized process group)::
         engine.clip_grad_norm_(1.0)
         opt.step(); engine.zero_grad()
 
-See DESIGN.md contract 4 and [Note: layered schedule] in ``schedule.py``.
+See docs/design.md contract 4 and [Note: layered schedule] in ``schedule.py``.
 """
 
 from __future__ import annotations

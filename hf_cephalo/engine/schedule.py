@@ -1,4 +1,4 @@
-"""The layered gradient-accumulation schedule (paper §3.3, Fig. 4; DESIGN contract 4).
+"""The layered gradient-accumulation schedule (paper §3.3, Fig. 4; docs/design.md contract 4).
 
 [Note: layered schedule]
 Forward (no autograd graph is kept; activations are checkpointed at unit boundaries)::

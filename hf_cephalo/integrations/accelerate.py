@@ -6,7 +6,7 @@ keys and unknown ``distributed_type`` values, and Accelerate's gather / reduce /
 dispatch on ``AcceleratorState.distributed_type``: a new member written there turns them into
 silent no-ops. So Accelerate's own type stays MULTI_GPU (CUDA, NCCL) or MULTI_CPU (gloo), and
 Cephalo registers itself beside it: ``CephaloDistributedType.CEPHALO`` carried by a
-``CephaloPlugin`` on the ``CephaloAccelerator`` (DESIGN contract 6). Cephalo's settings come from
+``CephaloPlugin`` on the ``CephaloAccelerator`` (docs/design.md contract 6). Cephalo's settings come from
 ``CephaloTrainingArguments`` or ``HF_CEPHALO_*`` environment variables, never from the YAML.
 
 [Note: CPU workers under accelerate launch]

@@ -1,4 +1,4 @@
-"""Automatic planning at start and the predicted-vs-measured report (DESIGN contract 6).
+"""Automatic planning at start and the predicted-vs-measured report (docs/design.md contract 6).
 
 ``CephaloTrainer`` without a plan calls ``resolve_plan_for_model``:
 

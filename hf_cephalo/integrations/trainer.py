@@ -1,4 +1,4 @@
-"""CephaloTrainer: the Hugging Face Trainer driving the Cephalo engine (DESIGN contract 6).
+"""CephaloTrainer: the Hugging Face Trainer driving the Cephalo engine (docs/design.md contract 6).
 
 Swap ``Trainer`` for ``CephaloTrainer`` and ``TrainingArguments`` for
 ``CephaloTrainingArguments``; launch with ``accelerate launch --config_file

@@ -4,7 +4,7 @@ Every cephalo_* field left unset (None) falls back to the environment variable
 ``HF_CEPHALO_<FIELD NAME WITHOUT PREFIX, UPPER CASE>`` (e.g. ``HF_CEPHALO_PLAN_FILE``) and then
 to its built-in default. Precedence: explicit argument > environment > default. The
 environment route exists because stock ``accelerate launch`` rejects unknown keys in its YAML
-config (DESIGN contract 6), so Cephalo settings cannot live there.
+config (docs/design.md contract 6), so Cephalo settings cannot live there.
 
 [Note: batch size semantics]
 - The global batch size B (samples per optimizer step, all ranks together) comes from the plan
@@ -43,7 +43,7 @@ class CephaloTrainingArguments(TrainingArguments):
 
     When CUDA is absent, ``use_cpu`` is set automatically: workers started by stock
     ``accelerate launch`` then build a MULTI_CPU (gloo) state with the real number of processes
-    instead of silently reporting a single process (DESIGN contract 6).
+    instead of silently reporting a single process (docs/design.md contract 6).
 
     Raises ValueError in ``__post_init__`` for an invalid cephalo_* value (after environment
     fallback; the message names the field, its environment variable and the value), a missing
@@ -88,7 +88,7 @@ class CephaloTrainingArguments(TrainingArguments):
                 "equivalent is per_device_train_batch_size x world size x gradient_accumulation_steps)")
         if not self.use_cpu and not torch.cuda.is_available():
             # Without cpu=True, torchrun-started workers see an initialized process group but
-            # Accelerate reports DistributedType.NO and one process (DESIGN contract 6).
+            # Accelerate reports DistributedType.NO and one process (docs/design.md contract 6).
             logger.info("CUDA is not available: setting use_cpu=True (MULTI_CPU over gloo)")
             self.use_cpu = True
         super().__post_init__()

@@ -1,4 +1,4 @@
-"""Models as staged models: root unit + identical units (DESIGN contract 5).
+"""Models as staged models: root unit + identical units (docs/design.md contract 5).
 
 ``stage_model(model)`` wraps a supported Hugging Face model in its adapter; unknown classes get
 a ValueError listing the supported ones. See docs/adding_a_model.md to add an architecture.

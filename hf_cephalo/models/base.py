@@ -2,7 +2,7 @@
 
 The layered engine (``hf_cephalo.engine``) never imports a concrete model; it drives any
 ``StagedModel``. An adapter for a Hugging Face architecture (``models/llama.py``, ...) or the
-generic test model (``models/toy.py``) implements it. DESIGN.md contract 5.
+generic test model (``models/toy.py``) implements it. docs/design.md contract 5.
 
 Data flow for one microbatch (a dict of tensors as produced by a collator)::
 

@@ -234,7 +234,7 @@ class HFStagedModel(StagedModel):
         onto the engine's.
 
         The engine always recomputes every unit in backward (per-unit activation checkpointing,
-        DESIGN contract 4), so a model-level ``gradient_checkpointing_enable()`` is redundant: it
+        docs/design.md contract 4), so a model-level ``gradient_checkpointing_enable()`` is redundant: it
         would recompute each layer a second time inside the engine's recompute. It is therefore
         switched off here with a warning; the memory saving it asked for is provided by the engine.
         """

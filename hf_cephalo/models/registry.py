@@ -1,4 +1,4 @@
-"""Find the staged-model adapter for a Hugging Face model by its class (DESIGN contract 5).
+"""Find the staged-model adapter for a Hugging Face model by its class (docs/design.md contract 5).
 
 Lookup walks the model's class hierarchy, so a user subclass of ``LlamaForCausalLM`` gets the
 Llama adapter. Users add their own architectures with ``register_adapter`` (see

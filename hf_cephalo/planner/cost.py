@@ -1,4 +1,4 @@
-"""The latency/memory model of the paper (§2.4), DESIGN contract 2.
+"""The latency/memory model of the paper (§2.4), docs/design.md contract 2.
 
 All functions are pure numpy and vectorize over the microbatch size ``m`` (an int or an int
 array). Units: seconds and bytes. Used by the optimizer (``optimize.py``), the state partition
@@ -127,7 +127,7 @@ def iteration_time_s(unit_times_s: Sequence[float], num_units: int) -> float:
 
 def is_uneven(cluster: ClusterProfile, compute_memory: Sequence[float],
               memory_fraction: float) -> bool:
-    """DESIGN contract 2: uneven iff S/N + M_i(m_i) > c·C_i for some rank (M_i = 0 if idle)."""
+    """docs/design.md contract 2: uneven iff S/N + M_i(m_i) > c·C_i for some rank (M_i = 0 if idle)."""
     n = cluster.world_size
     share = cluster.model.state_bytes / n
     return any(share + mem > memory_fraction * d.memory_capacity_bytes

@@ -46,7 +46,7 @@ class Prediction(NamedTuple):
 
 
 def predict(plan: Plan, cluster: ClusterProfile, memory_fraction: float | None = None) -> Prediction:
-    """Per-rank unit time and memory of ``plan`` on ``cluster`` (DESIGN contract 2).
+    """Per-rank unit time and memory of ``plan`` on ``cluster`` (docs/design.md contract 2).
 
     Args:
         plan: any Plan with ``plan.world_size == cluster.world_size``.

@@ -1,4 +1,4 @@
-"""Plan (DESIGN contract 3): per-rank batch size, microbatch size, microbatches, state share.
+"""Plan (docs/design.md contract 3): per-rank batch size, microbatch size, microbatches, state share.
 
 JSON written by ``hf-cephalo plan --out plan.json``; format in ``docs/profiles.md``.
 

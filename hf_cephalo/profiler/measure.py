@@ -1,4 +1,4 @@
-"""Measure the cost model's inputs on this cluster (paper §2.4 profiler; DESIGN contract 1).
+"""Measure the cost model's inputs on this cluster (paper §2.4 profiler; docs/design.md contract 1).
 
 What is measured, per rank, with the real model, its dtype and a microbatch of the training
 sequence length (synthetic token ids / pixels of the right shape, ``synthetic_microbatch``):
@@ -119,7 +119,7 @@ def model_profile(staged: StagedModel, name: str | None = None) -> ModelProfile:
     sizes = [sum(p.numel() for p in u.parameters()) for u in units]
     if len(set(sizes)) != 1:
         raise ValueError(f"units have different parameter counts {sizes}; the cost model needs "
-                         "identical units (DESIGN contract 1)")
+                         "identical units (docs/design.md contract 1)")
     unit_ids = {id(p) for u in units for p in u.parameters()}
     other = sum(p.numel() for p in _unique_params(staged.root_modules()) if id(p) not in unit_ids)
     model = staged.model

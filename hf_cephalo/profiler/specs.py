@@ -14,7 +14,7 @@ Formulas (per transformer layer, per sample, sequence length s, hidden h, heads 
 * activation bytes of one layer during its recompute + backward = s·h·(34 + 5·a·s/h) for 16-bit
   activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", eq. 1), doubled for fp32; plus logits and their gradient for a language-model head
-  (2·s·V·4 bytes). Boundary activations are offloaded to the host (DESIGN contract 4), so
+  (2·s·V·4 bytes). Boundary activations are offloaded to the host (docs/design.md contract 4), so
   compute memory grows with m, not with l.
 * fixed compute memory: the gathered current and prefetched unit (2 × 4·P_unit bytes), its
   unsharded gradient (4·P_unit), the gathered root unit with its gradient (2 × 4·P_other) and a

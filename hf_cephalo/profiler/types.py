@@ -1,4 +1,4 @@
-"""Profile types (DESIGN contract 1): what the planner knows about the model, GPUs and network.
+"""Profile types (docs/design.md contract 1): what the planner knows about the model, GPUs and network.
 
 Pure Python (no torch import) so ``hf-cephalo plan`` starts fast. Every type round-trips
 through JSON (``to_json`` / ``from_json``; ``ClusterProfile.save`` / ``load``); the format is
