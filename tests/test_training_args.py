@@ -105,3 +105,20 @@ def test_batch_size_rules_and_world_size_check(tmp_path):
     args.check_world_size(2)
     with pytest.raises(ValueError, match="has 2 entries but the world size is 3"):
         args.check_world_size(3)
+
+
+def test_package_exports_every_public_name():
+    """README imports ``CephaloTrainer, CephaloTrainingArguments`` from the package; every name in a
+    submodule's ``__all__`` must resolve through the lazy package namespace."""
+    import importlib
+
+    import hf_cephalo.integrations as pkg
+    from hf_cephalo.integrations import CephaloTrainer, CephaloTrainingArguments  # noqa: F401  (README line)
+
+    expected = set()
+    for mod in ("trainer", "training_args", "accelerate", "auto_plan", "sampler", "data"):
+        module = importlib.import_module(f"hf_cephalo.integrations.{mod}")
+        for name in module.__all__:
+            expected.add(name)
+            assert getattr(pkg, name) is getattr(module, name), name
+    assert set(pkg.__all__) == expected

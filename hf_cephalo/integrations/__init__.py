@@ -1,21 +1,42 @@
-"""Hugging Face integrations: CephaloTrainingArguments, CephaloAccelerator/Plugin, the weighted
-batch sampler and the demo datasets. Names are imported lazily (transformers is heavy)."""
+"""Hugging Face integrations: CephaloTrainer, CephaloTrainingArguments, CephaloAccelerator/Plugin,
+the weighted batch sampler, automatic planning and the demo datasets. Names are imported lazily
+(transformers is heavy): every name in a submodule's ``__all__`` is listed here, so
+``from hf_cephalo.integrations import CephaloTrainer`` imports only what it needs."""
 
 from importlib import import_module
 
 _EXPORTS = {
+    # trainer
+    "CephaloTrainer": "trainer",
+    "format_plan_table": "trainer",
+    # training_args
     "CephaloTrainingArguments": "training_args",
+    # accelerate
     "CephaloDistributedType": "accelerate",
     "CephaloPlugin": "accelerate",
     "CephaloAccelerator": "accelerate",
+    "ENV_PREFIX": "accelerate",
+    "ACTIVATION_OFFLOAD_CHOICES": "accelerate",
+    # auto_plan
+    "ResolvedPlan": "auto_plan",
+    "resolve_plan_for_model": "auto_plan",
+    "wrap_staged": "auto_plan",
+    "PlanAccuracyCallback": "auto_plan",
+    "format_accuracy_table": "auto_plan",
+    # sampler
     "WeightedBatchSampler": "sampler",
     "MicrobatchCollator": "sampler",
     "split_counts": "sampler",
     "split_microbatches": "sampler",
+    "global_batches": "sampler",
+    # data
+    "pydoc_texts": "data",
     "pydoc_text_dataset": "data",
     "train_bpe_tokenizer": "data",
     "group_texts": "data",
     "digits_image_datasets": "data",
+    "EOS_TOKEN": "data",
+    "PAD_TOKEN": "data",
 }
 
 __all__ = list(_EXPORTS)
@@ -25,3 +46,7 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
