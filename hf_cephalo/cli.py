@@ -236,12 +236,16 @@ def _add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="write the Hugging Face model directory here")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the CRC-32 check of the shard files (sizes are still checked)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="allow --out to be a non-empty directory that is not a previous export "
+                        "(never the checkpoint directory itself)")
 
 
 def _run_export(args: argparse.Namespace) -> int:
     from hf_cephalo.engine.checkpoint import export_hf
 
-    out = export_hf(args.checkpoint, args.out, verify=not args.no_verify)
+    out = export_hf(args.checkpoint, args.out, verify=not args.no_verify,
+                    overwrite=args.overwrite)
     print(f"exported {args.checkpoint} to {out} (load with from_pretrained)")
     return 0
 

@@ -308,6 +308,35 @@ def test_export_cli(runs, tmp_path):
     assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
 
 
+def test_export_refuses_unsafe_targets(runs, tmp_path, capsys):
+    from hf_cephalo.cli import main
+
+    src = runs[0]["gpt2"]["directory"]
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    assert main(["export", src, "--out", str(afile)]) == 2
+    assert "an existing file" in capsys.readouterr().err
+    assert afile.read_text() == "keep me"
+    before = sorted(os.listdir(src))
+    assert main(["export", src, "--out", src, "--overwrite"]) == 2
+    assert "checkpoint directory itself" in capsys.readouterr().err
+    assert sorted(os.listdir(src)) == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    assert main(["export", src, "--out", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "not a previous export" in err and "notes.txt" in err and "--overwrite" in err
+    assert not (other / "model.safetensors").exists()
+    assert main(["export", src, "--out", str(other), "--overwrite"]) == 0
+    assert (other / "model.safetensors").is_file() and (other / "notes.txt").is_file()
+    # A previous export is replaced without --overwrite.
+    again = tmp_path / "again"
+    assert main(["export", src, "--out", str(again)]) == 0
+    assert main(["export", src, "--out", str(again)]) == 0
+    assert (again / "config.json").is_file()
+
+
 def test_bad_checkpoints_name_the_file(runs, tmp_path):
     src = runs[0]["llama"]["directory"]
 

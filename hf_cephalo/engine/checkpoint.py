@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 __all__ = ["FORMAT", "FILES", "CheckpointError", "CheckpointLayout", "atomic_checkpoint_dir",
            "save_sharded", "save_checkpoint", "staging_path", "load_sharded",
            "load_checkpoint", "errors_on_every_rank", "load_sharded_optimizer", "read_layout",
-           "read_full_state_dict", "export_hf", "is_complete", "model_fingerprint"]
+           "read_full_state_dict", "export_hf", "check_export_target", "is_complete", "model_fingerprint"]
 
 FORMAT = "hf_cephalo.sharded/1"
 
@@ -644,19 +644,62 @@ def read_full_state_dict(directory: str, *, verify: bool = True) -> dict[str, to
     return out
 
 
-def export_hf(directory: str, out_dir: str, *, verify: bool = True) -> str:
+# Files ``save_pretrained`` writes: a directory holding only these is a previous export.
+_EXPORT_FILE_PREFIXES = ("model", "config.json", "generation_config.json")
+
+
+def _is_previous_export(names: list[str]) -> bool:
+    return all(n.startswith(_EXPORT_FILE_PREFIXES) and
+               n.endswith((".safetensors", ".json")) for n in names)
+
+
+def check_export_target(directory: str, out_dir: str, *, overwrite: bool = False) -> None:
+    """Refuse an ``export_hf`` target that would lose data or silently write nothing.
+
+    Allowed: a missing path, an empty directory, or a directory holding only files that
+    ``save_pretrained`` writes (``config.json``, ``generation_config.json``,
+    ``model*.safetensors``, ``model.safetensors.index.json``: a previous export, replaced).
+    ``overwrite=True`` also allows any other directory (files of the same names are replaced).
+
+    Raises:
+        CheckpointError: out_dir is an existing file; out_dir is the checkpoint directory
+            itself (never allowed: the export could replace checkpoint files); out_dir is a
+            non-empty directory that is not a previous export and ``overwrite`` is False.
+    """
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"export target {out_dir}: an existing file, not a directory; "
+                              "give a new or empty directory path")
+    if os.path.isdir(out_dir):
+        if os.path.isdir(directory) and os.path.samefile(directory, out_dir):
+            raise CheckpointError(f"export target {out_dir} is the checkpoint directory itself; "
+                                  "give a separate output directory")
+        names = os.listdir(out_dir)
+        if names and not overwrite and not _is_previous_export(names):
+            shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+            raise CheckpointError(f"export target {out_dir} is a non-empty directory that is not "
+                                  f"a previous export (holds {shown}); give a new or empty "
+                                  "directory, or pass overwrite=True (CLI: --overwrite)")
+
+
+def export_hf(directory: str, out_dir: str, *, verify: bool = True,
+              overwrite: bool = False) -> str:
     """Write a ``from_pretrained``-loadable model directory from a sharded checkpoint.
 
     Offline (no process group). Builds the model class named by the saved config's
     ``architectures`` from ``transformers`` (never remote code), loads the merged state dict
     and calls ``save_pretrained(out_dir)`` (safetensors; tied weights once). Returns out_dir.
+    The target is checked first (``check_export_target``): a missing path, an empty
+    directory or a previous export; ``overwrite=True`` allows any other directory except the
+    checkpoint directory itself.
 
     Raises:
         CheckpointError: as ``read_full_state_dict``; no config in the checkpoint; a config
-            that needs remote code or names no transformers class.
+            that needs remote code or names no transformers class; a refused target (see
+            ``check_export_target``); ``save_pretrained`` wrote no ``config.json``.
     """
     import transformers
 
+    check_export_target(directory, out_dir, overwrite=overwrite)
     layout = read_layout(directory)
     layout_path = os.path.join(directory, FILES.LAYOUT)
     config_dict = layout.config
@@ -678,5 +721,7 @@ def export_hf(directory: str, out_dir: str, *, verify: bool = True) -> str:
         model = model_cls(config)
     model.load_state_dict(state_dict, strict=True, assign=True)
     model.save_pretrained(out_dir)
+    if not os.path.isfile(os.path.join(out_dir, "config.json")):
+        raise CheckpointError(f"export to {out_dir}: save_pretrained wrote no config.json")
     return out_dir
 
