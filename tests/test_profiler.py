@@ -163,3 +163,38 @@ def test_cli_profile_writes_a_cluster_profile(tmp_path, capsys):
     assert main(["plan", "--profile", str(out), "-B", "4"]) == 0
     assert main(["profile", "--model-config", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_implausible_backward_times_are_remeasured_then_warned(monkeypatch, recwarn):
+    """A load spike can make (recompute + backward) - forward tiny or negative: re-measure,
+    and if it persists warn with rank, m and the times instead of recording ~0 s."""
+    staged = stage_model(_llama(hidden=64))
+    config = MeasureConfig(max_microbatch_size=2, sequence_length=8, repeats=1, warmup=0,
+                           progress=False)
+    attempts = []
+
+    def fake_rounds(plan):
+        def rounds(staged, config, inputs, views, device, rank, name, before_each, f, fb):
+            k = len(attempts)
+            attempts.append(k)
+            for m in config.microbatch_sizes:
+                f[m].append(0.010 * m)
+                fb[m].append(plan(k, m))
+        return rounds
+
+    # m=2's backward is negative on the first try, plausible (0.05 s) on the second.
+    monkeypatch.setattr(measure, "_time_rounds", fake_rounds(
+        lambda k, m: 0.010 * m + (0.03 if m == 1 or k else -0.005)))
+    dev = measure.measure_device(staged, config, device="cpu", name="cpu", capacity_bytes=1e9)
+    assert len(attempts) == 2 and not recwarn.list
+    assert dev.bwd_s == pytest.approx([0.03, 0.03])  # m=1 first try; m=2 second; fitted
+
+    # Always implausible (1 us vs 20 ms forward): bounded re-measures, then a loud warning.
+    attempts.clear()
+    monkeypatch.setattr(measure, "_time_rounds", fake_rounds(
+        lambda k, m: 0.010 * m + (0.03 if m == 1 else 1e-6)))
+    with pytest.warns(RuntimeWarning, match=r"rank 3 \(cpu\).*m=2: fwd 20\.0000 ms, bwd 0\.0010 ms"):
+        dev = measure.measure_device(staged, config, device="cpu", name="cpu",
+                                     capacity_bytes=1e9, rank=3)
+    assert len(attempts) == 1 + measure.MAX_REMEASURES
+    assert dev.bwd_s[1] >= measure.MIN_BWD_TO_FWD * dev.fwd_s[1] > 1e-3  # never ~0 s

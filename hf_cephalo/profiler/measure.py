@@ -11,7 +11,9 @@ sequence length (synthetic token ids / pixels of the right shape, ``synthetic_mi
   keeps activations is slower than the no-grad forward; the difference lands in ``bwd_s``).
   Median of ``repeats`` runs after ``warmup`` runs, the microbatch sizes interleaved in
   rounds; the medians are then fitted non-decreasing in m (``_non_decreasing``: a larger
-  microbatch cannot really be faster, so a dip is load noise on a shared machine).
+  microbatch cannot really be faster, so a dip is load noise on a shared machine). A backward
+  median that is not positive or below half the forward is re-measured, then warned about
+  ([Note: implausible backward times]).
 - ``compute_memory_bytes[m]``: peak memory of one step minus training state, for one
   microbatch of m in flight: activations of one unit's recompute + backward, or of the head's
   loss + backward (the larger), plus one unit's and the root's full gradients and the gathered
@@ -37,6 +39,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -357,6 +360,64 @@ def _compute_memory(staged: StagedModel, hidden, mb, ctx, grad, device, params) 
     return float(gathered + transient)
 
 
+# [Note: implausible backward times]
+# ``bwd_s[m]`` is (recompute + backward) - forward of the same repeat. The backward of a unit
+# costs about two forwards in FLOPs (and the recompute that keeps activations is slower than the
+# no-grad forward), so a median below MIN_BWD_TO_FWD x the forward, or not positive at all, is a
+# load spike in the forwards on a shared machine, not a real time. Such microbatch sizes are
+# re-measured (every rank re-measures when any rank must, keeping the lockstep barriers
+# matched) up to MAX_REMEASURES times; a size still implausible then is warned about (rank, m,
+# the times) and its backward set to MIN_BWD_TO_FWD x the forward, never silently clamped.
+MIN_BWD_TO_FWD = 0.5
+MAX_REMEASURES = 2
+
+
+def _implausible(fwd: float, bwd: float) -> bool:
+    return not (bwd > 0.0 and bwd >= MIN_BWD_TO_FWD * fwd)
+
+
+def _measure_times(staged, config: MeasureConfig, inputs, views: _FlatViews, device, rank: int,
+                   name: str, before_each, any_rank) -> tuple[dict[int, float], dict[int, float]]:
+    """Per-m median forward and backward seconds, re-measuring implausible backward times.
+
+    See [Note: implausible backward times]. Returns ``(fwd, bwd)`` dicts keyed by m.
+    """
+    ms = config.microbatch_sizes
+    fwd: dict[int, float] = {}
+    bwd: dict[int, float] = {}
+    bad = list(ms)
+    for attempt in range(1 + MAX_REMEASURES):
+        f_times: dict[int, list[float]] = {m: [] for m in ms}
+        fb_times: dict[int, list[float]] = {m: [] for m in ms}
+        _time_rounds(staged, config, inputs, views, device, rank, name, before_each,
+                     f_times, fb_times)
+        for m in bad:
+            # bwd per repeat = (recompute + backward) - forward of the SAME repeat, so a load
+            # spike in one forward does not cancel the backward of another repeat.
+            fwd[m] = statistics.median(f_times[m])
+            bwd[m] = statistics.median([fb - f for f, fb in zip(f_times[m], fb_times[m])])
+        bad = [m for m in ms if _implausible(fwd[m], bwd[m])]
+        again = bool(bad) if any_rank is None else any_rank(bool(bad))
+        if not again or attempt == MAX_REMEASURES:
+            break
+        if bad and config.progress:
+            print(f"[hf-cephalo profile] rank {rank} ({name}): implausible backward time for "
+                  f"microbatch sizes {bad}; re-measuring", flush=True)
+    if bad:
+        detail = "; ".join(f"m={m}: fwd {fwd[m] * 1e3:.4f} ms, bwd {bwd[m] * 1e3:.4f} ms"
+                           for m in bad)
+        message = (f"rank {rank} ({name}): backward time still implausible after "
+                   f"{MAX_REMEASURES} re-measurements ({detail}); backward must be positive "
+                   f"and at least {MIN_BWD_TO_FWD} x the forward. Using {MIN_BWD_TO_FWD} x the "
+                   "forward for these sizes; the machine is probably overloaded: re-profile "
+                   "on an idle machine (delete the profile cache entry) for accurate plans")
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        print(f"[hf-cephalo profile] WARNING {message}", flush=True)
+        for m in bad:
+            bwd[m] = MIN_BWD_TO_FWD * fwd[m]
+    return fwd, bwd
+
+
 def _non_decreasing(values: list[float]) -> list[float]:
     """Least-squares non-decreasing fit (pool adjacent violators) of per-m medians.
 
@@ -417,7 +478,8 @@ def _time_rounds(staged, config: MeasureConfig, inputs, views: _FlatViews, devic
 def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.device | str,
                    name: str, capacity_bytes: float, rank: int = 0,
                    make_microbatch: MakeMicrobatch | None = None,
-                   before_each: Callable[[], None] | None = None) -> DeviceProfile:
+                   before_each: Callable[[], None] | None = None,
+                   any_rank: Callable[[bool], bool] | None = None) -> DeviceProfile:
     """Profile one unit on this rank for m = 1..M (no collectives unless ``before_each`` has).
 
     Args:
@@ -428,6 +490,9 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
         make_microbatch: ``m -> microbatch`` override of ``synthetic_microbatch``.
         before_each: called before each timed (round, m) item, outside the timed region
             (``profile_cluster`` passes a barrier: [Note: lockstep profiling]).
+        any_rank: ``flag -> True iff flag is True on any rank`` (a collective); decides
+            whether every rank re-measures, so lockstep barriers stay matched. None: this
+            rank alone ([Note: implausible backward times]).
     Returns:
         A ``DeviceProfile``; the model's gradients are left as None.
     """
@@ -440,8 +505,6 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
     make = make_microbatch or (
         lambda m: synthetic_microbatch(model, m, config.sequence_length, device))
     ms = config.microbatch_sizes
-    f_times: dict[int, list[float]] = {m: [] for m in ms}
-    fb_times: dict[int, list[float]] = {m: [] for m in ms}
     try:
         inputs = {}
         for m in ms:
@@ -453,16 +516,12 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
         # machine spread over every microbatch size instead of bending the curve.
         views = _FlatViews(staged.units()[0])
         try:
-            _time_rounds(staged, config, inputs, views, device, rank, name, before_each,
-                         f_times, fb_times)
+            fwd_med, bwd_med = _measure_times(staged, config, inputs, views, device, rank, name,
+                                              before_each, any_rank)
         finally:
             views.restore()
-        # bwd per repeat = (recompute + backward) - forward of the SAME repeat, so a load spike
-        # in one forward does not cancel the backward of another repeat.
-        fwd = _non_decreasing([statistics.median(f_times[m]) for m in ms])
-        bwd = _non_decreasing([statistics.median([fb - f for f, fb in
-                                                  zip(f_times[m], fb_times[m])]) for m in ms])
-        bwd = [max(b, 1e-9) for b in bwd]
+        fwd = _non_decreasing([fwd_med[m] for m in ms])
+        bwd = _non_decreasing([bwd_med[m] for m in ms])
         mem = [_compute_memory(staged, inputs[m][1], inputs[m][0], inputs[m][2], inputs[m][3],
                                device, params) for m in ms]
         if config.progress:
@@ -590,8 +649,11 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
         # one at every collective. Without it a fast rank would finish early and the slow rank
         # would be profiled alone, faster than it will train.
         barrier = (lambda: dist.barrier(group)) if world_size > 1 else None
+        any_rank = (lambda flag: not _all_ranks(not flag, device, group, world_size)) \
+            if world_size > 1 else None
         dev = measure_device(measured, config, device=device, name=name, capacity_bytes=capacity,
-                             rank=rank, make_microbatch=make_microbatch, before_each=barrier)
+                             rank=rank, make_microbatch=make_microbatch, before_each=barrier,
+                             any_rank=any_rank)
         if store is not None:
             store.put_device(key, dev)
     devices = [DeviceProfile.from_json(d) for d in
