@@ -49,6 +49,24 @@ def test_hf_argument_parser(tmp_path):
         parser.parse_args_into_dataclasses(["--output_dir", "o", "--cephalo_activation_offload", "maybe"])
 
 
+@pytest.mark.parametrize("slowdown, caps", [
+    (["1,3"], ["8e9,4e9"]),               # the form the docs and the env variables use
+    (["1", "3"], ["8e9", "4e9"]),         # one token per rank, 8e9-style whole bytes
+    (["1,", "3"], ["8000000000,", "4e9"]),
+])
+def test_cli_emulation_lists_accept_env_forms(tmp_path, slowdown, caps):
+    parser = HfArgumentParser(CephaloTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path / "o"), "--report_to", "none",
+        "--cephalo_emulate_slowdown", *slowdown, "--cephalo_emulate_memory_cap_bytes", *caps])
+    assert args.cephalo_emulate_slowdown == [1.0, 3.0]
+    assert args.cephalo_emulate_memory_cap_bytes == [8_000_000_000, 4_000_000_000]
+    assert all(type(x) is int for x in args.cephalo_emulate_memory_cap_bytes)
+    with pytest.raises(ValueError, match="emulate_memory_cap_bytes.*whole numbers"):
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path / "o"), "--report_to", "none",
+                                            "--cephalo_emulate_memory_cap_bytes", "1.5e0,2"])
+
+
 def test_env_fallbacks_and_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_CEPHALO_GLOBAL_BATCH_SIZE", "24")
     monkeypatch.setenv("HF_CEPHALO_MEMORY_FRACTION", "0.6")

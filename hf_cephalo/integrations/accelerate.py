@@ -58,8 +58,11 @@ def env_name(name: str) -> str:
 
 
 def _parse_list(value: Any, cast: type, what: str) -> list:
-    """'1,2.5' or '1 2.5' or [1, 2.5] -> list of ``cast`` (float or int); ValueError naming ``what``."""
-    items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    """'1,2.5', '1 2.5', [1, 2.5] or ['1,2.5'] (command-line tokens) -> list of ``cast`` (float
+    or int; '8e9' is a whole number of bytes); ValueError naming ``what``."""
+    parts = [value] if isinstance(value, str) else list(value)
+    items = [x for part in parts
+             for x in (part.replace(",", " ").split() if isinstance(part, str) else [part])]
     try:
         numbers = [float(x) for x in items]
     except (TypeError, ValueError):

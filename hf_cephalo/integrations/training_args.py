@@ -68,14 +68,17 @@ class CephaloTrainingArguments(TrainingArguments):
     cephalo_activation_offload: Literal["on", "off", "auto"] | None = field(default=None, metadata={
         "help": ("Offload checkpointed boundary activations to pinned CPU memory: 'on', 'off', or "
                  "'auto' (on for CUDA, off on CPU). Default 'auto'. Env: HF_CEPHALO_ACTIVATION_OFFLOAD.")})
-    cephalo_emulate_slowdown: list[float] | None = field(default=None, metadata={"help": (
+    # Both emulation lists are declared list[str] so that the command line takes '1,3' and '8e9'
+    # as well as '1 3' (HfArgumentParser would apply float/int to each token); __post_init__
+    # normalizes them to list[float] (slowdown) and list[int] (bytes), like the env fallbacks.
+    cephalo_emulate_slowdown: list[str] | None = field(default=None, metadata={"help": (
         "Emulate a heterogeneous cluster on identical devices: per-rank compute slowdown factors "
         "(dimensionless, >= 1; 2.0 = each unit's compute takes twice as long), one per rank in "
-        "rank order. Env: HF_CEPHALO_EMULATE_SLOWDOWN='1,2'.")})
-    cephalo_emulate_memory_cap_bytes: list[int] | None = field(default=None, metadata={"help": (
-        "Emulated per-rank memory capacity in bytes (> 0), one per rank in rank order; the planner "
-        "uses it instead of the device's real capacity. Env: "
-        "HF_CEPHALO_EMULATE_MEMORY_CAP_BYTES='8e9,4e9'.")})
+        "rank order: '1,3' or '1 3'. Env: HF_CEPHALO_EMULATE_SLOWDOWN='1,3'.")})
+    cephalo_emulate_memory_cap_bytes: list[str] | None = field(default=None, metadata={"help": (
+        "Emulated per-rank memory capacity in bytes (> 0, whole numbers; 8e9 allowed), one per rank "
+        "in rank order: '8e9,4e9' or '8e9 4e9'; the planner uses it instead of the device's real "
+        "capacity. Env: HF_CEPHALO_EMULATE_MEMORY_CAP_BYTES='8e9,4e9'.")})
 
     def __post_init__(self) -> None:
         self._resolve_cephalo_fields()
