@@ -231,3 +231,35 @@ def test_rejects_bad_setup(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no adapter|not supported|supported"):
         CephaloTrainer(model=torch.nn.Linear(2, 2), args=args)
     assert not torch.distributed.is_initialized()
+
+
+def test_emulated_cap_enforced_for_plan_without_predicted_memory(tmp_path, monkeypatch):
+    """A hand-made plan file (no predicted_memory_bytes) is still held to the emulated memory cap:
+    at least r_i × S (the rank's training-state shard) must fit, checked before any collective."""
+    from hf_cephalo.integrations.auto_plan import check_state_fits_caps
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import Plan
+    from hf_cephalo.profiler.emulate import EmulatedOutOfMemoryError
+
+    for name in ("PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE", "EMULATE_SLOWDOWN",
+                 "EMULATE_MEMORY_CAP_BYTES"):
+        monkeypatch.delenv("HF_CEPHALO_" + name, raising=False)
+    plan = Plan.from_ratios([2, 4], [1, 2], [0.6, 0.4])
+    assert all(r.predicted_memory_bytes is None for r in plan.ranks)
+    check_state_fits_caps(plan, 1000.0, [600, None])  # 0.6 x 1000 fits exactly
+    with pytest.raises(EmulatedOutOfMemoryError,
+                       match=r"rank 1 holds 40\.00% of the training state = 400 bytes .* "
+                             r"emulated cap is 100 bytes"):
+        check_state_fits_caps(plan, 1000.0, [None, 100])
+
+    one = Plan.from_ratios([4], [2], [1.0])
+    one.save(tmp_path / "plan.json")
+    args = CephaloTrainingArguments(output_dir=str(tmp_path / "out"), report_to="none",
+                                    cephalo_plan_file=str(tmp_path / "plan.json"),
+                                    cephalo_emulate_memory_cap_bytes=[100_000])
+    with pytest.raises(EmulatedOutOfMemoryError,
+                       match=r"rank 0 holds 100\.00% of the training state = \d+ bytes .* "
+                             r"emulated cap is 100000 bytes"):
+        CephaloTrainer(model=build("llama"), args=args)
+    assert not torch.distributed.is_initialized()

@@ -9,6 +9,7 @@ _EXPORTS = {
     # trainer
     "CephaloTrainer": "trainer",
     "format_plan_table": "trainer",
+    "format_loss_trend": "trainer",
     # training_args
     "CephaloTrainingArguments": "training_args",
     # accelerate
@@ -23,6 +24,7 @@ _EXPORTS = {
     "wrap_staged": "auto_plan",
     "PlanAccuracyCallback": "auto_plan",
     "format_accuracy_table": "auto_plan",
+    "check_state_fits_caps": "auto_plan",
     # sampler
     "WeightedBatchSampler": "sampler",
     "MicrobatchCollator": "sampler",

@@ -38,15 +38,16 @@ from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import Plan, optimize, predict
 from hf_cephalo.planner import cost
 from hf_cephalo.profiler.emulate import (EmulatedStagedModel, EmulationConfig, apply_memory_cap,
-                                         check_plan_memory, emulated_device_name)
+                                         EmulatedOutOfMemoryError, check_plan_memory,
+                                         emulated_device_name)
 from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches, local_device_name,
                                          model_dtype, model_profile, profile_cluster,
                                          sequence_length_of)
-from hf_cephalo.profiler.cache import model_fingerprint
+from hf_cephalo.profiler.cache import model_description, model_fingerprint
 from hf_cephalo.profiler.types import ClusterProfile
 
 __all__ = ["ResolvedPlan", "resolve_plan_for_model", "wrap_staged", "PlanAccuracyCallback",
-           "format_accuracy_table"]
+           "format_accuracy_table", "check_state_fits_caps"]
 
 logger = logging.getLogger(__name__)
 GIB = float(1 << 30)
@@ -126,6 +127,7 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
         plan = Plan.load(args.cephalo_plan_file)
         plan.validate_for(world_size, model_profile(staged))
         args.resolve_global_batch_size(world_size, plan.global_batch_size)
+        check_state_fits_caps(plan, model_profile(staged).state_bytes, caps)
         if all(r.predicted_memory_bytes is not None for r in plan.ranks):
             check_plan_memory([r.predicted_memory_bytes for r in plan.ranks], caps)
         return ResolvedPlan(plan, None)
@@ -143,6 +145,35 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
     return ResolvedPlan(plan, cluster)
 
 
+def check_state_fits_caps(plan: Plan, state_bytes: float, caps: list[float | None]) -> None:
+    """Raise ``EmulatedOutOfMemoryError`` if a rank's training-state shard exceeds its emulated cap.
+
+    The lower bound of a rank's memory that every plan has, predicted memory or not: its share
+    r_i of the training state, r_i × S bytes (S = parameters, gradients and Adam moments, paper
+    §2.4 M_state = 16·|P| in fp32; ``ModelProfile.state_bytes``). A hand-made plan file carries no
+    ``predicted_memory_bytes``, so without this bound an emulated cap would not be enforced.
+    Every rank evaluates the same lists, so every rank raises the same error before any
+    collective.
+
+    Args:
+        plan: the job's plan (r_i per rank).
+        state_bytes: S, bytes of the whole training state.
+        caps: per rank, emulated capacity in bytes, or None (not emulated).
+    """
+    over = [(r.rank, r.state_ratio, r.state_ratio * state_bytes, cap)
+            for r, cap in zip(plan.ranks, caps)
+            if cap is not None and r.state_ratio * state_bytes > cap]
+    if over:
+        detail = "; ".join(
+            f"rank {rank} holds {100 * ratio:.2f}% of the training state = {need:.0f} bytes "
+            f"({need / GIB:.3f} GiB, r_i x S with S = {state_bytes:.0f} bytes) but its emulated cap "
+            f"is {cap:.0f} bytes ({cap / GIB:.3f} GiB)" for rank, ratio, need, cap in over)
+        raise EmulatedOutOfMemoryError(
+            f"emulated out of memory: {detail}, before counting activations. Give these ranks a "
+            "smaller state share r_i (re-plan, e.g. drop cephalo_plan_file so the trainer plans "
+            "for the caps) or raise cephalo_emulate_memory_cap_bytes")
+
+
 def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterProfile:
     """The given profile file (checked against this job) or a fresh/cached measurement."""
     if args.cephalo_profile_file is None:
@@ -153,7 +184,10 @@ def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterPr
     check_profile_matches(cluster, model_profile(staged), names,
                           source=f"cephalo_profile_file {args.cephalo_profile_file!r}",
                           dtype=str(model_dtype(staged)).replace("torch.", ""),
-                          fingerprint=model_fingerprint(staged.model))
+                          fingerprint=model_fingerprint(staged.model),
+                          description=model_description(staged.model),
+                          sequence_length=None if train_dataset is None else
+                          sequence_length_of(train_dataset, None))
     return cluster
 
 

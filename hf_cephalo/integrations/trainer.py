@@ -38,9 +38,13 @@ callbacks — is the Trainer's own):
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import itertools
 import logging
-from typing import Any
+import os
+import sys
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -58,7 +62,7 @@ from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 from hf_cephalo.models import stage_model
 from hf_cephalo.planner import Plan
 
-__all__ = ["CephaloTrainer", "format_plan_table"]
+__all__ = ["CephaloTrainer", "format_plan_table", "format_loss_trend"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,24 @@ def format_plan_table(plan: Plan) -> str:
         rows.append(f"{r.rank:>4} {r.device:<{width}} {r.batch_size:>5} {r.microbatch_size:>5} "
                     f"{r.num_microbatches:>5} {100 * r.state_ratio:>7.2f}")
     return "\n".join(rows)
+
+
+def format_loss_trend(losses: Sequence[float]) -> str:
+    """One line on the logged training losses (the per-logging-step item means, as logged).
+
+    ``"first 5.1234 -> last 3.2100 (went down; 6 logged values)"``; with fewer than two values the
+    trend cannot be told and the line says so instead of calling it a failure.
+
+    Raises:
+        ValueError: ``losses`` is empty.
+    """
+    if not losses:
+        raise ValueError("format_loss_trend needs at least one logged loss")
+    if len(losses) < 2:
+        return (f"{losses[0]:.4f} (too few logged values to tell a trend: 1 logged value; "
+                "log more often with --logging_steps)")
+    trend = "went down" if losses[-1] < losses[0] else "DID NOT go down"
+    return f"first {losses[0]:.4f} -> last {losses[-1]:.4f} ({trend}; {len(losses)} logged values)"
 
 
 class _EpochDataLoader(DataLoader):
@@ -134,6 +156,7 @@ class CephaloTrainer(Trainer):
         staged = wrap_staged(staged, args, world_size)  # emulated slowdown / compute timing
         super().__init__(model=model, args=args, **kwargs)
         _ensure_process_group(args.device)
+        _register_exit_teardown()  # ends the process group cleanly if the script does not
         self.engine = CephaloEngine(staged, self.plan.state_ratios, device=args.device,
                                     offload_activations=args.cephalo_offload_activations)
         self.accelerator.attach_engine(self.engine)
@@ -247,7 +270,18 @@ class CephaloTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """Stock ``Trainer.train``; ``resume_from_checkpoint`` (a path, or True for the last
         complete ``checkpoint-N`` in ``output_dir``) loads the sharded state re-laid for this
-        plan and world size (see ``_load_from_checkpoint``)."""
+        plan and world size (see ``_load_from_checkpoint``). The strings ``"true"`` / ``"false"``
+        (what ``--resume_from_checkpoint`` gives a script) mean True / no resume unless a
+        directory of that name exists, so scripts can pass ``args.resume_from_checkpoint`` as is.
+
+        Raises:
+            CheckpointError: the checkpoint is missing, incomplete, corrupt or of another model.
+            ValueError: True but ``output_dir`` holds no checkpoint.
+        """
+        if isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
+            flag = resume_from_checkpoint.strip().lower()
+            if flag in ("true", "false"):
+                resume_from_checkpoint = flag == "true" or None
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
@@ -428,3 +462,43 @@ def _ensure_process_group(device: torch.device) -> None:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+EXIT_BARRIER_TIMEOUT_S = 120.0  # seconds the exit barrier waits for the other ranks (gloo)
+_exit_teardown_registered = False
+
+
+def _register_exit_teardown() -> None:
+    """Register (once per process) ``_teardown_process_group_at_exit`` with ``atexit``."""
+    global _exit_teardown_registered
+    if not _exit_teardown_registered:
+        atexit.register(_teardown_process_group_at_exit)
+        _exit_teardown_registered = True
+
+
+def _teardown_process_group_at_exit() -> None:
+    """Barrier, then ``destroy_process_group``, when a script ends without
+    ``accelerator.end_training()``.
+
+    Without it every process group (and gloo's worker and TCPStore threads) is left to interpreter
+    teardown: rank 0, which hosts the TCPStore, can exit while rank 1 still talks to it, and a
+    still-joinable C++ thread destroyed at exit aborts rank 1 (``terminate called without an
+    active exception``, exit code -6). The barrier lets no rank tear down while another still
+    sends; on gloo it is a ``monitored_barrier`` bounded by ``EXIT_BARRIER_TIMEOUT_S`` seconds. A
+    process ending with an uncaught exception skips the barrier (the other ranks may be inside a
+    collective it would never match) and leaves the group to the launcher, as before.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # the script called end_training() / destroy_process_group() itself
+    if getattr(sys, "last_value", None) is not None:
+        return  # uncaught exception: do not start a collective that may never complete
+    try:
+        if dist.get_world_size() > 1:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_BARRIER_TIMEOUT_S))
+            else:
+                dist.barrier()
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - at exit, report and let the process end
+        print(f"hf_cephalo: could not end the process group cleanly at exit: {exc}",
+              file=sys.stderr, flush=True)
