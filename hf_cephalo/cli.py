@@ -18,9 +18,6 @@ from typing import Callable, NamedTuple, Sequence
 
 __all__ = ["main", "register_subcommand", "SUBCOMMANDS"]
 
-GIB = float(1 << 30)
-
-
 class Subcommand(NamedTuple):
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
@@ -65,9 +62,23 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="write a PNG: per-GPU batch share and state share")
 
 
+def _require_matplotlib(flag: str = "--plot") -> None:
+    """ValueError with the install hint when matplotlib is missing (checked before solving)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{flag} needs matplotlib, which is not installed; "
+                         "pip install 'hf-cephalo[plot]' (or drop --plot)") from None
+
+
 def _load_cluster(args: argparse.Namespace):
     if args.profile:
         from hf_cephalo.profiler.types import ClusterProfile
+
+        if args.model:
+            raise ValueError(f"--model {args.model} applies only to --cluster estimates; the "
+                             f"profile {args.profile} already fixes the model (drop --model, or "
+                             "use --cluster with --model)")
 
         return ClusterProfile.load(args.profile)
     if not args.model:
@@ -80,15 +91,21 @@ def _load_cluster(args: argparse.Namespace):
 
 
 def format_plan_table(plan, prediction) -> str:
-    """The per-rank table printed by ``hf-cephalo plan``."""
-    head = (f"{'rank':>4}  {'device':<10} {'b_i':>5} {'m_i':>4} {'l_i':>4} {'r_i':>7}  "
-            f"{'memory used / cap (GiB)':>23}  {'unit time (ms)':>14}")
+    """The per-rank table printed by ``hf-cephalo plan``; columns are sized to their values."""
+    from hf_cephalo.profiler.types import format_bytes
+
+    mems = [f"{format_bytes(p.memory_bytes)} / {format_bytes(p.cap_bytes)}"
+            for p in prediction.ranks]
+    wd = max([len("device")] + [len(r.device) for r in plan.ranks])
+    wb = max([5] + [len(str(r.batch_size)) for r in plan.ranks])
+    wm = max([len("memory used / cap")] + [len(m) for m in mems])
+    head = (f"{'rank':>4}  {'device':<{wd}} {'b_i':>{wb}} {'m_i':>4} {'l_i':>4} {'r_i':>7}  "
+            f"{'memory used / cap':>{wm}}  {'unit time (ms)':>14}")
     lines = [head, "-" * len(head)]
-    for r, p in zip(plan.ranks, prediction.ranks):
-        mem = f"{p.memory_bytes / GIB:8.2f} / {p.cap_bytes / GIB:8.2f}"
-        lines.append(f"{r.rank:>4}  {r.device:<10} {r.batch_size:>5} {r.microbatch_size:>4} "
-                     f"{r.num_microbatches:>4} {r.state_ratio:>7.4f}  {mem:>23}  "
-                     f"{p.unit_time_s * 1e3:>14.2f}")
+    for r, p, mem in zip(plan.ranks, prediction.ranks, mems):
+        lines.append(f"{r.rank:>4}  {r.device:<{wd}} {r.batch_size:>{wb}} "
+                     f"{r.microbatch_size:>4} {r.num_microbatches:>4} {r.state_ratio:>7.4f}  "
+                     f"{mem:>{wm}}  {p.unit_time_s * 1e3:>14.2f}")
     return "\n".join(lines)
 
 
@@ -119,7 +136,10 @@ def plot_plan(plan, path: str) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from hf_cephalo.planner.optimize import optimize
     from hf_cephalo.planner.simulate import predict
+    from hf_cephalo.profiler.types import format_bytes
 
+    if args.plot:
+        _require_matplotlib()
     cluster = _load_cluster(args)
     if args.save_profile:
         cluster.save(args.save_profile)
@@ -127,7 +147,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                     allow_idle=not args.no_idle)
     pred = predict(plan, cluster)
     print(f"profile: {cluster.source}, model {cluster.model.name}, "
-          f"{cluster.world_size} ranks, training state {cluster.model.state_bytes / GIB:.1f} GiB")
+          f"{cluster.world_size} ranks, training state {format_bytes(cluster.model.state_bytes)}")
     if cluster.source != "measured":
         print("note: spec-sheet estimates; measured profiles (hf-cephalo profile) replace them")
     print(format_plan_table(plan, pred))
@@ -190,7 +210,15 @@ def _peak_flops(cluster, precision: str):
 
 def _run_simulate(args: argparse.Namespace) -> int:
     from hf_cephalo.planner import simulate
+    from hf_cephalo.planner.optimize import check_problem_size
+    from hf_cephalo.profiler.types import format_bytes
 
+    bad = [B for B in args.global_batch_size if B < 1]
+    if bad:
+        raise ValueError(f"global batch size must be an integer >= 1, got {bad[0]} "
+                         f"(in -B {' '.join(map(str, args.global_batch_size))})")
+    if args.plot:
+        _require_matplotlib()
     if args.gpu_types and not args.cluster:
         raise ValueError("--gpu-types needs --cluster (a measured profile fixes its ranks)")
     if args.gpu_types:
@@ -202,6 +230,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
                                            efficiency=args.efficiency, precision=args.precision)
     else:
         cluster = _load_cluster(args)
+    for B in args.global_batch_size:  # refuse any too-large B before printing any table
+        check_problem_size(cluster, B, args.memory_fraction)
     peaks = _peak_flops(cluster, args.precision)
     name = cluster.extra.get("cluster", "cluster")
     counts: dict[str, int] = {}
@@ -209,7 +239,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         counts[d.name] = counts.get(d.name, 0) + 1
     print(f"profile: {cluster.source}, model {cluster.model.name}, {name}: {cluster.world_size} "
           f"ranks ({', '.join(f'{k} x {t}' for t, k in counts.items())}), training state "
-          f"{cluster.model.state_bytes / GIB:.1f} GiB, memory fraction {args.memory_fraction}")
+          f"{format_bytes(cluster.model.state_bytes)}, memory fraction {args.memory_fraction}")
     if cluster.source != "measured":
         print("note: spec-sheet estimates; measured profiles (hf-cephalo profile) replace them")
     results = {}
@@ -293,6 +323,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     from hf_cephalo.profiler.cache import ProfileCache
     from hf_cephalo.profiler.emulate import EmulationConfig
     from hf_cephalo.profiler.measure import MeasureConfig, build_model_from_config, profile_cluster
+    from hf_cephalo.profiler.types import format_bytes
 
     config = MeasureConfig(max_microbatch_size=args.max_microbatch_size,
                            sequence_length=args.sequence_length, repeats=args.repeats)
@@ -325,7 +356,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         for i, d in enumerate(cluster.devices):
             print(f"rank {i} {d.name}: m=1 fwd {d.fwd_s[0] * 1e3:.2f} ms bwd {d.bwd_s[0] * 1e3:.2f} ms, "
                   f"m={d.microbatch_sizes[-1]} fwd {d.fwd_s[-1] * 1e3:.2f} ms bwd "
-                  f"{d.bwd_s[-1] * 1e3:.2f} ms, compute memory {d.compute_memory_bytes[-1] / GIB:.3f} GiB")
+                  f"{d.bwd_s[-1] * 1e3:.2f} ms, compute memory {format_bytes(d.compute_memory_bytes[-1])}")
         print(f"cluster profile written to {args.out}")
     return 0
 

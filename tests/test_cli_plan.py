@@ -65,3 +65,69 @@ def test_console_script():
                         "llama-7b", "-B", "512"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("A10G") == 16 and r.stdout.count("T4") == 32
+
+
+def _cluster_yaml(tmp_path, name="c.yaml"):
+    src = Path("examples/clusters/cluster_a.yaml").read_text()
+    path = tmp_path / name
+    path.write_text(src)
+    return path
+
+
+def test_plan_option_validation(tmp_path, capsys, monkeypatch):
+    prof = tmp_path / "profile.json"
+    assert main(["plan", "--cluster", "examples/clusters/cluster_a.yaml", "--model", "llama-3b",
+                 "-B", "16", "--save-profile", str(prof)]) == 0
+    capsys.readouterr()
+    # --model with --profile is an error, not silently ignored
+    assert main(["plan", "--profile", str(prof), "--model", "llama-7b", "-B", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "--model llama-7b applies only to --cluster" in err
+    # absurd B: a clear refusal (the largest B within the limit), nothing printed on stdout
+    assert main(["plan", "--profile", str(prof), "-B", "1000000"]) == 2
+    out, err = capsys.readouterr()
+    assert "global batch size 1000000 is too large" in err and out == ""
+    # --plot without matplotlib: the install hint, before any solving
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["plan", "--profile", str(prof), "-B", "16", "--plot",
+                 str(tmp_path / "p.png")]) == 2
+    out, err = capsys.readouterr()
+    assert "pip install 'hf-cephalo[plot]'" in err and out == ""
+    assert main(["simulate", "--profile", str(prof), "-B", "16", "--plot",
+                 str(tmp_path / "s.png")]) == 2
+    assert "pip install 'hf-cephalo[plot]'" in capsys.readouterr().err
+
+
+def test_simulate_validates_every_batch_size_first(tmp_path, capsys):
+    assert main(["simulate", "--cluster", "examples/clusters/cluster_a.yaml", "--model",
+                 "llama-3b", "-B", "512", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "global batch size must be an integer >= 1, got 0" in err
+    assert main(["simulate", "--cluster", "examples/clusters/cluster_a.yaml", "--model",
+                 "llama-3b", "-B", "64", "100000000"]) == 2
+    out, err = capsys.readouterr()
+    assert "global batch size 100000000 is too large" in err and "global batch size 64" not in out
+
+
+def test_plan_table_aligns_long_device_names():
+    from hf_cephalo.cli import format_plan_table
+    from hf_cephalo.planner.optimize import optimize
+    from hf_cephalo.planner.simulate import predict
+    from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+
+    def dev(name):
+        return DeviceProfile(name=name, memory_capacity_bytes=2**20, microbatch_sizes=[1],
+                             fwd_s=[0.01], bwd_s=[0.02], compute_memory_bytes=[1000.0])
+
+    cluster = ClusterProfile(
+        model=ModelProfile(name="t", num_units=2, params_per_unit=100, params_other=0),
+        devices=[dev("NVIDIA H100 80GB HBM3 (SXM5)"), dev("T4")],
+        comm=CommProfile(allgather_s=0.001, reducescatter_s=0.001))
+    plan = optimize(cluster, 4)
+    table = format_plan_table(plan, predict(plan, cluster))
+    lines = table.splitlines()
+    assert len({len(line) for line in lines}) == 1, table  # every row as wide as the header
+    col = lines[0].index("b_i")
+    for line in lines[2:]:
+        assert line[col + len("b_i") - 1] != " ", table  # b_i right-aligned under its header
+    assert "2.5 KiB / 819.2 KiB" in table  # tiny memory in readable units, not 0.00

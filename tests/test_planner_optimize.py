@@ -1,5 +1,8 @@
 """Exactness of the optimizer: brute force, the paper's recurrence, the public 24/12 GB failure."""
 
+import dataclasses
+import importlib
+
 import numpy as np
 import pytest
 
@@ -185,3 +188,64 @@ def test_idle_rank_is_allowed_and_priced():
     small = plan.ranks[1]
     assert (small.microbatch_size, small.num_microbatches) == (0, 0)
     assert small.state_ratio > 0  # an idle rank still holds state
+
+
+def _spec_cluster(copies):
+    from hf_cephalo.profiler.specs import ClusterSpec, estimate_cluster_profile
+
+    machines = ([["A10G"] * 8] * 2 + [["V100-16GB"] * 8] * 2 + [["T4"] * 8] * 4) * copies
+    return estimate_cluster_profile(ClusterSpec(name="b", machines=machines,
+                                                interconnect_gbps=100), "gpt-6.7b")
+
+
+def test_too_large_instances_are_refused_upfront():
+    opt = importlib.import_module("hf_cephalo.planner.optimize")
+    from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
+
+    cluster = estimate_cluster_profile(load_cluster_yaml("examples/clusters/cluster_a.yaml"),
+                                       "llama-3b")
+    # Absurd B: refused from closed-form estimates, before anything of size B is allocated
+    # (without the check this raised MemoryError or ran out of memory).
+    for B in (10**15, 10**8, 10**6):
+        with pytest.raises(ValueError) as e:
+            optimize(cluster, B)
+        msg = str(e.value)
+        assert f"global batch size {B} is too large" in msg and "8 ranks" in msg
+        assert "limit" in msg and "MAX_SOLVER_WORK" in msg
+    largest = int(msg.split("limits for this cluster is ")[1].split(".")[0])
+    assert 10**4 < largest < 10**6
+    opt.check_problem_size(cluster, largest)
+    with pytest.raises(ValueError, match="too large"):
+        opt.check_problem_size(cluster, largest + 1)
+    # The documented targets stay inside the limits: 512 GPUs at B = 4096, and 512 ranks
+    # whose measured profiles all differ (no grouping of identical devices).
+    big = _spec_cluster(8)
+    opt.check_problem_size(big, 4096)
+    big.devices = [dataclasses.replace(d, fwd_s=[f * (1 + 1e-4 * i) for f in d.fwd_s])
+                   for i, d in enumerate(big.devices)]
+    assert len(opt._groups(big)) == 512
+    opt.check_problem_size(big, 4096)
+    work, mem = opt.estimate_problem_size(big, 4096)
+    assert work <= opt.MAX_SOLVER_WORK and mem <= opt.MAX_SOLVER_MEMORY_BYTES
+
+
+def test_problem_size_limit_is_the_module_constant(monkeypatch):
+    opt = importlib.import_module("hf_cephalo.planner.optimize")
+
+    cluster = _two_card_cluster()
+    optimize(cluster, 64)
+    monkeypatch.setattr(opt, "MAX_SOLVER_WORK", 1.0)
+    with pytest.raises(ValueError, match=r"global batch size 64 is too large .*limit 1"):
+        optimize(cluster, 64)
+
+
+def test_error_messages_use_adaptive_units():
+    dev = DeviceProfile(name="tiny", memory_capacity_bytes=100_000, microbatch_sizes=[1, 2],
+                        fwd_s=[0.01, 0.02], bwd_s=[0.02, 0.04],
+                        compute_memory_bytes=[200_000, 300_000])
+    cluster = ClusterProfile(model=ModelProfile(name="t", num_units=1, params_per_unit=10,
+                                                params_other=0),
+                             devices=[dev], comm=CommProfile(allgather_s=0.0, reducescatter_s=0.0))
+    with pytest.raises(InfeasiblePlanError,
+                       match=r"microbatch size 1 needs 195\.3 KiB, cap 78\.1 KiB"):
+        optimize(cluster, 4)

@@ -85,3 +85,18 @@ def test_load_rejects_garbage(tmp_path):
     path.write_text(json.dumps({"ranks": []}))
     with pytest.raises(ValueError, match="global_batch_size"):
         Plan.load(path)
+
+
+def test_microbatch_zero_with_samples_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"batch_size 6 needs microbatch_size >= 1, got 0") as e:
+        RankPlan(rank=0, batch_size=6, microbatch_size=0, num_microbatches=0, state_ratio=1.0)
+    assert "ceil" not in str(e.value)
+
+
+def test_unknown_plan_format_is_refused():
+    data = Plan.even(2, 8).to_json()
+    assert data["format"] == "hf_cephalo.plan/1"
+    Plan.from_json(data)
+    data["format"] = "hf_cephalo.plan/9"
+    with pytest.raises(ValueError, match=r"format 'hf_cephalo\.plan/9' is not supported"):
+        Plan.from_json(data)

@@ -127,3 +127,39 @@ def test_planner_does_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch imported'; "
             "assert 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_unknown_profile_format_is_refused():
+    data = _cluster_json()
+    data["format"] = "hf_cephalo.cluster_profile/2"
+    with pytest.raises(ValueError, match=r"format 'hf_cephalo\.cluster_profile/2' is not "
+                                         r"supported.*'hf_cephalo\.cluster_profile/1'"):
+        ClusterProfile.from_json(data)
+    data["format"] = "hf_cephalo.cluster_profile/1"
+    ClusterProfile.from_json(data)
+    del data["format"]  # files written before the field existed still load
+    ClusterProfile.from_json(data)
+
+
+def test_times_decreasing_in_m_warn_but_load():
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"fwd_s decreases with the microbatch size at m=2->4"):
+        d = DeviceProfile.from_json(_device_json(fwd_s=[0.01, 0.015, 0.012]))
+    assert d.fwd_s == [0.01, 0.015, 0.012]  # measured values are kept as given
+    with pytest.warns(UserWarning, match=r"bwd_s decreases .* m=1->2"):
+        DeviceProfile.from_json(_device_json(bwd_s=[0.02, 0.019, 0.05]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DeviceProfile.from_json(_device_json())  # non-decreasing: silent
+
+
+def test_format_bytes_adaptive_units():
+    from hf_cephalo.profiler.types import format_bytes
+
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(3 * 1024) == "3.0 KiB"
+    assert format_bytes(1.5 * 2**20) == "1.5 MiB"
+    assert format_bytes(40 * 2**30) == "40.0 GiB"
+    assert format_bytes(2**41) == "2.0 TiB"

@@ -40,9 +40,10 @@ import numpy as np
 from hf_cephalo.planner import cost
 from hf_cephalo.planner.state import partition_state
 from hf_cephalo.planner.types import Plan, RankPlan
-from hf_cephalo.profiler.types import ClusterProfile, DeviceProfile
+from hf_cephalo.profiler.types import ClusterProfile, DeviceProfile, format_bytes
 
-__all__ = ["optimize", "solve_assignment", "Assignment", "InfeasiblePlanError"]
+__all__ = ["optimize", "solve_assignment", "Assignment", "InfeasiblePlanError",
+           "check_problem_size", "estimate_problem_size", "format_bytes"]
 
 GIB = float(1 << 30)
 _MEM_RTOL = 1e-12
@@ -283,13 +284,85 @@ def _check_inputs(cluster: ClusterProfile, B: int, c: float) -> None:
         raise ValueError(f"memory fraction must be in (0, 1], got {c!r}")
 
 
+# Upfront size limits of one solve (see ``check_problem_size``). Calibrated on 2 CPU cores:
+# 2e10 work units is about 10-30 s; the options arrays are the solver's dominant memory.
+MAX_SOLVER_WORK = 2e10
+MAX_SOLVER_MEMORY_BYTES = 4 * (1 << 30)
+_BYTES_PER_OPTION = 96  # retained (b, m, l, t, mem) in 2 cases + construction temporaries
+_PY_CALL_WORK = 3000  # one min-plus row update (a NumPy call) in element operations
+
+
+def _num_convolutions(groups: list[list[int]]) -> int:
+    """Semiring convolutions in one feasibility check's tree (doubling per group + joins)."""
+    return sum(len(g).bit_length() - 1 + bin(len(g)).count("1") - 1 for g in groups) + \
+        len(groups) - 1
+
+
+def estimate_problem_size(cluster: ClusterProfile, global_batch_size: int,
+                          memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION) -> tuple[float, float]:
+    """(work, memory bytes) upper estimates of one ``solve_assignment`` call, in closed form.
+
+    work: element operations of one min-plus feasibility check, convolutions × (B²/2 + a
+    per-row NumPy call cost × B) plus the (l, m) options scanned. memory: the (l, m) options of
+    every device type in both cases; per type K ≤ B·(ln m_max + 1) options, m_max the largest
+    microbatch size whose compute memory fits c·C_i (linear memory model, ``cost.memory_line``).
+    Nothing of size B is allocated, so absurd B are estimated instantly.
+    """
+    B = int(global_batch_size)
+    groups = _groups(cluster)
+    options = 0.0
+    for g in groups:
+        d = cluster.devices[g[0]]
+        slope, intercept = cost.memory_line(d)
+        cap = memory_fraction * d.memory_capacity_bytes
+        m_max = float(B) if slope <= 0 else min(float(B), max(0.0, (cap - intercept) / slope))
+        if m_max >= 1:
+            options += B * (np.log(m_max) + 1.0)
+    convs = _num_convolutions(groups)
+    work = convs * (B * B / 2.0 + _PY_CALL_WORK * B) + options
+    return work, options * _BYTES_PER_OPTION
+
+
+def check_problem_size(cluster: ClusterProfile, global_batch_size: int,
+                       memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION) -> None:
+    """Refuse instances whose solve would take minutes or exhaust memory (before allocating).
+
+    Limits: ``MAX_SOLVER_WORK`` element operations per feasibility check and
+    ``MAX_SOLVER_MEMORY_BYTES`` (module constants; raise them to accept a longer solve).
+    Work grows as B² × (convolutions, ~ number of device types × log2 ranks per type).
+
+    Raises:
+        ValueError: the estimate exceeds a limit; the message gives B, the estimate, the
+            limit and the largest B within it.
+    """
+    B = int(global_batch_size)
+    work, mem = estimate_problem_size(cluster, B, memory_fraction)
+    if work <= MAX_SOLVER_WORK and mem <= MAX_SOLVER_MEMORY_BYTES:
+        return
+    lo, hi = 1, B  # largest B within both limits (both estimates grow with B)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        w, m = estimate_problem_size(cluster, mid, memory_fraction)
+        lo, hi = (mid, hi) if w <= MAX_SOLVER_WORK and m <= MAX_SOLVER_MEMORY_BYTES else \
+            (lo, mid - 1)
+    what = (f"~{work:.2g} operations per feasibility check (limit {MAX_SOLVER_WORK:.2g})"
+            if work > MAX_SOLVER_WORK else
+            f"~{format_bytes(mem)} of solver memory (limit {format_bytes(MAX_SOLVER_MEMORY_BYTES)})")
+    raise ValueError(
+        f"global batch size {B} is too large to plan exactly for {cluster.world_size} ranks "
+        f"({len(_groups(cluster))} device profiles): it needs {what}; the largest global batch "
+        f"size within the limits for this cluster is {lo}. Plan a smaller global batch size "
+        "(or raise hf_cephalo.planner.optimize.MAX_SOLVER_WORK / MAX_SOLVER_MEMORY_BYTES to "
+        "accept a longer solve)")
+
+
 def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool) -> str:
     """Name the binding constraint of an infeasible problem."""
     devs = cluster.devices
     need1 = [float(cost.compute_memory_bytes(d, 1)) for d in devs]
     too_big = [i for i, d in enumerate(devs) if need1[i] > c * d.memory_capacity_bytes]
-    msgs = [f"rank {i} ({devs[i].name}): microbatch size 1 needs {need1[i] / GIB:.1f} GiB, "
-            f"cap {c * devs[i].memory_capacity_bytes / GIB:.1f} GiB" for i in too_big]
+    msgs = [f"rank {i} ({devs[i].name}): microbatch size 1 needs {format_bytes(need1[i])}, "
+            f"cap {format_bytes(c * devs[i].memory_capacity_bytes)}" for i in too_big]
     if too_big and (not allow_idle or len(too_big) == len(devs)):
         return "; ".join(msgs)
     if not allow_idle and B < len(devs):
@@ -301,8 +374,8 @@ def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool) -> st
     min_compute = float(relaxed.tree(np.inf, minplus=True).table[B])
     if not np.isfinite(min_compute):
         return "no rank can take a microbatch: " + "; ".join(msgs)
-    return (f"aggregate memory: model state {S / GIB:.1f} GiB + compute "
-            f"{min_compute / GIB:.1f} GiB exceeds {c} × {total / GIB:.1f} GiB")
+    return (f"aggregate memory: model state {format_bytes(S)} + compute "
+            f"{format_bytes(min_compute)} exceeds {c} × {format_bytes(total)}")
 
 
 def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
@@ -313,10 +386,12 @@ def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
     Raises:
         InfeasiblePlanError (a ValueError): no assignment fits; the message names the binding
             constraint (a rank whose microbatch size 1 exceeds its cap, or aggregate memory).
-        ValueError: B < 1, memory_fraction outside (0, 1].
+        ValueError: B < 1, memory_fraction outside (0, 1]; an instance too large to solve
+            within ``MAX_SOLVER_WORK`` / ``MAX_SOLVER_MEMORY_BYTES`` (``check_problem_size``).
     """
     B, c = global_batch_size, memory_fraction
     _check_inputs(cluster, B, c)
+    check_problem_size(cluster, B, c)
     groups = _groups(cluster)
     even = _Case(cluster, groups, B, c, False, allow_idle)
     t_even = even.solve(np.inf)

@@ -19,7 +19,9 @@ from typing import Any, Mapping, Sequence
 
 from hf_cephalo.profiler.types import ModelProfile, read_json_file, write_json_file
 
-__all__ = ["RankPlan", "Plan"]
+__all__ = ["RankPlan", "Plan", "PLAN_FORMAT"]
+
+PLAN_FORMAT = "hf_cephalo.plan/1"
 
 _RATIO_TOL = 1e-6
 
@@ -59,7 +61,10 @@ class RankPlan:
             if m != 0 or l != 0:
                 raise ValueError(f"{who}: batch_size 0 needs microbatch_size 0 and "
                                  f"num_microbatches 0, got m={m}, l={l}")
-        elif m == 0 or l != math.ceil(b / m):
+        elif m == 0:
+            raise ValueError(f"{who}: batch_size {b} needs microbatch_size >= 1, got 0 "
+                             "(only an idle rank, batch_size 0, has microbatch_size 0)")
+        elif l != math.ceil(b / m):
             raise ValueError(f"{who}: num_microbatches must be ceil(batch_size / microbatch_size)"
                              f" = ceil({b}/{m}), got {l}")
         r = self.state_ratio
@@ -205,13 +210,17 @@ class Plan:
     # --- JSON ------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out["format"] = "hf_cephalo.plan/1"
+        out["format"] = PLAN_FORMAT
         return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Plan":
         if not isinstance(data, Mapping) or "ranks" not in data or "global_batch_size" not in data:
             raise ValueError("plan JSON needs 'global_batch_size' and 'ranks'; see docs/profiles.md")
+        fmt = data.get("format", PLAN_FORMAT)
+        if fmt != PLAN_FORMAT:
+            raise ValueError(f"plan JSON: format {fmt!r} is not supported; this version reads "
+                             f"{PLAN_FORMAT!r} (re-run hf-cephalo plan, or upgrade hf_cephalo)")
         keys = ("rank", "device", "batch_size", "microbatch_size", "num_microbatches",
                 "state_ratio", "predicted_memory_bytes", "memory_capacity_bytes")
         ranks = []

@@ -13,13 +13,26 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["ModelProfile", "DeviceProfile", "CommProfile", "ClusterProfile"]
+__all__ = ["ModelProfile", "DeviceProfile", "CommProfile", "ClusterProfile", "format_bytes",
+           "CLUSTER_PROFILE_FORMAT"]
+
+CLUSTER_PROFILE_FORMAT = "hf_cephalo.cluster_profile/1"
 
 GIB = float(1 << 30)
+
+
+def format_bytes(n: float) -> str:
+    """A byte count in adaptive binary units, one decimal: ``'512 B'``, ``'3.0 KiB'``, ``'1.5 GiB'``."""
+    n = float(n)
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _check_number(owner: str, name: str, value: Any, *, positive: bool = False) -> float:
@@ -159,6 +172,14 @@ class DeviceProfile:
             positive = name != "compute_memory_bytes"
             setattr(self, name, [_check_number(owner, f"{name}[m={m}]", v, positive=positive)
                                  for m, v in zip(ms, values)])
+        for name in ("fwd_s", "bwd_s"):
+            vs = getattr(self, name)
+            drops = [f"m={a}->{b}" for a, b, x, y in zip(ms, ms[1:], vs, vs[1:]) if y < x]
+            if drops:  # measurement noise can do this; the cost model takes any values
+                warnings.warn(f"{owner}: {name} decreases with the microbatch size at "
+                              f"{', '.join(drops)} (values {vs}); likely timing noise -- "
+                              "re-profile with more repeats if the plan looks wrong",
+                              stacklevel=3)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -220,7 +241,7 @@ class ClusterProfile:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": "hf_cephalo.cluster_profile/1",
+            "format": CLUSTER_PROFILE_FORMAT,
             "source": self.source,
             "model": self.model.to_json(),
             "comm": self.comm.to_json(),
@@ -231,6 +252,11 @@ class ClusterProfile:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "ClusterProfile":
         _require_keys("cluster profile", data, ("model", "comm", "devices"))
+        fmt = data.get("format", CLUSTER_PROFILE_FORMAT)
+        if fmt != CLUSTER_PROFILE_FORMAT:
+            raise ValueError(f"cluster profile: format {fmt!r} is not supported; this version "
+                             f"reads {CLUSTER_PROFILE_FORMAT!r} (re-create the profile with "
+                             "hf-cephalo profile, or upgrade hf_cephalo)")
         if not isinstance(data["devices"], list):
             raise ValueError(f"cluster profile: devices must be a list, got {data['devices']!r}")
         return cls(
