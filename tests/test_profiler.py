@@ -15,7 +15,7 @@ import transformers
 
 from hf_cephalo.models import stage_model
 from hf_cephalo.profiler import measure
-from hf_cephalo.profiler.cache import ProfileCache, model_fingerprint
+from hf_cephalo.profiler.cache import ProfileCache, model_description, model_fingerprint
 from hf_cephalo.profiler.emulate import EmulationConfig
 from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches, model_profile,
                                          profile_cluster)
@@ -119,6 +119,18 @@ def test_refuses_profiles_of_other_models_and_devices(tmp_path, monkeypatch):
         check_profile_matches(cluster, model_profile(gpt2), ["cpu"])
     with pytest.raises(ValueError, match="another model configuration"):
         check_profile_matches(cluster, mine, ["cpu"], fingerprint="0" * 20)
+    # The message names the differing fields, not only the hashes.
+    other = _llama(hidden=64)
+    other.config.rms_norm_eps = 0.5  # same shapes, other configuration
+    with pytest.raises(ValueError, match=r"rms_norm_eps: profile 1e-06, this job 0\.5.*"
+                                         r"fingerprint [0-9a-f]+ vs"):
+        check_profile_matches(cluster, mine, ["cpu"], fingerprint=model_fingerprint(other),
+                              description=model_description(other))
+    # Sequence length: compute time and memory scale with it, so another length is refused.
+    check_profile_matches(cluster, mine, ["cpu"], sequence_length=8)
+    with pytest.raises(ValueError, match=r"measured at sequence length 8 but this job trains at "
+                                         r"sequence length 16.*re-profile at 16"):
+        check_profile_matches(cluster, mine, ["cpu"], sequence_length=16)
     with pytest.raises(ValueError, match="measured in float32 but the model's parameters are bfloat16"):
         check_profile_matches(cluster, mine, ["cpu"], dtype="bfloat16")
     with pytest.raises(ValueError, match=r"other devices \(rank 0: profiled 'cpu', this job 'NVIDIA A10G'\)"):
@@ -142,6 +154,15 @@ def test_refuses_profiles_of_other_models_and_devices(tmp_path, monkeypatch):
                                     cephalo_profile_file=str(path))
     with pytest.raises(ValueError, match=f"cephalo_profile_file '{path}' was measured for model"):
         CephaloTrainer(model=llama.model, args=args)
+    # A profile of this model at sequence length 8 is refused for a dataset of 16-token blocks.
+    path = tmp_path / "llama_seq8.json"
+    cluster.save(path)
+    args = CephaloTrainingArguments(output_dir=str(tmp_path / "out"), report_to="none",
+                                    cephalo_profile_file=str(path), per_device_train_batch_size=2)
+    blocks = [{"input_ids": list(range(16)), "labels": list(range(16))} for _ in range(4)]
+    with pytest.raises(ValueError, match="measured at sequence length 8 but this job trains at "
+                                         "sequence length 16"):
+        CephaloTrainer(model=llama.model, args=args, train_dataset=blocks)
     assert not torch.distributed.is_initialized()
 
 

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from hf_cephalo.profiler.types import CommProfile, DeviceProfile
 
-__all__ = ["ProfileCache", "default_cache_dir", "model_fingerprint", "device_key", "comm_key"]
+__all__ = ["ProfileCache", "default_cache_dir", "model_description", "model_fingerprint", "device_key", "comm_key"]
 
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "use_cache",
                          "return_dict", "output_hidden_states", "output_attentions")
@@ -40,18 +40,27 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def model_fingerprint(model: Any) -> str:
-    """A short hash of the model class and shape-defining config (hex string).
+def model_description(model: Any) -> dict[str, Any]:
+    """What ``model_fingerprint`` hashes, JSON-ready: ``{"class": ..., "desc": {...}}``.
 
-    Uses ``model.config.to_dict()`` without volatile keys (checkpoint path, library version,
-    output switches) when the model has a config; else the parameter names and shapes.
+    ``desc`` is ``model.config.to_dict()`` without volatile keys (checkpoint path, library
+    version, output switches) when the model has a config; else the parameter names and shapes.
+    Profiles record it so a mismatch can name the differing fields.
     """
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         desc = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     else:
         desc = {name: list(p.shape) for name, p in model.named_parameters()}
-    return _digest({"class": type(model).__name__, "desc": desc})
+    # Through JSON and back, so a description read from a profile compares equal.
+    return json.loads(json.dumps({"class": type(model).__name__, "desc": desc}, sort_keys=True,
+                                 default=str))
+
+
+def model_fingerprint(model: Any) -> str:
+    """A short hash (hex string) of ``model_description``: the model class and its
+    shape-defining config."""
+    return _digest(model_description(model))
 
 
 def device_key(fingerprint: str, device_name: str, dtype: str, sequence_length: int,

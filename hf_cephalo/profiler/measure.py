@@ -12,7 +12,7 @@ sequence length (synthetic token ids / pixels of the right shape, ``synthetic_mi
   Median of ``repeats`` runs after ``warmup`` runs, the microbatch sizes interleaved in
   rounds; the medians are then fitted non-decreasing in m (``_non_decreasing``: a larger
   microbatch cannot really be faster, so a dip is load noise on a shared machine). A backward
-  median that is not positive or below half the forward is re-measured, then warned about
+  median that is not positive or below a tenth of the forward is re-measured, then warned about
   ([Note: implausible backward times]).
 - ``compute_memory_bytes[m]``: peak memory of one step minus training state, for one
   microbatch of m in flight: activations of one unit's recompute + backward, or of the head's
@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 from hf_cephalo.models.base import StagedModel
-from hf_cephalo.profiler.cache import ProfileCache, comm_key, device_key, model_fingerprint
+from hf_cephalo.profiler.cache import (ProfileCache, comm_key, device_key, model_description,
+                                       model_fingerprint)
 from hf_cephalo.profiler.emulate import EmulatedStagedModel, EmulationConfig, emulated_device_name
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 
@@ -368,7 +369,7 @@ def _compute_memory(staged: StagedModel, hidden, mb, ctx, grad, device, params) 
 # re-measured (every rank re-measures when any rank must, keeping the lockstep barriers
 # matched) up to MAX_REMEASURES times; a size still implausible then is warned about (rank, m,
 # the times) and its backward set to MIN_BWD_TO_FWD x the forward, never silently clamped.
-MIN_BWD_TO_FWD = 0.5
+MIN_BWD_TO_FWD = 0.1
 MAX_REMEASURES = 2
 
 
@@ -663,6 +664,7 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
     return ClusterProfile(
         model=model_profile(base, model_name), devices=devices, comm=comm, source="measured",
         extra={"model_fingerprint": fingerprint, "model_class": type(base.model).__name__,
+               "model_description": model_description(base.model),
                "dtype": dtype, "sequence_length": config.sequence_length,
                "emulated": emulation is not None})
 
@@ -705,10 +707,28 @@ def _same_device(profiled: str, local: str) -> bool:
     return "[emulated" not in a + b and (a in b or b in a)
 
 
+def _description_diff(theirs: Any, mine: Mapping[str, Any] | None, limit: int = 12) -> list[str]:
+    """``"field: profile X, this job Y"`` for each differing model class / config field."""
+    if not isinstance(theirs, Mapping) or mine is None:
+        return []
+    out = []
+    if theirs.get("class") != mine.get("class"):
+        out.append(f"model class: profile {theirs.get('class')}, this job {mine.get('class')}")
+    a, b = theirs.get("desc") or {}, mine.get("desc") or {}
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            out.append(f"{k}: profile {a.get(k, '(absent)')}, this job {b.get(k, '(absent)')}")
+    if len(out) > limit:
+        out = out[:limit] + [f"... {len(out) - limit} more fields"]
+    return out
+
+
 def check_profile_matches(cluster: ClusterProfile, model: ModelProfile, device_names: Sequence[str],
                           *, source: str = "the profile", dtype: str | None = None,
-                          fingerprint: str | None = None) -> None:
-    """Refuse a profile measured for another model, another dtype or other devices.
+                          fingerprint: str | None = None,
+                          description: Mapping[str, Any] | None = None,
+                          sequence_length: int | None = None) -> None:
+    """Refuse a profile measured for another model, dtype, sequence length or other devices.
 
     Args:
         cluster: the given or cached profile.
@@ -717,9 +737,13 @@ def check_profile_matches(cluster: ClusterProfile, model: ModelProfile, device_n
         source: how to name the profile in messages (e.g. the file path).
         dtype / fingerprint: this job's parameter dtype and ``model_fingerprint``; checked
             when the profile records them (measured profiles do).
+        description: this job's ``cache.model_description``; with it a fingerprint mismatch
+            names the differing model class and config fields (profiles record theirs).
+        sequence_length: tokens per sample this job trains with; refused when the profile
+            recorded another one (compute times and activation memory scale with it).
     Raises:
-        ValueError: world size, model shape, model fingerprint, dtype or a rank's device name
-            differ; the message says what differs and how to re-profile.
+        ValueError: world size, model shape, model fingerprint, dtype, sequence length or a
+            rank's device name differ; the message says what differs and how to re-profile.
     """
     redo = ("re-profile this cluster (`hf-cephalo profile`, or leave cephalo_profile_file unset so "
             "the trainer profiles at start) or give a plan file")
@@ -733,11 +757,25 @@ def check_profile_matches(cluster: ClusterProfile, model: ModelProfile, device_n
                          f"job's model {model.name!r} has {theirs}; {redo}")
     recorded = cluster.extra.get("model_fingerprint")
     if fingerprint is not None and recorded not in (None, fingerprint):
-        raise ValueError(f"{source} was measured for another model configuration (fingerprint "
-                         f"{recorded} vs this model's {fingerprint}); {redo}")
+        differs = _description_diff(cluster.extra.get("model_description"), description)
+        if dtype is not None and cluster.extra.get("dtype") not in (None, dtype):
+            differs.append(f"dtype: profile {cluster.extra['dtype']}, this job {dtype}")
+        what = "; ".join(differs) if differs else (
+            "the profile does not record its configuration fields (an older profile)")
+        raise ValueError(f"{source} was measured for another model configuration ({what}; "
+                         f"fingerprint {recorded} vs this model's {fingerprint}); {redo}")
     if dtype is not None and cluster.extra.get("dtype") not in (None, dtype):
         raise ValueError(f"{source} was measured in {cluster.extra['dtype']} but the model's "
                          f"parameters are {dtype}; {redo}")
+    seq = cluster.extra.get("sequence_length")
+    if sequence_length is not None and seq is not None and int(seq) != int(sequence_length):
+        raise ValueError(
+            f"{source} was measured at sequence length {seq} but this job trains at sequence "
+            f"length {sequence_length} (compute time and activation memory scale with it); "
+            f"re-profile at {sequence_length} (`hf-cephalo profile --sequence-length "
+            f"{sequence_length}`, or leave cephalo_profile_file unset so the trainer profiles, "
+            "measuring anew or reading the cache, whose entries are keyed by sequence length) "
+            "or pass a profile measured at this sequence length")
     bad = [(i, d.name, local) for i, (d, local) in enumerate(zip(cluster.devices, device_names))
            if not _same_device(d.name, local)]
     if bad:
