@@ -39,7 +39,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config,
                           default_data_collator, set_seed)
 
 from hf_cephalo.integrations.data import group_texts, pydoc_text_dataset, train_bpe_tokenizer
-from hf_cephalo.integrations.trainer import CephaloTrainer
+from hf_cephalo.integrations.trainer import CephaloTrainer, format_loss_trend
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
 logger = logging.getLogger("train_clm")
@@ -206,6 +206,12 @@ def check_reloaded(trainer: CephaloTrainer, save_dir: str, sample: dict[str, tor
     prompt = reloaded_tokenizer(data_args.prompt, return_tensors="pt")
     generated = reloaded.generate(**prompt, max_new_tokens=data_args.max_new_tokens,
                                   do_sample=False, pad_token_id=reloaded_tokenizer.pad_token_id)
+    new_tokens = generated[0, prompt["input_ids"].shape[1]:]
+    if len(new_tokens) and new_tokens[0].item() == reloaded.generation_config.eos_token_id:
+        print(f"generated (greedy): the model emitted the end-of-text token at once after the "
+              f"prompt {data_args.prompt!r} (no new text; train longer or change --prompt)",
+              flush=True)
+        return
     text = reloaded_tokenizer.decode(generated[0], skip_special_tokens=True)
     print(f"generated (greedy, {data_args.max_new_tokens} new tokens): {text!r}", flush=True)
 
@@ -239,12 +245,11 @@ def main(argv: list[str] | None = None) -> None:
     trainer = CephaloTrainer(model=model, args=training_args, train_dataset=train,
                              eval_dataset=evaluation, processing_class=tokenizer,
                              data_collator=default_data_collator)
-    trainer.train()
+    # a path, "true" for the last checkpoint-N in output_dir; a bad path raises CheckpointError
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if trainer.is_world_process_zero() and losses:
-        trend = "went down" if losses[-1] < losses[0] else "DID NOT go down"
-        print(f"train loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} ({trend}; "
-              f"{len(losses)} logged values)", flush=True)
+        print(f"train loss: {format_loss_trend(losses)}", flush=True)
     if evaluation is not None:
         metrics = trainer.evaluate()
         if trainer.is_world_process_zero():

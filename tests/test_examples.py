@@ -110,6 +110,14 @@ def test_user_mistakes_fail_fast_with_clear_errors(tmp_path):
     rc, out = _launch("train_clm.py", "--train_file", str(empty), "--output_dir", str(tmp_path / "b"),
                       *TINY_CLM)
     assert rc != 0 and f"--train_file {str(empty)!r} is empty" in out, out[-4000:]
+    # --resume_from_checkpoint reaches trainer.train: a missing checkpoint is an error, not a
+    # silent run from scratch (both examples pass it on)
+    missing = tmp_path / "no_such_checkpoint"
+    rc, out = _launch("train_clm.py", "--cephalo_plan_file", _uneven_plan(tmp_path / "plan.json"),
+                      "--output_dir", str(tmp_path / "c"), "--resume_from_checkpoint", str(missing),
+                      *TINY_CLM)
+    assert rc != 0 and "CheckpointError" in out and f"{missing}: no such checkpoint directory" in out, \
+        out[-4000:]
 
 
 def test_train_clm_two_machines_without_shared_filesystem(tmp_path):

@@ -263,3 +263,14 @@ def test_emulated_cap_enforced_for_plan_without_predicted_memory(tmp_path, monke
                              r"emulated cap is 100000 bytes"):
         CephaloTrainer(model=build("llama"), args=args)
     assert not torch.distributed.is_initialized()
+
+
+def test_format_loss_trend():
+    from hf_cephalo.integrations.trainer import format_loss_trend
+
+    assert format_loss_trend([2.0, 1.5]) == "first 2.0000 -> last 1.5000 (went down; 2 logged values)"
+    assert "DID NOT go down; 3 logged values" in format_loss_trend([1.0, 0.5, 1.2])
+    one = format_loss_trend([2.5])
+    assert "too few logged values to tell" in one and "DID NOT" not in one
+    with pytest.raises(ValueError, match="at least one"):
+        format_loss_trend([])
