@@ -325,13 +325,31 @@ def _run_profile(args: argparse.Namespace) -> int:
     from hf_cephalo.profiler.measure import MeasureConfig, build_model_from_config, profile_cluster
     from hf_cephalo.profiler.types import format_bytes
 
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes --out: check before measuring
+        out_dir = os.path.dirname(os.path.abspath(args.out))
+        if os.path.isdir(args.out):
+            raise ValueError(f"--out {args.out!r} is a directory; give a file path such as "
+                             f"{os.path.join(args.out, 'profile.json')!r}")
+        if not os.path.isdir(out_dir):
+            raise ValueError(f"--out {args.out!r}: directory {out_dir!r} does not exist; create "
+                             "it or give another path")
+        if not os.access(out_dir, os.W_OK | os.X_OK):
+            raise ValueError(f"--out {args.out!r}: directory {out_dir!r} is not writable; give "
+                             "another path")
     config = MeasureConfig(max_microbatch_size=args.max_microbatch_size,
                            sequence_length=args.sequence_length, repeats=args.repeats)
     slow = _per_rank_list(args.emulate_slowdown, float, "--emulate-slowdown")
     caps = _per_rank_list(args.emulate_memory_cap_bytes, int, "--emulate-memory-cap-bytes")
     emulation = None if slow is None and caps is None else \
         EmulationConfig(slowdown=slow, memory_cap_bytes=caps)
-    model = build_model_from_config(args.model_config, args.model_class, getattr(torch, args.dtype))
+    try:
+        model = build_model_from_config(args.model_config, args.model_class,
+                                        getattr(torch, args.dtype))
+    except ValueError as e:  # keep the first line; transformers appends ~200 config names
+        from hf_cephalo.models import supported_model_classes
+
+        raise ValueError(f"{str(e).splitlines()[0]} hf_cephalo has adapters for: "
+                         f"{', '.join(supported_model_classes())}") from None
     staged = stage_model(model)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -131,3 +131,18 @@ def test_plan_table_aligns_long_device_names():
     for line in lines[2:]:
         assert line[col + len("b_i") - 1] != " ", table  # b_i right-aligned under its header
     assert "2.5 KiB / 819.2 KiB" in table  # tiny memory in readable units, not 0.00
+
+
+def test_profile_unsupported_config_names_only_supported_adapters(tmp_path, capsys):
+    from transformers import T5Config
+
+    from hf_cephalo.models import supported_model_classes
+
+    T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8,
+             vocab_size=64).save_pretrained(tmp_path / "t5")
+    assert main(["profile", "--model-config", str(tmp_path / "t5"), "--out",
+                 str(tmp_path / "p.json"), "--no-cache"]) == 2
+    err = capsys.readouterr().err
+    assert "T5Config" in err and "LlamaForCausalLM" in err
+    assert len(err) < 1200, err  # not transformers' list of every causal-LM config
+    assert err.count("Config") <= len(supported_model_classes()) + 2
