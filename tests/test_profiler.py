@@ -219,3 +219,21 @@ def test_implausible_backward_times_are_remeasured_then_warned(monkeypatch, recw
                                      capacity_bytes=1e9, rank=3)
     assert len(attempts) == 1 + measure.MAX_REMEASURES
     assert dev.bwd_s[1] >= measure.MIN_BWD_TO_FWD * dev.fwd_s[1] > 1e-3  # never ~0 s
+
+
+def test_cli_profile_checks_out_path_before_measuring(tmp_path, capsys, monkeypatch):
+    from hf_cephalo.cli import main
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("profiled before checking --out")
+
+    monkeypatch.setattr(measure, "profile_cluster", must_not_run)
+    monkeypatch.delenv("RANK", raising=False)
+    cfg_dir = tmp_path / "model"
+    _llama(hidden=64).config.save_pretrained(cfg_dir)
+    base = ["profile", "--model-config", str(cfg_dir), "--no-cache"]
+    missing = tmp_path / "nonexistent" / "dir" / "p.json"
+    assert main(base + ["--out", str(missing)]) == 2
+    assert f"directory '{missing.parent}' does not exist" in capsys.readouterr().err
+    assert main(base + ["--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
