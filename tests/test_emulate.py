@@ -152,7 +152,11 @@ def _trainer_worker(rank, world_size, out_dir):
                   device_names=[d.name for d in trainer.cluster_profile.devices],
                   fwd_s=[sum(d.fwd_s) for d in trainer.cluster_profile.devices],
                   files=sorted(os.listdir(os.path.join(out_dir, "first"))) if rank == 0 else None,
-                  slowdown=trainer.engine.staged.slowdown)
+                  slowdown=trainer.engine.staged.slowdown,
+                  capacity=[d.memory_capacity_bytes for d in trainer.cluster_profile.devices])
+    local = os.environ.pop("LOCAL_WORLD_SIZE")
+    result["ranks_on_host"] = measure.local_world_size()  # without the env: hostnames
+    os.environ["LOCAL_WORLD_SIZE"] = local
     trainer.train()
     (callback,) = [c for c in trainer.callback_handler.callbacks
                    if type(c).__name__ == "PlanAccuracyCallback"]
@@ -174,6 +178,11 @@ def test_auto_plan_on_emulated_ranks_favours_the_faster_rank(tmp_path, capsys):
     b0, b1 = first["batch_sizes"]
     assert b0 + b1 == 16 and b0 > b1, first["batch_sizes"]
     assert first["fwd_s"][1] > 2.0 * first["fwd_s"][0]  # the profile saw the emulated slowdown
+    # The 2 CPU ranks share this host's RAM: each gets half, not all of it.
+    from hf_cephalo.profiler.measure import device_capacity_bytes
+
+    ram = device_capacity_bytes("cpu")
+    assert first["capacity"] == [ram / 2, ram / 2] and first["ranks_on_host"] == 2
     assert first["files"] == ["plan.json", "profile.json"]
     saved = json.loads((tmp_path / "first" / "plan.json").read_text())
     assert [r["batch_size"] for r in saved["ranks"]] == first["batch_sizes"]

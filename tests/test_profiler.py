@@ -237,3 +237,20 @@ def test_cli_profile_checks_out_path_before_measuring(tmp_path, capsys, monkeypa
     assert f"directory '{missing.parent}' does not exist" in capsys.readouterr().err
     assert main(base + ["--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_cpu_capacity_is_the_host_ram_divided_between_its_ranks(monkeypatch):
+    whole = measure.device_capacity_bytes("cpu")
+    assert whole > 0 and measure.device_capacity_bytes("cpu", 4) == whole / 4
+    with pytest.raises(ValueError, match="local_world_size = 0"):
+        measure.device_capacity_bytes("cpu", 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert measure.local_world_size() == 3
+    config = MeasureConfig(max_microbatch_size=1, sequence_length=8, repeats=1, progress=False)
+    cluster = profile_cluster(stage_model(_llama(hidden=64)), config, cache=False)
+    assert cluster.devices[0].memory_capacity_bytes == whole / 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='two'"):
+        measure.local_world_size()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert measure.local_world_size() == 1  # no process group: this rank alone

@@ -54,7 +54,7 @@ from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile
 
 __all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "model_profile",
            "local_device_name",
-           "device_capacity_bytes", "measure_device", "measure_comm", "profile_cluster",
+           "device_capacity_bytes", "local_world_size", "measure_device", "measure_comm", "profile_cluster",
            "check_profile_matches", "sequence_length_of"]
 
 GIB = float(1 << 30)
@@ -143,15 +143,50 @@ def local_device_name(device: torch.device | str) -> str:
     return device.type
 
 
-def device_capacity_bytes(device: torch.device | str) -> float:
-    """Total memory of the device in bytes (CUDA: device properties; CPU: physical RAM)."""
+def device_capacity_bytes(device: torch.device | str, local_world_size: int = 1) -> float:
+    """Memory capacity C_i of one rank in bytes.
+
+    CUDA: the device's total memory (device properties). CPU: physical RAM divided by
+    ``local_world_size``, the number of ranks on this host, which share the RAM (16 GiB if the
+    RAM cannot be read). Raises ValueError if ``local_world_size`` < 1.
+    """
+    if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) \
+            or local_world_size < 1:
+        raise ValueError(f"local_world_size = {local_world_size!r}: need an integer >= 1")
     device = torch.device(device)
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
-        return float(16 * (1 << 30))
+        ram = float(16 * (1 << 30))
+    return ram / local_world_size
+
+
+def local_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks on this host: ``$LOCAL_WORLD_SIZE`` (set by torchrun / accelerate launch), else
+    the number of ranks whose hostname equals this rank's (one ``all_gather_object``, a
+    collective on every rank of ``group``); 1 without a process group.
+
+    Raises ValueError for a ``LOCAL_WORLD_SIZE`` that is not a positive integer.
+    """
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env is not None:
+        try:
+            value = int(env)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"LOCAL_WORLD_SIZE={env!r}: need a positive integer (the number of "
+                             "ranks on this host), or unset it")
+        return value
+    _, world_size = _world(group)
+    if world_size == 1:
+        return 1
+    import socket
+
+    host = socket.gethostname()
+    return sum(h == host for h in _all_gather_objects(host, group, world_size))
 
 
 def synthetic_microbatch(model: torch.nn.Module, m: int, sequence_length: int,
@@ -613,7 +648,9 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
         config: what to profile (default ``MeasureConfig()``).
         device: this rank's compute device.
         emulation: per-rank emulated slowdown / memory capacity (recorded in device names and
-            capacities, see ``profiler.emulate``).
+            capacities, see ``profiler.emulate``). Without an emulated capacity a CPU rank's
+            capacity is the host's RAM divided by the ranks on the host
+            (``local_world_size``, ``device_capacity_bytes``).
         cache: True (default directory), a ``ProfileCache``, or False/None (always measure).
         make_microbatch: ``m -> microbatch`` override of ``synthetic_microbatch``.
     Raises:
@@ -629,7 +666,9 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
     base = staged.inner if isinstance(staged, EmulatedStagedModel) else staged
     measured = EmulatedStagedModel(base, slowdown, device) if slowdown != 1.0 else base
     name = emulated_device_name(local_device_name(device), slowdown, cap)
-    capacity = float(cap) if cap is not None else device_capacity_bytes(device)
+    # Every rank calls it (it may be a collective), capped or not.
+    local = local_world_size(group)
+    capacity = float(cap) if cap is not None else device_capacity_bytes(device, local)
     dtype = str(model_dtype(base)).replace("torch.", "")
     fingerprint = model_fingerprint(base.model)
     store = ProfileCache() if cache is True else (cache or None)
