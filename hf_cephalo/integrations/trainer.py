@@ -480,11 +480,14 @@ def _teardown_process_group_at_exit() -> None:
     """Barrier, then ``destroy_process_group``, when a script ends without
     ``accelerator.end_training()``.
 
-    Without it every process group (and gloo's worker and TCPStore threads) is left to interpreter
-    teardown: rank 0, which hosts the TCPStore, can exit while rank 1 still talks to it, and a
-    still-joinable C++ thread destroyed at exit aborts rank 1 (``terminate called without an
-    active exception``, exit code -6). The barrier lets no rank tear down while another still
-    sends; on gloo it is a ``monitored_barrier`` bounded by ``EXIT_BARRIER_TIMEOUT_S`` seconds. A
+    Without it the process groups live into interpreter finalization. A gloo worker thread
+    (``ProcessGroupGloo::runLoop``) that releases a finished work object (e.g. an all-gather)
+    drops its tensors' Python objects and takes the GIL; once ``Py_FinalizeEx`` has begun, taking
+    the GIL ends the thread with ``pthread_exit``, whose forced unwind through the C++ destructor
+    calls ``std::terminate``: ``terminate called without an active exception``, exit code -6
+    (seen in a core dump of rank 1). Destroying the groups here, before finalization, joins those
+    threads. The barrier lets no rank tear down while another still sends; on gloo it is a
+    ``monitored_barrier`` bounded by ``EXIT_BARRIER_TIMEOUT_S`` seconds. A
     process ending with an uncaught exception skips the barrier (the other ranks may be inside a
     collective it would never match) and leaves the group to the launcher, as before.
     """
