@@ -207,7 +207,9 @@ def check_reloaded(trainer: CephaloTrainer, save_dir: str, sample: dict[str, tor
     generated = reloaded.generate(**prompt, max_new_tokens=data_args.max_new_tokens,
                                   do_sample=False, pad_token_id=reloaded_tokenizer.pad_token_id)
     new_tokens = generated[0, prompt["input_ids"].shape[1]:]
-    if len(new_tokens) and new_tokens[0].item() == reloaded.generation_config.eos_token_id:
+    eos = reloaded.generation_config.eos_token_id  # an id, a list of ids, or None
+    eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    if len(new_tokens) and new_tokens[0].item() in eos_ids:
         print(f"generated (greedy): the model emitted the end-of-text token at once after the "
               f"prompt {data_args.prompt!r} (no new text; train longer or change --prompt)",
               flush=True)
