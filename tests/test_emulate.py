@@ -191,5 +191,8 @@ def test_auto_plan_on_emulated_ranks_favours_the_faster_rank(tmp_path, capsys):
     rows = first["rows"]
     assert rows == second["rows"] and [r["rank"] for r in rows] == [0, 1]
     for r in rows:
-        assert r["step_s"] > 0 and r["compute_s"] > 0 and r["pred_compute_s"] > 0
-        assert r["memory_bytes"] > 0 and r["pred_memory_bytes"] > 0
+        assert r["step_s"] > 0 and r["memory_bytes"] > 0 and r["pred_memory_bytes"] > 0
+        # A plan may leave the slow rank idle when its profile came out very slow (a loaded
+        # machine); such a rank computes nothing, every other rank must report real figures.
+        if first["batch_sizes"][r["rank"]] > 0:
+            assert r["compute_s"] > 0 and r["pred_compute_s"] > 0, r
