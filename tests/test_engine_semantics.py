@@ -297,11 +297,53 @@ def case_accumulate_and_empty_rank_eval(rank, world):
     assert len(out.logits) == (1 if rank == 1 else 0)
 
 
+class _Boom(RuntimeError):
+    pass
+
+
+def case_exception_mid_step(rank, world):
+    """Every rank raises in the backward recompute of unit 1 (unit 0's all-gather in flight,
+    root and unit 1 gathered with live gradients): the exception propagates, nothing stays
+    gathered or accounted, every shard gradient is dropped, and later steps refuse to run.
+    Runs last: the engine is unusable afterwards (by design)."""
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=8)
+    ids, labels = padded_batch([8, 5, 7, 6], cfg.vocab_size, seed=12)
+    calls = {"unit 1": 0, "armed": False}
+
+    class Failing(ToyStaged):
+        def run_unit(self, i, hidden, ctx):
+            if i == 1:
+                calls["unit 1"] += 1
+                if calls["armed"] and calls["unit 1"] == 3:  # forward j=0, kept forward j=1, recompute j=0
+                    raise _Boom("injected failure")
+            return super().run_unit(i, hidden, ctx)
+
+    torch.manual_seed(0)
+    engine = CephaloEngine(Failing(ToyLM(cfg)), [0.7, 0.3])
+    mine = mbs_of(ids[2 * rank:2 * rank + 2], labels[2 * rank:2 * rank + 2], [1, 1])
+    engine.train_step(mine)  # a good step first: shard grads exist
+    assert all(p.grad is not None for p in engine.parameters() if p.numel())
+    calls.update({"unit 1": 0, "armed": True})
+    with pytest.raises(_Boom):
+        engine.train_step(mine)
+    assert all(u.state.value == "sharded" for u in engine._all_units())
+    assert engine._tracker.param_numel == 0 and engine._tracker.grad_numel == 0
+    assert all(p.grad is None for p in engine.parameters())
+    assert all(p.numel() == 0 for p in engine.staged.model.parameters())  # placeholders
+    with pytest.raises(RuntimeError, match="earlier train_step raised mid-schedule.*_Boom"):
+        engine.train_step(mine)
+    with pytest.raises(RuntimeError, match="evaluate refused"):
+        engine.evaluate(mine)
+    for handle in engine._abandoned:  # every rank issued them: they complete
+        if hasattr(handle, "work") and handle.work is not None:
+            handle.work.wait()
+
+
 CASES = [case_token_weighting, case_uneven_batches_vs_naive_mean,
          case_collective_counts_and_accounting, case_recompute_sees_gathered_params,
          case_param_used_by_last_microbatch, case_clip_norm_uneven,
          case_state_dict_roundtrip_and_eval, case_all_reduce_fallback,
-         case_accumulate_and_empty_rank_eval, case_bad_input]
+         case_accumulate_and_empty_rank_eval, case_bad_input, case_exception_mid_step]
 
 
 def semantics_worker(rank, world):

@@ -132,6 +132,8 @@ class CephaloEngine:
         use_all_reduce = reduce_scatter_fallback or not C.reduce_scatter_supported(process_group)
         self._build_units(ratios, shard_layout, use_all_reduce)
         self.num_units = len(self.units)
+        self._failure: str | None = None  # set when a step raised mid-schedule
+        self._abandoned: list = []  # in-flight collectives of that step, kept referenced
 
     # ---- construction ---------------------------------------------------------------------
     def _build_units(self, ratios, shard_layout, use_all_reduce) -> None:
@@ -200,7 +202,11 @@ class CephaloEngine:
         ``.grad`` holds the gradient of the GLOBAL item-mean loss, ADDED to any existing
         ``.grad`` (call ``zero_grad`` between optimizer steps).
         Raises ValueError (on every rank, before any all-gather) if the global item count is 0.
+        If the schedule raises part-way (e.g. out of memory in one microbatch), the exception
+        propagates after a local clean-up (``_abandon_step``: memory released, gradients
+        dropped) and every later ``train_step`` / ``evaluate`` raises RuntimeError.
         """
+        self._check_not_failed("train_step")
         mbs = list(microbatches)
         local_items, global_items = self._global_items(mbs)
         if global_items == 0:
@@ -209,12 +215,41 @@ class CephaloEngine:
         stash = ActivationStash(self.offload_activations, self.streams, self.stats)
         step = LayeredStep(self.staged, self.units, self.root, mbs, global_items, stash,
                            self.device, keep_graphs=not self.activation_checkpointing)
-        step.run()
+        try:
+            step.run()
+        except BaseException as exc:
+            self._abandon_step(stash, exc)
+            raise
         assert len(stash) == 0 and not step.kept, "schedule left stashed tensors behind"
         loss = step.local_loss_sum.clone()
         C.all_reduce_sum(loss.view(1), self.group, self.stats)
         return StepOutput(float(loss) / global_items, global_items, float(step.local_loss_sum),
                           local_items)
+
+    def _abandon_step(self, stash: ActivationStash | None, exc: BaseException) -> None:
+        """A step (or evaluation) raised on this rank mid-schedule: release its memory and
+        refuse further steps.
+
+        The other ranks may be blocked in (or past) a collective this rank never reaches, so
+        the ranks' collective sequences can no longer be trusted to match: nothing here
+        communicates, and every later ``train_step`` / ``evaluate`` raises (see
+        ``_check_not_failed``) instead of hanging or mixing steps. Gathered buffers, stashed
+        activations and every shard gradient (partially reduced: unusable) are dropped; the
+        local parameter shards and optimizer state are untouched (the step never changed them).
+        """
+        if stash is not None:
+            stash.clear()
+        for unit in self._all_units():
+            self._abandoned.extend(unit.abandon())
+        self._failure = f"{type(exc).__name__}: {exc}"
+
+    def _check_not_failed(self, what: str) -> None:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"{what} refused on rank {self.rank}: an earlier train_step raised mid-schedule "
+                f"({self._failure}); the ranks' collectives may be out of step and that step's "
+                "gradients were dropped. Fix the cause, then restart the processes and resume "
+                "from the last complete checkpoint")
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip shard grads by the GLOBAL L2 norm (one all-reduce of squared sums); return it.
@@ -241,8 +276,20 @@ class CephaloEngine:
     @torch.no_grad()
     def evaluate(self, microbatches) -> EvalOutput:
         """Layered forward only; does not change train/eval mode (call ``model.eval()``)."""
+        self._check_not_failed("evaluate")
         mbs = list(microbatches)
         _, global_items = self._global_items(mbs)
+        try:
+            loss_sum, logits = self._evaluate_layered(mbs, global_items)
+        except BaseException as exc:
+            self._abandon_step(None, exc)
+            raise
+        C.all_reduce_sum(loss_sum, self.group, self.stats)
+        loss = float(loss_sum) / global_items if global_items else float("nan")
+        return EvalOutput(loss, global_items, logits)
+
+    def _evaluate_layered(self, mbs, global_items: int):
+        """(loss sum (1,) float64, logits per microbatch) of the layered forward."""
         self.root.wait_unshard(requires_grad=False)
         if self.units:
             self.units[0].start_unshard()
@@ -266,9 +313,7 @@ class CephaloEngine:
             if global_items:
                 loss_sum += self.staged.head_loss(h, mb, c).loss_sum.double()
         self.root.reshard()
-        C.all_reduce_sum(loss_sum, self.group, self.stats)
-        loss = float(loss_sum) / global_items if global_items else float("nan")
-        return EvalOutput(loss, global_items, logits)
+        return loss_sum, logits
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: rank 0 gets ``model.state_dict()``'s keys (CPU tensors in the training

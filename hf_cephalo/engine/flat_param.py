@@ -294,6 +294,30 @@ class FlatParamUnit:
         self.tracker.param_numel -= self.numel
         self.state = ShardedState.SHARDED
 
+    def abandon(self) -> list:
+        """Local clean-up after a step raised mid-schedule (no collective, never blocks).
+
+        Drops the gathered buffer, the unit's partially accumulated gradient and any result
+        of an issued collective; module entries become placeholders. Returns the in-flight
+        collectives' handles, which the caller keeps referenced (their buffers belong to the
+        backend until they complete).
+        """
+        handles = [r for r in (self._pending_ag, self._pending_rs) if r is not None]
+        handles += [t for t in (self._send, self._rs_input) if t is not None]
+        self._pending_ag = self._pending_rs = None
+        self._send = self._rs_input = None
+        self._set_placeholders()
+        self._full = self._leaf = None
+        self._freed_nbytes = None
+        if self.state is ShardedState.UNSHARDED:
+            self.tracker.param_numel -= self.numel
+            self.state = ShardedState.SHARDED
+        if self._grad_live:
+            self._grad_live = False
+            self.tracker.grad_numel -= self.trainable_numel
+        self.shard_param.grad = None
+        return handles
+
     def _set_placeholders(self) -> None:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for uses in self._uses:
