@@ -124,6 +124,36 @@ def collect_params(name: str, modules: Sequence[nn.Module], fqns: dict[int, list
     return order, uses
 
 
+def param_infos(name: str, params: Sequence[nn.Parameter],
+                fqns: dict[int, list[str]]) -> tuple[ParamInfo, ...]:
+    """Each parameter's place in the unit's flat buffer, in ``params`` order (from
+    ``collect_params``: trainable first); unnamed parameters are called ``<name>.<unnamed>``."""
+    infos, offset = [], 0
+    for p in params:
+        names = tuple(fqns.get(id(p), [f"{name}.<unnamed>"]))
+        infos.append(ParamInfo(names[0], names, p.shape, offset, p.numel(), p.requires_grad))
+        offset += p.numel()
+    return tuple(infos)
+
+
+def install_param_views(infos: Sequence[ParamInfo], uses: Sequence[list[tuple[nn.Module, str]]],
+                        trainable: torch.Tensor, frozen: torch.Tensor) -> None:
+    """Point every module parameter entry at a fresh view of the flat buffer.
+
+    ``trainable``: (Nt,) the autograd leaf over the trainable prefix; ``frozen``: (N - Nt,) the
+    detached rest. ``uses[k]`` lists the (module, attribute) entries of ``infos[k]``. See
+    [Note: parameter views while unsharded]; the profiler times units through this too.
+    """
+    nt = trainable.numel()
+    for info, entries in zip(infos, uses):
+        if info.requires_grad:
+            view = trainable[info.offset:info.offset + info.numel].view(info.shape)
+        else:
+            view = frozen[info.offset - nt:info.offset - nt + info.numel].view(info.shape)
+        for module, attr in entries:
+            module._parameters[attr] = view
+
+
 class FlatParamUnit:
     """A unit's flat parameter buffer, its local shard and its unshard/reshard lifecycle.
 
@@ -146,14 +176,9 @@ class FlatParamUnit:
         self.use_all_reduce = use_all_reduce
         self._params = params
         self._uses = [uses[id(p)] for p in params]
-        infos, offset = [], 0
-        for p in params:
-            names = tuple(fqns.get(id(p), [f"{name}.<unnamed>"]))
-            infos.append(ParamInfo(names[0], names, p.shape, offset, p.numel(), p.requires_grad))
-            offset += p.numel()
-        self.infos = tuple(infos)
-        self.numel = offset
-        self.trainable_numel = sum(i.numel for i in infos if i.requires_grad)
+        self.infos = param_infos(name, params, fqns)
+        self.numel = sum(i.numel for i in self.infos)
+        self.trainable_numel = sum(i.numel for i in self.infos if i.requires_grad)
         self.dtype = params[0].dtype if params else torch.float32
         self.numel_per_rank = self._check_layout(numel_per_rank)
         self.starts = [sum(self.numel_per_rank[:r]) for r in range(world_size)]
@@ -264,15 +289,8 @@ class FlatParamUnit:
         See [Note: parameter views while unsharded].
         """
         assert self.state is ShardedState.UNSHARDED, f"{self.name} used while sharded"
-        frozen = self._full[self.trainable_numel:].detach()
-        for info, uses in zip(self.infos, self._uses):
-            if info.requires_grad:
-                view = self._leaf[info.offset:info.offset + info.numel].view(info.shape)
-            else:
-                start = info.offset - self.trainable_numel
-                view = frozen[start:start + info.numel].view(info.shape)
-            for module, attr in uses:
-                module._parameters[attr] = view
+        install_param_views(self.infos, self._uses, self._leaf,
+                            self._full[self.trainable_numel:].detach())
 
     def reshard(self, keep_graph_storage: bool = False) -> None:
         """Release the gathered buffer; module entries become empty placeholders.

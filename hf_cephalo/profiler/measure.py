@@ -46,6 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from hf_cephalo.engine.flat_param import collect_params, install_param_views, param_infos
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.profiler.cache import (ProfileCache, comm_key, device_key, model_description,
                                        model_fingerprint)
@@ -315,37 +316,36 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 
 class _FlatViews:
-    """Unit 0's trainable parameters as views of one flat leaf, as the engine runs them.
+    """Unit 0's parameters as views of one flat buffer, installed exactly as the engine does.
 
-    Mirrors the engine's [Note: parameter views while unsharded] (``engine/flat_param.py``):
-    before each call the module entries point at fresh views of a flat 1-D leaf, and the
-    backward accumulates into the leaf's gradient. The views' backward (a full-size gradient
-    per parameter, summed into the leaf) is a per-microbatch cost independent of m that plain
-    module parameters would not show. ``restore`` puts the original parameters back.
+    Uses the engine's own ``collect_params`` / ``install_param_views`` ([Note: parameter views
+    while unsharded] in ``engine/flat_param.py``): before each call the module entries point at
+    fresh views of a flat (Nt,) leaf (frozen parameters: of the detached rest), and backward
+    accumulates into the leaf's gradient. The views' backward (a full-size gradient per
+    parameter, summed into the leaf) is a per-microbatch cost independent of m that plain module
+    parameters would not show. ``restore`` puts the original parameters back.
     """
 
     def __init__(self, unit: torch.nn.Module):
-        self.entries = [(mod, name, p) for mod in unit.modules()
-                        for name, p in mod._parameters.items()
-                        if p is not None and p.requires_grad]
-        self.offsets: dict[int, int] = {}
-        chunks = []
-        for _, _, p in self.entries:
-            if id(p) not in self.offsets:
-                self.offsets[id(p)] = sum(c.numel() for c in chunks)
-                chunks.append(p.detach().reshape(-1))
-        self.leaf = torch.cat(chunks).requires_grad_(True) if chunks else None
+        params, uses = collect_params("unit 0", [unit], {})
+        self.infos = param_infos("unit 0", params, {})
+        self.uses = [uses[id(p)] for p in params]
+        self.originals = [(entries, p) for entries, p in zip(self.uses, params)]
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
+                torch.zeros(0)
+        nt = sum(i.numel for i in self.infos if i.requires_grad)
+        self.leaf = flat[:nt].detach().requires_grad_(nt > 0)
+        self.frozen = flat[nt:]
 
     def install(self) -> None:
-        for mod, name, p in self.entries:
-            off = self.offsets[id(p)]
-            mod._parameters[name] = self.leaf[off:off + p.numel()].view(p.shape)
+        install_param_views(self.infos, self.uses, self.leaf, self.frozen)
 
     def restore(self) -> None:
-        for mod, name, p in self.entries:
-            mod._parameters[name] = p
-        if self.leaf is not None:
-            self.leaf.grad = None
+        for entries, p in self.originals:
+            for module, attr in entries:
+                module._parameters[attr] = p
+        self.leaf.grad = None
 
 
 def _unit_backward(staged: StagedModel, hidden: torch.Tensor, ctx: Any,
