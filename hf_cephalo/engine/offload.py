@@ -3,24 +3,39 @@ CUDA side streams of the engine.
 
 [Note: CUDA streams]
 Three streams: the compute (current) stream, an all-gather stream and an offload stream.
+* Lifetimes: a tensor allocated on one stream and used on another is ``record_stream``-ed on the
+  other before its last reference goes, so the caching allocator hands its block out again only
+  after that stream passed the point of the free. This covers the all-gather input (``send``:
+  the local shard or a padded copy made on the compute stream), the reduce-scatter input
+  (``padded``), the collectives' outputs (allocated on the all-gather stream, read on the
+  compute stream), the offloaded source tensor and the reloaded copy.
 * All-gather: the gathered output is allocated on the all-gather stream after it waited for the
   compute stream (the optimizer may have just written the local shard); the compute stream waits
-  on an event recorded after the collective before it reads the output, and the output is
-  ``record_stream``-ed on the compute stream so the caching allocator does not reuse it early.
+  on an event recorded after the collective before it reads the output.
   Reduce-scatter mirrors this (input produced on compute, collective on the all-gather stream).
+* Collectives run with ``async_op=False`` under the all-gather stream: the collective is ordered
+  on that stream (NCCL launches it there, or on the process group's own stream joined to it
+  both ways), so the event recorded after it marks its end. The all-gather stream waits for the
+  compute stream before each collective, and the compute stream's own collectives (item count,
+  loss sum) come after it waited for every side-stream event, so each rank's GPU runs its
+  collectives in the one order every rank issues them. The stream has high
+  priority, like FSDP2's communication streams, so its kernels are not queued behind compute.
 * Offload: a boundary activation produced on the compute stream is copied to pinned CPU memory
-  on the offload stream after an event; the GPU tensor is ``record_stream``-ed on the offload
-  stream so freeing it on the compute stream is safe. Reload copies back on the offload stream
-  and the compute stream waits for its event.
+  on the offload stream after it waited for the compute stream. The pinned copy needs no
+  ``record_stream``: a ``non_blocking`` copy to or from pinned memory of the caching host
+  allocator records an event on the copying stream, and the block is not reused before that
+  event completed, so dropping the CPU copy (``pop``) while its copy back is in flight is safe.
+  ``wait_offload`` blocks the host until the copy out finished; the copy back does not need it
+  (it is ordered after the copy out on the offload stream).
 * Reload: ``start_reload(key)`` prefetches the next microbatch's tensor back to the GPU on the
-  offload stream while the current microbatch computes. The copy back is ordered after the
-  copy out by the offload stream itself, so no host synchronization is needed; the compute
-  stream waits on the reload's event only when it reads the tensor (``get``/``pop``), and the
-  reloaded tensor is ``record_stream``-ed on the compute stream.
+  offload stream while the current microbatch computes. The compute stream waits on the
+  reload's event only when it reads the tensor (``get``/``pop``).
 * One microbatch in flight: the schedule synchronizes the compute stream after each
   microbatch (``one_microbatch_in_flight``), so the host never queues the next microbatch's
   kernels and allocations while the current one runs. Without this the caching allocator
-  holds blocks of several microbatches at once and fragments (the paper's fix, §3.3).
+  holds blocks of several microbatches at once and fragments (the paper's fix, §3.3). It waits
+  for the compute stream only: a prefetched all-gather or an offload copy issued before it
+  keeps running.
 On CPU none of this exists: collectives are waited on directly and the stash keeps tensors.
 """
 
@@ -143,7 +158,7 @@ class CudaStreams:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.all_gather_stream = torch.cuda.Stream(device)
+        self.all_gather_stream = torch.cuda.Stream(device, priority=-1)  # high priority
         self.offload_stream = torch.cuda.Stream(device)
 
     def all_gather(self, unit) -> C.AllGatherResult:

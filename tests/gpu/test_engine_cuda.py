@@ -3,6 +3,12 @@
 Skipped without CUDA. Run by scripts/gpu_check.sh. Each worker runs under the gloo harness and
 builds a one-rank NCCL group for the engine, so the NCCL collectives on the all-gather stream,
 the offload stream and their events are all exercised.
+
+``test_cuda_streams_parity_with_delays`` reruns the parity cases with every side-stream
+operation and every unit's compute started late (``torch.cuda._sleep``): a delay only postpones
+work on one stream, so results cannot change when the streams are ordered correctly, while a
+missing ``wait_event`` / ``wait_stream`` or a block the caching allocator hands out again while
+another stream still uses it reads stale or overwritten data and breaks parity.
 """
 
 from __future__ import annotations
@@ -20,6 +26,18 @@ from tests.dist_utils import run_ranks
 pytestmark = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+RTOL, ATOL = 1e-5, 1e-6
+SPIN_CYCLES = 2_000_000  # GPU clock cycles (about 1 ms) each injected delay spins
+
+# microbatch sizes, activation checkpointing, offload to pinned memory, reduce-scatter fallback
+PARITY_CASES = (
+    ([8], True, True, False),
+    ([4, 4], True, True, True),    # all-reduce fallback: in place on the gradient buffer
+    ([1] * 8, True, True, False),
+    ([3, 5], False, True, False),  # kept graphs: storage freed and refilled across reshard
+    ([2, 6], True, False, False),  # boundary tensors kept on the device
+)
+
 
 def _batch(n, seq, vocab, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -29,52 +47,158 @@ def _batch(n, seq, vocab, seed):
     return ids, labels
 
 
-def cuda_parity_worker(rank, world):
+def _split(ids, labels, sizes):
+    mbs, k = [], 0
+    for m in sizes:
+        mbs.append({"input_ids": ids[k:k + m], "labels": labels[k:k + m]})
+        k += m
+    return mbs
+
+
+def _nccl_setup():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda", 0)
-    group = dist.new_group(backend="nccl")
+    torch.cuda.set_device(device)
+    return device, dist.new_group(backend="nccl")
+
+
+def _spin(stream=None):
+    if stream is None:
+        torch.cuda._sleep(SPIN_CYCLES)
+        return
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SPIN_CYCLES)
+
+
+def _inject_side_stream_delays():
+    """Start every all-gather, reduce-scatter, offload copy and reload late on its own stream
+    (patches the classes of this worker process only)."""
+    from hf_cephalo.engine import offload
+
+    def delay_before(cls, name, stream_of):
+        original = getattr(cls, name)
+
+        def delayed(self, *args, **kwargs):
+            stream = stream_of(self)
+            if stream is not None:
+                _spin(stream)
+            return original(self, *args, **kwargs)
+
+        setattr(cls, name, delayed)
+
+    delay_before(offload.CudaStreams, "all_gather", lambda s: s.all_gather_stream)
+    delay_before(offload.CudaStreams, "reduce_scatter", lambda s: s.all_gather_stream)
+    delay_before(offload.ActivationStash, "start_offload",
+                 lambda s: s.streams.offload_stream if s.offload else None)
+    delay_before(offload.ActivationStash, "_issue_reload", lambda s: s.streams.offload_stream)
+
+
+class _SlowComputeStaged(ToyStaged):
+    """Every unit call (forward, recompute) and head starts late on the compute stream, so a
+    side stream that does not wait for the compute stream reads tensors before they exist."""
+
+    def run_unit(self, index, hidden, ctx):
+        _spin()
+        return super().run_unit(index, hidden, ctx)
+
+    def head_loss(self, hidden, microbatch, ctx):
+        _spin()
+        return super().head_loss(hidden, microbatch, ctx)
+
+
+def cuda_parity_worker(rank, world, delays=False):
+    device, group = _nccl_setup()
+    if delays:
+        _inject_side_stream_delays()
+    staged_cls = _SlowComputeStaged if delays else ToyStaged
     cfg = ToyConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=3, max_seq_len=16,
                     tie_embeddings=True, frozen_norm=True)
-    for micro in ([8], [4, 4], [1] * 8, [3, 5]):
+    for micro, checkpointing, offload, fallback in PARITY_CASES:
+        case = f"{micro} ckpt={checkpointing} offload={offload} fallback={fallback}"
         torch.manual_seed(0)
         model = ToyLM(cfg).to(device)
         ref = copy.deepcopy(model)
-        engine = CephaloEngine(ToyStaged(model), process_group=group, device=device,
-                               activation_checkpointing=micro != [3, 5])
-        assert engine.offload_activations and engine.streams is not None
+        engine = CephaloEngine(staged_cls(model), process_group=group, device=device,
+                               offload_activations=offload, reduce_scatter_fallback=fallback,
+                               activation_checkpointing=checkpointing)
+        assert engine.streams is not None and engine.offload_activations == offload
         opt = torch.optim.AdamW(engine.parameters(), lr=1e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         for step in range(3):
             ids, labels = _batch(8, 16, cfg.vocab_size, seed=step)
             ids, labels = ids.to(device), labels.to(device)
-            mbs, k = [], 0
-            for m in micro:
-                mbs.append({"input_ids": ids[k:k + m], "labels": labels[k:k + m]})
-                k += m
             engine.stats.reset()
-            out = engine.train_step(mbs)
-            assert engine.stats.peak_stash_host_bytes > 0
-            assert engine.stats.peak_stash_device_bytes == 0
+            out = engine.train_step(_split(ids, labels, micro))
+            if offload:
+                assert engine.stats.peak_stash_host_bytes > 0, case
+                assert engine.stats.peak_stash_device_bytes == 0, case
+            else:
+                assert engine.stats.peak_stash_host_bytes == 0, case
+                assert engine.stats.peak_stash_device_bytes > 0, case
             opt.step()
+            if delays:
+                _spin()  # the next step's all-gathers must wait for the optimizer's writes
             engine.zero_grad()
             ref_opt.zero_grad()
             loss, _ = ref(ids, labels)
             loss.backward()
             ref_opt.step()
-            torch.testing.assert_close(out.loss, float(loss), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(out.loss, loss.item(), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{case} step {step}: {m}")
         full = engine.full_state_dict()
         for key, value in ref.state_dict().items():
-            torch.testing.assert_close(full[key], value.cpu(), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{micro} {key}: {m}")
+            torch.testing.assert_close(full[key], value.cpu(), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{case} {key}: {m}")
+        ids, labels = _batch(8, 16, cfg.vocab_size, seed=99)
+        ids, labels = ids.to(device), labels.to(device)
+        evaluated = engine.evaluate(_split(ids, labels, micro))
+        with torch.no_grad():
+            ref_loss, ref_logits = ref(ids, labels)
+        # other microbatch shapes than the reference's: GEMMs may sum in another order
+        torch.testing.assert_close(evaluated.loss, float(ref_loss), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{case} evaluate loss: {m}")
+        torch.testing.assert_close(torch.cat(evaluated.logits), ref_logits, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{case} evaluate logits: {m}")
+    return True
+
+
+def cuda_dropout_worker(rank, world):
+    """One microbatch: the engine consumes the CUDA RNG in the order of a plain forward, so with
+    the same seed its gradient equals the reference's only if the recompute replays the
+    forward's dropout masks (CUDA RNG state saved and restored around each recompute)."""
+    device, group = _nccl_setup()
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=3, max_seq_len=8,
+                    dropout=0.3)
+    ids, labels = _batch(3, 8, cfg.vocab_size, seed=10)
+    ids, labels = ids.to(device), labels.to(device)
+    torch.manual_seed(0)
+    model = ToyLM(cfg).to(device)
+    ref = copy.deepcopy(model)
+    engine = CephaloEngine(ToyStaged(model), process_group=group, device=device)
+    torch.manual_seed(123)
+    engine.train_step([{"input_ids": ids, "labels": labels}])
+    torch.manual_seed(123)
+    loss, _ = ref(ids, labels)
+    loss.backward()
+    got = {}
+    for meta, param in zip(engine.shard_metadata(), engine.parameters()):  # one rank: full shard
+        flat = param.grad if param.grad is not None else torch.zeros_like(param)
+        for info in meta.params:
+            if info.requires_grad:
+                got[info.fqn] = flat[info.offset:info.offset + info.numel].view(info.shape)
+    expected = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert set(got) == set(expected), sorted(set(got) ^ set(expected))
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"dropout replay {name}: {m}")
     return True
 
 
 def cuda_memory_worker(rank, world):
     """Peak device memory of a step does not grow with the number of microbatches at a fixed
     microbatch size once boundary activations are offloaded (paper §3.3)."""
-    device = torch.device("cuda", 0)
-    group = dist.new_group(backend="nccl")
+    device, group = _nccl_setup()
     cfg = ToyConfig(vocab_size=256, hidden_size=256, num_heads=4, num_layers=4,
                     max_seq_len=256)
     peaks = {}
@@ -86,12 +210,12 @@ def cuda_memory_worker(rank, world):
         mbs = [{"input_ids": ids[k:k + 2].to(device)} for k in range(0, 2 * num_mb, 2)]
         engine.train_step(mbs)
         engine.zero_grad()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
         engine.train_step(mbs)
-        torch.cuda.synchronize()
-        peaks[num_mb] = torch.cuda.max_memory_allocated() - base
+        torch.cuda.synchronize(device)
+        peaks[num_mb] = torch.cuda.max_memory_allocated(device) - base
     # inputs on the device grow with l (tiny); everything else must not
     assert peaks[8] <= 1.15 * peaks[1], peaks
     return peaks
@@ -100,6 +224,16 @@ def cuda_memory_worker(rank, world):
 @requires_cuda
 def test_cuda_streams_offload_parity():
     assert run_ranks(cuda_parity_worker, 1, timeout_s=300) == [True]
+
+
+@requires_cuda
+def test_cuda_streams_parity_with_delays():
+    assert run_ranks(cuda_parity_worker, 1, True, timeout_s=300) == [True]
+
+
+@requires_cuda
+def test_cuda_dropout_replay():
+    assert run_ranks(cuda_dropout_worker, 1, timeout_s=300) == [True]
 
 
 @requires_cuda
