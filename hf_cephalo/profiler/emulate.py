@@ -177,8 +177,10 @@ class EmulatedStagedModel(StagedModel):
 
     # ---- timing ---------------------------------------------------------------------------
     def _sync(self) -> None:
+        # The compute stream only: a device-wide sync would also wait for the engine's
+        # in-flight all-gathers / offload copies and stretch them as if they were compute.
         if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _stretch(self, elapsed_s: float, unit: bool) -> None:
         """Wait (slowdown - 1) × elapsed and account the whole span."""
