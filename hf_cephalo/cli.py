@@ -357,7 +357,11 @@ def _run_profile(args: argparse.Namespace) -> int:
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            # device_id binds the NCCL communicator to this rank's GPU (a barrier before any
+            # collective would otherwise guess global rank % local GPU count)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     cache = False if args.no_cache else ProfileCache(args.cache_dir)
     try:
         cluster = profile_cluster(staged, config, device=device, emulation=emulation, cache=cache)
