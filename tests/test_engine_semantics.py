@@ -297,6 +297,50 @@ def case_accumulate_and_empty_rank_eval(rank, world):
     assert len(out.logits) == (1 if rank == 1 else 0)
 
 
+def case_prefetch_schedule(rank, world):
+    """Every stashed tensor the schedule reads was prefetched (start_reload) while it held that
+    very tensor, or was stashed by the immediately preceding write (nothing to overlap with):
+    on CUDA each microbatch's reload overlaps the previous microbatch's compute, across unit
+    boundaries too, and no prefetch is stale. Recorded on CPU, where reloads are no-ops."""
+    import hf_cephalo.engine.engine as engine_module
+    from hf_cephalo.engine.offload import ActivationStash
+
+    class RecordingStash(ActivationStash):
+        log: list = []
+
+        def _put(self, key, item):
+            super()._put(key, item)
+            self.last_put, self.prefetched = key, getattr(self, "prefetched", {})
+            self.prefetched.pop(key, None)
+
+        def start_reload(self, key):
+            super().start_reload(key)
+            if key in self._store:
+                self.prefetched[key] = self._store[key].tensor
+
+        def _load(self, key, item):
+            hit = self.prefetched.pop(key, None) is item.tensor
+            RecordingStash.log.append((key, hit or key == self.last_put))
+            return super()._load(key, item)
+
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=3, max_seq_len=8)
+    ids, labels = padded_batch([8, 5, 7, 6], cfg.vocab_size, seed=13)
+    saved = engine_module.ActivationStash
+    engine_module.ActivationStash = RecordingStash
+    try:
+        for checkpointing in (True, False):
+            engine, _ = fresh(cfg, activation_checkpointing=checkpointing)
+            for sizes in ([1, 1, 1], [2], [1, 2]):
+                RecordingStash.log = []
+                engine.train_step(mbs_of(ids, labels, sizes) if rank == 0 else
+                                  mbs_of(ids[:1], labels[:1], [1]))
+                misses = [key for key, ok in RecordingStash.log if not ok]
+                assert RecordingStash.log and not misses, (checkpointing, sizes, misses)
+            engine.zero_grad()
+    finally:
+        engine_module.ActivationStash = saved
+
+
 class _Boom(RuntimeError):
     pass
 
@@ -343,7 +387,8 @@ CASES = [case_token_weighting, case_uneven_batches_vs_naive_mean,
          case_collective_counts_and_accounting, case_recompute_sees_gathered_params,
          case_param_used_by_last_microbatch, case_clip_norm_uneven,
          case_state_dict_roundtrip_and_eval, case_all_reduce_fallback,
-         case_accumulate_and_empty_rank_eval, case_bad_input, case_exception_mid_step]
+         case_accumulate_and_empty_rank_eval, case_prefetch_schedule, case_bad_input,
+         case_exception_mid_step]
 
 
 def semantics_worker(rank, world):

@@ -87,9 +87,11 @@ class ActivationStash:
         self._store[key] = item
         self._account(item, +1)
 
-    def start_offload(self, key: tuple, t: torch.Tensor) -> None:
+    def start_offload(self, key: tuple, t: torch.Tensor, keep: bool = False) -> None:
+        """Stash ``t`` under ``key``; ``keep=True`` keeps it on its device (the schedule reads
+        it next, so a copy out and straight back would only cost bandwidth)."""
         t = t.detach()
-        if not self.offload or t.device.type != "cuda":
+        if keep or not self.offload or t.device.type != "cuda":
             self._put(key, _Stashed(t, None, None))
             return
         stream = self.streams.offload_stream

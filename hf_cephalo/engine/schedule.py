@@ -18,8 +18,9 @@ Backward::
                                (not for the last unit's last microbatch: its forward graph was
                                kept, it is the first one backward needs),
                                backward with g[i+1][j] -> g[i][j] (stashed), grads accumulate
-        (each microbatch first prefetches the next one's stashed tensors and waits until the
-        previous one has finished on the compute stream: see [Note: CUDA streams])
+        (each microbatch first prefetches the next one's stashed tensors, across unit
+        boundaries too, and waits until the previous one has finished on the compute stream:
+        see [Note: CUDA streams])
         reduce-scatter unit i's gradient ONCE; wait unit i+1's reduce-scatter; reshard unit i
     for each microbatch j: recompute embed(j), backward with g[0][j]
     reduce-scatter root; reshard root; wait every reduce-scatter
@@ -89,7 +90,6 @@ class LayeredStep:
         self.keep_graphs = keep_graphs
         self.kept: dict[tuple, tuple] = {}  # (unit, microbatch) -> (input, output) with graph
         self.local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # no host sync
-        self.local_num_items = 0
 
     def run(self) -> None:
         self.forward()
@@ -103,18 +103,22 @@ class LayeredStep:
         (self.units[0] if L else self.root).start_unshard()
         with torch.no_grad():
             for j, mb in enumerate(self.mbs):
+                self.stash.one_microbatch_in_flight(self.device)
                 self.rng[("embed", j)] = RngState(self.device)
                 self.root.use_params()
                 hidden, ctx = self.staged.embed(mb)
                 self.ctxs.append(ctx)
                 self.stash.start_offload((0, j), hidden)
+            self.stash.start_reload((0, 0))  # unit 0's first input, offloaded meanwhile
             for i, unit in enumerate(self.units):
                 unit.wait_unshard(requires_grad=True)
                 if i + 1 < L:
                     self.units[i + 1].start_unshard()
                 for j in range(len(self.mbs)):
                     self.stash.wait_offload((i, j))
-                    self.stash.start_reload((i, j + 1))  # prefetch the next microbatch's input
+                    # prefetch the next microbatch's input; after the last one, the next
+                    # unit's first input (stashed while this unit ran microbatch 0)
+                    self.stash.start_reload((i, j + 1) if j + 1 < len(self.mbs) else (i + 1, 0))
                     self.stash.one_microbatch_in_flight(self.device)
                     if self.keep_graphs or (i == L - 1 and j == len(self.mbs) - 1):
                         self._forward_kept(unit, i, j)
@@ -150,8 +154,9 @@ class LayeredStep:
             torch.autograd.backward(out.loss_sum / self.N)
             self.root.note_grad()
             self.local_loss_sum += out.loss_sum.detach().double()
-            self.local_num_items += int(out.num_items)
-            self.stash.start_offload(("grad", j), _grad_or_zeros(hidden))
+            # the last microbatch's boundary gradient is the first one backward reads
+            self.stash.start_offload(("grad", j), _grad_or_zeros(hidden),
+                                     keep=j == len(self.mbs) - 1)
 
     def backward(self) -> None:
         """Units in reverse with recompute, one reduce-scatter each; then the embedding."""
@@ -189,14 +194,22 @@ class LayeredStep:
 
     def _recompute_backward(self, unit: FlatParamUnit, i: int, j: int) -> None:
         self.stash.wait_offload(("grad", j))
-        self.stash.start_reload(("grad", j - 1))  # backward walks microbatches last to first
-        self.stash.start_reload((i, j - 1))
+        # prefetch the next microbatch (backward walks them last to first); after microbatch 0,
+        # the next unit's first one: its boundary gradient is this unit's output for the last
+        # microbatch, already stashed
+        last = len(self.mbs) - 1
+        if j > 0:
+            self.stash.start_reload(("grad", j - 1))
+            self.stash.start_reload((i, j - 1))
+        elif i > 0:
+            self.stash.start_reload(("grad", last))
+            self.stash.start_reload((i - 1, last))
         self.stash.one_microbatch_in_flight(self.device)
         if (i, j) in self.kept:
             x, y = self.kept.pop((i, j))
             torch.autograd.backward(y, self.stash.pop(("grad", j)))
             unit.note_grad()
-            self.stash.start_offload(("grad", j), _grad_or_zeros(x))
+            self.stash.start_offload(("grad", j), _grad_or_zeros(x), keep=i == 0 and j == 0)
             return
         self.stash.wait_offload((i, j))
         x = self.stash.pop((i, j)).detach().requires_grad_(True)
@@ -209,7 +222,8 @@ class LayeredStep:
             fork.__exit__(None, None, None)
         torch.autograd.backward(y, grad)
         unit.note_grad()
-        self.stash.start_offload(("grad", j), _grad_or_zeros(x))
+        # unit 0's gradient for microbatch 0 is the first one the embedding backward reads
+        self.stash.start_offload(("grad", j), _grad_or_zeros(x), keep=i == 0 and j == 0)
 
 
 def _grad_or_zeros(x: torch.Tensor) -> torch.Tensor:
