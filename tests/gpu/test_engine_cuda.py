@@ -132,7 +132,10 @@ def cuda_parity_worker(rank, world, delays=False):
             out = engine.train_step(_split(ids, labels, micro))
             if offload:
                 assert engine.stats.peak_stash_host_bytes > 0, case
-                assert engine.stats.peak_stash_device_bytes == 0, case
+                # only a boundary gradient read right after it is written stays on the device:
+                # at most one microbatch's (m, seq, hidden) fp32 tensor at a time
+                one_mb = max(micro) * ids.shape[1] * cfg.hidden_size * 4
+                assert 0 < engine.stats.peak_stash_device_bytes <= one_mb, case
             else:
                 assert engine.stats.peak_stash_host_bytes == 0, case
                 assert engine.stats.peak_stash_device_bytes > 0, case
