@@ -341,6 +341,71 @@ def case_prefetch_schedule(rank, world):
         engine_module.ActivationStash = saved
 
 
+def case_offload_bookkeeping(rank, world):
+    """The CUDA offload path of the stash (copy out, live tensor, keep, prefetch, stale-prefetch
+    drop) run on CPU with copies as clones: gradients still equal the reference, every copy back
+    issued is consumed, with one microbatch the forward never copies back (live tensor), and a
+    prefetch of a value replaced before it is read is not returned."""
+    import hf_cephalo.engine.engine as engine_module
+    from hf_cephalo.engine.offload import ActivationStash
+
+    class HostOffloadStash(ActivationStash):
+        made: list = []
+
+        def __init__(self, offload, streams, stats=None):
+            super().__init__(offload, streams, stats)
+            self.offload, self.copies_back, self.unconsumed = True, 0, set()
+            HostOffloadStash.made.append(self)
+
+        def _offloadable(self, t):
+            return True
+
+        def _copy_out(self, t):
+            return t.clone(), None
+
+        def _issue_reload(self, item):
+            self.copies_back += 1
+            copy = item.tensor.clone()
+            self.unconsumed.add(id(copy))
+            return copy, None
+
+        def _wait_reload(self, gpu, done, device):
+            self.unconsumed.discard(id(gpu))
+
+    stash = HostOffloadStash(True, None)
+    old_value, new_value, other = torch.zeros(3), torch.ones(3), torch.full((3,), 2.0)
+    stash.start_offload(("a",), old_value)
+    stash.start_offload(("b",), other)  # ("a",) is no longer live: a prefetch copies back
+    stash.start_reload(("a",))
+    stash.start_offload(("a",), new_value)
+    stash.start_offload(("b",), other)
+    assert torch.equal(stash.pop(("a",)), new_value)
+
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=3, max_seq_len=8)
+    ids, labels = padded_batch([8, 5, 7, 6, 3, 8], cfg.vocab_size, seed=14)
+    saved = engine_module.ActivationStash
+    engine_module.ActivationStash = HostOffloadStash
+    try:
+        for checkpointing in (True, False):
+            for sizes in ([1], [1, 1, 1], [2, 1]):
+                engine, ref = fresh(cfg, state_ratios=[0.4, 0.6],
+                                    activation_checkpointing=checkpointing)
+                HostOffloadStash.made = []
+                mine = (ids[:sum(sizes)], labels[:sum(sizes)], sizes) if rank == 0 else \
+                    (ids[sum(sizes):], labels[sum(sizes):], [2, 1])
+                engine.train_step(mbs_of(*mine))
+                what = f"host offload ckpt={checkpointing} {sizes}"
+                assert_grads_close(gather_grads(engine), reference_grads(
+                    ref, ids[:sum(sizes) + 3], labels[:sum(sizes) + 3]), what)
+                (stash,) = HostOffloadStash.made
+                assert not stash._reloads and not stash.unconsumed, (what, list(stash._reloads))
+                if rank == 0 and sizes == [1]:  # backward recompute inputs only (unit 0..L-2)
+                    expected = cfg.num_layers - 1 if checkpointing else 0
+                    assert stash.copies_back == expected, (what, stash.copies_back)
+    finally:
+        engine_module.ActivationStash = saved
+
+
 class _Boom(RuntimeError):
     pass
 
@@ -387,7 +452,8 @@ CASES = [case_token_weighting, case_uneven_batches_vs_naive_mean,
          case_collective_counts_and_accounting, case_recompute_sees_gathered_params,
          case_param_used_by_last_microbatch, case_clip_norm_uneven,
          case_state_dict_roundtrip_and_eval, case_all_reduce_fallback,
-         case_accumulate_and_empty_rank_eval, case_prefetch_schedule, case_bad_input,
+         case_accumulate_and_empty_rank_eval, case_prefetch_schedule,
+         case_offload_bookkeeping, case_bad_input,
          case_exception_mid_step]
 
 

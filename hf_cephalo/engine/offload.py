@@ -30,6 +30,10 @@ Three streams: the compute (current) stream, an all-gather stream and an offload
 * Reload: ``start_reload(key)`` prefetches the next microbatch's tensor back to the GPU on the
   offload stream while the current microbatch computes. The compute stream waits on the
   reload's event only when it reads the tensor (``get``/``pop``).
+* Live tensor: the most recently offloaded tensor keeps its device copy until the next stash
+  write. When the schedule reads exactly that key next (every boundary with one microbatch),
+  ``get``/``pop`` return the device copy: no host wait for the copy out, no copy back. The
+  device holds at most one such boundary tensor beyond what it would hold after a reload.
 * One microbatch in flight: the schedule synchronizes the compute stream after each
   microbatch (``one_microbatch_in_flight``), so the host never queues the next microbatch's
   kernels and allocations while the current one runs. Without this the caching allocator
@@ -69,6 +73,7 @@ class ActivationStash:
         self._store: dict[tuple, _Stashed] = {}
         self._reloads: dict[tuple, tuple[torch.Tensor, object]] = {}  # key -> (GPU copy, event)
         self._device_bytes = self._host_bytes = 0
+        self._live: tuple[tuple, torch.Tensor] | None = None  # see [Note: CUDA streams]
 
     def _account(self, item: _Stashed, sign: int) -> None:
         nbytes = sign * item.tensor.numel() * item.tensor.element_size()
@@ -82,7 +87,15 @@ class ActivationStash:
             self.stats.peak_stash_host_bytes = max(self.stats.peak_stash_host_bytes,
                                                    self._host_bytes)
 
+    def _set_live(self, live: tuple[tuple, torch.Tensor] | None) -> None:
+        """Replace the live device copy (None: drop it), keeping the device-bytes account."""
+        for entry, sign in ((self._live, -1), (live, +1)):
+            if entry is not None:
+                self._account(_Stashed(entry[1], None, None), sign)
+        self._live = live
+
     def _put(self, key: tuple, item: _Stashed) -> None:
+        self._set_live(None)
         self._reloads.pop(key, None)  # a prefetch of the value this one replaces is stale
         self._store[key] = item
         self._account(item, +1)
@@ -91,9 +104,18 @@ class ActivationStash:
         """Stash ``t`` under ``key``; ``keep=True`` keeps it on its device (the schedule reads
         it next, so a copy out and straight back would only cost bandwidth)."""
         t = t.detach()
-        if keep or not self.offload or t.device.type != "cuda":
+        if keep or not self._offloadable(t):
             self._put(key, _Stashed(t, None, None))
             return
+        cpu, event = self._copy_out(t)
+        self._put(key, _Stashed(cpu, event, t.device))
+        self._set_live((key, t))
+
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        return self.offload and t.device.type == "cuda"
+
+    def _copy_out(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """(pinned host copy, event after the copy) issued on the offload stream."""
         stream = self.streams.offload_stream
         stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(stream):
@@ -102,24 +124,32 @@ class ActivationStash:
             event = torch.cuda.Event()
             event.record(stream)
         t.record_stream(stream)
-        self._put(key, _Stashed(cpu, event, t.device))
+        return cpu, event
 
     def wait_offload(self, key: tuple) -> None:
+        """Block the host until ``key``'s copy out finished (no-op when kept in place or live)."""
         item = self._store.get(key)
-        if item is not None and item.event is not None:
+        live = self._live is not None and self._live[0] == key
+        if item is not None and item.event is not None and not live:
             item.event.synchronize()
 
     def start_reload(self, key: tuple) -> None:
         """Prefetch: start copying an offloaded tensor back to its device (no-op when the tensor
-        was kept in place, is unknown, or is already being reloaded)."""
+        was kept in place, is still live on the device, is unknown, or is already being
+        reloaded)."""
         item = self._store.get(key)
-        if item is not None and item.device is not None and key not in self._reloads:
+        live = self._live is not None and self._live[0] == key
+        if item is not None and item.device is not None and key not in self._reloads \
+                and not live:
             self._reloads[key] = self._issue_reload(item)
 
     def pop(self, key: tuple) -> torch.Tensor:
         item = self._store.pop(key)
         self._account(item, -1)
-        return self._load(key, item)
+        out = self._load(key, item)
+        if self._live is not None and self._live[0] == key:
+            self._set_live(None)
+        return out
 
     def get(self, key: tuple) -> torch.Tensor:
         return self._load(key, self._store[key])
@@ -135,11 +165,18 @@ class ActivationStash:
     def _load(self, key: tuple, item: _Stashed) -> torch.Tensor:
         if item.device is None:
             return item.tensor
+        if self._live is not None and self._live[0] == key:
+            self._reloads.pop(key, None)
+            return self._live[1]  # produced on the compute stream: no wait
         gpu, done = self._reloads.pop(key, None) or self._issue_reload(item)
-        compute = torch.cuda.current_stream(item.device)
+        self._wait_reload(gpu, done, item.device)
+        return gpu
+
+    def _wait_reload(self, gpu: torch.Tensor, done, device: torch.device) -> None:
+        """The compute stream waits for the copy back; the copy is recorded on it."""
+        compute = torch.cuda.current_stream(device)
         compute.wait_event(done)
         gpu.record_stream(compute)
-        return gpu
 
     def one_microbatch_in_flight(self, device: torch.device) -> None:
         """On CUDA, wait until the compute stream finished the current microbatch (see
@@ -150,6 +187,7 @@ class ActivationStash:
     def clear(self) -> None:
         self._store.clear()
         self._reloads.clear()
+        self._live = None
 
     def __len__(self) -> int:
         return len(self._store)
