@@ -14,6 +14,7 @@ See docs/design.md contract 4 and [Note: layered schedule] in ``schedule.py``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Mapping, NamedTuple, Sequence
 
@@ -64,6 +65,23 @@ def _check_ratios(state_ratios, world_size: int) -> list[float]:
     return ratios
 
 
+def _check_autocast(dtype, model: nn.Module) -> torch.dtype | None:
+    """Validate ``autocast_dtype`` (see ``CephaloEngine``); ValueError names the fix."""
+    if dtype is None:
+        return None
+    if dtype == torch.float16:
+        raise ValueError("autocast_dtype=torch.float16 needs a loss scaler over every rank's "
+                         "shard gradients, which the engine does not have: use torch.bfloat16 "
+                         "(bf16=True) or fp32")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"autocast_dtype={dtype}: only torch.bfloat16 (or None) is supported")
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    if dtypes != ["torch.float32"]:
+        raise ValueError(f"autocast_dtype=torch.bfloat16 needs fp32 parameters (master weights), "
+                         f"the model has {dtypes}: load it in float32 (model.float())")
+    return dtype
+
+
 def _layout(ratios: list[float], unit_numels: list[int]) -> list[list[int]]:
     """Per-unit per-rank element counts from the planner (root unit last)."""
     from ..planner.state import layout_unit_shards  # pure planning code, no torch.distributed
@@ -100,16 +118,24 @@ class CephaloEngine:
             and recompute each unit's forward in backward. False: keep every microbatch's
             autograd graph (no recompute, ~1/3 less compute; activation memory grows with the
             number of microbatches like standard training; same collectives).
+        autocast_dtype: None (default: compute in the parameters' dtype) or ``torch.bfloat16``:
+            every forward call (and recompute) runs under ``torch.autocast(device.type,
+            bfloat16)`` while parameters, gradients, optimizer state and collectives stay
+            fp32 (mixed precision as ``TrainingArguments(bf16=True)`` gives stock Trainer;
+            https://pytorch.org/docs/stable/amp.html). float16 is refused: it needs a loss
+            scaler that sees every rank's shard gradients, which the engine does not have.
     Raises:
         ValueError: bad ratios / layout, parameters outside units and root or shared between
-            units, mixed dtypes in a unit — all before the first collective.
+            units, mixed dtypes in a unit, an autocast dtype other than bfloat16 or with
+            non-fp32 parameters — all before the first collective.
     """
 
     def __init__(self, staged: StagedModel, state_ratios: Sequence[float] | None = None, *,
                  shard_layout: Sequence[Sequence[int]] | None = None,
                  process_group: dist.ProcessGroup | None = None,
                  device: torch.device | None = None, offload_activations: bool | None = None,
-                 reduce_scatter_fallback: bool = False, activation_checkpointing: bool = True):
+                 reduce_scatter_fallback: bool = False, activation_checkpointing: bool = True,
+                 autocast_dtype: torch.dtype | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("CephaloEngine needs an initialized torch.distributed process group "
                              "(call dist.init_process_group first, e.g. via torchrun)")
@@ -127,6 +153,7 @@ class CephaloEngine:
             else bool(offload_activations)
         self.streams = CudaStreams(self.device) if self.device.type == "cuda" else None
         self.activation_checkpointing = bool(activation_checkpointing)
+        self.autocast_dtype = _check_autocast(autocast_dtype, model)
         self.stats = CollectiveStats()
         self._tracker = LiveTracker(self.stats)
         use_all_reduce = reduce_scatter_fallback or not C.reduce_scatter_supported(process_group)
@@ -214,7 +241,8 @@ class CephaloEngine:
                              "samples); nothing to train on")
         stash = ActivationStash(self.offload_activations, self.streams, self.stats)
         step = LayeredStep(self.staged, self.units, self.root, mbs, global_items, stash,
-                           self.device, keep_graphs=not self.activation_checkpointing)
+                           self.device, keep_graphs=not self.activation_checkpointing,
+                           amp=self._amp)
         try:
             step.run()
         except BaseException as exc:
@@ -225,6 +253,12 @@ class CephaloEngine:
         C.all_reduce_sum(loss.view(1), self.group, self.stats)
         return StepOutput(float(loss) / global_items, global_items, float(step.local_loss_sum),
                           local_items)
+
+    def _amp(self):
+        """The forward calls' autocast context (a no-op without ``autocast_dtype``)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _abandon_step(self, stash: ActivationStash | None, exc: BaseException) -> None:
         """A step (or evaluation) raised on this rank mid-schedule: release its memory and
@@ -296,7 +330,8 @@ class CephaloEngine:
         hiddens, ctxs = [], []
         for mb in mbs:
             self.root.use_params()
-            h, ctx = self.staged.embed(mb)
+            with self._amp():
+                h, ctx = self.staged.embed(mb)
             hiddens.append(h)
             ctxs.append(ctx)
         for i, unit in enumerate(self.units):
@@ -304,14 +339,16 @@ class CephaloEngine:
             if i + 1 < len(self.units):
                 self.units[i + 1].start_unshard()
             unit.use_params()
-            hiddens = [self.staged.run_unit(i, h, c) for h, c in zip(hiddens, ctxs)]
+            with self._amp():
+                hiddens = [self.staged.run_unit(i, h, c) for h, c in zip(hiddens, ctxs)]
             unit.reshard()
         logits, loss_sum = [], torch.zeros(1, dtype=torch.float64, device=self.device)
         self.root.use_params()
         for h, mb, c in zip(hiddens, mbs, ctxs):
-            logits.append(self.staged.head_logits(h, mb, c))
-            if global_items:
-                loss_sum += self.staged.head_loss(h, mb, c).loss_sum.double()
+            with self._amp():
+                logits.append(self.staged.head_logits(h, mb, c))
+                if global_items:
+                    loss_sum += self.staged.head_loss(h, mb, c).loss_sum.double()
         self.root.reshard()
         return loss_sum, logits
 
