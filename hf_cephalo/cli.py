@@ -295,6 +295,9 @@ def _add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="parameter dtype of the profiled model (default float32)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per microbatch size (median)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: time the forward under bf16 autocast, as training with --bf16 "
+                        "runs (default fp32)")
     p.add_argument("--emulate-slowdown", help="emulation: per-rank compute slowdown, e.g. '1,3'")
     p.add_argument("--emulate-memory-cap-bytes",
                    help="emulation: per-rank memory capacity in bytes, e.g. '8e9,4e9'")
@@ -337,7 +340,8 @@ def _run_profile(args: argparse.Namespace) -> int:
             raise ValueError(f"--out {args.out!r}: directory {out_dir!r} is not writable; give "
                              "another path")
     config = MeasureConfig(max_microbatch_size=args.max_microbatch_size,
-                           sequence_length=args.sequence_length, repeats=args.repeats)
+                           sequence_length=args.sequence_length, repeats=args.repeats,
+                           precision=args.precision)
     slow = _per_rank_list(args.emulate_slowdown, float, "--emulate-slowdown")
     caps = _per_rank_list(args.emulate_memory_cap_bytes, int, "--emulate-memory-cap-bytes")
     emulation = None if slow is None and caps is None else \

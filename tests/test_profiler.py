@@ -107,6 +107,42 @@ def test_cache_hit_skips_measurement(tmp_path, monkeypatch):
     assert capped.devices[0].name == "cpu [emulated cap 0.931 GiB]"
 
 
+def test_bf16_profile_times_under_autocast_and_is_kept_apart(tmp_path, monkeypatch):
+    """precision="bf16" runs the timed forward calls under bf16 autocast (as --bf16 training
+    does), is cached under its own key, records "float32+autocast-bf16", and such a profile is
+    refused for an fp32 job (and the other way round)."""
+    staged = stage_model(_llama(hidden=64))
+    cache = ProfileCache(tmp_path)
+    seen = []
+    real_run_unit = type(staged).run_unit
+
+    def spy(self, index, hidden, ctx):
+        seen.append(torch.is_autocast_enabled("cpu") and
+                    torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        return real_run_unit(self, index, hidden, ctx)
+
+    monkeypatch.setattr(type(staged), "run_unit", spy)
+    fp32 = MeasureConfig(max_microbatch_size=2, sequence_length=8, repeats=1, progress=False)
+    bf16 = MeasureConfig(max_microbatch_size=2, sequence_length=8, repeats=1, progress=False,
+                         precision="bf16")
+    plain = profile_cluster(staged, fp32, cache=cache)
+    assert seen and not any(seen)
+    seen.clear()
+    mixed = profile_cluster(staged, bf16, cache=cache)
+    assert seen and all(seen)
+    assert len(list(tmp_path.glob("device-*.json"))) == 2  # not a cache hit of the fp32 entry
+    assert (plain.extra["dtype"], mixed.extra["dtype"]) == ("float32", "float32+autocast-bf16")
+    mine = model_profile(staged)
+    check_profile_matches(mixed, mine, ["cpu"], dtype="float32+autocast-bf16")
+    with pytest.raises(ValueError, match="measured in float32\\+autocast-bf16 but the model's "
+                                         "parameters are float32"):
+        check_profile_matches(mixed, mine, ["cpu"], dtype="float32")
+    with pytest.raises(ValueError, match="measured in float32 but"):
+        check_profile_matches(plain, mine, ["cpu"], dtype="float32+autocast-bf16")
+    with pytest.raises(ValueError, match="precision = 'fp16'"):
+        MeasureConfig(precision="fp16")
+
+
 def test_refuses_profiles_of_other_models_and_devices(tmp_path, monkeypatch):
     llama = stage_model(_llama(hidden=64))
     config = MeasureConfig(max_microbatch_size=2, sequence_length=8, repeats=1, progress=False)
@@ -182,6 +218,9 @@ def test_cli_profile_writes_a_cluster_profile(tmp_path, capsys):
     assert "cluster profile written to" in capsys.readouterr().out
     # The plan subcommand accepts it.
     assert main(["plan", "--profile", str(out), "-B", "4"]) == 0
+    # --precision bf16 (an emulated slow device under bf16 autocast) is recorded as such.
+    assert main(argv + ["--precision", "bf16"]) == 0
+    assert ClusterProfile.load(out).extra["dtype"] == "float32+autocast-bf16"
     assert main(["profile", "--model-config", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
 

@@ -56,10 +56,59 @@ from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile
 __all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "model_profile",
            "local_device_name",
            "device_capacity_bytes", "local_world_size", "measure_device", "measure_comm", "profile_cluster",
-           "check_profile_matches", "sequence_length_of"]
+           "check_profile_matches", "sequence_length_of", "precision_tag", "PRECISIONS"]
 
 GIB = float(1 << 30)
 MakeMicrobatch = Callable[[int], Mapping[str, torch.Tensor]]
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def precision_tag(param_dtype: str, precision: str) -> str:
+    """What a profile records as its dtype: the parameters' dtype name, plus the autocast
+    compute dtype for bf16 mixed precision (e.g. ``"float32+autocast-bf16"``)."""
+    return param_dtype if precision == "fp32" else f"{param_dtype}+autocast-{precision}"
+
+
+class _AutocastStaged(StagedModel):
+    """Delegates to ``inner`` with every forward call under ``torch.autocast(bfloat16)``, as
+    the engine runs them with ``autocast_dtype=torch.bfloat16`` (backward stays outside)."""
+
+    def __init__(self, inner: StagedModel, device: torch.device):
+        super().__init__(inner.model)
+        self.inner, self.device_type = inner, torch.device(device).type
+
+    def _amp(self):
+        return torch.autocast(self.device_type, dtype=torch.bfloat16)
+
+    def units(self):
+        return self.inner.units()
+
+    def root_modules(self):
+        return self.inner.root_modules()
+
+    def count_items(self, microbatch):
+        return self.inner.count_items(microbatch)
+
+    def prepare_for_training(self) -> None:
+        self.inner.prepare_for_training()
+
+    def embed(self, microbatch):
+        with self._amp():
+            return self.inner.embed(microbatch)
+
+    def run_unit(self, index, hidden, ctx):
+        with self._amp():
+            return self.inner.run_unit(index, hidden, ctx)
+
+    def head_loss(self, hidden, microbatch, ctx):
+        with self._amp():
+            return self.inner.head_loss(hidden, microbatch, ctx)
+
+    def head_logits(self, hidden, microbatch, ctx):
+        with self._amp():
+            return self.inner.head_logits(hidden, microbatch, ctx)
 
 
 @dataclass(kw_only=True)
@@ -74,6 +123,8 @@ class MeasureConfig:
         repeats: timed runs per microbatch size (the median is kept).
         comm_repeats: timed runs of each collective (the median is kept).
         progress: print progress lines (rank, microbatch size, estimated time left).
+        precision: "fp32", or "bf16" to time the forward calls under bf16 autocast like the
+            engine's ``autocast_dtype=torch.bfloat16`` (``TrainingArguments(bf16=True)``).
     """
 
     max_microbatch_size: int = 8
@@ -82,8 +133,12 @@ class MeasureConfig:
     repeats: int = 3
     comm_repeats: int = 5
     progress: bool = True
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"MeasureConfig.precision = {self.precision!r}: need one of "
+                             f"{PRECISIONS}")
         for name, minimum in (("max_microbatch_size", 1), ("sequence_length", 1), ("warmup", 0),
                               ("repeats", 1), ("comm_repeats", 1)):
             value = getattr(self, name)
@@ -664,12 +719,13 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
     slowdown = 1.0 if emulation is None else emulation.slowdown_of(rank)
     cap = None if emulation is None else emulation.cap_of(rank)
     base = staged.inner if isinstance(staged, EmulatedStagedModel) else staged
-    measured = EmulatedStagedModel(base, slowdown, device) if slowdown != 1.0 else base
+    timed = _AutocastStaged(base, device) if config.precision != "fp32" else base
+    measured = EmulatedStagedModel(timed, slowdown, device) if slowdown != 1.0 else timed
     name = emulated_device_name(local_device_name(device), slowdown, cap)
     # Every rank calls it (it may be a collective), capped or not.
     local = local_world_size(group)
     capacity = float(cap) if cap is not None else device_capacity_bytes(device, local)
-    dtype = str(model_dtype(base)).replace("torch.", "")
+    dtype = precision_tag(str(model_dtype(base)).replace("torch.", ""), config.precision)
     fingerprint = model_fingerprint(base.model)
     store = ProfileCache() if cache is True else (cache or None)
     # The capacity does not change timings: the key names the (emulated) speed only.
