@@ -97,7 +97,28 @@ def _worker(rank, world_size, out_dir):
                              predictions=output.predictions, label_ids=output.label_ids,
                              save_dir=save_dir)
     results["image_transform_batch"] = _image_column_survives(out_dir)
+    results["bf16"] = _bf16_run(out_dir)
     return results
+
+
+def _bf16_run(out_dir):
+    """--bf16 with rank 0 holding the whole global batch as one microbatch (the reference's
+    shapes, so bf16 results are comparable exactly): the first step's loss and grad norm."""
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import Plan
+
+    n_train, _, sizes, _, _ = CASES["llama"]
+    args = CephaloTrainingArguments(output_dir=os.path.join(out_dir, "bf16"), report_to="none",
+                                    optim="sgd", learning_rate=LR, max_steps=1, logging_steps=1,
+                                    save_strategy="no", seed=SEED, bf16=True, disable_tqdm=True)
+    plan = Plan.from_ratios([sum(sizes), 0], [sum(sizes), 0], [0.3, 0.7])
+    trainer = CephaloTrainer(model=build("llama"), args=args, plan=plan, data_collator=_collate,
+                             train_dataset=_dataset(_samples("llama", n_train, 0)))
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    return dict(autocast_dtype=str(trainer.engine.autocast_dtype), loss=log["loss"],
+                grad_norm=log["grad_norm"])
 
 
 def _image_column_survives(out_dir):
@@ -152,6 +173,30 @@ def _reference(arch: str):
 def trained(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("trainer"))
     return run_ranks(_worker, 2, out_dir, timeout_s=400)
+
+
+def test_bf16_trains_under_autocast(trained):
+    """--bf16: loss and gradient norm of the first step equal single-process bf16-autocast
+    training on the same global batch (same shapes: rank 0 runs it as one microbatch) and the
+    norm measurably differs from fp32 training's (autocast really ran)."""
+    n_train, _, sizes, _, _ = CASES["llama"]
+    batch = _collate([_samples("llama", n_train, 0)[i] for i in
+                      global_batches(n_train, sum(sizes), epoch=0, seed=SEED)[0]])
+    results = {}
+    for precision in ("fp32", "bf16"):
+        model = build("llama").train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(**batch).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        results[precision] = (float(loss.detach()), float(norm))
+    (bf16_loss, bf16_norm), (_, fp32_norm) = results["bf16"], results["fp32"]
+    assert abs(bf16_norm - fp32_norm) > 1e-4 * fp32_norm, results
+    for rank_result in trained:
+        got = rank_result["bf16"]
+        assert got["autocast_dtype"] == "torch.bfloat16"
+        torch.testing.assert_close(got["loss"], bf16_loss, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got["grad_norm"], bf16_norm, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("arch", list(CASES))

@@ -41,6 +41,7 @@ from hf_cephalo.profiler.emulate import (EmulatedStagedModel, EmulationConfig, a
                                          EmulatedOutOfMemoryError, check_plan_memory,
                                          emulated_device_name)
 from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches, local_device_name,
+                                         precision_tag,
                                          model_dtype, model_profile, profile_cluster,
                                          sequence_length_of)
 from hf_cephalo.profiler.cache import model_description, model_fingerprint
@@ -91,7 +92,7 @@ def _measure_config(args, global_batch_size: int, train_dataset) -> MeasureConfi
     seq = sequence_length_of(train_dataset, DEFAULT_SEQUENCE_LENGTH) if train_dataset is not None \
         else DEFAULT_SEQUENCE_LENGTH
     return MeasureConfig(max_microbatch_size=max(1, min(max_m, global_batch_size)),
-                         sequence_length=seq)
+                         sequence_length=seq, precision="bf16" if args.bf16 else "fp32")
 
 
 def _gather_names(name: str, world_size: int) -> list[str]:
@@ -183,7 +184,8 @@ def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterPr
     names = _gather_names(_local_name(args, emulation), world_size)
     check_profile_matches(cluster, model_profile(staged), names,
                           source=f"cephalo_profile_file {args.cephalo_profile_file!r}",
-                          dtype=str(model_dtype(staged)).replace("torch.", ""),
+                          dtype=precision_tag(str(model_dtype(staged)).replace("torch.", ""),
+                                              "bf16" if args.bf16 else "fp32"),
                           fingerprint=model_fingerprint(staged.model),
                           description=model_description(staged.model),
                           sequence_length=None if train_dataset is None else

@@ -47,7 +47,8 @@ class CephaloTrainingArguments(TrainingArguments):
 
     Raises ValueError in ``__post_init__`` for an invalid cephalo_* value (after environment
     fallback; the message names the field, its environment variable and the value), a missing
-    plan/profile file, or ``gradient_accumulation_steps != 1``.
+    plan/profile file, ``gradient_accumulation_steps != 1``, or ``fp16`` / ``fp16_full_eval`` /
+    ``bf16_full_eval`` (``bf16=True`` is supported: bf16 autocast, fp32 master weights).
     """
 
     cephalo_plan_file: str | None = field(default=None, metadata={"help": (
@@ -89,6 +90,15 @@ class CephaloTrainingArguments(TrainingArguments):
                 "the plan), so leave gradient_accumulation_steps = 1 and set "
                 "--cephalo_global_batch_size to the global batch size you want (stock Trainer's "
                 "equivalent is per_device_train_batch_size x world size x gradient_accumulation_steps)")
+        for flag, why in (("fp16", "fp16 needs a loss scaler over every rank's shard "
+                           "gradients, which Cephalo does not have; use --bf16 (bf16 autocast "
+                           "with fp32 master weights) or fp32"),
+                          ("fp16_full_eval", "evaluation runs through the engine in the "
+                           "training precision; drop the flag"),
+                          ("bf16_full_eval", "evaluation runs through the engine in the "
+                           "training precision (bf16 autocast with --bf16); drop the flag")):
+            if getattr(self, flag):
+                raise ValueError(f"--{flag} is not supported by CephaloTrainer: {why}")
         if not self.use_cpu and not torch.cuda.is_available():
             # Without cpu=True, torchrun-started workers see an initialized process group but
             # Accelerate reports DistributedType.NO and one process (docs/design.md contract 6).
