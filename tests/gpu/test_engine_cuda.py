@@ -198,6 +198,42 @@ def cuda_dropout_worker(rank, world):
     return True
 
 
+def cuda_bf16_worker(rank, world):
+    """autocast_dtype=bfloat16 on CUDA with the reference's shapes (one microbatch, offload on):
+    loss and gradients equal single-process bf16-autocast training, and differ from fp32's."""
+    device, group = _nccl_setup()
+    cfg = ToyConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=3, max_seq_len=16)
+    ids, labels = _batch(8, 16, cfg.vocab_size, seed=5)
+    ids, labels = ids.to(device), labels.to(device)
+    torch.manual_seed(0)
+    model = ToyLM(cfg).to(device)
+    grads = {}
+    for name, amp in (("fp32", False), ("bf16", True)):
+        ref = copy.deepcopy(model)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            loss, _ = ref(ids, labels)
+        loss.backward()
+        grads[name] = (loss.item(), {n: p.grad for n, p in ref.named_parameters()
+                                     if p.grad is not None})
+    engine = CephaloEngine(ToyStaged(copy.deepcopy(model)), process_group=group, device=device,
+                           autocast_dtype=torch.bfloat16)
+    out = engine.train_step([{"input_ids": ids, "labels": labels}])
+    torch.testing.assert_close(out.loss, grads["bf16"][0], rtol=RTOL, atol=ATOL)
+    flat_grads = {}
+    for meta, param in zip(engine.shard_metadata(), engine.parameters()):  # one rank: all
+        for info in meta.params:
+            if info.requires_grad:
+                flat_grads[info.fqn] = param.grad[info.offset:info.offset + info.numel].view(
+                    info.shape)
+    differs = 0.0
+    for name, grad in grads["bf16"][1].items():
+        torch.testing.assert_close(flat_grads[name], grad, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"bf16 {name}: {m}")
+        differs = max(differs, float((grad - grads["fp32"][1][name]).abs().max()))
+    assert differs > 1e-5, differs  # autocast really ran
+    return True
+
+
 def cuda_memory_worker(rank, world):
     """Peak device memory of a step does not grow with the number of microbatches at a fixed
     microbatch size once boundary activations are offloaded (paper §3.3)."""
@@ -237,6 +273,11 @@ def test_cuda_streams_parity_with_delays():
 @requires_cuda
 def test_cuda_dropout_replay():
     assert run_ranks(cuda_dropout_worker, 1, timeout_s=300) == [True]
+
+
+@requires_cuda
+def test_cuda_bf16_autocast():
+    assert run_ranks(cuda_bf16_worker, 1, timeout_s=300) == [True]
 
 
 @requires_cuda
