@@ -22,6 +22,7 @@ import torch.distributed as dist
 from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
 from tests.dist_utils import run_ranks
+from tests.test_engine_semantics import mbs_of
 
 pytestmark = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -45,14 +46,6 @@ def _batch(n, seq, vocab, seed):
     labels = ids.clone()
     labels[::3, seq // 2:] = -100
     return ids, labels
-
-
-def _split(ids, labels, sizes):
-    mbs, k = [], 0
-    for m in sizes:
-        mbs.append({"input_ids": ids[k:k + m], "labels": labels[k:k + m]})
-        k += m
-    return mbs
 
 
 def _nccl_setup():
@@ -129,7 +122,7 @@ def cuda_parity_worker(rank, world, delays=False):
             ids, labels = _batch(8, 16, cfg.vocab_size, seed=step)
             ids, labels = ids.to(device), labels.to(device)
             engine.stats.reset()
-            out = engine.train_step(_split(ids, labels, micro))
+            out = engine.train_step(mbs_of(ids, labels, micro))
             if offload:
                 assert engine.stats.peak_stash_host_bytes > 0, case
                 # only a boundary gradient read right after it is written stays on the device:
@@ -155,7 +148,7 @@ def cuda_parity_worker(rank, world, delays=False):
                                        msg=lambda m: f"{case} {key}: {m}")
         ids, labels = _batch(8, 16, cfg.vocab_size, seed=99)
         ids, labels = ids.to(device), labels.to(device)
-        evaluated = engine.evaluate(_split(ids, labels, micro))
+        evaluated = engine.evaluate(mbs_of(ids, labels, micro))
         with torch.no_grad():
             ref_loss, ref_logits = ref(ids, labels)
         # other microbatch shapes than the reference's: GEMMs may sum in another order
