@@ -94,6 +94,9 @@ class ActivationStash:
                 self._account(_Stashed(entry[1], None, None), sign)
         self._live = live
 
+    def _is_live(self, key: tuple) -> bool:
+        return self._live is not None and self._live[0] == key
+
     def _put(self, key: tuple, item: _Stashed) -> None:
         self._set_live(None)
         self._reloads.pop(key, None)  # a prefetch of the value this one replaces is stale
@@ -129,8 +132,7 @@ class ActivationStash:
     def wait_offload(self, key: tuple) -> None:
         """Block the host until ``key``'s copy out finished (no-op when kept in place or live)."""
         item = self._store.get(key)
-        live = self._live is not None and self._live[0] == key
-        if item is not None and item.event is not None and not live:
+        if item is not None and item.event is not None and not self._is_live(key):
             item.event.synchronize()
 
     def start_reload(self, key: tuple) -> None:
@@ -138,16 +140,15 @@ class ActivationStash:
         was kept in place, is still live on the device, is unknown, or is already being
         reloaded)."""
         item = self._store.get(key)
-        live = self._live is not None and self._live[0] == key
         if item is not None and item.device is not None and key not in self._reloads \
-                and not live:
+                and not self._is_live(key):
             self._reloads[key] = self._issue_reload(item)
 
     def pop(self, key: tuple) -> torch.Tensor:
         item = self._store.pop(key)
         self._account(item, -1)
         out = self._load(key, item)
-        if self._live is not None and self._live[0] == key:
+        if self._is_live(key):
             self._set_live(None)
         return out
 
@@ -165,7 +166,7 @@ class ActivationStash:
     def _load(self, key: tuple, item: _Stashed) -> torch.Tensor:
         if item.device is None:
             return item.tensor
-        if self._live is not None and self._live[0] == key:
+        if self._is_live(key):
             self._reloads.pop(key, None)
             return self._live[1]  # produced on the compute stream: no wait
         gpu, done = self._reloads.pop(key, None) or self._issue_reload(item)
