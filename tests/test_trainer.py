@@ -117,8 +117,9 @@ def _bf16_run(out_dir):
                              train_dataset=_dataset(_samples("llama", n_train, 0)))
     trainer.train()
     (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    predicted = trainer.predict(_dataset(_samples("llama", 3, 1)))  # bf16 logits -> numpy
     return dict(autocast_dtype=str(trainer.engine.autocast_dtype), loss=log["loss"],
-                grad_norm=log["grad_norm"])
+                grad_norm=log["grad_norm"], predictions=predicted.predictions)
 
 
 def _image_column_survives(out_dir):
@@ -197,6 +198,7 @@ def test_bf16_trains_under_autocast(trained):
         assert got["autocast_dtype"] == "torch.bfloat16"
         torch.testing.assert_close(got["loss"], bf16_loss, rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(got["grad_norm"], bf16_norm, rtol=RTOL, atol=ATOL)
+        assert got["predictions"].dtype == "float32" and got["predictions"].shape[:2] == (3, 12)
 
 
 @pytest.mark.parametrize("arch", list(CASES))

@@ -107,9 +107,13 @@ class _EpochDataLoader(DataLoader):
 
 
 def _stack_padded(rows: list[torch.Tensor], pad_value: float) -> np.ndarray:
-    """Stack per-sample tensors of possibly different shapes, padding to the largest."""
+    """Stack per-sample tensors of possibly different shapes, padding to the largest.
+
+    bfloat16 (logits under ``--bf16`` autocast) becomes float32: numpy has no bfloat16 (stock
+    Trainer's ``nested_numpify`` does the same)."""
     shape = [max(sizes) for sizes in zip(*(r.shape for r in rows))]
-    out = torch.full((len(rows), *shape), pad_value, dtype=rows[0].dtype)
+    dtype = torch.float32 if rows[0].dtype == torch.bfloat16 else rows[0].dtype
+    out = torch.full((len(rows), *shape), pad_value, dtype=dtype)
     for i, r in enumerate(rows):
         out[(i, *(slice(0, s) for s in r.shape))] = r
     return out.numpy()
