@@ -246,7 +246,7 @@ class CephaloEngine:
         try:
             step.run()
         except BaseException as exc:
-            self._abandon_step(stash, exc)
+            self._abandon_step(stash, exc, "train_step")
             raise
         assert len(stash) == 0 and not step.kept, "schedule left stashed tensors behind"
         loss = step.local_loss_sum.clone()
@@ -260,7 +260,8 @@ class CephaloEngine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _abandon_step(self, stash: ActivationStash | None, exc: BaseException) -> None:
+    def _abandon_step(self, stash: ActivationStash | None, exc: BaseException,
+                      what: str) -> None:
         """A step (or evaluation) raised on this rank mid-schedule: release its memory and
         refuse further steps.
 
@@ -275,14 +276,13 @@ class CephaloEngine:
             stash.clear()
         for unit in self._all_units():
             self._abandoned.extend(unit.abandon())
-        self._failure = f"{type(exc).__name__}: {exc}"
+        self._failure = f"an earlier {what} raised mid-schedule ({type(exc).__name__}: {exc})"
 
     def _check_not_failed(self, what: str) -> None:
         if self._failure is not None:
             raise RuntimeError(
-                f"{what} refused on rank {self.rank}: an earlier train_step raised mid-schedule "
-                f"({self._failure}); the ranks' collectives may be out of step and that step's "
-                "gradients were dropped. Fix the cause, then restart the processes and resume "
+                f"{what} refused on rank {self.rank}: {self._failure}; the ranks' collectives "
+                "may be out of step and that step's gradients were dropped. Fix the cause, then restart the processes and resume "
                 "from the last complete checkpoint")
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -316,7 +316,7 @@ class CephaloEngine:
         try:
             loss_sum, logits = self._evaluate_layered(mbs, global_items)
         except BaseException as exc:
-            self._abandon_step(None, exc)
+            self._abandon_step(None, exc, "evaluate")
             raise
         C.all_reduce_sum(loss_sum, self.group, self.stats)
         loss = float(loss_sum) / global_items if global_items else float("nan")
