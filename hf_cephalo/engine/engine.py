@@ -282,8 +282,8 @@ class CephaloEngine:
         if self._failure is not None:
             raise RuntimeError(
                 f"{what} refused on rank {self.rank}: {self._failure}; the ranks' collectives "
-                "may be out of step and that step's gradients were dropped. Fix the cause, then restart the processes and resume "
-                "from the last complete checkpoint")
+                "may be out of step and that step's gradients were dropped. Fix the cause, "
+                "then restart the processes and resume from the last complete checkpoint")
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip shard grads by the GLOBAL L2 norm (one all-reduce of squared sums); return it.
