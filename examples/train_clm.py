@@ -192,10 +192,16 @@ def check_reloaded(trainer: CephaloTrainer, save_dir: str, sample: dict[str, tor
     trainer.accelerator.wait_for_everyone()  # rank 0 has finished writing the checkpoint
     if not is_main:
         return
-    reloaded = AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        reloaded_logits = reloaded(input_ids=sample["input_ids"],
-                                   attention_mask=sample["attention_mask"]).logits
+    # Same device and precision as training: with --bf16 the engine computed under bf16
+    # autocast, so the reloaded fp32 weights run under the same autocast.
+    device = trainer.args.device
+    reloaded = AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32).to(device)
+    reloaded.eval()
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16,
+                                         enabled=bool(trainer.args.bf16)):
+        reloaded_logits = reloaded(input_ids=sample["input_ids"].to(device),
+                                   attention_mask=sample["attention_mask"].to(device)).logits
+    reloaded_logits = reloaded_logits.float().cpu()
     ours = engine_logits[0].float().cpu()
     diff = (ours - reloaded_logits).abs().max().item()
     torch.testing.assert_close(reloaded_logits, ours, rtol=_LOGITS_RTOL, atol=_LOGITS_ATOL)
@@ -203,7 +209,7 @@ def check_reloaded(trainer: CephaloTrainer, save_dir: str, sample: dict[str, tor
           f"{tuple(sample['input_ids'].shape)} (max abs diff {diff:.2e}, rtol {_LOGITS_RTOL}, "
           f"atol {_LOGITS_ATOL})", flush=True)
     reloaded_tokenizer = AutoTokenizer.from_pretrained(save_dir)
-    prompt = reloaded_tokenizer(data_args.prompt, return_tensors="pt")
+    prompt = reloaded_tokenizer(data_args.prompt, return_tensors="pt").to(device)
     generated = reloaded.generate(**prompt, max_new_tokens=data_args.max_new_tokens,
                                   do_sample=False, pad_token_id=reloaded_tokenizer.pad_token_id)
     new_tokens = generated[0, prompt["input_ids"].shape[1]:]

@@ -73,10 +73,12 @@ def test_train_clm_llama_uneven_plan(tmp_path):
     assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
 
 
-def test_train_clm_gpt2_and_image_classification(tmp_path):
+def test_train_clm_gpt2_and_image_classification_bf16(tmp_path):
+    """Both under --bf16 (bf16 autocast): the reload check runs under the same autocast, and the
+    image example's metrics take the bf16 logits."""
     rc, out = _launch("train_clm.py", "--model_type", "gpt2", "--output_dir", str(tmp_path / "g"),
                       "--cephalo_plan_file", _uneven_plan(tmp_path / "p.json", (2, 4), (1, 4), (0.3, 0.7)),
-                      *TINY_CLM)
+                      "--bf16", *TINY_CLM)
     assert rc == 0, out[-6000:]
     assert "model: GPT2LMHeadModel" in out and "logits equal the trained model's" in out
     losses = _losses(out)
@@ -87,7 +89,7 @@ def test_train_clm_gpt2_and_image_classification(tmp_path):
                       "--output_dir", str(tmp_path / "v"), "--image_size", "16", "--hidden_size", "32",
                       "--num_layers", "2", "--num_heads", "2", "--num_train_epochs", "1",
                       "--max_train_samples", "480", "--learning_rate", "3e-3", "--logging_steps", "5",
-                      *COMMON)
+                      "--bf16", *COMMON)
     assert rc == 0, out[-6000:]
     assert "Cephalo plan: global batch size 16" in out
     [(accuracy, num_images)] = re.findall(r"held-out accuracy: ([0-9.]+) on (\d+) images", out)
