@@ -487,6 +487,16 @@ def case_exception_mid_step(rank, world):
         engine.train_step(mine)
     with pytest.raises(RuntimeError, match="evaluate refused"):
         engine.evaluate(mine)
+    # every other collective entry point refuses too (a one-rank failure would hang them)
+    from hf_cephalo.engine.checkpoint import load_checkpoint, save_checkpoint
+    for name, call in (("clip_grad_norm_", lambda: engine.clip_grad_norm_(1.0)),
+                       ("full_state_dict", engine.full_state_dict),
+                       ("load_full_state_dict", lambda: engine.load_full_state_dict({})),
+                       ("save_checkpoint", lambda: save_checkpoint(engine, "/nonexistent/ck")),
+                       ("load_checkpoint", lambda: load_checkpoint(engine, "/nonexistent/ck"))):
+        with pytest.raises(RuntimeError, match=f"{name} refused on rank {rank}: an earlier "
+                                               "train_step raised"):
+            call()
     for handle in engine._abandoned:  # every rank issued them: they complete
         if hasattr(handle, "work") and handle.work is not None:
             handle.work.wait()

@@ -336,7 +336,11 @@ def _save_rank0_files(engine, directory: str, fingerprint: dict[str, str]) -> No
 
 
 def save_checkpoint(engine, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Collective: ``save_sharded`` into ``path`` atomically (see [Note: atomic checkpoints])."""
+    """Collective: ``save_sharded`` into ``path`` atomically (see [Note: atomic checkpoints]).
+
+    Raises RuntimeError (before any collective) when an earlier step raised part-way
+    (``CephaloEngine.check_usable``)."""
+    engine.check_usable("save_checkpoint")
     with atomic_checkpoint_dir(path, engine.group) as staging:
         save_sharded(engine, staging, optimizer)
 
@@ -505,7 +509,9 @@ def errors_on_every_rank(group: dist.ProcessGroup | None = None) -> Iterator[Non
 def load_checkpoint(engine, directory: str, optimizer: torch.optim.Optimizer | None = None, *,
                     verify: bool = True) -> None:
     """Collective: ``load_sharded`` (+ ``load_sharded_optimizer``) with errors raised on every
-    rank (``errors_on_every_rank``). Raises CheckpointError as those functions."""
+    rank (``errors_on_every_rank``). Raises CheckpointError as those functions, RuntimeError
+    (before any collective) when an earlier step raised part-way."""
+    engine.check_usable("load_checkpoint")
     with errors_on_every_rank(engine.group):
         load_sharded(engine, directory, verify=verify)
         if optimizer is not None:

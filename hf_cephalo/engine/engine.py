@@ -231,9 +231,10 @@ class CephaloEngine:
         Raises ValueError (on every rank, before any all-gather) if the global item count is 0.
         If the schedule raises part-way (e.g. out of memory in one microbatch), the exception
         propagates after a local clean-up (``_abandon_step``: memory released, gradients
-        dropped) and every later ``train_step`` / ``evaluate`` raises RuntimeError.
+        dropped) and every later collective call (``train_step``, ``evaluate``,
+        ``clip_grad_norm_``, ``full_state_dict``, checkpoint save/load) raises RuntimeError.
         """
-        self._check_not_failed("train_step")
+        self.check_usable("train_step")
         mbs = list(microbatches)
         local_items, global_items = self._global_items(mbs)
         if global_items == 0:
@@ -267,8 +268,8 @@ class CephaloEngine:
 
         The other ranks may be blocked in (or past) a collective this rank never reaches, so
         the ranks' collective sequences can no longer be trusted to match: nothing here
-        communicates, and every later ``train_step`` / ``evaluate`` raises (see
-        ``_check_not_failed``) instead of hanging or mixing steps. Gathered buffers, stashed
+        communicates, and every later collective entry point raises (see ``check_usable``)
+        instead of hanging or mixing steps. Gathered buffers, stashed
         activations and every shard gradient (partially reduced: unusable) are dropped; the
         local parameter shards and optimizer state are untouched (the step never changed them).
         """
@@ -278,7 +279,13 @@ class CephaloEngine:
             self._abandoned.extend(unit.abandon())
         self._failure = f"an earlier {what} raised mid-schedule ({type(exc).__name__}: {exc})"
 
-    def _check_not_failed(self, what: str) -> None:
+    def check_usable(self, what: str) -> None:
+        """Raise RuntimeError if an earlier ``train_step`` / ``evaluate`` raised part-way.
+
+        Called before every collective entry point (steps, evaluation, clipping, full state
+        dicts, checkpoint save/load): after a one-rank failure the ranks' collective sequences
+        no longer match, so any further collective could hang or pair the wrong tensors.
+        """
         if self._failure is not None:
             raise RuntimeError(
                 f"{what} refused on rank {self.rank}: {self._failure}; the ranks' collectives "
@@ -290,6 +297,7 @@ class CephaloEngine:
 
         Same formula as ``torch.nn.utils.clip_grad_norm_``: scale = min(1, max_norm/(norm+1e-6)).
         """
+        self.check_usable("clip_grad_norm_")
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for p in self.parameters():
             if p.grad is not None:
@@ -310,7 +318,7 @@ class CephaloEngine:
     @torch.no_grad()
     def evaluate(self, microbatches) -> EvalOutput:
         """Layered forward only; does not change train/eval mode (call ``model.eval()``)."""
-        self._check_not_failed("evaluate")
+        self.check_usable("evaluate")
         mbs = list(microbatches)
         _, global_items = self._global_items(mbs)
         try:
@@ -356,6 +364,7 @@ class CephaloEngine:
         """Collective: rank 0 gets ``model.state_dict()``'s keys (CPU tensors in the training
         dtype — fp32 for an fp32 model — tied aliases included, each alias the same tensor)
         with the current values; other ranks get None."""
+        self.check_usable("full_state_dict")
         by_id: dict[int, torch.Tensor] = {}
         for unit in self._all_units():
             full = unit.gather_full()
@@ -375,6 +384,7 @@ class CephaloEngine:
 
         Raises ValueError naming missing / unexpected keys or a shape mismatch (no collective).
         """
+        self.check_usable("load_full_state_dict")
         expected = {key for key, _, _ in self._key_map}
         missing, unexpected = expected - set(state_dict), set(state_dict) - expected
         if missing or unexpected:
