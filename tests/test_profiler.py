@@ -134,10 +134,10 @@ def test_bf16_profile_times_under_autocast_and_is_kept_apart(tmp_path, monkeypat
     assert (plain.extra["dtype"], mixed.extra["dtype"]) == ("float32", "float32+autocast-bf16")
     mine = model_profile(staged)
     check_profile_matches(mixed, mine, ["cpu"], dtype="float32+autocast-bf16")
-    with pytest.raises(ValueError, match="measured in float32\\+autocast-bf16 but the model's "
-                                         "parameters are float32"):
+    with pytest.raises(ValueError, match="measured in float32\\+autocast-bf16 but this job "
+                                         "computes in float32 .*--precision fp32"):
         check_profile_matches(mixed, mine, ["cpu"], dtype="float32")
-    with pytest.raises(ValueError, match="measured in float32 but"):
+    with pytest.raises(ValueError, match="measured in float32 but .*--precision bf16"):
         check_profile_matches(plain, mine, ["cpu"], dtype="float32+autocast-bf16")
     with pytest.raises(ValueError, match="precision = 'fp16'"):
         MeasureConfig(precision="fp16")
@@ -167,7 +167,7 @@ def test_refuses_profiles_of_other_models_and_devices(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"measured at sequence length 8 but this job trains at "
                                          r"sequence length 16.*re-profile at 16"):
         check_profile_matches(cluster, mine, ["cpu"], sequence_length=16)
-    with pytest.raises(ValueError, match="measured in float32 but the model's parameters are bfloat16"):
+    with pytest.raises(ValueError, match="measured in float32 but this job computes in bfloat16"):
         check_profile_matches(cluster, mine, ["cpu"], dtype="bfloat16")
     with pytest.raises(ValueError, match=r"other devices \(rank 0: profiled 'cpu', this job 'NVIDIA A10G'\)"):
         check_profile_matches(cluster, mine, ["NVIDIA A10G"])

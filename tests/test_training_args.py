@@ -98,6 +98,8 @@ def test_env_fallbacks_and_precedence(tmp_path, monkeypatch):
     (dict(cephalo_global_batch_size=2.5), "global_batch_size = 2.5"),
     (dict(cephalo_emulate_slowdown=[1.0, float("inf")]), "emulate_slowdown"),
     (dict(gradient_accumulation_steps=4), "gradient_accumulation_steps = 4.*cephalo_global_batch_size"),
+    (dict(per_device_eval_batch_size=0), "--per_device_eval_batch_size = 0: need at least 1"),
+    (dict(per_device_train_batch_size=0), "--per_device_train_batch_size = 0: need at least 1"),
     (dict(fp16=True), "--fp16 is not supported by CephaloTrainer: fp16 needs a loss scaler.*--bf16"),
     (dict(fp16_full_eval=True), "--fp16_full_eval is not supported"),
     (dict(bf16_full_eval=True), "--bf16_full_eval is not supported"),

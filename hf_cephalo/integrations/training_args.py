@@ -90,6 +90,10 @@ class CephaloTrainingArguments(TrainingArguments):
                 "the plan), so leave gradient_accumulation_steps = 1 and set "
                 "--cephalo_global_batch_size to the global batch size you want (stock Trainer's "
                 "equivalent is per_device_train_batch_size x world size x gradient_accumulation_steps)")
+        for flag in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag} = {getattr(self, flag)}: need at least 1 (samples per "
+                                 "rank; the evaluation microbatch size for the eval flag)")
         for flag, why in (("fp16", "fp16 needs a loss scaler over every rank's shard "
                            "gradients, which Cephalo does not have; use --bf16 (bf16 autocast "
                            "with fp32 master weights) or fp32"),

@@ -860,8 +860,12 @@ def check_profile_matches(cluster: ClusterProfile, model: ModelProfile, device_n
         raise ValueError(f"{source} was measured for another model configuration ({what}; "
                          f"fingerprint {recorded} vs this model's {fingerprint}); {redo}")
     if dtype is not None and cluster.extra.get("dtype") not in (None, dtype):
-        raise ValueError(f"{source} was measured in {cluster.extra['dtype']} but the model's "
-                         f"parameters are {dtype}; {redo}")
+        precision = "bf16" if "autocast-bf16" in dtype else "fp32"
+        raise ValueError(
+            f"{source} was measured in {cluster.extra['dtype']} but this job computes in {dtype} "
+            f"(parameter dtype, plus +autocast-bf16 under --bf16); re-profile in this job's "
+            f"precision (`hf-cephalo profile --precision {precision}`, or leave "
+            "cephalo_profile_file unset so the trainer profiles at start) or give a plan file")
     seq = cluster.extra.get("sequence_length")
     if sequence_length is not None and seq is not None and int(seq) != int(sequence_length):
         raise ValueError(
