@@ -163,3 +163,14 @@ def test_format_bytes_adaptive_units():
     assert format_bytes(1.5 * 2**20) == "1.5 MiB"
     assert format_bytes(40 * 2**30) == "40.0 GiB"
     assert format_bytes(2**41) == "2.0 TiB"
+
+
+def test_cache_keys_change_with_the_measurement_version(monkeypatch):
+    """Entries written by older measurement code are never reused."""
+    from hf_cephalo.profiler import cache
+
+    args = ("f" * 20, "cpu", "float32", 128, [1, 2])
+    before = (cache.device_key(*args), cache.comm_key("f" * 20, "float32", ["cpu"], "gloo"))
+    monkeypatch.setattr(cache, "MEASUREMENT_VERSION", cache.MEASUREMENT_VERSION + 1)
+    after = (cache.device_key(*args), cache.comm_key("f" * 20, "float32", ["cpu"], "gloo"))
+    assert before[0] != after[0] and before[1] != after[1]

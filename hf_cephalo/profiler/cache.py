@@ -1,8 +1,10 @@
 """On-disk cache of measured profiles, so a second start skips profiling.
 
-A device profile is keyed by (model fingerprint, device name, dtype, sequence length, profiled
-microbatch sizes); the collective profile by (model fingerprint, dtype, world size, backend,
-every rank's device name). The model fingerprint (``model_fingerprint``) hashes the model class
+A device profile is keyed by (measurement version, model fingerprint, device name, dtype,
+sequence length, profiled microbatch sizes); the collective profile by (measurement version,
+model fingerprint, dtype, world size, backend, every rank's device name). The measurement
+version (``MEASUREMENT_VERSION``) changes whenever ``measure.py`` measures differently, so
+entries written by older code are measured anew instead of being reused. The model fingerprint (``model_fingerprint``) hashes the model class
 and its config (or, without a config, every parameter's name and shape), so another model never
 hits. Emulated devices have their own names (``emulate.emulated_device_name``), so they never
 share entries with the real device.
@@ -24,6 +26,10 @@ from typing import Any, Mapping
 from hf_cephalo.profiler.types import CommProfile, DeviceProfile
 
 __all__ = ["ProfileCache", "default_cache_dir", "model_description", "model_fingerprint", "device_key", "comm_key"]
+
+# 2: non-decreasing fit of the per-m medians, parameters as views of one flat buffer (frozen ones
+# included), bf16-autocast profiles keyed by their dtype tag.
+MEASUREMENT_VERSION = 2
 
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "use_cache",
                          "return_dict", "output_hidden_states", "output_attentions")
@@ -65,11 +71,12 @@ def model_fingerprint(model: Any) -> str:
 
 def device_key(fingerprint: str, device_name: str, dtype: str, sequence_length: int,
                microbatch_sizes: list[int]) -> str:
-    return "device-" + _digest([fingerprint, device_name, dtype, sequence_length, microbatch_sizes])
+    return "device-" + _digest([MEASUREMENT_VERSION, fingerprint, device_name, dtype,
+                                sequence_length, microbatch_sizes])
 
 
 def comm_key(fingerprint: str, dtype: str, device_names: list[str], backend: str) -> str:
-    return "comm-" + _digest([fingerprint, dtype, device_names, backend])
+    return "comm-" + _digest([MEASUREMENT_VERSION, fingerprint, dtype, device_names, backend])
 
 
 class ProfileCache:
