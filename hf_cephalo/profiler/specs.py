@@ -237,7 +237,8 @@ def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency
         peak = spec.fp32_tflops
     elif precision == "bf16":
         if spec.bf16_tflops is None:
-            raise ValueError(f"{spec.name} has no bf16 support; use precision='fp32'")
+            raise ValueError(f"{spec.name} has no bf16 support; use fp32 precision "
+                             "(precision='fp32'; CLI: --precision fp32)")
         peak = spec.bf16_tflops
     else:
         raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
@@ -299,38 +300,72 @@ class ClusterSpec:
 
 
 def _machine_gpus(entry: Any, where: str) -> list[str]:
+    if isinstance(entry, Mapping) and "gpus" not in entry:
+        raise ValueError(f"{where}: a machine needs 'gpus' (a list of GPU types or a mapping "
+                         f"type -> count), got {dict(entry)!r}")
     gpus = entry.get("gpus") if isinstance(entry, Mapping) else entry
     if isinstance(gpus, Mapping):  # {A10G: 8}
         out = []
         for name, count in gpus.items():
-            if not isinstance(count, int) or count < 0:
-                raise ValueError(f"{where}: GPU count for {name!r} must be an integer >= 0")
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise ValueError(f"{where}: GPU count for {name!r} must be an integer >= 0, "
+                                 f"got {count!r}")
             out += [str(name)] * count
-        return out
-    if isinstance(gpus, list):
-        return [str(g) for g in gpus]
-    raise ValueError(f"{where}: 'gpus' must be a list of GPU types or a mapping type -> count, "
-                     f"got {gpus!r}")
+    elif isinstance(gpus, list):
+        out = []
+        for g in gpus:
+            if g is None or isinstance(g, (Mapping, list)):
+                raise ValueError(f"{where}: GPU types must be names such as 'A10G', got {g!r}")
+            out.append(str(g))
+    else:
+        raise ValueError(f"{where}: 'gpus' must be a list of GPU types or a mapping type -> "
+                         f"count, got {gpus!r}")
+    for g in out:
+        try:
+            get_gpu_spec(g)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    return out
 
 
 def load_cluster_yaml(path: str | Path) -> ClusterSpec:
-    """Read a cluster YAML (format in docs/profiles.md); ValueError on a malformed file."""
+    """Read a cluster YAML (format in docs/profiles.md); ValueError naming the file and the
+    field on a malformed file (wrong types included)."""
     import yaml
 
+    where = f"cluster file {str(path)!r}"
     try:
         data = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as e:
-        raise ValueError(f"cluster file {str(path)!r} is not valid YAML: {e}") from e
+        raise ValueError(f"{where} is not valid YAML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not a text file ({e}); give a cluster YAML") from None
     if not isinstance(data, Mapping) or "machines" not in data:
-        raise ValueError(f"cluster file {str(path)!r} needs a 'machines' list; see docs/profiles.md")
+        raise ValueError(f"{where} needs a 'machines' list; see docs/profiles.md")
+    if not isinstance(data["machines"], list):
+        raise ValueError(f"{where}: 'machines' must be a list of machines, each with a 'gpus' "
+                         f"list (e.g. '- gpus: [A10G, A10G]'), got {data['machines']!r}; see "
+                         "docs/profiles.md")
     if "interconnect_gbps" not in data:
-        raise ValueError(f"cluster file {str(path)!r} needs 'interconnect_gbps' (Gbit/s)")
-    machines = [_machine_gpus(m, f"{path}: machines[{i}]") for i, m in enumerate(data["machines"])]
+        raise ValueError(f"{where} needs 'interconnect_gbps' (Gbit/s)")
+    for key in ("interconnect_gbps", "intra_machine_gbps"):
+        v = data.get(key, 128.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or v <= 0:
+            raise ValueError(f"{where}: {key} must be a positive number (Gbit/s), got {v!r}")
+    name = data.get("name", Path(path).stem)
+    if not isinstance(name, (str, int, float)) or isinstance(name, bool):
+        raise ValueError(f"{where}: 'name' must be text, got {name!r}")
+    machines = [_machine_gpus(m, f"{where}: machines[{i}]")
+                for i, m in enumerate(data["machines"])]
     extra = {k: v for k, v in data.items()
              if k not in ("name", "machines", "interconnect_gbps", "intra_machine_gbps")}
-    return ClusterSpec(name=str(data.get("name", Path(path).stem)), machines=machines,
-                       interconnect_gbps=data["interconnect_gbps"],
-                       intra_machine_gbps=data.get("intra_machine_gbps", 128.0), extra=extra)
+    try:
+        return ClusterSpec(name=str(name), machines=machines,
+                           interconnect_gbps=data["interconnect_gbps"],
+                           intra_machine_gbps=data.get("intra_machine_gbps", 128.0), extra=extra)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kwargs) -> ClusterProfile:
