@@ -13,10 +13,14 @@ Heavy imports (torch, matplotlib) happen inside ``run`` so ``hf-cephalo plan`` s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, NamedTuple, Sequence
 
 __all__ = ["main", "register_subcommand", "SUBCOMMANDS"]
+
+DEFAULT_EFFICIENCY = 0.5  # --efficiency of spec-sheet estimates
+DEFAULT_PRECISION = "fp32"  # --precision of spec-sheet estimates
 
 class Subcommand(NamedTuple):
     help: str
@@ -53,13 +57,16 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="c, fraction of each GPU's memory the plan may use (default 0.8)")
     p.add_argument("--no-idle", action="store_true",
                    help="require every rank to process at least one sample (b_i >= 1)")
-    p.add_argument("--efficiency", type=float, default=0.5,
-                   help="assumed fraction of peak FLOP/s for --cluster estimates (default 0.5)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                   help="peak FLOP/s column for --cluster estimates (default fp32)")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help=f"assumed fraction of peak FLOP/s for --cluster estimates (default "
+                        f"{DEFAULT_EFFICIENCY}; not with --profile)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                   help=f"peak FLOP/s column for --cluster estimates (default "
+                        f"{DEFAULT_PRECISION}; not with --profile)")
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--save-profile", help="write the (estimated) cluster profile JSON here")
-    p.add_argument("--plot", help="write a PNG: per-GPU batch share and state share")
+    p.add_argument("--plot", help="write a plot (file name ending in .png, .pdf, .svg, ...): "
+                                  "per-GPU batch share and state share")
 
 
 def _require_matplotlib(flag: str = "--plot") -> None:
@@ -71,7 +78,105 @@ def _require_matplotlib(flag: str = "--plot") -> None:
                          "pip install 'hf-cephalo[plot]' (or drop --plot)") from None
 
 
-def _load_cluster(args: argparse.Namespace):
+def _check_input_file(path: str, flag: str, what: str) -> None:
+    """ValueError unless ``path`` is an existing, readable file (not a directory)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; give the {what} file inside it")
+    if not os.path.exists(path):
+        raise ValueError(f"{flag} {path!r} does not exist; give the path of a {what} file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{flag} {path!r} is not readable; check its permissions")
+
+
+def _check_output_file(path: str, flag: str, example: str) -> None:
+    """ValueError unless a file can be written at ``path``: not a directory, in an existing
+    writable directory (checked before any solving, measuring or printing)."""
+    if not path or path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; give a file path such as "
+                         f"{os.path.join(path or '.', example)!r}")
+    out_dir = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(out_dir):
+        raise ValueError(f"{flag} {path!r}: directory {out_dir!r} does not exist; create it or "
+                         "give another path")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {path!r} exists and is not writable; give another path")
+    elif not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r}: directory {out_dir!r} is not writable; give "
+                         "another path")
+
+
+def _plot_formats() -> list[str]:
+    """File extensions matplotlib writes without extra tools (pgf needs LaTeX)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(set(FigureCanvasBase.get_supported_filetypes()) - {"pgf"})
+
+
+def _check_plot_path(path: str, flag: str = "--plot", example: str = "plot.png") -> None:
+    """matplotlib installed, ``path`` a writable file whose extension names a format matplotlib
+    writes (it would otherwise append '.png' and write elsewhere); before any solving."""
+    _require_matplotlib(flag)
+    _check_output_file(path, flag, example)
+    ext = os.path.splitext(path)[1][1:].lower()
+    formats = _plot_formats()
+    if ext not in formats:
+        stem = os.path.splitext(path)[0] if ext else path
+        raise ValueError(f"{flag} {path!r}: the file name must end in an image format matplotlib "
+                         f"writes ({', '.join('.' + f for f in formats)}), e.g. {stem + '.png'!r}")
+
+
+def _check_distinct_paths(args: argparse.Namespace, outputs: Sequence[str],
+                          inputs: Sequence[str] = ("profile", "cluster")) -> None:
+    """Refuse two outputs at one path, or an output that would overwrite an input file."""
+    seen: dict[str, str] = {}
+    for name in list(inputs) + list(outputs):
+        path = getattr(args, name, None)
+        if not path:
+            continue
+        key = os.path.realpath(path)
+        flag = "--" + name.replace("_", "-")
+        if key in seen:
+            raise ValueError(f"{flag} {path!r} is the same file as {seen[key]}; give separate "
+                             "paths")
+        seen[key] = f"{flag} {path!r}" + (" (an input)" if name in inputs else "")
+
+
+def _check_fraction(value: float | None, flag: str, what: str, note: str) -> None:
+    if value is not None and not 0 < value <= 1:  # also refuses nan
+        raise ValueError(f"{flag} {value}: {what} must be in (0, 1] ({note})")
+
+
+def _check_common_plan_options(args: argparse.Namespace, outputs: Sequence[str]) -> None:
+    """Checks shared by plan and simulate, all before reading, solving or printing anything."""
+    _check_fraction(args.memory_fraction, "--memory-fraction", "memory fraction",
+                    "the share of each GPU's memory a plan may use; default 0.8")
+    _check_fraction(args.efficiency, "--efficiency", "efficiency",
+                    f"the assumed share of peak FLOP/s; default {DEFAULT_EFFICIENCY}")
+    if args.profile:
+        _check_input_file(args.profile, "--profile", "cluster profile JSON")
+    else:
+        _check_input_file(args.cluster, "--cluster", "cluster YAML")
+    for name in outputs:
+        path = getattr(args, name)
+        if path is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "plot":
+            _check_plot_path(path, flag)
+        else:
+            example = "profile.json" if name == "save_profile" else "plan.json"
+            _check_output_file(path, flag, example)
+    _check_distinct_paths(args, outputs)
+
+
+def _load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: bool = False):
+    """The cluster profile of ``--profile``, or the spec-sheet estimate of ``--cluster``.
+
+    ``--efficiency`` (and ``--precision``, unless the caller uses it for something else) only
+    shape spec-sheet estimates: given explicitly with ``--profile`` they are refused rather
+    than silently ignored.
+    """
     if args.profile:
         from hf_cephalo.profiler.types import ClusterProfile
 
@@ -79,7 +184,15 @@ def _load_cluster(args: argparse.Namespace):
             raise ValueError(f"--model {args.model} applies only to --cluster estimates; the "
                              f"profile {args.profile} already fixes the model (drop --model, or "
                              "use --cluster with --model)")
-
+        ignored = [f"--efficiency {args.efficiency}"] if args.efficiency is not None else []
+        if args.precision is not None and not precision_applies_to_profile:
+            ignored.append(f"--precision {args.precision}")
+        if ignored:
+            raise ValueError(f"{' and '.join(ignored)} {'apply' if len(ignored) > 1 else 'applies'}"
+                             f" only to --cluster spec-sheet estimates; the profile "
+                             f"{args.profile} already holds each GPU's times (drop "
+                             f"{' and '.join(f.split()[0] for f in ignored)}, or use --cluster "
+                             "with --model)")
         return ClusterProfile.load(args.profile)
     if not args.model:
         raise ValueError("--cluster needs --model (one of the shapes in docs/planner.md, "
@@ -87,7 +200,13 @@ def _load_cluster(args: argparse.Namespace):
     from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
 
     return estimate_cluster_profile(load_cluster_yaml(args.cluster), args.model,
-                                    efficiency=args.efficiency, precision=args.precision)
+                                    **_estimate_options(args))
+
+
+def _estimate_options(args: argparse.Namespace) -> dict:
+    """efficiency and precision of spec-sheet estimates, the defaults where not given."""
+    return {"efficiency": DEFAULT_EFFICIENCY if args.efficiency is None else args.efficiency,
+            "precision": args.precision or DEFAULT_PRECISION}
 
 
 def format_plan_table(plan, prediction) -> str:
@@ -138,8 +257,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from hf_cephalo.planner.simulate import predict
     from hf_cephalo.profiler.types import format_bytes
 
-    if args.plot:
-        _require_matplotlib()
+    _check_common_plan_options(args, ("out", "save_profile", "plot"))
     cluster = _load_cluster(args)
     if args.save_profile:
         cluster.save(args.save_profile)
@@ -174,11 +292,14 @@ def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --cluster: keep only the machines of these GPU types")
     p.add_argument("--no-idle", action="store_true",
                    help="Cephalo plan: every rank processes at least one sample (b_i >= 1)")
-    p.add_argument("--efficiency", type=float, default=0.5,
-                   help="assumed fraction of peak FLOP/s for --cluster estimates (default 0.5)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                   help="peak FLOP/s column for estimates and batch-proportional (default fp32)")
-    p.add_argument("--plot", help="write a PNG of predicted samples/s per plan")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help=f"assumed fraction of peak FLOP/s for --cluster estimates (default "
+                        f"{DEFAULT_EFFICIENCY}; not with --profile)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                   help=f"peak FLOP/s column for estimates and batch-proportional (default "
+                        f"{DEFAULT_PRECISION})")
+    p.add_argument("--plot", help="write a plot (file name ending in .png, .pdf, .svg, ...) of "
+                                  "predicted samples/s per plan")
 
 
 def _restrict_gpu_types(args: argparse.Namespace):
@@ -217,8 +338,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"global batch size must be an integer >= 1, got {bad[0]} "
                          f"(in -B {' '.join(map(str, args.global_batch_size))})")
-    if args.plot:
-        _require_matplotlib()
+    _check_common_plan_options(args, ("plot",))
     if args.gpu_types and not args.cluster:
         raise ValueError("--gpu-types needs --cluster (a measured profile fixes its ranks)")
     if args.gpu_types:
@@ -227,12 +347,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
         from hf_cephalo.profiler.specs import estimate_cluster_profile
 
         cluster = estimate_cluster_profile(_restrict_gpu_types(args), args.model,
-                                           efficiency=args.efficiency, precision=args.precision)
+                                           **_estimate_options(args))
     else:
-        cluster = _load_cluster(args)
+        cluster = _load_cluster(args, precision_applies_to_profile=True)
     for B in args.global_batch_size:  # refuse any too-large B before printing any table
         check_problem_size(cluster, B, args.memory_fraction)
-    peaks = _peak_flops(cluster, args.precision)
+    peaks = _peak_flops(cluster, args.precision or DEFAULT_PRECISION)
     name = cluster.extra.get("cluster", "cluster")
     counts: dict[str, int] = {}
     for d in cluster.devices:
@@ -272,6 +392,12 @@ def _add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    checkpoint, out = os.path.realpath(args.checkpoint), os.path.realpath(args.out)
+    if os.path.commonpath([checkpoint, out]) == checkpoint:
+        where = "the checkpoint directory itself" if out == checkpoint else \
+            "inside the checkpoint directory"
+        raise ValueError(f"--out {args.out!r} is {where} ({args.checkpoint!r}); the export "
+                         "would mix model files into the checkpoint: give a directory outside it")
     from hf_cephalo.engine.checkpoint import export_hf
 
     out = export_hf(args.checkpoint, args.out, verify=not args.no_verify,
@@ -293,7 +419,9 @@ def _add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-microbatch-size", type=int, default=8,
                    help="M: microbatch sizes 1..M are profiled (default 8)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="parameter dtype of the profiled model (default float32)")
+                   help="parameter dtype of the profiled model: float32 (default; also for "
+                        "--precision bf16) or bfloat16 (a model trained in bfloat16 parameters); "
+                        "float16 is refused (Cephalo does not train in float16)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per microbatch size (median)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: time the forward under bf16 autocast, as training with --bf16 "
@@ -315,9 +443,79 @@ def _per_rank_list(text: str | None, cast, flag: str):
         raise ValueError(f"{flag} {text!r}: give comma-separated numbers, one per rank") from None
 
 
+def _check_profile_dtype(dtype: str, precision: str) -> None:
+    """Refuse a --dtype / --precision pair no Cephalo job trains with: its profile would be
+    refused by every job (profiles record the dtype and jobs check it)."""
+    if dtype == "float16":
+        raise ValueError("--dtype float16: Cephalo does not train in float16 (it needs a loss "
+                         "scaler over every rank's shard gradients, which Cephalo does not have), "
+                         "so no job could use this profile; use --dtype float32 (with "
+                         "--precision bf16 for training with --bf16) or --dtype bfloat16")
+    if dtype != "float32" and precision == "bf16":
+        raise ValueError(f"--dtype {dtype} with --precision bf16: bf16 autocast runs over float32 "
+                         "parameters (master weights) and the engine refuses other parameter "
+                         "dtypes, so no job could use this profile; use --dtype float32 "
+                         "--precision bf16 (training with --bf16), or --dtype bfloat16 "
+                         "--precision fp32 (a model trained in bfloat16 parameters)")
+
+
+def _read_model_config(path: str) -> tuple[str, dict]:
+    """(config file, its JSON) of --model-config: a config.json or a directory holding one.
+    ValueError naming the file when it is missing, not JSON or not a Hugging Face config."""
+    import json
+
+    if not os.path.exists(path):
+        raise ValueError(f"model config {path!r} does not exist; give a config.json file or a "
+                         "directory holding one")
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"model config directory {path!r} holds no config.json; give a "
+                         "config.json file or a directory holding one")
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"model config {file!r} is not valid JSON ({e}); give a Hugging Face "
+                         "config.json") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"model config {file!r} has no 'model_type'; is it a Hugging Face "
+                         "config.json?")
+    return file, data
+
+
+def _check_model_class(name: str, file: str, data: dict) -> None:
+    """Refuse --model-class when its config type is not the config's model_type (the model
+    would fail deep inside transformers, e.g. a LlamaConfig has no 'embd_pdrop')."""
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        return  # build_model_from_config names the missing class
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ValueError(f"--model-class {name} is not a concrete transformers model class; "
+                         "give the model's own class, e.g. "
+                         f"{(data.get('architectures') or ['LlamaForCausalLM'])[0]}")
+    expected = getattr(getattr(cls, "config_class", None), "model_type", "")
+    if expected and expected != data["model_type"]:
+        archs = data.get("architectures") or []
+        try:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(data["model_type"])
+        except ImportError:
+            causal = None
+        hint = (f"pass --model-class {archs[0]} (the config's architecture) or omit it" if archs
+                else f"pass a {data['model_type']} model class such as {causal}" if causal
+                else f"pass a {data['model_type']} model class")
+        raise ValueError(f"--model-class {name} builds from a {expected!r} config but "
+                         f"{file!r} has model_type {data['model_type']!r}; {hint}")
+
+
 def _run_profile(args: argparse.Namespace) -> int:
     """Profile every rank (one process per rank under torchrun / accelerate launch, or one)."""
-    import os
+    _check_profile_dtype(args.dtype, args.precision)
+    config_file, config_data = _read_model_config(args.model_config)
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes --out: check before measuring
+        _check_output_file(args.out, "--out", "profile.json")
 
     import torch
     import torch.distributed as dist
@@ -328,17 +526,6 @@ def _run_profile(args: argparse.Namespace) -> int:
     from hf_cephalo.profiler.measure import MeasureConfig, build_model_from_config, profile_cluster
     from hf_cephalo.profiler.types import format_bytes
 
-    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes --out: check before measuring
-        out_dir = os.path.dirname(os.path.abspath(args.out))
-        if os.path.isdir(args.out):
-            raise ValueError(f"--out {args.out!r} is a directory; give a file path such as "
-                             f"{os.path.join(args.out, 'profile.json')!r}")
-        if not os.path.isdir(out_dir):
-            raise ValueError(f"--out {args.out!r}: directory {out_dir!r} does not exist; create "
-                             "it or give another path")
-        if not os.access(out_dir, os.W_OK | os.X_OK):
-            raise ValueError(f"--out {args.out!r}: directory {out_dir!r} is not writable; give "
-                             "another path")
     config = MeasureConfig(max_microbatch_size=args.max_microbatch_size,
                            sequence_length=args.sequence_length, repeats=args.repeats,
                            precision=args.precision)
@@ -346,14 +533,22 @@ def _run_profile(args: argparse.Namespace) -> int:
     caps = _per_rank_list(args.emulate_memory_cap_bytes, int, "--emulate-memory-cap-bytes")
     emulation = None if slow is None and caps is None else \
         EmulationConfig(slowdown=slow, memory_cap_bytes=caps)
+    if args.model_class:
+        _check_model_class(args.model_class, config_file, config_data)
     try:
         model = build_model_from_config(args.model_config, args.model_class,
                                         getattr(torch, args.dtype))
     except ValueError as e:  # keep the first line; transformers appends ~200 config names
         from hf_cephalo.models import supported_model_classes
 
-        raise ValueError(f"{str(e).splitlines()[0]} hf_cephalo has adapters for: "
-                         f"{', '.join(supported_model_classes())}") from None
+        raise ValueError(f"{str(e).splitlines()[0].rstrip('.;: ')}; hf_cephalo has adapters "
+                         f"for: {', '.join(supported_model_classes())}") from None
+    except (AttributeError, TypeError, KeyError) as e:  # a class that does not fit the config
+        name = args.model_class or (config_data.get("architectures") or
+                                    ["AutoModelForCausalLM"])[0]
+        raise ValueError(f"cannot build {name} from model config {config_file!r} (model_type "
+                         f"{config_data['model_type']!r}): {type(e).__name__}: {e}; pass a "
+                         "--model-class that fits this config") from None
     staged = stage_model(model)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -419,9 +614,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args))
-    except (ValueError, FileNotFoundError) as e:
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout closed early (e.g. piped into head): stop quietly
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1
+    except OSError as e:  # a path the checks above did not foresee: the message, no traceback
+        print(f"error: {_os_error_message(e)}", file=sys.stderr)
+        return 2
+
+
+def _os_error_message(e: OSError) -> str:
+    """'<reason>: <path>' and what to do, for a file the command could not read or write."""
+    if e.filename is None:
+        return str(e)
+    paths = repr(e.filename) + (f" -> {e.filename2!r}" if e.filename2 is not None else "")
+    return f"{e.strerror or e}: {paths}; check the path and its permissions"
 
 
 if __name__ == "__main__":

@@ -146,3 +146,139 @@ def test_profile_unsupported_config_names_only_supported_adapters(tmp_path, caps
     assert "T5Config" in err and "LlamaForCausalLM" in err
     assert len(err) < 1200, err  # not transformers' list of every causal-LM config
     assert err.count("Config") <= len(supported_model_classes()) + 2
+
+
+CLUSTER_A = "examples/clusters/cluster_a.yaml"
+PLAN_A = ["plan", "--cluster", CLUSTER_A, "--model", "llama-3b", "-B", "16"]
+
+
+def test_plan_output_paths_are_checked_before_solving(tmp_path, capsys):
+    missing = tmp_path / "nonexistent" / "plan.json"
+    for flag, path, says in (("--out", tmp_path, "is a directory"),
+                             ("--save-profile", tmp_path, "is a directory"),
+                             ("--plot", tmp_path, "is a directory"),
+                             ("--out", missing, f"directory '{missing.parent}' does not exist"),
+                             ("--save-profile", f"{tmp_path}/", "is a directory")):
+        assert main(PLAN_A + [flag, str(path)]) == 2, (flag, path)
+        out, err = capsys.readouterr()
+        assert out == "" and f"error: {flag} '{path}" in err and says in err, err
+        assert "Traceback" not in err
+    # an input that is a directory, or missing: named, not an OSError
+    assert main(["plan", "--profile", str(tmp_path), "-B", "16"]) == 2
+    assert "--profile '%s' is a directory" % tmp_path in capsys.readouterr().err
+    assert main(["plan", "--cluster", str(tmp_path / "nope.yaml"), "--model", "llama-3b",
+                 "-B", "16"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    # an output that would overwrite the input, or two outputs at one path
+    prof = tmp_path / "profile.json"
+    assert main(PLAN_A + ["--save-profile", str(prof)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--profile", str(prof), "-B", "16", "--out", str(prof)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "is the same file as --profile" in err
+    assert prof.read_text().startswith("{") and "devices" in prof.read_text()  # untouched
+    same = tmp_path / "x.json"
+    assert main(PLAN_A + ["--out", str(same), "--save-profile", str(same)]) == 2
+    assert "is the same file as --out" in capsys.readouterr().err
+
+
+def test_plan_os_error_is_a_message_not_a_traceback(tmp_path, capsys, monkeypatch):
+    def refuse(self, path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(Plan, "save", refuse)
+    assert main(PLAN_A + ["--out", str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Permission denied: '") and "plan.json" in err
+    assert "check the path" in err
+
+
+def test_plan_stops_quietly_when_stdout_closes(capsys, monkeypatch):
+    import hf_cephalo.cli as cli
+
+    def closed(*args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "format_plan_table", closed)
+    assert main(PLAN_A) == 1
+    assert "error" not in capsys.readouterr().err
+
+
+def test_plot_needs_an_image_file_name(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    for argv in (PLAN_A, ["simulate", "--cluster", CLUSTER_A, "--model", "llama-3b", "-B", "16"]):
+        bare = tmp_path / "plot_without_extension"
+        assert main(argv + ["--plot", str(bare)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and "must end in an image format matplotlib writes" in err
+        assert ".png" in err and ".pdf" in err and f"'{bare}.png'" in err
+        assert not list(tmp_path.iterdir())
+    svg = tmp_path / "plan.svg"
+    assert main(PLAN_A + ["--plot", str(svg)]) == 0
+    assert f"plot written to {svg}\n" in capsys.readouterr().out
+    assert svg.read_text().lstrip().startswith("<?xml") and list(tmp_path.iterdir()) == [svg]
+
+
+def test_cluster_yaml_of_wrong_types_names_file_and_field(tmp_path, capsys):
+    bad = tmp_path / "c.yaml"
+    for text, says in (("machines: 5\ninterconnect_gbps: 10\n", "'machines' must be a list"),
+                       ("machines:\n  - 5\ninterconnect_gbps: 10\n",
+                        "machines[0]: 'gpus' must be a list"),
+                       ("machines:\n  - gpu: [T4]\ninterconnect_gbps: 10\n",
+                        "machines[0]: a machine needs 'gpus'"),
+                       ("machines:\n  - gpus: {T4: two}\ninterconnect_gbps: 10\n",
+                        "GPU count for 'T4' must be an integer >= 0, got 'two'"),
+                       ("machines:\n  - gpus: [[T4]]\ninterconnect_gbps: 10\n",
+                        "GPU types must be names"),
+                       ("machines:\n  - gpus: [T4]\ninterconnect_gbps: fast\n",
+                        "interconnect_gbps must be a positive number (Gbit/s), got 'fast'"),
+                       ("machines:\n  - gpus: [T4, Z80]\ninterconnect_gbps: 10\n",
+                        "machines[0]: unknown GPU type 'Z80'")):
+        bad.write_text(text)
+        assert main(["plan", "--cluster", str(bad), "--model", "llama-3b", "-B", "8"]) == 2, text
+        err = capsys.readouterr().err
+        assert f"error: cluster file '{bad}'" in err and says in err, err
+
+
+def test_spec_sheet_flags_are_refused_with_a_profile(tmp_path, capsys):
+    prof = tmp_path / "profile.json"
+    assert main(PLAN_A + ["--save-profile", str(prof)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--profile", str(prof), "-B", "16", "--precision", "bf16",
+                 "--efficiency", "0.1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and ("--efficiency 0.1 and --precision bf16 apply only to --cluster "
+                          "spec-sheet estimates") in err
+    assert main(["plan", "--profile", str(prof), "-B", "16", "--precision", "fp32"]) == 2
+    assert "--precision fp32 applies only to --cluster" in capsys.readouterr().err
+    # simulate uses --precision for the batch-proportional baseline, but not --efficiency
+    assert main(["simulate", "--profile", str(prof), "-B", "16", "--efficiency", "0.3"]) == 2
+    assert "--efficiency 0.3 applies only to --cluster" in capsys.readouterr().err
+    assert main(["simulate", "--profile", str(prof), "-B", "16", "--precision", "fp32"]) == 0
+    capsys.readouterr()
+    # with --cluster they still apply; defaults unchanged
+    assert main(PLAN_A + ["--efficiency", "0"]) == 2
+    assert "--efficiency 0.0: efficiency must be in (0, 1]" in capsys.readouterr().err
+    assert main(PLAN_A + ["--precision", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "P40 has no bf16 support" in err and "--precision fp32" in err
+
+
+def test_memory_fraction_is_checked_before_printing(capsys):
+    for sub in (PLAN_A, ["simulate", "--cluster", CLUSTER_A, "--model", "llama-3b", "-B", "16"]):
+        for c in ("2", "0", "nan"):
+            assert main(sub + ["--memory-fraction", c]) == 2
+            out, err = capsys.readouterr()
+            assert out == "" and f"--memory-fraction {float(c)}: memory fraction must be" in err
+
+
+def test_export_refuses_an_output_inside_the_checkpoint(tmp_path, capsys):
+    ck = tmp_path / "checkpoint-1"
+    ck.mkdir()
+    (ck / "layout.json").write_text("{}")
+    for out in (ck / "sub", ck, ck / "a" / ".." / "b"):
+        assert main(["export", str(ck), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out '{out}' is " in err and "checkpoint directory" in err, err
+        assert "give a directory outside it" in err
+    assert sorted(p.name for p in ck.iterdir()) == ["layout.json"]

@@ -293,3 +293,91 @@ def test_cpu_capacity_is_the_host_ram_divided_between_its_ranks(monkeypatch):
         measure.local_world_size()
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert measure.local_world_size() == 1  # no process group: this rank alone
+
+
+def _refuses_before_building(monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("built or profiled the model before checking the options")
+
+    monkeypatch.setattr(measure, "profile_cluster", must_not_run)
+    monkeypatch.setattr(measure, "build_model_from_config", must_not_run)
+    monkeypatch.delenv("RANK", raising=False)
+
+
+def test_cli_profile_refuses_dtypes_no_job_trains_with(tmp_path, capsys, monkeypatch):
+    from hf_cephalo.cli import main
+
+    _refuses_before_building(monkeypatch)
+    cfg_dir = tmp_path / "model"
+    _llama(hidden=64).config.save_pretrained(cfg_dir)
+    base = ["profile", "--model-config", str(cfg_dir), "--out", str(tmp_path / "p.json")]
+    for extra, says in ((["--precision", "bf16", "--dtype", "bfloat16"],
+                         "--dtype bfloat16 with --precision bf16: bf16 autocast runs over float32"),
+                        (["--dtype", "float16"], "--dtype float16: Cephalo does not train in "
+                                                 "float16"),
+                        (["--dtype", "float16", "--precision", "bf16"], "--dtype float16")):
+        assert main(base + extra) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and says in err and "--dtype float32" in err, err
+
+
+def test_cli_profile_refuses_a_model_class_that_does_not_fit_the_config(tmp_path, capsys,
+                                                                        monkeypatch):
+    from hf_cephalo.cli import main
+
+    _refuses_before_building(monkeypatch)
+    cfg_dir = tmp_path / "model"
+    _llama(hidden=64).config.save_pretrained(cfg_dir)
+    base = ["profile", "--model-config", str(cfg_dir), "--out", str(tmp_path / "p.json")]
+    assert main(base + ["--model-class", "GPT2LMHeadModel"]) == 2
+    err = capsys.readouterr().err
+    assert ("--model-class GPT2LMHeadModel builds from a 'gpt2' config but "
+            f"'{cfg_dir / 'config.json'}' has model_type 'llama'") in err
+    assert "such as LlamaForCausalLM" in err
+    assert main(base + ["--model-class", "LlamaConfig"]) == 2
+    assert "LlamaConfig is not a concrete transformers model class" in capsys.readouterr().err
+
+
+def test_cli_profile_build_errors_name_the_class_and_config(tmp_path, capsys, monkeypatch):
+    """A class whose config check passes but which still cannot be built from the config."""
+    from hf_cephalo.cli import main
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'LlamaConfig' object has no attribute 'embd_pdrop'")
+
+    monkeypatch.setattr(measure, "build_model_from_config", broken)
+    cfg_dir = tmp_path / "model"
+    _llama(hidden=64).config.save_pretrained(cfg_dir)
+    assert main(["profile", "--model-config", str(cfg_dir), "--out",
+                 str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot build AutoModelForCausalLM from model config" in err and "'llama'" in err
+    assert "embd_pdrop" in err and "pass a --model-class that fits this config" in err
+
+
+def test_cli_profile_config_errors_name_the_file(tmp_path, capsys, monkeypatch):
+    from hf_cephalo.cli import main
+
+    monkeypatch.setattr(measure, "profile_cluster", lambda *a, **k: pytest.fail("profiled"))
+    out = ["--out", str(tmp_path / "p.json")]
+    bad = tmp_path / "config.json"
+    bad.write_text("not json\n")
+    assert main(["profile", "--model-config", str(bad)] + out) == 2
+    err = capsys.readouterr().err
+    assert f"model config '{bad}' is not valid JSON (Expecting value" in err
+    assert main(["profile", "--model-config", str(tmp_path)] + out) == 2  # holds bad config.json
+    assert f"model config '{bad}' is not valid JSON" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["profile", "--model-config", str(empty)] + out) == 2
+    assert f"model config directory '{empty}' holds no config.json" in capsys.readouterr().err
+    bad.write_text("[1, 2]")
+    assert main(["profile", "--model-config", str(bad)] + out) == 2
+    assert f"model config '{bad}' has no 'model_type'" in capsys.readouterr().err
+    # the adapter list follows the reason after a separator
+    cfg_dir = tmp_path / "model"
+    _llama(hidden=64).config.save_pretrained(cfg_dir)
+    assert main(["profile", "--model-config", str(cfg_dir), "--model-class", "NoSuchModel"]
+                + out) == 2
+    err = capsys.readouterr().err
+    assert "(e.g. LlamaForCausalLM); hf_cephalo has adapters for: " in err
