@@ -282,6 +282,8 @@ def test_checkpoint_files_and_marker(runs):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_export_loads_with_from_pretrained(runs, arch, tmp_path):
     ref = runs[0][arch]
+    with pytest.raises(ckpt.CheckpointError, match="inside the checkpoint directory"):
+        ckpt.check_export_target(ref["directory"], os.path.join(ref["directory"], "sub", "hf"))
     out = ckpt.export_hf(ref["directory"], str(tmp_path / "hf"))
     want = ref["at_save"]["params"]
     model = type(build(arch)).from_pretrained(out)

@@ -669,12 +669,18 @@ def check_export_target(directory: str, out_dir: str, *, overwrite: bool = False
 
     Raises:
         CheckpointError: out_dir is an existing file; out_dir is the checkpoint directory
-            itself (never allowed: the export could replace checkpoint files); out_dir is a
+            itself or inside it (never allowed: the export could replace checkpoint files or
+            mix model files into them); out_dir is a
             non-empty directory that is not a previous export and ``overwrite`` is False.
     """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"export target {out_dir}: an existing file, not a directory; "
                               "give a new or empty directory path")
+    ckpt, target = os.path.realpath(directory), os.path.realpath(out_dir)
+    if target != ckpt and os.path.commonpath([ckpt, target]) == ckpt:
+        raise CheckpointError(f"export target {out_dir} is inside the checkpoint directory "
+                              f"{directory}; the export would mix model files into the "
+                              "checkpoint: give a directory outside it")
     if os.path.isdir(out_dir):
         if os.path.isdir(directory) and os.path.samefile(directory, out_dir):
             raise CheckpointError(f"export target {out_dir} is the checkpoint directory itself; "
