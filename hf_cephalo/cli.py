@@ -40,13 +40,17 @@ def register_subcommand(name: str, help: str, *, add_arguments, run) -> None:
 
 # --- plan ------------------------------------------------------------------------------------
 def _add_cluster_source_arguments(p: argparse.ArgumentParser, model_example: str) -> None:
-    """--profile | --cluster (+ --model): where ``_load_cluster`` gets the cluster profile."""
+    """--profile | --cluster (+ --model, --efficiency): where ``_load_cluster`` gets the
+    cluster profile."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", help="measured cluster profile JSON (docs/profiles.md)")
     src.add_argument("--cluster", help="cluster YAML of GPU types per machine (spec-sheet "
                                        "estimate; needs --model)")
     p.add_argument("--model", help=f"model shape for --cluster, e.g. {model_example} "
                                    f"(see docs/planner.md)")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help=f"assumed fraction of peak FLOP/s for --cluster estimates (default "
+                        f"{DEFAULT_EFFICIENCY}; not with --profile)")
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,9 +61,6 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="c, fraction of each GPU's memory the plan may use (default 0.8)")
     p.add_argument("--no-idle", action="store_true",
                    help="require every rank to process at least one sample (b_i >= 1)")
-    p.add_argument("--efficiency", type=float, default=None,
-                   help=f"assumed fraction of peak FLOP/s for --cluster estimates (default "
-                        f"{DEFAULT_EFFICIENCY}; not with --profile)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
                    help=f"peak FLOP/s column for --cluster estimates (default "
                         f"{DEFAULT_PRECISION}; not with --profile)")
@@ -292,9 +293,6 @@ def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --cluster: keep only the machines of these GPU types")
     p.add_argument("--no-idle", action="store_true",
                    help="Cephalo plan: every rank processes at least one sample (b_i >= 1)")
-    p.add_argument("--efficiency", type=float, default=None,
-                   help=f"assumed fraction of peak FLOP/s for --cluster estimates (default "
-                        f"{DEFAULT_EFFICIENCY}; not with --profile)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
                    help=f"peak FLOP/s column for estimates and batch-proportional (default "
                         f"{DEFAULT_PRECISION})")

@@ -108,22 +108,22 @@ class ProfileCache:
             json.dump(data, f, indent=2)
         os.replace(tmp, self._path(key))
 
-    def get_device(self, key: str) -> DeviceProfile | None:
+    def _get(self, key: str, cls):
+        """The entry parsed as ``cls`` (None if missing or invalid: it is measured anew)."""
         data = self._read(key)
         try:
-            return None if data is None else DeviceProfile.from_json(data)
+            return None if data is None else cls.from_json(data)
         except ValueError:
             return None
+
+    def get_device(self, key: str) -> DeviceProfile | None:
+        return self._get(key, DeviceProfile)
 
     def put_device(self, key: str, profile: DeviceProfile) -> None:
         self._write(key, profile.to_json())
 
     def get_comm(self, key: str) -> CommProfile | None:
-        data = self._read(key)
-        try:
-            return None if data is None else CommProfile.from_json(data)
-        except ValueError:
-            return None
+        return self._get(key, CommProfile)
 
     def put_comm(self, key: str, profile: CommProfile) -> None:
         self._write(key, profile.to_json())
