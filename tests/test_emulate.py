@@ -196,3 +196,26 @@ def test_auto_plan_on_emulated_ranks_favours_the_faster_rank(tmp_path, capsys):
         # machine); such a rank computes nothing, every other rank must report real figures.
         if first["batch_sizes"][r["rank"]] > 0:
             assert r["compute_s"] > 0 and r["pred_compute_s"] > 0, r
+
+
+def test_emulated_timer_is_found_through_the_bf16_autocast_wrapper():
+    """--bf16 with emulation: the engine wraps the emulated adapter in AutocastStagedModel; the
+    predicted-vs-measured callback still reads the emulated ComputeTimer through it, and the
+    wrapper's forward calls run under autocast while the emulation times them."""
+    from types import SimpleNamespace
+
+    from hf_cephalo.integrations.auto_plan import PlanAccuracyCallback
+    from hf_cephalo.models.base import AutocastStagedModel
+    from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
+    from hf_cephalo.profiler.emulate import EmulatedStagedModel
+
+    emulated = EmulatedStagedModel(ToyStaged(ToyLM(ToyConfig())), 1.0)
+    wrapped = AutocastStagedModel(emulated, "cpu")
+    callback = PlanAccuracyCallback(SimpleNamespace(engine=SimpleNamespace(staged=wrapped)))
+    assert callback._timer() is emulated.timer
+    plain = PlanAccuracyCallback(SimpleNamespace(engine=SimpleNamespace(
+        staged=AutocastStagedModel(ToyStaged(ToyLM(ToyConfig())), "cpu"))))
+    assert plain._timer() is None
+    hidden, ctx = wrapped.embed({"input_ids": torch.zeros(1, 4, dtype=torch.long)})
+    out = wrapped.run_unit(0, hidden, ctx)
+    assert out.dtype == torch.float32 and emulated.timer.calls == 2  # timed; residual stays fp32

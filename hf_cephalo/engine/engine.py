@@ -14,7 +14,6 @@ See docs/design.md contract 4 and [Note: layered schedule] in ``schedule.py``.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Mapping, NamedTuple, Sequence
 
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.base import StagedModel
+from ..models.base import AutocastStagedModel, StagedModel
 from . import collectives as C
 from .flat_param import FlatParamUnit, LiveTracker, UnitShardMeta, collect_params
 from .offload import ActivationStash, CudaStreams
@@ -154,6 +153,8 @@ class CephaloEngine:
         self.streams = CudaStreams(self.device) if self.device.type == "cuda" else None
         self.activation_checkpointing = bool(activation_checkpointing)
         self.autocast_dtype = _check_autocast(autocast_dtype, model)
+        if self.autocast_dtype is not None:  # every forward call under autocast
+            self.staged = AutocastStagedModel(staged, self.device.type, self.autocast_dtype)
         self.stats = CollectiveStats()
         self._tracker = LiveTracker(self.stats)
         use_all_reduce = reduce_scatter_fallback or not C.reduce_scatter_supported(process_group)
@@ -242,8 +243,7 @@ class CephaloEngine:
                              "samples); nothing to train on")
         stash = ActivationStash(self.offload_activations, self.streams, self.stats)
         step = LayeredStep(self.staged, self.units, self.root, mbs, global_items, stash,
-                           self.device, keep_graphs=not self.activation_checkpointing,
-                           amp=self._amp)
+                           self.device, keep_graphs=not self.activation_checkpointing)
         try:
             step.run()
         except BaseException as exc:
@@ -254,12 +254,6 @@ class CephaloEngine:
         C.all_reduce_sum(loss.view(1), self.group, self.stats)
         return StepOutput(float(loss) / global_items, global_items, float(step.local_loss_sum),
                           local_items)
-
-    def _amp(self):
-        """The forward calls' autocast context (a no-op without ``autocast_dtype``)."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _abandon_step(self, stash: ActivationStash | None, exc: BaseException,
                       what: str) -> None:
@@ -338,8 +332,7 @@ class CephaloEngine:
         hiddens, ctxs = [], []
         for mb in mbs:
             self.root.use_params()
-            with self._amp():
-                h, ctx = self.staged.embed(mb)
+            h, ctx = self.staged.embed(mb)
             hiddens.append(h)
             ctxs.append(ctx)
         for i, unit in enumerate(self.units):
@@ -347,16 +340,14 @@ class CephaloEngine:
             if i + 1 < len(self.units):
                 self.units[i + 1].start_unshard()
             unit.use_params()
-            with self._amp():
-                hiddens = [self.staged.run_unit(i, h, c) for h, c in zip(hiddens, ctxs)]
+            hiddens = [self.staged.run_unit(i, h, c) for h, c in zip(hiddens, ctxs)]
             unit.reshard()
         logits, loss_sum = [], torch.zeros(1, dtype=torch.float64, device=self.device)
         self.root.use_params()
         for h, mb, c in zip(hiddens, mbs, ctxs):
-            with self._amp():
-                logits.append(self.staged.head_logits(h, mb, c))
-                if global_items:
-                    loss_sum += self.staged.head_loss(h, mb, c).loss_sum.double()
+            logits.append(self.staged.head_logits(h, mb, c))
+            if global_items:
+                loss_sum += self.staged.head_loss(h, mb, c).loss_sum.double()
         self.root.reshard()
         return loss_sum, logits
 

@@ -42,8 +42,7 @@ recompute, so the global RNG advances exactly as in one forward pass.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -78,22 +77,17 @@ class LayeredStep:
         stash: boundary activation / gradient store; device: compute device.
         keep_graphs: keep every forward graph instead of recomputing in backward (activation
             memory grows with l like standard training; see [Note: kept graphs across reshard]).
-        amp: context-manager factory every forward call (embed, unit, head; recomputes too)
-            runs under, e.g. ``autocast_context(device, torch.bfloat16)``; backward runs
-            outside it, as the autocast docs prescribe. Default: no autocast.
     """
 
     def __init__(self, staged, units: Sequence[FlatParamUnit], root: FlatParamUnit,
                  microbatches: Sequence[Any], global_num_items: int, stash: ActivationStash,
-                 device: torch.device, keep_graphs: bool = False,
-                 amp: Callable[[], ContextManager] = contextlib.nullcontext):
+                 device: torch.device, keep_graphs: bool = False):
         self.staged, self.units, self.root = staged, list(units), root
         self.mbs, self.N = list(microbatches), global_num_items
         self.stash, self.device = stash, device
         self.ctxs: list[Any] = []
         self.rng: dict[tuple, RngState] = {}
         self.keep_graphs = keep_graphs
-        self.amp = amp
         self.kept: dict[tuple, tuple] = {}  # (unit, microbatch) -> (input, output) with graph
         self.local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # no host sync
 
@@ -112,8 +106,7 @@ class LayeredStep:
                 self.stash.one_microbatch_in_flight(self.device)
                 self.rng[("embed", j)] = RngState(self.device)
                 self.root.use_params()
-                with self.amp():
-                    hidden, ctx = self.staged.embed(mb)
+                hidden, ctx = self.staged.embed(mb)
                 self.ctxs.append(ctx)
                 self.stash.start_offload((0, j), hidden)
             self.stash.start_reload((0, 0))  # unit 0's first input, offloaded meanwhile
@@ -133,9 +126,7 @@ class LayeredStep:
                     x = self.stash.get((i, j))
                     self.rng[(i, j)] = RngState(self.device)
                     unit.use_params()
-                    with self.amp():
-                        y = self.staged.run_unit(i, x, self.ctxs[j])
-                    self.stash.start_offload((i + 1, j), y)
+                    self.stash.start_offload((i + 1, j), self.staged.run_unit(i, x, self.ctxs[j]))
                 if i + 1 < L:
                     unit.reshard(keep_graph_storage=self.keep_graphs)
 
@@ -144,8 +135,7 @@ class LayeredStep:
         for the last unit's last microbatch (backward starts right there; same peak as the
         recompute it replaces); for every (unit, microbatch) when ``keep_graphs``."""
         x = self.stash.pop((i, j)).detach().requires_grad_(True)
-        # views made under no_grad would not track the leaf: install them with grad enabled
-        with torch.enable_grad(), self.amp():
+        with torch.enable_grad():  # views made under no_grad would not track the leaf
             unit.use_params()
             y = self.staged.run_unit(i, x, self.ctxs[j])
         self.kept[(i, j)] = (x, y)
@@ -160,8 +150,7 @@ class LayeredStep:
             self.stash.one_microbatch_in_flight(self.device)
             hidden = self.stash.pop((L, j)).detach().requires_grad_(True)
             self.root.use_params()
-            with self.amp():
-                out = self.staged.head_loss(hidden, mb, self.ctxs[j])
+            out = self.staged.head_loss(hidden, mb, self.ctxs[j])
             torch.autograd.backward(out.loss_sum / self.N)
             self.root.note_grad()
             self.local_loss_sum += out.loss_sum.detach().double()
@@ -191,8 +180,7 @@ class LayeredStep:
             fork = self.rng.pop(("embed", j)).replay()
             try:
                 self.root.use_params()
-                with self.amp():
-                    hidden, _ = self.staged.embed(mb)
+                hidden, _ = self.staged.embed(mb)
             finally:
                 fork.__exit__(None, None, None)
             if hidden.requires_grad:
@@ -229,8 +217,7 @@ class LayeredStep:
         fork = self.rng.pop((i, j)).replay()
         try:
             unit.use_params()
-            with self.amp():
-                y = self.staged.run_unit(i, x, self.ctxs[j])
+            y = self.staged.run_unit(i, x, self.ctxs[j])
         finally:
             fork.__exit__(None, None, None)
         torch.autograd.backward(y, grad)

@@ -239,8 +239,9 @@ class PlanAccuracyCallback(TrainerCallback):
         self.rows: list[dict[str, Any]] = []
 
     def _timer(self):
-        staged = self.trainer.engine.staged
-        return staged.timer if isinstance(staged, EmulatedStagedModel) else None
+        # the EmulatedStagedModel's ComputeTimer, also through the --bf16 autocast wrapper
+        # (which delegates attributes); None when the adapter is not emulated
+        return getattr(self.trainer.engine.staged, "timer", None)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.step_s, self.compute_s = [], []

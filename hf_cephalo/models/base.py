@@ -96,3 +96,52 @@ class StagedModel(abc.ABC):
     # ---- misc -------------------------------------------------------------------------
     def prepare_for_training(self) -> None:
         """Hook run once before wrapping (e.g. force ``use_cache=False``). Default: nothing."""
+
+
+class AutocastStagedModel(StagedModel):
+    """Delegates to ``inner`` with every forward call (``embed``, ``run_unit``, ``head_loss``,
+    ``head_logits``) under ``torch.autocast(device_type, dtype)``; backward stays outside, as
+    the autocast docs prescribe (https://pytorch.org/docs/stable/amp.html). The engine wraps
+    its adapter in it for ``autocast_dtype``, the profiler for ``precision="bf16"``, so both run
+    the same mixed precision. Any other attribute is the inner adapter's.
+    """
+
+    def __init__(self, inner: StagedModel, device_type: str, dtype: torch.dtype = torch.bfloat16):
+        super().__init__(inner.model)
+        self.inner, self.device_type, self.dtype = inner, device_type, dtype
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (e.g. during unpickling)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _amp(self):
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def units(self) -> list[nn.Module]:
+        return self.inner.units()
+
+    def root_modules(self) -> list[nn.Module]:
+        return self.inner.root_modules()
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        return self.inner.count_items(microbatch)
+
+    def prepare_for_training(self) -> None:
+        self.inner.prepare_for_training()
+
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Any]:
+        with self._amp():
+            return self.inner.embed(microbatch)
+
+    def run_unit(self, index: int, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
+        with self._amp():
+            return self.inner.run_unit(index, hidden, ctx)
+
+    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> HeadOutput:
+        with self._amp():
+            return self.inner.head_loss(hidden, microbatch, ctx)
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
+        with self._amp():
+            return self.inner.head_logits(hidden, microbatch, ctx)

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from hf_cephalo.engine.flat_param import collect_params, install_param_views, param_infos
-from hf_cephalo.models.base import StagedModel
+from hf_cephalo.models.base import AutocastStagedModel, StagedModel
 from hf_cephalo.profiler.cache import (ProfileCache, comm_key, device_key, model_description,
                                        model_fingerprint)
 from hf_cephalo.profiler.emulate import EmulatedStagedModel, EmulationConfig, emulated_device_name
@@ -69,46 +69,6 @@ def precision_tag(param_dtype: str, precision: str) -> str:
     """What a profile records as its dtype: the parameters' dtype name, plus the autocast
     compute dtype for bf16 mixed precision (e.g. ``"float32+autocast-bf16"``)."""
     return param_dtype if precision == "fp32" else f"{param_dtype}+autocast-{precision}"
-
-
-class _AutocastStaged(StagedModel):
-    """Delegates to ``inner`` with every forward call under ``torch.autocast(bfloat16)``, as
-    the engine runs them with ``autocast_dtype=torch.bfloat16`` (backward stays outside)."""
-
-    def __init__(self, inner: StagedModel, device: torch.device):
-        super().__init__(inner.model)
-        self.inner, self.device_type = inner, torch.device(device).type
-
-    def _amp(self):
-        return torch.autocast(self.device_type, dtype=torch.bfloat16)
-
-    def units(self):
-        return self.inner.units()
-
-    def root_modules(self):
-        return self.inner.root_modules()
-
-    def count_items(self, microbatch):
-        return self.inner.count_items(microbatch)
-
-    def prepare_for_training(self) -> None:
-        self.inner.prepare_for_training()
-
-    def embed(self, microbatch):
-        with self._amp():
-            return self.inner.embed(microbatch)
-
-    def run_unit(self, index, hidden, ctx):
-        with self._amp():
-            return self.inner.run_unit(index, hidden, ctx)
-
-    def head_loss(self, hidden, microbatch, ctx):
-        with self._amp():
-            return self.inner.head_loss(hidden, microbatch, ctx)
-
-    def head_logits(self, hidden, microbatch, ctx):
-        with self._amp():
-            return self.inner.head_logits(hidden, microbatch, ctx)
 
 
 @dataclass(kw_only=True)
@@ -719,7 +679,8 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
     slowdown = 1.0 if emulation is None else emulation.slowdown_of(rank)
     cap = None if emulation is None else emulation.cap_of(rank)
     base = staged.inner if isinstance(staged, EmulatedStagedModel) else staged
-    timed = _AutocastStaged(base, device) if config.precision != "fp32" else base
+    timed = AutocastStagedModel(base, torch.device(device).type) \
+        if config.precision != "fp32" else base
     measured = EmulatedStagedModel(timed, slowdown, device) if slowdown != 1.0 else timed
     name = emulated_device_name(local_device_name(device), slowdown, cap)
     # Every rank calls it (it may be a collective), capped or not.
