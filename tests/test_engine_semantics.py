@@ -171,6 +171,24 @@ def case_collective_counts_and_accounting(rank, world):
             (tied, resident, engine.stats)
 
 
+def case_no_layer_units(rank, world):
+    """L = 0 (embedding straight into the head): with a tied weight the embedding unit stays
+    gathered from the head phase into the embedding backward and is reduce-scattered once;
+    gradients equal the reference for tied / untied x split / resident."""
+    ids, labels = padded_batch([8, 5, 7, 6], 32, seed=16)
+    for tied, resident in EXPECTED_COUNTS:
+        cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=0, max_seq_len=8,
+                        tie_embeddings=tied)
+        engine, ref = fresh(cfg, state_ratios=[0.3, 0.7], root_resident=resident)
+        engine.stats.reset()
+        engine.train_step(mbs_of(ids, labels, [1, 3]) if rank == 0 else [])
+        gathers = 2 if resident else (2 if tied else 3)  # E (+ H), head phase, E again
+        assert (engine.stats.all_gather_count, engine.stats.reduce_scatter_count) == \
+            (gathers, 2), (tied, resident, engine.stats)
+        assert_grads_close(gather_grads(engine), reference_grads(ref, ids, labels),
+                           f"no layers, tied={tied} resident={resident}")
+
+
 def case_recompute_sees_gathered_params(rank, world):
     """Every unit call (forward and recompute) sees full-shape parameters; l forward + l
     recompute calls per unit (l - 1 recomputes for the last unit); a frozen norm inside each
@@ -539,7 +557,8 @@ def case_exception_mid_step(rank, world):
 
 
 CASES = [case_token_weighting, case_uneven_batches_vs_naive_mean,
-         case_collective_counts_and_accounting, case_recompute_sees_gathered_params,
+         case_collective_counts_and_accounting, case_no_layer_units,
+         case_recompute_sees_gathered_params,
          case_param_used_by_last_microbatch, case_clip_norm_uneven,
          case_state_dict_roundtrip_and_eval, case_all_reduce_fallback,
          case_accumulate_and_empty_rank_eval, case_prefetch_schedule,
