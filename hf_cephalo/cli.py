@@ -51,6 +51,11 @@ def _add_cluster_source_arguments(p: argparse.ArgumentParser, model_example: str
     p.add_argument("--efficiency", type=float, default=None,
                    help=f"assumed fraction of peak FLOP/s for --cluster estimates (default "
                         f"{DEFAULT_EFFICIENCY}; not with --profile)")
+    p.add_argument("--root-resident", action="store_true",
+                   help="--cluster estimates: model the engine keeping the whole root "
+                        "(embeddings + head) gathered all step (CephaloEngine root_resident) "
+                        "instead of the default split root, which holds only its larger part "
+                        "at a time")
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -186,6 +191,8 @@ def _load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: boo
                              f"profile {args.profile} already fixes the model (drop --model, or "
                              "use --cluster with --model)")
         ignored = [f"--efficiency {args.efficiency}"] if args.efficiency is not None else []
+        if getattr(args, "root_resident", False):
+            ignored.append("--root-resident")
         if args.precision is not None and not precision_applies_to_profile:
             ignored.append(f"--precision {args.precision}")
         if ignored:
@@ -207,7 +214,8 @@ def _load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: boo
 def _estimate_options(args: argparse.Namespace) -> dict:
     """efficiency and precision of spec-sheet estimates, the defaults where not given."""
     return {"efficiency": DEFAULT_EFFICIENCY if args.efficiency is None else args.efficiency,
-            "precision": args.precision or DEFAULT_PRECISION}
+            "precision": args.precision or DEFAULT_PRECISION,
+            "root_resident": bool(getattr(args, "root_resident", False))}
 
 
 def format_plan_table(plan, prediction) -> str:

@@ -394,6 +394,17 @@ def test_bad_checkpoints_name_the_file(runs, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"rank1\.safetensors: corrupt"):
         ckpt.read_full_state_dict(d, verify=True)
 
+    d = copy("format1")  # written before the root split: resume refuses, export still reads
+    for name in (ckpt.FILES.LAYOUT, ckpt.FILES.COMPLETE):
+        data = json.load(open(os.path.join(d, name)))
+        data["format"] = "hf_cephalo.sharded/1"
+        json.dump(data, open(os.path.join(d, name), "w"))
+    with pytest.raises(ckpt.CheckpointError, match=r"cephalo_layout.json: format "
+                       r"hf_cephalo.sharded/1 keeps the root .* Export the model"):
+        ckpt.load_sharded(None, d)  # refused before the engine is touched
+    merged = ckpt.read_full_state_dict(d)
+    assert all(torch.equal(merged[k], v) for k, v in runs[0]["llama"]["at_save"]["params"].items())
+
     os.makedirs(tmp_path / "plain")
     with pytest.raises(ckpt.CheckpointError, match="plain: not a Cephalo sharded checkpoint"):
         ckpt.read_full_state_dict(str(tmp_path / "plain"))

@@ -3,7 +3,9 @@
 Each plan draws per-rank batch sizes b_i (zeros allowed), microbatch sizes m_i, and either
 state ratios r_i (zeros allowed, laid out by the planner) or an explicit random per-unit
 element layout (zero-size shards, odd splits); about 30% of the plans run without activation
-checkpointing (kept graphs, storage freed and refilled across reshard). After 3 AdamW steps
+checkpointing (kept graphs, storage freed and refilled across reshard); about half tie the
+embeddings (the embedding unit then gets two reduce-scatters per step); about 25% keep the root
+resident (``root_resident=True``), the rest gather it around its uses. After 3 AdamW steps
 (some plans with global-norm clipping) the gathered parameters, the per-step losses and the
 clip norms must equal the reference at rtol 1e-5, atol 1e-6 (fp32; 3 float64 plans per group
 at 1e-10 / 1e-12). Three process groups (2, 3, 4 ranks) loop over the plans.
@@ -56,9 +58,13 @@ def random_layout(rng: random.Random, numel: int, world: int) -> list[int]:
 
 
 def unit_numels(model: ToyLM) -> list[int]:
-    root = [model.wte, model.wpe, model.ln_f, model.head]
-    units = list(model.blocks) + [torch.nn.ModuleList(root)]
-    return [sum(p.numel() for p in {id(p): p for p in u.parameters()}.values()) for u in units]
+    """Engine order: layers, the embedding unit, the head unit (a tied weight in the first)."""
+    embed = torch.nn.ModuleList([model.wte, model.wpe])
+    units = list(model.blocks) + [embed, torch.nn.ModuleList([model.ln_f, model.head])]
+    sizes = [sum(p.numel() for p in {id(p): p for p in u.parameters()}.values()) for u in units]
+    if model.cfg.tie_embeddings:
+        sizes[-1] -= model.head.weight.numel()
+    return sizes
 
 
 def reference_step(ref: ToyLM, opt, ids, labels, max_norm):
@@ -87,7 +93,8 @@ def draw_plan(rng: random.Random, world: int, dtype=torch.float32) -> dict:
     return dict(sizes_b=sizes_b, sizes_m=sizes_m, ratios=ratios, cfg=cfg,
                 explicit_layout=rng.random() < 0.5, seq=rng.randint(3, 8),
                 max_norm=rng.choice([None, 0.5, 100.0]), seed=rng.randrange(1 << 30),
-                dtype=dtype, activation_checkpointing=rng.random() < 0.7)
+                dtype=dtype, activation_checkpointing=rng.random() < 0.7,
+                root_resident=rng.random() < 0.25)
 
 
 def run_plan(rank: int, world: int, plan: dict) -> None:
@@ -100,7 +107,8 @@ def run_plan(rank: int, world: int, plan: dict) -> None:
         lrng = random.Random(plan["seed"])
         layout = [random_layout(lrng, n, world) for n in unit_numels(model)]
     engine = CephaloEngine(ToyStaged(model), plan["ratios"], shard_layout=layout,
-                           activation_checkpointing=plan["activation_checkpointing"])
+                           activation_checkpointing=plan["activation_checkpointing"],
+                           root_resident=plan["root_resident"])
     opt = torch.optim.AdamW(engine.parameters(), lr=LR, weight_decay=WD)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     gen = torch.Generator().manual_seed(plan["seed"] + 1)

@@ -111,30 +111,82 @@ def case_uneven_batches_vs_naive_mean(rank, world):
     assert worst > 1e-3, f"engine gradient equals the naive mean of per-rank means ({worst})"
 
 
+# per step, L >= 1 layer units: (all-gathers, reduce-scatters); docs/engine.md "Collectives"
+EXPECTED_COUNTS = {  # (tied, root_resident) -> f(L)
+    (False, False): lambda L: (2 * L + 2, L + 2),  # embed twice, head once
+    (True, False): lambda L: (2 * L + 3, L + 3),   # tied embed three times, reduced twice
+    (False, True): lambda L: (2 * L + 1, L + 2),   # root gathered once, kept all step
+    (True, True): lambda L: (2 * L + 1, L + 2),
+}
+
+
 def case_collective_counts_and_accounting(rank, world):
     """Counts/bytes of all-gathers and reduce-scatters per step do not depend on the number of
-    microbatches; full unit gradients alive at once stay within root + 2 units."""
-    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=4, max_seq_len=12)
-    ids, labels = padded_batch([12] * 8, cfg.vocab_size, seed=3)
-    mine = slice(0, 4) if rank == 0 else slice(4, 8)
-    per_l = {}
-    for micro in ([4], [2, 2], [1, 1, 1, 1], [3, 1]):
-        engine, _ = fresh(cfg, state_ratios=[0.7, 0.3])
+    microbatches and follow EXPECTED_COUNTS for tied / untied embeddings, split / resident
+    root; with the split root the full parameters and gradients alive at once stay within the
+    largest root phase + 2 layer units (never the whole root beside a layer's gradient), and
+    the resident root within the whole root + 2 units; evaluation gathers the split root once
+    per use."""
+    for tied, resident in EXPECTED_COUNTS:
+        cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=4, max_seq_len=12,
+                        tie_embeddings=tied)
+        ids, labels = padded_batch([12] * 8, cfg.vocab_size, seed=3)
+        mine = slice(0, 4) if rank == 0 else slice(4, 8)
+        per_l = {}
+        for micro in ([4], [2, 2], [1, 1, 1, 1], [3, 1]):
+            engine, ref = fresh(cfg, state_ratios=[0.7, 0.3], root_resident=resident)
+            engine.stats.reset()
+            engine.train_step(mbs_of(ids[mine], labels[mine], micro if rank == 0 else [4]))
+            s = engine.stats
+            per_l[len(micro)] = (s.all_gather_count, s.all_gather_bytes, s.reduce_scatter_count,
+                                 s.reduce_scatter_bytes, s.all_reduce_count)
+            L = engine.num_units
+            what = f"tied={tied} resident={resident} {micro}: {s}"
+            assert (s.all_gather_count, s.reduce_scatter_count) == \
+                EXPECTED_COUNTS[tied, resident](L), what
+            metas = engine.shard_metadata()
+            assert [m.name for m in metas[-2:]] == ["embed", "head"]
+            embed, head = metas[-2], metas[-1]
+            unit_nt = max(m.trainable_numel for m in metas[:-2])
+            unit_n = max(m.numel for m in metas[:-2])
+            if resident:  # the whole root all step
+                root_nt, root_n = embed.trainable_numel + head.trainable_numel, \
+                    embed.numel + head.numel
+            else:  # the largest root phase: embedding alone, or the head (+ tied embedding)
+                root_nt = max(embed.trainable_numel, head.trainable_numel +
+                              (embed.trainable_numel if tied else 0))
+                root_n = max(embed.numel, head.numel + (embed.numel if tied else 0))
+            all_nt = sum(m.trainable_numel for m in metas)
+            assert s.peak_unsharded_grad_numel <= root_nt + 2 * unit_nt < all_nt, what
+            assert s.peak_unsharded_numel <= root_n + 2 * unit_n, what
+            if not resident and not tied:  # the embedding is never gathered beside the head
+                assert s.peak_unsharded_numel < embed.numel + head.numel + unit_n, what
+            assert all(u.state.value == "sharded" for u in engine._all_units())
+            assert_grads_close(gather_grads(engine), reference_grads(ref, ids, labels), what)
+        assert len(set(per_l.values())) == 1, per_l
         engine.stats.reset()
-        engine.train_step(mbs_of(ids[mine], labels[mine], micro if rank == 0 else [4]))
-        s = engine.stats
-        per_l[len(micro)] = (s.all_gather_count, s.all_gather_bytes, s.reduce_scatter_count,
-                             s.reduce_scatter_bytes, s.all_reduce_count)
-        L = engine.num_units
-        assert s.all_gather_count == 2 * L and s.reduce_scatter_count == L + 1, s
-        metas = engine.shard_metadata()
-        root_nt, unit_nt = metas[-1].trainable_numel, max(m.trainable_numel for m in metas[:-1])
-        all_nt = sum(m.trainable_numel for m in metas)
-        assert s.peak_unsharded_grad_numel <= root_nt + 2 * unit_nt < all_nt, s
-        root_n, unit_n = metas[-1].numel, max(m.numel for m in metas[:-1])
-        assert s.peak_unsharded_numel <= root_n + 2 * unit_n, s
-        assert all(u.state.value == "sharded" for u in engine._all_units())
-    assert len(set(per_l.values())) == 1, per_l
+        engine.evaluate(mbs_of(ids[mine], labels[mine], [2, 2]))
+        split_gathers = L + 2 + (1 if tied else 0)  # E, layers, H (+ E again when tied)
+        assert engine.stats.all_gather_count == (L + 2 if resident else split_gathers), \
+            (tied, resident, engine.stats)
+
+
+def case_no_layer_units(rank, world):
+    """L = 0 (embedding straight into the head): with a tied weight the embedding unit stays
+    gathered from the head phase into the embedding backward and is reduce-scattered once;
+    gradients equal the reference for tied / untied x split / resident."""
+    ids, labels = padded_batch([8, 5, 7, 6], 32, seed=16)
+    for tied, resident in EXPECTED_COUNTS:
+        cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=0, max_seq_len=8,
+                        tie_embeddings=tied)
+        engine, ref = fresh(cfg, state_ratios=[0.3, 0.7], root_resident=resident)
+        engine.stats.reset()
+        engine.train_step(mbs_of(ids, labels, [1, 3]) if rank == 0 else [])
+        gathers = 2 if resident else (2 if tied else 3)  # E (+ H), head phase, E again
+        assert (engine.stats.all_gather_count, engine.stats.reduce_scatter_count) == \
+            (gathers, 2), (tied, resident, engine.stats)
+        assert_grads_close(gather_grads(engine), reference_grads(ref, ids, labels),
+                           f"no layers, tied={tied} resident={resident}")
 
 
 def case_recompute_sees_gathered_params(rank, world):
@@ -260,16 +312,18 @@ def case_bad_input(rank, world):
     with pytest.raises(ValueError, match="rows"):
         CephaloEngine(staged(), shard_layout=[[1, 1]])
     numels = [sum(p.numel() for p in b.parameters()) for b in ToyLM(cfg).blocks]
+    with pytest.raises(ValueError, match="2 layers, then the embedding and the head unit"):
+        CephaloEngine(staged(), shard_layout=[[numels[0], 0], [numels[1], 0], [0, 0]])
     with pytest.raises(ValueError, match="summing to"):
-        CephaloEngine(staged(), shard_layout=[[numels[0], 1], [numels[1], 0], [0, 0]])
+        CephaloEngine(staged(), shard_layout=[[numels[0], 1], [numels[1], 0], [0, 0], [0, 0]])
     mixed = ToyLM(cfg)
     mixed.blocks[1].fc1.double()
     with pytest.raises(ValueError, match="mixes parameter dtypes"):
         CephaloEngine(ToyStaged(mixed))
 
     class Uncovered(ToyStaged):
-        def root_modules(self):
-            return super().root_modules()[:-1]
+        def head_modules(self):
+            return super().head_modules()[:-1]
 
     with pytest.raises(ValueError, match="head.weight"):
         CephaloEngine(Uncovered(ToyLM(cfg)))
@@ -503,7 +557,8 @@ def case_exception_mid_step(rank, world):
 
 
 CASES = [case_token_weighting, case_uneven_batches_vs_naive_mean,
-         case_collective_counts_and_accounting, case_recompute_sees_gathered_params,
+         case_collective_counts_and_accounting, case_no_layer_units,
+         case_recompute_sees_gathered_params,
          case_param_used_by_last_microbatch, case_clip_norm_uneven,
          case_state_dict_roundtrip_and_eval, case_all_reduce_fallback,
          case_accumulate_and_empty_rank_eval, case_prefetch_schedule,

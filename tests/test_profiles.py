@@ -87,6 +87,25 @@ def test_model_shapes_match_nominal_sizes():
         assert shape.source
 
 
+def test_llama3_shapes_match_known_totals():
+    """GQA and tied heads are counted: the totals equal the released checkpoints' safetensors
+    parameter counts (8,030,261,248 and 1,235,814,400 on the meta-llama/Meta-Llama-3-8B and
+    meta-llama/Llama-3.2-1B model pages: 8.03B, 1.24B)."""
+    big, small = MODEL_SHAPES["llama-3-8b"], MODEL_SHAPES["llama-3.2-1b"]
+    assert big.num_params == 8_030_261_248 and round(big.num_params / 1e9, 2) == 8.03
+    assert small.num_params == 1_235_814_400 and round(small.num_params / 1e9, 2) == 1.24
+    assert (big.kv_heads, big.tied, small.kv_heads, small.tied) == (8, False, 8, True)
+    # the root: 2 x 525M untied (split: one half live at a time), one 263M embedding tied
+    assert big.params_other == 2 * 128256 * 4096 + 4096
+    assert big.root_live_params() == 128256 * 4096 + 4096
+    assert big.root_live_params(resident=True) == big.params_other
+    assert small.root_live_params() == small.params_other == 128256 * 2048 + 2048
+    # the resident root costs 2 x 4 bytes x 525M more fixed compute memory on every rank
+    split = estimate_device_profile("A10G", big).compute_memory_bytes
+    resident = estimate_device_profile("A10G", big, root_resident=True).compute_memory_bytes
+    assert [r - s for r, s in zip(resident, split)] == [8.0 * 128256 * 4096] * len(split)
+
+
 def test_analytic_profile_shape():
     shape = MODEL_SHAPES["llama-7b"]
     t4, a10g = estimate_device_profile("T4", shape), estimate_device_profile("A10G", shape)

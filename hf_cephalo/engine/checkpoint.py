@@ -3,7 +3,7 @@
 A checkpoint directory holds (``FILES`` names them):
 
 * ``cephalo_layout.json`` (rank 0): format version, model fingerprint, world size and, per unit
-  (layers in order, root LAST), its numel, trainable numel, per-rank numel and every
+  (layers in order, then the embedding unit and the head unit), its numel, trainable numel, per-rank numel and every
   parameter's fqn / aliases / shape / flat offset; the model buffers' keys; the model config.
 * ``cephalo_shard_rank<R>.safetensors`` (rank R): ``units.<u>.param`` — (n_R,) this rank's slice
   of unit u's flat buffer; ``units.<u>.optim.<key>`` — (t_R,) every optimizer state tensor with
@@ -49,7 +49,12 @@ __all__ = ["FORMAT", "FILES", "CheckpointError", "CheckpointLayout", "atomic_che
            "load_checkpoint", "errors_on_every_rank", "load_sharded_optimizer", "read_layout",
            "read_full_state_dict", "export_hf", "check_export_target", "is_complete", "model_fingerprint"]
 
-FORMAT = "hf_cephalo.sharded/1"
+FORMAT = "hf_cephalo.sharded/2"
+# /1: the root was ONE unit ("root", after the layers); /2 splits it into "embed" and "head".
+# Offline merging (read_full_state_dict, export_hf) reads both: it goes by parameter offsets.
+# Resuming (load_sharded*) needs the engine's units: a /1 checkpoint gets a CheckpointError
+# saying to export it and start from the exported model (see docs/checkpoints.md).
+READABLE_FORMATS = (FORMAT, "hf_cephalo.sharded/1")
 
 
 class FILES:
@@ -75,7 +80,8 @@ class CheckpointError(ValueError):
 class CheckpointLayout:
     """Parsed ``cephalo_layout.json``.
 
-    world_size: ranks that wrote the checkpoint; units: per unit (root LAST) a dict with
+    world_size: ranks that wrote the checkpoint; units: per unit (engine order: layers, then
+    the embedding and head units; format /1: layers, then one root unit) a dict with
     ``name``, ``numel``, ``trainable_numel``, ``numel_per_rank`` (list of ints) and ``params``
     (fqn, aliases, shape, offset, numel, requires_grad); buffers: buffer keys; fingerprint:
     ``model_fingerprint`` of the saved model; config: the model config dict (or None).
@@ -87,6 +93,7 @@ class CheckpointLayout:
     buffers: list[str]
     fingerprint: dict[str, str]
     config: dict[str, Any] | None
+    format: str = FORMAT
 
 
 # ---- model identity ---------------------------------------------------------------------------
@@ -115,7 +122,7 @@ def model_fingerprint(engine) -> dict[str, str]:
         for p in unit.params:
             h.update(f"{unit.name}|{p.fqn}|{','.join(p.aliases)}|{tuple(p.shape)}|"
                      f"{p.requires_grad}\n".encode())
-    h.update(f"dtype {engine.root.dtype}\n".encode())
+    h.update(f"dtype {engine.dtype}\n".encode())
     for key in _buffer_keys(engine):
         h.update(f"buffer {key}\n".encode())
     return {"model_class": type(engine.staged.model).__name__, "sha256": h.hexdigest()}
@@ -293,7 +300,7 @@ def save_sharded(engine, directory: str, optimizer: torch.optim.Optimizer | None
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     groups: list[dict] = []
-    for u, unit in enumerate([*engine.units, engine.root]):
+    for u, unit in enumerate(engine._all_units()):
         tensors[f"units.{u}.param"] = unit.local.detach().to("cpu", copy=True).contiguous()
     if optimizer is not None:
         by_unit, raw_groups = _optimizer_state_by_unit(engine, optimizer)
@@ -346,7 +353,7 @@ def save_checkpoint(engine, path: str, optimizer: torch.optim.Optimizer | None =
 
 
 # ---- read -------------------------------------------------------------------------------------
-def _read_json(path: str, what: str) -> dict:
+def _read_json(path: str, what: str, formats: tuple[str, ...] = READABLE_FORMATS) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing ({what})")
     try:
@@ -354,7 +361,7 @@ def _read_json(path: str, what: str) -> dict:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt JSON ({what}): {e}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("format") not in formats:
         raise CheckpointError(f"{path}: not a {FORMAT} file (format "
                               f"{data.get('format') if isinstance(data, dict) else None!r})")
     return data
@@ -382,7 +389,7 @@ def read_layout(directory: str) -> CheckpointLayout:
     try:
         return CheckpointLayout(directory, int(data["world_size"]), list(data["units"]),
                                 list(data["buffers"]), dict(data["fingerprint"]),
-                                data.get("config"))
+                                data.get("config"), data["format"])
     except (KeyError, TypeError, ValueError) as e:
         path = os.path.join(directory, FILES.LAYOUT)
         raise CheckpointError(f"{path}: corrupt layout ({e})") from None
@@ -469,6 +476,14 @@ class _ShardReader:
 
 
 def _check_model(layout: CheckpointLayout, engine) -> None:
+    if layout.format != FORMAT:
+        raise CheckpointError(
+            f"{os.path.join(layout.directory, FILES.LAYOUT)}: format {layout.format} keeps the "
+            f"root (embeddings + head) as one unit; this engine ({FORMAT}) has separate "
+            "embedding and head units, so it cannot resume from it. Export the model "
+            "(hf-cephalo export, or hf_cephalo.engine.checkpoint.export_hf, which read this "
+            "format) and start from the exported folder (optimizer state starts fresh), or "
+            "resume with the hf_cephalo release that wrote it")
     mine = model_fingerprint(engine)
     if mine != layout.fingerprint:
         raise CheckpointError(
@@ -519,7 +534,7 @@ def load_checkpoint(engine, directory: str, optimizer: torch.optim.Optimizer | N
 
 
 def _flat_units(engine) -> list:
-    return [*engine.units, engine.root]
+    return engine._all_units()
 
 
 def load_sharded(engine, directory: str, *, verify: bool = True) -> None:

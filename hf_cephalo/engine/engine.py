@@ -23,9 +23,10 @@ from torch import nn
 
 from ..models.base import AutocastStagedModel, StagedModel
 from . import collectives as C
-from .flat_param import FlatParamUnit, LiveTracker, UnitShardMeta, collect_params
+from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_params,
+                         move_shared_params)
 from .offload import ActivationStash, CudaStreams
-from .schedule import LayeredStep
+from .schedule import LayeredStep, RootUnits
 from .stats import CollectiveStats
 
 
@@ -82,7 +83,7 @@ def _check_autocast(dtype, model: nn.Module) -> torch.dtype | None:
 
 
 def _layout(ratios: list[float], unit_numels: list[int]) -> list[list[int]]:
-    """Per-unit per-rank element counts from the planner (root unit last)."""
+    """Per-unit per-rank element counts from the planner (units in the engine's order)."""
     from ..planner.state import layout_unit_shards  # pure planning code, no torch.distributed
     return [list(map(int, row)) for row in layout_unit_shards(ratios, unit_numels)]
 
@@ -91,8 +92,9 @@ def _check_layout(layout: list[list[int]], names: list[str], numels: list[int],
                   world_size: int) -> None:
     """Every row: world-size non-negative ints summing to the unit's numel (else ValueError)."""
     if len(layout) != len(names):
-        raise ValueError(f"shard_layout has {len(layout)} rows but the model has "
-                         f"{len(names) - 1} units + 1 root unit (root LAST)")
+        raise ValueError(f"shard_layout has {len(layout)} rows but the engine has {len(names)} "
+                         f"units: {len(names) - 2} layers, then the embedding and the head unit "
+                         "(one row each, in that order)")
     for name, row, numel in zip(names, layout, numels):
         if len(row) != world_size or any(n < 0 for n in row) or sum(row) != numel:
             raise ValueError(f"shard layout of {name} is {row}: it needs {world_size} "
@@ -108,7 +110,8 @@ class CephaloEngine:
         state_ratios: r_i per rank (world-size floats, >= 0, sum 1); default even. Used to lay
             out shards with ``hf_cephalo.planner.state.layout_unit_shards`` unless
             ``shard_layout`` is given.
-        shard_layout: per unit (layers in order, root unit LAST) the per-rank element counts.
+        shard_layout: per unit (layers in order, then the embedding unit, then the head unit)
+            the per-rank element counts.
         process_group: default the world group. device: compute device (default: the model's).
         offload_activations: stash boundary activations in pinned CPU memory (CUDA only);
             None = on for CUDA, off on CPU.
@@ -123,6 +126,12 @@ class CephaloEngine:
             fp32 (mixed precision as ``TrainingArguments(bf16=True)`` gives stock Trainer;
             https://pytorch.org/docs/stable/amp.html). float16 is refused: it needs a loss
             scaler that sees every rank's shard gradients, which the engine does not have.
+        root_resident: False (default): the embedding and head units are gathered around
+            their uses (embedding forward, head phase, embedding backward) and resharded in
+            between, so their full parameters and gradients are not held all step. True: both
+            are gathered once per step and kept with their gradients until its end (one fewer
+            all-gather, two fewer with tied embeddings; costs the full root all step). One
+            decision for all ranks (the plan's ``root_resident``); see docs/engine.md.
     Raises:
         ValueError: bad ratios / layout, parameters outside units and root or shared between
             units, mixed dtypes in a unit, an autocast dtype other than bfloat16 or with
@@ -134,7 +143,7 @@ class CephaloEngine:
                  process_group: dist.ProcessGroup | None = None,
                  device: torch.device | None = None, offload_activations: bool | None = None,
                  reduce_scatter_fallback: bool = False, activation_checkpointing: bool = True,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, root_resident: bool = False):
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("CephaloEngine needs an initialized torch.distributed process group "
                              "(call dist.init_process_group first, e.g. via torchrun)")
@@ -158,6 +167,7 @@ class CephaloEngine:
         self.stats = CollectiveStats()
         self._tracker = LiveTracker(self.stats)
         use_all_reduce = reduce_scatter_fallback or not C.reduce_scatter_supported(process_group)
+        self.root_resident = bool(root_resident)
         self._build_units(ratios, shard_layout, use_all_reduce)
         self.num_units = len(self.units)
         self._failure: str | None = None  # set when a step raised mid-schedule
@@ -170,8 +180,11 @@ class CephaloEngine:
         for name, p in model.named_parameters(remove_duplicate=False):
             fqns.setdefault(id(p), []).append(name)
         groups = [(f"unit {i}", [m]) for i, m in enumerate(self.staged.units())]
-        groups.append(("root", list(self.staged.root_modules())))
+        groups += [("embed", list(self.staged.embed_modules())),
+                   ("head", list(self.staged.head_modules()))]
         collected = [collect_params(name, mods, fqns) for name, mods in groups]
+        # a tied input/output embedding lives once, in the embedding unit
+        collected[-2], collected[-1], tied = move_shared_params(collected[-2], collected[-1])
         self._check_coverage(groups, collected, fqns)
         numels = [sum(p.numel() for p in params) for params, _ in collected]
         layout = _layout(ratios, numels) if shard_layout is None else \
@@ -183,7 +196,9 @@ class CephaloEngine:
                                     device=self.device, stats=self.stats, tracker=self._tracker,
                                     streams=self.streams, use_all_reduce=use_all_reduce)
                       for (name, _), (params, uses), row in zip(groups, collected, layout)]
-        self.units, self.root = flat_units[:-1], flat_units[-1]
+        self.units = flat_units[:-2]
+        self.root = RootUnits(flat_units[-2], flat_units[-1], tied, self.root_resident)
+        self.dtype = flat_units[-1].dtype  # the training dtype (one for the whole model)
 
     @staticmethod
     def _check_coverage(groups, collected, fqns) -> None:
@@ -193,12 +208,13 @@ class CephaloEngine:
                 if id(p) in owner:
                     raise ValueError(f"parameter {fqns.get(id(p), ['?'])[0]} is in both "
                                      f"{owner[id(p)]} and {name}; tied weights must live in the "
-                                     "root unit only")
+                                     "embedding or head modules only")
                 owner[id(p)] = name
         missing = [names[0] for pid, names in fqns.items() if pid not in owner]
         if missing:
-            raise ValueError(f"parameters {missing} are in no unit and not in root_modules(); "
-                             "the StagedModel adapter must cover every model parameter")
+            raise ValueError(f"parameters {missing} are in no unit and not in embed_modules() "
+                             "or head_modules(); the StagedModel adapter must cover every "
+                             "model parameter")
 
     def _state_dict_keys(self) -> list[tuple[str, str, object]]:
         """(key, 'param', id) or (key, 'buffer', tensor) in ``model.state_dict()`` order."""
@@ -211,11 +227,13 @@ class CephaloEngine:
 
     # ---- public API ---------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's 1-D trainable shards (possibly empty), units in order, root last."""
+        """This rank's 1-D trainable shards (possibly empty), in ``_all_units()`` order."""
         return [u.shard_param for u in self._all_units()]
 
     def _all_units(self) -> list[FlatParamUnit]:
-        return self.units + [self.root]
+        """Layer units in order, then the embedding unit, then the head unit (the order of
+        ``parameters()``, ``shard_metadata()``, ``shard_layout`` rows and checkpoints)."""
+        return [*self.units, *self.root.both()]
 
     def _global_items(self, microbatches) -> tuple[int, int]:
         local = sum(int(self.staged.count_items(mb)) for mb in microbatches)
@@ -297,7 +315,7 @@ class CephaloEngine:
             if p.grad is not None:
                 sq += p.grad.double().pow(2).sum()
         C.all_reduce_sum(sq, self.group, self.stats)
-        norm = sq.sqrt().to(self.root.dtype).reshape(())  # 0-dim, training dtype
+        norm = sq.sqrt().to(self.dtype).reshape(())  # 0-dim, training dtype
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in self.parameters():
             if p.grad is not None:
@@ -325,30 +343,42 @@ class CephaloEngine:
         return EvalOutput(loss, global_items, logits)
 
     def _evaluate_layered(self, mbs, global_items: int):
-        """(loss sum (1,) float64, logits per microbatch) of the layered forward."""
-        self.root.wait_unshard(requires_grad=False)
-        if self.units:
-            self.units[0].start_unshard()
+        """(loss sum (1,) float64, logits per microbatch) of the layered forward. The root
+        units are gathered around their uses like in ``train_step`` (kept all along with
+        ``root_resident``); every all-gather is prefetched one unit ahead."""
+        root, L = self.root, len(self.units)
+        head_phase = root.head_phase()
+        first = root.both() if root.resident else [root.embed]
+        after_embed = self.units[:1] or head_phase
+        for unit in [*first, *after_embed]:
+            unit.start_unshard()
+        root.embed.wait_unshard(requires_grad=False)
         hiddens, ctxs = [], []
         for mb in mbs:
-            self.root.use_params()
+            root.embed.use_params()
             h, ctx = self.staged.embed(mb)
             hiddens.append(h)
             ctxs.append(ctx)
+        if not root.resident and not any(root.embed is u for u in after_embed):
+            root.embed.reshard()
         for i, unit in enumerate(self.units):
             unit.wait_unshard(requires_grad=False)
-            if i + 1 < len(self.units):
-                self.units[i + 1].start_unshard()
+            for nxt in (self.units[i + 1:i + 2] or head_phase):
+                nxt.start_unshard()
             unit.use_params()
             hiddens = [self.staged.run_unit(i, h, c) for h, c in zip(hiddens, ctxs)]
             unit.reshard()
         logits, loss_sum = [], torch.zeros(1, dtype=torch.float64, device=self.device)
-        self.root.use_params()
+        for unit in head_phase:
+            unit.wait_unshard(requires_grad=False)
         for h, mb, c in zip(hiddens, mbs, ctxs):
+            for unit in head_phase:
+                unit.use_params()
             logits.append(self.staged.head_logits(h, mb, c))
             if global_items:
                 loss_sum += self.staged.head_loss(h, mb, c).loss_sum.double()
-        self.root.reshard()
+        for unit in root.both():
+            unit.reshard()
         return loss_sum, logits
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -394,5 +424,6 @@ class CephaloEngine:
                     self.staged.model.get_buffer(ref).copy_(state_dict[key])
 
     def shard_metadata(self) -> list[UnitShardMeta]:
-        """Per unit (layers in order, root LAST): per-rank numel and parameter fqns/offsets."""
+        """Per unit (layers in order, then the embedding and the head unit): per-rank numel and
+        parameter fqns/offsets."""
         return [u.meta() for u in self._all_units()]

@@ -124,6 +124,26 @@ def collect_params(name: str, modules: Sequence[nn.Module], fqns: dict[int, list
     return order, uses
 
 
+def move_shared_params(owner, other) -> tuple[tuple, tuple, bool]:
+    """Give ``owner`` every parameter that both ``collect_params`` results hold (tied weights
+    shared by the embedding and the head), with the uses ``other`` had of it.
+
+    Returns ``(owner', other', shared)``: ``other'`` keeps only its own parameters; shared is
+    True if any parameter moved (the head then needs the embedding unit gathered too).
+    """
+    owner_params, owner_uses = owner
+    other_params, other_uses = other
+    mine = {id(p) for p in owner_params}
+    uses = {k: list(v) for k, v in owner_uses.items()}
+    shared = False
+    for p in other_params:
+        if id(p) in mine:
+            shared = True
+            uses[id(p)] += [u for u in other_uses[id(p)] if u not in uses[id(p)]]
+    rest = [p for p in other_params if id(p) not in mine]
+    return (owner_params, uses), (rest, {id(p): other_uses[id(p)] for p in rest}), shared
+
+
 def param_infos(name: str, params: Sequence[nn.Parameter],
                 fqns: dict[int, list[str]]) -> tuple[ParamInfo, ...]:
     """Each parameter's place in the unit's flat buffer, in ``params`` order (from

@@ -1,19 +1,25 @@
 """The layered gradient-accumulation schedule (paper §3.3, Fig. 4; docs/design.md contract 4).
 
 [Note: layered schedule]
-Forward (no autograd graph is kept; activations are checkpointed at unit boundaries)::
+The root is two units (``RootUnits``): the embedding unit E (token / position embeddings; a
+tied input/output embedding lives here, once) and the head unit H (final norm + lm_head /
+classifier). Each is gathered around its uses, like the layer units, and its all-gather is
+prefetched while the previous phase computes. Forward (no autograd graph is kept; activations
+are checkpointed at unit boundaries)::
 
-    gather root; prefetch unit 0
+    gather E; prefetch unit 0
     for each microbatch j: h[0][j] = embed(j)                      # stash h[0][j]
-    for unit i in 0..L-1:  wait unit i; prefetch unit i+1
+    reshard E
+    for unit i in 0..L-1:  wait unit i; prefetch unit i+1 (after the last: H, and E if tied)
         for each microbatch j: h[i+1][j] = unit_i(h[i][j])         # stash h[i+1][j]
         reshard unit i (except the last unit: backward starts with it)
-Head (root still gathered)::
+Head (H gathered; E too when tied)::
 
     for each microbatch j: loss_j = head_loss(h[L][j]) / N;  backward -> g[L][j] (stashed)
+    reduce-scatter H (and E's head-use gradient when tied); reshard them
 Backward::
 
-    for unit i in L-1..0: wait unit i; prefetch unit i-1
+    for unit i in L-1..0: wait unit i; prefetch unit i-1 (after unit 0: E)
         for each microbatch j (last first): recompute unit_i(h[i][j]) with the forward's RNG state
                                (not for the last unit's last microbatch: its forward graph was
                                kept, it is the first one backward needs),
@@ -21,16 +27,31 @@ Backward::
         (each microbatch first prefetches the next one's stashed tensors, across unit
         boundaries too, and waits until the previous one has finished on the compute stream:
         see [Note: CUDA streams])
-        reduce-scatter unit i's gradient ONCE; wait unit i+1's reduce-scatter; reshard unit i
-    for each microbatch j: recompute embed(j), backward with g[0][j]
-    reduce-scatter root; reshard root; wait every reduce-scatter
+        reduce-scatter unit i's gradient ONCE; wait the previous reduce-scatters; reshard unit i
+    wait E; for each microbatch j: recompute embed(j), backward with g[0][j]
+    reduce-scatter E; wait every reduce-scatter; reshard E
 
-Root unit (embeddings + final norm + head): gathered ONCE at the start of the step and kept
-gathered until after the embedding backward, like FSDP2's root module; its gradient is
-reduce-scattered once. Collectives per step: all-gathers = 2L (L forward, L-1 backward, 1 root),
-reduce-scatters = L + 1, plus two 8-byte all-reduces (item count, loss sum) — independent of the
-number of microbatches, and identical on every rank, including a rank with no microbatch (it
-runs no compute but joins every collective), so ranks with 3 vs 1 vs 0 microbatches never hang.
+Tied embeddings: E's shard gradient receives two reduce-scatters, the head use's (after the
+head phase) and the embedding use's (at the end); ``wait_reduce_grad`` ADDS each into the same
+shard gradient, so the result is the gradient of the one tied storage (summed in another
+order than one reduce-scatter of the sum: equal up to fp32 rounding). With L = 0, E stays
+gathered from the head phase into the embedding backward and is reduce-scattered once.
+
+``root_resident`` (``RootUnits.resident``): E and H are gathered once at the start and kept
+gathered, with their gradients, until the end of the step (FSDP2's root module behaviour;
+faster when the root is small, costs its full parameters + gradient all step).
+
+Collectives per step for L >= 1 layer units (plus two 8-byte all-reduces: item count, loss
+sum), independent of the number of microbatches::
+
+                      all-gathers               reduce-scatters
+    split, untied     2L + 2 (L fwd, L-1 bwd,   L + 2
+                      E twice, H once)
+    split, tied       2L + 3 (E three times)    L + 3 (E twice)
+    root_resident     2L + 1 (E, H once)        L + 2
+
+identical on every rank, including a rank with no microbatch (it runs no compute but joins
+every collective), so ranks with 3 vs 1 vs 0 microbatches never hang.
 
 Autograd: each recompute runs the unit on a detached stashed input with ``requires_grad=True``
 and calls ``torch.autograd.backward(output, boundary_grad)`` directly, so the unit's parameter
@@ -42,6 +63,7 @@ recompute, so the global RNG advances exactly as in one forward pass.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -67,11 +89,36 @@ class RngState:
         return fork
 
 
+@dataclass(frozen=True)
+class RootUnits:
+    """The root's two units and how the schedule gathers them (see [Note: layered schedule]).
+
+    embed: the embedding unit (``StagedModel.embed_modules()``; owns a tied weight).
+    head: the head unit (``head_modules()`` minus what ``embed`` owns).
+    tied: the head uses a parameter of ``embed`` (tied input/output embeddings), so the head
+        phase gathers both units.
+    resident: gather both at the start of the step and keep them (with their gradients)
+        gathered until its end (the engine's ``root_resident``); else gather around each use.
+    """
+
+    embed: FlatParamUnit
+    head: FlatParamUnit
+    tied: bool
+    resident: bool = False
+
+    def both(self) -> list[FlatParamUnit]:
+        return [self.embed, self.head]
+
+    def head_phase(self) -> list[FlatParamUnit]:
+        """Units the head (loss / logits) needs gathered."""
+        return [self.head, self.embed] if self.tied else [self.head]
+
+
 class LayeredStep:
     """One training step of the layered schedule over this rank's microbatches.
 
     Args:
-        staged: the StagedModel; units: the L layer units; root: the root unit.
+        staged: the StagedModel; units: the L layer units; root: the embedding and head units.
         microbatches: this rank's microbatches (may be empty).
         global_num_items: N, the all-reduced item count every loss sum is divided by.
         stash: boundary activation / gradient store; device: compute device.
@@ -79,7 +126,7 @@ class LayeredStep:
             memory grows with l like standard training; see [Note: kept graphs across reshard]).
     """
 
-    def __init__(self, staged, units: Sequence[FlatParamUnit], root: FlatParamUnit,
+    def __init__(self, staged, units: Sequence[FlatParamUnit], root: RootUnits,
                  microbatches: Sequence[Any], global_num_items: int, stash: ActivationStash,
                  device: torch.device, keep_graphs: bool = False):
         self.staged, self.units, self.root = staged, list(units), root
@@ -89,6 +136,7 @@ class LayeredStep:
         self.rng: dict[tuple, RngState] = {}
         self.keep_graphs = keep_graphs
         self.kept: dict[tuple, tuple] = {}  # (unit, microbatch) -> (input, output) with graph
+        self.reducing: list[FlatParamUnit] = []  # reduce-scatters issued, not yet waited
         self.local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # no host sync
 
     def run(self) -> None:
@@ -96,24 +144,63 @@ class LayeredStep:
         self.head()
         self.backward()
 
+    # ---- root units: gather around their uses ------------------------------------------------
+    def _gather(self, units: Sequence[FlatParamUnit]) -> None:
+        for unit in units:
+            unit.start_unshard()  # no-op if gathered or in flight; issues all before waiting
+        for unit in units:
+            unit.wait_unshard(requires_grad=True)
+
+    def _leave(self, units: Sequence[FlatParamUnit], needed: Sequence[FlatParamUnit],
+               reduce: bool) -> None:
+        """A phase ends: reshard each of ``units`` the next phase does not need (issuing its
+        gradient's reduce-scatter first when ``reduce``); resident root units stay."""
+        for unit in units:
+            if any(unit is n for n in needed) or \
+                    (self.root.resident and any(unit is r for r in self.root.both())):
+                continue
+            if reduce:
+                self._start_reduce(unit)
+            unit.reshard()
+
+    def _start_reduce(self, unit: FlatParamUnit) -> None:
+        """Issue ``unit``'s gradient reduce-scatter (its result is ADDED to the shard grad)."""
+        if any(unit is u for u in self.reducing):  # one in flight per unit
+            self._wait_reduces(keep=[u for u in self.reducing if u is not unit])
+        unit.start_reduce_grad()
+        self.reducing.append(unit)
+
+    def _wait_reduces(self, keep: Sequence[FlatParamUnit] = ()) -> None:
+        """Wait every issued reduce-scatter except those of ``keep`` (issue order)."""
+        for unit in self.reducing:
+            if not any(unit is k for k in keep):
+                unit.wait_reduce_grad()
+        self.reducing = [u for u in self.reducing if any(u is k for k in keep)]
+
+    # ---- phases ---------------------------------------------------------------------------
     def forward(self) -> None:
         """Embed every microbatch, then each unit over every microbatch (no graph kept)."""
-        L = len(self.units)
-        self.root.wait_unshard(requires_grad=True)
-        (self.units[0] if L else self.root).start_unshard()
+        L, root = len(self.units), self.root
+        if root.resident:
+            root.head.start_unshard()  # gathered once for the whole step
+        self._gather([root.embed])
+        after_embed = self.units[:1] or root.head_phase()
+        for unit in after_embed:
+            unit.start_unshard()
         with torch.no_grad():
             for j, mb in enumerate(self.mbs):
                 self.stash.one_microbatch_in_flight(self.device)
                 self.rng[("embed", j)] = RngState(self.device)
-                self.root.use_params()
+                root.embed.use_params()
                 hidden, ctx = self.staged.embed(mb)
                 self.ctxs.append(ctx)
                 self.stash.start_offload((0, j), hidden)
+            self._leave([root.embed], after_embed, reduce=False)
             self.stash.start_reload((0, 0))  # unit 0's first input, offloaded meanwhile
             for i, unit in enumerate(self.units):
                 unit.wait_unshard(requires_grad=True)
-                if i + 1 < L:
-                    self.units[i + 1].start_unshard()
+                for nxt in (self.units[i + 1:i + 2] or root.head_phase()):
+                    nxt.start_unshard()
                 for j in range(len(self.mbs)):
                     self.stash.wait_offload((i, j))
                     # prefetch the next microbatch's input; after the last one, the next
@@ -142,36 +229,44 @@ class LayeredStep:
         self.stash.start_offload((i + 1, j), y.detach())
 
     def head(self) -> None:
-        """Head loss + its backward per microbatch; stashes the boundary gradients g[L][j]."""
-        L = len(self.units)
+        """Head loss + its backward per microbatch; stashes the boundary gradients g[L][j].
+        Then the head's gradient (and a tied embedding's head-use gradient) is
+        reduce-scattered and its units resharded, unless the step keeps them."""
+        L, root = len(self.units), self.root
+        phase = root.head_phase()
+        self._gather(phase)
+        if L == 0:
+            root.embed.start_unshard()  # the embedding backward comes next
         for j, mb in enumerate(self.mbs):
             self.stash.wait_offload((L, j))
             self.stash.start_reload((L, j + 1))
             self.stash.one_microbatch_in_flight(self.device)
             hidden = self.stash.pop((L, j)).detach().requires_grad_(True)
-            self.root.use_params()
+            for unit in phase:
+                unit.use_params()
             out = self.staged.head_loss(hidden, mb, self.ctxs[j])
             torch.autograd.backward(out.loss_sum / self.N)
-            self.root.note_grad()
+            for unit in phase:
+                unit.note_grad()
             self.local_loss_sum += out.loss_sum.detach().double()
             # the last microbatch's boundary gradient is the first one backward reads
             self.stash.start_offload(("grad", j), _grad_or_zeros(hidden),
                                      keep=j == len(self.mbs) - 1)
+        self._leave(phase, [] if L else [root.embed], reduce=True)
 
     def backward(self) -> None:
         """Units in reverse with recompute, one reduce-scatter each; then the embedding."""
-        L = len(self.units)
+        L, root = len(self.units), self.root
         for i in reversed(range(L)):
             unit = self.units[i]
             unit.wait_unshard(requires_grad=True)
-            if i > 0:
-                self.units[i - 1].start_unshard()
+            (self.units[i - 1] if i > 0 else root.embed).start_unshard()
             for j in reversed(range(len(self.mbs))):  # the kept graph (last j) goes first
                 self._recompute_backward(unit, i, j)
-            unit.start_reduce_grad()
-            if i + 1 < L:
-                self.units[i + 1].wait_reduce_grad()
+            self._start_reduce(unit)
+            self._wait_reduces(keep=[unit])  # the unit after this one (or the head phase)
             unit.reshard()
+        self._gather([root.embed])
         for j, mb in enumerate(self.mbs):
             self.stash.wait_offload(("grad", j))
             self.stash.start_reload(("grad", j + 1))
@@ -179,18 +274,19 @@ class LayeredStep:
             grad = self.stash.pop(("grad", j))
             fork = self.rng.pop(("embed", j)).replay()
             try:
-                self.root.use_params()
+                root.embed.use_params()
                 hidden, _ = self.staged.embed(mb)
             finally:
                 fork.__exit__(None, None, None)
             if hidden.requires_grad:
                 torch.autograd.backward(hidden, grad)
-            self.root.note_grad()
-        self.root.start_reduce_grad()
-        for unit in self.units[:1]:
-            unit.wait_reduce_grad()
-        self.root.wait_reduce_grad()
-        self.root.reshard()
+            root.embed.note_grad()
+        last = root.both() if root.resident else [root.embed]
+        for unit in last:
+            self._start_reduce(unit)
+        self._wait_reduces()
+        for unit in last:
+            unit.reshard()
 
     def _recompute_backward(self, unit: FlatParamUnit, i: int, j: int) -> None:
         self.stash.wait_offload(("grad", j))

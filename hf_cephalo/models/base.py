@@ -1,4 +1,4 @@
-"""The StagedModel contract: a model seen as root modules + a list of identical units.
+"""The StagedModel contract: a model seen as embedding + a list of identical units + head.
 
 The layered engine (``hf_cephalo.engine``) never imports a concrete model; it drives any
 ``StagedModel``. An adapter for a Hugging Face architecture (``models/llama.py``, ...) or the
@@ -6,10 +6,10 @@ generic test model (``models/toy.py``) implements it. docs/design.md contract 5.
 
 Data flow for one microbatch (a dict of tensors as produced by a collator)::
 
-    hidden, ctx = staged.embed(microbatch)             # root unit params
+    hidden, ctx = staged.embed(microbatch)             # embed_modules() params only
     for i in range(staged.num_units):
         hidden = staged.run_unit(i, hidden, ctx)      # unit i params only
-    out = staged.head_loss(hidden, microbatch, ctx)   # root unit params
+    out = staged.head_loss(hidden, microbatch, ctx)   # head_modules() params (+ tied embedding)
 
 ``ctx`` carries per-microbatch tensors that are NOT differentiated through (attention masks,
 position ids, rotary cos/sin). It is built once per microbatch by ``embed`` and reused by the
@@ -40,10 +40,15 @@ class HeadOutput(NamedTuple):
 
 
 class StagedModel(abc.ABC):
-    """A model split into a root unit and ``num_units`` identical transformer layers.
+    """A model split into an embedding, ``num_units`` identical transformer layers and a head.
 
-    The root unit holds every parameter that is not inside a unit: embeddings, final norm,
-    head (tied weights once). Adapters must not register extra parameters.
+    The root (``root_modules()``) holds every parameter that is not inside a unit; it is split
+    into the embedding part (``embed_modules()``, what ``embed`` uses) and the head part
+    (``head_modules()``, what ``head_loss`` / ``head_logits`` use), which the engine gathers
+    around their uses (docs/engine.md "Root units"). A weight shared by both (tied input and
+    output embeddings) belongs to the embedding part: list the module in both or in either;
+    the engine keeps it once, in the embedding unit. Adapters must not register extra
+    parameters.
 
     Attributes:
         model: the wrapped ``nn.Module`` (an HF ``PreTrainedModel`` for adapters); its
@@ -59,11 +64,24 @@ class StagedModel(abc.ABC):
         """The transformer layers in execution order (one engine unit each)."""
 
     @abc.abstractmethod
-    def root_modules(self) -> list[nn.Module]:
-        """Modules whose parameters form the root unit (embeddings, final norm, head).
+    def embed_modules(self) -> list[nn.Module]:
+        """Modules ``embed`` uses (token / position embeddings, modules holding only buffers
+        such as rotary ``inv_freq``). Their parameters form the engine's embedding unit."""
 
-        Their parameters plus the units' parameters must be exactly ``model.parameters()``.
-        """
+    @abc.abstractmethod
+    def head_modules(self) -> list[nn.Module]:
+        """Modules ``head_loss`` / ``head_logits`` use (final norm, lm_head or classifier,
+        pooler). Their parameters not already in ``embed_modules()`` form the head unit."""
+
+    def root_modules(self) -> list[nn.Module]:
+        """``embed_modules()`` then ``head_modules()`` (each module once): every parameter
+        outside the units. With the units' parameters they must be exactly
+        ``model.parameters()``."""
+        out: list[nn.Module] = []
+        for module in [*self.embed_modules(), *self.head_modules()]:
+            if not any(module is m for m in out):
+                out.append(module)
+        return out
 
     @property
     def num_units(self) -> int:
@@ -120,6 +138,12 @@ class AutocastStagedModel(StagedModel):
 
     def units(self) -> list[nn.Module]:
         return self.inner.units()
+
+    def embed_modules(self) -> list[nn.Module]:
+        return self.inner.embed_modules()
+
+    def head_modules(self) -> list[nn.Module]:
+        return self.inner.head_modules()
 
     def root_modules(self) -> list[nn.Module]:
         return self.inner.root_modules()

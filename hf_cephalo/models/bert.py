@@ -2,7 +2,7 @@
 
 Layout (transformers 5.x): ``bert.embeddings`` (word + token type + position, LayerNorm,
 dropout) -> ``bert.encoder.layer[i]`` -> ``bert.pooler`` ([CLS] -> dense -> tanh) -> ``dropout``
--> ``classifier``. The pooler is used by this head and lives in the root unit with the
+-> ``classifier``. The pooler is used by this head and lives in the head unit with the
 classifier. A model built without a pooler (``bert.pooler is None``) is rejected, since this
 head needs it.
 """
@@ -38,9 +38,11 @@ class BertStagedModel(ClassifierStagedModel):
     def units(self) -> list[nn.Module]:
         return list(self.model.bert.encoder.layer)
 
-    def root_modules(self) -> list[nn.Module]:
-        bert = self.model.bert
-        return [bert.embeddings, bert.pooler, self.model.classifier]
+    def embed_modules(self) -> list[nn.Module]:
+        return [self.model.bert.embeddings]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.bert.pooler, self.model.classifier]
 
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, EncoderContext]:
         """input_ids (m, S) -> embeddings (m, S, H) and the microbatch's attention mask."""

@@ -2,8 +2,9 @@
 
 Layout (transformers 5.x): ``transformer.wte`` + ``transformer.wpe`` (learned positions) ->
 ``transformer.drop`` -> ``transformer.h[i]`` -> ``transformer.ln_f`` -> ``lm_head``. The head
-weight is tied to ``wte`` by default: the root unit holds that one storage, so its gradient is
-the sum of the embedding use and the head use, exactly as in the model.
+weight is tied to ``wte`` by default: the embedding unit holds that one storage (the head unit
+keeps ``ln_f``), so its gradient is the sum of the embedding use and the head use, exactly as in
+the model.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ class GPT2StagedModel(CausalLMStagedModel):
     def units(self) -> list[nn.Module]:
         return list(self.model.transformer.h)
 
-    def root_modules(self) -> list[nn.Module]:
+    def embed_modules(self) -> list[nn.Module]:
         t = self.model.transformer
-        return [t.wte, t.wpe, t.ln_f, self.model.lm_head]
+        return [t.wte, t.wpe]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.transformer.ln_f, self.model.lm_head]
 
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, DecoderContext]:
         """input_ids (m, S) -> token + position (+ token type) embeddings (m, S, H), dropout."""

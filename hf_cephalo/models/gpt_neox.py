@@ -24,9 +24,12 @@ class GPTNeoXStagedModel(CausalLMStagedModel):
     def units(self) -> list[nn.Module]:
         return list(self.model.gpt_neox.layers)
 
-    def root_modules(self) -> list[nn.Module]:
+    def embed_modules(self) -> list[nn.Module]:
         g = self.model.gpt_neox
-        return [g.embed_in, g.rotary_emb, g.final_layer_norm, self.model.lm_head]
+        return [g.embed_in, g.rotary_emb]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.gpt_neox.final_layer_norm, self.model.lm_head]
 
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, DecoderContext]:
         """input_ids (m, S) -> hidden (m, S, H) and the microbatch's mask and rotary cos/sin."""

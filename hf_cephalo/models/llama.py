@@ -2,8 +2,8 @@
 
 Layout (transformers 5.x): ``model.model.embed_tokens`` -> ``model.model.layers[i]`` ->
 ``model.model.norm`` -> ``model.lm_head``; rotary cos/sin come from ``model.model.rotary_emb``
-(no parameters). Root unit: embed_tokens, norm, lm_head (one storage when
-``tie_word_embeddings=True``), rotary_emb (buffers only).
+(no parameters). Embedding unit: embed_tokens, rotary_emb (buffers only); head unit: norm,
+lm_head (with ``tie_word_embeddings=True`` the shared weight lives once, in the embedding unit).
 
 Masks: one per attention type, built like the model's forward builds them — Llama:
 ``create_causal_mask``; Mistral: ``create_sliding_window_causal_mask`` when
@@ -56,9 +56,12 @@ class LlamaStagedModel(CausalLMStagedModel):
     def units(self) -> list[nn.Module]:
         return list(self.model.model.layers[: self.model.config.num_hidden_layers])
 
-    def root_modules(self) -> list[nn.Module]:
+    def embed_modules(self) -> list[nn.Module]:
         inner = self.model.model
-        return [inner.embed_tokens, inner.rotary_emb, inner.norm, self.model.lm_head]
+        return [inner.embed_tokens, inner.rotary_emb]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.model.norm, self.model.lm_head]
 
     # ---- computation ----
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, DecoderContext]:

@@ -124,7 +124,8 @@ def count_tokens(labels: torch.Tensor) -> int:
 
 
 class ToyStaged(StagedModel):
-    """``StagedModel`` view of ``ToyLM``: units = blocks; root = wte, wpe, ln_f, head.
+    """``StagedModel`` view of ``ToyLM``: units = blocks; embedding = wte, wpe; head = ln_f,
+    head (``head.weight`` is ``wte.weight`` when tied: it lives in the embedding unit).
 
     Microbatch keys: ``input_ids`` (m, S) int64, optional ``labels`` (m, S) (default input_ids).
     """
@@ -134,9 +135,11 @@ class ToyStaged(StagedModel):
     def units(self) -> list[nn.Module]:
         return list(self.model.blocks)
 
-    def root_modules(self) -> list[nn.Module]:
-        m = self.model
-        return [m.wte, m.wpe, m.ln_f, m.head]
+    def embed_modules(self) -> list[nn.Module]:
+        return [self.model.wte, self.model.wpe]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.ln_f, self.model.head]
 
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Any]:
         ids = microbatch["input_ids"]

@@ -28,9 +28,12 @@ class ViTStagedModel(ClassifierStagedModel):
     def units(self) -> list[nn.Module]:
         return list(self.model.vit.layers)
 
-    def root_modules(self) -> list[nn.Module]:
+    def embed_modules(self) -> list[nn.Module]:
+        return [self.model.vit.embeddings]
+
+    def head_modules(self) -> list[nn.Module]:
         vit = self.model.vit
-        modules = [vit.embeddings, vit.layernorm, self.model.classifier]
+        modules = [vit.layernorm, self.model.classifier]
         return modules + ([vit.pooler] if vit.pooler is not None else [])
 
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, EncoderContext]:

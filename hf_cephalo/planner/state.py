@@ -83,7 +83,8 @@ def layout_unit_shards(state_ratios: Sequence[float],
 
     Args:
         state_ratios: r_i per rank (>= 0, sum 1).
-        unit_numels: elements of each unit, in the engine's order (layers, then the root unit).
+        unit_numels: elements of each unit, in the engine's order (any list: the engine passes
+            its layers, then the embedding unit, then the head unit).
 
     Returns:
         ``layout[u][i]`` = elements of unit u held by rank i; each row sums to

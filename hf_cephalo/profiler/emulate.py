@@ -166,6 +166,12 @@ class EmulatedStagedModel(StagedModel):
     def units(self):
         return self.inner.units()
 
+    def embed_modules(self):
+        return self.inner.embed_modules()
+
+    def head_modules(self):
+        return self.inner.head_modules()
+
     def root_modules(self):
         return self.inner.root_modules()
 

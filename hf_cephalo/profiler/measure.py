@@ -16,8 +16,10 @@ sequence length (synthetic token ids / pixels of the right shape, ``synthetic_mi
   ([Note: implausible backward times]).
 - ``compute_memory_bytes[m]``: peak memory of one step minus training state, for one
   microbatch of m in flight: activations of one unit's recompute + backward, or of the head's
-  loss + backward (the larger), plus one unit's and the root's full gradients and the gathered
-  copies of two units (current + prefetched) and the root (held all step).
+  loss + backward (the larger), plus one unit's and the live root part's full gradients and the
+  gathered copies of two units (current + prefetched) and the live root part: the engine's
+  default split root holds the larger of its embedding unit and its head phase (head + a tied
+  embedding) at a time, not the whole root.
   CUDA: caching-allocator peak (``torch.cuda.max_memory_allocated``) over a unit pass and a head
   pass, minus the allocation before them. CPU (no allocator statistics): an estimate, the bytes
   of the distinct storages autograd saves for backward (``torch.autograd.graph.
@@ -386,9 +388,12 @@ def _compute_memory(staged: StagedModel, hidden, mb, ctx, grad, device, params) 
         p.grad = None
     unit_params = list(staged.units()[0].parameters())
     unit_ids = {id(p) for u in staged.units() for p in u.parameters()}
-    root_params = [p for p in _unique_params(staged.root_modules()) if id(p) not in unit_ids]
-    # Gathered copies beside the shards: current + prefetched unit, and the root all step.
-    gathered = 2 * _bytes(unit_params) + _bytes(root_params)
+    # the split root's larger phase: the embedding, or the head (its modules include a tied
+    # embedding weight, which the head phase gathers too)
+    root_live = max(_bytes([p for p in _unique_params(mods) if id(p) not in unit_ids])
+                    for mods in (staged.embed_modules(), staged.head_modules()))
+    # Gathered copies beside the shards: current + prefetched unit, and the live root part.
+    gathered = 2 * _bytes(unit_params) + root_live
     if device.type == "cuda":
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -404,7 +409,7 @@ def _compute_memory(staged: StagedModel, hidden, mb, ctx, grad, device, params) 
         with _SavedBytes(exclude) as head_saved:
             _head_backward(staged, y, mb, ctx)
         io = 4 * _tensor_bytes(hidden)  # input, output and both gradients
-        grads = _bytes(unit_params) + _bytes(root_params)
+        grads = _bytes(unit_params) + root_live
         transient = grads + io + max(unit_saved.bytes, head_saved.bytes)
     for p in params:
         p.grad = None

@@ -17,8 +17,10 @@ Formulas (per transformer layer, per sample, sequence length s, hidden h, heads 
   (2·s·V·4 bytes). Boundary activations are offloaded to the host (docs/design.md contract 4), so
   compute memory grows with m, not with l.
 * fixed compute memory: the gathered current and prefetched unit (2 × 4·P_unit bytes), its
-  unsharded gradient (4·P_unit), the gathered root unit with its gradient (2 × 4·P_other) and a
-  framework reserve (``framework_reserve_bytes``, default 1 GiB).
+  unsharded gradient (4·P_unit), the gathered root with its gradient (2 × 4·P_root_live) and a
+  framework reserve (``framework_reserve_bytes``, default 1 GiB). P_root_live is what the engine
+  holds of the root at once: with the split root (its default) the larger root phase, max(P_embed,
+  P_head (+ P_embed when tied)); with ``root_resident`` the whole root P_other.
 * all-gather / reduce-scatter of one unit in a ring: (N − 1)/N · 4·P_unit bytes over the slowest
   link (the network between machines if the job spans several, else the intra-machine link).
 """
@@ -103,9 +105,12 @@ class ModelShape:
 
     Attributes:
         name: table key, e.g. ``"llama-3b"``.
-        family: ``"gpt"`` (learned positions, tied head), ``"llama"`` (gated FFN, untied head),
-            ``"bert"`` or ``"vit"`` (bias + LayerNorm layers).
+        family: ``"gpt"`` (learned positions, tied head), ``"llama"`` (gated FFN, RMSNorm,
+            no biases), ``"bert"`` or ``"vit"`` (bias + LayerNorm layers).
         num_layers, hidden, heads, ffn: layer count, hidden size, attention heads, FFN width.
+        kv_heads: key/value heads (grouped-query attention, ``llama`` only); 0 = ``heads``.
+        tied: the lm head shares the token embedding (``llama``: ``tie_word_embeddings``;
+            ``gpt`` is always tied, ``bert`` / ``vit`` have no lm head).
         vocab: vocabulary size (classes for ``vit``).
         seq_len: tokens per sample used for planning (paper §4: 512; ViT: patches + class token).
         max_positions: learned position embeddings (``gpt``/``bert``/``vit``).
@@ -123,27 +128,64 @@ class ModelShape:
     seq_len: int
     max_positions: int = 0
     patch: int = 0
+    kv_heads: int = 0
+    tied: bool = False
     nominal_params: float
     source: str
+
+    @property
+    def _attention_params(self) -> int:
+        """q and o (h x h each), k and v (h x kv_heads·head_dim each); no biases."""
+        h = self.hidden
+        kv = h * (self.kv_heads or self.heads) // self.heads
+        return 2 * h * h + 2 * h * kv
 
     @property
     def params_per_layer(self) -> int:
         h, f = self.hidden, self.ffn
         if self.family == "llama":
-            return 4 * h * h + 3 * h * f + 2 * h  # q,k,v,o; gate/up/down; two RMSNorms
+            return self._attention_params + 3 * h * f + 2 * h  # gate/up/down; two RMSNorms
         return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # + biases and two LayerNorms
 
     @property
-    def params_other(self) -> int:
+    def params_embed(self) -> int:
+        """Parameters of the engine's embedding unit (a tied lm head included)."""
         h, v = self.hidden, self.vocab
         if self.family == "llama":
-            return 2 * v * h + h  # embedding, untied head, final norm
+            return v * h
         if self.family == "gpt":
-            return v * h + self.max_positions * h + 2 * h  # tied head
+            return v * h + self.max_positions * h
+        if self.family == "bert":  # word, positions, token type (2), LayerNorm
+            return v * h + self.max_positions * h + 2 * h + 2 * h
+        return 3 * self.patch ** 2 * h + h + h + self.seq_len * h  # vit: patches, CLS, positions
+
+    @property
+    def params_head(self) -> int:
+        """Parameters of the engine's head unit (a tied lm head is in the embedding unit)."""
+        h, v = self.hidden, self.vocab
+        if self.family == "llama":
+            return (0 if self.tied else v * h) + h  # lm head, final norm
+        if self.family == "gpt":
+            return 2 * h  # final LayerNorm (head tied)
         if self.family == "bert":
-            return v * h + self.max_positions * h + 2 * h + 2 * h + h * h + h  # + pooler
-        # vit: patch embedding, class token, positions, final norm, classifier
-        return 3 * self.patch ** 2 * h + h + h + self.seq_len * h + 2 * h + h * v + v
+            return h * h + h  # pooler
+        return 2 * h + h * v + v  # vit: final norm, classifier
+
+    @property
+    def head_ties_embedding(self) -> bool:
+        return self.family == "gpt" or (self.family == "llama" and self.tied)
+
+    @property
+    def params_other(self) -> int:
+        return self.params_embed + self.params_head
+
+    def root_live_params(self, resident: bool = False) -> int:
+        """Root parameters the engine holds gathered at once: the whole root when resident,
+        else the larger phase (the embedding alone, or the head + a tied embedding)."""
+        if resident:
+            return self.params_other
+        head_phase = self.params_head + (self.params_embed if self.head_ties_embedding else 0)
+        return max(self.params_embed, head_phase)
 
     @property
     def num_params(self) -> int:
@@ -152,7 +194,9 @@ class ModelShape:
     @property
     def matmul_params_per_layer(self) -> int:
         h, f = self.hidden, self.ffn
-        return 4 * h * h + (3 if self.family == "llama" else 2) * h * f
+        if self.family == "llama":
+            return self._attention_params + 3 * h * f
+        return 4 * h * h + 2 * h * f
 
     def model_profile(self) -> ModelProfile:
         return ModelProfile(name=self.name, num_units=self.num_layers,
@@ -176,6 +220,20 @@ MODEL_SHAPES: dict[str, ModelShape] = {s.name: s for s in [
     ModelShape(name="llama-7b", family="llama", num_layers=32, hidden=4096, heads=32, ffn=11008,
                vocab=32000, seq_len=512, nominal_params=6.7e9,
                source="Touvron et al. 2023 (LLaMA) Table 2"),
+    ModelShape(name="llama-3-8b", family="llama", num_layers=32, hidden=4096, heads=32,
+               kv_heads=8, ffn=14336, vocab=128256, seq_len=512, tied=False,
+               nominal_params=8.03e9,
+               source="Meta Llama 3 8B config.json (meta-llama/Meta-Llama-3-8B: vocab_size 128256, "
+                      "hidden_size 4096, intermediate_size 14336, 32 layers, 32 heads, 8 KV heads, "
+                      "tie_word_embeddings false); 8.03B parameters as on its Hugging Face model "
+                      "page (8,030,261,248 in the safetensors)"),
+    ModelShape(name="llama-3.2-1b", family="llama", num_layers=16, hidden=2048, heads=32,
+               kv_heads=8, ffn=8192, vocab=128256, seq_len=512, tied=True,
+               nominal_params=1.24e9,
+               source="Meta Llama 3.2 1B config.json (meta-llama/Llama-3.2-1B: vocab_size 128256, "
+                      "hidden_size 2048, intermediate_size 8192, 16 layers, 32 heads, 8 KV heads, "
+                      "tie_word_embeddings true); 1.24B parameters as on its Hugging Face model "
+                      "page (1,235,814,400 in the safetensors)"),
     ModelShape(name="vit-g", family="vit", num_layers=40, hidden=1408, heads=16, ffn=6144,
                vocab=1000, seq_len=257, patch=14, nominal_params=1.0e9,
                source="Zhai et al. 2022 (Scaling Vision Transformers) Table 2, ViT-g/14 at 224 px"),
@@ -218,7 +276,8 @@ def _activation_bytes_per_sample(shape: ModelShape) -> float:
 def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency: float = 0.5,
                             precision: str = "fp32", launch_overhead_s: float = 2e-4,
                             framework_reserve_bytes: float = GIB,
-                            microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16)) -> DeviceProfile:
+                            microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
+                            root_resident: bool = False) -> DeviceProfile:
     """Analytical DeviceProfile of ``gpu`` running one layer of ``shape`` (an ESTIMATE).
 
     Args:
@@ -226,6 +285,8 @@ def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency
         precision: ``"fp32"`` (the paper's full-precision training) or ``"bf16"``.
         launch_overhead_s: fixed per-microbatch time of one layer's kernels, seconds.
         framework_reserve_bytes: memory the framework keeps besides the model, bytes.
+        root_resident: the engine keeps the whole root gathered all step (its
+            ``root_resident``); default False: the split root, only its larger phase at once.
 
     Raises:
         ValueError: unknown GPU, efficiency outside (0, 1], bf16 on a GPU without bf16.
@@ -246,7 +307,8 @@ def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency
     ms = list(microbatch_sizes)
     fwd = [launch_overhead_s + m * per_sample_s for m in ms]
     bwd = [launch_overhead_s + 2 * m * per_sample_s for m in ms]
-    fixed = 3 * 4.0 * shape.params_per_layer + 2 * 4.0 * shape.params_other + framework_reserve_bytes
+    fixed = 3 * 4.0 * shape.params_per_layer + 2 * 4.0 * shape.root_live_params(root_resident) \
+        + framework_reserve_bytes
     act = _activation_bytes_per_sample(shape)
     return DeviceProfile(name=spec.name, memory_capacity_bytes=spec.memory_gib * GIB,
                          microbatch_sizes=ms, fwd_s=fwd, bwd_s=bwd,
