@@ -15,7 +15,7 @@ See docs/design.md contract 4 and [Note: layered schedule] in ``schedule.py``.
 from __future__ import annotations
 
 import math
-from typing import Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from torch import nn
 from ..models.base import AutocastStagedModel, StagedModel
 from . import collectives as C
 from .flat_param import FlatParamUnit, LiveTracker, UnitShardMeta, collect_params
-from .offload import ActivationStash, CudaStreams
+from .offload import ActivationStash, CudaStreams, host_wait
 from .schedule import LayeredStep
 from .stats import CollectiveStats
 
@@ -44,7 +44,8 @@ class StepOutput(NamedTuple):
 
 class EvalOutput(NamedTuple):
     """Result of ``evaluate``: loss (global item mean, NaN if no items), num_items (global),
-    logits: this rank's logits, one tensor per microbatch (as ``StagedModel.head_logits``)."""
+    logits: one entry per microbatch of this rank: its logits (as ``StagedModel.head_logits``)
+    or what ``process_logits`` made of them; empty with ``return_logits=False``."""
 
     loss: float
     num_items: int
@@ -310,13 +311,26 @@ class CephaloEngine:
             p.grad = None
 
     @torch.no_grad()
-    def evaluate(self, microbatches) -> EvalOutput:
-        """Layered forward only; does not change train/eval mode (call ``model.eval()``)."""
+    def evaluate(self, microbatches, *, return_logits: bool = True,
+                 process_logits: Callable[[torch.Tensor, Mapping], Any] | None = None
+                 ) -> EvalOutput:
+        """Layered forward only; does not change train/eval mode (call ``model.eval()``).
+
+        The head runs ONCE per microbatch (``StagedModel.head_loss_and_logits``, or
+        ``head_loss`` alone when no logits are wanted), and each microbatch's final hidden
+        state and logits are released as soon as its head ran, so at most one microbatch's
+        logits are on the device at a time unless they are returned.
+        return_logits: False keeps no logits (loss only: ``prediction_loss_only``).
+        process_logits: called as ``process_logits(logits, microbatch)`` on each microbatch's
+            device logits right after its head; its result is kept instead of the logits (e.g.
+            ``preprocess_logits_for_metrics`` then ``.cpu()``, so predictions leave the device
+            per microbatch). Ignored with ``return_logits=False``.
+        """
         self.check_usable("evaluate")
         mbs = list(microbatches)
         _, global_items = self._global_items(mbs)
         try:
-            loss_sum, logits = self._evaluate_layered(mbs, global_items)
+            loss_sum, logits = self._evaluate_layered(mbs, return_logits, process_logits)
         except BaseException as exc:
             self._abandon_step(None, exc, "evaluate")
             raise
@@ -324,7 +338,7 @@ class CephaloEngine:
         loss = float(loss_sum) / global_items if global_items else float("nan")
         return EvalOutput(loss, global_items, logits)
 
-    def _evaluate_layered(self, mbs, global_items: int):
+    def _evaluate_layered(self, mbs, return_logits: bool, process_logits):
         """(loss sum (1,) float64, logits per microbatch) of the layered forward."""
         self.root.wait_unshard(requires_grad=False)
         if self.units:
@@ -336,20 +350,44 @@ class CephaloEngine:
             hiddens.append(h)
             ctxs.append(ctx)
         for i, unit in enumerate(self.units):
+            if self.device.type == "cuda":  # see [Note: host waits for the compute stream]
+                host_wait(self.device, self.stats)
             unit.wait_unshard(requires_grad=False)
             if i + 1 < len(self.units):
                 self.units[i + 1].start_unshard()
             unit.use_params()
             hiddens = [self.staged.run_unit(i, h, c) for h, c in zip(hiddens, ctxs)]
             unit.reshard()
-        logits, loss_sum = [], torch.zeros(1, dtype=torch.float64, device=self.device)
         self.root.use_params()
-        for h, mb, c in zip(hiddens, mbs, ctxs):
-            logits.append(self.staged.head_logits(h, mb, c))
-            if global_items:
-                loss_sum += self.staged.head_loss(h, mb, c).loss_sum.double()
+        loss_sum = torch.zeros(1, dtype=torch.float64, device=self.device)
+        logits = self._eval_heads(hiddens, mbs, ctxs, loss_sum, return_logits, process_logits)
         self.root.reshard()
         return loss_sum, logits
+
+    def _eval_heads(self, hiddens: list, mbs, ctxs, loss_sum: torch.Tensor, return_logits: bool,
+                    process_logits) -> list:
+        """One head pass per microbatch, adding its loss sum into ``loss_sum``; each
+        microbatch's hidden state (and its logits unless returned) is released before the next
+        microbatch's head runs."""
+        kept = []
+        for j, (mb, ctx) in enumerate(zip(mbs, ctxs)):
+            hidden, hiddens[j] = hiddens[j], None
+            result = self._eval_head(hidden, mb, ctx, loss_sum, return_logits, process_logits)
+            if return_logits:
+                kept.append(result)
+        return kept
+
+    def _eval_head(self, hidden, mb, ctx, loss_sum: torch.Tensor, return_logits: bool,
+                   process_logits):
+        """The head of one microbatch: adds its loss sum into ``loss_sum``; returns what is
+        kept of its logits (None without ``return_logits``). The logits are locals of this
+        call, so they are freed when it returns unless kept."""
+        if not return_logits:
+            loss_sum += self.staged.head_loss(hidden, mb, ctx).loss_sum.double()
+            return None
+        out = self.staged.head_loss_and_logits(hidden, mb, ctx)
+        loss_sum += out.loss.loss_sum.double()
+        return out.logits if process_logits is None else process_logits(out.logits, mb)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: rank 0 gets ``model.state_dict()``'s keys (CPU tensors in the training

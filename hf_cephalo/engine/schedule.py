@@ -19,8 +19,8 @@ Backward::
                                kept, it is the first one backward needs),
                                backward with g[i+1][j] -> g[i][j] (stashed), grads accumulate
         (each microbatch first prefetches the next one's stashed tensors, across unit
-        boundaries too, and waits until the previous one has finished on the compute stream:
-        see [Note: CUDA streams])
+        boundaries too; the host waits for the compute stream per microbatch with offload,
+        else per unit: see [Note: host waits for the compute stream] in offload.py)
         reduce-scatter unit i's gradient ONCE; wait unit i+1's reduce-scatter; reshard unit i
     for each microbatch j: recompute embed(j), backward with g[0][j]
     reduce-scatter root; reshard root; wait every reduce-scatter
@@ -111,6 +111,8 @@ class LayeredStep:
                 self.stash.start_offload((0, j), hidden)
             self.stash.start_reload((0, 0))  # unit 0's first input, offloaded meanwhile
             for i, unit in enumerate(self.units):
+                # [Note: host waits for the compute stream]
+                self.stash.one_unit_in_flight(self.device)
                 unit.wait_unshard(requires_grad=True)
                 if i + 1 < L:
                     self.units[i + 1].start_unshard()
@@ -163,6 +165,8 @@ class LayeredStep:
         L = len(self.units)
         for i in reversed(range(L)):
             unit = self.units[i]
+            # [Note: host waits for the compute stream]
+            self.stash.one_unit_in_flight(self.device)
             unit.wait_unshard(requires_grad=True)
             if i > 0:
                 self.units[i - 1].start_unshard()
