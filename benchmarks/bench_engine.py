@@ -15,6 +15,10 @@ checkpointing (recompute in backward, the default). It prints ratios Cephalo / F
 also prints, per rank, the training-state bytes under an uneven state split (expected r_i x 16 bytes x parameters: fp32 param 4 + grad 4 + Adam 8) and
 the peak memory for l = 1, 4, 8 at a fixed microbatch size (CUDA: max_memory_allocated; CPU:
 only the engine's stash accounting: CPU has no offload, so the stash grows with l there).
+One gradient buffer per unit (issue 18.3): the engine's parameter views (one ``torch.split`` of
+the unit's flat leaf) against the per-parameter slice views it used before, measured in the
+same run: the bytes the backward of one decoder layer allocates per microbatch (counted per
+aten op, whole-unit-sized ones apart) and the step time at each l ("split" vs "slices").
 
 Usage: python benchmarks/bench_engine.py [--world-size 2] [--device cpu|cuda] [--quick]
 """
@@ -31,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def build_model(args):
@@ -59,6 +64,100 @@ def count_collectives(prof) -> dict:
         elif e.name == "c10d::_reduce_scatter_base_":
             out["rs"] += 1
             out["rs_bytes"] += 4 * e.input_shapes[1][0]
+    return out
+
+
+def install_slice_views(infos, uses, trainable, frozen) -> None:
+    """The engine's parameter views before issue 18.3, for the baseline: one slice of the
+    flat buffer per parameter, so backward zero-fills a unit-sized gradient per parameter and
+    sums them (``flat_param.install_param_views`` has the current mechanism)."""
+    nt = trainable.numel()
+    for info, entries in zip(infos, uses):
+        if info.requires_grad:
+            view = trainable[info.offset:info.offset + info.numel].view(info.shape)
+        else:
+            view = frozen[info.offset - nt:info.offset - nt + info.numel].view(info.shape)
+        for module, attr in entries:
+            module._parameters[attr] = view
+
+
+def with_views(step, install):
+    """``step`` with ``flat_param.install_param_views`` replaced by ``install`` while it runs."""
+    from hf_cephalo.engine import flat_param
+
+    def run(s):
+        saved, flat_param.install_param_views = flat_param.install_param_views, install
+        try:
+            step(s)
+        finally:
+            flat_param.install_param_views = saved
+    return run
+
+
+class AllocatedBytes(TorchDispatchMode):
+    """Counts bytes of aten results in NEW storage (views and in-place results reuse an input's
+    storage) and, apart, the results of exactly ``numel`` elements (whole-unit gradients)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.total_bytes, self.unit_sized, self.unit_sized_bytes = numel, 0, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr()
+                for t in _tensors([*args, *(kwargs or {}).values()])}
+        for t in _tensors([out]):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                self.total_bytes += t.untyped_storage().nbytes()
+                if t.numel() == self.numel:
+                    self.unit_sized += 1
+                    self.unit_sized_bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def _tensors(items) -> list:
+    out = []
+    for a in items:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (tuple, list)):
+            out += _tensors(a)
+    return out
+
+
+def unit_backward_bytes(args, num_mb: int = 2) -> dict:
+    """Bytes the backward of decoder layer 0 allocates per microbatch (mean over ``num_mb``
+    microbatches of ``local_batch / max(l)`` sequences, gradient accumulation included), with
+    the engine's views ("split") and the per-slice baseline ("slices")."""
+    from hf_cephalo.engine.flat_param import collect_params, install_param_views, param_infos
+    from hf_cephalo.models.registry import stage_model
+    staged = stage_model(build_model(args))
+    m = max(1, args.local_batch // max(args.num_mb))
+    ids = batch(args, 0, 0, m)
+    out = {}
+    for name, install in (("split", install_param_views), ("slices", install_slice_views)):
+        params, uses = collect_params("unit 0", [staged.units()[0]], {})
+        infos = param_infos("unit 0", params, {})
+        leaf = torch.cat([p.detach().reshape(-1) for p in params]).requires_grad_(True)
+        counts = []
+        for _ in range(num_mb):
+            with torch.no_grad():
+                hidden, ctx = staged.embed({"input_ids": ids, "labels": ids})
+            install(infos, [uses[id(p)] for p in params], leaf, leaf.new_zeros(0))
+            x = hidden.detach().requires_grad_(True)
+            y = staged.run_unit(0, x, ctx)
+            with AllocatedBytes(leaf.numel()) as mode:
+                torch.autograd.backward(y, torch.ones_like(y))
+            counts.append(mode)
+        for entries, p in zip([uses[id(p)] for p in params], params):  # restore the model
+            for module, attr in entries:
+                module._parameters[attr] = p
+        out[name] = {"unit_bytes": leaf.numel() * leaf.element_size(),
+                     "total_bytes": sum(c.total_bytes for c in counts) / num_mb,
+                     "unit_sized": sum(c.unit_sized for c in counts) / num_mb,
+                     "unit_sized_bytes": sum(c.unit_sized_bytes for c in counts) / num_mb}
     return out
 
 
@@ -178,6 +277,8 @@ def worker(rank, args, port, out_q):
         res = {"time": {}, "coll": {}}
         for num_mb in args.num_mb:
             steps = {"cephalo": cephalo_runner(args, rank, device, num_mb)[0],
+                     "cephalo-slices": with_views(cephalo_runner(args, rank, device, num_mb)[0],
+                                                  install_slice_views),
                      "cephalo-noac": cephalo_runner(args, rank, device, num_mb,
                                                     checkpointing=False)[0],
                      "fsdp2": fsdp2_runner(args, rank, device, num_mb),
@@ -237,6 +338,15 @@ def report(args, results):
             f"l={l}: {r['peak'][l]['device_peak'] / 2**20:.1f}/"
             f"{r['peak'][l]['stash_device'] / 2**20:.1f}/{r['peak'][l]['stash_host'] / 2**20:.1f}"
             for l in args.num_mb))
+    print("one gradient buffer per unit (+AC step time in s, split views / per-slice views "
+          "of the flat leaf, same run): " + ", ".join(
+              f"l={l}: {t('cephalo', l):.3f} / {t('cephalo-slices', l):.3f} "
+              f"({t('cephalo', l) / t('cephalo-slices', l):.2f}x)" for l in args.num_mb))
+    print("backward of decoder layer 0, allocated per microbatch (MiB; unit = "
+          f"{args.grad_bytes['split']['unit_bytes'] / 2**20:.2f} MiB of fp32 parameters):")
+    for name, r in args.grad_bytes.items():
+        print(f"  {name:>6}: {r['total_bytes'] / 2**20:8.2f} MiB in all, "
+              f"{r['unit_sized']:.1f} unit-sized tensors = {r['unit_sized_bytes'] / 2**20:.2f} MiB")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "results": results}, fh, indent=1, default=str)
@@ -266,6 +376,7 @@ def main():
     if any(args.local_batch % l for l in args.num_mb):
         p.error(f"--local-batch {args.local_batch} must be divisible by every --num-mb "
                 f"{args.num_mb}")
+    args.grad_bytes = unit_backward_bytes(args)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -289,6 +289,50 @@ def case_state_dict_roundtrip_and_eval(rank, world):
         engine.load_full_state_dict({k: v for k, v in other.items() if k != "wpe.weight"})
 
 
+def case_eval_head_once_and_logits_released(rank, world):
+    """evaluate runs the head ONCE per microbatch; with return_logits=False it keeps no logits
+    (each microbatch's logits are gone before the next head runs and after the call); with
+    process_logits the raw logits are released per microbatch too. Loss, logits and processed
+    predictions equal the single-process reference."""
+    import weakref
+
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=8)
+    engine, ref = fresh(cfg, state_ratios=[0.6, 0.4])
+    ids, labels = padded_batch([8, 6, 7, 5, 8], cfg.vocab_size, seed=21)
+    lo, hi = (0, 3) if rank == 0 else (3, 5)
+    mbs = mbs_of(ids[lo:hi], labels[lo:hi], [1] * (hi - lo))
+    head_logits, made, alive_at_call = engine.staged.head_logits, [], []
+
+    def counting_head_logits(*args):
+        alive_at_call.append(sum(r() is not None for r in made))
+        out = head_logits(*args)
+        made.append(weakref.ref(out))
+        return out
+
+    engine.staged.head_logits = counting_head_logits
+    try:
+        with torch.no_grad():
+            ref_loss, ref_logits = ref(ids, labels)
+        for kwargs in (dict(), dict(return_logits=False),
+                       dict(process_logits=lambda logits, mb: logits.argmax(-1))):
+            made.clear()
+            alive_at_call.clear()
+            out = engine.evaluate(mbs, **kwargs)
+            assert len(made) == len(mbs), (kwargs, len(made))  # one head pass per microbatch
+            torch.testing.assert_close(out.loss, float(ref_loss), rtol=RTOL, atol=ATOL)
+            if kwargs.get("return_logits", True) is False:
+                assert out.logits == []
+            if "process_logits" in kwargs:
+                assert torch.equal(torch.cat(out.logits), ref_logits[lo:hi].argmax(-1))
+            if kwargs:  # no raw logits survive their microbatch
+                assert alive_at_call == [0] * len(mbs) and all(r() is None for r in made), kwargs
+            else:
+                torch.testing.assert_close(torch.cat(out.logits), ref_logits[lo:hi],
+                                           rtol=RTOL, atol=ATOL)
+    finally:
+        del engine.staged.head_logits
+
+
 def case_all_reduce_fallback(rank, world):
     """The all-reduce-and-slice path gives the same gradients as reduce-scatter."""
     cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=8)
@@ -460,6 +504,56 @@ def case_offload_bookkeeping(rank, world):
         engine_module.ActivationStash = saved
 
 
+def case_host_sync_counts(rank, world):
+    """Where the schedule makes the host wait for the compute stream ([Note: host waits for
+    the compute stream] in engine/offload.py), counted on CPU with the CUDA decision forced:
+    without offload once per unit and pass (2 L per step, whatever l), with offload once per
+    microbatch boundary ((2 L + 3) l per step: embed, L units, head, L units, embedding
+    backward), never per unit. Gradients stay the reference's."""
+    import hf_cephalo.engine.engine as engine_module
+    from hf_cephalo.engine.offload import ActivationStash
+
+    class CudaDecisionStash(ActivationStash):
+        offloading = False
+
+        def __init__(self, offload, streams, stats=None):
+            super().__init__(offload, streams, stats)
+            self.offload = CudaDecisionStash.offloading  # CPU tensors still stay in place
+
+        @staticmethod
+        def _is_cuda(device):
+            return True
+
+        def _host_wait(self, device):
+            self.stats.host_syncs += 1  # the decision is under test, not the CUDA call
+
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=3, max_seq_len=8)
+    ids, labels = padded_batch([8, 5, 7, 6], cfg.vocab_size, seed=17)
+    L = cfg.num_layers
+    saved = engine_module.ActivationStash
+    engine_module.ActivationStash = CudaDecisionStash
+    try:
+        for offloading in (False, True):
+            CudaDecisionStash.offloading = offloading
+            for checkpointing in (True, False):
+                for sizes in ([1], [1, 1, 1]):
+                    engine, ref = fresh(cfg, activation_checkpointing=checkpointing)
+                    mine = sizes if rank == 0 else []
+                    engine.stats.reset()
+                    engine.train_step(mbs_of(ids, labels, mine))
+                    what = f"offload={offloading} ckpt={checkpointing} l={len(mine)}"
+                    expected = (2 * L + 3) * len(mine) if offloading else 2 * L
+                    assert engine.stats.host_syncs == expected, (what, engine.stats.host_syncs)
+                    n = sum(sizes)
+                    assert_grads_close(gather_grads(engine), reference_grads(
+                        ref, ids[:n], labels[:n]), what)
+    finally:
+        engine_module.ActivationStash = saved
+    engine.stats.reset()
+    engine.evaluate(mbs_of(ids, labels, [2, 2]) if rank == 0 else [])
+    assert engine.stats.host_syncs == 0  # CPU: evaluate never waits
+
+
 def case_bf16_autocast(rank, world):
     """autocast_dtype=bfloat16: with the reference's shapes (one rank, one microbatch) the
     gradient equals single-process autocast training; with an uneven split (3 microbatches on
@@ -560,9 +654,10 @@ CASES = [case_token_weighting, case_uneven_batches_vs_naive_mean,
          case_collective_counts_and_accounting, case_no_layer_units,
          case_recompute_sees_gathered_params,
          case_param_used_by_last_microbatch, case_clip_norm_uneven,
-         case_state_dict_roundtrip_and_eval, case_all_reduce_fallback,
+         case_state_dict_roundtrip_and_eval, case_eval_head_once_and_logits_released,
+         case_all_reduce_fallback,
          case_accumulate_and_empty_rank_eval, case_prefetch_schedule,
-         case_offload_bookkeeping, case_bf16_autocast, case_bad_input,
+         case_offload_bookkeeping, case_host_sync_counts, case_bf16_autocast, case_bad_input,
          case_exception_mid_step]
 
 

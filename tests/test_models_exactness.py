@@ -51,6 +51,10 @@ def test_staged_logits_and_loss_equal_model(arch):
                         hidden = staged.run_unit(i, hidden, ctx)
                     out = staged.head_loss(hidden, mb, ctx)
                     assert out.num_items == staged.count_items(mb)
+                    both = staged.head_loss_and_logits(hidden, mb, ctx)  # evaluation's one pass
+                    assert both.loss.num_items == out.num_items
+                    assert torch.equal(both.loss.loss_sum, out.loss_sum)
+                    assert torch.equal(both.logits, staged.head_logits(hidden, mb, ctx))
                     loss_sum += out.loss_sum.item()
                     num_items += out.num_items
                 torch.testing.assert_close(torch.tensor(loss_sum / num_items), ref.loss.detach(),

@@ -95,10 +95,29 @@ def _worker(rank, world_size, out_dir):
                              eval_loss=output.metrics["test_loss"],
                              num_predictions=output.metrics["test_num_predictions"],
                              predictions=output.predictions, label_ids=output.label_ids,
-                             save_dir=save_dir)
+                             save_dir=save_dir, loss_only=_loss_only_eval(trainer))
     results["image_transform_batch"] = _image_column_survives(out_dir)
     results["bf16"] = _bf16_run(out_dir)
     return results
+
+
+def _loss_only_eval(trainer):
+    """evaluation_loop with prediction_loss_only: the loss, the predictions it returns and, per
+    engine.evaluate call, (return_logits, logits kept)."""
+    calls, evaluate = [], trainer.engine.evaluate
+
+    def spy(microbatches, **kwargs):
+        out = evaluate(microbatches, **kwargs)
+        calls.append((kwargs.get("return_logits", True), len(out.logits)))
+        return out
+
+    trainer.engine.evaluate = spy
+    try:
+        out = trainer.evaluation_loop(trainer.get_eval_dataloader(), "eval",
+                                      prediction_loss_only=True)
+    finally:
+        del trainer.engine.evaluate
+    return dict(loss=out.metrics["eval_loss"], predictions=out.predictions, calls=calls)
 
 
 def _bf16_run(out_dir):
@@ -237,6 +256,16 @@ def test_matches_full_batch_reference(trained, arch):
         assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
     with open(os.path.join(save_dir, "model.safetensors"), "rb"):
         pass  # safetensors, not pickle
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_prediction_loss_only_keeps_no_logits(trained, arch):
+    """prediction_loss_only: the engine is asked for no logits and keeps none; same loss."""
+    for rank_result in trained:
+        got = rank_result[arch]["loss_only"]
+        assert got["predictions"] is None and got["calls"]
+        assert all(call == (False, 0) for call in got["calls"]), got["calls"]
+        assert got["loss"] == pytest.approx(rank_result[arch]["eval_loss"], rel=RTOL, abs=ATOL)
 
 
 def test_image_column_survives_column_pruning(trained):

@@ -15,7 +15,7 @@ See docs/design.md contract 4 and [Note: layered schedule] in ``schedule.py``.
 from __future__ import annotations
 
 import math
-from typing import Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from ..models.base import AutocastStagedModel, StagedModel
 from . import collectives as C
 from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_params,
                          move_shared_params)
-from .offload import ActivationStash, CudaStreams
+from .offload import ActivationStash, CudaStreams, host_wait
 from .schedule import LayeredStep, RootUnits
 from .stats import CollectiveStats
 
@@ -45,7 +45,8 @@ class StepOutput(NamedTuple):
 
 class EvalOutput(NamedTuple):
     """Result of ``evaluate``: loss (global item mean, NaN if no items), num_items (global),
-    logits: this rank's logits, one tensor per microbatch (as ``StagedModel.head_logits``)."""
+    logits: one entry per microbatch of this rank: its logits (as ``StagedModel.head_logits``)
+    or what ``process_logits`` made of them; empty with ``return_logits=False``."""
 
     loss: float
     num_items: int
@@ -328,13 +329,26 @@ class CephaloEngine:
             p.grad = None
 
     @torch.no_grad()
-    def evaluate(self, microbatches) -> EvalOutput:
-        """Layered forward only; does not change train/eval mode (call ``model.eval()``)."""
+    def evaluate(self, microbatches, *, return_logits: bool = True,
+                 process_logits: Callable[[torch.Tensor, Mapping], Any] | None = None
+                 ) -> EvalOutput:
+        """Layered forward only; does not change train/eval mode (call ``model.eval()``).
+
+        The head runs ONCE per microbatch (``StagedModel.head_loss_and_logits``, or
+        ``head_loss`` alone when no logits are wanted), and each microbatch's final hidden
+        state and logits are released as soon as its head ran, so at most one microbatch's
+        logits are on the device at a time unless they are returned.
+        return_logits: False keeps no logits (loss only: ``prediction_loss_only``).
+        process_logits: called as ``process_logits(logits, microbatch)`` on each microbatch's
+            device logits right after its head; its result is kept instead of the logits (e.g.
+            ``preprocess_logits_for_metrics`` then ``.cpu()``, so predictions leave the device
+            per microbatch). Ignored with ``return_logits=False``.
+        """
         self.check_usable("evaluate")
         mbs = list(microbatches)
         _, global_items = self._global_items(mbs)
         try:
-            loss_sum, logits = self._evaluate_layered(mbs, global_items)
+            loss_sum, logits = self._evaluate_layered(mbs, return_logits, process_logits)
         except BaseException as exc:
             self._abandon_step(None, exc, "evaluate")
             raise
@@ -342,11 +356,11 @@ class CephaloEngine:
         loss = float(loss_sum) / global_items if global_items else float("nan")
         return EvalOutput(loss, global_items, logits)
 
-    def _evaluate_layered(self, mbs, global_items: int):
+    def _evaluate_layered(self, mbs, return_logits: bool, process_logits):
         """(loss sum (1,) float64, logits per microbatch) of the layered forward. The root
         units are gathered around their uses like in ``train_step`` (kept all along with
         ``root_resident``); every all-gather is prefetched one unit ahead."""
-        root, L = self.root, len(self.units)
+        root = self.root
         head_phase = root.head_phase()
         first = root.both() if root.resident else [root.embed]
         after_embed = self.units[:1] or head_phase
@@ -362,24 +376,49 @@ class CephaloEngine:
         if not root.resident and not any(root.embed is u for u in after_embed):
             root.embed.reshard()
         for i, unit in enumerate(self.units):
+            if self.device.type == "cuda":  # see [Note: host waits for the compute stream]
+                host_wait(self.device, self.stats)
             unit.wait_unshard(requires_grad=False)
             for nxt in (self.units[i + 1:i + 2] or head_phase):
                 nxt.start_unshard()
             unit.use_params()
             hiddens = [self.staged.run_unit(i, h, c) for h, c in zip(hiddens, ctxs)]
             unit.reshard()
-        logits, loss_sum = [], torch.zeros(1, dtype=torch.float64, device=self.device)
+        loss_sum = torch.zeros(1, dtype=torch.float64, device=self.device)
         for unit in head_phase:
             unit.wait_unshard(requires_grad=False)
-        for h, mb, c in zip(hiddens, mbs, ctxs):
-            for unit in head_phase:
-                unit.use_params()
-            logits.append(self.staged.head_logits(h, mb, c))
-            if global_items:
-                loss_sum += self.staged.head_loss(h, mb, c).loss_sum.double()
+        logits = self._eval_heads(hiddens, mbs, ctxs, loss_sum, return_logits, process_logits,
+                                  head_phase)
         for unit in root.both():
             unit.reshard()
         return loss_sum, logits
+
+    def _eval_heads(self, hiddens: list, mbs, ctxs, loss_sum: torch.Tensor, return_logits: bool,
+                    process_logits, head_units: list[FlatParamUnit]) -> list:
+        """One head pass per microbatch, adding its loss sum into ``loss_sum``; each
+        microbatch's hidden state (and its logits unless returned) is released before the next
+        microbatch's head runs."""
+        kept = []
+        for j, (mb, ctx) in enumerate(zip(mbs, ctxs)):
+            hidden, hiddens[j] = hiddens[j], None
+            for unit in head_units:
+                unit.use_params()
+            result = self._eval_head(hidden, mb, ctx, loss_sum, return_logits, process_logits)
+            if return_logits:
+                kept.append(result)
+        return kept
+
+    def _eval_head(self, hidden, mb, ctx, loss_sum: torch.Tensor, return_logits: bool,
+                   process_logits):
+        """The head of one microbatch: adds its loss sum into ``loss_sum``; returns what is
+        kept of its logits (None without ``return_logits``). The logits are locals of this
+        call, so they are freed when it returns unless kept."""
+        if not return_logits:
+            loss_sum += self.staged.head_loss(hidden, mb, ctx).loss_sum.double()
+            return None
+        out = self.staged.head_loss_and_logits(hidden, mb, ctx)
+        loss_sum += out.loss.loss_sum.double()
+        return out.logits if process_logits is None else process_logits(out.logits, mb)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: rank 0 gets ``model.state_dict()``'s keys (CPU tensors in the training

@@ -16,9 +16,17 @@ get a gradient or optimizer state. See [Note: padded uneven collectives] for the
 After the all-gather, ``flat[:Nt]`` becomes a fresh autograd leaf (``requires_grad=True``) and each
 module parameter entry is replaced by a view into it, so autograd accumulates every microbatch's
 gradient of the unit straight into ONE flat (Nt,) buffer (``leaf.grad``), tied uses included.
-Views are re-created before every forward call (``use_params``), so no autograd graph is shared
-between microbatches. On reshard the entries become empty placeholders and the gathered buffer
-is released.
+The views come from ONE ``torch.split(leaf, numels)`` per forward call, each piece then
+``.view(shape)``-ed: in backward the split's single autograd node concatenates the pieces'
+gradients into one (Nt,) tensor (zeros only for pieces the call did not use), which the leaf's
+accumulator takes (first microbatch) or adds into ``leaf.grad`` (later ones): one unit-sized
+allocation and at most one unit-sized add per microbatch. Separate slices
+(``leaf[off:off + n]``) would each backpropagate a zero-filled unit-sized gradient
+(``slice_backward``) and autograd would sum them: k unit-sized fills and k - 1 unit-sized adds
+for k parameters (tests/test_engine_semantics.py counts this). The frozen part is split the
+same way but detached (no autograd). Views are re-created before every forward call
+(``use_params``), so no autograd graph is shared between microbatches. On reshard the entries
+become empty placeholders and the gathered buffer is released.
 
 [Note: kept graphs across reshard]
 With activation checkpointing off, every microbatch's forward graph is kept until backward, and
@@ -161,15 +169,18 @@ def install_param_views(infos: Sequence[ParamInfo], uses: Sequence[list[tuple[nn
     """Point every module parameter entry at a fresh view of the flat buffer.
 
     ``trainable``: (Nt,) the autograd leaf over the trainable prefix; ``frozen``: (N - Nt,) the
-    detached rest. ``uses[k]`` lists the (module, attribute) entries of ``infos[k]``. See
-    [Note: parameter views while unsharded]; the profiler times units through this too.
+    detached rest; ``infos`` in flat order (trainable first, as ``param_infos`` gives them).
+    ``uses[k]`` lists the (module, attribute) entries of ``infos[k]``. One ``torch.split`` per
+    part, so backward accumulates ONE (Nt,) gradient per call: see [Note: parameter views while
+    unsharded]; the profiler times units through this too.
     """
     nt = trainable.numel()
-    for info, entries in zip(infos, uses):
-        if info.requires_grad:
-            view = trainable[info.offset:info.offset + info.numel].view(info.shape)
-        else:
-            view = frozen[info.offset - nt:info.offset - nt + info.numel].view(info.shape)
+    assert all(i.requires_grad == (i.offset < nt) for i in infos if i.numel), \
+        "trainable parameters must come first in the flat buffer"  # collect_params sorts so
+    pieces = [*torch.split(trainable, [i.numel for i in infos if i.requires_grad]),
+              *torch.split(frozen, [i.numel for i in infos if not i.requires_grad])]
+    for info, entries, piece in zip(infos, uses, pieces):  # same order: trainable first
+        view = piece.view(info.shape)
         for module, attr in entries:
             module._parameters[attr] = view
 

@@ -34,13 +34,39 @@ Three streams: the compute (current) stream, an all-gather stream and an offload
   write. When the schedule reads exactly that key next (every boundary with one microbatch),
   ``get``/``pop`` return the device copy: no host wait for the copy out, no copy back. The
   device holds at most one such boundary tensor beyond what it would hold after a reload.
-* One microbatch in flight: the schedule synchronizes the compute stream after each
-  microbatch (``one_microbatch_in_flight``), so the host never queues the next microbatch's
-  kernels and allocations while the current one runs. Without this the caching allocator
-  holds blocks of several microbatches at once and fragments (the paper's fix, §3.3). It waits
-  for the compute stream only: a prefetched all-gather or an offload copy issued before it
-  keeps running.
+* Host waits: see [Note: host waits for the compute stream]; the schedule calls
+  ``one_microbatch_in_flight`` before every microbatch and ``one_unit_in_flight`` before every
+  unit, and the stash decides which of them block the host.
 On CPU none of this exists: collectives are waited on directly and the stash keeps tensors.
+
+[Note: host waits for the compute stream]
+The host runs ahead of the GPU: it queues kernels and allocations long before the compute
+stream executes them. Whether that costs memory depends on the streams a block is used on:
+* A block allocated and freed on ONE stream is reused by the caching allocator for the next
+  allocation on that stream at once, without waiting: stream order already puts every kernel
+  of the new owner after every kernel of the old one. So tensors that live on the compute
+  stream only (a unit's activations and recompute, the autograd gradients, the unit's flat
+  gradient, boundary tensors a non-offloading stash keeps in place) take the same blocks
+  however far ahead the host runs: no host wait protects anything there.
+* A block used on another stream (``record_stream``) goes back to the pool only when the event
+  recorded at its free has completed on that stream; the allocator checks at allocation time.
+  If the host runs ahead, those events are still pending and every new allocation takes a
+  fresh block, so such blocks accumulate with the host's lead. Two kinds exist:
+  - per UNIT: the gathered buffers (all-gather output, read on the compute stream) and the
+    reduce-scatter input/output. Without a wait the host would issue the all-gathers of many
+    units before the GPU finished the first, holding them all. The host therefore waits once
+    per unit (``one_unit_in_flight``, before the unit's wait and its successor's prefetch), so
+    the block of the unit resharded before is free again: gathered units stay at two
+    (current + prefetched) plus the root, as the planner counts them.
+  - per MICROBATCH, only with activation offload: the source of each copy out (recorded on the
+    offload stream), each reloaded copy (allocated on the offload stream, recorded on the
+    compute stream) and the pinned host copies (the caching host allocator reuses a block only
+    after the copy's event). Here the host waits before every microbatch
+    (``one_microbatch_in_flight``: one microbatch in flight, the paper's fragmentation fix,
+    §3.3), which also bounds the queue at unit boundaries, so the per-unit wait is skipped.
+Without offload the compute stream is therefore synchronized about 2 x L times per step
+instead of about (2 L + 3) x l; with offload as before. Every wait is counted in
+``CollectiveStats.host_syncs``. CPU: no streams, no waits.
 """
 
 from __future__ import annotations
@@ -180,10 +206,24 @@ class ActivationStash:
         gpu.record_stream(compute)
 
     def one_microbatch_in_flight(self, device: torch.device) -> None:
-        """On CUDA, wait until the compute stream finished the current microbatch (see
-        [Note: CUDA streams]); nothing on CPU, where every op is synchronous."""
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+        """Before a microbatch: on CUDA with offload, wait until the compute stream finished
+        the previous one; otherwise nothing. See [Note: host waits for the compute stream]."""
+        if self.offload and self._is_cuda(device):
+            self._host_wait(device)
+
+    def one_unit_in_flight(self, device: torch.device) -> None:
+        """Before a unit (its wait and its successor's prefetch): on CUDA without offload, wait
+        until the compute stream finished the previous unit; with offload the per-microbatch
+        wait already bounds the queue. See [Note: host waits for the compute stream]."""
+        if not self.offload and self._is_cuda(device):
+            self._host_wait(device)
+
+    @staticmethod
+    def _is_cuda(device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def _host_wait(self, device: torch.device) -> None:
+        host_wait(device, self.stats)
 
     def clear(self) -> None:
         self._store.clear()
@@ -192,6 +232,15 @@ class ActivationStash:
 
     def __len__(self) -> int:
         return len(self._store)
+
+
+def host_wait(device: torch.device, stats=None) -> None:
+    """Block the host until ``device``'s compute (current) stream finished everything queued
+    on it (CUDA only), counted in ``stats.host_syncs``. See [Note: host waits for the compute
+    stream]."""
+    if stats is not None:
+        stats.host_syncs += 1
+    torch.cuda.current_stream(device).synchronize()
 
 
 class CudaStreams:

@@ -25,8 +25,8 @@ Backward::
                                kept, it is the first one backward needs),
                                backward with g[i+1][j] -> g[i][j] (stashed), grads accumulate
         (each microbatch first prefetches the next one's stashed tensors, across unit
-        boundaries too, and waits until the previous one has finished on the compute stream:
-        see [Note: CUDA streams])
+        boundaries too; the host waits for the compute stream per microbatch with offload,
+        else per unit: see [Note: host waits for the compute stream] in offload.py)
         reduce-scatter unit i's gradient ONCE; wait the previous reduce-scatters; reshard unit i
     wait E; for each microbatch j: recompute embed(j), backward with g[0][j]
     reduce-scatter E; wait every reduce-scatter; reshard E
@@ -198,6 +198,8 @@ class LayeredStep:
             self._leave([root.embed], after_embed, reduce=False)
             self.stash.start_reload((0, 0))  # unit 0's first input, offloaded meanwhile
             for i, unit in enumerate(self.units):
+                # [Note: host waits for the compute stream]
+                self.stash.one_unit_in_flight(self.device)
                 unit.wait_unshard(requires_grad=True)
                 for nxt in (self.units[i + 1:i + 2] or root.head_phase()):
                     nxt.start_unshard()
@@ -259,6 +261,8 @@ class LayeredStep:
         L, root = len(self.units), self.root
         for i in reversed(range(L)):
             unit = self.units[i]
+            # [Note: host waits for the compute stream]
+            self.stash.one_unit_in_flight(self.device)
             unit.wait_unshard(requires_grad=True)
             (self.units[i - 1] if i > 0 else root.embed).start_unshard()
             for j in reversed(range(len(self.mbs))):  # the kept graph (last j) goes first

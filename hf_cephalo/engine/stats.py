@@ -30,6 +30,8 @@ class CollectiveStats:
     peak_unsharded_grad_numel: int = 0
     peak_stash_device_bytes: int = 0   # boundary activations/grads stashed on the compute device
     peak_stash_host_bytes: int = 0     # ... offloaded to pinned CPU memory (CUDA offload only)
+    host_syncs: int = 0  # host waits for the compute stream (CUDA; [Note: host waits for the
+    #                      compute stream] in offload.py)
 
     def reset(self) -> None:
         """Zero every counter."""

@@ -297,7 +297,9 @@ class CephaloTrainer(Trainer):
         """Layered forward through the engine; loss = global item mean over the whole eval set.
 
         Predictions (after ``preprocess_logits_for_metrics``) and labels of every sample are
-        gathered exactly once, in dataset order, padded with -100 where lengths differ.
+        gathered exactly once, in dataset order, padded with -100 where lengths differ. The
+        head runs once per microbatch; predictions move to the CPU microbatch by microbatch,
+        and with ``prediction_loss_only`` no logits are kept at all.
         """
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
@@ -305,7 +307,8 @@ class CephaloTrainer(Trainer):
         loss_sum, num_items, local = 0.0, 0, []
         for indices, microbatches in zip(dataloader.batch_sampler, dataloader):
             microbatches = self._prepare_input(microbatches)
-            out = self.engine.evaluate(microbatches)
+            out = self.engine.evaluate(microbatches, return_logits=not prediction_loss_only,
+                                       process_logits=self._microbatch_predictions)
             if out.num_items:
                 loss_sum += out.loss * out.num_items
                 num_items += out.num_items
@@ -327,15 +330,23 @@ class CephaloTrainer(Trainer):
         return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics,
                               num_samples=num_samples)
 
-    def _local_predictions(self, indices: list[int], microbatches, logits: list[torch.Tensor]):
+    def _microbatch_predictions(self, logits: torch.Tensor, microbatch) -> torch.Tensor:
+        """One microbatch's predictions on the CPU: ``preprocess_logits_for_metrics`` (on the
+        device, as stock Trainer applies it) of its logits. The engine calls this right after
+        the microbatch's head, so no device logits outlive their microbatch."""
+        if self.preprocess_logits_for_metrics is not None:
+            logits = self.preprocess_logits_for_metrics(logits, microbatch.get("labels"))
+        return logits.detach().cpu()
+
+    def _local_predictions(self, indices: list[int], microbatches,
+                           predictions: list[torch.Tensor]):
+        """(dataset index, prediction row, label row) per sample; CPU tensors."""
         rows = []
         position = 0
-        for mb, mb_logits in zip(microbatches, logits):
+        for mb, mb_predictions in zip(microbatches, predictions):
             labels = mb.get("labels")
-            if self.preprocess_logits_for_metrics is not None:
-                mb_logits = self.preprocess_logits_for_metrics(mb_logits, labels)
-            for j in range(mb_logits.shape[0]):
-                rows.append((indices[position], mb_logits[j].detach().cpu(),
+            for j in range(mb_predictions.shape[0]):
+                rows.append((indices[position], mb_predictions[j],
                              None if labels is None else labels[j].detach().cpu()))
                 position += 1
         return rows

@@ -9,11 +9,11 @@ the ``StagedModel`` contract (the engine, toy models) does not pay for importing
 
 from typing import Any
 
-from hf_cephalo.models.base import HeadOutput, Microbatch, StagedModel
+from hf_cephalo.models.base import HeadEvalOutput, HeadOutput, Microbatch, StagedModel
 
 _REGISTRY_NAMES = ("adapter_for", "register_adapter", "stage_model", "supported_model_classes")
 
-__all__ = ["HeadOutput", "Microbatch", "StagedModel", *_REGISTRY_NAMES]
+__all__ = ["HeadEvalOutput", "HeadOutput", "Microbatch", "StagedModel", *_REGISTRY_NAMES]
 
 
 def __getattr__(name: str) -> Any:

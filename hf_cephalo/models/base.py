@@ -39,6 +39,15 @@ class HeadOutput(NamedTuple):
     num_items: int
 
 
+class HeadEvalOutput(NamedTuple):
+    """Result of ``StagedModel.head_loss_and_logits`` for one microbatch: ``loss`` as
+    ``head_loss`` returns it and ``logits`` as ``head_logits`` returns them, from one head pass
+    where the adapter supports it."""
+
+    loss: HeadOutput
+    logits: torch.Tensor
+
+
 class StagedModel(abc.ABC):
     """A model split into an embedding, ``num_units`` identical transformer layers and a head.
 
@@ -106,6 +115,17 @@ class StagedModel(abc.ABC):
         """Final norm + head, returning logits as the HF model's forward would: (m, S, V) for
         causal LMs, (m, num_labels) for classifiers."""
 
+    def head_loss_and_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                             ctx: Any) -> HeadEvalOutput:
+        """``head_loss`` and ``head_logits`` together, for evaluation with predictions.
+
+        Default: the two methods, i.e. two head passes. Adapters whose loss is a function of
+        the logits override it with one pass (the HF adapters do, in ``models/hf_common.py``;
+        so does ``models/toy.py``): the engine's ``evaluate`` calls it once per microbatch.
+        """
+        return HeadEvalOutput(self.head_loss(hidden, microbatch, ctx),
+                              self.head_logits(hidden, microbatch, ctx))
+
     @abc.abstractmethod
     def count_items(self, microbatch: Microbatch) -> int:
         """Items ``head_loss`` will sum over for this microbatch, computed from the inputs
@@ -118,10 +138,11 @@ class StagedModel(abc.ABC):
 
 class AutocastStagedModel(StagedModel):
     """Delegates to ``inner`` with every forward call (``embed``, ``run_unit``, ``head_loss``,
-    ``head_logits``) under ``torch.autocast(device_type, dtype)``; backward stays outside, as
-    the autocast docs prescribe (https://pytorch.org/docs/stable/amp.html). The engine wraps
-    its adapter in it for ``autocast_dtype``, the profiler for ``precision="bf16"``, so both run
-    the same mixed precision. Any other attribute is the inner adapter's.
+    ``head_logits``, ``head_loss_and_logits``) under ``torch.autocast(device_type, dtype)``;
+    backward stays outside, as the autocast docs prescribe
+    (https://pytorch.org/docs/stable/amp.html). The engine wraps its adapter in it for
+    ``autocast_dtype``, the profiler for ``precision="bf16"``, so both run the same mixed
+    precision. Any other attribute is the inner adapter's.
     """
 
     def __init__(self, inner: StagedModel, device_type: str, dtype: torch.dtype = torch.bfloat16):
@@ -169,3 +190,8 @@ class AutocastStagedModel(StagedModel):
     def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
         with self._amp():
             return self.inner.head_logits(hidden, microbatch, ctx)
+
+    def head_loss_and_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                             ctx: Any) -> HeadEvalOutput:
+        with self._amp():
+            return self.inner.head_loss_and_logits(hidden, microbatch, ctx)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from hf_cephalo.models.base import HeadOutput, Microbatch, StagedModel
+from hf_cephalo.models.base import HeadEvalOutput, HeadOutput, Microbatch, StagedModel
 
 IGNORE_INDEX = -100
 """Label value excluded from the loss and from the item count (the HF / PyTorch convention)."""
@@ -229,6 +229,22 @@ class HFStagedModel(StagedModel):
         super().__init__(model)
         check_partition(model, self.root_modules(), self.units(), type(self).__name__)
 
+    def loss_from_logits(self, logits: torch.Tensor, microbatch: Microbatch) -> HeadOutput:
+        """The summed loss of this microbatch given the head's ``logits`` (the task's loss:
+        ``CausalLMStagedModel`` / ``ClassifierStagedModel``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no loss_from_logits: derive the "
+                                  "adapter from CausalLMStagedModel or ClassifierStagedModel")
+
+    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> HeadOutput:
+        """``loss_from_logits`` of ``head_logits``: one head pass."""
+        return self.loss_from_logits(self.head_logits(hidden, microbatch, ctx), microbatch)
+
+    def head_loss_and_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                             ctx: Any) -> HeadEvalOutput:
+        """Loss and logits from ONE head pass (evaluation with predictions)."""
+        logits = self.head_logits(hidden, microbatch, ctx)
+        return HeadEvalOutput(self.loss_from_logits(logits, microbatch), logits)
+
     def prepare_for_training(self) -> None:
         """Force ``config.use_cache = False`` and map the model's own activation checkpointing
         onto the engine's.
@@ -258,15 +274,15 @@ class CausalLMStagedModel(HFStagedModel):
     """Common part of the decoder-only causal-LM adapters: the summed next-token loss and its
     item count, read from the microbatch's ``labels`` (m, S) with -100 ignored.
 
-    Subclasses implement structure, ``embed``, ``run_unit`` and ``head_logits`` (m, S, V).
+    Subclasses implement structure, ``embed``, ``run_unit`` and ``head_logits`` (m, S, V);
+    ``head_loss`` and ``head_loss_and_logits`` (``HFStagedModel``) run the head once.
     Raises ValueError when the microbatch has no ``labels``.
     """
 
-    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch,
-                  ctx: DecoderContext) -> HeadOutput:
+    def loss_from_logits(self, logits: torch.Tensor, microbatch: Microbatch) -> HeadOutput:
         """Summed next-token cross entropy over labels != -100 (after the causal shift)."""
         labels = require_key(microbatch, "labels", type(self).__name__)
-        return causal_lm_loss_sum(self.head_logits(hidden, microbatch, ctx), labels)
+        return causal_lm_loss_sum(logits, labels)
 
     def count_items(self, microbatch: Microbatch) -> int:
         """Tokens scored by ``head_loss``: labels != -100 after the causal shift."""
@@ -279,15 +295,15 @@ class ClassifierStagedModel(HFStagedModel):
     microbatch's ``labels`` ((m,) int64 class ids with -100 ignored, or float targets for
     regression / multi-label).
 
-    Subclasses implement structure, ``embed``, ``run_unit`` and ``head_logits`` (m, num_labels).
+    Subclasses implement structure, ``embed``, ``run_unit`` and ``head_logits`` (m, num_labels);
+    ``head_loss`` and ``head_loss_and_logits`` (``HFStagedModel``) run the head once.
     Raises ValueError when the microbatch has no ``labels``.
     """
 
-    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> HeadOutput:
+    def loss_from_logits(self, logits: torch.Tensor, microbatch: Microbatch) -> HeadOutput:
         """Summed classification loss (see ``classification_loss_sum``)."""
         labels = require_key(microbatch, "labels", type(self).__name__)
-        return classification_loss_sum(self.head_logits(hidden, microbatch, ctx), labels,
-                                       self.model.config)
+        return classification_loss_sum(logits, labels, self.model.config)
 
     def count_items(self, microbatch: Microbatch) -> int:
         """Samples with label != -100 (single-label), else label elements."""

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import HeadOutput, Microbatch, StagedModel
+from .base import HeadEvalOutput, HeadOutput, Microbatch, StagedModel
 
 
 @dataclass(kw_only=True)
@@ -155,7 +155,14 @@ class ToyStaged(StagedModel):
         return self.model.head(self.model.ln_f(hidden))
 
     def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> HeadOutput:
-        logits = self.head_logits(hidden, microbatch, ctx)
+        return self._loss(self.head_logits(hidden, microbatch, ctx), microbatch)
+
+    def head_loss_and_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                             ctx: Any) -> HeadEvalOutput:
+        logits = self.head_logits(hidden, microbatch, ctx)  # one head pass
+        return HeadEvalOutput(self._loss(logits, microbatch), logits)
+
+    def _loss(self, logits: torch.Tensor, microbatch: Microbatch) -> HeadOutput:
         labels = self._labels(microbatch)
         loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
                                    ignore_index=-100, reduction="sum")

@@ -338,9 +338,9 @@ class _FlatViews:
     Uses the engine's own ``collect_params`` / ``install_param_views`` ([Note: parameter views
     while unsharded] in ``engine/flat_param.py``): before each call the module entries point at
     fresh views of a flat (Nt,) leaf (frozen parameters: of the detached rest), and backward
-    accumulates into the leaf's gradient. The views' backward (a full-size gradient per
-    parameter, summed into the leaf) is a per-microbatch cost independent of m that plain module
-    parameters would not show. ``restore`` puts the original parameters back.
+    accumulates into the leaf's gradient. The views' backward (one unit-sized concatenation of
+    the parameters' gradients, added into the leaf's) is a per-microbatch cost independent of m
+    that plain module parameters would not show. ``restore`` puts the original parameters back.
     """
 
     def __init__(self, unit: torch.nn.Module):

@@ -132,6 +132,11 @@ def cuda_parity_worker(rank, world, delays=False):
             else:
                 assert engine.stats.peak_stash_host_bytes == 0, case
                 assert engine.stats.peak_stash_device_bytes > 0, case
+            # host waits for the compute stream per step ([Note: host waits for the compute
+            # stream]): per microbatch boundary with offload, else once per unit and pass
+            L = cfg.num_layers
+            expected_syncs = (2 * L + 3) * len(micro) if offload else 2 * L
+            assert engine.stats.host_syncs == expected_syncs, (case, engine.stats.host_syncs)
             opt.step()
             if delays:
                 _spin()  # the next step's all-gathers must wait for the optimizer's writes
@@ -148,7 +153,9 @@ def cuda_parity_worker(rank, world, delays=False):
                                        msg=lambda m: f"{case} {key}: {m}")
         ids, labels = _batch(8, 16, cfg.vocab_size, seed=99)
         ids, labels = ids.to(device), labels.to(device)
+        engine.stats.reset()
         evaluated = engine.evaluate(mbs_of(ids, labels, micro))
+        assert engine.stats.host_syncs == cfg.num_layers, (case, engine.stats.host_syncs)
         with torch.no_grad():
             ref_loss, ref_logits = ref(ids, labels)
         # other microbatch shapes than the reference's: GEMMs may sum in another order
