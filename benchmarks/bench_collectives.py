@@ -13,7 +13,9 @@ and runs one all-gather and one reduce-scatter per unit through
 
 * "variable": the engine's collectives (``engine.collectives``, no padding), and
 * "padded": the engine's former mechanism (every shard padded to the unit's largest one,
-  equal-size ``all_gather_single`` / ``reduce_scatter_single``, unpad copy after the gather).
+  equal-size ``all_gather_single`` / ``reduce_scatter_single``, unpad copy after the gather);
+* "a2a": the all-gather as gloo's ``all_to_all_single`` with split sizes (the alternative to
+  the engine's per-owner broadcasts on gloo; reduce-scatter as "variable").
 
 Counted bytes per rank are the logical exchange's payload (``CollectiveStats``; padded: (W - 1)
 x the padded shard each way). Printed as ratios to the even layout's variable run: totals over
@@ -22,7 +24,7 @@ ranks, the largest per-rank sent and received bytes (the received next to its lo
 of it, whatever the mechanism), and the time of all the units'
 all-gathers / reduce-scatters (median of ``--reps`` after one warm-up, slowest rank).
 
-Usage: python benchmarks/bench_collectives.py [--unit-mb 4] [--units 3] [--reps 5] [--quick]
+Usage: python benchmarks/bench_collectives.py [--unit-mb 4] [--units 3] [--reps 4] [--quick]
 """
 
 from __future__ import annotations
@@ -125,6 +127,25 @@ def variable_ops(sizes, rank, stats):
     return ag, rs
 
 
+def all_to_all_ops(sizes, rank, stats):
+    """gloo's other uneven all-gather: ``all_to_all_single`` with split sizes, which needs a
+    (W * n_self,) send copy; the reduce-scatter as ``variable``. Not what the engine uses: the
+    comparison is why (see [Note: uneven collectives])."""
+    ag_var, rs = variable_ops(sizes, rank, stats)
+    ws, local = len(sizes), torch.ones(sizes[rank])
+
+    def ag():
+        if len(set(sizes)) == 1:
+            return ag_var()
+        out = torch.empty(sum(sizes))
+        dist.all_to_all_single(out, local.repeat(ws), output_split_sizes=list(sizes),
+                               input_split_sizes=[sizes[rank]] * ws)
+        stats.all_gather_sent_bytes += (ws - 1) * sizes[rank] * 4
+        stats.all_gather_received_bytes += (sum(sizes) - sizes[rank]) * 4
+        return out
+    return ag, rs
+
+
 def padded_ops(sizes, rank, stats):
     """The former engine path: pad to P, equal-size collective, unpad (copies included)."""
     ws, pad = len(sizes), max(sizes)
@@ -157,6 +178,9 @@ def padded_ops(sizes, rank, stats):
     return ag, rs
 
 
+MECHANISMS = (("variable", variable_ops), ("padded", padded_ops), ("a2a", all_to_all_ops))
+
+
 def time_units(ops, kind) -> float:
     """Seconds for one ``kind`` ("ag" / "rs") collective of every unit, each after a barrier."""
     total = 0.0
@@ -178,7 +202,7 @@ def worker(rank, world, port, cases, reps, queue):
     try:
         runs = []
         for name, ratios, layout in cases:
-            for mech, make in (("variable", variable_ops), ("padded", padded_ops)):
+            for mech, make in MECHANISMS:
                 stats = CollectiveStats()
                 runs.append((name, ratios, mech, stats, [make(row, rank, stats) for row in layout]))
         times = [{"ag": [], "rs": []} for _ in runs]
@@ -222,7 +246,7 @@ def report(world, results):
         sent = max(s[keys[0]] for s in per_rank) / per_rank_even[keys[0]]
         worst = max(range(world), key=lambda r: per_rank[r][keys[1]])
         recv = per_rank[worst][keys[1]] / per_rank_even[keys[1]]
-        bound = f"{(1 - ratios[worst]) / (1 - 1 / world):5.2f}" if mech == "variable" else "-"
+        bound = f"{(1 - ratios[worst]) / (1 - 1 / world):5.2f}" if mech != "padded" else "-"
         print(f"{name:<28} {mech:<9} {ag_tot:6.2f} {rs_tot:6.2f} {sent:7.2f} {recv:7.2f} "
               f"{bound:>5} {ag_s / even[4][0]:7.2f} {rs_s / even[4][1]:7.2f}   "
               f"({', '.join(f'{r:.3f}' for r in ratios)})")
@@ -244,7 +268,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--unit-mb", type=float, default=4.0, help="layer unit size, MB of fp32")
     p.add_argument("--units", type=int, default=3, help="layer units (plus one root unit)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    p.add_argument("--reps", type=int, default=4, help="timed repetitions (median)")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--quick", action="store_true", help="1 MB units, 3 reps")
     args = p.parse_args()
