@@ -108,7 +108,7 @@ def layout_unit_shards(state_ratios: Sequence[float],
     numels = [int(n) for n in unit_numels]
     if any(n < 0 for n in numels):
         raise ValueError(f"unit sizes must be >= 0, got {numels}")
-    targets = integer_targets(state_ratios, sum(numels))  # validates the ratios
+    integer_targets(state_ratios, sum(numels))  # validates the ratios (ValueError)
     r = np.asarray(state_ratios, dtype=np.float64)
     r = r / r.sum()
     holds = r > 0
