@@ -138,8 +138,10 @@ def case_collective_counts_and_accounting(rank, world):
             engine.stats.reset()
             engine.train_step(mbs_of(ids[mine], labels[mine], micro if rank == 0 else [4]))
             s = engine.stats
-            per_l[len(micro)] = (s.all_gather_count, s.all_gather_bytes, s.reduce_scatter_count,
-                                 s.reduce_scatter_bytes, s.all_reduce_count)
+            per_l[len(micro)] = (s.all_gather_count, s.all_gather_sent_bytes,
+                                 s.all_gather_received_bytes, s.reduce_scatter_count,
+                                 s.reduce_scatter_sent_bytes, s.reduce_scatter_received_bytes,
+                                 s.all_reduce_count)
             L = engine.num_units
             what = f"tied={tied} resident={resident} {micro}: {s}"
             assert (s.all_gather_count, s.reduce_scatter_count) == \

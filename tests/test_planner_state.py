@@ -6,16 +6,22 @@ import pytest
 from hf_cephalo.planner.state import integer_targets, layout_unit_shards, partition_state
 
 
-def _uneven_units(layout, ratios):
-    holders = [i for i, r in enumerate(ratios) if r > 0]
-    return sum(1 for row in layout if max(row[i] for i in holders) - min(row[i] for i in holders) > 1
-               or any(row[i] for i in range(len(row)) if i not in holders))
+def _check_ratio_split(layout, ratios, numels):
+    """Every unit is split by the ratios (each piece within 2 elements of r_i * numel_u) and
+    every rank's running total within 1 element of its exact share (docs: [Note: ratio-split
+    layout] in planner/state.py)."""
+    r = np.asarray(ratios, dtype=np.float64) / np.sum(ratios)
+    lay = np.asarray(layout, dtype=np.float64).reshape(len(numels), len(r))
+    assert np.abs(lay - np.outer(numels, r)).max(initial=0) < 2
+    assert np.abs(np.cumsum(lay, axis=0) - np.outer(np.cumsum(numels), r)).max(initial=0) < 1
 
 
 def test_three_to_one_over_two_equal_units():
-    layout = layout_unit_shards([0.75, 0.25], [4, 4])
-    assert sorted(map(tuple, layout)) == [(2, 2), (4, 0)]
-    assert _uneven_units(layout, [0.75, 0.25]) == 1
+    # every unit split 3:1, not one unit 1:1 and one 1:0 (which made a padded all-gather of the
+    # 1:0 unit move 2x the even bytes)
+    assert layout_unit_shards([0.75, 0.25], [4, 4]) == [[3, 1], [3, 1]]
+    layout = layout_unit_shards([0.7, 0.2, 0.1], [1000] * 5)
+    assert layout == [[700, 200, 100]] * 5
 
 
 def test_even_ratios_give_even_units():
@@ -32,13 +38,14 @@ def test_unequal_units_root_last_and_zero_ratio():
     totals = np.sum(layout, axis=0).tolist()
     assert totals == integer_targets(ratios, sum(numels))
     assert all(row[2] == 0 for row in layout)
+    _check_ratio_split(layout, ratios, numels)
 
 
-def test_random_layouts_are_exact_and_minimal():
+def test_random_layouts_are_exact_and_ratio_split():
     rng = np.random.default_rng(5)
-    for _ in range(200):
+    for _ in range(500):
         n = int(rng.integers(1, 6))
-        ratios = rng.dirichlet(np.ones(n))
+        ratios = rng.dirichlet(np.ones(n) * rng.choice([0.1, 1.0]))
         if rng.random() < 0.3:
             ratios[int(rng.integers(0, n))] = 0.0
             if ratios.sum() == 0:
@@ -48,20 +55,17 @@ def test_random_layouts_are_exact_and_minimal():
         layout = layout_unit_shards(ratios.tolist(), numels)
         assert [sum(row) for row in layout] == numels
         assert all(x >= 0 for row in layout for x in row)
-        targets = integer_targets(ratios.tolist(), sum(numels))
-        assert np.sum(layout, axis=0).tolist() == targets
-        assert all(abs(t - r * sum(numels)) < 1 for t, r in zip(targets, ratios))
+        _check_ratio_split(layout, ratios.tolist(), numels)
         for i, r in enumerate(ratios):
             if r == 0:
                 assert all(row[i] == 0 for row in layout)
 
 
-def test_minimal_uneven_count_matches_exhaustive_bound():
-    # Equal units, ratio target t_min: at most floor(t_min / (numel/n)) units can be even.
-    ratios, numels = [0.6, 0.3, 0.1], [30] * 10
-    layout = layout_unit_shards(ratios, numels)
-    # rank 2 holds 30 elements = 3 even shares of 10 -> 3 even units, 7 uneven
-    assert _uneven_units(layout, ratios) == 7
+def test_even_ratios_keep_divisible_units_exactly_even():
+    # the equal-size collective fast path needs exactly equal shards
+    for n in (2, 3, 4, 8):
+        layout = layout_unit_shards([1.0 / n] * n, [n * 1000, n * 7, n * 123457, 0])
+        assert all(len(set(row)) == 1 for row in layout), (n, layout)
 
 
 @pytest.mark.parametrize("ratios", [[0.5, 0.6], [1.2, -0.2], [float("nan"), 1.0], []])

@@ -74,7 +74,7 @@ def test_rank_validation():
 
 def test_unit_layout_uses_ratios():
     p = Plan.from_ratios([1, 1], [1, 1], [0.75, 0.25])
-    assert sorted(map(tuple, p.unit_layout([4, 4]))) == [(2, 2), (4, 0)]
+    assert p.unit_layout([4, 4]) == [[3, 1], [3, 1]]  # every unit split 3:1
 
 
 def test_load_rejects_garbage(tmp_path):

@@ -1,19 +1,41 @@
-"""Padded equal-size collectives over uneven shards, on public ``torch.distributed`` only.
+"""Variable-size collectives over uneven shards, on public ``torch.distributed`` only.
 
-[Note: padded uneven collectives]
+[Note: uneven collectives]
 A unit of N elements is split at element granularity into per-rank shards of ``n_r`` elements
-(``sum(n_r) == N``, zeros allowed). Every rank keeps its shard in a buffer padded to
-``P = max(n_r)`` and the collectives move ``world_size * P`` elements with the equal-size
-``all_gather_single`` / ``reduce_scatter_single`` (named ``*_into_tensor`` / ``*_tensor`` before
-torch 2.13), which gloo and NCCL both support; list-based uneven all-gather fails on gloo. A rank
-holding zero elements still sends its padding. Gradients are reduced with SUM only: the engine
-normalizes by the all-reduced global item count before backward (docs/design.md contract 4), never with
-AVG or a division by the world size (gloo has neither AVG nor PREMUL_SUM).
+(``sum(n_r) == N``, zeros allowed; the planner ratio-splits every unit, so every unit has the
+same shape of split). Nothing is padded: every collective moves exactly the elements of the
+logical exchange.
+
+* All-gather (``all_gather_shards``): the output IS the unit's gathered (N,) flat buffer, shards
+  in rank order. Equal shards: one ``all_gather_single`` (``all_gather_into_tensor`` before
+  torch 2.13) straight into it. Unequal shards: NCCL (and any non-gloo backend) takes
+  ``dist.all_gather(list(output.split(sizes)), local)`` with unequal sizes; gloo rejects that
+  ("invalid tensor size"), so each rank's slice is broadcast from its owner into the output
+  (W async broadcasts; the own slice is copied in first, it is the broadcast's source). Measured
+  on gloo at 2-4 ranks (8 MB unit, skewed and even splits): the broadcasts were as fast as or
+  faster than ``all_to_all_single`` with split sizes, which in addition needs a (W * n_r,)
+  copy of the local shard as its send buffer; see docs/engine.md.
+* Reduce-scatter (``reduce_scatter_shards``): the input is the unit's (Nt,) flat gradient of
+  the trainable prefix, split by each rank's TRAINABLE counts ``k_r`` (views, no copy; frozen
+  elements are never reduced); the output is this rank's fresh (k_r,) summed slice. Equal
+  counts: one ``reduce_scatter_single``; otherwise ``dist.reduce_scatter(out, list(split))``,
+  which gloo (torch 2.13) and NCCL accept with unequal sizes. ``use_all_reduce`` all-reduces the
+  whole (Nt,) input in place instead and slices it (backends without reduce-scatter).
+* A rank with a zero-size shard still takes part in every collective, so no rank ever waits
+  for a collective another rank skipped.
+* SUM only: the engine normalizes by the all-reduced global item count before backward
+  (docs/design.md contract 4), never with AVG or a division by the world size (gloo has neither
+  AVG nor PREMUL_SUM).
+* Counting (``CollectiveStats``): per rank, the payload bytes of the logical exchange this rank
+  sends and receives, whatever algorithm the backend runs underneath: all-gather sent
+  ``(W - 1) * n_self``, received ``N - n_self``; reduce-scatter sent ``Nt - k_self``, received
+  ``(W - 1) * k_self``; all-reduce fallback: a ring all-reduce's ``2 * (W - 1) * Nt // W`` each
+  way (times the element size).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,66 +47,106 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 class AllGatherResult(NamedTuple):
-    """An issued all-gather: ``output`` is (world_size * P,) and valid after ``work.wait()``."""
+    """An issued all-gather: ``output`` is the (N,) gathered buffer, valid after ``work.wait()``
+    (``work`` None for a synchronous call)."""
 
     output: torch.Tensor
-    work: dist.Work | None
+    work: object | None
 
 
 class ReduceScatterResult(NamedTuple):
-    """An issued reduce-scatter: ``output`` is this rank's (P,) summed slice, valid after ``wait``.
-
-    ``full`` is set by the all-reduce fallback: then ``output`` is a view into it.
-    """
+    """An issued reduce-scatter: ``output`` is this rank's (k_self,) summed slice, valid after
+    ``work.wait()``. ``full`` is set by the all-reduce fallback: then ``output`` is a view into
+    it (the reduced (Nt,) input)."""
 
     output: torch.Tensor
-    work: dist.Work | None
+    work: object | None
     full: torch.Tensor | None
 
 
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+class WorkList:
+    """Several issued async collectives waited on as one (``wait`` waits for all)."""
+
+    def __init__(self, works: Sequence):
+        self.works = [w for w in works if w is not None]
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
-def all_gather_padded(local_padded: torch.Tensor, world_size: int, group, stats: CollectiveStats,
-                      *, async_op: bool) -> AllGatherResult:
-    """All-gather each rank's padded shard (P,) into a (world_size * P,) buffer.
+def _uses_gloo(group, t: torch.Tensor) -> bool:
+    """Whether ``t``'s collectives run on gloo (pure gloo, or a CPU tensor of a mixed group)."""
+    backend = str(dist.get_backend(group)).lower()
+    return "gloo" in backend and ("nccl" not in backend or t.device.type == "cpu")
 
-    See [Note: padded uneven collectives]. Counted in ``stats.all_gather_*``.
+
+def all_gather_shards(local: torch.Tensor, sizes: Sequence[int], rank: int, group,
+                      stats: CollectiveStats, *, async_op: bool) -> AllGatherResult:
+    """Gather every rank's (n_r,) shard into a fresh (N,) buffer, shards in rank order.
+
+    Args:
+        local: (sizes[rank],) this rank's shard (contiguous). sizes: (W,) elements per rank.
+    See [Note: uneven collectives]; counted in ``stats.all_gather_*``.
     """
-    output = torch.empty(world_size * local_padded.numel(), dtype=local_padded.dtype,
-                         device=local_padded.device)
+    sizes = [int(n) for n in sizes]
+    assert local.numel() == sizes[rank], (local.numel(), sizes, rank)
+    output = torch.empty(sum(sizes), dtype=local.dtype, device=local.device)
+    es = local.element_size()
     stats.all_gather_count += 1
-    stats.all_gather_bytes += _bytes(output)
-    work = _all_gather_single(output, local_padded, group=group, async_op=async_op)
+    stats.all_gather_sent_bytes += (len(sizes) - 1) * sizes[rank] * es
+    stats.all_gather_received_bytes += (sum(sizes) - sizes[rank]) * es
+    if len(set(sizes)) == 1:
+        work = _all_gather_single(output, local, group=group, async_op=async_op)
+    elif _uses_gloo(group, local):
+        views = list(output.split(sizes))
+        views[rank].copy_(local)
+        work = WorkList([dist.broadcast(v, group=group, group_src=r, async_op=async_op)
+                         for r, v in enumerate(views)])
+    else:
+        work = dist.all_gather(list(output.split(sizes)), local, group=group, async_op=async_op)
     return AllGatherResult(output, work if async_op else None)
 
 
-def reduce_scatter_padded(full_padded: torch.Tensor, world_size: int, rank: int, group,
+def reduce_scatter_shards(grad: torch.Tensor, counts: Sequence[int], rank: int, group,
                           stats: CollectiveStats, *, async_op: bool,
                           use_all_reduce: bool = False) -> ReduceScatterResult:
-    """SUM-reduce-scatter a (world_size * P,) buffer; this rank receives its (P,) slice.
+    """SUM-reduce-scatter a (Nt,) buffer split by ``counts``; this rank receives its slice.
 
-    ``use_all_reduce`` selects the fallback for backends without reduce-scatter: all-reduce the
-    whole buffer, then slice (``world_size`` times the receive volume). Counted in
-    ``stats.reduce_scatter_*``.
+    Args:
+        grad: (sum(counts),) contiguous input; the all-reduce fallback overwrites it.
+        counts: (W,) elements per rank (zeros allowed).
+    Returns the (counts[rank],) summed slice (fresh, or a view into ``grad`` for the fallback).
+    See [Note: uneven collectives]; counted in ``stats.reduce_scatter_*``.
     """
-    pad = full_padded.numel() // world_size
+    counts = [int(k) for k in counts]
+    world_size, total, mine = len(counts), sum(counts), counts[rank]
+    assert grad.numel() == total, (grad.numel(), counts)
+    es = grad.element_size()
     stats.reduce_scatter_count += 1
-    stats.reduce_scatter_bytes += _bytes(full_padded)
     if use_all_reduce:
-        work = dist.all_reduce(full_padded, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        return ReduceScatterResult(full_padded[rank * pad:(rank + 1) * pad], work, full_padded)
-    output = torch.empty(pad, dtype=full_padded.dtype, device=full_padded.device)
-    work = _reduce_scatter_single(output, full_padded, op=dist.ReduceOp.SUM, group=group,
-                                  async_op=async_op)
+        ring_bytes = 2 * (world_size - 1) * total // world_size * es
+        stats.reduce_scatter_sent_bytes += ring_bytes
+        stats.reduce_scatter_received_bytes += ring_bytes
+        work = dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        start = sum(counts[:rank])
+        return ReduceScatterResult(grad[start:start + mine], work, grad)
+    stats.reduce_scatter_sent_bytes += (total - mine) * es
+    stats.reduce_scatter_received_bytes += (world_size - 1) * mine * es
+    output = torch.empty(mine, dtype=grad.dtype, device=grad.device)
+    if len(set(counts)) == 1:
+        work = _reduce_scatter_single(output, grad, op=dist.ReduceOp.SUM, group=group,
+                                      async_op=async_op)
+    else:
+        work = dist.reduce_scatter(output, list(grad.split(counts)), op=dist.ReduceOp.SUM,
+                                   group=group, async_op=async_op)
     return ReduceScatterResult(output, work if async_op else None, None)
 
 
 def all_reduce_sum(t: torch.Tensor, group, stats: CollectiveStats) -> torch.Tensor:
     """In-place synchronous SUM all-reduce of a small tensor (item counts, loss sums, norms)."""
     stats.all_reduce_count += 1
-    stats.all_reduce_bytes += _bytes(t)
+    stats.all_reduce_bytes += t.numel() * t.element_size()
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 

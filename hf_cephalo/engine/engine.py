@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.base import AutocastStagedModel, StagedModel
+from ..planner.state import layout_unit_shards  # pure planning code (numpy), no torch.distributed
 from . import collectives as C
 from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_params,
                          move_shared_params)
@@ -85,13 +86,14 @@ def _check_autocast(dtype, model: nn.Module) -> torch.dtype | None:
 
 def _layout(ratios: list[float], unit_numels: list[int]) -> list[list[int]]:
     """Per-unit per-rank element counts from the planner (units in the engine's order)."""
-    from ..planner.state import layout_unit_shards  # pure planning code, no torch.distributed
     return [list(map(int, row)) for row in layout_unit_shards(ratios, unit_numels)]
 
 
 def _check_layout(layout: list[list[int]], names: list[str], numels: list[int],
                   world_size: int) -> None:
-    """Every row: world-size non-negative ints summing to the unit's numel (else ValueError)."""
+    """Every row: world-size non-negative ints summing to the unit's numel (else ValueError).
+
+    The one check of a shard layout: ``FlatParamUnit`` trusts the row it is given."""
     if len(layout) != len(names):
         raise ValueError(f"shard_layout has {len(layout)} rows but the engine has {len(names)} "
                          f"units: {len(names) - 2} layers, then the embedding and the head unit "

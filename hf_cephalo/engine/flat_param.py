@@ -10,7 +10,10 @@ Rank r owns the contiguous slice ``[start_r, start_r + n_r)`` of ``flat`` (``n_r
 planner's per-unit layout, zeros allowed). Because trainable parameters come first, the trainable
 part of a rank's shard is a prefix of it: that prefix is the ``nn.Parameter`` handed to the
 optimizer (``shard_param``), a view into the rank's local shard buffer, so frozen elements never
-get a gradient or optimizer state. See [Note: padded uneven collectives] for the padding.
+get a gradient or optimizer state. Rank r's trainable count is therefore
+``k_r = max(0, min(start_r + n_r, Nt) - start_r)`` and ``flat[:Nt].split(k)`` are the ranks'
+trainable parts: the reduce-scatter's input needs no copy. See [Note: uneven collectives] in
+``collectives.py``.
 
 [Note: parameter views while unsharded]
 After the all-gather, ``flat[:Nt]`` becomes a fresh autograd leaf (``requires_grad=True``) and each
@@ -35,6 +38,23 @@ those graphs save views of the gathered buffer. Resharding then frees only the b
 parameters the same way); the backward all-gather resizes the storage back and copies the data
 in through ``.data`` so the version counter that autograd checks for the saved views does not
 change. The autograd leaf stays the same object, so gradients still accumulate in one buffer.
+
+[Note: communication buffers]
+What the collectives of one unit allocate beyond the shard, the gathered buffer and the
+gradient (e = element size; ``LiveTracker.comm_bytes`` counts them, its peak is
+``CollectiveStats.peak_comm_buffer_bytes``):
+* all-gather: the send buffer is the local shard itself (no copy, nothing padded). The (N,)
+  output is allocated when the all-gather is issued (``start_unshard``, i.e. at the prefetch)
+  and counted as a communication buffer (N·e) until ``wait_unshard``; from then on it IS the
+  unit's gathered buffer (counted in ``peak_unsharded_numel``) until ``reshard``. With kept
+  graphs (no recompute) the refill copies it into the kept storage and it dies at the wait.
+* reduce-scatter: the input is the unit's (Nt,) gradient (counted in
+  ``peak_unsharded_grad_numel`` until ``wait_reduce_grad``); a rank without a gradient (no
+  microbatch) sends a (Nt,) zero buffer instead, counted from issue to wait. The (k_r,) output
+  is counted from issue to wait; it then becomes ``shard_param.grad`` (first step after
+  ``zero_grad``) or is added into it and dropped. The all-reduce fallback reduces the input in
+  place and its output is a view of it (cloned into ``shard_param.grad`` at the wait).
+``gather_full``'s (N,) output belongs to its caller and is not counted.
 """
 
 from __future__ import annotations
@@ -87,12 +107,20 @@ class UnitShardMeta:
 
 
 class LiveTracker:
-    """Accounting of unsharded parameter / gradient elements alive (feeds ``CollectiveStats``)."""
+    """Accounting of unsharded parameter / gradient elements and communication-buffer bytes
+    alive (feeds ``CollectiveStats``; see [Note: communication buffers])."""
 
     def __init__(self, stats: CollectiveStats):
         self.stats = stats
         self.param_numel = 0
         self.grad_numel = 0
+        self.comm_bytes = 0
+
+    def add_comm(self, nbytes: int) -> None:
+        """Account ``nbytes`` of communication buffers (negative: released)."""
+        self.comm_bytes += nbytes
+        self.stats.peak_comm_buffer_bytes = max(self.stats.peak_comm_buffer_bytes,
+                                                self.comm_bytes)
 
     def add_params(self, numel: int) -> None:
         self.param_numel += numel
@@ -191,12 +219,11 @@ class FlatParamUnit:
     Args:
         name: unit name for messages ("unit 3", "root").
         params, uses: from ``collect_params``; fqns: id(param) -> model parameter names.
-        numel_per_rank: (world_size,) shard sizes in elements, summing to the unit's numel.
+        numel_per_rank: (world_size,) shard sizes in elements, summing to the unit's numel
+            (checked by the engine, ``engine._check_layout``).
         rank, world_size, group, device: process group placement.
         stats, tracker: shared counters.
         streams: ``offload.CudaStreams`` on CUDA, else None (synchronous collectives' waits).
-    Raises:
-        ValueError: a layout of the wrong length, negative sizes, or a sum != the unit's numel.
     """
 
     def __init__(self, name, params, uses, fqns, numel_per_rank, *, rank, world_size, group,
@@ -211,15 +238,16 @@ class FlatParamUnit:
         self.numel = sum(i.numel for i in self.infos)
         self.trainable_numel = sum(i.numel for i in self.infos if i.requires_grad)
         self.dtype = params[0].dtype if params else torch.float32
-        self.numel_per_rank = self._check_layout(numel_per_rank)
+        self.numel_per_rank = [int(n) for n in numel_per_rank]
+        assert len(self.numel_per_rank) == world_size and sum(self.numel_per_rank) == self.numel \
+            and min(self.numel_per_rank) >= 0, (name, self.numel_per_rank, self.numel)
         self.starts = [sum(self.numel_per_rank[:r]) for r in range(world_size)]
-        self.pad_numel = max(self.numel_per_rank) if world_size else 0
+        # (W,) trainable elements per rank: see [Note: flat unit layout]
+        self.trainable_per_rank = [max(0, min(s + n, self.trainable_numel) - s)
+                                   for s, n in zip(self.starts, self.numel_per_rank)]
         self.local_numel = self.numel_per_rank[rank]
-        start = self.starts[rank]
-        end = min(start + self.local_numel, self.trainable_numel)
-        self.local_trainable_numel = max(0, end - start)
-        # (n_r,) this rank's shard; padded to P only transiently for the all-gather, so the
-        # training state is exactly r_i of the model (the paper's memory model)
+        self.local_trainable_numel = self.trainable_per_rank[rank]
+        # (n_r,) this rank's shard, the training state is exactly r_i of the model
         self.local = torch.zeros(self.local_numel, dtype=self.dtype, device=device)
         self.shard_param = nn.Parameter(self.local[:self.local_trainable_numel])
         self.state = ShardedState.SHARDED
@@ -228,21 +256,13 @@ class FlatParamUnit:
         self._full: torch.Tensor | None = None    # (N,) gathered flat buffer
         self._leaf: torch.Tensor | None = None    # (Nt,) autograd leaf over full[:Nt]
         self._grad_live = False
-        self._rs_input: torch.Tensor | None = None
-        self._send: torch.Tensor | None = None
+        self._rs_input: torch.Tensor | None = None  # kept alive until the reduce-scatter is done
+        self._comm_bytes = {"ag": 0, "rs": 0}  # see [Note: communication buffers]
         self._freed_nbytes: int | None = None  # set while resharded with kept graphs
         self._load_from_modules()
         self._set_placeholders()
 
     # ---- construction ---------------------------------------------------------------------
-    def _check_layout(self, numel_per_rank) -> list[int]:
-        sizes = [int(n) for n in numel_per_rank]
-        if len(sizes) != self.world_size or any(n < 0 for n in sizes) or sum(sizes) != self.numel:
-            raise ValueError(f"shard layout of {self.name} is {sizes}: it needs {self.world_size} "
-                             f"non-negative per-rank element counts summing to the unit's "
-                             f"{self.numel} elements")
-        return sizes
-
     def _load_from_modules(self) -> None:
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in self._params]) \
@@ -273,12 +293,17 @@ class FlatParamUnit:
         if self.streams is not None:
             self._pending_ag = self.streams.all_gather(self)
         else:
-            self._send = self.send_buffer()  # kept alive until the collective completes
-            self._pending_ag = C.all_gather_padded(self._send, self.world_size, self.group,
-                                                   self.stats, async_op=True)
+            self._pending_ag = C.all_gather_shards(self.local, self.numel_per_rank, self.rank,
+                                                   self.group, self.stats, async_op=True)
+        self._set_comm("ag", self.numel * self.local.element_size())
+
+    def _set_comm(self, key: str, nbytes: int) -> None:
+        """Account this unit's in-flight ``key`` buffers (see [Note: communication buffers])."""
+        self.tracker.add_comm(nbytes - self._comm_bytes[key])
+        self._comm_bytes[key] = nbytes
 
     def wait_unshard(self, requires_grad: bool) -> None:
-        """Wait for the all-gather, copy out the unpadded (N,) buffer, install parameter views."""
+        """Wait for the all-gather; its (N,) output becomes the gathered buffer; install views."""
         if self.state is ShardedState.UNSHARDED:
             return
         self.start_unshard()
@@ -287,32 +312,18 @@ class FlatParamUnit:
             self.streams.wait_all_gather(result)
         elif result.work is not None:
             result.work.wait()
-        self._send = None
+        self._set_comm("ag", 0)
         self.tracker.add_params(self.numel)
         self.state = ShardedState.UNSHARDED
         if self._freed_nbytes is not None:  # see [Note: kept graphs across reshard]
             self._full.untyped_storage().resize_(self._freed_nbytes)
-            self._full.data.copy_(self._unpad(result.output))  # .data: no version bump
+            self._full.data.copy_(result.output)  # .data: no version bump
             self._freed_nbytes = None
             return
-        self._full = self._unpad(result.output)
+        self._full = result.output
         leaf = self._full[:self.trainable_numel].detach()
         self._leaf = leaf.requires_grad_(requires_grad and self.trainable_numel > 0)
         self.use_params()
-
-    def send_buffer(self) -> torch.Tensor:
-        """(P,) the local shard padded to the largest shard (a copy only if n_r < P)."""
-        if self.local_numel == self.pad_numel:
-            return self.local
-        padded = torch.zeros(self.pad_numel, dtype=self.dtype, device=self.device)
-        padded[:self.local_numel].copy_(self.local)
-        return padded
-
-    def _unpad(self, gathered: torch.Tensor) -> torch.Tensor:
-        if all(n == self.pad_numel for n in self.numel_per_rank):
-            return gathered[:self.numel]
-        pad = self.pad_numel
-        return torch.cat([gathered[r * pad:r * pad + n] for r, n in enumerate(self.numel_per_rank)])
 
     def use_params(self) -> None:
         """Point every module parameter entry at a fresh view of the gathered buffer.
@@ -352,9 +363,11 @@ class FlatParamUnit:
         backend until they complete).
         """
         handles = [r for r in (self._pending_ag, self._pending_rs) if r is not None]
-        handles += [t for t in (self._send, self._rs_input) if t is not None]
+        handles += [t for t in (self._rs_input,) if t is not None]
         self._pending_ag = self._pending_rs = None
-        self._send = self._rs_input = None
+        self._rs_input = None
+        self._set_comm("ag", 0)
+        self._set_comm("rs", 0)
         self._set_placeholders()
         self._full = self._leaf = None
         self._freed_nbytes = None
@@ -381,30 +394,27 @@ class FlatParamUnit:
             self.tracker.add_grad(self.trainable_numel)
 
     def start_reduce_grad(self) -> None:
-        """Issue the SUM reduce-scatter of the unit's accumulated gradient (once per step).
+        """Issue the SUM reduce-scatter of the unit's accumulated (Nt,) gradient (once per step).
 
-        A rank that ran no microbatch contributes zeros. Frozen elements and padding send zeros.
+        The input is split by the ranks' trainable counts (frozen elements are never sent); a
+        rank that ran no microbatch contributes zeros. See [Note: communication buffers].
         """
         grad = self._leaf.grad if self._leaf is not None else None
-        pad = self.pad_numel
-        if grad is not None and self.trainable_numel == self.numel and \
-                all(n == pad for n in self.numel_per_rank):
-            padded = grad  # even layout, nothing frozen: already (world_size * P,)
-        else:
-            padded = torch.zeros(self.world_size * pad, dtype=self.dtype, device=self.device)
-            if grad is not None:
-                for r, (start, n) in enumerate(zip(self.starts, self.numel_per_rank)):
-                    k = max(0, min(start + n, self.trainable_numel) - start)
-                    padded[r * pad:r * pad + k].copy_(grad[start:start + k])
         if self._leaf is not None:
             self._leaf.grad = None
-        self._rs_input = padded  # kept alive until the collective completes
+        es = self.local.element_size()
+        comm_bytes = 0 if self.use_all_reduce else self.local_trainable_numel * es
+        if grad is None:
+            grad = torch.zeros(self.trainable_numel, dtype=self.dtype, device=self.device)
+            comm_bytes += self.trainable_numel * es
+        self._rs_input = grad.contiguous()  # kept alive until the collective completes
         if self.streams is not None:
-            self._pending_rs = self.streams.reduce_scatter(self, padded)
+            self._pending_rs = self.streams.reduce_scatter(self, self._rs_input)
         else:
-            self._pending_rs = C.reduce_scatter_padded(
-                padded, self.world_size, self.rank, self.group, self.stats, async_op=True,
-                use_all_reduce=self.use_all_reduce)
+            self._pending_rs = C.reduce_scatter_shards(
+                self._rs_input, self.trainable_per_rank, self.rank, self.group, self.stats,
+                async_op=True, use_all_reduce=self.use_all_reduce)
+        self._set_comm("rs", comm_bytes)
 
     def wait_reduce_grad(self) -> None:
         """Wait for the reduce-scatter; ADD the result into ``shard_param.grad``."""
@@ -416,9 +426,10 @@ class FlatParamUnit:
         elif result.work is not None:
             result.work.wait()
         self._rs_input = None
-        local = result.output[:self.local_trainable_numel]
+        self._set_comm("rs", 0)
+        local = result.output  # (k_r,): fresh, or a view of the reduced input (fallback)
         if self.shard_param.grad is None:
-            self.shard_param.grad = local.clone()
+            self.shard_param.grad = local.clone() if result.full is not None else local
         else:
             self.shard_param.grad.add_(local)
         if self._grad_live:
@@ -428,9 +439,8 @@ class FlatParamUnit:
     # ---- full tensors -----------------------------------------------------------------------
     def gather_full(self) -> torch.Tensor:
         """Collective: the (N,) flat buffer on every rank (synchronous all-gather)."""
-        result = C.all_gather_padded(self.send_buffer(), self.world_size, self.group, self.stats,
-                                     async_op=False)
-        return self._unpad(result.output)
+        return C.all_gather_shards(self.local, self.numel_per_rank, self.rank, self.group,
+                                   self.stats, async_op=False).output
 
     def meta(self) -> UnitShardMeta:
         return UnitShardMeta(self.name, self.numel, self.trainable_numel,

@@ -5,10 +5,11 @@ CUDA side streams of the engine.
 Three streams: the compute (current) stream, an all-gather stream and an offload stream.
 * Lifetimes: a tensor allocated on one stream and used on another is ``record_stream``-ed on the
   other before its last reference goes, so the caching allocator hands its block out again only
-  after that stream passed the point of the free. This covers the all-gather input (``send``:
-  the local shard or a padded copy made on the compute stream), the reduce-scatter input
-  (``padded``), the collectives' outputs (allocated on the all-gather stream, read on the
-  compute stream), the offloaded source tensor and the reloaded copy.
+  after that stream passed the point of the free. This covers the all-gather input (the local
+  shard itself, no copy), the reduce-scatter input (the unit's (Nt,) gradient, or zeros, made
+  on the compute stream), the collectives' outputs (allocated on the all-gather stream, read on
+  the compute stream; the all-gather's own-slice copy of the gloo path runs on the all-gather
+  stream too), the offloaded source tensor and the reloaded copy.
 * All-gather: the gathered output is allocated on the all-gather stream after it waited for the
   compute stream (the optimizer may have just written the local shard); the compute stream waits
   on an event recorded after the collective before it reads the output.
@@ -252,11 +253,13 @@ class CudaStreams:
         self.offload_stream = torch.cuda.Stream(device)
 
     def all_gather(self, unit) -> C.AllGatherResult:
+        """The unit's all-gather on the all-gather stream (the same ``all_gather_shards`` as on
+        CPU); the (N,) output is allocated there."""
         compute = torch.cuda.current_stream(self.device)
-        send = unit.send_buffer()  # produced on the compute stream
+        send = unit.local  # last written on the compute stream (optimizer step, load)
         self.all_gather_stream.wait_stream(compute)
         with torch.cuda.stream(self.all_gather_stream):
-            result = C.all_gather_padded(send, unit.world_size, unit.group,
+            result = C.all_gather_shards(send, unit.numel_per_rank, unit.rank, unit.group,
                                          unit.stats, async_op=False)
             event = torch.cuda.Event()
             event.record(self.all_gather_stream)
@@ -268,16 +271,18 @@ class CudaStreams:
         compute.wait_event(result.work.event)
         result.output.record_stream(compute)
 
-    def reduce_scatter(self, unit, padded: torch.Tensor) -> C.ReduceScatterResult:
+    def reduce_scatter(self, unit, grad: torch.Tensor) -> C.ReduceScatterResult:
+        """The unit's reduce-scatter of ``grad`` (Nt,) (produced on the compute stream) on the
+        all-gather stream (the same ``reduce_scatter_shards`` as on CPU)."""
         compute = torch.cuda.current_stream(self.device)
         self.all_gather_stream.wait_stream(compute)
         with torch.cuda.stream(self.all_gather_stream):
-            result = C.reduce_scatter_padded(padded, unit.world_size, unit.rank, unit.group,
-                                             unit.stats, async_op=False,
+            result = C.reduce_scatter_shards(grad, unit.trainable_per_rank, unit.rank,
+                                             unit.group, unit.stats, async_op=False,
                                              use_all_reduce=unit.use_all_reduce)
             event = torch.cuda.Event()
             event.record(self.all_gather_stream)
-        padded.record_stream(self.all_gather_stream)
+        grad.record_stream(self.all_gather_stream)
         return C.ReduceScatterResult(result.output, _EventWork(event), result.full)
 
     def wait_reduce_scatter(self, result: C.ReduceScatterResult) -> None:

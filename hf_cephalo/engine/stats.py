@@ -9,21 +9,32 @@ from dataclasses import dataclass, fields
 class CollectiveStats:
     """Collectives issued by this rank since the last ``reset()``.
 
-    Byte counts are the size of the full (padded) collective buffer: the gathered output of an
-    all-gather, the input of a reduce-scatter, the reduced tensor of an all-reduce. Every rank
-    counts the same values (the schedule is rank-identical).
+    All-gather and reduce-scatter bytes are this rank's payload of the logical exchange, sent
+    and received, whatever algorithm the backend runs (see [Note: uneven collectives] in
+    ``collectives.py``): with W ranks, a unit of N elements (Nt trainable), this rank's shard of
+    n elements (k trainable) and e bytes per element, one all-gather counts sent (W - 1)·n·e
+    and received (N - n)·e; one reduce-scatter sent (Nt - k)·e and received (W - 1)·k·e; the
+    reduce-scatter's all-reduce fallback a ring's 2·(W - 1)·Nt // W·e each way. Ranks with
+    different shares count different values. ``all_reduce_bytes`` is the size of the small
+    reduced tensors.
 
     The ``peak_*`` fields are memory accounting of the schedule, in elements (numel), taken at
     every unshard / gradient allocation:
     ``peak_unsharded_numel``: most parameter elements held unsharded at once;
     ``peak_unsharded_grad_numel``: most elements of full (unsharded) unit gradients alive at once;
-    ``peak_stash_*_bytes``: most bytes of stashed boundary tensors at once (device / pinned host).
+    ``peak_stash_*_bytes``: most bytes of stashed boundary tensors at once (device / pinned host);
+    ``peak_comm_buffer_bytes``: most bytes of transient communication buffers alive at once (a
+    gathered output between issue and wait, a reduce-scatter output between issue and wait, the
+    zero input of a rank without a gradient): see [Note: communication buffers] in
+    ``flat_param.py``.
     """
 
     all_gather_count: int = 0      # all-gathers (one per unshard of a unit)
-    all_gather_bytes: int = 0      # bytes of gathered outputs, padding included
+    all_gather_sent_bytes: int = 0
+    all_gather_received_bytes: int = 0
     reduce_scatter_count: int = 0  # reduce-scatters (or all-reduce fallbacks) of unit gradients
-    reduce_scatter_bytes: int = 0  # bytes of reduce-scatter inputs, padding included
+    reduce_scatter_sent_bytes: int = 0
+    reduce_scatter_received_bytes: int = 0
     all_reduce_count: int = 0      # small all-reduces (item counts, loss sums, norms)
     all_reduce_bytes: int = 0
     peak_unsharded_numel: int = 0
@@ -32,6 +43,7 @@ class CollectiveStats:
     peak_stash_host_bytes: int = 0     # ... offloaded to pinned CPU memory (CUDA offload only)
     host_syncs: int = 0  # host waits for the compute stream (CUDA; [Note: host waits for the
     #                      compute stream] in offload.py)
+    peak_comm_buffer_bytes: int = 0    # transient send/receive buffers of collectives
 
     def reset(self) -> None:
         """Zero every counter."""

@@ -6,10 +6,9 @@ Paper §2.4 ("Training State Partition") and §3 (uneven sharding, the 3:1 examp
   (r_i·S + M_i) / C_i until all of S is placed. Done in infinitesimal steps this greedy is
   water-filling: r_i·S = max(0, λ·C_i − M_i) with λ chosen so that Σ r_i = 1; computed exactly
   by sorting the breakpoints M_i / C_i, O(N log N). It minimizes the maximum utilization.
-* ``layout_unit_shards``: turn r_i into integer element counts per unit so that as few units as
-  possible are split unevenly: the smallest units are split evenly among the ranks that hold
-  state while every rank's target still covers its even parts; the remaining elements are
-  poured rank by rank over the remaining units, so most of those go to a single rank.
+* ``layout_unit_shards``: turn r_i into integer element counts per unit: every unit is split
+  by the ratios (see [Note: ratio-split layout]), so an uneven unit's collectives move about
+  what an even split's do (no rank holds most of a unit alone).
 """
 
 from __future__ import annotations
@@ -79,7 +78,19 @@ def integer_targets(state_ratios: Sequence[float], total_numel: int) -> list[int
 
 def layout_unit_shards(state_ratios: Sequence[float],
                        unit_numels: Sequence[int]) -> list[list[int]]:
-    """Per-unit, per-rank shard sizes (elements) for the given state ratios.
+    """Per-unit, per-rank shard sizes (elements): every unit split by the ratios.
+
+    [Note: ratio-split layout]
+    Each rank holds its r_i share of EVERY unit (``layout[u][i]`` is r_i·numel_u rounded), so
+    every unit has the same shape of split and one measured uneven-collective factor applies to
+    all of them, and no rank's piece of a unit is ever much larger than r_i of it (an
+    all-gather moves N - n_i per rank, never a padded multiple). Rounding carries each rank's
+    error from unit to unit: unit u gives rank i ``r_i·(numel_0 + ... + numel_u)`` minus what
+    rank i already holds, rounded by largest remainder (never below 0), so each rank's running
+    total stays within one element of its exact share r_i·Σ numel. The final totals usually
+    equal ``integer_targets(r, Σ numel)``; they can differ from it by one element when a rank
+    with a tiny share got an element early that a later unit cannot take back. Ranks with
+    r_i = 0 hold nothing.
 
     Args:
         state_ratios: r_i per rank (>= 0, sum 1).
@@ -87,11 +98,10 @@ def layout_unit_shards(state_ratios: Sequence[float],
             its layers, then the embedding unit, then the head unit).
 
     Returns:
-        ``layout[u][i]`` = elements of unit u held by rank i; each row sums to
-        ``unit_numels[u]``; each rank's total equals ``integer_targets(r, Σ numel)[i]``.
-        A unit is "even" when its sizes over the ranks with r_i > 0 differ by at most 1.
-        Ranks with r_i = 0 hold nothing. Example: r = (0.75, 0.25), two units of 4 ->
-        ``[[2, 2], [4, 0]]`` (one unit 1:1, one 1:0).
+        ``layout[u][i]`` = elements of unit u held by rank i (>= 0); each row sums to
+        ``unit_numels[u]``; each entry is within 2 elements of r_i·numel_u (usually 1); each
+        rank's total is within 1 element of r_i·Σ numel. Example: r = (0.75, 0.25), two units
+        of 4 -> ``[[3, 1], [3, 1]]``.
 
     Raises:
         ValueError: bad ratios (see ``integer_targets``) or a negative unit size.
@@ -99,36 +109,34 @@ def layout_unit_shards(state_ratios: Sequence[float],
     numels = [int(n) for n in unit_numels]
     if any(n < 0 for n in numels):
         raise ValueError(f"unit sizes must be >= 0, got {numels}")
-    targets = integer_targets(state_ratios, sum(numels))
-    holders = [i for i, r in enumerate(state_ratios) if r > 0]
-    n_hold = len(holders)
-    layout = [[0] * len(targets) for _ in numels]
-    remaining = list(targets)
-    uneven_units = []
-    # Even-split the smallest units first: that maximizes how many units stay even.
-    for u in sorted(range(len(numels)), key=lambda u: numels[u]):
-        q, rem = divmod(numels[u], n_hold)
-        # Leftover elements of an even split go to the ranks with the most room left.
-        extra = sorted(holders, key=lambda i: -remaining[i])[:rem]
-        parts = {i: q + (1 if i in extra else 0) for i in holders}
-        if all(remaining[i] >= parts[i] for i in holders):
-            for i in holders:
-                layout[u][i] = parts[i]
-                remaining[i] -= parts[i]
-        else:
-            uneven_units.append(u)
-    # Pour the remaining targets rank by rank over the uneven units, in unit order.
-    uneven_units.sort()
-    ranks_iter = iter(holders)
-    rank = next(ranks_iter, None)
-    for u in uneven_units:
-        left = numels[u]
-        while left > 0:
-            while remaining[rank] == 0:
-                rank = next(ranks_iter)
-            take = min(left, remaining[rank])
-            layout[u][rank] += take
-            remaining[rank] -= take
-            left -= take
-    assert all(x == 0 for x in remaining), "layout invariant: every rank's target is filled"
+    integer_targets(state_ratios, sum(numels))  # validates the ratios (ValueError)
+    r = np.asarray(state_ratios, dtype=np.float64)
+    r = r / r.sum()
+    holds = r > 0
+    given = np.zeros(len(r), dtype=np.int64)
+    layout, cumulative = [], 0
+    for numel in numels:
+        cumulative += numel
+        row = _round_share(r * cumulative - given, numel, holds)
+        given += row
+        layout.append([int(x) for x in row])
     return layout
+
+
+def _round_share(want: np.ndarray, numel: int, holds: np.ndarray) -> np.ndarray:
+    """Non-negative integers summing to ``numel``, each near ``want`` (largest remainder).
+
+    ``want`` sums to ``numel``; entries may be slightly negative (a rank that got a rounded-up
+    element earlier). Ranks where ``holds`` is False get 0.
+    """
+    base = np.where(holds, np.maximum(np.floor(want), 0), 0).astype(np.int64)
+    frac = np.where(holds, want - base, -np.inf)
+    left = numel - int(base.sum())
+    for i in np.argsort(-frac, kind="stable")[:max(left, 0)]:
+        base[i] += 1
+    while left < 0:  # clamping a negative want at 0 gave out too much: take back from the
+        i = int(np.argmin(np.where(base > 0, frac, np.inf)))  # most over-served rank
+        base[i] -= 1
+        frac[i] += 1
+        left += 1
+    return base

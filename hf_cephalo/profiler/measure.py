@@ -26,7 +26,7 @@ sequence length (synthetic token ids / pixels of the right shape, ``synthetic_mi
   saved_tensors_hooks``, parameters excluded) plus input, output and their gradients. It misses
   short-lived temporaries, so it is a lower bound of the real peak.
 - ``allgather_s`` / ``reducescatter_s``: one unit with EVEN shards over the whole world through
-  the engine's own padded collectives; the slowest rank's median (every rank plans with the
+  the engine's own collectives (equal shards: the single-tensor fast path); the slowest rank's median (every rank plans with the
   same numbers).
 
 ``profile_cluster`` runs all of it on every rank (collective when the world size is > 1),
@@ -597,7 +597,7 @@ def measure_comm(staged: StagedModel, *, device: torch.device | str, repeats: in
                  group: dist.ProcessGroup | None = None) -> CommProfile:
     """One unit's all-gather and reduce-scatter with EVEN shards (collective on every rank).
 
-    Uses the engine's padded collectives (``engine.collectives``), the reduce-scatter fallback
+    Uses the engine's collectives (``engine.collectives``), the reduce-scatter fallback
     included where the backend lacks reduce-scatter. Returns the slowest rank's medians, in
     seconds, identical on every rank. Without a process group or with world size 1: zeros.
     """
@@ -617,13 +617,14 @@ def measure_comm(staged: StagedModel, *, device: torch.device | str, repeats: in
         dist.barrier(group)
         _sync(device)
         t0 = time.perf_counter()
-        full = C.all_gather_padded(shard, n, group, stats, async_op=False).output
+        full = C.all_gather_shards(shard, [shard.numel()] * n, rank, group, stats,
+                                   async_op=False).output
         _sync(device)
         t1 = time.perf_counter()
         dist.barrier(group)
         _sync(device)
         t2 = time.perf_counter()
-        C.reduce_scatter_padded(full, n, rank, group, stats, async_op=False,
+        C.reduce_scatter_shards(full, [shard.numel()] * n, rank, group, stats, async_op=False,
                                 use_all_reduce=use_all_reduce)
         _sync(device)
         t3 = time.perf_counter()
