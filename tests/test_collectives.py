@@ -139,10 +139,11 @@ def case_engine_bytes_near_even(rank, world):
             for fallback in (False, True):
                 stats, metas = _step_stats(cfg, ratios, rank, world,
                                            reduce_scatter_fallback=fallback)
-                _check_bytes(stats, metas, _all_ranks(stats), evens, even, rank, world, ratios)
+                _check_bytes(stats, metas, _all_ranks(stats), evens, even, rank, world, ratios,
+                             cfg.tie_embeddings)
 
 
-def _check_bytes(stats, metas, per_rank, evens, even, rank, world, ratios):
+def _check_bytes(stats, metas, per_rank, evens, even, rank, world, ratios, tied):
     what = f"ratios {ratios} on rank {rank}"
     for field in ("all_gather_sent_bytes", "all_gather_received_bytes"):
         got = sum(getattr(s, field) for s in per_rank)
@@ -157,9 +158,10 @@ def _check_bytes(stats, metas, per_rank, evens, even, rank, world, ratios):
                      - sum(m.numel_per_rank[:rank])) for m in metas]
     comm_bound = 4 * (max(m.numel for m in metas) + 2 * max(trainable))
     assert stats.peak_comm_buffer_bytes <= comm_bound, (what, stats.peak_comm_buffer_bytes)
-    # per rank: exactly N - n_self received per gathered unit (2 gathers per unit in a step,
-    # except the last layer unit, kept gathered from forward into backward, and the root)
-    gathers = [2] * (len(metas) - 2) + [1, 1]
+    # per rank: exactly N - n_self received per gathered unit (2 gathers per layer unit in a
+    # step, except the last one, kept gathered from forward into backward; the split root's
+    # embedding unit twice (three times when tied: also for the head phase), the head once)
+    gathers = [2] * (len(metas) - 3) + [1] + [3 if tied else 2, 1]
     bound = sum(g * 4 * (m.numel - m.numel_per_rank[rank]) for g, m in zip(gathers, metas))
     assert stats.all_gather_count == sum(gathers), what
     assert stats.all_gather_received_bytes == bound, (what, stats.all_gather_received_bytes,

@@ -26,8 +26,8 @@ sequence length (synthetic token ids / pixels of the right shape, ``synthetic_mi
   saved_tensors_hooks``, parameters excluded) plus input, output and their gradients. It misses
   short-lived temporaries, so it is a lower bound of the real peak.
 - ``allgather_s`` / ``reducescatter_s``: one unit with EVEN shards over the whole world through
-  the engine's own collectives (equal shards: the single-tensor fast path); the slowest rank's median (every rank plans with the
-  same numbers).
+  the engine's own collectives (equal shards: the single-tensor fast path); the slowest rank's
+  median (every rank plans with the same numbers).
 
 ``profile_cluster`` runs all of it on every rank (collective when the world size is > 1),
 uses the on-disk cache (``profiler.cache``) when it can, and returns the same
