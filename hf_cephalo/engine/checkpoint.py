@@ -480,12 +480,14 @@ def _check_model(layout: CheckpointLayout, engine) -> None:
 
 
 @contextlib.contextmanager
-def errors_on_every_rank(group: dist.ProcessGroup | None = None) -> Iterator[None]:
+def errors_on_every_rank(group: dist.ProcessGroup | None = None,
+                         what: str = "load the checkpoint") -> Iterator[None]:
     """Collective: if the body raises on ANY rank, raise on EVERY rank (no rank runs ahead
     into a training collective while another gave up, which would hang).
 
     One ``all_gather_object`` of the error messages after the body. The failing rank re-raises
-    its own exception; the others raise CheckpointError quoting the first failing rank's.
+    its own exception; the others raise CheckpointError quoting the first failing rank's
+    (``"rank R could not <what>: ..."``).
     """
     error: BaseException | None = None
     try:
@@ -503,7 +505,7 @@ def errors_on_every_rank(group: dist.ProcessGroup | None = None) -> Iterator[Non
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if failed:
         rank, message = failed[0]
-        raise CheckpointError(f"rank {rank} could not load the checkpoint: {message}")
+        raise CheckpointError(f"rank {rank} could not {what}: {message}")
 
 
 def load_checkpoint(engine, directory: str, optimizer: torch.optim.Optimizer | None = None, *,

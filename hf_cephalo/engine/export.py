@@ -353,7 +353,7 @@ def save_pretrained_streamed(engine, out_dir: str, *,
                          total_parameters=total_parameters)
     units = engine.iter_full_units(plan.unit_order)
     result = None
-    with errors_on_every_rank(engine.group):
+    with errors_on_every_rank(engine.group, what=f"save the model to {out_dir}"):
         try:
             if engine.rank == 0:
                 result = _write_model_dir(out_dir, plan, units, model, engine.root.dtype)
