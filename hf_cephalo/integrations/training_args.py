@@ -85,7 +85,7 @@ class CephaloTrainingArguments(TrainingArguments):
         "Also write the full model into every checkpoint-N (the files save_model writes: "
         "sharded safetensors + config, loadable with from_pretrained). Default false: checkpoints "
         "hold the sharded engine state only, and `hf-cephalo export checkpoint-N --out DIR` writes "
-        "the full model on demand. Env: HF_CEPHALO_SAVE_FULL_MODEL=1.")})
+        "the full model on demand. Flag: --cephalo_save_full_model true. Env: HF_CEPHALO_SAVE_FULL_MODEL=1.")})
     cephalo_max_shard_size: str | None = field(default=None, metadata={"help": (
         "Largest weight file save_model writes, as save_pretrained's max_shard_size: bytes or a "
         "size such as '5GB' (units TB, GB, MB, KB, powers of 1000); bigger models are written as "
