@@ -1,6 +1,6 @@
 """Rank 0's peak host memory while saving a model: full state dict (old) vs streamed (new).
 
-2 gloo ranks on CPU, a Llama of about 92 M parameters (366 MB in fp32; ``--quick``: ~25 M),
+2 gloo ranks on CPU, a Llama of about 158 M parameters (633 MB in fp32; ``--quick``: ~24 M),
 state ratios 0.8 / 0.2. In ONE run, each rank measures, around each save:
 
 * ``old``: ``engine.full_state_dict()`` on rank 0 + ``model.save_pretrained(state_dict=...)``
@@ -30,10 +30,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODEL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
-             num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=256)
-QUICK = dict(MODEL, vocab_size=8000, hidden_size=512, intermediate_size=1408,
-             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+# most parameters in the layers (as in a 7B model, where the root is ~4%), so the "one unit"
+# part of the bound is one layer; a small vocabulary keeps the root unit below one layer's size
+MODEL = dict(vocab_size=8000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+             num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=256)
+QUICK = dict(MODEL, vocab_size=4000, hidden_size=512, intermediate_size=1408,
+             num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4)
 RATIOS = [0.8, 0.2]
 
 
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
     import torch.multiprocessing as mp
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a ~25 M parameter model")
+    parser.add_argument("--quick", action="store_true", help="a ~24 M parameter model")
     parser.add_argument("--max-shard-size", default="50MB")
     args = parser.parse_args(argv)
     from tests.dist_utils import free_port
