@@ -411,6 +411,7 @@ class CephaloEngine:
 
         Holds the whole model on rank 0: for small models and tests. To write a large model,
         stream it (``hf_cephalo.engine.export.save_pretrained_streamed``)."""
+        self.check_usable("full_state_dict")
         by_key: dict[str, torch.Tensor] = {}
         for full_unit in self.iter_full_units():
             copies: dict[int, torch.Tensor] = {}

@@ -38,9 +38,10 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "SavedTensor", "HFFilePlan", "SaveResult",
-           "parse_max_shard_size", "plan_hf_files", "write_hf_files", "write_hf_configs",
-           "save_pretrained_streamed", "copy_processor_files"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "WEIGHTS_NAME", "INDEX_NAME", "PROCESSOR_FILES",
+           "SavedTensor", "HFFilePlan", "SaveResult", "parse_max_shard_size", "plan_hf_files",
+           "engine_sources", "write_hf_files", "write_hf_configs", "remove_stale_weights",
+           "copy_processor_files", "save_pretrained_streamed"]
 
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5.x save_pretrained's default
 WEIGHTS_NAME = "model.safetensors"
@@ -161,7 +162,7 @@ def plan_hf_files(model: torch.nn.Module, sources: Mapping[str, SavedTensor], *,
 def _apply_hf_key_edits(model, metas: dict[str, torch.Tensor],
                         sources: Mapping[str, SavedTensor]) -> dict[str, str]:
     """Drop tied aliases and apply renames as ``save_pretrained`` does: {saved key: state-dict
-    key}, in saving order. ``metas`` is edited in place."""
+    key}, in saving order."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):  # plain module: keep the first name of a tensor
