@@ -395,6 +395,11 @@ def _add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="allow --out to be a non-empty directory that is not a previous export "
                         "(never the checkpoint directory itself)")
+    p.add_argument("--max-shard-size", default="50GB",
+                   help="largest weight file, as save_pretrained's max_shard_size: bytes or a "
+                        "size such as '5GB' (units TB, GB, MB, KB; powers of 1000). Larger "
+                        "weights go into model-0000k-of-0000n.safetensors files with an index "
+                        "(default 50GB, save_pretrained's)")
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -406,9 +411,12 @@ def _run_export(args: argparse.Namespace) -> int:
                          "would mix model files into the checkpoint: give a directory outside it")
     from hf_cephalo.engine.checkpoint import export_hf
 
+    size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     out = export_hf(args.checkpoint, args.out, verify=not args.no_verify,
-                    overwrite=args.overwrite)
-    print(f"exported {args.checkpoint} to {out} (load with from_pretrained)")
+                    overwrite=args.overwrite, max_shard_size=size)
+    weights = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    print(f"exported {args.checkpoint} to {out}: {len(weights)} weight file(s) "
+          f"(load with from_pretrained)")
     return 0
 
 

@@ -62,7 +62,7 @@ def _kill_mid_save_class():
     return KilledMidSave
 
 
-def _trainer(rank, world_size, out_dir, plan_name, cls=None):
+def _trainer(rank, world_size, out_dir, plan_name, cls=None, save_full_model=False):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     from hf_cephalo.integrations.trainer import CephaloTrainer
@@ -76,7 +76,7 @@ def _trainer(rank, world_size, out_dir, plan_name, cls=None):
         output_dir=out_dir, report_to="none", learning_rate=3e-3, adam_epsilon=1e-4,
         weight_decay=0.01, warmup_steps=2, max_steps=MAX_STEPS, logging_steps=1,
         save_strategy="steps", save_steps=SAVE_STEPS, seed=5, max_grad_norm=1.0,
-        disable_tqdm=True)
+        disable_tqdm=True, cephalo_save_full_model=save_full_model, cephalo_max_shard_size="100KB")
     cls = cls or CephaloTrainer
     return cls(model=build("llama").train(), args=args, plan=Plan.from_ratios(*PLANS[plan_name]),
                train_dataset=_dataset(), data_collator=_collate)
@@ -91,7 +91,7 @@ def _summary(trainer):
 
 
 def _uninterrupted(rank, world_size, out_dir):
-    trainer = _trainer(rank, world_size, out_dir, "first")
+    trainer = _trainer(rank, world_size, out_dir, "first", save_full_model=True)
     trainer.train()
     return _summary(trainer)
 
@@ -180,10 +180,16 @@ def test_kill_mid_save_leaves_no_complete_checkpoint(runs):
 
 def test_checkpoint_contents(runs):
     files = set(os.listdir(os.path.join(runs["full_dir"], "checkpoint-4")))
-    assert {"model.safetensors", "config.json", "scheduler.pt", "trainer_state.json",
-            "rng_state_0.pth", "rng_state_1.pth", ckpt.FILES.LAYOUT, ckpt.FILES.BUFFERS,
-            ckpt.FILES.shard(0), ckpt.FILES.shard(1), ckpt.FILES.COMPLETE} <= files
+    sharded = {"scheduler.pt", "trainer_state.json", "training_args.bin", "rng_state_0.pth",
+               "rng_state_1.pth", ckpt.FILES.LAYOUT, ckpt.FILES.BUFFERS, ckpt.FILES.shard(0),
+               ckpt.FILES.shard(1), ckpt.FILES.COMPLETE}
+    # cephalo_save_full_model: the full model as save_model writes it (sharded: 100KB files)
+    assert sharded | {"model.safetensors.index.json", "config.json"} <= files
+    assert sum(n.startswith("model-") for n in files) > 2
     assert not any(name.startswith(".tmp-") for name in os.listdir(runs["full_dir"]))
+    # default: no full model in the checkpoint (the killed run's, resumed)
+    files = set(os.listdir(os.path.join(runs["killed_dir"], "checkpoint-2")))
+    assert sharded <= files and not any(n.startswith(("model", "config")) for n in files)
 
 
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(runs):
@@ -215,6 +221,15 @@ def test_export_of_a_trainer_checkpoint_equals_its_model_file(runs, tmp_path):
 
     directory = os.path.join(runs["full_dir"], "checkpoint-4")
     merged = ckpt.read_full_state_dict(directory)
-    saved = load_file(os.path.join(directory, "model.safetensors"))
+    saved = {k: v for n in os.listdir(directory) if n.startswith("model-")
+             for k, v in load_file(os.path.join(directory, n)).items()}
+    assert set(saved) == set(merged)  # untied Llama: every key
     for key, value in saved.items():
         assert torch.equal(merged[key], value), key
+    out = ckpt.export_hf(directory, str(tmp_path / "hf"), max_shard_size="100KB")
+    exported = {n: load_file(os.path.join(out, n)) for n in os.listdir(out)
+                if n.endswith(".safetensors")}
+    assert exported.keys() == {n for n in os.listdir(directory) if n.startswith("model-")}
+    for name, tensors in exported.items():
+        want = load_file(os.path.join(directory, name))
+        assert list(tensors) == list(want) and all(torch.equal(tensors[k], want[k]) for k in want)

@@ -639,8 +639,12 @@ def case_exception_mid_step(rank, world):
         engine.evaluate(mine)
     # every other collective entry point refuses too (a one-rank failure would hang them)
     from hf_cephalo.engine.checkpoint import load_checkpoint, save_checkpoint
+    from hf_cephalo.engine.export import save_pretrained_streamed
     for name, call in (("clip_grad_norm_", lambda: engine.clip_grad_norm_(1.0)),
                        ("full_state_dict", engine.full_state_dict),
+                       ("iter_full_units", engine.iter_full_units),
+                       ("save_pretrained_streamed",
+                        lambda: save_pretrained_streamed(engine, "/nonexistent/hf")),
                        ("load_full_state_dict", lambda: engine.load_full_state_dict({})),
                        ("save_checkpoint", lambda: save_checkpoint(engine, "/nonexistent/ck")),
                        ("load_checkpoint", lambda: load_checkpoint(engine, "/nonexistent/ck"))):

@@ -9,7 +9,8 @@ from transformers import HfArgumentParser
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
 ENV_NAMES = ["PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE", "MEMORY_FRACTION",
-             "ACTIVATION_OFFLOAD", "EMULATE_SLOWDOWN", "EMULATE_MEMORY_CAP_BYTES"]
+             "ACTIVATION_OFFLOAD", "EMULATE_SLOWDOWN", "EMULATE_MEMORY_CAP_BYTES",
+             "SAVE_FULL_MODEL", "MAX_SHARD_SIZE"]
 
 
 @pytest.fixture(autouse=True)
@@ -27,6 +28,7 @@ def test_defaults(tmp_path):
     assert args.cephalo_plan_file is None and args.cephalo_global_batch_size is None
     assert args.cephalo_memory_fraction == 0.8
     assert args.cephalo_activation_offload == "auto" and args.cephalo_offload_activations is None
+    assert args.cephalo_save_full_model is False and args.cephalo_max_shard_size == "50GB"
     if not torch.cuda.is_available():
         assert args.use_cpu  # so accelerate-launched workers build a MULTI_CPU state
 
@@ -103,10 +105,26 @@ def test_env_fallbacks_and_precedence(tmp_path, monkeypatch):
     (dict(fp16=True), "--fp16 is not supported by CephaloTrainer: fp16 needs a loss scaler.*--bf16"),
     (dict(fp16_full_eval=True), "--fp16_full_eval is not supported"),
     (dict(bf16_full_eval=True), "--bf16_full_eval is not supported"),
+    (dict(cephalo_save_full_model="maybe"), r"save_full_model = 'maybe' \(--cephalo_save_full_model or env HF_CEPHALO_SAVE_FULL_MODEL\)"),
+    (dict(cephalo_max_shard_size="5XB"), r"max_shard_size = '5XB' \(--cephalo_max_shard_size or env HF_CEPHALO_MAX_SHARD_SIZE\)"),
+    (dict(cephalo_max_shard_size="0"), "max_shard_size = '0'"),
 ])
 def test_validation(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         _args(tmp_path, **kw)
+
+
+def test_save_settings_from_flags_and_env(tmp_path, monkeypatch):
+    parser = HfArgumentParser(CephaloTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path / "o"), "--report_to", "none",
+        "--cephalo_save_full_model", "true", "--cephalo_max_shard_size", "2GB"])
+    assert args.cephalo_save_full_model is True and args.cephalo_max_shard_size == "2GB"
+    monkeypatch.setenv("HF_CEPHALO_SAVE_FULL_MODEL", "yes")
+    monkeypatch.setenv("HF_CEPHALO_MAX_SHARD_SIZE", "1000000")
+    args = _args(tmp_path)
+    assert args.cephalo_save_full_model is True and args.cephalo_max_shard_size == 1_000_000
+    assert _args(tmp_path, cephalo_save_full_model=False).cephalo_save_full_model is False
 
 
 def test_env_value_is_validated(tmp_path, monkeypatch):

@@ -495,12 +495,14 @@ def _check_model(layout: CheckpointLayout, engine) -> None:
 
 
 @contextlib.contextmanager
-def errors_on_every_rank(group: dist.ProcessGroup | None = None) -> Iterator[None]:
+def errors_on_every_rank(group: dist.ProcessGroup | None = None,
+                         what: str = "load the checkpoint") -> Iterator[None]:
     """Collective: if the body raises on ANY rank, raise on EVERY rank (no rank runs ahead
     into a training collective while another gave up, which would hang).
 
     One ``all_gather_object`` of the error messages after the body. The failing rank re-raises
-    its own exception; the others raise CheckpointError quoting the first failing rank's.
+    its own exception; the others raise CheckpointError quoting the first failing rank's
+    (``"rank R could not <what>: ..."``).
     """
     error: BaseException | None = None
     try:
@@ -518,7 +520,7 @@ def errors_on_every_rank(group: dist.ProcessGroup | None = None) -> Iterator[Non
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if failed:
         rank, message = failed[0]
-        raise CheckpointError(f"rank {rank} could not load the checkpoint: {message}")
+        raise CheckpointError(f"rank {rank} could not {what}: {message}")
 
 
 def load_checkpoint(engine, directory: str, optimizer: torch.optim.Optimizer | None = None, *,
@@ -670,8 +672,10 @@ _EXPORT_FILE_PREFIXES = ("model", "config.json", "generation_config.json")
 
 
 def _is_previous_export(names: list[str]) -> bool:
-    return all(n.startswith(_EXPORT_FILE_PREFIXES) and
-               n.endswith((".safetensors", ".json")) for n in names)
+    from .export import PROCESSOR_FILES
+
+    return all((n.startswith(_EXPORT_FILE_PREFIXES) and n.endswith((".safetensors", ".json")))
+               or n in PROCESSOR_FILES or n.startswith(".tmp-") for n in names)
 
 
 def check_export_target(directory: str, out_dir: str, *, overwrite: bool = False) -> None:
@@ -679,7 +683,8 @@ def check_export_target(directory: str, out_dir: str, *, overwrite: bool = False
 
     Allowed: a missing path, an empty directory, or a directory holding only files that
     ``save_pretrained`` writes (``config.json``, ``generation_config.json``,
-    ``model*.safetensors``, ``model.safetensors.index.json``: a previous export, replaced).
+    ``model*.safetensors``, ``model.safetensors.index.json``, the tokenizer / processor files
+    an export copies, hidden ``.tmp-*`` leftovers: a previous export, replaced).
     ``overwrite=True`` also allows any other directory (files of the same names are replaced).
 
     Raises:
@@ -708,27 +713,52 @@ def check_export_target(directory: str, out_dir: str, *, overwrite: bool = False
                                   "directory, or pass overwrite=True (CLI: --overwrite)")
 
 
-def export_hf(directory: str, out_dir: str, *, verify: bool = True,
-              overwrite: bool = False) -> str:
+def export_hf(directory: str, out_dir: str, *, verify: bool = True, overwrite: bool = False,
+              max_shard_size: int | str = "50GB") -> str:
     """Write a ``from_pretrained``-loadable model directory from a sharded checkpoint.
 
-    Offline (no process group). Builds the model class named by the saved config's
-    ``architectures`` from ``transformers`` (never remote code), loads the merged state dict
-    and calls ``save_pretrained(out_dir)`` (safetensors; tied weights once). Returns out_dir.
-    The target is checked first (``check_export_target``): a missing path, an empty
-    directory or a previous export; ``overwrite=True`` allows any other directory except the
-    checkpoint directory itself.
+    Offline (no process group). The model class named by the saved config's ``architectures``
+    is built on the meta device from ``transformers`` (never remote code) for its key names,
+    tied weights and configs only; the weights stream from the shard files ONE unit at a time
+    into the files ``save_pretrained(out_dir, max_shard_size=max_shard_size)`` would write
+    (``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + index; tied weights once;
+    ``config.json``, ``generation_config.json``; see ``export.py`` [Note: streamed save]).
+    Tokenizer / processor files in the checkpoint directory (``export.PROCESSOR_FILES``) are
+    copied next to the weights. Memory: one output file's tensors plus one unit. Returns
+    out_dir. The target is checked first (``check_export_target``).
 
     Raises:
         CheckpointError: as ``read_full_state_dict``; no config in the checkpoint; a config
-            that needs remote code or names no transformers class; a refused target (see
-            ``check_export_target``); ``save_pretrained`` wrote no ``config.json``.
+            that needs remote code or names no transformers class; checkpoint keys that do not
+            match that class's; a refused target (see ``check_export_target``).
+        ValueError: a bad ``max_shard_size`` (before anything is read).
     """
-    import transformers
+    from .export import (copy_processor_files, parse_max_shard_size, plan_hf_files,
+                         remove_stale_weights, write_hf_configs, write_hf_files)
 
+    parse_max_shard_size(max_shard_size)
     check_export_target(directory, out_dir, overwrite=overwrite)
     layout = read_layout(directory)
-    layout_path = os.path.join(directory, FILES.LAYOUT)
+    model = _meta_model(layout)
+    reader = _ShardReader(layout, verify)
+    sources, total_numel, dtype = _layout_sources(layout, reader, model)
+    plan = plan_hf_files(model, sources, max_shard_size=max_shard_size,
+                         total_parameters=total_numel)
+    buffers = _read_buffers(layout, reader)
+    os.makedirs(out_dir, exist_ok=True)
+    result = write_hf_files(out_dir, plan, _layout_units(reader, plan.unit_order),
+                            buffers=buffers)
+    write_hf_configs(out_dir, model, dtype)
+    remove_stale_weights(out_dir, result.files)
+    copy_processor_files(directory, out_dir)
+    return out_dir
+
+
+def _meta_model(layout: CheckpointLayout):
+    """The checkpoint's transformers model class built on the meta device from its config."""
+    import transformers
+
+    layout_path = os.path.join(layout.directory, FILES.LAYOUT)
     config_dict = layout.config
     if not config_dict or not config_dict.get("architectures"):
         raise CheckpointError(f"{layout_path}: no model config with 'architectures' (the model "
@@ -740,15 +770,55 @@ def export_hf(directory: str, out_dir: str, *, verify: bool = True,
     model_cls = getattr(transformers, arch, None)
     if model_cls is None or not isinstance(model_cls, type):
         raise CheckpointError(f"{layout_path}: architecture {arch!r} is not a transformers class")
-    state_dict = read_full_state_dict(directory, verify=verify)
-    config_cls = model_cls.config_class
-    config = config_cls.from_dict({k: v for k, v in config_dict.items()
-                                   if k not in ("transformers_version",)})
+    config = model_cls.config_class.from_dict({k: v for k, v in config_dict.items()
+                                               if k not in ("transformers_version",)})
     with torch.device("meta"):
-        model = model_cls(config)
-    model.load_state_dict(state_dict, strict=True, assign=True)
-    model.save_pretrained(out_dir)
-    if not os.path.isfile(os.path.join(out_dir, "config.json")):
-        raise CheckpointError(f"export to {out_dir}: save_pretrained wrote no config.json")
-    return out_dir
+        return model_cls(config)
 
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16}
+
+
+def _layout_sources(layout: CheckpointLayout, reader: _ShardReader, model):
+    """(saved-tensor sources in the model's state-dict order, distinct parameter elements,
+    parameter dtype) of a checkpoint; CheckpointError if its keys are not the model's."""
+    from .export import SavedTensor
+
+    unit, rank = next(((u, r) for u, info in enumerate(layout.units)
+                       for r, n in enumerate(info["numel_per_rank"]) if n), (0, 0))
+    code = reader.open(FILES.shard(rank)).get_slice(f"units.{unit}.param").get_dtype()
+    dtype = _SAFETENSORS_DTYPES.get(code, torch.float32)
+    where = {alias: SavedTensor(u, p["fqn"], tuple(p["shape"]), dtype)
+             for u, info in enumerate(layout.units) for p in info["params"]
+             for alias in p["aliases"]}
+    buffers = set(layout.buffers)
+    keys = list(model.state_dict(keep_vars=True))
+    missing = [k for k in keys if k not in where and k not in buffers]
+    unexpected = sorted((set(where) | buffers) - set(keys))
+    if missing or unexpected:
+        raise CheckpointError(f"{os.path.join(layout.directory, FILES.LAYOUT)}: keys do not "
+                              f"match {type(model).__name__}: missing {missing}, unexpected "
+                              f"{unexpected}")
+    meta = model.state_dict(keep_vars=True)
+    sources = {k: where[k] if k in where else
+               SavedTensor(None, k, tuple(meta[k].shape), meta[k].dtype) for k in keys}
+    return sources, sum(int(info["numel"]) for info in layout.units), dtype
+
+
+def _layout_units(reader: _ShardReader, order: list[int]):
+    """Yield ``FullUnit`` per unit index in ``order``, read from the shard files."""
+    from .engine import FullUnit
+
+    for u in order:
+        info = reader.layout.units[u]
+        yield FullUnit(u, _unit_views(info, reader.read_range(u, "param", 0, info["numel"],
+                                                              "param")))
+
+
+def _unit_views(info: dict[str, Any], flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for p in info["params"]:
+        view = flat[p["offset"]:p["offset"] + p["numel"]].view(p["shape"])
+        out.update((alias, view) for alias in p["aliases"])
+    return out

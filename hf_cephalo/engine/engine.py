@@ -15,7 +15,7 @@ See docs/design.md contract 4 and [Note: layered schedule] in ``schedule.py``.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,28 @@ class EvalOutput(NamedTuple):
     loss: float
     num_items: int
     logits: list[torch.Tensor]
+
+
+class FullUnit(NamedTuple):
+    """One unit's full (gathered) parameters, as ``CephaloEngine.iter_full_units`` yields them.
+
+    index: the unit's position in ``shard_metadata()`` (layers in order, root unit(s) after).
+    tensors: every parameter name (tied aliases included, each alias the SAME tensor object) ->
+        a view of the gathered flat buffer with the parameter's shape, on the engine's device in
+        the training dtype. Valid until the iterator advances (copy what you keep).
+    """
+
+    index: int
+    tensors: dict[str, torch.Tensor]
+
+
+def _param_views(infos, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every alias of every parameter -> one view of the (N,) flat buffer ``full``."""
+    out: dict[str, torch.Tensor] = {}
+    for info in infos:
+        view = full[info.offset:info.offset + info.numel].view(info.shape)
+        out.update((alias, view) for alias in info.aliases)
+    return out
 
 
 def _check_ratios(state_ratios, world_size: int) -> list[float]:
@@ -422,22 +444,56 @@ class CephaloEngine:
         loss_sum += out.loss.loss_sum.double()
         return out.logits if process_logits is None else process_logits(out.logits, mb)
 
+    def iter_full_units(self, order: Sequence[int] | None = None) -> Iterator[FullUnit]:
+        """Collective generator: gather one unit at a time, in ``order`` (unit indices of
+        ``shard_metadata()``, repeats allowed; default: every unit once, in that order).
+
+        Every rank must run it to the end (``for ... in``): each step is one all-gather of one
+        unit. Rank 0 gets one ``FullUnit`` per entry of ``order``; the other ranks take part in
+        the gathers and get nothing. At most one gathered unit is alive at a time as long as
+        the caller drops the previous ``FullUnit`` before advancing (see [Note: streamed save]
+        in ``export.py``).
+
+        Raises:
+            ValueError: an index outside ``range(len(shard_metadata()))`` (before any gather).
+            RuntimeError: an earlier step raised part-way (``check_usable``).
+        """
+        self.check_usable("iter_full_units")
+        units = self._all_units()
+        order = list(range(len(units))) if order is None else [int(i) for i in order]
+        bad = [i for i in order if not 0 <= i < len(units)]
+        if bad:
+            raise ValueError(f"iter_full_units: unit indices {bad} are outside 0..{len(units) - 1}")
+        return self._gather_units(order)
+
+    def _gather_units(self, order: list[int]) -> Iterator[FullUnit]:
+        units = self._all_units()
+        for index in order:
+            unit = units[index]
+            full = unit.gather_full()
+            if self.rank == 0:
+                yield FullUnit(index, _param_views(unit.infos, full))
+            del full  # before the next gather: one gathered unit alive at a time
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: rank 0 gets ``model.state_dict()``'s keys (CPU tensors in the training
         dtype — fp32 for an fp32 model — tied aliases included, each alias the same tensor)
-        with the current values; other ranks get None."""
+        with the current values; other ranks get None.
+
+        Holds the whole model on rank 0: for small models and tests. To write a large model,
+        stream it (``hf_cephalo.engine.export.save_pretrained_streamed``)."""
         self.check_usable("full_state_dict")
-        by_id: dict[int, torch.Tensor] = {}
-        for unit in self._all_units():
-            full = unit.gather_full()
-            if self.rank == 0:
-                for info, p in zip(unit.infos, unit._params):
-                    t = full[info.offset:info.offset + info.numel].view(info.shape)
-                    by_id[id(p)] = t.detach().to("cpu", copy=True)
+        by_key: dict[str, torch.Tensor] = {}
+        for full_unit in self.iter_full_units():
+            copies: dict[int, torch.Tensor] = {}
+            for key, view in full_unit.tensors.items():
+                if id(view) not in copies:
+                    copies[id(view)] = view.detach().to("cpu", copy=True)
+                by_key[key] = copies[id(view)]
         if self.rank != 0:
             return None
         model = self.staged.model
-        return {key: by_id[ref] if kind == "param" else
+        return {key: by_key[key] if kind == "param" else
                 model.get_buffer(ref).detach().to("cpu", copy=True)
                 for key, kind, ref in self._key_map}
 

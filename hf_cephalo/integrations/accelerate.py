@@ -102,6 +102,12 @@ class CephaloPlugin:
     """Per-rank compute slowdown factors (dimensionless, >= 1), rank order; None: no emulation."""
     emulate_memory_cap_bytes: list[int] | None = None
     """Per-rank emulated memory capacity (bytes, > 0), rank order; None: real capacity."""
+    save_full_model: bool | None = None
+    """Also write the full model (``save_model``'s sharded safetensors) into every Trainer
+    checkpoint; default False (``hf-cephalo export`` writes it from a checkpoint on demand)."""
+    max_shard_size: str | None = None
+    """Largest weight file ``save_model`` writes, as ``save_pretrained``'s ``max_shard_size``:
+    bytes or e.g. '5GB' (TB/GB/MB/KB, powers of 1000); default '50GB'."""
     distributed_type: CephaloDistributedType = CephaloDistributedType.CEPHALO
     """Cephalo's own distributed type (Accelerate's stays MULTI_GPU / MULTI_CPU)."""
 
@@ -115,6 +121,10 @@ class CephaloPlugin:
             self.memory_fraction = 0.8
         if self.activation_offload is None:
             self.activation_offload = "auto"
+        if self.save_full_model is None:
+            self.save_full_model = False
+        if self.max_shard_size is None:
+            self.max_shard_size = "50GB"
         self._validate()
 
     def _bad(self, name: str, requirement: str) -> ValueError:
@@ -145,7 +155,30 @@ class CephaloPlugin:
         if str(self.activation_offload).lower() not in ACTIVATION_OFFLOAD_CHOICES:
             raise self._bad("activation_offload", f"must be one of {ACTIVATION_OFFLOAD_CHOICES}")
         self.activation_offload = str(self.activation_offload).lower()
+        self._validate_saving()
         self._validate_emulation()
+
+    def _validate_saving(self) -> None:
+        from hf_cephalo.engine.export import parse_max_shard_size
+
+        flag = self.save_full_model
+        if isinstance(flag, str):
+            words = {"1": True, "true": True, "yes": True, "on": True,
+                     "0": False, "false": False, "no": False, "off": False}
+            if flag.strip().lower() not in words:
+                raise self._bad("save_full_model", "must be true or false (1/0, yes/no, on/off)")
+            flag = words[flag.strip().lower()]
+        if not isinstance(flag, bool):
+            raise self._bad("save_full_model", "must be true or false")
+        self.save_full_model = flag
+        size = self.max_shard_size
+        if isinstance(size, str) and size.strip().isdigit():
+            size = int(size.strip())
+        try:
+            parse_max_shard_size(size)
+        except ValueError as e:
+            raise self._bad("max_shard_size", f"{e}") from None
+        self.max_shard_size = size
 
     def _validate_emulation(self) -> None:
         if self.emulate_slowdown is not None:

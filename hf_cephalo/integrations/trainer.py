@@ -28,12 +28,14 @@ callbacks — is the Trainer's own):
   parameter group: weight decay applies to every parameter, see ``create_optimizer``).
 - **Evaluation**: through the engine; rank-weighted unshuffled split of the eval set, every
   prediction gathered exactly once in dataset order.
-- **Saving**: ``save_model`` gathers the full state dict (collective) and rank 0 writes a
-  ``from_pretrained``-loadable safetensors checkpoint with the model's own keys.
+- **Saving**: ``save_model`` (collective) streams the model one unit at a time into the
+  files ``save_pretrained`` writes (sharded safetensors above ``cephalo_max_shard_size``, the
+  model's own keys, tied weights once); rank 0 never holds the whole model.
 - **Checkpoints** (``save_steps``): written atomically (staging directory renamed after a
-  completeness marker); besides the stock files each rank writes its parameter and optimizer
-  shards with their layout, so ``resume_from_checkpoint`` works onto any plan and world size
-  (docs/checkpoints.md).
+  completeness marker); each rank writes its parameter and optimizer shards with their layout,
+  so ``resume_from_checkpoint`` works onto any plan and world size (docs/checkpoints.md). The
+  full model goes in only with ``cephalo_save_full_model``; ``hf-cephalo export`` writes it
+  from any checkpoint.
 """
 
 from __future__ import annotations
@@ -367,25 +369,48 @@ class CephaloTrainer(Trainer):
 
     # ---- saving --------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Collective (call on every rank): rank 0 writes a ``from_pretrained`` checkpoint.
+        """Collective (call on every rank): write a ``from_pretrained`` model directory.
 
-        Keys are exactly ``model.state_dict()``'s (no wrapper or flat-parameter names); tied
-        weights are saved once, as ``save_pretrained`` does.
+        The engine streams the weights one unit at a time into the files ``save_pretrained``
+        writes (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` + index above
+        ``cephalo_max_shard_size``; tied weights once; config and generation config;
+        ``hf_cephalo.engine.export.save_pretrained_streamed``): rank 0 holds one output file
+        plus one unit, never the whole model. Rank 0 also writes the processing class
+        (tokenizer) and ``training_args.bin``, as stock ``Trainer._save`` does.
         """
+        from hf_cephalo.engine.export import save_pretrained_streamed
+
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = self.engine.full_state_dict()
-        self._save(output_dir, state_dict=state_dict)
+        save_pretrained_streamed(self.engine, output_dir,
+                                 max_shard_size=self.args.cephalo_max_shard_size)
+        if self.args.should_save:
+            self._save_side_files(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_side_files(self, output_dir: str) -> None:
+        """Rank 0: the processing class (tokenizer / processor) and ``training_args.bin``, as
+        stock ``Trainer._save`` writes them next to the weights."""
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        os.makedirs(output_dir, exist_ok=True)
+        processor = self.processing_class
+        if processor is None:
+            processor = getattr(self.data_collator, "tokenizer", None)
+        if processor is not None:
+            processor.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     # ---- checkpoints (docs/checkpoints.md) ---------------------------------------------------
     def _save_checkpoint(self, model: torch.nn.Module, trial=None) -> None:
         """Collective: the stock checkpoint contents, written atomically.
 
-        Everything (``model.safetensors`` + config, the sharded engine state, scheduler, RNG,
-        ``trainer_state.json``) goes into a hidden ``.tmp-checkpoint-N`` that is renamed to
+        Everything (the sharded engine state, scheduler, RNG, ``trainer_state.json``, the
+        tokenizer and ``training_args.bin``; the full model only with
+        ``cephalo_save_full_model``) goes into a hidden ``.tmp-checkpoint-N`` that is renamed to
         ``checkpoint-N`` after the completeness marker (``hf_cephalo.engine.checkpoint``
         [Note: atomic checkpoints]); a run killed mid-save leaves no ``checkpoint-N``.
+        ``hf-cephalo export checkpoint-N --out DIR`` writes the full model from it on demand.
         """
         import os
 
@@ -399,7 +424,10 @@ class CephaloTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         with atomic_checkpoint_dir(output_dir, self.engine.group) as staging:
-            self.save_model(staging, _internal_call=True)
+            if self.args.cephalo_save_full_model:
+                self.save_model(staging, _internal_call=True)
+            elif self.args.should_save:
+                self._save_side_files(staging)
             if not self.args.save_only_model:
                 self._save_optimizer_and_scheduler(staging)
                 self._save_scaler(staging)

@@ -81,6 +81,17 @@ class CephaloTrainingArguments(TrainingArguments):
         "in rank order: '8e9,4e9' or '8e9 4e9'; the planner uses it instead of the device's real "
         "capacity. Env: HF_CEPHALO_EMULATE_MEMORY_CAP_BYTES='8e9,4e9'.")})
 
+    cephalo_save_full_model: bool | None = field(default=None, metadata={"help": (
+        "Also write the full model into every checkpoint-N (the files save_model writes: "
+        "sharded safetensors + config, loadable with from_pretrained). Default false: checkpoints "
+        "hold the sharded engine state only, and `hf-cephalo export checkpoint-N --out DIR` writes "
+        "the full model on demand. Flag: --cephalo_save_full_model true. Env: HF_CEPHALO_SAVE_FULL_MODEL=1.")})
+    cephalo_max_shard_size: str | None = field(default=None, metadata={"help": (
+        "Largest weight file save_model writes, as save_pretrained's max_shard_size: bytes or a "
+        "size such as '5GB' (units TB, GB, MB, KB, powers of 1000); bigger models are written as "
+        "model-0000k-of-0000n.safetensors + model.safetensors.index.json. Default '50GB' "
+        "(save_pretrained's). Env: HF_CEPHALO_MAX_SHARD_SIZE.")})
+
     def __post_init__(self) -> None:
         self._resolve_cephalo_fields()
         if self.gradient_accumulation_steps != 1:
