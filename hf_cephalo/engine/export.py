@@ -357,7 +357,7 @@ def save_pretrained_streamed(engine, out_dir: str, *,
     with errors_on_every_rank(engine.group, what=f"save the model to {out_dir}"):
         try:
             if engine.rank == 0:
-                result = _write_model_dir(out_dir, plan, units, model, engine.root.dtype)
+                result = _write_model_dir(out_dir, plan, units, model, engine.dtype)
         finally:
             for _ in units:  # finish the gathers (all of them on ranks > 0, the rest on error)
                 pass
