@@ -23,7 +23,8 @@ from torch import nn
 
 from ..models.base import AutocastStagedModel, StagedModel
 from . import collectives as C
-from .flat_param import FlatParamUnit, LiveTracker, UnitShardMeta, collect_params
+from .flat_param import FlatParamUnit, LiveTracker, UnitShardMeta, collect_params, param_infos
+from .loading import CheckpointLike, StartKind, choose_source, place_buffers
 from .offload import ActivationStash, CudaStreams
 from .schedule import LayeredStep
 from .stats import CollectiveStats
@@ -104,12 +105,14 @@ class CephaloEngine:
     """Runs a ``StagedModel`` with uneven ZeRO-3 sharding and layered gradient accumulation.
 
     Args:
-        staged: the model adapter; its model must already be on ``device`` (or is moved there).
+        staged: the model adapter; its parameters on the CPU, the meta device (with a
+            checkpoint, or for a seeded init) or already on ``device``.
         state_ratios: r_i per rank (world-size floats, >= 0, sum 1); default even. Used to lay
             out shards with ``hf_cephalo.planner.state.layout_unit_shards`` unless
             ``shard_layout`` is given.
         shard_layout: per unit (layers in order, root unit LAST) the per-rank element counts.
-        process_group: default the world group. device: compute device (default: the model's).
+        process_group: default the world group. device: compute device (default: the
+            model's, the CPU for a meta model).
         offload_activations: stash boundary activations in pinned CPU memory (CUDA only);
             None = on for CUDA, off on CPU.
         reduce_scatter_fallback: force the all-reduce-and-slice path instead of reduce-scatter.
@@ -123,10 +126,26 @@ class CephaloEngine:
             fp32 (mixed precision as ``TrainingArguments(bf16=True)`` gives stock Trainer;
             https://pytorch.org/docs/stable/amp.html). float16 is refused: it needs a loss
             scaler that sees every rank's shard gradients, which the engine does not have.
+        checkpoint: a safetensors checkpoint (folder, Hub id or ``CheckpointFiles``) to read
+            this rank's shards from (``engine/loading.py``); default: the model's
+            ``cephalo_checkpoint`` attribute (set by ``hf_cephalo.from_pretrained_sharded``),
+            else none.
+        init_seed: seed of the per-unit init of a model whose parameters are all on the meta
+            device and that has no checkpoint (same weights for any plan and world size).
+
+    Start (docs/engine.md "Construction"; [Note: no full model after construction] in
+    ``loading.py``): units are built one at a time; this rank's range of each unit comes from
+    the checkpoint, from the seeded init (meta model), or from RANK 0's in-memory parameters
+    (every rank starts from rank 0's weights, as FSDP's ``sync_module_states``). The model is
+    never moved to ``device`` as a whole; afterwards the engine holds no reference to the
+    original parameters.
+
     Raises:
         ValueError: bad ratios / layout, parameters outside units and root or shared between
             units, mixed dtypes in a unit, an autocast dtype other than bfloat16 or with
-            non-fp32 parameters — all before the first collective.
+            non-fp32 parameters, parameters on a device other than meta / CPU / ``device``,
+            meta and materialized parameters mixed without a checkpoint, a checkpoint with a
+            missing key, a wrong shape or a truncated file — all before the first collective.
     """
 
     def __init__(self, staged: StagedModel, state_ratios: Sequence[float] | None = None, *,
@@ -134,7 +153,8 @@ class CephaloEngine:
                  process_group: dist.ProcessGroup | None = None,
                  device: torch.device | None = None, offload_activations: bool | None = None,
                  reduce_scatter_fallback: bool = False, activation_checkpointing: bool = True,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None,
+                 checkpoint: CheckpointLike | None = None, init_seed: int = 0):
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("CephaloEngine needs an initialized torch.distributed process group "
                              "(call dist.init_process_group first, e.g. via torchrun)")
@@ -146,8 +166,14 @@ class CephaloEngine:
         model = staged.model
         first = next(iter(model.parameters()), None)
         self.device = torch.device(device) if device is not None else \
-            (first.device if first is not None else torch.device("cpu"))
-        model.to(self.device)
+            (first.device if first is not None and not first.is_meta else torch.device("cpu"))
+        del first  # holds no parameter while the units are built
+        # no model.to(device): units move one at a time ([Note: no full model after construction])
+        if checkpoint is None:
+            checkpoint = getattr(model, "cephalo_checkpoint", None)
+        source = choose_source(model, checkpoint, seed=init_seed, device=self.device,
+                               rank=self.rank, world_size=self.world_size, group=process_group)
+        self.start_kind: StartKind = source.kind
         self.offload_activations = (self.device.type == "cuda") if offload_activations is None \
             else bool(offload_activations)
         self.streams = CudaStreams(self.device) if self.device.type == "cuda" else None
@@ -158,55 +184,73 @@ class CephaloEngine:
         self.stats = CollectiveStats()
         self._tracker = LiveTracker(self.stats)
         use_all_reduce = reduce_scatter_fallback or not C.reduce_scatter_supported(process_group)
-        self._build_units(ratios, shard_layout, use_all_reduce)
+        self._build_units(ratios, shard_layout, use_all_reduce, source)
         self.num_units = len(self.units)
         self._failure: str | None = None  # set when a step raised mid-schedule
         self._abandoned: list = []  # in-flight collectives of that step, kept referenced
 
     # ---- construction ---------------------------------------------------------------------
-    def _build_units(self, ratios, shard_layout, use_all_reduce) -> None:
+    def _build_units(self, ratios, shard_layout, use_all_reduce, source) -> None:
+        """Check everything (layout, coverage, checkpoint), then build the units one at a time:
+        each is filled by ``source`` and its module entries become placeholders before the next
+        ([Note: no full model after construction] in ``loading.py``); then the buffers."""
         model = self.staged.model
         fqns: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             fqns.setdefault(id(p), []).append(name)
         groups = [(f"unit {i}", [m]) for i, m in enumerate(self.staged.units())]
         groups.append(("root", list(self.staged.root_modules())))
-        collected = [collect_params(name, mods, fqns) for name, mods in groups]
-        self._check_coverage(groups, collected, fqns)
-        numels = [sum(p.numel() for p in params) for params, _ in collected]
+        infos = self._check_coverage(groups, fqns)
+        numels = [sum(i.numel for i in unit_infos) for unit_infos in infos]
         layout = _layout(ratios, numels) if shard_layout is None else \
             [[int(n) for n in row] for row in shard_layout]
         _check_layout(layout, [name for name, _ in groups], numels, self.world_size)
-        self._key_map = self._state_dict_keys()
-        flat_units = [FlatParamUnit(name, params, uses, fqns, row, rank=self.rank,
-                                    world_size=self.world_size, group=self.group,
-                                    device=self.device, stats=self.stats, tracker=self._tracker,
-                                    streams=self.streams, use_all_reduce=use_all_reduce)
-                      for (name, _), (params, uses), row in zip(groups, collected, layout)]
+        source.check([info for unit_infos in infos for info in unit_infos])
+        self._key_map = self._state_dict_keys(fqns)
+        flat_units = [self._build_unit(name, modules, fqns, row, use_all_reduce, source)
+                      for (name, modules), row in zip(groups, layout)]
         self.units, self.root = flat_units[:-1], flat_units[-1]
+        place_buffers(model, self.device, source,
+                      seed=getattr(source, "seed", 0))
+
+    def _build_unit(self, name, modules, fqns, row, use_all_reduce, source) -> FlatParamUnit:
+        params, uses = collect_params(name, modules, fqns)
+        unit = FlatParamUnit(name, params, uses, fqns, row, rank=self.rank,
+                             world_size=self.world_size, group=self.group, device=self.device,
+                             stats=self.stats, tracker=self._tracker, streams=self.streams,
+                             use_all_reduce=use_all_reduce)
+        source.fill(unit, params, modules)
+        return unit  # ``params`` (the originals) die here unless the caller holds them
 
     @staticmethod
-    def _check_coverage(groups, collected, fqns) -> None:
+    def _check_coverage(groups, fqns) -> list[tuple]:
+        """Each group's ``ParamInfo``s (no parameter references kept); ValueError for a
+        parameter in two groups or in none."""
         owner: dict[int, str] = {}
-        for (name, _), (params, _) in zip(groups, collected):
+        infos = []
+        for name, modules in groups:
+            params, _ = collect_params(name, modules, fqns)
             for p in params:
                 if id(p) in owner:
                     raise ValueError(f"parameter {fqns.get(id(p), ['?'])[0]} is in both "
                                      f"{owner[id(p)]} and {name}; tied weights must live in the "
                                      "root unit only")
                 owner[id(p)] = name
+            infos.append(param_infos(name, params, fqns))
         missing = [names[0] for pid, names in fqns.items() if pid not in owner]
         if missing:
             raise ValueError(f"parameters {missing} are in no unit and not in root_modules(); "
                              "the StagedModel adapter must cover every model parameter")
+        return infos
 
-    def _state_dict_keys(self) -> list[tuple[str, str, object]]:
-        """(key, 'param', id) or (key, 'buffer', tensor) in ``model.state_dict()`` order."""
-        param_ids = {id(p) for p in self.staged.model.parameters()}
+    def _state_dict_keys(self, fqns: dict[int, list[str]]) -> list[tuple[str, str, str]]:
+        """(key, 'param', the parameter's first fqn) or (key, 'buffer', key) in
+        ``model.state_dict()`` order (fqns, not parameter ids: the originals do not survive
+        construction)."""
         out = []
         for key, value in self.staged.model.state_dict(keep_vars=True).items():
-            out.append((key, "param", id(value)) if id(value) in param_ids else
-                       (key, "buffer", key))
+            names = fqns.get(id(value)) if isinstance(value, nn.Parameter) else None
+            out.append((key, "param", names[0]) if names else (key, "buffer", key))
         return out
 
     # ---- public API ---------------------------------------------------------------------------
@@ -356,13 +400,13 @@ class CephaloEngine:
         dtype — fp32 for an fp32 model — tied aliases included, each alias the same tensor)
         with the current values; other ranks get None."""
         self.check_usable("full_state_dict")
-        by_id: dict[int, torch.Tensor] = {}
+        by_id: dict[str, torch.Tensor] = {}  # parameter fqn -> full tensor
         for unit in self._all_units():
             full = unit.gather_full()
             if self.rank == 0:
-                for info, p in zip(unit.infos, unit._params):
+                for info in unit.infos:
                     t = full[info.offset:info.offset + info.numel].view(info.shape)
-                    by_id[id(p)] = t.detach().to("cpu", copy=True)
+                    by_id[info.fqn] = t.detach().to("cpu", copy=True)
         if self.rank != 0:
             return None
         model = self.staged.model
@@ -386,7 +430,7 @@ class CephaloEngine:
             if kind == "param":
                 key_of.setdefault(ref, key)
         for unit in self._all_units():
-            tensors = [state_dict[key_of[id(p)]] for p in unit._params]
+            tensors = [state_dict[key_of[info.fqn]] for info in unit.infos]
             unit.load_flat(unit.flat_from_tensors(tensors))
         with torch.no_grad():
             for key, kind, ref in self._key_map:
