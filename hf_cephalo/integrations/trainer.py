@@ -158,12 +158,18 @@ class CephaloTrainer(Trainer):
         args.check_world_size(world_size)
         staged = stage_model(model)  # unsupported model: ValueError before any collective
         staged = wrap_staged(staged, args, world_size)  # emulated slowdown / compute timing
+        # args.place_model_on_device is False (CephaloTrainingArguments): stock Trainer must not
+        # move the whole model to the device; the engine moves only this rank's shards.
         super().__init__(model=model, args=args, **kwargs)
         _ensure_process_group(args.device)
         _register_exit_teardown()  # ends the process group cleanly if the script does not
+        # The engine builds unit by unit: a meta model reads its checkpoint slices
+        # (``model.cephalo_checkpoint``, from ``from_pretrained_sharded``) or is initialized per
+        # unit with ``args.seed``; an in-memory model takes rank 0's values.
         self.engine = CephaloEngine(staged, self.plan.state_ratios, device=args.device,
                                     offload_activations=args.cephalo_offload_activations,
-                                    autocast_dtype=torch.bfloat16 if args.bf16 else None)
+                                    autocast_dtype=torch.bfloat16 if args.bf16 else None,
+                                    init_seed=args.seed)
         self.accelerator.attach_engine(self.engine)
         self.add_callback(PlanAccuracyCallback(self))  # predicted vs measured at train end
         if self.is_world_process_zero():
