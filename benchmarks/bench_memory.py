@@ -32,9 +32,13 @@ Usage: python benchmarks/bench_memory.py [--quick]   (--quick: a ~60 M-parameter
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import re
 import socket
+import subprocess
+import sys
+import tarfile
 import tempfile
 
 import torch
@@ -42,6 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 RATIOS = (0.8, 0.2)
+BASELINE_REF = "1008393"  # the commit before sharded loading (issue 12): today's start
 STEPS = 3
 SEQ = 16
 
@@ -78,14 +83,14 @@ def config(quick: bool):
                        max_position_embeddings=64, tie_word_embeddings=False)
 
 
-def save_checkpoint(cfg, path: str) -> int:
+def save_checkpoint(cfg, path: str, max_shard_size: str) -> int:
     """Random-init model saved sharded; returns its parameter count."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     n = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(path, max_shard_size="400MB")
+    model.save_pretrained(path, max_shard_size=max_shard_size)
     return n
 
 
@@ -105,24 +110,59 @@ def predicted_compute_bytes(cfg) -> list[float]:
     return [float(cost.compute_memory_bytes(profile, 1))] * len(RATIOS)
 
 
-def _rank(rank: int, world_size: int, port: int, mode: str, path: str, out) -> None:
+def extract_baseline(ref: str, dest: str) -> str | None:
+    """``hf_cephalo`` as of git ``ref`` (the code before sharded loading) extracted into
+    ``dest``; None (with a note) when git or the ref is not available."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        tar = subprocess.run(["git", "-C", repo, "archive", "--format=tar", ref, "hf_cephalo"],
+                             check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        print(f"baseline: cannot extract hf_cephalo at {ref!r} ({exc}); skipped", flush=True)
+        return None
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        archive.extractall(dest, filter="data")
+    return dest
+
+
+def _warm_up() -> None:
+    """Imports and lazy initializations a load pulls in, done before the baseline RSS (they are
+    a fixed few tens of MB, not part of loading)."""
+    import safetensors.torch  # noqa: F401
+    import transformers
+
+    from hf_cephalo.engine import CephaloEngine  # noqa: F401
+    from hf_cephalo.models import stage_model
+
+    with torch.device("meta"):
+        stage_model(transformers.LlamaForCausalLM(config(True)))
+
+
+def _rank(rank: int, world_size: int, port: int, mode: str, path: str, baseline: str | None,
+          out) -> None:
+    if baseline is not None:  # today's code, imported instead of this branch's
+        sys.path.insert(0, baseline)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    import transformers  # noqa: F401  (imports before the baseline RSS)
+    import transformers
 
-    import hf_cephalo
     from hf_cephalo.engine import CephaloEngine
     from hf_cephalo.models import stage_model
 
+    _warm_up()
     rss = PeakRss()
     rss.reset()
     if mode == "old":
         model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
     else:
+        import hf_cephalo
+
         model = hf_cephalo.from_pretrained_sharded(path)
     engine = CephaloEngine(stage_model(model), list(RATIOS))
-    result = {"a": rss.peak_bytes(), "a_after": rss.now_bytes()}
+    units = engine.units + [engine.root]
+    result = {"a": rss.peak_bytes(), "a_after": rss.now_bytes(),
+              "shards": sum(u.local_numel for u in units) * 4}
     if mode == "new":
         result["b"] = _train(engine, rss, rank)
         result["c"] = _save(engine, rss, rank, path)
@@ -158,13 +198,13 @@ def _save(engine, rss: PeakRss, rank: int, path: str) -> int:
     return rss.peak_bytes()
 
 
-def run_mode(mode: str, path: str) -> list[dict]:
+def run_mode(mode: str, path: str, baseline: str | None = None) -> list[dict]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, len(RATIOS), port, mode, path, out))
+    procs = [ctx.Process(target=_rank, args=(r, len(RATIOS), port, mode, path, baseline, out))
              for r in range(len(RATIOS))]
     for p in procs:
         p.start()
@@ -176,12 +216,15 @@ def run_mode(mode: str, path: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a ~60 M-parameter model")
+    parser.add_argument("--quick", action="store_true", help="a ~50 M-parameter model")
+    parser.add_argument("--baseline-ref", default=BASELINE_REF, help=(
+        "git ref of the code before sharded loading, run for the (a) baseline (default: the "
+        "commit this branch started from)"))
     args = parser.parse_args()
     cfg = config(args.quick)
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         path = os.path.join(tmp, "ckpt")
-        n = save_checkpoint(cfg, path)
+        n = save_checkpoint(cfg, path, "50MB" if args.quick else "400MB")
         P = 4.0 * n
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         shard_p = max(os.path.getsize(os.path.join(path, f)) for f in files) / P
@@ -191,18 +234,22 @@ def main() -> None:
         print(f"model: {n / 1e6:.1f} M parameters, P = {P / 2 ** 30:.2f} GiB fp32; "
               f"{len(files)} files (largest {shard_p:.3f} P); largest unit (root) "
               f"{unit_p:.3f} P, one layer {layer_p:.4f} P; ratios {RATIOS}", flush=True)
-        old = run_mode("old", path)
+        baseline = extract_baseline(args.baseline_ref, os.path.join(tmp, "baseline"))
+        old = run_mode("old", path, baseline)
         new = run_mode("new", path)
-    print(f"{'rank':>4} {'r_i':>5} | {'(a) old':>8} {'(a) new':>8} {'target':>7} | "
-          f"{'after':>6} | {'(b)':>6} {'pred':>6} {'x1.15':>6} | {'(c)':>6} {'target':>7}")
+    print(f"{'rank':>4} {'r_i':>5} {'shards':>6} | {'(a) old':>8} {'after':>6} | "
+          f"{'(a) new':>8} {'after':>6} {'target':>7} | {'(b)':>6} {'pred':>6} {'x1.15':>6} | "
+          f"{'(c)':>6} {'target':>7}")
     for rank, (r, o, w) in enumerate(zip(RATIOS, old, new)):
         pred = (4 * r * P + compute[rank]) / P
         c_target = f"{r + shard_p + 2 * unit_p:7.3f}" if rank == 0 else f"{'-':>7}"
-        print(f"{rank:>4} {r:>5.2f} | {o['a'] / P:8.3f} {w['a'] / P:8.3f} "
-              f"{r + 2 * unit_p:7.3f} | {w['a_after'] / P:6.3f} | {w['b'] / P:6.3f} "
-              f"{pred:6.3f} {1.15 * pred:6.3f} | {w['c'] / P:6.3f} {c_target}")
-    print("(a) old: from_pretrained (whole model) + engine; (a) new: from_pretrained_sharded + "
-          "engine; after: RSS above the baseline once the engine is built (new); (b) over "
+        print(f"{rank:>4} {r:>5.2f} {w['shards'] / P:6.3f} | {o['a'] / P:8.3f} "
+              f"{o['a_after'] / P:6.3f} | {w['a'] / P:8.3f} {w['a_after'] / P:6.3f} "
+              f"{r + 2 * unit_p:7.3f} | {w['b'] / P:6.3f} {pred:6.3f} {1.15 * pred:6.3f} | "
+              f"{w['c'] / P:6.3f} {c_target}")
+    print(f"(a) old: hf_cephalo at {args.baseline_ref} (today's start): from_pretrained (whole "
+          "model) + engine; (a) new: from_pretrained_sharded + engine; after: RSS above the "
+          "baseline once the engine is built; shards: this rank's shard bytes; (b) over "
           f"{STEPS} AdamW steps (batch 1, {SEQ} tokens); pred: r_i*16 bytes*N + M_i(1) of the "
           "profiler; (c) full_state_dict + save_file on rank 0 (this branch's save, not "
           "streamed).")

@@ -173,7 +173,41 @@ def _check_bad_inputs(rank, world_size, bad) -> None:
     dist.barrier()
 
 
-def _ranks_main(rank, world_size, ckpts, bad):
+def _check_trainer_meta_start(rank, world_size, path, out_dir) -> None:
+    """CephaloTrainer on a ``from_pretrained_sharded`` model: the engine holds the checkpoint,
+    stock Trainer did not move the model, a step trains; without a plan it is refused."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    import hf_cephalo
+    from hf_cephalo.engine.loading import StartKind
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import Plan
+
+    args = CephaloTrainingArguments(output_dir=out_dir, report_to="none", optim="sgd",
+                                    max_steps=1, save_strategy="no", disable_tqdm=True)
+    assert args.place_model_on_device is False
+    _expect_error(lambda: CephaloTrainer(model=hf_cephalo.from_pretrained_sharded(path),
+                                         args=args), "meta device", "--cephalo_plan_file")
+    gen = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids}
+            for ids in torch.randint(1, 97, (4, 12), generator=gen)]
+    trainer = CephaloTrainer(model=hf_cephalo.from_pretrained_sharded(path), args=args,
+                             plan=Plan.from_ratios([1, 1], [1, 1], [0.7, 0.3]),
+                             train_dataset=rows,
+                             data_collator=lambda b: {k: torch.stack([r[k] for r in b])
+                                                      for k in b[0]})
+    assert trainer.engine.start_kind is StartKind.CHECKPOINT
+    full = trainer.engine.full_state_dict()
+    if rank == 0:
+        reference = transformers.LlamaForCausalLM.from_pretrained(path).state_dict()
+        assert full.keys() == reference.keys()
+        assert all(torch.equal(full[k], reference[k]) for k in reference)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def _ranks_main(rank, world_size, ckpts, bad, out_dir):
     out = {"cases": _check_meta_equals_cpu(rank, world_size, ckpts)}
     _check_rank0_weights(rank, world_size)
     _check_no_full_model_kept(rank, world_size)
@@ -181,6 +215,7 @@ def _ranks_main(rank, world_size, ckpts, bad):
         out["init"] = [_meta_init(rank, world_size, None, seed=5),
                        _meta_init(rank, world_size, [0.9, 0.1], seed=5)]
         _check_bad_inputs(rank, world_size, bad)
+        _check_trainer_meta_start(rank, world_size, ckpts[True], out_dir)
     else:
         out["init"] = [_meta_init(rank, world_size, [0.2, 0.5, 0.3], seed=5)]
     return out
@@ -216,7 +251,9 @@ def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("loading")
     ckpts = {tied: _save(tmp_path, tied) for tied in (False, True)}
     bad = _bad_checkpoints(tmp_path, ckpts[False])
-    return {w: run_ranks(_ranks_main, w, ckpts, bad, timeout_s=TIMEOUT_S) for w in (2, 3)}
+    out_dir = str(tmp_path / "trainer")
+    return {w: run_ranks(_ranks_main, w, ckpts, bad, out_dir, timeout_s=TIMEOUT_S)
+            for w in (2, 3)}
 
 
 def test_meta_start_equals_cpu_start(runs):
