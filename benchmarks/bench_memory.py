@@ -228,8 +228,9 @@ def main() -> None:
         P = 4.0 * n
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         shard_p = max(os.path.getsize(os.path.join(path, f)) for f in files) / P
-        unit_p = max(12 * cfg.hidden_size ** 2, 2 * cfg.vocab_size * cfg.hidden_size) * 4 / P
-        layer_p = 12 * cfg.hidden_size ** 2 * 4 / P
+        h = cfg.hidden_size
+        layer_p = (4 * h * h + 3 * h * cfg.intermediate_size + 2 * h) * 4 / P
+        unit_p = max(layer_p, (2 * cfg.vocab_size * h + h) * 4 / P)
         compute = predicted_compute_bytes(cfg)
         print(f"model: {n / 1e6:.1f} M parameters, P = {P / 2 ** 30:.2f} GiB fp32; "
               f"{len(files)} files (largest {shard_p:.3f} P); largest unit (root) "
