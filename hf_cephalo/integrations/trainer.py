@@ -11,8 +11,12 @@ callbacks — is the Trainer's own):
   over the profile file, else over a profile measured at start (cached on disk; emulated
   devices included); profile.json and plan.json are saved in output_dir. The per-rank plan
   table is printed by rank 0 at start, predicted vs measured step time and memory at the end.
-- **Engine**: the model's parameters are sharded by the plan's r_i (``CephaloEngine``); the
-  Accelerator does not wrap it in DDP (``CephaloAccelerator.attach_engine``).
+- **Engine**: the model's parameters are sharded by the plan's r_i (``CephaloEngine``), unit
+  by unit: stock Trainer does not move the model to the device first
+  (``CephaloTrainingArguments.place_model_on_device`` is False); a meta-device model reads its
+  shards from its checkpoint (``hf_cephalo.from_pretrained_sharded``) or is initialized per
+  unit with ``args.seed``; an in-memory model starts from rank 0's weights. The Accelerator
+  does not wrap it in DDP (``CephaloAccelerator.attach_engine``).
 - **Data**: each rank's DataLoader uses ``WeightedBatchSampler`` (rank i gets exactly b_i samples
   per step, same permutation on every rank, every sample once per epoch) and is not prepared by
   Accelerate; a batch is the rank's list of microbatches of m_i samples.
