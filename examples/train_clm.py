@@ -11,7 +11,10 @@ Everything a stock ``run_clm.py`` user knows applies: the script parses
 plus the ``--cephalo_*`` flags (docs/accelerate.md).
 
 - Model: a small Llama built from its config (``--model_type gpt2`` for GPT-2), or
-  ``--model_name_or_path`` (a Hub id or a local checkpoint directory) for ``from_pretrained``.
+  ``--model_name_or_path`` (a Hub id or a local checkpoint directory of safetensors), loaded
+  with ``hf_cephalo.from_pretrained_sharded``: the model is built on the meta device and each
+  rank reads only its shards of the checkpoint (needs ``--cephalo_plan_file`` or
+  ``--cephalo_profile_file``: a meta model cannot be profiled at start).
 - Data: ``--train_file`` (a plain text file), or ``--dataset_name`` (``datasets.load_dataset``),
   else Python's own documentation text (``pydoc_data.topics``, shipped with CPython).
 - Tokenizer: ``--tokenizer_name`` (or the checkpoint's), else a byte-level BPE trained on the data.
@@ -39,6 +42,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config,
                           default_data_collator, set_seed)
 
 from hf_cephalo.integrations.data import group_texts, pydoc_text_dataset, train_bpe_tokenizer
+from hf_cephalo.integrations.pretrained import from_pretrained_sharded
 from hf_cephalo.integrations.trainer import CephaloTrainer, format_loss_trend
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
@@ -56,7 +60,8 @@ class ModelArguments:
     model_type: Literal["llama", "gpt2"] = field(default="llama", metadata={
         "help": "Architecture built from scratch: 'llama' or 'gpt2'. Ignored with --model_name_or_path."})
     model_name_or_path: str | None = field(default=None, metadata={
-        "help": "Hub id or local directory of a causal LM checkpoint to fine-tune (from_pretrained)."})
+        "help": "Hub id or local directory of a causal LM safetensors checkpoint to fine-tune "
+                "(hf_cephalo.from_pretrained_sharded: each rank reads only its shards)."})
     tokenizer_name: str | None = field(default=None, metadata={
         "help": "Hub id or local directory of a tokenizer. Default: the checkpoint's tokenizer, or "
                 "a byte-level BPE trained on the training text."})
@@ -167,8 +172,9 @@ def load_tokenizer(model_args: ModelArguments, text, training_args: CephaloTrain
 def build_model(model_args: ModelArguments, tokenizer, block_size: int):
     """A new small Llama / GPT-2 sized for ``tokenizer``, or the checkpoint's model."""
     if model_args.model_name_or_path is not None:
-        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path,
-                                                    dtype=torch.float32)
+        # Built on the meta device; the engine reads only this rank's shards from the
+        # safetensors files (no process ever holds the whole model; docs/checkpoints.md).
+        return from_pretrained_sharded(model_args.model_name_or_path, dtype=torch.float32)
     special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id)
     h, n, heads = model_args.hidden_size, model_args.num_layers, model_args.num_heads

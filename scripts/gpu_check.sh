@@ -7,7 +7,7 @@ PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')"
 echo "== CUDA engine tests"
-timeout 300 "$PY" -m pytest -q -m gpu tests/gpu/test_engine_cuda.py
+timeout 300 "$PY" -m pytest -q -m gpu tests/gpu/test_engine_cuda.py tests/gpu/test_loading_cuda.py
 echo "== engine benchmark (1 GPU, NCCL)"
 timeout 180 "$PY" benchmarks/bench_engine.py --device cuda --world-size 1 --steps 3 \
   --layers 4 --hidden 1024 --intermediate 2816 --heads 16 --vocab 8192 --seq 512 \

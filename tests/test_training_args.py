@@ -157,7 +157,8 @@ def test_package_exports_every_public_name():
     from hf_cephalo.integrations import CephaloTrainer, CephaloTrainingArguments  # noqa: F401  (README line)
 
     expected = set()
-    for mod in ("trainer", "training_args", "accelerate", "auto_plan", "sampler", "data"):
+    for mod in ("trainer", "training_args", "accelerate", "auto_plan", "sampler", "data",
+                "pretrained"):
         module = importlib.import_module(f"hf_cephalo.integrations.{mod}")
         for name in module.__all__:
             expected.add(name)

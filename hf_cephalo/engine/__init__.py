@@ -1,8 +1,11 @@
 """Engine: uneven flat-parameter sharding and layered gradient accumulation (docs/design.md contract 4)."""
 
 from .engine import CephaloEngine, EvalOutput, FullUnit, StepOutput
+from .checkpoint_files import CheckpointFiles, resolve_checkpoint
 from .flat_param import ParamInfo, ShardedState, UnitShardMeta
+from .loading import StartKind
 from .stats import CollectiveStats
 
-__all__ = ["CephaloEngine", "CollectiveStats", "EvalOutput", "FullUnit", "ParamInfo", "ShardedState",
-           "StepOutput", "UnitShardMeta"]
+__all__ = ["CephaloEngine", "CheckpointFiles", "CollectiveStats", "EvalOutput", "FullUnit",
+           "ParamInfo", "ShardedState", "StartKind", "StepOutput", "UnitShardMeta",
+           "resolve_checkpoint"]

@@ -25,7 +25,8 @@ from ..models.base import AutocastStagedModel, StagedModel
 from ..planner.state import layout_unit_shards  # pure planning code (numpy), no torch.distributed
 from . import collectives as C
 from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_params,
-                         move_shared_params)
+                         move_shared_params, param_infos)
+from .loading import CheckpointLike, StartKind, choose_source, place_buffers
 from .offload import ActivationStash, CudaStreams, host_wait
 from .schedule import LayeredStep, RootUnits
 from .stats import CollectiveStats
@@ -131,13 +132,15 @@ class CephaloEngine:
     """Runs a ``StagedModel`` with uneven ZeRO-3 sharding and layered gradient accumulation.
 
     Args:
-        staged: the model adapter; its model must already be on ``device`` (or is moved there).
+        staged: the model adapter; its parameters on the CPU, the meta device (with a
+            checkpoint, or for a seeded init) or already on ``device``.
         state_ratios: r_i per rank (world-size floats, >= 0, sum 1); default even. Used to lay
             out shards with ``hf_cephalo.planner.state.layout_unit_shards`` unless
             ``shard_layout`` is given.
         shard_layout: per unit (layers in order, then the embedding unit, then the head unit)
             the per-rank element counts.
-        process_group: default the world group. device: compute device (default: the model's).
+        process_group: default the world group. device: compute device (default: the
+            model's, the CPU for a meta model).
         offload_activations: stash boundary activations in pinned CPU memory (CUDA only);
             None = on for CUDA, off on CPU.
         reduce_scatter_fallback: force the all-reduce-and-slice path instead of reduce-scatter.
@@ -157,10 +160,26 @@ class CephaloEngine:
             are gathered once per step and kept with their gradients until its end (one fewer
             all-gather, two fewer with tied embeddings; costs the full root all step). One
             decision for all ranks (the plan's ``root_resident``); see docs/engine.md.
+        checkpoint: a safetensors checkpoint (folder, Hub id or ``CheckpointFiles``) to read
+            this rank's shards from (``engine/loading.py``); default: the model's
+            ``cephalo_checkpoint`` attribute (set by ``hf_cephalo.from_pretrained_sharded``),
+            else none.
+        init_seed: seed of the per-unit init of a model whose parameters are all on the meta
+            device and that has no checkpoint (same weights for any plan and world size).
+
+    Start (docs/engine.md "Construction"; [Note: no full model after construction] in
+    ``loading.py``): units are built one at a time; this rank's range of each unit comes from
+    the checkpoint, from the seeded init (meta model), or from RANK 0's in-memory parameters
+    (every rank starts from rank 0's weights, as FSDP's ``sync_module_states``). The model is
+    never moved to ``device`` as a whole; afterwards the engine holds no reference to the
+    original parameters.
+
     Raises:
         ValueError: bad ratios / layout, parameters outside units and root or shared between
             units, mixed dtypes in a unit, an autocast dtype other than bfloat16 or with
-            non-fp32 parameters — all before the first collective.
+            non-fp32 parameters, parameters on a device other than meta / CPU / ``device``,
+            meta and materialized parameters mixed without a checkpoint, a checkpoint with a
+            missing key, a wrong shape or a truncated file — all before the first collective.
     """
 
     def __init__(self, staged: StagedModel, state_ratios: Sequence[float] | None = None, *,
@@ -168,7 +187,8 @@ class CephaloEngine:
                  process_group: dist.ProcessGroup | None = None,
                  device: torch.device | None = None, offload_activations: bool | None = None,
                  reduce_scatter_fallback: bool = False, activation_checkpointing: bool = True,
-                 autocast_dtype: torch.dtype | None = None, root_resident: bool = False):
+                 autocast_dtype: torch.dtype | None = None, root_resident: bool = False,
+                 checkpoint: CheckpointLike | None = None, init_seed: int = 0):
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("CephaloEngine needs an initialized torch.distributed process group "
                              "(call dist.init_process_group first, e.g. via torchrun)")
@@ -180,8 +200,14 @@ class CephaloEngine:
         model = staged.model
         first = next(iter(model.parameters()), None)
         self.device = torch.device(device) if device is not None else \
-            (first.device if first is not None else torch.device("cpu"))
-        model.to(self.device)
+            (first.device if first is not None and not first.is_meta else torch.device("cpu"))
+        del first  # holds no parameter while the units are built
+        # no model.to(device): units move one at a time ([Note: no full model after construction])
+        if checkpoint is None:
+            checkpoint = getattr(model, "cephalo_checkpoint", None)
+        source = choose_source(model, checkpoint, seed=init_seed, device=self.device,
+                               rank=self.rank, world_size=self.world_size, group=process_group)
+        self.start_kind: StartKind = source.kind
         self.offload_activations = (self.device.type == "cuda") if offload_activations is None \
             else bool(offload_activations)
         self.streams = CudaStreams(self.device) if self.device.type == "cuda" else None
@@ -193,13 +219,16 @@ class CephaloEngine:
         self._tracker = LiveTracker(self.stats)
         use_all_reduce = reduce_scatter_fallback or not C.reduce_scatter_supported(process_group)
         self.root_resident = bool(root_resident)
-        self._build_units(ratios, shard_layout, use_all_reduce)
+        self._build_units(ratios, shard_layout, use_all_reduce, source)
         self.num_units = len(self.units)
         self._failure: str | None = None  # set when a step raised mid-schedule
         self._abandoned: list = []  # in-flight collectives of that step, kept referenced
 
     # ---- construction ---------------------------------------------------------------------
-    def _build_units(self, ratios, shard_layout, use_all_reduce) -> None:
+    def _build_units(self, ratios, shard_layout, use_all_reduce, source) -> None:
+        """Check everything (layout, coverage, checkpoint), then build the units one at a time:
+        each is filled by ``source`` and its module entries become placeholders before the next
+        ([Note: no full model after construction] in ``loading.py``); then the buffers."""
         model = self.staged.model
         fqns: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -210,24 +239,41 @@ class CephaloEngine:
         collected = [collect_params(name, mods, fqns) for name, mods in groups]
         # a tied input/output embedding lives once, in the embedding unit
         collected[-2], collected[-1], tied = move_shared_params(collected[-2], collected[-1])
-        self._check_coverage(groups, collected, fqns)
-        numels = [sum(p.numel() for p in params) for params, _ in collected]
+        infos = self._check_coverage(groups, collected, fqns)
+        numels = [sum(i.numel for i in unit_infos) for unit_infos in infos]
         layout = _layout(ratios, numels) if shard_layout is None else \
             [[int(n) for n in row] for row in shard_layout]
         _check_layout(layout, [name for name, _ in groups], numels, self.world_size)
-        self._key_map = self._state_dict_keys()
-        flat_units = [FlatParamUnit(name, params, uses, fqns, row, rank=self.rank,
-                                    world_size=self.world_size, group=self.group,
-                                    device=self.device, stats=self.stats, tracker=self._tracker,
-                                    streams=self.streams, use_all_reduce=use_all_reduce)
-                      for (name, _), (params, uses), row in zip(groups, collected, layout)]
+        source.check([info for unit_infos in infos for info in unit_infos])
+        self._key_map = self._state_dict_keys(fqns)
+        flat_units = []
+        for (name, modules), row in zip(groups, layout):
+            params, uses = collected.pop(0)  # drop each unit's originals once it is built
+            flat_units.append(self._build_unit(name, modules, params, uses, fqns, row,
+                                               use_all_reduce, source))
+            del params, uses
         self.units = flat_units[:-2]
         self.root = RootUnits(flat_units[-2], flat_units[-1], tied, self.root_resident)
         self.dtype = flat_units[-1].dtype  # the training dtype (one for the whole model)
+        place_buffers(model, self.device, source,
+                      seed=getattr(source, "seed", 0))
+
+    def _build_unit(self, name, modules, params, uses, fqns, row, use_all_reduce,
+                    source) -> FlatParamUnit:
+        unit = FlatParamUnit(name, params, uses, fqns, row, rank=self.rank,
+                             world_size=self.world_size, group=self.group, device=self.device,
+                             stats=self.stats, tracker=self._tracker, streams=self.streams,
+                             use_all_reduce=use_all_reduce)
+        source.fill(unit, params, modules)
+        return unit  # ``params`` (the originals) die with the caller's reference
 
     @staticmethod
-    def _check_coverage(groups, collected, fqns) -> None:
+    def _check_coverage(groups, collected, fqns) -> list[tuple]:
+        """Each group's ``ParamInfo``s (from its ``collect_params`` result, a tied weight
+        already moved to the embedding unit); ValueError for a parameter in two groups or in
+        none."""
         owner: dict[int, str] = {}
+        infos = []
         for (name, _), (params, _) in zip(groups, collected):
             for p in params:
                 if id(p) in owner:
@@ -235,19 +281,22 @@ class CephaloEngine:
                                      f"{owner[id(p)]} and {name}; tied weights must live in the "
                                      "embedding or head modules only")
                 owner[id(p)] = name
+            infos.append(param_infos(name, params, fqns))
         missing = [names[0] for pid, names in fqns.items() if pid not in owner]
         if missing:
             raise ValueError(f"parameters {missing} are in no unit and not in embed_modules() "
                              "or head_modules(); the StagedModel adapter must cover every "
                              "model parameter")
+        return infos
 
-    def _state_dict_keys(self) -> list[tuple[str, str, object]]:
-        """(key, 'param', id) or (key, 'buffer', tensor) in ``model.state_dict()`` order."""
-        param_ids = {id(p) for p in self.staged.model.parameters()}
+    def _state_dict_keys(self, fqns: dict[int, list[str]]) -> list[tuple[str, str, str]]:
+        """(key, 'param', the parameter's first fqn) or (key, 'buffer', key) in
+        ``model.state_dict()`` order (fqns, not parameter ids: the originals do not survive
+        construction)."""
         out = []
         for key, value in self.staged.model.state_dict(keep_vars=True).items():
-            out.append((key, "param", id(value)) if id(value) in param_ids else
-                       (key, "buffer", key))
+            names = fqns.get(id(value)) if isinstance(value, nn.Parameter) else None
+            out.append((key, "param", names[0]) if names else (key, "buffer", key))
         return out
 
     # ---- public API ---------------------------------------------------------------------------
@@ -493,7 +542,7 @@ class CephaloEngine:
         if self.rank != 0:
             return None
         model = self.staged.model
-        return {key: by_key[key] if kind == "param" else
+        return {key: by_key[ref] if kind == "param" else
                 model.get_buffer(ref).detach().to("cpu", copy=True)
                 for key, kind, ref in self._key_map}
 
@@ -513,7 +562,7 @@ class CephaloEngine:
             if kind == "param":
                 key_of.setdefault(ref, key)
         for unit in self._all_units():
-            tensors = [state_dict[key_of[id(p)]] for p in unit._params]
+            tensors = [state_dict[key_of[info.fqn]] for info in unit.infos]
             unit.load_flat(unit.flat_from_tensors(tensors))
         with torch.no_grad():
             for key, kind, ref in self._key_map:

@@ -224,6 +224,10 @@ class FlatParamUnit:
         rank, world_size, group, device: process group placement.
         stats, tracker: shared counters.
         streams: ``offload.CudaStreams`` on CUDA, else None (synchronous collectives' waits).
+    The shard starts as zeros: the engine fills it from its weight source (``loading.py``:
+    rank 0's in-memory values, a checkpoint's slices or a seeded init) right after construction.
+    The unit keeps no reference to ``params`` (see [Note: no full model after construction] in
+    ``loading.py``): only their layout (``infos``) and the module entries that use them.
     """
 
     def __init__(self, name, params, uses, fqns, numel_per_rank, *, rank, world_size, group,
@@ -232,7 +236,6 @@ class FlatParamUnit:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device, self.stats, self.tracker, self.streams = device, stats, tracker, streams
         self.use_all_reduce = use_all_reduce
-        self._params = params
         self._uses = [uses[id(p)] for p in params]
         self.infos = param_infos(name, params, fqns)
         self.numel = sum(i.numel for i in self.infos)
@@ -259,15 +262,14 @@ class FlatParamUnit:
         self._rs_input: torch.Tensor | None = None  # kept alive until the reduce-scatter is done
         self._comm_bytes = {"ag": 0, "rs": 0}  # see [Note: communication buffers]
         self._freed_nbytes: int | None = None  # set while resharded with kept graphs
-        self._load_from_modules()
         self._set_placeholders()
 
     # ---- construction ---------------------------------------------------------------------
-    def _load_from_modules(self) -> None:
-        with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in self._params]) \
-                if self._params else torch.zeros(0, dtype=self.dtype)
-            self.load_flat(flat)
+    @property
+    def local_range(self) -> tuple[int, int]:
+        """[start, stop) element range of this rank's shard in the unit's flat buffer."""
+        start = self.starts[self.rank]
+        return start, start + self.local_numel
 
     def load_flat(self, flat: torch.Tensor) -> None:
         """Take this rank's shard from a full (N,) flat buffer (any device)."""

@@ -25,6 +25,8 @@ _EXPORTS = {
     "PlanAccuracyCallback": "auto_plan",
     "format_accuracy_table": "auto_plan",
     "check_state_fits_caps": "auto_plan",
+    # pretrained
+    "from_pretrained_sharded": "pretrained",
     # sampler
     "WeightedBatchSampler": "sampler",
     "MicrobatchCollator": "sampler",

@@ -133,6 +133,7 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
             check_plan_memory([r.predicted_memory_bytes for r in plan.ranks], caps)
         return ResolvedPlan(plan, None)
     B = args.resolve_global_batch_size(world_size)
+    _refuse_meta_profiling(model, args)
     cluster = _cluster(args, world_size, staged, emulation, train_dataset, B)
     plan = optimize(cluster, B, args.cephalo_memory_fraction)
     plan.validate_for(world_size, cluster.model)
@@ -144,6 +145,17 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
         print(f"[hf-cephalo] profile and plan saved to {args.output_dir}/profile.json, plan.json",
               flush=True)
     return ResolvedPlan(plan, cluster)
+
+
+def _refuse_meta_profiling(model: torch.nn.Module, args) -> None:
+    """Profiling at start runs the model's own modules, which a meta-device model (sharded
+    loading, ``from_pretrained_sharded``) does not have yet: ValueError naming the fix, raised
+    on every rank before any collective."""
+    if args.cephalo_profile_file is None and any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model is on the meta device (sharded loading), so it cannot be "
+                         "profiled at start: give --cephalo_plan_file or --cephalo_profile_file "
+                         "(hf-cephalo profile --model-config <config.json> measures one "
+                         "from the config alone)")
 
 
 def check_state_fits_caps(plan: Plan, state_bytes: float, caps: list[float | None]) -> None:

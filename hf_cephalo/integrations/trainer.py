@@ -11,8 +11,12 @@ callbacks — is the Trainer's own):
   over the profile file, else over a profile measured at start (cached on disk; emulated
   devices included); profile.json and plan.json are saved in output_dir. The per-rank plan
   table is printed by rank 0 at start, predicted vs measured step time and memory at the end.
-- **Engine**: the model's parameters are sharded by the plan's r_i (``CephaloEngine``); the
-  Accelerator does not wrap it in DDP (``CephaloAccelerator.attach_engine``).
+- **Engine**: the model's parameters are sharded by the plan's r_i (``CephaloEngine``), unit
+  by unit: stock Trainer does not move the model to the device first
+  (``CephaloTrainingArguments.place_model_on_device`` is False); a meta-device model reads its
+  shards from its checkpoint (``hf_cephalo.from_pretrained_sharded``) or is initialized per
+  unit with ``args.seed``; an in-memory model starts from rank 0's weights. The Accelerator
+  does not wrap it in DDP (``CephaloAccelerator.attach_engine``).
 - **Data**: each rank's DataLoader uses ``WeightedBatchSampler`` (rank i gets exactly b_i samples
   per step, same permutation on every rank, every sample once per epoch) and is not prepared by
   Accelerate; a batch is the rank's list of microbatches of m_i samples.
@@ -160,12 +164,18 @@ class CephaloTrainer(Trainer):
         args.check_world_size(world_size)
         staged = stage_model(model)  # unsupported model: ValueError before any collective
         staged = wrap_staged(staged, args, world_size)  # emulated slowdown / compute timing
+        # args.place_model_on_device is False (CephaloTrainingArguments): stock Trainer must not
+        # move the whole model to the device; the engine moves only this rank's shards.
         super().__init__(model=model, args=args, **kwargs)
         _ensure_process_group(args.device)
         _register_exit_teardown()  # ends the process group cleanly if the script does not
+        # The engine builds unit by unit: a meta model reads its checkpoint slices
+        # (``model.cephalo_checkpoint``, from ``from_pretrained_sharded``) or is initialized per
+        # unit with ``args.seed``; an in-memory model takes rank 0's values.
         self.engine = CephaloEngine(staged, self.plan.state_ratios, device=args.device,
                                     offload_activations=args.cephalo_offload_activations,
-                                    autocast_dtype=torch.bfloat16 if args.bf16 else None)
+                                    autocast_dtype=torch.bfloat16 if args.bf16 else None,
+                                    init_seed=args.seed)
         self.accelerator.attach_engine(self.engine)
         self.add_callback(PlanAccuracyCallback(self))  # predicted vs measured at train end
         if self.is_world_process_zero():

@@ -129,6 +129,15 @@ class CephaloTrainingArguments(TrainingArguments):
             setattr(self, "cephalo_" + name, getattr(plugin, name))
 
     @property
+    def place_model_on_device(self) -> bool:
+        """False: stock ``Trainer.__init__`` would ``model.to(args.device)`` the WHOLE model
+        (``Trainer._move_model_to_device``) before CephaloTrainer builds the engine, which moves
+        only this rank's shards and one unit at a time (and a meta-device model cannot be moved
+        at all). This is the hook transformers provides for integrations that place the model
+        themselves."""
+        return False
+
+    @property
     def cephalo_offload_activations(self) -> bool | None:
         """``cephalo_activation_offload`` as the engine's argument: True, False, or None (auto)."""
         return {"on": True, "off": False, "auto": None}[self.cephalo_activation_offload]

@@ -540,7 +540,8 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
 
     Args:
         staged: the staged model (an ``EmulatedStagedModel`` measures the emulated device);
-            its parameters must be on ``device`` (moved there if not).
+            its root modules and first unit are moved to ``device`` (the other units are
+            never run, so they stay where they are).
         config: what to profile. device: the compute device. name: recorded device name.
         capacity_bytes: C_i recorded in the profile. rank: used in progress lines.
         make_microbatch: ``m -> microbatch`` override of ``synthetic_microbatch``.
@@ -554,7 +555,8 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
     """
     device = torch.device(device)
     model = staged.model
-    model.to(device)
+    for module in [*staged.root_modules(), staged.units()[0]]:
+        module.to(device)  # only what is run: never the whole model on the device
     was_training = model.training
     model.train()
     params = list(model.parameters())

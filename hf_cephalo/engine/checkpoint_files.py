@@ -1,0 +1,176 @@
+"""A Hugging Face safetensors checkpoint as a key -> file map, and element-range reads from it.
+
+``resolve_checkpoint`` turns a local folder or a Hub id into a ``CheckpointFiles``: a single
+``model.safetensors`` or the shards listed by ``model.safetensors.index.json``, resolved through
+the normal Hugging Face cache (``transformers.utils.cached_file``: local folders as they are,
+Hub ids from the cache, downloaded only when missing and allowed; ``HF_HUB_OFFLINE=1`` /
+``local_files_only=True`` never touch the network).
+
+``read_range`` reads ``[start, stop)`` of one tensor's flattened elements: the rows covering
+the range via ``safe_open(...).get_slice`` (never the whole tensor unless the range needs it),
+cut to the range and converted to the requested dtype. A reader of a sharded unit calls it
+once per parameter that overlaps its shard, so it reads about its own share of the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One checkpoint tensor: its key, file (absolute path) and shape."""
+
+    key: str
+    path: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class CheckpointFiles:
+    """A resolved safetensors checkpoint.
+
+    source: what the user gave (folder or Hub id), for messages.
+    weight_map: checkpoint key -> absolute file path (every key of every file).
+    index_path: the ``model.safetensors.index.json`` it came from, or None for one file.
+    """
+
+    source: str
+    weight_map: dict[str, str]
+    index_path: str | None = None
+    _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
+
+    @property
+    def files(self) -> list[str]:
+        """The distinct files, sorted."""
+        return sorted(set(self.weight_map.values()))
+
+    def where(self) -> str:
+        """The index file, or the single file, for error messages."""
+        return self.index_path or (self.files[0] if self.files else self.source)
+
+    def find(self, names: Iterable[str], prefix: str = "") -> str | None:
+        """The first of ``names`` (a parameter's fqn and aliases) that is a checkpoint key,
+        also trying each name without / with ``prefix + '.'`` (a checkpoint of the base model
+        or of the model with a head, as ``from_pretrained`` accepts); None if none is."""
+        for name in names:
+            candidates = [name]
+            if prefix:
+                candidates += [name.removeprefix(prefix + ".") if name.startswith(prefix + ".")
+                               else f"{prefix}.{name}"]
+            for key in candidates:
+                if key in self.weight_map:
+                    return key
+        return None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape of ``key`` (read from the file header; cached after ``check_files``)."""
+        if key not in self._shapes:
+            self.check_files([self.weight_map[key]])
+        return self._shapes[key]
+
+    def check_files(self, paths: Iterable[str] | None = None) -> None:
+        """Open each file's header: every key the map puts there must be in it.
+
+        Raises ValueError naming the file for a missing, truncated or corrupt file (safetensors
+        checks that the header covers the whole file) or a key the index assigns to a file that
+        lacks it. Reads only headers.
+        """
+        from safetensors import safe_open
+
+        for path in (self.files if paths is None else sorted(set(paths))):
+            if not os.path.isfile(path):
+                raise ValueError(f"checkpoint file {path} (listed in {self.where()}) does not "
+                                 "exist: download the complete checkpoint")
+            try:
+                with safe_open(path, framework="pt") as f:
+                    keys = set(f.keys())
+                    for key in keys:
+                        self._shapes[key] = tuple(f.get_slice(key).get_shape())
+            except Exception as exc:  # safetensors raises its own error type
+                raise ValueError(f"checkpoint file {path} cannot be read as safetensors "
+                                 f"({exc}); it may be truncated or corrupt: download it "
+                                 "again") from exc
+            missing = sorted(k for k, p in self.weight_map.items() if p == path and k not in keys)
+            if missing:
+                raise ValueError(f"{self.where()} maps {missing[:5]} to {path}, but that file "
+                                 "does not contain them: the index and its files disagree")
+
+
+def _cached(name_or_path: str, filename: str, kwargs: Mapping) -> str | None:
+    from transformers.utils import cached_file
+
+    return cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False, **kwargs)
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike, **hub_kwargs) -> CheckpointFiles:
+    """Resolve a folder or Hub id to its safetensors files (sharded index first).
+
+    ``hub_kwargs``: ``cached_file`` options (``revision``, ``cache_dir``, ``token``,
+    ``local_files_only``, ``subfolder``).
+    Raises ValueError when neither ``model.safetensors.index.json`` nor ``model.safetensors``
+    can be found (e.g. a ``pytorch_model.bin``-only checkpoint, or offline without a cached
+    copy), or an index without a ``weight_map``.
+    """
+    source = os.fspath(name_or_path)
+    index = _cached(source, INDEX_FILE, hub_kwargs)
+    if index is not None:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map': not a safetensors index")
+        paths = {}
+        for filename in sorted(set(weight_map.values())):
+            path = _cached(source, filename, hub_kwargs)
+            if path is None:
+                raise ValueError(f"{index} lists {filename}, which cannot be found in "
+                                 f"{source}: download the complete checkpoint")
+            paths[filename] = os.path.abspath(path)
+        return CheckpointFiles(source, {k: paths[v] for k, v in weight_map.items()},
+                               os.path.abspath(index))
+    single = _cached(source, SINGLE_FILE, hub_kwargs)
+    if single is None:
+        raise ValueError(f"{source!r}: neither {INDEX_FILE} nor {SINGLE_FILE} found (locally, "
+                         "in the Hugging Face cache, or on the Hub when online); sharded "
+                         "loading reads safetensors only: convert the checkpoint with "
+                         "save_pretrained(safe_serialization=True)")
+    from safetensors import safe_open
+
+    single = os.path.abspath(single)
+    try:
+        with safe_open(single, framework="pt") as f:
+            keys = list(f.keys())
+    except Exception as exc:
+        raise ValueError(f"checkpoint file {single} cannot be read as safetensors ({exc}); it "
+                         "may be truncated or corrupt: download it again") from exc
+    return CheckpointFiles(source, {k: single for k in keys})
+
+
+def read_range(handle, key: str, shape: tuple[int, ...], start: int, stop: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Elements ``[start, stop)`` of tensor ``key`` flattened (row-major), as a 1-D ``dtype``
+    tensor of ``stop - start`` elements.
+
+    ``handle``: an open ``safe_open`` file. Reads only the rows of dimension 0 that cover the
+    range (a 0-d or 1-d tensor: the range itself), then cuts and converts them.
+    """
+    if len(shape) == 0:
+        return handle.get_tensor(key).reshape(1)[start:stop].to(dtype)
+    row_numel = 1
+    for d in shape[1:]:
+        row_numel *= d
+    if row_numel == 0:
+        return torch.zeros(0, dtype=dtype)
+    first, last = start // row_numel, -(-stop // row_numel)
+    rows = handle.get_slice(key)[first:last]
+    flat = rows.reshape(-1)[start - first * row_numel:stop - first * row_numel]
+    return flat.to(dtype)

@@ -1,0 +1,359 @@
+"""Where a new engine's shards come from: rank 0's model, a checkpoint's slices, or a seeded init.
+
+[Note: no full model after construction]
+``CephaloEngine`` builds its units one at a time (``engine._build_units``). For each unit the
+weight source writes this rank's element range ``[start_r, start_r + n_r)`` of the unit's flat
+buffer into the unit's shard, then the module entries become placeholders. Nothing keeps the
+model's original parameter tensors: the units keep only their layout (``ParamInfo``) and the
+(module, attribute) entries, the engine's state-dict key map names parameters by fqn, so once
+every unit is built the originals are garbage (unless the caller holds them). At any moment a
+rank holds its shards plus at most one unit's full values (host memory; on the device at most
+one unit, on rank 0 of an in-memory start). Buffers (e.g. rotary ``inv_freq``) move to the
+compute device one by one.
+
+Three starts, chosen by ``choose_source`` from the model's parameter devices:
+
+- ``IN_MEMORY`` (parameters on the CPU, or already on the compute device): rank 0's values,
+  as FSDP's ``sync_module_states``: rank 0 flattens each unit and sends every other rank just
+  its range (point-to-point, so the bytes sent are the model's bytes once, whatever the
+  layout). A model that each rank initialized differently (a new classification head, another
+  seed) thus starts from ONE set of weights. Buffers are broadcast from rank 0 too.
+- ``CHECKPOINT`` (a safetensors folder / Hub id; parameters usually on the meta device): each
+  rank reads only the elements overlapping its shards (``checkpoint_files.read_range``). The
+  whole checkpoint (keys, shapes, file headers) is checked first, on every rank, before any
+  collective, so a bad checkpoint raises the same ValueError everywhere.
+- ``INIT`` (parameters on the meta device, no checkpoint): each unit is materialized on the host
+  and initialized by the model's own ``_init_weights`` (transformers' ``PreTrainedModel``; plain
+  torch modules: ``reset_parameters``), under a CPU generator seeded from (seed, unit name)
+  (``unit_seed``). Every rank computes the same full unit and keeps its range, so the weights
+  do not depend on the world size, the plan or the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import os
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint_files import CheckpointFiles, read_range, resolve_checkpoint
+from .flat_param import FlatParamUnit, ParamInfo
+
+
+class StartKind(enum.Enum):
+    """Where the shards of a new engine come from (see the module docstring)."""
+
+    IN_MEMORY = "in_memory"
+    CHECKPOINT = "checkpoint"
+    INIT = "init"
+
+
+CheckpointLike = str | os.PathLike | CheckpointFiles
+
+
+def unit_seed(seed: int, unit_name: str) -> int:
+    """The CPU RNG seed of one unit's init: a 63-bit hash of (seed, unit name), so it depends
+    on neither the plan, the world size nor the rank (nor on the other units)."""
+    digest = hashlib.sha256(f"hf_cephalo-init:{int(seed)}:{unit_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+# ---- choosing the start ----------------------------------------------------------------------
+def choose_source(model: nn.Module, checkpoint: CheckpointLike | None, *, seed: int,
+                  device: torch.device, rank: int, world_size: int, group):
+    """The weight source for ``model`` (validated; no collective).
+
+    Raises:
+        ValueError: a parameter on a device other than meta, the CPU or ``device``; meta and
+            materialized parameters mixed without a checkpoint; a checkpoint that cannot be
+            resolved (``checkpoint_files.resolve_checkpoint``).
+    """
+    meta, real, bad = [], [], []
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            meta.append(name)
+        elif p.device.type == "cpu" or p.device == device:
+            real.append(name)
+        else:
+            bad.append(f"{name} on {p.device}")
+    if bad:
+        raise ValueError(f"parameters {bad[:3]} are neither on the meta device, the CPU nor the "
+                         f"compute device {device}: build the model on the CPU or the meta "
+                         "device (the engine moves only this rank's shards)")
+    if checkpoint is not None:
+        files = checkpoint if isinstance(checkpoint, CheckpointFiles) else \
+            resolve_checkpoint(checkpoint)
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        return CheckpointSource(files, prefix, rank)
+    if meta and real:
+        raise ValueError(f"parameters {meta[:3]} are on the meta device but {real[:3]} are not, "
+                         "and no checkpoint was given: build the whole model on the meta device "
+                         "(seeded init or checkpoint=...) or materialize it")
+    if meta:
+        return InitSource(model, seed)
+    return RankZeroSource(rank, world_size, group)
+
+
+# ---- the three sources ---------------------------------------------------------------------
+class RankZeroSource:
+    """``StartKind.IN_MEMORY``: rank 0's parameter values, sent range by range."""
+
+    kind = StartKind.IN_MEMORY
+
+    def __init__(self, rank: int, world_size: int, group):
+        self.rank, self.world_size, self.group = rank, world_size, group
+
+    def check(self, infos: Sequence[ParamInfo]) -> None:
+        """Nothing to check (shapes are the model's own)."""
+
+    def _peer(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def fill(self, unit: FlatParamUnit, params: Sequence[torch.Tensor],
+             modules: Sequence[nn.Module]) -> None:
+        """Collective (point-to-point): rank 0 sends each rank its range of the unit."""
+        start, stop = unit.local_range
+        if self.rank != 0:
+            if unit.local_numel:
+                dist.recv(unit.local, src=self._peer(0), group=self.group)
+            return
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
+                torch.zeros(0, dtype=unit.dtype)
+            flat = flat.to(device=unit.device, dtype=unit.dtype)  # (N,) one unit, transient
+            unit.local.copy_(flat[start:stop])
+            works = [dist.isend(flat[s:s + n], dst=self._peer(r), group=self.group)
+                     for r, (s, n) in enumerate(zip(unit.starts, unit.numel_per_rank))
+                     if r != 0 and n > 0]
+            for work in works:
+                work.wait()
+
+    def fill_buffer(self, key: str, buffer: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        """Buffers already exist in memory (never meta here)."""
+        return buffer
+
+    def sync_buffer(self, buffer: torch.Tensor) -> None:
+        """Collective: rank 0's value of a buffer (already on the compute device)."""
+        if self.world_size > 1:
+            dist.broadcast(buffer, src=self._peer(0), group=self.group)
+
+
+class CheckpointSource:
+    """``StartKind.CHECKPOINT``: this rank's ranges read from safetensors files."""
+
+    kind = StartKind.CHECKPOINT
+
+    def __init__(self, files: CheckpointFiles, prefix: str, rank: int):
+        self.files, self.prefix, self.rank = files, prefix, rank
+        self._keys: dict[str, str] = {}  # parameter fqn -> checkpoint key
+
+    def check(self, infos: Sequence[ParamInfo]) -> None:
+        """Every parameter has a key of the right shape; every file's header is sound.
+
+        Raises ValueError naming the parameter and the file (no collective: every rank sees
+        the same files and raises the same error).
+        """
+        self.files.check_files()
+        for info in infos:
+            key = self.files.find(info.aliases, self.prefix)
+            if key is None:
+                raise ValueError(f"parameter {info.fqn} (names {list(info.aliases)}) is not in "
+                                 f"the checkpoint {self.files.where()}: it is a checkpoint of "
+                                 "another model, or its index misses an entry")
+            shape = self.files.shape(key)
+            if tuple(shape) != tuple(info.shape):
+                raise ValueError(f"parameter {info.fqn}: {self.files.weight_map[key]} stores "
+                                 f"{key!r} with shape {tuple(shape)}, the model expects "
+                                 f"{tuple(info.shape)}: the model's config does not match the "
+                                 "checkpoint")
+            self._keys[info.fqn] = key
+
+    def fill(self, unit: FlatParamUnit, params: Sequence[torch.Tensor],
+             modules: Sequence[nn.Module]) -> None:
+        """Read the elements of this rank's range, file by file (each opened once per unit
+        and closed after it, so mapped file pages do not stay in the process)."""
+        from safetensors import safe_open
+
+        start, stop = unit.local_range
+        by_file: dict[str, list[tuple[ParamInfo, str, int, int]]] = {}
+        for info in unit.infos:
+            lo, hi = max(start, info.offset), min(stop, info.offset + info.numel)
+            if lo < hi:
+                key = self._keys[info.fqn]
+                by_file.setdefault(self.files.weight_map[key], []).append((info, key, lo, hi))
+        with torch.no_grad():
+            for path, reads in by_file.items():
+                with safe_open(path, framework="pt") as f:
+                    for info, key, lo, hi in reads:
+                        values = read_range(f, key, tuple(info.shape), lo - info.offset,
+                                            hi - info.offset, unit.dtype)
+                        unit.local[lo - start:hi - start].copy_(values)
+
+    def fill_buffer(self, key: str, buffer: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        """A persistent buffer stored in the checkpoint is read; else None (init it)."""
+        from safetensors import safe_open
+
+        found = self.files.find([key], self.prefix)
+        if found is None:
+            return None
+        with safe_open(self.files.weight_map[found], framework="pt") as f:
+            value = f.get_tensor(found)
+        if tuple(value.shape) != tuple(buffer.shape):
+            raise ValueError(f"buffer {key}: {self.files.weight_map[found]} stores shape "
+                             f"{tuple(value.shape)}, the model expects {tuple(buffer.shape)}")
+        return value.to(buffer.dtype)
+
+    def sync_buffer(self, buffer: torch.Tensor) -> None:
+        """Every rank read the same file: nothing to do."""
+
+
+class InitSource:
+    """``StartKind.INIT``: each unit materialized on the host and initialized, seeded per unit."""
+
+    kind = StartKind.INIT
+
+    def __init__(self, model: nn.Module, seed: int):
+        self.seed = int(seed)
+        self._init_fns = init_functions(model)
+
+    def check(self, infos: Sequence[ParamInfo]) -> None:
+        """Nothing to check."""
+
+    def fill(self, unit: FlatParamUnit, params: Sequence[torch.Tensor],
+             modules: Sequence[nn.Module]) -> None:
+        """Materialize the unit as one (N,) host buffer, init it, keep this rank's range."""
+        from .flat_param import install_param_views
+
+        flat = torch.empty(unit.numel, dtype=unit.dtype)  # (N,) one unit on the host
+        nt = unit.trainable_numel
+        install_param_views(unit.infos, unit._uses, flat[:nt], flat[nt:])
+        for module in _post_order(modules):
+            _materialize_buffers(module)
+        run_init(self._init_fns, modules, unit_seed(self.seed, unit.name))
+        start, stop = unit.local_range
+        with torch.no_grad():
+            unit.local.copy_(flat[start:stop])
+        unit._set_placeholders()
+
+    def fill_buffer(self, key: str, buffer: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        return None
+
+    def sync_buffer(self, buffer: torch.Tensor) -> None:
+        """Seeded: the same on every rank."""
+
+
+# ---- init helpers ------------------------------------------------------------------------------
+def init_functions(model: nn.Module) -> dict[int, Callable[[nn.Module], None]]:
+    """id(module) -> the ``_init_weights`` of its nearest enclosing transformers model (as
+    ``PreTrainedModel.initialize_weights`` dispatches sub-models); modules outside any such
+    model map to their own ``reset_parameters`` when they have one."""
+    out: dict[int, Callable] = {}
+
+    def walk(module: nn.Module, owner: Callable | None) -> None:
+        if hasattr(module, "_init_weights") and hasattr(module, "config"):
+            owner = module._init_weights
+        fn = owner if owner is not None else getattr(module, "reset_parameters", None)
+        if fn is not None:
+            out[id(module)] = fn if owner is not None else (lambda m, f=fn: f())
+        for child in module.children():
+            walk(child, owner)
+
+    walk(model, None)
+    return out
+
+
+def _post_order(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """Distinct submodules, children before parents (the order ``initialize_weights`` uses)."""
+    seen, order = set(), []
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for child in module.children():
+            visit(child)
+        order.append(module)
+
+    for module in modules:
+        visit(module)
+    return order
+
+
+def _init_guard():
+    try:
+        from transformers.initialization import guard_torch_init_functions
+    except ImportError:  # not a transformers model, or an older release
+        return contextlib.nullcontext()
+    return guard_torch_init_functions()
+
+
+def run_init(init_fns: dict[int, Callable], modules: Sequence[nn.Module], seed: int) -> None:
+    """Apply each submodule's init function (post-order) under a CPU RNG seeded with ``seed``;
+    the caller's RNG state is restored afterwards."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), _init_guard():
+        torch.manual_seed(seed)
+        for module in _post_order(modules):
+            fn = init_fns.get(id(module))
+            if fn is not None:
+                fn(module)
+
+
+def _materialize_buffers(module: nn.Module) -> bool:
+    """Meta buffers of ``module`` (not recursive) become uninitialized host tensors; whether
+    there were any."""
+    found = False
+    for name, buf in module._buffers.items():
+        if buf is not None and buf.is_meta:
+            module._buffers[name] = torch.empty_like(buf, device="cpu")
+            found = True
+    return found
+
+
+def place_buffers(model: nn.Module, device: torch.device, source, init_fns=None,
+                  seed: int = 0) -> None:
+    """Every buffer on the compute device, moved one at a time (shared buffers once).
+
+    Meta buffers are read from the checkpoint when it stores them (persistent buffers), else
+    computed by their module's init function (e.g. rotary ``inv_freq``), seeded by the
+    module's name. In-memory starts take rank 0's values (collective).
+    Raises ValueError for a meta buffer that neither the checkpoint nor an init function
+    provides.
+    """
+    init_fns = init_functions(model) if init_fns is None else init_fns
+    moved: dict[int, torch.Tensor] = {}
+    for mod_name, module in model.named_modules():
+        metas = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+        if metas:
+            _fill_meta_buffers(mod_name, module, metas, source, init_fns, seed)
+        for name, buf in list(module._buffers.items()):
+            if buf is None:
+                continue
+            if id(buf) not in moved:
+                new = buf.to(device)
+                source.sync_buffer(new)
+                moved[id(buf)] = new
+            module._buffers[name] = moved[id(buf)]
+
+
+def _fill_meta_buffers(mod_name: str, module: nn.Module, names: list[str], source,
+                       init_fns, seed: int) -> None:
+    keys = {n: f"{mod_name}.{n}" if mod_name else n for n in names}
+    values = {n: source.fill_buffer(keys[n], module._buffers[n], module) for n in names}
+    _materialize_buffers(module)
+    if any(v is None for v in values.values()):
+        fn = init_fns.get(id(module))
+        if fn is None:
+            missing = [keys[n] for n, v in values.items() if v is None]
+            raise ValueError(f"buffers {missing} are on the meta device and neither the "
+                             "checkpoint nor an init function of their module provides them")
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), _init_guard():
+            torch.manual_seed(unit_seed(seed, f"buffers of {mod_name}"))
+            fn(module)
+    for n, v in values.items():
+        if v is not None:
+            module._buffers[n].copy_(v)

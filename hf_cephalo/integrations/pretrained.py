@@ -1,0 +1,68 @@
+"""``from_pretrained_sharded``: a checkpoint's model on the meta device, read shard by shard later.
+
+Reads like ``from_pretrained`` and returns the same model class, but builds it on the meta
+device (no memory for weights) and attaches the resolved safetensors files as
+``model.cephalo_checkpoint``. ``CephaloEngine`` (and so ``CephaloTrainer``) then reads on each
+rank only the element ranges of its shards (``hf_cephalo.engine.loading``)::
+
+    model = hf_cephalo.from_pretrained_sharded("meta-llama/Llama-3.2-1B")   # meta device
+    trainer = CephaloTrainer(model=model, args=args, ...)                    # reads r_i of it
+
+A model from its config alone also starts on the meta device and is initialized unit by unit
+with the model's own ``_init_weights``, seeded by ``TrainingArguments.seed``::
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from hf_cephalo.engine.checkpoint_files import resolve_checkpoint
+
+__all__ = ["from_pretrained_sharded"]
+
+_HUB_KEYS = ("revision", "cache_dir", "token", "local_files_only", "subfolder")
+
+
+def from_pretrained_sharded(pretrained_model_name_or_path: str | os.PathLike, *,
+                            model_class: Any = None, dtype: torch.dtype = torch.float32,
+                            config: Any = None, **kwargs: Any):
+    """The checkpoint's model on the meta device, its safetensors files attached.
+
+    Args:
+        pretrained_model_name_or_path: a local folder or a Hub id, resolved through the
+            Hugging Face cache as ``from_pretrained`` does (``HF_HUB_OFFLINE=1`` works with a
+            cached copy); ``model.safetensors`` or ``model.safetensors.index.json`` + shards.
+        model_class: an Auto class or a model class (default ``AutoModelForCausalLM``).
+        dtype: the parameters' dtype (default float32: the engine trains fp32 master weights);
+            each slice is converted while it is read.
+        config: a config to use instead of the checkpoint's.
+        **kwargs: ``revision``, ``cache_dir``, ``token``, ``local_files_only``, ``subfolder``
+            (hub options) and config overrides (e.g. ``num_labels=3``: a head whose shape then
+            differs from the checkpoint's is refused when the engine checks the checkpoint).
+    Returns:
+        The model, every parameter and buffer on the meta device, with
+        ``model.cephalo_checkpoint`` (a ``CheckpointFiles``).
+    Raises:
+        ValueError: no safetensors checkpoint found (``resolve_checkpoint``).
+    """
+    import transformers
+
+    hub = {k: kwargs.pop(k) for k in _HUB_KEYS if k in kwargs}
+    files = resolve_checkpoint(pretrained_model_name_or_path, **hub)
+    if config is None:
+        config = transformers.AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub,
+                                                         **kwargs)
+    cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        if hasattr(cls, "from_config"):  # an Auto class
+            model = cls.from_config(config, dtype=dtype)
+        else:
+            model = cls._from_config(config, dtype=dtype)
+    model.cephalo_checkpoint = files
+    return model

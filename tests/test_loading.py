@@ -1,0 +1,324 @@
+"""Engine construction: meta-device start from a sharded checkpoint, seeded per-unit init of a
+meta model, rank 0's weights for in-memory models, no full model kept (engine/loading.py).
+
+One ``run_ranks`` per world size; every sub-case runs inside it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+from tests.dist_utils import run_ranks
+from tests.models_fixtures import build
+
+TIMEOUT_S = 600.0
+
+
+def _save(tmp_path, tied: bool) -> str:
+    """A tiny Llama saved as a sharded checkpoint (several files, index json)."""
+    path = str(tmp_path / f"ckpt_tied{int(tied)}")
+    build("llama", seed=0, tie_word_embeddings=tied).save_pretrained(path, max_shard_size="100KB")
+    return path
+
+
+def _unit_numels(model) -> list[int]:
+    from hf_cephalo.models import stage_model
+
+    staged = stage_model(model)
+    numels = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
+    root = {id(p): p.numel() for m in staged.root_modules() for p in m.parameters()}
+    return numels + [sum(root.values())]
+
+
+def _layouts(numels: list[int], world_size: int) -> dict[str, list[list[int]] | None]:
+    """Even (planner), uneven ratios (planner), and a hand layout whose ranges cut parameters
+    mid-row, with a zero shard on one rank of the first unit."""
+    out = {"even": None}
+    if world_size == 2:
+        out["ratios 0.8/0.2"] = [0.8, 0.2]
+    else:
+        out["ratios 0.5/0.3/0.2"] = [0.5, 0.3, 0.2]
+    rows = []
+    for i, n in enumerate(numels):
+        cuts = [n // world_size + 37 * (r + 1) for r in range(world_size - 1)]
+        if i == 0:
+            cuts[0] = 0  # rank 0 holds nothing of unit 0
+        rows.append(cuts + [n - sum(cuts)])
+    out["hand, mid-row cuts"] = rows
+    return out
+
+
+def _engine(model, spec, **kw):
+    from hf_cephalo.engine import CephaloEngine
+    from hf_cephalo.models import stage_model
+
+    if spec is None or isinstance(spec[0], float):
+        return CephaloEngine(stage_model(model), spec, **kw)
+    return CephaloEngine(stage_model(model), shard_layout=spec, **kw)
+
+
+def _shards(engine) -> list[torch.Tensor]:
+    return [u.local.clone() for u in engine._all_units()]
+
+
+def _check_meta_equals_cpu(rank, world_size, ckpts) -> list[str]:
+    """Meta start (checkpoint) == CPU start (from_pretrained), every rank's shards, exactly."""
+    import hf_cephalo
+    from hf_cephalo.engine.loading import StartKind
+
+    done = []
+    for tied, path in ckpts.items():
+        cpu_model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+        numels = _unit_numels(cpu_model)
+        del cpu_model
+        for name, spec in _layouts(numels, world_size).items():
+            cpu_engine = _engine(transformers.LlamaForCausalLM.from_pretrained(path), spec)
+            meta_model = hf_cephalo.from_pretrained_sharded(path)
+            assert all(p.is_meta for p in meta_model.parameters())
+            meta_engine = _engine(meta_model, spec)
+            assert (cpu_engine.start_kind, meta_engine.start_kind) == \
+                (StartKind.IN_MEMORY, StartKind.CHECKPOINT)
+            for a, b in zip(_shards(cpu_engine), _shards(meta_engine)):
+                assert torch.equal(a, b), f"tied={tied} layout {name}: shards differ"
+            sd_meta, sd_cpu = meta_engine.full_state_dict(), cpu_engine.full_state_dict()
+            if rank == 0:
+                assert sd_meta.keys() == sd_cpu.keys()
+                assert all(torch.equal(sd_meta[k], sd_cpu[k]) for k in sd_cpu)
+                inv = meta_model.model.rotary_emb.inv_freq
+                assert inv.device.type == "cpu" and not inv.is_meta
+            done.append(f"tied={tied} {name}")
+    return done
+
+
+def _check_rank0_weights(rank, world_size) -> None:
+    """Ranks build their model with DIFFERENT seeds: the engine holds rank 0's weights."""
+    for tied in (False, True):
+        model = build("llama", seed=100 + rank, tie_word_embeddings=tied)
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+        engine = _engine(model, [0.7] + [0.3 / (world_size - 1)] * (world_size - 1))
+        full = engine.full_state_dict()
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, initial["lm_head.weight"][0, :4])
+        assert not torch.equal(gathered[0], gathered[1]), "the ranks' inits should differ"
+        if rank == 0:
+            assert full.keys() == initial.keys()
+            for key in initial:
+                assert torch.equal(full[key], initial[key]), f"{key} is not rank 0's"
+
+
+def _check_no_full_model_kept(rank, world_size) -> None:
+    """After construction no original parameter is alive (weakrefs dead, model entries empty)."""
+    model = build("llama", seed=0)
+    refs = [weakref.ref(p) for p in model.parameters()]
+    engine = _engine(model, [0.8] + [0.2 / (world_size - 1)] * (world_size - 1))
+    gc.collect()
+    alive = [i for i, r in enumerate(refs) if r() is not None]
+    assert not alive, f"{len(alive)} original parameters are still referenced"
+    assert all(p.numel() == 0 for p in model.parameters())
+    assert engine.full_state_dict() is not None or rank != 0
+
+
+def _meta_init(rank, world_size, spec, seed) -> dict | None:
+    from hf_cephalo.engine.loading import StartKind
+
+    config = build("llama").config
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    engine = _engine(model, spec, init_seed=seed)
+    assert engine.start_kind is StartKind.INIT
+    full = engine.full_state_dict()
+    # numpy: pickled by value (torch tensors would travel as shared-memory handles of a
+    # process that may have exited when the parent reads them)
+    return None if full is None else {k: v.numpy() for k, v in full.items()}
+
+
+def _expect_error(fn, *patterns) -> None:
+    try:
+        fn()
+    except ValueError as exc:
+        msg = str(exc)
+        assert all(p in msg for p in patterns), f"message {msg!r} lacks {patterns}"
+        return
+    raise AssertionError(f"no ValueError (expected {patterns})")
+
+
+def _check_bad_inputs(rank, world_size, bad) -> None:
+    """Every rank raises the same ValueError before any collective (a barrier then passes)."""
+    import hf_cephalo
+
+    _expect_error(lambda: _engine(hf_cephalo.from_pretrained_sharded(bad["missing"]), None),
+                  "model.layers.1.mlp.up_proj.weight", "model.safetensors.index.json")
+    wider = build("llama").config
+    wider.intermediate_size = 96
+    _expect_error(lambda: _engine(hf_cephalo.from_pretrained_sharded(bad["shape"], config=wider),
+                                  None),
+        "model.layers.0.mlp.gate_proj.weight", "(96, 64)", ".safetensors")
+    _expect_error(lambda: _engine(hf_cephalo.from_pretrained_sharded(bad["truncated"]), None),
+                  "truncated", bad["truncated_file"])
+    _expect_error(lambda: hf_cephalo.from_pretrained_sharded(bad["empty"]),
+                  "model.safetensors")
+    mixed = build("llama")
+    with torch.device("meta"):
+        mixed.lm_head = torch.nn.Linear(64, mixed.config.vocab_size, bias=False)
+    _expect_error(lambda: _engine(mixed, None), "lm_head.weight", "meta device")
+    dist.barrier()
+
+
+def _check_trainer_meta_start(rank, world_size, path, out_dir) -> None:
+    """CephaloTrainer on a ``from_pretrained_sharded`` model: the engine holds the checkpoint,
+    stock Trainer did not move the model, a step trains; without a plan it is refused."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    import hf_cephalo
+    from hf_cephalo.engine.loading import StartKind
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import Plan
+
+    args = CephaloTrainingArguments(output_dir=out_dir, report_to="none", optim="sgd",
+                                    max_steps=1, save_strategy="no", disable_tqdm=True)
+    assert args.place_model_on_device is False
+    _expect_error(lambda: CephaloTrainer(model=hf_cephalo.from_pretrained_sharded(path),
+                                         args=args), "meta device", "--cephalo_plan_file")
+    gen = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids}
+            for ids in torch.randint(1, 97, (4, 12), generator=gen)]
+    trainer = CephaloTrainer(model=hf_cephalo.from_pretrained_sharded(path), args=args,
+                             plan=Plan.from_ratios([1, 1], [1, 1], [0.7, 0.3]),
+                             train_dataset=rows,
+                             data_collator=lambda b: {k: torch.stack([r[k] for r in b])
+                                                      for k in b[0]})
+    assert trainer.engine.start_kind is StartKind.CHECKPOINT
+    full = trainer.engine.full_state_dict()
+    if rank == 0:
+        reference = transformers.LlamaForCausalLM.from_pretrained(path).state_dict()
+        assert full.keys() == reference.keys()
+        assert all(torch.equal(full[k], reference[k]) for k in reference)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def _ranks_main(rank, world_size, ckpts, bad, out_dir):
+    out = {"cases": _check_meta_equals_cpu(rank, world_size, ckpts)}
+    _check_rank0_weights(rank, world_size)
+    _check_no_full_model_kept(rank, world_size)
+    if world_size == 2:
+        out["init"] = [_meta_init(rank, world_size, None, seed=5),
+                       _meta_init(rank, world_size, [0.9, 0.1], seed=5)]
+        _check_bad_inputs(rank, world_size, bad)
+        _check_trainer_meta_start(rank, world_size, ckpts[True], out_dir)
+    else:
+        out["init"] = [_meta_init(rank, world_size, [0.2, 0.5, 0.3], seed=5)]
+    return out
+
+
+def _bad_checkpoints(tmp_path, good: str) -> dict[str, str]:
+    bad = {}
+    missing = str(tmp_path / "missing_entry")
+    shutil.copytree(good, missing)
+    index_path = os.path.join(missing, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    json.dump(index, open(index_path, "w"))
+    bad["missing"] = missing
+    bad["shape"] = good
+    truncated = str(tmp_path / "truncated")
+    shutil.copytree(good, truncated)
+    victim = sorted(f for f in os.listdir(truncated) if f.endswith(".safetensors"))[-1]
+    victim_path = os.path.join(truncated, victim)
+    size = os.path.getsize(victim_path)
+    with open(victim_path, "r+b") as f:
+        f.truncate(size - 100)
+    bad["truncated"], bad["truncated_file"] = truncated, victim
+    empty = tmp_path / "no_weights"
+    empty.mkdir()
+    shutil.copy(os.path.join(good, "config.json"), empty / "config.json")
+    bad["empty"] = str(empty)
+    return bad
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("loading")
+    ckpts = {tied: _save(tmp_path, tied) for tied in (False, True)}
+    bad = _bad_checkpoints(tmp_path, ckpts[False])
+    out_dir = str(tmp_path / "trainer")
+    return {w: run_ranks(_ranks_main, w, ckpts, bad, out_dir, timeout_s=TIMEOUT_S)
+            for w in (2, 3)}
+
+
+def test_meta_start_equals_cpu_start(runs):
+    for world_size, results in runs.items():
+        cases = results[0]["cases"]
+        assert len(cases) == 6, cases  # tied/untied x even / ratio / hand layouts
+        assert all(r["cases"] == cases for r in results)
+
+
+def test_meta_init_same_for_every_plan_and_world_size(runs):
+    """Seeded per-unit init: the same weights for 2 ranks even, 2 ranks 0.9/0.1, 3 ranks."""
+    dicts = [{k: torch.from_numpy(v) for k, v in d.items()}
+             for d in runs[2][0]["init"] + runs[3][0]["init"]]
+    for other in dicts[1:]:
+        assert other.keys() == dicts[0].keys()
+        for key in dicts[0]:
+            assert torch.equal(other[key], dicts[0][key]), key
+
+
+def test_meta_init_statistics_match_model_init(runs):
+    """Per parameter kind, the seeded per-unit init has the model's own init distribution.
+
+    Tolerances: a weight of n >= 2048 elements drawn N(0, 0.02) has a sample std within
+    about 1/sqrt(2n) <= 1.6% of 0.02 (one sigma) and a mean within 0.02/sqrt(n) <= 4.4e-4;
+    we allow 10% on the std (6 sigma) and 5 sigma on the mean, while a wrong scheme (e.g.
+    torch's default kaiming-uniform, std 1/sqrt(3 * fan_in) = 0.072 here) is far outside.
+    Deterministic kinds (norm weights = 1) must be equal exactly.
+    """
+    ours = {k: torch.from_numpy(v) for k, v in runs[2][0]["init"][0].items()}
+    reference = build("llama", seed=0).state_dict()
+    for key, ref in reference.items():
+        got = ours[key]
+        assert got.shape == ref.shape
+        if ref.std() == 0:
+            assert torch.equal(got, ref), key
+            continue
+        n, std = ref.numel(), float(ref.std())
+        assert abs(float(got.std()) - std) <= 0.1 * std, key
+        assert abs(float(got.mean())) <= 5 * std / n ** 0.5, key
+        assert not torch.equal(got, ref)  # a different RNG stream, the same distribution
+
+
+def test_from_pretrained_sharded_offline_hub_id(tmp_path, monkeypatch):
+    """A Hub id resolves through the Hugging Face cache, offline (no network)."""
+    from hf_cephalo.engine.checkpoint_files import resolve_checkpoint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="neither model.safetensors.index.json nor"):
+        resolve_checkpoint("hf-cephalo-test/not-a-cached-model",
+                           cache_dir=str(tmp_path / "cache"))
+
+
+def test_hub_id_resolves_from_cache_offline(tmp_path, monkeypatch):
+    """A Hub id found in the Hugging Face cache (snapshot layout) is read offline."""
+    import hf_cephalo
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "cache"
+    commit = "0" * 40
+    snapshot = cache / "models--hf-cephalo-test--tiny-llama" / "snapshots" / commit
+    build("llama").save_pretrained(str(snapshot), max_shard_size="100KB")
+    (cache / "models--hf-cephalo-test--tiny-llama" / "refs").mkdir()
+    (cache / "models--hf-cephalo-test--tiny-llama" / "refs" / "main").write_text(commit)
+    model = hf_cephalo.from_pretrained_sharded("hf-cephalo-test/tiny-llama",
+                                               cache_dir=str(cache))
+    files = model.cephalo_checkpoint
+    assert files.index_path is not None and len(files.files) > 1
+    assert all(str(snapshot) in f for f in files.files)
