@@ -35,8 +35,11 @@ def _unit_numels(model) -> list[int]:
 
     staged = stage_model(model)
     numels = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
-    root = {id(p): p.numel() for m in staged.root_modules() for p in m.parameters()}
-    return numels + [sum(root.values())]
+    embed = {id(p): p.numel() for m in staged.embed_modules() for p in m.parameters()}
+    # the head unit holds what the embedding unit does not (a tied weight lives in the latter)
+    head = {id(p): p.numel() for m in staged.head_modules() for p in m.parameters()
+            if id(p) not in embed}
+    return numels + [sum(embed.values()), sum(head.values())]
 
 
 def _layouts(numels: list[int], world_size: int) -> dict[str, list[list[int]] | None]:
@@ -52,6 +55,8 @@ def _layouts(numels: list[int], world_size: int) -> dict[str, list[list[int]] | 
         cuts = [n // world_size + 37 * (r + 1) for r in range(world_size - 1)]
         if i == 0:
             cuts[0] = 0  # rank 0 holds nothing of unit 0
+        if sum(cuts) > n:  # a small unit (a tied model's head: the final norm alone)
+            cuts = [n // world_size] * (world_size - 1)
         rows.append(cuts + [n - sum(cuts)])
     out["hand, mid-row cuts"] = rows
     return out
