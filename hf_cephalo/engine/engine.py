@@ -422,7 +422,13 @@ class CephaloEngine:
                    process_logits):
         """The head of one microbatch: adds its loss sum into ``loss_sum``; returns what is
         kept of its logits (None without ``return_logits``). The logits are locals of this
-        call, so they are freed when it returns unless kept."""
+        call, so they are freed when it returns unless kept. A microbatch without items (no
+        ``labels``: ``predict`` on unlabeled data) adds no loss and runs ``head_logits`` only."""
+        if self.staged.count_items(mb) == 0:
+            if not return_logits:
+                return None
+            logits = self.staged.head_logits(hidden, mb, ctx)
+            return logits if process_logits is None else process_logits(logits, mb)
         if not return_logits:
             loss_sum += self.staged.head_loss(hidden, mb, ctx).loss_sum.double()
             return None

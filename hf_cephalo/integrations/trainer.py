@@ -248,6 +248,10 @@ class CephaloTrainer(Trainer):
             raise ValueError(f"{description}: CephaloTrainer needs a dataset with a length (an "
                              "iterable dataset cannot be split by per-rank batch sizes)")
         collator = self.data_collator
+        strategy = str(getattr(self.args.train_sampling_strategy, "value",
+                               self.args.train_sampling_strategy))
+        # lengths from the dataset as given: column pruning drops the length column
+        lengths = self._sample_lengths(dataset) if shuffle and strategy == "group_by_length" else None
         import datasets
 
         if isinstance(dataset, datasets.Dataset) and dataset.format.get("type") != "custom":
@@ -258,9 +262,6 @@ class CephaloTrainer(Trainer):
             # transform, so the image column survives the pruning.
             collator = self._get_collator_with_removed_columns(collator, description=description)
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        strategy = str(getattr(self.args.train_sampling_strategy, "value",
-                               self.args.train_sampling_strategy))
-        lengths = self._sample_lengths(dataset) if shuffle and strategy == "group_by_length" else None
         sampler = WeightedBatchSampler(len(dataset), self.plan.batch_sizes, self.args.process_index,
                                        seed=seed, shuffle=shuffle and strategy == "random",
                                        drop_last=shuffle and self.args.dataloader_drop_last,
