@@ -24,8 +24,14 @@ callbacks — is the Trainer's own):
   itself, so models whose forward ignores ``num_items_in_batch`` (ViT, BERT) are normalized the
   same way.
 - **Clipping**: the global L2 norm over all ranks' shards (``engine.clip_grad_norm_``).
-- **Optimizer**: built by the Trainer's optimizer class/kwargs over this rank's 1-D shards (one
-  parameter group: weight decay applies to every parameter, see ``create_optimizer``).
+- **Optimizer**: built by the Trainer's optimizer class/kwargs over this rank's 1-D shards;
+  weight decay by parameter name as stock (per-element mask, ``weight_decay.py``).
+- **Loss**: label smoothing, ``compute_loss_func`` and ``compute_loss`` overrides run in the
+  engine's head phase per microbatch with the global item count (``user_loss.py``).
+- **Support matrix**: every ``TrainingArguments`` field and hook works as stock, is not
+  applicable, or is refused at construction (``support.py``, docs/trainer_support.md).
+- **The user's model**: hollow while sharded; calling it raises naming ``save_model``;
+  ``unshard_model()`` restores full weights (``sharded_model.py``).
 - **Evaluation**: through the engine; rank-weighted unshuffled split of the eval set, every
   prediction gathered exactly once in dataset order.
 - **Saving**: ``save_model`` gathers the full state dict (collective) and rank 0 writes a
