@@ -301,7 +301,7 @@ def test_rejects_bad_setup(tmp_path, monkeypatch):
     args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none",
                                     load_best_model_at_end=True, eval_strategy="steps", save_steps=5,
                                     eval_steps=5)
-    with pytest.raises(NotImplementedError, match="load_best_model_at_end"):
+    with pytest.raises(ValueError, match="load_best_model_at_end"):
         CephaloTrainer(model=build("llama"), args=args)
     args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none")
     with pytest.raises(ValueError, match="CephaloTrainer needs a model"):

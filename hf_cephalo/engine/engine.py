@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.base import AutocastStagedModel, StagedModel
+from ..models.base import AutocastStagedModel, StagedModel, global_num_items_scope
 from ..planner.state import layout_unit_shards  # pure planning code (numpy), no torch.distributed
 from . import collectives as C
 from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_params,
@@ -222,6 +222,7 @@ class CephaloEngine:
         self._build_units(ratios, shard_layout, use_all_reduce, source)
         self.num_units = len(self.units)
         self._failure: str | None = None  # set when a step raised mid-schedule
+        self._failure_exc: BaseException | None = None  # that step's exception
         self._abandoned: list = []  # in-flight collectives of that step, kept referenced
 
     # ---- construction ---------------------------------------------------------------------
@@ -331,13 +332,14 @@ class CephaloEngine:
         mbs = list(microbatches)
         local_items, global_items = self._global_items(mbs)
         if global_items == 0:
-            raise ValueError("the global batch has no items (every label is -100 or no rank has "
-                             "samples); nothing to train on")
+            raise ValueError("the global batch has no items (no 'labels', every label is -100, or "
+                             "no rank has samples); nothing to train on")
         stash = ActivationStash(self.offload_activations, self.streams, self.stats)
         step = LayeredStep(self.staged, self.units, self.root, mbs, global_items, stash,
                            self.device, keep_graphs=not self.activation_checkpointing)
         try:
-            step.run()
+            with global_num_items_scope(global_items):  # [Note: global item count for user losses]
+                step.run()
         except BaseException as exc:
             self._abandon_step(stash, exc, "train_step")
             raise
@@ -363,7 +365,11 @@ class CephaloEngine:
             stash.clear()
         for unit in self._all_units():
             self._abandoned.extend(unit.abandon())
-        self._failure = f"an earlier {what} raised mid-schedule ({type(exc).__name__}: {exc})"
+        # The type only, not the message: a refusal that repeated an out-of-memory text would
+        # look like a fresh OOM to Accelerate's should_reduce_batch_size (auto_find_batch_size
+        # would retry forever); the original exception is chained as the refusal's __cause__.
+        self._failure = f"an earlier {what} raised mid-schedule ({type(exc).__name__})"
+        self._failure_exc = exc
 
     def check_usable(self, what: str) -> None:
         """Raise RuntimeError if an earlier ``train_step`` / ``evaluate`` raised part-way.
@@ -375,8 +381,9 @@ class CephaloEngine:
         if self._failure is not None:
             raise RuntimeError(
                 f"{what} refused on rank {self.rank}: {self._failure}; the ranks' collectives "
-                "may be out of step and that step's gradients were dropped. Fix the cause, "
-                "then restart the processes and resume from the last complete checkpoint")
+                "may be out of step and that step's gradients were dropped. Fix the cause (the "
+                "chained exception above), then restart the processes and resume from the last "
+                "complete checkpoint") from getattr(self, "_failure_exc", None)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip shard grads by the GLOBAL L2 norm (one all-reduce of squared sums); return it.
@@ -421,7 +428,8 @@ class CephaloEngine:
         mbs = list(microbatches)
         _, global_items = self._global_items(mbs)
         try:
-            loss_sum, logits = self._evaluate_layered(mbs, return_logits, process_logits)
+            with global_num_items_scope(global_items):  # [Note: global item count for user losses]
+                loss_sum, logits = self._evaluate_layered(mbs, return_logits, process_logits)
         except BaseException as exc:
             self._abandon_step(None, exc, "evaluate")
             raise
@@ -485,7 +493,13 @@ class CephaloEngine:
                    process_logits):
         """The head of one microbatch: adds its loss sum into ``loss_sum``; returns what is
         kept of its logits (None without ``return_logits``). The logits are locals of this
-        call, so they are freed when it returns unless kept."""
+        call, so they are freed when it returns unless kept. A microbatch without items (no
+        ``labels``: ``predict`` on unlabeled data) adds no loss and runs ``head_logits`` only."""
+        if self.staged.count_items(mb) == 0:
+            if not return_logits:
+                return None
+            logits = self.staged.head_logits(hidden, mb, ctx)
+            return logits if process_logits is None else process_logits(logits, mb)
         if not return_logits:
             loss_sum += self.staged.head_loss(hidden, mb, ctx).loss_sum.double()
             return None

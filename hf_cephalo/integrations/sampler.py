@@ -7,6 +7,12 @@ batches of B indices, and takes its own contiguous slice of each global batch. T
 pure function of (epoch, seed, dataset length, batch sizes), so no communication is needed and
 every rank takes the same number of steps.
 
+Orders (``TrainingArguments.train_sampling_strategy``, applied to the GLOBAL batches, then split
+by b_i): "random" (the permutation above), "sequential" (dataset order: the global batches
+stock ``Trainer`` makes with ``SequentialSampler``), "group_by_length" (stock
+``get_length_grouped_indices`` over the dataset's lengths with the global batch size and a
+generator seeded ``seed + epoch``: megabatches sorted by length, longest batch first).
+
 [Note: last partial global batch]
 When the dataset length N is not a multiple of B, the last global batch holds n = N mod B
 samples. They are split proportionally to b_i with the largest-remainder method (exact integer
@@ -74,19 +80,31 @@ def split_counts(num_samples: int, batch_sizes: Sequence[int]) -> list[int]:
 
 
 def global_batches(dataset_length: int, global_batch_size: int, *, epoch: int = 0, seed: int = 0,
-                   shuffle: bool = True, drop_last: bool = False) -> list[list[int]]:
+                   shuffle: bool = True, drop_last: bool = False,
+                   lengths: Sequence[int] | None = None) -> list[list[int]]:
     """The epoch's global batches: lists of dataset indices, ``global_batch_size`` each.
 
     The permutation is ``torch.randperm(dataset_length)`` from a generator seeded with
     ``seed + epoch`` (identical on every rank), or ``range(dataset_length)`` without shuffle.
+    With ``lengths`` (one per sample; group-by-length), the order is stock Trainer's
+    ``get_length_grouped_indices(lengths, global_batch_size)`` with that generator.
     The last batch is shorter unless ``drop_last`` (then it is dropped).
+    Raises ValueError for a negative length, a batch size < 1 or a wrong number of lengths.
     """
     if dataset_length < 0 or global_batch_size < 1:
         raise ValueError(f"dataset_length = {dataset_length} must be >= 0 and global_batch_size = "
                          f"{global_batch_size} must be >= 1 (samples)")
-    if shuffle:
-        generator = torch.Generator()
-        generator.manual_seed(seed + epoch)
+    if lengths is not None and len(lengths) != dataset_length:
+        raise ValueError(f"{len(lengths)} lengths for {dataset_length} samples: give one length "
+                         "(tokens) per sample")
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    if lengths is not None:
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
+        order = get_length_grouped_indices(list(lengths), global_batch_size, generator=generator) \
+            if dataset_length else []
+    elif shuffle:
         order = torch.randperm(dataset_length, generator=generator).tolist()
     else:
         order = list(range(dataset_length))
@@ -119,6 +137,7 @@ class WeightedBatchSampler(Sampler[list[int]]):
         seed: base seed; the permutation of epoch e uses ``seed + e`` (call ``set_epoch``).
         shuffle: permute the dataset each epoch (False for evaluation: dataset order).
         drop_last: drop the last partial global batch instead of splitting it.
+        lengths: per-sample lengths: group-by-length order (see ``global_batches``).
 
     Every rank yields ``len(self)`` lists (= ceil(N/B), or floor with ``drop_last``); the lists
     of all ranks at one step are disjoint and together form the global batch; over an epoch each
@@ -132,7 +151,8 @@ class WeightedBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, dataset_length: int, batch_sizes: Sequence[int], rank: int, *,
-                 seed: int = 0, shuffle: bool = True, drop_last: bool = False) -> None:
+                 seed: int = 0, shuffle: bool = True, drop_last: bool = False,
+                 lengths: Sequence[int] | None = None) -> None:
         self.batch_sizes = _check_batch_sizes(batch_sizes)
         if isinstance(dataset_length, bool) or not isinstance(dataset_length, int) or dataset_length < 0:
             raise ValueError(f"dataset_length = {dataset_length!r} must be an integer >= 0 (samples)")
@@ -144,6 +164,10 @@ class WeightedBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.lengths = None if lengths is None else [int(n) for n in lengths]
+        if self.lengths is not None and len(self.lengths) != dataset_length:
+            raise ValueError(f"{len(self.lengths)} lengths for {dataset_length} samples: give one "
+                             "length (tokens) per sample")
         self.epoch = 0
 
     @property
@@ -159,7 +183,8 @@ class WeightedBatchSampler(Sampler[list[int]]):
         """All of ``rank``'s per-step index lists for the current epoch (pure; no communication)."""
         steps = []
         for batch in global_batches(self.dataset_length, self.global_batch_size, epoch=self.epoch,
-                                    seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last):
+                                    seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
+                                    lengths=self.lengths):
             counts = split_counts(len(batch), self.batch_sizes)
             start = sum(counts[:rank])
             steps.append(batch[start:start + counts[rank]])

@@ -28,8 +28,14 @@ callbacks — is the Trainer's own):
   itself, so models whose forward ignores ``num_items_in_batch`` (ViT, BERT) are normalized the
   same way.
 - **Clipping**: the global L2 norm over all ranks' shards (``engine.clip_grad_norm_``).
-- **Optimizer**: built by the Trainer's optimizer class/kwargs over this rank's 1-D shards (one
-  parameter group: weight decay applies to every parameter, see ``create_optimizer``).
+- **Optimizer**: built by the Trainer's optimizer class/kwargs over this rank's 1-D shards;
+  weight decay by parameter name as stock (per-element mask, ``weight_decay.py``).
+- **Loss**: label smoothing, ``compute_loss_func`` and ``compute_loss`` overrides run in the
+  engine's head phase per microbatch with the global item count (``user_loss.py``).
+- **Support matrix**: every ``TrainingArguments`` field and hook works as stock, is not
+  applicable, or is refused at construction (``support.py``, docs/trainer_support.md).
+- **The user's model**: hollow while sharded; calling it raises naming ``save_model``;
+  ``unshard_model()`` restores full weights (``sharded_model.py``).
 - **Evaluation**: through the engine; rank-weighted unshuffled split of the eval set, every
   prediction gathered exactly once in dataset order.
 - **Saving**: ``save_model`` (collective) streams the model one unit at a time into the
@@ -64,8 +70,13 @@ from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
 from hf_cephalo.integrations.auto_plan import (PlanAccuracyCallback, resolve_plan_for_model,
                                                wrap_staged)
 from hf_cephalo.integrations.sampler import MicrobatchCollator, WeightedBatchSampler
+from hf_cephalo.integrations.sharded_model import guard_sharded_model, restore_full_model
+from hf_cephalo.integrations.support import HOOK_SUPPORT, check_training_args
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+from hf_cephalo.integrations.user_loss import UserLossStagedModel
+from hf_cephalo.integrations.weight_decay import ShardWeightDecay, decay_rule, shard_decay_masks
 from hf_cephalo.models import stage_model
+from hf_cephalo.models.registry import supported_model_classes
 from hf_cephalo.planner import Plan
 
 __all__ = ["CephaloTrainer", "format_plan_table", "format_loss_trend"]
@@ -138,8 +149,9 @@ class CephaloTrainer(Trainer):
     Raises:
         TypeError: ``args`` is not ``CephaloTrainingArguments``.
         ValueError: no model (``model_init`` is not supported), a plan that does not fit the
-            job, an unsupported model class, an iterable dataset — before any collective.
-        NotImplementedError: ``load_best_model_at_end``.
+            job, an unsupported model class, an iterable dataset, a ``TrainingArguments`` value
+            or hook the engine would not honour (``support.py``, docs/trainer_support.md) —
+            before any profiling or collective.
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
@@ -149,10 +161,9 @@ class CephaloTrainer(Trainer):
             raise TypeError(f"CephaloTrainer needs CephaloTrainingArguments, got {type(args).__name__}")
         if model is None:
             raise ValueError("CephaloTrainer needs a model (model_init is not supported)")
-        if args.load_best_model_at_end:
-            raise NotImplementedError("load_best_model_at_end is not supported by CephaloTrainer yet "
-                                      "(it would load a full state dict into sharded parameters); "
-                                      "reload the best checkpoint with from_pretrained instead")
+        check_training_args(args)  # [Note: no silent no-op] in support.py
+        self._check_hooks(model, kwargs)
+        _engine_checkpointing_replaces_model_checkpointing(args)
         world_size = args.world_size  # sets up the process group (accelerate launch / torchrun)
         self.cluster_profile = None  # the profile an automatic plan was made from
         if plan is None:  # plan file > profile file > profile this cluster (auto_plan.py)
@@ -163,10 +174,14 @@ class CephaloTrainer(Trainer):
         args.resolve_global_batch_size(world_size, self.plan.global_batch_size)  # consistency
         args.check_world_size(world_size)
         staged = stage_model(model)  # unsupported model: ValueError before any collective
+        if self._uses_user_loss(args, kwargs):  # the Trainer's loss as the engine's head loss
+            staged = UserLossStagedModel(staged, self.compute_loss)
         staged = wrap_staged(staged, args, world_size)  # emulated slowdown / compute timing
         # args.place_model_on_device is False (CephaloTrainingArguments): stock Trainer must not
         # move the whole model to the device; the engine moves only this rank's shards.
         super().__init__(model=model, args=args, **kwargs)
+        self._decay_names = set(self.get_decay_parameter_names(model))  # before sharding
+        self._full_numel = sum(p.numel() for p in model.parameters())
         _ensure_process_group(args.device)
         _register_exit_teardown()  # ends the process group cleanly if the script does not
         # The engine builds unit by unit: a meta model reads its checkpoint slices
@@ -177,9 +192,59 @@ class CephaloTrainer(Trainer):
                                     autocast_dtype=torch.bfloat16 if args.bf16 else None,
                                     init_seed=args.seed)
         self.accelerator.attach_engine(self.engine)
+        guard_sharded_model(model, self._full_numel)  # [Note: the user's model while sharded]
         self.add_callback(PlanAccuracyCallback(self))  # predicted vs measured at train end
         if self.is_world_process_zero():
             print(format_plan_table(self.plan), flush=True)
+
+    # ---- what stock features the engine path honours (support.py) ----------------------------
+    def _check_hooks(self, model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+        """ValueError for a hook CephaloTrainer would bypass (``HOOK_SUPPORT``), before any
+        collective."""
+        def refuse(name: str) -> None:
+            raise ValueError(f"{name} is not supported by CephaloTrainer: "
+                             f"{HOOK_SUPPORT[name].note} (docs/trainer_support.md)")
+
+        if kwargs.get("model_init") is not None:
+            refuse("model_init")
+        if any(x is not None for x in kwargs.get("optimizers") or ()):
+            refuse("optimizers")
+        if type(self)._get_train_sampler is not Trainer._get_train_sampler:
+            refuse("_get_train_sampler (override)")
+        registered = next((c for c in type(model).__mro__ if c.__name__ in supported_model_classes()),
+                          None)
+        if registered is not None and type(model).forward is not registered.forward:
+            refuse("model forward (override)")
+
+    def _uses_user_loss(self, args, kwargs: dict[str, Any]) -> bool:
+        """A loss other than the adapter's: label smoothing, ``compute_loss_func`` or a
+        ``compute_loss`` override (``user_loss.py``)."""
+        return (args.label_smoothing_factor != 0 or kwargs.get("compute_loss_func") is not None
+                or type(self).compute_loss is not CephaloTrainer.compute_loss)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """Stock ``Trainer.compute_loss`` as the engine's head loss (``user_loss.py``).
+
+        ``model`` is an ``EngineOutputs`` stand-in whose call returns this microbatch's outputs;
+        ``num_items_in_batch`` is the GLOBAL item count. Same precedence as stock:
+        ``compute_loss_func``, else the label smoother, else the model's own loss. No DDP
+        rescaling (stock multiplies by the number of processes because DDP averages; the
+        engine sums). Override it like stock (call ``model(**inputs)`` once); for exactness a
+        user loss must be a sum over items divided by ``num_items_in_batch``.
+        """
+        if (self.label_smoother is not None or self.compute_loss_func is not None) and "labels" in inputs:
+            labels = inputs.pop("labels")
+        else:
+            labels = None
+        outputs = model(**inputs)
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif labels is not None:
+            loss = self.label_smoother(outputs, labels, shift_labels=getattr(model, "_causal", False),
+                                       num_items_in_batch=num_items_in_batch)
+        else:
+            loss = outputs["loss"]
+        return (loss, outputs) if return_outputs else loss
 
     # ---- accelerator ---------------------------------------------------------------------
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
@@ -201,6 +266,10 @@ class CephaloTrainer(Trainer):
             raise ValueError(f"{description}: CephaloTrainer needs a dataset with a length (an "
                              "iterable dataset cannot be split by per-rank batch sizes)")
         collator = self.data_collator
+        strategy = str(getattr(self.args.train_sampling_strategy, "value",
+                               self.args.train_sampling_strategy))
+        # lengths from the dataset as given: column pruning drops the length column
+        lengths = self._sample_lengths(dataset) if shuffle and strategy == "group_by_length" else None
         import datasets
 
         if isinstance(dataset, datasets.Dataset) and dataset.format.get("type") != "custom":
@@ -212,11 +281,37 @@ class CephaloTrainer(Trainer):
             collator = self._get_collator_with_removed_columns(collator, description=description)
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         sampler = WeightedBatchSampler(len(dataset), self.plan.batch_sizes, self.args.process_index,
-                                       seed=seed, shuffle=shuffle)
+                                       seed=seed, shuffle=shuffle and strategy == "random",
+                                       drop_last=shuffle and self.args.dataloader_drop_last,
+                                       lengths=lengths)
+        workers = self.args.dataloader_num_workers
+        extra = {} if workers == 0 else dict(
+            persistent_workers=self.args.dataloader_persistent_workers,
+            prefetch_factor=self.args.dataloader_prefetch_factor,
+            multiprocessing_context=self.args.dataloader_multiprocessing_context)
         return _EpochDataLoader(dataset, batch_sampler=sampler,
                                 collate_fn=MicrobatchCollator(collator, microbatch_size),
-                                num_workers=self.args.dataloader_num_workers,
-                                pin_memory=self.args.dataloader_pin_memory)
+                                num_workers=workers, pin_memory=self.args.dataloader_pin_memory,
+                                **extra)
+
+    def _sample_lengths(self, dataset) -> list[int]:
+        """Per-sample lengths for group_by_length, as stock: the ``length_column_name`` column,
+        else the length of each sample's first model input (``input_ids`` by default).
+
+        Raises ValueError when neither exists."""
+        import datasets
+
+        column = self.args.length_column_name
+        if isinstance(dataset, datasets.Dataset) and column in dataset.column_names:
+            return [int(n) for n in dataset[column]]
+        name = (self.processing_class.model_input_names[0] if self.processing_class is not None
+                and hasattr(self.processing_class, "model_input_names") else "input_ids")
+        first = dataset[0]
+        if not hasattr(first, "keys") or name not in first:
+            raise ValueError(f"train_sampling_strategy='group_by_length' needs a {column!r} column "
+                             f"or samples with {name!r} (length_column_name / the processor's "
+                             "first input)")
+        return [len(dataset[i][name]) for i in range(len(dataset))]
 
     def get_train_dataloader(self) -> DataLoader:
         """This rank's loader: b_i samples per step as microbatches of m_i (not Accelerate-prepared)."""
@@ -270,18 +365,32 @@ class CephaloTrainer(Trainer):
         return grad_norm
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
-        """The Trainer's optimizer class and kwargs over this rank's flat 1-D shards.
+        """The Trainer's optimizer class and kwargs (``optimizer_cls_and_kwargs`` if given,
+        else from ``optim``) over this rank's flat 1-D shards, one parameter group.
 
-        A flat shard mixes weights, biases and norm scales, so ``weight_decay`` applies to all of
-        them (stock Trainer exempts biases and norms); a warning says so when it is > 0.
+        ``weight_decay`` is applied as stock: only to ``get_decay_parameter_names`` (biases and
+        norms exempt), per element of each shard by a step pre-hook (``weight_decay.py``).
+        Raises ValueError for an optimizer that needs the model itself, or ``weight_decay > 0``
+        with an optimizer whose decay rule is unknown.
         """
         if self.optimizer is None:
-            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
-            if self.args.weight_decay > 0:
-                logger.warning("weight_decay = %g is applied to every parameter, biases and norm "
-                               "weights included (flat shards)", self.args.weight_decay)
-            groups = [{"params": self.engine.parameters(), "weight_decay": self.args.weight_decay}]
-            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+            if self.optimizer_cls_and_kwargs is not None:
+                optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+            else:
+                optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+            if "model" in optimizer_kwargs:
+                raise ValueError(f"optimizer {optimizer_cls.__name__} needs the model itself, which "
+                                 "the engine holds as flat shards: use an element-wise optimizer "
+                                 "such as --optim adamw_torch or sgd")
+            params, weight_decay = self.engine.parameters(), self.args.weight_decay
+            rule = decay_rule(optimizer_cls, optimizer_kwargs) if weight_decay else None
+            self.optimizer = optimizer_cls([{"params": params, "weight_decay": 0.0}],
+                                           **optimizer_kwargs)
+            if rule is not None:
+                masks = shard_decay_masks(self.engine.shard_metadata(), self.engine.rank,
+                                          self._decay_names)
+                self.optimizer.register_step_pre_hook(
+                    ShardWeightDecay(params, masks, weight_decay, rule))
         return self.optimizer
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -376,6 +485,20 @@ class CephaloTrainer(Trainer):
         predictions = _stack_padded([row[1] for row in rows], -100)
         labels = None if rows[0][2] is None else _stack_padded([row[2] for row in rows], -100)
         return predictions, labels
+
+    # ---- the user's model ------------------------------------------------------------------
+    def unshard_model(self) -> torch.nn.Module:
+        """Collective (call on every rank): put full copies of the current weights into the
+        model object passed to ``CephaloTrainer`` (``trainer.model``) on every rank, so that
+        ``model(**batch)`` and ``model.save_pretrained(dir)`` work again; returns it.
+
+        Costs the whole model's parameters on every rank (bytes = 4 x numel in fp32). The
+        engine keeps its shards: a later ``train()`` / ``evaluate()`` re-shards the model (see
+        [Note: the user's model while sharded] in ``sharded_model.py``). To save without
+        gathering on every rank use ``trainer.save_model(dir)`` (rank 0 writes).
+        """
+        restore_full_model(self.engine)
+        return self.model
 
     # ---- saving --------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -504,6 +627,20 @@ class CephaloTrainer(Trainer):
                     raise CheckpointError(f"{path}: missing (the LR scheduler's position)")
                 self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu",
                                                              weights_only=True))
+
+
+def _engine_checkpointing_replaces_model_checkpointing(args) -> None:
+    """``gradient_checkpointing`` / ``activation_checkpointing``: the engine recomputes every
+    unit in backward, which IS activation checkpointing. Stock ``Trainer.train()`` would switch
+    the model's own checkpointing on as well (each layer's forward then runs three times per
+    microbatch instead of two), so the flags are logged and cleared on ``args``."""
+    if args.activation_checkpointing or args.gradient_checkpointing:
+        logger.warning("gradient_checkpointing/activation_checkpointing: the Cephalo engine "
+                       "already recomputes every layer in backward (per-unit activation "
+                       "checkpointing); the model's own checkpointing is not switched on in "
+                       "addition")
+        args.activation_checkpointing = False
+        args.gradient_checkpointing = False
 
 
 def _unwrap_optimizer(optimizer):

@@ -19,12 +19,43 @@ recompute in backward, so it must not depend on unit parameters.
 from __future__ import annotations
 
 import abc
-from typing import Any, Mapping, NamedTuple
+import contextlib
+import contextvars
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import torch
 from torch import nn
 
 Microbatch = Mapping[str, torch.Tensor]
+
+
+_GLOBAL_NUM_ITEMS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "hf_cephalo_global_num_items", default=None)
+
+
+@contextlib.contextmanager
+def global_num_items_scope(num_items: int) -> Iterator[None]:
+    """While the engine runs a step or an evaluation: the GLOBAL item count N (all ranks,
+    all microbatches) that every loss sum is divided by.
+
+    [Note: global item count for user losses]
+    ``head_loss`` returns a SUM and the engine divides it by N. A Hugging Face style loss
+    (``compute_loss_func(outputs, labels, num_items_in_batch)``, ``LabelSmoother``) divides by
+    ``num_items_in_batch`` itself, so an adapter wrapping one (``integrations/user_loss.py``)
+    reads N here, passes it as ``num_items_in_batch`` and returns ``loss * N`` as the sum. The
+    gradient then equals the full-batch one exactly when the loss is a sum over items divided
+    by ``num_items_in_batch`` (true for cross entropy, label smoothing, any per-token loss).
+    """
+    token = _GLOBAL_NUM_ITEMS.set(int(num_items))
+    try:
+        yield
+    finally:
+        _GLOBAL_NUM_ITEMS.reset(token)
+
+
+def global_num_items() -> int | None:
+    """N inside ``global_num_items_scope`` (the engine's step / evaluation), else None."""
+    return _GLOBAL_NUM_ITEMS.get()
 
 
 class HeadOutput(NamedTuple):

@@ -285,8 +285,11 @@ class CausalLMStagedModel(HFStagedModel):
         return causal_lm_loss_sum(logits, labels)
 
     def count_items(self, microbatch: Microbatch) -> int:
-        """Tokens scored by ``head_loss``: labels != -100 after the causal shift."""
-        return count_causal_items(require_key(microbatch, "labels", type(self).__name__))
+        """Tokens scored by ``head_loss``: labels != -100 after the causal shift; 0 without
+        ``labels`` (prediction on unlabeled data; training then refuses the empty batch)."""
+        if microbatch.get("labels") is None:
+            return 0
+        return count_causal_items(microbatch["labels"])
 
 
 class ClassifierStagedModel(HFStagedModel):
@@ -306,6 +309,8 @@ class ClassifierStagedModel(HFStagedModel):
         return classification_loss_sum(logits, labels, self.model.config)
 
     def count_items(self, microbatch: Microbatch) -> int:
-        """Samples with label != -100 (single-label), else label elements."""
-        labels = require_key(microbatch, "labels", type(self).__name__)
-        return count_classification_items(labels, self.model.config)
+        """Samples with label != -100 (single-label), else label elements; 0 without
+        ``labels`` (prediction on unlabeled data; training then refuses the empty batch)."""
+        if microbatch.get("labels") is None:
+            return 0
+        return count_classification_items(microbatch["labels"], self.model.config)

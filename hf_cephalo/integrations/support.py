@@ -1,0 +1,384 @@
+"""The Trainer support matrix: every ``TrainingArguments`` field and Trainer hook, classified.
+
+One table (``FIELD_SUPPORT``, ``HOOK_SUPPORT``) is the single source for three things: the
+refusals ``CephaloTrainer`` raises at construction (``check_training_args``), the test that
+every field of the installed ``TrainingArguments`` is classified
+(tests/test_trainer_support.py), and the table in docs/trainer_support.md
+(``render_markdown``; the test checks the page is up to date).
+
+[Note: no silent no-op]
+CephaloTrainer replaces the Trainer's model call, data loading, loss, step and saving with the
+engine's (docs/design.md contract 6). A stock feature that lives on one of those paths would be
+accepted and then do nothing. So every field is one of:
+
+- ``STOCK``: works as with stock ``Trainer``; ``test`` names the test comparing it with stock.
+- ``INHERITED``: handled by stock Trainer code the engine does not replace (logging,
+  scheduling, callbacks, checkpoint rotation, hub); the note says which.
+- ``NOT_APPLICABLE``: has no meaning for the engine (the note says why); every value is
+  accepted and has no effect, as documented.
+- ``REFUSED``: a non-default value raises ValueError at construction, before any profiling or
+  collective, naming the field and what to do instead.
+
+A ``STOCK`` / ``INHERITED`` field may still refuse some values (``refuse_if``), e.g.
+``train_sampling_strategy="batch_rebalance"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable
+
+__all__ = ["Status", "Support", "FIELD_SUPPORT", "HOOK_SUPPORT", "check_training_args",
+           "unclassified_fields", "render_markdown"]
+
+
+class Status(enum.Enum):
+    STOCK = "works as stock"
+    INHERITED = "stock code path"
+    NOT_APPLICABLE = "not applicable"
+    REFUSED = "refused"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Support:
+    """How CephaloTrainer handles one field or hook.
+
+    note: why / what to do instead (for REFUSED: the fix the error message gives).
+    test: ``tests/<file>.py::<name>`` comparing with stock Trainer (STOCK entries).
+    refuse_if: value -> True when that value is refused (REFUSED default: "not the default").
+    """
+
+    status: Status
+    note: str
+    test: str | None = None
+    refuse_if: Callable[[Any], bool] | None = None
+
+
+def _is_unset(value: Any) -> bool:
+    """The stock defaults after ``TrainingArguments.__post_init__``: None/False/''/[]/{}/0."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return value is None or value is False or value == "" or value == [] or value == {} \
+        or value == "no"
+
+
+def _not_default(default: Any) -> Callable[[Any], bool]:
+    def refuse(value: Any) -> bool:
+        if isinstance(value, enum.Enum):
+            value = value.value
+        if _is_unset(default):
+            return not _is_unset(value)
+        return value != default
+    return refuse
+
+
+def _stock(note: str, test: str) -> Support:
+    return Support(status=Status.STOCK, note=note, test=test)
+
+
+def _inherited(note: str) -> Support:
+    return Support(status=Status.INHERITED, note=note)
+
+
+def _na(note: str) -> Support:
+    return Support(status=Status.NOT_APPLICABLE, note=note)
+
+
+def _refused(note: str, refuse_if: Callable[[Any], bool] | None = None) -> Support:
+    return Support(status=Status.REFUSED, note=note, refuse_if=refuse_if)
+
+
+def _accelerator_config_refused(value: Any) -> bool:
+    """split_batches / dispatch_batches / even_batches=False act on Accelerate-prepared loaders,
+    which CephaloTrainer does not use."""
+    if value is None:
+        return False
+    get = value.get if isinstance(value, dict) else (lambda k, d=None: getattr(value, k, d))
+    return bool(get("split_batches", False)) or get("dispatch_batches", None) is not None \
+        or get("even_batches", True) is False
+
+
+_T = "tests/test_trainer.py::"
+_P = "tests/test_trainer_parity.py::"
+_C = "tests/test_checkpoint_trainer.py"
+_LOOP = "the stock training loop reads it; the engine only replaces the step itself"
+_EVAL = "stock evaluate()/predict() schedule; the loop body runs through the engine"
+_HUB = "stock hub upload code; CephaloTrainer.save_model writes the files it uploads"
+
+FIELD_SUPPORT: dict[str, Support] = {
+    # ---- run length, optimizer, schedule ----
+    "output_dir": _stock("checkpoints and saved models go there", _T + "test_matches_full_batch_reference"),
+    "per_device_train_batch_size": _stock(
+        "without a plan or cephalo_global_batch_size, B = per_device_train_batch_size x world "
+        "size (the stock global batch); with a plan each rank's b_i comes from the plan",
+        _P + "test_matches_stock_trainer"),
+    "num_train_epochs": _stock("stock loop", _T + "test_matches_full_batch_reference"),
+    "max_steps": _stock("stock loop", _P + "test_matches_stock_trainer"),
+    "learning_rate": _stock("stock optimizer kwargs", _P + "test_matches_stock_trainer"),
+    "lr_scheduler_type": _stock("stock scheduler over the shard optimizer",
+                                _T + "test_matches_full_batch_reference"),
+    "lr_scheduler_kwargs": _inherited("stock create_scheduler"),
+    "warmup_steps": _inherited("stock create_scheduler"),
+    "optim": Support(
+        status=Status.STOCK, test=_P + "test_matches_stock_trainer",
+        note="the stock optimizer class and kwargs over this rank's 1-D shards; optimizers that "
+             "need the model itself (LOMO, GaLore, APOLLO) are refused: use an element-wise "
+             "optimizer such as adamw_torch or sgd",
+        refuse_if=lambda v: any(k in str(getattr(v, "value", v)) for k in ("lomo", "galore", "apollo"))),
+    "optim_args": _inherited("parsed by stock get_optimizer_cls_and_kwargs"),
+    "weight_decay": _stock(
+        "decay/no-decay by parameter name (stock get_decay_parameter_names) through a per-element "
+        "mask over each flat shard; optimizers: decoupled (AdamW) or coupled L2 (SGD, Adam, ...)",
+        _P + "test_weight_decay_as_stock"),
+    "adam_beta1": _inherited("stock optimizer kwargs"),
+    "adam_beta2": _inherited("stock optimizer kwargs"),
+    "adam_epsilon": _inherited("stock optimizer kwargs"),
+    "optim_target_modules": _refused(
+        "GaLore/APOLLO pick modules of the full model, which the engine holds as flat shards; "
+        "drop optim_target_modules and use an element-wise optimizer"),
+    "gradient_accumulation_steps": _refused(
+        "Cephalo accumulates l_i microbatches per step itself: leave it 1 and set "
+        "--cephalo_global_batch_size (refused in CephaloTrainingArguments)"),
+    "average_tokens_across_devices": Support(
+        status=Status.STOCK, test=_P + "test_matches_stock_trainer",
+        note="the engine always divides by the global item count (stock True); False (per-rank "
+             "means averaged) is refused: drop the flag",
+        refuse_if=lambda v: v is False),
+    "max_grad_norm": _stock("global L2 norm over all ranks' shards", _P + "test_matches_stock_trainer"),
+    "label_smoothing_factor": _stock(
+        "stock LabelSmoother in the engine's head loss, normalized by the global item count",
+        _P + "test_label_smoothing_as_stock"),
+    # ---- precision / compute ----
+    "bf16": _stock("bf16 autocast, fp32 master weights", _T + "test_bf16_trains_under_autocast"),
+    "fp16": _refused("fp16 needs a loss scaler over every rank's shard gradients: use --bf16 or "
+                     "fp32 (refused in CephaloTrainingArguments)"),
+    "bf16_full_eval": _refused("evaluation runs in the training precision: drop the flag"),
+    "fp16_full_eval": _refused("evaluation runs in the training precision: drop the flag"),
+    "tf32": _inherited("a torch backend switch set by TrainingArguments itself"),
+    "activation_checkpointing": _stock(
+        "the engine recomputes every unit in backward: that is the checkpointing; the model's "
+        "own checkpointing is never switched on in addition (logged)",
+        _P + "test_gradient_checkpointing_recomputes_once"),
+    "gradient_checkpointing": _stock(
+        "alias of activation_checkpointing (same handling)",
+        _P + "test_gradient_checkpointing_recomputes_once"),
+    "activation_checkpointing_kwargs": _refused(
+        "the engine checkpoints every unit (per-layer boundaries, offload via "
+        "--cephalo_activation_offload): drop the kwargs"),
+    "gradient_checkpointing_kwargs": _refused(
+        "the engine checkpoints every unit (per-layer boundaries, offload via "
+        "--cephalo_activation_offload): drop the kwargs"),
+    "torch_compile": _refused("the engine runs the model unit by unit, so a compiled model "
+                              "would never be called: drop torch_compile"),
+    "torch_compile_backend": _refused("see torch_compile: drop the flag"),
+    "torch_compile_mode": _refused("see torch_compile: drop the flag"),
+    "use_liger_kernel": _refused("Liger patches the model's forward and loss, which the engine "
+                                 "bypasses: drop use_liger_kernel"),
+    "liger_kernel_config": _refused("see use_liger_kernel: drop the flag"),
+    "use_cache": _na("training never uses a KV cache; the adapters force config.use_cache=False"),
+    "neftune_noise_alpha": _refused("NEFTune's embedding hook is not validated with the engine's "
+                                    "embedding recompute: drop neftune_noise_alpha"),
+    "torch_empty_cache_steps": _refused("the engine's step does not call the stock cache "
+                                        "emptying; it releases each unit's buffers itself: drop "
+                                        "the flag"),
+    "auto_find_batch_size": _refused(
+        "the plan fixes every rank's batch and microbatch size; a smaller microbatch needs a "
+        "new plan (lower --cephalo_memory_fraction or hf-cephalo plan), not a retry: drop "
+        "auto_find_batch_size"),
+    # ---- logging ----
+    "logging_strategy": _inherited(_LOOP),
+    "logging_steps": _inherited(_LOOP),
+    "logging_first_step": _inherited(_LOOP),
+    "log_on_each_node": _inherited(_LOOP),
+    "logging_nan_inf_filter": _inherited(_LOOP),
+    "include_num_input_tokens_seen": _refused(
+        "the stock count reads one batch tensor, a CephaloTrainer batch is a list of "
+        "microbatches: drop the flag"),
+    "log_level": _inherited("stock logging setup"),
+    "log_level_replica": _inherited("stock logging setup"),
+    "disable_tqdm": _inherited("stock progress bar"),
+    "report_to": _inherited("stock reporting callbacks"),
+    "run_name": _inherited("stock reporting callbacks"),
+    "project": _inherited("stock reporting callbacks"),
+    "trackio_space_id": _inherited("stock reporting callbacks"),
+    "trackio_bucket_id": _inherited("stock reporting callbacks"),
+    "trackio_static_space_id": _inherited("stock reporting callbacks"),
+    # ---- evaluation ----
+    "eval_strategy": _inherited(_EVAL),
+    "eval_steps": _inherited(_EVAL),
+    "eval_delay": _inherited(_EVAL),
+    "per_device_eval_batch_size": _stock("the evaluation microbatch size of every rank",
+                                         _T + "test_matches_full_batch_reference"),
+    "prediction_loss_only": _stock("no logits kept", _T + "test_prediction_loss_only_keeps_no_logits"),
+    "eval_on_start": _inherited(_EVAL),
+    "eval_do_concat_batches": _refused("predictions are always gathered into one array in "
+                                       "dataset order: drop eval_do_concat_batches=False",
+                                       refuse_if=lambda v: v is False),
+    "eval_use_gather_object": _na("predictions are always gathered as objects (rows of "
+                                  "different ranks' lengths)"),
+    "eval_accumulation_steps": _na("predictions leave the device microbatch by microbatch "
+                                   "already"),
+    "include_for_metrics": _refused("compute_metrics receives predictions and label_ids only: "
+                                    "drop include_for_metrics"),
+    "batch_eval_metrics": _refused("metrics are computed once over the gathered predictions: "
+                                   "drop batch_eval_metrics"),
+    # ---- saving ----
+    "save_only_model": _inherited("CephaloTrainer._save_checkpoint honours it"),
+    "save_strategy": _inherited("stock loop decides when; CephaloTrainer saves"),
+    "save_steps": _inherited("stock loop decides when; CephaloTrainer saves"),
+    "save_on_each_node": _refused("only global rank 0 receives the gathered weights: drop "
+                                  "save_on_each_node (use a shared file system)"),
+    "save_total_limit": _inherited("stock rotate_checkpoints in CephaloTrainer._save_checkpoint"),
+    "enable_jit_checkpoint": _refused("the just-in-time checkpoint on SIGTERM is not validated "
+                                      "with the engine's collective save: use save_steps"),
+    "push_to_hub": _inherited(_HUB),
+    "hub_token": _inherited(_HUB),
+    "hub_private_repo": _inherited(_HUB),
+    "hub_model_id": _inherited(_HUB),
+    "hub_strategy": _inherited(_HUB),
+    "hub_always_push": _inherited(_HUB),
+    "hub_revision": _inherited(_HUB),
+    "load_best_model_at_end": _refused(
+        "it would load a full state dict into sharded parameters: reload the best checkpoint "
+        "with from_pretrained instead (state.best_model_checkpoint names it)"),
+    "metric_for_best_model": _inherited("stock best-checkpoint tracking"),
+    "greater_is_better": _inherited("stock best-checkpoint tracking"),
+    "ignore_data_skip": _inherited("stock resume data skipping over the weighted loader"),
+    "restore_callback_states_from_checkpoint": _inherited("stock callback state"),
+    # ---- reproducibility / data ----
+    "full_determinism": _inherited("stock seeding"),
+    "seed": _stock("seeds the weighted sampler's permutation (same on every rank)",
+                   _T + "test_matches_full_batch_reference"),
+    "data_seed": _inherited("seeds the weighted sampler's permutation instead of seed"),
+    "use_cpu": _inherited("set automatically without CUDA (MULTI_CPU over gloo)"),
+    "accelerator_config": Support(
+        status=Status.NOT_APPLICABLE,
+        note="CephaloTrainer's loaders are not prepared by Accelerate; split_batches, "
+             "dispatch_batches and even_batches=False are refused (the plan splits batches)",
+        refuse_if=_accelerator_config_refused),
+    "parallelism_config": _refused("tensor/context/sequence parallelism is not combined with "
+                                   "Cephalo's sharding: drop parallelism_config"),
+    "dataloader_drop_last": _stock("drops the last partial GLOBAL batch",
+                                   _P + "test_loader_options"),
+    "dataloader_num_workers": _inherited("passed to the weighted DataLoader"),
+    "dataloader_pin_memory": _inherited("passed to the weighted DataLoader"),
+    "dataloader_persistent_workers": _inherited("passed to the weighted DataLoader"),
+    "dataloader_prefetch_factor": _inherited("passed to the weighted DataLoader"),
+    "dataloader_multiprocessing_context": _inherited("passed to the weighted DataLoader"),
+    "dataloader_in_order": _na("an Accelerate dispatch option; the loaders are not prepared"),
+    "remove_unused_columns": _inherited("stock column pruning before the weighted loader"),
+    "label_names": _refused("the adapters read the 'labels' key: rename your label column to "
+                            "'labels' and drop label_names",
+                            refuse_if=lambda v: v not in (None, [], ["labels"])),
+    "train_sampling_strategy": Support(
+        status=Status.STOCK, test=_P + "test_sampling_strategies_as_stock",
+        note="random / sequential / group_by_length orders of the GLOBAL batches, split by b_i; "
+             "batch_rebalance is refused (it balances per-rank token counts itself, against the "
+             "plan's b_i): use group_by_length",
+        refuse_if=lambda v: getattr(v, "value", v) not in ("random", "sequential",
+                                                           "group_by_length")),
+    "length_column_name": _stock("lengths for group_by_length",
+                                 _P + "test_sampling_strategies_as_stock"),
+    # ---- distributed ----
+    "ddp_find_unused_parameters": _na("no DDP: the engine reduce-scatters every unit itself"),
+    "ddp_bucket_cap_mb": _na("no DDP: one reduce-scatter per unit"),
+    "ddp_broadcast_buffers": _na("no DDP; buffers are identical on every rank from the start"),
+    "ddp_static_graph": _na("no DDP"),
+    "ddp_backend": _inherited("the process group backend (gloo / nccl) Accelerate creates"),
+    "ddp_timeout": _inherited("the process group timeout"),
+    "fsdp": _refused("Cephalo is the sharding engine: drop fsdp"),
+    "fsdp_config": _refused("Cephalo is the sharding engine: drop fsdp_config"),
+    "deepspeed": _refused("Cephalo is the sharding engine: drop deepspeed"),
+    "debug": _refused("underflow/overflow debugging hooks the model's forward, which the engine "
+                      "bypasses: drop debug"),
+    "skip_memory_metrics": _inherited("stock memory tracker"),
+    "do_train": _na("not used by Trainer (scripts read it)"),
+    "do_eval": _na("not used by Trainer (scripts read it)"),
+    "do_predict": _na("not used by Trainer (scripts read it)"),
+    "resume_from_checkpoint": _na("not used by Trainer (scripts pass it to train(); "
+                                  f"resuming onto any plan is tested in {_C})"),
+    "local_rank": _inherited("set by the launcher"),
+}
+"""``TrainingArguments`` field -> support (see [Note: no silent no-op])."""
+
+HOOK_SUPPORT: dict[str, Support] = {
+    "compute_loss_func": _stock(
+        "called per microbatch as compute_loss_func(outputs, labels, num_items_in_batch) with "
+        "outputs.logits and the GLOBAL item count; exact when the loss is a sum over items "
+        "divided by num_items_in_batch", _P + "test_compute_loss_func_as_stock"),
+    "compute_loss (override)": _stock(
+        "called per microbatch with a stand-in model that returns the engine's outputs "
+        "(logits; loss when labels are passed) and num_items_in_batch = the global count; an "
+        "override that calls the model more than once or with other inputs raises ValueError",
+        _P + "test_compute_loss_override_as_stock"),
+    "model forward (override)": _refused(
+        "the engine runs the model's layers itself, so a subclass's own forward (e.g. a custom "
+        "loss) would never run: move the loss into compute_loss_func"),
+    "compute_metrics": _stock("over the gathered predictions", _T + "test_matches_full_batch_reference"),
+    "preprocess_logits_for_metrics": _stock("per microbatch on the device",
+                                            _T + "test_matches_full_batch_reference"),
+    "callbacks": _inherited("stock callback handler"),
+    "data_collator": _stock("applied per microbatch", _T + "test_matches_full_batch_reference"),
+    "optimizers": _refused(
+        "an optimizer built before the engine holds the model's full parameters, which the "
+        "engine replaces by shards: pass optim/optim_args or optimizer_cls_and_kwargs instead"),
+    "optimizer_cls_and_kwargs": _stock("the class and kwargs over the shards",
+                                       _P + "test_matches_stock_trainer"),
+    "_get_train_sampler (override)": _refused(
+        "the plan's weighted sampler decides which rank gets which sample: use "
+        "train_sampling_strategy, or override get_train_dataloader"),
+    "model_init": _refused("pass the model itself"),
+}
+"""Trainer constructor argument / overridable method -> support."""
+
+
+def unclassified_fields(field_names) -> list[str]:
+    """Names in ``field_names`` missing from ``FIELD_SUPPORT`` (a newer transformers)."""
+    return [name for name in field_names if name not in FIELD_SUPPORT]
+
+
+def _refused_value(support: Support, value: Any, default: Any) -> bool:
+    if support.refuse_if is not None:
+        return support.refuse_if(value)
+    return support.status is Status.REFUSED and _not_default(default)(value)
+
+
+def check_training_args(args) -> None:
+    """Raise ValueError for the first field whose value CephaloTrainer would not honour.
+
+    Runs at construction, before any profiling or collective. Fields of a newer transformers
+    that the table does not know are refused when set to a non-default value (unknown: they
+    might be ignored). cephalo_* fields are validated by ``CephaloTrainingArguments``.
+    """
+    from transformers import TrainingArguments
+
+    problems = []
+    for f in dataclasses.fields(TrainingArguments):
+        value = getattr(args, f.name, None)
+        default = f.default if f.default is not dataclasses.MISSING else \
+            (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        support = FIELD_SUPPORT.get(f.name)
+        if support is None:
+            if _not_default(default)(value):
+                problems.append(f"--{f.name} = {value!r}: this TrainingArguments field is new to "
+                                f"hf_cephalo and not yet classified; leave it at its default "
+                                f"{default!r}")
+        elif _refused_value(support, value, default):
+            problems.append(f"--{f.name} = {value!r} is not supported by CephaloTrainer: "
+                            f"{support.note}")
+    if problems:
+        raise ValueError("; ".join(problems) + " (docs/trainer_support.md)")
+
+
+def render_markdown() -> str:
+    """The tables of docs/trainer_support.md (fields, then hooks)."""
+    def table(title: str, rows: dict[str, Support]) -> list[str]:
+        out = [f"## {title}", "", "| name | status | note | test |", "|---|---|---|---|"]
+        for name, s in rows.items():
+            note = s.note.replace("|", "\\|")
+            out.append(f"| `{name}` | {s.status.value} | {note} | "
+                       f"{'`' + s.test + '`' if s.test else ''} |")
+        return out + [""]
+    return "\n".join(table("TrainingArguments fields", FIELD_SUPPORT)
+                     + table("Trainer hooks and constructor arguments", HOOK_SUPPORT))

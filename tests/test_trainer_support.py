@@ -1,0 +1,137 @@
+"""The Trainer support matrix (hf_cephalo/integrations/support.py) is complete, documented and
+enforced: every TrainingArguments field of the installed transformers is classified, every
+"works as stock" entry names an existing test, docs/trainer_support.md is the rendered table,
+and refused values / hooks raise ValueError at construction before any process group exists.
+Single process, no collectives.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+
+import pytest
+import torch
+import transformers
+
+from hf_cephalo.integrations.support import (FIELD_SUPPORT, HOOK_SUPPORT, Status,
+                                             check_training_args, render_markdown,
+                                             unclassified_fields)
+from tests.models_fixtures import build
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_training_arguments_field_is_classified():
+    """A field a future transformers adds fails here until it is classified in support.py."""
+    names = [f.name for f in dataclasses.fields(transformers.TrainingArguments)]
+    assert unclassified_fields(names) == []
+    assert set(FIELD_SUPPORT) - set(names) == set(), "entries for fields that no longer exist"
+
+
+def _test_names(path: str) -> set[str]:
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read())
+    return {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+
+
+def test_stock_entries_name_existing_tests_and_notes():
+    for name, support in {**FIELD_SUPPORT, **HOOK_SUPPORT}.items():
+        assert support.note, name
+        if support.status is Status.STOCK:
+            assert support.test, f"{name}: a 'works as stock' entry needs a test"
+            path, _, func = support.test.partition("::")
+            assert func in _test_names(path), f"{name}: {support.test} does not exist"
+
+
+def test_docs_page_is_the_rendered_matrix():
+    with open(os.path.join(ROOT, "docs", "trainer_support.md")) as f:
+        page = f.read()
+    assert render_markdown() in page, "regenerate docs/trainer_support.md (see its header)"
+
+
+def _args(tmp_path, **kw):
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+
+    return CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none", **kw)
+
+
+REFUSED_VALUES = [
+    dict(auto_find_batch_size=True), dict(torch_compile=True), dict(use_liger_kernel=True),
+    dict(train_sampling_strategy="batch_rebalance"), dict(label_names=["target"]),
+    dict(include_num_input_tokens_seen="all"), dict(average_tokens_across_devices=False),
+    dict(eval_do_concat_batches=False), dict(include_for_metrics=["inputs"]),
+    dict(save_on_each_node=True), dict(neftune_noise_alpha=5.0), dict(debug="underflow_overflow"),
+    dict(torch_empty_cache_steps=3), dict(gradient_checkpointing_kwargs={"use_reentrant": False}),
+    dict(optim="adalomo"), dict(batch_eval_metrics=True),
+    dict(accelerator_config={"split_batches": True}),
+]
+
+
+@pytest.mark.parametrize("kw", REFUSED_VALUES, ids=lambda kw: next(iter(kw)))
+def test_refused_at_construction(tmp_path, kw, monkeypatch):
+    """Refused before the process group, the plan or the engine exist; the message names the
+    field and says what to do."""
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+
+    monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
+    (field,) = kw
+    with pytest.raises(ValueError, match=f"--{field} = .* not supported by CephaloTrainer: "):
+        CephaloTrainer(model=build("llama"), args=_args(tmp_path, **kw))
+    assert not torch.distributed.is_initialized()
+
+
+def test_defaults_pass(tmp_path):
+    check_training_args(_args(tmp_path))
+    check_training_args(_args(tmp_path, train_sampling_strategy="group_by_length",
+                              gradient_checkpointing=True, weight_decay=0.1,
+                              label_smoothing_factor=0.1, label_names=["labels"]))
+
+
+class _CustomForward(transformers.LlamaForCausalLM):
+    def forward(self, *args, **kwargs):  # e.g. a custom loss: the engine would bypass it
+        return super().forward(*args, **kwargs)
+
+
+def test_hooks_refused_at_construction(tmp_path):
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+
+    model = build("llama")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="optimizers is not supported.*optimizer_cls_and_kwargs"):
+        CephaloTrainer(model=model, args=_args(tmp_path), optimizers=(opt, None))
+
+    class OwnSampler(CephaloTrainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return None
+
+    with pytest.raises(ValueError, match="_get_train_sampler"):
+        OwnSampler(model=model, args=_args(tmp_path))
+    custom = _CustomForward(build("llama").config)
+    with pytest.raises(ValueError, match="forward.*compute_loss_func"):
+        CephaloTrainer(model=custom, args=_args(tmp_path))
+    assert not torch.distributed.is_initialized()
+
+
+def test_engine_refusal_after_oom_does_not_look_like_oom():
+    """After a step failed with an out-of-memory error, the engine's refusal of further steps
+    must not read as an OOM to Accelerate (auto_find_batch_size would keep "shrinking")."""
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    from hf_cephalo.engine import CephaloEngine
+
+    class Fake:
+        rank, _abandoned, _failure = 0, [], None
+
+        def _all_units(self):
+            return []
+
+    fake = Fake()
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert should_reduce_batch_size(oom)
+    CephaloEngine._abandon_step(fake, None, oom, "train_step")
+    with pytest.raises(RuntimeError, match=r"train_step raised mid-schedule \(RuntimeError\)") as info:
+        CephaloEngine.check_usable(fake, "train_step")
+    assert not should_reduce_batch_size(info.value)
+    assert info.value.__cause__ is oom
