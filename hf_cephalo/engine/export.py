@@ -244,7 +244,7 @@ def write_hf_files(out_dir: str, plan: HFFilePlan, units: Iterable, *,
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         total, peak = total + size, max(peak, size)
         _write_aside(os.path.join(out_dir, name),
-                     lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+                     lambda tmp, t=tensors: save_file(t, tmp, metadata={"format": "pt"}))
         del tensors
     current = None
     if next(stream, None) is not None:
