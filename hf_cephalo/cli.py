@@ -526,7 +526,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from hf_cephalo.models import stage_model
+    from hf_cephalo.models import UnsupportedModelError, stage_model
     from hf_cephalo.profiler.cache import ProfileCache
     from hf_cephalo.profiler.emulate import EmulationConfig
     from hf_cephalo.profiler.measure import MeasureConfig, build_model_from_config, profile_cluster
@@ -555,7 +555,15 @@ def _run_profile(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot build {name} from model config {config_file!r} (model_type "
                          f"{config_data['model_type']!r}): {type(e).__name__}: {e}; pass a "
                          "--model-class that fits this config") from None
-    staged = stage_model(model)
+    try:
+        staged = stage_model(model)
+    except UnsupportedModelError as e:
+        if not e.alternatives:
+            raise
+        raise ValueError(f"model config {config_file!r} builds {type(model).__name__}, which "
+                         f"hf_cephalo cannot train; pass --model-class {e.alternatives[0]} (the "
+                         "supported class of this architecture) and train the model as that "
+                         "class") from None
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")

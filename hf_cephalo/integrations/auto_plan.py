@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from hf_cephalo.integrations.preflight import warn_idle_ranks
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import Plan, optimize, predict
@@ -131,6 +132,8 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
         check_state_fits_caps(plan, model_profile(staged).state_bytes, caps)
         if all(r.predicted_memory_bytes is not None for r in plan.ranks):
             check_plan_memory([r.predicted_memory_bytes for r in plan.ranks], caps)
+        if args.process_index == 0:
+            warn_idle_ranks(plan.global_batch_size, world_size)
         return ResolvedPlan(plan, None)
     B = args.resolve_global_batch_size(world_size)
     cluster = _cluster(args, world_size, staged, emulation, train_dataset, B)
