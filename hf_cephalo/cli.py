@@ -436,6 +436,8 @@ def _add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-memory-cap-bytes",
                    help="emulation: per-rank memory capacity in bytes, e.g. '8e9,4e9'")
     p.add_argument("--no-cache", action="store_true", help="measure even if a cached profile exists")
+    p.add_argument("--verbose", action="store_true", help="progress of every rank once a second, "
+                   "with the time of each microbatch size (default: rank 0, a line every 15 s)")
     p.add_argument("--cache-dir", help="profile cache directory (default $HF_CEPHALO_PROFILE_CACHE "
                                        "or ~/.cache/hf_cephalo/profiles)")
 
@@ -534,7 +536,7 @@ def _run_profile(args: argparse.Namespace) -> int:
 
     config = MeasureConfig(max_microbatch_size=args.max_microbatch_size,
                            sequence_length=args.sequence_length, repeats=args.repeats,
-                           precision=args.precision)
+                           precision=args.precision, verbose=args.verbose)
     slow = _per_rank_list(args.emulate_slowdown, float, "--emulate-slowdown")
     caps = _per_rank_list(args.emulate_memory_cap_bytes, int, "--emulate-memory-cap-bytes")
     emulation = None if slow is None and caps is None else \

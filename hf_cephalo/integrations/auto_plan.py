@@ -92,8 +92,13 @@ def _measure_config(args, global_batch_size: int, train_dataset) -> MeasureConfi
     max_m = int(os.environ.get("HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE", "8"))
     seq = sequence_length_of(train_dataset, DEFAULT_SEQUENCE_LENGTH) if train_dataset is not None \
         else DEFAULT_SEQUENCE_LENGTH
+    # Quiet by default: rank 0 prints a line every QUIET_INTERVAL_S and a summary;
+    # HF_CEPHALO_VERBOSE=1 or DEBUG logging on hf_cephalo: every rank, every second.
+    verbose = (os.environ.get("HF_CEPHALO_VERBOSE", "0").strip().lower() in ("1", "true", "yes")
+               or logging.getLogger("hf_cephalo").isEnabledFor(logging.DEBUG))
     return MeasureConfig(max_microbatch_size=max(1, min(max_m, global_batch_size)),
-                         sequence_length=seq, precision="bf16" if args.bf16 else "fp32")
+                         sequence_length=seq, precision="bf16" if args.bf16 else "fp32",
+                         verbose=verbose)
 
 
 def _gather_names(name: str, world_size: int) -> list[str]:
