@@ -111,3 +111,23 @@ def test_profile_cli_points_a_bare_encoder_to_model_class(tmp_path, capsys):
                  str(tmp_path / "p.json"), "--no-cache"]) == 2
     err = capsys.readouterr().err
     assert "builds BertModel" in err and "--model-class BertForSequenceClassification" in err, err
+
+
+def test_step_time_off_by_more_than_15_percent_names_the_term():
+    from hf_cephalo.integrations.auto_plan import diagnose_step_time
+
+    def row(rank, step, compute, pred_compute, b=4):
+        return dict(rank=rank, b=b, step_s=step, compute_s=compute, pred_compute_s=pred_compute)
+
+    # within 15%: silent
+    assert diagnose_step_time([row(0, 1.1, 0.8, 0.8), row(1, 1.0, 0.5, 0.5)], 1.0) is None
+    # compute is off (the demo's 0.77 vs 1.02 s kind of gap)
+    msg = diagnose_step_time([row(0, 1.02, 0.95, 0.70), row(1, 1.0, 0.4, 0.4)], 0.77)
+    assert msg.startswith("predicted step time 0.770 s is 32% under the measured 1.020 s"), msg
+    assert "term off most is compute: rank 0's unit forward/backward took 0.950 s" in msg
+    # compute as predicted, the rest (collectives, waiting) is off
+    msg = diagnose_step_time([row(0, 1.5, 0.7, 0.7), row(1, 1.4, 0.3, 0.3)], 1.0)
+    assert "term off most is collectives and waiting: the step outside unit compute took 0.800 s, " \
+           "predicted 0.300 s" in msg, msg
+    # no compute timings (CUDA without emulation): the gap, without a term
+    assert "no compute timings" in diagnose_step_time([row(0, 2.0, None, None)], 1.0)
