@@ -233,6 +233,10 @@ def check_reloaded(trainer: CephaloTrainer, save_dir: str, sample: dict[str, tor
 def main(argv: list[str] | None = None) -> None:
     parser = HfArgumentParser((ModelArguments, DataArguments, CephaloTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if training_args.disable_tqdm:  # --disable_tqdm also silences datasets' map/filter bars
+        import datasets
+
+        datasets.disable_progress_bars()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
 

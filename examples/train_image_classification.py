@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = HfArgumentParser((ModelArguments, DataArguments, CephaloTrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)  # a from-scratch ViT needs more than Trainer's 5e-5
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if training_args.disable_tqdm:  # --disable_tqdm also silences datasets' map/filter bars
+        import datasets
+
+        datasets.disable_progress_bars()
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
 
     set_seed(training_args.seed)  # the same initial weights on every rank

@@ -444,6 +444,8 @@ def _add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-memory-cap-bytes",
                    help="emulation: per-rank memory capacity in bytes, e.g. '8e9,4e9'")
     p.add_argument("--no-cache", action="store_true", help="measure even if a cached profile exists")
+    p.add_argument("--verbose", action="store_true", help="progress of every rank once a second, "
+                   "with the time of each microbatch size (default: rank 0, a line every 15 s)")
     p.add_argument("--cache-dir", help="profile cache directory (default $HF_CEPHALO_PROFILE_CACHE "
                                        "or ~/.cache/hf_cephalo/profiles)")
 
@@ -534,7 +536,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from hf_cephalo.models import stage_model
+    from hf_cephalo.models import UnsupportedModelError, stage_model
     from hf_cephalo.profiler.cache import ProfileCache
     from hf_cephalo.profiler.emulate import EmulationConfig
     from hf_cephalo.profiler.measure import MeasureConfig, build_model_from_config, profile_cluster
@@ -542,7 +544,7 @@ def _run_profile(args: argparse.Namespace) -> int:
 
     config = MeasureConfig(max_microbatch_size=args.max_microbatch_size,
                            sequence_length=args.sequence_length, repeats=args.repeats,
-                           precision=args.precision)
+                           precision=args.precision, verbose=args.verbose)
     slow = _per_rank_list(args.emulate_slowdown, float, "--emulate-slowdown")
     caps = _per_rank_list(args.emulate_memory_cap_bytes, int, "--emulate-memory-cap-bytes")
     emulation = None if slow is None and caps is None else \
@@ -563,7 +565,15 @@ def _run_profile(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot build {name} from model config {config_file!r} (model_type "
                          f"{config_data['model_type']!r}): {type(e).__name__}: {e}; pass a "
                          "--model-class that fits this config") from None
-    staged = stage_model(model)
+    try:
+        staged = stage_model(model)
+    except UnsupportedModelError as e:
+        if not e.alternatives:
+            raise
+        raise ValueError(f"model config {config_file!r} builds {type(model).__name__}, which "
+                         f"hf_cephalo cannot train; pass --model-class {e.alternatives[0]} (the "
+                         "supported class of this architecture) and train the model as that "
+                         "class") from None
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")

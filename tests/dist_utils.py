@@ -15,6 +15,37 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
+SLOWDOWN = float(os.environ.get("CEPHALO_TEST_SLOWDOWN", "6"))
+"""How many times slower than measured a machine may be before a multi-process test times out.
+
+[Note: test time budgets]
+A hang must fail a test, yet a busy CI machine (2 cores shared with other jobs) must not: each
+multi-process job gets ``budget_s(quiet_s)`` = SLOWDOWN x its measured time (measured on the
+2-core development machine, itself under load 5-8, so the quiet time is smaller still), and
+each test that runs such jobs (its module fixture included: pytest-timeout counts fixture
+setup against the first test that needs it) gets ``test_timeout(...)``, the sum of its jobs'
+budgets plus a margin, so the job's own timeout (which names the hung ranks) fires first.
+Override with CEPHALO_TEST_SLOWDOWN (e.g. 10 on a very slow machine).
+"""
+
+
+def budget_s(quiet_s: float) -> float:
+    """Seconds a job measured at ``quiet_s`` seconds may take: SLOWDOWN x quiet_s."""
+    return SLOWDOWN * quiet_s
+
+
+def test_timeout(*quiet_s: float, margin_s: float = 60.0):
+    """``pytest.mark.timeout`` for a test (or module) running jobs of ``quiet_s`` seconds each
+    one after the other: the sum of their budgets plus ``margin_s`` seconds (imports,
+    single-process work)."""
+    import pytest
+
+    return pytest.mark.timeout(sum(budget_s(q) for q in quiet_s) + margin_s)
+
+
+test_timeout.__test__ = False  # not a test, despite its name
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

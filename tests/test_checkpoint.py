@@ -18,10 +18,14 @@ import torch
 from transformers import get_linear_schedule_with_warmup
 
 from hf_cephalo.engine import checkpoint as ckpt
-from tests.dist_utils import run_ranks
+from tests.dist_utils import budget_s, run_ranks, test_timeout
 from tests.models_fixtures import build, make_batch
 
 RTOL, ATOL = 1e-5, 1e-6
+# seconds per process group, measured (2 jobs in 55 s on 2 cores under load 7): the module
+# fixture gets both jobs' budgets ([Note: test time budgets] in tests/dist_utils.py)
+JOB_S = 30.0
+pytestmark = test_timeout(JOB_S, JOB_S)
 ARCHS = ("llama", "gpt2")  # gpt2: tied embeddings (one flat element, two state-dict keys)
 # dropout off: the runs compared draw different random numbers (other ranks, other layouts)
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
@@ -226,8 +230,8 @@ def _two_ranks_worker(rank, world_size, root, reference):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
-    three = run_ranks(_three_ranks_worker, 3, root, timeout_s=400)[0]
-    two = run_ranks(_two_ranks_worker, 2, root, three, timeout_s=400)[0]
+    three = run_ranks(_three_ranks_worker, 3, root, timeout_s=budget_s(JOB_S))[0]
+    two = run_ranks(_two_ranks_worker, 2, root, three, timeout_s=budget_s(JOB_S))[0]
     return _portable(three, to_numpy=False), _portable(two, to_numpy=False)
 
 

@@ -23,10 +23,14 @@ import torch
 
 from hf_cephalo.engine import checkpoint as ckpt
 from tests.dist_utils import _worker as dist_worker
-from tests.dist_utils import free_port, run_ranks
+from tests.dist_utils import budget_s, free_port, run_ranks, test_timeout
 from tests.models_fixtures import build
 
 RTOL, ATOL = 1e-5, 1e-6
+# Seconds per process group, measured (4 jobs in 100 s on 2 cores under load 7); each job gets
+# budget_s(JOB_S) and the module fixture (run by the first test) the sum: [Note: test time budgets].
+JOB_S = 35.0
+pytestmark = test_timeout(JOB_S, JOB_S, JOB_S, JOB_S)
 NUM_SAMPLES, MAX_STEPS, SAVE_STEPS, KILL_AT = 12, 6, 2, 4  # B = 4: 3 steps per epoch, 2 epochs
 PLANS = {"first": ([3, 1], [2, 1], [0.7, 0.3]),
          "other": ([1, 2, 1], [1, 1, 1], [0.25, 0.0, 0.75])}  # 3 ranks, rank 1 holds no state
@@ -114,7 +118,7 @@ def _resumed_other_plan(rank, world_size, full_dir, other_dir):
     return _summary(trainer)
 
 
-def _run_until_killed(fn, world_size, *args, timeout_s=300.0):
+def _run_until_killed(fn, world_size, *args, timeout_s=budget_s(JOB_S)):
     """Start ``fn`` on gloo ranks like ``run_ranks``; wait for rank 0 to die by SIGKILL, then
     kill the other ranks (blocked in a collective with the dead rank). Hard timeout."""
     import torch.multiprocessing as mp
@@ -143,7 +147,7 @@ def _run_until_killed(fn, world_size, *args, timeout_s=300.0):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer_ckpt")
     full_dir, killed_dir, other_dir = (str(root / n) for n in ("full", "killed", "other"))
-    full = run_ranks(_uninterrupted, 2, full_dir, timeout_s=300)[0]
+    full = run_ranks(_uninterrupted, 2, full_dir, timeout_s=budget_s(JOB_S))[0]
     exitcode = _run_until_killed(_killed, 2, killed_dir)
     after_kill = dict(exitcode=exitcode, listing=sorted(os.listdir(killed_dir)))
     from transformers.trainer_utils import get_last_checkpoint
@@ -157,8 +161,9 @@ def runs(tmp_path_factory):
         after_kill["staging_error"] = None
     except ckpt.CheckpointError as e:
         after_kill["staging_error"] = str(e)
-    resumed = dict(same=run_ranks(_resumed, 2, killed_dir, timeout_s=300)[0],
-                   other=run_ranks(_resumed_other_plan, 3, full_dir, other_dir, timeout_s=300)[0])
+    resumed = dict(same=run_ranks(_resumed, 2, killed_dir, timeout_s=budget_s(JOB_S))[0],
+                   other=run_ranks(_resumed_other_plan, 3, full_dir, other_dir,
+                                   timeout_s=budget_s(JOB_S))[0])
     return dict(full=full, after_kill=after_kill, resumed=resumed, killed_dir=killed_dir,
                 full_dir=full_dir)
 

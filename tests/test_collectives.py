@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hf_cephalo.engine import collectives as C
 from hf_cephalo.engine.stats import CollectiveStats
 from hf_cephalo.models.toy import ToyConfig
-from tests.dist_utils import run_ranks
+from tests.dist_utils import budget_s, run_ranks, test_timeout
 from tests.test_engine_semantics import (assert_grads_close, fresh, gather_grads, mbs_of,
                                          padded_batch, reference_grads)
 
@@ -183,14 +183,17 @@ def collectives_worker(rank, world):
     return done
 
 
+@test_timeout(20)
 def test_collectives_two_ranks():
-    assert run_ranks(collectives_worker, 2, timeout_s=300)[0][-1] == "case_engine_bytes_near_even"
+    assert run_ranks(collectives_worker, 2, timeout_s=budget_s(20))[0][-1] == "case_engine_bytes_near_even"
 
 
+@test_timeout(25)
 def test_collectives_three_ranks():
-    assert run_ranks(collectives_worker, 3, timeout_s=300)[0][-1] == "case_engine_bytes_near_even"
+    assert run_ranks(collectives_worker, 3, timeout_s=budget_s(25))[0][-1] == "case_engine_bytes_near_even"
 
 
+@test_timeout(30)
 def test_collectives_four_ranks():
-    assert run_ranks(collectives_worker, 4, timeout_s=300)[0] == [
+    assert run_ranks(collectives_worker, 4, timeout_s=budget_s(30))[0] == [
         "case_all_gather", "case_reduce_scatter", "case_many_in_flight"]

@@ -1,10 +1,13 @@
-"""Emulated heterogeneity: slowdown really slows (forward and backward), memory caps raise clear
-errors, and the trainer's automatic profile -> plan path on 2 gloo ranks gives the faster
-emulated rank the larger batch, saves profile.json / plan.json and reuses the cache next start.
+"""Emulated heterogeneity: slowdown waits (s - 1) x every forward and backward span, memory caps
+raise clear errors, and the trainer's automatic profile -> plan path on 2 gloo ranks plans with
+the exact optimizer on what it measured (the faster rank gets the larger batch), saves
+profile.json / plan.json and reuses the cache next start. No assertion compares wall times
+(they fail on a loaded machine); see the two tests' docstrings for what replaces them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -17,7 +20,9 @@ from hf_cephalo.planner import Plan
 from hf_cephalo.profiler.emulate import (EmulatedOutOfMemoryError, EmulatedStagedModel,
                                          EmulationConfig, apply_memory_cap, check_plan_memory)
 from hf_cephalo.profiler.measure import MeasureConfig, measure_device
-from tests.dist_utils import run_ranks
+from tests.dist_utils import budget_s, run_ranks, test_timeout
+
+JOB_S = 35.0  # the 2-rank trainer job, measured 33 s on 2 cores under load 8
 
 
 def _llama(hidden=128, layers=2, seed=0):
@@ -28,44 +33,61 @@ def _llama(hidden=128, layers=2, seed=0):
     return transformers.LlamaForCausalLM(cfg)
 
 
-def test_emulated_slowdown_really_slows_forward_and_backward():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        staged = stage_model(_llama())
-        config = MeasureConfig(max_microbatch_size=4, sequence_length=64, repeats=3,
-                               progress=False)
-        # Interleave real / emulated runs so machine load drifts hit both alike.
-        real, slow = [], []
-        emulated = EmulatedStagedModel(staged, slowdown=3.0)
-        for _ in range(3):
-            real.append(measure_device(staged, config, device="cpu", name="cpu", capacity_bytes=1e9))
-            slow.append(measure_device(emulated, config, device="cpu", name="x", capacity_bytes=1e9))
-    finally:
-        torch.set_num_threads(old)
+def test_emulated_slowdown_waits_slowdown_minus_one_times_each_forward_and_backward(monkeypatch):
+    """The emulation mechanism, checked without comparing wall times (a loaded machine stretches
+    real and emulated runs differently; a wall-clock ratio measured 1.34 for a 3x slowdown under
+    load). Every wait the wrapper asks for is recorded: one per forward call and one per unit /
+    head backward (through the tensor hooks), each exactly (s - 1) x the span it measured, so the
+    emulated span is s x the real one on any machine (``time.sleep`` never returns early). The
+    timer accounts the same numbers, the profiler measures through the wrapper, the hooks are
+    gone after they fire and gradients are unchanged."""
+    from hf_cephalo.profiler import emulate
 
-    def total(profiles, field):
-        return min(sum(getattr(p, field)) for p in profiles)
+    waits: list[float] = []
+    real_sleep = emulate.time.sleep
 
-    fwd_ratio = total(slow, "fwd_s") / total(real, "fwd_s")
-    fb_real = total(real, "fwd_s") + total(real, "bwd_s")
-    fb_slow = total(slow, "fwd_s") + total(slow, "bwd_s")
-    # Target 3x; loose bounds for a shared 2-core machine (best of 3 interleaved profiles
-    # each), but far from 1x.
-    assert 1.8 < fwd_ratio < 5.0, fwd_ratio
-    assert 1.8 < fb_slow / fb_real < 5.0, (fb_slow, fb_real)
-    # The backward itself (recompute excluded) is stretched too, through the tensor hooks.
-    assert total(slow, "bwd_s") > 1.5 * total(real, "bwd_s"), (slow, real)
+    def recording_sleep(seconds):
+        waits.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(emulate.time, "sleep", recording_sleep)
+    staged = stage_model(_llama(hidden=64))
+    emulated = EmulatedStagedModel(staged, slowdown=3.0)
     t = emulated.timer
-    assert t.sleep_s > 0 and t.unit_s <= t.compute_s and t.calls > 0
+    mb = {"input_ids": torch.randint(0, 97, (2, 8)), "labels": torch.randint(0, 97, (2, 8))}
+    hidden, ctx = emulated.embed(mb)
+    assert len(waits) == 1 and t.calls == 1  # embed forward
+    x = hidden.detach().requires_grad_(True)
+    y = emulated.run_unit(0, x, ctx)
+    assert len(waits) == 2 and t.unit_s > 0  # unit forward
+    out = emulated.head_loss(y, mb, ctx)
+    assert len(waits) == 3  # head forward
+    out.loss_sum.backward()
+    assert len(waits) == 5 and t.calls == 5  # head backward, then unit backward (hooks)
+    assert x.grad is not None
+    # each wait is (s - 1) x its measured span: the timer's totals satisfy it exactly
+    assert sum(waits) == pytest.approx(t.sleep_s, rel=1e-12)
+    assert t.sleep_s == pytest.approx(2.0 * (t.compute_s - t.sleep_s), rel=1e-9)
+    assert min(waits) > 0
+    # hooks removed after firing: a second backward through the same graph adds no wait
+    y2 = emulated.run_unit(0, x, ctx)
+    y2.sum().backward(retain_graph=True)
+    y2.sum().backward()
+    assert len(waits) == 5 + 2  # forward + ONE backward wait
+    # the profiler measures through the wrapper: its timed calls all waited
+    waits.clear()
+    t.reset()
+    config = MeasureConfig(max_microbatch_size=2, sequence_length=16, repeats=1, progress=False)
+    measure_device(emulated, config, device="cpu", name="x", capacity_bytes=1e9)
+    assert len(waits) == t.calls > 0 and t.unit_s > 0
+    assert t.sleep_s == pytest.approx(2.0 * (t.compute_s - t.sleep_s), rel=1e-9)
     # Slowdown 1 only times: no waiting; gradients are unchanged by the hooks.
-    x = torch.randn(2, 8, 128)
+    x = torch.randn(2, 8, 64)
     timing = EmulatedStagedModel(staged, slowdown=1.0)
     grads = []
     for s in (staged, timing):
         for p in staged.model.parameters():
             p.grad = None
-        mb = {"input_ids": torch.randint(0, 97, (2, 8))}
         _, ctx = staged.embed(mb)
         xi = x.clone().requires_grad_(True)
         s.run_unit(0, xi, ctx).square().sum().backward()
@@ -161,6 +183,7 @@ def _trainer_worker(rank, world_size, out_dir):
     (callback,) = [c for c in trainer.callback_handler.callbacks
                    if type(c).__name__ == "PlanAccuracyCallback"]
     result["rows"] = callback.rows
+    result["train_sleep_s"] = trainer.engine.staged.timer.sleep_s
 
     def refuse(*args, **kwargs):
         raise AssertionError("measure_device called although the profile is cached")
@@ -171,13 +194,31 @@ def _trainer_worker(rank, world_size, out_dir):
     return result
 
 
+@test_timeout(JOB_S)
 def test_auto_plan_on_emulated_ranks_favours_the_faster_rank(tmp_path, capsys):
-    first, second = run_ranks(_trainer_worker, 2, str(tmp_path), timeout_s=300)
+    first, second = run_ranks(_trainer_worker, 2, str(tmp_path), timeout_s=budget_s(JOB_S))
     assert first["device_names"] == ["cpu", "cpu [emulated 3x slower]"]
     assert first["slowdown"] == 1.0 and second["slowdown"] == 3.0
-    b0, b1 = first["batch_sizes"]
-    assert b0 + b1 == 16 and b0 > b1, first["batch_sizes"]
-    assert first["fwd_s"][1] > 2.0 * first["fwd_s"][0]  # the profile saw the emulated slowdown
+    # Rank 1 waited while it trained (if the plan gave it samples), rank 0 never did (the waits
+    # themselves: test_emulated_slowdown_waits_slowdown_minus_one_times_each_forward_and_backward).
+    assert first["train_sleep_s"] == 0
+    assert second["train_sleep_s"] > 0 or first["batch_sizes"][1] == 0
+    # The plan is the exact optimizer's answer for the profile the ranks measured. Which rank
+    # gets more depends on measured wall times, which a loaded machine can invert (seen: [1, 15]),
+    # so "the faster rank gets the larger batch" is checked on the measured profile with rank 1's
+    # times set to 3x rank 0's, what a 3x emulated rank measures on an idle machine.
+    from hf_cephalo.planner import optimize
+    from hf_cephalo.profiler.types import ClusterProfile
+
+    cluster = ClusterProfile.load(str(tmp_path / "first" / "profile.json"))
+    assert sum(first["batch_sizes"]) == 16
+    assert optimize(cluster, 16).batch_sizes == first["batch_sizes"]
+    fast = cluster.devices[0]
+    cluster.devices[1] = dataclasses.replace(cluster.devices[1],
+                                             fwd_s=[3 * t for t in fast.fwd_s],
+                                             bwd_s=[3 * t for t in fast.bwd_s])
+    b0, b1 = optimize(cluster, 16).batch_sizes
+    assert b0 + b1 == 16 and b0 > b1, (b0, b1)
     # The 2 CPU ranks share this host's RAM: each gets half, not all of it.
     from hf_cephalo.profiler.measure import device_capacity_bytes
 

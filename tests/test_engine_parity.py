@@ -20,7 +20,7 @@ import torch
 
 from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
-from tests.dist_utils import run_ranks
+from tests.dist_utils import budget_s, run_ranks, test_timeout
 
 RTOL, ATOL = 1e-5, 1e-6
 # float64 plans show the engine is exact beyond fp32 rounding (different summation order of
@@ -142,13 +142,16 @@ def parity_worker(rank: int, world: int, num_plans: int, seed: int) -> int:
     return len(plans)
 
 
+@test_timeout(25)
 def test_parity_two_ranks():
-    assert run_ranks(parity_worker, 2, 35, 1234, timeout_s=300) == [38, 38]
+    assert run_ranks(parity_worker, 2, 35, 1234, timeout_s=budget_s(25)) == [38, 38]
 
 
+@test_timeout(40)
 def test_parity_three_ranks():
-    assert run_ranks(parity_worker, 3, 34, 5678, timeout_s=300) == [37] * 3
+    assert run_ranks(parity_worker, 3, 34, 5678, timeout_s=budget_s(40)) == [37] * 3
 
 
+@test_timeout(50)
 def test_parity_four_ranks():
-    assert run_ranks(parity_worker, 4, 34, 91011, timeout_s=300) == [37] * 4
+    assert run_ranks(parity_worker, 4, 34, 91011, timeout_s=budget_s(50)) == [37] * 4

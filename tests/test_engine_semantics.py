@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
-from tests.dist_utils import run_ranks
+from tests.dist_utils import budget_s, run_ranks, test_timeout
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -675,9 +675,10 @@ def semantics_worker(rank, world):
     return done
 
 
+@test_timeout(35)
 def test_engine_semantics_two_ranks():
     names = [c.__name__ for c in CASES]
-    assert run_ranks(semantics_worker, 2, timeout_s=300) == [names, names]
+    assert run_ranks(semantics_worker, 2, timeout_s=budget_s(35)) == [names, names]
 
 
 def dropout_worker(rank, world):
@@ -698,5 +699,6 @@ def dropout_worker(rank, world):
     return True
 
 
+@test_timeout(20)
 def test_dropout_replay_one_rank():
-    assert run_ranks(dropout_worker, 1, timeout_s=120) == [True]
+    assert run_ranks(dropout_worker, 1, timeout_s=budget_s(20)) == [True]

@@ -16,13 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port
+from tests.dist_utils import budget_s, free_port, test_timeout
 from tests.launch_utils import ROOT, LaunchResult, start_launch, wait_all
 
 pytestmark = pytest.mark.slow
 
 CPU_CONFIG = ROOT / "accelerate_configs" / "cephalo_cpu.yaml"
-LAUNCH_TIMEOUT_S = 240  # a tiny run takes ~15 s alone; generous for a shared 2-core machine
+# a tiny launch measured 8-25 s on 2 cores under load 7-10; each launch gets budget_s(LAUNCH_S),
+# each test the sum over its sequential launches ([Note: test time budgets] in tests/dist_utils.py)
+LAUNCH_S = 30.0
+LAUNCH_TIMEOUT_S = budget_s(LAUNCH_S)
 
 # Tiny but real: every run trains, evaluates, saves and reloads.
 COMMON = ("--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--seed", "0")
@@ -56,6 +59,7 @@ def _losses(out: str) -> list[float]:
     return [float(x) for x in re.findall(r"\{'loss': '([0-9.]+)'", out)]
 
 
+@test_timeout(LAUNCH_S)
 def test_train_clm_llama_uneven_plan(tmp_path):
     plan = _uneven_plan(tmp_path / "plan.json")
     rc, out = _launch("train_clm.py", "--cephalo_plan_file", plan, "--output_dir", str(tmp_path / "o"),
@@ -73,6 +77,7 @@ def test_train_clm_llama_uneven_plan(tmp_path):
     assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
 
 
+@test_timeout(LAUNCH_S, LAUNCH_S)
 def test_train_clm_gpt2_and_image_classification_bf16(tmp_path):
     """Both under --bf16 (bf16 autocast): the reload check runs under the same autocast, and the
     image example's metrics take the bf16 logits."""
@@ -100,6 +105,7 @@ def test_train_clm_gpt2_and_image_classification_bf16(tmp_path):
     assert (tmp_path / "v" / "model.safetensors").is_file()
 
 
+@test_timeout(LAUNCH_S, LAUNCH_S, LAUNCH_S)
 def test_user_mistakes_fail_fast_with_clear_errors(tmp_path):
     # a plan made for 3 ranks launched on 2: every rank refuses before any collective
     plan = _uneven_plan(tmp_path / "plan3.json", (2, 3, 3), (1, 1, 1), (0.2, 0.3, 0.5))
@@ -122,6 +128,7 @@ def test_user_mistakes_fail_fast_with_clear_errors(tmp_path):
         out[-4000:]
 
 
+@test_timeout(LAUNCH_S)
 def test_train_clm_two_machines_without_shared_filesystem(tmp_path):
     """num_machines 2 on loopback, each machine with its own output_dir: the trained tokenizer
     reaches machine 1 by broadcast (it once was read back from machine 0's output_dir)."""
@@ -136,6 +143,7 @@ def test_train_clm_two_machines_without_shared_filesystem(tmp_path):
     assert not (tmp_path / "m1" / "tokenizer").exists()
 
 
+@test_timeout(LAUNCH_S, 10)  # the launch, then 60 s for the job to end
 def test_killed_rank_ends_the_job_with_an_error(tmp_path):
     """SIGKILL one worker in the middle of training: the launcher must stop the other rank and
     exit non-zero naming the killed rank, well before any collective timeout."""

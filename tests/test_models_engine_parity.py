@@ -23,7 +23,7 @@ import torch
 
 from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.models import stage_model
-from tests.dist_utils import run_ranks
+from tests.dist_utils import budget_s, run_ranks, test_timeout
 from tests.models_fixtures import build, make_batch
 
 # dtype -> (optimizer factory, rtol, atol)
@@ -134,11 +134,13 @@ def parity_worker(rank: int, world: int) -> list[str]:
     return done
 
 
+@test_timeout(35)
 def test_hf_models_engine_parity_two_ranks():
     names = [v[0] for v in VARIANTS]
-    assert run_ranks(parity_worker, 2, timeout_s=400) == [names] * 2
+    assert run_ranks(parity_worker, 2, timeout_s=budget_s(35)) == [names] * 2
 
 
+@test_timeout(45)
 def test_hf_models_engine_parity_three_ranks():
     names = [v[0] for v in VARIANTS]
-    assert run_ranks(parity_worker, 3, timeout_s=400) == [names] * 3
+    assert run_ranks(parity_worker, 3, timeout_s=budget_s(45)) == [names] * 3

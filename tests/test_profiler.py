@@ -62,7 +62,9 @@ def test_measured_profile_is_valid_and_grows_with_microbatch_size(capsys):
     assert cluster.extra["model_fingerprint"] == model_fingerprint(model)
     assert cluster.extra["sequence_length"] == 64 and cluster.extra["dtype"] == "float32"
     out = capsys.readouterr().out
-    assert "rank 0 (cpu): round 4/4, microbatch size 8/8" in out and "s left" in out  # progress
+    # quiet by default: a summary line, a time-left line at most every QUIET_INTERVAL_S, no
+    # per-microbatch lines (those are for --verbose / HF_CEPHALO_VERBOSE=1)
+    assert "rank 0 (cpu): done; m=8" in out and "microbatch size 1/8" not in out, out
 
 
 def test_profiles_every_supported_architecture():
@@ -381,3 +383,23 @@ def test_cli_profile_config_errors_name_the_file(tmp_path, capsys, monkeypatch):
                 + out) == 2
     err = capsys.readouterr().err
     assert "(e.g. LlamaForCausalLM); hf_cephalo has adapters for: " in err
+
+
+def test_only_rank_0_prints_unless_verbose(capsys, monkeypatch):
+    """58 progress lines per start came from every rank printing every second; now rank 0 prints
+    a summary (and a time-left line every QUIET_INTERVAL_S), other ranks nothing; verbose
+    restores every rank's per-second lines with per-microbatch times."""
+    from hf_cephalo.profiler import measure as measure_module
+
+    monkeypatch.setattr(measure_module, "QUIET_INTERVAL_S", 0.0)  # a time-left line every time
+    staged = stage_model(_llama())
+    quiet = MeasureConfig(max_microbatch_size=2, sequence_length=8, repeats=1)
+    measure_module.measure_device(staged, quiet, device="cpu", name="cpu", capacity_bytes=1e9, rank=1)
+    assert capsys.readouterr().out == ""
+    measure_module.measure_device(staged, quiet, device="cpu", name="cpu", capacity_bytes=1e9, rank=0)
+    out = capsys.readouterr().out
+    assert "rank 0 (cpu): done" in out and "s left" in out and "microbatch size 1/2" not in out
+    loud = MeasureConfig(max_microbatch_size=2, sequence_length=8, repeats=1, verbose=True)
+    monkeypatch.setattr(measure_module, "QUIET_INTERVAL_S", 1e9)  # verbose uses its own 1 s
+    measure_module.measure_device(staged, loud, device="cpu", name="cpu", capacity_bytes=1e9, rank=1)
+    assert "rank 1 (cpu): done" in capsys.readouterr().out

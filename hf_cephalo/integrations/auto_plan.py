@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from hf_cephalo.integrations.preflight import warn_idle_ranks
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import Plan, optimize, predict
@@ -48,7 +49,7 @@ from hf_cephalo.profiler.cache import model_description, model_fingerprint
 from hf_cephalo.profiler.types import ClusterProfile
 
 __all__ = ["ResolvedPlan", "resolve_plan_for_model", "wrap_staged", "PlanAccuracyCallback",
-           "format_accuracy_table", "check_state_fits_caps"]
+           "format_accuracy_table", "check_state_fits_caps", "diagnose_step_time"]
 
 logger = logging.getLogger(__name__)
 GIB = float(1 << 30)
@@ -91,8 +92,13 @@ def _measure_config(args, global_batch_size: int, train_dataset) -> MeasureConfi
     max_m = int(os.environ.get("HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE", "8"))
     seq = sequence_length_of(train_dataset, DEFAULT_SEQUENCE_LENGTH) if train_dataset is not None \
         else DEFAULT_SEQUENCE_LENGTH
+    # Quiet by default: rank 0 prints a line every QUIET_INTERVAL_S and a summary;
+    # HF_CEPHALO_VERBOSE=1 or DEBUG logging on hf_cephalo: every rank, every second.
+    verbose = (os.environ.get("HF_CEPHALO_VERBOSE", "0").strip().lower() in ("1", "true", "yes")
+               or logging.getLogger("hf_cephalo").isEnabledFor(logging.DEBUG))
     return MeasureConfig(max_microbatch_size=max(1, min(max_m, global_batch_size)),
-                         sequence_length=seq, precision="bf16" if args.bf16 else "fp32")
+                         sequence_length=seq, precision="bf16" if args.bf16 else "fp32",
+                         verbose=verbose)
 
 
 def _gather_names(name: str, world_size: int) -> list[str]:
@@ -131,6 +137,8 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
         check_state_fits_caps(plan, model_profile(staged).state_bytes, caps)
         if all(r.predicted_memory_bytes is not None for r in plan.ranks):
             check_plan_memory([r.predicted_memory_bytes for r in plan.ranks], caps)
+        if args.process_index == 0:
+            warn_idle_ranks(plan.global_batch_size, world_size)
         return ResolvedPlan(plan, None)
     B = args.resolve_global_batch_size(world_size)
     _refuse_meta_profiling(model, args)
@@ -237,6 +245,52 @@ def format_accuracy_table(rows: list[dict[str, Any]], predicted_iteration_s: flo
     return "\n".join(lines)
 
 
+STEP_TIME_TOLERANCE = 0.15  # relative gap between predicted and measured step time that warns
+
+
+def diagnose_step_time(rows: list[dict[str, Any]], predicted_iteration_s: float | None,
+                       tolerance: float = STEP_TIME_TOLERANCE) -> str | None:
+    """A warning when the measured step time is off the prediction by more than ``tolerance``
+    (relative), naming the term of the cost model that is off most; None when within it.
+
+    Measured step = the slowest rank's median step seconds (``rows[i]["step_s"]``, steps after
+    the first). Terms: compute = the measured vs predicted unit compute (forward + recompute +
+    backward, seconds per step) of the rank with the most measured compute; the rest of the
+    step (measured step - that compute vs predicted iteration - predicted compute) is the
+    collectives (all-gather / reduce-scatter not hidden behind compute), the embedding and head,
+    and waiting for slower ranks. Without compute timings (CUDA without emulation) the term is
+    not named.
+    """
+    steps = [r["step_s"] for r in rows if r.get("step_s")]
+    if not predicted_iteration_s or not steps:
+        return None
+    measured = max(steps)
+    gap = measured / predicted_iteration_s - 1.0
+    if abs(gap) <= tolerance:
+        return None
+    head = (f"predicted step time {predicted_iteration_s:.3f} s is {abs(gap) * 100:.0f}% "
+            f"{'under' if gap > 0 else 'over'} the measured {measured:.3f} s (slowest rank, median "
+            "after the first step)")
+    timed = [r for r in rows if r.get("compute_s") is not None
+             and r.get("pred_compute_s") is not None and r.get("b")]
+    if not timed:
+        return head + "; no compute timings on this device to tell which term is off"
+    slow = max(timed, key=lambda r: r["compute_s"])
+    compute_gap = slow["compute_s"] - slow["pred_compute_s"]
+    rest_measured = measured - slow["compute_s"]
+    rest_predicted = predicted_iteration_s - slow["pred_compute_s"]
+    if abs(compute_gap) >= abs(rest_measured - rest_predicted):
+        term = (f"compute: rank {slow['rank']}'s unit forward/backward took "
+                f"{slow['compute_s']:.3f} s per step, predicted {slow['pred_compute_s']:.3f} s "
+                "(re-profile under the same load and sequence length)")
+    else:
+        term = (f"collectives and waiting: the step outside unit compute took "
+                f"{rest_measured:.3f} s, predicted {max(rest_predicted, 0.0):.3f} s (all-gather / "
+                "reduce-scatter not hidden behind compute, embedding and head, ranks waiting "
+                "for each other)")
+    return f"{head}; the term off most is {term}"
+
+
 class PlanAccuracyCallback(TrainerCallback):
     """Times each training step and prints predicted vs measured per rank at train end.
 
@@ -308,6 +362,9 @@ class PlanAccuracyCallback(TrainerCallback):
         self.rows = [row] if world == 1 else _gather_rows(row, world)
         if rank == 0:
             print(format_accuracy_table(self.rows, plan.predicted_iteration_s), flush=True)
+            warning = diagnose_step_time(self.rows, plan.predicted_iteration_s)
+            if warning:
+                logger.warning(warning)
 
 
 def _gather_rows(row, world_size):

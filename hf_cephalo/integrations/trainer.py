@@ -69,13 +69,13 @@ from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
 from hf_cephalo.integrations.auto_plan import (PlanAccuracyCallback, resolve_plan_for_model,
                                                wrap_staged)
+from hf_cephalo.integrations.preflight import check_before_planning
 from hf_cephalo.integrations.sampler import MicrobatchCollator, WeightedBatchSampler
 from hf_cephalo.integrations.sharded_model import guard_sharded_model, restore_full_model
 from hf_cephalo.integrations.support import HOOK_SUPPORT, check_training_args
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 from hf_cephalo.integrations.user_loss import UserLossStagedModel
 from hf_cephalo.integrations.weight_decay import ShardWeightDecay, decay_rule, shard_decay_masks
-from hf_cephalo.models import stage_model
 from hf_cephalo.models.registry import supported_model_classes
 from hf_cephalo.planner import Plan
 
@@ -165,15 +165,15 @@ class CephaloTrainer(Trainer):
         self._check_hooks(model, kwargs)
         _engine_checkpointing_replaces_model_checkpointing(args)
         world_size = args.world_size  # sets up the process group (accelerate launch / torchrun)
+        # [Note: fail fast] in preflight.py: no profile, plan or collective before these checks
+        staged = check_before_planning(args, world_size, model, plan=plan,
+                                       train_dataset=kwargs.get("train_dataset"),
+                                       eval_dataset=kwargs.get("eval_dataset"))
         self.cluster_profile = None  # the profile an automatic plan was made from
         if plan is None:  # plan file > profile file > profile this cluster (auto_plan.py)
             plan, self.cluster_profile = resolve_plan_for_model(args, world_size, model,
                                                                 kwargs.get("train_dataset"))
         self.plan = plan
-        self.plan.validate_for(world_size)
-        args.resolve_global_batch_size(world_size, self.plan.global_batch_size)  # consistency
-        args.check_world_size(world_size)
-        staged = stage_model(model)  # unsupported model: ValueError before any collective
         if self._uses_user_loss(args, kwargs):  # the Trainer's loss as the engine's head loss
             staged = UserLossStagedModel(staged, self.compute_loss)
         staged = wrap_staged(staged, args, world_size)  # emulated slowdown / compute timing

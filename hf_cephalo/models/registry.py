@@ -51,24 +51,70 @@ def supported_model_classes() -> list[str]:
     return sorted(_ADAPTERS)
 
 
+class UnsupportedModelError(ValueError):
+    """No adapter for a model's class. ``alternatives``: supported classes of the same
+    architecture (same ``config.model_type``), e.g. ``["BertForSequenceClassification"]`` for a
+    ``BertModel``; empty when the architecture itself has no adapter."""
+
+    def __init__(self, message: str, alternatives: list[str]):
+        super().__init__(message)
+        self.alternatives = alternatives
+
+
+def _same_architecture(model: nn.Module) -> list[str]:
+    """Supported class names whose config has the model's ``model_type``."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None:
+        return []
+    return [name for name in supported_model_classes()
+            if getattr(getattr(getattr(transformers, name, None), "config_class", None),
+                       "model_type", None) == model_type]
+
+
+def _is_peft_wrapper(model: nn.Module) -> bool:
+    return any(cls.__name__ == "PeftModel" for cls in type(model).__mro__)
+
+
 def adapter_for(model: nn.Module) -> type[StagedModel]:
     """The adapter class registered for ``model``'s class or its nearest registered base class.
 
-    Raises ValueError naming the supported classes if there is none.
+    Raises:
+        UnsupportedModelError (a ValueError): no adapter; the message names the supported
+            classes and, when one of them has the same architecture (a bare ``BertModel`` vs
+            ``BertForSequenceClassification``), says to load that class instead.
+        NotImplementedError: a PEFT ``PeftModel`` (not supported as such yet; the message gives
+            the route that works, ``peft_model.base_model.model``).
     """
     for cls in type(model).__mro__:
         if cls.__name__ in _ADAPTERS:
             return _ADAPTERS[cls.__name__]
-    raise ValueError(f"hf_cephalo has no staged-model adapter for {type(model).__name__}; "
-                     f"supported model classes: {', '.join(supported_model_classes())}. To train "
-                     f"another architecture, write an adapter and register it with "
-                     f"hf_cephalo.models.register_adapter (see docs/adding_a_model.md).")
+    name = type(model).__name__
+    if _is_peft_wrapper(model):
+        # Checked (LoRA on LlamaForCausalLM, peft 0.21): the inner model stages with its LoRA
+        # layers inside the units; frozen base weights stay frozen and one engine step equals
+        # the PeftModel's own step. Saving writes the whole model with PEFT's module names.
+        raise NotImplementedError(
+            f"{name} (PEFT/LoRA) is not supported by hf_cephalo as such yet. Pass the wrapped "
+            "transformers model instead, CephaloTrainer(model=peft_model.base_model.model, ...): "
+            "its LoRA layers train and the frozen base weights stay frozen, but checkpoints hold "
+            "the whole model (PEFT's module names, base_layer / lora_A), not an adapter file")
+    same = _same_architecture(model)
+    if same:
+        raise UnsupportedModelError(
+            f"hf_cephalo has no staged-model adapter for {name}; the supported class of this "
+            f"architecture is {', '.join(same)}: load the model as {same[0]} (e.g. "
+            f"{same[0]}.from_pretrained(path))", same)
+    raise UnsupportedModelError(
+        f"hf_cephalo has no staged-model adapter for {name}; supported model classes: "
+        f"{', '.join(supported_model_classes())}. To train another architecture, write an adapter "
+        f"and register it with hf_cephalo.models.register_adapter (see docs/adding_a_model.md).", [])
 
 
 def stage_model(model: nn.Module) -> StagedModel:
     """Wrap a Hugging Face model in its staged-model adapter (no copy; shares parameters).
 
-    Raises ValueError for an unsupported class, for a built-in adapter with transformers < 5,
+    Raises ValueError (``UnsupportedModelError``) for an unsupported class,
+    NotImplementedError for a PEFT wrapper, ValueError for a built-in adapter with transformers < 5,
     or when the adapter's root modules and units do not cover ``model.parameters()`` exactly
     (e.g. extra modules attached to the model).
     """

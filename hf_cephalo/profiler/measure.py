@@ -67,6 +67,10 @@ MakeMicrobatch = Callable[[int], Mapping[str, torch.Tensor]]
 PRECISIONS = ("fp32", "bf16")
 
 
+QUIET_INTERVAL_S = 15.0
+"""Seconds between two progress lines of a non-verbose profile (rank 0 only)."""
+
+
 def precision_tag(param_dtype: str, precision: str) -> str:
     """What a profile records as its dtype: the parameters' dtype name, plus the autocast
     compute dtype for bf16 mixed precision (e.g. ``"float32+autocast-bf16"``)."""
@@ -84,7 +88,11 @@ class MeasureConfig:
         warmup: untimed runs per microbatch size.
         repeats: timed runs per microbatch size (the median is kept).
         comm_repeats: timed runs of each collective (the median is kept).
-        progress: print progress lines (rank, microbatch size, estimated time left).
+        progress: print progress lines. By default rank 0 alone prints, at most one line per
+            ``QUIET_INTERVAL_S`` seconds (time left) and one summary line when done: a few
+            lines per start, not one per rank per second.
+        verbose: every rank prints, once a second, with the times of each microbatch size
+            (``hf-cephalo profile --verbose``, ``HF_CEPHALO_VERBOSE=1``).
         precision: "fp32", or "bf16" to time the forward calls under bf16 autocast like the
             engine's ``autocast_dtype=torch.bfloat16`` (``TrainingArguments(bf16=True)``).
     """
@@ -95,7 +103,12 @@ class MeasureConfig:
     repeats: int = 3
     comm_repeats: int = 5
     progress: bool = True
+    verbose: bool = False
     precision: str = "fp32"
+
+    def prints(self, rank: int) -> bool:
+        """Whether ``rank`` prints progress lines under this config."""
+        return self.progress and (self.verbose or rank == 0)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -456,7 +469,7 @@ def _measure_times(staged, config: MeasureConfig, inputs, views: _FlatViews, dev
         again = bool(bad) if any_rank is None else any_rank(bool(bad))
         if not again or attempt == MAX_REMEASURES:
             break
-        if bad and config.progress:
+        if bad and config.prints(rank):
             print(f"[hf-cephalo profile] rank {rank} ({name}): implausible backward time for "
                   f"microbatch sizes {bad}; re-measuring", flush=True)
     if bad:
@@ -522,13 +535,14 @@ def _time_rounds(staged, config: MeasureConfig, inputs, views: _FlatViews, devic
                 fb_times[m].append(t2 - t1)
             work_done += m
             now = time.perf_counter()
-            if config.progress and (now - last_print > 1.0 or work_done == total_work):
+            interval_s = 1.0 if config.verbose else QUIET_INTERVAL_S
+            if config.prints(rank) and now - last_print > interval_s and work_done < total_work:
                 last_print = now
                 left = (now - t_start) / work_done * (total_work - work_done)
+                detail = (f"microbatch size {m}/{ms[-1]}: fwd {(t1 - t0) * 1e3:.2f} ms, "
+                          f"recompute + bwd {(t2 - t1) * 1e3:.2f} ms; " if config.verbose else "")
                 print(f"[hf-cephalo profile] rank {rank} ({name}): round {k + 1}/{rounds}, "
-                      f"microbatch size {m}/{ms[-1]}: fwd {(t1 - t0) * 1e3:.2f} ms, "
-                      f"recompute + bwd {(t2 - t1) * 1e3:.2f} ms; about {left:.0f} s left",
-                      flush=True)
+                      f"{detail}about {left:.0f} s left", flush=True)
 
 
 def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.device | str,
@@ -582,7 +596,7 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
         bwd = _non_decreasing([bwd_med[m] for m in ms])
         mem = [_compute_memory(staged, inputs[m][1], inputs[m][0], inputs[m][2], inputs[m][3],
                                device, params) for m in ms]
-        if config.progress:
+        if config.prints(rank):
             print(f"[hf-cephalo profile] rank {rank} ({name}): done; m={ms[-1]}: fwd "
                   f"{fwd[-1] * 1e3:.2f} ms, bwd {bwd[-1] * 1e3:.2f} ms, compute memory "
                   f"{mem[-1] / GIB:.3f} GiB per unit", flush=True)
@@ -704,7 +718,7 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
     dev = store.get_device(key) if store is not None else None
     if _all_ranks(dev is not None, device, group, world_size):
         dev.name, dev.memory_capacity_bytes = name, capacity
-        if config.progress:
+        if config.prints(rank):
             print(f"[hf-cephalo profile] rank {rank} ({name}): cached profile "
                   f"{store.root}/{key}.json", flush=True)
     else:

@@ -1,0 +1,94 @@
+"""Checks CephaloTrainer makes before profiling, planning or any collective.
+
+[Note: fail fast]
+Everything that can be decided from the arguments, the model class, the dataset types and a
+given plan is checked here, first thing in ``CephaloTrainer.__init__``: an automatic profile
+takes minutes (~90 s for MiniLM on 2 CPU cores), and an error after it wastes that time on every
+rank. Every rank evaluates the same inputs, so every rank raises the same error and none is
+left waiting in a collective. What needs the profile (a plan that cannot fit, an emulated
+memory cap) can only be checked after it (``auto_plan.resolve_plan_for_model``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from hf_cephalo.models import stage_model
+from hf_cephalo.models.base import StagedModel
+from hf_cephalo.planner import Plan
+
+__all__ = ["check_datasets", "check_before_planning", "warn_idle_ranks"]
+
+logger = logging.getLogger(__name__)
+
+
+def _dataset_error(dataset: Any, description: str) -> str | None:
+    if dataset is None or hasattr(dataset, "__len__"):
+        return None
+    return (f"{description}: {type(dataset).__name__} has no length; CephaloTrainer splits each "
+            "global batch by the plan's per-rank batch sizes b_i and needs a map-style dataset "
+            "(datasets.Dataset, a list, a torch Dataset with __len__). For a streamed "
+            "datasets.IterableDataset, materialize the part you train on first, e.g. "
+            "datasets.Dataset.from_generator(lambda: (yield from iterable.take(n)), "
+            "features=iterable.features)")
+
+
+def check_datasets(train_dataset: Any = None, eval_dataset: Any = None) -> None:
+    """Raise ValueError for a dataset without a length (an ``IterableDataset``).
+
+    ``eval_dataset`` may be a dict of named datasets (each is checked).
+    """
+    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]
+    for description, dataset in [("train_dataset", train_dataset),
+                                 *((f"eval_dataset{f'[{k!r}]' if k else ''}", d) for k, d in evals)]:
+        message = _dataset_error(dataset, description)
+        if message:
+            raise ValueError(message)
+
+
+def warn_idle_ranks(global_batch_size: int, world_size: int) -> bool:
+    """Warn (once, on rank 0's logger and stderr) when B < world size: some ranks get b_i = 0.
+
+    Such ranks still hold training state and take part in every collective, but compute
+    nothing. Returns True when the warning was given.
+    """
+    if global_batch_size >= world_size:
+        return False
+    logger.warning("global batch size %d < world size %d: at least %d rank(s) get no samples "
+                   "(b_i = 0) and only hold training state; raise --cephalo_global_batch_size to "
+                   ">= %d to use every rank", global_batch_size, world_size,
+                   world_size - global_batch_size, world_size)
+    return True
+
+
+def check_before_planning(args, world_size: int, model: nn.Module, *, plan: Plan | None,
+                          train_dataset: Any = None, eval_dataset: Any = None) -> StagedModel:
+    """Every check that needs neither a profile nor a collective; returns the staged model.
+
+    Order: datasets, model class (``stage_model``), emulation list lengths vs ``world_size``,
+    then a given ``plan`` (world size, global batch size), then the global batch size against
+    the world size (rank 0 warns when ranks would idle; a plan file is read and checked by
+    ``auto_plan.resolve_plan_for_model``, still before any profile).
+
+    Raises:
+        ValueError: a dataset without a length, an unsupported model class (with the route to
+            take, e.g. ``--model-class`` or ``peft_model.base_model.model``), an emulation list
+            of the wrong length, a plan for another world size or global batch size.
+        NotImplementedError: a model kind that is not supported yet (PEFT wrappers).
+    """
+    check_datasets(train_dataset, eval_dataset)
+    staged = stage_model(model)
+    args.check_world_size(world_size)
+    if plan is not None:
+        plan.validate_for(world_size)
+        global_batch_size = args.resolve_global_batch_size(world_size, plan.global_batch_size)
+    elif args.cephalo_plan_file is None:
+        global_batch_size = args.resolve_global_batch_size(world_size)
+    else:
+        return staged  # the plan file is read, validated and warned about by resolve_plan_for_model
+    if args.process_index == 0:
+        warn_idle_ranks(global_batch_size, world_size)
+    return staged

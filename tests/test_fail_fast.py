@@ -1,0 +1,133 @@
+"""A new user's mistakes fail before the wait ([Note: fail fast] in integrations/preflight.py).
+
+Single process, no process group: each bad setup must raise before the automatic profile
+(``profile_cluster`` is replaced by a function that fails the test, and no profile line may
+be printed) and before any collective (no process group afterwards). Then: every refusal says
+what to do next (the supported class, ``--model-class``, the PEFT route), and a global batch
+smaller than the world size is warned about before planning.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+from hf_cephalo.cli import main
+from tests.models_fixtures import build
+
+
+@pytest.fixture
+def no_profiling(monkeypatch, tmp_path):
+    """Any profile during the test fails it; the environment cannot change the arguments."""
+    from hf_cephalo.integrations import auto_plan
+
+    for name in ("PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE", "EMULATE_SLOWDOWN",
+                 "EMULATE_MEMORY_CAP_BYTES"):
+        monkeypatch.delenv("HF_CEPHALO_" + name, raising=False)
+    monkeypatch.setenv("HF_CEPHALO_PROFILE_CACHE", str(tmp_path / "cache"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("profile_cluster ran before the setup was checked")
+
+    monkeypatch.setattr(auto_plan, "profile_cluster", refuse)
+
+
+def _args(tmp_path, **kw):
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+
+    return CephaloTrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", **kw)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield {"input_ids": torch.ones(8, dtype=torch.long)}
+
+
+class PeftModel(torch.nn.Module):
+    """Stands in for peft.PeftModel (the registry recognizes it by class name)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.base_model = torch.nn.Module()
+        self.base_model.model = inner
+
+
+def _bare_bert():
+    cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=64)
+    return transformers.BertModel(cfg)
+
+
+def test_bad_setups_fail_before_profiling(tmp_path, capsys, no_profiling):
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+
+    cases = [  # (model, args, trainer kwargs, error type, message pattern)
+        (build("llama"), {}, dict(train_dataset=_Stream()), ValueError,
+         r"train_dataset: _Stream has no length.*Dataset\.from_generator"),
+        (build("llama"), {}, dict(eval_dataset={"dev": _Stream()}), ValueError,
+         r"eval_dataset\['dev'\]: _Stream has no length"),
+        (_bare_bert(), {}, {}, ValueError,
+         r"no staged-model adapter for BertModel; .* load the model as "
+         r"BertForSequenceClassification"),
+        (PeftModel(build("llama")), {}, {}, NotImplementedError,
+         r"PeftModel \(PEFT/LoRA\) is not supported .*model=peft_model\.base_model\.model"),
+        (build("llama"), dict(cephalo_emulate_slowdown=["1", "2"]), {}, ValueError,
+         r"emulate_slowdown = \[1.0, 2.0\] .* has 2 entries but the world size is 1"),
+    ]
+    for model, extra, kwargs, error, pattern in cases:
+        with pytest.raises(error, match=pattern):
+            CephaloTrainer(model=model, args=_args(tmp_path, **extra), **kwargs)
+    out = capsys.readouterr()
+    assert "[hf-cephalo profile]" not in out.out + out.err  # nothing measured, nothing printed
+    assert not torch.distributed.is_initialized()  # no process group, so no collective
+
+
+def test_global_batch_below_world_size_warns_before_planning(tmp_path, caplog, no_profiling):
+    """B < N: rank 0 warns from the arguments alone (world size 4 given, no process group)."""
+    from hf_cephalo.integrations.preflight import check_before_planning, warn_idle_ranks
+    from hf_cephalo.planner import Plan
+
+    with caplog.at_level(logging.WARNING, logger="hf_cephalo.integrations.preflight"):
+        check_before_planning(_args(tmp_path, cephalo_global_batch_size=2), 4, build("llama"),
+                              plan=None)
+        assert "global batch size 2 < world size 4: at least 2 rank(s) get no samples" \
+            in caplog.text
+        caplog.clear()
+        check_before_planning(_args(tmp_path), 2, build("llama"),
+                              plan=Plan.from_ratios([1, 0], [1, 0], [0.5, 0.5]))
+        assert "global batch size 1 < world size 2" in caplog.text
+        caplog.clear()
+        assert not warn_idle_ranks(4, 4) and caplog.text == ""
+
+
+def test_profile_cli_points_a_bare_encoder_to_model_class(tmp_path, capsys):
+    config = _bare_bert().config
+    config.architectures = ["BertModel"]  # what a bare encoder checkpoint's config.json says
+    config.save_pretrained(tmp_path / "bert")
+    assert main(["profile", "--model-config", str(tmp_path / "bert"), "--out",
+                 str(tmp_path / "p.json"), "--no-cache"]) == 2
+    err = capsys.readouterr().err
+    assert "builds BertModel" in err and "--model-class BertForSequenceClassification" in err, err
+
+
+def test_step_time_off_by_more_than_15_percent_names_the_term():
+    from hf_cephalo.integrations.auto_plan import diagnose_step_time
+
+    def row(rank, step, compute, pred_compute, b=4):
+        return dict(rank=rank, b=b, step_s=step, compute_s=compute, pred_compute_s=pred_compute)
+
+    # within 15%: silent
+    assert diagnose_step_time([row(0, 1.1, 0.8, 0.8), row(1, 1.0, 0.5, 0.5)], 1.0) is None
+    # compute is off (the demo's 0.77 vs 1.02 s kind of gap)
+    msg = diagnose_step_time([row(0, 1.02, 0.95, 0.70), row(1, 1.0, 0.4, 0.4)], 0.77)
+    assert msg.startswith("predicted step time 0.770 s is 32% under the measured 1.020 s"), msg
+    assert "term off most is compute: rank 0's unit forward/backward took 0.950 s" in msg
+    # compute as predicted, the rest (collectives, waiting) is off
+    msg = diagnose_step_time([row(0, 1.5, 0.7, 0.7), row(1, 1.4, 0.3, 0.3)], 1.0)
+    assert "term off most is collectives and waiting: the step outside unit compute took 0.800 s, " \
+           "predicted 0.300 s" in msg, msg
+    # no compute timings (CUDA without emulation): the gap, without a term
+    assert "no compute timings" in diagnose_step_time([row(0, 2.0, None, None)], 1.0)
