@@ -46,12 +46,12 @@ from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches, l
                                          sequence_length_of)
 from hf_cephalo.profiler.cache import model_description, model_fingerprint
 from hf_cephalo.profiler.types import ClusterProfile
+from hf_cephalo.units import GIB
 
 __all__ = ["ResolvedPlan", "resolve_plan_for_model", "wrap_staged", "PlanAccuracyCallback",
            "format_accuracy_table", "check_state_fits_caps"]
 
 logger = logging.getLogger(__name__)
-GIB = float(1 << 30)
 DEFAULT_SEQUENCE_LENGTH = 128
 
 
@@ -197,12 +197,8 @@ def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterPr
 def _predicted_unit_compute_s(plan: Plan, cluster: ClusterProfile, rank: int) -> float:
     """num_units · (l·F + l·(F + B)) of one rank, seconds per step (compute only, no comm)."""
     r, d = plan.ranks[rank], cluster.devices[rank]
-    if r.batch_size == 0:
-        return 0.0
-    full, last = r.num_microbatches - 1, r.last_microbatch_size
-    f = full * float(cost.fwd_time_s(d, r.microbatch_size)) + float(cost.fwd_time_s(d, last))
-    b = full * float(cost.bwd_time_s(d, r.microbatch_size)) + float(cost.bwd_time_s(d, last))
-    return cluster.model.num_units * (2 * f + b)
+    f, b = cost.rank_compute_s(d, r.batch_size, r.microbatch_size)
+    return cluster.model.num_units * float(2 * f + b)
 
 
 def format_accuracy_table(rows: list[dict[str, Any]], predicted_iteration_s: float | None) -> str:

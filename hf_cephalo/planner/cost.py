@@ -22,7 +22,7 @@ array). Units: seconds and bytes. Used by the optimizer (``optimize.py``), the s
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -34,6 +34,8 @@ __all__ = [
     "fwd_time_s",
     "bwd_time_s",
     "compute_memory_bytes",
+    "RankComputeTimes",
+    "rank_compute_s",
     "unit_time_s",
     "idle_unit_time_s",
     "iteration_time_s",
@@ -95,6 +97,32 @@ def compute_memory_bytes(device: DeviceProfile, m) -> np.ndarray:
     slope, intercept = memory_line(device)
     m = np.asarray(m, dtype=np.float64)
     return np.where(m > 0, np.maximum(slope * m + intercept, 0.0), 0.0)
+
+
+class RankComputeTimes(NamedTuple):
+    """Forward and backward seconds of ALL microbatches of one rank for one unit."""
+
+    fwd_s: np.ndarray  # Σ_j F(m_j), seconds
+    bwd_s: np.ndarray  # Σ_j B(m_j), seconds
+
+
+def rank_compute_s(device: DeviceProfile, batch_size: int, microbatch_size) -> RankComputeTimes:
+    """l·F(m) and l·B(m) of the cost model, with a smaller last microbatch priced at its own size.
+
+    ``l = ceil(b / m)`` microbatches: ``l - 1`` of size m and the last of
+    ``m_last = b - (l - 1)·m`` samples (``RankPlan.last_microbatch_size``); optimizer plans have
+    m_last = m. ``microbatch_size`` may be an int array (vectorized over m); ``batch_size`` 0
+    gives 0 seconds. Raises nothing; callers validate b, m >= 1.
+    """
+    m = np.asarray(microbatch_size, dtype=np.int64)
+    if batch_size == 0:
+        zero = np.zeros(m.shape)
+        return RankComputeTimes(zero, zero)
+    ls = -(-batch_size // m)  # ceil
+    last = batch_size - (ls - 1) * m
+    fwd = (ls - 1) * fwd_time_s(device, m) + fwd_time_s(device, last)
+    bwd = (ls - 1) * bwd_time_s(device, m) + bwd_time_s(device, last)
+    return RankComputeTimes(fwd, bwd)
 
 
 def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool) -> np.ndarray:

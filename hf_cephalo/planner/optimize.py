@@ -38,14 +38,15 @@ from typing import NamedTuple
 import numpy as np
 
 from hf_cephalo.planner import cost
+from hf_cephalo.planner.predict import predict
 from hf_cephalo.planner.state import partition_state
-from hf_cephalo.planner.types import Plan, RankPlan
+from hf_cephalo.planner.types import Plan, RankPlan, check_batch_and_fraction
 from hf_cephalo.profiler.types import ClusterProfile, DeviceProfile, format_bytes
+from hf_cephalo.units import GIB
 
 __all__ = ["optimize", "solve_assignment", "Assignment", "InfeasiblePlanError",
            "check_problem_size", "estimate_problem_size", "format_bytes"]
 
-GIB = float(1 << 30)
 _MEM_RTOL = 1e-12
 
 
@@ -278,16 +279,13 @@ def _groups(cluster: ClusterProfile) -> list[list[int]]:
 def _check_inputs(cluster: ClusterProfile, B: int, c: float) -> None:
     if not isinstance(cluster, ClusterProfile):
         raise TypeError(f"cluster must be a ClusterProfile, got {type(cluster).__name__}")
-    if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
-        raise ValueError(f"global batch size must be an integer >= 1, got {B!r}")
-    if not (isinstance(c, (int, float)) and 0 < c <= 1):
-        raise ValueError(f"memory fraction must be in (0, 1], got {c!r}")
+    check_batch_and_fraction(B, c)
 
 
 # Upfront size limits of one solve (see ``check_problem_size``). Calibrated on 2 CPU cores:
 # 2e10 work units is about 10-30 s; the options arrays are the solver's dominant memory.
 MAX_SOLVER_WORK = 2e10
-MAX_SOLVER_MEMORY_BYTES = 4 * (1 << 30)
+MAX_SOLVER_MEMORY_BYTES = 4 * GIB
 _BYTES_PER_OPTION = 96  # retained (b, m, l, t, mem) in 2 cases + construction temporaries
 _PY_CALL_WORK = 3000  # one min-plus row update (a NumPy call) in element operations
 
@@ -440,7 +438,5 @@ def optimize(cluster: ClusterProfile, global_batch_size: int,
                 model={"name": model.name, "num_units": model.num_units,
                        "params_per_unit": model.params_per_unit,
                        "params_other": model.params_other})
-    from hf_cephalo.planner.simulate import predict
-
     plan.predicted_iteration_s = predict(plan, cluster).iteration_s
     return plan

@@ -13,17 +13,32 @@ state share and joins every collective but computes nothing.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hf_cephalo.profiler.types import ModelProfile, read_json_file, write_json_file
 
-__all__ = ["RankPlan", "Plan", "PLAN_FORMAT"]
+__all__ = ["RankPlan", "Plan", "PLAN_FORMAT", "check_batch_and_fraction"]
 
 PLAN_FORMAT = "hf_cephalo.plan/1"
 
 _RATIO_TOL = 1e-6
+
+
+def check_batch_and_fraction(global_batch_size: int, memory_fraction: float) -> None:
+    """The planner's input check: B an integer >= 1 (samples), c a number in (0, 1].
+
+    Raises:
+        ValueError: naming the offending value.
+    """
+    B = global_batch_size
+    if isinstance(B, bool) or not isinstance(B, numbers.Integral) or B < 1:
+        raise ValueError(f"global batch size must be an integer >= 1, got {B!r}")
+    c = memory_fraction
+    if isinstance(c, bool) or not isinstance(c, numbers.Real) or not 0 < c <= 1:
+        raise ValueError(f"memory fraction must be in (0, 1], got {c!r}")
 
 
 @dataclass(kw_only=True)

@@ -52,13 +52,13 @@ from hf_cephalo.profiler.cache import (ProfileCache, comm_key, device_key, model
                                        model_fingerprint)
 from hf_cephalo.profiler.emulate import EmulatedStagedModel, EmulationConfig, emulated_device_name
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.units import GIB
 
 __all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "model_profile",
            "local_device_name",
            "device_capacity_bytes", "local_world_size", "measure_device", "measure_comm", "profile_cluster",
            "check_profile_matches", "sequence_length_of", "precision_tag", "PRECISIONS"]
 
-GIB = float(1 << 30)
 MakeMicrobatch = Callable[[int], Mapping[str, torch.Tensor]]
 
 
@@ -175,7 +175,7 @@ def device_capacity_bytes(device: torch.device | str, local_world_size: int = 1)
     try:
         ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
-        ram = float(16 * (1 << 30))
+        ram = 16 * GIB
     return ram / local_world_size
 
 

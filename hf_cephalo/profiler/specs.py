@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.units import GIB
 
 __all__ = [
     "GPUSpec", "GPU_SPECS", "ModelShape", "MODEL_SHAPES", "ClusterSpec",
@@ -38,7 +39,6 @@ __all__ = [
     "estimate_comm_profile", "estimate_cluster_profile",
 ]
 
-GIB = float(1 << 30)
 
 
 @dataclass(frozen=True, kw_only=True)

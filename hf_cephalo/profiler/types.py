@@ -18,21 +18,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from hf_cephalo.units import format_bytes  # re-exported: callers import it from here
+
 __all__ = ["ModelProfile", "DeviceProfile", "CommProfile", "ClusterProfile", "format_bytes",
            "CLUSTER_PROFILE_FORMAT"]
 
 CLUSTER_PROFILE_FORMAT = "hf_cephalo.cluster_profile/1"
-
-GIB = float(1 << 30)
-
-
-def format_bytes(n: float) -> str:
-    """A byte count in adaptive binary units, one decimal: ``'512 B'``, ``'3.0 KiB'``, ``'1.5 GiB'``."""
-    n = float(n)
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _check_number(owner: str, name: str, value: Any, *, positive: bool = False) -> float:
