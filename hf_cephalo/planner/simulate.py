@@ -14,7 +14,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from hf_cephalo.planner import cost
+from hf_cephalo.planner import cost, memory
 from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize
 from hf_cephalo.planner.predict import Prediction, RankPrediction, predict
 from hf_cephalo.planner.state import integer_targets, partition_state
@@ -169,7 +169,8 @@ def memory_balance_plan(cluster: ClusterProfile, global_batch_size: int,
     check_batch_and_fraction(global_batch_size, memory_fraction)
     sizes = _even_batch_sizes(cluster.world_size, global_batch_size)
     micro = [1 if b else 0 for b in sizes]
-    mem = [float(cost.compute_memory_bytes(d, m)) for d, m in zip(cluster.devices, micro)]
+    mem = [float(memory.rank_memory_bytes(cluster, i, m, b))
+           for i, (m, b) in enumerate(zip(micro, sizes))]
     ratios = partition_state(cluster.model.state_bytes, mem,
                              [d.memory_capacity_bytes for d in cluster.devices])
     return _hand_plan(cluster, sizes, micro, ratios, memory_fraction)
@@ -196,14 +197,15 @@ def speed_proportional_plan(cluster: ClusterProfile, global_batch_size: int,
         raise ValueError(f"peak_flops needs one positive value per rank ({n} ranks), got {peaks}")
     sizes = integer_targets([p / sum(peaks) for p in peaks], global_batch_size)
     micro = []
-    for d, b in zip(cluster.devices, sizes):
+    for i, (d, b) in enumerate(zip(cluster.devices, sizes)):
         if b == 0:
             micro.append(0)
             continue
         ms = np.arange(1, b + 1)
         f, bw = cost.rank_compute_s(d, b, ms)
         t = cost.unit_time_s(f, bw, 1, cluster.comm, False)
-        ok = S / n + cost.compute_memory_bytes(d, ms) <= memory_fraction * d.memory_capacity_bytes
+        ok = S / n + memory.rank_memory_bytes(cluster, i, ms, b) <= \
+            memory_fraction * d.memory_capacity_bytes
         micro.append(int(ms[ok][np.argmin(t[ok])]) if ok.any() else 1)
     return _hand_plan(cluster, sizes, micro, [1.0 / n] * n, memory_fraction)
 

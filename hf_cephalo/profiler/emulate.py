@@ -46,7 +46,6 @@ __all__ = ["EmulationConfig", "EmulatedStagedModel", "EmulatedOutOfMemoryError",
            "apply_memory_cap", "check_plan_memory", "emulated_device_name"]
 
 
-
 class EmulatedOutOfMemoryError(ValueError):
     """A plan needs more memory than a rank's emulated capacity (CPU accounting method)."""
 
