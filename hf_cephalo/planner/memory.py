@@ -11,21 +11,24 @@ a = ``ModelProfile.boundary_bytes_per_sample`` (one sample's hidden state at a u
 rank i with b samples in microbatches of m, P_u = the largest shard of a unit (``ceil(N/W)`` when
 even). Device memory of rank i = r_i·S + M_i(m, b) with
 
-    M_i(m, b) = max( A_i(m) + E_step + D(m, b),  E_end )          (b > 0)
-    M_i(0, 0) = E_idle                                             (idle rank)
+    M_i(m, b) = max( max(A_i(m) + E_bwd, A_head,i(m) + E_head) + D(m, b),  E_end )   (b > 0)
+    M_i(0, 0) = E_idle                                                            (idle rank)
 
 * r_i·S: training state, S = 16 B per parameter for fp32 Adam (paper §2.4): the local shard
-  ``FlatParamUnit.local`` (4), its ``shard_param.grad`` (4), Adam's two moments (8).
-* A_i(m): the profiled activation memory of ONE microbatch in flight
-  (``DeviceProfile.compute_memory_bytes``, least-squares line): the larger of a unit's recompute
-  + backward and the head's loss + backward beside the last unit's kept graph, both measured with
-  the persistent gradient buffers already allocated (profiler/measure.py ``_compute_memory``).
-* E_step = the largest set of engine buffers alive while a microbatch computes; the unit backward
-  (schedule.py ``LayeredStep.backward``) holds the most:
-  e·[N_u (current unit, ``_full``) + N_u (its flat gradient ``_leaf.grad``) + G_u (the next
-  unit's all-gather in flight: output + send buffer) + R_u (the previous unit's reduce-scatter in
-  flight: input + output)] + root, with root = e·2·N_r (gathered + full gradient, kept all step)
-  when ``root_resident``; otherwise the head phase e·(2·N_r + N_u) if larger.
+  ``FlatParamUnit.local`` (4), its ``shard_param.grad`` (4), Adam's two moments (8). Frozen
+  elements hold only the shard (4 B): S over-counts them.
+* A_i(m): the profiled activation memory of ONE microbatch in a unit's recompute + backward
+  (``DeviceProfile.compute_memory_bytes``, least-squares line); A_head,i(m): the same for the
+  head's loss + backward beside the last unit's kept forward graph (``head_memory_bytes``;
+  A_i(m) when absent). Both measured with the persistent gradient buffers already allocated
+  (profiler/measure.py ``_compute_memory``).
+* E_bwd: the engine buffers alive during a unit's backward (schedule.py
+  ``LayeredStep.backward``): e·[N_u (current unit, ``_full``) + N_u (its flat gradient
+  ``_leaf.grad``) + G_u (the next unit's all-gather in flight: output + send buffer) + R_u (the
+  previous unit's reduce-scatter in flight: input + output)] + e·2·N_r when ``root_resident``
+  (root gathered + full gradient, kept all step).
+* E_head: during the head (``LayeredStep.head``): e·(2·N_r + N_u) (root gathered + its
+  gradient; the last unit is not resharded before backward; no prefetch in flight).
 * D(m, b): boundary tensors on the device (offload.py ``ActivationStash``): without offload every
   microbatch's boundary activation of every unit boundary is kept, (L + 1)·b·a at the end of the
   forward; with offload (CUDA) the current and prefetched input and boundary gradient plus the
@@ -55,7 +58,7 @@ import numpy as np
 from hf_cephalo.profiler.types import ClusterProfile, DeviceProfile, ModelProfile
 
 __all__ = ["CollectiveBuffers", "EngineBuffers", "collective_buffers", "engine_buffers",
-           "activation_bytes", "device_stash_bytes", "host_memory_bytes", "rank_memory_bytes",
+           "activation_bytes", "head_activation_bytes", "device_stash_bytes", "host_memory_bytes", "rank_memory_bytes",
            "memory_line"]
 
 # Device copies of boundary tensors with offload: current input + boundary gradient, their
@@ -97,18 +100,27 @@ def collective_buffers(unit_numel: int, world_size: int, row: Sequence[int] | No
 class EngineBuffers(NamedTuple):
     """Per-rank engine buffer bytes independent of m (see [Note: memory terms])."""
 
-    step_bytes: float  # E_step: alive while a microbatch computes
+    backward_bytes: float  # E_bwd: alive while a unit's microbatch recomputes + backpropagates
+    head_bytes: float  # E_head: alive while the head's loss + backward runs
     end_bytes: float  # E_end: the root's reduce-scatter at the end of the step
     idle_bytes: float  # E_idle: a rank without samples
 
 
-def _layout_rows(layout, rank):
-    """(largest-buffer unit row, root row) of a per-unit layout (root LAST), or (None, None)."""
+def _in_flight_numel(nu: int, world_size: int, layout, rank, padded: bool) -> tuple[int, int]:
+    """(G + R during a unit's backward, R of unit 0) in elements, the largest over the units.
+
+    During unit i's backward the engine holds unit i-1's all-gather and unit i+1's
+    reduce-scatter in flight; with a layout those units' own rows are used (a padded buffer
+    depends on its unit's largest shard), else even shards.
+    """
     if layout is None:
-        return None, None
-    units = layout[:-1]
-    worst = max(units, key=lambda row: max(row)) if units else None
-    return worst, layout[-1]
+        c = collective_buffers(nu, world_size, padded=padded)
+        return c.allgather_numel + c.reduce_scatter_numel, c.reduce_scatter_numel
+    bufs = [collective_buffers(nu, world_size, row, rank, padded=padded) for row in layout[:-1]]
+    worst = max((bufs[i - 1].allgather_numel if i > 0 else 0)
+                + (bufs[i + 1].reduce_scatter_numel if i + 1 < len(bufs) else 0)
+                for i in range(len(bufs)))
+    return worst, bufs[0].reduce_scatter_numel
 
 
 def engine_buffers(model: ModelProfile, world_size: int, *, root_resident: bool = True,
@@ -126,18 +138,14 @@ def engine_buffers(model: ModelProfile, world_size: int, *, root_resident: bool 
         padded: price the padded equal-size collectives (``collective_buffers``).
     """
     e, nu, nr = model.param_bytes, model.params_per_unit, model.params_other
-    unit_row, root_row = _layout_rows(layout, rank)
-    cu = collective_buffers(nu, world_size, unit_row, rank, padded=padded)
-    cr = collective_buffers(nr, world_size, root_row, rank, padded=padded)
-    units = 2 * nu + cu.allgather_numel + cu.reduce_scatter_numel
-    if root_resident:
-        step = units + 2 * nr
-        end = 2 * nr + cr.reduce_scatter_numel + cu.reduce_scatter_numel
-    else:
-        step = max(units, 2 * nr + nu)
-        end = 0
-    idle = nu + cu.allgather_numel + cu.reduce_scatter_numel + nr
-    return EngineBuffers(e * step, e * end, e * idle)
+    in_flight, rs_unit0 = _in_flight_numel(nu, world_size, layout, rank, padded)
+    cr = collective_buffers(nr, world_size, None if layout is None else layout[-1], rank,
+                            padded=padded)
+    backward = 2 * nu + in_flight + (2 * nr if root_resident else 0)
+    head = 2 * nr + nu  # root gathered + its gradient; the last unit stays gathered
+    end = 2 * nr + cr.reduce_scatter_numel + rs_unit0 if root_resident else 0
+    idle = nu + in_flight + nr
+    return EngineBuffers(e * backward, e * head, e * end, e * idle)
 
 
 def memory_line(device: DeviceProfile) -> tuple[float, float]:
@@ -155,6 +163,16 @@ def activation_bytes(device: DeviceProfile, m) -> np.ndarray:
     slope, intercept = memory_line(device)
     m = np.asarray(m, dtype=np.float64)
     return np.where(m > 0, np.maximum(slope * m + intercept, 0.0), 0.0)
+
+
+def head_activation_bytes(device: DeviceProfile, m) -> np.ndarray:
+    """A_head,i(m): the head phase's line (``head_memory_bytes``), else A_i(m) (bytes)."""
+    if device.head_memory_bytes is None:
+        return activation_bytes(device, m)
+    return activation_bytes(DeviceProfile(
+        name=device.name, memory_capacity_bytes=device.memory_capacity_bytes,
+        microbatch_sizes=device.microbatch_sizes, fwd_s=device.fwd_s, bwd_s=device.bwd_s,
+        compute_memory_bytes=device.head_memory_bytes), m)
 
 
 def device_stash_bytes(model: ModelProfile, m, b, offload: bool) -> np.ndarray:
@@ -190,7 +208,8 @@ def rank_memory_bytes(cluster: ClusterProfile, rank: int, m, b, *, root_resident
         return np.where(b > 0, act, 0.0)
     buf = engine_buffers(model, cluster.world_size, root_resident=root_resident, layout=layout,
                          rank=rank, padded=padded)
-    busy = np.maximum(act + buf.step_bytes
-                      + device_stash_bytes(model, m, b, cluster.offload_activations),
+    phases = np.maximum(act + buf.backward_bytes,
+                        head_activation_bytes(device, m) + buf.head_bytes)
+    busy = np.maximum(phases + device_stash_bytes(model, m, b, cluster.offload_activations),
                       buf.end_bytes)
     return np.where(b > 0, busy, buf.idle_bytes)

@@ -32,7 +32,8 @@ def _aggregate_memory(cluster: ClusterProfile, B: int) -> np.ndarray:
     ks = np.arange(B + 1, dtype=np.float64)
     if cluster.buffers_in_compute_memory:
         return N * m0 + slope * ks
-    step = memory.engine_buffers(model, N).step_bytes
+    buf = memory.engine_buffers(model, N)
+    step = max(buf.backward_bytes, buf.head_bytes)  # one activation line (no head curve)
     stash = memory.device_stash_bytes(model, 1, 1, cluster.offload_activations)
     if cluster.offload_activations:  # 5·m·a per rank
         return N * (m0 + step) + (slope + stash) * ks
@@ -85,8 +86,12 @@ def reference_unit_time(cluster: ClusterProfile, global_batch_size: int,
     if slope < 0 or m0 < 0:
         raise ValueError(f"reference DP needs a non-negative memory line, got slope {slope}, "
                          f"intercept {m0}")
+    if any(d.head_memory_bytes is not None for d in cluster.devices):
+        raise ValueError("reference DP needs one activation line per device; the head-phase "
+                         "curve (head_memory_bytes) makes M_i a maximum of two lines")
     buf = memory.engine_buffers(cluster.model, cluster.world_size)
-    if not cluster.buffers_in_compute_memory and buf.end_bytes > m0 + slope + buf.step_bytes:
+    step = max(buf.backward_bytes, buf.head_bytes)
+    if not cluster.buffers_in_compute_memory and buf.end_bytes > m0 + slope + step:
         raise ValueError("reference DP needs M_i linear in m: the end-of-step root buffers "
                          f"({buf.end_bytes:.0f} B) exceed the smallest busy memory")
     if cluster.host_memory_bytes is not None and cluster.offload_activations:

@@ -142,7 +142,12 @@ class DeviceProfile:
         microbatch_sizes: profiled microbatch sizes m (strictly increasing, must contain 1).
         fwd_s: forward time of one unit at each profiled m, seconds.
         bwd_s: backward time (without the recompute) of one unit at each profiled m, seconds.
-        compute_memory_bytes: peak memory minus training state at each profiled m, bytes.
+        compute_memory_bytes: activation memory of one microbatch at each profiled m, bytes:
+            a unit's recompute + backward (format 1: peak memory minus training state, the
+            engine's buffers included); without ``head_memory_bytes`` also the head's.
+        head_memory_bytes: optional, the head phase's activation memory at each profiled m
+            (the head's loss + backward beside the last unit's kept graph), bytes; the
+            planner pairs it with the buffers alive in the head phase.
     """
 
     name: str
@@ -151,6 +156,7 @@ class DeviceProfile:
     fwd_s: list[float]
     bwd_s: list[float]
     compute_memory_bytes: list[float]
+    head_memory_bytes: list[float] | None = None
 
     def __post_init__(self) -> None:
         owner = f"device profile {self.name!r}"
@@ -167,12 +173,14 @@ class DeviceProfile:
             raise ValueError(f"{owner}: the profile must include microbatch size 1 (got {ms}); "
                              "profile m = 1 so the planner can fall back to it")
         self.microbatch_sizes = ms
-        for name in ("fwd_s", "bwd_s", "compute_memory_bytes"):
+        for name in ("fwd_s", "bwd_s", "compute_memory_bytes", "head_memory_bytes"):
             values = getattr(self, name)
+            if name == "head_memory_bytes" and values is None:
+                continue
             if not isinstance(values, (list, tuple)) or len(values) != len(ms):
                 raise ValueError(f"{owner}: {name} must be a list with one value per microbatch "
                                  f"size {ms}, got {values!r}")
-            positive = name != "compute_memory_bytes"
+            positive = name not in ("compute_memory_bytes", "head_memory_bytes")
             setattr(self, name, [_check_number(owner, f"{name}[m={m}]", v, positive=positive)
                                  for m, v in zip(ms, values)])
         for name in ("fwd_s", "bwd_s"):
@@ -192,7 +200,7 @@ class DeviceProfile:
         keys = ("name", "memory_capacity_bytes", "microbatch_sizes", "fwd_s", "bwd_s",
                 "compute_memory_bytes")
         _require_keys("device profile", data, keys)
-        return cls(**{k: data[k] for k in keys})
+        return cls(**{k: data[k] for k in keys}, head_memory_bytes=data.get("head_memory_bytes"))
 
 
 @dataclass(kw_only=True)
