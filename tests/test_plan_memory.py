@@ -30,7 +30,9 @@ SEQ = 64
 # (name, batch sizes, microbatch sizes, state ratios, ranks in the plan)
 PLANS = [
     ("demo hand-made (scripts/demo.sh DEMO_PLAN=handmade)", [6, 10], [3, 5], [0.6, 0.4]),
-    ("demo auto shape (r = 100% / 0%)", [6, 10], [2, 5], [1.0, 0.0]),
+    # what the planner gives for the demo's emulated cluster (rank 0 2x slower, rank 1 capped at
+    # 25 MB) from a CPU profile of this model: b (6, 10), m (6, 5), r (1, 0)
+    ("demo auto plan", [6, 10], [6, 5], [1.0, 0.0]),
     ("3-rank uneven", [4, 6, 2], [2, 3, 1], [0.5, 0.3, 0.2]),
     ("3-rank even", [4, 4, 4], [2, 2, 2], [1 / 3, 1 / 3, 1 / 3]),
 ]
@@ -47,7 +49,7 @@ def _demo_model() -> transformers.LlamaForCausalLM:
 
 def _profile(world_size: int) -> ClusterProfile:
     staged = stage_model(_demo_model())
-    config = MeasureConfig(max_microbatch_size=5, sequence_length=SEQ, warmup=0, repeats=1,
+    config = MeasureConfig(max_microbatch_size=6, sequence_length=SEQ, warmup=0, repeats=1,
                            progress=False)
     dev = measure_device(staged, config, device="cpu", name="cpu", capacity_bytes=1e12)
     a = boundary_bytes_per_sample(staged, lambda m: synthetic_microbatch(staged.model, m, SEQ),

@@ -60,7 +60,8 @@ from hf_cephalo.units import GIB
 __all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "model_profile",
            "local_device_name",
            "device_capacity_bytes", "local_world_size", "measure_device", "measure_comm", "profile_cluster",
-           "check_profile_matches", "sequence_length_of", "precision_tag", "PRECISIONS"]
+           "check_profile_matches", "sequence_length_of", "precision_tag", "PRECISIONS",
+           "boundary_bytes_per_sample", "machine_layout"]
 
 MakeMicrobatch = Callable[[int], Mapping[str, torch.Tensor]]
 
