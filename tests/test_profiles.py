@@ -150,14 +150,19 @@ def test_planner_does_not_import_torch():
 
 def test_unknown_profile_format_is_refused():
     data = _cluster_json()
-    data["format"] = "hf_cephalo.cluster_profile/2"
-    with pytest.raises(ValueError, match=r"format 'hf_cephalo\.cluster_profile/2' is not "
-                                         r"supported.*'hf_cephalo\.cluster_profile/1'"):
+    data["format"] = "hf_cephalo.cluster_profile/3"
+    with pytest.raises(ValueError, match=r"format 'hf_cephalo\.cluster_profile/3' is not "
+                                         r"supported.*'hf_cephalo\.cluster_profile/2'"):
         ClusterProfile.from_json(data)
+    data["format"] = "hf_cephalo.cluster_profile/2"
+    assert not ClusterProfile.from_json(data).buffers_in_compute_memory
+    # format 1: compute memory included the engine's buffers; the planner adds none to it
     data["format"] = "hf_cephalo.cluster_profile/1"
-    ClusterProfile.from_json(data)
-    del data["format"]  # files written before the field existed still load
-    ClusterProfile.from_json(data)
+    legacy = ClusterProfile.from_json(data)
+    assert legacy.buffers_in_compute_memory
+    assert legacy.to_json()["format"] == "hf_cephalo.cluster_profile/1"
+    del data["format"]  # files written before the field existed still load (as format 1)
+    assert ClusterProfile.from_json(data).buffers_in_compute_memory
 
 
 def test_times_decreasing_in_m_warn_but_load():
