@@ -165,7 +165,8 @@ class CephaloTrainer(Trainer):
         _register_exit_teardown()  # ends the process group cleanly if the script does not
         self.engine = CephaloEngine(staged, self.plan.state_ratios, device=args.device,
                                     offload_activations=args.cephalo_offload_activations,
-                                    autocast_dtype=torch.bfloat16 if args.bf16 else None)
+                                    autocast_dtype=torch.bfloat16 if args.bf16 else None,
+                                    root_resident=self.plan.root_resident)
         self.accelerator.attach_engine(self.engine)
         self.add_callback(PlanAccuracyCallback(self))  # predicted vs measured at train end
         if self.is_world_process_zero():

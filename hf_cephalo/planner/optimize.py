@@ -220,7 +220,7 @@ class _Case:
     """
 
     def __init__(self, cluster: ClusterProfile, groups, B: int, c: float, uneven: bool,
-                 allow_idle: bool, root_resident: bool = True, host_limit: bool = True):
+                 allow_idle: bool, root_resident: bool = False, host_limit: bool = True):
         self.B, self.uneven, self.groups = B, uneven, groups
         S, N = cluster.model.state_bytes, cluster.world_size
         self.mem_budget = c * sum(d.memory_capacity_bytes for d in cluster.devices) - S
@@ -451,7 +451,7 @@ def _diagnose_host(cluster: ClusterProfile, B: int, c: float) -> str:
 
 def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
                      memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
-                     allow_idle: bool = True, root_resident: bool = True) -> Assignment:
+                     allow_idle: bool = True, root_resident: bool = False) -> Assignment:
     """Exact minimum of max_i T_i over (b_i, m_i, l_i) under (I)-(III); see module doc.
 
     Memory per rank is ``memory.rank_memory_bytes`` (every engine buffer, see [Note: memory
@@ -483,7 +483,7 @@ def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
 
 def optimize(cluster: ClusterProfile, global_batch_size: int,
              memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
-             allow_idle: bool = True, root_resident: bool = True) -> Plan:
+             allow_idle: bool = True, root_resident: bool = False) -> Plan:
     """The optimal Plan: exact (b_i, m_i, l_i) plus greedy state ratios r_i.
 
     Args:
@@ -492,9 +492,10 @@ def optimize(cluster: ClusterProfile, global_batch_size: int,
         memory_fraction: c, fraction of each device's (and machine's host) memory the plan
             may use.
         allow_idle: allow ranks with b_i = 0 (they still hold state and join collectives).
-        root_resident: the engine keeps the root gathered with its gradient for the whole step
-            (today's engine); False prices a root gathered only around its uses. Recorded in
-            the plan.
+        root_resident: price the engine's ``root_resident=True`` (embedding and head units
+            gathered with their gradients all step); False (the engine's default) prices each
+            root unit gathered around its uses. Recorded in the plan; the trainer builds the
+            engine with it.
 
     Raises:
         InfeasiblePlanError / ValueError: see ``solve_assignment``.

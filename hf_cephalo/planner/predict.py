@@ -42,9 +42,9 @@ class Prediction(NamedTuple):
 
 
 def plan_layout(plan: Plan, cluster: ClusterProfile) -> list[list[int]]:
-    """The engine's per-unit shard layout of ``plan`` (units, then the root LAST)."""
-    model = cluster.model
-    return plan.unit_layout([model.params_per_unit] * model.num_units + [model.params_other])
+    """The engine's per-unit shard layout of ``plan``: the L layers, then the embedding and the
+    head unit (``memory.model_layout_numels``; engine.py ``_build_units``)."""
+    return plan.unit_layout(memory.model_layout_numels(cluster.model))
 
 
 def predict(plan: Plan, cluster: ClusterProfile, memory_fraction: float | None = None) -> Prediction:

@@ -10,8 +10,8 @@ and the answer is min_k D(N, B, k) over the k meeting the aggregate memory const
 the paper, every GPU gets l >= 1 (no idle ranks) and one compute-memory model M(m) is shared by
 all GPUs, so the aggregate compute memory of a state is N·M0 + slope·k (M linear). The even and
 uneven cases are solved as in ``optimize.py``. Memory per rank is ``memory.rank_memory_bytes``
-(per (l, m) for the caps; aggregated in closed form, which needs the end-of-step term not to
-bind and no host-memory limit). O(N·B³·log B) time, O(B²) memory per layer: for
+(per (l, m) for the caps; aggregated in closed form, which needs the unit/head phases to bind
+over the buffers between phases and the embedding backward, and no host-memory limit). O(N·B³·log B) time, O(B²) memory per layer: for
 small instances and the benchmark baseline only.
 """
 
@@ -33,7 +33,7 @@ def _aggregate_memory(cluster: ClusterProfile, B: int) -> np.ndarray:
     if cluster.buffers_in_compute_memory:
         return N * m0 + slope * ks
     buf = memory.engine_buffers(model, N)
-    step = max(buf.backward_bytes, buf.head_bytes)  # one activation line (no head curve)
+    step = max(buf.unit_bytes, buf.head_bytes)  # one activation line (no head curve)
     stash = memory.device_stash_bytes(model, 1, 1, cluster.offload_activations)
     if cluster.offload_activations:  # 5·m·a per rank
         return N * (m0 + step) + (slope + stash) * ks
@@ -89,11 +89,19 @@ def reference_unit_time(cluster: ClusterProfile, global_batch_size: int,
     if any(d.head_memory_bytes is not None for d in cluster.devices):
         raise ValueError("reference DP needs one activation line per device; the head-phase "
                          "curve (head_memory_bytes) makes M_i a maximum of two lines")
-    buf = memory.engine_buffers(cluster.model, cluster.world_size)
-    step = max(buf.backward_bytes, buf.head_bytes)
-    if not cluster.buffers_in_compute_memory and buf.end_bytes > m0 + slope + step:
-        raise ValueError("reference DP needs M_i linear in m: the end-of-step root buffers "
-                         f"({buf.end_bytes:.0f} B) exceed the smallest busy memory")
+    model = cluster.model
+    buf = memory.engine_buffers(model, cluster.world_size)
+    step = max(buf.unit_bytes, buf.head_bytes)
+    # M_i is the unit/head line when it binds at m = 1 and grows at least as fast as the
+    # embedding backward's (m·a) for larger m
+    other = max(buf.between_bytes,
+                buf.embed_bytes + float(memory.embed_activation_bytes(model, 1)))
+    if not cluster.buffers_in_compute_memory and (
+            other > m0 + slope + step or slope < model.boundary_bytes_per_sample):
+        raise ValueError("reference DP needs M_i linear in m: the buffers between phases or of "
+                         f"the embedding backward ({other:.0f} B at m = 1) exceed the smallest "
+                         "busy memory, or the activation line grows slower than the "
+                         "embedding's output")
     if cluster.host_memory_bytes is not None and cluster.offload_activations:
         raise ValueError("reference DP has no host-memory constraint; drop host_memory_bytes")
     B, c = global_batch_size, memory_fraction

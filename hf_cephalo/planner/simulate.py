@@ -78,11 +78,12 @@ class PlanComparison(NamedTuple):
 
 
 def _hand_plan(cluster: ClusterProfile, batch_sizes, microbatch_sizes, state_ratios,
-               memory_fraction: float) -> Plan:
+               memory_fraction: float, root_resident: bool = False) -> Plan:
     """A Plan with device names, memory estimates and the model fingerprint filled in."""
     devs = cluster.devices
     plan = Plan.from_ratios(batch_sizes, microbatch_sizes, state_ratios,
-                            devices=[d.name for d in devs], memory_fraction=memory_fraction)
+                            devices=[d.name for d in devs], memory_fraction=memory_fraction,
+                            root_resident=root_resident)
     model = cluster.model
     plan.model = {"name": model.name, "num_units": model.num_units,
                   "params_per_unit": model.params_per_unit, "params_other": model.params_other}
@@ -100,7 +101,8 @@ def _even_batch_sizes(world_size: int, global_batch_size: int) -> list[int]:
 
 
 def even_split_plan(cluster: ClusterProfile, global_batch_size: int,
-                    memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION) -> Plan:
+                    memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
+                    root_resident: bool = False) -> Plan:
     """FSDP's even split: b_i = B/N, r_i = 1/N, the fastest common microbatch size that fits.
 
     Tries m = 1..ceil(B/N) (the last microbatch of a rank may be smaller); if no m fits every
@@ -112,14 +114,17 @@ def even_split_plan(cluster: ClusterProfile, global_batch_size: int,
     best, best_t = None, math.inf
     for m in range(1, max(sizes) + 1):
         pred = predict(Plan.from_ratios(sizes, [m] * n, [1.0 / n] * n,
-                                        memory_fraction=memory_fraction), cluster)
+                                        memory_fraction=memory_fraction,
+                                        root_resident=root_resident), cluster)
         if pred.fits and pred.iteration_s < best_t:
             best, best_t = m, pred.iteration_s
-    return _hand_plan(cluster, sizes, [best or 1] * n, [1.0 / n] * n, memory_fraction)
+    return _hand_plan(cluster, sizes, [best or 1] * n, [1.0 / n] * n, memory_fraction,
+                      root_resident)
 
 
 def compute_balance_plan(cluster: ClusterProfile, global_batch_size: int,
-                         memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION) -> Plan:
+                         memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
+                         root_resident: bool = False) -> Plan:
     """Compute balance alone: b_i minimizing max_i T_i(1, b_i), m_i = b_i, r_i = 1/N.
 
     The batch goes where the cost model says compute is fastest, with no gradient
@@ -156,11 +161,12 @@ def compute_balance_plan(cluster: ClusterProfile, global_batch_size: int,
                 key=lambda k: times[k][sizes[k]])
         sizes[i] -= 1
     n = cluster.world_size
-    return _hand_plan(cluster, sizes, sizes, [1.0 / n] * n, memory_fraction)
+    return _hand_plan(cluster, sizes, sizes, [1.0 / n] * n, memory_fraction, root_resident)
 
 
 def memory_balance_plan(cluster: ClusterProfile, global_batch_size: int,
-                        memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION) -> Plan:
+                        memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
+                        root_resident: bool = False) -> Plan:
     """Memory balance alone: b_i = B/N, m_i = 1, greedy state ratios r_i (Cephalo-MB, Fig. 7).
 
     The state is partitioned by the greedy of ``state.partition_state`` for the compute
@@ -169,16 +175,17 @@ def memory_balance_plan(cluster: ClusterProfile, global_batch_size: int,
     check_batch_and_fraction(global_batch_size, memory_fraction)
     sizes = _even_batch_sizes(cluster.world_size, global_batch_size)
     micro = [1 if b else 0 for b in sizes]
-    mem = [float(memory.rank_memory_bytes(cluster, i, m, b))
+    mem = [float(memory.rank_memory_bytes(cluster, i, m, b, root_resident=root_resident))
            for i, (m, b) in enumerate(zip(micro, sizes))]
     ratios = partition_state(cluster.model.state_bytes, mem,
                              [d.memory_capacity_bytes for d in cluster.devices])
-    return _hand_plan(cluster, sizes, micro, ratios, memory_fraction)
+    return _hand_plan(cluster, sizes, micro, ratios, memory_fraction, root_resident)
 
 
 def speed_proportional_plan(cluster: ClusterProfile, global_batch_size: int,
                             peak_flops: Sequence[float],
-                            memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION) -> Plan:
+                            memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
+                            root_resident: bool = False) -> Plan:
     """Whale-style: b_i ∝ peak FLOP/s, r_i = 1/N, per rank the fastest m_i that fits.
 
     Args:
@@ -204,10 +211,11 @@ def speed_proportional_plan(cluster: ClusterProfile, global_batch_size: int,
         ms = np.arange(1, b + 1)
         f, bw = cost.rank_compute_s(d, b, ms)
         t = cost.unit_time_s(f, bw, 1, cluster.comm, False)
-        ok = S / n + memory.rank_memory_bytes(cluster, i, ms, b) <= \
+        ok = S / n + memory.rank_memory_bytes(cluster, i, ms, b,
+                                              root_resident=root_resident) <= \
             memory_fraction * d.memory_capacity_bytes
         micro.append(int(ms[ok][np.argmin(t[ok])]) if ok.any() else 1)
-    return _hand_plan(cluster, sizes, micro, [1.0 / n] * n, memory_fraction)
+    return _hand_plan(cluster, sizes, micro, [1.0 / n] * n, memory_fraction, root_resident)
 
 
 def _oom_note(plan: Plan, pred: Prediction) -> str:
@@ -222,7 +230,7 @@ def _oom_note(plan: Plan, pred: Prediction) -> str:
 def compare_plans(cluster: ClusterProfile, global_batch_size: int,
                   memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
                   peak_flops: Sequence[float] | None = None,
-                  allow_idle: bool = True) -> list[PlanComparison]:
+                  allow_idle: bool = True, root_resident: bool = False) -> list[PlanComparison]:
     """Build and predict every plan of ``BASELINES`` (in that order) for one global batch size.
 
     Args:
@@ -232,6 +240,8 @@ def compare_plans(cluster: ClusterProfile, global_batch_size: int,
         peak_flops: per-rank peak FLOP/s for the speed-proportional baseline; None leaves
             that row without a plan (note says why).
         allow_idle: passed to ``optimize`` for the Cephalo plan.
+        root_resident: every plan is priced (and the Cephalo plan made) for the engine's
+            ``root_resident=True``; False (default) for the split root.
 
     Returns:
         One PlanComparison per baseline; a plan over a cap has ``fits == False`` and a note
@@ -241,17 +251,18 @@ def compare_plans(cluster: ClusterProfile, global_batch_size: int,
     Raises:
         ValueError: B < 1, memory_fraction outside (0, 1], bad peak_flops.
     """
+    rr = {"root_resident": root_resident}
     builders = {
-        "even": lambda: even_split_plan(cluster, global_batch_size, memory_fraction),
+        "even": lambda: even_split_plan(cluster, global_batch_size, memory_fraction, **rr),
         "compute_balance": lambda: compute_balance_plan(cluster, global_batch_size,
-                                                        memory_fraction),
+                                                        memory_fraction, **rr),
         "memory_balance": lambda: memory_balance_plan(cluster, global_batch_size,
-                                                      memory_fraction),
+                                                      memory_fraction, **rr),
         "speed_proportional": None if peak_flops is None else (
             lambda: speed_proportional_plan(cluster, global_batch_size, peak_flops,
-                                            memory_fraction)),
+                                            memory_fraction, **rr)),
         "cephalo": lambda: optimize(cluster, global_batch_size, memory_fraction,
-                                    allow_idle=allow_idle),
+                                    allow_idle=allow_idle, **rr),
     }
     out = []
     for name in BASELINES:

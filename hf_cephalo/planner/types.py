@@ -107,9 +107,10 @@ class Plan:
         ranks: one RankPlan per rank.
         model: optional model fingerprint {name, num_units, params_per_unit, params_other}
             checked by ``validate_for``.
-        root_resident: the memory model keeps the root (embeddings, final norm, head) gathered
-            with its full gradient for the whole step, as the engine does today; False prices
-            a root gathered only around its uses (docs/planner.md "Memory model").
+        root_resident: the engine keeps the root (embedding and head units) gathered with its
+            gradients for the whole step (``CephaloEngine(root_resident=True)``); False (the
+            engine's default) gathers each root unit around its uses. The memory model prices
+            the choice (docs/planner.md "Memory model") and the trainer builds the engine with it.
     """
 
     global_batch_size: int
@@ -118,7 +119,7 @@ class Plan:
     predicted_iteration_s: float | None = None
     ranks: list[RankPlan] = field(default_factory=list)
     model: dict[str, Any] | None = None
-    root_resident: bool = True
+    root_resident: bool = False
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -186,7 +187,7 @@ class Plan:
     @classmethod
     def from_ratios(cls, batch_sizes: Sequence[int], microbatch_sizes: Sequence[int],
                     state_ratios: Sequence[float], *, devices: Sequence[str] | None = None,
-                    memory_fraction: float = 0.8) -> "Plan":
+                    memory_fraction: float = 0.8, root_resident: bool = False) -> "Plan":
         """A hand-made plan: l_i = ceil(b_i / m_i) (last microbatch smaller), b_i may be 0.
 
         Raises:
@@ -213,7 +214,8 @@ class Plan:
                                   state_ratio=float(r)))
         uneven = max(state_ratios) - min(state_ratios) > _RATIO_TOL
         return cls(global_batch_size=sum(int(b) for b in batch_sizes),
-                   memory_fraction=memory_fraction, uneven_state=uneven, ranks=ranks)
+                   memory_fraction=memory_fraction, uneven_state=uneven, ranks=ranks,
+                   root_resident=root_resident)
 
     # --- validation ------------------------------------------------------------------------
     def validate_for(self, world_size: int, model_profile: ModelProfile | None = None) -> None:
@@ -255,7 +257,7 @@ class Plan:
                    uneven_state=bool(data.get("uneven_state", False)),
                    predicted_iteration_s=data.get("predicted_iteration_s"),
                    ranks=ranks, model=data.get("model"),
-                   root_resident=bool(data.get("root_resident", True)))
+                   root_resident=bool(data.get("root_resident", False)))
 
     def save(self, path: str | Path) -> None:
         write_json_file(path, self.to_json())

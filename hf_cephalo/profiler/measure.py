@@ -47,7 +47,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_cephalo.engine.flat_param import collect_params, install_param_views, param_infos
+from hf_cephalo.engine.flat_param import (collect_params, install_param_views,
+                                          move_shared_params, param_infos)
 from hf_cephalo.models.base import AutocastStagedModel, StagedModel
 from hf_cephalo.planner.state import skewed_state_ratios
 from hf_cephalo.profiler.cache import (ProfileCache, comm_key, device_key, model_description,
@@ -135,8 +136,11 @@ def model_profile(staged: StagedModel, name: str | None = None,
 
     ``state_bytes_per_param`` = 4 × element size (parameter, gradient and Adam's two moments in
     the parameter dtype: 16 for fp32, paper §2.4); ``param_bytes`` = the element size;
-    ``boundary_bytes_per_sample`` as given (``boundary_bytes_per_sample`` measures it).
-    Raises ValueError if units differ in size.
+    ``boundary_bytes_per_sample`` as given (``boundary_bytes_per_sample`` measures it). The
+    root is split as the engine splits it (engine.py ``_build_units``): ``params_embed`` =
+    the parameters of ``embed_modules()`` (a tied weight once), ``params_head`` = those of
+    ``head_modules()`` not already there, ``head_ties_embedding`` when the head uses one of
+    the embedding's. Raises ValueError if units differ in size.
     """
     units = staged.units()
     sizes = [sum(p.numel() for p in u.parameters()) for u in units]
@@ -144,15 +148,22 @@ def model_profile(staged: StagedModel, name: str | None = None,
         raise ValueError(f"units have different parameter counts {sizes}; the cost model needs "
                          "identical units (docs/design.md contract 1)")
     unit_ids = {id(p) for u in units for p in u.parameters()}
-    other = sum(p.numel() for p in _unique_params(staged.root_modules()) if id(p) not in unit_ids)
+    embed = {id(p): p.numel() for p in _unique_params(staged.embed_modules())
+             if id(p) not in unit_ids}
+    head = {id(p): p.numel() for p in _unique_params(staged.head_modules())
+            if id(p) not in unit_ids}
+    tied = any(k in embed for k in head)
+    head_only = sum(n for k, n in head.items() if k not in embed)
     model = staged.model
     if name is None:
         cfg = getattr(model, "config", None)
         name = str(getattr(cfg, "name_or_path", "") or type(model).__name__)
     elem = torch.empty((), dtype=model_dtype(staged)).element_size()
     return ModelProfile(name=name, num_units=len(units), params_per_unit=sizes[0],
-                        params_other=other, state_bytes_per_param=4.0 * elem, param_bytes=elem,
-                        boundary_bytes_per_sample=boundary_bytes_per_sample)
+                        params_other=sum(embed.values()) + head_only,
+                        params_embed=sum(embed.values()), params_head=head_only,
+                        head_ties_embedding=tied, state_bytes_per_param=4.0 * elem,
+                        param_bytes=elem, boundary_bytes_per_sample=boundary_bytes_per_sample)
 
 
 def boundary_bytes_per_sample(staged: StagedModel, make_microbatch: Callable[[int], Any],
@@ -344,9 +355,10 @@ class _FlatViews:
     that plain module parameters would not show. ``restore`` puts the original parameters back.
     """
 
-    def __init__(self, unit: torch.nn.Module):
-        params, uses = collect_params("unit 0", [unit], {})
-        self.infos = param_infos("unit 0", params, {})
+    def __init__(self, unit: torch.nn.Module | None = None, collected=None):
+        params, uses = collected if collected is not None else \
+            collect_params("unit 0", [unit], {})
+        self.infos = param_infos("unit", params, {})
         self.uses = [uses[id(p)] for p in params]
         self.originals = [(entries, p) for entries, p in zip(self.uses, params)]
         with torch.no_grad():
@@ -358,6 +370,15 @@ class _FlatViews:
 
     def install(self) -> None:
         install_param_views(self.infos, self.uses, self.leaf, self.frozen)
+
+    @staticmethod
+    def head_phase(staged: StagedModel) -> list["_FlatViews"]:
+        """Views of the units the engine's head phase gathers: the head unit, and the embedding
+        unit when the head uses one of its weights (grouped as engine.py ``_build_units``)."""
+        embed = collect_params("embed", list(staged.embed_modules()), {})
+        head = collect_params("head", list(staged.head_modules()), {})
+        embed, head, tied = move_shared_params(embed, head)
+        return [_FlatViews(collected=head)] + ([_FlatViews(collected=embed)] if tied else [])
 
     def restore(self) -> None:
         for entries, p in self.originals:
@@ -406,25 +427,26 @@ def _compute_memory(staged: StagedModel, views: _FlatViews, hidden, mb, ctx, gra
     """(unit, head) activation memory of one microbatch in flight, bytes (module docstring).
 
     The persistent buffers the planner prices itself (planner/memory.py) are allocated before
-    the measured regions, as after the engine's first microbatch: the unit's flat gradient and
-    the root's gradients exist (backward adds into them), the input and its boundary gradient
-    are stashed. Two regions: the unit's recompute + backward, and the head's loss + backward
-    beside the last unit's kept forward graph (the schedule keeps it through the head phase).
+    the measured regions, as after the engine's first microbatch: the unit's and the head
+    phase's flat gradients exist (backward adds into them), the input and its boundary
+    gradient are stashed. The head phase's units are flat views as in the engine, so the
+    per-microbatch concatenated gradient of each is measured (flat_param.py [Note: parameter
+    views while unsharded]). Two regions: the unit's recompute + backward, and the head's
+    loss + backward beside the last unit's kept forward graph (the schedule keeps it through
+    the head phase).
     """
-    unit_ids = {id(p) for u in staged.units() for p in u.parameters()}
-    root = [p for p in _unique_params(staged.root_modules())
-            if id(p) not in unit_ids and p.requires_grad]
-    for p in root:
-        p.grad = torch.zeros_like(p)
-    if views.leaf.requires_grad:
-        views.leaf.grad = torch.zeros_like(views.leaf)
+    head_views = _FlatViews.head_phase(staged)
+    for v in [views, *head_views]:
+        if v.leaf.requires_grad:
+            v.leaf.grad = torch.zeros_like(v.leaf)
 
     def unit_pass() -> None:
         views.install()
         _unit_backward(staged, hidden, ctx, grad)
 
     def head_pass() -> None:
-        views.install()
+        for v in [views, *head_views]:
+            v.install()
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
             y = staged.run_unit(0, x, ctx)  # the kept graph, alive during the head
@@ -433,8 +455,8 @@ def _compute_memory(staged: StagedModel, views: _FlatViews, hidden, mb, ctx, gra
     try:
         return _peak_bytes(device, unit_pass), _peak_bytes(device, head_pass)
     finally:
-        for p in root:
-            p.grad = None
+        for v in head_views:
+            v.restore()
         views.leaf.grad = None
 
 

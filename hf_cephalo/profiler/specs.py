@@ -180,14 +180,6 @@ class ModelShape:
     def params_other(self) -> int:
         return self.params_embed + self.params_head
 
-    def root_live_params(self, resident: bool = False) -> int:
-        """Root parameters the engine holds gathered at once: the whole root when resident,
-        else the larger phase (the embedding alone, or the head + a tied embedding)."""
-        if resident:
-            return self.params_other
-        head_phase = self.params_head + (self.params_embed if self.head_ties_embedding else 0)
-        return max(self.params_embed, head_phase)
-
     @property
     def num_params(self) -> int:
         return self.num_layers * self.params_per_layer + self.params_other
@@ -203,7 +195,9 @@ class ModelShape:
         """fp32 parameters (4 bytes; bf16 autocast keeps them fp32) and fp32 hidden states."""
         return ModelProfile(name=self.name, num_units=self.num_layers,
                             params_per_unit=self.params_per_layer, params_other=self.params_other,
-                            param_bytes=4.0, boundary_bytes_per_sample=4.0 * self.seq_len * self.hidden)
+                            params_embed=self.params_embed, params_head=self.params_head,
+                            head_ties_embedding=self.head_ties_embedding, param_bytes=4.0,
+                            boundary_bytes_per_sample=4.0 * self.seq_len * self.hidden)
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {s.name: s for s in [
@@ -279,17 +273,16 @@ def _activation_bytes_per_sample(shape: ModelShape) -> float:
 def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency: float = 0.5,
                             precision: str = "fp32", launch_overhead_s: float = 2e-4,
                             framework_reserve_bytes: float = GIB,
-                            microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
-                            root_resident: bool = False) -> DeviceProfile:
+                            microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16)) -> DeviceProfile:
     """Analytical DeviceProfile of ``gpu`` running one layer of ``shape`` (an ESTIMATE).
 
     Args:
         efficiency: assumed fraction of peak reached by a layer (0 < e <= 1).
         precision: ``"fp32"`` (the paper's full-precision training) or ``"bf16"``.
         launch_overhead_s: fixed per-microbatch time of one layer's kernels, seconds.
-        framework_reserve_bytes: memory the framework keeps besides the model, bytes.
-        root_resident: the engine keeps the whole root gathered all step (its
-            ``root_resident``); default False: the split root, only its larger phase at once.
+        framework_reserve_bytes: memory the framework keeps besides the model, bytes. The
+            engine's buffers (units, the root's phases, collectives, stash) are not in the
+            device profile: the planner prices them from the model profile (planner/memory.py).
 
     Raises:
         ValueError: unknown GPU, efficiency outside (0, 1], bf16 on a GPU without bf16.

@@ -16,12 +16,12 @@ import math
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from hf_cephalo.units import format_bytes  # re-exported: callers import it from here
 
-__all__ = ["ModelProfile", "DeviceProfile", "CommProfile", "ClusterProfile", "format_bytes",
-           "CLUSTER_PROFILE_FORMAT"]
+__all__ = ["ModelProfile", "RootSplit", "DeviceProfile", "CommProfile", "ClusterProfile",
+           "format_bytes", "CLUSTER_PROFILE_FORMAT"]
 
 CLUSTER_PROFILE_FORMAT = "hf_cephalo.cluster_profile/2"
 _LEGACY_FORMAT = "hf_cephalo.cluster_profile/1"  # compute memory included the engine buffers
@@ -73,6 +73,14 @@ def read_json_file(path: str | Path, what: str) -> Any:
         raise ValueError(f"{what} {str(path)!r} is not valid JSON: {e}") from e
 
 
+class RootSplit(NamedTuple):
+    """The root as the engine's embedding unit E and head unit H (``ModelProfile.root_split``)."""
+
+    embed_numel: int  # N_E: embedding unit elements (a tied head weight included)
+    head_numel: int  # N_H: head unit elements (without the tied weight)
+    tied: bool  # the head phase gathers E too
+
+
 @dataclass(kw_only=True)
 class ModelProfile:
     """Shape of the model as the planner sees it.
@@ -81,7 +89,14 @@ class ModelProfile:
         name: model name (free text, e.g. ``"llama-3b"``); used to check plan/model matches.
         num_units: number of transformer layers (each one FSDP unit).
         params_per_unit: parameters (elements) of one transformer layer.
-        params_other: parameters outside the layers: embeddings, final norm, head (the root unit).
+        params_other: parameters outside the layers: embeddings, final norm, head (the root).
+        params_embed / params_head: the root's split into the engine's embedding unit (token /
+            position embeddings; a tied lm head weight included, once) and its head unit (final
+            norm, lm head or classifier, pooler; without a tied weight), elements; both or
+            neither, summing to ``params_other``. None (profiles written before the split): the
+            memory model prices every root phase with the whole root (``root_split``).
+        head_ties_embedding: the head uses a weight of the embedding unit (tied input/output
+            embeddings), so the engine gathers the embedding unit for the head phase too.
         state_bytes_per_param: training-state bytes per parameter; 16 for fp32 Adam
             (param 4 + grad 4 + two moments 8; paper §2.4).
         param_bytes: bytes of one element of the engine's flat parameter / gradient buffers
@@ -98,6 +113,9 @@ class ModelProfile:
     state_bytes_per_param: float = 16.0
     param_bytes: float = 4.0
     boundary_bytes_per_sample: float = 0.0
+    params_embed: int | None = None
+    params_head: int | None = None
+    head_ties_embedding: bool = False
 
     def __post_init__(self) -> None:
         owner = f"model profile {self.name!r}"
@@ -110,6 +128,29 @@ class ModelProfile:
         self.param_bytes = _check_number(owner, "param_bytes", self.param_bytes, positive=True)
         self.boundary_bytes_per_sample = _check_number(
             owner, "boundary_bytes_per_sample", self.boundary_bytes_per_sample)
+        if (self.params_embed is None) != (self.params_head is None):
+            raise ValueError(f"{owner}: give both params_embed and params_head or neither, got "
+                             f"params_embed={self.params_embed!r}, params_head={self.params_head!r}")
+        if self.params_embed is not None:
+            self.params_embed = _check_int(owner, "params_embed", self.params_embed, minimum=0)
+            self.params_head = _check_int(owner, "params_head", self.params_head, minimum=0)
+            if self.params_embed + self.params_head != self.params_other:
+                raise ValueError(f"{owner}: params_embed {self.params_embed} + params_head "
+                                 f"{self.params_head} must equal params_other {self.params_other}")
+        if not isinstance(self.head_ties_embedding, bool):
+            raise ValueError(f"{owner}: head_ties_embedding must be true or false, got "
+                             f"{self.head_ties_embedding!r}")
+
+    def root_split(self) -> "RootSplit":
+        """The root as the engine's two units (elements), for the memory model.
+
+        Without ``params_embed`` / ``params_head`` (older profiles) the embedding unit is taken
+        to be the whole root and the head to use it (tied): every phase of the split root is
+        then priced with the whole root gathered, an upper bound on any real split.
+        """
+        if self.params_embed is None:
+            return RootSplit(self.params_other, 0, True)
+        return RootSplit(self.params_embed, self.params_head, self.head_ties_embedding)
 
     @property
     def num_params(self) -> int:
@@ -129,7 +170,8 @@ class ModelProfile:
         _require_keys("model profile", data, ("num_units", "params_per_unit", "params_other"))
         return cls(**{k: data[k] for k in ("name", "num_units", "params_per_unit", "params_other",
                                             "state_bytes_per_param", "param_bytes",
-                                            "boundary_bytes_per_sample") if k in data})
+                                            "boundary_bytes_per_sample", "params_embed",
+                                            "params_head", "head_ties_embedding") if k in data})
 
 
 @dataclass(kw_only=True)
