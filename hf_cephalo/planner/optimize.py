@@ -39,7 +39,7 @@ import numpy as np
 
 from hf_cephalo.planner import cost, memory
 from hf_cephalo.planner.predict import predict
-from hf_cephalo.planner.state import partition_state
+from hf_cephalo.planner.state import layout_unit_shards, partition_state
 from hf_cephalo.planner.types import Plan, RankPlan, check_batch_and_fraction
 from hf_cephalo.profiler.types import ClusterProfile, DeviceProfile, format_bytes
 from hf_cephalo.units import GIB
@@ -481,6 +481,33 @@ def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
                               f"{_diagnose(cluster, B, c, allow_idle, root_resident)}")
 
 
+# [Note: state ratios on their own layout]
+# The knapsack prices each rank's reduce-scatter outputs (its shard k of a unit, memory.py) at
+# even shards, before any ratio exists; a rank the partition then gives a larger share holds
+# larger shards, so water-filling on those prices could fill it a few shards past its cap.
+# The ratios are therefore poured again on the memory of their own layout, a few times: k is
+# a small part of M_i, so the ratios settle at once; ``predict`` checks the result.
+_LAYOUT_REPOURS = 3
+
+
+def _partition_on_layout(cluster: ClusterProfile, a: "Assignment", mem: list[float],
+                         root_resident: bool) -> list[float]:
+    """Water-filling ratios r_i, re-poured on the memory of their own shard layout."""
+    caps = [d.memory_capacity_bytes for d in cluster.devices]
+    S = cluster.model.state_bytes
+    ratios = partition_state(S, mem, caps)
+    if cluster.buffers_in_compute_memory:
+        return ratios
+    numels = memory.model_layout_numels(cluster.model)
+    for _ in range(_LAYOUT_REPOURS):
+        layout = layout_unit_shards(ratios, numels)
+        mem = [float(memory.rank_memory_bytes(cluster, i, m, b, root_resident=root_resident,
+                                              layout=layout))
+               for i, (m, b) in enumerate(zip(a.microbatch_sizes, a.batch_sizes))]
+        ratios = partition_state(S, mem, caps)
+    return ratios
+
+
 def optimize(cluster: ClusterProfile, global_batch_size: int,
              memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
              allow_idle: bool = True, root_resident: bool = False) -> Plan:
@@ -508,7 +535,7 @@ def optimize(cluster: ClusterProfile, global_batch_size: int,
            for i, (m, b) in enumerate(zip(a.microbatch_sizes, a.batch_sizes))]
     uneven = cost.is_uneven(cluster, mem, memory_fraction)
     if uneven:
-        ratios = partition_state(S, mem, [d.memory_capacity_bytes for d in devs])
+        ratios = _partition_on_layout(cluster, a, mem, root_resident)
     else:
         ratios = [1.0 / N] * N
     ranks = [RankPlan(rank=i, device=d.name, batch_size=a.batch_sizes[i],
