@@ -52,10 +52,10 @@ def _add_cluster_source_arguments(p: argparse.ArgumentParser, model_example: str
                    help=f"assumed fraction of peak FLOP/s for --cluster estimates (default "
                         f"{DEFAULT_EFFICIENCY}; not with --profile)")
     p.add_argument("--root-resident", action="store_true",
-                   help="--cluster estimates: model the engine keeping the whole root "
-                        "(embeddings + head) gathered all step (CephaloEngine root_resident) "
-                        "instead of the default split root, which holds only its larger part "
-                        "at a time")
+                   help="price the engine keeping its embedding and head units gathered with "
+                        "their gradients all step (CephaloEngine root_resident=True; recorded "
+                        "in the plan, the trainer builds the engine with it) instead of the "
+                        "default split root, gathered around its uses")
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -191,8 +191,6 @@ def _load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: boo
                              f"profile {args.profile} already fixes the model (drop --model, or "
                              "use --cluster with --model)")
         ignored = [f"--efficiency {args.efficiency}"] if args.efficiency is not None else []
-        if getattr(args, "root_resident", False):
-            ignored.append("--root-resident")
         if args.precision is not None and not precision_applies_to_profile:
             ignored.append(f"--precision {args.precision}")
         if ignored:
@@ -214,8 +212,7 @@ def _load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: boo
 def _estimate_options(args: argparse.Namespace) -> dict:
     """efficiency and precision of spec-sheet estimates, the defaults where not given."""
     return {"efficiency": DEFAULT_EFFICIENCY if args.efficiency is None else args.efficiency,
-            "precision": args.precision or DEFAULT_PRECISION,
-            "root_resident": bool(getattr(args, "root_resident", False))}
+            "precision": args.precision or DEFAULT_PRECISION}
 
 
 def format_plan_table(plan, prediction) -> str:
@@ -271,7 +268,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.save_profile:
         cluster.save(args.save_profile)
     plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
-                    allow_idle=not args.no_idle)
+                    allow_idle=not args.no_idle, root_resident=args.root_resident)
     pred = predict(plan, cluster)
     print(f"profile: {cluster.source}, model {cluster.model.name}, "
           f"{cluster.world_size} ranks, training state {format_bytes(cluster.model.state_bytes)}")
@@ -371,7 +368,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     results = {}
     for B in args.global_batch_size:
         results[B] = simulate.compare_plans(cluster, B, args.memory_fraction, peak_flops=peaks,
-                                            allow_idle=not args.no_idle)
+                                            allow_idle=not args.no_idle,
+                                            root_resident=args.root_resident)
         print(f"\nglobal batch size {B} (memory cells: GiB used by the fullest rank of the type, "
               "'!' over the cap, then its b_i/m_i)")
         print(simulate.format_comparison_table(cluster, results[B]))

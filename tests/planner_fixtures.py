@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hf_cephalo.planner import cost
+from hf_cephalo.planner import cost, memory
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 
 GIB = float(1 << 30)
@@ -40,25 +40,56 @@ def random_cluster(rng: np.random.Generator, n: int, shared_memory=None) -> Clus
     return ClusterProfile(model=model, devices=devices, comm=comm)
 
 
+def with_host_limits(rng: np.random.Generator, cluster: ClusterProfile, B: int) -> ClusterProfile:
+    """The cluster with offload on, boundary activations, random machines and host RAM (each
+    machine takes 0.3-1.5 x its even share of ``B`` samples)."""
+    n = cluster.world_size
+    machines = sorted(int(k) for k in rng.integers(0, max(1, n // 2) + 1, size=n))
+    ids = {k: i for i, k in enumerate(dict.fromkeys(machines))}
+    model = cluster.model
+    model.boundary_bytes_per_sample = float(rng.uniform(0.005, 0.05)) * GIB
+    per_sample = (model.num_units + 1) * model.boundary_bytes_per_sample
+    cluster.offload_activations = True
+    cluster.machine_of_rank = [ids[k] for k in machines]
+    share = B / len(ids) / 0.8
+    cluster.host_memory_bytes = [float(rng.uniform(0.3, 1.5)) * share * per_sample for _ in ids]
+    return cluster
+
+
 def brute_force(cluster: ClusterProfile, B: int, c: float = 0.8, allow_idle: bool = True) -> float:
-    """min over every assignment of max_i T_i with u decided by the assignment; inf if none."""
+    """min over every assignment of max_i T_i with u decided by the assignment; inf if none.
+
+    Memory per rank is ``memory.rank_memory_bytes``; with host RAM figures each machine's
+    pinned offload bytes must fit c × its RAM.
+    """
     devs, comm = cluster.devices, cluster.comm
     N, S = len(devs), cluster.model.state_bytes
     total_cap = c * sum(d.memory_capacity_bytes for d in devs)
     per_rank = []
-    for d in devs:
-        opts = [(0, 0, 0.0, cost.idle_unit_time_s(comm, False), cost.idle_unit_time_s(comm, True))] \
-            if allow_idle else []
+    for i, d in enumerate(devs):
+        idle_mem = float(memory.rank_memory_bytes(cluster, i, 0, 0))
+        opts = [(0, 0, idle_mem, cost.idle_unit_time_s(comm, False),
+                 cost.idle_unit_time_s(comm, True))] \
+            if allow_idle and idle_mem <= c * d.memory_capacity_bytes else []
         for m in range(1, B + 1):
-            mem = float(cost.compute_memory_bytes(d, m))
-            if mem > c * d.memory_capacity_bytes:
-                continue
             f, bw = float(cost.fwd_time_s(d, m)), float(cost.bwd_time_s(d, m))
             for l in range(1, B // m + 1):
+                mem = float(memory.rank_memory_bytes(cluster, i, m, l * m))
+                if mem > c * d.memory_capacity_bytes:
+                    continue
                 opts.append((l * m, m, mem, float(cost.unit_time_s(f, bw, l, comm, False)),
                              float(cost.unit_time_s(f, bw, l, comm, True))))
         per_rank.append(opts)
     best = np.inf
+
+    def host_ok(chosen) -> bool:
+        if cluster.host_memory_bytes is None:
+            return True
+        need = [0.0] * len(cluster.host_memory_bytes)
+        for k, o in zip(cluster.machines_of_ranks, chosen):
+            need[k] += float(memory.host_memory_bytes(cluster.model, o[0],
+                                                      cluster.offload_activations))
+        return all(x <= c * h * (1 + 1e-12) for x, h in zip(need, cluster.host_memory_bytes))
 
     def rec(i, left, chosen):
         nonlocal best
@@ -66,7 +97,7 @@ def brute_force(cluster: ClusterProfile, B: int, c: float = 0.8, allow_idle: boo
             if left:
                 return
             mems = [o[2] for o in chosen]
-            if S + sum(mems) > total_cap:
+            if S + sum(mems) > total_cap or not host_ok(chosen):
                 return
             uneven = any(S / N + mem > c * d.memory_capacity_bytes for d, mem in zip(devs, mems))
             t = max(o[4] if uneven else o[3] for o in chosen)

@@ -225,6 +225,12 @@ def test_auto_plan_on_emulated_ranks_favours_the_faster_rank(tmp_path, capsys):
     ram = device_capacity_bytes("cpu")
     assert first["capacity"] == [ram / 2, ram / 2] and first["ranks_on_host"] == 2
     assert first["files"] == ["plan.json", "profile.json"]
+    # u measured on the real process group for the most skewed layout the caps allow, recorded
+    profile = json.loads((tmp_path / "first" / "profile.json").read_text())
+    print("measured uneven factor", profile["comm"])
+    assert profile["comm"]["uneven_factor"] >= 1.0
+    assert len(profile["comm"]["uneven_state_ratios"]) == 2
+    assert profile["machine_of_rank"] == [0, 0] and len(profile["host_memory_bytes"]) == 1
     saved = json.loads((tmp_path / "first" / "plan.json").read_text())
     assert [r["batch_size"] for r in saved["ranks"]] == first["batch_sizes"]
     assert first["second_batch_sizes"] == second["second_batch_sizes"] == first["batch_sizes"]

@@ -6,16 +6,18 @@ import importlib
 import numpy as np
 import pytest
 
-from hf_cephalo.planner import cost
+from hf_cephalo.planner import cost, memory
 from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize, solve_assignment
 from hf_cephalo.planner.reference import reference_unit_time
 from hf_cephalo.planner.simulate import predict
 from hf_cephalo.planner.types import Plan
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
-from tests.planner_fixtures import GIB, brute_force, random_cluster
+from tests.planner_fixtures import GIB, brute_force, random_cluster, with_host_limits
 
 
 def _same(a: float, b: float) -> bool:
+    if not (np.isfinite(a) and np.isfinite(b)):  # inf - inf <= 1e-12 * inf would accept anything
+        return a == b
     return a == b or abs(a - b) <= 1e-12 * max(1.0, abs(b))
 
 
@@ -31,12 +33,12 @@ def _check_assignment(cluster, B, a, c=0.8):
     assert sum(a.batch_sizes) == B
     devs, S, N = cluster.devices, cluster.model.state_bytes, cluster.world_size
     mems = []
-    for d, b, m, l in zip(devs, a.batch_sizes, a.microbatch_sizes, a.num_microbatches):
+    for i, (d, b, m, l) in enumerate(zip(devs, a.batch_sizes, a.microbatch_sizes,
+                                         a.num_microbatches)):
         assert b == l * m
-        mem = float(cost.compute_memory_bytes(d, m))
+        mem = float(memory.rank_memory_bytes(cluster, i, m, b))
         mems.append(mem)
-        if b:
-            assert mem <= c * d.memory_capacity_bytes * (1 + 1e-12)
+        assert mem <= c * d.memory_capacity_bytes * (1 + 1e-12)
     assert S + sum(mems) <= c * sum(d.memory_capacity_bytes for d in devs) * (1 + 1e-12)
     uneven = cost.is_uneven(cluster, mems, c)
     times = [cost.idle_unit_time_s(cluster.comm, uneven) if b == 0 else
@@ -66,6 +68,51 @@ def test_equals_brute_force_on_random_instances():
             outcomes["infeasible"] += 1
     # the instances exercise every branch, not just the easy one
     assert min(outcomes.values()) >= 10, outcomes
+
+
+def test_engine_buffers_stash_and_host_memory_equal_brute_force():
+    """Units of real size (the engine's buffers matter), boundary activations stashed on the
+    device or offloaded to host RAM shared per machine: still the exact optimum."""
+    rng = np.random.default_rng(7)
+    outcomes = {"feasible": 0, "infeasible": 0, "host binds": 0, "uneven": 0}
+    for k in range(160):
+        n, B = int(rng.integers(1, 5)), int(rng.integers(1, 13))
+        cluster = random_cluster(rng, n)
+        model = cluster.model
+        model.params_per_unit, model.params_other = 1000, int(rng.integers(0, 3000))
+        model.state_bytes_per_param /= 1000
+        model.param_bytes = float(rng.uniform(0.0, 0.1)) * GIB / 1000
+        if k % 2:
+            cluster = with_host_limits(rng, cluster, B)
+        else:
+            model.boundary_bytes_per_sample = float(rng.uniform(0.0, 0.1)) * GIB
+        expected = brute_force(cluster, B)
+        got = _solve_or_inf(cluster, B)
+        assert _same(got, expected), (k, n, B, got, expected)
+        if np.isfinite(got):
+            a = solve_assignment(cluster, B)
+            _check_assignment(cluster, B, a)
+            outcomes["feasible"] += 1
+            outcomes["uneven"] += a.uneven
+        else:
+            outcomes["infeasible"] += 1
+        if k % 2:
+            free = dataclasses.replace(cluster, host_memory_bytes=None)
+            outcomes["host binds"] += not _same(_solve_or_inf(free, B), got)
+    assert min(outcomes.values()) >= 8, outcomes
+
+
+def test_host_memory_error_names_the_machines():
+    cluster = _two_card_cluster()
+    cluster.model.boundary_bytes_per_sample = 0.1 * GIB
+    cluster.offload_activations = True
+    cluster.machine_of_rank = [0, 0]
+    cluster.host_memory_bytes = [4 * 13 * 0.1 * GIB]  # 0.8 x 5.2 GiB: 3 samples of 1.3 GiB
+    with pytest.raises(InfeasiblePlanError, match=r"host memory: the offloaded boundary "
+                       r"activations need 1\.3 GiB .*machine 0: 4\.2 GiB = 3 samples"):
+        optimize(cluster, 8)
+    plan = optimize(cluster, 3)
+    assert plan.global_batch_size == 3 and predict(plan, cluster).machines[0].fits
 
 
 def test_equals_paper_recurrence_on_small_instances():
@@ -146,7 +193,12 @@ def test_uneven_plan_state_partition_keeps_every_rank_under_cap():
 def test_error_aggregate_memory_names_the_numbers():
     cluster = _two_card_cluster(state_gib=40.0)  # 40 GiB state > 0.8 x 36 GiB
     with pytest.raises(InfeasiblePlanError,
-                       match=r"aggregate memory: model state 40\.0 GiB \+ compute 1\.2 GiB "
+                       # least compute: one rank at m = 1 (1.25 GiB + the engine's buffers,
+                       # 4.5 units of 40 GiB / 16 / 12 params x 4 B = 3.75 GiB), one idle rank
+                       # (its buffers: a unit gathered, its zero reduce-scatter input + half-unit
+                       # output, the next all-gather, the previous reduce-scatter: 5 units =
+                       # 4.2 GiB)
+                       match=r"aggregate memory: model state 40\.0 GiB \+ compute 9\.2 GiB "
                              r"exceeds 0\.8 × 36\.0 GiB"):
         optimize(cluster, 8)
 
@@ -158,8 +210,9 @@ def test_error_microbatch_one_too_big_names_the_rank():
     with pytest.raises(ValueError) as e:
         optimize(cluster, 8)
     msg = str(e.value)
-    assert "rank 0 (big): microbatch size 1 needs 21.2 GiB, cap 19.2 GiB" in msg
-    assert "rank 1 (small): microbatch size 1 needs 21.2 GiB, cap 9.6 GiB" in msg
+    # 21.25 GiB of activations + the engine's buffers (4.5 units of 8 GiB / 16 / 12 params)
+    assert "rank 0 (big): microbatch size 1 needs 22.0 GiB, cap 19.2 GiB" in msg
+    assert "rank 1 (small): microbatch size 1 needs 22.0 GiB, cap 9.6 GiB" in msg
     # with idle ranks forbidden, one rank that cannot run m = 1 is enough
     cluster = _two_card_cluster()
     cluster.devices[1].compute_memory_bytes = [x + 12 * GIB for x in
@@ -247,5 +300,8 @@ def test_error_messages_use_adaptive_units():
                                                 params_other=0),
                              devices=[dev], comm=CommProfile(allgather_s=0.0, reducescatter_s=0.0))
     with pytest.raises(InfeasiblePlanError,
-                       match=r"microbatch size 1 needs 195\.3 KiB, cap 78\.1 KiB"):
+                       # 200 000 B of activations + 80 B of engine buffers: the one unit gathered
+                       # + its gradient (2 x 10 x 4 B); with one unit and an empty root no other
+                       # collective is in flight during its backward
+                       match=r"microbatch size 1 needs 195\.4 KiB, cap 78\.1 KiB"):
         optimize(cluster, 4)

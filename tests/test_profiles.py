@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from hf_cephalo.planner import memory
 from hf_cephalo.profiler.specs import (GPU_SPECS, MODEL_SHAPES, estimate_cluster_profile,
                                        estimate_device_profile, get_gpu_spec, load_cluster_yaml)
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
@@ -97,13 +98,18 @@ def test_llama3_shapes_match_known_totals():
     assert (big.kv_heads, big.tied, small.kv_heads, small.tied) == (8, False, 8, True)
     # the root: 2 x 525M untied (split: one half live at a time), one 263M embedding tied
     assert big.params_other == 2 * 128256 * 4096 + 4096
-    assert big.root_live_params() == 128256 * 4096 + 4096
-    assert big.root_live_params(resident=True) == big.params_other
-    assert small.root_live_params() == small.params_other == 128256 * 2048 + 2048
-    # the resident root costs 2 x 4 bytes x 525M more fixed compute memory on every rank
-    split = estimate_device_profile("A10G", big).compute_memory_bytes
-    resident = estimate_device_profile("A10G", big, root_resident=True).compute_memory_bytes
-    assert [r - s for r, s in zip(resident, split)] == [8.0 * 128256 * 4096] * len(split)
+    # the engine's two root units, as the planner's memory model reads them
+    prof, sprof = big.model_profile(), small.model_profile()
+    assert (prof.params_embed, prof.params_head, prof.head_ties_embedding) == \
+        (128256 * 4096, 128256 * 4096 + 4096, False)
+    assert (sprof.params_embed, sprof.params_head, sprof.head_ties_embedding) == \
+        (128256 * 2048, 2048, True)
+    # the resident root keeps both units gathered + the head's gradient beside every layer's
+    # backward; the split root has at most the head's reduce-scatter in flight there: the
+    # resident one costs at least the whole root (4 B x 1.05B) more
+    split, resident = memory.engine_buffers(prof, 8), memory.engine_buffers(prof, 8,
+                                                                            root_resident=True)
+    assert resident.unit_bytes - split.unit_bytes >= 4 * prof.params_other
 
 
 def test_analytic_profile_shape():
@@ -150,14 +156,19 @@ def test_planner_does_not_import_torch():
 
 def test_unknown_profile_format_is_refused():
     data = _cluster_json()
-    data["format"] = "hf_cephalo.cluster_profile/2"
-    with pytest.raises(ValueError, match=r"format 'hf_cephalo\.cluster_profile/2' is not "
-                                         r"supported.*'hf_cephalo\.cluster_profile/1'"):
+    data["format"] = "hf_cephalo.cluster_profile/3"
+    with pytest.raises(ValueError, match=r"format 'hf_cephalo\.cluster_profile/3' is not "
+                                         r"supported.*'hf_cephalo\.cluster_profile/2'"):
         ClusterProfile.from_json(data)
+    data["format"] = "hf_cephalo.cluster_profile/2"
+    assert not ClusterProfile.from_json(data).buffers_in_compute_memory
+    # format 1: compute memory included the engine's buffers; the planner adds none to it
     data["format"] = "hf_cephalo.cluster_profile/1"
-    ClusterProfile.from_json(data)
-    del data["format"]  # files written before the field existed still load
-    ClusterProfile.from_json(data)
+    legacy = ClusterProfile.from_json(data)
+    assert legacy.buffers_in_compute_memory
+    assert legacy.to_json()["format"] == "hf_cephalo.cluster_profile/1"
+    del data["format"]  # files written before the field existed still load (as format 1)
+    assert ClusterProfile.from_json(data).buffers_in_compute_memory
 
 
 def test_times_decreasing_in_m_warn_but_load():

@@ -7,7 +7,8 @@
    (collective; per-rank device profiles come from the on-disk cache when present, so a second
    start skips the measurement);
 2. plan: the exact optimizer (``planner.optimize``) for the global batch size and memory
-   fraction of the arguments;
+   fraction of the arguments; an uneven plan's own layout is then timed and the plan made once
+   more if its uneven factor u differs from the profile's ([Note: measuring u after planning]);
 3. rank 0 saves ``profile.json`` and ``plan.json`` in ``output_dir``;
 4. emulated memory caps (``cephalo_emulate_memory_cap_bytes``) are applied (CUDA allocator
    fraction) and checked (every device: r_i·S + M_i(m_i) <= C_i, else
@@ -23,6 +24,7 @@ compute time per step, step time and memory (the paper's model-accuracy check, �
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
@@ -37,22 +39,22 @@ from hf_cephalo.integrations.preflight import warn_idle_ranks
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import Plan, optimize, predict
-from hf_cephalo.planner import cost
+from hf_cephalo.planner import cost, memory
 from hf_cephalo.profiler.emulate import (EmulatedStagedModel, EmulationConfig, apply_memory_cap,
                                          EmulatedOutOfMemoryError, check_plan_memory,
                                          emulated_device_name)
 from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches, local_device_name,
-                                         precision_tag,
+                                         measure_comm, precision_tag,
                                          model_dtype, model_profile, profile_cluster,
                                          sequence_length_of)
 from hf_cephalo.profiler.cache import model_description, model_fingerprint
 from hf_cephalo.profiler.types import ClusterProfile
+from hf_cephalo.units import GIB
 
 __all__ = ["ResolvedPlan", "resolve_plan_for_model", "wrap_staged", "PlanAccuracyCallback",
            "format_accuracy_table", "check_state_fits_caps", "diagnose_step_time"]
 
 logger = logging.getLogger(__name__)
-GIB = float(1 << 30)
 DEFAULT_SEQUENCE_LENGTH = 128
 
 
@@ -144,6 +146,7 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
     _refuse_meta_profiling(model, args)
     cluster = _cluster(args, world_size, staged, emulation, train_dataset, B)
     plan = optimize(cluster, B, args.cephalo_memory_fraction)
+    plan, cluster = replan_with_measured_u(plan, cluster, staged, args, B)
     plan.validate_for(world_size, cluster.model)
     check_plan_memory([p.memory_bytes for p in predict(plan, cluster).ranks], caps)
     if args.process_index == 0:
@@ -164,6 +167,40 @@ def _refuse_meta_profiling(model: torch.nn.Module, args) -> None:
                          "profiled at start: give --cephalo_plan_file or --cephalo_profile_file "
                          "(hf-cephalo profile --model-config <config.json> measures one "
                          "from the config alone)")
+
+
+# [Note: measuring u after planning]
+# The uneven factor u prices uneven plans, but which layout is uneven depends on the plan, which
+# depends on u. The profile times u on the most skewed layout the memory caps allow (an upper
+# bound on any plan's skew: planner.state.skewed_state_ratios). After planning, an uneven plan's
+# own layout is timed on the real process group; if its u differs from the profile's by more
+# than U_REPLAN_TOLERANCE the plan is made once more with it. Once: the new plan's ratios may
+# differ again, but only through a u already measured for a real plan, not an assumed one.
+U_REPLAN_TOLERANCE = 0.05
+
+
+def replan_with_measured_u(plan: Plan, cluster: ClusterProfile, staged: StagedModel, args,
+                           global_batch_size: int) -> tuple[Plan, ClusterProfile]:
+    """(plan, cluster) after re-planning once with u measured for ``plan``'s own layout.
+
+    Collective on every rank (all ranks hold the same plan) when the plan is uneven, the world
+    size is > 1 and the profile carries a measured u; otherwise returns its inputs unchanged.
+    """
+    if not plan.uneven_state or cluster.world_size == 1 or cluster.comm.uneven_factor is None \
+            or not (dist.is_available() and dist.is_initialized()):
+        return plan, cluster
+    measured = measure_comm(staged, device=args.device, group=None,
+                            state_ratios=plan.state_ratios).uneven_factor
+    old = cluster.comm.uneven_factor
+    if abs(measured - old) <= U_REPLAN_TOLERANCE * old:
+        return plan, cluster
+    logger.info("uneven factor of the plan's layout %.3f differs from the profile's %.3f: "
+                "re-planning once", measured, old)
+    comm = dataclasses.replace(cluster.comm, uneven_factor=measured,
+                               uneven_state_ratios=list(plan.state_ratios))
+    cluster = dataclasses.replace(cluster, comm=comm)
+    return optimize(cluster, global_batch_size, plan.memory_fraction,
+                    root_resident=plan.root_resident), cluster
 
 
 def check_state_fits_caps(plan: Plan, state_bytes: float, caps: list[float | None]) -> None:
@@ -217,12 +254,8 @@ def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterPr
 def _predicted_unit_compute_s(plan: Plan, cluster: ClusterProfile, rank: int) -> float:
     """num_units · (l·F + l·(F + B)) of one rank, seconds per step (compute only, no comm)."""
     r, d = plan.ranks[rank], cluster.devices[rank]
-    if r.batch_size == 0:
-        return 0.0
-    full, last = r.num_microbatches - 1, r.last_microbatch_size
-    f = full * float(cost.fwd_time_s(d, r.microbatch_size)) + float(cost.fwd_time_s(d, last))
-    b = full * float(cost.bwd_time_s(d, r.microbatch_size)) + float(cost.bwd_time_s(d, last))
-    return cluster.model.num_units * (2 * f + b)
+    f, b = cost.rank_compute_s(d, r.batch_size, r.microbatch_size)
+    return cluster.model.num_units * float(2 * f + b)
 
 
 def format_accuracy_table(rows: list[dict[str, Any]], predicted_iteration_s: float | None) -> str:
@@ -240,8 +273,8 @@ def format_accuracy_table(rows: list[dict[str, Any]], predicted_iteration_s: flo
                      f"{fmt(predicted_iteration_s, width=12)} {fmt(r['step_s'])} "
                      f"{fmt(r['pred_memory_bytes'], GIB, 16)} {fmt(r['memory_bytes'], GIB)}")
     lines.append("unit compute: forward + recompute + backward of all units on this rank; "
-                 "memory on CPU is accounted (state tensors + profiled compute memory), "
-                 "on CUDA the allocator peak")
+                 "memory on CPU is accounted (state tensors + the memory model's buffers and "
+                 "profiled activations), on CUDA the allocator peak")
     return "\n".join(lines)
 
 
@@ -341,8 +374,8 @@ class PlanAccuracyCallback(TrainerCallback):
         if cluster is None:
             return float(state)
         r = plan.ranks[args.process_index]
-        d = cluster.devices[args.process_index]
-        compute = float(cost.compute_memory_bytes(d, r.microbatch_size)) if r.batch_size else 0.0
+        compute = float(memory.rank_memory_bytes(cluster, args.process_index, r.microbatch_size,
+                                                 r.batch_size, root_resident=plan.root_resident))
         return state + compute
 
     def on_train_end(self, args, state, control, **kwargs):

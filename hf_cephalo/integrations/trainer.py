@@ -190,7 +190,7 @@ class CephaloTrainer(Trainer):
         self.engine = CephaloEngine(staged, self.plan.state_ratios, device=args.device,
                                     offload_activations=args.cephalo_offload_activations,
                                     autocast_dtype=torch.bfloat16 if args.bf16 else None,
-                                    init_seed=args.seed)
+                                    root_resident=self.plan.root_resident, init_seed=args.seed)
         self.accelerator.attach_engine(self.engine)
         guard_sharded_model(model, self._full_numel)  # [Note: the user's model while sharded]
         self.add_callback(PlanAccuracyCallback(self))  # predicted vs measured at train end

@@ -8,7 +8,7 @@ Never imports torch (``hf-cephalo plan`` starts fast and the planner is tested w
 """
 
 from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize, solve_assignment
-from hf_cephalo.planner.simulate import Prediction, predict
+from hf_cephalo.planner.predict import Prediction, predict
 from hf_cephalo.planner.state import layout_unit_shards, partition_state
 from hf_cephalo.planner.types import Plan, RankPlan
 

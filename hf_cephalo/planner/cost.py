@@ -8,13 +8,14 @@ array). Units: seconds and bytes. Used by the optimizer (``optimize.py``), the s
   points; beyond the largest profiled m, the least-squares line through the upper profiled
   points (the upper half, at least two) -- "sublinear for small m, linear after" (paper §2.4,
   Fig. 5 left). A profile with only m = 1 extrapolates proportionally (F(m) = m·F(1)).
-* M_i(m): least-squares line through all profiled compute-memory points (paper Fig. 5 right);
-  with only m = 1, proportional. Clamped at 0.
+* A_i(m): least-squares line through all profiled activation-memory points (paper Fig. 5
+  right); with only m = 1, proportional. Clamped at 0. The engine's buffers come on top
+  (``memory.py``, [Note: memory terms]): M_i(m, b) = every device byte besides the state.
 * Per-unit latency with l microbatches of size m (all-gather of the next unit overlaps compute;
   backward recomputes the forward because activations are checkpointed):
   ``T_i(l, m) = max(l·F(m), AG·u) + max(l·(F(m) + B(m)), (AG + RS)·u)``,
-  u = 1.15 if the plan shards the training state unevenly (paper §3: measured overhead of
-  uneven collectives stays within 15 %), else 1. An idle rank (b_i = 0) pays
+  u = the profile's measured ``CommProfile.uneven_factor`` if the plan shards the training
+  state unevenly (1.15, the paper's bound, for profiles without a measurement), else 1. An idle rank (b_i = 0) pays
   ``AG·u + (AG + RS)·u`` and has no compute memory.
 * Iteration time = num_units · max_i T_i.
 """
@@ -22,10 +23,11 @@ array). Units: seconds and bytes. Used by the optimizer (``optimize.py``), the s
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from hf_cephalo.planner.memory import activation_bytes, memory_line  # noqa: F401 (re-export)
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile
 
 __all__ = [
@@ -34,6 +36,9 @@ __all__ = [
     "fwd_time_s",
     "bwd_time_s",
     "compute_memory_bytes",
+    "RankComputeTimes",
+    "rank_compute_s",
+    "uneven_factor",
     "unit_time_s",
     "idle_unit_time_s",
     "iteration_time_s",
@@ -41,7 +46,7 @@ __all__ = [
 ]
 
 UNEVEN_FACTOR = 1.15
-"""u: collective slowdown when the state is sharded unevenly (paper §2.4/§3)."""
+"""u when not measured: collective slowdown of uneven shards, the paper's bound (§2.4/§3)."""
 DEFAULT_MEMORY_FRACTION = 0.8
 """c: the fraction of each GPU's memory the plan may use (paper §3: cap at 80 %)."""
 
@@ -77,24 +82,43 @@ def bwd_time_s(device: DeviceProfile, m) -> np.ndarray:
     return _curve(device.microbatch_sizes, device.bwd_s, m)
 
 
-def memory_line(device: DeviceProfile) -> tuple[float, float]:
-    """(slope bytes/sample, intercept bytes) of the least-squares compute-memory line."""
-    ms = np.asarray(device.microbatch_sizes, dtype=np.float64)
-    vs = np.asarray(device.compute_memory_bytes, dtype=np.float64)
-    if len(ms) == 1:
-        return float(vs[0] / ms[0]), 0.0
-    slope, intercept = np.polyfit(ms, vs, 1)
-    return float(slope), float(intercept)
-
-
 def compute_memory_bytes(device: DeviceProfile, m) -> np.ndarray:
-    """M_i(m): peak compute memory (peak minus training state) at microbatch size ``m``, bytes.
+    """A_i(m): the profiled activation memory line at microbatch size ``m``, bytes (0 at m = 0).
 
-    ``m = 0`` (an idle rank) is defined as 0 bytes.
+    The engine's buffers, the stash and the state come on top: ``memory.rank_memory_bytes``.
     """
-    slope, intercept = memory_line(device)
-    m = np.asarray(m, dtype=np.float64)
-    return np.where(m > 0, np.maximum(slope * m + intercept, 0.0), 0.0)
+    return activation_bytes(device, m)
+
+
+class RankComputeTimes(NamedTuple):
+    """Forward and backward seconds of ALL microbatches of one rank for one unit."""
+
+    fwd_s: np.ndarray  # Σ_j F(m_j), seconds
+    bwd_s: np.ndarray  # Σ_j B(m_j), seconds
+
+
+def rank_compute_s(device: DeviceProfile, batch_size: int, microbatch_size) -> RankComputeTimes:
+    """l·F(m) and l·B(m) of the cost model, with a smaller last microbatch priced at its own size.
+
+    ``l = ceil(b / m)`` microbatches: ``l - 1`` of size m and the last of
+    ``m_last = b - (l - 1)·m`` samples (``RankPlan.last_microbatch_size``); optimizer plans have
+    m_last = m. ``microbatch_size`` may be an int array (vectorized over m); ``batch_size`` 0
+    gives 0 seconds. Raises nothing; callers validate b, m >= 1.
+    """
+    m = np.asarray(microbatch_size, dtype=np.int64)
+    if batch_size == 0:
+        zero = np.zeros(m.shape)
+        return RankComputeTimes(zero, zero)
+    ls = -(-batch_size // m)  # ceil
+    last = batch_size - (ls - 1) * m
+    fwd = (ls - 1) * fwd_time_s(device, m) + fwd_time_s(device, last)
+    bwd = (ls - 1) * bwd_time_s(device, m) + bwd_time_s(device, last)
+    return RankComputeTimes(fwd, bwd)
+
+
+def uneven_factor(comm: CommProfile) -> float:
+    """u: the profile's measured uneven factor, else the paper's bound ``UNEVEN_FACTOR`` (1.15)."""
+    return UNEVEN_FACTOR if comm.uneven_factor is None else float(comm.uneven_factor)
 
 
 def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool) -> np.ndarray:
@@ -104,9 +128,9 @@ def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool)
         fwd_s, bwd_s: F_i(m), B_i(m) (scalars or arrays, broadcast together).
         num_microbatches: l (0 for an idle rank, which then only waits on the collectives).
         comm: AG and RS for one unit with even shards.
-        uneven: whether the plan shards state unevenly (u = 1.15).
+        uneven: whether the plan shards state unevenly (u = ``uneven_factor(comm)``).
     """
-    u = UNEVEN_FACTOR if uneven else 1.0
+    u = uneven_factor(comm) if uneven else 1.0
     ag = comm.allgather_s * u
     agrs = (comm.allgather_s + comm.reducescatter_s) * u
     l = np.asarray(num_microbatches, dtype=np.float64)
@@ -127,7 +151,10 @@ def iteration_time_s(unit_times_s: Sequence[float], num_units: int) -> float:
 
 def is_uneven(cluster: ClusterProfile, compute_memory: Sequence[float],
               memory_fraction: float) -> bool:
-    """docs/design.md contract 2: uneven iff S/N + M_i(m_i) > c·C_i for some rank (M_i = 0 if idle)."""
+    """docs/design.md contract 2: uneven iff S/N + M_i > c·C_i for some rank.
+
+    ``compute_memory``: M_i per rank, every byte besides the state (``memory.rank_memory_bytes``).
+    """
     n = cluster.world_size
     share = cluster.model.state_bytes / n
     return any(share + mem > memory_fraction * d.memory_capacity_bytes

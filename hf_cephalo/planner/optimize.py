@@ -37,15 +37,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hf_cephalo.planner import cost
-from hf_cephalo.planner.state import partition_state
-from hf_cephalo.planner.types import Plan, RankPlan
-from hf_cephalo.profiler.types import ClusterProfile, DeviceProfile, format_bytes
+from hf_cephalo.planner import cost, memory
+from hf_cephalo.planner.predict import predict
+from hf_cephalo.planner.state import layout_unit_shards, partition_state
+from hf_cephalo.planner.types import Plan, RankPlan, check_batch_and_fraction
+from hf_cephalo.profiler.types import ClusterProfile, format_bytes
+from hf_cephalo.units import GIB
 
 __all__ = ["optimize", "solve_assignment", "Assignment", "InfeasiblePlanError",
            "check_problem_size", "estimate_problem_size", "format_bytes"]
 
-GIB = float(1 << 30)
 _MEM_RTOL = 1e-12
 
 
@@ -71,16 +72,23 @@ class _Options:
     m: np.ndarray  # (K,) int
     l: np.ndarray  # (K,) int
     t: np.ndarray  # (K,) unit time, s
-    mem: np.ndarray  # (K,) compute memory M(m), bytes
+    mem: np.ndarray  # (K,) memory besides the state M_i(m, b), bytes
     idle_ok: bool
     idle_t: float
+    idle_mem: float  # M_i of the idle rank (the engine's buffers), bytes
 
 
-def _device_options(device: DeviceProfile, comm, B: int, mem_cap: float, uneven: bool,
-                    idle_ok: bool) -> _Options:
+def _device_options(cluster: ClusterProfile, rank: int, B: int, mem_cap: float, uneven: bool,
+                    idle_ok: bool, root_resident: bool) -> _Options:
+    """Every (l, m) of ``rank`` with l·m <= B whose memory M_i(m, l·m) fits ``mem_cap``."""
+    device, comm = cluster.devices[rank], cluster.comm
+
+    def mem_of(m, b):
+        return memory.rank_memory_bytes(cluster, rank, m, b, root_resident=root_resident)
+
+    ok = lambda mem: mem <= mem_cap * (1 + _MEM_RTOL)  # noqa: E731
     ms = np.arange(1, B + 1)
-    mem = cost.compute_memory_bytes(device, ms)
-    ms = ms[mem <= mem_cap * (1 + _MEM_RTOL)]
+    ms = ms[ok(mem_of(ms, ms))]  # l = 1 is the least memory of every m (stash grows with b)
     if len(ms):
         f = cost.fwd_time_s(device, ms)
         bw = cost.bwd_time_s(device, ms)
@@ -89,13 +97,17 @@ def _device_options(device: DeviceProfile, comm, B: int, mem_cap: float, uneven:
         starts = np.cumsum(counts) - counts
         l_rep = np.arange(len(m_rep)) - np.repeat(starts, counts) + 1
         idx = np.repeat(np.arange(len(ms)), counts)
+        memv = mem_of(m_rep, m_rep * l_rep)
+        keep = ok(memv)
+        m_rep, l_rep, idx, memv = m_rep[keep], l_rep[keep], idx[keep], memv[keep]
         t = cost.unit_time_s(f[idx], bw[idx], l_rep, comm, uneven)
-        memv = cost.compute_memory_bytes(device, m_rep)
     else:
         m_rep = l_rep = np.zeros(0, dtype=np.int64)
         t = memv = np.zeros(0)
-    return _Options(b=m_rep * l_rep, m=m_rep, l=l_rep, t=t, mem=memv, idle_ok=idle_ok,
-                    idle_t=cost.idle_unit_time_s(comm, uneven))
+    idle_mem = float(mem_of(0, 0))
+    return _Options(b=m_rep * l_rep, m=m_rep, l=l_rep, t=t, mem=memv,
+                    idle_ok=idle_ok and bool(ok(idle_mem)), idle_t=cost.idle_unit_time_s(comm, uneven),
+                    idle_mem=idle_mem)
 
 
 # --- semirings: boolean sumset (FFT) and min-plus ----------------------------------------------
@@ -174,11 +186,41 @@ def _assign(node: _Node, target: int, minplus: bool, out: list) -> None:
         stack.append((nd.left, part))
 
 
+# [Note: host memory in the knapsack]
+# With activation offload every rank pins (L + 1)·a bytes per sample in its machine's RAM
+# (memory.host_memory_bytes), so the ranks of machine k may take at most
+# floor(c·H_k / ((L + 1)·a)) samples together. The optimizer builds each machine's sub-tree
+# (identical GPUs of that machine by doubling), sets every entry above that batch to
+# infeasible, then joins the machines: exact, since the limit only depends on the machine's
+# batch sum. Without offload or host RAM figures there is no cut (and groups span machines).
+def _machine_batch_caps(cluster: ClusterProfile, c: float):
+    """(machine per rank, largest batch per machine) when host memory limits the plan, else None."""
+    model = cluster.model
+    per_sample = float(memory.host_memory_bytes(model, 1, cluster.offload_activations))
+    if cluster.host_memory_bytes is None or per_sample <= 0 or cluster.buffers_in_compute_memory:
+        return None
+    caps = {k: int(np.floor(c * h / per_sample * (1 + _MEM_RTOL)))
+            for k, h in enumerate(cluster.host_memory_bytes)}
+    return cluster.machines_of_ranks, caps
+
+
+def _cut(node: _Node, max_batch: int, minplus: bool) -> _Node:
+    """``node`` with every batch sum above ``max_batch`` made infeasible (same children)."""
+    table = node.table.copy()
+    table[max_batch + 1:] = np.inf if minplus else False
+    return _Node(table, node.count, node.left, node.right, node.group)
+
+
 class _Case:
-    """One case (even or uneven) of the problem with grouped identical devices."""
+    """One case (even or uneven) of the problem with grouped identical devices.
+
+    ``groups``: lists of ranks with identical options; with a host-memory limit each group lies
+    in one machine (``_groups``) and every machine's sub-tree is cut at the largest batch its
+    host RAM takes ([Note: host memory in the knapsack]).
+    """
 
     def __init__(self, cluster: ClusterProfile, groups, B: int, c: float, uneven: bool,
-                 allow_idle: bool):
+                 allow_idle: bool, root_resident: bool = False, host_limit: bool = True):
         self.B, self.uneven, self.groups = B, uneven, groups
         S, N = cluster.model.state_bytes, cluster.world_size
         self.mem_budget = c * sum(d.memory_capacity_bytes for d in cluster.devices) - S
@@ -187,11 +229,13 @@ class _Case:
             d = cluster.devices[ranks[0]]
             cap = c * d.memory_capacity_bytes - (0.0 if uneven else S / N)
             idle_ok = allow_idle and (uneven or S / N <= c * d.memory_capacity_bytes)
-            self.options.append(_device_options(d, cluster.comm, B, cap, uneven, idle_ok))
+            self.options.append(_device_options(cluster, ranks[0], B, cap, uneven, idle_ok,
+                                                root_resident))
         self.infeasible_even_state = (not uneven) and any(
             S / N > c * cluster.devices[r[0]].memory_capacity_bytes for r in groups)
         ts = [o.t for o in self.options] + [[o.idle_t] for o in self.options if o.idle_ok]
         self.candidates = np.unique(np.concatenate([np.asarray(t, dtype=np.float64) for t in ts]))
+        self.machine_caps = _machine_batch_caps(cluster, c) if host_limit else None
 
     def _leaf_bool(self, k: int, t: float) -> np.ndarray:
         o = self.options[k]
@@ -205,17 +249,25 @@ class _Case:
         w = np.full(self.B + 1, np.inf)
         sel = o.t <= t
         np.minimum.at(w, o.b[sel], o.mem[sel])
-        w[0] = 0.0 if (o.idle_ok and o.idle_t <= t) else np.inf
+        w[0] = o.idle_mem if (o.idle_ok and o.idle_t <= t) else np.inf
         return w
 
     def tree(self, t: float, minplus: bool) -> _Node:
         conv = _minplus_conv if minplus else _bool_conv
-        root = None
+        by_machine: dict[int, _Node] = {}
         for k, ranks in enumerate(self.groups):
             leaf_table = self._leaf_mem(k, t) if minplus else self._leaf_bool(k, t)
             p = _power(_Node(leaf_table, 1, group=k), len(ranks), conv)
-            root = p if root is None else _Node(conv(root.table, p.table), root.count + p.count,
-                                                 root, p)
+            key = self.machine_caps[0][ranks[0]] if self.machine_caps else 0
+            root = by_machine.get(key)
+            by_machine[key] = p if root is None else _Node(conv(root.table, p.table),
+                                                           root.count + p.count, root, p)
+        root = None
+        for key, node in by_machine.items():
+            if self.machine_caps:
+                node = _cut(node, self.machine_caps[1][key], minplus)
+            root = node if root is None else _Node(conv(root.table, node.table),
+                                                   root.count + node.count, root, node)
         return root
 
     def feasible(self, t: float, minplus: bool) -> bool:
@@ -268,26 +320,26 @@ class _Case:
         return Assignment(bs, ms, ls, self.uneven, t)
 
 
-def _groups(cluster: ClusterProfile) -> list[list[int]]:
+def _groups(cluster: ClusterProfile, c: float = 1.0) -> list[list[int]]:
+    """Ranks with identical options (same device profile; same machine under a host limit)."""
+    caps = _machine_batch_caps(cluster, c)
     seen: dict[str, list[int]] = {}
     for i, d in enumerate(cluster.devices):
-        seen.setdefault(json.dumps(d.to_json(), sort_keys=True), []).append(i)
+        machine = caps[0][i] if caps else None
+        seen.setdefault(json.dumps([machine, d.to_json()], sort_keys=True), []).append(i)
     return list(seen.values())
 
 
 def _check_inputs(cluster: ClusterProfile, B: int, c: float) -> None:
     if not isinstance(cluster, ClusterProfile):
         raise TypeError(f"cluster must be a ClusterProfile, got {type(cluster).__name__}")
-    if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
-        raise ValueError(f"global batch size must be an integer >= 1, got {B!r}")
-    if not (isinstance(c, (int, float)) and 0 < c <= 1):
-        raise ValueError(f"memory fraction must be in (0, 1], got {c!r}")
+    check_batch_and_fraction(B, c)
 
 
 # Upfront size limits of one solve (see ``check_problem_size``). Calibrated on 2 CPU cores:
 # 2e10 work units is about 10-30 s; the options arrays are the solver's dominant memory.
 MAX_SOLVER_WORK = 2e10
-MAX_SOLVER_MEMORY_BYTES = 4 * (1 << 30)
+MAX_SOLVER_MEMORY_BYTES = 4 * GIB
 _BYTES_PER_OPTION = 96  # retained (b, m, l, t, mem) in 2 cases + construction temporaries
 _PY_CALL_WORK = 3000  # one min-plus row update (a NumPy call) in element operations
 
@@ -356,10 +408,12 @@ def check_problem_size(cluster: ClusterProfile, global_batch_size: int,
         "accept a longer solve)")
 
 
-def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool) -> str:
+def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool,
+              root_resident: bool) -> str:
     """Name the binding constraint of an infeasible problem."""
     devs = cluster.devices
-    need1 = [float(cost.compute_memory_bytes(d, 1)) for d in devs]
+    need1 = [float(memory.rank_memory_bytes(cluster, i, 1, 1, root_resident=root_resident))
+             for i in range(len(devs))]
     too_big = [i for i, d in enumerate(devs) if need1[i] > c * d.memory_capacity_bytes]
     msgs = [f"rank {i} ({devs[i].name}): microbatch size 1 needs {format_bytes(need1[i])}, "
             f"cap {format_bytes(c * devs[i].memory_capacity_bytes)}" for i in too_big]
@@ -370,22 +424,44 @@ def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool) -> st
                 f"than the world size {len(devs)}; allow idle ranks or raise the batch size")
     S = cluster.model.state_bytes
     total = sum(d.memory_capacity_bytes for d in devs)
-    relaxed = _Case(cluster, _groups(cluster), B, c, True, allow_idle)
+    relaxed = _Case(cluster, _groups(cluster), B, c, True, allow_idle, root_resident,
+                    host_limit=False)
     min_compute = float(relaxed.tree(np.inf, minplus=True).table[B])
     if not np.isfinite(min_compute):
         return "no rank can take a microbatch: " + "; ".join(msgs)
-    return (f"aggregate memory: model state {format_bytes(S)} + compute "
-            f"{format_bytes(min_compute)} exceeds {c} × {format_bytes(total)}")
+    if min_compute > relaxed.mem_budget * (1 + _MEM_RTOL):
+        return (f"aggregate memory: model state {format_bytes(S)} + compute "
+                f"{format_bytes(min_compute)} exceeds {c} × {format_bytes(total)}")
+    return _diagnose_host(cluster, B, c)
+
+
+def _diagnose_host(cluster: ClusterProfile, B: int, c: float) -> str:
+    """The host-memory message: feasible on the devices, not within the machines' RAM."""
+    caps = _machine_batch_caps(cluster, c)
+    per_sample = float(memory.host_memory_bytes(cluster.model, 1, cluster.offload_activations))
+    if caps is None:
+        return "no assignment meets every rank's memory cap"
+    limits = ", ".join(f"machine {k}: {format_bytes(c * h)} = {caps[1][k]} samples"
+                       for k, h in enumerate(cluster.host_memory_bytes))
+    return (f"host memory: the offloaded boundary activations need {format_bytes(per_sample)} "
+            f"of pinned host memory per sample ((L + 1) x sequence x hidden x bytes); within "
+            f"{c} x each machine's RAM ({limits}) no assignment of the {B} samples meets the "
+            "device caps too. Lower the global batch size or add host RAM")
 
 
 def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
                      memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
-                     allow_idle: bool = True) -> Assignment:
+                     allow_idle: bool = True, root_resident: bool = False) -> Assignment:
     """Exact minimum of max_i T_i over (b_i, m_i, l_i) under (I)-(III); see module doc.
+
+    Memory per rank is ``memory.rank_memory_bytes`` (every engine buffer, see [Note: memory
+    terms]); with activation offload and host RAM figures each machine's batch is limited by
+    its RAM ([Note: host memory in the knapsack]). ``root_resident``: see ``optimize``.
 
     Raises:
         InfeasiblePlanError (a ValueError): no assignment fits; the message names the binding
-            constraint (a rank whose microbatch size 1 exceeds its cap, or aggregate memory).
+            constraint (a rank whose microbatch size 1 exceeds its cap, aggregate memory, or a
+            machine's host memory).
         ValueError: B < 1, memory_fraction outside (0, 1]; an instance too large to solve
             within ``MAX_SOLVER_WORK`` / ``MAX_SOLVER_MEMORY_BYTES`` (``check_problem_size``).
     """
@@ -393,54 +469,88 @@ def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
     _check_inputs(cluster, B, c)
     check_problem_size(cluster, B, c)
     groups = _groups(cluster)
-    even = _Case(cluster, groups, B, c, False, allow_idle)
+    even = _Case(cluster, groups, B, c, False, allow_idle, root_resident)
     t_even = even.solve(np.inf)
-    uneven = _Case(cluster, groups, B, c, True, allow_idle)
+    uneven = _Case(cluster, groups, B, c, True, allow_idle, root_resident)
     t_uneven = uneven.solve(np.inf if t_even is None else t_even)
     if t_uneven is not None:
         return uneven.reconstruct(t_uneven, cluster.world_size)
     if t_even is not None:
         return even.reconstruct(t_even, cluster.world_size)
     raise InfeasiblePlanError(f"no plan for global batch size {B} fits: "
-                              f"{_diagnose(cluster, B, c, allow_idle)}")
+                              f"{_diagnose(cluster, B, c, allow_idle, root_resident)}")
+
+
+# [Note: state ratios on their own layout]
+# The knapsack prices each rank's reduce-scatter outputs (its shard k of a unit, memory.py) at
+# even shards, before any ratio exists; a rank the partition then gives a larger share holds
+# larger shards, so water-filling on those prices could fill it a few shards past its cap.
+# The ratios are therefore poured again on the memory of their own layout, a few times: k is
+# a small part of M_i, so the ratios settle at once; ``predict`` checks the result.
+_LAYOUT_REPOURS = 3
+
+
+def _partition_on_layout(cluster: ClusterProfile, a: "Assignment", mem: list[float],
+                         root_resident: bool) -> list[float]:
+    """Water-filling ratios r_i, re-poured on the memory of their own shard layout."""
+    caps = [d.memory_capacity_bytes for d in cluster.devices]
+    S = cluster.model.state_bytes
+    ratios = partition_state(S, mem, caps)
+    if cluster.buffers_in_compute_memory:
+        return ratios
+    numels = memory.model_layout_numels(cluster.model)
+    for _ in range(_LAYOUT_REPOURS):
+        layout = layout_unit_shards(ratios, numels)
+        mem = [float(memory.rank_memory_bytes(cluster, i, m, b, root_resident=root_resident,
+                                              layout=layout))
+               for i, (m, b) in enumerate(zip(a.microbatch_sizes, a.batch_sizes))]
+        ratios = partition_state(S, mem, caps)
+    return ratios
 
 
 def optimize(cluster: ClusterProfile, global_batch_size: int,
              memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
-             allow_idle: bool = True) -> Plan:
+             allow_idle: bool = True, root_resident: bool = False) -> Plan:
     """The optimal Plan: exact (b_i, m_i, l_i) plus greedy state ratios r_i.
 
     Args:
         cluster: profiles of the model, every rank's device and the collectives.
         global_batch_size: B, samples per iteration (>= 1).
-        memory_fraction: c, fraction of each device's memory the plan may use.
+        memory_fraction: c, fraction of each device's (and machine's host) memory the plan
+            may use.
         allow_idle: allow ranks with b_i = 0 (they still hold state and join collectives).
+        root_resident: price the engine's ``root_resident=True`` (embedding and head units
+            gathered with their gradients all step); False (the engine's default) prices each
+            root unit gathered around its uses. Recorded in the plan; the trainer builds the
+            engine with it.
 
     Raises:
         InfeasiblePlanError / ValueError: see ``solve_assignment``.
     """
-    a = solve_assignment(cluster, global_batch_size, memory_fraction, allow_idle=allow_idle)
+    a = solve_assignment(cluster, global_batch_size, memory_fraction, allow_idle=allow_idle,
+                         root_resident=root_resident)
     devs = cluster.devices
-    S, N = cluster.model.state_bytes, cluster.world_size
-    mem = [float(cost.compute_memory_bytes(d, m)) for d, m in zip(devs, a.microbatch_sizes)]
+    N = cluster.world_size
+    mem = [float(memory.rank_memory_bytes(cluster, i, m, b, root_resident=root_resident))
+           for i, (m, b) in enumerate(zip(a.microbatch_sizes, a.batch_sizes))]
     uneven = cost.is_uneven(cluster, mem, memory_fraction)
     if uneven:
-        ratios = partition_state(S, mem, [d.memory_capacity_bytes for d in devs])
+        ratios = _partition_on_layout(cluster, a, mem, root_resident)
     else:
         ratios = [1.0 / N] * N
     ranks = [RankPlan(rank=i, device=d.name, batch_size=a.batch_sizes[i],
                       microbatch_size=a.microbatch_sizes[i],
                       num_microbatches=a.num_microbatches[i], state_ratio=ratios[i],
-                      predicted_memory_bytes=ratios[i] * S + mem[i],
                       memory_capacity_bytes=d.memory_capacity_bytes)
              for i, d in enumerate(devs)]
     model = cluster.model
     plan = Plan(global_batch_size=global_batch_size, memory_fraction=memory_fraction,
-                uneven_state=uneven, ranks=ranks,
+                uneven_state=uneven, ranks=ranks, root_resident=root_resident,
                 model={"name": model.name, "num_units": model.num_units,
                        "params_per_unit": model.params_per_unit,
                        "params_other": model.params_other})
-    from hf_cephalo.planner.simulate import predict
-
-    plan.predicted_iteration_s = predict(plan, cluster).iteration_s
+    pred = predict(plan, cluster)
+    for r, p in zip(plan.ranks, pred.ranks):
+        r.predicted_memory_bytes = p.memory_bytes  # priced with the plan's own shard layout
+    plan.predicted_iteration_s = pred.iteration_s
     return plan

@@ -1,12 +1,10 @@
-"""Predict time and memory of ANY plan (optimized, even split, hand-made) with the cost model,
-and build the baselines Cephalo is compared with (paper §4: FSDP, Cephalo-CB, Cephalo-MB,
-Whale-style batch ∝ speed).
+"""The baselines Cephalo is compared with (paper §4: FSDP, Cephalo-CB, Cephalo-MB, Whale-style
+batch ∝ speed), each predicted with the same cost model (``predict.py``), and their tables/plots.
 
-Used by the CLI tables (``hf-cephalo plan``, ``hf-cephalo simulate``), by the optimizer to fill
-``predicted_iteration_s`` and by the paper-reproduction tests. Hand-made plans may have a
-smaller last microbatch (``RankPlan.last_microbatch_size``); its forward/backward time is
-F(m_last), B(m_last). Baseline definitions: ``[Note: baselines]`` below and
-docs/paper_reproduction.md. Pure Python/numpy; matplotlib is imported only by ``plot_comparison``.
+Used by the CLI tables (``hf-cephalo plan``, ``hf-cephalo simulate``) and by the
+paper-reproduction tests. ``predict`` / ``Prediction`` are re-exported from ``predict.py`` for
+older imports. Imports point one way: cost <- predict <- optimize <- simulate. Baseline
+definitions: ``[Note: baselines]`` below and docs/paper_reproduction.md. Pure Python/numpy; matplotlib is imported only by ``plot_comparison``.
 """
 
 from __future__ import annotations
@@ -16,10 +14,13 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from hf_cephalo.planner import cost
+from hf_cephalo.planner import cost, memory
+from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize
+from hf_cephalo.planner.predict import Prediction, RankPrediction, predict
 from hf_cephalo.planner.state import integer_targets, partition_state
-from hf_cephalo.planner.types import Plan
+from hf_cephalo.planner.types import Plan, check_batch_and_fraction
 from hf_cephalo.profiler.types import ClusterProfile
+from hf_cephalo.units import GIB
 
 __all__ = [
     "RankPrediction", "Prediction", "predict", "BASELINES", "BASELINE_LABELS", "PlanComparison",
@@ -27,56 +28,6 @@ __all__ = [
     "compare_plans", "format_comparison_table", "format_sweep_table", "plot_comparison",
 ]
 
-GIB = float(1 << 30)
-
-
-class RankPrediction(NamedTuple):
-    unit_time_s: float  # T_i, one unit forward + backward, seconds
-    compute_memory_bytes: float  # M_i(m_i), bytes (0 for an idle rank)
-    memory_bytes: float  # r_i·S + M_i(m_i), bytes
-    cap_bytes: float  # c·C_i, bytes
-    fits: bool  # memory_bytes <= cap_bytes
-
-
-class Prediction(NamedTuple):
-    ranks: list[RankPrediction]
-    iteration_s: float  # num_units · max_i T_i, seconds
-    samples_per_s: float  # B / iteration_s
-    fits: bool  # every rank under its cap
-
-
-def predict(plan: Plan, cluster: ClusterProfile, memory_fraction: float | None = None) -> Prediction:
-    """Per-rank unit time and memory of ``plan`` on ``cluster`` (docs/design.md contract 2).
-
-    Args:
-        plan: any Plan with ``plan.world_size == cluster.world_size``.
-        cluster: the profiles.
-        memory_fraction: c for the caps; defaults to ``plan.memory_fraction``.
-
-    Raises:
-        ValueError: world-size or model mismatch (``Plan.validate_for``).
-    """
-    plan.validate_for(cluster.world_size, cluster.model)
-    c = plan.memory_fraction if memory_fraction is None else memory_fraction
-    S = cluster.model.state_bytes
-    out = []
-    for r, d in zip(plan.ranks, cluster.devices):
-        if r.batch_size == 0:
-            t = cost.idle_unit_time_s(cluster.comm, plan.uneven_state)
-            mem = 0.0
-        else:
-            full = r.num_microbatches - 1
-            last = r.last_microbatch_size
-            f = full * cost.fwd_time_s(d, r.microbatch_size) + cost.fwd_time_s(d, last)
-            b = full * cost.bwd_time_s(d, r.microbatch_size) + cost.bwd_time_s(d, last)
-            # l·F and l·(F + B) of the contract, with the last microbatch's own size.
-            t = float(cost.unit_time_s(f, b, 1, cluster.comm, plan.uneven_state))
-            mem = float(cost.compute_memory_bytes(d, r.microbatch_size))
-        total = r.state_ratio * S + mem
-        cap = c * d.memory_capacity_bytes
-        out.append(RankPrediction(t, mem, total, cap, total <= cap * (1 + 1e-9)))
-    it = cost.iteration_time_s([p.unit_time_s for p in out], cluster.model.num_units)
-    return Prediction(out, it, plan.global_batch_size / it, all(p.fits for p in out))
 
 
 # --- baselines (paper §4, Fig. 7 ablation and Supplementary D) -------------------------------
@@ -127,11 +78,12 @@ class PlanComparison(NamedTuple):
 
 
 def _hand_plan(cluster: ClusterProfile, batch_sizes, microbatch_sizes, state_ratios,
-               memory_fraction: float) -> Plan:
+               memory_fraction: float, root_resident: bool = False) -> Plan:
     """A Plan with device names, memory estimates and the model fingerprint filled in."""
     devs = cluster.devices
     plan = Plan.from_ratios(batch_sizes, microbatch_sizes, state_ratios,
-                            devices=[d.name for d in devs], memory_fraction=memory_fraction)
+                            devices=[d.name for d in devs], memory_fraction=memory_fraction,
+                            root_resident=root_resident)
     model = cluster.model
     plan.model = {"name": model.name, "num_units": model.num_units,
                   "params_per_unit": model.params_per_unit, "params_other": model.params_other}
@@ -149,26 +101,30 @@ def _even_batch_sizes(world_size: int, global_batch_size: int) -> list[int]:
 
 
 def even_split_plan(cluster: ClusterProfile, global_batch_size: int,
-                    memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION) -> Plan:
+                    memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
+                    root_resident: bool = False) -> Plan:
     """FSDP's even split: b_i = B/N, r_i = 1/N, the fastest common microbatch size that fits.
 
     Tries m = 1..ceil(B/N) (the last microbatch of a rank may be smaller); if no m fits every
     cap, returns m = 1 (the least memory), which ``predict`` reports as not fitting.
     """
-    _check_batch(global_batch_size, memory_fraction)
+    check_batch_and_fraction(global_batch_size, memory_fraction)
     n = cluster.world_size
     sizes = _even_batch_sizes(n, global_batch_size)
     best, best_t = None, math.inf
     for m in range(1, max(sizes) + 1):
         pred = predict(Plan.from_ratios(sizes, [m] * n, [1.0 / n] * n,
-                                        memory_fraction=memory_fraction), cluster)
+                                        memory_fraction=memory_fraction,
+                                        root_resident=root_resident), cluster)
         if pred.fits and pred.iteration_s < best_t:
             best, best_t = m, pred.iteration_s
-    return _hand_plan(cluster, sizes, [best or 1] * n, [1.0 / n] * n, memory_fraction)
+    return _hand_plan(cluster, sizes, [best or 1] * n, [1.0 / n] * n, memory_fraction,
+                      root_resident)
 
 
 def compute_balance_plan(cluster: ClusterProfile, global_batch_size: int,
-                         memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION) -> Plan:
+                         memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
+                         root_resident: bool = False) -> Plan:
     """Compute balance alone: b_i minimizing max_i T_i(1, b_i), m_i = b_i, r_i = 1/N.
 
     The batch goes where the cost model says compute is fastest, with no gradient
@@ -176,7 +132,7 @@ def compute_balance_plan(cluster: ClusterProfile, global_batch_size: int,
     considered while choosing, so the plan may not fit (``predict(...).fits`` is False).
     Exact: binary search over the candidate times T_i(1, b), b <= B.
     """
-    _check_batch(global_batch_size, memory_fraction)
+    check_batch_and_fraction(global_batch_size, memory_fraction)
     B, devs, comm = global_batch_size, cluster.devices, cluster.comm
     bs = np.arange(1, B + 1)
     # times[i][b] = T_i(1, b); b = 0 is the idle rank. Prefix max: b is allowed at threshold t
@@ -205,28 +161,31 @@ def compute_balance_plan(cluster: ClusterProfile, global_batch_size: int,
                 key=lambda k: times[k][sizes[k]])
         sizes[i] -= 1
     n = cluster.world_size
-    return _hand_plan(cluster, sizes, sizes, [1.0 / n] * n, memory_fraction)
+    return _hand_plan(cluster, sizes, sizes, [1.0 / n] * n, memory_fraction, root_resident)
 
 
 def memory_balance_plan(cluster: ClusterProfile, global_batch_size: int,
-                        memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION) -> Plan:
+                        memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
+                        root_resident: bool = False) -> Plan:
     """Memory balance alone: b_i = B/N, m_i = 1, greedy state ratios r_i (Cephalo-MB, Fig. 7).
 
     The state is partitioned by the greedy of ``state.partition_state`` for the compute
     memory M_i(1); the plan does not fit only if S + Σ M_i(1) exceeds c·Σ C_i.
     """
-    _check_batch(global_batch_size, memory_fraction)
+    check_batch_and_fraction(global_batch_size, memory_fraction)
     sizes = _even_batch_sizes(cluster.world_size, global_batch_size)
     micro = [1 if b else 0 for b in sizes]
-    mem = [float(cost.compute_memory_bytes(d, m)) for d, m in zip(cluster.devices, micro)]
+    mem = [float(memory.rank_memory_bytes(cluster, i, m, b, root_resident=root_resident))
+           for i, (m, b) in enumerate(zip(micro, sizes))]
     ratios = partition_state(cluster.model.state_bytes, mem,
                              [d.memory_capacity_bytes for d in cluster.devices])
-    return _hand_plan(cluster, sizes, micro, ratios, memory_fraction)
+    return _hand_plan(cluster, sizes, micro, ratios, memory_fraction, root_resident)
 
 
 def speed_proportional_plan(cluster: ClusterProfile, global_batch_size: int,
                             peak_flops: Sequence[float],
-                            memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION) -> Plan:
+                            memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
+                            root_resident: bool = False) -> Plan:
     """Whale-style: b_i ∝ peak FLOP/s, r_i = 1/N, per rank the fastest m_i that fits.
 
     Args:
@@ -238,34 +197,25 @@ def speed_proportional_plan(cluster: ClusterProfile, global_batch_size: int,
     Raises:
         ValueError: wrong number of peaks, or a peak that is not positive.
     """
-    _check_batch(global_batch_size, memory_fraction)
+    check_batch_and_fraction(global_batch_size, memory_fraction)
     n, S = cluster.world_size, cluster.model.state_bytes
     peaks = [float(p) for p in peak_flops]
     if len(peaks) != n or not all(math.isfinite(p) and p > 0 for p in peaks):
         raise ValueError(f"peak_flops needs one positive value per rank ({n} ranks), got {peaks}")
     sizes = integer_targets([p / sum(peaks) for p in peaks], global_batch_size)
     micro = []
-    for d, b in zip(cluster.devices, sizes):
+    for i, (d, b) in enumerate(zip(cluster.devices, sizes)):
         if b == 0:
             micro.append(0)
             continue
         ms = np.arange(1, b + 1)
-        ls = np.ceil(b / ms)
-        last = b - (ls - 1) * ms
-        f = (ls - 1) * cost.fwd_time_s(d, ms) + cost.fwd_time_s(d, last)
-        bw = (ls - 1) * cost.bwd_time_s(d, ms) + cost.bwd_time_s(d, last)
+        f, bw = cost.rank_compute_s(d, b, ms)
         t = cost.unit_time_s(f, bw, 1, cluster.comm, False)
-        ok = S / n + cost.compute_memory_bytes(d, ms) <= memory_fraction * d.memory_capacity_bytes
+        ok = S / n + memory.rank_memory_bytes(cluster, i, ms, b,
+                                              root_resident=root_resident) <= \
+            memory_fraction * d.memory_capacity_bytes
         micro.append(int(ms[ok][np.argmin(t[ok])]) if ok.any() else 1)
-    return _hand_plan(cluster, sizes, micro, [1.0 / n] * n, memory_fraction)
-
-
-def _check_batch(global_batch_size: int, memory_fraction: float) -> None:
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, (int, np.integer)) \
-            or global_batch_size < 1:
-        raise ValueError(f"global batch size must be an integer >= 1, got {global_batch_size!r}")
-    if not (isinstance(memory_fraction, (int, float)) and 0 < memory_fraction <= 1):
-        raise ValueError(f"memory fraction must be in (0, 1], got {memory_fraction!r}")
+    return _hand_plan(cluster, sizes, micro, [1.0 / n] * n, memory_fraction, root_resident)
 
 
 def _oom_note(plan: Plan, pred: Prediction) -> str:
@@ -280,7 +230,7 @@ def _oom_note(plan: Plan, pred: Prediction) -> str:
 def compare_plans(cluster: ClusterProfile, global_batch_size: int,
                   memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
                   peak_flops: Sequence[float] | None = None,
-                  allow_idle: bool = True) -> list[PlanComparison]:
+                  allow_idle: bool = True, root_resident: bool = False) -> list[PlanComparison]:
     """Build and predict every plan of ``BASELINES`` (in that order) for one global batch size.
 
     Args:
@@ -290,6 +240,8 @@ def compare_plans(cluster: ClusterProfile, global_batch_size: int,
         peak_flops: per-rank peak FLOP/s for the speed-proportional baseline; None leaves
             that row without a plan (note says why).
         allow_idle: passed to ``optimize`` for the Cephalo plan.
+        root_resident: every plan is priced (and the Cephalo plan made) for the engine's
+            ``root_resident=True``; False (default) for the split root.
 
     Returns:
         One PlanComparison per baseline; a plan over a cap has ``fits == False`` and a note
@@ -299,19 +251,18 @@ def compare_plans(cluster: ClusterProfile, global_batch_size: int,
     Raises:
         ValueError: B < 1, memory_fraction outside (0, 1], bad peak_flops.
     """
-    from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize
-
+    rr = {"root_resident": root_resident}
     builders = {
-        "even": lambda: even_split_plan(cluster, global_batch_size, memory_fraction),
+        "even": lambda: even_split_plan(cluster, global_batch_size, memory_fraction, **rr),
         "compute_balance": lambda: compute_balance_plan(cluster, global_batch_size,
-                                                        memory_fraction),
+                                                        memory_fraction, **rr),
         "memory_balance": lambda: memory_balance_plan(cluster, global_batch_size,
-                                                      memory_fraction),
+                                                      memory_fraction, **rr),
         "speed_proportional": None if peak_flops is None else (
             lambda: speed_proportional_plan(cluster, global_batch_size, peak_flops,
-                                            memory_fraction)),
+                                            memory_fraction, **rr)),
         "cephalo": lambda: optimize(cluster, global_batch_size, memory_fraction,
-                                    allow_idle=allow_idle),
+                                    allow_idle=allow_idle, **rr),
     }
     out = []
     for name in BASELINES:

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["partition_state", "layout_unit_shards", "integer_targets"]
+__all__ = ["partition_state", "layout_unit_shards", "integer_targets", "skewed_state_ratios"]
 
 
 def partition_state(state_bytes: float, compute_memory_bytes: Sequence[float],
@@ -52,6 +52,29 @@ def partition_state(state_bytes: float, compute_memory_bytes: Sequence[float],
     share = np.maximum(level * cap - mem, 0.0)
     ratios = share / share.sum()
     return [float(r) for r in ratios]
+
+
+def skewed_state_ratios(state_bytes: float, capacity_bytes: Sequence[float],
+                        memory_fraction: float = 0.8) -> list[float]:
+    """The most skewed state ratios the memory caps allow: the rank with the most memory takes
+    as much of S as c·C_i holds, then the next, ... (compute memory ignored: an upper bound on
+    the skew of any plan). What the profiler times the uneven factor u for.
+
+    Ties keep rank order. If c·Σ C_i < S no plan fits; the ratios are then proportional to C_i.
+    """
+    cap = np.asarray(capacity_bytes, dtype=np.float64)
+    if len(cap) == 0 or np.any(cap <= 0) or state_bytes <= 0:
+        raise ValueError(f"skewed_state_ratios: need positive capacities and state, got "
+                         f"{cap.tolist()}, {state_bytes}")
+    room = memory_fraction * cap
+    if room.sum() < state_bytes:
+        return [float(c) for c in cap / cap.sum()]
+    ratios = np.zeros(len(cap))
+    left = float(state_bytes)
+    for i in np.argsort(-cap, kind="stable"):
+        take = min(left, room[i])
+        ratios[i], left = take / state_bytes, left - take
+    return [float(r) for r in ratios / ratios.sum()]
 
 
 def integer_targets(state_ratios: Sequence[float], total_numel: int) -> list[int]:

@@ -13,17 +13,32 @@ state share and joins every collective but computes nothing.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hf_cephalo.profiler.types import ModelProfile, read_json_file, write_json_file
 
-__all__ = ["RankPlan", "Plan", "PLAN_FORMAT"]
+__all__ = ["RankPlan", "Plan", "PLAN_FORMAT", "check_batch_and_fraction"]
 
 PLAN_FORMAT = "hf_cephalo.plan/1"
 
 _RATIO_TOL = 1e-6
+
+
+def check_batch_and_fraction(global_batch_size: int, memory_fraction: float) -> None:
+    """The planner's input check: B an integer >= 1 (samples), c a number in (0, 1].
+
+    Raises:
+        ValueError: naming the offending value.
+    """
+    B = global_batch_size
+    if isinstance(B, bool) or not isinstance(B, numbers.Integral) or B < 1:
+        raise ValueError(f"global batch size must be an integer >= 1, got {B!r}")
+    c = memory_fraction
+    if isinstance(c, bool) or not isinstance(c, numbers.Real) or not 0 < c <= 1:
+        raise ValueError(f"memory fraction must be in (0, 1], got {c!r}")
 
 
 @dataclass(kw_only=True)
@@ -92,6 +107,10 @@ class Plan:
         ranks: one RankPlan per rank.
         model: optional model fingerprint {name, num_units, params_per_unit, params_other}
             checked by ``validate_for``.
+        root_resident: the engine keeps the root (embedding and head units) gathered with its
+            gradients for the whole step (``CephaloEngine(root_resident=True)``); False (the
+            engine's default) gathers each root unit around its uses. The memory model prices
+            the choice (docs/planner.md "Memory model") and the trainer builds the engine with it.
     """
 
     global_batch_size: int
@@ -100,6 +119,7 @@ class Plan:
     predicted_iteration_s: float | None = None
     ranks: list[RankPlan] = field(default_factory=list)
     model: dict[str, Any] | None = None
+    root_resident: bool = False
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -113,6 +133,8 @@ class Plan:
             raise ValueError(f"plan: global_batch_size {self.global_batch_size} must equal the "
                              f"sum of per-rank batch sizes {[r.batch_size for r in self.ranks]} "
                              f"(= {total}) and be >= 1")
+        if not isinstance(self.root_resident, bool):
+            raise ValueError(f"plan: root_resident must be true or false, got {self.root_resident!r}")
         ratio_sum = sum(r.state_ratio for r in self.ranks)
         if abs(ratio_sum - 1.0) > _RATIO_TOL:
             raise ValueError(f"plan: state ratios {self.state_ratios} sum to {ratio_sum}, not 1")
@@ -165,7 +187,7 @@ class Plan:
     @classmethod
     def from_ratios(cls, batch_sizes: Sequence[int], microbatch_sizes: Sequence[int],
                     state_ratios: Sequence[float], *, devices: Sequence[str] | None = None,
-                    memory_fraction: float = 0.8) -> "Plan":
+                    memory_fraction: float = 0.8, root_resident: bool = False) -> "Plan":
         """A hand-made plan: l_i = ceil(b_i / m_i) (last microbatch smaller), b_i may be 0.
 
         Raises:
@@ -192,7 +214,8 @@ class Plan:
                                   state_ratio=float(r)))
         uneven = max(state_ratios) - min(state_ratios) > _RATIO_TOL
         return cls(global_batch_size=sum(int(b) for b in batch_sizes),
-                   memory_fraction=memory_fraction, uneven_state=uneven, ranks=ranks)
+                   memory_fraction=memory_fraction, uneven_state=uneven, ranks=ranks,
+                   root_resident=root_resident)
 
     # --- validation ------------------------------------------------------------------------
     def validate_for(self, world_size: int, model_profile: ModelProfile | None = None) -> None:
@@ -233,7 +256,8 @@ class Plan:
                    memory_fraction=data.get("memory_fraction", 0.8),
                    uneven_state=bool(data.get("uneven_state", False)),
                    predicted_iteration_s=data.get("predicted_iteration_s"),
-                   ranks=ranks, model=data.get("model"))
+                   ranks=ranks, model=data.get("model"),
+                   root_resident=bool(data.get("root_resident", False)))
 
     def save(self, path: str | Path) -> None:
         write_json_file(path, self.to_json())

@@ -28,8 +28,10 @@ from hf_cephalo.profiler.types import CommProfile, DeviceProfile
 __all__ = ["ProfileCache", "default_cache_dir", "model_description", "model_fingerprint", "device_key", "comm_key"]
 
 # 2: non-decreasing fit of the per-m medians, parameters as views of one flat buffer (frozen ones
-# included), bf16-autocast profiles keyed by their dtype tag.
-MEASUREMENT_VERSION = 2
+# included), bf16-autocast profiles keyed by their dtype tag. 3: compute memory is the activation
+# memory alone (the planner prices the engine's buffers), measured on CPU as the peak of live
+# tensors; comm entries carry the measured uneven factor u.
+MEASUREMENT_VERSION = 3
 
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "use_cache",
                          "return_dict", "output_hidden_states", "output_attentions")

@@ -40,11 +40,10 @@ from typing import Any, Sequence
 import torch
 
 from hf_cephalo.models.base import HeadOutput, Microbatch, StagedModel
+from hf_cephalo.units import GIB
 
 __all__ = ["EmulationConfig", "EmulatedStagedModel", "EmulatedOutOfMemoryError", "ComputeTimer",
            "apply_memory_cap", "check_plan_memory", "emulated_device_name"]
-
-GIB = float(1 << 30)
 
 
 class EmulatedOutOfMemoryError(ValueError):

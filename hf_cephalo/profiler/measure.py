@@ -14,20 +14,20 @@ sequence length (synthetic token ids / pixels of the right shape, ``synthetic_mi
   microbatch cannot really be faster, so a dip is load noise on a shared machine). A backward
   median that is not positive or below a tenth of the forward is re-measured, then warned about
   ([Note: implausible backward times]).
-- ``compute_memory_bytes[m]``: peak memory of one step minus training state, for one
-  microbatch of m in flight: activations of one unit's recompute + backward, or of the head's
-  loss + backward (the larger), plus one unit's and the live root part's full gradients and the
-  gathered copies of two units (current + prefetched) and the live root part: the engine's
-  default split root holds the larger of its embedding unit and its head phase (head + a tied
-  embedding) at a time, not the whole root.
-  CUDA: caching-allocator peak (``torch.cuda.max_memory_allocated``) over a unit pass and a head
-  pass, minus the allocation before them. CPU (no allocator statistics): an estimate, the bytes
-  of the distinct storages autograd saves for backward (``torch.autograd.graph.
-  saved_tensors_hooks``, parameters excluded) plus input, output and their gradients. It misses
-  short-lived temporaries, so it is a lower bound of the real peak.
+- ``compute_memory_bytes[m]`` / ``head_memory_bytes[m]``: activation memory of ONE microbatch in
+  flight, without the engine's own buffers (gathered units, full gradients, the root,
+  collective buffers, the boundary stash), which the planner prices from the model profile
+  (planner/memory.py): the peak of a unit's recompute + backward, and of the head's loss +
+  backward beside the last unit's kept graph, each measured with the unit's and the root's
+  gradients already allocated (``_compute_memory``). CUDA: the caching allocator's peak over each region; CPU: the peak of
+  live tensors allocated in it (``live_memory.LiveTensorBytes``, operator granularity).
+- ``ModelProfile.param_bytes`` / ``boundary_bytes_per_sample``: the parameters' element size
+  and the bytes of one sample's embedding output (the boundary tensor the engine stashes).
 - ``allgather_s`` / ``reducescatter_s``: one unit with EVEN shards over the whole world through
-  the engine's own collectives (equal shards: the single-tensor fast path); the slowest rank's
-  median (every rank plans with the same numbers).
+  the engine's own collectives; the slowest rank's median (every rank plans with the same
+  numbers). ``uneven_factor`` u: the same unit split by the most skewed state ratios the
+  memory caps allow (``planner.state.skewed_state_ratios``), timed the same way, divided by
+  the even time (docs/planner.md "The uneven factor u").
 
 ``profile_cluster`` runs all of it on every rank (collective when the world size is > 1),
 uses the on-disk cache (``profiler.cache``) when it can, and returns the same
@@ -37,7 +37,6 @@ or device.
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
@@ -48,19 +47,23 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_cephalo.engine.flat_param import collect_params, install_param_views, param_infos
+from hf_cephalo.engine.flat_param import (collect_params, install_param_views,
+                                          move_shared_params, param_infos)
 from hf_cephalo.models.base import AutocastStagedModel, StagedModel
+from hf_cephalo.planner.state import skewed_state_ratios
 from hf_cephalo.profiler.cache import (ProfileCache, comm_key, device_key, model_description,
                                        model_fingerprint)
 from hf_cephalo.profiler.emulate import EmulatedStagedModel, EmulationConfig, emulated_device_name
+from hf_cephalo.profiler.live_memory import LiveTensorBytes
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.units import GIB
 
 __all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "model_profile",
            "local_device_name",
            "device_capacity_bytes", "local_world_size", "measure_device", "measure_comm", "profile_cluster",
-           "check_profile_matches", "sequence_length_of", "precision_tag", "PRECISIONS"]
+           "check_profile_matches", "sequence_length_of", "precision_tag", "PRECISIONS",
+           "boundary_bytes_per_sample", "machine_layout"]
 
-GIB = float(1 << 30)
 MakeMicrobatch = Callable[[int], Mapping[str, torch.Tensor]]
 
 
@@ -136,19 +139,21 @@ def _unique_params(modules) -> list[torch.nn.Parameter]:
     return out
 
 
-def _bytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
-
-
 def model_dtype(staged: StagedModel) -> torch.dtype:
     return next(iter(staged.units()[0].parameters())).dtype
 
 
-def model_profile(staged: StagedModel, name: str | None = None) -> ModelProfile:
+def model_profile(staged: StagedModel, name: str | None = None,
+                  boundary_bytes_per_sample: float = 0.0) -> ModelProfile:
     """ModelProfile of a staged model: units, parameters per unit / outside units, state bytes.
 
     ``state_bytes_per_param`` = 4 × element size (parameter, gradient and Adam's two moments in
-    the parameter dtype: 16 for fp32, paper §2.4). Raises ValueError if units differ in size.
+    the parameter dtype: 16 for fp32, paper §2.4); ``param_bytes`` = the element size;
+    ``boundary_bytes_per_sample`` as given (``boundary_bytes_per_sample`` measures it). The
+    root is split as the engine splits it (engine.py ``_build_units``): ``params_embed`` =
+    the parameters of ``embed_modules()`` (a tied weight once), ``params_head`` = those of
+    ``head_modules()`` not already there, ``head_ties_embedding`` when the head uses one of
+    the embedding's. Raises ValueError if units differ in size.
     """
     units = staged.units()
     sizes = [sum(p.numel() for p in u.parameters()) for u in units]
@@ -156,14 +161,51 @@ def model_profile(staged: StagedModel, name: str | None = None) -> ModelProfile:
         raise ValueError(f"units have different parameter counts {sizes}; the cost model needs "
                          "identical units (docs/design.md contract 1)")
     unit_ids = {id(p) for u in units for p in u.parameters()}
-    other = sum(p.numel() for p in _unique_params(staged.root_modules()) if id(p) not in unit_ids)
+    embed = {id(p): p.numel() for p in _unique_params(staged.embed_modules())
+             if id(p) not in unit_ids}
+    head = {id(p): p.numel() for p in _unique_params(staged.head_modules())
+            if id(p) not in unit_ids}
+    tied = any(k in embed for k in head)
+    head_only = sum(n for k, n in head.items() if k not in embed)
     model = staged.model
     if name is None:
         cfg = getattr(model, "config", None)
         name = str(getattr(cfg, "name_or_path", "") or type(model).__name__)
     elem = torch.empty((), dtype=model_dtype(staged)).element_size()
     return ModelProfile(name=name, num_units=len(units), params_per_unit=sizes[0],
-                        params_other=other, state_bytes_per_param=4.0 * elem)
+                        params_other=sum(embed.values()) + head_only,
+                        params_embed=sum(embed.values()), params_head=head_only,
+                        head_ties_embedding=tied, state_bytes_per_param=4.0 * elem,
+                        param_bytes=elem, boundary_bytes_per_sample=boundary_bytes_per_sample)
+
+
+def boundary_bytes_per_sample(staged: StagedModel, make_microbatch: Callable[[int], Any],
+                              device: torch.device | str) -> float:
+    """Bytes of one sample's embedding output: the boundary tensor the engine stashes per sample
+    and unit boundary (sequence length x hidden size x element size)."""
+    mb = {k: v.to(device) for k, v in make_microbatch(1).items()}
+    with torch.no_grad():
+        hidden, _ = staged.embed(mb)
+    return float(hidden.numel() * hidden.element_size())
+
+
+def machine_layout(group: dist.ProcessGroup | None = None) -> tuple[list[int], list[float]]:
+    """(machine index per rank, RAM bytes per machine): ranks with one hostname share a machine.
+
+    One ``all_gather_object`` (a collective on every rank of ``group``) when a process group
+    with world size > 1 exists.
+    """
+    import socket
+
+    try:
+        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        ram = 16 * GIB
+    _, world_size = _world(group)
+    entries = _all_gather_objects((socket.gethostname(), ram), group, world_size)
+    hosts = list(dict.fromkeys(h for h, _ in entries))
+    rams = {h: r for h, r in entries}
+    return [hosts.index(h) for h, _ in entries], [rams[h] for h in hosts]
 
 
 def local_device_name(device: torch.device | str) -> str:
@@ -190,7 +232,7 @@ def device_capacity_bytes(device: torch.device | str, local_world_size: int = 1)
     try:
         ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
-        ram = float(16 * (1 << 30))
+        ram = 16 * GIB
     return ram / local_world_size
 
 
@@ -315,36 +357,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _SavedBytes:
-    """Bytes of distinct storages autograd saves for backward inside the context (CPU method).
-
-    Parameters (and anything in ``exclude`` storage pointers) are not counted: they are state.
-    """
-
-    def __init__(self, exclude: set[int]):
-        self.exclude, self.seen, self.bytes = exclude, set(), 0
-
-    def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.exclude and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.bytes += storage.nbytes()
-        return t
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class _FlatViews:
     """Unit 0's parameters as views of one flat buffer, installed exactly as the engine does.
 
@@ -356,9 +368,10 @@ class _FlatViews:
     that plain module parameters would not show. ``restore`` puts the original parameters back.
     """
 
-    def __init__(self, unit: torch.nn.Module):
-        params, uses = collect_params("unit 0", [unit], {})
-        self.infos = param_infos("unit 0", params, {})
+    def __init__(self, unit: torch.nn.Module | None = None, collected=None):
+        params, uses = collected if collected is not None else \
+            collect_params("unit 0", [unit], {})
+        self.infos = param_infos("unit", params, {})
         self.uses = [uses[id(p)] for p in params]
         self.originals = [(entries, p) for entries, p in zip(self.uses, params)]
         with torch.no_grad():
@@ -370,6 +383,15 @@ class _FlatViews:
 
     def install(self) -> None:
         install_param_views(self.infos, self.uses, self.leaf, self.frozen)
+
+    @staticmethod
+    def head_phase(staged: StagedModel) -> list["_FlatViews"]:
+        """Views of the units the engine's head phase gathers: the head unit, and the embedding
+        unit when the head uses one of its weights (grouped as engine.py ``_build_units``)."""
+        embed = collect_params("embed", list(staged.embed_modules()), {})
+        head = collect_params("head", list(staged.head_modules()), {})
+        embed, head, tied = move_shared_params(embed, head)
+        return [_FlatViews(collected=head)] + ([_FlatViews(collected=embed)] if tied else [])
 
     def restore(self) -> None:
         for entries, p in self.originals:
@@ -395,38 +417,60 @@ def _head_backward(staged: StagedModel, hidden: torch.Tensor, mb, ctx: Any) -> N
     torch.autograd.backward(out.loss_sum)
 
 
-def _compute_memory(staged: StagedModel, hidden, mb, ctx, grad, device, params) -> float:
-    """Compute memory of one microbatch in bytes (see the module docstring for the method)."""
-    for p in params:
-        p.grad = None
-    unit_params = list(staged.units()[0].parameters())
-    unit_ids = {id(p) for u in staged.units() for p in u.parameters()}
-    # the split root's larger phase: the embedding, or the head (its modules include a tied
-    # embedding weight, which the head phase gathers too)
-    root_live = max(_bytes([p for p in _unique_params(mods) if id(p) not in unit_ids])
-                    for mods in (staged.embed_modules(), staged.head_modules()))
-    # Gathered copies beside the shards: current + prefetched unit, and the live root part.
-    gathered = 2 * _bytes(unit_params) + root_live
+def _peak_bytes(device: torch.device, run: Callable[[], None]) -> float:
+    """Peak bytes allocated while ``run()`` runs, beyond what was allocated before it.
+
+    CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated``). CPU: the peak of
+    live tensors allocated inside (``live_memory.LiveTensorBytes``).
+    """
     if device.type == "cuda":
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        y = _unit_backward(staged, hidden, ctx, grad)
-        _head_backward(staged, y, mb, ctx)
+        run()
         _sync(device)
-        transient = torch.cuda.max_memory_allocated(device) - base
-    else:
-        exclude = {p.untyped_storage().data_ptr() for p in params}
-        with _SavedBytes(exclude) as unit_saved:
-            y = _unit_backward(staged, hidden, ctx, grad)
-        with _SavedBytes(exclude) as head_saved:
-            _head_backward(staged, y, mb, ctx)
-        io = 4 * _tensor_bytes(hidden)  # input, output and both gradients
-        grads = _bytes(unit_params) + root_live
-        transient = grads + io + max(unit_saved.bytes, head_saved.bytes)
-    for p in params:
-        p.grad = None
-    return float(gathered + transient)
+        return float(torch.cuda.max_memory_allocated(device) - base)
+    with LiveTensorBytes() as live:
+        run()
+    return float(live.peak_bytes)
+
+
+def _compute_memory(staged: StagedModel, views: _FlatViews, hidden, mb, ctx, grad,
+                    device) -> tuple[float, float]:
+    """(unit, head) activation memory of one microbatch in flight, bytes (module docstring).
+
+    The persistent buffers the planner prices itself (planner/memory.py) are allocated before
+    the measured regions, as after the engine's first microbatch: the unit's and the head
+    phase's flat gradients exist (backward adds into them), the input and its boundary
+    gradient are stashed. The head phase's units are flat views as in the engine, so the
+    per-microbatch concatenated gradient of each is measured (flat_param.py [Note: parameter
+    views while unsharded]). Two regions: the unit's recompute + backward, and the head's
+    loss + backward beside the last unit's kept forward graph (the schedule keeps it through
+    the head phase).
+    """
+    head_views = _FlatViews.head_phase(staged)
+    for v in [views, *head_views]:
+        if v.leaf.requires_grad:
+            v.leaf.grad = torch.zeros_like(v.leaf)
+
+    def unit_pass() -> None:
+        views.install()
+        _unit_backward(staged, hidden, ctx, grad)
+
+    def head_pass() -> None:
+        for v in [views, *head_views]:
+            v.install()
+        x = hidden.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = staged.run_unit(0, x, ctx)  # the kept graph, alive during the head
+        _head_backward(staged, y, mb, ctx)
+
+    try:
+        return _peak_bytes(device, unit_pass), _peak_bytes(device, head_pass)
+    finally:
+        for v in head_views:
+            v.restore()
+        views.leaf.grad = None
 
 
 # [Note: implausible backward times]
@@ -590,12 +634,13 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
         try:
             fwd_med, bwd_med = _measure_times(staged, config, inputs, views, device, rank, name,
                                               before_each, any_rank)
+            unit_head = [_compute_memory(staged, views, inputs[m][1], inputs[m][0],
+                                         inputs[m][2], inputs[m][3], device) for m in ms]
         finally:
             views.restore()
         fwd = _non_decreasing([fwd_med[m] for m in ms])
         bwd = _non_decreasing([bwd_med[m] for m in ms])
-        mem = [_compute_memory(staged, inputs[m][1], inputs[m][0], inputs[m][2], inputs[m][3],
-                               device, params) for m in ms]
+        mem, head_mem = [u for u, _ in unit_head], [h for _, h in unit_head]
         if config.prints(rank):
             print(f"[hf-cephalo profile] rank {rank} ({name}): done; m={ms[-1]}: fwd "
                   f"{fwd[-1] * 1e3:.2f} ms, bwd {bwd[-1] * 1e3:.2f} ms, compute memory "
@@ -605,52 +650,83 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
             p.grad = None
         model.train(was_training)
     return DeviceProfile(name=name, memory_capacity_bytes=capacity_bytes, microbatch_sizes=ms,
-                         fwd_s=fwd, bwd_s=bwd, compute_memory_bytes=mem)
+                         fwd_s=fwd, bwd_s=bwd, compute_memory_bytes=mem,
+                         head_memory_bytes=head_mem)
 
 
 # ---- collectives --------------------------------------------------------------------------------
-def measure_comm(staged: StagedModel, *, device: torch.device | str, repeats: int = 5,
-                 group: dist.ProcessGroup | None = None) -> CommProfile:
-    """One unit's all-gather and reduce-scatter with EVEN shards (collective on every rank).
+def _time_unit_collectives(numel_per_rank: Sequence[int], dtype, device, group, repeats: int,
+                           use_all_reduce: bool) -> tuple[float, float]:
+    """Median (all-gather s, reduce-scatter s) of one unit whose shards are ``numel_per_rank``,
+    through the engine's own collectives (collective on every rank).
 
-    Uses the engine's collectives (``engine.collectives``), the reduce-scatter fallback
-    included where the backend lacks reduce-scatter. Returns the slowest rank's medians, in
-    seconds, identical on every rank. Without a process group or with world size 1: zeros.
+    The one call site of the engine's collective API in the profiler: the variable-size
+    collectives the engine runs (``all_gather_shards`` / ``reduce_scatter_shards``, the
+    single-tensor fast path when the shards are equal), with these shard sizes.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return CommProfile(allgather_s=0.0, reducescatter_s=0.0)
     from hf_cephalo.engine import collectives as C
     from hf_cephalo.engine.stats import CollectiveStats
 
-    device = torch.device(device)
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    numel = sum(p.numel() for p in staged.units()[0].parameters())
-    shard = torch.ones(math.ceil(numel / n), dtype=model_dtype(staged), device=device)
-    use_all_reduce = not C.reduce_scatter_supported(group)
+    rank = dist.get_rank(group)
+    sizes = [int(n) for n in numel_per_rank]
+    shard = torch.ones(sizes[rank], dtype=dtype, device=device)  # 1D, this rank's shard
     stats = CollectiveStats()
     ag, rs = [], []
     for k in range(1 + repeats):
         dist.barrier(group)
         _sync(device)
         t0 = time.perf_counter()
-        full = C.all_gather_shards(shard, [shard.numel()] * n, rank, group, stats,
-                                   async_op=False).output
+        full = C.all_gather_shards(shard, sizes, rank, group, stats, async_op=False).output
         _sync(device)
         t1 = time.perf_counter()
         dist.barrier(group)
         _sync(device)
         t2 = time.perf_counter()
-        C.reduce_scatter_shards(full, [shard.numel()] * n, rank, group, stats, async_op=False,
+        C.reduce_scatter_shards(full, sizes, rank, group, stats, async_op=False,
                                 use_all_reduce=use_all_reduce)
         _sync(device)
         t3 = time.perf_counter()
         if k:
             ag.append(t1 - t0)
             rs.append(t3 - t2)
-    times = torch.tensor([statistics.median(ag), statistics.median(rs)], dtype=torch.float64,
-                         device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return CommProfile(allgather_s=float(times[0]), reducescatter_s=float(times[1]))
+    return statistics.median(ag), statistics.median(rs)
+
+
+def measure_comm(staged: StagedModel, *, device: torch.device | str, repeats: int = 5,
+                 group: dist.ProcessGroup | None = None,
+                 state_ratios: Sequence[float] | None = None) -> CommProfile:
+    """One unit's all-gather and reduce-scatter (collective on every rank), and u.
+
+    AG and RS: EVEN shards. ``state_ratios`` (e.g. ``planner.state.skewed_state_ratios``): the
+    same unit split by those ratios (``integer_targets``, as a ratio-split unit of the plan's
+    layout) is timed too, and ``uneven_factor`` u = (AG + RS uneven) / (AG + RS even), clamped
+    at 1 (an uneven layout is never priced cheaper than even: below 1 is timing noise). Uses the
+    engine's collectives (``_time_unit_collectives``), the reduce-scatter fallback included
+    where the backend lacks reduce-scatter. Slowest rank's medians, identical on every rank.
+    Without a process group or with world size 1: zeros and no u.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return CommProfile(allgather_s=0.0, reducescatter_s=0.0)
+    from hf_cephalo.engine import collectives as C
+    from hf_cephalo.planner.state import integer_targets
+
+    device = torch.device(device)
+    n = dist.get_world_size(group)
+    numel = sum(p.numel() for p in staged.units()[0].parameters())
+    dtype, fallback = model_dtype(staged), not C.reduce_scatter_supported(group)
+    even = integer_targets([1.0 / n] * n, numel)
+    times = list(_time_unit_collectives(even, dtype, device, group, repeats, fallback))
+    if state_ratios is not None:
+        row = integer_targets(state_ratios, numel)
+        times += _time_unit_collectives(row, dtype, device, group, repeats, fallback)
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    ag, rs = float(t[0]), float(t[1])
+    if state_ratios is None:
+        return CommProfile(allgather_s=ag, reducescatter_s=rs)
+    u = max(1.0, float(t[2] + t[3]) / max(ag + rs, 1e-12))
+    return CommProfile(allgather_s=ag, reducescatter_s=rs, uneven_factor=u,
+                       uneven_state_ratios=[float(r) for r in state_ratios])
 
 
 # ---- the whole cluster --------------------------------------------------------------------------
@@ -737,10 +813,17 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
             store.put_device(key, dev)
     devices = [DeviceProfile.from_json(d) for d in
                _all_gather_objects(dev.to_json(), group, world_size)]
+    model = model_profile(base, model_name, boundary_bytes_per_sample(
+        base, make_microbatch or (lambda m: synthetic_microbatch(
+            base.model, m, config.sequence_length, device)), device))
+    ratios = skewed_state_ratios(model.state_bytes, [d.memory_capacity_bytes for d in devices])
     comm = _cluster_comm(base, store, fingerprint, dtype, [d.name for d in devices], device,
-                         config, group, world_size)
+                         config, group, world_size, ratios)
+    machines, host_ram = machine_layout(group)
     return ClusterProfile(
-        model=model_profile(base, model_name), devices=devices, comm=comm, source="measured",
+        model=model, devices=devices, comm=comm, source="measured",
+        offload_activations=device.type == "cuda", machine_of_rank=machines,
+        host_memory_bytes=host_ram,
         extra={"model_fingerprint": fingerprint, "model_class": type(base.model).__name__,
                "model_description": model_description(base.model),
                "dtype": dtype, "sequence_length": config.sequence_length,
@@ -757,19 +840,24 @@ def _all_ranks(flag: bool, device, group, world_size: int) -> bool:
 
 
 def _cluster_comm(staged, store, fingerprint, dtype, names, device, config, group,
-                  world_size) -> CommProfile:
-    """Cached comm profile if EVERY rank has it (one all-reduce decides), else measure."""
+                  world_size, state_ratios=None) -> CommProfile:
+    """Cached comm profile if EVERY rank has it with a measured u (one all-reduce decides),
+    else measure (even shards and the ``state_ratios`` layout)."""
     if world_size == 1:
         return CommProfile(allgather_s=0.0, reducescatter_s=0.0)
     backend = str(dist.get_backend(group))
     key = comm_key(fingerprint, dtype, names, backend)
     cached = store.get_comm(key) if store is not None else None
-    if _all_ranks(cached is not None, device, group, world_size):
-        times = torch.tensor([cached.allgather_s, cached.reducescatter_s], dtype=torch.float64,
-                             device=device)
+    usable = cached is not None and cached.uneven_factor is not None
+    if _all_ranks(usable, device, group, world_size):
+        times = torch.tensor([cached.allgather_s, cached.reducescatter_s, cached.uneven_factor],
+                             dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-        return CommProfile(allgather_s=float(times[0]), reducescatter_s=float(times[1]))
-    comm = measure_comm(staged, device=device, repeats=config.comm_repeats, group=group)
+        return CommProfile(allgather_s=float(times[0]), reducescatter_s=float(times[1]),
+                           uneven_factor=float(times[2]),
+                           uneven_state_ratios=cached.uneven_state_ratios)
+    comm = measure_comm(staged, device=device, repeats=config.comm_repeats, group=group,
+                        state_ratios=state_ratios)
     if store is not None:
         store.put_comm(key, comm)
     return comm

@@ -16,11 +16,12 @@ Formulas (per transformer layer, per sample, sequence length s, hidden h, heads 
   Models", eq. 1), doubled for fp32; plus logits and their gradient for a language-model head
   (2·s·V·4 bytes). Boundary activations are offloaded to the host (docs/design.md contract 4), so
   compute memory grows with m, not with l.
-* fixed compute memory: the gathered current and prefetched unit (2 × 4·P_unit bytes), its
-  unsharded gradient (4·P_unit), the gathered root with its gradient (2 × 4·P_root_live) and a
-  framework reserve (``framework_reserve_bytes``, default 1 GiB). P_root_live is what the engine
-  holds of the root at once: with the split root (its default) the larger root phase, max(P_embed,
-  P_head (+ P_embed when tied)); with ``root_resident`` the whole root P_other.
+* fixed compute memory: a framework reserve (``framework_reserve_bytes``, default 1 GiB). The
+  engine's own buffers (gathered units, full gradients, the root, collective buffers, the
+  boundary stash) are priced by the planner from the model profile (planner/memory.py), with
+  ``boundary_bytes_per_sample`` = 4·s·h (fp32 hidden states) and activation offload on.
+* host RAM per machine: ``host_ram_gib`` of a machine entry in the cluster YAML (or of the
+  cluster), the limit of the pinned offload buffers; absent = not limited.
 * all-gather / reduce-scatter of one unit in a ring: (N − 1)/N · 4·P_unit bytes over the slowest
   link (the network between machines if the job spans several, else the intra-machine link).
 """
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.units import GIB
 
 __all__ = [
     "GPUSpec", "GPU_SPECS", "ModelShape", "MODEL_SHAPES", "ClusterSpec",
@@ -40,7 +42,6 @@ __all__ = [
     "estimate_comm_profile", "estimate_cluster_profile",
 ]
 
-GIB = float(1 << 30)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,14 +180,6 @@ class ModelShape:
     def params_other(self) -> int:
         return self.params_embed + self.params_head
 
-    def root_live_params(self, resident: bool = False) -> int:
-        """Root parameters the engine holds gathered at once: the whole root when resident,
-        else the larger phase (the embedding alone, or the head + a tied embedding)."""
-        if resident:
-            return self.params_other
-        head_phase = self.params_head + (self.params_embed if self.head_ties_embedding else 0)
-        return max(self.params_embed, head_phase)
-
     @property
     def num_params(self) -> int:
         return self.num_layers * self.params_per_layer + self.params_other
@@ -199,8 +192,12 @@ class ModelShape:
         return 4 * h * h + 2 * h * f
 
     def model_profile(self) -> ModelProfile:
+        """fp32 parameters (4 bytes; bf16 autocast keeps them fp32) and fp32 hidden states."""
         return ModelProfile(name=self.name, num_units=self.num_layers,
-                            params_per_unit=self.params_per_layer, params_other=self.params_other)
+                            params_per_unit=self.params_per_layer, params_other=self.params_other,
+                            params_embed=self.params_embed, params_head=self.params_head,
+                            head_ties_embedding=self.head_ties_embedding, param_bytes=4.0,
+                            boundary_bytes_per_sample=4.0 * self.seq_len * self.hidden)
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {s.name: s for s in [
@@ -276,17 +273,16 @@ def _activation_bytes_per_sample(shape: ModelShape) -> float:
 def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency: float = 0.5,
                             precision: str = "fp32", launch_overhead_s: float = 2e-4,
                             framework_reserve_bytes: float = GIB,
-                            microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
-                            root_resident: bool = False) -> DeviceProfile:
+                            microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16)) -> DeviceProfile:
     """Analytical DeviceProfile of ``gpu`` running one layer of ``shape`` (an ESTIMATE).
 
     Args:
         efficiency: assumed fraction of peak reached by a layer (0 < e <= 1).
         precision: ``"fp32"`` (the paper's full-precision training) or ``"bf16"``.
         launch_overhead_s: fixed per-microbatch time of one layer's kernels, seconds.
-        framework_reserve_bytes: memory the framework keeps besides the model, bytes.
-        root_resident: the engine keeps the whole root gathered all step (its
-            ``root_resident``); default False: the split root, only its larger phase at once.
+        framework_reserve_bytes: memory the framework keeps besides the model, bytes. The
+            engine's buffers (units, the root's phases, collectives, stash) are not in the
+            device profile: the planner prices them from the model profile (planner/memory.py).
 
     Raises:
         ValueError: unknown GPU, efficiency outside (0, 1], bf16 on a GPU without bf16.
@@ -307,8 +303,7 @@ def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency
     ms = list(microbatch_sizes)
     fwd = [launch_overhead_s + m * per_sample_s for m in ms]
     bwd = [launch_overhead_s + 2 * m * per_sample_s for m in ms]
-    fixed = 3 * 4.0 * shape.params_per_layer + 2 * 4.0 * shape.root_live_params(root_resident) \
-        + framework_reserve_bytes
+    fixed = framework_reserve_bytes  # engine buffers: planner/memory.py
     act = _activation_bytes_per_sample(shape)
     return DeviceProfile(name=spec.name, memory_capacity_bytes=spec.memory_gib * GIB,
                          microbatch_sizes=ms, fwd_s=fwd, bwd_s=bwd,
@@ -337,12 +332,15 @@ class ClusterSpec:
         interconnect_gbps: network bandwidth between machines, Gbit/s.
         intra_machine_gbps: GPU-to-GPU bandwidth inside a machine, Gbit/s (default: PCIe 3.0
             x16, about 128 Gbit/s).
+        host_ram_gib: per machine, its RAM in GiB (None entries or None: not known, the
+            activation offload's pinned memory is then not limited).
     """
 
     name: str = "cluster"
     machines: list[list[str]]
     interconnect_gbps: float
     intra_machine_gbps: float = 128.0
+    host_ram_gib: list[float | None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -356,9 +354,29 @@ class ClusterSpec:
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"cluster {self.name!r}: {key} must be a positive number, got {v!r}")
 
+        if self.host_ram_gib is not None:
+            if len(self.host_ram_gib) != len(self.machines):
+                raise ValueError(f"cluster {self.name!r}: host_ram_gib needs one entry per machine "
+                                 f"({len(self.machines)}), got {self.host_ram_gib!r}")
+            for v in self.host_ram_gib:
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                      or not math.isfinite(v) or v <= 0):
+                    raise ValueError(f"cluster {self.name!r}: host_ram_gib must be positive "
+                                     f"numbers (GiB), got {v!r}")
+
     @property
     def gpus(self) -> list[str]:
         return [g for machine in self.machines for g in machine]
+
+    @property
+    def machine_of_rank(self) -> list[int]:
+        return [k for k, machine in enumerate(self.machines) for _ in machine]
+
+    def host_memory_bytes(self) -> list[float] | None:
+        """Per machine RAM in bytes, or None unless every machine has a figure."""
+        if self.host_ram_gib is None or any(v is None for v in self.host_ram_gib):
+            return None
+        return [float(v) * GIB for v in self.host_ram_gib]
 
 
 def _machine_gpus(entry: Any, where: str) -> list[str]:
@@ -420,12 +438,18 @@ def load_cluster_yaml(path: str | Path) -> ClusterSpec:
         raise ValueError(f"{where}: 'name' must be text, got {name!r}")
     machines = [_machine_gpus(m, f"{where}: machines[{i}]")
                 for i, m in enumerate(data["machines"])]
+    default_ram = data.get("host_ram_gib")
+    host_ram = [m.get("host_ram_gib", default_ram) if isinstance(m, Mapping) else default_ram
+                for m in data["machines"]]
     extra = {k: v for k, v in data.items()
-             if k not in ("name", "machines", "interconnect_gbps", "intra_machine_gbps")}
+             if k not in ("name", "machines", "interconnect_gbps", "intra_machine_gbps",
+                          "host_ram_gib")}
     try:
         return ClusterSpec(name=str(name), machines=machines,
                            interconnect_gbps=data["interconnect_gbps"],
-                           intra_machine_gbps=data.get("intra_machine_gbps", 128.0), extra=extra)
+                           intra_machine_gbps=data.get("intra_machine_gbps", 128.0),
+                           host_ram_gib=None if all(v is None for v in host_ram) else host_ram,
+                           extra=extra)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
@@ -448,5 +472,7 @@ def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kw
         devices.append(cache[g])
     return ClusterProfile(model=shape.model_profile(), devices=devices,
                           comm=estimate_comm_profile(shape, len(gpus), bw),
-                          source="spec-sheet estimate",
+                          source="spec-sheet estimate", offload_activations=True,
+                          machine_of_rank=cluster.machine_of_rank,
+                          host_memory_bytes=cluster.host_memory_bytes(),
                           extra={"cluster": cluster.name, "model_shape": shape.name})

@@ -16,23 +16,15 @@ import math
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
-__all__ = ["ModelProfile", "DeviceProfile", "CommProfile", "ClusterProfile", "format_bytes",
-           "CLUSTER_PROFILE_FORMAT"]
+from hf_cephalo.units import format_bytes  # re-exported: callers import it from here
 
-CLUSTER_PROFILE_FORMAT = "hf_cephalo.cluster_profile/1"
+__all__ = ["ModelProfile", "RootSplit", "DeviceProfile", "CommProfile", "ClusterProfile",
+           "format_bytes", "CLUSTER_PROFILE_FORMAT"]
 
-GIB = float(1 << 30)
-
-
-def format_bytes(n: float) -> str:
-    """A byte count in adaptive binary units, one decimal: ``'512 B'``, ``'3.0 KiB'``, ``'1.5 GiB'``."""
-    n = float(n)
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
+CLUSTER_PROFILE_FORMAT = "hf_cephalo.cluster_profile/2"
+_LEGACY_FORMAT = "hf_cephalo.cluster_profile/1"  # compute memory included the engine buffers
 
 
 def _check_number(owner: str, name: str, value: Any, *, positive: bool = False) -> float:
@@ -81,6 +73,14 @@ def read_json_file(path: str | Path, what: str) -> Any:
         raise ValueError(f"{what} {str(path)!r} is not valid JSON: {e}") from e
 
 
+class RootSplit(NamedTuple):
+    """The root as the engine's embedding unit E and head unit H (``ModelProfile.root_split``)."""
+
+    embed_numel: int  # N_E: embedding unit elements (a tied head weight included)
+    head_numel: int  # N_H: head unit elements (without the tied weight)
+    tied: bool  # the head phase gathers E too
+
+
 @dataclass(kw_only=True)
 class ModelProfile:
     """Shape of the model as the planner sees it.
@@ -89,9 +89,21 @@ class ModelProfile:
         name: model name (free text, e.g. ``"llama-3b"``); used to check plan/model matches.
         num_units: number of transformer layers (each one FSDP unit).
         params_per_unit: parameters (elements) of one transformer layer.
-        params_other: parameters outside the layers: embeddings, final norm, head (the root unit).
+        params_other: parameters outside the layers: embeddings, final norm, head (the root).
+        params_embed / params_head: the root's split into the engine's embedding unit (token /
+            position embeddings; a tied lm head weight included, once) and its head unit (final
+            norm, lm head or classifier, pooler; without a tied weight), elements; both or
+            neither, summing to ``params_other``. None (profiles written before the split): the
+            memory model prices every root phase with the whole root (``root_split``).
+        head_ties_embedding: the head uses a weight of the embedding unit (tied input/output
+            embeddings), so the engine gathers the embedding unit for the head phase too.
         state_bytes_per_param: training-state bytes per parameter; 16 for fp32 Adam
             (param 4 + grad 4 + two moments 8; paper §2.4).
+        param_bytes: bytes of one element of the engine's flat parameter / gradient buffers
+            (the parameters' dtype: 4 for fp32); prices the gathered units and gradients.
+        boundary_bytes_per_sample: bytes of one sample's hidden state at a unit boundary
+            (sequence length x hidden size x activation element size), what the engine stashes
+            per sample and unit boundary; 0 = unknown (the stash is then not priced).
     """
 
     name: str = "model"
@@ -99,6 +111,11 @@ class ModelProfile:
     params_per_unit: int
     params_other: int
     state_bytes_per_param: float = 16.0
+    param_bytes: float = 4.0
+    boundary_bytes_per_sample: float = 0.0
+    params_embed: int | None = None
+    params_head: int | None = None
+    head_ties_embedding: bool = False
 
     def __post_init__(self) -> None:
         owner = f"model profile {self.name!r}"
@@ -108,6 +125,32 @@ class ModelProfile:
         self.state_bytes_per_param = _check_number(
             owner, "state_bytes_per_param", self.state_bytes_per_param, positive=True
         )
+        self.param_bytes = _check_number(owner, "param_bytes", self.param_bytes, positive=True)
+        self.boundary_bytes_per_sample = _check_number(
+            owner, "boundary_bytes_per_sample", self.boundary_bytes_per_sample)
+        if (self.params_embed is None) != (self.params_head is None):
+            raise ValueError(f"{owner}: give both params_embed and params_head or neither, got "
+                             f"params_embed={self.params_embed!r}, params_head={self.params_head!r}")
+        if self.params_embed is not None:
+            self.params_embed = _check_int(owner, "params_embed", self.params_embed, minimum=0)
+            self.params_head = _check_int(owner, "params_head", self.params_head, minimum=0)
+            if self.params_embed + self.params_head != self.params_other:
+                raise ValueError(f"{owner}: params_embed {self.params_embed} + params_head "
+                                 f"{self.params_head} must equal params_other {self.params_other}")
+        if not isinstance(self.head_ties_embedding, bool):
+            raise ValueError(f"{owner}: head_ties_embedding must be true or false, got "
+                             f"{self.head_ties_embedding!r}")
+
+    def root_split(self) -> "RootSplit":
+        """The root as the engine's two units (elements), for the memory model.
+
+        Without ``params_embed`` / ``params_head`` (older profiles) the embedding unit is taken
+        to be the whole root and the head to use it (tied): every phase of the split root is
+        then priced with the whole root gathered, an upper bound on any real split.
+        """
+        if self.params_embed is None:
+            return RootSplit(self.params_other, 0, True)
+        return RootSplit(self.params_embed, self.params_head, self.head_ties_embedding)
 
     @property
     def num_params(self) -> int:
@@ -126,7 +169,9 @@ class ModelProfile:
     def from_json(cls, data: Mapping[str, Any]) -> "ModelProfile":
         _require_keys("model profile", data, ("num_units", "params_per_unit", "params_other"))
         return cls(**{k: data[k] for k in ("name", "num_units", "params_per_unit", "params_other",
-                                            "state_bytes_per_param") if k in data})
+                                            "state_bytes_per_param", "param_bytes",
+                                            "boundary_bytes_per_sample", "params_embed",
+                                            "params_head", "head_ties_embedding") if k in data})
 
 
 @dataclass(kw_only=True)
@@ -139,7 +184,12 @@ class DeviceProfile:
         microbatch_sizes: profiled microbatch sizes m (strictly increasing, must contain 1).
         fwd_s: forward time of one unit at each profiled m, seconds.
         bwd_s: backward time (without the recompute) of one unit at each profiled m, seconds.
-        compute_memory_bytes: peak memory minus training state at each profiled m, bytes.
+        compute_memory_bytes: activation memory of one microbatch at each profiled m, bytes:
+            a unit's recompute + backward (format 1: peak memory minus training state, the
+            engine's buffers included); without ``head_memory_bytes`` also the head's.
+        head_memory_bytes: optional, the head phase's activation memory at each profiled m
+            (the head's loss + backward beside the last unit's kept graph), bytes; the
+            planner pairs it with the buffers alive in the head phase.
     """
 
     name: str
@@ -148,6 +198,7 @@ class DeviceProfile:
     fwd_s: list[float]
     bwd_s: list[float]
     compute_memory_bytes: list[float]
+    head_memory_bytes: list[float] | None = None
 
     def __post_init__(self) -> None:
         owner = f"device profile {self.name!r}"
@@ -164,12 +215,14 @@ class DeviceProfile:
             raise ValueError(f"{owner}: the profile must include microbatch size 1 (got {ms}); "
                              "profile m = 1 so the planner can fall back to it")
         self.microbatch_sizes = ms
-        for name in ("fwd_s", "bwd_s", "compute_memory_bytes"):
+        for name in ("fwd_s", "bwd_s", "compute_memory_bytes", "head_memory_bytes"):
             values = getattr(self, name)
+            if name == "head_memory_bytes" and values is None:
+                continue
             if not isinstance(values, (list, tuple)) or len(values) != len(ms):
                 raise ValueError(f"{owner}: {name} must be a list with one value per microbatch "
                                  f"size {ms}, got {values!r}")
-            positive = name != "compute_memory_bytes"
+            positive = name not in ("compute_memory_bytes", "head_memory_bytes")
             setattr(self, name, [_check_number(owner, f"{name}[m={m}]", v, positive=positive)
                                  for m, v in zip(ms, values)])
         for name in ("fwd_s", "bwd_s"):
@@ -189,24 +242,40 @@ class DeviceProfile:
         keys = ("name", "memory_capacity_bytes", "microbatch_sizes", "fwd_s", "bwd_s",
                 "compute_memory_bytes")
         _require_keys("device profile", data, keys)
-        return cls(**{k: data[k] for k in keys})
+        return cls(**{k: data[k] for k in keys}, head_memory_bytes=data.get("head_memory_bytes"))
 
 
 @dataclass(kw_only=True)
 class CommProfile:
-    """Collective latency for ONE unit with EVEN shards over the whole world, seconds.
+    """Collective latency for ONE unit over the whole world, seconds, and the uneven factor.
 
     Attributes:
-        allgather_s: AG, all-gather of one unit's parameters.
-        reducescatter_s: RS, reduce-scatter of one unit's gradients.
+        allgather_s: AG, all-gather of one unit's parameters with EVEN shards.
+        reducescatter_s: RS, reduce-scatter of one unit's gradients with EVEN shards.
+        uneven_factor: u, measured (AG + RS time of one unit laid out by
+            ``uneven_state_ratios``) / (the same with even shards), >= 1; None = not measured
+            (spec-sheet what-if profiles, older profiles): the cost model then uses the
+            paper's bound 1.15.
+        uneven_state_ratios: the state ratios whose layout ``uneven_factor`` was timed for.
     """
 
     allgather_s: float
     reducescatter_s: float
+    uneven_factor: float | None = None
+    uneven_state_ratios: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.allgather_s = _check_number("comm profile", "allgather_s", self.allgather_s)
         self.reducescatter_s = _check_number("comm profile", "reducescatter_s", self.reducescatter_s)
+        if self.uneven_factor is not None:
+            u = _check_number("comm profile", "uneven_factor", self.uneven_factor, positive=True)
+            if u < 1:
+                raise ValueError(f"comm profile: uneven_factor must be >= 1 (a measured ratio is "
+                                 f"clamped at 1), got {u!r}")
+            self.uneven_factor = u
+        if self.uneven_state_ratios is not None:
+            self.uneven_state_ratios = [_check_number("comm profile", "uneven_state_ratios[]", r)
+                                        for r in self.uneven_state_ratios]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -214,14 +283,25 @@ class CommProfile:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "CommProfile":
         _require_keys("comm profile", data, ("allgather_s", "reducescatter_s"))
-        return cls(allgather_s=data["allgather_s"], reducescatter_s=data["reducescatter_s"])
+        return cls(allgather_s=data["allgather_s"], reducescatter_s=data["reducescatter_s"],
+                   uneven_factor=data.get("uneven_factor"),
+                   uneven_state_ratios=data.get("uneven_state_ratios"))
 
 
 @dataclass(kw_only=True)
 class ClusterProfile:
     """Everything the planner needs: the model, one DeviceProfile per rank (rank order), comm.
 
-    ``source`` says where the numbers come from (``"measured"`` or ``"spec-sheet estimate"``).
+    Attributes:
+        source: where the numbers come from (``"measured"`` or ``"spec-sheet estimate"``).
+        offload_activations: the engine stashes boundary activations in pinned host memory
+            (CUDA: on by default); priced against ``host_memory_bytes``.
+        machine_of_rank: per rank, the index of its machine (ranks of one machine share its
+            host RAM); None = one machine per rank.
+        host_memory_bytes: per machine, its RAM in bytes (the limit of the pinned offload
+            buffers, times the plan's memory fraction); None = not limited.
+        buffers_in_compute_memory: True for format-1 profiles, whose ``compute_memory_bytes``
+            already included the engine's buffers (the planner then adds none).
     """
 
     model: ModelProfile
@@ -229,34 +309,63 @@ class ClusterProfile:
     comm: CommProfile
     source: str = "measured"
     extra: dict[str, Any] = field(default_factory=dict)
+    offload_activations: bool = False
+    machine_of_rank: list[int] | None = None
+    host_memory_bytes: list[float] | None = None
+    buffers_in_compute_memory: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices, (list, tuple)) or not self.devices:
             raise ValueError("cluster profile: no devices; give one device profile per rank")
         self.devices = list(self.devices)
+        n = len(self.devices)
+        if self.machine_of_rank is not None:
+            ms = [_check_int("cluster profile", "machine_of_rank[]", k, minimum=0)
+                  for k in self.machine_of_rank]
+            if len(ms) != n:
+                raise ValueError(f"cluster profile: machine_of_rank needs one machine index per "
+                                 f"rank ({n}), got {ms}")
+            self.machine_of_rank = ms
+        if self.host_memory_bytes is not None:
+            host = [_check_number("cluster profile", "host_memory_bytes[]", h, positive=True)
+                    for h in self.host_memory_bytes]
+            need = max(self.machines_of_ranks) + 1
+            if len(host) != need:
+                raise ValueError(f"cluster profile: host_memory_bytes needs one value per machine "
+                                 f"({need}), got {len(host)}")
+            self.host_memory_bytes = host
 
     @property
     def world_size(self) -> int:
         return len(self.devices)
 
+    @property
+    def machines_of_ranks(self) -> list[int]:
+        """Machine index per rank (one machine per rank when ``machine_of_rank`` is None)."""
+        return list(self.machine_of_rank) if self.machine_of_rank is not None \
+            else list(range(self.world_size))
+
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": CLUSTER_PROFILE_FORMAT,
+            "format": _LEGACY_FORMAT if self.buffers_in_compute_memory else CLUSTER_PROFILE_FORMAT,
             "source": self.source,
             "model": self.model.to_json(),
             "comm": self.comm.to_json(),
             "devices": [d.to_json() for d in self.devices],
+            "offload_activations": self.offload_activations,
+            "machine_of_rank": self.machine_of_rank,
+            "host_memory_bytes": self.host_memory_bytes,
             "extra": dict(self.extra),
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "ClusterProfile":
         _require_keys("cluster profile", data, ("model", "comm", "devices"))
-        fmt = data.get("format", CLUSTER_PROFILE_FORMAT)
-        if fmt != CLUSTER_PROFILE_FORMAT:
+        fmt = data.get("format", _LEGACY_FORMAT)
+        if fmt not in (CLUSTER_PROFILE_FORMAT, _LEGACY_FORMAT):
             raise ValueError(f"cluster profile: format {fmt!r} is not supported; this version "
-                             f"reads {CLUSTER_PROFILE_FORMAT!r} (re-create the profile with "
-                             "hf-cephalo profile, or upgrade hf_cephalo)")
+                             f"reads {CLUSTER_PROFILE_FORMAT!r} and {_LEGACY_FORMAT!r} (re-create "
+                             "the profile with hf-cephalo profile, or upgrade hf_cephalo)")
         if not isinstance(data["devices"], list):
             raise ValueError(f"cluster profile: devices must be a list, got {data['devices']!r}")
         return cls(
@@ -265,6 +374,10 @@ class ClusterProfile:
             devices=[DeviceProfile.from_json(d) for d in data["devices"]],
             source=str(data.get("source", "measured")),
             extra=dict(data.get("extra", {})),
+            offload_activations=bool(data.get("offload_activations", False)),
+            machine_of_rank=data.get("machine_of_rank"),
+            host_memory_bytes=data.get("host_memory_bytes"),
+            buffers_in_compute_memory=fmt == _LEGACY_FORMAT,
         )
 
     def save(self, path: str | Path) -> None:

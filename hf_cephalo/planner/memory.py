@@ -1,0 +1,280 @@
+"""The plan's memory: every buffer the engine allocates, per rank (docs/planner.md "Memory model").
+
+Pure Python/numpy. One function per term, each citing the engine code it mirrors; the optimizer
+(``optimize.py``), the predictions (``predict.py``) and the brute-force tests all price memory
+through ``rank_memory_bytes`` and ``host_memory_bytes`` only.
+
+[Note: memory terms]
+Symbols (elements unless said): e = ``ModelProfile.param_bytes`` (element size of the flat
+buffers), N_u = one layer unit, L = units, W = world size; the root is two units
+(``ModelProfile.root_split``, engine/schedule.py [Note: layered schedule]): N_E the embedding
+unit (a tied head weight included), N_H the head unit, t = 1 when the head uses E (tied), and
+N_P = N_H + t·N_E the units the head phase gathers, N_r = N_E + N_H. k_X = this rank's shard of
+unit X (the reduce-scatter's output; ``row[rank]`` of the plan's layout, ceil(N/W) before a
+layout exists). a = ``boundary_bytes_per_sample``; rank i has b samples in microbatches of m.
+Device memory of rank i = r_i·S + M_i(m, b) with
+
+    M_i(m, b) = max( max(A_i(m) + E_unit, A_head,i(m) + E_head, E_between) + D(m, b),
+                     A_emb(m) + E_emb + D_1(m, b) )                            (b > 0)
+    M_i(0, 0) = E_idle                                                          (idle rank)
+
+* r_i·S: training state, S = 16 B per parameter for fp32 Adam (paper §2.4): the local shard
+  ``FlatParamUnit.local`` (4), its ``shard_param.grad`` (4), Adam's two moments (8).
+* A_i(m): the profiled activation memory of ONE microbatch in a unit's recompute + backward;
+  A_head,i(m): the same for the head's loss + backward beside the last unit's kept forward
+  graph (``head_memory_bytes``; A_i(m) when absent). Both measured with the units' flat views
+  and their gradients already allocated (profiler/measure.py ``_compute_memory``), so they hold
+  the one unit-sized concatenated gradient each backward makes (flat_param.py [Note: parameter
+  views while unsharded]); with l = 1 that copy IS the gradient, over-counted once.
+* Collectives (``collective_buffers``, flat_param.py [Note: communication buffers]): an
+  all-gather in flight holds its (N,) output, which becomes the gathered unit (no send copy):
+  G_X = N_X. A reduce-scatter in flight holds its input, the unit's gradient (no copy, counted
+  with the gradient while the unit is current) and its (k,) output: R_X = N_X + k_X once the
+  unit is done. At most one all-gather (the next unit's prefetch) and two reduce-scatters (the
+  current unit's, just issued, and the previous one's) are in flight.
+* E_unit, during unit i's backward (schedule.py ``LayeredStep.backward``): e·[2·N_u (unit i
+  gathered + its gradient) + G(i-1) + R(i+1)], the largest over i, where G(i-1) = N_u, and N_E
+  for unit 0 (E is prefetched); R(i+1) = N_u + k_{i+1}, and for the last unit the head's
+  reduce-scatters, N_H + k_H + t·(N_E + k_E).
+* E_between, no activations, between two phases: unit i's reduce-scatter issued while unit
+  i+1's is still in flight, e·[2·N_u + k_i + G(i-1) + R(i+1)]; the head's reduce-scatters
+  issued (``LayeredStep._leave``: H first, then E), e·[N_u + 2·N_P + k_H] and, tied,
+  e·[N_u + 2·N_P - N_H + k_H + k_E].
+* E_head, during the head (``LayeredStep.head``): e·(2·N_P + N_u): the head phase's units
+  gathered + their gradients, the last unit still gathered (no prefetch in flight).
+* E_emb + A_emb(m), the embedding backward at the end (``LayeredStep.backward`` after the
+  units): E gathered + its gradient, unit 0's reduce-scatter in flight, then E's own issued:
+  E_emb = e·(2·N_E + N_u + k_0 + k_E); A_emb(m) = e·2·N_E + m·a: the dense weight gradients the
+  embedding backward makes (N_E) and their flat concatenation (N_E), the recomputed output.
+* D(m, b): boundary tensors on the device (offload.py ``ActivationStash``): without offload every
+  microbatch's boundary activation of every unit boundary, (L + 1)·b·a (end of the forward,
+  head and backward phases); D_1 = b·a in the embedding backward (only the boundary gradients
+  of unit 0 are left). With offload (CUDA) the current and prefetched input and boundary
+  gradient plus the live copy, 5·m·a, in both.
+* E_idle: a rank without samples joins every collective and computes nothing; its reduce-scatter
+  inputs are zero buffers of the unit's size allocated at the issue: the largest of the unit
+  moments e·[2·N_u + k_i + G(i-1) + R(i+1)], the head's e·[N_u + N_P + N_H + k_H] (tied also
+  e·[N_u + N_H + 2·N_E + k_H + k_E]) and E_emb.
+* Host (pinned, CUDA offload only): (L + 1)·b·a per rank, summed over the ranks of one machine
+  against c × that machine's RAM (``ClusterProfile.host_memory_bytes``).
+
+Not binding, so not priced: the embedding forward (E + unit 0's prefetch, under E_emb), the
+layer forwards (two units, under E_unit; the last with H and t·E in flight, under E_head).
+
+``root_resident`` (the engine's ``root_resident=True``): E and H are gathered all step. Then
+G(-1) = R(L) = 0 and the head's reduce-scatters move to the end; every unit and head moment
+adds e·(N_r + N_P) (both gathered + the head phase's gradients; E's own gradient appears in the
+embedding backward) on a busy rank and e·N_r on an idle one; E_emb = e·(2·N_r + N_u + k_0 +
+k_E + k_H).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from hf_cephalo.profiler.types import ClusterProfile, DeviceProfile, ModelProfile
+
+__all__ = ["CollectiveBuffers", "EngineBuffers", "collective_buffers", "engine_buffers",
+           "activation_bytes", "head_activation_bytes", "embed_activation_bytes",
+           "device_stash_bytes", "host_memory_bytes", "rank_memory_bytes", "memory_line",
+           "model_layout_numels"]
+
+# Device copies of boundary tensors with offload: current input + boundary gradient, their
+# prefetched successors, and the live copy of the last offloaded tensor (offload.py).
+_OFFLOADED_DEVICE_COPIES = 5
+
+
+class CollectiveBuffers(NamedTuple):
+    """Elements one unit's collectives keep alive on one rank while in flight."""
+
+    allgather_numel: int  # G: the (N,) output, which becomes the gathered unit
+    reduce_scatter_numel: int  # R: the (N,) gradient it reads + this rank's (k,) output
+
+
+def collective_buffers(unit_numel: int, world_size: int, row: Sequence[int] | None = None,
+                       rank: int | None = None) -> CollectiveBuffers:
+    """Buffers of one unit's all-gather and reduce-scatter on ``rank`` (elements).
+
+    The engine's variable-size collectives (engine/collectives.py [Note: uneven collectives]):
+    the all-gather sends the local shard itself and its output is the (N,) gathered unit; the
+    reduce-scatter reads the unit's gradient in place (no copy, N while in flight) and writes
+    this rank's shard (``row[rank]``, or ceil(N/W) before a layout exists). Change the
+    engine's collectives, change this.
+    """
+    n = int(unit_numel)
+    mine = math.ceil(n / int(world_size)) if row is None else int(row[rank])
+    return CollectiveBuffers(n, n + mine)
+
+
+class EngineBuffers(NamedTuple):
+    """Per-rank engine buffer bytes of each moment of the step, independent of m and b
+    (see [Note: memory terms])."""
+
+    unit_bytes: float  # E_unit: a unit's microbatch recomputes + backpropagates
+    head_bytes: float  # E_head: the head's loss + backward runs
+    between_bytes: float  # E_between: reduce-scatters issued between phases, no activations
+    embed_bytes: float  # E_emb: the embedding backward and its reduce-scatter
+    idle_bytes: float  # E_idle: a rank without samples
+
+
+def model_layout_numels(model: ModelProfile) -> list[int]:
+    """Elements of the engine's units in its order: the L layers, the embedding, the head."""
+    split = model.root_split()
+    return [model.params_per_unit] * model.num_units + [split.embed_numel, split.head_numel]
+
+
+class _Shards(NamedTuple):
+    """This rank's shard (k, elements) of every unit: layers, embedding, head."""
+
+    units: list[int]
+    embed: int
+    head: int
+
+
+def _shards(model: ModelProfile, world_size: int, layout, rank) -> _Shards:
+    numels = model_layout_numels(model)
+    if layout is None:
+        ks = [collective_buffers(n, world_size).reduce_scatter_numel - n for n in numels]
+    else:
+        if len(layout) != len(numels):
+            raise ValueError(f"layout has {len(layout)} rows; the engine has {len(numels)} units "
+                             f"({model.num_units} layers, the embedding, the head): use "
+                             "planner.predict.plan_layout")
+        ks = [collective_buffers(n, world_size, row, rank).reduce_scatter_numel - n
+              for n, row in zip(numels, layout)]
+    return _Shards(ks[:-2], ks[-2], ks[-1])
+
+
+def _unit_moments(model: ModelProfile, k: _Shards, resident: bool) -> tuple[int, int]:
+    """(largest 2·N_u + G(i-1) + R(i+1), largest of the same + k_i) over the units i."""
+    nu, L = model.params_per_unit, model.num_units
+    ne, nh, tied = model.root_split()
+    busy = between = 0
+    for i in range(L):
+        ag = nu if i > 0 else (0 if resident else ne)
+        if i + 1 < L:
+            rs = nu + k.units[i + 1]
+        else:
+            rs = 0 if resident else nh + k.head + (ne + k.embed if tied else 0)
+        busy = max(busy, 2 * nu + ag + rs)
+        between = max(between, 2 * nu + k.units[i] + ag + rs)
+    return busy, between
+
+
+def engine_buffers(model: ModelProfile, world_size: int, *, root_resident: bool = False,
+                   layout: Sequence[Sequence[int]] | None = None,
+                   rank: int | None = None) -> EngineBuffers:
+    """E_unit, E_head, E_between, E_emb, E_idle of [Note: memory terms] in bytes.
+
+    Args:
+        model: the model profile (N_u, the root's split, e).
+        world_size: W.
+        root_resident: the engine's ``root_resident``: E and H gathered (with their gradients)
+            all step; False (the engine's default) gathers each around its uses.
+        layout / rank: the plan's per-unit shard layout (``predict.plan_layout``: the L layers,
+            the embedding, the head) and the rank; None prices even shards.
+    Raises:
+        ValueError: a layout with another number of rows than the engine has units.
+    """
+    e, nu = model.param_bytes, model.params_per_unit
+    ne, nh, tied = model.root_split()
+    nr, np_ = ne + nh, nh + (ne if tied else 0)
+    k = _shards(model, world_size, layout, rank)
+    busy, between = _unit_moments(model, k, root_resident)
+    if root_resident:  # both gathered all step; the head phase's gradients from the head on
+        head = nr + np_ + nu
+        embed = 2 * nr + nu + k.units[0] + k.embed + k.head
+        idle = max(between + nr, nr + nu, embed)  # no gradients, zero buffers at the issue
+        return EngineBuffers(e * (busy + nr + np_), e * head, e * (between + nr + np_),
+                             e * embed, e * idle)
+    head = 2 * np_ + nu
+    head_between = max(head + k.head, head - nh + k.head + k.embed if tied else 0)
+    embed = 2 * ne + nu + k.units[0] + k.embed
+    idle_head = max(nu + np_ + nh + k.head, nu + nh + 2 * ne + k.head + k.embed if tied else 0)
+    idle = max(between, idle_head, embed)
+    return EngineBuffers(e * busy, e * head, e * max(between, head_between), e * embed, e * idle)
+
+
+def memory_line(device: DeviceProfile) -> tuple[float, float]:
+    """(slope bytes/sample, intercept bytes) of the least-squares activation-memory line."""
+    ms = np.asarray(device.microbatch_sizes, dtype=np.float64)
+    vs = np.asarray(device.compute_memory_bytes, dtype=np.float64)
+    if len(ms) == 1:
+        return float(vs[0] / ms[0]), 0.0
+    slope, intercept = np.polyfit(ms, vs, 1)
+    return float(slope), float(intercept)
+
+
+def activation_bytes(device: DeviceProfile, m) -> np.ndarray:
+    """A_i(m): the profiled activation memory line at microbatch size m (bytes, >= 0; 0 at m=0)."""
+    slope, intercept = memory_line(device)
+    m = np.asarray(m, dtype=np.float64)
+    return np.where(m > 0, np.maximum(slope * m + intercept, 0.0), 0.0)
+
+
+def head_activation_bytes(device: DeviceProfile, m) -> np.ndarray:
+    """A_head,i(m): the head phase's line (``head_memory_bytes``), else A_i(m) (bytes)."""
+    if device.head_memory_bytes is None:
+        return activation_bytes(device, m)
+    return activation_bytes(DeviceProfile(
+        name=device.name, memory_capacity_bytes=device.memory_capacity_bytes,
+        microbatch_sizes=device.microbatch_sizes, fwd_s=device.fwd_s, bwd_s=device.bwd_s,
+        compute_memory_bytes=device.head_memory_bytes), m)
+
+
+def embed_activation_bytes(model: ModelProfile, m) -> np.ndarray:
+    """A_emb(m): the embedding backward's temporaries, e·2·N_E + m·a bytes (the dense weight
+    gradients, their flat concatenation, the recomputed embedding output)."""
+    e, ne = model.param_bytes, model.root_split().embed_numel
+    return 2 * e * ne + model.boundary_bytes_per_sample * np.asarray(m, dtype=np.float64)
+
+
+def device_stash_bytes(model: ModelProfile, m, b, offload: bool,
+                       levels: int | None = None) -> np.ndarray:
+    """D(m, b): boundary tensors on the device, bytes (see [Note: memory terms]).
+
+    ``levels``: unit boundaries whose tensors are stashed, L + 1 when None (the forward's end,
+    the head and the units' backward); 1 in the embedding backward (D_1).
+    """
+    a = model.boundary_bytes_per_sample
+    if offload:
+        return _OFFLOADED_DEVICE_COPIES * a * np.asarray(m, dtype=np.float64)
+    levels = model.num_units + 1 if levels is None else levels
+    return levels * a * np.asarray(b, dtype=np.float64)
+
+
+def host_memory_bytes(model: ModelProfile, b, offload: bool) -> np.ndarray:
+    """Pinned host bytes of one rank's offloaded boundary tensors, (L + 1)·b·a (0 without)."""
+    if not offload:
+        return np.zeros(np.shape(b))
+    return (model.num_units + 1) * model.boundary_bytes_per_sample * np.asarray(b, np.float64)
+
+
+def rank_memory_bytes(cluster: ClusterProfile, rank: int, m, b, *, root_resident: bool = False,
+                      layout: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+    """M_i(m, b): device bytes of rank ``rank`` besides its training state (vectorized over m, b).
+
+    ``b = 0`` (with m = 0) is an idle rank: E_idle. ``root_resident`` / ``layout``: see
+    ``engine_buffers``. A profile whose compute memory already includes the engine's buffers
+    (format 1, ``ClusterProfile.buffers_in_compute_memory``) is priced as before, A_i(m) alone
+    (0 when idle).
+    """
+    device, model = cluster.devices[rank], cluster.model
+    m = np.asarray(m, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    act = activation_bytes(device, m)
+    if cluster.buffers_in_compute_memory:
+        return np.where(b > 0, act, 0.0)
+    buf = engine_buffers(model, cluster.world_size, root_resident=root_resident, layout=layout,
+                         rank=rank)
+    offload = cluster.offload_activations
+    phases = np.maximum(np.maximum(act + buf.unit_bytes,
+                                   head_activation_bytes(device, m) + buf.head_bytes),
+                        buf.between_bytes)
+    embed = embed_activation_bytes(model, m) + buf.embed_bytes + \
+        device_stash_bytes(model, m, b, offload, levels=1)
+    busy = np.maximum(phases + device_stash_bytes(model, m, b, offload), embed)
+    return np.where(b > 0, busy, buf.idle_bytes)

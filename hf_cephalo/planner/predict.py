@@ -1,0 +1,97 @@
+"""Predict time and memory of ANY plan (optimized, even split, hand-made) with the cost model.
+
+Used by the optimizer to fill ``predicted_iteration_s``, by the baselines (``simulate.py``) and
+the CLI tables. Hand-made plans may have a smaller last microbatch
+(``RankPlan.last_microbatch_size``); its forward/backward time is F(m_last), B(m_last)
+(``cost.rank_compute_s``). Pure Python/numpy.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from hf_cephalo.planner import cost, memory
+from hf_cephalo.planner.types import Plan
+from hf_cephalo.profiler.types import ClusterProfile
+
+__all__ = ["RankPrediction", "MachinePrediction", "Prediction", "predict", "plan_layout"]
+
+
+class RankPrediction(NamedTuple):
+    unit_time_s: float  # T_i, one unit forward + backward, seconds
+    compute_memory_bytes: float  # M_i(m_i, b_i): every device byte besides the state (idle: buffers)
+    memory_bytes: float  # r_i·S + M_i, bytes
+    cap_bytes: float  # c·C_i, bytes
+    fits: bool  # memory_bytes <= cap_bytes
+
+
+class MachinePrediction(NamedTuple):
+    host_bytes: float  # pinned offload bytes of the machine's ranks, Σ (L + 1)·b_i·a
+    cap_bytes: float  # c × the machine's RAM (inf when not known)
+    fits: bool
+
+
+class Prediction(NamedTuple):
+    ranks: list[RankPrediction]
+    iteration_s: float  # num_units · max_i T_i, seconds
+    samples_per_s: float  # B / iteration_s
+    fits: bool  # every rank under its cap and every machine's host memory under its cap
+    machines: list[MachinePrediction] = []  # per machine (ClusterProfile.machines_of_ranks)
+
+
+def plan_layout(plan: Plan, cluster: ClusterProfile) -> list[list[int]]:
+    """The engine's per-unit shard layout of ``plan``: the L layers, then the embedding and the
+    head unit (``memory.model_layout_numels``; engine.py ``_build_units``)."""
+    return plan.unit_layout(memory.model_layout_numels(cluster.model))
+
+
+def predict(plan: Plan, cluster: ClusterProfile, memory_fraction: float | None = None) -> Prediction:
+    """Per-rank unit time and memory of ``plan`` on ``cluster`` (docs/design.md contract 2).
+
+    Memory: r_i·S + ``memory.rank_memory_bytes`` with the collective buffers of the plan's own
+    shard layout and ``plan.root_resident``; host memory per machine (activation offload).
+
+    Args:
+        plan: any Plan with ``plan.world_size == cluster.world_size``.
+        cluster: the profiles.
+        memory_fraction: c for the caps; defaults to ``plan.memory_fraction``.
+
+    Raises:
+        ValueError: world-size or model mismatch (``Plan.validate_for``).
+    """
+    plan.validate_for(cluster.world_size, cluster.model)
+    c = plan.memory_fraction if memory_fraction is None else memory_fraction
+    S = cluster.model.state_bytes
+    layout = None if cluster.buffers_in_compute_memory else plan_layout(plan, cluster)
+    out = []
+    for i, (r, d) in enumerate(zip(plan.ranks, cluster.devices)):
+        if r.batch_size == 0:
+            t = cost.idle_unit_time_s(cluster.comm, plan.uneven_state)
+        else:
+            # l·F and l·(F + B) of the contract, with the last microbatch's own size.
+            f, b = cost.rank_compute_s(d, r.batch_size, r.microbatch_size)
+            t = float(cost.unit_time_s(f, b, 1, cluster.comm, plan.uneven_state))
+        mem = float(memory.rank_memory_bytes(cluster, i, r.microbatch_size, r.batch_size,
+                                             root_resident=plan.root_resident, layout=layout))
+        total = r.state_ratio * S + mem
+        cap = c * d.memory_capacity_bytes
+        out.append(RankPrediction(t, mem, total, cap, total <= cap * (1 + 1e-9)))
+    machines = _machines(plan, cluster, c)
+    it = cost.iteration_time_s([p.unit_time_s for p in out], cluster.model.num_units)
+    fits = all(p.fits for p in out) and all(m.fits for m in machines)
+    return Prediction(out, it, plan.global_batch_size / it, fits, machines)
+
+
+def _machines(plan: Plan, cluster: ClusterProfile, c: float) -> list[MachinePrediction]:
+    owner = cluster.machines_of_ranks
+    host = [0.0] * (max(owner) + 1)
+    for r, k in zip(plan.ranks, owner):
+        host[k] += float(memory.host_memory_bytes(cluster.model, r.batch_size,
+                                                  cluster.offload_activations))
+    out = []
+    for k, need in enumerate(host):
+        cap = np.inf if cluster.host_memory_bytes is None else c * cluster.host_memory_bytes[k]
+        out.append(MachinePrediction(need, cap, need <= cap * (1 + 1e-9)))
+    return out

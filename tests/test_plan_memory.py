@@ -1,0 +1,116 @@
+"""The plan's predicted memory vs the engine's measured peak (issue 18 item 2, on CPU).
+
+Measured: the training state the engine really holds (its local shards, 4 B per element, plus
+what the optimizer holds: the shard gradient 4 B, allocated before the step as after
+``zero_grad(set_to_none=False)``, and Adam's two moments 8 B per trainable element) plus the peak
+of live tensors allocated during ``train_step`` (``profiler.live_memory.LiveTensorBytes``: every
+gathered unit, gradient, collective buffer, stashed activation and activation the step
+allocates). Predicted: r_i·S + ``planner.memory.rank_memory_bytes`` with the plan's own layout,
+from a profile of the same model measured on this CPU. The engine's split root (default), tied
+and untied, and ``root_resident=True``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from hf_cephalo.engine.engine import CephaloEngine
+from hf_cephalo.models import stage_model
+from hf_cephalo.planner import Plan, memory
+from hf_cephalo.planner.predict import plan_layout
+from hf_cephalo.profiler.live_memory import LiveTensorBytes
+from hf_cephalo.profiler.measure import (MeasureConfig, boundary_bytes_per_sample,
+                                         measure_device, model_profile, synthetic_microbatch)
+from hf_cephalo.profiler.types import ClusterProfile, CommProfile
+from tests.dist_utils import run_ranks
+
+SEQ = 64
+# (name, batch sizes, microbatch sizes, state ratios, tied, root_resident)
+PLANS = [
+    ("demo hand-made (scripts/demo.sh DEMO_PLAN=handmade)", [6, 10], [3, 5], [0.6, 0.4],
+     False, False),
+    # what the planner gives for the demo's emulated cluster (rank 0 2x slower, rank 1 capped at
+    # 25 MB) from a CPU profile of this model: b (6, 10), m (6, 5), r (1, 0)
+    ("demo auto plan", [6, 10], [6, 5], [1.0, 0.0], False, False),
+    ("3-rank uneven", [4, 6, 2], [2, 3, 1], [0.5, 0.3, 0.2], False, False),
+    ("3-rank even", [4, 4, 4], [2, 2, 2], [1 / 3, 1 / 3, 1 / 3], False, False),
+    ("3-rank idle rank", [6, 0, 4], [3, 0, 1], [0.2, 0.5, 0.3], False, False),
+    ("tied, 3-rank uneven", [4, 6, 2], [2, 3, 1], [0.5, 0.3, 0.2], True, False),
+    ("tied, m = 1 (embedding backward binds)", [3, 2], [1, 1], [0.5, 0.5], True, False),
+    ("tied, idle rank", [0, 5], [0, 5], [0.7, 0.3], True, False),
+    ("root_resident, 3-rank uneven", [4, 6, 2], [2, 3, 1], [0.5, 0.3, 0.2], False, True),
+    ("root_resident tied, idle rank", [6, 0], [2, 0], [0.4, 0.6], True, True),
+]
+
+
+def _demo_model(tied: bool) -> transformers.LlamaForCausalLM:
+    """scripts/demo.sh's model: Llama, hidden 128, 4 layers, 4 heads, FFN 512, vocab 2048."""
+    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=512,
+                                   num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=4, max_position_embeddings=SEQ,
+                                   tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _profile(world_size: int, tied: bool) -> ClusterProfile:
+    staged = stage_model(_demo_model(tied))
+    config = MeasureConfig(max_microbatch_size=6, sequence_length=SEQ, warmup=0, repeats=1,
+                           progress=False)
+    dev = measure_device(staged, config, device="cpu", name="cpu", capacity_bytes=1e12)
+    a = boundary_bytes_per_sample(staged, lambda m: synthetic_microbatch(staged.model, m, SEQ),
+                                  "cpu")
+    return ClusterProfile(model=model_profile(staged, "demo", a), devices=[dev] * world_size,
+                          comm=CommProfile(allgather_s=0.0, reducescatter_s=0.0))
+
+
+def _measured_bytes(rank, plan: Plan, group, tied: bool) -> float:
+    staged = stage_model(_demo_model(tied))
+    engine = CephaloEngine(staged, state_ratios=plan.state_ratios, process_group=group,
+                           root_resident=plan.root_resident)
+    r = plan.ranks[rank]
+    mb = synthetic_microbatch(staged.model, r.batch_size, SEQ, seed=rank) if r.batch_size else {}
+    mbs = [{k: v[j:j + r.microbatch_size] for k, v in mb.items()}
+           for j in range(0, r.batch_size, max(r.microbatch_size, 1))]
+    for p in engine.parameters():  # the shard gradients exist, as in the state S prices
+        p.grad = torch.zeros_like(p)
+    with LiveTensorBytes() as live:
+        engine.train_step(mbs)
+    state = 0
+    for unit in engine.units + engine.root.both():
+        state += unit.local.numel() * unit.local.element_size()  # the parameter shard
+        state += 12 * unit.local_trainable_numel  # its gradient + Adam's two moments (fp32)
+    return float(state + live.peak_bytes)
+
+
+def _worker(rank, world_size):
+    torch.set_num_threads(1)
+    out, profiles = [], {}
+    for name, bs, ms, ratios, tied, resident in PLANS:
+        n = len(bs)
+        group = dist.new_group(list(range(n)))  # every rank creates every group
+        if rank >= n:
+            continue
+        plan = Plan.from_ratios(bs, ms, ratios, root_resident=resident)
+        if (n, tied) not in profiles:
+            profiles[(n, tied)] = _profile(n, tied)
+        cluster = profiles[(n, tied)]
+        r = plan.ranks[rank]
+        predicted = r.state_ratio * cluster.model.state_bytes + float(memory.rank_memory_bytes(
+            cluster, rank, r.microbatch_size, r.batch_size, root_resident=resident,
+            layout=plan_layout(plan, cluster)))
+        out.append((name, rank, _measured_bytes(rank, plan, group, tied), predicted))
+    return out
+
+
+def test_predicted_memory_matches_the_engines_peak_within_10_percent():
+    rows = [row for per_rank in run_ranks(_worker, 3, timeout_s=900) for row in per_rank]
+    assert len(rows) == sum(len(p[1]) for p in PLANS)
+    report = [f"{name} rank {rank}: measured {measured / 2**20:.2f} MiB, predicted "
+              f"{predicted / 2**20:.2f} MiB ({predicted / measured - 1:+.1%})"
+              for name, rank, measured, predicted in rows]
+    print("\n".join(report))
+    for (name, rank, measured, predicted), line in zip(rows, report):
+        assert abs(predicted / measured - 1) <= 0.10, line
