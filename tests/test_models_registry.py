@@ -104,10 +104,18 @@ def test_missing_key_is_a_clear_error(arch, key):
     staged = stage_model(build(arch))
     batch = make_batch(arch, 2)
     del batch[key]
-    with pytest.raises(ValueError, match=f"no '{key}'.*keys present"):
-        if key == "labels":
-            staged.count_items(batch)
-        else:
+    if key == "labels":
+        # unlabeled data scores no items (predict without labels, as stock Trainer); the loss
+        # itself needs the labels and names the missing key
+        assert staged.count_items(batch) == 0
+        with torch.no_grad():
+            hidden, ctx = staged.embed(batch)
+            for i in range(len(staged.units())):
+                hidden = staged.run_unit(i, hidden, ctx)
+            with pytest.raises(ValueError, match=f"no '{key}'.*keys present"):
+                staged.head_loss(hidden, batch, ctx)
+    else:
+        with pytest.raises(ValueError, match=f"no '{key}'.*keys present"):
             staged.embed(batch)
 
 

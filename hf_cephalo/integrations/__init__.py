@@ -25,6 +25,7 @@ _EXPORTS = {
     "PlanAccuracyCallback": "auto_plan",
     "format_accuracy_table": "auto_plan",
     "check_state_fits_caps": "auto_plan",
+    "diagnose_step_time": "auto_plan",
     # pretrained
     "from_pretrained_sharded": "pretrained",
     # sampler
