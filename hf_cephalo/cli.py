@@ -66,7 +66,7 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="c, fraction of each GPU's memory the plan may use (default 0.8)")
     p.add_argument("--no-idle", action="store_true",
                    help="require every rank to process at least one sample (b_i >= 1)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help=f"peak FLOP/s column for --cluster estimates (default "
                         f"{DEFAULT_PRECISION}; not with --profile)")
     p.add_argument("--out", help="write the plan JSON here")
@@ -298,7 +298,7 @@ def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --cluster: keep only the machines of these GPU types")
     p.add_argument("--no-idle", action="store_true",
                    help="Cephalo plan: every rank processes at least one sample (b_i >= 1)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help=f"peak FLOP/s column for estimates and batch-proportional (default "
                         f"{DEFAULT_PRECISION})")
     p.add_argument("--plot", help="write a plot (file name ending in .png, .pdf, .svg, ...) of "
@@ -328,7 +328,8 @@ def _peak_flops(cluster, precision: str):
         specs = [get_gpu_spec(d.name) for d in cluster.devices]
     except ValueError:
         return None
-    peaks = [s.bf16_tflops if precision == "bf16" else s.fp32_tflops for s in specs]
+    column = {"bf16": "bf16_tflops", "fp16": "fp16_tflops"}.get(precision, "fp32_tflops")
+    peaks = [getattr(s, column) for s in specs]
     return None if any(p is None for p in peaks) else peaks
 
 

@@ -145,8 +145,11 @@ def test_bf16_profile_times_under_autocast_and_is_kept_apart(tmp_path, monkeypat
         check_profile_matches(mixed, mine, ["cpu"], dtype="float32")
     with pytest.raises(ValueError, match="measured in float32 but .*--precision bf16"):
         check_profile_matches(plain, mine, ["cpu"], dtype="float32+autocast-bf16")
-    with pytest.raises(ValueError, match="precision = 'fp16'"):
-        MeasureConfig(precision="fp16")
+    with pytest.raises(ValueError, match="measured in float32\\+autocast-bf16 but .*"
+                                         "float32\\+autocast-fp16.*--precision fp16"):
+        check_profile_matches(mixed, mine, ["cpu"], dtype="float32+autocast-fp16")
+    with pytest.raises(ValueError, match="precision = 'fp8'"):
+        MeasureConfig(precision="fp8")
 
 
 def test_refuses_profiles_of_other_models_and_devices(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
 ENV_NAMES = ["PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE", "MEMORY_FRACTION",
              "ACTIVATION_OFFLOAD", "EMULATE_SLOWDOWN", "EMULATE_MEMORY_CAP_BYTES",
-             "SAVE_FULL_MODEL", "MAX_SHARD_SIZE"]
+             "SAVE_FULL_MODEL", "MAX_SHARD_SIZE", "PARAM_DTYPE", "REDUCE_DTYPE"]
 
 
 @pytest.fixture(autouse=True)
@@ -84,6 +84,22 @@ def test_env_fallbacks_and_precedence(tmp_path, monkeypatch):
     assert explicit.cephalo_global_batch_size == 8 and explicit.cephalo_memory_fraction == 0.9
 
 
+def test_precision_defaults_follow_the_compute_dtype(tmp_path, monkeypatch):
+    from hf_cephalo.integrations.training_args import EnginePrecision, check_bf16_support
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert _args(tmp_path).engine_precision() == EnginePrecision(None, None, None)
+    assert _args(tmp_path, bf16=True).engine_precision() == EnginePrecision(bf16, bf16, None)
+    assert _args(tmp_path, fp16=True).engine_precision() == EnginePrecision(fp16, fp16, None)
+    assert _args(tmp_path, bf16=True, cephalo_param_dtype="fp32").engine_precision() == \
+        EnginePrecision(bf16, None, None)  # fp32 all-gathers on request
+    monkeypatch.setenv("HF_CEPHALO_REDUCE_DTYPE", "bf16")
+    assert _args(tmp_path, bf16=True).engine_precision() == EnginePrecision(bf16, bf16, bf16)
+    with pytest.raises(ValueError, match=r"--bf16 on Tesla V100.*7.0 < 8.0.*use --fp16"):
+        check_bf16_support("Tesla V100", (7, 0))
+    check_bf16_support("A100", (8, 0))
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(cephalo_memory_fraction=0.0), r"memory_fraction = 0.0 \(--cephalo_memory_fraction or env HF_CEPHALO_MEMORY_FRACTION\)"),
     (dict(cephalo_memory_fraction=1.5), "memory_fraction = 1.5"),
@@ -102,7 +118,11 @@ def test_env_fallbacks_and_precedence(tmp_path, monkeypatch):
     (dict(gradient_accumulation_steps=4), "gradient_accumulation_steps = 4.*cephalo_global_batch_size"),
     (dict(per_device_eval_batch_size=0), "--per_device_eval_batch_size = 0: need at least 1"),
     (dict(per_device_train_batch_size=0), "--per_device_train_batch_size = 0: need at least 1"),
-    (dict(fp16=True), "--fp16 is not supported by CephaloTrainer: fp16 needs a loss scaler.*--bf16"),
+    (dict(fp16=True, bf16=True), "--fp16 and --bf16 are both set"),
+    (dict(cephalo_param_dtype="bf16"), r"cephalo_param_dtype = 'bf16' but the compute dtype is fp32"),
+    (dict(bf16=True, cephalo_param_dtype="fp16"), "cephalo_param_dtype = 'fp16' but the compute dtype is bf16"),
+    (dict(bf16=True, cephalo_param_dtype="fp32", cephalo_reduce_dtype="bf16"), "cephalo_reduce_dtype = 'bf16' is lower"),
+    (dict(cephalo_param_dtype="int8"), r"param_dtype = 'int8' \(--cephalo_param_dtype or env HF_CEPHALO_PARAM_DTYPE\)"),
     (dict(fp16_full_eval=True), "--fp16_full_eval is not supported"),
     (dict(bf16_full_eval=True), "--bf16_full_eval is not supported"),
     (dict(cephalo_save_full_model="maybe"), r"save_full_model = 'maybe' \(--cephalo_save_full_model or env HF_CEPHALO_SAVE_FULL_MODEL\)"),

@@ -15,7 +15,7 @@ See docs/design.md contract 4 and [Note: layered schedule] in ``schedule.py``.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from .loading import CheckpointLike, StartKind, choose_source, place_buffers
 from .offload import ActivationStash, CudaStreams, host_wait
 from .schedule import LayeredStep, RootUnits
 from .stats import CollectiveStats
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
 class StepOutput(NamedTuple):
@@ -90,21 +93,59 @@ def _check_ratios(state_ratios, world_size: int) -> list[float]:
     return ratios
 
 
+_LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def _check_autocast(dtype, model: nn.Module) -> torch.dtype | None:
     """Validate ``autocast_dtype`` (see ``CephaloEngine``); ValueError names the fix."""
     if dtype is None:
         return None
-    if dtype == torch.float16:
-        raise ValueError("autocast_dtype=torch.float16 needs a loss scaler over every rank's "
-                         "shard gradients, which the engine does not have: use torch.bfloat16 "
-                         "(bf16=True) or fp32")
-    if dtype != torch.bfloat16:
-        raise ValueError(f"autocast_dtype={dtype}: only torch.bfloat16 (or None) is supported")
+    if dtype not in _LOW_DTYPES:
+        raise ValueError(f"autocast_dtype={dtype}: only torch.bfloat16, torch.float16 (with a "
+                         "loss scaler: engine.make_grad_scaler()) or None are supported")
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     if dtypes != ["torch.float32"]:
-        raise ValueError(f"autocast_dtype=torch.bfloat16 needs fp32 parameters (master weights), "
+        raise ValueError(f"autocast_dtype={dtype} needs fp32 parameters (master weights), "
                          f"the model has {dtypes}: load it in float32 (model.float())")
     return dtype
+
+
+def _check_precision(autocast_dtype, param_dtype, reduce_dtype
+                     ) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """Validate ``param_dtype`` / ``reduce_dtype`` against the autocast dtype (FSDP2
+    ``MixedPrecisionPolicy`` semantics, [Note: low-precision gathered parameters] in
+    ``flat_param.py``); returns them with fp32 normalized to None (no cast). ValueError names
+    the fix."""
+    if param_dtype == torch.float32:
+        param_dtype = None
+    if reduce_dtype == torch.float32:
+        reduce_dtype = None
+    if param_dtype is not None:
+        if param_dtype not in _LOW_DTYPES:
+            raise ValueError(f"param_dtype={param_dtype}: use torch.bfloat16, torch.float16 or "
+                             "None (gather the fp32 master weights)")
+        if autocast_dtype is None:
+            raise ValueError(f"param_dtype={param_dtype} needs mixed-precision compute: the "
+                             "forward runs in fp32 without autocast_dtype; pass "
+                             f"autocast_dtype={param_dtype} (--bf16 / --fp16) or drop param_dtype")
+        if param_dtype != autocast_dtype:
+            raise ValueError(f"param_dtype={param_dtype} differs from autocast_dtype="
+                             f"{autocast_dtype}: gather the parameters in the compute dtype "
+                             f"(param_dtype={autocast_dtype}) or in fp32 (None)")
+    if reduce_dtype is not None and reduce_dtype != param_dtype:
+        raise ValueError(f"reduce_dtype={reduce_dtype} is lower than (or differs from) "
+                         f"param_dtype={param_dtype or torch.float32}: reduce in fp32 (None) or "
+                         "in the param dtype")
+    return param_dtype, reduce_dtype
+
+
+def _scale_fn(loss_scale) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``train_step``'s ``loss_scale`` as a function of the loss (None: no scaling)."""
+    if loss_scale is None:
+        return None
+    if hasattr(loss_scale, "scale"):
+        return loss_scale.scale
+    return lambda loss: loss * loss_scale
 
 
 def _layout(ratios: list[float], unit_numels: list[int]) -> list[list[int]]:
@@ -148,12 +189,21 @@ class CephaloEngine:
             and recompute each unit's forward in backward. False: keep every microbatch's
             autograd graph (no recompute, ~1/3 less compute; activation memory grows with the
             number of microbatches like standard training; same collectives).
-        autocast_dtype: None (default: compute in the parameters' dtype) or ``torch.bfloat16``:
-            every forward call (and recompute) runs under ``torch.autocast(device.type,
-            bfloat16)`` while parameters, gradients, optimizer state and collectives stay
-            fp32 (mixed precision as ``TrainingArguments(bf16=True)`` gives stock Trainer;
-            https://pytorch.org/docs/stable/amp.html). float16 is refused: it needs a loss
-            scaler that sees every rank's shard gradients, which the engine does not have.
+        autocast_dtype: None (default: compute in the parameters' dtype), ``torch.bfloat16``
+            or ``torch.float16``: every forward call (and recompute) runs under
+            ``torch.autocast(device.type, dtype)`` while master parameters, gradients and
+            optimizer state stay fp32 (mixed precision as ``TrainingArguments(bf16=True)`` /
+            ``fp16=True`` gives stock Trainer; https://pytorch.org/docs/stable/amp.html).
+            float16 needs a loss scaler over every rank's shards: ``make_grad_scaler()``,
+            ``train_step(..., loss_scale=scaler)``, ``scaler.unscale_(opt)`` before
+            ``clip_grad_norm_``, then ``scaler.step(opt)``, ``scaler.update()``.
+        param_dtype: None (default: gather the fp32 master shards) or the autocast dtype:
+            each shard is cast to it before the all-gather, so all-gathered bytes and the
+            gathered units halve; gradients still accumulate in fp32 across microbatches
+            ([Note: low-precision gathered parameters] in ``flat_param.py``; FSDP2's
+            ``MixedPrecisionPolicy.param_dtype``).
+        reduce_dtype: None (default: reduce-scatter gradients in fp32) or ``param_dtype``
+            (half the reduce-scatter bytes; the reduced shard is upcast to fp32).
         root_resident: False (default): the embedding and head units are gathered around
             their uses (embedding forward, head phase, embedding backward) and resharded in
             between, so their full parameters and gradients are not held all step. True: both
@@ -188,7 +238,9 @@ class CephaloEngine:
                  device: torch.device | None = None, offload_activations: bool | None = None,
                  reduce_scatter_fallback: bool = False, activation_checkpointing: bool = True,
                  autocast_dtype: torch.dtype | None = None, root_resident: bool = False,
-                 checkpoint: CheckpointLike | None = None, init_seed: int = 0):
+                 checkpoint: CheckpointLike | None = None, init_seed: int = 0,
+                 param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("CephaloEngine needs an initialized torch.distributed process group "
                              "(call dist.init_process_group first, e.g. via torchrun)")
@@ -213,6 +265,8 @@ class CephaloEngine:
         self.streams = CudaStreams(self.device) if self.device.type == "cuda" else None
         self.activation_checkpointing = bool(activation_checkpointing)
         self.autocast_dtype = _check_autocast(autocast_dtype, model)
+        self.param_dtype, self.reduce_dtype = _check_precision(self.autocast_dtype, param_dtype,
+                                                               reduce_dtype)
         if self.autocast_dtype is not None:  # every forward call under autocast
             self.staged = AutocastStagedModel(staged, self.device.type, self.autocast_dtype)
         self.stats = CollectiveStats()
@@ -264,7 +318,8 @@ class CephaloEngine:
         unit = FlatParamUnit(name, params, uses, fqns, row, rank=self.rank,
                              world_size=self.world_size, group=self.group, device=self.device,
                              stats=self.stats, tracker=self._tracker, streams=self.streams,
-                             use_all_reduce=use_all_reduce)
+                             use_all_reduce=use_all_reduce, param_dtype=self.param_dtype,
+                             reduce_dtype=self.reduce_dtype)
         source.fill(unit, params, modules)
         return unit  # ``params`` (the originals) die with the caller's reference
 
@@ -316,12 +371,30 @@ class CephaloEngine:
         C.all_reduce_sum(t, self.group, self.stats)
         return local, int(t.item())
 
-    def train_step(self, microbatches: Sequence[Mapping[str, torch.Tensor]]) -> StepOutput:
+    def make_grad_scaler(self, **kwargs) -> "ShardedGradScaler":
+        """A loss scaler for ``autocast_dtype=torch.float16``: PyTorch's ``ShardedGradScaler`` on
+        this engine's device type and process group (``kwargs``: ``init_scale``,
+        ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``enabled``).
+
+        Its ``unscale_(optimizer)`` unscales this rank's 1-D shard gradients and SUM-all-reduces
+        the found-inf flag over the group (one all-reduce per rank, also for a rank whose
+        shards are all empty), so ``step`` skips the optimizer step on every rank alike; see
+        docs/engine.md "Mixed precision"."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=self.device.type, process_group=self.group, **kwargs)
+
+    def train_step(self, microbatches: Sequence[Mapping[str, torch.Tensor]],
+                   loss_scale: Any = None) -> StepOutput:
         """Forward + backward of the layered schedule over this rank's microbatches.
 
         Every rank must call it (a rank with no samples passes ``[]``). Afterwards each shard's
         ``.grad`` holds the gradient of the GLOBAL item-mean loss, ADDED to any existing
         ``.grad`` (call ``zero_grad`` between optimizer steps).
+        loss_scale: None, a number / 1-element tensor, or a loss scaler (anything with
+            ``scale(loss)``, e.g. ``make_grad_scaler()``): each microbatch backpropagates
+            ``scale(loss_sum / N)``, so the gradients are scaled (unscale them before clipping);
+            the returned losses are unscaled.
         Raises ValueError (on every rank, before any all-gather) if the global item count is 0.
         If the schedule raises part-way (e.g. out of memory in one microbatch), the exception
         propagates after a local clean-up (``_abandon_step``: memory released, gradients
@@ -334,9 +407,15 @@ class CephaloEngine:
         if global_items == 0:
             raise ValueError("the global batch has no items (no 'labels', every label is -100, or "
                              "no rank has samples); nothing to train on")
+        scale_loss = _scale_fn(loss_scale)
+        if scale_loss is not None and not mbs:
+            # a rank without samples never scales a loss; a GradScaler's scale is created
+            # lazily by scale(), and its unscale_/step on this rank need it
+            scale_loss(torch.zeros((), device=self.device))
         stash = ActivationStash(self.offload_activations, self.streams, self.stats)
         step = LayeredStep(self.staged, self.units, self.root, mbs, global_items, stash,
-                           self.device, keep_graphs=not self.activation_checkpointing)
+                           self.device, keep_graphs=not self.activation_checkpointing,
+                           scale_loss=scale_loss)
         try:
             with global_num_items_scope(global_items):  # [Note: global item count for user losses]
                 step.run()

@@ -55,6 +55,28 @@ gradient (e = element size; ``LiveTracker.comm_bytes`` counts them, its peak is
   ``zero_grad``) or is added into it and dropped. The all-reduce fallback reduces the input in
   place and its output is a view of it (cloned into ``shard_param.grad`` at the wait).
 ``gather_full``'s (N,) output belongs to its caller and is not counted.
+With a low-precision ``param_dtype`` the all-gather's send buffer is the shard cast to it
+(n_r·e_p, counted from issue to wait) and the gathered buffer has e_p-byte elements; see
+[Note: low-precision gathered parameters].
+
+[Note: low-precision gathered parameters]
+FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` semantics, one policy for all ranks.
+The master shard (``local``) and the optimizer state stay in the training dtype (fp32); each
+all-gather sends the shard cast to ``param_dtype`` (bf16/fp16), so the gathered (N,) buffer, the
+bytes on the wire and the autograd leaf are low precision. Autograd therefore produces each
+microbatch's (Nt,) gradient in ``param_dtype`` (ONE buffer, the split's concatenation, as in
+[Note: parameter views while unsharded]). Accumulating the microbatches there would round the
+running sum to 8 (bf16) or 11 (fp16) mantissa bits l - 1 times; instead a post-accumulate hook
+on the leaf moves each microbatch's gradient into an fp32 (Nt,) accumulator (the first one is
+upcast into a fresh buffer, later ones are added in fp32) and drops the low-precision one at
+once. So the unit still has one gradient buffer (fp32, Nt·4 bytes) plus, during one
+microbatch's backward, its low-precision per-microbatch gradient (Nt·e_p), as FSDP2 keeps an
+fp32 ``unsharded_accumulated_grad`` beside the bf16 ``unsharded_param.grad``. The alternative,
+an fp32 leaf cast to ``param_dtype`` inside each forward call, needs an fp32 (Nt,) gathered
+copy of the unit (what the low-precision all-gather saves) or a custom autograd function; the
+hook keeps the leaf the gathered buffer itself. The reduce-scatter sends the accumulator cast
+to ``reduce_dtype`` (fp32 by default: no cast) and its (k_r,) result is upcast into the fp32
+shard gradient. ``gather_full`` (saving, export) gathers the fp32 master shards.
 """
 
 from __future__ import annotations
@@ -224,6 +246,9 @@ class FlatParamUnit:
         rank, world_size, group, device: process group placement.
         stats, tracker: shared counters.
         streams: ``offload.CudaStreams`` on CUDA, else None (synchronous collectives' waits).
+        param_dtype: dtype of the gathered parameters (None: the training dtype); reduce_dtype:
+            dtype of the gradient reduce-scatter (None: the training dtype). See [Note:
+            low-precision gathered parameters]; the engine validates both.
     The shard starts as zeros: the engine fills it from its weight source (``loading.py``:
     rank 0's in-memory values, a checkpoint's slices or a seeded init) right after construction.
     The unit keeps no reference to ``params`` (see [Note: no full model after construction] in
@@ -231,7 +256,8 @@ class FlatParamUnit:
     """
 
     def __init__(self, name, params, uses, fqns, numel_per_rank, *, rank, world_size, group,
-                 device, stats, tracker, streams=None, use_all_reduce=False):
+                 device, stats, tracker, streams=None, use_all_reduce=False, param_dtype=None,
+                 reduce_dtype=None):
         self.name = name
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device, self.stats, self.tracker, self.streams = device, stats, tracker, streams
@@ -241,6 +267,9 @@ class FlatParamUnit:
         self.numel = sum(i.numel for i in self.infos)
         self.trainable_numel = sum(i.numel for i in self.infos if i.requires_grad)
         self.dtype = params[0].dtype if params else torch.float32
+        self.param_dtype = param_dtype or self.dtype  # gathered (all-gather) dtype
+        self.reduce_dtype = reduce_dtype or self.dtype  # reduce-scatter dtype
+        self.low_precision = self.param_dtype != self.dtype
         self.numel_per_rank = [int(n) for n in numel_per_rank]
         assert len(self.numel_per_rank) == world_size and sum(self.numel_per_rank) == self.numel \
             and min(self.numel_per_rank) >= 0, (name, self.numel_per_rank, self.numel)
@@ -259,6 +288,7 @@ class FlatParamUnit:
         self._full: torch.Tensor | None = None    # (N,) gathered flat buffer
         self._leaf: torch.Tensor | None = None    # (Nt,) autograd leaf over full[:Nt]
         self._grad_live = False
+        self._grad_acc: torch.Tensor | None = None  # (Nt,) fp32 sum of low-precision grads
         self._rs_input: torch.Tensor | None = None  # kept alive until the reduce-scatter is done
         self._comm_bytes = {"ag": 0, "rs": 0}  # see [Note: communication buffers]
         self._freed_nbytes: int | None = None  # set while resharded with kept graphs
@@ -295,9 +325,22 @@ class FlatParamUnit:
         if self.streams is not None:
             self._pending_ag = self.streams.all_gather(self)
         else:
-            self._pending_ag = C.all_gather_shards(self.local, self.numel_per_rank, self.rank,
-                                                   self.group, self.stats, async_op=True)
-        self._set_comm("ag", self.numel * self.local.element_size())
+            self._pending_ag = C.all_gather_shards(self.send_buffer(), self.numel_per_rank,
+                                                   self.rank, self.group, self.stats,
+                                                   async_op=True)
+        es = self.param_element_size
+        cast_bytes = self.local_numel * es if self.low_precision else 0
+        self._set_comm("ag", self.numel * es + cast_bytes)
+
+    @property
+    def param_element_size(self) -> int:
+        """Bytes per element of the gathered buffer (``param_dtype``)."""
+        return torch.empty(0, dtype=self.param_dtype).element_size()
+
+    def send_buffer(self) -> torch.Tensor:
+        """(n_r,) what this rank's all-gather sends: the shard itself, or its ``param_dtype``
+        copy ([Note: low-precision gathered parameters])."""
+        return self.local.to(self.param_dtype) if self.low_precision else self.local
 
     def _set_comm(self, key: str, nbytes: int) -> None:
         """Account this unit's in-flight ``key`` buffers (see [Note: communication buffers])."""
@@ -325,7 +368,18 @@ class FlatParamUnit:
         self._full = result.output
         leaf = self._full[:self.trainable_numel].detach()
         self._leaf = leaf.requires_grad_(requires_grad and self.trainable_numel > 0)
+        if self.low_precision and self._leaf.requires_grad:
+            self._leaf.register_post_accumulate_grad_hook(self._accumulate_low_precision)
         self.use_params()
+
+    def _accumulate_low_precision(self, leaf: torch.Tensor) -> None:
+        """Move the microbatch's ``param_dtype`` gradient into the fp32 accumulator (see
+        [Note: low-precision gathered parameters])."""
+        grad, leaf.grad = leaf.grad, None
+        if self._grad_acc is None:
+            self._grad_acc = grad.to(self.dtype)
+        else:
+            self._grad_acc.add_(grad)
 
     def use_params(self) -> None:
         """Point every module parameter entry at a fresh view of the gathered buffer.
@@ -371,7 +425,7 @@ class FlatParamUnit:
         self._set_comm("ag", 0)
         self._set_comm("rs", 0)
         self._set_placeholders()
-        self._full = self._leaf = None
+        self._full = self._leaf = self._grad_acc = None
         self._freed_nbytes = None
         if self.state is ShardedState.UNSHARDED:
             self.tracker.param_numel -= self.numel
@@ -383,7 +437,7 @@ class FlatParamUnit:
         return handles
 
     def _set_placeholders(self) -> None:
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
         for uses in self._uses:
             for module, attr in uses:
                 module._parameters[attr] = empty
@@ -391,7 +445,9 @@ class FlatParamUnit:
     # ---- gradients --------------------------------------------------------------------------
     def note_grad(self) -> None:
         """Account the unit's full gradient once it exists (called after each backward)."""
-        if not self._grad_live and self._leaf is not None and self._leaf.grad is not None:
+        has_grad = self._grad_acc is not None or \
+            (self._leaf is not None and self._leaf.grad is not None)
+        if not self._grad_live and has_grad:
             self._grad_live = True
             self.tracker.add_grad(self.trainable_numel)
 
@@ -404,10 +460,15 @@ class FlatParamUnit:
         grad = self._leaf.grad if self._leaf is not None else None
         if self._leaf is not None:
             self._leaf.grad = None
-        es = self.local.element_size()
+        if self._grad_acc is not None:  # [Note: low-precision gathered parameters]
+            grad, self._grad_acc = self._grad_acc, None
+        es = torch.empty(0, dtype=self.reduce_dtype).element_size()
         comm_bytes = 0 if self.use_all_reduce else self.local_trainable_numel * es
         if grad is None:
-            grad = torch.zeros(self.trainable_numel, dtype=self.dtype, device=self.device)
+            grad = torch.zeros(self.trainable_numel, dtype=self.reduce_dtype, device=self.device)
+            comm_bytes += self.trainable_numel * es
+        elif grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)
             comm_bytes += self.trainable_numel * es
         self._rs_input = grad.contiguous()  # kept alive until the collective completes
         if self.streams is not None:
@@ -430,8 +491,12 @@ class FlatParamUnit:
         self._rs_input = None
         self._set_comm("rs", 0)
         local = result.output  # (k_r,): fresh, or a view of the reduced input (fallback)
+        if local.dtype != self.dtype:  # reduced in a low reduce_dtype: upcast (fresh)
+            local = local.to(self.dtype)
+        elif result.full is not None:
+            local = local.clone()
         if self.shard_param.grad is None:
-            self.shard_param.grad = local.clone() if result.full is not None else local
+            self.shard_param.grad = local
         else:
             self.shard_param.grad.add_(local)
         if self._grad_live:

@@ -259,8 +259,9 @@ class CudaStreams:
         send = unit.local  # last written on the compute stream (optimizer step, load)
         self.all_gather_stream.wait_stream(compute)
         with torch.cuda.stream(self.all_gather_stream):
-            result = C.all_gather_shards(send, unit.numel_per_rank, unit.rank, unit.group,
-                                         unit.stats, async_op=False)
+            # a low param_dtype's cast copy is made and used on this stream only
+            result = C.all_gather_shards(unit.send_buffer(), unit.numel_per_rank, unit.rank,
+                                         unit.group, unit.stats, async_op=False)
             event = torch.cuda.Event()
             event.record(self.all_gather_stream)
         send.record_stream(self.all_gather_stream)

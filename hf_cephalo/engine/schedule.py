@@ -124,17 +124,20 @@ class LayeredStep:
         stash: boundary activation / gradient store; device: compute device.
         keep_graphs: keep every forward graph instead of recomputing in backward (activation
             memory grows with l like standard training; see [Note: kept graphs across reshard]).
+        scale_loss: applied to each microbatch's ``loss_sum / N`` before its backward (a loss
+            scaler's ``scale``, fp16); default identity.
     """
 
     def __init__(self, staged, units: Sequence[FlatParamUnit], root: RootUnits,
                  microbatches: Sequence[Any], global_num_items: int, stash: ActivationStash,
-                 device: torch.device, keep_graphs: bool = False):
+                 device: torch.device, keep_graphs: bool = False, scale_loss=None):
         self.staged, self.units, self.root = staged, list(units), root
         self.mbs, self.N = list(microbatches), global_num_items
         self.stash, self.device = stash, device
         self.ctxs: list[Any] = []
         self.rng: dict[tuple, RngState] = {}
         self.keep_graphs = keep_graphs
+        self.scale_loss = scale_loss if scale_loss is not None else (lambda loss: loss)
         self.kept: dict[tuple, tuple] = {}  # (unit, microbatch) -> (input, output) with graph
         self.reducing: list[FlatParamUnit] = []  # reduce-scatters issued, not yet waited
         self.local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # no host sync
@@ -247,7 +250,7 @@ class LayeredStep:
             for unit in phase:
                 unit.use_params()
             out = self.staged.head_loss(hidden, mb, self.ctxs[j])
-            torch.autograd.backward(out.loss_sum / self.N)
+            torch.autograd.backward(self.scale_loss(out.loss_sum / self.N))
             for unit in phase:
                 unit.note_grad()
             self.local_loss_sum += out.loss_sum.detach().double()

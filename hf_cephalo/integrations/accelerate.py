@@ -74,6 +74,10 @@ def _parse_list(value: Any, cast: type, what: str) -> list:
     return numbers
 
 
+PARAM_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
+REDUCE_DTYPE_CHOICES = ("fp32", "bf16", "fp16")
+
+
 @dataclass(kw_only=True)
 class CephaloPlugin:
     """Cephalo's settings, carried on ``CephaloAccelerator.cephalo_plugin``.
@@ -108,6 +112,11 @@ class CephaloPlugin:
     max_shard_size: str | None = None
     """Largest weight file ``save_model`` writes, as ``save_pretrained``'s ``max_shard_size``:
     bytes or e.g. '5GB' (TB/GB/MB/KB, powers of 1000); default '50GB'."""
+    param_dtype: str | None = None
+    """dtype of the gathered (all-gathered) parameters: 'auto' (default: the compute dtype of
+    --bf16 / --fp16, fp32 without them), 'bf16', 'fp16' or 'fp32' (gather the fp32 master)."""
+    reduce_dtype: str | None = None
+    """dtype of the gradient reduce-scatter: 'fp32' (default) or the param dtype."""
     distributed_type: CephaloDistributedType = CephaloDistributedType.CEPHALO
     """Cephalo's own distributed type (Accelerate's stays MULTI_GPU / MULTI_CPU)."""
 
@@ -125,6 +134,10 @@ class CephaloPlugin:
             self.save_full_model = False
         if self.max_shard_size is None:
             self.max_shard_size = "50GB"
+        if self.param_dtype is None:
+            self.param_dtype = "auto"
+        if self.reduce_dtype is None:
+            self.reduce_dtype = "fp32"
         self._validate()
 
     def _bad(self, name: str, requirement: str) -> ValueError:
@@ -157,6 +170,12 @@ class CephaloPlugin:
         self.activation_offload = str(self.activation_offload).lower()
         self._validate_saving()
         self._validate_emulation()
+        for name, choices in (("param_dtype", PARAM_DTYPE_CHOICES),
+                              ("reduce_dtype", REDUCE_DTYPE_CHOICES)):
+            value = str(getattr(self, name)).strip().lower()
+            if value not in choices:
+                raise self._bad(name, f"must be one of {choices}")
+            setattr(self, name, value)
 
     def _validate_saving(self) -> None:
         from hf_cephalo.engine.export import parse_max_shard_size

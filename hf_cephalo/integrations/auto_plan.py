@@ -99,8 +99,7 @@ def _measure_config(args, global_batch_size: int, train_dataset) -> MeasureConfi
     verbose = (os.environ.get("HF_CEPHALO_VERBOSE", "0").strip().lower() in ("1", "true", "yes")
                or logging.getLogger("hf_cephalo").isEnabledFor(logging.DEBUG))
     return MeasureConfig(max_microbatch_size=max(1, min(max_m, global_batch_size)),
-                         sequence_length=seq, precision="bf16" if args.bf16 else "fp32",
-                         verbose=verbose)
+                         sequence_length=seq, precision=_precision(args), verbose=verbose)
 
 
 def _gather_names(name: str, world_size: int) -> list[str]:
@@ -232,6 +231,11 @@ def check_state_fits_caps(plan: Plan, state_bytes: float, caps: list[float | Non
             "for the caps) or raise cephalo_emulate_memory_cap_bytes")
 
 
+def _precision(args) -> str:
+    """The profiler's precision name of the job's compute dtype (--bf16 / --fp16 / fp32)."""
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+
+
 def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterProfile:
     """The given profile file (checked against this job) or a fresh/cached measurement."""
     if args.cephalo_profile_file is None:
@@ -242,7 +246,7 @@ def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterPr
     check_profile_matches(cluster, model_profile(staged), names,
                           source=f"cephalo_profile_file {args.cephalo_profile_file!r}",
                           dtype=precision_tag(str(model_dtype(staged)).replace("torch.", ""),
-                                              "bf16" if args.bf16 else "fp32"),
+                                              _precision(args)),
                           fingerprint=model_fingerprint(staged.model),
                           description=model_description(staged.model),
                           sequence_length=None if train_dataset is None else

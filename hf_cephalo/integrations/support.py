@@ -151,8 +151,10 @@ FIELD_SUPPORT: dict[str, Support] = {
         _P + "test_label_smoothing_as_stock"),
     # ---- precision / compute ----
     "bf16": _stock("bf16 autocast, fp32 master weights", _T + "test_bf16_trains_under_autocast"),
-    "fp16": _refused("fp16 needs a loss scaler over every rank's shard gradients: use --bf16 or "
-                     "fp32 (refused in CephaloTrainingArguments)"),
+    "fp16": _stock("fp16 autocast with PyTorch's ShardedGradScaler (found-inf agreed across "
+                   "ranks, unscaled before clipping, saved in checkpoints, loss_scale logged); "
+                   "fp16 gathered parameters unless --cephalo_param_dtype says otherwise",
+                   "tests/test_trainer_fp16.py::test_fp16_trainer_scaler_logged_saved_resumed"),
     "bf16_full_eval": _refused("evaluation runs in the training precision: drop the flag"),
     "fp16_full_eval": _refused("evaluation runs in the training precision: drop the flag"),
     "tf32": _inherited("a torch backend switch set by TrainingArguments itself"),

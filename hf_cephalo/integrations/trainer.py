@@ -187,11 +187,15 @@ class CephaloTrainer(Trainer):
         # The engine builds unit by unit: a meta model reads its checkpoint slices
         # (``model.cephalo_checkpoint``, from ``from_pretrained_sharded``) or is initialized per
         # unit with ``args.seed``; an in-memory model takes rank 0's values.
+        precision = args.engine_precision()
         self.engine = CephaloEngine(staged, self.plan.state_ratios, device=args.device,
                                     offload_activations=args.cephalo_offload_activations,
-                                    autocast_dtype=torch.bfloat16 if args.bf16 else None,
+                                    autocast_dtype=precision.autocast_dtype,
+                                    param_dtype=precision.param_dtype,
+                                    reduce_dtype=precision.reduce_dtype,
                                     root_resident=self.plan.root_resident, init_seed=args.seed)
         self.accelerator.attach_engine(self.engine)
+        self._attach_grad_scaler()
         guard_sharded_model(model, self._full_numel)  # [Note: the user's model while sharded]
         self.add_callback(PlanAccuracyCallback(self))  # predicted vs measured at train end
         if self.is_world_process_zero():
@@ -258,6 +262,35 @@ class CephaloTrainer(Trainer):
         self.accelerator = CephaloAccelerator(**self._cephalo_accelerator_args,
                                               cephalo_plugin=CephaloPlugin.from_training_args(self.args))
         self.gather_function = self.accelerator.gather_for_metrics
+
+    def _attach_grad_scaler(self) -> None:
+        """--fp16: the engine's ``ShardedGradScaler`` becomes ``accelerator.scaler``.
+
+        Stock Trainer + Accelerate then use it unchanged: ``accelerator.prepare(optimizer)``
+        hands it to ``AcceleratedOptimizer`` (``scaler.step`` + ``update``; a skipped step sets
+        ``optimizer_step_was_skipped``, so the LR scheduler does not step), ``_save_scaler`` /
+        ``_load_scaler`` write and read ``scaler.pt`` in checkpoints (a scalar: any plan).
+        Accelerate would build a plain ``GradScaler`` on CUDA (found-inf not agreed across
+        ranks) and none on CPU; ``native_amp`` makes ``accelerator.unscale_gradients`` work."""
+        self._scaler_unscaled = False
+        if not self.args.fp16:
+            return
+        self.accelerator.scaler = self.engine.make_grad_scaler()
+        self.accelerator.native_amp = True
+
+    def _unscale_once(self) -> None:
+        """Unscale the shard gradients before clipping / the norm (once per step)."""
+        scaler = self.accelerator.scaler
+        if scaler is not None and not self._scaler_unscaled:
+            scaler.unscale_(_unwrap_optimizer(self.optimizer))  # all-reduces found-inf
+            self._scaler_unscaled = True
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Stock ``log``, plus ``loss_scale`` (the fp16 scaler's current scale) on training
+        logs with --fp16."""
+        if self.accelerator.scaler is not None and "loss" in logs:
+            logs = {**logs, "loss_scale": float(self.accelerator.scaler.get_scale())}
+        super().log(logs, start_time)
 
     # ---- data ----------------------------------------------------------------------------
     def _weighted_loader(self, dataset, description: str, *, shuffle: bool,
@@ -353,14 +386,17 @@ class CephaloTrainer(Trainer):
         model.train()
         self.engine.zero_grad()  # gradient_accumulation_steps == 1: every step starts fresh
         microbatches = self._prepare_input(list(inputs))
-        out = self.engine.train_step(microbatches)
+        self._scaler_unscaled = False
+        out = self.engine.train_step(microbatches, loss_scale=self.accelerator.scaler)
         return torch.tensor(out.loss, dtype=torch.float32, device=self.args.device)
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        self._unscale_once()  # as accelerator.clip_grad_norm_ does
         return self.engine.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm=None):
         if grad_norm is None:
+            self._unscale_once()
             grad_norm = self.engine.clip_grad_norm_(float("inf"))  # global norm, no clipping
         return grad_norm
 

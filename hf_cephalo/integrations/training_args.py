@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from transformers import TrainingArguments
@@ -37,6 +37,23 @@ logger = logging.getLogger(__name__)
 _PLUGIN_FIELDS = [f.name for f in fields(CephaloPlugin) if f.name != "distributed_type"]
 
 
+class EnginePrecision(NamedTuple):
+    """``CephaloEngine`` precision arguments (None = fp32 / no autocast)."""
+
+    autocast_dtype: torch.dtype | None
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+
+def check_bf16_support(device_name: str, capability: tuple[int, int]) -> None:
+    """Refuse --bf16 on a GPU without bf16 tensor cores (compute capability < 8.0: V100, T4,
+    P100, P40, ...): ValueError proposing --fp16."""
+    if tuple(capability) < (8, 0):
+        raise ValueError(f"--bf16 on {device_name} (compute capability "
+                         f"{capability[0]}.{capability[1]} < 8.0, no bf16 support): use --fp16 "
+                         "(fp16 autocast with a sharded loss scaler) instead")
+
+
 @dataclass
 class CephaloTrainingArguments(TrainingArguments):
     """TrainingArguments for CephaloTrainer; see the module docstring for batch size rules.
@@ -47,8 +64,10 @@ class CephaloTrainingArguments(TrainingArguments):
 
     Raises ValueError in ``__post_init__`` for an invalid cephalo_* value (after environment
     fallback; the message names the field, its environment variable and the value), a missing
-    plan/profile file, ``gradient_accumulation_steps != 1``, or ``fp16`` / ``fp16_full_eval`` /
-    ``bf16_full_eval`` (``bf16=True`` is supported: bf16 autocast, fp32 master weights).
+    plan/profile file, ``gradient_accumulation_steps != 1``, ``fp16`` together with ``bf16``, a
+    param / reduce dtype that does not fit the compute dtype, or ``fp16_full_eval`` /
+    ``bf16_full_eval`` (``bf16=True`` and ``fp16=True`` are supported: autocast with fp32 master
+    weights, fp16 with a sharded loss scaler).
     """
 
     cephalo_plan_file: str | None = field(default=None, metadata={"help": (
@@ -92,6 +111,16 @@ class CephaloTrainingArguments(TrainingArguments):
         "model-0000k-of-0000n.safetensors + model.safetensors.index.json. Default '50GB' "
         "(save_pretrained's). Env: HF_CEPHALO_MAX_SHARD_SIZE.")})
 
+    cephalo_param_dtype: str | None = field(default=None, metadata={"help": (
+        "dtype of the gathered parameters (FSDP2 MixedPrecisionPolicy.param_dtype; the fp32 "
+        "master shards and optimizer state are unchanged): 'auto' (default: bf16 with --bf16, "
+        "fp16 with --fp16, fp32 otherwise; halves all-gathered bytes and gathered-unit memory), "
+        "'bf16', 'fp16' (must match --bf16 / --fp16) or 'fp32'. Env: HF_CEPHALO_PARAM_DTYPE.")})
+    cephalo_reduce_dtype: str | None = field(default=None, metadata={"help": (
+        "dtype of the gradient reduce-scatter: 'fp32' (default; gradients accumulate in fp32 "
+        "either way) or the param dtype (half the reduce-scatter bytes). "
+        "Env: HF_CEPHALO_REDUCE_DTYPE.")})
+
     def __post_init__(self) -> None:
         self._resolve_cephalo_fields()
         if self.gradient_accumulation_steps != 1:
@@ -105,15 +134,18 @@ class CephaloTrainingArguments(TrainingArguments):
             if getattr(self, flag) < 1:
                 raise ValueError(f"--{flag} = {getattr(self, flag)}: need at least 1 (samples per "
                                  "rank; the evaluation microbatch size for the eval flag)")
-        for flag, why in (("fp16", "fp16 needs a loss scaler over every rank's shard "
-                           "gradients, which Cephalo does not have; use --bf16 (bf16 autocast "
-                           "with fp32 master weights) or fp32"),
-                          ("fp16_full_eval", "evaluation runs through the engine in the "
+        for flag, why in (("fp16_full_eval", "evaluation runs through the engine in the "
                            "training precision; drop the flag"),
                           ("bf16_full_eval", "evaluation runs through the engine in the "
                            "training precision (bf16 autocast with --bf16); drop the flag")):
             if getattr(self, flag):
                 raise ValueError(f"--{flag} is not supported by CephaloTrainer: {why}")
+        if self.fp16 and self.bf16:
+            raise ValueError("--fp16 and --bf16 are both set: pick one compute dtype (--bf16 on "
+                             "GPUs with compute capability >= 8.0, --fp16 on older ones)")
+        self.engine_precision()  # bad param / reduce dtypes: ValueError now
+        if self.bf16 and not self.use_cpu and torch.cuda.is_available():
+            check_bf16_support(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
         if not self.use_cpu and not torch.cuda.is_available():
             # Without cpu=True, torchrun-started workers see an initialized process group but
             # Accelerate reports DistributedType.NO and one process (docs/design.md contract 6).
@@ -136,6 +168,26 @@ class CephaloTrainingArguments(TrainingArguments):
         at all). This is the hook transformers provides for integrations that place the model
         themselves."""
         return False
+
+    def engine_precision(self) -> EnginePrecision:
+        """The engine's ``autocast_dtype`` / ``param_dtype`` / ``reduce_dtype`` from --bf16 /
+        --fp16 and ``cephalo_param_dtype`` / ``cephalo_reduce_dtype``.
+
+        Raises ValueError: a low param dtype without (or other than) the compute dtype, a
+        reduce dtype other than fp32 or the param dtype."""
+        compute = "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+        param = compute if self.cephalo_param_dtype == "auto" else self.cephalo_param_dtype
+        reduce = self.cephalo_reduce_dtype
+        if param != "fp32" and param != compute:
+            raise ValueError(f"cephalo_param_dtype = {param!r} but the compute dtype is "
+                             f"{compute} ({'--' + compute if compute != 'fp32' else 'no --bf16/--fp16'}"
+                             f"): gather in the compute dtype ('auto'), or 'fp32', or set "
+                             f"--{param}")
+        if reduce != "fp32" and reduce != param:
+            raise ValueError(f"cephalo_reduce_dtype = {reduce!r} is lower than (or differs "
+                             f"from) the param dtype {param!r}: use 'fp32' or {param!r}")
+        dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+        return EnginePrecision(dtypes[compute], dtypes[param], dtypes[reduce])
 
     @property
     def cephalo_offload_activations(self) -> bool | None:

@@ -67,7 +67,8 @@ __all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "
 MakeMicrobatch = Callable[[int], Mapping[str, torch.Tensor]]
 
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 QUIET_INTERVAL_S = 15.0
@@ -96,8 +97,9 @@ class MeasureConfig:
             lines per start, not one per rank per second.
         verbose: every rank prints, once a second, with the times of each microbatch size
             (``hf-cephalo profile --verbose``, ``HF_CEPHALO_VERBOSE=1``).
-        precision: "fp32", or "bf16" to time the forward calls under bf16 autocast like the
-            engine's ``autocast_dtype=torch.bfloat16`` (``TrainingArguments(bf16=True)``).
+        precision: "fp32", or "bf16" / "fp16" to time the forward calls under that autocast
+            like the engine's ``autocast_dtype`` (``TrainingArguments(bf16=True)`` /
+            ``fp16=True``).
     """
 
     max_microbatch_size: int = 8
@@ -777,7 +779,7 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
     slowdown = 1.0 if emulation is None else emulation.slowdown_of(rank)
     cap = None if emulation is None else emulation.cap_of(rank)
     base = staged.inner if isinstance(staged, EmulatedStagedModel) else staged
-    timed = AutocastStagedModel(base, torch.device(device).type) \
+    timed = AutocastStagedModel(base, torch.device(device).type, _AUTOCAST[config.precision]) \
         if config.precision != "fp32" else base
     measured = EmulatedStagedModel(timed, slowdown, device) if slowdown != 1.0 else timed
     name = emulated_device_name(local_device_name(device), slowdown, cap)
@@ -931,10 +933,11 @@ def check_profile_matches(cluster: ClusterProfile, model: ModelProfile, device_n
         raise ValueError(f"{source} was measured for another model configuration ({what}; "
                          f"fingerprint {recorded} vs this model's {fingerprint}); {redo}")
     if dtype is not None and cluster.extra.get("dtype") not in (None, dtype):
-        precision = "bf16" if "autocast-bf16" in dtype else "fp32"
+        precision = next((p for p in PRECISIONS if f"autocast-{p}" in dtype), "fp32")
         raise ValueError(
             f"{source} was measured in {cluster.extra['dtype']} but this job computes in {dtype} "
-            f"(parameter dtype, plus +autocast-bf16 under --bf16); re-profile in this job's "
+            f"(parameter dtype, plus +autocast-bf16 / -fp16 under --bf16 / --fp16); re-profile "
+            f"in this job's "
             f"precision (`hf-cephalo profile --precision {precision}`, or leave "
             "cephalo_profile_file unset so the trainer profiles at start) or give a plan file")
     seq = cluster.extra.get("sequence_length")

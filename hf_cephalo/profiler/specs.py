@@ -53,6 +53,8 @@ class GPUSpec:
         memory_gib: device memory, GiB (vendor "GB" of GPU memory are binary capacities).
         fp32_tflops: peak fp32 (non-tensor) TFLOP/s.
         bf16_tflops: peak dense bf16 tensor-core TFLOP/s; None if the GPU has no bf16.
+        fp16_tflops: peak dense fp16 TFLOP/s (tensor cores where the GPU has them; P100:
+            its packed half-precision rate); None if the data sheet gives no fp16 figure.
         source: where the figures come from.
     """
 
@@ -61,42 +63,65 @@ class GPUSpec:
     fp32_tflops: float
     bf16_tflops: float | None
     source: str
+    fp16_tflops: float | None = None
 
 
 _DATASHEET = "NVIDIA data sheet"
 GPU_SPECS: dict[str, GPUSpec] = {s.name: s for s in [
     GPUSpec(name="L4", memory_gib=24, fp32_tflops=30.3, bf16_tflops=121.0,
             source=f"{_DATASHEET}, https://www.nvidia.com/en-us/data-center/l4/ "
-                   "(BF16 242 TFLOPS is with sparsity; dense is half)"),
+                   "(BF16 242 TFLOPS is with sparsity; dense is half) "
+                   "[fp16: FP16 tensor 242 TFLOPS with sparsity, dense half]",
+            fp16_tflops=121.0),
     GPUSpec(name="A6000", memory_gib=48, fp32_tflops=38.7, bf16_tflops=154.8,
             source=f"{_DATASHEET} (RTX A6000), https://www.nvidia.com/en-us/design-visualization/"
-                   "rtx-a6000/ (tensor 309.7 TFLOPS with sparsity; dense is half)"),
+                   "rtx-a6000/ (tensor 309.7 TFLOPS with sparsity; dense is half) "
+                   "[fp16: FP16 tensor 309.7 with sparsity, dense half]",
+            fp16_tflops=154.8),
     GPUSpec(name="P40", memory_gib=24, fp32_tflops=12.0, bf16_tflops=None,
             source=f"{_DATASHEET} (Tesla P40), https://www.nvidia.com/en-us/data-center/"
-                   "tesla-p40/ (no bf16)"),
+                   "tesla-p40/ (no bf16) "
+                   "[fp16: no fp16 rate listed]",
+            fp16_tflops=None),
     GPUSpec(name="P100", memory_gib=16, fp32_tflops=9.3, bf16_tflops=None,
             source=f"{_DATASHEET} (Tesla P100 PCIe 16 GB), https://www.nvidia.com/en-us/"
-                   "data-center/tesla-p100/ (no bf16)"),
+                   "data-center/tesla-p100/ (no bf16) "
+                   "[fp16: half precision 18.7 TFLOPS, PCIe]",
+            fp16_tflops=18.7),
     GPUSpec(name="V100-16GB", memory_gib=16, fp32_tflops=15.7, bf16_tflops=None,
             source=f"{_DATASHEET} (V100 SXM2), https://www.nvidia.com/en-us/data-center/v100/ "
-                   "(no bf16; fp16 tensor 125)"),
+                   "(no bf16; fp16 tensor 125) "
+                   "[fp16: fp16 tensor 125]",
+            fp16_tflops=125.0),
     GPUSpec(name="T4", memory_gib=16, fp32_tflops=8.1, bf16_tflops=None,
             source=f"{_DATASHEET}, https://www.nvidia.com/en-us/data-center/tesla-t4/ "
-                   "(no bf16; fp16 tensor 65)"),
+                   "(no bf16; fp16 tensor 65) "
+                   "[fp16: mixed fp16/fp32 tensor 65]",
+            fp16_tflops=65.0),
     GPUSpec(name="A10G", memory_gib=24, fp32_tflops=31.2, bf16_tflops=125.0,
             source=f"{_DATASHEET} of the A10, https://www.nvidia.com/en-us/data-center/products/"
                    "a10-gpu/ ; memory from https://aws.amazon.com/ec2/instance-types/g5/ (AWS "
-                   "does not publish separate A10G peaks; treat as an upper estimate)"),
+                   "does not publish separate A10G peaks; treat as an upper estimate) "
+                   "[fp16: A10 FP16 tensor 250 with sparsity, dense half]",
+            fp16_tflops=125.0),
     GPUSpec(name="A100-40GB", memory_gib=40, fp32_tflops=19.5, bf16_tflops=312.0,
-            source=f"{_DATASHEET} (A100 SXM), https://www.nvidia.com/en-us/data-center/a100/"),
+            source=f"{_DATASHEET} (A100 SXM), https://www.nvidia.com/en-us/data-center/a100/ "
+                   "[fp16: FP16 tensor 312 dense]",
+            fp16_tflops=312.0),
     GPUSpec(name="A100-80GB", memory_gib=80, fp32_tflops=19.5, bf16_tflops=312.0,
-            source=f"{_DATASHEET} (A100 SXM), https://www.nvidia.com/en-us/data-center/a100/"),
+            source=f"{_DATASHEET} (A100 SXM), https://www.nvidia.com/en-us/data-center/a100/ "
+                   "[fp16: FP16 tensor 312 dense]",
+            fp16_tflops=312.0),
     GPUSpec(name="H100", memory_gib=80, fp32_tflops=67.0, bf16_tflops=989.4,
             source=f"{_DATASHEET} (H100 SXM), https://www.nvidia.com/en-us/data-center/h100/ "
-                   "(BF16 1979 TFLOPS is with sparsity; dense is half)"),
+                   "(BF16 1979 TFLOPS is with sparsity; dense is half) "
+                   "[fp16: FP16 tensor 1979 with sparsity, dense half]",
+            fp16_tflops=989.4),
     GPUSpec(name="H200", memory_gib=141, fp32_tflops=67.0, bf16_tflops=989.4,
             source=f"{_DATASHEET} (H200 SXM), https://www.nvidia.com/en-us/data-center/h200/ "
-                   "(BF16 1979 TFLOPS is with sparsity; dense is half)"),
+                   "(BF16 1979 TFLOPS is with sparsity; dense is half) "
+                   "[fp16: FP16 tensor 1979 with sparsity, dense half]",
+            fp16_tflops=989.4),
 ]}
 
 
@@ -278,7 +303,8 @@ def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency
 
     Args:
         efficiency: assumed fraction of peak reached by a layer (0 < e <= 1).
-        precision: ``"fp32"`` (the paper's full-precision training) or ``"bf16"``.
+        precision: ``"fp32"`` (the paper's full-precision training), ``"bf16"`` or ``"fp16"``
+            (peak from ``bf16_tflops`` / ``fp16_tflops``).
         launch_overhead_s: fixed per-microbatch time of one layer's kernels, seconds.
         framework_reserve_bytes: memory the framework keeps besides the model, bytes. The
             engine's buffers (units, the root's phases, collectives, stash) are not in the
@@ -294,11 +320,17 @@ def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency
         peak = spec.fp32_tflops
     elif precision == "bf16":
         if spec.bf16_tflops is None:
-            raise ValueError(f"{spec.name} has no bf16 support; use fp32 precision "
-                             "(precision='fp32'; CLI: --precision fp32)")
+            alt = "fp16" if spec.fp16_tflops is not None else "fp32"
+            raise ValueError(f"{spec.name} has no bf16 support; use {alt} precision "
+                             f"(precision='{alt}'; CLI: --precision {alt})")
         peak = spec.bf16_tflops
+    elif precision == "fp16":
+        if spec.fp16_tflops is None:
+            raise ValueError(f"{spec.name} has no fp16 figure in its data sheet; use fp32 "
+                             "precision (precision='fp32'; CLI: --precision fp32)")
+        peak = spec.fp16_tflops
     else:
-        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+        raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
     per_sample_s = _layer_fwd_flops(shape) / (efficiency * peak * 1e12)
     ms = list(microbatch_sizes)
     fwd = [launch_overhead_s + m * per_sample_s for m in ms]
