@@ -444,6 +444,14 @@ class FlatParamUnit:
         return C.all_gather_shards(self.local, self.numel_per_rank, self.rank, self.group,
                                    self.stats, async_op=False).output
 
+    def gather_trainable(self) -> torch.Tensor:
+        """Collective: the (Nt,) trainable prefix of the flat buffer on every rank (synchronous
+        all-gather of each rank's trainable part only: a LoRA adapter's save moves the adapter
+        elements, not the frozen base)."""
+        return C.all_gather_shards(self.local[:self.local_trainable_numel].contiguous(),
+                                   self.trainable_per_rank, self.rank, self.group, self.stats,
+                                   async_op=False).output
+
     def meta(self) -> UnitShardMeta:
         return UnitShardMeta(self.name, self.numel, self.trainable_numel,
                              tuple(self.numel_per_rank), self.infos)
