@@ -56,6 +56,14 @@ def _add_cluster_source_arguments(p: argparse.ArgumentParser, model_example: str
                         "their gradients all step (CephaloEngine root_resident=True; recorded "
                         "in the plan, the trainer builds the engine with it) instead of the "
                         "default split root, gathered around its uses")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="with --cluster: plan LoRA fine-tuning of rank r instead of full "
+                        "fine-tuning (only the adapter carries gradient and optimizer state)")
+    p.add_argument("--lora-targets", nargs="+", default=["q", "v"],
+                   help="attention projections LoRA adapts, of q k v o (default: q v)")
+    p.add_argument("--frozen-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="storage of the frozen base with --lora-rank: fp32 (4 B, what the engine "
+                        "trains today) or bf16 (2 B, a what-if: the engine refuses mixed dtypes)")
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -186,6 +194,10 @@ def _load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: boo
     if args.profile:
         from hf_cephalo.profiler.types import ClusterProfile
 
+        if getattr(args, "lora_rank", None) is not None:
+            raise ValueError(f"--lora-rank {args.lora_rank} applies only to --cluster estimates; "
+                             f"the profile {args.profile} already fixes the model (profile the "
+                             "PeftModel as it will train: hf-cephalo profile / CephaloTrainer)")
         if args.model:
             raise ValueError(f"--model {args.model} applies only to --cluster estimates; the "
                              f"profile {args.profile} already fixes the model (drop --model, or "
@@ -205,8 +217,22 @@ def _load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: boo
                          "e.g. --model llama-3b)")
     from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
 
-    return estimate_cluster_profile(load_cluster_yaml(args.cluster), args.model,
-                                    **_estimate_options(args))
+    return _apply_lora(estimate_cluster_profile(load_cluster_yaml(args.cluster), args.model,
+                                                **_estimate_options(args)), args)
+
+
+def _apply_lora(cluster, args: argparse.Namespace):
+    """The spec-sheet cluster with its model as ``--lora-rank`` trains it (unchanged without)."""
+    if getattr(args, "lora_rank", None) is None:
+        return cluster
+    from dataclasses import replace
+
+    from hf_cephalo.profiler.specs import get_model_shape, lora_model_profile
+
+    frozen = 2.0 if args.frozen_dtype == "bf16" else 4.0
+    model = lora_model_profile(cluster.model, get_model_shape(args.model), args.lora_rank,
+                               tuple(args.lora_targets), frozen)
+    return replace(cluster, model=model)
 
 
 def _estimate_options(args: argparse.Namespace) -> dict:
@@ -350,8 +376,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
             raise ValueError("--cluster needs --model (e.g. --model llama-7b)")
         from hf_cephalo.profiler.specs import estimate_cluster_profile
 
-        cluster = estimate_cluster_profile(_restrict_gpu_types(args), args.model,
-                                           **_estimate_options(args))
+        cluster = _apply_lora(estimate_cluster_profile(_restrict_gpu_types(args), args.model,
+                                                       **_estimate_options(args)), args)
     else:
         cluster = _load_cluster(args, precision_applies_to_profile=True)
     for B in args.global_batch_size:  # refuse any too-large B before printing any table

@@ -46,13 +46,11 @@ class _Stream(torch.utils.data.IterableDataset):
         yield {"input_ids": torch.ones(8, dtype=torch.long)}
 
 
-class PeftModel(torch.nn.Module):
-    """Stands in for peft.PeftModel (the registry recognizes it by class name)."""
+def _prefix_tuned_llama():
+    from peft import PrefixTuningConfig, get_peft_model
 
-    def __init__(self, inner):
-        super().__init__()
-        self.base_model = torch.nn.Module()
-        self.base_model.model = inner
+    return get_peft_model(build("llama"), PrefixTuningConfig(task_type="CAUSAL_LM",
+                                                             num_virtual_tokens=4))
 
 
 def _bare_bert():
@@ -72,8 +70,8 @@ def test_bad_setups_fail_before_profiling(tmp_path, capsys, no_profiling):
         (_bare_bert(), {}, {}, ValueError,
          r"no staged-model adapter for BertModel; .* load the model as "
          r"BertForSequenceClassification"),
-        (PeftModel(build("llama")), {}, {}, NotImplementedError,
-         r"PeftModel \(PEFT/LoRA\) is not supported .*model=peft_model\.base_model\.model"),
+        (_prefix_tuned_llama(), {}, {}, ValueError,
+         r"PEFT method PREFIX_TUNING \(adapter 'default'\) is not supported .*LORA"),
         (build("llama"), dict(cephalo_emulate_slowdown=["1", "2"]), {}, ValueError,
          r"emulate_slowdown = \[1.0, 2.0\] .* has 2 entries but the world size is 1"),
     ]

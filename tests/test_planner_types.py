@@ -100,3 +100,21 @@ def test_unknown_plan_format_is_refused():
     data["format"] = "hf_cephalo.plan/9"
     with pytest.raises(ValueError, match=r"format 'hf_cephalo\.plan/9' is not supported"):
         Plan.from_json(data)
+
+
+def test_lora_profile_prices_only_the_adapter_as_training_state():
+    """LoRA (issue 16): 16 B per trainable element, frozen_bytes_per_param per frozen one;
+    Llama-7B r=16 on q, v: 32 layers x 16 x (4096 + 4096) x 2 adapter elements."""
+    from hf_cephalo.profiler.specs import get_model_shape, lora_model_profile
+    from hf_cephalo.profiler.types import ModelProfile
+
+    shape = get_model_shape("llama-7b")
+    full = shape.model_profile()
+    lora = lora_model_profile(full, shape, 16, ("q", "v"), frozen_bytes_per_param=2.0)
+    adapter = 32 * 2 * 16 * (4096 + 4096)
+    assert lora.trainable_params == adapter == 8_388_608
+    assert lora.num_params == full.num_params + adapter
+    assert lora.state_bytes == 16 * adapter + 2 * full.num_params
+    assert ModelProfile.from_json(lora.to_json()) == lora
+    with pytest.raises(ValueError, match="trainable_params .* exceeds"):
+        ModelProfile(num_units=1, params_per_unit=10, params_other=0, trainable_params=11)

@@ -639,6 +639,25 @@ class CephaloEngine:
                 model.get_buffer(ref).detach().to("cpu", copy=True)
                 for key, kind, ref in self._key_map}
 
+    def trainable_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: rank 0 gets {parameter name: CPU tensor} for every trainable parameter
+        (every alias of a tied one), other ranks None. Gathers only the trainable prefix of
+        each unit that has one (bytes moved: the trainable elements, e.g. a LoRA adapter's;
+        frozen base weights never travel). Raises RuntimeError as ``check_usable``."""
+        self.check_usable("trainable_state_dict")
+        out: dict[str, torch.Tensor] = {}
+        for unit in self._all_units():
+            if unit.trainable_numel == 0:
+                continue
+            flat = unit.gather_trainable()
+            if self.rank != 0:
+                continue
+            for info in unit.infos:
+                if info.requires_grad:
+                    value = flat[info.offset:info.offset + info.numel].view(info.shape).clone()
+                    out.update({alias: value for alias in info.aliases})
+        return out if self.rank == 0 else None
+
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Every rank passes the same full dict (``model.state_dict()`` keys); takes its shards.
 

@@ -175,7 +175,9 @@ def collect_params(name: str, modules: Sequence[nn.Module], fqns: dict[int, list
     if len(dtypes) > 1:
         raise ValueError(f"unit {name!r} mixes parameter dtypes {dtypes}; the engine keeps one "
                          "flat buffer per unit: cast the model to one dtype (e.g. model.float()) "
-                         "before wrapping")
+                         "before wrapping. A LoRA model on a bf16 base (torch_dtype="
+                         "torch.bfloat16) trains with the base loaded in fp32 (a bf16 frozen "
+                         "base beside fp32 adapters is not supported yet)")
     if order and not order[0].dtype.is_floating_point:
         raise ValueError(f"unit {name!r} has non-floating parameters ({dtypes[0]})")
     order.sort(key=lambda p: not p.requires_grad)  # stable: trainable first
@@ -508,6 +510,14 @@ class FlatParamUnit:
         """Collective: the (N,) flat buffer on every rank (synchronous all-gather)."""
         return C.all_gather_shards(self.local, self.numel_per_rank, self.rank, self.group,
                                    self.stats, async_op=False).output
+
+    def gather_trainable(self) -> torch.Tensor:
+        """Collective: the (Nt,) trainable prefix of the flat buffer on every rank (synchronous
+        all-gather of each rank's trainable part only: a LoRA adapter's save moves the adapter
+        elements, not the frozen base)."""
+        return C.all_gather_shards(self.local[:self.local_trainable_numel].contiguous(),
+                                   self.trainable_per_rank, self.rank, self.group, self.stats,
+                                   async_op=False).output
 
     def meta(self) -> UnitShardMeta:
         return UnitShardMeta(self.name, self.numel, self.trainable_numel,

@@ -262,13 +262,16 @@ class CephaloAccelerator(Accelerator):
         self.cephalo_plugin.check_world_size(self.num_processes)
         self.cephalo_engine: Any = None
 
-    def attach_engine(self, engine: Any) -> None:
+    def attach_engine(self, engine: Any, model: torch.nn.Module | None = None) -> None:
         """Register the ``CephaloEngine`` that owns the model's parameters (set by CephaloTrainer).
 
-        Afterwards ``prepare_model`` returns that model unchanged: the engine already shards
-        and synchronizes it, and a DistributedDataParallel wrapper would all-reduce again.
+        Afterwards ``prepare_model`` returns that model (the engine's staged model, or ``model``:
+        the object the user passed, e.g. a LoRA ``PeftModel`` around it) unchanged: the engine
+        already shards and synchronizes it, and a DistributedDataParallel wrapper would
+        all-reduce again (or refuse a model whose parameters are all frozen while sharded).
         """
         self.cephalo_engine = engine
+        self.cephalo_model = model
 
     @property
     def cephalo_distributed_type(self) -> CephaloDistributedType:
@@ -278,7 +281,9 @@ class CephaloAccelerator(Accelerator):
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):
         """Return the engine's model unchanged (see ``attach_engine``); others as ``Accelerator`` does."""
-        if self.cephalo_engine is not None and model is self.cephalo_engine.staged.model:
+        if self.cephalo_engine is not None and (
+                model is self.cephalo_engine.staged.model or
+                model is getattr(self, "cephalo_model", None)):
             return model
         return super().prepare_model(model, device_placement=device_placement,
                                      evaluation_mode=evaluation_mode)

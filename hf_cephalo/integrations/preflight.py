@@ -75,9 +75,9 @@ def check_before_planning(args, world_size: int, model: nn.Module, *, plan: Plan
 
     Raises:
         ValueError: a dataset without a length, an unsupported model class (with the route to
-            take, e.g. ``--model-class`` or ``peft_model.base_model.model``), an emulation list
-            of the wrong length, a plan for another world size or global batch size.
-        NotImplementedError: a model kind that is not supported yet (PEFT wrappers).
+            take, e.g. ``--model-class``), a PEFT model other than one LoRA adapter, an
+            emulation list of the wrong length, a plan for another world size or global batch
+            size.
     """
     check_datasets(train_dataset, eval_dataset)
     staged = stage_model(model)

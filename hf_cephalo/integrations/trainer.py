@@ -194,7 +194,7 @@ class CephaloTrainer(Trainer):
                                     param_dtype=precision.param_dtype,
                                     reduce_dtype=precision.reduce_dtype,
                                     root_resident=self.plan.root_resident, init_seed=args.seed)
-        self.accelerator.attach_engine(self.engine)
+        self.accelerator.attach_engine(self.engine, model)
         self._attach_grad_scaler()
         guard_sharded_model(model, self._full_numel)  # [Note: the user's model while sharded]
         self.add_callback(PlanAccuracyCallback(self))  # predicted vs measured at train end
@@ -546,12 +546,22 @@ class CephaloTrainer(Trainer):
         ``hf_cephalo.engine.export.save_pretrained_streamed``): rank 0 holds one output file
         plus one unit, never the whole model. Rank 0 also writes the processing class
         (tokenizer) and ``training_args.bin``, as stock ``Trainer._save`` does.
+
+        A LoRA ``PeftModel`` saves its adapter only, as stock Trainer does:
+        ``adapter_model.safetensors`` + ``adapter_config.json`` in PEFT's key names, loadable
+        with ``PeftModel.from_pretrained(base, dir)``; only the adapter tensors are gathered
+        (``integrations/peft_save.py``).
         """
         from hf_cephalo.engine.export import save_pretrained_streamed
+        from hf_cephalo.integrations.peft_save import save_peft_adapter
+        from hf_cephalo.models.peft_lora import is_peft_model
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_pretrained_streamed(self.engine, output_dir,
-                                 max_shard_size=self.args.cephalo_max_shard_size)
+        if is_peft_model(self.model):
+            save_peft_adapter(self.engine, self.model, output_dir)
+        else:
+            save_pretrained_streamed(self.engine, output_dir,
+                                     max_shard_size=self.args.cephalo_max_shard_size)
         if self.args.should_save:
             self._save_side_files(output_dir)
         if self.args.push_to_hub and not _internal_call:

@@ -15,6 +15,7 @@ from hf_cephalo.models.bert import BertStagedModel
 from hf_cephalo.models.gpt2 import GPT2StagedModel
 from hf_cephalo.models.gpt_neox import GPTNeoXStagedModel
 from hf_cephalo.models.llama import LlamaStagedModel
+from hf_cephalo.models.peft_lora import is_peft_model, unwrap_peft_model
 from hf_cephalo.models.vit import ViTStagedModel
 
 _ADAPTERS: dict[str, type[StagedModel]] = {}
@@ -71,10 +72,6 @@ def _same_architecture(model: nn.Module) -> list[str]:
                        "model_type", None) == model_type]
 
 
-def _is_peft_wrapper(model: nn.Module) -> bool:
-    return any(cls.__name__ == "PeftModel" for cls in type(model).__mro__)
-
-
 def adapter_for(model: nn.Module) -> type[StagedModel]:
     """The adapter class registered for ``model``'s class or its nearest registered base class.
 
@@ -82,22 +79,16 @@ def adapter_for(model: nn.Module) -> type[StagedModel]:
         UnsupportedModelError (a ValueError): no adapter; the message names the supported
             classes and, when one of them has the same architecture (a bare ``BertModel`` vs
             ``BertForSequenceClassification``), says to load that class instead.
-        NotImplementedError: a PEFT ``PeftModel`` (not supported as such yet; the message gives
-            the route that works, ``peft_model.base_model.model``).
+        ValueError: a PEFT ``PeftModel`` that is not one LoRA adapter (``peft_lora.py``).
+
+    A LoRA ``PeftModel`` gets the adapter of the model it wraps (``peft_model.base_model.model``).
     """
+    if is_peft_model(model):
+        model = unwrap_peft_model(model)
     for cls in type(model).__mro__:
         if cls.__name__ in _ADAPTERS:
             return _ADAPTERS[cls.__name__]
     name = type(model).__name__
-    if _is_peft_wrapper(model):
-        # Checked (LoRA on LlamaForCausalLM, peft 0.21): the inner model stages with its LoRA
-        # layers inside the units; frozen base weights stay frozen and one engine step equals
-        # the PeftModel's own step. Saving writes the whole model with PEFT's module names.
-        raise NotImplementedError(
-            f"{name} (PEFT/LoRA) is not supported by hf_cephalo as such yet. Pass the wrapped "
-            "transformers model instead, CephaloTrainer(model=peft_model.base_model.model, ...): "
-            "its LoRA layers train and the frozen base weights stay frozen, but checkpoints hold "
-            "the whole model (PEFT's module names, base_layer / lora_A), not an adapter file")
     same = _same_architecture(model)
     if same:
         raise UnsupportedModelError(
@@ -113,14 +104,19 @@ def adapter_for(model: nn.Module) -> type[StagedModel]:
 def stage_model(model: nn.Module) -> StagedModel:
     """Wrap a Hugging Face model in its staged-model adapter (no copy; shares parameters).
 
-    Raises ValueError (``UnsupportedModelError``) for an unsupported class,
-    NotImplementedError for a PEFT wrapper, ValueError for a built-in adapter with transformers < 5,
+    A LoRA ``PeftModel`` is staged as the model it wraps, LoRA layers inside the units (see
+    [Note: LoRA in the engine] in ``peft_lora.py``); ``staged.model`` is then the wrapped model.
+
+    Raises ValueError (``UnsupportedModelError``) for an unsupported class, ValueError for a
+    PEFT wrapper other than one LoRA adapter, ValueError for a built-in adapter with transformers < 5,
     or when the adapter's root modules and units do not cover ``model.parameters()`` exactly
     (e.g. extra modules attached to the model).
     """
     if isinstance(model, StagedModel):
         return model
     adapter = adapter_for(model)
+    if is_peft_model(model):
+        model = model.base_model.model
     if adapter.__module__.startswith("hf_cephalo.models."):
         check_transformers_version(transformers.__version__)
     return adapter(model)

@@ -174,11 +174,16 @@ def model_profile(staged: StagedModel, name: str | None = None,
         cfg = getattr(model, "config", None)
         name = str(getattr(cfg, "name_or_path", "") or type(model).__name__)
     elem = torch.empty((), dtype=model_dtype(staged)).element_size()
+    # a PEFT model as it will train: only its trainable parameters (the adapter) carry state
+    params = list(_unique_params([*units, *staged.embed_modules(), *staged.head_modules()]))
+    trainable = sum(p.numel() for p in params if p.requires_grad)
     return ModelProfile(name=name, num_units=len(units), params_per_unit=sizes[0],
                         params_other=sum(embed.values()) + head_only,
                         params_embed=sum(embed.values()), params_head=head_only,
                         head_ties_embedding=tied, state_bytes_per_param=4.0 * elem,
-                        param_bytes=elem, boundary_bytes_per_sample=boundary_bytes_per_sample)
+                        param_bytes=elem, boundary_bytes_per_sample=boundary_bytes_per_sample,
+                        trainable_params=None if trainable == sum(p.numel() for p in params)
+                        else trainable, frozen_bytes_per_param=elem)
 
 
 def boundary_bytes_per_sample(staged: StagedModel, make_microbatch: Callable[[int], Any],

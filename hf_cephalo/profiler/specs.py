@@ -29,7 +29,7 @@ Formulas (per transformer layer, per sample, sequence length s, hidden h, heads 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -484,6 +484,42 @@ def load_cluster_yaml(path: str | Path) -> ClusterSpec:
                            extra=extra)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+LORA_TARGETS = ("q", "k", "v", "o")
+"""Attention projections a spec-sheet LoRA estimate can adapt (``--lora-targets``)."""
+
+
+def lora_params_per_layer(shape: ModelShape, rank: int, targets: Sequence[str] = ("q", "v")) -> int:
+    """Elements of LoRA's A (r x in) and B (out x r) for ``targets`` in one layer of ``shape``.
+
+    q, o: hidden -> hidden; k, v: hidden -> kv_heads·head_dim (grouped-query attention).
+    Raises ValueError for rank < 1 or an unknown target (the message lists ``LORA_TARGETS``).
+    """
+    if int(rank) != rank or rank < 1:
+        raise ValueError(f"LoRA rank must be an integer >= 1, got {rank}")
+    bad = [t for t in targets if t not in LORA_TARGETS]
+    if bad or not targets:
+        raise ValueError(f"LoRA targets {list(targets)}: each must be one of {list(LORA_TARGETS)} "
+                         "(attention projections), e.g. q v")
+    h = shape.hidden
+    kv = h * (shape.kv_heads or shape.heads) // shape.heads if shape.family == "llama" else h
+    out = {"q": h, "o": h, "k": kv, "v": kv}
+    return sum(int(rank) * (h + out[t]) for t in targets)
+
+
+def lora_model_profile(model: ModelProfile, shape: ModelShape, rank: int,
+                       targets: Sequence[str] = ("q", "v"),
+                       frozen_bytes_per_param: float = 4.0) -> ModelProfile:
+    """``model`` (the shape's full fine-tuning profile) as LoRA trains it: each unit gains the
+    adapter's elements, only those train (16 B each with fp32 AdamW), every base element is
+    frozen at ``frozen_bytes_per_param`` (4 fp32, 2 bf16). Compute times are left as for full
+    fine-tuning (an upper bound: LoRA skips the base weights' gradient GEMMs)."""
+    adapter = lora_params_per_layer(shape, rank, targets)
+    return replace(model, name=f"{model.name}+lora-r{int(rank)}-{''.join(targets)}",
+                   params_per_unit=model.params_per_unit + adapter,
+                   trainable_params=model.num_units * adapter,
+                   frozen_bytes_per_param=frozen_bytes_per_param)
 
 
 def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kwargs) -> ClusterProfile:

@@ -104,6 +104,10 @@ class ModelProfile:
         boundary_bytes_per_sample: bytes of one sample's hidden state at a unit boundary
             (sequence length x hidden size x activation element size), what the engine stashes
             per sample and unit boundary; 0 = unknown (the stash is then not priced).
+        trainable_params: parameters (elements) that train, e.g. a LoRA adapter's; None = every
+            parameter trains (full fine-tuning). Only these carry gradient and optimizer state.
+        frozen_bytes_per_param: resident bytes of one frozen element (its storage: 4 for fp32,
+            2 for a bf16 base); used when ``trainable_params`` is given.
     """
 
     name: str = "model"
@@ -116,6 +120,8 @@ class ModelProfile:
     params_embed: int | None = None
     params_head: int | None = None
     head_ties_embedding: bool = False
+    trainable_params: int | None = None
+    frozen_bytes_per_param: float = 4.0
 
     def __post_init__(self) -> None:
         owner = f"model profile {self.name!r}"
@@ -137,6 +143,14 @@ class ModelProfile:
             if self.params_embed + self.params_head != self.params_other:
                 raise ValueError(f"{owner}: params_embed {self.params_embed} + params_head "
                                  f"{self.params_head} must equal params_other {self.params_other}")
+        self.frozen_bytes_per_param = _check_number(
+            owner, "frozen_bytes_per_param", self.frozen_bytes_per_param, positive=True)
+        if self.trainable_params is not None:
+            self.trainable_params = _check_int(owner, "trainable_params", self.trainable_params,
+                                               minimum=0)
+            if self.trainable_params > self.num_params:
+                raise ValueError(f"{owner}: trainable_params {self.trainable_params} exceeds the "
+                                 f"model's {self.num_params} parameters")
         if not isinstance(self.head_ties_embedding, bool):
             raise ValueError(f"{owner}: head_ties_embedding must be true or false, got "
                              f"{self.head_ties_embedding!r}")
@@ -158,9 +172,17 @@ class ModelProfile:
         return self.num_units * self.params_per_unit + self.params_other
 
     @property
+    def num_trainable_params(self) -> int:
+        """Parameters that train (all of them unless ``trainable_params`` says otherwise)."""
+        return self.num_params if self.trainable_params is None else self.trainable_params
+
+    @property
     def state_bytes(self) -> float:
-        """S: bytes of the whole training state (paper §2.4: M_state = 16·|P|)."""
-        return self.num_params * self.state_bytes_per_param
+        """S: bytes of the whole training state (paper §2.4: M_state = 16·|P|); with frozen
+        parameters (LoRA) 16·|P_trainable| + frozen_bytes_per_param·|P_frozen|."""
+        trainable = self.num_trainable_params
+        return trainable * self.state_bytes_per_param + \
+            (self.num_params - trainable) * self.frozen_bytes_per_param
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,7 +193,9 @@ class ModelProfile:
         return cls(**{k: data[k] for k in ("name", "num_units", "params_per_unit", "params_other",
                                             "state_bytes_per_param", "param_bytes",
                                             "boundary_bytes_per_sample", "params_embed",
-                                            "params_head", "head_ties_embedding") if k in data})
+                                            "params_head", "head_ties_embedding",
+                                            "trainable_params", "frozen_bytes_per_param")
+                                   if k in data})
 
 
 @dataclass(kw_only=True)
