@@ -199,9 +199,15 @@ def check_reloaded(trainer: CephaloTrainer, save_dir: str, sample: dict[str, tor
     if not is_main:
         return
     # Same device and precision as training: with --bf16 the engine computed under bf16
-    # autocast, so the reloaded fp32 weights run under the same autocast.
+    # autocast from parameters gathered in the param dtype (bf16 by default), so the reloaded
+    # fp32 weights get the same cast (parameters only: buffers such as rotary tables stay as
+    # the engine keeps them) and run under the same autocast.
     device = trainer.args.device
     reloaded = AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32).to(device)
+    param_dtype = trainer.args.engine_precision().param_dtype
+    if param_dtype is not None:
+        for p in reloaded.parameters():
+            p.data = p.data.to(param_dtype)
     reloaded.eval()
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16,
                                          enabled=bool(trainer.args.bf16)):

@@ -125,7 +125,10 @@ def _loss_only_eval(trainer):
 
 def _bf16_run(out_dir):
     """--bf16 with rank 0 holding the whole global batch as one microbatch (the reference's
-    shapes, so bf16 results are comparable exactly): the first step's loss and grad norm."""
+    shapes, so bf16 results are comparable exactly): the first step's loss and grad norm.
+    fp32 all-gathers (``cephalo_param_dtype="fp32"``) so that autocast alone is compared with
+    single-process autocast; bf16 gathered parameters (the --bf16 default) are compared with a
+    reference applying the same casts in tests/test_mixed_precision.py."""
     from hf_cephalo.integrations.trainer import CephaloTrainer
     from hf_cephalo.integrations.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
@@ -133,7 +136,8 @@ def _bf16_run(out_dir):
     n_train, _, sizes, _, _ = CASES["llama"]
     args = CephaloTrainingArguments(output_dir=os.path.join(out_dir, "bf16"), report_to="none",
                                     optim="sgd", learning_rate=LR, max_steps=1, logging_steps=1,
-                                    save_strategy="no", seed=SEED, bf16=True, disable_tqdm=True)
+                                    save_strategy="no", seed=SEED, bf16=True, disable_tqdm=True,
+                                    cephalo_param_dtype="fp32")
     plan = Plan.from_ratios([sum(sizes), 0], [sum(sizes), 0], [0.3, 0.7])
     trainer = CephaloTrainer(model=build("llama"), args=args, plan=plan, data_collator=_collate,
                              train_dataset=_dataset(_samples("llama", n_train, 0)))
