@@ -38,6 +38,12 @@ MAX_STEPS, CHANGE_AT, CHECKPOINT = 10, 6, 4
 RTOL, ATOL = 1e-5, 1e-6
 # Each phase takes ~15-40 s quiet on 2 cores; 5x for a slow machine.
 PHASE_TIMEOUT_S = 200.0
+# [Note: scale-up needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1] (torch 2.13, c10d rendezvous): by
+# default the agents share the rendezvous TCPStore with their workers and cache its address from
+# their first round (DynamicRendezvousHandler._bootstrap_store_info); a node that joins later with
+# a rank > 0 then waits for MASTER_ADDR under the new round's prefix, which the cached rank 0 never
+# writes: every agent times out (DistStoreError ... /MASTER_ADDR, role_info). With the variable set
+# the rank-0 agent publishes a fresh address every round. README "Elastic training" says so.
 # the dead node's heartbeat expires after 1 s x 3; 5 s of last call lets all 3 first agents in
 RDZV_CONF = "last_call_timeout=5,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3"
 
@@ -48,7 +54,7 @@ def _env(out: Path, log: Path, profile: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_CEPHALO_", "ELASTIC_"))}
     env.update(ELASTIC_OUT=str(out), ELASTIC_LOG=str(log), ELASTIC_PROFILE=str(profile),
                OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_CEPHALO_PROFILE_CACHE=str(log / "cache"),
-               **extra)
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **extra)
     return env
 
 
@@ -153,11 +159,14 @@ def _run(tmp: Path, scenario: str) -> dict:
             first = 3 if scenario == "leave" else 2
             chaos = dict(ELASTIC_DIE_AT_STEP=str(CHANGE_AT)) if scenario == "leave" else \
                 dict(ELASTIC_WAIT_AT_STEP=str(CHANGE_AT))
-            procs = [_agent(launches, 0, port, _env(out, log, profile))]
-            time.sleep(1.0)  # agent 0 hosts the rendezvous store (is_host=1)
-            for i in range(1, first):
-                procs.append(_agent(launches, i, port, _env(
-                    out, log, profile, **(chaos if i == 2 or scenario == "join" else {}))))
+            # leave: agent 2's worker kills it; join: agents 0 and 1 wait for agent 2
+            procs = []
+            for i in range(first):
+                with_chaos = i == 2 if scenario == "leave" else True
+                procs.append(_agent(launches, i, port,
+                                    _env(out, log, profile, **(chaos if with_chaos else {}))))
+                if i == 0:
+                    time.sleep(1.0)  # agent 0 hosts the rendezvous store (is_host=1)
             if scenario == "join":
                 _wait_for(str(log / "waiting-*"), 2, deadline, launches)
                 procs.append(_agent(launches, 2, port, _env(out, log, profile)))
