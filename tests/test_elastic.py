@@ -170,3 +170,13 @@ def test_trainer_refuses_bad_checkpoints_and_unknown_devices(tmp_path):
     assert "trained on another model" in errors["model"]
     assert "no profile for device(s) ['cpu']" in errors["device"]
     assert "knows ['A100']" in errors["device"]
+
+
+def test_run_fingerprint_ignores_what_save_pretrained_sets(tmp_path):
+    from tests.models_fixtures import build
+
+    model = build("llama")
+    before = elastic.run_fingerprint(model)
+    model.save_pretrained(tmp_path)  # sets config.architectures and config.dtype
+    assert elastic.run_fingerprint(model) == before
+    assert elastic.run_fingerprint(build("llama", rms_norm_eps=1e-3)) != before

@@ -51,7 +51,7 @@ from hf_cephalo.profiler.types import ClusterProfile, format_bytes
 __all__ = ["RUN_RECORD_NAME", "PLAN_NAME", "PROGRESS_NAME", "RESTARTS_NAME", "RunRecord",
            "Progress", "ResumeReport", "write_checkpoint_record", "read_checkpoint_record",
            "check_resume", "format_plan_change", "select_world_devices", "resolve_elastic_plan",
-           "latest_checkpoint", "ElasticCallback"]
+           "latest_checkpoint", "run_fingerprint", "ElasticCallback"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class RunRecord:
 
     Attributes:
         global_batch_size: B, samples per optimizer step (all ranks).
-        model_fingerprint: ``profiler.cache.model_fingerprint`` of the model (class + config).
+        model_fingerprint: ``run_fingerprint`` of the model (class + shape-defining config).
         model_class: the model's class name (for messages).
         world_size: ranks of the run that wrote it.
         device_names: device name per rank (emulation included), rank order.
@@ -140,6 +140,23 @@ def _write_json_atomic(path: str, data: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)
+
+
+def run_fingerprint(model) -> str:
+    """``profiler.cache.model_fingerprint`` without ``config.architectures`` and ``config.dtype``:
+    ``save_pretrained`` sets both on the live model, so a model saved mid-run
+    (``cephalo_save_full_model``) and the same model built fresh, or loaded with
+    ``from_pretrained``, must fingerprint alike. (The checkpoint loader checks the shards' dtypes
+    itself.)"""
+    import hashlib
+
+    from hf_cephalo.profiler.cache import model_description
+
+    description = model_description(model)
+    for key in ("architectures", "dtype", "torch_dtype"):
+        description["desc"].pop(key, None)
+    text = json.dumps(description, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def write_checkpoint_record(directory: str, plan: Plan, record: RunRecord) -> None:

@@ -472,11 +472,11 @@ class CephaloTrainer(Trainer):
     def _save_run_record(self, output_dir: str) -> None:
         """Rank 0: the plan and ``RunRecord`` the checkpoint was trained with (for elastic
         resumes: B, model, world)."""
-        from hf_cephalo.integrations.elastic import RunRecord, write_checkpoint_record
-        from hf_cephalo.profiler.cache import model_fingerprint
+        from hf_cephalo.integrations.elastic import (RunRecord, run_fingerprint,
+                                                     write_checkpoint_record)
 
         record = RunRecord(global_batch_size=self.plan.global_batch_size,
-                           model_fingerprint=model_fingerprint(self.engine.staged.model),
+                           model_fingerprint=run_fingerprint(self.engine.staged.model),
                            model_class=type(self.engine.staged.model).__name__,
                            world_size=self.plan.world_size,
                            device_names=[r.device for r in self.plan.ranks],
@@ -489,8 +489,7 @@ class CephaloTrainer(Trainer):
         first step (``ElasticCallback``). Every rank reads the same files and raises the same
         ValueError, before the checkpoint's state is read."""
         from hf_cephalo.integrations.elastic import (check_resume, latest_checkpoint,
-                                                     read_checkpoint_record)
-        from hf_cephalo.profiler.cache import model_fingerprint
+                                                     read_checkpoint_record, run_fingerprint)
 
         if resume_from_checkpoint is True:
             resume_from_checkpoint = latest_checkpoint(self.args.output_dir)
@@ -501,7 +500,7 @@ class CephaloTrainer(Trainer):
             return resume_from_checkpoint
         old_plan, record = read_checkpoint_record(resume_from_checkpoint)
         model = self.engine.staged.model
-        check_resume(resume_from_checkpoint, record, self.plan, model_fingerprint(model),
+        check_resume(resume_from_checkpoint, record, self.plan, run_fingerprint(model),
                      type(model).__name__, self.args.cephalo_global_batch_size is not None
                      or self.args.cephalo_plan_file is not None)
         suffix = str(resume_from_checkpoint).rstrip("/").rsplit("-", 1)[-1]
