@@ -40,6 +40,10 @@ callbacks — is the Trainer's own):
   so ``resume_from_checkpoint`` works onto any plan and world size (docs/checkpoints.md). The
   full model goes in only with ``cephalo_save_full_model``; ``hf-cephalo export`` writes it
   from any checkpoint.
+- **Elastic** (``hf_cephalo.integrations.elastic``, README "Elastic training"): checkpoints also
+  hold ``plan.json`` and ``cephalo_run.json``; a resume onto another world re-plans with the
+  same global batch size (another B or model: ValueError), logs old and new plan side by side
+  and the time lost (steps redone, restart seconds) into ``cephalo_restarts.jsonl``.
 """
 
 from __future__ import annotations
