@@ -93,7 +93,9 @@ def _worker(rank, world_size, out_dir):
         output = trainer.predict(trainer.eval_dataset)
         save_dir = os.path.join(out_dir, arch, "final")
         trainer.save_model(save_dir)
-        checkpoints = sorted(os.listdir(os.path.join(out_dir, arch)))
+        # output_dir also holds cephalo_progress.json (the elastic resume report's input)
+        checkpoints = sorted(c for c in os.listdir(os.path.join(out_dir, arch))
+                             if not c.startswith("cephalo_"))
         results[arch] = dict(checkpoints=checkpoints,losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
                              eval_loss=output.metrics["test_loss"],
                              num_predictions=output.metrics["test_num_predictions"],

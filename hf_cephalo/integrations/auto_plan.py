@@ -241,8 +241,11 @@ def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterPr
     if args.cephalo_profile_file is None:
         config = _measure_config(args, B, train_dataset)
         return profile_cluster(staged, config, device=args.device, emulation=emulation)
+    from hf_cephalo.integrations.elastic import select_world_devices  # a pool for any world
+
     cluster = ClusterProfile.load(args.cephalo_profile_file)
     names = _gather_names(_local_name(args, emulation), world_size)
+    cluster = select_world_devices(cluster, names, f"cephalo_profile_file {args.cephalo_profile_file!r}")
     check_profile_matches(cluster, model_profile(staged), names,
                           source=f"cephalo_profile_file {args.cephalo_profile_file!r}",
                           dtype=precision_tag(str(model_dtype(staged)).replace("torch.", ""),
