@@ -227,9 +227,21 @@ def test_cli_profile_writes_a_cluster_profile(tmp_path, capsys):
     assert "cluster profile written to" in capsys.readouterr().out
     # The plan subcommand accepts it.
     assert main(["plan", "--profile", str(out), "-B", "4"]) == 0
-    # --precision bf16 (an emulated slow device under bf16 autocast) is recorded as such.
+    # --precision bf16 (an emulated slow device under bf16 autocast) is recorded as such, with
+    # the gathered-parameter dtype (bf16 by default, as the trainer's --bf16) and the bytes the
+    # memory model prices (profiler/precision.py [Note: precision tags]).
     assert main(argv + ["--precision", "bf16"]) == 0
-    assert ClusterProfile.load(out).extra["dtype"] == "float32+autocast-bf16"
+    cluster = ClusterProfile.load(out)
+    assert cluster.extra["dtype"] == "float32+autocast-bf16+gather-bf16"
+    assert (cluster.model.param_gather_bytes, cluster.model.grad_reduce_bytes) == (2.0, 4.0)
+    assert main(argv + ["--precision", "bf16", "--param-dtype", "fp32"]) == 0
+    cluster = ClusterProfile.load(out)
+    assert cluster.extra["dtype"] == "float32+autocast-bf16"  # the tag older profiles have
+    assert (cluster.model.param_gather_bytes, cluster.model.grad_reduce_bytes) == (4.0, 4.0)
+    assert main(argv + ["--precision", "fp16", "--reduce-dtype", "fp16"]) == 0
+    cluster = ClusterProfile.load(out)
+    assert cluster.extra["dtype"] == "float32+autocast-fp16+gather-fp16+reduce-fp16"
+    assert (cluster.model.param_gather_bytes, cluster.model.grad_reduce_bytes) == (2.0, 2.0)
     assert main(["profile", "--model-config", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
 
