@@ -178,6 +178,16 @@ def test_refuses_profiles_of_other_models_and_devices(tmp_path, monkeypatch):
         check_profile_matches(cluster, mine, ["cpu"], sequence_length=16)
     with pytest.raises(ValueError, match="measured in float32 but this job computes in bfloat16"):
         check_profile_matches(cluster, mine, ["cpu"], dtype="bfloat16")
+    # The gathered-parameter / reduce dtypes are part of the precision ([Note: precision tags]):
+    # a profile measured with fp32 all-gathers under bf16 autocast is refused for a job that
+    # gathers bf16 (its activation memory holds cast weight copies, its all-gathers 4 B).
+    cluster.extra["dtype"] = "float32+autocast-bf16"
+    check_profile_matches(cluster, mine, ["cpu"], dtype="float32+autocast-bf16")
+    with pytest.raises(ValueError, match=r"measured in float32\+autocast-bf16 but this job "
+                                         r"computes in float32\+autocast-bf16\+gather-bf16.*"
+                                         r"--precision bf16 --param-dtype bf16 --reduce-dtype fp32"):
+        check_profile_matches(cluster, mine, ["cpu"], dtype="float32+autocast-bf16+gather-bf16")
+    cluster.extra["dtype"] = "float32"
     with pytest.raises(ValueError, match=r"other devices \(rank 0: profiled 'cpu', this job 'NVIDIA A10G'\)"):
         check_profile_matches(cluster, mine, ["NVIDIA A10G"])
     with pytest.raises(ValueError, match="other devices"):  # emulated never matches the real one
