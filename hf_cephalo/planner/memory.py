@@ -58,6 +58,19 @@ Device memory of rank i = r_i·S + M_i(m, b) with
 * Host (pinned, CUDA offload only): (L + 1)·b·a per rank, summed over the ranks of one machine
   against c × that machine's RAM (``ClusterProfile.host_memory_bytes``).
 
+Precision ([Note: precision tags] in profiler/precision.py; engine/flat_param.py [Note:
+low-precision gathered parameters]). Every e above is one of three element sizes
+(``_Sizes``): e_p = ``ModelProfile.param_gather_bytes`` for gathered units and all-gather
+outputs (2 with a bf16 / fp16 ``param_dtype``), e = ``param_bytes`` for the unit's gradient (the
+fp32 accumulator, also with low-precision parameters) and e_r = ``grad_reduce_bytes`` for the
+reduce-scatters. With e_p < e an all-gather in flight also holds its send buffer, the shard's
+cast copy: G_X = e_p·(N_X + k_X); a reduce-scatter in flight holds R_X = e_r·(N_X + k_X); at its
+issue with e_r < e the accumulator and its cast copy coexist, e·N_X + e_r·N_X (replacing
+e·(N_X + k_X)). The per-microbatch low-precision (Nt,) gradient autograd makes before the hook
+moves it into the accumulator is in A_i(m): the profile measures the unit gathered in e_p
+(``MeasureConfig.param_dtype``); A_emb's dense gradients and their concatenation are e_p·2·N_E.
+The boundary tensors a are the gathered dtype's (a bf16 embedding outputs bf16).
+
 Not binding, so not priced: the embedding forward (E + unit 0's prefetch, under E_emb), the
 layer forwards (two units, under E_unit; the last with H and t·E in flight, under E_head).
 
