@@ -299,6 +299,16 @@ def test_rejects_bad_setup(tmp_path, monkeypatch):
                                     cephalo_plan_file=str(plan_file))
     with pytest.raises(ValueError, match="plan is for world size 2 but the job has world size 1"):
         CephaloTrainer(model=build("llama"), args=args)
+    # A plan made for another precision (here bf16 with bf16 gathers) is refused before any
+    # collective, naming both precisions ([Note: precision tags]).
+    plan = Plan.from_ratios([2], [1], [1.0])
+    plan.precision = "float32+autocast-bf16+gather-bf16"
+    plan.save(plan_file)
+    args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none",
+                                    cephalo_plan_file=str(plan_file))
+    with pytest.raises(ValueError, match=r"plan was made for precision 'float32\+autocast-bf16"
+                                         r"\+gather-bf16' but this job trains in 'float32'"):
+        CephaloTrainer(model=build("llama"), args=args)
     args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none",
                                     cephalo_global_batch_size=3)
     with pytest.raises(ValueError, match="cephalo_global_batch_size = 3 but the plan"):
