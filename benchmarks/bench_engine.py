@@ -54,16 +54,21 @@ def batch(args, rank, step, size):
     return ids
 
 
+_ELEMENT_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
+
+
 def count_collectives(prof) -> dict:
-    """Counts and bytes (fp32) of all-gathers and reduce-scatters in a profiler trace."""
+    """Counts and bytes of all-gathers (their (N,) output) and reduce-scatters (their (N,)
+    input) in a profiler trace, at the traced tensors' element size (bf16 all-gathers of
+    ``--param-dtype bf16`` count 2 B per element)."""
     out = {"ag": 0, "ag_bytes": 0, "rs": 0, "rs_bytes": 0}
     for e in prof.events():
         if e.name == "c10d::_allgather_base_":
             out["ag"] += 1
-            out["ag_bytes"] += 4 * e.input_shapes[0][0]
+            out["ag_bytes"] += _ELEMENT_BYTES.get(e.input_dtypes[0], 4) * e.input_shapes[0][0]
         elif e.name == "c10d::_reduce_scatter_base_":
             out["rs"] += 1
-            out["rs_bytes"] += 4 * e.input_shapes[1][0]
+            out["rs_bytes"] += _ELEMENT_BYTES.get(e.input_dtypes[1], 4) * e.input_shapes[1][0]
     return out
 
 
@@ -192,8 +197,10 @@ def cephalo_runner(args, rank, device, num_mb, ratios=None, checkpointing=True):
     from hf_cephalo.engine import CephaloEngine
     from hf_cephalo.models.registry import stage_model
     model = build_model(args).to(device)
+    low = _LOW_DTYPES.get(args.param_dtype)  # autocast + gathered params, reduce fp32
     engine = CephaloEngine(stage_model(model), ratios, device=device,
-                           activation_checkpointing=checkpointing)
+                           activation_checkpointing=checkpointing, autocast_dtype=low,
+                           param_dtype=low)
     opt = torch.optim.AdamW(engine.parameters(), lr=1e-4)
     m = args.local_batch // num_mb
 
@@ -207,13 +214,16 @@ def cephalo_runner(args, rank, device, num_mb, ratios=None, checkpointing=True):
 
 
 def fsdp2_runner(args, rank, device, num_mb, checkpointing=False):
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = build_model(args).to(device)
     if checkpointing:  # HF's public switch: non-reentrant torch.utils.checkpoint per layer
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    low = _LOW_DTYPES.get(args.param_dtype)
+    mp = {} if low is None else \
+        {"mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)}
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **mp)
+    fully_shard(model, **mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     m = args.local_batch // num_mb
 
@@ -226,6 +236,9 @@ def fsdp2_runner(args, rank, device, num_mb, checkpointing=False):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
+
+
+_LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def state_bytes(engine, opt) -> int:
@@ -275,6 +288,19 @@ def worker(rank, args, port, out_q):
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.world_size)
     try:
         res = {"time": {}, "coll": {}}
+        if args.param_dtype != "fp32":  # the mixed-precision comparison alone
+            for num_mb in args.num_mb:
+                steps = {"cephalo": cephalo_runner(args, rank, device, num_mb)[0],
+                         "cephalo-noac": cephalo_runner(args, rank, device, num_mb,
+                                                        checkpointing=False)[0],
+                         "fsdp2": fsdp2_runner(args, rank, device, num_mb),
+                         "fsdp2-ac": fsdp2_runner(args, rank, device, num_mb, checkpointing=True)}
+                times, colls = time_interleaved(steps, args, device)
+                for name in steps:
+                    res["time"][f"{name}/{num_mb}"] = times[name]
+                    res["coll"][f"{name}/{num_mb}"] = colls[name]
+            out_q.put((rank, res))
+            return
         for num_mb in args.num_mb:
             steps = {"cephalo": cephalo_runner(args, rank, device, num_mb)[0],
                      "cephalo-slices": with_views(cephalo_runner(args, rank, device, num_mb)[0],
@@ -296,6 +322,36 @@ def worker(rank, args, port, out_q):
         out_q.put((rank, res))
     finally:
         dist.destroy_process_group()
+
+
+def report_mixed_precision(args, results):
+    """Cephalo (param_dtype, reduce fp32, autocast) vs FSDP2 MixedPrecisionPolicy + GA."""
+    r0 = results[0]
+    print(f"# bench_engine --param-dtype {args.param_dtype}: {args.world_size} ranks on "
+          f"{args.device}, Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
+          f"{args.local_batch} sequences per rank; Cephalo param_dtype={args.param_dtype}, "
+          f"reduce fp32, autocast {args.param_dtype} vs FSDP2 MixedPrecisionPolicy("
+          f"param_dtype={args.param_dtype}, reduce_dtype=fp32) + standard GA")
+    print(f"{'l':>3} {'m':>3} | {'cephalo':>7} {'+AC':>6} {'FSDP2':>6} {'+AC':>6} | "
+          f"{'AC/AC':>5} {'noAC/noAC':>9} | {'AG count':>11} {'AG MiB':>15} {'AG ratio':>8} | "
+          f"{'RS MiB':>15}")
+
+    def t(name, l):
+        return max(r["time"][f"{name}/{l}"] for r in results)
+    for l in args.num_mb:
+        c, f = r0["coll"][f"cephalo/{l}"], r0["coll"][f"fsdp2/{l}"]
+        cn, ca, fn, fa = (t("cephalo-noac", l), t("cephalo", l), t("fsdp2", l),
+                          t("fsdp2-ac", l))
+        print(f"{l:>3} {args.local_batch // l:>3} | {cn:>7.3f} {ca:>6.3f} {fn:>6.3f} {fa:>6.3f} | "
+              f"{ca / fa:>5.2f} {cn / fn:>9.2f} | {c['ag']:>4} vs {f['ag']:>4} "
+              f"{c['ag_bytes'] / 2**20:>6.1f} vs {f['ag_bytes'] / 2**20:>6.1f} "
+              f"{c['ag_bytes'] / f['ag_bytes']:>8.3f} | "
+              f"{c['rs_bytes'] / 2**20:>6.1f} vs {f['rs_bytes'] / 2**20:>6.1f}")
+    print("(seconds per step, slowest rank; AG/RS MiB: rank 0's gathered outputs / reduce-"
+          "scatter inputs at their traced element size, Cephalo vs FSDP2)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "results": results}, fh, indent=1, default=str)
 
 
 def report(args, results):
@@ -369,6 +425,11 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
+    p.add_argument("--param-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="bf16 / fp16: only compare Cephalo (that param_dtype, reduce fp32, "
+                        "autocast) with FSDP2 MixedPrecisionPolicy(param_dtype, "
+                        "reduce_dtype=fp32) + standard gradient accumulation (default fp32: "
+                        "the full benchmark)")
     args = p.parse_args()
     if args.quick:
         args.layers, args.hidden, args.intermediate, args.vocab, args.seq = 2, 64, 128, 256, 32
@@ -376,7 +437,8 @@ def main():
     if any(args.local_batch % l for l in args.num_mb):
         p.error(f"--local-batch {args.local_batch} must be divisible by every --num-mb "
                 f"{args.num_mb}")
-    args.grad_bytes = unit_backward_bytes(args)
+    if args.param_dtype == "fp32":
+        args.grad_bytes = unit_backward_bytes(args)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -388,7 +450,8 @@ def main():
     results = dict(q.get(timeout=3600) for _ in procs)
     for proc in procs:
         proc.join()
-    report(args, [results[r] for r in range(args.world_size)])
+    ordered = [results[r] for r in range(args.world_size)]
+    (report if args.param_dtype == "fp32" else report_mixed_precision)(args, ordered)
 
 
 if __name__ == "__main__":

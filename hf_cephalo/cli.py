@@ -462,9 +462,16 @@ def _add_profile_arguments(p: argparse.ArgumentParser) -> None:
                         "--precision bf16) or bfloat16 (a model trained in bfloat16 parameters); "
                         "float16 is refused (Cephalo does not train in float16)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per microbatch size (median)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16: time the forward under bf16 autocast, as training with --bf16 "
-                        "runs (default fp32)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="bf16 / fp16: time the forward under that autocast, as training with "
+                        "--bf16 / --fp16 runs (default fp32)")
+    p.add_argument("--param-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                   help="gathered-parameter dtype of the job (cephalo_param_dtype): auto "
+                        "(default: the --precision dtype, as the trainer's default), fp32, or "
+                        "the --precision dtype; the unit is profiled gathered in it")
+    p.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="gradient reduce-scatter dtype of the job (cephalo_reduce_dtype): fp32 "
+                        "(default) or the param dtype; recorded in the profile's precision")
     p.add_argument("--emulate-slowdown", help="emulation: per-rank compute slowdown, e.g. '1,3'")
     p.add_argument("--emulate-memory-cap-bytes",
                    help="emulation: per-rank memory capacity in bytes, e.g. '8e9,4e9'")
@@ -488,12 +495,14 @@ def _check_profile_dtype(dtype: str, precision: str) -> None:
     """Refuse a --dtype / --precision pair no Cephalo job trains with: its profile would be
     refused by every job (profiles record the dtype and jobs check it)."""
     if dtype == "float16":
-        raise ValueError("--dtype float16: Cephalo does not train in float16 (it needs a loss "
-                         "scaler over every rank's shard gradients, which Cephalo does not have), "
-                         "so no job could use this profile; use --dtype float32 (with "
-                         "--precision bf16 for training with --bf16) or --dtype bfloat16")
-    if dtype != "float32" and precision == "bf16":
-        raise ValueError(f"--dtype {dtype} with --precision bf16: bf16 autocast runs over float32 "
+        raise ValueError("--dtype float16: Cephalo does not train in float16 parameters (fp16 "
+                         "training is fp16 autocast over float32 master weights with a sharded "
+                         "loss scaler), so no job could use this profile; use --dtype float32 "
+                         "(with --precision fp16 / bf16 for training with --fp16 / --bf16) or "
+                         "--dtype bfloat16")
+    if dtype != "float32" and precision != "fp32":
+        raise ValueError(f"--dtype {dtype} with --precision {precision}: {precision} autocast runs "
+                         "over float32 "
                          "parameters (master weights) and the engine refuses other parameter "
                          "dtypes, so no job could use this profile; use --dtype float32 "
                          "--precision bf16 (training with --bf16), or --dtype bfloat16 "
@@ -569,7 +578,9 @@ def _run_profile(args: argparse.Namespace) -> int:
 
     config = MeasureConfig(max_microbatch_size=args.max_microbatch_size,
                            sequence_length=args.sequence_length, repeats=args.repeats,
-                           precision=args.precision, verbose=args.verbose)
+                           precision=args.precision, verbose=args.verbose,
+                           param_dtype=args.precision if args.param_dtype == "auto"
+                           else args.param_dtype, reduce_dtype=args.reduce_dtype)
     slow = _per_rank_list(args.emulate_slowdown, float, "--emulate-slowdown")
     caps = _per_rank_list(args.emulate_memory_cap_bytes, int, "--emulate-memory-cap-bytes")
     emulation = None if slow is None and caps is None else \

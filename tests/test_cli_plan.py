@@ -283,3 +283,29 @@ def test_export_refuses_an_output_inside_the_checkpoint(tmp_path, capsys):
         assert f"--out '{out}' is " in err and "checkpoint directory" in err, err
         assert "give a directory outside it" in err
     assert sorted(p.name for p in ck.iterdir()) == ["layout.json"]
+
+
+def test_spec_sheet_what_if_in_fp16_and_bf16(capsys):
+    """``--precision fp16`` prices each GPU at its fp16 rate with the default job's element
+    sizes (bf16 / fp16 gathered units and all-gathers, 2 B boundaries); ``--precision bf16`` on
+    a GPU without bf16 (compute capability < 8.0) is refused proposing fp16, as the trainer's
+    check_bf16_support refuses ``--bf16`` there."""
+    from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
+
+    cluster_b = CLUSTER_A.replace("cluster_a", "cluster_b")
+    assert main(["plan", "--cluster", cluster_b, "--model", "llama-3b", "-B", "64",
+                 "--precision", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "V100-16GB has no bf16 support (compute capability < 8.0" in err and \
+        "--precision fp16" in err
+    spec = load_cluster_yaml(cluster_b)
+    fp32 = estimate_cluster_profile(spec, "llama-3b")
+    fp16 = estimate_cluster_profile(spec, "llama-3b", precision="fp16")
+    assert fp16.extra["dtype"] == "float32+autocast-fp16+gather-fp16"
+    assert (fp16.model.param_gather_bytes, fp16.model.param_bytes) == (2.0, 4.0)
+    assert fp16.model.boundary_bytes_per_sample == fp32.model.boundary_bytes_per_sample / 2
+    v100 = next(i for i, d in enumerate(fp16.devices) if d.name == "V100-16GB")
+    assert fp16.devices[v100].fwd_s[-1] < fp32.devices[v100].fwd_s[-1] / 4  # 125 vs 15.7 TFLOP/s
+    assert main(["plan", "--cluster", cluster_b, "--model", "llama-3b", "-B", "64",
+                 "--precision", "fp16"]) == 0
+    capsys.readouterr()

@@ -7,7 +7,9 @@ of live tensors allocated during ``train_step`` (``profiler.live_memory.LiveTens
 gathered unit, gradient, collective buffer, stashed activation and activation the step
 allocates). Predicted: r_i·S + ``planner.memory.rank_memory_bytes`` with the plan's own layout,
 from a profile of the same model measured on this CPU. The engine's split root (default), tied
-and untied, and ``root_resident=True``.
+and untied, and ``root_resident=True``; fp32, and bf16 autocast with bf16 gathered parameters
+(``param_dtype``, reduce fp32 or bf16; the profile measured in that precision, the memory model
+pricing gathered units and all-gathers at 2 B, gradients at 4 B, reduce-scatters at e_r).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import transformers
 
 from hf_cephalo.engine.engine import CephaloEngine
 from hf_cephalo.models import stage_model
+from hf_cephalo.models.base import AutocastStagedModel
 from hf_cephalo.planner import Plan, memory
 from hf_cephalo.planner.predict import plan_layout
 from hf_cephalo.profiler.live_memory import LiveTensorBytes
@@ -27,7 +30,9 @@ from hf_cephalo.profiler.types import ClusterProfile, CommProfile
 from tests.dist_utils import run_ranks
 
 SEQ = 64
-# (name, batch sizes, microbatch sizes, state ratios, tied, root_resident)
+# (name, batch sizes, microbatch sizes, state ratios, tied, root_resident[, precision]);
+# precision: "fp32" (default), "bf16" (bf16 autocast + param_dtype bf16, reduce fp32) or
+# "bf16+rs" (reduce_dtype bf16 too)
 PLANS = [
     ("demo hand-made (scripts/demo.sh DEMO_PLAN=handmade)", [6, 10], [3, 5], [0.6, 0.4],
      False, False),
@@ -42,7 +47,20 @@ PLANS = [
     ("tied, idle rank", [0, 5], [0, 5], [0.7, 0.3], True, False),
     ("root_resident, 3-rank uneven", [4, 6, 2], [2, 3, 1], [0.5, 0.3, 0.2], False, True),
     ("root_resident tied, idle rank", [6, 0], [2, 0], [0.4, 0.6], True, True),
+    ("bf16 params, demo auto plan", [6, 10], [6, 5], [1.0, 0.0], False, False, "bf16"),
+    ("bf16 params, 3-rank uneven", [4, 6, 2], [2, 3, 1], [0.5, 0.3, 0.2], False, False, "bf16"),
+    ("bf16 params, tied, 3-rank uneven", [4, 6, 2], [2, 3, 1], [0.5, 0.3, 0.2], True, False,
+     "bf16"),
+    ("bf16 params + reduce, 3-rank idle rank", [6, 0, 4], [3, 0, 1], [0.2, 0.5, 0.3], False,
+     False, "bf16+rs"),
+    ("bf16 params + reduce, tied, m = 1", [3, 2], [1, 1], [0.5, 0.5], True, False, "bf16+rs"),
+    ("bf16 params, root_resident, 3-rank uneven", [4, 6, 2], [2, 3, 1], [0.5, 0.3, 0.2], False,
+     True, "bf16"),
 ]
+# MeasureConfig / engine precision arguments of each precision
+_PRECISION = {"fp32": ("fp32", "fp32", "fp32"), "bf16": ("bf16", "bf16", "fp32"),
+              "bf16+rs": ("bf16", "bf16", "bf16")}
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def _demo_model(tied: bool) -> transformers.LlamaForCausalLM:
@@ -55,21 +73,27 @@ def _demo_model(tied: bool) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _profile(world_size: int, tied: bool) -> ClusterProfile:
+def _profile(world_size: int, tied: bool, precision: str) -> ClusterProfile:
     staged = stage_model(_demo_model(tied))
+    compute, param, reduce = _PRECISION[precision]
     config = MeasureConfig(max_microbatch_size=6, sequence_length=SEQ, warmup=0, repeats=1,
-                           progress=False)
-    dev = measure_device(staged, config, device="cpu", name="cpu", capacity_bytes=1e12)
+                           progress=False, precision=compute, param_dtype=param,
+                           reduce_dtype=reduce)
+    timed = staged if compute == "fp32" else AutocastStagedModel(staged, "cpu", _DTYPES[compute])
+    dev = measure_device(timed, config, device="cpu", name="cpu", capacity_bytes=1e12)
     a = boundary_bytes_per_sample(staged, lambda m: synthetic_microbatch(staged.model, m, SEQ),
-                                  "cpu")
-    return ClusterProfile(model=model_profile(staged, "demo", a), devices=[dev] * world_size,
+                                  "cpu", config.gather_dtype)
+    return ClusterProfile(model=model_profile(staged, "demo", a, config.precision_spec),
+                          devices=[dev] * world_size,
                           comm=CommProfile(allgather_s=0.0, reducescatter_s=0.0))
 
 
-def _measured_bytes(rank, plan: Plan, group, tied: bool) -> float:
+def _measured_bytes(rank, plan: Plan, group, tied: bool, precision: str) -> float:
     staged = stage_model(_demo_model(tied))
+    compute, param, reduce = (_DTYPES[d] for d in _PRECISION[precision])
     engine = CephaloEngine(staged, state_ratios=plan.state_ratios, process_group=group,
-                           root_resident=plan.root_resident)
+                           root_resident=plan.root_resident, autocast_dtype=compute,
+                           param_dtype=param, reduce_dtype=reduce)
     r = plan.ranks[rank]
     mb = synthetic_microbatch(staged.model, r.batch_size, SEQ, seed=rank) if r.batch_size else {}
     mbs = [{k: v[j:j + r.microbatch_size] for k, v in mb.items()}
@@ -88,20 +112,22 @@ def _measured_bytes(rank, plan: Plan, group, tied: bool) -> float:
 def _worker(rank, world_size):
     torch.set_num_threads(1)
     out, profiles = [], {}
-    for name, bs, ms, ratios, tied, resident in PLANS:
+    for name, bs, ms, ratios, tied, resident, *prec in PLANS:
+        precision = prec[0] if prec else "fp32"
         n = len(bs)
         group = dist.new_group(list(range(n)))  # every rank creates every group
         if rank >= n:
             continue
         plan = Plan.from_ratios(bs, ms, ratios, root_resident=resident)
-        if (n, tied) not in profiles:
-            profiles[(n, tied)] = _profile(n, tied)
-        cluster = profiles[(n, tied)]
+        key = (n, tied, precision)
+        if key not in profiles:
+            profiles[key] = _profile(n, tied, precision)
+        cluster = profiles[key]
         r = plan.ranks[rank]
         predicted = r.state_ratio * cluster.model.state_bytes + float(memory.rank_memory_bytes(
             cluster, rank, r.microbatch_size, r.batch_size, root_resident=resident,
             layout=plan_layout(plan, cluster)))
-        out.append((name, rank, _measured_bytes(rank, plan, group, tied), predicted))
+        out.append((name, rank, _measured_bytes(rank, plan, group, tied, precision), predicted))
     return out
 
 

@@ -118,3 +118,44 @@ def test_lora_profile_prices_only_the_adapter_as_training_state():
     assert ModelProfile.from_json(lora.to_json()) == lora
     with pytest.raises(ValueError, match="trainable_params .* exceeds"):
         ModelProfile(num_units=1, params_per_unit=10, params_other=0, trainable_params=11)
+
+
+def test_plan_records_and_checks_its_precision(tmp_path):
+    """A plan carries its profile's precision tag (profiler/precision.py [Note: precision tags]);
+    a job of another precision is refused, plans without a tag (hand-made, older files) are
+    not checked, a malformed tag is refused when read."""
+    plan = Plan.from_ratios([2, 2], [1, 2], [0.5, 0.5])
+    plan.validate_for(2, precision="float32+autocast-bf16+gather-bf16")  # no tag: unchecked
+    plan.precision = "float32+autocast-bf16+gather-bf16"
+    plan.save(tmp_path / "p.json")
+    loaded = Plan.load(tmp_path / "p.json")
+    assert loaded.precision == "float32+autocast-bf16+gather-bf16"
+    loaded.validate_for(2, precision="float32+autocast-bf16+gather-bf16")
+    with pytest.raises(ValueError, match=r"plan was made for precision 'float32\+autocast-bf16"
+                                         r"\+gather-bf16' but this job trains in 'float32'"):
+        loaded.validate_for(2, precision="float32")
+    data = json.loads((tmp_path / "p.json").read_text())
+    data.pop("precision")
+    assert Plan.from_json(data).precision is None  # older plan files still load
+    data["precision"] = "float32+gather-int8"
+    with pytest.raises(ValueError, match="precision tag"):
+        Plan.from_json(data)
+
+
+def test_precision_tags_round_trip():
+    from hf_cephalo.profiler.precision import Precision
+
+    for p in (Precision(), Precision("bf16"), Precision("bf16", "bf16"),
+              Precision("fp16", "fp16", "fp16")):
+        assert Precision.parse(p.tag("float32")) == ("float32", p)
+    assert Precision("bf16", "bf16").tag() == "float32+autocast-bf16+gather-bf16"
+    assert Precision.parse("float32+autocast-bf16")[1].param == "fp32"  # older profiles
+
+
+def test_model_profile_gathered_and_reduce_bytes():
+    m = ModelProfile(num_units=2, params_per_unit=10, params_other=4)
+    assert (m.param_gather_bytes, m.grad_reduce_bytes) == (4.0, 4.0)
+    m = ModelProfile.from_json({**m.to_json(), "gathered_param_bytes": 2, "reduce_bytes": 2})
+    assert (m.param_gather_bytes, m.grad_reduce_bytes) == (2.0, 2.0)
+    with pytest.raises(ValueError, match="gathered_param_bytes 8.0 exceeds param_bytes 4.0"):
+        ModelProfile(num_units=2, params_per_unit=10, params_other=4, gathered_param_bytes=8)

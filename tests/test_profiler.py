@@ -178,6 +178,16 @@ def test_refuses_profiles_of_other_models_and_devices(tmp_path, monkeypatch):
         check_profile_matches(cluster, mine, ["cpu"], sequence_length=16)
     with pytest.raises(ValueError, match="measured in float32 but this job computes in bfloat16"):
         check_profile_matches(cluster, mine, ["cpu"], dtype="bfloat16")
+    # The gathered-parameter / reduce dtypes are part of the precision ([Note: precision tags]):
+    # a profile measured with fp32 all-gathers under bf16 autocast is refused for a job that
+    # gathers bf16 (its activation memory holds cast weight copies, its all-gathers 4 B).
+    cluster.extra["dtype"] = "float32+autocast-bf16"
+    check_profile_matches(cluster, mine, ["cpu"], dtype="float32+autocast-bf16")
+    with pytest.raises(ValueError, match=r"measured in float32\+autocast-bf16 but this job "
+                                         r"computes in float32\+autocast-bf16\+gather-bf16.*"
+                                         r"--precision bf16 --param-dtype bf16 --reduce-dtype fp32"):
+        check_profile_matches(cluster, mine, ["cpu"], dtype="float32+autocast-bf16+gather-bf16")
+    cluster.extra["dtype"] = "float32"
     with pytest.raises(ValueError, match=r"other devices \(rank 0: profiled 'cpu', this job 'NVIDIA A10G'\)"):
         check_profile_matches(cluster, mine, ["NVIDIA A10G"])
     with pytest.raises(ValueError, match="other devices"):  # emulated never matches the real one
@@ -227,9 +237,21 @@ def test_cli_profile_writes_a_cluster_profile(tmp_path, capsys):
     assert "cluster profile written to" in capsys.readouterr().out
     # The plan subcommand accepts it.
     assert main(["plan", "--profile", str(out), "-B", "4"]) == 0
-    # --precision bf16 (an emulated slow device under bf16 autocast) is recorded as such.
+    # --precision bf16 (an emulated slow device under bf16 autocast) is recorded as such, with
+    # the gathered-parameter dtype (bf16 by default, as the trainer's --bf16) and the bytes the
+    # memory model prices (profiler/precision.py [Note: precision tags]).
     assert main(argv + ["--precision", "bf16"]) == 0
-    assert ClusterProfile.load(out).extra["dtype"] == "float32+autocast-bf16"
+    cluster = ClusterProfile.load(out)
+    assert cluster.extra["dtype"] == "float32+autocast-bf16+gather-bf16"
+    assert (cluster.model.param_gather_bytes, cluster.model.grad_reduce_bytes) == (2.0, 4.0)
+    assert main(argv + ["--precision", "bf16", "--param-dtype", "fp32"]) == 0
+    cluster = ClusterProfile.load(out)
+    assert cluster.extra["dtype"] == "float32+autocast-bf16"  # the tag older profiles have
+    assert (cluster.model.param_gather_bytes, cluster.model.grad_reduce_bytes) == (4.0, 4.0)
+    assert main(argv + ["--precision", "fp16", "--reduce-dtype", "fp16"]) == 0
+    cluster = ClusterProfile.load(out)
+    assert cluster.extra["dtype"] == "float32+autocast-fp16+gather-fp16+reduce-fp16"
+    assert (cluster.model.param_gather_bytes, cluster.model.grad_reduce_bytes) == (2.0, 2.0)
     assert main(["profile", "--model-config", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
 

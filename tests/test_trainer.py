@@ -93,7 +93,9 @@ def _worker(rank, world_size, out_dir):
         output = trainer.predict(trainer.eval_dataset)
         save_dir = os.path.join(out_dir, arch, "final")
         trainer.save_model(save_dir)
-        checkpoints = sorted(os.listdir(os.path.join(out_dir, arch)))
+        # output_dir also holds cephalo_progress.json (the elastic resume report's input)
+        checkpoints = sorted(c for c in os.listdir(os.path.join(out_dir, arch))
+                             if not c.startswith("cephalo_"))
         results[arch] = dict(checkpoints=checkpoints,losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
                              eval_loss=output.metrics["test_loss"],
                              num_predictions=output.metrics["test_num_predictions"],
@@ -300,6 +302,16 @@ def test_rejects_bad_setup(tmp_path, monkeypatch):
     args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none",
                                     cephalo_plan_file=str(plan_file))
     with pytest.raises(ValueError, match="plan is for world size 2 but the job has world size 1"):
+        CephaloTrainer(model=build("llama"), args=args)
+    # A plan made for another precision (here bf16 with bf16 gathers) is refused before any
+    # collective, naming both precisions ([Note: precision tags]).
+    plan = Plan.from_ratios([2], [1], [1.0])
+    plan.precision = "float32+autocast-bf16+gather-bf16"
+    plan.save(plan_file)
+    args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none",
+                                    cephalo_plan_file=str(plan_file))
+    with pytest.raises(ValueError, match=r"plan was made for precision 'float32\+autocast-bf16"
+                                         r"\+gather-bf16' but this job trains in 'float32'"):
         CephaloTrainer(model=build("llama"), args=args)
     args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none",
                                     cephalo_global_batch_size=3)

@@ -44,10 +44,11 @@ from hf_cephalo.profiler.emulate import (EmulatedStagedModel, EmulationConfig, a
                                          EmulatedOutOfMemoryError, check_plan_memory,
                                          emulated_device_name)
 from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches, local_device_name,
-                                         measure_comm, precision_tag,
+                                         measure_comm, check_profile_precision,
                                          model_dtype, model_profile, profile_cluster,
                                          sequence_length_of)
 from hf_cephalo.profiler.cache import model_description, model_fingerprint
+from hf_cephalo.profiler.precision import Precision
 from hf_cephalo.profiler.types import ClusterProfile
 from hf_cephalo.units import GIB
 
@@ -99,7 +100,9 @@ def _measure_config(args, global_batch_size: int, train_dataset) -> MeasureConfi
     verbose = (os.environ.get("HF_CEPHALO_VERBOSE", "0").strip().lower() in ("1", "true", "yes")
                or logging.getLogger("hf_cephalo").isEnabledFor(logging.DEBUG))
     return MeasureConfig(max_microbatch_size=max(1, min(max_m, global_batch_size)),
-                         sequence_length=seq, precision=_precision(args), verbose=verbose)
+                         sequence_length=seq, precision=_precision(args), verbose=verbose,
+                         param_dtype=_job_precision(args).param,
+                         reduce_dtype=_job_precision(args).reduce)
 
 
 def _gather_names(name: str, world_size: int) -> list[str]:
@@ -133,7 +136,8 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
         else list(emulation.memory_cap_bytes)
     if args.cephalo_plan_file is not None:
         plan = Plan.load(args.cephalo_plan_file)
-        plan.validate_for(world_size, model_profile(staged))
+        plan.validate_for(world_size, model_profile(staged),
+                          precision=_job_precision_tag(args, staged))
         args.resolve_global_batch_size(world_size, plan.global_batch_size)
         check_state_fits_caps(plan, model_profile(staged).state_bytes, caps)
         if all(r.predicted_memory_bytes is not None for r in plan.ranks):
@@ -146,7 +150,7 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
     cluster = _cluster(args, world_size, staged, emulation, train_dataset, B)
     plan = optimize(cluster, B, args.cephalo_memory_fraction)
     plan, cluster = replan_with_measured_u(plan, cluster, staged, args, B)
-    plan.validate_for(world_size, cluster.model)
+    plan.validate_for(world_size, cluster.model, precision=_job_precision_tag(args, staged))
     check_plan_memory([p.memory_bytes for p in predict(plan, cluster).ranks], caps)
     if args.process_index == 0:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -236,17 +240,33 @@ def _precision(args) -> str:
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
+def _job_precision(args) -> Precision:
+    """The job's compute / gathered-parameter / reduce dtypes (``engine_precision()``)."""
+    names = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    p = args.engine_precision()
+    return Precision(_precision(args), names[p.param_dtype], names[p.reduce_dtype])
+
+
+def _job_precision_tag(args, staged: StagedModel) -> str:
+    """The job's [Note: precision tags] string, what its profile and plan must record."""
+    return _job_precision(args).tag(str(model_dtype(staged)).replace("torch.", ""))
+
+
 def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterProfile:
     """The given profile file (checked against this job) or a fresh/cached measurement."""
     if args.cephalo_profile_file is None:
         config = _measure_config(args, B, train_dataset)
         return profile_cluster(staged, config, device=args.device, emulation=emulation)
+    from hf_cephalo.integrations.elastic import select_world_devices  # a pool for any world
+
     cluster = ClusterProfile.load(args.cephalo_profile_file)
+    check_profile_precision(cluster, _job_precision_tag(args, staged),  # before any collective
+                            f"cephalo_profile_file {args.cephalo_profile_file!r}")
     names = _gather_names(_local_name(args, emulation), world_size)
+    cluster = select_world_devices(cluster, names, f"cephalo_profile_file {args.cephalo_profile_file!r}")
     check_profile_matches(cluster, model_profile(staged), names,
                           source=f"cephalo_profile_file {args.cephalo_profile_file!r}",
-                          dtype=precision_tag(str(model_dtype(staged)).replace("torch.", ""),
-                                              _precision(args)),
+                          dtype=_job_precision_tag(args, staged),
                           fingerprint=model_fingerprint(staged.model),
                           description=model_description(staged.model),
                           sequence_length=None if train_dataset is None else

@@ -46,6 +46,10 @@ callbacks — is the Trainer's own):
   so ``resume_from_checkpoint`` works onto any plan and world size (docs/checkpoints.md). The
   full model goes in only with ``cephalo_save_full_model``; ``hf-cephalo export`` writes it
   from any checkpoint.
+- **Elastic** (``hf_cephalo.integrations.elastic``, README "Elastic training"): checkpoints also
+  hold ``plan.json`` and ``cephalo_run.json``; a resume onto another world re-plans with the
+  same global batch size (another B or model: ValueError), logs old and new plan side by side
+  and the time lost (steps redone, restart seconds) into ``cephalo_restarts.jsonl``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import itertools
 import logging
 import os
 import sys
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -67,8 +72,8 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 
 from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
-from hf_cephalo.integrations.auto_plan import (PlanAccuracyCallback, resolve_plan_for_model,
-                                               wrap_staged)
+from hf_cephalo.integrations.auto_plan import PlanAccuracyCallback, wrap_staged
+from hf_cephalo.integrations.elastic import ElasticCallback, resolve_elastic_plan
 from hf_cephalo.integrations.preflight import check_before_planning
 from hf_cephalo.integrations.sampler import MicrobatchCollator, WeightedBatchSampler
 from hf_cephalo.integrations.sharded_model import guard_sharded_model, restore_full_model
@@ -171,8 +176,8 @@ class CephaloTrainer(Trainer):
                                        eval_dataset=kwargs.get("eval_dataset"))
         self.cluster_profile = None  # the profile an automatic plan was made from
         if plan is None:  # plan file > profile file > profile this cluster (auto_plan.py)
-            plan, self.cluster_profile = resolve_plan_for_model(args, world_size, model,
-                                                                kwargs.get("train_dataset"))
+            plan, self.cluster_profile = resolve_elastic_plan(args, world_size, model,
+                                                              kwargs.get("train_dataset"))
         self.plan = plan
         if self._uses_user_loss(args, kwargs):  # the Trainer's loss as the engine's head loss
             staged = UserLossStagedModel(staged, self.compute_loss)
@@ -198,6 +203,8 @@ class CephaloTrainer(Trainer):
         self._attach_grad_scaler()
         guard_sharded_model(model, self._full_numel)  # [Note: the user's model while sharded]
         self.add_callback(PlanAccuracyCallback(self))  # predicted vs measured at train end
+        self.elastic = ElasticCallback(self)  # progress, and the report of a resume
+        self.add_callback(self.elastic)
         if self.is_world_process_zero():
             print(format_plan_table(self.plan), flush=True)
 
@@ -444,6 +451,7 @@ class CephaloTrainer(Trainer):
             flag = resume_from_checkpoint.strip().lower()
             if flag in ("true", "false"):
                 resume_from_checkpoint = flag == "true" or None
+        resume_from_checkpoint = self._prepare_elastic_resume(resume_from_checkpoint)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
@@ -607,6 +615,8 @@ class CephaloTrainer(Trainer):
                 self.save_model(staging, _internal_call=True)
             elif self.args.should_save:
                 self._save_side_files(staging)
+            if self.args.should_save:
+                self._save_run_record(staging)
             if not self.args.save_only_model:
                 self._save_optimizer_and_scheduler(staging)
                 self._save_scaler(staging)
@@ -630,6 +640,47 @@ class CephaloTrainer(Trainer):
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint,
                                use_mtime=True)
+
+    # ---- elastic (hf_cephalo.integrations.elastic) ------------------------------------------
+    def _save_run_record(self, output_dir: str) -> None:
+        """Rank 0: the plan and ``RunRecord`` the checkpoint was trained with (for elastic
+        resumes: B, model, world)."""
+        from hf_cephalo.integrations.elastic import (RunRecord, run_fingerprint,
+                                                     write_checkpoint_record)
+
+        record = RunRecord(global_batch_size=self.plan.global_batch_size,
+                           model_fingerprint=run_fingerprint(self.engine.staged.model),
+                           model_class=type(self.engine.staged.model).__name__,
+                           world_size=self.plan.world_size,
+                           device_names=[r.device for r in self.plan.ranks],
+                           global_step=self.state.global_step, saved_time_s=time.time())
+        write_checkpoint_record(output_dir, self.plan, record)
+
+    def _prepare_elastic_resume(self, resume_from_checkpoint):
+        """The checkpoint to resume from (True: the newest complete one), checked against this
+        run (same model, same global batch size: ``elastic.check_resume``) and reported on the
+        first step (``ElasticCallback``). Every rank reads the same files and raises the same
+        ValueError, before the checkpoint's state is read."""
+        from hf_cephalo.integrations.elastic import (check_resume, latest_checkpoint,
+                                                     read_checkpoint_record, run_fingerprint)
+
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = latest_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir!r} holds "
+                                 "no complete checkpoint-N; start without it")
+        if not resume_from_checkpoint:
+            return resume_from_checkpoint
+        old_plan, record = read_checkpoint_record(resume_from_checkpoint)
+        model = self.engine.staged.model
+        check_resume(resume_from_checkpoint, record, self.plan, run_fingerprint(model),
+                     type(model).__name__, self.args.cephalo_global_batch_size is not None
+                     or self.args.cephalo_plan_file is not None)
+        suffix = str(resume_from_checkpoint).rstrip("/").rsplit("-", 1)[-1]
+        step = record.global_step if record is not None else int(suffix) if suffix.isdigit() else 0
+        self.elastic.arm(resume_from_checkpoint, step, old_plan,
+                         None if record is None else record.world_size)
+        return resume_from_checkpoint
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank writes its parameter and optimizer shards with the layout

@@ -22,6 +22,7 @@ array). Units: seconds and bytes. Used by the optimizer (``optimize.py``), the s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple, Sequence
 
@@ -40,6 +41,7 @@ __all__ = [
     "rank_compute_s",
     "uneven_factor",
     "unit_time_s",
+    "unit_comm",
     "idle_unit_time_s",
     "iteration_time_s",
     "is_uneven",
@@ -119,6 +121,25 @@ def rank_compute_s(device: DeviceProfile, batch_size: int, microbatch_size) -> R
 def uneven_factor(comm: CommProfile) -> float:
     """u: the profile's measured uneven factor, else the paper's bound ``UNEVEN_FACTOR`` (1.15)."""
     return UNEVEN_FACTOR if comm.uneven_factor is None else float(comm.uneven_factor)
+
+
+def unit_comm(cluster: ClusterProfile) -> CommProfile:
+    """AG and RS of one unit at the job's collective element sizes, seconds.
+
+    The profile's ``allgather_s`` / ``reducescatter_s`` move the unit in its master dtype
+    (``ModelProfile.param_bytes``: ``profiler.measure.measure_comm`` times the model's own
+    dtype; spec-sheet estimates assume fp32). A low-precision ``param_dtype`` all-gathers e_p
+    bytes per element and a low ``reduce_dtype`` reduce-scatters e_r, so the times scale by
+    e_p / e and e_r / e (bandwidth-bound collectives; the latency part is scaled too, an
+    underestimate for small units).
+    """
+    model, comm = cluster.model, cluster.comm
+    ag = model.param_gather_bytes / model.param_bytes
+    rs = model.grad_reduce_bytes / model.param_bytes
+    if ag == 1.0 and rs == 1.0:
+        return comm
+    return dataclasses.replace(comm, allgather_s=comm.allgather_s * ag,
+                               reducescatter_s=comm.reducescatter_s * rs)
 
 
 def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool) -> np.ndarray:

@@ -58,6 +58,19 @@ Device memory of rank i = r_i·S + M_i(m, b) with
 * Host (pinned, CUDA offload only): (L + 1)·b·a per rank, summed over the ranks of one machine
   against c × that machine's RAM (``ClusterProfile.host_memory_bytes``).
 
+Precision ([Note: precision tags] in profiler/precision.py; engine/flat_param.py [Note:
+low-precision gathered parameters]). Every e above is one of three element sizes
+(``_Sizes``): e_p = ``ModelProfile.param_gather_bytes`` for gathered units and all-gather
+outputs (2 with a bf16 / fp16 ``param_dtype``), e = ``param_bytes`` for the unit's gradient (the
+fp32 accumulator, also with low-precision parameters) and e_r = ``grad_reduce_bytes`` for the
+reduce-scatters. With e_p < e an all-gather in flight also holds its send buffer, the shard's
+cast copy: G_X = e_p·(N_X + k_X); a reduce-scatter in flight holds R_X = e_r·(N_X + k_X); at its
+issue with e_r < e the accumulator and its cast copy coexist, e·N_X + e_r·N_X (replacing
+e·(N_X + k_X)). The per-microbatch low-precision (Nt,) gradient autograd makes before the hook
+moves it into the accumulator is in A_i(m): the profile measures the unit gathered in e_p
+(``MeasureConfig.param_dtype``); A_emb's dense gradients and their concatenation are e_p·2·N_E.
+The boundary tensors a are the gathered dtype's (a bf16 embedding outputs bf16).
+
 Not binding, so not priced: the embedding forward (E + unit 0's prefetch, under E_emb), the
 layer forwards (two units, under E_unit; the last with H and t·E in flight, under E_head).
 
@@ -148,20 +161,56 @@ def _shards(model: ModelProfile, world_size: int, layout, rank) -> _Shards:
     return _Shards(ks[:-2], ks[-2], ks[-1])
 
 
-def _unit_moments(model: ModelProfile, k: _Shards, resident: bool) -> tuple[int, int]:
-    """(largest 2·N_u + G(i-1) + R(i+1), largest of the same + k_i) over the units i."""
+class _Sizes(NamedTuple):
+    """Element sizes of the engine's buffers (bytes): gathered units and all-gathers (e_p),
+    unit gradients (e, the fp32 accumulator), reduce-scatters (e_r); see [Note: memory terms]."""
+
+    gathered: float  # e_p
+    grad: float  # e
+    reduce: float  # e_r
+
+    @classmethod
+    def of(cls, model: ModelProfile) -> "_Sizes":
+        return cls(model.param_gather_bytes, model.param_bytes, model.grad_reduce_bytes)
+
+    def ag(self, n: int, k: int) -> float:
+        """G: an all-gather in flight, its (N,) output (+ the (k,) cast send copy when low)."""
+        return self.gathered * (n + (k if self.gathered != self.grad else 0))
+
+    def rs(self, n: int, k: int) -> float:
+        """R: a reduce-scatter in flight, its (N,) input and (k,) output at e_r."""
+        return self.reduce * (n + k)
+
+    def issue(self, n: int, k: int) -> float:
+        """The unit's gradient at its reduce-scatter's issue: the (N,) accumulator and the
+        (k,) output, or with a low e_r the accumulator and its (N,) cast copy (the larger)."""
+        if self.reduce == self.grad:
+            return self.grad * (n + k)
+        return max(self.grad * n + self.reduce * n, self.rs(n, k))
+
+
+def _unit_moments(model: ModelProfile, k: _Shards, resident: bool,
+                  z: _Sizes) -> tuple[float, float, float]:
+    """Bytes (largest busy, largest between, largest idle) unit moment over the units i:
+    e_p·N_u + e·N_u + G(i-1) + R(i+1), the same with unit i's reduce-scatter issued, and
+    a rank without gradients issuing zeros."""
     nu, L = model.params_per_unit, model.num_units
     ne, nh, tied = model.root_split()
-    busy = between = 0
+    busy = between = idle = 0.0
     for i in range(L):
-        ag = nu if i > 0 else (0 if resident else ne)
-        if i + 1 < L:
-            rs = nu + k.units[i + 1]
+        if i > 0:
+            ag = z.ag(nu, k.units[i - 1])
         else:
-            rs = 0 if resident else nh + k.head + (ne + k.embed if tied else 0)
-        busy = max(busy, 2 * nu + ag + rs)
-        between = max(between, 2 * nu + k.units[i] + ag + rs)
-    return busy, between
+            ag = 0.0 if resident else z.ag(ne, k.embed)
+        if i + 1 < L:
+            rs = z.rs(nu, k.units[i + 1])
+        else:
+            rs = 0.0 if resident else z.rs(nh, k.head) + (z.rs(ne, k.embed) if tied else 0.0)
+        rest = z.gathered * nu + ag + rs
+        busy = max(busy, rest + z.grad * nu)
+        between = max(between, rest + z.issue(nu, k.units[i]))
+        idle = max(idle, rest + z.rs(nu, k.units[i]))
+    return busy, between, idle
 
 
 def engine_buffers(model: ModelProfile, world_size: int, *, root_resident: bool = False,
@@ -170,7 +219,7 @@ def engine_buffers(model: ModelProfile, world_size: int, *, root_resident: bool 
     """E_unit, E_head, E_between, E_emb, E_idle of [Note: memory terms] in bytes.
 
     Args:
-        model: the model profile (N_u, the root's split, e).
+        model: the model profile (N_u, the root's split, e, e_p, e_r).
         world_size: W.
         root_resident: the engine's ``root_resident``: E and H gathered (with their gradients)
             all step; False (the engine's default) gathers each around its uses.
@@ -179,23 +228,32 @@ def engine_buffers(model: ModelProfile, world_size: int, *, root_resident: bool 
     Raises:
         ValueError: a layout with another number of rows than the engine has units.
     """
-    e, nu = model.param_bytes, model.params_per_unit
+    z = _Sizes.of(model)
+    g, e, nu = z.gathered, z.grad, model.params_per_unit
     ne, nh, tied = model.root_split()
     nr, np_ = ne + nh, nh + (ne if tied else 0)
     k = _shards(model, world_size, layout, rank)
-    busy, between = _unit_moments(model, k, root_resident)
+    busy, between, idle_unit = _unit_moments(model, k, root_resident, z)
+    r0 = z.rs(nu, k.units[0])  # unit 0's reduce-scatter, in flight in the embedding backward
     if root_resident:  # both gathered all step; the head phase's gradients from the head on
-        head = nr + np_ + nu
-        embed = 2 * nr + nu + k.units[0] + k.embed + k.head
-        idle = max(between + nr, nr + nu, embed)  # no gradients, zero buffers at the issue
-        return EngineBuffers(e * (busy + nr + np_), e * head, e * (between + nr + np_),
-                             e * embed, e * idle)
-    head = 2 * np_ + nu
-    head_between = max(head + k.head, head - nh + k.head + k.embed if tied else 0)
-    embed = 2 * ne + nu + k.units[0] + k.embed
-    idle_head = max(nu + np_ + nh + k.head, nu + nh + 2 * ne + k.head + k.embed if tied else 0)
-    idle = max(between, idle_head, embed)
-    return EngineBuffers(e * busy, e * head, e * max(between, head_between), e * embed, e * idle)
+        held = g * nr + e * np_
+        head = g * (nr + nu) + e * np_
+        ends = z.issue(nr, k.embed + k.head) - e * nr  # the root's reduce-scatters at the end
+        embed = g * nr + e * nr + r0 + ends
+        idle_embed = g * nr + r0 + z.rs(nr, k.embed + k.head)
+        idle = max(idle_unit + g * nr, g * (nr + nu), idle_embed)
+        return EngineBuffers(busy + held, head, between + held, embed, idle)
+    head = g * (np_ + nu) + e * np_
+    head_between = g * (np_ + nu) + e * (np_ - nh) + z.issue(nh, k.head)
+    if tied:  # H's reduce-scatter in flight, its gathered buffer released, E's issued
+        head_between = max(head_between, g * (np_ - nh + nu) + z.rs(nh, k.head) +
+                           z.issue(ne, k.embed))
+    embed = g * ne + z.issue(ne, k.embed) + r0
+    idle_head = g * (nu + np_) + z.rs(nh, k.head)
+    if tied:
+        idle_head = max(idle_head, g * (nu + ne) + z.rs(nh, k.head) + z.rs(ne, k.embed))
+    idle = max(idle_unit, idle_head, g * ne + z.rs(ne, k.embed) + r0)
+    return EngineBuffers(busy, head, max(between, head_between), embed, idle)
 
 
 def memory_line(device: DeviceProfile) -> tuple[float, float]:
@@ -226,9 +284,10 @@ def head_activation_bytes(device: DeviceProfile, m) -> np.ndarray:
 
 
 def embed_activation_bytes(model: ModelProfile, m) -> np.ndarray:
-    """A_emb(m): the embedding backward's temporaries, e·2·N_E + m·a bytes (the dense weight
-    gradients, their flat concatenation, the recomputed embedding output)."""
-    e, ne = model.param_bytes, model.root_split().embed_numel
+    """A_emb(m): the embedding backward's temporaries, e_p·2·N_E + m·a bytes (the dense weight
+    gradients, their flat concatenation, both in the gathered dtype; the recomputed embedding
+    output)."""
+    e, ne = model.param_gather_bytes, model.root_split().embed_numel
     return 2 * e * ne + model.boundary_bytes_per_sample * np.asarray(m, dtype=np.float64)
 
 

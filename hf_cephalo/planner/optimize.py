@@ -81,7 +81,7 @@ class _Options:
 def _device_options(cluster: ClusterProfile, rank: int, B: int, mem_cap: float, uneven: bool,
                     idle_ok: bool, root_resident: bool) -> _Options:
     """Every (l, m) of ``rank`` with l·m <= B whose memory M_i(m, l·m) fits ``mem_cap``."""
-    device, comm = cluster.devices[rank], cluster.comm
+    device, comm = cluster.devices[rank], cost.unit_comm(cluster)
 
     def mem_of(m, b):
         return memory.rank_memory_bytes(cluster, rank, m, b, root_resident=root_resident)
@@ -546,6 +546,7 @@ def optimize(cluster: ClusterProfile, global_batch_size: int,
     model = cluster.model
     plan = Plan(global_batch_size=global_batch_size, memory_fraction=memory_fraction,
                 uneven_state=uneven, ranks=ranks, root_resident=root_resident,
+                precision=cluster.extra.get("dtype"),  # [Note: precision tags]
                 model={"name": model.name, "num_units": model.num_units,
                        "params_per_unit": model.params_per_unit,
                        "params_other": model.params_other})

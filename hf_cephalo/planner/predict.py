@@ -68,11 +68,11 @@ def predict(plan: Plan, cluster: ClusterProfile, memory_fraction: float | None =
     out = []
     for i, (r, d) in enumerate(zip(plan.ranks, cluster.devices)):
         if r.batch_size == 0:
-            t = cost.idle_unit_time_s(cluster.comm, plan.uneven_state)
+            t = cost.idle_unit_time_s(cost.unit_comm(cluster), plan.uneven_state)
         else:
             # l·F and l·(F + B) of the contract, with the last microbatch's own size.
             f, b = cost.rank_compute_s(d, r.batch_size, r.microbatch_size)
-            t = float(cost.unit_time_s(f, b, 1, cluster.comm, plan.uneven_state))
+            t = float(cost.unit_time_s(f, b, 1, cost.unit_comm(cluster), plan.uneven_state))
         mem = float(memory.rank_memory_bytes(cluster, i, r.microbatch_size, r.batch_size,
                                              root_resident=plan.root_resident, layout=layout))
         total = r.state_ratio * S + mem

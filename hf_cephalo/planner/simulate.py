@@ -133,7 +133,7 @@ def compute_balance_plan(cluster: ClusterProfile, global_batch_size: int,
     Exact: binary search over the candidate times T_i(1, b), b <= B.
     """
     check_batch_and_fraction(global_batch_size, memory_fraction)
-    B, devs, comm = global_batch_size, cluster.devices, cluster.comm
+    B, devs, comm = global_batch_size, cluster.devices, cost.unit_comm(cluster)
     bs = np.arange(1, B + 1)
     # times[i][b] = T_i(1, b); b = 0 is the idle rank. Prefix max: b is allowed at threshold t
     # only if every smaller batch is too (so lowering b_i later never raises T_i above t).
@@ -210,7 +210,7 @@ def speed_proportional_plan(cluster: ClusterProfile, global_batch_size: int,
             continue
         ms = np.arange(1, b + 1)
         f, bw = cost.rank_compute_s(d, b, ms)
-        t = cost.unit_time_s(f, bw, 1, cluster.comm, False)
+        t = cost.unit_time_s(f, bw, 1, cost.unit_comm(cluster), False)
         ok = S / n + memory.rank_memory_bytes(cluster, i, ms, b,
                                               root_resident=root_resident) <= \
             memory_fraction * d.memory_capacity_bytes

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from hf_cephalo.profiler.precision import Precision
 from hf_cephalo.profiler.types import ModelProfile, read_json_file, write_json_file
 
 __all__ = ["RankPlan", "Plan", "PLAN_FORMAT", "check_batch_and_fraction"]
@@ -111,6 +112,9 @@ class Plan:
             gradients for the whole step (``CephaloEngine(root_resident=True)``); False (the
             engine's default) gathers each root unit around its uses. The memory model prices
             the choice (docs/planner.md "Memory model") and the trainer builds the engine with it.
+        precision: the precision the plan was made for (profiler/precision.py [Note: precision
+            tags], e.g. ``"float32+autocast-bf16+gather-bf16"``: the profile's tag); None for
+            hand-made plans and plans written before it was recorded (not checked).
     """
 
     global_batch_size: int
@@ -120,8 +124,11 @@ class Plan:
     ranks: list[RankPlan] = field(default_factory=list)
     model: dict[str, Any] | None = None
     root_resident: bool = False
+    precision: str | None = None
 
     def __post_init__(self) -> None:
+        if self.precision is not None:
+            Precision.parse(self.precision)  # ValueError if malformed
         if not self.ranks:
             raise ValueError("plan: no ranks; a plan needs one entry per rank")
         for i, r in enumerate(self.ranks):
@@ -218,8 +225,21 @@ class Plan:
                    root_resident=root_resident)
 
     # --- validation ------------------------------------------------------------------------
-    def validate_for(self, world_size: int, model_profile: ModelProfile | None = None) -> None:
-        """Check this plan fits the job; ValueError naming the mismatch (before any collective)."""
+    def validate_for(self, world_size: int, model_profile: ModelProfile | None = None,
+                     precision: str | None = None) -> None:
+        """Check this plan fits the job; ValueError naming the mismatch (before any collective).
+
+        ``precision``: the job's [Note: precision tags] string; refused when the plan records
+        another one (its times and memory were predicted for other dtypes).
+        """
+        if precision is not None and self.precision not in (None, precision):
+            raise ValueError(
+                f"plan was made for precision {self.precision!r} but this job trains in "
+                f"{precision!r} (master dtype + autocast / gathered-parameter / reduce dtypes: "
+                "--bf16 / --fp16, cephalo_param_dtype, cephalo_reduce_dtype); re-plan for this "
+                "precision (`hf-cephalo plan` from a profile measured with `hf-cephalo profile "
+                "--precision ... --param-dtype ...`, or drop cephalo_plan_file) or train with "
+                "the plan's precision")
         if self.world_size != world_size:
             raise ValueError(f"plan is for world size {self.world_size} but the job has world "
                              f"size {world_size}; re-run `hf-cephalo plan` for this cluster")
@@ -257,7 +277,8 @@ class Plan:
                    uneven_state=bool(data.get("uneven_state", False)),
                    predicted_iteration_s=data.get("predicted_iteration_s"),
                    ranks=ranks, model=data.get("model"),
-                   root_resident=bool(data.get("root_resident", False)))
+                   root_resident=bool(data.get("root_resident", False)),
+                   precision=data.get("precision"))
 
     def save(self, path: str | Path) -> None:
         write_json_file(path, self.to_json())

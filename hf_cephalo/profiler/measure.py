@@ -55,19 +55,20 @@ from hf_cephalo.profiler.cache import (ProfileCache, comm_key, device_key, model
                                        model_fingerprint)
 from hf_cephalo.profiler.emulate import EmulatedStagedModel, EmulationConfig, emulated_device_name
 from hf_cephalo.profiler.live_memory import LiveTensorBytes
+from hf_cephalo.profiler.precision import PRECISIONS, Precision
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 from hf_cephalo.units import GIB
 
 __all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "model_profile",
            "local_device_name",
            "device_capacity_bytes", "local_world_size", "measure_device", "measure_comm", "profile_cluster",
-           "check_profile_matches", "sequence_length_of", "precision_tag", "PRECISIONS",
+           "check_profile_matches", "check_profile_precision", "sequence_length_of",
+           "precision_tag", "PRECISIONS",
            "boundary_bytes_per_sample", "machine_layout"]
 
 MakeMicrobatch = Callable[[int], Mapping[str, torch.Tensor]]
 
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -75,10 +76,13 @@ QUIET_INTERVAL_S = 15.0
 """Seconds between two progress lines of a non-verbose profile (rank 0 only)."""
 
 
-def precision_tag(param_dtype: str, precision: str) -> str:
-    """What a profile records as its dtype: the parameters' dtype name, plus the autocast
-    compute dtype for bf16 mixed precision (e.g. ``"float32+autocast-bf16"``)."""
-    return param_dtype if precision == "fp32" else f"{param_dtype}+autocast-{precision}"
+def precision_tag(param_dtype: str, precision: str, gather: str = "fp32",
+                  reduce: str = "fp32") -> str:
+    """What a profile records as its dtype ([Note: precision tags] in ``precision.py``): the
+    parameters' (master) dtype name, plus the autocast compute dtype, the gathered-parameter
+    and the reduce-scatter dtype when they are cast (e.g. ``"float32+autocast-bf16"``,
+    ``"float32+autocast-bf16+gather-bf16"``)."""
+    return Precision(precision, gather, reduce).check().tag(param_dtype)
 
 
 @dataclass(kw_only=True)
@@ -100,6 +104,13 @@ class MeasureConfig:
         precision: "fp32", or "bf16" / "fp16" to time the forward calls under that autocast
             like the engine's ``autocast_dtype`` (``TrainingArguments(bf16=True)`` /
             ``fp16=True``).
+        param_dtype: "fp32" (the master weights are gathered), or the compute dtype: the
+            unit's flat views are cast to it, as the engine's gathered units with
+            ``param_dtype`` (engine/flat_param.py [Note: low-precision gathered parameters]),
+            so times and activation memory are those of the gathered low-precision unit.
+        reduce_dtype: "fp32" or ``param_dtype``; recorded in the profile's precision tag and
+            ``ModelProfile.reduce_bytes`` (the collectives are timed in the master dtype and
+            scaled by the planner, ``cost.unit_comm``).
     """
 
     max_microbatch_size: int = 8
@@ -110,6 +121,18 @@ class MeasureConfig:
     progress: bool = True
     verbose: bool = False
     precision: str = "fp32"
+    param_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
+
+    @property
+    def precision_spec(self) -> Precision:
+        """Compute / gathered-parameter / reduce dtypes of this profile."""
+        return Precision(self.precision, self.param_dtype, self.reduce_dtype)
+
+    @property
+    def gather_dtype(self) -> torch.dtype | None:
+        """The dtype the unit's views are cast to, None when not cast."""
+        return _AUTOCAST.get(self.param_dtype)
 
     def prints(self, rank: int) -> bool:
         """Whether ``rank`` prints progress lines under this config."""
@@ -119,6 +142,14 @@ class MeasureConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"MeasureConfig.precision = {self.precision!r}: need one of "
                              f"{PRECISIONS}")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value not in ("fp32", self.precision):
+                raise ValueError(f"MeasureConfig.{name} = {value!r}: need 'fp32' or the compute "
+                                 f"precision {self.precision!r}")
+        if self.reduce_dtype != "fp32" and self.param_dtype == "fp32":
+            raise ValueError(f"MeasureConfig.reduce_dtype = {self.reduce_dtype!r} is lower than "
+                             "param_dtype 'fp32': use reduce_dtype 'fp32'")
         for name, minimum in (("max_microbatch_size", 1), ("sequence_length", 1), ("warmup", 0),
                               ("repeats", 1), ("comm_repeats", 1)):
             value = getattr(self, name)
@@ -146,11 +177,12 @@ def model_dtype(staged: StagedModel) -> torch.dtype:
 
 
 def model_profile(staged: StagedModel, name: str | None = None,
-                  boundary_bytes_per_sample: float = 0.0) -> ModelProfile:
+                  boundary_bytes_per_sample: float = 0.0,
+                  precision: Precision | None = None) -> ModelProfile:
     """ModelProfile of a staged model: units, parameters per unit / outside units, state bytes.
 
     ``state_bytes_per_param`` = 4 × element size (parameter, gradient and Adam's two moments in
-    the parameter dtype: 16 for fp32, paper §2.4); ``param_bytes`` = the element size;
+    the parameter dtype: 16 for fp32, paper §2.4); ``param_bytes`` = the element size; ``gathered_param_bytes`` / ``reduce_bytes`` from ``precision`` (None: not cast);
     ``boundary_bytes_per_sample`` as given (``boundary_bytes_per_sample`` measures it). The
     root is split as the engine splits it (engine.py ``_build_units``): ``params_embed`` =
     the parameters of ``embed_modules()`` (a tied weight once), ``params_head`` = those of
@@ -183,17 +215,24 @@ def model_profile(staged: StagedModel, name: str | None = None,
                         head_ties_embedding=tied, state_bytes_per_param=4.0 * elem,
                         param_bytes=elem, boundary_bytes_per_sample=boundary_bytes_per_sample,
                         trainable_params=None if trainable == sum(p.numel() for p in params)
-                        else trainable, frozen_bytes_per_param=elem)
+                        else trainable, frozen_bytes_per_param=elem,
+                        gathered_param_bytes=None if precision is None or precision.param == "fp32"
+                        else precision.param_bytes,
+                        reduce_bytes=None if precision is None or precision.reduce == "fp32"
+                        else precision.reduce_bytes)
 
 
 def boundary_bytes_per_sample(staged: StagedModel, make_microbatch: Callable[[int], Any],
-                              device: torch.device | str) -> float:
+                              device: torch.device | str,
+                              dtype: torch.dtype | None = None) -> float:
     """Bytes of one sample's embedding output: the boundary tensor the engine stashes per sample
-    and unit boundary (sequence length x hidden size x element size)."""
+    and unit boundary (sequence length x hidden size x element size). ``dtype``: the gathered
+    parameters' dtype when cast (the embedding then outputs it), else the output's own."""
     mb = {k: v.to(device) for k, v in make_microbatch(1).items()}
     with torch.no_grad():
         hidden, _ = staged.embed(mb)
-    return float(hidden.numel() * hidden.element_size())
+    size = hidden.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size()
+    return float(hidden.numel() * size)
 
 
 def machine_layout(group: dist.ProcessGroup | None = None) -> tuple[list[int], list[float]]:
@@ -375,7 +414,8 @@ class _FlatViews:
     that plain module parameters would not show. ``restore`` puts the original parameters back.
     """
 
-    def __init__(self, unit: torch.nn.Module | None = None, collected=None):
+    def __init__(self, unit: torch.nn.Module | None = None, collected=None,
+                 dtype: torch.dtype | None = None):
         params, uses = collected if collected is not None else \
             collect_params("unit 0", [unit], {})
         self.infos = param_infos("unit", params, {})
@@ -384,7 +424,10 @@ class _FlatViews:
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
                 torch.zeros(0)
+            if dtype is not None:  # the engine's low-precision gathered unit
+                flat = flat.to(dtype)
         nt = sum(i.numel for i in self.infos if i.requires_grad)
+        self.cast = dtype is not None
         self.leaf = flat[:nt].detach().requires_grad_(nt > 0)
         self.frozen = flat[nt:]
 
@@ -392,13 +435,14 @@ class _FlatViews:
         install_param_views(self.infos, self.uses, self.leaf, self.frozen)
 
     @staticmethod
-    def head_phase(staged: StagedModel) -> list["_FlatViews"]:
+    def head_phase(staged: StagedModel, dtype: torch.dtype | None = None) -> list["_FlatViews"]:
         """Views of the units the engine's head phase gathers: the head unit, and the embedding
         unit when the head uses one of its weights (grouped as engine.py ``_build_units``)."""
         embed = collect_params("embed", list(staged.embed_modules()), {})
         head = collect_params("head", list(staged.head_modules()), {})
         embed, head, tied = move_shared_params(embed, head)
-        return [_FlatViews(collected=head)] + ([_FlatViews(collected=embed)] if tied else [])
+        return [_FlatViews(collected=head, dtype=dtype)] + \
+            ([_FlatViews(collected=embed, dtype=dtype)] if tied else [])
 
     def restore(self) -> None:
         for entries, p in self.originals:
@@ -455,7 +499,7 @@ def _compute_memory(staged: StagedModel, views: _FlatViews, hidden, mb, ctx, gra
     loss + backward beside the last unit's kept forward graph (the schedule keeps it through
     the head phase).
     """
-    head_views = _FlatViews.head_phase(staged)
+    head_views = _FlatViews.head_phase(staged, views.leaf.dtype if views.cast else None)
     for v in [views, *head_views]:
         if v.leaf.requires_grad:
             v.leaf.grad = torch.zeros_like(v.leaf)
@@ -634,10 +678,12 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
             mb = {k: v.to(device) for k, v in make(m).items()}
             with torch.no_grad():
                 hidden, ctx = staged.embed(mb)
+            if config.gather_dtype is not None:  # a low-precision embedding's output
+                hidden = hidden.to(config.gather_dtype)
             inputs[m] = (mb, hidden, ctx, torch.randn_like(hidden))
         # Rounds over all m (not all repeats of one m at a time), so load changes on a shared
         # machine spread over every microbatch size instead of bending the curve.
-        views = _FlatViews(staged.units()[0])
+        views = _FlatViews(staged.units()[0], dtype=config.gather_dtype)
         try:
             fwd_med, bwd_med = _measure_times(staged, config, inputs, views, device, rank, name,
                                               before_each, any_rank)
@@ -791,7 +837,8 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
     # Every rank calls it (it may be a collective), capped or not.
     local = local_world_size(group)
     capacity = float(cap) if cap is not None else device_capacity_bytes(device, local)
-    dtype = precision_tag(str(model_dtype(base)).replace("torch.", ""), config.precision)
+    dtype = precision_tag(str(model_dtype(base)).replace("torch.", ""), config.precision,
+                          config.param_dtype, config.reduce_dtype)
     fingerprint = model_fingerprint(base.model)
     store = ProfileCache() if cache is True else (cache or None)
     # The capacity does not change timings: the key names the (emulated) speed only.
@@ -822,7 +869,8 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
                _all_gather_objects(dev.to_json(), group, world_size)]
     model = model_profile(base, model_name, boundary_bytes_per_sample(
         base, make_microbatch or (lambda m: synthetic_microbatch(
-            base.model, m, config.sequence_length, device)), device))
+            base.model, m, config.sequence_length, device)), device, config.gather_dtype),
+        precision=config.precision_spec)
     ratios = skewed_state_ratios(model.state_bytes, [d.memory_capacity_bytes for d in devices])
     comm = _cluster_comm(base, store, fingerprint, dtype, [d.name for d in devices], device,
                          config, group, world_size, ratios)
@@ -871,6 +919,27 @@ def _cluster_comm(staged, store, fingerprint, dtype, names, device, config, grou
 
 
 # ---- refusing foreign profiles ----------------------------------------------------------------
+def check_profile_precision(cluster: ClusterProfile, dtype: str | None,
+                            source: str = "the profile") -> None:
+    """Refuse a profile measured in another precision than the job's (no collective).
+
+    ``dtype``: the job's [Note: precision tags] string (None: not checked); a profile that
+    records none (spec-sheet estimates, old files) is not checked. Raises ValueError naming
+    both tags and the ``hf-cephalo profile`` flags that measure the job's precision.
+    """
+    recorded = cluster.extra.get("dtype")
+    if dtype is None or recorded in (None, dtype):
+        return
+    _, p = Precision.parse(dtype)
+    raise ValueError(
+        f"{source} was measured in {recorded} but this job computes in {dtype} (master dtype "
+        "+ autocast under --bf16 / --fp16 + gathered-parameter / reduce-scatter dtypes, "
+        "cephalo_param_dtype / cephalo_reduce_dtype); re-profile in this job's precision "
+        f"(`hf-cephalo profile --precision {p.compute} --param-dtype {p.param} --reduce-dtype "
+        f"{p.reduce}`, or leave cephalo_profile_file unset so the trainer profiles at start), "
+        "train in the profile's precision, or give a plan file")
+
+
 def _same_device(profiled: str, local: str) -> bool:
     """Same name (case-insensitive), or one contains the other ("A10G" vs "NVIDIA A10G") when
     neither is emulated (an emulated device never matches the real one)."""
@@ -937,14 +1006,7 @@ def check_profile_matches(cluster: ClusterProfile, model: ModelProfile, device_n
             "the profile does not record its configuration fields (an older profile)")
         raise ValueError(f"{source} was measured for another model configuration ({what}; "
                          f"fingerprint {recorded} vs this model's {fingerprint}); {redo}")
-    if dtype is not None and cluster.extra.get("dtype") not in (None, dtype):
-        precision = next((p for p in PRECISIONS if f"autocast-{p}" in dtype), "fp32")
-        raise ValueError(
-            f"{source} was measured in {cluster.extra['dtype']} but this job computes in {dtype} "
-            f"(parameter dtype, plus +autocast-bf16 / -fp16 under --bf16 / --fp16); re-profile "
-            f"in this job's "
-            f"precision (`hf-cephalo profile --precision {precision}`, or leave "
-            "cephalo_profile_file unset so the trainer profiles at start) or give a plan file")
+    check_profile_precision(cluster, dtype, source)
     seq = cluster.extra.get("sequence_length")
     if sequence_length is not None and seq is not None and int(seq) != int(sequence_length):
         raise ValueError(

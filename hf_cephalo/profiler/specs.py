@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from hf_cephalo.profiler.precision import Precision
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 from hf_cephalo.units import GIB
 
@@ -319,10 +320,13 @@ def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency
     if precision == "fp32":
         peak = spec.fp32_tflops
     elif precision == "bf16":
-        if spec.bf16_tflops is None:
-            alt = "fp16" if spec.fp16_tflops is not None else "fp32"
-            raise ValueError(f"{spec.name} has no bf16 support; use {alt} precision "
-                             f"(precision='{alt}'; CLI: --precision {alt})")
+        if spec.bf16_tflops is None:  # as the trainer's check_bf16_support refuses --bf16
+            alt = ("fp16", f"plan for --fp16 (its fp16 rate, {spec.fp16_tflops} TFLOP/s)") \
+                if spec.fp16_tflops is not None else \
+                ("fp32", "its data sheet lists no fp16 rate, so plan in fp32")
+            raise ValueError(f"{spec.name} has no bf16 support (compute capability < 8.0: the "
+                             f"trainer refuses --bf16 on it and proposes --fp16); {alt[1]}: "
+                             f"precision='{alt[0]}' (CLI: --precision {alt[0]})")
         peak = spec.bf16_tflops
     elif precision == "fp16":
         if spec.fp16_tflops is None:
@@ -522,11 +526,26 @@ def lora_model_profile(model: ModelProfile, shape: ModelShape, rank: int,
                    frozen_bytes_per_param=frozen_bytes_per_param)
 
 
+def _model_in_precision(shape: ModelShape, precision: str) -> ModelProfile:
+    """``shape.model_profile()`` with the element sizes of ``precision``'s default job."""
+    model = shape.model_profile()
+    if precision == "fp32":
+        return model
+    return replace(model, gathered_param_bytes=2.0,
+                   boundary_bytes_per_sample=model.boundary_bytes_per_sample / 2)
+
+
 def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kwargs) -> ClusterProfile:
     """Analytical ClusterProfile (spec-sheet ESTIMATE) for ``model`` on ``cluster``.
 
-    ``kwargs`` go to ``estimate_device_profile`` (efficiency, precision, ...).
+    ``kwargs`` go to ``estimate_device_profile`` (efficiency, precision, ...). With
+    ``precision`` bf16 / fp16 the model is priced as the trainer runs ``--bf16`` / ``--fp16`` by
+    default (``cephalo_param_dtype='auto'``): units gathered and all-gathered in the low dtype
+    (``ModelProfile.gathered_param_bytes`` = 2, so AG time halves, ``cost.unit_comm``), fp32
+    gradients and reduce-scatters, 2-byte boundary activations; the profile's precision tag
+    records it.
     """
+    precision = kwargs.get("precision", "fp32")
     shape = model if isinstance(model, ModelShape) else get_model_shape(model)
     gpus = cluster.gpus
     multi = sum(1 for m in cluster.machines if m) > 1
@@ -538,9 +557,10 @@ def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kw
         if g not in cache:
             cache[g] = estimate_device_profile(g, shape, **kwargs)
         devices.append(cache[g])
-    return ClusterProfile(model=shape.model_profile(), devices=devices,
+    return ClusterProfile(model=_model_in_precision(shape, precision), devices=devices,
                           comm=estimate_comm_profile(shape, len(gpus), bw),
                           source="spec-sheet estimate", offload_activations=True,
                           machine_of_rank=cluster.machine_of_rank,
                           host_memory_bytes=cluster.host_memory_bytes(),
-                          extra={"cluster": cluster.name, "model_shape": shape.name})
+                          extra={"cluster": cluster.name, "model_shape": shape.name,
+                                 "dtype": Precision(precision, precision).tag("float32")})

@@ -108,6 +108,13 @@ class ModelProfile:
             parameter trains (full fine-tuning). Only these carry gradient and optimizer state.
         frozen_bytes_per_param: resident bytes of one frozen element (its storage: 4 for fp32,
             2 for a bf16 base); used when ``trainable_params`` is given.
+        gathered_param_bytes: e_p, bytes of one element of a gathered unit and of the
+            all-gather (2 with ``param_dtype`` bf16 / fp16, FSDP2 ``MixedPrecisionPolicy``);
+            None = ``param_bytes`` (the fp32 master weights are gathered, no cast).
+        reduce_bytes: e_r, bytes of one element of the gradient reduce-scatter (2 with a bf16 /
+            fp16 ``reduce_dtype``); None = ``param_bytes``. The unit's gradient accumulates at
+            ``param_bytes`` either way (engine/flat_param.py [Note: low-precision gathered
+            parameters]).
     """
 
     name: str = "model"
@@ -122,6 +129,8 @@ class ModelProfile:
     head_ties_embedding: bool = False
     trainable_params: int | None = None
     frozen_bytes_per_param: float = 4.0
+    gathered_param_bytes: float | None = None
+    reduce_bytes: float | None = None
 
     def __post_init__(self) -> None:
         owner = f"model profile {self.name!r}"
@@ -145,6 +154,13 @@ class ModelProfile:
                                  f"{self.params_head} must equal params_other {self.params_other}")
         self.frozen_bytes_per_param = _check_number(
             owner, "frozen_bytes_per_param", self.frozen_bytes_per_param, positive=True)
+        for name in ("gathered_param_bytes", "reduce_bytes"):
+            if getattr(self, name) is not None:
+                value = _check_number(owner, name, getattr(self, name), positive=True)
+                if value > self.param_bytes:
+                    raise ValueError(f"{owner}: {name} {value} exceeds param_bytes "
+                                     f"{self.param_bytes}: a cast only lowers the precision")
+                setattr(self, name, value)
         if self.trainable_params is not None:
             self.trainable_params = _check_int(owner, "trainable_params", self.trainable_params,
                                                minimum=0)
@@ -165,6 +181,16 @@ class ModelProfile:
         if self.params_embed is None:
             return RootSplit(self.params_other, 0, True)
         return RootSplit(self.params_embed, self.params_head, self.head_ties_embedding)
+
+    @property
+    def param_gather_bytes(self) -> float:
+        """e_p: bytes per element of the gathered units and all-gathers."""
+        return self.param_bytes if self.gathered_param_bytes is None else self.gathered_param_bytes
+
+    @property
+    def grad_reduce_bytes(self) -> float:
+        """e_r: bytes per element of the gradient reduce-scatters."""
+        return self.param_bytes if self.reduce_bytes is None else self.reduce_bytes
 
     @property
     def num_params(self) -> int:
@@ -194,7 +220,8 @@ class ModelProfile:
                                             "state_bytes_per_param", "param_bytes",
                                             "boundary_bytes_per_sample", "params_embed",
                                             "params_head", "head_ties_embedding",
-                                            "trainable_params", "frozen_bytes_per_param")
+                                            "trainable_params", "frozen_bytes_per_param",
+                                            "gathered_param_bytes", "reduce_bytes")
                                    if k in data})
 
 

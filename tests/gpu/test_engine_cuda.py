@@ -234,6 +234,79 @@ def cuda_bf16_worker(rank, world):
     return True
 
 
+def cuda_fp16_scaler_worker(rank, world):
+    """fp16 autocast + ``engine.make_grad_scaler()`` (ShardedGradScaler) on CUDA, the CUDA mirror
+    of tests/test_mixed_precision.py's CPU fp16 test: 20 steps of one microbatch with an
+    overflow injected at step 5 (``OverflowStaged``); the loss-scale sequence and the skipped
+    steps equal single-process ``torch.amp.GradScaler("cuda")`` training of the same model under
+    fp16 autocast, and step 5 is skipped. Both param dtypes: fp32 gathers (the reference is plain
+    autocast) and fp16 gathered parameters (the engine's casts; parameters then are compared
+    only through the scale sequence, as the fp16 rounding of the gathered copy differs from
+    autocast's per-op casts)."""
+    from tests.test_mixed_precision import OverflowStaged
+
+    device, group = _nccl_setup()
+    cfg = ToyConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=3, max_seq_len=16)
+    torch.manual_seed(0)
+    model = ToyLM(cfg).to(device)
+    batches = [tuple(t.to(device) for t in _batch(4, 16, cfg.vocab_size, seed=100 + s))
+               for s in range(20)]
+
+    def mb_of(step):
+        ids, labels = batches[step]
+        mb = {"input_ids": ids, "labels": labels}
+        return {**mb, "overflow": torch.ones((), device=device)} if step == 5 else mb
+
+    def run(scaler, one_step):
+        scales, skipped = [], []
+        for step in range(20):
+            before = scaler.get_scale()
+            one_step(step)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            if scales[-1] < before:
+                skipped.append(step)
+        return scales, skipped
+
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=3)
+    ref_staged = OverflowStaged(ref)
+
+    def ref_step(step):
+        ref_opt.zero_grad(set_to_none=True)
+        mb = mb_of(step)
+        with torch.autocast("cuda", dtype=torch.float16):
+            hidden, ctx = ref_staged.embed(mb)
+            for i in range(cfg.num_layers):
+                hidden = ref_staged.run_unit(i, hidden, ctx)
+            out = ref_staged.head_loss(hidden, mb, ctx)
+        ref_scaler.scale(out.loss_sum / out.num_items).backward()
+        ref_scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_scaler.step(ref_opt)
+    expected = run(ref_scaler, ref_step)
+    assert 5 in expected[1], expected
+    results = {}
+    for param_dtype in (None, torch.float16):
+        engine = CephaloEngine(OverflowStaged(copy.deepcopy(model)), process_group=group,
+                               device=device, autocast_dtype=torch.float16,
+                               param_dtype=param_dtype)
+        opt = torch.optim.AdamW(engine.parameters(), lr=1e-3)
+        scaler = engine.make_grad_scaler(init_scale=2.0 ** 12, growth_interval=3)
+
+        def step_fn(step):
+            engine.zero_grad()
+            engine.train_step([mb_of(step)], loss_scale=scaler)
+            scaler.unscale_(opt)
+            engine.clip_grad_norm_(1.0)
+            scaler.step(opt)
+        got = run(scaler, step_fn)
+        assert got == expected, (param_dtype, got, expected)
+        results[str(param_dtype)] = got[1]
+    return results
+
+
 def cuda_memory_worker(rank, world):
     """Peak device memory of a step does not grow with the number of microbatches at a fixed
     microbatch size once boundary activations are offloaded (paper §3.3)."""
@@ -278,6 +351,11 @@ def test_cuda_dropout_replay():
 @requires_cuda
 def test_cuda_bf16_autocast():
     assert run_ranks(cuda_bf16_worker, 1, timeout_s=300) == [True]
+
+
+@requires_cuda
+def test_cuda_fp16_sharded_scaler():
+    assert all(run_ranks(cuda_fp16_scaler_worker, 1, timeout_s=300))
 
 
 @requires_cuda

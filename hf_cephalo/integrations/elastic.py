@@ -1,0 +1,362 @@
+"""Elastic training: re-plan for the world a (re)start gets and resume on the same trajectory.
+
+Under PyTorch's elastic agent (``torchrun --nnodes=MIN:MAX --max-restarts=K
+--rdzv-backend=c10d``; README "Elastic training") every change of membership restarts all
+workers; each new worker builds a ``CephaloTrainer`` for the world it got. This module holds
+what that needs beyond the stock resume path:
+
+1. **What a checkpoint ran on**: ``plan.json`` (the plan, loadable as ``cephalo_plan_file`` on
+   the same world) and ``cephalo_run.json`` (``RunRecord``: global batch size, model
+   fingerprint, world size and device names, step, wall time) written by rank 0 into every
+   ``checkpoint-N`` (``write_checkpoint_record``).
+2. **Planning for the new world** (``resolve_elastic_plan``): the stock planning path
+   (``auto_plan.resolve_plan_for_model``: measured profiles come from the on-disk cache, so only
+   devices the cache lacks are measured; a profile file is a pool of device profiles looked up by
+   name, ``select_world_devices``) with the SAME global batch size; a world too small for the job
+   raises ``InfeasiblePlanError`` naming the devices the last checkpoint ran on that are missing.
+3. **Resume checks** (``check_resume``): a checkpoint of another model or another global batch
+   size is refused before its state is read.
+4. **Time lost per change** (``ElasticCallback``): rank 0 records the last finished step in
+   ``output_dir/cephalo_progress.json`` (``Progress``); on resume it logs the old and new plan
+   side by side and a ``ResumeReport`` (steps redone since the checkpoint, seconds from the last
+   finished step before the change to the first step after it), appended to
+   ``output_dir/cephalo_restarts.jsonl``.
+
+[Note: world-independent trajectory]
+For any plan the engine's gradient is the full-batch gradient of the step's global batch
+(docs/design.md contract 4), and the global batch of step k is a function of (seed, epoch,
+dataset length, B) only (``sampler.global_batches``; the plan only splits it by b_i). With B
+fixed, a run that changes world at a checkpoint therefore follows the uninterrupted run's
+trajectory up to floating-point reduction order. Hence B must not change on resume, and a
+missing ``cephalo_global_batch_size`` (B = per_device_train_batch_size x world size) is refused
+once the world changed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any, NamedTuple
+
+from transformers import TrainerCallback
+
+from hf_cephalo.planner import Plan
+from hf_cephalo.planner.optimize import InfeasiblePlanError
+from hf_cephalo.profiler.types import ClusterProfile, format_bytes
+
+__all__ = ["RUN_RECORD_NAME", "PLAN_NAME", "PROGRESS_NAME", "RESTARTS_NAME", "RunRecord",
+           "Progress", "ResumeReport", "write_checkpoint_record", "read_checkpoint_record",
+           "check_resume", "format_plan_change", "select_world_devices", "resolve_elastic_plan",
+           "latest_checkpoint", "run_fingerprint", "ElasticCallback"]
+
+logger = logging.getLogger(__name__)
+
+RUN_RECORD_NAME = "cephalo_run.json"  # in checkpoint-N: what the run was (RunRecord)
+PLAN_NAME = "plan.json"  # in checkpoint-N: the plan it ran on
+PROGRESS_NAME = "cephalo_progress.json"  # in output_dir: the last finished step (Progress)
+RESTARTS_NAME = "cephalo_restarts.jsonl"  # in output_dir: one ResumeReport per resume
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunRecord:
+    """What a checkpoint was trained with (``cephalo_run.json``).
+
+    Attributes:
+        global_batch_size: B, samples per optimizer step (all ranks).
+        model_fingerprint: ``run_fingerprint`` of the model (class + shape-defining config).
+        model_class: the model's class name (for messages).
+        world_size: ranks of the run that wrote it.
+        device_names: device name per rank (emulation included), rank order.
+        global_step: the checkpoint's step.
+        saved_time_s: wall-clock time of the save (seconds since the epoch).
+    """
+
+    global_batch_size: int
+    model_fingerprint: str
+    model_class: str
+    world_size: int
+    device_names: list[str]
+    global_step: int
+    saved_time_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "RunRecord":
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - set(data)
+        if missing:
+            raise ValueError(f"{RUN_RECORD_NAME}: missing keys {sorted(missing)}")
+        return cls(**{k: data[k] for k in names})
+
+
+class Progress(NamedTuple):
+    """The last finished training step of the run in ``output_dir`` (``cephalo_progress.json``)."""
+
+    global_step: int
+    time_s: float  # wall clock at the end of that step, seconds since the epoch
+    world_size: int
+
+
+class ResumeReport(NamedTuple):
+    """Time lost to one change of world, logged on resume.
+
+    Attributes:
+        checkpoint: the checkpoint resumed from.
+        checkpoint_step: its global step.
+        last_step: the last step finished before the restart (None: not recorded).
+        steps_redone: ``last_step - checkpoint_step`` (steps computed twice), 0 if unknown.
+        restart_s: seconds from the end of ``last_step`` to the start of the first step after
+            the resume (detection, rendezvous, process start, planning, engine build, loading);
+            None if no progress was recorded.
+        old_world_size / new_world_size: ranks before / after.
+        old_plan / new_plan: the plans (old None for a checkpoint without ``plan.json``).
+    """
+
+    checkpoint: str
+    checkpoint_step: int
+    last_step: int | None
+    steps_redone: int
+    restart_s: float | None
+    old_world_size: int | None
+    new_world_size: int
+    old_plan: Plan | None
+    new_plan: Plan
+
+    def to_json(self) -> dict[str, Any]:
+        out = self._asdict()
+        out["old_plan"] = None if self.old_plan is None else self.old_plan.to_json()
+        out["new_plan"] = self.new_plan.to_json()
+        return out
+
+
+def _write_json_atomic(path: str, data: Any) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def run_fingerprint(model) -> str:
+    """``profiler.cache.model_fingerprint`` without ``config.architectures`` and ``config.dtype``:
+    ``save_pretrained`` sets both on the live model, so a model saved mid-run
+    (``cephalo_save_full_model``) and the same model built fresh, or loaded with
+    ``from_pretrained``, must fingerprint alike. (The checkpoint loader checks the shards' dtypes
+    itself.)"""
+    import hashlib
+
+    from hf_cephalo.profiler.cache import model_description
+
+    description = model_description(model)
+    for key in ("architectures", "dtype", "torch_dtype"):
+        description["desc"].pop(key, None)
+    text = json.dumps(description, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def write_checkpoint_record(directory: str, plan: Plan, record: RunRecord) -> None:
+    """Rank 0: ``plan.json`` and ``cephalo_run.json`` into a checkpoint (staging) directory."""
+    plan.save(os.path.join(directory, PLAN_NAME))
+    _write_json_atomic(os.path.join(directory, RUN_RECORD_NAME), record.to_json())
+
+
+def read_checkpoint_record(checkpoint: str) -> tuple[Plan | None, RunRecord | None]:
+    """The plan and run record of ``checkpoint`` (None for files a checkpoint written before
+    elastic support lacks).
+
+    Raises:
+        ValueError: a file exists but cannot be parsed (names the file).
+    """
+    plan_path, record_path = (os.path.join(checkpoint, n) for n in (PLAN_NAME, RUN_RECORD_NAME))
+    plan = Plan.load(plan_path) if os.path.isfile(plan_path) else None
+    record = None
+    if os.path.isfile(record_path):
+        try:
+            with open(record_path) as f:
+                record = RunRecord.from_json(json.load(f))
+        except (json.JSONDecodeError, TypeError, ValueError) as exc:
+            raise ValueError(f"{record_path}: unreadable run record ({exc}); the checkpoint is "
+                             "damaged, resume from an earlier one") from exc
+    return plan, record
+
+
+def check_resume(checkpoint: str, record: RunRecord | None, plan: Plan, fingerprint: str,
+                 model_class: str, global_batch_size_given: bool) -> None:
+    """Refuse a checkpoint that would change the trajectory: another model, another B.
+
+    Every rank reads the same files, so every rank raises the same error (no rank is left in a
+    collective). See [Note: world-independent trajectory].
+
+    Raises:
+        ValueError: the record's model fingerprint or global batch size differ from this run's.
+    """
+    if record is None:
+        return
+    if record.model_fingerprint != fingerprint:
+        raise ValueError(
+            f"{checkpoint} was trained on another model ({record.model_class}, fingerprint "
+            f"{record.model_fingerprint}) than this run's ({model_class}, fingerprint "
+            f"{fingerprint}); resume with the model it was trained on or start a new output_dir")
+    if record.global_batch_size != plan.global_batch_size:
+        how = ("--cephalo_global_batch_size is not set, so B = per_device_train_batch_size x "
+               f"world size ({plan.world_size} ranks now, {record.world_size} then)"
+               if not global_batch_size_given else "the plan or --cephalo_global_batch_size says so")
+        raise ValueError(
+            f"{checkpoint} was trained with global batch size {record.global_batch_size} but "
+            f"this run plans {plan.global_batch_size} ({how}); the trajectory continues only "
+            f"with the same B: set --cephalo_global_batch_size {record.global_batch_size} "
+            "(elastic jobs must always set it)")
+
+
+def format_plan_change(old: Plan | None, new: Plan) -> str:
+    """The old and new plans side by side, one row per rank (b_i, m_i, l_i, r_i %)."""
+    def rows(plan: Plan | None, n: int) -> list[str]:
+        cells = [] if plan is None else [
+            f"{r.device[:14]:<14} {r.batch_size:>4} {r.microbatch_size:>4} "
+            f"{r.num_microbatches:>4} {100 * r.state_ratio:>7.2f}" for r in plan.ranks]
+        return cells + [f"{'':<14} {'':>4} {'':>4} {'':>4} {'':>7}"] * (n - len(cells))
+
+    n = max(new.world_size, 0 if old is None else old.world_size)
+    head = f"{'device':<14} {'b_i':>4} {'m_i':>4} {'l_i':>4} {'r_i %':>7}"
+    lines = [f"Cephalo elastic re-plan: {'?' if old is None else old.world_size} -> "
+             f"{new.world_size} ranks, global batch size {new.global_batch_size}",
+             f"{'rank':>4} | before: {head} | after: {head}"]
+    for i, (a, b) in enumerate(zip(rows(old, n), rows(new, n))):
+        lines.append(f"{i:>4} |         {a} |        {b}")
+    return "\n".join(lines)
+
+
+def select_world_devices(cluster: ClusterProfile, names: list[str], source: str) -> ClusterProfile:
+    """``cluster`` for a world whose ranks have device ``names`` (rank order).
+
+    A profile file is a pool of device profiles: when the world differs from the file's ranks,
+    each rank takes the profile of its device name. The collective profile (one unit, even
+    shards) is kept; ring collectives move about the same bytes per rank at any world size.
+
+    Raises:
+        ValueError: a rank's device is not in the file (names it and the fix).
+    """
+    if [d.name for d in cluster.devices] == list(names):
+        return cluster
+    pool = {d.name: d for d in cluster.devices}
+    unknown = sorted({n for n in names if n not in pool})
+    if unknown:
+        raise ValueError(
+            f"{source} holds no profile for device(s) {unknown} of this world {list(names)} (it "
+            f"knows {sorted(pool)}); profile them (`hf-cephalo profile` on those machines) and "
+            "add them to the file, or leave cephalo_profile_file unset so the trainer measures "
+            "at start (devices in the profile cache are not measured again)")
+    devices = [dataclasses.replace(pool[n]) for n in names]
+    logger.info("%s: %d ranks in the file, %d in this world; device profiles picked by name",
+                source, cluster.world_size, len(names))
+    return dataclasses.replace(cluster, devices=devices)
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete ``checkpoint-N`` in ``output_dir`` (staging dirs are never complete)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+
+
+def resolve_elastic_plan(args, world_size: int, model, train_dataset):
+    """``auto_plan.resolve_plan_for_model`` with the elastic diagnosis of a world too small.
+
+    Raises:
+        InfeasiblePlanError: no plan fits this world; the message adds the devices the last
+            checkpoint in ``output_dir`` ran on that this world lacks.
+        (and everything ``resolve_plan_for_model`` raises)
+    """
+    from hf_cephalo.integrations import auto_plan
+
+    try:
+        return auto_plan.resolve_plan_for_model(args, world_size, model, train_dataset)
+    except InfeasiblePlanError as exc:
+        # Every rank solved the same problem, so every rank is here: the gather is matched.
+        names = auto_plan._gather_names(
+            auto_plan._local_name(args, auto_plan._emulation(args, world_size)), world_size)
+        raise InfeasiblePlanError(f"{exc}{_missing_devices(args.output_dir, names)}") from exc
+
+
+def _missing_devices(output_dir: str, names: list[str]) -> str:
+    """The devices the last checkpoint's plan ran on that the world ``names`` lacks."""
+    checkpoint = latest_checkpoint(output_dir)
+    plan = None if checkpoint is None else read_checkpoint_record(checkpoint)[0]
+    if plan is None:
+        return (f". This world ({len(names)} ranks: {names}) cannot hold the job: add devices "
+                "with more memory")
+    world_size = len(names)
+    before = collections.Counter(r.device for r in plan.ranks)
+    missing = before - collections.Counter(names)
+    need = ", ".join(f"{k} x{v}" for k, v in sorted(missing.items())) or "none by name"
+    caps = {r.device: r.memory_capacity_bytes for r in plan.ranks}
+    detail = ", ".join(f"{k} ({format_bytes(caps[k])})" if caps.get(k) else k for k in missing)
+    return (f". This world has {world_size} ranks; {checkpoint} ran on {plan.world_size} "
+            f"({', '.join(r.device for r in plan.ranks)}). Devices missing against that plan: "
+            f"{need}{' — ' + detail if detail else ''}; bring such GPUs back (or others with "
+            "at least that memory) and the job resumes there")
+
+
+def read_progress(output_dir: str) -> Progress | None:
+    """The run's last finished step, or None (never recorded, or unreadable)."""
+    try:
+        with open(os.path.join(output_dir, PROGRESS_NAME)) as f:
+            return Progress(**json.load(f))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+class ElasticCallback(TrainerCallback):
+    """Records progress (rank 0, every step) and reports the resume (first step after it).
+
+    ``arm(checkpoint, old_plan)`` is called by ``CephaloTrainer.train`` when resuming; the report
+    is kept in ``self.report`` (every rank), printed and appended to ``cephalo_restarts.jsonl``
+    by rank 0.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.report: ResumeReport | None = None
+        self._armed: tuple[str, int, Plan | None, int | None, Progress | None] | None = None
+
+    def arm(self, checkpoint: str, checkpoint_step: int, old_plan: Plan | None,
+            old_world_size: int | None) -> None:
+        self._armed = (checkpoint, checkpoint_step, old_plan, old_world_size,
+                       read_progress(self.trainer.args.output_dir))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._armed is None:
+            return
+        checkpoint, step, old_plan, old_world, progress = self._armed
+        self._armed = None
+        last = None if progress is None else progress.global_step
+        self.report = ResumeReport(
+            checkpoint=checkpoint, checkpoint_step=step, last_step=last,
+            steps_redone=0 if last is None else max(0, last - step),
+            restart_s=None if progress is None else time.time() - progress.time_s,
+            old_world_size=old_world, new_world_size=self.trainer.plan.world_size,
+            old_plan=old_plan, new_plan=self.trainer.plan)
+        if args.process_index == 0:
+            self._print(self.report)
+            with open(os.path.join(args.output_dir, RESTARTS_NAME), "a") as f:
+                f.write(json.dumps(self.report.to_json()) + "\n")
+
+    @staticmethod
+    def _print(report: ResumeReport) -> None:
+        restart = "unknown" if report.restart_s is None else f"{report.restart_s:.1f} s"
+        print(format_plan_change(report.old_plan, report.new_plan), flush=True)
+        print(f"Cephalo resume from {report.checkpoint} (step {report.checkpoint_step}): "
+              f"{report.steps_redone} step(s) redone (last finished step "
+              f"{report.last_step if report.last_step is not None else 'unknown'}), restart "
+              f"took {restart} (end of the last step to the first step now)", flush=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.process_index == 0:
+            _write_json_atomic(os.path.join(args.output_dir, PROGRESS_NAME),
+                               Progress(state.global_step, time.time(),
+                                        args.world_size)._asdict())
