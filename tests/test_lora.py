@@ -28,11 +28,14 @@ from tests.dist_utils import budget_s, run_ranks, test_timeout  # noqa: E402
 from tests.models_fixtures import build, make_batch  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
-JOB_S = 30.0  # seconds per process group (2 archs x 2 plans + a resume)
+JOB_S = 45.0  # seconds per process group (3 archs x 2 plans + a resume)
 pytestmark = test_timeout(JOB_S, JOB_S)
-ARCHS = ("llama", "bert")
-TARGETS = {"llama": ["q_proj", "v_proj"], "bert": ["query", "value"]}
-TASK = {"llama": "CAUSAL_LM", "bert": "SEQ_CLS"}
+ARCHS = ("llama", "bert", "llama_bf16")
+TARGETS = {"llama": ["q_proj", "v_proj"], "bert": ["query", "value"],
+           "llama_bf16": ["q_proj", "v_proj"]}
+TASK = {"llama": "CAUSAL_LM", "bert": "SEQ_CLS", "llama_bf16": "CAUSAL_LM"}
+# llama_bf16: the base stored in bf16 (as loaded with torch_dtype=torch.bfloat16), fp32 adapters
+BASE_DTYPE = {"llama_bf16": torch.bfloat16}
 NO_DROPOUT = {"bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)}
 GLOBAL_BATCH, STEPS = 6, 3
 PLANS = {  # name: (batch sizes, microbatch sizes, state ratios)
@@ -49,7 +52,8 @@ def peft_model(arch: str):
     ``init_lora_weights=False``, so lora_A and lora_B both get gradients at step 1)."""
     from peft import LoraConfig, get_peft_model
 
-    base = build(arch, seed=0, **NO_DROPOUT.get(arch, {}))
+    base = build(arch.removesuffix("_bf16"), seed=0, **NO_DROPOUT.get(arch, {}))
+    base = base.to(BASE_DTYPE.get(arch, torch.float32))
     torch.manual_seed(1)
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS[arch],
                         task_type=TASK[arch], init_lora_weights=False)
@@ -57,6 +61,7 @@ def peft_model(arch: str):
 
 
 def _batch(arch, step):
+    arch = arch.removesuffix("_bf16")
     return make_batch(arch, GLOBAL_BATCH, seed=100 + step, padding=arch == "llama")
 
 
@@ -109,13 +114,19 @@ def _train(engine, opt, sizes, micro, arch, steps):
 
 
 def _state_counts(engine, opt) -> dict:
-    """This rank's element counts: shard, trainable part, optimizer-state elements, bytes."""
-    shard = sum(u.local_numel for u in engine._all_units())
-    trainable = sum(u.local_trainable_numel for u in engine._all_units())
+    """This rank's element counts: shard, trainable part, optimizer-state elements, and the
+    training-state bytes counted from the tensors (shards in their dtypes, the shard gradients,
+    the optimizer state)."""
+    units = engine._all_units()
+    shard = sum(u.local_numel for u in units)
+    trainable = sum(u.local_trainable_numel for u in units)
     moments = sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in opt.state.values())
-    grads = sum(p.grad.numel() for p in engine.parameters() if p.grad is not None)
+    shard_bytes = sum(p.local.numel() * p.element_size for u in units for p in u.parts)
+    grad_bytes = sum(p.numel() * 4 for p in engine.parameters())  # the fp32 shard gradients
+    moment_bytes = sum(t.numel() * t.element_size() for s in opt.state.values()
+                       for t in (s["exp_avg"], s["exp_avg_sq"]))
     return dict(shard_numel=shard, trainable_numel=trainable, moment_numel=moments,
-                state_bytes=4 * shard + 4 * trainable + 4 * moments)
+                state_bytes=shard_bytes + grad_bytes + moment_bytes)
 
 
 def _gathered_optimizer(engine, opt):
@@ -187,6 +198,10 @@ def _two_ranks(rank, world_size, root, directories):
 
 
 def _portable(obj, to_numpy: bool):
+    if to_numpy and isinstance(obj, torch.Tensor) and obj.dtype == torch.bfloat16:
+        return {"__bf16__": obj.view(torch.int16).numpy()}  # numpy has no bf16: bits
+    if not to_numpy and isinstance(obj, dict) and "__bf16__" in obj:
+        return torch.from_numpy(obj["__bf16__"]).view(torch.bfloat16)
     if isinstance(obj, dict):
         return {k: _portable(v, to_numpy) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -253,10 +268,17 @@ def test_optimizer_state_only_for_adapter_elements(runs, references, run):
     total = sum(p.numel() for p in inner.parameters())
     assert sum(c["trainable_numel"] for c in counts) == trainable
     assert sum(c["shard_numel"] for c in counts) == total
+    frozen_bytes = 2 if arch in BASE_DTYPE else 4  # per frozen element, as stored
+    units = 2 + inner.config.num_hidden_layers
     for c, ratio in zip(counts, runs[run]["ratios"]):
         assert c["moment_numel"] == 2 * c["trainable_numel"]  # exp_avg + exp_avg_sq, adapters only
-        # 16 B per trainable element (param, grad, 2 moments) + 4 B per frozen one
-        assert c["state_bytes"] == 16 * c["trainable_numel"] + 4 * (c["shard_numel"] - c["trainable_numel"])
+        # 16 B per trainable element (param, grad, 2 moments) + 4 or 2 B per frozen one
+        assert c["state_bytes"] == 16 * c["trainable_numel"] + \
+            frozen_bytes * (c["shard_numel"] - c["trainable_numel"])
+        # r_i of the adapters AND r_i of the frozen base, within rounding (each part of each
+        # unit is within 2 elements of r_i of it: [Note: two parts per unit])
+        want = ratio * (16 * trainable + frozen_bytes * (total - trainable))
+        assert abs(c["state_bytes"] - want) <= units * 2 * (16 + frozen_bytes), (c, want)
         if ratio == 0.0:
             assert c["state_bytes"] == 0
 

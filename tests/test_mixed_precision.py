@@ -119,7 +119,7 @@ def local_reference(engine: CephaloEngine, grads: dict) -> list[torch.Tensor]:
     for unit in engine._all_units():
         flat = torch.cat([grads[i.fqn].reshape(-1).to(torch.float64) for i in unit.infos
                           if i.requires_grad] or [torch.zeros(0, dtype=torch.float64)])
-        start = unit.starts[unit.rank]
+        start = unit.trainable.starts[unit.rank]
         out.append(flat[start:start + unit.local_trainable_numel])
     return out
 

@@ -104,7 +104,7 @@ def _measured_bytes(rank, plan: Plan, group, tied: bool, precision: str) -> floa
         engine.train_step(mbs)
     state = 0
     for unit in engine.units + engine.root.both():
-        state += unit.local.numel() * unit.local.element_size()  # the parameter shard
+        state += sum(part.local.numel() * part.element_size for part in unit.parts)  # shards
         state += 12 * unit.local_trainable_numel  # its gradient + Adam's two moments (fp32)
     return float(state + live.peak_bytes)
 

@@ -82,8 +82,12 @@ class CheckpointLayout:
 
     world_size: ranks that wrote the checkpoint; units: per unit (engine order: layers, then
     the embedding and head units; format /1: layers, then one root unit) a dict with
-    ``name``, ``numel``, ``trainable_numel``, ``numel_per_rank`` (list of ints) and ``params``
-    (fqn, aliases, shape, offset, numel, requires_grad); buffers: buffer keys; fingerprint:
+    ``name``, ``numel``, ``trainable_numel``, ``numel_per_rank`` (list of ints),
+    ``trainable_per_rank`` (each rank's trainable shard, [Note: two parts per unit] in
+    ``flat_param.py``; absent in checkpoints of the older prefix layout, whose ranks held
+    contiguous ranges of ``[trainable | frozen]``), ``dtypes`` ([trainable, frozen] storage
+    dtype names; absent: one dtype) and ``params`` (fqn, aliases, shape, offset, numel,
+    requires_grad); buffers: buffer keys; fingerprint:
     ``model_fingerprint`` of the saved model; config: the model config dict (or None).
     """
 
@@ -99,10 +103,13 @@ class CheckpointLayout:
 # ---- model identity ---------------------------------------------------------------------------
 def _units_description(engine) -> list[dict[str, Any]]:
     out = []
-    for meta in engine.shard_metadata():
+    for meta, unit in zip(engine.shard_metadata(), engine._all_units()):
         out.append(dict(name=meta.name, numel=int(meta.numel),
                         trainable_numel=int(meta.trainable_numel),
                         numel_per_rank=[int(n) for n in meta.numel_per_rank],
+                        trainable_per_rank=[int(n) for n in unit.trainable_per_rank],
+                        dtypes=[str(unit.dtype).removeprefix("torch."),
+                                str(unit.frozen_dtype).removeprefix("torch.")],
                         params=[dict(fqn=p.fqn, aliases=list(p.aliases), shape=list(p.shape),
                                      offset=int(p.offset), numel=int(p.numel),
                                      requires_grad=bool(p.requires_grad)) for p in meta.params]))
@@ -301,7 +308,9 @@ def save_sharded(engine, directory: str, optimizer: torch.optim.Optimizer | None
     scalars: dict[str, dict[str, Any]] = {}
     groups: list[dict] = []
     for u, unit in enumerate(engine._all_units()):
-        tensors[f"units.{u}.param"] = unit.local.detach().to("cpu", copy=True).contiguous()
+        tensors[f"units.{u}.param"] = unit.trainable.local.detach().to("cpu", copy=True)
+        if unit.frozen.numel:  # the frozen shard in its own dtype
+            tensors[f"units.{u}.frozen"] = unit.frozen.local.detach().to("cpu", copy=True)
     if optimizer is not None:
         by_unit, raw_groups = _optimizer_state_by_unit(engine, optimizer)
         groups = [{k: _json_value(v, f"param_groups.{k}") for k, v in g.items()}
@@ -445,34 +454,59 @@ class _ShardReader:
             self.meta[rank] = meta
         return self.meta[rank]
 
-    def read_range(self, unit: int, key: str, start: int, stop: int, part: str) -> torch.Tensor:
-        """Elements [start, stop) of unit ``unit``'s flat buffer (``part`` "param") or of its
-        trainable prefix (optimizer state ``key``), concatenated over the old ranks' files."""
-        info = self.layout.units[unit]
-        pieces, offset = [], 0
-        for r, n in enumerate(info["numel_per_rank"]):
-            begin = offset
-            held = n if part == "param" else max(0, min(begin + n, info["trainable_numel"]) - begin)
-            offset += n
-            lo, hi = max(start, begin), min(stop, begin + held)
+    def read_range(self, unit: int, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of unit ``unit``'s flat index ``[trainable | frozen]``
+        (``key`` "param": parameters; "optim.<name>": optimizer state, trainable elements
+        only), concatenated over the old ranks' files; [start, stop) lies in one part, and the
+        result has the dtype that part was saved in."""
+        pieces = []
+        for r, lo_r, hi_r, tensor_key in _saved_segments(self.layout.units[unit], unit, key):
+            lo, hi = max(start, lo_r), min(stop, hi_r)
             if lo >= hi:
                 continue
             name = FILES.shard(r)
             self.shard_meta(r)
-            tensor_key = f"units.{unit}.{key}"
             handle = self.open(name)
             if tensor_key not in handle.keys():
                 raise CheckpointError(f"{os.path.join(self.layout.directory, name)}: no tensor "
                                       f"{tensor_key!r} (corrupt or written without an optimizer)")
             sl = handle.get_slice(tensor_key)
-            if sl.get_shape() != [held]:
+            if sl.get_shape() != [hi_r - lo_r]:
                 raise CheckpointError(f"{os.path.join(self.layout.directory, name)}: tensor "
                                       f"{tensor_key!r} has shape {sl.get_shape()}, the layout says "
-                                      f"[{held}]")
-            pieces.append(sl[lo - begin:hi - begin])
+                                      f"[{hi_r - lo_r}]")
+            pieces.append(sl[lo - lo_r:hi - lo_r])
         got = sum(p.numel() for p in pieces)
         assert got == stop - start, f"re-layout read {got} of {stop - start} elements"
         return torch.cat(pieces) if pieces else torch.zeros(0)
+
+
+def _saved_segments(info: dict[str, Any], u: int, key: str) -> list[tuple[int, int, int, str]]:
+    """(old rank, lo, hi, tensor key): the flat-index ranges [lo, hi) of unit ``u`` each old
+    rank saved under ``key`` ("param" or "optim.<name>"), empty ones left out."""
+    nt = int(info["trainable_numel"])
+    if "trainable_per_rank" not in info:  # older prefix layout: contiguous [trainable | frozen]
+        out, begin = [], 0
+        for r, n in enumerate(info["numel_per_rank"]):
+            stop = begin + n if key == "param" else max(begin, min(begin + n, nt))
+            out.append((r, begin, stop, f"units.{u}.{key}"))
+            begin += n
+        return [(r, lo, hi, k) for r, lo, hi, k in out if hi > lo]
+    counts = [int(k) for k in info["trainable_per_rank"]]
+    frozen = [int(n) - k for n, k in zip(info["numel_per_rank"], counts)]
+    out = [(r, sum(counts[:r]), sum(counts[:r + 1]), f"units.{u}.{key}")
+           for r in range(len(counts))]
+    if key == "param":
+        out += [(r, nt + sum(frozen[:r]), nt + sum(frozen[:r + 1]), f"units.{u}.frozen")
+                for r in range(len(frozen))]
+    return [(r, lo, hi, k) for r, lo, hi, k in out if hi > lo]
+
+
+def _read_parts(reader: "_ShardReader", u: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit ``u``'s full parts ``(trainable (Nt,), frozen (N - Nt,))`` from the shard files."""
+    info = reader.layout.units[u]
+    nt, n = int(info["trainable_numel"]), int(info["numel"])
+    return reader.read_range(u, "param", 0, nt), reader.read_range(u, "param", nt, n)
 
 
 def _check_model(layout: CheckpointLayout, engine) -> None:
@@ -552,14 +586,14 @@ def load_sharded(engine, directory: str, *, verify: bool = True) -> None:
     layout = read_layout(directory)
     _check_model(layout, engine)
     reader = _ShardReader(layout, verify)
-    new_locals = []
+    new_locals = []  # (this rank's shard tensor, its values), per non-empty part
     for u, unit in enumerate(_flat_units(engine)):
-        start = unit.starts[unit.rank]
-        new_locals.append(reader.read_range(u, "param", start, start + unit.local_numel, "param"))
+        new_locals += [(local, reader.read_range(u, "param", lo, hi))
+                       for lo, hi, local in unit.local_segments()]
     buffers = _read_buffers(layout, reader)
     with torch.no_grad():
-        for unit, local in zip(_flat_units(engine), new_locals):
-            unit.local.copy_(local.to(unit.local.dtype))
+        for local, values in new_locals:
+            local.copy_(values.to(local.dtype))
         for key, value in buffers.items():
             engine.staged.model.get_buffer(key).copy_(value)
 
@@ -640,10 +674,9 @@ def _unit_optimizer_state(reader: _ShardReader, metas: list[dict], u: int, unit)
     prefix = f"units.{u}.optim."
     keys = [k[len(prefix):] for k in handle.keys() if k.startswith(prefix)]
     state = {k: _from_json(v) for k, v in scalars.items()}
-    start = unit.starts[unit.rank]
+    lo, hi = unit.trainable.flat_range(unit.rank)
     for key in keys:
-        state[key] = reader.read_range(u, f"optim.{key}", start,
-                                       start + unit.local_trainable_numel, "optim")
+        state[key] = reader.read_range(u, f"optim.{key}", lo, hi)
     return state
 
 
@@ -658,11 +691,9 @@ def read_full_state_dict(directory: str, *, verify: bool = True) -> dict[str, to
     reader = _ShardReader(layout, verify)
     out: dict[str, torch.Tensor] = {}
     for u, info in enumerate(layout.units):
-        flat = reader.read_range(u, "param", 0, info["numel"], "param")
-        for p in info["params"]:
-            t = flat[p["offset"]:p["offset"] + p["numel"]].view(p["shape"]).clone()
-            for alias in p["aliases"]:
-                out[alias] = t
+        copies: dict[int, torch.Tensor] = {}  # tied aliases share one tensor
+        for alias, view in _unit_views(info, _read_parts(reader, u)).items():
+            out[alias] = copies.setdefault(id(view), view.clone())
     out.update(_read_buffers(layout, reader))
     return out
 
@@ -788,8 +819,14 @@ def _layout_sources(layout: CheckpointLayout, reader: _ShardReader, model):
     unit, rank = next(((u, r) for u, info in enumerate(layout.units)
                        for r, n in enumerate(info["numel_per_rank"]) if n), (0, 0))
     code = reader.open(FILES.shard(rank)).get_slice(f"units.{unit}.param").get_dtype()
-    dtype = _SAFETENSORS_DTYPES.get(code, torch.float32)
-    where = {alias: SavedTensor(u, p["fqn"], tuple(p["shape"]), dtype)
+    dtype = _SAFETENSORS_DTYPES.get(code, torch.float32)  # one dtype (older checkpoints)
+
+    def dtype_of(info, p) -> torch.dtype:
+        if "dtypes" not in info:
+            return dtype
+        return getattr(torch, info["dtypes"][0 if p["requires_grad"] else 1])
+
+    where = {alias: SavedTensor(u, p["fqn"], tuple(p["shape"]), dtype_of(info, p))
              for u, info in enumerate(layout.units) for p in info["params"]
              for alias in p["aliases"]}
     buffers = set(layout.buffers)
@@ -812,13 +849,15 @@ def _layout_units(reader: _ShardReader, order: list[int]):
 
     for u in order:
         info = reader.layout.units[u]
-        yield FullUnit(u, _unit_views(info, reader.read_range(u, "param", 0, info["numel"],
-                                                              "param")))
+        yield FullUnit(u, _unit_views(info, _read_parts(reader, u)))
 
 
-def _unit_views(info: dict[str, Any], flat: torch.Tensor) -> dict[str, torch.Tensor]:
+def _unit_views(info: dict[str, Any], parts) -> dict[str, torch.Tensor]:
+    """Every alias -> a view of the unit's full parts ``(trainable, frozen)``."""
     out: dict[str, torch.Tensor] = {}
+    nt = int(info["trainable_numel"])
     for p in info["params"]:
-        view = flat[p["offset"]:p["offset"] + p["numel"]].view(p["shape"])
+        flat, lo = (parts[0], p["offset"]) if p["requires_grad"] else (parts[1], p["offset"] - nt)
+        view = flat[lo:lo + p["numel"]].view(p["shape"])
         out.update((alias, view) for alias in p["aliases"])
     return out

@@ -71,11 +71,11 @@ class FullUnit(NamedTuple):
     tensors: dict[str, torch.Tensor]
 
 
-def _param_views(infos, full: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Every alias of every parameter -> one view of the (N,) flat buffer ``full``."""
+def _param_views(unit: FlatParamUnit, full) -> dict[str, torch.Tensor]:
+    """Every alias of every parameter -> one view of the unit's full parts ``full``
+    (``FlatParamUnit.gather_full``)."""
     out: dict[str, torch.Tensor] = {}
-    for info in infos:
-        view = full[info.offset:info.offset + info.numel].view(info.shape)
+    for info, view in zip(unit.infos, unit.param_views(full)):
         out.update((alias, view) for alias in info.aliases)
     return out
 
@@ -309,7 +309,8 @@ class CephaloEngine:
             del params, uses
         self.units = flat_units[:-2]
         self.root = RootUnits(flat_units[-2], flat_units[-1], tied, self.root_resident)
-        self.dtype = flat_units[-1].dtype  # the training dtype (one for the whole model)
+        # the training dtype (one for the whole model): that of the trainable parts
+        self.dtype = next((u.dtype for u in flat_units if u.trainable_numel), flat_units[-1].dtype)
         place_buffers(model, self.device, source,
                       seed=getattr(source, "seed", 0))
 
@@ -614,7 +615,7 @@ class CephaloEngine:
             unit = units[index]
             full = unit.gather_full()
             if self.rank == 0:
-                yield FullUnit(index, _param_views(unit.infos, full))
+                yield FullUnit(index, _param_views(unit, full))
             del full  # before the next gather: one gathered unit alive at a time
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -653,7 +654,7 @@ class CephaloEngine:
             if self.rank != 0:
                 continue
             for info in unit.infos:
-                if info.requires_grad:
+                if info.requires_grad:  # the trainable part starts at flat index 0
                     value = flat[info.offset:info.offset + info.numel].view(info.shape).clone()
                     out.update({alias: value for alias in info.aliases})
         return out if self.rank == 0 else None

@@ -1,23 +1,40 @@
-"""One unit's parameters as a flat buffer, sharded at element granularity across ranks.
+"""One unit's parameters as two flat parts (trainable, frozen), each sharded across ranks.
 
 [Note: flat unit layout]
 The unit's distinct parameters (tied weights once) are flattened in a fixed order, trainable
-parameters first, then frozen ones (``requires_grad=False``)::
+parameters first, then frozen ones (``requires_grad=False``). That order defines the unit's
+flat INDEX (``ParamInfo.offset``, checkpoints, the layout row)::
 
-    flat (N,) = [ trainable params ... (Nt) | frozen params ... (N - Nt) ]
+    flat index (N,) = [ trainable params ... (Nt) | frozen params ... (N - Nt) ]
 
-Rank r owns the contiguous slice ``[start_r, start_r + n_r)`` of ``flat`` (``n_r`` from the
-planner's per-unit layout, zeros allowed). Because trainable parameters come first, the trainable
-part of a rank's shard is a prefix of it: that prefix is the ``nn.Parameter`` handed to the
-optimizer (``shard_param``), a view into the rank's local shard buffer, so frozen elements never
-get a gradient or optimizer state. Rank r's trainable count is therefore
-``k_r = max(0, min(start_r + n_r, Nt) - start_r)`` and ``flat[:Nt].split(k)`` are the ranks'
-trainable parts: the reduce-scatter's input needs no copy. See [Note: uneven collectives] in
-``collectives.py``.
+but the storage is two parts (``UnitPart``), each one dtype: see [Note: two parts per unit].
+
+[Note: two parts per unit]
+A unit's trainable part (Nt elements, the training dtype: fp32) and its frozen part (N - Nt
+elements, stored in their own dtype: a LoRA base loaded with ``torch_dtype=torch.bfloat16``
+stays bf16) are two flat buffers, and EACH is sharded by the unit's layout row: the planner's
+row gives rank r ``n_r`` elements of the unit (r_i of it), ``split_unit_row`` cuts it into
+``k_r`` trainable (Nt·n_r/N by largest remainder, integer arithmetic, so every rank computes the
+same split) and ``f_r = n_r - k_r`` frozen elements. So every rank holds r_i of the adapters AND
+r_i of the frozen base (within rounding): training state r_i·(16 B·Nt + e_f·(N - Nt)) with
+AdamW. (One contiguous slice of ``[trainable | frozen]`` per rank would give the first rank
+holding the unit all of a small adapter.) Rank r holds ``[start_k, start_k + k_r)`` of the
+trainable part (``self.trainable.local``, which IS the optimizer's ``shard_param``: frozen
+elements never get a gradient or optimizer state) and ``[start_f, start_f + f_r)`` of the
+frozen part (``self.frozen.local``); ``local_segments()`` names both in the flat index. A unit
+with no frozen (full fine-tuning) or no trainable elements has one non-empty part and the
+same layout as one buffer cut into contiguous slices.
+Collectives: each NON-EMPTY part is all-gathered (one all-gather per part: all ranks decide
+from Nt and N, never from their own shard sizes, so they issue the same collectives); only
+the trainable part is reduce-scattered (its gradient, split by ``k``; the reduce-scatter's
+input needs no copy); the frozen part is never reduced. ``param_dtype`` applies to the parts
+stored in the training dtype; a part stored in another dtype (a bf16 frozen base) is gathered
+as stored (``gather_dtype``). See [Note: uneven collectives] in ``collectives.py``.
 
 [Note: parameter views while unsharded]
-After the all-gather, ``flat[:Nt]`` becomes a fresh autograd leaf (``requires_grad=True``) and each
-module parameter entry is replaced by a view into it, so autograd accumulates every microbatch's
+After the all-gathers, the gathered trainable part (Nt,) becomes a fresh autograd leaf
+(``requires_grad=True``) and each module parameter entry is replaced by a view into it (frozen
+entries: views of the gathered frozen part), so autograd accumulates every microbatch's
 gradient of the unit straight into ONE flat (Nt,) buffer (``leaf.grad``), tied uses included.
 The views come from ONE ``torch.split(leaf, numels)`` per forward call, each piece then
 ``.view(shape)``-ed: in backward the split's single autograd node concatenates the pieces'
@@ -43,7 +60,8 @@ change. The autograd leaf stays the same object, so gradients still accumulate i
 What the collectives of one unit allocate beyond the shard, the gathered buffer and the
 gradient (e = element size; ``LiveTracker.comm_bytes`` counts them, its peak is
 ``CollectiveStats.peak_comm_buffer_bytes``):
-* all-gather: the send buffer is the local shard itself (no copy, nothing padded). The (N,)
+* all-gather (one per non-empty part, [Note: two parts per unit]; sizes below summed over
+  them): the send buffer is the local shard itself (no copy, nothing padded). The (N,)
   output is allocated when the all-gather is issued (``start_unshard``, i.e. at the prefetch)
   and counted as a communication buffer (N·e) until ``wait_unshard``; from then on it IS the
   unit's gathered buffer (counted in ``peak_unsharded_numel``) until ``reshard``. With kept
@@ -102,7 +120,8 @@ class ParamInfo:
     """One distinct parameter inside a unit's flat buffer.
 
     fqn: the model's parameter name (first one for tied weights); aliases: every name it has.
-    offset, numel: element range in the unit's flat buffer; shape: the parameter's shape.
+    offset, numel: element range in the unit's flat index ``[trainable | frozen]``; shape: its
+    shape.
     """
 
     fqn: str
@@ -117,8 +136,9 @@ class ParamInfo:
 class UnitShardMeta:
     """Sharding of one unit (for sharded checkpoints).
 
-    numel_per_rank: elements of the flat buffer each rank owns (rank order; sum = numel);
-    trainable_numel: the first ``trainable_numel`` flat elements are trainable; params: layout.
+    numel_per_rank: the layout row, elements of the unit each rank owns (rank order; sum =
+    numel; split into the two parts by ``split_unit_row``); trainable_numel: the first
+    ``trainable_numel`` elements of the flat index are trainable; params: layout.
     """
 
     name: str
@@ -157,7 +177,8 @@ class LiveTracker:
 def collect_params(name: str, modules: Sequence[nn.Module], fqns: dict[int, list[str]]):
     """Distinct parameters of ``modules`` (trainable first) and every (module, attr) use of each.
 
-    Raises ValueError for mixed or non-floating dtypes (one flat buffer per unit).
+    Raises ValueError for mixed dtypes among the trainable (or among the frozen) parameters,
+    or non-floating ones (one flat buffer per part: [Note: two parts per unit]).
     """
     order: list[nn.Parameter] = []
     uses: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -171,15 +192,17 @@ def collect_params(name: str, modules: Sequence[nn.Module], fqns: dict[int, list
                     uses[id(p)] = []
                 if (sub, attr) not in uses[id(p)]:
                     uses[id(p)].append((sub, attr))
-    dtypes = sorted({str(p.dtype) for p in order})
-    if len(dtypes) > 1:
-        raise ValueError(f"unit {name!r} mixes parameter dtypes {dtypes}; the engine keeps one "
-                         "flat buffer per unit: cast the model to one dtype (e.g. model.float()) "
-                         "before wrapping. A LoRA model on a bf16 base (torch_dtype="
-                         "torch.bfloat16) trains with the base loaded in fp32 (a bf16 frozen "
-                         "base beside fp32 adapters is not supported yet)")
-    if order and not order[0].dtype.is_floating_point:
-        raise ValueError(f"unit {name!r} has non-floating parameters ({dtypes[0]})")
+    for part, group in (("trainable", [p for p in order if p.requires_grad]),
+                        ("frozen", [p for p in order if not p.requires_grad])):
+        dtypes = sorted({str(p.dtype) for p in group})
+        if len(dtypes) > 1:
+            raise ValueError(f"unit {name!r} mixes parameter dtypes {dtypes} among its {part} "
+                             f"parameters; the engine keeps one flat buffer per part of a unit "
+                             f"(trainable, frozen): cast "
+                             f"the {part} parameters to one dtype (e.g. model.float() before "
+                             "get_peft_model; a bf16 frozen base beside fp32 adapters is fine)")
+        if group and not group[0].dtype.is_floating_point:
+            raise ValueError(f"unit {name!r} has non-floating parameters ({dtypes[0]})")
     order.sort(key=lambda p: not p.requires_grad)  # stable: trainable first
     return order, uses
 
@@ -237,21 +260,72 @@ def install_param_views(infos: Sequence[ParamInfo], uses: Sequence[list[tuple[nn
             module._parameters[attr] = view
 
 
+def split_unit_row(row: Sequence[int], trainable_numel: int) -> tuple[list[int], list[int]]:
+    """Split a unit's layout row (n_r, rank order) into per-rank trainable and frozen counts.
+
+    ``k_r`` is ``Nt·n_r / N`` rounded by largest remainder (ties to the lower rank), integer
+    arithmetic only, so every rank computes the same split; ``f_r = n_r - k_r``. Both parts are
+    then cut in the proportions of the row, i.e. by the state ratios: see [Note: two parts per
+    unit]. Never negative (``k_r <= n_r`` whenever the unit has frozen elements); a rank with
+    ``n_r = 0`` gets nothing of either part. Example: row (3, 1), Nt = 2: quotas 1.5 and 0.5,
+    the tie goes to rank 0 -> ``([2, 0], [1, 1])``.
+    """
+    row = [int(n) for n in row]
+    numel, nt = sum(row), int(trainable_numel)
+    if nt == numel or numel == 0:
+        return list(row), [0] * len(row)
+    quota = [nt * n // numel for n in row]
+    rest = [nt * n % numel for n in row]
+    for r in sorted(range(len(row)), key=lambda r: (-rest[r], r))[:nt - sum(quota)]:
+        quota[r] += 1
+    return quota, [n - k for n, k in zip(row, quota)]
+
+
+class UnitPart:
+    """One dtype-homogeneous part of a unit (its trainable or its frozen parameters), sharded
+    by its own per-rank counts; see [Note: two parts per unit].
+
+    offset: first element of the part in the unit's flat index ``[trainable | frozen]``;
+    numel: its elements; dtype: its storage dtype; numel_per_rank: (W,) elements per rank;
+    starts: (W,) each rank's first element within the part; local: (numel_per_rank[rank],) this
+    rank's shard (zeros until the weight source fills it).
+    """
+
+    def __init__(self, offset: int, numel: int, dtype: torch.dtype, numel_per_rank, rank: int,
+                 device):
+        self.offset, self.numel, self.dtype = offset, numel, dtype
+        self.numel_per_rank = [int(n) for n in numel_per_rank]
+        self.starts = [sum(self.numel_per_rank[:r]) for r in range(len(self.numel_per_rank))]
+        self.rank = rank
+        self.local = torch.zeros(self.numel_per_rank[rank], dtype=dtype, device=device)
+
+    def flat_range(self, rank: int) -> tuple[int, int]:
+        """[lo, hi) of ``rank``'s shard of this part in the unit's flat index."""
+        lo = self.offset + self.starts[rank]
+        return lo, lo + self.numel_per_rank[rank]
+
+    @property
+    def element_size(self) -> int:
+        return self.local.element_size()
+
+
 class FlatParamUnit:
-    """A unit's flat parameter buffer, its local shard and its unshard/reshard lifecycle.
+    """A unit's parameters as two flat parts (trainable, frozen), this rank's shard of each,
+    and the unshard/reshard lifecycle.
 
     Args:
         name: unit name for messages ("unit 3", "root").
         params, uses: from ``collect_params``; fqns: id(param) -> model parameter names.
-        numel_per_rank: (world_size,) shard sizes in elements, summing to the unit's numel
-            (checked by the engine, ``engine._check_layout``).
+        numel_per_rank: (world_size,) this unit's layout row: elements each rank holds, summing
+            to the unit's numel (checked by the engine, ``engine._check_layout``); split into
+            the two parts by ``split_unit_row`` ([Note: two parts per unit]).
         rank, world_size, group, device: process group placement.
         stats, tracker: shared counters.
         streams: ``offload.CudaStreams`` on CUDA, else None (synchronous collectives' waits).
-        param_dtype: dtype of the gathered parameters (None: the training dtype); reduce_dtype:
-            dtype of the gradient reduce-scatter (None: the training dtype). See [Note:
-            low-precision gathered parameters]; the engine validates both.
-    The shard starts as zeros: the engine fills it from its weight source (``loading.py``:
+        param_dtype: dtype of the gathered trainable parameters (None: the training dtype);
+            reduce_dtype: dtype of the gradient reduce-scatter (None: the training dtype). See
+            [Note: low-precision gathered parameters]; the engine validates both.
+    The shards start as zeros: the engine fills them from its weight source (``loading.py``:
     rank 0's in-memory values, a checkpoint's slices or a seeded init) right after construction.
     The unit keeps no reference to ``params`` (see [Note: no full model after construction] in
     ``loading.py``): only their layout (``infos``) and the module entries that use them.
@@ -268,81 +342,122 @@ class FlatParamUnit:
         self.infos = param_infos(name, params, fqns)
         self.numel = sum(i.numel for i in self.infos)
         self.trainable_numel = sum(i.numel for i in self.infos if i.requires_grad)
-        self.dtype = params[0].dtype if params else torch.float32
+        t_dtypes = [p.dtype for p in params if p.requires_grad]
+        f_dtypes = [p.dtype for p in params if not p.requires_grad]
+        self.dtype = (t_dtypes or f_dtypes or [torch.float32])[0]  # the training dtype
+        self.frozen_dtype = (f_dtypes or [self.dtype])[0]
         self.param_dtype = param_dtype or self.dtype  # gathered (all-gather) dtype
         self.reduce_dtype = reduce_dtype or self.dtype  # reduce-scatter dtype
         self.low_precision = self.param_dtype != self.dtype
         self.numel_per_rank = [int(n) for n in numel_per_rank]
         assert len(self.numel_per_rank) == world_size and sum(self.numel_per_rank) == self.numel \
             and min(self.numel_per_rank) >= 0, (name, self.numel_per_rank, self.numel)
-        self.starts = [sum(self.numel_per_rank[:r]) for r in range(world_size)]
-        # (W,) trainable elements per rank: see [Note: flat unit layout]
-        self.trainable_per_rank = [max(0, min(s + n, self.trainable_numel) - s)
-                                   for s, n in zip(self.starts, self.numel_per_rank)]
+        # [Note: two parts per unit]: (W,) trainable / frozen elements per rank
+        self.trainable_per_rank, self.frozen_per_rank = split_unit_row(self.numel_per_rank,
+                                                                       self.trainable_numel)
+        self.trainable = UnitPart(0, self.trainable_numel, self.dtype, self.trainable_per_rank,
+                                  rank, device)
+        self.frozen = UnitPart(self.trainable_numel, self.numel - self.trainable_numel,
+                               self.frozen_dtype, self.frozen_per_rank, rank, device)
         self.local_numel = self.numel_per_rank[rank]
         self.local_trainable_numel = self.trainable_per_rank[rank]
-        # (n_r,) this rank's shard, the training state is exactly r_i of the model
-        self.local = torch.zeros(self.local_numel, dtype=self.dtype, device=device)
-        self.shard_param = nn.Parameter(self.local[:self.local_trainable_numel])
+        # the trainable shard IS the optimizer's parameter: the training state is r_i of the model
+        self.shard_param = nn.Parameter(self.trainable.local)
         self.state = ShardedState.SHARDED
-        self._pending_ag: C.AllGatherResult | None = None
+        self._pending_ag: list[C.AllGatherResult] | None = None  # one per non-empty part
+        self._full: list[torch.Tensor] | None = None  # gathered [(Nt,), (N - Nt,)]
         self._pending_rs: C.ReduceScatterResult | None = None
-        self._full: torch.Tensor | None = None    # (N,) gathered flat buffer
-        self._leaf: torch.Tensor | None = None    # (Nt,) autograd leaf over full[:Nt]
+        self._leaf: torch.Tensor | None = None    # (Nt,) autograd leaf: the gathered trainable part
         self._grad_live = False
         self._grad_acc: torch.Tensor | None = None  # (Nt,) fp32 sum of low-precision grads
         self._rs_input: torch.Tensor | None = None  # kept alive until the reduce-scatter is done
         self._comm_bytes = {"ag": 0, "rs": 0}  # see [Note: communication buffers]
-        self._freed_nbytes: int | None = None  # set while resharded with kept graphs
+        self._freed_nbytes: list[int] | None = None  # set while resharded with kept graphs
         self._set_placeholders()
 
     # ---- construction ---------------------------------------------------------------------
     @property
-    def local_range(self) -> tuple[int, int]:
-        """[start, stop) element range of this rank's shard in the unit's flat buffer."""
-        start = self.starts[self.rank]
-        return start, start + self.local_numel
+    def parts(self) -> tuple[UnitPart, UnitPart]:
+        """(trainable, frozen), in flat-index order (either may be empty)."""
+        return self.trainable, self.frozen
 
-    def load_flat(self, flat: torch.Tensor) -> None:
-        """Take this rank's shard from a full (N,) flat buffer (any device)."""
-        start = self.starts[self.rank]
+    def local_segments(self) -> list[tuple[int, int, torch.Tensor]]:
+        """This rank's non-empty shards as ``(lo, hi, local)``: flat-index range [lo, hi) of the
+        unit's ``[trainable | frozen]`` index and the (hi - lo,) tensor holding it."""
+        return [(*part.flat_range(self.rank), part.local) for part in self.parts
+                if part.local.numel()]
+
+    def load_flat(self, flat: Sequence[torch.Tensor]) -> None:
+        """Take this rank's shards from the full parts ``(trainable (Nt,), frozen (N - Nt,))``
+        (any device; cast to each part's dtype)."""
         with torch.no_grad():
-            self.local.copy_(flat[start:start + self.local_numel])
+            for part, full in zip(self.parts, flat):
+                start = part.starts[self.rank]
+                part.local.copy_(full[start:start + part.local.numel()])
 
-    def flat_from_tensors(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """(N,) flat buffer (CPU) from full tensors in ``self.infos`` order, shapes checked."""
-        parts = []
+    def flat_from_tensors(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The full parts ``(trainable (Nt,), frozen (N - Nt,))`` (CPU, each in its part's
+        dtype) from full tensors in ``self.infos`` order, shapes checked (ValueError)."""
+        pieces: tuple[list, list] = ([], [])
         for info, t in zip(self.infos, tensors):
             if tuple(t.shape) != tuple(info.shape):
                 raise ValueError(f"{info.fqn}: shape {tuple(t.shape)} does not match the model's "
                                  f"{tuple(info.shape)}")
-            parts.append(t.detach().reshape(-1).to(device="cpu", dtype=self.dtype))
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype)
+            part = self.trainable if info.requires_grad else self.frozen
+            pieces[part is self.frozen].append(t.detach().reshape(-1).to("cpu", part.dtype))
+        return tuple(torch.cat(p) if p else torch.zeros(0, dtype=part.dtype)
+                     for p, part in zip(pieces, self.parts))
+
+    def param_views(self, full: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each parameter (``infos`` order) as a view of the full parts ``(trainable, frozen)``."""
+        out = []
+        for info in self.infos:
+            part, flat = (self.trainable, full[0]) if info.requires_grad else \
+                (self.frozen, full[1])
+            lo = info.offset - part.offset
+            out.append(flat[lo:lo + info.numel].view(info.shape))
+        return out
 
     # ---- unshard / reshard ----------------------------------------------------------------
+    def _gathered_parts(self) -> list[UnitPart]:
+        """The parts every rank all-gathers: the non-empty ones (rank-identical: from the
+        unit's sizes, never from a rank's own shard)."""
+        return [part for part in self.parts if part.numel]
+
+    def gather_dtype(self, part: UnitPart) -> torch.dtype:
+        """Dtype a part travels and is gathered in: ``param_dtype`` for a part stored in the
+        training dtype, else its storage dtype (a bf16 frozen base is gathered as stored)."""
+        return self.param_dtype if part.dtype == self.dtype else part.dtype
+
     def start_unshard(self) -> None:
-        """Issue the async all-gather of this unit (no-op if already unsharded or in flight)."""
+        """Issue the async all-gather of each non-empty part (no-op if already unsharded or in
+        flight)."""
         if self.state is ShardedState.UNSHARDED or self._pending_ag is not None:
             return
-        if self.streams is not None:
-            self._pending_ag = self.streams.all_gather(self)
-        else:
-            self._pending_ag = C.all_gather_shards(self.send_buffer(), self.numel_per_rank,
+        results, comm_bytes = [], 0
+        for part in self._gathered_parts():
+            if self.streams is not None:
+                results.append(self.streams.all_gather(self, part))
+            else:
+                results.append(C.all_gather_shards(self.send_buffer(part), part.numel_per_rank,
                                                    self.rank, self.group, self.stats,
-                                                   async_op=True)
-        es = self.param_element_size
-        cast_bytes = self.local_numel * es if self.low_precision else 0
-        self._set_comm("ag", self.numel * es + cast_bytes)
+                                                   async_op=True))
+            es = torch.empty(0, dtype=self.gather_dtype(part)).element_size()
+            cast = part.local.numel() * es if self.gather_dtype(part) != part.dtype else 0
+            comm_bytes += part.numel * es + cast
+        self._pending_ag = results
+        self._set_comm("ag", comm_bytes)
 
     @property
     def param_element_size(self) -> int:
-        """Bytes per element of the gathered buffer (``param_dtype``)."""
+        """Bytes per element of the gathered trainable buffer (``param_dtype``)."""
         return torch.empty(0, dtype=self.param_dtype).element_size()
 
-    def send_buffer(self) -> torch.Tensor:
-        """(n_r,) what this rank's all-gather sends: the shard itself, or its ``param_dtype``
-        copy ([Note: low-precision gathered parameters])."""
-        return self.local.to(self.param_dtype) if self.low_precision else self.local
+    def send_buffer(self, part: UnitPart) -> torch.Tensor:
+        """(n_r,) what this rank's all-gather of ``part`` sends: the shard itself, or its
+        ``param_dtype`` copy ([Note: low-precision gathered parameters])."""
+        dtype = self.gather_dtype(part)
+        return part.local.to(dtype) if dtype != part.dtype else part.local
 
     def _set_comm(self, key: str, nbytes: int) -> None:
         """Account this unit's in-flight ``key`` buffers (see [Note: communication buffers])."""
@@ -350,25 +465,31 @@ class FlatParamUnit:
         self._comm_bytes[key] = nbytes
 
     def wait_unshard(self, requires_grad: bool) -> None:
-        """Wait for the all-gather; its (N,) output becomes the gathered buffer; install views."""
+        """Wait for the all-gathers; their outputs become the gathered parts; install views."""
         if self.state is ShardedState.UNSHARDED:
             return
         self.start_unshard()
-        result, self._pending_ag = self._pending_ag, None
-        if self.streams is not None:
-            self.streams.wait_all_gather(result)
-        elif result.work is not None:
-            result.work.wait()
+        results, self._pending_ag = self._pending_ag, None
+        for result in results:
+            if self.streams is not None:
+                self.streams.wait_all_gather(result)
+            elif result.work is not None:
+                result.work.wait()
         self._set_comm("ag", 0)
         self.tracker.add_params(self.numel)
         self.state = ShardedState.UNSHARDED
+        outputs = iter(r.output for r in results)
+        gathered = [next(outputs) if part.numel else
+                    torch.empty(0, dtype=self.gather_dtype(part), device=self.device)
+                    for part in self.parts]
         if self._freed_nbytes is not None:  # see [Note: kept graphs across reshard]
-            self._full.untyped_storage().resize_(self._freed_nbytes)
-            self._full.data.copy_(result.output)  # .data: no version bump
+            for kept, nbytes, new in zip(self._full, self._freed_nbytes, gathered):
+                kept.untyped_storage().resize_(nbytes)
+                kept.data.copy_(new)  # .data: no version bump
             self._freed_nbytes = None
             return
-        self._full = result.output
-        leaf = self._full[:self.trainable_numel].detach()
+        self._full = gathered
+        leaf = self._full[0].detach()
         self._leaf = leaf.requires_grad_(requires_grad and self.trainable_numel > 0)
         if self.low_precision and self._leaf.requires_grad:
             self._leaf.register_post_accumulate_grad_hook(self._accumulate_low_precision)
@@ -384,28 +505,29 @@ class FlatParamUnit:
             self._grad_acc.add_(grad)
 
     def use_params(self) -> None:
-        """Point every module parameter entry at a fresh view of the gathered buffer.
+        """Point every module parameter entry at a fresh view of the gathered parts.
 
         See [Note: parameter views while unsharded].
         """
         assert self.state is ShardedState.UNSHARDED, f"{self.name} used while sharded"
-        install_param_views(self.infos, self._uses, self._leaf,
-                            self._full[self.trainable_numel:].detach())
+        install_param_views(self.infos, self._uses, self._leaf, self._full[1].detach())
 
     def reshard(self, keep_graph_storage: bool = False) -> None:
-        """Release the gathered buffer; module entries become empty placeholders.
+        """Release the gathered parts; module entries become empty placeholders.
 
         ``keep_graph_storage``: autograd graphs recorded on this unit's views will run later
-        (no-recompute mode): free the buffer's memory but keep the tensor objects, so the next
+        (no-recompute mode): free the buffers' memory but keep the tensor objects, so the next
         ``wait_unshard`` refills the same storage. See [Note: kept graphs across reshard].
         """
         if self.state is ShardedState.SHARDED:
             return
         self._set_placeholders()
         if keep_graph_storage:
-            storage = self._full.untyped_storage()
-            self._freed_nbytes = storage.nbytes()
-            storage.resize_(0)
+            self._freed_nbytes = []
+            for full in self._full:
+                storage = full.untyped_storage()
+                self._freed_nbytes.append(storage.nbytes())
+                storage.resize_(0)
         else:
             self._full = self._leaf = None
             self._freed_nbytes = None
@@ -415,13 +537,13 @@ class FlatParamUnit:
     def abandon(self) -> list:
         """Local clean-up after a step raised mid-schedule (no collective, never blocks).
 
-        Drops the gathered buffer, the unit's partially accumulated gradient and any result
+        Drops the gathered parts, the unit's partially accumulated gradient and any result
         of an issued collective; module entries become placeholders. Returns the in-flight
         collectives' handles, which the caller keeps referenced (their buffers belong to the
         backend until they complete).
         """
-        handles = [r for r in (self._pending_ag, self._pending_rs) if r is not None]
-        handles += [t for t in (self._rs_input,) if t is not None]
+        handles = list(self._pending_ag or []) + \
+            [r for r in (self._pending_rs, self._rs_input) if r is not None]
         self._pending_ag = self._pending_rs = None
         self._rs_input = None
         self._set_comm("ag", 0)
@@ -506,18 +628,19 @@ class FlatParamUnit:
             self.tracker.grad_numel -= self.trainable_numel
 
     # ---- full tensors -----------------------------------------------------------------------
-    def gather_full(self) -> torch.Tensor:
-        """Collective: the (N,) flat buffer on every rank (synchronous all-gather)."""
-        return C.all_gather_shards(self.local, self.numel_per_rank, self.rank, self.group,
-                                   self.stats, async_op=False).output
+    def gather_full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collective: the full parts ``(trainable (Nt,), frozen (N - Nt,))``, each in its
+        storage dtype, on every rank (one synchronous all-gather per non-empty part)."""
+        return tuple(C.all_gather_shards(part.local, part.numel_per_rank, self.rank, self.group,
+                                         self.stats, async_op=False).output if part.numel else
+                     part.local.new_zeros(0) for part in self.parts)
 
     def gather_trainable(self) -> torch.Tensor:
-        """Collective: the (Nt,) trainable prefix of the flat buffer on every rank (synchronous
-        all-gather of each rank's trainable part only: a LoRA adapter's save moves the adapter
-        elements, not the frozen base)."""
-        return C.all_gather_shards(self.local[:self.local_trainable_numel].contiguous(),
-                                   self.trainable_per_rank, self.rank, self.group, self.stats,
-                                   async_op=False).output
+        """Collective: the (Nt,) trainable part on every rank (synchronous all-gather of each
+        rank's trainable shard only: a LoRA adapter's save moves the adapter elements, not the
+        frozen base)."""
+        return C.all_gather_shards(self.trainable.local, self.trainable_per_rank, self.rank,
+                                   self.group, self.stats, async_op=False).output
 
     def meta(self) -> UnitShardMeta:
         return UnitShardMeta(self.name, self.numel, self.trainable_numel,

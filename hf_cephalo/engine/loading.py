@@ -2,8 +2,8 @@
 
 [Note: no full model after construction]
 ``CephaloEngine`` builds its units one at a time (``engine._build_units``). For each unit the
-weight source writes this rank's element range ``[start_r, start_r + n_r)`` of the unit's flat
-buffer into the unit's shard, then the module entries become placeholders. Nothing keeps the
+weight source writes this rank's element ranges of the unit's two parts (trainable, frozen:
+[Note: two parts per unit] in ``flat_param.py``) into the unit's shards, then the module entries become placeholders. Nothing keeps the
 model's original parameter tensors: the units keep only their layout (``ParamInfo``) and the
 (module, attribute) entries, the engine's state-dict key map names parameters by fqn, so once
 every unit is built the originals are garbage (unless the caller holds them). At any moment a
@@ -116,19 +116,18 @@ class RankZeroSource:
 
     def fill(self, unit: FlatParamUnit, params: Sequence[torch.Tensor],
              modules: Sequence[nn.Module]) -> None:
-        """Collective (point-to-point): rank 0 sends each rank its range of the unit."""
-        start, stop = unit.local_range
+        """Collective (point-to-point): rank 0 sends each rank its range of each part."""
         if self.rank != 0:
-            if unit.local_numel:
-                dist.recv(unit.local, src=self._peer(0), group=self.group)
+            for _, _, local in unit.local_segments():
+                dist.recv(local, src=self._peer(0), group=self.group)
             return
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
-                torch.zeros(0, dtype=unit.dtype)
-            flat = flat.to(device=unit.device, dtype=unit.dtype)  # (N,) one unit, transient
-            unit.local.copy_(flat[start:stop])
+            # (Nt,), (N - Nt,): one unit, transient, each part in its dtype
+            full = [f.to(unit.device) for f in unit.flat_from_tensors(params)]
+            unit.load_flat(full)
             works = [dist.isend(flat[s:s + n], dst=self._peer(r), group=self.group)
-                     for r, (s, n) in enumerate(zip(unit.starts, unit.numel_per_rank))
+                     for part, flat in zip(unit.parts, full)
+                     for r, (s, n) in enumerate(zip(part.starts, part.numel_per_rank))
                      if r != 0 and n > 0]
             for work in works:
                 work.wait()
@@ -179,20 +178,21 @@ class CheckpointSource:
         and closed after it, so mapped file pages do not stay in the process)."""
         from safetensors import safe_open
 
-        start, stop = unit.local_range
-        by_file: dict[str, list[tuple[ParamInfo, str, int, int]]] = {}
-        for info in unit.infos:
-            lo, hi = max(start, info.offset), min(stop, info.offset + info.numel)
-            if lo < hi:
-                key = self._keys[info.fqn]
-                by_file.setdefault(self.files.weight_map[key], []).append((info, key, lo, hi))
+        by_file: dict[str, list[tuple[ParamInfo, str, int, int, torch.Tensor]]] = {}
+        for start, stop, local in unit.local_segments():
+            for info in unit.infos:
+                lo, hi = max(start, info.offset), min(stop, info.offset + info.numel)
+                if lo < hi:
+                    key = self._keys[info.fqn]
+                    by_file.setdefault(self.files.weight_map[key], []).append(
+                        (info, key, lo, hi, local[lo - start:hi - start]))
         with torch.no_grad():
             for path, reads in by_file.items():
                 with safe_open(path, framework="pt") as f:
-                    for info, key, lo, hi in reads:
+                    for info, key, lo, hi, dest in reads:
                         values = read_range(f, key, tuple(info.shape), lo - info.offset,
-                                            hi - info.offset, unit.dtype)
-                        unit.local[lo - start:hi - start].copy_(values)
+                                            hi - info.offset, dest.dtype)
+                        dest.copy_(values)
 
     def fill_buffer(self, key: str, buffer: torch.Tensor, module: nn.Module) -> torch.Tensor:
         """A persistent buffer stored in the checkpoint is read; else None (init it)."""
@@ -226,18 +226,16 @@ class InitSource:
 
     def fill(self, unit: FlatParamUnit, params: Sequence[torch.Tensor],
              modules: Sequence[nn.Module]) -> None:
-        """Materialize the unit as one (N,) host buffer, init it, keep this rank's range."""
+        """Materialize the unit as its two full parts on the host, init it, keep this rank's
+        ranges."""
         from .flat_param import install_param_views
 
-        flat = torch.empty(unit.numel, dtype=unit.dtype)  # (N,) one unit on the host
-        nt = unit.trainable_numel
-        install_param_views(unit.infos, unit._uses, flat[:nt], flat[nt:])
+        full = [torch.empty(part.numel, dtype=part.dtype) for part in unit.parts]  # one unit
+        install_param_views(unit.infos, unit._uses, *full)
         for module in _post_order(modules):
             _materialize_buffers(module)
         run_init(self._init_fns, modules, unit_seed(self.seed, unit.name))
-        start, stop = unit.local_range
-        with torch.no_grad():
-            unit.local.copy_(flat[start:stop])
+        unit.load_flat(full)
         unit._set_placeholders()
 
     def fill_buffer(self, key: str, buffer: torch.Tensor, module: nn.Module) -> torch.Tensor:

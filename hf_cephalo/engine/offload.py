@@ -252,15 +252,15 @@ class CudaStreams:
         self.all_gather_stream = torch.cuda.Stream(device, priority=-1)  # high priority
         self.offload_stream = torch.cuda.Stream(device)
 
-    def all_gather(self, unit) -> C.AllGatherResult:
-        """The unit's all-gather on the all-gather stream (the same ``all_gather_shards`` as on
-        CPU); the (N,) output is allocated there."""
+    def all_gather(self, unit, part) -> C.AllGatherResult:
+        """The all-gather of one part of ``unit`` (``flat_param.UnitPart``) on the all-gather
+        stream (the same ``all_gather_shards`` as on CPU); the output is allocated there."""
         compute = torch.cuda.current_stream(self.device)
-        send = unit.local  # last written on the compute stream (optimizer step, load)
+        send = part.local  # last written on the compute stream (optimizer step, load)
         self.all_gather_stream.wait_stream(compute)
         with torch.cuda.stream(self.all_gather_stream):
             # a low param_dtype's cast copy is made and used on this stream only
-            result = C.all_gather_shards(unit.send_buffer(), unit.numel_per_rank, unit.rank,
+            result = C.all_gather_shards(unit.send_buffer(part), part.numel_per_rank, unit.rank,
                                          unit.group, unit.stats, async_op=False)
             event = torch.cuda.Event()
             event.record(self.all_gather_stream)

@@ -65,8 +65,8 @@ def restore_full_model(engine) -> None:
     engine.check_usable("unshard_model")
     for unit in engine._all_units():
         full = unit.gather_full()
-        for info, uses in zip(unit.infos, unit._uses):
-            piece = full[info.offset:info.offset + info.numel].view(info.shape).clone()
+        for info, uses, view in zip(unit.infos, unit._uses, unit.param_views(full)):
+            piece = view.clone()
             param = nn.Parameter(piece, requires_grad=info.requires_grad)
             for module, attr in uses:
                 module._parameters[attr] = param

@@ -23,6 +23,8 @@ from typing import Any, Iterable
 
 import torch
 
+from hf_cephalo.engine.flat_param import split_unit_row
+
 __all__ = ["DecayRule", "decay_rule", "shard_decay_masks", "ShardWeightDecay"]
 
 _COUPLED = (torch.optim.SGD, torch.optim.Adam, torch.optim.Adagrad, torch.optim.RMSprop,
@@ -56,14 +58,15 @@ def shard_decay_masks(shard_metadata, rank: int, decay_names: Iterable[str]) -> 
     """One bool mask per trainable shard (``engine.parameters()`` order): True where the element
     belongs to a parameter named in ``decay_names`` (its first name, as ``named_parameters``).
 
-    shard_metadata: ``engine.shard_metadata()`` (per unit: per-rank numel, trainable prefix,
+    shard_metadata: ``engine.shard_metadata()`` (per unit: per-rank numel, trainable count,
     parameter offsets); rank: this rank. Masks are CPU tensors of the shards' lengths.
     """
     decay = set(decay_names)
     masks = []
     for meta in shard_metadata:
-        start = sum(meta.numel_per_rank[:rank])
-        local = max(0, min(start + meta.numel_per_rank[rank], meta.trainable_numel) - start)
+        # this rank's trainable shard ([Note: two parts per unit] in engine/flat_param.py)
+        counts, _ = split_unit_row(meta.numel_per_rank, meta.trainable_numel)
+        start, local = sum(counts[:rank]), counts[rank]
         mask = torch.zeros(local, dtype=torch.bool)
         for info in meta.params:
             if info.requires_grad and info.fqn in decay:

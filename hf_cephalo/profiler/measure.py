@@ -421,15 +421,18 @@ class _FlatViews:
         self.infos = param_infos("unit", params, {})
         self.uses = [uses[id(p)] for p in params]
         self.originals = [(entries, p) for entries, p in zip(self.uses, params)]
-        with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
-                torch.zeros(0)
-            if dtype is not None:  # the engine's low-precision gathered unit
-                flat = flat.to(dtype)
-        nt = sum(i.numel for i in self.infos if i.requires_grad)
+        with torch.no_grad():  # two parts, each in its dtype ([Note: two parts per unit])
+            parts = [torch.cat([p.detach().reshape(-1) for p in params
+                                if p.requires_grad == trainable]) if any(
+                p.requires_grad == trainable for p in params) else torch.zeros(0)
+                for trainable in (True, False)]
+            if dtype is not None:  # the engine casts the parts stored in the master dtype for
+                # the all-gather; a low-precision frozen base is gathered as stored
+                master = parts[0].dtype if parts[0].numel() else torch.float32
+                parts = [t.to(dtype) if t.dtype == master else t for t in parts]
         self.cast = dtype is not None
-        self.leaf = flat[:nt].detach().requires_grad_(nt > 0)
-        self.frozen = flat[nt:]
+        self.leaf = parts[0].detach().requires_grad_(parts[0].numel() > 0)
+        self.frozen = parts[1]
 
     def install(self) -> None:
         install_param_views(self.infos, self.uses, self.leaf, self.frozen)

@@ -49,7 +49,7 @@ def _worker(rank, world_size, path):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(device) - base
         units = engine.units + [engine.root]
-        shard_bytes = sum(u.local.numel() * u.local.element_size() for u in units)
+        shard_bytes = sum(p.local.numel() * p.element_size for u in units for p in u.parts)
         unit_bytes = max(u.numel for u in units) * 4
         buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         bound = shard_bytes + unit_bytes + buffer_bytes + SLACK_BYTES
