@@ -60,7 +60,8 @@ TOPIC_GROUPS = {
 }
 LABELS = list(TOPIC_GROUPS)
 MIN_PARAGRAPH_CHARS = 60
-# Measured on 2 CPU processes (see examples/README.md): 3 epochs at 1e-3 reach ~0.9 held-out.
+# Measured on 2 loaded CPU processes (examples/README.md): 3 epochs at 1e-3, global batch 16
+# (174 steps, ~9 min of training): held-out accuracy 0.766 vs the majority class's 0.545.
 TRAINING_DEFAULTS = {"learning_rate": 1e-3, "num_train_epochs": 3.0, "warmup_steps": 0.1,
                      "logging_steps": 10, "per_device_train_batch_size": 8,
                      "per_device_eval_batch_size": 16, "save_strategy": "no"}

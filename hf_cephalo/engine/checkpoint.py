@@ -334,8 +334,11 @@ def _save_rank0_files(engine, directory: str, fingerprint: dict[str, str]) -> No
     _record(os.path.join(directory, FILES.BUFFERS))
     config = getattr(model, "config", None)
     config_dict = config.to_dict() if hasattr(config, "to_dict") else None
-    if config_dict is not None and not config_dict.get("architectures"):
-        config_dict["architectures"] = [type(model).__name__]  # as save_pretrained records it
+    if config_dict is not None:
+        # the class that trained, as save_pretrained records it: a config loaded from a
+        # pretrained checkpoint still names that checkpoint's class (e.g. BertModel for a
+        # BertForSequenceClassification fine-tuned from it), and export builds this class
+        config_dict["architectures"] = [type(model).__name__]
     layout = {"format": FORMAT, "world_size": engine.world_size, "fingerprint": fingerprint,
               "units": _units_description(engine), "buffers": keys, "config": config_dict}
     with open(os.path.join(directory, FILES.LAYOUT), "w") as f:
