@@ -425,6 +425,14 @@ def _add_export_arguments(p: argparse.ArgumentParser) -> None:
                         "size such as '5GB' (units TB, GB, MB, KB; powers of 1000). Larger "
                         "weights go into model-0000k-of-0000n.safetensors files with an index "
                         "(default 50GB, save_pretrained's)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="the checkpoint is of a LoRA PeftModel run: write the base model with "
+                        "the adapter merged into its weights (PEFT's merge_and_unload, streamed "
+                        "one unit at a time), loadable with the base class's from_pretrained")
+    p.add_argument("--adapter-config",
+                   help="with --merge-lora: adapter_config.json (or its directory) when the "
+                        "checkpoint has none (engine-level checkpoints); default: the "
+                        "checkpoint's own")
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -436,11 +444,21 @@ def _run_export(args: argparse.Namespace) -> int:
                          "would mix model files into the checkpoint: give a directory outside it")
     from hf_cephalo.engine.checkpoint import export_hf
 
+    if args.adapter_config is not None and not args.merge_lora:
+        raise ValueError(f"--adapter-config {args.adapter_config!r} is read only with "
+                         "--merge-lora; add --merge-lora or drop --adapter-config")
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
-    out = export_hf(args.checkpoint, args.out, verify=not args.no_verify,
-                    overwrite=args.overwrite, max_shard_size=size)
+    kwargs = dict(verify=not args.no_verify, overwrite=args.overwrite, max_shard_size=size)
+    if args.merge_lora:
+        from hf_cephalo.integrations.peft_merge import export_merged_lora
+
+        out = export_merged_lora(args.checkpoint, args.out, adapter_config=args.adapter_config,
+                                 **kwargs)
+    else:
+        out = export_hf(args.checkpoint, args.out, **kwargs)
     weights = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
-    print(f"exported {args.checkpoint} to {out}: {len(weights)} weight file(s) "
+    merged = " with the LoRA adapter merged" if args.merge_lora else ""
+    print(f"exported {args.checkpoint} to {out}{merged}: {len(weights)} weight file(s) "
           f"(load with from_pretrained)")
     return 0
 

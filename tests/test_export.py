@@ -237,3 +237,15 @@ def test_bad_max_shard_size():
             export.parse_max_shard_size(bad)
     assert export.parse_max_shard_size("5GB") == 5 * 10**9
     assert export.parse_max_shard_size(1234) == 1234
+
+
+def test_merge_lora_refuses_a_checkpoint_without_lora(runs, tmp_path):
+    pytest.importorskip("peft")
+    from hf_cephalo.cli import main
+    from hf_cephalo.integrations.peft_merge import export_merged_lora
+
+    src = os.path.join(runs[2][0]["gpt2"]["base"], "ckpt")
+    with pytest.raises(ckpt.CheckpointError, match=r"no LoRA matrices .*without --merge-lora"):
+        export_merged_lora(src, str(tmp_path / "hf"))
+    assert main(["export", src, "--out", str(tmp_path / "hf"), "--adapter-config", src]) == 2
+    assert not os.path.exists(tmp_path / "hf")

@@ -8,7 +8,9 @@ adapter weights (rtol 1e-5 / atol 1e-6), every frozen base weight bit-identical 
 optimizer state only for adapter elements (its element count = the trainable count), the
 training-state bytes per rank counted from the shards, and a checkpoint of the frozen-base
 model resumed onto another plan (other cut points inside the trainable prefix) and another
-world size with the optimizer state bit-identical.
+world size with the optimizer state bit-identical; ``export_merged_lora`` of that checkpoint
+(given the adapter config) writes exactly the tensors of PEFT's ``merge_and_unload()`` of the
+trained model, and ``from_pretrained`` of the base class gives its logits.
 
 Two run_ranks calls: 3 ranks (train, save, resume on another plan) and 2 ranks (train, resume
 the 3-rank checkpoint).
@@ -295,3 +297,31 @@ def test_frozen_base_checkpoint_resumes_onto_other_plans(runs, arch, where):
         assert g.keys() == w.keys()
         for key in w:
             assert torch.equal(torch.as_tensor(g[key]), torch.as_tensor(w[key])), key
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_merged_export_equals_peft_merge_and_unload(runs, arch, tmp_path):
+    import transformers
+    from safetensors.torch import load_file
+
+    from hf_cephalo.integrations.peft_merge import export_merged_lora
+
+    saved = runs[f"{arch}/three"]
+    model = peft_model(arch)
+    model.peft_config["default"].save_pretrained(str(tmp_path / "adapter"))
+    model.base_model.model.load_state_dict(saved["params"])
+    merged = model.merge_and_unload().eval()  # the single-process reference
+    out = export_merged_lora(saved["directory"], str(tmp_path / "merged"),
+                             adapter_config=str(tmp_path / "adapter"))
+    got = load_file(os.path.join(out, "model.safetensors"))
+    want = merged.state_dict()
+    assert set(got) <= set(want)  # tied aliases once; from_pretrained below misses nothing
+    for key in got:
+        assert torch.equal(got[key], want[key]), key
+    loaded, info = getattr(transformers, type(merged).__name__).from_pretrained(
+        out, output_loading_info=True)
+    assert not any(info.values()), info
+    batch = {k: v for k, v in _batch(arch, 0).items() if k != "labels"}
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(**batch).logits, merged(**batch).logits,
+                                   rtol=RTOL, atol=ATOL)

@@ -343,8 +343,11 @@ def _save_rank0_files(engine, directory: str, fingerprint: dict[str, str]) -> No
     _record(os.path.join(directory, FILES.BUFFERS))
     config = getattr(model, "config", None)
     config_dict = config.to_dict() if hasattr(config, "to_dict") else None
-    if config_dict is not None and not config_dict.get("architectures"):
-        config_dict["architectures"] = [type(model).__name__]  # as save_pretrained records it
+    if config_dict is not None:
+        # the class that trained, as save_pretrained records it: a config loaded from a
+        # pretrained checkpoint still names that checkpoint's class (e.g. BertModel for a
+        # BertForSequenceClassification fine-tuned from it), and export builds this class
+        config_dict["architectures"] = [type(model).__name__]
     layout = {"format": FORMAT, "world_size": engine.world_size, "fingerprint": fingerprint,
               "units": _units_description(engine), "buffers": keys, "config": config_dict}
     with open(os.path.join(directory, FILES.LAYOUT), "w") as f:
@@ -834,9 +837,14 @@ def _layout_sources(layout: CheckpointLayout, reader: _ShardReader, model):
     missing = [k for k in keys if k not in where and k not in buffers]
     unexpected = sorted((set(where) | buffers) - set(keys))
     if missing or unexpected:
+        hint = ""
+        if any(".lora_A." in k for k in unexpected) and ".lora_A." not in "".join(keys):
+            hint = ("; it is a LoRA checkpoint: export merged weights with --merge-lora "
+                    "(hf_cephalo.integrations.peft_merge.export_merged_lora), or save the "
+                    "adapter with trainer.save_model")
         raise CheckpointError(f"{os.path.join(layout.directory, FILES.LAYOUT)}: keys do not "
                               f"match {type(model).__name__}: missing {missing}, unexpected "
-                              f"{unexpected}")
+                              f"{unexpected}{hint}")
     meta = model.state_dict(keep_vars=True)
     sources = {k: where[k] if k in where else
                SavedTensor(None, k, tuple(meta[k].shape), meta[k].dtype) for k in keys}

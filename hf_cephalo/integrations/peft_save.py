@@ -5,8 +5,9 @@ LoRA matrices and any ``modules_to_save`` copies; the frozen base never travels)
 to PEFT's own ``PeftModel.save_pretrained(dir, state_dict=...)``, which picks the adapter keys
 (``get_peft_model_state_dict``), renames them as PEFT does (``...lora_A.weight``, the adapter
 name dropped) and writes ``adapter_model.safetensors`` + ``adapter_config.json``: the directory
-loads with ``PeftModel.from_pretrained(base_model, dir)``. ``merge_lora_state_dict`` folds an
-adapter into full weights (``hf-cephalo export --merge-lora``).
+loads with ``PeftModel.from_pretrained(base_model, dir)``. Merged full weights come from a
+checkpoint through ``peft_merge.export_merged_lora`` (``hf-cephalo export --merge-lora``), which
+also runs ``check_adapter_matches`` on an adapter directory given as its config.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ callbacks — is the Trainer's own):
 
 from __future__ import annotations
 
+import copy
 import atexit
 import datetime
 import itertools
@@ -594,7 +595,7 @@ class CephaloTrainer(Trainer):
 
         Everything (the sharded engine state, scheduler, RNG, ``trainer_state.json``, the
         tokenizer and ``training_args.bin``; the full model only with
-        ``cephalo_save_full_model``) goes into a hidden ``.tmp-checkpoint-N`` that is renamed to
+        ``cephalo_save_full_model``; a LoRA PeftModel's ``adapter_config.json``) goes into a hidden ``.tmp-checkpoint-N`` that is renamed to
         ``checkpoint-N`` after the completeness marker (``hf_cephalo.engine.checkpoint``
         [Note: atomic checkpoints]); a run killed mid-save leaves no ``checkpoint-N``.
         ``hf-cephalo export checkpoint-N --out DIR`` writes the full model from it on demand.
@@ -617,6 +618,7 @@ class CephaloTrainer(Trainer):
                 self._save_side_files(staging)
             if self.args.should_save:
                 self._save_run_record(staging)
+                _save_adapter_config(self.model, staging)
             if not self.args.save_only_model:
                 self._save_optimizer_and_scheduler(staging)
                 self._save_scaler(staging)
@@ -724,6 +726,19 @@ class CephaloTrainer(Trainer):
                     raise CheckpointError(f"{path}: missing (the LR scheduler's position)")
                 self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu",
                                                              weights_only=True))
+
+
+def _save_adapter_config(model: torch.nn.Module, directory: str) -> None:
+    """A LoRA ``PeftModel``'s ``adapter_config.json`` into a checkpoint: ``hf-cephalo export
+    --merge-lora`` needs its rank, alpha and targets (``integrations/peft_merge.py``)."""
+    from hf_cephalo.models.peft_lora import is_peft_model
+
+    if not is_peft_model(model):
+        return
+    name = model.active_adapter
+    config = copy.deepcopy(model.peft_config[name])
+    config.inference_mode = True  # as PeftModel.save_pretrained records it
+    config.save_pretrained(directory)
 
 
 def _engine_checkpointing_replaces_model_checkpointing(args) -> None:
