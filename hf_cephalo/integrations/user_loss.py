@@ -25,7 +25,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutput
 
 from hf_cephalo.models.base import (HeadEvalOutput, HeadOutput, Microbatch, StagedModel,
-                                    global_num_items)
+                                    WrappedStagedModel, global_num_items)
 from hf_cephalo.models.hf_common import CausalLMStagedModel
 
 __all__ = ["EngineOutputs", "UserLossStagedModel"]
@@ -82,7 +82,7 @@ class EngineOutputs:
         return cls(loss=loss, logits=self._logits)
 
 
-class UserLossStagedModel(StagedModel):
+class UserLossStagedModel(WrappedStagedModel):
     """Delegates to ``inner``; the head loss is ``compute_loss(EngineOutputs, microbatch,
     num_items_in_batch=N) * N`` (see the module docstring).
 
@@ -92,41 +92,9 @@ class UserLossStagedModel(StagedModel):
     """
 
     def __init__(self, inner: StagedModel, compute_loss: ComputeLoss):
-        super().__init__(inner.model)
-        self.inner, self.compute_loss = inner, compute_loss
+        super().__init__(inner)
+        self.compute_loss = compute_loss
         self.causal = _causal(inner)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def units(self):
-        return self.inner.units()
-
-    def embed_modules(self):
-        return self.inner.embed_modules()
-
-    def head_modules(self):
-        return self.inner.head_modules()
-
-    def root_modules(self):
-        return self.inner.root_modules()
-
-    def count_items(self, microbatch: Microbatch) -> int:
-        return self.inner.count_items(microbatch)
-
-    def prepare_for_training(self) -> None:
-        self.inner.prepare_for_training()
-
-    def embed(self, microbatch: Microbatch):
-        return self.inner.embed(microbatch)
-
-    def run_unit(self, index: int, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return self.inner.run_unit(index, hidden, ctx)
-
-    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
-        return self.inner.head_logits(hidden, microbatch, ctx)
 
     def _user_loss(self, logits: torch.Tensor, microbatch: Microbatch) -> HeadOutput:
         num_items = global_num_items()

@@ -1,4 +1,4 @@
-"""Models as staged models: root unit + identical units (docs/design.md contract 5).
+"""Models as staged models: embedding and head units + identical layer units (docs/design.md contract 5).
 
 ``stage_model(model)`` wraps a supported Hugging Face model in its adapter; unknown classes get
 a ValueError listing the supported ones. See docs/adding_a_model.md to add an architecture.
@@ -9,12 +9,14 @@ the ``StagedModel`` contract (the engine, toy models) does not pay for importing
 
 from typing import Any
 
-from hf_cephalo.models.base import HeadEvalOutput, HeadOutput, Microbatch, StagedModel
+from hf_cephalo.models.base import (HeadEvalOutput, HeadOutput, Microbatch, StagedModel,
+                                    WrappedStagedModel)
 
 _REGISTRY_NAMES = ("UnsupportedModelError", "adapter_for", "register_adapter", "stage_model",
                    "supported_model_classes")
 
-__all__ = ["HeadEvalOutput", "HeadOutput", "Microbatch", "StagedModel", *_REGISTRY_NAMES]
+__all__ = ["HeadEvalOutput", "HeadOutput", "Microbatch", "StagedModel", "WrappedStagedModel",
+           *_REGISTRY_NAMES]
 
 
 def __getattr__(name: str) -> Any:

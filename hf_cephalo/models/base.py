@@ -167,26 +167,21 @@ class StagedModel(abc.ABC):
         """Hook run once before wrapping (e.g. force ``use_cache=False``). Default: nothing."""
 
 
-class AutocastStagedModel(StagedModel):
-    """Delegates to ``inner`` with every forward call (``embed``, ``run_unit``, ``head_loss``,
-    ``head_logits``, ``head_loss_and_logits``) under ``torch.autocast(device_type, dtype)``;
-    backward stays outside, as the autocast docs prescribe
-    (https://pytorch.org/docs/stable/amp.html). The engine wraps its adapter in it for
-    ``autocast_dtype``, the profiler for ``precision="bf16"``, so both run the same mixed
-    precision. Any other attribute is the inner adapter's.
+class WrappedStagedModel(StagedModel):
+    """A ``StagedModel`` around another one (``inner``, sharing its model): the structure
+    (units, embedding and head modules, item counts, preparation) and every forward call are
+    the inner adapter's; a subclass overrides only the calls it changes (autocast, emulated
+    slowdown, a user loss). Any other attribute is the inner adapter's.
     """
 
-    def __init__(self, inner: StagedModel, device_type: str, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, inner: StagedModel):
         super().__init__(inner.model)
-        self.inner, self.device_type, self.dtype = inner, device_type, dtype
+        self.inner = inner
 
     def __getattr__(self, name: str):
         if name == "inner":  # not set yet (e.g. during unpickling)
             raise AttributeError(name)
         return getattr(self.inner, name)
-
-    def _amp(self):
-        return torch.autocast(self.device_type, dtype=self.dtype)
 
     def units(self) -> list[nn.Module]:
         return self.inner.units()
@@ -205,6 +200,39 @@ class AutocastStagedModel(StagedModel):
 
     def prepare_for_training(self) -> None:
         self.inner.prepare_for_training()
+
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Any]:
+        return self.inner.embed(microbatch)
+
+    def run_unit(self, index: int, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return self.inner.run_unit(index, hidden, ctx)
+
+    def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> HeadOutput:
+        return self.inner.head_loss(hidden, microbatch, ctx)
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
+        return self.inner.head_logits(hidden, microbatch, ctx)
+
+    def head_loss_and_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                             ctx: Any) -> HeadEvalOutput:
+        return self.inner.head_loss_and_logits(hidden, microbatch, ctx)
+
+
+class AutocastStagedModel(WrappedStagedModel):
+    """Delegates to ``inner`` with every forward call (``embed``, ``run_unit``, ``head_loss``,
+    ``head_logits``, ``head_loss_and_logits``) under ``torch.autocast(device_type, dtype)``;
+    backward stays outside, as the autocast docs prescribe
+    (https://pytorch.org/docs/stable/amp.html). The engine wraps its adapter in it for
+    ``autocast_dtype``, the profiler for ``precision="bf16"``, so both run the same mixed
+    precision. Any other attribute is the inner adapter's.
+    """
+
+    def __init__(self, inner: StagedModel, device_type: str, dtype: torch.dtype = torch.bfloat16):
+        super().__init__(inner)
+        self.device_type, self.dtype = device_type, dtype
+
+    def _amp(self):
+        return torch.autocast(self.device_type, dtype=self.dtype)
 
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Any]:
         with self._amp():

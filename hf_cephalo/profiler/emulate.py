@@ -39,7 +39,8 @@ from typing import Any, Sequence
 
 import torch
 
-from hf_cephalo.models.base import HeadOutput, Microbatch, StagedModel
+from hf_cephalo.models.base import (HeadEvalOutput, HeadOutput, Microbatch, StagedModel,
+                                    WrappedStagedModel)
 from hf_cephalo.units import GIB
 
 __all__ = ["EmulationConfig", "EmulatedStagedModel", "EmulatedOutOfMemoryError", "ComputeTimer",
@@ -132,7 +133,7 @@ class ComputeTimer:
         self.compute_s, self.unit_s, self.sleep_s, self.calls = 0.0, 0.0, 0.0, 0
 
 
-class EmulatedStagedModel(StagedModel):
+class EmulatedStagedModel(WrappedStagedModel):
     """A ``StagedModel`` that delegates to ``inner`` and stretches its compute by ``slowdown``.
 
     Args:
@@ -149,36 +150,10 @@ class EmulatedStagedModel(StagedModel):
             raise TypeError(f"EmulatedStagedModel wraps a StagedModel, got {type(inner).__name__}")
         if not (math.isfinite(slowdown) and slowdown >= 1.0):
             raise ValueError(f"slowdown = {slowdown!r}: need a finite factor >= 1")
-        super().__init__(inner.model)
-        self.inner, self.slowdown = inner, float(slowdown)
+        super().__init__(inner)
+        self.slowdown = float(slowdown)
         self.device = torch.device(device) if device is not None else None
         self.timer = ComputeTimer()
-
-    def __getattr__(self, name: str):
-        # Anything the adapter offers beyond the StagedModel contract (called only for
-        # attributes this wrapper lacks).
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    # ---- structure: delegated ------------------------------------------------------------
-    def units(self):
-        return self.inner.units()
-
-    def embed_modules(self):
-        return self.inner.embed_modules()
-
-    def head_modules(self):
-        return self.inner.head_modules()
-
-    def root_modules(self):
-        return self.inner.root_modules()
-
-    def count_items(self, microbatch: Microbatch) -> int:
-        return self.inner.count_items(microbatch)
-
-    def prepare_for_training(self) -> None:
-        self.inner.prepare_for_training()
 
     # ---- timing ---------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -249,6 +224,10 @@ class EmulatedStagedModel(StagedModel):
 
     def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
         return self._timed(self.inner.head_logits, hidden, microbatch, ctx)
+
+    def head_loss_and_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                             ctx: Any) -> HeadEvalOutput:
+        return self._timed(self.inner.head_loss_and_logits, hidden, microbatch, ctx)
 
 
 def apply_memory_cap(cap_bytes: int, device: torch.device | str) -> str:
