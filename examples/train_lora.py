@@ -125,6 +125,7 @@ def split(rows: list[tuple[str, int]], test_fraction: float, seed: int):
         test += mine[:cut]
         train += mine[cut:]
     rng.shuffle(train)
+    rng.shuffle(test)  # --max_eval_samples keeps a prefix: every class, not the first one only
     return train, test
 
 

@@ -62,8 +62,8 @@ def _add_cluster_source_arguments(p: argparse.ArgumentParser, model_example: str
     p.add_argument("--lora-targets", nargs="+", default=["q", "v"],
                    help="attention projections LoRA adapts, of q k v o (default: q v)")
     p.add_argument("--frozen-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="storage of the frozen base with --lora-rank: fp32 (4 B, what the engine "
-                        "trains today) or bf16 (2 B, a what-if: the engine refuses mixed dtypes)")
+                   help="storage of the frozen base with --lora-rank: fp32 (4 B) or bf16 (2 B; "
+                        "the engine keeps a bf16 base beside fp32 adapters, each sharded by r_i)")
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:

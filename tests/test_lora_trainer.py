@@ -152,7 +152,7 @@ def test_merge_lora_bad_inputs(trained, tmp_path):
     from hf_cephalo.integrations.peft_merge import export_merged_lora
 
     checkpoint = os.path.join(trained["out_dir"], "checkpoint-4")
-    with pytest.raises(CheckpointError, match=r"unexpected .*lora_A.*--merge-lora"):
+    with pytest.raises(CheckpointError, match=r"is a LoRA checkpoint .*lora_A.*--merge-lora"):
         export_hf(checkpoint, str(tmp_path / "plain"))  # LoRA keys: the plain export says why
     # an adapter config that targets modules this base lacks, or of another rank
     for name, config in {"llama_targets": LoraConfig(target_modules=["q_proj", "v_proj"]),

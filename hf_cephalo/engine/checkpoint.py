@@ -837,14 +837,17 @@ def _layout_sources(layout: CheckpointLayout, reader: _ShardReader, model):
     missing = [k for k in keys if k not in where and k not in buffers]
     unexpected = sorted((set(where) | buffers) - set(keys))
     if missing or unexpected:
-        hint = ""
-        if any(".lora_A." in k for k in unexpected) and ".lora_A." not in "".join(keys):
-            hint = ("; it is a LoRA checkpoint: export merged weights with --merge-lora "
-                    "(hf_cephalo.integrations.peft_merge.export_merged_lora), or save the "
-                    "adapter with trainer.save_model")
+        lora = [k for k in unexpected if ".lora_A." in k]
+        if lora and ".lora_A." not in "".join(keys):
+            # the fix first: the key lists of a LoRA checkpoint run to hundreds of names
+            raise CheckpointError(
+                f"{layout.directory} is a LoRA checkpoint ({len(unexpected)} adapter/base keys "
+                f"{type(model).__name__} does not have, e.g. {lora[0]}): export merged "
+                "weights with --merge-lora (hf_cephalo.integrations.peft_merge."
+                "export_merged_lora), or save the adapter with trainer.save_model")
         raise CheckpointError(f"{os.path.join(layout.directory, FILES.LAYOUT)}: keys do not "
                               f"match {type(model).__name__}: missing {missing}, unexpected "
-                              f"{unexpected}{hint}")
+                              f"{unexpected}")
     meta = model.state_dict(keep_vars=True)
     sources = {k: where[k] if k in where else
                SavedTensor(None, k, tuple(meta[k].shape), meta[k].dtype) for k in keys}

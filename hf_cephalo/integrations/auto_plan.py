@@ -325,9 +325,8 @@ def diagnose_step_time(rows: list[dict[str, Any]], predicted_iteration_s: float 
     gap = measured / predicted_iteration_s - 1.0
     if abs(gap) <= tolerance:
         return None
-    head = (f"predicted step time {predicted_iteration_s:.3f} s is {abs(gap) * 100:.0f}% "
-            f"{'under' if gap > 0 else 'over'} the measured {measured:.3f} s (slowest rank, median "
-            "after the first step)")
+    head = (f"measured step time {measured:.3f} s (slowest rank, median after the first step) "
+            f"is {measured / predicted_iteration_s:.2f}x the predicted {predicted_iteration_s:.3f} s")
     timed = [r for r in rows if r.get("compute_s") is not None
              and r.get("pred_compute_s") is not None and r.get("b")]
     if not timed:
