@@ -126,7 +126,6 @@ def predicted_memory_bytes(cfg) -> list[float]:
                             device="cpu", name="cpu", capacity_bytes=1e12)
     a = boundary_bytes_per_sample(small, lambda m: synthetic_microbatch(small.model, m, SEQ),
                                   "cpu")
-    del small
     with torch.device("meta"):
         full = stage_model(LlamaForCausalLM(cfg))
     cluster = ClusterProfile(model=model_profile(full, "bench", a), devices=[device] * len(RATIOS),
@@ -200,8 +199,10 @@ def _rank(rank: int, world_size: int, port: int, mode: str, path: str, baseline:
     result = {"a": rss.peak_bytes(), "a_after": rss.now_bytes(),
               "shards": sum(u.local_numel for u in units) * 4}
     if mode == "new":
-        result["b"], result["b_after"], result["b_live"] = _train(engine, rss, rank, opts["foreach"])
-        result["c"], result["files"], result["c_before"] = _save_streamed(engine, rss, path, opts["shard_bytes"])
+        result["b"], result["b_after"], result["b_live"] = _train(engine, rss, rank,
+                                                                  opts["foreach"])
+        (result["c"], result["files"], result["c_before"],
+         result["c_live"]) = _save_streamed(engine, rss, path, opts["shard_bytes"])
         result["c_old"] = _save_full(engine, rss, rank, path)
     out.put((rank, result))
     dist.barrier()
@@ -230,23 +231,27 @@ def _train(engine, rss: PeakRss, rank: int, foreach: bool | None) -> tuple[int, 
     return rss.peak_bytes(), rss.now_bytes(), live.peak_bytes
 
 
-def _save_streamed(engine, rss: PeakRss, path: str, shard_bytes: int) -> tuple[int, int, int]:
+def _save_streamed(engine, rss: PeakRss, path: str,
+                   shard_bytes: int) -> tuple[int, int, int, int]:
     """Peak RSS above the base during ``save_pretrained_streamed`` (files of at most
     ``shard_bytes``), the number of files written (rank 0; 0 elsewhere) and the RSS above the
-    base right before the save."""
+    base right before the save, and the peak of the tensors the save allocates."""
     from hf_cephalo.engine.export import save_pretrained_streamed
+    from hf_cephalo.profiler.live_memory import LiveTensorBytes
 
     with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
         dist.barrier()
         _trim()
         rss.reset()
         before = rss.now_bytes()
-        save_pretrained_streamed(engine, os.path.join(tmp, "out"), max_shard_size=shard_bytes)
+        with LiveTensorBytes() as live:
+            save_pretrained_streamed(engine, os.path.join(tmp, "out"),
+                                     max_shard_size=shard_bytes)
         peak = rss.peak_bytes()
         files = len([f for f in os.listdir(os.path.join(tmp, "out"))
                      if f.endswith(".safetensors")]) if engine.rank == 0 else 0
         dist.barrier()
-    return peak, files, before
+    return peak, files, before, live.peak_bytes
 
 
 def _save_full(engine, rss: PeakRss, rank: int, path: str) -> int:
@@ -328,7 +333,8 @@ def main() -> None:
                                           "shard_bytes": shard_bytes})
     print(f"{'rank':>4} {'r_i':>5} {'shards':>6} | {'(a) old':>8} {'after':>6} | "
           f"{'(a) new':>8} {'after':>6} {'target':>7} | {'(b)':>6} {'after':>6} {'pred':>6} "
-          f"{'b/pred':>7} {'live':>6} | {'before':>6} {'(c)':>6} {'target':>7} {'files':>5} | "
+          f"{'b/pred':>7} {'live':>6} | {'before':>6} {'(c)':>6} {'target':>7} {'files':>5} "
+          f"{'live':>6} | "
           f"{'(c) old':>7}")
     for rank, (r, o, w) in enumerate(zip(RATIOS, old, new)):
         pred = predicted[rank] / P
@@ -337,7 +343,8 @@ def main() -> None:
               f"{o['a_after'] / P:6.3f} | {w['a'] / P:8.3f} {w['a_after'] / P:6.3f} "
               f"{r + 2 * unit_p:7.3f} | {w['b'] / P:6.3f} {w['b_after'] / P:6.3f} {pred:6.3f} "
               f"{w['b'] / P / pred - 1:+7.1%} {(w['b_live'] + w['shards']) / P:6.3f} | "
-              f"{w['c_before'] / P:6.3f} {w['c'] / P:6.3f} {c_target} {w['files']:>5} | "
+              f"{w['c_before'] / P:6.3f} {w['c'] / P:6.3f} {c_target} {w['files']:>5} "
+              f"{w['c_live'] / P:6.3f} | "
               f"{w['c_old'] / P:7.3f}")
     print(f"(a) old: hf_cephalo at {args.baseline_ref} (before issue 12): from_pretrained (whole "
           "model) + engine; (a) new: from_pretrained_sharded + engine; after: RSS above the "
@@ -347,7 +354,8 @@ def main() -> None:
           "by the profiler on CPU); live: this rank's shards + the peak of the tensors the steps "
           "allocate (LiveTensorBytes); before: RSS above the base right before the save (the "
           "shards, freed pages not returned); (c) save_pretrained_streamed (max_shard_size P/"
-          f"{args.save_files}), target r_0 + one output file + 2 units; (c) old: "
+          f"{args.save_files}), target r_0 + one output file + 2 units, live: the peak of the "
+          "tensors the save allocates (above before); (c) old: "
           "full_state_dict + save_file on rank 0 (the save before the streamed one).")
 
 
