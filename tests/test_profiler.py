@@ -211,6 +211,7 @@ def test_refuses_profiles_of_other_models_and_devices(tmp_path, monkeypatch):
         CephaloTrainer(model=llama.model, args=args)
     # A profile of this model at sequence length 8 is refused for a dataset of 16-token blocks.
     path = tmp_path / "llama_seq8.json"
+    cluster.devices[0].name = "cpu"  # this machine's device: the file is a pool looked up by name
     cluster.save(path)
     args = CephaloTrainingArguments(output_dir=str(tmp_path / "out"), report_to="none",
                                     cephalo_profile_file=str(path), per_device_train_batch_size=2)

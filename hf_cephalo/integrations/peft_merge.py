@@ -97,6 +97,9 @@ def export_merged_lora(directory: str, out_dir: str, *, adapter_config: str | No
     merged = unloading.merge_and_unload()  # PEFT's renames (meta: no data moves)
     sources = {k: peft_sources[origin[id(t)]]
                for k, t in merged.state_dict(keep_vars=True).items()}
+    # the merged model's dtype as save_pretrained records it (its first floating parameter):
+    # a bf16 base stays bf16 after the merge, whatever the fp32 adapters were
+    dtype = next((src.dtype for src in sources.values() if src.dtype.is_floating_point), dtype)
     plan = plan_hf_files(merged, sources, max_shard_size=max_shard_size,
                          total_parameters=total_numel)
     layers = _lora_layers_by_unit(peft_inner, peft_sources)
