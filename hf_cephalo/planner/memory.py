@@ -71,6 +71,15 @@ moves it into the accumulator is in A_i(m): the profile measures the unit gather
 (``MeasureConfig.param_dtype``); A_emb's dense gradients and their concatenation are e_p·2·N_E.
 The boundary tensors a are the gathered dtype's (a bf16 embedding outputs bf16).
 
+Frozen parameters (LoRA; engine/flat_param.py [Note: two parts per unit]): a unit X holds Nt_X
+trainable elements (``ModelProfile.unit_trainable_numels``) and N_X - Nt_X frozen ones, each
+part sharded by the layout row (this rank's trainable share kt_X = Nt_X·k_X/N_X). Every
+gradient, reduce-scatter and issue term above covers Nt_X and kt_X, not N_X and k_X (an idle
+rank's zeros are (Nt,) too); a gathered unit is e_p·Nt_X + e_f·(N_X - Nt_X) and its all-gather
+the same (+ the cast send copies), where e_f = ``frozen_bytes_per_param`` when the frozen part
+is stored in its own dtype (a bf16 base is gathered as stored) and e_p when it is stored in the
+training dtype; A_emb's dense gradients are e_p·2·Nt_E. Full fine-tuning: Nt = N.
+
 Not binding, so not priced: the embedding forward (E + unit 0's prefetch, under E_emb), the
 layer forwards (two units, under E_unit; the last with H and t·E in flight, under E_head).
 
