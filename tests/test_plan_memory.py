@@ -10,6 +10,10 @@ from a profile of the same model measured on this CPU. The engine's split root (
 and untied, and ``root_resident=True``; fp32, and bf16 autocast with bf16 gathered parameters
 (``param_dtype``, reduce fp32 or bf16; the profile measured in that precision, the memory model
 pricing gathered units and all-gathers at 2 B, gradients at 4 B, reduce-scatters at e_r).
+LoRA (``LORA_PLANS``): the demo Llama wrapped with peft ``get_peft_model(LoraConfig(r=4,
+target_modules=["q_proj", "v_proj"]))``, its base fp32 or stored in bf16 (fp32 adapters): the
+memory model prices gradients and reduce-scatters at the Nt trainable elements per unit and
+the gathered frozen part at its own element size.
 """
 
 from __future__ import annotations
@@ -57,6 +61,13 @@ PLANS = [
     ("bf16 params, root_resident, 3-rank uneven", [4, 6, 2], [2, 3, 1], [0.5, 0.3, 0.2], False,
      True, "bf16"),
 ]
+# LoRA: (name, batch sizes, microbatch sizes, state ratios, frozen base dtype)
+LORA_PLANS = [
+    ("LoRA fp32 base, 3-rank uneven", [4, 6, 2], [2, 3, 1], [0.5, 0.3, 0.2], torch.float32),
+    ("LoRA fp32 base, 2-rank, zero-state rank", [6, 10], [6, 5], [1.0, 0.0], torch.float32),
+    ("LoRA bf16 base, 3-rank uneven", [4, 6, 2], [2, 3, 1], [0.5, 0.3, 0.2], torch.bfloat16),
+    ("LoRA bf16 base, 3-rank idle rank", [6, 0, 4], [3, 0, 1], [0.2, 0.5, 0.3], torch.bfloat16),
+]
 # MeasureConfig / engine precision arguments of each precision
 _PRECISION = {"fp32": ("fp32", "fp32", "fp32"), "bf16": ("bf16", "bf16", "fp32"),
               "bf16+rs": ("bf16", "bf16", "bf16")}
@@ -73,8 +84,25 @@ def _demo_model(tied: bool) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _profile(world_size: int, tied: bool, precision: str) -> ClusterProfile:
-    staged = stage_model(_demo_model(tied))
+def _lora_model(base_dtype: torch.dtype):
+    """The demo model (untied) as peft's LoRA trains it: r=4 on q_proj / v_proj, the base in
+    ``base_dtype`` (fp32 adapters either way)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = _demo_model(False).to(base_dtype)
+    torch.manual_seed(1)
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                           target_modules=["q_proj", "v_proj"],
+                                           task_type="CAUSAL_LM")).train()
+
+
+def _build(tied: bool, lora: torch.dtype | None):
+    return stage_model(_demo_model(tied) if lora is None else _lora_model(lora))
+
+
+def _profile(world_size: int, tied: bool, precision: str,
+             lora: torch.dtype | None = None) -> ClusterProfile:
+    staged = _build(tied, lora)
     compute, param, reduce = _PRECISION[precision]
     config = MeasureConfig(max_microbatch_size=6, sequence_length=SEQ, warmup=0, repeats=1,
                            progress=False, precision=compute, param_dtype=param,
@@ -88,8 +116,9 @@ def _profile(world_size: int, tied: bool, precision: str) -> ClusterProfile:
                           comm=CommProfile(allgather_s=0.0, reducescatter_s=0.0))
 
 
-def _measured_bytes(rank, plan: Plan, group, tied: bool, precision: str) -> float:
-    staged = stage_model(_demo_model(tied))
+def _measured_bytes(rank, plan: Plan, group, tied: bool, precision: str,
+                    lora: torch.dtype | None = None) -> float:
+    staged = _build(tied, lora)
     compute, param, reduce = (_DTYPES[d] for d in _PRECISION[precision])
     engine = CephaloEngine(staged, state_ratios=plan.state_ratios, process_group=group,
                            root_resident=plan.root_resident, autocast_dtype=compute,
@@ -112,28 +141,32 @@ def _measured_bytes(rank, plan: Plan, group, tied: bool, precision: str) -> floa
 def _worker(rank, world_size):
     torch.set_num_threads(1)
     out, profiles = [], {}
-    for name, bs, ms, ratios, tied, resident, *prec in PLANS:
-        precision = prec[0] if prec else "fp32"
+    cases = [(name, bs, ms, ratios, tied, resident, prec[0] if prec else "fp32", None)
+             for name, bs, ms, ratios, tied, resident, *prec in PLANS]
+    cases += [(name, bs, ms, ratios, False, False, "fp32", base)
+              for name, bs, ms, ratios, base in LORA_PLANS]
+    for name, bs, ms, ratios, tied, resident, precision, lora in cases:
         n = len(bs)
         group = dist.new_group(list(range(n)))  # every rank creates every group
         if rank >= n:
             continue
         plan = Plan.from_ratios(bs, ms, ratios, root_resident=resident)
-        key = (n, tied, precision)
+        key = (n, tied, precision, lora)
         if key not in profiles:
-            profiles[key] = _profile(n, tied, precision)
+            profiles[key] = _profile(n, tied, precision, lora)
         cluster = profiles[key]
         r = plan.ranks[rank]
         predicted = r.state_ratio * cluster.model.state_bytes + float(memory.rank_memory_bytes(
             cluster, rank, r.microbatch_size, r.batch_size, root_resident=resident,
             layout=plan_layout(plan, cluster)))
-        out.append((name, rank, _measured_bytes(rank, plan, group, tied, precision), predicted))
+        out.append((name, rank, _measured_bytes(rank, plan, group, tied, precision, lora),
+                    predicted))
     return out
 
 
 def test_predicted_memory_matches_the_engines_peak_within_10_percent():
     rows = [row for per_rank in run_ranks(_worker, 3, timeout_s=900) for row in per_rank]
-    assert len(rows) == sum(len(p[1]) for p in PLANS)
+    assert len(rows) == sum(len(p[1]) for p in PLANS + LORA_PLANS)
     report = [f"{name} rank {rank}: measured {measured / 2**20:.2f} MiB, predicted "
               f"{predicted / 2**20:.2f} MiB ({predicted / measured - 1:+.1%})"
               for name, rank, measured, predicted in rows]

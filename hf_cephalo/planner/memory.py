@@ -71,6 +71,15 @@ moves it into the accumulator is in A_i(m): the profile measures the unit gather
 (``MeasureConfig.param_dtype``); A_emb's dense gradients and their concatenation are e_p·2·N_E.
 The boundary tensors a are the gathered dtype's (a bf16 embedding outputs bf16).
 
+Frozen parameters (LoRA; engine/flat_param.py [Note: two parts per unit]): a unit X holds Nt_X
+trainable elements (``ModelProfile.unit_trainable_numels``) and N_X - Nt_X frozen ones, each
+part sharded by the layout row (this rank's trainable share kt_X = Nt_X·k_X/N_X). Every
+gradient, reduce-scatter and issue term above covers Nt_X and kt_X, not N_X and k_X (an idle
+rank's zeros are (Nt,) too); a gathered unit is e_p·Nt_X + e_f·(N_X - Nt_X) and its all-gather
+the same (+ the cast send copies), where e_f = ``frozen_bytes_per_param`` when the frozen part
+is stored in its own dtype (a bf16 base is gathered as stored) and e_p when it is stored in the
+training dtype; A_emb's dense gradients are e_p·2·Nt_E. Full fine-tuning: Nt = N.
+
 Not binding, so not priced: the embedding forward (E + unit 0's prefetch, under E_emb), the
 layer forwards (two units, under E_unit; the last with H and t·E in flight, under E_head).
 
@@ -139,16 +148,36 @@ def model_layout_numels(model: ModelProfile) -> list[int]:
     return [model.params_per_unit] * model.num_units + [split.embed_numel, split.head_numel]
 
 
-class _Shards(NamedTuple):
-    """This rank's shard (k, elements) of every unit: layers, embedding, head."""
+class _Unit(NamedTuple):
+    """One unit as this rank sees it (elements): its numel N, trainable numel Nt (engine/
+    flat_param.py [Note: two parts per unit]), this rank's shard k and its trainable share kt
+    (``split_unit_row``: Nt·k/N up to rounding)."""
 
-    units: list[int]
-    embed: int
-    head: int
+    n: float
+    nt: float
+    k: float
+    kt: float
+
+    @classmethod
+    def of(cls, n: float, nt: float, k: float) -> "_Unit":
+        return cls(float(n), float(nt), float(k), nt * k / n if n else 0.0)
+
+    def __add__(self, other: "_Unit") -> "_Unit":  # type: ignore[override]
+        return _Unit(*(a + b for a, b in zip(self, other)))
+
+
+class _Shards(NamedTuple):
+    """Every unit of this rank: layers, embedding, head."""
+
+    units: list[_Unit]
+    embed: _Unit
+    head: _Unit
 
 
 def _shards(model: ModelProfile, world_size: int, layout, rank) -> _Shards:
     numels = model_layout_numels(model)
+    nt_unit, nt_embed, nt_head = model.unit_trainable_numels()
+    nts = [nt_unit] * model.num_units + [nt_embed, nt_head]
     if layout is None:
         ks = [collective_buffers(n, world_size).reduce_scatter_numel - n for n in numels]
     else:
@@ -158,58 +187,78 @@ def _shards(model: ModelProfile, world_size: int, layout, rank) -> _Shards:
                              "planner.predict.plan_layout")
         ks = [collective_buffers(n, world_size, row, rank).reduce_scatter_numel - n
               for n, row in zip(numels, layout)]
-    return _Shards(ks[:-2], ks[-2], ks[-1])
+    units = [_Unit.of(n, nt, k) for n, nt, k in zip(numels, nts, ks)]
+    return _Shards(units[:-2], units[-2], units[-1])
 
 
 class _Sizes(NamedTuple):
-    """Element sizes of the engine's buffers (bytes): gathered units and all-gathers (e_p),
-    unit gradients (e, the fp32 accumulator), reduce-scatters (e_r); see [Note: memory terms]."""
+    """Element sizes of the engine's buffers (bytes): gathered trainable parts and their
+    all-gathers (e_p), gathered frozen parts (e_f: their storage dtype unless stored in the
+    training dtype, then e_p), unit gradients (e, the fp32 accumulator), reduce-scatters (e_r);
+    see [Note: memory terms]. Gradients and reduce-scatters cover the Nt trainable elements
+    only; an all-gather covers both parts."""
 
     gathered: float  # e_p
     grad: float  # e
     reduce: float  # e_r
+    frozen: float  # e_f, gathered frozen element
+    frozen_cast: bool  # the frozen part's all-gather sends a cast copy of the shard
 
     @classmethod
     def of(cls, model: ModelProfile) -> "_Sizes":
-        return cls(model.param_gather_bytes, model.param_bytes, model.grad_reduce_bytes)
+        own = model.frozen_bytes_per_param != model.param_bytes  # stored in its own dtype
+        frozen = model.frozen_bytes_per_param if own else model.param_gather_bytes
+        return cls(model.param_gather_bytes, model.param_bytes, model.grad_reduce_bytes,
+                   frozen, not own and frozen != model.param_bytes)
 
-    def ag(self, n: int, k: int) -> float:
-        """G: an all-gather in flight, its (N,) output (+ the (k,) cast send copy when low)."""
-        return self.gathered * (n + (k if self.gathered != self.grad else 0))
+    def unit(self, u: _Unit) -> float:
+        """The gathered unit: e_p·Nt + e_f·(N - Nt)."""
+        return self.gathered * u.nt + self.frozen * (u.n - u.nt)
 
-    def rs(self, n: int, k: int) -> float:
-        """R: a reduce-scatter in flight, its (N,) input and (k,) output at e_r."""
-        return self.reduce * (n + k)
+    def gradient(self, u: _Unit) -> float:
+        """The unit's gradient accumulator, e·Nt."""
+        return self.grad * u.nt
 
-    def issue(self, n: int, k: int) -> float:
-        """The unit's gradient at its reduce-scatter's issue: the (N,) accumulator and the
-        (k,) output, or with a low e_r the accumulator and its (N,) cast copy (the larger)."""
+    def ag(self, u: _Unit) -> float:
+        """G: an all-gather in flight, its (N,) output (+ the cast send copies when low)."""
+        cast = (self.gathered * u.kt if self.gathered != self.grad else 0.0) + \
+            (self.frozen * (u.k - u.kt) if self.frozen_cast else 0.0)
+        return self.unit(u) + cast
+
+    def rs(self, u: _Unit) -> float:
+        """R: a reduce-scatter in flight, its (Nt,) input and (kt,) output at e_r."""
+        return self.reduce * (u.nt + u.kt)
+
+    def issue(self, u: _Unit) -> float:
+        """The unit's gradient at its reduce-scatter's issue: the (Nt,) accumulator and the
+        (kt,) output, or with a low e_r the accumulator and its (Nt,) cast copy (the larger)."""
         if self.reduce == self.grad:
-            return self.grad * (n + k)
-        return max(self.grad * n + self.reduce * n, self.rs(n, k))
+            return self.grad * (u.nt + u.kt)
+        return max(self.grad * u.nt + self.reduce * u.nt, self.rs(u))
 
 
 def _unit_moments(model: ModelProfile, k: _Shards, resident: bool,
                   z: _Sizes) -> tuple[float, float, float]:
     """Bytes (largest busy, largest between, largest idle) unit moment over the units i:
-    e_p·N_u + e·N_u + G(i-1) + R(i+1), the same with unit i's reduce-scatter issued, and
-    a rank without gradients issuing zeros."""
-    nu, L = model.params_per_unit, model.num_units
-    ne, nh, tied = model.root_split()
+    e_p·N_u + e·N_u + G(i-1) + R(i+1) (N_u split into its trainable and frozen parts), the
+    same with unit i's reduce-scatter issued, and a rank without gradients issuing zeros."""
+    L = model.num_units
+    tied = model.root_split().tied
     busy = between = idle = 0.0
     for i in range(L):
+        u = k.units[i]
         if i > 0:
-            ag = z.ag(nu, k.units[i - 1])
+            ag = z.ag(k.units[i - 1])
         else:
-            ag = 0.0 if resident else z.ag(ne, k.embed)
+            ag = 0.0 if resident else z.ag(k.embed)
         if i + 1 < L:
-            rs = z.rs(nu, k.units[i + 1])
+            rs = z.rs(k.units[i + 1])
         else:
-            rs = 0.0 if resident else z.rs(nh, k.head) + (z.rs(ne, k.embed) if tied else 0.0)
-        rest = z.gathered * nu + ag + rs
-        busy = max(busy, rest + z.grad * nu)
-        between = max(between, rest + z.issue(nu, k.units[i]))
-        idle = max(idle, rest + z.rs(nu, k.units[i]))
+            rs = 0.0 if resident else z.rs(k.head) + (z.rs(k.embed) if tied else 0.0)
+        rest = z.unit(u) + ag + rs
+        busy = max(busy, rest + z.gradient(u))
+        between = max(between, rest + z.issue(u))
+        idle = max(idle, rest + z.rs(u))
     return busy, between, idle
 
 
@@ -219,7 +268,8 @@ def engine_buffers(model: ModelProfile, world_size: int, *, root_resident: bool 
     """E_unit, E_head, E_between, E_emb, E_idle of [Note: memory terms] in bytes.
 
     Args:
-        model: the model profile (N_u, the root's split, e, e_p, e_r).
+        model: the model profile (N_u, the root's split, the trainable numel of each unit,
+            e, e_p, e_r, e_f).
         world_size: W.
         root_resident: the engine's ``root_resident``: E and H gathered (with their gradients)
             all step; False (the engine's default) gathers each around its uses.
@@ -229,30 +279,31 @@ def engine_buffers(model: ModelProfile, world_size: int, *, root_resident: bool 
         ValueError: a layout with another number of rows than the engine has units.
     """
     z = _Sizes.of(model)
-    g, e, nu = z.gathered, z.grad, model.params_per_unit
-    ne, nh, tied = model.root_split()
-    nr, np_ = ne + nh, nh + (ne if tied else 0)
+    tied = model.root_split().tied
     k = _shards(model, world_size, layout, rank)
+    E, H, last = k.embed, k.head, k.units[-1]
     busy, between, idle_unit = _unit_moments(model, k, root_resident, z)
-    r0 = z.rs(nu, k.units[0])  # unit 0's reduce-scatter, in flight in the embedding backward
+    r0 = z.rs(k.units[0])  # unit 0's reduce-scatter, in flight in the embedding backward
+    g_p = z.unit(H) + (z.unit(E) if tied else 0.0)  # the head phase's units gathered
+    grads_p = z.gradient(H) + (z.gradient(E) if tied else 0.0)  # ... and their gradients
     if root_resident:  # both gathered all step; the head phase's gradients from the head on
-        held = g * nr + e * np_
-        head = g * (nr + nu) + e * np_
-        ends = z.issue(nr, k.embed + k.head) - e * nr  # the root's reduce-scatters at the end
-        embed = g * nr + e * nr + r0 + ends
-        idle_embed = g * nr + r0 + z.rs(nr, k.embed + k.head)
-        idle = max(idle_unit + g * nr, g * (nr + nu), idle_embed)
+        R = E + H
+        held = z.unit(R) + grads_p
+        head = z.unit(R) + z.unit(last) + grads_p
+        ends = z.issue(R) - z.gradient(R)  # the root's reduce-scatters at the end
+        embed = z.unit(R) + z.gradient(R) + r0 + ends
+        idle_embed = z.unit(R) + r0 + z.rs(R)
+        idle = max(idle_unit + z.unit(R), z.unit(R) + z.unit(last), idle_embed)
         return EngineBuffers(busy + held, head, between + held, embed, idle)
-    head = g * (np_ + nu) + e * np_
-    head_between = g * (np_ + nu) + e * (np_ - nh) + z.issue(nh, k.head)
+    head = g_p + z.unit(last) + grads_p
+    head_between = g_p + z.unit(last) + grads_p - z.gradient(H) + z.issue(H)
     if tied:  # H's reduce-scatter in flight, its gathered buffer released, E's issued
-        head_between = max(head_between, g * (np_ - nh + nu) + z.rs(nh, k.head) +
-                           z.issue(ne, k.embed))
-    embed = g * ne + z.issue(ne, k.embed) + r0
-    idle_head = g * (nu + np_) + z.rs(nh, k.head)
+        head_between = max(head_between, z.unit(E) + z.unit(last) + z.rs(H) + z.issue(E))
+    embed = z.unit(E) + z.issue(E) + r0
+    idle_head = z.unit(last) + g_p + z.rs(H)
     if tied:
-        idle_head = max(idle_head, g * (nu + ne) + z.rs(nh, k.head) + z.rs(ne, k.embed))
-    idle = max(idle_unit, idle_head, g * ne + z.rs(ne, k.embed) + r0)
+        idle_head = max(idle_head, z.unit(last) + z.unit(E) + z.rs(H) + z.rs(E))
+    idle = max(idle_unit, idle_head, z.unit(E) + z.rs(E) + r0)
     return EngineBuffers(busy, head, max(between, head_between), embed, idle)
 
 
@@ -284,11 +335,11 @@ def head_activation_bytes(device: DeviceProfile, m) -> np.ndarray:
 
 
 def embed_activation_bytes(model: ModelProfile, m) -> np.ndarray:
-    """A_emb(m): the embedding backward's temporaries, e_p·2·N_E + m·a bytes (the dense weight
-    gradients, their flat concatenation, both in the gathered dtype; the recomputed embedding
-    output)."""
-    e, ne = model.param_gather_bytes, model.root_split().embed_numel
-    return 2 * e * ne + model.boundary_bytes_per_sample * np.asarray(m, dtype=np.float64)
+    """A_emb(m): the embedding backward's temporaries, e_p·2·Nt_E + m·a bytes (the dense weight
+    gradients of its Nt_E trainable elements, their flat concatenation, both in the gathered
+    dtype; the recomputed embedding output)."""
+    e, nt_embed = model.param_gather_bytes, model.unit_trainable_numels()[1]
+    return 2 * e * nt_embed + model.boundary_bytes_per_sample * np.asarray(m, dtype=np.float64)
 
 
 def device_stash_bytes(model: ModelProfile, m, b, offload: bool,

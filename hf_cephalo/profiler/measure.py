@@ -183,7 +183,9 @@ def model_profile(staged: StagedModel, name: str | None = None,
 
     ``state_bytes_per_param`` = 4 × element size (parameter, gradient and Adam's two moments in
     the parameter dtype: 16 for fp32, paper §2.4); ``param_bytes`` = the element size; ``gathered_param_bytes`` / ``reduce_bytes`` from ``precision`` (None: not cast);
-    ``boundary_bytes_per_sample`` as given (``boundary_bytes_per_sample`` measures it). The
+    ``boundary_bytes_per_sample`` as given (``boundary_bytes_per_sample`` measures it). A model
+    with frozen parameters (PEFT) records its trainable elements, in all and per unit (layer,
+    embedding, head), and the frozen parameters' element size (a bf16 base: 2). The
     root is split as the engine splits it (engine.py ``_build_units``): ``params_embed`` =
     the parameters of ``embed_modules()`` (a tied weight once), ``params_head`` = those of
     ``head_modules()`` not already there, ``head_ties_embedding`` when the head uses one of
@@ -205,17 +207,30 @@ def model_profile(staged: StagedModel, name: str | None = None,
     if name is None:
         cfg = getattr(model, "config", None)
         name = str(getattr(cfg, "name_or_path", "") or type(model).__name__)
-    elem = torch.empty((), dtype=model_dtype(staged)).element_size()
-    # a PEFT model as it will train: only its trainable parameters (the adapter) carry state
+    # a PEFT model as it will train: only its trainable parameters (the adapter) carry state;
+    # they are in the training dtype, a frozen base may be stored in its own (bf16)
     params = list(_unique_params([*units, *staged.embed_modules(), *staged.head_modules()]))
+    trained = [p for p in params if p.requires_grad]
+    elem = trained[0].element_size() if trained else \
+        torch.empty((), dtype=model_dtype(staged)).element_size()
     trainable = sum(p.numel() for p in params if p.requires_grad)
+    lora = trainable != sum(p.numel() for p in params)
+    per_unit = sum(p.numel() for p in units[0].parameters() if p.requires_grad)
+    root = {id(p): p for p in _unique_params([*staged.embed_modules(), *staged.head_modules()])}
+    t_embed = sum(root[k].numel() for k in embed if root[k].requires_grad)
+    t_head = sum(root[k].numel() for k in head if k not in embed and root[k].requires_grad)
+    frozen = [p for p in params if not p.requires_grad]
+    frozen_elem = frozen[0].element_size() if frozen else elem
     return ModelProfile(name=name, num_units=len(units), params_per_unit=sizes[0],
                         params_other=sum(embed.values()) + head_only,
                         params_embed=sum(embed.values()), params_head=head_only,
                         head_ties_embedding=tied, state_bytes_per_param=4.0 * elem,
                         param_bytes=elem, boundary_bytes_per_sample=boundary_bytes_per_sample,
-                        trainable_params=None if trainable == sum(p.numel() for p in params)
-                        else trainable, frozen_bytes_per_param=elem,
+                        trainable_params=trainable if lora else None,
+                        trainable_per_unit=per_unit if lora else None,
+                        trainable_embed=t_embed if lora else None,
+                        trainable_head=t_head if lora else None,
+                        frozen_bytes_per_param=frozen_elem,
                         gathered_param_bytes=None if precision is None or precision.param == "fp32"
                         else precision.param_bytes,
                         reduce_bytes=None if precision is None or precision.reduce == "fp32"

@@ -523,6 +523,7 @@ def lora_model_profile(model: ModelProfile, shape: ModelShape, rank: int,
     return replace(model, name=f"{model.name}+lora-r{int(rank)}-{''.join(targets)}",
                    params_per_unit=model.params_per_unit + adapter,
                    trainable_params=model.num_units * adapter,
+                   trainable_per_unit=adapter, trainable_embed=0, trainable_head=0,
                    frozen_bytes_per_param=frozen_bytes_per_param)
 
 

@@ -107,7 +107,14 @@ class ModelProfile:
         trainable_params: parameters (elements) that train, e.g. a LoRA adapter's; None = every
             parameter trains (full fine-tuning). Only these carry gradient and optimizer state.
         frozen_bytes_per_param: resident bytes of one frozen element (its storage: 4 for fp32,
-            2 for a bf16 base); used when ``trainable_params`` is given.
+            2 for a bf16 base); used when ``trainable_params`` is given. A frozen part stored
+            in another dtype than ``param_bytes`` is also gathered at this size (engine/
+            flat_param.py [Note: two parts per unit]).
+        trainable_per_unit / trainable_embed / trainable_head: trainable elements Nt of one
+            layer unit, of the embedding unit and of the head unit (a LoRA adapter's share of
+            each); all three or none, with L·per_unit + embed + head = ``trainable_params``.
+            None (older profiles): every unit trains the fraction trainable_params / num_params
+            (``unit_trainable_numels``). Only Nt carries a gradient and a reduce-scatter.
         gathered_param_bytes: e_p, bytes of one element of a gathered unit and of the
             all-gather (2 with ``param_dtype`` bf16 / fp16, FSDP2 ``MixedPrecisionPolicy``);
             None = ``param_bytes`` (the fp32 master weights are gathered, no cast).
@@ -131,6 +138,9 @@ class ModelProfile:
     frozen_bytes_per_param: float = 4.0
     gathered_param_bytes: float | None = None
     reduce_bytes: float | None = None
+    trainable_per_unit: int | None = None
+    trainable_embed: int | None = None
+    trainable_head: int | None = None
 
     def __post_init__(self) -> None:
         owner = f"model profile {self.name!r}"
@@ -170,6 +180,41 @@ class ModelProfile:
         if not isinstance(self.head_ties_embedding, bool):
             raise ValueError(f"{owner}: head_ties_embedding must be true or false, got "
                              f"{self.head_ties_embedding!r}")
+        self._check_unit_trainable(owner)
+
+    def _check_unit_trainable(self, owner: str) -> None:
+        names = ("trainable_per_unit", "trainable_embed", "trainable_head")
+        given = [getattr(self, n) is not None for n in names]
+        if not any(given):
+            return
+        if not all(given) or self.trainable_params is None:
+            raise ValueError(f"{owner}: give trainable_per_unit, trainable_embed and "
+                             "trainable_head together, with trainable_params, or none of them")
+        ne, nh, _ = self.root_split()
+        for n, limit in zip(names, (self.params_per_unit, ne, nh)):
+            value = _check_int(owner, n, getattr(self, n), minimum=0)
+            if value > limit:
+                raise ValueError(f"{owner}: {n} {value} exceeds the unit's {limit} elements")
+            setattr(self, n, value)
+        total = self.num_units * self.trainable_per_unit + self.trainable_embed + \
+            self.trainable_head
+        if total != self.trainable_params:
+            raise ValueError(f"{owner}: num_units x trainable_per_unit + trainable_embed + "
+                             f"trainable_head = {total} must equal trainable_params "
+                             f"{self.trainable_params}")
+
+    def unit_trainable_numels(self) -> tuple[float, float, float]:
+        """Nt (trainable elements) of (one layer unit, the embedding unit, the head unit), the
+        unit's full numel without frozen parameters; without the per-unit fields each unit
+        trains the model's fraction trainable_params / num_params (may be fractional)."""
+        ne, nh, _ = self.root_split()
+        if self.trainable_params is None:
+            return float(self.params_per_unit), float(ne), float(nh)
+        if self.trainable_per_unit is not None:
+            return (float(self.trainable_per_unit), float(self.trainable_embed),
+                    float(self.trainable_head))
+        f = self.trainable_params / self.num_params
+        return f * self.params_per_unit, f * ne, f * nh
 
     def root_split(self) -> "RootSplit":
         """The root as the engine's two units (elements), for the memory model.
@@ -221,7 +266,9 @@ class ModelProfile:
                                             "boundary_bytes_per_sample", "params_embed",
                                             "params_head", "head_ties_embedding",
                                             "trainable_params", "frozen_bytes_per_param",
-                                            "gathered_param_bytes", "reduce_bytes")
+                                            "gathered_param_bytes", "reduce_bytes",
+                                            "trainable_per_unit", "trainable_embed",
+                                            "trainable_head")
                                    if k in data})
 
 
