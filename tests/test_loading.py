@@ -306,6 +306,9 @@ def test_from_pretrained_sharded_offline_hub_id(tmp_path, monkeypatch):
     from hf_cephalo.engine.checkpoint_files import resolve_checkpoint
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import: without this the lookup would try
+    # the network (and wait for its time-outs) where transformers was imported before
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="neither model.safetensors.index.json nor"):
         resolve_checkpoint("hf-cephalo-test/not-a-cached-model",
                            cache_dir=str(tmp_path / "cache"))
