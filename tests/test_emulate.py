@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 
 import pytest
@@ -179,10 +180,24 @@ def _trainer_worker(rank, world_size, out_dir):
     local = os.environ.pop("LOCAL_WORLD_SIZE")
     result["ranks_on_host"] = measure.local_world_size()  # without the env: hostnames
     os.environ["LOCAL_WORLD_SIZE"] = local
+    # The early step-time check after the first steps: after 1 step past the first here (3 steps
+    # in all). A prediction of 1 us is certainly off by more than 15%: rank 0 must warn then,
+    # before the train-end table, naming the steps.
+    from hf_cephalo.integrations import auto_plan
+
+    auto_plan.PlanAccuracyCallback.CHECK_AFTER_STEPS = 1
+    trainer.plan = dataclasses.replace(trainer.plan, predicted_iteration_s=1e-6)
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    auto_plan.logger.addHandler(handler)
     trainer.train()
+    auto_plan.logger.removeHandler(handler)
     (callback,) = [c for c in trainer.callback_handler.callbacks
                    if type(c).__name__ == "PlanAccuracyCallback"]
     result["rows"] = callback.rows
+    result["early_rows"] = callback.early_rows
+    result["warnings"] = warnings
     result["train_sleep_s"] = trainer.engine.staged.timer.sleep_s
 
     def refuse(*args, **kwargs):
@@ -234,6 +249,14 @@ def test_auto_plan_on_emulated_ranks_favours_the_faster_rank(tmp_path, capsys):
     saved = json.loads((tmp_path / "first" / "plan.json").read_text())
     assert [r["batch_size"] for r in saved["ranks"]] == first["batch_sizes"]
     assert first["second_batch_sizes"] == second["second_batch_sizes"] == first["batch_sizes"]
+    # The early check ran once, after step 2 of 3, on both ranks (collective), and rank 0 warned
+    # with the steps named, then once more at train end; rank 1 never logs.
+    early = first["early_rows"]
+    assert early == second["early_rows"] and [r["rank"] for r in early] == [0, 1]
+    assert all(r["step_s"] > 0 for r in early)
+    assert len(first["warnings"]) == 2 and second["warnings"] == [], first["warnings"]
+    assert first["warnings"][0].startswith("after 2 steps: measured step time "), first["warnings"]
+    assert first["warnings"][1].startswith("measured step time "), first["warnings"]
     # Predicted vs measured report: one row per rank, same on both ranks, numbers filled in.
     rows = first["rows"]
     assert rows == second["rows"] and [r["rank"] for r in rows] == [0, 1]

@@ -18,8 +18,10 @@ Emulated slowdown (``cephalo_emulate_slowdown``) wraps the staged model in
 ``EmulatedStagedModel`` for both the profiler and the engine (``wrap_staged``), so an emulated
 cluster goes through the same profile -> plan -> train path as a real one.
 
-``PlanAccuracyCallback`` prints, at the end of training, each rank's predicted vs measured unit
-compute time per step, step time and memory (the paper's model-accuracy check, §4).
+``PlanAccuracyCallback`` warns after the first steps when the measured step time is off the
+prediction by more than 15% (naming the term of the cost model that is off), and prints, at the
+end of training, each rank's predicted vs measured unit compute time per step, step time and
+memory (the paper's model-accuracy check, §4).
 """
 
 from __future__ import annotations
@@ -348,17 +350,27 @@ def diagnose_step_time(rows: list[dict[str, Any]], predicted_iteration_s: float 
 
 
 class PlanAccuracyCallback(TrainerCallback):
-    """Times each training step and prints predicted vs measured per rank at train end.
+    """Times each training step; checks predicted vs measured step time once after the first
+    steps and prints the per-rank table at train end.
 
-    Collective at ``on_train_end`` (one ``all_gather_object``); every rank runs callbacks.
-    Results are kept in ``self.rows`` (rank order, same on every rank).
+    Collective (one ``all_gather_object`` each, on every rank at the same step): after
+    ``CHECK_AFTER_STEPS`` steps past the first one (the first step pays one-time costs and is
+    not counted), rank 0 logs ``diagnose_step_time``'s warning when the step time is off by more
+    than 15%, so a long job learns early that its plan rests on a wrong model; it is skipped when
+    that step is the last one (the train-end check covers it). At ``on_train_end`` the table and
+    the same check over all steps. Results are kept in ``self.early_rows`` and ``self.rows``
+    (rank order, same on every rank).
     """
+
+    CHECK_AFTER_STEPS = 5
+    """Steps after the first one before the early step-time check (median of these steps)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.step_s: list[float] = []
         self.compute_s: list[float] = []
         self.rows: list[dict[str, Any]] = []
+        self.early_rows: list[dict[str, Any]] = []
 
     def _timer(self):
         # the EmulatedStagedModel's ComputeTimer, also through the --bf16 autocast wrapper
@@ -366,7 +378,7 @@ class PlanAccuracyCallback(TrainerCallback):
         return getattr(self.trainer.engine.staged, "timer", None)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.step_s, self.compute_s = [], []
+        self.step_s, self.compute_s, self.early_rows = [], [], []
         if torch.device(args.device).type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
 
@@ -380,6 +392,14 @@ class PlanAccuracyCallback(TrainerCallback):
         timer = self._timer()
         if timer is not None and self._c0 is not None:
             self.compute_s.append(timer.unit_s - self._c0)
+        if (len(self.step_s) == self.CHECK_AFTER_STEPS + 1
+                and not (state.max_steps and state.global_step >= state.max_steps)):
+            self.early_rows = self._gather(args)
+            if args.process_index == 0:
+                warning = diagnose_step_time(self.early_rows,
+                                             self.trainer.plan.predicted_iteration_s)
+                if warning:
+                    logger.warning("after %d steps: %s", len(self.step_s), warning)
 
     def _measured_memory_bytes(self, args) -> float | None:
         device = torch.device(args.device)
@@ -401,7 +421,8 @@ class PlanAccuracyCallback(TrainerCallback):
                                                  r.batch_size, root_resident=plan.root_resident))
         return state + compute
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def _gather(self, args) -> list[dict[str, Any]]:
+        """Every rank's row (collective): medians over the steps after the first."""
         plan, cluster = self.trainer.plan, self.trainer.cluster_profile
         rank = args.process_index
         steps = self.step_s[1:] or self.step_s
@@ -415,8 +436,12 @@ class PlanAccuracyCallback(TrainerCallback):
                    pred_memory_bytes=None if pred is None else pred.memory_bytes,
                    memory_bytes=self._measured_memory_bytes(args))
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.rows = [row] if world == 1 else _gather_rows(row, world)
-        if rank == 0:
+        return [row] if world == 1 else _gather_rows(row, world)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        plan = self.trainer.plan
+        self.rows = self._gather(args)
+        if args.process_index == 0:
             print(format_accuracy_table(self.rows, plan.predicted_iteration_s), flush=True)
             warning = diagnose_step_time(self.rows, plan.predicted_iteration_s)
             if warning:
