@@ -25,14 +25,17 @@ different fingerprint and prints too (it is news). The election is per machine: 
 machines each machine's first failing rank prints, into that machine's launcher output.
 Lost-connection errors share one fingerprint, so a machine prints one such line however many of
 its ranks lose their peers.
+The first rank of a job to fail creates the job's directory and removes other jobs' directories
+older than ``STALE_JOB_DIR_S`` (a few bytes each).
 
 The launcher sends SIGTERM to the other ranks as soon as one rank exits with an error. A rank
 that won an election but is still printing would then die silently while the quiet ones have
-already exited. So the hook ignores SIGTERM from its first line until the process exits (its
-output may be written after the hook returns: after ``init_process_group`` torch's own hook
-wraps this one and prefixes its output with ``[rankN]:``). The process then exits with status 1
-as without the hook; the launcher's SIGKILL, after its grace period, still ends a rank that
-hangs at exit.
+already exited. So the hook ignores SIGTERM while it runs and restores the previous disposition
+when it returns: a SIGTERM that came meanwhile is dropped, the process exits with status 1 as
+without the hook (the launcher's SIGKILL, after its grace period, still ends a rank that hangs at
+exit); a later one acts as before. After ``init_process_group`` torch's own hook wraps this one
+(it prefixes each line with ``[rankN]:``) and writes what this hook printed after it returns,
+an unprotected window of a few microseconds.
 
 The error file's timestamp orders the launcher's report: it names the failure with the
 smallest one as "Root Cause". A rank that stayed quiet, or lost its connection, writes the
@@ -286,16 +289,27 @@ def _report(exc: BaseException) -> _Report:
     return _Report(line=None, traceback=False)
 
 
-def _ignore_sigterm() -> None:
-    """[Note: one error report per job]: the launcher's SIGTERM must not end a printing rank."""
+def _ignore_sigterm() -> Callable[[], None]:
+    """Ignore SIGTERM until the returned function is called ([Note: one error report per job]:
+    the launcher's SIGTERM must not end a printing rank). Does nothing off the main thread."""
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread():
-        try:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        except (ValueError, OSError, AttributeError):
-            pass
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    try:
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except (ValueError, OSError, AttributeError):
+        return lambda: None
+    # None: a handler installed outside Python; the closest to it Python can restore is SIG_DFL
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _flush_stderr() -> None:
+    try:
+        sys.stderr.flush()
+    except Exception:  # a closed or broken stderr: nothing more can be shown
+        pass
 
 
 class _RankErrorHook:
@@ -312,18 +326,21 @@ class _RankErrorHook:
         if not isinstance(exc, Exception) or getattr(exc, "_hf_cephalo_reported", False):
             self.previous(exc_type, exc, tb)
             return
-        if self.ignore_sigterm:
-            _ignore_sigterm()
+        restore_sigterm = _ignore_sigterm() if self.ignore_sigterm else (lambda: None)
         try:
-            exc._hf_cephalo_reported = True
-            report = _report(exc)
-            if report.line is not None:
-                sys.stderr.write(report.line + "\n")
-                sys.stderr.flush()
-        except Exception:  # the hook must never hide the error: fall back to the full traceback
-            report = _FULL_REPORT
-        if report.traceback:
-            self.previous(exc_type, exc, tb)
+            try:
+                exc._hf_cephalo_reported = True
+                report = _report(exc)
+                if report.line is not None:
+                    sys.stderr.write(report.line + "\n")
+                    sys.stderr.flush()
+            except Exception:  # the hook must never hide the error: the full traceback instead
+                report = _FULL_REPORT
+            if report.traceback:
+                self.previous(exc_type, exc, tb)
+                _flush_stderr()  # written before SIGTERM may end the process again
+        finally:
+            restore_sigterm()
 
 
 def install_rank_error_hook() -> bool:

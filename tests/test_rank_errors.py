@@ -150,6 +150,22 @@ def test_the_hook_falls_back_to_the_full_traceback(job, tmp_path, monkeypatch, c
     assert len(previous.calls) == 4
 
 
+def test_sigterm_is_ignored_while_the_hook_reports(job):
+    """[Note: one error report per job]: the launcher's SIGTERM, sent when another rank exits,
+    must not end a rank while it prints; afterwards SIGTERM acts as before."""
+    import signal
+
+    seen = []
+    job(0)
+    before = signal.getsignal(signal.SIGTERM)
+    hook = rank_errors._RankErrorHook(lambda *a: seen.append(signal.getsignal(signal.SIGTERM)))
+    try:
+        raise ValueError(MESSAGE)
+    except ValueError as e:
+        hook(ValueError, e, e.__traceback__)
+    assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGTERM) is before
+
+
 def test_classify_error():
     def raised_from(exc: BaseException, cause: BaseException) -> BaseException:
         try:
