@@ -4,7 +4,14 @@ Stages (imports point right-to-left): profiler -> planner -> engine -> integrati
 Heavy submodules are imported lazily so ``hf-cephalo plan`` starts without torch.distributed.
 """
 
+from hf_cephalo.rank_errors import install_rank_error_hook as _install_rank_error_hook
+
 __version__ = "0.1.0"
+
+# Under a launcher with several ranks, an uncaught error is printed once, not once per rank, and
+# named in the launcher's report (hf_cephalo/rank_errors.py). Installed at import so errors in
+# argument parsing are covered and any script importing hf_cephalo gets it; stdlib only, cheap.
+_install_rank_error_hook()
 
 
 def __getattr__(name: str):

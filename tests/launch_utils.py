@@ -1,4 +1,4 @@
-"""Start real `accelerate launch` jobs and wait for them under a hard timeout.
+"""Start real `accelerate launch` / torchrun jobs and wait for them under a hard timeout.
 
 Every launch runs in its own session, so on timeout the whole process group (launcher, torchrun
 and workers) is killed and a hang fails the test instead of stalling CI.
@@ -25,6 +25,19 @@ class LaunchResult(NamedTuple):
     output: str
 
 
+def _launch_env(env_extra: dict[str, str] | None) -> dict[str, str]:
+    """The caller's environment without any ``HF_CEPHALO_*`` variable (so a developer's shell
+    cannot change a test), plus ``env_extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_CEPHALO_")}
+    env.update(env_extra or {})
+    return env
+
+
+def _popen(cmd: list[str], env: dict[str, str], stdout: int | IO) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
 def start_launch(config: Path, script: Path, script_args: Sequence[str] = (), *,
                  port: int | None = None, launcher_args: Sequence[str] = (),
                  env_extra: dict[str, str] | None = None,
@@ -36,13 +49,21 @@ def start_launch(config: Path, script: Path, script_args: Sequence[str] = (), *,
     shell cannot change a test), plus ``env_extra``. ``port`` defaults to a free one. stdout and
     stderr go together to ``stdout`` (a pipe unless a file is given).
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_CEPHALO_")}
-    env.update(env_extra or {})
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
            "--main_process_port", str(port or free_port()), *launcher_args, str(script),
            *script_args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return _popen(cmd, _launch_env(env_extra), stdout)
+
+
+def start_torchrun(script: Path, script_args: Sequence[str] = (), *, nproc_per_node: int = 2,
+                   port: int | None = None, env_extra: dict[str, str] | None = None,
+                   stdout: int | IO = subprocess.PIPE) -> subprocess.Popen:
+    """``python -m torch.distributed.run --nproc_per_node N --master_port port script
+    [script_args]`` (one machine) from the repository root, in a new session; environment,
+    ``port`` and ``stdout`` as in ``start_launch``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node),
+           "--master_port", str(port or free_port()), str(script), *script_args]
+    return _popen(cmd, _launch_env(env_extra), stdout)
 
 
 def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[LaunchResult]:
@@ -57,6 +78,6 @@ def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[LaunchResu
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"accelerate launch did not finish within {timeout_s} s "
+        raise AssertionError(f"the launch did not finish within {timeout_s} s "
                              f"(hang?)") from None
     return results

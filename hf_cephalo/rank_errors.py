@@ -1,0 +1,361 @@
+"""Under a launcher, show an error raised on several ranks once and name it in the launcher's report.
+
+Under ``accelerate launch`` / torchrun every rank runs the same script, so a bad setting raises
+the same exception on every rank: N interleaved copies of one traceback, then the launcher's
+``ChildFailedError`` block saying "To enable traceback see ...". ``install_rank_error_hook``
+(called when ``hf_cephalo`` is imported) changes an uncaught exception's report to:
+
+- the first rank on this machine to fail with an error prints its traceback under a one-line
+  header naming the rank; a rank failing later with the identical error prints nothing;
+- a rank that stopped only because it lost its connection to a rank that failed first
+  (``classify_error`` -> ``ErrorKind.CONSEQUENCE``) prints one line, once per machine;
+- every failing rank writes torchrun's error file (``TORCHELASTIC_ERROR_FILE``), so the
+  launcher's block shows the message, the first error as "Root Cause".
+
+Set ``HF_CEPHALO_ALL_RANK_ERRORS=1`` to keep Python's default (every rank prints its traceback).
+
+[Note: one error report per job]
+Which rank prints is an election without communication (the process group may be what broke):
+the fingerprint of an error is the SHA-1 of ``"<Type>: <message>"``; a rank creates a file named
+by it, atomically (``os.link`` fails when the name exists), in a directory of the local temp
+directory keyed by the job (the launcher agent's pid, which all local workers have as parent,
+``MASTER_PORT`` and torchelastic's run id, restart count and per-attempt log directory). The
+rank that creates it prints; a rank that finds it prints nothing. A different message has a
+different fingerprint and prints too (it is news). The election is per machine: on several
+machines each machine's first failing rank prints, into that machine's launcher output.
+Lost-connection errors share one fingerprint, so a machine prints one such line however many of
+its ranks lose their peers.
+The first rank of a job to fail creates the job's directory and removes other jobs' directories
+older than ``STALE_JOB_DIR_S`` (a few bytes each).
+
+The launcher sends SIGTERM to the other ranks as soon as one rank exits with an error. A rank
+that won an election but is still printing would then die silently while the quiet ones have
+already exited. So the hook ignores SIGTERM while it runs and restores the previous disposition
+when it returns: a SIGTERM that came meanwhile is dropped, the process exits with status 1 as
+without the hook (the launcher's SIGKILL, after its grace period, still ends a rank that hangs at
+exit); a later one acts as before. After ``init_process_group`` torch's own hook wraps this one
+(it prefixes each line with ``[rankN]:``) and writes what this hook printed after it returns,
+an unprotected window of a few microseconds.
+
+The error file's timestamp orders the launcher's report: it names the failure with the
+smallest one as "Root Cause". A rank that stayed quiet, or lost its connection, writes the
+second after its cause's (it is ordered after it), so the printed error is the root cause.
+Its error file's display line (``py_callstack``, which the launcher shows) is one line, not the
+traceback: the traceback is printed once above the block, the block repeats only the message.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+from typing import Any, Callable, NamedTuple
+
+__all__ = ["ALL_RANK_ERRORS_ENV", "ErrorKind", "classify_error", "error_file_record",
+           "install_rank_error_hook"]
+
+ALL_RANK_ERRORS_ENV = "HF_CEPHALO_ALL_RANK_ERRORS"
+"""Environment variable: ``1`` / ``true`` / ``yes`` keeps Python's default (every rank prints)."""
+
+STALE_JOB_DIR_S = 24 * 3600.0
+"""Age in seconds after which another job's election directory is removed."""
+
+_MAX_LINE_CHARS = 200
+_MAX_CAUSE_DEPTH = 8
+
+# Substrings (lower case) of the errors torch.distributed raises on a rank whose peer process
+# exited: gloo ("[.../gloo/transport/tcp/pair.cc] Connection closed by peer [...]. This is
+# typically caused by a remote worker crashing"), the TCPStore (its server is rank 0's process),
+# NCCL after an abort. They are only matched on RuntimeError (torch's C++ errors and its
+# DistError family); an OSError with the same words is this process's own socket or pipe (a
+# download, a closed stdout) and is a cause.
+_CONNECTION_LOST_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "caused by a remote worker crashing",
+    "communicator was aborted",
+    "remote process exited",
+)
+_CONNECTION_LOST_TYPES = frozenset({"DistNetworkError"})
+
+_JOB_DIR_PREFIX = "hf_cephalo-errors-"
+_CONSEQUENCE_FINGERPRINT = "lost-connection"
+
+_previous_hook: Callable[..., Any] | None = None
+
+
+class ErrorKind(enum.Enum):
+    """What an uncaught exception on a rank says about the job."""
+
+    CAUSE = "cause"
+    """Raised by this rank's own code, settings or data: printed once per distinct message."""
+
+    CONSEQUENCE = "consequence"
+    """This rank lost its connection to a rank that stopped first: one line per machine."""
+
+
+class _Election(NamedTuple):
+    """Outcome of one fingerprint's election on this machine."""
+
+    won: bool
+    """True when this rank was the first with the fingerprint (it prints)."""
+
+    first_rank: int | None
+    """The rank that was first (this rank when ``won``); None when its file was unreadable."""
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
+def _launched_with_several_ranks() -> bool:
+    """torchrun (and ``accelerate launch``) set WORLD_SIZE, RANK and LOCAL_RANK on each worker."""
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+    return world_size > 1 and ("RANK" in os.environ or "LOCAL_RANK" in os.environ)
+
+
+def _rank() -> int:
+    """This process's global rank (RANK, else LOCAL_RANK), -1 when neither parses."""
+    for name in ("RANK", "LOCAL_RANK"):
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return -1
+
+
+def _headline(exc: BaseException) -> str:
+    """``"<Type>: <message>"``, as torch's error handler writes it."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _first_line(exc: BaseException) -> str:
+    """``"<Type>: <first line of the message>"``, cut at ``_MAX_LINE_CHARS`` characters."""
+    message = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
+    return line if len(line) <= _MAX_LINE_CHARS else line[:_MAX_LINE_CHARS - 3] + "..."
+
+
+def classify_error(exc: BaseException) -> ErrorKind:
+    """``ErrorKind.CONSEQUENCE`` when ``exc``, or an exception it was raised from
+    (``raise ... from``, followed up to 8 deep), is torch.distributed reporting a lost peer:
+    a ``DistNetworkError``, or a RuntimeError whose message says the connection was closed /
+    reset by the peer, the pipe broke, or the communicator was aborted. Otherwise
+    ``ErrorKind.CAUSE``. Never raises; imports nothing (torch's types are matched by name)."""
+    link: BaseException | None = exc
+    for _ in range(_MAX_CAUSE_DEPTH):
+        if link is None:
+            break
+        if isinstance(link, RuntimeError) and not isinstance(link, OSError):
+            names = {cls.__name__ for cls in type(link).__mro__}
+            text = str(link).lower()
+            if names & _CONNECTION_LOST_TYPES or any(m in text for m in _CONNECTION_LOST_MARKERS):
+                return ErrorKind.CONSEQUENCE
+        link = link.__cause__
+    return ErrorKind.CAUSE
+
+
+def error_file_record(exc: BaseException, timestamp_s: float, shown: str) -> dict:
+    """The JSON object torchrun's agent reads from a worker's ``TORCHELASTIC_ERROR_FILE``.
+
+    The format of ``torch.distributed.elastic.multiprocessing.errors.ErrorHandler``:
+    ``{"message": {"message": "<Type>: <message>", "extraInfo": {"py_callstack": shown,
+    "timestamp": "<whole seconds since the epoch>"}}}``. The launcher's report shows ``shown``
+    (where torch's ``@record`` puts the whole traceback) and names the failure with the smallest
+    ``timestamp_s`` (seconds since the epoch, truncated) as "Root Cause".
+    """
+    return {"message": {"message": _headline(exc),
+                        "extraInfo": {"py_callstack": shown,
+                                      "timestamp": str(int(timestamp_s))}}}
+
+
+def _write_error_file(record: dict) -> None:
+    import json
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if path:  # empty when the launcher keeps no logs
+        with open(path, "w") as f:
+            json.dump(record, f)
+
+
+def _job_key() -> str:
+    """What the workers of one launch on one machine share, and another launch does not."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    attempt_dir = os.path.dirname(os.path.dirname(error_file)) if error_file else ""
+    parts = [str(os.getppid()), os.environ.get("MASTER_PORT", ""),
+             os.environ.get("TORCHELASTIC_RUN_ID", ""),
+             os.environ.get("TORCHELASTIC_RESTART_COUNT", ""), attempt_dir]
+    return "|".join(parts)
+
+
+def _remove_stale_job_dirs(base: str, keep: str, now_s: float) -> None:
+    import shutil
+
+    for entry in os.scandir(base):
+        try:
+            if (entry.name != keep and entry.is_dir(follow_symlinks=False)
+                    and now_s - entry.stat(follow_symlinks=False).st_mtime > STALE_JOB_DIR_S):
+                shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            continue  # another job removed it first
+
+
+def _job_dir() -> str:
+    """This job's election directory, created (mode 0700) on first use. Raises OSError when the
+    temp directory is unusable or the per-user directory is not this user's own directory."""
+    import hashlib
+    import stat
+    import tempfile
+    import time
+
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    base = os.path.join(tempfile.gettempdir(), f"{_JOB_DIR_PREFIX}{uid}")
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != uid):
+        raise PermissionError(f"{base} is not a directory owned by this user")
+    name = hashlib.sha1(_job_key().encode()).hexdigest()[:20]
+    path = os.path.join(base, name)
+    try:
+        os.mkdir(path, mode=0o700)
+    except FileExistsError:
+        return path
+    _remove_stale_job_dirs(base, keep=name, now_s=time.time())  # once per job: its first rank
+    return path
+
+
+def _elect(fingerprint: str, rank: int) -> _Election:
+    """Whether this rank is the first on this machine to report ``fingerprint`` in this job.
+    Raises OSError when the election directory cannot be used (the caller then prints)."""
+    path = os.path.join(_job_dir(), fingerprint)
+    candidate = f"{path}.{os.getpid()}"
+    with open(candidate, "w") as f:
+        f.write(str(rank))
+    try:
+        os.link(candidate, path)  # atomic: exactly one rank creates the name, with its content
+        return _Election(won=True, first_rank=rank)
+    except FileExistsError:
+        try:
+            with open(path) as f:
+                return _Election(won=False, first_rank=int(f.read()))
+        except (OSError, ValueError):
+            return _Election(won=False, first_rank=None)
+    finally:
+        os.unlink(candidate)
+
+
+class _Report(NamedTuple):
+    """What the hook prints for one exception."""
+
+    line: str | None
+    """One line written to stderr first, or None."""
+
+    traceback: bool
+    """Whether the previous hook then prints the traceback."""
+
+
+_FULL_REPORT = _Report(line=None, traceback=True)
+
+
+def _report(exc: BaseException) -> _Report:
+    """Decide what this rank prints and write its error file (the election's side effects)."""
+    import hashlib
+    import time
+
+    rank = _rank()
+    now_s = time.time()
+    if classify_error(exc) is ErrorKind.CONSEQUENCE:
+        line = (f"rank {rank} stopped: lost the connection to another rank, which failed first "
+                f"({_first_line(exc)})")
+        # after its cause, whose rank exited (closing the connection) after writing its own
+        _write_error_file(error_file_record(exc, now_s + 1, shown=line))
+        won = _elect(_CONSEQUENCE_FINGERPRINT, rank).won
+        return _Report(line=line if won else None, traceback=False)
+    fingerprint = hashlib.sha1(_headline(exc).encode("utf-8", "replace")).hexdigest()
+    election = _elect(fingerprint, rank)
+    if election.won:
+        _write_error_file(error_file_record(exc, now_s, shown=_headline(exc)))
+        return _Report(line=(f"rank {rank} failed first with the error below; other ranks with "
+                             f"the same error stay quiet ({ALL_RANK_ERRORS_ENV}=1 shows them)"),
+                       traceback=True)
+    # the first rank took its timestamp before its election: one second later orders this after
+    first = "another rank" if election.first_rank is None else f"rank {election.first_rank}"
+    shown = f"{type(exc).__name__}: same error as {first} (its traceback is printed above)"
+    _write_error_file(error_file_record(exc, time.time() + 1, shown=shown))
+    return _Report(line=None, traceback=False)
+
+
+def _ignore_sigterm() -> Callable[[], None]:
+    """Ignore SIGTERM until the returned function is called ([Note: one error report per job]:
+    the launcher's SIGTERM must not end a printing rank). Does nothing off the main thread."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    try:
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except (ValueError, OSError, AttributeError):
+        return lambda: None
+    # None: a handler installed outside Python; the closest to it Python can restore is SIG_DFL
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _flush_stderr() -> None:
+    try:
+        sys.stderr.flush()
+    except Exception:  # a closed or broken stderr: nothing more can be shown
+        pass
+
+
+class _RankErrorHook:
+    """``sys.excepthook`` reporting an uncaught exception once per job ([Note: one error report
+    per job]); ``previous`` prints tracebacks and takes every case this hook does not handle."""
+
+    def __init__(self, previous: Callable[..., Any], ignore_sigterm: bool = True):
+        self.previous = previous
+        self.ignore_sigterm = ignore_sigterm
+
+    def __call__(self, exc_type, exc, tb) -> None:
+        # KeyboardInterrupt (a person stopping the job) and the rare non-Exception errors keep
+        # the default report, as does an exception an outer instance of this hook has handled
+        if not isinstance(exc, Exception) or getattr(exc, "_hf_cephalo_reported", False):
+            self.previous(exc_type, exc, tb)
+            return
+        restore_sigterm = _ignore_sigterm() if self.ignore_sigterm else (lambda: None)
+        try:
+            try:
+                exc._hf_cephalo_reported = True
+                report = _report(exc)
+                if report.line is not None:
+                    sys.stderr.write(report.line + "\n")
+                    sys.stderr.flush()
+            except Exception:  # the hook must never hide the error: the full traceback instead
+                report = _FULL_REPORT
+            if report.traceback:
+                self.previous(exc_type, exc, tb)
+                _flush_stderr()  # written before SIGTERM may end the process again
+        finally:
+            restore_sigterm()
+
+
+def install_rank_error_hook() -> bool:
+    """Install the once-per-job error report as ``sys.excepthook`` (chained to the current hook).
+
+    Only for a worker of a launch with several ranks (``WORLD_SIZE`` > 1 and ``RANK`` or
+    ``LOCAL_RANK`` set, as torchrun and ``accelerate launch`` set them) and unless
+    ``HF_CEPHALO_ALL_RANK_ERRORS`` is ``1``/``true``/``yes``. Idempotent (installs at most once
+    per process). Returns True when the hook is installed (now or before).
+    """
+    global _previous_hook
+    if _previous_hook is not None:
+        return True
+    if not _launched_with_several_ranks() or _env_flag(ALL_RANK_ERRORS_ENV):
+        return False
+    _previous_hook = sys.excepthook
+    sys.excepthook = _RankErrorHook(_previous_hook)
+    return True

@@ -1,0 +1,46 @@
+"""Worker of tests/test_rank_errors.py: an uncaught error on the ranks of a torchrun launch.
+
+``argv[1]`` is the mode:
+
+- ``every``: every rank raises ``ValueError(MESSAGE)`` (before any process group, as a bad
+  setting does in argument parsing);
+- ``rank1``: after a gloo process group and a barrier, rank 1 raises ``ValueError(MESSAGE)``
+  while rank 0 waits in an all_reduce, which fails when rank 1's process exits (gloo:
+  "Connection closed by peer").
+
+SIGTERM is ignored from the start: the launcher sends it to the other ranks as soon as one rank
+exits, and whether it lands before a rank reaches its error depends on timing. Ignoring it
+makes every rank reach its error, so the test can count exactly what each rank prints (the
+launcher still ends a stuck rank with SIGKILL after its grace period).
+"""
+
+import datetime
+import signal
+import sys
+from pathlib import Path
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import hf_cephalo  # noqa: E402,F401  (installs the once-per-job error report)
+
+MESSAGE = "lr = -1 (--learning_rate): must be > 0"
+
+
+def main(mode: str) -> None:
+    if mode == "every":
+        raise ValueError(MESSAGE)
+    if mode != "rank1":
+        raise SystemExit(f"unknown mode {mode!r}")
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.barrier()  # both ranks are past start-up: rank 1's exit reaches rank 0's collective
+    if dist.get_rank() == 1:
+        raise ValueError(MESSAGE)
+    dist.all_reduce(torch.ones(4))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
