@@ -284,8 +284,29 @@ def plot_plan(plan, path: str) -> None:
     plt.close(fig)
 
 
+def _infeasible_remedy(args: argparse.Namespace, cluster, constraint: str) -> str:
+    """The flags that relax an infeasible plan's binding constraint (``InfeasiblePlanError.
+    constraint``), or "" where its message already says what to do."""
+    if constraint == "idle":
+        more = f", or -B >= {cluster.world_size}" if args.global_batch_size < cluster.world_size \
+            else ""
+        return f" (drop --no-idle{more})"
+    if constraint not in ("device", "aggregate"):
+        return ""
+    if args.profile:
+        smaller = ("a profile measured with hf-cephalo profile --precision bf16, or of the LoRA "
+                   "model")
+    else:
+        flags = [f for f, given in (("--precision bf16", args.precision in ("bf16", "fp16")),
+                                    ("--lora-rank R", args.lora_rank is not None)) if not given]
+        smaller = " or ".join(flags) or "a smaller model"
+    batch = "a smaller -B, " if constraint == "aggregate" else ""
+    return (f"; to fit: {batch}a --memory-fraction closer to 1 (now {args.memory_fraction}), "
+            f"less memory per GPU ({smaller}), or more GPUs")
+
+
 def _run_plan(args: argparse.Namespace) -> int:
-    from hf_cephalo.planner.optimize import optimize
+    from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize
     from hf_cephalo.planner.simulate import predict
     from hf_cephalo.profiler.types import format_bytes
 
@@ -293,8 +314,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     cluster = _load_cluster(args)
     if args.save_profile:
         cluster.save(args.save_profile)
-    plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
-                    allow_idle=not args.no_idle, root_resident=args.root_resident)
+    try:
+        plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
+                        allow_idle=not args.no_idle, root_resident=args.root_resident)
+    except InfeasiblePlanError as e:
+        raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, cluster, e.constraint)}",
+                                  e.constraint) from None
     pred = predict(plan, cluster)
     print(f"profile: {cluster.source}, model {cluster.model.name}, "
           f"{cluster.world_size} ranks, training state {format_bytes(cluster.model.state_bytes)}")
