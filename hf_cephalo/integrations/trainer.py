@@ -715,7 +715,7 @@ class CephaloTrainer(Trainer):
             return
         import os
 
-        from hf_cephalo.engine.checkpoint import (CheckpointError, errors_on_every_rank,
+        from hf_cephalo.engine.checkpoint import (DAMAGED, CheckpointError, errors_on_every_rank,
                                                   load_sharded_optimizer)
 
         path = os.path.join(checkpoint, "scheduler.pt")
@@ -723,7 +723,8 @@ class CephaloTrainer(Trainer):
             load_sharded_optimizer(self.engine, _unwrap_optimizer(self.optimizer), checkpoint)
             if self.lr_scheduler is not None:
                 if not os.path.isfile(path):
-                    raise CheckpointError(f"{path}: missing (the LR scheduler's position)")
+                    raise CheckpointError(f"{path}: missing (the LR scheduler's position); "
+                                          f"{DAMAGED}")
                 self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu",
                                                              weights_only=True))
 
