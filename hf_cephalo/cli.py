@@ -364,8 +364,11 @@ def _restrict_gpu_types(args: argparse.Namespace):
     keep = {get_gpu_spec(g).name for g in args.gpu_types}
     machines = [m for m in spec.machines if m and all(get_gpu_spec(g).name in keep for g in m)]
     if not machines:
+        example = " ".join(sorted({get_gpu_spec(g).name for g in next(m for m in spec.machines
+                                                                       if m)}))
         raise ValueError(f"--gpu-types {args.gpu_types}: no machine of {args.cluster} has only "
-                         f"these GPU types (machines: {spec.machines})")
+                         f"these GPU types (machines: {spec.machines}); list every GPU type of "
+                         f"the machines to keep, e.g. --gpu-types {example}")
     return ClusterSpec(name=f"{spec.name} [{'+'.join(sorted(keep))}]", machines=machines,
                        interconnect_gbps=spec.interconnect_gbps,
                        intra_machine_gbps=spec.intra_machine_gbps)
@@ -571,8 +574,8 @@ def _read_model_config(path: str) -> tuple[str, dict]:
         raise ValueError(f"model config {file!r} is not valid JSON ({e}); give a Hugging Face "
                          "config.json") from None
     if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"model config {file!r} has no 'model_type'; is it a Hugging Face "
-                         "config.json?")
+        raise ValueError(f"model config {file!r} has no 'model_type'; give a Hugging Face "
+                         "config.json (the one save_pretrained writes beside the weights)")
     return file, data
 
 

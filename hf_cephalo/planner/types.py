@@ -248,7 +248,9 @@ class Plan:
             theirs = {k: getattr(model_profile, k) for k in mine}
             if mine != theirs:
                 raise ValueError(f"plan was made for model {self.model.get('name')!r} {mine} but "
-                                 f"the job's model {model_profile.name!r} has {theirs}; re-plan")
+                                 f"the job's model {model_profile.name!r} has {theirs}; re-plan "
+                                 "for this model (`hf-cephalo plan` from its profile, or drop "
+                                 "cephalo_plan_file so the trainer plans at start)")
 
     # --- JSON ------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
