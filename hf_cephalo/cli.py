@@ -284,8 +284,29 @@ def plot_plan(plan, path: str) -> None:
     plt.close(fig)
 
 
+def _infeasible_remedy(args: argparse.Namespace, cluster, constraint: str) -> str:
+    """The flags that relax an infeasible plan's binding constraint (``InfeasiblePlanError.
+    constraint``), or "" where its message already says what to do."""
+    if constraint == "idle":
+        more = f", or -B >= {cluster.world_size}" if args.global_batch_size < cluster.world_size \
+            else ""
+        return f" (drop --no-idle{more})"
+    if constraint not in ("device", "aggregate"):
+        return ""
+    if args.profile:
+        smaller = ("a profile measured with hf-cephalo profile --precision bf16, or of the LoRA "
+                   "model")
+    else:
+        flags = [f for f, given in (("--precision bf16", args.precision in ("bf16", "fp16")),
+                                    ("--lora-rank R", args.lora_rank is not None)) if not given]
+        smaller = " or ".join(flags) or "a smaller model"
+    batch = "a smaller -B, " if constraint == "aggregate" else ""
+    return (f"; to fit: {batch}a --memory-fraction closer to 1 (now {args.memory_fraction}), "
+            f"less memory per GPU ({smaller}), or more GPUs")
+
+
 def _run_plan(args: argparse.Namespace) -> int:
-    from hf_cephalo.planner.optimize import optimize
+    from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize
     from hf_cephalo.planner.simulate import predict
     from hf_cephalo.profiler.types import format_bytes
 
@@ -293,8 +314,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     cluster = _load_cluster(args)
     if args.save_profile:
         cluster.save(args.save_profile)
-    plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
-                    allow_idle=not args.no_idle, root_resident=args.root_resident)
+    try:
+        plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
+                        allow_idle=not args.no_idle, root_resident=args.root_resident)
+    except InfeasiblePlanError as e:
+        raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, cluster, e.constraint)}",
+                                  e.constraint) from None
     pred = predict(plan, cluster)
     print(f"profile: {cluster.source}, model {cluster.model.name}, "
           f"{cluster.world_size} ranks, training state {format_bytes(cluster.model.state_bytes)}")
@@ -339,8 +364,11 @@ def _restrict_gpu_types(args: argparse.Namespace):
     keep = {get_gpu_spec(g).name for g in args.gpu_types}
     machines = [m for m in spec.machines if m and all(get_gpu_spec(g).name in keep for g in m)]
     if not machines:
+        example = " ".join(sorted({get_gpu_spec(g).name for g in next(m for m in spec.machines
+                                                                       if m)}))
         raise ValueError(f"--gpu-types {args.gpu_types}: no machine of {args.cluster} has only "
-                         f"these GPU types (machines: {spec.machines})")
+                         f"these GPU types (machines: {spec.machines}); list every GPU type of "
+                         f"the machines to keep, e.g. --gpu-types {example}")
     return ClusterSpec(name=f"{spec.name} [{'+'.join(sorted(keep))}]", machines=machines,
                        interconnect_gbps=spec.interconnect_gbps,
                        intra_machine_gbps=spec.intra_machine_gbps)
@@ -546,8 +574,8 @@ def _read_model_config(path: str) -> tuple[str, dict]:
         raise ValueError(f"model config {file!r} is not valid JSON ({e}); give a Hugging Face "
                          "config.json") from None
     if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"model config {file!r} has no 'model_type'; is it a Hugging Face "
-                         "config.json?")
+        raise ValueError(f"model config {file!r} has no 'model_type'; give a Hugging Face "
+                         "config.json (the one save_pretrained writes beside the weights)")
     return file, data
 
 

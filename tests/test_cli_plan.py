@@ -44,11 +44,20 @@ def test_plan_errors_exit_2(tmp_path, capsys):
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"model": {}, "comm": {}, "devices": []}))
     assert main(["plan", "--profile", str(bad), "-B", "8"]) == 2
-    assert "missing field" in capsys.readouterr().err
-    # infeasible: aggregate memory names the binding constraint
+    err = capsys.readouterr().err
+    assert f"cluster profile '{bad}': model profile: missing field" in err
+    # infeasible: aggregate memory names the binding constraint and the flags that relax it
     assert main(["plan", "--cluster", "examples/clusters/cluster_a.yaml", "--model", "vit-e",
                  "-B", "64", "--memory-fraction", "0.2"]) == 2
-    assert "aggregate memory" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "aggregate memory" in err
+    assert ("; to fit: a smaller -B, a --memory-fraction closer to 1 (now 0.2), less memory per "
+            "GPU (--precision bf16 or --lora-rank R), or more GPUs") in err
+    # fewer samples than ranks with --no-idle: the two ways out, as flags
+    assert main(["plan", "--cluster", "examples/clusters/cluster_a.yaml", "--model", "llama-3b",
+                 "-B", "3", "--no-idle"]) == 2
+    assert "smaller than the world size 8; allow idle ranks or raise the batch size (drop " \
+           "--no-idle, or -B >= 8)" in capsys.readouterr().err
 
 
 def test_registry_holds_plan():

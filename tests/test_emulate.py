@@ -132,8 +132,12 @@ def test_memory_cap_errors(tmp_path, monkeypatch):
     args = CephaloTrainingArguments(output_dir=str(tmp_path / "out"), report_to="none",
                                     cephalo_global_batch_size=4,
                                     cephalo_emulate_memory_cap_bytes=[1_000_000])
-    with pytest.raises(ValueError, match="no plan for global batch size 4 fits"):
+    with pytest.raises(ValueError, match="no plan for global batch size 4 fits") as e:
         CephaloTrainer(model=_llama(hidden=64), args=args)
+    # ... and the trainer flags that relax it
+    assert ("; to fit: a --cephalo_memory_fraction closer to 1 (now 0.8), less memory per GPU "
+            "(--bf16, a LoRA adapter, shorter sequences), or larger "
+            "--cephalo_emulate_memory_cap_bytes. This world (1 ranks") in str(e.value)
     assert not torch.distributed.is_initialized()
 
 

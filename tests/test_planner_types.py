@@ -85,6 +85,15 @@ def test_load_rejects_garbage(tmp_path):
     path.write_text(json.dumps({"ranks": []}))
     with pytest.raises(ValueError, match="global_batch_size"):
         Plan.load(path)
+    # a malformed field: the message names the file, the field and how to get a valid plan
+    data = Plan.even(2, 4).to_json()
+    data["global_batch_size"] = 5
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as e:
+        Plan.load(path)
+    assert str(e.value) == (f"plan file {str(path)!r}: global_batch_size 5 must equal the sum of "
+                            "per-rank batch sizes [2, 2] (= 4) and be >= 1; write the plan anew "
+                            "with hf-cephalo plan --out FILE (format: docs/profiles.md)")
 
 
 def test_microbatch_zero_with_samples_is_a_clear_error():

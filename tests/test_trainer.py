@@ -295,7 +295,8 @@ def test_rejects_bad_setup(tmp_path, monkeypatch):
     for name in ("PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE"):
         monkeypatch.delenv("HF_CEPHALO_" + name, raising=False)
     args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none")
-    with pytest.raises(TypeError, match="CephaloTrainingArguments"):
+    with pytest.raises(TypeError, match=r"needs CephaloTrainingArguments, got TrainingArguments: "
+                       r"build args=CephaloTrainingArguments\(\.\.\.\)"):
         CephaloTrainer(model=build("llama"), args=args)
     plan_file = tmp_path / "plan.json"
     Plan.from_ratios([2, 2], [1, 1], [0.5, 0.5]).save(plan_file)
@@ -323,7 +324,7 @@ def test_rejects_bad_setup(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="load_best_model_at_end"):
         CephaloTrainer(model=build("llama"), args=args)
     args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none")
-    with pytest.raises(ValueError, match="CephaloTrainer needs a model"):
+    with pytest.raises(ValueError, match=r"CephaloTrainer needs a model: pass model=\.\.\."):
         CephaloTrainer(model=None, args=args)
     with pytest.raises(ValueError, match="no adapter|not supported|supported"):
         CephaloTrainer(model=torch.nn.Linear(2, 2), args=args)

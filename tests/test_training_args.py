@@ -107,7 +107,9 @@ def test_precision_defaults_follow_the_compute_dtype(tmp_path, monkeypatch):
     (dict(cephalo_global_batch_size=0), "global_batch_size = 0"),
     (dict(cephalo_activation_offload="sometimes"), "activation_offload = 'sometimes'"),
     (dict(cephalo_emulate_slowdown=[1.0, 0.5]), r"emulate_slowdown = \[1.0, 0.5\]"),
-    (dict(cephalo_emulate_slowdown="1,x"), "emulate_slowdown = '1,x' is not a list"),
+    (dict(cephalo_emulate_slowdown="1,x"), r"emulate_slowdown = '1,x' is not a list of numbers "
+                                           r"\(--cephalo_emulate_slowdown or env "
+                                           r"HF_CEPHALO_EMULATE_SLOWDOWN: use e.g. '1,2.5'\)"),
     (dict(cephalo_emulate_memory_cap_bytes=[0]), r"emulate_memory_cap_bytes = \[0\]"),
     (dict(cephalo_emulate_memory_cap_bytes="1.5"), "whole numbers"),
     (dict(cephalo_emulate_slowdown=[1, 2], cephalo_emulate_memory_cap_bytes=[5]), "one value per rank"),

@@ -72,8 +72,13 @@ class FILES:
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: missing, incomplete, corrupt or of another model.
 
-    The message names the file and what is wrong.
+    The message names the file, what is wrong and what to do.
     """
+
+
+DAMAGED = ("the checkpoint is damaged: copy the directory again, or resume from (or export) an "
+           "earlier checkpoint-N")
+"""The next step of every error about a corrupt or inconsistent checkpoint file."""
 
 
 @dataclass(frozen=True)
@@ -269,14 +274,18 @@ def _json_value(value: Any, where: str) -> Any:
         if value.dim() != 0:
             raise NotImplementedError(f"optimizer state {where} is a tensor of shape "
                                       f"{tuple(value.shape)} that is not shard-aligned; sharded "
-                                      "checkpoints support per-element state and scalars only")
+                                      "checkpoints support per-element state and scalars only: "
+                                      "use an element-wise optimizer such as torch.optim.AdamW "
+                                      "(--optim adamw_torch)")
         return {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
     if isinstance(value, (tuple, list)):
         return {"tuple" if isinstance(value, tuple) else "list":
                 [_json_value(v, where) for v in value]}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    raise NotImplementedError(f"optimizer state {where} = {value!r} cannot be saved as JSON")
+    raise NotImplementedError(f"optimizer state {where} = {value!r} cannot be saved as JSON; "
+                              "use an element-wise optimizer such as torch.optim.AdamW "
+                              "(--optim adamw_torch)")
 
 
 def _from_json(value: Any) -> Any:
@@ -367,15 +376,17 @@ def save_checkpoint(engine, path: str, optimizer: torch.optim.Optimizer | None =
 # ---- read -------------------------------------------------------------------------------------
 def _read_json(path: str, what: str, formats: tuple[str, ...] = READABLE_FORMATS) -> dict:
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing ({what})")
+        raise CheckpointError(f"{path}: missing ({what}); {DAMAGED}")
     try:
         with open(path) as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt JSON ({what}): {e}") from None
+        raise CheckpointError(f"{path}: corrupt JSON ({what}): {e}; {DAMAGED}") from None
     if not isinstance(data, dict) or data.get("format") not in formats:
         raise CheckpointError(f"{path}: not a {FORMAT} file (format "
-                              f"{data.get('format') if isinstance(data, dict) else None!r})")
+                              f"{data.get('format') if isinstance(data, dict) else None!r}); "
+                              f"this release reads {', '.join(formats)}: a checkpoint of a newer "
+                              "hf_cephalo needs that release (upgrade)")
     return data
 
 
@@ -386,7 +397,9 @@ def read_layout(directory: str) -> CheckpointLayout:
     or the layout file is missing / corrupt.
     """
     if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory}: no such checkpoint directory")
+        raise CheckpointError(f"{directory}: no such checkpoint directory; give the path of a "
+                              "checkpoint-N directory written by CephaloTrainer (or "
+                              "save_checkpoint)")
     marker = os.path.join(directory, FILES.COMPLETE)
     if not os.path.isfile(marker) and not os.path.isfile(os.path.join(directory, FILES.LAYOUT)):
         raise CheckpointError(f"{directory}: not a Cephalo sharded checkpoint (no {FILES.LAYOUT}, "
@@ -404,7 +417,7 @@ def read_layout(directory: str) -> CheckpointLayout:
                                 data.get("config"), data["format"])
     except (KeyError, TypeError, ValueError) as e:
         path = os.path.join(directory, FILES.LAYOUT)
-        raise CheckpointError(f"{path}: corrupt layout ({e})") from None
+        raise CheckpointError(f"{path}: corrupt layout ({e}); {DAMAGED}") from None
 
 
 class _ShardReader:
@@ -427,18 +440,18 @@ class _ShardReader:
         want = self.expected.get(name)
         if want is None:
             raise CheckpointError(f"{path}: not listed in {FILES.COMPLETE} (a file from "
-                                  "another save?)")
+                                  f"another save?); {DAMAGED}")
         size = os.path.getsize(path)
         if size != want["size_bytes"]:
             raise CheckpointError(f"{path}: corrupt — {size} bytes, the checkpoint recorded "
-                                  f"{want['size_bytes']} (truncated or overwritten)")
+                                  f"{want['size_bytes']} (truncated or overwritten); {DAMAGED}")
         if self.verify and "crc32" in want and _crc32(path) != want["crc32"]:
             raise CheckpointError(f"{path}: corrupt — CRC-32 does not match the one recorded "
-                                  "at save")
+                                  f"at save; {DAMAGED}")
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
+            raise CheckpointError(f"{path}: corrupt safetensors file ({e}); {DAMAGED}") from None
         self._open[name] = handle
         return handle
 
@@ -449,11 +462,12 @@ class _ShardReader:
             try:
                 meta = json.loads((self.open(name).metadata() or {})["cephalo"])
             except (KeyError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{path}: corrupt shard metadata ({e})") from None
+                raise CheckpointError(f"{path}: corrupt shard metadata ({e}); {DAMAGED}") from None
             if meta.get("fingerprint") != self.layout.fingerprint or meta.get("rank") != rank:
                 raise CheckpointError(
                     f"{path}: shard of another checkpoint (model {meta.get('fingerprint')}, rank "
-                    f"{meta.get('rank')}), expected rank {rank} of {self.layout.fingerprint}")
+                    f"{meta.get('rank')}), expected rank {rank} of {self.layout.fingerprint}; "
+                    f"{DAMAGED}")
             self.meta[rank] = meta
         return self.meta[rank]
 
@@ -472,12 +486,13 @@ class _ShardReader:
             handle = self.open(name)
             if tensor_key not in handle.keys():
                 raise CheckpointError(f"{os.path.join(self.layout.directory, name)}: no tensor "
-                                      f"{tensor_key!r} (corrupt or written without an optimizer)")
+                                      f"{tensor_key!r} (corrupt or written without an "
+                                      f"optimizer); {DAMAGED}")
             sl = handle.get_slice(tensor_key)
             if sl.get_shape() != [hi_r - lo_r]:
                 raise CheckpointError(f"{os.path.join(self.layout.directory, name)}: tensor "
                                       f"{tensor_key!r} has shape {sl.get_shape()}, the layout says "
-                                      f"[{hi_r - lo_r}]")
+                                      f"[{hi_r - lo_r}]; {DAMAGED}")
             pieces.append(sl[lo - lo_r:hi - lo_r])
         got = sum(p.numel() for p in pieces)
         assert got == stop - start, f"re-layout read {got} of {stop - start} elements"
@@ -528,7 +543,8 @@ def _check_model(layout: CheckpointLayout, engine) -> None:
             f"({layout.fingerprint['model_class']}, parameter hash "
             f"{layout.fingerprint['sha256'][:12]}) than the engine's "
             f"({mine['model_class']}, {mine['sha256'][:12]}): parameter names, shapes, dtype or "
-            "unit split differ")
+            "unit split differ; resume with the model it was saved from (same class, config, "
+            "dtype and LoRA setup), or start a new output_dir")
 
 
 @contextlib.contextmanager
@@ -606,7 +622,7 @@ def _read_buffers(layout: CheckpointLayout, reader: _ShardReader) -> dict[str, t
     missing = [k for k in layout.buffers if k not in handle.keys()]
     if missing:
         raise CheckpointError(f"{os.path.join(layout.directory, FILES.BUFFERS)}: missing buffers "
-                              f"{missing}")
+                              f"{missing}; {DAMAGED}")
     return {k: handle.get_tensor(k) for k in layout.buffers}
 
 
@@ -628,7 +644,10 @@ def load_sharded_optimizer(engine, optimizer: torch.optim.Optimizer, directory: 
     metas = [reader.shard_meta(r) for r in range(layout.world_size)]
     path0 = os.path.join(directory, FILES.shard(0))
     if not metas[0]["has_optimizer"]:
-        raise CheckpointError(f"{path0}: the checkpoint was saved without optimizer state")
+        raise CheckpointError(f"{path0}: the checkpoint was saved without optimizer state, "
+                              "so training cannot resume from it; export its "
+                              "weights (hf-cephalo export) and start from them, or resume from a "
+                              "checkpoint saved with the optimizer")
     if metas[0].get("optimizer_class") != type(optimizer).__name__:
         raise CheckpointError(f"{path0}: optimizer state of {metas[0].get('optimizer_class')}, "
                               f"but the optimizer is {type(optimizer).__name__}; resume with the "
@@ -638,7 +657,8 @@ def load_sharded_optimizer(engine, optimizer: torch.optim.Optimizer, directory: 
     saved_groups = [{k: _from_json(v) for k, v in g.items()} for g in metas[0]["param_groups"]]
     if len(saved_groups) != len(state_dict["param_groups"]):
         raise ValueError(f"{path0}: the checkpoint's optimizer has {len(saved_groups)} param "
-                         f"groups, this one {len(state_dict['param_groups'])}")
+                         f"groups, this one {len(state_dict['param_groups'])}; build the optimizer "
+                         "with the saved run's parameter groups")
     index_of = {}
     idx = 0
     for group in optimizer.param_groups:
@@ -671,7 +691,7 @@ def _unit_optimizer_state(reader: _ShardReader, metas: list[dict], u: int, unit)
                 raise CheckpointError(
                     f"{os.path.join(reader.layout.directory, FILES.shard(r))}: optimizer state "
                     f"{key!r} of unit {info['name']} is {value}, rank {holders[0]} has "
-                    f"{scalars[key]} (shards of different steps?)")
+                    f"{scalars[key]} (shards of different steps?); {DAMAGED}")
             scalars[key] = value
     handle = reader.open(FILES.shard(holders[0]))
     prefix = f"units.{u}.optim."
@@ -796,14 +816,21 @@ def _meta_model(layout: CheckpointLayout):
     config_dict = layout.config
     if not config_dict or not config_dict.get("architectures"):
         raise CheckpointError(f"{layout_path}: no model config with 'architectures' (the model "
-                              "was not a transformers PreTrainedModel); use read_full_state_dict")
+                              "was not a transformers PreTrainedModel); read the weights with "
+                              "hf_cephalo.engine.checkpoint.read_full_state_dict and save them "
+                              "with the model's own code")
     if config_dict.get("auto_map"):
         raise CheckpointError(f"{layout_path}: the config needs remote code (auto_map); export "
-                              "never executes code from a checkpoint")
+                              "never executes code from a checkpoint: read the weights with "
+                              "hf_cephalo.engine.checkpoint.read_full_state_dict and save them "
+                              "with the model's own code")
     arch = config_dict["architectures"][0]
     model_cls = getattr(transformers, arch, None)
     if model_cls is None or not isinstance(model_cls, type):
-        raise CheckpointError(f"{layout_path}: architecture {arch!r} is not a transformers class")
+        raise CheckpointError(f"{layout_path}: architecture {arch!r} is not a class of the "
+                              f"installed transformers {transformers.__version__} (a custom or "
+                              "newer class?): read the weights with hf_cephalo.engine.checkpoint."
+                              "read_full_state_dict")
     config = model_cls.config_class.from_dict({k: v for k, v in config_dict.items()
                                                if k not in ("transformers_version",)})
     with torch.device("meta"):
@@ -847,7 +874,8 @@ def _layout_sources(layout: CheckpointLayout, reader: _ShardReader, model):
                 "export_merged_lora), or save the adapter with trainer.save_model")
         raise CheckpointError(f"{os.path.join(layout.directory, FILES.LAYOUT)}: keys do not "
                               f"match {type(model).__name__}: missing {missing}, unexpected "
-                              f"{unexpected}")
+                              f"{unexpected}; read the weights with hf_cephalo.engine.checkpoint."
+                              "read_full_state_dict")
     meta = model.state_dict(keep_vars=True)
     sources = {k: where[k] if k in where else
                SavedTensor(None, k, tuple(meta[k].shape), meta[k].dtype) for k in keys}

@@ -102,7 +102,8 @@ class CheckpointFiles:
             missing = sorted(k for k, p in self.weight_map.items() if p == path and k not in keys)
             if missing:
                 raise ValueError(f"{self.where()} maps {missing[:5]} to {path}, but that file "
-                                 "does not contain them: the index and its files disagree")
+                                 "does not contain them: the index and its files disagree; "
+                                 "download the complete checkpoint again")
 
 
 def _cached(name_or_path: str, filename: str, kwargs: Mapping) -> str | None:
@@ -127,7 +128,8 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, **hub_kwargs) -> Checkpo
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no 'weight_map': not a safetensors index")
+            raise ValueError(f"{index} has no 'weight_map': not a safetensors index; download "
+                             "the checkpoint again or re-save it with save_pretrained")
         paths = {}
         for filename in sorted(set(weight_map.values())):
             path = _cached(source, filename, hub_kwargs)

@@ -669,7 +669,8 @@ class CephaloEngine:
         missing, unexpected = expected - set(state_dict), set(state_dict) - expected
         if missing or unexpected:
             raise ValueError(f"state dict mismatch: missing {sorted(missing)}, unexpected "
-                             f"{sorted(unexpected)}")
+                             f"{sorted(unexpected)}; pass a state dict of this model, with "
+                             "model.state_dict()'s keys")
         key_of = {}
         for key, kind, ref in self._key_map:
             if kind == "param":

@@ -185,7 +185,9 @@ def _apply_hf_key_edits(model, metas: dict[str, torch.Tensor],
     if any(id(t) not in by_id for t in reverted.values()) or len(reverted) != len(kept):
         raise NotImplementedError(
             f"{type(model).__name__} has weight conversions that combine or split tensors on "
-            "save (transformers' conversion mapping); the streamed save handles renames only")
+            "save (transformers' conversion mapping); the streamed save handles renames only: "
+            "gather the model on every rank instead (trainer.unshard_model(), then "
+            "model.save_pretrained)")
     return {new: by_id[id(t)] for new, t in reverted.items()}
 
 

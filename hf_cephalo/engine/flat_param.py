@@ -202,7 +202,9 @@ def collect_params(name: str, modules: Sequence[nn.Module], fqns: dict[int, list
                              f"the {part} parameters to one dtype (e.g. model.float() before "
                              "get_peft_model; a bf16 frozen base beside fp32 adapters is fine)")
         if group and not group[0].dtype.is_floating_point:
-            raise ValueError(f"unit {name!r} has non-floating parameters ({dtypes[0]})")
+            raise ValueError(f"unit {name!r} has non-floating parameters ({dtypes[0]}, e.g. "
+                             "quantized weights); load the model in a floating dtype (float32 "
+                             "or bfloat16, not quantized)")
     order.sort(key=lambda p: not p.requires_grad)  # stable: trainable first
     return order, uses
 
@@ -402,7 +404,8 @@ class FlatParamUnit:
         for info, t in zip(self.infos, tensors):
             if tuple(t.shape) != tuple(info.shape):
                 raise ValueError(f"{info.fqn}: shape {tuple(t.shape)} does not match the model's "
-                                 f"{tuple(info.shape)}")
+                                 f"{tuple(info.shape)}; pass the weights of a model with this "
+                                 "model's config")
             part = self.trainable if info.requires_grad else self.frozen
             pieces[part is self.frozen].append(t.detach().reshape(-1).to("cpu", part.dtype))
         return tuple(torch.cat(p) if p else torch.zeros(0, dtype=part.dtype)

@@ -205,7 +205,8 @@ class CheckpointSource:
             value = f.get_tensor(found)
         if tuple(value.shape) != tuple(buffer.shape):
             raise ValueError(f"buffer {key}: {self.files.weight_map[found]} stores shape "
-                             f"{tuple(value.shape)}, the model expects {tuple(buffer.shape)}")
+                             f"{tuple(value.shape)}, the model expects {tuple(buffer.shape)}: "
+                             "the model's config does not match the checkpoint")
         return value.to(buffer.dtype)
 
     def sync_buffer(self, buffer: torch.Tensor) -> None:
@@ -348,7 +349,10 @@ def _fill_meta_buffers(mod_name: str, module: nn.Module, names: list[str], sourc
         if fn is None:
             missing = [keys[n] for n, v in values.items() if v is None]
             raise ValueError(f"buffers {missing} are on the meta device and neither the "
-                             "checkpoint nor an init function of their module provides them")
+                             "checkpoint nor an init function of their module (_init_weights "
+                             "or reset_parameters) provides them; build the model on the CPU "
+                             "(not the meta device), or give the module a reset_parameters that "
+                             "fills them")
         with torch.random.fork_rng(devices=[]), torch.no_grad(), _init_guard():
             torch.manual_seed(unit_seed(seed, f"buffers of {mod_name}"))
             fn(module)

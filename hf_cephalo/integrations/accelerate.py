@@ -57,19 +57,24 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.removeprefix("cephalo_").upper()
 
 
-def _parse_list(value: Any, cast: type, what: str) -> list:
+def _parse_list(value: Any, cast: type, name: str) -> list:
     """'1,2.5', '1 2.5', [1, 2.5] or ['1,2.5'] (command-line tokens) -> list of ``cast`` (float
-    or int; '8e9' is a whole number of bytes); ValueError naming ``what``."""
+    or int; '8e9' is a whole number of bytes); ValueError naming the setting ``name``, its
+    value, flag and environment variable."""
+    what = f"{name} = {value!r}"
+    where = f"--cephalo_{name} or env {env_name(name)}"
     parts = [value] if isinstance(value, str) else list(value)
     items = [x for part in parts
              for x in (part.replace(",", " ").split() if isinstance(part, str) else [part])]
     try:
         numbers = [float(x) for x in items]
     except (TypeError, ValueError):
-        raise ValueError(f"{what} is not a list of numbers (use e.g. '1,2.5')") from None
+        example = "'8e9,4e9'" if cast is int else "'1,2.5'"
+        raise ValueError(f"{what} is not a list of numbers ({where}: use e.g. {example})") from None
     if cast is int:
         if any(not math.isfinite(x) or x != int(x) for x in numbers):
-            raise ValueError(f"{what}: entries must be whole numbers")
+            raise ValueError(f"{what}: entries must be whole numbers ({where}: use e.g. "
+                             "'8e9,4e9')")
         return [int(x) for x in numbers]
     return numbers
 
@@ -201,21 +206,21 @@ class CephaloPlugin:
 
     def _validate_emulation(self) -> None:
         if self.emulate_slowdown is not None:
-            what = f"emulate_slowdown = {self.emulate_slowdown!r}"
-            self.emulate_slowdown = _parse_list(self.emulate_slowdown, float, what)
+            self.emulate_slowdown = _parse_list(self.emulate_slowdown, float, "emulate_slowdown")
             if not self.emulate_slowdown or not all(1.0 <= x < math.inf for x in self.emulate_slowdown):
                 raise self._bad("emulate_slowdown", "need one finite factor >= 1 per rank (a device "
                                                     "cannot be emulated faster than it is)")
         if self.emulate_memory_cap_bytes is not None:
-            what = f"emulate_memory_cap_bytes = {self.emulate_memory_cap_bytes!r}"
-            self.emulate_memory_cap_bytes = _parse_list(self.emulate_memory_cap_bytes, int, what)
+            self.emulate_memory_cap_bytes = _parse_list(self.emulate_memory_cap_bytes, int,
+                                                        "emulate_memory_cap_bytes")
             if not self.emulate_memory_cap_bytes or min(self.emulate_memory_cap_bytes) < 1:
                 raise self._bad("emulate_memory_cap_bytes", "need one capacity >= 1 (bytes) per rank")
         if (self.emulate_slowdown is not None and self.emulate_memory_cap_bytes is not None
                 and len(self.emulate_slowdown) != len(self.emulate_memory_cap_bytes)):
             raise ValueError(f"emulate_slowdown has {len(self.emulate_slowdown)} entries but "
                              f"emulate_memory_cap_bytes has {len(self.emulate_memory_cap_bytes)}; "
-                             "give one value per rank in both")
+                             "give one value per rank in both (--cephalo_emulate_slowdown, "
+                             "--cephalo_emulate_memory_cap_bytes)")
 
     @property
     def offload_activations(self) -> bool | None:

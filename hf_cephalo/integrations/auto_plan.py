@@ -40,7 +40,7 @@ from transformers import TrainerCallback
 from hf_cephalo.integrations.preflight import warn_idle_ranks
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
-from hf_cephalo.planner import Plan, optimize, predict
+from hf_cephalo.planner import InfeasiblePlanError, Plan, optimize, predict
 from hf_cephalo.planner import cost, memory
 from hf_cephalo.profiler.emulate import (EmulatedStagedModel, EmulationConfig, apply_memory_cap,
                                          EmulatedOutOfMemoryError, check_plan_memory,
@@ -150,7 +150,11 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
     B = args.resolve_global_batch_size(world_size)
     _refuse_meta_profiling(model, args)
     cluster = _cluster(args, world_size, staged, emulation, train_dataset, B)
-    plan = optimize(cluster, B, args.cephalo_memory_fraction)
+    try:
+        plan = optimize(cluster, B, args.cephalo_memory_fraction)
+    except InfeasiblePlanError as e:
+        raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, B, e.constraint)}",
+                                  e.constraint) from None
     plan, cluster = replan_with_measured_u(plan, cluster, staged, args, B)
     plan.validate_for(world_size, cluster.model, precision=_job_precision_tag(args, staged))
     check_plan_memory([p.memory_bytes for p in predict(plan, cluster).ranks], caps)
@@ -161,6 +165,22 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
         print(f"[hf-cephalo] profile and plan saved to {args.output_dir}/profile.json, plan.json",
               flush=True)
     return ResolvedPlan(plan, cluster)
+
+
+def _infeasible_remedy(args, global_batch_size: int, constraint: str) -> str:
+    """The flags that relax an infeasible plan's binding constraint
+    (``InfeasiblePlanError.constraint``), or "" where its message already says what to do.
+    More devices: ``elastic.resolve_elastic_plan`` adds which ones."""
+    if constraint not in ("device", "aggregate"):
+        return ""
+    ways = [f"a smaller --cephalo_global_batch_size (now {global_batch_size})"] \
+        if constraint == "aggregate" else []
+    ways.append(f"a --cephalo_memory_fraction closer to 1 (now {args.cephalo_memory_fraction})")
+    ways.append(f"less memory per GPU ({'' if args.bf16 or args.fp16 else '--bf16, '}a LoRA "
+                "adapter, shorter sequences)")
+    if args.cephalo_emulate_memory_cap_bytes is not None:
+        ways.append("larger --cephalo_emulate_memory_cap_bytes")
+    return "; to fit: " + ", ".join(ways[:-1]) + ", or " + ways[-1]
 
 
 def _refuse_meta_profiling(model: torch.nn.Module, args) -> None:

@@ -280,7 +280,8 @@ def resolve_elastic_plan(args, world_size: int, model, train_dataset):
         # Every rank solved the same problem, so every rank is here: the gather is matched.
         names = auto_plan._gather_names(
             auto_plan._local_name(args, auto_plan._emulation(args, world_size)), world_size)
-        raise InfeasiblePlanError(f"{exc}{_missing_devices(args.output_dir, names)}") from exc
+        raise InfeasiblePlanError(f"{exc}{_missing_devices(args.output_dir, names)}",
+                                  exc.constraint) from exc
 
 
 def _missing_devices(output_dir: str, names: list[str]) -> str:

@@ -164,9 +164,12 @@ class CephaloTrainer(Trainer):
                  args: CephaloTrainingArguments | None = None, *, plan: Plan | None = None,
                  **kwargs: Any) -> None:
         if not isinstance(args, CephaloTrainingArguments):
-            raise TypeError(f"CephaloTrainer needs CephaloTrainingArguments, got {type(args).__name__}")
+            raise TypeError(f"CephaloTrainer needs CephaloTrainingArguments, got "
+                            f"{type(args).__name__}: build args=CephaloTrainingArguments(...) "
+                            "(every TrainingArguments field plus the cephalo_* settings)")
         if model is None:
-            raise ValueError("CephaloTrainer needs a model (model_init is not supported)")
+            raise ValueError("CephaloTrainer needs a model: pass model=... (model_init is not "
+                             "supported: build the model yourself)")
         check_training_args(args)  # [Note: no silent no-op] in support.py
         self._check_hooks(model, kwargs)
         _engine_checkpointing_replaces_model_checkpointing(args)
@@ -305,7 +308,8 @@ class CephaloTrainer(Trainer):
                          microbatch_size: int) -> _EpochDataLoader:
         if not hasattr(dataset, "__len__"):
             raise ValueError(f"{description}: CephaloTrainer needs a dataset with a length (an "
-                             "iterable dataset cannot be split by per-rank batch sizes)")
+                             "iterable dataset cannot be split by per-rank batch sizes): "
+                             "materialize it first, e.g. datasets.Dataset.from_generator")
         collator = self.data_collator
         strategy = str(getattr(self.args.train_sampling_strategy, "value",
                                self.args.train_sampling_strategy))
@@ -351,13 +355,15 @@ class CephaloTrainer(Trainer):
         if not hasattr(first, "keys") or name not in first:
             raise ValueError(f"train_sampling_strategy='group_by_length' needs a {column!r} column "
                              f"or samples with {name!r} (length_column_name / the processor's "
-                             "first input)")
+                             "first input): set --length_column_name to a column of per-sample "
+                             "lengths, or use --train_sampling_strategy random")
         return [len(dataset[i][name]) for i in range(len(dataset))]
 
     def get_train_dataloader(self) -> DataLoader:
         """This rank's loader: b_i samples per step as microbatches of m_i (not Accelerate-prepared)."""
         if self.train_dataset is None:
-            raise ValueError("CephaloTrainer: training requires a train_dataset")
+            raise ValueError("CephaloTrainer: training requires a train_dataset; pass "
+                             "CephaloTrainer(..., train_dataset=...)")
         rank_plan = self.plan.ranks[self.args.process_index]
         return self._weighted_loader(self.train_dataset, "training", shuffle=True,
                                      microbatch_size=max(rank_plan.microbatch_size, 1))
@@ -365,7 +371,8 @@ class CephaloTrainer(Trainer):
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         """Unshuffled rank-weighted split of the eval set in microbatches of per_device_eval_batch_size."""
         if eval_dataset is None and self.eval_dataset is None:
-            raise ValueError("CephaloTrainer: evaluation requires an eval_dataset")
+            raise ValueError("CephaloTrainer: evaluation requires an eval_dataset; pass "
+                             "CephaloTrainer(..., eval_dataset=...) or evaluate(eval_dataset)")
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
         elif eval_dataset is None:
@@ -715,7 +722,7 @@ class CephaloTrainer(Trainer):
             return
         import os
 
-        from hf_cephalo.engine.checkpoint import (CheckpointError, errors_on_every_rank,
+        from hf_cephalo.engine.checkpoint import (DAMAGED, CheckpointError, errors_on_every_rank,
                                                   load_sharded_optimizer)
 
         path = os.path.join(checkpoint, "scheduler.pt")
@@ -723,7 +730,8 @@ class CephaloTrainer(Trainer):
             load_sharded_optimizer(self.engine, _unwrap_optimizer(self.optimizer), checkpoint)
             if self.lr_scheduler is not None:
                 if not os.path.isfile(path):
-                    raise CheckpointError(f"{path}: missing (the LR scheduler's position)")
+                    raise CheckpointError(f"{path}: missing (the LR scheduler's position); "
+                                          f"{DAMAGED}")
                 self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu",
                                                              weights_only=True))
 

@@ -41,7 +41,8 @@ class LlamaStagedModel(CausalLMStagedModel):
         unknown = sorted(set(self._layer_types) - CAUSAL_MASK_BUILDERS.keys())
         if unknown:
             raise ValueError(f"{type(model).__name__}: config.layer_types contains {unknown}; "
-                             f"this adapter supports {sorted(CAUSAL_MASK_BUILDERS)}.")
+                             f"this adapter supports {sorted(CAUSAL_MASK_BUILDERS)}; another "
+                             "attention type needs its own adapter (docs/adding_a_model.md).")
 
     @staticmethod
     def _layer_type(config: Any, index: int) -> str:

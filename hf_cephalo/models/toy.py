@@ -46,10 +46,12 @@ class ToyConfig:
     def __post_init__(self):
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads "
-                             f"{self.num_heads}")
+                             f"{self.num_heads}: pick a hidden_size that is a multiple of "
+                             "num_heads")
         if min(self.vocab_size, self.hidden_size, self.num_heads, self.max_seq_len) < 1 or \
                 self.num_layers < 0 or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"invalid ToyConfig {self}")
+            raise ValueError(f"invalid ToyConfig {self}: vocab_size, hidden_size, num_heads and "
+                             "max_seq_len must be >= 1, num_layers >= 0, dropout in [0, 1)")
 
 
 class ToyBlock(nn.Module):

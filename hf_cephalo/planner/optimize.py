@@ -51,7 +51,20 @@ _MEM_RTOL = 1e-12
 
 
 class InfeasiblePlanError(ValueError):
-    """No plan fits; the message names the binding constraint."""
+    """No plan fits; the message names the binding constraint and ``constraint`` its kind,
+    so that callers can add the flags that relax it: "device" (a rank's microbatch of one
+    sample exceeds its memory cap), "aggregate" (training state plus the batch's compute exceed
+    the cluster's memory), "idle" (B < world size and idle ranks not allowed), "host" (pinned
+    host memory of the activation offload), or "" (not known)."""
+
+    def __init__(self, message: str, constraint: str = "") -> None:
+        super().__init__(message)
+        self.constraint = constraint
+
+
+class _Diagnosis(NamedTuple):
+    constraint: str  # InfeasiblePlanError.constraint
+    message: str
 
 
 class Assignment(NamedTuple):
@@ -409,7 +422,7 @@ def check_problem_size(cluster: ClusterProfile, global_batch_size: int,
 
 
 def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool,
-              root_resident: bool) -> str:
+              root_resident: bool) -> _Diagnosis:
     """Name the binding constraint of an infeasible problem."""
     devs = cluster.devices
     need1 = [float(memory.rank_memory_bytes(cluster, i, 1, 1, root_resident=root_resident))
@@ -417,36 +430,41 @@ def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool,
     too_big = [i for i, d in enumerate(devs) if need1[i] > c * d.memory_capacity_bytes]
     msgs = [f"rank {i} ({devs[i].name}): microbatch size 1 needs {format_bytes(need1[i])}, "
             f"cap {format_bytes(c * devs[i].memory_capacity_bytes)}" for i in too_big]
-    if too_big and (not allow_idle or len(too_big) == len(devs)):
-        return "; ".join(msgs)
+    if too_big and len(too_big) == len(devs):
+        return _Diagnosis("device", "; ".join(msgs))
+    if too_big and not allow_idle:
+        return _Diagnosis("idle", "; ".join(msgs) + "; let these ranks idle")
     if not allow_idle and B < len(devs):
-        return (f"every rank needs at least one sample but the global batch size {B} is smaller "
-                f"than the world size {len(devs)}; allow idle ranks or raise the batch size")
+        return _Diagnosis("idle", f"every rank needs at least one sample but the global batch "
+                          f"size {B} is smaller than the world size {len(devs)}; allow idle "
+                          "ranks or raise the batch size")
     S = cluster.model.state_bytes
     total = sum(d.memory_capacity_bytes for d in devs)
     relaxed = _Case(cluster, _groups(cluster), B, c, True, allow_idle, root_resident,
                     host_limit=False)
     min_compute = float(relaxed.tree(np.inf, minplus=True).table[B])
     if not np.isfinite(min_compute):
-        return "no rank can take a microbatch: " + "; ".join(msgs)
+        return _Diagnosis("device", "no rank can take a microbatch: " + "; ".join(msgs))
     if min_compute > relaxed.mem_budget * (1 + _MEM_RTOL):
-        return (f"aggregate memory: model state {format_bytes(S)} + compute "
-                f"{format_bytes(min_compute)} exceeds {c} × {format_bytes(total)}")
+        return _Diagnosis("aggregate", f"aggregate memory: model state {format_bytes(S)} + "
+                          f"compute {format_bytes(min_compute)} exceeds {c} × "
+                          f"{format_bytes(total)}")
     return _diagnose_host(cluster, B, c)
 
 
-def _diagnose_host(cluster: ClusterProfile, B: int, c: float) -> str:
+def _diagnose_host(cluster: ClusterProfile, B: int, c: float) -> _Diagnosis:
     """The host-memory message: feasible on the devices, not within the machines' RAM."""
     caps = _machine_batch_caps(cluster, c)
     per_sample = float(memory.host_memory_bytes(cluster.model, 1, cluster.offload_activations))
     if caps is None:
-        return "no assignment meets every rank's memory cap"
+        return _Diagnosis("", "no assignment meets every rank's memory cap")
     limits = ", ".join(f"machine {k}: {format_bytes(c * h)} = {caps[1][k]} samples"
                        for k, h in enumerate(cluster.host_memory_bytes))
-    return (f"host memory: the offloaded boundary activations need {format_bytes(per_sample)} "
-            f"of pinned host memory per sample ((L + 1) x sequence x hidden x bytes); within "
-            f"{c} x each machine's RAM ({limits}) no assignment of the {B} samples meets the "
-            "device caps too. Lower the global batch size or add host RAM")
+    return _Diagnosis("host", f"host memory: the offloaded boundary activations need "
+                      f"{format_bytes(per_sample)} of pinned host memory per sample ((L + 1) x "
+                      f"sequence x hidden x bytes); within {c} x each machine's RAM ({limits}) "
+                      f"no assignment of the {B} samples meets the device caps too. Lower the "
+                      "global batch size or add host RAM")
 
 
 def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
@@ -477,8 +495,9 @@ def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
         return uneven.reconstruct(t_uneven, cluster.world_size)
     if t_even is not None:
         return even.reconstruct(t_even, cluster.world_size)
-    raise InfeasiblePlanError(f"no plan for global batch size {B} fits: "
-                              f"{_diagnose(cluster, B, c, allow_idle, root_resident)}")
+    diagnosis = _diagnose(cluster, B, c, allow_idle, root_resident)
+    raise InfeasiblePlanError(f"no plan for global batch size {B} fits: {diagnosis.message}",
+                              diagnosis.constraint)
 
 
 # [Note: state ratios on their own layout]

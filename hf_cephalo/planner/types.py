@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hf_cephalo.profiler.precision import Precision
-from hf_cephalo.profiler.types import ModelProfile, read_json_file, write_json_file
+from hf_cephalo.profiler.types import ModelProfile, file_remedy, read_json_file, write_json_file
 
 __all__ = ["RankPlan", "Plan", "PLAN_FORMAT", "check_batch_and_fraction"]
 
@@ -248,7 +248,9 @@ class Plan:
             theirs = {k: getattr(model_profile, k) for k in mine}
             if mine != theirs:
                 raise ValueError(f"plan was made for model {self.model.get('name')!r} {mine} but "
-                                 f"the job's model {model_profile.name!r} has {theirs}; re-plan")
+                                 f"the job's model {model_profile.name!r} has {theirs}; re-plan "
+                                 "for this model (`hf-cephalo plan` from its profile, or drop "
+                                 "cephalo_plan_file so the trainer plans at start)")
 
     # --- JSON ------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -285,4 +287,12 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        return cls.from_json(read_json_file(path, "plan file"))
+        """The plan in ``path``. Raises ValueError naming the file and the route to a valid
+        one (``hf-cephalo plan --out``, docs/profiles.md) when it is not a valid plan."""
+        data = read_json_file(path, "plan file")
+        try:
+            return cls.from_json(data)
+        except ValueError as e:
+            message = str(e).removeprefix("plan JSON: ").removeprefix("plan: ")
+            remedy = file_remedy(message, "plan", "hf-cephalo plan --out FILE")
+            raise ValueError(f"plan file {str(path)!r}: {message}{remedy}") from None

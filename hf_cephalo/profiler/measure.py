@@ -385,7 +385,8 @@ def build_model_from_config(config_path: str, model_class: str | None = None,
         with open(config_path) as f:
             data = json.load(f)
         if "model_type" not in data:
-            raise ValueError(f"{config_path!r} has no 'model_type'; is it a Hugging Face config?")
+            raise ValueError(f"{config_path!r} has no 'model_type'; give a Hugging Face "
+                             "config.json (the one save_pretrained writes beside the weights)")
         config = transformers.AutoConfig.for_model(**data)
     name = model_class or (config.architectures or [None])[0]
     if name is None:  # a bare config: assume a causal language model

@@ -463,7 +463,8 @@ def load_cluster_yaml(path: str | Path) -> ClusterSpec:
                          f"list (e.g. '- gpus: [A10G, A10G]'), got {data['machines']!r}; see "
                          "docs/profiles.md")
     if "interconnect_gbps" not in data:
-        raise ValueError(f"{where} needs 'interconnect_gbps' (Gbit/s)")
+        raise ValueError(f"{where} needs 'interconnect_gbps' (Gbit/s between machines, e.g. "
+                         "'interconnect_gbps: 50'); see docs/profiles.md")
     for key in ("interconnect_gbps", "intra_machine_gbps"):
         v = data.get(key, 128.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
@@ -501,11 +502,12 @@ def lora_params_per_layer(shape: ModelShape, rank: int, targets: Sequence[str] =
     Raises ValueError for rank < 1 or an unknown target (the message lists ``LORA_TARGETS``).
     """
     if int(rank) != rank or rank < 1:
-        raise ValueError(f"LoRA rank must be an integer >= 1, got {rank}")
+        raise ValueError(f"LoRA rank must be an integer >= 1, got {rank} (CLI: --lora-rank, "
+                         "e.g. --lora-rank 8)")
     bad = [t for t in targets if t not in LORA_TARGETS]
     if bad or not targets:
         raise ValueError(f"LoRA targets {list(targets)}: each must be one of {list(LORA_TARGETS)} "
-                         "(attention projections), e.g. q v")
+                         "(attention projections), e.g. --lora-targets q v")
     h = shape.hidden
     kv = h * (shape.kv_heads or shape.heads) // shape.heads if shape.family == "llama" else h
     out = {"q": h, "o": h, "k": kv, "v": kv}

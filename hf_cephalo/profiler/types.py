@@ -64,6 +64,14 @@ def write_json_file(path: str | Path, data: Any) -> None:
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
+def file_remedy(message: str, what: str, command: str) -> str:
+    """The next step appended to a malformed profile / plan file's error, unless the message
+    already names one (a format version to upgrade, the docs to read)."""
+    if "hf-cephalo" in message or "docs/profiles.md" in message:
+        return ""
+    return f"; write the {what} anew with {command} (format: docs/profiles.md)"
+
+
 def read_json_file(path: str | Path, what: str) -> Any:
     """The parsed JSON in ``path``. Raises ValueError ("{what} '<path>' is not valid JSON: ...")
     when it does not parse; OSError (e.g. a missing file) propagates unchanged."""
@@ -483,4 +491,12 @@ class ClusterProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> "ClusterProfile":
-        return cls.from_json(read_json_file(path, "cluster profile"))
+        """The profile in ``path``. Raises ValueError naming the file and the route to a valid
+        one (``hf-cephalo profile``, docs/profiles.md) when it is not a valid profile."""
+        data = read_json_file(path, "cluster profile")
+        try:
+            return cls.from_json(data)
+        except ValueError as e:
+            message = str(e).removeprefix("cluster profile: ")
+            remedy = file_remedy(message, "profile", "hf-cephalo profile --out FILE")
+            raise ValueError(f"cluster profile {str(path)!r}: {message}{remedy}") from None
