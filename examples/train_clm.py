@@ -43,6 +43,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config,
 
 from hf_cephalo.integrations.data import group_texts, pydoc_text_dataset, train_bpe_tokenizer
 from hf_cephalo.integrations.pretrained import from_pretrained_sharded
+from hf_cephalo.integrations.quiet import disable_progress_bars
 from hf_cephalo.integrations.trainer import CephaloTrainer, format_loss_trend
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
@@ -239,10 +240,8 @@ def check_reloaded(trainer: CephaloTrainer, save_dir: str, sample: dict[str, tor
 def main(argv: list[str] | None = None) -> None:
     parser = HfArgumentParser((ModelArguments, DataArguments, CephaloTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    if training_args.disable_tqdm:  # --disable_tqdm also silences datasets' map/filter bars
-        import datasets
-
-        datasets.disable_progress_bars()
+    if training_args.disable_tqdm:  # also datasets' map/filter and the model-loading bars
+        disable_progress_bars()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
 

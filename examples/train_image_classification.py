@@ -24,6 +24,7 @@ from transformers import (HfArgumentParser, ViTConfig, ViTForImageClassification
                           default_data_collator, set_seed)
 
 from hf_cephalo.integrations.data import digits_image_datasets
+from hf_cephalo.integrations.quiet import disable_progress_bars, quiet_load_report
 from hf_cephalo.integrations.trainer import CephaloTrainer, format_loss_trend
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
@@ -73,13 +74,15 @@ class DataArguments:
             raise ValueError(f"--max_train_samples {self.max_train_samples} must be >= 1")
 
 
-def build_model(model_args: ModelArguments) -> ViTForImageClassification:
+def build_model(model_args: ModelArguments, process_index: int) -> ViTForImageClassification:
     labels = {"id2label": {i: str(i) for i in range(_NUM_CLASSES)},
               "label2id": {str(i): i for i in range(_NUM_CLASSES)}}
     if model_args.model_name_or_path is not None:
-        return ViTForImageClassification.from_pretrained(
-            model_args.model_name_or_path, num_labels=_NUM_CLASSES, ignore_mismatched_sizes=True,
-            **labels)
+        # every rank loads the same checkpoint: its load report (the new 10-class head) once
+        with quiet_load_report(process_index != 0):
+            return ViTForImageClassification.from_pretrained(
+                model_args.model_name_or_path, num_labels=_NUM_CLASSES,
+                ignore_mismatched_sizes=True, **labels)
     h = model_args.hidden_size
     config = ViTConfig(image_size=model_args.image_size, patch_size=model_args.patch_size,
                        num_channels=3, hidden_size=h, intermediate_size=4 * h,
@@ -99,14 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = HfArgumentParser((ModelArguments, DataArguments, CephaloTrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)  # a from-scratch ViT needs more than Trainer's 5e-5
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    if training_args.disable_tqdm:  # --disable_tqdm also silences datasets' map/filter bars
-        import datasets
-
-        datasets.disable_progress_bars()
+    if training_args.disable_tqdm:  # also datasets' map/filter and the model-loading bars
+        disable_progress_bars()
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
 
     set_seed(training_args.seed)  # the same initial weights on every rank
-    model = build_model(model_args)
+    model = build_model(model_args, training_args.process_index)
     splits = digits_image_datasets(image_size=model.config.image_size,
                                    num_channels=model.config.num_channels,
                                    test_fraction=data_args.test_fraction, seed=training_args.seed)

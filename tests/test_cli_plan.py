@@ -1,5 +1,6 @@
 """`hf-cephalo plan` end to end (in-process `main`, plus one console-script run)."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 
 from hf_cephalo.cli import SUBCOMMANDS, main
 from hf_cephalo.planner.types import Plan
+from hf_cephalo.units import GIB
 
 
 def test_plan_from_cluster_yaml(tmp_path, capsys):
@@ -318,3 +320,46 @@ def test_spec_sheet_what_if_in_fp16_and_bf16(capsys):
     assert main(["plan", "--cluster", cluster_b, "--model", "llama-3b", "-B", "64",
                  "--precision", "fp16"]) == 0
     capsys.readouterr()
+
+
+def _bars(ax, label):
+    """Heights and face colours of the bar container of ``ax`` labelled ``label``."""
+    (bars,) = [c for c in ax.containers if c.get_label() == label]
+    return [p.get_height() for p in bars.patches], [p.get_facecolor() for p in bars.patches]
+
+
+def test_plan_figure_draws_the_memory_model_against_each_cap():
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_rgba
+
+    from hf_cephalo.cli import plan_figure
+    from hf_cephalo.planner.optimize import optimize
+    from hf_cephalo.planner.simulate import predict
+    from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
+
+    cluster = estimate_cluster_profile(load_cluster_yaml("examples/clusters/cluster_a.yaml"),
+                                       "llama-3b", efficiency=0.5, precision="fp32")
+    S = cluster.model.state_bytes
+    even = dataclasses.replace(Plan.even(8, 256, microbatch_size=32), memory_fraction=0.7)
+    for plan in (optimize(cluster, 256, 0.7), even):
+        pred = predict(plan, cluster)
+        fig = plan_figure(plan, pred)
+        share, mem = fig.axes
+        assert share.get_ylabel() == "fraction" and mem.get_ylabel() == "GiB"
+        state, state_colors = _bars(mem, "state r_i·S")
+        compute, _ = _bars(mem, "compute M_i")
+        (caps,) = [ln for ln in mem.get_lines() if ln.get_label() == "usable cap c·C_i"]
+        # the bars stack to the memory model's peak (the `plan` table's "memory used" column)
+        assert state == pytest.approx([r.state_ratio * S / GIB for r in plan.ranks], rel=1e-12)
+        assert [s + c for s, c in zip(state, compute)] == pytest.approx(
+            [p.memory_bytes / GIB for p in pred.ranks], rel=1e-12)
+        assert list(caps.get_ydata()) == pytest.approx(
+            [0.7 * d.memory_capacity_bytes / GIB for d in cluster.devices], rel=1e-12)
+        assert [t.get_text() for t in mem.get_xticklabels()] == \
+            [f"{r.rank}\n{r.device}" for r in plan.ranks]
+        # a rank over its cap is drawn red, the others not
+        assert [c == to_rgba("C3") for c in state_colors] == [not p.fits for p in pred.ranks]
+    # the even plan with m = 32 overflows some GPUs, not all: both colours were checked
+    assert {p.fits for p in pred.ranks} == {True, False}
+    with pytest.raises(ValueError, match="prediction has 7 ranks, the plan 8"):
+        plan_figure(plan, pred._replace(ranks=pred.ranks[:7]))

@@ -35,8 +35,8 @@ TINY_CLM = ("--hidden_size", "32", "--num_layers", "2", "--num_heads", "2", "--v
 
 
 def _start(script: str, *args: str, config: Path = CPU_CONFIG, port: int | None = None) -> subprocess.Popen:
-    return start_launch(config, ROOT / "examples" / script, args, port=port,
-                        env_extra={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
+    # no HF_DATASETS_DISABLE_PROGRESS_BARS: --disable_tqdm (COMMON) must silence the bars
+    return start_launch(config, ROOT / "examples" / script, args, port=port)
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> list[LaunchResult]:
@@ -75,6 +75,9 @@ def test_train_clm_llama_uneven_plan(tmp_path):
     assert generated.startswith("The assert statement")
     final = tmp_path / "o" / "final"
     assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
+    # --disable_tqdm: no bar of datasets' map/filter or of the reload's "Loading weights"; the
+    # reload of our own save has nothing to report
+    assert "it/s]" not in out and "Loading weights" not in out and "LOAD REPORT" not in out
 
 
 @test_timeout(LAUNCH_S, LAUNCH_S)
@@ -201,6 +204,10 @@ def test_train_lora_minilm_adapter_and_merged_export(tmp_path):
                            budget_s(LORA_LAUNCH_S))
     assert rc == 0, out[-6000:]
     assert re.search(r"LoRA r=8: 74,883 of 22,789,254 parameters train", out), out[-6000:]
+    # transformers' report of the base's new classifier once per job (both ranks load it), none
+    # for the check's reload (the adapter holds the classifier); no loading bars
+    assert out.count("LOAD REPORT") == 1 and "classifier.weight | MISSING" in out, out[-6000:]
+    assert "Loading weights" not in out and "it/s]" not in out and "not sharded" not in out
     assert re.search(r"held-out accuracy: [0-9.]+ on 32 paragraphs \(majority class", out)
     assert "adapter reloaded with PeftModel.from_pretrained" in out
     assert (out_dir / "adapter_model.safetensors").is_file()

@@ -8,6 +8,7 @@ Single process (no process group): the collective part is covered by tests/test_
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -39,9 +40,23 @@ def _threads():
     torch.set_num_threads(old)
 
 
-def test_measured_profile_is_valid_and_grows_with_microbatch_size(capsys):
+# without re-measures a load spike leaves an implausible backward, warned about (checked below)
+@pytest.mark.filterwarnings("ignore:.*backward time still implausible:RuntimeWarning")
+def test_measured_profile_is_valid_and_grows_with_microbatch_size(capsys, monkeypatch):
     model = _llama()
     staged = stage_model(model)
+    # What the timed loop ran (its microbatches) and measured, recorded around the real loop;
+    # one measuring pass (no re-measures) so the profile follows from it exactly.
+    timed = []
+
+    def recording_rounds(staged, config, inputs, views, device, rank, name, before_each, f, fb):
+        real_rounds(staged, config, inputs, views, device, rank, name, before_each, f, fb)
+        timed.append(({m: tuple(inputs[m][1].shape) for m in inputs},
+                      {m: list(v) for m, v in f.items()}, {m: list(v) for m, v in fb.items()}))
+
+    real_rounds = measure._time_rounds
+    monkeypatch.setattr(measure, "_time_rounds", recording_rounds)
+    monkeypatch.setattr(measure, "MAX_REMEASURES", 0)
     cluster = profile_cluster(staged, MeasureConfig(max_microbatch_size=8, sequence_length=64,
                                                     repeats=3), cache=False)
     again = ClusterProfile.from_json(json.loads(json.dumps(cluster.to_json())))  # validates
@@ -57,8 +72,22 @@ def test_measured_profile_is_valid_and_grows_with_microbatch_size(capsys):
     assert all(s > 0 for s in steps) and max(steps[3:]) == min(steps[3:]), mem
     assert cluster.model.boundary_bytes_per_sample == 64 * model.config.hidden_size * 4
     assert cluster.offload_activations is False and cluster.machine_of_rank == [0]
-    # Times are noisy on a shared machine, but 8 samples cost clearly more than 1.
-    assert dev.fwd_s[-1] + dev.bwd_s[-1] > 2.0 * (dev.fwd_s[0] + dev.bwd_s[0])
+    # Times: no wall-clock comparison (a loaded machine can make m=8 look as fast as m=1;
+    # benchmarks/bench_hetero.py prints the measured ratio). What holds on any machine: the
+    # timed unit ran microbatches of m = 1..8 samples of 64 tokens, `repeats` times each, and
+    # the profile is the non-decreasing fit of those runs' per-m medians.
+    ((shapes, f_times, fb_times),) = timed
+    assert shapes == {m: (m, 64, model.config.hidden_size) for m in range(1, 9)}
+    assert all(len(f_times[m]) == len(fb_times[m]) == 3 for m in range(1, 9))
+    fwd = [statistics.median(f_times[m]) for m in range(1, 9)]
+    bwd = [statistics.median([fb - f for f, fb in zip(f_times[m], fb_times[m])])
+           for m in range(1, 9)]
+    bwd = [b if b > 0 and b >= measure.MIN_BWD_TO_FWD * f else measure.MIN_BWD_TO_FWD * f
+           for f, b in zip(fwd, bwd)]  # [Note: implausible backward times]
+    assert dev.fwd_s == measure._non_decreasing(fwd)
+    assert dev.bwd_s == measure._non_decreasing(bwd)
+    assert all(a <= b for a, b in zip(dev.fwd_s, dev.fwd_s[1:]))
+    assert all(a <= b for a, b in zip(dev.bwd_s, dev.bwd_s[1:]))
     # The model profile covers every parameter; fp32 Adam state is 16 bytes per parameter.
     mp = cluster.model
     assert mp.num_units == 2 and mp.state_bytes_per_param == 16.0
@@ -69,6 +98,14 @@ def test_measured_profile_is_valid_and_grows_with_microbatch_size(capsys):
     # quiet by default: a summary line, a time-left line at most every QUIET_INTERVAL_S, no
     # per-microbatch lines (those are for --verbose / HF_CEPHALO_VERBOSE=1)
     assert "rank 0 (cpu): done; m=8" in out and "microbatch size 1/8" not in out, out
+
+
+def test_non_decreasing_fit_pools_adjacent_violators():
+    """The fit the profiler applies to per-m medians: least squares, non-decreasing."""
+    assert measure._non_decreasing([1.0, 2.0, 2.0, 5.0]) == [1.0, 2.0, 2.0, 5.0]  # unchanged
+    assert measure._non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert measure._non_decreasing([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert measure._non_decreasing([1.0, 4.0, 2.0, 0.0, 6.0]) == [1.0, 2.0, 2.0, 2.0, 6.0]
 
 
 def test_profiles_every_supported_architecture():

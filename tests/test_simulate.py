@@ -221,3 +221,41 @@ def test_simulate_cli_gpu_types_needs_a_cluster_yaml(tmp_path, capsys):
     assert main(["simulate", "--profile", str(prof), "-B", "16"]) == 0
     out = capsys.readouterr().out
     assert "batch ∝ peak FLOP/s" in out and "no peak FLOP/s" not in out
+
+
+def test_comparison_figure_memory_panel_matches_the_memory_model():
+    pytest.importorskip("matplotlib")
+    from hf_cephalo.planner.simulate import comparison_figure
+
+    cluster = _two_type_cluster(state_gib=22.0)  # the even split overflows the fast GPUs
+    rows = compare_plans(cluster, 12)
+    _, mem = comparison_figure({12: rows}).axes
+    assert mem.get_ylabel() == "GiB"
+    with_plan = [r for r in rows if r.prediction is not None]
+    assert len(with_plan) == 4  # no peak FLOP/s: the speed-proportional row has no plan
+    caps = []
+    for t in ("fast", "slow"):
+        (bars,) = [c for c in mem.containers if c.get_label() == t]
+        want = [max(p.memory_bytes for r, p in zip(row.plan.ranks, row.prediction.ranks)
+                    if r.device == t) for row in with_plan]
+        assert [b.get_height() for b in bars.patches] == pytest.approx(
+            [w / GIB for w in want], rel=1e-12)
+        # hatched exactly where the type's fullest rank is over its cap
+        assert [bool(b.get_hatch()) for b in bars.patches] == \
+            [w > 0.8 * (8 if t == "fast" else 32) * GIB for w in want]
+        caps += [0.8 * (8 if t == "fast" else 32)] * len(with_plan)
+    assert any(b.get_hatch() for b in mem.containers[0].patches)
+    (cap_line,) = [ln for ln in mem.get_lines() if ln.get_label() == "usable cap c·C_i"]
+    assert list(cap_line.get_ydata()) == pytest.approx(caps, rel=1e-12)
+
+    # several B: the fullest rank's memory / cap per plan, against the cap line at 1
+    results = {B: compare_plans(cluster, B) for B in (6, 12)}
+    _, mem = comparison_figure(results).axes
+    for name in ("even", "cephalo"):
+        (line,) = [ln for ln in mem.get_lines()
+                   if ln.get_label() == results[6][BASELINES.index(name)].label]
+        assert list(line.get_ydata()) == pytest.approx(
+            [max(p.memory_bytes / p.cap_bytes for p in results[B][BASELINES.index(name)]
+                 .prediction.ranks) for B in (6, 12)], rel=1e-12)
+    assert [ln.get_ydata()[0] for ln in mem.get_lines()
+            if ln.get_label() == "usable cap c·C_i"] == [1.0]

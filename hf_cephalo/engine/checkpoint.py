@@ -44,6 +44,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from hf_cephalo.file_modes import apply_default_mode
+
 __all__ = ["FORMAT", "FILES", "CheckpointError", "CheckpointLayout", "atomic_checkpoint_dir",
            "save_sharded", "save_checkpoint", "staging_path", "load_sharded",
            "load_checkpoint", "errors_on_every_rank", "load_sharded_optimizer", "read_layout",
@@ -245,6 +247,7 @@ def _write_marker(directory: str, records: dict[str, dict[str, int]]) -> None:
         json.dump({"format": FORMAT, "files": files}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    apply_default_mode(tmp)  # [Note: file modes]
     os.rename(tmp, os.path.join(directory, FILES.COMPLETE))
 
 
@@ -339,6 +342,7 @@ def save_sharded(engine, directory: str, optimizer: torch.optim.Optimizer | None
             "optimizer_scalars": scalars, "param_groups": groups}
     path = os.path.join(directory, FILES.shard(rank))
     save_file(tensors, path, metadata={"cephalo": json.dumps(meta)})
+    apply_default_mode(path)  # safetensors writes 0o600: [Note: file modes]
     _record(path)
     if rank == 0:
         _save_rank0_files(engine, directory, fingerprint)
@@ -349,6 +353,7 @@ def _save_rank0_files(engine, directory: str, fingerprint: dict[str, str]) -> No
     keys = _buffer_keys(engine)
     buffers = {k: model.get_buffer(k).detach().to("cpu", copy=True).contiguous() for k in keys}
     save_file(buffers, os.path.join(directory, FILES.BUFFERS), metadata={"format": FORMAT})
+    apply_default_mode(os.path.join(directory, FILES.BUFFERS))  # [Note: file modes]
     _record(os.path.join(directory, FILES.BUFFERS))
     config = getattr(model, "config", None)
     config_dict = config.to_dict() if hasattr(config, "to_dict") else None

@@ -38,6 +38,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 
+from hf_cephalo.file_modes import apply_default_mode
+
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "WEIGHTS_NAME", "INDEX_NAME", "PROCESSOR_FILES",
            "SavedTensor", "HFFilePlan", "SaveResult", "parse_max_shard_size", "plan_hf_files",
            "engine_sources", "write_hf_files", "write_hf_configs", "remove_stale_weights",
@@ -204,11 +206,13 @@ def _unit_order(files: Mapping[str, list[str]], sources: Mapping[str, SavedTenso
 
 # ---- writing (rank 0) -------------------------------------------------------------------------
 def _write_aside(path: str, write: Callable[[str], None]) -> None:
-    """``write(tmp)`` into a hidden sibling, fsync, rename over ``path`` (atomic per file)."""
+    """``write(tmp)`` into a hidden sibling, fsync, rename over ``path`` (atomic per file) with
+    the mode ``open()`` would give it (safetensors writes 0o600: [Note: file modes])."""
     from .checkpoint import _fsync_file
 
     tmp = os.path.join(os.path.dirname(path), f".tmp-{os.path.basename(path)}")
     write(tmp)
+    apply_default_mode(tmp)
     _fsync_file(tmp)
     os.replace(tmp, path)
 

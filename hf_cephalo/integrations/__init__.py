@@ -1,5 +1,6 @@
 """Hugging Face integrations: CephaloTrainer, CephaloTrainingArguments, CephaloAccelerator/Plugin,
-the weighted batch sampler, automatic planning and the demo datasets. Names are imported lazily
+the weighted batch sampler, automatic planning, the demo datasets and the scripts' output
+switches (progress bars, load reports). Names are imported lazily
 (transformers is heavy): every name in a submodule's ``__all__`` is listed here, so
 ``from hf_cephalo.integrations import CephaloTrainer`` imports only what it needs."""
 
@@ -28,6 +29,10 @@ _EXPORTS = {
     "diagnose_step_time": "auto_plan",
     # pretrained
     "from_pretrained_sharded": "pretrained",
+    # quiet
+    "disable_progress_bars": "quiet",
+    "quiet_load_report": "quiet",
+    "LOAD_REPORT_LOGGER": "quiet",
     # sampler
     "WeightedBatchSampler": "sampler",
     "MicrobatchCollator": "sampler",

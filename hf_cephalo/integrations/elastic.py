@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 from transformers import TrainerCallback
 
+from hf_cephalo.file_modes import apply_default_mode
 from hf_cephalo.planner import Plan
 from hf_cephalo.planner.optimize import InfeasiblePlanError
 from hf_cephalo.profiler.types import ClusterProfile, format_bytes
@@ -139,6 +140,7 @@ def _write_json_atomic(path: str, data: Any) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
+    apply_default_mode(tmp)  # a leftover tmp of a reused pid keeps its mode: [Note: file modes]
     os.replace(tmp, path)
 
 

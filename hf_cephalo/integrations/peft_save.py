@@ -18,6 +18,8 @@ import os
 import torch
 from torch import nn
 
+from hf_cephalo.file_modes import apply_default_mode
+
 __all__ = ["save_peft_adapter", "ADAPTER_FILES", "check_adapter_matches"]
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
@@ -38,7 +40,10 @@ def save_peft_adapter(engine, peft_model: nn.Module, out_dir: str) -> list[str] 
     os.makedirs(out_dir, exist_ok=True)
     # PEFT's own writer: key renaming, embedding-layer policy and config as peft writes them
     peft_model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
-    return [f for f in ADAPTER_FILES if os.path.isfile(os.path.join(out_dir, f))]
+    written = [f for f in ADAPTER_FILES if os.path.isfile(os.path.join(out_dir, f))]
+    for name in written:  # safetensors writes 0o600: [Note: file modes]
+        apply_default_mode(os.path.join(out_dir, name))
+    return written
 
 
 def check_adapter_matches(adapter_dir: str, base_model: nn.Module) -> None:

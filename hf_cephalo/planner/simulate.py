@@ -4,7 +4,8 @@ batch ∝ speed), each predicted with the same cost model (``predict.py``), and 
 Used by the CLI tables (``hf-cephalo plan``, ``hf-cephalo simulate``) and by the
 paper-reproduction tests. ``predict`` / ``Prediction`` are re-exported from ``predict.py`` for
 older imports. Imports point one way: cost <- predict <- optimize <- simulate. Baseline
-definitions: ``[Note: baselines]`` below and docs/paper_reproduction.md. Pure Python/numpy; matplotlib is imported only by ``plot_comparison``.
+definitions: ``[Note: baselines]`` below and docs/paper_reproduction.md. Pure Python/numpy;
+matplotlib is imported only by ``comparison_figure``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from hf_cephalo.units import GIB
 __all__ = [
     "RankPrediction", "Prediction", "predict", "BASELINES", "BASELINE_LABELS", "PlanComparison",
     "even_split_plan", "compute_balance_plan", "memory_balance_plan", "speed_proportional_plan",
-    "compare_plans", "format_comparison_table", "format_sweep_table", "plot_comparison",
+    "compare_plans", "format_comparison_table", "format_sweep_table", "comparison_figure",
+    "plot_comparison",
 ]
 
 
@@ -307,8 +309,7 @@ def format_comparison_table(cluster: ClusterProfile, rows: Sequence[PlanComparis
                    if even is not None else f"{'-':>8}")
         mem = []
         for t, w in zip(types, width):
-            k = max((i for i, r in enumerate(plan.ranks) if r.device == t),
-                    key=lambda i: pred.ranks[i].memory_bytes)
+            k = _fullest_rank_of_type(plan, pred, t)
             p, r = pred.ranks[k], plan.ranks[k]
             mark = "!" if not p.fits else " "
             cell = f"{p.memory_bytes / GIB:.1f}{mark} {r.batch_size}/{r.microbatch_size}"
@@ -327,20 +328,33 @@ def _cap_gib(cluster: ClusterProfile, device: str, rows: Sequence[PlanComparison
     return c * cap / GIB
 
 
-def plot_comparison(results: Mapping[int, Sequence[PlanComparison]], path: str,
-                    title: str = "") -> None:
-    """PNG of predicted throughput (matplotlib, imported lazily).
+def _fullest_rank_of_type(plan: Plan, pred: Prediction, device: str) -> int:
+    """The rank of GPU type ``device`` with the most predicted memory (table and plot cells)."""
+    return max((i for i, r in enumerate(plan.ranks) if r.device == device),
+               key=lambda i: pred.ranks[i].memory_bytes)
 
-    One global batch size: a bar per plan, out-of-memory bars hatched and labelled. Several:
-    samples/s against B, one line per plan, out-of-memory points drawn as crosses.
+
+def comparison_figure(results: Mapping[int, Sequence[PlanComparison]], title: str = ""):
+    """The figure of ``hf-cephalo simulate --plot`` (matplotlib imported lazily; no file).
+
+    Top panel, one global batch size: a bar per plan, out-of-memory bars hatched and labelled;
+    several: samples/s against B, one line per plan, out-of-memory points drawn as crosses.
+    Bottom panel (the memory model, ``predict``), one B: per plan and GPU type the predicted
+    peak memory of the type's fullest rank (GiB, as the table's cells) with that rank's usable
+    cap c·C_i as a black marker; several B: per plan the largest memory / cap over the ranks
+    against B, with the cap (1.0) as a line.
+
+    Returns:
+        A ``matplotlib.figure.Figure`` (not registered with pyplot) with two axes, throughput
+        then memory. One B: the memory axis holds one bar container per GPU type labelled with
+        the type and one line labelled ``"usable cap c·C_i"`` (GiB, plans without a plan left
+        out). Several B: one line per plan labelled with its label.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     sizes = sorted(results)
-    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    fig = Figure(figsize=(7.5, 7.0))
+    ax, mem = fig.subplots(2, 1)
     if len(sizes) == 1:
         rows = results[sizes[0]]
         xs = np.arange(len(rows))
@@ -354,6 +368,7 @@ def plot_comparison(results: Mapping[int, Sequence[PlanComparison]], path: str,
         ax.set_xticks(xs, [r.label for r in rows], rotation=20, ha="right", fontsize=8)
         ax.set_ylabel("predicted samples/s")
         ax.set_title(title or f"global batch size {sizes[0]}")
+        _memory_by_type_panel(mem, rows)
     else:
         for k, name in enumerate(BASELINES):
             pts = [(b, r) for b in sizes for r in results[b] if r.name == name]
@@ -369,13 +384,68 @@ def plot_comparison(results: Mapping[int, Sequence[PlanComparison]], path: str,
             if oom:
                 ax.plot([b for b, _ in oom], [v for _, v in oom], "x", color=f"C{k}",
                         markersize=9, label=f"{label}: out of memory")
+            have = [(b, r) for b, r in pts if r.prediction is not None]
+            mem.plot([b for b, _ in have],
+                     [max(p.memory_bytes / p.cap_bytes for p in r.prediction.ranks)
+                      for _, r in have],
+                     color=f"C{k}", label=label, marker="os^Dv"[k % 5],
+                     linestyle=("-", "--", ":", "-.")[k % 4], alpha=0.85)
         ax.set_xlabel("global batch size")
         ax.set_ylabel("predicted samples/s")
         ax.set_title(title)
         ax.legend(fontsize=7)
+        mem.axhline(1.0, color="black", linewidth=1.5, label="usable cap c·C_i")
+        mem.set_xlabel("global batch size")
+        mem.set_ylabel("peak memory / cap\n(fullest rank)")
+        mem.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def _memory_by_type_panel(ax, rows: Sequence[PlanComparison]) -> None:
+    """Grouped bars: per plan (group) and GPU type (bar) the fullest rank's memory in GiB,
+    hatched over its cap, with its cap c·C_i as a marker."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    types = list(dict.fromkeys(r.device for row in rows if row.plan is not None
+                               for r in row.plan.ranks))
+    width = 0.8 / max(1, len(types))
+    caps_x, caps = [], []
+    for j, t in enumerate(types):
+        xs, used, over = [], [], []
+        for x, row in enumerate(rows):
+            if row.prediction is None:
+                continue
+            p = row.prediction.ranks[_fullest_rank_of_type(row.plan, row.prediction, t)]
+            xs.append(x - 0.4 + (j + 0.5) * width)
+            used.append(p.memory_bytes / GIB)
+            over.append(not p.fits)
+            caps_x.append(xs[-1])
+            caps.append(p.cap_bytes / GIB)
+        ax.bar(xs, used, width, label=t, color=f"C{j}", edgecolor="black",
+               hatch=["//" if o else None for o in over])
+    ax.plot(caps_x, caps, linestyle="none", marker="_", markersize=max(6.0, 40.0 * width),
+            markeredgewidth=2.5, color="black", label="usable cap c·C_i")
+    ax.set_xticks(np.arange(len(rows)), [r.label for r in rows], rotation=20, ha="right",
+                  fontsize=8)
+    if caps:
+        ax.set_ylim(0, 1.3 * max(max(caps), max(p.memory_bytes for row in rows
+                                                 if row.prediction is not None
+                                                 for p in row.prediction.ranks) / GIB))
+    ax.set_ylabel("GiB")
+    ax.set_title("predicted peak memory of each GPU type's fullest rank", fontsize=9)
+    # legend from plain patches: a bar container's entry takes its first bar's hatch
+    handles = [Line2D([], [], color="black", linewidth=2.5, label="usable cap c·C_i")]
+    handles += [Patch(facecolor=f"C{j}", edgecolor="black", label=t) for j, t in enumerate(types)]
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="over its cap"))
+    ax.legend(handles=handles, fontsize=7, ncol=len(handles), loc="upper center")
+
+
+def plot_comparison(results: Mapping[int, Sequence[PlanComparison]], path: str,
+                    title: str = "") -> None:
+    """Write ``comparison_figure(results, title)`` to ``path`` (format from its extension)."""
+    comparison_figure(results, title).savefig(path, dpi=120)
 
 
 def format_sweep_table(results: Mapping[int, Sequence[PlanComparison]]) -> str:

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from hf_cephalo.file_modes import apply_default_mode
 from hf_cephalo.profiler.types import CommProfile, DeviceProfile
 
 __all__ = ["ProfileCache", "default_cache_dir", "model_description", "model_fingerprint", "device_key", "comm_key"]
@@ -108,6 +109,7 @@ class ProfileCache:
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key}.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2)
+        apply_default_mode(tmp)  # mkstemp creates 0o600: [Note: file modes]
         os.replace(tmp, self._path(key))
 
     def _get(self, key: str, cls):
