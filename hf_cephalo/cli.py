@@ -338,6 +338,25 @@ def plot_plan(plan, prediction, path: str) -> None:
     plan_figure(plan, prediction).savefig(path, dpi=120)
 
 
+def _half_precision_flag(cluster) -> str | None:
+    """``--precision bf16`` when every device supports bf16, else ``--precision fp16`` when every
+    device has an fp16 rate (V100, T4, P100, P40: no bf16), else None; devices without a
+    spec-sheet entry (measured, emulated) do not restrict it."""
+    from hf_cephalo.profiler.specs import get_gpu_spec
+
+    specs = []
+    for d in cluster.devices:
+        try:
+            specs.append(get_gpu_spec(d.name))
+        except (KeyError, ValueError):
+            continue
+    if all(s.bf16_tflops is not None for s in specs):
+        return "--precision bf16"
+    if all(s.fp16_tflops is not None for s in specs):
+        return "--precision fp16"
+    return None
+
+
 def _infeasible_remedy(args: argparse.Namespace, cluster, constraint: str) -> str:
     """The flags that relax an infeasible plan's binding constraint (``InfeasiblePlanError.
     constraint``), or "" where its message already says what to do."""
@@ -345,13 +364,14 @@ def _infeasible_remedy(args: argparse.Namespace, cluster, constraint: str) -> st
         more = f", or -B >= {cluster.world_size}" if args.global_batch_size < cluster.world_size \
             else ""
         return f" (drop --no-idle{more})"
-    if constraint not in ("device", "aggregate"):
+    if constraint not in ("device", "aggregate", "state"):
         return ""
+    half = _half_precision_flag(cluster)
     if args.profile:
-        smaller = ("a profile measured with hf-cephalo profile --precision bf16, or of the LoRA "
-                   "model")
+        smaller = (f"a profile measured with hf-cephalo profile {half or '--precision bf16'}, or "
+                   "of the LoRA model")
     else:
-        flags = [f for f, given in (("--precision bf16", args.precision in ("bf16", "fp16")),
+        flags = [f for f, given in ((half, half is None or args.precision in ("bf16", "fp16")),
                                     ("--lora-rank R", args.lora_rank is not None)) if not given]
         smaller = " or ".join(flags) or "a smaller model"
     batch = "a smaller -B, " if constraint == "aggregate" else ""

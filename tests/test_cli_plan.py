@@ -52,9 +52,20 @@ def test_plan_errors_exit_2(tmp_path, capsys):
     assert main(["plan", "--cluster", "examples/clusters/cluster_a.yaml", "--model", "vit-e",
                  "-B", "64", "--memory-fraction", "0.2"]) == 2
     err = capsys.readouterr().err
-    assert "aggregate memory" in err
-    assert ("; to fit: a smaller -B, a --memory-fraction closer to 1 (now 0.2), less memory per "
-            "GPU (--precision bf16 or --lora-rank R), or more GPUs") in err
+    # 56.7 GiB of state alone exceed 0.2 x 200 GiB: no batch size fits, so a smaller -B is not
+    # offered; cluster_a's P40s have no bf16 (nor an fp16 rate), so no precision flag either
+    assert "aggregate memory" in err and "at any global batch size" in err
+    assert ("; to fit: a --memory-fraction closer to 1 (now 0.2), less memory per GPU "
+            "(--lora-rank R), or more GPUs") in err
+    # a cluster with half-precision GPUs is offered a --precision flag ...
+    assert main(["plan", "--cluster", "examples/clusters/cluster_b.yaml", "--model", "vit-e",
+                 "-B", "64", "--memory-fraction", "0.05"]) == 2
+    err = capsys.readouterr().err
+    # ... fp16 where some GPU has no bf16 (cluster_b's V100s and T4s); 64 ranks that cannot take
+    # one sample are named as three runs of equal devices, not 64 entries
+    assert "less memory per GPU (--precision fp16 or --lora-rank R)" in err, err
+    assert "fits: ranks 0-15 (A10G): microbatch size 1 needs 2.1 GiB, cap 1.2 GiB; ranks 16-31 " \
+           "(V100-16GB): " in err and err.count("microbatch size 1 needs") == 3, err
     # fewer samples than ranks with --no-idle: the two ways out, as flags
     assert main(["plan", "--cluster", "examples/clusters/cluster_a.yaml", "--model", "llama-3b",
                  "-B", "3", "--no-idle"]) == 2

@@ -199,8 +199,11 @@ def test_error_aggregate_memory_names_the_numbers():
                        # output, the next all-gather, the previous reduce-scatter: 5 units =
                        # 4.2 GiB)
                        match=r"aggregate memory: model state 40\.0 GiB \+ compute 9\.2 GiB "
-                             r"exceeds 0\.8 × 36\.0 GiB"):
+                             r"exceeds 0\.8 × 36\.0 GiB, at any global batch size"
+                             r" \(B = 1 still needs compute 9\.2 GiB\)") as e:
         optimize(cluster, 8)
+    # the state alone exceeds the budget: no smaller global batch is a remedy
+    assert e.value.constraint == "state"
 
 
 def test_error_microbatch_one_too_big_names_the_rank():

@@ -180,7 +180,7 @@ def test_package_exports_every_public_name():
 
     expected = set()
     for mod in ("trainer", "training_args", "accelerate", "auto_plan", "sampler", "data",
-                "pretrained"):
+                "pretrained", "quiet"):
         module = importlib.import_module(f"hf_cephalo.integrations.{mod}")
         for name in module.__all__:
             expected.add(name)

@@ -171,7 +171,7 @@ def _infeasible_remedy(args, global_batch_size: int, constraint: str) -> str:
     """The flags that relax an infeasible plan's binding constraint
     (``InfeasiblePlanError.constraint``), or "" where its message already says what to do.
     More devices: ``elastic.resolve_elastic_plan`` adds which ones."""
-    if constraint not in ("device", "aggregate"):
+    if constraint not in ("device", "aggregate", "state"):
         return ""
     ways = [f"a smaller --cephalo_global_batch_size (now {global_batch_size})"] \
         if constraint == "aggregate" else []

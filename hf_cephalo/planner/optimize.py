@@ -54,7 +54,8 @@ class InfeasiblePlanError(ValueError):
     """No plan fits; the message names the binding constraint and ``constraint`` its kind,
     so that callers can add the flags that relax it: "device" (a rank's microbatch of one
     sample exceeds its memory cap), "aggregate" (training state plus the batch's compute exceed
-    the cluster's memory), "idle" (B < world size and idle ranks not allowed), "host" (pinned
+    the cluster's memory; a smaller global batch would fit), "state" (as "aggregate", but at any
+    global batch size: state plus the per-rank buffers alone do not fit), "idle" (B < world size and idle ranks not allowed), "host" (pinned
     host memory of the activation offload), or "" (not known)."""
 
     def __init__(self, message: str, constraint: str = "") -> None:
@@ -428,8 +429,17 @@ def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool,
     need1 = [float(memory.rank_memory_bytes(cluster, i, 1, 1, root_resident=root_resident))
              for i in range(len(devs))]
     too_big = [i for i, d in enumerate(devs) if need1[i] > c * d.memory_capacity_bytes]
-    msgs = [f"rank {i} ({devs[i].name}): microbatch size 1 needs {format_bytes(need1[i])}, "
-            f"cap {format_bytes(c * devs[i].memory_capacity_bytes)}" for i in too_big]
+    # one entry per run of consecutive ranks with the same text (64 equal lines bury the point)
+    runs: list[tuple[list[int], str]] = []
+    for i in too_big:
+        text = (f"({devs[i].name}): microbatch size 1 needs {format_bytes(need1[i])}, "
+                f"cap {format_bytes(c * devs[i].memory_capacity_bytes)}")
+        if runs and runs[-1][1] == text and runs[-1][0][-1] == i - 1:
+            runs[-1][0].append(i)
+        else:
+            runs.append(([i], text))
+    msgs = [(f"rank {r[0]} " if len(r) == 1 else f"ranks {r[0]}-{r[-1]} ") + text
+            for r, text in runs]
     if too_big and len(too_big) == len(devs):
         return _Diagnosis("device", "; ".join(msgs))
     if too_big and not allow_idle:
@@ -442,13 +452,20 @@ def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool,
     total = sum(d.memory_capacity_bytes for d in devs)
     relaxed = _Case(cluster, _groups(cluster), B, c, True, allow_idle, root_resident,
                     host_limit=False)
-    min_compute = float(relaxed.tree(np.inf, minplus=True).table[B])
+    table = relaxed.tree(np.inf, minplus=True).table
+    min_compute = float(table[B])
     if not np.isfinite(min_compute):
         return _Diagnosis("device", "no rank can take a microbatch: " + "; ".join(msgs))
-    if min_compute > relaxed.mem_budget * (1 + _MEM_RTOL):
-        return _Diagnosis("aggregate", f"aggregate memory: model state {format_bytes(S)} + "
-                          f"compute {format_bytes(min_compute)} exceeds {c} × "
-                          f"{format_bytes(total)}")
+    budget = relaxed.mem_budget * (1 + _MEM_RTOL)
+    if min_compute > budget:
+        head = (f"aggregate memory: model state {format_bytes(S)} + compute "
+                f"{format_bytes(min_compute)} exceeds {c} × {format_bytes(total)}")
+        # The compute floor (every rank's gathered-unit and gradient buffers) does not shrink
+        # with B: when even B = 1 does not fit, a smaller batch is no remedy.
+        if float(table[1]) > budget:
+            return _Diagnosis("state", f"{head}, at any global batch size (B = 1 still needs "
+                              f"compute {format_bytes(float(table[1]))})")
+        return _Diagnosis("aggregate", head)
     return _diagnose_host(cluster, B, c)
 
 
