@@ -132,8 +132,13 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
     emulation = _emulation(args, world_size)
     cap = None if emulation is None else emulation.cap_of(args.process_index)
     if cap is not None:
-        logger.info("emulated memory cap on rank %d: %s", args.process_index,
-                    apply_memory_cap(cap, args.device))
+        how = apply_memory_cap(cap, args.device)
+        if args.process_index == 0:  # every rank's cap in one line (rank 1's is often the point)
+            from hf_cephalo.profiler.types import format_bytes
+
+            logger.info("emulated memory caps: %s; on rank 0 %s", ", ".join(
+                f"rank {i} {format_bytes(c)}" for i, c in enumerate(emulation.memory_cap_bytes)),
+                how)
     caps = [None] * world_size if emulation is None or emulation.memory_cap_bytes is None \
         else list(emulation.memory_cap_bytes)
     if args.cephalo_plan_file is not None:
@@ -365,7 +370,9 @@ def diagnose_step_time(rows: list[dict[str, Any]], predicted_iteration_s: float 
         term = (f"collectives and waiting: the step outside unit compute took "
                 f"{rest_measured:.3f} s, predicted {max(rest_predicted, 0.0):.3f} s (all-gather / "
                 "reduce-scatter not hidden behind compute, embedding and head, ranks waiting "
-                "for each other)")
+                "for each other; the model leaves out the embedding, head and optimizer step, "
+                "small next to the units only for large models: re-profile on the real "
+                "interconnect, hf-cephalo profile, if the collectives are the gap)")
     return f"{head}; the term off most is {term}"
 
 
@@ -378,7 +385,7 @@ class PlanAccuracyCallback(TrainerCallback):
     not counted), rank 0 logs ``diagnose_step_time``'s warning when the step time is off by more
     than 15%, so a long job learns early that its plan rests on a wrong model; it is skipped when
     that step is the last one (the train-end check covers it). At ``on_train_end`` the table and
-    the same check over all steps. Results are kept in ``self.early_rows`` and ``self.rows``
+    the same check over all steps, whose warning is logged only when the early one was not. Results are kept in ``self.early_rows`` and ``self.rows``
     (rank order, same on every rank).
     """
 
@@ -391,6 +398,7 @@ class PlanAccuracyCallback(TrainerCallback):
         self.compute_s: list[float] = []
         self.rows: list[dict[str, Any]] = []
         self.early_rows: list[dict[str, Any]] = []
+        self.early_warning: str | None = None
 
     def _timer(self):
         # the EmulatedStagedModel's ComputeTimer, also through the --bf16 autocast wrapper
@@ -398,7 +406,7 @@ class PlanAccuracyCallback(TrainerCallback):
         return getattr(self.trainer.engine.staged, "timer", None)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.step_s, self.compute_s, self.early_rows = [], [], []
+        self.step_s, self.compute_s, self.early_rows, self.early_warning = [], [], [], None
         if torch.device(args.device).type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
 
@@ -416,10 +424,10 @@ class PlanAccuracyCallback(TrainerCallback):
                 and not (state.max_steps and state.global_step >= state.max_steps)):
             self.early_rows = self._gather(args)
             if args.process_index == 0:
-                warning = diagnose_step_time(self.early_rows,
-                                             self.trainer.plan.predicted_iteration_s)
-                if warning:
-                    logger.warning("after %d steps: %s", len(self.step_s), warning)
+                self.early_warning = diagnose_step_time(self.early_rows,
+                                                        self.trainer.plan.predicted_iteration_s)
+                if self.early_warning:
+                    logger.warning("after %d steps: %s", len(self.step_s), self.early_warning)
 
     def _measured_memory_bytes(self, args) -> float | None:
         device = torch.device(args.device)
@@ -464,7 +472,7 @@ class PlanAccuracyCallback(TrainerCallback):
         if args.process_index == 0:
             print(format_accuracy_table(self.rows, plan.predicted_iteration_s), flush=True)
             warning = diagnose_step_time(self.rows, plan.predicted_iteration_s)
-            if warning:
+            if warning and not self.early_warning:  # said once; the table shows the numbers
                 logger.warning(warning)
 
 
