@@ -267,8 +267,8 @@ def plan_figure(plan, prediction):
     Top panel: per rank, batch share b_i / B beside state share r_i. Bottom panel: per rank the
     predicted peak memory of the planner's memory model (``prediction.ranks[i].memory_bytes``
     = r_i·S + M_i, drawn stacked as state r_i·S and compute M_i) against the usable cap c·C_i
-    (``cap_bytes``, the optimizer's constraint), a black marker, in GiB; a rank over its cap is
-    drawn red.
+    (``cap_bytes``, the optimizer's constraint), a black marker, in GiB, with the share of the
+    cap in use printed above each rank; a rank over its cap is drawn red.
 
     Args:
         plan: the Plan.
@@ -316,6 +316,12 @@ def plan_figure(plan, prediction):
              markersize=marker_pt, markeredgewidth=2.5, color="black", label="usable cap c·C_i")
     top = max(max(p.memory_bytes, p.cap_bytes) for p in prediction.ranks) / GIB
     mem.set_ylim(0, 1.3 * top)  # headroom for the legend above the bars and caps
+    # the share of each cap in use, printed: with caps of very different size (a 3 GiB cap
+    # beside a 25 MB one) the small bars and markers are too flat to read
+    for i, p in enumerate(prediction.ranks):
+        mem.text(x[i], max(p.memory_bytes, p.cap_bytes) / GIB, f"{p.memory_bytes / p.cap_bytes:.0%}"
+                 if p.cap_bytes > 0 else "", ha="center", va="bottom",
+                 fontsize=7 if n <= 16 else 5, rotation=0 if n <= 16 else 90)
     mem.set_ylabel("GiB")
     mem.set_title(f"predicted peak memory per GPU vs its cap (c = {plan.memory_fraction:g})",
                   fontsize=9)

@@ -370,6 +370,9 @@ def test_plan_figure_draws_the_memory_model_against_each_cap():
             [f"{r.rank}\n{r.device}" for r in plan.ranks]
         # a rank over its cap is drawn red, the others not
         assert [c == to_rgba("C3") for c in state_colors] == [not p.fits for p in pred.ranks]
+        # the share of each cap in use is printed above its rank (readable where bars are flat)
+        assert [t.get_text() for t in mem.texts] == \
+            [f"{p.memory_bytes / p.cap_bytes:.0%}" for p in pred.ranks]
     # the even plan with m = 32 overflows some GPUs, not all: both colours were checked
     assert {p.fits for p in pred.ranks} == {True, False}
     with pytest.raises(ValueError, match="prediction has 7 ranks, the plan 8"):
