@@ -387,7 +387,7 @@ def _infeasible_remedy(args: argparse.Namespace, cluster, constraint: str) -> st
 
 def _run_plan(args: argparse.Namespace) -> int:
     from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize
-    from hf_cephalo.planner.simulate import predict
+    from hf_cephalo.planner.simulate import extrapolation_note, predict
     from hf_cephalo.profiler.types import format_bytes
 
     _check_common_plan_options(args, ("out", "save_profile", "plot"))
@@ -406,6 +406,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     if cluster.source != "measured":
         print("note: spec-sheet estimates; measured profiles (hf-cephalo profile) replace them")
     print(format_plan_table(plan, pred))
+    note = extrapolation_note(plan, cluster)
+    if note:
+        print(note)
     print(f"state sharding: {'uneven' if plan.uneven_state else 'even'}")
     print(f"predicted iteration time: {pred.iteration_s:.3f} s, "
           f"{pred.samples_per_s:.2f} samples/s")

@@ -259,3 +259,21 @@ def test_comparison_figure_memory_panel_matches_the_memory_model():
                  .prediction.ranks) for B in (6, 12)], rel=1e-12)
     assert [ln.get_ydata()[0] for ln in mem.get_lines()
             if ln.get_label() == "usable cap c·C_i"] == [1.0]
+
+
+def test_extrapolation_note_names_ranks_beyond_the_profiled_microbatch_sizes():
+    from hf_cephalo.planner.simulate import extrapolation_note
+    from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
+
+    cluster = estimate_cluster_profile(load_cluster_yaml("examples/clusters/cluster_a.yaml"),
+                                       "llama-3b", efficiency=0.5, precision="fp32")
+    top = max(cluster.devices[0].microbatch_sizes)  # 16 in the spec-sheet profiles
+    inside = Plan.even(8, 8 * top, microbatch_size=top)
+    assert extrapolation_note(inside, cluster) is None
+    beyond = Plan.from_ratios(batch_sizes=[2 * top] + [top] * 7,
+                              microbatch_sizes=[2 * top] + [top] * 7,
+                              state_ratios=[1 / 8] * 8)
+    note = extrapolation_note(beyond, cluster)
+    assert note.startswith(f"note: rank 0 m={2 * top} (profiled up to {top}): beyond the "
+                           "profiled microbatch sizes"), note
+    assert "rank 1" not in note and "--max-microbatch-size" in note

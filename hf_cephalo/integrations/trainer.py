@@ -211,6 +211,12 @@ class CephaloTrainer(Trainer):
         self.add_callback(self.elastic)
         if self.is_world_process_zero():
             print(format_plan_table(self.plan), flush=True)
+            if self.cluster_profile is not None:
+                from hf_cephalo.planner.simulate import extrapolation_note
+
+                note = extrapolation_note(self.plan, self.cluster_profile)
+                if note:
+                    print(note, flush=True)
 
     # ---- what stock features the engine path honours (support.py) ----------------------------
     def _check_hooks(self, model: torch.nn.Module, kwargs: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ __all__ = [
     "RankPrediction", "Prediction", "predict", "BASELINES", "BASELINE_LABELS", "PlanComparison",
     "even_split_plan", "compute_balance_plan", "memory_balance_plan", "speed_proportional_plan",
     "compare_plans", "format_comparison_table", "format_sweep_table", "comparison_figure",
-    "plot_comparison",
+    "plot_comparison", "extrapolation_note",
 ]
 
 
@@ -467,3 +467,19 @@ def format_sweep_table(results: Mapping[int, Sequence[PlanComparison]]) -> str:
                 cells.append(f"{f'OOM ({row.samples_per_s:.2f})':>15}")
         lines.append(f"{label:<26}" + "".join(cells))
     return "\n".join(lines)
+
+
+def extrapolation_note(plan: Plan, cluster: ClusterProfile) -> str | None:
+    """A note naming the ranks whose microbatch size m_i lies beyond their profiled microbatch
+    sizes (their times and memory are extrapolated: linear fits, planner/cost.py, paper §2.4),
+    or None when every m_i was profiled or interpolated.
+    """
+    beyond = [(r.rank, r.microbatch_size, max(cluster.devices[r.rank].microbatch_sizes))
+              for r in plan.ranks
+              if r.batch_size > 0 and r.microbatch_size > max(cluster.devices[r.rank].microbatch_sizes)]
+    if not beyond:
+        return None
+    ranks = ", ".join(f"rank {i} m={m} (profiled up to {top})" for i, m, top in beyond)
+    return (f"note: {ranks}: beyond the profiled microbatch sizes, so its times and memory are "
+            "extrapolated (linear fit, paper §2.4); to measure them, profile with "
+            "hf-cephalo profile --max-microbatch-size N (or HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE)")
