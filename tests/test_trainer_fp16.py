@@ -1,7 +1,10 @@
 """CephaloTrainer with --fp16 on 2 gloo ranks: fp16 autocast (fp16 gathered parameters by
-default) and the engine's ShardedGradScaler as ``accelerator.scaler``: ``loss_scale`` logged
-every step, ``scaler.pt`` in checkpoints, and resuming from checkpoint-3 on ANOTHER plan logs
-the same loss scales for steps 4-6 as the uninterrupted run."""
+default) and the engine's loss scaler (a ShardedGradScaler) as ``accelerator.scaler``:
+``loss_scale`` logged every step, ``scaler.pt`` in checkpoints, and resuming from checkpoint-3
+on ANOTHER plan logs the same loss scales for steps 4-6 as the uninterrupted run. Both runs use
+transformers' default optimizer (``adamw_torch_fused``: a fused optimizer takes the scaler's
+found-inf flag itself, [Note: found-inf shape for fused optimizers] in ``engine/grad_scaler.py``).
+"""
 
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ def _train(out_dir, plan, resume=None):
     from hf_cephalo.integrations.trainer import CephaloTrainer
     from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
-    args = CephaloTrainingArguments(output_dir=out_dir, report_to="none", optim="sgd",
-                                    learning_rate=0.1, max_steps=6, logging_steps=1,
+    # optim not given: transformers' default, the fused AdamW
+    args = CephaloTrainingArguments(output_dir=out_dir, report_to="none",
+                                    learning_rate=1e-3, max_steps=6, logging_steps=1,
                                     save_strategy="steps", save_steps=3, seed=3, fp16=True,
                                     max_grad_norm=1.0, disable_tqdm=True)
     trainer = CephaloTrainer(model=build("llama"), args=args, plan=plan, data_collator=_collate,
@@ -29,7 +33,9 @@ def _train(out_dir, plan, resume=None):
     return dict(steps=[h["step"] for h in logs], scales=[h["loss_scale"] for h in logs],
                 losses=[h["loss"] for h in logs], param_dtype=str(trainer.engine.param_dtype),
                 autocast=str(trainer.engine.autocast_dtype),
-                scaler=type(trainer.accelerator.scaler).__name__)
+                scaler=type(trainer.accelerator.scaler).__name__,
+                optim=getattr(args.optim, "value", args.optim),
+                fused=trainer.optimizer.optimizer.defaults.get("fused"))
 
 
 def _worker(rank, world, out_dir):
@@ -48,7 +54,8 @@ def test_fp16_trainer_scaler_logged_saved_resumed(tmp_path):
     results = run_ranks(_worker, 2, str(tmp_path), timeout_s=400)
     first, resumed = results[0]["first"], results[0]["resumed"]
     assert first["autocast"] == "torch.float16" and first["param_dtype"] == "torch.float16"
-    assert first["scaler"] == "ShardedGradScaler" and results[0]["has_scaler"]
+    assert first["scaler"] == "CephaloGradScaler" and results[0]["has_scaler"]
+    assert (first["optim"], first["fused"]) == ("adamw_torch_fused", True), first
     assert first["steps"] == [1, 2, 3, 4, 5, 6]
     assert all(torch.isfinite(torch.tensor(first["losses"])))
     # the resumed log history starts with the checkpoint's (steps 1-3), then its own 4-6

@@ -32,7 +32,7 @@ from .schedule import LayeredStep, RootUnits
 from .stats import CollectiveStats
 
 if TYPE_CHECKING:
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from .grad_scaler import CephaloGradScaler
 
 
 class StepOutput(NamedTuple):
@@ -372,18 +372,20 @@ class CephaloEngine:
         C.all_reduce_sum(t, self.group, self.stats)
         return local, int(t.item())
 
-    def make_grad_scaler(self, **kwargs) -> "ShardedGradScaler":
+    def make_grad_scaler(self, **kwargs) -> "CephaloGradScaler":
         """A loss scaler for ``autocast_dtype=torch.float16``: PyTorch's ``ShardedGradScaler`` on
         this engine's device type and process group (``kwargs``: ``init_scale``,
-        ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``enabled``).
+        ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``enabled``), as
+        ``CephaloGradScaler`` so that fused optimizers (``AdamW(fused=True)``) work with it.
 
         Its ``unscale_(optimizer)`` unscales this rank's 1-D shard gradients and SUM-all-reduces
         the found-inf flag over the group (one all-reduce per rank, also for a rank whose
         shards are all empty), so ``step`` skips the optimizer step on every rank alike; see
-        docs/engine.md "Mixed precision"."""
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        docs/engine.md "Mixed precision" and [Note: found-inf shape for fused optimizers] in
+        ``grad_scaler.py``."""
+        from .grad_scaler import CephaloGradScaler
 
-        return ShardedGradScaler(device=self.device.type, process_group=self.group, **kwargs)
+        return CephaloGradScaler(device=self.device.type, process_group=self.group, **kwargs)
 
     def train_step(self, microbatches: Sequence[Mapping[str, torch.Tensor]],
                    loss_scale: Any = None) -> StepOutput:

@@ -152,7 +152,8 @@ FIELD_SUPPORT: dict[str, Support] = {
     # ---- precision / compute ----
     "bf16": _stock("bf16 autocast, fp32 master weights", _T + "test_bf16_trains_under_autocast"),
     "fp16": _stock("fp16 autocast with PyTorch's ShardedGradScaler (found-inf agreed across "
-                   "ranks, unscaled before clipping, saved in checkpoints, loss_scale logged); "
+                   "ranks, unscaled before clipping, saved in checkpoints, loss_scale logged; "
+                   "fused optimizers such as the default adamw_torch_fused included); "
                    "fp16 gathered parameters unless --cephalo_param_dtype says otherwise",
                    "tests/test_trainer_fp16.py::test_fp16_trainer_scaler_logged_saved_resumed"),
     "bf16_full_eval": _refused("evaluation runs in the training precision: drop the flag"),
