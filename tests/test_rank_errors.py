@@ -357,7 +357,7 @@ def test_train_clm_missing_plan_file_is_printed_once(tmp_path):
                         env_extra={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
     [(rc, out)] = wait_all([proc], budget_s(CLM_S))
     assert rc != 0
-    text = "no such file; write one with `hf-cephalo plan --out FILE`"
+    text = "no such file; write one with `hf-cephalo plan --profile PROFILE -B N --out FILE`"
     # Once in a worker's traceback and once in the launcher's report (its root cause). The other
     # rank either found the message already printed (its report entry says "same error as
     # rank R") or was stopped by the launcher's SIGTERM before raising it ("Signal 15"):
