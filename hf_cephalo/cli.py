@@ -6,7 +6,9 @@ Adding a subcommand (``profile``, ``simulate``, ``export``, ...)::
     register_subcommand("simulate", "predict a plan", add_arguments=_add, run=_run)
 
 or add an entry to ``_BUILTIN`` below. ``run(args) -> int`` returns the exit status; a
-``ValueError`` it raises is printed as ``error: ...`` with exit status 2 (bad user input).
+``ValueError`` it raises is printed as ``error: ...`` with exit status 2 (bad user input); under
+a launcher with several ranks (``torchrun ... -m hf_cephalo.cli profile``) only the first rank
+with that message prints it, and the launcher's report names it (``rank_errors``).
 Heavy imports (torch, matplotlib) happen inside ``run`` so ``hf-cephalo plan`` starts fast.
 """
 
@@ -704,7 +706,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     from hf_cephalo.models import UnsupportedModelError, stage_model
     from hf_cephalo.profiler.cache import ProfileCache
     from hf_cephalo.profiler.emulate import EmulationConfig
-    from hf_cephalo.profiler.measure import MeasureConfig, build_model_from_config, profile_cluster
+    from hf_cephalo.profiler.measure import (MeasureConfig, build_model_from_config,
+                                             max_positions, profile_cluster)
     from hf_cephalo.profiler.types import format_bytes
 
     config = MeasureConfig(max_microbatch_size=args.max_microbatch_size,
@@ -741,6 +744,12 @@ def _run_profile(args: argparse.Namespace) -> int:
                          f"hf_cephalo cannot train; pass --model-class {e.alternatives[0]} (the "
                          "supported class of this architecture) and train the model as that "
                          "class") from None
+    limit = None if getattr(model, "main_input_name", "input_ids") == "pixel_values" \
+        else max_positions(model)
+    if limit is not None and args.sequence_length > limit:  # before any collective
+        raise ValueError(f"--sequence-length {args.sequence_length} exceeds the model's {limit} "
+                         f"positions (model config {config_file!r}); give --sequence-length "
+                         f"{limit} or less")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -806,7 +815,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._run(args))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _print_error(str(e), type(e).__name__)
         return 2
     except BrokenPipeError:  # stdout closed early (e.g. piped into head): stop quietly
         try:
@@ -815,8 +824,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return 1
     except OSError as e:  # a path the checks above did not foresee: the message, no traceback
-        print(f"error: {_os_error_message(e)}", file=sys.stderr)
+        _print_error(_os_error_message(e), type(e).__name__)
         return 2
+
+
+def _print_error(message: str, kind: str) -> None:
+    """``error: <message>`` on stderr; under a launcher once per job (the first rank with this
+    message prints, the launcher's report names it: ``rank_errors.report_error_once``)."""
+    from hf_cephalo.rank_errors import report_error_once
+
+    if report_error_once(message, kind):
+        print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 def _os_error_message(e: OSError) -> str:

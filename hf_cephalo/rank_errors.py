@@ -14,6 +14,12 @@ the same exception on every rank: N interleaved copies of one traceback, then th
 
 Set ``HF_CEPHALO_ALL_RANK_ERRORS=1`` to keep Python's default (every rank prints its traceback).
 
+A program that catches its errors, prints them and exits with a status (``hf-cephalo``'s
+``error: ...``, exit status 2) never reaches ``sys.excepthook``: it asks
+``report_error_once(message)`` whether to print, which runs the same election and error-file
+write. ``SystemExit`` raised elsewhere (argparse's usage errors) is not covered: every rank
+prints it.
+
 [Note: one error report per job]
 Which rank prints is an election without communication (the process group may be what broke):
 the fingerprint of an error is the SHA-1 of ``"<Type>: <message>"``; a rank creates a file named
@@ -52,7 +58,7 @@ import sys
 from typing import Any, Callable, NamedTuple
 
 __all__ = ["ALL_RANK_ERRORS_ENV", "ErrorKind", "classify_error", "error_file_record",
-           "install_rank_error_hook"]
+           "install_rank_error_hook", "report_error_once"]
 
 ALL_RANK_ERRORS_ENV = "HF_CEPHALO_ALL_RANK_ERRORS"
 """Environment variable: ``1`` / ``true`` / ``yes`` keeps Python's default (every rank prints)."""
@@ -168,7 +174,11 @@ def error_file_record(exc: BaseException, timestamp_s: float, shown: str) -> dic
     (where torch's ``@record`` puts the whole traceback) and names the failure with the smallest
     ``timestamp_s`` (seconds since the epoch, truncated) as "Root Cause".
     """
-    return {"message": {"message": _headline(exc),
+    return _record(_headline(exc), timestamp_s, shown)
+
+
+def _record(headline: str, timestamp_s: float, shown: str) -> dict:
+    return {"message": {"message": headline,
                         "extraInfo": {"py_callstack": shown,
                                       "timestamp": str(int(timestamp_s))}}}
 
@@ -263,30 +273,62 @@ _FULL_REPORT = _Report(line=None, traceback=True)
 
 def _report(exc: BaseException) -> _Report:
     """Decide what this rank prints and write its error file (the election's side effects)."""
-    import hashlib
     import time
 
     rank = _rank()
-    now_s = time.time()
     if classify_error(exc) is ErrorKind.CONSEQUENCE:
         line = (f"rank {rank} stopped: lost the connection to another rank, which failed first "
                 f"({_first_line(exc)})")
         # after its cause, whose rank exited (closing the connection) after writing its own
-        _write_error_file(error_file_record(exc, now_s + 1, shown=line))
+        _write_error_file(error_file_record(exc, time.time() + 1, shown=line))
         won = _elect(_CONSEQUENCE_FINGERPRINT, rank).won
         return _Report(line=line if won else None, traceback=False)
-    fingerprint = hashlib.sha1(_headline(exc).encode("utf-8", "replace")).hexdigest()
-    election = _elect(fingerprint, rank)
+    won = _elect_and_record(_headline(exc), type(exc).__name__, rank, shown="traceback")
+    if not won:
+        return _Report(line=None, traceback=False)
+    return _Report(line=(f"rank {rank} failed first with the error below; other ranks with "
+                         f"the same error stay quiet ({ALL_RANK_ERRORS_ENV}=1 shows them)"),
+                   traceback=True)
+
+
+def _elect_and_record(headline: str, kind: str, rank: int, shown: str) -> bool:
+    """The election of a cause ``headline`` (``"<Type>: <message>"``) and this rank's error
+    file; True when this rank was first (it prints). ``shown`` names what the first rank prints
+    ("traceback", "message"), for the quiet ranks' report entries. Raises OSError as ``_elect``."""
+    import hashlib
+    import time
+
+    now_s = time.time()
+    election = _elect(hashlib.sha1(headline.encode("utf-8", "replace")).hexdigest(), rank)
     if election.won:
-        _write_error_file(error_file_record(exc, now_s, shown=_headline(exc)))
-        return _Report(line=(f"rank {rank} failed first with the error below; other ranks with "
-                             f"the same error stay quiet ({ALL_RANK_ERRORS_ENV}=1 shows them)"),
-                       traceback=True)
+        _write_error_file(_record(headline, now_s, shown=headline))
+        return True
     # the first rank took its timestamp before its election: one second later orders this after
     first = "another rank" if election.first_rank is None else f"rank {election.first_rank}"
-    shown = f"{type(exc).__name__}: same error as {first} (its traceback is printed above)"
-    _write_error_file(error_file_record(exc, time.time() + 1, shown=shown))
-    return _Report(line=None, traceback=False)
+    line = f"{kind}: same error as {first} (its {shown} is printed above)"
+    _write_error_file(_record(headline, time.time() + 1, shown=line))
+    return False
+
+
+def report_error_once(message: str, kind: str = "ValueError") -> bool:
+    """For a program that reports an error itself (prints it and exits with a status) instead
+    of raising it: whether this rank should print ``message``.
+
+    Under a launcher with several ranks (where ``install_rank_error_hook`` installs the hook)
+    this runs the hook's election on ``"<kind>: <message>"`` and writes this rank's error file,
+    so the same message prints once per machine and the launcher's report names it as "Root
+    Cause" ([Note: one error report per job]); True on the rank that was first, False on the
+    others. Without a launcher, with ``HF_CEPHALO_ALL_RANK_ERRORS`` set, or when the election
+    directory or error file cannot be used: True (print as without this function). Never
+    raises. Unlike the hook, it cannot hold off the launcher's SIGTERM while the caller prints
+    (a window of microseconds between the election and the print).
+    """
+    if not _launched_with_several_ranks() or _env_flag(ALL_RANK_ERRORS_ENV):
+        return True
+    try:
+        return _elect_and_record(f"{kind}: {message}", kind, _rank(), shown="message")
+    except Exception:  # never hide the error: print it
+        return True
 
 
 def _ignore_sigterm() -> Callable[[], None]:

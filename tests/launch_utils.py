@@ -55,12 +55,13 @@ def start_launch(config: Path, script: Path, script_args: Sequence[str] = (), *,
     return _popen(cmd, _launch_env(env_extra), stdout)
 
 
-def start_torchrun(script: Path, script_args: Sequence[str] = (), *, nproc_per_node: int = 2,
+def start_torchrun(script: Path | str, script_args: Sequence[str] = (), *, nproc_per_node: int = 2,
                    port: int | None = None, env_extra: dict[str, str] | None = None,
                    stdout: int | IO = subprocess.PIPE) -> subprocess.Popen:
     """``python -m torch.distributed.run --nproc_per_node N --master_port port script
     [script_args]`` (one machine) from the repository root, in a new session; environment,
-    ``port`` and ``stdout`` as in ``start_launch``."""
+    ``port`` and ``stdout`` as in ``start_launch``. ``script`` ``"-m"`` runs the module named by
+    the first of ``script_args``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node),
            "--master_port", str(port or free_port()), str(script), *script_args]
     return _popen(cmd, _launch_env(env_extra), stdout)

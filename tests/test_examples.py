@@ -114,7 +114,9 @@ def test_user_mistakes_fail_fast_with_clear_errors(tmp_path):
     plan = _uneven_plan(tmp_path / "plan3.json", (2, 3, 3), (1, 1, 1), (0.2, 0.3, 0.5))
     rc, out = _launch("train_clm.py", "--cephalo_plan_file", plan, "--output_dir", str(tmp_path / "a"),
                       *TINY_CLM)
-    assert rc != 0 and "plan is for world size 3 but the job has world size 2" in out, out[-4000:]
+    assert rc != 0 and (f"plan file {str(plan)!r} is for world size 3 but the job has world "
+                        "size 2; re-run `hf-cephalo plan` for this cluster or drop "
+                        "--cephalo_plan_file to plan at start") in out, out[-4000:]
     # an empty training file
     empty = tmp_path / "empty.txt"
     empty.write_text("")

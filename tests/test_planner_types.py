@@ -93,7 +93,8 @@ def test_load_rejects_garbage(tmp_path):
         Plan.load(path)
     assert str(e.value) == (f"plan file {str(path)!r}: global_batch_size 5 must equal the sum of "
                             "per-rank batch sizes [2, 2] (= 4) and be >= 1; write the plan anew "
-                            "with hf-cephalo plan --out FILE (format: docs/profiles.md)")
+                            "with `hf-cephalo plan --profile PROFILE -B N --out FILE` (format: "
+                            "docs/profiles.md)")
 
 
 def test_microbatch_zero_with_samples_is_a_clear_error():

@@ -424,6 +424,26 @@ def test_cli_profile_build_errors_name_the_class_and_config(tmp_path, capsys, mo
     assert "embd_pdrop" in err and "pass a --model-class that fits this config" in err
 
 
+def test_cli_profile_sequence_length_longer_than_the_model_names_the_flag(tmp_path, capsys,
+                                                                          monkeypatch):
+    """Refused before the process group and any measuring, naming --sequence-length and the
+    model's limit (GPT-2's n_positions, Llama's max_position_embeddings)."""
+    from hf_cephalo.cli import main
+
+    monkeypatch.setattr(measure, "profile_cluster", lambda *a, **k: pytest.fail("profiled"))
+    cfg_dir = tmp_path / "model"
+    _llama(hidden=64).config.save_pretrained(cfg_dir)  # 128 positions
+    assert main(["profile", "--model-config", str(cfg_dir), "--out", str(tmp_path / "p.json"),
+                 "--sequence-length", "129"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --sequence-length 129 exceeds the model's 128 positions (model config "
+        f"{str(cfg_dir / 'config.json')!r}); give --sequence-length 128 or less\n")
+    gpt2_dir = tmp_path / "gpt2"
+    transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2).save_pretrained(gpt2_dir)
+    assert main(["profile", "--model-config", str(gpt2_dir), "--out", str(tmp_path / "p.json")]) == 2
+    assert "error: --sequence-length 128 exceeds the model's 64 positions" in capsys.readouterr().err
+
+
 def test_cli_profile_config_errors_name_the_file(tmp_path, capsys, monkeypatch):
     from hf_cephalo.cli import main
 

@@ -7,7 +7,8 @@ line, the fallbacks, the classifier, the opt-out and the stale-directory clean-u
 
 Launched (few launches, each a few seconds): torchrun workers raising on every rank, on one rank
 while the other waits in a collective, and with the opt-out (the same count of printed
-tracebacks must then double: the assertions can fail); ``examples/train_clm.py`` under
+tracebacks must then double: the assertions can fail); ``hf-cephalo profile`` printing its
+``error: ...`` (no traceback, exit status 2); ``examples/train_clm.py`` under
 ``accelerate launch`` with a plan file that does not exist.
 """
 
@@ -110,6 +111,33 @@ def test_same_error_is_printed_by_the_first_rank_only(job, capsys):
     # another message is news: printed, even on a rank that stayed quiet before
     _raise(ValueError(MESSAGE + "!"), previous)
     assert len(previous.calls) == 2 and "rank 1 failed first" in capsys.readouterr().err
+
+
+def test_report_error_once_for_errors_a_program_prints_itself(job, monkeypatch):
+    """hf-cephalo prints ``error: ...`` and exits 2 (no excepthook): the same election, and the
+    launcher's report names the message; without a launcher every call says print."""
+    file0 = job(0)
+    assert rank_errors.report_error_once(MESSAGE) is True
+    file1 = job(1)
+    assert rank_errors.report_error_once(MESSAGE) is False  # the same message: quiet
+    failures = {0: _failure(0, file0), 1: _failure(1, file1)}
+    assert failures[0].message["message"] == f"ValueError: {MESSAGE}"
+    assert failures[1].timestamp == failures[0].timestamp + 1
+    report = ChildFailedError("hf-cephalo", failures).format_msg()
+    root = report.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 0 (local_rank: 0)" in root and f"traceback : ValueError: {MESSAGE}" in root
+    assert "traceback : ValueError: same error as rank 0 (its message is printed above)" in report
+    assert rank_errors.report_error_once(MESSAGE, kind="OSError") is True  # another headline
+    # the exception hook's election: a later uncaught ValueError with that message is quiet
+    previous = _Recorder()
+    job(1)
+    _raise(ValueError(MESSAGE), previous)
+    assert previous.calls == []
+    monkeypatch.setenv(ALL_RANK_ERRORS_ENV, "1")
+    assert rank_errors.report_error_once(MESSAGE) is True  # the opt-out
+    monkeypatch.delenv(ALL_RANK_ERRORS_ENV)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert rank_errors.report_error_once(MESSAGE) is True  # no launch with several ranks
 
 
 def test_lost_connection_prints_one_line_per_machine(job, capsys):
@@ -298,6 +326,26 @@ def test_error_on_one_rank_is_printed_once_and_its_peer_says_one_line(tmp_path):
 
 
 @pytest.mark.slow
+@test_timeout(TORCHRUN_S)
+def test_cli_error_is_printed_once_and_named_in_the_report(tmp_path):
+    """hf-cephalo catches its errors and exits 2 (no excepthook): report_error_once."""
+    import transformers
+
+    transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=1,
+                            n_head=2).save_pretrained(tmp_path / "gpt2")
+    args = ["hf_cephalo.cli", "profile", "--model-config", str(tmp_path / "gpt2"),
+            "--out", str(tmp_path / "profile.json")]
+    [(rc, out)] = wait_all([start_torchrun("-m", args)], budget_s(TORCHRUN_S))
+    text = "--sequence-length 128 exceeds the model's 64 positions"
+    assert rc != 0 and _worker_lines(out, text) == [
+        f"error: {text} (model config {str(tmp_path / 'gpt2' / 'config.json')!r}); give "
+        "--sequence-length 64 or less"], out
+    report = _report(out)
+    assert f"traceback : ValueError: {text}" in report.split("Root Cause")[1], out
+    assert "To enable traceback" not in report
+
+
+@pytest.mark.slow
 @test_timeout(CLM_S)
 def test_train_clm_missing_plan_file_is_printed_once(tmp_path):
     args = ["--output_dir", str(tmp_path / "out"), "--hidden_size", "64", "--num_layers", "2",
@@ -309,7 +357,7 @@ def test_train_clm_missing_plan_file_is_printed_once(tmp_path):
                         env_extra={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
     [(rc, out)] = wait_all([proc], budget_s(CLM_S))
     assert rc != 0
-    text = "no such file; write one with `hf-cephalo plan --out FILE`"
+    text = "no such file; write one with `hf-cephalo plan --profile PROFILE -B N --out FILE`"
     # Once in a worker's traceback and once in the launcher's report (its root cause). The other
     # rank either found the message already printed (its report entry says "same error as
     # rank R") or was stopped by the launcher's SIGTERM before raising it ("Signal 15"):

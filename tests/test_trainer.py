@@ -302,8 +302,11 @@ def test_rejects_bad_setup(tmp_path, monkeypatch):
     Plan.from_ratios([2, 2], [1, 1], [0.5, 0.5]).save(plan_file)
     args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none",
                                     cephalo_plan_file=str(plan_file))
-    with pytest.raises(ValueError, match="plan is for world size 2 but the job has world size 1"):
+    with pytest.raises(ValueError) as e:
         CephaloTrainer(model=build("llama"), args=args)
+    assert str(e.value) == (f"plan file {str(plan_file)!r} is for world size 2 but the job has "
+                            "world size 1; re-run `hf-cephalo plan` for this cluster or drop "
+                            "--cephalo_plan_file to plan at start")
     # A plan made for another precision (here bf16 with bf16 gathers) is refused before any
     # collective, naming both precisions ([Note: precision tags]).
     plan = Plan.from_ratios([2], [1], [1.0])

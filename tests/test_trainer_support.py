@@ -82,6 +82,20 @@ def test_refused_at_construction(tmp_path, kw, monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
+def test_torch_compile_is_refused_once_by_its_own_name(tmp_path):
+    """TrainingArguments fills in torch_compile_backend when torch_compile is set and sets
+    torch_compile when a backend or mode is given: one refusal, of --torch_compile."""
+    message = ("--torch_compile = True is not supported by CephaloTrainer: the engine runs the "
+               "model unit by unit, so a compiled model would never be called: drop "
+               "torch_compile (and torch_compile_backend / torch_compile_mode, which turn it "
+               "on) (docs/trainer_support.md)")
+    for kw in (dict(torch_compile=True), dict(torch_compile_backend="inductor"),
+               dict(torch_compile_mode="reduce-overhead")):
+        with pytest.raises(ValueError) as e:
+            check_training_args(_args(tmp_path, **kw))
+        assert str(e.value) == message, kw
+
+
 def test_defaults_pass(tmp_path):
     check_training_args(_args(tmp_path))
     check_training_args(_args(tmp_path, train_sampling_strategy="group_by_length",

@@ -558,27 +558,32 @@ def errors_on_every_rank(group: dist.ProcessGroup | None = None,
     """Collective: if the body raises on ANY rank, raise on EVERY rank (no rank runs ahead
     into a training collective while another gave up, which would hang).
 
-    One ``all_gather_object`` of the error messages after the body. The failing rank re-raises
-    its own exception; the others raise CheckpointError quoting the first failing rank's
-    (``"rank R could not <what>: ..."``).
+    One ``all_gather_object`` of the error messages after the body. With one rank the error is
+    re-raised as it is. With several, every rank raises CheckpointError with the same message,
+    quoting the first failing rank's error (``"rank R could not <what>: <Type>: ..."``; the
+    failing rank's own exception is its ``__cause__``), so the launcher shows it once
+    ([Note: one error report per job] in hf_cephalo/rank_errors.py). A failing rank whose error
+    differs from the first one's raises its own (``"rank <own> could not ..."``): also news.
     """
     error: BaseException | None = None
     try:
         yield
     except (ValueError, NotImplementedError, OSError) as e:  # CheckpointError is a ValueError
         error = e
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        messages: list[str | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(messages, None if error is None else
-                               f"{type(error).__name__}: {error}", group=group)
-    else:
-        messages = [None if error is None else str(error)]
-    if error is not None:
-        raise error
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    messages: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, mine, group=group)
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(f"rank {rank} could not {what}: {message}")
+    if not failed:
+        return
+    rank, message = failed[0]
+    if mine is not None and mine != message:
+        rank, message = dist.get_rank(group), mine
+    raise CheckpointError(f"rank {rank} could not {what}: {message}") from error
 
 
 def load_checkpoint(engine, directory: str, optimizer: torch.optim.Optimizer | None = None, *,

@@ -347,7 +347,9 @@ def save_pretrained_streamed(engine, out_dir: str, *,
     Raises (on every rank):
         ValueError: a bad ``max_shard_size`` or ``out_dir`` is an existing file (before any
             collective). NotImplementedError: see ``plan_hf_files``.
-        OSError / CheckpointError: rank 0 could not write (raised after the gathers finished).
+        CheckpointError: rank 0 could not write ("rank 0 could not save the model to ...",
+            the same message on every rank; raised after the gathers finished). With one rank
+            the OSError itself.
         RuntimeError: an earlier step raised part-way (``check_usable``).
     """
     from .checkpoint import errors_on_every_rank

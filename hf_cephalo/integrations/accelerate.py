@@ -150,11 +150,14 @@ class CephaloPlugin:
                           f"{env_name(name)}): {requirement}")
 
     def _validate(self) -> None:
-        for name, command in (("plan_file", "plan"), ("profile_file", "profile")):
+        commands = {"plan_file": "`hf-cephalo plan --profile PROFILE -B N --out FILE` (or "
+                                 "--cluster CLUSTER.yaml --model MODEL for a spec-sheet estimate)",
+                    "profile_file": "`hf-cephalo profile --model-config MODEL_DIR --out FILE` "
+                                    "(under the launcher, one process per rank)"}
+        for name, command in commands.items():
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
-                raise self._bad(name, f"no such file; write one with `hf-cephalo {command} --out "
-                                      f"FILE` or leave it unset")
+                raise self._bad(name, f"no such file; write one with {command} or leave it unset")
         if self.global_batch_size is not None:
             try:
                 value = float(self.global_batch_size)
@@ -235,9 +238,8 @@ class CephaloPlugin:
         for name in ("emulate_slowdown", "emulate_memory_cap_bytes"):
             values = getattr(self, name)
             if values is not None and len(values) != world_size:
-                raise ValueError(f"{name} = {values} ({env_name(name)} / --cephalo_{name}) has "
-                                 f"{len(values)} entries but the world size is {world_size}; give "
-                                 "one value per rank in rank order")
+                raise self._bad(name, f"has {len(values)} entries but the world size is "
+                                      f"{world_size}; give one value per rank in rank order")
 
     @classmethod
     def from_training_args(cls, args: Any) -> CephaloPlugin:

@@ -144,7 +144,8 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
     if args.cephalo_plan_file is not None:
         plan = Plan.load(args.cephalo_plan_file)
         plan.validate_for(world_size, model_profile(staged),
-                          precision=_job_precision_tag(args, staged))
+                          precision=_job_precision_tag(args, staged),
+                          plan_file=args.cephalo_plan_file)
         args.resolve_global_batch_size(world_size, plan.global_batch_size)
         check_state_fits_caps(plan, model_profile(staged).state_bytes, caps)
         if all(r.predicted_memory_bytes is not None for r in plan.ranks):

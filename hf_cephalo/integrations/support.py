@@ -53,6 +53,9 @@ class Support:
     note: str
     test: str | None = None
     refuse_if: Callable[[Any], bool] | None = None
+    implies: str | None = None
+    """A REFUSED field TrainingArguments turns on whenever this one is set (and may set this
+    one itself, as torch_compile fills in torch_compile_backend): only that field is reported."""
 
 
 def _is_unset(value: Any) -> bool:
@@ -173,9 +176,14 @@ FIELD_SUPPORT: dict[str, Support] = {
         "the engine checkpoints every unit (per-layer boundaries, offload via "
         "--cephalo_activation_offload): drop the kwargs"),
     "torch_compile": _refused("the engine runs the model unit by unit, so a compiled model "
-                              "would never be called: drop torch_compile"),
-    "torch_compile_backend": _refused("see torch_compile: drop the flag"),
-    "torch_compile_mode": _refused("see torch_compile: drop the flag"),
+                              "would never be called: drop torch_compile (and "
+                              "torch_compile_backend / torch_compile_mode, which turn it on)"),
+    "torch_compile_backend": Support(status=Status.REFUSED, implies="torch_compile",
+                                     note="turns on torch_compile (refused as torch_compile; "
+                                          "set with it by default): drop the flag"),
+    "torch_compile_mode": Support(status=Status.REFUSED, implies="torch_compile",
+                                  note="turns on torch_compile (refused as torch_compile): "
+                                       "drop the flag"),
     "use_liger_kernel": _refused("Liger patches the model's forward and loss, which the engine "
                                  "bypasses: drop use_liger_kernel"),
     "liger_kernel_config": _refused("see use_liger_kernel: drop the flag"),
@@ -357,16 +365,22 @@ def check_training_args(args) -> None:
     from transformers import TrainingArguments
 
     problems = []
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else
+                (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+                for f in dataclasses.fields(TrainingArguments)}
     for f in dataclasses.fields(TrainingArguments):
         value = getattr(args, f.name, None)
-        default = f.default if f.default is not dataclasses.MISSING else \
-            (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        default = defaults[f.name]
         support = FIELD_SUPPORT.get(f.name)
         if support is None:
             if _not_default(default)(value):
                 problems.append(f"--{f.name} = {value!r}: this TrainingArguments field is new to "
                                 f"hf_cephalo and not yet classified; leave it at its default "
                                 f"{default!r}")
+        elif support.implies is not None and _refused_value(
+                FIELD_SUPPORT[support.implies], getattr(args, support.implies, None),
+                defaults[support.implies]):
+            continue  # the implied field is reported (TrainingArguments set it, or the user)
         elif _refused_value(support, value, default):
             problems.append(f"--{f.name} = {value!r} is not supported by CephaloTrainer: "
                             f"{support.note}")

@@ -226,11 +226,12 @@ class Plan:
 
     # --- validation ------------------------------------------------------------------------
     def validate_for(self, world_size: int, model_profile: ModelProfile | None = None,
-                     precision: str | None = None) -> None:
+                     precision: str | None = None, plan_file: str | None = None) -> None:
         """Check this plan fits the job; ValueError naming the mismatch (before any collective).
 
         ``precision``: the job's [Note: precision tags] string; refused when the plan records
-        another one (its times and memory were predicted for other dtypes).
+        another one (its times and memory were predicted for other dtypes). ``plan_file``: the
+        file the plan was read from (``--cephalo_plan_file``), named in the world-size error.
         """
         if precision is not None and self.precision not in (None, precision):
             raise ValueError(
@@ -241,8 +242,12 @@ class Plan:
                 "--precision ... --param-dtype ...`, or drop cephalo_plan_file) or train with "
                 "the plan's precision")
         if self.world_size != world_size:
-            raise ValueError(f"plan is for world size {self.world_size} but the job has world "
-                             f"size {world_size}; re-run `hf-cephalo plan` for this cluster")
+            source = "plan" if plan_file is None else f"plan file {plan_file!r}"
+            remedy = "" if plan_file is None else \
+                " or drop --cephalo_plan_file to plan at start"
+            raise ValueError(f"{source} is for world size {self.world_size} but the job has "
+                             f"world size {world_size}; re-run `hf-cephalo plan` for this "
+                             f"cluster{remedy}")
         if model_profile is not None and self.model is not None:
             mine = {k: self.model.get(k) for k in ("num_units", "params_per_unit", "params_other")}
             theirs = {k: getattr(model_profile, k) for k in mine}
@@ -294,5 +299,5 @@ class Plan:
             return cls.from_json(data)
         except ValueError as e:
             message = str(e).removeprefix("plan JSON: ").removeprefix("plan: ")
-            remedy = file_remedy(message, "plan", "hf-cephalo plan --out FILE")
+            remedy = file_remedy(message, "plan", "`hf-cephalo plan --profile PROFILE -B N --out FILE`")
             raise ValueError(f"plan file {str(path)!r}: {message}{remedy}") from None

@@ -62,7 +62,7 @@ from hf_cephalo.units import GIB
 __all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "model_profile",
            "local_device_name",
            "device_capacity_bytes", "local_world_size", "measure_device", "measure_comm", "profile_cluster",
-           "check_profile_matches", "check_profile_precision", "sequence_length_of",
+           "check_profile_matches", "check_profile_precision", "sequence_length_of", "max_positions",
            "precision_tag", "PRECISIONS",
            "boundary_bytes_per_sample", "machine_layout"]
 
@@ -323,6 +323,13 @@ def local_world_size(group: dist.ProcessGroup | None = None) -> int:
     return sum(h == host for h in _all_gather_objects(host, group, world_size))
 
 
+def max_positions(model: torch.nn.Module) -> int | None:
+    """Longest sequence (tokens) the model's position embeddings cover: its config's
+    ``max_position_embeddings`` or ``n_positions``; None when the config names neither."""
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+
 def synthetic_microbatch(model: torch.nn.Module, m: int, sequence_length: int,
                          device: torch.device | str = "cpu",
                          seed: int = 0) -> dict[str, torch.Tensor]:
@@ -351,7 +358,7 @@ def synthetic_microbatch(model: torch.nn.Module, m: int, sequence_length: int,
         if vocab is None:
             raise ValueError(f"{cls}: no config.vocab_size to build synthetic token ids; pass "
                              "make_microbatch to profile this model")
-        limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        limit = max_positions(model)
         if limit is not None and sequence_length > limit:
             raise ValueError(f"sequence_length {sequence_length} exceeds the model's "
                              f"{limit} positions; profile with a shorter sequence length")

@@ -498,5 +498,6 @@ class ClusterProfile:
             return cls.from_json(data)
         except ValueError as e:
             message = str(e).removeprefix("cluster profile: ")
-            remedy = file_remedy(message, "profile", "hf-cephalo profile --out FILE")
+            remedy = file_remedy(message, "profile",
+                                 "`hf-cephalo profile --model-config MODEL_DIR --out FILE`")
             raise ValueError(f"cluster profile {str(path)!r}: {message}{remedy}") from None
