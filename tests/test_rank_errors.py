@@ -294,8 +294,10 @@ def _report(out: str) -> str:
 @pytest.mark.slow
 @test_timeout(TORCHRUN_S)  # the two launches run at the same time
 def test_same_error_on_every_rank_is_printed_once(tmp_path):
-    procs = [start_torchrun(SCRIPT, ["every"]),
-             start_torchrun(SCRIPT, ["every"], env_extra={ALL_RANK_ERRORS_ENV: "1"})]
+    procs = [start_torchrun(SCRIPT, ["every"],
+                            env_extra={"RAISE_BARRIER_DIR": str(tmp_path / "default")}),
+             start_torchrun(SCRIPT, ["every"], env_extra={
+                 ALL_RANK_ERRORS_ENV: "1", "RAISE_BARRIER_DIR": str(tmp_path / "opt-out")})]
     (rc, out), (rc_all, out_all) = wait_all(procs, budget_s(TORCHRUN_S))
     assert rc != 0 and rc_all != 0
     assert len(_worker_lines(out, f"ValueError: {MESSAGE}")) == 1, out

@@ -10,8 +10,11 @@
 
 SIGTERM is ignored from the start: the launcher sends it to the other ranks as soon as one rank
 exits, and whether it lands before a rank reaches its error depends on timing. Ignoring it
-makes every rank reach its error, so the test can count exactly what each rank prints (the
-launcher still ends a stuck rank with SIGKILL after its grace period).
+makes every rank reach its error, so the test can count exactly what each rank prints. The
+launcher still ends a rank with SIGKILL after its grace period (30 s), which a slow start on a
+loaded machine (imports 6x slower) can exceed: in ``every`` mode the ranks therefore meet at a
+file barrier (env ``RAISE_BARRIER_DIR``) after their imports, so no rank exits before the other
+is ready to raise.
 """
 
 import datetime
@@ -27,8 +30,26 @@ import hf_cephalo  # noqa: E402,F401  (installs the once-per-job error report)
 MESSAGE = "lr = -1 (--learning_rate): must be > 0"
 
 
+def _file_barrier(directory: str, timeout_s: float = 300.0) -> None:
+    """Wait until every local rank has created its file in ``directory`` (no process group)."""
+    import os
+    import time
+
+    os.makedirs(directory, exist_ok=True)
+    Path(directory, f"ready-{os.environ['LOCAL_RANK']}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(os.listdir(directory)) < int(os.environ["LOCAL_WORLD_SIZE"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"file barrier {directory}: the other ranks never arrived")
+        time.sleep(0.05)
+
+
 def main(mode: str) -> None:
     if mode == "every":
+        import os
+
+        if os.environ.get("RAISE_BARRIER_DIR"):
+            _file_barrier(os.environ["RAISE_BARRIER_DIR"])
         raise ValueError(MESSAGE)
     if mode != "rank1":
         raise SystemExit(f"unknown mode {mode!r}")
