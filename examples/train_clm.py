@@ -37,6 +37,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from transformers.utils import logging as hf_logging
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config,
                           GPT2LMHeadModel, HfArgumentParser, LlamaConfig, LlamaForCausalLM,
                           default_data_collator, set_seed)
@@ -244,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
         disable_progress_bars()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
+    # transformers' loggers print through their own handler and, where the environment sets CI=1,
+    # also propagate to the root handler configured above: every transformers warning twice
+    hf_logging.disable_propagation()
 
     text = load_text(data_args)
     if data_args.text_column not in text.column_names:

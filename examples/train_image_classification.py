@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 
 import numpy as np
+from transformers.utils import logging as hf_logging
 from transformers import (HfArgumentParser, ViTConfig, ViTForImageClassification,
                           default_data_collator, set_seed)
 
@@ -105,6 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     if training_args.disable_tqdm:  # also datasets' map/filter and the model-loading bars
         disable_progress_bars()
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
+    # transformers' loggers print through their own handler and, where the environment sets CI=1,
+    # also propagate to the root handler configured above: every transformers warning twice
+    hf_logging.disable_propagation()
 
     set_seed(training_args.seed)  # the same initial weights on every rank
     model = build_model(model_args, training_args.process_index)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers.utils import logging as hf_logging
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,
                           BertForSequenceClassification, DataCollatorWithPadding,
                           HfArgumentParser, set_seed)
@@ -244,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     if training_args.disable_tqdm:  # also the model-loading bars
         disable_progress_bars()
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
+    # transformers' loggers print through their own handler and, where the environment sets CI=1,
+    # also propagate to the root handler configured above: every transformers warning twice
+    hf_logging.disable_propagation()
     set_seed(training_args.seed)  # the same classifier / adapter init on every rank
     model, tokenizer, causal = build(model_args, training_args.process_index)
     train_rows, test_rows = split(doc_paragraphs(), data_args.test_fraction, training_args.seed)
