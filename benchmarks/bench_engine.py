@@ -317,29 +317,41 @@ def worker(rank, args, port, out_q):
         dist.destroy_process_group()
 
 
+def slowest_s(results, name: str, l: int) -> float:
+    """Seconds per step of runner ``name`` at ``l`` microbatches: the slowest rank's (a step
+    ends when the slowest rank ends)."""
+    return max(r["time"][f"{name}/{l}"] for r in results)
+
+
+def print_step_table(args, results, reduce_scatter: str) -> None:
+    """The per-l table of both reports: step times (Cephalo / FSDP2, without and with
+    activation checkpointing), their ratios, rank 0's all-gather count and bytes, and its
+    reduce-scatters as a count (``reduce_scatter="count"``) or in MiB (``"bytes"``)."""
+    r0 = results[0]
+    last = f"{'RS count':>9}" if reduce_scatter == "count" else f"{'RS MiB':>15}"
+    print(f"{'l':>3} {'m':>3} | {'cephalo':>7} {'+AC':>6} {'FSDP2':>6} {'+AC':>6} | "
+          f"{'AC/AC':>5} {'noAC/noAC':>9} | {'AG count':>11} {'AG MiB':>15} {'AG ratio':>8} | "
+          + last)
+    for l in args.num_mb:
+        c, f = r0["coll"][f"cephalo/{l}"], r0["coll"][f"fsdp2/{l}"]
+        cn, ca, fn, fa = (slowest_s(results, name, l)
+                          for name in ("cephalo-noac", "cephalo", "fsdp2", "fsdp2-ac"))
+        rs = (f"{c['rs']:>3} vs {f['rs']:>3}" if reduce_scatter == "count" else
+              f"{c['rs_bytes'] / 2**20:>6.1f} vs {f['rs_bytes'] / 2**20:>6.1f}")
+        print(f"{l:>3} {args.local_batch // l:>3} | {cn:>7.3f} {ca:>6.3f} {fn:>6.3f} {fa:>6.3f} | "
+              f"{ca / fa:>5.2f} {cn / fn:>9.2f} | {c['ag']:>4} vs {f['ag']:>4} "
+              f"{c['ag_bytes'] / 2**20:>6.1f} vs {f['ag_bytes'] / 2**20:>6.1f} "
+              f"{c['ag_bytes'] / f['ag_bytes']:>8.3f} | " + rs)
+
+
 def report_mixed_precision(args, results):
     """Cephalo (param_dtype, reduce fp32, autocast) vs FSDP2 MixedPrecisionPolicy + GA."""
-    r0 = results[0]
     print(f"# bench_engine --param-dtype {args.param_dtype}: {args.world_size} ranks on "
           f"{args.device}, Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
           f"{args.local_batch} sequences per rank; Cephalo param_dtype={args.param_dtype}, "
           f"reduce fp32, autocast {args.param_dtype} vs FSDP2 MixedPrecisionPolicy("
           f"param_dtype={args.param_dtype}, reduce_dtype=fp32) + standard GA")
-    print(f"{'l':>3} {'m':>3} | {'cephalo':>7} {'+AC':>6} {'FSDP2':>6} {'+AC':>6} | "
-          f"{'AC/AC':>5} {'noAC/noAC':>9} | {'AG count':>11} {'AG MiB':>15} {'AG ratio':>8} | "
-          f"{'RS MiB':>15}")
-
-    def t(name, l):
-        return max(r["time"][f"{name}/{l}"] for r in results)
-    for l in args.num_mb:
-        c, f = r0["coll"][f"cephalo/{l}"], r0["coll"][f"fsdp2/{l}"]
-        cn, ca, fn, fa = (t("cephalo-noac", l), t("cephalo", l), t("fsdp2", l),
-                          t("fsdp2-ac", l))
-        print(f"{l:>3} {args.local_batch // l:>3} | {cn:>7.3f} {ca:>6.3f} {fn:>6.3f} {fa:>6.3f} | "
-              f"{ca / fa:>5.2f} {cn / fn:>9.2f} | {c['ag']:>4} vs {f['ag']:>4} "
-              f"{c['ag_bytes'] / 2**20:>6.1f} vs {f['ag_bytes'] / 2**20:>6.1f} "
-              f"{c['ag_bytes'] / f['ag_bytes']:>8.3f} | "
-              f"{c['rs_bytes'] / 2**20:>6.1f} vs {f['rs_bytes'] / 2**20:>6.1f}")
+    print_step_table(args, results, reduce_scatter="bytes")
     print("(seconds per step, slowest rank; AG/RS MiB: rank 0's gathered outputs / reduce-"
           "scatter inputs at their traced element size, Cephalo vs FSDP2)")
     if args.json:
@@ -348,23 +360,12 @@ def report_mixed_precision(args, results):
 
 
 def report(args, results):
-    r0 = results[0]
     print(f"# bench_engine: {args.world_size} ranks on {args.device}, Llama {args.layers} layers, "
           f"hidden {args.hidden}, seq {args.seq}, {args.local_batch} sequences per rank")
-    print(f"{'l':>3} {'m':>3} | {'cephalo':>7} {'+AC':>6} {'FSDP2':>6} {'+AC':>6} | "
-          f"{'AC/AC':>5} {'noAC/noAC':>9} | {'AG count':>11} {'AG MiB':>15} {'AG ratio':>8} | "
-          f"{'RS count':>9}")
+    print_step_table(args, results, reduce_scatter="count")
 
-    def t(name, l):  # a step ends when the slowest rank ends
-        return max(r["time"][f"{name}/{l}"] for r in results)
-    for l in args.num_mb:
-        c, f = r0["coll"][f"cephalo/{l}"], r0["coll"][f"fsdp2/{l}"]
-        cn, ca, fn, fa = (t("cephalo-noac", l), t("cephalo", l), t("fsdp2", l),
-                          t("fsdp2-ac", l))
-        print(f"{l:>3} {args.local_batch // l:>3} | {cn:>7.3f} {ca:>6.3f} {fn:>6.3f} {fa:>6.3f} | "
-              f"{ca / fa:>5.2f} {cn / fn:>9.2f} | {c['ag']:>4} vs {f['ag']:>4} "
-              f"{c['ag_bytes'] / 2**20:>6.1f} vs {f['ag_bytes'] / 2**20:>6.1f} "
-              f"{c['ag_bytes'] / f['ag_bytes']:>8.3f} | {c['rs']:>3} vs {f['rs']:>3}")
+    def t(name, l):
+        return slowest_s(results, name, l)
     l1 = args.num_mb[0]
     print("(seconds per step; cephalo = activation_checkpointing=False, +AC = with activation "
           "checkpointing (Cephalo's default: recompute in backward); FSDP2 = FSDP2 with standard "
