@@ -282,23 +282,35 @@ def scaler_run(rank, world, plan, batches, steps, tmp, *, param_dtype, model=Non
             if rank == 0:
                 torch.save(scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
             torch.distributed.barrier()
-        ids, labels, overflow_rank = batches[step]
-        mbs = split_microbatches(ids, labels, plan["sizes_b"], plan["sizes_m"], rank)
-        if rank == overflow_rank:
-            mbs[0] = {**mbs[0], "overflow": torch.ones(())}
         engine.zero_grad()
-        engine.train_step(mbs, loss_scale=scaler)
+        engine.train_step(overflow_microbatches(plan, batches[step], rank), loss_scale=scaler)
         if unscale:
             scaler.unscale_(opt)
             if clip:
                 engine.clip_grad_norm_(1.0)
-        before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        scales.append(scaler.get_scale())
-        if scales[-1] < before:
-            skipped.append(step)
+        step_and_record(scaler, opt, step, scales, skipped)
     return scales, skipped, engine
+
+
+def overflow_microbatches(plan, batch, rank) -> list:
+    """``rank``'s microbatches of ``batch = (ids, labels, overflow_rank)``; on the overflow
+    rank the first one carries the flag that makes OverflowStaged produce an inf."""
+    ids, labels, overflow_rank = batch
+    mbs = split_microbatches(ids, labels, plan["sizes_b"], plan["sizes_m"], rank)
+    if rank == overflow_rank:
+        mbs[0] = {**mbs[0], "overflow": torch.ones(())}
+    return mbs
+
+
+def step_and_record(scaler, opt, step, scales, skipped) -> None:
+    """``scaler.step`` + ``update``; appends the new scale, and ``step`` to ``skipped`` when the
+    scale fell (the step was skipped on an inf)."""
+    before = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    scales.append(scaler.get_scale())
+    if scales[-1] < before:
+        skipped.append(step)
 
 
 def scaler_reference(plan, batches, steps, world, param_dtype):
@@ -307,25 +319,14 @@ def scaler_reference(plan, batches, steps, world, param_dtype):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=3)
     scales, skipped = [], []
     for step in range(steps):
-        ids, labels, overflow_rank = batches[step]
-        every = []
-        for r in range(world):
-            mbs = split_microbatches(ids, labels, plan["sizes_b"], plan["sizes_m"], r)
-            if r == overflow_rank:
-                mbs[0] = {**mbs[0], "overflow": torch.ones(())}
-            every += mbs
+        every = [mb for r in range(world) for mb in overflow_microbatches(plan, batches[step], r)]
         num_items = sum(ToyStaged(ref).count_items(mb) for mb in every)
         opt.zero_grad(set_to_none=True)
         set_fp32_sum(ref, reference_grads(ref, every, num_items, torch.float16, param_dtype,
                                           scaler.scale, OverflowStaged))
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        scales.append(scaler.get_scale())
-        if scales[-1] < before:
-            skipped.append(step)
+        step_and_record(scaler, opt, step, scales, skipped)
     return scales, skipped, ref
 
 
