@@ -105,3 +105,26 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 180.
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def portable(obj: Any, to_numpy: bool) -> Any:
+    """Tensors <-> numpy arrays inside dicts, lists and tuples (tuples come back as lists):
+    results cross process boundaries by value (torch's queue pickling shares memory with the
+    worker, which has exited by then). bf16 tensors travel as their int16 bits (numpy has no
+    bf16)."""
+    import numpy as np
+    import torch
+
+    if to_numpy and isinstance(obj, torch.Tensor) and obj.dtype == torch.bfloat16:
+        return {"__bf16__": obj.view(torch.int16).numpy()}
+    if not to_numpy and isinstance(obj, dict) and "__bf16__" in obj:
+        return torch.from_numpy(obj["__bf16__"]).view(torch.bfloat16)
+    if isinstance(obj, dict):
+        return {k: portable(v, to_numpy) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable(v, to_numpy) for v in obj]
+    if to_numpy and isinstance(obj, torch.Tensor):
+        return obj.numpy()
+    if not to_numpy and isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    return obj

@@ -12,13 +12,12 @@ from __future__ import annotations
 import os
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from transformers import get_linear_schedule_with_warmup
 
 from hf_cephalo.engine import checkpoint as ckpt
-from tests.dist_utils import budget_s, run_ranks, test_timeout
+from tests.dist_utils import budget_s, portable, run_ranks, test_timeout
 from tests.models_fixtures import build, make_batch
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -198,24 +197,10 @@ def _two_ranks(rank, world_size, root, reference):
     return results if rank == 0 else None
 
 
-def _portable(obj, to_numpy: bool):
-    """Tensors <-> numpy arrays: results cross process boundaries by value (torch's queue
-    pickling shares memory with the worker, which has exited by then)."""
-    if isinstance(obj, dict):
-        return {k: _portable(v, to_numpy) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_portable(v, to_numpy) for v in obj]
-    if to_numpy and isinstance(obj, torch.Tensor):
-        return obj.numpy()
-    if not to_numpy and isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj)
-    return obj
-
-
 def _portable_result(fn):
     def wrapped(rank, world_size, *args):
-        args = [_portable(a, to_numpy=False) for a in args]
-        return _portable(fn(rank, world_size, *args), to_numpy=True)
+        args = [portable(a, to_numpy=False) for a in args]
+        return portable(fn(rank, world_size, *args), to_numpy=True)
     return wrapped
 
 
@@ -232,7 +217,7 @@ def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
     three = run_ranks(_three_ranks_worker, 3, root, timeout_s=budget_s(JOB_S))[0]
     two = run_ranks(_two_ranks_worker, 2, root, three, timeout_s=budget_s(JOB_S))[0]
-    return _portable(three, to_numpy=False), _portable(two, to_numpy=False)
+    return portable(three, to_numpy=False), portable(two, to_numpy=False)
 
 
 def _close(got, want, exact):

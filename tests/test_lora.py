@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("peft")
 
-from tests.dist_utils import budget_s, run_ranks, test_timeout  # noqa: E402
+from tests.dist_utils import budget_s, portable, run_ranks, test_timeout  # noqa: E402
 from tests.models_fixtures import build, make_batch  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -199,28 +198,12 @@ def _two_ranks(rank, world_size, root, directories):
     return results if rank == 0 else None
 
 
-def _portable(obj, to_numpy: bool):
-    if to_numpy and isinstance(obj, torch.Tensor) and obj.dtype == torch.bfloat16:
-        return {"__bf16__": obj.view(torch.int16).numpy()}  # numpy has no bf16: bits
-    if not to_numpy and isinstance(obj, dict) and "__bf16__" in obj:
-        return torch.from_numpy(obj["__bf16__"]).view(torch.bfloat16)
-    if isinstance(obj, dict):
-        return {k: _portable(v, to_numpy) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_portable(v, to_numpy) for v in obj]
-    if to_numpy and isinstance(obj, torch.Tensor):
-        return obj.numpy()
-    if not to_numpy and isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj)
-    return obj
-
-
 def _three_worker(rank, world_size, root):
-    return _portable(_three_ranks(rank, world_size, root), True)
+    return portable(_three_ranks(rank, world_size, root), True)
 
 
 def _two_worker(rank, world_size, root, directories):
-    return _portable(_two_ranks(rank, world_size, root, directories), True)
+    return portable(_two_ranks(rank, world_size, root, directories), True)
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +214,7 @@ def runs(tmp_path_factory):
     two = run_ranks(_two_worker, 2, root, directories, timeout_s=budget_s(JOB_S))[0]
     results = {f"{arch}/three": three[arch] for arch in ARCHS}
     results.update(two)
-    return _portable(results, False)
+    return portable(results, False)
 
 
 @pytest.fixture(scope="module")
