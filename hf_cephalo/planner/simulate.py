@@ -474,9 +474,9 @@ def extrapolation_note(plan: Plan, cluster: ClusterProfile) -> str | None:
     sizes (their times and memory are extrapolated: linear fits, planner/cost.py, paper §2.4),
     or None when every m_i was profiled or interpolated.
     """
-    beyond = [(r.rank, r.microbatch_size, max(cluster.devices[r.rank].microbatch_sizes))
-              for r in plan.ranks
-              if r.batch_size > 0 and r.microbatch_size > max(cluster.devices[r.rank].microbatch_sizes)]
+    profiled = [max(d.microbatch_sizes) for d in cluster.devices]
+    beyond = [(r.rank, r.microbatch_size, profiled[r.rank]) for r in plan.ranks
+              if r.batch_size > 0 and r.microbatch_size > profiled[r.rank]]
     if not beyond:
         return None
     ranks = ", ".join(f"rank {i} m={m} (profiled up to {top})" for i, m, top in beyond)
