@@ -183,5 +183,6 @@ def test_every_refusal_of_a_script_in_one_message(tmp_path, monkeypatch):
     for i, (line, start) in enumerate(zip(lines, sorted(expected, key=message.index)), 1):
         assert line.startswith(f"  {i}. {start}"), (i, line)
     assert "Linear" in lines[-1]
-    assert isinstance(info.value, ValueError) and len(info.value.problems) == len(expected)
+    assert isinstance(info.value, ValueError)
+    assert len(info.value.problems) == len(expected)
     assert not torch.distributed.is_initialized()
