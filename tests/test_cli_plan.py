@@ -23,6 +23,7 @@ def test_plan_from_cluster_yaml(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "predicted iteration time" in text and "samples/s" in text
     assert "spec-sheet estimates" in text
+    assert "hf-cephalo profile --max-microbatch-size" not in text  # no GPU at hand to profile
     for dev in ("L4", "A6000", "P40", "P100"):
         assert dev in text
     plan = Plan.load(out)
