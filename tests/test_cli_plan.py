@@ -308,6 +308,23 @@ def test_export_refuses_an_output_inside_the_checkpoint(tmp_path, capsys):
     assert sorted(p.name for p in ck.iterdir()) == ["layout.json"]
 
 
+def test_export_of_a_run_folder_lists_its_checkpoints(tmp_path, capsys):
+    """The run's output_dir instead of a checkpoint-N: the error lists the checkpoints inside
+    (newest first, incomplete ones marked) and names the newest complete one."""
+    from hf_cephalo.engine.checkpoint import FILES
+
+    for step, complete in ((2, True), (10, True), (12, False)):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / FILES.COMPLETE).write_text("{}")
+    (tmp_path / "runs").mkdir()
+    assert main(["export", str(tmp_path), "--out", str(tmp_path.parent / "merged")]) == 2
+    err = capsys.readouterr().err
+    assert (f"{tmp_path}: a run folder, not a checkpoint; it holds checkpoint-12 (incomplete), "
+            f"checkpoint-10, checkpoint-2; give a checkpoint, e.g. the newest complete one: "
+            f"{tmp_path / 'checkpoint-10'}") in err, err
+
+
 def test_spec_sheet_what_if_in_fp16_and_bf16(capsys):
     """``--precision fp16`` prices each GPU at its fp16 rate with the default job's element
     sizes (bf16 / fp16 gathered units and all-gathers, 2 B boundaries); ``--precision bf16`` on
