@@ -359,6 +359,7 @@ def _bars(ax, label):
 
 def test_plan_figure_draws_the_memory_model_against_each_cap():
     pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import to_rgba
 
     from hf_cephalo.cli import plan_figure
@@ -391,6 +392,13 @@ def test_plan_figure_draws_the_memory_model_against_each_cap():
         # the share of each cap in use is printed above its rank (readable where bars are flat)
         assert [t.get_text() for t in mem.texts] == \
             [f"{p.memory_bytes / p.cap_bytes:.0%}" for p in pred.ranks]
+        # ... clear of its cap marker: each label's bottom is above the marker line's top edge
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        fig.draw(renderer)
+        half_line_px = caps.get_markeredgewidth() / 2 * fig.dpi / 72
+        for text, p in zip(mem.texts, pred.ranks):
+            y_px = mem.transData.transform((0, max(p.memory_bytes, p.cap_bytes) / GIB))[1]
+            assert text.get_window_extent(renderer).y0 > y_px + half_line_px, text.get_text()
     # the even plan with m = 32 overflows some GPUs, not all: both colours were checked
     assert {p.fits for p in pred.ranks} == {True, False}
     with pytest.raises(ValueError, match="prediction has 7 ranks, the plan 8"):
