@@ -17,7 +17,9 @@ what that needs beyond the stock resume path:
 3. **Resume checks** (``check_resume``): a checkpoint of another model or another global batch
    size is refused before its state is read.
 4. **Time lost per change** (``ElasticCallback``): rank 0 records the last finished step in
-   ``output_dir/cephalo_progress.json`` (``Progress``); on resume it logs the old and new plan
+   ``output_dir/cephalo_progress.json`` (``Progress``; rewritten after every step, aside and
+   renamed, not fsynced: the step count and restart time of a resume need the LAST finished
+   step, and a crash gives no notice); on resume it logs the old and new plan
    side by side and a ``ResumeReport`` (steps redone since the checkpoint, seconds from the last
    finished step before the change to the first step after it), appended to
    ``output_dir/cephalo_restarts.jsonl``.
