@@ -107,3 +107,48 @@ def test_sigkill_of_the_launcher_ends_its_workers(tmp_path):
             except ProcessLookupError:
                 pass
             proc.wait()
+
+
+_CHILD = """
+import os, sys, time
+import hf_cephalo.parent_death as pd
+assert not pd.install_parent_death_guard()  # outside torchelastic: nothing installed
+os.environ["TORCHELASTIC_RUN_ID"] = "test"
+pd._set_pdeathsig = lambda: False  # as where prctl is missing: the watchdog alone
+assert pd.install_parent_death_guard()
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(120)
+"""
+_PARENT = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stderr=open(sys.argv[3], "w"))
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+@test_timeout(10.0)
+def test_watchdog_ends_the_worker_without_prctl(tmp_path):
+    """The fallback route alone (prctl patched out): a process whose parent is SIGKILLed ends
+    itself (os._exit) and says why on stderr; outside torchelastic no guard is installed."""
+    import subprocess
+    import sys
+
+    pid_file, err = tmp_path / "pid", tmp_path / "stderr"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD, str(pid_file), str(err)],
+                              cwd=ROOT, env=env, start_new_session=True)
+    try:
+        _wait_for(lambda: pid_file.is_file() and pid_file.read_text(), budget_s(10.0),
+                  "the child started", [err])
+        child = int(pid_file.read_text())
+        assert _alive(child)
+        parent.kill()
+        parent.wait()
+        _wait_for(lambda: not _alive(child), WORKERS_GONE_S, "the child ended", [err])
+        assert f"the launcher (pid {parent.pid}) is gone; ending this worker" in err.read_text()
+    finally:
+        try:
+            os.killpg(parent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
