@@ -151,7 +151,9 @@ class CephaloTrainingArguments(TrainingArguments):
         """
         refused = {}
         if self.gradient_accumulation_steps != 1:
-            world = "world size" if self.world_size_hint is None else str(self.world_size_hint)
+            # the launcher's WORLD_SIZE if set: args.world_size would create the process group
+            world = os.environ.get("WORLD_SIZE", "")
+            world = world if world.isdigit() else "world size"
             refused["gradient_accumulation_steps"] = (
                 f"--gradient_accumulation_steps = {self.gradient_accumulation_steps}: Cephalo "
                 "accumulates gradients inside each step itself (l_i microbatches of m_i samples "
@@ -167,12 +169,6 @@ class CephaloTrainingArguments(TrainingArguments):
             if getattr(self, flag):
                 refused[flag] = f"--{flag} is not supported by CephaloTrainer: {why}"
         return refused
-
-    @property
-    def world_size_hint(self) -> int | None:
-        """The launcher's ``WORLD_SIZE`` (no process group is created), else None."""
-        value = os.environ.get("WORLD_SIZE")
-        return int(value) if value and value.isdigit() else None
 
     def _resolve_cephalo_fields(self) -> None:
         # CephaloPlugin owns environment fallback, defaults and validation; copy its normalized
