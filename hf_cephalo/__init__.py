@@ -4,6 +4,7 @@ Stages (imports point right-to-left): profiler -> planner -> engine -> integrati
 Heavy submodules are imported lazily so ``hf-cephalo plan`` starts without torch.distributed.
 """
 
+from hf_cephalo.parent_death import install_parent_death_guard as _install_parent_death_guard
 from hf_cephalo.rank_errors import install_rank_error_hook as _install_rank_error_hook
 
 __version__ = "0.1.0"
@@ -12,6 +13,10 @@ __version__ = "0.1.0"
 # named in the launcher's report (hf_cephalo/rank_errors.py). Installed at import so errors in
 # argument parsing are covered and any script importing hf_cephalo gets it; stdlib only, cheap.
 _install_rank_error_hook()
+# Under torchrun / accelerate launch, a worker ends within about a second of its launcher's death
+# (SIGKILL of the launcher would otherwise leave it training and checkpointing as an orphan;
+# hf_cephalo/parent_death.py, [Note: parent death]). Stdlib only, cheap.
+_install_parent_death_guard()
 
 
 def __getattr__(name: str):

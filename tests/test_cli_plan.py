@@ -23,6 +23,7 @@ def test_plan_from_cluster_yaml(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "predicted iteration time" in text and "samples/s" in text
     assert "spec-sheet estimates" in text
+    assert "hf-cephalo profile --max-microbatch-size" not in text  # no GPU at hand to profile
     for dev in ("L4", "A6000", "P40", "P100"):
         assert dev in text
     plan = Plan.load(out)
@@ -307,6 +308,23 @@ def test_export_refuses_an_output_inside_the_checkpoint(tmp_path, capsys):
     assert sorted(p.name for p in ck.iterdir()) == ["layout.json"]
 
 
+def test_export_of_a_run_folder_lists_its_checkpoints(tmp_path, capsys):
+    """The run's output_dir instead of a checkpoint-N: the error lists the checkpoints inside
+    (newest first, incomplete ones marked) and names the newest complete one."""
+    from hf_cephalo.engine.checkpoint import FILES
+
+    for step, complete in ((2, True), (10, True), (12, False)):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / FILES.COMPLETE).write_text("{}")
+    (tmp_path / "runs").mkdir()
+    assert main(["export", str(tmp_path), "--out", str(tmp_path.parent / "merged")]) == 2
+    err = capsys.readouterr().err
+    assert (f"{tmp_path}: a run folder, not a checkpoint; it holds checkpoint-12 (incomplete), "
+            f"checkpoint-10, checkpoint-2; give a checkpoint, e.g. the newest complete one: "
+            f"{tmp_path / 'checkpoint-10'}") in err, err
+
+
 def test_spec_sheet_what_if_in_fp16_and_bf16(capsys):
     """``--precision fp16`` prices each GPU at its fp16 rate with the default job's element
     sizes (bf16 / fp16 gathered units and all-gathers, 2 B boundaries); ``--precision bf16`` on
@@ -341,6 +359,7 @@ def _bars(ax, label):
 
 def test_plan_figure_draws_the_memory_model_against_each_cap():
     pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import to_rgba
 
     from hf_cephalo.cli import plan_figure
@@ -373,6 +392,13 @@ def test_plan_figure_draws_the_memory_model_against_each_cap():
         # the share of each cap in use is printed above its rank (readable where bars are flat)
         assert [t.get_text() for t in mem.texts] == \
             [f"{p.memory_bytes / p.cap_bytes:.0%}" for p in pred.ranks]
+        # ... clear of its cap marker: each label's bottom is above the marker line's top edge
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        fig.draw(renderer)
+        half_line_px = caps.get_markeredgewidth() / 2 * fig.dpi / 72
+        for text, p in zip(mem.texts, pred.ranks):
+            y_px = mem.transData.transform((0, max(p.memory_bytes, p.cap_bytes) / GIB))[1]
+            assert text.get_window_extent(renderer).y0 > y_px + half_line_px, text.get_text()
     # the even plan with m = 32 overflows some GPUs, not all: both colours were checked
     assert {p.fits for p in pred.ranks} == {True, False}
     with pytest.raises(ValueError, match="prediction has 7 ranks, the plan 8"):

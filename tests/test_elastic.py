@@ -104,6 +104,14 @@ def test_run_record_roundtrip_and_plan_change_table(tmp_path):
     table = elastic.format_plan_change(plan3, plan2)
     assert "3 -> 2 ranks" in table and table.count("\n") == 4
     assert "A100" in table.splitlines()[2] and "40.00" in table and "60.00" in table
+    # a plain resume on the same world and plan is no re-plan; another plan on as many ranks is
+    # a re-plan, not an elastic one
+    assert (elastic.format_plan_change(plan2, Plan.from_json(plan2.to_json()))
+            == "Cephalo resume on the same plan: 2 ranks, global batch size 12")
+    other = Plan.from_ratios([6, 6], [6, 6], [0.5, 0.5], devices=["A100", "V100"])
+    table = elastic.format_plan_change(plan2, other)
+    assert table.startswith("Cephalo re-plan on the same 2 ranks, global batch size 12\n")
+    assert "elastic" not in table and table.count("\n") == 3
     (tmp_path / elastic.RUN_RECORD_NAME).write_text("{")
     with pytest.raises(ValueError, match="unreadable run record"):
         elastic.read_checkpoint_record(str(tmp_path))

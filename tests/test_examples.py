@@ -202,14 +202,17 @@ def test_train_lora_minilm_adapter_and_merged_export(tmp_path):
                                    "--output_dir", str(out_dir), "--max_steps", "3",
                                    "--logging_steps", "1", "--max_eval_samples", "32",
                                    "--save_strategy", "steps", "--save_steps", "3",
-                                   "--report_to", "none", "--disable_tqdm", "true")],
+                                   "--report_to", "none")],
                            budget_s(LORA_LAUNCH_S))
     assert rc == 0, out[-6000:]
     assert re.search(r"LoRA r=8: 74,883 of 22,789,254 parameters train", out), out[-6000:]
     # transformers' report of the base's new classifier once per job (both ranks load it), none
     # for the check's reload (the adapter holds the classifier); no loading bars
     assert out.count("LOAD REPORT") == 1 and "classifier.weight | MISSING" in out, out[-6000:]
+    # the README's command (no --disable_tqdm) into a pipe: no progress bars (not a terminal),
+    # no FutureWarning of PEFT's deprecated attribute read on each rank
     assert "Loading weights" not in out and "it/s]" not in out and "not sharded" not in out
+    assert "FutureWarning" not in out and "{'loss': '" in out, out[-6000:]
     assert re.search(r"held-out accuracy: [0-9.]+ on 32 paragraphs \(majority class", out)
     assert "adapter reloaded with PeftModel.from_pretrained" in out
     assert (out_dir / "adapter_model.safetensors").is_file()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import math
 
@@ -265,8 +267,10 @@ def test_extrapolation_note_names_ranks_beyond_the_profiled_microbatch_sizes():
     from hf_cephalo.planner.simulate import extrapolation_note
     from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
 
-    cluster = estimate_cluster_profile(load_cluster_yaml("examples/clusters/cluster_a.yaml"),
-                                       "llama-3b", efficiency=0.5, precision="fp32")
+    spec_sheet = estimate_cluster_profile(load_cluster_yaml("examples/clusters/cluster_a.yaml"),
+                                          "llama-3b", efficiency=0.5, precision="fp32")
+    # the same numbers as if measured (a spec-sheet estimate is linear in m: no note for it)
+    cluster = dataclasses.replace(spec_sheet, source="measured")
     top = max(cluster.devices[0].microbatch_sizes)  # 16 in the spec-sheet profiles
     inside = Plan.even(8, 8 * top, microbatch_size=top)
     assert extrapolation_note(inside, cluster) is None
@@ -277,3 +281,4 @@ def test_extrapolation_note_names_ranks_beyond_the_profiled_microbatch_sizes():
     assert note.startswith(f"note: rank 0 m={2 * top} (profiled up to {top}): beyond the "
                            "profiled microbatch sizes"), note
     assert "rank 1" not in note and "--max-microbatch-size" in note
+    assert extrapolation_note(beyond, spec_sheet) is None

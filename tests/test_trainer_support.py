@@ -149,3 +149,40 @@ def test_engine_refusal_after_oom_does_not_look_like_oom():
         CephaloEngine.check_usable(fake, "train_step")
     assert not should_reduce_batch_size(info.value)
     assert info.value.__cause__ is oom
+
+
+def test_every_refusal_of_a_script_in_one_message(tmp_path, monkeypatch):
+    """A stock script differing in several places gets ONE error listing all of them
+    ([Note: one refusal message]): TrainingArguments fields (one worded by
+    CephaloTrainingArguments, two by the table), a Trainer argument, a dataset and the model —
+    before any process group exists."""
+    from torch.utils.data import IterableDataset
+
+    from hf_cephalo.integrations.support import RefusedSettings
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from ()
+
+    monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
+    model = torch.nn.Linear(4, 4)  # no adapter
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = _args(tmp_path, gradient_accumulation_steps=2, auto_find_batch_size=True,
+                 torch_compile=True)
+    with pytest.raises(RefusedSettings) as info:
+        CephaloTrainer(model=model, args=args, optimizers=(opt, None), train_dataset=Stream())
+    message = str(info.value)
+    expected = ["--gradient_accumulation_steps = 2: ", "--torch_compile = True is not supported",
+                "--auto_find_batch_size = True is not supported", "optimizers is not supported",
+                "train_dataset: Stream has no length", "model: "]
+    assert message.startswith(f"CephaloTrainer refuses {len(expected)} settings of this script; "
+                              "change all of them (docs/trainer_support.md):\n"), message
+    lines = message.splitlines()[1:]
+    assert len(lines) == len(expected), message
+    for i, (line, start) in enumerate(zip(lines, sorted(expected, key=message.index)), 1):
+        assert line.startswith(f"  {i}. {start}"), (i, line)
+    assert "Linear" in lines[-1]
+    assert isinstance(info.value, ValueError)
+    assert len(info.value.problems) == len(expected)
+    assert not torch.distributed.is_initialized()

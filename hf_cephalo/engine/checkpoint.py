@@ -251,6 +251,26 @@ def _write_marker(directory: str, records: dict[str, dict[str, int]]) -> None:
     os.rename(tmp, os.path.join(directory, FILES.COMPLETE))
 
 
+def _run_folder_hint(directory: str) -> str | None:
+    """For a run's output_dir given instead of a checkpoint: the ``checkpoint-N`` directories
+    it holds, newest first, each without its marker called incomplete, and the newest complete
+    one to give instead. None when ``directory`` holds no ``checkpoint-N``."""
+    found = []
+    for name in os.listdir(directory):
+        prefix, _, step = name.partition("-")
+        if prefix == "checkpoint" and step.isdigit() and os.path.isdir(os.path.join(directory, name)):
+            found.append((int(step), name, is_complete(os.path.join(directory, name))))
+    if not found:
+        return None
+    found.sort(reverse=True)
+    listed = ", ".join(name + ("" if complete else " (incomplete)") for _, name, complete in found)
+    complete = [name for _, name, ok in found if ok]
+    advice = (f"give a checkpoint, e.g. the newest complete one: "
+              f"{os.path.join(directory, complete[0])}" if complete else
+              "none of them is complete (every save was interrupted)")
+    return f"{directory}: a run folder, not a checkpoint; it holds {listed}; {advice}"
+
+
 def is_complete(directory: str) -> bool:
     """True if ``directory`` carries the completeness marker (written last by a save)."""
     return os.path.isfile(os.path.join(directory, FILES.COMPLETE))
@@ -407,6 +427,9 @@ def read_layout(directory: str) -> CheckpointLayout:
                               "save_checkpoint)")
     marker = os.path.join(directory, FILES.COMPLETE)
     if not os.path.isfile(marker) and not os.path.isfile(os.path.join(directory, FILES.LAYOUT)):
+        hint = _run_folder_hint(directory)
+        if hint:  # a run's output_dir given instead of one of its checkpoints
+            raise CheckpointError(hint)
         raise CheckpointError(f"{directory}: not a Cephalo sharded checkpoint (no {FILES.LAYOUT}, "
                               f"no {FILES.COMPLETE}); to start from a plain model directory, "
                               "load it with from_pretrained and train without resuming")

@@ -17,7 +17,9 @@ what that needs beyond the stock resume path:
 3. **Resume checks** (``check_resume``): a checkpoint of another model or another global batch
    size is refused before its state is read.
 4. **Time lost per change** (``ElasticCallback``): rank 0 records the last finished step in
-   ``output_dir/cephalo_progress.json`` (``Progress``); on resume it logs the old and new plan
+   ``output_dir/cephalo_progress.json`` (``Progress``; rewritten after every step, aside and
+   renamed, not fsynced: the step count and restart time of a resume need the LAST finished
+   step, and a crash gives no notice); on resume it logs the old and new plan
    side by side and a ``ResumeReport`` (steps redone since the checkpoint, seconds from the last
    finished step before the change to the first step after it), appended to
    ``output_dir/cephalo_restarts.jsonl``.
@@ -215,8 +217,20 @@ def check_resume(checkpoint: str, record: RunRecord | None, plan: Plan, fingerpr
             "(elastic jobs must always set it)")
 
 
+def _plan_rows(plan: Plan) -> list[tuple]:
+    return [(r.device, r.batch_size, r.microbatch_size, r.num_microbatches, r.state_ratio)
+            for r in plan.ranks]
+
+
 def format_plan_change(old: Plan | None, new: Plan) -> str:
-    """The old and new plans side by side, one row per rank (b_i, m_i, l_i, r_i %)."""
+    """The old and new plans side by side, one row per rank (b_i, m_i, l_i, r_i %).
+
+    The header says what changed: the world (``elastic re-plan: 3 -> 2 ranks``), only the plan
+    on the same number of ranks (``re-plan on the same 2 ranks``); a resume onto the very same
+    plan is one line without the table (it is no re-plan)."""
+    if old is not None and _plan_rows(old) == _plan_rows(new):
+        return (f"Cephalo resume on the same plan: {new.world_size} ranks, global batch size "
+                f"{new.global_batch_size}")
     def rows(plan: Plan | None, n: int) -> list[str]:
         cells = [] if plan is None else [
             f"{r.device[:14]:<14} {r.batch_size:>4} {r.microbatch_size:>4} "
@@ -225,8 +239,10 @@ def format_plan_change(old: Plan | None, new: Plan) -> str:
 
     n = max(new.world_size, 0 if old is None else old.world_size)
     head = f"{'device':<14} {'b_i':>4} {'m_i':>4} {'l_i':>4} {'r_i %':>7}"
-    lines = [f"Cephalo elastic re-plan: {'?' if old is None else old.world_size} -> "
-             f"{new.world_size} ranks, global batch size {new.global_batch_size}",
+    what = (f"re-plan on the same {new.world_size} ranks"
+            if old is not None and old.world_size == new.world_size else
+            f"elastic re-plan: {'?' if old is None else old.world_size} -> {new.world_size} ranks")
+    lines = [f"Cephalo {what}, global batch size {new.global_batch_size}",
              f"{'rank':>4} | before: {head} | after: {head}"]
     for i, (a, b) in enumerate(zip(rows(old, n), rows(new, n))):
         lines.append(f"{i:>4} |         {a} |        {b}")

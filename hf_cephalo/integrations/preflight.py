@@ -16,11 +16,13 @@ from typing import Any
 
 from torch import nn
 
+from hf_cephalo.integrations.support import RefusedSettings, training_args_problems
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import Plan
 
-__all__ = ["check_datasets", "check_before_planning", "warn_idle_ranks"]
+__all__ = ["check_datasets", "check_script", "check_before_planning", "dataset_problems",
+           "warn_idle_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +38,55 @@ def _dataset_error(dataset: Any, description: str) -> str | None:
             "features=iterable.features)")
 
 
-def check_datasets(train_dataset: Any = None, eval_dataset: Any = None) -> None:
-    """Raise ValueError for a dataset without a length (an ``IterableDataset``).
+def dataset_problems(train_dataset: Any = None, eval_dataset: Any = None) -> list[str]:
+    """One message per dataset without a length (an ``IterableDataset``); empty when all fit.
 
     ``eval_dataset`` may be a dict of named datasets (each is checked).
     """
     evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]
+    problems = []
     for description, dataset in [("train_dataset", train_dataset),
                                  *((f"eval_dataset{f'[{k!r}]' if k else ''}", d) for k, d in evals)]:
         message = _dataset_error(dataset, description)
         if message:
-            raise ValueError(message)
+            problems.append(message)
+    return problems
+
+
+def check_datasets(train_dataset: Any = None, eval_dataset: Any = None) -> None:
+    """Raise ``RefusedSettings`` (a ValueError) naming every dataset without a length."""
+    problems = dataset_problems(train_dataset, eval_dataset)
+    if problems:
+        raise RefusedSettings(problems)
+
+
+def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
+                 train_dataset: Any = None, eval_dataset: Any = None) -> StagedModel:
+    """Every refusal of the script's settings at once ([Note: one refusal message] in
+    support.py); returns the staged model.
+
+    Collects, in this order: the ``TrainingArguments`` fields (``training_args_problems``), the
+    Trainer arguments and hooks (``hook_problems``, from ``CephaloTrainer._hook_problems``), the
+    datasets (``dataset_problems``) and the model (no model, or a class without an adapter:
+    ``stage_model``'s message). Needs no process group; run it before anything else.
+
+    Raises:
+        RefusedSettings: (a ValueError) one message listing every problem found.
+    """
+    problems = [*training_args_problems(args), *hook_problems,
+                *dataset_problems(train_dataset, eval_dataset)]
+    staged = None
+    if model is None:
+        problems.append("model: CephaloTrainer needs a model: pass model=... (model_init is not "
+                        "supported: build the model yourself)")
+    else:
+        try:
+            staged = stage_model(model)
+        except ValueError as e:  # an unsupported class or PEFT setup, with the route to take
+            problems.append(f"model: {e}")
+    if problems:
+        raise RefusedSettings(problems)
+    return staged
 
 
 def warn_idle_ranks(global_batch_size: int, world_size: int) -> bool:
@@ -65,10 +105,12 @@ def warn_idle_ranks(global_batch_size: int, world_size: int) -> bool:
 
 
 def check_before_planning(args, world_size: int, model: nn.Module, *, plan: Plan | None,
-                          train_dataset: Any = None, eval_dataset: Any = None) -> StagedModel:
+                          train_dataset: Any = None, eval_dataset: Any = None,
+                          staged: StagedModel | None = None) -> StagedModel:
     """Every check that needs neither a profile nor a collective; returns the staged model.
 
-    Order: datasets, model class (``stage_model``), emulation list lengths vs ``world_size``,
+    Order: datasets, model class (``stage_model``; skipped when ``staged`` is given, i.e.
+    ``check_script`` ran), emulation list lengths vs ``world_size``,
     then a given ``plan`` (world size, global batch size), then the global batch size against
     the world size (rank 0 warns when ranks would idle; a plan file is read and checked by
     ``auto_plan.resolve_plan_for_model``, still before any profile).
@@ -79,8 +121,9 @@ def check_before_planning(args, world_size: int, model: nn.Module, *, plan: Plan
             emulation list of the wrong length, a plan for another world size or global batch
             size.
     """
-    check_datasets(train_dataset, eval_dataset)
-    staged = stage_model(model)
+    if staged is None:
+        check_datasets(train_dataset, eval_dataset)
+        staged = stage_model(model)
     args.check_world_size(world_size)
     if plan is not None:
         plan.validate_for(world_size)

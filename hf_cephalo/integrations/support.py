@@ -17,7 +17,8 @@ accepted and then do nothing. So every field is one of:
 - ``NOT_APPLICABLE``: has no meaning for the engine (the note says why); every value is
   accepted and has no effect, as documented.
 - ``REFUSED``: a non-default value raises ValueError at construction, before any profiling or
-  collective, naming the field and what to do instead.
+  collective, naming the field and what to do instead (all refusals of a script in one
+  message: [Note: one refusal message]).
 
 A ``STOCK`` / ``INHERITED`` field may still refuse some values (``refuse_if``), e.g.
 ``train_sampling_strategy="batch_rebalance"``.
@@ -29,8 +30,9 @@ import dataclasses
 import enum
 from typing import Any, Callable
 
-__all__ = ["Status", "Support", "FIELD_SUPPORT", "HOOK_SUPPORT", "check_training_args",
-           "unclassified_fields", "render_markdown"]
+__all__ = ["Status", "Support", "FIELD_SUPPORT", "HOOK_SUPPORT", "RefusedSettings",
+           "check_training_args", "training_args_problems", "unclassified_fields",
+           "render_markdown"]
 
 
 class Status(enum.Enum):
@@ -142,7 +144,7 @@ FIELD_SUPPORT: dict[str, Support] = {
         "drop optim_target_modules and use an element-wise optimizer"),
     "gradient_accumulation_steps": _refused(
         "Cephalo accumulates l_i microbatches per step itself: leave it 1 and set "
-        "--cephalo_global_batch_size (refused in CephaloTrainingArguments)"),
+        "--cephalo_global_batch_size (the message gives the equivalent value)"),
     "average_tokens_across_devices": Support(
         status=Status.STOCK, test=_P + "test_matches_stock_trainer",
         note="the engine always divides by the global item count (stock True); False (per-rank "
@@ -355,15 +357,48 @@ def _refused_value(support: Support, value: Any, default: Any) -> bool:
     return support.status is Status.REFUSED and _not_default(default)(value)
 
 
-def check_training_args(args) -> None:
-    """Raise ValueError for the first field whose value CephaloTrainer would not honour.
+DOCS = "docs/trainer_support.md"
 
-    Runs at construction, before any profiling or collective. Fields of a newer transformers
-    that the table does not know are refused when set to a non-default value (unknown: they
-    might be ignored). cephalo_* fields are validated by ``CephaloTrainingArguments``.
+
+class RefusedSettings(ValueError):
+    """Every setting of a script that CephaloTrainer refuses, in ONE error.
+
+    [Note: one refusal message]
+    A stock script usually differs from what CephaloTrainer runs in more than one place (e.g.
+    ``gradient_accumulation_steps=2`` and ``load_best_model_at_end=True``). Each launch costs
+    tens of seconds before the first refusal, so ``CephaloTrainer.__init__`` collects the
+    refusals of the ``TrainingArguments`` fields (``training_args_problems``), the Trainer
+    arguments and hooks, the datasets and the model class, and raises them together, before
+    any process group, profile or collective exists (preflight.py, ``check_script``).
+
+    ``problems``: one line per refused setting, each naming it, its value and what to do.
+    One problem reads as before: ``"<problem> (docs/trainer_support.md)"``; several are
+    numbered, one per line, under a header giving their count.
+    """
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            message = f"{self.problems[0]} ({DOCS})"
+        else:
+            message = (f"CephaloTrainer refuses {len(self.problems)} settings of this script; "
+                       f"change all of them ({DOCS}):\n"
+                       + "\n".join(f"  {i}. {p}" for i, p in enumerate(self.problems, 1)))
+        super().__init__(message)
+
+
+def training_args_problems(args) -> list[str]:
+    """One message per field whose value CephaloTrainer would not honour (empty: none).
+
+    Fields of a newer transformers that the table does not know are refused when set to a
+    non-default value (unknown: they might be ignored). Where ``args`` gives a field its own,
+    more specific message (``CephaloTrainingArguments.refused_settings``, e.g. the global batch
+    size that replaces ``gradient_accumulation_steps``), that message is used. cephalo_* fields
+    are validated by ``CephaloTrainingArguments`` itself.
     """
     from transformers import TrainingArguments
 
+    own = args.refused_settings() if hasattr(args, "refused_settings") else {}
     problems = []
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else
                 (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
@@ -372,7 +407,9 @@ def check_training_args(args) -> None:
         value = getattr(args, f.name, None)
         default = defaults[f.name]
         support = FIELD_SUPPORT.get(f.name)
-        if support is None:
+        if f.name in own:
+            problems.append(own[f.name])
+        elif support is None:
             if _not_default(default)(value):
                 problems.append(f"--{f.name} = {value!r}: this TrainingArguments field is new to "
                                 f"hf_cephalo and not yet classified; leave it at its default "
@@ -384,8 +421,15 @@ def check_training_args(args) -> None:
         elif _refused_value(support, value, default):
             problems.append(f"--{f.name} = {value!r} is not supported by CephaloTrainer: "
                             f"{support.note}")
+    return problems
+
+
+def check_training_args(args) -> None:
+    """Raise ``RefusedSettings`` (a ValueError) naming every field whose value CephaloTrainer
+    would not honour (``training_args_problems``); runs before any profiling or collective."""
+    problems = training_args_problems(args)
     if problems:
-        raise ValueError("; ".join(problems) + " (docs/trainer_support.md)")
+        raise RefusedSettings(problems)
 
 
 def render_markdown() -> str:

@@ -75,10 +75,10 @@ from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
 from hf_cephalo.integrations.auto_plan import PlanAccuracyCallback, wrap_staged
 from hf_cephalo.integrations.elastic import ElasticCallback, resolve_elastic_plan
-from hf_cephalo.integrations.preflight import check_before_planning
+from hf_cephalo.integrations.preflight import check_before_planning, check_script
 from hf_cephalo.integrations.sampler import MicrobatchCollator, WeightedBatchSampler
 from hf_cephalo.integrations.sharded_model import guard_sharded_model, restore_full_model
-from hf_cephalo.integrations.support import HOOK_SUPPORT, check_training_args
+from hf_cephalo.integrations.support import HOOK_SUPPORT
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 from hf_cephalo.integrations.user_loss import UserLossStagedModel
 from hf_cephalo.integrations.weight_decay import ShardWeightDecay, decay_rule, shard_decay_masks
@@ -154,10 +154,11 @@ class CephaloTrainer(Trainer):
 
     Raises:
         TypeError: ``args`` is not ``CephaloTrainingArguments``.
-        ValueError: no model (``model_init`` is not supported), a plan that does not fit the
-            job, an unsupported model class, an iterable dataset, a ``TrainingArguments`` value
-            or hook the engine would not honour (``support.py``, docs/trainer_support.md) —
-            before any profiling or collective.
+        ValueError: ``RefusedSettings`` listing, in ONE message, every refused setting of
+            the script: no model (``model_init`` is not supported), an unsupported model class,
+            an iterable dataset, a ``TrainingArguments`` value or hook the engine would not
+            honour (``support.py``, docs/trainer_support.md); later, a plan that does not fit
+            the job — all before any profiling or collective.
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
@@ -167,17 +168,18 @@ class CephaloTrainer(Trainer):
             raise TypeError(f"CephaloTrainer needs CephaloTrainingArguments, got "
                             f"{type(args).__name__}: build args=CephaloTrainingArguments(...) "
                             "(every TrainingArguments field plus the cephalo_* settings)")
-        if model is None:
-            raise ValueError("CephaloTrainer needs a model: pass model=... (model_init is not "
-                             "supported: build the model yourself)")
-        check_training_args(args)  # [Note: no silent no-op] in support.py
-        self._check_hooks(model, kwargs)
+        # [Note: no silent no-op] and [Note: one refusal message] in support.py: every refused
+        # setting of the script (arguments, hooks, datasets, model) in one ValueError, before
+        # the process group exists
+        staged = check_script(args, model, self._hook_problems(model, kwargs),
+                              train_dataset=kwargs.get("train_dataset"),
+                              eval_dataset=kwargs.get("eval_dataset"))
         _engine_checkpointing_replaces_model_checkpointing(args)
         world_size = args.world_size  # sets up the process group (accelerate launch / torchrun)
         # [Note: fail fast] in preflight.py: no profile, plan or collective before these checks
         staged = check_before_planning(args, world_size, model, plan=plan,
                                        train_dataset=kwargs.get("train_dataset"),
-                                       eval_dataset=kwargs.get("eval_dataset"))
+                                       eval_dataset=kwargs.get("eval_dataset"), staged=staged)
         self.cluster_profile = None  # the profile an automatic plan was made from
         if plan is None:  # plan file > profile file > profile this cluster (auto_plan.py)
             plan, self.cluster_profile = resolve_elastic_plan(args, world_size, model,
@@ -219,23 +221,24 @@ class CephaloTrainer(Trainer):
                     print(note, flush=True)
 
     # ---- what stock features the engine path honours (support.py) ----------------------------
-    def _check_hooks(self, model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
-        """ValueError for a hook CephaloTrainer would bypass (``HOOK_SUPPORT``), before any
-        collective."""
-        def refuse(name: str) -> None:
-            raise ValueError(f"{name} is not supported by CephaloTrainer: "
-                             f"{HOOK_SUPPORT[name].note} (docs/trainer_support.md)")
+    def _hook_problems(self, model: torch.nn.Module | None, kwargs: dict[str, Any]) -> list[str]:
+        """One message per Trainer argument or hook CephaloTrainer would bypass
+        (``HOOK_SUPPORT``); raised with every other refusal by ``check_script``."""
+        def refused(name: str) -> str:
+            return f"{name} is not supported by CephaloTrainer: {HOOK_SUPPORT[name].note}"
 
+        problems = []
         if kwargs.get("model_init") is not None:
-            refuse("model_init")
+            problems.append(refused("model_init"))
         if any(x is not None for x in kwargs.get("optimizers") or ()):
-            refuse("optimizers")
+            problems.append(refused("optimizers"))
         if type(self)._get_train_sampler is not Trainer._get_train_sampler:
-            refuse("_get_train_sampler (override)")
+            problems.append(refused("_get_train_sampler (override)"))
         registered = next((c for c in type(model).__mro__ if c.__name__ in supported_model_classes()),
                           None)
         if registered is not None and type(model).forward is not registered.forward:
-            refuse("model forward (override)")
+            problems.append(refused("model forward (override)"))
+        return problems
 
     def _uses_user_loss(self, args, kwargs: dict[str, Any]) -> bool:
         """A loss other than the adapter's: label smoothing, ``compute_loss_func`` or a

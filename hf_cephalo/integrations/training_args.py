@@ -14,14 +14,15 @@ config (docs/design.md contract 6), so Cephalo settings cannot live there.
   batch as stock ``Trainer`` with ``gradient_accumulation_steps = 1``. Otherwise
   ``per_device_train_batch_size`` is ignored: each rank's b_i comes from the plan.
 - Cephalo already accumulates gradients inside each step (l_i microbatches of m_i samples per
-  rank, layered, paper §3.2), so ``gradient_accumulation_steps`` must stay 1: any other value is
-  rejected with the equivalent ``cephalo_global_batch_size`` to use instead.
+  rank, layered, paper §3.2), so ``gradient_accumulation_steps`` must stay 1: ``CephaloTrainer``
+  refuses any other value with the equivalent ``cephalo_global_batch_size`` to use instead.
 - ``per_device_eval_batch_size`` is the evaluation microbatch size of every rank.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from typing import Literal, NamedTuple
 
@@ -64,10 +65,11 @@ class CephaloTrainingArguments(TrainingArguments):
 
     Raises ValueError in ``__post_init__`` for an invalid cephalo_* value (after environment
     fallback; the message names the field, its environment variable and the value), a missing
-    plan/profile file, ``gradient_accumulation_steps != 1``, ``fp16`` together with ``bf16``, a
-    param / reduce dtype that does not fit the compute dtype, or ``fp16_full_eval`` /
-    ``bf16_full_eval`` (``bf16=True`` and ``fp16=True`` are supported: autocast with fp32 master
-    weights, fp16 with a sharded loss scaler).
+    plan/profile file, ``fp16`` together with ``bf16``, or a param / reduce dtype that does not
+    fit the compute dtype (``bf16=True`` and ``fp16=True`` are supported: autocast with fp32
+    master weights, fp16 with a sharded loss scaler). Refused fields (``gradient_accumulation_steps
+    != 1``, ``fp16_full_eval``, ``bf16_full_eval``, and every field docs/trainer_support.md
+    refuses) are reported by ``CephaloTrainer``, all in one message (``refused_settings``).
     """
 
     cephalo_plan_file: str | None = field(default=None, metadata={"help": (
@@ -123,23 +125,10 @@ class CephaloTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         self._resolve_cephalo_fields()
-        if self.gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"gradient_accumulation_steps = {self.gradient_accumulation_steps}: Cephalo accumulates "
-                "gradients inside each step itself (l_i microbatches of m_i samples per rank, from "
-                "the plan), so leave gradient_accumulation_steps = 1 and set "
-                "--cephalo_global_batch_size to the global batch size you want (stock Trainer's "
-                "equivalent is per_device_train_batch_size x world size x gradient_accumulation_steps)")
         for flag in ("per_device_train_batch_size", "per_device_eval_batch_size"):
             if getattr(self, flag) < 1:
                 raise ValueError(f"--{flag} = {getattr(self, flag)}: need at least 1 (samples per "
                                  "rank; the evaluation microbatch size for the eval flag)")
-        for flag, why in (("fp16_full_eval", "evaluation runs through the engine in the "
-                           "training precision; drop the flag"),
-                          ("bf16_full_eval", "evaluation runs through the engine in the "
-                           "training precision (bf16 autocast with --bf16); drop the flag")):
-            if getattr(self, flag):
-                raise ValueError(f"--{flag} is not supported by CephaloTrainer: {why}")
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are both set: pick one compute dtype (--bf16 on "
                              "GPUs with compute capability >= 8.0, --fp16 on older ones)")
@@ -152,6 +141,34 @@ class CephaloTrainingArguments(TrainingArguments):
             logger.info("CUDA is not available: setting use_cpu=True (MULTI_CPU over gloo)")
             self.use_cpu = True
         super().__post_init__()
+
+    def refused_settings(self) -> dict[str, str]:
+        """Field name -> message for the refused fields this class words itself (checked with
+        every other refusal by ``CephaloTrainer``: [Note: one refusal message] in support.py).
+
+        ``gradient_accumulation_steps != 1`` (the message gives the equivalent
+        ``--cephalo_global_batch_size``), ``fp16_full_eval``, ``bf16_full_eval``.
+        """
+        refused = {}
+        if self.gradient_accumulation_steps != 1:
+            # the launcher's WORLD_SIZE if set: args.world_size would create the process group
+            world = os.environ.get("WORLD_SIZE", "")
+            world = world if world.isdigit() else "world size"
+            refused["gradient_accumulation_steps"] = (
+                f"--gradient_accumulation_steps = {self.gradient_accumulation_steps}: Cephalo "
+                "accumulates gradients inside each step itself (l_i microbatches of m_i samples "
+                "per rank, from the plan), so leave gradient_accumulation_steps = 1 and set "
+                "--cephalo_global_batch_size to the global batch size you want (stock Trainer's "
+                f"equivalent: per_device_train_batch_size x world size x "
+                f"gradient_accumulation_steps = {self.per_device_train_batch_size} x {world} x "
+                f"{self.gradient_accumulation_steps})")
+        for flag, why in (("fp16_full_eval", "evaluation runs through the engine in the "
+                           "training precision; drop the flag"),
+                          ("bf16_full_eval", "evaluation runs through the engine in the "
+                           "training precision (bf16 autocast with --bf16); drop the flag")):
+            if getattr(self, flag):
+                refused[flag] = f"--{flag} is not supported by CephaloTrainer: {why}"
+        return refused
 
     def _resolve_cephalo_fields(self) -> None:
         # CephaloPlugin owns environment fallback, defaults and validation; copy its normalized

@@ -473,7 +473,15 @@ def extrapolation_note(plan: Plan, cluster: ClusterProfile) -> str | None:
     """A note naming the ranks whose microbatch size m_i lies beyond their profiled microbatch
     sizes (their times and memory are extrapolated: linear fits, planner/cost.py, paper §2.4),
     or None when every m_i was profiled or interpolated.
+
+    Also None for a spec-sheet estimate (``cluster.source != "measured"``): its times and
+    memory are linear in m by construction (profiler/specs.py), so the linear extrapolation is
+    exactly the estimate's own formula, and the advice to measure larger microbatches with
+    ``hf-cephalo profile`` would be wrong where no GPU is at hand (``hf-cephalo plan`` prints
+    that measured profiles replace spec-sheet estimates).
     """
+    if cluster.source != "measured":
+        return None
     profiled = [max(d.microbatch_sizes) for d in cluster.devices]
     beyond = [(r.rank, r.microbatch_size, profiled[r.rank]) for r in plan.ranks
               if r.batch_size > 0 and r.microbatch_size > profiled[r.rank]]
