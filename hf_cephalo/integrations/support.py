@@ -112,12 +112,12 @@ _HUB = "stock hub upload code; CephaloTrainer.save_model writes the files it upl
 
 _GC_KWARGS_NOTE = (
     "{'use_reentrant': False} (stock's default, what the engine's per-unit recompute is) and "
-    "every_n_layers=1 / offload=False are accepted; use_reentrant=True is refused: reentrant "
-    "checkpointing gives no gradient to a layer whose inputs do not require grad (frozen "
-    "embeddings, LoRA without enable_input_require_grads), the engine's recompute does, so "
-    "results would differ from stock; other keys (every_n_layers > 1, offload, "
-    "preserve_rng_state...) change what the engine always does: drop them (activation offload: "
-    "--cephalo_offload_activations)")
+    "every_n_layers=1 / offload=False / preserve_rng_state=True are accepted; "
+    "use_reentrant=True is refused: reentrant checkpointing gives no gradient to a layer whose "
+    "inputs do not require grad (frozen embeddings, LoRA without enable_input_require_grads), "
+    "the engine's recompute does, so results would differ from stock; other values "
+    "(every_n_layers > 1, offload=True, preserve_rng_state=False, other keys) change what the "
+    "engine always does: drop them (activation offload: --cephalo_offload_activations)")
 
 
 def _checkpointing_kwargs_refused(value: Any) -> bool:
@@ -126,7 +126,8 @@ def _checkpointing_kwargs_refused(value: Any) -> bool:
         return False
     if not isinstance(value, dict):
         return True
-    accepted = {"use_reentrant": False, "every_n_layers": 1, "offload": False}
+    accepted = {"use_reentrant": False, "every_n_layers": 1, "offload": False,
+                "preserve_rng_state": True}  # dropout replayed in recompute (docs/engine.md)
     return any(key not in accepted or v != accepted[key] for key, v in value.items())
 
 

@@ -144,7 +144,8 @@ def run(kind: str, out_dir: str, name: str) -> dict:
             state = json.load(f)
     return dict(log_history=trainer.state.log_history, metrics=output.metrics,
                 evaluate=None if evaluation is None else
-                {k: v for k, v in evaluation.items() if "runtime" not in k and "per_second" not in k},
+                {k: v for k, v in evaluation.items()
+                 if "runtime" not in k and "per_second" not in k},
                 num_input_tokens_seen=trainer.state.num_input_tokens_seen,
                 total_flos=trainer.state.total_flos, checkpoints=checkpoints, state=state,
                 best_model_checkpoint=(None if trainer.state.best_model_checkpoint is None else

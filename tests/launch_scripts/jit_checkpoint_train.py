@@ -69,9 +69,9 @@ def trainer(output_dir: str, max_steps: int, progress: str | None = None):
         output_dir=output_dir, report_to="none", optim="adamw_torch", learning_rate=1e-3,
         lr_scheduler_type="constant", max_steps=max_steps, logging_steps=1, save_strategy="no",
         seed=3, disable_tqdm=True, use_cpu=True, enable_jit_checkpoint=True)
-    return CephaloTrainer(model=build("llama"), args=args, plan=Plan.from_ratios(SIZES, MICRO, RATIOS),
-                          data_collator=collate, train_dataset=samples(),
-                          callbacks=[Progress(progress)])
+    return CephaloTrainer(model=build("llama"), args=args,
+                          plan=Plan.from_ratios(SIZES, MICRO, RATIOS), data_collator=collate,
+                          train_dataset=samples(), callbacks=[Progress(progress)])
 
 
 def losses(t) -> list[list[float]]:
