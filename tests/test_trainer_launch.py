@@ -11,6 +11,12 @@ rotation and best-checkpoint tracking). Everything a user can read afterwards mu
 test_sigterm_saves_resumable_checkpoint: a 2-rank torchrun of CephaloTrainer with
 ``enable_jit_checkpoint`` gets SIGTERM at its launcher mid-run; every rank must save the same
 complete checkpoint and stop; a run resumed from it equals the uninterrupted run.
+
+test_sigterm_on_one_node_saves_on_every_rank: two launchers (one rank each, two emulated nodes
+on loopback) and SIGTERM to ONE of them, as when one pre-emptible VM of a cluster is reclaimed:
+the rank that never got the signal must save the same step too. (Stock's per-rank decision
+makes the signalled rank enter the collective save alone: the job hangs until the launcher's
+SIGKILL and leaves no complete checkpoint.)
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ import time
 
 import pytest
 
-from tests.dist_utils import budget_s, test_timeout
+from tests.dist_utils import budget_s, free_port, test_timeout
 from tests.launch_utils import ROOT, start_torchrun, wait_all
 
 SCRIPTS = ROOT / "tests" / "launch_scripts"
 PAIR_S = 40.0  # the stock + cephalo launch pair, run side by side: 25-30 s measured under load
 JIT_S = 45.0  # interrupted run (~15 s) + resumed run and its reference (~25 s)
+NODES_S = 20.0  # two one-rank launchers until the signalled node's launcher exits (~15 s)
 RTOL, ATOL = 1e-5, 1e-6
 SKIP_KEYS = ("runtime", "per_second")  # wall-clock values
 
@@ -143,3 +150,40 @@ def test_sigterm_saves_resumable_checkpoint(tmp_path):
         assert math.isclose(loss, ref_losses[s], rel_tol=RTOL, abs_tol=ATOL), s
     for key, value in ref["weights"].items():
         assert _close(got["weights"][key], value), key
+
+
+@test_timeout(NODES_S)
+def test_sigterm_on_one_node_saves_on_every_rank(tmp_path):
+    script, port = SCRIPTS / "jit_checkpoint_train.py", free_port()
+    nodes = [start_torchrun(script, ("interrupted", str(tmp_path)), nproc_per_node=1, port=port,
+                            launcher_args=("--nnodes", "2", "--node_rank", str(node),
+                                           "--master_addr", "127.0.0.1"))
+             for node in range(2)]
+    try:
+        signalled_at = _wait_for_step(tmp_path / "progress", nodes[0], 3, budget_s(NODES_S) / 2)
+        os.kill(nodes[1].pid, signal.SIGTERM)  # node 1's launcher only: rank 0 gets no signal
+        [(rc, out)] = wait_all([nodes[1]], budget_s(NODES_S) / 2)
+        assert rc != 0
+        # node 0's worker ends too (its torchrun then waits for the vanished node 1 agent in its
+        # own exit barrier, which is torchrun's business: it is killed below)
+        deadline = time.monotonic() + budget_s(NODES_S) / 2
+        while not (tmp_path / "interrupted.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        out0 = nodes[0].communicate()[0]
+    saves = [line for text in (out, out0) for line in text.splitlines()
+             if "SIGTERM: every rank saves the just-in-time checkpoint" in line]
+    assert len(saves) == 2, (out0[-3000:], out[-3000:])
+    assert saves[0].split()[-1] == saves[1].split()[-1]  # the same step on both ranks
+    step = int(saves[0].split()[-1])
+    assert json.loads((tmp_path / "interrupted.json").read_text())["global_step"] == step
+    assert step > signalled_at
+    names = sorted(p.name for p in (tmp_path / "run").iterdir() if "checkpoint-" in p.name)
+    assert names == [f"checkpoint-{step}"], names
+    ckpt = tmp_path / "run" / names[0]
+    for name in ("cephalo_complete.json", "cephalo_shard_rank0.safetensors",
+                 "cephalo_shard_rank1.safetensors", "rng_state_0.pth", "rng_state_1.pth"):
+        assert (ckpt / name).is_file(), name
