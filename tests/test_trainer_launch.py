@@ -32,6 +32,8 @@ import pytest
 from tests.dist_utils import budget_s, free_port, test_timeout
 from tests.launch_utils import ROOT, start_torchrun, wait_all
 
+pytestmark = pytest.mark.slow
+
 SCRIPTS = ROOT / "tests" / "launch_scripts"
 PAIR_S = 40.0  # the stock + cephalo launch pair, run side by side: 25-30 s measured under load
 JIT_S = 45.0  # interrupted run (~15 s) + resumed run and its reference (~25 s)
