@@ -57,13 +57,15 @@ def start_launch(config: Path, script: Path, script_args: Sequence[str] = (), *,
 
 def start_torchrun(script: Path | str, script_args: Sequence[str] = (), *, nproc_per_node: int = 2,
                    port: int | None = None, env_extra: dict[str, str] | None = None,
-                   stdout: int | IO = subprocess.PIPE) -> subprocess.Popen:
-    """``python -m torch.distributed.run --nproc_per_node N --master_port port script
-    [script_args]`` (one machine) from the repository root, in a new session; environment,
-    ``port`` and ``stdout`` as in ``start_launch``. ``script`` ``"-m"`` runs the module named by
-    the first of ``script_args``."""
+                   stdout: int | IO = subprocess.PIPE,
+                   launcher_args: Sequence[str] = ()) -> subprocess.Popen:
+    """``python -m torch.distributed.run --nproc_per_node N --master_port port [launcher_args]
+    script [script_args]`` from the repository root, in a new session; environment, ``port``
+    and ``stdout`` as in ``start_launch``. ``script`` ``"-m"`` runs the module named by the
+    first of ``script_args``. One machine unless ``launcher_args`` say otherwise (e.g.
+    ``--nnodes 2 --node_rank R --master_addr 127.0.0.1``: one launcher per emulated node)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node),
-           "--master_port", str(port or free_port()), str(script), *script_args]
+           "--master_port", str(port or free_port()), *launcher_args, str(script), *script_args]
     return _popen(cmd, _launch_env(env_extra), stdout)
 
 

@@ -59,11 +59,13 @@ def _args(tmp_path, **kw):
 
 REFUSED_VALUES = [
     dict(auto_find_batch_size=True), dict(torch_compile=True), dict(use_liger_kernel=True),
-    dict(train_sampling_strategy="batch_rebalance"), dict(label_names=["target"]),
-    dict(include_num_input_tokens_seen="all"), dict(average_tokens_across_devices=False),
-    dict(eval_do_concat_batches=False), dict(include_for_metrics=["inputs"]),
+    dict(train_sampling_strategy="batch_rebalance"), dict(label_names=[]),
+    dict(average_tokens_across_devices=False), dict(eval_do_concat_batches=False),
     dict(save_on_each_node=True), dict(neftune_noise_alpha=5.0), dict(debug="underflow_overflow"),
-    dict(torch_empty_cache_steps=3), dict(gradient_checkpointing_kwargs={"use_reentrant": False}),
+    dict(torch_empty_cache_steps=3), dict(gradient_checkpointing_kwargs={"use_reentrant": True}),
+    dict(activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": 2}),
+    dict(gradient_checkpointing_kwargs={"offload": True}),
+    dict(gradient_checkpointing_kwargs={"preserve_rng_state": False}),
     dict(optim="adalomo"), dict(batch_eval_metrics=True),
     dict(accelerator_config={"split_batches": True}),
 ]
@@ -101,6 +103,23 @@ def test_defaults_pass(tmp_path):
     check_training_args(_args(tmp_path, train_sampling_strategy="group_by_length",
                               gradient_checkpointing=True, weight_decay=0.1,
                               label_smoothing_factor=0.1, label_names=["labels"]))
+    # issue 23: the fields fine-tuning scripts set routinely
+    for kw in (dict(include_num_input_tokens_seen=True),
+               dict(include_num_input_tokens_seen="non_padding"),
+               dict(label_names=["labels", "sample_id"]),
+               dict(include_for_metrics=["inputs", "loss"]), dict(enable_jit_checkpoint=True),
+               dict(gradient_checkpointing=True,
+                    gradient_checkpointing_kwargs={"use_reentrant": False}),
+               dict(activation_checkpointing=True, activation_checkpointing_kwargs={
+                   "use_reentrant": False, "every_n_layers": 1, "offload": False})):
+        check_training_args(_args(tmp_path, **kw))
+
+
+def test_reentrant_checkpointing_refusal_says_why(tmp_path):
+    with pytest.raises(ValueError, match="use_reentrant=True is refused: reentrant "
+                                         "checkpointing gives no gradient"):
+        check_training_args(_args(tmp_path, gradient_checkpointing=True,
+                                  gradient_checkpointing_kwargs={"use_reentrant": True}))
 
 
 class _CustomForward(transformers.LlamaForCausalLM):

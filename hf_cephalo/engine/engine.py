@@ -56,6 +56,9 @@ class EvalOutput(NamedTuple):
     loss: float
     num_items: int
     logits: list[torch.Tensor]
+    microbatch_losses: tuple[float, ...] = ()
+    """Per microbatch of this rank: its own item-mean loss (its loss sum / its item count, what
+    the model's forward returns for that microbatch alone); NaN for a microbatch without items."""
 
 
 class FullUnit(NamedTuple):
@@ -511,16 +514,20 @@ class CephaloEngine:
         _, global_items = self._global_items(mbs)
         try:
             with global_num_items_scope(global_items):  # [Note: global item count for user losses]
-                loss_sum, logits = self._evaluate_layered(mbs, return_logits, process_logits)
+                loss_sum, logits, mb_sums = self._evaluate_layered(mbs, return_logits,
+                                                                   process_logits)
         except BaseException as exc:
             self._abandon_step(None, exc, "evaluate")
             raise
         C.all_reduce_sum(loss_sum, self.group, self.stats)
         loss = float(loss_sum) / global_items if global_items else float("nan")
-        return EvalOutput(loss, global_items, logits)
+        counts = [self.staged.count_items(mb) for mb in mbs]
+        mb_losses = tuple(float(s) / n if n else float("nan") for s, n in zip(mb_sums, counts))
+        return EvalOutput(loss, global_items, logits, mb_losses)
 
     def _evaluate_layered(self, mbs, return_logits: bool, process_logits):
-        """(loss sum (1,) float64, logits per microbatch) of the layered forward. The root
+        """(loss sum (1,) float64, logits per microbatch, loss sum per microbatch) of the
+        layered forward. The root
         units are gathered around their uses like in ``train_step`` (kept all along with
         ``root_resident``); every all-gather is prefetched one unit ahead."""
         root = self.root
@@ -550,15 +557,18 @@ class CephaloEngine:
         loss_sum = torch.zeros(1, dtype=torch.float64, device=self.device)
         for unit in head_phase:
             unit.wait_unshard(requires_grad=False)
+        mb_sums: list[torch.Tensor] = []
         logits = self._eval_heads(hiddens, mbs, ctxs, loss_sum, return_logits, process_logits,
-                                  head_phase)
+                                  head_phase, mb_sums)
         for unit in root.both():
             unit.reshard()
-        return loss_sum, logits
+        return loss_sum, logits, mb_sums
 
     def _eval_heads(self, hiddens: list, mbs, ctxs, loss_sum: torch.Tensor, return_logits: bool,
-                    process_logits, head_units: list[FlatParamUnit]) -> list:
-        """One head pass per microbatch, adding its loss sum into ``loss_sum``; each
+                    process_logits, head_units: list[FlatParamUnit],
+                    mb_sums: list[torch.Tensor]) -> list:
+        """One head pass per microbatch, adding its loss sum into ``loss_sum`` (and appending
+        it to ``mb_sums``, (1,) float64 each); each
         microbatch's hidden state (and its logits unless returned) is released before the next
         microbatch's head runs."""
         kept = []
@@ -566,7 +576,9 @@ class CephaloEngine:
             hidden, hiddens[j] = hiddens[j], None
             for unit in head_units:
                 unit.use_params()
+            before = loss_sum.clone()
             result = self._eval_head(hidden, mb, ctx, loss_sum, return_logits, process_logits)
+            mb_sums.append(loss_sum - before)
             if return_logits:
                 kept.append(result)
         return kept

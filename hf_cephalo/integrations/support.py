@@ -105,11 +105,33 @@ def _accelerator_config_refused(value: Any) -> bool:
 
 
 _T = "tests/test_trainer.py::"
+_L = "tests/test_trainer_launch.py::"
 _P = "tests/test_trainer_parity.py::"
 _C = "tests/test_checkpoint_trainer.py"
 _LOOP = "the stock training loop reads it; the engine only replaces the step itself"
 _EVAL = "stock evaluate()/predict() schedule; the loop body runs through the engine"
 _HUB = "stock hub upload code; CephaloTrainer.save_model writes the files it uploads"
+
+_GC_KWARGS_NOTE = (
+    "{'use_reentrant': False} (stock's default, what the engine's per-unit recompute is) and "
+    "every_n_layers=1 / offload=False / preserve_rng_state=True are accepted; "
+    "use_reentrant=True is refused: reentrant checkpointing gives no gradient to a layer whose "
+    "inputs do not require grad (frozen embeddings, LoRA without enable_input_require_grads), "
+    "the engine's recompute does, so results would differ from stock; other values "
+    "(every_n_layers > 1, offload=True, preserve_rng_state=False, other keys) change what the "
+    "engine always does: drop them (activation offload: --cephalo_offload_activations)")
+
+
+def _checkpointing_kwargs_refused(value: Any) -> bool:
+    """Anything but the non-reentrant, every-layer, no-offload checkpointing the engine does."""
+    if value is None:
+        return False
+    if not isinstance(value, dict):
+        return True
+    accepted = {"use_reentrant": False, "every_n_layers": 1, "offload": False,
+                "preserve_rng_state": True}  # dropout replayed in recompute (docs/engine.md)
+    return any(key not in accepted or v != accepted[key] for key, v in value.items())
+
 
 FIELD_SUPPORT: dict[str, Support] = {
     # ---- run length, optimizer, schedule ----
@@ -171,12 +193,13 @@ FIELD_SUPPORT: dict[str, Support] = {
     "gradient_checkpointing": _stock(
         "alias of activation_checkpointing (same handling)",
         _P + "test_gradient_checkpointing_recomputes_once"),
-    "activation_checkpointing_kwargs": _refused(
-        "the engine checkpoints every unit (per-layer boundaries, offload via "
-        "--cephalo_activation_offload): drop the kwargs"),
-    "gradient_checkpointing_kwargs": _refused(
-        "the engine checkpoints every unit (per-layer boundaries, offload via "
-        "--cephalo_activation_offload): drop the kwargs"),
+    "activation_checkpointing_kwargs": Support(
+        status=Status.STOCK, test=_L + "test_two_process_fields_as_stock_ddp",
+        note=_GC_KWARGS_NOTE, refuse_if=_checkpointing_kwargs_refused),
+    "gradient_checkpointing_kwargs": Support(
+        status=Status.STOCK, test=_L + "test_two_process_fields_as_stock_ddp",
+        note="alias of activation_checkpointing_kwargs (same handling)",
+        refuse_if=_checkpointing_kwargs_refused),
     "torch_compile": _refused("the engine runs the model unit by unit, so a compiled model "
                               "would never be called: drop torch_compile (and "
                               "torch_compile_backend / torch_compile_mode, which turn it on)"),
@@ -205,9 +228,12 @@ FIELD_SUPPORT: dict[str, Support] = {
     "logging_first_step": _inherited(_LOOP),
     "log_on_each_node": _inherited(_LOOP),
     "logging_nan_inf_filter": _inherited(_LOOP),
-    "include_num_input_tokens_seen": _refused(
-        "the stock count reads one batch tensor, a CephaloTrainer batch is a list of "
-        "microbatches: drop the flag"),
+    "include_num_input_tokens_seen": _stock(
+        "True / 'all': the main input's elements of every microbatch (padding included, as "
+        "stock counts each process's padded batch); 'non_padding': the attention mask's sum "
+        "(else tokens != the processor's pad_token_id); summed over ranks in one gather per "
+        "step, as stock DDP; logged as num_input_tokens_seen",
+        _L + "test_two_process_fields_as_stock_ddp"),
     "log_level": _inherited("stock logging setup"),
     "log_level_replica": _inherited("stock logging setup"),
     "disable_tqdm": _inherited("stock progress bar"),
@@ -221,8 +247,12 @@ FIELD_SUPPORT: dict[str, Support] = {
     "eval_strategy": _inherited(_EVAL),
     "eval_steps": _inherited(_EVAL),
     "eval_delay": _inherited(_EVAL),
-    "per_device_eval_batch_size": _stock("the evaluation microbatch size of every rank",
-                                         _T + "test_matches_full_batch_reference"),
+    "per_device_eval_batch_size": _stock(
+        "the evaluation microbatch size of every rank; eval_loss is the item (token) mean over "
+        "the whole eval set, stock's with one process and batches of equal item counts (stock "
+        "averages per-batch means, so its eval_loss changes with this size and, through "
+        "padded duplicate samples, with the number of processes)",
+        _T + "test_matches_full_batch_reference"),
     "prediction_loss_only": _stock("no logits kept", _T + "test_prediction_loss_only_keeps_no_logits"),
     "eval_on_start": _inherited(_EVAL),
     "eval_do_concat_batches": _refused("predictions are always gathered into one array in "
@@ -232,8 +262,11 @@ FIELD_SUPPORT: dict[str, Support] = {
                                   "different ranks' lengths)"),
     "eval_accumulation_steps": _na("predictions leave the device microbatch by microbatch "
                                    "already"),
-    "include_for_metrics": _refused("compute_metrics receives predictions and label_ids only: "
-                                    "drop include_for_metrics"),
+    "include_for_metrics": _stock(
+        "'inputs': the main input of every sample, gathered in dataset order (padded with "
+        "-100); 'loss': each sample gets the mean loss of its evaluation microbatch (stock: of "
+        "its evaluation batch, so equal to stock when per_device_eval_batch_size = 1)",
+        _L + "test_two_process_fields_as_stock_ddp"),
     "batch_eval_metrics": _refused("metrics are computed once over the gathered predictions: "
                                    "drop batch_eval_metrics"),
     # ---- saving ----
@@ -243,8 +276,11 @@ FIELD_SUPPORT: dict[str, Support] = {
     "save_on_each_node": _refused("only global rank 0 receives the gathered weights: drop "
                                   "save_on_each_node (use a shared file system)"),
     "save_total_limit": _inherited("stock rotate_checkpoints in CephaloTrainer._save_checkpoint"),
-    "enable_jit_checkpoint": _refused("the just-in-time checkpoint on SIGTERM is not validated "
-                                      "with the engine's collective save: use save_steps"),
+    "enable_jit_checkpoint": _stock(
+        "on SIGTERM (after stock's 3 s grace) every rank saves checkpoint-N at the SAME step, "
+        "agreed by a one-element all-reduce at each step end, then stops; the checkpoint is "
+        "atomic and resumable onto any plan (jit_checkpoint.py)",
+        _L + "test_sigterm_saves_resumable_checkpoint"),
     "push_to_hub": _inherited(_HUB),
     "hub_token": _inherited(_HUB),
     "hub_private_repo": _inherited(_HUB),
@@ -272,8 +308,11 @@ FIELD_SUPPORT: dict[str, Support] = {
         refuse_if=_accelerator_config_refused),
     "parallelism_config": _refused("tensor/context/sequence parallelism is not combined with "
                                    "Cephalo's sharding: drop parallelism_config"),
-    "dataloader_drop_last": _stock("drops the last partial GLOBAL batch",
-                                   _P + "test_loader_options"),
+    "dataloader_drop_last": _stock(
+        "training: drops the last partial GLOBAL batch; evaluation: keeps the first "
+        "floor(N / (world size x per_device_eval_batch_size)) x that many samples, as stock's "
+        "sharded evaluation loader does on the same number of processes",
+        _L + "test_two_process_fields_as_stock_ddp"),
     "dataloader_num_workers": _inherited("passed to the weighted DataLoader"),
     "dataloader_pin_memory": _inherited("passed to the weighted DataLoader"),
     "dataloader_persistent_workers": _inherited("passed to the weighted DataLoader"),
@@ -281,13 +320,20 @@ FIELD_SUPPORT: dict[str, Support] = {
     "dataloader_multiprocessing_context": _inherited("passed to the weighted DataLoader"),
     "dataloader_in_order": _na("an Accelerate dispatch option; the loaders are not prepared"),
     "remove_unused_columns": _inherited("stock column pruning before the weighted loader"),
-    "label_names": _refused("the adapters read the 'labels' key: rename your label column to "
-                            "'labels' and drop label_names",
-                            refuse_if=lambda v: v not in (None, [], ["labels"])),
+    "label_names": Support(
+        status=Status.STOCK, test=_L + "test_two_process_fields_as_stock_ddp",
+        note="the keys evaluation returns as label_ids (a tuple for several names) and keeps "
+             "through column pruning; eval loss only when every one is present, as stock; the "
+             "training loss still reads 'labels', as the model's forward does. An empty list is "
+             "refused: stock then returns the model's loss inside the predictions ((loss, "
+             "logits) tuples), which the engine does not reproduce: name the label keys",
+        refuse_if=lambda v: v == []),
     "train_sampling_strategy": Support(
         status=Status.STOCK, test=_P + "test_sampling_strategies_as_stock",
-        note="random / sequential / group_by_length orders of the GLOBAL batches, split by b_i; "
-             "batch_rebalance is refused (it balances per-rank token counts itself, against the "
+        note="random / sequential / group_by_length orders of the GLOBAL batches, split by b_i "
+             "(group_by_length: stock's get_length_grouped_indices over a permutation seeded "
+             "seed + epoch; stock's LengthGroupedSampler draws it from the global torch RNG, so "
+             "its exact order differs, the grouping rule is the same); batch_rebalance is refused (it balances per-rank token counts itself, against the "
              "plan's b_i): use group_by_length",
         refuse_if=lambda v: getattr(v, "value", v) not in ("random", "sequential",
                                                            "group_by_length")),

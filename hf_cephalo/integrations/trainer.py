@@ -62,7 +62,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -75,6 +75,7 @@ from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
 from hf_cephalo.integrations.auto_plan import PlanAccuracyCallback, wrap_staged
 from hf_cephalo.integrations.elastic import ElasticCallback, resolve_elastic_plan
+from hf_cephalo.integrations.jit_checkpoint import replace_jit_checkpoint_callback
 from hf_cephalo.integrations.preflight import check_before_planning, check_script
 from hf_cephalo.integrations.sampler import MicrobatchCollator, WeightedBatchSampler
 from hf_cephalo.integrations.sharded_model import guard_sharded_model, restore_full_model
@@ -142,6 +143,27 @@ def _stack_padded(rows: list[torch.Tensor], pad_value: float) -> np.ndarray:
     return out.numpy()
 
 
+class _PredictionRow(NamedTuple):
+    """One evaluated sample on its way to the gather: its dataset index, its prediction row,
+    its label rows (one per ``label_names`` key), and with ``include_for_metrics`` its main
+    input row and its evaluation microbatch's mean loss."""
+
+    index: int
+    prediction: torch.Tensor
+    labels: tuple[torch.Tensor | None, ...]
+    inputs: torch.Tensor | None
+    loss: float | None
+
+
+class _GatheredPredictions(NamedTuple):
+    """What ``evaluation_loop`` hands ``compute_metrics``, every sample once in dataset order."""
+
+    predictions: np.ndarray | None
+    label_ids: np.ndarray | tuple[np.ndarray, ...] | None
+    inputs: np.ndarray | None
+    losses: np.ndarray | None
+
+
 class CephaloTrainer(Trainer):
     """``Trainer`` that trains through ``CephaloEngine`` with a per-rank weighted batch split.
 
@@ -193,6 +215,9 @@ class CephaloTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self._decay_names = set(self.get_decay_parameter_names(model))  # before sharding
         self._full_numel = sum(p.numel() for p in model.parameters())
+        # stock floating_point_ops' parameter count, read while the model still holds its weights
+        self._flops_numel = (model.num_parameters(exclude_embeddings=True)
+                             if hasattr(model, "num_parameters") else 0)
         _ensure_process_group(args.device)
         _register_exit_teardown()  # ends the process group cleanly if the script does not
         # The engine builds unit by unit: a meta model reads its checkpoint slices
@@ -209,6 +234,7 @@ class CephaloTrainer(Trainer):
         self._attach_grad_scaler()
         guard_sharded_model(model, self._full_numel)  # [Note: the user's model while sharded]
         self.add_callback(PlanAccuracyCallback(self))  # predicted vs measured at train end
+        replace_jit_checkpoint_callback(self)  # [Note: JIT checkpoint agreed by all ranks]
         self.elastic = ElasticCallback(self)  # progress, and the report of a resume
         self.add_callback(self.elastic)
         if self.is_world_process_zero():
@@ -386,8 +412,25 @@ class CephaloTrainer(Trainer):
             eval_dataset = self.eval_dataset[eval_dataset]
         elif eval_dataset is None:
             eval_dataset = self.eval_dataset
+        if self.args.dataloader_drop_last:
+            eval_dataset = self._stock_drop_last_eval(eval_dataset)
         return self._weighted_loader(eval_dataset, "evaluation", shuffle=False,
                                      microbatch_size=self.args.per_device_eval_batch_size)
+
+    def _stock_drop_last_eval(self, dataset):
+        """``dataloader_drop_last`` in evaluation, as stock: W processes take turns reading
+        whole batches of ``per_device_eval_batch_size`` b in dataset order and an incomplete last
+        round is dropped (Accelerate's ``BatchSamplerShard``), so stock evaluates the first
+        floor(N / (W b)) W b samples; so does this (W = world size)."""
+        import datasets
+
+        round_size = self.args.world_size * self.args.per_device_eval_batch_size
+        keep = len(dataset) // round_size * round_size
+        if keep == len(dataset):
+            return dataset
+        if isinstance(dataset, datasets.Dataset):
+            return dataset.select(range(keep))
+        return torch.utils.data.Subset(dataset, range(keep))
 
     def get_test_dataloader(self, test_dataset) -> DataLoader:
         return self.get_eval_dataloader(test_dataset)
@@ -399,6 +442,33 @@ class CephaloTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         # A batch is a list of microbatch dicts; the engine counts items itself (all-reduce).
         return list(itertools.islice(epoch_iterator, num_batches)), None
+
+    def _track_num_input_tokens(self, inputs: list[dict[str, torch.Tensor]]) -> None:
+        """``include_num_input_tokens_seen``: stock's count over this rank's microbatches, summed
+        over ranks with ONE gather per step (every rank calls it, also with b_i = 0), so
+        ``state.num_input_tokens_seen`` is the global batch's count, as stock DDP gathers it.
+
+        True / "all": elements of the main input (``model.main_input_name``) of every
+        microbatch; "non_padding": the attention mask's sum, else the tokens unequal to the
+        processor's ``pad_token_id``, else all (stock's fallbacks and warnings).
+        """
+        mode = self.args.include_num_input_tokens_seen
+        if mode == "no":
+            return
+        name = getattr(self.model, "main_input_name", "input_ids")
+        if any(name not in mb for mb in inputs):
+            return super()._track_num_input_tokens({})  # stock's warning, no count
+        count = sum(int(_input_token_count(mb, name, mode, self.processing_class))
+                    for mb in inputs)
+        count = torch.as_tensor(count, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += self.accelerator.gather(count).sum().item()
+
+    def floating_point_ops(self, inputs: list[dict[str, torch.Tensor]]) -> int:
+        """Stock's estimate over this rank's microbatches: 6 x main-input elements x the
+        model's non-embedding parameters (``PreTrainedModel.floating_point_ops``, Kaplan et al.
+        2020), counted before sharding; stock ``store_flos`` sums it over ranks."""
+        name = getattr(self.model, "main_input_name", "input_ids")
+        return sum(6 * mb[name].numel() * self._flops_numel for mb in inputs if name in mb)
 
     # ---- training step -------------------------------------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: list[dict[str, torch.Tensor]],
@@ -482,11 +552,16 @@ class CephaloTrainer(Trainer):
         gathered exactly once, in dataset order, padded with -100 where lengths differ. The
         head runs once per microbatch; predictions move to the CPU microbatch by microbatch,
         and with ``prediction_loss_only`` no logits are kept at all.
+
+        As stock ``prediction_step``: the labels are the ``label_names`` keys (a tuple of arrays
+        for several), and the loss is reported only when every microbatch holds all of them.
+        ``include_for_metrics``: "inputs" adds each sample's main input (padded with -100),
+        "loss" each sample's evaluation-microbatch mean loss, to the ``EvalPrediction``.
         """
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
         self.model.eval()
-        loss_sum, num_items, local = 0.0, 0, []
+        loss_sum, num_items, local, has_labels = 0.0, 0, [], bool(self.label_names)
         for indices, microbatches in zip(dataloader.batch_sampler, dataloader):
             microbatches = self._prepare_input(microbatches)
             out = self.engine.evaluate(microbatches, return_logits=not prediction_loss_only,
@@ -494,18 +569,22 @@ class CephaloTrainer(Trainer):
             if out.num_items:
                 loss_sum += out.loss * out.num_items
                 num_items += out.num_items
+            has_labels = has_labels and all(mb.get(k) is not None for mb in microbatches
+                                            for k in self.label_names)
             if not prediction_loss_only:
-                local += self._local_predictions(indices, microbatches, out.logits)
+                local += self._local_predictions(indices, microbatches, out)
         metrics: dict[str, Any] = {}
-        if num_items:
+        if num_items and has_labels:
             metrics["loss"] = loss_sum / num_items
         predictions = label_ids = None
         num_samples = dataloader.batch_sampler.dataset_length
         if not prediction_loss_only:
-            predictions, label_ids = self._gather_predictions(local, dataloader.batch_sampler.dataset_length)
+            gathered = self._gather_predictions(local, num_samples, has_labels)
+            predictions, label_ids = gathered.predictions, gathered.label_ids
             if self.compute_metrics is not None and label_ids is not None:
+                extra = {"inputs": gathered.inputs, "losses": gathered.losses}
                 metrics.update(self.compute_metrics(EvalPrediction(predictions=predictions,
-                                                                   label_ids=label_ids)))
+                                                                   label_ids=label_ids, **extra)))
         metrics = denumpify_detensorize(metrics)
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v
                    for k, v in metrics.items()}
@@ -520,32 +599,49 @@ class CephaloTrainer(Trainer):
             logits = self.preprocess_logits_for_metrics(logits, microbatch.get("labels"))
         return logits.detach().cpu()
 
-    def _local_predictions(self, indices: list[int], microbatches,
-                           predictions: list[torch.Tensor]):
-        """(dataset index, prediction row, label row) per sample; CPU tensors."""
+    def _local_predictions(self, indices: list[int], microbatches, out) -> list[_PredictionRow]:
+        """One ``_PredictionRow`` per sample of this rank (CPU tensors): labels = one row per
+        ``label_names`` key; the main input and the microbatch's loss only when
+        ``include_for_metrics`` asks for them."""
+        wanted = self.args.include_for_metrics
+        name = getattr(self.model, "main_input_name", "input_ids")
         rows = []
         position = 0
-        for mb, mb_predictions in zip(microbatches, predictions):
-            labels = mb.get("labels")
+        for k, (mb, mb_predictions) in enumerate(zip(microbatches, out.logits)):
             for j in range(mb_predictions.shape[0]):
-                rows.append((indices[position], mb_predictions[j],
-                             None if labels is None else labels[j].detach().cpu()))
+                labels = tuple(None if mb.get(key) is None else mb[key][j].detach().cpu()
+                               for key in self.label_names)
+                rows.append(_PredictionRow(
+                    indices[position], mb_predictions[j], labels,
+                    mb[name][j].detach().cpu() if "inputs" in wanted and name in mb else None,
+                    out.microbatch_losses[k] if "loss" in wanted else None))
                 position += 1
         return rows
 
-    def _gather_predictions(self, local, dataset_length: int):
+    def _gather_predictions(self, local: list[_PredictionRow], dataset_length: int,
+                            has_labels: bool) -> _GatheredPredictions:
+        """Every rank's rows in dataset order, stacked as stock's evaluation loop concatenates
+        them (padded with -100): predictions (N, ...), label_ids (N, ...) or a tuple of them
+        (one per ``label_names`` key; None without labels), inputs (N, S) and losses (N,)."""
         from accelerate.utils import gather_object
 
         rows = gather_object(local) if self.args.world_size > 1 else local
-        rows.sort(key=lambda row: row[0])
-        if [row[0] for row in rows] != list(range(dataset_length)):
+        rows.sort(key=lambda row: row.index)
+        if [row.index for row in rows] != list(range(dataset_length)):
             raise RuntimeError(f"evaluation gathered {len(rows)} predictions for {dataset_length} "
                                "samples (internal error: each sample must appear exactly once)")
         if not rows:
-            return None, None
-        predictions = _stack_padded([row[1] for row in rows], -100)
-        labels = None if rows[0][2] is None else _stack_padded([row[2] for row in rows], -100)
-        return predictions, labels
+            return _GatheredPredictions(None, None, None, None)
+        predictions = _stack_padded([row.prediction for row in rows], -100)
+        labels = None
+        if has_labels:
+            labels = tuple(_stack_padded([row.labels[k] for row in rows], -100)
+                           for k in range(len(self.label_names)))
+            labels = labels[0] if len(labels) == 1 else labels
+        inputs = None if rows[0].inputs is None else _stack_padded([r.inputs for r in rows], -100)
+        losses = None if rows[0].loss is None or not has_labels else \
+            np.array([row.loss for row in rows], dtype=np.float32)
+        return _GatheredPredictions(predictions, labels, inputs, losses)
 
     # ---- the user's model ------------------------------------------------------------------
     def unshard_model(self) -> torch.nn.Module:
@@ -627,6 +723,7 @@ class CephaloTrainer(Trainer):
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self._set_best_model_checkpoint(run_dir, output_dir)  # before trainer_state.json, as stock
         with atomic_checkpoint_dir(output_dir, self.engine.group) as staging:
             if self.args.cephalo_save_full_model:
                 self.save_model(staging, _internal_call=True)
@@ -648,16 +745,24 @@ class CephaloTrainer(Trainer):
                         else:
                             self.state.stateful_callbacks[name] = cb_state
                 self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
-        if self.state.best_global_step:
-            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if os.path.exists(best):
-                self.state.best_model_checkpoint = best
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint,
                                use_mtime=True)
+
+    def _set_best_model_checkpoint(self, run_dir: str, output_dir: str) -> None:
+        """Stock's ``state.best_model_checkpoint`` update, made before the checkpoint's
+        ``trainer_state.json`` is written (stock writes the weights first, so a new best is
+        already on disk then; here ``output_dir`` appears only at the atomic rename, after the
+        state file, so it counts as existing)."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if best == output_dir or os.path.exists(best):
+                self.state.best_model_checkpoint = best
 
     # ---- elastic (hf_cephalo.integrations.elastic) ------------------------------------------
     def _save_run_record(self, output_dir: str) -> None:
@@ -743,6 +848,20 @@ class CephaloTrainer(Trainer):
                                           f"{DAMAGED}")
                 self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu",
                                                              weights_only=True))
+
+
+def _input_token_count(microbatch, name: str, mode, processing_class):
+    """One microbatch's token count for ``include_num_input_tokens_seen`` (as stock
+    ``Trainer._track_num_input_tokens`` counts one batch)."""
+    if mode == "non_padding":
+        if "attention_mask" in microbatch:
+            return microbatch["attention_mask"].sum()
+        pad = getattr(processing_class, "pad_token_id", None)
+        if pad is not None:
+            return (microbatch[name] != pad).sum()
+        logger.warning("Could not determine method to count non-padding tokens, falling back "
+                       "to counting all tokens.")
+    return microbatch[name].numel()
 
 
 def _save_adapter_config(model: torch.nn.Module, directory: str) -> None:

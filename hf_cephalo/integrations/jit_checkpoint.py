@@ -1,0 +1,96 @@
+"""``enable_jit_checkpoint``: save a checkpoint on SIGTERM, with every rank saving at the same step.
+
+[Note: JIT checkpoint agreed by all ranks]
+Stock ``Trainer`` (``transformers.trainer_jit_checkpoint``) installs a SIGTERM handler whose
+``CheckpointManager`` raises a per-process flag ``kill_wait`` (3) seconds after the signal (a
+SIGKILL within that grace means no checkpoint is attempted); its callback then saves at the
+first hook that sees the flag (step begin, before the optimizer step, step end). Each rank sees
+the signal at its own moment (a launcher forwards SIGTERM to its workers one by one, and the
+timer threads race the training loop), so under several processes the ranks can reach the
+collective ``_save_checkpoint`` at different steps: one rank waits in the save's all-gathers
+while another starts the next step's, and the job hangs until the launcher's SIGKILL. A
+CephaloTrainer save is collective (every rank writes its shards), so the decision must be too.
+
+``AgreedJITCheckpointCallback`` keeps stock's signal handling (the same ``CheckpointManager``,
+the same grace, the original handler restored at train end) and replaces its decision: at every
+step end and epoch end -- hooks every rank reaches at the same global step -- each rank adds its
+flag into a one-element all-reduce (MAX); when any rank has been signalled, EVERY rank saves
+``checkpoint-<global_step>`` (atomic: ``engine.checkpoint.atomic_checkpoint_dir``), skips the
+regular save of that step and stops training. A rank whose own timer has not fired yet saves
+too. After the JIT checkpoint no more all-reduces are made. Cost: one int32 all-reduce per step,
+only with ``enable_jit_checkpoint``. The save must finish within the launcher's grace period
+after its SIGTERM (torchrun: 30 s before SIGKILL).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+__all__ = ["AgreedJITCheckpointCallback", "replace_jit_checkpoint_callback"]
+
+logger = logging.getLogger(__name__)
+
+
+class AgreedJITCheckpointCallback(JITCheckpointCallback):
+    """Stock ``JITCheckpointCallback`` with the save decided by all ranks together (see
+    [Note: JIT checkpoint agreed by all ranks]).
+
+    Args:
+        trainer: the ``CephaloTrainer`` (its ``engine.group`` is the process group agreed over).
+        manager: stock's ``CheckpointManager`` that already holds the SIGTERM handler.
+    """
+
+    def __init__(self, trainer, manager) -> None:
+        super().__init__()
+        self.trainer = trainer
+        self.jit_manager = manager
+        self._saved = False
+
+    # stock saves from these hooks on its own rank's flag alone: not a collective decision point
+    def on_step_begin(self, args, state, control, **kwargs):
+        return None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        return None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._save_if_any_rank_signalled(state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._save_if_any_rank_signalled(state, control)
+
+    def _save_if_any_rank_signalled(self, state, control) -> None:
+        if self._saved or not self._any_rank_signalled():
+            return
+        self._saved = True
+        self.jit_manager.is_checkpoint_requested = False
+        control.should_save = False  # this step's regular checkpoint IS the JIT checkpoint
+        control.should_training_stop = True
+        logger.warning("SIGTERM: every rank saves the just-in-time checkpoint of step %d",
+                       state.global_step)
+        self.trainer._save_checkpoint(self.trainer.model, trial=None)
+
+    def _any_rank_signalled(self) -> bool:
+        """One-element all-reduce (MAX) of the ranks' flags; collective, every rank calls it."""
+        group = self.trainer.engine.group
+        flag = torch.tensor([int(self.jit_manager.is_checkpoint_requested)], dtype=torch.int32,
+                            device=self.trainer.args.device)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+
+def replace_jit_checkpoint_callback(trainer) -> None:
+    """Swap the stock ``JITCheckpointCallback`` that ``Trainer.__init__`` added for
+    ``enable_jit_checkpoint`` for ``AgreedJITCheckpointCallback`` over the same manager (the
+    SIGTERM handler stays installed once). No-op without ``enable_jit_checkpoint``."""
+    if not trainer.args.enable_jit_checkpoint:
+        return
+    stock = next(cb for cb in trainer.callback_handler.callbacks
+                 if type(cb) is JITCheckpointCallback)
+    trainer.remove_callback(stock)
+    trainer.add_callback(AgreedJITCheckpointCallback(trainer, stock.jit_manager))
