@@ -43,7 +43,7 @@ pytestmark = test_timeout(JOB2_S, JOB3_S)
 
 class Case(NamedTuple):
     """One switch: the model's options and the plans before / after it, each as
-    (batch sizes b_i, microbatch sizes m_i, state ratios r_i)."""
+    (batch sizes b_i, microbatch sizes m_i, state ratios r_i[, root_resident])."""
 
     name: str
     tie: bool
@@ -54,8 +54,8 @@ class Case(NamedTuple):
 
 CASES = {
     2: [Case("to_zero", False, True, ([3, 2], [2, 1], [0.5, 0.5]), ([3, 2], [2, 1], [1.0, 0.0])),
-        Case("from_zero_new_batches", True, False, ([2, 3], [1, 2], [0.0, 1.0]),
-             ([4, 1], [2, 1], [0.7, 0.3]))],
+        Case("from_zero_new_batches_resident_root", True, False, ([2, 3], [1, 2], [0.0, 1.0]),
+             ([4, 1], [2, 1], [0.7, 0.3], True))],
     3: [Case("to_zero", True, True, ([3, 2, 1], [1, 2, 1], [0.5, 0.3, 0.2]),
              ([3, 2, 1], [1, 2, 1], [0.0, 0.4, 0.6])),
         Case("from_zero_new_batches", False, False, ([1, 2, 3], [1, 1, 2], [0.0, 0.4, 0.6]),
@@ -67,7 +67,7 @@ CASES = {
 def _plan(spec):
     from hf_cephalo.planner import Plan
 
-    return Plan.from_ratios(*spec)
+    return Plan.from_ratios(*spec[:3], root_resident=bool(spec[3:] and spec[3]))
 
 
 def _model(case: Case, seed: int):
@@ -78,12 +78,14 @@ def _model(case: Case, seed: int):
                            max_seq_len=8, tie_embeddings=case.tie, frozen_norm=case.frozen_norm))
 
 
-def _setup(case: Case, ratios, seed: int):
-    """Engine + AdamW with two param groups: the layers decay, the root units do not."""
+def _setup(case: Case, plan, seed: int):
+    """Engine for ``plan``'s r_i + AdamW with two param groups: the layers decay, the root
+    units do not."""
     from hf_cephalo.engine import CephaloEngine
     from hf_cephalo.models.toy import ToyStaged
 
-    engine = CephaloEngine(ToyStaged(_model(case, seed)), ratios)
+    engine = CephaloEngine(ToyStaged(_model(case, seed)), plan.state_ratios,
+                           root_resident=plan.root_resident)
     params = engine.parameters()
     layers = params[:engine.num_units]
     opt = torch.optim.AdamW([{"params": layers, "weight_decay": WD},
@@ -205,7 +207,7 @@ def _switch_case(rank, world, case: Case, root: str) -> dict:
 
     old, new = _plan(case.old), _plan(case.new)
     batches = _batches(case, old.global_batch_size)
-    engine, opt = _setup(case, old.state_ratios, seed=0)
+    engine, opt = _setup(case, old, seed=0)
     losses = _train(engine, opt, batches, range(SWITCH_AT), lambda: old)
     directory = os.path.join(root, f"{world}-{case.name}")
     ckpt.save_checkpoint(engine, directory, opt)
@@ -215,16 +217,16 @@ def _switch_case(rank, world, case: Case, root: str) -> dict:
     stats = engine.stats.as_dict()
     rows_new = [list(u.numel_per_rank) for u in engine._all_units()]
     ideal = _ideal(rows_old, rows_new, engine._all_units(), rank, 3)
-    twin, twin_opt = _setup(case, new.state_ratios, seed=1)  # other weights: the load must matter
+    twin, twin_opt = _setup(case, new, seed=1)  # other weights: the load must matter
     ckpt.load_sharded(twin, directory)
     ckpt.load_sharded_optimizer(twin, twin_opt, directory)
     at_switch = _mismatches(_local(engine, opt), _local(twin, twin_opt))
-    holds_plan = engine.plan is new
+    holds_plan = engine.plan is new and engine.root.resident is new.root_resident
     losses += _train(engine, opt, batches, range(SWITCH_AT, STEPS), lambda: engine.plan)
     twin_losses = _train(twin, twin_opt, batches, range(SWITCH_AT, STEPS), lambda: new)
     after = _mismatches(_local(engine, opt), _local(twin, twin_opt))
     final = engine.full_state_dict()
-    static, static_opt = _setup(case, old.state_ratios, seed=0)
+    static, static_opt = _setup(case, old, seed=0)
     static_losses = _train(static, static_opt, batches, range(STEPS), lambda: old)
     static_final = static.full_state_dict()
     ref_losses, ref_final = _reference(case, batches)
@@ -244,7 +246,7 @@ def _grad_case(rank, world) -> dict:
     case = CASES[world][0]
     old, new = _plan(case.old), _plan(case.new)
     batches = _batches(case, old.global_batch_size)
-    engine, opt = _setup(case, old.state_ratios, seed=0)
+    engine, opt = _setup(case, old, seed=0)
     _train(engine, opt, batches, range(1), lambda: old)
     from tests.test_engine_parity import split_microbatches
 
@@ -266,7 +268,7 @@ def _bad_input(rank, world) -> dict:
 
     case = CASES[world][0]
     old = _plan(case.old)
-    engine, opt = _setup(case, old.state_ratios, seed=0)
+    engine, opt = _setup(case, old, seed=0)
     _train(engine, opt, _batches(case, old.global_batch_size), range(1), lambda: old)
     wrong_model = _plan(case.new)
     wrong_model.model = {"name": "other", "num_units": 7, "params_per_unit": 10,
