@@ -165,12 +165,13 @@ def _ideal(rows_old, rows_new, units, rank: int, num_trainable_tensors: int) -> 
         if old == new:
             continue
         shard_set = 0
-        for part, tensors, counts_of in (
-                (unit.trainable, num_trainable_tensors, lambda r: split_unit_row(r, unit.trainable_numel)[0]),
-                (unit.frozen, 1, lambda r: split_unit_row(r, unit.trainable_numel)[1])):
+        for index, part, tensors in ((0, unit.trainable, num_trainable_tensors),
+                                     (1, unit.frozen, 1)):
             world = torch.arange(len(old))
-            was = torch.repeat_interleave(world, torch.tensor(counts_of(old)))
-            now = torch.repeat_interleave(world, torch.tensor(counts_of(new)))
+            was = torch.repeat_interleave(
+                world, torch.tensor(split_unit_row(old, unit.trainable_numel)[index]))
+            now = torch.repeat_interleave(
+                world, torch.tensor(split_unit_row(new, unit.trainable_numel)[index]))
             size = tensors * part.element_size
             sent += int(((was == rank) & (now != rank)).sum()) * size
             received += int(((now == rank) & (was != rank)).sum()) * size
@@ -234,9 +235,13 @@ def _switch_case(rank, world, case: Case, root: str) -> dict:
                 ref_losses=ref_losses, final=final, static_final=static_final,
                 ref_final=ref_final if rank == 0 else None, at_switch=at_switch, after=after,
                 holds_plan=holds_plan, rows_old=rows_old, rows_new=rows_new, stats=stats,
-                ideal=ideal, state_bytes=sum(sum(t.numel() * t.element_size()
-                                                 for t in (s["param"], *s["state"].values(), s["frozen"]))
-                                             for s in _local(engine, opt)))
+                ideal=ideal, state_bytes=_state_bytes(_local(engine, opt)))
+
+
+def _state_bytes(local) -> int:
+    """Bytes of this rank's training state in a ``_local`` snapshot (shards + optimizer)."""
+    return sum(t.numel() * t.element_size() for s in local
+               for t in (s["param"], s["frozen"], *s["state"].values()))
 
 
 def _grad_case(rank, world) -> dict:

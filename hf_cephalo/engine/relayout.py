@@ -96,12 +96,14 @@ def relayout_state(engine: "CephaloEngine", optimizer: torch.optim.Optimizer | N
     parameter shards (trainable and frozen parts), every per-element optimizer state tensor and
     any shard gradient that persists move by ``all_to_all_single`` to the layout the plan's
     ratios give (``planner.state.layout_unit_shards``, as ``CephaloEngine(state_ratios=...)``
-    lays them out); see [Note: re-layout in memory]. Afterwards the engine's shards, the
-    optimizer state and ``engine.plan`` (= ``new_plan``; ``root_resident`` taken over too)
-    equal, bit for bit, those of an engine built for ``new_plan`` that loaded a checkpoint
-    saved just before (``checkpoint.save_checkpoint`` + ``load_sharded`` +
-    ``load_sharded_optimizer``). b_i / m_i / l_i are not engine state: the caller feeds the
-    new plan's microbatches from the next step on.
+    lays them out); see [Note: re-layout in memory]. Shapes: rank r's trainable tensors go from
+    (k_r,) to (k'_r,) and its frozen shard from (f_r,) to (f'_r,), the counts of
+    ``flat_param.split_unit_row`` for the old and the new layout row (zeros allowed).
+    Afterwards the engine's shards, the optimizer state and ``engine.plan`` (= ``new_plan``;
+    ``root_resident`` taken over too) equal, bit for bit, those of an engine built for
+    ``new_plan`` that loaded a checkpoint saved just before (``checkpoint.save_checkpoint`` +
+    ``load_sharded`` + ``load_sharded_optimizer``). b_i / m_i / l_i are not engine state: the
+    caller feeds the new plan's microbatches from the next step on.
 
     Args:
         engine: the ``CephaloEngine``.
@@ -130,7 +132,7 @@ def relayout_state(engine: "CephaloEngine", optimizer: torch.optim.Optimizer | N
     try:
         for unit, row, held in zip(engine._all_units(), layout, holdings):
             if row != unit.numel_per_rank:
-                _move_unit(engine, unit, row, optimizer, held)
+                _move_unit(engine, unit, row, held)
     except BaseException as exc:
         engine._abandon_step(None, exc, "relayout_state")
         raise
@@ -262,7 +264,7 @@ def _move(old: torch.Tensor, old_counts: Sequence[int], new_counts: Sequence[int
     return new
 
 
-def _move_unit(engine: "CephaloEngine", unit: FlatParamUnit, row: list[int], optimizer,
+def _move_unit(engine: "CephaloEngine", unit: FlatParamUnit, row: list[int],
                held: _UnitHoldings) -> None:
     """Re-lay one unit: move every tensor on its shards, then swap them in together."""
     new_k, new_f = split_unit_row(row, unit.trainable_numel)
