@@ -10,7 +10,8 @@ CephaloTrainer twice.
 * Bit for bit: right after the re-layout, every rank's parameter shards (trainable and frozen)
   and AdamW state (exp_avg, exp_avg_sq, step) equal (``torch.equal``) those of an engine built
   for the new plan that loaded a checkpoint saved just before; the next steps then give equal
-  losses and shards too. A persisting gradient moves exactly as well.
+  losses and shards too. A persisting gradient moves exactly as well, and so does the frozen
+  bf16 base of a LoRA model (2 ranks, in its own dtype).
 * Bytes and memory: each rank's counted all-to-all bytes equal the ideal (the elements whose
   owner changes, computed here from the two layouts), the peak of new shards alive equals one
   unit's shard-set on that rank (not the model's).
@@ -306,11 +307,37 @@ def _bad_input(rank, world) -> dict:
                 moved_after=engine.stats.relayout_count > 0)
 
 
+def _lora_case(rank, world, root) -> dict:
+    """LoRA on a bf16 base (tests/test_lora.py's model): the frozen bf16 shards move in their
+    own dtype; bit for bit equal to save + resume onto the new plan, then one more step each."""
+    from hf_cephalo.engine import checkpoint as ckpt
+    from hf_cephalo.engine import relayout_state
+    from tests import test_lora as lora
+
+    engine, opt, sizes, micro = lora._setup("llama_bf16", "two")
+    lora._train(engine, opt, sizes, micro, "llama_bf16", range(2))
+    directory = os.path.join(root, "lora")
+    ckpt.save_checkpoint(engine, directory, opt)
+    new = _plan(lora.PLANS["two_idle"])
+    relayout_state(engine, opt, new)
+    twin, twin_opt, *_ = lora._setup("llama_bf16", "two_idle")
+    ckpt.load_checkpoint(twin, directory, twin_opt)
+    at_switch = _mismatches(_local(engine, opt), _local(twin, twin_opt))
+    more = [lora._train(e, o, new.batch_sizes, new.microbatch_sizes, "llama_bf16", range(2, 3))
+            for e, o in ((engine, opt), (twin, twin_opt))]
+    return dict(at_switch=at_switch, after=_mismatches(_local(engine, opt), _local(twin, twin_opt)),
+                losses=more, frozen_dtypes=sorted({str(u.frozen.dtype) for u in engine._all_units()
+                                                   if u.frozen.numel}),
+                moved_frozen=any(u.frozen.numel and u.frozen_per_rank[0] == 0 and
+                                 u.frozen.numel > 0 for u in engine._all_units()))
+
+
 def _engine_worker(rank, world, root):
     results = {case.name: _switch_case(rank, world, case, root) for case in CASES[world]}
     results["grad"] = _grad_case(rank, world)
     results["bad_input"] = _bad_input(rank, world)
     if world == 2:
+        results["lora_bf16"] = _lora_case(rank, world, root)
         results["trainer"] = {name: _trainer_run(rank, world, os.path.join(root, name), switch)
                               for name, switch in (("static", False), ("switched", True))}
     return portable(results, to_numpy=True)
@@ -456,6 +483,14 @@ def test_bad_input_is_refused_before_any_collective(runs, world):
         assert result["bad_input"]["unmoved"] and result["bad_input"]["moved_after"]
     # the same message on every rank for the disagreement found by the exchange
     assert len({r["bad_input"]["errors"]["different_plans"] for r in runs[world]}) == 1
+
+
+def test_lora_bf16_base_relayout_equals_save_and_resume(runs):
+    for rank, result in enumerate(runs[2]):
+        got = result["lora_bf16"]
+        assert got["frozen_dtypes"] == ["torch.bfloat16"] and got["moved_frozen"]
+        assert got["at_switch"] == [] and got["after"] == [], (rank, got)
+        assert got["losses"][0] == got["losses"][1]
 
 
 def test_trainer_relayout_matches_static_run(runs):
