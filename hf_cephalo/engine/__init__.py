@@ -4,8 +4,9 @@ from .engine import CephaloEngine, EvalOutput, FullUnit, StepOutput
 from .checkpoint_files import CheckpointFiles, resolve_checkpoint
 from .flat_param import ParamInfo, ShardedState, UnitShardMeta
 from .loading import StartKind
+from .relayout import relayout_state
 from .stats import CollectiveStats
 
 __all__ = ["CephaloEngine", "CheckpointFiles", "CollectiveStats", "EvalOutput", "FullUnit",
            "ParamInfo", "ShardedState", "StartKind", "StepOutput", "UnitShardMeta",
-           "resolve_checkpoint"]
+           "relayout_state", "resolve_checkpoint"]

@@ -281,6 +281,9 @@ class CephaloEngine:
         self._failure: str | None = None  # set when a step raised mid-schedule
         self._failure_exc: BaseException | None = None  # that step's exception
         self._abandoned: list = []  # in-flight collectives of that step, kept referenced
+        # the Plan the shards are laid out for once ``relayout.relayout_state`` applied one
+        # (None before: the engine was built from state_ratios / shard_layout alone)
+        self.plan = None
 
     # ---- construction ---------------------------------------------------------------------
     def _build_units(self, ratios, shard_layout, use_all_reduce, source) -> None:

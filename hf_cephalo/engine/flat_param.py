@@ -306,6 +306,14 @@ class UnitPart:
         lo = self.offset + self.starts[rank]
         return lo, lo + self.numel_per_rank[rank]
 
+    def adopt(self, numel_per_rank: Sequence[int], local: torch.Tensor) -> None:
+        """Take a new per-rank split and this rank's (numel_per_rank[rank],) shard under it
+        (``engine/relayout.py`` moved the elements)."""
+        self.numel_per_rank = [int(n) for n in numel_per_rank]
+        self.starts = [sum(self.numel_per_rank[:r]) for r in range(len(self.numel_per_rank))]
+        assert local.numel() == self.numel_per_rank[self.rank] and local.dtype == self.dtype
+        self.local = local
+
     @property
     def element_size(self) -> int:
         return self.local.element_size()
@@ -378,6 +386,28 @@ class FlatParamUnit:
         self._set_placeholders()
 
     # ---- construction ---------------------------------------------------------------------
+    def adopt_layout(self, numel_per_rank: Sequence[int], trainable: torch.Tensor,
+                     frozen: torch.Tensor) -> None:
+        """Switch to a new layout row (re-layout at a step boundary, ``engine/relayout.py``).
+
+        numel_per_rank: (W,) the new row (sum = numel); trainable / frozen: this rank's new
+        shards of the two parts under it, (k_rank,) and (f_rank,) of ``split_unit_row``. The
+        optimizer's parameter stays the same object (``shard_param.data`` becomes the new
+        trainable shard), so optimizer param groups, LR schedulers and state keys stay valid.
+        Only while SHARDED with no collective in flight and no live gradient.
+        """
+        assert self.state is ShardedState.SHARDED and self._pending_ag is None and \
+            self._pending_rs is None and not self._grad_live, f"{self.name} re-laid mid-step"
+        row = [int(n) for n in numel_per_rank]
+        assert len(row) == self.world_size and sum(row) == self.numel and min(row) >= 0, row
+        self.numel_per_rank = row
+        self.trainable_per_rank, self.frozen_per_rank = split_unit_row(row, self.trainable_numel)
+        self.trainable.adopt(self.trainable_per_rank, trainable)
+        self.frozen.adopt(self.frozen_per_rank, frozen)
+        self.local_numel = row[self.rank]
+        self.local_trainable_numel = self.trainable_per_rank[self.rank]
+        self.shard_param.data = trainable  # same Parameter object, the new shard's storage
+
     @property
     def parts(self) -> tuple[UnitPart, UnitPart]:
         """(trainable, frozen), in flat-index order (either may be empty)."""

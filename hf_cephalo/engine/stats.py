@@ -27,6 +27,11 @@ class CollectiveStats:
     gathered output between issue and wait, a reduce-scatter output between issue and wait, the
     zero input of a rank without a gradient): see [Note: communication buffers] in
     ``flat_param.py``.
+    ``relayout_*``: the in-memory re-layout's all-to-alls (``relayout.py``): sent / received
+    count only the elements that change owner (what stays on a rank is copied locally), so
+    they equal the ideal, the bytes whose owner changes; ``peak_relayout_buffer_bytes`` is the
+    largest new shard-set of one unit (parameters, optimizer state, gradient) alive beside the
+    old one.
     """
 
     all_gather_count: int = 0      # all-gathers (one per unshard of a unit)
@@ -44,6 +49,12 @@ class CollectiveStats:
     host_syncs: int = 0  # host waits for the compute stream (CUDA; [Note: host waits for the
     #                      compute stream] in offload.py)
     peak_comm_buffer_bytes: int = 0    # transient send/receive buffers of collectives
+    relayout_count: int = 0  # all-to-alls of in-memory re-layouts (``relayout.py``), one per
+    #                          moved tensor (parameter part, optimizer state, gradient) per unit
+    relayout_sent_bytes: int = 0       # elements this rank gave to another owner, times e
+    relayout_received_bytes: int = 0   # elements this rank took over from another owner, times e
+    peak_relayout_buffer_bytes: int = 0  # most bytes of new shards allocated before the old
+    #                                      ones of their unit were dropped (one unit at a time)
 
     def reset(self) -> None:
         """Zero every counter."""

@@ -519,9 +519,44 @@ class CephaloTrainer(Trainer):
             if rule is not None:
                 masks = shard_decay_masks(self.engine.shard_metadata(), self.engine.rank,
                                           self._decay_names)
-                self.optimizer.register_step_pre_hook(
-                    ShardWeightDecay(params, masks, weight_decay, rule))
+                self._shard_weight_decay = ShardWeightDecay(params, masks, weight_decay, rule)
+                self.optimizer.register_step_pre_hook(self._shard_weight_decay)
         return self.optimizer
+
+    def _relayout_state(self, new_plan: Plan) -> None:
+        """Collective, at a step boundary (after the optimizer step and ``zero_grad``, e.g. from a
+        callback's ``on_step_end``): re-lay the training state onto ``new_plan``'s r_i in memory
+        and make ``new_plan`` the current plan (``self.plan`` and ``engine.plan``).
+
+        The engine's parameter shards, a persisting gradient and the optimizer state (AdamW
+        ``exp_avg`` / ``exp_avg_sq`` / ``step``, inside Accelerate's ``AcceleratedOptimizer``)
+        move between ranks by collectives, no files (``hf_cephalo.engine.relayout``; equal bit
+        for bit to saving a checkpoint and resuming it onto ``new_plan``). The optimizer, its
+        param groups and the LR scheduler stay the same objects; the per-element weight-decay
+        masks (``weight_decay.py``) are rebuilt for the new shards. The fp16 loss scaler holds
+        only its scale and growth tracker, the same on every rank, so nothing of it moves.
+        A change of b_i / m_i / l_i takes effect where the batch sampler reads ``self.plan``.
+
+        Raises (before any collective): ValueError for a plan of another world size, model or
+        precision; RuntimeError mid-step; the other errors of ``relayout_state``.
+        """
+        from hf_cephalo.engine.relayout import relayout_state
+        from hf_cephalo.integrations.auto_plan import _job_precision
+
+        # the engine's dtype: the model's placeholders no longer carry it
+        job = _job_precision(self.args).tag(str(self.engine.dtype).removeprefix("torch."))
+        if new_plan.precision not in (None, job):
+            raise ValueError(f"_relayout_state: the new plan was made for precision "
+                             f"{new_plan.precision!r}, this run trains in {job!r}; re-plan for "
+                             "this run's precision")
+        optimizer = None if self.optimizer is None else _unwrap_optimizer(self.optimizer)
+        relayout_state(self.engine, optimizer, new_plan)
+        decay = getattr(self, "_shard_weight_decay", None)
+        if decay is not None:
+            decay.set_masks(self.engine.parameters(),
+                            shard_decay_masks(self.engine.shard_metadata(), self.engine.rank,
+                                              self._decay_names))
+        self.plan = new_plan
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """Stock ``Trainer.train``; ``resume_from_checkpoint`` (a path, or True for the last

@@ -87,10 +87,16 @@ class ShardWeightDecay:
 
     def __init__(self, params: list[torch.Tensor], masks: list[torch.Tensor], weight_decay: float,
                  rule: DecayRule):
+        self.set_masks(params, masks)
+        self.weight_decay, self.rule = float(weight_decay), rule
+
+    def set_masks(self, params: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
+        """Use ``masks`` (one bool mask per shard, ``shard_decay_masks``) for ``params`` from
+        now on: after an in-memory re-layout the shards keep their identity but not their
+        elements (``engine/relayout.py``)."""
         if len(params) != len(masks):
             raise ValueError(f"{len(params)} shards but {len(masks)} decay masks")
         self.masks = {id(p): m.to(p.device) for p, m in zip(params, masks)}
-        self.weight_decay, self.rule = float(weight_decay), rule
 
     @torch.no_grad()
     def __call__(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:

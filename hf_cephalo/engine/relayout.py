@@ -1,0 +1,289 @@
+"""In-memory re-layout of the training state onto a new plan's r_i (issue 22 item 3; docs/design.md
+contract 7; docs/engine.md "Re-layout in memory").
+
+Usage (every rank, at a step boundary: after ``optimizer.step()`` and ``zero_grad()``)::
+
+    relayout_state(engine, optimizer, new_plan)   # shards + optimizer state move; no files
+    # engine.plan is new_plan; optimizer, its param groups and any LR scheduler stay valid
+
+[Note: re-layout in memory]
+A unit's flat index ``[trainable | frozen]`` is the same under every plan; a plan only moves the
+per-rank cut points (``planner.state.layout_unit_shards`` of its r_i, each row split into the two
+parts by ``flat_param.split_unit_row``). So a re-layout is, per unit and part, one exchange in
+which rank s gives rank d the overlap of s's old range with d's new range: exactly what
+``load_sharded`` reads from a checkpoint onto a new plan, with a collective instead of files,
+hence the same values bit for bit. Per unit, every tensor that lives on the trainable shard
+moves the same way: the parameter shard, each per-element optimizer state tensor (AdamW's
+``exp_avg``, ``exp_avg_sq``; ``max_exp_avg_sq`` with amsgrad) and a gradient that persists;
+the frozen shard (a LoRA base) moves alone. 0-dim optimizer state (AdamW's ``step``) is the
+same on every rank and stays as it is.
+
+* Collective: ``all_to_all_single`` with split sizes (gloo and NCCL take uneven and zero
+  splits); the input is the old shard itself and the output the new shard, so nothing is
+  padded or copied and the bytes on the wire are the elements that change owner (what stays on
+  a rank is a local copy inside the call): the ideal for any pair of layouts, however skewed.
+  ``CollectiveStats.relayout_*`` counts them.
+* Memory: unit by unit. A unit's new tensors are allocated, filled, then swapped in for the
+  old ones, which die with the swap; the peak beyond the training state is one unit's new
+  shard-set on this rank (``CollectiveStats.peak_relayout_buffer_bytes``), not the model.
+* Identity: the optimizer's parameters stay the same objects (``shard_param.data`` becomes the
+  new shard, FSDP's way of swapping storage), so ``optimizer.param_groups`` (weight-decay
+  groups included), ``optimizer.state`` keys, wrappers (Accelerate's ``AcceleratedOptimizer``)
+  and LR schedulers keep pointing at valid objects. Whatever caches per-shard data keyed by the
+  parameters (CephaloTrainer's weight-decay masks) must be rebuilt by its owner.
+* Order of checks: the plan (world size, model) and the step boundary are checked locally
+  before any collective; then ONE ``all_gather_object`` of what each rank holds (the new
+  layout, per unit which optimizer state keys and scalars, whether a gradient persists) lets
+  every rank raise the same error when the ranks disagree, before any state moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .flat_param import FlatParamUnit, ShardedState, split_unit_row
+
+if TYPE_CHECKING:
+    from ..planner.types import Plan
+    from .engine import CephaloEngine
+
+__all__ = ["relayout_state", "exchange_splits"]
+
+
+class Splits(NamedTuple):
+    """One rank's side of a re-layout exchange of one part: ``send[d]`` elements of its old
+    shard go to rank d, ``recv[s]`` elements of its new shard come from rank s (rank order;
+    the own entry is the overlap that stays)."""
+
+    send: list[int]
+    recv: list[int]
+
+
+def exchange_splits(old_counts: Sequence[int], new_counts: Sequence[int], rank: int) -> Splits:
+    """``all_to_all_single`` split sizes moving a part from ``old_counts`` to ``new_counts``.
+
+    Both are (W,) per-rank element counts of the same part (same sum); rank r holds the
+    contiguous range starting at ``sum(counts[:r])``. ``send[d]`` = overlap of this rank's old
+    range with rank d's new range, ``recv[s]`` = overlap of rank s's old range with this rank's
+    new range; both are contiguous and in rank order within the old / new shard.
+    """
+    assert sum(old_counts) == sum(new_counts), (old_counts, new_counts)
+
+    def ranges(counts):
+        starts = [sum(counts[:r]) for r in range(len(counts))]
+        return [(s, s + int(n)) for s, n in zip(starts, counts)]
+
+    old, new = ranges(old_counts), ranges(new_counts)
+
+    def overlap(a, b) -> int:
+        return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+    return Splits([overlap(old[rank], n) for n in new], [overlap(o, new[rank]) for o in old])
+
+
+def relayout_state(engine: "CephaloEngine", optimizer: torch.optim.Optimizer | None,
+                   new_plan: "Plan") -> None:
+    """Collective: move the engine's shards and the optimizer state onto ``new_plan``'s r_i.
+
+    Every rank calls it with the same plan at a step boundary (no unit gathered, no collective
+    in flight: after ``optimizer.step()`` / ``zero_grad()``). Per unit, one at a time, the
+    parameter shards (trainable and frozen parts), every per-element optimizer state tensor and
+    any shard gradient that persists move by ``all_to_all_single`` to the layout the plan's
+    ratios give (``planner.state.layout_unit_shards``, as ``CephaloEngine(state_ratios=...)``
+    lays them out); see [Note: re-layout in memory]. Shapes: rank r's trainable tensors go from
+    (k_r,) to (k'_r,) and its frozen shard from (f_r,) to (f'_r,), the counts of
+    ``flat_param.split_unit_row`` for the old and the new layout row (zeros allowed).
+    Afterwards the engine's shards, the optimizer state and ``engine.plan`` (= ``new_plan``;
+    ``root_resident`` taken over too) equal, bit for bit, those of an engine built for
+    ``new_plan`` that loaded a checkpoint saved just before (``checkpoint.save_checkpoint`` +
+    ``load_sharded`` + ``load_sharded_optimizer``). b_i / m_i / l_i are not engine state: the
+    caller feeds the new plan's microbatches from the next step on.
+
+    Args:
+        engine: the ``CephaloEngine``.
+        optimizer: a torch optimizer built over ``engine.parameters()`` (element-wise state and
+            0-dim scalars, e.g. ``torch.optim.AdamW``; any param groups), or None (parameters
+            only).
+        new_plan: a ``Plan`` for this world size and model.
+
+    Raises (all before any collective, unless noted):
+        TypeError: ``new_plan`` is not a ``Plan``.
+        ValueError: a plan for another world size or (``plan.model``) another model; an
+            optimizer holding tensors that are not the engine's shards; after the one metadata
+            exchange, on every rank alike: ranks passed different plans or hold different
+            optimizer state keys, scalars or gradients.
+        NotImplementedError: optimizer state that is neither per-element nor 0-dim.
+        RuntimeError: called mid-step (a unit gathered, a collective in flight, a gradient being
+            accumulated), or an earlier step raised part-way (``check_usable``). If an
+            exchange itself fails, the engine refuses further collective calls as after a
+            failed step.
+    """
+    engine.check_usable("relayout_state")
+    _check_step_boundary(engine)
+    layout = _new_layout(engine, new_plan)
+    holdings = _local_holdings(engine, optimizer)
+    _agree(engine, new_plan, layout, holdings)  # the first collective
+    try:
+        for unit, row, held in zip(engine._all_units(), layout, holdings):
+            if row != unit.numel_per_rank:
+                _move_unit(engine, unit, row, held)
+    except BaseException as exc:
+        engine._abandon_step(None, exc, "relayout_state")
+        raise
+    engine.root_resident = bool(new_plan.root_resident)
+    engine.root = dataclasses.replace(engine.root, resident=engine.root_resident)
+    engine.plan = new_plan
+
+
+# ---- checks (local, before any collective) ------------------------------------------------------
+def _check_step_boundary(engine: "CephaloEngine") -> None:
+    for unit in engine._all_units():
+        busy = unit.state is not ShardedState.SHARDED or unit._pending_ag is not None or \
+            unit._pending_rs is not None or unit._grad_live
+        if busy:
+            raise RuntimeError(f"relayout_state called mid-step: {unit.name} is "
+                               f"{'gathered' if unit.state is ShardedState.UNSHARDED else 'busy'}"
+                               " (a collective in flight or a gradient being accumulated); call "
+                               "it at a step boundary, after optimizer.step() and zero_grad(), "
+                               "on every rank")
+
+
+def _new_layout(engine: "CephaloEngine", plan: "Plan") -> list[list[int]]:
+    """The per-unit rows ``plan`` gives this engine's units (ValueError for another job)."""
+    from ..planner.types import Plan
+
+    if not isinstance(plan, Plan):
+        raise TypeError(f"relayout_state needs a hf_cephalo.planner.Plan, got "
+                        f"{type(plan).__name__}")
+    if plan.world_size != engine.world_size:
+        raise ValueError(f"relayout_state: the new plan is for world size {plan.world_size} but "
+                         f"the engine runs on {engine.world_size} ranks; re-plan for these ranks "
+                         "(a change of world size is an elastic restart from a checkpoint)")
+    units = engine._all_units()
+    if plan.model is not None:
+        mine = dict(num_units=engine.num_units,
+                    params_per_unit=units[0].numel if engine.num_units else 0,
+                    params_other=engine.root.embed.numel + engine.root.head.numel)
+        theirs = {k: plan.model.get(k) for k in mine}
+        if mine != theirs or len({u.numel for u in engine.units}) > 1:
+            raise ValueError(f"relayout_state: the new plan was made for model "
+                             f"{plan.model.get('name')!r} {theirs} but the engine's model has "
+                             f"{mine}; re-plan for this model")
+    return [[int(n) for n in row] for row in plan.unit_layout([u.numel for u in units])]
+
+
+class _UnitHoldings(NamedTuple):
+    """What this rank holds for one unit besides its parameter shards: ``state`` (the
+    optimizer's state dict of the shard parameter, or None), ``element_keys`` (sorted keys of
+    its per-element tensors), ``scalars`` ({key: value} of the rest, JSON-comparable),
+    ``has_grad`` (a shard gradient persists)."""
+
+    state: dict | None
+    element_keys: list[str]
+    scalars: dict[str, Any]
+    has_grad: bool
+
+
+def _scalar(value: Any, where: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise NotImplementedError(
+                f"optimizer state {where} is a tensor of shape {tuple(value.shape)} that is not "
+                "shard-aligned; the re-layout (like sharded checkpoints) moves per-element state "
+                "and 0-dim scalars only: use an element-wise optimizer such as "
+                "torch.optim.AdamW (--optim adamw_torch)")
+        return [str(value.dtype), value.item()]
+    return repr(value)
+
+
+def _local_holdings(engine: "CephaloEngine", optimizer) -> list[_UnitHoldings]:
+    params = engine.parameters()
+    if optimizer is not None:
+        ours = {id(p) for p in params}
+        for group in optimizer.param_groups:
+            if any(id(p) not in ours for p in group["params"]):
+                raise ValueError("relayout_state: the optimizer holds a tensor that is not one of "
+                                 "engine.parameters(); build it over engine.parameters() only")
+    out = []
+    for u, p in enumerate(params):
+        state = optimizer.state.get(p) if optimizer is not None else None
+        keys, scalars = [], {}
+        for key, value in (state or {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == p.shape:
+                keys.append(key)
+            else:
+                scalars[key] = _scalar(value, f"{key!r} of {engine._all_units()[u].name}")
+        out.append(_UnitHoldings(state or None, sorted(keys), scalars, p.grad is not None))
+    return out
+
+
+def _agree(engine: "CephaloEngine", plan: "Plan", layout, holdings) -> None:
+    """ONE ``all_gather_object``: every rank raises the same ValueError when the ranks passed
+    different plans or hold different optimizer state / gradients (their exchanges would not
+    pair up), before any state moves."""
+    digest = hashlib.sha256(json.dumps([plan.to_json(), layout], sort_keys=True,
+                                       default=str).encode()).hexdigest()
+    mine = (digest, [(h.state is not None, h.element_keys, h.scalars, h.has_grad)
+                     for h in holdings])
+    everyone: list = [None] * engine.world_size
+    dist.all_gather_object(everyone, mine, group=engine.group)
+    if any(d != digest for d, _ in everyone):
+        raise ValueError(f"relayout_state: the ranks passed different plans (digests "
+                         f"{[d[:12] for d, _ in everyone]}); every rank must re-lay onto the same "
+                         "plan (compute it from exchanged numbers only)")
+    names = [u.name for u in engine._all_units()]
+    for u, name in enumerate(names):
+        views = [held[u] for _, held in everyone]
+        if any(v != views[0] for v in views):
+            raise ValueError(f"relayout_state: the ranks hold different optimizer state or "
+                             f"gradients for {name} ((has state, per-element keys, scalars, has "
+                             f"gradient) by rank: {views}); re-lay out at a step boundary where "
+                             "every rank stepped the same optimizer")
+
+
+# ---- the exchange -------------------------------------------------------------------------------
+def _move(old: torch.Tensor, old_counts: Sequence[int], new_counts: Sequence[int],
+          engine: "CephaloEngine") -> torch.Tensor:
+    """This rank's (new_counts[rank],) shard of a part, from every rank's old shard (one
+    ``all_to_all_single``; counted in ``stats.relayout_*``)."""
+    rank, stats = engine.rank, engine.stats
+    splits = exchange_splits(old_counts, new_counts, rank)
+    new = old.new_empty(int(new_counts[rank]))
+    dist.all_to_all_single(new, old.detach().contiguous(), splits.recv, splits.send,
+                           group=engine.group)
+    es = old.element_size()
+    stats.relayout_count += 1
+    stats.relayout_sent_bytes += (sum(splits.send) - splits.send[rank]) * es
+    stats.relayout_received_bytes += (sum(splits.recv) - splits.recv[rank]) * es
+    return new
+
+
+def _move_unit(engine: "CephaloEngine", unit: FlatParamUnit, row: list[int],
+               held: _UnitHoldings) -> None:
+    """Re-lay one unit: move every tensor on its shards, then swap them in together."""
+    new_k, new_f = split_unit_row(row, unit.trainable_numel)
+    p = unit.shard_param
+    param = _move(unit.trainable.local, unit.trainable_per_rank, new_k, engine)
+    state = {key: _move(held.state[key], unit.trainable_per_rank, new_k, engine)
+             for key in held.element_keys}
+    grad = _move(p.grad, unit.trainable_per_rank, new_k, engine) if held.has_grad else None
+    frozen = _move(unit.frozen.local, unit.frozen_per_rank, new_f, engine) \
+        if unit.frozen.numel else unit.frozen.local
+    new_bytes = sum(t.numel() * t.element_size() for t in (param, *state.values(), grad)
+                    if t is not None)
+    if unit.frozen.numel:
+        new_bytes += frozen.numel() * frozen.element_size()
+    engine.stats.peak_relayout_buffer_bytes = max(engine.stats.peak_relayout_buffer_bytes,
+                                                  new_bytes)
+    with torch.no_grad():
+        p.grad = None  # the old gradient's shape no longer matches once the data is swapped
+        unit.adopt_layout(row, param, frozen)
+        if held.state is not None:
+            held.state.update(state)  # the same dict object optimizer.state[p] holds
+        p.grad = grad
