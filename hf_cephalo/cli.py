@@ -68,6 +68,16 @@ def _add_cluster_source_arguments(p: argparse.ArgumentParser, model_example: str
                         "the engine keeps a bf16 base beside fp32 adapters, each sharded by r_i)")
 
 
+def _precision_arg(value: str) -> str:
+    """``--precision``: fp32 / bf16 / fp16, ``auto`` or a comma list of those (one per rank;
+    its length is checked against the cluster)."""
+    names = value.replace(",", " ").split()
+    if value != "auto" and (not names or any(n not in ("fp32", "bf16", "fp16") for n in names)):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give fp32, bf16, fp16, auto, or one of those per rank (bf16,fp16,fp32)")
+    return value
+
+
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     _add_cluster_source_arguments(p, "llama-3b")
     p.add_argument("--global-batch-size", "-B", type=int, required=True,
@@ -76,9 +86,11 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="c, fraction of each GPU's memory the plan may use (default 0.8)")
     p.add_argument("--no-idle", action="store_true",
                    help="require every rank to process at least one sample (b_i >= 1)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
-                   help=f"peak FLOP/s column for --cluster estimates (default "
-                        f"{DEFAULT_PRECISION}; not with --profile)")
+    p.add_argument("--precision", type=_precision_arg, default=None,
+                   help=f"peak FLOP/s column for --cluster estimates: fp32, bf16, fp16 (every "
+                        f"rank), auto (each GPU its fastest: bf16 > fp16 > fp32) or a per-rank "
+                        f"list such as bf16,fp16,fp32 (default {DEFAULT_PRECISION}; not with "
+                        "--profile); the plan records each rank's precision")
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--save-profile", help="write the (estimated) cluster profile JSON here")
     p.add_argument("--plot", help="write a plot (file name ending in .png, .pdf, .svg, ...): "
@@ -250,14 +262,16 @@ def format_plan_table(plan, prediction) -> str:
 
     mems = [f"{format_bytes(p.memory_bytes)} / {format_bytes(p.cap_bytes)}"
             for p in prediction.ranks]
-    wd = max([len("device")] + [len(r.device) for r in plan.ranks])
+    names = [r.device if r.precision is None else f"{r.device} [{r.precision}]"
+             for r in plan.ranks]  # precision per rank: shown beside the device
+    wd = max([len("device")] + [len(n) for n in names])
     wb = max([5] + [len(str(r.batch_size)) for r in plan.ranks])
     wm = max([len("memory used / cap")] + [len(m) for m in mems])
     head = (f"{'rank':>4}  {'device':<{wd}} {'b_i':>{wb}} {'m_i':>4} {'l_i':>4} {'r_i':>7}  "
             f"{'memory used / cap':>{wm}}  {'unit time (ms)':>14}")
     lines = [head, "-" * len(head)]
-    for r, p, mem in zip(plan.ranks, prediction.ranks, mems):
-        lines.append(f"{r.rank:>4}  {r.device:<{wd}} {r.batch_size:>{wb}} "
+    for r, p, mem, name in zip(plan.ranks, prediction.ranks, mems, names):
+        lines.append(f"{r.rank:>4}  {name:<{wd}} {r.batch_size:>{wb}} "
                      f"{r.microbatch_size:>4} {r.num_microbatches:>4} {r.state_ratio:>7.4f}  "
                      f"{mem:>{wm}}  {p.unit_time_s * 1e3:>14.2f}")
     return "\n".join(lines)
@@ -434,9 +448,10 @@ def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --cluster: keep only the machines of these GPU types")
     p.add_argument("--no-idle", action="store_true",
                    help="Cephalo plan: every rank processes at least one sample (b_i >= 1)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
-                   help=f"peak FLOP/s column for estimates and batch-proportional (default "
-                        f"{DEFAULT_PRECISION})")
+    p.add_argument("--precision", type=_precision_arg, default=None,
+                   help=f"peak FLOP/s column for estimates and batch-proportional: fp32, bf16, "
+                        f"fp16, auto (each GPU its fastest) or a per-rank list such as "
+                        f"bf16,fp16,fp32 (default {DEFAULT_PRECISION})")
     p.add_argument("--plot", help="write a plot (file name ending in .png, .pdf, .svg, ...) of "
                                   "predicted samples/s per plan and predicted peak memory "
                                   "against the usable cap c·C_i (GiB per GPU type; with "
@@ -465,12 +480,20 @@ def _peak_flops(cluster, precision: str):
     """Spec-sheet peak TFLOP/s per rank, or None if a device type is not in the tables."""
     from hf_cephalo.profiler.specs import get_gpu_spec
 
+    from hf_cephalo.profiler.precision import parse_rank_precisions
+    from hf_cephalo.profiler.specs import spec_precisions
+
     try:
         specs = [get_gpu_spec(d.name) for d in cluster.devices]
     except ValueError:
         return None
-    column = {"bf16": "bf16_tflops", "fp16": "fp16_tflops"}.get(precision, "fp32_tflops")
-    peaks = [getattr(s, column) for s in specs]
+    per_rank = cluster.extra.get("rank_precisions")
+    if per_rank is None and precision not in ("fp32", "bf16", "fp16"):
+        per_rank = parse_rank_precisions(precision, len(specs)) or \
+            [spec_precisions(s)[0] for s in specs]  # auto
+    columns = {"bf16": "bf16_tflops", "fp16": "fp16_tflops", "fp32": "fp32_tflops"}
+    peaks = [getattr(s, columns[p]) for s, p in
+             zip(specs, per_rank or [precision] * len(specs))]
     return None if any(p is None for p in peaks) else peaks
 
 
