@@ -236,6 +236,44 @@ def _load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: boo
                                                 **_estimate_options(args)), args)
 
 
+def _spec_cluster(args: argparse.Namespace):
+    """The ClusterSpec of ``--cluster`` (restricted to ``--gpu-types`` where given)."""
+    from hf_cephalo.profiler.specs import load_cluster_yaml
+
+    if getattr(args, "gpu_types", None):
+        return _restrict_gpu_types(args)
+    return load_cluster_yaml(args.cluster)
+
+
+def _auto_precision_plan(args: argparse.Namespace, spec, global_batch_size: int):
+    """``--precision auto`` on a spec-sheet cluster: (profile, plan) of the precision policy
+    with the shortest predicted iteration (``planner.precision.choose_precision``: each
+    precision every GPU runs, and each GPU's fastest); prints the candidates' samples/s."""
+    from hf_cephalo.planner.optimize import optimize
+    from hf_cephalo.planner.precision import choose_precision, precision_candidates
+    from hf_cephalo.profiler.specs import estimate_cluster_profile, spec_precisions
+
+    def plan_for(precisions):
+        options = dict(_estimate_options(args), precision=precisions)
+        cluster = _apply_lora(estimate_cluster_profile(spec, args.model, **options), args)
+        return cluster, optimize(cluster, global_batch_size, args.memory_fraction,
+                                 allow_idle=not args.no_idle, root_resident=args.root_resident)
+
+    choice = choose_precision(precision_candidates([spec_precisions(g) for g in spec.gpus]),
+                              plan_for)
+    rates = ", ".join(f"{label} {global_batch_size / t:.2f}" if t else f"{label} infeasible"
+                      for label, t in choice.predicted_s.items())
+    runs = []  # rank order, consecutive equal precisions grouped: "bf16 x3, fp32 x3, fp16 x2"
+    for p in choice.precisions:
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    print(f"precision auto (B = {global_batch_size}): {choice.label} "
+          f"[{', '.join(f'{p} x{n}' for p, n in runs)}]; predicted samples/s per policy: {rates}")
+    return plan_for(choice.precisions)[0], choice.plan
+
+
 def _apply_lora(cluster, args: argparse.Namespace):
     """The spec-sheet cluster with its model as ``--lora-rank`` trains it (unchanged without)."""
     if getattr(args, "lora_rank", None) is None:
@@ -408,14 +446,17 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     _check_common_plan_options(args, ("out", "save_profile", "plot"))
     cluster = _load_cluster(args)
-    if args.save_profile:
-        cluster.save(args.save_profile)
     try:
-        plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
-                        allow_idle=not args.no_idle, root_resident=args.root_resident)
+        if args.precision == "auto" and not args.profile:
+            cluster, plan = _auto_precision_plan(args, _spec_cluster(args), args.global_batch_size)
+        else:
+            plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
+                            allow_idle=not args.no_idle, root_resident=args.root_resident)
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, cluster, e.constraint)}",
                                   e.constraint) from None
+    if args.save_profile:
+        cluster.save(args.save_profile)
     pred = predict(plan, cluster)
     print(f"profile: {cluster.source}, model {cluster.model.name}, "
           f"{cluster.world_size} ranks, training state {format_bytes(cluster.model.state_bytes)}")
@@ -532,6 +573,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
         print("note: spec-sheet estimates; measured profiles (hf-cephalo profile) replace them")
     results = {}
     for B in args.global_batch_size:
+        if args.precision == "auto" and args.cluster:  # the planner's policy for this B
+            cluster = _auto_precision_plan(args, _spec_cluster(args), B)[0]
+            peaks = _peak_flops(cluster, "auto")
         results[B] = simulate.compare_plans(cluster, B, args.memory_fraction, peak_flops=peaks,
                                             allow_idle=not args.no_idle,
                                             root_resident=args.root_resident)
