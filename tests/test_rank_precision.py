@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import tempfile
 
@@ -202,9 +203,38 @@ def _all_ranks_any(flag: bool) -> bool:
     return bool(t.item())
 
 
+def trainer_case(rank, world, out_dir) -> dict:
+    """CephaloTrainer with --cephalo_precision fp32,bf16,fp16 on a hand-made plan: each rank's
+    engine autocasts in its own precision with fp32 gathers, EVERY rank trains with the job's
+    scaler (loss_scale logged, the same on every rank), 3 steps of finite losses."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from tests.models_fixtures import build
+    from tests.test_trainer import _collate, _dataset, _samples
+
+    args = CephaloTrainingArguments(output_dir=out_dir, report_to="none", learning_rate=1e-3,
+                                    max_steps=3, logging_steps=1, save_strategy="no", seed=3,
+                                    max_grad_norm=1.0, disable_tqdm=True,
+                                    cephalo_precision=",".join(PREC_A))
+    plan = Plan.from_ratios([3, 2, 3], [1, 2, 3], [0.3, 0.4, 0.3])
+    trainer = CephaloTrainer(model=build("llama"), args=args, plan=plan, data_collator=_collate,
+                             train_dataset=_dataset(_samples("llama", 24, 0)))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    return dict(autocast=str(trainer.engine.autocast_dtype),
+                param_dtype=str(trainer.engine.param_dtype),
+                scaler=type(trainer.accelerator.scaler).__name__,
+                scales=[h["loss_scale"] for h in logs], losses=[h["loss"] for h in logs])
+
+
 def worker(rank: int, world: int, tmp: str) -> dict:
     torch.use_deterministic_algorithms(True)
-    return exactness_case(rank, tmp)
+    report = exactness_case(rank, tmp)
+    torch.use_deterministic_algorithms(False)
+    report["trainer"] = trainer_case(rank, world, os.path.join(tmp, "trainer"))
+    return report
 
 
 @test_timeout(300)
@@ -213,6 +243,13 @@ def test_rank_precision_three_ranks():
         reports = run_ranks(worker, 3, tmp, timeout_s=300)
     for r in reports:  # every rank skipped the same step and saw the same scales
         assert (r["skipped"], r["scales"]) == (reports[0]["skipped"], reports[0]["scales"])
+    trained = [r["trainer"] for r in reports]
+    assert [t["autocast"] for t in trained] == ["None", "torch.bfloat16", "torch.float16"]
+    assert all(t["param_dtype"] == "None" for t in trained)  # fp32 all-gathers
+    assert all(t["scaler"] == "CephaloGradScaler" for t in trained)  # also on fp32 / bf16
+    assert len(trained[0]["losses"]) == 3 and all(map(math.isfinite, trained[0]["losses"]))
+    assert all(t["scales"] == trained[0]["scales"] and t["losses"] == trained[0]["losses"]
+               for t in trained)
     print(f"per-rank precision fp32/bf16/fp16: {reports[0]}")
 
 
@@ -294,3 +331,27 @@ def test_bad_input_names_rank_and_device():
                                  PREC_A, names)
     check_scalable_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))]), PREC_A,
                              names)
+
+
+def test_training_args_refusals(tmp_path, monkeypatch):
+    """--cephalo_precision beside a one-precision flag, a bad name, and a plan made at start
+    are refused before any process group work."""
+    from hf_cephalo.integrations.auto_plan import resolve_plan_for_model
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from tests.models_fixtures import build
+
+    def make(**kw):
+        return CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none", **kw)
+
+    with pytest.raises(ValueError, match="--cephalo_precision fp32,bf16 sets each rank's "
+                                         "precision, but --bf16"):
+        make(cephalo_precision="fp32,bf16", bf16=True)
+    with pytest.raises(ValueError, match="but --cephalo_param_dtype bf16"):
+        make(cephalo_precision="auto", cephalo_param_dtype="bf16")
+    with pytest.raises(ValueError, match="precision = 'fp8,fp32'.*HF_CEPHALO_PRECISION"):
+        make(cephalo_precision="fp8,fp32")
+    monkeypatch.setenv("HF_CEPHALO_PRECISION", "bf16, fp16")
+    args = make()
+    assert args.cephalo_precision == "bf16,fp16"  # environment fallback, normalized
+    with pytest.raises(NotImplementedError, match="hf-cephalo plan --cluster"):
+        resolve_plan_for_model(args, 2, build("llama"))

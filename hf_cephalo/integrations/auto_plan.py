@@ -129,6 +129,13 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
             exceeds an emulated memory cap.
     """
     staged = stage_model(model)  # unsupported class: ValueError before any collective
+    if getattr(args, "cephalo_precision", None) is not None and args.cephalo_plan_file is None:
+        raise NotImplementedError(
+            f"--cephalo_precision {args.cephalo_precision} with a plan made at start: profiling "
+            "measures every rank in the job's one precision, so it cannot yet price each rank "
+            "at its own. Make the plan with `hf-cephalo plan --cluster CLUSTER.yaml --model "
+            "SHAPE --precision auto --out plan.json` (it records each rank's precision) and "
+            "pass --cephalo_plan_file plan.json, or pass plan=")
     emulation = _emulation(args, world_size)
     cap = None if emulation is None else emulation.cap_of(args.process_index)
     if cap is not None:
@@ -275,8 +282,11 @@ def _job_precision(args) -> Precision:
     return Precision(_precision(args), names[p.param_dtype], names[p.reduce_dtype])
 
 
-def _job_precision_tag(args, staged: StagedModel) -> str:
-    """The job's [Note: precision tags] string, what its profile and plan must record."""
+def _job_precision_tag(args, staged: StagedModel) -> str | None:
+    """The job's [Note: precision tags] string, what its profile and plan must record; None
+    with --cephalo_precision (``job_rank_precisions`` checks the plan's precisions instead)."""
+    if getattr(args, "cephalo_precision", None) is not None:
+        return None
     return _job_precision(args).tag(str(model_dtype(staged)).replace("torch.", ""))
 
 
@@ -481,3 +491,44 @@ def _gather_rows(row, world_size):
     rows: list[Any] = [None] * world_size
     dist.all_gather_object(rows, row)
     return rows
+
+
+# ---- precision per rank (docs/engine.md "Precision per rank") ---------------------------------
+def job_rank_precisions(args, world_size: int, plan: Plan) -> list[str] | None:
+    """Each rank's precision under ``--cephalo_precision`` (None without it), the same list on
+    every rank, or the same ValueError on every rank before the engine's first collective.
+
+    A list of the wrong length is refused before anything is exchanged; then one all-gather of
+    every rank's (device name, CUDA capability) lets every rank check every rank's device. A
+    plan that records per-rank precisions (``hf-cephalo plan --precision``) decides them: an
+    explicit list must equal it, ``auto`` takes it (the planner's auto may choose one precision
+    for all where mixing would double the all-gather bytes). A plan without them uses the list,
+    or each device's fastest precision for ``auto``; one made for another one-precision job
+    (its ``precision`` tag) is refused.
+    """
+    from hf_cephalo.engine.rank_precision import resolve_rank_precisions
+    from hf_cephalo.profiler.precision import parse_rank_precisions, rank_precisions_tag
+
+    value = getattr(args, "cephalo_precision", None)
+    if value is None:
+        return None
+    wanted = parse_rank_precisions(value, world_size)  # wrong length: before any collective
+    recorded = plan.rank_precisions
+    if wanted is not None and recorded is not None and wanted != recorded:
+        raise ValueError(f"--cephalo_precision {value} but the plan records {recorded} (one per "
+                         "rank): give the plan's list or 'auto', or re-plan with `hf-cephalo "
+                         f"plan --precision {value}`")
+    device = torch.device(args.device)
+    mine = (local_device_name(device),
+            tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None)
+    facts: list[Any] = [mine]
+    if world_size > 1:
+        facts = [None] * world_size
+        dist.all_gather_object(facts, mine)
+    names, caps = [f[0] for f in facts], [f[1] for f in facts]
+    out = resolve_rank_precisions(recorded or value, world_size, names, caps)
+    if recorded is None and plan.precision not in (None, rank_precisions_tag(out)):
+        raise ValueError(f"the plan was made for precision {plan.precision!r}, not for the "
+                         f"per-rank precisions {out}: re-plan with `hf-cephalo plan --precision "
+                         f"{','.join(out)}` or drop --cephalo_precision")
+    return out

@@ -72,8 +72,10 @@ from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
 from hf_cephalo.engine import CephaloEngine
+from hf_cephalo.engine.rank_precision import check_scalable_optimizer, rank_precision
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
-from hf_cephalo.integrations.auto_plan import PlanAccuracyCallback, wrap_staged
+from hf_cephalo.integrations.auto_plan import (PlanAccuracyCallback, job_rank_precisions,
+                                               wrap_staged)
 from hf_cephalo.integrations.elastic import ElasticCallback, resolve_elastic_plan
 from hf_cephalo.integrations.preflight import check_before_planning
 from hf_cephalo.integrations.sampler import MicrobatchCollator, WeightedBatchSampler
@@ -183,6 +185,9 @@ class CephaloTrainer(Trainer):
             plan, self.cluster_profile = resolve_elastic_plan(args, world_size, model,
                                                               kwargs.get("train_dataset"))
         self.plan = plan
+        # --cephalo_precision: each rank's precision, checked on every rank alike before the
+        # engine's first collective (docs/engine.md "Precision per rank")
+        self.rank_precisions = job_rank_precisions(args, world_size, plan)
         if self._uses_user_loss(args, kwargs):  # the Trainer's loss as the engine's head loss
             staged = UserLossStagedModel(staged, self.compute_loss)
         staged = wrap_staged(staged, args, world_size)  # emulated slowdown / compute timing
@@ -196,7 +201,8 @@ class CephaloTrainer(Trainer):
         # The engine builds unit by unit: a meta model reads its checkpoint slices
         # (``model.cephalo_checkpoint``, from ``from_pretrained_sharded``) or is initialized per
         # unit with ``args.seed``; an in-memory model takes rank 0's values.
-        precision = args.engine_precision()
+        precision = args.engine_precision() if self.rank_precisions is None else \
+            rank_precision(self.rank_precisions, args.process_index)
         self.engine = CephaloEngine(staged, self.plan.state_ratios, device=args.device,
                                     offload_activations=args.cephalo_offload_activations,
                                     autocast_dtype=precision.autocast_dtype,
@@ -290,8 +296,8 @@ class CephaloTrainer(Trainer):
         Accelerate would build a plain ``GradScaler`` on CUDA (found-inf not agreed across
         ranks) and none on CPU; ``native_amp`` makes ``accelerator.unscale_gradients`` work."""
         self._scaler_unscaled = False
-        if not self.args.fp16:
-            return
+        if not (self.args.fp16 or "fp16" in (self.rank_precisions or ())):
+            return  # per rank: EVERY rank uses the job's scaler once one rank is fp16
         self.accelerator.scaler = self.engine.make_grad_scaler()
         self.accelerator.native_amp = True
 
@@ -448,6 +454,9 @@ class CephaloTrainer(Trainer):
                                           self._decay_names)
                 self.optimizer.register_step_pre_hook(
                     ShardWeightDecay(params, masks, weight_decay, rule))
+        if self.rank_precisions is not None:  # fp16 ranks: the scaler must unscale it
+            check_scalable_optimizer(self.optimizer, self.rank_precisions,
+                                     [r.device for r in self.plan.ranks])
         return self.optimizer
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
