@@ -34,6 +34,7 @@ import json
 import math
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -355,3 +356,37 @@ def test_training_args_refusals(tmp_path, monkeypatch):
     assert args.cephalo_precision == "bf16,fp16"  # environment fallback, normalized
     with pytest.raises(NotImplementedError, match="hf-cephalo plan --cluster"):
         resolve_plan_for_model(args, 2, build("llama"))
+
+
+def test_cli_precision_auto_and_lists(tmp_path, capsys):
+    """`hf-cephalo plan/simulate --precision auto|LIST` on the paper's clusters: auto plans
+    every policy and keeps the fastest (per rank on Cluster A, fp16 for all on Cluster B at
+    B = 512, where mixing would all-gather fp32), the plan JSON records each rank's precision,
+    a list of the wrong length or a GPU without the precision is refused (exit 2)."""
+    from hf_cephalo.cli import main
+
+    clusters = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+    a, b = str(clusters / "cluster_a.yaml"), str(clusters / "cluster_b.yaml")
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", a, "--model", "llama-3b", "-B", "128", "--precision",
+                 "auto", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "precision auto (B = 128): per-rank fastest [bf16 x3, fp32 x3, fp16 x2]" in text
+    assert "P100 [fp16]" in text
+    plan = Plan.load(out)
+    assert plan.rank_precisions == ["bf16"] * 3 + ["fp32"] * 3 + ["fp16"] * 2
+    fp32 = main(["plan", "--cluster", a, "--model", "llama-3b", "-B", "128"])
+    text32 = capsys.readouterr().out
+    assert fp32 == 0 and "[fp" not in text32  # one-precision output unchanged
+    assert main(["simulate", "--cluster", b, "--model", "llama-7b", "-B", "512",
+                 "--precision", "auto"]) == 0
+    text = capsys.readouterr().out
+    assert "precision auto (B = 512): fp16 [fp16 x64]" in text and "per-rank fastest" in text
+    assert main(["plan", "--cluster", a, "--model", "llama-3b", "-B", "128", "--precision",
+                 "bf16,fp32"]) == 2
+    assert "2 entries but the world size is 8" in capsys.readouterr().err
+    assert main(["plan", "--cluster", a, "--model", "llama-3b", "-B", "128", "--precision",
+                 "bf16," * 7 + "bf16"]) == 2
+    assert "rank 3 (P40): bf16 (it runs fp32)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--cluster", a, "--model", "llama-3b", "-B", "128", "--precision", "fp8"])
