@@ -205,11 +205,16 @@ def _all_ranks_any(flag: bool) -> bool:
 
 
 def trainer_case(rank, world, out_dir) -> dict:
-    """CephaloTrainer with --cephalo_precision fp32,bf16,fp16 on a hand-made plan: each rank's
-    engine autocasts in its own precision with fp32 gathers, EVERY rank trains with the job's
-    scaler (loss_scale logged, the same on every rank), 3 steps of finite losses."""
+    """CephaloTrainer with --cephalo_precision fp32,bf16,fp16 and no plan: each rank is
+    profiled in its own precision at start, the plan records the three precisions, each rank's
+    engine autocasts in its own with fp32 gathers, EVERY rank trains with the job's scaler
+    (loss_scale logged, the same on every rank), 3 steps of finite losses."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world))
+                      LOCAL_WORLD_SIZE=str(world),
+                      HF_CEPHALO_PROFILE_CACHE=os.path.join(out_dir, "cache"),
+                      HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE="2")
+    for name in ("PLAN_FILE", "PROFILE_FILE", "EMULATE_MEMORY_CAP_BYTES", "EMULATE_SLOWDOWN"):
+        os.environ.pop("HF_CEPHALO_" + name, None)
     from hf_cephalo.integrations.trainer import CephaloTrainer
     from hf_cephalo.integrations.training_args import CephaloTrainingArguments
     from tests.models_fixtures import build
@@ -218,10 +223,12 @@ def trainer_case(rank, world, out_dir) -> dict:
     args = CephaloTrainingArguments(output_dir=out_dir, report_to="none", learning_rate=1e-3,
                                     max_steps=3, logging_steps=1, save_strategy="no", seed=3,
                                     max_grad_norm=1.0, disable_tqdm=True,
+                                    cephalo_global_batch_size=8,
                                     cephalo_precision=",".join(PREC_A))
-    plan = Plan.from_ratios([3, 2, 3], [1, 2, 3], [0.3, 0.4, 0.3])
-    trainer = CephaloTrainer(model=build("llama"), args=args, plan=plan, data_collator=_collate,
+    trainer = CephaloTrainer(model=build("llama"), args=args, data_collator=_collate,
                              train_dataset=_dataset(_samples("llama", 24, 0)))
+    assert trainer.plan.rank_precisions == PREC_A, trainer.plan.ranks
+    assert trainer.plan.precision == "float32+autocast-per-rank"
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
     return dict(autocast=str(trainer.engine.autocast_dtype),
@@ -354,7 +361,11 @@ def test_training_args_refusals(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_CEPHALO_PRECISION", "bf16, fp16")
     args = make()
     assert args.cephalo_precision == "bf16,fp16"  # environment fallback, normalized
-    with pytest.raises(NotImplementedError, match="hf-cephalo plan --cluster"):
+    profile = tmp_path / "profile.json"
+    profile.write_text("{}")
+    args = make(cephalo_profile_file=str(profile))
+    with pytest.raises(NotImplementedError, match="a profile file holds every rank measured "
+                                                  "in one precision"):
         resolve_plan_for_model(args, 2, build("llama"))
 
 

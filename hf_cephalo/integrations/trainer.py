@@ -100,9 +100,13 @@ def format_plan_table(plan: Plan) -> str:
             f"{plan.uneven_state}, predicted iteration "
             f"{'-' if plan.predicted_iteration_s is None else f'{plan.predicted_iteration_s:.3f} s'}",
             f"{'rank':>4} {'device':<{width}} {'b_i':>5} {'m_i':>5} {'l_i':>5} {'r_i %':>7}"]
+    per_rank = plan.rank_precisions is not None  # precision per rank: one more column
+    if per_rank:
+        rows[-1] += "  precision"
     for r in plan.ranks:
         rows.append(f"{r.rank:>4} {r.device:<{width}} {r.batch_size:>5} {r.microbatch_size:>5} "
-                    f"{r.num_microbatches:>5} {100 * r.state_ratio:>7.2f}")
+                    f"{r.num_microbatches:>5} {100 * r.state_ratio:>7.2f}"
+                    + (f"  {r.precision}" if per_rank else ""))
     return "\n".join(rows)
 
 

@@ -127,7 +127,8 @@ class CephaloTrainingArguments(TrainingArguments):
         "('bf16,bf16,fp16,fp32'). fp32 master weights, all-gathers and reduce-scatters; one "
         "loss scaler on every rank when a rank is fp16 (docs/engine.md 'Precision per rank'). "
         "A plan that records per-rank precisions (hf-cephalo plan --precision auto) decides "
-        "them; needs a plan (plan file or plan=). Not with --bf16 / --fp16. "
+        "them; without a plan each rank is profiled in its precision at start (not with "
+        "--cephalo_profile_file). Not with --bf16 / --fp16. "
         "Env: HF_CEPHALO_PRECISION.")})
 
     def __post_init__(self) -> None:
