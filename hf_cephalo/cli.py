@@ -446,8 +446,11 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     _check_common_plan_options(args, ("out", "save_profile", "plot"))
     cluster = _load_cluster(args)
+    auto = args.precision == "auto" and not args.profile  # the profile of the chosen policy
+    if args.save_profile and not auto:
+        cluster.save(args.save_profile)
     try:
-        if args.precision == "auto" and not args.profile:
+        if auto:
             cluster, plan = _auto_precision_plan(args, _spec_cluster(args), args.global_batch_size)
         else:
             plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
@@ -455,7 +458,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, cluster, e.constraint)}",
                                   e.constraint) from None
-    if args.save_profile:
+    if args.save_profile and auto:
         cluster.save(args.save_profile)
     pred = predict(plan, cluster)
     print(f"profile: {cluster.source}, model {cluster.model.name}, "
