@@ -2,7 +2,10 @@
 
 One step of a toy LM (hidden 64, 4 layers, uneven plan 0.7/0.3, l = 8 microbatches on rank 0
 and 4 on rank 1): the relative L2 error ||g - g64|| / ||g64|| of the reduced fp32 shard
-gradients, gathered over all units. Usage: python benchmarks/bench_precision_error.py
+gradients, gathered over all units. Besides one precision for every rank, precision per rank
+(docs/engine.md "Precision per rank"): each rank autocasts in its own precision, fp32
+all-gathers and reduce-scatters, and every rank applies the same loss scale once a rank is fp16.
+Usage: python benchmarks/bench_precision_error.py
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import copy
 import torch
 
 from hf_cephalo.engine import CephaloEngine
+from hf_cephalo.engine.rank_precision import rank_precision
 from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
 from tests.dist_utils import run_ranks
 from tests.test_engine_parity import make_batch, split_microbatches
@@ -26,13 +30,21 @@ MODES = {  # name: (autocast, param_dtype, reduce_dtype)
     "fp16 gathered, fp32 reduce": (FP16, FP16, None),
     "fp16 gathered, fp16 reduce": (FP16, FP16, FP16),
 }
+PER_RANK = {  # name: per rank (rank 0 has 8 microbatches, rank 1 4) its precision
+    "per rank: bf16 / fp32": ["bf16", "fp32"],
+    "per rank: fp16 / fp32": ["fp16", "fp32"],
+    "per rank: bf16 / fp16": ["bf16", "fp16"],
+    "per rank: fp32 / bf16": ["fp32", "bf16"],
+}
 
 
-def _grads(rank, model, mbs, dtype=None, modes=(None, None, None)):
+def _grads(rank, model, mbs, dtype=None, modes=(None, None, None), scaled=None):
     autocast, param, reduce = modes
     engine = CephaloEngine(ToyStaged(model.to(dtype) if dtype else model), [0.7, 0.3],
                            autocast_dtype=autocast, param_dtype=param, reduce_dtype=reduce)
-    scale = 1024.0 if autocast == FP16 else None  # fp16: a fixed loss scale, unscaled below
+    if scaled is None:
+        scaled = autocast == FP16
+    scale = 1024.0 if scaled else None  # fp16: a fixed loss scale (every rank), unscaled below
     engine.train_step(mbs, loss_scale=scale)
     grads = [p.grad.double() / (scale or 1.0) for p in engine.parameters()]
     gathered = [torch.zeros(0, dtype=torch.float64)] * 2
@@ -53,6 +65,12 @@ def worker(rank, world):
     errors = {}
     for name, modes in MODES.items():
         g = _grads(rank, copy.deepcopy(model), mbs, None, modes)
+        if rank == 0:
+            errors[name] = float((g - truth).norm() / truth.norm())
+    for name, precisions in PER_RANK.items():
+        mine = rank_precision(precisions, rank)
+        g = _grads(rank, copy.deepcopy(model), mbs, None,
+                   (mine.autocast_dtype, mine.param_dtype, mine.reduce_dtype), mine.loss_scaling)
         if rank == 0:
             errors[name] = float((g - truth).norm() / truth.norm())
     return errors

@@ -68,6 +68,16 @@ def _add_cluster_source_arguments(p: argparse.ArgumentParser, model_example: str
                         "the engine keeps a bf16 base beside fp32 adapters, each sharded by r_i)")
 
 
+def _precision_arg(value: str) -> str:
+    """``--precision``: fp32 / bf16 / fp16, ``auto`` or a comma list of those (one per rank;
+    its length is checked against the cluster)."""
+    names = value.replace(",", " ").split()
+    if value != "auto" and (not names or any(n not in ("fp32", "bf16", "fp16") for n in names)):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give fp32, bf16, fp16, auto, or one of those per rank (bf16,fp16,fp32)")
+    return value
+
+
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     _add_cluster_source_arguments(p, "llama-3b")
     p.add_argument("--global-batch-size", "-B", type=int, required=True,
@@ -76,9 +86,11 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="c, fraction of each GPU's memory the plan may use (default 0.8)")
     p.add_argument("--no-idle", action="store_true",
                    help="require every rank to process at least one sample (b_i >= 1)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
-                   help=f"peak FLOP/s column for --cluster estimates (default "
-                        f"{DEFAULT_PRECISION}; not with --profile)")
+    p.add_argument("--precision", type=_precision_arg, default=None,
+                   help=f"peak FLOP/s column for --cluster estimates: fp32, bf16, fp16 (every "
+                        f"rank), auto (each GPU its fastest: bf16 > fp16 > fp32) or a per-rank "
+                        f"list such as bf16,fp16,fp32 (default {DEFAULT_PRECISION}; not with "
+                        "--profile); the plan records each rank's precision")
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--save-profile", help="write the (estimated) cluster profile JSON here")
     p.add_argument("--plot", help="write a plot (file name ending in .png, .pdf, .svg, ...): "
@@ -224,6 +236,44 @@ def _load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: boo
                                                 **_estimate_options(args)), args)
 
 
+def _spec_cluster(args: argparse.Namespace):
+    """The ClusterSpec of ``--cluster`` (restricted to ``--gpu-types`` where given)."""
+    from hf_cephalo.profiler.specs import load_cluster_yaml
+
+    if getattr(args, "gpu_types", None):
+        return _restrict_gpu_types(args)
+    return load_cluster_yaml(args.cluster)
+
+
+def _auto_precision_plan(args: argparse.Namespace, spec, global_batch_size: int):
+    """``--precision auto`` on a spec-sheet cluster: (profile, plan) of the precision policy
+    with the shortest predicted iteration (``planner.precision.choose_precision``: each
+    precision every GPU runs, and each GPU's fastest); prints the candidates' samples/s."""
+    from hf_cephalo.planner.optimize import optimize
+    from hf_cephalo.planner.precision import choose_precision, precision_candidates
+    from hf_cephalo.profiler.specs import estimate_cluster_profile, spec_precisions
+
+    def plan_for(precisions):
+        options = dict(_estimate_options(args), precision=precisions)
+        cluster = _apply_lora(estimate_cluster_profile(spec, args.model, **options), args)
+        return cluster, optimize(cluster, global_batch_size, args.memory_fraction,
+                                 allow_idle=not args.no_idle, root_resident=args.root_resident)
+
+    choice = choose_precision(precision_candidates([spec_precisions(g) for g in spec.gpus]),
+                              plan_for)
+    rates = ", ".join(f"{label} {global_batch_size / t:.2f}" if t else f"{label} infeasible"
+                      for label, t in choice.predicted_s.items())
+    runs = []  # rank order, consecutive equal precisions grouped: "bf16 x3, fp32 x3, fp16 x2"
+    for p in choice.precisions:
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    print(f"precision auto (B = {global_batch_size}): {choice.label} "
+          f"[{', '.join(f'{p} x{n}' for p, n in runs)}]; predicted samples/s per policy: {rates}")
+    return plan_for(choice.precisions)[0], choice.plan
+
+
 def _apply_lora(cluster, args: argparse.Namespace):
     """The spec-sheet cluster with its model as ``--lora-rank`` trains it (unchanged without)."""
     if getattr(args, "lora_rank", None) is None:
@@ -250,14 +300,16 @@ def format_plan_table(plan, prediction) -> str:
 
     mems = [f"{format_bytes(p.memory_bytes)} / {format_bytes(p.cap_bytes)}"
             for p in prediction.ranks]
-    wd = max([len("device")] + [len(r.device) for r in plan.ranks])
+    names = [r.device if r.precision is None else f"{r.device} [{r.precision}]"
+             for r in plan.ranks]  # precision per rank: shown beside the device
+    wd = max([len("device")] + [len(n) for n in names])
     wb = max([5] + [len(str(r.batch_size)) for r in plan.ranks])
     wm = max([len("memory used / cap")] + [len(m) for m in mems])
     head = (f"{'rank':>4}  {'device':<{wd}} {'b_i':>{wb}} {'m_i':>4} {'l_i':>4} {'r_i':>7}  "
             f"{'memory used / cap':>{wm}}  {'unit time (ms)':>14}")
     lines = [head, "-" * len(head)]
-    for r, p, mem in zip(plan.ranks, prediction.ranks, mems):
-        lines.append(f"{r.rank:>4}  {r.device:<{wd}} {r.batch_size:>{wb}} "
+    for r, p, mem, name in zip(plan.ranks, prediction.ranks, mems, names):
+        lines.append(f"{r.rank:>4}  {name:<{wd}} {r.batch_size:>{wb}} "
                      f"{r.microbatch_size:>4} {r.num_microbatches:>4} {r.state_ratio:>7.4f}  "
                      f"{mem:>{wm}}  {p.unit_time_s * 1e3:>14.2f}")
     return "\n".join(lines)
@@ -396,14 +448,20 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     _check_common_plan_options(args, ("out", "save_profile", "plot"))
     cluster = _load_cluster(args)
-    if args.save_profile:
+    auto = args.precision == "auto" and not args.profile  # the profile of the chosen policy
+    if args.save_profile and not auto:
         cluster.save(args.save_profile)
     try:
-        plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
-                        allow_idle=not args.no_idle, root_resident=args.root_resident)
+        if auto:
+            cluster, plan = _auto_precision_plan(args, _spec_cluster(args), args.global_batch_size)
+        else:
+            plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
+                            allow_idle=not args.no_idle, root_resident=args.root_resident)
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, cluster, e.constraint)}",
                                   e.constraint) from None
+    if args.save_profile and auto:
+        cluster.save(args.save_profile)
     pred = predict(plan, cluster)
     print(f"profile: {cluster.source}, model {cluster.model.name}, "
           f"{cluster.world_size} ranks, training state {format_bytes(cluster.model.state_bytes)}")
@@ -436,9 +494,10 @@ def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --cluster: keep only the machines of these GPU types")
     p.add_argument("--no-idle", action="store_true",
                    help="Cephalo plan: every rank processes at least one sample (b_i >= 1)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
-                   help=f"peak FLOP/s column for estimates and batch-proportional (default "
-                        f"{DEFAULT_PRECISION})")
+    p.add_argument("--precision", type=_precision_arg, default=None,
+                   help=f"peak FLOP/s column for estimates and batch-proportional: fp32, bf16, "
+                        f"fp16, auto (each GPU its fastest) or a per-rank list such as "
+                        f"bf16,fp16,fp32 (default {DEFAULT_PRECISION})")
     p.add_argument("--plot", help="write a plot (file name ending in .png, .pdf, .svg, ...) of "
                                   "predicted samples/s per plan and predicted peak memory "
                                   "against the usable cap c·C_i (GiB per GPU type; with "
@@ -467,12 +526,20 @@ def _peak_flops(cluster, precision: str):
     """Spec-sheet peak TFLOP/s per rank, or None if a device type is not in the tables."""
     from hf_cephalo.profiler.specs import get_gpu_spec
 
+    from hf_cephalo.profiler.precision import parse_rank_precisions
+    from hf_cephalo.profiler.specs import spec_precisions
+
     try:
         specs = [get_gpu_spec(d.name) for d in cluster.devices]
     except ValueError:
         return None
-    column = {"bf16": "bf16_tflops", "fp16": "fp16_tflops"}.get(precision, "fp32_tflops")
-    peaks = [getattr(s, column) for s in specs]
+    per_rank = cluster.extra.get("rank_precisions")
+    if per_rank is None and precision not in ("fp32", "bf16", "fp16"):
+        per_rank = parse_rank_precisions(precision, len(specs)) or \
+            [spec_precisions(s)[0] for s in specs]  # auto
+    columns = {"bf16": "bf16_tflops", "fp16": "fp16_tflops", "fp32": "fp32_tflops"}
+    peaks = [getattr(s, columns[p]) for s, p in
+             zip(specs, per_rank or [precision] * len(specs))]
     return None if any(p is None for p in peaks) else peaks
 
 
@@ -511,6 +578,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
         print("note: spec-sheet estimates; measured profiles (hf-cephalo profile) replace them")
     results = {}
     for B in args.global_batch_size:
+        if args.precision == "auto" and args.cluster:  # the planner's policy for this B
+            cluster = _auto_precision_plan(args, _spec_cluster(args), B)[0]
+            peaks = _peak_flops(cluster, "auto")
         results[B] = simulate.compare_plans(cluster, B, args.memory_fraction, peak_flops=peaks,
                                             allow_idle=not args.no_idle,
                                             root_resident=args.root_resident)

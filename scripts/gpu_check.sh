@@ -8,6 +8,8 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')"
 echo "== CUDA engine tests (streams, offload, bf16 autocast, fp16 + ShardedGradScaler, loading)"
 timeout 300 "$PY" -m pytest -q -m gpu tests/gpu/test_engine_cuda.py tests/gpu/test_loading_cuda.py
+echo "== precision per rank: auto from the capability, the job scaler exact for bf16/fp32 ranks"
+timeout 180 "$PY" -m pytest -q -m gpu tests/gpu/test_rank_precision_cuda.py
 echo "== engine benchmark (1 GPU, NCCL)"
 timeout 180 "$PY" benchmarks/bench_engine.py --device cuda --world-size 1 --steps 3 \
   --layers 4 --hidden 1024 --intermediate 2816 --heads 16 --vocab 8192 --seq 512 \

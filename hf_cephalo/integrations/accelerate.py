@@ -122,6 +122,10 @@ class CephaloPlugin:
     --bf16 / --fp16, fp32 without them), 'bf16', 'fp16' or 'fp32' (gather the fp32 master)."""
     reduce_dtype: str | None = None
     """dtype of the gradient reduce-scatter: 'fp32' (default) or the param dtype."""
+    precision: str | None = None
+    """Precision per rank (docs/engine.md "Precision per rank"): 'auto' or one of fp32 / bf16 /
+    fp16 per rank, rank order ('bf16,bf16,fp16,fp32'); None (default): the job's one precision
+    (--bf16 / --fp16 / fp32). Not with --bf16 / --fp16."""
     distributed_type: CephaloDistributedType = CephaloDistributedType.CEPHALO
     """Cephalo's own distributed type (Accelerate's stays MULTI_GPU / MULTI_CPU)."""
 
@@ -178,6 +182,13 @@ class CephaloPlugin:
         self.activation_offload = str(self.activation_offload).lower()
         self._validate_saving()
         self._validate_emulation()
+        if self.precision is not None:
+            names = str(self.precision).replace(",", " ").split()
+            if names != ["auto"] and (not names or any(n not in ("fp32", "bf16", "fp16")
+                                                       for n in names)):
+                raise self._bad("precision", "must be 'auto' or one of fp32 / bf16 / fp16 per "
+                                             "rank in rank order, e.g. 'bf16,bf16,fp16,fp32'")
+            self.precision = ",".join(names)
         for name, choices in (("param_dtype", PARAM_DTYPE_CHOICES),
                               ("reduce_dtype", REDUCE_DTYPE_CHOICES)):
             value = str(getattr(self, name)).strip().lower()

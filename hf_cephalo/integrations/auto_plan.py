@@ -129,6 +129,16 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
             exceeds an emulated memory cap.
     """
     staged = stage_model(model)  # unsupported class: ValueError before any collective
+    per_rank = getattr(args, "cephalo_precision", None) is not None \
+        and args.cephalo_plan_file is None
+    if per_rank and args.cephalo_profile_file is not None:
+        raise NotImplementedError(
+            f"--cephalo_precision {args.cephalo_precision} with cephalo_profile_file: a profile "
+            "file holds every rank measured in one precision, so it cannot price each rank at "
+            "its own. Leave cephalo_profile_file unset (the trainer then profiles each rank in "
+            "its precision at start), or make a plan with `hf-cephalo plan --cluster "
+            "CLUSTER.yaml --model SHAPE --precision auto --out plan.json` and pass "
+            "--cephalo_plan_file plan.json")
     emulation = _emulation(args, world_size)
     cap = None if emulation is None else emulation.cap_of(args.process_index)
     if cap is not None:
@@ -275,8 +285,11 @@ def _job_precision(args) -> Precision:
     return Precision(_precision(args), names[p.param_dtype], names[p.reduce_dtype])
 
 
-def _job_precision_tag(args, staged: StagedModel) -> str:
-    """The job's [Note: precision tags] string, what its profile and plan must record."""
+def _job_precision_tag(args, staged: StagedModel) -> str | None:
+    """The job's [Note: precision tags] string, what its profile and plan must record; None
+    with --cephalo_precision (``job_rank_precisions`` checks the plan's precisions instead)."""
+    if getattr(args, "cephalo_precision", None) is not None:
+        return None
     return _job_precision(args).tag(str(model_dtype(staged)).replace("torch.", ""))
 
 
@@ -284,7 +297,22 @@ def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterPr
     """The given profile file (checked against this job) or a fresh/cached measurement."""
     if args.cephalo_profile_file is None:
         config = _measure_config(args, B, train_dataset)
-        return profile_cluster(staged, config, device=args.device, emulation=emulation)
+        precisions = _start_rank_precisions(args, world_size)
+        if precisions is None:
+            return profile_cluster(staged, config, device=args.device, emulation=emulation)
+        # precision per rank: each rank measures its device in its own precision, gathered
+        # in fp32 when the ranks differ (docs/engine.md "Precision per rank")
+        mine = precisions[args.process_index]
+        uniform = len(set(precisions)) == 1
+        config = dataclasses.replace(config, precision=mine,
+                                     param_dtype=mine if uniform else "fp32", reduce_dtype="fp32")
+        cluster = profile_cluster(staged, config, device=args.device, emulation=emulation)
+        from hf_cephalo.profiler.precision import rank_precisions_tag
+
+        cluster.extra.update(dtype=rank_precisions_tag(precisions, cluster.extra["dtype"]
+                                                       .split("+")[0]),
+                             rank_precisions=list(precisions))
+        return cluster
     from hf_cephalo.integrations.elastic import select_world_devices  # a pool for any world
 
     cluster = ClusterProfile.load(args.cephalo_profile_file)
@@ -481,3 +509,63 @@ def _gather_rows(row, world_size):
     rows: list[Any] = [None] * world_size
     dist.all_gather_object(rows, row)
     return rows
+
+
+# ---- precision per rank (docs/engine.md "Precision per rank") ---------------------------------
+def _device_facts(args, world_size: int) -> tuple[list[str], list[tuple[int, int] | None]]:
+    """Every rank's (device name, CUDA capability or None), by one all-gather."""
+    device = torch.device(args.device)
+    mine = (local_device_name(device),
+            tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None)
+    facts: list[Any] = [mine]
+    if world_size > 1:
+        facts = [None] * world_size
+        dist.all_gather_object(facts, mine)
+    return [f[0] for f in facts], [f[1] for f in facts]
+
+
+def _start_rank_precisions(args, world_size: int) -> list[str] | None:
+    """--cephalo_precision resolved for profiling at start (None without it): the list, or
+    each device's fastest for ``auto``; the same on every rank, or the same ValueError."""
+    from hf_cephalo.engine.rank_precision import resolve_rank_precisions
+    from hf_cephalo.profiler.precision import parse_rank_precisions
+
+    value = getattr(args, "cephalo_precision", None)
+    if value is None:
+        return None
+    parse_rank_precisions(value, world_size)  # wrong length: before the all-gather
+    names, caps = _device_facts(args, world_size)
+    return resolve_rank_precisions(value, world_size, names, caps)
+
+
+def job_rank_precisions(args, world_size: int, plan: Plan) -> list[str] | None:
+    """Each rank's precision under ``--cephalo_precision`` (None without it), the same list on
+    every rank, or the same ValueError on every rank before the engine's first collective.
+
+    A list of the wrong length is refused before anything is exchanged; then one all-gather of
+    every rank's (device name, CUDA capability) lets every rank check every rank's device. A
+    plan that records per-rank precisions (``hf-cephalo plan --precision``) decides them: an
+    explicit list must equal it, ``auto`` takes it (the planner's auto may choose one precision
+    for all where mixing would double the all-gather bytes). A plan without them uses the list,
+    or each device's fastest precision for ``auto``; one made for another one-precision job
+    (its ``precision`` tag) is refused.
+    """
+    from hf_cephalo.engine.rank_precision import resolve_rank_precisions
+    from hf_cephalo.profiler.precision import parse_rank_precisions, rank_precisions_tag
+
+    value = getattr(args, "cephalo_precision", None)
+    if value is None:
+        return None
+    wanted = parse_rank_precisions(value, world_size)  # wrong length: before any collective
+    recorded = plan.rank_precisions
+    if wanted is not None and recorded is not None and wanted != recorded:
+        raise ValueError(f"--cephalo_precision {value} but the plan records {recorded} (one per "
+                         "rank): give the plan's list or 'auto', or re-plan with `hf-cephalo "
+                         f"plan --precision {value}`")
+    names, caps = _device_facts(args, world_size)
+    out = resolve_rank_precisions(recorded or value, world_size, names, caps)
+    if recorded is None and plan.precision not in (None, rank_precisions_tag(out)):
+        raise ValueError(f"the plan was made for precision {plan.precision!r}, not for the "
+                         f"per-rank precisions {out}: re-plan with `hf-cephalo plan --precision "
+                         f"{','.join(out)}` or drop --cephalo_precision")
+    return out

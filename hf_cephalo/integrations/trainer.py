@@ -72,8 +72,10 @@ from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
 from hf_cephalo.engine import CephaloEngine
+from hf_cephalo.engine.rank_precision import check_scalable_optimizer, rank_precision
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
-from hf_cephalo.integrations.auto_plan import PlanAccuracyCallback, wrap_staged
+from hf_cephalo.integrations.auto_plan import (PlanAccuracyCallback, job_rank_precisions,
+                                               wrap_staged)
 from hf_cephalo.integrations.elastic import ElasticCallback, resolve_elastic_plan
 from hf_cephalo.integrations.jit_checkpoint import replace_jit_checkpoint_callback
 from hf_cephalo.integrations.preflight import check_before_planning, check_script
@@ -99,9 +101,13 @@ def format_plan_table(plan: Plan) -> str:
             f"{plan.uneven_state}, predicted iteration "
             f"{'-' if plan.predicted_iteration_s is None else f'{plan.predicted_iteration_s:.3f} s'}",
             f"{'rank':>4} {'device':<{width}} {'b_i':>5} {'m_i':>5} {'l_i':>5} {'r_i %':>7}"]
+    per_rank = plan.rank_precisions is not None  # precision per rank: one more column
+    if per_rank:
+        rows[-1] += "  precision"
     for r in plan.ranks:
         rows.append(f"{r.rank:>4} {r.device:<{width}} {r.batch_size:>5} {r.microbatch_size:>5} "
-                    f"{r.num_microbatches:>5} {100 * r.state_ratio:>7.2f}")
+                    f"{r.num_microbatches:>5} {100 * r.state_ratio:>7.2f}"
+                    + (f"  {r.precision}" if per_rank else ""))
     return "\n".join(rows)
 
 
@@ -207,6 +213,9 @@ class CephaloTrainer(Trainer):
             plan, self.cluster_profile = resolve_elastic_plan(args, world_size, model,
                                                               kwargs.get("train_dataset"))
         self.plan = plan
+        # --cephalo_precision: each rank's precision, checked on every rank alike before the
+        # engine's first collective (docs/engine.md "Precision per rank")
+        self.rank_precisions = job_rank_precisions(args, world_size, plan)
         if self._uses_user_loss(args, kwargs):  # the Trainer's loss as the engine's head loss
             staged = UserLossStagedModel(staged, self.compute_loss)
         staged = wrap_staged(staged, args, world_size)  # emulated slowdown / compute timing
@@ -223,7 +232,8 @@ class CephaloTrainer(Trainer):
         # The engine builds unit by unit: a meta model reads its checkpoint slices
         # (``model.cephalo_checkpoint``, from ``from_pretrained_sharded``) or is initialized per
         # unit with ``args.seed``; an in-memory model takes rank 0's values.
-        precision = args.engine_precision()
+        precision = args.engine_precision() if self.rank_precisions is None else \
+            rank_precision(self.rank_precisions, args.process_index)
         self.engine = CephaloEngine(staged, self.plan.state_ratios, device=args.device,
                                     offload_activations=args.cephalo_offload_activations,
                                     autocast_dtype=precision.autocast_dtype,
@@ -319,8 +329,8 @@ class CephaloTrainer(Trainer):
         Accelerate would build a plain ``GradScaler`` on CUDA (found-inf not agreed across
         ranks) and none on CPU; ``native_amp`` makes ``accelerator.unscale_gradients`` work."""
         self._scaler_unscaled = False
-        if not self.args.fp16:
-            return
+        if not (self.args.fp16 or "fp16" in (self.rank_precisions or ())):
+            return  # per rank: EVERY rank uses the job's scaler once one rank is fp16
         self.accelerator.scaler = self.engine.make_grad_scaler()
         self.accelerator.native_amp = True
 
@@ -521,6 +531,9 @@ class CephaloTrainer(Trainer):
                                           self._decay_names)
                 self._shard_weight_decay = ShardWeightDecay(params, masks, weight_decay, rule)
                 self.optimizer.register_step_pre_hook(self._shard_weight_decay)
+        if self.rank_precisions is not None:  # fp16 ranks: the scaler must unscale it
+            check_scalable_optimizer(self.optimizer, self.rank_precisions,
+                                     [r.device for r in self.plan.ranks])
         return self.optimizer
 
     def _relayout_state(self, new_plan: Plan) -> None:
@@ -543,12 +556,17 @@ class CephaloTrainer(Trainer):
         from hf_cephalo.engine.relayout import relayout_state
         from hf_cephalo.integrations.auto_plan import _job_precision
 
-        # the engine's dtype: the model's placeholders no longer carry it
-        job = _job_precision(self.args).tag(str(self.engine.dtype).removeprefix("torch."))
-        if new_plan.precision not in (None, job):
-            raise ValueError(f"_relayout_state: the new plan was made for precision "
-                             f"{new_plan.precision!r}, this run trains in {job!r}; re-plan for "
-                             "this run's precision")
+        if self.rank_precisions is not None:  # --cephalo_precision: the ranks keep theirs
+            if new_plan.rank_precisions not in (None, list(self.rank_precisions)):
+                raise ValueError(f"_relayout_state: the new plan computes in "
+                                 f"{new_plan.rank_precisions} per rank, this run in "
+                                 f"{list(self.rank_precisions)}; re-plan with these precisions")
+        else:  # the engine's dtype: the model's placeholders no longer carry it
+            job = _job_precision(self.args).tag(str(self.engine.dtype).removeprefix("torch."))
+            if new_plan.precision not in (None, job):
+                raise ValueError(f"_relayout_state: the new plan was made for precision "
+                                 f"{new_plan.precision!r}, this run trains in {job!r}; re-plan "
+                                 "for this run's precision")
         optimizer = None if self.optimizer is None else _unwrap_optimizer(self.optimizer)
         relayout_state(self.engine, optimizer, new_plan)
         decay = getattr(self, "_shard_weight_decay", None)

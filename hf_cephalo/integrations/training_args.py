@@ -123,6 +123,16 @@ class CephaloTrainingArguments(TrainingArguments):
         "either way) or the param dtype (half the reduce-scatter bytes). "
         "Env: HF_CEPHALO_REDUCE_DTYPE.")})
 
+    cephalo_precision: str | None = field(default=None, metadata={"help": (
+        "Precision per rank: 'auto' (each GPU its fastest: bf16 > fp16 > fp32 from its compute "
+        "capability; fp32 on the CPU) or one of fp32 / bf16 / fp16 per rank in rank order "
+        "('bf16,bf16,fp16,fp32'). fp32 master weights, all-gathers and reduce-scatters; one "
+        "loss scaler on every rank when a rank is fp16 (docs/engine.md 'Precision per rank'). "
+        "A plan that records per-rank precisions (hf-cephalo plan --precision auto) decides "
+        "them; without a plan each rank is profiled in its precision at start (not with "
+        "--cephalo_profile_file). Not with --bf16 / --fp16. "
+        "Env: HF_CEPHALO_PRECISION.")})
+
     def __post_init__(self) -> None:
         self._resolve_cephalo_fields()
         for flag in ("per_device_train_batch_size", "per_device_eval_batch_size"):
@@ -132,6 +142,8 @@ class CephaloTrainingArguments(TrainingArguments):
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are both set: pick one compute dtype (--bf16 on "
                              "GPUs with compute capability >= 8.0, --fp16 on older ones)")
+        if self.cephalo_precision is not None:
+            self._check_rank_precision_flags()
         self.engine_precision()  # bad param / reduce dtypes: ValueError now
         if self.bf16 and not self.use_cpu and torch.cuda.is_available():
             check_bf16_support(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
@@ -185,6 +197,21 @@ class CephaloTrainingArguments(TrainingArguments):
         at all). This is the hook transformers provides for integrations that place the model
         themselves."""
         return False
+
+    def _check_rank_precision_flags(self) -> None:
+        """--cephalo_precision decides each rank's compute dtype and gathers in fp32 when the
+        ranks differ: refuse the one-precision flags beside it instead of ignoring them."""
+        clash = [f for f, on in (("--bf16", self.bf16), ("--fp16", self.fp16),
+                                 (f"--cephalo_param_dtype {self.cephalo_param_dtype}",
+                                  self.cephalo_param_dtype != "auto"),
+                                 (f"--cephalo_reduce_dtype {self.cephalo_reduce_dtype}",
+                                  self.cephalo_reduce_dtype != "fp32")) if on]
+        if clash:
+            raise ValueError(f"--cephalo_precision {self.cephalo_precision} sets each rank's "
+                             f"precision, but {' and '.join(clash)} set(s) one for the whole job:"
+                             " drop them (per rank: fp32 master, all-gather and reduce-scatter; "
+                             "each rank autocasts in its own precision), or drop "
+                             "--cephalo_precision")
 
     def engine_precision(self) -> EnginePrecision:
         """The engine's ``autocast_dtype`` / ``param_dtype`` / ``reduce_dtype`` from --bf16 /

@@ -574,10 +574,14 @@ def optimize(cluster: ClusterProfile, global_batch_size: int,
         ratios = _partition_on_layout(cluster, a, mem, root_resident)
     else:
         ratios = [1.0 / N] * N
+    # precision per rank (docs/engine.md "Precision per rank"): each device profile was
+    # made at its rank's precision, the plan records which
+    rank_precisions = cluster.extra.get("rank_precisions") or [None] * N
     ranks = [RankPlan(rank=i, device=d.name, batch_size=a.batch_sizes[i],
                       microbatch_size=a.microbatch_sizes[i],
                       num_microbatches=a.num_microbatches[i], state_ratio=ratios[i],
-                      memory_capacity_bytes=d.memory_capacity_bytes)
+                      memory_capacity_bytes=d.memory_capacity_bytes,
+                      precision=rank_precisions[i])
              for i, d in enumerate(devs)]
     model = cluster.model
     plan = Plan(global_batch_size=global_batch_size, memory_fraction=memory_fraction,

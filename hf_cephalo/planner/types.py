@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from hf_cephalo.profiler.precision import Precision
+from hf_cephalo.profiler.precision import PRECISIONS, Precision
 from hf_cephalo.profiler.types import ModelProfile, file_remedy, read_json_file, write_json_file
 
 __all__ = ["RankPlan", "Plan", "PLAN_FORMAT", "check_batch_and_fraction"]
@@ -55,6 +55,9 @@ class RankPlan:
         state_ratio: r_i, this rank's fraction of the training state (0..1, sum over ranks 1).
         predicted_memory_bytes: r_i·S + M_i(m_i) from the cost model, bytes (None if unknown).
         memory_capacity_bytes: C_i, bytes (None if unknown).
+        precision: this rank's compute precision ("fp32", "bf16" or "fp16") in a plan made
+            for precision per rank (``--precision auto`` or a per-rank list; docs/engine.md
+            "Precision per rank"); None: the job's one precision (``Plan.precision``).
     """
 
     rank: int
@@ -65,9 +68,13 @@ class RankPlan:
     state_ratio: float
     predicted_memory_bytes: float | None = None
     memory_capacity_bytes: float | None = None
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         who = f"plan rank {self.rank}"
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"{who} ({self.device}): precision must be one of {list(PRECISIONS)}"
+                             f", got {self.precision!r}")
         for name in ("rank", "batch_size", "microbatch_size", "num_microbatches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -169,6 +176,17 @@ class Plan:
     def state_ratios(self) -> list[float]:
         return [r.state_ratio for r in self.ranks]
 
+    @property
+    def rank_precisions(self) -> list[str] | None:
+        """Per rank its compute precision when the plan records one per rank, else None."""
+        if all(r.precision is None for r in self.ranks):
+            return None
+        missing = [r.rank for r in self.ranks if r.precision is None]
+        if missing:
+            raise ValueError(f"plan: ranks {missing} have no precision while others have one; "
+                             "a per-rank precision plan lists one for every rank (re-plan)")
+        return [r.precision for r in self.ranks]
+
     def unit_layout(self, unit_numels: Sequence[int]) -> list[list[int]]:
         """Per-unit per-rank shard sizes for this plan's state ratios (``state.layout_unit_shards``)."""
         from hf_cephalo.planner.state import layout_unit_shards
@@ -260,6 +278,9 @@ class Plan:
     # --- JSON ------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        for rank in out["ranks"]:  # one precision per job: the file reads as before
+            if rank["precision"] is None:
+                del rank["precision"]
         out["format"] = PLAN_FORMAT
         return out
 
@@ -272,7 +293,7 @@ class Plan:
             raise ValueError(f"plan JSON: format {fmt!r} is not supported; this version reads "
                              f"{PLAN_FORMAT!r} (re-run hf-cephalo plan, or upgrade hf_cephalo)")
         keys = ("rank", "device", "batch_size", "microbatch_size", "num_microbatches",
-                "state_ratio", "predicted_memory_bytes", "memory_capacity_bytes")
+                "state_ratio", "predicted_memory_bytes", "memory_capacity_bytes", "precision")
         ranks = []
         for i, r in enumerate(data["ranks"]):
             missing = [k for k in keys[2:6] if k not in r]

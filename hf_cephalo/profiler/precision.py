@@ -19,11 +19,14 @@ the trainer refuses a profile or plan whose tag differs from the job's.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
-__all__ = ["PRECISIONS", "ELEMENT_BYTES", "Precision"]
+__all__ = ["PRECISIONS", "ELEMENT_BYTES", "Precision", "PER_RANK", "capability_precisions",
+           "auto_precision", "parse_rank_precisions", "check_rank_precisions",
+           "rank_precisions_tag"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+PER_RANK = "per-rank"  # compute part of the tag of a job whose ranks differ in precision
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one element of each dtype
 
 
@@ -59,6 +62,9 @@ class Precision(NamedTuple):
         values = {}
         for part in parts:
             prefix, _, value = part.partition("-")
+            if part == f"autocast-{PER_RANK}":  # per-rank precision: RankPlan.precision
+                values["compute"] = PER_RANK
+                continue
             if prefix not in fields or value not in PRECISIONS:
                 raise ValueError(f"precision tag {tag!r}: part {part!r} is not one of "
                                  "autocast-/gather-/reduce-<fp32|bf16|fp16>")
@@ -74,3 +80,84 @@ class Precision(NamedTuple):
     def reduce_bytes(self) -> int:
         """e_r: bytes of one reduce-scatter element (4 when not cast)."""
         return ELEMENT_BYTES[self.reduce]
+
+
+# --- precision per rank (docs/engine.md "Precision per rank") ----------------------------------
+
+_FASTEST_FIRST = ("bf16", "fp16", "fp32")
+
+
+def capability_precisions(capability: tuple[int, int] | None) -> tuple[str, ...]:
+    """Precisions a device runs, fastest first, from its CUDA compute capability.
+
+    None (the CPU: tests and CI) runs all three (autocast on the CPU supports bf16 and fp16).
+    bf16 needs capability >= 8.0 (Ampere: A100, A6000, L4, A10G; the trainer's --bf16 check);
+    fp16 is fast from 7.0 (tensor cores: V100, T4) and on 6.0 (P100: packed half); 6.1 (P40,
+    GeForce 10xx) runs fp16 at 1/64 of its fp32 rate, so it is left out (fp32 only); below 6.0
+    fp32 only. Source: CUDA C++ Programming Guide, "Arithmetic Instructions" throughput table.
+    """
+    if capability is None:
+        return ("bf16", "fp16", "fp32")
+    major, minor = int(capability[0]), int(capability[1])
+    out = []
+    if major >= 8:
+        out.append("bf16")
+    if major >= 7 or (major, minor) == (6, 0):
+        out.append("fp16")
+    return (*out, "fp32")
+
+
+def auto_precision(capability: tuple[int, int] | None) -> str:
+    """``--cephalo_precision auto`` for one device: its fastest precision (bf16 > fp16 > fp32);
+    fp32 on the CPU (None), where low-precision autocast is emulated, not faster."""
+    if capability is None:
+        return "fp32"
+    return capability_precisions(capability)[0]
+
+
+def parse_rank_precisions(value: str | Sequence[str], world_size: int) -> list[str] | None:
+    """``--cephalo_precision`` as a per-rank list; None for ``"auto"`` (resolved per device).
+
+    Accepts ``"bf16,bf16,fp16,fp32"`` (commas and/or spaces) or a list of names.
+    Raises ValueError naming the value: an unknown name, or not ``world_size`` entries.
+    """
+    if isinstance(value, str):
+        if value.strip() == "auto":
+            return None
+        names = [v for v in value.replace(",", " ").split() if v]
+    else:
+        names = [str(v) for v in value]
+    bad = [v for v in names if v not in PRECISIONS]
+    if bad:
+        raise ValueError(f"precision list {value!r}: {bad} not one of {list(PRECISIONS)}; give "
+                         "'auto' or one precision per rank in rank order, e.g. 'bf16,fp16,fp32'")
+    if len(names) != world_size:
+        raise ValueError(f"precision list {value!r} has {len(names)} entries but the world size "
+                         f"is {world_size}: give one precision per rank in rank order (or 'auto')")
+    return names
+
+
+def check_rank_precisions(precisions: Sequence[str], devices: Sequence[str],
+                          supported: Sequence[Sequence[str]]) -> None:
+    """Refuse a rank whose device lacks its precision.
+
+    ``devices``: per rank a device name (for the message); ``supported``: per rank the
+    precisions that device runs (``capability_precisions`` or a spec sheet's columns).
+    Raises ValueError naming every such rank, its device and what it supports.
+    """
+    bad = [f"rank {i} ({dev}): {p} (it runs {', '.join(ok)})"
+           for i, (p, dev, ok) in enumerate(zip(precisions, devices, supported)) if p not in ok]
+    if bad:
+        raise ValueError(f"precision not supported by the device: {'; '.join(bad)}; give that "
+                         "rank a precision its device runs, or '--cephalo_precision auto' "
+                         "(CLI: --precision auto)")
+
+
+def rank_precisions_tag(precisions: Sequence[str], master: str = "float32") -> str:
+    """The [Note: precision tags] string of a per-rank job: one precision for all ranks is that
+    job's ordinary tag (--bf16 / --fp16: gathered in that dtype); ranks that differ give
+    ``<master>+autocast-per-rank`` (each rank's precision is in ``RankPlan.precision``;
+    all-gathers and reduce-scatters stay fp32)."""
+    if len(set(precisions)) == 1:
+        return Precision(precisions[0], precisions[0]).tag(master)
+    return f"{master}+autocast-{PER_RANK}"

@@ -40,7 +40,7 @@ from hf_cephalo.units import GIB
 __all__ = [
     "GPUSpec", "GPU_SPECS", "ModelShape", "MODEL_SHAPES", "ClusterSpec",
     "get_gpu_spec", "get_model_shape", "load_cluster_yaml", "estimate_device_profile",
-    "estimate_comm_profile", "estimate_cluster_profile",
+    "estimate_comm_profile", "estimate_cluster_profile", "spec_precisions", "rank_precisions_for",
 ]
 
 
@@ -538,6 +538,34 @@ def _model_in_precision(shape: ModelShape, precision: str) -> ModelProfile:
                    boundary_bytes_per_sample=model.boundary_bytes_per_sample / 2)
 
 
+def spec_precisions(gpu: str | GPUSpec) -> tuple[str, ...]:
+    """Precisions the spec sheet of ``gpu`` gives a rate for, fastest first (bf16 > fp16 >
+    fp32): what ``--precision auto`` picks from and what a per-rank list is checked against."""
+    spec = gpu if isinstance(gpu, GPUSpec) else get_gpu_spec(gpu)
+    return tuple(p for p, rate in (("bf16", spec.bf16_tflops), ("fp16", spec.fp16_tflops),
+                                   ("fp32", spec.fp32_tflops)) if rate is not None)
+
+
+def rank_precisions_for(cluster: ClusterSpec, precision: str | Sequence[str]) -> list[str]:
+    """Per rank of ``cluster`` the precision of ``precision``: one name (every rank), ``"auto"``
+    (each GPU's fastest spec-sheet precision) or a per-rank list / comma string.
+
+    Raises ValueError: a list of the wrong length or a GPU without the precision (naming the
+    rank and the GPU)."""
+    from hf_cephalo.profiler.precision import check_rank_precisions, parse_rank_precisions
+
+    gpus = cluster.gpus
+    supported = [spec_precisions(g) for g in gpus]
+    if isinstance(precision, str) and precision in ("fp32", "bf16", "fp16"):
+        # one precision for all: estimate_device_profile refuses it with the proposal
+        return [precision] * len(gpus)
+    out = parse_rank_precisions(precision, len(gpus))
+    if out is None:  # auto
+        out = [s[0] for s in supported]
+    check_rank_precisions(out, gpus, supported)
+    return out
+
+
 def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kwargs) -> ClusterProfile:
     """Analytical ClusterProfile (spec-sheet ESTIMATE) for ``model`` on ``cluster``.
 
@@ -546,24 +574,35 @@ def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kw
     default (``cephalo_param_dtype='auto'``): units gathered and all-gathered in the low dtype
     (``ModelProfile.gathered_param_bytes`` = 2, so AG time halves, ``cost.unit_comm``), fp32
     gradients and reduce-scatters, 2-byte boundary activations; the profile's precision tag
-    records it.
+    records it. ``precision`` may also be ``"auto"`` or a per-rank list (``rank_precisions_for``):
+    each rank's device profile is then estimated at its own precision, and when the ranks
+    differ the model is priced with fp32 all-gathers and fp32 boundary activations (the engine
+    gathers the fp32 master and each rank casts locally: docs/engine.md "Precision per rank");
+    ``extra["rank_precisions"]`` records the list.
     """
-    precision = kwargs.get("precision", "fp32")
+    from hf_cephalo.profiler.precision import rank_precisions_tag
+
+    precision = kwargs.pop("precision", "fp32")
     shape = model if isinstance(model, ModelShape) else get_model_shape(model)
     gpus = cluster.gpus
+    per_rank = rank_precisions_for(cluster, precision)
     multi = sum(1 for m in cluster.machines if m) > 1
     bw = min(cluster.interconnect_gbps, cluster.intra_machine_gbps) if multi \
         else cluster.intra_machine_gbps
-    cache: dict[str, DeviceProfile] = {}
+    cache: dict[tuple[str, str], DeviceProfile] = {}
     devices = []
-    for g in gpus:
-        if g not in cache:
-            cache[g] = estimate_device_profile(g, shape, **kwargs)
-        devices.append(cache[g])
-    return ClusterProfile(model=_model_in_precision(shape, precision), devices=devices,
+    for g, p in zip(gpus, per_rank):
+        if (g, p) not in cache:
+            cache[g, p] = estimate_device_profile(g, shape, precision=p, **kwargs)
+        devices.append(cache[g, p])
+    uniform = per_rank[0] if len(set(per_rank)) == 1 else "fp32"
+    extra = {"cluster": cluster.name, "model_shape": shape.name,
+             "dtype": rank_precisions_tag(per_rank)}
+    if not (isinstance(precision, str) and precision in ("fp32", "bf16", "fp16")):
+        extra["rank_precisions"] = list(per_rank)
+    return ClusterProfile(model=_model_in_precision(shape, uniform), devices=devices,
                           comm=estimate_comm_profile(shape, len(gpus), bw),
                           source="spec-sheet estimate", offload_activations=True,
                           machine_of_rank=cluster.machine_of_rank,
                           host_memory_bytes=cluster.host_memory_bytes(),
-                          extra={"cluster": cluster.name, "model_shape": shape.name,
-                                 "dtype": Precision(precision, precision).tag("float32")})
+                          extra=extra)

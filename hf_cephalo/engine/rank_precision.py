@@ -1,0 +1,125 @@
+"""Precision per rank: each rank computes in its own precision inside one data-parallel job.
+
+[Note: precision per rank]
+Every rank holds fp32 master shards, fp32 optimizer state and reduce-scatters fp32 gradients,
+whatever it computes in; only the compute differs. A rank autocasts its own microbatches to its
+precision (``CephaloEngine(autocast_dtype=...)``), so a bf16 rank's matmuls run in bf16 and an
+fp32 rank's in fp32, while the gradients each rank accumulates over its microbatches are fp32
+(autocast casts the fp32 weights inside each op; the backward of that cast is fp32).
+
+All-gather dtype: when the ranks' precisions differ, the gathered parameters are the fp32
+master (``param_dtype=None``) and each rank casts them locally inside autocast. That is the one
+exact choice: a bf16 gather would round the weights an fp16 or fp32 rank computes with (bf16
+has 8 mantissa bits, fp16 11), an fp16 gather would overflow weights above 65504 for bf16 /
+fp32 ranks. Cost: 4 bytes per gathered element instead of 2 (all-gathered bytes double against
+a one-precision ``--bf16`` job, equal to an fp32 job). When every rank has the same precision
+the job is the ordinary ``--bf16`` / ``--fp16`` / fp32 job (gathered in the compute dtype).
+
+Loss scaling: ONE scaler for the whole job (``CephaloEngine.make_grad_scaler``), used by EVERY
+rank as soon as one rank computes in fp16. Every rank multiplies its loss by the same scale S
+(a power of 2: ``GradScaler`` starts at 2^16 and only doubles or halves) and every rank unscales
+its reduce-scattered shard by 1/S before the optimizer; found-inf is SUM-all-reduced, so every
+rank skips the same step. For an fp32 or bf16 rank, multiplying by a power of 2 and dividing by
+it again is exact (the exponent changes, the mantissa does not; fp32 and bf16 share an 8-bit
+exponent, range 2^127) unless a value leaves the exponent range — an overflow then skips the
+step on every rank, which is the scaler's contract; an underflow cannot happen for gradients
+scaled up. So bf16 and fp32 ranks compute bit for bit what they would compute without the
+scaler, and one scaler state (``scaler.pt``) serves any plan. The alternative (only fp16 ranks
+scale, and unscale their partial sums before the reduce-scatter) needs a second scale per rank
+and an unscale pass on the full unit gradient of each fp16 rank; it gains nothing exact.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from ..profiler.precision import (PRECISIONS, auto_precision, capability_precisions,
+                                  check_rank_precisions, parse_rank_precisions)
+
+__all__ = ["RankPrecision", "DTYPES", "rank_precision", "device_precisions",
+           "resolve_rank_precisions", "check_scalable_optimizer"]
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class RankPrecision(NamedTuple):
+    """One rank's ``CephaloEngine`` precision arguments in a per-rank job.
+
+    autocast_dtype / param_dtype / reduce_dtype: as ``CephaloEngine`` takes them (None: fp32).
+    loss_scaling: True when ANY rank computes in fp16: then every rank trains with the job's
+        one scaler ([Note: precision per rank]).
+    """
+
+    autocast_dtype: torch.dtype | None
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    loss_scaling: bool
+
+
+def rank_precision(precisions: Sequence[str], rank: int) -> RankPrecision:
+    """``rank``'s engine precision in a job whose ranks compute in ``precisions`` (rank order):
+    its own autocast dtype; gathered parameters in that dtype when every rank shares it, else
+    fp32 ([Note: precision per rank]); fp32 reduce-scatter; loss scaling if any rank is fp16."""
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad or not 0 <= rank < len(precisions):
+        raise ValueError(f"precisions {list(precisions)} / rank {rank}: need one of "
+                         f"{list(PRECISIONS)} per rank and 0 <= rank < {len(precisions)}")
+    mine = DTYPES[precisions[rank]]
+    uniform = len(set(precisions)) == 1
+    return RankPrecision(mine, mine if uniform else None, None, "fp16" in precisions)
+
+
+def device_precisions(device: torch.device) -> tuple[str, ...]:
+    """Precisions ``device`` runs, fastest first (``capability_precisions``; any on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return capability_precisions(torch.cuda.get_device_capability(device))
+    return capability_precisions(None)
+
+
+def resolve_rank_precisions(value: str | Sequence[str], world_size: int,
+                            devices: Sequence[str],
+                            capabilities: Sequence[tuple[int, int] | None]) -> list[str]:
+    """``--cephalo_precision`` resolved to one precision per rank, checked against the devices.
+
+    value: ``"auto"`` or a per-rank list (``parse_rank_precisions``). devices / capabilities:
+        per rank its device name and CUDA capability (None for the CPU) — the same on every
+        rank (e.g. from the plan or one all-gather of device facts), so every rank raises alike.
+    auto: each device's fastest precision (``auto_precision``: fp32 on the CPU).
+    Raises ValueError: a list of the wrong length or an unknown name; a rank whose device lacks
+        its precision (naming the rank and device) — before the engine's first collective.
+    """
+    if len(devices) != world_size or len(capabilities) != world_size:
+        raise ValueError(f"{len(devices)} device names / {len(capabilities)} capabilities for "
+                         f"world size {world_size}: give one per rank")
+    names = parse_rank_precisions(value, world_size)
+    if names is None:
+        names = [auto_precision(c) for c in capabilities]
+    check_rank_precisions(names, devices, [capability_precisions(c) for c in capabilities])
+    return names
+
+
+def check_scalable_optimizer(optimizer: torch.optim.Optimizer, precisions: Sequence[str],
+                             devices: Sequence[str]) -> None:
+    """Refuse an optimizer the job's loss scaler cannot drive when a rank computes in fp16.
+
+    ``GradScaler`` unscales the gradients of ``optimizer.param_groups`` and steps without a
+    closure; an optimizer without param groups, or one that needs a closure (``LBFGS``: the
+    scaler raises "Closure use is not currently supported"), cannot be unscaled.
+    Raises ValueError naming the fp16 ranks and their devices (no collective).
+    """
+    if "fp16" not in precisions:
+        return
+    fp16 = ", ".join(f"rank {i} ({d})" for i, (p, d) in enumerate(zip(precisions, devices))
+                     if p == "fp16")
+    why = None
+    if not isinstance(getattr(optimizer, "param_groups", None), list):
+        why = "it has no param_groups to unscale"
+    elif isinstance(optimizer, torch.optim.LBFGS):
+        why = "its step needs a closure, which GradScaler does not support"
+    if why is not None:
+        raise ValueError(f"{fp16} compute in fp16, which needs the job's loss scaler, but the "
+                         f"optimizer {type(optimizer).__name__} cannot be unscaled ({why}): use "
+                         "a torch.optim optimizer such as AdamW, or give those ranks bf16 / fp32")
