@@ -15,9 +15,10 @@ A checkpoint directory holds (``FILES`` names them):
 
 [Note: atomic checkpoints] ``atomic_checkpoint_dir`` writes everything into a hidden sibling
 ``.tmp-<name>``, fsyncs, writes the completeness marker, then renames the directory into place.
-A run killed at any moment leaves either no ``<name>`` at all or a complete one; Trainer's
-``get_last_checkpoint`` (regex ``^checkpoint-\\d+$``) never sees the staging directory, and
-``load_sharded`` refuses a directory without the marker.
+A run killed at any moment leaves either no ``<name>`` at all or a complete one;
+``newest_complete_checkpoint`` (and transformers' ``get_last_checkpoint``: regex
+``^checkpoint-\\d+$``) never sees the staging directory, and ``load_sharded`` refuses a
+directory without the marker.
 
 Re-layout: a unit's flat buffer is the same on every plan (same parameter order), only the
 per-rank cut points differ, so each rank of the new plan copies the overlap of its new range
