@@ -5,7 +5,8 @@ Two process groups (2 gloo ranks each):
 1. The checkpoint-content matrix: one training step and one checkpoint for every combination of
    ``save_only_model`` x ``cephalo_save_full_model`` x (Llama | LoRA BERT), plus ``--fp16``.
    In the same group: a weights-only resume from a ``save_only_model`` checkpoint onto ANOTHER
-   plan (as stock: weights and trainer state restored, optimizer and LR schedule fresh);
+   plan (as stock: weights and trainer state restored, optimizer and LR schedule fresh; for
+   LoRA the adapter file into the trainable shards);
    checkpoints with a promised file removed (scheduler, weights, scaler) refused on resume
    naming the file and the setting; a save whose weights never arrive is not marked complete;
    ``resume_from_checkpoint=True`` skipping a newer incomplete checkpoint, and refusing when
@@ -153,8 +154,14 @@ def _matrix_worker(rank, world_size, root):
                                    warned=any("save_only_model=True" in w for w in warnings))
     lora_som = out["runs"][_name(dict(save_only_model=True, cephalo_save_full_model=False,
                                       lora=True))]["dir"]
-    trainer = _trainer(os.path.join(root, "lora_resumed"), lora=True, max_steps=2)
-    out["lora_som_resume"] = _error(lambda: trainer.train(resume_from_checkpoint=lora_som))
+    record = {}
+    trainer = _trainer(os.path.join(root, "lora_resumed"), OTHER_PLAN, lora=True, max_steps=2,
+                       save_strategy="no",
+                       trainer_kw=dict(callbacks=[_record_at_train_begin(record)]))
+    record["trainer"] = trainer
+    out["lora_weights_only"] = dict(
+        error=_error(lambda: trainer.train(resume_from_checkpoint=lora_som)),
+        at_begin=record.get("params"))
 
     # a promised file removed: refused on resume, naming the file and the setting
     out["refused"] = {}
@@ -282,8 +289,13 @@ def test_save_only_model_resumes_weights_only_as_stock(matrix):
     # stepped once since the resume (a full resume would show 2 for both)
     assert info["opt_steps"] == [1.0] and info["scheduler_steps"] == 1
     assert info["warned"]
-    assert "adapter only" in matrix["lora_som_resume"] and "save_only_model" in \
-        matrix["lora_som_resume"]
+    # LoRA: the adapter file's tensors into the trainable shards of another plan, base kept
+    lora = matrix["lora_weights_only"]
+    assert lora["error"] is None, lora["error"]
+    lora_run = matrix["runs"][_name(dict(save_only_model=True, cephalo_save_full_model=False,
+                                         lora=True))]
+    for key, value in lora_run["params"].items():
+        assert torch.equal(lora["at_begin"][key], value), key
 
 
 def test_missing_promised_file_is_refused_naming_file_and_setting(matrix):

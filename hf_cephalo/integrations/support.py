@@ -240,8 +240,7 @@ FIELD_SUPPORT: dict[str, Support] = {
         "checkpoints hold what stock's do: the save_model files (streamed; from_pretrained loads "
         "them; a LoRA PeftModel: the adapter) and no optimizer, scheduler, scaler or RNG state; "
         "resuming from one restores the weights (any plan) and the trainer state and restarts "
-        "the optimizer and LR schedule, as stock. A LoRA checkpoint saved this way cannot be "
-        "resumed from or loaded as the best model (the error says what to do)",
+        "the optimizer and LR schedule, as stock (LoRA: the adapter into the trainable shards)",
         _K + "test_checkpoint_content_matrix"),
     "save_strategy": _inherited("stock loop decides when; CephaloTrainer saves"),
     "save_steps": _inherited("stock loop decides when; CephaloTrainer saves"),

@@ -681,18 +681,16 @@ class CephaloTrainer(Trainer):
         """This rank's shards of ``checkpoint``'s weights into the engine, on any plan (no
         collective): from the sharded state when the checkpoint has it (exact), else from the
         ``save_model`` files (``save_only_model``; read slice by slice as
-        ``from_pretrained_sharded`` does). A LoRA adapter-only checkpoint is refused."""
-        from hf_cephalo.engine.checkpoint import CheckpointError, load_sharded
+        ``from_pretrained_sharded`` does; a LoRA PeftModel's adapter into the trainable shards,
+        the frozen base kept, as ``PeftModel.from_pretrained``)."""
+        from hf_cephalo.engine.checkpoint import load_sharded
         from hf_cephalo.engine.loading import load_weights_into_engine
+        from hf_cephalo.integrations.peft_save import load_peft_adapter
 
         if contents is None or contents.has_shards:
             load_sharded(self.engine, checkpoint)
         elif contents.peft:
-            raise CheckpointError(
-                f"{checkpoint}: a LoRA checkpoint saved with save_only_model=True holds the "
-                "adapter only (adapter_model.safetensors), which CephaloTrainer cannot load into "
-                "its shards yet; load it with PeftModel.from_pretrained(base, checkpoint) and "
-                "start a new run from it, or save LoRA runs without save_only_model")
+            load_peft_adapter(self.engine, self.model, checkpoint)
         else:
             load_weights_into_engine(self.engine, checkpoint)
 
