@@ -263,6 +263,9 @@ def test_checkpoint_content_matrix(matrix, setting):
         merged = ckpt.read_full_state_dict(directory)
         for key, value in final.items():
             assert torch.equal(merged[key], value), key
+    else:  # nothing to export: the message says where the weights are
+        with pytest.raises(ckpt.CheckpointError, match="from_pretrained"):
+            ckpt.read_full_state_dict(directory)
     if "model.safetensors" in want:
         loaded = AutoModelForCausalLM.from_pretrained(directory).state_dict()
         for key, value in final.items():

@@ -442,6 +442,14 @@ def read_layout(directory: str) -> CheckpointLayout:
                               "save did not finish, e.g. the run was killed); resume from an "
                               "earlier checkpoint")
     _read_json(marker, "completeness marker")
+    model_files = [n for n in ("model.safetensors", "model.safetensors.index.json",
+                               "adapter_model.safetensors")
+                   if os.path.isfile(os.path.join(directory, n))]
+    if model_files and not os.path.isfile(os.path.join(directory, FILES.LAYOUT)):
+        raise CheckpointError(f"{directory}: no sharded state ({FILES.LAYOUT}): a checkpoint saved "
+                              f"with save_only_model=True holds the model as {model_files[0]} "
+                              "already; load it with from_pretrained (a LoRA adapter: "
+                              "PeftModel.from_pretrained), or resume from it with CephaloTrainer")
     data = _read_json(os.path.join(directory, FILES.LAYOUT), "shard layout")
     try:
         return CheckpointLayout(directory, int(data["world_size"]), list(data["units"]),
