@@ -38,7 +38,8 @@ PLAN = ([3, 1], [1, 1], [0.7, 0.3])
 OTHER_PLAN = ([1, 3], [1, 3], [0.2, 0.8])
 SETTINGS = [dict(save_only_model=som, cephalo_save_full_model=full, lora=lora)
             for som in (False, True) for full in (False, True) for lora in (False, True)]
-SETTINGS.append(dict(save_only_model=False, cephalo_save_full_model=False, lora=False, fp16=True))
+SETTINGS += [dict(save_only_model=som, cephalo_save_full_model=False, lora=False, fp16=True)
+             for som in (False, True)]  # the fp16 loss scaler: scaler.pt unless save_only_model
 
 
 def _name(setting) -> str:
@@ -134,7 +135,8 @@ def _matrix_worker(rank, world_size, root):
                                         lora=False)), "checkpoint-1")
     full = os.path.join(root, _name(dict(save_only_model=False, cephalo_save_full_model=False,
                                          lora=False)), "checkpoint-1")
-    fp16 = os.path.join(root, _name(SETTINGS[-1]), "checkpoint-1")
+    fp16 = os.path.join(root, _name(dict(save_only_model=False, cephalo_save_full_model=False,
+                                         lora=False, fp16=True)), "checkpoint-1")
     # weights-only resume (stock's behaviour for save_only_model) onto another plan
     record = {}
     trainer = _trainer(os.path.join(root, "resumed"), OTHER_PLAN, max_steps=2,
