@@ -32,7 +32,7 @@ pytest.importorskip("peft")
 from tests.dist_utils import budget_s, portable, run_ranks, test_timeout  # noqa: E402
 from tests.models_fixtures import build  # noqa: E402
 
-MATRIX_S, BEST_S = 60.0, 40.0  # seconds per process group, 2 cores under load
+MATRIX_S, BEST_S = 60.0, 35.0  # seconds per process group: measured 55 s and 27 s (2 cores, load ~8)
 pytestmark = test_timeout(MATRIX_S, BEST_S)
 PLAN = ([3, 1], [1, 1], [0.7, 0.3])
 OTHER_PLAN = ([1, 3], [1, 3], [0.2, 0.8])

@@ -183,6 +183,7 @@ class CephaloTrainer(Trainer):
                                        train_dataset=kwargs.get("train_dataset"),
                                        eval_dataset=kwargs.get("eval_dataset"))
         self.cluster_profile = None  # the profile an automatic plan was made from
+        self._resumed_weights_only = False  # resumed from a save_only_model checkpoint
         if plan is None:  # plan file > profile file > profile this cluster (auto_plan.py)
             plan, self.cluster_profile = resolve_elastic_plan(args, world_size, model,
                                                               kwargs.get("train_dataset"))
@@ -641,7 +642,7 @@ class CephaloTrainer(Trainer):
                 self._save_run_record(staging)
                 _save_adapter_config(self.model, staging)
                 contents.write(staging)
-            if not self.args.save_only_model:
+            if contents.has_shards:  # not save_only_model: parameters + optimizer, as stock
                 self._save_optimizer_and_scheduler(staging)
                 self._save_scaler(staging)
                 self._save_rng_state(staging)
@@ -794,7 +795,7 @@ class CephaloTrainer(Trainer):
 
         Reads only safetensors, JSON and ``torch.load(weights_only=True)``.
         """
-        if checkpoint is None or getattr(self, "_resumed_weights_only", False):
+        if checkpoint is None or self._resumed_weights_only:
             return  # save_only_model: stock finds no optimizer.pt / scheduler.pt and skips both
         import os
 
