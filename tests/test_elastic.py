@@ -122,6 +122,7 @@ def test_world_too_small_names_the_missing_devices(tmp_path):
     ckpt.mkdir()
     plan = Plan.from_ratios([4, 4, 4], [4, 4, 4], [0.4, 0.3, 0.3], devices=["A100", "V100", "V100"])
     plan.save(ckpt / elastic.PLAN_NAME)
+    (ckpt / "cephalo_complete.json").write_text("{}")  # only a complete checkpoint is resumed
     msg = elastic._missing_devices(str(tmp_path), ["V100"])
     assert "ran on 3 (A100, V100, V100)" in msg and "A100 x1, V100 x1" in msg
     assert "cannot hold the job" in elastic._missing_devices(str(tmp_path / "empty"), ["V100"])

@@ -15,9 +15,10 @@ A checkpoint directory holds (``FILES`` names them):
 
 [Note: atomic checkpoints] ``atomic_checkpoint_dir`` writes everything into a hidden sibling
 ``.tmp-<name>``, fsyncs, writes the completeness marker, then renames the directory into place.
-A run killed at any moment leaves either no ``<name>`` at all or a complete one; Trainer's
-``get_last_checkpoint`` (regex ``^checkpoint-\\d+$``) never sees the staging directory, and
-``load_sharded`` refuses a directory without the marker.
+A run killed at any moment leaves either no ``<name>`` at all or a complete one;
+``newest_complete_checkpoint`` (and transformers' ``get_last_checkpoint``: regex
+``^checkpoint-\\d+$``) never sees the staging directory, and ``load_sharded`` refuses a
+directory without the marker.
 
 Re-layout: a unit's flat buffer is the same on every plan (same parameter order), only the
 per-rank cut points differ, so each rank of the new plan copies the overlap of its new range
@@ -34,10 +35,11 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,10 +48,18 @@ from safetensors.torch import save_file
 
 from hf_cephalo.file_modes import apply_default_mode
 
+# the file primitives export.py shares live in checkpoint_files.py (imports point one way:
+# checkpoint -> export -> checkpoint_files); re-exported here, where callers import them
+from .checkpoint_files import DAMAGED, CheckpointError, errors_on_every_rank
+from .checkpoint_files import fsync_file as _fsync_file
+from .export import (PROCESSOR_FILES, SavedTensor, copy_processor_files, parse_max_shard_size,
+                     plan_hf_files, remove_stale_weights, write_hf_configs, write_hf_files)
+
 __all__ = ["FORMAT", "FILES", "CheckpointError", "CheckpointLayout", "atomic_checkpoint_dir",
            "save_sharded", "save_checkpoint", "staging_path", "load_sharded",
            "load_checkpoint", "errors_on_every_rank", "load_sharded_optimizer", "read_layout",
-           "read_full_state_dict", "export_hf", "check_export_target", "is_complete", "model_fingerprint"]
+           "read_full_state_dict", "export_hf", "check_export_target", "is_complete", "model_fingerprint",
+           "NewestCheckpoint", "newest_complete_checkpoint", "DAMAGED"]
 
 FORMAT = "hf_cephalo.sharded/2"
 # /1: the root was ONE unit ("root", after the layers); /2 splits it into "embed" and "head".
@@ -69,18 +79,6 @@ class FILES:
     @staticmethod
     def shard(rank: int) -> str:
         return f"cephalo_shard_rank{rank}.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing, incomplete, corrupt or of another model.
-
-    The message names the file, what is wrong and what to do.
-    """
-
-
-DAMAGED = ("the checkpoint is damaged: copy the directory again, or resume from (or export) an "
-           "earlier checkpoint-N")
-"""The next step of every error about a corrupt or inconsistent checkpoint file."""
 
 
 @dataclass(frozen=True)
@@ -152,17 +150,6 @@ def _barrier(group) -> None:
         dist.barrier(group)
 
 
-def _fsync_file(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:  # another rank's temporary file, renamed meanwhile
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: str) -> None:
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
@@ -177,15 +164,22 @@ def staging_path(path: str) -> str:
 
 
 @contextlib.contextmanager
-def atomic_checkpoint_dir(path: str, group: dist.ProcessGroup | None = None) -> Iterator[str]:
+def atomic_checkpoint_dir(path: str, group: dist.ProcessGroup | None = None, *,
+                          check: Callable[[str], None] | None = None) -> Iterator[str]:
     """Collective (every rank): yield a staging directory; on exit publish it as ``path``.
 
     See [Note: atomic checkpoints]. On exit: every rank fsyncs what is there, the ranks exchange
     the sizes and CRC-32 of the shard files they wrote (``save_sharded``; one
-    ``all_gather_object``, which is also the barrier), rank 0 writes ``cephalo_complete.json``,
+    ``all_gather_object``, which is also the barrier), rank 0 runs ``check(staging)`` (raises
+    ValueError when the directory lacks what it must hold), writes ``cephalo_complete.json``,
     renames the staging directory to ``path`` (replacing an existing one) and fsyncs the
-    parent; barrier. If the body raises, nothing is published (the staging directory stays
-    until the next save of the same path removes it).
+    parent; one more ``all_gather_object`` (the barrier) tells every rank whether rank 0
+    succeeded. If the body raises, nothing is published (the staging directory stays until the
+    next save of the same path removes it).
+
+    Raises:
+        CheckpointError: on every rank when ``check`` (or publishing) failed on rank 0; the
+            checkpoint is then not marked complete and not published.
     """
     final, staging = os.path.abspath(path), staging_path(path)
     rank = _rank(group)
@@ -203,16 +197,18 @@ def atomic_checkpoint_dir(path: str, group: dist.ProcessGroup | None = None) -> 
         everyone: list[dict | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, records, group=group)  # also the barrier after writing
         records = {k: v for r in everyone for k, v in (r or {}).items()}
-    if rank == 0:
-        _write_marker(staging, records)
-        old = os.path.join(os.path.dirname(final), f".old-{os.path.basename(final)}")
-        if os.path.exists(final):
+    with errors_on_every_rank(group, what=f"publish the checkpoint {final}"):
+        if rank == 0:
+            if check is not None:
+                check(staging)  # never mark complete what lacks a promised file
+            _write_marker(staging, records)
+            old = os.path.join(os.path.dirname(final), f".old-{os.path.basename(final)}")
+            if os.path.exists(final):
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+            os.rename(staging, final)
+            _fsync_file(os.path.dirname(final))
             shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(staging, final)
-        _fsync_file(os.path.dirname(final))
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier(group)
 
 
 def _crc32(path: str) -> int:
@@ -274,6 +270,37 @@ def _run_folder_hint(directory: str) -> str | None:
 def is_complete(directory: str) -> bool:
     """True if ``directory`` carries the completeness marker (written last by a save)."""
     return os.path.isfile(os.path.join(directory, FILES.COMPLETE))
+
+
+class NewestCheckpoint(NamedTuple):
+    """``newest_complete_checkpoint``'s answer: ``path`` (the newest complete ``checkpoint-N``,
+    None if none is complete) and ``skipped`` (the newer ``checkpoint-N`` directories without the
+    completeness marker, newest first; with ``path`` None: every ``checkpoint-N`` found)."""
+
+    path: str | None
+    skipped: list[str]
+
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR-<step>
+
+
+def newest_complete_checkpoint(output_dir: str) -> NewestCheckpoint:
+    """The ``checkpoint-N`` with the largest N in ``output_dir`` that carries the completeness
+    marker (``is_complete``), and the newer ones passed over (e.g. copied without the marker,
+    or published by a release that did not write one). Staging ``.tmp-checkpoint-N``
+    directories never match. A missing ``output_dir`` gives ``NewestCheckpoint(None, [])``."""
+    if not os.path.isdir(output_dir):
+        return NewestCheckpoint(None, [])
+    found = sorted(((int(m.group(1)), name) for name in os.listdir(output_dir)
+                    if (m := _CHECKPOINT_RE.match(name))
+                    and os.path.isdir(os.path.join(output_dir, name))), reverse=True)
+    skipped = []
+    for _, name in found:
+        path = os.path.join(output_dir, name)
+        if is_complete(path):
+            return NewestCheckpoint(path, skipped)
+        skipped.append(path)
+    return NewestCheckpoint(None, skipped)
 
 
 # ---- save -------------------------------------------------------------------------------------
@@ -438,6 +465,14 @@ def read_layout(directory: str) -> CheckpointLayout:
                               "save did not finish, e.g. the run was killed); resume from an "
                               "earlier checkpoint")
     _read_json(marker, "completeness marker")
+    model_files = [n for n in ("model.safetensors", "model.safetensors.index.json",
+                               "adapter_model.safetensors")
+                   if os.path.isfile(os.path.join(directory, n))]
+    if model_files and not os.path.isfile(os.path.join(directory, FILES.LAYOUT)):
+        raise CheckpointError(f"{directory}: no sharded state ({FILES.LAYOUT}): a checkpoint saved "
+                              f"with save_only_model=True holds the model as {model_files[0]} "
+                              "already; load it with from_pretrained (a LoRA adapter: "
+                              "PeftModel.from_pretrained), or resume from it with CephaloTrainer")
     data = _read_json(os.path.join(directory, FILES.LAYOUT), "shard layout")
     try:
         return CheckpointLayout(directory, int(data["world_size"]), list(data["units"]),
@@ -573,40 +608,6 @@ def _check_model(layout: CheckpointLayout, engine) -> None:
             f"({mine['model_class']}, {mine['sha256'][:12]}): parameter names, shapes, dtype or "
             "unit split differ; resume with the model it was saved from (same class, config, "
             "dtype and LoRA setup), or start a new output_dir")
-
-
-@contextlib.contextmanager
-def errors_on_every_rank(group: dist.ProcessGroup | None = None,
-                         what: str = "load the checkpoint") -> Iterator[None]:
-    """Collective: if the body raises on ANY rank, raise on EVERY rank (no rank runs ahead
-    into a training collective while another gave up, which would hang).
-
-    One ``all_gather_object`` of the error messages after the body. With one rank the error is
-    re-raised as it is. With several, every rank raises CheckpointError with the same message,
-    quoting the first failing rank's error (``"rank R could not <what>: <Type>: ..."``; the
-    failing rank's own exception is its ``__cause__``), so the launcher shows it once
-    ([Note: one error report per job] in hf_cephalo/rank_errors.py). A failing rank whose error
-    differs from the first one's raises its own (``"rank <own> could not ..."``): also news.
-    """
-    error: BaseException | None = None
-    try:
-        yield
-    except (ValueError, NotImplementedError, OSError) as e:  # CheckpointError is a ValueError
-        error = e
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
-        if error is not None:
-            raise error
-        return
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    messages: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(messages, mine, group=group)
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if not failed:
-        return
-    rank, message = failed[0]
-    if mine is not None and mine != message:
-        rank, message = dist.get_rank(group), mine
-    raise CheckpointError(f"rank {rank} could not {what}: {message}") from error
 
 
 def load_checkpoint(engine, directory: str, optimizer: torch.optim.Optimizer | None = None, *,
@@ -759,8 +760,6 @@ _EXPORT_FILE_PREFIXES = ("model", "config.json", "generation_config.json")
 
 
 def _is_previous_export(names: list[str]) -> bool:
-    from .export import PROCESSOR_FILES
-
     return all((n.startswith(_EXPORT_FILE_PREFIXES) and n.endswith((".safetensors", ".json")))
                or n in PROCESSOR_FILES or n.startswith(".tmp-") for n in names)
 
@@ -820,9 +819,6 @@ def export_hf(directory: str, out_dir: str, *, verify: bool = True, overwrite: b
             match that class's; a refused target (see ``check_export_target``).
         ValueError: a bad ``max_shard_size`` (before anything is read).
     """
-    from .export import (copy_processor_files, parse_max_shard_size, plan_hf_files,
-                         remove_stale_weights, write_hf_configs, write_hf_files)
-
     parse_max_shard_size(max_shard_size)
     check_export_target(directory, out_dir, overwrite=overwrite)
     layout = read_layout(directory)
@@ -877,8 +873,6 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
 def _layout_sources(layout: CheckpointLayout, reader: _ShardReader, model):
     """(saved-tensor sources in the model's state-dict order, distinct parameter elements,
     parameter dtype) of a checkpoint; CheckpointError if its keys are not the model's."""
-    from .export import SavedTensor
-
     unit, rank = next(((u, r) for u, info in enumerate(layout.units)
                        for r, n in enumerate(info["numel_per_rank"]) if n), (0, 0))
     code = reader.open(FILES.shard(rank)).get_slice(f"units.{unit}.param").get_dtype()

@@ -10,16 +10,22 @@ Hub ids from the cache, downloaded only when missing and allowed; ``HF_HUB_OFFLI
 the range via ``safe_open(...).get_slice`` (never the whole tensor unless the range needs it),
 cut to the range and converted to the requested dtype. A reader of a sharded unit calls it
 once per parameter that overlaps its shard, so it reads about its own share of the file.
+
+Also the primitives ``checkpoint.py`` (sharded checkpoints) and ``export.py`` (streamed HF save)
+share, kept here so imports point one way (checkpoint -> export -> checkpoint_files):
+``CheckpointError`` / ``DAMAGED``, ``fsync_file`` and ``errors_on_every_rank``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -104,6 +110,65 @@ class CheckpointFiles:
                 raise ValueError(f"{self.where()} maps {missing[:5]} to {path}, but that file "
                                  "does not contain them: the index and its files disagree; "
                                  "download the complete checkpoint again")
+
+
+# ---- primitives shared by checkpoint.py and export.py ------------------------------------
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: missing, incomplete, corrupt or of another model.
+
+    The message names the file, what is wrong and what to do.
+    """
+
+
+DAMAGED = ("the checkpoint is damaged: copy the directory again, or resume from (or export) an "
+           "earlier checkpoint-N")
+"""The next step of every error about a corrupt or inconsistent checkpoint file."""
+
+
+def fsync_file(path: str) -> None:
+    """fsync ``path`` (a file or a directory); a file already renamed away is skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # another rank's temporary file, renamed meanwhile
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def errors_on_every_rank(group: dist.ProcessGroup | None = None,
+                         what: str = "load the checkpoint") -> Iterator[None]:
+    """Collective: if the body raises on ANY rank, raise on EVERY rank (no rank runs ahead
+    into a training collective while another gave up, which would hang).
+
+    One ``all_gather_object`` of the error messages after the body. With one rank the error is
+    re-raised as it is. With several, every rank raises CheckpointError with the same message,
+    quoting the first failing rank's error (``"rank R could not <what>: <Type>: ..."``; the
+    failing rank's own exception is its ``__cause__``), so the launcher shows it once
+    ([Note: one error report per job] in hf_cephalo/rank_errors.py). A failing rank whose error
+    differs from the first one's raises its own (``"rank <own> could not ..."``): also news.
+    """
+    error: BaseException | None = None
+    try:
+        yield
+    except (ValueError, NotImplementedError, OSError) as e:  # CheckpointError is a ValueError
+        error = e
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    messages: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, mine, group=group)
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if not failed:
+        return
+    rank, message = failed[0]
+    if mine is not None and mine != message:
+        rank, message = dist.get_rank(group), mine
+    raise CheckpointError(f"rank {rank} could not {what}: {message}") from error
 
 
 def _cached(name_or_path: str, filename: str, kwargs: Mapping) -> str | None:

@@ -40,6 +40,8 @@ import torch
 
 from hf_cephalo.file_modes import apply_default_mode
 
+from .checkpoint_files import errors_on_every_rank, fsync_file
+
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "WEIGHTS_NAME", "INDEX_NAME", "PROCESSOR_FILES",
            "SavedTensor", "HFFilePlan", "SaveResult", "parse_max_shard_size", "plan_hf_files",
            "engine_sources", "write_hf_files", "write_hf_configs", "remove_stale_weights",
@@ -208,12 +210,10 @@ def _unit_order(files: Mapping[str, list[str]], sources: Mapping[str, SavedTenso
 def _write_aside(path: str, write: Callable[[str], None]) -> None:
     """``write(tmp)`` into a hidden sibling, fsync, rename over ``path`` (atomic per file) with
     the mode ``open()`` would give it (safetensors writes 0o600: [Note: file modes])."""
-    from .checkpoint import _fsync_file
-
     tmp = os.path.join(os.path.dirname(path), f".tmp-{os.path.basename(path)}")
     write(tmp)
     apply_default_mode(tmp)
-    _fsync_file(tmp)
+    fsync_file(tmp)
     os.replace(tmp, path)
 
 
@@ -273,8 +273,6 @@ def write_hf_configs(out_dir: str, model: torch.nn.Module, dtype: torch.dtype) -
 
     if not isinstance(model, PreTrainedModel):
         return
-    from .checkpoint import _fsync_file
-
     model.config.dtype = str(dtype).split(".")[1]
     model.config.architectures = [type(model).__name__]
     staging = os.path.join(out_dir, ".tmp-configs")  # the library's own writers, then renamed
@@ -284,7 +282,7 @@ def write_hf_configs(out_dir: str, model: torch.nn.Module, dtype: torch.dtype) -
     if model.can_generate() and model.generation_config is not None:
         model.generation_config.save_pretrained(staging)
     for name in sorted(os.listdir(staging)):
-        _fsync_file(os.path.join(staging, name))
+        fsync_file(os.path.join(staging, name))
         os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
     os.rmdir(staging)
 
@@ -352,8 +350,6 @@ def save_pretrained_streamed(engine, out_dir: str, *,
             the OSError itself.
         RuntimeError: an earlier step raised part-way (``check_usable``).
     """
-    from .checkpoint import errors_on_every_rank
-
     engine.check_usable("save_pretrained_streamed")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"save target {out_dir} is an existing file; give a directory")

@@ -359,3 +359,33 @@ def _fill_meta_buffers(mod_name: str, module: nn.Module, names: list[str], sourc
     for n, v in values.items():
         if v is not None:
             module._buffers[n].copy_(v)
+
+
+# ---- into an engine that already exists ----------------------------------------------------
+def load_weights_into_engine(engine, checkpoint: CheckpointLike) -> None:
+    """Overwrite ``engine``'s parameter shards and persistent buffers with a safetensors
+    checkpoint's values (a ``save_pretrained`` / ``save_model`` folder), on any plan.
+
+    No collective: each rank reads only the elements of its own shards (``CheckpointSource``,
+    the reader a meta-model engine is built with), plus the buffers the checkpoint stores
+    (non-persistent ones, absent from ``save_pretrained`` files, are left as they are). Values
+    are converted to each part's storage dtype. Everything is checked (every parameter present
+    with its shape, every file header sound) before the first value is copied.
+
+    Raises:
+        ValueError: the checkpoint cannot be resolved, lacks a parameter, stores another shape,
+            or a file is truncated / corrupt (names the parameter and the file).
+    """
+    model = engine.staged.model
+    files = checkpoint if isinstance(checkpoint, CheckpointFiles) else \
+        resolve_checkpoint(checkpoint)
+    source = CheckpointSource(files, getattr(model, "base_model_prefix", "") or "", engine.rank)
+    units = engine._all_units()
+    source.check([info for unit in units for info in unit.infos])
+    for unit in units:
+        source.fill(unit, (), ())
+    with torch.no_grad():
+        for key, buffer in model.named_buffers():
+            value = source.fill_buffer(key, buffer, None)
+            if value is not None:
+                buffer.copy_(value)

@@ -276,10 +276,17 @@ def select_world_devices(cluster: ClusterProfile, names: list[str], source: str)
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest complete ``checkpoint-N`` in ``output_dir`` (staging dirs are never complete)."""
-    from transformers.trainer_utils import get_last_checkpoint
+    """The newest COMPLETE ``checkpoint-N`` in ``output_dir`` (with the completeness marker;
+    staging dirs never match), or None; newer incomplete ones are skipped with a warning
+    naming them (``checkpoint.newest_complete_checkpoint``)."""
+    from hf_cephalo.engine.checkpoint import newest_complete_checkpoint
 
-    return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    newest = newest_complete_checkpoint(output_dir)
+    if newest.path is not None and newest.skipped:
+        logger.warning("resume: skipped %d incomplete checkpoint(s) newer than %s (no "
+                       "completeness marker: their save did not finish): %s",
+                       len(newest.skipped), newest.path, ", ".join(newest.skipped))
+    return newest.path
 
 
 def resolve_elastic_plan(args, world_size: int, model, train_dataset):

@@ -20,7 +20,7 @@ from torch import nn
 
 from hf_cephalo.file_modes import apply_default_mode
 
-__all__ = ["save_peft_adapter", "ADAPTER_FILES", "check_adapter_matches"]
+__all__ = ["save_peft_adapter", "load_peft_adapter", "ADAPTER_FILES", "check_adapter_matches"]
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
@@ -77,3 +77,60 @@ def check_adapter_matches(adapter_dir: str, base_model: nn.Module) -> None:
                     f"{adapter_dir}: adapter tensor {key} {tuple(shape)} does not fit the base "
                     f"model {type(base_model).__name__} ({module_name}: {have}); the adapter was "
                     f"trained on {base_name or 'another base model'}: load that base model")
+
+
+def load_peft_adapter(engine, peft_model: nn.Module, adapter_dir: str) -> None:
+    """Read the adapter in ``adapter_dir`` (``adapter_model.safetensors``, as ``save_peft_adapter``
+    or PEFT's ``save_pretrained`` write it) into the engine's TRAINABLE shards (the LoRA matrices
+    and ``modules_to_save`` copies), on any plan; the frozen base keeps its values, as
+    ``PeftModel.from_pretrained(base, dir)`` keeps the base it is given.
+
+    No collective: each rank reads only the elements of its own shards. The file key of each
+    trainable parameter is the one PEFT's own ``get_peft_model_state_dict`` gives it (the writer's
+    renaming, run over one placeholder tensor per parameter), so no names are matched by hand.
+    Everything is checked before the first value is copied.
+
+    Raises:
+        ValueError: the adapter file is missing, lacks a trainable parameter, or stores another
+            shape (a different LoRA rank or targets): names the key and the file.
+    """
+    from peft import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    from hf_cephalo.engine.checkpoint_files import read_range
+
+    path = os.path.join(adapter_dir, ADAPTER_FILES[0])
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: missing — the LoRA adapter weights; give a directory written "
+                         "by trainer.save_model (or PeftModel.save_pretrained)")
+    units = engine._all_units()
+    infos = [info for unit in units for info in unit.infos if info.requires_grad]
+    prefix = "base_model.model."  # the PeftModel's names of the engine's (inner model's) names
+    probes = {info.fqn: torch.empty(0) for info in infos}
+    renamed = get_peft_model_state_dict(peft_model, adapter_name=peft_model.active_adapter,
+                                        state_dict={prefix + k: v for k, v in probes.items()})
+    key_of = {id(value): key for key, value in renamed.items()}
+    with safe_open(path, framework="pt") as f:
+        stored = set(f.keys())
+        keys = {}
+        for info in infos:
+            key = key_of.get(id(probes[info.fqn]))
+            if key is None or key not in stored:
+                raise ValueError(f"{path}: no tensor for the trainable parameter {info.fqn} "
+                                 f"(PEFT's key {key!r}): an adapter of another LoRA setup; load "
+                                 "the adapter this model was configured for")
+            shape = tuple(f.get_slice(key).get_shape())
+            if shape != tuple(info.shape):
+                raise ValueError(f"{path}: {key} has shape {shape}, the model's {info.fqn} "
+                                 f"{tuple(info.shape)}: an adapter of another LoRA rank or base "
+                                 "model")
+            keys[info.fqn] = key
+        with torch.no_grad():
+            for unit in units:
+                for start, stop, local in unit.local_segments():
+                    for info in unit.infos:
+                        lo, hi = max(start, info.offset), min(stop, info.offset + info.numel)
+                        if info.requires_grad and lo < hi:
+                            local[lo - start:hi - start].copy_(read_range(
+                                f, keys[info.fqn], tuple(info.shape), lo - info.offset,
+                                hi - info.offset, local.dtype))

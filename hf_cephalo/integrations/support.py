@@ -108,6 +108,7 @@ _T = "tests/test_trainer.py::"
 _L = "tests/test_trainer_launch.py::"
 _P = "tests/test_trainer_parity.py::"
 _C = "tests/test_checkpoint_trainer.py"
+_K = "tests/test_checkpoint_settings.py::"
 _LOOP = "the stock training loop reads it; the engine only replaces the step itself"
 _EVAL = "stock evaluate()/predict() schedule; the loop body runs through the engine"
 _HUB = "stock hub upload code; CephaloTrainer.save_model writes the files it uploads"
@@ -270,7 +271,12 @@ FIELD_SUPPORT: dict[str, Support] = {
     "batch_eval_metrics": _refused("metrics are computed once over the gathered predictions: "
                                    "drop batch_eval_metrics"),
     # ---- saving ----
-    "save_only_model": _inherited("CephaloTrainer._save_checkpoint honours it"),
+    "save_only_model": _stock(
+        "checkpoints hold what stock's do: the save_model files (streamed; from_pretrained loads "
+        "them; a LoRA PeftModel: the adapter) and no optimizer, scheduler, scaler or RNG state; "
+        "resuming from one restores the weights (any plan) and the trainer state and restarts "
+        "the optimizer and LR schedule, as stock (LoRA: the adapter into the trainable shards)",
+        _K + "test_checkpoint_content_matrix"),
     "save_strategy": _inherited("stock loop decides when; CephaloTrainer saves"),
     "save_steps": _inherited("stock loop decides when; CephaloTrainer saves"),
     "save_on_each_node": _refused("only global rank 0 receives the gathered weights: drop "
@@ -288,11 +294,16 @@ FIELD_SUPPORT: dict[str, Support] = {
     "hub_strategy": _inherited(_HUB),
     "hub_always_push": _inherited(_HUB),
     "hub_revision": _inherited(_HUB),
-    "load_best_model_at_end": _refused(
-        "it would load a full state dict into sharded parameters: reload the best checkpoint "
-        "with from_pretrained instead (state.best_model_checkpoint names it)"),
-    "metric_for_best_model": _inherited("stock best-checkpoint tracking"),
-    "greater_is_better": _inherited("stock best-checkpoint tracking"),
+    "load_best_model_at_end": _stock(
+        "at train end the best checkpoint's weights are read into the engine's shards (any "
+        "plan, each rank its slices), so save_model, evaluate and unshard_model see them; "
+        "save_total_limit keeps the best checkpoint, as stock; without a matching eval "
+        "strategy: stock's own ValueError",
+        _K + "test_load_best_model_at_end_equals_run_stopped_at_best_step"),
+    "metric_for_best_model": _stock("stock best-checkpoint tracking",
+                                    _K + "test_load_best_model_at_end_equals_run_stopped_at_best_step"),
+    "greater_is_better": _stock("stock best-checkpoint tracking",
+                                _K + "test_load_best_model_at_end_equals_run_stopped_at_best_step"),
     "ignore_data_skip": _inherited("stock resume data skipping over the weighted loader"),
     "restore_callback_states_from_checkpoint": _inherited("stock callback state"),
     # ---- reproducibility / data ----

@@ -45,7 +45,11 @@ callbacks — is the Trainer's own):
   completeness marker); each rank writes its parameter and optimizer shards with their layout,
   so ``resume_from_checkpoint`` works onto any plan and world size (docs/checkpoints.md). The
   full model goes in only with ``cephalo_save_full_model``; ``hf-cephalo export`` writes it
-  from any checkpoint.
+  from any checkpoint. ``save_only_model`` checkpoints hold the ``save_model`` files only, as
+  stock (a resume restores the weights, not the optimizer). A checkpoint is marked complete
+  only if it holds every file its settings promise (``checkpoint_contents.py``).
+- **Best model** (``load_best_model_at_end``): stock tracking; at train end the best
+  checkpoint's weights are read into the shards (``_load_best_model``).
 - **Elastic** (``hf_cephalo.integrations.elastic``, README "Elastic training"): checkpoints also
   hold ``plan.json`` and ``cephalo_run.json``; a resume onto another world re-plans with the
   same global batch size (another B or model: ValueError), logs old and new plan side by side
@@ -209,6 +213,7 @@ class CephaloTrainer(Trainer):
                                        train_dataset=kwargs.get("train_dataset"),
                                        eval_dataset=kwargs.get("eval_dataset"), staged=staged)
         self.cluster_profile = None  # the profile an automatic plan was made from
+        self._resumed_weights_only = False  # resumed from a save_only_model checkpoint
         if plan is None:  # plan file > profile file > profile this cluster (auto_plan.py)
             plan, self.cluster_profile = resolve_elastic_plan(args, world_size, model,
                                                               kwargs.get("train_dataset"))
@@ -771,21 +776,26 @@ class CephaloTrainer(Trainer):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
         from hf_cephalo.engine.checkpoint import atomic_checkpoint_dir
+        from hf_cephalo.integrations.checkpoint_contents import check_contents
 
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         self._set_best_model_checkpoint(run_dir, output_dir)  # before trainer_state.json, as stock
-        with atomic_checkpoint_dir(output_dir, self.engine.group) as staging:
-            if self.args.cephalo_save_full_model:
+        contents = self._checkpoint_contents()
+        # [Note: a checkpoint holds what its settings promise] in checkpoint_contents.py
+        with atomic_checkpoint_dir(output_dir, self.engine.group, check=lambda staging:
+                                   check_contents(staging, contents, when="save")) as staging:
+            if contents.has_model_files:  # save_only_model (as stock) or cephalo_save_full_model
                 self.save_model(staging, _internal_call=True)
             elif self.args.should_save:
                 self._save_side_files(staging)
             if self.args.should_save:
                 self._save_run_record(staging)
                 _save_adapter_config(self.model, staging)
-            if not self.args.save_only_model:
+                contents.write(staging)
+            if contents.has_shards:  # not save_only_model: parameters + optimizer, as stock
                 self._save_optimizer_and_scheduler(staging)
                 self._save_scaler(staging)
                 self._save_rng_state(staging)
@@ -816,6 +826,53 @@ class CephaloTrainer(Trainer):
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if best == output_dir or os.path.exists(best):
                 self.state.best_model_checkpoint = best
+    def _checkpoint_contents(self):
+        """What this run's checkpoints hold, by its save settings (``CheckpointContents``)."""
+        from hf_cephalo.integrations.checkpoint_contents import CheckpointContents
+        from hf_cephalo.models.peft_lora import is_peft_model
+
+        return CheckpointContents(save_only_model=bool(self.args.save_only_model),
+                                  save_full_model=bool(self.args.cephalo_save_full_model),
+                                  peft=is_peft_model(self.model),
+                                  scaler=self.accelerator.scaler is not None,
+                                  scheduler=self.lr_scheduler is not None,
+                                  world_size=self.engine.world_size)
+
+    def _load_weights(self, checkpoint: str, contents) -> None:
+        """This rank's shards of ``checkpoint``'s weights into the engine, on any plan (no
+        collective): from the sharded state when the checkpoint has it (exact), else from the
+        ``save_model`` files (``save_only_model``; read slice by slice as
+        ``from_pretrained_sharded`` does; a LoRA PeftModel's adapter into the trainable shards,
+        the frozen base kept, as ``PeftModel.from_pretrained``)."""
+        from hf_cephalo.engine.checkpoint import load_sharded
+        from hf_cephalo.engine.loading import load_weights_into_engine
+        from hf_cephalo.integrations.peft_save import load_peft_adapter
+
+        if contents is None or contents.has_shards:
+            load_sharded(self.engine, checkpoint)
+        elif contents.peft:
+            load_peft_adapter(self.engine, self.model, checkpoint)
+        else:
+            load_weights_into_engine(self.engine, checkpoint)
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights into the engine's shards
+        (any plan; each rank reads only its slices), so ``save_model``, ``evaluate`` and
+        ``unshard_model`` after training see them. Weights only, as stock (the optimizer keeps
+        the last step's state).
+
+        Raises:
+            CheckpointError: (every rank) the best checkpoint lacks a weight file its settings
+                promised (names it and the setting), or a file is corrupt.
+        """
+        from hf_cephalo.engine.checkpoint import errors_on_every_rank
+        from hf_cephalo.integrations.checkpoint_contents import check_contents
+
+        path = self.state.best_model_checkpoint
+        logger.info(f"Loading best model from {path} (score: {self.state.best_metric}).")
+        with errors_on_every_rank(self.engine.group, what=f"load the best model from {path}"):
+            contents = check_contents(path, when="load the best model", weights_only=True)
+            self._load_weights(path, contents)
 
     # ---- elastic (hf_cephalo.integrations.elastic) ------------------------------------------
     def _save_run_record(self, output_dir: str) -> None:
@@ -843,8 +900,13 @@ class CephaloTrainer(Trainer):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = latest_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
+                from hf_cephalo.engine.checkpoint import newest_complete_checkpoint
+
+                incomplete = newest_complete_checkpoint(self.args.output_dir).skipped
+                found = (f" (only incomplete ones, without the completeness marker: "
+                         f"{', '.join(incomplete)})" if incomplete else "")
                 raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir!r} holds "
-                                 "no complete checkpoint-N; start without it")
+                                 f"no complete checkpoint-N{found}; start without it")
         if not resume_from_checkpoint:
             return resume_from_checkpoint
         old_plan, record = read_checkpoint_record(resume_from_checkpoint)
@@ -875,18 +937,26 @@ class CephaloTrainer(Trainer):
         Raises ``hf_cephalo.engine.checkpoint.CheckpointError`` (a ValueError naming the file)
         for an incomplete, corrupt or other-model checkpoint — before training starts.
         """
-        from hf_cephalo.engine.checkpoint import errors_on_every_rank, load_sharded
+        from hf_cephalo.engine.checkpoint import errors_on_every_rank
+        from hf_cephalo.integrations.checkpoint_contents import check_contents
 
         with errors_on_every_rank(self.engine.group):  # a bad shard on one rank stops all ranks
-            load_sharded(self.engine, resume_from_checkpoint)
+            contents = check_contents(resume_from_checkpoint)
+            self._load_weights(resume_from_checkpoint, contents)
+        self._resumed_weights_only = contents is not None and contents.save_only_model
+        if self._resumed_weights_only:
+            logger.warning(f"{resume_from_checkpoint} was saved with save_only_model=True: it "
+                           "holds the model weights and trainer state but no optimizer, LR "
+                           "scheduler, scaler or RNG state; resuming as stock Trainer does, with "
+                           "those restarted fresh (the LR schedule starts again from step 0)")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Optimizer state re-laid for this plan (exact values) and the scheduler's position.
 
         Reads only safetensors, JSON and ``torch.load(weights_only=True)``.
         """
-        if checkpoint is None:
-            return
+        if checkpoint is None or self._resumed_weights_only:
+            return  # save_only_model: stock finds no optimizer.pt / scheduler.pt and skips both
         import os
 
         from hf_cephalo.engine.checkpoint import (DAMAGED, CheckpointError, errors_on_every_rank,
