@@ -36,6 +36,7 @@ _EXPORTS = {
     # sampler
     "WeightedBatchSampler": "sampler",
     "MicrobatchCollator": "sampler",
+    "GlobalBatchCollator": "sampler",
     "split_counts": "sampler",
     "split_microbatches": "sampler",
     "global_batches": "sampler",

@@ -121,6 +121,14 @@ class CephaloTrainingArguments(TrainingArguments):
         "either way) or the param dtype (half the reduce-scatter bytes). "
         "Env: HF_CEPHALO_REDUCE_DTYPE.")})
 
+    cephalo_collate: Literal["global_batch", "microbatch"] | None = field(default=None, metadata={
+        "help": ("Where the data collator pads: 'global_batch' (default) collates each global "
+                 "batch once, on every rank, then splits it into ranks and microbatches, so every "
+                 "row is padded as in a single process with the whole batch, whatever the plan; "
+                 "'microbatch' collates each microbatch on its own: fewer padded tokens, but a "
+                 "row's padding (and so the loss, with left padding or without position_ids) "
+                 "then depends on the plan. Env: HF_CEPHALO_COLLATE.")})
+
     def __post_init__(self) -> None:
         self._resolve_cephalo_fields()
         if self.gradient_accumulation_steps != 1:
