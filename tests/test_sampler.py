@@ -12,6 +12,7 @@ from hf_cephalo.integrations.sampler import (
     MicrobatchCollator,
     WeightedBatchSampler,
     global_batches,
+    packs_without_padding,
     split_counts,
     split_microbatches,
 )
@@ -164,6 +165,24 @@ def test_global_batch_collation_pads_as_the_full_batch():
                                                                          shuffle=False),
                                 collate_fn=MicrobatchCollator(_left_pad, 1)))
     assert per_micro[0][0]["input_ids"].shape[1] < full_batches[0]["input_ids"].shape[1]
+
+
+def test_packing_collator_pads_nothing():
+    """DataCollatorWithFlattening (with position_ids; also inside the Trainer's column-removing
+    wrapper) is recognized as padding-free; its one packed row cannot be cut into samples."""
+    import logging
+
+    from transformers import DataCollatorWithFlattening
+    from transformers.trainer_utils import RemoveColumnsCollator
+
+    flatten = DataCollatorWithFlattening()
+    assert packs_without_padding(flatten)
+    assert packs_without_padding(RemoveColumnsCollator(flatten, ["input_ids"],
+                                                       logging.getLogger(__name__)))
+    assert not packs_without_padding(DataCollatorWithFlattening(return_position_ids=False))
+    assert not packs_without_padding(_left_pad)
+    with pytest.raises(ValueError, match="--cephalo_collate microbatch"):
+        GlobalBatchCollator(flatten, [1, 3], 0, 1)([{"input_ids": [1, 2, 3]}] * 4)
 
 
 def test_global_batch_collation_refuses_unsplittable_tensors():

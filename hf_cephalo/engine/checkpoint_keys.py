@@ -1,4 +1,4 @@
-"""Which checkpoint key feeds which model parameter: transformers' own key renames, no hand matching.
+"""Which checkpoint key feeds which model parameter: transformers' own renames, no hand matching.
 
 [Note: checkpoint keys through transformers' mapping]
 A folder written by ``save_pretrained`` does not always use the model's parameter names:

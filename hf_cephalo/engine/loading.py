@@ -21,8 +21,9 @@ Three starts, chosen by ``choose_source`` from the model's parameter devices:
 - ``CHECKPOINT`` (a safetensors folder / Hub id; parameters usually on the meta device): each
   rank reads only the elements overlapping its shards (``checkpoint_files.read_range``), under
   the checkpoint key ``from_pretrained`` would load into each parameter
-  (``checkpoint_keys.checkpoint_key_map``: transformers' own renames). The whole checkpoint (keys, shapes, file headers) is checked first, on every rank, before any
-  collective, so a bad checkpoint raises the same ValueError everywhere.
+  (``checkpoint_keys.checkpoint_key_map``: transformers' own renames). The whole checkpoint
+  (keys, shapes, file headers) is checked first, on every rank, before any collective, so a
+  bad checkpoint raises the same ValueError everywhere.
 - ``INIT`` (parameters on the meta device, no checkpoint): each unit is materialized on the host
   and initialized by the model's own ``_init_weights`` (transformers' ``PreTrainedModel``; plain
   torch modules: ``reset_parameters``), under a CPU generator seeded from (seed, unit name)

@@ -37,6 +37,7 @@ _EXPORTS = {
     "WeightedBatchSampler": "sampler",
     "MicrobatchCollator": "sampler",
     "GlobalBatchCollator": "sampler",
+    "packs_without_padding": "sampler",
     "split_counts": "sampler",
     "split_microbatches": "sampler",
     "global_batches": "sampler",

@@ -36,7 +36,11 @@ padding as in the single-process full-batch run, whatever the plan. The cost: ea
 and collates all B samples of a step (not only its b_i), and every microbatch carries the
 global batch's longest length. ``MicrobatchCollator`` (``--cephalo_collate microbatch``) pads
 each microbatch to its own longest row: fewer padded tokens, results that depend on the plan
-wherever padding is not neutral.
+wherever padding is not neutral. A packing collator that pads nothing (transformers'
+``DataCollatorWithFlattening`` with ``position_ids``: the samples it is given become one row,
+positions restarting per sequence, which the staged models attend block-diagonally) gives the
+same tokens however the samples are grouped, and its one row cannot be cut into samples: it
+is applied per microbatch in either mode (``packs_without_padding``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ __all__ = [
     "WeightedBatchSampler",
     "MicrobatchCollator",
     "GlobalBatchCollator",
+    "packs_without_padding",
     "split_counts",
     "split_microbatches",
     "global_batches",
@@ -243,6 +248,17 @@ class MicrobatchCollator:
 
     def __call__(self, samples: list[Any]) -> list[Any]:
         return [self.collate_fn(chunk) for chunk in split_microbatches(samples, self.microbatch_size)]
+
+
+def packs_without_padding(collate_fn: Any) -> bool:
+    """Whether ``collate_fn`` is transformers' ``DataCollatorWithFlattening`` returning
+    ``position_ids`` (seen through the Trainer's ``RemoveColumnsCollator`` wrapper): it packs
+    the samples into one row without padding, so per-microbatch application is independent of
+    the plan ([Note: padding independent of the plan])."""
+    from transformers import DataCollatorWithFlattening
+
+    inner = getattr(collate_fn, "data_collator", collate_fn)
+    return isinstance(inner, DataCollatorWithFlattening) and bool(inner.return_position_ids)
 
 
 class GlobalBatchCollator:

@@ -77,7 +77,7 @@ from hf_cephalo.integrations.auto_plan import PlanAccuracyCallback, wrap_staged
 from hf_cephalo.integrations.elastic import ElasticCallback, resolve_elastic_plan
 from hf_cephalo.integrations.preflight import check_before_planning
 from hf_cephalo.integrations.sampler import (GlobalBatchCollator, MicrobatchCollator,
-                                             WeightedBatchSampler)
+                                             WeightedBatchSampler, packs_without_padding)
 from hf_cephalo.integrations.sharded_model import guard_sharded_model, restore_full_model
 from hf_cephalo.integrations.support import HOOK_SUPPORT, check_training_args
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
@@ -334,7 +334,7 @@ class CephaloTrainer(Trainer):
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         rank = self.args.process_index
         # [Note: padding independent of the plan] (sampler.py)
-        whole = self.args.cephalo_collate == "global_batch"
+        whole = self.args.cephalo_collate == "global_batch" and not packs_without_padding(collator)
         sampler = WeightedBatchSampler(len(dataset), self.plan.batch_sizes, rank,
                                        seed=seed, shuffle=shuffle and strategy == "random",
                                        drop_last=shuffle and self.args.dataloader_drop_last,

@@ -127,7 +127,9 @@ class CephaloTrainingArguments(TrainingArguments):
                  "row is padded as in a single process with the whole batch, whatever the plan; "
                  "'microbatch' collates each microbatch on its own: fewer padded tokens, but a "
                  "row's padding (and so the loss, with left padding or without position_ids) "
-                 "then depends on the plan. Env: HF_CEPHALO_COLLATE.")})
+                 "then depends on the plan. A packing collator that pads nothing "
+                 "(DataCollatorWithFlattening) is applied per microbatch either way. "
+                 "Env: HF_CEPHALO_COLLATE.")})
 
     def __post_init__(self) -> None:
         self._resolve_cephalo_fields()
