@@ -9,7 +9,8 @@ real tokens). Collated per microbatch, a row's padding depended on the plan (b =
 the third digit. One run_ranks call trains both cases with the default collation (the global
 batch collated once) and with the opt-in ``cephalo_collate="microbatch"``; the test process
 replays the same global batches in one process with the plain HF model (full batch, fp32, SGD,
-constant learning rate, clipping) and compares losses, gradient norms and final weights.
+constant learning rate, clipping), and for the Llama case with stock ``Trainer`` too, and
+compares losses, gradient norms and final weights.
 """
 
 from __future__ import annotations
@@ -146,6 +147,29 @@ def test_default_collation_equals_full_batch(cephalo, case):
         assert _close(got["norms"], ref["norms"]), (got["norms"], ref["norms"])
         assert set(got["state"]) == set(ref["state"])
         for key, value in ref["state"].items():
+            torch.testing.assert_close(torch.from_numpy(got["state"][key]), value, rtol=RTOL,
+                                       atol=ATOL, msg=key)
+
+
+def test_default_collation_equals_stock_trainer(cephalo, tmp_path):
+    """The same left-padded Llama run through stock ``Trainer`` in one process with the whole
+    global batch per device (per_device_train_batch_size = B): the same logged losses,
+    gradient norms and final weights. (Llama only: stock Trainer divides GPT-2's loss by the
+    unshifted label count, see tests/test_trainer_parity.py.)"""
+    import transformers
+
+    model = build("llama")
+    args = _args(str(tmp_path), "stock", None, transformers.TrainingArguments)
+    args.per_device_train_batch_size = sum(SIZES)
+    trainer = transformers.Trainer(model=model, args=args, data_collator=_collator("left_pad"),
+                                   train_dataset=_samples())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    for result in cephalo:
+        got = result["llama_left_pad/default"]
+        assert _close(got["losses"], [h["loss"] for h in logs]), (got["losses"], logs)
+        assert _close(got["norms"], [h["grad_norm"] for h in logs]), (got["norms"], logs)
+        for key, value in model.state_dict().items():
             torch.testing.assert_close(torch.from_numpy(got["state"][key]), value, rtol=RTOL,
                                        atol=ATOL, msg=key)
 

@@ -335,7 +335,7 @@ HOOK_SUPPORT: dict[str, Support] = {
         "whatever the plan), then split into ranks and microbatches; --cephalo_collate "
         "microbatch pads per microbatch (less padding; the loss then depends on the plan with "
         "left padding or without position_ids)",
-        "tests/test_padding.py::test_default_collation_equals_full_batch"),
+        "tests/test_padding.py::test_default_collation_equals_stock_trainer"),
     "optimizers": _refused(
         "an optimizer built before the engine holds the model's full parameters, which the "
         "engine replaces by shards: pass optim/optim_args or optimizer_cls_and_kwargs instead"),
