@@ -212,13 +212,97 @@ def _check_trainer_meta_start(rank, world_size, path, out_dir) -> None:
     assert trainer.state.global_step == 1
 
 
-def _ranks_main(rank, world_size, ckpts, bad, out_dir):
+# ---- checkpoint keys through transformers' own mapping (every supported model class) --------
+def _rewrite_keys(src: str, dst: str, rename, extra: dict | None = None) -> str:
+    """A copy of the single-file checkpoint ``src`` with every key passed through ``rename``
+    (plus ``extra`` tensors), its config alongside."""
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst)
+    tensors = {rename(k): v for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
+    save_file({**tensors, **(extra or {})}, os.path.join(dst, "model.safetensors"),
+              metadata={"format": "pt"})
+    shutil.copy(os.path.join(src, "config.json"), os.path.join(dst, "config.json"))
+    return dst
+
+
+def _key_variant_folders(tmp_path) -> list[tuple[str, str, str, dict]]:
+    """(arch, variant, folder, from_pretrained kwargs): for every supported model class the
+    folder ``save_pretrained`` writes (GPT-NeoX stores ``embed_out.weight``; ViT stores
+    ``encoder.layer.N.attention.attention.query``, both renamed by transformers on load) and a
+    variant ``from_pretrained`` also accepts: causal LMs a checkpoint of the base model (no
+    ``base_model_prefix``; tied head); BERT legacy ``LayerNorm.gamma`` / ``beta`` names plus a
+    pretraining-head key the classifier does not use; ViT the model's current names; Llama also
+    the user's ``key_mapping``."""
+    from tests.models_fixtures import BUILDERS, CAUSAL
+
+    out = []
+    for arch in BUILDERS:
+        saved = str(tmp_path / f"{arch}-save_pretrained")
+        build(arch).save_pretrained(saved)
+        out.append((arch, "save_pretrained", saved, {}))
+        if arch in CAUSAL:
+            model = build(arch, tie_word_embeddings=True)
+            base = str(tmp_path / f"{arch}-base_model")
+            getattr(model, model.base_model_prefix).save_pretrained(base)
+            model.config.save_pretrained(base)  # the head model's config (tied)
+            out.append((arch, "base model, unprefixed", base, {}))
+    legacy = _rewrite_keys(
+        str(tmp_path / "bert-save_pretrained"), str(tmp_path / "bert-legacy"),
+        lambda k: k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias",
+                                                                           "LayerNorm.beta"),
+        extra={"cls.predictions.bias": torch.zeros(97)})
+    out.append(("bert", "legacy gamma/beta + unused head key", legacy, {}))
+    current = str(tmp_path / "vit-current_names")
+    os.makedirs(current)
+    from safetensors.torch import save_file
+
+    vit = build("vit")
+    save_file({k: v.contiguous() for k, v in vit.state_dict().items()},
+              os.path.join(current, "model.safetensors"), metadata={"format": "pt"})
+    vit.config.save_pretrained(current)
+    out.append(("vit", "current names", current, {}))
+    mapped = _rewrite_keys(str(tmp_path / "llama-save_pretrained"), str(tmp_path / "llama-mapped"),
+                           lambda k: k.replace("model.", "decoder.", 1))
+    out.append(("llama", "key_mapping", mapped, {"key_mapping": {r"^decoder\.": "model."}}))
+    return out
+
+
+def _check_key_variants(rank, world_size, variants) -> list[str]:
+    """Every folder: ``from_pretrained_sharded`` + the engine (uneven 0.7/0.3) holds, tensor by
+    tensor, what ``from_pretrained`` loads (which loads every key: nothing newly initialized),
+    and keeps the same weight conversions for saving."""
+    import hf_cephalo
+    from tests.models_fixtures import BUILDERS
+
+    done = []
+    for arch, variant, path, kwargs in variants:
+        cls = type(BUILDERS[arch]())
+        reference, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
+        assert not info["missing_keys"] and not info["mismatched_keys"], (arch, variant, info)
+        model = hf_cephalo.from_pretrained_sharded(path, model_class=cls, **kwargs)
+        engine = _engine(model, [0.7, 0.3])
+        conversions = [c.source_patterns for c in model._weight_conversions]
+        assert conversions == [c.source_patterns for c in reference._weight_conversions], \
+            (arch, variant, conversions)
+        full = engine.full_state_dict()
+        if rank == 0:
+            expected = reference.state_dict()
+            assert full.keys() == expected.keys(), (arch, variant)
+            for key, value in expected.items():
+                assert torch.equal(full[key], value), f"{arch} {variant}: {key} differs"
+        done.append(f"{arch}: {variant}")
+    return done
+
+
+def _ranks_main(rank, world_size, ckpts, bad, out_dir, variants):
     out = {"cases": _check_meta_equals_cpu(rank, world_size, ckpts)}
     _check_rank0_weights(rank, world_size)
     _check_no_full_model_kept(rank, world_size)
     if world_size == 2:
         out["init"] = [_meta_init(rank, world_size, None, seed=5),
                        _meta_init(rank, world_size, [0.9, 0.1], seed=5)]
+        out["key_variants"] = _check_key_variants(rank, world_size, variants)
         _check_bad_inputs(rank, world_size, bad)
         _check_trainer_meta_start(rank, world_size, ckpts[True], out_dir)
     else:
@@ -257,7 +341,8 @@ def runs(tmp_path_factory):
     ckpts = {tied: _save(tmp_path, tied) for tied in (False, True)}
     bad = _bad_checkpoints(tmp_path, ckpts[False])
     out_dir = str(tmp_path / "trainer")
-    return {w: run_ranks(_ranks_main, w, ckpts, bad, out_dir, timeout_s=TIMEOUT_S)
+    variants = _key_variant_folders(tmp_path)
+    return {w: run_ranks(_ranks_main, w, ckpts, bad, out_dir, variants, timeout_s=TIMEOUT_S)
             for w in (2, 3)}
 
 
@@ -266,6 +351,18 @@ def test_meta_start_equals_cpu_start(runs):
         cases = results[0]["cases"]
         assert len(cases) == 6, cases  # tied/untied x even / ratio / hand layouts
         assert all(r["cases"] == cases for r in results)
+
+
+def test_checkpoint_keys_through_transformers_mapping(runs):
+    """Every supported model class loads sharded, tensor by tensor equal to ``from_pretrained``,
+    from the folder ``save_pretrained`` writes and from a variant ``from_pretrained`` accepts
+    (hand-matched keys failed GPT-NeoX's ``embed_out`` and ViT's pre-rename names)."""
+    from tests.models_fixtures import BUILDERS
+
+    done = runs[2][0]["key_variants"]
+    assert runs[2][1]["key_variants"] == done
+    assert {case.split(":")[0] for case in done} == set(BUILDERS)
+    assert len(done) == 2 * len(BUILDERS) + 1, done
 
 
 def test_meta_init_same_for_every_plan_and_world_size(runs):

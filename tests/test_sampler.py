@@ -8,9 +8,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from hf_cephalo.integrations.sampler import (
+    GlobalBatchCollator,
     MicrobatchCollator,
     WeightedBatchSampler,
     global_batches,
+    packs_without_padding,
     split_counts,
     split_microbatches,
 )
@@ -122,6 +124,74 @@ def test_dataloader_microbatch_collation_and_empty_last_step():
     assert [mb.flatten().tolist() for mb in steps[0][0]] == [[0.0, 1.0], [2.0, 3.0]]
     assert [mb.flatten().tolist() for mb in steps[0][1]] == [[6.0]]
     assert steps[1][1] == [] and steps[2][1] == []
+
+
+def _left_pad(samples):
+    """Left-pads to the longest sample given (as a tokenizer with padding_side='left')."""
+    from transformers import BatchEncoding
+
+    width = max(len(s["ids"]) for s in samples)
+    ids = torch.tensor([[0] * (width - len(s["ids"])) + s["ids"] for s in samples])
+    return BatchEncoding({"input_ids": ids, "attention_mask": (ids != 0).long(), "tag": "kept"})
+
+
+def test_global_batch_collation_pads_as_the_full_batch():
+    """Every rank's microbatch rows are the rows of the whole global batch collated at once,
+    for any plan (partial last batch and empty ranks included); per-microbatch collation pads
+    differently (the plan-dependent padding it replaces)."""
+    data = [{"ids": list(range(1, 2 + (7 * i) % 5))} for i in range(11)]
+    for sizes, micro in (([1, 3], [1, 2]), ([3, 1], [3, 1]), ([2, 0, 2], [1, 1, 2])):
+        full_batches = [_left_pad([data[i] for i in batch])
+                        for batch in global_batches(len(data), sum(sizes), shuffle=False)]
+        steps = []
+        for rank, m in enumerate(micro):
+            if sizes[rank] == 0:
+                continue
+            sampler = WeightedBatchSampler(len(data), sizes, rank, shuffle=False,
+                                           yield_global_batch=True)
+            loader = DataLoader(data, batch_sampler=sampler,
+                                collate_fn=GlobalBatchCollator(_left_pad, sizes, rank, m))
+            local = sampler.local_batches()
+            for step, microbatches in enumerate(loader):
+                assert sum(len(mb["input_ids"]) for mb in microbatches) == len(local[step])
+                assert all(len(mb["input_ids"]) <= m for mb in microbatches)
+                assert all(type(mb).__name__ == "BatchEncoding" and mb["tag"] == "kept"
+                           for mb in microbatches)
+                steps.append((step, microbatches))
+        for step, full in enumerate(full_batches):
+            rows = torch.cat([mb["input_ids"] for s, mbs in steps if s == step for mb in mbs])
+            assert torch.equal(rows, full["input_ids"]), (sizes, step)
+    per_micro = list(DataLoader(data, batch_sampler=WeightedBatchSampler(11, [1, 3], 0,
+                                                                         shuffle=False),
+                                collate_fn=MicrobatchCollator(_left_pad, 1)))
+    assert per_micro[0][0]["input_ids"].shape[1] < full_batches[0]["input_ids"].shape[1]
+
+
+def test_packing_collator_pads_nothing():
+    """DataCollatorWithFlattening (with position_ids; also inside the Trainer's column-removing
+    wrapper) is recognized as padding-free; its one packed row cannot be cut into samples."""
+    import logging
+
+    from transformers import DataCollatorWithFlattening
+    from transformers.trainer_utils import RemoveColumnsCollator
+
+    flatten = DataCollatorWithFlattening()
+    assert packs_without_padding(flatten)
+    assert packs_without_padding(RemoveColumnsCollator(flatten, ["input_ids"],
+                                                       logging.getLogger(__name__)))
+    assert not packs_without_padding(DataCollatorWithFlattening(return_position_ids=False))
+    assert not packs_without_padding(_left_pad)
+    with pytest.raises(ValueError, match="--cephalo_collate microbatch"):
+        GlobalBatchCollator(flatten, [1, 3], 0, 1)([{"input_ids": [1, 2, 3]}] * 4)
+
+
+def test_global_batch_collation_refuses_unsplittable_tensors():
+    collate = GlobalBatchCollator(lambda s: {"x": torch.zeros(len(s)), "n": torch.tensor(3.0)},
+                                  [2, 2], 1, 1)
+    with pytest.raises(ValueError, match=r"shape \(\) for 4 samples.*--cephalo_collate microbatch"):
+        collate([{}] * 4)
+    with pytest.raises(ValueError, match="rank = 2"):
+        GlobalBatchCollator(list, [1, 1], 2, 1)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -209,7 +209,7 @@ def _loader_case(out_dir):
         trainer = _cephalo_trainer("plain", out_dir, args=extra)
         trainer.train_dataset = ds
         loader = trainer.get_train_dataloader()
-        out[name] = [list(b) for b in loader.batch_sampler]
+        out[name] = loader.batch_sampler.local_batches()  # this rank's rows of each step
     return out
 
 

@@ -47,11 +47,14 @@ class CheckpointFiles:
     source: what the user gave (folder or Hub id), for messages.
     weight_map: checkpoint key -> absolute file path (every key of every file).
     index_path: the ``model.safetensors.index.json`` it came from, or None for one file.
+    key_mapping: the user's key renames (regex -> replacement), as ``from_pretrained``'s
+        ``key_mapping``; applied by ``checkpoint_keys.checkpoint_key_map`` before the model's own.
     """
 
     source: str
     weight_map: dict[str, str]
     index_path: str | None = None
+    key_mapping: dict[str, str] | None = None
     _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     @property
@@ -62,20 +65,6 @@ class CheckpointFiles:
     def where(self) -> str:
         """The index file, or the single file, for error messages."""
         return self.index_path or (self.files[0] if self.files else self.source)
-
-    def find(self, names: Iterable[str], prefix: str = "") -> str | None:
-        """The first of ``names`` (a parameter's fqn and aliases) that is a checkpoint key,
-        also trying each name without / with ``prefix + '.'`` (a checkpoint of the base model
-        or of the model with a head, as ``from_pretrained`` accepts); None if none is."""
-        for name in names:
-            candidates = [name]
-            if prefix:
-                candidates += [name.removeprefix(prefix + ".") if name.startswith(prefix + ".")
-                               else f"{prefix}.{name}"]
-            for key in candidates:
-                if key in self.weight_map:
-                    return key
-        return None
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The stored shape of ``key`` (read from the file header; cached after ``check_files``)."""

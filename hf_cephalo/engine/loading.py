@@ -19,9 +19,11 @@ Three starts, chosen by ``choose_source`` from the model's parameter devices:
   layout). A model that each rank initialized differently (a new classification head, another
   seed) thus starts from ONE set of weights. Buffers are broadcast from rank 0 too.
 - ``CHECKPOINT`` (a safetensors folder / Hub id; parameters usually on the meta device): each
-  rank reads only the elements overlapping its shards (``checkpoint_files.read_range``). The
-  whole checkpoint (keys, shapes, file headers) is checked first, on every rank, before any
-  collective, so a bad checkpoint raises the same ValueError everywhere.
+  rank reads only the elements overlapping its shards (``checkpoint_files.read_range``), under
+  the checkpoint key ``from_pretrained`` would load into each parameter
+  (``checkpoint_keys.checkpoint_key_map``: transformers' own renames). The whole checkpoint
+  (keys, shapes, file headers) is checked first, on every rank, before any collective, so a
+  bad checkpoint raises the same ValueError everywhere.
 - ``INIT`` (parameters on the meta device, no checkpoint): each unit is materialized on the host
   and initialized by the model's own ``_init_weights`` (transformers' ``PreTrainedModel``; plain
   torch modules: ``reset_parameters``), under a CPU generator seeded from (seed, unit name)
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint_files import CheckpointFiles, read_range, resolve_checkpoint
+from .checkpoint_keys import KeyMap, checkpoint_key_map
 from .flat_param import FlatParamUnit, ParamInfo
 
 
@@ -88,8 +91,8 @@ def choose_source(model: nn.Module, checkpoint: CheckpointLike | None, *, seed: 
     if checkpoint is not None:
         files = checkpoint if isinstance(checkpoint, CheckpointFiles) else \
             resolve_checkpoint(checkpoint)
-        prefix = getattr(model, "base_model_prefix", "") or ""
-        return CheckpointSource(files, prefix, rank)
+        return CheckpointSource(files, checkpoint_key_map(model, files.weight_map,
+                                                          key_mapping=files.key_mapping), rank)
     if meta and real:
         raise ValueError(f"parameters {meta[:3]} are on the meta device but {real[:3]} are not, "
                          "and no checkpoint was given: build the whole model on the meta device "
@@ -147,22 +150,32 @@ class CheckpointSource:
 
     kind = StartKind.CHECKPOINT
 
-    def __init__(self, files: CheckpointFiles, prefix: str, rank: int):
-        self.files, self.prefix, self.rank = files, prefix, rank
+    def __init__(self, files: CheckpointFiles, key_map: KeyMap, rank: int):
+        self.files, self.key_map, self.rank = files, key_map, rank
         self._keys: dict[str, str] = {}  # parameter fqn -> checkpoint key
+
+    def _find(self, names: Sequence[str]) -> str | None:
+        """The checkpoint key transformers maps onto the first of ``names`` (a parameter's
+        fqn and its tied aliases) that has one, or None."""
+        to_checkpoint = self.key_map.to_checkpoint
+        return next((to_checkpoint[n] for n in names if n in to_checkpoint), None)
 
     def check(self, infos: Sequence[ParamInfo]) -> None:
         """Every parameter has a key of the right shape; every file's header is sound.
 
-        Raises ValueError naming the parameter and the file (no collective: every rank sees
-        the same files and raises the same error).
+        Keys are resolved by transformers' own loading renames ([Note: checkpoint keys
+        through transformers' mapping] in ``checkpoint_keys.py``). Raises ValueError naming
+        the parameter and the file (no collective: every rank sees the same files and raises
+        the same error).
         """
         self.files.check_files()
         for info in infos:
-            key = self.files.find(info.aliases, self.prefix)
+            key = self._find(info.aliases)
             if key is None:
                 raise ValueError(f"parameter {info.fqn} (names {list(info.aliases)}) is not in "
-                                 f"the checkpoint {self.files.where()}: it is a checkpoint of "
+                                 f"the checkpoint {self.files.where()}, also not under the "
+                                 "names from_pretrained maps onto it (transformers' key renames, "
+                                 "legacy names, base-model prefix): it is a checkpoint of "
                                  "another model, or its index misses an entry")
             shape = self.files.shape(key)
             if tuple(shape) != tuple(info.shape):
@@ -198,7 +211,7 @@ class CheckpointSource:
         """A persistent buffer stored in the checkpoint is read; else None (init it)."""
         from safetensors import safe_open
 
-        found = self.files.find([key], self.prefix)
+        found = self._find([key])
         if found is None:
             return None
         with safe_open(self.files.weight_map[found], framework="pt") as f:
@@ -379,7 +392,9 @@ def load_weights_into_engine(engine, checkpoint: CheckpointLike) -> None:
     model = engine.staged.model
     files = checkpoint if isinstance(checkpoint, CheckpointFiles) else \
         resolve_checkpoint(checkpoint)
-    source = CheckpointSource(files, getattr(model, "base_model_prefix", "") or "", engine.rank)
+    source = CheckpointSource(files, checkpoint_key_map(model, files.weight_map,
+                                                        key_mapping=files.key_mapping),
+                              engine.rank)
     units = engine._all_units()
     source.check([info for unit in units for info in unit.infos])
     for unit in units:

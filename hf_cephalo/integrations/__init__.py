@@ -36,6 +36,8 @@ _EXPORTS = {
     # sampler
     "WeightedBatchSampler": "sampler",
     "MicrobatchCollator": "sampler",
+    "GlobalBatchCollator": "sampler",
+    "packs_without_padding": "sampler",
     "split_counts": "sampler",
     "split_microbatches": "sampler",
     "global_batches": "sampler",

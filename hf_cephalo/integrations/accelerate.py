@@ -80,6 +80,7 @@ def _parse_list(value: Any, cast: type, name: str) -> list:
 
 
 PARAM_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
+COLLATE_CHOICES = ("global_batch", "microbatch")
 REDUCE_DTYPE_CHOICES = ("fp32", "bf16", "fp16")
 
 
@@ -93,8 +94,8 @@ class CephaloPlugin:
 
     Raises ValueError naming the field, its ``--cephalo_*`` flag, its environment variable and
     the value, for: a missing plan/profile file, a global batch size < 1, a memory fraction
-    outside (0, 1], an unknown activation offload mode, a slowdown factor < 1 or not finite, a
-    memory cap < 1 byte, or emulation lists of different lengths.
+    outside (0, 1], an unknown activation offload mode or collate scope, a slowdown factor < 1
+    or not finite, a memory cap < 1 byte, or emulation lists of different lengths.
     """
 
     plan_file: str | None = None
@@ -126,6 +127,11 @@ class CephaloPlugin:
     """Precision per rank (docs/engine.md "Precision per rank"): 'auto' or one of fp32 / bf16 /
     fp16 per rank, rank order ('bf16,bf16,fp16,fp32'); None (default): the job's one precision
     (--bf16 / --fp16 / fp32). Not with --bf16 / --fp16."""
+    collate: str | None = None
+    """Where the data collator runs: 'global_batch' (default: once per global batch, then split
+    into ranks and microbatches; padding as one process with the whole batch) or 'microbatch'
+    (per microbatch: less padding, padding then depends on the plan). See [Note: padding
+    independent of the plan] in ``integrations/sampler.py``."""
     distributed_type: CephaloDistributedType = CephaloDistributedType.CEPHALO
     """Cephalo's own distributed type (Accelerate's stays MULTI_GPU / MULTI_CPU)."""
 
@@ -147,6 +153,8 @@ class CephaloPlugin:
             self.param_dtype = "auto"
         if self.reduce_dtype is None:
             self.reduce_dtype = "fp32"
+        if self.collate is None:
+            self.collate = "global_batch"
         self._validate()
 
     def _bad(self, name: str, requirement: str) -> ValueError:
@@ -190,7 +198,8 @@ class CephaloPlugin:
                                              "rank in rank order, e.g. 'bf16,bf16,fp16,fp32'")
             self.precision = ",".join(names)
         for name, choices in (("param_dtype", PARAM_DTYPE_CHOICES),
-                              ("reduce_dtype", REDUCE_DTYPE_CHOICES)):
+                              ("reduce_dtype", REDUCE_DTYPE_CHOICES),
+                              ("collate", COLLATE_CHOICES)):
             value = str(getattr(self, name)).strip().lower()
             if value not in choices:
                 raise self._bad(name, f"must be one of {choices}")

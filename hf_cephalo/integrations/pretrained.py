@@ -31,7 +31,8 @@ _HUB_KEYS = ("revision", "cache_dir", "token", "local_files_only", "subfolder")
 
 def from_pretrained_sharded(pretrained_model_name_or_path: str | os.PathLike, *,
                             model_class: Any = None, dtype: torch.dtype = torch.float32,
-                            config: Any = None, **kwargs: Any):
+                            config: Any = None, key_mapping: dict[str, str] | None = None,
+                            **kwargs: Any):
     """The checkpoint's model on the meta device, its safetensors files attached.
 
     Args:
@@ -42,6 +43,10 @@ def from_pretrained_sharded(pretrained_model_name_or_path: str | os.PathLike, *,
         dtype: the parameters' dtype (default float32: the engine trains fp32 master weights);
             each slice is converted while it is read.
         config: a config to use instead of the checkpoint's.
+        key_mapping: extra checkpoint key renames (regex -> replacement), as
+            ``from_pretrained``'s ``key_mapping``. The model's own renames, legacy names and the
+            base-model prefix are applied as ``from_pretrained`` applies them
+            (``hf_cephalo.engine.checkpoint_keys``), when the engine reads the checkpoint.
         **kwargs: ``revision``, ``cache_dir``, ``token``, ``local_files_only``, ``subfolder``
             (hub options) and config overrides (e.g. ``num_labels=3``: a head whose shape then
             differs from the checkpoint's is refused when the engine checks the checkpoint).
@@ -55,6 +60,7 @@ def from_pretrained_sharded(pretrained_model_name_or_path: str | os.PathLike, *,
 
     hub = {k: kwargs.pop(k) for k in _HUB_KEYS if k in kwargs}
     files = resolve_checkpoint(pretrained_model_name_or_path, **hub)
+    files.key_mapping = dict(key_mapping) if key_mapping else None
     if config is None:
         config = transformers.AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub,
                                                          **kwargs)

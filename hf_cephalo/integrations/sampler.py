@@ -21,6 +21,26 @@ b_i, and a rank with b_i = 0 gets none. No sample is duplicated or dropped (unle
 ``drop_last``), so every sample is used exactly once per epoch. A rank may therefore get ZERO
 samples in the last step (e.g. 1 leftover sample on 3 ranks); it still yields an empty list
 so that it joins the step's collectives — the engine accepts an empty microbatch list.
+
+[Note: padding independent of the plan]
+A collator pads each batch it is given to that batch's longest row (``DataCollatorWithPadding``,
+``DataCollatorForLanguageModeling``, ...), so where it is applied decides a row's padding — and
+padding is not always neutral: with left padding the first real token is predicted from a pad
+position whose output depends on how many pads precede it, and a model without
+``position_ids`` numbers positions from the first column (GPT-2), so the row's real tokens move
+with its padding. Collating each rank's microbatch on its own therefore made losses depend on
+the plan (b_i, m_i). ``GlobalBatchCollator`` (the trainer's default) collates the whole global
+batch once — on every rank, exactly the batch one process would collate with the whole global
+batch — and then cuts this rank's rows and its microbatches out of it: every row has the same
+padding as in the single-process full-batch run, whatever the plan. The cost: each rank reads
+and collates all B samples of a step (not only its b_i), and every microbatch carries the
+global batch's longest length. ``MicrobatchCollator`` (``--cephalo_collate microbatch``) pads
+each microbatch to its own longest row: fewer padded tokens, results that depend on the plan
+wherever padding is not neutral. A packing collator that pads nothing (transformers'
+``DataCollatorWithFlattening`` with ``position_ids``: the samples it is given become one row,
+positions restarting per sequence, which the staged models attend block-diagonally) gives the
+same tokens however the samples are grouped, and its one row cannot be cut into samples: it
+is applied per microbatch in either mode (``packs_without_padding``).
 """
 
 from __future__ import annotations
@@ -34,6 +54,8 @@ from torch.utils.data import Sampler
 __all__ = [
     "WeightedBatchSampler",
     "MicrobatchCollator",
+    "GlobalBatchCollator",
+    "packs_without_padding",
     "split_counts",
     "split_microbatches",
     "global_batches",
@@ -138,6 +160,9 @@ class WeightedBatchSampler(Sampler[list[int]]):
         shuffle: permute the dataset each epoch (False for evaluation: dataset order).
         drop_last: drop the last partial global batch instead of splitting it.
         lengths: per-sample lengths: group-by-length order (see ``global_batches``).
+        yield_global_batch: yield the whole global batch at every step (for
+            ``GlobalBatchCollator``, which keeps this rank's rows after collating it) instead of
+            this rank's share; ``local_batches`` gives this rank's share either way.
 
     Every rank yields ``len(self)`` lists (= ceil(N/B), or floor with ``drop_last``); the lists
     of all ranks at one step are disjoint and together form the global batch; over an epoch each
@@ -152,8 +177,9 @@ class WeightedBatchSampler(Sampler[list[int]]):
 
     def __init__(self, dataset_length: int, batch_sizes: Sequence[int], rank: int, *,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-                 lengths: Sequence[int] | None = None) -> None:
+                 lengths: Sequence[int] | None = None, yield_global_batch: bool = False) -> None:
         self.batch_sizes = _check_batch_sizes(batch_sizes)
+        self.yield_global_batch = bool(yield_global_batch)
         if isinstance(dataset_length, bool) or not isinstance(dataset_length, int) or dataset_length < 0:
             raise ValueError(f"dataset_length = {dataset_length!r} must be an integer >= 0 (samples)")
         if not 0 <= rank < len(self.batch_sizes):
@@ -179,19 +205,27 @@ class WeightedBatchSampler(Sampler[list[int]]):
         """Select the permutation of ``epoch`` (same call on every rank)."""
         self.epoch = epoch
 
+    def _global_batches(self) -> list[list[int]]:
+        return global_batches(self.dataset_length, self.global_batch_size, epoch=self.epoch,
+                              seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
+                              lengths=self.lengths)
+
     def rank_batches(self, rank: int) -> list[list[int]]:
         """All of ``rank``'s per-step index lists for the current epoch (pure; no communication)."""
         steps = []
-        for batch in global_batches(self.dataset_length, self.global_batch_size, epoch=self.epoch,
-                                    seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
-                                    lengths=self.lengths):
+        for batch in self._global_batches():
             counts = split_counts(len(batch), self.batch_sizes)
             start = sum(counts[:rank])
             steps.append(batch[start:start + counts[rank]])
         return steps
 
+    def local_batches(self) -> list[list[int]]:
+        """This rank's per-step index lists (the rows its loader's microbatches hold, in order),
+        whether the loader is fed global batches or not."""
+        return self.rank_batches(self.rank)
+
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self.rank_batches(self.rank)
+        yield from self._global_batches() if self.yield_global_batch else self.local_batches()
 
     def __len__(self) -> int:
         full, partial = divmod(self.dataset_length, self.global_batch_size)
@@ -202,8 +236,9 @@ class MicrobatchCollator:
     """DataLoader ``collate_fn`` that turns a rank's batch into a list of collated microbatches.
 
     ``collate_fn`` (e.g. a ``DataCollatorForLanguageModeling``) is applied to each microbatch of
-    ``microbatch_size`` samples separately, so padding is per microbatch. An empty batch (a rank
-    with no samples in the last step) gives ``[]``.
+    ``microbatch_size`` samples separately, so padding is per microbatch: it depends on the plan
+    ([Note: padding independent of the plan]). An empty batch (a rank with no samples in the
+    last step) gives ``[]``.
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any], microbatch_size: int) -> None:
@@ -213,3 +248,74 @@ class MicrobatchCollator:
 
     def __call__(self, samples: list[Any]) -> list[Any]:
         return [self.collate_fn(chunk) for chunk in split_microbatches(samples, self.microbatch_size)]
+
+
+def packs_without_padding(collate_fn: Any) -> bool:
+    """Whether ``collate_fn`` is transformers' ``DataCollatorWithFlattening`` returning
+    ``position_ids`` (seen through the Trainer's ``RemoveColumnsCollator`` wrapper): it packs
+    the samples into one row without padding, so per-microbatch application is independent of
+    the plan ([Note: padding independent of the plan])."""
+    from transformers import DataCollatorWithFlattening
+
+    inner = getattr(collate_fn, "data_collator", collate_fn)
+    return isinstance(inner, DataCollatorWithFlattening) and bool(inner.return_position_ids)
+
+
+class GlobalBatchCollator:
+    """DataLoader ``collate_fn`` for a loader fed whole global batches
+    (``WeightedBatchSampler(..., yield_global_batch=True)``): collate the global batch once,
+    keep this rank's rows, cut them into microbatches ([Note: padding independent of the
+    plan]).
+
+    Args:
+        collate_fn: the user's collator, called once per step with all samples of the global
+            batch (in global-batch order, as one process with the whole batch would call it).
+        batch_sizes: per-rank batch sizes b_i (samples), rank order; a partial last global batch
+            is split with ``split_counts``, as the sampler splits it.
+        rank: this rank.
+        microbatch_size: m_i (samples).
+
+    Returns (per call) a list of microbatches, each the collated structure (dict,
+    ``BatchEncoding``, tuple, ...) with every tensor cut to the microbatch's rows along dim 0;
+    ``[]`` for a rank without samples in this step (the collator is not called then).
+    Raises ValueError when the collated batch holds a tensor whose first dimension is not the
+    number of samples (its rows cannot be told apart): use ``--cephalo_collate microbatch``.
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], batch_sizes: Sequence[int],
+                 rank: int, microbatch_size: int) -> None:
+        split_microbatches([], microbatch_size)  # validates microbatch_size
+        self.batch_sizes = _check_batch_sizes(batch_sizes)
+        if not 0 <= rank < len(self.batch_sizes):
+            raise ValueError(f"rank = {rank} is out of range for {len(self.batch_sizes)} per-rank "
+                             f"batch sizes {self.batch_sizes}")
+        self.collate_fn, self.rank, self.microbatch_size = collate_fn, rank, microbatch_size
+
+    def __call__(self, samples: list[Any]) -> list[Any]:
+        counts = split_counts(len(samples), self.batch_sizes)
+        start, count = sum(counts[:self.rank]), counts[self.rank]
+        if count == 0:
+            return []
+        batch = self.collate_fn(samples)
+        return [_rows(batch, start + lo, start + min(lo + self.microbatch_size, count),
+                      len(samples))
+                for lo in range(0, count, self.microbatch_size)]
+
+
+def _rows(batch: Any, start: int, stop: int, num_samples: int) -> Any:
+    """``batch`` with every tensor cut to rows ``[start, stop)`` (dim 0); the container types
+    (dict, ``BatchEncoding``, list, tuple, namedtuple) and non-tensor leaves kept
+    (``accelerate.utils.recursively_apply``)."""
+    from accelerate.utils import recursively_apply
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0 or tensor.shape[0] != num_samples:
+            raise ValueError(f"the data collator returned a tensor of shape {tuple(tensor.shape)} "
+                             f"for {num_samples} samples: its first dimension is not the "
+                             "samples, so the global batch cannot be split into ranks and "
+                             "microbatches after collating it; make the collator return one "
+                             "row per sample, or collate per microbatch with "
+                             "--cephalo_collate microbatch (padding then depends on the plan)")
+        return tensor[start:stop]
+
+    return recursively_apply(cut, batch, error_on_other_type=False)

@@ -389,7 +389,12 @@ HOOK_SUPPORT: dict[str, Support] = {
     "preprocess_logits_for_metrics": _stock("per microbatch on the device",
                                             _T + "test_matches_full_batch_reference"),
     "callbacks": _inherited("stock callback handler"),
-    "data_collator": _stock("applied per microbatch", _T + "test_matches_full_batch_reference"),
+    "data_collator": _stock(
+        "called once per global batch (every row padded as in one process with the whole batch, "
+        "whatever the plan), then split into ranks and microbatches; --cephalo_collate "
+        "microbatch pads per microbatch (less padding; the loss then depends on the plan with "
+        "left padding or without position_ids)",
+        "tests/test_padding.py::test_default_collation_equals_stock_trainer"),
     "optimizers": _refused(
         "an optimizer built before the engine holds the model's full parameters, which the "
         "engine replaces by shards: pass optim/optim_args or optimizer_cls_and_kwargs instead"),

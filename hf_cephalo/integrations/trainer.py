@@ -83,7 +83,8 @@ from hf_cephalo.integrations.auto_plan import (PlanAccuracyCallback, job_rank_pr
 from hf_cephalo.integrations.elastic import ElasticCallback, resolve_elastic_plan
 from hf_cephalo.integrations.jit_checkpoint import replace_jit_checkpoint_callback
 from hf_cephalo.integrations.preflight import check_before_planning, check_script
-from hf_cephalo.integrations.sampler import MicrobatchCollator, WeightedBatchSampler
+from hf_cephalo.integrations.sampler import (GlobalBatchCollator, MicrobatchCollator,
+                                             WeightedBatchSampler, packs_without_padding)
 from hf_cephalo.integrations.sharded_model import guard_sharded_model, restore_full_model
 from hf_cephalo.integrations.support import HOOK_SUPPORT
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
@@ -375,17 +376,22 @@ class CephaloTrainer(Trainer):
             # transform, so the image column survives the pruning.
             collator = self._get_collator_with_removed_columns(collator, description=description)
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        sampler = WeightedBatchSampler(len(dataset), self.plan.batch_sizes, self.args.process_index,
+        rank = self.args.process_index
+        # [Note: padding independent of the plan] (sampler.py)
+        whole = self.args.cephalo_collate == "global_batch" and not packs_without_padding(collator)
+        sampler = WeightedBatchSampler(len(dataset), self.plan.batch_sizes, rank,
                                        seed=seed, shuffle=shuffle and strategy == "random",
                                        drop_last=shuffle and self.args.dataloader_drop_last,
-                                       lengths=lengths)
+                                       lengths=lengths, yield_global_batch=whole)
+        collate_fn = (GlobalBatchCollator(collator, self.plan.batch_sizes, rank, microbatch_size)
+                      if whole else MicrobatchCollator(collator, microbatch_size))
         workers = self.args.dataloader_num_workers
         extra = {} if workers == 0 else dict(
             persistent_workers=self.args.dataloader_persistent_workers,
             prefetch_factor=self.args.dataloader_prefetch_factor,
             multiprocessing_context=self.args.dataloader_multiprocessing_context)
         return _EpochDataLoader(dataset, batch_sampler=sampler,
-                                collate_fn=MicrobatchCollator(collator, microbatch_size),
+                                collate_fn=collate_fn,
                                 num_workers=workers, pin_memory=self.args.dataloader_pin_memory,
                                 **extra)
 
@@ -620,7 +626,7 @@ class CephaloTrainer(Trainer):
             prediction_loss_only = self.args.prediction_loss_only
         self.model.eval()
         loss_sum, num_items, local, has_labels = 0.0, 0, [], bool(self.label_names)
-        for indices, microbatches in zip(dataloader.batch_sampler, dataloader):
+        for indices, microbatches in zip(dataloader.batch_sampler.local_batches(), dataloader):
             microbatches = self._prepare_input(microbatches)
             out = self.engine.evaluate(microbatches, return_logits=not prediction_loss_only,
                                        process_logits=self._microbatch_predictions)

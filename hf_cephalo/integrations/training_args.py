@@ -132,6 +132,15 @@ class CephaloTrainingArguments(TrainingArguments):
         "them; without a plan each rank is profiled in its precision at start (not with "
         "--cephalo_profile_file). Not with --bf16 / --fp16. "
         "Env: HF_CEPHALO_PRECISION.")})
+    cephalo_collate: Literal["global_batch", "microbatch"] | None = field(default=None, metadata={
+        "help": ("Where the data collator pads: 'global_batch' (default) collates each global "
+                 "batch once, on every rank, then splits it into ranks and microbatches, so every "
+                 "row is padded as in a single process with the whole batch, whatever the plan; "
+                 "'microbatch' collates each microbatch on its own: fewer padded tokens, but a "
+                 "row's padding (and so the loss, with left padding or without position_ids) "
+                 "then depends on the plan. A packing collator that pads nothing "
+                 "(DataCollatorWithFlattening) is applied per microbatch either way. "
+                 "Env: HF_CEPHALO_COLLATE.")})
 
     def __post_init__(self) -> None:
         self._resolve_cephalo_fields()

@@ -1,0 +1,114 @@
+"""Which checkpoint key feeds which model parameter: transformers' own renames, no hand matching.
+
+[Note: checkpoint keys through transformers' mapping]
+A folder written by ``save_pretrained`` does not always use the model's parameter names:
+transformers 5 renames modules in code and maps the stored names back when loading (GPT-NeoX's
+``embed_out`` -> ``lm_head``; ViT's ``encoder.layer.N.attention.attention.query`` ->
+``layers.N.attention.q_proj``), old checkpoints carry legacy names (BERT's ``LayerNorm.gamma``
+/ ``beta``), a checkpoint of the base model lacks the ``base_model_prefix`` (``h.0...`` for
+``transformer.h.0...``) and one of a model with a head has it where a base model has not, and
+``from_pretrained(..., key_mapping=...)`` adds the user's own renames. ``checkpoint_key_map``
+resolves every checkpoint key with the functions ``from_pretrained`` itself uses, in its order:
+``transformers.conversion_mapping.get_model_conversion_mapping(model, key_mapping)`` (the
+model's registered transforms, scoped to sub-models, plus the legacy ones), then, for each
+checkpoint key in ``dot_natural_key`` order, ``core_model_loading.rename_source_key`` (every
+renaming, at most one converter, the ``base_model_prefix`` added or stripped against the
+model's state-dict keys) with the same fallback for keys that should not be renamed
+(``convert_and_load_state_dict_in_model``). So a checkpoint loads sharded exactly when, and the
+way, ``from_pretrained`` loads it.
+
+A converter (a transform that splits or merges tensors, e.g. fused qkv or stacked MoE
+experts) needs whole tensors: its element ranges cannot be read piecewise, so such a
+checkpoint is refused (NotImplementedError, naming the keys). None of the supported models
+registers one.
+
+As ``from_pretrained`` does, the transforms that matched are kept on the model as
+``model._weight_conversions``; ``save_pretrained`` (and the engine's streamed save,
+``export.plan_hf_files``) then write the names the checkpoint had (a legacy checkpoint is
+re-saved in its own layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+from torch import nn
+
+__all__ = ["KeyMap", "checkpoint_key_map"]
+
+
+class KeyMap(NamedTuple):
+    """How a checkpoint's keys feed a model.
+
+    to_checkpoint: model state-dict key -> the checkpoint key read for it (the first checkpoint
+        key, in ``dot_natural_key`` order, that transformers maps onto it).
+    unexpected: checkpoint keys that map onto no model key (``from_pretrained`` reports them as
+        unexpected and skips them; e.g. a pretraining head).
+    """
+
+    to_checkpoint: dict[str, str]
+    unexpected: list[str]
+
+
+def checkpoint_key_map(model: nn.Module, checkpoint_keys: Iterable[str], *,
+                       key_mapping: Mapping[str, str] | None = None) -> KeyMap:
+    """Resolve ``checkpoint_keys`` onto ``model``'s state-dict keys as ``from_pretrained`` does
+    (see [Note: checkpoint keys through transformers' mapping]).
+
+    Args:
+        model: the model (any device: meta is fine, only its module tree, config and
+            state-dict keys are read). A module that is not a transformers ``PreTrainedModel``
+            is matched by equal names.
+        checkpoint_keys: every key of the checkpoint (all files).
+        key_mapping: the user's renames, regex -> replacement, as ``from_pretrained``'s
+            ``key_mapping`` (applied before the model's own).
+    Returns:
+        A ``KeyMap``. Sets ``model._weight_conversions`` to the transforms that matched, as
+        ``from_pretrained`` does, so that saving writes the checkpoint's own names.
+    Raises:
+        NotImplementedError: a checkpoint key that transformers would convert by splitting or
+            merging tensors (not a rename): its ranges cannot be read shard by shard.
+    """
+    from transformers import PreTrainedModel
+
+    model_keys = model.state_dict(keep_vars=True)
+    if not isinstance(model, PreTrainedModel):
+        if key_mapping:
+            raise ValueError(f"key_mapping = {dict(key_mapping)} applies to transformers models "
+                             f"only; {type(model).__name__} is not one: rename the checkpoint's "
+                             "keys or give the module the checkpoint's names")
+        keys = list(checkpoint_keys)
+        return KeyMap({k: k for k in keys if k in model_keys},
+                      [k for k in keys if k not in model_keys])
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                 dot_natural_key, rename_source_key)
+
+    conversions = get_model_conversion_mapping(model, dict(key_mapping) if key_mapping else None)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    prefix = model.base_model_prefix
+    to_checkpoint: dict[str, str] = {}
+    unexpected, converted = [], []
+    # dot_natural_key order, as stock: some renamings keep state across keys (GroupWeightRename)
+    for key in sorted(checkpoint_keys, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, model_keys)
+        if renamed not in model_keys and key in model_keys:
+            renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix,
+                                                 meta_state_dict=model_keys)
+        if renamed not in model_keys:
+            unexpected.append(key)
+        elif pattern is not None:
+            converted.append(f"{key} -> {renamed}")
+        else:
+            to_checkpoint.setdefault(renamed, key)
+    if converted:
+        raise NotImplementedError(
+            f"{type(model).__name__}: transformers converts {len(converted)} checkpoint "
+            f"tensors by splitting or merging them (e.g. {converted[:3]}); such tensors cannot "
+            "be read shard by shard: load the model with from_pretrained on the CPU and pass "
+            "it to the engine (rank 0's weights are sent to every rank), or re-save the "
+            "checkpoint in the model's own layout")
+    model._weight_conversions = [c for c in conversions if c.was_used()]
+    return KeyMap(to_checkpoint, unexpected)
