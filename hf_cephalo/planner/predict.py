@@ -25,6 +25,7 @@ class RankPrediction(NamedTuple):
     memory_bytes: float  # r_i·S + M_i, bytes
     cap_bytes: float  # c·C_i, bytes
     fits: bool  # memory_bytes <= cap_bytes
+    step: cost.StepTerms | None = None  # the rank's step terms ([Note: step terms] in cost.py)
 
 
 class MachinePrediction(NamedTuple):
@@ -35,7 +36,7 @@ class MachinePrediction(NamedTuple):
 
 class Prediction(NamedTuple):
     ranks: list[RankPrediction]
-    iteration_s: float  # num_units · max_i T_i, seconds
+    iteration_s: float  # the step time of cost.py [Note: step terms], seconds
     samples_per_s: float  # B / iteration_s
     fits: bool  # every rank under its cap and every machine's host memory under its cap
     machines: list[MachinePrediction] = []  # per machine (ClusterProfile.machines_of_ranks)
@@ -48,7 +49,11 @@ def plan_layout(plan: Plan, cluster: ClusterProfile) -> list[list[int]]:
 
 
 def predict(plan: Plan, cluster: ClusterProfile, memory_fraction: float | None = None) -> Prediction:
-    """Per-rank unit time and memory of ``plan`` on ``cluster`` (docs/design.md contract 2).
+    """Per-rank unit time, step terms and memory of ``plan`` on ``cluster`` (docs/design.md
+    contract 2). The iteration time is the step of [Note: step terms] in ``cost.py`` (the
+    slowest rank's units, root compute and bookkeeping, the slowest optimizer step and host
+    overhead, the step's collectives outside the units); with a profile of the units alone
+    (no step terms) num_units · max_i T_i.
 
     Memory: r_i·S + ``memory.rank_memory_bytes`` with the collective buffers of the plan's own
     shard layout and ``plan.root_resident``; host memory per machine (activation offload).
@@ -78,8 +83,12 @@ def predict(plan: Plan, cluster: ClusterProfile, memory_fraction: float | None =
         total = r.state_ratio * S + mem
         cap = c * d.memory_capacity_bytes
         out.append(RankPrediction(t, mem, total, cap, total <= cap * (1 + 1e-9)))
+    terms = cost.step_terms(cluster, [p.unit_time_s for p in out],
+                            [r.batch_size for r in plan.ranks],
+                            [r.microbatch_size for r in plan.ranks], plan.state_ratios)
+    out = [p._replace(step=s) for p, s in zip(out, terms)]
     machines = _machines(plan, cluster, c)
-    it = cost.iteration_time_s([p.unit_time_s for p in out], cluster.model.num_units)
+    it = cost.step_time_from_terms(terms)
     fits = all(p.fits for p in out) and all(m.fits for m in machines)
     return Prediction(out, it, plan.global_batch_size / it, fits, machines)
 
