@@ -480,21 +480,26 @@ class PlanAccuracyCallback(TrainerCallback):
             warning = diagnose_step_time(self.rows, plan.predicted_iteration_s)
             if warning and not self.early_warning:  # said once; the table shows the numbers
                 logger.warning(warning)
-            self._write_back()
+        self._write_back(args)
 
-    def _write_back(self) -> None:
-        """Rank 0: the profile refit to this run's measurements (``refit_to_measured``) over
-        the profile cache entries it came from, so the next run plans from them; nothing for
-        a plan or profile file, or a run too short to measure a step after the first."""
+    def _write_back(self, args) -> None:
+        """The profile refit to this run's measurements (``refit_to_measured``), written by
+        rank 0 over the profile cache entries it came from, so the next run plans from them;
+        nothing for a plan or profile file, or a run too short to time a step after the
+        first. Collective (a barrier after the write: a trainer made next in the same
+        processes reads the new entries on every rank)."""
         cluster, plan = self.trainer.cluster_profile, self.trainer.plan
-        if cluster is None or len(self.step_s) < 2:
+        if cluster is None or len(self.step_s) < 2 or "profile_cache" not in cluster.extra:
             return
-        measured = [MeasuredStep(r["step_s"], r["compute_s"], r.get("root_s")) for r in self.rows]
-        refit = refit_to_measured(plan, cluster, measured)
-        self.written_back = [str(p) for p in write_back_devices(cluster.extra, refit.devices)]
-        if self.written_back:
+        if args.process_index == 0:
+            measured = [MeasuredStep(r["step_s"], r["compute_s"], r.get("root_s"))
+                        for r in self.rows]
+            refit = refit_to_measured(plan, cluster, measured)
+            self.written_back = [str(p) for p in write_back_devices(cluster.extra, refit.devices)]
             logger.info("measured step terms written back to the profile cache (%s): the next "
                         "run plans from them", ", ".join(self.written_back))
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
 
 
 def _gather_rows(row, world_size):
