@@ -47,6 +47,9 @@ def random_cluster(rng: np.random.Generator, n: int, shared_memory=None) -> Clus
     model = ModelProfile(name="rand", num_units=units, params_per_unit=1, params_other=0,
                          state_bytes_per_param=float(rng.uniform(0.05, 1.1)) * total / units)
     comm = CommProfile(allgather_s=float(rng.uniform(0, 4)), reducescatter_s=float(rng.uniform(0, 4)))
+    # a quarter of the clusters adds the collectives to the compute (CPU ranks, gloo), from a
+    # stream of their own so the instances above stay those of older versions
+    comm.overlaps_compute = np.random.default_rng(int(comm.allgather_s * 1e6)).random() >= 0.25
     return ClusterProfile(model=model, devices=devices, comm=comm)
 
 

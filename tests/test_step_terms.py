@@ -194,3 +194,14 @@ def test_measured_terms_go_back_to_the_cache_and_the_next_run_starts_from_them(t
     assert predict(plan, second).iteration_s == pytest.approx(3 * step)
     # without a cache record (a profile file) nothing is written
     assert write_back_devices({}, refit.devices) == []
+
+
+def test_collectives_add_to_the_compute_where_they_share_its_cores():
+    """CPU ranks with gloo: T_i = l·F + AG + l·(F + B) + (AG + RS), not the paper's maxima."""
+    overlapped = CommProfile(allgather_s=3.0, reducescatter_s=2.0)
+    serial = CommProfile(allgather_s=3.0, reducescatter_s=2.0, overlaps_compute=False)
+    assert float(cost.unit_time_s(1.0, 2.0, 2, overlapped, uneven=False)) == pytest.approx(9.0)
+    assert float(cost.unit_time_s(1.0, 2.0, 2, serial, uneven=False)) == pytest.approx(16.0)
+    assert cost.idle_unit_time_s(serial, False) == pytest.approx(8.0)
+    assert CommProfile.from_json(serial.to_json()) == serial
+    assert CommProfile.from_json({"allgather_s": 1, "reducescatter_s": 1}).overlaps_compute

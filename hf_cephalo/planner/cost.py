@@ -163,6 +163,9 @@ def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool)
         num_microbatches: l (0 for an idle rank, which then only waits on the collectives).
         comm: AG and RS for one unit with even shards.
         uneven: whether the plan shards state unevenly (u = ``uneven_factor(comm)``).
+
+    With ``comm.overlaps_compute`` False (CPU ranks, gloo) the collectives add to the compute:
+    ``l·F + AG·u + l·(F + B) + (AG + RS)·u``.
     """
     u = uneven_factor(comm) if uneven else 1.0
     ag = comm.allgather_s * u
@@ -170,6 +173,8 @@ def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool)
     l = np.asarray(num_microbatches, dtype=np.float64)
     f = np.asarray(fwd_s, dtype=np.float64)
     b = np.asarray(bwd_s, dtype=np.float64)
+    if not comm.overlaps_compute:  # the collectives take the compute's cores: they add
+        return l * f + ag + l * (f + b) + agrs
     return np.maximum(l * f, ag) + np.maximum(l * (f + b), agrs)
 
 

@@ -897,8 +897,9 @@ def measure_comm(staged: StagedModel, *, device: torch.device | str, repeats: in
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     ag, rs = float(t[0]), float(t[1])
+    # gloo's copies and reductions run on the host cores the CPU ranks compute on
     root = dict(root_allgather_s=float(t[2]), root_reducescatter_s=float(t[3]),
-                allreduce_s=float(t[4]))
+                allreduce_s=float(t[4]), overlaps_compute=device.type == "cuda")
     if state_ratios is None:
         return CommProfile(allgather_s=ag, reducescatter_s=rs, **root)
     u = max(1.0, float(t[5] + t[6]) / max(ag + rs, 1e-12))
@@ -1074,7 +1075,8 @@ def _cluster_comm(staged, store, fingerprint, dtype, names, device, config, grou
                            uneven_factor=float(times[2]),
                            uneven_state_ratios=cached.uneven_state_ratios,
                            root_allgather_s=float(times[3]),
-                           root_reducescatter_s=float(times[4]), allreduce_s=float(times[5]))
+                           root_reducescatter_s=float(times[4]), allreduce_s=float(times[5]),
+                           overlaps_compute=cached.overlaps_compute)
     comm = measure_comm(staged, device=device, repeats=config.comm_repeats, group=group,
                         state_ratios=state_ratios)
     if store is not None:

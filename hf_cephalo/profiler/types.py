@@ -405,6 +405,10 @@ class CommProfile:
             the embedding unit, and its head-use gradient when tied), seconds; 0 = not measured.
         allreduce_s: one small all-reduce (8 bytes: the global item count, the loss sum, the
             squared gradient norm), seconds; 0 = not measured.
+        overlaps_compute: the collectives run beside the compute (GPUs: NCCL kernels on their
+            own stream), so a unit's compute hides them (the paper's max(...) terms); False
+            where they take the cores the compute runs on (CPU ranks with gloo: copies and
+            reductions on the host), so they add to it. Default True (older profiles).
     """
 
     allgather_s: float
@@ -414,12 +418,16 @@ class CommProfile:
     root_allgather_s: float = 0.0
     root_reducescatter_s: float = 0.0
     allreduce_s: float = 0.0
+    overlaps_compute: bool = True
 
     def __post_init__(self) -> None:
         self.allgather_s = _check_number("comm profile", "allgather_s", self.allgather_s)
         self.reducescatter_s = _check_number("comm profile", "reducescatter_s", self.reducescatter_s)
         for name in _ROOT_COMM:
             setattr(self, name, _check_number("comm profile", name, getattr(self, name)))
+        if not isinstance(self.overlaps_compute, bool):
+            raise ValueError(f"comm profile: overlaps_compute must be true or false, got "
+                             f"{self.overlaps_compute!r}")
         if self.uneven_factor is not None:
             u = _check_number("comm profile", "uneven_factor", self.uneven_factor, positive=True)
             if u < 1:
@@ -439,6 +447,7 @@ class CommProfile:
         return cls(allgather_s=data["allgather_s"], reducescatter_s=data["reducescatter_s"],
                    uneven_factor=data.get("uneven_factor"),
                    uneven_state_ratios=data.get("uneven_state_ratios"),
+                   overlaps_compute=data.get("overlaps_compute", True),
                    **{k: data[k] for k in _ROOT_COMM if k in data})
 
 
