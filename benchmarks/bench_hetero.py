@@ -133,9 +133,9 @@ def _units_only_s(plan, cluster):
 
 
 def _predicted_unit_s(plan, cluster, rank):
-    from hf_cephalo.integrations.auto_plan import _predicted_unit_compute_s
+    from hf_cephalo.planner.predict import predicted_unit_compute_s
 
-    return _predicted_unit_compute_s(plan, cluster, rank)
+    return predicted_unit_compute_s(plan, cluster, rank)
 
 
 def report(args, result):

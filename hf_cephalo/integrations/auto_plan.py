@@ -304,7 +304,6 @@ def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterPr
 
 
 # ---- predicted vs measured --------------------------------------------------------------------
-_predicted_unit_compute_s = predicted_unit_compute_s  # older imports (benchmarks)
 
 
 def format_accuracy_table(rows: list[dict[str, Any]], predicted_iteration_s: float | None) -> str:
@@ -466,7 +465,7 @@ class PlanAccuracyCallback(TrainerCallback):
                    compute_s=statistics.median(comp) if comp else None,
                    root_s=statistics.median(root) if root else None,
                    pred_compute_s=None if cluster is None else
-                   _predicted_unit_compute_s(plan, cluster, rank),
+                   predicted_unit_compute_s(plan, cluster, rank),
                    pred_memory_bytes=None if pred is None else pred.memory_bytes,
                    memory_bytes=self._measured_memory_bytes(args))
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
