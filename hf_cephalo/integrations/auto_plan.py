@@ -304,8 +304,6 @@ def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterPr
 
 
 # ---- predicted vs measured --------------------------------------------------------------------
-
-
 def format_accuracy_table(rows: list[dict[str, Any]], predicted_iteration_s: float | None) -> str:
     """Text table of ``PlanAccuracyCallback`` rows (one per rank)."""
     head = (f"{'rank':>4} {'b_i':>4} {'m_i':>4} {'unit compute s/step pred':>25} {'measured':>9} "
