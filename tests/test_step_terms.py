@@ -47,7 +47,8 @@ def _plan(batch_sizes, microbatch_sizes, ratios) -> Plan:
 
 def test_step_terms_by_hand():
     """Every term of the note, computed by hand for a 2-rank plan with a short last microbatch."""
-    cluster = _cluster(root_allgather_s=0.4, root_reducescatter_s=0.2, allreduce_s=0.05)
+    cluster = _cluster(root_allgather_s=0.4, root_reducescatter_s=0.2, allreduce_s=0.05,
+                       collective_wait_s=0.01)
     plan = _plan([3, 6], [2, 4], [0.25, 0.75])
     pred = predict(plan, cluster)
     L, P = 3, 3 * 100 + 50
@@ -60,7 +61,8 @@ def test_step_terms_by_hand():
     root1 = (1.0 + 2.0) + (0.5 + 1.0)
     book1 = 2 * L * 0.02
     opt = [0.25 * P * 0.002, 0.75 * P * 0.001]
-    comm = 0.4 + 0.2 + cost.STEP_ALLREDUCES * 0.05
+    # 3 all-reduces; 3L + 8 = 17 blocking collectives, each 0.01 s of rendezvous
+    comm = 0.4 + 0.2 + 3 * 0.05 + 17 * 0.01
     busy = [units0 + root0 + book0, units1 + root1 + book1]
     expected = max(busy) + max(opt) + 0.3 + comm
     assert pred.iteration_s == pytest.approx(expected, rel=1e-12)
@@ -84,7 +86,8 @@ def test_profiles_without_step_terms_keep_the_papers_model(tmp_path):
         for k in ("embed_s", "head_s", "microbatch_overhead_s", "optimizer_s_per_param",
                   "step_overhead_s"):
             del d[k]
-    for k in ("root_allgather_s", "root_reducescatter_s", "allreduce_s"):
+    for k in ("root_allgather_s", "root_reducescatter_s", "allreduce_s", "collective_wait_s",
+              "overlaps_compute"):
         del data["comm"][k]
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
@@ -92,8 +95,8 @@ def test_profiles_without_step_terms_keep_the_papers_model(tmp_path):
     d = old.devices[0]
     assert (d.embed_s, d.head_s, d.microbatch_overhead_s, d.optimizer_s_per_param,
             d.step_overhead_s) == (None, None, 0.0, 0.0, 0.0)
-    assert (old.comm.root_allgather_s, old.comm.root_reducescatter_s,
-            old.comm.allreduce_s) == (0.0, 0.0, 0.0)
+    assert (old.comm.root_allgather_s, old.comm.root_reducescatter_s, old.comm.allreduce_s,
+            old.comm.collective_wait_s, old.comm.overlaps_compute) == (0.0, 0.0, 0.0, 0.0, True)
     plan = _plan([3, 6], [3, 6], [0.5, 0.5])
     pred = predict(plan, old)
     assert pred.iteration_s == cost.iteration_time_s([r.unit_time_s for r in pred.ranks], 3)

@@ -55,6 +55,7 @@ __all__ = [
     "optimizer_step_s",
     "rank_extra_s",
     "step_comm_s",
+    "blocking_collectives",
     "StepTerms",
     "step_terms",
     "step_time_from_terms",
@@ -212,12 +213,15 @@ def is_uneven(cluster: ClusterProfile, compute_memory: Sequence[float],
 #                                                            (after the gradient-norm all-reduce)
 #     host             s_i                                   the training loop's own time per step
 #
-#     step = max_i busy_i + max_i opt_i + max_i s_i + C,   C = AG_root + RS_root + 3·AR
+#     step = max_i busy_i + max_i opt_i + max_i s_i + C,
+#     C = AG_root + RS_root + 3·AR + (3L + 8)·w
 #
 # (DeviceProfile.embed_s / head_s / microbatch_overhead_s / optimizer_s_per_param /
-# step_overhead_s; CommProfile.root_allgather_s / root_reducescatter_s / allreduce_s). The
-# root's collectives and the small all-reduces sit between phases where no compute hides
-# them. wait_i = the step minus rank i's own work and C. The compute phase is priced as the
+# step_overhead_s; CommProfile.root_allgather_s / root_reducescatter_s / allreduce_s /
+# collective_wait_s). The root's collectives and the small all-reduces sit between phases
+# where no compute hides them; w is what each of the step's 3L + 8 blocking collectives adds
+# when the ranks come to it from compute (waking the rank that arrived first: microseconds on
+# an idle host, a scheduler slice on an oversubscribed one). wait_i = the step minus rank i's own work and C. The compute phase is priced as the
 # slowest rank's total rather than per unit and per root phase (assumes one rank is the
 # slowest throughout; true when its units dominate); that keeps the optimizer exact:
 # max_i busy_i = L·max_i (T_i + extra_i / L), so it minimizes the per-unit time with each
@@ -266,14 +270,25 @@ def optimizer_step_s(device: DeviceProfile, model, state_ratio: float) -> float:
     return float(state_ratio) * model.num_trainable_params * device.optimizer_s_per_param
 
 
+def blocking_collectives(num_units: int) -> int:
+    """Collectives a step waits on (engine/schedule.py [Note: layered schedule], split root):
+    per unit its forward all-gather, its backward all-gather and reduce-scatter (3L); the
+    embedding unit's two all-gathers, the head's all-gather, the reduce-scatters waited at the
+    end (head and embedding); the ``STEP_ALLREDUCES`` all-reduces: 3L + 8."""
+    return 3 * num_units + 5 + STEP_ALLREDUCES
+
+
 def step_comm_s(cluster: ClusterProfile) -> float:
-    """C of [Note: step terms]: the root's collectives and the step's small all-reduces,
-    seconds, at the job's collective element sizes (scaled as ``unit_comm``)."""
+    """C of [Note: step terms]: the root's collectives, the step's small all-reduces and the
+    rendezvous of every blocking collective (``CommProfile.collective_wait_s`` ×
+    ``blocking_collectives``), seconds, at the job's collective element sizes (scaled as
+    ``unit_comm``)."""
     model, comm = cluster.model, cluster.comm
     ag = model.param_gather_bytes / model.param_bytes
     rs = model.grad_reduce_bytes / model.param_bytes
     return comm.root_allgather_s * ag + comm.root_reducescatter_s * rs + \
-        STEP_ALLREDUCES * comm.allreduce_s
+        STEP_ALLREDUCES * comm.allreduce_s + \
+        blocking_collectives(model.num_units) * comm.collective_wait_s
 
 
 class StepTerms(NamedTuple):

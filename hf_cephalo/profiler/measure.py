@@ -899,10 +899,11 @@ def measure_comm(staged: StagedModel, *, device: torch.device | str, repeats: in
     ag, rs = float(t[0]), float(t[1])
     # gloo's copies and reductions run on the host cores the CPU ranks compute on
     root = dict(root_allgather_s=float(t[2]), root_reducescatter_s=float(t[3]),
-                allreduce_s=float(t[4]), overlaps_compute=device.type == "cuda")
+                allreduce_s=float(t[4]), collective_wait_s=float(t[5]),
+                overlaps_compute=device.type == "cuda")
     if state_ratios is None:
         return CommProfile(allgather_s=ag, reducescatter_s=rs, **root)
-    u = max(1.0, float(t[5] + t[6]) / max(ag + rs, 1e-12))
+    u = max(1.0, float(t[6] + t[7]) / max(ag + rs, 1e-12))
     return CommProfile(allgather_s=ag, reducescatter_s=rs, uneven_factor=u,
                        uneven_state_ratios=[float(r) for r in state_ratios], **root)
 
@@ -937,7 +938,34 @@ def _time_root_collectives(staged: StagedModel, world_size: int, dtype, device, 
         if k:
             times.append(time.perf_counter() - t0)
     gathers_e, reduces_e = (3, 2) if tied else (2, 1)
-    return [gathers_e * ag_e + ag_h, reduces_e * rs_e + rs_h, statistics.median(times)]
+    allreduce_s = statistics.median(times)
+    return [gathers_e * ag_e + ag_h, reduces_e * rs_e + rs_h, allreduce_s,
+            _time_rendezvous(device, group, repeats, allreduce_s)]
+
+
+def _time_rendezvous(device, group, repeats: int, allreduce_s: float) -> float:
+    """``CommProfile.collective_wait_s``: an 8-byte all-reduce reached from compute (the same
+    ~1 ms of matrix products on every rank, no barrier) minus the same all-reduce reached
+    from a barrier, seconds, at least 0. The rank that arrives last sets the pace, so the
+    smallest of the ranks' medians is taken (a MIN all-reduce; collective on every rank)."""
+    from hf_cephalo.engine import collectives as C
+    from hf_cephalo.engine.stats import CollectiveStats
+
+    a = torch.randn(192, 192, device=device)
+    stats, waits = CollectiveStats(), []
+    dist.barrier(group)
+    for k in range(1 + 4 * repeats):
+        for _ in range(4):
+            a = torch.tanh(a @ a)
+        _sync(device)
+        t0 = time.perf_counter()
+        C.all_reduce_sum(torch.ones(1, dtype=torch.int64, device=device), group, stats)
+        _sync(device)
+        if k:
+            waits.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(waits)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return max(0.0, float(t) - allreduce_s)
 
 
 # ---- the whole cluster --------------------------------------------------------------------------
@@ -1069,13 +1097,15 @@ def _cluster_comm(staged, store, fingerprint, dtype, names, device, config, grou
     if _all_ranks(usable, device, group, world_size):
         times = torch.tensor([cached.allgather_s, cached.reducescatter_s, cached.uneven_factor,
                               cached.root_allgather_s, cached.root_reducescatter_s,
-                              cached.allreduce_s], dtype=torch.float64, device=device)
+                              cached.allreduce_s, cached.collective_wait_s],
+                             dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
         return CommProfile(allgather_s=float(times[0]), reducescatter_s=float(times[1]),
                            uneven_factor=float(times[2]),
                            uneven_state_ratios=cached.uneven_state_ratios,
                            root_allgather_s=float(times[3]),
                            root_reducescatter_s=float(times[4]), allreduce_s=float(times[5]),
+                           collective_wait_s=float(times[6]),
                            overlaps_compute=cached.overlaps_compute)
     comm = measure_comm(staged, device=device, repeats=config.comm_repeats, group=group,
                         state_ratios=state_ratios)

@@ -382,7 +382,7 @@ class DeviceProfile:
         return cls(**{k: data[k] for k in keys}, **optional)
 
 
-_ROOT_COMM = ("root_allgather_s", "root_reducescatter_s", "allreduce_s")
+_ROOT_COMM = ("root_allgather_s", "root_reducescatter_s", "allreduce_s", "collective_wait_s")
 
 
 @dataclass(kw_only=True)
@@ -405,6 +405,10 @@ class CommProfile:
             the embedding unit, and its head-use gradient when tied), seconds; 0 = not measured.
         allreduce_s: one small all-reduce (8 bytes: the global item count, the loss sum, the
             squared gradient norm), seconds; 0 = not measured.
+        collective_wait_s: what each blocking collective of a step adds beyond its own time
+            when the ranks reach it from compute rather than from a barrier (the rendezvous:
+            waking the rank that arrived first, on a loaded host its scheduling delay),
+            seconds; 0 = not measured.
         overlaps_compute: the collectives run beside the compute (GPUs: NCCL kernels on their
             own stream), so a unit's compute hides them (the paper's max(...) terms); False
             where they take the cores the compute runs on (CPU ranks with gloo: copies and
@@ -418,6 +422,7 @@ class CommProfile:
     root_allgather_s: float = 0.0
     root_reducescatter_s: float = 0.0
     allreduce_s: float = 0.0
+    collective_wait_s: float = 0.0
     overlaps_compute: bool = True
 
     def __post_init__(self) -> None:
