@@ -486,7 +486,8 @@ class PlanAccuracyCallback(TrainerCallback):
         first. Collective (a barrier after the write: a trainer made next in the same
         processes reads the new entries on every rank)."""
         cluster, plan = self.trainer.cluster_profile, self.trainer.plan
-        if cluster is None or len(self.step_s) < 2 or "profile_cache" not in cluster.extra:
+        if cluster is None or len(self.step_s) < 2 or "profile_cache" not in cluster.extra \
+                or args.cephalo_profile_file is not None:  # a file records its cache too
             return
         if args.process_index == 0:
             measured = [MeasuredStep(r["step_s"], r["compute_s"], r.get("root_s"))
