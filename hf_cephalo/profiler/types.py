@@ -316,8 +316,8 @@ class DeviceProfile:
             this rank's shard, seconds per element.
         step_overhead_s: host time per training step outside compute, collectives and the
             optimizer step (the training loop, data loading, callbacks), seconds; 0 until a
-            training run measured it (``planner.predict.refit_to_measured``, written back to the profile
-            cache at train end).
+            training run measured it (``planner.predict.refit_to_measured``, written back to
+            the profile cache at train end).
     """
 
     name: str
