@@ -221,8 +221,9 @@ def is_uneven(cluster: ClusterProfile, compute_memory: Sequence[float],
 # collective_wait_s). The root's collectives and the small all-reduces sit between phases
 # where no compute hides them; w is what each of the step's 3L + 8 blocking collectives adds
 # when the ranks come to it from compute (waking the rank that arrived first: microseconds on
-# an idle host, a scheduler slice on an oversubscribed one). wait_i = the step minus rank i's own work and C. The compute phase is priced as the
-# slowest rank's total rather than per unit and per root phase (assumes one rank is the
+# an idle host, a scheduler slice on an oversubscribed one). On CPU ranks the units' own
+# collectives add to T_i (``CommProfile.overlaps_compute``). wait_i = the step minus rank i's
+# own work and C. The compute phase is priced as the slowest rank's total rather than per unit and per root phase (assumes one rank is the
 # slowest throughout; true when its units dominate); that keeps the optimizer exact:
 # max_i busy_i = L·max_i (T_i + extra_i / L), so it minimizes the per-unit time with each
 # rank's root compute and bookkeeping spread over its L units (``rank_extra_s``); opt_i, s_i

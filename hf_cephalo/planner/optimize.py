@@ -1,8 +1,8 @@
 """Exact optimizer for (b_i, m_i, l_i) under the cost model of ``cost.py`` (docs/design.md contract 2).
 
 Problem (paper §2.4): minimize max_i T_i(l_i, m_i) (with each rank's root compute and
-bookkeeping spread over its units: cost.py [Note: step terms]) subject to (I) Σ b_i = B, b_i = l_i·m_i
-(b_i = 0 allowed: an idle rank), (II) M_i(m_i) ≤ c·C_i for b_i > 0, (III) S + Σ M_i ≤ c·Σ C_i.
+bookkeeping spread over its units: cost.py [Note: step terms]) subject to (I) Σ b_i = B,
+b_i = l_i·m_i (b_i = 0 allowed: an idle rank), (II) M_i(m_i) ≤ c·C_i for b_i > 0, (III) S + Σ M_i ≤ c·Σ C_i.
 T_i depends on whether the state is sharded unevenly (u = 1.15), which depends on the choice, so
 two cases are solved and the better one kept:
 

@@ -26,8 +26,8 @@ from typing import Any, Mapping
 from hf_cephalo.file_modes import apply_default_mode
 from hf_cephalo.profiler.types import CommProfile, DeviceProfile
 
-__all__ = ["ProfileCache", "default_cache_dir", "model_description", "model_fingerprint", "device_key",
-           "comm_key", "write_back_devices"]
+__all__ = ["ProfileCache", "default_cache_dir", "model_description", "model_fingerprint",
+           "device_key", "comm_key", "write_back_devices"]
 
 # 2: non-decreasing fit of the per-m medians, parameters as views of one flat buffer (frozen ones
 # included), bf16-autocast profiles keyed by their dtype tag. 3: compute memory is the activation
@@ -136,7 +136,8 @@ class ProfileCache:
         self._write(key, profile.to_json())
 
 
-def write_back_devices(cluster_extra: Mapping[str, Any], devices: list[DeviceProfile]) -> list[Path]:
+def write_back_devices(cluster_extra: Mapping[str, Any],
+                       devices: list[DeviceProfile]) -> list[Path]:
     """Write ``devices`` (rank order, e.g. refit to what a training run measured:
     ``planner.predict.refit_to_measured``) over the cache entries their profile was read from
     or measured into, so the next run of the same job starts from the measured numbers.
