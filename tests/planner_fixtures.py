@@ -23,9 +23,19 @@ def random_device(rng: np.random.Generator, name: str, shared_memory=None) -> De
     else:
         mem0, slope = shared_memory
     mem = [(mem0 + slope * m) * GIB for m in ms]
-    return DeviceProfile(name=name, memory_capacity_bytes=float(rng.uniform(2.0, 16.0)) * GIB,
-                         microbatch_sizes=ms, fwd_s=fwd.tolist(), bwd_s=bwd.tolist(),
-                         compute_memory_bytes=mem)
+    device = DeviceProfile(name=name, memory_capacity_bytes=float(rng.uniform(2.0, 16.0)) * GIB,
+                           microbatch_sizes=ms, fwd_s=fwd.tolist(), bwd_s=bwd.tolist(),
+                           compute_memory_bytes=mem)
+    # Half the devices carry the step terms outside the units (cost.py [Note: step terms]),
+    # drawn from their own stream so the instances above stay those of older versions.
+    sub = np.random.default_rng(int(fwd.sum() * 1e6) % (1 << 32))
+    if sub.random() < 0.5:
+        device.embed_s = (fwd * sub.uniform(0.1, 1.0)).tolist()
+        device.head_s = (fwd * sub.uniform(0.2, 3.0)).tolist()
+        device.microbatch_overhead_s = float(sub.uniform(0.0, 0.3)) * float(fwd[0])
+        device.optimizer_s_per_param = float(sub.uniform(0.0, 1e-3))
+        device.step_overhead_s = float(sub.uniform(0.0, 2.0))
+    return device
 
 
 def random_cluster(rng: np.random.Generator, n: int, shared_memory=None) -> ClusterProfile:
@@ -37,6 +47,9 @@ def random_cluster(rng: np.random.Generator, n: int, shared_memory=None) -> Clus
     model = ModelProfile(name="rand", num_units=units, params_per_unit=1, params_other=0,
                          state_bytes_per_param=float(rng.uniform(0.05, 1.1)) * total / units)
     comm = CommProfile(allgather_s=float(rng.uniform(0, 4)), reducescatter_s=float(rng.uniform(0, 4)))
+    # a quarter of the clusters adds the collectives to the compute (CPU ranks, gloo), from a
+    # stream of their own so the instances above stay those of older versions
+    comm.overlaps_compute = np.random.default_rng(int(comm.allgather_s * 1e6)).random() >= 0.25
     return ClusterProfile(model=model, devices=devices, comm=comm)
 
 
@@ -77,8 +90,10 @@ def brute_force(cluster: ClusterProfile, B: int, c: float = 0.8, allow_idle: boo
                 mem = float(memory.rank_memory_bytes(cluster, i, m, l * m))
                 if mem > c * d.memory_capacity_bytes:
                     continue
-                opts.append((l * m, m, mem, float(cost.unit_time_s(f, bw, l, comm, False)),
-                             float(cost.unit_time_s(f, bw, l, comm, True))))
+                # the compute phase per unit (cost.py [Note: step terms])
+                extra = float(cost.rank_extra_s(cluster, i, l * m, m)) / cluster.model.num_units
+                opts.append((l * m, m, mem, float(cost.unit_time_s(f, bw, l, comm, False)) + extra,
+                             float(cost.unit_time_s(f, bw, l, comm, True)) + extra))
         per_rank.append(opts)
     best = np.inf
 

@@ -201,6 +201,13 @@ def _trainer_worker(rank, world_size, out_dir):
                    if type(c).__name__ == "PlanAccuracyCallback"]
     result["rows"] = callback.rows
     result["early_rows"] = callback.early_rows
+    # what rank 0 wrote back to the profile cache at train end: the profile refit to the rows
+    from hf_cephalo.planner.predict import MeasuredStep, refit_to_measured
+
+    refit = refit_to_measured(trainer.plan, trainer.cluster_profile, [
+        MeasuredStep(r["step_s"], r["compute_s"], r["root_s"]) for r in callback.rows])
+    result["refit_devices"] = [d.to_json() for d in refit.devices]
+    result["written_back"] = callback.written_back
     result["warnings"] = warnings
     result["train_sleep_s"] = trainer.engine.staged.timer.sleep_s
 
@@ -210,6 +217,7 @@ def _trainer_worker(rank, world_size, out_dir):
     measure.measure_device = refuse  # second start: every device profile is a cache hit
     second = make("second")
     result["second_batch_sizes"] = second.plan.batch_sizes
+    result["second_devices"] = [d.to_json() for d in second.cluster_profile.devices]
     return result
 
 
@@ -227,7 +235,7 @@ def test_auto_plan_on_emulated_ranks_favours_the_faster_rank(tmp_path, capsys):
     # so "the faster rank gets the larger batch" is checked on the measured profile with rank 1's
     # times set to 3x rank 0's, what a 3x emulated rank measures on an idle machine.
     from hf_cephalo.planner import optimize
-    from hf_cephalo.profiler.types import ClusterProfile
+    from hf_cephalo.profiler.types import ClusterProfile, DeviceProfile
 
     cluster = ClusterProfile.load(str(tmp_path / "first" / "profile.json"))
     assert sum(first["batch_sizes"]) == 16
@@ -252,7 +260,15 @@ def test_auto_plan_on_emulated_ranks_favours_the_faster_rank(tmp_path, capsys):
     assert profile["machine_of_rank"] == [0, 0] and len(profile["host_memory_bytes"]) == 1
     saved = json.loads((tmp_path / "first" / "plan.json").read_text())
     assert [r["batch_size"] for r in saved["ranks"]] == first["batch_sizes"]
-    assert first["second_batch_sizes"] == second["second_batch_sizes"] == first["batch_sizes"]
+    # The second start read every device profile from the cache (no measurement), as the first
+    # run wrote it back at train end: refit to what that run measured (rank 0 wrote both
+    # entries), and planned from it.
+    assert len(first["written_back"]) == 2 and second["written_back"] == []
+    assert first["second_devices"] == second["second_devices"] == first["refit_devices"]
+    refit = dataclasses.replace(cluster, devices=[DeviceProfile.from_json(d)
+                                                  for d in first["refit_devices"]])
+    assert first["second_batch_sizes"] == second["second_batch_sizes"] == \
+        optimize(refit, 16).batch_sizes
     # The early check ran once, after step 2 of 3, on both ranks (collective), and rank 0 warned
     # with the steps named; not again at train end (the table shows the numbers); rank 1 never.
     early = first["early_rows"]

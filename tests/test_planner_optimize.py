@@ -41,10 +41,13 @@ def _check_assignment(cluster, B, a, c=0.8):
         assert mem <= c * d.memory_capacity_bytes * (1 + 1e-12)
     assert S + sum(mems) <= c * sum(d.memory_capacity_bytes for d in devs) * (1 + 1e-12)
     uneven = cost.is_uneven(cluster, mems, c)
+    # the compute phase per unit: T_i plus the root compute and bookkeeping over L units
     times = [cost.idle_unit_time_s(cluster.comm, uneven) if b == 0 else
              float(cost.unit_time_s(cost.fwd_time_s(d, m), cost.bwd_time_s(d, m), l,
                                     cluster.comm, uneven))
-             for d, b, m, l in zip(devs, a.batch_sizes, a.microbatch_sizes, a.num_microbatches)]
+             + float(cost.rank_extra_s(cluster, i, b, m)) / cluster.model.num_units
+             for i, (d, b, m, l) in enumerate(zip(devs, a.batch_sizes, a.microbatch_sizes,
+                                                  a.num_microbatches))]
     assert _same(max(times), a.unit_time_s)
 
 

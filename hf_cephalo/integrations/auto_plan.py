@@ -41,7 +41,8 @@ from hf_cephalo.integrations.preflight import warn_idle_ranks
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import InfeasiblePlanError, Plan, optimize, predict
-from hf_cephalo.planner import cost, memory
+from hf_cephalo.planner.predict import MeasuredStep, predicted_unit_compute_s, refit_to_measured
+from hf_cephalo.planner import memory
 from hf_cephalo.profiler.emulate import (EmulatedStagedModel, EmulationConfig, apply_memory_cap,
                                          EmulatedOutOfMemoryError, check_plan_memory,
                                          emulated_device_name)
@@ -49,7 +50,7 @@ from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches, l
                                          measure_comm, check_profile_precision,
                                          model_dtype, model_profile, profile_cluster,
                                          sequence_length_of)
-from hf_cephalo.profiler.cache import model_description, model_fingerprint
+from hf_cephalo.profiler.cache import model_description, model_fingerprint, write_back_devices
 from hf_cephalo.profiler.precision import Precision
 from hf_cephalo.profiler.types import ClusterProfile
 from hf_cephalo.units import GIB
@@ -331,13 +332,6 @@ def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterPr
 
 
 # ---- predicted vs measured --------------------------------------------------------------------
-def _predicted_unit_compute_s(plan: Plan, cluster: ClusterProfile, rank: int) -> float:
-    """num_units · (l·F + l·(F + B)) of one rank, seconds per step (compute only, no comm)."""
-    r, d = plan.ranks[rank], cluster.devices[rank]
-    f, b = cost.rank_compute_s(d, r.batch_size, r.microbatch_size)
-    return cluster.model.num_units * float(2 * f + b)
-
-
 def format_accuracy_table(rows: list[dict[str, Any]], predicted_iteration_s: float | None) -> str:
     """Text table of ``PlanAccuracyCallback`` rows (one per rank)."""
     head = (f"{'rank':>4} {'b_i':>4} {'m_i':>4} {'unit compute s/step pred':>25} {'measured':>9} "
@@ -397,11 +391,12 @@ def diagnose_step_time(rows: list[dict[str, Any]], predicted_iteration_s: float 
                 "(re-profile under the same load and sequence length)")
     else:
         term = (f"collectives and waiting: the step outside unit compute took "
-                f"{rest_measured:.3f} s, predicted {max(rest_predicted, 0.0):.3f} s (all-gather / "
-                "reduce-scatter not hidden behind compute, embedding and head, ranks waiting "
-                "for each other; the model leaves out the embedding, head and optimizer step, "
-                "small next to the units only for large models: re-profile on the real "
-                "interconnect, hf-cephalo profile, if the collectives are the gap)")
+                f"{rest_measured:.3f} s, predicted {max(rest_predicted, 0.0):.3f} s (embedding "
+                "and head compute, optimizer step, the root's collectives and all-reduces, "
+                "all-gather / reduce-scatter not hidden behind compute, ranks waiting for each "
+                "other: planner/cost.py [Note: step terms]; a profile without these terms "
+                "prices them at 0: re-profile with this version, and the next run starts from "
+                "what this one measured, written back to the profile cache at train end)")
     return f"{head}; the term off most is {term}"
 
 
@@ -425,6 +420,8 @@ class PlanAccuracyCallback(TrainerCallback):
         self.trainer = trainer
         self.step_s: list[float] = []
         self.compute_s: list[float] = []
+        self.root_s: list[float] = []  # embedding + head compute per step (timer)
+        self.written_back: list[str] = []  # profile cache entries refit at train end (rank 0)
         self.rows: list[dict[str, Any]] = []
         self.early_rows: list[dict[str, Any]] = []
         self.early_warning: str | None = None
@@ -436,6 +433,7 @@ class PlanAccuracyCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.step_s, self.compute_s, self.early_rows, self.early_warning = [], [], [], None
+        self.root_s = []
         if torch.device(args.device).type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
 
@@ -443,12 +441,14 @@ class PlanAccuracyCallback(TrainerCallback):
         timer = self._timer()
         self._t0 = time.perf_counter()
         self._c0 = None if timer is None else timer.unit_s
+        self._r0 = None if timer is None else timer.compute_s - timer.unit_s
 
     def on_step_end(self, args, state, control, **kwargs):
         self.step_s.append(time.perf_counter() - self._t0)
         timer = self._timer()
         if timer is not None and self._c0 is not None:
             self.compute_s.append(timer.unit_s - self._c0)
+            self.root_s.append(timer.compute_s - timer.unit_s - self._r0)
         if (len(self.step_s) == self.CHECK_AFTER_STEPS + 1
                 and not (state.max_steps and state.global_step >= state.max_steps)):
             self.early_rows = self._gather(args)
@@ -484,12 +484,14 @@ class PlanAccuracyCallback(TrainerCallback):
         rank = args.process_index
         steps = self.step_s[1:] or self.step_s
         comp = self.compute_s[1:] or self.compute_s
+        root = self.root_s[1:] or self.root_s
         pred = predict(plan, cluster).ranks[rank] if cluster is not None else None
         row = dict(rank=rank, b=plan.ranks[rank].batch_size, m=plan.ranks[rank].microbatch_size,
                    step_s=statistics.median(steps) if steps else None,
                    compute_s=statistics.median(comp) if comp else None,
+                   root_s=statistics.median(root) if root else None,
                    pred_compute_s=None if cluster is None else
-                   _predicted_unit_compute_s(plan, cluster, rank),
+                   predicted_unit_compute_s(plan, cluster, rank),
                    pred_memory_bytes=None if pred is None else pred.memory_bytes,
                    memory_bytes=self._measured_memory_bytes(args))
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -503,6 +505,27 @@ class PlanAccuracyCallback(TrainerCallback):
             warning = diagnose_step_time(self.rows, plan.predicted_iteration_s)
             if warning and not self.early_warning:  # said once; the table shows the numbers
                 logger.warning(warning)
+        self._write_back(args)
+
+    def _write_back(self, args) -> None:
+        """The profile refit to this run's measurements (``refit_to_measured``), written by
+        rank 0 over the profile cache entries it came from, so the next run plans from them;
+        nothing for a plan or profile file, or a run too short to time a step after the
+        first. Collective (a barrier after the write: a trainer made next in the same
+        processes reads the new entries on every rank)."""
+        cluster, plan = self.trainer.cluster_profile, self.trainer.plan
+        if cluster is None or len(self.step_s) < 2 or "profile_cache" not in cluster.extra \
+                or args.cephalo_profile_file is not None:  # a file records its cache too
+            return
+        if args.process_index == 0:
+            measured = [MeasuredStep(r["step_s"], r["compute_s"], r.get("root_s"))
+                        for r in self.rows]
+            refit = refit_to_measured(plan, cluster, measured)
+            self.written_back = [str(p) for p in write_back_devices(cluster.extra, refit.devices)]
+            logger.info("measured step terms written back to the profile cache (%s): the next "
+                        "run plans from them", ", ".join(self.written_back))
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
 
 
 def _gather_rows(row, world_size):

@@ -17,7 +17,12 @@ array). Units: seconds and bytes. Used by the optimizer (``optimize.py``), the s
   u = the profile's measured ``CommProfile.uneven_factor`` if the plan shards the training
   state unevenly (1.15, the paper's bound, for profiles without a measurement), else 1. An idle rank (b_i = 0) pays
   ``AG·u + (AG + RS)·u`` and has no compute memory.
-* Iteration time = num_units · max_i T_i.
+* Step terms outside the units ([Note: step terms]): per rank the embedding and head compute
+  of its microbatches and the engine's bookkeeping per unit and microbatch (in the compute
+  phase, with the units), the optimizer step on its shard and the host overhead of a step
+  (phases of their own); per step the collectives no compute hides (the root's all-gathers /
+  reduce-scatters, the small all-reduces). A profile without them prices them at 0: the
+  paper's model, iteration time = num_units · max_i T_i.
 """
 
 from __future__ import annotations
@@ -45,6 +50,15 @@ __all__ = [
     "idle_unit_time_s",
     "iteration_time_s",
     "is_uneven",
+    "STEP_ALLREDUCES",
+    "root_compute_s",
+    "optimizer_step_s",
+    "rank_extra_s",
+    "step_comm_s",
+    "blocking_collectives",
+    "StepTerms",
+    "step_terms",
+    "step_time_from_terms",
 ]
 
 UNEVEN_FACTOR = 1.15
@@ -150,6 +164,9 @@ def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool)
         num_microbatches: l (0 for an idle rank, which then only waits on the collectives).
         comm: AG and RS for one unit with even shards.
         uneven: whether the plan shards state unevenly (u = ``uneven_factor(comm)``).
+
+    With ``comm.overlaps_compute`` False (CPU ranks, gloo) the collectives add to the compute:
+    ``l·F + AG·u + l·(F + B) + (AG + RS)·u``.
     """
     u = uneven_factor(comm) if uneven else 1.0
     ag = comm.allgather_s * u
@@ -157,6 +174,8 @@ def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool)
     l = np.asarray(num_microbatches, dtype=np.float64)
     f = np.asarray(fwd_s, dtype=np.float64)
     b = np.asarray(bwd_s, dtype=np.float64)
+    if not comm.overlaps_compute:  # the collectives take the compute's cores: they add
+        return l * f + ag + l * (f + b) + agrs
     return np.maximum(l * f, ag) + np.maximum(l * (f + b), agrs)
 
 
@@ -180,3 +199,147 @@ def is_uneven(cluster: ClusterProfile, compute_memory: Sequence[float],
     share = cluster.model.state_bytes / n
     return any(share + mem > memory_fraction * d.memory_capacity_bytes
                for d, mem in zip(cluster.devices, compute_memory))
+
+
+# [Note: step terms]
+# The paper's model prices the L units only; on small models and on CPU the rest of a step is
+# a large part of it (the main job: ~40 %). A step runs in phases separated by collectives, and
+# at each collective every rank waits for the slowest:
+#
+#     compute phase    busy_i = L·T_i(l_i, m_i)             units (with the collectives they hide)
+#                             + Σ_j (E_i(m_j) + H_i(m_j))    embedding and head per microbatch
+#                             + l_i·L·o_i                    engine bookkeeping per unit, microbatch
+#     optimizer phase  opt_i  = r_i·P_t·p_i                  optimizer step + clipping on the shard
+#                                                            (after the gradient-norm all-reduce)
+#     host             s_i                                   the training loop's own time per step
+#
+#     step = max_i busy_i + max_i opt_i + max_i s_i + C,
+#     C = AG_root + RS_root + 3·AR + (3L + 8)·w
+#
+# (DeviceProfile.embed_s / head_s / microbatch_overhead_s / optimizer_s_per_param /
+# step_overhead_s; CommProfile.root_allgather_s / root_reducescatter_s / allreduce_s /
+# collective_wait_s). The root's collectives and the small all-reduces sit between phases
+# where no compute hides them; w is what each of the step's 3L + 8 blocking collectives adds
+# when the ranks come to it from compute (waking the rank that arrived first: microseconds on
+# an idle host, a scheduler slice on an oversubscribed one). On CPU ranks the units' own
+# collectives add to T_i (``CommProfile.overlaps_compute``). wait_i = the step minus rank i's
+# own work and C. The compute phase is priced as the slowest rank's total rather than per unit and per root phase (assumes one rank is the
+# slowest throughout; true when its units dominate); that keeps the optimizer exact:
+# max_i busy_i = L·max_i (T_i + extra_i / L), so it minimizes the per-unit time with each
+# rank's root compute and bookkeeping spread over its L units (``rank_extra_s``); opt_i, s_i
+# and C do not depend on (b_i, m_i, l_i).
+STEP_ALLREDUCES = 3
+"""Small all-reduces per training step: the global item count, the loss sum, the gradient norm."""
+
+
+def _per_microbatch_sum(ms_profiled, values, batch_size, microbatch_size) -> np.ndarray:
+    """Σ_j v(m_j) over ceil(b/m) microbatches (the last one of b - (l-1)·m samples), seconds;
+    vectorized over b and m; 0 for b = 0 or a table that is None."""
+    b = np.asarray(batch_size, dtype=np.int64)
+    m = np.maximum(np.asarray(microbatch_size, dtype=np.int64), 1)
+    if values is None:
+        return np.zeros(np.broadcast(b, m).shape)
+    ls = -(-b // m)
+    last = np.maximum(b - np.maximum(ls - 1, 0) * m, 1)
+    total = np.maximum(ls - 1, 0) * _curve(ms_profiled, values, m) + \
+        _curve(ms_profiled, values, last)
+    return np.where(b > 0, total, 0.0)
+
+
+def root_compute_s(device: DeviceProfile, batch_size, microbatch_size) -> np.ndarray:
+    """Σ_j (E(m_j) + H(m_j)): embedding (forward + recompute + backward) and head (loss +
+    backward) compute of a rank's microbatches, seconds. b and m broadcast together; 0 for
+    b = 0 or a profile without ``embed_s`` / ``head_s``."""
+    ms = device.microbatch_sizes
+    return (_per_microbatch_sum(ms, device.embed_s, batch_size, microbatch_size)
+            + _per_microbatch_sum(ms, device.head_s, batch_size, microbatch_size))
+
+
+def rank_extra_s(cluster: ClusterProfile, rank: int, batch_size, microbatch_size) -> np.ndarray:
+    """busy_i - L·T_i of [Note: step terms]: root compute and engine bookkeeping of ``rank``
+    with b samples in microbatches of m, seconds. b and m (int arrays allowed) broadcast
+    together; 0 for an idle rank (b = 0)."""
+    device, L = cluster.devices[rank], cluster.model.num_units
+    b = np.asarray(batch_size, dtype=np.int64)
+    m = np.maximum(np.asarray(microbatch_size, dtype=np.int64), 1)
+    return root_compute_s(device, b, m) + (-(-b // m)) * L * device.microbatch_overhead_s
+
+
+def optimizer_step_s(device: DeviceProfile, model, state_ratio: float) -> float:
+    """opt_i = r_i · P_t · p_i: optimizer step + clipping on a shard of ``state_ratio`` of the
+    trainable parameters, seconds (``DeviceProfile.optimizer_s_per_param``)."""
+    return float(state_ratio) * model.num_trainable_params * device.optimizer_s_per_param
+
+
+def blocking_collectives(num_units: int) -> int:
+    """Collectives a step waits on (engine/schedule.py [Note: layered schedule], split root):
+    per unit its forward all-gather, its backward all-gather and reduce-scatter (3L); the
+    embedding unit's two all-gathers, the head's all-gather, the reduce-scatters waited at the
+    end (head and embedding); the ``STEP_ALLREDUCES`` all-reduces: 3L + 8."""
+    return 3 * num_units + 5 + STEP_ALLREDUCES
+
+
+def step_comm_s(cluster: ClusterProfile) -> float:
+    """C of [Note: step terms]: the root's collectives, the step's small all-reduces and the
+    rendezvous of every blocking collective (``CommProfile.collective_wait_s`` ×
+    ``blocking_collectives``), seconds, at the job's collective element sizes (scaled as
+    ``unit_comm``)."""
+    model, comm = cluster.model, cluster.comm
+    ag = model.param_gather_bytes / model.param_bytes
+    rs = model.grad_reduce_bytes / model.param_bytes
+    return comm.root_allgather_s * ag + comm.root_reducescatter_s * rs + \
+        STEP_ALLREDUCES * comm.allreduce_s + \
+        blocking_collectives(model.num_units) * comm.collective_wait_s
+
+
+class StepTerms(NamedTuple):
+    """One rank's share of a training step, seconds ([Note: step terms]); their sum is the
+    step time, the same on every rank."""
+
+    units_s: float  # L·T_i: the units' compute and the collectives it hides
+    root_s: float  # embedding + head compute of the rank's microbatches
+    bookkeeping_s: float  # engine bookkeeping: l_i·L·o_i
+    optimizer_s: float  # optimizer step + clipping on the rank's shard
+    host_s: float  # the training loop's own time per step
+    comm_s: float  # the step's collectives outside the units (same on every rank)
+    wait_s: float  # waiting for slower ranks at the phases' collectives
+
+    @property
+    def busy_s(self) -> float:
+        """Compute phase: units + root + bookkeeping, seconds."""
+        return self.units_s + self.root_s + self.bookkeeping_s
+
+    @property
+    def step_s(self) -> float:
+        """The step time, seconds (every term; equal on every rank up to rounding)."""
+        return sum(self)
+
+
+def step_terms(cluster: ClusterProfile, unit_times_s: Sequence[float],
+               batch_sizes: Sequence[int], microbatch_sizes: Sequence[int],
+               state_ratios: Sequence[float]) -> list[StepTerms]:
+    """Every rank's ``StepTerms`` (rank order) for T_i = ``unit_times_s`` (``unit_time_s``, an
+    idle rank's ``idle_unit_time_s``), b_i, m_i and r_i. The step time is
+    ``step_time_from_terms``."""
+    L, model = cluster.model.num_units, cluster.model
+    comm = step_comm_s(cluster)
+    rows = []
+    for i, (t, b, m, r) in enumerate(zip(unit_times_s, batch_sizes, microbatch_sizes,
+                                         state_ratios)):
+        d = cluster.devices[i]
+        ls = -(-int(b) // max(int(m), 1))
+        rows.append((L * float(t), float(root_compute_s(d, b, m)),
+                     ls * L * d.microbatch_overhead_s, optimizer_step_s(d, model, r),
+                     d.step_overhead_s))
+    busy = [u + r + k for u, r, k, _, _ in rows]
+    top = (max(busy), max(r[3] for r in rows), max(r[4] for r in rows))
+    return [StepTerms(*row, comm_s=comm,
+                      wait_s=(top[0] - w) + (top[1] - row[3]) + (top[2] - row[4]))
+            for row, w in zip(rows, busy)]
+
+
+def step_time_from_terms(terms: Sequence[StepTerms]) -> float:
+    """max_i busy_i + max_i opt_i + max_i s_i + C, seconds; with no step terms in the profile
+    exactly num_units · max_i T_i (``iteration_time_s``)."""
+    return (max(t.busy_s for t in terms) + max(t.optimizer_s for t in terms)
+            + max(t.host_s for t in terms) + terms[0].comm_s)

@@ -1,7 +1,8 @@
 """Exact optimizer for (b_i, m_i, l_i) under the cost model of ``cost.py`` (docs/design.md contract 2).
 
-Problem (paper §2.4): minimize max_i T_i(l_i, m_i) subject to (I) Σ b_i = B, b_i = l_i·m_i
-(b_i = 0 allowed: an idle rank), (II) M_i(m_i) ≤ c·C_i for b_i > 0, (III) S + Σ M_i ≤ c·Σ C_i.
+Problem (paper §2.4): minimize max_i T_i(l_i, m_i) (with each rank's root compute and
+bookkeeping spread over its units: cost.py [Note: step terms]) subject to (I) Σ b_i = B,
+b_i = l_i·m_i (b_i = 0 allowed: an idle rank), (II) M_i(m_i) ≤ c·C_i for b_i > 0, (III) S + Σ M_i ≤ c·Σ C_i.
 T_i depends on whether the state is sharded unevenly (u = 1.15), which depends on the choice, so
 two cases are solved and the better one kept:
 
@@ -75,7 +76,7 @@ class Assignment(NamedTuple):
     microbatch_sizes: list[int]
     num_microbatches: list[int]
     uneven: bool
-    unit_time_s: float  # max_i T_i, seconds
+    unit_time_s: float  # max_i (T_i + extra_i / L), seconds (cost.py [Note: step terms])
 
 
 @dataclass
@@ -114,7 +115,10 @@ def _device_options(cluster: ClusterProfile, rank: int, B: int, mem_cap: float, 
         memv = mem_of(m_rep, m_rep * l_rep)
         keep = ok(memv)
         m_rep, l_rep, idx, memv = m_rep[keep], l_rep[keep], idx[keep], memv[keep]
-        t = cost.unit_time_s(f[idx], bw[idx], l_rep, comm, uneven)
+        # T_i with the rank's root compute and bookkeeping spread over its L units
+        # (cost.py [Note: step terms]): max_i of it is the compute phase / L, exactly
+        t = cost.unit_time_s(f[idx], bw[idx], l_rep, comm, uneven) + \
+            cost.rank_extra_s(cluster, rank, m_rep * l_rep, m_rep) / cluster.model.num_units
     else:
         m_rep = l_rep = np.zeros(0, dtype=np.int64)
         t = memv = np.zeros(0)

@@ -8,7 +8,9 @@ the CLI tables. Hand-made plans may have a smaller last microbatch
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import math
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -16,7 +18,8 @@ from hf_cephalo.planner import cost, memory
 from hf_cephalo.planner.types import Plan
 from hf_cephalo.profiler.types import ClusterProfile
 
-__all__ = ["RankPrediction", "MachinePrediction", "Prediction", "predict", "plan_layout"]
+__all__ = ["RankPrediction", "MachinePrediction", "Prediction", "predict", "plan_layout",
+           "MeasuredStep", "predicted_unit_compute_s", "refit_to_measured"]
 
 
 class RankPrediction(NamedTuple):
@@ -25,6 +28,7 @@ class RankPrediction(NamedTuple):
     memory_bytes: float  # r_i·S + M_i, bytes
     cap_bytes: float  # c·C_i, bytes
     fits: bool  # memory_bytes <= cap_bytes
+    step: cost.StepTerms | None = None  # the rank's step terms ([Note: step terms] in cost.py)
 
 
 class MachinePrediction(NamedTuple):
@@ -35,7 +39,7 @@ class MachinePrediction(NamedTuple):
 
 class Prediction(NamedTuple):
     ranks: list[RankPrediction]
-    iteration_s: float  # num_units · max_i T_i, seconds
+    iteration_s: float  # the step time of cost.py [Note: step terms], seconds
     samples_per_s: float  # B / iteration_s
     fits: bool  # every rank under its cap and every machine's host memory under its cap
     machines: list[MachinePrediction] = []  # per machine (ClusterProfile.machines_of_ranks)
@@ -48,7 +52,11 @@ def plan_layout(plan: Plan, cluster: ClusterProfile) -> list[list[int]]:
 
 
 def predict(plan: Plan, cluster: ClusterProfile, memory_fraction: float | None = None) -> Prediction:
-    """Per-rank unit time and memory of ``plan`` on ``cluster`` (docs/design.md contract 2).
+    """Per-rank unit time, step terms and memory of ``plan`` on ``cluster`` (docs/design.md
+    contract 2). The iteration time is the step of [Note: step terms] in ``cost.py`` (the
+    slowest rank's units, root compute and bookkeeping, the slowest optimizer step and host
+    overhead, the step's collectives outside the units); with a profile of the units alone
+    (no step terms) num_units · max_i T_i.
 
     Memory: r_i·S + ``memory.rank_memory_bytes`` with the collective buffers of the plan's own
     shard layout and ``plan.root_resident``; host memory per machine (activation offload).
@@ -78,8 +86,12 @@ def predict(plan: Plan, cluster: ClusterProfile, memory_fraction: float | None =
         total = r.state_ratio * S + mem
         cap = c * d.memory_capacity_bytes
         out.append(RankPrediction(t, mem, total, cap, total <= cap * (1 + 1e-9)))
+    terms = cost.step_terms(cluster, [p.unit_time_s for p in out],
+                            [r.batch_size for r in plan.ranks],
+                            [r.microbatch_size for r in plan.ranks], plan.state_ratios)
+    out = [p._replace(step=s) for p, s in zip(out, terms)]
     machines = _machines(plan, cluster, c)
-    it = cost.iteration_time_s([p.unit_time_s for p in out], cluster.model.num_units)
+    it = cost.step_time_from_terms(terms)
     fits = all(p.fits for p in out) and all(m.fits for m in machines)
     return Prediction(out, it, plan.global_batch_size / it, fits, machines)
 
@@ -95,3 +107,67 @@ def _machines(plan: Plan, cluster: ClusterProfile, c: float) -> list[MachinePred
         cap = np.inf if cluster.host_memory_bytes is None else c * cluster.host_memory_bytes[k]
         out.append(MachinePrediction(need, cap, need <= cap * (1 + 1e-9)))
     return out
+
+
+# ---- back from what a run measured ------------------------------------------------------------
+class MeasuredStep(NamedTuple):
+    """What one rank measured over a training run (medians over the steps after warm-up)."""
+
+    step_s: float | None  # the step, seconds
+    unit_compute_s: float | None  # forward + recompute + backward of every unit, s per step
+    root_compute_s: float | None  # embedding + head compute, seconds per step
+
+
+def predicted_unit_compute_s(plan: Plan, cluster: ClusterProfile, rank: int) -> float:
+    """num_units · (l·F + l·(F + B)) of one rank, seconds per step (unit compute only)."""
+    r, d = plan.ranks[rank], cluster.devices[rank]
+    f, b = cost.rank_compute_s(d, r.batch_size, r.microbatch_size)
+    return cluster.model.num_units * float(2 * f + b)
+
+
+def _usable(x) -> bool:
+    return x is not None and math.isfinite(x) and x > 0
+
+
+def _scaled(values, factor):
+    return None if values is None else [v * factor for v in values]
+
+
+def refit_to_measured(plan: Plan, cluster: ClusterProfile,
+                      measured: Sequence[MeasuredStep]) -> ClusterProfile:
+    """``cluster`` with each rank's profile refit to what ``plan`` measured in training.
+
+    Per rank with samples: ``fwd_s`` / ``bwd_s`` scaled by measured / predicted unit compute,
+    ``embed_s`` / ``head_s`` by measured / predicted root compute (each table keeps its shape
+    in m; a term not measured keeps its profiled values). Then the part of the measured step
+    (the slowest rank's) that the refit model still does not explain goes into every rank's
+    ``step_overhead_s`` (clamped at 0: the host term of cost.py [Note: step terms]), so
+    ``predict(plan, refit).iteration_s`` equals the measured step whenever the rest of the
+    model does not already exceed it. Missing or non-finite measurements are skipped. Pure:
+    the input is not changed.
+
+    Raises:
+        ValueError: ``measured`` has not one entry per rank, or the plan does not fit the
+            cluster (``Plan.validate_for``).
+    """
+    if len(measured) != cluster.world_size:
+        raise ValueError(f"refit: {len(measured)} measurements for world size "
+                         f"{cluster.world_size}; give one per rank")
+    devices = []
+    for i, (r, d, got) in enumerate(zip(plan.ranks, cluster.devices, measured)):
+        d = dataclasses.replace(d)
+        if r.batch_size > 0 and _usable(got.unit_compute_s):
+            k = got.unit_compute_s / predicted_unit_compute_s(plan, cluster, i)
+            d.fwd_s, d.bwd_s = _scaled(d.fwd_s, k), _scaled(d.bwd_s, k)
+        pred_root = float(cost.root_compute_s(d, r.batch_size, r.microbatch_size))
+        if r.batch_size > 0 and _usable(got.root_compute_s) and pred_root > 0:
+            k = got.root_compute_s / pred_root
+            d.embed_s, d.head_s = _scaled(d.embed_s, k), _scaled(d.head_s, k)
+        devices.append(d)
+    refit = dataclasses.replace(cluster, devices=devices)
+    steps = [m.step_s for m in measured if _usable(m.step_s)]
+    if steps:
+        residual = max(steps) - predict(plan, refit).iteration_s
+        for d in devices:
+            d.step_overhead_s = max(0.0, d.step_overhead_s + residual)
+    return refit

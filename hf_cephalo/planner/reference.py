@@ -57,7 +57,8 @@ def _solve_case(cluster: ClusterProfile, B: int, c: float, uneven: bool) -> floa
             for l in range(1, B // m + 1):
                 if float(memory.rank_memory_bytes(cluster, rank, m, l * m)) > cap * (1 + 1e-12):
                     continue
-                t = float(cost.unit_time_s(f, bw, l, cost.unit_comm(cluster), uneven))
+                t = float(cost.unit_time_s(f, bw, l, cost.unit_comm(cluster), uneven)) + \
+                    float(cost.rank_extra_s(cluster, rank, l * m, m)) / cluster.model.num_units
                 b = l * m
                 # new[j, k] = min(new[j, k], max(D[j - b, k - m], t)) for all j >= b, k >= m
                 np.minimum(new[b:, m:], np.maximum(D[: B + 1 - b, : B + 1 - m], t),

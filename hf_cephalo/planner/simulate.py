@@ -127,7 +127,8 @@ def even_split_plan(cluster: ClusterProfile, global_batch_size: int,
 def compute_balance_plan(cluster: ClusterProfile, global_batch_size: int,
                          memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
                          root_resident: bool = False) -> Plan:
-    """Compute balance alone: b_i minimizing max_i T_i(1, b_i), m_i = b_i, r_i = 1/N.
+    """Compute balance alone: b_i minimizing max_i T_i(1, b_i) (with the root compute of
+    cost.py [Note: step terms]), m_i = b_i, r_i = 1/N.
 
     The batch goes where the cost model says compute is fastest, with no gradient
     accumulation and no memory balancing (the paper's Cephalo-CB, §4 Fig. 7); memory is not
@@ -139,9 +140,13 @@ def compute_balance_plan(cluster: ClusterProfile, global_batch_size: int,
     bs = np.arange(1, B + 1)
     # times[i][b] = T_i(1, b); b = 0 is the idle rank. Prefix max: b is allowed at threshold t
     # only if every smaller batch is too (so lowering b_i later never raises T_i above t).
+    # T_i(1, b) with the rank's root compute and bookkeeping over its L units: the compute
+    # phase per unit (cost.py [Note: step terms])
     times = []
-    for d in devs:
-        t = cost.unit_time_s(cost.fwd_time_s(d, bs), cost.bwd_time_s(d, bs), 1, comm, False)
+    L = cluster.model.num_units
+    for i, d in enumerate(devs):
+        t = cost.unit_time_s(cost.fwd_time_s(d, bs), cost.bwd_time_s(d, bs), 1, comm, False) + \
+            cost.rank_extra_s(cluster, i, bs, bs) / L
         times.append(np.concatenate([[cost.idle_unit_time_s(comm, False)], t]))
     prefix = [np.maximum.accumulate(t) for t in times]
     cands = np.unique(np.concatenate(times))
@@ -212,7 +217,8 @@ def speed_proportional_plan(cluster: ClusterProfile, global_batch_size: int,
             continue
         ms = np.arange(1, b + 1)
         f, bw = cost.rank_compute_s(d, b, ms)
-        t = cost.unit_time_s(f, bw, 1, cost.unit_comm(cluster), False)
+        t = cost.unit_time_s(f, bw, 1, cost.unit_comm(cluster), False) + \
+            cost.rank_extra_s(cluster, i, b, ms) / cluster.model.num_units
         ok = S / n + memory.rank_memory_bytes(cluster, i, ms, b,
                                               root_resident=root_resident) <= \
             memory_fraction * d.memory_capacity_bytes

@@ -26,13 +26,16 @@ from typing import Any, Mapping
 from hf_cephalo.file_modes import apply_default_mode
 from hf_cephalo.profiler.types import CommProfile, DeviceProfile
 
-__all__ = ["ProfileCache", "default_cache_dir", "model_description", "model_fingerprint", "device_key", "comm_key"]
+__all__ = ["ProfileCache", "default_cache_dir", "model_description", "model_fingerprint",
+           "device_key", "comm_key", "write_back_devices"]
 
 # 2: non-decreasing fit of the per-m medians, parameters as views of one flat buffer (frozen ones
 # included), bf16-autocast profiles keyed by their dtype tag. 3: compute memory is the activation
 # memory alone (the planner prices the engine's buffers), measured on CPU as the peak of live
-# tensors; comm entries carry the measured uneven factor u.
-MEASUREMENT_VERSION = 3
+# tensors; comm entries carry the measured uneven factor u. 4: the step terms outside the units
+# (embedding / head per microbatch, bookkeeping, optimizer step, the root's collectives and the
+# small all-reduce: planner/cost.py [Note: step terms]).
+MEASUREMENT_VERSION = 4
 
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "use_cache",
                          "return_dict", "output_hidden_states", "output_attentions")
@@ -131,3 +134,26 @@ class ProfileCache:
 
     def put_comm(self, key: str, profile: CommProfile) -> None:
         self._write(key, profile.to_json())
+
+
+def write_back_devices(cluster_extra: Mapping[str, Any],
+                       devices: list[DeviceProfile]) -> list[Path]:
+    """Write ``devices`` (rank order, e.g. refit to what a training run measured:
+    ``planner.predict.refit_to_measured``) over the cache entries their profile was read from
+    or measured into, so the next run of the same job starts from the measured numbers.
+
+    ``cluster_extra``: ``ClusterProfile.extra`` of a profile made by ``profile_cluster`` with a
+    cache (its ``"profile_cache"`` record: the cache directory and each rank's device key);
+    nothing is written without it (a profile file, a profile measured without a cache). Each
+    entry is written atomically (temp file + rename). Returns the paths written. Call it on one
+    rank (rank 0): it holds every rank's entry.
+    """
+    record = cluster_extra.get("profile_cache")
+    if not record or len(record.get("device_keys", [])) != len(devices):
+        return []
+    store = ProfileCache(record["root"])
+    written = []
+    for key, device in zip(record["device_keys"], devices):
+        store.put_device(key, device)
+        written.append(store._path(key))
+    return written

@@ -666,6 +666,96 @@ def _time_rounds(staged, config: MeasureConfig, inputs, views: _FlatViews, devic
                       f"{detail}about {left:.0f} s left", flush=True)
 
 
+# ---- step terms outside the units (planner/cost.py [Note: step terms]) -----------------------
+def _embed_backward(staged: StagedModel, mb, grad: torch.Tensor) -> None:
+    """The engine's embedding backward: recompute the embedding with autograd, backward."""
+    with torch.enable_grad():
+        hidden, _ = staged.embed(mb)
+    if hidden.requires_grad:
+        torch.autograd.backward(hidden, grad)
+
+
+def _measure_root(staged, config: MeasureConfig, inputs, device,
+                  before_each) -> tuple[list[float], list[float]]:
+    """Per profiled m, the median (embed_s, head_s) of one microbatch: the embedding's forward
+    plus its recompute + backward, and the head's loss forward + backward (the engine's root
+    phases, [Note: layered schedule] in engine/schedule.py), seconds. Rounds over every m
+    like the unit's, lockstep with ``before_each``."""
+    ms = config.microbatch_sizes
+    embed: dict[int, list[float]] = {m: [] for m in ms}
+    head: dict[int, list[float]] = {m: [] for m in ms}
+    for k in range(config.warmup + config.repeats):
+        for m in ms:
+            mb, hidden, ctx, grad = inputs[m]
+            if before_each is not None:
+                before_each()
+            _sync(device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                staged.embed(mb)
+            _sync(device)
+            t1 = time.perf_counter()
+            _head_backward(staged, hidden, mb, ctx)
+            _sync(device)
+            t2 = time.perf_counter()
+            _embed_backward(staged, mb, grad)
+            _sync(device)
+            t3 = time.perf_counter()
+            if k >= config.warmup:
+                embed[m].append((t1 - t0) + (t3 - t2))
+                head[m].append(t2 - t1)
+    return (_non_decreasing([statistics.median(embed[m]) for m in ms]),
+            _non_decreasing([statistics.median(head[m]) for m in ms]))
+
+
+def _measure_bookkeeping(device: torch.device, repeats: int) -> float:
+    """The engine's host bookkeeping per unit and microbatch outside the unit's compute:
+    capturing the RNG state before the forward and replaying it around the recompute
+    (engine/schedule.py ``RngState``), median seconds."""
+    from hf_cephalo.engine.schedule import RngState
+
+    times = []
+    for _ in range(max(5, 4 * repeats)):
+        t0 = time.perf_counter()
+        state = RngState(device)
+        fork = state.replay()
+        fork.__exit__(None, None, None)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _measure_optimizer(staged: StagedModel, device: torch.device, repeats: int) -> float:
+    """Seconds per parameter element of the optimizer step plus the engine's gradient-norm
+    clipping (``CephaloEngine.clip_grad_norm_``) on two unit-sized flat shards: AdamW, fused
+    where the device supports it (the Trainer's default ``adamw_torch_fused``)."""
+    numel = sum(p.numel() for p in staged.units()[0].parameters() if p.requires_grad) or \
+        sum(p.numel() for p in staged.units()[0].parameters())
+    dtype = model_dtype(staged)
+    params = [torch.zeros(numel, dtype=dtype, device=device, requires_grad=True) for _ in range(2)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    try:
+        opt = torch.optim.AdamW(params, lr=1e-6, fused=True)
+        opt.step()
+    except (RuntimeError, TypeError):  # no fused kernel for this device / dtype
+        opt = torch.optim.AdamW(params, lr=1e-6)
+        opt.step()
+    times = []
+    for _ in range(max(3, repeats)):
+        _sync(device)
+        t0 = time.perf_counter()
+        sq = torch.zeros(1, dtype=torch.float64, device=device)
+        for p in params:
+            sq += p.grad.double().pow(2).sum()
+        coef = torch.clamp(1.0 / (sq.sqrt() + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.dtype))
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / (2 * numel)
+
+
 def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.device | str,
                    name: str, capacity_bytes: float, rank: int = 0,
                    make_microbatch: MakeMicrobatch | None = None,
@@ -717,6 +807,9 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
                                          inputs[m][2], inputs[m][3], device) for m in ms]
         finally:
             views.restore()
+        embed_s, head_s = _measure_root(staged, config, inputs, device, before_each)
+        bookkeeping_s = _measure_bookkeeping(device, config.repeats)
+        optimizer_s = _measure_optimizer(staged, device, config.repeats)
         fwd = _non_decreasing([fwd_med[m] for m in ms])
         bwd = _non_decreasing([bwd_med[m] for m in ms])
         mem, head_mem = [u for u, _ in unit_head], [h for _, h in unit_head]
@@ -730,7 +823,9 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
         model.train(was_training)
     return DeviceProfile(name=name, memory_capacity_bytes=capacity_bytes, microbatch_sizes=ms,
                          fwd_s=fwd, bwd_s=bwd, compute_memory_bytes=mem,
-                         head_memory_bytes=head_mem)
+                         head_memory_bytes=head_mem, embed_s=embed_s, head_s=head_s,
+                         microbatch_overhead_s=bookkeeping_s,
+                         optimizer_s_per_param=optimizer_s)
 
 
 # ---- collectives --------------------------------------------------------------------------------
@@ -795,17 +890,82 @@ def measure_comm(staged: StagedModel, *, device: torch.device | str, repeats: in
     dtype, fallback = model_dtype(staged), not C.reduce_scatter_supported(group)
     even = integer_targets([1.0 / n] * n, numel)
     times = list(_time_unit_collectives(even, dtype, device, group, repeats, fallback))
+    times += _time_root_collectives(staged, n, dtype, device, group, repeats, fallback)
     if state_ratios is not None:
         row = integer_targets(state_ratios, numel)
         times += _time_unit_collectives(row, dtype, device, group, repeats, fallback)
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     ag, rs = float(t[0]), float(t[1])
+    # gloo's copies and reductions run on the host cores the CPU ranks compute on
+    root = dict(root_allgather_s=float(t[2]), root_reducescatter_s=float(t[3]),
+                allreduce_s=float(t[4]), collective_wait_s=float(t[5]),
+                overlaps_compute=device.type == "cuda")
     if state_ratios is None:
-        return CommProfile(allgather_s=ag, reducescatter_s=rs)
-    u = max(1.0, float(t[2] + t[3]) / max(ag + rs, 1e-12))
+        return CommProfile(allgather_s=ag, reducescatter_s=rs, **root)
+    u = max(1.0, float(t[6] + t[7]) / max(ag + rs, 1e-12))
     return CommProfile(allgather_s=ag, reducescatter_s=rs, uneven_factor=u,
-                       uneven_state_ratios=[float(r) for r in state_ratios])
+                       uneven_state_ratios=[float(r) for r in state_ratios], **root)
+
+
+def _time_root_collectives(staged: StagedModel, world_size: int, dtype, device, group,
+                           repeats: int, use_all_reduce: bool) -> list[float]:
+    """[root all-gathers s, root reduce-scatters s, one 8-byte all-reduce s] of one step as the
+    engine's split root issues them ([Note: layered schedule] in engine/schedule.py): the
+    embedding unit E gathered twice and the head unit H once, H's and E's gradients
+    reduce-scattered once each; a tied head gathers E a third time and reduce-scatters its
+    head-use gradient too. Even shards, this rank's medians (collective on every rank)."""
+    from hf_cephalo.engine import collectives as C
+    from hf_cephalo.engine.stats import CollectiveStats
+    from hf_cephalo.planner.state import integer_targets
+
+    model = model_profile(staged)
+    n_embed, n_head, tied = model.root_split()
+    ag_e, rs_e = _time_unit_collectives(integer_targets([1.0 / world_size] * world_size,
+                                                        max(n_embed, world_size)),
+                                        dtype, device, group, repeats, use_all_reduce)
+    ag_h, rs_h = _time_unit_collectives(integer_targets([1.0 / world_size] * world_size,
+                                                        max(n_head, world_size)),
+                                        dtype, device, group, repeats, use_all_reduce)
+    stats, times = CollectiveStats(), []
+    for k in range(1 + repeats):
+        t = torch.ones(1, dtype=torch.int64, device=device)
+        dist.barrier(group)
+        _sync(device)
+        t0 = time.perf_counter()
+        C.all_reduce_sum(t, group, stats)
+        _sync(device)
+        if k:
+            times.append(time.perf_counter() - t0)
+    gathers_e, reduces_e = (3, 2) if tied else (2, 1)
+    allreduce_s = statistics.median(times)
+    return [gathers_e * ag_e + ag_h, reduces_e * rs_e + rs_h, allreduce_s,
+            _time_rendezvous(device, group, repeats, allreduce_s)]
+
+
+def _time_rendezvous(device, group, repeats: int, allreduce_s: float) -> float:
+    """``CommProfile.collective_wait_s``: an 8-byte all-reduce reached from compute (the same
+    ~1 ms of matrix products on every rank, no barrier) minus the same all-reduce reached
+    from a barrier, seconds, at least 0. The rank that arrives last sets the pace, so the
+    smallest of the ranks' medians is taken (a MIN all-reduce; collective on every rank)."""
+    from hf_cephalo.engine import collectives as C
+    from hf_cephalo.engine.stats import CollectiveStats
+
+    a = torch.randn(192, 192, device=device)
+    stats, waits = CollectiveStats(), []
+    dist.barrier(group)
+    for k in range(1 + 4 * repeats):
+        for _ in range(4):
+            a = torch.tanh(a @ a)
+        _sync(device)
+        t0 = time.perf_counter()
+        C.all_reduce_sum(torch.ones(1, dtype=torch.int64, device=device), group, stats)
+        _sync(device)
+        if k:
+            waits.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(waits)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return max(0.0, float(t) - allreduce_s)
 
 
 # ---- the whole cluster --------------------------------------------------------------------------
@@ -891,8 +1051,8 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
                              any_rank=any_rank)
         if store is not None:
             store.put_device(key, dev)
-    devices = [DeviceProfile.from_json(d) for d in
-               _all_gather_objects(dev.to_json(), group, world_size)]
+    gathered = _all_gather_objects({"device": dev.to_json(), "key": key}, group, world_size)
+    devices = [DeviceProfile.from_json(g["device"]) for g in gathered]
     model = model_profile(base, model_name, boundary_bytes_per_sample(
         base, make_microbatch or (lambda m: synthetic_microbatch(
             base.model, m, config.sequence_length, device)), device, config.gather_dtype),
@@ -908,7 +1068,11 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
         extra={"model_fingerprint": fingerprint, "model_class": type(base.model).__name__,
                "model_description": model_description(base.model),
                "dtype": dtype, "sequence_length": config.sequence_length,
-               "emulated": emulation is not None})
+               "emulated": emulation is not None,
+               # where the measured step terms go back at train end (cache.write_back_devices)
+               **({"profile_cache": {"root": str(store.root),
+                                     "device_keys": [g["key"] for g in gathered]}}
+                  if store is not None else {})})
 
 
 def _all_ranks(flag: bool, device, group, world_size: int) -> bool:
@@ -931,12 +1095,18 @@ def _cluster_comm(staged, store, fingerprint, dtype, names, device, config, grou
     cached = store.get_comm(key) if store is not None else None
     usable = cached is not None and cached.uneven_factor is not None
     if _all_ranks(usable, device, group, world_size):
-        times = torch.tensor([cached.allgather_s, cached.reducescatter_s, cached.uneven_factor],
+        times = torch.tensor([cached.allgather_s, cached.reducescatter_s, cached.uneven_factor,
+                              cached.root_allgather_s, cached.root_reducescatter_s,
+                              cached.allreduce_s, cached.collective_wait_s],
                              dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
         return CommProfile(allgather_s=float(times[0]), reducescatter_s=float(times[1]),
                            uneven_factor=float(times[2]),
-                           uneven_state_ratios=cached.uneven_state_ratios)
+                           uneven_state_ratios=cached.uneven_state_ratios,
+                           root_allgather_s=float(times[3]),
+                           root_reducescatter_s=float(times[4]), allreduce_s=float(times[5]),
+                           collective_wait_s=float(times[6]),
+                           overlaps_compute=cached.overlaps_compute)
     comm = measure_comm(staged, device=device, repeats=config.comm_repeats, group=group,
                         state_ratios=state_ratios)
     if store is not None:

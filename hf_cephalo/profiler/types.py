@@ -280,6 +280,10 @@ class ModelProfile:
                                    if k in data})
 
 
+_OPTIONAL_TABLES = ("head_memory_bytes", "embed_s", "head_s")  # per profiled m, or None
+_STEP_TERMS = ("microbatch_overhead_s", "optimizer_s_per_param", "step_overhead_s")
+
+
 @dataclass(kw_only=True)
 class DeviceProfile:
     """One rank's GPU: capacity and the measured (or estimated) cost of ONE unit.
@@ -296,6 +300,24 @@ class DeviceProfile:
         head_memory_bytes: optional, the head phase's activation memory at each profiled m
             (the head's loss + backward beside the last unit's kept graph), bytes; the
             planner pairs it with the buffers alive in the head phase.
+
+    Step terms outside the units ([Note: step terms] in ``planner/cost.py``; all optional, an
+    older profile without them prices them at 0 s, the model of the paper). Per-rank compute
+    speed lives in ``fwd_s`` / ``bwd_s`` and these tables, so a refit from measured times
+    scales each by its own factor:
+
+        embed_s: per profiled m, the embedding unit's forward plus its recompute + backward
+            for one microbatch, seconds.
+        head_s: per profiled m, the head's loss forward + backward for one microbatch, seconds.
+        microbatch_overhead_s: the engine's host bookkeeping per unit and microbatch outside
+            the unit's own compute (RNG state capture for the recompute and its replay,
+            activation stash), seconds.
+        optimizer_s_per_param: the optimizer step plus gradient-norm clipping per element of
+            this rank's shard, seconds per element.
+        step_overhead_s: host time per training step outside compute, collectives and the
+            optimizer step (the training loop, data loading, callbacks), seconds; 0 until a
+            training run measured it (``planner.predict.refit_to_measured``, written back to
+            the profile cache at train end).
     """
 
     name: str
@@ -305,6 +327,11 @@ class DeviceProfile:
     bwd_s: list[float]
     compute_memory_bytes: list[float]
     head_memory_bytes: list[float] | None = None
+    embed_s: list[float] | None = None
+    head_s: list[float] | None = None
+    microbatch_overhead_s: float = 0.0
+    optimizer_s_per_param: float = 0.0
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         owner = f"device profile {self.name!r}"
@@ -321,14 +348,17 @@ class DeviceProfile:
             raise ValueError(f"{owner}: the profile must include microbatch size 1 (got {ms}); "
                              "profile m = 1 so the planner can fall back to it")
         self.microbatch_sizes = ms
-        for name in ("fwd_s", "bwd_s", "compute_memory_bytes", "head_memory_bytes"):
+        for name in ("microbatch_overhead_s", "optimizer_s_per_param", "step_overhead_s"):
+            setattr(self, name, _check_number(owner, name, getattr(self, name)))
+        for name in ("fwd_s", "bwd_s", "compute_memory_bytes", "head_memory_bytes", "embed_s",
+                     "head_s"):
             values = getattr(self, name)
-            if name == "head_memory_bytes" and values is None:
+            if name in _OPTIONAL_TABLES and values is None:
                 continue
             if not isinstance(values, (list, tuple)) or len(values) != len(ms):
                 raise ValueError(f"{owner}: {name} must be a list with one value per microbatch "
                                  f"size {ms}, got {values!r}")
-            positive = name not in ("compute_memory_bytes", "head_memory_bytes")
+            positive = name in ("fwd_s", "bwd_s")
             setattr(self, name, [_check_number(owner, f"{name}[m={m}]", v, positive=positive)
                                  for m, v in zip(ms, values)])
         for name in ("fwd_s", "bwd_s"):
@@ -348,7 +378,11 @@ class DeviceProfile:
         keys = ("name", "memory_capacity_bytes", "microbatch_sizes", "fwd_s", "bwd_s",
                 "compute_memory_bytes")
         _require_keys("device profile", data, keys)
-        return cls(**{k: data[k] for k in keys}, head_memory_bytes=data.get("head_memory_bytes"))
+        optional = {k: data[k] for k in (*_OPTIONAL_TABLES, *_STEP_TERMS) if k in data}
+        return cls(**{k: data[k] for k in keys}, **optional)
+
+
+_ROOT_COMM = ("root_allgather_s", "root_reducescatter_s", "allreduce_s", "collective_wait_s")
 
 
 @dataclass(kw_only=True)
@@ -363,16 +397,42 @@ class CommProfile:
             (spec-sheet what-if profiles, older profiles): the cost model then uses the
             paper's bound 1.15.
         uneven_state_ratios: the state ratios whose layout ``uneven_factor`` was timed for.
+        root_allgather_s: the root's all-gathers of one step as the engine issues them (the
+            embedding unit at the start of the forward and of the embedding backward, the head
+            unit, and the embedding unit for a tied head; ``root_resident``: once each), even
+            shards, seconds; 0 = not measured (older profiles).
+        root_reducescatter_s: the root's gradient reduce-scatters of one step (the head unit,
+            the embedding unit, and its head-use gradient when tied), seconds; 0 = not measured.
+        allreduce_s: one small all-reduce (8 bytes: the global item count, the loss sum, the
+            squared gradient norm), seconds; 0 = not measured.
+        collective_wait_s: what each blocking collective of a step adds beyond its own time
+            when the ranks reach it from compute rather than from a barrier (the rendezvous:
+            waking the rank that arrived first, on a loaded host its scheduling delay),
+            seconds; 0 = not measured.
+        overlaps_compute: the collectives run beside the compute (GPUs: NCCL kernels on their
+            own stream), so a unit's compute hides them (the paper's max(...) terms); False
+            where they take the cores the compute runs on (CPU ranks with gloo: copies and
+            reductions on the host), so they add to it. Default True (older profiles).
     """
 
     allgather_s: float
     reducescatter_s: float
     uneven_factor: float | None = None
     uneven_state_ratios: list[float] | None = None
+    root_allgather_s: float = 0.0
+    root_reducescatter_s: float = 0.0
+    allreduce_s: float = 0.0
+    collective_wait_s: float = 0.0
+    overlaps_compute: bool = True
 
     def __post_init__(self) -> None:
         self.allgather_s = _check_number("comm profile", "allgather_s", self.allgather_s)
         self.reducescatter_s = _check_number("comm profile", "reducescatter_s", self.reducescatter_s)
+        for name in _ROOT_COMM:
+            setattr(self, name, _check_number("comm profile", name, getattr(self, name)))
+        if not isinstance(self.overlaps_compute, bool):
+            raise ValueError(f"comm profile: overlaps_compute must be true or false, got "
+                             f"{self.overlaps_compute!r}")
         if self.uneven_factor is not None:
             u = _check_number("comm profile", "uneven_factor", self.uneven_factor, positive=True)
             if u < 1:
@@ -391,7 +451,9 @@ class CommProfile:
         _require_keys("comm profile", data, ("allgather_s", "reducescatter_s"))
         return cls(allgather_s=data["allgather_s"], reducescatter_s=data["reducescatter_s"],
                    uneven_factor=data.get("uneven_factor"),
-                   uneven_state_ratios=data.get("uneven_state_ratios"))
+                   uneven_state_ratios=data.get("uneven_state_ratios"),
+                   overlaps_compute=data.get("overlaps_compute", True),
+                   **{k: data[k] for k in _ROOT_COMM if k in data})
 
 
 @dataclass(kw_only=True)
