@@ -19,13 +19,16 @@ _EXPORTS = {
     "CephaloAccelerator": "accelerate",
     "ENV_PREFIX": "accelerate",
     "ACTIVATION_OFFLOAD_CHOICES": "accelerate",
+    # replan (how a plan is made: start, elastic restart, live)
+    "ResolvedPlan": "replan",
+    "resolve_plan_for_model": "replan",
+    "resolve_elastic_plan": "replan",
+    "select_world_devices": "replan",
+    "check_state_fits_caps": "replan",
     # auto_plan
-    "ResolvedPlan": "auto_plan",
-    "resolve_plan_for_model": "auto_plan",
     "wrap_staged": "auto_plan",
     "PlanAccuracyCallback": "auto_plan",
     "format_accuracy_table": "auto_plan",
-    "check_state_fits_caps": "auto_plan",
     "diagnose_step_time": "auto_plan",
     # pretrained
     "from_pretrained_sharded": "pretrained",

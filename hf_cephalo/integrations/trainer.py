@@ -7,7 +7,7 @@ accelerate_configs/cephalo_cpu.yaml train.py`` (or ``cephalo.yaml`` on GPUs).
 What changes against stock Trainer (everything else — LR scheduler, logging, report_to,
 callbacks — is the Trainer's own):
 
-- **Plan** (``auto_plan.resolve_plan_for_model``): the plan file, else the exact optimizer
+- **Plan** (``replan.resolve_plan_for_model``): the plan file, else the exact optimizer
   over the profile file, else over a profile measured at start (cached on disk; emulated
   devices included); profile.json and plan.json are saved in output_dir. The per-rank plan
   table is printed by rank 0 at start, predicted vs measured step time and memory at the end.
@@ -74,8 +74,9 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
 from hf_cephalo.integrations.auto_plan import PlanAccuracyCallback, wrap_staged
-from hf_cephalo.integrations.elastic import ElasticCallback, resolve_elastic_plan
+from hf_cephalo.integrations.elastic import ElasticCallback
 from hf_cephalo.integrations.preflight import check_before_planning
+from hf_cephalo.integrations.replan import resolve_elastic_plan
 from hf_cephalo.integrations.sampler import MicrobatchCollator, WeightedBatchSampler
 from hf_cephalo.integrations.sharded_model import guard_sharded_model, restore_full_model
 from hf_cephalo.integrations.support import HOOK_SUPPORT, check_training_args
@@ -179,7 +180,7 @@ class CephaloTrainer(Trainer):
                                        train_dataset=kwargs.get("train_dataset"),
                                        eval_dataset=kwargs.get("eval_dataset"))
         self.cluster_profile = None  # the profile an automatic plan was made from
-        if plan is None:  # plan file > profile file > profile this cluster (auto_plan.py)
+        if plan is None:  # plan file > profile file > profile this cluster (replan.py)
             plan, self.cluster_profile = resolve_elastic_plan(args, world_size, model,
                                                               kwargs.get("train_dataset"))
         self.plan = plan
