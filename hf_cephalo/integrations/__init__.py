@@ -19,12 +19,14 @@ _EXPORTS = {
     "CephaloAccelerator": "accelerate",
     "ENV_PREFIX": "accelerate",
     "ACTIVATION_OFFLOAD_CHOICES": "accelerate",
+    "ADAPTIVE_CHOICES": "accelerate",
     # replan (how a plan is made: start, elastic restart, live)
     "ResolvedPlan": "replan",
     "resolve_plan_for_model": "replan",
     "resolve_elastic_plan": "replan",
     "select_world_devices": "replan",
     "check_state_fits_caps": "replan",
+    "replan_with_measured_u": "replan",
     # auto_plan
     "wrap_staged": "auto_plan",
     "PlanAccuracyCallback": "auto_plan",
