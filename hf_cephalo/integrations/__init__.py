@@ -27,6 +27,13 @@ _EXPORTS = {
     "select_world_devices": "replan",
     "check_state_fits_caps": "replan",
     "replan_with_measured_u": "replan",
+    "replan_live": "replan",
+    "adopt_checkpoint_split": "replan",
+    # adaptive (live re-balancing)
+    "AdaptiveCallback": "adaptive",
+    "SlowdownScheduleCallback": "adaptive",
+    "REPLANS_NAME": "adaptive",
+    "format_switch": "adaptive",
     # auto_plan
     "wrap_staged": "auto_plan",
     "PlanAccuracyCallback": "auto_plan",

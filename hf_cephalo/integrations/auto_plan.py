@@ -53,11 +53,14 @@ def _emulation(args, world_size: int) -> EmulationConfig | None:
 
 def wrap_staged(staged: StagedModel, args, world_size: int) -> StagedModel:
     """``staged`` wrapped in ``EmulatedStagedModel`` with this rank's slowdown when emulating
-    (or, on CPU, with slowdown 1 to time compute for ``PlanAccuracyCallback``); else unchanged."""
+    (or, on CPU, with slowdown 1 to time compute for ``PlanAccuracyCallback``; on CUDA when live
+    re-balancing or a slowdown schedule needs the compute timed); else unchanged."""
     emulation = _emulation(args, world_size)
     device = torch.device(args.device)
     slowdown = 1.0 if emulation is None else emulation.slowdown_of(args.process_index)
-    if slowdown == 1.0 and device.type == "cuda":
+    timed = getattr(args, "cephalo_adaptive", "off") != "off" and world_size > 1 or (
+        emulation is not None and emulation.schedule is not None)
+    if slowdown == 1.0 and device.type == "cuda" and not timed:
         return staged  # timing would synchronize the device and cost the real run its overlap
     return EmulatedStagedModel(staged, slowdown, device)
 

@@ -55,7 +55,8 @@ from hf_cephalo.profiler.types import ClusterProfile, format_bytes
 from hf_cephalo.units import GIB
 
 __all__ = ["ResolvedPlan", "resolve_plan_for_model", "resolve_elastic_plan",
-           "select_world_devices", "replan_with_measured_u", "check_state_fits_caps"]
+           "select_world_devices", "replan_with_measured_u", "check_state_fits_caps",
+           "replan_live", "adopt_checkpoint_split"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,12 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
             check_plan_memory([r.predicted_memory_bytes for r in plan.ranks], caps)
         if args.process_index == 0:
             warn_idle_ranks(plan.global_batch_size, world_size)
-        return ResolvedPlan(plan, None)
+        # Live re-balancing starts from the plan file and needs a profile to refit.
+        cluster = _cluster(args, world_size, staged, emulation, train_dataset,
+                           plan.global_batch_size) \
+            if args.cephalo_profile_file is not None and args.cephalo_adaptive == "batch" \
+            and world_size > 1 else None
+        return ResolvedPlan(plan, cluster)
     B = args.resolve_global_batch_size(world_size)
     _refuse_meta_profiling(model, args)
     cluster = _cluster(args, world_size, staged, emulation, train_dataset, B)
@@ -294,3 +300,41 @@ def _missing_devices(output_dir: str, names: list[str]) -> str:
             f"({', '.join(r.device for r in plan.ranks)}). Devices missing against that plan: "
             f"{need}{' — ' + detail if detail else ''}; bring such GPUs back (or others with "
             "at least that memory) and the job resumes there")
+
+
+# ---- live ------------------------------------------------------------------------------------
+def replan_live(cluster: ClusterProfile, plan: Plan, rows, *, step: int,
+                last_switch_step: int | None, threshold: float, hysteresis_steps: int,
+                previous_scales=None, caps_bytes=None):
+    """The live decision: ``planner.adapt.decide_batch_switch`` on the start profile ``cluster``
+    and the running ``plan`` with the exchanged measurement ``rows`` (one per rank). Pure and
+    identical on every rank ([Note: one decision on every rank] in adaptive.py)."""
+    from hf_cephalo.planner.adapt import decide_batch_switch
+
+    return decide_batch_switch(cluster, plan, rows, step=step, last_switch_step=last_switch_step,
+                               threshold=threshold, hysteresis_steps=hysteresis_steps,
+                               previous_scales=previous_scales, caps_bytes=caps_bytes)
+
+
+def adopt_checkpoint_split(plan: Plan, checkpoint_plan: Plan | None,
+                           cluster: ClusterProfile | None) -> Plan:
+    """The running ``plan`` with the (b_i, m_i, l_i) a checkpoint ran on, so a resume continues
+    from the last live switch; ``plan`` itself when the checkpoint ran on another world or
+    global batch size (an elastic re-plan holds then) or its split does not fit this plan's
+    memory. r_i stay ``plan``'s (the engine is built with them; the state is re-laid on load)."""
+    if checkpoint_plan is None or checkpoint_plan.world_size != plan.world_size or \
+            checkpoint_plan.global_batch_size != plan.global_batch_size or \
+            [r.device for r in checkpoint_plan.ranks] != [r.device for r in plan.ranks]:
+        return plan
+    ranks = [dataclasses.replace(r, batch_size=c.batch_size, microbatch_size=c.microbatch_size,
+                                 num_microbatches=c.num_microbatches)
+             for r, c in zip(plan.ranks, checkpoint_plan.ranks)]
+    new = dataclasses.replace(plan, ranks=ranks)
+    if cluster is not None:
+        pred = predict(new, cluster)
+        if not pred.fits:
+            return plan
+        for r, p in zip(new.ranks, pred.ranks):
+            r.predicted_memory_bytes = p.memory_bytes
+        new.predicted_iteration_s = pred.iteration_s
+    return new

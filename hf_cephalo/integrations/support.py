@@ -272,7 +272,10 @@ FIELD_SUPPORT: dict[str, Support] = {
                                    "Cephalo's sharding: drop parallelism_config"),
     "dataloader_drop_last": _stock("drops the last partial GLOBAL batch",
                                    _P + "test_loader_options"),
-    "dataloader_num_workers": _inherited("passed to the weighted DataLoader"),
+    "dataloader_num_workers": _inherited(
+        "passed to the weighted DataLoader; above 0 live re-balancing (--cephalo_adaptive "
+        "batch) is off with a warning: workers draw batches ahead with the start split "
+        "(docs/adaptive.md)"),
     "dataloader_pin_memory": _inherited("passed to the weighted DataLoader"),
     "dataloader_persistent_workers": _inherited("passed to the weighted DataLoader"),
     "dataloader_prefetch_factor": _inherited("passed to the weighted DataLoader"),
