@@ -47,6 +47,7 @@ _EXPORTS = {
     "LOAD_REPORT_LOGGER": "quiet",
     # sampler
     "WeightedBatchSampler": "sampler",
+    "SplitSchedule": "sampler",
     "MicrobatchCollator": "sampler",
     "split_counts": "sampler",
     "split_microbatches": "sampler",
