@@ -98,30 +98,33 @@ def test_slow_rank_gets_less_work_and_state_stays():
     cluster = _two_ranks()
     plan = optimize(cluster, 16)
     assert plan.batch_sizes == [8, 8]
+    first = decide_batch_switch(cluster, plan, _rows(plan, cluster, [1.0, 3.0]), step=10,
+                                last_switch_step=None)
+    assert not first.switch and first.streak == 1 and "1 of 2 exchanges" in first.reason
     d = decide_batch_switch(cluster, plan, _rows(plan, cluster, [1.0, 3.0]), step=15,
-                            last_switch_step=None)
-    assert d.switch, d.reason
+                            last_switch_step=None, streak=first.streak)
+    assert d.switch and d.streak == 0, d.reason
     assert d.plan.batch_sizes[1] < d.plan.batch_sizes[0] and sum(d.plan.batch_sizes) == 16
     assert d.plan.state_ratios == plan.state_ratios
     assert d.scales == pytest.approx([1.0, 3.0])
     assert d.predicted_after_s < 0.95 * d.predicted_before_s
     # The same numbers give the same decision (it is computed from them only).
     again = decide_batch_switch(cluster, plan, [tuple(r) for r in _rows(plan, cluster, [1, 3])],
-                                step=15, last_switch_step=None)
+                                step=15, last_switch_step=None, streak=1)
     assert again.plan.to_json() == d.plan.to_json() and again.switch
 
 
-def test_threshold_and_hysteresis_keep_the_plan():
+def test_threshold_confirmation_and_hysteresis_keep_the_plan():
     cluster = _two_ranks()
     plan = optimize(cluster, 16)
     uniform = decide_batch_switch(cluster, plan, _rows(plan, cluster, [1.3, 1.3]), step=5,
                                   last_switch_step=None)
     assert not uniform.switch and "still the best" in uniform.reason
     small = decide_batch_switch(cluster, plan, _rows(plan, cluster, [1.0, 3.0]), step=5,
-                                last_switch_step=None, threshold=0.9)
+                                last_switch_step=None, threshold=0.9, streak=1)
     assert not small.switch and "threshold" in small.reason
     recent = decide_batch_switch(cluster, plan, _rows(plan, cluster, [1.0, 3.0]), step=25,
-                                 last_switch_step=10, hysteresis_steps=20)
+                                 last_switch_step=10, hysteresis_steps=20, streak=1)
     assert not recent.switch and "hysteresis" in recent.reason
 
 
@@ -131,7 +134,7 @@ def test_switch_over_an_emulated_cap_is_not_taken():
     pred = predict(plan, cluster)
     caps = [pred.ranks[0].memory_bytes * 1.0001, None]  # rank 0 cannot take a larger microbatch
     d = decide_batch_switch(cluster, plan, _rows(plan, cluster, [1.0, 3.0]), step=15,
-                            last_switch_step=None, caps_bytes=caps)
+                            last_switch_step=None, caps_bytes=caps, streak=1)
     # Without the cap the switch is taken (test_slow_rank_gets_less_work_and_state_stays).
     assert not d.switch and "memory cap of rank(s) [0]" in d.reason and d.plan is plan
 

@@ -13,8 +13,8 @@
    (``MEASUREMENT_FIELDS``, NaN where missing); no Python objects are gathered.
 3. **Decide** on every rank from the exchanged numbers only (``replan.replan_live`` ->
    ``planner.adapt.decide_batch_switch``): refit the start profile, re-plan with r_i fixed,
-   switch when the predicted step time drops by more than the threshold, with hysteresis, never
-   over a memory cap.
+   switch when the predicted step time drops by more than the threshold at two exchanges in a
+   row (one noisy window does not move the plan), with hysteresis, never over a memory cap.
 4. **Switch** at the step boundary: ``trainer.plan`` becomes the new plan and the
    ``SplitSchedule`` of the training loader splits the next global batches by the new b_i / m_i
    ([Note: switching the split live] in sampler.py). Nothing else moves: the engine's shards, the
@@ -115,6 +115,7 @@ class AdaptiveCallback(TrainerCallback):
         self._window: list[tuple[float, float, float]] = []  # (step, unit compute, all compute)
         self._skip_next = True  # the first step (of the run, after a switch) is not measured
         self._scales: list[float] | None = None
+        self._streak = 0  # exchanges in a row that predicted a gain (planner.adapt)
         self._switch_scales: list[float] | None = None
 
     # ---- measure -------------------------------------------------------------------------
@@ -177,7 +178,9 @@ class AdaptiveCallback(TrainerCallback):
         decision = replan_live(trainer.cluster_profile, trainer.plan, rows,
                                step=state.global_step, last_switch_step=self.last_switch_step,
                                threshold=self.threshold, hysteresis_steps=self.hysteresis_steps,
-                               previous_scales=self._scales, caps_bytes=self.caps_bytes)
+                               previous_scales=self._scales, caps_bytes=self.caps_bytes,
+                               streak=self._streak)
+        self._streak = decision.streak
         if self._switch_scales is None:
             self._switch_scales = [1.0] * len(decision.scales)
         self._scales = decision.scales

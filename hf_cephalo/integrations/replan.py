@@ -305,7 +305,7 @@ def _missing_devices(output_dir: str, names: list[str]) -> str:
 # ---- live ------------------------------------------------------------------------------------
 def replan_live(cluster: ClusterProfile, plan: Plan, rows, *, step: int,
                 last_switch_step: int | None, threshold: float, hysteresis_steps: int,
-                previous_scales=None, caps_bytes=None):
+                previous_scales=None, caps_bytes=None, streak: int = 0):
     """The live decision: ``planner.adapt.decide_batch_switch`` on the start profile ``cluster``
     and the running ``plan`` with the exchanged measurement ``rows`` (one per rank). Pure and
     identical on every rank ([Note: one decision on every rank] in adaptive.py)."""
@@ -313,7 +313,8 @@ def replan_live(cluster: ClusterProfile, plan: Plan, rows, *, step: int,
 
     return decide_batch_switch(cluster, plan, rows, step=step, last_switch_step=last_switch_step,
                                threshold=threshold, hysteresis_steps=hysteresis_steps,
-                               previous_scales=previous_scales, caps_bytes=caps_bytes)
+                               previous_scales=previous_scales, caps_bytes=caps_bytes,
+                               streak=streak)
 
 
 def adopt_checkpoint_split(plan: Plan, checkpoint_plan: Plan | None,

@@ -27,10 +27,12 @@ from hf_cephalo.planner.types import Plan
 from hf_cephalo.profiler.types import ClusterProfile
 
 __all__ = ["MEASUREMENT_FIELDS", "Measurement", "SwitchDecision", "predicted_unit_compute_s",
-           "refit_cluster", "decide_batch_switch", "DEFAULT_THRESHOLD", "DEFAULT_HYSTERESIS_STEPS"]
+           "refit_cluster", "decide_batch_switch", "DEFAULT_THRESHOLD", "DEFAULT_HYSTERESIS_STEPS",
+           "DEFAULT_CONFIRMATIONS"]
 
 DEFAULT_THRESHOLD = 0.05  # switch only when the predicted step time drops by more than this
 DEFAULT_HYSTERESIS_STEPS = 20  # at most one switch per this many steps
+DEFAULT_CONFIRMATIONS = 2  # consecutive exchanges that must each predict a gain above threshold
 
 MEASUREMENT_FIELDS = ("steps", "unit_compute_s", "step_s", "wait_s", "batch_size")
 """The floats one rank contributes to the exchange, in this order (``Measurement``)."""
@@ -68,6 +70,8 @@ class SwitchDecision(NamedTuple):
         invalid_ranks: ranks whose measurements were missing or not finite (kept at their
             current (b_i, m_i, l_i)), with the reason per rank in ``invalid_reasons``.
         invalid_reasons: one text per invalid rank.
+        streak: consecutive exchanges, this one included, whose re-made plan beat the running
+            one by more than the threshold (0 after a switch or when it did not).
     """
 
     switch: bool
@@ -78,6 +82,7 @@ class SwitchDecision(NamedTuple):
     scales: list[float]
     invalid_ranks: list[int]
     invalid_reasons: list[str]
+    streak: int = 0
 
 
 def predicted_unit_compute_s(plan: Plan, cluster: ClusterProfile, rank: int) -> float:
@@ -128,7 +133,9 @@ def decide_batch_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
                         threshold: float = DEFAULT_THRESHOLD,
                         hysteresis_steps: int = DEFAULT_HYSTERESIS_STEPS,
                         previous_scales: Sequence[float] | None = None,
-                        caps_bytes: Sequence[float | None] | None = None) -> SwitchDecision:
+                        caps_bytes: Sequence[float | None] | None = None,
+                        streak: int = 0,
+                        confirmations: int = DEFAULT_CONFIRMATIONS) -> SwitchDecision:
     """Whether to switch the running ``plan`` to a re-balanced (b_i, m_i, l_i), and to what.
 
     A pure function of its arguments (every rank passes the same exchanged ``rows`` and gets
@@ -138,7 +145,9 @@ def decide_batch_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
     the re-made plan fits every memory cap (the model's c·C_i and the emulated ``caps_bytes``),
     differs from the running one, at least ``hysteresis_steps`` steps passed since
     ``last_switch_step``, and its predicted iteration time is below (1 - ``threshold``) times
-    the running plan's on the same refit profile.
+    the running plan's on the same refit profile at ``confirmations`` consecutive exchanges
+    (``streak`` counts the ones before this; one noisy window does not move the plan, and the
+    switch uses the latest measurements).
 
     Args:
         cluster: the profile the job started from (rank order).
@@ -150,6 +159,8 @@ def decide_batch_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
         hysteresis_steps: steps between switches (>= 0).
         previous_scales: the last decision's scales (kept for ranks without a usable row).
         caps_bytes: emulated memory capacity per rank in bytes, or None.
+        streak: the previous decision's ``streak``.
+        confirmations: exchanges in a row that must predict the gain (>= 1).
 
     Raises:
         ValueError: ``rows`` has not one row per rank.
@@ -196,5 +207,9 @@ def decide_batch_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
     if not after < (1.0 - threshold) * before:
         return keep(f"predicted gain {100 * (1 - after / before):.1f}% is not above the "
                     f"threshold {100 * threshold:.1f}%", before, after)
+    if streak + 1 < confirmations:
+        return SwitchDecision(False, plan, f"predicted gain {100 * (1 - after / before):.1f}% "
+                              f"seen at {streak + 1} of {confirmations} exchanges in a row",
+                              before, after, scales, invalid, reasons, streak + 1)
     return SwitchDecision(True, new, f"predicted {before:.4f} s -> {after:.4f} s per step",
                           before, after, scales, invalid, reasons)
