@@ -302,3 +302,44 @@ def test_resume_continues_from_the_switched_split(runs):
         _close(resumed["losses"][4:], ref_losses[4:])
         for key, value in ref_params.items():
             torch.testing.assert_close(resumed["params"][key], value, rtol=RTOL, atol=ATOL)
+
+
+def test_state_mode_wiring_calls_relayout_then_switches_the_split(tmp_path, capsys):
+    """The callback's state-mode path without a process group (the exchange is stubbed): after
+    two exchanges that predict the gain, ``trainer._relayout_state(new_plan)`` is called once
+    with the re-laid plan, then the plan and the loader's split change and the switch is
+    recorded as mode "state". (The trainer still refuses --cephalo_adaptive state until the
+    in-memory re-layout is merged; this checks what it will call.)"""
+    from types import SimpleNamespace
+
+    from hf_cephalo.integrations.adaptive import AdaptiveCallback
+    from hf_cephalo.integrations.sampler import SplitSchedule
+    from hf_cephalo.planner import optimize
+    from tests.test_adaptive_plan import _capped_pair, _rows
+
+    cluster = _capped_pair()
+    plan = optimize(cluster, 16)
+    calls = []
+    args = SimpleNamespace(process_index=0, output_dir=str(tmp_path), device="cpu")
+    trainer = SimpleNamespace(plan=plan, cluster_profile=cluster, args=args,
+                              split_schedule=SplitSchedule(plan.batch_sizes,
+                                                           plan.microbatch_sizes),
+                              _relayout_state=calls.append)
+    callback = AdaptiveCallback(trainer, interval=5, threshold=0.01, hysteresis_steps=20,
+                                mode="state")
+    rows = _rows(plan, cluster, [3.0, 1.0])
+    callback._exchange = lambda row: rows
+    callback.local_row = lambda: rows[0]
+    state = SimpleNamespace(global_step=10, epoch=1.0, log_history=[], max_steps=100)
+    callback._exchange_and_decide(args, state)
+    assert not calls and trainer.plan is plan  # seen once: not yet
+    state.global_step = 15
+    callback._exchange_and_decide(args, state)
+    (new,) = calls
+    assert trainer.plan is new and new.state_ratios != plan.state_ratios
+    assert trainer.split_schedule.batch_sizes_at(15) == new.batch_sizes
+    assert trainer.split_schedule.batch_sizes_at(14) == plan.batch_sizes
+    record = state.log_history[0]["cephalo_replan"]
+    assert record["mode"] == "state" and record["state_ratios"] == new.state_ratios
+    line = capsys.readouterr().out
+    assert "Cephalo re-plan after step 15" in line and "r_i unchanged" not in line

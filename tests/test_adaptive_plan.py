@@ -169,3 +169,54 @@ def test_refit_scales_forward_and_backward():
     assert fit.devices[0] == cluster.devices[0]
     with pytest.raises(ValueError, match="scale of rank 1"):
         refit_cluster(cluster, [1.0, float("nan")])
+
+
+def _capped_pair() -> ClusterProfile:
+    """Rank 0 with 2 GiB, rank 1 with 8 GiB, 2 GiB of training state, activations 0.6 GiB per
+    sample: the start plan puts (almost) all state on rank 1, so rank 0's microbatch is capped."""
+    base = _two_ranks()
+    devices = [dataclasses.replace(base.devices[0], memory_capacity_bytes=c * GIB,
+                                   compute_memory_bytes=[0.6 * GIB * m for m in (1, 2, 4)])
+               for c in (2.0, 8.0)]
+    params = int(2.0 * GIB / base.model.state_bytes_per_param)
+    model = dataclasses.replace(base.model, params_per_unit=params // 4, params_other=0)
+    return dataclasses.replace(base, devices=devices, model=model)
+
+
+def test_state_decision_relays_when_r_i_fixed_is_memory_bound():
+    """Rank 0 turns 3x slower: the plan wants more of the batch on rank 1 in bigger microbatches;
+    with r_i free the greedy partition moves state to fit them and beats every plan with r_i
+    fixed (by 3.4% on this profile: threshold 1%)."""
+    from hf_cephalo.planner.adapt import decide_state_switch
+
+    cluster = _capped_pair()
+    plan = optimize(cluster, 16)
+    rows = _rows(plan, cluster, [3.0, 1.0])
+    kw = dict(step=15, last_switch_step=None, threshold=0.01)
+    d = decide_state_switch(cluster, plan, rows, streak=1, **kw)
+    assert d.relayout and d.plan.state_ratios != plan.state_ratios, d.reason
+    assert d.predicted_free_s < 0.99 * d.predicted_fixed_s
+    assert predict(d.plan, refit_cluster(cluster, [3.0, 1.0])).fits
+    assert sum(d.plan.batch_sizes) == 16
+    # one exchange only: not yet; a rank without numbers: never; hysteresis: not now; a larger
+    # threshold: the batch switch is worth it, moving state is not
+    first = decide_state_switch(cluster, plan, rows, **kw)
+    assert not first.relayout and first.batch.streak == 1
+    bad = [list(r) for r in rows]
+    bad[0][1] = float("nan")
+    assert not decide_state_switch(cluster, plan, bad, streak=1, **kw).relayout
+    assert not decide_state_switch(cluster, plan, rows, streak=1,
+                                   **{**kw, "last_switch_step": 5}).relayout
+    assert not decide_state_switch(cluster, plan, rows, streak=1, **{**kw, "threshold": 0.05}
+                                   ).relayout
+
+
+def test_state_decision_keeps_r_i_when_batch_is_enough():
+    from hf_cephalo.planner.adapt import decide_state_switch
+
+    cluster = _two_ranks()  # memory plentiful: r_i stays 1/N, the batch switch does the work
+    plan = optimize(cluster, 16)
+    d = decide_state_switch(cluster, plan, _rows(plan, cluster, [1.0, 3.0]), step=15,
+                            last_switch_step=None, streak=1)
+    assert not d.relayout and d.batch.switch and d.plan is d.batch.plan
+    assert d.plan.state_ratios == plan.state_ratios

@@ -80,10 +80,13 @@ def format_switch(step: int, old: Plan, new: Plan, decision: SwitchDecision,
                for i, (s, o) in enumerate(zip(decision.scales, old_scales))
                if o > 0 and abs(s / o - 1) > 0.10]
     speed = ", ".join(changed) if changed else "speeds as measured"
+    ratios = "r_i unchanged" if new.state_ratios == old.state_ratios else (
+        "r_i " + "/".join(f"{r:.3f}" for r in old.state_ratios) + " -> " +
+        "/".join(f"{r:.3f}" for r in new.state_ratios))
     return (f"Cephalo re-plan after step {step}: {speed} (unit compute / profile: "
             f"{', '.join(f'{s:.2f}' for s in decision.scales)}); b_i {old.batch_sizes} -> "
-            f"{new.batch_sizes}, m_i {old.microbatch_sizes} -> {new.microbatch_sizes}, r_i "
-            f"unchanged; predicted step {decision.predicted_before_s:.4f} s -> "
+            f"{new.batch_sizes}, m_i {old.microbatch_sizes} -> {new.microbatch_sizes}, {ratios}; "
+            f"predicted step {decision.predicted_before_s:.4f} s -> "
             f"{decision.predicted_after_s:.4f} s")
 
 
@@ -97,6 +100,9 @@ class AdaptiveCallback(TrainerCallback):
         threshold: relative predicted gain a switch needs, in (0, 1).
         hysteresis_steps: steps between switches at least.
         caps_bytes: emulated memory capacity per rank (bytes) or None.
+        mode: "batch", or "state": the decision may also re-lay r_i
+            (``planner.adapt.decide_state_switch``), done by ``trainer._relayout_state(plan)``
+            (collective, at the step boundary) before the new split applies.
 
     Attributes:
         decisions: every decision taken, in order, as dicts (same on every rank).
@@ -105,8 +111,8 @@ class AdaptiveCallback(TrainerCallback):
     """
 
     def __init__(self, trainer, *, interval: int, threshold: float, hysteresis_steps: int,
-                 caps_bytes: list[float | None] | None = None):
-        self.trainer = trainer
+                 caps_bytes: list[float | None] | None = None, mode: str = "batch"):
+        self.trainer, self.mode = trainer, mode
         self.interval, self.threshold = interval, threshold
         self.hysteresis_steps, self.caps_bytes = hysteresis_steps, caps_bytes
         self.decisions: list[dict[str, Any]] = []
@@ -179,7 +185,12 @@ class AdaptiveCallback(TrainerCallback):
                                step=state.global_step, last_switch_step=self.last_switch_step,
                                threshold=self.threshold, hysteresis_steps=self.hysteresis_steps,
                                previous_scales=self._scales, caps_bytes=self.caps_bytes,
-                               streak=self._streak)
+                               streak=self._streak, mode=self.mode)
+        relayout = getattr(decision, "relayout", False)
+        if self.mode == "state":  # a StateDecision: its batch part, or the re-layout
+            decision = decision.batch if not relayout else decision.batch._replace(
+                switch=True, plan=decision.plan, reason=decision.reason,
+                predicted_after_s=decision.predicted_free_s, streak=0)
         self._streak = decision.streak
         if self._switch_scales is None:
             self._switch_scales = [1.0] * len(decision.scales)
@@ -197,17 +208,20 @@ class AdaptiveCallback(TrainerCallback):
                                f"rank {i}: {why}" for i, why in
                                zip(decision.invalid_ranks, decision.invalid_reasons)))
         if decision.switch:
-            self._switch(args, state, decision, rows)
+            self._switch(args, state, decision, rows, relayout)
 
-    def _switch(self, args, state, decision: SwitchDecision, rows) -> None:
+    def _switch(self, args, state, decision: SwitchDecision, rows, relayout: bool = False) -> None:
         trainer, old, new = self.trainer, self.trainer.plan, decision.plan
+        if relayout:  # parameters, gradients' shards and optimizer state move (collective)
+            trainer._relayout_state(new)
         trainer.plan = new
         trainer.split_schedule.switch(state.global_step, new.batch_sizes, new.microbatch_sizes)
         self.last_switch_step = state.global_step
         self._skip_next = True
         line = format_switch(state.global_step, old, new, decision, self._switch_scales)
         self._switch_scales = list(decision.scales)
-        record = dict(step=state.global_step, epoch=state.epoch, mode="batch",
+        record = dict(step=state.global_step, epoch=state.epoch,
+                      mode="state" if relayout else "batch",
                       old_batch_sizes=old.batch_sizes, new_batch_sizes=new.batch_sizes,
                       old_microbatch_sizes=old.microbatch_sizes,
                       new_microbatch_sizes=new.microbatch_sizes,

@@ -305,16 +305,18 @@ def _missing_devices(output_dir: str, names: list[str]) -> str:
 # ---- live ------------------------------------------------------------------------------------
 def replan_live(cluster: ClusterProfile, plan: Plan, rows, *, step: int,
                 last_switch_step: int | None, threshold: float, hysteresis_steps: int,
-                previous_scales=None, caps_bytes=None, streak: int = 0):
-    """The live decision: ``planner.adapt.decide_batch_switch`` on the start profile ``cluster``
-    and the running ``plan`` with the exchanged measurement ``rows`` (one per rank). Pure and
-    identical on every rank ([Note: one decision on every rank] in adaptive.py)."""
-    from hf_cephalo.planner.adapt import decide_batch_switch
+                previous_scales=None, caps_bytes=None, streak: int = 0, mode: str = "batch"):
+    """The live decision on the start profile ``cluster`` and the running ``plan`` with the
+    exchanged measurement ``rows`` (one per rank): ``planner.adapt.decide_batch_switch``
+    (``mode="batch"``, a ``SwitchDecision``) or ``decide_state_switch`` (``mode="state"``, a
+    ``StateDecision``). Pure and identical on every rank ([Note: one decision on every rank] in
+    adaptive.py)."""
+    from hf_cephalo.planner.adapt import decide_batch_switch, decide_state_switch
 
-    return decide_batch_switch(cluster, plan, rows, step=step, last_switch_step=last_switch_step,
-                               threshold=threshold, hysteresis_steps=hysteresis_steps,
-                               previous_scales=previous_scales, caps_bytes=caps_bytes,
-                               streak=streak)
+    decide = decide_state_switch if mode == "state" else decide_batch_switch
+    return decide(cluster, plan, rows, step=step, last_switch_step=last_switch_step,
+                  threshold=threshold, hysteresis_steps=hysteresis_steps,
+                  previous_scales=previous_scales, caps_bytes=caps_bytes, streak=streak)
 
 
 def adopt_checkpoint_split(plan: Plan, checkpoint_plan: Plan | None,

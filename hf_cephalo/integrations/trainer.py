@@ -258,7 +258,8 @@ class CephaloTrainer(Trainer):
         self.adaptive_callback = AdaptiveCallback(
             self, interval=args.cephalo_adaptive_interval,
             threshold=args.cephalo_adaptive_threshold,
-            hysteresis_steps=args.cephalo_adaptive_hysteresis_steps, caps_bytes=caps)
+            hysteresis_steps=args.cephalo_adaptive_hysteresis_steps, caps_bytes=caps,
+            mode=args.cephalo_adaptive)
         self.add_callback(self.adaptive_callback)
 
     # ---- what stock features the engine path honours (support.py) ----------------------------

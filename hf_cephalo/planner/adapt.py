@@ -26,8 +26,9 @@ from hf_cephalo.planner.predict import predict
 from hf_cephalo.planner.types import Plan
 from hf_cephalo.profiler.types import ClusterProfile
 
-__all__ = ["MEASUREMENT_FIELDS", "Measurement", "SwitchDecision", "predicted_unit_compute_s",
-           "refit_cluster", "decide_batch_switch", "DEFAULT_THRESHOLD", "DEFAULT_HYSTERESIS_STEPS",
+__all__ = ["MEASUREMENT_FIELDS", "Measurement", "SwitchDecision", "StateDecision",
+           "predicted_unit_compute_s", "refit_cluster", "decide_batch_switch",
+           "decide_state_switch", "DEFAULT_THRESHOLD", "DEFAULT_HYSTERESIS_STEPS",
            "DEFAULT_CONFIRMATIONS"]
 
 DEFAULT_THRESHOLD = 0.05  # switch only when the predicted step time drops by more than this
@@ -213,3 +214,95 @@ def decide_batch_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
                               before, after, scales, invalid, reasons, streak + 1)
     return SwitchDecision(True, new, f"predicted {before:.4f} s -> {after:.4f} s per step",
                           before, after, scales, invalid, reasons)
+
+
+class StateDecision(NamedTuple):
+    """The ``--cephalo_adaptive state`` decision: re-lay r_i in memory, or the batch decision.
+
+    Attributes:
+        relayout: move state to ``plan``'s r_i (and its b_i, m_i, l_i) at the next boundary.
+        plan: the plan with r_i free if ``relayout``; else ``batch.plan``.
+        reason: one line: why (not).
+        batch: the batch-only decision (r_i fixed) the state decision was weighed against.
+        predicted_fixed_s: iteration time of the best plan with r_i fixed on the refit profile
+            (None: no such plan fits the caps), seconds.
+        predicted_free_s: iteration time of the plan with r_i free (None: none fits), seconds.
+    """
+
+    relayout: bool
+    plan: Plan
+    reason: str
+    batch: SwitchDecision
+    predicted_fixed_s: float | None
+    predicted_free_s: float | None
+
+
+def decide_state_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequence[float]], *,
+                        step: int, last_switch_step: int | None,
+                        threshold: float = DEFAULT_THRESHOLD,
+                        hysteresis_steps: int = DEFAULT_HYSTERESIS_STEPS,
+                        previous_scales: Sequence[float] | None = None,
+                        caps_bytes: Sequence[float | None] | None = None,
+                        streak: int = 0,
+                        confirmations: int = DEFAULT_CONFIRMATIONS) -> StateDecision:
+    """Whether to re-lay the training state (r_i) in memory, pure like ``decide_batch_switch``.
+
+    First the batch decision (r_i fixed, ``decide_batch_switch``: the cheap switch). Then the
+    plan with r_i free: ``optimize`` on the same refit profile (exact b_i, m_i, l_i and the greedy
+    state partition, ``state.partition_state``). It is taken instead when every rank's
+    measurements are usable, no switch happened in the last ``hysteresis_steps`` steps, it fits
+    every cap (the model's and ``caps_bytes``), its r_i differ from the running ones, it beats
+    the running plan by more than ``threshold`` at ``confirmations`` exchanges in a row
+    (``streak`` as in ``decide_batch_switch``), and either no plan with r_i fixed fits the caps
+    any more, or it beats the best plan with r_i fixed by more than ``threshold`` (moving state
+    costs collectives; the gain must be worth it).
+    """
+    from hf_cephalo.planner.optimize import optimize
+
+    batch = decide_batch_switch(cluster, plan, rows, step=step, last_switch_step=last_switch_step,
+                                threshold=threshold, hysteresis_steps=hysteresis_steps,
+                                previous_scales=previous_scales, caps_bytes=caps_bytes,
+                                streak=streak, confirmations=confirmations)
+
+    def keep(reason: str, fixed=None, free=None) -> StateDecision:
+        return StateDecision(False, batch.plan, f"{batch.reason}; state: {reason}", batch,
+                             fixed, free)
+
+    if batch.invalid_ranks:
+        return keep("not re-laid while a rank's measurements are unusable")
+    if last_switch_step is not None and step - last_switch_step < hysteresis_steps:
+        return keep("hysteresis")
+    fit = refit_cluster(cluster, batch.scales)
+    before = predict(plan, fit).iteration_s
+    try:
+        fixed_s = optimize_fixed_state(fit, plan).predicted_iteration_s
+    except InfeasiblePlanError:
+        fixed_s = None
+    try:
+        free = optimize(fit, plan.global_batch_size, plan.memory_fraction,
+                        root_resident=plan.root_resident)
+    except InfeasiblePlanError as exc:
+        return keep(f"no plan with r_i free fits: {exc}", fixed_s)
+    free_s = free.predicted_iteration_s
+    pred = predict(free, fit)
+    n = cluster.world_size
+    if not all(p.fits and (cap is None or p.memory_bytes <= cap)
+               for p, cap in zip(pred.ranks, caps_bytes or [None] * n)):
+        return keep("the plan with r_i free would exceed a memory cap", fixed_s, free_s)
+    if all(abs(a - b) <= 1e-12 for a, b in zip(free.state_ratios, plan.state_ratios)):
+        return keep("the greedy r_i are the running ones", fixed_s, free_s)
+    if not free_s < (1.0 - threshold) * before:
+        return keep(f"r_i free gains {100 * (1 - free_s / before):.1f}% over the running plan, "
+                    f"not above {100 * threshold:.1f}%", fixed_s, free_s)
+    if fixed_s is not None and not free_s < (1.0 - threshold) * fixed_s:
+        return keep(f"r_i free ({free_s:.4f} s) is not better than r_i fixed ({fixed_s:.4f} s) "
+                    f"by more than {100 * threshold:.1f}%", fixed_s, free_s)
+    if streak + 1 < confirmations:  # the caller keeps ``batch.streak`` for the next exchange
+        return StateDecision(False, plan, f"r_i free gain seen at {streak + 1} of "
+                             f"{confirmations} exchanges in a row",
+                             batch._replace(switch=False, plan=plan, streak=streak + 1),
+                             fixed_s, free_s)
+    why = "no plan with r_i fixed fits the caps" if fixed_s is None else \
+        f"r_i fixed {fixed_s:.4f} s"
+    return StateDecision(True, free, f"re-lay r_i: predicted {before:.4f} s -> {free_s:.4f} s "
+                         f"per step ({why})", batch, fixed_s, free_s)
