@@ -220,3 +220,22 @@ def test_state_decision_keeps_r_i_when_batch_is_enough():
                             last_switch_step=None, streak=1)
     assert not d.relayout and d.batch.switch and d.plan is d.batch.plan
     assert d.plan.state_ratios == plan.state_ratios
+
+
+def test_a_split_that_ran_before_needs_its_measurement_to_win():
+    """[Note: no flapping between measured plans]: the refit predicts the other split faster,
+    but that split already ran and measured no faster: stay; measured faster: switch."""
+    from hf_cephalo.planner.adapt import split_key
+
+    cluster = _two_ranks()
+    plan = optimize(cluster, 16)
+    rows = _rows(plan, cluster, [1.0, 3.0])
+    target = decide_batch_switch(cluster, plan, rows, step=15, last_switch_step=None, streak=1)
+    assert target.switch
+    ran = {split_key(plan): 1.0, split_key(target.plan): 0.99}
+    stay = decide_batch_switch(cluster, plan, rows, step=15, last_switch_step=None, streak=1,
+                               measured_step_s=ran)
+    assert not stay.switch and "ran before at 0.9900 s" in stay.reason
+    ran[split_key(target.plan)] = 0.5
+    assert decide_batch_switch(cluster, plan, rows, step=15, last_switch_step=None, streak=1,
+                               measured_step_s=ran).switch

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hf_cephalo.planner import Plan
-from hf_cephalo.planner.adapt import MEASUREMENT_FIELDS, SwitchDecision
+from hf_cephalo.planner.adapt import MEASUREMENT_FIELDS, SwitchDecision, split_key
 from hf_cephalo.profiler.emulate import SlowdownSchedule, find_emulated
 
 __all__ = ["AdaptiveCallback", "SlowdownScheduleCallback", "REPLANS_NAME", "format_switch"]
@@ -122,6 +122,7 @@ class AdaptiveCallback(TrainerCallback):
         self._skip_next = True  # the first step (of the run, after a switch) is not measured
         self._scales: list[float] | None = None
         self._streak = 0  # exchanges in a row that predicted a gain (planner.adapt)
+        self._measured_step_s: dict[str, float] = {}  # split_key -> latest measured step s
         self._switch_scales: list[float] | None = None
 
     # ---- measure -------------------------------------------------------------------------
@@ -181,11 +182,15 @@ class AdaptiveCallback(TrainerCallback):
         rows = self._exchange(self.local_row())
         self._window = []
         trainer = self.trainer
+        steps = [r[2] for r in rows if len(r) > 2 and math.isfinite(r[2]) and r[0] >= 1]
+        if len(steps) == len(rows):  # the running split's measured step: the slowest rank's
+            self._measured_step_s[split_key(trainer.plan)] = max(steps)
         decision = replan_live(trainer.cluster_profile, trainer.plan, rows,
                                step=state.global_step, last_switch_step=self.last_switch_step,
                                threshold=self.threshold, hysteresis_steps=self.hysteresis_steps,
                                previous_scales=self._scales, caps_bytes=self.caps_bytes,
-                               streak=self._streak, mode=self.mode)
+                               streak=self._streak, mode=self.mode,
+                               measured_step_s=dict(self._measured_step_s))
         relayout = getattr(decision, "relayout", False)
         if self.mode == "state":  # a StateDecision: its batch part, or the re-layout
             decision = decision.batch if not relayout else decision.batch._replace(

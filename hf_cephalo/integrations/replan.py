@@ -305,7 +305,8 @@ def _missing_devices(output_dir: str, names: list[str]) -> str:
 # ---- live ------------------------------------------------------------------------------------
 def replan_live(cluster: ClusterProfile, plan: Plan, rows, *, step: int,
                 last_switch_step: int | None, threshold: float, hysteresis_steps: int,
-                previous_scales=None, caps_bytes=None, streak: int = 0, mode: str = "batch"):
+                previous_scales=None, caps_bytes=None, streak: int = 0, mode: str = "batch",
+                measured_step_s=None):
     """The live decision on the start profile ``cluster`` and the running ``plan`` with the
     exchanged measurement ``rows`` (one per rank): ``planner.adapt.decide_batch_switch``
     (``mode="batch"``, a ``SwitchDecision``) or ``decide_state_switch`` (``mode="state"``, a
@@ -316,7 +317,8 @@ def replan_live(cluster: ClusterProfile, plan: Plan, rows, *, step: int,
     decide = decide_state_switch if mode == "state" else decide_batch_switch
     return decide(cluster, plan, rows, step=step, last_switch_step=last_switch_step,
                   threshold=threshold, hysteresis_steps=hysteresis_steps,
-                  previous_scales=previous_scales, caps_bytes=caps_bytes, streak=streak)
+                  previous_scales=previous_scales, caps_bytes=caps_bytes, streak=streak,
+                  measured_step_s=measured_step_s)
 
 
 def adopt_checkpoint_split(plan: Plan, checkpoint_plan: Plan | None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from hf_cephalo.planner import cost
@@ -27,7 +27,7 @@ from hf_cephalo.planner.types import Plan
 from hf_cephalo.profiler.types import ClusterProfile
 
 __all__ = ["MEASUREMENT_FIELDS", "Measurement", "SwitchDecision", "StateDecision",
-           "predicted_unit_compute_s", "refit_cluster", "decide_batch_switch",
+           "predicted_unit_compute_s", "refit_cluster", "split_key", "decide_batch_switch",
            "decide_state_switch", "DEFAULT_THRESHOLD", "DEFAULT_HYSTERESIS_STEPS",
            "DEFAULT_CONFIRMATIONS"]
 
@@ -86,6 +86,20 @@ class SwitchDecision(NamedTuple):
     streak: int = 0
 
 
+# [Note: no flapping between measured plans]
+# The refit scales each rank's whole F(m), B(m) curve by what it measured at ONE microbatch size.
+# Where the profile's curve has the wrong shape (a profile taken under other load), the scale
+# read at plan A's m predicts plan B faster, and the scale read at B's m predicts A faster: the
+# plan flaps (seen on the main job: [6, 10] -> [4, 12] -> [6, 10] -> ...). Plans already run
+# have a measured step time, which beats any prediction: a switch back to one of them needs its
+# measurement to beat the running plan's.
+
+
+def split_key(plan: Plan) -> str:
+    """The (b_i, m_i) split of ``plan`` as a string key (rank order)."""
+    return ";".join(f"{r.batch_size}x{r.microbatch_size}" for r in plan.ranks)
+
+
 def predicted_unit_compute_s(plan: Plan, cluster: ClusterProfile, rank: int) -> float:
     """num_units · (l·F + l·(F + B)) of one rank, seconds per step (compute only, no comm)."""
     r, d = plan.ranks[rank], cluster.devices[rank]
@@ -136,7 +150,8 @@ def decide_batch_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
                         previous_scales: Sequence[float] | None = None,
                         caps_bytes: Sequence[float | None] | None = None,
                         streak: int = 0,
-                        confirmations: int = DEFAULT_CONFIRMATIONS) -> SwitchDecision:
+                        confirmations: int = DEFAULT_CONFIRMATIONS,
+                        measured_step_s: Mapping[str, float] | None = None) -> SwitchDecision:
     """Whether to switch the running ``plan`` to a re-balanced (b_i, m_i, l_i), and to what.
 
     A pure function of its arguments (every rank passes the same exchanged ``rows`` and gets
@@ -162,6 +177,10 @@ def decide_batch_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
         caps_bytes: emulated memory capacity per rank in bytes, or None.
         streak: the previous decision's ``streak``.
         confirmations: exchanges in a row that must predict the gain (>= 1).
+        measured_step_s: ``split_key`` of each plan this run already ran -> its measured step
+            time (seconds, the slowest rank's median). A plan that ran before is switched back
+            to only if it MEASURED faster than the running plan by more than ``threshold``
+            ([Note: no flapping between measured plans]).
 
     Raises:
         ValueError: ``rows`` has not one row per rank.
@@ -208,6 +227,11 @@ def decide_batch_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
     if not after < (1.0 - threshold) * before:
         return keep(f"predicted gain {100 * (1 - after / before):.1f}% is not above the "
                     f"threshold {100 * threshold:.1f}%", before, after)
+    ran = (measured_step_s or {}).get(split_key(new))
+    now = (measured_step_s or {}).get(split_key(plan))
+    if ran is not None and now is not None and not ran < (1.0 - threshold) * now:
+        return keep(f"that split ran before at {ran:.4f} s per step (measured), not faster than "
+                    f"the running {now:.4f} s by more than {100 * threshold:.1f}%", before, after)
     if streak + 1 < confirmations:
         return SwitchDecision(False, plan, f"predicted gain {100 * (1 - after / before):.1f}% "
                               f"seen at {streak + 1} of {confirmations} exchanges in a row",
@@ -244,7 +268,8 @@ def decide_state_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
                         previous_scales: Sequence[float] | None = None,
                         caps_bytes: Sequence[float | None] | None = None,
                         streak: int = 0,
-                        confirmations: int = DEFAULT_CONFIRMATIONS) -> StateDecision:
+                        confirmations: int = DEFAULT_CONFIRMATIONS,
+                        measured_step_s: Mapping[str, float] | None = None) -> StateDecision:
     """Whether to re-lay the training state (r_i) in memory, pure like ``decide_batch_switch``.
 
     First the batch decision (r_i fixed, ``decide_batch_switch``: the cheap switch). Then the
@@ -262,7 +287,8 @@ def decide_state_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
     batch = decide_batch_switch(cluster, plan, rows, step=step, last_switch_step=last_switch_step,
                                 threshold=threshold, hysteresis_steps=hysteresis_steps,
                                 previous_scales=previous_scales, caps_bytes=caps_bytes,
-                                streak=streak, confirmations=confirmations)
+                                streak=streak, confirmations=confirmations,
+                                measured_step_s=measured_step_s)
 
     def keep(reason: str, fixed=None, free=None) -> StateDecision:
         return StateDecision(False, batch.plan, f"{batch.reason}; state: {reason}", batch,
