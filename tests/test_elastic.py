@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from hf_cephalo.integrations import elastic
+from hf_cephalo.integrations import elastic, replan
 from hf_cephalo.integrations.sampler import WeightedBatchSampler, global_batches
 from hf_cephalo.planner import Plan
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
@@ -66,13 +66,13 @@ def _cluster(names: list[str]) -> ClusterProfile:
 
 def test_profile_file_is_a_device_pool():
     pool = _cluster(["A100", "V100", "V100"])
-    assert elastic.select_world_devices(pool, ["A100", "V100", "V100"], "f") is pool
-    two = elastic.select_world_devices(pool, ["V100", "A100"], "f")
+    assert replan.select_world_devices(pool, ["A100", "V100", "V100"], "f") is pool
+    two = replan.select_world_devices(pool, ["V100", "A100"], "f")
     assert [d.name for d in two.devices] == ["V100", "A100"]
     assert two.devices[1].memory_capacity_bytes == 8e9 and two.comm == pool.comm
     with pytest.raises(ValueError, match=r"no profile for device\(s\) \['H100'\].*knows "
                                          r"\['A100', 'V100'\]"):
-        elastic.select_world_devices(pool, ["A100", "H100"], "cephalo_profile_file 'p.json'")
+        replan.select_world_devices(pool, ["A100", "H100"], "cephalo_profile_file 'p.json'")
 
 
 def _record(**kw) -> elastic.RunRecord:
@@ -123,9 +123,9 @@ def test_world_too_small_names_the_missing_devices(tmp_path):
     plan = Plan.from_ratios([4, 4, 4], [4, 4, 4], [0.4, 0.3, 0.3], devices=["A100", "V100", "V100"])
     plan.save(ckpt / elastic.PLAN_NAME)
     (ckpt / "cephalo_complete.json").write_text("{}")  # only a complete checkpoint is resumed
-    msg = elastic._missing_devices(str(tmp_path), ["V100"])
+    msg = replan._missing_devices(str(tmp_path), ["V100"])
     assert "ran on 3 (A100, V100, V100)" in msg and "A100 x1, V100 x1" in msg
-    assert "cannot hold the job" in elastic._missing_devices(str(tmp_path / "empty"), ["V100"])
+    assert "cannot hold the job" in replan._missing_devices(str(tmp_path / "empty"), ["V100"])
 
 
 def _bad_inputs(rank, world_size, out_dir, profile_path, unknown_profile_path):

@@ -22,7 +22,7 @@ from tests.models_fixtures import build
 @pytest.fixture
 def no_profiling(monkeypatch, tmp_path):
     """Any profile during the test fails it; the environment cannot change the arguments."""
-    from hf_cephalo.integrations import auto_plan
+    from hf_cephalo.integrations import replan
 
     for name in ("PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE", "EMULATE_SLOWDOWN",
                  "EMULATE_MEMORY_CAP_BYTES"):
@@ -32,7 +32,7 @@ def no_profiling(monkeypatch, tmp_path):
     def refuse(*args, **kwargs):
         raise AssertionError("profile_cluster ran before the setup was checked")
 
-    monkeypatch.setattr(auto_plan, "profile_cluster", refuse)
+    monkeypatch.setattr(replan, "profile_cluster", refuse)
 
 
 def _args(tmp_path, **kw):

@@ -214,3 +214,39 @@ def test_bad_input_helpers():
         split_microbatches([1, 2], 0)
     with pytest.raises(ValueError, match="microbatch_size = 0"):
         MicrobatchCollator(list, 0)
+
+
+def test_live_switch_keeps_the_global_batches():
+    """[Note: switching the split live]: a switch of (b_i, m_i) from step k on splits the SAME
+    global batches (those of a run without the switch), over epoch boundaries too, and the
+    collator cuts each step into the m_i of that step."""
+    from hf_cephalo.integrations.sampler import MicrobatchCollator, SplitSchedule
+
+    n, sizes, new = 45, [6, 4], [3, 7]  # B = 10: 5 steps per epoch (last one partial)
+    schedule = SplitSchedule(sizes, [3, 2])
+    samplers = [WeightedBatchSampler(n, sizes, r, seed=3, schedule=schedule) for r in range(2)]
+    collators = [MicrobatchCollator(list, 1, schedule, rank=r) for r in range(2)]
+    for epoch in range(3):
+        reference = global_batches(n, 10, epoch=epoch, seed=3)
+        iters = []
+        for s in samplers:
+            s.set_epoch(epoch)
+            iters.append(iter(s))
+        for k, batch in enumerate(reference):
+            step = epoch * 5 + k
+            if step == 7:  # the step boundary after step 6: from step 7 on
+                schedule.switch(7, new, [1, 7])
+            parts = []
+            for r in range(2):
+                part = next(iters[r])
+                micro = collators[r](part)
+                want_m = ([3, 2] if step < 7 else [1, 7])[r]
+                assert all(len(mb) <= want_m for mb in micro) and sum(micro, []) == part
+                parts.append(part)
+            assert parts[0] + parts[1] == batch
+            if len(batch) == 10:
+                assert [len(p) for p in parts] == (sizes if step < 7 else new)
+    with pytest.raises(ValueError, match="global batch size"):
+        schedule.switch(20, [3, 3], [1, 1])
+    with pytest.raises(ValueError, match="before the last one"):
+        schedule.switch(3, [5, 5], [1, 1])

@@ -10,7 +10,9 @@ from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
 ENV_NAMES = ["PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE", "MEMORY_FRACTION",
              "ACTIVATION_OFFLOAD", "EMULATE_SLOWDOWN", "EMULATE_MEMORY_CAP_BYTES",
-             "SAVE_FULL_MODEL", "MAX_SHARD_SIZE", "PARAM_DTYPE", "REDUCE_DTYPE"]
+             "SAVE_FULL_MODEL", "MAX_SHARD_SIZE", "PARAM_DTYPE", "REDUCE_DTYPE",
+             "EMULATE_SLOWDOWN_SCHEDULE", "ADAPTIVE", "ADAPTIVE_THRESHOLD", "ADAPTIVE_INTERVAL",
+             "ADAPTIVE_HYSTERESIS_STEPS"]
 
 
 @pytest.fixture(autouse=True)
@@ -192,10 +194,45 @@ def test_package_exports_every_public_name():
     from hf_cephalo.integrations import CephaloTrainer, CephaloTrainingArguments  # noqa: F401  (README line)
 
     expected = set()
-    for mod in ("trainer", "training_args", "accelerate", "auto_plan", "sampler", "data",
-                "pretrained", "quiet"):
+    for mod in ("trainer", "training_args", "accelerate", "auto_plan", "replan", "adaptive",
+                "sampler", "data", "pretrained", "quiet"):
         module = importlib.import_module(f"hf_cephalo.integrations.{mod}")
         for name in module.__all__:
             expected.add(name)
             assert getattr(pkg, name) is getattr(module, name), name
     assert set(pkg.__all__) == expected
+
+
+def test_adaptive_settings_defaults_and_errors(tmp_path, monkeypatch):
+    args = _args(tmp_path)
+    assert (args.cephalo_adaptive, args.cephalo_adaptive_threshold, args.cephalo_adaptive_interval,
+            args.cephalo_adaptive_hysteresis_steps) == ("batch", 0.05, 5, 20)
+    monkeypatch.setenv("HF_CEPHALO_EMULATE_SLOWDOWN_SCHEDULE", "0:1,1;10:1,3")
+    assert _args(tmp_path).cephalo_emulate_slowdown_schedule == "0:1,1;10:1,3"
+    monkeypatch.delenv("HF_CEPHALO_EMULATE_SLOWDOWN_SCHEDULE")
+    for kw, match in [
+        (dict(cephalo_adaptive="always"), "--cephalo_adaptive"),
+        (dict(cephalo_adaptive_threshold=0.0), "--cephalo_adaptive_threshold"),
+        (dict(cephalo_adaptive_threshold=1.5), "--cephalo_adaptive_threshold"),
+        (dict(cephalo_adaptive_interval=0), "--cephalo_adaptive_interval"),
+        (dict(cephalo_adaptive_hysteresis_steps=-1), "--cephalo_adaptive_hysteresis_steps"),
+        (dict(cephalo_emulate_slowdown_schedule="0:1,1;10:1"), "one factor per rank"),
+        (dict(cephalo_emulate_slowdown_schedule="0:1,1;10:1,3;5:1,1"), "strictly increasing"),
+        (dict(cephalo_emulate_slowdown_schedule="3:1,1"), "start at 0"),
+        (dict(cephalo_emulate_slowdown_schedule="0:1,0"), "factor that is not a finite"),
+        (dict(cephalo_emulate_slowdown_schedule="0:1,-2"), "factor that is not a finite"),
+        (dict(cephalo_emulate_slowdown_schedule="0=1,1"), "not STEP:F0,F1"),
+        (dict(cephalo_emulate_slowdown_schedule="0:1,1", cephalo_emulate_slowdown="1,2"),
+         "both set"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            _args(tmp_path, **kw)
+    args = _args(tmp_path, cephalo_emulate_slowdown_schedule="0:1,1;10:1,3")
+    with pytest.raises(ValueError, match="world size is 3"):
+        args.check_world_size(3)
+    from hf_cephalo.profiler.emulate import EmulationConfig
+
+    emulation = EmulationConfig.from_training_args(args)
+    assert emulation.slowdown == [1.0, 1.0]
+    assert emulation.schedule.factors_at(9) == (1.0, 1.0)
+    assert emulation.schedule.factors_at(10) == (1.0, 3.0)

@@ -19,13 +19,25 @@ _EXPORTS = {
     "CephaloAccelerator": "accelerate",
     "ENV_PREFIX": "accelerate",
     "ACTIVATION_OFFLOAD_CHOICES": "accelerate",
+    "ADAPTIVE_CHOICES": "accelerate",
+    # replan (how a plan is made: start, elastic restart, live)
+    "ResolvedPlan": "replan",
+    "resolve_plan_for_model": "replan",
+    "resolve_elastic_plan": "replan",
+    "select_world_devices": "replan",
+    "check_state_fits_caps": "replan",
+    "replan_with_measured_u": "replan",
+    "replan_live": "replan",
+    "adopt_checkpoint_split": "replan",
+    # adaptive (live re-balancing)
+    "AdaptiveCallback": "adaptive",
+    "SlowdownScheduleCallback": "adaptive",
+    "REPLANS_NAME": "adaptive",
+    "format_switch": "adaptive",
     # auto_plan
-    "ResolvedPlan": "auto_plan",
-    "resolve_plan_for_model": "auto_plan",
     "wrap_staged": "auto_plan",
     "PlanAccuracyCallback": "auto_plan",
     "format_accuracy_table": "auto_plan",
-    "check_state_fits_caps": "auto_plan",
     "diagnose_step_time": "auto_plan",
     # pretrained
     "from_pretrained_sharded": "pretrained",
@@ -35,6 +47,7 @@ _EXPORTS = {
     "LOAD_REPORT_LOGGER": "quiet",
     # sampler
     "WeightedBatchSampler": "sampler",
+    "SplitSchedule": "sampler",
     "MicrobatchCollator": "sampler",
     "GlobalBatchCollator": "sampler",
     "packs_without_padding": "sampler",

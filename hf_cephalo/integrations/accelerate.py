@@ -40,10 +40,11 @@ from accelerate import Accelerator
 from hf_cephalo.integrations.sampler import WeightedBatchSampler
 
 __all__ = ["CephaloDistributedType", "CephaloPlugin", "CephaloAccelerator", "ENV_PREFIX",
-           "ACTIVATION_OFFLOAD_CHOICES"]
+           "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES"]
 
 ENV_PREFIX = "HF_CEPHALO_"
 ACTIVATION_OFFLOAD_CHOICES = ("on", "off", "auto")
+ADAPTIVE_CHOICES = ("off", "batch", "state")
 
 
 class CephaloDistributedType(str, enum.Enum):
@@ -112,6 +113,18 @@ class CephaloPlugin:
     """Per-rank compute slowdown factors (dimensionless, >= 1), rank order; None: no emulation."""
     emulate_memory_cap_bytes: list[int] | None = None
     """Per-rank emulated memory capacity (bytes, > 0), rank order; None: real capacity."""
+    emulate_slowdown_schedule: str | None = None
+    """Per-rank slowdown factors changing with the step, ``"0:1,1;10:1,3"``
+    (``profiler.emulate.SlowdownSchedule``); None: no drift."""
+    adaptive: str | None = None
+    """Live re-balancing: 'off', 'batch' (default: b_i / m_i / l_i, nothing moves) or 'state'
+    (also r_i)."""
+    adaptive_threshold: float | None = None
+    """Relative predicted step-time gain a switch needs, in (0, 1); default 0.05."""
+    adaptive_interval: int | None = None
+    """Steps between two exchanges of the measurements (>= 1); default 5."""
+    adaptive_hysteresis_steps: int | None = None
+    """Steps between two switches at least (>= 0); default 20."""
     save_full_model: bool | None = None
     """Also write the full model (``save_model``'s sharded safetensors) into every Trainer
     checkpoint; default False (``hf-cephalo export`` writes it from a checkpoint on demand)."""
@@ -155,6 +168,14 @@ class CephaloPlugin:
             self.reduce_dtype = "fp32"
         if self.collate is None:
             self.collate = "global_batch"
+        if self.adaptive is None:
+            self.adaptive = "batch"
+        if self.adaptive_threshold is None:
+            self.adaptive_threshold = 0.05
+        if self.adaptive_interval is None:
+            self.adaptive_interval = 5
+        if self.adaptive_hysteresis_steps is None:
+            self.adaptive_hysteresis_steps = 20
         self._validate()
 
     def _bad(self, name: str, requirement: str) -> ValueError:
@@ -197,6 +218,7 @@ class CephaloPlugin:
                 raise self._bad("precision", "must be 'auto' or one of fp32 / bf16 / fp16 per "
                                              "rank in rank order, e.g. 'bf16,bf16,fp16,fp32'")
             self.precision = ",".join(names)
+        self._validate_adaptive()
         for name, choices in (("param_dtype", PARAM_DTYPE_CHOICES),
                               ("reduce_dtype", REDUCE_DTYPE_CHOICES),
                               ("collate", COLLATE_CHOICES)):
@@ -245,6 +267,38 @@ class CephaloPlugin:
                              "give one value per rank in both (--cephalo_emulate_slowdown, "
                              "--cephalo_emulate_memory_cap_bytes)")
 
+    def _validate_adaptive(self) -> None:
+        mode = str(self.adaptive).strip().lower()
+        if mode not in ADAPTIVE_CHOICES:
+            raise self._bad("adaptive", f"must be one of {ADAPTIVE_CHOICES}")
+        self.adaptive = mode
+        try:
+            threshold = float(self.adaptive_threshold)
+        except (TypeError, ValueError):
+            threshold = math.nan
+        if not 0.0 < threshold < 1.0:
+            raise self._bad("adaptive_threshold", "must be a number in (0, 1) (the relative "
+                            "predicted step-time gain a switch needs; 0.05 = 5%)")
+        self.adaptive_threshold = threshold
+        for name, low, what in (("adaptive_interval", 1, "steps between exchanges"),
+                                ("adaptive_hysteresis_steps", 0, "steps between switches")):
+            try:
+                value = float(getattr(self, name))
+            except (TypeError, ValueError):
+                value = math.nan
+            if not (math.isfinite(value) and value == int(value) and value >= low):
+                raise self._bad(name, f"must be an integer >= {low} ({what})")
+            setattr(self, name, int(value))
+        if self.emulate_slowdown_schedule is not None:
+            from hf_cephalo.profiler.emulate import SlowdownSchedule
+
+            if self.emulate_slowdown is not None:
+                raise ValueError("--cephalo_emulate_slowdown and "
+                                 "--cephalo_emulate_slowdown_schedule are both set: give the "
+                                 "schedule alone (its step-0 entry is the start)")
+            self.emulate_slowdown_schedule = str(self.emulate_slowdown_schedule)
+            SlowdownSchedule.parse(self.emulate_slowdown_schedule)  # ValueError naming the flag
+
     @property
     def offload_activations(self) -> bool | None:
         """``activation_offload`` as the engine's argument: True, False, or None (auto)."""
@@ -260,6 +314,10 @@ class CephaloPlugin:
             if values is not None and len(values) != world_size:
                 raise self._bad(name, f"has {len(values)} entries but the world size is "
                                       f"{world_size}; give one value per rank in rank order")
+        if self.emulate_slowdown_schedule is not None:
+            from hf_cephalo.profiler.emulate import SlowdownSchedule
+
+            SlowdownSchedule.parse(self.emulate_slowdown_schedule).check_world_size(world_size)
 
     @classmethod
     def from_training_args(cls, args: Any) -> CephaloPlugin:

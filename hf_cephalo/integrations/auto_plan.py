@@ -1,18 +1,9 @@
-"""Automatic planning at start and the predicted-vs-measured report (docs/design.md contract 6).
+"""Planning inputs and the predicted-vs-measured report (docs/design.md contract 6).
 
-``CephaloTrainer`` without a plan calls ``resolve_plan_for_model``:
-
-1. profile: ``cephalo_profile_file`` if given (refused if it was measured for another model,
-   dtype or device: ``measure.check_profile_matches``), else ``profile_cluster`` on every rank
-   (collective; per-rank device profiles come from the on-disk cache when present, so a second
-   start skips the measurement);
-2. plan: the exact optimizer (``planner.optimize``) for the global batch size and memory
-   fraction of the arguments; an uneven plan's own layout is then timed and the plan made once
-   more if its uneven factor u differs from the profile's ([Note: measuring u after planning]);
-3. rank 0 saves ``profile.json`` and ``plan.json`` in ``output_dir``;
-4. emulated memory caps (``cephalo_emulate_memory_cap_bytes``) are applied (CUDA allocator
-   fraction) and checked (every device: r_i·S + M_i(m_i) <= C_i, else
-   ``EmulatedOutOfMemoryError`` on every rank before training starts).
+How a plan is made (at start, at an elastic restart, live) is ``replan.py``; this module holds
+what it reads from the job: the emulation settings (``cephalo_emulate_*``), the profiler's
+configuration (``_measure_config``), each rank's device name, the job's precision tag, and the
+check of the plan against what the run measures.
 
 Emulated slowdown (``cephalo_emulate_slowdown``) wraps the staged model in
 ``EmulatedStagedModel`` for both the profiler and the engine (``wrap_staged``), so an emulated
@@ -26,47 +17,32 @@ memory (the paper's model-accuracy check, §4).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import statistics
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from hf_cephalo.integrations.preflight import warn_idle_ranks
-from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
-from hf_cephalo.planner import InfeasiblePlanError, Plan, optimize, predict
+from hf_cephalo.planner import Plan, predict
 from hf_cephalo.planner.predict import MeasuredStep, predicted_unit_compute_s, refit_to_measured
 from hf_cephalo.planner import memory
-from hf_cephalo.profiler.emulate import (EmulatedStagedModel, EmulationConfig, apply_memory_cap,
-                                         EmulatedOutOfMemoryError, check_plan_memory,
+from hf_cephalo.profiler.emulate import (EmulatedStagedModel, EmulationConfig,
                                          emulated_device_name)
-from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches, local_device_name,
-                                         measure_comm, check_profile_precision,
-                                         model_dtype, model_profile, profile_cluster,
+from hf_cephalo.profiler.measure import (MeasureConfig, local_device_name, model_dtype,
                                          sequence_length_of)
-from hf_cephalo.profiler.cache import model_description, model_fingerprint, write_back_devices
+from hf_cephalo.profiler.cache import write_back_devices
 from hf_cephalo.profiler.precision import Precision
-from hf_cephalo.profiler.types import ClusterProfile
 from hf_cephalo.units import GIB
 
-__all__ = ["ResolvedPlan", "resolve_plan_for_model", "wrap_staged", "PlanAccuracyCallback",
-           "format_accuracy_table", "check_state_fits_caps", "diagnose_step_time"]
+__all__ = ["wrap_staged", "PlanAccuracyCallback", "format_accuracy_table", "diagnose_step_time"]
 
 logger = logging.getLogger(__name__)
 DEFAULT_SEQUENCE_LENGTH = 128
-
-
-class ResolvedPlan(NamedTuple):
-    """The job's plan and the cluster profile it was made from (None for a plan file)."""
-
-    plan: Plan
-    cluster: ClusterProfile | None
 
 
 def _emulation(args, world_size: int) -> EmulationConfig | None:
@@ -78,11 +54,14 @@ def _emulation(args, world_size: int) -> EmulationConfig | None:
 
 def wrap_staged(staged: StagedModel, args, world_size: int) -> StagedModel:
     """``staged`` wrapped in ``EmulatedStagedModel`` with this rank's slowdown when emulating
-    (or, on CPU, with slowdown 1 to time compute for ``PlanAccuracyCallback``); else unchanged."""
+    (or, on CPU, with slowdown 1 to time compute for ``PlanAccuracyCallback``; on CUDA when live
+    re-balancing or a slowdown schedule needs the compute timed); else unchanged."""
     emulation = _emulation(args, world_size)
     device = torch.device(args.device)
     slowdown = 1.0 if emulation is None else emulation.slowdown_of(args.process_index)
-    if slowdown == 1.0 and device.type == "cuda":
+    timed = getattr(args, "cephalo_adaptive", "off") != "off" and world_size > 1 or (
+        emulation is not None and emulation.schedule is not None)
+    if slowdown == 1.0 and device.type == "cuda" and not timed:
         return staged  # timing would synchronize the device and cost the real run its overlap
     return EmulatedStagedModel(staged, slowdown, device)
 
@@ -116,164 +95,6 @@ def _gather_names(name: str, world_size: int) -> list[str]:
     return names
 
 
-def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
-                           train_dataset: Any = None) -> ResolvedPlan:
-    """Plan file > profile file > profile this cluster; then optimize, save, check caps.
-
-    Collective when profiling or checking a profile file with world size > 1 (every rank calls
-    it, from ``CephaloTrainer.__init__``). Every rank ends with the same plan or the same error.
-
-    Raises:
-        ValueError: unsupported model (before any collective), a profile of another model or
-            device, a plan that does not fit the world size or the global batch size,
-            ``InfeasiblePlanError`` when no plan fits, ``EmulatedOutOfMemoryError`` when a plan
-            exceeds an emulated memory cap.
-    """
-    staged = stage_model(model)  # unsupported class: ValueError before any collective
-    per_rank = getattr(args, "cephalo_precision", None) is not None \
-        and args.cephalo_plan_file is None
-    if per_rank and args.cephalo_profile_file is not None:
-        raise NotImplementedError(
-            f"--cephalo_precision {args.cephalo_precision} with cephalo_profile_file: a profile "
-            "file holds every rank measured in one precision, so it cannot price each rank at "
-            "its own. Leave cephalo_profile_file unset (the trainer then profiles each rank in "
-            "its precision at start), or make a plan with `hf-cephalo plan --cluster "
-            "CLUSTER.yaml --model SHAPE --precision auto --out plan.json` and pass "
-            "--cephalo_plan_file plan.json")
-    emulation = _emulation(args, world_size)
-    cap = None if emulation is None else emulation.cap_of(args.process_index)
-    if cap is not None:
-        how = apply_memory_cap(cap, args.device)
-        if args.process_index == 0:  # every rank's cap in one line (rank 1's is often the point)
-            from hf_cephalo.profiler.types import format_bytes
-
-            logger.info("emulated memory caps: %s; on rank 0 %s", ", ".join(
-                f"rank {i} {format_bytes(c)}" for i, c in enumerate(emulation.memory_cap_bytes)),
-                how)
-    caps = [None] * world_size if emulation is None or emulation.memory_cap_bytes is None \
-        else list(emulation.memory_cap_bytes)
-    if args.cephalo_plan_file is not None:
-        plan = Plan.load(args.cephalo_plan_file)
-        plan.validate_for(world_size, model_profile(staged),
-                          precision=_job_precision_tag(args, staged),
-                          plan_file=args.cephalo_plan_file)
-        args.resolve_global_batch_size(world_size, plan.global_batch_size)
-        check_state_fits_caps(plan, model_profile(staged).state_bytes, caps)
-        if all(r.predicted_memory_bytes is not None for r in plan.ranks):
-            check_plan_memory([r.predicted_memory_bytes for r in plan.ranks], caps)
-        if args.process_index == 0:
-            warn_idle_ranks(plan.global_batch_size, world_size)
-        return ResolvedPlan(plan, None)
-    B = args.resolve_global_batch_size(world_size)
-    _refuse_meta_profiling(model, args)
-    cluster = _cluster(args, world_size, staged, emulation, train_dataset, B)
-    try:
-        plan = optimize(cluster, B, args.cephalo_memory_fraction)
-    except InfeasiblePlanError as e:
-        raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, B, e.constraint)}",
-                                  e.constraint) from None
-    plan, cluster = replan_with_measured_u(plan, cluster, staged, args, B)
-    plan.validate_for(world_size, cluster.model, precision=_job_precision_tag(args, staged))
-    check_plan_memory([p.memory_bytes for p in predict(plan, cluster).ranks], caps)
-    if args.process_index == 0:
-        os.makedirs(args.output_dir, exist_ok=True)
-        cluster.save(os.path.join(args.output_dir, "profile.json"))
-        plan.save(os.path.join(args.output_dir, "plan.json"))
-        print(f"[hf-cephalo] profile and plan saved to {args.output_dir}/profile.json, plan.json",
-              flush=True)
-    return ResolvedPlan(plan, cluster)
-
-
-def _infeasible_remedy(args, global_batch_size: int, constraint: str) -> str:
-    """The flags that relax an infeasible plan's binding constraint
-    (``InfeasiblePlanError.constraint``), or "" where its message already says what to do.
-    More devices: ``elastic.resolve_elastic_plan`` adds which ones."""
-    if constraint not in ("device", "aggregate", "state"):
-        return ""
-    ways = [f"a smaller --cephalo_global_batch_size (now {global_batch_size})"] \
-        if constraint == "aggregate" else []
-    ways.append(f"a --cephalo_memory_fraction closer to 1 (now {args.cephalo_memory_fraction})")
-    ways.append(f"less memory per GPU ({'' if args.bf16 or args.fp16 else '--bf16, '}a LoRA "
-                "adapter, shorter sequences)")
-    if args.cephalo_emulate_memory_cap_bytes is not None:
-        ways.append("larger --cephalo_emulate_memory_cap_bytes")
-    return "; to fit: " + ", ".join(ways[:-1]) + ", or " + ways[-1]
-
-
-def _refuse_meta_profiling(model: torch.nn.Module, args) -> None:
-    """Profiling at start runs the model's own modules, which a meta-device model (sharded
-    loading, ``from_pretrained_sharded``) does not have yet: ValueError naming the fix, raised
-    on every rank before any collective."""
-    if args.cephalo_profile_file is None and any(p.is_meta for p in model.parameters()):
-        raise ValueError("the model is on the meta device (sharded loading), so it cannot be "
-                         "profiled at start: give --cephalo_plan_file or --cephalo_profile_file "
-                         "(hf-cephalo profile --model-config <config.json> measures one "
-                         "from the config alone)")
-
-
-# [Note: measuring u after planning]
-# The uneven factor u prices uneven plans, but which layout is uneven depends on the plan, which
-# depends on u. The profile times u on the most skewed layout the memory caps allow (an upper
-# bound on any plan's skew: planner.state.skewed_state_ratios). After planning, an uneven plan's
-# own layout is timed on the real process group; if its u differs from the profile's by more
-# than U_REPLAN_TOLERANCE the plan is made once more with it. Once: the new plan's ratios may
-# differ again, but only through a u already measured for a real plan, not an assumed one.
-U_REPLAN_TOLERANCE = 0.05
-
-
-def replan_with_measured_u(plan: Plan, cluster: ClusterProfile, staged: StagedModel, args,
-                           global_batch_size: int) -> tuple[Plan, ClusterProfile]:
-    """(plan, cluster) after re-planning once with u measured for ``plan``'s own layout.
-
-    Collective on every rank (all ranks hold the same plan) when the plan is uneven, the world
-    size is > 1 and the profile carries a measured u; otherwise returns its inputs unchanged.
-    """
-    if not plan.uneven_state or cluster.world_size == 1 or cluster.comm.uneven_factor is None \
-            or not (dist.is_available() and dist.is_initialized()):
-        return plan, cluster
-    measured = measure_comm(staged, device=args.device, group=None,
-                            state_ratios=plan.state_ratios).uneven_factor
-    old = cluster.comm.uneven_factor
-    if abs(measured - old) <= U_REPLAN_TOLERANCE * old:
-        return plan, cluster
-    logger.info("uneven factor of the plan's layout %.3f differs from the profile's %.3f: "
-                "re-planning once", measured, old)
-    comm = dataclasses.replace(cluster.comm, uneven_factor=measured,
-                               uneven_state_ratios=list(plan.state_ratios))
-    cluster = dataclasses.replace(cluster, comm=comm)
-    return optimize(cluster, global_batch_size, plan.memory_fraction,
-                    root_resident=plan.root_resident), cluster
-
-
-def check_state_fits_caps(plan: Plan, state_bytes: float, caps: list[float | None]) -> None:
-    """Raise ``EmulatedOutOfMemoryError`` if a rank's training-state shard exceeds its emulated cap.
-
-    The lower bound of a rank's memory that every plan has, predicted memory or not: its share
-    r_i of the training state, r_i × S bytes (S = parameters, gradients and Adam moments, paper
-    §2.4 M_state = 16·|P| in fp32; ``ModelProfile.state_bytes``). A hand-made plan file carries no
-    ``predicted_memory_bytes``, so without this bound an emulated cap would not be enforced.
-    Every rank evaluates the same lists, so every rank raises the same error before any
-    collective.
-
-    Args:
-        plan: the job's plan (r_i per rank).
-        state_bytes: S, bytes of the whole training state.
-        caps: per rank, emulated capacity in bytes, or None (not emulated).
-    """
-    over = [(r.rank, r.state_ratio, r.state_ratio * state_bytes, cap)
-            for r, cap in zip(plan.ranks, caps)
-            if cap is not None and r.state_ratio * state_bytes > cap]
-    if over:
-        detail = "; ".join(
-            f"rank {rank} holds {100 * ratio:.2f}% of the training state = {need:.0f} bytes "
-            f"({need / GIB:.3f} GiB, r_i x S with S = {state_bytes:.0f} bytes) but its emulated cap "
-            f"is {cap:.0f} bytes ({cap / GIB:.3f} GiB)" for rank, ratio, need, cap in over)
-        raise EmulatedOutOfMemoryError(
-            f"emulated out of memory: {detail}, before counting activations. Give these ranks a "
-            "smaller state share r_i (re-plan, e.g. drop cephalo_plan_file so the trainer plans "
-            "for the caps) or raise cephalo_emulate_memory_cap_bytes")
-
-
 def _precision(args) -> str:
     """The profiler's precision name of the job's compute dtype (--bf16 / --fp16 / fp32)."""
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -292,43 +113,6 @@ def _job_precision_tag(args, staged: StagedModel) -> str | None:
     if getattr(args, "cephalo_precision", None) is not None:
         return None
     return _job_precision(args).tag(str(model_dtype(staged)).replace("torch.", ""))
-
-
-def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterProfile:
-    """The given profile file (checked against this job) or a fresh/cached measurement."""
-    if args.cephalo_profile_file is None:
-        config = _measure_config(args, B, train_dataset)
-        precisions = _start_rank_precisions(args, world_size)
-        if precisions is None:
-            return profile_cluster(staged, config, device=args.device, emulation=emulation)
-        # precision per rank: each rank measures its device in its own precision, gathered
-        # in fp32 when the ranks differ (docs/engine.md "Precision per rank")
-        mine = precisions[args.process_index]
-        uniform = len(set(precisions)) == 1
-        config = dataclasses.replace(config, precision=mine,
-                                     param_dtype=mine if uniform else "fp32", reduce_dtype="fp32")
-        cluster = profile_cluster(staged, config, device=args.device, emulation=emulation)
-        from hf_cephalo.profiler.precision import rank_precisions_tag
-
-        cluster.extra.update(dtype=rank_precisions_tag(precisions, cluster.extra["dtype"]
-                                                       .split("+")[0]),
-                             rank_precisions=list(precisions))
-        return cluster
-    from hf_cephalo.integrations.elastic import select_world_devices  # a pool for any world
-
-    cluster = ClusterProfile.load(args.cephalo_profile_file)
-    check_profile_precision(cluster, _job_precision_tag(args, staged),  # before any collective
-                            f"cephalo_profile_file {args.cephalo_profile_file!r}")
-    names = _gather_names(_local_name(args, emulation), world_size)
-    cluster = select_world_devices(cluster, names, f"cephalo_profile_file {args.cephalo_profile_file!r}")
-    check_profile_matches(cluster, model_profile(staged), names,
-                          source=f"cephalo_profile_file {args.cephalo_profile_file!r}",
-                          dtype=_job_precision_tag(args, staged),
-                          fingerprint=model_fingerprint(staged.model),
-                          description=model_description(staged.model),
-                          sequence_length=None if train_dataset is None else
-                          sequence_length_of(train_dataset, None))
-    return cluster
 
 
 # ---- predicted vs measured --------------------------------------------------------------------

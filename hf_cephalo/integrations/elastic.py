@@ -9,11 +9,10 @@ what that needs beyond the stock resume path:
    the same world) and ``cephalo_run.json`` (``RunRecord``: global batch size, model
    fingerprint, world size and device names, step, wall time) written by rank 0 into every
    ``checkpoint-N`` (``write_checkpoint_record``).
-2. **Planning for the new world** (``resolve_elastic_plan``): the stock planning path
-   (``auto_plan.resolve_plan_for_model``: measured profiles come from the on-disk cache, so only
-   devices the cache lacks are measured; a profile file is a pool of device profiles looked up by
-   name, ``select_world_devices``) with the SAME global batch size; a world too small for the job
-   raises ``InfeasiblePlanError`` naming the devices the last checkpoint ran on that are missing.
+2. **Planning for the new world**: ``replan.resolve_elastic_plan`` (the one home of planning;
+   it reads this module's records, this module does not import it) with the SAME global batch
+   size; a world too small for the job raises ``InfeasiblePlanError`` naming the devices the
+   last checkpoint ran on that are missing.
 3. **Resume checks** (``check_resume``): a checkpoint of another model or another global batch
    size is refused before its state is read.
 4. **Time lost per change** (``ElasticCallback``): rank 0 records the last finished step in
@@ -36,7 +35,6 @@ once the world changed.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
@@ -48,13 +46,10 @@ from transformers import TrainerCallback
 
 from hf_cephalo.file_modes import apply_default_mode
 from hf_cephalo.planner import Plan
-from hf_cephalo.planner.optimize import InfeasiblePlanError
-from hf_cephalo.profiler.types import ClusterProfile, format_bytes
 
 __all__ = ["RUN_RECORD_NAME", "PLAN_NAME", "PROGRESS_NAME", "RESTARTS_NAME", "RunRecord",
            "Progress", "ResumeReport", "write_checkpoint_record", "read_checkpoint_record",
-           "check_resume", "format_plan_change", "select_world_devices", "resolve_elastic_plan",
-           "latest_checkpoint", "run_fingerprint", "ElasticCallback"]
+           "check_resume", "format_plan_change", "latest_checkpoint", "run_fingerprint", "ElasticCallback"]
 
 logger = logging.getLogger(__name__)
 
@@ -249,32 +244,6 @@ def format_plan_change(old: Plan | None, new: Plan) -> str:
     return "\n".join(lines)
 
 
-def select_world_devices(cluster: ClusterProfile, names: list[str], source: str) -> ClusterProfile:
-    """``cluster`` for a world whose ranks have device ``names`` (rank order).
-
-    A profile file is a pool of device profiles: when the world differs from the file's ranks,
-    each rank takes the profile of its device name. The collective profile (one unit, even
-    shards) is kept; ring collectives move about the same bytes per rank at any world size.
-
-    Raises:
-        ValueError: a rank's device is not in the file (names it and the fix).
-    """
-    if [d.name for d in cluster.devices] == list(names):
-        return cluster
-    pool = {d.name: d for d in cluster.devices}
-    unknown = sorted({n for n in names if n not in pool})
-    if unknown:
-        raise ValueError(
-            f"{source} holds no profile for device(s) {unknown} of this world {list(names)} (it "
-            f"knows {sorted(pool)}); profile them (`hf-cephalo profile` on those machines) and "
-            "add them to the file, or leave cephalo_profile_file unset so the trainer measures "
-            "at start (devices in the profile cache are not measured again)")
-    devices = [dataclasses.replace(pool[n]) for n in names]
-    logger.info("%s: %d ranks in the file, %d in this world; device profiles picked by name",
-                source, cluster.world_size, len(names))
-    return dataclasses.replace(cluster, devices=devices)
-
-
 def latest_checkpoint(output_dir: str) -> str | None:
     """The newest COMPLETE ``checkpoint-N`` in ``output_dir`` (with the completeness marker;
     staging dirs never match), or None; newer incomplete ones are skipped with a warning
@@ -287,45 +256,6 @@ def latest_checkpoint(output_dir: str) -> str | None:
                        "completeness marker: their save did not finish): %s",
                        len(newest.skipped), newest.path, ", ".join(newest.skipped))
     return newest.path
-
-
-def resolve_elastic_plan(args, world_size: int, model, train_dataset):
-    """``auto_plan.resolve_plan_for_model`` with the elastic diagnosis of a world too small.
-
-    Raises:
-        InfeasiblePlanError: no plan fits this world; the message adds the devices the last
-            checkpoint in ``output_dir`` ran on that this world lacks.
-        (and everything ``resolve_plan_for_model`` raises)
-    """
-    from hf_cephalo.integrations import auto_plan
-
-    try:
-        return auto_plan.resolve_plan_for_model(args, world_size, model, train_dataset)
-    except InfeasiblePlanError as exc:
-        # Every rank solved the same problem, so every rank is here: the gather is matched.
-        names = auto_plan._gather_names(
-            auto_plan._local_name(args, auto_plan._emulation(args, world_size)), world_size)
-        raise InfeasiblePlanError(f"{exc}{_missing_devices(args.output_dir, names)}",
-                                  exc.constraint) from exc
-
-
-def _missing_devices(output_dir: str, names: list[str]) -> str:
-    """The devices the last checkpoint's plan ran on that the world ``names`` lacks."""
-    checkpoint = latest_checkpoint(output_dir)
-    plan = None if checkpoint is None else read_checkpoint_record(checkpoint)[0]
-    if plan is None:
-        return (f". This world ({len(names)} ranks: {names}) cannot hold the job: add devices "
-                "with more memory")
-    world_size = len(names)
-    before = collections.Counter(r.device for r in plan.ranks)
-    missing = before - collections.Counter(names)
-    need = ", ".join(f"{k} x{v}" for k, v in sorted(missing.items())) or "none by name"
-    caps = {r.device: r.memory_capacity_bytes for r in plan.ranks}
-    detail = ", ".join(f"{k} ({format_bytes(caps[k])})" if caps.get(k) else k for k in missing)
-    return (f". This world has {world_size} ranks; {checkpoint} ran on {plan.world_size} "
-            f"({', '.join(r.device for r in plan.ranks)}). Devices missing against that plan: "
-            f"{need}{' — ' + detail if detail else ''}; bring such GPUs back (or others with "
-            "at least that memory) and the job resumes there")
 
 
 def read_progress(output_dir: str) -> Progress | None:

@@ -6,7 +6,7 @@ given plan is checked here, first thing in ``CephaloTrainer.__init__``: an autom
 takes minutes (~90 s for MiniLM on 2 CPU cores), and an error after it wastes that time on every
 rank. Every rank evaluates the same inputs, so every rank raises the same error and none is
 left waiting in a collective. What needs the profile (a plan that cannot fit, an emulated
-memory cap) can only be checked after it (``auto_plan.resolve_plan_for_model``).
+memory cap) can only be checked after it (``replan.resolve_plan_for_model``).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def check_before_planning(args, world_size: int, model: nn.Module, *, plan: Plan
     ``check_script`` ran), emulation list lengths vs ``world_size``,
     then a given ``plan`` (world size, global batch size), then the global batch size against
     the world size (rank 0 warns when ranks would idle; a plan file is read and checked by
-    ``auto_plan.resolve_plan_for_model``, still before any profile).
+    ``replan.resolve_plan_for_model``, still before any profile).
 
     Raises:
         ValueError: a dataset without a length, an unsupported model class (with the route to

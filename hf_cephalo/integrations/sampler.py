@@ -41,6 +41,16 @@ wherever padding is not neutral. A packing collator that pads nothing (transform
 positions restarting per sequence, which the staged models attend block-diagonally) gives the
 same tokens however the samples are grouped, and its one row cannot be cut into samples: it
 is applied per microbatch in either mode (``packs_without_padding``).
+
+[Note: switching the split live]
+A live re-balance (``integrations/adaptive.py``) changes b_i and m_i between two steps. The
+global batches do not change (they depend on seed, epoch, dataset length and B only); only
+their split does. ``SplitSchedule`` records which (b_i, m_i) hold from which global step
+(``epoch · steps_per_epoch + index in the epoch``); the sampler splits step k's global batch
+by the sizes in force at k, and the collator cuts it into that step's m_i. Both read the
+schedule when the step's batch is drawn, which with ``num_workers = 0`` is after the previous
+step ended (the loader does not run ahead), so a switch recorded at a step boundary applies to
+the next step on every rank.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from torch.utils.data import Sampler
 
 __all__ = [
     "WeightedBatchSampler",
+    "SplitSchedule",
     "MicrobatchCollator",
     "GlobalBatchCollator",
     "packs_without_padding",
@@ -148,6 +159,63 @@ def split_microbatches(indices: Sequence[Any], microbatch_size: int) -> list[lis
     return [items[i:i + microbatch_size] for i in range(0, len(items), microbatch_size)]
 
 
+class SplitSchedule:
+    """The per-rank split (b_i, m_i) in force at each global step; see [Note: switching the
+    split live].
+
+    Args:
+        batch_sizes: b_i per rank from step 0 (samples).
+        microbatch_sizes: m_i per rank from step 0 (samples; 0 for an idle rank).
+
+    Attributes:
+        current_step: the global step whose indices the sampler drew last (None before).
+    """
+
+    def __init__(self, batch_sizes: Sequence[int], microbatch_sizes: Sequence[int]) -> None:
+        self._entries: list[tuple[int, list[int], list[int]]] = []
+        self.current_step: int | None = None
+        self.switch(0, batch_sizes, microbatch_sizes)
+
+    def switch(self, from_step: int, batch_sizes: Sequence[int],
+               microbatch_sizes: Sequence[int]) -> None:
+        """Use ``batch_sizes`` / ``microbatch_sizes`` from global step ``from_step`` on.
+
+        Raises ValueError: invalid sizes, another global batch size or world size than the
+        schedule's, or ``from_step`` before the last switch."""
+        sizes = _check_batch_sizes(batch_sizes)
+        micro = [int(m) for m in microbatch_sizes]
+        if len(micro) != len(sizes) or any(m < 0 or (b > 0 and m < 1)
+                                           for b, m in zip(sizes, micro)):
+            raise ValueError(f"microbatch sizes {micro} do not fit batch sizes {sizes}: one "
+                             "m_i >= 1 per rank with b_i > 0")
+        if self._entries:
+            last_step, last_sizes, _ = self._entries[-1]
+            if sum(sizes) != sum(last_sizes) or len(sizes) != len(last_sizes):
+                raise ValueError(f"batch sizes {sizes} change the global batch size or world "
+                                 f"size of {last_sizes}: a live switch keeps both")
+            if from_step < last_step:
+                raise ValueError(f"switch from step {from_step} is before the last one "
+                                 f"(step {last_step})")
+            if from_step == last_step:
+                self._entries.pop()
+        self._entries.append((int(from_step), sizes, micro))
+
+    def batch_sizes_at(self, step: int) -> list[int]:
+        """b_i per rank in force at global step ``step``."""
+        return self._at(step)[1]
+
+    def microbatch_sizes_at(self, step: int) -> list[int]:
+        """m_i per rank in force at global step ``step``."""
+        return self._at(step)[2]
+
+    def _at(self, step: int) -> tuple[int, list[int], list[int]]:
+        current = self._entries[0]
+        for entry in self._entries:
+            if entry[0] <= step:
+                current = entry
+        return current
+
+
 class WeightedBatchSampler(Sampler[list[int]]):
     """Batch sampler that yields, per step, this rank's b_i indices of the global batch.
 
@@ -163,6 +231,8 @@ class WeightedBatchSampler(Sampler[list[int]]):
         yield_global_batch: yield the whole global batch at every step (for
             ``GlobalBatchCollator``, which keeps this rank's rows after collating it) instead of
             this rank's share; ``local_batches`` gives this rank's share either way.
+        schedule: a ``SplitSchedule`` whose sizes replace ``batch_sizes`` from the step they
+            are recorded for ([Note: switching the split live]); None: ``batch_sizes`` always.
 
     Every rank yields ``len(self)`` lists (= ceil(N/B), or floor with ``drop_last``); the lists
     of all ranks at one step are disjoint and together form the global batch; over an epoch each
@@ -177,9 +247,15 @@ class WeightedBatchSampler(Sampler[list[int]]):
 
     def __init__(self, dataset_length: int, batch_sizes: Sequence[int], rank: int, *,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-                 lengths: Sequence[int] | None = None, yield_global_batch: bool = False) -> None:
+                 lengths: Sequence[int] | None = None, yield_global_batch: bool = False,
+                 schedule: SplitSchedule | None = None) -> None:
         self.batch_sizes = _check_batch_sizes(batch_sizes)
         self.yield_global_batch = bool(yield_global_batch)
+        if schedule is not None and sum(schedule.batch_sizes_at(0)) != sum(self.batch_sizes):
+            raise ValueError(f"the split schedule's global batch size "
+                             f"{sum(schedule.batch_sizes_at(0))} differs from batch_sizes "
+                             f"{self.batch_sizes}")
+        self.schedule = schedule
         if isinstance(dataset_length, bool) or not isinstance(dataset_length, int) or dataset_length < 0:
             raise ValueError(f"dataset_length = {dataset_length!r} must be an integer >= 0 (samples)")
         if not 0 <= rank < len(self.batch_sizes):
@@ -212,12 +288,19 @@ class WeightedBatchSampler(Sampler[list[int]]):
 
     def rank_batches(self, rank: int) -> list[list[int]]:
         """All of ``rank``'s per-step index lists for the current epoch (pure; no communication)."""
-        steps = []
-        for batch in self._global_batches():
-            counts = split_counts(len(batch), self.batch_sizes)
+        return list(self._iter_rank(rank, mark=False))
+
+    def _sizes_at(self, step: int) -> list[int]:
+        return self.batch_sizes if self.schedule is None else self.schedule.batch_sizes_at(step)
+
+    def _iter_rank(self, rank: int, mark: bool) -> Iterator[list[int]]:
+        first = self.epoch * len(self)  # global step of this epoch's first batch
+        for k, batch in enumerate(self._global_batches()):
+            counts = split_counts(len(batch), self._sizes_at(first + k))  # read when drawn
             start = sum(counts[:rank])
-            steps.append(batch[start:start + counts[rank]])
-        return steps
+            if mark and self.schedule is not None:
+                self.schedule.current_step = first + k
+            yield batch[start:start + counts[rank]]
 
     def local_batches(self) -> list[list[int]]:
         """This rank's per-step index lists (the rows its loader's microbatches hold, in order),
@@ -225,7 +308,14 @@ class WeightedBatchSampler(Sampler[list[int]]):
         return self.rank_batches(self.rank)
 
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self._global_batches() if self.yield_global_batch else self.local_batches()
+        if not self.yield_global_batch:
+            yield from self._iter_rank(self.rank, mark=True)
+            return
+        first = self.epoch * len(self)
+        for k, batch in enumerate(self._global_batches()):
+            if self.schedule is not None:  # the collator splits it by this step's sizes
+                self.schedule.current_step = first + k
+            yield batch
 
     def __len__(self) -> int:
         full, partial = divmod(self.dataset_length, self.global_batch_size)
@@ -238,16 +328,22 @@ class MicrobatchCollator:
     ``collate_fn`` (e.g. a ``DataCollatorForLanguageModeling``) is applied to each microbatch of
     ``microbatch_size`` samples separately, so padding is per microbatch: it depends on the plan
     ([Note: padding independent of the plan]). An empty batch (a rank with no samples in the
-    last step) gives ``[]``.
+    last step) gives ``[]``. With a ``schedule`` (and this ``rank``) the microbatch size is the
+    one in force at the step the sampler drew last ([Note: switching the split live]).
     """
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any], microbatch_size: int) -> None:
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], microbatch_size: int,
+                 schedule: SplitSchedule | None = None, rank: int = 0) -> None:
         split_microbatches([], microbatch_size)  # validates microbatch_size
         self.collate_fn = collate_fn
         self.microbatch_size = microbatch_size
+        self.schedule, self.rank = schedule, rank
 
     def __call__(self, samples: list[Any]) -> list[Any]:
-        return [self.collate_fn(chunk) for chunk in split_microbatches(samples, self.microbatch_size)]
+        size = self.microbatch_size
+        if self.schedule is not None and self.schedule.current_step is not None:
+            size = max(self.schedule.microbatch_sizes_at(self.schedule.current_step)[self.rank], 1)
+        return [self.collate_fn(chunk) for chunk in split_microbatches(samples, size)]
 
 
 def packs_without_padding(collate_fn: Any) -> bool:
@@ -274,6 +370,9 @@ class GlobalBatchCollator:
             is split with ``split_counts``, as the sampler splits it.
         rank: this rank.
         microbatch_size: m_i (samples).
+        schedule: the sampler's ``SplitSchedule``: the split (b_i) and m_i in force at the step
+            the sampler drew last replace ``batch_sizes`` / ``microbatch_size`` ([Note:
+            switching the split live]); None: those always.
 
     Returns (per call) a list of microbatches, each the collated structure (dict,
     ``BatchEncoding``, tuple, ...) with every tensor cut to the microbatch's rows along dim 0;
@@ -283,23 +382,28 @@ class GlobalBatchCollator:
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any], batch_sizes: Sequence[int],
-                 rank: int, microbatch_size: int) -> None:
+                 rank: int, microbatch_size: int, schedule: SplitSchedule | None = None) -> None:
         split_microbatches([], microbatch_size)  # validates microbatch_size
         self.batch_sizes = _check_batch_sizes(batch_sizes)
         if not 0 <= rank < len(self.batch_sizes):
             raise ValueError(f"rank = {rank} is out of range for {len(self.batch_sizes)} per-rank "
                              f"batch sizes {self.batch_sizes}")
         self.collate_fn, self.rank, self.microbatch_size = collate_fn, rank, microbatch_size
+        self.schedule = schedule
 
     def __call__(self, samples: list[Any]) -> list[Any]:
-        counts = split_counts(len(samples), self.batch_sizes)
+        sizes, size = self.batch_sizes, self.microbatch_size
+        if self.schedule is not None and self.schedule.current_step is not None:
+            step = self.schedule.current_step
+            sizes = self.schedule.batch_sizes_at(step)
+            size = max(self.schedule.microbatch_sizes_at(step)[self.rank], 1)
+        counts = split_counts(len(samples), sizes)
         start, count = sum(counts[:self.rank]), counts[self.rank]
         if count == 0:
             return []
         batch = self.collate_fn(samples)
-        return [_rows(batch, start + lo, start + min(lo + self.microbatch_size, count),
-                      len(samples))
-                for lo in range(0, count, self.microbatch_size)]
+        return [_rows(batch, start + lo, start + min(lo + size, count), len(samples))
+                for lo in range(0, count, size)]
 
 
 def _rows(batch: Any, start: int, stop: int, num_samples: int) -> Any:

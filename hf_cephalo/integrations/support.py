@@ -324,7 +324,10 @@ FIELD_SUPPORT: dict[str, Support] = {
         "floor(N / (world size x per_device_eval_batch_size)) x that many samples, as stock's "
         "sharded evaluation loader does on the same number of processes",
         _L + "test_two_process_fields_as_stock_ddp"),
-    "dataloader_num_workers": _inherited("passed to the weighted DataLoader"),
+    "dataloader_num_workers": _inherited(
+        "passed to the weighted DataLoader; above 0 live re-balancing (--cephalo_adaptive "
+        "batch) is off with a warning: workers draw batches ahead with the start split "
+        "(docs/adaptive.md)"),
     "dataloader_pin_memory": _inherited("passed to the weighted DataLoader"),
     "dataloader_persistent_workers": _inherited("passed to the weighted DataLoader"),
     "dataloader_prefetch_factor": _inherited("passed to the weighted DataLoader"),

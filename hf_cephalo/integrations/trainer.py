@@ -7,7 +7,7 @@ accelerate_configs/cephalo_cpu.yaml train.py`` (or ``cephalo.yaml`` on GPUs).
 What changes against stock Trainer (everything else — LR scheduler, logging, report_to,
 callbacks — is the Trainer's own):
 
-- **Plan** (``auto_plan.resolve_plan_for_model``): the plan file, else the exact optimizer
+- **Plan** (``replan.resolve_plan_for_model``): the plan file, else the exact optimizer
   over the profile file, else over a profile measured at start (cached on disk; emulated
   devices included); profile.json and plan.json are saved in output_dir. The per-rank plan
   table is printed by rank 0 at start, predicted vs measured step time and memory at the end.
@@ -78,13 +78,16 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.engine.rank_precision import check_scalable_optimizer, rank_precision
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
+from hf_cephalo.integrations.adaptive import AdaptiveCallback, SlowdownScheduleCallback
 from hf_cephalo.integrations.auto_plan import (PlanAccuracyCallback, job_rank_precisions,
                                                wrap_staged)
-from hf_cephalo.integrations.elastic import ElasticCallback, resolve_elastic_plan
+from hf_cephalo.integrations.elastic import ElasticCallback
 from hf_cephalo.integrations.jit_checkpoint import replace_jit_checkpoint_callback
 from hf_cephalo.integrations.preflight import check_before_planning, check_script
+from hf_cephalo.integrations.replan import resolve_elastic_plan
 from hf_cephalo.integrations.sampler import (GlobalBatchCollator, MicrobatchCollator,
-                                             WeightedBatchSampler, packs_without_padding)
+                                             SplitSchedule, WeightedBatchSampler,
+                                             packs_without_padding)
 from hf_cephalo.integrations.sharded_model import guard_sharded_model, restore_full_model
 from hf_cephalo.integrations.support import HOOK_SUPPORT
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
@@ -92,6 +95,7 @@ from hf_cephalo.integrations.user_loss import UserLossStagedModel
 from hf_cephalo.integrations.weight_decay import ShardWeightDecay, decay_rule, shard_decay_masks
 from hf_cephalo.models.registry import supported_model_classes
 from hf_cephalo.planner import Plan
+from hf_cephalo.profiler.types import ClusterProfile
 
 __all__ = ["CephaloTrainer", "format_plan_table", "format_loss_trend"]
 
@@ -182,6 +186,9 @@ class CephaloTrainer(Trainer):
         model: a ``PreTrainedModel`` with a registered adapter (``hf_cephalo.models``).
         args: ``CephaloTrainingArguments``.
         plan: a ``Plan`` to use instead of ``args``' plan/profile file.
+        cluster_profile: with ``plan``, the ``ClusterProfile`` it was made from (live
+            re-balancing refits it; without it ``--cephalo_adaptive batch`` is off with a
+            warning). Ignored without ``plan``.
         **kwargs: every other ``Trainer`` argument (train/eval datasets, data_collator,
             processing_class, compute_metrics, callbacks, preprocess_logits_for_metrics...).
 
@@ -196,7 +203,7 @@ class CephaloTrainer(Trainer):
 
     def __init__(self, model: torch.nn.Module | None = None,
                  args: CephaloTrainingArguments | None = None, *, plan: Plan | None = None,
-                 **kwargs: Any) -> None:
+                 cluster_profile: ClusterProfile | None = None, **kwargs: Any) -> None:
         if not isinstance(args, CephaloTrainingArguments):
             raise TypeError(f"CephaloTrainer needs CephaloTrainingArguments, got "
                             f"{type(args).__name__}: build args=CephaloTrainingArguments(...) "
@@ -207,15 +214,16 @@ class CephaloTrainer(Trainer):
         staged = check_script(args, model, self._hook_problems(model, kwargs),
                               train_dataset=kwargs.get("train_dataset"),
                               eval_dataset=kwargs.get("eval_dataset"))
+        _refuse_adaptive_state(args)
         _engine_checkpointing_replaces_model_checkpointing(args)
         world_size = args.world_size  # sets up the process group (accelerate launch / torchrun)
         # [Note: fail fast] in preflight.py: no profile, plan or collective before these checks
         staged = check_before_planning(args, world_size, model, plan=plan,
                                        train_dataset=kwargs.get("train_dataset"),
                                        eval_dataset=kwargs.get("eval_dataset"), staged=staged)
-        self.cluster_profile = None  # the profile an automatic plan was made from
+        self.cluster_profile = cluster_profile if plan is not None else None  # plan's profile
         self._resumed_weights_only = False  # resumed from a save_only_model checkpoint
-        if plan is None:  # plan file > profile file > profile this cluster (auto_plan.py)
+        if plan is None:  # plan file > profile file > profile this cluster (replan.py)
             plan, self.cluster_profile = resolve_elastic_plan(args, world_size, model,
                                                               kwargs.get("train_dataset"))
         self.plan = plan
@@ -251,6 +259,8 @@ class CephaloTrainer(Trainer):
         guard_sharded_model(model, self._full_numel)  # [Note: the user's model while sharded]
         self.add_callback(PlanAccuracyCallback(self))  # predicted vs measured at train end
         replace_jit_checkpoint_callback(self)  # [Note: JIT checkpoint agreed by all ranks]
+        self.split_schedule: SplitSchedule | None = None  # the training loader's (b_i, m_i)
+        self._add_adaptive_callbacks(args, world_size)
         self.elastic = ElasticCallback(self)  # progress, and the report of a resume
         self.add_callback(self.elastic)
         if self.is_world_process_zero():
@@ -261,6 +271,40 @@ class CephaloTrainer(Trainer):
                 note = extrapolation_note(self.plan, self.cluster_profile)
                 if note:
                     print(note, flush=True)
+
+    # ---- live re-balancing (adaptive.py, docs/adaptive.md) ----------------------------------
+    def _add_adaptive_callbacks(self, args, world_size: int) -> None:
+        """The emulated slowdown schedule and ``AdaptiveCallback`` (``--cephalo_adaptive
+        batch``) where they apply; a warning, once, where batch mode cannot run."""
+        from hf_cephalo.profiler.emulate import EmulationConfig
+
+        emulation = EmulationConfig.from_training_args(args)
+        if emulation is not None and emulation.schedule is not None:
+            self.add_callback(SlowdownScheduleCallback(self, emulation.schedule))
+        self.adaptive_callback = None
+        why_not = None
+        if args.cephalo_adaptive == "off" or world_size == 1:
+            return
+        if self.cluster_profile is None:
+            why_not = ("the plan was given without the profile it was made from (give "
+                       "--cephalo_profile_file with --cephalo_plan_file, or cluster_profile= "
+                       "with plan=) so there is nothing to refit")
+        elif args.dataloader_num_workers > 0:
+            why_not = (f"--dataloader_num_workers {args.dataloader_num_workers}: worker processes "
+                       "draw batches ahead with the start split; use 0 workers to re-balance")
+        if why_not is not None:
+            if self.is_world_process_zero():
+                logger.warning("--cephalo_adaptive batch is off for this run: %s; set "
+                               "--cephalo_adaptive off to silence this", why_not)
+            return
+        caps = None if emulation is None or emulation.memory_cap_bytes is None \
+            else [float(c) for c in emulation.memory_cap_bytes]
+        self.adaptive_callback = AdaptiveCallback(
+            self, interval=args.cephalo_adaptive_interval,
+            threshold=args.cephalo_adaptive_threshold,
+            hysteresis_steps=args.cephalo_adaptive_hysteresis_steps, caps_bytes=caps,
+            mode=args.cephalo_adaptive)
+        self.add_callback(self.adaptive_callback)
 
     # ---- what stock features the engine path honours (support.py) ----------------------------
     def _hook_problems(self, model: torch.nn.Module | None, kwargs: dict[str, Any]) -> list[str]:
@@ -377,14 +421,21 @@ class CephaloTrainer(Trainer):
             collator = self._get_collator_with_removed_columns(collator, description=description)
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         rank = self.args.process_index
+        # Training: the split can change live ([Note: switching the split live] in sampler.py).
+        schedule = SplitSchedule(self.plan.batch_sizes, self.plan.microbatch_sizes) \
+            if shuffle else None
+        if shuffle:
+            self.split_schedule = schedule
         # [Note: padding independent of the plan] (sampler.py)
         whole = self.args.cephalo_collate == "global_batch" and not packs_without_padding(collator)
         sampler = WeightedBatchSampler(len(dataset), self.plan.batch_sizes, rank,
                                        seed=seed, shuffle=shuffle and strategy == "random",
                                        drop_last=shuffle and self.args.dataloader_drop_last,
-                                       lengths=lengths, yield_global_batch=whole)
-        collate_fn = (GlobalBatchCollator(collator, self.plan.batch_sizes, rank, microbatch_size)
-                      if whole else MicrobatchCollator(collator, microbatch_size))
+                                       lengths=lengths, yield_global_batch=whole,
+                                       schedule=schedule)
+        collate_fn = (GlobalBatchCollator(collator, self.plan.batch_sizes, rank, microbatch_size,
+                                          schedule) if whole else
+                      MicrobatchCollator(collator, microbatch_size, schedule, rank))
         workers = self.args.dataloader_num_workers
         extra = {} if workers == 0 else dict(
             persistent_workers=self.args.dataloader_persistent_workers,
@@ -501,6 +552,7 @@ class CephaloTrainer(Trainer):
         model.train()
         self.engine.zero_grad()  # gradient_accumulation_steps == 1: every step starts fresh
         microbatches = self._prepare_input(list(inputs))
+        self.last_step_num_samples = sum(_num_samples(mb) for mb in microbatches)
         self._scaler_unscaled = False
         out = self.engine.train_step(microbatches, loss_scale=self.accelerator.scaler)
         return torch.tensor(out.loss, dtype=torch.float32, device=self.args.device)
@@ -920,6 +972,10 @@ class CephaloTrainer(Trainer):
         check_resume(resume_from_checkpoint, record, self.plan, run_fingerprint(model),
                      type(model).__name__, self.args.cephalo_global_batch_size is not None
                      or self.args.cephalo_plan_file is not None)
+        if self.adaptive_callback is not None:  # continue from the last live switch (same world)
+            from hf_cephalo.integrations.replan import adopt_checkpoint_split
+
+            self.plan = adopt_checkpoint_split(self.plan, old_plan, self.cluster_profile)
         suffix = str(resume_from_checkpoint).rstrip("/").rsplit("-", 1)[-1]
         step = record.global_step if record is not None else int(suffix) if suffix.isdigit() else 0
         self.elastic.arm(resume_from_checkpoint, step, old_plan,
@@ -1004,6 +1060,22 @@ def _save_adapter_config(model: torch.nn.Module, directory: str) -> None:
     config = copy.deepcopy(model.peft_config[name])
     config.inference_mode = True  # as PeftModel.save_pretrained records it
     config.save_pretrained(directory)
+
+
+def _num_samples(microbatch) -> int:
+    """Samples in one collated microbatch: the first dimension of its first tensor."""
+    values = microbatch.values() if hasattr(microbatch, "values") else [microbatch]
+    return next((int(v.shape[0]) for v in values if torch.is_tensor(v) and v.dim() > 0), 0)
+
+
+def _refuse_adaptive_state(args) -> None:
+    """``--cephalo_adaptive state`` (live re-layout of r_i) is not in this build yet:
+    NotImplementedError before any profile or collective."""
+    if args.cephalo_adaptive == "state":
+        raise NotImplementedError(
+            "--cephalo_adaptive state (moving parameter, gradient and optimizer shards between "
+            "ranks to re-balance r_i while training) is not available yet; use "
+            "--cephalo_adaptive batch (re-balances b_i / m_i / l_i live, nothing moves) or off")
 
 
 def _engine_checkpointing_replaces_model_checkpointing(args) -> None:

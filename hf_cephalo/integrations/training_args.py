@@ -101,6 +101,26 @@ class CephaloTrainingArguments(TrainingArguments):
         "Emulated per-rank memory capacity in bytes (> 0, whole numbers; 8e9 allowed), one per rank "
         "in rank order: '8e9,4e9' or '8e9 4e9'; the planner uses it instead of the device's real "
         "capacity. Env: HF_CEPHALO_EMULATE_MEMORY_CAP_BYTES='8e9,4e9'.")})
+    cephalo_emulate_slowdown_schedule: str | None = field(default=None, metadata={"help": (
+        "Emulate a cluster whose speeds drift during training: 'STEP:F0,F1;STEP:F0,F1' gives, from "
+        "each global step (0-based; the first entry is step 0), one slowdown factor (>= 1) per "
+        "rank, e.g. '0:1,1;10:1,3' (rank 1 three times slower from step 10). Not together with "
+        "--cephalo_emulate_slowdown. Env: HF_CEPHALO_EMULATE_SLOWDOWN_SCHEDULE.")})
+    cephalo_adaptive: Literal["off", "batch", "state"] | None = field(default=None, metadata={
+        "help": ("Live re-balancing while training (docs/adaptive.md): 'batch' (default) re-plans "
+                 "the per-rank batch b_i, microbatch m_i and count l_i from measured speeds and "
+                 "switches at a step boundary (nothing moves; same global batches); 'state' also "
+                 "the state ratios r_i (not available yet); 'off' keeps the start plan. "
+                 "Env: HF_CEPHALO_ADAPTIVE.")})
+    cephalo_adaptive_threshold: float | None = field(default=None, metadata={"help": (
+        "Relative predicted step-time gain, in (0, 1), a live switch needs (default 0.05 = 5%). "
+        "Env: HF_CEPHALO_ADAPTIVE_THRESHOLD.")})
+    cephalo_adaptive_interval: int | None = field(default=None, metadata={"help": (
+        "Steps between two exchanges of the measured speeds (one small all-gather), >= 1; "
+        "default 5. Env: HF_CEPHALO_ADAPTIVE_INTERVAL.")})
+    cephalo_adaptive_hysteresis_steps: int | None = field(default=None, metadata={"help": (
+        "At most one live switch per this many steps (>= 0; default 20). "
+        "Env: HF_CEPHALO_ADAPTIVE_HYSTERESIS_STEPS.")})
 
     cephalo_save_full_model: bool | None = field(default=None, metadata={"help": (
         "Also write the full model into every checkpoint-N (the files save_model writes: "

@@ -32,7 +32,9 @@ The paper's O(N·B³·log B) recurrence is kept in ``reference.py`` for cross-ch
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -45,8 +47,8 @@ from hf_cephalo.planner.types import Plan, RankPlan, check_batch_and_fraction
 from hf_cephalo.profiler.types import ClusterProfile, format_bytes
 from hf_cephalo.units import GIB
 
-__all__ = ["optimize", "solve_assignment", "Assignment", "InfeasiblePlanError",
-           "check_problem_size", "estimate_problem_size", "format_bytes"]
+__all__ = ["optimize", "optimize_fixed_state", "solve_assignment", "Assignment", "FixedState",
+           "InfeasiblePlanError", "check_problem_size", "estimate_problem_size", "format_bytes"]
 
 _MEM_RTOL = 1e-12
 
@@ -79,6 +81,23 @@ class Assignment(NamedTuple):
     unit_time_s: float  # max_i (T_i + extra_i / L), seconds (cost.py [Note: step terms])
 
 
+class FixedState(NamedTuple):
+    """A re-plan of (b_i, m_i, l_i) that keeps the engine's training-state layout as it is.
+
+    Attributes:
+        state_ratios: r_i per rank (the running plan's).
+        uneven: whether the running plan is uneven (prices the collectives with u or 1).
+        layout: the engine's per-unit shard layout (``predict.plan_layout``), elements; None for
+            profiles whose compute memory includes the engine's buffers.
+        frozen: rank -> (b, m, l) kept as is (a rank whose measurements are missing).
+    """
+
+    state_ratios: list[float]
+    uneven: bool
+    layout: list[list[int]] | None
+    frozen: dict[int, tuple[int, int, int]]
+
+
 @dataclass
 class _Options:
     """All (l, m) choices of one device type in one case, flattened."""
@@ -94,12 +113,15 @@ class _Options:
 
 
 def _device_options(cluster: ClusterProfile, rank: int, B: int, mem_cap: float, uneven: bool,
-                    idle_ok: bool, root_resident: bool) -> _Options:
-    """Every (l, m) of ``rank`` with l·m <= B whose memory M_i(m, l·m) fits ``mem_cap``."""
+                    idle_ok: bool, root_resident: bool, layout=None,
+                    only: tuple[int, int, int] | None = None) -> _Options:
+    """Every (l, m) of ``rank`` with l·m <= B whose memory M_i(m, l·m) fits ``mem_cap``
+    (``layout``: price the buffers of that shard layout; ``only``: keep just that (b, m, l))."""
     device, comm = cluster.devices[rank], cost.unit_comm(cluster)
 
     def mem_of(m, b):
-        return memory.rank_memory_bytes(cluster, rank, m, b, root_resident=root_resident)
+        return memory.rank_memory_bytes(cluster, rank, m, b, root_resident=root_resident,
+                                        layout=layout)
 
     ok = lambda mem: mem <= mem_cap * (1 + _MEM_RTOL)  # noqa: E731
     ms = np.arange(1, B + 1)
@@ -123,6 +145,10 @@ def _device_options(cluster: ClusterProfile, rank: int, B: int, mem_cap: float, 
         m_rep = l_rep = np.zeros(0, dtype=np.int64)
         t = memv = np.zeros(0)
     idle_mem = float(mem_of(0, 0))
+    if only is not None:  # a frozen rank: its current (b, m, l), or idle, and nothing else
+        keep = (m_rep == only[1]) & (l_rep == only[2]) if only[0] > 0 else np.zeros(len(m_rep), bool)
+        m_rep, l_rep, t, memv = m_rep[keep], l_rep[keep], t[keep], memv[keep]
+        idle_ok = idle_ok and only[0] == 0
     return _Options(b=m_rep * l_rep, m=m_rep, l=l_rep, t=t, mem=memv,
                     idle_ok=idle_ok and bool(ok(idle_mem)), idle_t=cost.idle_unit_time_s(comm, uneven),
                     idle_mem=idle_mem)
@@ -238,19 +264,26 @@ class _Case:
     """
 
     def __init__(self, cluster: ClusterProfile, groups, B: int, c: float, uneven: bool,
-                 allow_idle: bool, root_resident: bool = False, host_limit: bool = True):
+                 allow_idle: bool, root_resident: bool = False, host_limit: bool = True,
+                 fixed: FixedState | None = None):
         self.B, self.uneven, self.groups = B, uneven, groups
+        # With the state fixed every rank's cap is c·C_i − r_i·S, which implies (III).
+        self.aggregate = uneven and fixed is None
         S, N = cluster.model.state_bytes, cluster.world_size
         self.mem_budget = c * sum(d.memory_capacity_bytes for d in cluster.devices) - S
         self.options = []
-        for ranks in groups:
+        state = [(fixed.state_ratios[r[0]] * S if fixed else 0.0 if uneven else S / N)
+                 for r in groups]
+        for ranks, held in zip(groups, state):
             d = cluster.devices[ranks[0]]
-            cap = c * d.memory_capacity_bytes - (0.0 if uneven else S / N)
-            idle_ok = allow_idle and (uneven or S / N <= c * d.memory_capacity_bytes)
-            self.options.append(_device_options(cluster, ranks[0], B, cap, uneven, idle_ok,
-                                                root_resident))
-        self.infeasible_even_state = (not uneven) and any(
-            S / N > c * cluster.devices[r[0]].memory_capacity_bytes for r in groups)
+            idle_ok = allow_idle and held <= c * d.memory_capacity_bytes
+            self.options.append(_device_options(
+                cluster, ranks[0], B, c * d.memory_capacity_bytes - held, uneven, idle_ok,
+                root_resident, layout=None if fixed is None else fixed.layout,
+                only=None if fixed is None else fixed.frozen.get(ranks[0])))
+        self.infeasible_even_state = (fixed is not None or not uneven) and any(
+            held > c * cluster.devices[r[0]].memory_capacity_bytes
+            for r, held in zip(groups, state))
         ts = [o.t for o in self.options] + [[o.idle_t] for o in self.options if o.idle_ok]
         self.candidates = np.unique(np.concatenate([np.asarray(t, dtype=np.float64) for t in ts]))
         self.machine_caps = _machine_batch_caps(cluster, c) if host_limit else None
@@ -313,12 +346,12 @@ class _Case:
         """The optimal unit time of this case if it is < ``below``, else None."""
         hi = int(np.searchsorted(self.candidates, below, side="left"))
         idx = self.search(0, hi, minplus=False)
-        if idx is not None and self.uneven:
+        if idx is not None and self.aggregate:
             idx = self.search(idx, hi, minplus=True)
         return None if idx is None else float(self.candidates[idx])
 
     def reconstruct(self, t: float, world_size: int) -> Assignment:
-        minplus = self.uneven
+        minplus = self.aggregate
         parts: list = []
         _assign(self.tree(t, minplus), self.B, minplus, parts)
         per_group = {k: [] for k in range(len(self.groups))}
@@ -599,3 +632,60 @@ def optimize(cluster: ClusterProfile, global_batch_size: int,
         r.predicted_memory_bytes = p.memory_bytes  # priced with the plan's own shard layout
     plan.predicted_iteration_s = pred.iteration_s
     return plan
+
+
+def _fixed_groups(cluster: ClusterProfile, fixed: FixedState) -> list[list[int]]:
+    """Ranks with identical options when the state layout is fixed: same device profile, same
+    machine under a host limit, same shards of every unit, same frozen (b, m, l)."""
+    caps = _machine_batch_caps(cluster, 1.0)
+    seen: dict[str, list[int]] = {}
+    for i, d in enumerate(cluster.devices):
+        row = None if fixed.layout is None else [unit[i] for unit in fixed.layout]
+        key = [caps[0][i] if caps else None, d.to_json(), fixed.state_ratios[i], row,
+               fixed.frozen.get(i)]
+        seen.setdefault(json.dumps(key, sort_keys=True), []).append(i)
+    return list(seen.values())
+
+
+def optimize_fixed_state(cluster: ClusterProfile, plan: Plan, *,
+                         frozen_ranks: Sequence[int] = (), allow_idle: bool = True) -> Plan:
+    """The optimal (b_i, m_i, l_i) for ``plan``'s own state ratios r_i and shard layout.
+
+    The re-plan of a live switch that moves no state (docs/design.md contract 7): the same
+    threshold search as ``optimize`` with rank i's memory cap c·C_i − r_i·S (the state it holds
+    now) priced with the engine's current shard layout, the collectives priced as ``plan``
+    (uneven or not), the same B and memory fraction c. Ranks in ``frozen_ranks`` keep their
+    (b_i, m_i, l_i). The result keeps r_i, ``uneven_state``, ``root_resident`` and the
+    precision tag of ``plan``; ``predicted_*`` come from ``predict`` on ``cluster``.
+
+    Raises:
+        InfeasiblePlanError: no (b_i, m_i, l_i) fits the caps with this state layout.
+        ValueError: ``plan`` does not fit ``cluster`` (world size, model).
+    """
+    from hf_cephalo.planner.predict import plan_layout
+
+    plan.validate_for(cluster.world_size, cluster.model)
+    layout = None if cluster.buffers_in_compute_memory else plan_layout(plan, cluster)
+    frozen = {i: (plan.ranks[i].batch_size, plan.ranks[i].microbatch_size,
+                  plan.ranks[i].num_microbatches) for i in frozen_ranks}
+    fixed = FixedState(list(plan.state_ratios), plan.uneven_state, layout, frozen)
+    case = _Case(cluster, _fixed_groups(cluster, fixed), plan.global_batch_size,
+                 plan.memory_fraction, plan.uneven_state, allow_idle, plan.root_resident,
+                 fixed=fixed)
+    t = case.solve(np.inf)
+    if t is None:
+        raise InfeasiblePlanError(
+            f"no (b_i, m_i, l_i) for global batch size {plan.global_batch_size} fits the memory "
+            f"caps with the current state ratios {[round(r, 4) for r in plan.state_ratios]}",
+            "state")
+    a = case.reconstruct(t, cluster.world_size)
+    ranks = [dataclasses.replace(r, batch_size=a.batch_sizes[i],
+                                 microbatch_size=a.microbatch_sizes[i],
+                                 num_microbatches=a.num_microbatches[i])
+             for i, r in enumerate(plan.ranks)]
+    new = dataclasses.replace(plan, ranks=ranks)
+    pred = predict(new, cluster)
+    for r, p in zip(new.ranks, pred.ranks):
+        r.predicted_memory_bytes = p.memory_bytes
+    new.predicted_iteration_s = pred.iteration_s
+    return new

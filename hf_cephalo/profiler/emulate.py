@@ -44,11 +44,83 @@ from hf_cephalo.models.base import (HeadEvalOutput, HeadOutput, Microbatch, Stag
 from hf_cephalo.units import GIB
 
 __all__ = ["EmulationConfig", "EmulatedStagedModel", "EmulatedOutOfMemoryError", "ComputeTimer",
-           "apply_memory_cap", "check_plan_memory", "emulated_device_name"]
+           "SlowdownSchedule", "apply_memory_cap", "check_plan_memory", "emulated_device_name",
+           "find_emulated"]
 
 
 class EmulatedOutOfMemoryError(ValueError):
     """A plan needs more memory than a rank's emulated capacity (CPU accounting method)."""
+
+
+SCHEDULE_FLAG = "--cephalo_emulate_slowdown_schedule (env HF_CEPHALO_EMULATE_SLOWDOWN_SCHEDULE)"
+
+
+@dataclass(frozen=True)
+class SlowdownSchedule:
+    """Per-rank slowdown factors that change at given training steps (emulated drift).
+
+    Text form ``"STEP:F0,F1,...;STEP:..."``: from global step STEP (0-based, the step about to
+    run; the first entry is step 0) rank i runs ``F_i`` times slower, e.g. ``"0:1,1;10:1,3"``:
+    both ranks at their own speed, from step 10 rank 1 three times slower.
+
+    Attributes:
+        steps: the steps at which factors change, strictly increasing, the first 0.
+        factors: per entry, one factor per rank (finite, >= 1).
+    """
+
+    steps: tuple[int, ...]
+    factors: tuple[tuple[float, ...], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "SlowdownSchedule":
+        """Parse the text form. Raises ValueError naming the flag, the entry and the fix: a
+        malformed entry, steps not strictly increasing or not starting at 0, a factor that is
+        not a finite number >= 1, or entries of different rank counts."""
+        where = f"slowdown schedule {text!r} ({SCHEDULE_FLAG})"
+        steps, factors = [], []
+        for entry in [e.strip() for e in str(text).split(";") if e.strip()]:
+            head, sep, tail = entry.partition(":")
+            try:
+                step = int(head)
+                values = tuple(float(x) for x in tail.replace(",", " ").split())
+            except ValueError:
+                step, values = -1, ()
+            if not sep or step < 0 or not values:
+                raise ValueError(f"{where}: entry {entry!r} is not STEP:F0,F1,... (a step >= 0, "
+                                 "then one factor per rank), e.g. '0:1,1;10:1,3'")
+            if not all(math.isfinite(v) and v >= 1.0 for v in values):
+                raise ValueError(f"{where}: entry {entry!r} has a factor that is not a finite "
+                                 "number >= 1 (factors <= 0 are meaningless, and a device cannot "
+                                 "be emulated faster than it is)")
+            steps.append(step)
+            factors.append(values)
+        if not steps:
+            raise ValueError(f"{where}: empty; give e.g. '0:1,1;10:1,3'")
+        if steps[0] != 0 or any(b <= a for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"{where}: steps {steps} must start at 0 and be strictly increasing")
+        if len({len(f) for f in factors}) != 1:
+            raise ValueError(f"{where}: entries give {[len(f) for f in factors]} factors; give "
+                             "one factor per rank in every entry")
+        return cls(tuple(steps), tuple(factors))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.factors[0])
+
+    def factors_at(self, step: int) -> tuple[float, ...]:
+        """The per-rank factors in force at global step ``step`` (0-based)."""
+        current = self.factors[0]
+        for at, values in zip(self.steps, self.factors):
+            if at <= step:
+                current = values
+        return current
+
+    def check_world_size(self, world_size: int) -> None:
+        """ValueError (before any collective) when the schedule is for another world size."""
+        if self.world_size != world_size:
+            raise ValueError(f"slowdown schedule ({SCHEDULE_FLAG}) gives {self.world_size} "
+                             f"factors per entry but the world size is {world_size}: give one "
+                             "factor per rank")
 
 
 @dataclass(kw_only=True)
@@ -56,14 +128,22 @@ class EmulationConfig:
     """Per-rank emulation settings (rank order); ``None`` leaves that knob off.
 
     Attributes:
-        slowdown: compute slowdown factor per rank (dimensionless, finite, >= 1).
+        slowdown: compute slowdown factor per rank (dimensionless, finite, >= 1); with a
+            ``schedule``, its step-0 factors (what the profile at start measures).
         memory_cap_bytes: emulated device memory capacity per rank, bytes (> 0).
+        schedule: factors that change during training (``SlowdownSchedule``), or None.
     """
 
     slowdown: list[float] | None = None
     memory_cap_bytes: list[int] | None = None
+    schedule: SlowdownSchedule | None = None
 
     def __post_init__(self) -> None:
+        if self.schedule is not None:
+            if self.slowdown is not None:
+                raise ValueError("give either a slowdown (--cephalo_emulate_slowdown) or a "
+                                 f"slowdown schedule ({SCHEDULE_FLAG}), not both")
+            self.slowdown = list(self.schedule.factors[0])
         if self.slowdown is not None:
             self.slowdown = [float(s) for s in self.slowdown]
             if not self.slowdown or not all(math.isfinite(s) and s >= 1.0 for s in self.slowdown):
@@ -80,11 +160,15 @@ class EmulationConfig:
         """From ``cephalo_emulate_*`` fields; None when neither is set."""
         slow = getattr(args, "cephalo_emulate_slowdown", None)
         cap = getattr(args, "cephalo_emulate_memory_cap_bytes", None)
-        if slow is None and cap is None:
+        text = getattr(args, "cephalo_emulate_slowdown_schedule", None)
+        if slow is None and cap is None and text is None:
             return None
-        return cls(slowdown=slow, memory_cap_bytes=cap)
+        return cls(slowdown=slow, memory_cap_bytes=cap,
+                   schedule=None if text is None else SlowdownSchedule.parse(text))
 
     def check_world_size(self, world_size: int) -> None:
+        if self.schedule is not None:
+            self.schedule.check_world_size(world_size)
         for name in ("slowdown", "memory_cap_bytes"):
             values = getattr(self, name)
             if values is not None and len(values) != world_size:
@@ -228,6 +312,15 @@ class EmulatedStagedModel(WrappedStagedModel):
     def head_loss_and_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
                              ctx: Any) -> HeadEvalOutput:
         return self._timed(self.inner.head_loss_and_logits, hidden, microbatch, ctx)
+
+
+def find_emulated(staged: StagedModel) -> "EmulatedStagedModel | None":
+    """The ``EmulatedStagedModel`` in a chain of wrappers (``.inner``), or None."""
+    while staged is not None:
+        if isinstance(staged, EmulatedStagedModel):
+            return staged
+        staged = getattr(staged, "inner", None)
+    return None
 
 
 def apply_memory_cap(cap_bytes: int, device: torch.device | str) -> str:

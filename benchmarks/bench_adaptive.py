@@ -1,0 +1,206 @@
+"""Live re-balancing benchmark: a rank slows down mid-run; static plan vs adaptive vs oracle.
+
+CPU gloo ranks train a real Llama-shaped model through ``CephaloTrainer`` (the whole path: the
+weighted sampler, the engine, the callbacks) for ``--steps`` steps while
+``--cephalo_emulate_slowdown_schedule`` makes ranks slower from ``--change-step`` on
+(``profiler.emulate``: a slowed rank really waits (s - 1) x its measured compute after every
+unit call and unit backward). Each rank profiles itself once at its own speed
+(``profile_cluster``); three runs then start from plans made from that profile:
+
+  static:   the plan for the speeds at step 0, ``--cephalo_adaptive off``;
+  adaptive: the same start plan, ``--cephalo_adaptive batch`` (default threshold, interval,
+            hysteresis): the plan follows the measured speeds;
+  oracle:   the plan made for the speeds after the change from the start (the profile with
+            each rank's forward/backward times multiplied by its new factor, exactly what the
+            emulation does to compute), ``--cephalo_adaptive off``.
+
+All three run the same schedule, data and model. Measured: each step's wall time on rank 0
+(``PlanAccuracyCallback.step_s``; ranks finish a step together at its last collective), median
+over steps [``--from-step``, ``--steps``). Printed: adaptive / oracle (goal <= 1.10),
+static / adaptive (goal >= 1.5 for 1x -> 3x), steps from the change to the switch, and the
+predicted vs measured step time after adaptation (the cost model leaves out the embedding, head
+and optimizer step and prices collectives from the profile). The two cases: 2 ranks 1x -> 3x,
+and 3 ranks drifting to 1x/2x/4x.
+
+Usage: python benchmarks/bench_adaptive.py [--steps 40] [--change-step 10] [--cases 2,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CASES = {2: [1.0, 3.0], 3: [1.0, 2.0, 4.0]}  # world size: factors from the change step on
+RUNS = ("static", "adaptive", "oracle")
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                      max_position_embeddings=args.seq)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).float()
+
+
+def dataset(args, n):
+    import datasets
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (n, args.seq), generator=gen)
+    ds = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    ds.set_format("torch")
+    return ds
+
+
+def collate(rows):
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def worker(rank, world_size, args, port, out_q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    for name in ("PLAN_FILE", "PROFILE_FILE", "ADAPTIVE", "EMULATE_SLOWDOWN",
+                 "EMULATE_SLOWDOWN_SCHEDULE", "ADAPTIVE_THRESHOLD", "ADAPTIVE_INTERVAL"):
+        os.environ.pop("HF_CEPHALO_" + name, None)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        out_q.put((rank, run(rank, world_size, args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(rank, world_size, args):
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.models import stage_model
+    from hf_cephalo.planner import optimize, predict
+    from hf_cephalo.planner.adapt import refit_cluster
+    from hf_cephalo.profiler.measure import MeasureConfig, profile_cluster
+
+    factors = CASES[world_size]
+    B = args.global_batch_size
+    t0 = time.perf_counter()
+    cluster = profile_cluster(stage_model(build_model(args)),
+                              MeasureConfig(max_microbatch_size=args.max_microbatch_size,
+                                            sequence_length=args.seq, repeats=args.repeats),
+                              cache=False)
+    profile_s = time.perf_counter() - t0
+    oracle_cluster = refit_cluster(cluster, factors)
+    plans = {"static": optimize(cluster, B), "adaptive": optimize(cluster, B),
+             "oracle": optimize(oracle_cluster, B)}
+    schedule = (f"0:{','.join(['1'] * world_size)};"
+                f"{args.change_step}:{','.join(f'{f:g}' for f in factors)}")
+    data = dataset(args, B * args.steps)
+    out = dict(profile_s=profile_s, schedule=schedule)
+    for name in RUNS:
+        with tempfile.TemporaryDirectory() as tmp:
+            targs = CephaloTrainingArguments(
+                output_dir=tmp, report_to="none", optim="adamw_torch", learning_rate=1e-4,
+                max_steps=args.steps, logging_steps=args.steps, save_strategy="no",
+                disable_tqdm=True, seed=0, cephalo_emulate_slowdown_schedule=schedule,
+                cephalo_adaptive="batch" if name == "adaptive" else "off")
+            trainer = CephaloTrainer(model=build_model(args), args=targs, plan=plans[name],
+                                     cluster_profile=cluster, data_collator=collate,
+                                     train_dataset=data)
+            trainer.train()
+            accuracy = next(c for c in trainer.callback_handler.callbacks
+                            if type(c).__name__ == "PlanAccuracyCallback")
+            decisions = [] if trainer.adaptive_callback is None else \
+                trainer.adaptive_callback.decisions
+            out[name] = dict(
+                step_s=list(accuracy.step_s), start_plan=plans[name].to_json(),
+                end_plan=trainer.plan.to_json(),
+                predicted_s=predict(trainer.plan, oracle_cluster).iteration_s,
+                switches=[dict(step=d["step"], batch_sizes=d["batch_sizes"],
+                               predicted_before_s=d["predicted_before_s"],
+                               predicted_after_s=d["predicted_after_s"], scales=d["scales"])
+                          for d in decisions if d["switch"]])
+    return out
+
+
+def report(world_size, args, result):
+    lo, hi = args.from_step, args.steps
+    med = {name: statistics.median(result[name]["step_s"][lo:hi]) for name in RUNS}
+    print(f"\n{world_size} CPU ranks, slowdown schedule {result['schedule']!r}; Llama-shaped "
+          f"model: {args.layers} layers, hidden {args.hidden}, sequence {args.seq}, global "
+          f"batch {args.global_batch_size}; {args.steps} steps, median step time over steps "
+          f"{lo}-{hi} (profiling took {result['profile_s']:.1f} s)")
+    head = f"{'run':<9} {'start b_i':>12} {'end b_i':>12} {'median step s':>14} {'model s':>9}"
+    print(head)
+    print("-" * len(head))
+    for name in RUNS:
+        r = result[name]
+        b0 = "/".join(str(x["batch_size"]) for x in r["start_plan"]["ranks"])
+        b1 = "/".join(str(x["batch_size"]) for x in r["end_plan"]["ranks"])
+        print(f"{name:<9} {b0:>12} {b1:>12} {med[name]:>14.3f} {r['predicted_s']:>9.3f}")
+    switches = result["adaptive"]["switches"]
+    print(f"adaptive / oracle = {med['adaptive'] / med['oracle']:.2f} (goal <= 1.10); "
+          f"static / adaptive = {med['static'] / med['adaptive']:.2f} (goal >= 1.5 for 1x -> 3x)")
+    if switches:
+        first, last = switches[0], switches[-1]
+        print(f"switches after steps {[s['step'] for s in switches]}: the first "
+              f"{first['step'] - args.change_step} steps after the change (step "
+              f"{args.change_step}); measured scales {['%.2f' % x for x in last['scales']]}")
+        print(f"after adaptation: predicted {last['predicted_after_s']:.3f} s per step, measured "
+              f"{med['adaptive']:.3f} s (error "
+              f"{100 * (last['predicted_after_s'] / med['adaptive'] - 1):+.1f}%; the model leaves "
+              "out embedding, head and optimizer step)")
+    else:
+        print("no switch was taken")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--change-step", type=int, default=10)
+    p.add_argument("--from-step", type=int, default=20, help="first step of the median window")
+    p.add_argument("--cases", default="2,3", help="world sizes to run: 2 (1x -> 3x), 3 (1/2/4x)")
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--max-microbatch-size", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3, help="profiler: timed runs per m (median)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=688)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--json", help="also write the raw results here")
+    args = p.parse_args()
+    results = {}
+    for world_size in [int(x) for x in args.cases.split(",")]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        out_q = ctx.Queue()
+        procs = [ctx.Process(target=worker, args=(r, world_size, args, port, out_q))
+                 for r in range(world_size)]
+        for proc in procs:
+            proc.start()
+        got = dict(out_q.get(timeout=3600) for _ in procs)
+        for proc in procs:
+            proc.join()
+        results[world_size] = got[0]
+        report(world_size, args, got[0])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Live re-balancing while training: measure, exchange, decide, switch (docs/adaptive.md).
+
+``AdaptiveCallback`` (``--cephalo_adaptive batch``, the default):
+
+1. **Measure** (every rank, every step): the step's wall time, the compute the
+   ``EmulatedStagedModel`` timer saw (all of it, and the units' forward + recompute + backward),
+   at the rank's current (b_i, m_i, l_i). The wait is the step minus all compute: collectives
+   not hidden behind compute, waiting for slower ranks, the optimizer step.
+2. **Exchange** every ``cephalo_adaptive_interval`` steps: each rank's medians over the steps
+   since the last exchange (the first step of the run and the first after a switch are left
+   out: they pay one-time costs; so is a step with fewer samples than b_i, the partial last
+   global batch of an epoch) go into ONE fixed-size float64 all-gather
+   (``MEASUREMENT_FIELDS``, NaN where missing); no Python objects are gathered.
+3. **Decide** on every rank from the exchanged numbers only (``replan.replan_live`` ->
+   ``planner.adapt.decide_batch_switch``): refit the start profile, re-plan with r_i fixed,
+   switch when the predicted step time drops by more than the threshold at two exchanges in a
+   row (one noisy window does not move the plan), with hysteresis, never over a memory cap.
+4. **Switch** at the step boundary: ``trainer.plan`` becomes the new plan and the
+   ``SplitSchedule`` of the training loader splits the next global batches by the new b_i / m_i
+   ([Note: switching the split live] in sampler.py). Nothing else moves: the engine's shards, the
+   optimizer state and the global batches are those of the uninterrupted run, so the trajectory
+   is the same up to fp32 summation order. Rank 0 prints one line, appends a record to
+   ``output_dir/cephalo_replans.jsonl`` and to ``trainer.state.log_history``.
+
+``SlowdownScheduleCallback`` applies ``--cephalo_emulate_slowdown_schedule`` (emulated drift)
+at the start of each step, whether adaptation is on or not.
+
+[Note: one decision on every rank]
+Every rank must take the same switch at the same step, or the next step's collectives would
+not match (a hang) and the global batch would be split inconsistently (samples lost or
+duplicated). The decision is therefore a pure function (``decide_batch_switch``) of numbers
+every rank holds identically: the start profile and plan (same on every rank before training),
+the exchanged float64 tensor (an all-gather gives every rank the same bytes), and the step
+counters. A rank's own local measurements never enter the decision except through the
+exchange; missing or non-finite numbers are part of the exchanged tensor too, so every rank
+sees the same NaN and leaves the same rank at its plan.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from hf_cephalo.planner import Plan
+from hf_cephalo.planner.adapt import MEASUREMENT_FIELDS, SwitchDecision, split_key
+from hf_cephalo.profiler.emulate import SlowdownSchedule, find_emulated
+
+__all__ = ["AdaptiveCallback", "SlowdownScheduleCallback", "REPLANS_NAME", "format_switch"]
+
+logger = logging.getLogger(__name__)
+
+REPLANS_NAME = "cephalo_replans.jsonl"  # in output_dir: one record per live switch
+
+
+class SlowdownScheduleCallback(TrainerCallback):
+    """Sets this rank's emulated slowdown to the schedule's factor at each step's start."""
+
+    def __init__(self, trainer, schedule: SlowdownSchedule):
+        self.trainer, self.schedule = trainer, schedule
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        emulated = find_emulated(self.trainer.engine.staged)
+        if emulated is not None:
+            emulated.slowdown = self.schedule.factors_at(state.global_step)[args.process_index]
+
+
+def format_switch(step: int, old: Plan, new: Plan, decision: SwitchDecision,
+                  old_scales: list[float]) -> str:
+    """The one line rank 0 prints for a switch."""
+    changed = [f"rank {i} {s / o:.2f}x {'slower' if s > o else 'faster'}"
+               for i, (s, o) in enumerate(zip(decision.scales, old_scales))
+               if o > 0 and abs(s / o - 1) > 0.10]
+    speed = ", ".join(changed) if changed else "speeds as measured"
+    ratios = "r_i unchanged" if new.state_ratios == old.state_ratios else (
+        "r_i " + "/".join(f"{r:.3f}" for r in old.state_ratios) + " -> " +
+        "/".join(f"{r:.3f}" for r in new.state_ratios))
+    return (f"Cephalo re-plan after step {step}: {speed} (unit compute / profile: "
+            f"{', '.join(f'{s:.2f}' for s in decision.scales)}); b_i {old.batch_sizes} -> "
+            f"{new.batch_sizes}, m_i {old.microbatch_sizes} -> {new.microbatch_sizes}, {ratios}; "
+            f"predicted step {decision.predicted_before_s:.4f} s -> "
+            f"{decision.predicted_after_s:.4f} s")
+
+
+class AdaptiveCallback(TrainerCallback):
+    """Measures every step, exchanges every ``interval`` steps, switches b_i / m_i / l_i live.
+
+    Args:
+        trainer: the ``CephaloTrainer`` (its ``plan``, ``engine``, ``cluster_profile`` and
+            ``split_schedule`` are read and updated).
+        interval: steps between exchanges (>= 1).
+        threshold: relative predicted gain a switch needs, in (0, 1).
+        hysteresis_steps: steps between switches at least.
+        caps_bytes: emulated memory capacity per rank (bytes) or None.
+        mode: "batch", or "state": the decision may also re-lay r_i
+            (``planner.adapt.decide_state_switch``), done by ``trainer._relayout_state(plan)``
+            (collective, at the step boundary) before the new split applies.
+
+    Attributes:
+        decisions: every decision taken, in order, as dicts (same on every rank).
+        step_s: this rank's measured step seconds, one per step (for reports).
+        last_switch_step: the step after which the last switch happened (None: never).
+    """
+
+    def __init__(self, trainer, *, interval: int, threshold: float, hysteresis_steps: int,
+                 caps_bytes: list[float | None] | None = None, mode: str = "batch"):
+        self.trainer, self.mode = trainer, mode
+        self.interval, self.threshold = interval, threshold
+        self.hysteresis_steps, self.caps_bytes = hysteresis_steps, caps_bytes
+        self.decisions: list[dict[str, Any]] = []
+        self.step_s: list[float] = []
+        self.last_switch_step: int | None = None
+        self._window: list[tuple[float, float, float]] = []  # (step, unit compute, all compute)
+        self._skip_next = True  # the first step (of the run, after a switch) is not measured
+        self._scales: list[float] | None = None
+        self._streak = 0  # exchanges in a row that predicted a gain (planner.adapt)
+        self._measured_step_s: dict[str, float] = {}  # split_key -> latest measured step s
+        self._switch_scales: list[float] | None = None
+
+    # ---- measure -------------------------------------------------------------------------
+    def _timer(self):
+        emulated = find_emulated(self.trainer.engine.staged)
+        return None if emulated is None else emulated.timer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        timer = self._timer()
+        self._t0 = time.perf_counter()
+        self._c0 = None if timer is None else (timer.unit_s, timer.compute_s)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step_s = time.perf_counter() - self._t0
+        self.step_s.append(step_s)
+        timer = self._timer()
+        rank_plan = self.trainer.plan.ranks[args.process_index]
+        full = getattr(self.trainer, "last_step_num_samples", None) in (None, rank_plan.batch_size)
+        if self._skip_next or not full:  # one-time costs, or a partial last global batch
+            self._skip_next = False
+        elif timer is not None and self._c0 is not None:
+            self._window.append((step_s, timer.unit_s - self._c0[0],
+                                 timer.compute_s - self._c0[1]))
+        else:
+            self._window.append((step_s, math.nan, math.nan))
+        if state.global_step % self.interval == 0 and not (
+                state.max_steps and state.global_step >= state.max_steps):
+            self._exchange_and_decide(args, state)
+
+    def local_row(self) -> list[float]:
+        """This rank's ``MEASUREMENT_FIELDS`` over the window (NaN where nothing was timed)."""
+        b = self.trainer.plan.ranks[self.trainer.args.process_index].batch_size
+        if not self._window:
+            return [0.0, math.nan, math.nan, math.nan, float(b)]
+        steps, units, computes = zip(*self._window)
+        step = statistics.median(steps)
+        unit = statistics.median(units) if all(math.isfinite(u) for u in units) else math.nan
+        compute = statistics.median(computes) if all(math.isfinite(c) for c in computes) \
+            else math.nan
+        return [float(len(steps)), unit, step, step - compute, float(b)]
+
+    # ---- exchange + decide ---------------------------------------------------------------
+    def _exchange(self, row: list[float]) -> list[list[float]]:
+        """[Note: one decision on every rank]: one all-gather of a fixed-size float64 tensor."""
+        group = self.trainer.engine.group
+        world = dist.get_world_size(group)
+        device = torch.device(self.trainer.args.device) \
+            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        mine = torch.tensor(row, dtype=torch.float64, device=device)  # (K,)
+        out = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(out, mine, group=group)
+        return [t.cpu().tolist() for t in out]
+
+    def _exchange_and_decide(self, args, state) -> None:
+        from hf_cephalo.integrations.replan import replan_live
+
+        rows = self._exchange(self.local_row())
+        self._window = []
+        trainer = self.trainer
+        steps = [r[2] for r in rows if len(r) > 2 and math.isfinite(r[2]) and r[0] >= 1]
+        if len(steps) == len(rows):  # the running split's measured step: the slowest rank's
+            self._measured_step_s[split_key(trainer.plan)] = max(steps)
+        decision = replan_live(trainer.cluster_profile, trainer.plan, rows,
+                               step=state.global_step, last_switch_step=self.last_switch_step,
+                               threshold=self.threshold, hysteresis_steps=self.hysteresis_steps,
+                               previous_scales=self._scales, caps_bytes=self.caps_bytes,
+                               streak=self._streak, mode=self.mode,
+                               measured_step_s=dict(self._measured_step_s))
+        relayout = getattr(decision, "relayout", False)
+        if self.mode == "state":  # a StateDecision: its batch part, or the re-layout
+            decision = decision.batch if not relayout else decision.batch._replace(
+                switch=True, plan=decision.plan, reason=decision.reason,
+                predicted_after_s=decision.predicted_free_s, streak=0)
+        self._streak = decision.streak
+        if self._switch_scales is None:
+            self._switch_scales = [1.0] * len(decision.scales)
+        self._scales = decision.scales
+        record = dict(step=state.global_step, switch=decision.switch, reason=decision.reason,
+                      predicted_before_s=decision.predicted_before_s,
+                      predicted_after_s=decision.predicted_after_s, scales=decision.scales,
+                      invalid_ranks=decision.invalid_ranks,
+                      invalid_reasons=decision.invalid_reasons,
+                      rows=rows, batch_sizes=decision.plan.batch_sizes)
+        self.decisions.append(record)
+        if decision.invalid_ranks and args.process_index == 0:
+            logger.warning("adaptive re-balancing after step %d: %s; kept at their current "
+                           "b_i / m_i / l_i", state.global_step, "; ".join(
+                               f"rank {i}: {why}" for i, why in
+                               zip(decision.invalid_ranks, decision.invalid_reasons)))
+        if decision.switch:
+            self._switch(args, state, decision, rows, relayout)
+
+    def _switch(self, args, state, decision: SwitchDecision, rows, relayout: bool = False) -> None:
+        trainer, old, new = self.trainer, self.trainer.plan, decision.plan
+        if relayout:  # parameters, gradients' shards and optimizer state move (collective)
+            trainer._relayout_state(new)
+        trainer.plan = new
+        trainer.split_schedule.switch(state.global_step, new.batch_sizes, new.microbatch_sizes)
+        self.last_switch_step = state.global_step
+        self._skip_next = True
+        line = format_switch(state.global_step, old, new, decision, self._switch_scales)
+        self._switch_scales = list(decision.scales)
+        record = dict(step=state.global_step, epoch=state.epoch,
+                      mode="state" if relayout else "batch",
+                      old_batch_sizes=old.batch_sizes, new_batch_sizes=new.batch_sizes,
+                      old_microbatch_sizes=old.microbatch_sizes,
+                      new_microbatch_sizes=new.microbatch_sizes,
+                      state_ratios=new.state_ratios, scales=decision.scales,
+                      predicted_before_s=decision.predicted_before_s,
+                      predicted_after_s=decision.predicted_after_s, measurements=rows,
+                      measurement_fields=list(MEASUREMENT_FIELDS), time_s=time.time())
+        state.log_history.append({"cephalo_replan": record, "step": state.global_step})
+        if args.process_index == 0:
+            print(line, flush=True)
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(os.path.join(args.output_dir, REPLANS_NAME), "a") as f:
+                f.write(json.dumps(record) + "\n")

@@ -1,0 +1,370 @@
+"""How a plan is (re)made: at start, at an elastic restart, and live (docs/design.md contract 7).
+
+One mechanism makes every plan of a job (inputs: a profile, the world, the global batch size B
+and the memory fraction; output: a ``Plan``; deterministic, so every rank holding the same
+inputs computes the same plan):
+
+1. **At start** (``resolve_plan_for_model``): ``cephalo_plan_file`` if given (validated against
+   the world, the model and the emulated caps); else the profile: ``cephalo_profile_file``
+   (refused if it was measured for another model, dtype or device:
+   ``measure.check_profile_matches``; a pool of device profiles looked up by name,
+   ``select_world_devices``) or ``profile_cluster`` on every rank (collective; per-rank device
+   profiles come from the on-disk cache when present); then the exact optimizer
+   (``planner.optimize``), and for an uneven plan its own layout timed once
+   ([Note: measuring u after planning]); rank 0 saves ``profile.json`` and ``plan.json`` in
+   ``output_dir``; emulated memory caps are applied and checked (``EmulatedOutOfMemoryError``
+   on every rank before training starts).
+2. **At an elastic restart** (``resolve_elastic_plan``): the same path for the world the
+   restart got, with the SAME global batch size; a world too small for the job raises
+   ``InfeasiblePlanError`` naming the devices the last checkpoint ran on that it lacks.
+3. **Live** (``replan_live``, called by ``adaptive.AdaptiveCallback`` every
+   ``cephalo_adaptive_interval`` steps): the profile refit to what the ranks measured
+   (``planner.adapt.refit_cluster``), the optimizer re-run with the current r_i fixed
+   (``planner.adapt.replan_batch``), and the decision whether to switch
+   (``planner.adapt.decide_batch_switch``; [Note: one decision on every rank] in adaptive.py).
+
+Imports point one way: this module uses ``auto_plan`` (profiling inputs, emulation, precision
+tags) and ``elastic`` (checkpoint records); neither imports it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from hf_cephalo.integrations.auto_plan import (_emulation, _gather_names, _job_precision_tag,
+                                               _local_name, _measure_config,
+                                               _start_rank_precisions)
+from hf_cephalo.integrations.elastic import latest_checkpoint, read_checkpoint_record
+from hf_cephalo.integrations.preflight import warn_idle_ranks
+from hf_cephalo.models import stage_model
+from hf_cephalo.models.base import StagedModel
+from hf_cephalo.planner import InfeasiblePlanError, Plan, optimize, predict
+from hf_cephalo.profiler.cache import model_description, model_fingerprint
+from hf_cephalo.profiler.emulate import (EmulatedOutOfMemoryError, apply_memory_cap,
+                                         check_plan_memory)
+from hf_cephalo.profiler.measure import (check_profile_matches, check_profile_precision,
+                                         measure_comm, model_profile, profile_cluster,
+                                         sequence_length_of)
+from hf_cephalo.profiler.precision import rank_precisions_tag
+from hf_cephalo.profiler.types import ClusterProfile, format_bytes
+from hf_cephalo.units import GIB
+
+__all__ = ["ResolvedPlan", "resolve_plan_for_model", "resolve_elastic_plan",
+           "select_world_devices", "replan_with_measured_u", "check_state_fits_caps",
+           "replan_live", "adopt_checkpoint_split"]
+
+logger = logging.getLogger(__name__)
+
+
+class ResolvedPlan(NamedTuple):
+    """The job's plan and the cluster profile it was made from (None for a plan file)."""
+
+    plan: Plan
+    cluster: ClusterProfile | None
+
+
+def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
+                           train_dataset: Any = None) -> ResolvedPlan:
+    """Plan file > profile file > profile this cluster; then optimize, save, check caps.
+
+    Collective when profiling or checking a profile file with world size > 1 (every rank calls
+    it, from ``CephaloTrainer.__init__``). Every rank ends with the same plan or the same error.
+
+    Raises:
+        ValueError: unsupported model (before any collective), a profile of another model or
+            device, a plan that does not fit the world size or the global batch size,
+            ``InfeasiblePlanError`` when no plan fits, ``EmulatedOutOfMemoryError`` when a plan
+            exceeds an emulated memory cap.
+    """
+    staged = stage_model(model)  # unsupported class: ValueError before any collective
+    per_rank = getattr(args, "cephalo_precision", None) is not None \
+        and args.cephalo_plan_file is None
+    if per_rank and args.cephalo_profile_file is not None:
+        raise NotImplementedError(
+            f"--cephalo_precision {args.cephalo_precision} with cephalo_profile_file: a profile "
+            "file holds every rank measured in one precision, so it cannot price each rank at "
+            "its own. Leave cephalo_profile_file unset (the trainer then profiles each rank in "
+            "its precision at start), or make a plan with `hf-cephalo plan --cluster "
+            "CLUSTER.yaml --model SHAPE --precision auto --out plan.json` and pass "
+            "--cephalo_plan_file plan.json")
+    emulation = _emulation(args, world_size)
+    cap = None if emulation is None else emulation.cap_of(args.process_index)
+    if cap is not None:
+        how = apply_memory_cap(cap, args.device)
+        if args.process_index == 0:  # every rank's cap in one line (rank 1's is often the point)
+            logger.info("emulated memory caps: %s; on rank 0 %s", ", ".join(
+                f"rank {i} {format_bytes(c)}" for i, c in enumerate(emulation.memory_cap_bytes)),
+                how)
+    caps = [None] * world_size if emulation is None or emulation.memory_cap_bytes is None \
+        else list(emulation.memory_cap_bytes)
+    if args.cephalo_plan_file is not None:
+        plan = Plan.load(args.cephalo_plan_file)
+        plan.validate_for(world_size, model_profile(staged),
+                          precision=_job_precision_tag(args, staged),
+                          plan_file=args.cephalo_plan_file)
+        args.resolve_global_batch_size(world_size, plan.global_batch_size)
+        check_state_fits_caps(plan, model_profile(staged).state_bytes, caps)
+        if all(r.predicted_memory_bytes is not None for r in plan.ranks):
+            check_plan_memory([r.predicted_memory_bytes for r in plan.ranks], caps)
+        if args.process_index == 0:
+            warn_idle_ranks(plan.global_batch_size, world_size)
+        # Live re-balancing starts from the plan file and needs a profile to refit.
+        cluster = _cluster(args, world_size, staged, emulation, train_dataset,
+                           plan.global_batch_size) \
+            if args.cephalo_profile_file is not None and args.cephalo_adaptive == "batch" \
+            and world_size > 1 else None
+        return ResolvedPlan(plan, cluster)
+    B = args.resolve_global_batch_size(world_size)
+    _refuse_meta_profiling(model, args)
+    cluster = _cluster(args, world_size, staged, emulation, train_dataset, B)
+    try:
+        plan = optimize(cluster, B, args.cephalo_memory_fraction)
+    except InfeasiblePlanError as e:
+        raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, B, e.constraint)}",
+                                  e.constraint) from None
+    plan, cluster = replan_with_measured_u(plan, cluster, staged, args, B)
+    plan.validate_for(world_size, cluster.model, precision=_job_precision_tag(args, staged))
+    check_plan_memory([p.memory_bytes for p in predict(plan, cluster).ranks], caps)
+    if args.process_index == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+        cluster.save(os.path.join(args.output_dir, "profile.json"))
+        plan.save(os.path.join(args.output_dir, "plan.json"))
+        print(f"[hf-cephalo] profile and plan saved to {args.output_dir}/profile.json, plan.json",
+              flush=True)
+    return ResolvedPlan(plan, cluster)
+
+
+def _infeasible_remedy(args, global_batch_size: int, constraint: str) -> str:
+    """The flags that relax an infeasible plan's binding constraint
+    (``InfeasiblePlanError.constraint``), or "" where its message already says what to do.
+    More devices: ``resolve_elastic_plan`` adds which ones."""
+    if constraint not in ("device", "aggregate", "state"):
+        return ""
+    ways = [f"a smaller --cephalo_global_batch_size (now {global_batch_size})"] \
+        if constraint == "aggregate" else []
+    ways.append(f"a --cephalo_memory_fraction closer to 1 (now {args.cephalo_memory_fraction})")
+    ways.append(f"less memory per GPU ({'' if args.bf16 or args.fp16 else '--bf16, '}a LoRA "
+                "adapter, shorter sequences)")
+    if args.cephalo_emulate_memory_cap_bytes is not None:
+        ways.append("larger --cephalo_emulate_memory_cap_bytes")
+    return "; to fit: " + ", ".join(ways[:-1]) + ", or " + ways[-1]
+
+
+def _refuse_meta_profiling(model: torch.nn.Module, args) -> None:
+    """Profiling at start runs the model's own modules, which a meta-device model (sharded
+    loading, ``from_pretrained_sharded``) does not have yet: ValueError naming the fix, raised
+    on every rank before any collective."""
+    if args.cephalo_profile_file is None and any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model is on the meta device (sharded loading), so it cannot be "
+                         "profiled at start: give --cephalo_plan_file or --cephalo_profile_file "
+                         "(hf-cephalo profile --model-config <config.json> measures one "
+                         "from the config alone)")
+
+
+# [Note: measuring u after planning]
+# The uneven factor u prices uneven plans, but which layout is uneven depends on the plan, which
+# depends on u. The profile times u on the most skewed layout the memory caps allow (an upper
+# bound on any plan's skew: planner.state.skewed_state_ratios). After planning, an uneven plan's
+# own layout is timed on the real process group; if its u differs from the profile's by more
+# than U_REPLAN_TOLERANCE the plan is made once more with it. Once: the new plan's ratios may
+# differ again, but only through a u already measured for a real plan, not an assumed one.
+U_REPLAN_TOLERANCE = 0.05
+
+
+def replan_with_measured_u(plan: Plan, cluster: ClusterProfile, staged: StagedModel, args,
+                           global_batch_size: int) -> tuple[Plan, ClusterProfile]:
+    """(plan, cluster) after re-planning once with u measured for ``plan``'s own layout.
+
+    Collective on every rank (all ranks hold the same plan) when the plan is uneven, the world
+    size is > 1 and the profile carries a measured u; otherwise returns its inputs unchanged.
+    """
+    if not plan.uneven_state or cluster.world_size == 1 or cluster.comm.uneven_factor is None \
+            or not (dist.is_available() and dist.is_initialized()):
+        return plan, cluster
+    measured = measure_comm(staged, device=args.device, group=None,
+                            state_ratios=plan.state_ratios).uneven_factor
+    old = cluster.comm.uneven_factor
+    if abs(measured - old) <= U_REPLAN_TOLERANCE * old:
+        return plan, cluster
+    logger.info("uneven factor of the plan's layout %.3f differs from the profile's %.3f: "
+                "re-planning once", measured, old)
+    comm = dataclasses.replace(cluster.comm, uneven_factor=measured,
+                               uneven_state_ratios=list(plan.state_ratios))
+    cluster = dataclasses.replace(cluster, comm=comm)
+    return optimize(cluster, global_batch_size, plan.memory_fraction,
+                    root_resident=plan.root_resident), cluster
+
+
+def check_state_fits_caps(plan: Plan, state_bytes: float, caps: list[float | None]) -> None:
+    """Raise ``EmulatedOutOfMemoryError`` if a rank's training-state shard exceeds its emulated cap.
+
+    The lower bound of a rank's memory that every plan has, predicted memory or not: its share
+    r_i of the training state, r_i × S bytes (S = parameters, gradients and Adam moments, paper
+    §2.4 M_state = 16·|P| in fp32; ``ModelProfile.state_bytes``). A hand-made plan file carries no
+    ``predicted_memory_bytes``, so without this bound an emulated cap would not be enforced.
+    Every rank evaluates the same lists, so every rank raises the same error before any
+    collective.
+
+    Args:
+        plan: the job's plan (r_i per rank).
+        state_bytes: S, bytes of the whole training state.
+        caps: per rank, emulated capacity in bytes, or None (not emulated).
+    """
+    over = [(r.rank, r.state_ratio, r.state_ratio * state_bytes, cap)
+            for r, cap in zip(plan.ranks, caps)
+            if cap is not None and r.state_ratio * state_bytes > cap]
+    if over:
+        detail = "; ".join(
+            f"rank {rank} holds {100 * ratio:.2f}% of the training state = {need:.0f} bytes "
+            f"({need / GIB:.3f} GiB, r_i x S with S = {state_bytes:.0f} bytes) but its emulated cap "
+            f"is {cap:.0f} bytes ({cap / GIB:.3f} GiB)" for rank, ratio, need, cap in over)
+        raise EmulatedOutOfMemoryError(
+            f"emulated out of memory: {detail}, before counting activations. Give these ranks a "
+            "smaller state share r_i (re-plan, e.g. drop cephalo_plan_file so the trainer plans "
+            "for the caps) or raise cephalo_emulate_memory_cap_bytes")
+
+
+def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterProfile:
+    """The given profile file (checked against this job) or a fresh/cached measurement."""
+    if args.cephalo_profile_file is None:
+        config = _measure_config(args, B, train_dataset)
+        precisions = _start_rank_precisions(args, world_size)
+        if precisions is None:
+            return profile_cluster(staged, config, device=args.device, emulation=emulation)
+        # precision per rank: each rank measures its device in its own precision, gathered
+        # in fp32 when the ranks differ (docs/engine.md "Precision per rank")
+        mine = precisions[args.process_index]
+        uniform = len(set(precisions)) == 1
+        config = dataclasses.replace(config, precision=mine,
+                                     param_dtype=mine if uniform else "fp32", reduce_dtype="fp32")
+        cluster = profile_cluster(staged, config, device=args.device, emulation=emulation)
+        cluster.extra.update(dtype=rank_precisions_tag(precisions, cluster.extra["dtype"]
+                                                       .split("+")[0]),
+                             rank_precisions=list(precisions))
+        return cluster
+    cluster = ClusterProfile.load(args.cephalo_profile_file)
+    check_profile_precision(cluster, _job_precision_tag(args, staged),  # before any collective
+                            f"cephalo_profile_file {args.cephalo_profile_file!r}")
+    names = _gather_names(_local_name(args, emulation), world_size)
+    cluster = select_world_devices(cluster, names, f"cephalo_profile_file {args.cephalo_profile_file!r}")
+    check_profile_matches(cluster, model_profile(staged), names,
+                          source=f"cephalo_profile_file {args.cephalo_profile_file!r}",
+                          dtype=_job_precision_tag(args, staged),
+                          fingerprint=model_fingerprint(staged.model),
+                          description=model_description(staged.model),
+                          sequence_length=None if train_dataset is None else
+                          sequence_length_of(train_dataset, None))
+    return cluster
+
+
+# ---- elastic restarts -------------------------------------------------------------------------
+def select_world_devices(cluster: ClusterProfile, names: list[str], source: str) -> ClusterProfile:
+    """``cluster`` for a world whose ranks have device ``names`` (rank order).
+
+    A profile file is a pool of device profiles: when the world differs from the file's ranks,
+    each rank takes the profile of its device name. The collective profile (one unit, even
+    shards) is kept; ring collectives move about the same bytes per rank at any world size.
+
+    Raises:
+        ValueError: a rank's device is not in the file (names it and the fix).
+    """
+    if [d.name for d in cluster.devices] == list(names):
+        return cluster
+    pool = {d.name: d for d in cluster.devices}
+    unknown = sorted({n for n in names if n not in pool})
+    if unknown:
+        raise ValueError(
+            f"{source} holds no profile for device(s) {unknown} of this world {list(names)} (it "
+            f"knows {sorted(pool)}); profile them (`hf-cephalo profile` on those machines) and "
+            "add them to the file, or leave cephalo_profile_file unset so the trainer measures "
+            "at start (devices in the profile cache are not measured again)")
+    devices = [dataclasses.replace(pool[n]) for n in names]
+    logger.info("%s: %d ranks in the file, %d in this world; device profiles picked by name",
+                source, cluster.world_size, len(names))
+    return dataclasses.replace(cluster, devices=devices)
+
+
+def resolve_elastic_plan(args, world_size: int, model, train_dataset):
+    """``resolve_plan_for_model`` with the elastic diagnosis of a world too small.
+
+    Raises:
+        InfeasiblePlanError: no plan fits this world; the message adds the devices the last
+            checkpoint in ``output_dir`` ran on that this world lacks.
+        (and everything ``resolve_plan_for_model`` raises)
+    """
+    try:
+        return resolve_plan_for_model(args, world_size, model, train_dataset)
+    except InfeasiblePlanError as exc:
+        # Every rank solved the same problem, so every rank is here: the gather is matched.
+        names = _gather_names(_local_name(args, _emulation(args, world_size)), world_size)
+        raise InfeasiblePlanError(f"{exc}{_missing_devices(args.output_dir, names)}",
+                                  exc.constraint) from exc
+
+
+def _missing_devices(output_dir: str, names: list[str]) -> str:
+    """The devices the last checkpoint's plan ran on that the world ``names`` lacks."""
+    checkpoint = latest_checkpoint(output_dir)
+    plan = None if checkpoint is None else read_checkpoint_record(checkpoint)[0]
+    if plan is None:
+        return (f". This world ({len(names)} ranks: {names}) cannot hold the job: add devices "
+                "with more memory")
+    world_size = len(names)
+    before = collections.Counter(r.device for r in plan.ranks)
+    missing = before - collections.Counter(names)
+    need = ", ".join(f"{k} x{v}" for k, v in sorted(missing.items())) or "none by name"
+    caps = {r.device: r.memory_capacity_bytes for r in plan.ranks}
+    detail = ", ".join(f"{k} ({format_bytes(caps[k])})" if caps.get(k) else k for k in missing)
+    return (f". This world has {world_size} ranks; {checkpoint} ran on {plan.world_size} "
+            f"({', '.join(r.device for r in plan.ranks)}). Devices missing against that plan: "
+            f"{need}{' — ' + detail if detail else ''}; bring such GPUs back (or others with "
+            "at least that memory) and the job resumes there")
+
+
+# ---- live ------------------------------------------------------------------------------------
+def replan_live(cluster: ClusterProfile, plan: Plan, rows, *, step: int,
+                last_switch_step: int | None, threshold: float, hysteresis_steps: int,
+                previous_scales=None, caps_bytes=None, streak: int = 0, mode: str = "batch",
+                measured_step_s=None):
+    """The live decision on the start profile ``cluster`` and the running ``plan`` with the
+    exchanged measurement ``rows`` (one per rank): ``planner.adapt.decide_batch_switch``
+    (``mode="batch"``, a ``SwitchDecision``) or ``decide_state_switch`` (``mode="state"``, a
+    ``StateDecision``). Pure and identical on every rank ([Note: one decision on every rank] in
+    adaptive.py)."""
+    from hf_cephalo.planner.adapt import decide_batch_switch, decide_state_switch
+
+    decide = decide_state_switch if mode == "state" else decide_batch_switch
+    return decide(cluster, plan, rows, step=step, last_switch_step=last_switch_step,
+                  threshold=threshold, hysteresis_steps=hysteresis_steps,
+                  previous_scales=previous_scales, caps_bytes=caps_bytes, streak=streak,
+                  measured_step_s=measured_step_s)
+
+
+def adopt_checkpoint_split(plan: Plan, checkpoint_plan: Plan | None,
+                           cluster: ClusterProfile | None) -> Plan:
+    """The running ``plan`` with the (b_i, m_i, l_i) a checkpoint ran on, so a resume continues
+    from the last live switch; ``plan`` itself when the checkpoint ran on another world or
+    global batch size (an elastic re-plan holds then) or its split does not fit this plan's
+    memory. r_i stay ``plan``'s (the engine is built with them; the state is re-laid on load)."""
+    if checkpoint_plan is None or checkpoint_plan.world_size != plan.world_size or \
+            checkpoint_plan.global_batch_size != plan.global_batch_size or \
+            [r.device for r in checkpoint_plan.ranks] != [r.device for r in plan.ranks]:
+        return plan
+    ranks = [dataclasses.replace(r, batch_size=c.batch_size, microbatch_size=c.microbatch_size,
+                                 num_microbatches=c.num_microbatches)
+             for r, c in zip(plan.ranks, checkpoint_plan.ranks)]
+    new = dataclasses.replace(plan, ranks=ranks)
+    if cluster is not None:
+        pred = predict(new, cluster)
+        if not pred.fits:
+            return plan
+        for r, p in zip(new.ranks, pred.ranks):
+            r.predicted_memory_bytes = p.memory_bytes
+        new.predicted_iteration_s = pred.iteration_s
+    return new

@@ -1,0 +1,345 @@
+"""Live re-balancing of b_i / m_i / l_i on 2 and 3 gloo ranks through CephaloTrainer.
+
+One process group per world size runs every sub-case:
+
+- exactness: a run whose plan switches b_i after step k = 4 (measurements injected so that rank 1
+  reads 3x slower, or ranks 1x/2x/4x on 3 ranks) gives the same per-step losses, gradient norms
+  and final parameters as the same run without switching and as the single-process full-batch
+  reference (fp32, SGD, rtol 1e-5 / atol 1e-6); the switch crosses a partial global batch and
+  an epoch boundary;
+- no hang: every rank injects DIFFERENT numbers, yet all ranks record the same decisions (they
+  are computed from the exchanged tensor only) and finish;
+- bad measurements: a NaN timer on one rank, zero steps measured on another: the plan stays
+  (that rank frozen), a warning, no crash;
+- resume (2 ranks): a run resumed from a checkpoint written after the switch trains on the
+  checkpoint's split from its first step, on the same trajectory;
+- measured (2 ranks): the emulated slowdown schedule makes rank 1 4x slower from step 1 and the
+  real timers (no injection) make the plan move work off it, with the same trajectory.
+
+The state mode (r_i) refuses with NotImplementedError before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from hf_cephalo.integrations.sampler import global_batches
+from tests.dist_utils import budget_s, portable, run_ranks, test_timeout
+from tests.models_fixtures import build
+from tests.test_trainer import _collate, _dataset, _samples
+
+RTOL, ATOL = 1e-5, 1e-6
+LR, MAX_NORM, SEED = 0.5, 0.05, 11
+N_TRAIN, EPOCHS = 20, 2
+INTERVAL = 2  # exchange after steps 2, 4, ...: the gain is seen twice, the switch follows step 4
+SWITCH_STEP = 2 * INTERVAL
+# seconds of each job on 2 busy cores (measured): [Note: test time budgets] in dist_utils
+JOB2_S, JOB3_S = 75.0, 45.0
+pytestmark = test_timeout(JOB2_S, JOB3_S)
+GLOBAL_BATCH = {2: 8, 3: 9}  # 20 samples: 3 steps per epoch, the last global batch partial
+SCALES = {2: [1.0, 3.0], 3: [1.0, 2.0, 4.0]}
+
+
+def _cluster(model, world_size):
+    from hf_cephalo.models import stage_model
+    from hf_cephalo.profiler.measure import model_profile
+    from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile
+
+    device = DeviceProfile(name="cpu", memory_capacity_bytes=8.0 * (1 << 30),
+                           microbatch_sizes=[1, 2, 4, 8], fwd_s=[0.01, 0.02, 0.04, 0.08],
+                           bwd_s=[0.02, 0.04, 0.08, 0.16],
+                           compute_memory_bytes=[1e6, 2e6, 4e6, 8e6])
+    return ClusterProfile(model=model_profile(stage_model(model)),
+                          devices=[dataclasses.replace(device) for _ in range(world_size)],
+                          comm=CommProfile(allgather_s=1e-4, reducescatter_s=1e-4))
+
+
+def _injected(scales, bad=None):
+    """``AdaptiveCallback.local_row`` replacement: unit compute = scale x the start profile's
+    prediction at the current (b_i, m_i), plus a per-rank jitter (ranks report different
+    numbers); ``bad`` = {rank: row} replaces a rank's row."""
+    from hf_cephalo.planner.adapt import predicted_unit_compute_s
+
+    def local_row(self):
+        trainer, rank = self.trainer, self.trainer.args.process_index
+        if bad and rank in bad:
+            return list(bad[rank])
+        unit = scales[rank] * predicted_unit_compute_s(trainer.plan, trainer.cluster_profile,
+                                                       rank) * (1 + 1e-3 * rank)
+        return [float(INTERVAL), unit, 1.0 + rank, 0.1 * rank,
+                float(trainer.plan.ranks[rank].batch_size)]
+
+    return local_row
+
+
+def _train(out_dir, name, world_size, *, adaptive, local_row=None, schedule=None,
+           max_steps=-1, save_steps=None, resume=None):
+    from hf_cephalo.integrations.adaptive import AdaptiveCallback
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import optimize
+
+    model = build("llama")
+    cluster = _cluster(model, world_size)
+    plan = optimize(cluster, GLOBAL_BATCH[world_size])
+    args = CephaloTrainingArguments(
+        output_dir=os.path.join(out_dir, name), report_to="none", optim="sgd", learning_rate=LR,
+        max_grad_norm=MAX_NORM, num_train_epochs=EPOCHS, max_steps=max_steps, logging_steps=1,
+        save_strategy="no" if save_steps is None else "steps", save_steps=save_steps or 500,
+        seed=SEED, disable_tqdm=True, cephalo_adaptive=adaptive,
+        cephalo_adaptive_interval=INTERVAL, cephalo_emulate_slowdown_schedule=schedule)
+    original = AdaptiveCallback.local_row
+    if local_row is not None:
+        AdaptiveCallback.local_row = local_row
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("hf_cephalo").addHandler(handler)
+    try:
+        trainer = CephaloTrainer(model=model, args=args, plan=plan, cluster_profile=cluster,
+                                 data_collator=_collate,
+                                 train_dataset=_dataset(_samples("llama", N_TRAIN, 0)))
+        start_sizes = plan.batch_sizes
+        resumed_sizes = []
+        if resume is not None:  # the split the resumed run trains its first step with
+            trainer.add_callback(_FirstStepSplit(trainer, resumed_sizes))
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        AdaptiveCallback.local_row = original
+        logging.getLogger("hf_cephalo").removeHandler(handler)
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    params = {k: v.detach().clone() for k, v in trainer.unshard_model().state_dict().items()}
+    callback = trainer.adaptive_callback
+    replans_path = os.path.join(args.output_dir, "cephalo_replans.jsonl")
+    return portable(dict(
+        losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
+        params=params, start_sizes=start_sizes, end_sizes=trainer.plan.batch_sizes,
+        resumed_sizes=resumed_sizes,
+        state_ratios=[plan.state_ratios, trainer.plan.state_ratios],
+        decisions=[] if callback is None else [dict(d) for d in callback.decisions],
+        replan_logs=[h["cephalo_replan"] for h in trainer.state.log_history
+                     if "cephalo_replan" in h],
+        replans_file=open(replans_path).read().splitlines() if os.path.exists(replans_path)
+        else None,
+        warnings=[w for w in warnings if "adaptive" in w]), to_numpy=True)
+
+
+class _FirstStepSplit(TrainerCallback):
+    """Records the plan's b_i when the first step begins (after a resume's adoption)."""
+
+    def __init__(self, trainer, out):
+        self.trainer, self.out = trainer, out
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.out:
+            self.out.append(list(self.trainer.plan.batch_sizes))
+
+
+def _worker(rank, world_size, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    for name in ("PLAN_FILE", "PROFILE_FILE", "ADAPTIVE", "EMULATE_SLOWDOWN",
+                 "EMULATE_SLOWDOWN_SCHEDULE"):
+        os.environ.pop("HF_CEPHALO_" + name, None)
+    scales = SCALES[world_size]
+    out = {"switch": _train(out_dir, "switch", world_size, adaptive="batch",
+                            local_row=_injected(scales), save_steps=4),
+           "static": _train(out_dir, "static", world_size, adaptive="off")}
+    if world_size == 2:  # resume from checkpoint-4 (after the switch): continues on its split
+        out["resumed"] = _train(out_dir, "resumed", world_size, adaptive="batch",
+                                local_row=_injected(scales),
+                                resume=os.path.join(out_dir, "switch", "checkpoint-4"))
+        out["bad"] = _train(out_dir, "bad", world_size, adaptive="batch", max_steps=4,
+                            local_row=_injected(scales, bad={0: [2.0, float("nan"), 1.0, 0.1, 4.0],
+                                                             1: [0.0, 0.0, 0.0, 0.0, 4.0]}))
+        out["nan_one"] = _train(out_dir, "nan_one", world_size, adaptive="batch", max_steps=4,
+                                local_row=_injected(scales, bad={1: [2.0, 0.5, float("nan"),
+                                                                     0.1, 4.0]}))
+        out["measured"] = _train(out_dir, "measured", world_size, adaptive="batch",
+                                 schedule="0:1,1;1:1,4")
+    return out
+
+
+def _reference(world_size):
+    """Single process, full global batch, fp32, SGD with the Trainer's linear schedule."""
+    from transformers import get_linear_schedule_with_warmup
+
+    model = build("llama").train()
+    data = _samples("llama", N_TRAIN, 0)
+    batches = [b for epoch in range(EPOCHS)
+               for b in global_batches(N_TRAIN, GLOBAL_BATCH[world_size], epoch=epoch, seed=SEED)]
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sched = get_linear_schedule_with_warmup(opt, 0, len(batches))
+    losses, norms = [], []
+    for batch in batches:
+        out = model(**_collate([data[i] for i in batch]))
+        out.loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        losses.append(float(out.loss.detach()))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return losses, norms, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for world_size, job_s in ((2, JOB2_S), (3, JOB3_S)):
+        out_dir = str(tmp_path_factory.mktemp(f"adaptive{world_size}"))
+        out[world_size] = portable(run_ranks(_worker, world_size, out_dir,
+                                             timeout_s=budget_s(job_s)), to_numpy=False)
+    return out
+
+
+def _close(got, want):
+    torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64),
+                               torch.as_tensor(want, dtype=torch.float64), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_switch_keeps_the_trajectory(runs, world_size):
+    ref_losses, ref_norms, ref_params = _reference(world_size)
+    for rank, result in enumerate(runs[world_size]):
+        switch, static = result["switch"], result["static"]
+        # the switch really happened after step SWITCH_STEP (the gain seen at two exchanges in a
+        # row), moved work off the slow rank(s), kept r_i, and was the only one (hysteresis 20)
+        (first, *rest) = [d for d in switch["decisions"] if d["switch"]]
+        assert first["step"] == SWITCH_STEP and not rest
+        assert switch["end_sizes"] != switch["start_sizes"]
+        assert switch["end_sizes"][-1] < switch["start_sizes"][-1]
+        assert sum(switch["end_sizes"]) == GLOBAL_BATCH[world_size]
+        assert switch["state_ratios"][0] == switch["state_ratios"][1]
+        assert static["decisions"] == [] and static["end_sizes"] == static["start_sizes"]
+        assert len(switch["losses"]) == len(ref_losses) == 6
+        for run in (switch, static):
+            _close(run["losses"], ref_losses)
+            _close(run["grad_norms"], ref_norms)
+            assert set(run["params"]) == set(ref_params)
+            for key, value in ref_params.items():
+                torch.testing.assert_close(run["params"][key], value, rtol=RTOL, atol=ATOL,
+                                           msg=key)
+        _close(switch["losses"], static["losses"])
+        # logged in log_history on every rank, appended to cephalo_replans.jsonl by rank 0
+        (log,) = switch["replan_logs"]
+        assert log["old_batch_sizes"] == switch["start_sizes"]
+        assert log["new_batch_sizes"] == switch["end_sizes"]
+        assert log["predicted_after_s"] < 0.95 * log["predicted_before_s"]
+        (line,) = switch["replans_file"]  # one output_dir on this machine: rank 0 wrote once
+        assert json.loads(line)["new_batch_sizes"] == switch["end_sizes"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_with_different_numbers_take_the_same_decisions(runs, world_size):
+    results = runs[world_size]
+    rows = results[0]["switch"]["decisions"][0]["rows"]
+    assert len({tuple(r) for r in rows}) == world_size  # every rank reported its own numbers
+    for result in results[1:]:
+        assert result["switch"]["decisions"] == results[0]["switch"]["decisions"]
+        assert result["switch"]["end_sizes"] == results[0]["switch"]["end_sizes"]
+
+
+def test_bad_measurements_keep_the_plan_with_a_warning(runs):
+    results = runs[2]
+    for rank, result in enumerate(results):
+        bad, nan_one = result["bad"], result["nan_one"]
+        assert bad["end_sizes"] == bad["start_sizes"] and len(bad["losses"]) == 4
+        assert all(not d["switch"] and d["invalid_ranks"] == [0, 1] for d in bad["decisions"])
+        reasons = bad["decisions"][0]["invalid_reasons"]
+        assert "non-finite" in reasons[0] and "no steps measured" in reasons[1]
+        # one rank bad: it is frozen, so with 2 ranks and B fixed nothing can move either
+        assert nan_one["end_sizes"] == nan_one["start_sizes"]
+        assert nan_one["decisions"][0]["invalid_ranks"] == [1]
+        if rank == 0:
+            assert any("rank 0: a non-finite timing" in w for w in bad["warnings"])
+            assert any("rank 1: a non-finite timing" in w for w in nan_one["warnings"])
+    # max_steps = 4 changes the LR schedule from step 1 on: losses 0 and 1 (after one update at
+    # the same LR) are the 6-step reference's
+    ref_losses, _, _ = _reference(2)
+    _close(results[0]["bad"]["losses"][:2], ref_losses[:2])
+
+
+def test_measured_slowdown_moves_work_off_the_slow_rank(runs):
+    ref_losses, ref_norms, ref_params = _reference(2)
+    for result in runs[2]:
+        measured = result["measured"]
+        switches = [d for d in measured["decisions"] if d["switch"]]
+        assert switches, measured["decisions"]
+        assert measured["end_sizes"][1] < measured["end_sizes"][0]
+        assert switches[0]["scales"][1] > 2.0 * switches[0]["scales"][0]
+        _close(measured["losses"], ref_losses)
+        for key, value in ref_params.items():
+            torch.testing.assert_close(measured["params"][key], value, rtol=RTOL, atol=ATOL)
+    assert runs[2][0]["measured"]["decisions"] == runs[2][1]["measured"]["decisions"]
+
+
+def test_state_mode_refuses_before_anything_starts(tmp_path):
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+
+    args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none",
+                                    cephalo_adaptive="state")
+    with pytest.raises(NotImplementedError, match="--cephalo_adaptive state"):
+        CephaloTrainer(model=build("llama"), args=args)
+    assert not torch.distributed.is_initialized()
+
+
+def test_resume_continues_from_the_switched_split(runs):
+    ref_losses, ref_norms, ref_params = _reference(2)
+    for result in runs[2]:
+        switched, resumed = result["switch"]["end_sizes"], result["resumed"]
+        assert resumed["start_sizes"] != switched  # the trainer was built with the start plan
+        assert resumed["resumed_sizes"] == [switched] and resumed["end_sizes"] == switched
+        # log_history holds the checkpoint's 4 logged steps, then the 2 trained after resuming
+        assert len(resumed["losses"]) == 6
+        _close(resumed["losses"][4:], ref_losses[4:])
+        for key, value in ref_params.items():
+            torch.testing.assert_close(resumed["params"][key], value, rtol=RTOL, atol=ATOL)
+
+
+def test_state_mode_wiring_calls_relayout_then_switches_the_split(tmp_path, capsys):
+    """The callback's state-mode path without a process group (the exchange is stubbed): after
+    two exchanges that predict the gain, ``trainer._relayout_state(new_plan)`` is called once
+    with the re-laid plan, then the plan and the loader's split change and the switch is
+    recorded as mode "state". (The trainer still refuses --cephalo_adaptive state until the
+    in-memory re-layout is merged; this checks what it will call.)"""
+    from types import SimpleNamespace
+
+    from hf_cephalo.integrations.adaptive import AdaptiveCallback
+    from hf_cephalo.integrations.sampler import SplitSchedule
+    from hf_cephalo.planner import optimize
+    from tests.test_adaptive_plan import _capped_pair, _rows
+
+    cluster = _capped_pair()
+    plan = optimize(cluster, 16)
+    calls = []
+    args = SimpleNamespace(process_index=0, output_dir=str(tmp_path), device="cpu")
+    trainer = SimpleNamespace(plan=plan, cluster_profile=cluster, args=args,
+                              split_schedule=SplitSchedule(plan.batch_sizes,
+                                                           plan.microbatch_sizes),
+                              _relayout_state=calls.append)
+    callback = AdaptiveCallback(trainer, interval=5, threshold=0.01, hysteresis_steps=20,
+                                mode="state")
+    rows = _rows(plan, cluster, [3.0, 1.0])
+    callback._exchange = lambda row: rows
+    callback.local_row = lambda: rows[0]
+    state = SimpleNamespace(global_step=10, epoch=1.0, log_history=[], max_steps=100)
+    callback._exchange_and_decide(args, state)
+    assert not calls and trainer.plan is plan  # seen once: not yet
+    state.global_step = 15
+    callback._exchange_and_decide(args, state)
+    (new,) = calls
+    assert trainer.plan is new and new.state_ratios != plan.state_ratios
+    assert trainer.split_schedule.batch_sizes_at(15) == new.batch_sizes
+    assert trainer.split_schedule.batch_sizes_at(14) == plan.batch_sizes
+    record = state.log_history[0]["cephalo_replan"]
+    assert record["mode"] == "state" and record["state_ratios"] == new.state_ratios
+    line = capsys.readouterr().out
+    assert "Cephalo re-plan after step 15" in line and "r_i unchanged" not in line
