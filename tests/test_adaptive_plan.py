@@ -36,8 +36,11 @@ def _brute_fixed(cluster: ClusterProfile, plan) -> float:
             for l in range(1, B // m + 1):
                 if float(memory.rank_memory_bytes(cluster, i, m, l * m, layout=layout)) > cap:
                     continue
+                # the compute phase per unit: T_i plus the root compute and bookkeeping over the
+                # L units ([Note: step terms] in planner/cost.py)
                 t = float(cost.unit_time_s(cost.fwd_time_s(d, m), cost.bwd_time_s(d, m), l, comm,
-                                           plan.uneven_state))
+                                           plan.uneven_state)) \
+                    + float(cost.rank_extra_s(cluster, i, l * m, m)) / cluster.model.num_units
                 opts.append((l * m, t))
         per_rank.append(opts)
     best = math.inf
@@ -69,10 +72,13 @@ def test_fixed_state_replan_is_exact_against_brute_force():
         except InfeasiblePlanError:
             continue
         slower = refit_cluster(cluster, rng.uniform(0.3, 4.0, size=n).tolist())
+        L = slower.model.num_units
         want = _brute_fixed(slower, start)
         new = optimize_fixed_state(slower, start)
         assert new.state_ratios == start.state_ratios and sum(new.batch_sizes) == B
-        got = max(p.unit_time_s for p in predict(new, slower).ranks)
+        got = max(p.unit_time_s + float(cost.rank_extra_s(slower, i, r.batch_size,
+                                                          r.microbatch_size)) / L
+                  for i, (p, r) in enumerate(zip(predict(new, slower).ranks, new.ranks)))
         assert got == pytest.approx(want, rel=1e-9), (cluster, start)
         assert predict(new, slower).fits
         checked += 1

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from hf_cephalo.planner import cost
 from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize_fixed_state
-from hf_cephalo.planner.predict import predict
+from hf_cephalo.planner.predict import predict, predicted_unit_compute_s
 from hf_cephalo.planner.types import Plan
 from hf_cephalo.profiler.types import ClusterProfile
 
@@ -98,13 +98,6 @@ class SwitchDecision(NamedTuple):
 def split_key(plan: Plan) -> str:
     """The (b_i, m_i) split of ``plan`` as a string key (rank order)."""
     return ";".join(f"{r.batch_size}x{r.microbatch_size}" for r in plan.ranks)
-
-
-def predicted_unit_compute_s(plan: Plan, cluster: ClusterProfile, rank: int) -> float:
-    """num_units · (l·F + l·(F + B)) of one rank, seconds per step (compute only, no comm)."""
-    r, d = plan.ranks[rank], cluster.devices[rank]
-    f, b = cost.rank_compute_s(d, r.batch_size, r.microbatch_size)
-    return cluster.model.num_units * float(2 * f + b)
 
 
 def refit_cluster(cluster: ClusterProfile, scales: Sequence[float]) -> ClusterProfile:
