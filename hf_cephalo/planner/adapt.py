@@ -20,7 +20,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from hf_cephalo.planner import cost
 from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize_fixed_state
 from hf_cephalo.planner.predict import predict, predicted_unit_compute_s
 from hf_cephalo.planner.types import Plan
