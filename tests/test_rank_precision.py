@@ -344,7 +344,7 @@ def test_bad_input_names_rank_and_device():
 def test_training_args_refusals(tmp_path, monkeypatch):
     """--cephalo_precision beside a one-precision flag, a bad name, and a plan made at start
     are refused before any process group work."""
-    from hf_cephalo.integrations.auto_plan import resolve_plan_for_model
+    from hf_cephalo.integrations.replan import resolve_plan_for_model
     from hf_cephalo.integrations.training_args import CephaloTrainingArguments
     from tests.models_fixtures import build
 
