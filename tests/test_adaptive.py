@@ -1,4 +1,5 @@
-"""Live re-balancing of b_i / m_i / l_i on 2 and 3 gloo ranks through CephaloTrainer.
+"""Live re-balancing of b_i / m_i / l_i (and r_i in state mode) on 2 and 3 gloo ranks through
+CephaloTrainer.
 
 One process group per world size runs every sub-case:
 
@@ -14,9 +15,18 @@ One process group per world size runs every sub-case:
 - resume (2 ranks): a run resumed from a checkpoint written after the switch trains on the
   checkpoint's split from its first step, on the same trajectory;
 - measured (2 ranks): the emulated slowdown schedule makes rank 1 4x slower from step 1 and the
-  real timers (no injection) make the plan move work off it, with the same trajectory.
+  real timers (no injection) make the plan move work off it, with the same trajectory;
+- state mode (2 ranks, ``--cephalo_adaptive state``, SGD with momentum so that optimizer state
+  must move; not AdamW: see MOMENTUM): on a cluster whose memory caps bind
+  (``_cluster(capped=True)``), rank 0 reads 3x slower and the
+  real ``decide_state_switch`` re-lays r_i in memory after step 4 (parameter shards and
+  momentum buffers move between the ranks); losses, gradient norms and final parameters equal the
+  static run's and the single-process full-batch reference (rtol 1e-5 / atol 1e-6), the switch is
+  recorded as mode "state" with old -> new r_i, every rank decides the same; a resume from the
+  checkpoint written after the re-layout re-lays the fresh engine onto the checkpoint's r_i and
+  continues on its b_i, on the same trajectory.
 
-The state mode (r_i) refuses with NotImplementedError before anything starts.
+The callback's state path is also checked without a process group (stubbed exchange).
 """
 
 from __future__ import annotations
@@ -45,19 +55,42 @@ JOB2_S, JOB3_S = 75.0, 45.0
 pytestmark = test_timeout(JOB2_S, JOB3_S)
 GLOBAL_BATCH = {2: 8, 3: 9}  # 20 samples: 3 steps per epoch, the last global batch partial
 SCALES = {2: [1.0, 3.0], 3: [1.0, 2.0, 4.0]}
+STATE_SCALES = [3.0, 1.0]  # state mode: the rank with the tight cap turns slow (_cluster capped)
+# state mode trains SGD with momentum, so that optimizer state (the momentum buffers) must move
+# with the shards. Not AdamW: Adam divides by sqrt(v), so gradient entries that are ~0 up to fp32
+# summation order (embedding rows) take +-lr steps whose sign is noise, and even the static
+# sharded run leaves rtol 1e-5 of the reference (measured: 5 of 6208 embedding entries off by up
+# to 2.4e-6 after 6 steps at lr 1e-2); momentum SGD is linear in the gradients.
+MOMENTUM, MOMENTUM_LR = 0.9, 0.2
 
 
-def _cluster(model, world_size):
+def _cluster(model, world_size, capped=False):
+    """Ranks of one speed. ``capped`` (2 ranks, for the state mode): memory caps in units of the
+    model's training state S: rank 0 1.25·S, rank 1 2·S (c = 0.8 of them usable), activations
+    0.1·S per sample, and larger microbatches much cheaper per sample (GPU-like). The start plan
+    is b_i [4, 4], m_i [4, 4] with r_i ~ [0.23, 0.77] (the greedy partition fills rank 1's larger
+    cap). When rank 0 reads 3x slower, rank 1 should take 7 samples in ONE microbatch, which its
+    cap fits only with less state: with r_i fixed the best split is 0.256 s per step, with r_i
+    free ([0.5, 0.5]) 0.240 s, more than the 5% threshold better: ``decide_state_switch``
+    re-lays r_i (numbers from the real model profile, so the planner's decision is the real one)."""
     from hf_cephalo.models import stage_model
     from hf_cephalo.profiler.measure import model_profile
     from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile
 
+    profile = model_profile(stage_model(model))
     device = DeviceProfile(name="cpu", memory_capacity_bytes=8.0 * (1 << 30),
                            microbatch_sizes=[1, 2, 4, 8], fwd_s=[0.01, 0.02, 0.04, 0.08],
                            bwd_s=[0.02, 0.04, 0.08, 0.16],
                            compute_memory_bytes=[1e6, 2e6, 4e6, 8e6])
-    return ClusterProfile(model=model_profile(stage_model(model)),
-                          devices=[dataclasses.replace(device) for _ in range(world_size)],
+    devices = [dataclasses.replace(device) for _ in range(world_size)]
+    if capped:
+        S = profile.state_bytes
+        devices = [dataclasses.replace(device, memory_capacity_bytes=cap * S,
+                                       fwd_s=[0.01, 0.012, 0.016, 0.024],
+                                       bwd_s=[0.02, 0.024, 0.032, 0.048],
+                                       compute_memory_bytes=[0.1 * S * m for m in (1, 2, 4, 8)])
+                   for cap in (1.25, 2.0)]
+    return ClusterProfile(model=profile, devices=devices,
                           comm=CommProfile(allgather_s=1e-4, reducescatter_s=1e-4))
 
 
@@ -80,17 +113,18 @@ def _injected(scales, bad=None):
 
 
 def _train(out_dir, name, world_size, *, adaptive, local_row=None, schedule=None,
-           max_steps=-1, save_steps=None, resume=None):
+           max_steps=-1, save_steps=None, resume=None, momentum=0.0, capped=False):
     from hf_cephalo.integrations.adaptive import AdaptiveCallback
     from hf_cephalo.integrations.trainer import CephaloTrainer
     from hf_cephalo.integrations.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import optimize
 
     model = build("llama")
-    cluster = _cluster(model, world_size)
+    cluster = _cluster(model, world_size, capped)
     plan = optimize(cluster, GLOBAL_BATCH[world_size])
     args = CephaloTrainingArguments(
-        output_dir=os.path.join(out_dir, name), report_to="none", optim="sgd", learning_rate=LR,
+        output_dir=os.path.join(out_dir, name), report_to="none", optim="sgd", learning_rate=MOMENTUM_LR if momentum else LR,
+        optim_args=f"momentum={momentum}" if momentum else None,
         max_grad_norm=MAX_NORM, num_train_epochs=EPOCHS, max_steps=max_steps, logging_steps=1,
         save_strategy="no" if save_steps is None else "steps", save_steps=save_steps or 500,
         seed=SEED, disable_tqdm=True, cephalo_adaptive=adaptive,
@@ -107,9 +141,9 @@ def _train(out_dir, name, world_size, *, adaptive, local_row=None, schedule=None
                                  data_collator=_collate,
                                  train_dataset=_dataset(_samples("llama", N_TRAIN, 0)))
         start_sizes = plan.batch_sizes
-        resumed_sizes = []
+        resumed_sizes, resumed_ratios = [], []
         if resume is not None:  # the split the resumed run trains its first step with
-            trainer.add_callback(_FirstStepSplit(trainer, resumed_sizes))
+            trainer.add_callback(_FirstStepSplit(trainer, resumed_sizes, resumed_ratios))
         trainer.train(resume_from_checkpoint=resume)
     finally:
         AdaptiveCallback.local_row = original
@@ -121,8 +155,9 @@ def _train(out_dir, name, world_size, *, adaptive, local_row=None, schedule=None
     return portable(dict(
         losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
         params=params, start_sizes=start_sizes, end_sizes=trainer.plan.batch_sizes,
-        resumed_sizes=resumed_sizes,
+        resumed_sizes=resumed_sizes, resumed_ratios=resumed_ratios,
         state_ratios=[plan.state_ratios, trainer.plan.state_ratios],
+        shard_numel=sum(p.numel() for p in trainer.engine.parameters()),  # this rank's, at end
         decisions=[] if callback is None else [dict(d) for d in callback.decisions],
         replan_logs=[h["cephalo_replan"] for h in trainer.state.log_history
                      if "cephalo_replan" in h],
@@ -132,14 +167,15 @@ def _train(out_dir, name, world_size, *, adaptive, local_row=None, schedule=None
 
 
 class _FirstStepSplit(TrainerCallback):
-    """Records the plan's b_i when the first step begins (after a resume's adoption)."""
+    """Records the plan's b_i and r_i when the first step begins (after a resume's adoption)."""
 
-    def __init__(self, trainer, out):
-        self.trainer, self.out = trainer, out
+    def __init__(self, trainer, out, ratios_out):
+        self.trainer, self.out, self.ratios_out = trainer, out, ratios_out
 
     def on_step_begin(self, args, state, control, **kwargs):
         if not self.out:
             self.out.append(list(self.trainer.plan.batch_sizes))
+            self.ratios_out.append(list(self.trainer.plan.state_ratios))
 
 
 def _worker(rank, world_size, out_dir):
@@ -164,18 +200,31 @@ def _worker(rank, world_size, out_dir):
                                                                      0.1, 4.0]}))
         out["measured"] = _train(out_dir, "measured", world_size, adaptive="batch",
                                  schedule="0:1,1;1:1,4")
+        # state mode on the capped cluster, SGD with momentum (its buffers move with the shards):
+        # rank 0 reads 3x slower, r_i is re-laid in memory after step 4; then a resume from the
+        # checkpoint written after that switch
+        state = dict(momentum=MOMENTUM, capped=True)
+        out["state"] = _train(out_dir, "state", world_size, adaptive="state",
+                              local_row=_injected(STATE_SCALES), save_steps=4, **state)
+        out["state_static"] = _train(out_dir, "state_static", world_size, adaptive="off", **state)
+        out["state_resumed"] = _train(out_dir, "state_resumed", world_size, adaptive="state",
+                                      local_row=_injected(STATE_SCALES),
+                                      resume=os.path.join(out_dir, "state", "checkpoint-4"),
+                                      **state)
     return out
 
 
-def _reference(world_size):
-    """Single process, full global batch, fp32, SGD with the Trainer's linear schedule."""
+def _reference(world_size, momentum=0.0):
+    """Single process, full global batch, fp32, SGD (with ``momentum``: as ``optim="sgd"`` with
+    ``optim_args="momentum=..."`` builds it) with the Trainer's linear schedule."""
     from transformers import get_linear_schedule_with_warmup
 
     model = build("llama").train()
     data = _samples("llama", N_TRAIN, 0)
     batches = [b for epoch in range(EPOCHS)
                for b in global_batches(N_TRAIN, GLOBAL_BATCH[world_size], epoch=epoch, seed=SEED)]
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=MOMENTUM_LR, momentum=momentum) if momentum \
+        else torch.optim.SGD(model.parameters(), lr=LR)
     sched = get_linear_schedule_with_warmup(opt, 0, len(batches))
     losses, norms = [], []
     for batch in batches:
@@ -280,17 +329,6 @@ def test_measured_slowdown_moves_work_off_the_slow_rank(runs):
     assert runs[2][0]["measured"]["decisions"] == runs[2][1]["measured"]["decisions"]
 
 
-def test_state_mode_refuses_before_anything_starts(tmp_path):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
-
-    args = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none",
-                                    cephalo_adaptive="state")
-    with pytest.raises(NotImplementedError, match="--cephalo_adaptive state"):
-        CephaloTrainer(model=build("llama"), args=args)
-    assert not torch.distributed.is_initialized()
-
-
 def test_resume_continues_from_the_switched_split(runs):
     ref_losses, ref_norms, ref_params = _reference(2)
     for result in runs[2]:
@@ -308,8 +346,8 @@ def test_state_mode_wiring_calls_relayout_then_switches_the_split(tmp_path, caps
     """The callback's state-mode path without a process group (the exchange is stubbed): after
     two exchanges that predict the gain, ``trainer._relayout_state(new_plan)`` is called once
     with the re-laid plan, then the plan and the loader's split change and the switch is
-    recorded as mode "state". (The trainer still refuses --cephalo_adaptive state until the
-    in-memory re-layout is merged; this checks what it will call.)"""
+    recorded as mode "state" with the old and new r_i (the real re-layout through
+    CephaloTrainer: test_state_switch_relays_r_i_and_keeps_the_trajectory)."""
     from types import SimpleNamespace
 
     from hf_cephalo.integrations.adaptive import AdaptiveCallback
@@ -340,6 +378,72 @@ def test_state_mode_wiring_calls_relayout_then_switches_the_split(tmp_path, caps
     assert trainer.split_schedule.batch_sizes_at(15) == new.batch_sizes
     assert trainer.split_schedule.batch_sizes_at(14) == plan.batch_sizes
     record = state.log_history[0]["cephalo_replan"]
-    assert record["mode"] == "state" and record["state_ratios"] == new.state_ratios
+    assert record["mode"] == "state" and record["new_state_ratios"] == new.state_ratios
+    assert record["old_state_ratios"] == plan.state_ratios
+    assert callback.decisions[-1]["relayout"] and not callback.decisions[0]["relayout"]
     line = capsys.readouterr().out
     assert "Cephalo re-plan after step 15" in line and "r_i unchanged" not in line
+
+
+def test_state_switch_relays_r_i_and_keeps_the_trajectory(runs):
+    """--cephalo_adaptive state end to end (2 ranks, SGD with momentum): the real ``decide_state_switch``
+    re-lays r_i in memory after step 4 on the capped cluster (see ``_cluster``), and the run
+    stays on the trajectory of the static run and of the single-process full-batch reference."""
+    ref_losses, ref_norms, ref_params = _reference(2, momentum=MOMENTUM)
+    results = runs[2]
+    for rank, result in enumerate(results):
+        state, static = result["state"], result["state_static"]
+        (first, *rest) = [d for d in state["decisions"] if d["switch"]]
+        assert first["step"] == SWITCH_STEP and first["relayout"] and not rest, first["reason"]
+        assert "re-lay r_i" in first["reason"]
+        old_ratios, new_ratios = state["state_ratios"]
+        assert new_ratios != old_ratios and first["state_ratios"] == new_ratios
+        assert state["end_sizes"] != state["start_sizes"] and sum(state["end_sizes"]) == 8
+        assert state["end_sizes"][0] < state["start_sizes"][0]  # work off the slow rank 0
+        # the shards really moved: this rank holds another number of elements than statically
+        assert static["state_ratios"][0] == static["state_ratios"][1] == old_ratios
+        assert state["shard_numel"] != static["shard_numel"]
+        assert static["decisions"] == []
+        assert len(state["losses"]) == len(ref_losses) == 6
+        for run in (static, state):
+            _close(run["losses"], ref_losses)
+            _close(run["grad_norms"], ref_norms)
+            assert set(run["params"]) == set(ref_params)
+            for key, value in ref_params.items():
+                torch.testing.assert_close(run["params"][key], value, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, key=key: f"{key}: {m}")
+        _close(state["losses"], static["losses"])
+        (log,) = state["replan_logs"]
+        assert log["mode"] == "state" and log["step"] == SWITCH_STEP
+        assert log["old_state_ratios"] == old_ratios and log["new_state_ratios"] == new_ratios
+        assert log["old_batch_sizes"] == state["start_sizes"]
+        assert log["new_batch_sizes"] == state["end_sizes"]
+        (line,) = state["replans_file"]
+        record = json.loads(line)
+        assert record["mode"] == "state" and record["new_state_ratios"] == new_ratios
+    # every rank took the same decisions from the exchanged numbers
+    assert len({tuple(r) for r in results[0]["state"]["decisions"][0]["rows"]}) == 2
+    for result in results[1:]:
+        assert result["state"]["decisions"] == results[0]["state"]["decisions"]
+        assert result["state"]["state_ratios"] == results[0]["state"]["state_ratios"]
+
+
+def test_state_resume_continues_on_the_relaid_plan(runs):
+    """A resume (state mode) from the checkpoint written after the re-layout: the engine is built
+    on the start r_i, re-laid onto the checkpoint's r_i before loading, and trains its first step
+    on the checkpoint's b_i and r_i, on the reference trajectory."""
+    ref_losses, ref_norms, ref_params = _reference(2, momentum=MOMENTUM)
+    for result in runs[2]:
+        switched, resumed = result["state"], result["state_resumed"]
+        assert resumed["state_ratios"][0] != switched["state_ratios"][1]  # built on the start r_i
+        assert resumed["resumed_ratios"] == [switched["state_ratios"][1]]
+        assert resumed["resumed_sizes"] == [switched["end_sizes"]]
+        assert resumed["state_ratios"][1] == switched["state_ratios"][1]
+        assert resumed["shard_numel"] == switched["shard_numel"]
+        assert [d for d in resumed["decisions"] if d["switch"]] == []
+        assert len(resumed["losses"]) == 6
+        _close(resumed["losses"][4:], ref_losses[4:])
+        _close(resumed["grad_norms"][4:], ref_norms[4:])
+        for key, value in ref_params.items():
+            torch.testing.assert_close(resumed["params"][key], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, key=key: f"{key}: {m}")

@@ -1,6 +1,6 @@
 """Live re-balancing while training: measure, exchange, decide, switch (docs/adaptive.md).
 
-``AdaptiveCallback`` (``--cephalo_adaptive batch``, the default):
+``AdaptiveCallback`` (``--cephalo_adaptive batch``, the default, or ``state``):
 
 1. **Measure** (every rank, every step): the step's wall time, the compute the
    ``EmulatedStagedModel`` timer saw (all of it, and the units' forward + recompute + backward),
@@ -21,6 +21,12 @@
    optimizer state and the global batches are those of the uninterrupted run, so the trajectory
    is the same up to fp32 summation order. Rank 0 prints one line, appends a record to
    ``output_dir/cephalo_replans.jsonl`` and to ``trainer.state.log_history``.
+
+``--cephalo_adaptive state`` decides with ``planner.adapt.decide_state_switch`` (the batch
+decision, or the plan with r_i free when it is worth moving state); a re-layout switch first calls
+``trainer._relayout_state(new_plan)`` (collective, at the same step boundary on every rank: the
+parameter shards, a persisting gradient and the optimizer state move, ``engine.relayout``), then
+the split changes as above. The record's ``mode`` is "state" and it carries the old and new r_i.
 
 ``SlowdownScheduleCallback`` applies ``--cephalo_emulate_slowdown_schedule`` (emulated drift)
 at the start of each step, whether adaptation is on or not.
@@ -205,7 +211,9 @@ class AdaptiveCallback(TrainerCallback):
                       predicted_after_s=decision.predicted_after_s, scales=decision.scales,
                       invalid_ranks=decision.invalid_ranks,
                       invalid_reasons=decision.invalid_reasons,
-                      rows=rows, batch_sizes=decision.plan.batch_sizes)
+                      rows=rows, batch_sizes=decision.plan.batch_sizes,
+                      relayout=decision.switch and relayout,
+                      state_ratios=decision.plan.state_ratios)
         self.decisions.append(record)
         if decision.invalid_ranks and args.process_index == 0:
             logger.warning("adaptive re-balancing after step %d: %s; kept at their current "
@@ -230,7 +238,8 @@ class AdaptiveCallback(TrainerCallback):
                       old_batch_sizes=old.batch_sizes, new_batch_sizes=new.batch_sizes,
                       old_microbatch_sizes=old.microbatch_sizes,
                       new_microbatch_sizes=new.microbatch_sizes,
-                      state_ratios=new.state_ratios, scales=decision.scales,
+                      old_state_ratios=old.state_ratios, new_state_ratios=new.state_ratios,
+                      scales=decision.scales,
                       predicted_before_s=decision.predicted_before_s,
                       predicted_after_s=decision.predicted_after_s, measurements=rows,
                       measurement_fields=list(MEASUREMENT_FIELDS), time_s=time.time())

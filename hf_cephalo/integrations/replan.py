@@ -58,7 +58,7 @@ from hf_cephalo.units import GIB
 
 __all__ = ["ResolvedPlan", "resolve_plan_for_model", "resolve_elastic_plan",
            "select_world_devices", "replan_with_measured_u", "check_state_fits_caps",
-           "replan_live", "adopt_checkpoint_split"]
+           "replan_live", "adopt_checkpoint_split", "adopt_checkpoint_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -368,3 +368,24 @@ def adopt_checkpoint_split(plan: Plan, checkpoint_plan: Plan | None,
             r.predicted_memory_bytes = p.memory_bytes
         new.predicted_iteration_s = pred.iteration_s
     return new
+
+
+def adopt_checkpoint_state(plan: Plan, checkpoint_plan: Plan | None,
+                           cluster: ClusterProfile | None) -> Plan | None:
+    """``--cephalo_adaptive state`` on resume: the checkpoint's whole plan (b_i, m_i, l_i AND r_i)
+    when a live re-layout moved r_i before the checkpoint was written, so the caller re-lays the
+    engine onto it (``CephaloTrainer._relayout_state``) and the run continues exactly where it
+    left off; None when the split alone is to be adopted (``adopt_checkpoint_split``): the
+    checkpoint ran on another world, devices or global batch size, on the running r_i, with
+    another root residency or precision, or its plan does not fit the profile's memory."""
+    if checkpoint_plan is None or checkpoint_plan.world_size != plan.world_size or \
+            checkpoint_plan.global_batch_size != plan.global_batch_size or \
+            [r.device for r in checkpoint_plan.ranks] != [r.device for r in plan.ranks] or \
+            checkpoint_plan.root_resident != plan.root_resident or \
+            checkpoint_plan.precision != plan.precision or \
+            checkpoint_plan.rank_precisions != plan.rank_precisions or \
+            checkpoint_plan.state_ratios == plan.state_ratios:
+        return None
+    if cluster is not None and not predict(checkpoint_plan, cluster).fits:
+        return None
+    return checkpoint_plan

@@ -214,7 +214,6 @@ class CephaloTrainer(Trainer):
         staged = check_script(args, model, self._hook_problems(model, kwargs),
                               train_dataset=kwargs.get("train_dataset"),
                               eval_dataset=kwargs.get("eval_dataset"))
-        _refuse_adaptive_state(args)
         _engine_checkpointing_replaces_model_checkpointing(args)
         world_size = args.world_size  # sets up the process group (accelerate launch / torchrun)
         # [Note: fail fast] in preflight.py: no profile, plan or collective before these checks
@@ -275,7 +274,7 @@ class CephaloTrainer(Trainer):
     # ---- live re-balancing (adaptive.py, docs/adaptive.md) ----------------------------------
     def _add_adaptive_callbacks(self, args, world_size: int) -> None:
         """The emulated slowdown schedule and ``AdaptiveCallback`` (``--cephalo_adaptive
-        batch``) where they apply; a warning, once, where batch mode cannot run."""
+        batch`` or ``state``) where they apply; a warning, once, where adaptation cannot run."""
         from hf_cephalo.profiler.emulate import EmulationConfig
 
         emulation = EmulationConfig.from_training_args(args)
@@ -294,8 +293,9 @@ class CephaloTrainer(Trainer):
                        "draw batches ahead with the start split; use 0 workers to re-balance")
         if why_not is not None:
             if self.is_world_process_zero():
-                logger.warning("--cephalo_adaptive batch is off for this run: %s; set "
-                               "--cephalo_adaptive off to silence this", why_not)
+                logger.warning("--cephalo_adaptive %s is off for this run: %s; set "
+                               "--cephalo_adaptive off to silence this", args.cephalo_adaptive,
+                               why_not)
             return
         caps = None if emulation is None or emulation.memory_cap_bytes is None \
             else [float(c) for c in emulation.memory_cap_bytes]
@@ -973,14 +973,31 @@ class CephaloTrainer(Trainer):
                      type(model).__name__, self.args.cephalo_global_batch_size is not None
                      or self.args.cephalo_plan_file is not None)
         if self.adaptive_callback is not None:  # continue from the last live switch (same world)
-            from hf_cephalo.integrations.replan import adopt_checkpoint_split
-
-            self.plan = adopt_checkpoint_split(self.plan, old_plan, self.cluster_profile)
+            self._adopt_checkpoint_plan(old_plan)
         suffix = str(resume_from_checkpoint).rstrip("/").rsplit("-", 1)[-1]
         step = record.global_step if record is not None else int(suffix) if suffix.isdigit() else 0
         self.elastic.arm(resume_from_checkpoint, step, old_plan,
                          None if record is None else record.world_size)
         return resume_from_checkpoint
+
+    def _adopt_checkpoint_plan(self, checkpoint_plan: Plan | None) -> None:
+        """Continue a resumed adaptive run from the plan its checkpoint ran on (same world,
+        devices and B; ``replan.adopt_checkpoint_split`` / ``adopt_checkpoint_state``).
+
+        ``--cephalo_adaptive state``: when the checkpoint's r_i differ from the engine's (a live
+        re-layout happened before it was saved), the engine's state is re-laid onto them in
+        memory here, before the checkpoint is read (collective; the optimizer holds no state
+        yet, so only the freshly initialized parameter shards move), and loading then fills the
+        checkpoint's shards onto the checkpoint's own layout. Every rank reads the same files,
+        so every rank takes the same branch."""
+        from hf_cephalo.integrations.replan import adopt_checkpoint_split, adopt_checkpoint_state
+
+        if self.adaptive_callback.mode == "state":
+            new = adopt_checkpoint_state(self.plan, checkpoint_plan, self.cluster_profile)
+            if new is not None:
+                self._relayout_state(new)  # sets self.plan
+                return
+        self.plan = adopt_checkpoint_split(self.plan, checkpoint_plan, self.cluster_profile)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank writes its parameter and optimizer shards with the layout
@@ -1066,16 +1083,6 @@ def _num_samples(microbatch) -> int:
     """Samples in one collated microbatch: the first dimension of its first tensor."""
     values = microbatch.values() if hasattr(microbatch, "values") else [microbatch]
     return next((int(v.shape[0]) for v in values if torch.is_tensor(v) and v.dim() > 0), 0)
-
-
-def _refuse_adaptive_state(args) -> None:
-    """``--cephalo_adaptive state`` (live re-layout of r_i) is not in this build yet:
-    NotImplementedError before any profile or collective."""
-    if args.cephalo_adaptive == "state":
-        raise NotImplementedError(
-            "--cephalo_adaptive state (moving parameter, gradient and optimizer shards between "
-            "ranks to re-balance r_i while training) is not available yet; use "
-            "--cephalo_adaptive batch (re-balances b_i / m_i / l_i live, nothing moves) or off")
 
 
 def _engine_checkpointing_replaces_model_checkpointing(args) -> None:

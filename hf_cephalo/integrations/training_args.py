@@ -109,8 +109,10 @@ class CephaloTrainingArguments(TrainingArguments):
     cephalo_adaptive: Literal["off", "batch", "state"] | None = field(default=None, metadata={
         "help": ("Live re-balancing while training (docs/adaptive.md): 'batch' (default) re-plans "
                  "the per-rank batch b_i, microbatch m_i and count l_i from measured speeds and "
-                 "switches at a step boundary (nothing moves; same global batches); 'state' also "
-                 "the state ratios r_i (not available yet); 'off' keeps the start plan. "
+                 "switches at a step boundary (nothing moves; same global batches); 'state' may "
+                 "also re-lay the state ratios r_i in memory (shards and optimizer state move "
+                 "between ranks) when that beats the best split on the running r_i; 'off' keeps "
+                 "the start plan. "
                  "Env: HF_CEPHALO_ADAPTIVE.")})
     cephalo_adaptive_threshold: float | None = field(default=None, metadata={"help": (
         "Relative predicted step-time gain, in (0, 1), a live switch needs (default 0.05 = 5%). "
