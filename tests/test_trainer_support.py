@@ -58,7 +58,7 @@ def _args(tmp_path, **kw):
 
 
 REFUSED_VALUES = [
-    dict(auto_find_batch_size=True), dict(torch_compile=True), dict(use_liger_kernel=True),
+    dict(auto_find_batch_size=True), dict(use_liger_kernel=True),
     dict(train_sampling_strategy="batch_rebalance"), dict(label_names=["target"]),
     dict(include_num_input_tokens_seen="all"), dict(average_tokens_across_devices=False),
     dict(eval_do_concat_batches=False), dict(include_for_metrics=["inputs"]),
@@ -82,18 +82,25 @@ def test_refused_at_construction(tmp_path, kw, monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
-def test_torch_compile_is_refused_once_by_its_own_name(tmp_path):
+def test_torch_compile_becomes_the_engines_per_unit_compile(tmp_path):
     """TrainingArguments fills in torch_compile_backend when torch_compile is set and sets
-    torch_compile when a backend or mode is given: one refusal, of --torch_compile."""
-    message = ("--torch_compile = True is not supported by CephaloTrainer: the engine runs the "
-               "model unit by unit, so a compiled model would never be called: drop "
-               "torch_compile (and torch_compile_backend / torch_compile_mode, which turn it "
-               "on) (docs/trainer_support.md)")
-    for kw in (dict(torch_compile=True), dict(torch_compile_backend="inductor"),
-               dict(torch_compile_mode="reduce-overhead")):
-        with pytest.raises(ValueError) as e:
-            check_training_args(_args(tmp_path, **kw))
-        assert str(e.value) == message, kw
+    torch_compile when a backend or mode is given: each maps to the engine's CompileOptions;
+    an unknown backend is a ValueError at construction (before any collective)."""
+    from hf_cephalo.engine import CompileOptions
+    from hf_cephalo.integrations.trainer import CephaloTrainer, _compile_options
+
+    assert _compile_options(_args(tmp_path)) is None
+    for kw, expected in ((dict(torch_compile=True), CompileOptions()),
+                         (dict(torch_compile_backend="aot_eager"),
+                          CompileOptions(backend="aot_eager")),
+                         (dict(torch_compile_mode="max-autotune"),
+                          CompileOptions(mode="max-autotune"))):
+        args = _args(tmp_path, **kw)
+        check_training_args(args)
+        assert _compile_options(args) == expected, kw
+    with pytest.raises(ValueError, match="backend 'nope' is not available.*--torch_compile False"):
+        CephaloTrainer(model=build("llama"), args=_args(tmp_path, torch_compile_backend="nope"))
+    assert not torch.distributed.is_initialized()
 
 
 def test_defaults_pass(tmp_path):

@@ -71,7 +71,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
-from hf_cephalo.engine import CephaloEngine
+from hf_cephalo.engine import CephaloEngine, CompileOptions
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
 from hf_cephalo.integrations.auto_plan import PlanAccuracyCallback, wrap_staged
 from hf_cephalo.integrations.elastic import ElasticCallback, resolve_elastic_plan
@@ -142,6 +142,16 @@ def _stack_padded(rows: list[torch.Tensor], pad_value: float) -> np.ndarray:
     return out.numpy()
 
 
+def _compile_options(args) -> CompileOptions | None:
+    """``--torch_compile`` / ``--torch_compile_backend`` / ``--torch_compile_mode`` as the
+    engine's per-unit compile (docs/engine.md "Compile"); None when off. TrainingArguments
+    fills in the backend ("inductor" on CPU / CUDA) when only torch_compile is set."""
+    if not args.torch_compile:
+        return None
+    return CompileOptions(backend=args.torch_compile_backend or "inductor",
+                          mode=args.torch_compile_mode)
+
+
 class CephaloTrainer(Trainer):
     """``Trainer`` that trains through ``CephaloEngine`` with a per-rank weighted batch split.
 
@@ -171,6 +181,7 @@ class CephaloTrainer(Trainer):
             raise ValueError("CephaloTrainer needs a model: pass model=... (model_init is not "
                              "supported: build the model yourself)")
         check_training_args(args)  # [Note: no silent no-op] in support.py
+        compile_options = _compile_options(args)  # a bad backend / mode: ValueError here
         self._check_hooks(model, kwargs)
         _engine_checkpointing_replaces_model_checkpointing(args)
         world_size = args.world_size  # sets up the process group (accelerate launch / torchrun)
@@ -202,7 +213,8 @@ class CephaloTrainer(Trainer):
                                     autocast_dtype=precision.autocast_dtype,
                                     param_dtype=precision.param_dtype,
                                     reduce_dtype=precision.reduce_dtype,
-                                    root_resident=self.plan.root_resident, init_seed=args.seed)
+                                    root_resident=self.plan.root_resident, init_seed=args.seed,
+                                    compile=compile_options)
         self.accelerator.attach_engine(self.engine, model)
         self._attach_grad_scaler()
         guard_sharded_model(model, self._full_numel)  # [Note: the user's model while sharded]
