@@ -9,7 +9,8 @@ identical decoder layers share one compiled graph per grad mode: two graphs for 
 (the no-grad forward, and the forward + backward of the recompute / kept graph), whatever the
 number of layers. A microbatch of another size (the last one of an uneven split, another
 plan, evaluation) recompiles ONCE with dynamic shapes (torch's default ``dynamic=None``), after
-which every size reuses it: at most 4 graphs for the units in a run. Dynamo's recompile limit
+which every size reuses it: at most 4 graphs for the units in training mode (eval mode has its
+own: dropout off is another graph). Dynamo's recompile limit
 is made an error (``fail_on_recompile_limit_hit``) so that passing it never falls back to eager.
 Only the layer units are compiled: the embedding and head run once per microbatch each and
 hold data-dependent Python (item counts, HF mask builders).
