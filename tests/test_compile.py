@@ -161,3 +161,39 @@ def test_bad_backend_or_mode_refused_without_process_group():
         CompileOptions(backend="aot_eager", mode="max-autotune")
     with pytest.raises(TypeError, match="CompileOptions"):
         CephaloEngine(ToyStaged(ToyLM(ToyConfig(**CFG))), compile="inductor")
+
+
+def test_profiler_times_the_compiled_units_under_their_own_cache_key(tmp_path, monkeypatch):
+    """With compile_backend set, profile_cluster compiles the units before timing them (every
+    unit call sees the compiled module; on the CPU the memory pass alone is forced eager: see
+    ``measure._peak_bytes``), and the profile is cached apart from
+    the eager one (an eager profile never prices a compiled run). aot_eager: dynamo and
+    AOTAutograd without inductor's kernel compilation, to keep the test cheap."""
+    import transformers
+
+    from hf_cephalo.models.registry import stage_model
+    from hf_cephalo.profiler import measure
+    from hf_cephalo.profiler.cache import ProfileCache
+
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    staged = stage_model(transformers.LlamaForCausalLM(cfg))
+    seen = []
+    real_run_unit = type(staged).run_unit
+
+    def spy(self, index, hidden, ctx):
+        seen.append(self.units()[index]._compiled_call_impl is not None)
+        return real_run_unit(self, index, hidden, ctx)
+
+    monkeypatch.setattr(type(staged), "run_unit", spy)
+    cache = ProfileCache(tmp_path)
+    base = dict(max_microbatch_size=2, sequence_length=8, repeats=1, progress=False)
+    measure.profile_cluster(staged, measure.MeasureConfig(**base), cache=cache)
+    assert seen and not any(seen)
+    seen.clear()
+    measure.profile_cluster(staged, measure.MeasureConfig(**base, compile_backend="aot_eager"),
+                            cache=cache)
+    assert seen and all(seen)
+    assert len(list(tmp_path.glob("device-*.json"))) == 2  # not a hit of the eager entry

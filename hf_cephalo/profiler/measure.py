@@ -505,7 +505,11 @@ def _peak_bytes(device: torch.device, run: Callable[[], None]) -> float:
     """Peak bytes allocated while ``run()`` runs, beyond what was allocated before it.
 
     CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated``). CPU: the peak of
-    live tensors allocated inside (``live_memory.LiveTensorBytes``).
+    live tensors allocated inside (``live_memory.LiveTensorBytes``); that counter is a torch
+    dispatch mode, which compiled code cannot run under, so compiled units run eagerly here
+    (``torch.compiler.set_stance("force_eager")``): on the CPU a compiled profile's memory is
+    the eager units' activation memory (the compiled one is not measured), its times are the
+    compiled units'.
     """
     if device.type == "cuda":
         _sync(device)
@@ -514,7 +518,7 @@ def _peak_bytes(device: torch.device, run: Callable[[], None]) -> float:
         run()
         _sync(device)
         return float(torch.cuda.max_memory_allocated(device) - base)
-    with LiveTensorBytes() as live:
+    with torch.compiler.set_stance("force_eager"), LiveTensorBytes() as live:
         run()
     return float(live.peak_bytes)
 
