@@ -11,7 +11,10 @@ number of layers. A microbatch of another size (the last one of an uneven split,
 plan, evaluation) recompiles ONCE with dynamic shapes (torch's default ``dynamic=None``), after
 which every size reuses it: at most 4 graphs for the units in training mode (eval mode has its
 own: dropout off is another graph). Dynamo's recompile limit
-is made an error (``fail_on_recompile_limit_hit``) so that passing it never falls back to eager.
+is made an error (``fail_on_recompile_limit_hit``, only while the engine runs: ``strict``) so that
+passing it never falls back to eager. The modules stay compiled outside the engine too (after
+``trainer.unshard_model()`` the model's layers run compiled, with torch's default limits),
+where stock Trainer compiles a wrapper and leaves the user's model eager.
 Only the layer units are compiled: the embedding and head run once per microbatch each and
 hold data-dependent Python (item counts, HF mask builders).
 
@@ -103,10 +106,17 @@ def graph_count() -> int:
 def compile_units(units: Sequence[nn.Module], options: CompileOptions) -> int:
     """Compile each unit module in place (see [Note: compiled units]); returns
     ``graph_count()`` at that point (the base of ``CompileStats.graphs``)."""
-    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never fall back to eager
     for module in units:
         module.compile(backend=options.backend, mode=options.mode, fullgraph=True)
     return graph_count()
+
+
+def strict(options: CompileOptions | None):
+    """Context for the engine's compiled calls: passing dynamo's recompile limit raises instead
+    of falling back to eager (a no-op context with compile off)."""
+    if options is None:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
 
 
 class CompileFailure(RuntimeError):

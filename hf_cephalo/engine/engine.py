@@ -25,7 +25,8 @@ from ..models.base import AutocastStagedModel, StagedModel, global_num_items_sco
 from ..planner.state import layout_unit_shards  # pure planning code (numpy), no torch.distributed
 from . import collectives as C
 from .compile import (CompileFailure, CompileOptions, CompileStats, compile_units,
-                      graph_count, inductor_cache_dir, probe_compile, remote_failure, timed_probe)
+                      graph_count, inductor_cache_dir, probe_compile, remote_failure, strict,
+                      timed_probe)
 from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_params,
                          move_shared_params, param_infos)
 from .loading import CheckpointLike, StartKind, choose_source, place_buffers
@@ -422,9 +423,10 @@ class CephaloEngine:
                 self.staged.model.training in self._probed:
             return None
         try:
-            seconds, graphs = timed_probe(lambda: probe_compile(
-                self.staged, self.units, self.root.embed, microbatches[0], self.device,
-                self.compile, self.rank))
+            with strict(self.compile):
+                seconds, graphs = timed_probe(lambda: probe_compile(
+                    self.staged, self.units, self.root.embed, microbatches[0], self.device,
+                    self.compile, self.rank))
         except CompileFailure as failure:
             return failure
         self._compile_s += seconds
@@ -484,7 +486,8 @@ class CephaloEngine:
                            scale_loss=scale_loss)
         try:
             with global_num_items_scope(global_items):  # [Note: global item count for user losses]
-                step.run()
+                with strict(self.compile):  # [Note: compiled units] in compile.py
+                    step.run()
         except BaseException as exc:
             self._abandon_step(stash, exc, "train_step")
             raise
@@ -574,7 +577,9 @@ class CephaloEngine:
         _, global_items = self._global_items(mbs)
         try:
             with global_num_items_scope(global_items):  # [Note: global item count for user losses]
-                loss_sum, logits = self._evaluate_layered(mbs, return_logits, process_logits)
+                with strict(self.compile):
+                    loss_sum, logits = self._evaluate_layered(mbs, return_logits,
+                                                              process_logits)
         except BaseException as exc:
             self._abandon_step(None, exc, "evaluate")
             raise

@@ -179,7 +179,9 @@ FIELD_SUPPORT: dict[str, Support] = {
         "each decoder layer (engine unit) is compiled in place: forward, recompute and "
         "backward; identical layers share graphs; the profiler times the compiled units; a "
         "unit that fails to compile stops every rank before the first all-gather "
-        "(docs/engine.md \"Compile\"); trajectory equal to eager's to fp32 rounding",
+        "(docs/engine.md \"Compile\"); trajectory equal to eager's to fp32 rounding. Unlike "
+        "stock (which compiles a wrapper), the model's own layers stay compiled after "
+        "trainer.unshard_model()",
         "tests/test_compile.py::test_compiled_engine_three_ranks"),
     "torch_compile_backend": _stock(
         "the backend of the per-unit compile (default inductor); an unknown one is refused "
