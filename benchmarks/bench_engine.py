@@ -20,11 +20,12 @@ the unit's flat leaf) against the per-parameter slice views it used before, meas
 same run: the bytes the backward of one decoder layer allocates per microbatch (counted per
 aten op, whole-unit-sized ones apart) and the step time at each l ("split" vs "slices").
 
-Physical bound (every report): before the ranks start, ONE process trains the whole global
-batch (world size x local batch; forward, backward, AdamW; no accumulation, no checkpointing,
-no communication) with as many torch threads as all ranks together; its median step time
-divided by the number of ranks is what perfect scaling with free communication would give.
-Each system's step time is printed as a multiple of it.
+Physical bound (every report): a timed entry among the systems' steps at each l (same run,
+same load): rank 0 alone trains the whole global batch (world size x local batch; forward,
+backward, AdamW; no accumulation, no checkpointing, no communication) with as many torch
+threads as all ranks together while the other ranks wait; its median step time divided by the
+number of ranks is what perfect scaling with free communication would give. Each system's
+step time is printed as a multiple of it.
 
 ``--compile`` (issue 24) replaces the report: eager vs ``torch.compile`` (inductor) for Cephalo
 (``CephaloEngine(compile=CompileOptions())``: each unit compiled in place, activation
@@ -204,6 +205,8 @@ def time_interleaved(steps: dict, args, device, profile: bool = True) -> tuple[d
             times[name].append(time.perf_counter() - t0)
     colls = {}
     for name, fn in (steps.items() if profile else ()):
+        if name.startswith("bound"):  # no collective to count
+            continue
         with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             fn(args.steps + 1)
         colls[name] = count_collectives(prof)
@@ -330,7 +333,8 @@ def worker(rank, args, port, out_q):
                                                          checkpointing=False)[0],
                           "fsdp2": fsdp2_runner(args, rank, device, num_mb),
                           "fsdp2-ac": fsdp2_runner(args, rank, device, num_mb,
-                                                   checkpointing=True)})
+                                                   checkpointing=True),
+                          "bound": bound_runner(args, rank, device)})
             times, colls = time_interleaved(steps, args, device)
             for name in steps:
                 res["time"][f"{name}/{num_mb}"] = times[name]
@@ -370,7 +374,9 @@ def compile_worker(args, rank, device) -> dict:
         steps = {"cephalo": cephalo_runner(args, rank, device, num_mb)[0],
                  "cephalo-compiled": counted,
                  "fsdp2": fsdp2_runner(args, rank, device, num_mb),
-                 "fsdp2-compiled": fsdp2_runner(args, rank, device, num_mb, compiled=True)}
+                 "fsdp2-compiled": fsdp2_runner(args, rank, device, num_mb, compiled=True),
+                 "bound": bound_runner(args, rank, device),
+                 "bound-compiled": bound_runner(args, rank, device, compiled=True)}
         times, _ = time_interleaved(steps, args, device, profile=False)
         for name in steps:
             res["time"][f"{name}/{num_mb}"] = times[name]
@@ -381,55 +387,53 @@ def compile_worker(args, rank, device) -> dict:
     return res
 
 
-def physical_bound_s(args, device, compiled=False) -> float:
-    """The perfect-scaling bound of one step, in seconds: ONE process trains the whole global
-    batch (world size x local batch sequences: forward, backward, AdamW; no accumulation, no
-    checkpointing, no communication) with as many torch threads as all ranks together, and its
-    median
-    step time is divided by the number of ranks. Measured in the launching process before the
-    ranks start (nothing else of this benchmark runs meanwhile)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(args.world_size * args.threads)
-    low = _LOW_DTYPES.get(args.param_dtype)  # mixed precision: the same autocast
-    try:
+def bound_runner(args, rank, device, compiled=False):
+    """One step of the perfect-scaling bound, as a timed entry beside the systems' steps (same
+    run, same load): rank 0 alone trains the whole global batch (world size x local batch
+    sequences: forward, backward, AdamW; no accumulation, no checkpointing, no communication)
+    with as many torch threads as all ranks together, while the other ranks wait in a barrier.
+    Its step time divided by the number of ranks is what perfect scaling with free
+    communication would give (``print_bound``)."""
+    model = opt = None
+    if rank == 0:
         model = build_model(args).to(device)
         if compiled:
             compile_layers(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        global_batch = args.world_size * args.local_batch
-        times = []
-        for s in range(args.steps + 1):  # the first one warms up (and compiles)
-            ids = batch(args, 0, s, global_batch).to(device)
-            sync(device)
-            t0 = time.perf_counter()
-            with torch.autocast(device.type, dtype=low, enabled=low is not None):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sync(device)
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(saved)
-    return statistics.median(times[1:]) / args.world_size
+    low = _LOW_DTYPES.get(args.param_dtype)  # mixed precision: the same autocast
+
+    def step(s):
+        if rank == 0:
+            saved = torch.get_num_threads()
+            torch.set_num_threads(args.world_size * args.threads)
+            try:
+                ids = batch(args, 0, s, args.world_size * args.local_batch).to(device)
+                with torch.autocast(device.type, dtype=low, enabled=low is not None):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                sync(device)
+            finally:
+                torch.set_num_threads(saved)
+        dist.barrier()
+    return step
 
 
-def print_bound(args, names) -> None:
-    """Each system's step time as a multiple of the physical bound (eager bound, and the
-    compiled one when measured), per l."""
-    bounds = [(k, v) for k, v in (("bound", args.bound_s), ("compiled bound",
-                                                             getattr(args, "bound_compiled_s",
-                                                                     None))) if v]
-    print("physical bound (single process, global batch, " + ", ".join(
-        f"{k}: {v:.3f} s" for k, v in bounds) + " per step / ranks); step time as a multiple:")
-    for k, v in bounds:
-        print(f"  vs {k}: " + "; ".join(f"l={l}: " + ", ".join(
-            f"{n} {slowest_s(args.results, n, l) / v:.2f}x" for n in names)
-            for l in args.num_mb))
+def print_bound(args, results, names, bounds=("bound",)) -> None:
+    """Each system's step time as a multiple of the physical bound (``bound_runner``'s step
+    time / world size, measured at each l among that l's steps), per l."""
+    print(f"physical bound (one process trains the global batch with {args.world_size} x "
+          f"{args.threads} threads, step time / {args.world_size} ranks, timed among the "
+          "systems' steps); each system's step time as a multiple of it:")
+    for bound in bounds:
+        for l in args.num_mb:
+            b = slowest_s(results, bound, l) / args.world_size
+            print(f"  l={l}: {bound} {b:.3f} s; " + ", ".join(
+                f"{n} {slowest_s(results, n, l) / b:.2f}x" for n in names))
 
 
 def report_compile(args, results):
-    args.results = results
     print(f"# bench_engine --compile: {args.world_size} ranks on {args.device}, Llama "
           f"{args.layers} layers, hidden {args.hidden}, seq {args.seq}, {args.local_batch} "
           f"sequences per rank; torch.compile inductor (Cephalo: per unit, with activation "
@@ -449,11 +453,11 @@ def report_compile(args, results):
           f"{args.layers} units; recomp: of those, compiled after the first step's probe; "
           "compile s: the probe's wall time; a new engine per l, the process's dynamo cache "
           "kept: a later l may reuse earlier graphs)")
-    print_bound(args, ["cephalo", "cephalo-compiled", "fsdp2", "fsdp2-compiled"])
+    print_bound(args, results, ["cephalo", "cephalo-compiled", "fsdp2", "fsdp2-compiled"],
+                bounds=("bound", "bound-compiled"))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "results"},
-                       "results": results}, fh, indent=1, default=str)
+            json.dump({"args": vars(args), "results": results}, fh, indent=1, default=str)
 
 
 def slowest_s(results, name: str, l: int) -> float:
@@ -493,9 +497,7 @@ def report_mixed_precision(args, results):
     print_step_table(args, results, reduce_scatter="bytes")
     print("(seconds per step, slowest rank; AG/RS MiB: rank 0's gathered outputs / reduce-"
           "scatter inputs at their traced element size, Cephalo vs FSDP2)")
-    args.results = results
-    print_bound(args, ["cephalo", "cephalo-noac", "fsdp2", "fsdp2-ac"])
-    del args.results
+    print_bound(args, results, ["cephalo", "cephalo-noac", "fsdp2", "fsdp2-ac"])
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "results": results}, fh, indent=1, default=str)
@@ -517,9 +519,7 @@ def report(args, results):
           f"{t('cephalo', l1) / t('fsdp2-ac', l1):.2f}x; at l={args.num_mb[-1]}: no AC "
           f"{t('cephalo-noac', args.num_mb[-1]) / t('fsdp2', args.num_mb[-1]):.2f}x, with AC "
           f"{t('cephalo', args.num_mb[-1]) / t('fsdp2-ac', args.num_mb[-1]):.2f}x")
-    args.results = results
-    print_bound(args, ["cephalo", "cephalo-noac", "fsdp2", "fsdp2-ac"])
-    del args.results
+    print_bound(args, results, ["cephalo", "cephalo-noac", "fsdp2", "fsdp2-ac"])
     print("training state per rank (uneven split), expected r_i x 16 B x params:")
     for rank, r in enumerate(results):
         ratio, got, params = r["state"]
@@ -584,10 +584,6 @@ def main():
         p.error("--compile compares fp32 runs: drop --param-dtype")
     if args.param_dtype == "fp32" and not args.compile:
         args.grad_bytes = unit_backward_bytes(args)
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    args.bound_s = physical_bound_s(args, device)  # before the ranks start: a quiet process
-    if args.compile:
-        args.bound_compiled_s = physical_bound_s(args, device, compiled=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
