@@ -22,9 +22,9 @@ aten op, whole-unit-sized ones apart) and the step time at each l ("split" vs "s
 
 Physical bound (every report): a timed entry among the systems' steps at each l (same run,
 same load): rank 0 alone trains the whole global batch (world size x local batch; forward,
-backward, AdamW; no accumulation, no checkpointing, no communication) with as many torch
-threads as all ranks together while the other ranks wait; its median step time divided by the
-number of ranks is what perfect scaling with free communication would give. Each system's
+backward, AdamW; no accumulation, no checkpointing, no communication) with one rank's threads
+while the other ranks wait; its median step time divided by the number of ranks is what the
+ranks would take with the work split perfectly and free communication. Each system's
 step time is printed as a multiple of it.
 
 ``--compile`` (issue 24) replaces the report: eager vs ``torch.compile`` (inductor) for Cephalo
@@ -391,9 +391,9 @@ def bound_runner(args, rank, device, compiled=False):
     """One step of the perfect-scaling bound, as a timed entry beside the systems' steps (same
     run, same load): rank 0 alone trains the whole global batch (world size x local batch
     sequences: forward, backward, AdamW; no accumulation, no checkpointing, no communication)
-    with as many torch threads as all ranks together, while the other ranks wait in a barrier.
-    Its step time divided by the number of ranks is what perfect scaling with free
-    communication would give (``print_bound``)."""
+    with the threads of ONE rank (``--threads``), while the other ranks wait in a barrier. Its
+    step time divided by the number of ranks is what N ranks would take with the work split
+    perfectly and free communication (``print_bound``)."""
     model = opt = None
     if rank == 0:
         model = build_model(args).to(device)
@@ -404,18 +404,13 @@ def bound_runner(args, rank, device, compiled=False):
 
     def step(s):
         if rank == 0:
-            saved = torch.get_num_threads()
-            torch.set_num_threads(args.world_size * args.threads)
-            try:
-                ids = batch(args, 0, s, args.world_size * args.local_batch).to(device)
-                with torch.autocast(device.type, dtype=low, enabled=low is not None):
-                    loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                sync(device)
-            finally:
-                torch.set_num_threads(saved)
+            ids = batch(args, 0, s, args.world_size * args.local_batch).to(device)
+            with torch.autocast(device.type, dtype=low, enabled=low is not None):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(device)
         dist.barrier()
     return step
 
@@ -423,8 +418,8 @@ def bound_runner(args, rank, device, compiled=False):
 def print_bound(args, results, names, bounds=("bound",)) -> None:
     """Each system's step time as a multiple of the physical bound (``bound_runner``'s step
     time / world size, measured at each l among that l's steps), per l."""
-    print(f"physical bound (one process trains the global batch with {args.world_size} x "
-          f"{args.threads} threads, step time / {args.world_size} ranks, timed among the "
+    print(f"physical bound (one process trains the global batch with one rank's "
+          f"{args.threads} thread(s), step time / {args.world_size} ranks, timed among the "
           "systems' steps); each system's step time as a multiple of it:")
     for bound in bounds:
         for l in args.num_mb:
