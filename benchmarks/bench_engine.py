@@ -338,7 +338,8 @@ def worker(rank, args, port, out_q):
             times, colls = time_interleaved(steps, args, device)
             for name in steps:
                 res["time"][f"{name}/{num_mb}"] = times[name]
-                res["coll"][f"{name}/{num_mb}"] = colls[name]
+                if name in colls:  # the bound has no collective to count
+                    res["coll"][f"{name}/{num_mb}"] = colls[name]
         if mixed:
             out_q.put((rank, res))
             return
