@@ -20,7 +20,21 @@ the unit's flat leaf) against the per-parameter slice views it used before, meas
 same run: the bytes the backward of one decoder layer allocates per microbatch (counted per
 aten op, whole-unit-sized ones apart) and the step time at each l ("split" vs "slices").
 
+Physical bound (every report): a timed entry among the systems' steps at each l (same run,
+same load): rank 0 alone trains the whole global batch (world size x local batch; forward,
+backward, AdamW; no accumulation, no checkpointing, no communication) with one rank's threads
+while the other ranks wait; its median step time divided by the number of ranks is what the
+ranks would take with the work split perfectly and free communication. Each system's
+step time is printed as a multiple of it.
+
+``--compile`` (issue 24) replaces the report: eager vs ``torch.compile`` (inductor) for Cephalo
+(``CephaloEngine(compile=CompileOptions())``: each unit compiled in place, activation
+checkpointing on) and FSDP2-GA (each decoder layer ``torch.compile(layer, fullgraph=True)``
+before ``fully_shard``, as torchtitan's ``apply_compile``), steps interleaved, at each l; the
+engine's graph counts (recompiles) and compile time; the bound eager and compiled.
+
 Usage: python benchmarks/bench_engine.py [--world-size 2] [--device cpu|cuda] [--quick]
+       [--compile]
 """
 
 from __future__ import annotations
@@ -43,7 +57,10 @@ def build_model(args):
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                       intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                       num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                      max_position_embeddings=args.seq, tie_word_embeddings=False)
+                      max_position_embeddings=args.seq, tie_word_embeddings=False,
+                      use_cache=False)  # training: FSDP2 and the bound must not build a KV
+    # cache every forward (the engine's adapters force use_cache=False); with it, a compiled
+    # layer also recompiled per layer index (the cache update reads layer_idx)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).float()
 
@@ -171,10 +188,11 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_interleaved(steps: dict, args, device) -> tuple[dict, dict]:
+def time_interleaved(steps: dict, args, device, profile: bool = True) -> tuple[dict, dict]:
     """Median step time (s) and profiled collectives per system; the systems' steps alternate
     so that load changes on a shared machine hit both alike."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
     times = {name: [] for name in steps}
     for name, fn in steps.items():
         fn(0)  # warm-up
@@ -186,21 +204,24 @@ def time_interleaved(steps: dict, args, device) -> tuple[dict, dict]:
             sync(device)
             times[name].append(time.perf_counter() - t0)
     colls = {}
-    for name, fn in steps.items():
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    for name, fn in (steps.items() if profile else ()):
+        if name.startswith("bound"):  # no collective to count
+            continue
+        with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             fn(args.steps + 1)
         colls[name] = count_collectives(prof)
     return {k: statistics.median(v) for k, v in times.items()}, colls
 
 
-def cephalo_runner(args, rank, device, num_mb, ratios=None, checkpointing=True):
-    from hf_cephalo.engine import CephaloEngine
+def cephalo_runner(args, rank, device, num_mb, ratios=None, checkpointing=True,
+                   compiled=False):
+    from hf_cephalo.engine import CephaloEngine, CompileOptions
     from hf_cephalo.models.registry import stage_model
     model = build_model(args).to(device)
     low = _LOW_DTYPES.get(args.param_dtype)  # autocast + gathered params, reduce fp32
     engine = CephaloEngine(stage_model(model), ratios, device=device,
                            activation_checkpointing=checkpointing, autocast_dtype=low,
-                           param_dtype=low)
+                           param_dtype=low, compile=CompileOptions() if compiled else None)
     opt = torch.optim.AdamW(engine.parameters(), lr=1e-4)
     m = args.local_batch // num_mb
 
@@ -213,11 +234,22 @@ def cephalo_runner(args, rank, device, num_mb, ratios=None, checkpointing=True):
     return step, engine, opt
 
 
-def fsdp2_runner(args, rank, device, num_mb, checkpointing=False):
+def compile_layers(model) -> None:
+    """torchtitan's per-block compile (``apply_compile``): each decoder layer becomes
+    ``torch.compile(layer, fullgraph=True)`` (inductor), in place in the layer list, BEFORE
+    ``fully_shard`` wraps it, so FSDP2's hooks stay outside the compiled region."""
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = torch.compile(layer, fullgraph=True)
+
+
+def fsdp2_runner(args, rank, device, num_mb, checkpointing=False, compiled=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = build_model(args).to(device)
     if checkpointing:  # HF's public switch: non-reentrant torch.utils.checkpoint per layer
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compiled:
+        compile_layers(model)
     low = _LOW_DTYPES.get(args.param_dtype)
     mp = {} if low is None else \
         {"mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)}
@@ -287,6 +319,9 @@ def worker(rank, args, port, out_q):
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.world_size)
     try:
+        if args.compile:
+            out_q.put((rank, compile_worker(args, rank, device)))
+            return
         res = {"time": {}, "coll": {}}
         mixed = args.param_dtype != "fp32"  # the mixed-precision comparison alone
         for num_mb in args.num_mb:
@@ -298,11 +333,13 @@ def worker(rank, args, port, out_q):
                                                          checkpointing=False)[0],
                           "fsdp2": fsdp2_runner(args, rank, device, num_mb),
                           "fsdp2-ac": fsdp2_runner(args, rank, device, num_mb,
-                                                   checkpointing=True)})
+                                                   checkpointing=True),
+                          "bound": bound_runner(args, rank, device)})
             times, colls = time_interleaved(steps, args, device)
             for name in steps:
                 res["time"][f"{name}/{num_mb}"] = times[name]
-                res["coll"][f"{name}/{num_mb}"] = colls[name]
+                if name in colls:  # the bound has no collective to count
+                    res["coll"][f"{name}/{num_mb}"] = colls[name]
         if mixed:
             out_q.put((rank, res))
             return
@@ -315,6 +352,108 @@ def worker(rank, args, port, out_q):
         out_q.put((rank, res))
     finally:
         dist.destroy_process_group()
+
+
+def compile_worker(args, rank, device) -> dict:
+    """``--compile``: eager vs compiled Cephalo (per-unit compile, activation checkpointing)
+    and FSDP2-GA (per-layer compile as torchtitan), steps interleaved, at each l; plus the
+    compiled engine's graph counts and compile time (its first step, outside the timing)."""
+    from hf_cephalo.engine.compile import graph_count
+    res = {"time": {}, "coll": {}, "compile": {}}
+    # Several systems' compiled layers live in this one process and share dynamo's code cache
+    # (FSDP2's layers are another class, each l another shape): more entries than the default
+    # limit of 8 that one engine (at most 4 per train / eval mode) needs.
+    torch._dynamo.config.recompile_limit = 64
+    for num_mb in args.num_mb:
+        step_c, engine, _ = cephalo_runner(args, rank, device, num_mb, compiled=True)
+        graphs = [0]  # compiled during the compiled engine's steps (its probe included)
+
+        def counted(s, step_c=step_c, graphs=graphs):
+            before = graph_count()
+            step_c(s)
+            graphs[0] += graph_count() - before
+        steps = {"cephalo": cephalo_runner(args, rank, device, num_mb)[0],
+                 "cephalo-compiled": counted,
+                 "fsdp2": fsdp2_runner(args, rank, device, num_mb),
+                 "fsdp2-compiled": fsdp2_runner(args, rank, device, num_mb, compiled=True),
+                 "bound": bound_runner(args, rank, device),
+                 "bound-compiled": bound_runner(args, rank, device, compiled=True)}
+        times, _ = time_interleaved(steps, args, device, profile=False)
+        for name in steps:
+            res["time"][f"{name}/{num_mb}"] = times[name]
+        report = engine.compile_report()  # its graphs would count FSDP2's too: not used
+        res["compile"][num_mb] = {"graphs": graphs[0], "probe_graphs": report.probe_graphs,
+                                  "recompiles": graphs[0] - report.probe_graphs,
+                                  "compile_s": report.compile_s}
+    return res
+
+
+def bound_runner(args, rank, device, compiled=False):
+    """One step of the perfect-scaling bound, as a timed entry beside the systems' steps (same
+    run, same load): rank 0 alone trains the whole global batch (world size x local batch
+    sequences: forward, backward, AdamW; no accumulation, no checkpointing, no communication)
+    with the threads of ONE rank (``--threads``), while the other ranks wait in a barrier. Its
+    step time divided by the number of ranks is what N ranks would take with the work split
+    perfectly and free communication (``print_bound``)."""
+    model = opt = None
+    if rank == 0:
+        model = build_model(args).to(device)
+        if compiled:
+            compile_layers(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    low = _LOW_DTYPES.get(args.param_dtype)  # mixed precision: the same autocast
+
+    def step(s):
+        if rank == 0:
+            ids = batch(args, 0, s, args.world_size * args.local_batch).to(device)
+            with torch.autocast(device.type, dtype=low, enabled=low is not None):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(device)
+        dist.barrier()
+    return step
+
+
+def print_bound(args, results, names, bounds=("bound",)) -> None:
+    """Each system's step time as a multiple of the physical bound (``bound_runner``'s step
+    time / world size, measured at each l among that l's steps), per l."""
+    print(f"physical bound (one process trains the global batch with one rank's "
+          f"{args.threads} thread(s), step time / {args.world_size} ranks, timed among the "
+          "systems' steps); each system's step time as a multiple of it:")
+    for bound in bounds:
+        for l in args.num_mb:
+            b = slowest_s(results, bound, l) / args.world_size
+            print(f"  l={l}: {bound} {b:.3f} s; " + ", ".join(
+                f"{n} {slowest_s(results, n, l) / b:.2f}x" for n in names))
+
+
+def report_compile(args, results):
+    print(f"# bench_engine --compile: {args.world_size} ranks on {args.device}, Llama "
+          f"{args.layers} layers, hidden {args.hidden}, seq {args.seq}, {args.local_batch} "
+          f"sequences per rank; torch.compile inductor (Cephalo: per unit, with activation "
+          f"checkpointing; FSDP2-GA: per layer before fully_shard, as torchtitan)")
+    print(f"{'l':>3} {'m':>3} | {'cephalo':>7} {'compiled':>8} {'speedup':>7} | {'FSDP2-GA':>8} "
+          f"{'compiled':>8} {'speedup':>7} | {'C/F comp':>8} | {'graphs':>6} {'recomp':>6} "
+          f"{'compile s':>9}")
+    for l in args.num_mb:
+        ce, cc, fe, fc = (slowest_s(results, n, l) for n in
+                          ("cephalo", "cephalo-compiled", "fsdp2", "fsdp2-compiled"))
+        info = results[0]["compile"][l]
+        print(f"{l:>3} {args.local_batch // l:>3} | {ce:>7.3f} {cc:>8.3f} {ce / cc:>6.2f}x | "
+              f"{fe:>8.3f} {fc:>8.3f} {fe / fc:>6.2f}x | {cc / fc:>8.2f} | "
+              f"{info['graphs']:>6} {info['recompiles']:>6} {info['compile_s']:>9.1f}")
+    print("(seconds per step, slowest rank; graphs: dynamo graphs rank 0 compiled during the "
+          "compiled engine's steps at this l (warm-up, timed and profiled), shared by all its "
+          f"{args.layers} units; recomp: of those, compiled after the first step's probe; "
+          "compile s: the probe's wall time; a new engine per l, the process's dynamo cache "
+          "kept: a later l may reuse earlier graphs)")
+    print_bound(args, results, ["cephalo", "cephalo-compiled", "fsdp2", "fsdp2-compiled"],
+                bounds=("bound", "bound-compiled"))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "results": results}, fh, indent=1, default=str)
 
 
 def slowest_s(results, name: str, l: int) -> float:
@@ -354,6 +493,7 @@ def report_mixed_precision(args, results):
     print_step_table(args, results, reduce_scatter="bytes")
     print("(seconds per step, slowest rank; AG/RS MiB: rank 0's gathered outputs / reduce-"
           "scatter inputs at their traced element size, Cephalo vs FSDP2)")
+    print_bound(args, results, ["cephalo", "cephalo-noac", "fsdp2", "fsdp2-ac"])
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "results": results}, fh, indent=1, default=str)
@@ -375,6 +515,7 @@ def report(args, results):
           f"{t('cephalo', l1) / t('fsdp2-ac', l1):.2f}x; at l={args.num_mb[-1]}: no AC "
           f"{t('cephalo-noac', args.num_mb[-1]) / t('fsdp2', args.num_mb[-1]):.2f}x, with AC "
           f"{t('cephalo', args.num_mb[-1]) / t('fsdp2-ac', args.num_mb[-1]):.2f}x")
+    print_bound(args, results, ["cephalo", "cephalo-noac", "fsdp2", "fsdp2-ac"])
     print("training state per rank (uneven split), expected r_i x 16 B x params:")
     for rank, r in enumerate(results):
         ratio, got, params = r["state"]
@@ -419,6 +560,10 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
+    p.add_argument("--compile", action="store_true",
+                   help="only compare eager vs torch.compile (inductor): Cephalo per unit, "
+                        "FSDP2-GA per layer as torchtitan, with the physical bound eager and "
+                        "compiled (fp32)")
     p.add_argument("--param-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="bf16 / fp16: only compare Cephalo (that param_dtype, reduce fp32, "
                         "autocast) with FSDP2 MixedPrecisionPolicy(param_dtype, "
@@ -431,7 +576,9 @@ def main():
     if any(args.local_batch % l for l in args.num_mb):
         p.error(f"--local-batch {args.local_batch} must be divisible by every --num-mb "
                 f"{args.num_mb}")
-    if args.param_dtype == "fp32":
+    if args.compile and args.param_dtype != "fp32":
+        p.error("--compile compares fp32 runs: drop --param-dtype")
+    if args.param_dtype == "fp32" and not args.compile:
         args.grad_bytes = unit_backward_bytes(args)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -445,7 +592,10 @@ def main():
     for proc in procs:
         proc.join()
     ordered = [results[r] for r in range(args.world_size)]
-    (report if args.param_dtype == "fp32" else report_mixed_precision)(args, ordered)
+    if args.compile:
+        report_compile(args, ordered)
+    else:
+        (report if args.param_dtype == "fp32" else report_mixed_precision)(args, ordered)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def _args(tmp_path, **kw):
 
 
 REFUSED_VALUES = [
-    dict(auto_find_batch_size=True), dict(torch_compile=True), dict(use_liger_kernel=True),
+    dict(auto_find_batch_size=True), dict(use_liger_kernel=True),
     dict(train_sampling_strategy="batch_rebalance"), dict(label_names=[]),
     dict(average_tokens_across_devices=False), dict(eval_do_concat_batches=False),
     dict(save_on_each_node=True), dict(neftune_noise_alpha=5.0), dict(debug="underflow_overflow"),
@@ -84,18 +84,25 @@ def test_refused_at_construction(tmp_path, kw, monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
-def test_torch_compile_is_refused_once_by_its_own_name(tmp_path):
+def test_torch_compile_becomes_the_engines_per_unit_compile(tmp_path):
     """TrainingArguments fills in torch_compile_backend when torch_compile is set and sets
-    torch_compile when a backend or mode is given: one refusal, of --torch_compile."""
-    message = ("--torch_compile = True is not supported by CephaloTrainer: the engine runs the "
-               "model unit by unit, so a compiled model would never be called: drop "
-               "torch_compile (and torch_compile_backend / torch_compile_mode, which turn it "
-               "on) (docs/trainer_support.md)")
-    for kw in (dict(torch_compile=True), dict(torch_compile_backend="inductor"),
-               dict(torch_compile_mode="reduce-overhead")):
-        with pytest.raises(ValueError) as e:
-            check_training_args(_args(tmp_path, **kw))
-        assert str(e.value) == message, kw
+    torch_compile when a backend or mode is given: each maps to the engine's CompileOptions;
+    an unknown backend is a ValueError at construction (before any collective)."""
+    from hf_cephalo.engine import CompileOptions
+    from hf_cephalo.integrations.trainer import CephaloTrainer, _compile_options
+
+    assert _compile_options(_args(tmp_path)) is None
+    for kw, expected in ((dict(torch_compile=True), CompileOptions()),
+                         (dict(torch_compile_backend="aot_eager"),
+                          CompileOptions(backend="aot_eager")),
+                         (dict(torch_compile_mode="max-autotune"),
+                          CompileOptions(mode="max-autotune"))):
+        args = _args(tmp_path, **kw)
+        check_training_args(args)
+        assert _compile_options(args) == expected, kw
+    with pytest.raises(ValueError, match="backend 'nope' is not available.*--torch_compile False"):
+        CephaloTrainer(model=build("llama"), args=_args(tmp_path, torch_compile_backend="nope"))
+    assert not torch.distributed.is_initialized()
 
 
 def test_defaults_pass(tmp_path):
@@ -188,11 +195,11 @@ def test_every_refusal_of_a_script_in_one_message(tmp_path, monkeypatch):
     model = torch.nn.Linear(4, 4)  # no adapter
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     args = _args(tmp_path, gradient_accumulation_steps=2, auto_find_batch_size=True,
-                 torch_compile=True)
+                 use_liger_kernel=True)
     with pytest.raises(RefusedSettings) as info:
         CephaloTrainer(model=model, args=args, optimizers=(opt, None), train_dataset=Stream())
     message = str(info.value)
-    expected = ["--gradient_accumulation_steps = 2: ", "--torch_compile = True is not supported",
+    expected = ["--gradient_accumulation_steps = 2: ", "--use_liger_kernel = True is not supported",
                 "--auto_find_batch_size = True is not supported", "optimizers is not supported",
                 "train_dataset: Stream has no length", "model: "]
     assert message.startswith(f"CephaloTrainer refuses {len(expected)} settings of this script; "

@@ -1,5 +1,6 @@
 """Engine: uneven flat-parameter sharding and layered gradient accumulation (docs/design.md contract 4)."""
 
+from .compile import CompileOptions, CompileStats
 from .engine import CephaloEngine, EvalOutput, FullUnit, StepOutput
 from .checkpoint_files import CheckpointFiles, resolve_checkpoint
 from .flat_param import ParamInfo, ShardedState, UnitShardMeta
@@ -7,6 +8,7 @@ from .loading import StartKind
 from .relayout import relayout_state
 from .stats import CollectiveStats
 
-__all__ = ["CephaloEngine", "CheckpointFiles", "CollectiveStats", "EvalOutput", "FullUnit",
+__all__ = ["CephaloEngine", "CheckpointFiles", "CollectiveStats", "CompileOptions", "CompileStats",
+           "EvalOutput", "FullUnit",
            "ParamInfo", "ShardedState", "StartKind", "StepOutput", "UnitShardMeta",
            "relayout_state", "resolve_checkpoint"]

@@ -24,6 +24,9 @@ from torch import nn
 from ..models.base import AutocastStagedModel, StagedModel, global_num_items_scope
 from ..planner.state import layout_unit_shards  # pure planning code (numpy), no torch.distributed
 from . import collectives as C
+from .compile import (CompileFailure, CompileOptions, CompileStats, compile_units,
+                      graph_count, inductor_cache_dir, probe_compile, remote_failure, strict,
+                      timed_probe)
 from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_params,
                          move_shared_params, param_infos)
 from .loading import CheckpointLike, StartKind, choose_source, place_buffers
@@ -219,6 +222,12 @@ class CephaloEngine:
             else none.
         init_seed: seed of the per-unit init of a model whose parameters are all on the meta
             device and that has no checkpoint (same weights for any plan and world size).
+        compile: None (eager, default) or ``CompileOptions(backend=..., mode=...)``: each layer
+            unit's module is compiled in place with ``torch.compile`` (forward, recompute and
+            backward; identical layers share graphs). The first ``train_step`` / ``evaluate``
+            compiles every graph before its first collective and raises on every rank if a
+            unit fails (see [Note: compile failures before the first collective] in
+            ``compile.py``); ``compile_report()`` gives the compile time and graph counts.
 
     Start (docs/engine.md "Construction"; [Note: no full model after construction] in
     ``loading.py``): units are built one at a time; this rank's range of each unit comes from
@@ -228,6 +237,7 @@ class CephaloEngine:
     original parameters.
 
     Raises:
+        TypeError: ``compile`` neither None nor ``CompileOptions``.
         ValueError: bad ratios / layout, parameters outside units and root or shared between
             units, mixed dtypes in a unit, an autocast dtype other than bfloat16 or with
             non-fp32 parameters, parameters on a device other than meta / CPU / ``device``,
@@ -243,7 +253,11 @@ class CephaloEngine:
                  autocast_dtype: torch.dtype | None = None, root_resident: bool = False,
                  checkpoint: CheckpointLike | None = None, init_seed: int = 0,
                  param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None,
+                 compile: CompileOptions | None = None):
+        if compile is not None and not isinstance(compile, CompileOptions):
+            raise TypeError(f"compile={compile!r}: pass hf_cephalo.engine.CompileOptions("
+                            "backend=..., mode=...) or None (eager)")
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("CephaloEngine needs an initialized torch.distributed process group "
                              "(call dist.init_process_group first, e.g. via torchrun)")
@@ -278,6 +292,12 @@ class CephaloEngine:
         self.root_resident = bool(root_resident)
         self._build_units(ratios, shard_layout, use_all_reduce, source)
         self.num_units = len(self.units)
+        self.compile = compile
+        self._compile_s, self._probe_graphs = 0.0, 0  # the probes' wall seconds and graphs
+        if compile is not None:  # [Note: compiled units] in compile.py
+            self._graphs_at_compile = compile_units(self.staged.units(), compile)
+        # [Note: compile failures before the first collective]: model.training values probed
+        self._probed: set[bool] = set()
         self._failure: str | None = None  # set when a step raised mid-schedule
         self._failure_exc: BaseException | None = None  # that step's exception
         self._abandoned: list = []  # in-flight collectives of that step, kept referenced
@@ -373,10 +393,55 @@ class CephaloEngine:
         return [*self.units, *self.root.both()]
 
     def _global_items(self, microbatches) -> tuple[int, int]:
+        """(local, global) item count: the first collective of a step or an evaluation. With
+        compile on, it also carries each rank's compile-probe result (one int per rank; see
+        [Note: compile failures before the first collective] in ``compile.py``)."""
         local = sum(int(self.staged.count_items(mb)) for mb in microbatches)
-        t = torch.tensor([local], dtype=torch.int64, device=self.device)
+        failure = self._probe_compile(microbatches)
+        codes = [0] * (self.world_size if self.compile is not None else 0)
+        if failure is not None:
+            codes[self.rank] = failure.unit_index + 1
+        t = torch.tensor([local, *codes], dtype=torch.int64, device=self.device)
         C.all_reduce_sum(t, self.group, self.stats)
-        return local, int(t.item())
+        if failure is not None:
+            raise failure
+        remote = remote_failure(t[1:].tolist(), self.compile, self.rank,
+                                [u.name for u in self.units]) if codes else None
+        if remote is not None:
+            raise remote
+        if microbatches:
+            self._probed.add(self.staged.model.training)
+        return local, int(t[0].item())
+
+    def compile_report(self) -> CompileStats:
+        """This rank's compile cost and graph counts so far (zeros with compile off): see
+        ``CompileStats``; ``recompiles`` stays 0 in a run whose shapes the probe covered, and
+        at most 2 more (dynamic shapes) for microbatches of other sizes."""
+        graphs = graph_count() - self._graphs_at_compile if self.compile is not None else 0
+        return CompileStats(graphs=graphs, probe_graphs=self._probe_graphs,
+                            compile_s=self._compile_s)
+
+    def _probe_compile(self, microbatches) -> CompileFailure | None:
+        """Compile every unit graph before the step's first collective (once per train / eval
+        mode; ranks without a microbatch skip it); the failure, if any, to report through the
+        all-reduce."""
+        if self.compile is None or not microbatches or \
+                self.staged.model.training in self._probed:
+            return None
+        try:
+            with strict(self.compile):
+                seconds, graphs = timed_probe(lambda: probe_compile(
+                    self.staged, self.units, self.root.embed, microbatches[0], self.device,
+                    self.compile, self.rank))
+        except CompileFailure as failure:
+            return failure
+        self._compile_s += seconds
+        self._probe_graphs += graphs
+        if self.rank == 0:
+            print(f"[hf_cephalo] torch.compile (backend {self.compile.backend}, mode "
+                  f"{self.compile.mode}): {self.num_units} units, {graphs} graphs compiled in "
+                  f"{seconds:.1f} s (inductor cache: {inductor_cache_dir()})", flush=True)
+        return None
 
     def make_grad_scaler(self, **kwargs) -> "CephaloGradScaler":
         """A loss scaler for ``autocast_dtype=torch.float16``: PyTorch's ``ShardedGradScaler`` on
@@ -427,7 +492,8 @@ class CephaloEngine:
                            scale_loss=scale_loss)
         try:
             with global_num_items_scope(global_items):  # [Note: global item count for user losses]
-                step.run()
+                with strict(self.compile):  # [Note: compiled units] in compile.py
+                    step.run()
         except BaseException as exc:
             self._abandon_step(stash, exc, "train_step")
             raise
@@ -517,8 +583,9 @@ class CephaloEngine:
         _, global_items = self._global_items(mbs)
         try:
             with global_num_items_scope(global_items):  # [Note: global item count for user losses]
-                loss_sum, logits, mb_sums = self._evaluate_layered(mbs, return_logits,
-                                                                   process_logits)
+                with strict(self.compile):
+                    loss_sum, logits, mb_sums = self._evaluate_layered(mbs, return_logits,
+                                                                       process_logits)
         except BaseException as exc:
             self._abandon_step(None, exc, "evaluate")
             raise

@@ -29,6 +29,7 @@ _EXPORTS = {
     "replan_with_measured_u": "replan",
     "replan_live": "replan",
     "adopt_checkpoint_split": "replan",
+    "adopt_checkpoint_state": "replan",
     # adaptive (live re-balancing)
     "AdaptiveCallback": "adaptive",
     "SlowdownScheduleCallback": "adaptive",

@@ -84,7 +84,10 @@ def _measure_config(args, global_batch_size: int, train_dataset) -> MeasureConfi
     return MeasureConfig(max_microbatch_size=max(1, min(max_m, global_batch_size)),
                          sequence_length=seq, precision=_precision(args), verbose=verbose,
                          param_dtype=_job_precision(args).param,
-                         reduce_dtype=_job_precision(args).reduce)
+                         reduce_dtype=_job_precision(args).reduce,
+                         compile_backend=args.torch_compile_backend if args.torch_compile
+                         else None,
+                         compile_mode=args.torch_compile_mode if args.torch_compile else None)
 
 
 def _gather_names(name: str, world_size: int) -> list[str]:

@@ -201,15 +201,21 @@ FIELD_SUPPORT: dict[str, Support] = {
         status=Status.STOCK, test=_L + "test_two_process_fields_as_stock_ddp",
         note="alias of activation_checkpointing_kwargs (same handling)",
         refuse_if=_checkpointing_kwargs_refused),
-    "torch_compile": _refused("the engine runs the model unit by unit, so a compiled model "
-                              "would never be called: drop torch_compile (and "
-                              "torch_compile_backend / torch_compile_mode, which turn it on)"),
-    "torch_compile_backend": Support(status=Status.REFUSED, implies="torch_compile",
-                                     note="turns on torch_compile (refused as torch_compile; "
-                                          "set with it by default): drop the flag"),
-    "torch_compile_mode": Support(status=Status.REFUSED, implies="torch_compile",
-                                  note="turns on torch_compile (refused as torch_compile): "
-                                       "drop the flag"),
+    "torch_compile": _stock(
+        "each decoder layer (engine unit) is compiled in place: forward, recompute and "
+        "backward; identical layers share graphs; the profiler times the compiled units; a "
+        "unit that fails to compile stops every rank before the first all-gather "
+        "(docs/engine.md \"Compile\"); trajectory equal to eager's to fp32 rounding. Unlike "
+        "stock (which compiles a wrapper), the model's own layers stay compiled after "
+        "trainer.unshard_model()",
+        "tests/test_compile.py::test_compiled_engine_three_ranks"),
+    "torch_compile_backend": _stock(
+        "the backend of the per-unit compile (default inductor); an unknown one is refused "
+        "at construction",
+        "tests/test_compile.py::test_bad_backend_or_mode_refused_without_process_group"),
+    "torch_compile_mode": _stock(
+        "the inductor mode of the per-unit compile", "tests/test_compile.py::"
+        "test_bad_backend_or_mode_refused_without_process_group"),
     "use_liger_kernel": _refused("Liger patches the model's forward and loss, which the engine "
                                  "bypasses: drop use_liger_kernel"),
     "liger_kernel_config": _refused("see use_liger_kernel: drop the flag"),

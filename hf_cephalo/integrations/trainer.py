@@ -75,7 +75,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
-from hf_cephalo.engine import CephaloEngine
+from hf_cephalo.engine import CephaloEngine, CompileOptions
 from hf_cephalo.engine.rank_precision import check_scalable_optimizer, rank_precision
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
 from hf_cephalo.integrations.adaptive import AdaptiveCallback, SlowdownScheduleCallback
@@ -179,6 +179,16 @@ class _GatheredPredictions(NamedTuple):
     losses: np.ndarray | None
 
 
+def _compile_options(args) -> CompileOptions | None:
+    """``--torch_compile`` / ``--torch_compile_backend`` / ``--torch_compile_mode`` as the
+    engine's per-unit compile (docs/engine.md "Compile"); None when off. TrainingArguments
+    fills in the backend ("inductor" on CPU / CUDA) when only torch_compile is set."""
+    if not args.torch_compile:
+        return None
+    return CompileOptions(backend=args.torch_compile_backend or "inductor",
+                          mode=args.torch_compile_mode)
+
+
 class CephaloTrainer(Trainer):
     """``Trainer`` that trains through ``CephaloEngine`` with a per-rank weighted batch split.
 
@@ -214,6 +224,7 @@ class CephaloTrainer(Trainer):
         staged = check_script(args, model, self._hook_problems(model, kwargs),
                               train_dataset=kwargs.get("train_dataset"),
                               eval_dataset=kwargs.get("eval_dataset"))
+        compile_options = _compile_options(args)  # a bad backend / mode: ValueError here
         _engine_checkpointing_replaces_model_checkpointing(args)
         world_size = args.world_size  # sets up the process group (accelerate launch / torchrun)
         # [Note: fail fast] in preflight.py: no profile, plan or collective before these checks
@@ -252,7 +263,8 @@ class CephaloTrainer(Trainer):
                                     autocast_dtype=precision.autocast_dtype,
                                     param_dtype=precision.param_dtype,
                                     reduce_dtype=precision.reduce_dtype,
-                                    root_resident=self.plan.root_resident, init_seed=args.seed)
+                                    root_resident=self.plan.root_resident, init_seed=args.seed,
+                                    compile=compile_options)
         self.accelerator.attach_engine(self.engine, model)
         self._attach_grad_scaler()
         guard_sharded_model(model, self._full_numel)  # [Note: the user's model while sharded]

@@ -47,6 +47,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from hf_cephalo.engine.compile import CompileOptions, compile_units
 from hf_cephalo.engine.flat_param import (collect_params, install_param_views,
                                           move_shared_params, param_infos)
 from hf_cephalo.models.base import AutocastStagedModel, StagedModel
@@ -111,6 +112,10 @@ class MeasureConfig:
         reduce_dtype: "fp32" or ``param_dtype``; recorded in the profile's precision tag and
             ``ModelProfile.reduce_bytes`` (the collectives are timed in the master dtype and
             scaled by the planner, ``cost.unit_comm``).
+        compile_backend / compile_mode: None (eager), or the ``torch.compile`` backend and mode
+            the engine will compile its units with (``CephaloEngine(compile=...)``): the units
+            are compiled in place before timing (the warm-up rounds absorb the compilation), so
+            the plan prices what will run; part of the profile cache key.
     """
 
     max_microbatch_size: int = 8
@@ -123,6 +128,8 @@ class MeasureConfig:
     precision: str = "fp32"
     param_dtype: str = "fp32"
     reduce_dtype: str = "fp32"
+    compile_backend: str | None = None
+    compile_mode: str | None = None
 
     @property
     def precision_spec(self) -> Precision:
@@ -498,7 +505,11 @@ def _peak_bytes(device: torch.device, run: Callable[[], None]) -> float:
     """Peak bytes allocated while ``run()`` runs, beyond what was allocated before it.
 
     CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated``). CPU: the peak of
-    live tensors allocated inside (``live_memory.LiveTensorBytes``).
+    live tensors allocated inside (``live_memory.LiveTensorBytes``); that counter is a torch
+    dispatch mode, which compiled code cannot run under, so compiled units run eagerly here
+    (``torch.compiler.set_stance("force_eager")``): on the CPU a compiled profile's memory is
+    the eager units' activation memory (the compiled one is not measured), its times are the
+    compiled units'.
     """
     if device.type == "cuda":
         _sync(device)
@@ -507,7 +518,7 @@ def _peak_bytes(device: torch.device, run: Callable[[], None]) -> float:
         run()
         _sync(device)
         return float(torch.cuda.max_memory_allocated(device) - base)
-    with LiveTensorBytes() as live:
+    with torch.compiler.set_stance("force_eager"), LiveTensorBytes() as live:
         run()
     return float(live.peak_bytes)
 
@@ -1009,6 +1020,9 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
         ValueError: bad config or emulation lists that do not match the world size.
     """
     config = config or MeasureConfig()
+    if config.compile_backend is not None:  # time the units the engine will run
+        compile_units(staged.units(), CompileOptions(backend=config.compile_backend,
+                                                     mode=config.compile_mode))
     device = torch.device(device)
     rank, world_size = _world(group)
     if emulation is not None:
@@ -1029,6 +1043,8 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
     store = ProfileCache() if cache is True else (cache or None)
     # The capacity does not change timings: the key names the (emulated) speed only.
     timing_name = emulated_device_name(local_device_name(device), slowdown, None)
+    if config.compile_backend is not None:  # compiled units time differently
+        timing_name += f" compiled-{config.compile_backend}-{config.compile_mode or 'default'}"
     key = device_key(fingerprint, timing_name, dtype, config.sequence_length,
                      config.microbatch_sizes)
     dev = store.get_device(key) if store is not None else None

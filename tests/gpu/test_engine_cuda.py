@@ -333,6 +333,58 @@ def cuda_memory_worker(rank, world):
     return peaks
 
 
+def cuda_compile_worker(rank, world):
+    """torch.compile per unit on CUDA (inductor / Triton): compiled vs eager engine after 3
+    AdamW steps with a last microbatch of another size and offload on (rtol 1e-4 / atol 1e-5:
+    fused kernels reorder fp32 reductions), no recompile after the first step; with dropout,
+    the recompute replays the forward's masks (CUDA RNG) under compile: same gradient as a
+    plain forward + backward of the compiled model with the same seed."""
+    from hf_cephalo.engine import CompileOptions
+    device, group = _nccl_setup()
+    cfg = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=8)
+    runs = {}
+    for name, options in (("eager", None), ("compiled", CompileOptions())):
+        torch.manual_seed(0)
+        engine = CephaloEngine(ToyStaged(ToyLM(cfg).to(device)), process_group=group,
+                               device=device, compile=options)
+        opt = torch.optim.AdamW(engine.parameters(), lr=1e-2, weight_decay=0.1)
+        losses, reports = [], []
+        for step in range(3):
+            ids, labels = _batch(5, 8, cfg.vocab_size, seed=step)
+            losses.append(engine.train_step(mbs_of(ids.to(device), labels.to(device),
+                                                   [2, 2, 1])).loss)
+            opt.step()
+            engine.zero_grad()
+            reports.append(engine.compile_report())
+        runs[name] = (losses, engine.full_state_dict(), reports)
+    torch.testing.assert_close(runs["compiled"][0], runs["eager"][0], rtol=1e-4, atol=1e-5)
+    for key, value in runs["eager"][1].items():
+        torch.testing.assert_close(runs["compiled"][1][key], value, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"compiled vs eager {key}: {m}")
+    reports = runs["compiled"][2]
+    assert reports[0].recompiles == reports[-1].recompiles, reports
+    dropout = ToyConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=3,
+                        max_seq_len=8, dropout=0.3)
+    grads = {}
+    for checkpointing in (True, False):  # recompute vs kept graphs: same masks needed
+        torch.manual_seed(0)
+        engine = CephaloEngine(ToyStaged(ToyLM(dropout).to(device)), process_group=group,
+                               device=device, compile=CompileOptions(),
+                               activation_checkpointing=checkpointing)
+        ids, labels = _batch(3, 8, dropout.vocab_size, seed=10)
+        torch.manual_seed(123)
+        engine.train_step(mbs_of(ids.to(device), labels.to(device), [2, 1]))
+        grads[checkpointing] = [p.grad.clone() for p in engine.parameters()]
+    for got, expected in zip(grads[True], grads[False]):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    return True
+
+
+@requires_cuda
+def test_cuda_compile_per_unit():
+    assert run_ranks(cuda_compile_worker, 1, timeout_s=400) == [True]
+
+
 @requires_cuda
 def test_cuda_streams_offload_parity():
     assert run_ranks(cuda_parity_worker, 1, timeout_s=300) == [True]

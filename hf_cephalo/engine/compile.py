@@ -1,0 +1,206 @@
+"""torch.compile per unit: options, the up-front probe, graph counts (docs/engine.md "Compile").
+
+[Note: compiled units]
+Each layer unit's module is compiled in place (``nn.Module.compile``: the module tree, its
+names and the engine's parameter views are unchanged), with ``fullgraph=True`` so that a graph
+break is an error, never a silent partial fallback to eager. Dynamo treats built-in module
+parameters as graph inputs (``inline_inbuilt_nn_modules``, on by default since torch 2.5), so
+identical decoder layers share one compiled graph per grad mode: two graphs for all units
+(the no-grad forward, and the forward + backward of the recompute / kept graph), whatever the
+number of layers. A microbatch of another size (the last one of an uneven split, another
+plan, evaluation) recompiles ONCE with dynamic shapes (torch's default ``dynamic=None``), after
+which every size reuses it: at most 4 graphs for the units in training mode (eval mode has its
+own: dropout off is another graph). Dynamo's recompile limit
+is made an error (``fail_on_recompile_limit_hit``, only while the engine runs: ``strict``) so that
+passing it never falls back to eager. The modules stay compiled outside the engine too (after
+``trainer.unshard_model()`` the model's layers run compiled, with torch's default limits),
+where stock Trainer compiles a wrapper and leaves the user's model eager.
+Only the layer units are compiled: the embedding and head run once per microbatch each and
+hold data-dependent Python (item counts, HF mask builders).
+
+Dropout under compile: inductor draws its random seeds from torch's global generator when the
+graph runs, so restoring the CPU (and CUDA) RNG state before the recompute (``RngState`` in
+``schedule.py``) replays the forward's masks exactly as in eager; the masks themselves differ
+from eager's (another random stream), like any compiled model's.
+
+[Note: compile failures before the first collective]
+Compilation is lazy (first call), and the first call of a unit happens after its all-gather.
+So the first ``train_step`` / ``evaluate`` in each of train and eval mode (dropout makes them
+different graphs) first runs ``probe_compile`` on every rank that has a microbatch: the
+embedding and each unit run locally on zero-filled parameters of the real
+shapes (no collective), without and with autograd, which compiles every graph the step will
+use. A failure (a backend that cannot compile, an unsupported op, a graph break) is folded
+into the step's first collective, the item-count all-reduce, as one integer per rank; then
+every rank raises (the failing ones with the compiler's message) before any all-gather. A rank
+without a microbatch compiles nothing and learns the others' failures from that all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .flat_param import install_param_views
+
+_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+OFF_HINT = ("turn compile off (--torch_compile False, or CephaloEngine(compile=None)) or pick "
+            "another backend (--torch_compile_backend)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """How ``CephaloEngine(compile=...)`` compiles each layer unit (``torch.compile``).
+
+    backend: a ``torch._dynamo.list_backends()`` name ("inductor": C++/OpenMP kernels on the
+        CPU, Triton on CUDA; "aot_eager" and "eager" are debugging backends).
+    mode: None / "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
+        (inductor only; see ``torch.compile``).
+    Raises ValueError for an unknown backend or mode (at construction, before any collective).
+    """
+
+    backend: str = "inductor"
+    mode: str | None = None
+
+    def __post_init__(self):
+        known = sorted(set(torch._dynamo.list_backends()) | {"eager", "aot_eager"})
+        if self.backend not in known:
+            raise ValueError(f"torch.compile backend {self.backend!r} is not available in this "
+                             f"torch {torch.__version__} (available: {known}): {OFF_HINT}")
+        if self.mode not in _MODES:
+            raise ValueError(f"torch.compile mode {self.mode!r} is not one of {list(_MODES)}")
+        if self.mode not in (None, "default") and self.backend != "inductor":
+            raise ValueError(f"torch.compile mode {self.mode!r} is an inductor setting, the "
+                             f"backend is {self.backend!r}: drop the mode or use inductor")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileStats:
+    """What compiling the units cost and produced on this rank.
+
+    graphs: graphs dynamo compiled in this process since the units were compiled (shared by
+        every unit: see [Note: compiled units]; other compiled code in the process counts too);
+        probe_graphs: those compiled by the probe (first step);
+        recompiles: ``graphs - probe_graphs`` (later shapes / grad modes).
+    compile_s: wall seconds of the probe (compilation of every graph of the first step).
+    """
+
+    graphs: int = 0
+    probe_graphs: int = 0
+    compile_s: float = 0.0
+
+    @property
+    def recompiles(self) -> int:
+        return self.graphs - self.probe_graphs
+
+
+def graph_count() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compile_units(units: Sequence[nn.Module], options: CompileOptions) -> int:
+    """Compile each unit module in place (see [Note: compiled units]); returns
+    ``graph_count()`` at that point (the base of ``CompileStats.graphs``)."""
+    for module in units:
+        module.compile(backend=options.backend, mode=options.mode, fullgraph=True)
+    return graph_count()
+
+
+def strict(options: CompileOptions | None):
+    """Context for the engine's compiled calls: passing dynamo's recompile limit raises instead
+    of falling back to eager (a no-op context with compile off)."""
+    if options is None:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+
+
+class CompileFailure(RuntimeError):
+    """A unit failed to compile on this rank (raised by ``probe_compile``)."""
+
+    def __init__(self, unit_index: int, unit_name: str, options: CompileOptions, rank: int,
+                 exc: BaseException):
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        super().__init__(f"torch.compile of {unit_name} with backend {options.backend!r} "
+                         f"(mode {options.mode}) failed on rank {rank}: {type(exc).__name__}: "
+                         f"{first}. Every rank stops before the first all-gather; {OFF_HINT}")
+        self.unit_index = unit_index
+
+
+def remote_failure(codes: Sequence[int], options: CompileOptions, rank: int,
+                   unit_names: Sequence[str]) -> RuntimeError | None:
+    """The error a rank raises for the other ranks' probe failures (``codes[r]``: 0 = rank r
+    compiled fine, k > 0: rank r failed on unit k - 1); None if none failed."""
+    failed = [(r, int(c) - 1) for r, c in enumerate(codes) if int(c) > 0]
+    if not failed:
+        return None
+    where = ", ".join(f"rank {r} on {unit_names[k]}" for r, k in failed)
+    return RuntimeError(f"torch.compile with backend {options.backend!r} (mode {options.mode}) "
+                        f"failed ({where}; see that rank's error); rank {rank} stops before the "
+                        f"first all-gather too: {OFF_HINT}")
+
+
+@contextlib.contextmanager
+def _zero_params(unit) -> Any:
+    """``unit`` (a sharded ``FlatParamUnit``) with zero-filled full parameters installed as the
+    engine installs gathered ones (a (Nt,) autograd leaf); yields the function that installs
+    fresh views again; placeholders afterwards. No collective."""
+    trainable = torch.zeros(unit.trainable_numel, dtype=unit.gather_dtype(unit.parts[0]),
+                            device=unit.device, requires_grad=unit.trainable_numel > 0)
+    frozen = torch.zeros(unit.numel - unit.trainable_numel,
+                         dtype=unit.gather_dtype(unit.parts[1]), device=unit.device)
+    def install() -> None:  # fresh views before each call, as ``use_params``
+        install_param_views(unit.infos, unit._uses, trainable, frozen)
+    try:
+        install()
+        yield install
+    finally:
+        unit._set_placeholders()
+
+
+def probe_compile(staged, units, embed_unit, microbatch, device: torch.device,
+                  options: CompileOptions, rank: int) -> None:
+    """Run the embedding and every unit once on ``microbatch`` with zero parameters, without
+    autograd (the forward) and with it (recompute + backward), so that every graph of the step
+    is compiled now ([Note: compile failures before the first collective]). The global RNG is
+    left as it was. Raises ``CompileFailure`` naming the first unit that failed."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        with _zero_params(embed_unit), torch.no_grad():
+            hidden, ctx = staged.embed(microbatch)
+        hidden = hidden.detach()
+        for i, unit in enumerate(units):
+            try:
+                with _zero_params(unit) as install:
+                    with torch.no_grad():
+                        staged.run_unit(i, hidden, ctx)
+                    install()
+                    with torch.enable_grad():  # also when called under no_grad (evaluate)
+                        x = hidden.clone().requires_grad_(True)
+                        y = staged.run_unit(i, x, ctx)
+                        torch.autograd.backward(y, torch.ones_like(y))
+            except Exception as exc:  # any compiler error: reported, never swallowed
+                raise CompileFailure(i, f"{unit.name} ({type(staged.units()[i]).__name__})",
+                                     options, rank, exc) from exc
+
+
+def timed_probe(probe) -> tuple[float, int]:
+    """(seconds, graphs compiled) of ``probe()``."""
+    before, t0 = graph_count(), time.perf_counter()
+    probe()
+    return time.perf_counter() - t0, graph_count() - before
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's on-disk cache folder (``TORCHINDUCTOR_CACHE_DIR``, default
+    ``/tmp/torchinductor_<user>``): compiled kernels and FX graphs are reused across runs."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        return cache_dir()
+    except Exception:  # an older layout: report the variable instead
+        import os
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default")

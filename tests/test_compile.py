@@ -1,0 +1,199 @@
+"""torch.compile per unit (engine/compile.py): compiled vs eager engine, dropout replay under
+compile, and compile failures raised on every rank before the first all-gather.
+
+Tolerances: the compiled and the eager engine run the same math, but inductor fuses kernels
+and reorders fp32 reductions (layer norm, softmax, matmul epilogues, gradient sums), so results
+agree to fp32 rounding accumulated over 3 AdamW steps, not bit for bit: rtol 1e-4, atol 1e-5
+(the eager engine itself is held to 1e-5 / 1e-6 against the single-process reference).
+
+Compiling is slow on 2 cores: ONE 3-rank process group runs every multi-rank sub-case on tiny
+models (the 2-rank cases in a subgroup), and every case reuses the same graphs (same block
+shapes), which the in-process dynamo cache and inductor's on-disk cache serve after the first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_cephalo.engine import CephaloEngine, CompileOptions
+from hf_cephalo.engine import schedule
+from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
+from tests.dist_utils import budget_s, run_ranks, test_timeout
+
+RTOL, ATOL = 1e-4, 1e-5
+LR, WD = 1e-2, 0.1
+CFG = dict(vocab_size=24, hidden_size=16, num_heads=2, num_layers=2, mlp_ratio=2, max_seq_len=8)
+INDUCTOR = CompileOptions(backend="inductor")
+
+
+def batches(world: int, step: int, sizes_b, seq: int = 6):
+    gen = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, CFG["vocab_size"], (sum(sizes_b), seq), generator=gen)
+    return ids
+
+
+def my_microbatches(ids, sizes_b, sizes_m, rank):
+    """Rank ``rank``'s microbatches of size sizes_m[rank] (the last one smaller if it does not
+    divide: a microbatch of another size every step)."""
+    start = sum(sizes_b[:rank])
+    mine = ids[start:start + sizes_b[rank]]
+    return [{"input_ids": mine[k:k + sizes_m[rank]]}
+            for k in range(0, sizes_b[rank], sizes_m[rank])]
+
+
+def train(rank, group, cfg, ratios, sizes_b, sizes_m, compile, steps=3, seed=0, **kw):
+    """Losses, the full state dict (rank 0) and the engine after ``steps`` AdamW steps."""
+    torch.manual_seed(seed)
+    engine = CephaloEngine(ToyStaged(ToyLM(cfg)), ratios, process_group=group, compile=compile,
+                           **kw)
+    opt = torch.optim.AdamW(engine.parameters(), lr=LR, weight_decay=WD)
+    losses, reports = [], []
+    for step in range(steps):
+        torch.manual_seed(1000 + step)  # dropout masks: same stream in both runs
+        ids = batches(len(ratios), step, sizes_b)
+        losses.append(engine.train_step(my_microbatches(ids, sizes_b, sizes_m, rank)).loss)
+        opt.step()
+        engine.zero_grad()
+        reports.append(engine.compile_report())
+    return losses, engine.full_state_dict(), reports
+
+
+def assert_same_run(got, expected, what, rank, rtol=RTOL, atol=ATOL):
+    torch.testing.assert_close(got[0], expected[0], rtol=rtol, atol=atol,
+                               msg=lambda m: f"{what}: losses: {m}")
+    if rank == 0:
+        for key, value in expected[1].items():
+            torch.testing.assert_close(got[1][key], value, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"{what}: {key} after 3 steps: {m}")
+
+
+# ---- sub-cases (each runs on every rank of the 3-rank group) -----------------------------------
+
+def case_compiled_equals_eager(rank, world, pair):
+    """Dropout 0, uneven state split, uneven microbatches (a last one of another size, a rank
+    with none): compiled == eager after 3 AdamW steps; no recompile after the first step."""
+    plans = [(pair, [0.7, 0.3], [5, 2], [2, 2]),
+             (None, [0.5, 0.1, 0.4], [3, 4, 0], [2, 4, 1])]
+    for group, ratios, sizes_b, sizes_m in plans:
+        if group is pair and rank == 2:
+            continue
+        cfg = ToyConfig(**CFG)
+        eager = train(rank, group, cfg, ratios, sizes_b, sizes_m, None)
+        compiled = train(rank, group, cfg, ratios, sizes_b, sizes_m, INDUCTOR)
+        assert_same_run(compiled, eager, f"compiled vs eager, {len(ratios)} ranks", rank)
+        reports = compiled[2]
+        assert reports[0].recompiles == reports[-1].recompiles, \
+            f"recompiled after the first step: {reports}"
+        assert reports[-1].graphs <= 4, reports  # see [Note: compiled units]
+
+
+def case_dropout_replay(rank, world, pair, break_replay=False):
+    """Dropout 0.3, compiled: the recompute (activation checkpointing) gives the gradient of
+    the logged loss, i.e. the same run as keeping every forward graph (no recompute), only if
+    the recompute replays the forward's masks."""
+    if rank == 2:
+        return None
+    cfg = ToyConfig(**CFG, dropout=0.3)
+    args = (rank, pair, cfg, [0.6, 0.4], [3, 2], [2, 1], INDUCTOR)
+    kept = train(*args, activation_checkpointing=False)
+    saved = schedule.RngState.replay
+    if break_replay:  # the recompute draws fresh masks
+        schedule.RngState.replay = lambda self: contextlib.nullcontext()
+    try:
+        recomputed = train(*args, activation_checkpointing=True)
+    finally:
+        schedule.RngState.replay = saved
+    assert_same_run(recomputed, kept, "dropout: recompute vs kept graphs", rank)
+    return True
+
+
+def case_unit_failure(rank, world):
+    """A unit that cannot compile (a data-dependent branch is a graph break, an error under
+    fullgraph) fails on every rank, the rank without a microbatch included, before any
+    all-gather, with a message naming the unit, the backend and how to turn compile off."""
+    cfg = ToyConfig(**CFG, rare_token_id=3)
+    torch.manual_seed(0)
+    engine = CephaloEngine(ToyStaged(ToyLM(cfg)), [0.4, 0.4, 0.2], compile=INDUCTOR)
+    before = engine.stats.all_gather_count
+    ids = batches(3, 0, [2, 2, 0])
+    with pytest.raises(RuntimeError) as err:
+        engine.train_step(my_microbatches(ids, [2, 2, 0], [2, 1, 1], rank))
+    message = str(err.value)
+    assert "'inductor'" in message and "--torch_compile False" in message, message
+    assert "unit 0" in message, message
+    assert engine.stats.all_gather_count == before, "an all-gather ran before the error"
+    return message
+
+
+def compile_worker(rank, world):
+    out = {}
+    pair = dist.new_group([0, 1])  # every rank takes part in creating it
+    case_compiled_equals_eager(rank, world, pair)
+    out["failure"] = case_unit_failure(rank, world)
+    case_dropout_replay(rank, world, pair)
+    try:
+        case_dropout_replay(rank, world, pair, break_replay=True)
+        out["broken_replay_detected"] = False
+    except AssertionError:
+        out["broken_replay_detected"] = True
+    return out
+
+
+@test_timeout(150)
+def test_compiled_engine_three_ranks():
+    results = run_ranks(compile_worker, 3, timeout_s=budget_s(150))
+    assert "failed on rank 0" in results[0]["failure"]
+    assert "rank 0 on unit 0" in results[2]["failure"]  # the rank without a microbatch
+    assert results[0]["broken_replay_detected"] and results[1]["broken_replay_detected"]
+
+
+def test_bad_backend_or_mode_refused_without_process_group():
+    with pytest.raises(ValueError, match="backend 'no_such_backend' is not available.*"
+                                         "--torch_compile False"):
+        CompileOptions(backend="no_such_backend")
+    with pytest.raises(ValueError, match="mode 'fastest' is not one of"):
+        CompileOptions(mode="fastest")
+    with pytest.raises(ValueError, match="inductor setting"):
+        CompileOptions(backend="aot_eager", mode="max-autotune")
+    with pytest.raises(TypeError, match="CompileOptions"):
+        CephaloEngine(ToyStaged(ToyLM(ToyConfig(**CFG))), compile="inductor")
+
+
+def test_profiler_times_the_compiled_units_under_their_own_cache_key(tmp_path, monkeypatch):
+    """With compile_backend set, profile_cluster compiles the units before timing them (every
+    unit call sees the compiled module; on the CPU the memory pass alone is forced eager: see
+    ``measure._peak_bytes``), and the profile is cached apart from
+    the eager one (an eager profile never prices a compiled run). aot_eager: dynamo and
+    AOTAutograd without inductor's kernel compilation, to keep the test cheap."""
+    import transformers
+
+    from hf_cephalo.models.registry import stage_model
+    from hf_cephalo.profiler import measure
+    from hf_cephalo.profiler.cache import ProfileCache
+
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    staged = stage_model(transformers.LlamaForCausalLM(cfg))
+    seen = []
+    real_run_unit = type(staged).run_unit
+
+    def spy(self, index, hidden, ctx):
+        seen.append(self.units()[index]._compiled_call_impl is not None)
+        return real_run_unit(self, index, hidden, ctx)
+
+    monkeypatch.setattr(type(staged), "run_unit", spy)
+    cache = ProfileCache(tmp_path)
+    base = dict(max_microbatch_size=2, sequence_length=8, repeats=1, progress=False)
+    measure.profile_cluster(staged, measure.MeasureConfig(**base), cache=cache)
+    assert seen and not any(seen)
+    seen.clear()
+    measure.profile_cluster(staged, measure.MeasureConfig(**base, compile_backend="aot_eager"),
+                            cache=cache)
+    assert seen and all(seen)
+    assert len(list(tmp_path.glob("device-*.json"))) == 2  # not a hit of the eager entry
