@@ -39,19 +39,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench_hetero import build_model  # the same Llama-shaped model (this folder is on sys.path)
+
 CASES = {2: [1.0, 3.0], 3: [1.0, 2.0, 4.0]}  # world size: factors from the change step on
 RUNS = ("static", "adaptive", "oracle")
-
-
-def build_model(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                      num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                      max_position_embeddings=args.seq)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).float()
 
 
 def dataset(args, n):
