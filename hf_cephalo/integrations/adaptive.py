@@ -82,10 +82,13 @@ class SlowdownScheduleCallback(TrainerCallback):
 def format_switch(step: int, old: Plan, new: Plan, decision: SwitchDecision,
                   old_scales: list[float]) -> str:
     """The one line rank 0 prints for a switch."""
-    changed = [f"rank {i} {s / o:.2f}x {'slower' if s > o else 'faster'}"
+    # scales are unit compute time / the start profile's prediction; old_scales are those of
+    # the last switch (1.0 before any): the change is said as one factor, since then
+    since = "since the last switch" if any(o != 1.0 for o in old_scales) else "than profiled"
+    changed = [f"rank {i} {max(s / o, o / s):.2f}x {'slower' if s > o else 'faster'}"
                for i, (s, o) in enumerate(zip(decision.scales, old_scales))
-               if o > 0 and abs(s / o - 1) > 0.10]
-    speed = ", ".join(changed) if changed else "speeds as measured"
+               if o > 0 and s > 0 and abs(s / o - 1) > 0.10]
+    speed = ", ".join(changed) + f" {since}" if changed else "speeds as measured"
     ratios = "r_i unchanged" if new.state_ratios == old.state_ratios else (
         "r_i " + "/".join(f"{r:.3f}" for r in old.state_ratios) + " -> " +
         "/".join(f"{r:.3f}" for r in new.state_ratios))

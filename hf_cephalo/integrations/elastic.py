@@ -251,7 +251,8 @@ def latest_checkpoint(output_dir: str) -> str | None:
     from hf_cephalo.engine.checkpoint import newest_complete_checkpoint
 
     newest = newest_complete_checkpoint(output_dir)
-    if newest.path is not None and newest.skipped:
+    # said once: every rank of a job resolves the same checkpoint (RANK is set by the launcher)
+    if newest.path is not None and newest.skipped and os.environ.get("RANK", "0") == "0":
         logger.warning("resume: skipped %d incomplete checkpoint(s) newer than %s (no "
                        "completeness marker: their save did not finish): %s",
                        len(newest.skipped), newest.path, ", ".join(newest.skipped))

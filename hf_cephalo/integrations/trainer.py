@@ -1004,12 +1004,20 @@ class CephaloTrainer(Trainer):
         so every rank takes the same branch."""
         from hf_cephalo.integrations.replan import adopt_checkpoint_split, adopt_checkpoint_state
 
+        start = self.plan
+        new = None
         if self.adaptive_callback.mode == "state":
             new = adopt_checkpoint_state(self.plan, checkpoint_plan, self.cluster_profile)
             if new is not None:
                 self._relayout_state(new)  # sets self.plan
-                return
-        self.plan = adopt_checkpoint_split(self.plan, checkpoint_plan, self.cluster_profile)
+        if new is None:
+            self.plan = adopt_checkpoint_split(self.plan, checkpoint_plan, self.cluster_profile)
+        if self.plan is not start and self.is_world_process_zero():
+            # the plan printed at start is not the one that runs: say so, and keep plan.json
+            # beside the outputs in step with it
+            print("[hf-cephalo] resume continues on the plan its checkpoint ran on (the live "
+                  "re-balancing before it):\n" + format_plan_table(self.plan), flush=True)
+            self.plan.save(os.path.join(self.args.output_dir, "plan.json"))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank writes its parameter and optimizer shards with the layout
@@ -1035,7 +1043,7 @@ class CephaloTrainer(Trainer):
             contents = check_contents(resume_from_checkpoint)
             self._load_weights(resume_from_checkpoint, contents)
         self._resumed_weights_only = contents is not None and contents.save_only_model
-        if self._resumed_weights_only:
+        if self._resumed_weights_only and self.is_world_process_zero():  # said once
             logger.warning(f"{resume_from_checkpoint} was saved with save_only_model=True: it "
                            "holds the model weights and trainer state but no optimizer, LR "
                            "scheduler, scaler or RNG state; resuming as stock Trainer does, with "

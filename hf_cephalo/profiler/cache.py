@@ -145,15 +145,17 @@ def write_back_devices(cluster_extra: Mapping[str, Any],
     ``cluster_extra``: ``ClusterProfile.extra`` of a profile made by ``profile_cluster`` with a
     cache (its ``"profile_cache"`` record: the cache directory and each rank's device key);
     nothing is written without it (a profile file, a profile measured without a cache). Each
-    entry is written atomically (temp file + rename). Returns the paths written. Call it on one
-    rank (rank 0): it holds every rank's entry.
+    entry is written atomically (temp file + rename), once: ranks that share an entry (the same
+    device kind) write the lowest rank's refit. Returns the paths written. Call it on one rank
+    (rank 0): it holds every rank's entry.
     """
     record = cluster_extra.get("profile_cache")
     if not record or len(record.get("device_keys", [])) != len(devices):
         return []
     store = ProfileCache(record["root"])
-    written = []
+    written = {}
     for key, device in zip(record["device_keys"], devices):
-        store.put_device(key, device)
-        written.append(store._path(key))
-    return written
+        if key not in written:  # ranks of one device kind share an entry: the lowest rank's
+            store.put_device(key, device)
+            written[key] = store._path(key)
+    return list(written.values())
