@@ -18,8 +18,8 @@ All three run the same schedule, data and model. Measured: each step's wall time
 (``PlanAccuracyCallback.step_s``; ranks finish a step together at its last collective), median
 over steps [``--from-step``, ``--steps``). Printed: adaptive / oracle (goal <= 1.10),
 static / adaptive (goal >= 1.5 for 1x -> 3x), steps from the change to the switch, and the
-predicted vs measured step time after adaptation (the cost model leaves out the embedding, head
-and optimizer step and prices collectives from the profile). The two cases: 2 ranks 1x -> 3x,
+predicted vs measured step time after adaptation (the whole step as planner/cost.py prices it:
+units, embedding and head, optimizer step, collectives and waiting, [Note: step terms]). The two cases: 2 ranks 1x -> 3x,
 and 3 ranks drifting to 1x/2x/4x.
 
 Usage: python benchmarks/bench_adaptive.py [--steps 40] [--change-step 10] [--cases 2,3]
