@@ -148,8 +148,8 @@ def report(world_size, args, result):
               f"{args.change_step}); measured scales {['%.2f' % x for x in last['scales']]}")
         print(f"after adaptation: predicted {last['predicted_after_s']:.3f} s per step, measured "
               f"{med['adaptive']:.3f} s (error "
-              f"{100 * (last['predicted_after_s'] / med['adaptive'] - 1):+.1f}%; the model leaves "
-              "out embedding, head and optimizer step)")
+              f"{100 * (last['predicted_after_s'] / med['adaptive'] - 1):+.1f}%: the whole step, "
+              "planner/cost.py [Note: step terms])")
     else:
         print("no switch was taken")
     print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
