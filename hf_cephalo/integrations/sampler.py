@@ -293,13 +293,18 @@ class WeightedBatchSampler(Sampler[list[int]]):
     def _sizes_at(self, step: int) -> list[int]:
         return self.batch_sizes if self.schedule is None else self.schedule.batch_sizes_at(step)
 
-    def _iter_rank(self, rank: int, mark: bool) -> Iterator[list[int]]:
+    def _iter_rank(self, rank: int | None, mark: bool) -> Iterator[list[int]]:
+        """Per step, ``rank``'s share of the global batch (the whole batch for None); with
+        ``mark`` the schedule learns the step drawn ([Note: switching the split live])."""
         first = self.epoch * len(self)  # global step of this epoch's first batch
         for k, batch in enumerate(self._global_batches()):
-            counts = split_counts(len(batch), self._sizes_at(first + k))  # read when drawn
-            start = sum(counts[:rank])
             if mark and self.schedule is not None:
                 self.schedule.current_step = first + k
+            if rank is None:  # GlobalBatchCollator splits it by this step's sizes
+                yield batch
+                continue
+            counts = split_counts(len(batch), self._sizes_at(first + k))  # read when drawn
+            start = sum(counts[:rank])
             yield batch[start:start + counts[rank]]
 
     def local_batches(self) -> list[list[int]]:
@@ -308,14 +313,7 @@ class WeightedBatchSampler(Sampler[list[int]]):
         return self.rank_batches(self.rank)
 
     def __iter__(self) -> Iterator[list[int]]:
-        if not self.yield_global_batch:
-            yield from self._iter_rank(self.rank, mark=True)
-            return
-        first = self.epoch * len(self)
-        for k, batch in enumerate(self._global_batches()):
-            if self.schedule is not None:  # the collator splits it by this step's sizes
-                self.schedule.current_step = first + k
-            yield batch
+        yield from self._iter_rank(None if self.yield_global_batch else self.rank, mark=True)
 
     def __len__(self) -> int:
         full, partial = divmod(self.dataset_length, self.global_batch_size)
