@@ -28,10 +28,13 @@ ranks would take with the work split perfectly and free communication. Each syst
 step time is printed as a multiple of it.
 
 ``--compile`` (issue 24) replaces the report: eager vs ``torch.compile`` (inductor) for Cephalo
-(``CephaloEngine(compile=CompileOptions())``: each unit compiled in place, activation
-checkpointing on) and FSDP2-GA (each decoder layer ``torch.compile(layer, fullgraph=True)``
-before ``fully_shard``, as torchtitan's ``apply_compile``), steps interleaved, at each l; the
-engine's graph counts (recompiles) and compile time; the bound eager and compiled.
+(``CephaloEngine(compile=CompileOptions())``: each unit compiled in place; with activation
+checkpointing, the default, and without it, FSDP2-GA's memory policy) and FSDP2-GA (each
+decoder layer ``torch.compile(layer, fullgraph=True)`` before ``fully_shard``, as torchtitan's
+``apply_compile``), steps interleaved, at each l; the engine's graph counts (recompiles) and
+compile time; the bound eager and compiled; and what compile can remove at all: rank 0's
+profiled self CPU time of one Cephalo step split into matmuls, SDPA attention, collectives
+and the rest (``op_time_split``), with the speedup ceiling if the rest cost nothing.
 
 Usage: python benchmarks/bench_engine.py [--world-size 2] [--device cpu|cuda] [--quick]
        [--compile]
@@ -86,6 +89,33 @@ def count_collectives(prof) -> dict:
         elif e.name == "c10d::_reduce_scatter_base_":
             out["rs"] += 1
             out["rs_bytes"] += _ELEMENT_BYTES.get(e.input_dtypes[1], 4) * e.input_shapes[1][0]
+    return out
+
+
+# Ops that inductor leaves to the same library kernels on the CPU (oneDNN / MKL GEMMs, the
+# fused SDPA kernel) and the collectives: compile cannot make them faster.
+_MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+
+
+def op_time_split(prof) -> dict:
+    """Self CPU seconds of one profiled step by kind: ``matmul`` (``_MATMUL_OPS``),
+    ``attention`` (the SDPA kernels, forward and backward), ``collective`` (c10d ops) and
+    ``rest`` (every other op and compiled kernel: elementwise, normalisation, copies, the
+    gradient concatenations, the optimizer's foreach kernels), plus ``total``. The trace's
+    events nest, so self times add up to the traced CPU time without double counting."""
+    out = {"matmul": 0.0, "attention": 0.0, "collective": 0.0, "rest": 0.0, "total": 0.0}
+    for e in prof.key_averages():
+        t = e.self_cpu_time_total / 1e6
+        if e.key in _MATMUL_OPS:
+            kind = "matmul"
+        elif "scaled_dot_product" in e.key or "flash_attention" in e.key:
+            kind = "attention"
+        elif e.key.startswith("c10d::") or e.key.startswith("gloo:"):
+            kind = "collective"
+        else:
+            kind = "rest"
+        out[kind] += t
+        out["total"] += t
     return out
 
 
@@ -355,11 +385,16 @@ def worker(rank, args, port, out_q):
 
 
 def compile_worker(args, rank, device) -> dict:
-    """``--compile``: eager vs compiled Cephalo (per-unit compile, activation checkpointing)
-    and FSDP2-GA (per-layer compile as torchtitan), steps interleaved, at each l; plus the
-    compiled engine's graph counts and compile time (its first step, outside the timing)."""
+    """``--compile``: eager vs compiled Cephalo (per-unit compile; with activation
+    checkpointing, its default, and without, FSDP2-GA's memory policy) and FSDP2-GA (per-layer
+    compile as torchtitan, no activation checkpointing), steps interleaved, at each l; the
+    compiled engine's graph counts and compile time (its first step, outside the timing); and
+    rank 0's profiled self CPU time of one Cephalo step by kind (``op_time_split``)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
     from hf_cephalo.engine.compile import graph_count
-    res = {"time": {}, "coll": {}, "compile": {}}
+    res = {"time": {}, "coll": {}, "compile": {}, "split": {}}
     # Several systems' compiled layers live in this one process and share dynamo's code cache
     # (FSDP2's layers are another class, each l another shape): more entries than the default
     # limit of 8 that one engine (at most 4 per train / eval mode) needs.
@@ -374,6 +409,10 @@ def compile_worker(args, rank, device) -> dict:
             graphs[0] += graph_count() - before
         steps = {"cephalo": cephalo_runner(args, rank, device, num_mb)[0],
                  "cephalo-compiled": counted,
+                 "cephalo-noac": cephalo_runner(args, rank, device, num_mb,
+                                                checkpointing=False)[0],
+                 "cephalo-noac-compiled": cephalo_runner(args, rank, device, num_mb,
+                                                         checkpointing=False, compiled=True)[0],
                  "fsdp2": fsdp2_runner(args, rank, device, num_mb),
                  "fsdp2-compiled": fsdp2_runner(args, rank, device, num_mb, compiled=True),
                  "bound": bound_runner(args, rank, device),
@@ -381,6 +420,10 @@ def compile_worker(args, rank, device) -> dict:
         times, _ = time_interleaved(steps, args, device, profile=False)
         for name in steps:
             res["time"][f"{name}/{num_mb}"] = times[name]
+        for name in ("cephalo", "cephalo-compiled", "cephalo-noac", "cephalo-noac-compiled"):
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                steps[name](args.steps + 1)  # every rank: the step's collectives pair up
+            res["split"][f"{name}/{num_mb}"] = op_time_split(prof)
         report = engine.compile_report()  # its graphs would count FSDP2's too: not used
         res["compile"][num_mb] = {"graphs": graphs[0], "probe_graphs": report.probe_graphs,
                                   "recompiles": graphs[0] - report.probe_graphs,
@@ -433,23 +476,44 @@ def report_compile(args, results):
     print(f"# bench_engine --compile: {args.world_size} ranks on {args.device}, Llama "
           f"{args.layers} layers, hidden {args.hidden}, seq {args.seq}, {args.local_batch} "
           f"sequences per rank; torch.compile inductor (Cephalo: per unit, with activation "
-          f"checkpointing; FSDP2-GA: per layer before fully_shard, as torchtitan)")
-    print(f"{'l':>3} {'m':>3} | {'cephalo':>7} {'compiled':>8} {'speedup':>7} | {'FSDP2-GA':>8} "
-          f"{'compiled':>8} {'speedup':>7} | {'C/F comp':>8} | {'graphs':>6} {'recomp':>6} "
+          f"checkpointing (+AC, its default) and without (noAC); FSDP2-GA: per layer before "
+          f"fully_shard, as torchtitan, no activation checkpointing)")
+    print(f"{'l':>3} {'m':>3} | {'Cephalo+AC':>10} {'compiled':>8} {'speedup':>7} | "
+          f"{'noAC':>6} {'compiled':>8} {'speedup':>7} | {'FSDP2-GA':>8} {'compiled':>8} "
+          f"{'speedup':>7} | {'C/F +AC':>7} {'noAC':>5} | {'graphs':>6} {'recomp':>6} "
           f"{'compile s':>9}")
     for l in args.num_mb:
-        ce, cc, fe, fc = (slowest_s(results, n, l) for n in
-                          ("cephalo", "cephalo-compiled", "fsdp2", "fsdp2-compiled"))
+        ce, cc, ne, nc, fe, fc = (slowest_s(results, n, l) for n in (
+            "cephalo", "cephalo-compiled", "cephalo-noac", "cephalo-noac-compiled", "fsdp2",
+            "fsdp2-compiled"))
         info = results[0]["compile"][l]
-        print(f"{l:>3} {args.local_batch // l:>3} | {ce:>7.3f} {cc:>8.3f} {ce / cc:>6.2f}x | "
-              f"{fe:>8.3f} {fc:>8.3f} {fe / fc:>6.2f}x | {cc / fc:>8.2f} | "
-              f"{info['graphs']:>6} {info['recompiles']:>6} {info['compile_s']:>9.1f}")
-    print("(seconds per step, slowest rank; graphs: dynamo graphs rank 0 compiled during the "
-          "compiled engine's steps at this l (warm-up, timed and profiled), shared by all its "
-          f"{args.layers} units; recomp: of those, compiled after the first step's probe; "
-          "compile s: the probe's wall time; a new engine per l, the process's dynamo cache "
-          "kept: a later l may reuse earlier graphs)")
-    print_bound(args, results, ["cephalo", "cephalo-compiled", "fsdp2", "fsdp2-compiled"],
+        print(f"{l:>3} {args.local_batch // l:>3} | {ce:>10.3f} {cc:>8.3f} {ce / cc:>6.2f}x | "
+              f"{ne:>6.3f} {nc:>8.3f} {ne / nc:>6.2f}x | {fe:>8.3f} {fc:>8.3f} {fe / fc:>6.2f}x"
+              f" | {cc / fc:>7.2f} {nc / fc:>5.2f} | {info['graphs']:>6} {info['recompiles']:>6}"
+              f" {info['compile_s']:>9.1f}")
+    print("(seconds per step, slowest rank; C/F: compiled Cephalo / compiled FSDP2-GA, +AC "
+          "pays a recompute FSDP2-GA does not, noAC is the same memory policy; graphs: dynamo "
+          "graphs rank 0 compiled during the compiled +AC engine's steps at this l (warm-up, "
+          f"timed and profiled), shared by all its {args.layers} units; recomp: of those, "
+          "compiled after the first step's probe; compile s: the probe's wall time; a new "
+          "engine per l, the process's dynamo cache kept: a later l may reuse earlier graphs)")
+    print("what compile can remove (rank 0, one profiled step each; self CPU ms by kind; "
+          "matmuls and SDPA attention run the same library kernels compiled or not, so the "
+          "ceiling is the eager step with every other op free: step / (step - rest)):")
+    for l in args.num_mb:
+        for eager, compiled in (("cephalo", "cephalo-compiled"),
+                                ("cephalo-noac", "cephalo-noac-compiled")):
+            e = results[0]["split"][f"{eager}/{l}"]
+            c = results[0]["split"][f"{compiled}/{l}"]
+            step_e, step_c = slowest_s(results, eager, l), slowest_s(results, compiled, l)
+            ceiling = step_e / max(step_e - e["rest"], 1e-9)
+            print(f"  l={l} {eager:<12}: matmul {1e3 * e['matmul']:6.1f}, attention "
+                  f"{1e3 * e['attention']:5.1f}, collective {1e3 * e['collective']:4.1f}, rest "
+                  f"{1e3 * e['rest']:5.1f} -> compiled rest {1e3 * c['rest']:5.1f} ms; matmul "
+                  f"{e['matmul'] / e['total']:.0%} of the traced time; ceiling "
+                  f"{ceiling:.2f}x, measured {step_e / step_c:.2f}x")
+    print_bound(args, results, ["cephalo", "cephalo-compiled", "cephalo-noac",
+                                "cephalo-noac-compiled", "fsdp2", "fsdp2-compiled"],
                 bounds=("bound", "bound-compiled"))
     if args.json:
         with open(args.json, "w") as fh:
