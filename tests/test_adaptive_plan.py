@@ -167,12 +167,25 @@ def test_bad_measurements_leave_that_rank_as_it_is(bad):
     assert not none.switch and none.invalid_ranks == [0, 1] and none.plan is plan
 
 
-def test_refit_scales_forward_and_backward():
-    cluster = _two_ranks()
+def test_refit_scales_every_compute_table():
+    base = _two_ranks()
+    devices = [dataclasses.replace(d, embed_s=[0.01 * m for m in d.microbatch_sizes],
+                                   head_s=[0.02 * m for m in d.microbatch_sizes])
+               for d in base.devices]
+    cluster = dataclasses.replace(base, devices=devices)
     fit = refit_cluster(cluster, [1.0, 2.5])
-    assert fit.devices[1].fwd_s == pytest.approx([2.5 * x for x in cluster.devices[1].fwd_s])
-    assert fit.devices[1].bwd_s == pytest.approx([2.5 * x for x in cluster.devices[1].bwd_s])
+    for table in ("fwd_s", "bwd_s", "embed_s", "head_s"):
+        assert getattr(fit.devices[1], table) == pytest.approx(
+            [2.5 * x for x in getattr(cluster.devices[1], table)]), table
     assert fit.devices[0] == cluster.devices[0]
+    # a slowed rank's root is priced slower too: the predicted step grows by its root's share
+    plan = optimize(cluster, 16)
+    slowed = predict(plan, fit).iteration_s
+    units_only = predict(plan, dataclasses.replace(fit, devices=[
+        fit.devices[0], dataclasses.replace(fit.devices[1], embed_s=devices[1].embed_s,
+                                            head_s=devices[1].head_s)])).iteration_s
+    assert slowed > units_only
+    assert refit_cluster(base, [1.0, 2.5]).devices[1].embed_s is None  # not profiled: stays
     with pytest.raises(ValueError, match="scale of rank 1"):
         refit_cluster(cluster, [1.0, float("nan")])
 

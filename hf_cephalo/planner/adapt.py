@@ -100,7 +100,14 @@ def split_key(plan: Plan) -> str:
 
 
 def refit_cluster(cluster: ClusterProfile, scales: Sequence[float]) -> ClusterProfile:
-    """``cluster`` with device i's ``fwd_s`` and ``bwd_s`` multiplied by ``scales[i]`` (> 0).
+    """``cluster`` with device i's compute tables multiplied by ``scales[i]`` (> 0).
+
+    The tables are the units' ``fwd_s`` / ``bwd_s`` and, where profiled, the root's
+    ``embed_s`` / ``head_s``: s_i is read from the units' compute alone (the only compute the
+    exchange times), and a device that runs its units s_i times slower (throttled, shared) runs
+    its embedding and head slower alike, as the emulated slowdown does (profiler/emulate.py).
+    ``planner.predict.refit_to_measured`` (the write-back after a run) scales the root tables
+    by their own measured factor instead, which the live exchange does not carry.
 
     Raises:
         ValueError: a scale that is not finite and positive, or not one per rank.
@@ -111,8 +118,12 @@ def refit_cluster(cluster: ClusterProfile, scales: Sequence[float]) -> ClusterPr
     for i, (d, s) in enumerate(zip(cluster.devices, scales)):
         if not (math.isfinite(s) and s > 0):
             raise ValueError(f"scale of rank {i} is {s!r}: need a finite factor > 0")
-        devices.append(d if s == 1.0 else dataclasses.replace(
-            d, fwd_s=[x * s for x in d.fwd_s], bwd_s=[x * s for x in d.bwd_s]))
+        if s != 1.0:
+            d = dataclasses.replace(
+                d, fwd_s=[x * s for x in d.fwd_s], bwd_s=[x * s for x in d.bwd_s],
+                embed_s=None if d.embed_s is None else [x * s for x in d.embed_s],
+                head_s=None if d.head_s is None else [x * s for x in d.head_s])
+        devices.append(d)
     return dataclasses.replace(cluster, devices=devices)
 
 
