@@ -1,20 +1,29 @@
 """torch.compile per unit: options, the up-front probe, graph counts (docs/engine.md "Compile").
 
 [Note: compiled units]
-Each layer unit's module is compiled in place (``nn.Module.compile``: the module tree, its
-names and the engine's parameter views are unchanged), with ``fullgraph=True`` so that a graph
-break is an error, never a silent partial fallback to eager. Dynamo treats built-in module
-parameters as graph inputs (``inline_inbuilt_nn_modules``, on by default since torch 2.5), so
-identical decoder layers share one compiled graph per grad mode: two graphs for all units
-(the no-grad forward, and the forward + backward of the recompute / kept graph), whatever the
-number of layers. A microbatch of another size (the last one of an uneven split, another
-plan, evaluation) recompiles ONCE with dynamic shapes (torch's default ``dynamic=None``), after
-which every size reuses it: at most 4 graphs for the units in training mode (eval mode has its
-own: dropout off is another graph). Dynamo's recompile limit
-is made an error (``fail_on_recompile_limit_hit``, only while the engine runs: ``strict``) so that
-passing it never falls back to eager. The modules stay compiled outside the engine too (after
-``trainer.unshard_model()`` the model's layers run compiled, with torch's default limits),
-where stock Trainer compiles a wrapper and leaves the user's model eager.
+Each layer unit's module is compiled with ``nn.Module.compile`` (the module tree, its names and
+the engine's parameter views are unchanged), with ``fullgraph=True`` so that a graph break is an
+error, never a silent partial fallback to eager. Dynamo treats built-in module parameters as
+graph inputs (``inline_inbuilt_nn_modules``, on by default since torch 2.5), so identical
+decoder layers share one compiled graph per grad mode: two graphs for all units (the no-grad
+forward, and the forward + backward of the recompute / kept graph), whatever the number of
+layers. A microbatch of another size (the last one of an uneven split, another plan,
+evaluation) recompiles ONCE with dynamic shapes (torch's default ``dynamic=None``), after which
+every size reuses it: at most 4 graphs for the units in training mode (eval mode has its own:
+dropout off is another graph).
+
+The compiled call is installed on the modules only while the engine runs them
+(``CompiledUnits.active``: the probe, ``train_step``, ``evaluate``; the profiler's timing), and
+the modules get back what they had before (normally eager: ``_compiled_call_impl`` unset, the
+class default None) when it returns, so the user's model object is eager whenever the user can
+reach it: between steps, after training, after ``trainer.unshard_model()``, as stock Trainer
+leaves it (stock compiles a wrapper, ``torch.compile(model)``, and leaves the model eager).
+torch has no public "uncompile" (``nn.Module.compile`` sets ``_compiled_call_impl``; its
+``__getstate__`` drops it): the engine sets and removes that attribute itself. Re-installing
+the same compiled callable recompiles nothing: dynamo caches graphs on the code of
+``Module._call_impl`` with guards on the module, not on the attribute. While the engine runs,
+dynamo's recompile limit is made an error (``fail_on_recompile_limit_hit``) so that passing it
+never falls back to eager.
 Only the layer units are compiled: the embedding and head run once per microbatch each and
 hold data-dependent Python (item counts, HF mask builders).
 
@@ -103,20 +112,56 @@ def graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def compile_units(units: Sequence[nn.Module], options: CompileOptions) -> int:
-    """Compile each unit module in place (see [Note: compiled units]); returns
-    ``graph_count()`` at that point (the base of ``CompileStats.graphs``)."""
-    for module in units:
-        module.compile(backend=options.backend, mode=options.mode, fullgraph=True)
-    return graph_count()
+class CompiledUnits:
+    """The layer units' compiled calls, installed only inside ``active()`` (see
+    [Note: compiled units]).
+
+    units: the layer unit modules; each is compiled with ``nn.Module.compile(backend, mode,
+        fullgraph=True)`` now (lazily: dynamo compiles at the first call) and left as it was
+        before (eager unless the caller had compiled it itself) until ``active()``.
+    graphs_at_compile: ``graph_count()`` at construction (the base of ``CompileStats.graphs``).
+    """
+
+    def __init__(self, units: Sequence[nn.Module], options: CompileOptions):
+        self.options = options
+        self._modules = list(units)
+        self._before = [m.__dict__.get("_compiled_call_impl") for m in self._modules]
+        self._calls = []
+        for module in self._modules:
+            module.compile(backend=options.backend, mode=options.mode, fullgraph=True)
+            self._calls.append(module._compiled_call_impl)
+        self._depth = 0  # nested active() contexts (the probe inside a step's first collective)
+        self._uninstall()
+        self.graphs_at_compile = graph_count()
+
+    def _uninstall(self) -> None:
+        for module, before in zip(self._modules, self._before):
+            if before is None:
+                module.__dict__.pop("_compiled_call_impl", None)  # the class default: eager
+            else:
+                module._compiled_call_impl = before
+
+    @contextlib.contextmanager
+    def active(self, *, strict: bool = True):
+        """The units run compiled inside; on exit (also on an exception) they are as before.
+        strict: passing dynamo's recompile limit raises instead of falling back to eager."""
+        if self._depth == 0:
+            for module, call in zip(self._modules, self._calls):
+                module._compiled_call_impl = call
+        self._depth += 1
+        try:
+            with (torch._dynamo.config.patch(fail_on_recompile_limit_hit=True) if strict
+                  else contextlib.nullcontext()):
+                yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._uninstall()
 
 
-def strict(options: CompileOptions | None):
-    """Context for the engine's compiled calls: passing dynamo's recompile limit raises instead
-    of falling back to eager (a no-op context with compile off)."""
-    if options is None:
-        return contextlib.nullcontext()
-    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+def running(compiled: CompiledUnits | None):
+    """``compiled.active()``, or a no-op context with compile off."""
+    return contextlib.nullcontext() if compiled is None else compiled.active()
 
 
 class CompileFailure(RuntimeError):

@@ -24,8 +24,8 @@ from torch import nn
 from ..models.base import AutocastStagedModel, StagedModel, global_num_items_scope
 from ..planner.state import layout_unit_shards  # pure planning code (numpy), no torch.distributed
 from . import collectives as C
-from .compile import (CompileFailure, CompileOptions, CompileStats, compile_units,
-                      graph_count, inductor_cache_dir, probe_compile, remote_failure, strict,
+from .compile import (CompileFailure, CompileOptions, CompileStats, CompiledUnits,
+                      graph_count, inductor_cache_dir, probe_compile, remote_failure, running,
                       timed_probe)
 from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_params,
                          move_shared_params, param_infos)
@@ -223,8 +223,10 @@ class CephaloEngine:
         init_seed: seed of the per-unit init of a model whose parameters are all on the meta
             device and that has no checkpoint (same weights for any plan and world size).
         compile: None (eager, default) or ``CompileOptions(backend=..., mode=...)``: each layer
-            unit's module is compiled in place with ``torch.compile`` (forward, recompute and
-            backward; identical layers share graphs). The first ``train_step`` / ``evaluate``
+            unit's module is compiled with ``nn.Module.compile`` (forward, recompute and
+            backward; identical layers share graphs), the compiled call installed only while
+            the engine runs the unit, so the model is eager between steps and after training,
+            as stock Trainer leaves it ([Note: compiled units]). The first ``train_step`` / ``evaluate``
             compiles every graph before its first collective and raises on every rank if a
             unit fails (see [Note: compile failures before the first collective] in
             ``compile.py``); ``compile_report()`` gives the compile time and graph counts.
@@ -294,8 +296,9 @@ class CephaloEngine:
         self.num_units = len(self.units)
         self.compile = compile
         self._compile_s, self._probe_graphs = 0.0, 0  # the probes' wall seconds and graphs
-        if compile is not None:  # [Note: compiled units] in compile.py
-            self._graphs_at_compile = compile_units(self.staged.units(), compile)
+        # [Note: compiled units] in compile.py: compiled calls installed only while running
+        self._compiled = CompiledUnits(self.staged.units(), compile) \
+            if compile is not None else None
         # [Note: compile failures before the first collective]: model.training values probed
         self._probed: set[bool] = set()
         self._failure: str | None = None  # set when a step raised mid-schedule
@@ -417,7 +420,8 @@ class CephaloEngine:
         """This rank's compile cost and graph counts so far (zeros with compile off): see
         ``CompileStats``; ``recompiles`` stays 0 in a run whose shapes the probe covered, and
         at most 2 more (dynamic shapes) for microbatches of other sizes."""
-        graphs = graph_count() - self._graphs_at_compile if self.compile is not None else 0
+        graphs = graph_count() - self._compiled.graphs_at_compile \
+            if self._compiled is not None else 0
         return CompileStats(graphs=graphs, probe_graphs=self._probe_graphs,
                             compile_s=self._compile_s)
 
@@ -429,7 +433,7 @@ class CephaloEngine:
                 self.staged.model.training in self._probed:
             return None
         try:
-            with strict(self.compile):
+            with running(self._compiled):
                 seconds, graphs = timed_probe(lambda: probe_compile(
                     self.staged, self.units, self.root.embed, microbatches[0], self.device,
                     self.compile, self.rank))
@@ -492,7 +496,7 @@ class CephaloEngine:
                            scale_loss=scale_loss)
         try:
             with global_num_items_scope(global_items):  # [Note: global item count for user losses]
-                with strict(self.compile):  # [Note: compiled units] in compile.py
+                with running(self._compiled):  # [Note: compiled units] in compile.py
                     step.run()
         except BaseException as exc:
             self._abandon_step(stash, exc, "train_step")
@@ -583,7 +587,7 @@ class CephaloEngine:
         _, global_items = self._global_items(mbs)
         try:
             with global_num_items_scope(global_items):  # [Note: global item count for user losses]
-                with strict(self.compile):
+                with running(self._compiled):
                     loss_sum, logits, mb_sums = self._evaluate_layered(mbs, return_logits,
                                                                        process_logits)
         except BaseException as exc:
