@@ -34,11 +34,11 @@ pytestmark = test_timeout(JOB_S, 20.0)
 BACKENDS = (None, "aot_eager", "inductor")  # None: eager, the reference of the compiled runs
 SIZES, MICRO, RATIOS = [1, 3], [1, 2], [0.6, 0.4]
 NUM_SAMPLES = 12  # 3 steps of the global batch 4
-COMPILE_LINE = "[hf_cephalo] torch.compile (backend "
+NUM_EVAL = 8
 
 
-def _samples(n: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
+def _samples(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(n):
         ids = torch.randint(1, 97, (12,), generator=g)
@@ -64,8 +64,16 @@ def _args(out_dir: str, backend: str | None, cls=None):
         from hf_cephalo.integrations.training_args import CephaloTrainingArguments as cls
     return cls(output_dir=out_dir, report_to="none", optim="sgd", learning_rate=0.5,
                max_grad_norm=0.5, num_train_epochs=1, logging_steps=1, save_strategy="no",
-               seed=3, disable_tqdm=True, use_cpu=True, torch_compile=backend is not None,
+               seed=3, disable_tqdm=True, per_device_eval_batch_size=1, use_cpu=True, torch_compile=backend is not None,
                torch_compile_backend=backend)
+
+
+def _compile_lines(printed: io.StringIO, what: str) -> int:
+    """How many engine compile lines were printed; each must say it is for ``what``."""
+    lines = [line for line in printed.getvalue().splitlines()
+             if line.startswith("[hf_cephalo] torch.compile (backend ")]
+    assert all(f" for {what}: " in line for line in lines), lines
+    return len(lines)
 
 
 def _spy_units(trainer, seen: list[bool]) -> None:
@@ -91,7 +99,8 @@ def _run(rank: int, out_dir: str, backend: str | None) -> dict:
     with contextlib.redirect_stdout(printed):
         trainer = CephaloTrainer(model=build("llama"), args=_args(out_dir, backend),
                                  plan=Plan.from_ratios(SIZES, MICRO, RATIOS),
-                                 data_collator=_collate, train_dataset=_samples(NUM_SAMPLES))
+                                 data_collator=_collate, train_dataset=_samples(NUM_SAMPLES),
+                                 eval_dataset=_samples(NUM_EVAL, seed=1))
         _spy_units(trainer, seen_first)
         trainer.train()
     report = trainer.engine.compile_report()
@@ -108,12 +117,25 @@ def _run(rank: int, out_dir: str, backend: str | None) -> dict:
     _spy_units(trainer, seen_again)
     trainer.args.max_steps = 1
     trainer.train()
-    out = dict(losses=logs, compile_lines=printed.getvalue().count(COMPILE_LINE),
+    after_second_run = compiled_modules(trainer.model)
+    graphs_after_second_run = trainer.engine.compile_report().graphs
+    # evaluation (eval mode, no autograd): its probe compiles the graph evaluate runs, nothing
+    # is compiled after it (microbatches of one size: per_device_eval_batch_size 1)
+    before_eval, seen_eval, printed_eval = trainer.engine.compile_report(), [], io.StringIO()
+    _spy_units(trainer, seen_eval)
+    with contextlib.redirect_stdout(printed_eval):
+        eval_loss = trainer.evaluate()["eval_loss"]
+    after_eval = trainer.engine.compile_report()
+    out = dict(losses=logs, compile_lines=_compile_lines(printed, "training"),
                graphs=report.graphs, probe_graphs=report.probe_graphs,
-               graphs_after_second_run=trainer.engine.compile_report().graphs,
+               graphs_after_second_run=graphs_after_second_run,
                seen_first=seen_first, seen_again=seen_again, after_train=after_train,
-               after_unshard=after_unshard,
-               after_second_run=compiled_modules(trainer.model))
+               after_unshard=after_unshard, after_second_run=after_second_run,
+               eval_loss=eval_loss, seen_eval=seen_eval,
+               eval_lines=_compile_lines(printed_eval, "evaluation"),
+               eval_probe_graphs=after_eval.probe_graphs - before_eval.probe_graphs,
+               eval_recompiles=after_eval.recompiles - before_eval.recompiles,
+               after_eval=compiled_modules(trainer.model))
     if rank == 0:
         out.update(state=state, save_dir=save_dir)
     return out
@@ -122,7 +144,13 @@ def _run(rank: int, out_dir: str, backend: str | None) -> dict:
 def _worker(rank, world_size, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    return portable({str(backend): _run(rank, out_dir, backend) for backend in BACKENDS}, True)
+    results = {}
+    for backend in BACKENDS:
+        # each run as in its own process: the runs' graphs of the same decoder-layer code
+        # would otherwise add up to dynamo's recompile limit (8 per code object)
+        torch._dynamo.reset()
+        results[str(backend)] = _run(rank, out_dir, backend)
+    return portable(results, True)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +190,24 @@ def test_model_is_eager_after_training_and_training_again_compiles(runs, backend
         assert compiled["seen_again"] and all(compiled["seen_again"])
         assert compiled["graphs_after_second_run"] == compiled["graphs"]
         assert compiled["after_second_run"] == []
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_evaluation_compiles_once_what_it_runs(runs, backend):
+    """``trainer.evaluate()`` after compiled training: the eval loss equals eager's; its probe
+    (eval mode, no autograd, parameters without grad, as evaluate runs them) compiles the
+    graph evaluate runs, so nothing is compiled after it (a probe with grad-requiring
+    parameters left evaluate to recompile: dynamo guards on requires_grad); its compile line
+    is printed once, by rank 0; the model is eager afterwards."""
+    for rank, result in enumerate(runs):
+        eager, compiled = result["None"], result[backend]
+        torch.testing.assert_close(compiled["eval_loss"], eager["eval_loss"], rtol=RTOL,
+                                   atol=ATOL)
+        assert compiled["eval_probe_graphs"] >= 1, compiled
+        assert compiled["eval_recompiles"] == 0, compiled
+        assert compiled["seen_eval"] and all(compiled["seen_eval"])
+        assert compiled["eval_lines"] == (1 if rank == 0 else 0), compiled["eval_lines"]
+        assert compiled["after_eval"] == []
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

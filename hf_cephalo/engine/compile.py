@@ -34,11 +34,14 @@ from eager's (another random stream), like any compiled model's.
 
 [Note: compile failures before the first collective]
 Compilation is lazy (first call), and the first call of a unit happens after its all-gather.
-So the first ``train_step`` / ``evaluate`` in each of train and eval mode (dropout makes them
-different graphs) first runs ``probe_compile`` on every rank that has a microbatch: the
-embedding and each unit run locally on zero-filled parameters of the real
-shapes (no collective), without and with autograd, which compiles every graph the step will
-use. A failure (a backend that cannot compile, an unsupported op, a graph break) is folded
+So the first ``train_step`` and the first ``evaluate`` in each of train and eval mode (dropout
+makes them different graphs) first run ``probe_compile`` on every rank that has a microbatch:
+the embedding and each unit run locally on zero-filled parameters of the real shapes (no
+collective), which compiles every graph the call will use: for ``train_step`` without and
+with autograd, on parameters that require grad; for ``evaluate`` the no-grad forward only, on
+parameters that do not (dynamo guards on ``requires_grad``: probing evaluation with the
+training step's parameters compiled an autograd graph evaluate never runs and left it to
+compile its real graph after the probe, outside this guarantee). A failure (a backend that cannot compile, an unsupported op, a graph break) is folded
 into the step's first collective, the item-count all-reduce, as one integer per rank; then
 every rank raises (the failing ones with the compiler's message) before any all-gather. A rank
 without a microbatch compiles nothing and learns the others' failures from that all-reduce.
@@ -190,12 +193,14 @@ def remote_failure(codes: Sequence[int], options: CompileOptions, rank: int,
 
 
 @contextlib.contextmanager
-def _zero_params(unit) -> Any:
+def _zero_params(unit, requires_grad: bool) -> Any:
     """``unit`` (a sharded ``FlatParamUnit``) with zero-filled full parameters installed as the
-    engine installs gathered ones (a (Nt,) autograd leaf); yields the function that installs
-    fresh views again; placeholders afterwards. No collective."""
+    engine installs gathered ones (a (Nt,) leaf, an autograd leaf iff ``requires_grad``: dynamo
+    guards on it); yields the function that installs fresh views again; placeholders
+    afterwards. No collective."""
     trainable = torch.zeros(unit.trainable_numel, dtype=unit.gather_dtype(unit.parts[0]),
-                            device=unit.device, requires_grad=unit.trainable_numel > 0)
+                            device=unit.device,
+                            requires_grad=requires_grad and unit.trainable_numel > 0)
     frozen = torch.zeros(unit.numel - unit.trainable_numel,
                          dtype=unit.gather_dtype(unit.parts[1]), device=unit.device)
     def install() -> None:  # fresh views before each call, as ``use_params``
@@ -208,23 +213,28 @@ def _zero_params(unit) -> Any:
 
 
 def probe_compile(staged, units, embed_unit, microbatch, device: torch.device,
-                  options: CompileOptions, rank: int) -> None:
-    """Run the embedding and every unit once on ``microbatch`` with zero parameters, without
-    autograd (the forward) and with it (recompute + backward), so that every graph of the step
-    is compiled now ([Note: compile failures before the first collective]). The global RNG is
-    left as it was. Raises ``CompileFailure`` naming the first unit that failed."""
+                  options: CompileOptions, rank: int, *, for_training: bool = True) -> None:
+    """Run the embedding and every unit once on ``microbatch`` with zero parameters, so that
+    every graph of the step is compiled now ([Note: compile failures before the first
+    collective]). for_training (``train_step``): without autograd (the forward) and with it
+    (recompute + backward), parameters requiring grad as in the step; else (``evaluate``):
+    the no-grad forward only, on parameters that do not require grad, as ``evaluate`` runs
+    it. The global RNG is left as it was. Raises ``CompileFailure`` naming the first unit that
+    failed."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        with _zero_params(embed_unit), torch.no_grad():
+        with _zero_params(embed_unit, for_training), torch.no_grad():
             hidden, ctx = staged.embed(microbatch)
         hidden = hidden.detach()
         for i, unit in enumerate(units):
             try:
-                with _zero_params(unit) as install:
+                with _zero_params(unit, for_training) as install:
                     with torch.no_grad():
                         staged.run_unit(i, hidden, ctx)
+                    if not for_training:
+                        continue
                     install()
-                    with torch.enable_grad():  # also when called under no_grad (evaluate)
+                    with torch.enable_grad():  # also when called under no_grad
                         x = hidden.clone().requires_grad_(True)
                         y = staged.run_unit(i, x, ctx)
                         torch.autograd.backward(y, torch.ones_like(y))
