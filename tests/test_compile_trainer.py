@@ -64,8 +64,8 @@ def _args(out_dir: str, backend: str | None, cls=None):
         from hf_cephalo.integrations.training_args import CephaloTrainingArguments as cls
     return cls(output_dir=out_dir, report_to="none", optim="sgd", learning_rate=0.5,
                max_grad_norm=0.5, num_train_epochs=1, logging_steps=1, save_strategy="no",
-               seed=3, disable_tqdm=True, per_device_eval_batch_size=1, use_cpu=True, torch_compile=backend is not None,
-               torch_compile_backend=backend)
+               seed=3, disable_tqdm=True, per_device_eval_batch_size=1, use_cpu=True,
+               torch_compile=backend is not None, torch_compile_backend=backend)
 
 
 def _compile_lines(printed: io.StringIO, what: str) -> int:

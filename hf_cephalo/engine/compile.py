@@ -41,10 +41,11 @@ collective), which compiles every graph the call will use: for ``train_step`` wi
 with autograd, on parameters that require grad; for ``evaluate`` the no-grad forward only, on
 parameters that do not (dynamo guards on ``requires_grad``: probing evaluation with the
 training step's parameters compiled an autograd graph evaluate never runs and left it to
-compile its real graph after the probe, outside this guarantee). A failure (a backend that cannot compile, an unsupported op, a graph break) is folded
-into the step's first collective, the item-count all-reduce, as one integer per rank; then
-every rank raises (the failing ones with the compiler's message) before any all-gather. A rank
-without a microbatch compiles nothing and learns the others' failures from that all-reduce.
+compile its real graph after the probe, outside this guarantee). A failure (a backend that
+cannot compile, an unsupported op, a graph break) is folded into the step's first collective,
+the item-count all-reduce, as one integer per rank; then every rank raises (the failing ones
+with the compiler's message) before any all-gather. A rank without a microbatch compiles
+nothing and learns the others' failures from that all-reduce.
 """
 
 from __future__ import annotations

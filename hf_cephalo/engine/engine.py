@@ -226,9 +226,9 @@ class CephaloEngine:
             unit's module is compiled with ``nn.Module.compile`` (forward, recompute and
             backward; identical layers share graphs), the compiled call installed only while
             the engine runs the unit, so the model is eager between steps and after training,
-            as stock Trainer leaves it ([Note: compiled units]). The first ``train_step`` / ``evaluate``
-            compiles every graph before its first collective and raises on every rank if a
-            unit fails (see [Note: compile failures before the first collective] in
+            as stock Trainer leaves it ([Note: compiled units]). The first ``train_step`` /
+            ``evaluate`` compiles every graph before its first collective and raises on every
+            rank if a unit fails (see [Note: compile failures before the first collective] in
             ``compile.py``); ``compile_report()`` gives the compile time and graph counts.
 
     Start (docs/engine.md "Construction"; [Note: no full model after construction] in
