@@ -59,7 +59,16 @@ def train(rank, group, cfg, ratios, sizes_b, sizes_m, compile, steps=3, seed=0, 
         opt.step()
         engine.zero_grad()
         reports.append(engine.compile_report())
+        # [Note: compiled units]: compiled only while the engine runs; the model is eager
+        # between steps, as stock Trainer leaves the user's model
+        assert compiled_modules(engine.staged.model) == [], compiled_modules(engine.staged.model)
     return losses, engine.full_state_dict(), reports
+
+
+def compiled_modules(model) -> list[str]:
+    """Names of the modules of ``model`` that run compiled when called."""
+    return [name or "<model>" for name, module in model.named_modules()
+            if module._compiled_call_impl is not None]
 
 
 def assert_same_run(got, expected, what, rank, rtol=RTOL, atol=ATOL):
@@ -197,3 +206,4 @@ def test_profiler_times_the_compiled_units_under_their_own_cache_key(tmp_path, m
                             cache=cache)
     assert seen and all(seen)
     assert len(list(tmp_path.glob("device-*.json"))) == 2  # not a hit of the eager entry
+    assert compiled_modules(staged.model) == []  # eager again once measured, as it came

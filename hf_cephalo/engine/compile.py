@@ -1,20 +1,29 @@
 """torch.compile per unit: options, the up-front probe, graph counts (docs/engine.md "Compile").
 
 [Note: compiled units]
-Each layer unit's module is compiled in place (``nn.Module.compile``: the module tree, its
-names and the engine's parameter views are unchanged), with ``fullgraph=True`` so that a graph
-break is an error, never a silent partial fallback to eager. Dynamo treats built-in module
-parameters as graph inputs (``inline_inbuilt_nn_modules``, on by default since torch 2.5), so
-identical decoder layers share one compiled graph per grad mode: two graphs for all units
-(the no-grad forward, and the forward + backward of the recompute / kept graph), whatever the
-number of layers. A microbatch of another size (the last one of an uneven split, another
-plan, evaluation) recompiles ONCE with dynamic shapes (torch's default ``dynamic=None``), after
-which every size reuses it: at most 4 graphs for the units in training mode (eval mode has its
-own: dropout off is another graph). Dynamo's recompile limit
-is made an error (``fail_on_recompile_limit_hit``, only while the engine runs: ``strict``) so that
-passing it never falls back to eager. The modules stay compiled outside the engine too (after
-``trainer.unshard_model()`` the model's layers run compiled, with torch's default limits),
-where stock Trainer compiles a wrapper and leaves the user's model eager.
+Each layer unit's module is compiled with ``nn.Module.compile`` (the module tree, its names and
+the engine's parameter views are unchanged), with ``fullgraph=True`` so that a graph break is an
+error, never a silent partial fallback to eager. Dynamo treats built-in module parameters as
+graph inputs (``inline_inbuilt_nn_modules``, on by default since torch 2.5), so identical
+decoder layers share one compiled graph per grad mode: two graphs for all units (the no-grad
+forward, and the forward + backward of the recompute / kept graph), whatever the number of
+layers. A microbatch of another size (the last one of an uneven split, another plan,
+evaluation) recompiles ONCE with dynamic shapes (torch's default ``dynamic=None``), after which
+every size reuses it: at most 4 graphs for the units in training mode (eval mode has its own:
+dropout off is another graph).
+
+The compiled call is installed on the modules only while the engine runs them
+(``CompiledUnits.active``: the probe, ``train_step``, ``evaluate``; the profiler's timing), and
+the modules get back what they had before (normally eager: ``_compiled_call_impl`` unset, the
+class default None) when it returns, so the user's model object is eager whenever the user can
+reach it: between steps, after training, after ``trainer.unshard_model()``, as stock Trainer
+leaves it (stock compiles a wrapper, ``torch.compile(model)``, and leaves the model eager).
+torch has no public "uncompile" (``nn.Module.compile`` sets ``_compiled_call_impl``; its
+``__getstate__`` drops it): the engine sets and removes that attribute itself. Re-installing
+the same compiled callable recompiles nothing: dynamo caches graphs on the code of
+``Module._call_impl`` with guards on the module, not on the attribute. While the engine runs,
+dynamo's recompile limit is made an error (``fail_on_recompile_limit_hit``) so that passing it
+never falls back to eager.
 Only the layer units are compiled: the embedding and head run once per microbatch each and
 hold data-dependent Python (item counts, HF mask builders).
 
@@ -25,14 +34,18 @@ from eager's (another random stream), like any compiled model's.
 
 [Note: compile failures before the first collective]
 Compilation is lazy (first call), and the first call of a unit happens after its all-gather.
-So the first ``train_step`` / ``evaluate`` in each of train and eval mode (dropout makes them
-different graphs) first runs ``probe_compile`` on every rank that has a microbatch: the
-embedding and each unit run locally on zero-filled parameters of the real
-shapes (no collective), without and with autograd, which compiles every graph the step will
-use. A failure (a backend that cannot compile, an unsupported op, a graph break) is folded
-into the step's first collective, the item-count all-reduce, as one integer per rank; then
-every rank raises (the failing ones with the compiler's message) before any all-gather. A rank
-without a microbatch compiles nothing and learns the others' failures from that all-reduce.
+So the first ``train_step`` and the first ``evaluate`` in each of train and eval mode (dropout
+makes them different graphs) first run ``probe_compile`` on every rank that has a microbatch:
+the embedding and each unit run locally on zero-filled parameters of the real shapes (no
+collective), which compiles every graph the call will use: for ``train_step`` without and
+with autograd, on parameters that require grad; for ``evaluate`` the no-grad forward only, on
+parameters that do not (dynamo guards on ``requires_grad``: probing evaluation with the
+training step's parameters compiled an autograd graph evaluate never runs and left it to
+compile its real graph after the probe, outside this guarantee). A failure (a backend that
+cannot compile, an unsupported op, a graph break) is folded into the step's first collective,
+the item-count all-reduce, as one integer per rank; then every rank raises (the failing ones
+with the compiler's message) before any all-gather. A rank without a microbatch compiles
+nothing and learns the others' failures from that all-reduce.
 """
 
 from __future__ import annotations
@@ -103,20 +116,56 @@ def graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def compile_units(units: Sequence[nn.Module], options: CompileOptions) -> int:
-    """Compile each unit module in place (see [Note: compiled units]); returns
-    ``graph_count()`` at that point (the base of ``CompileStats.graphs``)."""
-    for module in units:
-        module.compile(backend=options.backend, mode=options.mode, fullgraph=True)
-    return graph_count()
+class CompiledUnits:
+    """The layer units' compiled calls, installed only inside ``active()`` (see
+    [Note: compiled units]).
+
+    units: the layer unit modules; each is compiled with ``nn.Module.compile(backend, mode,
+        fullgraph=True)`` now (lazily: dynamo compiles at the first call) and left as it was
+        before (eager unless the caller had compiled it itself) until ``active()``.
+    graphs_at_compile: ``graph_count()`` at construction (the base of ``CompileStats.graphs``).
+    """
+
+    def __init__(self, units: Sequence[nn.Module], options: CompileOptions):
+        self.options = options
+        self._modules = list(units)
+        self._before = [m.__dict__.get("_compiled_call_impl") for m in self._modules]
+        self._calls = []
+        for module in self._modules:
+            module.compile(backend=options.backend, mode=options.mode, fullgraph=True)
+            self._calls.append(module._compiled_call_impl)
+        self._depth = 0  # nested active() contexts (the probe inside a step's first collective)
+        self._uninstall()
+        self.graphs_at_compile = graph_count()
+
+    def _uninstall(self) -> None:
+        for module, before in zip(self._modules, self._before):
+            if before is None:
+                module.__dict__.pop("_compiled_call_impl", None)  # the class default: eager
+            else:
+                module._compiled_call_impl = before
+
+    @contextlib.contextmanager
+    def active(self, *, strict: bool = True):
+        """The units run compiled inside; on exit (also on an exception) they are as before.
+        strict: passing dynamo's recompile limit raises instead of falling back to eager."""
+        if self._depth == 0:
+            for module, call in zip(self._modules, self._calls):
+                module._compiled_call_impl = call
+        self._depth += 1
+        try:
+            with (torch._dynamo.config.patch(fail_on_recompile_limit_hit=True) if strict
+                  else contextlib.nullcontext()):
+                yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._uninstall()
 
 
-def strict(options: CompileOptions | None):
-    """Context for the engine's compiled calls: passing dynamo's recompile limit raises instead
-    of falling back to eager (a no-op context with compile off)."""
-    if options is None:
-        return contextlib.nullcontext()
-    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+def running(compiled: CompiledUnits | None):
+    """``compiled.active()``, or a no-op context with compile off."""
+    return contextlib.nullcontext() if compiled is None else compiled.active()
 
 
 class CompileFailure(RuntimeError):
@@ -145,12 +194,14 @@ def remote_failure(codes: Sequence[int], options: CompileOptions, rank: int,
 
 
 @contextlib.contextmanager
-def _zero_params(unit) -> Any:
+def _zero_params(unit, requires_grad: bool) -> Any:
     """``unit`` (a sharded ``FlatParamUnit``) with zero-filled full parameters installed as the
-    engine installs gathered ones (a (Nt,) autograd leaf); yields the function that installs
-    fresh views again; placeholders afterwards. No collective."""
+    engine installs gathered ones (a (Nt,) leaf, an autograd leaf iff ``requires_grad``: dynamo
+    guards on it); yields the function that installs fresh views again; placeholders
+    afterwards. No collective."""
     trainable = torch.zeros(unit.trainable_numel, dtype=unit.gather_dtype(unit.parts[0]),
-                            device=unit.device, requires_grad=unit.trainable_numel > 0)
+                            device=unit.device,
+                            requires_grad=requires_grad and unit.trainable_numel > 0)
     frozen = torch.zeros(unit.numel - unit.trainable_numel,
                          dtype=unit.gather_dtype(unit.parts[1]), device=unit.device)
     def install() -> None:  # fresh views before each call, as ``use_params``
@@ -163,23 +214,28 @@ def _zero_params(unit) -> Any:
 
 
 def probe_compile(staged, units, embed_unit, microbatch, device: torch.device,
-                  options: CompileOptions, rank: int) -> None:
-    """Run the embedding and every unit once on ``microbatch`` with zero parameters, without
-    autograd (the forward) and with it (recompute + backward), so that every graph of the step
-    is compiled now ([Note: compile failures before the first collective]). The global RNG is
-    left as it was. Raises ``CompileFailure`` naming the first unit that failed."""
+                  options: CompileOptions, rank: int, *, for_training: bool = True) -> None:
+    """Run the embedding and every unit once on ``microbatch`` with zero parameters, so that
+    every graph of the step is compiled now ([Note: compile failures before the first
+    collective]). for_training (``train_step``): without autograd (the forward) and with it
+    (recompute + backward), parameters requiring grad as in the step; else (``evaluate``):
+    the no-grad forward only, on parameters that do not require grad, as ``evaluate`` runs
+    it. The global RNG is left as it was. Raises ``CompileFailure`` naming the first unit that
+    failed."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        with _zero_params(embed_unit), torch.no_grad():
+        with _zero_params(embed_unit, for_training), torch.no_grad():
             hidden, ctx = staged.embed(microbatch)
         hidden = hidden.detach()
         for i, unit in enumerate(units):
             try:
-                with _zero_params(unit) as install:
+                with _zero_params(unit, for_training) as install:
                     with torch.no_grad():
                         staged.run_unit(i, hidden, ctx)
+                    if not for_training:
+                        continue
                     install()
-                    with torch.enable_grad():  # also when called under no_grad (evaluate)
+                    with torch.enable_grad():  # also when called under no_grad
                         x = hidden.clone().requires_grad_(True)
                         y = staged.run_unit(i, x, ctx)
                         torch.autograd.backward(y, torch.ones_like(y))

@@ -24,8 +24,8 @@ from torch import nn
 from ..models.base import AutocastStagedModel, StagedModel, global_num_items_scope
 from ..planner.state import layout_unit_shards  # pure planning code (numpy), no torch.distributed
 from . import collectives as C
-from .compile import (CompileFailure, CompileOptions, CompileStats, compile_units,
-                      graph_count, inductor_cache_dir, probe_compile, remote_failure, strict,
+from .compile import (CompileFailure, CompileOptions, CompileStats, CompiledUnits,
+                      graph_count, inductor_cache_dir, probe_compile, remote_failure, running,
                       timed_probe)
 from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_params,
                          move_shared_params, param_infos)
@@ -223,10 +223,12 @@ class CephaloEngine:
         init_seed: seed of the per-unit init of a model whose parameters are all on the meta
             device and that has no checkpoint (same weights for any plan and world size).
         compile: None (eager, default) or ``CompileOptions(backend=..., mode=...)``: each layer
-            unit's module is compiled in place with ``torch.compile`` (forward, recompute and
-            backward; identical layers share graphs). The first ``train_step`` / ``evaluate``
-            compiles every graph before its first collective and raises on every rank if a
-            unit fails (see [Note: compile failures before the first collective] in
+            unit's module is compiled with ``nn.Module.compile`` (forward, recompute and
+            backward; identical layers share graphs), the compiled call installed only while
+            the engine runs the unit, so the model is eager between steps and after training,
+            as stock Trainer leaves it ([Note: compiled units]). The first ``train_step`` /
+            ``evaluate`` compiles every graph before its first collective and raises on every
+            rank if a unit fails (see [Note: compile failures before the first collective] in
             ``compile.py``); ``compile_report()`` gives the compile time and graph counts.
 
     Start (docs/engine.md "Construction"; [Note: no full model after construction] in
@@ -294,10 +296,12 @@ class CephaloEngine:
         self.num_units = len(self.units)
         self.compile = compile
         self._compile_s, self._probe_graphs = 0.0, 0  # the probes' wall seconds and graphs
-        if compile is not None:  # [Note: compiled units] in compile.py
-            self._graphs_at_compile = compile_units(self.staged.units(), compile)
-        # [Note: compile failures before the first collective]: model.training values probed
-        self._probed: set[bool] = set()
+        # [Note: compiled units] in compile.py: compiled calls installed only while running
+        self._compiled = CompiledUnits(self.staged.units(), compile) \
+            if compile is not None else None
+        # [Note: compile failures before the first collective]: (model.training, for_training)
+        # pairs probed (evaluate probes its own graphs: no autograd, frozen parameters)
+        self._probed: set[tuple[bool, bool]] = set()
         self._failure: str | None = None  # set when a step raised mid-schedule
         self._failure_exc: BaseException | None = None  # that step's exception
         self._abandoned: list = []  # in-flight collectives of that step, kept referenced
@@ -392,12 +396,12 @@ class CephaloEngine:
         ``parameters()``, ``shard_metadata()``, ``shard_layout`` rows and checkpoints)."""
         return [*self.units, *self.root.both()]
 
-    def _global_items(self, microbatches) -> tuple[int, int]:
+    def _global_items(self, microbatches, for_training: bool) -> tuple[int, int]:
         """(local, global) item count: the first collective of a step or an evaluation. With
         compile on, it also carries each rank's compile-probe result (one int per rank; see
         [Note: compile failures before the first collective] in ``compile.py``)."""
         local = sum(int(self.staged.count_items(mb)) for mb in microbatches)
-        failure = self._probe_compile(microbatches)
+        failure = self._probe_compile(microbatches, for_training)
         codes = [0] * (self.world_size if self.compile is not None else 0)
         if failure is not None:
             codes[self.rank] = failure.unit_index + 1
@@ -410,37 +414,40 @@ class CephaloEngine:
         if remote is not None:
             raise remote
         if microbatches:
-            self._probed.add(self.staged.model.training)
+            self._probed.add((self.staged.model.training, for_training))
         return local, int(t[0].item())
 
     def compile_report(self) -> CompileStats:
         """This rank's compile cost and graph counts so far (zeros with compile off): see
         ``CompileStats``; ``recompiles`` stays 0 in a run whose shapes the probe covered, and
         at most 2 more (dynamic shapes) for microbatches of other sizes."""
-        graphs = graph_count() - self._graphs_at_compile if self.compile is not None else 0
+        graphs = graph_count() - self._compiled.graphs_at_compile \
+            if self._compiled is not None else 0
         return CompileStats(graphs=graphs, probe_graphs=self._probe_graphs,
                             compile_s=self._compile_s)
 
-    def _probe_compile(self, microbatches) -> CompileFailure | None:
+    def _probe_compile(self, microbatches, for_training: bool) -> CompileFailure | None:
         """Compile every unit graph before the step's first collective (once per train / eval
-        mode; ranks without a microbatch skip it); the failure, if any, to report through the
-        all-reduce."""
+        mode and per train_step / evaluate; ranks without a microbatch skip it); the failure,
+        if any, to report through the all-reduce."""
         if self.compile is None or not microbatches or \
-                self.staged.model.training in self._probed:
+                (self.staged.model.training, for_training) in self._probed:
             return None
         try:
-            with strict(self.compile):
+            with running(self._compiled):
                 seconds, graphs = timed_probe(lambda: probe_compile(
                     self.staged, self.units, self.root.embed, microbatches[0], self.device,
-                    self.compile, self.rank))
+                    self.compile, self.rank, for_training=for_training))
         except CompileFailure as failure:
             return failure
         self._compile_s += seconds
         self._probe_graphs += graphs
         if self.rank == 0:
+            what = "training" if for_training else "evaluation"
             print(f"[hf_cephalo] torch.compile (backend {self.compile.backend}, mode "
-                  f"{self.compile.mode}): {self.num_units} units, {graphs} graphs compiled in "
-                  f"{seconds:.1f} s (inductor cache: {inductor_cache_dir()})", flush=True)
+                  f"{self.compile.mode}) for {what}: {self.num_units} units, {graphs} graphs "
+                  f"compiled in {seconds:.1f} s (inductor cache: {inductor_cache_dir()})",
+                  flush=True)
         return None
 
     def make_grad_scaler(self, **kwargs) -> "CephaloGradScaler":
@@ -477,7 +484,7 @@ class CephaloEngine:
         """
         self.check_usable("train_step")
         mbs = list(microbatches)
-        local_items, global_items = self._global_items(mbs)
+        local_items, global_items = self._global_items(mbs, for_training=True)
         if global_items == 0:
             raise ValueError("the global batch has no items (no 'labels', every label is -100, or "
                              "no rank has samples); nothing to train on")
@@ -492,7 +499,7 @@ class CephaloEngine:
                            scale_loss=scale_loss)
         try:
             with global_num_items_scope(global_items):  # [Note: global item count for user losses]
-                with strict(self.compile):  # [Note: compiled units] in compile.py
+                with running(self._compiled):  # [Note: compiled units] in compile.py
                     step.run()
         except BaseException as exc:
             self._abandon_step(stash, exc, "train_step")
@@ -580,10 +587,10 @@ class CephaloEngine:
         """
         self.check_usable("evaluate")
         mbs = list(microbatches)
-        _, global_items = self._global_items(mbs)
+        _, global_items = self._global_items(mbs, for_training=False)
         try:
             with global_num_items_scope(global_items):  # [Note: global item count for user losses]
-                with strict(self.compile):
+                with running(self._compiled):
                     loss_sum, logits, mb_sums = self._evaluate_layered(mbs, return_logits,
                                                                        process_logits)
         except BaseException as exc:

@@ -202,13 +202,14 @@ FIELD_SUPPORT: dict[str, Support] = {
         note="alias of activation_checkpointing_kwargs (same handling)",
         refuse_if=_checkpointing_kwargs_refused),
     "torch_compile": _stock(
-        "each decoder layer (engine unit) is compiled in place: forward, recompute and "
-        "backward; identical layers share graphs; the profiler times the compiled units; a "
-        "unit that fails to compile stops every rank before the first all-gather "
-        "(docs/engine.md \"Compile\"); trajectory equal to eager's to fp32 rounding. Unlike "
-        "stock (which compiles a wrapper), the model's own layers stay compiled after "
-        "trainer.unshard_model()",
-        "tests/test_compile.py::test_compiled_engine_three_ranks"),
+        "each decoder layer (engine unit) is compiled: forward, recompute and backward; "
+        "identical layers share graphs; the profiler times the compiled units; a unit that "
+        "fails to compile stops every rank before the first all-gather (docs/engine.md "
+        "\"Compile\"); trajectory equal to eager's to fp32 rounding. The compiled layers are "
+        "installed only while the engine runs them, so the model object is eager after "
+        "training and after trainer.unshard_model(), as stock leaves it (stock compiles a "
+        "wrapper)",
+        "tests/test_compile_trainer.py::test_compiled_trainer_equals_eager"),
     "torch_compile_backend": _stock(
         "the backend of the per-unit compile (default inductor); an unknown one is refused "
         "at construction",

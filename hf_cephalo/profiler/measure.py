@@ -37,6 +37,7 @@ or device.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -47,7 +48,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_cephalo.engine.compile import CompileOptions, compile_units
+from hf_cephalo.engine.compile import CompileOptions, CompiledUnits
 from hf_cephalo.engine.flat_param import (collect_params, install_param_views,
                                           move_shared_params, param_infos)
 from hf_cephalo.models.base import AutocastStagedModel, StagedModel
@@ -114,8 +115,8 @@ class MeasureConfig:
             scaled by the planner, ``cost.unit_comm``).
         compile_backend / compile_mode: None (eager), or the ``torch.compile`` backend and mode
             the engine will compile its units with (``CephaloEngine(compile=...)``): the units
-            are compiled in place before timing (the warm-up rounds absorb the compilation), so
-            the plan prices what will run; part of the profile cache key.
+            run compiled while timed (the warm-up rounds absorb the compilation) and eager again
+            afterwards, so the plan prices what will run; part of the profile cache key.
     """
 
     max_microbatch_size: int = 8
@@ -1020,9 +1021,20 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
         ValueError: bad config or emulation lists that do not match the world size.
     """
     config = config or MeasureConfig()
+    compiled = None
     if config.compile_backend is not None:  # time the units the engine will run
-        compile_units(staged.units(), CompileOptions(backend=config.compile_backend,
-                                                     mode=config.compile_mode))
+        compiled = CompiledUnits(staged.units(), CompileOptions(backend=config.compile_backend,
+                                                                mode=config.compile_mode))
+    # the units run compiled while measured only: the model is left as it came (eager)
+    with compiled.active(strict=False) if compiled is not None else contextlib.nullcontext():
+        return _profile_cluster(staged, config, device=device, emulation=emulation, cache=cache,
+                                group=group, make_microbatch=make_microbatch,
+                                model_name=model_name)
+
+
+def _profile_cluster(staged: StagedModel, config: MeasureConfig, *, device, emulation, cache,
+                     group, make_microbatch, model_name) -> ClusterProfile:
+    """``profile_cluster`` with the units as they are to be timed."""
     device = torch.device(device)
     rank, world_size = _world(group)
     if emulation is not None:
