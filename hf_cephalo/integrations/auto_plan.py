@@ -261,8 +261,10 @@ class PlanAccuracyCallback(TrainerCallback):
         if cluster is None:
             return float(state)
         r = plan.ranks[args.process_index]
-        compute = float(memory.rank_memory_bytes(cluster, args.process_index, r.microbatch_size,
-                                                 r.batch_size, root_resident=plan.root_resident))
+        compute = float(memory.rank_memory_bytes(
+            cluster, args.process_index, r.microbatch_size, r.batch_size,
+            root_resident=plan.root_resident,
+            activation_checkpointing=plan.activation_checkpointing))
         return state + compute
 
     def _gather(self, args) -> list[dict[str, Any]]:
