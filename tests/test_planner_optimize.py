@@ -359,6 +359,10 @@ def test_auto_picks_no_checkpointing_when_it_fits_and_checkpointing_when_only_th
     assert auto.predicted_iteration_s == off.predicted_iteration_s < on.predicted_iteration_s
     # no recompute: l·(F + B) instead of l·F + l·(F + B), F = B/2 -> 3/4 of the unit time
     assert off.predicted_iteration_s == pytest.approx(0.75 * on.predicted_iteration_s)
+    from hf_cephalo.planner.predict import predicted_unit_compute_s  # what a run's refit scales
+    for r in off.ranks:
+        fb = r.num_microbatches * 0.03 * r.microbatch_size  # l·(F + B)
+        assert predicted_unit_compute_s(off, small, r.rank) == pytest.approx(2 * fb)
     assert predict(auto, small).fits
     big = _kept_cluster(4.0)  # one sample's kept graphs (2 x 4 GiB) do not fit 0.8 x 16 GiB
     with pytest.raises(InfeasiblePlanError):

@@ -117,15 +117,18 @@ class MeasuredStep(NamedTuple):
     """What one rank measured over a training run (medians over the steps after warm-up)."""
 
     step_s: float | None  # the step, seconds
-    unit_compute_s: float | None  # forward + recompute + backward of every unit, s per step
+    unit_compute_s: float | None  # forward (+ recompute) + backward of every unit, s per step
     root_compute_s: float | None  # embedding + head compute, seconds per step
 
 
 def predicted_unit_compute_s(plan: Plan, cluster: ClusterProfile, rank: int) -> float:
-    """num_units · (l·F + l·(F + B)) of one rank, seconds per step (unit compute only)."""
+    """num_units · (l·F + l·(F + B)) of one rank, seconds per step (unit compute only);
+    without activation checkpointing num_units · l·(F + B) (no recompute: cost.py [Note: unit
+    time without activation checkpointing])."""
     r, d = plan.ranks[rank], cluster.devices[rank]
     f, b = cost.rank_compute_s(d, r.batch_size, r.microbatch_size)
-    return cluster.model.num_units * float(2 * f + b)
+    forwards = 2 if plan.activation_checkpointing else 1
+    return cluster.model.num_units * float(forwards * f + b)
 
 
 def _usable(x) -> bool:
