@@ -88,6 +88,9 @@ G(-1) = R(L) = 0 and the head's reduce-scatters move to the end; every unit and 
 adds e·(N_r + N_P) (both gathered + the head phase's gradients; E's own gradient appears in the
 embedding backward) on a busy rank and e·N_r on an idle one; E_emb = e·(2·N_r + N_u + k_0 +
 k_E + k_H).
+
+Without activation checkpointing (the engine keeps every forward graph): [Note: memory without
+activation checkpointing] below.
 """
 
 from __future__ import annotations
