@@ -397,7 +397,8 @@ def adopt_checkpoint_state(plan: Plan, checkpoint_plan: Plan | None,
     engine onto it (``CephaloTrainer._relayout_state``) and the run continues exactly where it
     left off; None when the split alone is to be adopted (``adopt_checkpoint_split``): the
     checkpoint ran on another world, devices or global batch size, on the running r_i, with
-    another root residency, activation checkpointing or precision, or its plan does not fit the profile's memory."""
+    another root residency, activation checkpointing or precision, or its plan does not fit
+    the profile's memory."""
     if checkpoint_plan is None or checkpoint_plan.world_size != plan.world_size or \
             checkpoint_plan.global_batch_size != plan.global_batch_size or \
             [r.device for r in checkpoint_plan.ranks] != [r.device for r in plan.ranks] or \

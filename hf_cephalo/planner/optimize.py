@@ -47,8 +47,9 @@ from hf_cephalo.planner.types import Plan, RankPlan, check_batch_and_fraction
 from hf_cephalo.profiler.types import ClusterProfile, format_bytes
 from hf_cephalo.units import GIB
 
-__all__ = ["optimize", "optimize_fixed_state", "has_kept_graph_profile", "solve_assignment", "Assignment", "FixedState",
-           "InfeasiblePlanError", "check_problem_size", "estimate_problem_size", "format_bytes"]
+__all__ = ["optimize", "optimize_fixed_state", "has_kept_graph_profile", "solve_assignment",
+           "Assignment", "FixedState", "InfeasiblePlanError", "check_problem_size",
+           "estimate_problem_size", "format_bytes"]
 
 _MEM_RTOL = 1e-12
 
