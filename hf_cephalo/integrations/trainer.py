@@ -1139,7 +1139,8 @@ def _engine_checkpointing_replaces_model_checkpointing(args, plan: Plan | None =
         raise ValueError(
             "--gradient_checkpointing (or --activation_checkpointing) asks for activation "
             f"checkpointing but the {source} was made without it (activation_checkpointing "
-            "false: forward graphs kept): drop the flag, or re-plan with `hf-cephalo plan --activation-checkpointing true`")
+            "false: forward graphs kept): drop the flag, or re-plan with `hf-cephalo plan "
+            "--activation-checkpointing true`")
     if asked and args.cephalo_activation_checkpointing == "auto":
         logger.warning("--gradient_checkpointing with --cephalo_activation_checkpointing auto: "
                        "planning with activation checkpointing on, as the flag asks")
