@@ -5,9 +5,10 @@ exist before (not a view or in-place result of an input) is recorded with a weak
 storages whose tensors are all gone are dropped before each new record, and a storage resized
 in place since (``untyped_storage().resize_``, which is no operator) counts at its new size.
 ``peak_bytes`` is the largest sum of recorded storages seen after any operator: the peak of
-tensors allocated inside the context (tensors allocated before it are not counted). Used by the profiler for the CPU
-compute memory and by tests for the engine's real peak. Granularity: one operator (a
-temporary freed inside a fused kernel is not seen, as on CUDA's allocator it would be).
+tensors allocated inside the context (tensors allocated before it are not counted). Used by
+the profiler for the CPU compute memory and by tests for the engine's real peak. Granularity:
+one operator (a temporary freed inside a fused kernel is not seen, as on CUDA's allocator it
+would be).
 """
 
 from __future__ import annotations
