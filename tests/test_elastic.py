@@ -112,6 +112,11 @@ def test_run_record_roundtrip_and_plan_change_table(tmp_path):
     table = elastic.format_plan_change(plan2, other)
     assert table.startswith("Cephalo re-plan on the same 2 ranks, global batch size 12\n")
     assert "elastic" not in table and table.count("\n") == 3
+    # the same split with another activation checkpointing is a re-plan and says so
+    kept = Plan.from_ratios([7, 5], [7, 5], [0.6, 0.4], devices=["A100", "V100"],
+                            activation_checkpointing=False)
+    assert elastic.format_plan_change(plan2, kept).startswith(
+        "Cephalo re-plan on the same 2 ranks, activation checkpointing on -> off, ")
     (tmp_path / elastic.RUN_RECORD_NAME).write_text("{")
     with pytest.raises(ValueError, match="unreadable run record"):
         elastic.read_checkpoint_record(str(tmp_path))
