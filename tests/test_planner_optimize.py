@@ -323,6 +323,8 @@ def test_without_checkpointing_equals_brute_force_on_random_instances():
     for k in range(120):
         n, B = int(rng.integers(1, 4)), int(rng.integers(1, 13))
         cluster = with_kept_graphs(rng, random_cluster(rng, n))
+        if k % 3 == 0:  # activation offload and host RAM limits: the stash's other terms
+            cluster = with_host_limits(rng, cluster, B)
         expected = brute_force(cluster, B, activation_checkpointing=False)
         try:
             a = solve_assignment(cluster, B, activation_checkpointing=False)
