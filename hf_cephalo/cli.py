@@ -91,6 +91,14 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         f"rank), auto (each GPU its fastest: bf16 > fp16 > fp32) or a per-rank "
                         f"list such as bf16,fp16,fp32 (default {DEFAULT_PRECISION}; not with "
                         "--profile); the plan records each rank's precision")
+    p.add_argument("--activation-checkpointing", choices=("true", "false", "auto"),
+                   default="true",
+                   help="true (default): the engine recomputes each unit's forward in its "
+                        "backward (the paper's schedule); false: it keeps every microbatch's "
+                        "forward graph (no recompute, ~1/4 less compute, activation memory "
+                        "grows with layers x microbatches; needs a profile with "
+                        "kept_graph_bytes); auto: plan both, keep the faster one that fits. "
+                        "Recorded in the plan; the trainer builds the engine with it")
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--save-profile", help="write the (estimated) cluster profile JSON here")
     p.add_argument("--plot", help="write a plot (file name ending in .png, .pdf, .svg, ...): "
@@ -257,7 +265,8 @@ def _auto_precision_plan(args: argparse.Namespace, spec, global_batch_size: int)
         options = dict(_estimate_options(args), precision=precisions)
         cluster = _apply_lora(estimate_cluster_profile(spec, args.model, **options), args)
         return cluster, optimize(cluster, global_batch_size, args.memory_fraction,
-                                 allow_idle=not args.no_idle, root_resident=args.root_resident)
+                                 allow_idle=not args.no_idle, root_resident=args.root_resident,
+                                 activation_checkpointing=_checkpointing_arg(args))
 
     choice = choose_precision(precision_candidates([spec_precisions(g) for g in spec.gpus]),
                               plan_for)
@@ -441,6 +450,24 @@ def _infeasible_remedy(args: argparse.Namespace, cluster, constraint: str) -> st
             f"less memory per GPU ({smaller}), or more GPUs")
 
 
+def _checkpointing_arg(args: argparse.Namespace) -> bool | None:
+    """``--activation-checkpointing`` as ``optimize``'s argument (None: auto)."""
+    return {"true": True, "false": False, "auto": None}[
+        getattr(args, "activation_checkpointing", "true")]
+
+
+def _auto_checkpointing_note(args: argparse.Namespace, cluster) -> str:
+    """What ``--activation-checkpointing auto`` compared ("" without auto)."""
+    from hf_cephalo.planner.optimize import has_kept_graph_profile
+
+    if args.activation_checkpointing != "auto":
+        return ""
+    if not has_kept_graph_profile(cluster):
+        return (" [auto: the profile has no kept_graph_bytes (spec-sheet or older measurement),"
+                " so only checkpointing was planned]")
+    return " [auto: the faster of both plans that fits]"
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize
     from hf_cephalo.planner.simulate import extrapolation_note, predict
@@ -456,7 +483,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             cluster, plan = _auto_precision_plan(args, _spec_cluster(args), args.global_batch_size)
         else:
             plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
-                            allow_idle=not args.no_idle, root_resident=args.root_resident)
+                            allow_idle=not args.no_idle, root_resident=args.root_resident,
+                            activation_checkpointing=_checkpointing_arg(args))
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, cluster, e.constraint)}",
                                   e.constraint) from None
@@ -472,6 +500,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     if note:
         print(note)
     print(f"state sharding: {'uneven' if plan.uneven_state else 'even'}")
+    print("activation checkpointing: " + ("on (recompute in backward)"
+                                          if plan.activation_checkpointing else
+                                          "off (forward graphs kept)")
+          + _auto_checkpointing_note(args, cluster))
     print(f"predicted iteration time: {pred.iteration_s:.3f} s, "
           f"{pred.samples_per_s:.2f} samples/s")
     if args.out:

@@ -38,6 +38,15 @@ def random_device(rng: np.random.Generator, name: str, shared_memory=None) -> De
     return device
 
 
+def with_kept_graphs(rng: np.random.Generator, cluster: ClusterProfile) -> ClusterProfile:
+    """The cluster with a random ``kept_graph_bytes`` line on every device profile (0.05-1.5 x
+    the activation memory at each m), so plans without activation checkpointing can be priced."""
+    for d in {id(d): d for d in cluster.devices}.values():
+        d.kept_graph_bytes = [float(v) * float(rng.uniform(0.05, 1.5))
+                              for v in d.compute_memory_bytes]
+    return cluster
+
+
 def random_cluster(rng: np.random.Generator, n: int, shared_memory=None) -> ClusterProfile:
     kinds = [random_device(rng, f"gpu{k}", shared_memory) for k in range(int(rng.integers(1, n + 1)))]
     devices = [kinds[int(rng.integers(0, len(kinds)))] for _ in range(n)]
@@ -69,31 +78,35 @@ def with_host_limits(rng: np.random.Generator, cluster: ClusterProfile, B: int) 
     return cluster
 
 
-def brute_force(cluster: ClusterProfile, B: int, c: float = 0.8, allow_idle: bool = True) -> float:
+def brute_force(cluster: ClusterProfile, B: int, c: float = 0.8, allow_idle: bool = True,
+                activation_checkpointing: bool = True) -> float:
     """min over every assignment of max_i T_i with u decided by the assignment; inf if none.
 
     Memory per rank is ``memory.rank_memory_bytes``; with host RAM figures each machine's
-    pinned offload bytes must fit c × its RAM.
+    pinned offload bytes must fit c × its RAM. ``activation_checkpointing``: the engine
+    setting both are priced for.
     """
+    ac = {"activation_checkpointing": activation_checkpointing}
     devs, comm = cluster.devices, cluster.comm
     N, S = len(devs), cluster.model.state_bytes
     total_cap = c * sum(d.memory_capacity_bytes for d in devs)
     per_rank = []
     for i, d in enumerate(devs):
-        idle_mem = float(memory.rank_memory_bytes(cluster, i, 0, 0))
+        idle_mem = float(memory.rank_memory_bytes(cluster, i, 0, 0, **ac))
         opts = [(0, 0, idle_mem, cost.idle_unit_time_s(comm, False),
                  cost.idle_unit_time_s(comm, True))] \
             if allow_idle and idle_mem <= c * d.memory_capacity_bytes else []
         for m in range(1, B + 1):
             f, bw = float(cost.fwd_time_s(d, m)), float(cost.bwd_time_s(d, m))
             for l in range(1, B // m + 1):
-                mem = float(memory.rank_memory_bytes(cluster, i, m, l * m))
+                mem = float(memory.rank_memory_bytes(cluster, i, m, l * m, **ac))
                 if mem > c * d.memory_capacity_bytes:
                     continue
                 # the compute phase per unit (cost.py [Note: step terms])
                 extra = float(cost.rank_extra_s(cluster, i, l * m, m)) / cluster.model.num_units
-                opts.append((l * m, m, mem, float(cost.unit_time_s(f, bw, l, comm, False)) + extra,
-                             float(cost.unit_time_s(f, bw, l, comm, True)) + extra))
+                opts.append((l * m, m, mem,
+                             float(cost.unit_time_s(f, bw, l, comm, False, **ac)) + extra,
+                             float(cost.unit_time_s(f, bw, l, comm, True, **ac)) + extra))
         per_rank.append(opts)
     best = np.inf
 

@@ -403,3 +403,36 @@ def test_plan_figure_draws_the_memory_model_against_each_cap():
     assert {p.fits for p in pred.ranks} == {True, False}
     with pytest.raises(ValueError, match="prediction has 7 ranks, the plan 8"):
         plan_figure(plan, pred._replace(ranks=pred.ranks[:7]))
+
+
+def test_plan_activation_checkpointing_auto_false_and_a_profile_without_kept_graphs(
+        tmp_path, capsys):
+    """--activation-checkpointing auto plans both and records the faster one that fits; false
+    needs the profile's kept_graph_bytes (a spec-sheet profile has none: exit 2, the reason)."""
+    from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+
+    ms = [1, 2, 4, 8]
+    dev = DeviceProfile(name="gpu", memory_capacity_bytes=16 * GIB, microbatch_sizes=ms,
+                        fwd_s=[0.01 * m for m in ms], bwd_s=[0.02 * m for m in ms],
+                        compute_memory_bytes=[0.1 * GIB * m for m in ms],
+                        kept_graph_bytes=[0.05 * GIB * m for m in ms])
+    cluster = ClusterProfile(model=ModelProfile(name="m", num_units=2, params_per_unit=1000,
+                                                params_other=0),
+                             devices=[dev, dataclasses.replace(dev)],
+                             comm=CommProfile(allgather_s=0.0, reducescatter_s=0.0))
+    prof, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    cluster.save(prof)
+    assert main(["plan", "--profile", str(prof), "-B", "16", "--activation-checkpointing",
+                 "auto", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "activation checkpointing: off (forward graphs kept) [auto: the faster" in text
+    assert Plan.load(out).activation_checkpointing is False
+    assert main(["plan", "--profile", str(prof), "-B", "16", "--out", str(out)]) == 0
+    assert "activation checkpointing: on (recompute in backward)\n" in capsys.readouterr().out
+    assert Plan.load(out).activation_checkpointing is True
+    spec = ["plan", "--cluster", "examples/clusters/cluster_a.yaml", "--model", "llama-3b",
+            "-B", "64", "--activation-checkpointing"]
+    assert main(spec + ["false"]) == 2
+    assert "kept_graph_bytes" in capsys.readouterr().err
+    assert main(spec + ["auto"]) == 0
+    assert "only checkpointing was planned" in capsys.readouterr().out

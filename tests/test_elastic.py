@@ -112,6 +112,11 @@ def test_run_record_roundtrip_and_plan_change_table(tmp_path):
     table = elastic.format_plan_change(plan2, other)
     assert table.startswith("Cephalo re-plan on the same 2 ranks, global batch size 12\n")
     assert "elastic" not in table and table.count("\n") == 3
+    # the same split with another activation checkpointing is a re-plan and says so
+    kept = Plan.from_ratios([7, 5], [7, 5], [0.6, 0.4], devices=["A100", "V100"],
+                            activation_checkpointing=False)
+    assert elastic.format_plan_change(plan2, kept).startswith(
+        "Cephalo re-plan on the same 2 ranks, activation checkpointing on -> off, ")
     (tmp_path / elastic.RUN_RECORD_NAME).write_text("{")
     with pytest.raises(ValueError, match="unreadable run record"):
         elastic.read_checkpoint_record(str(tmp_path))
@@ -189,3 +194,20 @@ def test_run_fingerprint_ignores_what_save_pretrained_sets(tmp_path):
     model.save_pretrained(tmp_path)  # sets config.architectures and config.dtype
     assert elastic.run_fingerprint(model) == before
     assert elastic.run_fingerprint(build("llama", rms_norm_eps=1e-3)) != before
+
+
+def test_resume_adopts_a_checkpoint_plan_only_with_the_running_activation_checkpointing():
+    """The engine is built with the running plan's activation checkpointing: a checkpoint's
+    whole plan (re-laid r_i) is adopted only with the same choice; its split alone keeps the
+    running plan's choice."""
+    from hf_cephalo.integrations.replan import adopt_checkpoint_split, adopt_checkpoint_state
+
+    running = Plan.from_ratios([7, 5], [7, 5], [0.5, 0.5], devices=["A100", "V100"],
+                               activation_checkpointing=False)
+    moved = Plan.from_ratios([6, 6], [3, 3], [0.6, 0.4], devices=["A100", "V100"],
+                             activation_checkpointing=False)
+    assert adopt_checkpoint_state(running, moved, None) is moved
+    other = Plan.from_json({**moved.to_json(), "activation_checkpointing": True})
+    assert adopt_checkpoint_state(running, other, None) is None
+    split = adopt_checkpoint_split(running, other, None)
+    assert split.batch_sizes == [6, 6] and split.activation_checkpointing is False

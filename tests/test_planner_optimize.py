@@ -12,7 +12,8 @@ from hf_cephalo.planner.reference import reference_unit_time
 from hf_cephalo.planner.simulate import predict
 from hf_cephalo.planner.types import Plan
 from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
-from tests.planner_fixtures import GIB, brute_force, random_cluster, with_host_limits
+from tests.planner_fixtures import (GIB, brute_force, random_cluster, with_host_limits,
+                                   with_kept_graphs)
 
 
 def _same(a: float, b: float) -> bool:
@@ -311,3 +312,96 @@ def test_error_messages_use_adaptive_units():
                        # collective is in flight during its backward
                        match=r"microbatch size 1 needs 195\.4 KiB, cap 78\.1 KiB"):
         optimize(cluster, 4)
+
+
+# ---- activation checkpointing as a planned choice ------------------------------------------
+def test_without_checkpointing_equals_brute_force_on_random_instances():
+    """The exact search with activation checkpointing off (kept graphs priced by
+    ``kept_graph_bytes``, no recompute in T_i) equals brute force over every assignment."""
+    rng = np.random.default_rng(77)
+    seen = {"feasible": 0, "infeasible": 0, "uneven": 0}
+    for k in range(120):
+        n, B = int(rng.integers(1, 4)), int(rng.integers(1, 13))
+        cluster = with_kept_graphs(rng, random_cluster(rng, n))
+        if k % 3 == 0:  # activation offload and host RAM limits: the stash's other terms
+            cluster = with_host_limits(rng, cluster, B)
+        expected = brute_force(cluster, B, activation_checkpointing=False)
+        try:
+            a = solve_assignment(cluster, B, activation_checkpointing=False)
+            got = a.unit_time_s
+        except InfeasiblePlanError:
+            got, a = float("inf"), None
+        assert _same(got, expected), (k, n, B, got, expected)
+        seen["feasible" if a else "infeasible"] += 1
+        seen["uneven"] += bool(a and a.uneven)
+    assert min(seen.values()) >= 5, seen
+
+
+def _kept_cluster(kept_gib: float, capacity_gib: float = 16.0) -> ClusterProfile:
+    """Two identical devices, 2 units; activations 0.1 GiB/sample, kept graphs ``kept_gib``
+    per sample and unit; backward 2x forward, so no recompute saves 1/4 of the unit time."""
+    ms = [1, 2, 4, 8]
+    dev = DeviceProfile(name="gpu", memory_capacity_bytes=capacity_gib * GIB,
+                        microbatch_sizes=ms, fwd_s=[0.01 * m for m in ms],
+                        bwd_s=[0.02 * m for m in ms],
+                        compute_memory_bytes=[0.1 * GIB * m for m in ms],
+                        kept_graph_bytes=[kept_gib * GIB * m for m in ms])
+    model = ModelProfile(name="m", num_units=2, params_per_unit=1000, params_other=0,
+                         state_bytes_per_param=16.0)
+    return ClusterProfile(model=model, devices=[dev, dataclasses.replace(dev)],
+                          comm=CommProfile(allgather_s=0.0, reducescatter_s=0.0))
+
+
+def test_auto_picks_no_checkpointing_when_it_fits_and_checkpointing_when_only_that_fits():
+    small = _kept_cluster(0.05)  # 8 samples x 2 units x 0.05 GiB: fits easily
+    auto = optimize(small, 16, activation_checkpointing=None)
+    on = optimize(small, 16, activation_checkpointing=True)
+    off = optimize(small, 16, activation_checkpointing=False)
+    assert auto.activation_checkpointing is False and on.activation_checkpointing is True
+    assert auto.predicted_iteration_s == off.predicted_iteration_s < on.predicted_iteration_s
+    # no recompute: l·(F + B) instead of l·F + l·(F + B), F = B/2 -> 3/4 of the unit time
+    assert off.predicted_iteration_s == pytest.approx(0.75 * on.predicted_iteration_s)
+    from hf_cephalo.planner.predict import predicted_unit_compute_s  # what a run's refit scales
+    for r in off.ranks:
+        fb = r.num_microbatches * 0.03 * r.microbatch_size  # l·(F + B)
+        assert predicted_unit_compute_s(off, small, r.rank) == pytest.approx(2 * fb)
+    assert predict(auto, small).fits
+    big = _kept_cluster(4.0)  # one sample's kept graphs (2 x 4 GiB) do not fit 0.8 x 16 GiB
+    with pytest.raises(InfeasiblePlanError):
+        optimize(big, 16, activation_checkpointing=False)
+    auto = optimize(big, 16, activation_checkpointing=None)
+    assert auto.activation_checkpointing is True
+    assert auto.predicted_iteration_s == optimize(big, 16).predicted_iteration_s
+    # neither fits: the checkpointing plan's error
+    with pytest.raises(InfeasiblePlanError, match="no plan for global batch size"):
+        optimize(_kept_cluster(4.0, capacity_gib=0.01), 16, activation_checkpointing=None)
+
+
+def test_auto_between_settings_is_the_faster_feasible_one_on_random_instances():
+    rng = np.random.default_rng(5)
+    picked = {True: 0, False: 0}
+    for _ in range(40):
+        cluster = with_kept_graphs(rng, random_cluster(rng, int(rng.integers(1, 4))))
+        B = int(rng.integers(1, 13))
+        times = {}
+        for ac in (True, False):
+            try:
+                times[ac] = optimize(cluster, B, activation_checkpointing=ac).predicted_iteration_s
+            except InfeasiblePlanError:
+                pass
+        if not times:
+            continue
+        auto = optimize(cluster, B, activation_checkpointing=None)
+        assert auto.predicted_iteration_s == min(times.values())
+        assert times[auto.activation_checkpointing] == auto.predicted_iteration_s
+        picked[auto.activation_checkpointing] += 1
+    assert min(picked.values()) >= 3, picked
+
+
+def test_no_kept_graph_profile_plans_checkpointing_only():
+    cluster = _kept_cluster(0.05)
+    for d in cluster.devices:
+        d.kept_graph_bytes = None
+    assert optimize(cluster, 16, activation_checkpointing=None).activation_checkpointing is True
+    with pytest.raises(ValueError, match="kept_graph_bytes"):
+        optimize(cluster, 16, activation_checkpointing=False)

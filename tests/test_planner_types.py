@@ -169,3 +169,19 @@ def test_model_profile_gathered_and_reduce_bytes():
     assert (m.param_gather_bytes, m.grad_reduce_bytes) == (2.0, 2.0)
     with pytest.raises(ValueError, match="gathered_param_bytes 8.0 exceeds param_bytes 4.0"):
         ModelProfile(num_units=2, params_per_unit=10, params_other=4, gathered_param_bytes=8)
+
+
+def test_activation_checkpointing_round_trip_and_old_plan_files(tmp_path):
+    p = Plan.from_ratios([5, 3], [5, 3], [0.5, 0.5], activation_checkpointing=False)
+    path = tmp_path / "plan.json"
+    p.save(path)
+    assert json.loads(path.read_text())["activation_checkpointing"] is False
+    assert Plan.load(path) == p and Plan.load(path).activation_checkpointing is False
+    data = p.to_json()
+    del data["activation_checkpointing"]  # a plan file written before the field existed
+    path.write_text(json.dumps(data))
+    assert Plan.load(path).activation_checkpointing is True
+    data["activation_checkpointing"] = "false"  # a string is not a boolean
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="activation_checkpointing must be true or false"):
+        Plan.load(path)

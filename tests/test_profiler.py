@@ -70,6 +70,12 @@ def test_measured_profile_is_valid_and_grows_with_microbatch_size(capsys, monkey
     mem = dev.compute_memory_bytes
     steps = [b - a for a, b in zip(mem, mem[1:])]
     assert all(s > 0 for s in steps) and max(steps[3:]) == min(steps[3:]), mem
+    # The kept forward graph (saved tensors + output, no parameter-sized temporaries): exactly
+    # proportional to m, at least the output (one boundary tensor) and below what the
+    # recompute + backward peaks at.
+    kept = dev.kept_graph_bytes
+    assert all(k == kept[0] * m for k, m in zip(kept, dev.microbatch_sizes)), kept
+    assert 64 * model.config.hidden_size * 4 < kept[0] and kept[-1] < mem[-1], (kept, mem)
     assert cluster.model.boundary_bytes_per_sample == 64 * model.config.hidden_size * 4
     assert cluster.offload_activations is False and cluster.machine_of_rank == [0]
     # Times: no wall-clock comparison (a loaded machine can make m=8 look as fast as m=1;

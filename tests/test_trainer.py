@@ -19,8 +19,9 @@ from tests.dist_utils import budget_s, run_ranks, test_timeout
 from tests.models_fixtures import build
 
 RTOL, ATOL = 1e-5, 1e-6
-# seconds of the 2-rank job, measured (37 s on 2 cores under load 7): [Note: test time budgets]
-JOB_S = 40.0
+# seconds of the 2-rank job, measured (37 s on 2 cores under load 7; the auto activation
+# checkpointing run, which profiles at start, added ~5 s): [Note: test time budgets]
+JOB_S = 45.0
 pytestmark = test_timeout(JOB_S)
 # dropout off: the Trainer trains in train mode and the reference cannot replay the engine's RNG
 OVERRIDES = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
@@ -103,7 +104,40 @@ def _worker(rank, world_size, out_dir):
                              save_dir=save_dir, loss_only=_loss_only_eval(trainer))
     results["image_transform_batch"] = _image_column_survives(out_dir)
     results["bf16"] = _bf16_run(out_dir)
+    results["auto_checkpointing"] = _auto_checkpointing_run(out_dir)
     return results
+
+
+def _auto_checkpointing_run(out_dir):
+    """No plan: the trainer profiles this cluster at start and plans with
+    ``--cephalo_activation_checkpointing auto``; the tiny model's kept graphs fit, and no
+    recompute is faster in the cost model, so the plan (and the engine) keep the graphs. The
+    llama case's data, optimizer and B = 4: its losses must equal the same full-batch
+    reference. Returns the plan's choice, the engine's, the printed plan table and the logs."""
+    import contextlib
+    import io
+
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+
+    os.environ["HF_CEPHALO_PROFILE_CACHE"] = os.path.join(out_dir, "cache")
+    n_train, _, sizes, _, _ = CASES["llama"]
+    args = CephaloTrainingArguments(
+        output_dir=os.path.join(out_dir, "auto_ac"), report_to="none", optim="sgd",
+        learning_rate=LR, max_grad_norm=MAX_NORM, num_train_epochs=EPOCHS["llama"],
+        logging_steps=1, save_strategy="no", seed=SEED, disable_tqdm=True,
+        cephalo_global_batch_size=sum(sizes), cephalo_activation_checkpointing="auto",
+        cephalo_adaptive="off")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer = CephaloTrainer(model=build("llama"), args=args, data_collator=_collate,
+                                 train_dataset=_dataset(_samples("llama", n_train, 0)))
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    return dict(plan_checkpointing=trainer.plan.activation_checkpointing,
+                engine_checkpointing=trainer.engine.activation_checkpointing,
+                printed=printed.getvalue(), losses=[h["loss"] for h in logs],
+                grad_norms=[h["grad_norm"] for h in logs])
 
 
 def _loss_only_eval(trainer):
@@ -267,6 +301,25 @@ def test_matches_full_batch_reference(trained, arch):
         assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
     with open(os.path.join(save_dir, "model.safetensors"), "rb"):
         pass  # safetensors, not pickle
+
+
+def test_auto_activation_checkpointing_plans_kept_graphs_and_matches_reference(trained):
+    """--cephalo_activation_checkpointing auto on a model whose kept graphs fit: the plan made
+    at start says off, the engine runs without recompute, the printed plan says so, and the
+    losses and gradient norms equal the single-process full-batch reference."""
+    _, ref_losses, ref_norms, *_ = _reference("llama")
+    for rank, rank_result in enumerate(trained):
+        got = rank_result["auto_checkpointing"]
+        assert got["plan_checkpointing"] is False and got["engine_checkpointing"] is False
+        torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
+                                   torch.tensor(ref_losses, dtype=torch.float64), rtol=RTOL,
+                                   atol=ATOL)
+        torch.testing.assert_close(torch.tensor(got["grad_norms"], dtype=torch.float64),
+                                   torch.tensor(ref_norms, dtype=torch.float64), rtol=RTOL,
+                                   atol=ATOL)
+        if rank == 0:
+            print(got["printed"])
+            assert "activation checkpointing off (forward graphs kept)" in got["printed"]
 
 
 @pytest.mark.parametrize("arch", list(CASES))

@@ -212,3 +212,30 @@ def test_every_refusal_of_a_script_in_one_message(tmp_path, monkeypatch):
     assert isinstance(info.value, ValueError)
     assert len(info.value.problems) == len(expected)
     assert not torch.distributed.is_initialized()
+
+
+def test_gradient_checkpointing_with_checkpointing_off_is_refused(tmp_path, monkeypatch):
+    """--gradient_checkpointing asks for activation checkpointing: beside
+    --cephalo_activation_checkpointing false, or a plan file made without it, it is refused
+    before any process group exists; with 'auto' it means checkpointing on."""
+    from hf_cephalo.integrations.trainer import (CephaloTrainer,
+                                                 _engine_checkpointing_replaces_model_checkpointing)
+    from hf_cephalo.planner import Plan
+
+    monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
+    monkeypatch.delenv("HF_CEPHALO_ACTIVATION_CHECKPOINTING", raising=False)
+    with pytest.raises(ValueError, match="asks for activation checkpointing but "
+                                         "--cephalo_activation_checkpointing is 'false'"):
+        CephaloTrainer(model=build("llama"), args=_args(
+            tmp_path, gradient_checkpointing=True, cephalo_activation_checkpointing="false"))
+    plan_file = tmp_path / "plan.json"
+    Plan.from_ratios([2, 2], [2, 2], [0.5, 0.5], activation_checkpointing=False).save(plan_file)
+    with pytest.raises(ValueError, match="plan file .* was made without it"):
+        CephaloTrainer(model=build("llama"), args=_args(
+            tmp_path, activation_checkpointing=True, cephalo_plan_file=str(plan_file)))
+    assert not torch.distributed.is_initialized()
+    args = _args(tmp_path, gradient_checkpointing=True, cephalo_activation_checkpointing="auto")
+    _engine_checkpointing_replaces_model_checkpointing(args)
+    assert args.cephalo_activation_checkpointing == "true" and not args.gradient_checkpointing
+    with pytest.raises(ValueError, match="cephalo_activation_checkpointing.*must be one of"):
+        _args(tmp_path, cephalo_activation_checkpointing="maybe")

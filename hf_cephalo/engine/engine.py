@@ -193,8 +193,10 @@ class CephaloEngine:
         reduce_scatter_fallback: force the all-reduce-and-slice path instead of reduce-scatter.
         activation_checkpointing: True (the paper's schedule): keep only boundary activations
             and recompute each unit's forward in backward. False: keep every microbatch's
-            autograd graph (no recompute, ~1/3 less compute; activation memory grows with the
-            number of microbatches like standard training; same collectives).
+            autograd graph (no recompute: a unit's forward + backward is ~3 forward-equivalents
+            instead of ~4, a quarter less compute; activation memory grows with the number of
+            microbatches like standard training; same collectives). The plan's
+            ``activation_checkpointing`` decides it in the trainer (docs/planner.md).
         autocast_dtype: None (default: compute in the parameters' dtype), ``torch.bfloat16``
             or ``torch.float16``: every forward call (and recompute) runs under
             ``torch.autocast(device.type, dtype)`` while master parameters, gradients and

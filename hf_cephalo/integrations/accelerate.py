@@ -82,6 +82,7 @@ def _parse_list(value: Any, cast: type, name: str) -> list:
 
 PARAM_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 COLLATE_CHOICES = ("global_batch", "microbatch")
+ACTIVATION_CHECKPOINTING_CHOICES = ("true", "false", "auto")
 REDUCE_DTYPE_CHOICES = ("fp32", "bf16", "fp16")
 
 
@@ -95,7 +96,8 @@ class CephaloPlugin:
 
     Raises ValueError naming the field, its ``--cephalo_*`` flag, its environment variable and
     the value, for: a missing plan/profile file, a global batch size < 1, a memory fraction
-    outside (0, 1], an unknown activation offload mode or collate scope, a slowdown factor < 1
+    outside (0, 1], an unknown activation offload mode, activation checkpointing choice or
+    collate scope, a slowdown factor < 1
     or not finite, a memory cap < 1 byte, or emulation lists of different lengths.
     """
 
@@ -140,6 +142,11 @@ class CephaloPlugin:
     """Precision per rank (docs/engine.md "Precision per rank"): 'auto' or one of fp32 / bf16 /
     fp16 per rank, rank order ('bf16,bf16,fp16,fp32'); None (default): the job's one precision
     (--bf16 / --fp16 / fp32). Not with --bf16 / --fp16."""
+    activation_checkpointing: str | None = None
+    """When the trainer plans (no plan file): 'true' (default: the engine recomputes each unit's
+    forward in backward), 'false' (keep every forward graph: faster, more activation memory;
+    the plan fails when that does not fit) or 'auto' (plan both, keep the faster one that fits;
+    docs/planner.md). A plan file decides it itself."""
     collate: str | None = None
     """Where the data collator runs: 'global_batch' (default: once per global batch, then split
     into ranks and microbatches; padding as one process with the whole batch) or 'microbatch'
@@ -168,6 +175,8 @@ class CephaloPlugin:
             self.reduce_dtype = "fp32"
         if self.collate is None:
             self.collate = "global_batch"
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = "true"
         if self.adaptive is None:
             self.adaptive = "batch"
         if self.adaptive_threshold is None:
@@ -221,7 +230,8 @@ class CephaloPlugin:
         self._validate_adaptive()
         for name, choices in (("param_dtype", PARAM_DTYPE_CHOICES),
                               ("reduce_dtype", REDUCE_DTYPE_CHOICES),
-                              ("collate", COLLATE_CHOICES)):
+                              ("collate", COLLATE_CHOICES),
+                              ("activation_checkpointing", ACTIVATION_CHECKPOINTING_CHOICES)):
             value = str(getattr(self, name)).strip().lower()
             if value not in choices:
                 raise self._bad(name, f"must be one of {choices}")

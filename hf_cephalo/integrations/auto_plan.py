@@ -133,7 +133,8 @@ def format_accuracy_table(rows: list[dict[str, Any]], predicted_iteration_s: flo
                      f"{fmt(r['pred_compute_s'], width=25)} {fmt(r['compute_s'])} "
                      f"{fmt(predicted_iteration_s, width=12)} {fmt(r['step_s'])} "
                      f"{fmt(r['pred_memory_bytes'], GIB, 16)} {fmt(r['memory_bytes'], GIB)}")
-    lines.append("unit compute: forward + recompute + backward of all units on this rank; "
+    lines.append("unit compute: forward + recompute (with activation checkpointing) + backward "
+                 "of all units on this rank; "
                  "memory on CPU is accounted (state tensors + the memory model's buffers and "
                  "profiled activations), on CUDA the allocator peak")
     return "\n".join(lines)
@@ -261,8 +262,10 @@ class PlanAccuracyCallback(TrainerCallback):
         if cluster is None:
             return float(state)
         r = plan.ranks[args.process_index]
-        compute = float(memory.rank_memory_bytes(cluster, args.process_index, r.microbatch_size,
-                                                 r.batch_size, root_resident=plan.root_resident))
+        compute = float(memory.rank_memory_bytes(
+            cluster, args.process_index, r.microbatch_size, r.batch_size,
+            root_resident=plan.root_resident,
+            activation_checkpointing=plan.activation_checkpointing))
         return state + compute
 
     def _gather(self, args) -> list[dict[str, Any]]:

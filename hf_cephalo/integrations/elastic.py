@@ -222,8 +222,11 @@ def format_plan_change(old: Plan | None, new: Plan) -> str:
 
     The header says what changed: the world (``elastic re-plan: 3 -> 2 ranks``), only the plan
     on the same number of ranks (``re-plan on the same 2 ranks``); a resume onto the very same
-    plan is one line without the table (it is no re-plan)."""
-    if old is not None and _plan_rows(old) == _plan_rows(new):
+    plan is one line without the table (it is no re-plan). A change of activation
+    checkpointing (an elastic re-plan with ``--cephalo_activation_checkpointing auto``) is said
+    in the header."""
+    if old is not None and _plan_rows(old) == _plan_rows(new) and \
+            old.activation_checkpointing == new.activation_checkpointing:
         return (f"Cephalo resume on the same plan: {new.world_size} ranks, global batch size "
                 f"{new.global_batch_size}")
     def rows(plan: Plan | None, n: int) -> list[str]:
@@ -237,6 +240,10 @@ def format_plan_change(old: Plan | None, new: Plan) -> str:
     what = (f"re-plan on the same {new.world_size} ranks"
             if old is not None and old.world_size == new.world_size else
             f"elastic re-plan: {'?' if old is None else old.world_size} -> {new.world_size} ranks")
+    if old is not None and old.activation_checkpointing != new.activation_checkpointing:
+        on_off = {True: "on", False: "off"}
+        what += (f", activation checkpointing {on_off[old.activation_checkpointing]} -> "
+                 f"{on_off[new.activation_checkpointing]}")
     lines = [f"Cephalo {what}, global batch size {new.global_batch_size}",
              f"{'rank':>4} | before: {head} | after: {head}"]
     for i, (a, b) in enumerate(zip(rows(old, n), rows(new, n))):

@@ -110,6 +110,7 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
                           precision=_job_precision_tag(args, staged),
                           plan_file=args.cephalo_plan_file)
         args.resolve_global_batch_size(world_size, plan.global_batch_size)
+        check_plan_file_checkpointing(plan, args)
         check_state_fits_caps(plan, model_profile(staged).state_bytes, caps)
         if all(r.predicted_memory_bytes is not None for r in plan.ranks):
             check_plan_memory([r.predicted_memory_bytes for r in plan.ranks], caps)
@@ -125,7 +126,8 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
     _refuse_meta_profiling(model, args)
     cluster = _cluster(args, world_size, staged, emulation, train_dataset, B)
     try:
-        plan = optimize(cluster, B, args.cephalo_memory_fraction)
+        plan = optimize(cluster, B, args.cephalo_memory_fraction,
+                        activation_checkpointing=planned_checkpointing(args))
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, B, e.constraint)}",
                                   e.constraint) from None
@@ -139,6 +141,23 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
         print(f"[hf-cephalo] profile and plan saved to {args.output_dir}/profile.json, plan.json",
               flush=True)
     return ResolvedPlan(plan, cluster)
+
+
+def planned_checkpointing(args) -> bool | None:
+    """``--cephalo_activation_checkpointing`` as ``optimize``'s argument: True, False or None
+    (auto: plan both, keep the faster feasible one)."""
+    return {"true": True, "false": False, "auto": None}[args.cephalo_activation_checkpointing]
+
+
+def check_plan_file_checkpointing(plan: Plan, args) -> None:
+    """A plan file records its own activation checkpointing; ``--cephalo_activation_checkpointing
+    false`` beside a plan made with it is refused (ValueError) rather than ignored ('true', the
+    default, and 'auto' take the plan's choice)."""
+    if args.cephalo_activation_checkpointing == "false" and plan.activation_checkpointing:
+        raise ValueError(f"--cephalo_activation_checkpointing false but the plan file "
+                         f"{args.cephalo_plan_file!r} was made with activation checkpointing: "
+                         "re-plan with `hf-cephalo plan --activation-checkpointing false` (or "
+                         "auto), or drop the flag (the plan file decides)")
 
 
 def _infeasible_remedy(args, global_batch_size: int, constraint: str) -> str:
@@ -199,7 +218,8 @@ def replan_with_measured_u(plan: Plan, cluster: ClusterProfile, staged: StagedMo
                                uneven_state_ratios=list(plan.state_ratios))
     cluster = dataclasses.replace(cluster, comm=comm)
     return optimize(cluster, global_batch_size, plan.memory_fraction,
-                    root_resident=plan.root_resident), cluster
+                    root_resident=plan.root_resident,
+                    activation_checkpointing=plan.activation_checkpointing), cluster
 
 
 def check_state_fits_caps(plan: Plan, state_bytes: float, caps: list[float | None]) -> None:
@@ -377,11 +397,13 @@ def adopt_checkpoint_state(plan: Plan, checkpoint_plan: Plan | None,
     engine onto it (``CephaloTrainer._relayout_state``) and the run continues exactly where it
     left off; None when the split alone is to be adopted (``adopt_checkpoint_split``): the
     checkpoint ran on another world, devices or global batch size, on the running r_i, with
-    another root residency or precision, or its plan does not fit the profile's memory."""
+    another root residency, activation checkpointing or precision, or its plan does not fit
+    the profile's memory."""
     if checkpoint_plan is None or checkpoint_plan.world_size != plan.world_size or \
             checkpoint_plan.global_batch_size != plan.global_batch_size or \
             [r.device for r in checkpoint_plan.ranks] != [r.device for r in plan.ranks] or \
             checkpoint_plan.root_resident != plan.root_resident or \
+            checkpoint_plan.activation_checkpointing != plan.activation_checkpointing or \
             checkpoint_plan.precision != plan.precision or \
             checkpoint_plan.rank_precisions != plan.rank_precisions or \
             checkpoint_plan.state_ratios == plan.state_ratios:

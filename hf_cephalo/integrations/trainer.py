@@ -103,11 +103,16 @@ logger = logging.getLogger(__name__)
 
 
 def format_plan_table(plan: Plan) -> str:
-    """The plan as a text table: one row per rank (batch, microbatch, microbatches, state %)."""
+    """The plan as a text table: one row per rank (batch, microbatch, microbatches, state %);
+    the header says the global batch size, whether the state is uneven, the activation
+    checkpointing mode (``on``: recompute in backward; ``off``: forward graphs kept) and the
+    predicted iteration time."""
     # full device names: emulated ones differ only after the base name ("cpu [emulated 2x ...]")
     width = max([12] + [len(r.device) for r in plan.ranks])
+    mode = "on (recompute in backward)" if plan.activation_checkpointing else \
+        "off (forward graphs kept)"
     rows = [f"Cephalo plan: global batch size {plan.global_batch_size}, uneven state "
-            f"{plan.uneven_state}, predicted iteration "
+            f"{plan.uneven_state}, activation checkpointing {mode}, predicted iteration "
             f"{'-' if plan.predicted_iteration_s is None else f'{plan.predicted_iteration_s:.3f} s'}",
             f"{'rank':>4} {'device':<{width}} {'b_i':>5} {'m_i':>5} {'l_i':>5} {'r_i %':>7}"]
     per_rank = plan.rank_precisions is not None  # precision per rank: one more column
@@ -225,7 +230,7 @@ class CephaloTrainer(Trainer):
                               train_dataset=kwargs.get("train_dataset"),
                               eval_dataset=kwargs.get("eval_dataset"))
         compile_options = _compile_options(args)  # a bad backend / mode: ValueError here
-        _engine_checkpointing_replaces_model_checkpointing(args)
+        _engine_checkpointing_replaces_model_checkpointing(args, plan)
         world_size = args.world_size  # sets up the process group (accelerate launch / torchrun)
         # [Note: fail fast] in preflight.py: no profile, plan or collective before these checks
         staged = check_before_planning(args, world_size, model, plan=plan,
@@ -264,6 +269,7 @@ class CephaloTrainer(Trainer):
                                     param_dtype=precision.param_dtype,
                                     reduce_dtype=precision.reduce_dtype,
                                     root_resident=self.plan.root_resident, init_seed=args.seed,
+                                    activation_checkpointing=self.plan.activation_checkpointing,
                                     compile=compile_options)
         self.accelerator.attach_engine(self.engine, model)
         self._attach_grad_scaler()
@@ -1105,12 +1111,41 @@ def _num_samples(microbatch) -> int:
     return next((int(v.shape[0]) for v in values if torch.is_tensor(v) and v.dim() > 0), 0)
 
 
-def _engine_checkpointing_replaces_model_checkpointing(args) -> None:
+def _engine_checkpointing_replaces_model_checkpointing(args, plan: Plan | None = None) -> None:
     """``gradient_checkpointing`` / ``activation_checkpointing``: the engine recomputes every
     unit in backward, which IS activation checkpointing. Stock ``Trainer.train()`` would switch
     the model's own checkpointing on as well (each layer's forward then runs three times per
-    microbatch instead of two), so the flags are logged and cleared on ``args``."""
-    if args.activation_checkpointing or args.gradient_checkpointing:
+    microbatch instead of two), so the flags are logged and cleared on ``args``.
+
+    The user asked for checkpointing, so a plan without it is refused (before any collective):
+    ``--cephalo_activation_checkpointing false``, or a plan (``plan`` / ``--cephalo_plan_file``)
+    that records it off; with ``auto`` the trainer plans with checkpointing on.
+
+    Raises:
+        ValueError: the flag with ``--cephalo_activation_checkpointing false`` or such a plan.
+    """
+    asked = args.activation_checkpointing or args.gradient_checkpointing
+    if asked and args.cephalo_activation_checkpointing == "false":
+        raise ValueError(
+            "--gradient_checkpointing (or --activation_checkpointing) asks for activation "
+            "checkpointing but --cephalo_activation_checkpointing is 'false' (keep every forward "
+            "graph, no recompute): drop one of them ('true' or 'auto' with the stock flag plans "
+            "with checkpointing; the engine's own checkpointing replaces the model's)")
+    if asked and plan is None and args.cephalo_plan_file is not None:
+        plan = Plan.load(args.cephalo_plan_file)
+    if asked and plan is not None and not plan.activation_checkpointing:
+        source = "plan" if args.cephalo_plan_file is None else \
+            f"plan file {args.cephalo_plan_file!r}"
+        raise ValueError(
+            "--gradient_checkpointing (or --activation_checkpointing) asks for activation "
+            f"checkpointing but the {source} was made without it (activation_checkpointing "
+            "false: forward graphs kept): drop the flag, or re-plan with `hf-cephalo plan "
+            "--activation-checkpointing true`")
+    if asked and args.cephalo_activation_checkpointing == "auto":
+        logger.warning("--gradient_checkpointing with --cephalo_activation_checkpointing auto: "
+                       "planning with activation checkpointing on, as the flag asks")
+        args.cephalo_activation_checkpointing = "true"
+    if asked:
         logger.warning("gradient_checkpointing/activation_checkpointing: the Cephalo engine "
                        "already recomputes every layer in backward (per-unit activation "
                        "checkpointing); the model's own checkpointing is not switched on in "

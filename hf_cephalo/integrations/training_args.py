@@ -154,6 +154,16 @@ class CephaloTrainingArguments(TrainingArguments):
         "them; without a plan each rank is profiled in its precision at start (not with "
         "--cephalo_profile_file). Not with --bf16 / --fp16. "
         "Env: HF_CEPHALO_PRECISION.")})
+    cephalo_activation_checkpointing: Literal["true", "false", "auto"] | None = field(
+        default=None, metadata={"help": (
+            "Activation checkpointing of the plan the trainer makes at start: 'true' (default: "
+            "each unit's forward is recomputed in its backward, the paper's schedule), 'false' "
+            "(every microbatch's forward graph is kept until its backward: no recompute, ~1/4 "
+            "less compute per step, activation memory grows with layers x microbatches; the "
+            "plan fails when that does not fit) or 'auto' (plan both, keep the faster one that "
+            "fits). A --cephalo_plan_file records its own choice. Not 'false' with "
+            "--gradient_checkpointing (with 'auto' that flag means 'true'). "
+            "Env: HF_CEPHALO_ACTIVATION_CHECKPOINTING.")})
     cephalo_collate: Literal["global_batch", "microbatch"] | None = field(default=None, metadata={
         "help": ("Where the data collator pads: 'global_batch' (default) collates each global "
                  "batch once, on every rank, then splits it into ranks and microbatches, so every "

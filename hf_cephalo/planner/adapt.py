@@ -309,7 +309,8 @@ def decide_state_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
         fixed_s = None
     try:
         free = optimize(fit, plan.global_batch_size, plan.memory_fraction,
-                        root_resident=plan.root_resident)
+                        root_resident=plan.root_resident,
+                        activation_checkpointing=plan.activation_checkpointing)
     except InfeasiblePlanError as exc:
         return keep(f"no plan with r_i free fits: {exc}", fixed_s)
     free_s = free.predicted_iteration_s

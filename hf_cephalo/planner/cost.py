@@ -13,7 +13,9 @@ array). Units: seconds and bytes. Used by the optimizer (``optimize.py``), the s
   (``memory.py``, [Note: memory terms]): M_i(m, b) = every device byte besides the state.
 * Per-unit latency with l microbatches of size m (all-gather of the next unit overlaps compute;
   backward recomputes the forward because activations are checkpointed):
-  ``T_i(l, m) = max(l·F(m), AG·u) + max(l·(F(m) + B(m)), (AG + RS)·u)``,
+  ``T_i(l, m) = max(l·F(m), AG·u) + max(l·(F(m) + B(m)), (AG + RS)·u)``; a plan without
+  activation checkpointing keeps the forward graphs instead, ``max(l·F, AG·u) + max(l·B,
+  (AG + RS)·u)`` ([Note: unit time without activation checkpointing]);
   u = the profile's measured ``CommProfile.uneven_factor`` if the plan shards the training
   state unevenly (1.15, the paper's bound, for profiles without a measurement), else 1. An idle rank (b_i = 0) pays
   ``AG·u + (AG + RS)·u`` and has no compute memory.
@@ -156,17 +158,42 @@ def unit_comm(cluster: ClusterProfile) -> CommProfile:
                                reducescatter_s=comm.reducescatter_s * rs)
 
 
-def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool) -> np.ndarray:
-    """T_i(l, m) for one unit (forward + backward with recompute), seconds.
+# [Note: unit time without activation checkpointing]
+# The profile's F(m) is one unit's forward without autograd and B(m) is "(recompute + backward)
+# - forward of the same repeat" (profiler/measure.py), so F + B is what the engine's backward
+# of one microbatch costs: the recompute WITH autograd plus the backward proper. With
+# checkpointing (paper §3.3, DESIGN.md contract 2) a unit runs l forwards in the forward pass
+# and l recomputes + backwards in the backward pass:
+#     T = max(l·F, AG·u) + max(l·(F + B), (AG + RS)·u).
+# Without checkpointing (engine ``activation_checkpointing=False``, schedule.py
+# ``_forward_kept``) the forward pass runs each microbatch once WITH autograd and the backward
+# pass runs the backward proper only, so the step's compute per unit is l·(F + B) instead of
+# l·F + l·(F + B): the forward with autograd plus the backward is the same (F + B) the
+# recompute + backward costs. How it splits between the two passes is priced as l·F forward
+# and l·B backward (the autograd forward's extra over the no-grad forward, a few per cent, is
+# priced in the backward pass, where the measurement puts it; it only matters when a
+# collective is the longer side of one max and not of the other):
+#     T = max(l·F, AG·u) + max(l·B, (AG + RS)·u).
+# The embedding is recomputed in the backward in both modes (schedule.py ``backward``), so the
+# root terms (``root_compute_s``) do not change; the bookkeeping o_i (RNG capture + replay for
+# the recompute) is kept as measured (an over-estimate without recompute, microseconds).
+def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool, *,
+                activation_checkpointing: bool = True) -> np.ndarray:
+    """T_i(l, m) for one unit (forward + backward, with or without recompute), seconds.
 
     Args:
         fwd_s, bwd_s: F_i(m), B_i(m) (scalars or arrays, broadcast together).
         num_microbatches: l (0 for an idle rank, which then only waits on the collectives).
         comm: AG and RS for one unit with even shards.
         uneven: whether the plan shards state unevenly (u = ``uneven_factor(comm)``).
+        activation_checkpointing: True (the paper's model): the backward recomputes the
+            forward, ``max(l·F, AG·u) + max(l·(F + B), (AG + RS)·u)``; False: the forward's
+            graphs are kept, ``max(l·F, AG·u) + max(l·B, (AG + RS)·u)`` ([Note: unit time
+            without activation checkpointing]).
 
     With ``comm.overlaps_compute`` False (CPU ranks, gloo) the collectives add to the compute:
-    ``l·F + AG·u + l·(F + B) + (AG + RS)·u``.
+    ``l·F + AG·u + l·(F + B) + (AG + RS)·u`` (without checkpointing ``l·F + AG·u + l·B +
+    (AG + RS)·u``).
     """
     u = uneven_factor(comm) if uneven else 1.0
     ag = comm.allgather_s * u
@@ -174,9 +201,10 @@ def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool)
     l = np.asarray(num_microbatches, dtype=np.float64)
     f = np.asarray(fwd_s, dtype=np.float64)
     b = np.asarray(bwd_s, dtype=np.float64)
+    backward = l * (f + b) if activation_checkpointing else l * b
     if not comm.overlaps_compute:  # the collectives take the compute's cores: they add
-        return l * f + ag + l * (f + b) + agrs
-    return np.maximum(l * f, ag) + np.maximum(l * (f + b), agrs)
+        return l * f + ag + backward + agrs
+    return np.maximum(l * f, ag) + np.maximum(backward, agrs)
 
 
 def idle_unit_time_s(comm: CommProfile, uneven: bool) -> float:

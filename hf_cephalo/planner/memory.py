@@ -88,6 +88,9 @@ G(-1) = R(L) = 0 and the head's reduce-scatters move to the end; every unit and 
 adds e·(N_r + N_P) (both gathered + the head phase's gradients; E's own gradient appears in the
 embedding backward) on a busy rank and e·N_r on an idle one; E_emb = e·(2·N_r + N_u + k_0 +
 k_E + k_H).
+
+Without activation checkpointing (the engine keeps every forward graph): [Note: memory without
+activation checkpointing] below.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ from hf_cephalo.profiler.types import ClusterProfile, DeviceProfile, ModelProfil
 __all__ = ["CollectiveBuffers", "EngineBuffers", "collective_buffers", "engine_buffers",
            "activation_bytes", "head_activation_bytes", "embed_activation_bytes",
            "device_stash_bytes", "host_memory_bytes", "rank_memory_bytes", "memory_line",
-           "model_layout_numels"]
+           "model_layout_numels", "kept_graph_bytes", "kept_graphs_bytes"]
 
 # Device copies of boundary tensors with offload: current input + boundary gradient, their
 # prefetched successors, and the live copy of the last offloaded tensor (offload.py).
@@ -363,28 +366,90 @@ def host_memory_bytes(model: ModelProfile, b, offload: bool) -> np.ndarray:
     return (model.num_units + 1) * model.boundary_bytes_per_sample * np.asarray(b, np.float64)
 
 
+def kept_graph_bytes(device: DeviceProfile, m) -> np.ndarray:
+    """K_i(m): bytes one microbatch's kept forward graph of one unit holds until its backward
+    (the profile's ``kept_graph_bytes``: saved tensors + output), on the least-squares line
+    through the profiled points like A_i(m); 0 at m = 0.
+
+    Raises:
+        ValueError: the profile has no ``kept_graph_bytes`` (measured before it existed, or a
+            spec-sheet profile): only plans with activation checkpointing can be priced.
+    """
+    if device.kept_graph_bytes is None:
+        raise ValueError(f"device profile {device.name!r} has no kept_graph_bytes, so a plan "
+                         "without activation checkpointing cannot be priced; re-profile with "
+                         "this version (`hf-cephalo profile`, or delete the profile cache "
+                         "entry) or plan with activation checkpointing")
+    return activation_bytes(DeviceProfile(
+        name=device.name, memory_capacity_bytes=device.memory_capacity_bytes,
+        microbatch_sizes=device.microbatch_sizes, fwd_s=device.fwd_s, bwd_s=device.bwd_s,
+        compute_memory_bytes=device.kept_graph_bytes), m)
+
+
+def kept_graphs_bytes(cluster: ClusterProfile, rank: int, m, b) -> np.ndarray:
+    """L·Σ_j K_i(m_j): every kept graph of rank ``rank`` with b samples in microbatches of m
+    (the last one b - (l - 1)·m samples, l = ceil(b / m)), bytes; 0 for b = 0. See [Note:
+    memory without activation checkpointing]."""
+    device, L = cluster.devices[rank], cluster.model.num_units
+    m = np.asarray(m, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    safe_m = np.maximum(m, 1.0)
+    ls = np.ceil(b / safe_m)
+    last = b - np.maximum(ls - 1, 0.0) * safe_m
+    per_unit = np.maximum(ls - 1, 0.0) * kept_graph_bytes(device, safe_m) + \
+        kept_graph_bytes(device, last)
+    return np.where(b > 0, L * per_unit, 0.0)
+
+
+# [Note: memory without activation checkpointing]
+# With ``activation_checkpointing=False`` (schedule.py ``_forward_kept`` for every unit i and
+# microbatch j) the forward keeps each (unit, microbatch) graph until that unit's backward:
+# K(m) bytes each (``kept_graph_bytes``: autograd's saved tensors + the unit's output, which is
+# also the next boundary tensor, so the stash holds no copy of its own). All L·l of them are
+# alive from the end of the forward through the head phase, the peak; in the backward they
+# go unit by unit. On top of the checkpointing model (rank_memory_bytes):
+# * unit and head moments: + (L·Σ_j K(m_j) - K(m)): A_i(m) already holds one graph (the
+#   recompute's, here the kept one of the current microbatch) and A_head,i(m) the last unit's
+#   kept graph, so one K is not added twice;
+# * between moments (no activation measured): + L·Σ_j K(m_j), an upper bound (between two
+#   backward units fewer graphs are left);
+# * the boundary stash: without offload the levels 1..L are the graphs' outputs (in K), so D
+#   keeps two levels, the embedding outputs and the boundary gradients, 2·b·a; with offload
+#   unchanged (5·m·a device copies);
+# * the embedding backward (every graph consumed) and an idle rank: unchanged.
+# The gathered parameters a kept graph saves are views of the gathered buffer, whose storage
+# reshard frees ([Note: kept graphs across reshard] in flat_param.py): not in K, not extra.
 def rank_memory_bytes(cluster: ClusterProfile, rank: int, m, b, *, root_resident: bool = False,
-                      layout: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+                      layout: Sequence[Sequence[int]] | None = None,
+                      activation_checkpointing: bool = True) -> np.ndarray:
     """M_i(m, b): device bytes of rank ``rank`` besides its training state (vectorized over m, b).
 
     ``b = 0`` (with m = 0) is an idle rank: E_idle. ``root_resident`` / ``layout``: see
-    ``engine_buffers``. A profile whose compute memory already includes the engine's buffers
-    (format 1, ``ClusterProfile.buffers_in_compute_memory``) is priced as before, A_i(m) alone
-    (0 when idle).
+    ``engine_buffers``. ``activation_checkpointing=False``: the engine keeps every forward
+    graph ([Note: memory without activation checkpointing]; needs the profile's
+    ``kept_graph_bytes``, else ValueError from ``kept_graph_bytes``). A profile whose compute
+    memory already includes the engine's buffers (format 1,
+    ``ClusterProfile.buffers_in_compute_memory``) is priced as before, A_i(m) alone (0 when
+    idle; plus the other kept graphs without checkpointing).
     """
     device, model = cluster.devices[rank], cluster.model
     m = np.asarray(m, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     act = activation_bytes(device, m)
+    kept = 0.0 if activation_checkpointing else kept_graphs_bytes(cluster, rank, m, b)
+    others = 0.0 if activation_checkpointing else \
+        np.maximum(kept - kept_graph_bytes(device, np.maximum(m, 1.0)), 0.0)
     if cluster.buffers_in_compute_memory:
-        return np.where(b > 0, act, 0.0)
+        return np.where(b > 0, act + others, 0.0)
     buf = engine_buffers(model, cluster.world_size, root_resident=root_resident, layout=layout,
                          rank=rank)
     offload = cluster.offload_activations
     phases = np.maximum(np.maximum(act + buf.unit_bytes,
-                                   head_activation_bytes(device, m) + buf.head_bytes),
-                        buf.between_bytes)
+                                   head_activation_bytes(device, m) + buf.head_bytes) + others,
+                        buf.between_bytes + kept)
+    stash_levels = None if activation_checkpointing or offload else 2
     embed = embed_activation_bytes(model, m) + buf.embed_bytes + \
         device_stash_bytes(model, m, b, offload, levels=1)
-    busy = np.maximum(phases + device_stash_bytes(model, m, b, offload), embed)
+    busy = np.maximum(phases + device_stash_bytes(model, m, b, offload, levels=stash_levels),
+                      embed)
     return np.where(b > 0, busy, buf.idle_bytes)

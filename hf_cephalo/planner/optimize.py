@@ -47,8 +47,9 @@ from hf_cephalo.planner.types import Plan, RankPlan, check_batch_and_fraction
 from hf_cephalo.profiler.types import ClusterProfile, format_bytes
 from hf_cephalo.units import GIB
 
-__all__ = ["optimize", "optimize_fixed_state", "solve_assignment", "Assignment", "FixedState",
-           "InfeasiblePlanError", "check_problem_size", "estimate_problem_size", "format_bytes"]
+__all__ = ["optimize", "optimize_fixed_state", "has_kept_graph_profile", "solve_assignment",
+           "Assignment", "FixedState", "InfeasiblePlanError", "check_problem_size",
+           "estimate_problem_size", "format_bytes"]
 
 _MEM_RTOL = 1e-12
 
@@ -114,18 +115,21 @@ class _Options:
 
 def _device_options(cluster: ClusterProfile, rank: int, B: int, mem_cap: float, uneven: bool,
                     idle_ok: bool, root_resident: bool, layout=None,
-                    only: tuple[int, int, int] | None = None) -> _Options:
+                    only: tuple[int, int, int] | None = None,
+                    checkpointing: bool = True) -> _Options:
     """Every (l, m) of ``rank`` with l·m <= B whose memory M_i(m, l·m) fits ``mem_cap``
-    (``layout``: price the buffers of that shard layout; ``only``: keep just that (b, m, l))."""
+    (``layout``: price the buffers of that shard layout; ``only``: keep just that (b, m, l);
+    ``checkpointing``: the engine's ``activation_checkpointing``)."""
     device, comm = cluster.devices[rank], cost.unit_comm(cluster)
 
     def mem_of(m, b):
         return memory.rank_memory_bytes(cluster, rank, m, b, root_resident=root_resident,
-                                        layout=layout)
+                                        layout=layout, activation_checkpointing=checkpointing)
 
     ok = lambda mem: mem <= mem_cap * (1 + _MEM_RTOL)  # noqa: E731
     ms = np.arange(1, B + 1)
-    ms = ms[ok(mem_of(ms, ms))]  # l = 1 is the least memory of every m (stash grows with b)
+    ms = ms[ok(mem_of(ms, ms))]  # l = 1 is the least memory of every m (stash, kept graphs
+    # grow with b)
     if len(ms):
         f = cost.fwd_time_s(device, ms)
         bw = cost.bwd_time_s(device, ms)
@@ -139,7 +143,8 @@ def _device_options(cluster: ClusterProfile, rank: int, B: int, mem_cap: float, 
         m_rep, l_rep, idx, memv = m_rep[keep], l_rep[keep], idx[keep], memv[keep]
         # T_i with the rank's root compute and bookkeeping spread over its L units
         # (cost.py [Note: step terms]): max_i of it is the compute phase / L, exactly
-        t = cost.unit_time_s(f[idx], bw[idx], l_rep, comm, uneven) + \
+        t = cost.unit_time_s(f[idx], bw[idx], l_rep, comm, uneven,
+                             activation_checkpointing=checkpointing) + \
             cost.rank_extra_s(cluster, rank, m_rep * l_rep, m_rep) / cluster.model.num_units
     else:
         m_rep = l_rep = np.zeros(0, dtype=np.int64)
@@ -265,7 +270,7 @@ class _Case:
 
     def __init__(self, cluster: ClusterProfile, groups, B: int, c: float, uneven: bool,
                  allow_idle: bool, root_resident: bool = False, host_limit: bool = True,
-                 fixed: FixedState | None = None):
+                 fixed: FixedState | None = None, checkpointing: bool = True):
         self.B, self.uneven, self.groups = B, uneven, groups
         # With the state fixed every rank's cap is c·C_i − r_i·S, which implies (III).
         self.aggregate = uneven and fixed is None
@@ -280,7 +285,8 @@ class _Case:
             self.options.append(_device_options(
                 cluster, ranks[0], B, c * d.memory_capacity_bytes - held, uneven, idle_ok,
                 root_resident, layout=None if fixed is None else fixed.layout,
-                only=None if fixed is None else fixed.frozen.get(ranks[0])))
+                only=None if fixed is None else fixed.frozen.get(ranks[0]),
+                checkpointing=checkpointing))
         self.infeasible_even_state = (fixed is not None or not uneven) and any(
             held > c * cluster.devices[r[0]].memory_capacity_bytes
             for r, held in zip(groups, state))
@@ -460,10 +466,11 @@ def check_problem_size(cluster: ClusterProfile, global_batch_size: int,
 
 
 def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool,
-              root_resident: bool) -> _Diagnosis:
+              root_resident: bool, checkpointing: bool = True) -> _Diagnosis:
     """Name the binding constraint of an infeasible problem."""
     devs = cluster.devices
-    need1 = [float(memory.rank_memory_bytes(cluster, i, 1, 1, root_resident=root_resident))
+    need1 = [float(memory.rank_memory_bytes(cluster, i, 1, 1, root_resident=root_resident,
+                                            activation_checkpointing=checkpointing))
              for i in range(len(devs))]
     too_big = [i for i, d in enumerate(devs) if need1[i] > c * d.memory_capacity_bytes]
     # one entry per run of consecutive ranks with the same text (64 equal lines bury the point)
@@ -488,7 +495,7 @@ def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool,
     S = cluster.model.state_bytes
     total = sum(d.memory_capacity_bytes for d in devs)
     relaxed = _Case(cluster, _groups(cluster), B, c, True, allow_idle, root_resident,
-                    host_limit=False)
+                    host_limit=False, checkpointing=checkpointing)
     table = relaxed.tree(np.inf, minplus=True).table
     min_compute = float(table[B])
     if not np.isfinite(min_compute):
@@ -523,12 +530,15 @@ def _diagnose_host(cluster: ClusterProfile, B: int, c: float) -> _Diagnosis:
 
 def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
                      memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
-                     allow_idle: bool = True, root_resident: bool = False) -> Assignment:
+                     allow_idle: bool = True, root_resident: bool = False,
+                     activation_checkpointing: bool = True) -> Assignment:
     """Exact minimum of max_i T_i over (b_i, m_i, l_i) under (I)-(III); see module doc.
 
     Memory per rank is ``memory.rank_memory_bytes`` (every engine buffer, see [Note: memory
     terms]); with activation offload and host RAM figures each machine's batch is limited by
-    its RAM ([Note: host memory in the knapsack]). ``root_resident``: see ``optimize``.
+    its RAM ([Note: host memory in the knapsack]). ``root_resident``: see ``optimize``;
+    ``activation_checkpointing`` (one setting, True or False): the engine's, priced by
+    ``cost.unit_time_s`` and ``memory.rank_memory_bytes``.
 
     Raises:
         InfeasiblePlanError (a ValueError): no assignment fits; the message names the binding
@@ -541,15 +551,16 @@ def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
     _check_inputs(cluster, B, c)
     check_problem_size(cluster, B, c)
     groups = _groups(cluster)
-    even = _Case(cluster, groups, B, c, False, allow_idle, root_resident)
+    ac = activation_checkpointing
+    even = _Case(cluster, groups, B, c, False, allow_idle, root_resident, checkpointing=ac)
     t_even = even.solve(np.inf)
-    uneven = _Case(cluster, groups, B, c, True, allow_idle, root_resident)
+    uneven = _Case(cluster, groups, B, c, True, allow_idle, root_resident, checkpointing=ac)
     t_uneven = uneven.solve(np.inf if t_even is None else t_even)
     if t_uneven is not None:
         return uneven.reconstruct(t_uneven, cluster.world_size)
     if t_even is not None:
         return even.reconstruct(t_even, cluster.world_size)
-    diagnosis = _diagnose(cluster, B, c, allow_idle, root_resident)
+    diagnosis = _diagnose(cluster, B, c, allow_idle, root_resident, ac)
     raise InfeasiblePlanError(f"no plan for global batch size {B} fits: {diagnosis.message}",
                               diagnosis.constraint)
 
@@ -564,7 +575,7 @@ _LAYOUT_REPOURS = 3
 
 
 def _partition_on_layout(cluster: ClusterProfile, a: "Assignment", mem: list[float],
-                         root_resident: bool) -> list[float]:
+                         root_resident: bool, checkpointing: bool = True) -> list[float]:
     """Water-filling ratios r_i, re-poured on the memory of their own shard layout."""
     caps = [d.memory_capacity_bytes for d in cluster.devices]
     S = cluster.model.state_bytes
@@ -575,15 +586,23 @@ def _partition_on_layout(cluster: ClusterProfile, a: "Assignment", mem: list[flo
     for _ in range(_LAYOUT_REPOURS):
         layout = layout_unit_shards(ratios, numels)
         mem = [float(memory.rank_memory_bytes(cluster, i, m, b, root_resident=root_resident,
-                                              layout=layout))
+                                              layout=layout,
+                                              activation_checkpointing=checkpointing))
                for i, (m, b) in enumerate(zip(a.microbatch_sizes, a.batch_sizes))]
         ratios = partition_state(S, mem, caps)
     return ratios
 
 
+def has_kept_graph_profile(cluster: ClusterProfile) -> bool:
+    """Whether every device profile has ``kept_graph_bytes``, so a plan without activation
+    checkpointing can be priced (profiles measured before it, spec sheets: no)."""
+    return all(d.kept_graph_bytes is not None for d in cluster.devices)
+
+
 def optimize(cluster: ClusterProfile, global_batch_size: int,
              memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
-             allow_idle: bool = True, root_resident: bool = False) -> Plan:
+             allow_idle: bool = True, root_resident: bool = False,
+             activation_checkpointing: bool | None = True) -> Plan:
     """The optimal Plan: exact (b_i, m_i, l_i) plus greedy state ratios r_i.
 
     Args:
@@ -596,19 +615,67 @@ def optimize(cluster: ClusterProfile, global_batch_size: int,
             gathered with their gradients all step); False (the engine's default) prices each
             root unit gathered around its uses. Recorded in the plan; the trainer builds the
             engine with it.
+        activation_checkpointing: True (default, the paper's schedule: recompute in
+            backward); False: the engine keeps every forward graph (faster, activation memory
+            L·l_i·K(m_i), docs/planner.md); None: plan both (each an exact search) and keep
+            the one with the smaller predicted step time that fits (checkpointing on a tie;
+            without the profile's ``kept_graph_bytes`` only checkpointing is planned).
+            Recorded in the plan; the trainer builds the engine with it.
 
     Raises:
-        InfeasiblePlanError / ValueError: see ``solve_assignment``.
+        InfeasiblePlanError / ValueError: see ``solve_assignment`` (for None: when no setting
+            fits, the error of the checkpointing plan). ValueError: False with a profile
+            without ``kept_graph_bytes``.
     """
-    a = solve_assignment(cluster, global_batch_size, memory_fraction, allow_idle=allow_idle,
-                         root_resident=root_resident)
+    if activation_checkpointing is None:
+        plan = _optimize_one(cluster, global_batch_size, memory_fraction, allow_idle,
+                             root_resident, True, fallback_error=True)
+        if not has_kept_graph_profile(cluster):
+            if isinstance(plan, Exception):
+                raise plan
+            return plan
+        try:
+            kept = _optimize_one(cluster, global_batch_size, memory_fraction, allow_idle,
+                                 root_resident, False, fallback_error=False)
+        except InfeasiblePlanError:
+            if isinstance(plan, Exception):
+                raise plan from None
+            return plan
+        if isinstance(plan, Exception) or \
+                kept.predicted_iteration_s < plan.predicted_iteration_s:
+            return kept
+        return plan
+    if not activation_checkpointing and not has_kept_graph_profile(cluster):
+        missing = [d.name for d in cluster.devices if d.kept_graph_bytes is None]
+        raise ValueError(f"activation checkpointing off needs the profile's kept_graph_bytes "
+                         f"(the memory of the kept forward graphs), which the device profiles "
+                         f"{sorted(set(missing))} lack: re-profile with this version "
+                         "(`hf-cephalo profile`; a cached entry is measured anew) or plan with "
+                         "activation checkpointing")
+    return _optimize_one(cluster, global_batch_size, memory_fraction, allow_idle,
+                         root_resident, bool(activation_checkpointing), fallback_error=False)
+
+
+def _optimize_one(cluster: ClusterProfile, global_batch_size: int, memory_fraction: float,
+                  allow_idle: bool, root_resident: bool, checkpointing: bool,
+                  fallback_error: bool):
+    """``optimize`` for one activation-checkpointing setting; with ``fallback_error`` an
+    ``InfeasiblePlanError`` is returned instead of raised (the other setting may fit)."""
+    try:
+        a = solve_assignment(cluster, global_batch_size, memory_fraction, allow_idle=allow_idle,
+                             root_resident=root_resident, activation_checkpointing=checkpointing)
+    except InfeasiblePlanError as e:
+        if fallback_error:
+            return e
+        raise
     devs = cluster.devices
     N = cluster.world_size
-    mem = [float(memory.rank_memory_bytes(cluster, i, m, b, root_resident=root_resident))
+    mem = [float(memory.rank_memory_bytes(cluster, i, m, b, root_resident=root_resident,
+                                          activation_checkpointing=checkpointing))
            for i, (m, b) in enumerate(zip(a.microbatch_sizes, a.batch_sizes))]
     uneven = cost.is_uneven(cluster, mem, memory_fraction)
     if uneven:
-        ratios = _partition_on_layout(cluster, a, mem, root_resident)
+        ratios = _partition_on_layout(cluster, a, mem, root_resident, checkpointing)
     else:
         ratios = [1.0 / N] * N
     # precision per rank (docs/engine.md "Precision per rank"): each device profile was
@@ -623,6 +690,7 @@ def optimize(cluster: ClusterProfile, global_batch_size: int,
     model = cluster.model
     plan = Plan(global_batch_size=global_batch_size, memory_fraction=memory_fraction,
                 uneven_state=uneven, ranks=ranks, root_resident=root_resident,
+                activation_checkpointing=checkpointing,
                 precision=cluster.extra.get("dtype"),  # [Note: precision tags]
                 model={"name": model.name, "num_units": model.num_units,
                        "params_per_unit": model.params_per_unit,
@@ -655,8 +723,9 @@ def optimize_fixed_state(cluster: ClusterProfile, plan: Plan, *,
     threshold search as ``optimize`` with rank i's memory cap c·C_i − r_i·S (the state it holds
     now) priced with the engine's current shard layout, the collectives priced as ``plan``
     (uneven or not), the same B and memory fraction c. Ranks in ``frozen_ranks`` keep their
-    (b_i, m_i, l_i). The result keeps r_i, ``uneven_state``, ``root_resident`` and the
-    precision tag of ``plan``; ``predicted_*`` come from ``predict`` on ``cluster``.
+    (b_i, m_i, l_i). The result keeps r_i, ``uneven_state``, ``root_resident``,
+    ``activation_checkpointing`` (priced as ``plan`` runs) and the precision tag of ``plan``;
+    ``predicted_*`` come from ``predict`` on ``cluster``.
 
     Raises:
         InfeasiblePlanError: no (b_i, m_i, l_i) fits the caps with this state layout.
@@ -671,7 +740,7 @@ def optimize_fixed_state(cluster: ClusterProfile, plan: Plan, *,
     fixed = FixedState(list(plan.state_ratios), plan.uneven_state, layout, frozen)
     case = _Case(cluster, _fixed_groups(cluster, fixed), plan.global_batch_size,
                  plan.memory_fraction, plan.uneven_state, allow_idle, plan.root_resident,
-                 fixed=fixed)
+                 fixed=fixed, checkpointing=plan.activation_checkpointing)
     t = case.solve(np.inf)
     if t is None:
         raise InfeasiblePlanError(

@@ -59,7 +59,8 @@ def predict(plan: Plan, cluster: ClusterProfile, memory_fraction: float | None =
     (no step terms) num_units · max_i T_i.
 
     Memory: r_i·S + ``memory.rank_memory_bytes`` with the collective buffers of the plan's own
-    shard layout and ``plan.root_resident``; host memory per machine (activation offload).
+    shard layout, ``plan.root_resident`` and ``plan.activation_checkpointing`` (the cost and
+    memory models without recompute: cost.py, memory.py); host memory per machine.
 
     Args:
         plan: any Plan with ``plan.world_size == cluster.world_size``.
@@ -80,9 +81,11 @@ def predict(plan: Plan, cluster: ClusterProfile, memory_fraction: float | None =
         else:
             # l·F and l·(F + B) of the contract, with the last microbatch's own size.
             f, b = cost.rank_compute_s(d, r.batch_size, r.microbatch_size)
-            t = float(cost.unit_time_s(f, b, 1, cost.unit_comm(cluster), plan.uneven_state))
-        mem = float(memory.rank_memory_bytes(cluster, i, r.microbatch_size, r.batch_size,
-                                             root_resident=plan.root_resident, layout=layout))
+            t = float(cost.unit_time_s(f, b, 1, cost.unit_comm(cluster), plan.uneven_state,
+                                       activation_checkpointing=plan.activation_checkpointing))
+        mem = float(memory.rank_memory_bytes(
+            cluster, i, r.microbatch_size, r.batch_size, root_resident=plan.root_resident,
+            layout=layout, activation_checkpointing=plan.activation_checkpointing))
         total = r.state_ratio * S + mem
         cap = c * d.memory_capacity_bytes
         out.append(RankPrediction(t, mem, total, cap, total <= cap * (1 + 1e-9)))
@@ -114,15 +117,18 @@ class MeasuredStep(NamedTuple):
     """What one rank measured over a training run (medians over the steps after warm-up)."""
 
     step_s: float | None  # the step, seconds
-    unit_compute_s: float | None  # forward + recompute + backward of every unit, s per step
+    unit_compute_s: float | None  # forward (+ recompute) + backward of every unit, s per step
     root_compute_s: float | None  # embedding + head compute, seconds per step
 
 
 def predicted_unit_compute_s(plan: Plan, cluster: ClusterProfile, rank: int) -> float:
-    """num_units · (l·F + l·(F + B)) of one rank, seconds per step (unit compute only)."""
+    """num_units · (l·F + l·(F + B)) of one rank, seconds per step (unit compute only);
+    without activation checkpointing num_units · l·(F + B) (no recompute: cost.py [Note: unit
+    time without activation checkpointing])."""
     r, d = plan.ranks[rank], cluster.devices[rank]
     f, b = cost.rank_compute_s(d, r.batch_size, r.microbatch_size)
-    return cluster.model.num_units * float(2 * f + b)
+    forwards = 2 if plan.activation_checkpointing else 1
+    return cluster.model.num_units * float(forwards * f + b)
 
 
 def _usable(x) -> bool:

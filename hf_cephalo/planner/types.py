@@ -119,6 +119,13 @@ class Plan:
             gradients for the whole step (``CephaloEngine(root_resident=True)``); False (the
             engine's default) gathers each root unit around its uses. The memory model prices
             the choice (docs/planner.md "Memory model") and the trainer builds the engine with it.
+        activation_checkpointing: True (the engine's default, the paper's schedule): each
+            unit's forward is recomputed in its backward and only the boundary activations are
+            kept; False: every microbatch's forward graph is kept until its backward (no
+            recompute: ~1/4 fewer FLOPs, activation memory grows with L·l_i). The cost and
+            memory models price the choice (docs/planner.md); the trainer builds the engine
+            with ``CephaloEngine(activation_checkpointing=...)``. A plan file without the key
+            reads as True (plans written before it existed).
         precision: the precision the plan was made for (profiler/precision.py [Note: precision
             tags], e.g. ``"float32+autocast-bf16+gather-bf16"``: the profile's tag); None for
             hand-made plans and plans written before it was recorded (not checked).
@@ -131,6 +138,7 @@ class Plan:
     ranks: list[RankPlan] = field(default_factory=list)
     model: dict[str, Any] | None = None
     root_resident: bool = False
+    activation_checkpointing: bool = True
     precision: str | None = None
 
     def __post_init__(self) -> None:
@@ -149,6 +157,9 @@ class Plan:
                              f"(= {total}) and be >= 1")
         if not isinstance(self.root_resident, bool):
             raise ValueError(f"plan: root_resident must be true or false, got {self.root_resident!r}")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError("plan: activation_checkpointing must be true or false, got "
+                             f"{self.activation_checkpointing!r}")
         ratio_sum = sum(r.state_ratio for r in self.ranks)
         if abs(ratio_sum - 1.0) > _RATIO_TOL:
             raise ValueError(f"plan: state ratios {self.state_ratios} sum to {ratio_sum}, not 1")
@@ -212,7 +223,8 @@ class Plan:
     @classmethod
     def from_ratios(cls, batch_sizes: Sequence[int], microbatch_sizes: Sequence[int],
                     state_ratios: Sequence[float], *, devices: Sequence[str] | None = None,
-                    memory_fraction: float = 0.8, root_resident: bool = False) -> "Plan":
+                    memory_fraction: float = 0.8, root_resident: bool = False,
+                    activation_checkpointing: bool = True) -> "Plan":
         """A hand-made plan: l_i = ceil(b_i / m_i) (last microbatch smaller), b_i may be 0.
 
         Raises:
@@ -240,7 +252,7 @@ class Plan:
         uneven = max(state_ratios) - min(state_ratios) > _RATIO_TOL
         return cls(global_batch_size=sum(int(b) for b in batch_sizes),
                    memory_fraction=memory_fraction, uneven_state=uneven, ranks=ranks,
-                   root_resident=root_resident)
+                   root_resident=root_resident, activation_checkpointing=activation_checkpointing)
 
     # --- validation ------------------------------------------------------------------------
     def validate_for(self, world_size: int, model_profile: ModelProfile | None = None,
@@ -306,6 +318,7 @@ class Plan:
                    predicted_iteration_s=data.get("predicted_iteration_s"),
                    ranks=ranks, model=data.get("model"),
                    root_resident=bool(data.get("root_resident", False)),
+                   activation_checkpointing=data.get("activation_checkpointing", True),
                    precision=data.get("precision"))
 
     def save(self, path: str | Path) -> None:

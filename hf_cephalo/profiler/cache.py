@@ -34,8 +34,9 @@ __all__ = ["ProfileCache", "default_cache_dir", "model_description", "model_fing
 # memory alone (the planner prices the engine's buffers), measured on CPU as the peak of live
 # tensors; comm entries carry the measured uneven factor u. 4: the step terms outside the units
 # (embedding / head per microbatch, bookkeeping, optimizer step, the root's collectives and the
-# small all-reduce: planner/cost.py [Note: step terms]).
-MEASUREMENT_VERSION = 4
+# small all-reduce: planner/cost.py [Note: step terms]). 5: the kept forward graph of one
+# microbatch (``kept_graph_bytes``), so plans without activation checkpointing can be made.
+MEASUREMENT_VERSION = 5
 
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "use_cache",
                          "return_dict", "output_hidden_states", "output_attentions")

@@ -21,6 +21,10 @@ sequence length (synthetic token ids / pixels of the right shape, ``synthetic_mi
   backward beside the last unit's kept graph, each measured with the unit's and the root's
   gradients already allocated (``_compute_memory``). CUDA: the caching allocator's peak over each region; CPU: the peak of
   live tensors allocated in it (``live_memory.LiveTensorBytes``, operator granularity).
+- ``kept_graph_bytes[m]``: what ONE microbatch's forward graph of a unit holds from its forward
+  to its backward when the engine keeps graphs (``activation_checkpointing=False``): the bytes
+  still allocated after a forward with autograd, the saved tensors plus the output
+  (``_kept_graph_memory``; CUDA ``memory_allocated``, CPU the live tensors left).
 - ``ModelProfile.param_bytes`` / ``boundary_bytes_per_sample``: the parameters' element size
   and the bytes of one sample's embedding output (the boundary tensor the engine stashes).
 - ``allgather_s`` / ``reducescatter_s``: one unit with EVEN shards over the whole world through
@@ -562,6 +566,39 @@ def _compute_memory(staged: StagedModel, views: _FlatViews, hidden, mb, ctx, gra
         views.leaf.grad = None
 
 
+def _kept_graph_memory(staged: StagedModel, views: _FlatViews, hidden, ctx, device) -> float:
+    """K(m): bytes one microbatch's forward graph of unit 0 keeps alive until its backward.
+
+    The engine without activation checkpointing (engine/schedule.py ``_forward_kept``) runs
+    each unit's forward with autograd on the stashed input and keeps ``(input, output)`` until
+    the unit's backward. What that costs is what is still allocated after the forward: the
+    tensors autograd saved plus the output (the next unit's input). The input was allocated
+    before (it is the previous unit's output, or the embedding's) and the parameters are views
+    of the gathered buffer, whose storage the engine frees at reshard ([Note: kept graphs
+    across reshard] in flat_param.py), so neither is counted. CUDA: ``memory_allocated``
+    after minus before; CPU: the live tensors left (``live_memory.LiveTensorBytes``; compiled
+    units run eagerly there, as in ``_peak_bytes``).
+    """
+    x = hidden.detach().requires_grad_(True)
+    if device.type == "cuda":
+        _sync(device)
+        base = torch.cuda.memory_allocated(device)
+        views.install()
+        with torch.enable_grad():
+            y = staged.run_unit(0, x, ctx)
+        _sync(device)
+        kept = float(torch.cuda.memory_allocated(device) - base)
+    else:
+        with torch.compiler.set_stance("force_eager"), LiveTensorBytes() as live:
+            views.install()
+            with torch.enable_grad():
+                y = staged.run_unit(0, x, ctx)
+            live.reset_peak()  # drops what the forward freed: what is left is kept
+            kept = float(live.current_bytes)
+    del y  # frees the graph
+    return kept
+
+
 # [Note: implausible backward times]
 # ``bwd_s[m]`` is (recompute + backward) - forward of the same repeat. The backward of a unit
 # costs about two forwards in FLOPs (and the recompute that keeps activations is slower than the
@@ -817,6 +854,8 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
                                               before_each, any_rank)
             unit_head = [_compute_memory(staged, views, inputs[m][1], inputs[m][0],
                                          inputs[m][2], inputs[m][3], device) for m in ms]
+            kept = [_kept_graph_memory(staged, views, inputs[m][1], inputs[m][2], device)
+                    for m in ms]
         finally:
             views.restore()
         embed_s, head_s = _measure_root(staged, config, inputs, device, before_each)
@@ -836,6 +875,7 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
     return DeviceProfile(name=name, memory_capacity_bytes=capacity_bytes, microbatch_sizes=ms,
                          fwd_s=fwd, bwd_s=bwd, compute_memory_bytes=mem,
                          head_memory_bytes=head_mem, embed_s=embed_s, head_s=head_s,
+                         kept_graph_bytes=kept,
                          microbatch_overhead_s=bookkeeping_s,
                          optimizer_s_per_param=optimizer_s)
 

@@ -280,7 +280,8 @@ class ModelProfile:
                                    if k in data})
 
 
-_OPTIONAL_TABLES = ("head_memory_bytes", "embed_s", "head_s")  # per profiled m, or None
+# per profiled m, or None
+_OPTIONAL_TABLES = ("head_memory_bytes", "embed_s", "head_s", "kept_graph_bytes")
 _STEP_TERMS = ("microbatch_overhead_s", "optimizer_s_per_param", "step_overhead_s")
 
 
@@ -300,6 +301,11 @@ class DeviceProfile:
         head_memory_bytes: optional, the head phase's activation memory at each profiled m
             (the head's loss + backward beside the last unit's kept graph), bytes; the
             planner pairs it with the buffers alive in the head phase.
+        kept_graph_bytes: optional, K(m): the bytes ONE microbatch's forward graph of a unit
+            holds from its forward to its backward when activation checkpointing is off (the
+            tensors autograd saves plus the unit's output; the input is the previous unit's
+            output), at each profiled m, bytes. Without it only plans with activation
+            checkpointing can be made (profiles measured before it existed).
 
     Step terms outside the units ([Note: step terms] in ``planner/cost.py``; all optional, an
     older profile without them prices them at 0 s, the model of the paper). Per-rank compute
@@ -329,6 +335,7 @@ class DeviceProfile:
     head_memory_bytes: list[float] | None = None
     embed_s: list[float] | None = None
     head_s: list[float] | None = None
+    kept_graph_bytes: list[float] | None = None
     microbatch_overhead_s: float = 0.0
     optimizer_s_per_param: float = 0.0
     step_overhead_s: float = 0.0
@@ -351,7 +358,7 @@ class DeviceProfile:
         for name in ("microbatch_overhead_s", "optimizer_s_per_param", "step_overhead_s"):
             setattr(self, name, _check_number(owner, name, getattr(self, name)))
         for name in ("fwd_s", "bwd_s", "compute_memory_bytes", "head_memory_bytes", "embed_s",
-                     "head_s"):
+                     "head_s", "kept_graph_bytes"):
             values = getattr(self, name)
             if name in _OPTIONAL_TABLES and values is None:
                 continue
