@@ -45,7 +45,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .flat_param import install_param_views
+from .flat_param import ParamLeaves, install_param_views
 
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 OFF_HINT = ("turn compile off (--torch_compile False, or CephaloEngine(compile=None)) or pick "
@@ -147,14 +147,20 @@ def remote_failure(codes: Sequence[int], options: CompileOptions, rank: int,
 @contextlib.contextmanager
 def _zero_params(unit) -> Any:
     """``unit`` (a sharded ``FlatParamUnit``) with zero-filled full parameters installed as the
-    engine installs gathered ones (a (Nt,) autograd leaf); yields the function that installs
-    fresh views again; placeholders afterwards. No collective."""
+    engine installs gathered ones (per-parameter leaves over a flat (Nt,) buffer, whose
+    gradients accumulate into a flat (Nt,) gradient: the same graphs); yields the function that
+    installs them again; placeholders afterwards. No collective."""
     trainable = torch.zeros(unit.trainable_numel, dtype=unit.gather_dtype(unit.parts[0]),
-                            device=unit.device, requires_grad=unit.trainable_numel > 0)
+                            device=unit.device)
     frozen = torch.zeros(unit.numel - unit.trainable_numel,
                          dtype=unit.gather_dtype(unit.parts[1]), device=unit.device)
-    def install() -> None:  # fresh views before each call, as ``use_params``
-        install_param_views(unit.infos, unit._uses, trainable, frozen)
+    leaves = ParamLeaves(unit.infos, trainable, requires_grad=True)
+    if leaves.requires_grad:
+        leaves.accumulate_into(torch.zeros(unit.trainable_numel, dtype=unit.dtype,
+                                           device=unit.device))
+
+    def install() -> None:  # before each call, as ``use_params``
+        install_param_views(unit.infos, unit._uses, leaves.leaves, frozen)
     try:
         install()
         yield install
