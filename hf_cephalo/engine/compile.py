@@ -2,7 +2,7 @@
 
 [Note: compiled units]
 Each layer unit's module is compiled in place (``nn.Module.compile``: the module tree, its
-names and the engine's parameter views are unchanged), with ``fullgraph=True`` so that a graph
+names and the engine's parameter leaves are unchanged), with ``fullgraph=True`` so that a graph
 break is an error, never a silent partial fallback to eager. Dynamo treats built-in module
 parameters as graph inputs (``inline_inbuilt_nn_modules``, on by default since torch 2.5), so
 identical decoder layers share one compiled graph per grad mode: two graphs for all units

@@ -282,6 +282,20 @@ def install_param_views(infos: Sequence[ParamInfo], uses: Sequence[list[tuple[nn
             module._parameters[attr] = view
 
 
+class _FlatGrad:
+    """The flat gradient the low-precision hooks add into. Kept apart from ``ParamLeaves`` so
+    that a hook (owned by its leaf) refers to no leaf: a leaf -> hook -> leaves cycle would
+    keep every gathered unit alive until Python's cycle collector runs."""
+
+    def __init__(self):
+        self.grad: torch.Tensor | None = None
+
+    def add(self, info: ParamInfo, leaf: torch.Tensor) -> None:
+        assert self.grad is not None, "backward through a unit without prepare_grad"
+        grad, leaf.grad = leaf.grad, None
+        self.grad[info.offset:info.offset + info.numel].view(info.shape).add_(grad)
+
+
 class ParamLeaves:
     """The trainable parameters of a gathered unit as autograd leaves aliasing the gathered
     (Nt,) trainable part, and the flat gradient they accumulate into; see [Note: parameter
@@ -302,8 +316,14 @@ class ParamLeaves:
                        .requires_grad_(requires_grad) for i in self.infos]
         self.requires_grad = requires_grad and trainable.numel() > 0
         self.dtype = trainable.dtype
-        self.grad: torch.Tensor | None = None  # (Nt,) the unit's flat gradient, while attached
+        self._target = _FlatGrad()
         self._hooked = False
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """(Nt,) the flat gradient the leaves accumulate into (None before ``accumulate_into``
+        and after ``release_grad``)."""
+        return self._target.grad
 
     def accumulate_into(self, grad: torch.Tensor) -> None:
         """Make every later backward ADD the parameters' gradients into ``grad`` (Nt,).
@@ -312,23 +332,15 @@ class ParamLeaves:
         adds in place). Another dtype (fp32 beside low-precision leaves): a post-accumulate hook
         per leaf adds each gradient into its view and drops it ([Note: low-precision gathered
         parameters])."""
-        self.grad = grad
+        self._target.grad = grad
         if grad.dtype == self.dtype:
-            for leaf, view in zip(self.leaves, self._views(grad)):
-                leaf.grad = view
+            for info, leaf in zip(self.infos, self.leaves):
+                leaf.grad = grad[info.offset:info.offset + info.numel].view(info.shape)
         elif not self._hooked:
-            for k, leaf in enumerate(self.leaves):
-                leaf.register_post_accumulate_grad_hook(functools.partial(self._add_low, k))
+            for info, leaf in zip(self.infos, self.leaves):
+                leaf.register_post_accumulate_grad_hook(
+                    functools.partial(self._target.add, info))
             self._hooked = True
-
-    def _views(self, grad: torch.Tensor) -> list[torch.Tensor]:
-        return [grad[i.offset:i.offset + i.numel].view(i.shape) for i in self.infos]
-
-    def _add_low(self, k: int, leaf: torch.Tensor) -> None:
-        assert self.grad is not None, "backward through a unit without prepare_grad"
-        grad, leaf.grad = leaf.grad, None
-        info = self.infos[k]
-        self.grad[info.offset:info.offset + info.numel].view(info.shape).add_(grad)
 
     def release_grad(self) -> None:
         """Detach the leaves from the flat gradient (its owner keeps it)."""
@@ -338,7 +350,7 @@ class ParamLeaves:
             assert leaf.grad is None or (self.grad is not None and
                                          leaf.grad._base is self.grad), "unprepared backward"
             leaf.grad = None
-        self.grad = None
+        self._target.grad = None
 
 
 def split_unit_row(row: Sequence[int], trainable_numel: int) -> tuple[list[int], list[int]]:

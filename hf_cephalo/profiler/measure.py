@@ -501,9 +501,9 @@ class _FlatViews:
 
     def release_grad(self) -> None:
         """Drop the flat gradient and the leaves' own gradients."""
-        self.leaves.grad = None  # a hook-fed flat gradient: no views to check
         for leaf in self.leaves.leaves:
-            leaf.grad = None
+            leaf.grad = None  # the timing rounds' and memory regions' sums, unchecked
+        self.leaves.release_grad()
 
 
 def _unit_backward(staged: StagedModel, hidden: torch.Tensor, ctx: Any,
