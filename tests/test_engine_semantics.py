@@ -1,5 +1,6 @@
 """Engine semantics beyond random-plan parity: token weighting, collective counts and memory
-accounting, recompute, frozen / rarely-used / tied parameters, clipping, state dicts, evaluation,
+accounting, recompute, frozen / rarely-used / tied parameters, no unit-sized tensor in a
+microbatch's backward, clipping, state dicts, evaluation,
 the reduce-scatter fallback, dropout replay and input validation (no hang on bad input).
 
 One 2-rank process group runs every multi-rank sub-case; one 1-rank group checks dropout replay.
