@@ -15,10 +15,13 @@ checkpointing (recompute in backward, the default). It prints ratios Cephalo / F
 also prints, per rank, the training-state bytes under an uneven state split (expected r_i x 16 bytes x parameters: fp32 param 4 + grad 4 + Adam 8) and
 the peak memory for l = 1, 4, 8 at a fixed microbatch size (CUDA: max_memory_allocated; CPU:
 only the engine's stash accounting: CPU has no offload, so the stash grows with l there).
-One gradient buffer per unit (issue 18.3): the engine's parameter views (one ``torch.split`` of
-the unit's flat leaf) against the per-parameter slice views it used before, measured in the
-same run: the bytes the backward of one decoder layer allocates per microbatch (counted per
-aten op, whole-unit-sized ones apart) and the step time at each l ("split" vs "slices").
+One gradient buffer per unit (issue 18.3; per-parameter leaves: issue 24): the engine's
+parameters (per-parameter leaves aliasing the gathered unit, gradients added in place into the
+unit's flat gradient) against the views it used before, measured in the same run: the bytes the
+backward of one decoder layer allocates per microbatch (counted per aten op, whole-unit-sized
+ones apart) for "leaves", "split" (one ``torch.split`` of a flat leaf per call; its backward
+concatenates the gradients) and "slices" (one slice of the leaf per parameter), and the +AC
+step time at each l for "leaves" vs "split" (fp32).
 
 Physical bound (every report): a timed entry among the systems' steps at each l (same run,
 same load): rank 0 alone trains the whole global batch (world size x local batch; forward,
@@ -119,30 +122,58 @@ def op_time_split(prof) -> dict:
     return out
 
 
-def install_slice_views(infos, uses, trainable, frozen) -> None:
-    """The engine's parameter views before issue 18.3, for the baseline: one slice of the
-    flat buffer per parameter, so backward zero-fills a unit-sized gradient per parameter and
-    sums them (``flat_param.install_param_views`` has the current mechanism)."""
-    nt = trainable.numel()
+class SplitLeaves:
+    """The engine's parameters before issue 24, for the baseline (stands in for
+    ``flat_param.ParamLeaves``, fp32 only): the gathered (Nt,) trainable part itself is the
+    autograd leaf and every read of ``leaves`` (the engine's ``use_params``, once per forward
+    call) makes fresh views from ONE ``torch.split`` of it, whose backward concatenates the
+    parameters' gradients into a fresh (Nt,) tensor that the leaf's accumulator adds into its
+    ``.grad``. One difference from that engine: ``.grad`` is preset to the unit's zero-filled
+    flat gradient, so the first microbatch's concatenation is added, not adopted (one
+    unit-sized fill and add per unit and step more than it did)."""
+
+    def __init__(self, infos, trainable, requires_grad):
+        self.infos = [i for i in infos if i.requires_grad]
+        self.flat = trainable.detach().requires_grad_(requires_grad and trainable.numel() > 0)
+        self.requires_grad, self.dtype, self.grad = self.flat.requires_grad, trainable.dtype, None
+
+    @property
+    def leaves(self) -> list:
+        pieces = torch.split(self.flat, [i.numel for i in self.infos])
+        return [p.view(i.shape) for p, i in zip(pieces, self.infos)]
+
+    def accumulate_into(self, grad) -> None:
+        assert grad.dtype == self.dtype, "the split baseline is fp32 only"
+        self.grad = self.flat.grad = grad
+
+    def release_grad(self) -> None:
+        self.grad = self.flat.grad = None
+
+
+def install_slice_views(infos, uses, leaves, frozen) -> None:
+    """The engine's parameter views before issue 18.3 (``leaves``: a ``SplitLeaves``): one
+    slice of the flat leaf per parameter, so backward zero-fills a unit-sized gradient per
+    parameter and sums them."""
+    nt = sum(i.numel for i in infos if i.requires_grad)
     for info, entries in zip(infos, uses):
         if info.requires_grad:
-            view = trainable[info.offset:info.offset + info.numel].view(info.shape)
+            view = leaves.flat[info.offset:info.offset + info.numel].view(info.shape)
         else:
             view = frozen[info.offset - nt:info.offset - nt + info.numel].view(info.shape)
         for module, attr in entries:
             module._parameters[attr] = view
 
 
-def with_views(step, install):
-    """``step`` with ``flat_param.install_param_views`` replaced by ``install`` while it runs."""
+def with_leaves(step, leaves_cls):
+    """``step`` with ``flat_param.ParamLeaves`` replaced by ``leaves_cls`` while it runs."""
     from hf_cephalo.engine import flat_param
 
     def run(s):
-        saved, flat_param.install_param_views = flat_param.install_param_views, install
+        saved, flat_param.ParamLeaves = flat_param.ParamLeaves, leaves_cls
         try:
             step(s)
         finally:
-            flat_param.install_param_views = saved
+            flat_param.ParamLeaves = saved
     return run
 
 
@@ -182,31 +213,38 @@ def _tensors(items) -> list:
 def unit_backward_bytes(args, num_mb: int = 2) -> dict:
     """Bytes the backward of decoder layer 0 allocates per microbatch (mean over ``num_mb``
     microbatches of ``local_batch / max(l)`` sequences, gradient accumulation included), with
-    the engine's views ("split") and the per-slice baseline ("slices")."""
-    from hf_cephalo.engine.flat_param import collect_params, install_param_views, param_infos
+    the engine's leaves ("leaves") and the two baselines ("split", "slices"), each with the
+    unit's flat gradient allocated before the first microbatch as the engine does."""
+    from hf_cephalo.engine.flat_param import (ParamLeaves, collect_params, install_param_views,
+                                              param_infos)
     from hf_cephalo.models.registry import stage_model
     staged = stage_model(build_model(args))
     m = max(1, args.local_batch // max(args.num_mb))
     ids = batch(args, 0, 0, m)
     out = {}
-    for name, install in (("split", install_param_views), ("slices", install_slice_views)):
+    for name, leaves_cls, install in (("leaves", ParamLeaves, install_param_views),
+                                      ("split", SplitLeaves, install_param_views),
+                                      ("slices", SplitLeaves, install_slice_views)):
         params, uses = collect_params("unit 0", [staged.units()[0]], {})
         infos = param_infos("unit 0", params, {})
-        leaf = torch.cat([p.detach().reshape(-1) for p in params]).requires_grad_(True)
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        leaf = leaves_cls(infos, flat, requires_grad=True)
+        leaf.accumulate_into(torch.zeros_like(flat))
         counts = []
         for _ in range(num_mb):
             with torch.no_grad():
                 hidden, ctx = staged.embed({"input_ids": ids, "labels": ids})
-            install(infos, [uses[id(p)] for p in params], leaf, leaf.new_zeros(0))
+            install(infos, [uses[id(p)] for p in params],
+                    leaf if install is install_slice_views else leaf.leaves, flat.new_zeros(0))
             x = hidden.detach().requires_grad_(True)
             y = staged.run_unit(0, x, ctx)
-            with AllocatedBytes(leaf.numel()) as mode:
+            with AllocatedBytes(flat.numel()) as mode:
                 torch.autograd.backward(y, torch.ones_like(y))
             counts.append(mode)
         for entries, p in zip([uses[id(p)] for p in params], params):  # restore the model
             for module, attr in entries:
                 module._parameters[attr] = p
-        out[name] = {"unit_bytes": leaf.numel() * leaf.element_size(),
+        out[name] = {"unit_bytes": flat.numel() * flat.element_size(),
                      "total_bytes": sum(c.total_bytes for c in counts) / num_mb,
                      "unit_sized": sum(c.unit_sized for c in counts) / num_mb,
                      "unit_sized_bytes": sum(c.unit_sized_bytes for c in counts) / num_mb}
@@ -356,9 +394,9 @@ def worker(rank, args, port, out_q):
         mixed = args.param_dtype != "fp32"  # the mixed-precision comparison alone
         for num_mb in args.num_mb:
             steps = {"cephalo": cephalo_runner(args, rank, device, num_mb)[0]}
-            if not mixed:  # the per-slice views baseline (issue 18.3) in fp32 only
-                steps["cephalo-slices"] = with_views(
-                    cephalo_runner(args, rank, device, num_mb)[0], install_slice_views)
+            if not mixed:  # the split views baseline (before issue 24) in fp32 only
+                steps["cephalo-split"] = with_leaves(
+                    cephalo_runner(args, rank, device, num_mb)[0], SplitLeaves)
             steps.update({"cephalo-noac": cephalo_runner(args, rank, device, num_mb,
                                                          checkpointing=False)[0],
                           "fsdp2": fsdp2_runner(args, rank, device, num_mb),
@@ -593,12 +631,12 @@ def report(args, results):
             f"l={l}: {r['peak'][l]['device_peak'] / 2**20:.1f}/"
             f"{r['peak'][l]['stash_device'] / 2**20:.1f}/{r['peak'][l]['stash_host'] / 2**20:.1f}"
             for l in args.num_mb))
-    print("one gradient buffer per unit (+AC step time in s, split views / per-slice views "
+    print("one gradient buffer per unit (+AC step time in s, per-parameter leaves / split views "
           "of the flat leaf, same run): " + ", ".join(
-              f"l={l}: {t('cephalo', l):.3f} / {t('cephalo-slices', l):.3f} "
-              f"({t('cephalo', l) / t('cephalo-slices', l):.2f}x)" for l in args.num_mb))
+              f"l={l}: {t('cephalo', l):.3f} / {t('cephalo-split', l):.3f} "
+              f"({t('cephalo', l) / t('cephalo-split', l):.2f}x)" for l in args.num_mb))
     print("backward of decoder layer 0, allocated per microbatch (MiB; unit = "
-          f"{args.grad_bytes['split']['unit_bytes'] / 2**20:.2f} MiB of fp32 parameters):")
+          f"{args.grad_bytes['leaves']['unit_bytes'] / 2**20:.2f} MiB of fp32 parameters):")
     for name, r in args.grad_bytes.items():
         print(f"  {name:>6}: {r['total_bytes'] / 2**20:8.2f} MiB in all, "
               f"{r['unit_sized']:.1f} unit-sized tensors = {r['unit_sized_bytes'] / 2**20:.2f} MiB")

@@ -1,5 +1,6 @@
 """Engine semantics beyond random-plan parity: token weighting, collective counts and memory
-accounting, recompute, frozen / rarely-used / tied parameters, clipping, state dicts, evaluation,
+accounting, recompute, frozen / rarely-used / tied parameters, no unit-sized tensor in a
+microbatch's backward, clipping, state dicts, evaluation,
 the reduce-scatter fallback, dropout replay and input validation (no hang on bad input).
 
 One 2-rank process group runs every multi-rank sub-case; one 1-rank group checks dropout replay.
@@ -245,6 +246,43 @@ def case_param_used_by_last_microbatch(rank, world):
     got = gather_grads(engine)
     assert_grads_close(got, reference_grads(ref, ids, labels), "rare parameter")
     assert float(got["blocks.0.rare"].abs().max()) > 0
+
+
+def case_no_unit_sized_tensor_in_backward(rank, world):
+    """No microbatch's backward allocates a tensor of any unit's trainable size: the unit's
+    flat gradient exists before it and the parameter gradients are added into it in place
+    (flat_param.py [Note: parameter views while unsharded]; one split of a flat leaf made a
+    concatenation per backward). Recompute and kept graphs; tied embeddings, a frozen norm, a
+    parameter only the last microbatch uses, an idle rank; gradients equal the reference."""
+    from tests.alloc_counts import UnitSizedAllocations
+
+    # vocab 37: the embedding unit's 37·16 + 8·16 = 720 elements match no activation or weight
+    # gradient of this model (40 would give 768, the qkv weight's); the head unit (its final
+    # norm, 32 elements, the tied weight lives in the embedding unit) is too small to tell
+    cfg = ToyConfig(vocab_size=37, hidden_size=16, num_heads=2, num_layers=2, max_seq_len=8,
+                    tie_embeddings=True, frozen_norm=True, rare_token_id=0)
+    ids, labels = padded_batch([8] * 6, cfg.vocab_size, seed=7)
+    ids[5, 3] = 0
+    for checkpointing in (True, False):
+        engine, ref = fresh(cfg, state_ratios=[0.5, 0.5], activation_checkpointing=checkpointing)
+        numels = {u.trainable_numel for u in engine._all_units() if u.trainable_numel > 32}
+        assert len(numels) == 2, numels  # the layer units' and the embedding unit's
+        calls, backward = [], torch.autograd.backward
+
+        def counted(*args, **kwargs):
+            with UnitSizedAllocations(numels) as mode:
+                backward(*args, **kwargs)
+            calls.append(mode.ops)
+        torch.autograd.backward = counted
+        try:
+            engine.train_step(mbs_of(ids, labels, [2, 2, 2]) if rank == 0 else [])
+        finally:
+            torch.autograd.backward = backward
+        what = f"activation_checkpointing={checkpointing}"
+        # rank 0: 3 head, 3 x 2 unit, 3 embedding backwards; the idle rank: none
+        assert len(calls) == (12 if rank == 0 else 0), (what, len(calls))
+        assert all(ops == [] for ops in calls), (what, numels, calls)
+        assert_grads_close(gather_grads(engine), reference_grads(ref, ids, labels), what)
 
 
 def case_clip_norm_uneven(rank, world):
@@ -660,7 +698,8 @@ def case_exception_mid_step(rank, world):
 CASES = [case_token_weighting, case_uneven_batches_vs_naive_mean,
          case_collective_counts_and_accounting, case_no_layer_units,
          case_recompute_sees_gathered_params,
-         case_param_used_by_last_microbatch, case_clip_norm_uneven,
+         case_param_used_by_last_microbatch, case_no_unit_sized_tensor_in_backward,
+         case_clip_norm_uneven,
          case_state_dict_roundtrip_and_eval, case_eval_head_once_and_logits_released,
          case_all_reduce_fallback,
          case_accumulate_and_empty_rank_eval, case_prefetch_schedule,

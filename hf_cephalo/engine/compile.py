@@ -2,7 +2,7 @@
 
 [Note: compiled units]
 Each layer unit's module is compiled with ``nn.Module.compile`` (the module tree, its names and
-the engine's parameter views are unchanged), with ``fullgraph=True`` so that a graph break is an
+the engine's parameter leaves are unchanged), with ``fullgraph=True`` so that a graph break is an
 error, never a silent partial fallback to eager. Dynamo treats built-in module parameters as
 graph inputs (``inline_inbuilt_nn_modules``, on by default since torch 2.5), so identical
 decoder layers share one compiled graph per grad mode: two graphs for all units (the no-grad
@@ -58,7 +58,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .flat_param import install_param_views
+from .flat_param import ParamLeaves, install_param_views
 
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 OFF_HINT = ("turn compile off (--torch_compile False, or CephaloEngine(compile=None)) or pick "
@@ -196,16 +196,20 @@ def remote_failure(codes: Sequence[int], options: CompileOptions, rank: int,
 @contextlib.contextmanager
 def _zero_params(unit, requires_grad: bool) -> Any:
     """``unit`` (a sharded ``FlatParamUnit``) with zero-filled full parameters installed as the
-    engine installs gathered ones (a (Nt,) leaf, an autograd leaf iff ``requires_grad``: dynamo
-    guards on it); yields the function that installs fresh views again; placeholders
-    afterwards. No collective."""
+    engine installs gathered ones (per-parameter leaves over a flat (Nt,) buffer, whose
+    gradients accumulate into a flat (Nt,) gradient: the same graphs); yields the function that
+    installs them again; placeholders afterwards. No collective."""
     trainable = torch.zeros(unit.trainable_numel, dtype=unit.gather_dtype(unit.parts[0]),
-                            device=unit.device,
-                            requires_grad=requires_grad and unit.trainable_numel > 0)
+                            device=unit.device)
     frozen = torch.zeros(unit.numel - unit.trainable_numel,
                          dtype=unit.gather_dtype(unit.parts[1]), device=unit.device)
-    def install() -> None:  # fresh views before each call, as ``use_params``
-        install_param_views(unit.infos, unit._uses, trainable, frozen)
+    leaves = ParamLeaves(unit.infos, trainable, requires_grad=requires_grad)
+    if leaves.requires_grad:
+        leaves.accumulate_into(torch.zeros(unit.trainable_numel, dtype=unit.dtype,
+                                           device=unit.device))
+
+    def install() -> None:  # before each call, as ``use_params``
+        install_param_views(unit.infos, unit._uses, leaves.leaves, frozen)
     try:
         install()
         yield install

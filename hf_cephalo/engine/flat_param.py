@@ -32,29 +32,46 @@ stored in the training dtype; a part stored in another dtype (a bf16 frozen base
 as stored (``gather_dtype``). See [Note: uneven collectives] in ``collectives.py``.
 
 [Note: parameter views while unsharded]
-After the all-gathers, the gathered trainable part (Nt,) becomes a fresh autograd leaf
-(``requires_grad=True``) and each module parameter entry is replaced by a view into it (frozen
-entries: views of the gathered frozen part), so autograd accumulates every microbatch's
-gradient of the unit straight into ONE flat (Nt,) buffer (``leaf.grad``), tied uses included.
-The views come from ONE ``torch.split(leaf, numels)`` per forward call, each piece then
-``.view(shape)``-ed: in backward the split's single autograd node concatenates the pieces'
-gradients into one (Nt,) tensor (zeros only for pieces the call did not use), which the leaf's
-accumulator takes (first microbatch) or adds into ``leaf.grad`` (later ones): one unit-sized
-allocation and at most one unit-sized add per microbatch. Separate slices
-(``leaf[off:off + n]``) would each backpropagate a zero-filled unit-sized gradient
-(``slice_backward``) and autograd would sum them: k unit-sized fills and k - 1 unit-sized adds
-for k parameters (tests/test_engine_semantics.py counts this). The frozen part is split the
-same way but detached (no autograd). Views are re-created before every forward call
-(``use_params``), so no autograd graph is shared between microbatches. On reshard the entries
-become empty placeholders and the gathered buffer is released.
+After the all-gathers, every trainable parameter becomes its own autograd leaf that ALIASES its
+slice of the gathered trainable part (Nt,): ``flat[off:off + n].view(shape).detach()`` with
+``requires_grad=True`` (``ParamLeaves``), made once per gather and installed in every module
+entry that uses the parameter (tied uses: the same leaf). Frozen entries get detached views of
+the gathered frozen part (one ``torch.split``, no autograd). Before the unit's FIRST backward in
+a step the engine allocates ONE zero-filled (Nt,) gradient (``FlatParamUnit.prepare_grad``) and
+presets each leaf's ``.grad`` to the view of it at the parameter's offset. Autograd's
+AccumulateGrad then adds each microbatch's parameter gradient IN PLACE into that view (with
+``.grad`` defined and grad mode off it runs ``variable_grad += new_grad``;
+torch/csrc/autograd/functions/accumulate_grad.h), so a microbatch's backward allocates no
+unit-sized tensor and concatenates nothing: it allocates only the per-parameter gradients
+autograd computes (as for plain module parameters; tied uses summed per parameter first), each
+freed after its add. Parameters a microbatch does not use keep their zeros. The flat gradient
+is the reduce-scatter's input as it is (``start_reduce_grad`` takes it and clears the leaves'
+``.grad``); one zero fill per unit and reduce-scatter. Allocating it at the first backward, not
+at the gather, keeps the memory timeline the planner prices (planner/memory.py [Note: memory
+terms]); between the gather and that backward the unit holds no gradient.
+Schemes this replaced (tests/test_flat_views.py and benchmarks/bench_engine.py measure them):
+views from ONE ``torch.split`` of an (Nt,) leaf, whose backward concatenated every microbatch's
+parameter gradients into a fresh (Nt,) tensor added into ``leaf.grad`` (one unit-sized
+allocation and add per microbatch: 4-10% of a step's CPU time at l = 8 on the benchmark's
+Llama); before that one slice per parameter, whose backward zero-filled an (Nt,) gradient per
+parameter and summed them.
+The leaves stay the same objects while the unit is gathered; ``use_params`` re-points the module
+entries at them before every forward call (the placeholders of a reshard, or another user of the
+modules, may have replaced them). Graphs of different microbatches share only the leaves'
+AccumulateGrad nodes, as with ordinary parameters. Evaluation gathers leaves without grad. On
+reshard the entries become empty placeholders and the leaves and the gathered buffer are
+released ([Note: kept graphs across reshard] keeps them); the flat gradient belongs to the unit,
+not to the leaves.
 
 [Note: kept graphs across reshard]
 With activation checkpointing off, every microbatch's forward graph is kept until backward, and
-those graphs save views of the gathered buffer. Resharding then frees only the buffer's storage
-(``untyped_storage().resize_(0)``) and keeps the tensor objects (FSDP2 frees its unsharded
-parameters the same way); the backward all-gather resizes the storage back and copies the data
-in through ``.data`` so the version counter that autograd checks for the saved views does not
-change. The autograd leaf stays the same object, so gradients still accumulate in one buffer.
+those graphs save the parameter leaves, which alias the gathered buffer. Resharding then frees
+only the buffer's storage (``untyped_storage().resize_(0)``, shared by the leaves) and keeps the
+tensor objects (FSDP2 frees its unsharded parameters the same way); the backward all-gather
+resizes the storage back and copies the data in through ``.data`` so the version counter that
+autograd checks for the saved leaves (detached aliases share the buffer's counter) does not
+change. The leaves stay the same objects, so their gradients still go into the unit's one flat
+gradient.
 
 [Note: communication buffers]
 What the collectives of one unit allocate beyond the shard, the gathered buffer and the
@@ -75,31 +92,34 @@ gradient (e = element size; ``LiveTracker.comm_bytes`` counts them, its peak is
 ``gather_full``'s (N,) output belongs to its caller and is not counted.
 With a low-precision ``param_dtype`` the all-gather's send buffer is the shard cast to it
 (n_r·e_p, counted from issue to wait) and the gathered buffer has e_p-byte elements; see
-[Note: low-precision gathered parameters].
-
 [Note: low-precision gathered parameters]
 FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` semantics, one policy for all ranks.
 The master shard (``local``) and the optimizer state stay in the training dtype (fp32); each
 all-gather sends the shard cast to ``param_dtype`` (bf16/fp16), so the gathered (N,) buffer, the
-bytes on the wire and the autograd leaf are low precision. Autograd therefore produces each
-microbatch's (Nt,) gradient in ``param_dtype`` (ONE buffer, the split's concatenation, as in
-[Note: parameter views while unsharded]). Accumulating the microbatches there would round the
-running sum to 8 (bf16) or 11 (fp16) mantissa bits l - 1 times; instead a post-accumulate hook
-on the leaf moves each microbatch's gradient into an fp32 (Nt,) accumulator (the first one is
-upcast into a fresh buffer, later ones are added in fp32) and drops the low-precision one at
-once. So the unit still has one gradient buffer (fp32, Nt·4 bytes) plus, during one
-microbatch's backward, its low-precision per-microbatch gradient (Nt·e_p), as FSDP2 keeps an
-fp32 ``unsharded_accumulated_grad`` beside the bf16 ``unsharded_param.grad``. The alternative,
-an fp32 leaf cast to ``param_dtype`` inside each forward call, needs an fp32 (Nt,) gathered
-copy of the unit (what the low-precision all-gather saves) or a custom autograd function; the
-hook keeps the leaf the gathered buffer itself. The reduce-scatter sends the accumulator cast
-to ``reduce_dtype`` (fp32 by default: no cast) and its (k_r,) result is upcast into the fp32
-shard gradient. ``gather_full`` (saving, export) gathers the fp32 master shards.
+bytes on the wire and the parameter leaves are low precision, and autograd produces each
+parameter's gradient in ``param_dtype``. Accumulating the microbatches in that dtype would round
+the running sum to 8 (bf16) or 11 (fp16) mantissa bits l - 1 times, so the unit's flat gradient
+([Note: parameter views while unsharded]) is an fp32 (Nt,) accumulator instead, and a leaf's
+``.grad`` cannot be a view of it (AccumulateGrad needs the leaf's dtype). Each leaf therefore
+gets a post-accumulate-grad hook that adds its microbatch gradient (upcast) into its view of the
+fp32 accumulator and drops it at once: per microbatch only per-parameter low-precision
+gradients exist, each until its hook ran, and no unit-sized tensor or concatenation is made
+(the alternative, keeping one split of a flat low-precision leaf for this case, would keep the
+per-microbatch (Nt,) concatenation and a unit-sized low-precision gradient). The sums are the
+same as with one flat low-precision gradient upcast per microbatch (0 + g is exact for the first
+one, later ones are added in fp32); the cost is one Python hook call per parameter and
+microbatch. FSDP2 likewise keeps an fp32 ``unsharded_accumulated_grad`` beside the bf16
+``unsharded_param.grad``. The alternative of an fp32 leaf cast to ``param_dtype`` inside each
+forward call needs an fp32 (Nt,) gathered copy of the unit (what the low-precision all-gather
+saves) or a custom autograd function. The reduce-scatter sends the accumulator cast to
+``reduce_dtype`` (fp32 by default: no cast) and its (k_r,) result is upcast into the fp32 shard
+gradient. ``gather_full`` (saving, export) gathers the fp32 master shards.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -242,24 +262,95 @@ def param_infos(name: str, params: Sequence[nn.Parameter],
 
 
 def install_param_views(infos: Sequence[ParamInfo], uses: Sequence[list[tuple[nn.Module, str]]],
-                        trainable: torch.Tensor, frozen: torch.Tensor) -> None:
-    """Point every module parameter entry at a fresh view of the flat buffer.
+                        leaves: Sequence[torch.Tensor], frozen: torch.Tensor) -> None:
+    """Point every module parameter entry at its parameter in the gathered unit.
 
-    ``trainable``: (Nt,) the autograd leaf over the trainable prefix; ``frozen``: (N - Nt,) the
-    detached rest; ``infos`` in flat order (trainable first, as ``param_infos`` gives them).
-    ``uses[k]`` lists the (module, attribute) entries of ``infos[k]``. One ``torch.split`` per
-    part, so backward accumulates ONE (Nt,) gradient per call: see [Note: parameter views while
-    unsharded]; the profiler times units through this too.
+    ``leaves``: one tensor per trainable parameter (``infos`` order, each of its shape), the
+    unit's ``ParamLeaves.leaves``; ``frozen``: (N - Nt,) the detached frozen part, split into
+    views; ``infos`` in flat order (trainable first, as ``param_infos`` gives them).
+    ``uses[k]`` lists the (module, attribute) entries of ``infos[k]``. See [Note: parameter
+    views while unsharded]; the profiler times units through this too.
     """
-    nt = trainable.numel()
-    assert all(i.requires_grad == (i.offset < nt) for i in infos if i.numel), \
+    trainable = [i for i in infos if i.requires_grad]
+    assert len(leaves) == len(trainable) and all(
+        i.requires_grad == (k < len(trainable)) for k, i in enumerate(infos)), \
         "trainable parameters must come first in the flat buffer"  # collect_params sorts so
-    pieces = [*torch.split(trainable, [i.numel for i in infos if i.requires_grad]),
-              *torch.split(frozen, [i.numel for i in infos if not i.requires_grad])]
+    pieces = [*leaves, *torch.split(frozen, [i.numel for i in infos if not i.requires_grad])]
     for info, entries, piece in zip(infos, uses, pieces):  # same order: trainable first
         view = piece.view(info.shape)
         for module, attr in entries:
             module._parameters[attr] = view
+
+
+class _FlatGrad:
+    """The flat gradient the low-precision hooks add into. Kept apart from ``ParamLeaves`` so
+    that a hook (owned by its leaf) refers to no leaf: a leaf -> hook -> leaves cycle would
+    keep every gathered unit alive until Python's cycle collector runs."""
+
+    def __init__(self):
+        self.grad: torch.Tensor | None = None
+
+    def add(self, info: ParamInfo, leaf: torch.Tensor) -> None:
+        assert self.grad is not None, "backward through a unit without prepare_grad"
+        grad, leaf.grad = leaf.grad, None
+        self.grad[info.offset:info.offset + info.numel].view(info.shape).add_(grad)
+
+
+class ParamLeaves:
+    """The trainable parameters of a gathered unit as autograd leaves aliasing the gathered
+    (Nt,) trainable part, and the flat gradient they accumulate into; see [Note: parameter
+    views while unsharded].
+
+    Args:
+        infos: the unit's ``ParamInfo`` (flat order, trainable first; frozen ones are skipped).
+        trainable: (Nt,) the gathered trainable part, in the gathered dtype; not copied.
+        requires_grad: leaves that require grad (training) or not (evaluation, init).
+    ``leaves[k]`` has the k-th trainable parameter's shape and shares ``trainable``'s storage
+    (and version counter). No gradient until ``accumulate_into``.
+    """
+
+    def __init__(self, infos: Sequence[ParamInfo], trainable: torch.Tensor, requires_grad: bool):
+        self.infos = [i for i in infos if i.requires_grad]
+        flat = trainable.detach()
+        self.leaves = [flat[i.offset:i.offset + i.numel].view(i.shape).detach()
+                       .requires_grad_(requires_grad) for i in self.infos]
+        self.requires_grad = requires_grad and trainable.numel() > 0
+        self.dtype = trainable.dtype
+        self._target = _FlatGrad()
+        self._hooked = False
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """(Nt,) the flat gradient the leaves accumulate into (None before ``accumulate_into``
+        and after ``release_grad``)."""
+        return self._target.grad
+
+    def accumulate_into(self, grad: torch.Tensor) -> None:
+        """Make every later backward ADD the parameters' gradients into ``grad`` (Nt,).
+
+        Same dtype as the leaves: each leaf's ``.grad`` becomes its view of ``grad`` (autograd
+        adds in place). Another dtype (fp32 beside low-precision leaves): a post-accumulate hook
+        per leaf adds each gradient into its view and drops it ([Note: low-precision gathered
+        parameters])."""
+        self._target.grad = grad
+        if grad.dtype == self.dtype:
+            for info, leaf in zip(self.infos, self.leaves):
+                leaf.grad = grad[info.offset:info.offset + info.numel].view(info.shape)
+        elif not self._hooked:
+            for info, leaf in zip(self.infos, self.leaves):
+                leaf.register_post_accumulate_grad_hook(
+                    functools.partial(self._target.add, info))
+            self._hooked = True
+
+    def release_grad(self) -> None:
+        """Detach the leaves from the flat gradient (its owner keeps it)."""
+        for leaf in self.leaves:
+            # a gradient outside the flat buffer would be lost: a backward ran without
+            # accumulate_into (FlatParamUnit.prepare_grad)
+            assert leaf.grad is None or (self.grad is not None and
+                                         leaf.grad._base is self.grad), "unprepared backward"
+            leaf.grad = None
+        self._target.grad = None
 
 
 def split_unit_row(row: Sequence[int], trainable_numel: int) -> tuple[list[int], list[int]]:
@@ -377,9 +468,9 @@ class FlatParamUnit:
         self._pending_ag: list[C.AllGatherResult] | None = None  # one per non-empty part
         self._full: list[torch.Tensor] | None = None  # gathered [(Nt,), (N - Nt,)]
         self._pending_rs: C.ReduceScatterResult | None = None
-        self._leaf: torch.Tensor | None = None    # (Nt,) autograd leaf: the gathered trainable part
+        self._leaves: ParamLeaves | None = None  # the trainable parameters while gathered
         self._grad_live = False
-        self._grad_acc: torch.Tensor | None = None  # (Nt,) fp32 sum of low-precision grads
+        self._grad: torch.Tensor | None = None  # (Nt,) training dtype: the unit's flat gradient
         self._rs_input: torch.Tensor | None = None  # kept alive until the reduce-scatter is done
         self._comm_bytes = {"ag": 0, "rs": 0}  # see [Note: communication buffers]
         self._freed_nbytes: list[int] | None = None  # set while resharded with kept graphs
@@ -522,20 +613,10 @@ class FlatParamUnit:
             self._freed_nbytes = None
             return
         self._full = gathered
-        leaf = self._full[0].detach()
-        self._leaf = leaf.requires_grad_(requires_grad and self.trainable_numel > 0)
-        if self.low_precision and self._leaf.requires_grad:
-            self._leaf.register_post_accumulate_grad_hook(self._accumulate_low_precision)
+        self._leaves = ParamLeaves(self.infos, self._full[0], requires_grad)
+        if self._grad is not None and self._leaves.requires_grad:  # not reduced yet: keep adding
+            self._leaves.accumulate_into(self._grad)
         self.use_params()
-
-    def _accumulate_low_precision(self, leaf: torch.Tensor) -> None:
-        """Move the microbatch's ``param_dtype`` gradient into the fp32 accumulator (see
-        [Note: low-precision gathered parameters])."""
-        grad, leaf.grad = leaf.grad, None
-        if self._grad_acc is None:
-            self._grad_acc = grad.to(self.dtype)
-        else:
-            self._grad_acc.add_(grad)
 
     def use_params(self) -> None:
         """Point every module parameter entry at a fresh view of the gathered parts.
@@ -543,7 +624,7 @@ class FlatParamUnit:
         See [Note: parameter views while unsharded].
         """
         assert self.state is ShardedState.UNSHARDED, f"{self.name} used while sharded"
-        install_param_views(self.infos, self._uses, self._leaf, self._full[1].detach())
+        install_param_views(self.infos, self._uses, self._leaves.leaves, self._full[1].detach())
 
     def reshard(self, keep_graph_storage: bool = False) -> None:
         """Release the gathered parts; module entries become empty placeholders.
@@ -562,7 +643,9 @@ class FlatParamUnit:
                 self._freed_nbytes.append(storage.nbytes())
                 storage.resize_(0)
         else:
-            self._full = self._leaf = None
+            if self._leaves is not None:
+                self._leaves.release_grad()  # the unit keeps its flat gradient
+            self._full = self._leaves = None
             self._freed_nbytes = None
         self.tracker.param_numel -= self.numel
         self.state = ShardedState.SHARDED
@@ -582,7 +665,7 @@ class FlatParamUnit:
         self._set_comm("ag", 0)
         self._set_comm("rs", 0)
         self._set_placeholders()
-        self._full = self._leaf = self._grad_acc = None
+        self._full = self._leaves = self._grad = None
         self._freed_nbytes = None
         if self.state is ShardedState.UNSHARDED:
             self.tracker.param_numel -= self.numel
@@ -600,11 +683,17 @@ class FlatParamUnit:
                 module._parameters[attr] = empty
 
     # ---- gradients --------------------------------------------------------------------------
-    def note_grad(self) -> None:
-        """Account the unit's full gradient once it exists (called after each backward)."""
-        has_grad = self._grad_acc is not None or \
-            (self._leaf is not None and self._leaf.grad is not None)
-        if not self._grad_live and has_grad:
+    def prepare_grad(self) -> None:
+        """Call right before each backward through the gathered unit: the first time after a
+        gather (or after ``start_reduce_grad``) allocates the unit's zero-filled (Nt,) gradient
+        in the training dtype and makes the parameter leaves accumulate into it; later calls do
+        nothing. No-op for leaves without grad (evaluation, no trainable parameter). See
+        [Note: parameter views while unsharded]."""
+        if self._grad is not None or self._leaves is None or not self._leaves.requires_grad:
+            return
+        self._grad = torch.zeros(self.trainable_numel, dtype=self.dtype, device=self.device)
+        self._leaves.accumulate_into(self._grad)
+        if not self._grad_live:
             self._grad_live = True
             self.tracker.add_grad(self.trainable_numel)
 
@@ -614,11 +703,9 @@ class FlatParamUnit:
         The input is split by the ranks' trainable counts (frozen elements are never sent); a
         rank that ran no microbatch contributes zeros. See [Note: communication buffers].
         """
-        grad = self._leaf.grad if self._leaf is not None else None
-        if self._leaf is not None:
-            self._leaf.grad = None
-        if self._grad_acc is not None:  # [Note: low-precision gathered parameters]
-            grad, self._grad_acc = self._grad_acc, None
+        if self._leaves is not None:
+            self._leaves.release_grad()
+        grad, self._grad = self._grad, None
         es = torch.empty(0, dtype=self.reduce_dtype).element_size()
         comm_bytes = 0 if self.use_all_reduce else self.local_trainable_numel * es
         if grad is None:

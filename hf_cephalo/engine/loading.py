@@ -242,10 +242,11 @@ class InitSource:
              modules: Sequence[nn.Module]) -> None:
         """Materialize the unit as its two full parts on the host, init it, keep this rank's
         ranges."""
-        from .flat_param import install_param_views
+        from .flat_param import ParamLeaves, install_param_views
 
         full = [torch.empty(part.numel, dtype=part.dtype) for part in unit.parts]  # one unit
-        install_param_views(unit.infos, unit._uses, *full)
+        leaves = ParamLeaves(unit.infos, full[0], requires_grad=False)  # alias full[0]
+        install_param_views(unit.infos, unit._uses, leaves.leaves, full[1])
         for module in _post_order(modules):
             _materialize_buffers(module)
         run_init(self._init_fns, modules, unit_seed(self.seed, unit.name))

@@ -24,6 +24,8 @@ Backward::
                                (not for the last unit's last microbatch: its forward graph was
                                kept, it is the first one backward needs),
                                backward with g[i+1][j] -> g[i][j] (stashed), grads accumulate
+                               in place into unit i's flat gradient (allocated before its first
+                               backward: [Note: parameter views while unsharded])
         (each microbatch first prefetches the next one's stashed tensors, across unit
         boundaries too; the host waits for the compute stream per microbatch with offload,
         else per unit: see [Note: host waits for the compute stream] in offload.py)
@@ -227,7 +229,7 @@ class LayeredStep:
         for the last unit's last microbatch (backward starts right there; same peak as the
         recompute it replaces); for every (unit, microbatch) when ``keep_graphs``."""
         x = self.stash.pop((i, j)).detach().requires_grad_(True)
-        with torch.enable_grad():  # views made under no_grad would not track the leaf
+        with torch.enable_grad():  # the forward phase runs under no_grad; this graph is kept
             unit.use_params()
             y = self.staged.run_unit(i, x, self.ctxs[j])
         self.kept[(i, j)] = (x, y)
@@ -250,9 +252,9 @@ class LayeredStep:
             for unit in phase:
                 unit.use_params()
             out = self.staged.head_loss(hidden, mb, self.ctxs[j])
-            torch.autograd.backward(self.scale_loss(out.loss_sum / self.N))
             for unit in phase:
-                unit.note_grad()
+                unit.prepare_grad()
+            torch.autograd.backward(self.scale_loss(out.loss_sum / self.N))
             self.local_loss_sum += out.loss_sum.detach().double()
             # the last microbatch's boundary gradient is the first one backward reads
             self.stash.start_offload(("grad", j), _grad_or_zeros(hidden),
@@ -285,9 +287,9 @@ class LayeredStep:
                 hidden, _ = self.staged.embed(mb)
             finally:
                 fork.__exit__(None, None, None)
+            root.embed.prepare_grad()
             if hidden.requires_grad:
                 torch.autograd.backward(hidden, grad)
-            root.embed.note_grad()
         last = root.both() if root.resident else [root.embed]
         for unit in last:
             self._start_reduce(unit)
@@ -310,8 +312,8 @@ class LayeredStep:
         self.stash.one_microbatch_in_flight(self.device)
         if (i, j) in self.kept:
             x, y = self.kept.pop((i, j))
+            unit.prepare_grad()
             torch.autograd.backward(y, self.stash.pop(("grad", j)))
-            unit.note_grad()
             self.stash.start_offload(("grad", j), _grad_or_zeros(x), keep=i == 0 and j == 0)
             return
         self.stash.wait_offload((i, j))
@@ -323,8 +325,8 @@ class LayeredStep:
             y = self.staged.run_unit(i, x, self.ctxs[j])
         finally:
             fork.__exit__(None, None, None)
+        unit.prepare_grad()
         torch.autograd.backward(y, grad)
-        unit.note_grad()
         # unit 0's gradient for microbatch 0 is the first one the embedding backward reads
         self.stash.start_offload(("grad", j), _grad_or_zeros(x), keep=i == 0 and j == 0)
 

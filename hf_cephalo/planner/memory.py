@@ -22,10 +22,12 @@ Device memory of rank i = r_i·S + M_i(m, b) with
   ``FlatParamUnit.local`` (4), its ``shard_param.grad`` (4), Adam's two moments (8).
 * A_i(m): the profiled activation memory of ONE microbatch in a unit's recompute + backward;
   A_head,i(m): the same for the head's loss + backward beside the last unit's kept forward
-  graph (``head_memory_bytes``; A_i(m) when absent). Both measured with the units' flat views
-  and their gradients already allocated (profiler/measure.py ``_compute_memory``), so they hold
-  the one unit-sized concatenated gradient each backward makes (flat_param.py [Note: parameter
-  views while unsharded]); with l = 1 that copy IS the gradient, over-counted once.
+  graph (``head_memory_bytes``; A_i(m) when absent). Both measured with the units gathered as
+  the engine gathers them (per-parameter leaves) and their flat gradients already allocated
+  (profiler/measure.py ``_compute_memory``), as the engine allocates a unit's gradient before
+  its first backward; a backward adds each parameter's gradient into it in place and makes no
+  unit-sized tensor (flat_param.py [Note: parameter views while unsharded]), so A_i(m) holds
+  only activations and per-parameter gradients until their add.
 * Collectives (``collective_buffers``, flat_param.py [Note: communication buffers]): an
   all-gather in flight holds its (N,) output, which becomes the gathered unit (no send copy):
   G_X = N_X. A reduce-scatter in flight holds its input, the unit's gradient (no copy, counted
@@ -44,8 +46,9 @@ Device memory of rank i = r_i·S + M_i(m, b) with
   gathered + their gradients, the last unit still gathered (no prefetch in flight).
 * E_emb + A_emb(m), the embedding backward at the end (``LayeredStep.backward`` after the
   units): E gathered + its gradient, unit 0's reduce-scatter in flight, then E's own issued:
-  E_emb = e·(2·N_E + N_u + k_0 + k_E); A_emb(m) = e·2·N_E + m·a: the dense weight gradients the
-  embedding backward makes (N_E) and their flat concatenation (N_E), the recomputed output.
+  E_emb = e·(2·N_E + N_u + k_0 + k_E); A_emb(m) = e·N_E + m·a: the dense weight gradients the
+  embedding backward makes (N_E, each added into E's flat gradient in place), the recomputed
+  output.
 * D(m, b): boundary tensors on the device (offload.py ``ActivationStash``): without offload every
   microbatch's boundary activation of every unit boundary, (L + 1)·b·a (end of the forward,
   head and backward phases); D_1 = b·a in the embedding backward (only the boundary gradients
@@ -66,9 +69,9 @@ fp32 accumulator, also with low-precision parameters) and e_r = ``grad_reduce_by
 reduce-scatters. With e_p < e an all-gather in flight also holds its send buffer, the shard's
 cast copy: G_X = e_p·(N_X + k_X); a reduce-scatter in flight holds R_X = e_r·(N_X + k_X); at its
 issue with e_r < e the accumulator and its cast copy coexist, e·N_X + e_r·N_X (replacing
-e·(N_X + k_X)). The per-microbatch low-precision (Nt,) gradient autograd makes before the hook
-moves it into the accumulator is in A_i(m): the profile measures the unit gathered in e_p
-(``MeasureConfig.param_dtype``); A_emb's dense gradients and their concatenation are e_p·2·N_E.
+e·(N_X + k_X)). The per-parameter low-precision gradients autograd makes before their hooks
+add them into the accumulator are in A_i(m): the profile measures the unit gathered in e_p
+(``MeasureConfig.param_dtype``); A_emb's dense gradients are e_p·N_E.
 The boundary tensors a are the gathered dtype's (a bf16 embedding outputs bf16).
 
 Frozen parameters (LoRA; engine/flat_param.py [Note: two parts per unit]): a unit X holds Nt_X
@@ -78,7 +81,7 @@ gradient, reduce-scatter and issue term above covers Nt_X and kt_X, not N_X and 
 rank's zeros are (Nt,) too); a gathered unit is e_p·Nt_X + e_f·(N_X - Nt_X) and its all-gather
 the same (+ the cast send copies), where e_f = ``frozen_bytes_per_param`` when the frozen part
 is stored in its own dtype (a bf16 base is gathered as stored) and e_p when it is stored in the
-training dtype; A_emb's dense gradients are e_p·2·Nt_E. Full fine-tuning: Nt = N.
+training dtype; A_emb's dense gradients are e_p·Nt_E. Full fine-tuning: Nt = N.
 
 Not binding, so not priced: the embedding forward (E + unit 0's prefetch, under E_emb), the
 layer forwards (two units, under E_unit; the last with H and t·E in flight, under E_head).
@@ -338,11 +341,11 @@ def head_activation_bytes(device: DeviceProfile, m) -> np.ndarray:
 
 
 def embed_activation_bytes(model: ModelProfile, m) -> np.ndarray:
-    """A_emb(m): the embedding backward's temporaries, e_p·2·Nt_E + m·a bytes (the dense weight
-    gradients of its Nt_E trainable elements, their flat concatenation, both in the gathered
-    dtype; the recomputed embedding output)."""
+    """A_emb(m): the embedding backward's temporaries, e_p·Nt_E + m·a bytes (the dense weight
+    gradients of its Nt_E trainable elements in the gathered dtype, each added in place into
+    the unit's flat gradient: no concatenation; the recomputed embedding output)."""
     e, nt_embed = model.param_gather_bytes, model.unit_trainable_numels()[1]
-    return 2 * e * nt_embed + model.boundary_bytes_per_sample * np.asarray(m, dtype=np.float64)
+    return e * nt_embed + model.boundary_bytes_per_sample * np.asarray(m, dtype=np.float64)
 
 
 def device_stash_bytes(model: ModelProfile, m, b, offload: bool,

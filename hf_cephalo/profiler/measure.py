@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from hf_cephalo.engine.compile import CompileOptions, CompiledUnits
-from hf_cephalo.engine.flat_param import (collect_params, install_param_views,
+from hf_cephalo.engine.flat_param import (ParamLeaves, collect_params, install_param_views,
                                           move_shared_params, param_infos)
 from hf_cephalo.models.base import AutocastStagedModel, StagedModel
 from hf_cephalo.planner.state import skewed_state_ratios
@@ -439,14 +439,15 @@ def _sync(device: torch.device) -> None:
 
 
 class _FlatViews:
-    """Unit 0's parameters as views of one flat buffer, installed exactly as the engine does.
+    """Unit 0's parameters as the engine gathers them: per-parameter leaves aliasing one flat
+    buffer, their gradients accumulated into one flat gradient.
 
-    Uses the engine's own ``collect_params`` / ``install_param_views`` ([Note: parameter views
-    while unsharded] in ``engine/flat_param.py``): before each call the module entries point at
-    fresh views of a flat (Nt,) leaf (frozen parameters: of the detached rest), and backward
-    accumulates into the leaf's gradient. The views' backward (one unit-sized concatenation of
-    the parameters' gradients, added into the leaf's) is a per-microbatch cost independent of m
-    that plain module parameters would not show. ``restore`` puts the original parameters back.
+    Uses the engine's own ``collect_params`` / ``ParamLeaves`` / ``install_param_views`` ([Note:
+    parameter views while unsharded] in ``engine/flat_param.py``): before each call the module
+    entries point at the leaves (frozen parameters: views of the detached rest), and once
+    ``prepare_grad`` ran, backward adds into the flat gradient in place (in the master dtype;
+    with a cast, through the leaves' hooks as [Note: low-precision gathered parameters]).
+    ``restore`` puts the original parameters back.
     """
 
     def __init__(self, unit: torch.nn.Module | None = None, collected=None,
@@ -466,11 +467,26 @@ class _FlatViews:
                 master = parts[0].dtype if parts[0].numel() else torch.float32
                 parts = [t.to(dtype) if t.dtype == master else t for t in parts]
         self.cast = dtype is not None
-        self.leaf = parts[0].detach().requires_grad_(parts[0].numel() > 0)
+        self.master_dtype = params[0].dtype if params and params[0].requires_grad else \
+            torch.float32  # trainable first (collect_params)
+        self.flat = parts[0]
+        self.leaves = ParamLeaves(self.infos, parts[0], requires_grad=True)
         self.frozen = parts[1]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The gathered trainable part's dtype."""
+        return self.flat.dtype
+
     def install(self) -> None:
-        install_param_views(self.infos, self.uses, self.leaf, self.frozen)
+        install_param_views(self.infos, self.uses, self.leaves.leaves, self.frozen)
+
+    def prepare_grad(self) -> None:
+        """The unit's flat (Nt,) gradient, zero-filled in the master dtype, as the engine's
+        ``FlatParamUnit.prepare_grad`` before a unit's first backward."""
+        if self.leaves.requires_grad and self.leaves.grad is None:
+            self.leaves.accumulate_into(torch.zeros(self.flat.numel(), dtype=self.master_dtype,
+                                                    device=self.flat.device))
 
     @staticmethod
     def head_phase(staged: StagedModel, dtype: torch.dtype | None = None) -> list["_FlatViews"]:
@@ -486,7 +502,13 @@ class _FlatViews:
         for entries, p in self.originals:
             for module, attr in entries:
                 module._parameters[attr] = p
-        self.leaf.grad = None
+        self.release_grad()
+
+    def release_grad(self) -> None:
+        """Drop the flat gradient and the leaves' own gradients."""
+        for leaf in self.leaves.leaves:
+            leaf.grad = None  # the timing rounds' and memory regions' sums, unchecked
+        self.leaves.release_grad()
 
 
 def _unit_backward(staged: StagedModel, hidden: torch.Tensor, ctx: Any,
@@ -535,16 +557,17 @@ def _compute_memory(staged: StagedModel, views: _FlatViews, hidden, mb, ctx, gra
     The persistent buffers the planner prices itself (planner/memory.py) are allocated before
     the measured regions, as after the engine's first microbatch: the unit's and the head
     phase's flat gradients exist (backward adds into them), the input and its boundary
-    gradient are stashed. The head phase's units are flat views as in the engine, so the
-    per-microbatch concatenated gradient of each is measured (flat_param.py [Note: parameter
-    views while unsharded]). Two regions: the unit's recompute + backward, and the head's
+    gradient are stashed. The unit and the head phase's units are gathered as in the engine
+    (per-parameter leaves whose gradients backward adds in place into the flat gradient: what
+    a backward allocates for them is each parameter's own gradient until its add; flat_param.py
+    [Note: parameter views while unsharded]). Two regions: the unit's recompute + backward, and the head's
     loss + backward beside the last unit's kept forward graph (the schedule keeps it through
     the head phase).
     """
-    head_views = _FlatViews.head_phase(staged, views.leaf.dtype if views.cast else None)
+    head_views = _FlatViews.head_phase(staged, views.dtype if views.cast else None)
+    views.release_grad()  # the timing rounds' sum: allocated anew below, as after a gather
     for v in [views, *head_views]:
-        if v.leaf.requires_grad:
-            v.leaf.grad = torch.zeros_like(v.leaf)
+        v.prepare_grad()
 
     def unit_pass() -> None:
         views.install()
@@ -563,7 +586,7 @@ def _compute_memory(staged: StagedModel, views: _FlatViews, hidden, mb, ctx, gra
     finally:
         for v in head_views:
             v.restore()
-        views.leaf.grad = None
+        views.release_grad()
 
 
 def _kept_graph_memory(staged: StagedModel, views: _FlatViews, hidden, ctx, device) -> float:
@@ -849,6 +872,7 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
         # Rounds over all m (not all repeats of one m at a time), so load changes on a shared
         # machine spread over every microbatch size instead of bending the curve.
         views = _FlatViews(staged.units()[0], dtype=config.gather_dtype)
+        views.prepare_grad()  # backward adds into the unit's flat gradient, as in the engine
         try:
             fwd_med, bwd_med = _measure_times(staged, config, inputs, views, device, rank, name,
                                               before_each, any_rank)
