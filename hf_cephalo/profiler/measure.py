@@ -560,9 +560,9 @@ def _compute_memory(staged: StagedModel, views: _FlatViews, hidden, mb, ctx, gra
     gradient are stashed. The unit and the head phase's units are gathered as in the engine
     (per-parameter leaves whose gradients backward adds in place into the flat gradient: what
     a backward allocates for them is each parameter's own gradient until its add; flat_param.py
-    [Note: parameter views while unsharded]). Two regions: the unit's recompute + backward, and the head's
-    loss + backward beside the last unit's kept forward graph (the schedule keeps it through
-    the head phase).
+    [Note: parameter views while unsharded]). Two regions: the unit's recompute + backward,
+    and the head's loss + backward beside the last unit's kept forward graph (the schedule
+    keeps it through the head phase).
     """
     head_views = _FlatViews.head_phase(staged, views.dtype if views.cast else None)
     views.release_grad()  # the timing rounds' sum: allocated anew below, as after a gather
