@@ -294,6 +294,14 @@ def test_activation_checkpointing_flag_any_case_and_against_a_plan_file(tmp_path
         texts = [r.getMessage() for r in caplog.records if r.name.startswith("hf_cephalo")]
         assert sum("planning with activation checkpointing on" in t for t in texts) == said
         assert sum("already recomputes every layer" in t for t in texts) == said, texts
+    from hf_cephalo.integrations.replan import _infeasible_remedy
+
+    for word, suggested in (("false", True), ("auto", False), ("true", False)):
+        remedy = _infeasible_remedy(_args(tmp_path, cephalo_activation_checkpointing=word), 64,
+                                    "batch")
+        assert remedy.startswith("; to fit: ")
+        assert ("--cephalo_activation_checkpointing true or auto" in remedy) == suggested
+        assert "a smaller --cephalo_global_batch_size (now 64)" in remedy
     plan = Plan.load(recompute)
     assert "activation checkpointing on (recompute in backward) [auto: off does not fit: x]," \
         in format_plan_table(plan, "off does not fit: x")

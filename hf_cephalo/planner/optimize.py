@@ -595,8 +595,9 @@ def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
 
     Raises:
         InfeasiblePlanError (a ValueError): no assignment fits; the message names the binding
-            constraint (a rank whose microbatch size 1 exceeds its cap, aggregate memory, or a
-            machine's host memory).
+            constraint (a rank whose microbatch size 1 exceeds its cap, aggregate memory, each
+            rank's largest batch b_i within its cap summing to less than B, or a machine's
+            host memory); never an empty reason.
         ValueError: B < 1, memory_fraction outside (0, 1]; an instance too large to solve
             within ``MAX_SOLVER_WORK`` / ``MAX_SOLVER_MEMORY_BYTES`` (``check_problem_size``).
     """
