@@ -19,6 +19,10 @@ import os
 import sys
 from typing import Callable, NamedTuple, Sequence
 
+from hf_cephalo.planner.types import (ACTIVATION_CHECKPOINTING_CHOICES,
+                                      activation_checkpointing_setting,
+                                      parse_activation_checkpointing)
+
 __all__ = ["main", "register_subcommand", "SUBCOMMANDS"]
 
 DEFAULT_EFFICIENCY = 0.5  # --efficiency of spec-sheet estimates
@@ -91,13 +95,14 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         f"rank), auto (each GPU its fastest: bf16 > fp16 > fp32) or a per-rank "
                         f"list such as bf16,fp16,fp32 (default {DEFAULT_PRECISION}; not with "
                         "--profile); the plan records each rank's precision")
-    p.add_argument("--activation-checkpointing", choices=("true", "false", "auto"),
-                   default="true",
+    p.add_argument("--activation-checkpointing", type=_checkpointing_word,
+                   choices=ACTIVATION_CHECKPOINTING_CHOICES, default="true",
                    help="true (default): the engine recomputes each unit's forward in its "
                         "backward (the paper's schedule); false: it keeps every microbatch's "
                         "forward graph (no recompute, ~1/4 less compute, activation memory "
                         "grows with layers x microbatches; needs a profile with "
-                        "kept_graph_bytes); auto: plan both, keep the faster one that fits. "
+                        "kept_graph_bytes); auto: plan both, keep the faster one that fits "
+                        "(any case: True works). "
                         "Recorded in the plan; the trainer builds the engine with it")
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--save-profile", help="write the (estimated) cluster profile JSON here")
@@ -435,7 +440,7 @@ def _infeasible_remedy(args: argparse.Namespace, cluster, constraint: str) -> st
         more = f", or -B >= {cluster.world_size}" if args.global_batch_size < cluster.world_size \
             else ""
         return f" (drop --no-idle{more})"
-    if constraint not in ("device", "aggregate", "state"):
+    if constraint not in ("device", "aggregate", "state", "batch"):
         return ""
     half = _half_precision_flag(cluster)
     if args.profile:
@@ -445,31 +450,43 @@ def _infeasible_remedy(args: argparse.Namespace, cluster, constraint: str) -> st
         flags = [f for f, given in ((half, half is None or args.precision in ("bf16", "fp16")),
                                     ("--lora-rank R", args.lora_rank is not None)) if not given]
         smaller = " or ".join(flags) or "a smaller model"
-    batch = "a smaller -B, " if constraint == "aggregate" else ""
+    batch = "a smaller -B, " if constraint in ("aggregate", "batch") else ""
+    if _checkpointing_arg(args) is False:  # recompute instead of keeping every graph
+        batch = "--activation-checkpointing true or auto, " + batch
     return (f"; to fit: {batch}a --memory-fraction closer to 1 (now {args.memory_fraction}), "
             f"less memory per GPU ({smaller}), or more GPUs")
 
 
+def _checkpointing_word(value: str) -> str:
+    """argparse ``type`` of ``--activation-checkpointing``: the one parser of the choice
+    (``planner.types.parse_activation_checkpointing``, any case), its message on a bad value."""
+    try:
+        return parse_activation_checkpointing(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _checkpointing_arg(args: argparse.Namespace) -> bool | None:
     """``--activation-checkpointing`` as ``optimize``'s argument (None: auto)."""
-    return {"true": True, "false": False, "auto": None}[
-        getattr(args, "activation_checkpointing", "true")]
+    return activation_checkpointing_setting(getattr(args, "activation_checkpointing", "true"))
 
 
-def _auto_checkpointing_note(args: argparse.Namespace, cluster) -> str:
-    """What ``--activation-checkpointing auto`` compared ("" without auto)."""
+def _auto_precision_checkpointing_reason(args: argparse.Namespace, cluster) -> str:
+    """Why ``--activation-checkpointing auto`` beside ``--precision auto`` chose ("" without
+    auto): that path plans through ``optimize``, so the reason is what it compared."""
     from hf_cephalo.planner.optimize import has_kept_graph_profile
 
-    if args.activation_checkpointing != "auto":
+    if _checkpointing_arg(args) is not None:
         return ""
     if not has_kept_graph_profile(cluster):
-        return (" [auto: the profile has no kept_graph_bytes (spec-sheet or older measurement),"
-                " so only checkpointing was planned]")
-    return " [auto: the faster of both plans that fits]"
+        return ("the profile has no kept_graph_bytes (spec-sheet or older measurement), so "
+                "only on was planned")
+    return "the faster of both plans that fits"
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize
+    from hf_cephalo.planner.optimize import (InfeasiblePlanError, optimize,
+                                             optimize_auto_checkpointing)
     from hf_cephalo.planner.simulate import extrapolation_note, predict
     from hf_cephalo.profiler.types import format_bytes
 
@@ -481,7 +498,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     try:
         if auto:
             cluster, plan = _auto_precision_plan(args, _spec_cluster(args), args.global_batch_size)
+            reason = _auto_precision_checkpointing_reason(args, cluster)
+        elif _checkpointing_arg(args) is None:  # auto: keep why, for the mode's line
+            plan, reason = optimize_auto_checkpointing(
+                cluster, args.global_batch_size, args.memory_fraction,
+                allow_idle=not args.no_idle, root_resident=args.root_resident)
         else:
+            reason = ""
             plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
                             allow_idle=not args.no_idle, root_resident=args.root_resident,
                             activation_checkpointing=_checkpointing_arg(args))
@@ -503,7 +526,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     print("activation checkpointing: " + ("on (recompute in backward)"
                                           if plan.activation_checkpointing else
                                           "off (forward graphs kept)")
-          + _auto_checkpointing_note(args, cluster))
+          + (f" [auto: {reason}]" if reason else ""))
     print(f"predicted iteration time: {pred.iteration_s:.3f} s, "
           f"{pred.samples_per_s:.2f} samples/s")
     if args.out:

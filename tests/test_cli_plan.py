@@ -425,7 +425,8 @@ def test_plan_activation_checkpointing_auto_false_and_a_profile_without_kept_gra
     assert main(["plan", "--profile", str(prof), "-B", "16", "--activation-checkpointing",
                  "auto", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "activation checkpointing: off (forward graphs kept) [auto: the faster" in text
+    assert "activation checkpointing: off (forward graphs kept) [auto: faster than on, " \
+        "predicted" in text
     assert Plan.load(out).activation_checkpointing is False
     assert main(["plan", "--profile", str(prof), "-B", "16", "--out", str(out)]) == 0
     assert "activation checkpointing: on (recompute in backward)\n" in capsys.readouterr().out
@@ -435,4 +436,33 @@ def test_plan_activation_checkpointing_auto_false_and_a_profile_without_kept_gra
     assert main(spec + ["false"]) == 2
     assert "kept_graph_bytes" in capsys.readouterr().err
     assert main(spec + ["auto"]) == 0
-    assert "only checkpointing was planned" in capsys.readouterr().out
+    assert "only on was planned" in capsys.readouterr().out
+    # HF style "True" / "AUTO" parse as the env and Python do; a bad word says the choices
+    assert main(["plan", "--profile", str(prof), "-B", "16", "--activation-checkpointing",
+                 "False", "--out", str(out)]) == 0
+    assert Plan.load(out).activation_checkpointing is False
+    assert main(["plan", "--profile", str(prof), "-B", "16", "--activation-checkpointing",
+                 "True", "--out", str(out)]) == 0
+    assert Plan.load(out).activation_checkpointing is True
+    assert "[auto: " not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--profile", str(prof), "-B", "16", "--activation-checkpointing", "maybe"])
+    assert "give true, false or auto (any case)" in capsys.readouterr().err
+    # kept graphs that grow past the caps with b (m = 1 fits: 2 units x 0.5 GiB per sample,
+    # cap 12.8 GiB: at most 12 samples per rank): false says why, with numbers, and suggests
+    # true / auto; auto falls back to on and says that off did not fit
+    big = dataclasses.replace(cluster, devices=[
+        dataclasses.replace(d, kept_graph_bytes=[0.5 * GIB * m for m in ms])
+        for d in cluster.devices])
+    big.save(prof)
+    plan64 = ["plan", "--profile", str(prof), "-B", "64", "--activation-checkpointing"]
+    assert main(plan64 + ["false"]) == 2
+    err = capsys.readouterr().err
+    assert ": ;" not in err and "no rank can take a microbatch" not in err, err
+    assert "kept forward graphs of all microbatches, L·b_i·K(m_i)" in err, err
+    assert "b_i <= 12" in err and "together at most 24 samples" in err, err
+    assert "to fit: --activation-checkpointing true or auto, a smaller -B" in err, err
+    assert main(plan64 + ["AUTO"]) == 0
+    text = capsys.readouterr().out
+    assert "activation checkpointing: on (recompute in backward) [auto: off does not fit: " \
+        "without activation checkpointing the kept forward graphs" in text, text

@@ -211,3 +211,16 @@ def test_resume_adopts_a_checkpoint_plan_only_with_the_running_activation_checkp
     assert adopt_checkpoint_state(running, other, None) is None
     split = adopt_checkpoint_split(running, other, None)
     assert split.batch_sizes == [6, 6] and split.activation_checkpointing is False
+    # the banner above the plan a resume continues on says what was adopted, and that the
+    # checkpoint ran with the other activation checkpointing (it said "the plan its checkpoint
+    # ran on" with the running setting)
+    from hf_cephalo.integrations.replan import resume_banner
+
+    assert resume_banner(moved, moved, True) == ("resume continues on the plan its checkpoint "
+                                                 "ran on (the live re-balancing before it)")
+    text = resume_banner(split, other, False)
+    assert "the plan its checkpoint ran on" not in text
+    assert text.startswith("resume continues on the split (b_i, m_i, l_i) its checkpoint ran on")
+    assert text.endswith("this run's activation checkpointing off (the checkpoint ran with it "
+                         "on)"), text
+    assert "checkpoint ran with it" not in resume_banner(split, moved, False)

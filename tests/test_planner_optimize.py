@@ -329,8 +329,10 @@ def test_without_checkpointing_equals_brute_force_on_random_instances():
         try:
             a = solve_assignment(cluster, B, activation_checkpointing=False)
             got = a.unit_time_s
-        except InfeasiblePlanError:
+        except InfeasiblePlanError as e:
             got, a = float("inf"), None
+            reason = str(e).split(" fits: ", 1)[1]  # never empty, never an empty list item
+            assert reason.strip() and ": ;" not in str(e) and not reason.startswith(";"), str(e)
         assert _same(got, expected), (k, n, B, got, expected)
         seen["feasible" if a else "infeasible"] += 1
         seen["uneven"] += bool(a and a.uneven)
@@ -375,6 +377,47 @@ def test_auto_picks_no_checkpointing_when_it_fits_and_checkpointing_when_only_th
     # neither fits: the checkpointing plan's error
     with pytest.raises(InfeasiblePlanError, match="no plan for global batch size"):
         optimize(_kept_cluster(4.0, capacity_gib=0.01), 16, activation_checkpointing=None)
+
+
+def test_no_checkpointing_that_does_not_fit_names_the_kept_graphs_with_numbers():
+    """m = 1 fits, but the kept graphs L·b_i·K grow with b_i: each rank takes at most 12 of
+    the 64 samples (2 units x 0.5 GiB per sample = 1 GiB per sample, cap 0.8 x 16 GiB). The
+    reason says so with numbers (it was empty: "no rank can take a microbatch: ;")."""
+    cluster = _kept_cluster(0.5)
+    with pytest.raises(InfeasiblePlanError) as info:
+        optimize(cluster, 64, activation_checkpointing=False)
+    text = str(info.value)
+    assert info.value.constraint == "batch" and ": ;" not in text
+    assert "no rank can take a microbatch" not in text
+    assert "kept forward graphs of all microbatches, L·b_i·K(m_i)" in text and "L = 2" in text
+    assert ("ranks 0-1 (gpu): b_i <= 12 (b_i = 13 needs at least 13.0 GiB at m_i = 1, "
+            "13.0 GiB of it kept graphs; cap 12.8 GiB)") in text
+    assert "together at most 24 samples, fewer than the global batch size 64" in text
+    # B = 24 is the largest that fits: the numbers are the planner's own limit
+    assert optimize(cluster, 24, activation_checkpointing=False).global_batch_size == 24
+    with pytest.raises(InfeasiblePlanError):
+        optimize(cluster, 25, activation_checkpointing=False)
+
+
+def test_auto_says_why_it_chose():
+    """``optimize_auto_checkpointing``: the plan of ``optimize(None)`` and the reason printed
+    after "[auto: ...]": off did not fit (with its diagnosis), or both predicted times."""
+    from hf_cephalo.planner.optimize import optimize_auto_checkpointing
+
+    fits = optimize_auto_checkpointing(_kept_cluster(0.05), 16)
+    on = optimize(_kept_cluster(0.05), 16).predicted_iteration_s
+    assert fits.plan.activation_checkpointing is False
+    assert fits.reason == (f"faster than on, predicted {fits.plan.predicted_iteration_s:.3f} s "
+                           f"vs {on:.3f} s")
+    big = optimize_auto_checkpointing(_kept_cluster(0.5), 64)
+    assert big.plan.activation_checkpointing is True
+    assert big.plan.predicted_iteration_s == optimize(_kept_cluster(0.5), 64).predicted_iteration_s
+    assert big.reason.startswith("off does not fit: without activation checkpointing the kept ")
+    assert "together at most 24 samples" in big.reason
+    cluster = _kept_cluster(0.05)
+    for d in cluster.devices:
+        d.kept_graph_bytes = None
+    assert "only on was planned" in optimize_auto_checkpointing(cluster, 16).reason
 
 
 def test_auto_between_settings_is_the_faster_feasible_one_on_random_instances():

@@ -239,3 +239,70 @@ def test_gradient_checkpointing_with_checkpointing_off_is_refused(tmp_path, monk
     assert args.cephalo_activation_checkpointing == "true" and not args.gradient_checkpointing
     with pytest.raises(ValueError, match="cephalo_activation_checkpointing.*must be one of"):
         _args(tmp_path, cephalo_activation_checkpointing="maybe")
+
+
+def test_activation_checkpointing_flag_any_case_and_against_a_plan_file(tmp_path, monkeypatch,
+                                                                       caplog):
+    """--cephalo_activation_checkpointing True / FALSE (HF style, as --torch_compile True)
+    parse from the command line as from Python and env; an explicit choice that contradicts a
+    plan file is refused both ways, naming both (the default and 'auto' take the plan's); with
+    --gradient_checkpointing and auto both warnings are said once per job (rank 0 only)."""
+    import logging
+
+    from transformers import HfArgumentParser
+
+    from hf_cephalo.integrations.replan import check_plan_file_checkpointing
+    from hf_cephalo.integrations.trainer import (_engine_checkpointing_replaces_model_checkpointing,
+                                                 format_plan_table)
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import Plan
+
+    monkeypatch.delenv("HF_CEPHALO_ACTIVATION_CHECKPOINTING", raising=False)
+    monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
+    parser = HfArgumentParser(CephaloTrainingArguments)
+    for word, want in (("True", "true"), ("FALSE", "false"), ("Auto", "auto")):
+        (args,) = parser.parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--report_to", "none",
+             "--cephalo_activation_checkpointing", word])
+        assert args.cephalo_activation_checkpointing == want
+    assert _args(tmp_path, cephalo_activation_checkpointing=" TRUE ") \
+        .cephalo_activation_checkpointing == "true"
+    kept, recompute = tmp_path / "kept.json", tmp_path / "recompute.json"
+    Plan.from_ratios([2, 2], [2, 2], [0.5, 0.5], activation_checkpointing=False).save(kept)
+    Plan.from_ratios([2, 2], [2, 2], [0.5, 0.5]).save(recompute)
+    for word, path in (("true", kept), ("false", recompute)):
+        args = _args(tmp_path, cephalo_plan_file=str(path),
+                     cephalo_activation_checkpointing=word.capitalize())
+        with pytest.raises(ValueError, match=f"--cephalo_activation_checkpointing {word} but the "
+                                             f"plan file .* was made with(out)? activation "
+                                             f"checkpointing .*re-plan with `hf-cephalo plan "
+                                             f"--activation-checkpointing {word}`"):
+            check_plan_file_checkpointing(Plan.load(path), args)
+    monkeypatch.setenv("HF_CEPHALO_ACTIVATION_CHECKPOINTING", "True")  # env: explicit too
+    with pytest.raises(ValueError, match="made without activation checkpointing"):
+        check_plan_file_checkpointing(Plan.load(kept), _args(tmp_path))
+    monkeypatch.delenv("HF_CEPHALO_ACTIVATION_CHECKPOINTING")
+    for args in (_args(tmp_path), _args(tmp_path, cephalo_activation_checkpointing="auto")):
+        for path in (kept, recompute):  # the default and auto: the plan file decides
+            check_plan_file_checkpointing(Plan.load(path), args)
+    for rank, said in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_cephalo"):
+            _engine_checkpointing_replaces_model_checkpointing(_args(
+                tmp_path, gradient_checkpointing=True, cephalo_activation_checkpointing="auto"))
+        texts = [r.getMessage() for r in caplog.records if r.name.startswith("hf_cephalo")]
+        assert sum("planning with activation checkpointing on" in t for t in texts) == said
+        assert sum("already recomputes every layer" in t for t in texts) == said, texts
+    from hf_cephalo.integrations.replan import _infeasible_remedy
+
+    for word, suggested in (("false", True), ("auto", False), ("true", False)):
+        remedy = _infeasible_remedy(_args(tmp_path, cephalo_activation_checkpointing=word), 64,
+                                    "batch")
+        assert remedy.startswith("; to fit: ")
+        assert ("--cephalo_activation_checkpointing true or auto" in remedy) == suggested
+        assert "a smaller --cephalo_global_batch_size (now 64)" in remedy
+    plan = Plan.load(recompute)
+    assert "activation checkpointing on (recompute in backward) [auto: off does not fit: x]," \
+        in format_plan_table(plan, "off does not fit: x")
+    assert "[auto:" not in format_plan_table(plan)

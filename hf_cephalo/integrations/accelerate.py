@@ -38,6 +38,8 @@ import torch
 from accelerate import Accelerator
 
 from hf_cephalo.integrations.sampler import WeightedBatchSampler
+from hf_cephalo.planner.types import (ACTIVATION_CHECKPOINTING_CHOICES,
+                                      parse_activation_checkpointing)
 
 __all__ = ["CephaloDistributedType", "CephaloPlugin", "CephaloAccelerator", "ENV_PREFIX",
            "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES"]
@@ -82,7 +84,6 @@ def _parse_list(value: Any, cast: type, name: str) -> list:
 
 PARAM_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 COLLATE_CHOICES = ("global_batch", "microbatch")
-ACTIVATION_CHECKPOINTING_CHOICES = ("true", "false", "auto")
 REDUCE_DTYPE_CHOICES = ("fp32", "bf16", "fp16")
 
 
@@ -230,12 +231,18 @@ class CephaloPlugin:
         self._validate_adaptive()
         for name, choices in (("param_dtype", PARAM_DTYPE_CHOICES),
                               ("reduce_dtype", REDUCE_DTYPE_CHOICES),
-                              ("collate", COLLATE_CHOICES),
-                              ("activation_checkpointing", ACTIVATION_CHECKPOINTING_CHOICES)):
+                              ("collate", COLLATE_CHOICES)):
             value = str(getattr(self, name)).strip().lower()
             if value not in choices:
                 raise self._bad(name, f"must be one of {choices}")
             setattr(self, name, value)
+        try:  # the one parser of the choice, as the CLI's (any case: "True" as HF flags)
+            self.activation_checkpointing = parse_activation_checkpointing(
+                self.activation_checkpointing)
+        except ValueError:
+            raise self._bad("activation_checkpointing",
+                            f"must be one of {ACTIVATION_CHECKPOINTING_CHOICES} (any case)") \
+                from None
 
     def _validate_saving(self) -> None:
         from hf_cephalo.engine.export import parse_max_shard_size

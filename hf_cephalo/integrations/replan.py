@@ -46,6 +46,8 @@ from hf_cephalo.integrations.preflight import warn_idle_ranks
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import InfeasiblePlanError, Plan, optimize, predict
+from hf_cephalo.planner.optimize import optimize_auto_checkpointing
+from hf_cephalo.planner.types import activation_checkpointing_setting
 from hf_cephalo.profiler.cache import model_description, model_fingerprint
 from hf_cephalo.profiler.emulate import (EmulatedOutOfMemoryError, apply_memory_cap,
                                          check_plan_memory)
@@ -58,7 +60,7 @@ from hf_cephalo.units import GIB
 
 __all__ = ["ResolvedPlan", "resolve_plan_for_model", "resolve_elastic_plan",
            "select_world_devices", "replan_with_measured_u", "check_state_fits_caps",
-           "replan_live", "adopt_checkpoint_split", "adopt_checkpoint_state"]
+           "replan_live", "adopt_checkpoint_split", "adopt_checkpoint_state", "resume_banner"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,9 @@ class ResolvedPlan(NamedTuple):
 
     plan: Plan
     cluster: ClusterProfile | None
+    # why --cephalo_activation_checkpointing auto chose the plan's setting ("" otherwise):
+    # printed after the plan's mode as "[auto: ...]" (optimize_auto_checkpointing)
+    checkpointing_reason: str = ""
 
 
 def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
@@ -125,9 +130,13 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
     B = args.resolve_global_batch_size(world_size)
     _refuse_meta_profiling(model, args)
     cluster = _cluster(args, world_size, staged, emulation, train_dataset, B)
+    reason = ""
     try:
-        plan = optimize(cluster, B, args.cephalo_memory_fraction,
-                        activation_checkpointing=planned_checkpointing(args))
+        if planned_checkpointing(args) is None:  # auto: keep why, for the plan's line
+            plan, reason = optimize_auto_checkpointing(cluster, B, args.cephalo_memory_fraction)
+        else:
+            plan = optimize(cluster, B, args.cephalo_memory_fraction,
+                            activation_checkpointing=planned_checkpointing(args))
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, B, e.constraint)}",
                                   e.constraint) from None
@@ -140,34 +149,43 @@ def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
         plan.save(os.path.join(args.output_dir, "plan.json"))
         print(f"[hf-cephalo] profile and plan saved to {args.output_dir}/profile.json, plan.json",
               flush=True)
-    return ResolvedPlan(plan, cluster)
+    return ResolvedPlan(plan, cluster, reason)
 
 
 def planned_checkpointing(args) -> bool | None:
     """``--cephalo_activation_checkpointing`` as ``optimize``'s argument: True, False or None
     (auto: plan both, keep the faster feasible one)."""
-    return {"true": True, "false": False, "auto": None}[args.cephalo_activation_checkpointing]
+    return activation_checkpointing_setting(args.cephalo_activation_checkpointing)
 
 
 def check_plan_file_checkpointing(plan: Plan, args) -> None:
-    """A plan file records its own activation checkpointing; ``--cephalo_activation_checkpointing
-    false`` beside a plan made with it is refused (ValueError) rather than ignored ('true', the
-    default, and 'auto' take the plan's choice)."""
-    if args.cephalo_activation_checkpointing == "false" and plan.activation_checkpointing:
-        raise ValueError(f"--cephalo_activation_checkpointing false but the plan file "
-                         f"{args.cephalo_plan_file!r} was made with activation checkpointing: "
-                         "re-plan with `hf-cephalo plan --activation-checkpointing false` (or "
-                         "auto), or drop the flag (the plan file decides)")
+    """A plan file records its own activation checkpointing; an explicit
+    ``--cephalo_activation_checkpointing`` that contradicts it ('false' beside a plan made with
+    it, 'true' beside one made without) is refused (ValueError) rather than ignored. Unset
+    (the default) and 'auto' take the plan's choice."""
+    given = getattr(args, "_cephalo_activation_checkpointing_given", False)
+    word = args.cephalo_activation_checkpointing
+    if word == "auto" or not given or (word == "true") == plan.activation_checkpointing:
+        return
+    made = "with" if plan.activation_checkpointing else "without"
+    raise ValueError(f"--cephalo_activation_checkpointing {word} but the plan file "
+                     f"{args.cephalo_plan_file!r} was made {made} activation checkpointing "
+                     f"(activation_checkpointing {str(plan.activation_checkpointing).lower()}): "
+                     f"re-plan with `hf-cephalo plan --activation-checkpointing {word}` (or "
+                     "auto), or drop the flag (the plan file decides)")
 
 
 def _infeasible_remedy(args, global_batch_size: int, constraint: str) -> str:
     """The flags that relax an infeasible plan's binding constraint
     (``InfeasiblePlanError.constraint``), or "" where its message already says what to do.
     More devices: ``resolve_elastic_plan`` adds which ones."""
-    if constraint not in ("device", "aggregate", "state"):
+    if constraint not in ("device", "aggregate", "state", "batch"):
         return ""
-    ways = [f"a smaller --cephalo_global_batch_size (now {global_batch_size})"] \
-        if constraint == "aggregate" else []
+    ways = ["--cephalo_activation_checkpointing true or auto (recompute in backward instead "
+            "of keeping every forward graph)"] \
+        if planned_checkpointing(args) is False else []
+    if constraint in ("aggregate", "batch"):
+        ways.append(f"a smaller --cephalo_global_batch_size (now {global_batch_size})")
     ways.append(f"a --cephalo_memory_fraction closer to 1 (now {args.cephalo_memory_fraction})")
     ways.append(f"less memory per GPU ({'' if args.bf16 or args.fp16 else '--bf16, '}a LoRA "
                 "adapter, shorter sequences)")
@@ -388,6 +406,25 @@ def adopt_checkpoint_split(plan: Plan, checkpoint_plan: Plan | None,
             r.predicted_memory_bytes = p.memory_bytes
         new.predicted_iteration_s = pred.iteration_s
     return new
+
+
+def resume_banner(plan: Plan, checkpoint_plan: Plan | None, whole: bool) -> str:
+    """The line printed above the plan a resume continues on (``CephaloTrainer``), true to
+    what was adopted: the checkpoint's whole plan (``whole``: ``adopt_checkpoint_state``), or
+    its split (b_i, m_i, l_i) on the running plan's r_i (``adopt_checkpoint_split``); a
+    running activation checkpointing other than the checkpoint's is said, with both."""
+    if whole:
+        return ("resume continues on the plan its checkpoint ran on (the live re-balancing "
+                "before it)")
+    text = ("resume continues on the split (b_i, m_i, l_i) its checkpoint ran on (the live "
+            "re-balancing before it), with this run's state ratios r_i")
+    if checkpoint_plan is not None and \
+            checkpoint_plan.activation_checkpointing != plan.activation_checkpointing:
+        on_off = {True: "on", False: "off"}
+        text += (f" and this run's activation checkpointing "
+                 f"{on_off[plan.activation_checkpointing]} (the checkpoint ran with it "
+                 f"{on_off[checkpoint_plan.activation_checkpointing]})")
+    return text
 
 
 def adopt_checkpoint_state(plan: Plan, checkpoint_plan: Plan | None,

@@ -102,15 +102,18 @@ __all__ = ["CephaloTrainer", "format_plan_table", "format_loss_trend"]
 logger = logging.getLogger(__name__)
 
 
-def format_plan_table(plan: Plan) -> str:
+def format_plan_table(plan: Plan, checkpointing_reason: str = "") -> str:
     """The plan as a text table: one row per rank (batch, microbatch, microbatches, state %);
     the header says the global batch size, whether the state is uneven, the activation
-    checkpointing mode (``on``: recompute in backward; ``off``: forward graphs kept) and the
-    predicted iteration time."""
+    checkpointing mode (``on``: recompute in backward; ``off``: forward graphs kept; with
+    ``checkpointing_reason``, why ``--cephalo_activation_checkpointing auto`` chose it, as
+    ``[auto: ...]``) and the predicted iteration time."""
     # full device names: emulated ones differ only after the base name ("cpu [emulated 2x ...]")
     width = max([12] + [len(r.device) for r in plan.ranks])
     mode = "on (recompute in backward)" if plan.activation_checkpointing else \
         "off (forward graphs kept)"
+    if checkpointing_reason:
+        mode += f" [auto: {checkpointing_reason}]"
     rows = [f"Cephalo plan: global batch size {plan.global_batch_size}, uneven state "
             f"{plan.uneven_state}, activation checkpointing {mode}, predicted iteration "
             f"{'-' if plan.predicted_iteration_s is None else f'{plan.predicted_iteration_s:.3f} s'}",
@@ -238,9 +241,11 @@ class CephaloTrainer(Trainer):
                                        eval_dataset=kwargs.get("eval_dataset"), staged=staged)
         self.cluster_profile = cluster_profile if plan is not None else None  # plan's profile
         self._resumed_weights_only = False  # resumed from a save_only_model checkpoint
+        checkpointing_reason = ""  # why auto chose the plan's activation checkpointing
         if plan is None:  # plan file > profile file > profile this cluster (replan.py)
-            plan, self.cluster_profile = resolve_elastic_plan(args, world_size, model,
-                                                              kwargs.get("train_dataset"))
+            resolved = resolve_elastic_plan(args, world_size, model, kwargs.get("train_dataset"))
+            plan, self.cluster_profile = resolved.plan, resolved.cluster
+            checkpointing_reason = resolved.checkpointing_reason
         self.plan = plan
         # --cephalo_precision: each rank's precision, checked on every rank alike before the
         # engine's first collective (docs/engine.md "Precision per rank")
@@ -281,7 +286,7 @@ class CephaloTrainer(Trainer):
         self.elastic = ElasticCallback(self)  # progress, and the report of a resume
         self.add_callback(self.elastic)
         if self.is_world_process_zero():
-            print(format_plan_table(self.plan), flush=True)
+            print(format_plan_table(self.plan, checkpointing_reason), flush=True)
             if self.cluster_profile is not None:
                 from hf_cephalo.planner.simulate import extrapolation_note
 
@@ -1008,7 +1013,8 @@ class CephaloTrainer(Trainer):
         yet, so only the freshly initialized parameter shards move), and loading then fills the
         checkpoint's shards onto the checkpoint's own layout. Every rank reads the same files,
         so every rank takes the same branch."""
-        from hf_cephalo.integrations.replan import adopt_checkpoint_split, adopt_checkpoint_state
+        from hf_cephalo.integrations.replan import (adopt_checkpoint_split,
+                                                    adopt_checkpoint_state, resume_banner)
 
         start = self.plan
         new = None
@@ -1021,8 +1027,8 @@ class CephaloTrainer(Trainer):
         if self.plan is not start and self.is_world_process_zero():
             # the plan printed at start is not the one that runs: say so, and keep plan.json
             # beside the outputs in step with it
-            print("[hf-cephalo] resume continues on the plan its checkpoint ran on (the live "
-                  "re-balancing before it):\n" + format_plan_table(self.plan), flush=True)
+            print(f"[hf-cephalo] {resume_banner(self.plan, checkpoint_plan, new is not None)}:\n"
+                  + format_plan_table(self.plan), flush=True)
             self.plan.save(os.path.join(self.args.output_dir, "plan.json"))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -1141,15 +1147,17 @@ def _engine_checkpointing_replaces_model_checkpointing(args, plan: Plan | None =
             f"checkpointing but the {source} was made without it (activation_checkpointing "
             "false: forward graphs kept): drop the flag, or re-plan with `hf-cephalo plan "
             "--activation-checkpointing true`")
+    # said once per job: every rank runs this with the same flags (RANK: the launcher's, set
+    # before the process group exists), so the other ranks would repeat both lines
+    say = logger.warning if os.environ.get("RANK", "0") == "0" else logger.debug
     if asked and args.cephalo_activation_checkpointing == "auto":
-        logger.warning("--gradient_checkpointing with --cephalo_activation_checkpointing auto: "
-                       "planning with activation checkpointing on, as the flag asks")
+        say("--gradient_checkpointing with --cephalo_activation_checkpointing auto: "
+            "planning with activation checkpointing on, as the flag asks")
         args.cephalo_activation_checkpointing = "true"
     if asked:
-        logger.warning("gradient_checkpointing/activation_checkpointing: the Cephalo engine "
-                       "already recomputes every layer in backward (per-unit activation "
-                       "checkpointing); the model's own checkpointing is not switched on in "
-                       "addition")
+        say("gradient_checkpointing/activation_checkpointing: the Cephalo engine already "
+            "recomputes every layer in backward (per-unit activation checkpointing); the "
+            "model's own checkpointing is not switched on in addition")
         args.activation_checkpointing = False
         args.gradient_checkpointing = False
 

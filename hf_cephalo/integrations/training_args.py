@@ -29,7 +29,7 @@ from typing import Literal, NamedTuple
 import torch
 from transformers import TrainingArguments
 
-from hf_cephalo.integrations.accelerate import CephaloPlugin
+from hf_cephalo.integrations.accelerate import CephaloPlugin, env_name
 
 __all__ = ["CephaloTrainingArguments"]
 
@@ -154,14 +154,18 @@ class CephaloTrainingArguments(TrainingArguments):
         "them; without a plan each rank is profiled in its precision at start (not with "
         "--cephalo_profile_file). Not with --bf16 / --fp16. "
         "Env: HF_CEPHALO_PRECISION.")})
-    cephalo_activation_checkpointing: Literal["true", "false", "auto"] | None = field(
+    # str, not Literal: HfArgumentParser would make Literal choices case-sensitive, and
+    # "True" (HF style, as --torch_compile True) must parse as the env and Python do
+    # (planner.types.parse_activation_checkpointing, via CephaloPlugin)
+    cephalo_activation_checkpointing: str | None = field(
         default=None, metadata={"help": (
             "Activation checkpointing of the plan the trainer makes at start: 'true' (default: "
             "each unit's forward is recomputed in its backward, the paper's schedule), 'false' "
             "(every microbatch's forward graph is kept until its backward: no recompute, ~1/4 "
             "less compute per step, activation memory grows with layers x microbatches; the "
             "plan fails when that does not fit) or 'auto' (plan both, keep the faster one that "
-            "fits). A --cephalo_plan_file records its own choice. Not 'false' with "
+            "fits); any case ('True' works). A --cephalo_plan_file records its own choice: 'false' "
+            "or 'true' that differs from it is refused. Not 'false' with "
             "--gradient_checkpointing (with 'auto' that flag means 'true'). "
             "Env: HF_CEPHALO_ACTIVATION_CHECKPOINTING.")})
     cephalo_collate: Literal["global_batch", "microbatch"] | None = field(default=None, metadata={
@@ -226,6 +230,12 @@ class CephaloTrainingArguments(TrainingArguments):
     def _resolve_cephalo_fields(self) -> None:
         # CephaloPlugin owns environment fallback, defaults and validation; copy its normalized
         # values back so that args and plugin never disagree.
+        # whether the user chose activation checkpointing (flag, Python or env) rather than
+        # taking the default: an explicit choice that contradicts a plan file is refused
+        # (replan.check_plan_file_checkpointing); the plugin fills the default in below
+        self._cephalo_activation_checkpointing_given = \
+            self.cephalo_activation_checkpointing is not None or \
+            bool(os.environ.get(env_name("activation_checkpointing"), "").strip())
         plugin = CephaloPlugin(**{name: getattr(self, "cephalo_" + name) for name in _PLUGIN_FIELDS})
         for name in _PLUGIN_FIELDS:
             setattr(self, "cephalo_" + name, getattr(plugin, name))

@@ -47,7 +47,8 @@ from hf_cephalo.planner.types import Plan, RankPlan, check_batch_and_fraction
 from hf_cephalo.profiler.types import ClusterProfile, format_bytes
 from hf_cephalo.units import GIB
 
-__all__ = ["optimize", "optimize_fixed_state", "has_kept_graph_profile", "solve_assignment",
+__all__ = ["optimize", "optimize_auto_checkpointing", "AutoCheckpointing", "optimize_fixed_state",
+           "has_kept_graph_profile", "solve_assignment",
            "Assignment", "FixedState", "InfeasiblePlanError", "check_problem_size",
            "estimate_problem_size", "format_bytes"]
 
@@ -59,7 +60,10 @@ class InfeasiblePlanError(ValueError):
     so that callers can add the flags that relax it: "device" (a rank's microbatch of one
     sample exceeds its memory cap), "aggregate" (training state plus the batch's compute exceed
     the cluster's memory; a smaller global batch would fit), "state" (as "aggregate", but at any
-    global batch size: state plus the per-rank buffers alone do not fit), "idle" (B < world size and idle ranks not allowed), "host" (pinned
+    global batch size: state plus the per-rank buffers alone do not fit), "batch" (each rank's
+    cap limits its batch b_i, e.g. the kept graphs without activation checkpointing, and
+    together the ranks take fewer than B samples; a smaller global batch would fit), "idle"
+    (B < world size and idle ranks not allowed), "host" (pinned
     host memory of the activation offload), or "" (not known)."""
 
     def __init__(self, message: str, constraint: str = "") -> None:
@@ -499,7 +503,8 @@ def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool,
     table = relaxed.tree(np.inf, minplus=True).table
     min_compute = float(table[B])
     if not np.isfinite(min_compute):
-        return _Diagnosis("device", "no rank can take a microbatch: " + "; ".join(msgs))
+        return _Diagnosis("batch", "; ".join(msgs + [_batch_limits(
+            cluster, relaxed, B, c, root_resident, checkpointing, set(too_big))]))
     budget = relaxed.mem_budget * (1 + _MEM_RTOL)
     if min_compute > budget:
         head = (f"aggregate memory: model state {format_bytes(S)} + compute "
@@ -511,6 +516,54 @@ def _diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool,
                               f"compute {format_bytes(float(table[1]))})")
         return _Diagnosis("aggregate", head)
     return _diagnose_host(cluster, B, c)
+
+
+def _rank_names(ranks: Sequence[int]) -> str:
+    """"rank 3", "ranks 0-3" (consecutive) or "ranks 0, 2, 5"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def _batch_limits(cluster: ClusterProfile, relaxed: "_Case", B: int, c: float,
+                  root_resident: bool, checkpointing: bool, skip: set[int]) -> str:
+    """Why no per-rank batches b_i that each fit their rank's cap add up to B: the largest b_i
+    of every device group (ranks in ``skip`` fit no microbatch at all and are named by the
+    caller), what b_i + 1 needs at its best microbatch size, and their sum."""
+    L, parts, total = cluster.model.num_units, [], 0
+    for ranks, o in zip(relaxed.groups, relaxed.options):
+        ranks = [r for r in ranks if r not in skip]
+        if not ranks:
+            continue
+        i, bmax = ranks[0], int(o.b.max()) if len(o.b) else 0
+        total += bmax * len(ranks)
+        text = f"{_rank_names(ranks)} ({cluster.devices[i].name}): b_i <= {bmax}"
+        if bmax < B:
+            nxt = bmax + 1
+            ms = np.arange(1, nxt + 1)
+            need = memory.rank_memory_bytes(cluster, i, ms, np.full(len(ms), nxt),
+                                            root_resident=root_resident,
+                                            activation_checkpointing=checkpointing)
+            k = int(np.argmin(need))
+            kept = "" if checkpointing else \
+                f", {format_bytes(float(memory.kept_graphs_bytes(cluster, i, ms[k], nxt)))} " \
+                "of it kept graphs"
+            cap = c * cluster.devices[i].memory_capacity_bytes
+            text += (f" (b_i = {nxt} needs at least {format_bytes(float(need[k]))} at m_i = "
+                     f"{ms[k]}{kept}; cap {format_bytes(cap)})")
+        parts.append(text)
+    if total < B:
+        why = (f"without activation checkpointing the kept forward graphs of all microbatches, "
+               f"L·b_i·K(m_i) bytes (L = {L} units, K per sample and unit from the profile's "
+               "kept_graph_bytes), stay until the backward and grow with each rank's batch "
+               "b_i, which is what does not fit" if not checkpointing else
+               "each rank's memory grows with its batch b_i (the boundary stash)")
+        return (f"{why}: {'; '.join(parts)}; together at most {total} samples, fewer than the "
+                f"global batch size {B}")
+    return (f"no per-rank batch sizes within the memory caps ({'; '.join(parts)}) add up to "
+            f"the global batch size {B}")
 
 
 def _diagnose_host(cluster: ClusterProfile, B: int, c: float) -> _Diagnosis:
@@ -542,8 +595,9 @@ def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
 
     Raises:
         InfeasiblePlanError (a ValueError): no assignment fits; the message names the binding
-            constraint (a rank whose microbatch size 1 exceeds its cap, aggregate memory, or a
-            machine's host memory).
+            constraint (a rank whose microbatch size 1 exceeds its cap, aggregate memory, each
+            rank's largest batch b_i within its cap summing to less than B, or a machine's
+            host memory); never an empty reason.
         ValueError: B < 1, memory_fraction outside (0, 1]; an instance too large to solve
             within ``MAX_SOLVER_WORK`` / ``MAX_SOLVER_MEMORY_BYTES`` (``check_problem_size``).
     """
@@ -561,7 +615,8 @@ def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
     if t_even is not None:
         return even.reconstruct(t_even, cluster.world_size)
     diagnosis = _diagnose(cluster, B, c, allow_idle, root_resident, ac)
-    raise InfeasiblePlanError(f"no plan for global batch size {B} fits: {diagnosis.message}",
+    raise InfeasiblePlanError(f"no plan for global batch size {B} fits: "
+                              f"{diagnosis.message or 'no assignment meets every memory cap'}",
                               diagnosis.constraint)
 
 
@@ -628,23 +683,9 @@ def optimize(cluster: ClusterProfile, global_batch_size: int,
             without ``kept_graph_bytes``.
     """
     if activation_checkpointing is None:
-        plan = _optimize_one(cluster, global_batch_size, memory_fraction, allow_idle,
-                             root_resident, True, fallback_error=True)
-        if not has_kept_graph_profile(cluster):
-            if isinstance(plan, Exception):
-                raise plan
-            return plan
-        try:
-            kept = _optimize_one(cluster, global_batch_size, memory_fraction, allow_idle,
-                                 root_resident, False, fallback_error=False)
-        except InfeasiblePlanError:
-            if isinstance(plan, Exception):
-                raise plan from None
-            return plan
-        if isinstance(plan, Exception) or \
-                kept.predicted_iteration_s < plan.predicted_iteration_s:
-            return kept
-        return plan
+        return optimize_auto_checkpointing(cluster, global_batch_size, memory_fraction,
+                                           allow_idle=allow_idle,
+                                           root_resident=root_resident).plan
     if not activation_checkpointing and not has_kept_graph_profile(cluster):
         missing = [d.name for d in cluster.devices if d.kept_graph_bytes is None]
         raise ValueError(f"activation checkpointing off needs the profile's kept_graph_bytes "
@@ -654,6 +695,54 @@ def optimize(cluster: ClusterProfile, global_batch_size: int,
                          "activation checkpointing")
     return _optimize_one(cluster, global_batch_size, memory_fraction, allow_idle,
                          root_resident, bool(activation_checkpointing), fallback_error=False)
+
+
+class AutoCheckpointing(NamedTuple):
+    """``optimize_auto_checkpointing``'s result: the plan and why its setting was chosen."""
+
+    plan: Plan
+    reason: str  # e.g. "off does not fit: ..." or "faster than on, predicted 0.8 s vs 1.1 s"
+
+
+def optimize_auto_checkpointing(cluster: ClusterProfile, global_batch_size: int,
+                                memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
+                                allow_idle: bool = True,
+                                root_resident: bool = False) -> AutoCheckpointing:
+    """``optimize(..., activation_checkpointing=None)`` with the reason of its choice, the
+    text the CLI and the trainer print after ``[auto: ...]``: which setting did not fit (with
+    the planner's diagnosis), or both predicted iteration times (seconds), or that the profile
+    has no ``kept_graph_bytes`` so only checkpointing was planned.
+
+    Raises:
+        InfeasiblePlanError / ValueError: as ``optimize`` (neither setting fits: the error of
+            the checkpointing plan).
+    """
+    args = (cluster, global_batch_size, memory_fraction, allow_idle, root_resident)
+    on = _optimize_one(*args, True, fallback_error=True)
+    if not has_kept_graph_profile(cluster):
+        if isinstance(on, Exception):
+            raise on
+        return AutoCheckpointing(on, "the profile has no kept_graph_bytes (spec-sheet or older "
+                                     "measurement), so only on was planned")
+    off = _optimize_one(*args, False, fallback_error=True)
+    if isinstance(on, Exception) and isinstance(off, Exception):
+        raise on
+    if isinstance(off, Exception):
+        return AutoCheckpointing(on, f"off does not fit: {_reason(off)}")
+    if isinstance(on, Exception):
+        return AutoCheckpointing(off, f"on does not fit: {_reason(on)}")
+    t_on, t_off = on.predicted_iteration_s, off.predicted_iteration_s
+    if t_off < t_on:
+        return AutoCheckpointing(off, f"faster than on, predicted {t_off:.3f} s vs {t_on:.3f} s")
+    return AutoCheckpointing(on, f"{'as fast as' if t_on == t_off else 'faster than'} off, "
+                                 f"predicted {t_on:.3f} s vs {t_off:.3f} s")
+
+
+def _reason(error: InfeasiblePlanError) -> str:
+    """The diagnosis of an infeasible plan without its "no plan for ... fits: " head."""
+    text = str(error)
+    head = "fits: "
+    return text[text.index(head) + len(head):] if head in text else text
 
 
 def _optimize_one(cluster: ClusterProfile, global_batch_size: int, memory_fraction: float,

@@ -21,7 +21,33 @@ from typing import Any, Mapping, Sequence
 from hf_cephalo.profiler.precision import PRECISIONS, Precision
 from hf_cephalo.profiler.types import ModelProfile, file_remedy, read_json_file, write_json_file
 
-__all__ = ["RankPlan", "Plan", "PLAN_FORMAT", "check_batch_and_fraction"]
+__all__ = ["RankPlan", "Plan", "PLAN_FORMAT", "check_batch_and_fraction",
+           "ACTIVATION_CHECKPOINTING_CHOICES", "parse_activation_checkpointing",
+           "activation_checkpointing_setting"]
+
+ACTIVATION_CHECKPOINTING_CHOICES = ("true", "false", "auto")
+
+
+def parse_activation_checkpointing(value: Any) -> str:
+    """The one parser of the activation-checkpointing choice (``hf-cephalo plan
+    --activation-checkpointing``, ``--cephalo_activation_checkpointing``, its env variable,
+    ``CephaloPlugin``): "true", "false" or "auto", case-insensitive and stripped, so the
+    Hugging Face style ``True`` / ``False`` works as for ``--torch_compile True``.
+
+    Raises:
+        ValueError: any other value (names it and the choices).
+    """
+    word = str(value).strip().lower()
+    if word not in ACTIVATION_CHECKPOINTING_CHOICES:
+        raise ValueError(f"activation checkpointing {value!r}: give true, false or auto "
+                         "(any case)")
+    return word
+
+
+def activation_checkpointing_setting(value: Any) -> bool | None:
+    """``parse_activation_checkpointing`` as ``optimize``'s argument: True, False, or None
+    (auto: plan both, keep the faster one that fits)."""
+    return {"true": True, "false": False, "auto": None}[parse_activation_checkpointing(value)]
 
 PLAN_FORMAT = "hf_cephalo.plan/1"
 
