@@ -1,5 +1,8 @@
 """torch.compile per unit (engine/compile.py): compiled vs eager engine, dropout replay under
-compile, and compile failures raised on every rank before the first all-gather.
+compile, and compile failures raised on every rank before the first all-gather (in the first
+step and while profiling at start) with one message per failure, identical on every failing
+rank (printed once under a launcher), that carries the backend's root cause: a test backend
+fails as torch's tvm backend does without apache-tvm (``register_failing_backend``).
 
 Tolerances: the compiled and the eager engine run the same math, but inductor fuses kernels
 and reorders fp32 reductions (layer norm, softmax, matmul epilogues, gradient sums), so results
@@ -36,11 +39,15 @@ TVM_MISSING = "Please install apache-tvm"  # what torch's tvm backend raises wit
 def register_failing_backend(name: str = "fails_like_tvm", ranks=None) -> str:
     """A dynamo backend ``name`` that fails like torch's tvm backend without apache-tvm (an
     ImportError at compile time, wrapped by dynamo in BackendCompilerFailed) on ``ranks``
-    (None: every process) and compiles eagerly elsewhere; returns ``name``."""
+    (None: every process) and compiles eagerly elsewhere; returns ``name``. The ImportError is
+    raised from a ModuleNotFoundError, as torch's: the message keeps the ImportError's line."""
     def backend(gm, example_inputs):
         rank = dist.get_rank() if dist.is_initialized() else 0
         if ranks is None or rank in ranks:
-            raise ImportError(TVM_MISSING)
+            try:
+                import no_such_module_tvm  # noqa: F401
+            except ImportError as exc:  # as torch's tvm backend: the message to act on
+                raise ImportError(TVM_MISSING) from exc
         return gm.forward
     torch._dynamo.reset()  # graphs cached under another registration of the same name
     torch._dynamo.register_backend(backend, name=name)

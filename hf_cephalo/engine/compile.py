@@ -43,9 +43,14 @@ parameters that do not (dynamo guards on ``requires_grad``: probing evaluation w
 training step's parameters compiled an autograd graph evaluate never runs and left it to
 compile its real graph after the probe, outside this guarantee). A failure (a backend that
 cannot compile, an unsupported op, a graph break) is folded into the step's first collective,
-the item-count all-reduce, as one integer per rank; then every rank raises (the failing ones
-with the compiler's message) before any all-gather. A rank without a microbatch compiles
-nothing and learns the others' failures from that all-reduce.
+the item-count all-reduce, as one integer per rank; then every rank raises before any
+all-gather: the failing ones a ``CompileFailure`` with the compiler's root cause, naming every
+rank that failed on that unit, the others a message naming the failing ranks. Neither holds the
+raising rank's own number, so the same failure on several ranks is one message, which
+``hf_cephalo.rank_errors`` prints once under a launcher. A rank without a microbatch compiles
+nothing and learns the others' failures from that all-reduce. The profiler compiles the unit it
+times the same way before its first lockstep barrier (``profiler/measure.py``, [Note: compiling
+before timing]).
 """
 
 from __future__ import annotations
@@ -177,11 +182,15 @@ def plural(n: int, word: str) -> str:
 
 
 def root_cause(exc: BaseException) -> BaseException:
-    """The innermost exception behind ``exc``: dynamo's ``BackendCompilerFailed`` keeps the
-    backend's own error as ``inner_exception`` (and ``__cause__``), whose first line is what
-    a user acts on (``ImportError: Please install apache-tvm``). Follows ``inner_exception``,
-    then ``__cause__``, up to 8 links."""
+    """The error behind dynamo's wrappers: ``BackendCompilerFailed`` (and dynamo's other
+    exceptions that wrap one) keeps the backend's own error as ``inner_exception`` /
+    ``__cause__``, whose first line is what a user acts on (``ImportError: Please install
+    apache-tvm ...``); its own first line is only ``backend='tvm' raised:``. Unwraps exceptions
+    of ``torch._dynamo`` only (up to 8), so that the backend's error is kept, not what it was
+    raised from (``ModuleNotFoundError: No module named 'tvm'``)."""
     for _ in range(8):
+        if not type(exc).__module__.startswith("torch._dynamo"):
+            break
         inner = getattr(exc, "inner_exception", None) or exc.__cause__
         if not isinstance(inner, BaseException) or inner is exc:
             break
