@@ -237,7 +237,8 @@ def test_compiled_engine_three_ranks():
     # profiling at start: the engine's wording, the root cause, once for all ranks
     profile_all = results[0]["profile_all"]
     for text in ("unit 0 (LlamaDecoderLayer)", "'fails_on_0_1_2'", "failed on ranks 0, 1, 2",
-                 f"ImportError: {TVM_MISSING}", "--torch_compile False", "before training"):
+                 f"ImportError: {TVM_MISSING}", "--torch_compile False",
+                 "while profiling the compiled units for the plan"):
         assert text in profile_all, profile_all
     assert results[1]["profile_all"] == results[2]["profile_all"] == profile_all
     assert "failed on rank 1:" in results[1]["profile_one"], results[1]["profile_one"]
@@ -297,7 +298,7 @@ def test_profiler_times_the_compiled_units_under_their_own_cache_key(tmp_path, m
     # compiled and how long it took (not "0 graphs compiled in 0.0 s")
     options = CompileOptions(backend="aot_eager")
     earlier = compiled_earlier(options)
-    assert re.fullmatch(r"compiled while profiling at start: ([1-9]\d*) graphs? in \d+\.\d s",
+    assert re.fullmatch(r"compiled while profiling: ([1-9]\d*) graphs? in \d+\.\d s",
                         earlier or ""), earlier
     line = compile_line(options, "training", 2, 0, 0.04)
     assert f"for training: 2 units, 0 new graphs ({earlier}; probe 0.0 s)" in line, line

@@ -318,7 +318,7 @@ _EARLIER: dict[tuple[str, str | None], str] = {}
 
 
 def record_compile(options: CompileOptions, where: str, graphs: int, seconds: float) -> None:
-    """Remember, for this process, that ``where`` (e.g. "while profiling at start") compiled
+    """Remember, for this process, that ``where`` (e.g. "while profiling") compiled
     ``graphs`` graphs of the units in ``seconds`` wall seconds with ``options``: the engine's
     compile line names it when its own probe finds every graph compiled already."""
     _EARLIER[(options.backend, options.mode)] = \

@@ -739,8 +739,8 @@ def _time_rounds(staged, config: MeasureConfig, inputs, views: _FlatViews, devic
                       f"{detail}about {left:.0f} s left", flush=True)
 
 
-COMPILE_STOPS = ("Every rank stops while profiling the units at start, before training (no "
-                 "plan file was given)")
+COMPILE_STOPS = ("Every rank stops while profiling the compiled units for the plan (the "
+                 "trainer profiles when no plan file is given)")
 """What a ``CompileFailure`` raised by the profiler says the ranks do next."""
 
 
@@ -778,10 +778,10 @@ def _compile_unit(staged, config: MeasureConfig, inputs, views: _FlatViews, devi
     if failure is not None:
         raise failure.on_ranks(codes)
     remote = remote_failure(codes, options, rank, [unit_name],
-                            stops="while profiling the units at start, before training")
+                            stops="while profiling the compiled units for the plan")
     if remote is not None:
         raise remote
-    record_compile(options, "while profiling at start", graphs, seconds)
+    record_compile(options, "while profiling", graphs, seconds)
     if config.prints(rank):
         print(f"[hf-cephalo profile] rank {rank} ({name}): torch.compile (backend "
               f"{options.backend}, mode {options.mode}) of the timed unit: "
