@@ -261,7 +261,7 @@ def test_bad_backend_or_mode_refused_without_process_group():
 
 def test_profiler_times_the_compiled_units_under_their_own_cache_key(tmp_path, monkeypatch):
     """With compile_backend set, profile_cluster compiles the units before timing them (every
-    unit call sees the compiled module; on the CPU the memory pass alone is forced eager: see
+    unit call sees the compiled module, and no graph is compiled in the timed rounds; on the CPU the memory pass alone is forced eager: see
     ``measure._peak_bytes``), and the profile is cached apart from
     the eager one (an eager profile never prices a compiled run). aot_eager: dynamo and
     AOTAutograd without inductor's kernel compilation, to keep the test cheap."""
@@ -289,9 +289,21 @@ def test_profiler_times_the_compiled_units_under_their_own_cache_key(tmp_path, m
     measure.profile_cluster(staged, measure.MeasureConfig(**base), cache=cache)
     assert seen and not any(seen)
     seen.clear()
+    # [Note: compiling before timing]: every graph is compiled before the timed rounds, whose
+    # times and progress estimate thus leave compiling out
+    from hf_cephalo.engine.compile import graph_count
+    real_rounds, compiled_in_rounds = measure._time_rounds, []
+
+    def rounds_spy(*args, **kwargs):
+        before = graph_count()
+        real_rounds(*args, **kwargs)
+        compiled_in_rounds.append(graph_count() - before)
+
+    monkeypatch.setattr(measure, "_time_rounds", rounds_spy)
     measure.profile_cluster(staged, measure.MeasureConfig(**base, compile_backend="aot_eager"),
                             cache=cache)
     assert seen and all(seen)
+    assert compiled_in_rounds and not any(compiled_in_rounds), compiled_in_rounds
     assert len(list(tmp_path.glob("device-*.json"))) == 2  # not a hit of the eager entry
     assert compiled_modules(staged.model) == []  # eager again once measured, as it came
     # the engine's compile line, whose probe then compiles no new graph, says where they were
