@@ -1,5 +1,8 @@
 """torch.compile per unit (engine/compile.py): compiled vs eager engine, dropout replay under
-compile, and compile failures raised on every rank before the first all-gather.
+compile, and compile failures raised on every rank before the first all-gather (in the first
+step and while profiling at start) with one message per failure, identical on every failing
+rank (printed once under a launcher), that carries the backend's root cause: a test backend
+fails as torch's tvm backend does without apache-tvm (``register_failing_backend``).
 
 Tolerances: the compiled and the eager engine run the same math, but inductor fuses kernels
 and reorders fp32 reductions (layer norm, softmax, matmul epilogues, gradient sums), so results
@@ -14,6 +17,7 @@ shapes), which the in-process dynamo cache and inductor's on-disk cache serve af
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ import torch.distributed as dist
 
 from hf_cephalo.engine import CephaloEngine, CompileOptions
 from hf_cephalo.engine import schedule
+from hf_cephalo.engine.compile import CompileFailure, compile_line, compiled_earlier
 from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
 from tests.dist_utils import budget_s, run_ranks, test_timeout
 
@@ -28,6 +33,36 @@ RTOL, ATOL = 1e-4, 1e-5
 LR, WD = 1e-2, 0.1
 CFG = dict(vocab_size=24, hidden_size=16, num_heads=2, num_layers=2, mlp_ratio=2, max_seq_len=8)
 INDUCTOR = CompileOptions(backend="inductor")
+TVM_MISSING = "Please install apache-tvm"  # what torch's tvm backend raises without apache-tvm
+
+
+def register_failing_backend(name: str = "fails_like_tvm", ranks=None) -> str:
+    """A dynamo backend ``name`` that fails like torch's tvm backend without apache-tvm (an
+    ImportError at compile time, wrapped by dynamo in BackendCompilerFailed) on ``ranks``
+    (None: every process) and compiles eagerly elsewhere; returns ``name``. The ImportError is
+    raised from a ModuleNotFoundError, as torch's: the message keeps the ImportError's line."""
+    def backend(gm, example_inputs):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if ranks is None or rank in ranks:
+            try:
+                import no_such_module_tvm  # noqa: F401
+            except ImportError as exc:  # as torch's tvm backend: the message to act on
+                raise ImportError(TVM_MISSING) from exc
+        return gm.forward
+    torch._dynamo.reset()  # graphs cached under another registration of the same name
+    torch._dynamo.register_backend(backend, name=name)
+    return name
+
+
+def tiny_llama():
+    import transformers
+
+    from hf_cephalo.models.registry import stage_model
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    return stage_model(transformers.LlamaForCausalLM(cfg))
 
 
 def batches(world: int, step: int, sizes_b, seq: int = 6):
@@ -138,11 +173,44 @@ def case_unit_failure(rank, world):
     return message
 
 
+def case_backend_root_cause(rank, world):
+    """A backend that raises at compile time (torch's tvm backend without apache-tvm: dynamo
+    wraps the ImportError in BackendCompilerFailed, whose own first line is only "backend=...
+    raised:"): the one-line message carries the root cause's type and first line."""
+    options = CompileOptions(backend=register_failing_backend())
+    torch.manual_seed(0)
+    engine = CephaloEngine(ToyStaged(ToyLM(ToyConfig(**CFG))), [0.4, 0.4, 0.2], compile=options)
+    ids = batches(3, 0, [2, 2, 0])
+    with pytest.raises(RuntimeError) as err:
+        engine.train_step(my_microbatches(ids, [2, 2, 0], [2, 1, 1], rank))
+    assert engine.stats.all_gather_count == 0, "an all-gather ran before the error"
+    return str(err.value)
+
+
+def case_profiler_failure(rank, world, failing_ranks):
+    """A backend failing on ``failing_ranks`` while profiling at start: every rank raises before
+    the profiler's first lockstep barrier, the failing ones a CompileFailure with the engine's
+    wording, identical on each of them (printed once under a launcher)."""
+    from hf_cephalo.profiler import measure
+
+    name = register_failing_backend(f"fails_on_{'_'.join(map(str, failing_ranks))}",
+                                    failing_ranks)
+    config = measure.MeasureConfig(max_microbatch_size=2, sequence_length=8, repeats=1,
+                                   progress=False, compile_backend=name)
+    with pytest.raises(RuntimeError) as err:
+        measure.profile_cluster(tiny_llama(), config, cache=False)
+    assert isinstance(err.value, CompileFailure) == (rank in failing_ranks), repr(err.value)
+    return str(err.value)
+
+
 def compile_worker(rank, world):
     out = {}
     pair = dist.new_group([0, 1])  # every rank takes part in creating it
     case_compiled_equals_eager(rank, world, pair)
     out["failure"] = case_unit_failure(rank, world)
+    out["root_cause"] = case_backend_root_cause(rank, world)
+    out["profile_all"] = case_profiler_failure(rank, world, (0, 1, 2))
+    out["profile_one"] = case_profiler_failure(rank, world, (1,))
     case_dropout_replay(rank, world, pair)
     try:
         case_dropout_replay(rank, world, pair, break_replay=True)
@@ -155,18 +223,37 @@ def compile_worker(rank, world):
 @test_timeout(150)
 def test_compiled_engine_three_ranks():
     results = run_ranks(compile_worker, 3, timeout_s=budget_s(150))
-    assert "failed on rank 0" in results[0]["failure"]
+    # ranks 0 and 1 fail on unit 0: one message naming both, identical on both ranks, so that
+    # hf_cephalo.rank_errors prints it once (its election compares the whole message)
+    assert "failed on ranks 0, 1:" in results[0]["failure"], results[0]["failure"]
+    assert results[1]["failure"] == results[0]["failure"]
     assert "rank 0 on unit 0" in results[2]["failure"]  # the rank without a microbatch
+    root_cause = results[0]["root_cause"]
+    assert root_cause.splitlines() == [root_cause], root_cause  # one line
+    for text in (f"ImportError: {TVM_MISSING} (through BackendCompilerFailed)", "unit 0 (",
+                 "'fails_like_tvm'", "failed on ranks 0, 1:", "--torch_compile False"):
+        assert text in root_cause, root_cause
+    assert results[1]["root_cause"] == root_cause
+    # profiling at start: the engine's wording, the root cause, once for all ranks
+    profile_all = results[0]["profile_all"]
+    for text in ("unit 0 (LlamaDecoderLayer)", "'fails_on_0_1_2'", "failed on ranks 0, 1, 2",
+                 f"ImportError: {TVM_MISSING}", "--torch_compile False",
+                 "while profiling the compiled units for the plan"):
+        assert text in profile_all, profile_all
+    assert results[1]["profile_all"] == results[2]["profile_all"] == profile_all
+    assert "failed on rank 1:" in results[1]["profile_one"], results[1]["profile_one"]
+    assert "rank 1 on unit 0" in results[0]["profile_one"], results[0]["profile_one"]
+    assert results[0]["profile_one"] == results[2]["profile_one"]  # printed once too
     assert results[0]["broken_replay_detected"] and results[1]["broken_replay_detected"]
 
 
 def test_bad_backend_or_mode_refused_without_process_group():
-    with pytest.raises(ValueError, match="backend 'no_such_backend' is not available.*"
+    with pytest.raises(ValueError, match="backend 'no_such_backend' is not registered.*"
                                          "--torch_compile False"):
         CompileOptions(backend="no_such_backend")
-    with pytest.raises(ValueError, match="mode 'fastest' is not one of"):
+    with pytest.raises(ValueError, match=r"mode 'fastest' \(--torch_compile_mode\) is not one of"):
         CompileOptions(mode="fastest")
-    with pytest.raises(ValueError, match="inductor setting"):
+    with pytest.raises(ValueError, match=r"\(--torch_compile_mode\) is an inductor setting"):
         CompileOptions(backend="aot_eager", mode="max-autotune")
     with pytest.raises(TypeError, match="CompileOptions"):
         CephaloEngine(ToyStaged(ToyLM(ToyConfig(**CFG))), compile="inductor")
@@ -174,7 +261,7 @@ def test_bad_backend_or_mode_refused_without_process_group():
 
 def test_profiler_times_the_compiled_units_under_their_own_cache_key(tmp_path, monkeypatch):
     """With compile_backend set, profile_cluster compiles the units before timing them (every
-    unit call sees the compiled module; on the CPU the memory pass alone is forced eager: see
+    unit call sees the compiled module, and no graph is compiled in the timed rounds; on the CPU the memory pass alone is forced eager: see
     ``measure._peak_bytes``), and the profile is cached apart from
     the eager one (an eager profile never prices a compiled run). aot_eager: dynamo and
     AOTAutograd without inductor's kernel compilation, to keep the test cheap."""
@@ -202,8 +289,44 @@ def test_profiler_times_the_compiled_units_under_their_own_cache_key(tmp_path, m
     measure.profile_cluster(staged, measure.MeasureConfig(**base), cache=cache)
     assert seen and not any(seen)
     seen.clear()
+    # [Note: compiling before timing]: every graph is compiled before the timed rounds, whose
+    # times and progress estimate thus leave compiling out
+    from hf_cephalo.engine.compile import graph_count
+    real_rounds, compiled_in_rounds = measure._time_rounds, []
+
+    def rounds_spy(*args, **kwargs):
+        before = graph_count()
+        real_rounds(*args, **kwargs)
+        compiled_in_rounds.append(graph_count() - before)
+
+    monkeypatch.setattr(measure, "_time_rounds", rounds_spy)
     measure.profile_cluster(staged, measure.MeasureConfig(**base, compile_backend="aot_eager"),
                             cache=cache)
     assert seen and all(seen)
+    assert compiled_in_rounds and not any(compiled_in_rounds), compiled_in_rounds
     assert len(list(tmp_path.glob("device-*.json"))) == 2  # not a hit of the eager entry
     assert compiled_modules(staged.model) == []  # eager again once measured, as it came
+    # the engine's compile line, whose probe then compiles no new graph, says where they were
+    # compiled and how long it took (not "0 graphs compiled in 0.0 s")
+    options = CompileOptions(backend="aot_eager")
+    earlier = compiled_earlier(options)
+    assert re.fullmatch(r"compiled while profiling: ([1-9]\d*) graphs? in \d+\.\d s",
+                        earlier or ""), earlier
+    line = compile_line(options, "training", 2, 0, 0.04)
+    assert f"for training: 2 units, 0 new graphs ({earlier}; probe 0.0 s)" in line, line
+    assert "1 unit, 1 graph compiled in 1.5 s" in compile_line(options, "training", 1, 1, 1.5)
+
+
+def test_profiler_compile_failure_has_the_engine_wording():
+    """Profiling at start with a backend that cannot compile: a CompileFailure naming the unit,
+    the backend, the root cause and --torch_compile False, not dynamo's raw error."""
+    from hf_cephalo.profiler import measure
+
+    config = measure.MeasureConfig(max_microbatch_size=2, sequence_length=8, repeats=1,
+                                   progress=False, compile_backend=register_failing_backend())
+    with pytest.raises(CompileFailure) as err:
+        measure.profile_cluster(tiny_llama(), config, cache=False)
+    message = str(err.value)
+    for text in ("unit 0 (LlamaDecoderLayer)", "'fails_like_tvm'", "failed on rank 0:",
+                 f"ImportError: {TVM_MISSING}", "--torch_compile False", "while profiling"):
+        assert text in message, message

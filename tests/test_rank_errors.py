@@ -113,6 +113,29 @@ def test_same_error_is_printed_by_the_first_rank_only(job, capsys):
     assert len(previous.calls) == 2 and "rank 1 failed first" in capsys.readouterr().err
 
 
+def test_compile_failure_on_two_ranks_is_printed_once(job, capsys):
+    """The engine's CompileFailure on two ranks (each built from its own exception, then
+    naming every failing rank after the ranks exchanged their results) is one message: the
+    first rank prints it, the other stays quiet."""
+    from hf_cephalo.engine.compile import CompileFailure, CompileOptions
+
+    def failure(rank: int) -> CompileFailure:
+        try:
+            raise ImportError("Please install apache-tvm")
+        except ImportError as exc:
+            own = CompileFailure(0, "unit 0 (LlamaDecoderLayer)", CompileOptions(), [rank], exc)
+        return own.on_ranks([1, 1])
+
+    previous = _Recorder()
+    job(0)
+    _raise(failure(0), previous)
+    assert len(previous.calls) == 1 and "rank 0 failed first" in capsys.readouterr().err
+    assert "failed on ranks 0, 1: ImportError: Please install apache-tvm" in str(previous.calls[0])
+    job(1)
+    _raise(failure(1), previous)
+    assert len(previous.calls) == 1 and capsys.readouterr().err == ""  # quiet
+
+
 def test_report_error_once_for_errors_a_program_prints_itself(job, monkeypatch):
     """hf-cephalo prints ``error: ...`` and exits 2 (no excepthook): the same election, and the
     launcher's report names the message; without a launcher every call says print."""

@@ -43,9 +43,14 @@ parameters that do not (dynamo guards on ``requires_grad``: probing evaluation w
 training step's parameters compiled an autograd graph evaluate never runs and left it to
 compile its real graph after the probe, outside this guarantee). A failure (a backend that
 cannot compile, an unsupported op, a graph break) is folded into the step's first collective,
-the item-count all-reduce, as one integer per rank; then every rank raises (the failing ones
-with the compiler's message) before any all-gather. A rank without a microbatch compiles
-nothing and learns the others' failures from that all-reduce.
+the item-count all-reduce, as one integer per rank; then every rank raises before any
+all-gather: the failing ones a ``CompileFailure`` with the compiler's root cause, naming every
+rank that failed on that unit, the others a message naming the failing ranks. Neither holds the
+raising rank's own number, so the same failure on several ranks is one message, which
+``hf_cephalo.rank_errors`` prints once under a launcher. A rank without a microbatch compiles
+nothing and learns the others' failures from that all-reduce. The profiler compiles the unit it
+times the same way before its first lockstep barrier (``profiler/measure.py``, [Note: compiling
+before timing]).
 """
 
 from __future__ import annotations
@@ -82,13 +87,16 @@ class CompileOptions:
     def __post_init__(self):
         known = sorted(set(torch._dynamo.list_backends()) | {"eager", "aot_eager"})
         if self.backend not in known:
-            raise ValueError(f"torch.compile backend {self.backend!r} is not available in this "
-                             f"torch {torch.__version__} (available: {known}): {OFF_HINT}")
+            raise ValueError(f"torch.compile backend {self.backend!r} is not registered in this "
+                             f"torch {torch.__version__} (registered: {known}; some need their "
+                             f"own package installed, e.g. tvm needs apache-tvm): {OFF_HINT}")
         if self.mode not in _MODES:
-            raise ValueError(f"torch.compile mode {self.mode!r} is not one of {list(_MODES)}")
+            raise ValueError(f"torch.compile mode {self.mode!r} (--torch_compile_mode) is not "
+                             f"one of {list(_MODES)}: pick one of them or leave the mode unset")
         if self.mode not in (None, "default") and self.backend != "inductor":
-            raise ValueError(f"torch.compile mode {self.mode!r} is an inductor setting, the "
-                             f"backend is {self.backend!r}: drop the mode or use inductor")
+            raise ValueError(f"torch.compile mode {self.mode!r} (--torch_compile_mode) is an "
+                             f"inductor setting, the backend is {self.backend!r}: drop the "
+                             f"mode or use inductor")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,29 +176,87 @@ def running(compiled: CompiledUnits | None):
     return contextlib.nullcontext() if compiled is None else compiled.active()
 
 
-class CompileFailure(RuntimeError):
-    """A unit failed to compile on this rank (raised by ``probe_compile``)."""
+def plural(n: int, word: str) -> str:
+    """``"1 graph"``, ``"2 graphs"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
-    def __init__(self, unit_index: int, unit_name: str, options: CompileOptions, rank: int,
-                 exc: BaseException):
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The error behind dynamo's wrappers: ``BackendCompilerFailed`` (and dynamo's other
+    exceptions that wrap one) keeps the backend's own error as ``inner_exception`` /
+    ``__cause__``, whose first line is what a user acts on (``ImportError: Please install
+    apache-tvm ...``); its own first line is only ``backend='tvm' raised:``. Unwraps exceptions
+    of ``torch._dynamo`` only (up to 8), so that the backend's error is kept, not what it was
+    raised from (``ModuleNotFoundError: No module named 'tvm'``)."""
+    for _ in range(8):
+        if not type(exc).__module__.startswith("torch._dynamo"):
+            break
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__
+        if not isinstance(inner, BaseException) or inner is exc:
+            break
+        exc = inner
+    return exc
+
+
+def _summary(exc: BaseException) -> str:
+    """``"<Type>: <first line>"`` of the root cause of ``exc`` (``root_cause``), followed by
+    ``" (through <Type>)"`` naming ``exc``'s type where that is another exception (dynamo's
+    ``BackendCompilerFailed``); the line cut at 300 characters."""
+    def line(e: BaseException) -> str:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return f"{type(e).__name__}: {first}" if first else type(e).__name__
+    root = root_cause(exc)
+    return line(exc) if root is exc else f"{line(root)} (through {type(exc).__name__})"
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+class CompileFailure(RuntimeError):
+    """A unit failed to compile (raised by ``probe_compile`` and the profiler).
+
+    The message names the unit, the backend and mode, the failing ranks (``ranks``: every rank
+    that failed on this unit, once the ranks have exchanged their results; before that, this
+    rank), the error and its root cause (``root_cause``), and how to turn compile off. It holds
+    nothing else that differs between ranks, so that the identical failure on several ranks
+    is one message, printed once (``hf_cephalo.rank_errors``).
+    stops: what every rank does next, for the message.
+    """
+
+    def __init__(self, unit_index: int, unit_name: str, options: CompileOptions,
+                 ranks: Sequence[int], exc: BaseException,
+                 stops: str = "Every rank stops before the first all-gather"):
         super().__init__(f"torch.compile of {unit_name} with backend {options.backend!r} "
-                         f"(mode {options.mode}) failed on rank {rank}: {type(exc).__name__}: "
-                         f"{first}. Every rank stops before the first all-gather; {OFF_HINT}")
-        self.unit_index = unit_index
+                         f"(mode {options.mode}) failed on {_ranks_text(ranks)}: "
+                         f"{_summary(exc)}. {stops}; {OFF_HINT}")
+        self.unit_index, self.unit_name, self.options = unit_index, unit_name, options
+        self.ranks, self.exc, self.stops = list(ranks), exc, stops
+
+    def on_ranks(self, codes: Sequence[int]) -> "CompileFailure":
+        """This failure naming every rank that failed on the same unit (``codes`` as in
+        ``remote_failure``), raised from the compiler's error."""
+        ranks = [r for r, c in enumerate(codes) if int(c) == self.unit_index + 1]
+        failure = CompileFailure(self.unit_index, self.unit_name, self.options, ranks, self.exc,
+                                 self.stops)
+        failure.__cause__ = self.exc
+        return failure
 
 
 def remote_failure(codes: Sequence[int], options: CompileOptions, rank: int,
-                   unit_names: Sequence[str]) -> RuntimeError | None:
+                   unit_names: Sequence[str],
+                   stops: str = "before the first all-gather") -> RuntimeError | None:
     """The error a rank raises for the other ranks' probe failures (``codes[r]``: 0 = rank r
-    compiled fine, k > 0: rank r failed on unit k - 1); None if none failed."""
+    compiled fine, k > 0: rank r failed on unit k - 1); None if none failed. The message is
+    the same on every rank that raises it (printed once: ``hf_cephalo.rank_errors``)."""
     failed = [(r, int(c) - 1) for r, c in enumerate(codes) if int(c) > 0]
     if not failed:
         return None
     where = ", ".join(f"rank {r} on {unit_names[k]}" for r, k in failed)
+    ok = [r for r, c in enumerate(codes) if int(c) == 0]
     return RuntimeError(f"torch.compile with backend {options.backend!r} (mode {options.mode}) "
-                        f"failed ({where}; see that rank's error); rank {rank} stops before the "
-                        f"first all-gather too: {OFF_HINT}")
+                        f"failed ({where}; see that rank's error); {_ranks_text(ok)} "
+                        f"{'stops' if len(ok) == 1 else 'stop'} {stops} too: {OFF_HINT}")
 
 
 @contextlib.contextmanager
@@ -245,7 +311,39 @@ def probe_compile(staged, units, embed_unit, microbatch, device: torch.device,
                         torch.autograd.backward(y, torch.ones_like(y))
             except Exception as exc:  # any compiler error: reported, never swallowed
                 raise CompileFailure(i, f"{unit.name} ({type(staged.units()[i]).__name__})",
-                                     options, rank, exc) from exc
+                                     options, [rank], exc) from exc
+
+
+_EARLIER: dict[tuple[str, str | None], str] = {}
+
+
+def record_compile(options: CompileOptions, where: str, graphs: int, seconds: float) -> None:
+    """Remember, for this process, that ``where`` (e.g. "while profiling") compiled
+    ``graphs`` graphs of the units in ``seconds`` wall seconds with ``options``: the engine's
+    compile line names it when its own probe finds every graph compiled already."""
+    _EARLIER[(options.backend, options.mode)] = \
+        f"compiled {where}: {plural(graphs, 'graph')} in {seconds:.1f} s"
+
+
+def compiled_earlier(options: CompileOptions) -> str | None:
+    """What ``record_compile`` recorded for ``options`` in this process, or None."""
+    return _EARLIER.get((options.backend, options.mode))
+
+
+def compile_line(options: CompileOptions, what: str, num_units: int, graphs: int,
+                 seconds: float) -> str:
+    """Rank 0's line after the probe for ``what`` ("training", "evaluation") compiled
+    ``graphs`` graphs of ``num_units`` units in ``seconds`` wall seconds. With no new graph
+    it says where they were compiled (``compiled_earlier``: the profiler at start), whose
+    time the probe's does not include."""
+    if graphs == 0:
+        earlier = compiled_earlier(options) or "reused graphs compiled earlier in this process"
+        done = f"0 new graphs ({earlier}; probe {seconds:.1f} s)"
+    else:
+        done = f"{plural(graphs, 'graph')} compiled in {seconds:.1f} s"
+    return (f"[hf_cephalo] torch.compile (backend {options.backend}, mode {options.mode}) for "
+            f"{what}: {plural(num_units, 'unit')}, {done} (inductor cache: "
+            f"{inductor_cache_dir()})")
 
 
 def timed_probe(probe) -> tuple[float, int]:

@@ -25,7 +25,7 @@ from ..models.base import AutocastStagedModel, StagedModel, global_num_items_sco
 from ..planner.state import layout_unit_shards  # pure planning code (numpy), no torch.distributed
 from . import collectives as C
 from .compile import (CompileFailure, CompileOptions, CompileStats, CompiledUnits,
-                      graph_count, inductor_cache_dir, probe_compile, remote_failure, running,
+                      compile_line, graph_count, probe_compile, remote_failure, running,
                       timed_probe)
 from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_params,
                          move_shared_params, param_infos)
@@ -409,8 +409,8 @@ class CephaloEngine:
             codes[self.rank] = failure.unit_index + 1
         t = torch.tensor([local, *codes], dtype=torch.int64, device=self.device)
         C.all_reduce_sum(t, self.group, self.stats)
-        if failure is not None:
-            raise failure
+        if failure is not None:  # the same message on every rank that failed on this unit
+            raise failure.on_ranks(t[1:].tolist())
         remote = remote_failure(t[1:].tolist(), self.compile, self.rank,
                                 [u.name for u in self.units]) if codes else None
         if remote is not None:
@@ -445,11 +445,8 @@ class CephaloEngine:
         self._compile_s += seconds
         self._probe_graphs += graphs
         if self.rank == 0:
-            what = "training" if for_training else "evaluation"
-            print(f"[hf_cephalo] torch.compile (backend {self.compile.backend}, mode "
-                  f"{self.compile.mode}) for {what}: {self.num_units} units, {graphs} graphs "
-                  f"compiled in {seconds:.1f} s (inductor cache: {inductor_cache_dir()})",
-                  flush=True)
+            print(compile_line(self.compile, "training" if for_training else "evaluation",
+                               self.num_units, graphs, seconds), flush=True)
         return None
 
     def make_grad_scaler(self, **kwargs) -> "CephaloGradScaler":

@@ -52,7 +52,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_cephalo.engine.compile import CompileOptions, CompiledUnits
+from hf_cephalo.engine.compile import (CompileFailure, CompileOptions, CompiledUnits,
+                                       graph_count, plural, record_compile, remote_failure)
 from hf_cephalo.engine.flat_param import (ParamLeaves, collect_params, install_param_views,
                                           move_shared_params, param_infos)
 from hf_cephalo.models.base import AutocastStagedModel, StagedModel
@@ -738,6 +739,56 @@ def _time_rounds(staged, config: MeasureConfig, inputs, views: _FlatViews, devic
                       f"{detail}about {left:.0f} s left", flush=True)
 
 
+COMPILE_STOPS = ("Every rank stops while profiling the compiled units for the plan (the "
+                 "trainer profiles when no plan file is given)")
+"""What a ``CompileFailure`` raised by the profiler says the ranks do next."""
+
+
+def _compile_unit(staged, config: MeasureConfig, inputs, views: _FlatViews, device, rank: int,
+                  name: str, rank_codes: Callable[[int], list[int]] | None) -> None:
+    """[Note: compiling before timing] With compile on, the unit's graphs are compiled before
+    the timed rounds: one untimed forward and recompute + backward, as ``_time_rounds`` runs
+    them, at the smallest and the largest microbatch size (the static graph and the
+    dynamic-shape one every other size reuses: [Note: compiled units] in engine/compile.py).
+    So a unit that cannot compile fails here, on every rank (the ranks exchange the outcome,
+    ``rank_codes``, before the first lockstep barrier), with the engine's wording
+    (``CompileFailure``: unit, backend, the root cause, ``--torch_compile False``), never as
+    dynamo's raw error in the middle of the timing; and the progress estimate of the rounds
+    leaves the compile time out. Rank 0 prints the compile time and graphs, and
+    ``record_compile`` keeps them for the engine's compile line (whose probe then finds the
+    graphs compiled)."""
+    options = CompileOptions(backend=config.compile_backend, mode=config.compile_mode)
+    unit_name = f"unit 0 ({type(staged.units()[0]).__name__})"
+    ms = config.microbatch_sizes
+    failure, before, t0 = None, graph_count(), time.perf_counter()
+    try:
+        for m in dict.fromkeys([ms[0], ms[-1]]):
+            _, hidden, ctx, grad = inputs[m]
+            views.install()
+            with torch.no_grad():
+                staged.run_unit(0, hidden, ctx)
+            views.install()
+            _unit_backward(staged, hidden, ctx, grad)
+        _sync(device)
+    except Exception as exc:  # any compiler error: reported on every rank, never swallowed
+        failure = CompileFailure(0, unit_name, options, [rank], exc, stops=COMPILE_STOPS)
+    seconds, graphs = time.perf_counter() - t0, graph_count() - before
+    code = 0 if failure is None else 1
+    codes = rank_codes(code) if rank_codes is not None else [code]
+    if failure is not None:
+        raise failure.on_ranks(codes)
+    remote = remote_failure(codes, options, rank, [unit_name],
+                            stops="while profiling the compiled units for the plan")
+    if remote is not None:
+        raise remote
+    record_compile(options, "while profiling", graphs, seconds)
+    if config.prints(rank):
+        print(f"[hf-cephalo profile] rank {rank} ({name}): torch.compile (backend "
+              f"{options.backend}, mode {options.mode}) of the timed unit: "
+              f"{plural(graphs, 'graph')} compiled in {seconds:.1f} s (before the timed rounds "
+              f"and their time estimate)", flush=True)
+
+
 # ---- step terms outside the units (planner/cost.py [Note: step terms]) -----------------------
 def _embed_backward(staged: StagedModel, mb, grad: torch.Tensor) -> None:
     """The engine's embedding backward: recompute the embedding with autograd, backward."""
@@ -832,7 +883,8 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
                    name: str, capacity_bytes: float, rank: int = 0,
                    make_microbatch: MakeMicrobatch | None = None,
                    before_each: Callable[[], None] | None = None,
-                   any_rank: Callable[[bool], bool] | None = None) -> DeviceProfile:
+                   any_rank: Callable[[bool], bool] | None = None,
+                   rank_codes: Callable[[int], list[int]] | None = None) -> DeviceProfile:
     """Profile one unit on this rank for m = 1..M (no collectives unless ``before_each`` has).
 
     Args:
@@ -847,8 +899,14 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
         any_rank: ``flag -> True iff flag is True on any rank`` (a collective); decides
             whether every rank re-measures, so lockstep barriers stay matched. None: this
             rank alone ([Note: implausible backward times]).
+        rank_codes: ``code -> every rank's code`` (a collective; None: this rank alone); with
+            ``config.compile_backend`` set, the ranks exchange whether the unit compiled before
+            the first timed item ([Note: compiling before timing]).
     Returns:
         A ``DeviceProfile``; the model's gradients are left as None.
+    Raises:
+        CompileFailure (engine/compile.py): with ``config.compile_backend`` set, the unit
+            failed to compile on this rank; RuntimeError: it failed on another rank.
     """
     device = torch.device(device)
     model = staged.model
@@ -874,6 +932,8 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
         views = _FlatViews(staged.units()[0], dtype=config.gather_dtype)
         views.prepare_grad()  # backward adds into the unit's flat gradient, as in the engine
         try:
+            if config.compile_backend is not None:
+                _compile_unit(staged, config, inputs, views, device, rank, name, rank_codes)
             fwd_med, bwd_med = _measure_times(staged, config, inputs, views, device, rank, name,
                                               before_each, any_rank)
             unit_head = [_compute_memory(staged, views, inputs[m][1], inputs[m][0],
@@ -1138,9 +1198,11 @@ def _profile_cluster(staged: StagedModel, config: MeasureConfig, *, device, emul
         barrier = (lambda: dist.barrier(group)) if world_size > 1 else None
         any_rank = (lambda flag: not _all_ranks(not flag, device, group, world_size)) \
             if world_size > 1 else None
+        rank_codes = (lambda code: _rank_codes(code, device, group, world_size)) \
+            if world_size > 1 else None
         dev = measure_device(measured, config, device=device, name=name, capacity_bytes=capacity,
                              rank=rank, make_microbatch=make_microbatch, before_each=barrier,
-                             any_rank=any_rank)
+                             any_rank=any_rank, rank_codes=rank_codes)
         if store is not None:
             store.put_device(key, dev)
     gathered = _all_gather_objects({"device": dev.to_json(), "key": key}, group, world_size)
@@ -1174,6 +1236,14 @@ def _all_ranks(flag: bool, device, group, world_size: int) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)  # int32: gloo and NCCL reduce it
     return bool(t.item())
+
+
+def _rank_codes(code: int, device, group, world_size: int) -> list[int]:
+    """Every rank's ``code`` (one int64 SUM all-reduce of a one-hot row), in rank order."""
+    t = torch.zeros(world_size, dtype=torch.int64, device=device)
+    t[dist.get_rank(group)] = int(code)
+    dist.all_reduce(t, group=group)
+    return [int(c) for c in t.tolist()]
 
 
 def _cluster_comm(staged, store, fingerprint, dtype, names, device, config, group,
