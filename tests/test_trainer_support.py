@@ -100,7 +100,7 @@ def test_torch_compile_becomes_the_engines_per_unit_compile(tmp_path):
         args = _args(tmp_path, **kw)
         check_training_args(args)
         assert _compile_options(args) == expected, kw
-    with pytest.raises(ValueError, match="backend 'nope' is not available.*--torch_compile False"):
+    with pytest.raises(ValueError, match="backend 'nope' is not registered.*--torch_compile False"):
         CephaloTrainer(model=build("llama"), args=_args(tmp_path, torch_compile_backend="nope"))
     assert not torch.distributed.is_initialized()
 
