@@ -30,6 +30,7 @@ _EXPORTS = {
     "replan_live": "replan",
     "adopt_checkpoint_split": "replan",
     "adopt_checkpoint_state": "replan",
+    "resume_banner": "replan",
     # adaptive (live re-balancing)
     "AdaptiveCallback": "adaptive",
     "SlowdownScheduleCallback": "adaptive",
