@@ -253,6 +253,13 @@ def _close(got, want):
                                torch.as_tensor(want, dtype=torch.float64), rtol=RTOL, atol=ATOL)
 
 
+def _params_close(got, want):
+    """Every parameter of the reference ``want`` equals the run's ``got`` (rtol/atol as above)."""
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_switch_keeps_the_trajectory(runs, world_size):
     ref_losses, ref_norms, ref_params = _reference(world_size)
@@ -272,9 +279,7 @@ def test_switch_keeps_the_trajectory(runs, world_size):
             _close(run["losses"], ref_losses)
             _close(run["grad_norms"], ref_norms)
             assert set(run["params"]) == set(ref_params)
-            for key, value in ref_params.items():
-                torch.testing.assert_close(run["params"][key], value, rtol=RTOL, atol=ATOL,
-                                           msg=key)
+            _params_close(run["params"], ref_params)
         _close(switch["losses"], static["losses"])
         # logged in log_history on every rank, appended to cephalo_replans.jsonl by rank 0
         (log,) = switch["replan_logs"]
@@ -327,8 +332,7 @@ def test_measured_slowdown_moves_work_off_the_slow_rank(runs):
         # only its direction is asserted: the decision itself is checked above
         assert switches[0]["scales"][1] > switches[0]["scales"][0]
         _close(measured["losses"], ref_losses)
-        for key, value in ref_params.items():
-            torch.testing.assert_close(measured["params"][key], value, rtol=RTOL, atol=ATOL)
+        _params_close(measured["params"], ref_params)
     assert runs[2][0]["measured"]["decisions"] == runs[2][1]["measured"]["decisions"]
 
 
@@ -341,8 +345,7 @@ def test_resume_continues_from_the_switched_split(runs):
         # log_history holds the checkpoint's 4 logged steps, then the 2 trained after resuming
         assert len(resumed["losses"]) == 6
         _close(resumed["losses"][4:], ref_losses[4:])
-        for key, value in ref_params.items():
-            torch.testing.assert_close(resumed["params"][key], value, rtol=RTOL, atol=ATOL)
+        _params_close(resumed["params"], ref_params)
 
 
 def test_state_mode_wiring_calls_relayout_then_switches_the_split(tmp_path, capsys):
@@ -412,9 +415,7 @@ def test_state_switch_relays_r_i_and_keeps_the_trajectory(runs):
             _close(run["losses"], ref_losses)
             _close(run["grad_norms"], ref_norms)
             assert set(run["params"]) == set(ref_params)
-            for key, value in ref_params.items():
-                torch.testing.assert_close(run["params"][key], value, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, key=key: f"{key}: {m}")
+            _params_close(run["params"], ref_params)
         _close(state["losses"], static["losses"])
         (log,) = state["replan_logs"]
         assert log["mode"] == "state" and log["step"] == SWITCH_STEP
@@ -447,6 +448,4 @@ def test_state_resume_continues_on_the_relaid_plan(runs):
         assert len(resumed["losses"]) == 6
         _close(resumed["losses"][4:], ref_losses[4:])
         _close(resumed["grad_norms"][4:], ref_norms[4:])
-        for key, value in ref_params.items():
-            torch.testing.assert_close(resumed["params"][key], value, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, key=key: f"{key}: {m}")
+        _params_close(resumed["params"], ref_params)
