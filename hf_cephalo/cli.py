@@ -20,6 +20,7 @@ import sys
 from typing import Callable, NamedTuple, Sequence
 
 from hf_cephalo.planner.types import (ACTIVATION_CHECKPOINTING_CHOICES,
+                                      activation_checkpointing_mode,
                                       activation_checkpointing_setting,
                                       parse_activation_checkpointing)
 
@@ -523,10 +524,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     if note:
         print(note)
     print(f"state sharding: {'uneven' if plan.uneven_state else 'even'}")
-    print("activation checkpointing: " + ("on (recompute in backward)"
-                                          if plan.activation_checkpointing else
-                                          "off (forward graphs kept)")
-          + (f" [auto: {reason}]" if reason else ""))
+    print("activation checkpointing: "
+          + activation_checkpointing_mode(plan.activation_checkpointing, reason))
     print(f"predicted iteration time: {pred.iteration_s:.3f} s, "
           f"{pred.samples_per_s:.2f} samples/s")
     if args.out:

@@ -95,6 +95,7 @@ from hf_cephalo.integrations.user_loss import UserLossStagedModel
 from hf_cephalo.integrations.weight_decay import ShardWeightDecay, decay_rule, shard_decay_masks
 from hf_cephalo.models.registry import supported_model_classes
 from hf_cephalo.planner import Plan
+from hf_cephalo.planner.types import activation_checkpointing_mode
 from hf_cephalo.profiler.types import ClusterProfile
 
 __all__ = ["CephaloTrainer", "format_plan_table", "format_loss_trend"]
@@ -110,10 +111,7 @@ def format_plan_table(plan: Plan, checkpointing_reason: str = "") -> str:
     ``[auto: ...]``) and the predicted iteration time."""
     # full device names: emulated ones differ only after the base name ("cpu [emulated 2x ...]")
     width = max([12] + [len(r.device) for r in plan.ranks])
-    mode = "on (recompute in backward)" if plan.activation_checkpointing else \
-        "off (forward graphs kept)"
-    if checkpointing_reason:
-        mode += f" [auto: {checkpointing_reason}]"
+    mode = activation_checkpointing_mode(plan.activation_checkpointing, checkpointing_reason)
     rows = [f"Cephalo plan: global batch size {plan.global_batch_size}, uneven state "
             f"{plan.uneven_state}, activation checkpointing {mode}, predicted iteration "
             f"{'-' if plan.predicted_iteration_s is None else f'{plan.predicted_iteration_s:.3f} s'}",

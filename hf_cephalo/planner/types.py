@@ -49,6 +49,15 @@ def activation_checkpointing_setting(value: Any) -> bool | None:
     (auto: plan both, keep the faster one that fits)."""
     return {"true": True, "false": False, "auto": None}[parse_activation_checkpointing(value)]
 
+
+def activation_checkpointing_mode(on: bool, reason: str = "") -> str:
+    """How the plan prints (the trainer's plan line, ``hf-cephalo plan``) its activation
+    checkpointing: "on (recompute in backward)" or "off (forward graphs kept)", then
+    ``[auto: reason]`` when ``--activation-checkpointing auto`` chose it and said why."""
+    mode = "on (recompute in backward)" if on else "off (forward graphs kept)"
+    return f"{mode} [auto: {reason}]" if reason else mode
+
+
 PLAN_FORMAT = "hf_cephalo.plan/1"
 
 _RATIO_TOL = 1e-6
