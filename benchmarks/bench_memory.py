@@ -117,7 +117,7 @@ def predicted_memory_bytes(cfg) -> list[float]:
     from hf_cephalo.profiler.measure import (MeasureConfig, boundary_bytes_per_sample,
                                              measure_device, model_profile,
                                              synthetic_microbatch)
-    from hf_cephalo.profiler.types import ClusterProfile, CommProfile
+    from hf_cephalo.profiles.types import ClusterProfile, CommProfile
 
     small = stage_model(LlamaForCausalLM(cfg.__class__(**{**cfg.to_dict(),
                                                           "num_hidden_layers": 1})))

@@ -21,7 +21,7 @@ import time
 
 from hf_cephalo.planner.optimize import optimize, solve_assignment
 from hf_cephalo.planner.reference import reference_unit_time
-from hf_cephalo.profiler.specs import ClusterSpec, estimate_cluster_profile
+from hf_cephalo.profiles.specs import ClusterSpec, estimate_cluster_profile
 
 REFERENCE_LIMIT_S = 60.0
 

@@ -221,7 +221,7 @@ def _load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: boo
     than silently ignored.
     """
     if args.profile:
-        from hf_cephalo.profiler.types import ClusterProfile
+        from hf_cephalo.profiles.types import ClusterProfile
 
         if getattr(args, "lora_rank", None) is not None:
             raise ValueError(f"--lora-rank {args.lora_rank} applies only to --cluster estimates; "
@@ -244,7 +244,7 @@ def _load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: boo
     if not args.model:
         raise ValueError("--cluster needs --model (one of the shapes in docs/planner.md, "
                          "e.g. --model llama-3b)")
-    from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
+    from hf_cephalo.profiles.specs import estimate_cluster_profile, load_cluster_yaml
 
     return _apply_lora(estimate_cluster_profile(load_cluster_yaml(args.cluster), args.model,
                                                 **_estimate_options(args)), args)
@@ -252,7 +252,7 @@ def _load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: boo
 
 def _spec_cluster(args: argparse.Namespace):
     """The ClusterSpec of ``--cluster`` (restricted to ``--gpu-types`` where given)."""
-    from hf_cephalo.profiler.specs import load_cluster_yaml
+    from hf_cephalo.profiles.specs import load_cluster_yaml
 
     if getattr(args, "gpu_types", None):
         return _restrict_gpu_types(args)
@@ -265,7 +265,7 @@ def _auto_precision_plan(args: argparse.Namespace, spec, global_batch_size: int)
     precision every GPU runs, and each GPU's fastest); prints the candidates' samples/s."""
     from hf_cephalo.planner.optimize import optimize
     from hf_cephalo.planner.precision import choose_precision, precision_candidates
-    from hf_cephalo.profiler.specs import estimate_cluster_profile, spec_precisions
+    from hf_cephalo.profiles.specs import estimate_cluster_profile, spec_precisions
 
     def plan_for(precisions):
         options = dict(_estimate_options(args), precision=precisions)
@@ -295,7 +295,7 @@ def _apply_lora(cluster, args: argparse.Namespace):
         return cluster
     from dataclasses import replace
 
-    from hf_cephalo.profiler.specs import get_model_shape, lora_model_profile
+    from hf_cephalo.profiles.specs import get_model_shape, lora_model_profile
 
     frozen = 2.0 if args.frozen_dtype == "bf16" else 4.0
     model = lora_model_profile(cluster.model, get_model_shape(args.model), args.lora_rank,
@@ -311,7 +311,7 @@ def _estimate_options(args: argparse.Namespace) -> dict:
 
 def format_plan_table(plan, prediction) -> str:
     """The per-rank table printed by ``hf-cephalo plan``; columns are sized to their values."""
-    from hf_cephalo.profiler.types import format_bytes
+    from hf_cephalo.profiles.types import format_bytes
 
     mems = [f"{format_bytes(p.memory_bytes)} / {format_bytes(p.cap_bytes)}"
             for p in prediction.ranks]
@@ -419,7 +419,7 @@ def _half_precision_flag(cluster) -> str | None:
     """``--precision bf16`` when every device supports bf16, else ``--precision fp16`` when every
     device has an fp16 rate (V100, T4, P100, P40: no bf16), else None; devices without a
     spec-sheet entry (measured, emulated) do not restrict it."""
-    from hf_cephalo.profiler.specs import get_gpu_spec
+    from hf_cephalo.profiles.specs import get_gpu_spec
 
     specs = []
     for d in cluster.devices:
@@ -489,7 +489,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from hf_cephalo.planner.optimize import (InfeasiblePlanError, optimize,
                                              optimize_auto_checkpointing)
     from hf_cephalo.planner.simulate import extrapolation_note, predict
-    from hf_cephalo.profiler.types import format_bytes
+    from hf_cephalo.profiles.types import format_bytes
 
     _check_common_plan_options(args, ("out", "save_profile", "plot"))
     cluster = _load_cluster(args)
@@ -560,7 +560,7 @@ def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
 
 def _restrict_gpu_types(args: argparse.Namespace):
     """The cluster YAML with only the machines whose GPUs are all of ``--gpu-types``."""
-    from hf_cephalo.profiler.specs import ClusterSpec, get_gpu_spec, load_cluster_yaml
+    from hf_cephalo.profiles.specs import ClusterSpec, get_gpu_spec, load_cluster_yaml
 
     spec = load_cluster_yaml(args.cluster)
     keep = {get_gpu_spec(g).name for g in args.gpu_types}
@@ -578,10 +578,10 @@ def _restrict_gpu_types(args: argparse.Namespace):
 
 def _peak_flops(cluster, precision: str):
     """Spec-sheet peak TFLOP/s per rank, or None if a device type is not in the tables."""
-    from hf_cephalo.profiler.specs import get_gpu_spec
+    from hf_cephalo.profiles.specs import get_gpu_spec
 
-    from hf_cephalo.profiler.precision import parse_rank_precisions
-    from hf_cephalo.profiler.specs import spec_precisions
+    from hf_cephalo.profiles.precision import parse_rank_precisions
+    from hf_cephalo.profiles.specs import spec_precisions
 
     try:
         specs = [get_gpu_spec(d.name) for d in cluster.devices]
@@ -600,7 +600,7 @@ def _peak_flops(cluster, precision: str):
 def _run_simulate(args: argparse.Namespace) -> int:
     from hf_cephalo.planner import simulate
     from hf_cephalo.planner.optimize import check_problem_size
-    from hf_cephalo.profiler.types import format_bytes
+    from hf_cephalo.profiles.types import format_bytes
 
     bad = [B for B in args.global_batch_size if B < 1]
     if bad:
@@ -612,7 +612,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.gpu_types:
         if not args.model:
             raise ValueError("--cluster needs --model (e.g. --model llama-7b)")
-        from hf_cephalo.profiler.specs import estimate_cluster_profile
+        from hf_cephalo.profiles.specs import estimate_cluster_profile
 
         cluster = _apply_lora(estimate_cluster_profile(_restrict_gpu_types(args), args.model,
                                                        **_estimate_options(args)), args)
@@ -830,11 +830,11 @@ def _run_profile(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from hf_cephalo.models import UnsupportedModelError, stage_model
-    from hf_cephalo.profiler.cache import ProfileCache
+    from hf_cephalo.profiles.cache import ProfileCache
     from hf_cephalo.profiler.emulate import EmulationConfig
     from hf_cephalo.profiler.measure import (MeasureConfig, build_model_from_config,
                                              max_positions, profile_cluster)
-    from hf_cephalo.profiler.types import format_bytes
+    from hf_cephalo.profiles.types import format_bytes
 
     config = MeasureConfig(max_microbatch_size=args.max_microbatch_size,
                            sequence_length=args.sequence_length, repeats=args.repeats,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from hf_cephalo.planner import cost, memory
-from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 
 GIB = float(1 << 30)
 

@@ -75,7 +75,7 @@ def _cluster(model, world_size, capped=False):
     re-lays r_i (numbers from the real model profile, so the planner's decision is the real one)."""
     from hf_cephalo.models import stage_model
     from hf_cephalo.profiler.measure import model_profile
-    from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile
+    from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile
 
     profile = model_profile(stage_model(model))
     device = DeviceProfile(name="cpu", memory_capacity_bytes=8.0 * (1 << 30),

@@ -15,7 +15,7 @@ from hf_cephalo.planner.adapt import (decide_batch_switch, predicted_unit_comput
                                       refit_cluster)
 from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize_fixed_state
 from hf_cephalo.planner.predict import plan_layout, predict
-from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 from tests.planner_fixtures import random_cluster
 
 GIB = float(1 << 30)

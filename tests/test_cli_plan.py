@@ -136,7 +136,7 @@ def test_plan_table_aligns_long_device_names():
     from hf_cephalo.cli import format_plan_table
     from hf_cephalo.planner.optimize import optimize
     from hf_cephalo.planner.simulate import predict
-    from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+    from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 
     def dev(name):
         return DeviceProfile(name=name, memory_capacity_bytes=2**20, microbatch_sizes=[1],
@@ -330,7 +330,7 @@ def test_spec_sheet_what_if_in_fp16_and_bf16(capsys):
     sizes (bf16 / fp16 gathered units and all-gathers, 2 B boundaries); ``--precision bf16`` on
     a GPU without bf16 (compute capability < 8.0) is refused proposing fp16, as the trainer's
     check_bf16_support refuses ``--bf16`` there."""
-    from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
+    from hf_cephalo.profiles.specs import estimate_cluster_profile, load_cluster_yaml
 
     cluster_b = CLUSTER_A.replace("cluster_a", "cluster_b")
     assert main(["plan", "--cluster", cluster_b, "--model", "llama-3b", "-B", "64",
@@ -365,7 +365,7 @@ def test_plan_figure_draws_the_memory_model_against_each_cap():
     from hf_cephalo.cli import plan_figure
     from hf_cephalo.planner.optimize import optimize
     from hf_cephalo.planner.simulate import predict
-    from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
+    from hf_cephalo.profiles.specs import estimate_cluster_profile, load_cluster_yaml
 
     cluster = estimate_cluster_profile(load_cluster_yaml("examples/clusters/cluster_a.yaml"),
                                        "llama-3b", efficiency=0.5, precision="fp32")
@@ -409,7 +409,7 @@ def test_plan_activation_checkpointing_auto_false_and_a_profile_without_kept_gra
         tmp_path, capsys):
     """--activation-checkpointing auto plans both and records the faster one that fits; false
     needs the profile's kept_graph_bytes (a spec-sheet profile has none: exit 2, the reason)."""
-    from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+    from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 
     ms = [1, 2, 4, 8]
     dev = DeviceProfile(name="gpu", memory_capacity_bytes=16 * GIB, microbatch_sizes=ms,

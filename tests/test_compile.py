@@ -269,7 +269,7 @@ def test_profiler_times_the_compiled_units_under_their_own_cache_key(tmp_path, m
 
     from hf_cephalo.models.registry import stage_model
     from hf_cephalo.profiler import measure
-    from hf_cephalo.profiler.cache import ProfileCache
+    from hf_cephalo.profiles.cache import ProfileCache
 
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4,

@@ -21,7 +21,7 @@ import torch
 from hf_cephalo.integrations import elastic, replan
 from hf_cephalo.integrations.sampler import WeightedBatchSampler, global_batches
 from hf_cephalo.planner import Plan
-from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 from tests.dist_utils import run_ranks
 
 PLANS_B12 = [[12], [4, 4, 4], [6, 6], [1, 5, 6], [0, 7, 5], [3, 0, 0, 9], [2, 2, 2, 2, 2, 2]]

@@ -132,7 +132,7 @@ def _trajectory(log: Path) -> dict[int, dict]:
 def _make_profile(path: Path) -> None:
     from hf_cephalo.models import stage_model
     from hf_cephalo.profiler.measure import model_profile
-    from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile
+    from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile
     from tests.models_fixtures import build
 
     dev = DeviceProfile(name="cpu", memory_capacity_bytes=4e9, microbatch_sizes=[1, 2, 4],

@@ -235,7 +235,7 @@ def test_auto_plan_on_emulated_ranks_favours_the_faster_rank(tmp_path, capsys):
     # so "the faster rank gets the larger batch" is checked on the measured profile with rank 1's
     # times set to 3x rank 0's, what a 3x emulated rank measures on an idle machine.
     from hf_cephalo.planner import optimize
-    from hf_cephalo.profiler.types import ClusterProfile, DeviceProfile
+    from hf_cephalo.profiles.types import ClusterProfile, DeviceProfile
 
     cluster = ClusterProfile.load(str(tmp_path / "first" / "profile.json"))
     assert sum(first["batch_sizes"]) == 16

@@ -63,7 +63,7 @@ def test_default_file_mode_follows_the_umask(monkeypatch, tmp_path):
 
 
 def test_profile_cache_entry_mode(tmp_path):
-    from hf_cephalo.profiler.cache import ProfileCache
+    from hf_cephalo.profiles.cache import ProfileCache
 
     for mask, mode in ((0o022, 0o644), (0o077, 0o600), (0o002, 0o664)):
         with umask(mask):

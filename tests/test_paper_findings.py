@@ -13,7 +13,7 @@ import pytest
 
 from hf_cephalo.planner import cost
 from hf_cephalo.planner.simulate import compare_plans, compute_balance_plan, predict
-from hf_cephalo.profiler.specs import (
+from hf_cephalo.profiles.specs import (
     ClusterSpec, estimate_cluster_profile, get_gpu_spec, load_cluster_yaml,
 )
 

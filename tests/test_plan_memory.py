@@ -39,7 +39,7 @@ from hf_cephalo.planner.predict import plan_layout
 from hf_cephalo.profiler.live_memory import LiveTensorBytes
 from hf_cephalo.profiler.measure import (MeasureConfig, boundary_bytes_per_sample,
                                          measure_device, model_profile, synthetic_microbatch)
-from hf_cephalo.profiler.types import ClusterProfile, CommProfile
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile
 from tests.dist_utils import run_ranks
 
 SEQ = 64

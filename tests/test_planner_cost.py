@@ -5,7 +5,7 @@ import math
 import pytest
 
 from hf_cephalo.planner import cost
-from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 
 
 def _dev(**kw):

@@ -11,7 +11,7 @@ from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize, solve_ass
 from hf_cephalo.planner.reference import reference_unit_time
 from hf_cephalo.planner.simulate import predict
 from hf_cephalo.planner.types import Plan
-from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 from tests.planner_fixtures import (GIB, brute_force, random_cluster, with_host_limits,
                                    with_kept_graphs)
 
@@ -251,7 +251,7 @@ def test_idle_rank_is_allowed_and_priced():
 
 
 def _spec_cluster(copies):
-    from hf_cephalo.profiler.specs import ClusterSpec, estimate_cluster_profile
+    from hf_cephalo.profiles.specs import ClusterSpec, estimate_cluster_profile
 
     machines = ([["A10G"] * 8] * 2 + [["V100-16GB"] * 8] * 2 + [["T4"] * 8] * 4) * copies
     return estimate_cluster_profile(ClusterSpec(name="b", machines=machines,
@@ -260,7 +260,7 @@ def _spec_cluster(copies):
 
 def test_too_large_instances_are_refused_upfront():
     opt = importlib.import_module("hf_cephalo.planner.optimize")
-    from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
+    from hf_cephalo.profiles.specs import estimate_cluster_profile, load_cluster_yaml
 
     cluster = estimate_cluster_profile(load_cluster_yaml("examples/clusters/cluster_a.yaml"),
                                        "llama-3b")

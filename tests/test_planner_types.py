@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hf_cephalo.planner.types import Plan, RankPlan
-from hf_cephalo.profiler.types import ModelProfile
+from hf_cephalo.profiles.types import ModelProfile
 
 
 def test_even_plan():
@@ -115,8 +115,8 @@ def test_unknown_plan_format_is_refused():
 def test_lora_profile_prices_only_the_adapter_as_training_state():
     """LoRA (issue 16): 16 B per trainable element, frozen_bytes_per_param per frozen one;
     Llama-7B r=16 on q, v: 32 layers x 16 x (4096 + 4096) x 2 adapter elements."""
-    from hf_cephalo.profiler.specs import get_model_shape, lora_model_profile
-    from hf_cephalo.profiler.types import ModelProfile
+    from hf_cephalo.profiles.specs import get_model_shape, lora_model_profile
+    from hf_cephalo.profiles.types import ModelProfile
 
     shape = get_model_shape("llama-7b")
     full = shape.model_profile()
@@ -131,7 +131,7 @@ def test_lora_profile_prices_only_the_adapter_as_training_state():
 
 
 def test_plan_records_and_checks_its_precision(tmp_path):
-    """A plan carries its profile's precision tag (profiler/precision.py [Note: precision tags]);
+    """A plan carries its profile's precision tag (profiles/precision.py [Note: precision tags]);
     a job of another precision is refused, plans without a tag (hand-made, older files) are
     not checked, a malformed tag is refused when read."""
     plan = Plan.from_ratios([2, 2], [1, 2], [0.5, 0.5])
@@ -153,7 +153,7 @@ def test_plan_records_and_checks_its_precision(tmp_path):
 
 
 def test_precision_tags_round_trip():
-    from hf_cephalo.profiler.precision import Precision
+    from hf_cephalo.profiles.precision import Precision
 
     for p in (Precision(), Precision("bf16"), Precision("bf16", "bf16"),
               Precision("fp16", "fp16", "fp16")):

@@ -16,11 +16,11 @@ import transformers
 
 from hf_cephalo.models import stage_model
 from hf_cephalo.profiler import measure
-from hf_cephalo.profiler.cache import ProfileCache, model_description, model_fingerprint
+from hf_cephalo.profiles.cache import ProfileCache, model_description, model_fingerprint
 from hf_cephalo.profiler.emulate import EmulationConfig
 from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches, model_profile,
                                          profile_cluster)
-from hf_cephalo.profiler.types import ClusterProfile
+from hf_cephalo.profiles.types import ClusterProfile
 from tests.models_fixtures import build
 
 
@@ -283,7 +283,7 @@ def test_cli_profile_writes_a_cluster_profile(tmp_path, capsys):
     assert main(["plan", "--profile", str(out), "-B", "4"]) == 0
     # --precision bf16 (an emulated slow device under bf16 autocast) is recorded as such, with
     # the gathered-parameter dtype (bf16 by default, as the trainer's --bf16) and the bytes the
-    # memory model prices (profiler/precision.py [Note: precision tags]).
+    # memory model prices (profiles/precision.py [Note: precision tags]).
     assert main(argv + ["--precision", "bf16"]) == 0
     cluster = ClusterProfile.load(out)
     assert cluster.extra["dtype"] == "float32+autocast-bf16+gather-bf16"

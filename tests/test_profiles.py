@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from hf_cephalo.planner import memory
-from hf_cephalo.profiler.specs import (GPU_SPECS, MODEL_SHAPES, estimate_cluster_profile,
+from hf_cephalo.profiles.specs import (GPU_SPECS, MODEL_SHAPES, estimate_cluster_profile,
                                        estimate_device_profile, get_gpu_spec, load_cluster_yaml)
-from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 
 
 def _device_json(**kw):
@@ -148,7 +148,7 @@ def test_cluster_yaml_examples(tmp_path):
 
 
 def test_planner_does_not_import_torch():
-    code = ("import sys, hf_cephalo.cli, hf_cephalo.planner, hf_cephalo.profiler.specs; "
+    code = ("import sys, hf_cephalo.cli, hf_cephalo.planner, hf_cephalo.profiles.specs; "
             "assert 'torch' not in sys.modules, 'torch imported'; "
             "assert 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -185,7 +185,7 @@ def test_times_decreasing_in_m_warn_but_load():
 
 
 def test_format_bytes_adaptive_units():
-    from hf_cephalo.profiler.types import format_bytes
+    from hf_cephalo.profiles.types import format_bytes
 
     assert format_bytes(0) == "0 B"
     assert format_bytes(512) == "512 B"
@@ -197,7 +197,7 @@ def test_format_bytes_adaptive_units():
 
 def test_cache_keys_change_with_the_measurement_version(monkeypatch):
     """Entries written by older measurement code are never reused."""
-    from hf_cephalo.profiler import cache
+    from hf_cephalo.profiles import cache
 
     args = ("f" * 20, "cpu", "float32", 128, [1, 2])
     before = (cache.device_key(*args), cache.comm_key("f" * 20, "float32", ["cpu"], "gloo"))

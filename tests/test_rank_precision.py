@@ -45,9 +45,9 @@ from hf_cephalo.engine.rank_precision import (DTYPES, check_scalable_optimizer, 
                                               resolve_rank_precisions)
 from hf_cephalo.planner.optimize import optimize
 from hf_cephalo.planner.types import Plan
-from hf_cephalo.profiler.precision import (auto_precision, capability_precisions,
+from hf_cephalo.profiles.precision import (auto_precision, capability_precisions,
                                            parse_rank_precisions, rank_precisions_tag)
-from hf_cephalo.profiler.specs import (ClusterSpec, estimate_cluster_profile, rank_precisions_for,
+from hf_cephalo.profiles.specs import (ClusterSpec, estimate_cluster_profile, rank_precisions_for,
                                        spec_precisions)
 from tests.dist_utils import run_ranks, test_timeout
 from tests.test_mixed_precision import (LR, OverflowStaged, overflow_microbatches,

@@ -18,7 +18,7 @@ from hf_cephalo.planner.simulate import (
 )
 from hf_cephalo.planner.state import integer_targets, partition_state
 from hf_cephalo.planner.types import Plan
-from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 from tests.planner_fixtures import random_cluster
 
 GIB = float(1 << 30)
@@ -265,7 +265,7 @@ def test_comparison_figure_memory_panel_matches_the_memory_model():
 
 def test_extrapolation_note_names_ranks_beyond_the_profiled_microbatch_sizes():
     from hf_cephalo.planner.simulate import extrapolation_note
-    from hf_cephalo.profiler.specs import estimate_cluster_profile, load_cluster_yaml
+    from hf_cephalo.profiles.specs import estimate_cluster_profile, load_cluster_yaml
 
     spec_sheet = estimate_cluster_profile(load_cluster_yaml("examples/clusters/cluster_a.yaml"),
                                           "llama-3b", efficiency=0.5, precision="fp32")

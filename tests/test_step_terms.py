@@ -15,9 +15,9 @@ from hf_cephalo.models import stage_model
 from hf_cephalo.planner import cost
 from hf_cephalo.planner.predict import MeasuredStep, predict, refit_to_measured
 from hf_cephalo.planner.types import Plan
-from hf_cephalo.profiler.cache import ProfileCache, write_back_devices
+from hf_cephalo.profiles.cache import ProfileCache, write_back_devices
 from hf_cephalo.profiler.measure import MeasureConfig, profile_cluster
-from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 
 GIB = float(1 << 30)
 

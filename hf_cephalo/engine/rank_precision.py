@@ -35,7 +35,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..profiler.precision import (PRECISIONS, auto_precision, capability_precisions,
+from ..profiles.precision import (PRECISIONS, auto_precision, capability_precisions,
                                   check_rank_precisions, parse_rank_precisions)
 
 __all__ = ["RankPrecision", "DTYPES", "rank_precision", "device_precisions",

@@ -35,8 +35,8 @@ from hf_cephalo.profiler.emulate import (EmulatedStagedModel, EmulationConfig,
                                          emulated_device_name)
 from hf_cephalo.profiler.measure import (MeasureConfig, local_device_name, model_dtype,
                                          sequence_length_of)
-from hf_cephalo.profiler.cache import write_back_devices
-from hf_cephalo.profiler.precision import Precision
+from hf_cephalo.profiles.cache import write_back_devices
+from hf_cephalo.profiles.precision import Precision
 from hf_cephalo.units import GIB
 
 __all__ = ["wrap_staged", "PlanAccuracyCallback", "format_accuracy_table", "diagnose_step_time"]
@@ -341,7 +341,7 @@ def _start_rank_precisions(args, world_size: int) -> list[str] | None:
     """--cephalo_precision resolved for profiling at start (None without it): the list, or
     each device's fastest for ``auto``; the same on every rank, or the same ValueError."""
     from hf_cephalo.engine.rank_precision import resolve_rank_precisions
-    from hf_cephalo.profiler.precision import parse_rank_precisions
+    from hf_cephalo.profiles.precision import parse_rank_precisions
 
     value = getattr(args, "cephalo_precision", None)
     if value is None:
@@ -364,7 +364,7 @@ def job_rank_precisions(args, world_size: int, plan: Plan) -> list[str] | None:
     (its ``precision`` tag) is refused.
     """
     from hf_cephalo.engine.rank_precision import resolve_rank_precisions
-    from hf_cephalo.profiler.precision import parse_rank_precisions, rank_precisions_tag
+    from hf_cephalo.profiles.precision import parse_rank_precisions, rank_precisions_tag
 
     value = getattr(args, "cephalo_precision", None)
     if value is None:

@@ -142,14 +142,14 @@ def _write_json_atomic(path: str, data: Any) -> None:
 
 
 def run_fingerprint(model) -> str:
-    """``profiler.cache.model_fingerprint`` without ``config.architectures`` and ``config.dtype``:
+    """``profiles.cache.model_fingerprint`` without ``config.architectures`` and ``config.dtype``:
     ``save_pretrained`` sets both on the live model, so a model saved mid-run
     (``cephalo_save_full_model``) and the same model built fresh, or loaded with
     ``from_pretrained``, must fingerprint alike. (The checkpoint loader checks the shards' dtypes
     itself.)"""
     import hashlib
 
-    from hf_cephalo.profiler.cache import model_description
+    from hf_cephalo.profiles.cache import model_description
 
     description = model_description(model)
     for key in ("architectures", "dtype", "torch_dtype"):

@@ -48,14 +48,14 @@ from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import InfeasiblePlanError, Plan, optimize, predict
 from hf_cephalo.planner.optimize import optimize_auto_checkpointing
 from hf_cephalo.planner.types import activation_checkpointing_setting
-from hf_cephalo.profiler.cache import model_description, model_fingerprint
+from hf_cephalo.profiles.cache import model_description, model_fingerprint
 from hf_cephalo.profiler.emulate import (EmulatedOutOfMemoryError, apply_memory_cap,
                                          check_plan_memory)
 from hf_cephalo.profiler.measure import (check_profile_matches, check_profile_precision,
                                          measure_comm, model_profile, profile_cluster,
                                          sequence_length_of)
-from hf_cephalo.profiler.precision import rank_precisions_tag
-from hf_cephalo.profiler.types import ClusterProfile, format_bytes
+from hf_cephalo.profiles.precision import rank_precisions_tag
+from hf_cephalo.profiles.types import ClusterProfile, format_bytes
 from hf_cephalo.units import GIB
 
 __all__ = ["ResolvedPlan", "resolve_plan_for_model", "resolve_elastic_plan",

@@ -96,7 +96,7 @@ from hf_cephalo.integrations.weight_decay import ShardWeightDecay, decay_rule, s
 from hf_cephalo.models.registry import supported_model_classes
 from hf_cephalo.planner import Plan
 from hf_cephalo.planner.types import activation_checkpointing_mode
-from hf_cephalo.profiler.types import ClusterProfile
+from hf_cephalo.profiles.types import ClusterProfile
 
 __all__ = ["CephaloTrainer", "format_plan_table", "format_loss_trend"]
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize_fixed_state
 from hf_cephalo.planner.predict import predict, predicted_unit_compute_s
 from hf_cephalo.planner.types import Plan
-from hf_cephalo.profiler.types import ClusterProfile
+from hf_cephalo.profiles.types import ClusterProfile
 
 __all__ = ["MEASUREMENT_FIELDS", "Measurement", "SwitchDecision", "StateDecision",
            "predicted_unit_compute_s", "refit_cluster", "split_key", "decide_batch_switch",

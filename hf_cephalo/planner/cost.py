@@ -36,7 +36,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from hf_cephalo.planner.memory import activation_bytes, memory_line  # noqa: F401 (re-export)
-from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile
 
 __all__ = [
     "UNEVEN_FACTOR",

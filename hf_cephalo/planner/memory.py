@@ -61,7 +61,7 @@ Device memory of rank i = r_i·S + M_i(m, b) with
 * Host (pinned, CUDA offload only): (L + 1)·b·a per rank, summed over the ranks of one machine
   against c × that machine's RAM (``ClusterProfile.host_memory_bytes``).
 
-Precision ([Note: precision tags] in profiler/precision.py; engine/flat_param.py [Note:
+Precision ([Note: precision tags] in profiles/precision.py; engine/flat_param.py [Note:
 low-precision gathered parameters]). Every e above is one of three element sizes
 (``_Sizes``): e_p = ``ModelProfile.param_gather_bytes`` for gathered units and all-gather
 outputs (2 with a bf16 / fp16 ``param_dtype``), e = ``param_bytes`` for the unit's gradient (the
@@ -103,7 +103,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from hf_cephalo.profiler.types import ClusterProfile, DeviceProfile, ModelProfile
+from hf_cephalo.profiles.types import ClusterProfile, DeviceProfile, ModelProfile
 
 __all__ = ["CollectiveBuffers", "EngineBuffers", "collective_buffers", "engine_buffers",
            "activation_bytes", "head_activation_bytes", "embed_activation_bytes",

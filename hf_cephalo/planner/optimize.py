@@ -44,7 +44,7 @@ from hf_cephalo.planner import cost, memory
 from hf_cephalo.planner.predict import predict
 from hf_cephalo.planner.state import layout_unit_shards, partition_state
 from hf_cephalo.planner.types import Plan, RankPlan, check_batch_and_fraction
-from hf_cephalo.profiler.types import ClusterProfile, format_bytes
+from hf_cephalo.profiles.types import ClusterProfile, format_bytes
 from hf_cephalo.units import GIB
 
 __all__ = ["optimize", "optimize_auto_checkpointing", "AutoCheckpointing", "optimize_fixed_state",

@@ -15,7 +15,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 from hf_cephalo.planner.optimize import InfeasiblePlanError
 from hf_cephalo.planner.types import Plan
-from hf_cephalo.profiler.types import ClusterProfile
+from hf_cephalo.profiles.types import ClusterProfile
 
 __all__ = ["PrecisionChoice", "precision_candidates", "choose_precision"]
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from hf_cephalo.planner import cost, memory
 from hf_cephalo.planner.types import Plan
-from hf_cephalo.profiler.types import ClusterProfile
+from hf_cephalo.profiles.types import ClusterProfile
 
 __all__ = ["RankPrediction", "MachinePrediction", "Prediction", "predict", "plan_layout",
            "MeasuredStep", "predicted_unit_compute_s", "refit_to_measured"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from hf_cephalo.planner import cost, memory
-from hf_cephalo.profiler.types import ClusterProfile
+from hf_cephalo.profiles.types import ClusterProfile
 
 __all__ = ["reference_unit_time"]
 

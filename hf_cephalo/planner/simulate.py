@@ -20,7 +20,7 @@ from hf_cephalo.planner.optimize import InfeasiblePlanError, optimize
 from hf_cephalo.planner.predict import Prediction, RankPrediction, predict
 from hf_cephalo.planner.state import integer_targets, partition_state
 from hf_cephalo.planner.types import Plan, check_batch_and_fraction
-from hf_cephalo.profiler.types import ClusterProfile
+from hf_cephalo.profiles.types import ClusterProfile
 from hf_cephalo.units import GIB
 
 __all__ = [
@@ -481,7 +481,7 @@ def extrapolation_note(plan: Plan, cluster: ClusterProfile) -> str | None:
     or None when every m_i was profiled or interpolated.
 
     Also None for a spec-sheet estimate (``cluster.source != "measured"``): its times and
-    memory are linear in m by construction (profiler/specs.py), so the linear extrapolation is
+    memory are linear in m by construction (profiles/specs.py), so the linear extrapolation is
     exactly the estimate's own formula, and the advice to measure larger microbatches with
     ``hf-cephalo profile`` would be wrong where no GPU is at hand (``hf-cephalo plan`` prints
     that measured profiles replace spec-sheet estimates).

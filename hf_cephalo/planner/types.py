@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from hf_cephalo.profiler.precision import PRECISIONS, Precision
-from hf_cephalo.profiler.types import ModelProfile, file_remedy, read_json_file, write_json_file
+from hf_cephalo.profiles.precision import PRECISIONS, Precision
+from hf_cephalo.profiles.types import ModelProfile, file_remedy, read_json_file, write_json_file
 
 __all__ = ["RankPlan", "Plan", "PLAN_FORMAT", "check_batch_and_fraction",
            "ACTIVATION_CHECKPOINTING_CHOICES", "parse_activation_checkpointing",
@@ -161,7 +161,7 @@ class Plan:
             memory models price the choice (docs/planner.md); the trainer builds the engine
             with ``CephaloEngine(activation_checkpointing=...)``. A plan file without the key
             reads as True (plans written before it existed).
-        precision: the precision the plan was made for (profiler/precision.py [Note: precision
+        precision: the precision the plan was made for (profiles/precision.py [Note: precision
             tags], e.g. ``"float32+autocast-bf16+gather-bf16"``: the profile's tag); None for
             hand-made plans and plans written before it was recorded (not checked).
     """

@@ -34,7 +34,7 @@ sequence length (synthetic token ids / pixels of the right shape, ``synthetic_mi
   the even time (docs/planner.md "The uneven factor u").
 
 ``profile_cluster`` runs all of it on every rank (collective when the world size is > 1),
-uses the on-disk cache (``profiler.cache``) when it can, and returns the same
+uses the on-disk cache (``profiles.cache``) when it can, and returns the same
 ``ClusterProfile`` on every rank. ``check_profile_matches`` refuses a profile of another model
 or device.
 """
@@ -58,12 +58,12 @@ from hf_cephalo.engine.flat_param import (ParamLeaves, collect_params, install_p
                                           move_shared_params, param_infos)
 from hf_cephalo.models.base import AutocastStagedModel, StagedModel
 from hf_cephalo.planner.state import skewed_state_ratios
-from hf_cephalo.profiler.cache import (ProfileCache, comm_key, device_key, model_description,
+from hf_cephalo.profiles.cache import (ProfileCache, comm_key, device_key, model_description,
                                        model_fingerprint)
 from hf_cephalo.profiler.emulate import EmulatedStagedModel, EmulationConfig, emulated_device_name
 from hf_cephalo.profiler.live_memory import LiveTensorBytes
-from hf_cephalo.profiler.precision import PRECISIONS, Precision
-from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.profiles.precision import PRECISIONS, Precision
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 from hf_cephalo.units import GIB
 
 __all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "model_profile",

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.engine.rank_precision import device_precisions, rank_precision
 from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
-from hf_cephalo.profiler.precision import auto_precision
+from hf_cephalo.profiles.precision import auto_precision
 from tests.dist_utils import run_ranks
 
 pytestmark = pytest.mark.gpu

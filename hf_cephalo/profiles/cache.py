@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hf_cephalo.file_modes import apply_default_mode
-from hf_cephalo.profiler.types import CommProfile, DeviceProfile
+from hf_cephalo.profiles.types import CommProfile, DeviceProfile
 
 __all__ = ["ProfileCache", "default_cache_dir", "model_description", "model_fingerprint",
            "device_key", "comm_key", "write_back_devices"]

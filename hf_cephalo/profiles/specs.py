@@ -33,8 +33,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from hf_cephalo.profiler.precision import Precision
-from hf_cephalo.profiler.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+from hf_cephalo.profiles.precision import Precision
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 from hf_cephalo.units import GIB
 
 __all__ = [
@@ -552,7 +552,7 @@ def rank_precisions_for(cluster: ClusterSpec, precision: str | Sequence[str]) ->
 
     Raises ValueError: a list of the wrong length or a GPU without the precision (naming the
     rank and the GPU)."""
-    from hf_cephalo.profiler.precision import check_rank_precisions, parse_rank_precisions
+    from hf_cephalo.profiles.precision import check_rank_precisions, parse_rank_precisions
 
     gpus = cluster.gpus
     supported = [spec_precisions(g) for g in gpus]
@@ -580,7 +580,7 @@ def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kw
     gathers the fp32 master and each rank casts locally: docs/engine.md "Precision per rank");
     ``extra["rank_precisions"]`` records the list.
     """
-    from hf_cephalo.profiler.precision import rank_precisions_tag
+    from hf_cephalo.profiles.precision import rank_precisions_tag
 
     precision = kwargs.pop("precision", "fp32")
     shape = model if isinstance(model, ModelShape) else get_model_shape(model)
