@@ -1,5 +1,5 @@
 """Padded-token overhead (padded tokens / real tokens) of the two collation modes on the main
-job's data ([Note: padding independent of the plan] in hf_cephalo/integrations/sampler.py).
+job's data ([Note: padding independent of the plan] in hf_cephalo/runtime/sampler.py).
 
 The main job (``scripts/demo.sh``: ``examples/train_clm.py`` on Python's pydoc_data text) feeds
 ``group_texts`` blocks of ``--block_size`` tokens through ``default_data_collator``: every row
@@ -21,7 +21,7 @@ import argparse
 from torch.utils.data import DataLoader
 
 from hf_cephalo.integrations.data import group_texts, pydoc_text_dataset, train_bpe_tokenizer
-from hf_cephalo.integrations.sampler import (GlobalBatchCollator, MicrobatchCollator,
+from hf_cephalo.runtime.sampler import (GlobalBatchCollator, MicrobatchCollator,
                                              WeightedBatchSampler)
 
 PLANS = {  # name: (batch sizes b_i, microbatch sizes m_i)

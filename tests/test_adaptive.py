@@ -40,7 +40,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from hf_cephalo.integrations.sampler import global_batches
+from hf_cephalo.runtime.sampler import global_batches
 from tests.dist_utils import budget_s, portable, run_ranks, test_timeout
 from tests.models_fixtures import build
 from tests.test_trainer import _collate, _dataset, _samples
@@ -357,7 +357,7 @@ def test_state_mode_wiring_calls_relayout_then_switches_the_split(tmp_path, caps
     from types import SimpleNamespace
 
     from hf_cephalo.integrations.adaptive import AdaptiveCallback
-    from hf_cephalo.integrations.sampler import SplitSchedule
+    from hf_cephalo.runtime.sampler import SplitSchedule
     from hf_cephalo.planner import optimize
     from tests.test_adaptive_plan import _capped_pair, _rows
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hf_cephalo.integrations import elastic, replan
-from hf_cephalo.integrations.sampler import WeightedBatchSampler, global_batches
+from hf_cephalo.runtime.sampler import WeightedBatchSampler, global_batches
 from hf_cephalo.planner import Plan
 from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 from tests.dist_utils import run_ranks

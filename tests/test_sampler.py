@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from hf_cephalo.integrations.sampler import (
+from hf_cephalo.runtime.sampler import (
     GlobalBatchCollator,
     MicrobatchCollator,
     WeightedBatchSampler,
@@ -220,7 +220,7 @@ def test_live_switch_keeps_the_global_batches():
     """[Note: switching the split live]: a switch of (b_i, m_i) from step k on splits the SAME
     global batches (those of a run without the switch), over epoch boundaries too, and the
     collator cuts each step into the m_i of that step."""
-    from hf_cephalo.integrations.sampler import MicrobatchCollator, SplitSchedule
+    from hf_cephalo.runtime.sampler import MicrobatchCollator, SplitSchedule
 
     n, sizes, new = 45, [6, 4], [3, 7]  # B = 10: 5 steps per epoch (last one partial)
     schedule = SplitSchedule(sizes, [3, 2])

@@ -14,7 +14,7 @@ import torch
 import transformers
 from transformers import get_linear_schedule_with_warmup
 
-from hf_cephalo.integrations.sampler import global_batches
+from hf_cephalo.runtime.sampler import global_batches
 from tests.dist_utils import budget_s, run_ranks, test_timeout
 from tests.models_fixtures import build
 

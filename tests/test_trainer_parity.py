@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from hf_cephalo.integrations.sampler import WeightedBatchSampler
+from hf_cephalo.runtime.sampler import WeightedBatchSampler
 from tests.dist_utils import run_ranks
 from tests.models_fixtures import build
 

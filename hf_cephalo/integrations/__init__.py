@@ -47,15 +47,6 @@ _EXPORTS = {
     "disable_progress_bars": "quiet",
     "quiet_load_report": "quiet",
     "LOAD_REPORT_LOGGER": "quiet",
-    # sampler
-    "WeightedBatchSampler": "sampler",
-    "SplitSchedule": "sampler",
-    "MicrobatchCollator": "sampler",
-    "GlobalBatchCollator": "sampler",
-    "packs_without_padding": "sampler",
-    "split_counts": "sampler",
-    "split_microbatches": "sampler",
-    "global_batches": "sampler",
     # data
     "pydoc_texts": "data",
     "pydoc_text_dataset": "data",

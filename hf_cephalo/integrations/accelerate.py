@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from hf_cephalo.integrations.sampler import WeightedBatchSampler
+from hf_cephalo.runtime.sampler import WeightedBatchSampler
 from hf_cephalo.planner.types import (ACTIVATION_CHECKPOINTING_CHOICES,
                                       parse_activation_checkpointing)
 
@@ -152,7 +152,7 @@ class CephaloPlugin:
     """Where the data collator runs: 'global_batch' (default: once per global batch, then split
     into ranks and microbatches; padding as one process with the whole batch) or 'microbatch'
     (per microbatch: less padding, padding then depends on the plan). See [Note: padding
-    independent of the plan] in ``integrations/sampler.py``."""
+    independent of the plan] in ``runtime/sampler.py``."""
     distributed_type: CephaloDistributedType = CephaloDistributedType.CEPHALO
     """Cephalo's own distributed type (Accelerate's stays MULTI_GPU / MULTI_CPU)."""
 

@@ -85,9 +85,8 @@ from hf_cephalo.integrations.elastic import ElasticCallback
 from hf_cephalo.integrations.jit_checkpoint import replace_jit_checkpoint_callback
 from hf_cephalo.integrations.preflight import check_before_planning, check_script
 from hf_cephalo.integrations.replan import resolve_elastic_plan
-from hf_cephalo.integrations.sampler import (GlobalBatchCollator, MicrobatchCollator,
-                                             SplitSchedule, WeightedBatchSampler,
-                                             packs_without_padding)
+from hf_cephalo.runtime.data import LoaderOptions, weighted_loader
+from hf_cephalo.runtime.sampler import SplitSchedule
 from hf_cephalo.integrations.sharded_model import guard_sharded_model, restore_full_model
 from hf_cephalo.integrations.support import HOOK_SUPPORT
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
@@ -142,13 +141,6 @@ def format_loss_trend(losses: Sequence[float]) -> str:
                 "log more often with --logging_steps)")
     trend = "went down" if losses[-1] < losses[0] else "DID NOT go down"
     return f"first {losses[0]:.4f} -> last {losses[-1]:.4f} ({trend}; {len(losses)} logged values)"
-
-
-class _EpochDataLoader(DataLoader):
-    """DataLoader whose ``set_epoch`` reaches its ``WeightedBatchSampler`` (Trainer calls it)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
 
 
 def _stack_padded(rows: list[torch.Tensor], pad_value: float) -> np.ndarray:
@@ -421,7 +413,7 @@ class CephaloTrainer(Trainer):
 
     # ---- data ----------------------------------------------------------------------------
     def _weighted_loader(self, dataset, description: str, *, shuffle: bool,
-                         microbatch_size: int) -> _EpochDataLoader:
+                         microbatch_size: int) -> DataLoader:
         if not hasattr(dataset, "__len__"):
             raise ValueError(f"{description}: CephaloTrainer needs a dataset with a length (an "
                              "iterable dataset cannot be split by per-rank batch sizes): "
@@ -441,31 +433,23 @@ class CephaloTrainer(Trainer):
             # transform, so the image column survives the pruning.
             collator = self._get_collator_with_removed_columns(collator, description=description)
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        rank = self.args.process_index
         # Training: the split can change live ([Note: switching the split live] in sampler.py).
         schedule = SplitSchedule(self.plan.batch_sizes, self.plan.microbatch_sizes) \
             if shuffle else None
         if shuffle:
             self.split_schedule = schedule
-        # [Note: padding independent of the plan] (sampler.py)
-        whole = self.args.cephalo_collate == "global_batch" and not packs_without_padding(collator)
-        sampler = WeightedBatchSampler(len(dataset), self.plan.batch_sizes, rank,
-                                       seed=seed, shuffle=shuffle and strategy == "random",
-                                       drop_last=shuffle and self.args.dataloader_drop_last,
-                                       lengths=lengths, yield_global_batch=whole,
-                                       schedule=schedule)
-        collate_fn = (GlobalBatchCollator(collator, self.plan.batch_sizes, rank, microbatch_size,
-                                          schedule) if whole else
-                      MicrobatchCollator(collator, microbatch_size, schedule, rank))
-        workers = self.args.dataloader_num_workers
-        extra = {} if workers == 0 else dict(
+        options = LoaderOptions(
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers,
             prefetch_factor=self.args.dataloader_prefetch_factor,
             multiprocessing_context=self.args.dataloader_multiprocessing_context)
-        return _EpochDataLoader(dataset, batch_sampler=sampler,
-                                collate_fn=collate_fn,
-                                num_workers=workers, pin_memory=self.args.dataloader_pin_memory,
-                                **extra)
+        return weighted_loader(dataset, collator, batch_sizes=self.plan.batch_sizes,
+                               rank=self.args.process_index, microbatch_size=microbatch_size,
+                               seed=seed, shuffle=shuffle and strategy == "random",
+                               drop_last=shuffle and self.args.dataloader_drop_last,
+                               lengths=lengths, schedule=schedule,
+                               collate=self.args.cephalo_collate, options=options)
 
     def _sample_lengths(self, dataset) -> list[int]:
         """Per-sample lengths for group_by_length, as stock: the ``length_column_name`` column,

@@ -18,7 +18,7 @@ from accelerate.utils import DistributedType, broadcast_object_list, gather_obje
 from torch.utils.data import DataLoader
 
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloDistributedType, CephaloPlugin
-from hf_cephalo.integrations.sampler import MicrobatchCollator, WeightedBatchSampler
+from hf_cephalo.runtime.sampler import MicrobatchCollator, WeightedBatchSampler
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
 
