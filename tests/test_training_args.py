@@ -195,7 +195,7 @@ def test_package_exports_every_public_name():
 
     expected = set()
     for mod in ("trainer", "training_args", "accelerate", "auto_plan", "replan", "adaptive",
-                "sampler", "data", "pretrained", "quiet"):
+                "data", "pretrained", "quiet"):
         module = importlib.import_module(f"hf_cephalo.integrations.{mod}")
         for name in module.__all__:
             expected.add(name)
@@ -236,3 +236,28 @@ def test_adaptive_settings_defaults_and_errors(tmp_path, monkeypatch):
     assert emulation.slowdown == [1.0, 1.0]
     assert emulation.schedule.factors_at(9) == (1.0, 1.0)
     assert emulation.schedule.factors_at(10) == (1.0, 3.0)
+
+
+def test_settings_declared_once_help_and_defaults(tmp_path):
+    """Every Cephalo setting is one ``cephalo_<name>`` field of the training arguments with the
+    setting's default after resolution, and the command line's --help (which argparse
+    %-formats: "5%" used to make it raise) shows each one's default and environment variable."""
+    from dataclasses import fields
+
+    from transformers import HfArgumentParser
+
+    from hf_cephalo.integrations.accelerate import CephaloPlugin
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.runtime.settings import CephaloSettings, env_name
+
+    args, plugin = _args(tmp_path), CephaloPlugin()
+    names = [f.name for f in fields(CephaloSettings)]
+    cephalo = [f.name for f in fields(CephaloTrainingArguments) if f.name.startswith("cephalo_")]
+    assert cephalo == [f"cephalo_{n}" for n in names]
+    for name in names:
+        assert getattr(args, f"cephalo_{name}") == getattr(plugin, name) \
+            == CephaloSettings.default_of(name), name
+    text = HfArgumentParser(CephaloTrainingArguments).format_help()
+    for name in names:
+        assert f"--cephalo_{name}" in text and env_name(name) in text, name
+    assert "(0.05 = 5%)" in text.replace("\n", " ").replace("  ", " ")

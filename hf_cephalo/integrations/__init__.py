@@ -13,6 +13,7 @@ _EXPORTS = {
     "format_loss_trend": "trainer",
     # training_args
     "CephaloTrainingArguments": "training_args",
+    "CephaloArguments": "training_args",
     # accelerate
     "CephaloDistributedType": "accelerate",
     "CephaloPlugin": "accelerate",
