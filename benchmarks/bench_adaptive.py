@@ -15,7 +15,7 @@ unit call and unit backward). Each rank profiles itself once at its own speed
             emulation does to compute), ``--cephalo_adaptive off``.
 
 All three run the same schedule, data and model. Measured: each step's wall time on rank 0
-(``PlanAccuracyCallback.step_s``; ranks finish a step together at its last collective), median
+(the session's ``StepTimer``; ranks finish a step together at its last collective), median
 over steps [``--from-step``, ``--steps``). Printed: adaptive / oracle (goal <= 1.10),
 static / adaptive (goal >= 1.5 for 1x -> 3x), steps from the change to the switch, and the
 predicted vs measured step time after adaptation (the whole step as planner/cost.py prices it:
@@ -108,12 +108,11 @@ def run(rank, world_size, args):
                                      cluster_profile=cluster, data_collator=collate,
                                      train_dataset=data)
             trainer.train()
-            accuracy = next(c for c in trainer.callback_handler.callbacks
-                            if type(c).__name__ == "PlanAccuracyCallback")
-            decisions = [] if trainer.adaptive_callback is None else \
-                trainer.adaptive_callback.decisions
+            controller = trainer.session.controller
+            decisions = [] if controller is None else controller.decisions
             out[name] = dict(
-                step_s=list(accuracy.step_s), start_plan=plans[name].to_json(),
+                step_s=[s.step_s for s in trainer.session.timer.steps],
+                start_plan=plans[name].to_json(),
                 end_plan=trainer.plan.to_json(),
                 predicted_s=predict(trainer.plan, oracle_cluster).iteration_s,
                 switches=[dict(step=d["step"], batch_sizes=d["batch_sizes"],

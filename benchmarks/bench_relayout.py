@@ -98,8 +98,8 @@ def _worker(rank, world, port, args, directory, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from hf_cephalo.engine import checkpoint as ckpt
-    from hf_cephalo.engine import relayout_state
     from hf_cephalo.planner import Plan
+    from hf_cephalo.runtime.session import relayout_onto_plan
 
     old, new = CASES[world]
     engine, opt = _engine(args, old)
@@ -110,17 +110,17 @@ def _worker(rank, world, port, args, directory, out):
     t0 = time.perf_counter()
     ckpt.save_checkpoint(engine, directory, opt)
     save_s = time.perf_counter() - t0
-    rows_old = [list(u.numel_per_rank) for u in engine._all_units()]
+    rows_old = [list(u.numel_per_rank) for u in engine.all_units()]
     plan = Plan.from_ratios([1] * world, [1] * world, new)
     engine.stats.reset()
     dist.barrier()
     before_kib, peak_ok = _status_kib("VmRSS"), _reset_peak()
     t0 = time.perf_counter()
-    relayout_state(engine, opt, plan)
+    relayout_onto_plan(engine, opt, plan)
     relayout_s = time.perf_counter() - t0
     after_kib, peak_kib = _status_kib("VmRSS"), _status_kib("VmHWM")
-    rows_new = [list(u.numel_per_rank) for u in engine._all_units()]
-    sent, received, unit_set = _ideal(rows_old, rows_new, engine._all_units(), rank, 3)
+    rows_new = [list(u.numel_per_rank) for u in engine.all_units()]
+    sent, received, unit_set = _ideal(rows_old, rows_new, engine.all_units(), rank, 3)
     state_bytes = sum(3 * p.numel() * p.element_size() for p in engine.parameters())
     twin, twin_opt = _engine(args, new)
     dist.barrier()

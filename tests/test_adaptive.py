@@ -95,27 +95,27 @@ def _cluster(model, world_size, capped=False):
 
 
 def _injected(scales, bad=None):
-    """``AdaptiveCallback.local_row`` replacement: unit compute = scale x the start profile's
+    """``AdaptiveController.local_row`` replacement: unit compute = scale x the start profile's
     prediction at the current (b_i, m_i), plus a per-rank jitter (ranks report different
     numbers); ``bad`` = {rank: row} replaces a rank's row."""
     from hf_cephalo.planner.adapt import predicted_unit_compute_s
 
     def local_row(self):
-        trainer, rank = self.trainer, self.trainer.args.process_index
+        session, rank = self.session, self.session.job.rank
         if bad and rank in bad:
             return list(bad[rank])
-        unit = scales[rank] * predicted_unit_compute_s(trainer.plan, trainer.cluster_profile,
+        unit = scales[rank] * predicted_unit_compute_s(session.plan, session.cluster_profile,
                                                        rank) * (1 + 1e-3 * rank)
         return [float(INTERVAL), unit, 1.0 + rank, 0.1 * rank,
-                float(trainer.plan.ranks[rank].batch_size)]
+                float(session.plan.ranks[rank].batch_size)]
 
     return local_row
 
 
 def _train(out_dir, name, world_size, *, adaptive, local_row=None, schedule=None,
            max_steps=-1, save_steps=None, resume=None, momentum=0.0, capped=False):
-    from hf_cephalo.integrations.adaptive import AdaptiveCallback
     from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.runtime.adaptive import AdaptiveController
     from hf_cephalo.integrations.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import optimize
 
@@ -129,9 +129,9 @@ def _train(out_dir, name, world_size, *, adaptive, local_row=None, schedule=None
         save_strategy="no" if save_steps is None else "steps", save_steps=save_steps or 500,
         seed=SEED, disable_tqdm=True, cephalo_adaptive=adaptive,
         cephalo_adaptive_interval=INTERVAL, cephalo_emulate_slowdown_schedule=schedule)
-    original = AdaptiveCallback.local_row
+    original = AdaptiveController.local_row
     if local_row is not None:
-        AdaptiveCallback.local_row = local_row
+        AdaptiveController.local_row = local_row
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -146,11 +146,11 @@ def _train(out_dir, name, world_size, *, adaptive, local_row=None, schedule=None
             trainer.add_callback(_FirstStepSplit(trainer, resumed_sizes, resumed_ratios))
         trainer.train(resume_from_checkpoint=resume)
     finally:
-        AdaptiveCallback.local_row = original
+        AdaptiveController.local_row = original
         logging.getLogger("hf_cephalo").removeHandler(handler)
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
     params = {k: v.detach().clone() for k, v in trainer.unshard_model().state_dict().items()}
-    callback = trainer.adaptive_callback
+    callback = trainer.session.controller
     replans_path = os.path.join(args.output_dir, "cephalo_replans.jsonl")
     return portable(dict(
         losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
@@ -349,44 +349,43 @@ def test_resume_continues_from_the_switched_split(runs):
 
 
 def test_state_mode_wiring_calls_relayout_then_switches_the_split(tmp_path, capsys):
-    """The callback's state-mode path without a process group (the exchange is stubbed): after
-    two exchanges that predict the gain, ``trainer._relayout_state(new_plan)`` is called once
-    with the re-laid plan, then the plan and the loader's split change and the switch is
-    recorded as mode "state" with the old and new r_i (the real re-layout through
-    CephaloTrainer: test_state_switch_relays_r_i_and_keeps_the_trajectory)."""
+    """The controller's state-mode path without a process group (the exchange is stubbed):
+    after two exchanges that predict the gain, the session's ``switch_plan`` is called once
+    with the re-laid plan and ``relayout=True``, and the switch is recorded as mode "state"
+    with the old and new r_i (the real re-layout through CephaloTrainer:
+    test_state_switch_relays_r_i_and_keeps_the_trajectory)."""
     from types import SimpleNamespace
 
-    from hf_cephalo.integrations.adaptive import AdaptiveCallback
-    from hf_cephalo.runtime.sampler import SplitSchedule
     from hf_cephalo.planner import optimize
+    from hf_cephalo.runtime.adaptive import AdaptiveController
     from tests.test_adaptive_plan import _capped_pair, _rows
 
     cluster = _capped_pair()
     plan = optimize(cluster, 16)
     calls = []
-    args = SimpleNamespace(process_index=0, output_dir=str(tmp_path), device="cpu")
-    trainer = SimpleNamespace(plan=plan, cluster_profile=cluster, args=args,
-                              split_schedule=SplitSchedule(plan.batch_sizes,
-                                                           plan.microbatch_sizes),
-                              _relayout_state=calls.append)
-    callback = AdaptiveCallback(trainer, interval=5, threshold=0.01, hysteresis_steps=20,
-                                mode="state")
+    job = SimpleNamespace(rank=0, output_dir=str(tmp_path), device=torch.device("cpu"),
+                          is_main=True)
+    session = SimpleNamespace(plan=plan, cluster_profile=cluster, job=job)
+
+    def switch_plan(new, step, *, relayout=False, scales=None):
+        calls.append((new, step, relayout))
+        session.plan = new
+
+    session.switch_plan = switch_plan
+    controller = AdaptiveController(session, interval=5, threshold=0.01, hysteresis_steps=20,
+                                    mode="state")
     rows = _rows(plan, cluster, [3.0, 1.0])
-    callback._exchange = lambda row: rows
-    callback.local_row = lambda: rows[0]
-    state = SimpleNamespace(global_step=10, epoch=1.0, log_history=[], max_steps=100)
-    callback._exchange_and_decide(args, state)
-    assert not calls and trainer.plan is plan  # seen once: not yet
-    state.global_step = 15
-    callback._exchange_and_decide(args, state)
-    (new,) = calls
-    assert trainer.plan is new and new.state_ratios != plan.state_ratios
-    assert trainer.split_schedule.batch_sizes_at(15) == new.batch_sizes
-    assert trainer.split_schedule.batch_sizes_at(14) == plan.batch_sizes
-    record = state.log_history[0]["cephalo_replan"]
+    controller._exchange = lambda row: rows
+    controller.local_row = lambda: rows[0]
+    assert controller._exchange_and_decide(10, 1.0) is None
+    assert not calls and session.plan is plan  # seen once: not yet
+    record = controller._exchange_and_decide(15, 1.5)
+    ((new, step, relayout),) = calls
+    assert step == 15 and relayout and session.plan is new
+    assert new.state_ratios != plan.state_ratios
     assert record["mode"] == "state" and record["new_state_ratios"] == new.state_ratios
-    assert record["old_state_ratios"] == plan.state_ratios
-    assert callback.decisions[-1]["relayout"] and not callback.decisions[0]["relayout"]
+    assert record["old_state_ratios"] == plan.state_ratios and controller.records == [record]
+    assert controller.decisions[-1]["relayout"] and not controller.decisions[0]["relayout"]
     line = capsys.readouterr().out
     assert "Cephalo re-plan after step 15" in line and "r_i unchanged" not in line
 

@@ -331,7 +331,7 @@ def test_resume_true_picks_newest_complete_checkpoint(matrix):
 
 
 def test_latest_checkpoint_skips_incomplete(tmp_path, caplog):
-    from hf_cephalo.integrations.elastic import latest_checkpoint
+    from hf_cephalo.integrations import latest_checkpoint
 
     for step, complete in ((2, True), (10, False), (4, False), (3, True)):
         os.makedirs(tmp_path / f"checkpoint-{step}")

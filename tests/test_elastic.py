@@ -18,7 +18,8 @@ import os
 import pytest
 import torch
 
-from hf_cephalo.integrations import elastic, replan
+from hf_cephalo.runtime import elastic
+from hf_cephalo.runtime import planning as replan
 from hf_cephalo.runtime.sampler import WeightedBatchSampler, global_batches
 from hf_cephalo.planner import Plan
 from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
@@ -200,7 +201,7 @@ def test_resume_adopts_a_checkpoint_plan_only_with_the_running_activation_checkp
     """The engine is built with the running plan's activation checkpointing: a checkpoint's
     whole plan (re-laid r_i) is adopted only with the same choice; its split alone keeps the
     running plan's choice."""
-    from hf_cephalo.integrations.replan import adopt_checkpoint_split, adopt_checkpoint_state
+    from hf_cephalo.runtime.planning import adopt_checkpoint_split, adopt_checkpoint_state
 
     running = Plan.from_ratios([7, 5], [7, 5], [0.5, 0.5], devices=["A100", "V100"],
                                activation_checkpointing=False)
@@ -214,7 +215,7 @@ def test_resume_adopts_a_checkpoint_plan_only_with_the_running_activation_checkp
     # the banner above the plan a resume continues on says what was adopted, and that the
     # checkpoint ran with the other activation checkpointing (it said "the plan its checkpoint
     # ran on" with the running setting)
-    from hf_cephalo.integrations.replan import resume_banner
+    from hf_cephalo.runtime.planning import resume_banner
 
     assert resume_banner(moved, moved, True) == ("resume continues on the plan its checkpoint "
                                                  "ran on (the live re-balancing before it)")

@@ -187,18 +187,17 @@ def _trainer_worker(rank, world_size, out_dir):
     # The early step-time check after the first steps: after 1 step past the first here (3 steps
     # in all). A prediction of 1 us is certainly off by more than 15%: rank 0 must warn then,
     # before the train-end table, naming the steps.
-    from hf_cephalo.integrations import auto_plan
+    from hf_cephalo.runtime import report
 
-    auto_plan.PlanAccuracyCallback.CHECK_AFTER_STEPS = 1
-    trainer.plan = dataclasses.replace(trainer.plan, predicted_iteration_s=1e-6)
+    report.AccuracyReport.CHECK_AFTER_STEPS = 1
+    trainer.session.plan = dataclasses.replace(trainer.plan, predicted_iteration_s=1e-6)
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
-    auto_plan.logger.addHandler(handler)
+    report.logger.addHandler(handler)
     trainer.train()
-    auto_plan.logger.removeHandler(handler)
-    (callback,) = [c for c in trainer.callback_handler.callbacks
-                   if type(c).__name__ == "PlanAccuracyCallback"]
+    report.logger.removeHandler(handler)
+    callback = trainer.session.report
     result["rows"] = callback.rows
     result["early_rows"] = callback.early_rows
     # what rank 0 wrote back to the profile cache at train end: the profile refit to the rows
@@ -289,22 +288,17 @@ def test_auto_plan_on_emulated_ranks_favours_the_faster_rank(tmp_path, capsys):
 
 def test_emulated_timer_is_found_through_the_bf16_autocast_wrapper():
     """--bf16 with emulation: the engine wraps the emulated adapter in AutocastStagedModel; the
-    predicted-vs-measured callback still reads the emulated ComputeTimer through it, and the
-    wrapper's forward calls run under autocast while the emulation times them."""
-    from types import SimpleNamespace
-
-    from hf_cephalo.integrations.auto_plan import PlanAccuracyCallback
+    step timer still reads the emulated ComputeTimer through it, and the wrapper's forward
+    calls run under autocast while the emulation times them."""
     from hf_cephalo.models.base import AutocastStagedModel
     from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
     from hf_cephalo.profiler.emulate import EmulatedStagedModel
+    from hf_cephalo.runtime.report import StepTimer
 
     emulated = EmulatedStagedModel(ToyStaged(ToyLM(ToyConfig())), 1.0)
     wrapped = AutocastStagedModel(emulated, "cpu")
-    callback = PlanAccuracyCallback(SimpleNamespace(engine=SimpleNamespace(staged=wrapped)))
-    assert callback._timer() is emulated.timer
-    plain = PlanAccuracyCallback(SimpleNamespace(engine=SimpleNamespace(
-        staged=AutocastStagedModel(ToyStaged(ToyLM(ToyConfig())), "cpu"))))
-    assert plain._timer() is None
+    assert StepTimer(wrapped)._compute is emulated.timer
+    assert StepTimer(AutocastStagedModel(ToyStaged(ToyLM(ToyConfig())), "cpu"))._compute is None
     hidden, ctx = wrapped.embed({"input_ids": torch.zeros(1, 4, dtype=torch.long)})
     out = wrapped.run_unit(0, hidden, ctx)
     assert out.dtype == torch.float32 and emulated.timer.calls == 2  # timed; residual stays fp32

@@ -164,7 +164,7 @@ def case_collective_counts_and_accounting(rank, world):
             assert s.peak_unsharded_numel <= root_n + 2 * unit_n, what
             if not resident and not tied:  # the embedding is never gathered beside the head
                 assert s.peak_unsharded_numel < embed.numel + head.numel + unit_n, what
-            assert all(u.state.value == "sharded" for u in engine._all_units())
+            assert all(u.state.value == "sharded" for u in engine.all_units())
             assert_grads_close(gather_grads(engine), reference_grads(ref, ids, labels), what)
         assert len(set(per_l.values())) == 1, per_l
         engine.stats.reset()
@@ -265,7 +265,7 @@ def case_no_unit_sized_tensor_in_backward(rank, world):
     ids[5, 3] = 0
     for checkpointing in (True, False):
         engine, ref = fresh(cfg, state_ratios=[0.5, 0.5], activation_checkpointing=checkpointing)
-        numels = {u.trainable_numel for u in engine._all_units() if u.trainable_numel > 32}
+        numels = {u.trainable_numel for u in engine.all_units() if u.trainable_numel > 32}
         assert len(numels) == 2, numels  # the layer units' and the embedding unit's
         calls, backward = [], torch.autograd.backward
 
@@ -668,7 +668,7 @@ def case_exception_mid_step(rank, world):
     calls.update({"unit 1": 0, "armed": True})
     with pytest.raises(_Boom):
         engine.train_step(mine)
-    assert all(u.state.value == "sharded" for u in engine._all_units())
+    assert all(u.state.value == "sharded" for u in engine.all_units())
     assert engine._tracker.param_numel == 0 and engine._tracker.grad_numel == 0
     assert all(p.grad is None for p in engine.parameters())
     assert all(p.numel() == 0 for p in engine.staged.model.parameters())  # placeholders

@@ -22,7 +22,7 @@ from tests.models_fixtures import build
 @pytest.fixture
 def no_profiling(monkeypatch, tmp_path):
     """Any profile during the test fails it; the environment cannot change the arguments."""
-    from hf_cephalo.integrations import replan
+    from hf_cephalo.runtime import planning
 
     for name in ("PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE", "EMULATE_SLOWDOWN",
                  "EMULATE_MEMORY_CAP_BYTES"):
@@ -32,7 +32,7 @@ def no_profiling(monkeypatch, tmp_path):
     def refuse(*args, **kwargs):
         raise AssertionError("profile_cluster ran before the setup was checked")
 
-    monkeypatch.setattr(replan, "profile_cluster", refuse)
+    monkeypatch.setattr(planning, "profile_cluster", refuse)
 
 
 def _args(tmp_path, **kw):
@@ -84,18 +84,22 @@ def test_bad_setups_fail_before_profiling(tmp_path, capsys, no_profiling):
 
 
 def test_global_batch_below_world_size_warns_before_planning(tmp_path, caplog, no_profiling):
-    """B < N: rank 0 warns from the arguments alone (world size 4 given, no process group)."""
-    from hf_cephalo.integrations.preflight import check_before_planning, warn_idle_ranks
+    """B < N: rank 0 warns from the arguments alone, before profiling (world size 4 given, no
+    process group)."""
+    from hf_cephalo.integrations.training_args import job_from_training_args
+    from hf_cephalo.models import stage_model
     from hf_cephalo.planner import Plan
+    from hf_cephalo.runtime.planning import check_plan_for_job, resolve_plan, warn_idle_ranks
 
-    with caplog.at_level(logging.WARNING, logger="hf_cephalo.integrations.preflight"):
-        check_before_planning(_args(tmp_path, cephalo_global_batch_size=2), 4, build("llama"),
-                              plan=None)
+    with caplog.at_level(logging.WARNING, logger="hf_cephalo.runtime.planning"):
+        job = job_from_training_args(_args(tmp_path, cephalo_global_batch_size=2), 4)
+        with pytest.raises(AssertionError, match="profile_cluster ran"):
+            resolve_plan(job, stage_model(build("llama")))
         assert "global batch size 2 < world size 4: at least 2 rank(s) get no samples" \
             in caplog.text
         caplog.clear()
-        check_before_planning(_args(tmp_path), 2, build("llama"),
-                              plan=Plan.from_ratios([1, 0], [1, 0], [0.5, 0.5]))
+        plan = Plan.from_ratios([1, 0], [1, 0], [0.5, 0.5])
+        check_plan_for_job(job_from_training_args(_args(tmp_path), 2, plan=plan), plan)
         assert "global batch size 1 < world size 2" in caplog.text
         caplog.clear()
         assert not warn_idle_ranks(4, 4) and caplog.text == ""
@@ -112,7 +116,7 @@ def test_profile_cli_points_a_bare_encoder_to_model_class(tmp_path, capsys):
 
 
 def test_step_time_off_by_more_than_15_percent_names_the_term():
-    from hf_cephalo.integrations.auto_plan import diagnose_step_time
+    from hf_cephalo.runtime.report import diagnose_step_time
 
     def row(rank, step, compute, pred_compute, b=4):
         return dict(rank=rank, b=b, step_s=step, compute_s=compute, pred_compute_s=pred_compute)

@@ -72,7 +72,7 @@ def _engine(model, spec, **kw):
 
 
 def _shards(engine) -> list[torch.Tensor]:
-    return [part.local.clone() for u in engine._all_units() for part in u.parts]
+    return [part.local.clone() for u in engine.all_units() for part in u.parts]
 
 
 def _check_meta_equals_cpu(rank, world_size, ckpts) -> list[str]:

@@ -118,7 +118,7 @@ def _state_counts(engine, opt) -> dict:
     """This rank's element counts: shard, trainable part, optimizer-state elements, and the
     training-state bytes counted from the tensors (shards in their dtypes, the shard gradients,
     the optimizer state)."""
-    units = engine._all_units()
+    units = engine.all_units()
     shard = sum(u.local_numel for u in units)
     trainable = sum(u.local_trainable_numel for u in units)
     moments = sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in opt.state.values())

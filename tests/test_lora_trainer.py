@@ -102,7 +102,7 @@ def test_checkpoint_resumes_onto_another_plan(trained):
 def test_adapter_of_another_base_is_refused(trained):
     import transformers
 
-    from hf_cephalo.integrations.peft_save import check_adapter_matches
+    from hf_cephalo.runtime.peft_save import check_adapter_matches
 
     check_adapter_matches(trained["save_dir"], build("bert", seed=0))  # its own base: fine
     cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2,

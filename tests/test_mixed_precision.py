@@ -120,7 +120,7 @@ def set_fp32_sum(ref: ToyLM, per_mb) -> None:
 def local_reference(engine: CephaloEngine, grads: dict) -> list[torch.Tensor]:
     """This rank's slice of each unit's flat trainable gradient built from ``grads[fqn]``."""
     out = []
-    for unit in engine._all_units():
+    for unit in engine.all_units():
         flat = torch.cat([grads[i.fqn].reshape(-1).to(torch.float64) for i in unit.infos
                           if i.requires_grad] or [torch.zeros(0, dtype=torch.float64)])
         start = unit.trainable.starts[unit.rank]

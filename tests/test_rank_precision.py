@@ -344,8 +344,10 @@ def test_bad_input_names_rank_and_device():
 def test_training_args_refusals(tmp_path, monkeypatch):
     """--cephalo_precision beside a one-precision flag, a bad name, and a plan made at start
     are refused before any process group work."""
-    from hf_cephalo.integrations.replan import resolve_plan_for_model
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.training_args import (CephaloTrainingArguments,
+                                                       job_from_training_args)
+    from hf_cephalo.models import stage_model
+    from hf_cephalo.runtime.planning import resolve_plan
     from tests.models_fixtures import build
 
     def make(**kw):
@@ -366,7 +368,7 @@ def test_training_args_refusals(tmp_path, monkeypatch):
     args = make(cephalo_profile_file=str(profile))
     with pytest.raises(NotImplementedError, match="a profile file holds every rank measured "
                                                   "in one precision"):
-        resolve_plan_for_model(args, 2, build("llama"))
+        resolve_plan(job_from_training_args(args, 2), stage_model(build("llama")))
 
 
 def test_cli_precision_auto_and_lists(tmp_path, capsys):

@@ -18,7 +18,7 @@ CephaloTrainer twice.
 * Bad input: another world size, another model, not a Plan, mid-step: errors before any
   collective (the collective counters do not move); ranks passing different plans: the same
   ValueError on every rank, nothing moved; afterwards a re-layout still works (no hang).
-* Trainer: ``CephaloTrainer._relayout_state`` from a callback at step 2 (AdamW through
+* Trainer: ``trainer.session.relayout_state`` from a callback at step 2 (AdamW through
   Accelerate, a linear LR schedule, weight decay masks): same losses and parameters as the
   run without the switch; the trainer and the engine hold the new plan; the scheduler and
   the wrapped optimizer still point at the same optimizer.
@@ -134,7 +134,7 @@ def _reference(case: Case, batches):
 def _local(engine, opt):
     """This rank's shards and optimizer state, per unit (clones)."""
     out = []
-    for unit, p in zip(engine._all_units(), engine.parameters()):
+    for unit, p in zip(engine.all_units(), engine.parameters()):
         out.append(dict(param=p.detach().clone(), frozen=unit.frozen.local.clone(),
                         grad=None if p.grad is None else p.grad.clone(),
                         state={k: v.clone() for k, v in opt.state.get(p, {}).items()}))
@@ -206,7 +206,7 @@ def _gathered(engine, opt) -> list | None:
 # ---- sub-cases ----------------------------------------------------------------------------------
 def _switch_case(rank, world, case: Case, root: str) -> dict:
     from hf_cephalo.engine import checkpoint as ckpt
-    from hf_cephalo.engine import relayout_state
+    from hf_cephalo.runtime.session import plan_layout, relayout_onto_plan
 
     old, new = _plan(case.old), _plan(case.new)
     batches = _batches(case, old.global_batch_size)
@@ -214,18 +214,19 @@ def _switch_case(rank, world, case: Case, root: str) -> dict:
     losses = _train(engine, opt, batches, range(SWITCH_AT), lambda: old)
     directory = os.path.join(root, f"{world}-{case.name}")
     ckpt.save_checkpoint(engine, directory, opt)
-    rows_old = [list(u.numel_per_rank) for u in engine._all_units()]
+    rows_old = [list(u.numel_per_rank) for u in engine.all_units()]
     engine.stats.reset()
-    relayout_state(engine, opt, new)
+    relayout_onto_plan(engine, opt, new)
     stats = engine.stats.as_dict()
-    rows_new = [list(u.numel_per_rank) for u in engine._all_units()]
-    ideal = _ideal(rows_old, rows_new, engine._all_units(), rank, 3)
+    rows_new = [list(u.numel_per_rank) for u in engine.all_units()]
+    ideal = _ideal(rows_old, rows_new, engine.all_units(), rank, 3)
     twin, twin_opt = _setup(case, new, seed=1)  # other weights: the load must matter
     ckpt.load_sharded(twin, directory)
     ckpt.load_sharded_optimizer(twin, twin_opt, directory)
     at_switch = _mismatches(_local(engine, opt), _local(twin, twin_opt))
-    holds_plan = engine.plan is new and engine.root.resident is new.root_resident
-    losses += _train(engine, opt, batches, range(SWITCH_AT, STEPS), lambda: engine.plan)
+    holds_plan = rows_new == plan_layout(engine, new) and \
+        engine.root.resident is new.root_resident
+    losses += _train(engine, opt, batches, range(SWITCH_AT, STEPS), lambda: new)
     twin_losses = _train(twin, twin_opt, batches, range(SWITCH_AT, STEPS), lambda: new)
     after = _mismatches(_local(engine, opt), _local(twin, twin_opt))
     final = engine.full_state_dict()
@@ -248,7 +249,7 @@ def _state_bytes(local) -> int:
 
 def _grad_case(rank, world) -> dict:
     """A gradient that persists (train_step without the optimizer step) moves exactly."""
-    from hf_cephalo.engine import relayout_state
+    from hf_cephalo.runtime.session import relayout_onto_plan
 
     case = CASES[world][0]
     old, new = _plan(case.old), _plan(case.new)
@@ -260,7 +261,7 @@ def _grad_case(rank, world) -> dict:
     ids, labels = batches[1]
     engine.train_step(split_microbatches(ids, labels, old.batch_sizes, old.microbatch_sizes, rank))
     before = _gathered(engine, opt)
-    relayout_state(engine, opt, new)
+    relayout_onto_plan(engine, opt, new)
     after = _gathered(engine, opt)
     if rank != 0:
         return {}
@@ -270,8 +271,8 @@ def _grad_case(rank, world) -> dict:
 
 
 def _bad_input(rank, world) -> dict:
-    from hf_cephalo.engine import relayout_state
     from hf_cephalo.planner import Plan
+    from hf_cephalo.runtime.session import relayout_onto_plan
 
     case = CASES[world][0]
     old = _plan(case.old)
@@ -281,7 +282,7 @@ def _bad_input(rank, world) -> dict:
     wrong_model.model = {"name": "other", "num_units": 7, "params_per_unit": 10,
                          "params_other": 3}
     errors, silent = {}, {}
-    rows = [list(u.numel_per_rank) for u in engine._all_units()]
+    rows = [list(u.numel_per_rank) for u in engine.all_units()]
     attempts = [("world_size", Plan.even(world + 1, 6)), ("model", wrong_model),
                 ("not_a_plan", {"ranks": []}), ("mid_step", _plan(case.new)),
                 ("different_plans", Plan.from_ratios(
@@ -291,7 +292,7 @@ def _bad_input(rank, world) -> dict:
             engine.units[0].start_unshard()  # an all-gather in flight, as inside a step
         before = engine.stats.as_dict()
         try:
-            relayout_state(engine, opt, plan)
+            relayout_onto_plan(engine, opt, plan)
             errors[name] = None
         except (ValueError, TypeError, RuntimeError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
@@ -300,10 +301,10 @@ def _bad_input(rank, world) -> dict:
         if name == "mid_step":
             engine.units[0].wait_unshard(requires_grad=False)
             engine.units[0].reshard()
-    unmoved = rows == [list(u.numel_per_rank) for u in engine._all_units()] and \
-        engine.plan is None
-    relayout_state(engine, opt, _plan(case.new))  # still in step with the other ranks
-    _train(engine, opt, _batches(case, old.global_batch_size), range(1, 2), lambda: engine.plan)
+    unmoved = rows == [list(u.numel_per_rank) for u in engine.all_units()]
+    new = _plan(case.new)
+    relayout_onto_plan(engine, opt, new)  # still in step with the other ranks
+    _train(engine, opt, _batches(case, old.global_batch_size), range(1, 2), lambda: new)
     return dict(errors=errors, silent=silent, unmoved=unmoved,
                 moved_after=engine.stats.relayout_count > 0)
 
@@ -312,7 +313,7 @@ def _lora_case(rank, world, root) -> dict:
     """LoRA on a bf16 base (tests/test_lora.py's model): the frozen bf16 shards move in their
     own dtype; bit for bit equal to save + resume onto the new plan, then one more step each."""
     from hf_cephalo.engine import checkpoint as ckpt
-    from hf_cephalo.engine import relayout_state
+    from hf_cephalo.runtime.session import relayout_onto_plan
     from tests import test_lora as lora
 
     engine, opt, sizes, micro = lora._setup("llama_bf16", "two")
@@ -320,17 +321,17 @@ def _lora_case(rank, world, root) -> dict:
     directory = os.path.join(root, "lora")
     ckpt.save_checkpoint(engine, directory, opt)
     new = _plan(lora.PLANS["two_idle"])
-    relayout_state(engine, opt, new)
+    relayout_onto_plan(engine, opt, new)
     twin, twin_opt, *_ = lora._setup("llama_bf16", "two_idle")
     ckpt.load_checkpoint(twin, directory, twin_opt)
     at_switch = _mismatches(_local(engine, opt), _local(twin, twin_opt))
     more = [lora._train(e, o, new.batch_sizes, new.microbatch_sizes, "llama_bf16", range(2, 3))
             for e, o in ((engine, opt), (twin, twin_opt))]
     return dict(at_switch=at_switch, after=_mismatches(_local(engine, opt), _local(twin, twin_opt)),
-                losses=more, frozen_dtypes=sorted({str(u.frozen.dtype) for u in engine._all_units()
+                losses=more, frozen_dtypes=sorted({str(u.frozen.dtype) for u in engine.all_units()
                                                    if u.frozen.numel}),
                 moved_frozen=any(u.frozen.numel and u.frozen_per_rank[0] == 0 and
-                                 u.frozen.numel > 0 for u in engine._all_units()))
+                                 u.frozen.numel > 0 for u in engine.all_units()))
 
 
 def _engine_worker(rank, world, root):
@@ -367,7 +368,7 @@ def _trainer_run(rank, world, out_dir, switch: bool) -> dict:
     class SwitchAt(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if switch and state.global_step == 2:
-                trainer._relayout_state(new_plan)
+                trainer.session.relayout_state(new_plan)
 
     # adam_epsilon 1e-4: see test_checkpoint_trainer.py (runs that reduce in another order)
     args = CephaloTrainingArguments(
@@ -380,20 +381,27 @@ def _trainer_run(rank, world, out_dir, switch: bool) -> dict:
                                                        for k in rs[0]},
                              callbacks=[SwitchAt()])
     trainer.train()
+    from hf_cephalo.runtime.session import plan_layout
+
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    decay = trainer._shard_weight_decay
+    shards = trainer.engine.param_shards
+    units = trainer.engine.all_units()
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
     return dict(losses=[h["loss"] for h in logs], params=trainer.engine.full_state_dict(),
-                holds_plan=(trainer.plan is new_plan and trainer.engine.plan is new_plan)
-                if switch else trainer.engine.plan is None,
+                holds_plan=(trainer.plan is new_plan and
+                            plan_layout(trainer.engine, new_plan) ==
+                            [list(u.numel_per_rank) for u in units]) if switch else
+                trainer.plan.state_ratios == TRAINER_PLANS[0][2],
                 same_optimizer=_unwrap(_unwrap(trainer.lr_scheduler, "scheduler").optimizer,
                                        "optimizer") is inner and
-                [id(p) for g in inner.param_groups for p in g["params"]] ==
-                [id(p) for p in trainer.engine.parameters()],
-                masks_fit=all(decay.masks[id(p)].numel() == p.numel()
-                              for p in trainer.engine.parameters()),
+                sorted(id(p) for g in inner.param_groups for p in g["params"]) ==
+                sorted(id(p) for p in shards.params),
+                # every per-parameter shard views its slice of the (re-laid) unit shard
+                masks_fit=all(p.numel() == s.hi - s.lo and (p.numel() == 0 or p.data_ptr() ==
+                              units[s.unit].shard_param[s.lo:s.hi].data_ptr())
+                              for p, s in zip(shards.params, shards.slices)),
                 moved=trainer.engine.stats.relayout_count,
-                rows=[list(u.numel_per_rank) for u in trainer.engine._all_units()])
+                rows=[list(u.numel_per_rank) for u in trainer.engine.all_units()])
 
 
 def _unwrap(obj, attr: str):
@@ -479,7 +487,7 @@ def test_bad_input_is_refused_before_any_collective(runs, world):
         assert errors["not_a_plan"].startswith("TypeError") and "Plan" in errors["not_a_plan"]
         assert errors["mid_step"].startswith("RuntimeError") and "mid-step" in errors["mid_step"]
         assert errors["different_plans"].startswith("ValueError") and \
-            "different plans" in errors["different_plans"]
+            "different layouts" in errors["different_plans"]
         assert all(silent.values()), silent
         assert result["bad_input"]["unmoved"] and result["bad_input"]["moved_after"]
     # the same message on every rank for the disagreement found by the exchange

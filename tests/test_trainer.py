@@ -388,7 +388,7 @@ def test_rejects_bad_setup(tmp_path, monkeypatch):
 def test_emulated_cap_enforced_for_plan_without_predicted_memory(tmp_path, monkeypatch):
     """A hand-made plan file (no predicted_memory_bytes) is still held to the emulated memory cap:
     at least r_i × S (the rank's training-state shard) must fit, checked before any collective."""
-    from hf_cephalo.integrations.replan import check_state_fits_caps
+    from hf_cephalo.runtime.planning import check_state_fits_caps
     from hf_cephalo.integrations.trainer import CephaloTrainer
     from hf_cephalo.integrations.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan

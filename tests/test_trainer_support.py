@@ -164,13 +164,13 @@ def test_engine_refusal_after_oom_does_not_look_like_oom():
     class Fake:
         rank, _abandoned, _failure = 0, [], None
 
-        def _all_units(self):
+        def all_units(self):
             return []
 
     fake = Fake()
     oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert should_reduce_batch_size(oom)
-    CephaloEngine._abandon_step(fake, None, oom, "train_step")
+    CephaloEngine.abandon_step(fake, None, oom, "train_step")
     with pytest.raises(RuntimeError, match=r"train_step raised mid-schedule \(RuntimeError\)") as info:
         CephaloEngine.check_usable(fake, "train_step")
     assert not should_reduce_batch_size(info.value)
@@ -251,7 +251,8 @@ def test_activation_checkpointing_flag_any_case_and_against_a_plan_file(tmp_path
 
     from transformers import HfArgumentParser
 
-    from hf_cephalo.integrations.replan import check_plan_file_checkpointing
+    from hf_cephalo.integrations.training_args import job_from_training_args
+    from hf_cephalo.runtime.planning import check_plan_file_checkpointing
     from hf_cephalo.integrations.trainer import (_engine_checkpointing_replaces_model_checkpointing,
                                                  format_plan_table)
     from hf_cephalo.integrations.training_args import CephaloTrainingArguments
@@ -277,14 +278,14 @@ def test_activation_checkpointing_flag_any_case_and_against_a_plan_file(tmp_path
                                              f"plan file .* was made with(out)? activation "
                                              f"checkpointing .*re-plan with `hf-cephalo plan "
                                              f"--activation-checkpointing {word}`"):
-            check_plan_file_checkpointing(Plan.load(path), args)
+            check_plan_file_checkpointing(Plan.load(path), job_from_training_args(args, 2))
     monkeypatch.setenv("HF_CEPHALO_ACTIVATION_CHECKPOINTING", "True")  # env: explicit too
     with pytest.raises(ValueError, match="made without activation checkpointing"):
-        check_plan_file_checkpointing(Plan.load(kept), _args(tmp_path))
+        check_plan_file_checkpointing(Plan.load(kept), job_from_training_args(_args(tmp_path), 2))
     monkeypatch.delenv("HF_CEPHALO_ACTIVATION_CHECKPOINTING")
     for args in (_args(tmp_path), _args(tmp_path, cephalo_activation_checkpointing="auto")):
         for path in (kept, recompute):  # the default and auto: the plan file decides
-            check_plan_file_checkpointing(Plan.load(path), args)
+            check_plan_file_checkpointing(Plan.load(path), job_from_training_args(args, 2))
     for rank, said in (("0", 1), ("1", 0)):
         monkeypatch.setenv("RANK", rank)
         caplog.clear()
@@ -294,11 +295,11 @@ def test_activation_checkpointing_flag_any_case_and_against_a_plan_file(tmp_path
         texts = [r.getMessage() for r in caplog.records if r.name.startswith("hf_cephalo")]
         assert sum("planning with activation checkpointing on" in t for t in texts) == said
         assert sum("already recomputes every layer" in t for t in texts) == said, texts
-    from hf_cephalo.integrations.replan import _infeasible_remedy
+    from hf_cephalo.runtime.planning import _infeasible_remedy
 
     for word, suggested in (("false", True), ("auto", False), ("true", False)):
-        remedy = _infeasible_remedy(_args(tmp_path, cephalo_activation_checkpointing=word), 64,
-                                    "batch")
+        job = job_from_training_args(_args(tmp_path, cephalo_activation_checkpointing=word), 2)
+        remedy = _infeasible_remedy(job, 64, "batch")
         assert remedy.startswith("; to fit: ")
         assert ("--cephalo_activation_checkpointing true or auto" in remedy) == suggested
         assert "a smaller --cephalo_global_batch_size (now 64)" in remedy

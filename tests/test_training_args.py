@@ -171,18 +171,28 @@ def test_env_value_is_validated(tmp_path, monkeypatch):
 
 
 def test_batch_size_rules_and_world_size_check(tmp_path):
+    """The job's global batch, resolved once ([Note: batch size semantics] in runtime/job.py):
+    stock's per-device x world (x accumulation steps), the setting, or the plan's; an emulation
+    list of another length than the world is refused when the job is made."""
+    from hf_cephalo.integrations.training_args import job_from_training_args
+    from hf_cephalo.planner import Plan
+
+    def batch(args, world, plan=None):
+        job = job_from_training_args(args, world, plan=plan)
+        return job.global_batch_size, job.global_batch_size_given
+
     args = _args(tmp_path, per_device_train_batch_size=3)
-    assert args.resolve_global_batch_size(world_size=4) == 12  # same as stock Trainer
-    assert args.resolve_global_batch_size(world_size=4, plan_global_batch_size=10) == 10
+    assert batch(args, 4) == (12, False)  # same as stock Trainer
+    assert batch(args, 4, Plan.even(4, 10)) == (10, True)
     args = _args(tmp_path, cephalo_global_batch_size=16)
-    assert args.resolve_global_batch_size(world_size=2) == 16
-    assert args.resolve_global_batch_size(world_size=2, plan_global_batch_size=16) == 16
+    assert batch(args, 2) == (16, True)
+    assert batch(args, 2, Plan.even(2, 16)) == (16, True)
     with pytest.raises(ValueError, match="cephalo_global_batch_size = 16 but the plan"):
-        args.resolve_global_batch_size(world_size=2, plan_global_batch_size=10)
+        batch(args, 2, Plan.even(2, 10))
     args = _args(tmp_path, cephalo_emulate_slowdown=[1.0, 2.0])
-    args.check_world_size(2)
+    job_from_training_args(args, 2)
     with pytest.raises(ValueError, match="has 2 entries but the world size is 3"):
-        args.check_world_size(3)
+        job_from_training_args(args, 3)
 
 
 def test_package_exports_every_public_name():
@@ -194,12 +204,15 @@ def test_package_exports_every_public_name():
     from hf_cephalo.integrations import CephaloTrainer, CephaloTrainingArguments  # noqa: F401  (README line)
 
     expected = set()
-    for mod in ("trainer", "training_args", "accelerate", "auto_plan", "replan", "adaptive",
-                "data", "pretrained", "quiet"):
+    for mod in ("trainer", "training_args", "accelerate", "data", "pretrained", "quiet"):
         module = importlib.import_module(f"hf_cephalo.integrations.{mod}")
         for name in module.__all__:
             expected.add(name)
             assert getattr(pkg, name) is getattr(module, name), name
+    from hf_cephalo.runtime.elastic import latest_checkpoint
+
+    assert pkg.latest_checkpoint is latest_checkpoint  # the README's elastic script imports it
+    expected.add("latest_checkpoint")
     assert set(pkg.__all__) == expected
 
 
@@ -229,10 +242,10 @@ def test_adaptive_settings_defaults_and_errors(tmp_path, monkeypatch):
             _args(tmp_path, **kw)
     args = _args(tmp_path, cephalo_emulate_slowdown_schedule="0:1,1;10:1,3")
     with pytest.raises(ValueError, match="world size is 3"):
-        args.check_world_size(3)
+        args.cephalo_settings().check_world_size(3)
     from hf_cephalo.profiler.emulate import EmulationConfig
 
-    emulation = EmulationConfig.from_training_args(args)
+    emulation = EmulationConfig.from_settings(args.cephalo_settings())
     assert emulation.slowdown == [1.0, 1.0]
     assert emulation.schedule.factors_at(9) == (1.0, 1.0)
     assert emulation.schedule.factors_at(10) == (1.0, 3.0)

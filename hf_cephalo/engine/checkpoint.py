@@ -51,6 +51,7 @@ from hf_cephalo.file_modes import apply_default_mode
 # the file primitives export.py shares live in checkpoint_files.py (imports point one way:
 # checkpoint -> export -> checkpoint_files); re-exported here, where callers import them
 from .checkpoint_files import DAMAGED, CheckpointError, errors_on_every_rank
+from .param_shards import split_unit_states, unit_states
 from .checkpoint_files import fsync_file as _fsync_file
 from .export import (PROCESSOR_FILES, SavedTensor, copy_processor_files, parse_max_shard_size,
                      plan_hf_files, remove_stale_weights, write_hf_configs, write_hf_files)
@@ -108,7 +109,7 @@ class CheckpointLayout:
 # ---- model identity ---------------------------------------------------------------------------
 def _units_description(engine) -> list[dict[str, Any]]:
     out = []
-    for meta, unit in zip(engine.shard_metadata(), engine._all_units()):
+    for meta, unit in zip(engine.shard_metadata(), engine.all_units()):
         out.append(dict(name=meta.name, numel=int(meta.numel),
                         trainable_numel=int(meta.trainable_numel),
                         numel_per_rank=[int(n) for n in meta.numel_per_rank],
@@ -305,16 +306,9 @@ def newest_complete_checkpoint(output_dir: str) -> NewestCheckpoint:
 
 # ---- save -------------------------------------------------------------------------------------
 def _optimizer_state_by_unit(engine, optimizer) -> tuple[dict, list[dict]]:
-    """{unit index: optimizer state dict of its shard parameter}, param groups (no params)."""
-    unit_of = {id(p): u for u, p in enumerate(engine.parameters())}
-    by_unit: dict[int, dict] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in unit_of:
-                raise ValueError("the optimizer holds a parameter that is not one of "
-                                 "engine.parameters(); build it over engine.parameters() only")
-            if p in optimizer.state:
-                by_unit[unit_of[id(p)]] = optimizer.state[p]
+    """{unit index: optimizer state of its trainable shard}, param groups (no params); the
+    optimizer may hold the flat shards or the per-parameter shards (``param_shards.py``)."""
+    by_unit = unit_states(engine, optimizer, "save_sharded")
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return by_unit, groups
 
@@ -366,7 +360,7 @@ def save_sharded(engine, directory: str, optimizer: torch.optim.Optimizer | None
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     groups: list[dict] = []
-    for u, unit in enumerate(engine._all_units()):
+    for u, unit in enumerate(engine.all_units()):
         tensors[f"units.{u}.param"] = unit.trainable.local.detach().to("cpu", copy=True)
         if unit.frozen.numel:  # the frozen shard in its own dtype
             tensors[f"units.{u}.frozen"] = unit.frozen.local.detach().to("cpu", copy=True)
@@ -623,7 +617,7 @@ def load_checkpoint(engine, directory: str, optimizer: torch.optim.Optimizer | N
 
 
 def _flat_units(engine) -> list:
-    return engine._all_units()
+    return engine.all_units()
 
 
 def load_sharded(engine, directory: str, *, verify: bool = True) -> None:
@@ -686,29 +680,26 @@ def load_sharded_optimizer(engine, optimizer: torch.optim.Optimizer, directory: 
         raise CheckpointError(f"{path0}: optimizer state of {metas[0].get('optimizer_class')}, "
                               f"but the optimizer is {type(optimizer).__name__}; resume with the "
                               "same optimizer")
-    params = engine.parameters()
     state_dict = optimizer.state_dict()
     saved_groups = [{k: _from_json(v) for k, v in g.items()} for g in metas[0]["param_groups"]]
     if len(saved_groups) != len(state_dict["param_groups"]):
         raise ValueError(f"{path0}: the checkpoint's optimizer has {len(saved_groups)} param "
                          f"groups, this one {len(state_dict['param_groups'])}; build the optimizer "
                          "with the saved run's parameter groups")
-    index_of = {}
-    idx = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            index_of[id(p)] = idx
-            idx += 1
-    new_state = {}
+    states = {}
     for u, unit in enumerate(_flat_units(engine)):
         state = _unit_optimizer_state(reader, metas, u, unit)
-        if state is not None and id(params[u]) in index_of:
-            new_state[index_of[id(params[u])]] = state
+        if state is not None:
+            states[u] = state
     for group, saved in zip(state_dict["param_groups"], saved_groups):
         for key, value in saved.items():
             if key in group:
                 group[key] = value
-    state_dict["state"] = new_state
+    index_of = {id(p): i for i, p in
+                enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    # load_state_dict casts each state to its parameter's device (and floating dtype) as usual
+    state_dict["state"] = {index_of[id(p)]: state for p, state in
+                           split_unit_states(engine, optimizer, states, "load_sharded_optimizer")}
     optimizer.load_state_dict(state_dict)
 
 

@@ -275,12 +275,12 @@ def _zero_params(unit, requires_grad: bool) -> Any:
                                            device=unit.device))
 
     def install() -> None:  # before each call, as ``use_params``
-        install_param_views(unit.infos, unit._uses, leaves.leaves, frozen)
+        install_param_views(unit.infos, unit.uses, leaves.leaves, frozen)
     try:
         install()
         yield install
     finally:
-        unit._set_placeholders()
+        unit.set_placeholders()
 
 
 def probe_compile(staged, units, embed_unit, microbatch, device: torch.device,

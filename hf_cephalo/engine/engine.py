@@ -31,6 +31,7 @@ from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_para
                          move_shared_params, param_infos)
 from .loading import CheckpointLike, StartKind, choose_source, place_buffers
 from .offload import ActivationStash, CudaStreams, host_wait
+from .param_shards import ParamShards
 from .schedule import LayeredStep, RootUnits
 from .stats import CollectiveStats
 
@@ -49,6 +50,18 @@ class StepOutput(NamedTuple):
     num_items: int
     local_loss_sum: float
     local_num_items: int
+
+
+class OpenStep:
+    """A training step between ``forward_step`` and ``backward_step``: ``logits`` and
+    ``loss_sums`` per microbatch of this rank (with autograd graphs), ``local_items`` /
+    ``global_items`` (the items the adapter counts: tokens with a label after the causal
+    shift, or samples; the global count all-reduced)."""
+
+    def __init__(self, step, stash, logits, loss_sums, local_items: int, global_items: int):
+        self.step, self.stash = step, stash
+        self.logits, self.loss_sums = logits, loss_sums
+        self.local_items, self.global_items = local_items, global_items
 
 
 class EvalOutput(NamedTuple):
@@ -307,9 +320,7 @@ class CephaloEngine:
         self._failure: str | None = None  # set when a step raised mid-schedule
         self._failure_exc: BaseException | None = None  # that step's exception
         self._abandoned: list = []  # in-flight collectives of that step, kept referenced
-        # the Plan the shards are laid out for once ``relayout.relayout_state`` applied one
-        # (None before: the engine was built from state_ratios / shard_layout alone)
-        self.plan = None
+        self._param_shards: ParamShards | None = None  # built on first use (param_shards)
 
     # ---- construction ---------------------------------------------------------------------
     def _build_units(self, ratios, shard_layout, use_all_reduce, source) -> None:
@@ -390,13 +401,31 @@ class CephaloEngine:
 
     # ---- public API ---------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's 1-D trainable shards (possibly empty), in ``_all_units()`` order."""
-        return [u.shard_param for u in self._all_units()]
+        """This rank's 1-D trainable shards (possibly empty), in ``all_units()`` order."""
+        return [u.shard_param for u in self.all_units()]
 
-    def _all_units(self) -> list[FlatParamUnit]:
+    def all_units(self) -> list[FlatParamUnit]:
         """Layer units in order, then the embedding unit, then the head unit (the order of
         ``parameters()``, ``shard_metadata()``, ``shard_layout`` rows and checkpoints)."""
         return [*self.units, *self.root.both()]
+
+    def unit_numels(self) -> list[int]:
+        """Elements of each unit (``all_units()`` order): what a shard layout row sums to."""
+        return [u.numel for u in self.all_units()]
+
+    @property
+    def param_shards(self) -> ParamShards:
+        """This rank's slice of every trainable parameter as its own 1-D ``nn.Parameter``, a
+        view of the unit shards (built on first use; [Note: per-parameter shards] in
+        ``param_shards.py``): what an optimizer with the model's parameter groups steps."""
+        if self._param_shards is None:
+            self._param_shards = ParamShards(self.all_units(), self.rank)
+            self._param_shards.bind_grads()
+        return self._param_shards
+
+    @property
+    def has_param_shards(self) -> bool:
+        return self._param_shards is not None
 
     def _global_items(self, microbatches, for_training: bool) -> tuple[int, int]:
         """(local, global) item count: the first collective of a step or an evaluation. With
@@ -477,7 +506,7 @@ class CephaloEngine:
             the returned losses are unscaled.
         Raises ValueError (on every rank, before any all-gather) if the global item count is 0.
         If the schedule raises part-way (e.g. out of memory in one microbatch), the exception
-        propagates after a local clean-up (``_abandon_step``: memory released, gradients
+        propagates after a local clean-up (``abandon_step``: memory released, gradients
         dropped) and every later collective call (``train_step``, ``evaluate``,
         ``clip_grad_norm_``, ``full_state_dict``, checkpoint save/load) raises RuntimeError.
         """
@@ -501,15 +530,74 @@ class CephaloEngine:
                 with running(self._compiled):  # [Note: compiled units] in compile.py
                     step.run()
         except BaseException as exc:
-            self._abandon_step(stash, exc, "train_step")
+            self.abandon_step(stash, exc, "train_step")
             raise
         assert len(stash) == 0 and not step.kept, "schedule left stashed tensors behind"
+        if self._param_shards is not None:
+            self._param_shards.bind_grads()
         loss = step.local_loss_sum.clone()
         C.all_reduce_sum(loss.view(1), self.group, self.stats)
         return StepOutput(float(loss) / global_items, global_items, float(step.local_loss_sum),
                           local_items)
 
-    def _abandon_step(self, stash: ActivationStash | None, exc: BaseException,
+    def forward_step(self, microbatches: Sequence[Mapping[str, torch.Tensor]], *,
+                     with_logits: bool = True) -> "OpenStep":
+        """The forward half of a training step whose loss the caller computes (a custom
+        loop; [Note: open steps] in ``schedule.py``): the layered forward over this rank's
+        microbatches, then the head of each with autograd kept. Every rank must call it (a rank
+        with no samples passes ``[]``), then ``backward_step`` with the returned step.
+
+        Returns an ``OpenStep``: per microbatch the logits (as ``StagedModel.head_logits``,
+        with their graph; none with ``with_logits=False``) and the adapter's loss sums, and the
+        local / global item counts. Raises ValueError (every rank, before any all-gather) if
+        the global item count is 0 and a loss is wanted; RuntimeError after an earlier failure.
+        """
+        self.check_usable("forward_step")
+        mbs = list(microbatches)
+        local_items, global_items = self._global_items(mbs, for_training=True)
+        stash = ActivationStash(self.offload_activations, self.streams, self.stats)
+        step = LayeredStep(self.staged, self.units, self.root, mbs, max(global_items, 1), stash,
+                           self.device, keep_graphs=not self.activation_checkpointing)
+        try:
+            with global_num_items_scope(global_items), running(self._compiled):
+                step.forward()
+                head = step.open_head(with_logits)
+        except BaseException as exc:
+            self.abandon_step(stash, exc, "forward_step")
+            raise
+        return OpenStep(step, stash, head.logits, head.loss_sums, local_items, global_items)
+
+    def backward_step(self, open_step: "OpenStep", loss: torch.Tensor | None) -> bool:
+        """The backward half: ``loss`` (this rank's share of the global loss, already
+        normalized and loss-scaled; None when the rank contributes nothing) is backpropagated
+        through the head, then the layered backward runs and reduce-scatters every unit, as in
+        ``train_step``. Every rank must call it once per ``forward_step``. Returns whether the
+        loss reached this rank's model outputs (False for a loss computed from something
+        else; always True for a rank without samples)."""
+        self.check_usable("backward_step")
+        step, stash = open_step.step, open_step.stash
+        try:
+            with global_num_items_scope(open_step.global_items), running(self._compiled):
+                reached = step.close_head(loss)
+        except BaseException as exc:
+            self.abandon_step(stash, exc, "backward_step")
+            raise
+        assert len(stash) == 0 and not step.kept, "schedule left stashed tensors behind"
+        if self._param_shards is not None:
+            self._param_shards.bind_grads()
+        return reached or not step.mbs
+
+    def discard_step(self, open_step: "OpenStep", why: str) -> None:
+        """Drop an open step whose backward will not come (every rank at the same point, e.g.
+        a loop that stopped after a forward): its buffers are released locally, no collective;
+        the engine stays usable only if every rank discards the same step (``why`` is logged
+        nowhere: it names the caller's reason in the RuntimeError of a later mismatch)."""
+        open_step.stash.clear()
+        for unit in self.all_units():
+            self._abandoned.extend(unit.abandon())
+        open_step.step = None
+
+    def abandon_step(self, stash: ActivationStash | None, exc: BaseException,
                       what: str) -> None:
         """A step (or evaluation) raised on this rank mid-schedule: release its memory and
         refuse further steps.
@@ -523,7 +611,7 @@ class CephaloEngine:
         """
         if stash is not None:
             stash.clear()
-        for unit in self._all_units():
+        for unit in self.all_units():
             self._abandoned.extend(unit.abandon())
         # The type only, not the message: a refusal that repeated an out-of-memory text would
         # look like a fresh OOM to Accelerate's should_reduce_batch_size (auto_find_batch_size
@@ -564,9 +652,11 @@ class CephaloEngine:
         return norm
 
     def zero_grad(self) -> None:
-        """Drop every shard's gradient (set to None)."""
+        """Drop every shard's gradient (set to None), per-parameter shards' included."""
         for p in self.parameters():
             p.grad = None
+        if self._param_shards is not None:
+            self._param_shards.drop_grads()
 
     @torch.no_grad()
     def evaluate(self, microbatches, *, return_logits: bool = True,
@@ -593,7 +683,7 @@ class CephaloEngine:
                     loss_sum, logits, mb_sums = self._evaluate_layered(mbs, return_logits,
                                                                        process_logits)
         except BaseException as exc:
-            self._abandon_step(None, exc, "evaluate")
+            self.abandon_step(None, exc, "evaluate")
             raise
         C.all_reduce_sum(loss_sum, self.group, self.stats)
         loss = float(loss_sum) / global_items if global_items else float("nan")
@@ -692,7 +782,7 @@ class CephaloEngine:
             RuntimeError: an earlier step raised part-way (``check_usable``).
         """
         self.check_usable("iter_full_units")
-        units = self._all_units()
+        units = self.all_units()
         order = list(range(len(units))) if order is None else [int(i) for i in order]
         bad = [i for i in order if not 0 <= i < len(units)]
         if bad:
@@ -700,7 +790,7 @@ class CephaloEngine:
         return self._gather_units(order)
 
     def _gather_units(self, order: list[int]) -> Iterator[FullUnit]:
-        units = self._all_units()
+        units = self.all_units()
         for index in order:
             unit = units[index]
             full = unit.gather_full()
@@ -737,7 +827,7 @@ class CephaloEngine:
         frozen base weights never travel). Raises RuntimeError as ``check_usable``."""
         self.check_usable("trainable_state_dict")
         out: dict[str, torch.Tensor] = {}
-        for unit in self._all_units():
+        for unit in self.all_units():
             if unit.trainable_numel == 0:
                 continue
             flat = unit.gather_trainable()
@@ -765,7 +855,7 @@ class CephaloEngine:
         for key, kind, ref in self._key_map:
             if kind == "param":
                 key_of.setdefault(ref, key)
-        for unit in self._all_units():
+        for unit in self.all_units():
             tensors = [state_dict[key_of[info.fqn]] for info in unit.infos]
             unit.load_flat(unit.flat_from_tensors(tensors))
         with torch.no_grad():
@@ -776,4 +866,4 @@ class CephaloEngine:
     def shard_metadata(self) -> list[UnitShardMeta]:
         """Per unit (layers in order, then the embedding and the head unit): per-rank numel and
         parameter fqns/offsets."""
-        return [u.meta() for u in self._all_units()]
+        return [u.meta() for u in self.all_units()]

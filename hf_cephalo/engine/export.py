@@ -319,7 +319,7 @@ def engine_sources(engine) -> tuple[dict[str, SavedTensor], int]:
     where: dict[str, SavedTensor] = {}
     total = 0
     for u, meta in enumerate(engine.shard_metadata()):
-        unit = engine._all_units()[u]
+        unit = engine.all_units()[u]
         total += int(meta.numel)
         for p in meta.params:  # each tensor in its part's storage dtype, as save_pretrained
             dtype = unit.dtype if p.requires_grad else unit.frozen_dtype

@@ -439,7 +439,8 @@ class FlatParamUnit:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device, self.stats, self.tracker, self.streams = device, stats, tracker, streams
         self.use_all_reduce = use_all_reduce
-        self._uses = [uses[id(p)] for p in params]
+        # per distinct parameter (``infos`` order): every (module, attribute) entry that uses it
+        self.uses = [uses[id(p)] for p in params]
         self.infos = param_infos(name, params, fqns)
         self.numel = sum(i.numel for i in self.infos)
         self.trainable_numel = sum(i.numel for i in self.infos if i.requires_grad)
@@ -469,12 +470,20 @@ class FlatParamUnit:
         self._full: list[torch.Tensor] | None = None  # gathered [(Nt,), (N - Nt,)]
         self._pending_rs: C.ReduceScatterResult | None = None
         self._leaves: ParamLeaves | None = None  # the trainable parameters while gathered
+        self._retired: list[ParamLeaves] = []  # earlier leaves of this gather (use_fresh_leaves)
         self._grad_live = False
         self._grad: torch.Tensor | None = None  # (Nt,) training dtype: the unit's flat gradient
         self._rs_input: torch.Tensor | None = None  # kept alive until the reduce-scatter is done
         self._comm_bytes = {"ag": 0, "rs": 0}  # see [Note: communication buffers]
         self._freed_nbytes: list[int] | None = None  # set while resharded with kept graphs
-        self._set_placeholders()
+        self.set_placeholders()
+
+    @property
+    def at_rest(self) -> bool:
+        """SHARDED with no collective in flight and no gradient being accumulated: a step
+        boundary, where the layout may change (``relayout.py``)."""
+        return self.state is ShardedState.SHARDED and self._pending_ag is None and \
+            self._pending_rs is None and not self._grad_live
 
     # ---- construction ---------------------------------------------------------------------
     def adopt_layout(self, numel_per_rank: Sequence[int], trainable: torch.Tensor,
@@ -487,8 +496,7 @@ class FlatParamUnit:
         trainable shard), so optimizer param groups, LR schedulers and state keys stay valid.
         Only while SHARDED with no collective in flight and no live gradient.
         """
-        assert self.state is ShardedState.SHARDED and self._pending_ag is None and \
-            self._pending_rs is None and not self._grad_live, f"{self.name} re-laid mid-step"
+        assert self.at_rest, f"{self.name} re-laid mid-step"
         row = [int(n) for n in numel_per_rank]
         assert len(row) == self.world_size and sum(row) == self.numel and min(row) >= 0, row
         self.numel_per_rank = row
@@ -618,13 +626,36 @@ class FlatParamUnit:
             self._leaves.accumulate_into(self._grad)
         self.use_params()
 
+    def use_fresh_leaves(self) -> None:
+        """New parameter leaves over the gathered unit, accumulating into its flat gradient
+        (prepared now), for the next forward call. A custom loop's head runs every
+        microbatch before ONE backward ([Note: open steps] in schedule.py); through shared
+        leaves autograd would sum the microbatches' gradients in the leaves' dtype (bf16)
+        before the fp32 accumulator sees them, against [Note: low-precision gathered
+        parameters]; one set of leaves per microbatch keeps that sum in fp32."""
+        assert self.state is ShardedState.UNSHARDED, f"{self.name} used while sharded"
+        old = self._leaves
+        self._retired.append(old)
+        self._leaves = ParamLeaves(self.infos, self._full[0], old.requires_grad)
+        if self._grad is None:
+            self.prepare_grad()
+        elif self._leaves.requires_grad:
+            self._leaves.accumulate_into(self._grad)
+        self.use_params()
+
+    def _release_leaf_grads(self) -> None:
+        for leaves in [*self._retired, self._leaves]:
+            if leaves is not None:
+                leaves.release_grad()
+        self._retired = []
+
     def use_params(self) -> None:
         """Point every module parameter entry at a fresh view of the gathered parts.
 
         See [Note: parameter views while unsharded].
         """
         assert self.state is ShardedState.UNSHARDED, f"{self.name} used while sharded"
-        install_param_views(self.infos, self._uses, self._leaves.leaves, self._full[1].detach())
+        install_param_views(self.infos, self.uses, self._leaves.leaves, self._full[1].detach())
 
     def reshard(self, keep_graph_storage: bool = False) -> None:
         """Release the gathered parts; module entries become empty placeholders.
@@ -635,7 +666,7 @@ class FlatParamUnit:
         """
         if self.state is ShardedState.SHARDED:
             return
-        self._set_placeholders()
+        self.set_placeholders()
         if keep_graph_storage:
             self._freed_nbytes = []
             for full in self._full:
@@ -643,8 +674,7 @@ class FlatParamUnit:
                 self._freed_nbytes.append(storage.nbytes())
                 storage.resize_(0)
         else:
-            if self._leaves is not None:
-                self._leaves.release_grad()  # the unit keeps its flat gradient
+            self._release_leaf_grads()  # the unit keeps its flat gradient
             self._full = self._leaves = None
             self._freed_nbytes = None
         self.tracker.param_numel -= self.numel
@@ -664,8 +694,9 @@ class FlatParamUnit:
         self._rs_input = None
         self._set_comm("ag", 0)
         self._set_comm("rs", 0)
-        self._set_placeholders()
+        self.set_placeholders()
         self._full = self._leaves = self._grad = None
+        self._retired = []
         self._freed_nbytes = None
         if self.state is ShardedState.UNSHARDED:
             self.tracker.param_numel -= self.numel
@@ -676,9 +707,11 @@ class FlatParamUnit:
         self.shard_param.grad = None
         return handles
 
-    def _set_placeholders(self) -> None:
+    def set_placeholders(self) -> None:
+        """Point every module entry of the unit at an empty (0,) placeholder (the sharded
+        state: [Note: the user's model while sharded] in runtime/sharded_model.py)."""
         empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
-        for uses in self._uses:
+        for uses in self.uses:
             for module, attr in uses:
                 module._parameters[attr] = empty
 
@@ -703,8 +736,7 @@ class FlatParamUnit:
         The input is split by the ranks' trainable counts (frozen elements are never sent); a
         rank that ran no microbatch contributes zeros. See [Note: communication buffers].
         """
-        if self._leaves is not None:
-            self._leaves.release_grad()
+        self._release_leaf_grads()
         grad, self._grad = self._grad, None
         es = torch.empty(0, dtype=self.reduce_dtype).element_size()
         comm_bytes = 0 if self.use_all_reduce else self.local_trainable_numel * es

@@ -246,12 +246,12 @@ class InitSource:
 
         full = [torch.empty(part.numel, dtype=part.dtype) for part in unit.parts]  # one unit
         leaves = ParamLeaves(unit.infos, full[0], requires_grad=False)  # alias full[0]
-        install_param_views(unit.infos, unit._uses, leaves.leaves, full[1])
+        install_param_views(unit.infos, unit.uses, leaves.leaves, full[1])
         for module in _post_order(modules):
             _materialize_buffers(module)
         run_init(self._init_fns, modules, unit_seed(self.seed, unit.name))
         unit.load_flat(full)
-        unit._set_placeholders()
+        unit.set_placeholders()
 
     def fill_buffer(self, key: str, buffer: torch.Tensor, module: nn.Module) -> torch.Tensor:
         return None
@@ -396,7 +396,7 @@ def load_weights_into_engine(engine, checkpoint: CheckpointLike) -> None:
     source = CheckpointSource(files, checkpoint_key_map(model, files.weight_map,
                                                         key_mapping=files.key_mapping),
                               engine.rank)
-    units = engine._all_units()
+    units = engine.all_units()
     source.check([info for unit in units for info in unit.infos])
     for unit in units:
         source.fill(unit, (), ())

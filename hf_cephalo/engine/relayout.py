@@ -3,8 +3,8 @@ contract 7; docs/engine.md "Re-layout in memory").
 
 Usage (every rank, at a step boundary: after ``optimizer.step()`` and ``zero_grad()``)::
 
-    relayout_state(engine, optimizer, new_plan)   # shards + optimizer state move; no files
-    # engine.plan is new_plan; optimizer, its param groups and any LR scheduler stay valid
+    relayout_state(engine, optimizer, layout)   # shards + optimizer state move; no files
+    # optimizer, its param groups and any LR scheduler stay valid
 
 [Note: re-layout in memory]
 A unit's flat index ``[trainable | frozen]`` is the same under every plan; a plan only moves the
@@ -27,11 +27,12 @@ same on every rank and stays as it is.
   old ones, which die with the swap; the peak beyond the training state is one unit's new
   shard-set on this rank (``CollectiveStats.peak_relayout_buffer_bytes``), not the model.
 * Identity: the optimizer's parameters stay the same objects (``shard_param.data`` becomes the
-  new shard, FSDP's way of swapping storage), so ``optimizer.param_groups`` (weight-decay
-  groups included), ``optimizer.state`` keys, wrappers (Accelerate's ``AcceleratedOptimizer``)
-  and LR schedulers keep pointing at valid objects. Whatever caches per-shard data keyed by the
-  parameters (CephaloTrainer's weight-decay masks) must be rebuilt by its owner.
-* Order of checks: the plan (world size, model) and the step boundary are checked locally
+  new shard, FSDP's way of swapping storage; the per-parameter shards are re-pointed at their
+  new slices, [Note: per-parameter shards] in ``param_shards.py``), so
+  ``optimizer.param_groups``, ``optimizer.state`` keys, wrappers (Accelerate's
+  ``AcceleratedOptimizer``) and LR schedulers keep pointing at valid objects.
+* Order of checks: the layout (one row per unit, summing to its size) and the step boundary
+  are checked locally
   before any collective; then ONE ``all_gather_object`` of what each rank holds (the new
   layout, per unit which optimizer state keys and scalars, whether a gradient persists) lets
   every rank raise the same error when the ranks disagree, before any state moves.
@@ -48,9 +49,9 @@ import torch
 import torch.distributed as dist
 
 from .flat_param import FlatParamUnit, ShardedState, split_unit_row
+from .param_shards import load_unit_states, unit_states
 
 if TYPE_CHECKING:
-    from ..planner.types import Plan
     from .engine import CephaloEngine
 
 __all__ = ["relayout_state", "exchange_splits"]
@@ -88,36 +89,38 @@ def exchange_splits(old_counts: Sequence[int], new_counts: Sequence[int], rank: 
 
 
 def relayout_state(engine: "CephaloEngine", optimizer: torch.optim.Optimizer | None,
-                   new_plan: "Plan") -> None:
-    """Collective: move the engine's shards and the optimizer state onto ``new_plan``'s r_i.
+                   layout: Sequence[Sequence[int]], *, root_resident: bool | None = None) -> None:
+    """Collective: move the engine's shards and the optimizer state onto the shard ``layout``.
 
-    Every rank calls it with the same plan at a step boundary (no unit gathered, no collective
-    in flight: after ``optimizer.step()`` / ``zero_grad()``). Per unit, one at a time, the
-    parameter shards (trainable and frozen parts), every per-element optimizer state tensor and
-    any shard gradient that persists move by ``all_to_all_single`` to the layout the plan's
-    ratios give (``planner.state.layout_unit_shards``, as ``CephaloEngine(state_ratios=...)``
-    lays them out); see [Note: re-layout in memory]. Shapes: rank r's trainable tensors go from
-    (k_r,) to (k'_r,) and its frozen shard from (f_r,) to (f'_r,), the counts of
-    ``flat_param.split_unit_row`` for the old and the new layout row (zeros allowed).
-    Afterwards the engine's shards, the optimizer state and ``engine.plan`` (= ``new_plan``;
-    ``root_resident`` taken over too) equal, bit for bit, those of an engine built for
-    ``new_plan`` that loaded a checkpoint saved just before (``checkpoint.save_checkpoint`` +
-    ``load_sharded`` + ``load_sharded_optimizer``). b_i / m_i / l_i are not engine state: the
-    caller feeds the new plan's microbatches from the next step on.
+    Every rank calls it with the same layout at a step boundary (no unit gathered, no
+    collective in flight: after ``optimizer.step()`` / ``zero_grad()``). Per unit, one at a
+    time, the parameter shards (trainable and frozen parts), every per-element optimizer state
+    tensor and any shard gradient that persists move by ``all_to_all_single`` to the unit's new
+    row; see [Note: re-layout in memory]. Shapes: rank r's trainable tensors go from (k_r,) to
+    (k'_r,) and its frozen shard from (f_r,) to (f'_r,), the counts of
+    ``flat_param.split_unit_row`` for the old and the new row (zeros allowed). Afterwards the
+    engine's shards and the optimizer state equal, bit for bit, those of an engine built with
+    ``shard_layout=layout`` that loaded a checkpoint saved just before
+    (``checkpoint.save_checkpoint`` + ``load_sharded`` + ``load_sharded_optimizer``). A plan's
+    layout is ``plan.unit_layout(engine.unit_numels())`` (the runtime's
+    ``Session.relayout_state`` checks the plan against the job first). b_i / m_i / l_i are not
+    engine state: the caller feeds the new split's microbatches from the next step on.
 
     Args:
         engine: the ``CephaloEngine``.
-        optimizer: a torch optimizer built over ``engine.parameters()`` (element-wise state and
-            0-dim scalars, e.g. ``torch.optim.AdamW``; any param groups), or None (parameters
-            only).
-        new_plan: a ``Plan`` for this world size and model.
+        optimizer: a torch optimizer over ``engine.parameters()`` or over the per-parameter
+            shards ``engine.param_shards`` (element-wise state and 0-dim scalars, e.g.
+            ``torch.optim.AdamW``; any param groups), or None (parameters only).
+        layout: per unit (``all_units()`` order: layers, then the embedding and head units) the
+            elements each rank holds, rank order; each row sums to the unit's numel.
+        root_resident: the root units' gathering from now on (``CephaloEngine``'s
+            ``root_resident``); None keeps it.
 
     Raises (all before any collective, unless noted):
-        TypeError: ``new_plan`` is not a ``Plan``.
-        ValueError: a plan for another world size or (``plan.model``) another model; an
-            optimizer holding tensors that are not the engine's shards; after the one metadata
-            exchange, on every rank alike: ranks passed different plans or hold different
-            optimizer state keys, scalars or gradients.
+        ValueError: a layout of another shape (units, world size, a row's sum); an optimizer
+            holding tensors that are not the engine's; after the one metadata exchange, on every
+            rank alike: ranks passed different layouts or hold different optimizer state keys,
+            scalars or gradients.
         NotImplementedError: optimizer state that is neither per-element nor 0-dim.
         RuntimeError: called mid-step (a unit gathered, a collective in flight, a gradient being
             accumulated), or an earlier step raised part-way (``check_usable``). If an
@@ -126,27 +129,25 @@ def relayout_state(engine: "CephaloEngine", optimizer: torch.optim.Optimizer | N
     """
     engine.check_usable("relayout_state")
     _check_step_boundary(engine)
-    layout = _new_layout(engine, new_plan)
+    layout = _check_layout(engine, layout)
     holdings = _local_holdings(engine, optimizer)
-    _agree(engine, new_plan, layout, holdings)  # the first collective
+    resident = engine.root_resident if root_resident is None else bool(root_resident)
+    _agree(engine, layout, resident, holdings)  # the first collective
     try:
-        for unit, row, held in zip(engine._all_units(), layout, holdings):
+        for u, (unit, row, held) in enumerate(zip(engine.all_units(), layout, holdings)):
             if row != unit.numel_per_rank:
-                _move_unit(engine, unit, row, held)
+                _move_unit(engine, optimizer, u, unit, row, held)
     except BaseException as exc:
-        engine._abandon_step(None, exc, "relayout_state")
+        engine.abandon_step(None, exc, "relayout_state")
         raise
-    engine.root_resident = bool(new_plan.root_resident)
-    engine.root = dataclasses.replace(engine.root, resident=engine.root_resident)
-    engine.plan = new_plan
+    engine.root_resident = resident
+    engine.root = dataclasses.replace(engine.root, resident=resident)
 
 
 # ---- checks (local, before any collective) ------------------------------------------------------
 def _check_step_boundary(engine: "CephaloEngine") -> None:
-    for unit in engine._all_units():
-        busy = unit.state is not ShardedState.SHARDED or unit._pending_ag is not None or \
-            unit._pending_rs is not None or unit._grad_live
-        if busy:
+    for unit in engine.all_units():
+        if not unit.at_rest:
             raise RuntimeError(f"relayout_state called mid-step: {unit.name} is "
                                f"{'gathered' if unit.state is ShardedState.UNSHARDED else 'busy'}"
                                " (a collective in flight or a gradient being accumulated); call "
@@ -154,28 +155,21 @@ def _check_step_boundary(engine: "CephaloEngine") -> None:
                                "on every rank")
 
 
-def _new_layout(engine: "CephaloEngine", plan: "Plan") -> list[list[int]]:
-    """The per-unit rows ``plan`` gives this engine's units (ValueError for another job)."""
-    from ..planner.types import Plan
-
-    if not isinstance(plan, Plan):
-        raise TypeError(f"relayout_state needs a hf_cephalo.planner.Plan, got "
-                        f"{type(plan).__name__}")
-    if plan.world_size != engine.world_size:
-        raise ValueError(f"relayout_state: the new plan is for world size {plan.world_size} but "
-                         f"the engine runs on {engine.world_size} ranks; re-plan for these ranks "
-                         "(a change of world size is an elastic restart from a checkpoint)")
-    units = engine._all_units()
-    if plan.model is not None:
-        mine = dict(num_units=engine.num_units,
-                    params_per_unit=units[0].numel if engine.num_units else 0,
-                    params_other=engine.root.embed.numel + engine.root.head.numel)
-        theirs = {k: plan.model.get(k) for k in mine}
-        if mine != theirs or len({u.numel for u in engine.units}) > 1:
-            raise ValueError(f"relayout_state: the new plan was made for model "
-                             f"{plan.model.get('name')!r} {theirs} but the engine's model has "
-                             f"{mine}; re-plan for this model")
-    return [[int(n) for n in row] for row in plan.unit_layout([u.numel for u in units])]
+def _check_layout(engine: "CephaloEngine", layout) -> list[list[int]]:
+    """``layout`` as int rows, one per unit of ``world_size`` counts summing to the unit's
+    numel (ValueError naming the first row that does not)."""
+    units = engine.all_units()
+    rows = [[int(n) for n in row] for row in layout]
+    if len(rows) != len(units):
+        raise ValueError(f"relayout_state: the layout has {len(rows)} rows but the engine has "
+                         f"{len(units)} units (layers, then the embedding and head units)")
+    for unit, row in zip(units, rows):
+        if len(row) != engine.world_size or sum(row) != unit.numel or min(row) < 0:
+            raise ValueError(f"relayout_state: the row of {unit.name} is {row}: it needs "
+                             f"{engine.world_size} counts >= 0 (one per rank) summing to the "
+                             f"unit's {unit.numel} elements; a change of world size is an "
+                             "elastic restart from a checkpoint")
+    return rows
 
 
 class _UnitHoldings(NamedTuple):
@@ -204,40 +198,35 @@ def _scalar(value: Any, where: str) -> Any:
 
 def _local_holdings(engine: "CephaloEngine", optimizer) -> list[_UnitHoldings]:
     params = engine.parameters()
-    if optimizer is not None:
-        ours = {id(p) for p in params}
-        for group in optimizer.param_groups:
-            if any(id(p) not in ours for p in group["params"]):
-                raise ValueError("relayout_state: the optimizer holds a tensor that is not one of "
-                                 "engine.parameters(); build it over engine.parameters() only")
+    states = {} if optimizer is None else unit_states(engine, optimizer, "relayout_state")
     out = []
     for u, p in enumerate(params):
-        state = optimizer.state.get(p) if optimizer is not None else None
+        state = states.get(u)
         keys, scalars = [], {}
         for key, value in (state or {}).items():
             if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == p.shape:
                 keys.append(key)
             else:
-                scalars[key] = _scalar(value, f"{key!r} of {engine._all_units()[u].name}")
+                scalars[key] = _scalar(value, f"{key!r} of {engine.all_units()[u].name}")
         out.append(_UnitHoldings(state or None, sorted(keys), scalars, p.grad is not None))
     return out
 
 
-def _agree(engine: "CephaloEngine", plan: "Plan", layout, holdings) -> None:
+def _agree(engine: "CephaloEngine", layout, resident: bool, holdings) -> None:
     """ONE ``all_gather_object``: every rank raises the same ValueError when the ranks passed
-    different plans or hold different optimizer state / gradients (their exchanges would not
+    different layouts or hold different optimizer state / gradients (their exchanges would not
     pair up), before any state moves."""
-    digest = hashlib.sha256(json.dumps([plan.to_json(), layout], sort_keys=True,
+    digest = hashlib.sha256(json.dumps([layout, resident], sort_keys=True,
                                        default=str).encode()).hexdigest()
     mine = (digest, [(h.state is not None, h.element_keys, h.scalars, h.has_grad)
                      for h in holdings])
     everyone: list = [None] * engine.world_size
     dist.all_gather_object(everyone, mine, group=engine.group)
     if any(d != digest for d, _ in everyone):
-        raise ValueError(f"relayout_state: the ranks passed different plans (digests "
+        raise ValueError(f"relayout_state: the ranks passed different layouts (digests "
                          f"{[d[:12] for d, _ in everyone]}); every rank must re-lay onto the same "
-                         "plan (compute it from exchanged numbers only)")
-    names = [u.name for u in engine._all_units()]
+                         "layout (compute it from exchanged numbers only)")
+    names = [u.name for u in engine.all_units()]
     for u, name in enumerate(names):
         views = [held[u] for _, held in everyone]
         if any(v != views[0] for v in views):
@@ -264,8 +253,8 @@ def _move(old: torch.Tensor, old_counts: Sequence[int], new_counts: Sequence[int
     return new
 
 
-def _move_unit(engine: "CephaloEngine", unit: FlatParamUnit, row: list[int],
-               held: _UnitHoldings) -> None:
+def _move_unit(engine: "CephaloEngine", optimizer, index: int, unit: FlatParamUnit,
+               row: list[int], held: _UnitHoldings) -> None:
     """Re-lay one unit: move every tensor on its shards, then swap them in together."""
     new_k, new_f = split_unit_row(row, unit.trainable_numel)
     p = unit.shard_param
@@ -284,6 +273,10 @@ def _move_unit(engine: "CephaloEngine", unit: FlatParamUnit, row: list[int],
     with torch.no_grad():
         p.grad = None  # the old gradient's shape no longer matches once the data is swapped
         unit.adopt_layout(row, param, frozen)
-        if held.state is not None:
-            held.state.update(state)  # the same dict object optimizer.state[p] holds
         p.grad = grad
+    if engine.has_param_shards:  # [Note: per-parameter shards]: same objects, new slices
+        engine.param_shards.rebind_unit(index)
+    if held.state is not None:
+        load_unit_states(engine, optimizer, {index: {**held.state, **state}}, "relayout_state")
+    if engine.has_param_shards:
+        engine.param_shards.bind_grads()

@@ -55,6 +55,16 @@ sum), independent of the number of microbatches::
 identical on every rank, including a rank with no microbatch (it runs no compute but joins
 every collective), so ranks with 3 vs 1 vs 0 microbatches never hang.
 
+[Note: open steps]
+A custom training loop computes its own loss from the model's outputs between the forward and
+the backward (``CephaloEngine.forward_step`` / ``backward_step``). The step then splits at the
+head: ``open_head`` runs the head of every microbatch with autograd on (each final hidden
+state a leaf, the head units gathered with their gradients prepared) and hands back the logits
+and loss sums; the caller's loss is backpropagated once (``close_head``), the leaves' gradients
+become the boundary gradients g[L][j], and the layered backward continues as in ``head``. The
+collectives are those of a ``run`` step. The head graphs of all the rank's microbatches live
+until that backward (memory grows with b_i in the head, as with any loop holding its logits).
+
 Autograd: each recompute runs the unit on a detached stashed input with ``requires_grad=True``
 and calls ``torch.autograd.backward(output, boundary_grad)`` directly, so the unit's parameter
 gradients are produced even when the input does not depend on a trainable tensor (the trap of
@@ -66,12 +76,20 @@ recompute, so the global RNG advances exactly as in one forward pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from .flat_param import FlatParamUnit
 from .offload import ActivationStash
+
+
+class HeadOutputs(NamedTuple):
+    """What ``LayeredStep.open_head`` returns per microbatch: logits (empty without
+    ``with_logits``) and the adapter's loss sums (0-dim), both with autograd graphs."""
+
+    logits: list
+    loss_sums: list
 
 
 class RngState:
@@ -148,6 +166,51 @@ class LayeredStep:
         self.forward()
         self.head()
         self.backward()
+
+    # ---- a step whose loss the caller computes (a custom training loop) -----------------------
+    def open_head(self, with_logits: bool) -> "HeadOutputs":
+        """The head phase with autograd kept for the caller's loss (see [Note: open steps]):
+        per microbatch the head's logits (``with_logits``) and its own loss sum, each with its
+        graph back to the boundary activation ``h[L][j]`` (a leaf) and the head parameters."""
+        L = len(self.units)
+        phase = self.root.head_phase()
+        self._gather(phase)
+        if L == 0:
+            self.root.embed.start_unshard()  # the embedding backward comes next
+        self._hiddens, logits, loss_sums = [], [], []
+        for j, mb in enumerate(self.mbs):
+            self.stash.wait_offload((L, j))
+            self.stash.start_reload((L, j + 1))
+            hidden = self.stash.pop((L, j)).detach().requires_grad_(True)
+            for unit in phase:
+                unit.use_fresh_leaves()  # the microbatches' head gradients meet in fp32
+            if with_logits:
+                out = self.staged.head_loss_and_logits(hidden, mb, self.ctxs[j])
+                loss, logits_j = out.loss, out.logits
+                logits.append(logits_j)
+            else:
+                loss = self.staged.head_loss(hidden, mb, self.ctxs[j])
+            loss_sums.append(loss.loss_sum)
+            self.local_loss_sum += loss.loss_sum.detach().double()
+            self._hiddens.append(hidden)
+        return HeadOutputs(logits, loss_sums)
+
+    def close_head(self, loss: torch.Tensor | None) -> bool:
+        """Backpropagate the caller's ``loss`` (already normalized and scaled; None: this rank
+        contributes no gradient) into the head and the boundary gradients, stash them, leave
+        the head phase (its reduce-scatter) and run the layered backward. Returns whether the
+        loss reached the model's outputs (some boundary activation got a gradient)."""
+        L, root = len(self.units), self.root
+        if loss is not None and loss.requires_grad:
+            torch.autograd.backward(loss)
+        reached = any(h.grad is not None for h in self._hiddens)
+        for j, hidden in enumerate(self._hiddens):
+            self.stash.start_offload(("grad", j), _grad_or_zeros(hidden),
+                                     keep=j == len(self.mbs) - 1)
+        self._hiddens = []
+        self._leave(root.head_phase(), [] if L else [root.embed], reduce=True)
+        self.backward()
+        return reached
 
     # ---- root units: gather around their uses ------------------------------------------------
     def _gather(self, units: Sequence[FlatParamUnit]) -> None:

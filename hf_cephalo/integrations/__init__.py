@@ -1,5 +1,5 @@
-"""Hugging Face integrations: CephaloTrainer, CephaloTrainingArguments, CephaloAccelerator/Plugin,
-the weighted batch sampler, automatic planning, the demo datasets and the scripts' output
+"""Hugging Face front ends over the Cephalo runtime (``hf_cephalo.runtime``): CephaloTrainer,
+CephaloTrainingArguments, CephaloAccelerator/Plugin, the demo datasets and the scripts' output
 switches (progress bars, load reports). Names are imported lazily
 (transformers is heavy): every name in a submodule's ``__all__`` is listed here, so
 ``from hf_cephalo.integrations import CephaloTrainer`` imports only what it needs."""
@@ -9,11 +9,13 @@ from importlib import import_module
 _EXPORTS = {
     # trainer
     "CephaloTrainer": "trainer",
+    "CephaloTrainerMixin": "trainer",
     "format_plan_table": "trainer",
     "format_loss_trend": "trainer",
     # training_args
     "CephaloTrainingArguments": "training_args",
     "CephaloArguments": "training_args",
+    "job_from_training_args": "training_args",
     # accelerate
     "CephaloDistributedType": "accelerate",
     "CephaloPlugin": "accelerate",
@@ -21,27 +23,8 @@ _EXPORTS = {
     "ENV_PREFIX": "accelerate",
     "ACTIVATION_OFFLOAD_CHOICES": "accelerate",
     "ADAPTIVE_CHOICES": "accelerate",
-    # replan (how a plan is made: start, elastic restart, live)
-    "ResolvedPlan": "replan",
-    "resolve_plan_for_model": "replan",
-    "resolve_elastic_plan": "replan",
-    "select_world_devices": "replan",
-    "check_state_fits_caps": "replan",
-    "replan_with_measured_u": "replan",
-    "replan_live": "replan",
-    "adopt_checkpoint_split": "replan",
-    "adopt_checkpoint_state": "replan",
-    "resume_banner": "replan",
-    # adaptive (live re-balancing)
-    "AdaptiveCallback": "adaptive",
-    "SlowdownScheduleCallback": "adaptive",
-    "REPLANS_NAME": "adaptive",
-    "format_switch": "adaptive",
-    # auto_plan
-    "wrap_staged": "auto_plan",
-    "PlanAccuracyCallback": "auto_plan",
-    "format_accuracy_table": "auto_plan",
-    "diagnose_step_time": "auto_plan",
+    # the runtime's public names a script uses (hf_cephalo.runtime holds the rest)
+    "latest_checkpoint": "hf_cephalo.runtime.elastic",
     # pretrained
     "from_pretrained_sharded": "pretrained",
     # quiet
@@ -51,6 +34,11 @@ _EXPORTS = {
     # data
     "pydoc_texts": "data",
     "pydoc_text_dataset": "data",
+    "pydoc_paragraph_classes": "data",
+    "stratified_split": "data",
+    "minilm_path": "data",
+    "PYDOC_TOPIC_GROUPS": "data",
+    "PYDOC_PARAGRAPH_LABELS": "data",
     "train_bpe_tokenizer": "data",
     "group_texts": "data",
     "digits_image_datasets": "data",
@@ -63,7 +51,9 @@ __all__ = list(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        module = _EXPORTS[name]
+        return getattr(import_module(module if module.startswith("hf_cephalo.")
+                                     else f"{__name__}.{module}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

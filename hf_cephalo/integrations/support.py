@@ -150,14 +150,15 @@ FIELD_SUPPORT: dict[str, Support] = {
     "warmup_steps": _inherited("stock create_scheduler"),
     "optim": Support(
         status=Status.STOCK, test=_P + "test_matches_stock_trainer",
-        note="the stock optimizer class and kwargs over this rank's 1-D shards; optimizers that "
-             "need the model itself (LOMO, GaLore, APOLLO) are refused: use an element-wise "
-             "optimizer such as adamw_torch or sgd",
+        note="the stock optimizer class and kwargs over this rank's per-parameter shards (one 1-D "
+             "shard per parameter, stock's parameter groups); optimizers that need the model "
+             "itself or matrix-shaped state (LOMO, GaLore, APOLLO, Adafactor) are refused: use an "
+             "element-wise optimizer such as adamw_torch or sgd",
         refuse_if=lambda v: any(k in str(getattr(v, "value", v)) for k in ("lomo", "galore", "apollo"))),
     "optim_args": _inherited("parsed by stock get_optimizer_cls_and_kwargs"),
     "weight_decay": _stock(
-        "decay/no-decay by parameter name (stock get_decay_parameter_names) through a per-element "
-        "mask over each flat shard; optimizers: decoupled (AdamW) or coupled L2 (SGD, Adam, ...)",
+        "stock's decay / no-decay parameter groups (get_decay_parameter_names) over the "
+        "per-parameter shards, so every optimizer applies its own decay rule as stock",
         _P + "test_weight_decay_as_stock"),
     "adam_beta1": _inherited("stock optimizer kwargs"),
     "adam_beta2": _inherited("stock optimizer kwargs"),

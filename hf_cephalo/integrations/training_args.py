@@ -6,17 +6,9 @@ to its built-in default. Precedence: explicit argument > environment > default. 
 environment route exists because stock ``accelerate launch`` rejects unknown keys in its YAML
 config (docs/design.md contract 6), so Cephalo settings cannot live there.
 
-[Note: batch size semantics]
-- The global batch size B (samples per optimizer step, all ranks together) comes from the plan
-  (``Plan.global_batch_size``); ``cephalo_global_batch_size`` asks the planner for a B when no
-  plan file is given, and must equal the plan's B when both are given.
-- Without either, B = ``per_device_train_batch_size`` × world size: the optimizer sees the same
-  batch as stock ``Trainer`` with ``gradient_accumulation_steps = 1``. Otherwise
-  ``per_device_train_batch_size`` is ignored: each rank's b_i comes from the plan.
-- Cephalo already accumulates gradients inside each step (l_i microbatches of m_i samples per
-  rank, layered, paper §3.2), so ``gradient_accumulation_steps`` must stay 1: ``CephaloTrainer``
-  refuses any other value with the equivalent ``cephalo_global_batch_size`` to use instead.
-- ``per_device_eval_batch_size`` is the evaluation microbatch size of every rank.
+The global batch size B is resolved once into the runtime's ``Job`` (``job_from_training_args``;
+[Note: batch size semantics] in runtime/job.py). ``per_device_eval_batch_size`` is the
+evaluation microbatch size of every rank.
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ from transformers import TrainingArguments
 from hf_cephalo.runtime.settings import (CephaloSettings, EnginePrecision,  # noqa: F401
                                          JobPrecision, cephalo_fields, env_name)
 
-__all__ = ["CephaloTrainingArguments", "CephaloArguments"]
+__all__ = ["CephaloTrainingArguments", "CephaloArguments", "job_from_training_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,23 +151,33 @@ class CephaloTrainingArguments(CephaloArguments, TrainingArguments):
         """``cephalo_activation_offload`` as the engine's argument: True, False, or None (auto)."""
         return {"on": True, "off": False, "auto": None}[self.cephalo_activation_offload]
 
-    def check_world_size(self, world_size: int) -> None:
-        """Raise ValueError if a per-rank emulation list does not have ``world_size`` entries."""
-        self.cephalo_settings().check_world_size(world_size)
 
-    def resolve_global_batch_size(self, world_size: int, plan_global_batch_size: int | None = None) -> int:
-        """The global batch size B (samples per optimizer step) per [Note: batch size semantics].
+def job_from_training_args(args, world_size: int, *, plan=None, compile=None):
+    """The runtime's ``Job`` of a Trainer run (``CephaloTrainer`` and the TRL trainers):
+    ``args``' cephalo_* settings, seed, output directory, precision and DataLoader settings;
+    the global batch size resolved once ([Note: batch size semantics] in runtime/job.py) from
+    ``plan`` (or the plan file), ``cephalo_global_batch_size``, or stock's
+    ``per_device_train_batch_size`` x world size x ``gradient_accumulation_steps``.
 
-        Raises ValueError if ``cephalo_global_batch_size`` disagrees with the plan's value.
-        """
-        if plan_global_batch_size is not None:
-            if (self.cephalo_global_batch_size is not None
-                    and self.cephalo_global_batch_size != plan_global_batch_size):
-                raise ValueError(
-                    f"cephalo_global_batch_size = {self.cephalo_global_batch_size} but the plan "
-                    f"{self.cephalo_plan_file!r} has global_batch_size = {plan_global_batch_size}; "
-                    "re-plan with the batch size you want or drop the flag")
-            return plan_global_batch_size
-        if self.cephalo_global_batch_size is not None:
-            return self.cephalo_global_batch_size
-        return self.per_device_train_batch_size * world_size
+    Raises ValueError: ``cephalo_global_batch_size`` disagrees with the plan's."""
+    from hf_cephalo.planner import Plan
+    from hf_cephalo.runtime.data import LoaderOptions
+    from hf_cephalo.runtime.job import Job, resolve_global_batch_size
+
+    settings = args.cephalo_settings()
+    source = "the plan" if plan is not None else f"the plan {settings.plan_file!r}"
+    if plan is None and settings.plan_file is not None:
+        plan = Plan.load(settings.plan_file)
+    stock = args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps
+    global_batch_size, given = resolve_global_batch_size(settings, stock, plan, source)
+    loader = LoaderOptions(num_workers=args.dataloader_num_workers,
+                           pin_memory=args.dataloader_pin_memory,
+                           persistent_workers=args.dataloader_persistent_workers,
+                           prefetch_factor=args.dataloader_prefetch_factor,
+                           multiprocessing_context=args.dataloader_multiprocessing_context)
+    return Job(settings=settings, world_size=world_size, rank=args.process_index,
+               device=torch.device(args.device), output_dir=args.output_dir, seed=args.seed,
+               data_seed=args.data_seed if args.data_seed is not None else args.seed,
+               global_batch_size=global_batch_size, global_batch_size_given=given,
+               precision=args.job_precision(), compile=compile, loader=loader,
+               activation_checkpointing_given=args._cephalo_activation_checkpointing_given)

@@ -4,7 +4,7 @@ state fixed, decide whether to switch (docs/design.md contract 7; docs/adaptive.
 Pure (no torch, no process group): every rank calls ``decide_batch_switch`` with the SAME
 exchanged measurements and gets the same decision, so a switch needs no plan broadcast and no
 rank can be left waiting in a collective the others skipped ([Note: one decision on every rank]
-in ``integrations/adaptive.py``).
+in ``runtime/adaptive.py``).
 
 The refit is the issue's rule: each rank's device profile has its forward and backward times
 F_i(m), B_i(m) multiplied by s_i = measured / predicted unit compute per step at its current

@@ -156,11 +156,12 @@ class EmulationConfig:
                                  "capacity >= 1 byte per rank")
 
     @classmethod
-    def from_training_args(cls, args: Any) -> "EmulationConfig | None":
-        """From ``cephalo_emulate_*`` fields; None when neither is set."""
-        slow = getattr(args, "cephalo_emulate_slowdown", None)
-        cap = getattr(args, "cephalo_emulate_memory_cap_bytes", None)
-        text = getattr(args, "cephalo_emulate_slowdown_schedule", None)
+    def from_settings(cls, settings: Any) -> "EmulationConfig | None":
+        """From the ``emulate_*`` settings (``runtime.settings.CephaloSettings``); None when
+        none is set."""
+        slow = settings.emulate_slowdown
+        cap = settings.emulate_memory_cap_bytes
+        text = settings.emulate_slowdown_schedule
         if slow is None and cap is None and text is None:
             return None
         return cls(slowdown=slow, memory_cap_bytes=cap,

@@ -56,7 +56,7 @@ class LoaderOptions:
 
 
 def weighted_loader(dataset, collate_fn: Callable[[list[Any]], Any], *,
-                    batch_sizes: Sequence[int], rank: int, microbatch_size: int, seed: int,
+                    batch_sizes: Sequence[int], rank: int, microbatch_size: int | None, seed: int,
                     shuffle: bool, drop_last: bool = False,
                     lengths: Sequence[int] | None = None, schedule: SplitSchedule | None = None,
                     collate: str = "global_batch",
@@ -68,7 +68,8 @@ def weighted_loader(dataset, collate_fn: Callable[[list[Any]], Any], *,
         dataset: map-style (has ``__len__``).
         collate_fn: the user's collator (a list of samples -> a batch).
         batch_sizes: b_i per rank (samples); B = their sum.
-        rank: this rank. microbatch_size: m_i (samples, >= 1).
+        rank: this rank. microbatch_size: m_i (samples, >= 1); None: the rank's rows of a step
+            as ONE batch (a custom loop, whose model cuts them into the plan's m_i).
         seed: the permutation of epoch e is seeded ``seed + e`` (identical on every rank).
         shuffle: random order (else dataset order). drop_last: drop a partial last global batch.
         lengths: per-sample lengths: group-by-length order instead (``sampler.global_batches``).

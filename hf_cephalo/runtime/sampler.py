@@ -43,7 +43,7 @@ same tokens however the samples are grouped, and its one row cannot be cut into 
 is applied per microbatch in either mode (``packs_without_padding``).
 
 [Note: switching the split live]
-A live re-balance (``integrations/adaptive.py``) changes b_i and m_i between two steps. The
+A live re-balance (``runtime/adaptive.py``) changes b_i and m_i between two steps. The
 global batches do not change (they depend on seed, epoch, dataset length and B only); only
 their split does. ``SplitSchedule`` records which (b_i, m_i) hold from which global step
 (``epoch · steps_per_epoch + index in the epoch``); the sampler splits step k's global batch
@@ -267,6 +267,9 @@ class WeightedBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.lengths = None if lengths is None else [int(n) for n in lengths]
+        # batches of the epoch the next iteration skips (a resumed custom loop:
+        # ``accelerator.skip_first_batches``); the skipped samples are never read
+        self.skip_batches = 0
         if self.lengths is not None and len(self.lengths) != dataset_length:
             raise ValueError(f"{len(self.lengths)} lengths for {dataset_length} samples: give one "
                              "length (tokens) per sample")
@@ -298,6 +301,8 @@ class WeightedBatchSampler(Sampler[list[int]]):
         ``mark`` the schedule learns the step drawn ([Note: switching the split live])."""
         first = self.epoch * len(self)  # global step of this epoch's first batch
         for k, batch in enumerate(self._global_batches()):
+            if mark and k < self.skip_batches:
+                continue
             if mark and self.schedule is not None:
                 self.schedule.current_step = first + k
             if rank is None:  # GlobalBatchCollator splits it by this step's sizes
@@ -330,16 +335,19 @@ class MicrobatchCollator:
     one in force at the step the sampler drew last ([Note: switching the split live]).
     """
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any], microbatch_size: int,
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], microbatch_size: int | None,
                  schedule: SplitSchedule | None = None, rank: int = 0) -> None:
-        split_microbatches([], microbatch_size)  # validates microbatch_size
+        if microbatch_size is not None:
+            split_microbatches([], microbatch_size)  # validates microbatch_size
         self.collate_fn = collate_fn
         self.microbatch_size = microbatch_size
         self.schedule, self.rank = schedule, rank
 
     def __call__(self, samples: list[Any]) -> list[Any]:
         size = self.microbatch_size
-        if self.schedule is not None and self.schedule.current_step is not None:
+        if size is None:  # the rank's rows as one batch (a custom loop's model cuts them)
+            size = max(len(samples), 1)
+        elif self.schedule is not None and self.schedule.current_step is not None:
             size = max(self.schedule.microbatch_sizes_at(self.schedule.current_step)[self.rank], 1)
         return [self.collate_fn(chunk) for chunk in split_microbatches(samples, size)]
 
@@ -380,8 +388,10 @@ class GlobalBatchCollator:
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any], batch_sizes: Sequence[int],
-                 rank: int, microbatch_size: int, schedule: SplitSchedule | None = None) -> None:
-        split_microbatches([], microbatch_size)  # validates microbatch_size
+                 rank: int, microbatch_size: int | None,
+                 schedule: SplitSchedule | None = None) -> None:
+        if microbatch_size is not None:
+            split_microbatches([], microbatch_size)  # validates microbatch_size
         self.batch_sizes = _check_batch_sizes(batch_sizes)
         if not 0 <= rank < len(self.batch_sizes):
             raise ValueError(f"rank = {rank} is out of range for {len(self.batch_sizes)} per-rank "
@@ -394,11 +404,13 @@ class GlobalBatchCollator:
         if self.schedule is not None and self.schedule.current_step is not None:
             step = self.schedule.current_step
             sizes = self.schedule.batch_sizes_at(step)
-            size = max(self.schedule.microbatch_sizes_at(step)[self.rank], 1)
+            if size is not None:
+                size = max(self.schedule.microbatch_sizes_at(step)[self.rank], 1)
         counts = split_counts(len(samples), sizes)
         start, count = sum(counts[:self.rank]), counts[self.rank]
         if count == 0:
             return []
+        size = count if size is None else size  # None: the rank's rows as one batch
         batch = self.collate_fn(samples)
         return [_rows(batch, start + lo, start + min(lo + size, count), len(samples))
                 for lo in range(0, count, size)]

@@ -155,11 +155,22 @@ class CephaloSettings:
         cli_type=Literal["mean", "sum"])
 
     def __post_init__(self) -> None:
+        given = set()  # set explicitly or by the environment (not the default)
         for f in fields(CephaloSettings):
             if getattr(self, f.name) is None:
                 value = os.environ.get(env_name(f.name), "").strip()
                 setattr(self, f.name, value if value else f.metadata["default"])
+                if value:
+                    given.add(f.name)
+            else:
+                given.add(f.name)
+        self._given = frozenset(given)
         self._validate()
+
+    def was_given(self, name: str) -> bool:
+        """Whether setting ``name`` was set (argument or environment) rather than defaulted:
+        an explicit choice that contradicts a plan file is refused, a default is not."""
+        return name in self._given
 
     @classmethod
     def default_of(cls, name: str) -> Any:

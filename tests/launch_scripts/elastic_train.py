@@ -93,7 +93,7 @@ def main():
     generation = [f"{time.time():.6f}"]
     torch.distributed.broadcast_object_list(generation, src=0)
     trainer.generation = generation[0]
-    trainer.add_callback(Chaos())  # after ElasticCallback: step k's progress is recorded first
+    trainer.add_callback(Chaos())  # after the session callback: step k's progress is recorded first
     has_checkpoint = any(p.name.startswith("checkpoint-") for p in Path(args.output_dir).glob("*"))
     trainer.train(resume_from_checkpoint=True if has_checkpoint else None)
     params = trainer.engine.full_state_dict()  # collective; the full model on rank 0

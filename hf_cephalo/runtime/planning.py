@@ -2,10 +2,11 @@
 
 One mechanism makes every plan of a job (inputs: a profile, the world, the global batch size B
 and the memory fraction; output: a ``Plan``; deterministic, so every rank holding the same
-inputs computes the same plan):
+inputs computes the same plan). Every function takes the ``Job`` (``job.py``), never a front
+end's settings object.
 
-1. **At start** (``resolve_plan_for_model``): ``cephalo_plan_file`` if given (validated against
-   the world, the model and the emulated caps); else the profile: ``cephalo_profile_file``
+1. **At start or an elastic restart** (``resolve_plan``): the plan file if given (validated
+   against the world, the model and the emulated caps); else the profile: the profile file
    (refused if it was measured for another model, dtype or device:
    ``measure.check_profile_matches``; a pool of device profiles looked up by name,
    ``select_world_devices``) or ``profile_cluster`` on every rank (collective; per-rank device
@@ -13,18 +14,18 @@ inputs computes the same plan):
    (``planner.optimize``), and for an uneven plan its own layout timed once
    ([Note: measuring u after planning]); rank 0 saves ``profile.json`` and ``plan.json`` in
    ``output_dir``; emulated memory caps are applied and checked (``EmulatedOutOfMemoryError``
-   on every rank before training starts).
-2. **At an elastic restart** (``resolve_elastic_plan``): the same path for the world the
-   restart got, with the SAME global batch size; a world too small for the job raises
+   on every rank before training starts). After a restart the same path runs for the world
+   the restart got, with the SAME global batch size; a world too small for the job raises
    ``InfeasiblePlanError`` naming the devices the last checkpoint ran on that it lacks.
-3. **Live** (``replan_live``, called by ``adaptive.AdaptiveCallback`` every
-   ``cephalo_adaptive_interval`` steps): the profile refit to what the ranks measured
-   (``planner.adapt.refit_cluster``), the optimizer re-run with the current r_i fixed
-   (``planner.adapt.replan_batch``), and the decision whether to switch
-   (``planner.adapt.decide_batch_switch``; [Note: one decision on every rank] in adaptive.py).
+2. **Live** (``replan_live``, called by the adaptive controller every ``adaptive_interval``
+   steps): the profile refit to what the ranks measured (``planner.adapt.refit_cluster``), the
+   optimizer re-run with the current r_i fixed (``planner.adapt.replan_batch``), and the
+   decision whether to switch (``planner.adapt.decide_batch_switch``; [Note: one decision on
+   every rank] in ``adaptive.py``).
 
-Imports point one way: this module uses ``auto_plan`` (profiling inputs, emulation, precision
-tags) and ``elastic`` (checkpoint records); neither imports it.
+The profiler's inputs from the job live here too: the emulation wrapper (``wrap_staged``), the
+measurement configuration (``measure_config``), each rank's device name, the job's precision
+tag and each rank's precision (``job_rank_precisions``).
 """
 
 from __future__ import annotations
@@ -38,31 +39,31 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from hf_cephalo.integrations.auto_plan import (_emulation, _gather_names, _job_precision_tag,
-                                               _local_name, _measure_config,
-                                               _start_rank_precisions)
-from hf_cephalo.integrations.elastic import latest_checkpoint, read_checkpoint_record
-from hf_cephalo.integrations.preflight import warn_idle_ranks
-from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import InfeasiblePlanError, Plan, optimize, predict
 from hf_cephalo.planner.optimize import optimize_auto_checkpointing
 from hf_cephalo.planner.types import activation_checkpointing_setting
+from hf_cephalo.profiler.emulate import (EmulatedOutOfMemoryError, EmulatedStagedModel,
+                                         apply_memory_cap, check_plan_memory,
+                                         emulated_device_name)
+from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches,
+                                         check_profile_precision, local_device_name,
+                                         measure_comm, model_dtype, model_profile,
+                                         profile_cluster, sequence_length_of)
 from hf_cephalo.profiles.cache import model_description, model_fingerprint
-from hf_cephalo.profiler.emulate import (EmulatedOutOfMemoryError, apply_memory_cap,
-                                         check_plan_memory)
-from hf_cephalo.profiler.measure import (check_profile_matches, check_profile_precision,
-                                         measure_comm, model_profile, profile_cluster,
-                                         sequence_length_of)
 from hf_cephalo.profiles.precision import rank_precisions_tag
 from hf_cephalo.profiles.types import ClusterProfile, format_bytes
+from hf_cephalo.runtime.elastic import latest_checkpoint, read_checkpoint_record
+from hf_cephalo.runtime.job import Job
 from hf_cephalo.units import GIB
 
-__all__ = ["ResolvedPlan", "resolve_plan_for_model", "resolve_elastic_plan",
-           "select_world_devices", "replan_with_measured_u", "check_state_fits_caps",
-           "replan_live", "adopt_checkpoint_split", "adopt_checkpoint_state", "resume_banner"]
+__all__ = ["ResolvedPlan", "resolve_plan", "select_world_devices", "replan_with_measured_u",
+           "check_state_fits_caps", "replan_live", "adopt_checkpoint_split",
+           "adopt_checkpoint_state", "resume_banner", "wrap_staged", "measure_config",
+           "job_rank_precisions", "warn_idle_ranks", "check_plan_for_job"]
 
 logger = logging.getLogger(__name__)
+DEFAULT_SEQUENCE_LENGTH = 128
 
 
 class ResolvedPlan(NamedTuple):
@@ -75,107 +76,118 @@ class ResolvedPlan(NamedTuple):
     checkpointing_reason: str = ""
 
 
-def resolve_plan_for_model(args, world_size: int, model: torch.nn.Module,
-                           train_dataset: Any = None) -> ResolvedPlan:
+def resolve_plan(job: Job, staged: StagedModel, train_dataset: Any = None) -> ResolvedPlan:
     """Plan file > profile file > profile this cluster; then optimize, save, check caps.
 
     Collective when profiling or checking a profile file with world size > 1 (every rank calls
-    it, from ``CephaloTrainer.__init__``). Every rank ends with the same plan or the same error.
+    it, from the runtime's session). Every rank ends with the same plan or the same error.
 
     Raises:
-        ValueError: unsupported model (before any collective), a profile of another model or
-            device, a plan that does not fit the world size or the global batch size,
-            ``InfeasiblePlanError`` when no plan fits, ``EmulatedOutOfMemoryError`` when a plan
-            exceeds an emulated memory cap.
+        ValueError: a profile of another model or device, a plan that does not fit the world
+            size or the global batch size, ``InfeasiblePlanError`` when no plan fits (after a
+            restart onto a smaller world: naming the devices the last checkpoint ran on that
+            this world lacks), ``EmulatedOutOfMemoryError`` when a plan exceeds an emulated
+            memory cap.
     """
-    staged = stage_model(model)  # unsupported class: ValueError before any collective
-    per_rank = getattr(args, "cephalo_precision", None) is not None \
-        and args.cephalo_plan_file is None
-    if per_rank and args.cephalo_profile_file is not None:
+    try:
+        return _resolve_plan(job, staged, train_dataset)
+    except InfeasiblePlanError as exc:
+        # Every rank solved the same problem, so every rank is here: the gather is matched.
+        names = _gather_names(_local_name(job), job.world_size)
+        raise InfeasiblePlanError(f"{exc}{_missing_devices(job.output_dir, names)}",
+                                  exc.constraint) from exc
+
+
+def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> ResolvedPlan:
+    world_size, model = job.world_size, staged.model
+    per_rank = job.settings.precision is not None \
+        and job.settings.plan_file is None
+    if per_rank and job.settings.profile_file is not None:
         raise NotImplementedError(
-            f"--cephalo_precision {args.cephalo_precision} with cephalo_profile_file: a profile "
+            f"--cephalo_precision {job.settings.precision} with cephalo_profile_file: a profile "
             "file holds every rank measured in one precision, so it cannot price each rank at "
             "its own. Leave cephalo_profile_file unset (the trainer then profiles each rank in "
             "its precision at start), or make a plan with `hf-cephalo plan --cluster "
             "CLUSTER.yaml --model SHAPE --precision auto --out plan.json` and pass "
             "--cephalo_plan_file plan.json")
-    emulation = _emulation(args, world_size)
-    cap = None if emulation is None else emulation.cap_of(args.process_index)
+    emulation = job.emulation
+    cap = None if emulation is None else emulation.cap_of(job.rank)
     if cap is not None:
-        how = apply_memory_cap(cap, args.device)
-        if args.process_index == 0:  # every rank's cap in one line (rank 1's is often the point)
+        how = apply_memory_cap(cap, job.device)
+        if job.rank == 0:  # every rank's cap in one line (rank 1's is often the point)
             logger.info("emulated memory caps: %s; on rank 0 %s", ", ".join(
                 f"rank {i} {format_bytes(c)}" for i, c in enumerate(emulation.memory_cap_bytes)),
                 how)
     caps = [None] * world_size if emulation is None or emulation.memory_cap_bytes is None \
         else list(emulation.memory_cap_bytes)
-    if args.cephalo_plan_file is not None:
-        plan = Plan.load(args.cephalo_plan_file)
+    if job.settings.plan_file is not None:
+        plan = Plan.load(job.settings.plan_file)
         plan.validate_for(world_size, model_profile(staged),
-                          precision=_job_precision_tag(args, staged),
-                          plan_file=args.cephalo_plan_file)
-        args.resolve_global_batch_size(world_size, plan.global_batch_size)
-        check_plan_file_checkpointing(plan, args)
+                          precision=_precision_tag(job, staged),
+                          plan_file=job.settings.plan_file)
+        _check_plan_batch(job, plan)
+        check_plan_file_checkpointing(plan, job)
         check_state_fits_caps(plan, model_profile(staged).state_bytes, caps)
         if all(r.predicted_memory_bytes is not None for r in plan.ranks):
             check_plan_memory([r.predicted_memory_bytes for r in plan.ranks], caps)
-        if args.process_index == 0:
+        if job.rank == 0:
             warn_idle_ranks(plan.global_batch_size, world_size)
         # Live re-balancing starts from the plan file and needs a profile to refit.
-        cluster = _cluster(args, world_size, staged, emulation, train_dataset,
-                           plan.global_batch_size) \
-            if args.cephalo_profile_file is not None and args.cephalo_adaptive == "batch" \
+        cluster = _cluster(job, staged, train_dataset, plan.global_batch_size) \
+            if job.settings.profile_file is not None and job.settings.adaptive == "batch" \
             and world_size > 1 else None
         return ResolvedPlan(plan, cluster)
-    B = args.resolve_global_batch_size(world_size)
-    _refuse_meta_profiling(model, args)
-    cluster = _cluster(args, world_size, staged, emulation, train_dataset, B)
+    B = job.global_batch_size
+    if job.is_main:
+        warn_idle_ranks(B, world_size)
+    _refuse_meta_profiling(model, job)
+    cluster = _cluster(job, staged, train_dataset, B)
     reason = ""
     try:
-        if planned_checkpointing(args) is None:  # auto: keep why, for the plan's line
-            plan, reason = optimize_auto_checkpointing(cluster, B, args.cephalo_memory_fraction)
+        if planned_checkpointing(job) is None:  # auto: keep why, for the plan's line
+            plan, reason = optimize_auto_checkpointing(cluster, B, job.settings.memory_fraction)
         else:
-            plan = optimize(cluster, B, args.cephalo_memory_fraction,
-                            activation_checkpointing=planned_checkpointing(args))
+            plan = optimize(cluster, B, job.settings.memory_fraction,
+                            activation_checkpointing=planned_checkpointing(job))
     except InfeasiblePlanError as e:
-        raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, B, e.constraint)}",
+        raise InfeasiblePlanError(f"{e}{_infeasible_remedy(job, B, e.constraint)}",
                                   e.constraint) from None
-    plan, cluster = replan_with_measured_u(plan, cluster, staged, args, B)
-    plan.validate_for(world_size, cluster.model, precision=_job_precision_tag(args, staged))
+    plan, cluster = replan_with_measured_u(plan, cluster, staged, job, B)
+    plan.validate_for(world_size, cluster.model, precision=_precision_tag(job, staged))
     check_plan_memory([p.memory_bytes for p in predict(plan, cluster).ranks], caps)
-    if args.process_index == 0:
-        os.makedirs(args.output_dir, exist_ok=True)
-        cluster.save(os.path.join(args.output_dir, "profile.json"))
-        plan.save(os.path.join(args.output_dir, "plan.json"))
-        print(f"[hf-cephalo] profile and plan saved to {args.output_dir}/profile.json, plan.json",
+    if job.rank == 0:
+        os.makedirs(job.output_dir, exist_ok=True)
+        cluster.save(os.path.join(job.output_dir, "profile.json"))
+        plan.save(os.path.join(job.output_dir, "plan.json"))
+        print(f"[hf-cephalo] profile and plan saved to {job.output_dir}/profile.json, plan.json",
               flush=True)
     return ResolvedPlan(plan, cluster, reason)
 
 
-def planned_checkpointing(args) -> bool | None:
+def planned_checkpointing(job) -> bool | None:
     """``--cephalo_activation_checkpointing`` as ``optimize``'s argument: True, False or None
     (auto: plan both, keep the faster feasible one)."""
-    return activation_checkpointing_setting(args.cephalo_activation_checkpointing)
+    return activation_checkpointing_setting(job.settings.activation_checkpointing)
 
 
-def check_plan_file_checkpointing(plan: Plan, args) -> None:
+def check_plan_file_checkpointing(plan: Plan, job: Job) -> None:
     """A plan file records its own activation checkpointing; an explicit
     ``--cephalo_activation_checkpointing`` that contradicts it ('false' beside a plan made with
     it, 'true' beside one made without) is refused (ValueError) rather than ignored. Unset
     (the default) and 'auto' take the plan's choice."""
-    given = getattr(args, "_cephalo_activation_checkpointing_given", False)
-    word = args.cephalo_activation_checkpointing
+    given = job.activation_checkpointing_given
+    word = job.settings.activation_checkpointing
     if word == "auto" or not given or (word == "true") == plan.activation_checkpointing:
         return
     made = "with" if plan.activation_checkpointing else "without"
     raise ValueError(f"--cephalo_activation_checkpointing {word} but the plan file "
-                     f"{args.cephalo_plan_file!r} was made {made} activation checkpointing "
+                     f"{job.settings.plan_file!r} was made {made} activation checkpointing "
                      f"(activation_checkpointing {str(plan.activation_checkpointing).lower()}): "
                      f"re-plan with `hf-cephalo plan --activation-checkpointing {word}` (or "
                      "auto), or drop the flag (the plan file decides)")
 
 
-def _infeasible_remedy(args, global_batch_size: int, constraint: str) -> str:
+def _infeasible_remedy(job: Job, global_batch_size: int, constraint: str) -> str:
     """The flags that relax an infeasible plan's binding constraint
     (``InfeasiblePlanError.constraint``), or "" where its message already says what to do.
     More devices: ``resolve_elastic_plan`` adds which ones."""
@@ -183,22 +195,22 @@ def _infeasible_remedy(args, global_batch_size: int, constraint: str) -> str:
         return ""
     ways = ["--cephalo_activation_checkpointing true or auto (recompute in backward instead "
             "of keeping every forward graph)"] \
-        if planned_checkpointing(args) is False else []
+        if planned_checkpointing(job) is False else []
     if constraint in ("aggregate", "batch"):
         ways.append(f"a smaller --cephalo_global_batch_size (now {global_batch_size})")
-    ways.append(f"a --cephalo_memory_fraction closer to 1 (now {args.cephalo_memory_fraction})")
-    ways.append(f"less memory per GPU ({'' if args.bf16 or args.fp16 else '--bf16, '}a LoRA "
+    ways.append(f"a --cephalo_memory_fraction closer to 1 (now {job.settings.memory_fraction})")
+    ways.append(f"less memory per GPU ({'' if job.precision.compute != 'fp32' else '--bf16, '}a LoRA "
                 "adapter, shorter sequences)")
-    if args.cephalo_emulate_memory_cap_bytes is not None:
+    if job.settings.emulate_memory_cap_bytes is not None:
         ways.append("larger --cephalo_emulate_memory_cap_bytes")
     return "; to fit: " + ", ".join(ways[:-1]) + ", or " + ways[-1]
 
 
-def _refuse_meta_profiling(model: torch.nn.Module, args) -> None:
+def _refuse_meta_profiling(model: torch.nn.Module, job: Job) -> None:
     """Profiling at start runs the model's own modules, which a meta-device model (sharded
     loading, ``from_pretrained_sharded``) does not have yet: ValueError naming the fix, raised
     on every rank before any collective."""
-    if args.cephalo_profile_file is None and any(p.is_meta for p in model.parameters()):
+    if job.settings.profile_file is None and any(p.is_meta for p in model.parameters()):
         raise ValueError("the model is on the meta device (sharded loading), so it cannot be "
                          "profiled at start: give --cephalo_plan_file or --cephalo_profile_file "
                          "(hf-cephalo profile --model-config <config.json> measures one "
@@ -215,7 +227,7 @@ def _refuse_meta_profiling(model: torch.nn.Module, args) -> None:
 U_REPLAN_TOLERANCE = 0.05
 
 
-def replan_with_measured_u(plan: Plan, cluster: ClusterProfile, staged: StagedModel, args,
+def replan_with_measured_u(plan: Plan, cluster: ClusterProfile, staged: StagedModel, job: Job,
                            global_batch_size: int) -> tuple[Plan, ClusterProfile]:
     """(plan, cluster) after re-planning once with u measured for ``plan``'s own layout.
 
@@ -225,7 +237,7 @@ def replan_with_measured_u(plan: Plan, cluster: ClusterProfile, staged: StagedMo
     if not plan.uneven_state or cluster.world_size == 1 or cluster.comm.uneven_factor is None \
             or not (dist.is_available() and dist.is_initialized()):
         return plan, cluster
-    measured = measure_comm(staged, device=args.device, group=None,
+    measured = measure_comm(staged, device=job.device, group=None,
                             state_ratios=plan.state_ratios).uneven_factor
     old = cluster.comm.uneven_factor
     if abs(measured - old) <= U_REPLAN_TOLERANCE * old:
@@ -269,32 +281,33 @@ def check_state_fits_caps(plan: Plan, state_bytes: float, caps: list[float | Non
             "for the caps) or raise cephalo_emulate_memory_cap_bytes")
 
 
-def _cluster(args, world_size, staged, emulation, train_dataset, B) -> ClusterProfile:
+def _cluster(job: Job, staged: StagedModel, train_dataset, B: int) -> ClusterProfile:
     """The given profile file (checked against this job) or a fresh/cached measurement."""
-    if args.cephalo_profile_file is None:
-        config = _measure_config(args, B, train_dataset)
-        precisions = _start_rank_precisions(args, world_size)
+    world_size, emulation = job.world_size, job.emulation
+    if job.settings.profile_file is None:
+        config = measure_config(job, B, train_dataset)
+        precisions = _start_rank_precisions(job)
         if precisions is None:
-            return profile_cluster(staged, config, device=args.device, emulation=emulation)
+            return profile_cluster(staged, config, device=job.device, emulation=emulation)
         # precision per rank: each rank measures its device in its own precision, gathered
         # in fp32 when the ranks differ (docs/engine.md "Precision per rank")
-        mine = precisions[args.process_index]
+        mine = precisions[job.rank]
         uniform = len(set(precisions)) == 1
         config = dataclasses.replace(config, precision=mine,
                                      param_dtype=mine if uniform else "fp32", reduce_dtype="fp32")
-        cluster = profile_cluster(staged, config, device=args.device, emulation=emulation)
+        cluster = profile_cluster(staged, config, device=job.device, emulation=emulation)
         cluster.extra.update(dtype=rank_precisions_tag(precisions, cluster.extra["dtype"]
                                                        .split("+")[0]),
                              rank_precisions=list(precisions))
         return cluster
-    cluster = ClusterProfile.load(args.cephalo_profile_file)
-    check_profile_precision(cluster, _job_precision_tag(args, staged),  # before any collective
-                            f"cephalo_profile_file {args.cephalo_profile_file!r}")
-    names = _gather_names(_local_name(args, emulation), world_size)
-    cluster = select_world_devices(cluster, names, f"cephalo_profile_file {args.cephalo_profile_file!r}")
+    cluster = ClusterProfile.load(job.settings.profile_file)
+    check_profile_precision(cluster, _precision_tag(job, staged),  # before any collective
+                            f"cephalo_profile_file {job.settings.profile_file!r}")
+    names = _gather_names(_local_name(job), world_size)
+    cluster = select_world_devices(cluster, names, f"cephalo_profile_file {job.settings.profile_file!r}")
     check_profile_matches(cluster, model_profile(staged), names,
-                          source=f"cephalo_profile_file {args.cephalo_profile_file!r}",
-                          dtype=_job_precision_tag(args, staged),
+                          source=f"cephalo_profile_file {job.settings.profile_file!r}",
+                          dtype=_precision_tag(job, staged),
                           fingerprint=model_fingerprint(staged.model),
                           description=model_description(staged.model),
                           sequence_length=None if train_dataset is None else
@@ -327,23 +340,6 @@ def select_world_devices(cluster: ClusterProfile, names: list[str], source: str)
     logger.info("%s: %d ranks in the file, %d in this world; device profiles picked by name",
                 source, cluster.world_size, len(names))
     return dataclasses.replace(cluster, devices=devices)
-
-
-def resolve_elastic_plan(args, world_size: int, model, train_dataset):
-    """``resolve_plan_for_model`` with the elastic diagnosis of a world too small.
-
-    Raises:
-        InfeasiblePlanError: no plan fits this world; the message adds the devices the last
-            checkpoint in ``output_dir`` ran on that this world lacks.
-        (and everything ``resolve_plan_for_model`` raises)
-    """
-    try:
-        return resolve_plan_for_model(args, world_size, model, train_dataset)
-    except InfeasiblePlanError as exc:
-        # Every rank solved the same problem, so every rank is here: the gather is matched.
-        names = _gather_names(_local_name(args, _emulation(args, world_size)), world_size)
-        raise InfeasiblePlanError(f"{exc}{_missing_devices(args.output_dir, names)}",
-                                  exc.constraint) from exc
 
 
 def _missing_devices(output_dir: str, names: list[str]) -> str:
@@ -448,3 +444,155 @@ def adopt_checkpoint_state(plan: Plan, checkpoint_plan: Plan | None,
     if cluster is not None and not predict(checkpoint_plan, cluster).fits:
         return None
     return checkpoint_plan
+
+
+# ---- the plan against the job ------------------------------------------------------------------
+def _check_plan_batch(job: Job, plan: Plan) -> None:
+    """The plan's B is the job's (``job.resolve_global_batch_size`` read the plan file when it
+    made the job; a plan file rewritten since, or a ``Plan`` the front end was handed, may
+    differ)."""
+    if plan.global_batch_size != job.global_batch_size:
+        raise ValueError(f"the plan has global_batch_size = {plan.global_batch_size} but the job "
+                         f"trains global batches of {job.global_batch_size} samples "
+                         "(--cephalo_global_batch_size or the per-device batch size x world "
+                         "size): re-plan with the batch size you want or drop the flag")
+
+
+def check_plan_for_job(job: Job, plan: Plan) -> None:
+    """A plan handed to the front end (``plan=``): its world size and global batch size are the
+    job's (ValueError otherwise, before any collective); rank 0 warns about idle ranks."""
+    plan.validate_for(job.world_size)
+    _check_plan_batch(job, plan)
+    if job.is_main:
+        warn_idle_ranks(plan.global_batch_size, job.world_size)
+
+
+def warn_idle_ranks(global_batch_size: int, world_size: int) -> bool:
+    """Warn (once, on rank 0's logger) when B < world size: some ranks get b_i = 0.
+
+    Such ranks still hold training state and take part in every collective, but compute
+    nothing. Returns True when the warning was given.
+    """
+    if global_batch_size >= world_size:
+        return False
+    logger.warning("global batch size %d < world size %d: at least %d rank(s) get no samples "
+                   "(b_i = 0) and only hold training state; raise --cephalo_global_batch_size to "
+                   ">= %d to use every rank", global_batch_size, world_size,
+                   world_size - global_batch_size, world_size)
+    return True
+
+
+# ---- the profiler's inputs from the job -----------------------------------------------------------
+def wrap_staged(staged: StagedModel, job: Job) -> StagedModel:
+    """``staged`` wrapped in ``EmulatedStagedModel`` with this rank's slowdown when emulating
+    (or, on CPU, with slowdown 1 to time compute for the accuracy report; on CUDA when live
+    re-balancing or a slowdown schedule needs the compute timed); else unchanged."""
+    emulation = job.emulation
+    slowdown = 1.0 if emulation is None else emulation.slowdown_of(job.rank)
+    timed = job.settings.adaptive != "off" and job.world_size > 1 or (
+        emulation is not None and emulation.schedule is not None)
+    if slowdown == 1.0 and job.device.type == "cuda" and not timed:
+        return staged  # timing would synchronize the device and cost the real run its overlap
+    return EmulatedStagedModel(staged, slowdown, job.device)
+
+
+def _local_name(job: Job) -> str:
+    emulation = job.emulation
+    return emulated_device_name(local_device_name(job.device),
+                                1.0 if emulation is None else emulation.slowdown_of(job.rank),
+                                None if emulation is None else emulation.cap_of(job.rank))
+
+
+def measure_config(job: Job, global_batch_size: int, train_dataset) -> MeasureConfig:
+    """What the profiler measures at start for this job: microbatch sizes 1..min(8, B)
+    (``HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE``), the dataset's sequence length (128 without
+    one), the job's precision and compile options."""
+    max_m = int(os.environ.get("HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE", "8"))
+    seq = sequence_length_of(train_dataset, DEFAULT_SEQUENCE_LENGTH) if train_dataset is not None \
+        else DEFAULT_SEQUENCE_LENGTH
+    # Quiet by default: rank 0 prints a line every QUIET_INTERVAL_S and a summary;
+    # HF_CEPHALO_VERBOSE=1 or DEBUG logging on hf_cephalo: every rank, every second.
+    verbose = (os.environ.get("HF_CEPHALO_VERBOSE", "0").strip().lower() in ("1", "true", "yes")
+               or logging.getLogger("hf_cephalo").isEnabledFor(logging.DEBUG))
+    precision = job.precision
+    return MeasureConfig(max_microbatch_size=max(1, min(max_m, global_batch_size)),
+                         sequence_length=seq, precision=precision.compute, verbose=verbose,
+                         param_dtype=precision.param, reduce_dtype=precision.reduce,
+                         compile_backend=None if job.compile is None else job.compile.backend,
+                         compile_mode=None if job.compile is None else job.compile.mode)
+
+
+def _gather_names(name: str, world_size: int) -> list[str]:
+    if world_size == 1:
+        return [name]
+    names: list[Any] = [None] * world_size
+    dist.all_gather_object(names, name)
+    return names
+
+
+def _precision_tag(job: Job, staged: StagedModel) -> str | None:
+    """The job's [Note: precision tags] string, what its profile and plan must record; None
+    with per-rank precision (``job_rank_precisions`` checks the plan's precisions instead)."""
+    return job.precision.tag(str(model_dtype(staged)).replace("torch.", ""))
+
+
+# ---- precision per rank (docs/engine.md "Precision per rank") ---------------------------------
+def _device_facts(job: Job) -> tuple[list[str], list[tuple[int, int] | None]]:
+    """Every rank's (device name, CUDA capability or None), by one all-gather."""
+    device = job.device
+    mine = (local_device_name(device),
+            tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None)
+    facts: list[Any] = [mine]
+    if job.world_size > 1:
+        facts = [None] * job.world_size
+        dist.all_gather_object(facts, mine)
+    return [f[0] for f in facts], [f[1] for f in facts]
+
+
+def _start_rank_precisions(job: Job) -> list[str] | None:
+    """The per-rank precision setting resolved for profiling at start (None without it): the
+    list, or each device's fastest for ``auto``; the same on every rank, or the same
+    ValueError."""
+    from hf_cephalo.engine.rank_precision import resolve_rank_precisions
+    from hf_cephalo.profiles.precision import parse_rank_precisions
+
+    value = job.precision.per_rank
+    if value is None:
+        return None
+    parse_rank_precisions(value, job.world_size)  # wrong length: before the all-gather
+    names, caps = _device_facts(job)
+    return resolve_rank_precisions(value, job.world_size, names, caps)
+
+
+def job_rank_precisions(job: Job, plan: Plan) -> list[str] | None:
+    """Each rank's precision under the per-rank precision setting (None without it), the same
+    list on every rank, or the same ValueError on every rank before the engine's first
+    collective.
+
+    A list of the wrong length is refused before anything is exchanged; then one all-gather of
+    every rank's (device name, CUDA capability) lets every rank check every rank's device. A
+    plan that records per-rank precisions (``hf-cephalo plan --precision``) decides them: an
+    explicit list must equal it, ``auto`` takes it (the planner's auto may choose one precision
+    for all where mixing would double the all-gather bytes). A plan without them uses the list,
+    or each device's fastest precision for ``auto``; one made for another one-precision job
+    (its ``precision`` tag) is refused.
+    """
+    from hf_cephalo.engine.rank_precision import resolve_rank_precisions
+    from hf_cephalo.profiles.precision import parse_rank_precisions
+
+    value = job.precision.per_rank
+    if value is None:
+        return None
+    wanted = parse_rank_precisions(value, job.world_size)  # wrong length: before any collective
+    recorded = plan.rank_precisions
+    if wanted is not None and recorded is not None and wanted != recorded:
+        raise ValueError(f"--cephalo_precision {value} but the plan records {recorded} (one per "
+                         "rank): give the plan's list or 'auto', or re-plan with `hf-cephalo "
+                         f"plan --precision {value}`")
+    names, caps = _device_facts(job)
+    out = resolve_rank_precisions(recorded or value, job.world_size, names, caps)
+    if recorded is None and plan.precision not in (None, rank_precisions_tag(out)):
+        raise ValueError(f"the plan was made for precision {plan.precision!r}, not for the "
+                         f"per-rank precisions {out}: re-plan with `hf-cephalo plan --precision "
+                         f"{','.join(out)}` or drop --cephalo_precision")
+    return out

@@ -63,9 +63,9 @@ def restore_full_model(engine) -> None:
     original ``requires_grad``; tied weights stay one parameter) of the engine's current
     weights. The engine's shards are unchanged."""
     engine.check_usable("unshard_model")
-    for unit in engine._all_units():
+    for unit in engine.all_units():
         full = unit.gather_full()
-        for info, uses, view in zip(unit.infos, unit._uses, unit.param_views(full)):
+        for info, uses, view in zip(unit.infos, unit.uses, unit.param_views(full)):
             piece = view.clone()
             param = nn.Parameter(piece, requires_grad=info.requires_grad)
             for module, attr in uses:

@@ -2,20 +2,21 @@
 
 Under PyTorch's elastic agent (``torchrun --nnodes=MIN:MAX --max-restarts=K
 --rdzv-backend=c10d``; README "Elastic training") every change of membership restarts all
-workers; each new worker builds a ``CephaloTrainer`` for the world it got. This module holds
-what that needs beyond the stock resume path:
+workers; each new worker builds its front end (``CephaloTrainer``, a prepared
+``CephaloAccelerator`` loop) for the world it got. This module holds what that needs beyond the
+stock resume path:
 
 1. **What a checkpoint ran on**: ``plan.json`` (the plan, loadable as ``cephalo_plan_file`` on
    the same world) and ``cephalo_run.json`` (``RunRecord``: global batch size, model
    fingerprint, world size and device names, step, wall time) written by rank 0 into every
    ``checkpoint-N`` (``write_checkpoint_record``).
-2. **Planning for the new world**: ``replan.resolve_elastic_plan`` (the one home of planning;
-   it reads this module's records, this module does not import it) with the SAME global batch
+2. **Planning for the new world**: ``planning.resolve_plan`` (the one home of planning; it
+   reads this module's records, this module does not import it) with the SAME global batch
    size; a world too small for the job raises ``InfeasiblePlanError`` naming the devices the
    last checkpoint ran on that are missing.
 3. **Resume checks** (``check_resume``): a checkpoint of another model or another global batch
    size is refused before its state is read.
-4. **Time lost per change** (``ElasticCallback``): rank 0 records the last finished step in
+4. **Time lost per change** (``ElasticProgress``): rank 0 records the last finished step in
    ``output_dir/cephalo_progress.json`` (``Progress``; rewritten after every step, aside and
    renamed, not fsynced: the step count and restart time of a resume need the LAST finished
    step, and a crash gives no notice); on resume it logs the old and new plan
@@ -42,14 +43,12 @@ import os
 import time
 from typing import Any, NamedTuple
 
-from transformers import TrainerCallback
-
 from hf_cephalo.file_modes import apply_default_mode
 from hf_cephalo.planner import Plan
 
 __all__ = ["RUN_RECORD_NAME", "PLAN_NAME", "PROGRESS_NAME", "RESTARTS_NAME", "RunRecord",
            "Progress", "ResumeReport", "write_checkpoint_record", "read_checkpoint_record",
-           "check_resume", "format_plan_change", "latest_checkpoint", "run_fingerprint", "ElasticCallback"]
+           "check_resume", "format_plan_change", "latest_checkpoint", "run_fingerprint", "ElasticProgress"]
 
 logger = logging.getLogger(__name__)
 
@@ -275,25 +274,31 @@ def read_progress(output_dir: str) -> Progress | None:
         return None
 
 
-class ElasticCallback(TrainerCallback):
-    """Records progress (rank 0, every step) and reports the resume (first step after it).
+class ElasticProgress:
+    """Records progress (rank 0, after every step) and reports a resume (first step after it).
 
-    ``arm(checkpoint, old_plan)`` is called by ``CephaloTrainer.train`` when resuming; the report
-    is kept in ``self.report`` (every rank), printed and appended to ``cephalo_restarts.jsonl``
-    by rank 0.
+    The runtime's session drives it: ``arm`` when a run resumes from a checkpoint,
+    ``step_begin`` / ``step_end`` around every optimizer step. The report is kept in
+    ``self.report`` (every rank), printed and appended to ``cephalo_restarts.jsonl`` by rank 0.
+
+    Args:
+        output_dir: the run's output directory; rank: this rank; world_size: the world's.
     """
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, output_dir: str, rank: int, world_size: int):
+        self.output_dir, self.rank, self.world_size = output_dir, rank, world_size
         self.report: ResumeReport | None = None
         self._armed: tuple[str, int, Plan | None, int | None, Progress | None] | None = None
 
     def arm(self, checkpoint: str, checkpoint_step: int, old_plan: Plan | None,
             old_world_size: int | None) -> None:
+        """A resume from ``checkpoint`` (at ``checkpoint_step``, trained on ``old_plan`` by
+        ``old_world_size`` ranks): reported at the next ``step_begin``."""
         self._armed = (checkpoint, checkpoint_step, old_plan, old_world_size,
-                       read_progress(self.trainer.args.output_dir))
+                       read_progress(self.output_dir))
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def step_begin(self, plan: Plan) -> None:
+        """Before a step on ``plan``: the resume report, once after ``arm``."""
         if self._armed is None:
             return
         checkpoint, step, old_plan, old_world, progress = self._armed
@@ -303,11 +308,11 @@ class ElasticCallback(TrainerCallback):
             checkpoint=checkpoint, checkpoint_step=step, last_step=last,
             steps_redone=0 if last is None else max(0, last - step),
             restart_s=None if progress is None else time.time() - progress.time_s,
-            old_world_size=old_world, new_world_size=self.trainer.plan.world_size,
-            old_plan=old_plan, new_plan=self.trainer.plan)
-        if args.process_index == 0:
+            old_world_size=old_world, new_world_size=plan.world_size,
+            old_plan=old_plan, new_plan=plan)
+        if self.rank == 0:
             self._print(self.report)
-            with open(os.path.join(args.output_dir, RESTARTS_NAME), "a") as f:
+            with open(os.path.join(self.output_dir, RESTARTS_NAME), "a") as f:
                 f.write(json.dumps(self.report.to_json()) + "\n")
 
     @staticmethod
@@ -319,8 +324,9 @@ class ElasticCallback(TrainerCallback):
               f"{report.last_step if report.last_step is not None else 'unknown'}), restart "
               f"took {restart} (end of the last step to the first step now)", flush=True)
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if args.process_index == 0:
-            _write_json_atomic(os.path.join(args.output_dir, PROGRESS_NAME),
-                               Progress(state.global_step, time.time(),
-                                        args.world_size)._asdict())
+    def step_end(self, global_step: int) -> None:
+        """After optimizer step ``global_step`` finished: rank 0 rewrites the progress file."""
+        if self.rank == 0:
+            os.makedirs(self.output_dir, exist_ok=True)
+            _write_json_atomic(os.path.join(self.output_dir, PROGRESS_NAME),
+                               Progress(global_step, time.time(), self.world_size)._asdict())

@@ -1,35 +1,35 @@
 """Live re-balancing while training: measure, exchange, decide, switch (docs/adaptive.md).
 
-``AdaptiveCallback`` (``--cephalo_adaptive batch``, the default, or ``state``):
+``AdaptiveController`` (``--cephalo_adaptive batch``, the default, or ``state``), driven by the
+runtime's session after every optimizer step, in every front end:
 
-1. **Measure** (every rank, every step): the step's wall time, the compute the
-   ``EmulatedStagedModel`` timer saw (all of it, and the units' forward + recompute + backward),
-   at the rank's current (b_i, m_i, l_i). The wait is the step minus all compute: collectives
+1. **Measure** (every rank, every step): the session's ``StepTimer`` record of the step (its
+   wall time, the compute the ``EmulatedStagedModel`` timer saw: all of it, and the units'
+   forward + recompute + backward), at the rank's current (b_i, m_i, l_i). The wait is the step minus all compute: collectives
    not hidden behind compute, waiting for slower ranks, the optimizer step.
 2. **Exchange** every ``cephalo_adaptive_interval`` steps: each rank's medians over the steps
    since the last exchange (the first step of the run and the first after a switch are left
    out: they pay one-time costs; so is a step with fewer samples than b_i, the partial last
    global batch of an epoch) go into ONE fixed-size float64 all-gather
    (``MEASUREMENT_FIELDS``, NaN where missing); no Python objects are gathered.
-3. **Decide** on every rank from the exchanged numbers only (``replan.replan_live`` ->
+3. **Decide** on every rank from the exchanged numbers only (``planning.replan_live`` ->
    ``planner.adapt.decide_batch_switch``): refit the start profile, re-plan with r_i fixed,
    switch when the predicted step time drops by more than the threshold at two exchanges in a
    row (one noisy window does not move the plan), with hysteresis, never over a memory cap.
-4. **Switch** at the step boundary: ``trainer.plan`` becomes the new plan and the
-   ``SplitSchedule`` of the training loader splits the next global batches by the new b_i / m_i
-   ([Note: switching the split live] in sampler.py). Nothing else moves: the engine's shards, the
-   optimizer state and the global batches are those of the uninterrupted run, so the trajectory
-   is the same up to fp32 summation order. Rank 0 prints one line, appends a record to
-   ``output_dir/cephalo_replans.jsonl`` and to ``trainer.state.log_history``.
+4. **Switch** at the step boundary (``Session.switch_plan``): the session's plan becomes the new
+   plan and the ``SplitSchedule`` of the training loader splits the next global batches by the
+   new b_i / m_i ([Note: switching the split live] in sampler.py). Nothing else moves: the
+   engine's shards, the optimizer state and the global batches are those of the uninterrupted
+   run, so the trajectory is the same up to fp32 summation order. Rank 0 prints one line and
+   appends a record to ``output_dir/cephalo_replans.jsonl``; the Trainer also puts it into
+   ``state.log_history``.
 
 ``--cephalo_adaptive state`` decides with ``planner.adapt.decide_state_switch`` (the batch
-decision, or the plan with r_i free when it is worth moving state); a re-layout switch first calls
-``trainer._relayout_state(new_plan)`` (collective, at the same step boundary on every rank: the
-parameter shards, a persisting gradient and the optimizer state move, ``engine.relayout``), then
-the split changes as above. The record's ``mode`` is "state" and it carries the old and new r_i.
-
-``SlowdownScheduleCallback`` applies ``--cephalo_emulate_slowdown_schedule`` (emulated drift)
-at the start of each step, whether adaptation is on or not.
+decision, or the plan with r_i free when it is worth moving state); a re-layout switch first
+re-lays the state (``Session.relayout_state``, collective, at the same step boundary on every
+rank: the parameter shards, a persisting gradient and the optimizer state move,
+``engine.relayout``), then the split changes as above. The record's ``mode`` is "state" and it
+carries the old and new r_i.
 
 [Note: one decision on every rank]
 Every rank must take the same switch at the same step, or the next step's collectives would
@@ -54,29 +54,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import TrainerCallback
 
 from hf_cephalo.planner import Plan
 from hf_cephalo.planner.adapt import MEASUREMENT_FIELDS, SwitchDecision, split_key
-from hf_cephalo.profiler.emulate import SlowdownSchedule, find_emulated
+from hf_cephalo.runtime.report import StepTime
 
-__all__ = ["AdaptiveCallback", "SlowdownScheduleCallback", "REPLANS_NAME", "format_switch"]
+__all__ = ["AdaptiveController", "REPLANS_NAME", "format_switch"]
 
 logger = logging.getLogger(__name__)
 
 REPLANS_NAME = "cephalo_replans.jsonl"  # in output_dir: one record per live switch
-
-
-class SlowdownScheduleCallback(TrainerCallback):
-    """Sets this rank's emulated slowdown to the schedule's factor at each step's start."""
-
-    def __init__(self, trainer, schedule: SlowdownSchedule):
-        self.trainer, self.schedule = trainer, schedule
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        emulated = find_emulated(self.trainer.engine.staged)
-        if emulated is not None:
-            emulated.slowdown = self.schedule.factors_at(state.global_step)[args.process_index]
 
 
 def format_switch(step: int, old: Plan, new: Plan, decision: SwitchDecision,
@@ -99,35 +86,35 @@ def format_switch(step: int, old: Plan, new: Plan, decision: SwitchDecision,
             f"{decision.predicted_after_s:.4f} s")
 
 
-class AdaptiveCallback(TrainerCallback):
+class AdaptiveController:
     """Measures every step, exchanges every ``interval`` steps, switches b_i / m_i / l_i live.
 
     Args:
-        trainer: the ``CephaloTrainer`` (its ``plan``, ``engine``, ``cluster_profile`` and
-            ``split_schedule`` are read and updated).
+        session: the runtime ``Session`` (its ``plan``, ``engine``, ``cluster_profile``,
+            ``split_schedule``, ``timer`` and ``relayout_state`` are read and used).
         interval: steps between exchanges (>= 1).
         threshold: relative predicted gain a switch needs, in (0, 1).
         hysteresis_steps: steps between switches at least.
         caps_bytes: emulated memory capacity per rank (bytes) or None.
         mode: "batch", or "state": the decision may also re-lay r_i
-            (``planner.adapt.decide_state_switch``), done by ``trainer._relayout_state(plan)``
+            (``planner.adapt.decide_state_switch``), done by ``session.relayout_state(plan)``
             (collective, at the step boundary) before the new split applies.
 
     Attributes:
         decisions: every decision taken, in order, as dicts (same on every rank).
-        step_s: this rank's measured step seconds, one per step (for reports).
         last_switch_step: the step after which the last switch happened (None: never).
+        records: the switch records (also appended to ``output_dir/cephalo_replans.jsonl``).
     """
 
-    def __init__(self, trainer, *, interval: int, threshold: float, hysteresis_steps: int,
+    def __init__(self, session, *, interval: int, threshold: float, hysteresis_steps: int,
                  caps_bytes: list[float | None] | None = None, mode: str = "batch"):
-        self.trainer, self.mode = trainer, mode
+        self.session, self.mode = session, mode
         self.interval, self.threshold = interval, threshold
         self.hysteresis_steps, self.caps_bytes = hysteresis_steps, caps_bytes
         self.decisions: list[dict[str, Any]] = []
-        self.step_s: list[float] = []
+        self.records: list[dict[str, Any]] = []
         self.last_switch_step: int | None = None
-        self._window: list[tuple[float, float, float]] = []  # (step, unit compute, all compute)
+        self._window: list[StepTime] = []
         self._skip_next = True  # the first step (of the run, after a switch) is not measured
         self._scales: list[float] | None = None
         self._streak = 0  # exchanges in a row that predicted a gain (planner.adapt)
@@ -135,38 +122,27 @@ class AdaptiveCallback(TrainerCallback):
         self._switch_scales: list[float] | None = None
 
     # ---- measure -------------------------------------------------------------------------
-    def _timer(self):
-        emulated = find_emulated(self.trainer.engine.staged)
-        return None if emulated is None else emulated.timer
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        timer = self._timer()
-        self._t0 = time.perf_counter()
-        self._c0 = None if timer is None else (timer.unit_s, timer.compute_s)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        step_s = time.perf_counter() - self._t0
-        self.step_s.append(step_s)
-        timer = self._timer()
-        rank_plan = self.trainer.plan.ranks[args.process_index]
-        full = getattr(self.trainer, "last_step_num_samples", None) in (None, rank_plan.batch_size)
-        if self._skip_next or not full:  # one-time costs, or a partial last global batch
+    def step_end(self, step: StepTime, global_step: int, epoch: float | None,
+                 is_last_step: bool) -> dict[str, Any] | None:
+        """After optimizer step ``global_step`` (timed as ``step``): keep the measurement, and
+        every ``interval`` steps (not after the last one) exchange and decide. Returns the
+        switch record when the plan changed, else None."""
+        if self._skip_next or not step.full:  # one-time costs, or a partial last global batch
             self._skip_next = False
-        elif timer is not None and self._c0 is not None:
-            self._window.append((step_s, timer.unit_s - self._c0[0],
-                                 timer.compute_s - self._c0[1]))
         else:
-            self._window.append((step_s, math.nan, math.nan))
-        if state.global_step % self.interval == 0 and not (
-                state.max_steps and state.global_step >= state.max_steps):
-            self._exchange_and_decide(args, state)
+            self._window.append(step)
+        if global_step % self.interval == 0 and not is_last_step:
+            return self._exchange_and_decide(global_step, epoch)
+        return None
 
     def local_row(self) -> list[float]:
         """This rank's ``MEASUREMENT_FIELDS`` over the window (NaN where nothing was timed)."""
-        b = self.trainer.plan.ranks[self.trainer.args.process_index].batch_size
+        b = self.session.plan.ranks[self.session.job.rank].batch_size
         if not self._window:
             return [0.0, math.nan, math.nan, math.nan, float(b)]
-        steps, units, computes = zip(*self._window)
+        steps = [s.step_s for s in self._window]
+        units = [s.unit_s for s in self._window]
+        computes = [s.compute_s for s in self._window]
         step = statistics.median(steps)
         unit = statistics.median(units) if all(math.isfinite(u) for u in units) else math.nan
         compute = statistics.median(computes) if all(math.isfinite(c) for c in computes) \
@@ -176,26 +152,26 @@ class AdaptiveCallback(TrainerCallback):
     # ---- exchange + decide ---------------------------------------------------------------
     def _exchange(self, row: list[float]) -> list[list[float]]:
         """[Note: one decision on every rank]: one all-gather of a fixed-size float64 tensor."""
-        group = self.trainer.engine.group
+        group = self.session.engine.group
         world = dist.get_world_size(group)
-        device = torch.device(self.trainer.args.device) \
-            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        device = self.session.job.device if dist.get_backend(group) == "nccl" \
+            else torch.device("cpu")
         mine = torch.tensor(row, dtype=torch.float64, device=device)  # (K,)
         out = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(out, mine, group=group)
         return [t.cpu().tolist() for t in out]
 
-    def _exchange_and_decide(self, args, state) -> None:
-        from hf_cephalo.integrations.replan import replan_live
+    def _exchange_and_decide(self, global_step: int, epoch: float | None):
+        from hf_cephalo.runtime.planning import replan_live
 
         rows = self._exchange(self.local_row())
         self._window = []
-        trainer = self.trainer
+        session = self.session
         steps = [r[2] for r in rows if len(r) > 2 and math.isfinite(r[2]) and r[0] >= 1]
         if len(steps) == len(rows):  # the running split's measured step: the slowest rank's
-            self._measured_step_s[split_key(trainer.plan)] = max(steps)
-        decision = replan_live(trainer.cluster_profile, trainer.plan, rows,
-                               step=state.global_step, last_switch_step=self.last_switch_step,
+            self._measured_step_s[split_key(session.plan)] = max(steps)
+        decision = replan_live(session.cluster_profile, session.plan, rows,
+                               step=global_step, last_switch_step=self.last_switch_step,
                                threshold=self.threshold, hysteresis_steps=self.hysteresis_steps,
                                previous_scales=self._scales, caps_bytes=self.caps_bytes,
                                streak=self._streak, mode=self.mode,
@@ -209,7 +185,7 @@ class AdaptiveCallback(TrainerCallback):
         if self._switch_scales is None:
             self._switch_scales = [1.0] * len(decision.scales)
         self._scales = decision.scales
-        record = dict(step=state.global_step, switch=decision.switch, reason=decision.reason,
+        record = dict(step=global_step, switch=decision.switch, reason=decision.reason,
                       predicted_before_s=decision.predicted_before_s,
                       predicted_after_s=decision.predicted_after_s, scales=decision.scales,
                       invalid_ranks=decision.invalid_ranks,
@@ -218,25 +194,24 @@ class AdaptiveCallback(TrainerCallback):
                       relayout=decision.switch and relayout,
                       state_ratios=decision.plan.state_ratios)
         self.decisions.append(record)
-        if decision.invalid_ranks and args.process_index == 0:
+        if decision.invalid_ranks and session.job.is_main:
             logger.warning("adaptive re-balancing after step %d: %s; kept at their current "
-                           "b_i / m_i / l_i", state.global_step, "; ".join(
+                           "b_i / m_i / l_i", global_step, "; ".join(
                                f"rank {i}: {why}" for i, why in
                                zip(decision.invalid_ranks, decision.invalid_reasons)))
         if decision.switch:
-            self._switch(args, state, decision, rows, relayout)
+            return self._switch(global_step, epoch, decision, rows, relayout)
+        return None
 
-    def _switch(self, args, state, decision: SwitchDecision, rows, relayout: bool = False) -> None:
-        trainer, old, new = self.trainer, self.trainer.plan, decision.plan
-        if relayout:  # parameters, gradients' shards and optimizer state move (collective)
-            trainer._relayout_state(new)
-        trainer.plan = new
-        trainer.split_schedule.switch(state.global_step, new.batch_sizes, new.microbatch_sizes)
-        self.last_switch_step = state.global_step
+    def _switch(self, global_step: int, epoch: float | None, decision: SwitchDecision, rows,
+                relayout: bool = False) -> dict[str, Any]:
+        session, old, new = self.session, self.session.plan, decision.plan
+        session.switch_plan(new, global_step, relayout=relayout, scales=decision.scales)
+        self.last_switch_step = global_step
         self._skip_next = True
-        line = format_switch(state.global_step, old, new, decision, self._switch_scales)
+        line = format_switch(global_step, old, new, decision, self._switch_scales)
         self._switch_scales = list(decision.scales)
-        record = dict(step=state.global_step, epoch=state.epoch,
+        record = dict(step=global_step, epoch=epoch,
                       mode="state" if relayout else "batch",
                       old_batch_sizes=old.batch_sizes, new_batch_sizes=new.batch_sizes,
                       old_microbatch_sizes=old.microbatch_sizes,
@@ -246,9 +221,10 @@ class AdaptiveCallback(TrainerCallback):
                       predicted_before_s=decision.predicted_before_s,
                       predicted_after_s=decision.predicted_after_s, measurements=rows,
                       measurement_fields=list(MEASUREMENT_FIELDS), time_s=time.time())
-        state.log_history.append({"cephalo_replan": record, "step": state.global_step})
-        if args.process_index == 0:
+        self.records.append(record)
+        if session.job.is_main:
             print(line, flush=True)
-            os.makedirs(args.output_dir, exist_ok=True)
-            with open(os.path.join(args.output_dir, REPLANS_NAME), "a") as f:
+            os.makedirs(session.job.output_dir, exist_ok=True)
+            with open(os.path.join(session.job.output_dir, REPLANS_NAME), "a") as f:
                 f.write(json.dumps(record) + "\n")
+        return record

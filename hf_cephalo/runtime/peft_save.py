@@ -103,7 +103,7 @@ def load_peft_adapter(engine, peft_model: nn.Module, adapter_dir: str) -> None:
     if not os.path.isfile(path):
         raise ValueError(f"{path}: missing — the LoRA adapter weights; give a directory written "
                          "by trainer.save_model (or PeftModel.save_pretrained)")
-    units = engine._all_units()
+    units = engine.all_units()
     infos = [info for unit in units for info in unit.infos if info.requires_grad]
     prefix = "base_model.model."  # the PeftModel's names of the engine's (inner model's) names
     probes = {info.fqn: torch.empty(0) for info in infos}

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 from hf_cephalo.engine.checkpoint import DAMAGED, FILES, CheckpointError
 from hf_cephalo.engine.export import INDEX_NAME, WEIGHTS_NAME
-from hf_cephalo.integrations.peft_save import ADAPTER_FILES
+from hf_cephalo.runtime.peft_save import ADAPTER_FILES
 
 __all__ = ["CONTENTS_NAME", "CheckpointContents", "MissingFile", "missing_files",
            "read_contents", "check_contents"]
@@ -39,6 +39,7 @@ CONTENTS_NAME = "cephalo_contents.json"
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's names
 SCALER_NAME = "scaler.pt"
 TRAINER_STATE_NAME = "trainer_state.json"
+LOADERS_NAME = "cephalo_loaders.json"  # a custom loop's save_state
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,6 +54,9 @@ class CheckpointContents:
         scaler: an fp16 loss scaler existed (``--fp16``).
         scheduler: an LR scheduler existed.
         world_size: ranks that wrote it (one parameter/optimizer shard each).
+        front_end: who wrote it: "trainer" (``trainer_state.json``, stock's folder) or
+            "accelerate" (a custom loop's ``save_state``: every rank's RNG states and the
+            loaders' positions instead).
     """
 
     save_only_model: bool
@@ -61,6 +65,7 @@ class CheckpointContents:
     scaler: bool
     scheduler: bool
     world_size: int
+    front_end: str = "trainer"
 
     @property
     def has_model_files(self) -> bool:
@@ -77,10 +82,11 @@ class CheckpointContents:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], path: str) -> "CheckpointContents":
-        names = [f.name for f in dataclasses.fields(cls)]
+        fields = dataclasses.fields(cls)
+        names = [f.name for f in fields if f.default is dataclasses.MISSING]  # required keys
         if not isinstance(data, dict) or any(n not in data for n in names):
             raise CheckpointError(f"{path}: corrupt (keys {names} expected); {DAMAGED}")
-        return cls(**{n: data[n] for n in names})
+        return cls(**{f.name: data[f.name] for f in fields if f.name in data})
 
     def write(self, directory: str) -> None:
         """Rank 0: write ``cephalo_contents.json`` into ``directory`` (a staging directory)."""
@@ -144,8 +150,14 @@ def missing_files(directory: str, contents: CheckpointContents) -> list[MissingF
             else:
                 out += [MissingFile(n, "the model weights (save_model)", setting) for n in files]
             out.append(MissingFile("config.json", "the model config (save_model)", setting))
-    out.append(MissingFile(TRAINER_STATE_NAME, "the trainer state", "any setting",
-                           "trainer state"))
+    if contents.front_end == "accelerate":
+        out += [MissingFile(f"random_states_{r}.pkl", "a rank's RNG states", "save_state",
+                            "training state") for r in range(contents.world_size)]
+        out.append(MissingFile(LOADERS_NAME, "the prepared loaders' positions", "save_state",
+                               "training state"))
+    else:
+        out.append(MissingFile(TRAINER_STATE_NAME, "the trainer state", "any setting",
+                               "trainer state"))
     return [m for m in out if not os.path.isfile(os.path.join(directory, m.name))]
 
 

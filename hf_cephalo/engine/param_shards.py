@@ -1,0 +1,198 @@
+"""Per-parameter shards: this rank's slice of every trainable parameter, for optimizers.
+
+[Note: per-parameter shards]
+A unit's trainable shard (``shard_param``, (k_r,)) is a flat slice of ``[p_0 | p_1 | ...]``
+(``flat_param.py`` [Note: flat unit layout]). ``ParamShards`` cuts it back into one 1-D
+``nn.Parameter`` per trainable parameter (tied weights once, under every alias): this rank's
+elements of that parameter, possibly none, a VIEW of the shard's storage, as FSDP2's
+per-parameter DTensor shards are (flattened here). An optimizer built over them keeps the
+user's parameter groups exactly (a no-decay group, a per-group learning rate), because each
+group holds whole parameters, which a flat shard mixes. After every backward the engine points
+each one's ``.grad`` at its slice of the shard gradient (``bind_grads``), so the optimizer's
+in-place updates, ``clip_grad_norm_`` and a loss scaler's ``unscale_`` act on the same
+elements; after a re-layout (``relayout.py``) the same Parameter objects are re-pointed at the
+new shards (``rebind``), so param groups, LR schedulers and state keys stay valid. Checkpoints
+and re-layouts see the optimizer state per unit, concatenated in flat order
+(``unit_states`` / ``load_unit_states``), the same format as for an optimizer over the flat
+shards (``engine.parameters()``), which stays supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["ParamShards", "ParamSlice", "unit_states", "split_unit_states", "load_unit_states",
+           "OptimizerLayout", "optimizer_layout"]
+
+
+class ParamSlice(NamedTuple):
+    """Where one parameter's shard sits: its unit, [lo, hi) inside the unit's (k_r,) trainable
+    shard, and its names (the first is ``named_parameters``' name)."""
+
+    unit: int
+    lo: int
+    hi: int
+    names: tuple[str, ...]
+
+
+class ParamShards:
+    """One 1-D ``nn.Parameter`` per trainable parameter, viewing this rank's slice of the unit
+    shards (see [Note: per-parameter shards]).
+
+    Args:
+        units: the engine's units in ``engine.parameters()`` order.
+        rank: this rank.
+    """
+
+    def __init__(self, units: Sequence[Any], rank: int) -> None:
+        self._units, self.rank = list(units), rank
+        self.slices: list[ParamSlice] = []
+        self.params: list[nn.Parameter] = []
+        for u, unit in enumerate(self._units):
+            for lo, hi, info in self._ranges(unit):
+                self.slices.append(ParamSlice(u, lo, hi, tuple(info.aliases)))
+                self.params.append(nn.Parameter(unit.shard_param.detach()[lo:hi]))
+        self.by_name = {name: p for s, p in zip(self.slices, self.params) for name in s.names}
+
+    def _ranges(self, unit) -> Iterator[tuple[int, int, Any]]:
+        """(lo, hi, info) of each trainable parameter within this rank's trainable shard."""
+        start = unit.trainable.starts[self.rank]
+        count = unit.trainable.numel_per_rank[self.rank]
+        for info in unit.infos:
+            if info.requires_grad:  # trainable parameters come first, offsets within Nt
+                lo = min(max(info.offset, start), start + count) - start
+                hi = max(min(info.offset + info.numel, start + count) - start, lo)
+                yield lo, hi, info
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(first name, shard) per trainable parameter, in unit order."""
+        for s, p in zip(self.slices, self.params):
+            yield s.names[0], p
+
+    def bind_grads(self) -> None:
+        """Each shard's ``.grad`` := its slice of the unit's shard gradient (None where the
+        unit has none)."""
+        for s, p in zip(self.slices, self.params):
+            grad = self._units[s.unit].shard_param.grad
+            p.grad = None if grad is None else grad[s.lo:s.hi]
+
+    def drop_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def rebind_unit(self, unit: int) -> None:
+        """After unit ``unit`` was re-laid: its parameters' same Parameter objects, each a view
+        of its new slice (their ``.grad`` dropped: the old slices no longer exist)."""
+        shard = self._units[unit].shard_param.detach()
+        new = iter(self._ranges(self._units[unit]))
+        with torch.no_grad():
+            for i, s in enumerate(self.slices):
+                if s.unit == unit:
+                    lo, hi, info = next(new)
+                    assert tuple(info.aliases) == s.names
+                    self.slices[i] = ParamSlice(unit, lo, hi, s.names)
+                    self.params[i].grad = None
+                    self.params[i].data = shard[lo:hi]
+
+    def unit_params(self, unit: int) -> list[tuple[nn.Parameter, ParamSlice]]:
+        return [(p, s) for p, s in zip(self.params, self.slices) if s.unit == unit]
+
+
+class OptimizerLayout(NamedTuple):
+    """How an optimizer's parameters map onto the units: ``flat`` (over ``engine.parameters()``,
+    one per unit) or over per-parameter shards (``shards``)."""
+
+    flat: bool
+    shards: ParamShards | None
+
+
+def optimizer_layout(engine, optimizer: torch.optim.Optimizer, what: str) -> OptimizerLayout:
+    """Which parameters ``optimizer`` holds; ValueError naming ``what`` for any other tensor."""
+    flat = {id(p) for p in engine.parameters()}
+    shards = engine.param_shards if engine.has_param_shards else None
+    pieces = set() if shards is None else {id(p) for p in shards.params}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(id(p) in flat for p in held):
+        return OptimizerLayout(True, None)
+    if shards is not None and all(id(p) in pieces for p in held):
+        return OptimizerLayout(False, shards)
+    raise ValueError(f"{what}: the optimizer holds a tensor that is neither one of "
+                     "engine.parameters() nor one of the per-parameter shards "
+                     "(engine.param_shards); build it over one of them only")
+
+
+def unit_states(engine, optimizer: torch.optim.Optimizer, what: str
+                ) -> dict[int, dict[str, Any]]:
+    """{unit index: optimizer state of its trainable shard} for the units with state: per-element
+    tensors as (k_r,) (per-parameter shards concatenated in flat order), scalars (AdamW's
+    ``step``) as they are. ValueError when the per-parameter shards of one unit disagree on a
+    scalar or only some of them have state."""
+    layout = optimizer_layout(engine, optimizer, what)
+    params = engine.parameters()
+    if layout.flat:
+        return {u: optimizer.state[p] for u, p in enumerate(params) if p in optimizer.state}
+    out: dict[int, dict[str, Any]] = {}
+    for u in range(len(params)):
+        members = layout.shards.unit_params(u)
+        states = [optimizer.state.get(p) for p, _ in members]
+        if not members or all(not s for s in states):
+            continue
+        if any(not s for s in states):
+            raise ValueError(f"{what}: only some parameters of unit {u} have optimizer state "
+                             "(a parameter group was never stepped?); step every group alike")
+        merged: dict[str, Any] = {}
+        for key, first in states[0].items():
+            if all(_per_element(s.get(key), p) for (p, _), s in zip(members, states)):
+                merged[key] = torch.cat([s[key] for s in states])
+            else:
+                if any(not _same(s[key], first) for s in states):
+                    raise ValueError(f"{what}: the parameters of unit {u} hold different "
+                                     f"optimizer state {key!r}; step every group alike")
+                merged[key] = first
+        out[u] = merged
+    return out
+
+
+def _per_element(value: Any, param: torch.Tensor) -> bool:
+    """A state tensor with one entry per element of ``param`` (AdamW's moments)."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.shape == param.shape
+
+
+def _same(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    return a == b
+
+
+def split_unit_states(engine, optimizer: torch.optim.Optimizer,
+                      states: dict[int, dict[str, Any]], what: str
+                      ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    """(parameter, state) pairs of ``optimizer``'s parameters for units' states as
+    ``unit_states`` returns them (for this rank's current shards): the flat shard's state as it
+    is, or split over the per-parameter shards (per-element tensors cut at their slices,
+    scalars copied to each)."""
+    layout = optimizer_layout(engine, optimizer, what)
+    params = engine.parameters()
+    out = []
+    for u, state in states.items():
+        if layout.flat:
+            out.append((params[u], state))
+            continue
+        for p, s in layout.shards.unit_params(u):
+            out.append((p, {key: (value[s.lo:s.hi].clone() if _per_element(value, params[u])
+                                  else _copy(value)) for key, value in state.items()}))
+    return out
+
+
+def load_unit_states(engine, optimizer: torch.optim.Optimizer,
+                     states: dict[int, dict[str, Any]], what: str) -> None:
+    """Set each unit's optimizer state (``split_unit_states``) into ``optimizer.state``."""
+    for param, state in split_unit_states(engine, optimizer, states, what):
+        optimizer.state[param] = state
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if torch.is_tensor(value) else value

@@ -1,0 +1,393 @@
+"""What ``CephaloAccelerator.prepare`` hands a custom training loop: the model, loaders and
+optimizer over the runtime session (docs/accelerate.md "Your own training loop").
+
+[Note: a custom loop on the layered engine]
+A stock Accelerate loop reads ``for batch in loader: loss = model(**batch).loss;
+accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()``. Prepared by
+``CephaloAccelerator``:
+
+- the training loader yields THIS rank's b_i rows of each global batch as one collated batch on
+  the device (``CephaloDataLoader``; an idle rank gets the same keys with 0 rows), every rank the
+  same number of batches; drawing a batch starts the session's step (timer, slowdown schedule,
+  resume report);
+- ``model(**batch)`` (``CephaloModel``) cuts the rows into microbatches of m_i and, in training
+  with grad enabled, runs the engine's layered forward and the head of each microbatch with
+  autograd kept (``engine.forward_step``); it returns the model's output class with ``logits``
+  (this rank's rows), ``loss`` (the mean over this rank's items, as a stock forward returns for
+  its batch), ``num_items`` and ``num_items_in_batch`` (this rank's and the global item count).
+  In eval mode or under ``torch.no_grad()`` it runs ``engine.evaluate`` (no backward expected);
+- ``accelerator.backward(loss)`` weights the loss by the normalization rule
+  (``CephaloSettings.loss_reduction``: "mean" -> times n_i / N, "sum" -> as it is), scales it
+  for fp16, and runs the layered backward (``engine.backward_step``) with one reduce-scatter per
+  unit; the loss must come from this step's outputs (checked on every rank at once);
+- ``optimizer.step()`` steps the optimizer the user built, re-pointed at the per-parameter
+  shards, then ends the session's step (the adaptive controller may switch the split; the next
+  batch the loader draws follows it); ``zero_grad`` drops the engine's gradients too.
+
+The gradient is then that of the loss on the single-device full global batch whenever the loss
+is a mean over items (tokens with a label after the causal shift, or samples) of this rank's
+rows, or, with "sum", this rank's part of a global sum (e.g. a sum divided by
+``outputs.num_items_in_batch``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import send_to_device
+from torch import nn
+
+__all__ = ["CephaloModel", "CephaloDataLoader", "CephaloOptimizer", "split_rows"]
+
+logger = logging.getLogger(__name__)
+
+
+def split_rows(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
+    """``batch`` (a dict whose tensors hold R rows) cut into dicts of at most ``size`` rows
+    (R = 0: none). Non-tensor values that are lists of R items are cut too; others are kept
+    whole.
+
+    Raises ValueError: a tensor whose first dimension is not R (its rows cannot be told
+    apart: e.g. a padding-free packing collator's single row)."""
+    rows = next((v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0), 0)
+    for key, value in batch.items():
+        if torch.is_tensor(value) and (value.dim() == 0 or value.shape[0] != rows):
+            raise ValueError(f"the batch's {key!r} has shape {tuple(value.shape)} but the batch "
+                             f"holds {rows} rows: every tensor's first dimension must be the "
+                             "samples, so that this rank's rows can be cut into microbatches")
+
+    def cut(value, lo, hi):
+        if torch.is_tensor(value) and value.dim() > 0:
+            return value[lo:hi]
+        if isinstance(value, (list, tuple)) and len(value) == rows:
+            return value[lo:hi]
+        return value
+
+    return [{k: cut(v, lo, min(lo + size, rows)) for k, v in batch.items()}
+            for lo in range(0, rows, max(size, 1))]
+
+
+def _cat(tensors: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    """Rows of every microbatch in order (``empty``: the 0-row logits of a rank without rows)."""
+    if tensors:
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    return empty
+
+
+def _empty_logits(model: nn.Module, batch: dict[str, Any], device) -> torch.Tensor:
+    """The logits of 0 rows, shaped as the model's would be: (0, T, vocab_size) for a causal LM
+    (T from the batch's ``input_ids``), (0, num_labels) for a classifier."""
+    config = getattr(model, "config", None)
+    ids = batch.get("input_ids")
+    if config is not None and getattr(config, "is_decoder", False) or \
+            type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+        width = 0 if ids is None or ids.dim() < 2 else ids.shape[1]
+        return torch.zeros((0, width, config.vocab_size), device=device)
+    return torch.zeros((0, getattr(config, "num_labels", 1)), device=device)
+
+
+class CephaloModel(nn.Module):
+    """The prepared model of a custom loop (see [Note: a custom loop on the layered engine]).
+
+    ``parameters()`` / ``named_parameters()`` are this rank's per-parameter shards (an
+    optimizer built over them after ``prepare`` steps the shards); every other attribute
+    (``config``, ``generate``...) is the wrapped model's, which is hollow while sharded
+    (``accelerator.unwrap_model`` returns it; ``accelerator.get_state_dict`` /
+    ``save_model`` give its weights).
+    """
+
+    def __init__(self, session, hooks) -> None:
+        super().__init__()
+        self.__dict__["_session"] = session
+        self.__dict__["_hooks"] = hooks  # the accelerator's step state (open step, backward)
+        self.__dict__["_module"] = session.model
+        self.training = session.model.training
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_module"], name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, shard in self._session.engine.param_shards.named_parameters():
+            yield prefix + name, shard
+
+    def train(self, mode: bool = True) -> "CephaloModel":
+        self.training = mode
+        self._module.train(mode)
+        return self
+
+    def state_dict(self, *args, **kwargs):
+        raise RuntimeError("the prepared model is sharded across ranks: use "
+                           "accelerator.get_state_dict(model) (every rank calls it; rank 0 gets "
+                           "the full state dict) or accelerator.save_model(model, dir)")
+
+    def forward(self, *args, **batch):
+        if args:
+            raise TypeError("call the prepared model with keyword arguments, model(**batch): "
+                            "the batch's rows are cut into the plan's microbatches by name")
+        session, hooks = self._session, self._hooks
+        microbatches = split_rows(batch, hooks.microbatch_size())
+        if self.training and torch.is_grad_enabled():
+            open_step = hooks.begin_forward(microbatches)
+            logits, loss_sums = open_step.logits, open_step.loss_sums
+            local, total = open_step.local_items, open_step.global_items
+            loss = torch.stack(loss_sums).sum() / local if local else \
+                torch.zeros((), device=session.job.device)
+        else:
+            hooks.end_open_step("an evaluation forward")
+            out = session.engine.evaluate(microbatches, return_logits=True)
+            logits, total = out.logits, out.num_items
+            counts = [session.engine.staged.count_items(mb) for mb in microbatches]
+            local = sum(counts)
+            sums = [m * n for m, n in zip(out.microbatch_losses, counts) if n]
+            loss = torch.tensor(sum(sums) / local if local else 0.0, device=session.job.device)
+        empty = None if logits else _empty_logits(self._module, batch, session.job.device)
+        output = hooks.output_class(loss=loss, logits=_cat(list(logits), empty))
+        # not ModelOutput fields: attributes, so the output's tuple / dict views stay stock's
+        object.__setattr__(output, "num_items", int(local))
+        object.__setattr__(output, "num_items_in_batch", int(total))
+        return output
+
+
+class CephaloDataLoader:
+    """The prepared loader of a custom loop: per iteration (an epoch: ``seed + epoch``
+    permutation, advanced at each new iteration as Accelerate's prepared loaders do) this
+    rank's rows of each global batch as one collated batch on the device.
+
+    Args:
+        inner: the runtime's loader (``Session.train_loader`` / ``eval_loader``) yielding
+            one-element microbatch lists.
+        hooks: the accelerator's step state; training: the training loader (drives steps).
+        empty_batch: makes the 0-row batch of an idle rank (the keys a real batch has).
+        microbatch_size: the microbatch the model cuts an evaluation batch into (training:
+            the plan's m_i in force).
+    """
+
+    def __init__(self, inner, hooks, *, training: bool, empty_batch, microbatch_size: int,
+                 batch_size: int, device) -> None:
+        self.inner, self.hooks, self.training = inner, hooks, training
+        self._empty_batch, self._microbatch_size = empty_batch, microbatch_size
+        self.batch_size, self.device = batch_size, device
+        self.dataset = inner.dataset
+        self.epoch = 0  # the epoch the next iteration draws
+        self.position = 0  # batches handed out in the current epoch
+        self._skip_next = 0  # batches the next iteration skips (skip_first_batches / a resume)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skipping(self, num_batches: int) -> "_SkippingLoader":
+        return _SkippingLoader(self, num_batches)
+
+    def __iter__(self):
+        return self._iterate(self._skip_next)
+
+    def _iterate(self, skip: int):
+        self._skip_next = 0
+        epoch = self.epoch
+        self.inner.batch_sampler.set_epoch(epoch)
+        self.inner.batch_sampler.skip_batches = skip
+        self.position = skip
+        for microbatches in self.inner:
+            batch = microbatches[0] if microbatches else self._empty_batch()
+            assert len(microbatches) <= 1, "the loop's loaders yield one batch per step"
+            batch = send_to_device(batch, self.device)
+            self.hooks.batch_drawn(self, batch)
+            self.position += 1
+            yield batch
+        self.inner.batch_sampler.skip_batches = 0
+        self.epoch = epoch + 1
+        self.position = 0
+
+    def state(self) -> dict[str, int]:
+        """Where the loader stands: the epoch in progress and the batches it handed out
+        (at the end of an epoch: the next epoch, 0)."""
+        if self.position >= len(self):
+            return {"epoch": self.epoch + (1 if self.position else 0), "position": 0}
+        return {"epoch": self.epoch, "position": self.position}
+
+    def microbatch_size(self) -> int:
+        return self._microbatch_size
+
+
+class _SkippingLoader:
+    """``accelerator.skip_first_batches(loader, n)``: one iteration of ``loader`` from batch n
+    of the epoch in progress (the loaders share the epoch counter)."""
+
+    def __init__(self, loader: CephaloDataLoader, num_batches: int) -> None:
+        self.loader, self.num_batches = loader, num_batches
+
+    def __len__(self) -> int:
+        return max(len(self.loader) - self.num_batches, 0)
+
+    def __iter__(self):
+        return self.loader._iterate(self.num_batches)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+
+class CephaloOptimizer(AcceleratedOptimizer):
+    """The prepared optimizer of a custom loop: Accelerate's wrapper (loss scaler, skipped
+    steps) around the user's optimizer re-pointed at the shards; ``step`` also ends the
+    session's step and ``zero_grad`` drops the engine's gradients."""
+
+    def __init__(self, optimizer, hooks, *, scaler=None) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=scaler)
+        self._cephalo_hooks = hooks
+
+    def step(self, closure=None):
+        self._cephalo_hooks.check_backward_done()
+        super().step(closure)
+        self._cephalo_hooks.optimizer_stepped()
+
+    def zero_grad(self, set_to_none=None):
+        super().zero_grad(set_to_none)
+        self._cephalo_hooks.session.engine.zero_grad()
+
+
+class LoopState:
+    """The per-step bookkeeping of a prepared custom loop, shared by the accelerator, the
+    model, the loaders and the optimizer: which batch was drawn last, the open step between
+    ``model(**batch)`` and ``accelerator.backward``, and the step hooks of the session.
+
+    Args:
+        session: the runtime ``Session``; output_class: the model's output type
+            (``CausalLMOutputWithPast``, ``SequenceClassifierOutput``, ...).
+    """
+
+    def __init__(self, session, output_class) -> None:
+        self.session, self.output_class = session, output_class
+        self.open = None  # the engine's OpenStep awaiting backward
+        self.backward_done = False
+        self._loader: CephaloDataLoader | None = None  # the loader that drew the last batch
+        self._rows = 0
+        self._step_open = False  # the session's step was begun by a training batch
+
+    # ---- the loaders ------------------------------------------------------------------------
+    def batch_drawn(self, loader: CephaloDataLoader, batch: dict[str, Any]) -> None:
+        self._loader = loader
+        self._rows = next((int(v.shape[0]) for v in batch.values()
+                           if torch.is_tensor(v) and v.dim() > 0), 0)
+        if loader.training:
+            self.end_open_step("the next training batch")
+            self.session.step_begin(self.session.global_step)
+            self._step_open = True
+            self.backward_done = False
+
+    def microbatch_size(self) -> int:
+        """m_i of the batch drawn last: the plan's in force for a training batch, the
+        evaluation loader's batch size for an evaluation batch."""
+        if self._loader is None or self._loader.training:
+            return max(self.session.plan.ranks[self.session.job.rank].microbatch_size, 1)
+        return self._loader.microbatch_size()
+
+    # ---- forward / backward -----------------------------------------------------------------
+    def begin_forward(self, microbatches):
+        if self.open is not None:
+            raise RuntimeError("model(**batch) was called again before accelerator.backward(loss) "
+                               "of the previous forward: the layered engine runs one forward and "
+                               "one backward per step (compute every loss term from one forward's "
+                               "outputs)")
+        if self.backward_done:
+            raise RuntimeError("a second training forward in one step (after "
+                               "accelerator.backward): draw the next batch from the prepared "
+                               "training loader first, or evaluate under torch.no_grad() / "
+                               "model.eval()")
+        self.open = self.session.engine.forward_step(microbatches)
+        return self.open
+
+    def end_open_step(self, why: str) -> None:
+        """A forward whose backward will not come (every rank at the same point): dropped
+        with a warning (rank 0)."""
+        if self.open is None:
+            return
+        self.session.engine.discard_step(self.open, why)
+        self.open = None
+        if self.session.job.is_main:
+            logger.warning("model(**batch) ran in training mode but %s came before "
+                           "accelerator.backward(loss): that forward's step was dropped", why)
+
+    def backward(self, loss: torch.Tensor, *, reduction: str, scaler) -> None:
+        """``accelerator.backward(loss)`` on the open step (see the module note).
+
+        Raises RuntimeError (on every rank alike, before the backward's collectives where the
+        ranks could disagree): no open step (no training forward, or backward twice), or a
+        loss that does not depend on this step's outputs on some rank."""
+        open_step, self.open = self.open, None
+        if open_step is None:
+            raise RuntimeError("accelerator.backward(loss) without a model(**batch) forward in "
+                               "training mode since the last backward (called twice, or the "
+                               "model was in eval mode / under torch.no_grad())")
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            self.session.engine.discard_step(open_step, "a bad loss")
+            raise TypeError(f"accelerator.backward needs a 1-element loss tensor, got "
+                            f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
+        weighted = None
+        if open_step.local_items:  # a rank without items contributes no gradient
+            weight = open_step.local_items / open_step.global_items if reduction == "mean" else 1.0
+            weighted = loss.reshape(()) * weight
+            if scaler is not None:
+                weighted = scaler.scale(weighted)
+        elif scaler is not None:
+            scaler.scale(torch.zeros((), device=self.session.job.device))  # lazily made scale
+        self._check_loss_connected(open_step, weighted)
+        self.session.engine.backward_step(open_step, weighted)
+        self.backward_done = True
+
+    def _check_loss_connected(self, open_step, loss) -> None:
+        """Every rank learns whether some rank's loss does not reach its outputs (one int
+        all-reduce), so all raise together instead of one rank hanging in the backward."""
+        import torch.distributed as dist
+
+        bad = 0
+        if open_step.local_items and open_step.logits:
+            outputs = [*open_step.logits, *open_step.loss_sums]
+            bad = int(loss is None or not loss.requires_grad or not _reaches(loss, outputs))
+        flag = torch.tensor([bad], dtype=torch.int32, device=self.session.job.device
+                            if dist.get_backend(self.session.engine.group) == "nccl" else "cpu")
+        dist.all_reduce(flag, group=self.session.engine.group)
+        if int(flag.item()):
+            self.session.engine.discard_step(open_step, "a loss not from the outputs")
+            raise RuntimeError("accelerator.backward(loss): on some rank the loss does not "
+                               "depend on this step's model outputs (outputs.loss / "
+                               "outputs.logits of the last model(**batch)); the layered "
+                               "backward starts from them: compute the loss from those outputs")
+
+    # ---- the optimizer ---------------------------------------------------------------------
+    def check_backward_done(self) -> None:
+        if self._step_open and not self.backward_done:
+            raise RuntimeError("optimizer.step() before accelerator.backward(loss) in this step: "
+                               "the gradients are not there yet")
+
+    def optimizer_stepped(self) -> None:
+        """End the session's step (timer, report, adaptive switch, progress)."""
+        if not self._step_open:
+            return
+        self._step_open = False
+        # a loop has no known last step: the controller may exchange after any step
+        self.session.step_end(self.session.global_step + 1, self._rows)
+
+
+def _reaches(loss: torch.Tensor, outputs: list[torch.Tensor]) -> bool:
+    """Whether ``loss``'s autograd graph contains one of ``outputs`` (a walk of grad_fn's)."""
+    targets = {t.grad_fn for t in outputs if t.grad_fn is not None}
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        if fn in targets:
+            return True
+        seen.add(fn)
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return False

@@ -1,0 +1,325 @@
+"""``CephaloAccelerator.prepare`` for a custom loop: the job from the Accelerator, the session,
+and the loop's model, optimizer and loaders (docs/accelerate.md "Your own training loop").
+
+[Note: the global batch of a custom loop]
+B = the training loader's ``batch_size`` x world size x ``gradient_accumulation_steps`` (with
+``split_batches``: ``batch_size`` x ``gradient_accumulation_steps``), what the optimizer sees
+per step under stock DDP; ``CephaloPlugin(global_batch_size=...)`` or a plan file fixes it
+instead (required for elastic resumes onto another world). Each batch of the prepared training
+loader is this rank's share of ONE global batch: with ``gradient_accumulation_steps = k`` the k
+per-process batches stock would draw are one batch here (the engine accumulates their
+microbatches in one layered pass), ``accumulate()`` syncs every batch, ``backward`` does not
+divide by k, and the loader has 1/k as many batches; the LR scheduler still steps as stock
+Accelerate steps it per optimizer step (``num_processes`` times unless ``split_batches``), so
+the schedule a script computed from its unprepared loader is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler
+
+from hf_cephalo.integrations.loop import CephaloDataLoader, CephaloModel, CephaloOptimizer, LoopState
+
+__all__ = ["prepare_loop", "job_from_accelerator", "gather_rows", "holds_only_tensors",
+           "check_clip_parameters", "checkpoint_dir", "resume_dir"]
+
+logger = logging.getLogger(__name__)
+
+def check_loop_setup(accelerator, args) -> None:
+    """Refusals of a custom loop's setup, on every rank before any collective (ValueError):
+    a second model, an optimizer or loader prepared before the model, DeepSpeed / FSDP / fp8
+    beside Cephalo, dispatched batches, a loader without a batch size or over an iterable
+    dataset."""
+    from accelerate.utils import DistributedType
+
+    models = [a for a in args if isinstance(a, nn.Module) and not isinstance(a, CephaloModel)]
+    if len(models) > 1 or (models and accelerator.cephalo_loop is not None):
+        raise ValueError("CephaloAccelerator trains ONE model: prepare() got a second one (a "
+                         "teacher or reference model?); keep it outside prepare() (it runs as "
+                         "an ordinary module), or train each model in its own run")
+    if accelerator.cephalo_loop is None and any(isinstance(a, (torch.optim.Optimizer, DataLoader))
+                                                for a in args) and not models:
+        raise ValueError("prepare() the model first, or in the same call as its optimizer and "
+                         "loaders: the optimizer is re-pointed at the model's shards and the "
+                         "loaders split batches by the plan, which the model's preparation makes")
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP,
+                                        DistributedType.MEGATRON_LM):
+        raise ValueError(f"CephaloAccelerator with distributed_type "
+                         f"{accelerator.distributed_type}: Cephalo is the sharding engine; use "
+                         "accelerate_configs/cephalo.yaml (or cephalo_cpu.yaml) without a "
+                         "DeepSpeed / FSDP plugin")
+    if accelerator.mixed_precision not in ("no", "bf16", "fp16"):
+        raise ValueError(f"mixed_precision={accelerator.mixed_precision!r}: Cephalo trains in "
+                         "fp32, bf16 or fp16 (per rank: CephaloPlugin(precision=...))")
+    if getattr(accelerator.dataloader_config, "dispatch_batches", None):
+        raise ValueError("DataLoaderConfiguration(dispatch_batches=True): each rank reads its "
+                         "own rows of every global batch; drop dispatch_batches")
+    for loader in (a for a in args if isinstance(a, DataLoader)):
+        if not hasattr(loader.dataset, "__len__") or loader.batch_size is None:
+            raise ValueError("a prepared DataLoader needs a map-style dataset and a batch_size "
+                             "(this rank's rows of each global batch are cut from a permutation "
+                             "of the dataset): got "
+                             f"{type(loader.dataset).__name__}, batch_size={loader.batch_size}")
+
+
+def _broadcast_seed(accelerator, loader: DataLoader | None) -> int:
+    """The sampler's seed, the same on every rank: the loader's generator's initial seed, else
+    torch's (``accelerate.utils.set_seed``), rank 0's value broadcast."""
+    from accelerate.utils import broadcast_object_list
+
+    generator = getattr(loader, "generator", None)
+    seed = [int(generator.initial_seed() if generator is not None else torch.initial_seed())
+            % (2 ** 63)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(seed, from_process=0)
+    return seed[0]
+
+
+def job_from_accelerator(accelerator, train_loader: DataLoader | None, seed: int):
+    """The runtime's ``Job`` of a custom loop ([Note: the global batch of a custom loop]).
+
+    Raises ValueError: no training loader and no global batch size (or plan file) to plan
+    for; the plugin's global batch size disagrees with the plan file's."""
+    from accelerate.utils import DynamoBackend
+
+    from hf_cephalo.engine import CompileOptions
+    from hf_cephalo.planner import Plan
+    from hf_cephalo.runtime.data import LoaderOptions
+    from hf_cephalo.runtime.job import Job, resolve_global_batch_size
+    from hf_cephalo.runtime.settings import JobPrecision
+
+    settings = accelerator.cephalo_plugin
+    plan = Plan.load(settings.plan_file) if settings.plan_file is not None else None
+    if train_loader is None and settings.global_batch_size is None and plan is None:
+        raise ValueError("prepare(model) without a training DataLoader: give the training "
+                         "loader in the same prepare() call (its batch size sets the global "
+                         "batch), or CephaloPlugin(global_batch_size=...) / a plan file")
+    ga = accelerator.gradient_accumulation_steps
+    per_process = 0 if train_loader is None else train_loader.batch_size
+    stock = per_process * ga * (1 if accelerator.split_batches else accelerator.num_processes)
+    global_batch_size, given = resolve_global_batch_size(
+        settings, stock, plan, f"the plan {settings.plan_file!r}")
+    dynamo = accelerator.state.dynamo_plugin
+    compile_options = None if dynamo.backend == DynamoBackend.NO else \
+        CompileOptions(backend=dynamo.backend.value.lower(), mode=dynamo.mode)
+    loader = LoaderOptions() if train_loader is None else LoaderOptions(
+        num_workers=train_loader.num_workers, pin_memory=train_loader.pin_memory,
+        persistent_workers=train_loader.persistent_workers,
+        prefetch_factor=train_loader.prefetch_factor,
+        multiprocessing_context=train_loader.multiprocessing_context)
+    compute = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[accelerator.mixed_precision]
+    return Job(settings=settings, world_size=accelerator.num_processes,
+               rank=accelerator.process_index, device=accelerator.device,
+               output_dir=accelerator.project_dir or os.getcwd(), seed=seed, data_seed=seed,
+               global_batch_size=global_batch_size, global_batch_size_given=given,
+               precision=JobPrecision.resolve(compute, settings), compile=compile_options,
+               loader=loader, activation_checkpointing_given=settings.was_given(
+                   "activation_checkpointing"))
+
+
+def _output_class(staged):
+    from hf_cephalo.integrations.user_loss import _causal
+    from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutput
+
+    return CausalLMOutputWithPast if _causal(staged) else SequenceClassifierOutput
+
+
+def prepare_loop(accelerator, args: tuple) -> tuple:
+    """The custom loop's prepare (see ``CephaloAccelerator.prepare``)."""
+    from hf_cephalo.models import stage_model
+    from hf_cephalo.runtime.optim import repoint_optimizer
+    from hf_cephalo.runtime.session import Session
+
+    check_loop_setup(accelerator, args)
+    results = list(args)
+    model_index = next((i for i, a in enumerate(args) if isinstance(a, nn.Module)
+                        and not isinstance(a, CephaloModel)), None)
+    loaders = [a for a in args if isinstance(a, DataLoader)]
+    if model_index is not None:
+        model = args[model_index]
+        staged = stage_model(model)  # an unsupported model: ValueError before any collective
+        train = loaders[0] if loaders else None
+        name_of = {id(p): n for n, p in model.named_parameters()}  # before the engine
+        job = job_from_accelerator(accelerator, train, _broadcast_seed(accelerator, train))
+        session = Session(job, staged, model=model,
+                          train_dataset=None if train is None else train.dataset)
+        accelerator.cephalo_loop = LoopState(session, _output_class(staged))
+        accelerator._cephalo_name_of = name_of
+        if session.scaler is not None:  # fp16: the engine's sharded scaler for every rank
+            accelerator.scaler, accelerator.native_amp = session.scaler, True
+        results[model_index] = CephaloModel(session, accelerator.cephalo_loop)
+        accelerator._models.append(results[model_index])
+        _say_gradient_accumulation(accelerator, job)
+    loop = accelerator.cephalo_loop
+    for i, obj in enumerate(args):
+        if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, CephaloOptimizer):
+            repoint_optimizer(obj, loop.session.engine, accelerator._cephalo_name_of,
+                              "accelerator.prepare(optimizer)")
+            loop.session.set_optimizer(obj)
+            results[i] = CephaloOptimizer(obj, loop, scaler=accelerator.scaler)
+            accelerator._optimizers.append(results[i])
+        elif isinstance(obj, DataLoader):
+            results[i] = _prepare_loader(accelerator, obj)
+    for i, obj in enumerate(results):
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            results[i] = accelerator.prepare_scheduler(obj)
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _say_gradient_accumulation(accelerator, job) -> None:
+    ga = accelerator.gradient_accumulation_steps
+    if ga > 1 and job.is_main:
+        logger.warning("gradient_accumulation_steps=%d: each batch of the prepared training "
+                       "loader is one global batch of %d samples (the engine accumulates its "
+                       "microbatches in one layered pass), so the loop body runs once per "
+                       "optimizer step and the loader has 1/%d as many batches (docs/"
+                       "accelerate.md, [Note: the global batch of a custom loop])", ga,
+                       job.global_batch_size, ga)
+
+
+def _prepare_loader(accelerator, loader: DataLoader) -> CephaloDataLoader:
+    """The training loader (the first one prepared) or an evaluation loader, over the same
+    dataset and collator (see ``CephaloDataLoader``)."""
+    session = accelerator.cephalo_loop.session
+    training = not accelerator.cephalo_loaders
+    collate = loader.collate_fn
+    if training:
+        inner = session.train_loader(loader.dataset, collate,
+                                     shuffle=isinstance(loader.sampler, RandomSampler),
+                                     drop_last=loader.drop_last, whole_batches=True)
+    else:
+        inner = session.eval_loader(loader.dataset, collate, microbatch_size=None,
+                                    options=_options_of(loader))
+    empty = _EmptyBatch(loader.dataset, collate)
+    prepared = CephaloDataLoader(inner, accelerator.cephalo_loop, training=training,
+                                 empty_batch=empty, microbatch_size=loader.batch_size,
+                                 batch_size=loader.batch_size, device=accelerator.device)
+    accelerator.cephalo_loaders.append(prepared)
+    accelerator._dataloaders.append(prepared)
+    return prepared
+
+
+def _options_of(loader: DataLoader):
+    from hf_cephalo.runtime.data import LoaderOptions
+
+    return LoaderOptions(num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                         persistent_workers=loader.persistent_workers,
+                         prefetch_factor=loader.prefetch_factor,
+                         multiprocessing_context=loader.multiprocessing_context)
+
+
+class _EmptyBatch:
+    """The batch of a rank with no rows in a step: the keys and trailing shapes of a collated
+    sample, with 0 rows (made once, from the dataset's first sample)."""
+
+    def __init__(self, dataset, collate) -> None:
+        self.dataset, self.collate, self._batch = dataset, collate, None
+
+    def __call__(self):
+        if self._batch is None:
+            from accelerate.utils import recursively_apply
+
+            one = self.collate([self.dataset[0]])  # the collator's own type (BatchEncoding...)
+            self._batch = recursively_apply(lambda t: t[:0] if t.dim() > 0 else t, one,
+                                            error_on_other_type=False)
+        return self._batch
+
+
+# ---- collectives over this rank's rows ---------------------------------------------------------
+def holds_only_tensors(data: Any) -> bool:
+    if torch.is_tensor(data):
+        return True
+    if isinstance(data, (list, tuple)):
+        return all(holds_only_tensors(d) for d in data)
+    if isinstance(data, dict):
+        return all(holds_only_tensors(d) for d in data.values())
+    return False
+
+
+def gather_rows(accelerator, data: Any) -> Any:
+    """Every rank's rows of each tensor in ``data`` (tensors, or lists / tuples / dicts of
+    them), concatenated in rank order along dim 0: the global batch in order, each row once.
+
+    Two all-gathers per tensor (shapes, then the tensor padded to the largest); a 0-d tensor is
+    gathered as one row per rank. Raises ValueError when ranks holding rows disagree on the
+    other dimensions (pad them first: ``accelerator.pad_across_processes``)."""
+    from accelerate.utils import recursively_apply
+
+    return recursively_apply(lambda t: _gather_tensor(accelerator, t), data)
+
+
+def _gather_tensor(accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    group = accelerator.cephalo_loop.session.engine.group
+    world = accelerator.num_processes
+    if world == 1:
+        return tensor
+    tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    device = tensor.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    local = tensor.to(device)
+    shape = torch.tensor(list(local.shape), dtype=torch.int64, device=device)
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape, group=group)
+    shapes = [[int(n) for n in s.tolist()] for s in shapes]
+    rest = {tuple(s[1:]) for s in shapes if s[0] > 0}
+    if len(rest) > 1:
+        raise ValueError(f"gather: the ranks' tensors have shapes {shapes}; beyond the rows "
+                         "they must agree (pad them with accelerator.pad_across_processes)")
+    biggest = [max(s[d] for s in shapes) for d in range(len(shapes[0]))]
+    padded = local.new_zeros(biggest)
+    padded[tuple(slice(0, n) for n in local.shape)] = local
+    out = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    rows = [o[tuple(slice(0, n) for n in s)] for o, s in zip(out, shapes) if s[0] > 0]
+    result = torch.cat(rows) if rows else local[:0]
+    return result.to(tensor.device)
+
+
+def check_clip_parameters(accelerator, parameters, norm_type) -> None:
+    """``clip_grad_norm_`` clips every shard by the global norm: the parameters must be the
+    prepared model's (all of them), the norm L2 (ValueError otherwise)."""
+    if float(norm_type) != 2.0:
+        raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): the engine clips by the global "
+                         "L2 norm over every rank's shards; use norm_type=2")
+    shards = accelerator.cephalo_loop.session.engine.param_shards.params
+    given = {id(p) for p in (parameters if not torch.is_tensor(parameters) else [parameters])}
+    if given != {id(p) for p in shards}:
+        raise ValueError("clip_grad_norm_: pass the prepared model's parameters "
+                         "(model.parameters()); clipping a subset of a sharded model's "
+                         "parameters is not supported")
+
+
+def checkpoint_dir(accelerator, output_dir: str | None) -> str:
+    """``save_state``'s folder as stock decides it (automatic naming under ``project_dir``)."""
+    config = accelerator.project_configuration
+    if output_dir is not None:
+        return str(output_dir)
+    if not config.automatic_checkpoint_naming:
+        raise ValueError("save_state() needs output_dir (or ProjectConfiguration("
+                         "automatic_checkpoint_naming=True) with a project_dir)")
+    folder = os.path.join(accelerator.project_dir, "checkpoints",
+                          f"checkpoint_{accelerator.save_iteration}")
+    config.iteration += 1
+    return folder
+
+
+def resume_dir(accelerator, input_dir: str | None) -> str:
+    """``load_state``'s folder: ``input_dir``, else the newest complete automatic checkpoint."""
+    if input_dir is not None:
+        return str(input_dir)
+    from hf_cephalo.engine.checkpoint import is_complete
+
+    root = os.path.join(accelerator.project_dir or ".", "checkpoints")
+    found = sorted((d for d in os.listdir(root) if d.startswith("checkpoint_")
+                    and is_complete(os.path.join(root, d))),
+                   key=lambda d: int(d.rsplit("_", 1)[-1])) if os.path.isdir(root) else []
+    if not found:
+        raise ValueError(f"load_state(): no complete checkpoint_<i> under {root}; pass input_dir")
+    return os.path.join(root, found[-1])

@@ -1,0 +1,211 @@
+"""The Trainer doors' saving, checkpoints and resume over the runtime (docs/checkpoints.md).
+
+``EngineCheckpointMixin`` keeps stock ``Trainer``'s checkpoint folder (``checkpoint-N`` with
+``trainer_state.json``, ``scheduler.pt``, ``rng_state*.pth``, rotation, best-model tracking)
+and replaces what the engine holds: the weights and optimizer state are the runtime's sharded
+state (``runtime/checkpointing.py``: loadable onto any plan and world size), the model files
+are streamed one unit at a time, and the folder is written aside and renamed after its
+completeness marker ([Note: atomic checkpoints] in engine/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from hf_cephalo.runtime import checkpointing
+from hf_cephalo.runtime.checkpoint_contents import CheckpointContents, check_contents
+
+__all__ = ["EngineCheckpointMixin"]
+
+logger = logging.getLogger(__name__)
+
+
+def _unwrap_optimizer(optimizer):
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (or itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+class EngineCheckpointMixin:
+    """Saving and resuming for a ``Trainer`` subclass on the runtime (``self.session``)."""
+
+    _resumed_weights_only = False  # resumed from a save_only_model checkpoint
+
+    # ---- saving --------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Collective (call on every rank): write a ``from_pretrained`` model directory
+        (``runtime.checkpointing.save_model_files``: streamed, rank 0 never holds the whole
+        model; a LoRA ``PeftModel``: its adapter, as stock). Rank 0 also writes the processing
+        class (tokenizer) and ``training_args.bin``, as stock ``Trainer._save`` does."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        checkpointing.save_model_files(self.session, output_dir, self.args.cephalo_max_shard_size)
+        if self.args.should_save:
+            self._save_side_files(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_side_files(self, output_dir: str) -> None:
+        """Rank 0: the processing class (tokenizer / processor) and ``training_args.bin``, as
+        stock ``Trainer._save`` writes them next to the weights."""
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        os.makedirs(output_dir, exist_ok=True)
+        processor = self.processing_class
+        if processor is None:
+            processor = getattr(self.data_collator, "tokenizer", None)
+        if processor is not None:
+            processor.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def _save_checkpoint(self, model: torch.nn.Module, trial=None) -> None:
+        """Collective: the stock checkpoint contents, written atomically.
+
+        Everything (the sharded engine state, scheduler, RNG, ``trainer_state.json``, the
+        tokenizer and ``training_args.bin``; the full model only with
+        ``cephalo_save_full_model``; a LoRA PeftModel's ``adapter_config.json``) goes into a
+        hidden ``.tmp-checkpoint-N`` that is renamed to ``checkpoint-N`` after the completeness
+        marker (``hf_cephalo.engine.checkpoint`` [Note: atomic checkpoints]); a run killed
+        mid-save leaves no ``checkpoint-N``. ``hf-cephalo export checkpoint-N --out DIR``
+        writes the full model from it on demand.
+        """
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        from hf_cephalo.engine.checkpoint import atomic_checkpoint_dir
+
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self._set_best_model_checkpoint(run_dir, output_dir)  # before trainer_state.json, as stock
+        contents = self._checkpoint_contents()
+        # [Note: a checkpoint holds what its settings promise] in checkpoint_contents.py
+        with atomic_checkpoint_dir(output_dir, self.engine.group, check=lambda staging:
+                                   check_contents(staging, contents, when="save")) as staging:
+            if contents.has_model_files:  # save_only_model (as stock) or cephalo_save_full_model
+                self.save_model(staging, _internal_call=True)
+            elif self.args.should_save:
+                self._save_side_files(staging)
+            if self.args.should_save:
+                checkpointing.save_run_record(self.session, staging, self.state.global_step)
+                checkpointing.save_adapter_config(self.model, staging)
+                contents.write(staging)
+            if contents.has_shards:  # not save_only_model: parameters + optimizer, as stock
+                self._save_optimizer_and_scheduler(staging)
+                self._save_scaler(staging)
+                self._save_rng_state(staging)
+            if self.args.should_save:
+                self._save_callback_states()
+                self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(output_dir)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint,
+                               use_mtime=True)
+
+    def _save_callback_states(self) -> None:
+        """Stock's ``ExportableState`` callbacks into ``state.stateful_callbacks``."""
+        from transformers.trainer_callback import ExportableState
+
+        for cb in self.callback_handler.callbacks + [self.control]:
+            if isinstance(cb, ExportableState):
+                name, cb_state = cb.__class__.__name__, cb.state()
+                if isinstance(self.state.stateful_callbacks[name], list):
+                    self.state.stateful_callbacks[name].append(cb_state)
+                else:
+                    self.state.stateful_callbacks[name] = cb_state
+
+    def _set_best_model_checkpoint(self, run_dir: str, output_dir: str) -> None:
+        """Stock's ``state.best_model_checkpoint`` update, made before the checkpoint's
+        ``trainer_state.json`` is written (stock writes the weights first, so a new best is
+        already on disk then; here ``output_dir`` appears only at the atomic rename, after the
+        state file, so it counts as existing)."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if best == output_dir or os.path.exists(best):
+                self.state.best_model_checkpoint = best
+
+    def _checkpoint_contents(self) -> CheckpointContents:
+        """What this run's checkpoints hold, by its save settings (``CheckpointContents``)."""
+        from hf_cephalo.models.peft_lora import is_peft_model
+
+        return CheckpointContents(save_only_model=bool(self.args.save_only_model),
+                                  save_full_model=bool(self.args.cephalo_save_full_model),
+                                  peft=is_peft_model(self.model),
+                                  scaler=self.accelerator.scaler is not None,
+                                  scheduler=self.lr_scheduler is not None,
+                                  world_size=self.engine.world_size)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank writes its parameter and optimizer shards with the layout
+        (``engine.checkpoint.save_sharded``); rank 0 also ``scheduler.pt``."""
+        from hf_cephalo.engine.checkpoint import save_sharded
+
+        save_sharded(self.engine, output_dir, _unwrap_optimizer(self.optimizer))
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    # ---- resume ------------------------------------------------------------------------------
+    def _prepare_resume(self, resume_from_checkpoint):
+        """The checkpoint to resume from (True: the newest complete one), checked against this
+        run (same model, same global batch size) and reported on the first step. Every rank
+        reads the same files and raises the same ValueError, before the checkpoint's state is
+        read."""
+        checkpoint = checkpointing.resolve_resume(self.args.output_dir, resume_from_checkpoint)
+        if checkpoint:
+            checkpointing.prepare_resume(self.session, checkpoint)
+        return checkpoint
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Load the sharded parameters and buffers, re-laid for this plan / world size.
+
+        Raises ``hf_cephalo.engine.checkpoint.CheckpointError`` (a ValueError naming the file)
+        for an incomplete, corrupt or other-model checkpoint — before training starts.
+        """
+        contents = checkpointing.load_checkpoint_weights(self.session, resume_from_checkpoint)
+        self._resumed_weights_only = contents is not None and contents.save_only_model
+        if self._resumed_weights_only and self.is_world_process_zero():  # said once
+            logger.warning(f"{resume_from_checkpoint} was saved with save_only_model=True: it "
+                           "holds the model weights and trainer state but no optimizer, LR "
+                           "scheduler, scaler or RNG state; resuming as stock Trainer does, with "
+                           "those restarted fresh (the LR schedule starts again from step 0)")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Optimizer state re-laid for this plan (exact values) and the scheduler's position.
+
+        Reads only safetensors, JSON and ``torch.load(weights_only=True)``.
+        """
+        if checkpoint is None or self._resumed_weights_only:
+            return  # save_only_model: stock finds no optimizer.pt / scheduler.pt and skips both
+        from hf_cephalo.engine.checkpoint import (DAMAGED, CheckpointError, errors_on_every_rank,
+                                                  load_sharded_optimizer)
+
+        path = os.path.join(checkpoint, "scheduler.pt")
+        with errors_on_every_rank(self.engine.group):
+            load_sharded_optimizer(self.engine, _unwrap_optimizer(self.optimizer), checkpoint)
+            if self.lr_scheduler is not None:
+                if not os.path.isfile(path):
+                    raise CheckpointError(f"{path}: missing (the LR scheduler's position); "
+                                          f"{DAMAGED}")
+                self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu",
+                                                             weights_only=True))
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights into the engine's shards
+        (any plan; each rank reads only its slices), so ``save_model``, ``evaluate`` and
+        ``unshard_model`` after training see them. Weights only, as stock (the optimizer keeps
+        the last step's state).
+
+        Raises:
+            CheckpointError: (every rank) the best checkpoint lacks a weight file its settings
+                promised (names it and the setting), or a file is corrupt.
+        """
+        path = self.state.best_model_checkpoint
+        logger.info(f"Loading best model from {path} (score: {self.state.best_metric}).")
+        checkpointing.load_checkpoint_weights(self.session, path, when="load the best model",
+                                              weights_only=True)

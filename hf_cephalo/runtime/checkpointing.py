@@ -1,0 +1,216 @@
+"""Saving and resuming a session's training state, for every front end (docs/checkpoints.md).
+
+A front end writes its own files around these (the Trainer's ``trainer_state.json`` and
+``rng_state_<r>.pth``, Accelerate's ``random_states_<r>.pkl``); what the runtime writes is the
+same in every door, so a checkpoint of one resumes in another:
+
+- ``save_training_state``: each rank's parameter and optimizer shards with their layout
+  (``engine.checkpoint.save_sharded``) and, by rank 0, the plan and run record the checkpoint
+  was trained with (``plan.json``, ``cephalo_run.json``: elastic resumes check B and model);
+- ``resolve_resume``: ``True`` -> the newest complete ``checkpoint-N`` of the output directory;
+- ``prepare_resume``: the checkpoint checked against this run (same model, same global batch
+  size; ``elastic.check_resume``), the plan it ran on adopted where live re-balancing had moved
+  it, and the resume reported at the first step (``ElasticProgress``);
+- ``load_weights`` / ``load_optimizer``: this rank's shards of the checkpoint's weights and
+  optimizer state, re-laid for this plan and world size, errors raised on every rank.
+
+Every rank reads the same files and raises the same error, so no rank is left in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+from hf_cephalo.planner import Plan
+from hf_cephalo.runtime.checkpoint_contents import CheckpointContents, check_contents
+from hf_cephalo.runtime.elastic import (RunRecord, check_resume, latest_checkpoint,
+                                        read_checkpoint_record, run_fingerprint,
+                                        write_checkpoint_record)
+
+if TYPE_CHECKING:
+    from hf_cephalo.runtime.session import Session
+
+__all__ = ["save_training_state", "save_run_record", "save_model_files", "save_adapter_config",
+           "resolve_resume", "prepare_resume",
+           "adopt_checkpoint_plan", "load_weights", "load_checkpoint_weights", "load_optimizer"]
+
+logger = logging.getLogger(__name__)
+
+
+def save_training_state(session: "Session", directory: str, optimizer, global_step: int) -> None:
+    """Every rank: its shards (+ optimizer state) into ``directory``; rank 0: the plan and run
+    record. Collective only through the caller's ``atomic_checkpoint_dir``."""
+    from hf_cephalo.engine.checkpoint import save_sharded
+
+    save_sharded(session.engine, directory, optimizer)
+    if session.job.is_main:
+        save_run_record(session, directory, global_step)
+
+
+def save_run_record(session: "Session", directory: str, global_step: int) -> None:
+    """Rank 0: the plan and ``RunRecord`` the checkpoint was trained with (elastic resumes
+    check B, the model and the world against them)."""
+    plan = session.plan
+    model = session.engine.staged.model
+    record = RunRecord(global_batch_size=plan.global_batch_size,
+                       model_fingerprint=run_fingerprint(model),
+                       model_class=type(model).__name__, world_size=plan.world_size,
+                       device_names=[r.device for r in plan.ranks], global_step=global_step,
+                       saved_time_s=time.time())
+    write_checkpoint_record(directory, plan, record)
+
+
+def resolve_resume(output_dir: str, value) -> str | None:
+    """The checkpoint a ``resume_from_checkpoint`` value names: a path as it is, ``True`` the
+    newest complete ``checkpoint-N`` in ``output_dir``, falsy: None.
+
+    Raises ValueError: True but ``output_dir`` holds no complete checkpoint (naming the
+    incomplete ones)."""
+    if value is True:
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            from hf_cephalo.engine.checkpoint import newest_complete_checkpoint
+
+            incomplete = newest_complete_checkpoint(output_dir).skipped
+            which = (f" (only incomplete ones, without the completeness marker: "
+                     f"{', '.join(incomplete)})" if incomplete else "")
+            raise ValueError(f"resume_from_checkpoint=True but {output_dir!r} holds no complete "
+                             f"checkpoint-N{which}; start without it")
+        return found
+    return value or None
+
+
+def prepare_resume(session: "Session", checkpoint: str, *, global_step: int | None = None) -> int:
+    """Check ``checkpoint`` against this run, adopt the plan it ran on where live re-balancing
+    moved it, and arm the resume report; returns the checkpoint's global step (its record's,
+    else ``global_step``, else the ``checkpoint-N`` suffix, else 0).
+
+    Raises ValueError (every rank, before any state is read): another model, another global
+    batch size ([Note: world-independent trajectory] in ``elastic.py``)."""
+    old_plan, record = read_checkpoint_record(checkpoint)
+    model = session.engine.staged.model
+    check_resume(checkpoint, record, session.plan, run_fingerprint(model), type(model).__name__,
+                 session.job.global_batch_size_given)
+    if session.controller is not None:  # continue from the last live switch (same world)
+        adopt_checkpoint_plan(session, old_plan)
+    suffix = str(checkpoint).rstrip("/").rsplit("-", 1)[-1]
+    step = record.global_step if record is not None else global_step if global_step is not None \
+        else int(suffix) if suffix.isdigit() else 0
+    session.progress.arm(checkpoint, step, old_plan, None if record is None else record.world_size)
+    return step
+
+
+def adopt_checkpoint_plan(session: "Session", checkpoint_plan: Plan | None) -> None:
+    """Continue a resumed adaptive run from the plan its checkpoint ran on (same world,
+    devices and B; ``planning.adopt_checkpoint_split`` / ``adopt_checkpoint_state``).
+
+    ``adaptive state``: when the checkpoint's r_i differ from the engine's (a live re-layout
+    happened before it was saved), the engine's state is re-laid onto them in memory here,
+    before the checkpoint is read (collective; the optimizer holds no state yet, so only the
+    freshly initialized parameter shards move), and loading then fills the checkpoint's shards
+    onto the checkpoint's own layout. Every rank reads the same files, so every rank takes the
+    same branch."""
+    from hf_cephalo.runtime.planning import (adopt_checkpoint_split, adopt_checkpoint_state,
+                                             resume_banner)
+    from hf_cephalo.runtime.report import format_plan_table
+
+    start = session.plan
+    new = None
+    if session.controller.mode == "state":
+        new = adopt_checkpoint_state(session.plan, checkpoint_plan, session.cluster_profile)
+        if new is not None:
+            session.relayout_state(new)  # sets session.plan
+    if new is None:
+        session.plan = adopt_checkpoint_split(session.plan, checkpoint_plan,
+                                              session.cluster_profile)
+    if session.plan is not start:
+        plan = session.plan
+        session.split_schedule.switch(0, plan.batch_sizes, plan.microbatch_sizes)
+        if session.job.is_main:
+            # the plan printed at start is not the one that runs: say so, and keep plan.json
+            # beside the outputs in step with it
+            print(f"[hf-cephalo] {resume_banner(plan, checkpoint_plan, new is not None)}:\n"
+                  + format_plan_table(plan), flush=True)
+            plan.save(os.path.join(session.job.output_dir, "plan.json"))
+
+
+def load_weights(session: "Session", checkpoint: str, contents: CheckpointContents | None,
+                 ) -> None:
+    """This rank's shards of ``checkpoint``'s weights into the engine, on any plan (no
+    collective): from the sharded state when the checkpoint has it (exact), else from the
+    ``save_model`` files (``save_only_model``; read slice by slice as
+    ``from_pretrained_sharded`` does; a LoRA PeftModel's adapter into the trainable shards,
+    the frozen base kept, as ``PeftModel.from_pretrained``)."""
+    from hf_cephalo.engine.checkpoint import load_sharded
+    from hf_cephalo.engine.loading import load_weights_into_engine
+    from hf_cephalo.runtime.peft_save import load_peft_adapter
+
+    if contents is None or contents.has_shards:
+        load_sharded(session.engine, checkpoint)
+    elif contents.peft:
+        load_peft_adapter(session.engine, session.model, checkpoint)
+    else:
+        load_weights_into_engine(session.engine, checkpoint)
+
+
+def load_checkpoint_weights(session: "Session", checkpoint: str, *, when: str = "resume",
+                            weights_only: bool = False) -> CheckpointContents | None:
+    """Check ``checkpoint``'s promised files (``check_contents``: ``when`` names the action in
+    its messages; ``weights_only``: the weight files only), then load its weights
+    (``load_weights``); a bad shard on one rank stops all ranks (``CheckpointError`` on every
+    rank). Returns the checkpoint's recorded contents (None for one without the record)."""
+    from hf_cephalo.engine.checkpoint import errors_on_every_rank
+
+    what = "load the checkpoint" if when == "resume" else f"{when} from {checkpoint}"
+    with errors_on_every_rank(session.engine.group, what=what):
+        contents = check_contents(checkpoint, when=when, weights_only=weights_only)
+        load_weights(session, checkpoint, contents)
+    return contents
+
+
+def load_optimizer(session: "Session", optimizer, checkpoint: str) -> None:
+    """The optimizer state of ``checkpoint`` re-laid for this plan (exact values); errors on
+    every rank (``CheckpointError``). Reads only safetensors and JSON."""
+    from hf_cephalo.engine.checkpoint import errors_on_every_rank, load_sharded_optimizer
+
+    with errors_on_every_rank(session.engine.group):
+        load_sharded_optimizer(session.engine, optimizer, checkpoint)
+
+
+def save_model_files(session: "Session", output_dir: str, max_shard_size) -> None:
+    """Collective (every rank): a ``from_pretrained`` model directory of the current weights.
+
+    The engine streams the weights one unit at a time into the files ``save_pretrained``
+    writes (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` + index above
+    ``max_shard_size``; tied weights once; config and generation config;
+    ``engine.export.save_pretrained_streamed``): rank 0 holds one output file plus one unit,
+    never the whole model. A LoRA ``PeftModel`` saves its adapter only, as stock Trainer does:
+    ``adapter_model.safetensors`` + ``adapter_config.json`` in PEFT's key names, loadable with
+    ``PeftModel.from_pretrained(base, dir)``; only the adapter tensors are gathered
+    (``peft_save.py``).
+    """
+    from hf_cephalo.engine.export import save_pretrained_streamed
+    from hf_cephalo.models.peft_lora import is_peft_model
+    from hf_cephalo.runtime.peft_save import save_peft_adapter
+
+    if is_peft_model(session.model):
+        save_peft_adapter(session.engine, session.model, output_dir)
+    else:
+        save_pretrained_streamed(session.engine, output_dir, max_shard_size=max_shard_size)
+
+
+def save_adapter_config(model, directory: str) -> None:
+    """A LoRA ``PeftModel``'s ``adapter_config.json`` into a checkpoint: ``hf-cephalo export
+    --merge-lora`` needs its rank, alpha and targets (``integrations/peft_merge.py``)."""
+    import copy
+
+    from hf_cephalo.models.peft_lora import is_peft_model
+
+    if not is_peft_model(model):
+        return
+    config = copy.deepcopy(model.peft_config[model.active_adapter])
+    config.inference_mode = True  # as PeftModel.save_pretrained records it
+    config.save_pretrained(directory)

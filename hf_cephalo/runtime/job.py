@@ -1,0 +1,100 @@
+"""The job description: what a run is, resolved ONCE before planning (docs/design.md contract 8).
+
+Each front end builds a ``Job`` from its own settings (``CephaloTrainingArguments`` for the
+Trainer and the TRL trainers, an ``Accelerator`` + ``CephaloPlugin`` for a custom loop) and
+hands it to the runtime; no function of the runtime reads a front end's settings object.
+
+[Note: batch size semantics]
+The global batch size B (samples per optimizer step, all ranks together) is decided here, once:
+- a plan (``Plan`` object or plan file) fixes B; an explicit ``global_batch_size`` setting must
+  equal it;
+- else the ``global_batch_size`` setting;
+- else the front end's stock global batch: per-device batch size x world size x gradient
+  accumulation steps, what the optimizer sees under stock DDP / Trainer.
+``global_batch_size_given`` says whether B was fixed (a plan or the setting) rather than derived
+from the world size: an elastic resume onto another world keeps the trajectory only then
+([Note: world-independent trajectory] in ``elastic.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_cephalo.engine.compile import CompileOptions
+from hf_cephalo.planner import Plan
+from hf_cephalo.profiler.emulate import EmulationConfig
+from hf_cephalo.runtime.data import LoaderOptions
+from hf_cephalo.runtime.settings import CephaloSettings, JobPrecision
+
+__all__ = ["Job", "resolve_global_batch_size"]
+
+
+def resolve_global_batch_size(settings: CephaloSettings, stock_global_batch_size: int,
+                              plan: Plan | None, plan_source: str = "the plan"
+                              ) -> tuple[int, bool]:
+    """(B, given) per [Note: batch size semantics].
+
+    Raises ValueError when the ``global_batch_size`` setting disagrees with the plan's B.
+    """
+    explicit = settings.global_batch_size
+    if plan is not None:
+        if explicit is not None and explicit != plan.global_batch_size:
+            raise ValueError(
+                f"cephalo_global_batch_size = {explicit} but {plan_source} has "
+                f"global_batch_size = {plan.global_batch_size}; re-plan with the batch size you "
+                "want or drop the flag")
+        return plan.global_batch_size, True
+    if explicit is not None:
+        return explicit, True
+    return stock_global_batch_size, False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One training job as the runtime sees it (built by a front end; see the module note).
+
+    Attributes:
+        settings: the resolved Cephalo settings.
+        world_size / rank: the process group's (rank = global rank).
+        device: this rank's compute device.
+        output_dir: where plans, profiles, checkpoints and reports go.
+        seed: the run's seed (per-unit init of a meta model); data_seed: the seed of the
+            sampler's permutations (the front end's data seed, else ``seed``).
+        global_batch_size: B (samples per optimizer step); global_batch_size_given: fixed by
+            a plan or the setting (see [Note: batch size semantics]).
+        precision: the job's precision (``JobPrecision``).
+        compile: per-unit ``torch.compile`` options, None for eager.
+        loader: the DataLoader worker / pinning settings of the training loader.
+        activation_checkpointing_given: the user chose the setting (rather than its default),
+            so a plan file that contradicts it is refused.
+        emulation: the per-rank emulation (slowdown, memory caps, schedule) or None.
+    """
+
+    settings: CephaloSettings
+    world_size: int
+    rank: int
+    device: torch.device
+    output_dir: str
+    seed: int
+    data_seed: int
+    global_batch_size: int
+    global_batch_size_given: bool
+    precision: JobPrecision
+    compile: CompileOptions | None = None
+    loader: LoaderOptions = field(default_factory=LoaderOptions)
+    activation_checkpointing_given: bool = False
+    emulation: EmulationConfig | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.settings.check_world_size(self.world_size)  # emulation lists: before any collective
+        emulation = EmulationConfig.from_settings(self.settings)
+        if emulation is not None:
+            emulation.check_world_size(self.world_size)
+        object.__setattr__(self, "emulation", emulation)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: prints plans and reports, writes run-level files."""
+        return self.rank == 0

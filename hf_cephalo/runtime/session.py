@@ -1,0 +1,319 @@
+"""``Session``: one training job on this rank, the runtime every front end drives.
+
+A front end (``CephaloTrainer``, a prepared ``CephaloAccelerator`` loop, the TRL trainers)
+builds a ``Job`` from its own settings, makes a ``Session`` over the model, and then only
+adapts: it feeds the session's loaders to its loop, steps the session's optimizer, and calls
+the step hooks. What the session owns, in the order a run meets it:
+
+1. **Plan** (``planning.resolve_plan``): the plan given, else the plan file, else the exact
+   optimizer over a profile (file, cache or measured at start). Rank 0 prints the plan table.
+2. **Engine** (``CephaloEngine``) over the model, in the job's precision (or each rank's), with
+   the emulation wrapper and the front end's head loss; the model object is guarded while
+   hollow ([Note: the user's model while sharded] in ``sharded_model.py``).
+3. **Loaders** (``train_loader`` / ``eval_loader``): this rank's b_i rows of the same global
+   batches; the live split (``split_schedule``) belongs to the session.
+4. **Optimizer** over the shards (``optim.py``) and the loss scaler (``scaler``).
+5. **Step hooks** (``train_begin``, ``step_begin``, ``step_end``, ``train_end``): the one step
+   timer, the emulated slowdown schedule, the adaptive controller, the accuracy report and the
+   elastic progress file.
+6. **Checkpoints** (``checkpointing.py``) and **re-layout** (``relayout_state``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from hf_cephalo.engine import CephaloEngine, relayout_state
+from hf_cephalo.engine.rank_precision import check_scalable_optimizer, rank_precision
+from hf_cephalo.models.base import StagedModel
+from hf_cephalo.planner import Plan
+from hf_cephalo.planner.adapt import refit_cluster
+from hf_cephalo.profiler.emulate import find_emulated
+from hf_cephalo.profiles.types import ClusterProfile
+from hf_cephalo.runtime.adaptive import AdaptiveController
+from hf_cephalo.runtime.data import LoaderOptions, weighted_loader
+from hf_cephalo.runtime.elastic import ElasticProgress
+from hf_cephalo.runtime.job import Job
+from hf_cephalo.runtime.planning import (check_plan_for_job, job_rank_precisions, resolve_plan,
+                                         wrap_staged)
+from hf_cephalo.runtime.process import ensure_process_group, register_exit_teardown
+from hf_cephalo.runtime.report import AccuracyReport, StepTimer, format_plan_table
+from hf_cephalo.runtime.sampler import SplitSchedule
+from hf_cephalo.runtime.sharded_model import guard_sharded_model
+
+__all__ = ["Session", "relayout_onto_plan", "plan_layout"]
+
+logger = logging.getLogger(__name__)
+
+
+def plan_layout(engine: CephaloEngine, plan: Plan) -> list[list[int]]:
+    """``plan``'s shard layout for this engine's units (``Plan.unit_layout``), after checking
+    the plan is for this world and model.
+
+    Raises:
+        TypeError: ``plan`` is not a ``Plan``.
+        ValueError: a plan for another world size or (``plan.model``) another model.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"relayout needs a hf_cephalo.planner.Plan, got {type(plan).__name__}")
+    if plan.world_size != engine.world_size:
+        raise ValueError(f"relayout_state: the new plan is for world size {plan.world_size} but "
+                         f"the engine runs on {engine.world_size} ranks; re-plan for these ranks "
+                         "(a change of world size is an elastic restart from a checkpoint)")
+    units = engine.all_units()
+    if plan.model is not None:
+        mine = dict(num_units=engine.num_units,
+                    params_per_unit=units[0].numel if engine.num_units else 0,
+                    params_other=engine.root.embed.numel + engine.root.head.numel)
+        theirs = {k: plan.model.get(k) for k in mine}
+        if mine != theirs or len({u.numel for u in engine.units}) > 1:
+            raise ValueError(f"relayout_state: the new plan was made for model "
+                             f"{plan.model.get('name')!r} {theirs} but the engine's model has "
+                             f"{mine}; re-plan for this model")
+    return [[int(n) for n in row] for row in plan.unit_layout(engine.unit_numels())]
+
+
+def relayout_onto_plan(engine: CephaloEngine, optimizer, plan: Plan) -> None:
+    """Collective: ``engine.relayout_state`` onto ``plan``'s r_i (its layout and root
+    residency); see ``plan_layout`` for the checks made first."""
+    relayout_state(engine, optimizer, plan_layout(engine, plan), root_resident=plan.root_resident)
+
+
+class Session:
+    """One training job on this rank (see the module note).
+
+    Args:
+        job: the job description (``job.Job``).
+        staged: the model's adapter (``models.stage_model``), possibly wrapped by the front end
+            (a Trainer's ``compute_loss`` as the head loss); the session adds the emulation
+            wrapper.
+        model: the model object the user gave the front end (default ``staged.model``; a LoRA
+            ``PeftModel`` wraps the adapter's model): guarded while sharded, saved as an
+            adapter when it is a ``PeftModel``.
+        plan: a ``Plan`` to use instead of the settings' plan / profile file.
+        cluster_profile: with ``plan``, the ``ClusterProfile`` it was made from (live
+            re-balancing refits it; ignored without ``plan``).
+        train_dataset: the training dataset (its sequence length prices the profile).
+        plan_staged: the adapter the planner profiles (default ``staged``; a front end whose
+            ``staged`` wraps a user loss passes the plain adapter).
+
+    Raises:
+        ValueError: a plan for another world or global batch size, a plan that does not fit
+            (``InfeasiblePlanError``, ``EmulatedOutOfMemoryError``), per-rank precision errors —
+            on every rank alike, before the engine's first collective.
+    """
+
+    def __init__(self, job: Job, staged: StagedModel, *, model: nn.Module | None = None,
+                 plan: Plan | None = None, cluster_profile: ClusterProfile | None = None,
+                 train_dataset: Any = None, plan_staged: StagedModel | None = None) -> None:
+        self.job = job
+        # the object the front end was given (a LoRA PeftModel around the adapter's base model)
+        self.model: nn.Module = staged.model if model is None else model
+        self.checkpointing_reason = ""  # why activation checkpointing auto chose the plan's
+        if plan is not None:
+            check_plan_for_job(job, plan)
+            self.cluster_profile = cluster_profile
+        else:  # plan file > profile file > profile this cluster (planning.py)
+            resolved = resolve_plan(job, plan_staged or staged, train_dataset)
+            plan, self.cluster_profile = resolved.plan, resolved.cluster
+            self.checkpointing_reason = resolved.checkpointing_reason
+        self.plan = plan
+        self.live_cluster: ClusterProfile | None = None  # the refit profile after a switch
+        self.last_switch_step: int | None = None
+        # per-rank precision: checked on every rank alike before the engine's first collective
+        self.rank_precisions = job_rank_precisions(job, plan)
+        self.full_numel = sum(p.numel() for p in self.model.parameters())
+        # after planning: every refusal of the plan comes before a 1-rank group exists
+        ensure_process_group(job.device)
+        register_exit_teardown()  # ends the process group cleanly if the script does not
+        self.engine = self._build_engine(wrap_staged(staged, job))
+        self.scaler = self._make_scaler()
+        guard_sharded_model(self.model, self.full_numel)
+        self.optimizer: torch.optim.Optimizer | None = None  # set by the front end
+        self.split_schedule = SplitSchedule(plan.batch_sizes, plan.microbatch_sizes)
+        self.timer = StepTimer(self.engine.staged)
+        self.report = AccuracyReport(self)
+        self.progress = ElasticProgress(job.output_dir, job.rank, job.world_size)
+        self.controller = self._make_controller()
+        self.switch_listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.global_step = 0  # optimizer steps done (step_end's count)
+        self._print_plan()
+
+    # ---- construction ---------------------------------------------------------------------
+    def _build_engine(self, staged: StagedModel) -> CephaloEngine:
+        """The engine builds unit by unit: a meta model reads its checkpoint slices
+        (``model.cephalo_checkpoint``, from ``from_pretrained_sharded``) or is initialized per
+        unit with the job's seed; an in-memory model takes rank 0's values."""
+        job, plan = self.job, self.plan
+        precision = job.precision.engine() if self.rank_precisions is None else \
+            rank_precision(self.rank_precisions, job.rank)
+        return CephaloEngine(staged, plan.state_ratios, device=job.device,
+                             offload_activations=job.settings.offload_activations,
+                             autocast_dtype=precision.autocast_dtype,
+                             param_dtype=precision.param_dtype,
+                             reduce_dtype=precision.reduce_dtype,
+                             root_resident=plan.root_resident, init_seed=job.seed,
+                             activation_checkpointing=plan.activation_checkpointing,
+                             compile=job.compile)
+
+    def _make_scaler(self):
+        """fp16 anywhere (the job's precision, or one rank's): the engine's sharded loss scaler,
+        used by every rank (found-inf agreed across ranks, every rank skips the same step)."""
+        if self.job.precision.compute == "fp16" or "fp16" in (self.rank_precisions or ()):
+            return self.engine.make_grad_scaler()
+        return None
+
+    def _make_controller(self) -> AdaptiveController | None:
+        """The live re-balancing controller where it applies; a warning, once, where it cannot
+        run (no profile to refit, or DataLoader workers that draw batches ahead)."""
+        job = self.job
+        if job.settings.adaptive == "off" or job.world_size == 1:
+            return None
+        why_not = None
+        if self.cluster_profile is None:
+            why_not = ("the plan was given without the profile it was made from (give "
+                       "--cephalo_profile_file with --cephalo_plan_file, or cluster_profile= "
+                       "with plan=) so there is nothing to refit")
+        elif job.loader.num_workers > 0:
+            why_not = (f"--dataloader_num_workers {job.loader.num_workers}: worker processes "
+                       "draw batches ahead with the start split; use 0 workers to re-balance")
+        if why_not is not None:
+            if job.is_main:
+                logger.warning("--cephalo_adaptive %s is off for this run: %s; set "
+                               "--cephalo_adaptive off to silence this", job.settings.adaptive,
+                               why_not)
+            return None
+        emulation = job.emulation
+        caps = None if emulation is None or emulation.memory_cap_bytes is None \
+            else [float(c) for c in emulation.memory_cap_bytes]
+        s = job.settings
+        return AdaptiveController(self, interval=s.adaptive_interval,
+                                  threshold=s.adaptive_threshold,
+                                  hysteresis_steps=s.adaptive_hysteresis_steps, caps_bytes=caps,
+                                  mode=s.adaptive)
+
+    def _print_plan(self) -> None:
+        if not self.job.is_main:
+            return
+        print(format_plan_table(self.plan, self.checkpointing_reason), flush=True)
+        if self.cluster_profile is not None:
+            from hf_cephalo.planner.simulate import extrapolation_note
+
+            note = extrapolation_note(self.plan, self.cluster_profile)
+            if note:
+                print(note, flush=True)
+
+    # ---- loaders ------------------------------------------------------------------------------
+    def train_loader(self, dataset, collate_fn, *, shuffle: bool = True, drop_last: bool = False,
+                     lengths: Sequence[int] | None = None, whole_batches: bool = False):
+        """This rank's training loader: b_i rows of every global batch in microbatches of m_i
+        (``whole_batches``: as one batch, for a front end that cuts them itself), following
+        the live split (``split_schedule``); ``shuffle`` False: dataset order; ``lengths``:
+        group-by-length order (``runtime/data.py``)."""
+        rank_plan = self.plan.ranks[self.job.rank]
+        return weighted_loader(dataset, collate_fn, batch_sizes=self.plan.batch_sizes,
+                               rank=self.job.rank,
+                               microbatch_size=None if whole_batches else
+                               max(rank_plan.microbatch_size, 1),
+                               seed=self.job.data_seed, shuffle=shuffle, drop_last=drop_last,
+                               lengths=lengths, schedule=self.split_schedule,
+                               collate=self.job.settings.collate, options=self.job.loader)
+
+    def eval_loader(self, dataset, collate_fn, *, microbatch_size: int | None,
+                    options: LoaderOptions | None = None):
+        """This rank's evaluation loader: an unshuffled split of the dataset by the plan's b_i
+        proportions (a faster rank evaluates more), in microbatches of ``microbatch_size``
+        (None: each step's rows as one batch)."""
+        return weighted_loader(dataset, collate_fn, batch_sizes=self.plan.batch_sizes,
+                               rank=self.job.rank, microbatch_size=microbatch_size,
+                               seed=self.job.data_seed, shuffle=False,
+                               collate=self.job.settings.collate,
+                               options=options or self.job.loader)
+
+    # ---- optimizer ------------------------------------------------------------------------------
+    def set_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Adopt the front end's optimizer over the shards (``optim.py``); fp16 ranks: the
+        scaler must be able to drive it."""
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if self.rank_precisions is not None:
+            check_scalable_optimizer(inner, self.rank_precisions,
+                                     [r.device for r in self.plan.ranks])
+        self.optimizer = inner
+        return optimizer
+
+    # ---- step hooks -------------------------------------------------------------------------------
+    def train_begin(self) -> None:
+        self.report.train_begin()
+
+    def step_begin(self, global_step: int) -> None:
+        """Before optimizer step ``global_step`` + 1 (0-based ``global_step`` steps done): the
+        resume report (once), the emulated slowdown schedule's factor, the step timer."""
+        self.progress.step_begin(self.plan)
+        schedule = None if self.job.emulation is None else self.job.emulation.schedule
+        if schedule is not None:
+            emulated = find_emulated(self.engine.staged)
+            if emulated is not None:
+                emulated.slowdown = schedule.factors_at(global_step)[self.job.rank]
+        self.timer.begin()
+
+    def step_end(self, global_step: int, num_samples: int | None, *, epoch: float | None = None,
+                 is_last_step: bool = False) -> dict[str, Any] | None:
+        """After optimizer step ``global_step`` (1-based count of steps done): time it, report
+        early accuracy, let the controller exchange / decide / switch (the next batch the
+        loader draws follows a switch), record progress. Collective on the steps the report
+        and the controller exchange (the same steps on every rank). Returns the switch record,
+        if the plan changed."""
+        self.global_step = global_step
+        step = self.timer.end(num_samples, self.plan.ranks[self.job.rank].batch_size)
+        self.report.step_end(is_last_step)
+        record = None
+        if self.controller is not None:
+            record = self.controller.step_end(step, global_step, epoch, is_last_step)
+        self.progress.step_end(global_step)
+        return record
+
+    def train_end(self) -> None:
+        self.report.train_end()
+
+    # ---- plan changes -------------------------------------------------------------------------
+    def switch_plan(self, new: Plan, global_step: int, *, relayout: bool = False,
+                    scales: Sequence[float] | None = None) -> None:
+        """A live switch at the step boundary after ``global_step``: re-lay r_i first when
+        ``relayout`` (collective), then split the next global batches by the new b_i / m_i.
+        ``scales``: the measured unit-compute scales the decision refit the profile with."""
+        if relayout:
+            self.relayout_state(new)
+        self.plan = new
+        self.split_schedule.switch(global_step, new.batch_sizes, new.microbatch_sizes)
+        self.last_switch_step = global_step
+        if scales is not None and self.cluster_profile is not None:
+            self.live_cluster = refit_cluster(self.cluster_profile, scales)
+        self.report.plan_switched()
+        for listener in self.switch_listeners:
+            listener({"step": global_step, "plan": new})
+
+    def relayout_state(self, new_plan: Plan) -> None:
+        """Collective, at a step boundary: re-lay the training state onto ``new_plan``'s r_i in
+        memory and make it the current plan (``engine/relayout.py``; the optimizer, its param
+        groups and LR scheduler stay the same objects).
+
+        Raises (before any collective): ValueError for a plan of another world size, model or
+        precision; RuntimeError mid-step; the other errors of ``relayout_state``.
+        """
+        if self.rank_precisions is not None:  # per-rank precision: the ranks keep theirs
+            if new_plan.rank_precisions not in (None, list(self.rank_precisions)):
+                raise ValueError(f"relayout_state: the new plan computes in "
+                                 f"{new_plan.rank_precisions} per rank, this run in "
+                                 f"{list(self.rank_precisions)}; re-plan with these precisions")
+        else:  # the engine's dtype: the model's placeholders no longer carry it
+            job = self.job.precision.tag(str(self.engine.dtype).removeprefix("torch."))
+            if new_plan.precision not in (None, job):
+                raise ValueError(f"relayout_state: the new plan was made for precision "
+                                 f"{new_plan.precision!r}, this run trains in {job!r}; re-plan "
+                                 "for this run's precision")
+        relayout_onto_plan(self.engine, self.optimizer, new_plan)
+        self.plan = new_plan

@@ -1,0 +1,458 @@
+"""A stock Accelerate custom loop on CephaloAccelerator equals single-device full-batch training.
+
+One process group per world size (2 and 3 gloo ranks) runs every sub-case through
+``CephaloAccelerator.prepare`` + ``model(**batch)`` + ``accelerator.backward`` (docs/accelerate.md
+"Your own training loop"); the test process runs the same job as a plain PyTorch loop on ONE
+process with the whole global batch (the same global batches: ``runtime.sampler.global_batches``
+with the loader's seed). Compared per step (the global item-mean loss) and at the end (every
+parameter), fp32 at rtol 1e-5 / atol 1e-6:
+
+* plans with uneven b_i, m_i and r_i, an idle rank (b_i = 0) on 3 ranks, a zero-state rank;
+* (a) the model's own loss; (b) a user loss from ``outputs.logits`` (label-smoothed cross entropy,
+  a mean over this rank's scored tokens: ``loss_reduction="mean"``) and a class-weighted sum over
+  ``outputs.num_items_in_batch`` (``"sum"``); (c) AdamW with a no-decay group and a per-group
+  learning rate, built BEFORE prepare; (d) a LambdaLR scheduler (stepped as stock Accelerate
+  steps it: world-size times per optimizer step); clipping by the global norm;
+* ``gradient_accumulation_steps=2`` (each prepared batch is one global batch of b x W x 2);
+* a live b_i / m_i switch mid-run (``session.switch_plan``) changes nothing;
+* ``save_state`` on 2 ranks, ``load_state`` on 3 (another plan and world, same B) continues the
+  uninterrupted trajectory; ``skip_first_batches`` resumes mid-epoch;
+* the same job through ``CephaloTrainer`` gives the loop's losses;
+* bf16 autocast: the loop equals the Trainer door on the same plan (same engine), fp32 master
+  weights within bf16 tolerance of the fp32 reference;
+* evaluation: ``gather_for_metrics`` returns every eval row exactly once, in dataset order;
+* refusals before any collective: a second model, ``no_sync``, backward twice, a loss that does
+  not depend on the outputs (every rank raises, none hangs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import budget_s, portable, run_ranks, test_timeout
+from tests.models_fixtures import build
+
+RTOL, ATOL = 1e-5, 1e-6
+SEED, N_TRAIN, N_EVAL, EPOCHS = 11, 12, 7, 1
+LR, MAX_NORM = 0.01, 0.8
+# adam eps 1e-4: an element whose true gradient is ~0 gets rounding noise that differs with the
+# order of the fp32 sums (ranks, microbatches); with a tiny eps AdamW turns that noise into
+# +-lr steps, so two exact runs would differ by ~lr, not by rounding (tests/test_checkpoint_trainer.py)
+EPS = 1e-4
+PLANS = {  # world -> (b_i, m_i, r_i) per plan; B = 6
+    2: [([2, 4], [1, 2], [0.3, 0.7]), ([5, 1], [5, 1], [1.0, 0.0])],
+    3: [([3, 0, 3], [1, 0, 3], [0.2, 0.5, 0.3]), ([1, 2, 3], [1, 1, 3], [0.4, 0.0, 0.6])],
+}
+B = 6
+JOB2_S, JOB3_S = 60.0, 70.0  # quiet 2-core seconds of each group (measured)
+pytestmark = test_timeout(JOB2_S, JOB3_S, margin_s=120)
+
+
+def _samples(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(1, 97, (10,), generator=g)
+        labels = ids.clone()
+        labels[: int(torch.randint(0, 5, (), generator=g))] = -100  # uneven item counts
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(10, dtype=torch.long),
+                     "labels": labels})
+    return rows
+
+
+def _collate(rows):
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+# the model's matrices (decayed); the norms are not. By NAME: the prepared model's parameters
+# are 1-D shards (docs/accelerate.md), so a grouping by p.dim() must be made before prepare
+DECAY = {n for n, p in build("llama").named_parameters() if p.dim() >= 2}
+
+
+def _groups(named):
+    """A no-decay group (norms) at half the learning rate, built by name."""
+    decay = [p for n, p in named if n in DECAY]
+    rest = [p for n, p in named if n not in DECAY]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0,
+                                                      "lr": LR / 2}]
+
+
+def _lambda(step):
+    return 1.0 / (1.0 + 0.1 * step)
+
+
+def _smoothed(logits, labels):
+    """A user loss: label-smoothed cross entropy over the scored tokens, mean over them."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             labels[:, 1:].reshape(-1), ignore_index=-100,
+                                             label_smoothing=0.1)
+
+
+def _weighted_sum(logits, labels, num_items):
+    """A class-weighted cross entropy summed over the scored tokens, divided by the GLOBAL
+    item count (the "sum" convention)."""
+    weight = torch.linspace(0.5, 1.5, logits.shape[-1])
+    per = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                            labels[:, 1:].reshape(-1), ignore_index=-100,
+                                            weight=weight, reduction="sum")
+    return per / num_items
+
+
+CASES = {  # name -> (loss kind, scheduler, gradient accumulation steps, precision)
+    "own": ("own", False, 1, "no"),
+    "smoothed_sched": ("smoothed", True, 1, "no"),
+    "weighted_sum": ("weighted", False, 1, "no"),
+    "grad_accum": ("own", True, 2, "no"),
+}
+
+
+# ---- the distributed side -------------------------------------------------------------------
+def _accelerator(plan_file, precision="no", ga=1, **plugin):
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+
+    from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
+
+    AcceleratorState._reset_state(reset_partial_state=False)  # another mixed precision per case
+    GradientState._reset_state()
+    project = os.path.dirname(plan_file)
+    return CephaloAccelerator(
+        cephalo_plugin=CephaloPlugin(plan_file=plan_file, adaptive="off", **plugin),
+        mixed_precision=precision, gradient_accumulation_steps=ga,
+        project_config=ProjectConfiguration(project_dir=project))
+
+
+def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, precision="no",
+          switch=None, save_at=None, resume=None, steps=None):
+    """One run of the stock-shaped loop; returns per-step global losses and (rank 0) the final
+    state dict."""
+    from hf_cephalo.planner import Plan
+    from torch.utils.data import DataLoader
+
+    out = os.path.join(root, f"{world}-{name}")
+    os.makedirs(out, exist_ok=True)
+    plan_file = os.path.join(out, "plan.json")
+    Plan.from_ratios(*plan).save(plan_file)
+    accelerator = _accelerator(plan_file, precision, ga,
+                               loss_reduction="sum" if kind == "weighted" else "mean")
+    model = build("llama", seed=0).train()
+    optimizer = torch.optim.AdamW(_groups(list(model.named_parameters())), lr=LR, eps=EPS)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lambda) if sched else None
+    # the loader's generator seeds the weighted sampler's permutation (seed + epoch)
+    loader = DataLoader(_samples(N_TRAIN, 0), batch_size=max(B // (world * ga), 1), shuffle=True,
+                        collate_fn=_collate, generator=torch.Generator().manual_seed(SEED))
+    objects = [model, optimizer, loader] + ([scheduler] if sched else [])
+    model, optimizer, loader, *rest = accelerator.prepare(*objects)
+    scheduler = rest[0] if rest else None
+    start_epoch, skip = 0, 0
+    if resume is not None:
+        accelerator.load_state(resume)
+        start_epoch = loader.epoch
+        skip = accelerator.cephalo_session.global_step - start_epoch * len(loader)
+    losses, step = [], accelerator.cephalo_session.global_step
+    for epoch in range(start_epoch, EPOCHS + 1):
+        active = accelerator.skip_first_batches(loader, skip) if skip else loader
+        skip = 0
+        for batch in active:
+            with accelerator.accumulate(model):
+                outputs = model(**batch)
+                if kind == "own":
+                    loss = outputs.loss
+                elif kind == "smoothed":
+                    loss = _smoothed(outputs.logits, batch["labels"])
+                else:
+                    loss = _weighted_sum(outputs.logits, batch["labels"],
+                                         outputs.num_items_in_batch)
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+                optimizer.zero_grad()
+            # a rank without items has a NaN mean loss (never backpropagated): it adds 0
+            local = loss.detach() if kind == "weighted" else \
+                loss.detach() * outputs.num_items if outputs.num_items else torch.zeros(())
+            total = accelerator.reduce(local, "sum")
+            losses.append(float(total) / (outputs.num_items_in_batch if kind != "weighted"
+                                          else 1.0))
+            step += 1
+            if switch is not None and step == switch[0]:  # b_i / m_i only: the r_i stay
+                session = accelerator.cephalo_session
+                sizes, micro, _ = switch[1]
+                session.switch_plan(Plan.from_ratios(sizes, micro, session.plan.state_ratios),
+                                    step)
+            if save_at is not None and step == save_at:
+                accelerator.save_state(os.path.join(root, "loop-ckpt"))
+            if steps is not None and step >= steps:
+                break
+        if steps is not None and step >= steps:
+            break
+    state = accelerator.get_state_dict(model)
+    return dict(losses=losses, state=state if rank == 0 else None)
+
+
+def _eval_case(rank, world, root, plan):
+    """gather_for_metrics over an uneven split: every eval row once, in dataset order."""
+    from hf_cephalo.planner import Plan
+    from torch.utils.data import DataLoader
+
+    out = os.path.join(root, f"{world}-eval")
+    os.makedirs(out, exist_ok=True)
+    plan_file = os.path.join(out, "plan.json")
+    Plan.from_ratios(*plan).save(plan_file)
+    accelerator = _accelerator(plan_file)
+    model = build("llama", seed=0)
+    train = DataLoader(_samples(N_TRAIN, 0), batch_size=B // world, collate_fn=_collate)
+    evals = DataLoader(_samples(N_EVAL, 5), batch_size=2, collate_fn=_collate)
+    model, train, evals = accelerator.prepare(model, train, evals)
+    model.eval()
+    ids, logits = [], []
+    for batch in evals:
+        with torch.no_grad():
+            outputs = model(**batch)
+        got = accelerator.gather_for_metrics((batch["input_ids"], outputs.logits))
+        ids.append(got[0])
+        logits.append(got[1])
+    return dict(ids=torch.cat(ids), logits=torch.cat(logits))
+
+
+def _refusals(rank, world, root, plan):
+    """Errors a loop meets, raised on every rank (no hang)."""
+    from hf_cephalo.planner import Plan
+    from torch.utils.data import DataLoader
+
+    out = os.path.join(root, f"{world}-refusals")
+    os.makedirs(out, exist_ok=True)
+    plan_file = os.path.join(out, "plan.json")
+    Plan.from_ratios(*plan).save(plan_file)
+    accelerator = _accelerator(plan_file)
+    errors = {}
+    model = build("llama", seed=0).train()
+    loader = DataLoader(_samples(N_TRAIN, 0), batch_size=B // world, collate_fn=_collate)
+    try:
+        accelerator.prepare(model, build("llama", seed=1), loader)
+    except ValueError as e:
+        errors["second_model"] = str(e)
+    model, loader = accelerator.prepare(model, loader)
+    try:
+        accelerator.prepare(build("llama", seed=1))
+    except ValueError as e:
+        errors["second_model_later"] = str(e)
+    try:
+        with accelerator.no_sync(model):
+            pass
+    except RuntimeError as e:
+        errors["no_sync"] = str(e)
+    batch = next(iter(loader))
+    outputs = model(**batch)
+    try:
+        accelerator.backward(torch.ones((), requires_grad=True) * 2)
+    except RuntimeError as e:
+        errors["not_from_outputs"] = str(e)
+    outputs = model(**batch)
+    accelerator.backward(outputs.loss)
+    try:
+        accelerator.backward(outputs.loss)
+    except RuntimeError as e:
+        errors["backward_twice"] = str(e)
+    return errors
+
+
+def _worker(rank, world, root):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    first, second = PLANS[world]
+    results = {}
+    for name, (kind, sched, ga, precision) in CASES.items():
+        results[name] = _loop(rank, world, root, name, first, kind=kind, sched=sched, ga=ga,
+                              precision=precision)
+    results["switch"] = _loop(rank, world, root, "switch", first, switch=(3, second))
+    if world == 2:
+        results["saved"] = _loop(rank, world, root, "saved", first, sched=True, save_at=3,
+                                 steps=3)
+        for precision in ("bf16", "fp16"):
+            results[precision] = _loop(rank, world, root, precision, first, precision=precision)
+            results[f"trainer_{precision}"] = _trainer(rank, world, root, first, precision)
+        results["trainer"] = _trainer(rank, world, root, first)
+    else:
+        results["resumed"] = _loop(rank, world, root, "resumed", second, sched=True,
+                                   resume=os.path.join(root, "loop-ckpt"))
+    results["eval"] = _eval_case(rank, world, root, first)
+    results["refusals"] = _refusals(rank, world, root, first)
+    return portable(results, to_numpy=True)
+
+
+def _trainer(rank, world, root, plan, precision="no"):
+    """The same job (model, data order, AdamW groups, clipping, constant LR) through
+    CephaloTrainer."""
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import Plan
+
+    args = CephaloTrainingArguments(
+        output_dir=os.path.join(root, f"{world}-trainer-{precision}"), report_to="none",
+        learning_rate=LR, max_grad_norm=MAX_NORM, num_train_epochs=EPOCHS + 1,
+        logging_steps=1, save_strategy="no", seed=SEED, disable_tqdm=True,
+        lr_scheduler_type="constant", bf16=precision == "bf16", fp16=precision == "fp16",
+        cephalo_adaptive="off", weight_decay=0.1)
+    model = build("llama", seed=0).train()
+    trainer = CephaloTrainer(model=model, args=args, plan=Plan.from_ratios(*plan),
+                             train_dataset=_samples(N_TRAIN, 0), data_collator=_collate)
+    trainer.optimizer = torch.optim.AdamW(
+        _groups(list(trainer.engine.param_shards.named_parameters())), lr=LR, eps=EPS)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    return dict(losses=[h["loss"] for h in logs], state=trainer.engine.full_state_dict())
+
+
+# ---- the single-process reference ------------------------------------------------------------
+def _reference(world, *, kind="own", sched=False, ga=1, precision="no", steps=None):
+    from hf_cephalo.runtime.sampler import global_batches
+
+    model = build("llama", seed=0).train()
+    optimizer = torch.optim.AdamW(_groups(list(model.named_parameters())), lr=LR, eps=EPS)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lambda) if sched else None
+    data = _samples(N_TRAIN, 0)
+    losses = []
+    for epoch in range(EPOCHS + 1):
+        for indices in global_batches(N_TRAIN, B, epoch=epoch, seed=SEED):
+            batch = _collate([data[i] for i in indices])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                out = model(**batch)
+                if kind == "own":
+                    loss = out.loss
+                elif kind == "smoothed":
+                    loss = _smoothed(out.logits.float(), batch["labels"])
+                else:
+                    n = int((batch["labels"][:, 1:] != -100).sum())
+                    loss = _weighted_sum(out.logits.float(), batch["labels"], n)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
+            if scheduler is not None:
+                for _ in range(world):  # stock AcceleratedScheduler: num_processes steps
+                    scheduler.step()
+            losses.append(float(loss))
+            if steps is not None and len(losses) >= steps:
+                return losses, model.state_dict()
+    return losses, model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("loop"))
+    out = {2: run_ranks(_worker, 2, root, timeout_s=budget_s(JOB2_S)),
+           3: run_ranks(_worker, 3, root, timeout_s=budget_s(JOB3_S))}
+    return {w: [portable(r, to_numpy=False) for r in res] for w, res in out.items()}
+
+
+def _close(got, want, rtol=RTOL, atol=ATOL):
+    torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64),
+                               torch.as_tensor(want, dtype=torch.float64), rtol=rtol, atol=atol)
+
+
+def _params_close(got, want, rtol=RTOL, atol=ATOL):
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=rtol, atol=atol, msg=key)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", list(CASES))
+def test_loop_equals_full_batch_reference(runs, world, case):
+    kind, sched, ga, precision = CASES[case]
+    ref_losses, ref_state = _reference(world, kind=kind, sched=sched, ga=ga)
+    for result in runs[world]:  # the global loss is the same on every rank
+        _close(result[case]["losses"], ref_losses)
+    _params_close(runs[world][0][case]["state"], ref_state)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_live_switch_changes_nothing(runs, world):
+    ref_losses, ref_state = _reference(world)
+    _close(runs[world][0]["switch"]["losses"], ref_losses)
+    _params_close(runs[world][0]["switch"]["state"], ref_state)
+
+
+def test_save_on_two_ranks_resume_on_three(runs):
+    ref_losses, ref_state = _reference(2, sched=True)
+    _close(runs[2][0]["saved"]["losses"], ref_losses[:3])
+    # the 3-rank run resumed from the 2-rank checkpoint: the schedule stepped 2x per step
+    # before the save and 3x after, as stock Accelerate steps it on each world
+    resumed = runs[3][0]["resumed"]
+    assert len(resumed["losses"]) == len(ref_losses) - 3
+    ref2 = _reference_resumed()
+    _close(resumed["losses"], ref2[0])
+    _params_close(resumed["state"], ref2[1])
+
+
+def _reference_resumed():
+    """The uninterrupted reference of the resumed run: 3 steps with the scheduler stepped 2x
+    per step (2 ranks), the rest at 3x per step (3 ranks)."""
+    from hf_cephalo.runtime.sampler import global_batches
+
+    model = build("llama", seed=0).train()
+    optimizer = torch.optim.AdamW(_groups(list(model.named_parameters())), lr=LR, eps=EPS)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lambda)
+    data = _samples(N_TRAIN, 0)
+    losses, step = [], 0
+    for epoch in range(EPOCHS + 1):
+        for indices in global_batches(N_TRAIN, B, epoch=epoch, seed=SEED):
+            loss = model(**_collate([data[i] for i in indices])).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
+            for _ in range(2 if step < 3 else 3):
+                scheduler.step()
+            if step >= 3:
+                losses.append(float(loss))
+            step += 1
+    return losses, model.state_dict()
+
+
+def test_trainer_and_loop_give_the_same_losses(runs):
+    """The same job through CephaloTrainer and through the loop: the same losses and weights,
+    in fp32 and with bf16 / fp16 autocast (the same engine casts in both doors: the low
+    precision gathered parameters, fp32 master weights; fp16 with the sharded loss scaler), and
+    the bf16 loop's losses within bf16 resolution of the fp32-master full-batch reference
+    under autocast (which keeps fp32 weights outside the matmuls, so only the losses are
+    comparable at bf16 resolution)."""
+    for rank in range(2):
+        _close(runs[2][rank]["trainer"]["losses"], runs[2][rank]["own"]["losses"])
+        for precision in ("bf16", "fp16"):
+            _close(runs[2][rank][f"trainer_{precision}"]["losses"],
+                   runs[2][rank][precision]["losses"])
+    _params_close(runs[2][0]["trainer"]["state"], runs[2][0]["own"]["state"])
+    for precision in ("bf16", "fp16"):
+        _params_close(runs[2][0][f"trainer_{precision}"]["state"], runs[2][0][precision]["state"])
+    ref_losses, _ = _reference(2, precision="bf16")
+    _close(runs[2][0]["bf16"]["losses"], ref_losses, rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_for_metrics_every_row_once_in_order(runs, world):
+    data = _samples(N_EVAL, 5)
+    model = build("llama", seed=0)
+    with torch.no_grad():
+        want = model(**_collate(data)).logits
+    for result in runs[world]:
+        got = result["eval"]
+        assert torch.equal(got["ids"], torch.stack([r["input_ids"] for r in data]))
+        torch.testing.assert_close(got["logits"], want, rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_refusals_on_every_rank(runs, world):
+    for result in runs[world]:
+        errors = result["refusals"]
+        assert "trains ONE model" in errors["second_model"]
+        assert "trains ONE model" in errors["second_model_later"]
+        assert "no_sync" in errors["no_sync"]
+        assert "does not depend on this step's model outputs" in errors["not_from_outputs"]
+        assert "called twice" in errors["backward_twice"]
