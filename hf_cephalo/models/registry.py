@@ -12,9 +12,9 @@ from torch import nn
 
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.models.bert import BertStagedModel
-from hf_cephalo.models.gpt2 import GPT2StagedModel
+from hf_cephalo.models.gpt2 import GPT2SequenceClassifierStagedModel, GPT2StagedModel
 from hf_cephalo.models.gpt_neox import GPTNeoXStagedModel
-from hf_cephalo.models.llama import LlamaStagedModel
+from hf_cephalo.models.llama import LlamaSequenceClassifierStagedModel, LlamaStagedModel
 from hf_cephalo.models.peft_lora import is_peft_model, unwrap_peft_model
 from hf_cephalo.models.vit import ViTStagedModel
 
@@ -122,7 +122,8 @@ def stage_model(model: nn.Module) -> StagedModel:
     return adapter(model)
 
 
-for _adapter in (LlamaStagedModel, GPT2StagedModel, GPTNeoXStagedModel, ViTStagedModel,
+for _adapter in (LlamaStagedModel, LlamaSequenceClassifierStagedModel, GPT2StagedModel,
+                 GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel, ViTStagedModel,
                  BertStagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)
