@@ -92,7 +92,8 @@ def _stock(out_dir):
                                    train_dataset=_samples(N_TRAIN, 0))
     trainer.train()
     losses, norms = _logs(trainer)
-    return dict(losses=losses, norms=norms, eval_loss=trainer.evaluate(_samples(N_EVAL, 1))["eval_loss"],
+    eval_loss = trainer.evaluate(_samples(N_EVAL, 1))["eval_loss"]
+    return dict(losses=losses, norms=norms, eval_loss=eval_loss,
                 predictions=trainer.predict(_samples(N_EVAL, 1)).predictions,
                 state={k: v.detach().clone() for k, v in model.state_dict().items()})
 
@@ -104,7 +105,8 @@ def test_llama_classifier_trainer_equals_stock(cephalo, tmp_path):
         for key in ("losses", "norms"):
             torch.testing.assert_close(torch.tensor(got[key], dtype=torch.float64),
                                        torch.tensor(ref[key], dtype=torch.float64),
-                                       rtol=RTOL, atol=ATOL, msg=lambda m: f"rank {rank} {key}: {m}")
+                                       rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")
         torch.testing.assert_close(got["eval_loss"], ref["eval_loss"], rtol=RTOL, atol=ATOL)
         assert got["predictions"].shape == (N_EVAL, NUM_LABELS)
         torch.testing.assert_close(torch.as_tensor(got["predictions"]),
