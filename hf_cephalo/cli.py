@@ -866,10 +866,11 @@ def _run_profile(args: argparse.Namespace) -> int:
     except UnsupportedModelError as e:
         if not e.alternatives:
             raise
-        raise ValueError(f"model config {config_file!r} builds {type(model).__name__}, which "
-                         f"hf_cephalo cannot train; pass --model-class {e.alternatives[0]} (the "
-                         "supported class of this architecture) and train the model as that "
-                         "class") from None
+        raise ValueError(f"model config {config_file!r} builds {type(model).__name__}, a base "
+                         f"model without a head, which hf_cephalo cannot train; pass --model-class "
+                         f"{e.alternatives[0]} (supported heads of this architecture: "
+                         f"{', '.join(e.alternatives)}) and train the model as that class; for "
+                         "another head see docs/adding_a_model.md") from None
     limit = None if getattr(model, "main_input_name", "input_ids") == "pixel_values" \
         else max_positions(model)
     if limit is not None and args.sequence_length > limit:  # before any collective

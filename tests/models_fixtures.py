@@ -1,6 +1,8 @@
 """Tiny Hugging Face models built from configs (no downloads) and a single-process staged runner.
 
-Shared by tests/test_models_*.py. Every config: 2 layers, hidden 64, 4 heads, small vocab.
+Shared by tests/test_models_*.py. Every config: 2 layers, hidden 64, 4 heads, small vocab; the
+decoder sequence classifiers (``SEQ_CLS_BUILDERS``): 2 layers, hidden 32, 4 heads, 3 labels, pad
+token 0.
 """
 
 from __future__ import annotations
@@ -64,9 +66,50 @@ def _bert(**kw):
     return transformers.BertForSequenceClassification(cfg)
 
 
+PAD = 0
+"""The pad token id of the decoder classifiers' configs and of padded batches (real tokens are
+drawn from 1..VOCAB-1, so only padding is PAD)."""
+NUM_LABELS = 3
+SEQ_CLS_COMMON = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                      num_labels=NUM_LABELS, pad_token_id=PAD)
+
+
+def _seq_cls(config_cls, model_cls, defaults, kw):
+    return model_cls(config_cls(**{**SEQ_CLS_COMMON, **defaults, **kw}))
+
+
+def _llama_cls(**kw):
+    return _seq_cls(transformers.LlamaConfig, transformers.LlamaForSequenceClassification,
+                    dict(vocab_size=VOCAB, intermediate_size=64, num_key_value_heads=2,
+                         max_position_embeddings=64), kw)
+
+
+def _mistral_cls(**kw):
+    # a window shorter than the sequence so the sliding-window mask matters
+    return _seq_cls(transformers.MistralConfig, transformers.MistralForSequenceClassification,
+                    dict(vocab_size=VOCAB, intermediate_size=64, num_key_value_heads=2,
+                         max_position_embeddings=64, sliding_window=5), kw)
+
+
+def _qwen2_cls(**kw):
+    return _seq_cls(transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification,
+                    dict(vocab_size=VOCAB, intermediate_size=64, num_key_value_heads=2,
+                         max_position_embeddings=64), kw)
+
+
+def _gpt2_cls(**kw):
+    return _seq_cls(transformers.GPT2Config, transformers.GPT2ForSequenceClassification,
+                    dict(vocab_size=VOCAB, n_positions=64, bos_token_id=1, eos_token_id=2), kw)
+
+
 BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {
     "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "gpt2": _gpt2, "gpt_neox": _gpt_neox,
     "vit": _vit, "bert": _bert}
+SEQ_CLS_BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {
+    "llama_cls": _llama_cls, "mistral_cls": _mistral_cls, "qwen2_cls": _qwen2_cls,
+    "gpt2_cls": _gpt2_cls}
+"""Decoder sequence classifiers (last non-pad token pooling). Kept apart from ``BUILDERS``,
+which tests of every architecture iterate with counts of their own (tests/test_loading.py)."""
 CAUSAL = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
 REQUIRED = ("llama", "gpt2", "vit")
 
@@ -74,16 +117,21 @@ REQUIRED = ("llama", "gpt2", "vit")
 def build(arch: str, seed: int = 0, **config_overrides) -> torch.nn.Module:
     """A tiny model of ``arch`` in eval mode (dropout off), fp32, deterministic init."""
     torch.manual_seed(seed)
-    return BUILDERS[arch](**config_overrides).eval()
+    builder = BUILDERS.get(arch) or SEQ_CLS_BUILDERS[arch]
+    return builder(**config_overrides).eval()
 
 
-def make_batch(arch: str, batch_size: int, *, seed: int = 0, padding: bool = False,
+def make_batch(arch: str, batch_size: int, *, seed: int = 0, padding: bool | str = False,
                packed: bool = False) -> dict[str, torch.Tensor]:
     """A batch with the conventional keys for ``arch``.
 
-    padding: right padding, attention_mask 0 on the pad, labels -100 there (causal LMs) and
-        varying lengths per row. packed: two sequences per row, position_ids restart at 0.
+    padding: True or "right": right padding, "left": left padding; attention_mask 0 and
+        input_ids PAD on the pad, labels -100 there (causal LMs) and varying lengths per row.
+        packed: two sequences per row, position_ids restart at 0. Classifiers (BERT and
+        ``SEQ_CLS_BUILDERS``) get one int64 label per row.
     """
+    if padding not in (False, True, "right", "left"):
+        raise ValueError(f"padding={padding!r}: use False, True / 'right' or 'left'")
     g = torch.Generator().manual_seed(seed)
     if arch == "vit":
         return {"pixel_values": torch.randn(batch_size, 3, 16, 16, generator=g),
@@ -93,8 +141,11 @@ def make_batch(arch: str, batch_size: int, *, seed: int = 0, padding: bool = Fal
     if padding:
         lengths = torch.randint(3, SEQ + 1, (batch_size,), generator=g)
         lengths[0] = SEQ  # at least one full row
-        mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
-        batch["input_ids"] = input_ids.masked_fill(mask == 0, 0)
+        positions = torch.arange(SEQ)[None, :]
+        if padding == "left":
+            positions = positions.flip(-1)
+        mask = (positions < lengths[:, None]).long()
+        batch["input_ids"] = input_ids.masked_fill(mask == 0, PAD)
         batch["attention_mask"] = mask
     if packed:
         cut = torch.randint(2, SEQ - 2, (batch_size,), generator=g)
@@ -105,6 +156,8 @@ def make_batch(arch: str, batch_size: int, *, seed: int = 0, padding: bool = Fal
         second_half = (torch.arange(SEQ)[None, :] >= SEQ // 2).long()
         batch["token_type_ids"] = second_half.repeat(batch_size, 1)
         batch["labels"] = torch.randint(0, 3, (batch_size,), generator=g)
+    elif arch in SEQ_CLS_BUILDERS:
+        batch["labels"] = torch.randint(0, NUM_LABELS, (batch_size,), generator=g)
     else:
         labels = batch["input_ids"].clone()
         if padding:
@@ -112,6 +165,32 @@ def make_batch(arch: str, batch_size: int, *, seed: int = 0, padding: bool = Fal
         labels[:, 1] = -100  # some ignored labels in the middle too
         batch["labels"] = labels
     return batch
+
+
+PROBLEMS: dict[str, dict] = {
+    "single_label_classification": {},
+    "regression": {"num_labels": 1},
+    "multi_label_classification": {"problem_type": "multi_label_classification"}}
+"""HF ``problem_type`` -> the config overrides of a classifier that resolves to it."""
+
+
+def with_problem(batch: dict[str, torch.Tensor], problem: str,
+                 seed: int = 0) -> dict[str, torch.Tensor]:
+    """A classifier ``batch`` with labels for ``problem``: single-label int64 ids with row 1
+    set to -100 (ignored); regression (m,) float targets (for num_labels 1); multi-label
+    (m, NUM_LABELS) 0/1 floats."""
+    g = torch.Generator().manual_seed(seed)
+    m = batch["input_ids"].shape[0]
+    labels = batch["labels"].clone()
+    if problem == "single_label_classification":
+        labels[1] = -100
+    elif problem == "regression":
+        labels = torch.randn(m, generator=g)
+    elif problem == "multi_label_classification":
+        labels = torch.randint(0, 2, (m, NUM_LABELS), generator=g).float()
+    else:
+        raise ValueError(f"problem={problem!r}: use one of {sorted(PROBLEMS)}")
+    return {**batch, "labels": labels}
 
 
 def split(batch: dict[str, torch.Tensor], sizes: list[int]) -> list[dict[str, torch.Tensor]]:

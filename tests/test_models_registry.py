@@ -8,24 +8,30 @@ import transformers
 
 from hf_cephalo.models import adapter_for, register_adapter, stage_model, supported_model_classes
 from hf_cephalo.models.bert import BertStagedModel
-from hf_cephalo.models.gpt2 import GPT2StagedModel
+from hf_cephalo.models.gpt2 import GPT2SequenceClassifierStagedModel, GPT2StagedModel
 from hf_cephalo.models.gpt_neox import GPTNeoXStagedModel
-from hf_cephalo.models.llama import LlamaStagedModel
+from hf_cephalo.models.llama import LlamaSequenceClassifierStagedModel, LlamaStagedModel
 from hf_cephalo.models.vit import ViTStagedModel
-from tests.models_fixtures import BUILDERS, build, make_batch
+from tests.models_fixtures import BUILDERS, SEQ_CLS_BUILDERS, build, make_batch
 
 EXPECTED = {"llama": LlamaStagedModel, "mistral": LlamaStagedModel, "qwen2": LlamaStagedModel,
             "gpt2": GPT2StagedModel, "gpt_neox": GPTNeoXStagedModel, "vit": ViTStagedModel,
-            "bert": BertStagedModel}
+            "bert": BertStagedModel, "llama_cls": LlamaSequenceClassifierStagedModel,
+            "mistral_cls": LlamaSequenceClassifierStagedModel,
+            "qwen2_cls": LlamaSequenceClassifierStagedModel,
+            "gpt2_cls": GPT2SequenceClassifierStagedModel}
+ALL_ARCHS = [*BUILDERS, *SEQ_CLS_BUILDERS]
 
 
 def test_every_required_class_is_registered():
     assert set(supported_model_classes()) >= {
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel",
-        "ViTForImageClassification", "GPTNeoXForCausalLM", "BertForSequenceClassification"}
+        "ViTForImageClassification", "GPTNeoXForCausalLM", "BertForSequenceClassification",
+        "LlamaForSequenceClassification", "MistralForSequenceClassification",
+        "Qwen2ForSequenceClassification", "GPT2ForSequenceClassification"}
 
 
-@pytest.mark.parametrize("arch", list(BUILDERS))
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_structure_covers_parameters_exactly(arch):
     model = build(arch)
     staged = stage_model(model)
@@ -51,6 +57,74 @@ def test_unknown_model_class_lists_supported_and_points_to_docs():
     assert "LlamaForCausalLM" in str(info.value) and "docs/adding_a_model.md" in str(info.value)
     with pytest.raises(ValueError, match="no staged-model adapter"):
         stage_model(torch.nn.Linear(2, 2))
+
+
+def _tiny(config_cls, **kw):
+    defaults = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                    intermediate_size=32)
+    return config_cls(**{**defaults, **kw})
+
+
+def _opt_config():
+    return transformers.OPTConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                  num_attention_heads=2, word_embed_proj_dim=16)
+
+
+def _refusal(model) -> ValueError:
+    with pytest.raises(ValueError) as info:
+        stage_model(model)
+    assert "docs/adding_a_model.md" in str(info.value), str(info.value)
+    return info.value
+
+
+def test_unsupported_messages_fit_the_class():
+    """Every refusal points to docs/adding_a_model.md, with advice for its class (issue 33,
+    item 5): another head of a supported architecture is told to write an adapter over the
+    existing body (never to load a causal LM, which trains another head and loss); a head of an
+    architecture without an adapter is told how to add one and which supported classes of the
+    same task to follow; a bare base model is told which heads to load it with."""
+    token_cls = _refusal(transformers.LlamaForTokenClassification(_tiny(transformers.LlamaConfig)))
+    text = str(token_cls)
+    assert "token classification head" in text and "load the model as" not in text
+    assert "hf_cephalo.models.llama.LlamaDecoderBody" in text
+    assert "register_adapter(LlamaForTokenClassification, YourAdapter)" in text
+    assert token_cls.alternatives == []
+
+    double = str(_refusal(transformers.GPT2DoubleHeadsModel(transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=50))))
+    assert "load the model as" not in double and "GPT2DecoderBody" in double
+    masked = str(_refusal(transformers.BertForMaskedLM(_tiny(transformers.BertConfig))))
+    assert "masked LM head" in masked and "BertStagedModel" in masked
+
+    opt_cls = _refusal(transformers.OPTForSequenceClassification(_opt_config()))
+    text = str(opt_cls)
+    assert "its architecture (model_type 'opt') has none" in text
+    assert "Sequence classification is supported for BertForSequenceClassification, " \
+           "GPT2ForSequenceClassification, LlamaForSequenceClassification" in text
+    assert "CausalLM" not in text and "load the model as" not in text
+    assert opt_cls.alternatives == []
+
+    base = _refusal(transformers.LlamaModel(_tiny(transformers.LlamaConfig)))
+    assert "base model without a head" in str(base)
+    assert "load the model as LlamaForCausalLM or LlamaForSequenceClassification" in str(base)
+    assert base.alternatives == ["LlamaForCausalLM", "LlamaForSequenceClassification"]
+
+    class MyOPTClassifier(transformers.OPTForSequenceClassification):  # a user subclass
+        pass
+
+    assert "Sequence classification is supported" in str(_refusal(MyOPTClassifier(_opt_config())))
+    _refusal(transformers.OPTForCausalLM(_opt_config()))
+    _refusal(torch.nn.Linear(2, 2))
+
+
+def test_head_kind_from_class_names():
+    from hf_cephalo.models.registry import _words, head_kind
+
+    assert head_kind("LlamaForSequenceClassification") == "SequenceClassification"
+    assert head_kind("GPT2LMHeadModel") == head_kind("OPTForCausalLM") == "CausalLM"
+    assert head_kind("BertModel") is None and head_kind("Formula") is None
+    assert [_words(k) for k in ("SequenceClassification", "CausalLM", "MaskedLM")] == \
+        ["sequence classification", "causal LM", "masked LM"]
 
 
 def test_subclass_finds_base_adapter_and_register_adapter_overrides():
@@ -88,7 +162,7 @@ def test_bert_without_pooler_is_rejected():
         stage_model(model)
 
 
-@pytest.mark.parametrize("arch", list(BUILDERS))
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_prepare_for_training_forces_use_cache_off(arch):
     model = build(arch)
     if hasattr(model.config, "use_cache"):

@@ -213,6 +213,54 @@ def classification_loss_sum(logits: torch.Tensor, labels: torch.Tensor, config: 
     return HeadOutput(loss_sum, num_items)
 
 
+# ---- last non-pad token pooling (decoder classifiers) ------------------------------------------
+
+def pad_token_id_of(config: Any) -> int | None:
+    """The pad token id a decoder classification head pools with: ``config.get_text_config()
+    .pad_token_id``, as ``GenericForSequenceClassification.forward`` reads it
+    (transformers/modeling_layers.py; for GPT-2 the text config is the config itself)."""
+    return config.get_text_config().pad_token_id
+
+
+def check_poolable(input_ids: torch.Tensor, pad_token_id: int | None, model_name: str) -> None:
+    """ValueError when ``pad_token_id`` is None and the microbatch has more than one row.
+
+    Mirrors ``GenericForSequenceClassification.forward`` / ``GPT2ForSequenceClassification
+    .forward`` (transformers 5.24), which refuse a batch of more than one row without a pad
+    token since they cannot tell where each row ends; the engine calls the head once per
+    microbatch, so the rule applies per microbatch as stock applies it per forward call
+    (per device batch under DDP). input_ids (m, S).
+    """
+    if pad_token_id is None and input_ids.shape[0] != 1:
+        raise ValueError(
+            f"{model_name}: config.pad_token_id is None, so the last token of each row cannot be "
+            f"found in a microbatch of {input_ids.shape[0]} rows (transformers: 'Cannot handle "
+            f"batch sizes > 1 if no padding token is defined.'); set model.config.pad_token_id "
+            f"before training (tokenizer.pad_token_id, or tokenizer.eos_token_id for a "
+            f"tokenizer without a pad token, as for GPT-2).")
+
+
+def pool_last_non_pad(logits: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int | None,
+                      model_name: str) -> torch.Tensor:
+    """The logits of each row's last non-pad token: logits (m, S, L), input_ids (m, S) ->
+    (m, L).
+
+    Copied from ``GenericForSequenceClassification.forward`` (transformers/modeling_layers.py,
+    5.24; GPT-2's is the same): the rightmost position whose token is not ``pad_token_id``, so
+    left and right padding both work (the attention mask is not consulted, as in stock); a row of
+    pad tokens only pools position 0 (argmax of zeros); ``pad_token_id`` None pools the last
+    position of a one-row microbatch and raises ValueError for more rows (``check_poolable``).
+    """
+    check_poolable(input_ids, pad_token_id, model_name)
+    if pad_token_id is None:
+        last_non_pad_token: torch.Tensor | int = -1
+    else:
+        non_pad_mask = (input_ids != pad_token_id).to(logits.device, torch.int32)
+        token_indices = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
+        last_non_pad_token = (token_indices * non_pad_mask).argmax(-1)
+    return logits[torch.arange(input_ids.shape[0], device=logits.device), last_non_pad_token]
+
+
 # ---- base adapter -----------------------------------------------------------------------------
 
 class HFStagedModel(StagedModel):
@@ -314,3 +362,38 @@ class ClassifierStagedModel(HFStagedModel):
         if microbatch.get("labels") is None:
             return 0
         return count_classification_items(microbatch["labels"], self.model.config)
+
+
+class LastTokenClassifierStagedModel(ClassifierStagedModel):
+    """Common head of the decoder sequence classifiers (``LlamaForSequenceClassification``,
+    ``GPT2ForSequenceClassification``, ...): the score layer on every position, then the
+    logits of each row's last non-pad token (``pool_last_non_pad``), then the classification
+    loss of ``ClassifierStagedModel`` (items = samples, or label elements for regression /
+    multi-label).
+
+    Subclasses implement the decoder body (``units``, ``embed``, ``run_unit``) and
+    ``token_logits`` (final norm + score on every position); the head reads the microbatch's
+    ``input_ids`` (m, S) to find the pooled position, as the model's forward does.
+    """
+
+    def token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + score: (m, S, H) -> (m, S, num_labels)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement token_logits")
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
+        """(m, S, H) -> pooled logits (m, num_labels), as ``model(**microbatch).logits``.
+
+        Scores every position, then pools, in stock's order, so the arithmetic is stock's (the
+        score layer is H x num_labels: S x more of it is small beside one decoder layer)."""
+        input_ids = require_key(microbatch, "input_ids", type(self).__name__)
+        return pool_last_non_pad(self.token_logits(hidden), input_ids,
+                                 pad_token_id_of(self.model.config), type(self.model).__name__)
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        """As ``ClassifierStagedModel.count_items``; first the pad-token check of the head
+        (``check_poolable``): the engine counts items before a step's first collective, so a
+        microbatch the head would refuse is refused before this rank all-gathers anything."""
+        input_ids = microbatch.get("input_ids")
+        if input_ids is not None:
+            check_poolable(input_ids, pad_token_id_of(self.model.config), type(self.model).__name__)
+        return super().count_items(microbatch)

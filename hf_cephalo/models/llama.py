@@ -1,9 +1,13 @@
-"""Adapter for Llama-shaped causal LMs: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
+"""Adapters for Llama-shaped decoders: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
+their ``*ForSequenceClassification`` heads.
 
 Layout (transformers 5.x): ``model.model.embed_tokens`` -> ``model.model.layers[i]`` ->
-``model.model.norm`` -> ``model.lm_head``; rotary cos/sin come from ``model.model.rotary_emb``
-(no parameters). Embedding unit: embed_tokens, rotary_emb (buffers only); head unit: norm,
-lm_head (with ``tie_word_embeddings=True`` the shared weight lives once, in the embedding unit).
+``model.model.norm`` -> ``model.lm_head`` (causal LM) or ``model.score`` (sequence
+classification, ``GenericForSequenceClassification`` in transformers/modeling_layers.py); rotary
+cos/sin come from ``model.model.rotary_emb`` (no parameters). Both heads share one decoder body
+(``LlamaDecoderBody``). Embedding unit: embed_tokens, rotary_emb (buffers only); head unit: norm,
+lm_head or score (with ``tie_word_embeddings=True`` the shared weight lives once, in the
+embedding unit).
 
 Masks: one per attention type, built like the model's forward builds them — Llama:
 ``create_causal_mask``; Mistral: ``create_sliding_window_causal_mask`` when
@@ -19,20 +23,20 @@ from torch import nn
 
 from hf_cephalo.models.base import Microbatch
 from hf_cephalo.models.hf_common import (CAUSAL_MASK_BUILDERS, FULL, SLIDING, CausalLMStagedModel,
-                                         DecoderContext, build_causal_masks,
+                                         DecoderContext, HFStagedModel,
+                                         LastTokenClassifierStagedModel, build_causal_masks,
                                          microbatch_position_ids, require_key, rotary_cos_sin)
 
 
-class LlamaStagedModel(CausalLMStagedModel):
-    """Llama / Mistral / Qwen2 causal LM as a staged model.
+class LlamaDecoderBody(HFStagedModel):
+    """The decoder body of the Llama / Mistral / Qwen2 adapters (``model.model``, a
+    ``LlamaModel`` / ``MistralModel`` / ``Qwen2Model``): units, embedding, masks, rotary cos/sin.
+    The head (and with it the loss) is the subclass's.
 
     Microbatch keys: ``input_ids`` (m, S) int64 (required), ``attention_mask`` (m, S) 0/1
-    (optional; padding), ``position_ids`` (m, S) (optional; packed sequences restart at 0 and get a
-    block-diagonal causal mask), ``labels`` (m, S) with -100 ignored (required for the loss;
-    ``labels = input_ids`` style, shifted inside ``head_loss`` as the model does).
+    (optional; padding, left or right), ``position_ids`` (m, S) (optional; packed sequences
+    restart at 0 and get a block-diagonal causal mask).
     """
-
-    model_classes = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
@@ -61,9 +65,6 @@ class LlamaStagedModel(CausalLMStagedModel):
         inner = self.model.model
         return [inner.embed_tokens, inner.rotary_emb]
 
-    def head_modules(self) -> list[nn.Module]:
-        return [self.model.model.norm, self.model.lm_head]
-
     # ---- computation ----
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, DecoderContext]:
         """input_ids (m, S) -> hidden (m, S, H) and the microbatch's masks and rotary cos/sin."""
@@ -83,7 +84,43 @@ class LlamaStagedModel(CausalLMStagedModel):
                      position_embeddings=ctx.position_embeddings,
                      position_ids=ctx.position_ids, use_cache=False)
 
+
+class LlamaStagedModel(LlamaDecoderBody, CausalLMStagedModel):
+    """Llama / Mistral / Qwen2 causal LM as a staged model.
+
+    Microbatch keys: those of ``LlamaDecoderBody`` and ``labels`` (m, S) with -100 ignored
+    (required for the loss; ``labels = input_ids`` style, shifted inside ``head_loss`` as the
+    model does).
+    """
+
+    model_classes = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.model.norm, self.model.lm_head]
+
     def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
                     ctx: DecoderContext) -> torch.Tensor:
         """Final RMSNorm + lm_head: (m, S, H) -> logits (m, S, V)."""
         return self.model.lm_head(self.model.model.norm(hidden))
+
+
+class LlamaSequenceClassifierStagedModel(LlamaDecoderBody, LastTokenClassifierStagedModel):
+    """Llama / Mistral / Qwen2 sequence classifier (reward models, classifiers on a decoder) as a
+    staged model: the decoder body, then ``norm`` -> ``score`` on every position, pooled at each
+    row's last non-pad token (``pool_last_non_pad``, as the model's forward).
+
+    Microbatch keys: those of ``LlamaDecoderBody`` (``input_ids`` also gives the pooled
+    position: the rightmost token != ``config.pad_token_id``) and ``labels``: (m,) int64 class
+    ids (-100 ignored) or float targets for regression / multi-label (``problem_type``).
+    Items = samples (label elements for regression / multi-label).
+    """
+
+    model_classes = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
+                     "Qwen2ForSequenceClassification")
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.model.norm, self.model.score]
+
+    def token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm + score: (m, S, H) -> (m, S, num_labels)."""
+        return self.model.score(self.model.model.norm(hidden))

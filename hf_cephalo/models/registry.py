@@ -7,14 +7,16 @@ docs/adding_a_model.md).
 
 from __future__ import annotations
 
+import re
+
 import transformers
 from torch import nn
 
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.models.bert import BertStagedModel
-from hf_cephalo.models.gpt2 import GPT2StagedModel
+from hf_cephalo.models.gpt2 import GPT2SequenceClassifierStagedModel, GPT2StagedModel
 from hf_cephalo.models.gpt_neox import GPTNeoXStagedModel
-from hf_cephalo.models.llama import LlamaStagedModel
+from hf_cephalo.models.llama import LlamaSequenceClassifierStagedModel, LlamaStagedModel
 from hf_cephalo.models.peft_lora import is_peft_model, unwrap_peft_model
 from hf_cephalo.models.vit import ViTStagedModel
 
@@ -53,13 +55,19 @@ def supported_model_classes() -> list[str]:
 
 
 class UnsupportedModelError(ValueError):
-    """No adapter for a model's class. ``alternatives``: supported classes of the same
-    architecture (same ``config.model_type``), e.g. ``["BertForSequenceClassification"]`` for a
-    ``BertModel``; empty when the architecture itself has no adapter."""
+    """No adapter for a model's class. ``alternatives``: supported classes that can stand in
+    for the model, i.e. heads of the same architecture (same ``config.model_type``) for a bare
+    base model without a head (``["BertForSequenceClassification"]`` for a ``BertModel``);
+    empty when the model has a head of its own (loading another head would train another
+    task) or the architecture has no adapter."""
 
     def __init__(self, message: str, alternatives: list[str]):
         super().__init__(message)
         self.alternatives = alternatives
+
+
+GUIDE = "docs/adding_a_model.md"
+"""How to write and register an adapter; every unsupported-model message points to it."""
 
 
 def _same_architecture(model: nn.Module) -> list[str]:
@@ -72,13 +80,92 @@ def _same_architecture(model: nn.Module) -> list[str]:
                        "model_type", None) == model_type]
 
 
+def head_kind(class_name: str) -> str | None:
+    """The task of a Hugging Face class from its name: ``"SequenceClassification"`` for
+    ``LlamaForSequenceClassification``, ``"CausalLM"`` for ``...ForCausalLM`` and GPT-2's
+    ``...LMHeadModel``; None for a name of neither form (a base model such as ``BertModel``)."""
+    if class_name.endswith("LMHeadModel"):
+        return "CausalLM"
+    before, sep, kind = class_name.rpartition("For")
+    return kind if sep and before and kind[:1].isupper() else None
+
+
+def _model_head_kind(model: nn.Module) -> str | None:
+    """``head_kind`` of the model's class or its nearest base class that has one (a user
+    subclass ``MyClassifier(OPTForSequenceClassification)`` is a sequence classifier)."""
+    return next((k for k in (head_kind(c.__name__) for c in type(model).__mro__) if k), None)
+
+
+def _is_base_model(model: nn.Module) -> bool:
+    """A Hugging Face base model without a head (``LlamaModel``, ``BertModel``): its
+    ``base_model`` (the module under ``base_model_prefix``) is itself."""
+    return getattr(model, "base_model", None) is model and hasattr(model, "config")
+
+
+def _words(kind: str) -> str:
+    """``"SequenceClassification"`` -> ``"sequence classification"``; ``"CausalLM"`` ->
+    ``"causal LM"`` (an acronym keeps its capitals)."""
+    return " ".join(w if w.isupper() else w.lower()
+                    for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z][a-z]*", kind))
+
+
+def _body_of(adapter: type[StagedModel]) -> type[StagedModel]:
+    """The class holding an adapter's units and embedding: its ``...Body`` base
+    (``LlamaDecoderBody``) where it has one, else the adapter itself (``BertStagedModel``)."""
+    return next((c for c in adapter.__mro__ if c.__name__.endswith("Body")), adapter)
+
+
+def _unsupported(model: nn.Module) -> UnsupportedModelError:
+    """The error for a model without an adapter, with the advice that fits its class:
+    a base model -> load it with a supported head; a class whose architecture is supported with
+    other heads -> write an adapter for this head over the existing body; a head of a task
+    supported on other architectures -> write an adapter for the architecture, naming those as
+    examples; anything else -> the supported classes. Each points to GUIDE."""
+    name = type(model).__name__
+    register = (f"register it with hf_cephalo.models.register_adapter({name}, YourAdapter) "
+                f"(see {GUIDE})")
+    same = _same_architecture(model)
+    kind = _model_head_kind(model)
+    if _is_base_model(model) and same:
+        return UnsupportedModelError(
+            f"hf_cephalo has no staged-model adapter for {name}; it is a base model without a "
+            f"head, hence without a training loss: load the model as {' or '.join(same)} (e.g. "
+            f"{same[0]}.from_pretrained(path)); to train another head, write an adapter for "
+            f"that head's class (see {GUIDE}).", same)
+    if same:
+        body = _body_of(_ADAPTERS[same[0]])
+        head = f" (a {_words(kind)} head)" if kind else ""
+        return UnsupportedModelError(
+            f"hf_cephalo has no staged-model adapter for {name}{head}. Its architecture is "
+            f"supported as {', '.join(same)}, but loading it as one of those would train another "
+            f"head and loss. To train this head, write an adapter that reuses the units and "
+            f"embedding of {body.__module__}.{body.__qualname__} and defines the head "
+            f"(head_modules, head_logits, the loss), and {register}.", [])
+    peers = [c for c in supported_model_classes() if kind is not None and head_kind(c) == kind]
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if peers:
+        task = _words(kind)
+        return UnsupportedModelError(
+            f"hf_cephalo has no staged-model adapter for {name}: its architecture "
+            f"(model_type {model_type!r}) has none. {task[0].upper()}{task[1:]} is supported "
+            f"for {', '.join(peers)}; to train {name}, write an adapter for its architecture "
+            f"(its layers as units, its embedding, this head; the adapters of those classes are "
+            f"the examples to follow) and {register}.", [])
+    return UnsupportedModelError(
+        f"hf_cephalo has no staged-model adapter for {name}; supported model classes: "
+        f"{', '.join(supported_model_classes())}. To train another architecture, write an "
+        f"adapter and {register}.", [])
+
+
 def adapter_for(model: nn.Module) -> type[StagedModel]:
     """The adapter class registered for ``model``'s class or its nearest registered base class.
 
     Raises:
         UnsupportedModelError (a ValueError): no adapter; the message names the supported
-            classes and, when one of them has the same architecture (a bare ``BertModel`` vs
-            ``BertForSequenceClassification``), says to load that class instead.
+            classes, points to docs/adding_a_model.md and gives the advice that fits the class
+            (``_unsupported``): a bare base model (``BertModel``) is told to load a supported
+            head of its architecture (``BertForSequenceClassification``); a head of its own is
+            told how to add an adapter for it.
         ValueError: a PEFT ``PeftModel`` that is not one LoRA adapter (``peft_lora.py``).
 
     A LoRA ``PeftModel`` gets the adapter of the model it wraps (``peft_model.base_model.model``).
@@ -88,17 +175,7 @@ def adapter_for(model: nn.Module) -> type[StagedModel]:
     for cls in type(model).__mro__:
         if cls.__name__ in _ADAPTERS:
             return _ADAPTERS[cls.__name__]
-    name = type(model).__name__
-    same = _same_architecture(model)
-    if same:
-        raise UnsupportedModelError(
-            f"hf_cephalo has no staged-model adapter for {name}; the supported class of this "
-            f"architecture is {', '.join(same)}: load the model as {same[0]} (e.g. "
-            f"{same[0]}.from_pretrained(path))", same)
-    raise UnsupportedModelError(
-        f"hf_cephalo has no staged-model adapter for {name}; supported model classes: "
-        f"{', '.join(supported_model_classes())}. To train another architecture, write an adapter "
-        f"and register it with hf_cephalo.models.register_adapter (see docs/adding_a_model.md).", [])
+    raise _unsupported(model)
 
 
 def stage_model(model: nn.Module) -> StagedModel:
@@ -122,7 +199,8 @@ def stage_model(model: nn.Module) -> StagedModel:
     return adapter(model)
 
 
-for _adapter in (LlamaStagedModel, GPT2StagedModel, GPTNeoXStagedModel, ViTStagedModel,
+for _adapter in (LlamaStagedModel, LlamaSequenceClassifierStagedModel, GPT2StagedModel,
+                 GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel, ViTStagedModel,
                  BertStagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)
