@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from hf_cephalo.integrations.support import RefusedSettings, training_args_problems
+from hf_cephalo.launch_check import check_this_launch
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import Plan
@@ -109,18 +110,21 @@ def check_before_planning(args, world_size: int, model: nn.Module, *, plan: Plan
                           staged: StagedModel | None = None) -> StagedModel:
     """Every check that needs neither a profile nor a collective; returns the staged model.
 
-    Order: datasets, model class (``stage_model``; skipped when ``staged`` is given, i.e.
-    ``check_script`` ran), emulation list lengths vs ``world_size``,
+    Order: the launch (one CPU process where several were asked for:
+    ``launch_check.check_this_launch``), datasets, model class (``stage_model``; skipped when
+    ``staged`` is given, i.e. ``check_script`` ran), emulation list lengths vs ``world_size``,
     then a given ``plan`` (world size, global batch size), then the global batch size against
     the world size (rank 0 warns when ranks would idle; a plan file is read and checked by
     ``replan.resolve_plan_for_model``, still before any profile).
 
     Raises:
-        ValueError: a dataset without a length, an unsupported model class (with the route to
-            take, e.g. ``--model-class``), a PEFT model other than one LoRA adapter, an
-            emulation list of the wrong length, a plan for another world size or global batch
-            size.
+        ValueError: one process where ``accelerate launch`` was asked for several (naming
+            ``accelerate_configs/cephalo_cpu.yaml``), a dataset without a length, an
+            unsupported model class (with the route to take, e.g. ``--model-class``), a PEFT
+            model other than one LoRA adapter, an emulation list of the wrong length, a plan
+            for another world size or global batch size.
     """
+    check_this_launch(world_size, None if plan is None else plan.world_size)  # launch_check.py
     if staged is None:
         check_datasets(train_dataset, eval_dataset)
         staged = stage_model(model)
