@@ -44,7 +44,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config,
 
 from hf_cephalo.integrations.data import group_texts, pydoc_text_dataset, train_bpe_tokenizer
 from hf_cephalo.integrations.pretrained import from_pretrained_sharded
-from hf_cephalo.integrations.quiet import disable_progress_bars
+from hf_cephalo.integrations.quiet import progress_bars_from_rank_zero
 from hf_cephalo.integrations.trainer import CephaloTrainer, format_loss_trend
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
@@ -240,9 +240,13 @@ def check_reloaded(trainer: CephaloTrainer, save_dir: str, sample: dict[str, tor
 
 def main(argv: list[str] | None = None) -> None:
     parser = HfArgumentParser((ModelArguments, DataArguments, CephaloTrainingArguments))
+    # progress bars only on a terminal: in a log file (`> log`) every refresh of a bar lands;
+    # there the logged losses say the same. --disable_tqdm false/true overrides it.
+    parser.set_defaults(disable_tqdm=not sys.stderr.isatty())
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    if training_args.disable_tqdm:  # also datasets' map/filter and the model-loading bars
-        disable_progress_bars()
+    # datasets' map/filter and the model-loading bars: rank 0's only (every rank maps the same
+    # text: one set of bars, as with stock main_process_first), none with --disable_tqdm
+    progress_bars_from_rank_zero(training_args.process_index, training_args.disable_tqdm)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
     # transformers' loggers print through their own handler and, where the environment sets CI=1,

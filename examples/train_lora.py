@@ -42,7 +42,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,
 
 from hf_cephalo.integrations.data import (PYDOC_PARAGRAPH_LABELS, minilm_path,
                                           pydoc_paragraph_classes, stratified_split)
-from hf_cephalo.integrations.quiet import disable_progress_bars, quiet_load_report
+from hf_cephalo.integrations.quiet import progress_bars_from_rank_zero, quiet_load_report
 from hf_cephalo.integrations.trainer import CephaloTrainer, format_loss_trend
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
@@ -194,8 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     # also the model-loading bars; on ranks other than 0 always (Trainer's own bars are rank
     # 0's only; every rank loads the base, so every rank would draw its "Loading weights" bar)
-    if training_args.disable_tqdm or training_args.process_index != 0:
-        disable_progress_bars()
+    progress_bars_from_rank_zero(training_args.process_index, training_args.disable_tqdm)
     # PEFT's PeftModel reads the model's deprecated `is_gradient_checkpointing` (renamed
     # `is_activation_checkpointing` by transformers 5): a FutureWarning per rank per wrap that
     # nobody running this script can act on. Only that message is silenced.

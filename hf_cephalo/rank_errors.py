@@ -22,8 +22,12 @@ prints it.
 
 [Note: one error report per job]
 Which rank prints is an election without communication (the process group may be what broke):
-the fingerprint of an error is the SHA-1 of ``"<Type>: <message>"``; a rank creates a file named
-by it, atomically (``os.link`` fails when the name exists), in a directory of the local temp
+the fingerprint of an error is the SHA-1 of ``error_identity``: the exception's type name
+and its message with what differs between processes of one job removed
+(``normalized_message``: the items of a bracketed list of names sorted, since a ``set`` of
+strings iterates in a per-process order, e.g. transformers' "No columns in the dataset match
+the model's forward method signature: (...)"; object addresses and temp names blanked); a rank
+creates a file named by it, atomically (``os.link`` fails when the name exists), in a directory of the local temp
 directory keyed by the job (the launcher agent's pid, which all local workers have as parent,
 ``MASTER_PORT`` and torchelastic's run id, restart count and per-attempt log directory). The
 rank that creates it prints; a rank that finds it prints nothing. A different message has a
@@ -54,11 +58,12 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import sys
 from typing import Any, Callable, NamedTuple
 
 __all__ = ["ALL_RANK_ERRORS_ENV", "ErrorKind", "classify_error", "error_file_record",
-           "install_rank_error_hook", "report_error_once"]
+           "error_identity", "install_rank_error_hook", "normalized_message", "report_error_once"]
 
 ALL_RANK_ERRORS_ENV = "HF_CEPHALO_ALL_RANK_ERRORS"
 """Environment variable: ``1`` / ``true`` / ``yes`` keeps Python's default (every rank prints)."""
@@ -144,6 +149,64 @@ def _first_line(exc: BaseException) -> str:
     message = str(exc).strip().splitlines()
     line = f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
     return line if len(line) <= _MAX_LINE_CHARS else line[:_MAX_LINE_CHARS - 3] + "..."
+
+
+# An innermost bracketed group: (...), [...] or {...} with no bracket inside.
+_GROUP_RE = re.compile(r"\(([^()\[\]{}]*)\)|\[([^()\[\]{}]*)\]|\{([^()\[\]{}]*)\}")
+# A processed group is re-written with these stand-ins for its brackets (private-use code
+# points), so the next pass sees it as plain text inside the group around it.
+_STAND_INS = {"(": "\ue000", ")": "\ue001", "[": "\ue002", "]": "\ue003", "{": "\ue004",
+              "}": "\ue005"}
+_OPENING_STAND_INS = frozenset(_STAND_INS[b] for b in "([{")
+_CLOSING_STAND_INS = frozenset(_STAND_INS[b] for b in ")]}")
+_NUMBER_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+# per-process values: object addresses ("at 0x7f3a1c2b4d60") and tempfile's random names
+_VOLATILE = ((re.compile(r"0x[0-9a-fA-F]{6,}"), "0x?"),
+             (re.compile(r"\btmp[a-z0-9_]{8}\b"), "tmp?"))
+
+
+def _items(text: str) -> list[str]:
+    """``text`` split at its commas, except those inside an already sorted (stand-in) group."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in _OPENING_STAND_INS) - (char in _CLOSING_STAND_INS)
+        if char == "," and depth == 0:
+            items.append(text[start:i].strip())
+            start = i + 1
+    return [*items, text[start:].strip()]
+
+
+def _sorted_group(match: re.Match) -> str:
+    opening = "([{"[next(i for i, g in enumerate(match.groups()) if g is not None)]
+    closing = {"(": ")", "[": "]", "{": "}"}[opening]
+    items = _items(match.group(match.lastindex))
+    if len(items) > 1 and not all(_NUMBER_RE.fullmatch(item) for item in items):
+        items = sorted(items)  # a tuple of numbers (a shape) keeps its order: it is meaning
+    return _STAND_INS[opening] + ", ".join(items) + _STAND_INS[closing]
+
+
+def normalized_message(message: str) -> str:
+    """``message`` with what differs between the processes of one job for the same error
+    removed ([Note: one error report per job]): the comma-separated items of every ``(...)``,
+    ``[...]`` and ``{...}`` sorted, innermost first (a ``set`` of strings, and lists built from
+    one, iterate in a per-process order: ``PYTHONHASHSEED`` differs per process), unless all of
+    them are numbers; hexadecimal addresses (``0x7f3a...``) become ``0x?`` and tempfile's
+    random names (``tmpk2j4_x9a``) ``tmp?``. Only compared, never shown."""
+    for pattern, blank in _VOLATILE:
+        message = pattern.sub(blank, message)
+    while True:
+        message, count = _GROUP_RE.subn(_sorted_group, message)
+        if not count:
+            break
+    for bracket, stand_in in _STAND_INS.items():
+        message = message.replace(stand_in, bracket)
+    return message
+
+
+def error_identity(type_name: str, message: str) -> str:
+    """What makes two ranks' errors one error ([Note: one error report per job]): the type's
+    name and ``normalized_message(message)``."""
+    return f"{type_name}: {normalized_message(message)}"
 
 
 def classify_error(exc: BaseException) -> ErrorKind:
@@ -283,7 +346,9 @@ def _report(exc: BaseException) -> _Report:
         _write_error_file(error_file_record(exc, time.time() + 1, shown=line))
         won = _elect(_CONSEQUENCE_FINGERPRINT, rank).won
         return _Report(line=line if won else None, traceback=False)
-    won = _elect_and_record(_headline(exc), type(exc).__name__, rank, shown="traceback")
+    kind = type(exc).__name__  # as report_error_once's kind: one election for both routes
+    won = _elect_and_record(_headline(exc), kind, rank, shown="traceback",
+                            identity=error_identity(kind, str(exc)))
     if not won:
         return _Report(line=None, traceback=False)
     return _Report(line=(f"rank {rank} failed first with the error below; other ranks with "
@@ -291,15 +356,16 @@ def _report(exc: BaseException) -> _Report:
                    traceback=True)
 
 
-def _elect_and_record(headline: str, kind: str, rank: int, shown: str) -> bool:
-    """The election of a cause ``headline`` (``"<Type>: <message>"``) and this rank's error
-    file; True when this rank was first (it prints). ``shown`` names what the first rank prints
-    ("traceback", "message"), for the quiet ranks' report entries. Raises OSError as ``_elect``."""
+def _elect_and_record(headline: str, kind: str, rank: int, shown: str, identity: str) -> bool:
+    """The election of a cause (``identity``: ``error_identity``) and this rank's error file,
+    which records ``headline`` (``"<Type>: <message>"``, as this rank raised it); True when
+    this rank was first (it prints). ``shown`` names what the first rank prints ("traceback",
+    "message"), for the quiet ranks' report entries. Raises OSError as ``_elect``."""
     import hashlib
     import time
 
     now_s = time.time()
-    election = _elect(hashlib.sha1(headline.encode("utf-8", "replace")).hexdigest(), rank)
+    election = _elect(hashlib.sha1(identity.encode("utf-8", "replace")).hexdigest(), rank)
     if election.won:
         _write_error_file(_record(headline, now_s, shown=headline))
         return True
@@ -326,7 +392,8 @@ def report_error_once(message: str, kind: str = "ValueError") -> bool:
     if not _launched_with_several_ranks() or _env_flag(ALL_RANK_ERRORS_ENV):
         return True
     try:
-        return _elect_and_record(f"{kind}: {message}", kind, _rank(), shown="message")
+        return _elect_and_record(f"{kind}: {message}", kind, _rank(), shown="message",
+                                 identity=error_identity(kind, message))
     except Exception:  # never hide the error: print it
         return True
 

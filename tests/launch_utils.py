@@ -38,7 +38,7 @@ def _popen(cmd: list[str], env: dict[str, str], stdout: int | IO) -> subprocess.
                             text=True, start_new_session=True)
 
 
-def start_launch(config: Path, script: Path, script_args: Sequence[str] = (), *,
+def start_launch(config: Path | None, script: Path, script_args: Sequence[str] = (), *,
                  port: int | None = None, launcher_args: Sequence[str] = (),
                  env_extra: dict[str, str] | None = None,
                  stdout: int | IO = subprocess.PIPE) -> subprocess.Popen:
@@ -47,9 +47,12 @@ def start_launch(config: Path, script: Path, script_args: Sequence[str] = (), *,
 
     The environment is the caller's without any ``HF_CEPHALO_*`` variable (so a developer's
     shell cannot change a test), plus ``env_extra``. ``port`` defaults to a free one. stdout and
-    stderr go together to ``stdout`` (a pipe unless a file is given).
+    stderr go together to ``stdout`` (a pipe unless a file is given). ``config`` None: no
+    ``--config_file`` (stock ``accelerate launch`` then reads the default config under
+    ``HF_HOME``, if there is one: point ``HF_HOME`` at an empty directory to have none).
     """
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+    config_args = [] if config is None else ["--config_file", str(config)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *config_args,
            "--main_process_port", str(port or free_port()), *launcher_args, str(script),
            *script_args]
     return _popen(cmd, _launch_env(env_extra), stdout)

@@ -328,6 +328,48 @@ def test_export_refuses_unsafe_targets(runs, tmp_path, capsys):
     assert (again / "config.json").is_file()
 
 
+def _flip_last_bytes(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_damaged_checkpoint_names_the_newest_complete_one_before_it(runs, tmp_path):
+    """A corrupt checkpoint-N (what resume_from_checkpoint=True picks: the newest with the
+    marker) is refused naming the newest complete checkpoint-M < N beside it and the flag that
+    takes it (issue 33); one without the marker or with a file at another size than the marker
+    recorded is passed over, as is anything newer than N."""
+    src = runs[0]["llama"]["directory"]
+    run = tmp_path / "run"
+    for step in (1, 2, 3, 4, 5):
+        shutil.copytree(src, run / f"checkpoint-{step}")
+    with open(run / "checkpoint-2" / ckpt.FILES.shard(0), "r+b") as f:
+        f.truncate(10)  # complete marker, wrong size: not a checkpoint to point to
+    os.remove(run / "checkpoint-3" / ckpt.FILES.COMPLETE)  # a save that did not finish
+    _flip_last_bytes(str(run / "checkpoint-4" / ckpt.FILES.shard(0)))
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.read_full_state_dict(str(run / "checkpoint-4"))
+    earlier = str(run / "checkpoint-1")
+    assert str(e.value) == (
+        f"{run / 'checkpoint-4' / ckpt.FILES.shard(0)}: corrupt — CRC-32 does not match the one "
+        "recorded at save; the checkpoint is damaged: copy the directory again, or resume from "
+        f"the newest complete checkpoint before it, {earlier}: --resume_from_checkpoint "
+        f"{earlier} (in Python train(resume_from_checkpoint={earlier!r}); `hf-cephalo export "
+        f"{earlier}` exports it)")
+    assert ckpt.earlier_complete_checkpoint(str(run / "checkpoint-5")) == str(run / "checkpoint-4")
+    assert ckpt.earlier_complete_checkpoint(str(run / "checkpoint-4") + "/") == earlier
+    assert ckpt.earlier_complete_checkpoint(str(run / "checkpoint-1")) is None
+    assert ckpt.earlier_complete_checkpoint(src) is None  # not named checkpoint-N
+    # nothing complete before it: say so instead of pointing to an earlier one
+    _flip_last_bytes(str(run / "checkpoint-1" / ckpt.FILES.shard(1)))
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.read_full_state_dict(str(run / "checkpoint-1"))
+    assert str(e.value).endswith(f"; the checkpoint is damaged: copy the directory again ({run} "
+                                 "holds no complete checkpoint-N before it)")
+
+
 def test_bad_checkpoints_name_the_file(runs, tmp_path):
     src = runs[0]["llama"]["directory"]
 

@@ -15,6 +15,7 @@ Four process groups:
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import numpy as np
@@ -33,7 +34,8 @@ JOB_S = 35.0
 pytestmark = test_timeout(JOB_S, JOB_S, JOB_S, JOB_S)
 NUM_SAMPLES, MAX_STEPS, SAVE_STEPS, KILL_AT = 12, 6, 2, 4  # B = 4: 3 steps per epoch, 2 epochs
 PLANS = {"first": ([3, 1], [2, 1], [0.7, 0.3]),
-         "other": ([1, 2, 1], [1, 1, 1], [0.25, 0.0, 0.75])}  # 3 ranks, rank 1 holds no state
+         "other": ([1, 2, 1], [1, 1, 1], [0.25, 0.0, 0.75]),  # 3 ranks, rank 1 holds no state
+         "one": ([4], [2], [1.0])}
 
 
 def _dataset():
@@ -116,6 +118,16 @@ def _resumed_other_plan(rank, world_size, full_dir, other_dir):
     trainer = _trainer(rank, world_size, other_dir, "other")
     trainer.train(resume_from_checkpoint=os.path.join(full_dir, f"checkpoint-{KILL_AT}"))
     return _summary(trainer)
+
+
+def _resume_true_error(rank, world_size, run_dir):
+    """``train(resume_from_checkpoint=True)`` in ``run_dir``: the error it raises, as text."""
+    trainer = _trainer(rank, world_size, run_dir, "one")
+    try:
+        trainer.train(resume_from_checkpoint=True)
+    except ValueError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _run_until_killed(fn, world_size, *args, timeout_s=budget_s(JOB_S)):
@@ -238,3 +250,27 @@ def test_export_of_a_trainer_checkpoint_equals_its_model_file(runs, tmp_path):
     for name, tensors in exported.items():
         want = load_file(os.path.join(directory, name))
         assert list(tensors) == list(want) and all(torch.equal(tensors[k], want[k]) for k in want)
+
+
+@test_timeout(JOB_S, JOB_S, JOB_S, JOB_S, JOB_S)  # the module fixture's 4 jobs, then 1 rank
+def test_resume_true_over_a_corrupt_newest_checkpoint_names_the_complete_one_before_it(
+        runs, tmp_path):
+    """The newest checkpoint carries its marker but a shard was corrupted after the save:
+    ``resume_from_checkpoint=True`` picks it and refuses it (its CRC-32), and the refusal names
+    checkpoint-2, the complete one before it, with the flag to pass (issue 33)."""
+    run_dir = tmp_path / "run"
+    for step in (2, 4):
+        shutil.copytree(os.path.join(runs["full_dir"], f"checkpoint-{step}"),
+                        run_dir / f"checkpoint-{step}")
+    shard = run_dir / "checkpoint-4" / ckpt.FILES.shard(0)
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    [error] = run_ranks(_resume_true_error, 1, str(run_dir), timeout_s=budget_s(JOB_S))
+    earlier = str(run_dir / "checkpoint-2")
+    assert error is not None and error.startswith(
+        f"CheckpointError: {shard}: corrupt — CRC-32 does not match the one recorded at save; "
+        "the checkpoint is damaged: copy the directory again, or resume from the newest complete "
+        f"checkpoint before it, {earlier}: --resume_from_checkpoint {earlier} "), error

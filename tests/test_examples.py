@@ -80,6 +80,25 @@ def test_train_clm_llama_uneven_plan(tmp_path):
     assert "it/s]" not in out and "Loading weights" not in out and "LOAD REPORT" not in out
 
 
+@test_timeout(LAUNCH_S)  # the two launches run at the same time
+def test_train_clm_progress_bars_from_rank_zero_and_none_in_a_log(tmp_path):
+    """Every rank maps the same text: datasets' bars are rank 0's only (each rank's bars
+    interleaved before, issue 33); into a pipe (not a terminal) without --disable_tqdm, no bar
+    at all, the logged losses instead (a log file held every refresh)."""
+    i = TINY_CLM.index("--disable_tqdm")
+    default = TINY_CLM[:i] + TINY_CLM[i + 2:]  # no --disable_tqdm: the script's default
+    (rc, out), (rc_default, out_default) = _wait_all([
+        _start("train_clm.py", "--output_dir", str(tmp_path / "bars"), *default,
+               "--disable_tqdm", "false"),
+        _start("train_clm.py", "--output_dir", str(tmp_path / "default"), *default)])
+    assert rc == 0 and rc_default == 0, (out + out_default)[-6000:]
+    # train_clm maps twice (tokenize, group into blocks); each bar starts once with "0%"
+    assert out.count("Map:   0%") == 2, out[-6000:]
+    assert "it/s]" in out  # Trainer's own bar: rank 0's, as stock
+    assert "Map" not in out_default and "it/s]" not in out_default, out_default[-6000:]
+    assert len(_losses(out_default)) == 6, out_default[-6000:]
+
+
 @test_timeout(LAUNCH_S, LAUNCH_S)
 def test_train_clm_gpt2_and_image_classification_bf16(tmp_path):
     """Both under --bf16 (bf16 autocast): the reload check runs under the same autocast, and the

@@ -8,6 +8,8 @@ The load: a tiny BERT saved as a ``BertModel`` and loaded as ``BertForSequenceCl
 from __future__ import annotations
 
 import logging
+import re
+import sys
 
 import pytest
 import transformers
@@ -90,3 +92,53 @@ def test_disable_progress_bars_reaches_transformers_hub_and_datasets(bert_dir, c
         hf_logging.enable_progress_bar()
         hub_utils.enable_progress_bars()
         datasets.enable_progress_bars()
+
+
+@pytest.mark.parametrize("process_index, disable_tqdm, bars_on", [
+    (0, False, True), (0, True, False), (1, False, False), (3, True, False)])
+def test_progress_bars_from_rank_zero(process_index, disable_tqdm, bars_on, bert_dir, capfd):
+    """datasets' map bars and the model-loading bars on rank 0 only: every rank of a job maps
+    and loads the same, and each rank's bars interleaved in one terminal (issue 33)."""
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    from hf_cephalo.integrations.quiet import progress_bars_from_rank_zero
+
+    datasets = pytest.importorskip("datasets")
+    hf_logging.enable_progress_bar()
+    datasets.enable_progress_bars()
+    try:
+        assert progress_bars_from_rank_zero(process_index, disable_tqdm) is (not bars_on)
+        assert hf_logging.is_progress_bar_enabled() is bars_on
+        assert hub_utils.are_progress_bars_disabled() is (not bars_on)
+        assert datasets.is_progress_bar_enabled() is bars_on
+        capfd.readouterr()
+        datasets.Dataset.from_dict({"x": list(range(4))}).map(lambda row: row)
+        _load(bert_dir)
+        err = capfd.readouterr().err
+        assert ("Map: 100%" in err and "Loading weights" in err) is bars_on, err
+        assert ("Map" in err or "Loading weights" in err) is bars_on, err
+    finally:  # process-wide switches: back on for the other tests of this process
+        hf_logging.enable_progress_bar()
+        hub_utils.enable_progress_bars()
+        datasets.enable_progress_bars()
+
+
+def test_print_line_lands_above_the_bar_not_inside_it(capsys):
+    """A line printed while a tqdm bar is drawn (the trainer's re-plan line) starts on a line
+    of its own: the bar is cleared first and redrawn after it."""
+    from tqdm.auto import tqdm
+
+    from hf_cephalo.integrations.quiet import print_line
+
+    bar = tqdm(total=10, file=sys.stderr, mininterval=0, ascii=True)
+    try:
+        bar.update(3)
+        capsys.readouterr()
+        print_line("Cephalo re-plan after step 3")
+        out, err = capsys.readouterr()
+    finally:
+        bar.close()
+    assert out == "Cephalo re-plan after step 3\n"
+    # cleared (carriage return, blanks, carriage return) before the line, redrawn after it
+    assert re.match(r"\r +\r\r? *30%\|", err), repr(err)

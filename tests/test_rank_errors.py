@@ -113,6 +113,47 @@ def test_same_error_is_printed_by_the_first_rank_only(job, capsys):
     assert len(previous.calls) == 2 and "rank 1 failed first" in capsys.readouterr().err
 
 
+def test_same_error_in_another_order_is_printed_once(job, capsys):
+    """transformers' "No columns in the dataset match ..." lists column sets, in an order of
+    each process's own (string hashing is seeded per process): the same error on both ranks,
+    so the second rank stays quiet (it printed twice when whole messages were compared)."""
+    from tests.launch_scripts.raise_on_ranks import no_columns_message
+
+    previous = _Recorder()
+    job(0)
+    _raise(ValueError(no_columns_message(reverse=False)), previous)
+    assert len(previous.calls) == 1 and "rank 0 failed first" in capsys.readouterr().err
+    file1 = job(1)
+    _raise(ValueError(no_columns_message(reverse=True)), previous)
+    assert len(previous.calls) == 1 and capsys.readouterr().err == ""  # quiet
+    record = json.loads(file1.read_text())["message"]
+    assert record["message"] == f"ValueError: {no_columns_message(reverse=True)}"  # its own
+    assert record["extraInfo"]["py_callstack"] == ("ValueError: same error as rank 0 (its "
+                                                   "traceback is printed above)")
+    # an object's address differs per process: the same error
+    _raise(ValueError("cannot pickle <Lock object at 0x7f3a1c2b4d60>"), previous)
+    job(0)
+    _raise(ValueError("cannot pickle <Lock object at 0x7f90aa01ee30>"), previous)
+    assert len(previous.calls) == 2
+    capsys.readouterr()
+    # news: another type with the same message; numbers in another order (a shape)
+    _raise(TypeError(no_columns_message(reverse=False)), previous)
+    _raise(ValueError("expected shape (8, 4), got (4, 8)"), previous)
+    job(1)
+    _raise(ValueError("expected shape (4, 8), got (8, 4)"), previous)
+    assert len(previous.calls) == 5
+
+
+def test_normalized_message():
+    n = rank_errors.normalized_message
+    assert n("columns (b, a) ignored: [y, x]; {'q', 'p'}") == "columns (a, b) ignored: [x, y]; {'p', 'q'}"
+    assert n("{('b', 1), ('a', 2)}") == n("{('a', 2), ('b', 1)}") == "{('a', 2), ('b', 1)}"
+    assert n("shape (8, 4), ids [3, 1], lr (1e-3, .5)") == "shape (8, 4), ids [3, 1], lr (1e-3, .5)"
+    assert n("at 0x7f3a1c2b4d60 in /tmp/tmpk2j4_x9a/f") == "at 0x? in /tmp/tmp?/f"
+    assert n("unbalanced (b, a] and 1) x") == "unbalanced (b, a] and 1) x"  # left as it is
+    assert rank_errors.error_identity("ValueError", "[b, a]") == "ValueError: [a, b]"
+
+
 def test_compile_failure_on_two_ranks_is_printed_once(job, capsys):
     """The engine's CompileFailure on two ranks (each built from its own exception, then
     naming every failing rank after the ranks exchanged their results) is one message: the
@@ -332,6 +373,22 @@ def test_same_error_on_every_rank_is_printed_once(tmp_path):
     # the opt-out: Python's default, every rank prints, the launcher knows no message
     assert len(_worker_lines(out_all, f"ValueError: {MESSAGE}")) == 2, out_all
     assert "failed first" not in out_all and "To enable traceback" in _report(out_all)
+
+
+@pytest.mark.slow
+@test_timeout(TORCHRUN_S)
+def test_same_error_with_columns_in_another_order_is_printed_once(tmp_path):
+    from tests.launch_scripts.raise_on_ranks import no_columns_message
+
+    [(rc, out)] = wait_all([start_torchrun(SCRIPT, ["unordered"], env_extra={
+        "RAISE_BARRIER_DIR": str(tmp_path / "barrier")})], budget_s(TORCHRUN_S))
+    assert rc != 0
+    printed = [no_columns_message(reverse) in line for line in
+               _worker_lines(out, "ValueError: No columns in the dataset match")
+               for reverse in (False, True)]
+    assert sum(printed) == 1, out  # one rank's message, once
+    assert len(re.findall(r"^rank [01] failed first with the error below", out, re.M)) == 1, out
+    assert "traceback : ValueError: same error as rank " in _report(out)
 
 
 @pytest.mark.slow

@@ -346,6 +346,7 @@ def test_rejects_bad_setup(tmp_path, monkeypatch):
     """Single process, no process group: every error is raised before any collective."""
     from hf_cephalo.integrations.trainer import CephaloTrainer
     from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.launch_check import single_process_hint
     from hf_cephalo.planner import Plan
 
     for name in ("PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE"):
@@ -360,9 +361,13 @@ def test_rejects_bad_setup(tmp_path, monkeypatch):
                                     cephalo_plan_file=str(plan_file))
     with pytest.raises(ValueError) as e:
         CephaloTrainer(model=build("llama"), args=args)
+    # world size 1 for a plan of 2: the message also says how a launch gives one process
+    # ([Note: one process where several were asked] in hf_cephalo/launch_check.py)
     assert str(e.value) == (f"plan file {str(plan_file)!r} is for world size 2 but the job has "
-                            "world size 1; re-run `hf-cephalo plan` for this cluster or drop "
-                            "--cephalo_plan_file to plan at start")
+                            f"world size 1; {single_process_hint(2)}. Otherwise re-run "
+                            "`hf-cephalo plan` for this cluster or drop --cephalo_plan_file to "
+                            "plan at start")
+    assert "--config_file accelerate_configs/cephalo_cpu.yaml --num_processes 2" in str(e.value)
     # A plan made for another precision (here bf16 with bf16 gathers) is refused before any
     # collective, naming both precisions ([Note: precision tags]).
     plan = Plan.from_ratios([2], [1], [1.0])

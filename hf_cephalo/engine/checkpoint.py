@@ -60,7 +60,8 @@ __all__ = ["FORMAT", "FILES", "CheckpointError", "CheckpointLayout", "atomic_che
            "save_sharded", "save_checkpoint", "staging_path", "load_sharded",
            "load_checkpoint", "errors_on_every_rank", "load_sharded_optimizer", "read_layout",
            "read_full_state_dict", "export_hf", "check_export_target", "is_complete", "model_fingerprint",
-           "NewestCheckpoint", "newest_complete_checkpoint", "DAMAGED"]
+           "NewestCheckpoint", "newest_complete_checkpoint", "DAMAGED", "damaged_remedy",
+           "earlier_complete_checkpoint"]
 
 FORMAT = "hf_cephalo.sharded/2"
 # /1: the root was ONE unit ("root", after the layers); /2 splits it into "embed" and "head".
@@ -304,6 +305,55 @@ def newest_complete_checkpoint(output_dir: str) -> NewestCheckpoint:
     return NewestCheckpoint(None, skipped)
 
 
+def _sizes_match_marker(directory: str) -> bool:
+    """Whether every file ``directory``'s completeness marker lists is there at its recorded
+    size (a stat per file; CRC-32s are checked when the files are read)."""
+    try:
+        with open(os.path.join(directory, FILES.COMPLETE)) as f:
+            files = json.load(f)["files"]
+        return all(os.path.getsize(os.path.join(directory, name)) == record["size_bytes"]
+                   for name, record in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False  # unreadable marker, a listed file gone: not a checkpoint to point to
+
+
+def earlier_complete_checkpoint(directory: str) -> str | None:
+    """For a ``checkpoint-N`` refused as damaged: the newest ``checkpoint-M`` beside it (same
+    parent, M < N) that carries the completeness marker and whose files are all at the sizes
+    the marker recorded; None when there is none, or ``directory`` is not named
+    ``checkpoint-N`` (transformers' ``PREFIX_CHECKPOINT_DIR``)."""
+    parent, name = os.path.split(os.path.normpath(directory))
+    match = _CHECKPOINT_RE.match(name)
+    if match is None or not os.path.isdir(parent or "."):
+        return None
+    earlier = sorted(((int(m.group(1)), entry) for entry in os.listdir(parent or ".")
+                      if (m := _CHECKPOINT_RE.match(entry))
+                      and int(m.group(1)) < int(match.group(1))), reverse=True)
+    for _, entry in earlier:
+        path = os.path.join(parent, entry)
+        if os.path.isdir(path) and is_complete(path) and _sizes_match_marker(path):
+            return path
+    return None
+
+
+def damaged_remedy(directory: str) -> str:
+    """What to do about a damaged checkpoint ``directory`` (the end of every CheckpointError
+    about a corrupt or missing file in it): copy it again, or resume from the newest complete
+    checkpoint before it, named with the flag that takes it (``earlier_complete_checkpoint``).
+    ``DAMAGED`` itself when ``directory`` is not a ``checkpoint-N``."""
+    directory = os.path.normpath(directory)
+    if _CHECKPOINT_RE.match(os.path.basename(directory)) is None:
+        return DAMAGED
+    earlier = earlier_complete_checkpoint(directory)
+    if earlier is None:
+        return (f"the checkpoint is damaged: copy the directory again ({os.path.dirname(directory)} "
+                "holds no complete checkpoint-N before it)")
+    return (f"the checkpoint is damaged: copy the directory again, or resume from the newest "
+            f"complete checkpoint before it, {earlier}: --resume_from_checkpoint {earlier} (in "
+            f"Python train(resume_from_checkpoint={earlier!r}); `hf-cephalo export {earlier}` "
+            "exports it)")
+
+
 # ---- save -------------------------------------------------------------------------------------
 def _optimizer_state_by_unit(engine, optimizer) -> tuple[dict, list[dict]]:
     """{unit index: optimizer state of its trainable shard}, param groups (no params); the
@@ -422,12 +472,13 @@ def save_checkpoint(engine, path: str, optimizer: torch.optim.Optimizer | None =
 # ---- read -------------------------------------------------------------------------------------
 def _read_json(path: str, what: str, formats: tuple[str, ...] = READABLE_FORMATS) -> dict:
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing ({what}); {DAMAGED}")
+        raise CheckpointError(f"{path}: missing ({what}); {damaged_remedy(os.path.dirname(path))}")
     try:
         with open(path) as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt JSON ({what}): {e}; {DAMAGED}") from None
+        raise CheckpointError(f"{path}: corrupt JSON ({what}): {e}; "
+                              f"{damaged_remedy(os.path.dirname(path))}") from None
     if not isinstance(data, dict) or data.get("format") not in formats:
         raise CheckpointError(f"{path}: not a {FORMAT} file (format "
                               f"{data.get('format') if isinstance(data, dict) else None!r}); "
@@ -474,7 +525,8 @@ def read_layout(directory: str) -> CheckpointLayout:
                                 data.get("config"), data["format"])
     except (KeyError, TypeError, ValueError) as e:
         path = os.path.join(directory, FILES.LAYOUT)
-        raise CheckpointError(f"{path}: corrupt layout ({e}); {DAMAGED}") from None
+        raise CheckpointError(f"{path}: corrupt layout ({e}); {damaged_remedy(directory)}") \
+            from None
 
 
 class _ShardReader:
@@ -487,6 +539,10 @@ class _ShardReader:
         self._open: dict[str, Any] = {}
         self.meta: dict[int, dict] = {}
 
+    def remedy(self) -> str:
+        """The end of an error about a damaged file of this checkpoint (``damaged_remedy``)."""
+        return damaged_remedy(self.layout.directory)
+
     def open(self, name: str):
         if name in self._open:
             return self._open[name]
@@ -497,18 +553,20 @@ class _ShardReader:
         want = self.expected.get(name)
         if want is None:
             raise CheckpointError(f"{path}: not listed in {FILES.COMPLETE} (a file from "
-                                  f"another save?); {DAMAGED}")
+                                  f"another save?); {self.remedy()}")
         size = os.path.getsize(path)
         if size != want["size_bytes"]:
             raise CheckpointError(f"{path}: corrupt — {size} bytes, the checkpoint recorded "
-                                  f"{want['size_bytes']} (truncated or overwritten); {DAMAGED}")
+                                  f"{want['size_bytes']} (truncated or overwritten); "
+                                  f"{self.remedy()}")
         if self.verify and "crc32" in want and _crc32(path) != want["crc32"]:
             raise CheckpointError(f"{path}: corrupt — CRC-32 does not match the one recorded "
-                                  f"at save; {DAMAGED}")
+                                  f"at save; {self.remedy()}")
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{path}: corrupt safetensors file ({e}); {DAMAGED}") from None
+            raise CheckpointError(f"{path}: corrupt safetensors file ({e}); "
+                                  f"{self.remedy()}") from None
         self._open[name] = handle
         return handle
 
@@ -519,12 +577,13 @@ class _ShardReader:
             try:
                 meta = json.loads((self.open(name).metadata() or {})["cephalo"])
             except (KeyError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{path}: corrupt shard metadata ({e}); {DAMAGED}") from None
+                raise CheckpointError(f"{path}: corrupt shard metadata ({e}); "
+                                      f"{self.remedy()}") from None
             if meta.get("fingerprint") != self.layout.fingerprint or meta.get("rank") != rank:
                 raise CheckpointError(
                     f"{path}: shard of another checkpoint (model {meta.get('fingerprint')}, rank "
                     f"{meta.get('rank')}), expected rank {rank} of {self.layout.fingerprint}; "
-                    f"{DAMAGED}")
+                    f"{self.remedy()}")
             self.meta[rank] = meta
         return self.meta[rank]
 
@@ -544,12 +603,12 @@ class _ShardReader:
             if tensor_key not in handle.keys():
                 raise CheckpointError(f"{os.path.join(self.layout.directory, name)}: no tensor "
                                       f"{tensor_key!r} (corrupt or written without an "
-                                      f"optimizer); {DAMAGED}")
+                                      f"optimizer); {self.remedy()}")
             sl = handle.get_slice(tensor_key)
             if sl.get_shape() != [hi_r - lo_r]:
                 raise CheckpointError(f"{os.path.join(self.layout.directory, name)}: tensor "
                                       f"{tensor_key!r} has shape {sl.get_shape()}, the layout says "
-                                      f"[{hi_r - lo_r}]; {DAMAGED}")
+                                      f"[{hi_r - lo_r}]; {self.remedy()}")
             pieces.append(sl[lo - lo_r:hi - lo_r])
         got = sum(p.numel() for p in pieces)
         assert got == stop - start, f"re-layout read {got} of {stop - start} elements"
@@ -650,7 +709,7 @@ def _read_buffers(layout: CheckpointLayout, reader: _ShardReader) -> dict[str, t
     missing = [k for k in layout.buffers if k not in handle.keys()]
     if missing:
         raise CheckpointError(f"{os.path.join(layout.directory, FILES.BUFFERS)}: missing buffers "
-                              f"{missing}; {DAMAGED}")
+                              f"{missing}; {damaged_remedy(layout.directory)}")
     return {k: handle.get_tensor(k) for k in layout.buffers}
 
 
@@ -716,7 +775,7 @@ def _unit_optimizer_state(reader: _ShardReader, metas: list[dict], u: int, unit)
                 raise CheckpointError(
                     f"{os.path.join(reader.layout.directory, FILES.shard(r))}: optimizer state "
                     f"{key!r} of unit {info['name']} is {value}, rank {holders[0]} has "
-                    f"{scalars[key]} (shards of different steps?); {DAMAGED}")
+                    f"{scalars[key]} (shards of different steps?); {reader.remedy()}")
             scalars[key] = value
     handle = reader.open(FILES.shard(holders[0]))
     prefix = f"units.{u}.optim."

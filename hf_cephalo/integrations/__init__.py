@@ -29,6 +29,8 @@ _EXPORTS = {
     "from_pretrained_sharded": "pretrained",
     # quiet
     "disable_progress_bars": "quiet",
+    "progress_bars_from_rank_zero": "quiet",
+    "print_line": "quiet",
     "quiet_load_report": "quiet",
     "LOAD_REPORT_LOGGER": "quiet",
     # data

@@ -86,6 +86,9 @@ class CephaloAccelerator(Accelerator):
         if "cpu" not in kwargs and not torch.cuda.is_available():
             kwargs["cpu"] = True
         super().__init__(*args, **kwargs)
+        from hf_cephalo.launch_check import check_this_launch
+
+        check_this_launch(self.num_processes)  # one CPU process where several were asked for
         self.cephalo_plugin = cephalo_plugin if cephalo_plugin is not None else CephaloPlugin()
         self.cephalo_plugin.check_world_size(self.num_processes)
         self.cephalo_engine: Any = None

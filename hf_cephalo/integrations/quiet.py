@@ -4,6 +4,12 @@
 drive (Trainer's own bars already follow the flag): datasets' map/filter bars, transformers'
 "Loading weights" bar of ``from_pretrained`` and huggingface_hub's download bars.
 
+``progress_bars_from_rank_zero`` keeps those bars on rank 0 only (and off with
+``--disable_tqdm``), as Trainer draws its own: every rank of a job maps the same data, and an
+in-memory dataset has no cache for ``main_process_first`` to share, so each rank would draw the
+same ``datasets.map`` bars into one terminal, interleaved. ``print_line`` prints a line above
+the bars being drawn (a re-plan line, a table) instead of into the middle of one.
+
 ``quiet_load_report`` silences transformers' LOAD REPORT (the table of missing / unexpected /
 mismatched keys ``from_pretrained`` logs as a warning) for loads whose report is noise:
 
@@ -20,11 +26,14 @@ still printed.
 
 from __future__ import annotations
 
+from hf_cephalo.console import print_line  # noqa: F401 (re-exported: the examples use it)
+
 import contextlib
 import logging
 from typing import Iterator
 
-__all__ = ["disable_progress_bars", "quiet_load_report", "LOAD_REPORT_LOGGER"]
+__all__ = ["disable_progress_bars", "progress_bars_from_rank_zero", "print_line",
+           "quiet_load_report", "LOAD_REPORT_LOGGER"]
 
 # transformers logs the report through its modeling_utils logger (utils/loading_report.py,
 # ``log_state_dict_report(..., logger=logger)`` in ``PreTrainedModel._finalize_model_loading``)
@@ -43,6 +52,18 @@ def disable_progress_bars() -> None:
     except ImportError:
         return
     datasets.disable_progress_bars()
+
+
+def progress_bars_from_rank_zero(process_index: int, disable_tqdm: bool = False) -> bool:
+    """Keep the bars of datasets, transformers' model loading and huggingface_hub downloads
+    on rank 0 only (``disable_progress_bars`` on every other rank), and off on rank 0 too when
+    ``disable_tqdm`` (``TrainingArguments.disable_tqdm``). Call it before loading data or
+    models; ``process_index`` is ``TrainingArguments.process_index``. Returns True when this
+    process's bars were turned off."""
+    if disable_tqdm or process_index != 0:
+        disable_progress_bars()
+        return True
+    return False
 
 
 class _DropLoadReport(logging.Filter):

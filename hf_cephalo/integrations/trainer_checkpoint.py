@@ -182,8 +182,8 @@ class EngineCheckpointMixin:
         """
         if checkpoint is None or self._resumed_weights_only:
             return  # save_only_model: stock finds no optimizer.pt / scheduler.pt and skips both
-        from hf_cephalo.engine.checkpoint import (DAMAGED, CheckpointError, errors_on_every_rank,
-                                                  load_sharded_optimizer)
+        from hf_cephalo.engine.checkpoint import (CheckpointError, damaged_remedy,
+                                                  errors_on_every_rank, load_sharded_optimizer)
 
         path = os.path.join(checkpoint, "scheduler.pt")
         with errors_on_every_rank(self.engine.group):
@@ -191,7 +191,7 @@ class EngineCheckpointMixin:
             if self.lr_scheduler is not None:
                 if not os.path.isfile(path):
                     raise CheckpointError(f"{path}: missing (the LR scheduler's position); "
-                                          f"{DAMAGED}")
+                                          f"{damaged_remedy(checkpoint)}")
                 self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu",
                                                              weights_only=True))
 

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from hf_cephalo.launch_check import single_process_hint
 from hf_cephalo.profiles.precision import PRECISIONS, Precision
 from hf_cephalo.profiles.types import ModelProfile, file_remedy, read_json_file, write_json_file
 
@@ -310,8 +311,12 @@ class Plan:
             source = "plan" if plan_file is None else f"plan file {plan_file!r}"
             remedy = "" if plan_file is None else \
                 " or drop --cephalo_plan_file to plan at start"
+            # one process for a plan of several is most often the launch, not the plan
+            # ([Note: one process where several were asked] in hf_cephalo/launch_check.py)
+            launch = "; re-run" if world_size != 1 or self.world_size < 2 else \
+                f"; {single_process_hint(self.world_size)}. Otherwise re-run"
             raise ValueError(f"{source} is for world size {self.world_size} but the job has "
-                             f"world size {world_size}; re-run `hf-cephalo plan` for this "
+                             f"world size {world_size}{launch} `hf-cephalo plan` for this "
                              f"cluster{remedy}")
         if model_profile is not None and self.model is not None:
             mine = {k: self.model.get(k) for k in ("num_units", "params_per_unit", "params_other")}

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_cephalo.console import print_line
 from hf_cephalo.planner import Plan
 from hf_cephalo.planner.adapt import MEASUREMENT_FIELDS, SwitchDecision, split_key
 from hf_cephalo.runtime.report import StepTime
@@ -223,7 +224,7 @@ class AdaptiveController:
                       measurement_fields=list(MEASUREMENT_FIELDS), time_s=time.time())
         self.records.append(record)
         if session.job.is_main:
-            print(line, flush=True)
+            print_line(line)
             os.makedirs(session.job.output_dir, exist_ok=True)
             with open(os.path.join(session.job.output_dir, REPLANS_NAME), "a") as f:
                 f.write(json.dumps(record) + "\n")

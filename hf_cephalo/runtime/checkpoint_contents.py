@@ -28,7 +28,7 @@ import json
 import os
 from typing import Any, NamedTuple
 
-from hf_cephalo.engine.checkpoint import DAMAGED, FILES, CheckpointError
+from hf_cephalo.engine.checkpoint import FILES, CheckpointError, damaged_remedy
 from hf_cephalo.engine.export import INDEX_NAME, WEIGHTS_NAME
 from hf_cephalo.runtime.peft_save import ADAPTER_FILES
 
@@ -85,7 +85,8 @@ class CheckpointContents:
         fields = dataclasses.fields(cls)
         names = [f.name for f in fields if f.default is dataclasses.MISSING]  # required keys
         if not isinstance(data, dict) or any(n not in data for n in names):
-            raise CheckpointError(f"{path}: corrupt (keys {names} expected); {DAMAGED}")
+            raise CheckpointError(f"{path}: corrupt (keys {names} expected); "
+                                  f"{damaged_remedy(os.path.dirname(path))}")
         return cls(**{f.name: data[f.name] for f in fields if f.name in data})
 
     def write(self, directory: str) -> None:
@@ -171,7 +172,8 @@ def read_contents(directory: str) -> CheckpointContents | None:
         with open(path) as f:
             return CheckpointContents.from_json(json.load(f), path)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt JSON ({e}); {DAMAGED}") from None
+        raise CheckpointError(f"{path}: corrupt JSON ({e}); {damaged_remedy(directory)}") \
+            from None
 
 
 def check_contents(directory: str, contents: CheckpointContents | None = None, *,
@@ -201,7 +203,7 @@ def check_contents(directory: str, contents: CheckpointContents | None = None, *
         first = missing[0]
         others = f" (also missing: {', '.join(m.name for m in missing[1:])})" if missing[1:] else ""
         advice = ("the checkpoint is incomplete: it is not marked complete" if when == "save"
-                  else f"cannot {when} from it; {DAMAGED}")
+                  else f"cannot {when} from it; {damaged_remedy(directory)}")
         raise CheckpointError(f"{os.path.join(directory, first.name)}: missing — {first.what}, "
                               f"which a checkpoint saved with {first.setting} holds{others}; "
                               f"{advice}")

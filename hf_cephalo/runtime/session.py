@@ -29,6 +29,7 @@ from torch import nn
 
 from hf_cephalo.engine import CephaloEngine, relayout_state
 from hf_cephalo.engine.rank_precision import check_scalable_optimizer, rank_precision
+from hf_cephalo.launch_check import check_this_launch
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import Plan
 from hf_cephalo.planner.adapt import refit_cluster
@@ -114,6 +115,8 @@ class Session:
         # the object the front end was given (a LoRA PeftModel around the adapter's base model)
         self.model: nn.Module = staged.model if model is None else model
         self.checkpointing_reason = ""  # why activation checkpointing auto chose the plan's
+        # one CPU process where several were asked for (stock accelerate launch on CPU)
+        check_this_launch(job.world_size, None if plan is None else plan.world_size)
         if plan is not None:
             check_plan_for_job(job, plan)
             self.cluster_profile = cluster_profile

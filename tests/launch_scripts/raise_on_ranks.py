@@ -4,6 +4,9 @@
 
 - ``every``: every rank raises ``ValueError(MESSAGE)`` (before any process group, as a bad
   setting does in argument parsing);
+- ``unordered``: every rank raises transformers' "No columns in the dataset match ..."
+  ValueError (``no_columns_message``), whose column lists come from sets in stock code and so in
+  a per-process order: here rank 1 lists them reversed;
 - ``rank1``: after a gloo process group and a barrier, rank 1 raises ``ValueError(MESSAGE)``
   while rank 0 waits in an all_reduce, which fails when rank 1's process exits (gloo:
   "Connection closed by peer").
@@ -44,12 +47,26 @@ def _file_barrier(directory: str, timeout_s: float = 300.0) -> None:
         time.sleep(0.05)
 
 
+def no_columns_message(reverse: bool) -> str:
+    """transformers' ``Trainer._remove_unused_columns`` error (trainer.py, 5.x): its label
+    columns come from ``list(set([...]))`` and the ignored ones from a set difference."""
+    labels, ignored = ["label", "label_ids", "labels"], ["text", "idx"]
+    if reverse:
+        labels, ignored = labels[::-1], ignored[::-1]
+    return ("No columns in the dataset match the model's forward method signature: "
+            f"({', '.join(['input_ids', 'attention_mask', *labels])}). The following columns "
+            f"have been ignored: [{', '.join(ignored)}]. Please check the dataset and model. You "
+            "may need to set `remove_unused_columns=False` in `TrainingArguments`.")
+
+
 def main(mode: str) -> None:
-    if mode == "every":
+    if mode in ("every", "unordered"):
         import os
 
         if os.environ.get("RAISE_BARRIER_DIR"):
             _file_barrier(os.environ["RAISE_BARRIER_DIR"])
+        if mode == "unordered":
+            raise ValueError(no_columns_message(reverse=os.environ["RANK"] == "1"))
         raise ValueError(MESSAGE)
     if mode != "rank1":
         raise SystemExit(f"unknown mode {mode!r}")
