@@ -144,6 +144,13 @@ def test_pad_token_none_as_stock(arch):
         hidden, ctx = staged.embed(batch)
         with pytest.raises(ValueError, match="pad_token_id is None"):
             staged.head_logits(hidden, batch, ctx)
+    # a plan whose m_i exceed 1 on ANY rank is refused by every rank from the plan alone (the
+    # session checks it before the first collective), not only by the ranks that hold such
+    # microbatches (which would leave the others waiting in the step's all-reduce)
+    staged.check_microbatch_sizes([1, 0, 1])
+    with pytest.raises(ValueError, match="pad_token_id is None.*microbatch of 2 rows"):
+        staged.check_microbatch_sizes([1, 2, 0])
+    stage_model(build(arch)).check_microbatch_sizes([4, 2])  # with a pad token: any size
 
 
 def test_items_are_samples_without_minus_100():

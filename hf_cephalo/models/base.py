@@ -166,6 +166,11 @@ class StagedModel(abc.ABC):
     def prepare_for_training(self) -> None:
         """Hook run once before wrapping (e.g. force ``use_cache=False``). Default: nothing."""
 
+    def check_microbatch_sizes(self, sizes) -> None:
+        """Raise ValueError when the model cannot run microbatches of these sizes (per rank,
+        the plan's m_i): called on every rank with the same plan before the engine's first
+        collective, so every rank refuses alike. Default: any size."""
+
 
 class WrappedStagedModel(StagedModel):
     """A ``StagedModel`` around another one (``inner``, sharing its model): the structure
@@ -200,6 +205,9 @@ class WrappedStagedModel(StagedModel):
 
     def prepare_for_training(self) -> None:
         self.inner.prepare_for_training()
+
+    def check_microbatch_sizes(self, sizes) -> None:
+        self.inner.check_microbatch_sizes(sizes)
 
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Any]:
         return self.inner.embed(microbatch)

@@ -389,6 +389,13 @@ class LastTokenClassifierStagedModel(ClassifierStagedModel):
         return pool_last_non_pad(self.token_logits(hidden), input_ids,
                                  pad_token_id_of(self.model.config), type(self.model).__name__)
 
+    def check_microbatch_sizes(self, sizes) -> None:
+        """Without a pad token only one-row microbatches can be pooled (``check_poolable``):
+        refuse a plan with some m_i > 1 on every rank alike, before the first collective."""
+        if pad_token_id_of(self.model.config) is None and max(sizes, default=0) > 1:
+            check_poolable(torch.zeros(max(sizes), 1, dtype=torch.long), None,
+                           type(self.model).__name__)
+
     def count_items(self, microbatch: Microbatch) -> int:
         """As ``ClassifierStagedModel.count_items``; first the pad-token check of the head
         (``check_poolable``): the engine counts items before a step's first collective, so a

@@ -125,6 +125,7 @@ class Session:
             plan, self.cluster_profile = resolved.plan, resolved.cluster
             self.checkpointing_reason = resolved.checkpointing_reason
         self.plan = plan
+        staged.check_microbatch_sizes(plan.microbatch_sizes)  # every rank alike
         self.live_cluster: ClusterProfile | None = None  # the refit profile after a switch
         self.last_switch_step: int | None = None
         # per-rank precision: checked on every rank alike before the engine's first collective
