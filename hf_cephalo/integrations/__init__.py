@@ -1,6 +1,7 @@
 """Hugging Face front ends over the Cephalo runtime (``hf_cephalo.runtime``): CephaloTrainer,
-CephaloTrainingArguments, CephaloAccelerator/Plugin, the demo datasets and the scripts' output
-switches (progress bars, load reports). Names are imported lazily
+CephaloTrainingArguments, CephaloSFTTrainer / CephaloSFTConfig (TRL: the ``trl`` extra),
+CephaloAccelerator/Plugin, the demo datasets and the scripts' output switches (progress bars,
+load reports). Names are imported lazily
 (transformers is heavy): every name in a submodule's ``__all__`` is listed here, so
 ``from hf_cephalo.integrations import CephaloTrainer`` imports only what it needs."""
 
@@ -12,6 +13,9 @@ _EXPORTS = {
     "CephaloTrainerMixin": "trainer",
     "format_plan_table": "trainer",
     "format_loss_trend": "trainer",
+    # TRL (the trl extra)
+    "CephaloSFTTrainer": "trl_sft",
+    "CephaloSFTConfig": "trl_sft",
     # training_args
     "CephaloTrainingArguments": "training_args",
     "CephaloArguments": "training_args",

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from hf_cephalo.integrations.head_calls import current_head_call
 from hf_cephalo.runtime.sampler import WeightedBatchSampler
 from hf_cephalo.runtime.settings import (ACTIVATION_OFFLOAD_CHOICES, ADAPTIVE_CHOICES,  # noqa: F401
                                          ENV_PREFIX, CephaloSettings, env_name)
@@ -197,9 +198,40 @@ class CephaloAccelerator(Accelerator):
         self.unscale_gradients()
         return self.cephalo_loop.session.engine.clip_grad_norm_(float(max_norm))
 
+    # ---- inside the engine's head: [Note: collectives inside the engine's head] -------------
+    @property
+    def num_processes(self) -> int:
+        """1 while a user loss runs inside the engine's head (its loss is this microbatch's
+        share of the GLOBAL loss: no DDP mean to undo); else Accelerate's."""
+        if current_head_call() is not None:
+            return 1
+        return super().num_processes
+
+    def reduce(self, tensor, reduction="sum", scale=1.0):
+        """Inside the engine's head: ``reduction="sum"`` deferred to the step's exchange
+        (``head_calls.py``), any other refused; else Accelerate's."""
+        call = current_head_call()
+        if call is None:
+            return super().reduce(tensor, reduction=reduction, scale=scale)
+        if reduction != "sum":
+            call.refuse(f"accelerator.reduce(reduction={reduction!r}) (only 'sum' has one "
+                        "meaning over microbatches)")
+        return call.gather(tensor, "reduce") * scale
+
+    def pad_across_processes(self, tensor, dim=0, pad_index=0, pad_first=False):
+        """Inside the engine's head: unchanged (one process pads nothing); else Accelerate's."""
+        if current_head_call() is not None:
+            return tensor
+        return super().pad_across_processes(tensor, dim=dim, pad_index=pad_index,
+                                            pad_first=pad_first)
+
     def gather(self, tensor):
         """Custom loops: tensors whose first dimension differs by rank (this rank's rows) are
-        concatenated in rank order; see ``loop_prepare.gather_rows``."""
+        concatenated in rank order; see ``loop_prepare.gather_rows``. Inside the engine's
+        head: deferred to the step's exchange (``head_calls.py``)."""
+        call = current_head_call()
+        if call is not None:
+            return call.gather(tensor, "gather")
         if self.cephalo_loop is None:
             return super().gather(tensor)
         from hf_cephalo.integrations.loop_prepare import gather_rows
@@ -208,7 +240,13 @@ class CephaloAccelerator(Accelerator):
 
     def gather_for_metrics(self, input_data, use_gather_object=False):
         """Custom loops: every evaluation row exactly once, in dataset order (the loaders never
-        pad or duplicate samples, so nothing is dropped); objects by ``gather_object``."""
+        pad or duplicate samples, so nothing is dropped); objects by ``gather_object``. Inside
+        the engine's head: deferred to the step's exchange (``head_calls.py``)."""
+        call = current_head_call()
+        if call is not None:
+            if use_gather_object:
+                call.refuse("accelerator.gather_for_metrics(use_gather_object=True)")
+            return call.gather(input_data, "gather")
         if self.cephalo_loop is None:
             return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
         from accelerate.utils import gather_object

@@ -77,6 +77,10 @@ def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
     if model is None:
         problems.append("model: CephaloTrainer needs a model: pass model=... (model_init is not "
                         "supported: build the model yourself)")
+    elif isinstance(model, str):
+        problems.append(f"model = {model!r}: pass the model object, not its name (a name would "
+                        "be loaded whole on every rank): AutoModelForCausalLM.from_pretrained"
+                        "(name) or hf_cephalo.integrations.from_pretrained_sharded(name)")
     else:
         try:
             staged = stage_model(model)

@@ -476,13 +476,19 @@ def training_args_problems(args) -> list[str]:
 
     own = args.refused_settings() if hasattr(args, "refused_settings") else {}
     problems = []
+    # a TRL config adds its own fields and their table (``cephalo_field_support``, trl_support.py)
+    table = {**FIELD_SUPPORT, **(args.cephalo_field_support()
+                                 if hasattr(args, "cephalo_field_support") else {})}
+    config_fields = [f for f in dataclasses.fields(
+        type(args) if dataclasses.is_dataclass(args) else TrainingArguments)
+        if not f.name.startswith("cephalo_")]
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else
                 (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-                for f in dataclasses.fields(TrainingArguments)}
-    for f in dataclasses.fields(TrainingArguments):
+                for f in config_fields}
+    for f in config_fields:
         value = getattr(args, f.name, None)
         default = defaults[f.name]
-        support = FIELD_SUPPORT.get(f.name)
+        support = table.get(f.name)
         if f.name in own:
             problems.append(own[f.name])
         elif support is None:
@@ -491,7 +497,7 @@ def training_args_problems(args) -> list[str]:
                                 f"hf_cephalo and not yet classified; leave it at its default "
                                 f"{default!r}")
         elif support.implies is not None and _refused_value(
-                FIELD_SUPPORT[support.implies], getattr(args, support.implies, None),
+                table[support.implies], getattr(args, support.implies, None),
                 defaults[support.implies]):
             continue  # the implied field is reported (TrainingArguments set it, or the user)
         elif _refused_value(support, value, default):

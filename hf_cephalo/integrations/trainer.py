@@ -32,9 +32,11 @@ from transformers import Trainer, TrainerCallback
 
 from hf_cephalo.engine import CompileOptions
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
+from hf_cephalo.integrations.head_calls import HeadCalls
 from hf_cephalo.integrations.jit_checkpoint import replace_jit_checkpoint_callback
 from hf_cephalo.integrations.preflight import check_script
 from hf_cephalo.integrations.support import HOOK_SUPPORT
+from hf_cephalo.integrations.trl_support import trainer_class_problems
 from hf_cephalo.integrations.trainer_checkpoint import EngineCheckpointMixin, _unwrap_optimizer
 from hf_cephalo.integrations.trainer_eval import EngineEvaluationMixin
 from hf_cephalo.integrations.training_args import CephaloArguments, job_from_training_args
@@ -44,6 +46,7 @@ from hf_cephalo.planner import Plan
 from hf_cephalo.profiles.types import ClusterProfile
 from hf_cephalo.runtime.optim import decay_groups, shard_optimizer
 from hf_cephalo.runtime.report import format_plan_table  # noqa: F401 (exported)
+from hf_cephalo.runtime.sampler import packs_without_padding
 from hf_cephalo.runtime.session import Session
 from hf_cephalo.runtime.sharded_model import restore_full_model
 
@@ -146,16 +149,29 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         user_loss = self._uses_user_loss(args, kwargs)
         # args.place_model_on_device is False (CephaloTrainingArguments): stock Trainer must not
         # move the whole model to the device; the engine moves only this rank's shards.
+        # The subclass's __init__ runs here: a TRL trainer tokenizes / packs its datasets and
+        # may wrap the model (a PEFT config), so the plan below sees what it prepared.
         super().__init__(model=model, args=args, **kwargs)
+        if self.model is not model:  # the subclass wrapped the model (e.g. get_peft_model)
+            model = self.model
+            staged = check_script(args, model, [])
         self._decay_names = set(self.get_decay_parameter_names(model))  # before sharding
         # stock floating_point_ops' parameter count, read while the model still holds its weights
         self._flops_numel = (model.num_parameters(exclude_embeddings=True)
                              if hasattr(model, "num_parameters") else 0)
         job = job_from_training_args(args, args.world_size, plan=plan, compile=compile_options)
-        engine_staged = UserLossStagedModel(staged, self.compute_loss) if user_loss else staged
+        self._head_calls: HeadCalls | None = None
+        engine_staged = staged
+        if user_loss:  # [Note: collectives inside the engine's head] in head_calls.py
+            engine_staged = UserLossStagedModel(staged, self.compute_loss,
+                                                variants=self._engine_call_variants())
+            self._head_calls = engine_staged.head_calls = HeadCalls(
+                self, engine_staged.replay, None, job.device)
         self.session = Session(job, engine_staged, model=model, plan=plan,
                                cluster_profile=cluster_profile,
                                train_dataset=self.train_dataset, plan_staged=staged)
+        if self._head_calls is not None:
+            self._head_calls.group = self.engine.group
         self.accelerator.attach_engine(self.engine, model)
         if self.session.scaler is not None:  # fp16: the engine's sharded scaler, [Note] below
             self.accelerator.scaler = self.session.scaler
@@ -211,24 +227,38 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
                           None)
         if registered is not None and type(model).forward is not registered.forward:
             problems.append(refused("model forward (override)"))
+        problems += trainer_class_problems(type(self))  # TRL trainers the engine cannot run
         return problems
 
     def _uses_user_loss(self, args, kwargs: dict[str, Any]) -> bool:
-        """A loss other than the adapter's: label smoothing, ``compute_loss_func`` or a
-        ``compute_loss`` override (``user_loss.py``)."""
+        """A loss other than the adapter's: label smoothing, ``compute_loss_func``, a
+        ``compute_loss`` override, or the Trainer subclass's own ``compute_loss`` (a TRL
+        trainer's) (``user_loss.py``)."""
         return (args.label_smoothing_factor != 0 or kwargs.get("compute_loss_func") is not None
-                or type(self).compute_loss is not CephaloTrainerMixin.compute_loss)
+                or type(self).compute_loss is not CephaloTrainerMixin.compute_loss
+                or _base_compute_loss(type(self)) is not None)
+
+    def _engine_call_variants(self) -> dict[str, Any]:
+        """Keyword -> ``user_loss.CallVariant``: model calls the loss's stand-in model answers
+        from the engine's head in another way than with the logits (a TRL trainer: its fused
+        LM head, ``trl_fused.py``). Default: none."""
+        return {}
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        """Stock ``Trainer.compute_loss`` as the engine's head loss (``user_loss.py``).
+        """Stock ``Trainer.compute_loss`` as the engine's head loss (``user_loss.py``), or the
+        Trainer subclass's own ``compute_loss`` (a TRL trainer's) when it has one.
 
         ``model`` is an ``EngineOutputs`` stand-in whose call returns this microbatch's outputs;
         ``num_items_in_batch`` is the GLOBAL item count. Same precedence as stock:
         ``compute_loss_func``, else the label smoother, else the model's own loss. No DDP
         rescaling (stock multiplies by the number of processes because DDP averages; the
-        engine sums). Override it like stock (call ``model(**inputs)`` once); for exactness a
-        user loss must be a sum over items divided by ``num_items_in_batch``.
+        engine sums; inside the head ``accelerator.num_processes`` is 1, so a subclass's stock
+        rescaling is a no-op). Override it like stock (call ``model(**inputs)`` once); for
+        exactness a user loss must be a sum over items divided by ``num_items_in_batch``.
         """
+        if _base_compute_loss(type(self)) is not None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
         if (self.label_smoother is not None or self.compute_loss_func is not None) and "labels" in inputs:
             labels = inputs.pop("labels")
         else:
@@ -401,9 +431,16 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         model.train()
         self.engine.zero_grad()  # one engine step per optimizer step: every step starts fresh
         microbatches = self._prepare_input(list(inputs))
-        self.last_step_num_samples = sum(_num_samples(mb) for mb in microbatches)
+        # a packing collator's row holds several samples: their number is not in the batch
+        self.last_step_num_samples = None if packs_without_padding(self.data_collator) else \
+            sum(_num_samples(mb) for mb in microbatches)
         self._scaler_unscaled = False
-        out = self.engine.train_step(microbatches, loss_scale=self.accelerator.scaler)
+        if self._head_calls is None:
+            out = self.engine.train_step(microbatches, loss_scale=self.accelerator.scaler)
+        else:  # [Note: collectives inside the engine's head] in head_calls.py
+            with self._head_calls.step(microbatches):
+                out = self.engine.train_step(microbatches, loss_scale=self.accelerator.scaler)
+            self._head_calls.finish(out.num_items)
         return torch.tensor(out.loss, dtype=torch.float32, device=self.args.device)
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
@@ -491,6 +528,15 @@ def _input_token_count(microbatch, name: str, mode, processing_class):
         logger.warning("Could not determine method to count non-padding tokens, falling back "
                        "to counting all tokens.")
     return microbatch[name].numel()
+
+
+def _base_compute_loss(cls: type) -> Any:
+    """The ``compute_loss`` of the Trainer class the mixin is put on (a TRL trainer's, a user
+    Trainer subclass's), None when that is stock ``Trainer.compute_loss``."""
+    mro = cls.__mro__
+    below = mro[mro.index(CephaloTrainerMixin) + 1:] if CephaloTrainerMixin in mro else ()
+    owner = next((c for c in below if "compute_loss" in vars(c)), Trainer)
+    return None if owner is Trainer else vars(owner)["compute_loss"]
 
 
 def _num_samples(microbatch) -> int:

@@ -77,8 +77,8 @@ class EngineEvaluationMixin:
         loss_sum, num_items, local, has_labels = 0.0, 0, [], bool(self.label_names)
         for indices, microbatches in zip(dataloader.batch_sampler.local_batches(), dataloader):
             microbatches = self._prepare_input(microbatches)
-            out = self.engine.evaluate(microbatches, return_logits=not prediction_loss_only,
-                                       process_logits=self._microbatch_predictions)
+            out = self._engine_evaluate(microbatches, return_logits=not prediction_loss_only,
+                                        process_logits=self._microbatch_predictions)
             if out.num_items:
                 loss_sum += out.loss * out.num_items
                 num_items += out.num_items
@@ -103,6 +103,18 @@ class EngineEvaluationMixin:
                    for k, v in metrics.items()}
         return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics,
                               num_samples=num_samples)
+
+    def _engine_evaluate(self, microbatches, **kwargs):
+        """``engine.evaluate`` of one evaluation step; a user loss in the head runs in the two
+        phases of [Note: collectives inside the engine's head] (``head_calls.py``), so its eval
+        metrics are those of the whole step's batch."""
+        head_calls = getattr(self, "_head_calls", None)
+        if head_calls is None:
+            return self.engine.evaluate(microbatches, **kwargs)
+        with head_calls.step(microbatches):
+            out = self.engine.evaluate(microbatches, **kwargs)
+        head_calls.finish(out.num_items)
+        return out
 
     def _microbatch_predictions(self, logits: torch.Tensor, microbatch) -> torch.Tensor:
         """One microbatch's predictions on the CPU: ``preprocess_logits_for_metrics`` (on the

@@ -1,59 +1,116 @@
-"""A user's Trainer loss (``compute_loss`` override, ``compute_loss_func``, label smoothing) as
-the engine's head loss.
+"""A user's Trainer loss (``compute_loss`` override, ``compute_loss_func``, label smoothing, a
+Trainer subclass's own loss such as TRL's) as the engine's head loss.
 
 Stock ``Trainer.compute_loss(model, inputs, num_items_in_batch)`` calls the model and turns its
 outputs into a loss. The engine never calls the model: it runs the layers itself and the head
 phase asks the adapter for a loss SUM per microbatch (``StagedModel.head_loss``), divided by the
-global item count N. ``UserLossStagedModel`` bridges the two: per microbatch it computes the
-head's logits, hands the trainer's ``compute_loss`` a stand-in model (``EngineOutputs``) whose
-call returns those logits (and the adapter's loss, normalized by N, when ``labels`` are passed,
-as an HF model given ``num_items_in_batch`` does), with ``num_items_in_batch = N`` — and returns
-``loss * N`` as the sum, so the engine's division gives back the user's loss.
+global item count N. ``UserLossStagedModel`` bridges the two: per microbatch it hands the
+trainer's ``compute_loss`` a stand-in model (``EngineOutputs``) whose call returns this
+microbatch's outputs computed from the head's input — the logits (and the adapter's loss,
+normalized by N, when ``labels`` are passed, as an HF model given ``num_items_in_batch`` does),
+or what a registered call variant computes instead (TRL's ``fused_lm_head=True``: per-token
+log-probabilities without the logits, ``trl_fused.py``) — with ``num_items_in_batch = N``, and
+returns ``loss * N`` as the sum, so the engine's division gives back the user's loss. Nothing
+is computed that the loss does not ask for: the logits only when it reads them.
 
 Exactness (see [Note: global item count for user losses] in models/base.py): the step's
 gradient equals stock Trainer's full-batch gradient when the user loss is a SUM over items
 divided by ``num_items_in_batch`` — then the microbatches' losses add up to the full batch's.
 A per-microbatch mean (``loss.mean()``) is not: it weights microbatches of different sizes
 equally. Stock Trainer has the same requirement across gradient accumulation steps and ranks.
+Collectives and metrics inside the loss: [Note: collectives inside the engine's head] in
+``head_calls.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutput
 
+from hf_cephalo.integrations.head_calls import HeadCalls
 from hf_cephalo.models.base import (HeadEvalOutput, HeadOutput, Microbatch, StagedModel,
                                     WrappedStagedModel, global_num_items)
 from hf_cephalo.models.hf_common import CausalLMStagedModel
 
-__all__ = ["EngineOutputs", "UserLossStagedModel"]
+__all__ = ["CallVariant", "EngineOutputs", "HeadView", "UserLossStagedModel"]
 
 ComputeLoss = Callable[..., torch.Tensor]
 """``compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None) -> loss``."""
 
+# model-call options with one accepted value each: what the engine's forward always does
+_CALL_OPTIONS = {"use_cache": (False, None), "return_dict": (True, None),
+                 "output_attentions": (False, None), "output_hidden_states": (False, None)}
+# HF model arguments the stand-in reads itself (not inputs to compare with the microbatch)
+_LOSS_ARGUMENTS = ("labels", "num_items_in_batch", "shift_labels")
 
-def _causal(staged: StagedModel) -> bool:
+
+def _causal_adapter(staged: StagedModel) -> CausalLMStagedModel | None:
     inner = staged
     while not isinstance(inner, CausalLMStagedModel) and hasattr(inner, "inner"):
         inner = inner.inner
-    return isinstance(inner, CausalLMStagedModel)
+    return inner if isinstance(inner, CausalLMStagedModel) else None
+
+
+class HeadView:
+    """One microbatch in the engine's head, as a user loss may use it: ``hidden`` (m, S, H),
+    the last unit's output; ``final_hidden()`` through the final norm; ``output_head()`` the
+    (V, H) projection; ``logits()`` (m, S, V) or (m, num_labels), computed once, on demand."""
+
+    def __init__(self, staged: StagedModel, hidden: torch.Tensor, microbatch: Microbatch,
+                 ctx: Any, logits: torch.Tensor | None = None) -> None:
+        self.staged, self.hidden, self.microbatch, self.ctx = staged, hidden, microbatch, ctx
+        self._logits = logits
+
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = self.staged.head_logits(self.hidden, self.microbatch, self.ctx)
+        return self._logits
+
+    def _causal(self, what: str) -> CausalLMStagedModel:
+        adapter = _causal_adapter(self.staged)
+        if adapter is None:
+            raise ValueError(f"{what} needs a causal language model; "
+                             f"{type(self.staged.model).__name__} is not one")
+        return adapter
+
+    def final_hidden(self) -> torch.Tensor:
+        """(m, S, H) after the final norm (the backbone's ``last_hidden_state``)."""
+        return self._causal("final_hidden").final_hidden(self.hidden, self.microbatch, self.ctx)
+
+    def output_head(self) -> torch.nn.Module:
+        return self._causal("output_head").output_head()
+
+
+class CallVariant(Protocol):
+    """A model call the stand-in answers differently, selected by a truthy keyword argument
+    (e.g. TRL's ``fused_lm_head=True``)."""
+
+    def __call__(self, view: HeadView, inputs: dict[str, Any]) -> Any:
+        """This microbatch's outputs from the head (``inputs``: the call's arguments)."""
+
+    def empty(self, model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
+        """The same outputs for zero rows (the replay of ``head_calls.py``)."""
 
 
 class EngineOutputs:
     """The model ``compute_loss`` sees: calling it returns the engine's outputs for THIS
-    microbatch (``logits``; ``loss`` = the adapter's loss sum / N when ``labels`` are passed).
+    microbatch (``logits``; ``loss`` = the adapter's loss sum / N when ``labels`` are passed;
+    or a registered ``CallVariant``'s outputs), or zero-row outputs in the replay (``view``
+    None).
 
     Anything else (``config``, ``training``...) is the real model's attribute. Raises ValueError
-    when called twice or with inputs other than the microbatch's (such a loss needs the whole
-    model call, which the layered engine cannot reproduce exactly).
+    when called twice, with inputs other than the microbatch's, or with an option the engine's
+    forward does not honour (``output_hidden_states=True``...): such a loss needs the whole
+    model call, which the layered engine cannot reproduce exactly.
     """
 
-    def __init__(self, staged: StagedModel, logits: torch.Tensor, microbatch: Microbatch,
-                 num_items: int, causal: bool):
-        self._staged, self._logits, self._mb = staged, logits, microbatch
-        self._num_items, self._causal, self._calls = num_items, causal, 0
+    def __init__(self, staged: StagedModel, view: HeadView | None, num_items: int,
+                 variants: Mapping[str, CallVariant]) -> None:
+        self._staged, self._view, self._num_items = staged, view, num_items
+        self._variants, self._calls = variants, 0
+        self._causal = _causal_adapter(staged) is not None  # the label smoother's shift
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._staged.model, name)
@@ -64,22 +121,56 @@ class EngineOutputs:
             raise ValueError("compute_loss called the model twice for one microbatch: the engine "
                              "runs one forward per microbatch; compute the loss from one call's "
                              "outputs (docs/trainer_support.md)")
+        variant = next((v for key, v in self._variants.items() if inputs.pop(key, False)), None)
+        for key in [k for k in inputs if k in _CALL_OPTIONS]:
+            value = inputs.pop(key)
+            if value not in _CALL_OPTIONS[key]:
+                raise ValueError(f"compute_loss called the model with {key}={value!r}: the "
+                                 f"engine's forward runs with {key}={_CALL_OPTIONS[key][0]!r} "
+                                 "and returns the logits only")
+        if self._view is not None:
+            self._check_inputs(inputs)
+        if variant is not None:
+            return variant(self._view, inputs) if self._view is not None else \
+                variant.empty(self._staged.model, inputs)
+        return self._default(inputs)
+
+    def _check_inputs(self, inputs: dict[str, Any]) -> None:
+        microbatch = self._view.microbatch
         for key, value in inputs.items():
-            if key in ("labels", "num_items_in_batch", "return_dict"):
+            if key in _LOSS_ARGUMENTS:
                 continue
-            mine = self._mb.get(key)
-            if not (value is mine or (isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor)
-                                      and value.shape == mine.shape and torch.equal(value, mine))):
-                raise ValueError(f"compute_loss called the model with input {key!r} different from "
-                                 "the microbatch's: the engine computes the forward from the "
+            mine = microbatch.get(key)
+            same = value is mine or (isinstance(value, torch.Tensor) and
+                                     isinstance(mine, torch.Tensor) and
+                                     value.shape == mine.shape and torch.equal(value, mine))
+            if not same:
+                raise ValueError(f"compute_loss called the model with input {key!r} different "
+                                 "from the microbatch's: the engine computes the forward from the "
                                  "batch as collated; change the batch in the data collator instead")
-        loss = None
+
+    def _default(self, inputs: dict[str, Any]):
+        causal = self._causal
+        cls = CausalLMOutputWithPast if causal else SequenceClassifierOutput
         labels = inputs.get("labels")
+        if self._view is None:  # the replay: zero rows
+            return cls(loss=None if labels is None else torch.zeros(()),
+                       logits=torch.zeros(_empty_logits_shape(self._staged, inputs, causal)))
+        logits = self._view.logits()
+        loss = None
         if labels is not None:
-            out = self._staged.loss_from_logits(self._logits, {**self._mb, "labels": labels})
+            out = self._staged.loss_from_logits(logits, {**self._view.microbatch, "labels": labels})
             loss = out.loss_sum / self._num_items
-        cls = CausalLMOutputWithPast if self._causal else SequenceClassifierOutput
-        return cls(loss=loss, logits=self._logits)
+        return cls(loss=loss, logits=logits)
+
+
+def _empty_logits_shape(staged: StagedModel, inputs: dict[str, Any], causal: bool) -> tuple:
+    config = staged.model.config
+    if causal:
+        ids = inputs.get("input_ids")
+        seq = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() > 1 else 0
+        return (0, seq, config.get_text_config().vocab_size)
+    return (0, config.num_labels)
 
 
 class UserLossStagedModel(WrappedStagedModel):
@@ -89,31 +180,54 @@ class UserLossStagedModel(WrappedStagedModel):
     Args:
         inner: the model's adapter (must offer ``loss_from_logits``: the HF adapters do).
         compute_loss: the trainer's bound ``compute_loss``.
+        head_calls: runs each call in the two phases of [Note: collectives inside the engine's
+            head] (None: called directly).
+        variants: keyword -> ``CallVariant`` the stand-in model answers (e.g. TRL's
+            ``fused_lm_head``).
     """
 
-    def __init__(self, inner: StagedModel, compute_loss: ComputeLoss):
+    def __init__(self, inner: StagedModel, compute_loss: ComputeLoss, *,
+                 head_calls: HeadCalls | None = None,
+                 variants: Mapping[str, CallVariant] | None = None):
         super().__init__(inner)
         self.compute_loss = compute_loss
-        self.causal = _causal(inner)
+        self.head_calls = head_calls
+        self.variants = dict(variants or {})
 
-    def _user_loss(self, logits: torch.Tensor, microbatch: Microbatch) -> HeadOutput:
+    def _user_loss(self, view: HeadView) -> HeadOutput:
         num_items = global_num_items()
         if num_items is None:
             raise RuntimeError("UserLossStagedModel.head_loss runs inside the engine's step or "
                                "evaluation only (global_num_items_scope)")
-        count = torch.tensor(num_items, device=logits.device)
-        model = EngineOutputs(self.inner, logits, microbatch, num_items, self.causal)
-        loss = self.compute_loss(model, dict(microbatch), return_outputs=False,
-                                 num_items_in_batch=count)
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise ValueError(f"compute_loss returned {type(loss).__name__} "
-                             f"{getattr(loss, 'shape', '')}: it must return a 1-element loss tensor")
-        return HeadOutput(loss.reshape(()) * num_items, self.inner.count_items(microbatch))
+        model = EngineOutputs(self.inner, view, num_items, self.variants)
+
+        def run() -> torch.Tensor:
+            loss = self.compute_loss(model, dict(view.microbatch), return_outputs=False,
+                                     num_items_in_batch=torch.tensor(num_items,
+                                                                     device=view.hidden.device))
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                raise ValueError(f"compute_loss returned {type(loss).__name__} "
+                                 f"{getattr(loss, 'shape', '')}: it must return a 1-element loss "
+                                 "tensor")
+            return loss.reshape(())
+
+        loss = run() if self.head_calls is None else \
+            self.head_calls.call(run, fallback=lambda: view.hidden.sum() * 0)
+        return HeadOutput(loss * num_items, self.inner.count_items(view.microbatch))
+
+    def replay(self, inputs: dict[str, Any], num_items: int) -> None:
+        """``compute_loss`` once on zero-row ``inputs`` (the step's replay, ``head_calls.py``);
+        the loss is discarded."""
+        model = EngineOutputs(self.inner, None, num_items, self.variants)
+        device = next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), None)
+        self.compute_loss(model, inputs, return_outputs=False,
+                          num_items_in_batch=torch.tensor(num_items, device=device))
 
     def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> HeadOutput:
-        return self._user_loss(self.head_logits(hidden, microbatch, ctx), microbatch)
+        return self._user_loss(HeadView(self.inner, hidden, microbatch, ctx))
 
     def head_loss_and_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
                              ctx: Any) -> HeadEvalOutput:
-        logits = self.head_logits(hidden, microbatch, ctx)
-        return HeadEvalOutput(self._user_loss(logits, microbatch), logits)
+        view = HeadView(self.inner, hidden, microbatch, ctx)
+        logits = view.logits()
+        return HeadEvalOutput(self._user_loss(view), logits)

@@ -70,10 +70,13 @@ class GPT2StagedModel(GPT2DecoderBody, CausalLMStagedModel):
     def head_modules(self) -> list[nn.Module]:
         return [self.model.transformer.ln_f, self.model.lm_head]
 
-    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
-                    ctx: DecoderContext) -> torch.Tensor:
-        """ln_f + lm_head: (m, S, H) -> logits (m, S, V)."""
-        return self.model.lm_head(self.model.transformer.ln_f(hidden))
+    def final_hidden(self, hidden: torch.Tensor, microbatch: Microbatch,
+                     ctx: DecoderContext) -> torch.Tensor:
+        """ln_f: (m, S, H) -> (m, S, H) (logits = lm_head of it, ``head_logits``)."""
+        return self.model.transformer.ln_f(hidden)
+
+    def output_head(self) -> nn.Module:
+        return self.model.lm_head
 
 
 class GPT2SequenceClassifierStagedModel(GPT2DecoderBody, LastTokenClassifierStagedModel):

@@ -49,7 +49,10 @@ class GPTNeoXStagedModel(CausalLMStagedModel):
             hidden, attention_mask=ctx.masks[FULL], position_ids=ctx.position_ids,
             use_cache=False, position_embeddings=ctx.position_embeddings)
 
-    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
-                    ctx: DecoderContext) -> torch.Tensor:
-        """final_layer_norm + lm_head: (m, S, H) -> logits (m, S, V)."""
-        return self.model.lm_head(self.model.gpt_neox.final_layer_norm(hidden))
+    def final_hidden(self, hidden: torch.Tensor, microbatch: Microbatch,
+                     ctx: DecoderContext) -> torch.Tensor:
+        """final_layer_norm: (m, S, H) -> (m, S, H) (logits = lm_head of it, ``head_logits``)."""
+        return self.model.gpt_neox.final_layer_norm(hidden)
+
+    def output_head(self) -> nn.Module:
+        return self.model.lm_head

@@ -322,10 +322,27 @@ class CausalLMStagedModel(HFStagedModel):
     """Common part of the decoder-only causal-LM adapters: the summed next-token loss and its
     item count, read from the microbatch's ``labels`` (m, S) with -100 ignored.
 
-    Subclasses implement structure, ``embed``, ``run_unit`` and ``head_logits`` (m, S, V);
+    Subclasses implement structure, ``embed``, ``run_unit`` and the head in two parts:
+    ``final_hidden`` (the final norm: (m, S, H) -> (m, S, H)) and ``output_head`` (the (V, H)
+    projection, ``lm_head``), so that ``head_logits`` = ``output_head()(final_hidden(...))``
+    (m, S, V) and a loss that never materializes the logits (TRL's chunked log-probabilities,
+    ``integrations/trl_fused.py``) can project the final hidden states itself, tile by tile.
     ``head_loss`` and ``head_loss_and_logits`` (``HFStagedModel``) run the head once.
     Raises ValueError when the microbatch has no ``labels``.
     """
+
+    def final_hidden(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
+        """The last unit's output through the final norm: (m, S, H) -> (m, S, H), what the HF
+        backbone returns as ``last_hidden_state``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement final_hidden")
+
+    def output_head(self) -> nn.Module:
+        """The output projection (``lm_head``: weight (V, H), bias (V,) or None), a head module."""
+        raise NotImplementedError(f"{type(self).__name__} must implement output_head")
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
+        """Final norm + output projection: (m, S, H) -> logits (m, S, V), as the model's forward."""
+        return self.output_head()(self.final_hidden(hidden, microbatch, ctx))
 
     def loss_from_logits(self, logits: torch.Tensor, microbatch: Microbatch) -> HeadOutput:
         """Summed next-token cross entropy over labels != -100 (after the causal shift)."""

@@ -98,10 +98,13 @@ class LlamaStagedModel(LlamaDecoderBody, CausalLMStagedModel):
     def head_modules(self) -> list[nn.Module]:
         return [self.model.model.norm, self.model.lm_head]
 
-    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
-                    ctx: DecoderContext) -> torch.Tensor:
-        """Final RMSNorm + lm_head: (m, S, H) -> logits (m, S, V)."""
-        return self.model.lm_head(self.model.model.norm(hidden))
+    def final_hidden(self, hidden: torch.Tensor, microbatch: Microbatch,
+                     ctx: DecoderContext) -> torch.Tensor:
+        """Final RMSNorm: (m, S, H) -> (m, S, H) (logits = lm_head of it, ``head_logits``)."""
+        return self.model.model.norm(hidden)
+
+    def output_head(self) -> nn.Module:
+        return self.model.lm_head
 
 
 class LlamaSequenceClassifierStagedModel(LlamaDecoderBody, LastTokenClassifierStagedModel):

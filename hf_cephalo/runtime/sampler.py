@@ -354,12 +354,16 @@ class MicrobatchCollator:
 
 def packs_without_padding(collate_fn: Any) -> bool:
     """Whether ``collate_fn`` is transformers' ``DataCollatorWithFlattening`` returning
-    ``position_ids`` (seen through the Trainer's ``RemoveColumnsCollator`` wrapper): it packs
-    the samples into one row without padding, so per-microbatch application is independent of
-    the plan ([Note: padding independent of the plan])."""
+    ``position_ids``, or a collator that says it flattens (``padding_free`` True: TRL's
+    ``DataCollatorForLanguageModeling``), seen through the Trainer's ``RemoveColumnsCollator``
+    wrapper: it packs the samples into one row without padding, each sequence's positions
+    restarting at 0, so per-microbatch application is independent of the plan ([Note: padding
+    independent of the plan])."""
     from transformers import DataCollatorWithFlattening
 
     inner = getattr(collate_fn, "data_collator", collate_fn)
+    if getattr(inner, "padding_free", False) is True:
+        return True
     return isinstance(inner, DataCollatorWithFlattening) and bool(inner.return_position_ids)
 
 

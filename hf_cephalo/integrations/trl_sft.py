@@ -1,0 +1,129 @@
+"""CephaloSFTTrainer and CephaloSFTConfig: TRL's ``SFTTrainer`` on the Cephalo runtime.
+
+Swap ``SFTTrainer`` for ``CephaloSFTTrainer`` and ``SFTConfig`` for ``CephaloSFTConfig``
+(every ``SFTConfig`` field plus the ``cephalo_*`` settings); launch as any CephaloTrainer script
+(docs/trl.md). The trainer is ``CephaloTrainerMixin`` + ``SFTTrainer``, as thin as TRL's own
+subclasses: SFTTrainer prepares its datasets (chat template, completion / assistant masks,
+packing) and its collator inside the mixin's ``super().__init__``, so the planner sees the
+tokenized, packed rows; then the mixin builds the session. What SFT needs beyond the mixin is
+declared, not re-implemented:
+
+- SFTTrainer's own ``compute_loss`` runs per microbatch in the engine's head, its
+  ``gather_for_metrics`` calls deferred to one exchange per step, so ``entropy``,
+  ``mean_token_accuracy`` and ``num_tokens`` are those of the whole global batch ([Note:
+  collectives inside the engine's head] in head_calls.py);
+- its fused LM head (``loss_type`` nll / chunked_nll: no (B, T, V) logits) is answered from the
+  engine's head (``trl_fused.FusedLMHead``);
+- its padding-free collator (``padding_free``, bfd packing) is applied per microbatch
+  (``runtime.sampler.packs_without_padding``);
+- every ``SFTConfig`` field is classified (``trl_support.SFT_FIELD_SUPPORT``).
+
+Requires the ``trl`` extra (``pip install hf-cephalo[trl]``; written against TRL 1.16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+try:
+    from trl import SFTConfig, SFTTrainer
+except ImportError as exc:  # the optional extra
+    raise ImportError("CephaloSFTTrainer needs TRL: pip install 'hf-cephalo[trl]' "
+                      "(trl>=1.16)") from exc
+
+from hf_cephalo.integrations.trainer import CephaloTrainerMixin
+from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+from hf_cephalo.integrations.trl_fused import FusedLMHead
+from hf_cephalo.integrations.trl_support import SFT_FIELD_SUPPORT
+
+__all__ = ["CephaloSFTConfig", "CephaloSFTTrainer", "trl_config_dataclass"]
+
+# what SFTTrainer.__init__ passes add_fused_lm_head (trl/trainer/sft_trainer.py, TRL 1.16)
+_SFT_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")
+
+
+def trl_config_dataclass(trl_config: type):
+    """Class decorator: ``cls`` (a ``CephaloTrainingArguments`` + ``trl_config`` subclass) as a
+    dataclass whose ``TrainingArguments`` fields are ``trl_config``'s, defaults and help
+    included.
+
+    Without this, the ``TrainingArguments`` fields would carry ``CephaloTrainingArguments``'
+    (stock) defaults: a dataclass takes each base's fields in reverse MRO order, and
+    ``CephaloTrainingArguments`` (a dataclass of every ``TrainingArguments`` field) comes last,
+    hiding the TRL config's own defaults (``learning_rate`` 2e-5, ``logging_steps`` 10,
+    ``bf16`` None -> True, ``gradient_checkpointing`` True).
+    """
+    import dataclasses
+
+    def decorate(cls: type) -> type:
+        stock = {f.name for f in dataclasses.fields(CephaloTrainingArguments)}
+        annotations = dict(cls.__dict__.get("__annotations__", {}))
+        for f in dataclasses.fields(trl_config):
+            if f.name not in stock or f.name in annotations:
+                continue
+            annotations[f.name] = f.type
+            default = {"default": f.default} if f.default is not dataclasses.MISSING else \
+                {"default_factory": f.default_factory}
+            setattr(cls, f.name, dataclasses.field(**default, init=f.init, repr=f.repr,
+                                                   metadata=f.metadata))
+        cls.__annotations__ = annotations
+        return dataclass(cls)
+    return decorate
+
+
+@trl_config_dataclass(SFTConfig)
+class CephaloSFTConfig(CephaloTrainingArguments, SFTConfig):
+    """``SFTConfig`` plus the ``cephalo_*`` settings (``CephaloTrainingArguments``' rules:
+    environment fallbacks, validation in ``__post_init__``, CPU auto-detection).
+
+    TRL's defaults are kept (``bf16`` True unless ``fp16``, ``gradient_checkpointing`` True —
+    the engine's own per-unit recompute, ``logging_steps`` 10, ``learning_rate`` 2e-5). Raises
+    ValueError as ``CephaloTrainingArguments`` and ``SFTConfig`` do; settings the engine cannot
+    honour are refused by ``CephaloSFTTrainer`` in one message (``refused_settings``).
+    """
+
+    def __post_init__(self) -> None:
+        # TRL's bf16 default (_BaseConfig.__post_init__), settled before the Cephalo precision
+        # checks of CephaloTrainingArguments.__post_init__ read it
+        if self.bf16 is None:
+            self.bf16 = not self.fp16
+        super().__post_init__()
+
+    @staticmethod
+    def cephalo_field_support() -> dict:
+        """The table of this config's own fields (``support.training_args_problems``)."""
+        return SFT_FIELD_SUPPORT
+
+    def refused_settings(self) -> dict[str, str]:
+        """``CephaloTrainingArguments.refused_settings`` plus the SFT combinations the table
+        cannot word per field (padding-free with ``pad_to_multiple_of``)."""
+        refused = super().refused_settings()
+        padding_free = self.padding_free or (self.packing and
+                                             self.packing_strategy in ("bfd", "bfd_split"))
+        if padding_free and self.pad_to_multiple_of is not None:
+            refused["pad_to_multiple_of"] = (
+                f"--pad_to_multiple_of = {self.pad_to_multiple_of} with padding-free batches "
+                "(padding_free, or packing with a bfd strategy): Cephalo collates them per "
+                "microbatch, so every microbatch's row would be padded instead of the global "
+                "batch's once (num_tokens would count that padding); drop pad_to_multiple_of")
+        return refused
+
+
+class CephaloSFTTrainer(CephaloTrainerMixin, SFTTrainer):
+    """``SFTTrainer`` on the Cephalo runtime (see the module note and ``CephaloTrainerMixin``
+    for the arguments and errors). ``model`` must be a model object (a name would be loaded
+    whole on every rank): ``AutoModelForCausalLM.from_pretrained(...)`` or
+    ``hf_cephalo.integrations.from_pretrained_sharded(...)``."""
+
+    def _engine_call_variants(self) -> dict[str, Any]:
+        return {"fused_lm_head": FusedLMHead(outputs=_SFT_FUSED_OUTPUTS)}
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The engine's checkpoint (``CephaloTrainerMixin``) with SFTTrainer's model card."""
+        import os
+
+        name = os.path.basename(os.path.normpath(self.args.output_dir)) \
+            if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
+        self.create_model_card(model_name=name)
+        super()._save_checkpoint(model, trial)

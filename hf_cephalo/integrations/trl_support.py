@@ -1,0 +1,148 @@
+"""TRL on the Cephalo runtime: which TRL trainers run, and every ``SFTConfig`` field classified.
+
+The same contract as ``support.py`` ([Note: no silent no-op] there): each field a TRL config adds
+to ``TrainingArguments`` works as stock (with a test against stock TRL), runs stock TRL code the
+engine does not replace, has no meaning here, or is refused at construction — in the one
+numbered refusal message, before any collective. ``tests/test_trl_support.py`` fails when an
+installed TRL adds a field this table does not classify; docs/trl.md holds the rendered tables
+(``render_markdown``). Imports no TRL: the trainer check reads class names only.
+"""
+
+from __future__ import annotations
+
+from hf_cephalo.integrations.support import Status, Support
+
+__all__ = ["SFT_FIELD_SUPPORT", "TRL_TRAINER_SUPPORT", "trainer_class_problems",
+           "render_markdown"]
+
+_S = "tests/test_trl_sft.py::"
+_PREP = "SFTTrainer's own dataset preparation (tokenize, mask, pack) before planning"
+
+
+def _stock(note: str, test: str) -> Support:
+    return Support(status=Status.STOCK, note=note, test=test)
+
+
+def _inherited(note: str) -> Support:
+    return Support(status=Status.INHERITED, note=note)
+
+
+def _na(note: str) -> Support:
+    return Support(status=Status.NOT_APPLICABLE, note=note)
+
+
+def _refused(note: str) -> Support:
+    return Support(status=Status.REFUSED, note=note)
+
+
+SFT_FIELD_SUPPORT: dict[str, Support] = {
+    "model_init_kwargs": _na("used when the model is given by name, which CephaloSFTTrainer "
+                             "refuses (pass the model object); SFTTrainer warns it is ignored"),
+    "trust_remote_code": _inherited("forwarded by SFTTrainer to AutoProcessor when no "
+                                    "processing_class is given"),
+    "router_aux_loss_coef": _na("no supported model is a mixture of experts; SFTTrainer itself "
+                                "refuses a coefficient for a model without router logits"),
+    "chat_template_path": _inherited("SFTTrainer sets the template (and resizes the embeddings "
+                                     "for added tokens) before the engine shards the model"),
+    "dataset_text_field": _inherited(_PREP),
+    "dataset_kwargs": _inherited(_PREP + "; skip_prepare_dataset as stock"),
+    "dataset_num_proc": _inherited(_PREP),
+    "eos_token": _inherited(_PREP),
+    "max_length": _stock("truncation or the packed row length, as stock; the planner profiles "
+                         "rows of the prepared dataset's length", _S + "test_sft_matches_stock"),
+    "truncation_mode": _inherited(_PREP),
+    "shuffle_dataset": _inherited(_PREP + " (seeded by seed, as stock)"),
+    "packing": _stock("a packed row is one sample of the weighted split (b_i rows per rank)",
+                      _S + "test_sft_matches_stock"),
+    "packing_strategy": _stock(
+        "wrapped: rows padded as one process with the global batch pads them (attention "
+        "crosses documents inside a row, as stock without padding-free); bfd / bfd_split: "
+        "padding-free, see padding_free", _S + "test_sft_matches_stock"),
+    "padding_free": _stock(
+        "TRL's flattening collator is applied per microbatch (its one row of every sample "
+        "cannot be cut into samples); each document's position_ids restart at 0, so every "
+        "unit attends block-diagonally (transformers' packed-sequence mask) and no token sees "
+        "another document; tokens, loss and metrics as the single-process global batch",
+        _S + "test_sft_matches_stock"),
+    "pad_to_multiple_of": _inherited(
+        "the data collator pads each global batch as stock; refused with padding-free, whose "
+        "per-microbatch rows would each be padded (num_tokens would count that padding)"),
+    "eval_packing": _inherited(_PREP),
+    "completion_only_loss": _stock("the labels SFTTrainer builds; loss and item count over "
+                                   "the global batch", _S + "test_sft_matches_stock"),
+    "assistant_only_loss": _stock("the labels SFTTrainer builds from the chat template's "
+                                  "generation markers", _S + "test_sft_matches_stock"),
+    "loss_type": _stock(
+        "SFTTrainer.compute_loss runs in the engine's head per microbatch; nll and chunked_nll "
+        "(an alias of nll in TRL 1.16) use TRL's fused LM head (per-token log-probabilities, "
+        "entropy and top-1 in tiles: the (m, S, V) logits are never built), computed from the "
+        "head's final hidden states (trl_fused.py); dft is the same per-token sum (not "
+        "separately tested)", _S + "test_sft_matches_stock"),
+    "activation_offloading": _refused(
+        "TRL's activation offloading hooks the model's forward, which the engine never "
+        "calls; the engine offloads each unit's boundary activation itself: drop "
+        "activation_offloading and set --cephalo_activation_offload on"),
+    "pad_token": _inherited("deprecated by TRL; SFTTrainer sets the tokenizer's pad token"),
+}
+"""``SFTConfig`` field (beyond ``TrainingArguments``) -> support."""
+
+
+_GENERATES = (
+    "generates completions while it trains (model.generate or a vLLM server); the engine holds "
+    "the model as per-rank shards and has no generation path. Missing: sampling over the "
+    "sharded layers with a KV cache (or syncing the gathered weights to vLLM each step), and a "
+    "planner that prices generation. Train the policy with CephaloSFTTrainer, or run this "
+    "trainer with stock Accelerate / FSDP2")
+_PAIRS = (
+    "scores a chosen and a rejected sequence per example: the two rows must stay on one rank "
+    "and in one microbatch, and its loss is a per-rank mean; not built on the runtime yet "
+    "(issue 31 item 3 builds CephaloDPOTrainer first)")
+TRL_TRAINER_SUPPORT: dict[str, Support] = {
+    "SFTTrainer": _stock("CephaloSFTTrainer (CephaloTrainerMixin + SFTTrainer)",
+                         _S + "test_sft_matches_stock"),
+    "DPOTrainer": _refused(_PAIRS),
+    "RewardTrainer": _refused(_PAIRS),
+    "CPOTrainer": _refused(_PAIRS),
+    "ORPOTrainer": _refused(_PAIRS),
+    "TPOTrainer": _refused(_PAIRS),
+    "KTOTrainer": _refused("needs a KL batch of mismatched prompt / completion pairs and a "
+                           "reference model beside the policy; not built on the runtime"),
+    **{name: _refused(_GENERATES) for name in (
+        "GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
+        "PPOTrainer", "GKDTrainer", "GOLDTrainer", "GMPOTrainer", "A2POTrainer",
+        "AsyncGRPOTrainer", "DistillationTrainer", "AsyncDistillationTrainer",
+        "ServerDistillationTrainer", "IWOPDTrainer", "SDFTTrainer", "SDPOTrainer")},
+}
+"""TRL trainer class -> support (the first TRL class in a trainer's MRO decides)."""
+
+
+def trainer_class_problems(cls: type) -> list[str]:
+    """One message when ``cls`` (a ``CephaloTrainerMixin`` subclass) sits on a TRL trainer
+    the engine cannot run (``TRL_TRAINER_SUPPORT``; an unlisted one is refused as not
+    validated); empty otherwise. Reads class names only (no TRL import)."""
+    trl = next((c for c in cls.__mro__ if c.__module__.split(".")[0] == "trl"
+                and c.__name__ != "_BaseTrainer" and c.__name__ != "Trainer"), None)
+    if trl is None:
+        return []
+    support = TRL_TRAINER_SUPPORT.get(trl.__name__)
+    if support is None:
+        return [f"TRL's {trl.__name__} is not validated on the Cephalo runtime: its training "
+                "step, loss and collator are not classified (hf_cephalo/integrations/"
+                "trl_support.py); use CephaloSFTTrainer or stock TRL"]
+    if support.status is Status.REFUSED:
+        return [f"TRL's {trl.__name__} is not supported on the Cephalo runtime: it "
+                f"{support.note}"]
+    return []
+
+
+def render_markdown() -> str:
+    """The tables of docs/trl.md (TRL trainers, then SFTConfig fields)."""
+    def table(title: str, rows: dict[str, Support]) -> list[str]:
+        out = [f"### {title}", "", "| name | status | note | test |", "|---|---|---|---|"]
+        for name, s in rows.items():
+            note = s.note.replace("|", "\\|")
+            out.append(f"| `{name}` | {s.status.value} | {note} | "
+                       f"{'`' + s.test + '`' if s.test else ''} |")
+        return out + [""]
+    return "\n".join(table("TRL trainers", TRL_TRAINER_SUPPORT)
+                     + table("SFTConfig fields (beyond TrainingArguments)", SFT_FIELD_SUPPORT))
