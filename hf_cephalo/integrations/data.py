@@ -6,6 +6,11 @@
   ``PreTrainedTokenizerFast`` (``save_pretrained`` / ``AutoTokenizer.from_pretrained`` work);
   ``group_texts`` tokenizes and cuts the stream into fixed-length blocks for causal LM training
   (the recipe of transformers' ``run_clm.py``).
+- Chat: ``pydoc_chat_pairs`` turns each topic into a (question, answer) pair — the question
+  names the topic, the answer is its text — and ``pydoc_chat_dataset`` lays the pairs out in
+  TRL's dataset formats (conversational messages, prompt-completion, plain text);
+  ``train_chat_tokenizer`` adds ChatML turn markers and ``CHAT_TEMPLATE`` (with
+  ``{% generation %}`` markers, so TRL's ``assistant_only_loss`` can mask the prompt).
 - Labelled paragraphs: ``pydoc_paragraph_classes`` labels each distinct paragraph of the
   reference documentation's topics by the part it comes from (statements, expressions, objects
   and types), for sequence classification (the LoRA and custom-loop examples);
@@ -34,6 +39,11 @@ __all__ = [
     "PYDOC_PARAGRAPH_LABELS",
     "pydoc_text_dataset",
     "train_bpe_tokenizer",
+    "pydoc_chat_pairs",
+    "pydoc_chat_dataset",
+    "train_chat_tokenizer",
+    "CHAT_TEMPLATE",
+    "CHAT_FORMATS",
     "group_texts",
     "digits_image_datasets",
     "EOS_TOKEN",
@@ -159,6 +169,83 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048, *, min_fre
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
                                    pad_token=PAD_TOKEN, model_max_length=model_max_length)
+
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+"""ChatML (``<|im_start|>role\n...<|im_end|>``) whose assistant turns, end-of-turn token included,
+sit inside ``{% generation %}`` markers: ``return_assistant_tokens_mask`` (TRL's
+``assistant_only_loss``) marks exactly the tokens the model must learn to produce."""
+
+CHAT_FORMATS = ("messages", "prompt_completion", "conversational_prompt_completion", "text")
+"""Layouts of ``pydoc_chat_dataset`` (TRL's dataset formats): "messages" (conversational
+language modeling), "prompt_completion" (standard prompt + completion strings),
+"conversational_prompt_completion" (prompt and completion message lists), "text"."""
+
+
+def pydoc_chat_pairs(max_pairs: int | None = None, *,
+                     max_answer_chars: int | None = None) -> list[tuple[str, str]]:
+    """(question, answer) for each pydoc topic in topic-name order (deterministic): the question
+    names the topic, the answer is its text (whitespace collapsed; cut at the last word boundary
+    before ``max_answer_chars`` characters). ``max_pairs`` keeps the first ones.
+
+    Raises ValueError for ``max_pairs`` or ``max_answer_chars`` < 1.
+    """
+    from pydoc_data.topics import topics
+
+    for name, value in (("max_pairs", max_pairs), ("max_answer_chars", max_answer_chars)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} = {value} must be >= 1 or None")
+    pairs = []
+    for name in sorted(topics)[:max_pairs]:
+        answer = " ".join(topics[name].split())
+        if max_answer_chars is not None and len(answer) > max_answer_chars:
+            answer = answer[:max_answer_chars].rsplit(" ", 1)[0]
+        pairs.append((f"What does the Python documentation say about {name!r}?", answer))
+    return pairs
+
+
+def pydoc_chat_dataset(fmt: str = "messages", max_pairs: int | None = None, *,
+                       max_answer_chars: int | None = None):
+    """``pydoc_chat_pairs`` as a ``datasets.Dataset`` in one of TRL's formats (``CHAT_FORMATS``):
+    "messages" [{user: question}, {assistant: answer}]; "prompt_completion" "Question: ...\n
+    Answer:" / " answer"; "conversational_prompt_completion" the two message lists; "text" the
+    prompt and completion joined. Raises ValueError for another ``fmt``."""
+    import datasets
+
+    if fmt not in CHAT_FORMATS:
+        raise ValueError(f"fmt = {fmt!r}: use one of {CHAT_FORMATS}")
+    pairs = pydoc_chat_pairs(max_pairs, max_answer_chars=max_answer_chars)
+    if fmt == "messages":
+        rows = {"messages": [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+                             for q, a in pairs]}
+    elif fmt == "conversational_prompt_completion":
+        rows = {"prompt": [[{"role": "user", "content": q}] for q, _ in pairs],
+                "completion": [[{"role": "assistant", "content": a}] for _, a in pairs]}
+    else:
+        prompts = [f"Question: {q}\nAnswer:" for q, _ in pairs]
+        completions = [f" {a}" for _, a in pairs]
+        rows = {"prompt": prompts, "completion": completions} if fmt == "prompt_completion" \
+            else {"text": [p + c for p, c in zip(prompts, completions)]}
+    return datasets.Dataset.from_dict(rows)
+
+
+def train_chat_tokenizer(texts: Iterable[str], vocab_size: int = 2048, **kwargs):
+    """``train_bpe_tokenizer`` plus the ChatML turn markers as special tokens and
+    ``CHAT_TEMPLATE``; ``len(tokenizer)`` is the model's vocabulary size (the markers come after
+    the trained ``vocab_size``). ``kwargs``: those of ``train_bpe_tokenizer``."""
+    tokenizer = train_bpe_tokenizer(texts, vocab_size, **kwargs)
+    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def group_texts(dataset, tokenizer, block_size: int, *, text_column: str = "text"):

@@ -1,0 +1,88 @@
+"""Shared pieces of the TRL tests: a chat tokenizer and chat data built offline from the packaged
+pydoc text, a tiny Llama, and the SFT sub-cases (dataset format + SFTConfig overrides)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SEED, B = 7, 4
+NUM_PAIRS = 32
+SFT_CASES = {
+    # prompt-completion strings; the prompt masked out
+    "completion_only": ("prompt_completion", dict(completion_only_loss=True, max_length=48)),
+    # conversational messages; only the assistant turns (chat template generation markers)
+    "assistant_only": ("messages", dict(assistant_only_loss=True, max_length=48)),
+    # plain text packed into full rows, attention across documents inside a row (as stock)
+    "packing_wrapped": ("text", dict(packing=True, packing_strategy="wrapped", max_length=32)),
+    # best-fit packing, padding-free: one flattened row per microbatch, per-document positions
+    "packing_bfd_padding_free": ("messages", dict(packing=True, packing_strategy="bfd",
+                                                  padding_free=True, max_length=96)),
+    # conversational prompt-completion with TRL's (deprecated alias) chunked loss, scored on
+    # the whole sequence (prompt included)
+    "chunked_nll": ("conversational_prompt_completion", dict(loss_type="chunked_nll",
+                                                              completion_only_loss=False,
+                                                              max_length=48)),
+}
+
+
+def save_tokenizer(path: str) -> str:
+    """A 512-entry BPE + ChatML tokenizer trained on pydoc text, saved under ``path``."""
+    from hf_cephalo.integrations.data import pydoc_texts, train_chat_tokenizer
+
+    train_chat_tokenizer(pydoc_texts(60000), 512).save_pretrained(path)
+    return path
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def chat_dataset(fmt: str, num_pairs: int = NUM_PAIRS, offset: int = 0):
+    """``pydoc_chat_dataset`` rows with answers of 20-60 characters (documents of different
+    lengths, so packing puts several in a row and padding differs per row)."""
+    import datasets
+
+    from hf_cephalo.integrations.data import pydoc_chat_dataset
+
+    ds = pydoc_chat_dataset(fmt, offset + num_pairs, max_answer_chars=200)
+    ds = ds.select(range(offset, offset + num_pairs))
+    rows = ds.to_dict()
+
+    def cut(text: str, i: int) -> str:
+        return text[:20 + 10 * (i % 5)]
+
+    if fmt == "messages":
+        rows["messages"] = [[m[0], {**m[1], "content": cut(m[1]["content"], i)}]
+                            for i, m in enumerate(rows["messages"])]
+    elif fmt == "conversational_prompt_completion":
+        rows["completion"] = [[{**c[0], "content": cut(c[0]["content"], i)}]
+                              for i, c in enumerate(rows["completion"])]
+    elif fmt == "prompt_completion":
+        rows["completion"] = [cut(c, i) for i, c in enumerate(rows["completion"])]
+    else:
+        rows["text"] = [t[:t.index("Answer:") + 8] + cut(t[t.index("Answer:") + 8:], i)
+                        for i, t in enumerate(rows["text"])]
+    return datasets.Dataset.from_dict(rows)
+
+
+def tiny_llama(vocab_size: int):
+    import transformers
+
+    torch.manual_seed(SEED)
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def offline_env() -> None:
+    """No hub access, no telemetry, no progress bars (the ranks and the stock runs)."""
+    os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
+                      HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    import datasets
+
+    datasets.disable_progress_bars()
