@@ -191,30 +191,57 @@ language modeling), "prompt_completion" (standard prompt + completion strings),
 "conversational_prompt_completion" (prompt and completion message lists), "text"."""
 
 
-def pydoc_chat_pairs(max_pairs: int | None = None, *,
-                     max_answer_chars: int | None = None) -> list[tuple[str, str]]:
-    """(question, answer) for each pydoc topic in topic-name order (deterministic): the question
-    names the topic, the answer is its text (whitespace collapsed; cut at the last word boundary
-    before ``max_answer_chars`` characters). ``max_pairs`` keeps the first ones.
+def _word_chunks(text: str, max_chars: int) -> list[str]:
+    """``text`` cut into consecutive pieces of at most ``max_chars`` characters at word
+    boundaries (a longer word is a piece of its own)."""
+    chunks, current = [], ""
+    for word in text.split():
+        if current and len(current) + 1 + len(word) > max_chars:
+            chunks.append(current)
+            current = word
+        else:
+            current = f"{current} {word}" if current else word
+    return chunks + ([current] if current else [])
 
-    Raises ValueError for ``max_pairs`` or ``max_answer_chars`` < 1.
+
+def pydoc_chat_pairs(max_pairs: int | None = None, *, max_answer_chars: int | None = None,
+                     parts: bool = False) -> list[tuple[str, str]]:
+    """(question, answer) pairs from the pydoc topics in topic-name order (deterministic): the
+    question names the topic, the answer is its text (whitespace collapsed), cut at the last
+    word boundary before ``max_answer_chars`` characters — or, with ``parts``, the whole text
+    in consecutive parts of at most that many characters, one pair per part (the question then
+    names the part: ~1,400 pairs at 300 characters). ``max_pairs`` keeps the first pairs.
+
+    Raises ValueError for ``max_pairs`` or ``max_answer_chars`` < 1, or ``parts`` without
+    ``max_answer_chars``.
     """
     from pydoc_data.topics import topics
 
     for name, value in (("max_pairs", max_pairs), ("max_answer_chars", max_answer_chars)):
         if value is not None and value < 1:
             raise ValueError(f"{name} = {value} must be >= 1 or None")
+    if parts and max_answer_chars is None:
+        raise ValueError("parts=True cuts each topic into answers of max_answer_chars "
+                         "characters: give max_answer_chars")
     pairs = []
-    for name in sorted(topics)[:max_pairs]:
-        answer = " ".join(topics[name].split())
-        if max_answer_chars is not None and len(answer) > max_answer_chars:
-            answer = answer[:max_answer_chars].rsplit(" ", 1)[0]
-        pairs.append((f"What does the Python documentation say about {name!r}?", answer))
+    for name in sorted(topics):
+        text = " ".join(topics[name].split())
+        question = f"What does the Python documentation say about {name!r}?"
+        if parts:
+            chunks = _word_chunks(text, max_answer_chars)
+            pairs += [(question if k == 0 else f"{question[:-1]}, part {k + 1}?", chunk)
+                      for k, chunk in enumerate(chunks)]
+        else:
+            if max_answer_chars is not None and len(text) > max_answer_chars:
+                text = text[:max_answer_chars].rsplit(" ", 1)[0]
+            pairs.append((question, text))
+        if max_pairs is not None and len(pairs) >= max_pairs:
+            return pairs[:max_pairs]
     return pairs
 
 
 def pydoc_chat_dataset(fmt: str = "messages", max_pairs: int | None = None, *,
-                       max_answer_chars: int | None = None):
+                       max_answer_chars: int | None = None, parts: bool = False):
     """``pydoc_chat_pairs`` as a ``datasets.Dataset`` in one of TRL's formats (``CHAT_FORMATS``):
     "messages" [{user: question}, {assistant: answer}]; "prompt_completion" "Question: ...\n
     Answer:" / " answer"; "conversational_prompt_completion" the two message lists; "text" the
@@ -223,7 +250,7 @@ def pydoc_chat_dataset(fmt: str = "messages", max_pairs: int | None = None, *,
 
     if fmt not in CHAT_FORMATS:
         raise ValueError(f"fmt = {fmt!r}: use one of {CHAT_FORMATS}")
-    pairs = pydoc_chat_pairs(max_pairs, max_answer_chars=max_answer_chars)
+    pairs = pydoc_chat_pairs(max_pairs, max_answer_chars=max_answer_chars, parts=parts)
     if fmt == "messages":
         rows = {"messages": [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
                              for q, a in pairs]}
