@@ -93,12 +93,14 @@ def sft_kwargs(args, layout: str, out_dir: str) -> dict:
 # ---- the emulated 3x rank for FSDP2 (what profiler.emulate does for Cephalo's units) --------
 
 class _BackwardStart(torch.autograd.Function):
-    """Identity on a layer's output; its backward (the first of the layer's) starts the clock."""
+    """Identity on a layer's output; its backward (the first of the layer's) starts the clock.
+    A copy, not a view: FSDP2 hooks its pre-backward on the layer's output, which an in-place
+    op on a view would bypass."""
 
     @staticmethod
     def forward(ctx, x, clock):
         ctx.clock = clock
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):

@@ -241,3 +241,32 @@ def test_train_lora_minilm_adapter_and_merged_export(tmp_path):
     model, info = transformers.BertForSequenceClassification.from_pretrained(
         merged, output_loading_info=True)
     assert not any(info.values()) and model.config.num_labels == 3, info
+
+
+TINY_SFT = ("--hidden_size", "32", "--num_layers", "2", "--num_heads", "2", "--vocab_size", "300",
+            "--max_length", "96", "--answer_chars", "120", "--max_pairs", "96",
+            "--eval_pairs", "8", "--max_steps", "6", "--logging_steps", "1",
+            "--learning_rate", "3e-3", "--max_new_tokens", "8", *COMMON)
+
+
+@test_timeout(LAUNCH_S)
+def test_train_sft_chat_packing_uneven_plan(tmp_path):
+    """TRL's SFTTrainer as CephaloSFTTrainer on the offline chat data (packing bfd,
+    padding-free, assistant-only loss): plan b = 3/5, the loss goes down, TRL's metrics and the
+    eval metrics are printed, the saved model reloads and answers."""
+    pytest.importorskip("trl")
+    plan = _uneven_plan(tmp_path / "plan.json")
+    rc, out = _launch("train_sft.py", "--cephalo_plan_file", plan,
+                      "--output_dir", str(tmp_path / "o"), *TINY_SFT)
+    assert rc == 0, out[-6000:]
+    assert "data: 96 messages conversations -> 88 train, 8 eval" in out, out[-6000:]
+    assert re.search(r"SFT rows: \d+ \(packed, bfd\); padding-free: True", out), out[-6000:]
+    losses = _losses(out)
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    assert re.search(r"TRL metrics at step 6: entropy [0-9.]+, mean_token_accuracy [0-9.]+, "
+                     r"num_tokens [0-9,]+", out), out[-6000:]
+    assert re.search(r"eval loss [0-9.]+, eval mean_token_accuracy [0-9.]+ on 8 conversations",
+                     out), out[-6000:]
+    assert "the reloaded model replies (greedy):" in out
+    final = tmp_path / "o" / "final"
+    assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
