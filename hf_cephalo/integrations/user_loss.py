@@ -53,6 +53,11 @@ def _causal_adapter(staged: StagedModel) -> CausalLMStagedModel | None:
     return inner if isinstance(inner, CausalLMStagedModel) else None
 
 
+def _causal(staged: StagedModel) -> bool:
+    """Whether ``staged`` (possibly wrapped) is a causal language model's adapter."""
+    return _causal_adapter(staged) is not None
+
+
 class HeadView:
     """One microbatch in the engine's head, as a user loss may use it: ``hidden`` (m, S, H),
     the last unit's output; ``final_hidden()`` through the final norm; ``output_head()`` the
@@ -110,7 +115,7 @@ class EngineOutputs:
                  variants: Mapping[str, CallVariant]) -> None:
         self._staged, self._view, self._num_items = staged, view, num_items
         self._variants, self._calls = variants, 0
-        self._causal = _causal_adapter(staged) is not None  # the label smoother's shift
+        self._causal = _causal(staged)  # the label smoother's shift
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._staged.model, name)

@@ -141,17 +141,20 @@ def _write_json_atomic(path: str, data: Any) -> None:
 
 
 def run_fingerprint(model) -> str:
-    """``profiles.cache.model_fingerprint`` without ``config.architectures`` and ``config.dtype``:
-    ``save_pretrained`` sets both on the live model, so a model saved mid-run
+    """``profiles.cache.model_fingerprint`` without ``config.architectures`` and ``config.dtype``
+    — ``save_pretrained`` sets both on the live model, so a model saved mid-run
     (``cephalo_save_full_model``) and the same model built fresh, or loaded with
-    ``from_pretrained``, must fingerprint alike. (The checkpoint loader checks the shards' dtypes
-    itself.)"""
+    ``from_pretrained``, must fingerprint alike (the checkpoint loader checks the shards' dtypes
+    itself) — and without the special token ids: ``Trainer.train`` aligns them with the
+    tokenizer's when it starts, after the resume check but before any save (TRL's trainers
+    also set the pad token), so the saving run and the resuming one saw different ones."""
     import hashlib
 
     from hf_cephalo.profiles.cache import model_description
 
     description = model_description(model)
-    for key in ("architectures", "dtype", "torch_dtype"):
+    for key in ("architectures", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
+                "pad_token_id"):
         description["desc"].pop(key, None)
     text = json.dumps(description, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
