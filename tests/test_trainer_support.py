@@ -218,8 +218,9 @@ def test_gradient_checkpointing_with_checkpointing_off_is_refused(tmp_path, monk
     """--gradient_checkpointing asks for activation checkpointing: beside
     --cephalo_activation_checkpointing false, or a plan file made without it, it is refused
     before any process group exists; with 'auto' it means checkpointing on."""
-    from hf_cephalo.integrations.trainer import (CephaloTrainer,
-                                                 _engine_checkpointing_replaces_model_checkpointing)
+    from hf_cephalo.integrations.preflight import \
+        engine_checkpointing_replaces_model_checkpointing as _engine_checkpointing_replaces_model_checkpointing
+    from hf_cephalo.integrations.trainer import CephaloTrainer
     from hf_cephalo.planner import Plan
 
     monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
@@ -253,8 +254,9 @@ def test_activation_checkpointing_flag_any_case_and_against_a_plan_file(tmp_path
 
     from hf_cephalo.integrations.training_args import job_from_training_args
     from hf_cephalo.runtime.planning import check_plan_file_checkpointing
-    from hf_cephalo.integrations.trainer import (_engine_checkpointing_replaces_model_checkpointing,
-                                                 format_plan_table)
+    from hf_cephalo.integrations.preflight import \
+        engine_checkpointing_replaces_model_checkpointing as _engine_checkpointing_replaces_model_checkpointing
+    from hf_cephalo.integrations.trainer import format_plan_table
     from hf_cephalo.integrations.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 

@@ -12,6 +12,7 @@ memory cap) can only be checked after it (``runtime.planning.resolve_plan``).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from torch import nn
@@ -19,8 +20,10 @@ from torch import nn
 from hf_cephalo.integrations.support import RefusedSettings, training_args_problems
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
+from hf_cephalo.planner import Plan
 
-__all__ = ["check_datasets", "check_script", "dataset_problems"]
+__all__ = ["check_datasets", "check_script", "dataset_problems",
+           "engine_checkpointing_replaces_model_checkpointing"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,3 +88,48 @@ def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
     if problems:
         raise RefusedSettings(problems)
     return staged
+
+
+def engine_checkpointing_replaces_model_checkpointing(args, plan: Plan | None = None) -> None:
+    """``gradient_checkpointing`` / ``activation_checkpointing``: the engine recomputes every
+    unit in backward, which IS activation checkpointing. Stock ``Trainer.train()`` would switch
+    the model's own checkpointing on as well (each layer's forward then runs three times per
+    microbatch instead of two), so the flags are logged and cleared on ``args``.
+
+    The user asked for checkpointing, so a plan without it is refused (before any collective):
+    ``--cephalo_activation_checkpointing false``, or a plan (``plan`` / ``--cephalo_plan_file``)
+    that records it off; with ``auto`` the trainer plans with checkpointing on.
+
+    Raises:
+        ValueError: the flag with ``--cephalo_activation_checkpointing false`` or such a plan.
+    """
+    asked = args.activation_checkpointing or args.gradient_checkpointing
+    if asked and args.cephalo_activation_checkpointing == "false":
+        raise ValueError(
+            "--gradient_checkpointing (or --activation_checkpointing) asks for activation "
+            "checkpointing but --cephalo_activation_checkpointing is 'false' (keep every forward "
+            "graph, no recompute): drop one of them ('true' or 'auto' with the stock flag plans "
+            "with checkpointing; the engine's own checkpointing replaces the model's)")
+    if asked and plan is None and args.cephalo_plan_file is not None:
+        plan = Plan.load(args.cephalo_plan_file)
+    if asked and plan is not None and not plan.activation_checkpointing:
+        source = "plan" if args.cephalo_plan_file is None else \
+            f"plan file {args.cephalo_plan_file!r}"
+        raise ValueError(
+            "--gradient_checkpointing (or --activation_checkpointing) asks for activation "
+            f"checkpointing but the {source} was made without it (activation_checkpointing "
+            "false: forward graphs kept): drop the flag, or re-plan with `hf-cephalo plan "
+            "--activation-checkpointing true`")
+    # said once per job: every rank runs this with the same flags (RANK: the launcher's, set
+    # before the process group exists), so the other ranks would repeat both lines
+    say = logger.warning if os.environ.get("RANK", "0") == "0" else logger.debug
+    if asked and args.cephalo_activation_checkpointing == "auto":
+        say("--gradient_checkpointing with --cephalo_activation_checkpointing auto: "
+            "planning with activation checkpointing on, as the flag asks")
+        args.cephalo_activation_checkpointing = "true"
+    if asked:
+        say("gradient_checkpointing/activation_checkpointing: the Cephalo engine already "
+            "recomputes every layer in backward (per-unit activation checkpointing); the "
+            "model's own checkpointing is not switched on in addition")
+        args.activation_checkpointing = False
+        args.gradient_checkpointing = False

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -33,7 +33,9 @@ from transformers import Trainer, TrainerCallback
 from hf_cephalo.engine import CompileOptions
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
 from hf_cephalo.integrations.jit_checkpoint import replace_jit_checkpoint_callback
-from hf_cephalo.integrations.preflight import check_script
+from hf_cephalo.console import format_loss_trend  # noqa: F401 (exported: the examples use it)
+from hf_cephalo.integrations.preflight import (check_script,
+                                               engine_checkpointing_replaces_model_checkpointing)
 from hf_cephalo.integrations.support import HOOK_SUPPORT
 from hf_cephalo.integrations.trainer_checkpoint import EngineCheckpointMixin, _unwrap_optimizer
 from hf_cephalo.integrations.trainer_eval import EngineEvaluationMixin
@@ -50,24 +52,6 @@ from hf_cephalo.runtime.sharded_model import restore_full_model
 __all__ = ["CephaloTrainer", "CephaloTrainerMixin", "format_plan_table", "format_loss_trend"]
 
 logger = logging.getLogger(__name__)
-
-
-def format_loss_trend(losses: Sequence[float]) -> str:
-    """One line on the logged training losses (the per-logging-step item means, as logged).
-
-    ``"first 5.1234 -> last 3.2100 (went down; 6 logged values)"``; with fewer than two values the
-    trend cannot be told and the line says so instead of calling it a failure.
-
-    Raises:
-        ValueError: ``losses`` is empty.
-    """
-    if not losses:
-        raise ValueError("format_loss_trend needs at least one logged loss")
-    if len(losses) < 2:
-        return (f"{losses[0]:.4f} (too few logged values to tell a trend: 1 logged value; "
-                "log more often with --logging_steps)")
-    trend = "went down" if losses[-1] < losses[0] else "DID NOT go down"
-    return f"first {losses[0]:.4f} -> last {losses[-1]:.4f} ({trend}; {len(losses)} logged values)"
 
 
 def _compile_options(args) -> CompileOptions | None:
@@ -142,7 +126,7 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
                               train_dataset=kwargs.get("train_dataset"),
                               eval_dataset=kwargs.get("eval_dataset"))
         compile_options = _compile_options(args)  # a bad backend / mode: ValueError here
-        _engine_checkpointing_replaces_model_checkpointing(args, plan)
+        engine_checkpointing_replaces_model_checkpointing(args, plan)
         user_loss = self._uses_user_loss(args, kwargs)
         # args.place_model_on_device is False (CephaloTrainingArguments): stock Trainer must not
         # move the whole model to the device; the engine moves only this rank's shards.
@@ -497,48 +481,3 @@ def _num_samples(microbatch) -> int:
     """Samples in one collated microbatch: the first dimension of its first tensor."""
     values = microbatch.values() if hasattr(microbatch, "values") else [microbatch]
     return next((int(v.shape[0]) for v in values if torch.is_tensor(v) and v.dim() > 0), 0)
-
-
-def _engine_checkpointing_replaces_model_checkpointing(args, plan: Plan | None = None) -> None:
-    """``gradient_checkpointing`` / ``activation_checkpointing``: the engine recomputes every
-    unit in backward, which IS activation checkpointing. Stock ``Trainer.train()`` would switch
-    the model's own checkpointing on as well (each layer's forward then runs three times per
-    microbatch instead of two), so the flags are logged and cleared on ``args``.
-
-    The user asked for checkpointing, so a plan without it is refused (before any collective):
-    ``--cephalo_activation_checkpointing false``, or a plan (``plan`` / ``--cephalo_plan_file``)
-    that records it off; with ``auto`` the trainer plans with checkpointing on.
-
-    Raises:
-        ValueError: the flag with ``--cephalo_activation_checkpointing false`` or such a plan.
-    """
-    asked = args.activation_checkpointing or args.gradient_checkpointing
-    if asked and args.cephalo_activation_checkpointing == "false":
-        raise ValueError(
-            "--gradient_checkpointing (or --activation_checkpointing) asks for activation "
-            "checkpointing but --cephalo_activation_checkpointing is 'false' (keep every forward "
-            "graph, no recompute): drop one of them ('true' or 'auto' with the stock flag plans "
-            "with checkpointing; the engine's own checkpointing replaces the model's)")
-    if asked and plan is None and args.cephalo_plan_file is not None:
-        plan = Plan.load(args.cephalo_plan_file)
-    if asked and plan is not None and not plan.activation_checkpointing:
-        source = "plan" if args.cephalo_plan_file is None else \
-            f"plan file {args.cephalo_plan_file!r}"
-        raise ValueError(
-            "--gradient_checkpointing (or --activation_checkpointing) asks for activation "
-            f"checkpointing but the {source} was made without it (activation_checkpointing "
-            "false: forward graphs kept): drop the flag, or re-plan with `hf-cephalo plan "
-            "--activation-checkpointing true`")
-    # said once per job: every rank runs this with the same flags (RANK: the launcher's, set
-    # before the process group exists), so the other ranks would repeat both lines
-    say = logger.warning if os.environ.get("RANK", "0") == "0" else logger.debug
-    if asked and args.cephalo_activation_checkpointing == "auto":
-        say("--gradient_checkpointing with --cephalo_activation_checkpointing auto: "
-            "planning with activation checkpointing on, as the flag asks")
-        args.cephalo_activation_checkpointing = "true"
-    if asked:
-        say("gradient_checkpointing/activation_checkpointing: the Cephalo engine already "
-            "recomputes every layer in backward (per-unit activation checkpointing); the "
-            "model's own checkpointing is not switched on in addition")
-        args.activation_checkpointing = False
-        args.gradient_checkpointing = False
