@@ -302,7 +302,8 @@ class LoopState:
             raise RuntimeError("a second training forward in one step (after "
                                "accelerator.backward): draw the next batch from the prepared "
                                "training loader first, or evaluate under torch.no_grad() / "
-                               "model.eval()")
+                               "model.eval(); several loss terms come from one forward's "
+                               "outputs")
         self.open = self.session.engine.forward_step(microbatches)
         return self.open
 
