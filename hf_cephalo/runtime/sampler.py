@@ -62,6 +62,7 @@ import torch
 from torch.utils.data import Sampler
 
 __all__ = [
+    "StepIndices",
     "WeightedBatchSampler",
     "SplitSchedule",
     "MicrobatchCollator",
@@ -157,6 +158,41 @@ def split_microbatches(indices: Sequence[Any], microbatch_size: int) -> list[lis
         raise ValueError(f"microbatch_size = {microbatch_size!r} must be an integer >= 1 (samples)")
     items = list(indices)
     return [items[i:i + microbatch_size] for i in range(0, len(items), microbatch_size)]
+
+
+class StepIndices(list):
+    """The dataset indices of one step's rows for one rank (a ``list`` of ints), with where they
+    sit: the rows are positions ``start .. start + len - 1`` of the global batch of global step
+    ``step`` (epoch ``epoch``), split by ``batch_sizes`` (b_i per rank, in force when the step
+    was drawn). ``microbatch_sizes``: m_i per rank in force then (None: the loader's fixed
+    m_i). ``whole``: the list is the whole global batch (for ``GlobalBatchCollator``), not a
+    rank's share. Equal to a plain list of the same indices."""
+
+    def __init__(self, indices: Sequence[int] = (), *, epoch: int = 0, step: int = 0,
+                 start: int = 0, batch_sizes: Sequence[int] = (),
+                 microbatch_sizes: Sequence[int] | None = None, whole: bool = False) -> None:
+        super().__init__(indices)
+        self.epoch, self.step, self.start, self.whole = epoch, step, start, whole
+        self.batch_sizes = list(batch_sizes)
+        self.microbatch_sizes = None if microbatch_sizes is None else list(microbatch_sizes)
+
+    def same_step(self, other: "StepIndices") -> bool:
+        """The same rows of the same step, split and cut the same way (a prefetched step is
+        still valid: [Note: switching the split live])."""
+        return (list(self) == list(other) and self.meta() == other.meta())
+
+    def meta(self) -> tuple:
+        return (self.epoch, self.step, self.start, self.batch_sizes, self.microbatch_sizes,
+                self.whole)
+
+    def __reduce__(self):  # pickled to DataLoader workers with its attributes
+        return (_step_indices, (list(self), self.meta()))
+
+
+def _step_indices(indices: list[int], meta: tuple) -> StepIndices:
+    epoch, step, start, batch_sizes, microbatch_sizes, whole = meta
+    return StepIndices(indices, epoch=epoch, step=step, start=start, batch_sizes=batch_sizes,
+                       microbatch_sizes=microbatch_sizes, whole=whole)
 
 
 class SplitSchedule:
@@ -271,6 +307,7 @@ class WeightedBatchSampler(Sampler[list[int]]):
             raise ValueError(f"{len(self.lengths)} lengths for {dataset_length} samples: give one "
                              "length (tokens) per sample")
         self.epoch = 0
+        self._cached: tuple[tuple, list[list[int]]] | None = None
 
     @property
     def global_batch_size(self) -> int:
@@ -281,39 +318,58 @@ class WeightedBatchSampler(Sampler[list[int]]):
         """Select the permutation of ``epoch`` (same call on every rank)."""
         self.epoch = epoch
 
-    def _global_batches(self) -> list[list[int]]:
-        return global_batches(self.dataset_length, self.global_batch_size, epoch=self.epoch,
-                              seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
-                              lengths=self.lengths)
+    def _global_batches(self, epoch: int) -> list[list[int]]:
+        key = (epoch, self.seed, self.shuffle, self.drop_last, self.dataset_length,
+               self.global_batch_size)
+        if self._cached is None or self._cached[0] != key:  # one epoch's permutation, kept
+            self._cached = (key, global_batches(
+                self.dataset_length, self.global_batch_size, epoch=epoch, seed=self.seed,
+                shuffle=self.shuffle, drop_last=self.drop_last, lengths=self.lengths))
+        return self._cached[1]
+
+    def whole_step(self, indices: StepIndices) -> StepIndices:
+        """The whole global batch of the step ``indices`` come from, with their split."""
+        batch = self._global_batches(indices.epoch)[indices.step - indices.epoch * len(self)]
+        return StepIndices(batch, epoch=indices.epoch, step=indices.step, start=0,
+                           batch_sizes=indices.batch_sizes,
+                           microbatch_sizes=indices.microbatch_sizes, whole=True)
 
     def rank_batches(self, rank: int) -> list[list[int]]:
         """All of ``rank``'s per-step index lists for the current epoch (pure; no communication)."""
-        return list(self._iter_rank(rank, mark=False))
+        return list(self.iter_steps(self.epoch, rank=rank))
 
     def _sizes_at(self, step: int) -> list[int]:
         return self.batch_sizes if self.schedule is None else self.schedule.batch_sizes_at(step)
 
-    def _iter_rank(self, rank: int | None, mark: bool) -> Iterator[list[int]]:
-        """Per step, ``rank``'s share of the global batch (the whole batch for None); with
-        ``mark`` the schedule learns the step drawn ([Note: switching the split live])."""
-        first = self.epoch * len(self)  # global step of this epoch's first batch
-        for k, batch in enumerate(self._global_batches()):
-            if mark and self.schedule is not None:
-                self.schedule.current_step = first + k
-            if rank is None:  # GlobalBatchCollator splits it by this step's sizes
-                yield batch
+    def iter_steps(self, epoch: int, first_step: int = 0, *, rank: int | None = None,
+                   whole: bool = False, mark: bool = False) -> Iterator[StepIndices]:
+        """Per step of ``epoch`` from global step ``first_step`` on, ``rank``'s share of the
+        global batch (this sampler's rank for None), or the whole global batch (``whole``),
+        with the split read when the step is drawn; with ``mark`` the schedule learns the
+        step drawn ([Note: switching the split live]). Pure otherwise (read-ahead uses it)."""
+        rank = self.rank if rank is None else rank
+        first = epoch * len(self)  # global step of this epoch's first batch
+        for k, batch in enumerate(self._global_batches(epoch)):
+            step = first + k
+            if step < first_step:
                 continue
-            counts = split_counts(len(batch), self._sizes_at(first + k))  # read when drawn
-            start = sum(counts[:rank])
-            yield batch[start:start + counts[rank]]
+            if mark and self.schedule is not None:
+                self.schedule.current_step = step
+            sizes = self._sizes_at(step)  # read when drawn
+            micro = None if self.schedule is None else self.schedule.microbatch_sizes_at(step)
+            counts = split_counts(len(batch), sizes)
+            start = 0 if whole else sum(counts[:rank])
+            rows = batch if whole else batch[start:start + counts[rank]]
+            yield StepIndices(rows, epoch=epoch, step=step, start=start, batch_sizes=sizes,
+                              microbatch_sizes=micro, whole=whole)
 
     def local_batches(self) -> list[list[int]]:
         """This rank's per-step index lists (the rows its loader's microbatches hold, in order),
         whether the loader is fed global batches or not."""
         return self.rank_batches(self.rank)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self._iter_rank(None if self.yield_global_batch else self.rank, mark=True)
+    def __iter__(self) -> Iterator[StepIndices]:
+        yield from self.iter_steps(self.epoch, whole=self.yield_global_batch, mark=True)
 
     def __len__(self) -> int:
         full, partial = divmod(self.dataset_length, self.global_batch_size)
@@ -338,10 +394,8 @@ class MicrobatchCollator:
         self.schedule, self.rank = schedule, rank
 
     def __call__(self, samples: list[Any]) -> list[Any]:
-        size = self.microbatch_size
-        if self.schedule is not None and self.schedule.current_step is not None:
-            size = max(self.schedule.microbatch_sizes_at(self.schedule.current_step)[self.rank], 1)
-        return [self.collate_fn(chunk) for chunk in split_microbatches(samples, size)]
+        _, size = step_split(samples, None, self.microbatch_size, self.schedule, self.rank)
+        return [self.collate_fn(chunk) for chunk in split_microbatches(list(samples), size)]
 
 
 def packs_without_padding(collate_fn: Any) -> bool:
@@ -390,21 +444,35 @@ class GlobalBatchCollator:
         self.schedule = schedule
 
     def __call__(self, samples: list[Any]) -> list[Any]:
-        sizes, size = self.batch_sizes, self.microbatch_size
-        if self.schedule is not None and self.schedule.current_step is not None:
-            step = self.schedule.current_step
-            sizes = self.schedule.batch_sizes_at(step)
-            size = max(self.schedule.microbatch_sizes_at(step)[self.rank], 1)
+        sizes, size = step_split(samples, self.batch_sizes, self.microbatch_size, self.schedule,
+                                 self.rank)
         counts = split_counts(len(samples), sizes)
         start, count = sum(counts[:self.rank]), counts[self.rank]
         if count == 0:
             return []
-        batch = self.collate_fn(samples)
-        return [_rows(batch, start + lo, start + min(lo + size, count), len(samples))
+        batch = self.collate_fn(list(samples))
+        return [cut_rows(batch, start + lo, start + min(lo + size, count), len(samples))
                 for lo in range(0, count, size)]
 
 
-def _rows(batch: Any, start: int, stop: int, num_samples: int) -> Any:
+def step_split(samples: Any, batch_sizes: list[int] | None, microbatch_size: int,
+               schedule: SplitSchedule | None, rank: int) -> tuple[list[int] | None, int]:
+    """(b_i per rank, this rank's m_i) for a step's samples: those recorded with the step's
+    indices when it was drawn (``samples.indices``, a ``StepIndices``: the loader's read-ahead
+    path), else the schedule's at the step the sampler drew last, else the fixed ones ([Note:
+    switching the split live])."""
+    indices = getattr(samples, "indices", None)
+    if isinstance(indices, StepIndices):
+        micro = microbatch_size if indices.microbatch_sizes is None \
+            else max(indices.microbatch_sizes[rank], 1)
+        return indices.batch_sizes, micro
+    if schedule is not None and schedule.current_step is not None:
+        step = schedule.current_step
+        return schedule.batch_sizes_at(step), max(schedule.microbatch_sizes_at(step)[rank], 1)
+    return batch_sizes, microbatch_size
+
+
+def cut_rows(batch: Any, start: int, stop: int, num_samples: int) -> Any:
     """``batch`` with every tensor cut to rows ``[start, stop)`` (dim 0); the container types
     (dict, ``BatchEncoding``, list, tuple, namedtuple) and non-tensor leaves kept
     (``accelerate.utils.recursively_apply``)."""
