@@ -449,7 +449,8 @@ class CephaloTrainer(Trainer):
                                seed=seed, shuffle=shuffle and strategy == "random",
                                drop_last=shuffle and self.args.dataloader_drop_last,
                                lengths=lengths, schedule=schedule,
-                               collate=self.args.cephalo_collate, options=options)
+                               collate=self.args.cephalo_collate, options=options,
+                               sample_seed=self.args.seed, description=description)
 
     def _sample_lengths(self, dataset) -> list[int]:
         """Per-sample lengths for group_by_length, as stock: the ``length_column_name`` column,
