@@ -5,7 +5,8 @@ sum_i b_i = B, the global batch size). Every rank builds the SAME permutation of
 (seeded by ``seed + epoch``, like ``torch.utils.data.DistributedSampler``), cuts it into global
 batches of B indices, and takes its own contiguous slice of each global batch. The result is a
 pure function of (epoch, seed, dataset length, batch sizes), so no communication is needed and
-every rank takes the same number of steps.
+every rank takes the same number of steps. Each step's slice is a ``StepIndices``: a list of
+dataset indices that also says where they sit in which global batch, split how.
 
 Orders (``TrainingArguments.train_sampling_strategy``, applied to the GLOBAL batches, then split
 by b_i): "random" (the permutation above), "sequential" (dataset order: the global batches
@@ -20,37 +21,33 @@ arithmetic, ties to the lower rank): rank i gets floor(n·b_i/B) or one more, ne
 b_i, and a rank with b_i = 0 gets none. No sample is duplicated or dropped (unless
 ``drop_last``), so every sample is used exactly once per epoch. A rank may therefore get ZERO
 samples in the last step (e.g. 1 leftover sample on 3 ranks); it still yields an empty list
-so that it joins the step's collectives — the engine accepts an empty microbatch list.
+so that it joins the step's collectives — the loader's width exchange and the engine's, which
+accepts an empty microbatch list.
 
 [Note: padding independent of the plan]
-A collator pads each batch it is given to that batch's longest row (``DataCollatorWithPadding``,
-``DataCollatorForLanguageModeling``, ...), so where it is applied decides a row's padding — and
-padding is not always neutral: with left padding the first real token is predicted from a pad
-position whose output depends on how many pads precede it, and a model without
-``position_ids`` numbers positions from the first column (GPT-2), so the row's real tokens move
-with its padding. Collating each rank's microbatch on its own therefore made losses depend on
-the plan (b_i, m_i). ``GlobalBatchCollator`` (the trainer's default) collates the whole global
-batch once — on every rank, exactly the batch one process would collate with the whole global
-batch — and then cuts this rank's rows and its microbatches out of it: every row has the same
-padding as in the single-process full-batch run, whatever the plan. The cost: each rank reads
-and collates all B samples of a step (not only its b_i), and every microbatch carries the
-global batch's longest length. ``MicrobatchCollator`` (``--cephalo_collate microbatch``) pads
-each microbatch to its own longest row: fewer padded tokens, results that depend on the plan
-wherever padding is not neutral. A packing collator that pads nothing (transformers'
-``DataCollatorWithFlattening`` with ``position_ids``: the samples it is given become one row,
-positions restarting per sequence, which the staged models attend block-diagonally) gives the
-same tokens however the samples are grouped, and its one row cannot be cut into samples: it
-is applied per microbatch in either mode (``packs_without_padding``).
+A collator pads the rows it is given to the longest of them, and padding is not neutral (with
+left padding the first real token is predicted from a pad position; GPT-2 without
+``position_ids`` numbers positions from the first column), so a row must get the width of its
+whole global batch, whatever the plan. Three ways (``runtime/data.py``, docs/data.md):
+"global_width" (default): a rank reads and collates its b_i rows only, padded to the global
+batch's width by a per-step exchange ([Note: the global width] in ``global_width.py``);
+"global_batch" (``GlobalBatchCollator``): every rank reads and collates all B rows and keeps
+its own, the fallback for a collator the first is not exact for; "microbatch"
+(``MicrobatchCollator``): each microbatch padded on its own, plan-dependent. A packing
+collator that pads nothing (``DataCollatorWithFlattening`` with ``position_ids``) gives the
+same tokens however the samples are grouped and makes one row that cannot be cut into
+samples: it is applied per microbatch in every mode (``packs_without_padding``).
 
 [Note: switching the split live]
 A live re-balance (``integrations/adaptive.py``) changes b_i and m_i between two steps. The
 global batches do not change (they depend on seed, epoch, dataset length and B only); only
 their split does. ``SplitSchedule`` records which (b_i, m_i) hold from which global step
-(``epoch · steps_per_epoch + index in the epoch``); the sampler splits step k's global batch
-by the sizes in force at k, and the collator cuts it into that step's m_i. Both read the
-schedule when the step's batch is drawn, which with ``num_workers = 0`` is after the previous
-step ended (the loader does not run ahead), so a switch recorded at a step boundary applies to
-the next step on every rank.
+(``epoch · steps_per_epoch + index in the epoch``); the sampler reads it when it draws step k
+(the loader itself runs in the main process and does not run ahead: after the previous step
+ended) and writes the split into step k's ``StepIndices``, which every collator cuts by. A
+step that DataLoader workers read ahead under the old split is not that step any more
+(``StepIndices.same_step``): it is read again (``ReadAhead``), so a switch recorded at a step
+boundary applies to the next step on every rank.
 """
 
 from __future__ import annotations
