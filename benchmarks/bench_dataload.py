@@ -94,6 +94,27 @@ def _engine(world: int):
     return engine, torch.optim.SGD(engine.parameters(), lr=0.01)
 
 
+class _ExchangeTimer:
+    """Time spent in the loader's per-step exchanges (``StepExchange.gather``), this process."""
+
+    spent_s = 0.0
+
+    @classmethod
+    def install(cls) -> None:
+        from hf_cephalo.runtime.exchange import StepExchange
+
+        gather = StepExchange.gather
+
+        def timed(self, vector):
+            start = time.perf_counter()
+            try:
+                return gather(self, vector)
+            finally:
+                cls.spent_s += time.perf_counter() - start
+
+        StepExchange.gather = timed
+
+
 def _measure(rank: int, world: int, mode: str, data: DigitImages, engine, optimizer,
              args, epoch: int) -> dict:
     from transformers import default_data_collator
@@ -105,10 +126,10 @@ def _measure(rank: int, world: int, mode: str, data: DigitImages, engine, optimi
                              microbatch_size=micro[rank], seed=1, shuffle=True, collate=mode)
     loader.set_epoch(epoch)
     it = iter(loader)
-    data_s, step_s, reads, read_s = [], [], [], []
+    data_s, step_s, reads, read_s, exchange_s = [], [], [], [], []
     for step in range(args.steps + 1):
         dist.barrier()
-        before, busy = data.reads, data.busy_s
+        before, busy, exchanged = data.reads, data.busy_s, _ExchangeTimer.spent_s
         t0 = time.perf_counter()
         microbatches = next(it)
         t1 = time.perf_counter()
@@ -123,14 +144,16 @@ def _measure(rank: int, world: int, mode: str, data: DigitImages, engine, optimi
         step_s.append(t2 - t0)
         reads.append(data.reads - before)
         read_s.append(data.busy_s - busy)
+        exchange_s.append(_ExchangeTimer.spent_s - exchanged)
     return dict(data_s=data_s, step_s=step_s, reads=reads, read_s=read_s,
-                first_reads=first_reads)
+                exchange_s=exchange_s, first_reads=first_reads)
 
 
 def _worker(rank: int, world: int, port: int, args, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    _ExchangeTimer.install()
     try:
         data = DigitImages(args.read_ms)
         engine, optimizer = _engine(world)
@@ -177,9 +200,10 @@ def _report(world: int, results: list[dict]) -> float:
           f"{sum(len(r['reads']) for r in results[0]['global_batch'])} steps per mode; "
           "whole = global_batch (the baseline), own = global_width")
     print(f"{'rank':>4} {'b_i':>4} | {'reads/step':>12} {'1st step':>8} | "
-          f"{'read ms/step':>16} {'ratio':>6} | {'data ms/step':>16} {'ratio':>6}")
+          f"{'read ms/step':>16} {'ratio':>6} | {'data ms/step':>16} {'ratio':>6} | "
+          f"{'exchange':>8}")
     print(f"{'':>4} {'':>4} | {'whole':>6}{'own':>6} {'own':>8} | {'whole':>8}{'own':>8} {'':>6} | "
-          f"{'whole':>8}{'own':>8}")
+          f"{'whole':>8}{'own':>8} {'':>6} | {'ms/step':>8}")
     per_read = []
     for rank, result in enumerate(results):
         old, new = result["global_batch"], result["global_width"]
@@ -189,11 +213,11 @@ def _report(world: int, results: list[dict]) -> float:
         print(f"{rank:>4} {sizes[rank]:>4} | {_median(old, 'reads'):>6.0f}"
               f"{_median(new, 'reads'):>6.0f} {new[0]['first_reads']:>8} | {read_old:>8.1f}"
               f"{read_new:>8.1f} {read_new / read_old:>6.2f} | {data_old:>8.1f}{data_new:>8.1f} "
-              f"{data_new / data_old:>6.2f}")
+              f"{data_new / data_old:>6.2f} | {1e3 * _median(new, 'exchange_s'):>8.1f}")
     old_step, new_step = _slowest(results, "global_batch"), _slowest(results, "global_width")
     print(f"step time (slowest rank): whole {1e3 * old_step:.1f} ms, own {1e3 * new_step:.1f} ms,"
           f" ratio {new_step / old_step:.2f} ({old_step / new_step:.2f}x faster). data ms/step "
-          "includes the wait in the width exchange for the rank with the most rows")
+          "includes the exchange, and in it the wait for the rank with the most rows")
     return statistics.median(per_read)
 
 
