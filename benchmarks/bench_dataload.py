@@ -244,9 +244,10 @@ def _cluster_b(ms_per_read: float, workers: int) -> None:
         own = max(plan.batch_sizes[r] for r in ranks)  # images: one width, no extra rows
         cpu_old, cpu_new = B * ms_per_read / 1e3, own * ms_per_read / 1e3
         wall_old, wall_new = cpu_old / workers, cpu_new / workers
+        share_old, share_new = 100 * wall_old / iteration_s, 100 * wall_new / iteration_s
         print(f"{gpu:<10} {len(ranks):>5} {own:>4} | {B:>7}{own:>7} {B / own:>5.0f}x | "
-              f"{cpu_old:>7.2f}{cpu_new:>7.3f} | {wall_old:>5.2f} ({100 * wall_old / iteration_s:>3.0f}%)"
-              f"{wall_new:>6.3f} ({100 * wall_new / iteration_s:>3.1f}%)")
+              f"{cpu_old:>7.2f}{cpu_new:>7.3f} | {wall_old:>5.2f} ({share_old:>3.0f}%)"
+              f"{wall_new:>6.3f} ({share_new:>3.1f}%)")
     print(f"(global_width also reads one global batch, {B} rows, once per loader: the collator "
           "check on the first step)")
 

@@ -348,3 +348,29 @@ def test_weighted_loader_without_a_process_group():
         weighted_loader(data, _left_pad, batch_sizes=[3], collate="whole", **kwargs)
     micro = weighted_loader(data, _left_pad, batch_sizes=[2, 5], collate="microbatch", **kwargs)
     assert [len(s) for s in micro] == [1]  # one step (B = 7): rank 0 has 2 rows, m = 2
+
+
+def test_read_ahead_seeds_workers_per_rank_and_exchange_alone():
+    """The read-ahead loader's workers are seeded as stock Trainer seeds them (per rank), from
+    a generator of its own; one process's exchange gathers from itself and fails alone."""
+    from transformers.trainer_utils import seed_worker
+
+    from hf_cephalo.runtime.exchange import LoaderStepError, StepExchange
+    from hf_cephalo.runtime.sample_reads import ReadAhead, SeededReads
+
+    sampler = WeightedBatchSampler(10, [2, 3], 1)
+    ahead = ReadAhead(SeededReads(list(range(10)), 0), sampler, list, whole=False,
+                      loader_kwargs=dict(num_workers=2))
+    init = ahead._loader.worker_init_fn
+    assert init.func is seed_worker and init.keywords == {"num_workers": 2, "rank": 1}
+    assert ahead._loader.generator is not None  # not the process's global generator
+    inline = ReadAhead(SeededReads(list(range(10)), 0), sampler, list, whole=True,
+                       loader_kwargs=dict(num_workers=0))
+    first = next(iter(sampler))
+    assert inline.get(first) == sampler.whole_step(first)  # the whole batch's rows, read here
+    alone = StepExchange()
+    assert (alone.world_size, alone.rank, alone.device.type) == (1, 0, "cpu")
+    assert alone.gather([3, 4]) == [[3, 4]]
+    alone.agree(None, "data, step 0")
+    with pytest.raises(LoaderStepError, match="data, step 0 failed on rank 0: OSError: gone"):
+        alone.agree(OSError("gone"), "data, step 0")

@@ -183,20 +183,20 @@ class GlobalWidthCollator:
         collate_fn: the user's collator. reads: the seeded dataset (the extra rows).
         exchange: the ranks that split the global batch. rank: this rank's index in the split.
         microbatch_size: m_i when the step carries none (no live schedule).
-        what: what the loader loads, for error messages ("training data").
+        description: what the loader loads, for error messages ("training").
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any], reads: SeededReads,
                  exchange: StepExchange, rank: int, microbatch_size: int,
-                 what: str = "data") -> None:
+                 description: str = "data") -> None:
         self.collate_fn, self.reads, self.exchange = collate_fn, reads, exchange
-        self.rank, self.microbatch_size, self.what = rank, microbatch_size, what
+        self.rank, self.microbatch_size, self.description = rank, microbatch_size, description
         self.name = collator_name(collate_fn)
         self.extra_reads = 0  # rows read for their width only, this loader's lifetime
 
     def __call__(self, rows: Rows) -> list[Any]:
         indices = rows.indices
-        what = f"{self.what}, step {indices.step} (epoch {indices.epoch})"
+        what = f"{self.description}, step {indices.step} (epoch {indices.epoch})"
         error, mine = rows.error, {}
         if error is None:
             try:
@@ -240,27 +240,16 @@ class GlobalWidthCollator:
 
     def _collate(self, rows: Rows, mine: Mapping[str, _Widest],
                  target: Mapping[int, _Widest]) -> list[Any]:
+        """Rows + the global batch's widest rows where these are narrower -> collate, check
+        every axis has the global width, drop the extra rows, cut the microbatches."""
         if not rows:
             return []
         indices = rows.indices
-        extras = []
-        for widest in _extra_rows({_axis_id(k): w for k, w in mine.items()}, target):
-            sample = self.reads.read(widest.index, indices.epoch)
-            widths = row_widths(self.collate_fn([sample]), 1, self.name)
-            for name, width in widths.items():
-                want = target.get(_axis_id(name))
-                if want is not None and want.position == widest.position and width != want.width:
-                    raise ValueError(
-                        f"dataset item {widest.index} (epoch {indices.epoch}), collated alone "
-                        f"by {self.name}, gives {name} width {width} on rank {self.rank} but "
-                        f"{want.width} on the rank whose row it is: a dataset item must not "
-                        "depend on the rank or worker that reads it (draw random transforms "
-                        "from torch / numpy / random, which are seeded per sample, not from a "
-                        "generator the dataset owns)")
-            extras.append(sample)
-        self.extra_reads += len(extras)
+        extras = self._extra_samples(indices.epoch, {_axis_id(k): w for k, w in mine.items()},
+                                     target)
+        total = len(rows) + len(extras)
         batch = self.collate_fn(list(rows) + extras)
-        for name, width in row_widths(batch, len(rows) + len(extras), self.name).items():
+        for name, width in row_widths(batch, total, self.name).items():
             want = target.get(_axis_id(name))
             if want is not None and width != want.width:
                 raise ValueError(
@@ -270,6 +259,26 @@ class GlobalWidthCollator:
                     "cannot be collated per rank; use --cephalo_collate global_batch")
         size = self.microbatch_size if indices.microbatch_sizes is None \
             else max(indices.microbatch_sizes[self.rank], 1)
-        total = len(rows) + len(extras)
         return [cut_rows(batch, chunk[0], chunk[-1] + 1, total)
                 for chunk in split_microbatches(range(len(rows)), size)]
+
+    def _extra_samples(self, epoch: int, mine: Mapping[int, _Widest],
+                       target: Mapping[int, _Widest]) -> list[Any]:
+        """The widest rows these rows lack, read again under their seed; each must have the
+        width its own rank reported on the axes it is the widest of."""
+        extras = []
+        for widest in _extra_rows(mine, target):
+            sample = self.reads.read(widest.index, epoch)
+            for name, width in row_widths(self.collate_fn([sample]), 1, self.name).items():
+                want = target.get(_axis_id(name))
+                if want is not None and want.position == widest.position and width != want.width:
+                    raise ValueError(
+                        f"dataset item {widest.index} (epoch {epoch}), collated alone by "
+                        f"{self.name}, gives {name} width {width} on rank {self.rank} but "
+                        f"{want.width} on the rank whose row it is: a dataset item must not "
+                        "depend on the rank or worker that reads it (draw random transforms "
+                        "from torch / numpy / random, which are seeded per sample, not from a "
+                        "generator the dataset owns)")
+            extras.append(sample)
+        self.extra_reads += len(extras)
+        return extras
