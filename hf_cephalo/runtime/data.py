@@ -180,7 +180,7 @@ class _StepSource(torch.utils.data.Dataset):
                                     f"{indices.step}")
         if not any(codes):
             return True
-        reason = reason or "so it is on another rank"
+        reason = reason or "the check failed on another rank"
         name = collator_name(self.collate_fn)
         if self.exchange.rank == 0 and name not in _REPORTED:
             _REPORTED.add(name)
@@ -210,7 +210,10 @@ def weighted_loader(dataset, collate_fn: Callable[[list[Any]], Any], *,
                     device: torch.device | str | None = None,
                     description: str = "data") -> EpochDataLoader:
     """This rank's loader: per step a list of collated microbatches of ``microbatch_size``
-    samples (m_i) holding its b_i rows of the global batch (``[]`` when it has none).
+    samples (m_i) holding its b_i rows of the global batch (``[]`` when it has none). For
+    "global_width" every step is a collective over ``group``: iterate it on every rank. The
+    loader itself has ``num_workers = 0``; ``options.num_workers`` read ahead inside it ([Note:
+    the loader runs in the main process]).
 
     Args:
         dataset: map-style (has ``__len__``).
