@@ -199,7 +199,8 @@ def _prepare_loader(accelerator, loader: DataLoader) -> CephaloDataLoader:
     empty = _EmptyBatch(loader.dataset, collate)
     prepared = CephaloDataLoader(inner, accelerator.cephalo_loop, training=training,
                                  empty_batch=empty, microbatch_size=loader.batch_size,
-                                 batch_size=loader.batch_size, device=accelerator.device)
+                                 batch_size=loader.batch_size, device=accelerator.device,
+                                 dataset=loader.dataset)
     accelerator.cephalo_loaders.append(prepared)
     accelerator._dataloaders.append(prepared)
     return prepared

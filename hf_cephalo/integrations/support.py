@@ -336,9 +336,9 @@ FIELD_SUPPORT: dict[str, Support] = {
         "sharded evaluation loader does on the same number of processes",
         _L + "test_two_process_fields_as_stock_ddp"),
     "dataloader_num_workers": _inherited(
-        "passed to the weighted DataLoader; above 0 live re-balancing (--cephalo_adaptive "
-        "batch) is off with a warning: workers draw batches ahead with the start split "
-        "(docs/adaptive.md)"),
+        "workers read this rank's rows ahead inside the weighted loader (its collation and the "
+        "per-step width exchange run in the main process); a step read ahead before a live "
+        "switch of the split is read again (docs/data.md)"),
     "dataloader_pin_memory": _inherited("passed to the weighted DataLoader"),
     "dataloader_persistent_workers": _inherited("passed to the weighted DataLoader"),
     "dataloader_prefetch_factor": _inherited("passed to the weighted DataLoader"),
@@ -404,10 +404,12 @@ HOOK_SUPPORT: dict[str, Support] = {
                                             _T + "test_matches_full_batch_reference"),
     "callbacks": _inherited("stock callback handler"),
     "data_collator": _stock(
-        "called once per global batch (every row padded as in one process with the whole batch, "
-        "whatever the plan), then split into ranks and microbatches; --cephalo_collate "
-        "microbatch pads per microbatch (less padding; the loss then depends on the plan with "
-        "left padding or without position_ids)",
+        "called on this rank's rows of each global batch, padded to the whole global batch's "
+        "width (one small exchange per step), so every row is padded as in one process with "
+        "the whole batch, whatever the plan; a collator that cannot be reproduced that way "
+        "(checked on the first step) is called once per global batch instead, said once; "
+        "--cephalo_collate microbatch pads per microbatch (less padding; the loss then depends "
+        "on the plan with left padding or without position_ids); docs/data.md",
         "tests/test_padding.py::test_default_collation_equals_stock_trainer"),
     "optimizers": _refused(
         "an optimizer built before the engine holds the model's full parameters, which the "

@@ -173,7 +173,8 @@ class Session:
 
     def _make_controller(self) -> AdaptiveController | None:
         """The live re-balancing controller where it applies; a warning, once, where it cannot
-        run (no profile to refit, or DataLoader workers that draw batches ahead)."""
+        run (no profile to refit). DataLoader workers read ahead inside the runtime's loader,
+        which re-reads a step drawn before a switch ([Note: switching the split live])."""
         job = self.job
         if job.settings.adaptive == "off" or job.world_size == 1:
             return None
@@ -182,9 +183,6 @@ class Session:
             why_not = ("the plan was given without the profile it was made from (give "
                        "--cephalo_profile_file with --cephalo_plan_file, or cluster_profile= "
                        "with plan=) so there is nothing to refit")
-        elif job.loader.num_workers > 0:
-            why_not = (f"--dataloader_num_workers {job.loader.num_workers}: worker processes "
-                       "draw batches ahead with the start split; use 0 workers to re-balance")
         if why_not is not None:
             if job.is_main:
                 logger.warning("--cephalo_adaptive %s is off for this run: %s; set "
@@ -225,7 +223,9 @@ class Session:
                                max(rank_plan.microbatch_size, 1),
                                seed=self.job.data_seed, shuffle=shuffle, drop_last=drop_last,
                                lengths=lengths, schedule=self.split_schedule,
-                               collate=self.job.settings.collate, options=self.job.loader)
+                               collate=self.job.settings.collate, options=self.job.loader,
+                               sample_seed=self.job.seed, group=self.engine.group,
+                               description="training")
 
     def eval_loader(self, dataset, collate_fn, *, microbatch_size: int | None,
                     options: LoaderOptions | None = None):
@@ -236,7 +236,8 @@ class Session:
                                rank=self.job.rank, microbatch_size=microbatch_size,
                                seed=self.job.data_seed, shuffle=False,
                                collate=self.job.settings.collate,
-                               options=options or self.job.loader)
+                               options=options or self.job.loader, sample_seed=self.job.seed,
+                               group=self.engine.group, description="evaluation")
 
     # ---- optimizer ------------------------------------------------------------------------------
     def set_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
