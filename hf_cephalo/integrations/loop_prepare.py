@@ -196,6 +196,10 @@ def _prepare_loader(accelerator, loader: DataLoader) -> CephaloDataLoader:
     else:
         inner = session.eval_loader(loader.dataset, collate, microbatch_size=None,
                                     options=_options_of(loader))
+    # as stock Accelerate's prepared loader keeps the user's generator: each epoch's iter()
+    # draws the loader's base seed from it, not from the global RNG (which a resume restores
+    # with load_state just before that iter(): dropout after a resume as in the run it resumes)
+    inner.generator = loader.generator
     empty = _EmptyBatch(loader.dataset, collate)
     prepared = CephaloDataLoader(inner, accelerator.cephalo_loop, training=training,
                                  empty_batch=empty, microbatch_size=loader.batch_size,
