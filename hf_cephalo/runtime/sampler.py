@@ -39,7 +39,7 @@ same tokens however the samples are grouped and makes one row that cannot be cut
 samples: it is applied per microbatch in every mode (``packs_without_padding``).
 
 [Note: switching the split live]
-A live re-balance (``integrations/adaptive.py``) changes b_i and m_i between two steps. The
+A live re-balance (``runtime/adaptive.py``) changes b_i and m_i between two steps. The
 global batches do not change (they depend on seed, epoch, dataset length and B only); only
 their split does. ``SplitSchedule`` records which (b_i, m_i) hold from which global step
 (``epoch · steps_per_epoch + index in the epoch``); the sampler reads it when it draws step k
