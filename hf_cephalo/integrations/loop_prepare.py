@@ -146,6 +146,7 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
         staged = stage_model(model)  # an unsupported model: ValueError before any collective
         train = loaders[0] if loaders else None
         name_of = {id(p): n for n, p in model.named_parameters()}  # before the engine
+        _check_optimizers(args, name_of)  # before the session's first collective
         job = job_from_accelerator(accelerator, train, _broadcast_seed(accelerator, train))
         session = Session(job, staged, model=model,
                           train_dataset=None if train is None else train.dataset)
@@ -170,6 +171,18 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             results[i] = accelerator.prepare_scheduler(obj)
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _check_optimizers(args: tuple, name_of: dict[int, str]) -> None:
+    """Refuse an optimizer prepared with the model that cannot be re-pointed at its shards
+    (``runtime.optim.repoint_problems``), on every rank alike, before any collective."""
+    from hf_cephalo.runtime.optim import repoint_problems
+
+    for obj in args:
+        if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, CephaloOptimizer):
+            problems = repoint_problems(obj, name_of, "accelerator.prepare(optimizer)")
+            if problems:
+                raise ValueError(problems[0])
 
 
 def _say_gradient_accumulation(accelerator, job) -> None:
