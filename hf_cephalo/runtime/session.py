@@ -201,7 +201,8 @@ class Session:
     def _print_plan(self) -> None:
         if not self.job.is_main:
             return
-        print(format_plan_table(self.plan, self.checkpointing_reason), flush=True)
+        print(format_plan_table(self.plan, self.checkpointing_reason,
+                                self.job.global_batch_origin), flush=True)
         if self.cluster_profile is not None:
             from hf_cephalo.planner.simulate import extrapolation_note
 
