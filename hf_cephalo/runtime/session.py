@@ -45,6 +45,7 @@ from hf_cephalo.runtime.process import ensure_process_group, register_exit_teard
 from hf_cephalo.runtime.report import AccuracyReport, StepTimer, format_plan_table
 from hf_cephalo.runtime.sampler import SplitSchedule
 from hf_cephalo.runtime.sharded_model import guard_sharded_model
+from hf_cephalo.runtime.streaming import is_stream, stream_loader
 
 __all__ = ["Session", "relayout_onto_plan", "plan_layout"]
 
@@ -216,8 +217,13 @@ class Session:
         """This rank's training loader: b_i rows of every global batch in microbatches of m_i
         (``whole_batches``: as one batch, for a front end that cuts them itself), following
         the live split (``split_schedule``); ``shuffle`` False: dataset order; ``lengths``:
-        group-by-length order (``runtime/data.py``)."""
+        group-by-length order (``runtime/data.py``). A stream (``streaming.is_stream``) is
+        read in order by every rank, each keeping its rows (``runtime/streaming.py``; shuffle
+        and lengths do not apply, as stock Trainer uses no sampler for one)."""
         rank_plan = self.plan.ranks[self.job.rank]
+        if is_stream(dataset):
+            return self._stream_loader(dataset, collate_fn, drop_last=drop_last,
+                                       whole_batches=whole_batches)
         return weighted_loader(dataset, collate_fn, batch_sizes=self.plan.batch_sizes,
                                rank=self.job.rank,
                                microbatch_size=None if whole_batches else
@@ -227,6 +233,21 @@ class Session:
                                collate=self.job.settings.collate, options=self.job.loader,
                                sample_seed=self.job.seed, group=self.engine.group,
                                description="training")
+
+    def _stream_loader(self, dataset, collate_fn, *, drop_last: bool, whole_batches: bool):
+        """``train_loader`` over a stream; DataLoader workers are not used (rank 0 says so)."""
+        if self.job.loader.num_workers > 0 and self.job.is_main:
+            logger.warning("--dataloader_num_workers %d: a streamed dataset is read in the main "
+                           "process (every rank reads the whole stream in order; workers would "
+                           "each read a part of it)", self.job.loader.num_workers)
+        rank_plan = self.plan.ranks[self.job.rank]
+        return stream_loader(dataset, collate_fn, batch_sizes=self.plan.batch_sizes,
+                             rank=self.job.rank,
+                             microbatch_size=None if whole_batches else
+                             max(rank_plan.microbatch_size, 1),
+                             drop_last=drop_last, schedule=self.split_schedule,
+                             collate=self.job.settings.collate,
+                             pin_memory=self.job.loader.pin_memory)
 
     def eval_loader(self, dataset, collate_fn, *, microbatch_size: int | None,
                     options: LoaderOptions | None = None):
