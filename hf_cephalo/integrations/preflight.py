@@ -21,6 +21,7 @@ from hf_cephalo.integrations.support import RefusedSettings, training_args_probl
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import Plan
+from hf_cephalo.runtime.streaming import is_stream
 
 __all__ = ["check_datasets", "check_script", "dataset_problems",
            "engine_checkpointing_replaces_model_checkpointing"]
@@ -28,19 +29,36 @@ __all__ = ["check_datasets", "check_script", "dataset_problems",
 logger = logging.getLogger(__name__)
 
 
-def _dataset_error(dataset: Any, description: str) -> str | None:
-    if dataset is None or hasattr(dataset, "__len__"):
+def _dataset_error(dataset: Any, description: str, max_steps: int) -> str | None:
+    if dataset is None or not is_stream(dataset):
         return None
-    return (f"{description}: {type(dataset).__name__} has no length; CephaloTrainer splits each "
-            "global batch by the plan's per-rank batch sizes b_i and needs a map-style dataset "
-            "(datasets.Dataset, a list, a torch Dataset with __len__). For a streamed "
-            "datasets.IterableDataset, materialize the part you train on first, e.g. "
+    name = type(dataset).__name__
+    if description == "train_dataset":  # read as a stream: runtime/streaming.py
+        if max_steps > 0 or _has_length(dataset):
+            return None
+        return (f"train_dataset: {name} is a stream without a length, so the number of "
+                "training steps cannot be inferred: set --max_steps (as stock Trainer requires "
+                "for an IterableDataset)")
+    return (f"{description}: {name} is a stream; CephaloTrainer evaluates a dataset with a "
+            "length (its rows are split by the plan's per-rank batch sizes b_i and gathered in "
+            "order). Materialize the part you evaluate on first, e.g. "
             "datasets.Dataset.from_generator(lambda: (yield from iterable.take(n)), "
             "features=iterable.features)")
 
 
-def dataset_problems(train_dataset: Any = None, eval_dataset: Any = None) -> list[str]:
-    """One message per dataset without a length (an ``IterableDataset``); empty when all fit.
+def _has_length(dataset: Any) -> bool:
+    try:
+        len(dataset)
+    except TypeError:
+        return False
+    return True
+
+
+def dataset_problems(train_dataset: Any = None, eval_dataset: Any = None, *,
+                     max_steps: int = -1) -> list[str]:
+    """One message per dataset CephaloTrainer cannot read: a streamed train dataset (an
+    ``IterableDataset``) without a length and without ``max_steps`` > 0 (stock's rule), a
+    streamed eval dataset; empty when all fit.
 
     ``eval_dataset`` may be a dict of named datasets (each is checked).
     """
@@ -48,15 +66,17 @@ def dataset_problems(train_dataset: Any = None, eval_dataset: Any = None) -> lis
     problems = []
     for description, dataset in [("train_dataset", train_dataset),
                                  *((f"eval_dataset{f'[{k!r}]' if k else ''}", d) for k, d in evals)]:
-        message = _dataset_error(dataset, description)
+        message = _dataset_error(dataset, description, max_steps)
         if message:
             problems.append(message)
     return problems
 
 
-def check_datasets(train_dataset: Any = None, eval_dataset: Any = None) -> None:
-    """Raise ``RefusedSettings`` (a ValueError) naming every dataset without a length."""
-    problems = dataset_problems(train_dataset, eval_dataset)
+def check_datasets(train_dataset: Any = None, eval_dataset: Any = None, *,
+                   max_steps: int = -1) -> None:
+    """Raise ``RefusedSettings`` (a ValueError) naming every dataset ``dataset_problems``
+    refuses."""
+    problems = dataset_problems(train_dataset, eval_dataset, max_steps=max_steps)
     if problems:
         raise RefusedSettings(problems)
 
@@ -75,7 +95,7 @@ def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
         RefusedSettings: (a ValueError) one message listing every problem found.
     """
     problems = [*training_args_problems(args), *hook_problems,
-                *dataset_problems(train_dataset, eval_dataset)]
+                *dataset_problems(train_dataset, eval_dataset, max_steps=args.max_steps)]
     staged = None
     if model is None:
         problems.append("model: CephaloTrainer needs a model: pass model=... (model_init is not "

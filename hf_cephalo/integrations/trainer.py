@@ -13,9 +13,11 @@ builds the job (``job_from_training_args``) and the ``runtime.Session``: plan, e
 optimizer over the shards, loss scaler, step hooks. What the Trainer does differently from stock
 is then only where it must run through the engine: the step (``training_step`` is one
 ``engine.train_step`` over this rank's microbatches = one optimizer step; the loss is the GLOBAL
-item mean), the loaders (``Session.train_loader`` / ``eval_loader``: rank i gets exactly b_i
-samples of each global batch), clipping by the global norm, evaluation
-(``trainer_eval.py``), saving and checkpoints (``trainer_checkpoint.py``). Every
+item mean; with ``gradient_accumulation_steps`` k the stock loop's other k - 1 calls get
+stand-ins: ``trainer_accumulation.py``), the loaders (``Session.train_loader`` /
+``eval_loader``: rank i gets exactly b_i samples of each global batch, also of a stream),
+an optimizer given in ``optimizers`` re-pointed at the shards, clipping by the global norm,
+evaluation (``trainer_eval.py``), saving and checkpoints (``trainer_checkpoint.py``). Every
 ``TrainingArguments`` field and hook is classified in ``support.py`` (docs/trainer_support.md).
 """
 
@@ -37,6 +39,9 @@ from hf_cephalo.console import format_loss_trend  # noqa: F401 (exported: the ex
 from hf_cephalo.integrations.preflight import (check_script,
                                                engine_checkpointing_replaces_model_checkpointing)
 from hf_cephalo.integrations.support import HOOK_SUPPORT
+from hf_cephalo.integrations.trainer_accumulation import (AccumulationStep,
+                                                          warn_rows_dropped,
+                                                          with_accumulation_steps)
 from hf_cephalo.integrations.trainer_checkpoint import EngineCheckpointMixin, _unwrap_optimizer
 from hf_cephalo.integrations.trainer_eval import EngineEvaluationMixin
 from hf_cephalo.integrations.training_args import CephaloArguments, job_from_training_args
@@ -44,10 +49,12 @@ from hf_cephalo.integrations.user_loss import UserLossStagedModel
 from hf_cephalo.models.registry import supported_model_classes
 from hf_cephalo.planner import Plan
 from hf_cephalo.profiles.types import ClusterProfile
-from hf_cephalo.runtime.optim import decay_groups, shard_optimizer
+from hf_cephalo.runtime.optim import (decay_groups, repoint_optimizer, repoint_problems,
+                                      shard_optimizer)
 from hf_cephalo.runtime.report import format_plan_table  # noqa: F401 (exported)
 from hf_cephalo.runtime.session import Session
 from hf_cephalo.runtime.sharded_model import restore_full_model
+from hf_cephalo.runtime.streaming import is_stream
 
 __all__ = ["CephaloTrainer", "CephaloTrainerMixin", "format_plan_table", "format_loss_trend"]
 
@@ -107,9 +114,12 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         TypeError: ``args`` has no ``cephalo_*`` settings.
         ValueError: ``RefusedSettings`` listing, in ONE message, every refused setting of
             the script: no model (``model_init`` is not supported), an unsupported model class,
-            an iterable dataset, a ``TrainingArguments`` value or hook the engine would not
-            honour (``support.py``, docs/trainer_support.md); later, a plan that does not fit
-            the job — all before any profiling or collective.
+            a streamed train dataset without ``max_steps`` (as stock) or a streamed eval
+            dataset, an ``optimizers`` pair that cannot be re-pointed at the shards (a
+            non-element-wise class, an optimizer that already stepped or holds another model's
+            tensors, a scheduler bound to another optimizer), a ``TrainingArguments`` value or
+            hook the engine would not honour (``support.py``, docs/trainer_support.md); later,
+            a plan that does not fit the job — all before any profiling or collective.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, args=None, *,
@@ -125,6 +135,7 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         staged = check_script(args, model, self._hook_problems(model, kwargs),
                               train_dataset=kwargs.get("train_dataset"),
                               eval_dataset=kwargs.get("eval_dataset"))
+        name_of = _parameter_names(model)  # a user's optimizer's, before the engine replaces them
         compile_options = _compile_options(args)  # a bad backend / mode: ValueError here
         engine_checkpointing_replaces_model_checkpointing(args, plan)
         user_loss = self._uses_user_loss(args, kwargs)
@@ -141,6 +152,9 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
                                cluster_profile=cluster_profile,
                                train_dataset=self.train_dataset, plan_staged=staged)
         self.accelerator.attach_engine(self.engine, model)
+        if self.optimizer is not None:  # optimizers=(optimizer, scheduler): checked above
+            repoint_optimizer(self.optimizer, self.engine, name_of, "optimizers")
+            self.session.set_optimizer(self.optimizer)  # the scheduler: the same object
         if self.session.scaler is not None:  # fp16: the engine's sharded scaler, [Note] below
             self.accelerator.scaler = self.session.scaler
             self.accelerator.native_amp = True
@@ -187,8 +201,15 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         problems = []
         if kwargs.get("model_init") is not None:
             problems.append(refused("model_init"))
-        if any(x is not None for x in kwargs.get("optimizers") or ()):
-            problems.append(refused("optimizers"))
+        optimizer, scheduler = (tuple(kwargs.get("optimizers") or ()) + (None, None))[:2]
+        if model is not None and (optimizer is not None or scheduler is not None):
+            if optimizer is None:
+                problems.append("optimizers: a scheduler without its optimizer would set the "
+                                "learning rate of an optimizer nobody steps: pass "
+                                "optimizers=(optimizer, scheduler), or (None, None)")
+            else:  # stepped already, another model's tensors, not element-wise
+                problems += repoint_problems(optimizer, _parameter_names(model), "optimizers",
+                                             scheduler=scheduler)
         if type(self)._get_train_sampler is not Trainer._get_train_sampler:
             problems.append(refused("_get_train_sampler (override)"))
         registered = next((c for c in type(model).__mro__ if c.__name__ in supported_model_classes()),
@@ -262,9 +283,9 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         ``group_by_length`` read from the dataset as given."""
         import datasets
 
-        if not hasattr(dataset, "__len__"):
-            raise ValueError(f"{description}: CephaloTrainer needs a dataset with a length (an "
-                             "iterable dataset cannot be split by per-rank batch sizes): "
+        if is_stream(dataset) and description != "training":
+            raise ValueError(f"{description}: CephaloTrainer evaluates a dataset with a length "
+                             "(its rows are split by the plan's b_i and gathered in order): "
                              "materialize it first, e.g. datasets.Dataset.from_generator")
         collator = self.data_collator
         sizes = self._sample_lengths(dataset) if lengths else None
@@ -301,11 +322,18 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
                              "CephaloTrainer(..., train_dataset=...)")
         strategy = str(getattr(self.args.train_sampling_strategy, "value",
                                self.args.train_sampling_strategy))
+        stream = is_stream(self.train_dataset)  # read in order: no sampler, as stock
         dataset, collator, lengths = self._loader_inputs(
-            self.train_dataset, "training", lengths=strategy == "group_by_length")
-        return self.session.train_loader(dataset, collator, shuffle=strategy == "random",
-                                         drop_last=self.args.dataloader_drop_last,
-                                         lengths=lengths)
+            self.train_dataset, "training", lengths=strategy == "group_by_length" and not stream)
+        loader = self.session.train_loader(dataset, collator, shuffle=strategy == "random",
+                                           drop_last=self.args.dataloader_drop_last,
+                                           lengths=lengths)
+        k = self.args.gradient_accumulation_steps
+        if k == 1:
+            return loader
+        if self.is_world_process_zero() and not stream and self.args.dataloader_drop_last:
+            warn_rows_dropped(len(dataset), self.plan.global_batch_size, k)
+        return with_accumulation_steps(loader, k)  # [Note: the stock loop's k batches]
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         """Unshuffled rank-weighted split of the eval set in microbatches of per_device_eval_batch_size."""
@@ -345,7 +373,8 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         return self.plan.global_batch_size
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
-        # A batch is a list of microbatch dicts; the engine counts items itself (all-reduce).
+        # A batch is a list of microbatch dicts (or a stand-in: [Note: the stock loop's k
+        # batches]); the engine counts items itself (all-reduce).
         return list(itertools.islice(epoch_iterator, num_batches)), None
 
     def _track_num_input_tokens(self, inputs: list[dict[str, torch.Tensor]]) -> None:
@@ -358,7 +387,7 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         processor's ``pad_token_id``, else all (stock's fallbacks and warnings).
         """
         mode = self.args.include_num_input_tokens_seen
-        if mode == "no":
+        if mode == "no" or isinstance(inputs, AccumulationStep):  # a stand-in holds no tokens
             return
         name = getattr(self.model, "main_input_name", "input_ids")
         if any(name not in mb for mb in inputs):
@@ -382,6 +411,8 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
 
         Returns the global item-mean loss of the step (identical on every rank).
         """
+        if isinstance(inputs, AccumulationStep):  # [Note: the stock loop's k batches]
+            return torch.zeros((), dtype=torch.float32, device=self.args.device)
         model.train()
         self.engine.zero_grad()  # one engine step per optimizer step: every step starts fresh
         microbatches = self._prepare_input(list(inputs))
@@ -475,6 +506,11 @@ def _input_token_count(microbatch, name: str, mode, processing_class):
         logger.warning("Could not determine method to count non-padding tokens, falling back "
                        "to counting all tokens.")
     return microbatch[name].numel()
+
+
+def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """``id(parameter)`` -> name, for re-pointing an optimizer built over them."""
+    return {id(p): n for n, p in model.named_parameters()}
 
 
 def _num_samples(microbatch) -> int:
