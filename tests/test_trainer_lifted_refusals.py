@@ -312,7 +312,8 @@ def test_stand_ins_give_stock_loader_lengths_and_skips():
                                (23, 8, 2, False), (22, 8, 4, True), (30, 12, 3, False)):
         rows = Rows({"x": i} for i in range(n))
         inner = weighted_loader(rows, list, batch_sizes=[B // 2, B - B // 2], rank=1,
-                                microbatch_size=2, seed=0, shuffle=False, drop_last=drop_last)
+                                microbatch_size=2, seed=0, shuffle=False, drop_last=drop_last,
+                                collate="global_batch")  # no process group here
         loader = with_accumulation_steps(inner, k)
         stock = DataLoader(range(n), batch_size=B // k, drop_last=drop_last)
         # drop_last: the short global batch goes (stock keeps its full per-device batches)
@@ -371,9 +372,10 @@ def test_drop_last_with_accumulation_warns(caplog):
     from hf_cephalo.integrations.trainer_accumulation import warn_rows_dropped
 
     with caplog.at_level(logging.WARNING, logger="hf_cephalo"):
-        warn_rows_dropped(22, 8, 4)
-        warn_rows_dropped(21, 8, 4)  # 5 left: stock keeps 4
-        warn_rows_dropped(17, 8, 4)  # 1 left: stock drops it too
+        warn_rows_dropped(range(22), 8, 4)
+        warn_rows_dropped(range(21), 8, 4)  # 5 left: stock keeps 4
+        warn_rows_dropped(range(17), 8, 4)  # 1 left: stock drops it too
+        warn_rows_dropped(range(22), 8, 1)  # no accumulation: stock drops the same
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2 and "would still train 6 of them" in said[0] \
         and "would still train 4 of them" in said[1], said

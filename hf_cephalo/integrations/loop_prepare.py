@@ -133,7 +133,7 @@ def _output_class(staged):
 def prepare_loop(accelerator, args: tuple) -> tuple:
     """The custom loop's prepare (see ``CephaloAccelerator.prepare``)."""
     from hf_cephalo.models import stage_model
-    from hf_cephalo.runtime.optim import repoint_optimizer
+    from hf_cephalo.runtime.optim import parameter_names, repoint_optimizer
     from hf_cephalo.runtime.session import Session
 
     check_loop_setup(accelerator, args)
@@ -145,7 +145,7 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
         model = args[model_index]
         staged = stage_model(model)  # an unsupported model: ValueError before any collective
         train = loaders[0] if loaders else None
-        name_of = {id(p): n for n, p in model.named_parameters()}  # before the engine
+        name_of = parameter_names(model)  # before the engine
         _check_optimizers(args, name_of)  # before the session's first collective
         job = job_from_accelerator(accelerator, train, _broadcast_seed(accelerator, train))
         session = Session(job, staged, model=model,

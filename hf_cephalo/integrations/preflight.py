@@ -21,9 +21,10 @@ from hf_cephalo.integrations.support import RefusedSettings, training_args_probl
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import Plan
+from hf_cephalo.runtime.optim import parameter_names, repoint_problems
 from hf_cephalo.runtime.streaming import is_stream
 
-__all__ = ["check_datasets", "check_script", "dataset_problems",
+__all__ = ["check_datasets", "check_script", "dataset_problems", "optimizer_problems",
            "engine_checkpointing_replaces_model_checkpointing"]
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,21 @@ def check_datasets(train_dataset: Any = None, eval_dataset: Any = None, *,
     problems = dataset_problems(train_dataset, eval_dataset, max_steps=max_steps)
     if problems:
         raise RefusedSettings(problems)
+
+
+def optimizer_problems(model: nn.Module | None, optimizers: Any) -> list[str]:
+    """Why ``Trainer(optimizers=(optimizer, scheduler))`` cannot be re-pointed at the model's
+    shards (``runtime.optim.repoint_problems``: a class that cannot step 1-D shards, an
+    optimizer that stepped or holds another model's tensors, a scheduler bound to another
+    optimizer), or a scheduler given without its optimizer; empty when it can."""
+    optimizer, scheduler = (tuple(optimizers or ()) + (None, None))[:2]
+    if model is None or (optimizer is None and scheduler is None):
+        return []
+    if optimizer is None:
+        return ["optimizers: a scheduler without its optimizer would set the learning rate of "
+                "an optimizer nobody steps: pass optimizers=(optimizer, scheduler), or (None, "
+                "None)"]
+    return repoint_problems(optimizer, parameter_names(model), "optimizers", scheduler=scheduler)
 
 
 def check_script(args, model: nn.Module | None, hook_problems: list[str], *,

@@ -13,11 +13,10 @@ builds the job (``job_from_training_args``) and the ``runtime.Session``: plan, e
 optimizer over the shards, loss scaler, step hooks. What the Trainer does differently from stock
 is then only where it must run through the engine: the step (``training_step`` is one
 ``engine.train_step`` over this rank's microbatches = one optimizer step; the loss is the GLOBAL
-item mean; with ``gradient_accumulation_steps`` k the stock loop's other k - 1 calls get
-stand-ins: ``trainer_accumulation.py``), the loaders (``Session.train_loader`` /
-``eval_loader``: rank i gets exactly b_i samples of each global batch, also of a stream),
-an optimizer given in ``optimizers`` re-pointed at the shards, clipping by the global norm,
-evaluation (``trainer_eval.py``), saving and checkpoints (``trainer_checkpoint.py``). Every
+item mean; gradient accumulation: ``trainer_accumulation.py``), the loaders (rank i gets exactly
+b_i samples of each global batch, also of a stream), a given optimizer re-pointed at the shards,
+clipping by the global norm, evaluation (``trainer_eval.py``), saving and checkpoints
+(``trainer_checkpoint.py``). Every
 ``TrainingArguments`` field and hook is classified in ``support.py`` (docs/trainer_support.md).
 """
 
@@ -37,7 +36,8 @@ from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
 from hf_cephalo.integrations.jit_checkpoint import replace_jit_checkpoint_callback
 from hf_cephalo.console import format_loss_trend  # noqa: F401 (exported: the examples use it)
 from hf_cephalo.integrations.preflight import (check_script,
-                                               engine_checkpointing_replaces_model_checkpointing)
+                                               engine_checkpointing_replaces_model_checkpointing,
+                                               optimizer_problems)
 from hf_cephalo.integrations.support import HOOK_SUPPORT
 from hf_cephalo.integrations.trainer_accumulation import (AccumulationStep,
                                                           warn_rows_dropped,
@@ -49,7 +49,7 @@ from hf_cephalo.integrations.user_loss import UserLossStagedModel
 from hf_cephalo.models.registry import supported_model_classes
 from hf_cephalo.planner import Plan
 from hf_cephalo.profiles.types import ClusterProfile
-from hf_cephalo.runtime.optim import (decay_groups, repoint_optimizer, repoint_problems,
+from hf_cephalo.runtime.optim import (decay_groups, parameter_names, repoint_optimizer,
                                       shard_optimizer)
 from hf_cephalo.runtime.report import format_plan_table  # noqa: F401 (exported)
 from hf_cephalo.runtime.session import Session
@@ -113,13 +113,9 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
     Raises:
         TypeError: ``args`` has no ``cephalo_*`` settings.
         ValueError: ``RefusedSettings`` listing, in ONE message, every refused setting of
-            the script: no model (``model_init`` is not supported), an unsupported model class,
-            a streamed train dataset without ``max_steps`` (as stock) or a streamed eval
-            dataset, an ``optimizers`` pair that cannot be re-pointed at the shards (a
-            non-element-wise class, an optimizer that already stepped or holds another model's
-            tensors, a scheduler bound to another optimizer), a ``TrainingArguments`` value or
-            hook the engine would not honour (``support.py``, docs/trainer_support.md); later,
-            a plan that does not fit the job — all before any profiling or collective.
+            the script (``preflight.check_script``: the model, the datasets, ``optimizers``,
+            ``TrainingArguments`` values and hooks: ``support.py``, docs/trainer_support.md);
+            later, a plan that does not fit the job — all before any profiling or collective.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, args=None, *,
@@ -135,7 +131,7 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         staged = check_script(args, model, self._hook_problems(model, kwargs),
                               train_dataset=kwargs.get("train_dataset"),
                               eval_dataset=kwargs.get("eval_dataset"))
-        name_of = _parameter_names(model)  # a user's optimizer's, before the engine replaces them
+        name_of = parameter_names(model)  # a user's optimizer's, before the engine replaces them
         compile_options = _compile_options(args)  # a bad backend / mode: ValueError here
         engine_checkpointing_replaces_model_checkpointing(args, plan)
         user_loss = self._uses_user_loss(args, kwargs)
@@ -201,15 +197,7 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         problems = []
         if kwargs.get("model_init") is not None:
             problems.append(refused("model_init"))
-        optimizer, scheduler = (tuple(kwargs.get("optimizers") or ()) + (None, None))[:2]
-        if model is not None and (optimizer is not None or scheduler is not None):
-            if optimizer is None:
-                problems.append("optimizers: a scheduler without its optimizer would set the "
-                                "learning rate of an optimizer nobody steps: pass "
-                                "optimizers=(optimizer, scheduler), or (None, None)")
-            else:  # stepped already, another model's tensors, not element-wise
-                problems += repoint_problems(optimizer, _parameter_names(model), "optimizers",
-                                             scheduler=scheduler)
+        problems += optimizer_problems(model, kwargs.get("optimizers"))
         if type(self)._get_train_sampler is not Trainer._get_train_sampler:
             problems.append(refused("_get_train_sampler (override)"))
         registered = next((c for c in type(model).__mro__ if c.__name__ in supported_model_classes()),
@@ -288,7 +276,7 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
                              "(its rows are split by the plan's b_i and gathered in order): "
                              "materialize it first, e.g. datasets.Dataset.from_generator")
         collator = self.data_collator
-        sizes = self._sample_lengths(dataset) if lengths else None
+        sizes = self._sample_lengths(dataset) if lengths and not is_stream(dataset) else None
         if isinstance(dataset, datasets.Dataset) and dataset.format.get("type") != "custom":
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
@@ -322,18 +310,15 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
                              "CephaloTrainer(..., train_dataset=...)")
         strategy = str(getattr(self.args.train_sampling_strategy, "value",
                                self.args.train_sampling_strategy))
-        stream = is_stream(self.train_dataset)  # read in order: no sampler, as stock
         dataset, collator, lengths = self._loader_inputs(
-            self.train_dataset, "training", lengths=strategy == "group_by_length" and not stream)
+            self.train_dataset, "training", lengths=strategy == "group_by_length")
         loader = self.session.train_loader(dataset, collator, shuffle=strategy == "random",
                                            drop_last=self.args.dataloader_drop_last,
                                            lengths=lengths)
-        k = self.args.gradient_accumulation_steps
-        if k == 1:
-            return loader
-        if self.is_world_process_zero() and not stream and self.args.dataloader_drop_last:
-            warn_rows_dropped(len(dataset), self.plan.global_batch_size, k)
-        return with_accumulation_steps(loader, k)  # [Note: the stock loop's k batches]
+        k = self.args.gradient_accumulation_steps  # > 1: [Note: the stock loop's k batches]
+        if self.is_world_process_zero() and self.args.dataloader_drop_last:
+            warn_rows_dropped(dataset, self.plan.global_batch_size, k)
+        return with_accumulation_steps(loader, k)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         """Unshuffled rank-weighted split of the eval set in microbatches of per_device_eval_batch_size."""
@@ -373,8 +358,7 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         return self.plan.global_batch_size
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
-        # A batch is a list of microbatch dicts (or a stand-in: [Note: the stock loop's k
-        # batches]); the engine counts items itself (all-reduce).
+        # A batch: a list of microbatch dicts, or a stand-in; the engine counts items itself.
         return list(itertools.islice(epoch_iterator, num_batches)), None
 
     def _track_num_input_tokens(self, inputs: list[dict[str, torch.Tensor]]) -> None:
@@ -506,11 +490,6 @@ def _input_token_count(microbatch, name: str, mode, processing_class):
         logger.warning("Could not determine method to count non-padding tokens, falling back "
                        "to counting all tokens.")
     return microbatch[name].numel()
-
-
-def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
-    """``id(parameter)`` -> name, for re-pointing an optimizer built over them."""
-    return {id(p): n for n, p in model.named_parameters()}
 
 
 def _num_samples(microbatch) -> int:

@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from hf_cephalo.runtime.streaming import is_stream
+
 __all__ = ["AccumulationStep", "with_accumulation_steps", "accumulation_steps_of",
            "warn_rows_dropped"]
 
@@ -156,7 +158,9 @@ _LOADER_KWARGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn",
 def with_accumulation_steps(loader: DataLoader, k: int) -> DataLoader:
     """``loader`` (the runtime's training loader: a weighted batch sampler over a map-style
     dataset, or a stream) rebuilt, same class and settings, to yield each step's share followed
-    by its ``AccumulationStep`` stand-ins ([Note: the stock loop's k batches])."""
+    by its ``AccumulationStep`` stand-ins ([Note: the stock loop's k batches]); k = 1: itself."""
+    if k == 1:
+        return loader
     kwargs = {name: getattr(loader, name) for name in _LOADER_KWARGS if hasattr(loader, name)}
     collate = _PassStandIns(loader.collate_fn)
     if isinstance(loader.dataset, IterableDataset):
@@ -167,11 +171,14 @@ def with_accumulation_steps(loader: DataLoader, k: int) -> DataLoader:
                         collate_fn=collate, **kwargs)
 
 
-def warn_rows_dropped(num_rows: int, global_batch_size: int, k: int) -> None:
+def warn_rows_dropped(dataset, global_batch_size: int, k: int) -> None:
     """``dataloader_drop_last`` with k > 1: Cephalo drops the short last GLOBAL batch; stock
     drops only the short last per-device batch and trains the full ones before it as a shorter
-    last step. Warn when that leaves rows out that stock trains on."""
-    partial = num_rows % global_batch_size
+    last step. Warn when that leaves rows out that stock trains on (never for k = 1; a stream:
+    its length is not known up front)."""
+    if is_stream(dataset):
+        return
+    partial = len(dataset) % global_batch_size
     kept_by_stock = partial * k // global_batch_size * global_batch_size // k
     if kept_by_stock:
         logger.warning("--dataloader_drop_last with --gradient_accumulation_steps %d: the last "

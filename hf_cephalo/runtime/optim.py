@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["shard_optimizer", "repoint_optimizer", "repoint_problems",
+__all__ = ["shard_optimizer", "repoint_optimizer", "repoint_problems", "parameter_names",
            "check_elementwise_optimizer", "decay_groups", "NOT_ELEMENTWISE"]
 
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon", "Shampoo", "GaLoreAdamW",
@@ -71,6 +71,12 @@ def shard_optimizer(engine, optimizer_cls: type, optimizer_kwargs: Mapping[str, 
         param_groups.append({**{k: v for k, v in group.items() if k != "names"},
                              "params": [shards[n] for n in group["names"]]})
     return optimizer_cls(param_groups, **optimizer_kwargs)
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """``id(parameter)`` -> name for every parameter of ``model``: what ``repoint_optimizer``
+    needs, taken before the engine replaces the parameters."""
+    return {id(p): n for n, p in model.named_parameters()}
 
 
 def repoint_problems(optimizer: torch.optim.Optimizer, name_of: Mapping[int, str], what: str,
