@@ -12,7 +12,6 @@ from typing import Callable
 import torch
 import transformers
 
-from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
 
 VOCAB = 97

@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 
-import numpy as np
 import pytest
 import torch
 

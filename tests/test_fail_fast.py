@@ -64,9 +64,9 @@ def test_bad_setups_fail_before_profiling(tmp_path, capsys, no_profiling):
 
     cases = [  # (model, args, trainer kwargs, error type, message pattern)
         (build("llama"), {}, dict(train_dataset=_Stream()), ValueError,
-         r"train_dataset: _Stream has no length.*Dataset\.from_generator"),
+         r"train_dataset: _Stream is a stream without a length.*set --max_steps"),
         (build("llama"), {}, dict(eval_dataset={"dev": _Stream()}), ValueError,
-         r"eval_dataset\['dev'\]: _Stream has no length"),
+         r"eval_dataset\['dev'\]: _Stream is a stream.*Dataset\.from_generator"),
         (_bare_bert(), {}, {}, ValueError,
          r"no staged-model adapter for BertModel; .* load the model as "
          r"BertForSequenceClassification"),

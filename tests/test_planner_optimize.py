@@ -32,7 +32,7 @@ def _solve_or_inf(cluster, B, allow_idle=True) -> float:
 def _check_assignment(cluster, B, a, c=0.8):
     """The returned assignment itself satisfies (I)-(III) and achieves the claimed time."""
     assert sum(a.batch_sizes) == B
-    devs, S, N = cluster.devices, cluster.model.state_bytes, cluster.world_size
+    devs, S = cluster.devices, cluster.model.state_bytes
     mems = []
     for i, (d, b, m, l) in enumerate(zip(devs, a.batch_sizes, a.microbatch_sizes,
                                          a.num_microbatches)):

@@ -29,7 +29,7 @@ from hf_cephalo import rank_errors
 from hf_cephalo.rank_errors import (ALL_RANK_ERRORS_ENV, ErrorKind, classify_error,
                                     error_file_record, install_rank_error_hook)
 from tests.dist_utils import budget_s, free_port, test_timeout
-from tests.launch_utils import ROOT, LaunchResult, start_launch, start_torchrun, wait_all
+from tests.launch_utils import ROOT, start_launch, start_torchrun, wait_all
 
 SCRIPT = ROOT / "tests" / "launch_scripts" / "raise_on_ranks.py"
 MESSAGE = "lr = -1 (--learning_rate): must be > 0"  # the script's

@@ -250,3 +250,127 @@ def test_live_switch_keeps_the_global_batches():
         schedule.switch(20, [3, 3], [1, 1])
     with pytest.raises(ValueError, match="before the last one"):
         schedule.switch(3, [5, 5], [1, 1])
+
+
+def test_step_indices_carry_the_step_and_travel_to_workers():
+    """The sampler's lists are StepIndices: equal to plain lists, with the step, the rows'
+    position in the global batch and the split in force when drawn; pickled with them."""
+    import pickle
+
+    from hf_cephalo.runtime.sampler import SplitSchedule, StepIndices
+
+    schedule = SplitSchedule([2, 3], [1, 3])
+    sampler = WeightedBatchSampler(12, [2, 3], 1, seed=4, schedule=schedule)
+    sampler.set_epoch(2)
+    steps = list(sampler)
+    reference = global_batches(12, 5, epoch=2, seed=4)
+    assert [list(s) for s in steps] == [b[split_counts(len(b), [2, 3])[0]:] for b in reference]
+    assert [(s.epoch, s.step, s.start) for s in steps] == [(2, 6, 2), (2, 7, 2), (2, 8, 1)]
+    assert steps[0].batch_sizes == [2, 3] and steps[0].microbatch_sizes == [1, 3]
+    back = pickle.loads(pickle.dumps(steps[2]))
+    assert isinstance(back, StepIndices) and back.same_step(steps[2]) and back == [*steps[2]]
+    whole = sampler.whole_step(steps[1])
+    assert whole == reference[1] and whole.whole and whole.start == 0
+    assert not whole.same_step(steps[1])
+    moved = StepIndices(steps[0], epoch=2, step=6, start=2, batch_sizes=[2, 3],
+                        microbatch_sizes=[1, 1])
+    assert moved == steps[0] and not moved.same_step(steps[0])  # another m_i: another step
+    assert list(sampler.iter_steps(2, 7)) == steps[1:]  # from a global step on (read-ahead)
+
+
+def test_samples_are_read_under_their_own_seed():
+    """read_sample(k, epoch) draws the same on every call and leaves the process's
+    generators as they were; another sample or epoch draws differently."""
+    import numpy as np
+
+    from hf_cephalo.runtime.sample_reads import preserved_rng, read_sample, sample_seed
+
+    class Noisy:
+        def __getitem__(self, i):
+            return (random.random(), float(np.random.rand()), float(torch.rand(())))
+
+    states = random.getstate(), torch.random.get_rng_state()
+    a = read_sample(Noisy(), 3, seed=1, epoch=0)
+    assert a == read_sample(Noisy(), 3, seed=1, epoch=0)
+    assert random.getstate() == states[0] and torch.equal(torch.random.get_rng_state(), states[1])
+    assert a != read_sample(Noisy(), 4, seed=1, epoch=0) != read_sample(Noisy(), 3, seed=1, epoch=1)
+    assert len({sample_seed(s, e, k) for s in range(3) for e in range(3) for k in range(3)}) == 27
+    with preserved_rng(5):
+        first = torch.rand(())
+    with preserved_rng(5):
+        assert torch.equal(torch.rand(()), first)
+
+
+def test_global_width_check_on_collators():
+    """check_global_width says which collators padding to the widest row can be reproduced
+    per rank (None) and why not for the others, in one process."""
+    from hf_cephalo.runtime.global_width import check_global_width
+
+    rows = [{"ids": list(range(1, 2 + (5 * i) % 7))} for i in range(9)]
+    assert check_global_width(_left_pad, rows, [2, 0, 3, 4]) is None
+
+    def plus_rows(samples):  # width grows with the number of rows
+        width = max(len(s["ids"]) for s in samples) + len(samples)
+        return {"x": torch.tensor([s["ids"] + [0] * (width - len(s["ids"])) for s in samples])}
+
+    def noisy(samples):  # draws per batch: rows depend on the batch
+        out = _left_pad(samples)
+        out["noise"] = torch.rand(len(samples))
+        return out
+
+    def packs(samples):
+        return {"x": torch.tensor([[t for s in samples for t in s["ids"]]])}
+
+    assert "are not the widest rows'" in check_global_width(plus_rows, rows, [4, 5])
+    assert "differ from the same rows" in check_global_width(noisy, rows, [4, 5])
+    assert "first dimension is not the samples" in check_global_width(packs, rows, [4, 5])
+    state = torch.random.get_rng_state()
+    check_global_width(noisy, rows, [4, 5])
+    assert torch.equal(state, torch.random.get_rng_state())  # a random collator is not advanced
+
+
+def test_weighted_loader_without_a_process_group():
+    """One rank: global_width is the whole batch (nothing to exchange; no process group
+    needed); several ranks without torch.distributed: a clear error naming the fix."""
+    from hf_cephalo.runtime.data import weighted_loader
+
+    data = [{"ids": list(range(1, 2 + i % 4))} for i in range(7)]
+    kwargs = dict(rank=0, microbatch_size=2, seed=0, shuffle=False)
+    one = weighted_loader(data, _left_pad, batch_sizes=[3], **kwargs)
+    steps = list(one)
+    full = [_left_pad(data[0:3]), _left_pad(data[3:6]), _left_pad(data[6:7])]
+    assert [torch.cat([mb["input_ids"] for mb in s]).tolist() for s in steps] == \
+        [f["input_ids"].tolist() for f in full]
+    assert one.dataset.mode.value == "global_batch" and len(one.dataset) == 7
+    with pytest.raises(ValueError, match="torch.distributed, which is not initialized"):
+        weighted_loader(data, _left_pad, batch_sizes=[3, 4], **kwargs)
+    with pytest.raises(ValueError, match="collate = 'whole'"):
+        weighted_loader(data, _left_pad, batch_sizes=[3], collate="whole", **kwargs)
+    micro = weighted_loader(data, _left_pad, batch_sizes=[2, 5], collate="microbatch", **kwargs)
+    assert [len(s) for s in micro] == [1]  # one step (B = 7): rank 0 has 2 rows, m = 2
+
+
+def test_read_ahead_seeds_workers_per_rank_and_exchange_alone():
+    """The read-ahead loader's workers are seeded as stock Trainer seeds them (per rank), from
+    a generator of its own; one process's exchange gathers from itself and fails alone."""
+    from transformers.trainer_utils import seed_worker
+
+    from hf_cephalo.runtime.exchange import LoaderStepError, StepExchange
+    from hf_cephalo.runtime.sample_reads import ReadAhead, SeededReads
+
+    sampler = WeightedBatchSampler(10, [2, 3], 1)
+    ahead = ReadAhead(SeededReads(list(range(10)), 0), sampler, list, whole=False,
+                      loader_kwargs=dict(num_workers=2))
+    init = ahead._loader.worker_init_fn
+    assert init.func is seed_worker and init.keywords == {"num_workers": 2, "rank": 1}
+    assert ahead._loader.generator is not None  # not the process's global generator
+    inline = ReadAhead(SeededReads(list(range(10)), 0), sampler, list, whole=True,
+                       loader_kwargs=dict(num_workers=0))
+    first = next(iter(sampler))
+    assert inline.get(first) == sampler.whole_step(first)  # the whole batch's rows, read here
+    alone = StepExchange()
+    assert (alone.world_size, alone.rank, alone.device.type) == (1, 0, "cpu")
+    assert alone.gather([3, 4]) == [[3, 4]]
+    alone.agree(None, "data, step 0")
+    with pytest.raises(LoaderStepError, match="data, step 0 failed on rank 0: OSError: gone"):
+        alone.agree(OSError("gone"), "data, step 0")

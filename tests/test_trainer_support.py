@@ -138,9 +138,6 @@ def test_hooks_refused_at_construction(tmp_path):
     from hf_cephalo.integrations.trainer import CephaloTrainer
 
     model = build("llama")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="optimizers is not supported.*optimizer_cls_and_kwargs"):
-        CephaloTrainer(model=model, args=_args(tmp_path), optimizers=(opt, None))
 
     class OwnSampler(CephaloTrainer):
         def _get_train_sampler(self, train_dataset=None):
@@ -193,15 +190,16 @@ def test_every_refusal_of_a_script_in_one_message(tmp_path, monkeypatch):
 
     monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
     model = torch.nn.Linear(4, 4)  # no adapter
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    args = _args(tmp_path, gradient_accumulation_steps=2, auto_find_batch_size=True,
-                 use_liger_kernel=True)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1)
+    args = _args(tmp_path, gradient_accumulation_steps=2, fp16_full_eval=True,
+                 auto_find_batch_size=True, use_liger_kernel=True)
     with pytest.raises(RefusedSettings) as info:
         CephaloTrainer(model=model, args=args, optimizers=(opt, None), train_dataset=Stream())
     message = str(info.value)
-    expected = ["--gradient_accumulation_steps = 2: ", "--use_liger_kernel = True is not supported",
-                "--auto_find_batch_size = True is not supported", "optimizers is not supported",
-                "train_dataset: Stream has no length", "model: "]
+    expected = ["--fp16_full_eval is not supported", "--use_liger_kernel = True is not supported",
+                "--auto_find_batch_size = True is not supported",
+                "optimizers: LBFGS is not an element-wise optimizer",
+                "train_dataset: Stream is a stream without a length", "model: "]
     assert message.startswith(f"CephaloTrainer refuses {len(expected)} settings of this script; "
                               "change all of them (docs/trainer_support.md):\n"), message
     lines = message.splitlines()[1:]
@@ -218,8 +216,9 @@ def test_gradient_checkpointing_with_checkpointing_off_is_refused(tmp_path, monk
     """--gradient_checkpointing asks for activation checkpointing: beside
     --cephalo_activation_checkpointing false, or a plan file made without it, it is refused
     before any process group exists; with 'auto' it means checkpointing on."""
-    from hf_cephalo.integrations.trainer import (CephaloTrainer,
-                                                 _engine_checkpointing_replaces_model_checkpointing)
+    from hf_cephalo.integrations.preflight import \
+        engine_checkpointing_replaces_model_checkpointing as _engine_checkpointing_replaces_model_checkpointing
+    from hf_cephalo.integrations.trainer import CephaloTrainer
     from hf_cephalo.planner import Plan
 
     monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
@@ -253,8 +252,9 @@ def test_activation_checkpointing_flag_any_case_and_against_a_plan_file(tmp_path
 
     from hf_cephalo.integrations.training_args import job_from_training_args
     from hf_cephalo.runtime.planning import check_plan_file_checkpointing
-    from hf_cephalo.integrations.trainer import (_engine_checkpointing_replaces_model_checkpointing,
-                                                 format_plan_table)
+    from hf_cephalo.integrations.preflight import \
+        engine_checkpointing_replaces_model_checkpointing as _engine_checkpointing_replaces_model_checkpointing
+    from hf_cephalo.integrations.trainer import format_plan_table
     from hf_cephalo.integrations.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 

@@ -136,8 +136,6 @@ def test_validation(tmp_path, kw, match):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(gradient_accumulation_steps=4),
-     r"--gradient_accumulation_steps = 4: .*set --cephalo_global_batch_size .* = 8 x world size x 4\)"),
     (dict(fp16_full_eval=True), "--fp16_full_eval is not supported"),
     (dict(bf16_full_eval=True), "--bf16_full_eval is not supported"),
 ])

@@ -90,7 +90,11 @@ def test_sft_defaults_are_trl_defaults(tmp_path):
     fields = {f.name: f for f in dataclasses.fields(CephaloSFTConfig)}
     assert fields["learning_rate"].metadata == \
         {f.name: f for f in dataclasses.fields(trl.SFTConfig)}["learning_rate"].metadata
-    assert ours.cephalo_collate == "global_batch" and "cephalo_plan_file" in fields
+    from hf_cephalo.integrations import CephaloTrainingArguments
+
+    plain = CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none")
+    assert "cephalo_plan_file" in fields  # every Cephalo setting, with its own default
+    assert all(getattr(ours, f) == getattr(plain, f) for f in fields if f.startswith("cephalo_"))
 
 
 def test_refused_in_one_message_before_any_collective(tmp_path, monkeypatch):

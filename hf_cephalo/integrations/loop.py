@@ -170,11 +170,11 @@ class CephaloDataLoader:
     """
 
     def __init__(self, inner, hooks, *, training: bool, empty_batch, microbatch_size: int,
-                 batch_size: int, device) -> None:
+                 batch_size: int, device, dataset) -> None:
         self.inner, self.hooks, self.training = inner, hooks, training
         self._empty_batch, self._microbatch_size = empty_batch, microbatch_size
         self.batch_size, self.device = batch_size, device
-        self.dataset = inner.dataset
+        self.dataset = dataset  # the user's (the runtime's loader reads it through its own)
         self.epoch = 0  # the epoch the next iteration draws
         self.position = 0  # batches handed out in the current epoch
         self._skip_next = 0  # batches the next iteration skips (skip_first_batches / a resume)
@@ -302,7 +302,8 @@ class LoopState:
             raise RuntimeError("a second training forward in one step (after "
                                "accelerator.backward): draw the next batch from the prepared "
                                "training loader first, or evaluate under torch.no_grad() / "
-                               "model.eval()")
+                               "model.eval(); several loss terms come from one forward's "
+                               "outputs")
         self.open = self.session.engine.forward_step(microbatches)
         return self.open
 

@@ -133,7 +133,7 @@ def _output_class(staged):
 def prepare_loop(accelerator, args: tuple) -> tuple:
     """The custom loop's prepare (see ``CephaloAccelerator.prepare``)."""
     from hf_cephalo.models import stage_model
-    from hf_cephalo.runtime.optim import repoint_optimizer
+    from hf_cephalo.runtime.optim import parameter_names, repoint_optimizer
     from hf_cephalo.runtime.session import Session
 
     check_loop_setup(accelerator, args)
@@ -145,7 +145,8 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
         model = args[model_index]
         staged = stage_model(model)  # an unsupported model: ValueError before any collective
         train = loaders[0] if loaders else None
-        name_of = {id(p): n for n, p in model.named_parameters()}  # before the engine
+        name_of = parameter_names(model)  # before the engine
+        _check_optimizers(args, name_of)  # before the session's first collective
         job = job_from_accelerator(accelerator, train, _broadcast_seed(accelerator, train))
         session = Session(job, staged, model=model,
                           train_dataset=None if train is None else train.dataset)
@@ -172,6 +173,18 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
     return results[0] if len(results) == 1 else tuple(results)
 
 
+def _check_optimizers(args: tuple, name_of: dict[int, str]) -> None:
+    """Refuse an optimizer prepared with the model that cannot be re-pointed at its shards
+    (``runtime.optim.repoint_problems``), on every rank alike, before any collective."""
+    from hf_cephalo.runtime.optim import repoint_problems
+
+    for obj in args:
+        if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, CephaloOptimizer):
+            problems = repoint_problems(obj, name_of, "accelerator.prepare(optimizer)")
+            if problems:
+                raise ValueError(problems[0])
+
+
 def _say_gradient_accumulation(accelerator, job) -> None:
     ga = accelerator.gradient_accumulation_steps
     if ga > 1 and job.is_main:
@@ -196,10 +209,15 @@ def _prepare_loader(accelerator, loader: DataLoader) -> CephaloDataLoader:
     else:
         inner = session.eval_loader(loader.dataset, collate, microbatch_size=None,
                                     options=_options_of(loader))
+    # as stock Accelerate's prepared loader keeps the user's generator: each epoch's iter()
+    # draws the loader's base seed from it, not from the global RNG (which a resume restores
+    # with load_state just before that iter(): dropout after a resume as in the run it resumes)
+    inner.generator = loader.generator
     empty = _EmptyBatch(loader.dataset, collate)
     prepared = CephaloDataLoader(inner, accelerator.cephalo_loop, training=training,
                                  empty_batch=empty, microbatch_size=loader.batch_size,
-                                 batch_size=loader.batch_size, device=accelerator.device)
+                                 batch_size=loader.batch_size, device=accelerator.device,
+                                 dataset=loader.dataset)
     accelerator.cephalo_loaders.append(prepared)
     accelerator._dataloaders.append(prepared)
     return prepared

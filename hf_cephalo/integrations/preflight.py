@@ -12,6 +12,7 @@ memory cap) can only be checked after it (``runtime.planning.resolve_plan``).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from torch import nn
@@ -19,25 +20,46 @@ from torch import nn
 from hf_cephalo.integrations.support import RefusedSettings, training_args_problems
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
+from hf_cephalo.planner import Plan
+from hf_cephalo.runtime.optim import parameter_names, repoint_problems
+from hf_cephalo.runtime.streaming import is_stream
 
-__all__ = ["check_datasets", "check_script", "dataset_problems"]
+__all__ = ["check_datasets", "check_script", "dataset_problems", "optimizer_problems",
+           "engine_checkpointing_replaces_model_checkpointing"]
 
 logger = logging.getLogger(__name__)
 
 
-def _dataset_error(dataset: Any, description: str) -> str | None:
-    if dataset is None or hasattr(dataset, "__len__"):
+def _dataset_error(dataset: Any, description: str, max_steps: int) -> str | None:
+    if dataset is None or not is_stream(dataset):
         return None
-    return (f"{description}: {type(dataset).__name__} has no length; CephaloTrainer splits each "
-            "global batch by the plan's per-rank batch sizes b_i and needs a map-style dataset "
-            "(datasets.Dataset, a list, a torch Dataset with __len__). For a streamed "
-            "datasets.IterableDataset, materialize the part you train on first, e.g. "
+    name = type(dataset).__name__
+    if description == "train_dataset":  # read as a stream: runtime/streaming.py
+        if max_steps > 0 or _has_length(dataset):
+            return None
+        return (f"train_dataset: {name} is a stream without a length, so the number of "
+                "training steps cannot be inferred: set --max_steps (as stock Trainer requires "
+                "for an IterableDataset)")
+    return (f"{description}: {name} is a stream; CephaloTrainer evaluates a dataset with a "
+            "length (its rows are split by the plan's per-rank batch sizes b_i and gathered in "
+            "order). Materialize the part you evaluate on first, e.g. "
             "datasets.Dataset.from_generator(lambda: (yield from iterable.take(n)), "
             "features=iterable.features)")
 
 
-def dataset_problems(train_dataset: Any = None, eval_dataset: Any = None) -> list[str]:
-    """One message per dataset without a length (an ``IterableDataset``); empty when all fit.
+def _has_length(dataset: Any) -> bool:
+    try:
+        len(dataset)
+    except TypeError:
+        return False
+    return True
+
+
+def dataset_problems(train_dataset: Any = None, eval_dataset: Any = None, *,
+                     max_steps: int = -1) -> list[str]:
+    """One message per dataset CephaloTrainer cannot read: a streamed train dataset (an
+    ``IterableDataset``) without a length and without ``max_steps`` > 0 (stock's rule), a
+    streamed eval dataset; empty when all fit.
 
     ``eval_dataset`` may be a dict of named datasets (each is checked).
     """
@@ -45,17 +67,34 @@ def dataset_problems(train_dataset: Any = None, eval_dataset: Any = None) -> lis
     problems = []
     for description, dataset in [("train_dataset", train_dataset),
                                  *((f"eval_dataset{f'[{k!r}]' if k else ''}", d) for k, d in evals)]:
-        message = _dataset_error(dataset, description)
+        message = _dataset_error(dataset, description, max_steps)
         if message:
             problems.append(message)
     return problems
 
 
-def check_datasets(train_dataset: Any = None, eval_dataset: Any = None) -> None:
-    """Raise ``RefusedSettings`` (a ValueError) naming every dataset without a length."""
-    problems = dataset_problems(train_dataset, eval_dataset)
+def check_datasets(train_dataset: Any = None, eval_dataset: Any = None, *,
+                   max_steps: int = -1) -> None:
+    """Raise ``RefusedSettings`` (a ValueError) naming every dataset ``dataset_problems``
+    refuses."""
+    problems = dataset_problems(train_dataset, eval_dataset, max_steps=max_steps)
     if problems:
         raise RefusedSettings(problems)
+
+
+def optimizer_problems(model: nn.Module | None, optimizers: Any) -> list[str]:
+    """Why ``Trainer(optimizers=(optimizer, scheduler))`` cannot be re-pointed at the model's
+    shards (``runtime.optim.repoint_problems``: a class that cannot step 1-D shards, an
+    optimizer that stepped or holds another model's tensors, a scheduler bound to another
+    optimizer), or a scheduler given without its optimizer; empty when it can."""
+    optimizer, scheduler = (tuple(optimizers or ()) + (None, None))[:2]
+    if model is None or (optimizer is None and scheduler is None):
+        return []
+    if optimizer is None:
+        return ["optimizers: a scheduler without its optimizer would set the learning rate of "
+                "an optimizer nobody steps: pass optimizers=(optimizer, scheduler), or (None, "
+                "None)"]
+    return repoint_problems(optimizer, parameter_names(model), "optimizers", scheduler=scheduler)
 
 
 def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
@@ -72,7 +111,7 @@ def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
         RefusedSettings: (a ValueError) one message listing every problem found.
     """
     problems = [*training_args_problems(args), *hook_problems,
-                *dataset_problems(train_dataset, eval_dataset)]
+                *dataset_problems(train_dataset, eval_dataset, max_steps=args.max_steps)]
     staged = None
     if model is None:
         problems.append("model: CephaloTrainer needs a model: pass model=... (model_init is not "
@@ -89,3 +128,48 @@ def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
     if problems:
         raise RefusedSettings(problems)
     return staged
+
+
+def engine_checkpointing_replaces_model_checkpointing(args, plan: Plan | None = None) -> None:
+    """``gradient_checkpointing`` / ``activation_checkpointing``: the engine recomputes every
+    unit in backward, which IS activation checkpointing. Stock ``Trainer.train()`` would switch
+    the model's own checkpointing on as well (each layer's forward then runs three times per
+    microbatch instead of two), so the flags are logged and cleared on ``args``.
+
+    The user asked for checkpointing, so a plan without it is refused (before any collective):
+    ``--cephalo_activation_checkpointing false``, or a plan (``plan`` / ``--cephalo_plan_file``)
+    that records it off; with ``auto`` the trainer plans with checkpointing on.
+
+    Raises:
+        ValueError: the flag with ``--cephalo_activation_checkpointing false`` or such a plan.
+    """
+    asked = args.activation_checkpointing or args.gradient_checkpointing
+    if asked and args.cephalo_activation_checkpointing == "false":
+        raise ValueError(
+            "--gradient_checkpointing (or --activation_checkpointing) asks for activation "
+            "checkpointing but --cephalo_activation_checkpointing is 'false' (keep every forward "
+            "graph, no recompute): drop one of them ('true' or 'auto' with the stock flag plans "
+            "with checkpointing; the engine's own checkpointing replaces the model's)")
+    if asked and plan is None and args.cephalo_plan_file is not None:
+        plan = Plan.load(args.cephalo_plan_file)
+    if asked and plan is not None and not plan.activation_checkpointing:
+        source = "plan" if args.cephalo_plan_file is None else \
+            f"plan file {args.cephalo_plan_file!r}"
+        raise ValueError(
+            "--gradient_checkpointing (or --activation_checkpointing) asks for activation "
+            f"checkpointing but the {source} was made without it (activation_checkpointing "
+            "false: forward graphs kept): drop the flag, or re-plan with `hf-cephalo plan "
+            "--activation-checkpointing true`")
+    # said once per job: every rank runs this with the same flags (RANK: the launcher's, set
+    # before the process group exists), so the other ranks would repeat both lines
+    say = logger.warning if os.environ.get("RANK", "0") == "0" else logger.debug
+    if asked and args.cephalo_activation_checkpointing == "auto":
+        say("--gradient_checkpointing with --cephalo_activation_checkpointing auto: "
+            "planning with activation checkpointing on, as the flag asks")
+        args.cephalo_activation_checkpointing = "true"
+    if asked:
+        say("gradient_checkpointing/activation_checkpointing: the Cephalo engine already "
+            "recomputes every layer in backward (per-unit activation checkpointing); the "
+            "model's own checkpointing is not switched on in addition")
+        args.activation_checkpointing = False
+        args.gradient_checkpointing = False

@@ -108,6 +108,7 @@ _T = "tests/test_trainer.py::"
 _L = "tests/test_trainer_launch.py::"
 _P = "tests/test_trainer_parity.py::"
 _C = "tests/test_checkpoint_trainer.py"
+_R = "tests/test_trainer_lifted_refusals.py::"
 _K = "tests/test_checkpoint_settings.py::"
 _LOOP = "the stock training loop reads it; the engine only replaces the step itself"
 _EVAL = "stock evaluate()/predict() schedule; the loop body runs through the engine"
@@ -139,7 +140,8 @@ FIELD_SUPPORT: dict[str, Support] = {
     "output_dir": _stock("checkpoints and saved models go there", _T + "test_matches_full_batch_reference"),
     "per_device_train_batch_size": _stock(
         "without a plan or cephalo_global_batch_size, B = per_device_train_batch_size x world "
-        "size (the stock global batch); with a plan each rank's b_i comes from the plan",
+        "size x gradient_accumulation_steps (the stock global batch, named in the plan line); "
+        "with a plan each rank's b_i comes from the plan",
         _P + "test_matches_stock_trainer"),
     "num_train_epochs": _stock("stock loop", _T + "test_matches_full_batch_reference"),
     "max_steps": _stock("stock loop", _P + "test_matches_stock_trainer"),
@@ -166,9 +168,16 @@ FIELD_SUPPORT: dict[str, Support] = {
     "optim_target_modules": _refused(
         "GaLore/APOLLO pick modules of the full model, which the engine holds as flat shards; "
         "drop optim_target_modules and use an element-wise optimizer"),
-    "gradient_accumulation_steps": _refused(
-        "Cephalo accumulates l_i microbatches per step itself: leave it 1 and set "
-        "--cephalo_global_batch_size (the message gives the equivalent value)"),
+    "gradient_accumulation_steps": _stock(
+        "the global batch is per_device_train_batch_size x world size x "
+        "gradient_accumulation_steps (plan line); one optimizer step = one engine step over "
+        "it (the engine accumulates each rank's l_i microbatches); the stock loop still counts "
+        "k batches per step (the loader yields each step's share, then k - 1 empty stand-ins), "
+        "so steps per epoch, max_steps, epoch fractions, logging and resume skipping are "
+        "stock's; the logged loss is the step's global item mean (stock's with "
+        "num_items_in_batch). With dataloader_drop_last the whole short last global batch is "
+        "dropped (stock keeps its full per-device batches; warned)",
+        _R + "test_gradient_accumulation_as_stock"),
     "average_tokens_across_devices": Support(
         status=Status.STOCK, test=_P + "test_matches_stock_trainer",
         note="the engine always divides by the global item count (stock True); False (per-rank "
@@ -336,9 +345,9 @@ FIELD_SUPPORT: dict[str, Support] = {
         "sharded evaluation loader does on the same number of processes",
         _L + "test_two_process_fields_as_stock_ddp"),
     "dataloader_num_workers": _inherited(
-        "passed to the weighted DataLoader; above 0 live re-balancing (--cephalo_adaptive "
-        "batch) is off with a warning: workers draw batches ahead with the start split "
-        "(docs/adaptive.md)"),
+        "workers read this rank's rows ahead inside the weighted loader (its collation and the "
+        "per-step width exchange run in the main process); a step read ahead before a live "
+        "switch of the split is read again (docs/data.md)"),
     "dataloader_pin_memory": _inherited("passed to the weighted DataLoader"),
     "dataloader_persistent_workers": _inherited("passed to the weighted DataLoader"),
     "dataloader_prefetch_factor": _inherited("passed to the weighted DataLoader"),
@@ -404,20 +413,37 @@ HOOK_SUPPORT: dict[str, Support] = {
                                             _T + "test_matches_full_batch_reference"),
     "callbacks": _inherited("stock callback handler"),
     "data_collator": _stock(
-        "called once per global batch (every row padded as in one process with the whole batch, "
-        "whatever the plan), then split into ranks and microbatches; --cephalo_collate "
-        "microbatch pads per microbatch (less padding; the loss then depends on the plan with "
-        "left padding or without position_ids)",
+        "called on this rank's rows of each global batch, padded to the whole global batch's "
+        "width (one small exchange per step), so every row is padded as in one process with "
+        "the whole batch, whatever the plan; a collator that cannot be reproduced that way "
+        "(checked on the first step) is called once per global batch instead, said once; "
+        "--cephalo_collate microbatch pads per microbatch (less padding; the loss then depends "
+        "on the plan with left padding or without position_ids); docs/data.md",
         "tests/test_padding.py::test_default_collation_equals_stock_trainer"),
-    "optimizers": _refused(
-        "an optimizer built before the engine holds the model's full parameters, which the "
-        "engine replaces by shards: pass optim/optim_args or optimizer_cls_and_kwargs instead"),
+    "optimizers": _stock(
+        "an optimizer built over the model's parameters before the trainer is re-pointed in "
+        "place at this rank's per-parameter shards (same object, class, param groups by "
+        "parameter name, hyperparameters), so a scheduler built on it (or stock's, for "
+        "(optimizer, None)) stays bound; refused before any collective: a class that cannot "
+        "step 1-D shards (LBFGS, Adafactor, ...), an optimizer that already stepped, one over "
+        "another model's tensors, a scheduler bound to another optimizer or without one",
+        _R + "test_optimizers_as_stock"),
     "optimizer_cls_and_kwargs": _stock("the class and kwargs over the shards",
                                        _P + "test_matches_stock_trainer"),
     "_get_train_sampler (override)": _refused(
         "the plan's weighted sampler decides which rank gets which sample: use "
         "train_sampling_strategy, or override get_train_dataloader"),
     "model_init": _refused("pass the model itself"),
+    "train_dataset (IterableDataset)": _stock(
+        "a stream (torch IterableDataset, datasets streaming=True): every rank reads the same "
+        "stream in order and keeps its rows of each global batch of B consecutive rows "
+        "(runtime/streaming.py); max_steps is required as stock (unless it has a length); "
+        "set_epoch reaches the dataset; a resume reads and skips the consumed global batches; "
+        "read in the main process (dataloader_num_workers is not used for it, warned)",
+        _R + "test_streamed_dataset_as_stock"),
+    "eval_dataset (IterableDataset)": _refused(
+        "evaluation splits a dataset with a length by the plan's b_i and gathers it in order: "
+        "materialize the part you evaluate on (datasets.Dataset.from_generator)"),
 }
 """Trainer constructor argument / overridable method -> support."""
 

@@ -13,9 +13,10 @@ builds the job (``job_from_training_args``) and the ``runtime.Session``: plan, e
 optimizer over the shards, loss scaler, step hooks. What the Trainer does differently from stock
 is then only where it must run through the engine: the step (``training_step`` is one
 ``engine.train_step`` over this rank's microbatches = one optimizer step; the loss is the GLOBAL
-item mean), the loaders (``Session.train_loader`` / ``eval_loader``: rank i gets exactly b_i
-samples of each global batch), clipping by the global norm, evaluation
-(``trainer_eval.py``), saving and checkpoints (``trainer_checkpoint.py``). Every
+item mean; gradient accumulation: ``trainer_accumulation.py``), the loaders (rank i gets exactly
+b_i samples of each global batch, also of a stream), a given optimizer re-pointed at the shards,
+clipping by the global norm, evaluation (``trainer_eval.py``), saving and checkpoints
+(``trainer_checkpoint.py``). Every
 ``TrainingArguments`` field and hook is classified in ``support.py`` (docs/trainer_support.md).
 """
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -34,8 +35,14 @@ from hf_cephalo.engine import CompileOptions
 from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
 from hf_cephalo.integrations.head_calls import HeadCalls
 from hf_cephalo.integrations.jit_checkpoint import replace_jit_checkpoint_callback
-from hf_cephalo.integrations.preflight import check_script
+from hf_cephalo.console import format_loss_trend  # noqa: F401 (exported: the examples use it)
+from hf_cephalo.integrations.preflight import (check_script,
+                                               engine_checkpointing_replaces_model_checkpointing,
+                                               optimizer_problems)
 from hf_cephalo.integrations.support import HOOK_SUPPORT
+from hf_cephalo.integrations.trainer_accumulation import (AccumulationStep,
+                                                          warn_rows_dropped,
+                                                          with_accumulation_steps)
 from hf_cephalo.integrations.trl_support import trainer_class_problems
 from hf_cephalo.integrations.trainer_checkpoint import EngineCheckpointMixin, _unwrap_optimizer
 from hf_cephalo.integrations.trainer_eval import EngineEvaluationMixin
@@ -44,33 +51,17 @@ from hf_cephalo.integrations.user_loss import UserLossStagedModel
 from hf_cephalo.models.registry import supported_model_classes
 from hf_cephalo.planner import Plan
 from hf_cephalo.profiles.types import ClusterProfile
-from hf_cephalo.runtime.optim import decay_groups, shard_optimizer
+from hf_cephalo.runtime.optim import (decay_groups, parameter_names, repoint_optimizer,
+                                      shard_optimizer)
 from hf_cephalo.runtime.report import format_plan_table  # noqa: F401 (exported)
 from hf_cephalo.runtime.sampler import packs_without_padding
 from hf_cephalo.runtime.session import Session
 from hf_cephalo.runtime.sharded_model import restore_full_model
+from hf_cephalo.runtime.streaming import is_stream
 
 __all__ = ["CephaloTrainer", "CephaloTrainerMixin", "format_plan_table", "format_loss_trend"]
 
 logger = logging.getLogger(__name__)
-
-
-def format_loss_trend(losses: Sequence[float]) -> str:
-    """One line on the logged training losses (the per-logging-step item means, as logged).
-
-    ``"first 5.1234 -> last 3.2100 (went down; 6 logged values)"``; with fewer than two values the
-    trend cannot be told and the line says so instead of calling it a failure.
-
-    Raises:
-        ValueError: ``losses`` is empty.
-    """
-    if not losses:
-        raise ValueError("format_loss_trend needs at least one logged loss")
-    if len(losses) < 2:
-        return (f"{losses[0]:.4f} (too few logged values to tell a trend: 1 logged value; "
-                "log more often with --logging_steps)")
-    trend = "went down" if losses[-1] < losses[0] else "DID NOT go down"
-    return f"first {losses[0]:.4f} -> last {losses[-1]:.4f} ({trend}; {len(losses)} logged values)"
 
 
 def _compile_options(args) -> CompileOptions | None:
@@ -125,10 +116,9 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
     Raises:
         TypeError: ``args`` has no ``cephalo_*`` settings.
         ValueError: ``RefusedSettings`` listing, in ONE message, every refused setting of
-            the script: no model (``model_init`` is not supported), an unsupported model class,
-            an iterable dataset, a ``TrainingArguments`` value or hook the engine would not
-            honour (``support.py``, docs/trainer_support.md); later, a plan that does not fit
-            the job — all before any profiling or collective.
+            the script (``preflight.check_script``: the model, the datasets, ``optimizers``,
+            ``TrainingArguments`` values and hooks: ``support.py``, docs/trainer_support.md);
+            later, a plan that does not fit the job — all before any profiling or collective.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, args=None, *,
@@ -144,8 +134,9 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         staged = check_script(args, model, self._hook_problems(model, kwargs),
                               train_dataset=kwargs.get("train_dataset"),
                               eval_dataset=kwargs.get("eval_dataset"))
+        name_of = parameter_names(model)  # a user's optimizer's, before the engine replaces them
         compile_options = _compile_options(args)  # a bad backend / mode: ValueError here
-        _engine_checkpointing_replaces_model_checkpointing(args, plan)
+        engine_checkpointing_replaces_model_checkpointing(args, plan)
         user_loss = self._uses_user_loss(args, kwargs)
         # args.place_model_on_device is False (CephaloTrainingArguments): stock Trainer must not
         # move the whole model to the device; the engine moves only this rank's shards.
@@ -173,6 +164,9 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         if self._head_calls is not None:
             self._head_calls.group = self.engine.group
         self.accelerator.attach_engine(self.engine, model)
+        if self.optimizer is not None:  # optimizers=(optimizer, scheduler): checked above
+            repoint_optimizer(self.optimizer, self.engine, name_of, "optimizers")
+            self.session.set_optimizer(self.optimizer)  # the scheduler: the same object
         if self.session.scaler is not None:  # fp16: the engine's sharded scaler, [Note] below
             self.accelerator.scaler = self.session.scaler
             self.accelerator.native_amp = True
@@ -219,8 +213,7 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         problems = []
         if kwargs.get("model_init") is not None:
             problems.append(refused("model_init"))
-        if any(x is not None for x in kwargs.get("optimizers") or ()):
-            problems.append(refused("optimizers"))
+        problems += optimizer_problems(model, kwargs.get("optimizers"))
         if type(self)._get_train_sampler is not Trainer._get_train_sampler:
             problems.append(refused("_get_train_sampler (override)"))
         registered = next((c for c in type(model).__mro__ if c.__name__ in supported_model_classes()),
@@ -308,12 +301,12 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         ``group_by_length`` read from the dataset as given."""
         import datasets
 
-        if not hasattr(dataset, "__len__"):
-            raise ValueError(f"{description}: CephaloTrainer needs a dataset with a length (an "
-                             "iterable dataset cannot be split by per-rank batch sizes): "
+        if is_stream(dataset) and description != "training":
+            raise ValueError(f"{description}: CephaloTrainer evaluates a dataset with a length "
+                             "(its rows are split by the plan's b_i and gathered in order): "
                              "materialize it first, e.g. datasets.Dataset.from_generator")
         collator = self.data_collator
-        sizes = self._sample_lengths(dataset) if lengths else None
+        sizes = self._sample_lengths(dataset) if lengths and not is_stream(dataset) else None
         if isinstance(dataset, datasets.Dataset) and dataset.format.get("type") != "custom":
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
@@ -349,9 +342,13 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
                                self.args.train_sampling_strategy))
         dataset, collator, lengths = self._loader_inputs(
             self.train_dataset, "training", lengths=strategy == "group_by_length")
-        return self.session.train_loader(dataset, collator, shuffle=strategy == "random",
-                                         drop_last=self.args.dataloader_drop_last,
-                                         lengths=lengths)
+        loader = self.session.train_loader(dataset, collator, shuffle=strategy == "random",
+                                           drop_last=self.args.dataloader_drop_last,
+                                           lengths=lengths)
+        k = self.args.gradient_accumulation_steps  # > 1: [Note: the stock loop's k batches]
+        if self.is_world_process_zero() and self.args.dataloader_drop_last:
+            warn_rows_dropped(dataset, self.plan.global_batch_size, k)
+        return with_accumulation_steps(loader, k)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         """Unshuffled rank-weighted split of the eval set in microbatches of per_device_eval_batch_size."""
@@ -391,7 +388,7 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         return self.plan.global_batch_size
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
-        # A batch is a list of microbatch dicts; the engine counts items itself (all-reduce).
+        # A batch: a list of microbatch dicts, or a stand-in; the engine counts items itself.
         return list(itertools.islice(epoch_iterator, num_batches)), None
 
     def _track_num_input_tokens(self, inputs: list[dict[str, torch.Tensor]]) -> None:
@@ -404,7 +401,7 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         processor's ``pad_token_id``, else all (stock's fallbacks and warnings).
         """
         mode = self.args.include_num_input_tokens_seen
-        if mode == "no":
+        if mode == "no" or isinstance(inputs, AccumulationStep):  # a stand-in holds no tokens
             return
         name = getattr(self.model, "main_input_name", "input_ids")
         if any(name not in mb for mb in inputs):
@@ -428,6 +425,8 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
 
         Returns the global item-mean loss of the step (identical on every rank).
         """
+        if isinstance(inputs, AccumulationStep):  # [Note: the stock loop's k batches]
+            return torch.zeros((), dtype=torch.float32, device=self.args.device)
         model.train()
         self.engine.zero_grad()  # one engine step per optimizer step: every step starts fresh
         microbatches = self._prepare_input(list(inputs))
@@ -543,48 +542,3 @@ def _num_samples(microbatch) -> int:
     """Samples in one collated microbatch: the first dimension of its first tensor."""
     values = microbatch.values() if hasattr(microbatch, "values") else [microbatch]
     return next((int(v.shape[0]) for v in values if torch.is_tensor(v) and v.dim() > 0), 0)
-
-
-def _engine_checkpointing_replaces_model_checkpointing(args, plan: Plan | None = None) -> None:
-    """``gradient_checkpointing`` / ``activation_checkpointing``: the engine recomputes every
-    unit in backward, which IS activation checkpointing. Stock ``Trainer.train()`` would switch
-    the model's own checkpointing on as well (each layer's forward then runs three times per
-    microbatch instead of two), so the flags are logged and cleared on ``args``.
-
-    The user asked for checkpointing, so a plan without it is refused (before any collective):
-    ``--cephalo_activation_checkpointing false``, or a plan (``plan`` / ``--cephalo_plan_file``)
-    that records it off; with ``auto`` the trainer plans with checkpointing on.
-
-    Raises:
-        ValueError: the flag with ``--cephalo_activation_checkpointing false`` or such a plan.
-    """
-    asked = args.activation_checkpointing or args.gradient_checkpointing
-    if asked and args.cephalo_activation_checkpointing == "false":
-        raise ValueError(
-            "--gradient_checkpointing (or --activation_checkpointing) asks for activation "
-            "checkpointing but --cephalo_activation_checkpointing is 'false' (keep every forward "
-            "graph, no recompute): drop one of them ('true' or 'auto' with the stock flag plans "
-            "with checkpointing; the engine's own checkpointing replaces the model's)")
-    if asked and plan is None and args.cephalo_plan_file is not None:
-        plan = Plan.load(args.cephalo_plan_file)
-    if asked and plan is not None and not plan.activation_checkpointing:
-        source = "plan" if args.cephalo_plan_file is None else \
-            f"plan file {args.cephalo_plan_file!r}"
-        raise ValueError(
-            "--gradient_checkpointing (or --activation_checkpointing) asks for activation "
-            f"checkpointing but the {source} was made without it (activation_checkpointing "
-            "false: forward graphs kept): drop the flag, or re-plan with `hf-cephalo plan "
-            "--activation-checkpointing true`")
-    # said once per job: every rank runs this with the same flags (RANK: the launcher's, set
-    # before the process group exists), so the other ranks would repeat both lines
-    say = logger.warning if os.environ.get("RANK", "0") == "0" else logger.debug
-    if asked and args.cephalo_activation_checkpointing == "auto":
-        say("--gradient_checkpointing with --cephalo_activation_checkpointing auto: "
-            "planning with activation checkpointing on, as the flag asks")
-        args.cephalo_activation_checkpointing = "true"
-    if asked:
-        say("gradient_checkpointing/activation_checkpointing: the Cephalo engine already "
-            "recomputes every layer in backward (per-unit activation checkpointing); the "
-            "model's own checkpointing is not switched on in addition")
-        args.activation_checkpointing = False
-        args.gradient_checkpointing = False

@@ -56,9 +56,9 @@ class CephaloTrainingArguments(CephaloArguments, TrainingArguments):
     fallback; the message names the field, its environment variable and the value), a missing
     plan/profile file, ``fp16`` together with ``bf16``, or a param / reduce dtype that does not
     fit the compute dtype (``bf16=True`` and ``fp16=True`` are supported: autocast with fp32
-    master weights, fp16 with a sharded loss scaler). Refused fields (``gradient_accumulation_steps
-    != 1``, ``fp16_full_eval``, ``bf16_full_eval``, and every field docs/trainer_support.md
-    refuses) are reported by ``CephaloTrainer``, all in one message (``refused_settings``).
+    master weights, fp16 with a sharded loss scaler). Refused fields (``fp16_full_eval``,
+    ``bf16_full_eval``, and every field docs/trainer_support.md refuses) are reported by
+    ``CephaloTrainer``, all in one message (``refused_settings``).
     """
 
     def __post_init__(self) -> None:
@@ -84,22 +84,9 @@ class CephaloTrainingArguments(CephaloArguments, TrainingArguments):
         """Field name -> message for the refused fields this class words itself (checked with
         every other refusal by ``CephaloTrainer``: [Note: one refusal message] in support.py).
 
-        ``gradient_accumulation_steps != 1`` (the message gives the equivalent
-        ``--cephalo_global_batch_size``), ``fp16_full_eval``, ``bf16_full_eval``.
+        ``fp16_full_eval``, ``bf16_full_eval``.
         """
         refused = {}
-        if self.gradient_accumulation_steps != 1:
-            # the launcher's WORLD_SIZE if set: args.world_size would create the process group
-            world = os.environ.get("WORLD_SIZE", "")
-            world = world if world.isdigit() else "world size"
-            refused["gradient_accumulation_steps"] = (
-                f"--gradient_accumulation_steps = {self.gradient_accumulation_steps}: Cephalo "
-                "accumulates gradients inside each step itself (l_i microbatches of m_i samples "
-                "per rank, from the plan), so leave gradient_accumulation_steps = 1 and set "
-                "--cephalo_global_batch_size to the global batch size you want (stock Trainer's "
-                f"equivalent: per_device_train_batch_size x world size x "
-                f"gradient_accumulation_steps = {self.per_device_train_batch_size} x {world} x "
-                f"{self.gradient_accumulation_steps})")
         for flag, why in (("fp16_full_eval", "evaluation runs through the engine in the "
                            "training precision; drop the flag"),
                           ("bf16_full_eval", "evaluation runs through the engine in the "
@@ -157,7 +144,8 @@ def job_from_training_args(args, world_size: int, *, plan=None, compile=None):
     ``args``' cephalo_* settings, seed, output directory, precision and DataLoader settings;
     the global batch size resolved once ([Note: batch size semantics] in runtime/job.py) from
     ``plan`` (or the plan file), ``cephalo_global_batch_size``, or stock's
-    ``per_device_train_batch_size`` x world size x ``gradient_accumulation_steps``.
+    ``per_device_train_batch_size`` x world size x ``gradient_accumulation_steps`` (then
+    named in the plan line: ``Job.global_batch_origin``).
 
     Raises ValueError: ``cephalo_global_batch_size`` disagrees with the plan's."""
     from hf_cephalo.planner import Plan
@@ -170,6 +158,10 @@ def job_from_training_args(args, world_size: int, *, plan=None, compile=None):
         plan = Plan.load(settings.plan_file)
     stock = args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps
     global_batch_size, given = resolve_global_batch_size(settings, stock, plan, source)
+    origin = "" if given else (
+        f"per_device_train_batch_size {args.per_device_train_batch_size} x {world_size} "
+        f"process{'es' if world_size != 1 else ''} x gradient_accumulation_steps "
+        f"{args.gradient_accumulation_steps}")
     loader = LoaderOptions(num_workers=args.dataloader_num_workers,
                            pin_memory=args.dataloader_pin_memory,
                            persistent_workers=args.dataloader_persistent_workers,
@@ -179,5 +171,6 @@ def job_from_training_args(args, world_size: int, *, plan=None, compile=None):
                device=torch.device(args.device), output_dir=args.output_dir, seed=args.seed,
                data_seed=args.data_seed if args.data_seed is not None else args.seed,
                global_batch_size=global_batch_size, global_batch_size_given=given,
+               global_batch_origin=origin,
                precision=args.job_precision(), compile=compile, loader=loader,
                activation_checkpointing_given=args._cephalo_activation_checkpointing_given)

@@ -424,13 +424,29 @@ def build_model_from_config(config_path: str, model_class: str | None = None,
 
 def sequence_length_of(dataset: Any, default: int, max_samples: int = 16) -> int:
     """Longest ``input_ids`` among the first ``max_samples`` samples of ``dataset``, else
-    ``default`` (datasets without ``input_ids``, e.g. images, or without a length)."""
+    ``default`` (datasets without ``input_ids``, e.g. images, or without a length). A
+    ``datasets.IterableDataset`` (re-iterable by design) is read for its first rows; another
+    stream is not (reading it might consume it)."""
     try:
-        n = min(len(dataset), max_samples)
-        lengths = [len(dataset[i]["input_ids"]) for i in range(n)]
+        rows = _first_rows_of_stream(dataset, max_samples)
+        if rows is None:
+            n = min(len(dataset), max_samples)
+            rows = [dataset[i] for i in range(n)]
+        lengths = [len(row["input_ids"]) for row in rows]
     except (TypeError, KeyError, IndexError, AttributeError):
         return default
     return max(lengths) if lengths else default
+
+
+def _first_rows_of_stream(dataset: Any, n: int) -> list[Any] | None:
+    """The first ``n`` rows of a ``datasets.IterableDataset`` (None for anything else)."""
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - a dependency
+        return None
+    if not isinstance(dataset, datasets.IterableDataset):
+        return None
+    return list(dataset.take(n))
 
 
 # ---- one device ---------------------------------------------------------------------------------

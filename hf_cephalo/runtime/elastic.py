@@ -315,6 +315,7 @@ class ElasticProgress:
             old_plan=old_plan, new_plan=plan)
         if self.rank == 0:
             self._print(self.report)
+            os.makedirs(self.output_dir, exist_ok=True)  # a loop's project_dir may not exist yet
             with open(os.path.join(self.output_dir, RESTARTS_NAME), "a") as f:
                 f.write(json.dumps(self.report.to_json()) + "\n")
 

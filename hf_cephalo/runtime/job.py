@@ -63,7 +63,10 @@ class Job:
         seed: the run's seed (per-unit init of a meta model); data_seed: the seed of the
             sampler's permutations (the front end's data seed, else ``seed``).
         global_batch_size: B (samples per optimizer step); global_batch_size_given: fixed by
-            a plan or the setting (see [Note: batch size semantics]).
+            a plan or the setting (see [Note: batch size semantics]); global_batch_origin:
+            how the front end derived B when it was not given (printed in the plan line,
+            e.g. "per_device_train_batch_size 2 x 2 processes x gradient_accumulation_steps
+            4"; "" when given).
         precision: the job's precision (``JobPrecision``).
         compile: per-unit ``torch.compile`` options, None for eager.
         loader: the DataLoader worker / pinning settings of the training loader.
@@ -82,6 +85,7 @@ class Job:
     global_batch_size: int
     global_batch_size_given: bool
     precision: JobPrecision
+    global_batch_origin: str = ""
     compile: CompileOptions | None = None
     loader: LoaderOptions = field(default_factory=LoaderOptions)
     activation_checkpointing_given: bool = False

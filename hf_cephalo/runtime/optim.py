@@ -21,8 +21,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["shard_optimizer", "repoint_optimizer", "check_elementwise_optimizer",
-           "decay_groups", "NOT_ELEMENTWISE"]
+__all__ = ["shard_optimizer", "repoint_optimizer", "repoint_problems", "parameter_names",
+           "check_elementwise_optimizer", "decay_groups", "NOT_ELEMENTWISE"]
 
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon", "Shampoo", "GaLoreAdamW",
                    "GaLoreAdamW8bit", "GaLoreAdafactor", "Apollo", "Lomo", "AdaLomo")
@@ -73,38 +73,77 @@ def shard_optimizer(engine, optimizer_cls: type, optimizer_kwargs: Mapping[str, 
     return optimizer_cls(param_groups, **optimizer_kwargs)
 
 
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """``id(parameter)`` -> name for every parameter of ``model``: what ``repoint_optimizer``
+    needs, taken before the engine replaces the parameters."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def repoint_problems(optimizer: torch.optim.Optimizer, name_of: Mapping[int, str], what: str,
+                     *, shard_ids: frozenset[int] = frozenset(),
+                     scheduler: Any = None) -> list[str]:
+    """Why ``optimizer`` cannot be re-pointed at the shards (empty: it can); needs no engine
+    and no process group, so a front end can refuse before any collective.
+
+    One message each for: a class that cannot step 1-D shards (``NOT_ELEMENTWISE``); state
+    already held (it stepped before the engine existed: that state is not laid out for the
+    shards); a tensor that is neither a parameter of the model (``name_of``: ``id(parameter)``
+    -> name, taken before the engine replaced them) nor a shard (``shard_ids``); a
+    ``scheduler`` bound to another optimizer object (it would step the learning rate of an
+    optimizer nobody steps).
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)  # an AcceleratedOptimizer's
+    problems = []
+    try:
+        check_elementwise_optimizer(type(inner), what)
+    except ValueError as e:
+        problems.append(str(e))
+    if any(inner.state.values()):
+        problems.append(f"{what}: the optimizer already holds state (it stepped before the "
+                        "engine sharded the model); build it fresh over model.parameters() and "
+                        "take its first step through the engine (after prepare(), or in the "
+                        "trainer)")
+    for i, group in enumerate(inner.param_groups):
+        stranger = next((p for p in group["params"]
+                         if id(p) not in shard_ids and id(p) not in name_of), None)
+        if stranger is not None:
+            problems.append(f"{what}: param group {i} holds a tensor of shape "
+                            f"{tuple(stranger.shape)} that is not a parameter of the model being "
+                            "sharded (a second model's?); Cephalo trains one model: build the "
+                            "optimizer over that model's parameters only")
+            break
+    bound = getattr(scheduler, "optimizer", inner)
+    if scheduler is not None and getattr(bound, "optimizer", bound) is not inner:
+        problems.append(f"{what}: the LR scheduler {type(scheduler).__name__} is bound to "
+                        "another optimizer object than the one given, so it would set the "
+                        "learning rate of an optimizer nobody steps; build it over the "
+                        "optimizer you pass")
+    return problems
+
+
 def repoint_optimizer(optimizer: torch.optim.Optimizer, engine, name_of: Mapping[int, str],
                       what: str) -> None:
     """Replace, in place, every parameter of ``optimizer`` (built over the model's original
     parameters) by its shard: ``name_of`` maps ``id(original parameter)`` to its name (taken
     before the engine replaced the parameters). Frozen parameters (no gradient, no state under
-    stock either) are dropped from their groups; the groups and their hyperparameters stay.
+    stock either) are dropped from their groups; the groups and their hyperparameters stay, and
+    so does the object (an LR scheduler built on it stays bound).
 
-    Raises (ValueError, before any collective): an optimizer class that cannot step shards, an
-    optimizer that already holds state (stepped before the engine existed: its state is not
-    laid out for the shards), or a parameter that is not the model's (a second model's).
+    Raises (ValueError, before any collective): the first of ``repoint_problems`` (a class that
+    cannot step shards, state already held, a tensor that is not the model's).
     """
     inner = getattr(optimizer, "optimizer", optimizer)  # an AcceleratedOptimizer's
-    check_elementwise_optimizer(type(inner), what)
-    if any(inner.state.values()):
-        raise ValueError(f"{what}: the optimizer already holds state (it stepped before the "
-                         "engine sharded the model); build it fresh before prepare, or after it "
-                         "over model.parameters()")
     shards = engine.param_shards
-    own = {id(p) for p in shards.params}
-    for i, group in enumerate(inner.param_groups):
+    own = frozenset(id(p) for p in shards.params)
+    problems = repoint_problems(inner, name_of, what, shard_ids=own)
+    if problems:
+        raise ValueError(problems[0])
+    for group in inner.param_groups:
         params = []
         for p in group["params"]:
             if id(p) in own:  # already a shard (built over the prepared model's parameters)
                 params.append(p)
-                continue
-            name = name_of.get(id(p))
-            if name is None:
-                raise ValueError(f"{what}: param group {i} holds a tensor of shape "
-                                 f"{tuple(p.shape)} that is not a parameter of the model being "
-                                 "sharded (a second model's?); Cephalo trains one model: build "
-                                 "the optimizer over that model's parameters only")
-            if name in shards.by_name:
-                params.append(shards.by_name[name])
+            elif name_of[id(p)] in shards.by_name:  # else frozen: no shard, no state
+                params.append(shards.by_name[name_of[id(p)]])
         group["params"] = params
     inner.state.clear()

@@ -427,7 +427,7 @@ def adopt_checkpoint_state(plan: Plan, checkpoint_plan: Plan | None,
                            cluster: ClusterProfile | None) -> Plan | None:
     """``--cephalo_adaptive state`` on resume: the checkpoint's whole plan (b_i, m_i, l_i AND r_i)
     when a live re-layout moved r_i before the checkpoint was written, so the caller re-lays the
-    engine onto it (``CephaloTrainer._relayout_state``) and the run continues exactly where it
+    engine onto it (``Session.relayout_state``) and the run continues exactly where it
     left off; None when the split alone is to be adopted (``adopt_checkpoint_split``): the
     checkpoint ran on another world, devices or global batch size, on the running r_i, with
     another root residency, activation checkpointing or precision, or its plan does not fit

@@ -84,16 +84,18 @@ class StepTimer:
 
 
 # ---- the plan -----------------------------------------------------------------------------
-def format_plan_table(plan: Plan, checkpointing_reason: str = "") -> str:
+def format_plan_table(plan: Plan, checkpointing_reason: str = "", batch_origin: str = "") -> str:
     """The plan as a text table: one row per rank (batch, microbatch, microbatches, state %);
-    the header says the global batch size, whether the state is uneven, the activation
+    the header says the global batch size (with ``batch_origin``, how the front end derived
+    it, in parentheses), whether the state is uneven, the activation
     checkpointing mode (``on``: recompute in backward; ``off``: forward graphs kept; with
     ``checkpointing_reason``, why ``--cephalo_activation_checkpointing auto`` chose it, as
     ``[auto: ...]``) and the predicted iteration time."""
     # full device names: emulated ones differ only after the base name ("cpu [emulated 2x ...]")
     width = max([12] + [len(r.device) for r in plan.ranks])
     mode = activation_checkpointing_mode(plan.activation_checkpointing, checkpointing_reason)
-    rows = [f"Cephalo plan: global batch size {plan.global_batch_size}, uneven state "
+    origin = f" ({batch_origin})" if batch_origin else ""
+    rows = [f"Cephalo plan: global batch size {plan.global_batch_size}{origin}, uneven state "
             f"{plan.uneven_state}, activation checkpointing {mode}, predicted iteration "
             f"{'-' if plan.predicted_iteration_s is None else f'{plan.predicted_iteration_s:.3f} s'}",
             f"{'rank':>4} {'device':<{width}} {'b_i':>5} {'m_i':>5} {'l_i':>5} {'r_i %':>7}"]

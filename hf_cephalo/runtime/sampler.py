@@ -5,7 +5,8 @@ sum_i b_i = B, the global batch size). Every rank builds the SAME permutation of
 (seeded by ``seed + epoch``, like ``torch.utils.data.DistributedSampler``), cuts it into global
 batches of B indices, and takes its own contiguous slice of each global batch. The result is a
 pure function of (epoch, seed, dataset length, batch sizes), so no communication is needed and
-every rank takes the same number of steps.
+every rank takes the same number of steps. Each step's slice is a ``StepIndices``: a list of
+dataset indices that also says where they sit in which global batch, split how.
 
 Orders (``TrainingArguments.train_sampling_strategy``, applied to the GLOBAL batches, then split
 by b_i): "random" (the permutation above), "sequential" (dataset order: the global batches
@@ -20,37 +21,33 @@ arithmetic, ties to the lower rank): rank i gets floor(n·b_i/B) or one more, ne
 b_i, and a rank with b_i = 0 gets none. No sample is duplicated or dropped (unless
 ``drop_last``), so every sample is used exactly once per epoch. A rank may therefore get ZERO
 samples in the last step (e.g. 1 leftover sample on 3 ranks); it still yields an empty list
-so that it joins the step's collectives — the engine accepts an empty microbatch list.
+so that it joins the step's collectives — the loader's width exchange and the engine's, which
+accepts an empty microbatch list.
 
 [Note: padding independent of the plan]
-A collator pads each batch it is given to that batch's longest row (``DataCollatorWithPadding``,
-``DataCollatorForLanguageModeling``, ...), so where it is applied decides a row's padding — and
-padding is not always neutral: with left padding the first real token is predicted from a pad
-position whose output depends on how many pads precede it, and a model without
-``position_ids`` numbers positions from the first column (GPT-2), so the row's real tokens move
-with its padding. Collating each rank's microbatch on its own therefore made losses depend on
-the plan (b_i, m_i). ``GlobalBatchCollator`` (the trainer's default) collates the whole global
-batch once — on every rank, exactly the batch one process would collate with the whole global
-batch — and then cuts this rank's rows and its microbatches out of it: every row has the same
-padding as in the single-process full-batch run, whatever the plan. The cost: each rank reads
-and collates all B samples of a step (not only its b_i), and every microbatch carries the
-global batch's longest length. ``MicrobatchCollator`` (``--cephalo_collate microbatch``) pads
-each microbatch to its own longest row: fewer padded tokens, results that depend on the plan
-wherever padding is not neutral. A packing collator that pads nothing (transformers'
-``DataCollatorWithFlattening`` with ``position_ids``: the samples it is given become one row,
-positions restarting per sequence, which the staged models attend block-diagonally) gives the
-same tokens however the samples are grouped, and its one row cannot be cut into samples: it
-is applied per microbatch in either mode (``packs_without_padding``).
+A collator pads the rows it is given to the longest of them, and padding is not neutral (with
+left padding the first real token is predicted from a pad position; GPT-2 without
+``position_ids`` numbers positions from the first column), so a row must get the width of its
+whole global batch, whatever the plan. Three ways (``runtime/data.py``, docs/data.md):
+"global_width" (default): a rank reads and collates its b_i rows only, padded to the global
+batch's width by a per-step exchange ([Note: the global width] in ``global_width.py``);
+"global_batch" (``GlobalBatchCollator``): every rank reads and collates all B rows and keeps
+its own, the fallback for a collator the first is not exact for; "microbatch"
+(``MicrobatchCollator``): each microbatch padded on its own, plan-dependent. A packing
+collator that pads nothing (``DataCollatorWithFlattening`` with ``position_ids``) gives the
+same tokens however the samples are grouped and makes one row that cannot be cut into
+samples: it is applied per microbatch in every mode (``packs_without_padding``).
 
 [Note: switching the split live]
 A live re-balance (``runtime/adaptive.py``) changes b_i and m_i between two steps. The
 global batches do not change (they depend on seed, epoch, dataset length and B only); only
 their split does. ``SplitSchedule`` records which (b_i, m_i) hold from which global step
-(``epoch · steps_per_epoch + index in the epoch``); the sampler splits step k's global batch
-by the sizes in force at k, and the collator cuts it into that step's m_i. Both read the
-schedule when the step's batch is drawn, which with ``num_workers = 0`` is after the previous
-step ended (the loader does not run ahead), so a switch recorded at a step boundary applies to
-the next step on every rank.
+(``epoch · steps_per_epoch + index in the epoch``); the sampler reads it when it draws step k
+(the loader itself runs in the main process and does not run ahead: after the previous step
+ended) and writes the split into step k's ``StepIndices``, which every collator cuts by. A
+step that DataLoader workers read ahead under the old split is not that step any more
+(``StepIndices.same_step``): it is read again (``ReadAhead``), so a switch recorded at a step
+boundary applies to the next step on every rank.
 """
 
 from __future__ import annotations
@@ -62,6 +59,7 @@ import torch
 from torch.utils.data import Sampler
 
 __all__ = [
+    "StepIndices",
     "WeightedBatchSampler",
     "SplitSchedule",
     "MicrobatchCollator",
@@ -146,17 +144,56 @@ def global_batches(dataset_length: int, global_batch_size: int, *, epoch: int = 
             for start in range(0, stop, global_batch_size)]
 
 
-def split_microbatches(indices: Sequence[Any], microbatch_size: int) -> list[list[Any]]:
+def split_microbatches(indices: Sequence[Any],
+                       microbatch_size: int | None) -> list[list[Any]]:
     """Cut a rank's batch into consecutive microbatches of ``microbatch_size`` (m_i) items.
 
     A full batch b_i = l_i·m_i gives exactly l_i microbatches; a partial last batch gives
-    ceil(len/m_i) microbatches, the last one shorter; an empty batch gives ``[]``.
+    ceil(len/m_i) microbatches, the last one shorter; an empty batch gives ``[]``. None: the
+    whole batch as one (a custom loop's model cuts it into the plan's m_i itself).
     Raises ValueError if ``microbatch_size < 1``.
     """
+    items = list(indices)
+    if microbatch_size is None:
+        return [items] if items else []
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
         raise ValueError(f"microbatch_size = {microbatch_size!r} must be an integer >= 1 (samples)")
-    items = list(indices)
     return [items[i:i + microbatch_size] for i in range(0, len(items), microbatch_size)]
+
+
+class StepIndices(list):
+    """The dataset indices of one step's rows for one rank (a ``list`` of ints), with where they
+    sit: the rows are positions ``start .. start + len - 1`` of the global batch of global step
+    ``step`` (epoch ``epoch``), split by ``batch_sizes`` (b_i per rank, in force when the step
+    was drawn). ``microbatch_sizes``: m_i per rank in force then (None: the loader's fixed
+    m_i). ``whole``: the list is the whole global batch (for ``GlobalBatchCollator``), not a
+    rank's share. Equal to a plain list of the same indices."""
+
+    def __init__(self, indices: Sequence[int] = (), *, epoch: int = 0, step: int = 0,
+                 start: int = 0, batch_sizes: Sequence[int] = (),
+                 microbatch_sizes: Sequence[int] | None = None, whole: bool = False) -> None:
+        super().__init__(indices)
+        self.epoch, self.step, self.start, self.whole = epoch, step, start, whole
+        self.batch_sizes = list(batch_sizes)
+        self.microbatch_sizes = None if microbatch_sizes is None else list(microbatch_sizes)
+
+    def same_step(self, other: "StepIndices") -> bool:
+        """The same rows of the same step, split and cut the same way (a prefetched step is
+        still valid: [Note: switching the split live])."""
+        return (list(self) == list(other) and self.meta() == other.meta())
+
+    def meta(self) -> tuple:
+        return (self.epoch, self.step, self.start, self.batch_sizes, self.microbatch_sizes,
+                self.whole)
+
+    def __reduce__(self):  # pickled to DataLoader workers with its attributes
+        return (_step_indices, (list(self), self.meta()))
+
+
+def _step_indices(indices: list[int], meta: tuple) -> StepIndices:
+    epoch, step, start, batch_sizes, microbatch_sizes, whole = meta
+    return StepIndices(indices, epoch=epoch, step=step, start=start, batch_sizes=batch_sizes,
+                       microbatch_sizes=microbatch_sizes, whole=whole)
 
 
 class SplitSchedule:
@@ -267,13 +304,12 @@ class WeightedBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.lengths = None if lengths is None else [int(n) for n in lengths]
-        # batches of the epoch the next iteration skips (a resumed custom loop:
-        # ``accelerator.skip_first_batches``); the skipped samples are never read
-        self.skip_batches = 0
         if self.lengths is not None and len(self.lengths) != dataset_length:
             raise ValueError(f"{len(self.lengths)} lengths for {dataset_length} samples: give one "
                              "length (tokens) per sample")
         self.epoch = 0
+        self.skip_batches = 0  # batches of the epoch the next iteration skips (see __iter__)
+        self._cached: tuple[tuple, list[list[int]]] | None = None
 
     @property
     def global_batch_size(self) -> int:
@@ -284,41 +320,60 @@ class WeightedBatchSampler(Sampler[list[int]]):
         """Select the permutation of ``epoch`` (same call on every rank)."""
         self.epoch = epoch
 
-    def _global_batches(self) -> list[list[int]]:
-        return global_batches(self.dataset_length, self.global_batch_size, epoch=self.epoch,
-                              seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
-                              lengths=self.lengths)
+    def _global_batches(self, epoch: int) -> list[list[int]]:
+        key = (epoch, self.seed, self.shuffle, self.drop_last, self.dataset_length,
+               self.global_batch_size)
+        if self._cached is None or self._cached[0] != key:  # one epoch's permutation, kept
+            self._cached = (key, global_batches(
+                self.dataset_length, self.global_batch_size, epoch=epoch, seed=self.seed,
+                shuffle=self.shuffle, drop_last=self.drop_last, lengths=self.lengths))
+        return self._cached[1]
+
+    def whole_step(self, indices: StepIndices) -> StepIndices:
+        """The whole global batch of the step ``indices`` come from, with their split."""
+        batch = self._global_batches(indices.epoch)[indices.step - indices.epoch * len(self)]
+        return StepIndices(batch, epoch=indices.epoch, step=indices.step, start=0,
+                           batch_sizes=indices.batch_sizes,
+                           microbatch_sizes=indices.microbatch_sizes, whole=True)
 
     def rank_batches(self, rank: int) -> list[list[int]]:
         """All of ``rank``'s per-step index lists for the current epoch (pure; no communication)."""
-        return list(self._iter_rank(rank, mark=False))
+        return list(self.iter_steps(self.epoch, rank=rank))
 
     def _sizes_at(self, step: int) -> list[int]:
         return self.batch_sizes if self.schedule is None else self.schedule.batch_sizes_at(step)
 
-    def _iter_rank(self, rank: int | None, mark: bool) -> Iterator[list[int]]:
-        """Per step, ``rank``'s share of the global batch (the whole batch for None); with
-        ``mark`` the schedule learns the step drawn ([Note: switching the split live])."""
-        first = self.epoch * len(self)  # global step of this epoch's first batch
-        for k, batch in enumerate(self._global_batches()):
-            if mark and k < self.skip_batches:
+    def iter_steps(self, epoch: int, first_step: int = 0, *, rank: int | None = None,
+                   whole: bool = False, mark: bool = False) -> Iterator[StepIndices]:
+        """Per step of ``epoch`` from global step ``first_step`` on, ``rank``'s share of the
+        global batch (this sampler's rank for None), or the whole global batch (``whole``),
+        with the split read when the step is drawn; with ``mark`` the schedule learns the
+        step drawn ([Note: switching the split live]). Pure otherwise (read-ahead uses it)."""
+        rank = self.rank if rank is None else rank
+        first = epoch * len(self)  # global step of this epoch's first batch
+        for k, batch in enumerate(self._global_batches(epoch)):
+            step = first + k
+            if step < first_step:
                 continue
             if mark and self.schedule is not None:
-                self.schedule.current_step = first + k
-            if rank is None:  # GlobalBatchCollator splits it by this step's sizes
-                yield batch
-                continue
-            counts = split_counts(len(batch), self._sizes_at(first + k))  # read when drawn
-            start = sum(counts[:rank])
-            yield batch[start:start + counts[rank]]
+                self.schedule.current_step = step
+            sizes = self._sizes_at(step)  # read when drawn
+            micro = None if self.schedule is None else self.schedule.microbatch_sizes_at(step)
+            counts = split_counts(len(batch), sizes)
+            start = 0 if whole else sum(counts[:rank])
+            rows = batch if whole else batch[start:start + counts[rank]]
+            yield StepIndices(rows, epoch=epoch, step=step, start=start, batch_sizes=sizes,
+                              microbatch_sizes=micro, whole=whole)
 
     def local_batches(self) -> list[list[int]]:
         """This rank's per-step index lists (the rows its loader's microbatches hold, in order),
         whether the loader is fed global batches or not."""
         return self.rank_batches(self.rank)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self._iter_rank(None if self.yield_global_batch else self.rank, mark=True)
+    def __iter__(self) -> Iterator[StepIndices]:
+        # skip_batches: a resumed custom loop's accelerator.skip_first_batches (never read)
+        first = self.epoch * len(self) + self.skip_batches
+        yield from self.iter_steps(self.epoch, first, whole=self.yield_global_batch, mark=True)
 
     def __len__(self) -> int:
         full, partial = divmod(self.dataset_length, self.global_batch_size)
@@ -337,19 +392,14 @@ class MicrobatchCollator:
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any], microbatch_size: int | None,
                  schedule: SplitSchedule | None = None, rank: int = 0) -> None:
-        if microbatch_size is not None:
-            split_microbatches([], microbatch_size)  # validates microbatch_size
+        split_microbatches([], microbatch_size)  # validates microbatch_size
         self.collate_fn = collate_fn
         self.microbatch_size = microbatch_size
         self.schedule, self.rank = schedule, rank
 
     def __call__(self, samples: list[Any]) -> list[Any]:
-        size = self.microbatch_size
-        if size is None:  # the rank's rows as one batch (a custom loop's model cuts them)
-            size = max(len(samples), 1)
-        elif self.schedule is not None and self.schedule.current_step is not None:
-            size = max(self.schedule.microbatch_sizes_at(self.schedule.current_step)[self.rank], 1)
-        return [self.collate_fn(chunk) for chunk in split_microbatches(samples, size)]
+        _, size = step_split(samples, None, self.microbatch_size, self.schedule, self.rank)
+        return [self.collate_fn(chunk) for chunk in split_microbatches(list(samples), size)]
 
 
 def packs_without_padding(collate_fn: Any) -> bool:
@@ -394,8 +444,7 @@ class GlobalBatchCollator:
     def __init__(self, collate_fn: Callable[[list[Any]], Any], batch_sizes: Sequence[int],
                  rank: int, microbatch_size: int | None,
                  schedule: SplitSchedule | None = None) -> None:
-        if microbatch_size is not None:
-            split_microbatches([], microbatch_size)  # validates microbatch_size
+        split_microbatches([], microbatch_size)  # validates microbatch_size
         self.batch_sizes = _check_batch_sizes(batch_sizes)
         if not 0 <= rank < len(self.batch_sizes):
             raise ValueError(f"rank = {rank} is out of range for {len(self.batch_sizes)} per-rank "
@@ -404,23 +453,39 @@ class GlobalBatchCollator:
         self.schedule = schedule
 
     def __call__(self, samples: list[Any]) -> list[Any]:
-        sizes, size = self.batch_sizes, self.microbatch_size
-        if self.schedule is not None and self.schedule.current_step is not None:
-            step = self.schedule.current_step
-            sizes = self.schedule.batch_sizes_at(step)
-            if size is not None:
-                size = max(self.schedule.microbatch_sizes_at(step)[self.rank], 1)
+        sizes, size = step_split(samples, self.batch_sizes, self.microbatch_size, self.schedule,
+                                 self.rank)
         counts = split_counts(len(samples), sizes)
         start, count = sum(counts[:self.rank]), counts[self.rank]
         if count == 0:
             return []
+        batch = self.collate_fn(list(samples))
         size = count if size is None else size  # None: the rank's rows as one batch
-        batch = self.collate_fn(samples)
-        return [_rows(batch, start + lo, start + min(lo + size, count), len(samples))
+        return [cut_rows(batch, start + lo, start + min(lo + size, count), len(samples))
                 for lo in range(0, count, size)]
 
 
-def _rows(batch: Any, start: int, stop: int, num_samples: int) -> Any:
+def step_split(samples: Any, batch_sizes: list[int] | None, microbatch_size: int | None,
+               schedule: SplitSchedule | None, rank: int) -> tuple[list[int] | None, int | None]:
+    """(b_i per rank, this rank's m_i) for a step's samples: those recorded with the step's
+    indices when it was drawn (``samples.indices``, a ``StepIndices``: the loader's read-ahead
+    path), else the schedule's at the step the sampler drew last, else the fixed ones ([Note:
+    switching the split live]). ``microbatch_size`` None stays None: one batch of the rank's
+    rows, whatever m_i is in force."""
+    indices = getattr(samples, "indices", None)
+    if isinstance(indices, StepIndices):
+        micro = microbatch_size if indices.microbatch_sizes is None or microbatch_size is None \
+            else max(indices.microbatch_sizes[rank], 1)
+        return indices.batch_sizes, micro
+    if schedule is not None and schedule.current_step is not None:
+        step = schedule.current_step
+        micro = None if microbatch_size is None else \
+            max(schedule.microbatch_sizes_at(step)[rank], 1)
+        return schedule.batch_sizes_at(step), micro
+    return batch_sizes, microbatch_size
+
+
+def cut_rows(batch: Any, start: int, stop: int, num_samples: int) -> Any:
     """``batch`` with every tensor cut to rows ``[start, stop)`` (dim 0); the container types
     (dict, ``BatchEncoding``, list, tuple, namedtuple) and non-tensor leaves kept
     (``accelerate.utils.recursively_apply``)."""

@@ -45,6 +45,7 @@ from hf_cephalo.runtime.process import ensure_process_group, register_exit_teard
 from hf_cephalo.runtime.report import AccuracyReport, StepTimer, format_plan_table
 from hf_cephalo.runtime.sampler import SplitSchedule
 from hf_cephalo.runtime.sharded_model import guard_sharded_model
+from hf_cephalo.runtime.streaming import is_stream, stream_loader
 
 __all__ = ["Session", "relayout_onto_plan", "plan_layout"]
 
@@ -173,7 +174,8 @@ class Session:
 
     def _make_controller(self) -> AdaptiveController | None:
         """The live re-balancing controller where it applies; a warning, once, where it cannot
-        run (no profile to refit, or DataLoader workers that draw batches ahead)."""
+        run (no profile to refit). DataLoader workers read ahead inside the runtime's loader,
+        which re-reads a step drawn before a switch ([Note: switching the split live])."""
         job = self.job
         if job.settings.adaptive == "off" or job.world_size == 1:
             return None
@@ -182,9 +184,6 @@ class Session:
             why_not = ("the plan was given without the profile it was made from (give "
                        "--cephalo_profile_file with --cephalo_plan_file, or cluster_profile= "
                        "with plan=) so there is nothing to refit")
-        elif job.loader.num_workers > 0:
-            why_not = (f"--dataloader_num_workers {job.loader.num_workers}: worker processes "
-                       "draw batches ahead with the start split; use 0 workers to re-balance")
         if why_not is not None:
             if job.is_main:
                 logger.warning("--cephalo_adaptive %s is off for this run: %s; set "
@@ -203,7 +202,8 @@ class Session:
     def _print_plan(self) -> None:
         if not self.job.is_main:
             return
-        print(format_plan_table(self.plan, self.checkpointing_reason), flush=True)
+        print(format_plan_table(self.plan, self.checkpointing_reason,
+                                self.job.global_batch_origin), flush=True)
         if self.cluster_profile is not None:
             from hf_cephalo.planner.simulate import extrapolation_note
 
@@ -217,15 +217,37 @@ class Session:
         """This rank's training loader: b_i rows of every global batch in microbatches of m_i
         (``whole_batches``: as one batch, for a front end that cuts them itself), following
         the live split (``split_schedule``); ``shuffle`` False: dataset order; ``lengths``:
-        group-by-length order (``runtime/data.py``)."""
+        group-by-length order (``runtime/data.py``). A stream (``streaming.is_stream``) is
+        read in order by every rank, each keeping its rows (``runtime/streaming.py``; shuffle
+        and lengths do not apply, as stock Trainer uses no sampler for one)."""
         rank_plan = self.plan.ranks[self.job.rank]
+        if is_stream(dataset):
+            return self._stream_loader(dataset, collate_fn, drop_last=drop_last,
+                                       whole_batches=whole_batches)
         return weighted_loader(dataset, collate_fn, batch_sizes=self.plan.batch_sizes,
                                rank=self.job.rank,
                                microbatch_size=None if whole_batches else
                                max(rank_plan.microbatch_size, 1),
                                seed=self.job.data_seed, shuffle=shuffle, drop_last=drop_last,
                                lengths=lengths, schedule=self.split_schedule,
-                               collate=self.job.settings.collate, options=self.job.loader)
+                               collate=self.job.settings.collate, options=self.job.loader,
+                               sample_seed=self.job.seed, group=self.engine.group,
+                               description="training")
+
+    def _stream_loader(self, dataset, collate_fn, *, drop_last: bool, whole_batches: bool):
+        """``train_loader`` over a stream; DataLoader workers are not used (rank 0 says so)."""
+        if self.job.loader.num_workers > 0 and self.job.is_main:
+            logger.warning("--dataloader_num_workers %d: a streamed dataset is read in the main "
+                           "process (every rank reads the whole stream in order; workers would "
+                           "each read a part of it)", self.job.loader.num_workers)
+        rank_plan = self.plan.ranks[self.job.rank]
+        return stream_loader(dataset, collate_fn, batch_sizes=self.plan.batch_sizes,
+                             rank=self.job.rank,
+                             microbatch_size=None if whole_batches else
+                             max(rank_plan.microbatch_size, 1),
+                             drop_last=drop_last, schedule=self.split_schedule,
+                             collate=self.job.settings.collate,
+                             pin_memory=self.job.loader.pin_memory)
 
     def eval_loader(self, dataset, collate_fn, *, microbatch_size: int | None,
                     options: LoaderOptions | None = None):
@@ -236,7 +258,8 @@ class Session:
                                rank=self.job.rank, microbatch_size=microbatch_size,
                                seed=self.job.data_seed, shuffle=False,
                                collate=self.job.settings.collate,
-                               options=options or self.job.loader)
+                               options=options or self.job.loader, sample_seed=self.job.seed,
+                               group=self.engine.group, description="evaluation")
 
     # ---- optimizer ------------------------------------------------------------------------------
     def set_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

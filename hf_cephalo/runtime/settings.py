@@ -29,7 +29,7 @@ ACTIVATION_OFFLOAD_CHOICES = ("on", "off", "auto")
 ADAPTIVE_CHOICES = ("off", "batch", "state")
 PARAM_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 REDUCE_DTYPE_CHOICES = ("fp32", "bf16", "fp16")
-COLLATE_CHOICES = ("global_batch", "microbatch")
+COLLATE_CHOICES = ("global_width", "global_batch", "microbatch")
 LOSS_REDUCTION_CHOICES = ("mean", "sum")
 
 
@@ -136,14 +136,19 @@ class CephaloSettings:
         "memory grows with layers x microbatches; the plan fails when that does not fit) or "
         "'auto' (plan both, keep the faster one that fits); any case ('True' works). A plan "
         "file records its own choice: 'false' or 'true' that differs from it is refused."))
-    collate: str | None = _setting("global_batch", (
-        "Where the data collator pads: 'global_batch' collates each global batch once, on every "
-        "rank, then splits it into ranks and microbatches, so every row is padded as in a single "
-        "process with the whole batch, whatever the plan; 'microbatch' collates each microbatch "
-        "on its own: fewer padded tokens, but a row's padding (and so the loss, with left "
-        "padding or without position_ids) then depends on the plan. A packing collator that "
-        "pads nothing (DataCollatorWithFlattening) is applied per microbatch either way."),
-        cli_type=Literal["global_batch", "microbatch"])
+    collate: str | None = _setting("global_width", (
+        "Where the data collator runs and pads (docs/data.md): 'global_width' each rank reads, "
+        "transforms and collates only its own b_i rows, padded to the width of the whole global "
+        "batch (one small exchange per step), so every row is padded as in a single process "
+        "with the whole batch, whatever the plan; a collator whose output that cannot reproduce "
+        "(random masking, a width that is not the longest row's; checked on the first step) "
+        "gets 'global_batch', said once in the log. 'global_batch' every rank reads and collates "
+        "all B samples of each step, then keeps its rows (the same padding; O(B) data work per "
+        "rank). 'microbatch' collates each microbatch on its own: fewer padded tokens, but a "
+        "row's padding (and so the loss, with left padding or without position_ids) then "
+        "depends on the plan. A packing collator that pads nothing "
+        "(DataCollatorWithFlattening) is applied per microbatch in every mode."),
+        cli_type=Literal["global_width", "global_batch", "microbatch"])
     loss_reduction: str | None = _setting("mean", (
         "Custom training loops (CephaloAccelerator): how accelerator.backward(loss) reads a loss "
         "the loop computed. 'mean': a mean over this rank's items (tokens with a label after the "

@@ -1,0 +1,91 @@
+"""Every import of the package points down its layers (docs/design.md "Layering"):
+
+    utilities (units, file_modes, console, launch_check) < profiles (pure data) < planner (pure)
+    < models, engine < profiler (torch measurement) < runtime < integrations < cli, rank_errors,
+    parent_death
+
+Imports inside functions count too (they are how a module reaches another lazily). The runtime
+core imports no front end: no ``transformers.Trainer`` / ``TrainingArguments``, no TRL, no
+``hf_cephalo.integrations``; profiles and the planner import no torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf_cephalo")
+LAYERS = {
+    "units": 0, "file_modes": 0, "console": 0, "launch_check": 0,
+    "profiles": 1, "planner": 2, "models": 3, "engine": 3, "profiler": 4, "runtime": 5,
+    "integrations": 6, "cli": 7, "rank_errors": 7, "parent_death": 7, "__init__": 7,
+}
+
+
+def _modules():
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+                yield rel, path
+
+
+def _imports(rel: list[str], path: str):
+    """(imported module as a dotted name, line) for every import in the file."""
+    tree = ast.parse(open(path).read(), path)
+    package = ["hf_cephalo", *rel[:-1]]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                yield ".".join(base + ([node.module] if node.module else [])), node.lineno
+            else:
+                yield node.module, node.lineno
+
+
+def _layer(dotted: str) -> int | None:
+    parts = dotted.split(".")
+    if parts[0] != "hf_cephalo":
+        return None
+    return LAYERS[parts[1]] if len(parts) > 1 else LAYERS["__init__"]
+
+
+def test_every_import_points_down():
+    up = []
+    for rel, path in _modules():
+        own = LAYERS[rel[0]] if rel[0] in LAYERS else LAYERS[rel[0].removesuffix(".py")]
+        for dotted, line in _imports(rel, path):
+            theirs = _layer(dotted)
+            if theirs is not None and theirs > own:
+                up.append(f"hf_cephalo/{'/'.join(rel)}.py:{line} imports {dotted}")
+    assert not up, "imports that point up a layer:\n" + "\n".join(up)
+
+
+@pytest.mark.parametrize("package, banned", [
+    ("runtime", ("transformers.Trainer", "transformers.TrainingArguments", "trl",
+                 "transformers.trainer", "hf_cephalo.integrations")),
+    ("profiles", ("torch",)),
+    ("planner", ("torch",)),
+])
+def test_layer_does_not_import(package, banned):
+    found = []
+    for rel, path in _modules():
+        if rel[0] != package:
+            continue
+        tree = ast.parse(open(path).read(), path)
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                if any(name == b or name.startswith(b + ".") for b in banned):
+                    found.append(f"hf_cephalo/{'/'.join(rel)}.py:{node.lineno} imports {name}")
+    assert not found, "\n".join(found)
