@@ -64,8 +64,10 @@ class ModelArguments:
         "help": "Tokenizer with a chat template (Hub id or directory). Default: the checkpoint's, "
                 "or a BPE with ChatML markers trained on the pydoc text."})
     vocab_size: int = field(default=2048, metadata={
-        "help": "Vocabulary size (tokens) of the trained BPE, ChatML markers not counted (>= 258)."})
-    hidden_size: int = field(default=128, metadata={"help": "Hidden size (features) of a new model."})
+        "help": "Vocabulary size (tokens) of the trained BPE, ChatML markers not counted "
+                "(>= 258)."})
+    hidden_size: int = field(default=128, metadata={
+        "help": "Hidden size (features) of a new model."})
     num_layers: int = field(default=4, metadata={"help": "Transformer layers of a new model."})
     num_heads: int = field(default=4, metadata={"help": "Attention heads of a new model."})
 

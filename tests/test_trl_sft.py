@@ -184,7 +184,8 @@ def _cephalo_gather_metrics(world_size, out_dir):
     logs = [h for h in trainer.state.log_history if "accuracy" in h]
     return {"logs": {k: [h[k] for h in logs] for k in ("loss", "accuracy", "max_row_loss",
                                                          "rows")},
-            "state": {k: v.detach().clone() for k, v in trainer.unshard_model().state_dict().items()}}
+            "state": {k: v.detach().clone()
+                      for k, v in trainer.unshard_model().state_dict().items()}}
 
 
 def _cephalo_raw_collective(world_size, out_dir):

@@ -147,7 +147,8 @@ def test_sft_config_is_required(tmp_path):
     from tests.trl_fixtures import tiny_llama
 
     with pytest.raises(TypeError, match="needs CephaloTrainingArguments"):
-        CephaloSFTTrainer(model=tiny_llama(32), args=trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True),
+        CephaloSFTTrainer(model=tiny_llama(32),
+                          args=trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True),
                           train_dataset=_chat())
 
 
