@@ -23,7 +23,6 @@ Requires the ``trl`` extra (``pip install hf-cephalo[trl]``; written against TRL
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 try:
@@ -33,62 +32,27 @@ except ImportError as exc:  # the optional extra
                       "(trl>=1.16)") from exc
 
 from hf_cephalo.integrations.trainer import CephaloTrainerMixin
-from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+from hf_cephalo.integrations.trl_config import CephaloTRLConfig, trl_config_dataclass
 from hf_cephalo.integrations.trl_fused import FusedLMHead
 from hf_cephalo.integrations.trl_support import SFT_FIELD_SUPPORT
 
-__all__ = ["CephaloSFTConfig", "CephaloSFTTrainer", "trl_config_dataclass"]
+__all__ = ["CephaloSFTConfig", "CephaloSFTTrainer"]
 
 # what SFTTrainer.__init__ passes add_fused_lm_head (trl/trainer/sft_trainer.py, TRL 1.16)
 _SFT_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")
 
 
-def trl_config_dataclass(trl_config: type):
-    """Class decorator: ``cls`` (a ``CephaloTrainingArguments`` + ``trl_config`` subclass) as a
-    dataclass whose ``TrainingArguments`` fields are ``trl_config``'s, defaults and help
-    included.
-
-    Without this, the ``TrainingArguments`` fields would carry ``CephaloTrainingArguments``'
-    (stock) defaults: a dataclass takes each base's fields in reverse MRO order, and
-    ``CephaloTrainingArguments`` (a dataclass of every ``TrainingArguments`` field) comes last,
-    hiding the TRL config's own defaults (``learning_rate`` 2e-5, ``logging_steps`` 10,
-    ``bf16`` None -> True, ``gradient_checkpointing`` True).
-    """
-    import dataclasses
-
-    def decorate(cls: type) -> type:
-        stock = {f.name for f in dataclasses.fields(CephaloTrainingArguments)}
-        annotations = dict(cls.__dict__.get("__annotations__", {}))
-        for f in dataclasses.fields(trl_config):
-            if f.name not in stock or f.name in annotations:
-                continue
-            annotations[f.name] = f.type
-            default = {"default": f.default} if f.default is not dataclasses.MISSING else \
-                {"default_factory": f.default_factory}
-            setattr(cls, f.name, dataclasses.field(**default, init=f.init, repr=f.repr,
-                                                   metadata=f.metadata))
-        cls.__annotations__ = annotations
-        return dataclass(cls)
-    return decorate
-
-
 @trl_config_dataclass(SFTConfig)
-class CephaloSFTConfig(CephaloTrainingArguments, SFTConfig):
-    """``SFTConfig`` plus the ``cephalo_*`` settings (``CephaloTrainingArguments``' rules:
-    environment fallbacks, validation in ``__post_init__``, CPU auto-detection).
+class CephaloSFTConfig(CephaloTRLConfig, SFTConfig):
+    """``SFTConfig`` plus the ``cephalo_*`` settings (``CephaloTRLConfig``: the rules of
+    ``CephaloTrainingArguments``, environment fallbacks, validation in ``__post_init__``, CPU
+    auto-detection; ``trl_config_dataclass``: SFTConfig's own defaults).
 
     TRL's defaults are kept (``bf16`` True unless ``fp16``, ``gradient_checkpointing`` True —
     the engine's own per-unit recompute, ``logging_steps`` 10, ``learning_rate`` 2e-5). Raises
     ValueError as ``CephaloTrainingArguments`` and ``SFTConfig`` do; settings the engine cannot
     honour are refused by ``CephaloSFTTrainer`` in one message (``refused_settings``).
     """
-
-    def __post_init__(self) -> None:
-        # TRL's bf16 default (_BaseConfig.__post_init__), settled before the Cephalo precision
-        # checks of CephaloTrainingArguments.__post_init__ read it
-        if self.bf16 is None:
-            self.bf16 = not self.fp16
-        super().__post_init__()
 
     @staticmethod
     def cephalo_field_support() -> dict:

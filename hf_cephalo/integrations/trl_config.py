@@ -1,0 +1,51 @@
+"""The Cephalo side of a TRL config: ``CephaloTRLConfig`` + a TRL config class, made a dataclass
+by ``trl_config_dataclass`` (``CephaloSFTConfig`` in trl_sft.py; the other TRL trainers' configs
+the same way). Imports no TRL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+
+__all__ = ["CephaloTRLConfig", "trl_config_dataclass"]
+
+
+class CephaloTRLConfig(CephaloTrainingArguments):
+    """``CephaloTrainingArguments``' rules (environment fallbacks, validation, CPU
+    auto-detection, ``refused_settings``) for a TRL config, with TRL's ``bf16`` default
+    (``trl.trainer.base_config._BaseConfig``: True unless ``fp16``) settled first, since the
+    Cephalo precision checks read it."""
+
+    def __post_init__(self) -> None:
+        if self.bf16 is None:
+            self.bf16 = not self.fp16
+        super().__post_init__()
+
+
+def trl_config_dataclass(trl_config: type):
+    """Class decorator: ``cls`` (a ``CephaloTRLConfig`` + ``trl_config`` subclass) as a
+    dataclass whose ``TrainingArguments`` fields are ``trl_config``'s, defaults and help
+    included.
+
+    Without this, the ``TrainingArguments`` fields would carry ``CephaloTrainingArguments``'
+    (stock) defaults: a dataclass takes each base's fields in reverse MRO order, and
+    ``CephaloTrainingArguments`` (a dataclass of every ``TrainingArguments`` field) comes last,
+    hiding the TRL config's own defaults (``learning_rate`` 2e-5, ``logging_steps`` 10,
+    ``bf16`` None -> True, ``gradient_checkpointing`` True).
+    """
+    def decorate(cls: type) -> type:
+        stock = {f.name for f in dataclasses.fields(CephaloTrainingArguments)}
+        annotations = dict(cls.__dict__.get("__annotations__", {}))
+        for f in dataclasses.fields(trl_config):
+            if f.name not in stock or f.name in annotations:
+                continue
+            annotations[f.name] = f.type
+            default = {"default": f.default} if f.default is not dataclasses.MISSING else \
+                {"default_factory": f.default_factory}
+            setattr(cls, f.name, dataclasses.field(**default, init=f.init, repr=f.repr,
+                                                   metadata=f.metadata))
+        cls.__annotations__ = annotations
+        return dataclasses.dataclass(cls)
+    return decorate
