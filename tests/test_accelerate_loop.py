@@ -17,6 +17,9 @@ parameter), fp32 at rtol 1e-5 / atol 1e-6:
 * a live b_i / m_i switch mid-run (``session.switch_plan``) changes nothing;
 * ``save_state`` on 2 ranks, ``load_state`` on 3 (another plan and world, same B) continues the
   uninterrupted trajectory; ``skip_first_batches`` resumes mid-epoch;
+* a streamed training set (a torch ``IterableDataset`` without a length): B consecutive rows per
+  step, as one process reads them; saved mid-epoch on 2 ranks and resumed on 3 (the skipped
+  global batches read again, as stock's ``skip_first_batches``);
 * the same job through ``CephaloTrainer`` gives the loop's losses;
 * bf16 autocast: the loop equals the Trainer door on the same plan (same engine), fp32 master
   weights within bf16 tolerance of the fp32 reference;
@@ -61,6 +64,16 @@ def _samples(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
         rows.append({"input_ids": ids, "attention_mask": torch.ones(10, dtype=torch.long),
                      "labels": labels})
     return rows
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """The samples as a stream: no length, no indexing."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
 
 
 def _collate(rows):
@@ -126,7 +139,8 @@ def _accelerator(plan_file, precision="no", ga=1, **plugin):
 
 
 def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, precision="no",
-          switch=None, save_at=None, resume=None, steps=None):
+          switch=None, save_at=None, resume=None, steps=None, stream=False,
+          checkpoint="loop-ckpt"):
     """One run of the stock-shaped loop; returns per-step global losses and (rank 0) the final
     state dict."""
     from hf_cephalo.planner import Plan
@@ -142,8 +156,13 @@ def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, preci
     optimizer = torch.optim.AdamW(_groups(list(model.named_parameters())), lr=LR, eps=EPS)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lambda) if sched else None
     # the loader's generator seeds the weighted sampler's permutation (seed + epoch)
-    loader = DataLoader(_samples(N_TRAIN, 0), batch_size=max(B // (world * ga), 1), shuffle=True,
-                        collate_fn=_collate, generator=torch.Generator().manual_seed(SEED))
+    if stream:  # in order (a DataLoader over an IterableDataset takes no shuffle)
+        loader = DataLoader(_Stream(_samples(N_TRAIN, 0)), batch_size=B // world,
+                            collate_fn=_collate)
+    else:
+        loader = DataLoader(_samples(N_TRAIN, 0), batch_size=max(B // (world * ga), 1),
+                            shuffle=True, collate_fn=_collate,
+                            generator=torch.Generator().manual_seed(SEED))
     objects = [model, optimizer, loader] + ([scheduler] if sched else [])
     model, optimizer, loader, *rest = accelerator.prepare(*objects)
     scheduler = rest[0] if rest else None
@@ -151,7 +170,8 @@ def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, preci
     if resume is not None:
         accelerator.load_state(resume)
         start_epoch = loader.epoch
-        skip = accelerator.cephalo_session.global_step - start_epoch * len(loader)
+        done = 0 if stream else start_epoch * len(loader)  # a stream has no length: epoch 0
+        skip = accelerator.cephalo_session.global_step - done
     losses, step = [], accelerator.cephalo_session.global_step
     for epoch in range(start_epoch, EPOCHS + 1):
         active = accelerator.skip_first_batches(loader, skip) if skip else loader
@@ -185,7 +205,7 @@ def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, preci
                 session.switch_plan(Plan.from_ratios(sizes, micro, session.plan.state_ratios),
                                     step)
             if save_at is not None and step == save_at:
-                accelerator.save_state(os.path.join(root, "loop-ckpt"))
+                accelerator.save_state(os.path.join(root, checkpoint))
             if steps is not None and step >= steps:
                 break
         if steps is not None and step >= steps:
@@ -238,6 +258,11 @@ def _refusals(rank, world, root, plan):
         errors["second_model"] = str(e)
     model, loader = accelerator.prepare(model, loader)
     try:
+        accelerator.prepare(DataLoader(_Stream(_samples(N_EVAL, 5)), batch_size=2,
+                                       collate_fn=_collate))
+    except ValueError as e:
+        errors["stream_eval"] = str(e)
+    try:
         accelerator.prepare(build("llama", seed=1))
     except ValueError as e:
         errors["second_model_later"] = str(e)
@@ -271,9 +296,12 @@ def _worker(rank, world, root):
         results[name] = _loop(rank, world, root, name, first, kind=kind, sched=sched, ga=ga,
                               precision=precision)
     results["switch"] = _loop(rank, world, root, "switch", first, switch=(3, second))
+    results["stream"] = _loop(rank, world, root, "stream", second, stream=True, sched=True)
     if world == 2:
         results["saved"] = _loop(rank, world, root, "saved", first, sched=True, save_at=3,
                                  steps=3)
+        results["stream_saved"] = _loop(rank, world, root, "stream_saved", first, stream=True,
+                                        save_at=1, steps=1, checkpoint="stream-ckpt")
         for precision in ("bf16", "fp16"):
             results[precision] = _loop(rank, world, root, precision, first, precision=precision)
             results[f"trainer_{precision}"] = _trainer(rank, world, root, first, precision)
@@ -281,6 +309,8 @@ def _worker(rank, world, root):
     else:
         results["resumed"] = _loop(rank, world, root, "resumed", second, sched=True,
                                    resume=os.path.join(root, "loop-ckpt"))
+        results["stream_resumed"] = _loop(rank, world, root, "stream_resumed", second,
+                                          stream=True, resume=os.path.join(root, "stream-ckpt"))
     results["eval"] = _eval_case(rank, world, root, first)
     results["refusals"] = _refusals(rank, world, root, first)
     return portable(results, to_numpy=True)
@@ -310,7 +340,8 @@ def _trainer(rank, world, root, plan, precision="no"):
 
 
 # ---- the single-process reference ------------------------------------------------------------
-def _reference(world, *, kind="own", sched=False, ga=1, precision="no", steps=None):
+def _reference(world, *, kind="own", sched=False, ga=1, precision="no", steps=None,
+               stream=False):
     from hf_cephalo.runtime.sampler import global_batches
 
     model = build("llama", seed=0).train()
@@ -319,7 +350,9 @@ def _reference(world, *, kind="own", sched=False, ga=1, precision="no", steps=No
     data = _samples(N_TRAIN, 0)
     losses = []
     for epoch in range(EPOCHS + 1):
-        for indices in global_batches(N_TRAIN, B, epoch=epoch, seed=SEED):
+        order = [range(i, min(i + B, N_TRAIN)) for i in range(0, N_TRAIN, B)] if stream else \
+            global_batches(N_TRAIN, B, epoch=epoch, seed=SEED)
+        for indices in order:
             batch = _collate([data[i] for i in indices])
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
                 out = model(**batch)
@@ -436,6 +469,27 @@ def test_trainer_and_loop_give_the_same_losses(runs):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_streamed_training_set(runs, world):
+    """B consecutive rows of the stream per step (both epochs read the stream from its start),
+    the scheduler stepped world-size times per step, as one process reading the stream."""
+    ref_losses, ref_state = _reference(world, sched=True, stream=True)
+    assert len(ref_losses) == 2 * (EPOCHS + 1)
+    for result in runs[world]:
+        _close(result["stream"]["losses"], ref_losses)
+    _params_close(runs[world][0]["stream"]["state"], ref_state)
+
+
+def test_stream_saved_on_two_ranks_resumed_on_three(runs):
+    """save_state after step 1 of a stream's epoch on 2 ranks; load_state on 3 ranks reads the
+    stream again from its start, skips the step done and continues the uninterrupted run."""
+    ref_losses, ref_state = _reference(2, stream=True)
+    _close(runs[2][0]["stream_saved"]["losses"], ref_losses[:1])
+    for result in runs[3]:
+        _close(result["stream_resumed"]["losses"], ref_losses[1:])
+    _params_close(runs[3][0]["stream_resumed"]["state"], ref_state)
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_gather_for_metrics_every_row_once_in_order(runs, world):
     data = _samples(N_EVAL, 5)
     model = build("llama", seed=0)
@@ -454,5 +508,6 @@ def test_refusals_on_every_rank(runs, world):
         assert "trains ONE model" in errors["second_model"]
         assert "trains ONE model" in errors["second_model_later"]
         assert "no_sync" in errors["no_sync"]
+        assert "evaluation DataLoader over a stream" in errors["stream_eval"]
         assert "does not depend on this step's model outputs" in errors["not_from_outputs"]
         assert "called twice" in errors["backward_twice"]

@@ -32,6 +32,8 @@ rows, or, with "sum", this rank's part of a global sum (e.g. a sum divided by
 
 from __future__ import annotations
 
+import itertools
+
 import logging
 from typing import Any, Iterator
 
@@ -194,24 +196,43 @@ class CephaloDataLoader:
     def _iterate(self, skip: int):
         self._skip_next = 0
         epoch = self.epoch
-        self.inner.batch_sampler.set_epoch(epoch)
-        self.inner.batch_sampler.skip_batches = skip
+        steps = self._stream_steps()
+        if steps is None:
+            self.inner.batch_sampler.set_epoch(epoch)
+            self.inner.batch_sampler.skip_batches = skip
+            batches = iter(self.inner)
+        else:  # a stream cannot seek: the skipped global batches are read (as stock's skip)
+            steps.set_epoch(epoch)
+            steps.steps_drawn = max(self.hooks.session.global_step - skip, 0) \
+                if self.training else 0
+            batches = itertools.islice(iter(self.inner), skip, None)
         self.position = skip
-        for microbatches in self.inner:
+        for microbatches in batches:
             batch = microbatches[0] if microbatches else self._empty_batch()
             assert len(microbatches) <= 1, "the loop's loaders yield one batch per step"
             batch = send_to_device(batch, self.device)
             self.hooks.batch_drawn(self, batch)
             self.position += 1
             yield batch
-        self.inner.batch_sampler.skip_batches = 0
+        if steps is None:
+            self.inner.batch_sampler.skip_batches = 0
         self.epoch = epoch + 1
         self.position = 0
+
+    def _stream_steps(self):
+        """The runtime's ``StreamSteps`` when this loader reads a stream, else None."""
+        from hf_cephalo.runtime.streaming import StreamSteps
+
+        return self.inner.dataset if isinstance(self.inner.dataset, StreamSteps) else None
 
     def state(self) -> dict[str, int]:
         """Where the loader stands: the epoch in progress and the batches it handed out
         (at the end of an epoch: the next epoch, 0)."""
-        if self.position >= len(self):
+        try:
+            done = self.position >= len(self)
+        except TypeError:  # a stream without a length: its end is seen when it ends
+            done = False
+        if done:
             return {"epoch": self.epoch + (1 if self.position else 0), "position": 0}
         return {"epoch": self.epoch, "position": self.position}
 

@@ -60,12 +60,21 @@ def check_loop_setup(accelerator, args) -> None:
     if getattr(accelerator.dataloader_config, "dispatch_batches", None):
         raise ValueError("DataLoaderConfiguration(dispatch_batches=True): each rank reads its "
                          "own rows of every global batch; drop dispatch_batches")
+    from hf_cephalo.runtime.streaming import is_stream
+
+    training = not accelerator.cephalo_loaders  # the first loader prepared trains
     for loader in (a for a in args if isinstance(a, DataLoader)):
-        if not hasattr(loader.dataset, "__len__") or loader.batch_size is None:
-            raise ValueError("a prepared DataLoader needs a map-style dataset and a batch_size "
-                             "(this rank's rows of each global batch are cut from a permutation "
-                             "of the dataset): got "
-                             f"{type(loader.dataset).__name__}, batch_size={loader.batch_size}")
+        if loader.batch_size is None:
+            raise ValueError("a prepared DataLoader needs a batch_size (the global batch is "
+                             "batch_size x world size rows, cut by the plan's b_i): got "
+                             f"batch_size=None over {type(loader.dataset).__name__}")
+        if is_stream(loader.dataset) and not training:
+            raise ValueError(f"an evaluation DataLoader over a stream "
+                             f"({type(loader.dataset).__name__}): evaluation splits a dataset "
+                             "with a length by the plan's b_i and gathers it in order; "
+                             "materialize the part you evaluate on (datasets.Dataset."
+                             "from_generator, or list(stream))")
+        training = False
 
 
 def _broadcast_seed(accelerator, loader: DataLoader | None) -> int:
@@ -243,7 +252,10 @@ class _EmptyBatch:
         if self._batch is None:
             from accelerate.utils import recursively_apply
 
-            one = self.collate([self.dataset[0]])  # the collator's own type (BatchEncoding...)
+            from hf_cephalo.runtime.streaming import is_stream
+
+            first = next(iter(self.dataset)) if is_stream(self.dataset) else self.dataset[0]
+            one = self.collate([first])  # the collator's own type (BatchEncoding...)
             self._batch = recursively_apply(lambda t: t[:0] if t.dim() > 0 else t, one,
                                             error_on_other_type=False)
         return self._batch
