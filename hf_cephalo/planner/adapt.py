@@ -117,23 +117,17 @@ class SwitchDecision(NamedTuple):
 
 
 # [Note: a switch must pay against the noise]
-# A window's scales move with co-tenants, data-loader hiccups and checkpoint writes; a re-plan
-# that follows them flip-flops (seen: four switches in one run at fixed emulated speeds). So:
-# - each rank's scale is an interval: the window median ± z standard errors, the larger of a
-#   median's (from the window's MAD) and the spread of the split's past window medians (a load
-#   that comes and goes over seconds moves whole windows), at least the noise floor; in the
-#   second window of a streak joined with the first: the move is seen in both ("stayed moved");
-# - the gain that counts is the one at the interval's unfavourable end (``pessimistic_gain``):
-#   ranks that get more compute as slow as their interval allows, ranks that get less as fast;
-# - a rank must have moved out of the interval the running plan was made for (the profile for
-#   the start plan, the first window on a switched-to split): a model whose F(m) has the wrong
-#   shape reads other scales at another m, which is no change of the device;
-# - a split that ran before is taken again only if its fastest measured step beats the running
-#   split's by the threshold ([Note: no flapping between measured plans]): the fastest figure,
-#   since load only slows (the latest one let a busy window flip the comparison). So a switch
-#   that did not pay (measured less than ``payoff`` x its predicted gain: noticed, one line) is
-#   reversed at most once, when the split it left measured faster, and never made again: the
-#   split it went to then measured slower, and the running split's fastest figure only falls.
+# Windows move with co-tenants, data-loader hiccups and checkpoint writes; a re-plan that
+# follows them flip-flops (docs/adaptive.md, "The switch rule"). A switch is taken only when:
+# - it gains more than the threshold at the unfavourable end of each rank's interval
+#   s_i·exp(±z·e_i) (``pessimistic_gain``; e_i from the window's MAD and the spread of the
+#   split's past windows, at least the floor), at two exchanges in a row whose intervals join
+#   (the move stayed);
+# - a rank moved out of the interval the running plan was made for (the profile for the start
+#   plan, the first window on a switched-to split: a refit read at another m is no move);
+# - a split that ran before beats the running one on its FASTEST measured step (load only
+#   slows), which also keeps a switch that did not pay (noticed, one line) from being made
+#   again once reversed.
 #
 # [Note: no flapping between measured plans]
 # The refit scales each rank's whole F(m), B(m) curve by what it measured at ONE microbatch size.
