@@ -29,13 +29,14 @@ from transformers import TrainerCallback
 
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import Plan, predict
-from hf_cephalo.planner.predict import MeasuredStep, predicted_unit_compute_s, refit_to_measured
+from hf_cephalo.planner.predict import (MeasuredStep, measured_speeds, predicted_unit_compute_s,
+                                        refit_to_measured)
 from hf_cephalo.planner import memory
 from hf_cephalo.profiler.emulate import (EmulatedStagedModel, EmulationConfig,
                                          emulated_device_name)
 from hf_cephalo.profiler.measure import (MeasureConfig, local_device_name, model_dtype,
                                          sequence_length_of)
-from hf_cephalo.profiler.cache import write_back_devices
+from hf_cephalo.profiler.cache import write_back_measured
 from hf_cephalo.profiler.precision import Precision
 from hf_cephalo.units import GIB
 
@@ -311,9 +312,12 @@ class PlanAccuracyCallback(TrainerCallback):
             measured = [MeasuredStep(r["step_s"], r["compute_s"], r.get("root_s"))
                         for r in self.rows]
             refit = refit_to_measured(plan, cluster, measured)
-            self.written_back = [str(p) for p in write_back_devices(cluster.extra, refit.devices)]
-            logger.info("measured step terms written back to the profile cache (%s): the next "
-                        "run plans from them", ", ".join(self.written_back))
+            # [Note: the cache does not learn load] (profiler/cache.py): a loaded run is kept out
+            done = write_back_measured(cluster.extra, refit.devices,
+                                       measured_speeds(plan, cluster, measured),
+                                       steps=len(self.step_s) - 1)
+            self.written_back = [str(p) for p in done.written]
+            logger.info("%s", done.line)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
 
