@@ -440,8 +440,9 @@ def test_a_switch_that_did_not_pay_is_noticed_and_not_repeated():
 
 def test_noise_statistics():
     """The pieces of the rule: the standard error of a window's median from its MAD (normal
-    data: sqrt(pi/2)·1.4826·MAD/sqrt(n), at least the floor), the spread of past windows, the
-    interval joined with the previous window, the gain at its unfavourable end."""
+    data: sqrt(pi/2)·1.4826·MAD/sqrt(n), at least the floor), the window-to-window noise from
+    successive differences (a step in the level does not count), the interval joined with the
+    previous window, the gain at its unfavourable end."""
     from hf_cephalo.planner.adapt import (Measurement, ScaleWindow, moved_ranks,
                                           pessimistic_gain, scale_bounds, scale_error,
                                           window_noise)
@@ -450,16 +451,23 @@ def test_noise_statistics():
                     unit_compute_mad_s=0.2)
     assert scale_error(m) == pytest.approx(math.sqrt(math.pi / 2) * 1.4826 * 0.1 / 2)
     assert scale_error(m._replace(unit_compute_mad_s=0.0)) == 0.03  # the floor
+
+    def windows(values):
+        return [ScaleWindow("k", (1.0, float(x)), (0.03, 0.03), (True, True)) for x in values]
+
     rng = np.random.default_rng(0)
-    draws = np.exp(rng.normal(0, 0.2, 400))
-    past = [ScaleWindow("k", (1.0, float(x)), (0.03, 0.03), (True, True)) for x in draws]
-    assert window_noise(past, 1) == pytest.approx(0.2, rel=0.1)
-    assert window_noise(past, 0) == 0.0 and window_noise(past[:2], 1) == 0.0
+    noisy = np.exp(rng.normal(0, 0.2, 2000))
+    assert window_noise(windows(noisy), 1) == pytest.approx(0.2, rel=0.1)
+    assert window_noise(windows(noisy), 0) == 0.0 and window_noise(windows(noisy[:3]), 1) == 0.0
+    # a drift 1x -> 3x in the middle of a steady series is one difference, not noise
+    assert window_noise(windows([1.0, 1.02, 0.99, 3.0, 3.03, 2.98]), 1) < 0.05
     now = ScaleWindow("k", (1.0, 3.0), (0.05, 0.05), (True, True))
     before = ScaleWindow("k", (1.0, 2.5), (0.05, 0.05), (True, True))
-    lo, hi = scale_bounds(now, before, z=2.0)
+    lo, hi = scale_bounds(now, before, [0.0, 0.0], z=2.0)
     assert lo[1] == pytest.approx(2.5 * math.exp(-0.1)) and hi[1] == pytest.approx(
         3.0 * math.exp(0.1))
+    lo_alone, hi_alone = scale_bounds(now, None, [0.0, 0.2], z=2.0)
+    assert lo_alone[1] == pytest.approx(3.0 * math.exp(-0.4))  # the noise of past windows
     profile = ScaleWindow("k", (1.0, 1.0), (0.03, 0.03), (True, True))
     assert moved_ranks(lo, hi, profile, measured=now.measured) == [1]
     cluster = _two_ranks()

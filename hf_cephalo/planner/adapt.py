@@ -39,14 +39,14 @@ __all__ = ["MEASUREMENT_FIELDS", "Measurement", "SwitchDecision", "StateDecision
            "DEFAULT_CONFIRMATIONS", "DEFAULT_CONFIDENCE_Z", "DEFAULT_NOISE_FLOOR",
            "DEFAULT_PAYOFF_FRACTION"]
 
-DEFAULT_THRESHOLD = 0.05  # least predicted gain a switch needs, at the unfavourable end of the noise
+DEFAULT_THRESHOLD = 0.05  # least predicted gain a switch needs, at the unfavourable end of noise
 DEFAULT_HYSTERESIS_STEPS = 20  # at most one switch per this many steps
 DEFAULT_CONFIRMATIONS = 2  # consecutive exchanges that must each show the gain (and the move)
 DEFAULT_CONFIDENCE_Z = 2.0  # a rank's scale is taken as uncertain by this many standard errors
 DEFAULT_NOISE_FLOOR = 0.03  # least relative standard error of one window's scale
 DEFAULT_PAYOFF_FRACTION = 0.5  # a switch paid if it measured at least this share of its gain
 NOISE_WINDOWS = 12  # past windows on the running split whose spread measures its noise
-MIN_NOISE_WINDOWS = 3  # fewer past windows tell no spread: the window's own noise stands
+MIN_NOISE_WINDOWS = 4  # fewer past windows tell no spread: the window's own noise stands
 
 MEASUREMENT_FIELDS = ("steps", "unit_compute_s", "step_s", "wait_s", "batch_size",
                       "unit_compute_mad_s")
@@ -120,9 +120,9 @@ class SwitchDecision(NamedTuple):
 # Windows move with co-tenants, data-loader hiccups and checkpoint writes; a re-plan that
 # follows them flip-flops (docs/adaptive.md, "The switch rule"). A switch is taken only when:
 # - it gains more than the threshold at the unfavourable end of each rank's interval
-#   s_i·exp(±z·e_i) (``pessimistic_gain``; e_i from the window's MAD and the spread of the
-#   split's past windows, at least the floor), at two exchanges in a row whose intervals join
-#   (the move stayed);
+#   s_i·exp(±z·e_i) (``pessimistic_gain``; e_i from the window's MAD and the window-to-window
+#   noise of the split before the move, at least the floor), at two exchanges in a row whose
+#   intervals join (the move stayed);
 # - a rank moved out of the interval the running plan was made for (the profile for the start
 #   plan, the first window on a switched-to split: a refit read at another m is no move);
 # - a split that ran before beats the running one on its FASTEST measured step (load only
@@ -288,25 +288,29 @@ def scale_error(m: Measurement, *, noise_floor: float = DEFAULT_NOISE_FLOOR) -> 
 
 
 def window_noise(windows: Sequence[ScaleWindow], rank: int) -> float:
-    """The spread of ``rank``'s scale across ``windows``: 1.4826 x the MAD of ln s_i (the
-    standard deviation of a window's reading, for normal data), 0 with fewer than
-    ``MIN_NOISE_WINDOWS`` windows that measured it."""
+    """How much ``rank``'s scale moves from one window to the next in ``windows`` (oldest
+    first): 1.4826 x the median |ln s_k - ln s_(k-1)| / sqrt(2), the standard deviation of one
+    window's reading for normal data; from successive differences, so one real step in the
+    level costs one difference, not the estimate. 0 with fewer than ``MIN_NOISE_WINDOWS``
+    windows that measured the rank."""
     logs = [math.log(w.scales[rank]) for w in windows if w.measured[rank]]
     if len(logs) < MIN_NOISE_WINDOWS:
         return 0.0
-    mid = statistics.median(logs)
-    return _SIGMA_PER_MAD * statistics.median(abs(x - mid) for x in logs)
+    steps = [abs(b - a) for a, b in zip(logs, logs[1:])]
+    return _SIGMA_PER_MAD * statistics.median(steps) / math.sqrt(2)
 
 
-def scale_bounds(window: ScaleWindow, previous: ScaleWindow | None, *,
+def scale_bounds(window: ScaleWindow, previous: ScaleWindow | None, noise: Sequence[float], *,
                  z: float = DEFAULT_CONFIDENCE_Z) -> tuple[list[float], list[float]]:
     """Per rank the interval (lo, hi) of s_i: ``window``'s s_i · exp(±z·e_i), joined with
-    ``previous``'s where that window measured the rank too (the move must hold in both)."""
+    ``previous``'s (the window that began the streak) where both measured the rank: the move
+    must hold in both. e_i is the window's own error, at least ``noise[i]`` (``window_noise``)."""
     lo, hi = [], []
     for i, (s, e) in enumerate(zip(window.scales, window.errors)):
+        e = max(e, noise[i])
         a, b = s * math.exp(-z * e), s * math.exp(z * e)
         if previous is not None and previous.measured[i] and window.measured[i]:
-            p, ep = previous.scales[i], previous.errors[i]
+            p, ep = previous.scales[i], max(previous.errors[i], noise[i])
             a, b = min(a, p * math.exp(-z * ep)), max(b, p * math.exp(z * ep))
         lo.append(a)
         hi.append(b)
@@ -383,7 +387,6 @@ def _assess(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequence[float]]
     key = split_key(plan)
     history = SwitchHistory.of(measured_step_s)
     past = tuple(w for w in history.windows if w.split == key)
-    errors = [max(e, window_noise(past, i)) for i, e in enumerate(errors)]
     window = ScaleWindow(key, tuple(scales), tuple(errors), tuple(measured))
     step_s = max(steps) if len(steps) == n else None
     fastest = dict(history.fastest_s)
@@ -402,8 +405,10 @@ def _assess(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequence[float]]
     reference = history.reference
     if reference is not None and (reference.split != key or not reference.scales):
         reference = window  # the first window on a switched-to split is what it is judged by
+    # the streak's first window, and the windows before it: their noise is what a move beats
     previous = past[-1] if streak > 0 and past else None
-    lo, hi = scale_bounds(window, previous, z=z)
+    before = past[:-1] if previous is not None else past
+    lo, hi = scale_bounds(window, previous, [window_noise(before, i) for i in range(n)], z=z)
     profile = ScaleWindow(key, (1.0,) * n, (noise_floor,) * n,
                           tuple(r.batch_size > 0 for r in plan.ranks))
     history = SwitchHistory(fastest_s=fastest, windows=(*past, window)[-NOISE_WINDOWS:],
@@ -426,9 +431,10 @@ def _gate(cluster: ClusterProfile, plan: Plan, new: Plan, a: _Assessment, *, thr
     more than ``threshold`` (None: it may): [Note: a switch must pay against the noise]."""
     gain = pessimistic_gain(cluster, plan, new, a.scales, a.lo, a.hi)
     if not gain > threshold:
+        windows = "this window and the last" if a.previous is not None else "one window"
         return (f"only {100 * gain:.1f}% at the unfavourable end of the measured noise "
-                f"(±{z:g} standard errors, {'this window and the last' if a.previous else 'one window'}), "
-                f"not above the threshold {100 * threshold:.1f}%")
+                f"(±{z:g} standard errors, {windows}), not above the threshold "
+                f"{100 * threshold:.1f}%")
     old_key, new_key = split_key(plan), split_key(new)
     ran, now = a.history.fastest_s.get(new_key), a.history.fastest_s.get(old_key)
     if ran is not None and now is not None and new_key != old_key:  # r_i alone: not "ran"
