@@ -496,3 +496,20 @@ def test_history_is_the_fastest_figure_of_each_split():
     assert isinstance(history, SwitchHistory) and dict(history) == {split_key(plan): 0.8}
     assert SwitchHistory.of({"a": 1.0})["a"] == 1.0 and SwitchHistory.of(history) is history
     assert len(history.windows) == 3
+
+
+def test_after_a_switch_the_first_complete_window_is_the_reference():
+    """What a switched-to split is judged by (the "moved" test) is its first window that
+    measured every working rank; a window with a rank's numbers missing leaves it pending."""
+    cluster = _two_ranks()
+    loop = _Loop(cluster, optimize(cluster, 16))
+    for _ in range(2):
+        loop.exchange(_rows(loop.plan, cluster, [1.0, 3.0], steps=loop.steps()))
+    assert loop.switches and loop.history.reference.scales == ()
+    rows = _rows(loop.plan, cluster, [1.0, 3.0], steps=loop.steps())
+    rows[0][1] = float("nan")
+    loop.exchange(rows)
+    assert loop.history.reference.scales == () and loop.decisions[-1].invalid_ranks == [0]
+    loop.exchange(_rows(loop.plan, cluster, [1.0, 3.1], steps=loop.steps()))
+    assert loop.history.reference.scales == pytest.approx((1.0, 3.1))
+    assert loop.history.reference.split == loop.switches[0][1]

@@ -402,9 +402,13 @@ def _assess(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequence[float]]
                       f"faster, measured {100 * delivered:+.1f}% ({last.from_step_s:.4f} s -> "
                       f"{step_s:.4f} s per step)")
         last = None
-    reference = history.reference
+    reference, judged_by = history.reference, None
     if reference is not None and (reference.split != key or not reference.scales):
-        reference = window  # the first window on a switched-to split is what it is judged by
+        # the first window on a switched-to split that measured every working rank is what
+        # it is judged by; until then nothing on it counts as moved
+        complete = all(measured[i] for i, r in enumerate(plan.ranks) if r.batch_size > 0)
+        reference = window if complete else ScaleWindow(key, (), (), ())
+        judged_by = window
     # the streak's first window, and the windows before it: their noise is what a move beats
     previous = past[-1] if streak > 0 and past else None
     before = past[:-1] if previous is not None else past
@@ -413,8 +417,8 @@ def _assess(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequence[float]]
                           tuple(r.batch_size > 0 for r in plan.ranks))
     history = SwitchHistory(fastest_s=fastest, windows=(*past, window)[-NOISE_WINDOWS:],
                             reference=reference, last_switch=last, unpaid=unpaid)
-    return _Assessment(scales, window, previous, reference or profile, lo, hi, invalid,
-                       reasons, step_s, history, notice)
+    return _Assessment(scales, window, previous, judged_by or reference or profile, lo, hi,
+                       invalid, reasons, step_s, history, notice)
 
 
 def _switched_history(a: _Assessment, new: Plan, step: int, gain: float) -> SwitchHistory:
