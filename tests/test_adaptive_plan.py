@@ -440,11 +440,12 @@ def test_a_switch_that_did_not_pay_is_noticed_and_not_repeated():
 
 def test_noise_statistics():
     """The pieces of the rule: the standard error of a window's median from its MAD (normal
-    data: sqrt(pi/2)·1.4826·MAD/sqrt(n), at least the floor), the window-to-window noise from
-    successive differences (a step in the level does not count), the interval joined with the
-    previous window, the gain at its unfavourable end."""
-    from hf_cephalo.planner.adapt import (Measurement, ScaleWindow, moved_ranks,
-                                          pessimistic_gain, scale_bounds, scale_error,
+    data: sqrt(pi/2)·1.4826·MAD/sqrt(n), at least the floor); the window-to-window noise of
+    the relative speeds from successive differences (a step in the level does not count, nor
+    a load on every rank); the level of the windows that agree, known better the more agree;
+    a move of the relative speeds; the gain at the unfavourable end of the intervals."""
+    from hf_cephalo.planner.adapt import (Measurement, ScaleWindow, agreeing_run, moved_ranks,
+                                          pessimistic_gain, scale_error, window_level,
                                           window_noise)
 
     m = Measurement(steps=4, unit_compute_s=2.0, step_s=3.0, wait_s=0.1, batch_size=8,
@@ -452,31 +453,35 @@ def test_noise_statistics():
     assert scale_error(m) == pytest.approx(math.sqrt(math.pi / 2) * 1.4826 * 0.1 / 2)
     assert scale_error(m._replace(unit_compute_mad_s=0.0)) == 0.03  # the floor
 
-    def windows(values):
-        return [ScaleWindow("k", (1.0, float(x)), (0.03, 0.03), (True, True)) for x in values]
+    def windows(pairs, e=0.03):
+        return [ScaleWindow("k", (float(a), float(b)), (e, e), (True, True)) for a, b in pairs]
 
     rng = np.random.default_rng(0)
     noisy = np.exp(rng.normal(0, 0.2, 2000))
-    assert window_noise(windows(noisy), 1) == pytest.approx(0.2, rel=0.1)
-    assert window_noise(windows(noisy), 0) == 0.0 and window_noise(windows(noisy[:3]), 1) == 0.0
+    # rank 1 alone noisy: each relative speed moves by half of it (relative to the mean)
+    assert window_noise(windows([(1.0, x) for x in noisy]), 1) == pytest.approx(0.1, rel=0.1)
+    assert window_noise(windows([(x, x) for x in noisy]), 1) == 0.0  # both ranks at once
+    assert window_noise(windows([(1.0, x) for x in noisy[:3]]), 1) == 0.0  # too few
     # a drift 1x -> 3x in the middle of a steady series is one difference, not noise
-    assert window_noise(windows([1.0, 1.02, 0.99, 3.0, 3.03, 2.98]), 1) < 0.05
-    now = ScaleWindow("k", (1.0, 3.0), (0.05, 0.05), (True, True))
-    before = ScaleWindow("k", (1.0, 2.5), (0.05, 0.05), (True, True))
-    lo, hi = scale_bounds(now, before, [0.0, 0.0], z=2.0)
-    assert lo[1] == pytest.approx(2.5 * math.exp(-0.1)) and hi[1] == pytest.approx(
-        3.0 * math.exp(0.1))
-    lo_alone, hi_alone = scale_bounds(now, None, [0.0, 0.2], z=2.0)
-    assert lo_alone[1] == pytest.approx(3.0 * math.exp(-0.4))  # the noise of past windows
+    steady = windows([(1.0, 1.0), (1.0, 1.02), (1.0, 0.99), (1.0, 3.0), (1.0, 3.03)])
+    assert window_noise(steady, 1) < 0.02
+    now = windows([(1.0, 2.98)])[0]
+    assert agreeing_run(steady, now, [0.0, 0.0]) == 3  # back to the drift, not before it
+    level = window_level(steady, now)
+    assert level.run == 3 and level.scales[1] == pytest.approx(3.0)
+    assert level.hi[1] / level.lo[1] == pytest.approx(math.exp(4 * 0.03))  # the floor
+    alone = window_level([], now._replace(errors=(0.2, 0.2)))
+    assert alone.run == 1 and alone.lo[1] == pytest.approx(2.98 * math.exp(-0.4))
     profile = ScaleWindow("k", (1.0, 1.0), (0.03, 0.03), (True, True))
-    assert moved_ranks(lo, hi, profile, measured=now.measured) == [1]
+    assert moved_ranks(level, now.measured, profile) == [0, 1]  # relative: each to the other
+    assert moved_ranks(level, now.measured, profile._replace(scales=(2.0, 6.0))) == []
     cluster = _two_ranks()
     plan = optimize(cluster, 16)
     new = optimize_fixed_state(refit_cluster(cluster, [1.0, 3.0]), plan)
     fit = refit_cluster(cluster, [1.0, 3.0])
     point = 1 - predict(new, fit).iteration_s / predict(plan, fit).iteration_s
-    worst = pessimistic_gain(cluster, plan, new, [1.0, 3.0], lo, hi)
-    assert 0 < worst < point
+    worst = pessimistic_gain(cluster, plan, new, [1.0, 3.0], alone.lo, alone.hi)
+    assert worst < pessimistic_gain(cluster, plan, new, [1.0, 3.0], level.lo, level.hi) < point
     assert pessimistic_gain(cluster, plan, new, [1.0, 3.0], [1.0, 3.0], [1.0, 3.0]) == \
         pytest.approx(point)
 

@@ -33,7 +33,8 @@ from hf_cephalo.profiler.types import ClusterProfile
 __all__ = ["MEASUREMENT_FIELDS", "Measurement", "SwitchDecision", "StateDecision",
            "ScaleWindow", "LastSwitch", "SwitchHistory",
            "predicted_unit_compute_s", "refit_cluster", "split_key", "scale_error",
-           "window_noise", "scale_bounds", "pessimistic_gain", "moved_ranks",
+           "relative_logs", "window_noise", "agreeing_run", "ScaleLevel", "window_level",
+           "pessimistic_gain", "moved_ranks",
            "decide_batch_switch",
            "decide_state_switch", "DEFAULT_THRESHOLD", "DEFAULT_HYSTERESIS_STEPS",
            "DEFAULT_CONFIRMATIONS", "DEFAULT_CONFIDENCE_Z", "DEFAULT_NOISE_FLOOR",
@@ -287,46 +288,95 @@ def scale_error(m: Measurement, *, noise_floor: float = DEFAULT_NOISE_FLOOR) -> 
     return max(noise_floor, se)
 
 
+def relative_logs(window: ScaleWindow) -> list[float | None]:
+    """ln s_i less the mean ln s_j of the ranks ``window`` measured (None where it did not
+    measure rank i): the speeds relative to each other, which is what a re-balance follows. A
+    co-tenant on shared cores or a busy host slows every rank at once; that moves no split.
+    With one measured rank, its ln s_i itself."""
+    logs = [math.log(s) if ok else None for s, ok in zip(window.scales, window.measured)]
+    known = [x for x in logs if x is not None]
+    centre = statistics.fmean(known) if len(known) >= 2 else 0.0
+    return [None if x is None else x - centre for x in logs]
+
+
 def window_noise(windows: Sequence[ScaleWindow], rank: int) -> float:
-    """How much ``rank``'s scale moves from one window to the next in ``windows`` (oldest
-    first): 1.4826 x the median |ln s_k - ln s_(k-1)| / sqrt(2), the standard deviation of one
-    window's reading for normal data; from successive differences, so one real step in the
-    level costs one difference, not the estimate. 0 with fewer than ``MIN_NOISE_WINDOWS``
-    windows that measured the rank."""
-    logs = [math.log(w.scales[rank]) for w in windows if w.measured[rank]]
+    """How much ``rank``'s relative speed (``relative_logs``) moves from one window to the next
+    in ``windows`` (oldest first): 1.4826 x the median |x_k - x_(k-1)| / sqrt(2), the standard
+    deviation of one window's reading for normal data; from successive differences, so one
+    real step in the level costs one difference, not the estimate. 0 with fewer than
+    ``MIN_NOISE_WINDOWS`` windows that measured the rank."""
+    logs = [x for x in (relative_logs(w)[rank] for w in windows) if x is not None]
     if len(logs) < MIN_NOISE_WINDOWS:
         return 0.0
     steps = [abs(b - a) for a, b in zip(logs, logs[1:])]
     return _SIGMA_PER_MAD * statistics.median(steps) / math.sqrt(2)
 
 
-def scale_bounds(window: ScaleWindow, previous: ScaleWindow | None, noise: Sequence[float], *,
-                 z: float = DEFAULT_CONFIDENCE_Z) -> tuple[list[float], list[float]]:
-    """Per rank the interval (lo, hi) of s_i: ``window``'s s_i · exp(±z·e_i), joined with
-    ``previous``'s (the window that began the streak) where both measured the rank: the move
-    must hold in both. e_i is the window's own error, at least ``noise[i]`` (``window_noise``)."""
-    lo, hi = [], []
-    for i, (s, e) in enumerate(zip(window.scales, window.errors)):
-        e = max(e, noise[i])
-        a, b = s * math.exp(-z * e), s * math.exp(z * e)
-        if previous is not None and previous.measured[i] and window.measured[i]:
-            p, ep = previous.scales[i], max(previous.errors[i], noise[i])
-            a, b = min(a, p * math.exp(-z * ep)), max(b, p * math.exp(z * ep))
-        lo.append(a)
-        hi.append(b)
-    return lo, hi
+def agreeing_run(past: Sequence[ScaleWindow], window: ScaleWindow, noise: Sequence[float], *,
+                 z: float = DEFAULT_CONFIDENCE_Z) -> int:
+    """How many windows, ``window`` and the latest of ``past`` back from it, read the same
+    relative speeds (``relative_logs``) as ``window`` within the noise: for every rank both
+    measured, |x - x_now| <= z·sqrt(2)·max(noise_i, e_i, e_i now). At least 1."""
+    now, run = relative_logs(window), 1
+    for w in reversed(past):
+        then = relative_logs(w)
+        if not all(a is None or b is None or abs(a - b) <= z * math.sqrt(2) * max(
+                noise[i], w.errors[i], window.errors[i])
+                for i, (a, b) in enumerate(zip(then, now))):
+            break
+        run += 1
+    return run
 
 
-def moved_ranks(lo: Sequence[float], hi: Sequence[float], reference: ScaleWindow, *,
-                measured: Sequence[bool], z: float = DEFAULT_CONFIDENCE_Z) -> list[int]:
-    """The ranks whose interval [lo_i, hi_i] lies wholly outside ``reference``'s
-    s_i · exp(±z·e_i): measured now and then, and moved beyond both windows' noise."""
+class ScaleLevel(NamedTuple):
+    """``window_level``'s answer, per rank: the level s_i, its interval [lo_i, hi_i], and how
+    many windows agreed on it (``run``)."""
+
+    scales: list[float]
+    lo: list[float]
+    hi: list[float]
+    run: int
+
+
+def window_level(past: Sequence[ScaleWindow], window: ScaleWindow, *,
+                 z: float = DEFAULT_CONFIDENCE_Z,
+                 noise_floor: float = DEFAULT_NOISE_FLOOR) -> ScaleLevel:
+    """The level of each rank's scale now, from ``window`` and the latest of ``past`` (the
+    same split, oldest first) that agree with it (``agreeing_run``, at most ``NOISE_WINDOWS``):
+    the median of their s_i, with error e_i = max(floor, max(window's e_i, window-to-window
+    noise of ``past``) / sqrt(run)); the interval is level · exp(±z·e_i). Ranks ``window`` did
+    not measure keep its s_i (the previous value) at the floor."""
+    n = len(window.scales)
+    sigma = [window_noise(past, i) for i in range(n)]
+    run = min(agreeing_run(past, window, sigma, z=z), NOISE_WINDOWS)
+    runs = (*past[len(past) - run + 1:], window)
+    level, lo, hi = [], [], []
+    for i in range(n):
+        s, e = window.scales[i], noise_floor
+        if window.measured[i]:
+            s = math.exp(statistics.median(math.log(w.scales[i]) for w in runs
+                                           if w.measured[i]))
+            e = max(noise_floor, max(window.errors[i], sigma[i]) / math.sqrt(run))
+        level.append(s)
+        lo.append(s * math.exp(-z * e))
+        hi.append(s * math.exp(z * e))
+    return ScaleLevel(level, lo, hi, run)
+
+
+def moved_ranks(level: ScaleLevel, measured: Sequence[bool], reference: ScaleWindow, *,
+                z: float = DEFAULT_CONFIDENCE_Z) -> list[int]:
+    """The ranks whose relative speed moved: the interval [lo_i, hi_i] of ``level``, taken
+    relative to its other measured ranks (as ``relative_logs``), lies wholly outside
+    ``reference``'s relative s_i · exp(±z·e_i); only ranks measured now and then."""
+    now = relative_logs(ScaleWindow("", tuple(level.scales), (), tuple(measured)))
+    then = relative_logs(reference)
     out = []
-    for i, (a, b) in enumerate(zip(lo, hi)):
-        if not (measured[i] and reference.measured[i]):
+    for i, (a, b) in enumerate(zip(level.lo, level.hi)):
+        if now[i] is None or then[i] is None:
             continue
-        r, e = reference.scales[i], reference.errors[i]
-        if b < r * math.exp(-z * e) or a > r * math.exp(z * e):
+        shift = now[i] - math.log(level.scales[i])  # the same shift for the whole interval
+        e = reference.errors[i]
+        if math.log(b) + shift < then[i] - z * e or math.log(a) + shift > then[i] + z * e:
             out.append(i)
     return out
 
@@ -348,12 +398,9 @@ def pessimistic_gain(cluster: ClusterProfile, running: Plan, new: Plan, scales: 
 class _Assessment(NamedTuple):
     """One exchange read: the scales and their noise, and the history with this window in."""
 
-    scales: list[float]
+    level: ScaleLevel  # the point scales and their intervals
     window: ScaleWindow
-    previous: ScaleWindow | None  # the window that began the streak, on the same split
     reference: ScaleWindow  # what the running split was planned for
-    lo: list[float]
-    hi: list[float]
     invalid: list[int]
     reasons: list[str]
     step_s: float | None  # the window's step: the slowest rank's median, seconds
@@ -362,10 +409,9 @@ class _Assessment(NamedTuple):
 
 
 def _assess(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequence[float]],
-            previous_scales: Sequence[float] | None, measured_step_s, *, streak: int, z: float,
+            previous_scales: Sequence[float] | None, measured_step_s, *, z: float,
             noise_floor: float, payoff: float) -> _Assessment:
-    """Read ``rows``; the scale intervals join the previous window when it began the streak
-    (``streak`` > 0): a confirmed move is one seen in every window of the streak."""
+    """Read ``rows`` into the scales' level (``window_level``) and the history with them."""
     n = cluster.world_size
     if len(rows) != n:
         raise ValueError(f"{len(rows)} measurement rows for {n} ranks")
@@ -409,16 +455,14 @@ def _assess(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequence[float]]
         complete = all(measured[i] for i, r in enumerate(plan.ranks) if r.batch_size > 0)
         reference = window if complete else ScaleWindow(key, (), (), ())
         judged_by = window
-    # the streak's first window, and the windows before it: their noise is what a move beats
-    previous = past[-1] if streak > 0 and past else None
-    before = past[:-1] if previous is not None else past
-    lo, hi = scale_bounds(window, previous, [window_noise(before, i) for i in range(n)], z=z)
+    # the level of each scale: the latest windows that agree, against the split's noise
+    level = window_level(past, window, z=z, noise_floor=noise_floor)
     profile = ScaleWindow(key, (1.0,) * n, (noise_floor,) * n,
                           tuple(r.batch_size > 0 for r in plan.ranks))
     history = SwitchHistory(fastest_s=fastest, windows=(*past, window)[-NOISE_WINDOWS:],
                             reference=reference, last_switch=last, unpaid=unpaid)
-    return _Assessment(scales, window, previous, judged_by or reference or profile, lo, hi,
-                       invalid, reasons, step_s, history, notice)
+    return _Assessment(level, window, judged_by or reference or profile, invalid, reasons,
+                       step_s, history, notice)
 
 
 def _switched_history(a: _Assessment, new: Plan, step: int, gain: float) -> SwitchHistory:
@@ -433,9 +477,9 @@ def _gate(cluster: ClusterProfile, plan: Plan, new: Plan, a: _Assessment, *, thr
           z: float) -> str | None:
     """Why ``new`` must not replace the running ``plan`` although its point prediction gains
     more than ``threshold`` (None: it may): [Note: a switch must pay against the noise]."""
-    gain = pessimistic_gain(cluster, plan, new, a.scales, a.lo, a.hi)
+    gain = pessimistic_gain(cluster, plan, new, a.level.scales, a.level.lo, a.level.hi)
     if not gain > threshold:
-        windows = "this window and the last" if a.previous is not None else "one window"
+        windows = f"{a.level.run} window{'s' if a.level.run > 1 else ''} agreeing"
         return (f"only {100 * gain:.1f}% at the unfavourable end of the measured noise "
                 f"(±{z:g} standard errors, {windows}), not above the threshold "
                 f"{100 * threshold:.1f}%")
@@ -446,7 +490,7 @@ def _gate(cluster: ClusterProfile, plan: Plan, new: Plan, a: _Assessment, *, thr
             return (f"that split ran before at {ran:.4f} s per step (measured), not faster than "
                     f"the running {now:.4f} s by more than {100 * threshold:.1f}%")
         return None  # measured faster: the measurement is the gain, no move needed
-    if not moved_ranks(a.lo, a.hi, a.reference, measured=a.window.measured, z=z):
+    if not moved_ranks(a.level, a.window.measured, a.reference, z=z):
         planned = "the profile" if a.history.reference is None else "its first window"
         return (f"no rank's speed moved beyond its noise from what the running split was planned "
                 f"for ({planned})")
@@ -504,9 +548,9 @@ def decide_batch_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
     Raises:
         ValueError: ``rows`` has not one row per rank.
     """
-    a = _assess(cluster, plan, rows, previous_scales, measured_step_s, streak=streak, z=z,
+    a = _assess(cluster, plan, rows, previous_scales, measured_step_s, z=z,
                 noise_floor=noise_floor, payoff=payoff)
-    scales, invalid, reasons = a.scales, a.invalid, a.reasons
+    scales, invalid, reasons = a.level.scales, a.invalid, a.reasons
 
     def keep(reason: str, before=None, after=None, streak_now: int = 0) -> SwitchDecision:
         if a.notice:
@@ -619,7 +663,7 @@ def decide_state_switch(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequ
         return keep("not re-laid while a rank's measurements are unusable")
     if last_switch_step is not None and step - last_switch_step < hysteresis_steps:
         return keep("hysteresis")
-    a = _assess(cluster, plan, rows, previous_scales, measured_step_s, streak=streak, **kw)
+    a = _assess(cluster, plan, rows, previous_scales, measured_step_s, **kw)
     fit = refit_cluster(cluster, batch.scales)
     before = predict(plan, fit).iteration_s
     try:
