@@ -78,7 +78,8 @@ def test_a_loaded_run_does_not_teach_the_quiet_run_after_it(tmp_path):
     assert first < 0.6  # the fresh profile knows no host time: predicted too fast
     loaded, done = machine.run(2.2)
     assert done.written == [] and [rank for rank, _, _ in done.kept] == [0, 1]
-    assert "2.20x slower than the fastest run recorded" in done.line, done.line
+    assert "unit compute ran 2.20x slower and step ran 2.20x slower than the fastest run " \
+        "recorded" in done.line, done.line
     assert "transient load" in done.line and done.line.count("\n") == 0
     quiet, done = machine.run(1.0)
     assert quiet == pytest.approx(1.0, abs=0.15) and len(done.written) == 2, quiet
@@ -99,8 +100,8 @@ def test_faster_runs_are_learned_and_a_slow_device_is_relearned_from_a_fresh_ent
     fast, done = machine.run(1.0)
     assert len(done.written) == 2
     record = machine.store.get_record(machine.keys[0])
-    assert record.meter == "unit compute" and record.runs == 2
-    assert record.fastest_scale == pytest.approx(1.0) and record.scale == pytest.approx(1.0)
+    assert record.runs == 2 and record.fastest["unit compute"] == pytest.approx(1.0)
+    assert record.scales["unit compute"] == pytest.approx(1.0)
     _, done = machine.run(1.0 + LOAD_TOLERANCE - 0.01)
     assert len(done.written) == 2  # within the tolerance: an ordinary run
     _, done = machine.run(1.6)
@@ -112,33 +113,41 @@ def test_faster_runs_are_learned_and_a_slow_device_is_relearned_from_a_fresh_ent
 
 
 def test_judge_write_back():
-    # the first run over a profile is written; it sets the fastest figure if long enough
-    first = judge_write_back(None, ("unit compute", 1.3), MIN_CREDIBLE_STEPS)
-    assert first.write and first.record == EntryRecord("unit compute", 1.3, 1.3, 1)
-    short = judge_write_back(None, ("unit compute", 0.2), MIN_CREDIBLE_STEPS - 1)
-    assert short.write and short.record.fastest_scale is None  # one step's median: no figure
+    unit = "unit compute"
+    # the first run over a profile is written; it sets the fastest figures if long enough
+    first = judge_write_back(None, {unit: 1.3, "step": 2.0}, MIN_CREDIBLE_STEPS)
+    assert first.write and first.record == EntryRecord({unit: 1.3, "step": 2.0},
+                                                       {unit: 1.3, "step": 2.0}, 1)
+    short = judge_write_back(None, {unit: 0.2}, MIN_CREDIBLE_STEPS - 1)
+    assert short.write and short.record.fastest == {}  # one step's median: no figure
     # chained: the entry holds the last run's figures; the next run is measured against them
-    slow = judge_write_back(first.record, ("unit compute", 1.3), 50)
-    assert not slow.write and "1.30x slower" in slow.reason and slow.record == first.record
-    ok = judge_write_back(first.record, ("unit compute", 0.9), 50)
-    assert ok.write and ok.record.scale == ok.record.fastest_scale == pytest.approx(1.17)
-    faster = judge_write_back(ok.record, ("unit compute", 0.5), 50)
-    assert faster.record.fastest_scale == pytest.approx(0.585)
-    # another meter (the compute no longer timed): nothing to compare with; none: written
-    other = judge_write_back(faster.record, ("step", 3.0), 50)
-    assert other.write and other.record.meter == "step" and other.record.runs == 4
-    assert judge_write_back(first.record, None, 50) == (True, first.record, None)
+    slow = judge_write_back(first.record, {unit: 1.3, "step": 1.0}, 50)
+    assert not slow.write and slow.reason.startswith("unit compute ran 1.30x slower")
+    assert slow.record == first.record
+    # a co-tenant that slows the collectives and the host more than the compute: the step
+    host = judge_write_back(first.record, {unit: 1.0, "step": 1.4}, 50)
+    assert not host.write and host.reason.startswith("step ran 1.40x slower"), host.reason
+    ok = judge_write_back(first.record, {unit: 0.9, "step": 1.1}, 50)
+    assert ok.write and ok.record.scales == pytest.approx({unit: 1.17, "step": 2.2})
+    assert ok.record.fastest == pytest.approx({unit: 1.17, "step": 2.0})
+    faster = judge_write_back(ok.record, {unit: 0.5}, 50)
+    assert faster.record.fastest[unit] == pytest.approx(0.585) and faster.record.runs == 3
+    # a meter the record has no figure for starts its chain; no meter at all: written as is
+    other = judge_write_back(short.record, {"step": 3.0}, 50)
+    assert other.write and other.record.fastest == {"step": 3.0}
+    assert judge_write_back(first.record, {}, 50) == (True, first.record, None)
+    assert judge_write_back(first.record, {unit: float("nan")}, 50).write
 
 
-def test_measured_speeds_pick_the_meter():
+def test_measured_speeds_pick_the_meters():
     cluster = _cluster()
     plan = _plan([3, 6], [2, 4], [0.25, 0.75])
     unit = predicted_unit_compute_s(plan, cluster, 0)
     step = predict(plan, cluster).iteration_s
     speeds = measured_speeds(plan, cluster, [MeasuredStep(3 * step, 2 * unit, None),
                                              MeasuredStep(3 * step, None, None)])
-    assert speeds[0] == ("unit compute", pytest.approx(2.0))
-    assert speeds[1] == ("step", pytest.approx(3.0))
-    assert measured_speeds(plan, cluster, [MeasuredStep(None, None, None)] * 2) == [None, None]
+    assert speeds[0] == pytest.approx({"unit compute": 2.0, "step": 3.0})
+    assert speeds[1] == pytest.approx({"step": 3.0})
+    assert measured_speeds(plan, cluster, [MeasuredStep(None, None, None)] * 2) == [{}, {}]
     with pytest.raises(ValueError, match="1 measurements for world size 2"):
         measured_speeds(plan, cluster, [MeasuredStep(None, None, None)])

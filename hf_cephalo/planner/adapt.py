@@ -119,16 +119,17 @@ class SwitchDecision(NamedTuple):
 
 # [Note: a switch must pay against the noise]
 # Windows move with co-tenants, data-loader hiccups and checkpoint writes; a re-plan that
-# follows them flip-flops (docs/adaptive.md, "The switch rule"). A switch is taken only when:
+# follows them flip-flops (docs/adaptive.md, "The switch rule"). A switch is taken only when,
+# at two exchanges in a row:
 # - it gains more than the threshold at the unfavourable end of each rank's interval
-#   s_i·exp(±z·e_i) (``pessimistic_gain``; e_i from the window's MAD and the window-to-window
-#   noise of the split before the move, at least the floor), at two exchanges in a row whose
-#   intervals join (the move stayed);
-# - a rank moved out of the interval the running plan was made for (the profile for the start
-#   plan, the first window on a switched-to split: a refit read at another m is no move);
-# - a split that ran before beats the running one on its FASTEST measured step (load only
-#   slows), which also keeps a switch that did not pay (noticed, one line) from being made
-#   again once reversed.
+#   level·exp(±z·e_i) (``window_level``, ``pessimistic_gain``): the level is the median of the
+#   latest windows that agree, e_i the larger of the window's own error (its MAD) and the
+#   window-to-window noise of the relative speeds, over sqrt(windows agreeing);
+# - a rank's relative speed moved out of what the running plan was made for (the profile for
+#   the start plan, the first window on a switched-to split: a refit read at another m is no
+#   move), or the split ran before and its FASTEST measured step beats the running split's
+#   (load only slows). A switch that did not pay is noticed (one line); once reversed it is
+#   not made again (the split it went to measured slower).
 #
 # [Note: no flapping between measured plans]
 # The refit scales each rank's whole F(m), B(m) curve by what it measured at ONE microbatch size.

@@ -193,28 +193,28 @@ def write_back_devices(cluster_extra: Mapping[str, Any],
 # busy machine (co-tenants, a noisy neighbour) measures the load, and the quiet run after it
 # predicted 0.453 s against 0.196 s measured. So each device entry records the speed of the
 # runs written over it (``EntryRecord``: measured / the profiler's figures, chained run to
-# run), and a run that ran more than ``LOAD_TOLERANCE`` slower than the fastest credible run
-# recorded (at least ``MIN_CREDIBLE_STEPS`` timed steps: a short run's median is one step) is
-# not written: load comes and goes, the fastest credible figure is the device's own. The first
+# run, by its unit compute and by its step), and a run that ran more than ``LOAD_TOLERANCE``
+# slower on either than the fastest credible run recorded (at least ``MIN_CREDIBLE_STEPS``
+# timed steps: a short run's median is one step) is not written: load comes and goes, the
+# fastest credible figure is the device's own. The first
 # run over a fresh profile is written (nothing to compare with: training and the profiler's
 # lockstep rounds differ by tens of percent on one idle machine). A device that really got
 # slower is re-learned by deleting its entry (or running live re-balancing: docs/adaptive.md).
 
 
 class EntryRecord(NamedTuple):
-    """What a device entry remembers of the training runs written over it.
+    """What a device entry remembers of the training runs written over it, per load meter
+    ("unit compute", "step": ``planner.predict.measured_speeds``).
 
     Attributes:
-        meter: how speeds are measured: "unit compute" or "step" (``measured_speeds``).
-        scale: the entry's figures / the profiler's (1.0: as profiled): the speed of the run
-            written last, dimensionless.
-        fastest_scale: the lowest ``scale`` of a credible run written (None: none yet).
+        scales: meter -> the entry's figures / the profiler's (1.0: as profiled), i.e. the
+            speed of the run written last, dimensionless.
+        fastest: meter -> the lowest scale of a credible run written.
         runs: training runs written over the entry.
     """
 
-    meter: str
-    scale: float
-    fastest_scale: float | None
+    scales: dict[str, float]
+    fastest: dict[str, float]
     runs: int
 
 
@@ -227,34 +227,36 @@ class WriteBackVerdict(NamedTuple):
     reason: str | None
 
 
-def judge_write_back(record: EntryRecord | None, speed: tuple[str, float] | None, steps: int, *,
+def judge_write_back(record: EntryRecord | None, speeds: Mapping[str, float], steps: int, *,
                      tolerance: float = LOAD_TOLERANCE,
                      min_steps: int = MIN_CREDIBLE_STEPS) -> WriteBackVerdict:
     """Whether a run's refit goes over a device entry ([Note: the cache does not learn load]).
 
     Args:
         record: the entry's record (None: a profile no run was written over).
-        speed: the run's (meter, measured / the entry's prediction) on this device
-            (``planner.predict.measured_speeds``), or None (not measured: written, the record
-            unchanged).
+        speeds: the run's meter -> measured / the entry's prediction on this device
+            (``planner.predict.measured_speeds``; none: written, the record unchanged).
         steps: steps the run timed (after the first).
-        tolerance: how much slower than the fastest credible run a run may be, relative.
-        min_steps: timed steps a run needs to set the fastest figure.
+        tolerance: how much slower than the fastest credible run a run may be, relative, on
+            any meter.
+        min_steps: timed steps a run needs to set a fastest figure.
     """
-    if speed is None or not (math.isfinite(speed[1]) and speed[1] > 0):
+    speeds = {k: v for k, v in speeds.items() if math.isfinite(v) and v > 0}
+    if not speeds:
         return WriteBackVerdict(True, record, None)
-    meter, factor = speed
-    if record is None or record.meter != meter:  # nothing to compare with (on this meter)
-        record = EntryRecord(meter, 1.0, None, 0 if record is None else record.runs)
-    scale = record.scale * factor
-    fastest = record.fastest_scale
-    if fastest is not None and scale > (1.0 + tolerance) * fastest:
-        return WriteBackVerdict(False, record, f"{meter} ran {scale / fastest:.2f}x slower "
-                                f"than the fastest run recorded for this device (more than "
-                                f"{1 + tolerance:.2f}x)")
+    record = record or EntryRecord({}, {}, 0)
+    scales = {k: record.scales.get(k, 1.0) * v for k, v in speeds.items()}
+    slow = [(k, scales[k] / record.fastest[k]) for k in scales if k in record.fastest
+            and scales[k] > (1.0 + tolerance) * record.fastest[k]]
+    if slow:
+        return WriteBackVerdict(False, record, " and ".join(
+            f"{k} ran {x:.2f}x slower" for k, x in slow) + " than the fastest run recorded "
+            f"for this device (more than {1 + tolerance:.2f}x)")
+    fastest = dict(record.fastest)
     if steps >= min_steps:
-        fastest = scale if fastest is None else min(fastest, scale)
-    return WriteBackVerdict(True, EntryRecord(meter, scale, fastest, record.runs + 1), None)
+        fastest.update({k: min(fastest.get(k, math.inf), v) for k, v in scales.items()})
+    return WriteBackVerdict(True, EntryRecord({**record.scales, **scales}, fastest,
+                                              record.runs + 1), None)
 
 
 class WriteBack(NamedTuple):
@@ -267,7 +269,7 @@ class WriteBack(NamedTuple):
 
 
 def write_back_measured(cluster_extra: Mapping[str, Any], devices: list[DeviceProfile],
-                        speeds: Sequence[tuple[str, float] | None], steps: int) -> WriteBack:
+                        speeds: Sequence[Mapping[str, float]], steps: int) -> WriteBack:
     """``write_back_devices`` with [Note: the cache does not learn load]: each entry (once, the
     lowest rank that uses it) gets ``devices[rank]`` and the updated ``EntryRecord`` if
     ``judge_write_back`` lets the run's ``speeds[rank]`` through, else stays as it is. Call
