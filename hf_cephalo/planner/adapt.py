@@ -441,14 +441,9 @@ def _assess(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequence[float]]
         fastest[key] = min(fastest.get(key, math.inf), step_s)
     last, unpaid, notice = history.last_switch, history.unpaid, None
     if last is not None and last.to_split == key and step_s is not None:
-        delivered = None if last.from_step_s is None else 1.0 - step_s / last.from_step_s
-        if delivered is not None and delivered < payoff * last.predicted_gain:
-            unpaid = (*unpaid, last)
-            notice = (f"the switch after step {last.step} ({last.from_split} -> "
-                      f"{last.to_split}) did not pay: predicted {100 * last.predicted_gain:.1f}% "
-                      f"faster, measured {100 * delivered:+.1f}% ({last.from_step_s:.4f} s -> "
-                      f"{step_s:.4f} s per step)")
-        last = None
+        notice = _payoff_notice(last, step_s, payoff)
+        unpaid = (*unpaid, last) if notice else unpaid
+        last = None  # measured: paid or not
     reference, judged_by = history.reference, None
     if reference is not None and (reference.split != key or not reference.scales):
         # the first window on a switched-to split that measured every working rank is what
@@ -464,6 +459,19 @@ def _assess(cluster: ClusterProfile, plan: Plan, rows: Sequence[Sequence[float]]
                             reference=reference, last_switch=last, unpaid=unpaid)
     return _Assessment(level, window, judged_by or reference or profile, invalid, reasons,
                        step_s, history, notice)
+
+
+def _payoff_notice(last: LastSwitch, step_s: float, payoff: float) -> str | None:
+    """The line saying ``last`` did not pay, measured at ``step_s`` seconds per step on its new
+    split against the window before it (None: it paid, or the window before had no figure)."""
+    if last.from_step_s is None:
+        return None
+    delivered = 1.0 - step_s / last.from_step_s
+    if delivered >= payoff * last.predicted_gain:
+        return None
+    return (f"the switch after step {last.step} ({last.from_split} -> {last.to_split}) did not "
+            f"pay: predicted {100 * last.predicted_gain:.1f}% faster, measured "
+            f"{100 * delivered:+.1f}% ({last.from_step_s:.4f} s -> {step_s:.4f} s per step)")
 
 
 def _switched_history(a: _Assessment, new: Plan, step: int, gain: float) -> SwitchHistory:
