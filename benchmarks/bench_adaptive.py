@@ -19,10 +19,17 @@ All three run the same schedule, data and model. Measured: each step's wall time
 over steps [``--from-step``, ``--steps``). Printed: adaptive / oracle (goal <= 1.10),
 static / adaptive (goal >= 1.5 for 1x -> 3x), steps from the change to the switch, and the
 predicted vs measured step time after adaptation (the whole step as planner/cost.py prices it:
-units, embedding and head, optimizer step, collectives and waiting, [Note: step terms]). The two cases: 2 ranks 1x -> 3x,
-and 3 ranks drifting to 1x/2x/4x.
+units, embedding and head, optimizer step, collectives and waiting, [Note: step terms]). The
+drift cases: 2 ranks 1x -> 3x, and 3 ranks drifting to 1x/2x/4x.
 
-Usage: python benchmarks/bench_adaptive.py [--steps 40] [--change-step 10] [--cases 2,3]
+The noisy case (``noisy``): 2 ranks at FIXED speeds 2x / 1x (the demo's), planned for them,
+while a co-tenant process on the same cores is busy ``--load-busy-s`` seconds, then idle
+``--load-idle-s`` seconds, over and over (started after profiling, stopped after training):
+the speeds never change, so every switch the adaptive run takes follows the noise (goal: at
+most 1). Two runs, static and adaptive, ``--noisy-steps`` steps each; printed: the switches
+and both median step times.
+
+Usage: python benchmarks/bench_adaptive.py [--steps 40] [--change-step 10] [--cases 2,3,noisy]
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -41,8 +50,20 @@ import torch.multiprocessing as mp
 
 from bench_hetero import build_model  # the same Llama-shaped model (this folder is on sys.path)
 
-CASES = {2: [1.0, 3.0], 3: [1.0, 2.0, 4.0]}  # world size: factors from the change step on
+CASES = {"2": [1.0, 3.0], "3": [1.0, 2.0, 4.0]}  # drift cases: factors from the change step on
+NOISY_FACTORS = [2.0, 1.0]  # the noisy case: fixed speeds, from step 0
 RUNS = ("static", "adaptive", "oracle")
+NOISY_RUNS = ("static", "adaptive")
+# The co-tenant of the noisy case: busy (a pure-Python loop) for BUSY s, then idle for IDLE s.
+LOAD_SCRIPT = """
+import sys, time
+busy, idle = float(sys.argv[1]), float(sys.argv[2])
+while True:
+    end = time.perf_counter() + busy
+    while time.perf_counter() < end:
+        pass
+    time.sleep(idle)
+"""
 
 
 def dataset(args, n):
@@ -59,7 +80,7 @@ def collate(rows):
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def worker(rank, world_size, args, port, out_q):
+def worker(rank, world_size, case, args, port, out_q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -69,75 +90,124 @@ def worker(rank, world_size, args, port, out_q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        out_q.put((rank, run(rank, world_size, args)))
+        out_q.put((rank, run(rank, world_size, case, args)))
     finally:
         dist.destroy_process_group()
 
 
-def run(rank, world_size, args):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+def run(rank, world_size, case, args):
     from hf_cephalo.models import stage_model
-    from hf_cephalo.planner import optimize, predict
+    from hf_cephalo.planner import optimize
     from hf_cephalo.planner.adapt import refit_cluster
     from hf_cephalo.profiler.measure import MeasureConfig, profile_cluster
 
-    factors = CASES[world_size]
+    noisy = case == "noisy"
+    factors = NOISY_FACTORS if noisy else CASES[case]
+    steps = args.noisy_steps if noisy else args.steps
     B = args.global_batch_size
+    # the noisy case profiles at its fixed speeds (the plan is right for them); a drift case at 1x
+    schedule = f"0:{','.join(f'{f:g}' for f in factors)}" if noisy else \
+        (f"0:{','.join(['1'] * world_size)};"
+         f"{args.change_step}:{','.join(f'{f:g}' for f in factors)}")
     t0 = time.perf_counter()
     cluster = profile_cluster(stage_model(build_model(args)),
                               MeasureConfig(max_microbatch_size=args.max_microbatch_size,
                                             sequence_length=args.seq, repeats=args.repeats),
-                              cache=False)
+                              cache=False, emulation=_emulation(schedule, noisy))
     profile_s = time.perf_counter() - t0
-    oracle_cluster = refit_cluster(cluster, factors)
+    oracle_cluster = cluster if noisy else refit_cluster(cluster, factors)
     plans = {"static": optimize(cluster, B), "adaptive": optimize(cluster, B),
              "oracle": optimize(oracle_cluster, B)}
-    schedule = (f"0:{','.join(['1'] * world_size)};"
-                f"{args.change_step}:{','.join(f'{f:g}' for f in factors)}")
-    data = dataset(args, B * args.steps)
-    out = dict(profile_s=profile_s, schedule=schedule)
-    for name in RUNS:
-        with tempfile.TemporaryDirectory() as tmp:
-            targs = CephaloTrainingArguments(
-                output_dir=tmp, report_to="none", optim="adamw_torch", learning_rate=1e-4,
-                max_steps=args.steps, logging_steps=args.steps, save_strategy="no",
-                disable_tqdm=True, seed=0, cephalo_emulate_slowdown_schedule=schedule,
-                cephalo_adaptive="batch" if name == "adaptive" else "off")
-            trainer = CephaloTrainer(model=build_model(args), args=targs, plan=plans[name],
-                                     cluster_profile=cluster, data_collator=collate,
-                                     train_dataset=data)
-            trainer.train()
-            controller = trainer.session.controller
-            decisions = [] if controller is None else controller.decisions
-            out[name] = dict(
-                step_s=[s.step_s for s in trainer.session.timer.steps],
-                start_plan=plans[name].to_json(),
-                end_plan=trainer.plan.to_json(),
-                predicted_s=predict(trainer.plan, oracle_cluster).iteration_s,
-                switches=[dict(step=d["step"], batch_sizes=d["batch_sizes"],
-                               predicted_before_s=d["predicted_before_s"],
-                               predicted_after_s=d["predicted_after_s"], scales=d["scales"])
-                          for d in decisions if d["switch"]])
+    data = dataset(args, B * steps)
+    out = dict(profile_s=profile_s, schedule=schedule, steps=steps)
+    load = _start_load(args) if noisy and rank == 0 else None
+    try:
+        for name in NOISY_RUNS if noisy else RUNS:
+            out[name] = _train(name, plans[name], cluster, oracle_cluster, data, schedule,
+                               steps, args)
+    finally:
+        if load is not None:
+            load.kill()
+            load.wait()
     return out
 
 
-def report(world_size, args, result):
-    lo, hi = args.from_step, args.steps
-    med = {name: statistics.median(result[name]["step_s"][lo:hi]) for name in RUNS}
-    print(f"\n{world_size} CPU ranks, slowdown schedule {result['schedule']!r}; Llama-shaped "
-          f"model: {args.layers} layers, hidden {args.hidden}, sequence {args.seq}, global "
-          f"batch {args.global_batch_size}; {args.steps} steps, median step time over steps "
-          f"{lo}-{hi} (profiling took {result['profile_s']:.1f} s)")
+def _emulation(schedule: str, noisy: bool):
+    """The noisy case's emulated speeds at step 0 (what its profile sees); None for a drift
+    case, whose ranks start at 1x."""
+    from hf_cephalo.profiler.emulate import EmulationConfig, SlowdownSchedule
+
+    return EmulationConfig(schedule=SlowdownSchedule.parse(schedule)) if noisy else None
+
+
+def _start_load(args) -> subprocess.Popen:
+    """The noisy case's co-tenant: one process, busy ``--load-busy-s`` s, idle
+    ``--load-idle-s`` s, until killed."""
+    return subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, str(args.load_busy_s),
+                             str(args.load_idle_s)])
+
+
+def _train(name, plan, cluster, oracle_cluster, data, schedule, steps, args):
+    """One run of ``steps`` steps from ``plan``; its step times, plans and switches."""
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import predict
+
+    with tempfile.TemporaryDirectory() as tmp:
+        targs = CephaloTrainingArguments(
+            output_dir=tmp, report_to="none", optim="adamw_torch", learning_rate=1e-4,
+            max_steps=steps, logging_steps=steps, save_strategy="no",
+            disable_tqdm=True, seed=0, cephalo_emulate_slowdown_schedule=schedule,
+            cephalo_adaptive="batch" if name == "adaptive" else "off")
+        trainer = CephaloTrainer(model=build_model(args), args=targs, plan=plan,
+                                 cluster_profile=cluster, data_collator=collate,
+                                 train_dataset=data)
+        trainer.train()
+    controller = trainer.session.controller
+    decisions = [] if controller is None else controller.decisions
+    return dict(
+        step_s=[s.step_s for s in trainer.session.timer.steps], start_plan=plan.to_json(),
+        end_plan=trainer.plan.to_json(),
+        predicted_s=predict(trainer.plan, oracle_cluster).iteration_s,
+        switches=[dict(step=d["step"], batch_sizes=d["batch_sizes"],
+                       predicted_before_s=d["predicted_before_s"],
+                       predicted_after_s=d["predicted_after_s"], scales=d["scales"])
+                  for d in decisions if d["switch"]],
+        not_paid=[d["reason"] for d in decisions if "did not pay" in d["reason"]])
+
+
+def _table(result, runs, lo, hi):
+    med = {name: statistics.median(result[name]["step_s"][lo:hi]) for name in runs}
     head = f"{'run':<9} {'start b_i':>12} {'end b_i':>12} {'median step s':>14} {'model s':>9}"
     print(head)
     print("-" * len(head))
-    for name in RUNS:
+    for name in runs:
         r = result[name]
         b0 = "/".join(str(x["batch_size"]) for x in r["start_plan"]["ranks"])
         b1 = "/".join(str(x["batch_size"]) for x in r["end_plan"]["ranks"])
         print(f"{name:<9} {b0:>12} {b1:>12} {med[name]:>14.3f} {r['predicted_s']:>9.3f}")
+    return med
+
+
+def report(case, world_size, args, result):
+    noisy = case == "noisy"
+    lo, hi = (args.from_step, result["steps"])
+    what = (f"fixed speeds {result['schedule']!r} beside a co-tenant busy {args.load_busy_s:g} s "
+            f"/ idle {args.load_idle_s:g} s" if noisy
+            else f"slowdown schedule {result['schedule']!r}")
+    print(f"\n{world_size} CPU ranks, {what}; Llama-shaped "
+          f"model: {args.layers} layers, hidden {args.hidden}, sequence {args.seq}, global "
+          f"batch {args.global_batch_size}; {result['steps']} steps, median step time over steps "
+          f"{lo}-{hi} (profiling took {result['profile_s']:.1f} s)")
+    med = _table(result, NOISY_RUNS if noisy else RUNS, lo, hi)
     switches = result["adaptive"]["switches"]
+    if noisy:
+        print(f"switches: {len(switches)} (goal <= 1) after steps {[s['step'] for s in switches]}"
+              f" to b_i {[s['batch_sizes'] for s in switches]}; static / adaptive = "
+              f"{med['static'] / med['adaptive']:.2f}; switches that did not pay: "
+              f"{len(result['adaptive']['not_paid'])}")
+        print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
+        return
     print(f"adaptive / oracle = {med['adaptive'] / med['oracle']:.2f} (goal <= 1.10); "
           f"static / adaptive = {med['static'] / med['adaptive']:.2f} (goal >= 1.5 for 1x -> 3x)")
     if switches:
@@ -159,7 +229,11 @@ def main():
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--change-step", type=int, default=10)
     p.add_argument("--from-step", type=int, default=20, help="first step of the median window")
-    p.add_argument("--cases", default="2,3", help="world sizes to run: 2 (1x -> 3x), 3 (1/2/4x)")
+    p.add_argument("--cases", default="2,3,noisy",
+                   help="2 (1x -> 3x), 3 (1/2/4x), noisy (2x/1x beside an on/off co-tenant)")
+    p.add_argument("--noisy-steps", type=int, default=100, help="steps per run, noisy case")
+    p.add_argument("--load-busy-s", type=float, default=3.0, help="noisy case: busy seconds")
+    p.add_argument("--load-idle-s", type=float, default=3.0, help="noisy case: idle seconds")
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--max-microbatch-size", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="profiler: timed runs per m (median)")
@@ -172,21 +246,24 @@ def main():
     p.add_argument("--json", help="also write the raw results here")
     args = p.parse_args()
     results = {}
-    for world_size in [int(x) for x in args.cases.split(",")]:
+    for case in args.cases.split(","):
+        if case not in (*CASES, "noisy"):
+            raise SystemExit(f"--cases: unknown case {case!r}; use 2, 3 or noisy")
+        world_size = len(NOISY_FACTORS) if case == "noisy" else len(CASES[case])
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         ctx = mp.get_context("spawn")
         out_q = ctx.Queue()
-        procs = [ctx.Process(target=worker, args=(r, world_size, args, port, out_q))
+        procs = [ctx.Process(target=worker, args=(r, world_size, case, args, port, out_q))
                  for r in range(world_size)]
         for proc in procs:
             proc.start()
         got = dict(out_q.get(timeout=3600) for _ in procs)
         for proc in procs:
             proc.join()
-        results[world_size] = got[0]
-        report(world_size, args, got[0])
+        results[case] = got[0]
+        report(case, world_size, args, got[0])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -107,7 +107,7 @@ def _injected(scales, bad=None):
         unit = scales[rank] * predicted_unit_compute_s(session.plan, session.cluster_profile,
                                                        rank) * (1 + 1e-3 * rank)
         return [float(INTERVAL), unit, 1.0 + rank, 0.1 * rank,
-                float(session.plan.ranks[rank].batch_size)]
+                float(session.plan.ranks[rank].batch_size), 0.0]
 
     return local_row
 
@@ -193,11 +193,12 @@ def _worker(rank, world_size, out_dir):
                                 local_row=_injected(scales),
                                 resume=os.path.join(out_dir, "switch", "checkpoint-4"))
         out["bad"] = _train(out_dir, "bad", world_size, adaptive="batch", max_steps=4,
-                            local_row=_injected(scales, bad={0: [2.0, float("nan"), 1.0, 0.1, 4.0],
-                                                             1: [0.0, 0.0, 0.0, 0.0, 4.0]}))
+                            local_row=_injected(scales, bad={0: [2.0, float("nan"), 1.0, 0.1, 4.0,
+                                                                 0.0],
+                                                             1: [0.0, 0.0, 0.0, 0.0, 4.0, 0.0]}))
         out["nan_one"] = _train(out_dir, "nan_one", world_size, adaptive="batch", max_steps=4,
                                 local_row=_injected(scales, bad={1: [2.0, 0.5, float("nan"),
-                                                                     0.1, 4.0]}))
+                                                                     0.1, 4.0, 0.0]}))
         out["measured"] = _train(out_dir, "measured", world_size, adaptive="batch",
                                  schedule="0:1,1;1:1,4")
         # state mode on the capped cluster, SGD with momentum (its buffers move with the shards):

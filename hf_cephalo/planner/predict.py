@@ -19,7 +19,7 @@ from hf_cephalo.planner.types import Plan
 from hf_cephalo.profiles.types import ClusterProfile
 
 __all__ = ["RankPrediction", "MachinePrediction", "Prediction", "predict", "plan_layout",
-           "MeasuredStep", "predicted_unit_compute_s", "refit_to_measured"]
+           "MeasuredStep", "predicted_unit_compute_s", "refit_to_measured", "measured_speeds"]
 
 
 class RankPrediction(NamedTuple):
@@ -177,3 +177,30 @@ def refit_to_measured(plan: Plan, cluster: ClusterProfile,
         for d in devices:
             d.step_overhead_s = max(0.0, d.step_overhead_s + residual)
     return refit
+
+
+def measured_speeds(plan: Plan, cluster: ClusterProfile,
+                    measured: Sequence[MeasuredStep]) -> list[dict[str, float]]:
+    """Per rank, how much slower than ``cluster`` predicts it the run ran (dimensionless,
+    1 = as predicted), by each meter it measured: "unit compute" (measured / predicted unit
+    compute per step, where the compute was timed and the rank had samples) and "step" (the
+    measured step / ``predict``'s iteration time; a co-tenant also slows the collectives and
+    the host, which the unit compute does not show). The load meters of the profile cache's
+    write-back (``profiles.cache.judge_write_back``). Pure.
+
+    Raises:
+        ValueError: ``measured`` has not one entry per rank.
+    """
+    if len(measured) != cluster.world_size:
+        raise ValueError(f"{len(measured)} measurements for world size {cluster.world_size}")
+    step = predict(plan, cluster).iteration_s
+    out: list[dict[str, float]] = []
+    for i, (r, got) in enumerate(zip(plan.ranks, measured)):
+        speeds = {}
+        predicted = predicted_unit_compute_s(plan, cluster, i) if r.batch_size > 0 else 0.0
+        if _usable(got.unit_compute_s) and predicted > 0:
+            speeds["unit compute"] = got.unit_compute_s / predicted
+        if _usable(got.step_s) and step > 0:
+            speeds["step"] = got.step_s / step
+        out.append(speeds)
+    return out

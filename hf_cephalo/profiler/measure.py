@@ -1239,7 +1239,7 @@ def _profile_cluster(staged: StagedModel, config: MeasureConfig, *, device, emul
                "model_description": model_description(base.model),
                "dtype": dtype, "sequence_length": config.sequence_length,
                "emulated": emulation is not None,
-               # where the measured step terms go back at train end (cache.write_back_devices)
+               # where the measured step terms go back at train end (cache.write_back_measured)
                **({"profile_cache": {"root": str(store.root),
                                      "device_keys": [g["key"] for g in gathered]}}
                   if store is not None else {})})

@@ -15,7 +15,9 @@ runtime's session after every optimizer step, in every front end:
 3. **Decide** on every rank from the exchanged numbers only (``planning.replan_live`` ->
    ``planner.adapt.decide_batch_switch``): refit the start profile, re-plan with r_i fixed,
    switch when the predicted step time drops by more than the threshold at two exchanges in a
-   row (one noisy window does not move the plan), with hysteresis, never over a memory cap.
+   row, also at the unfavourable end of each rank's measured noise, after a rank's speed moved
+   ([Note: a switch must pay against the noise] in planner/adapt.py), with hysteresis, never
+   over a memory cap. The decision's ``history`` goes back into the next one.
 4. **Switch** at the step boundary (``Session.switch_plan``): the session's plan becomes the new
    plan and the ``SplitSchedule`` of the training loader splits the next global batches by the
    new b_i / m_i ([Note: switching the split live] in sampler.py). Nothing else moves: the
@@ -57,7 +59,7 @@ import torch.distributed as dist
 
 from hf_cephalo.console import print_line
 from hf_cephalo.planner import Plan
-from hf_cephalo.planner.adapt import MEASUREMENT_FIELDS, SwitchDecision, split_key
+from hf_cephalo.planner.adapt import MEASUREMENT_FIELDS, SwitchDecision
 from hf_cephalo.runtime.report import StepTime
 
 __all__ = ["AdaptiveController", "REPLANS_NAME", "format_switch"]
@@ -119,7 +121,7 @@ class AdaptiveController:
         self._skip_next = True  # the first step (of the run, after a switch) is not measured
         self._scales: list[float] | None = None
         self._streak = 0  # exchanges in a row that predicted a gain (planner.adapt)
-        self._measured_step_s: dict[str, float] = {}  # split_key -> latest measured step s
+        self._measured_step_s = {}  # the decisions' SwitchHistory (planner.adapt)
         self._switch_scales: list[float] | None = None
 
     # ---- measure -------------------------------------------------------------------------
@@ -140,7 +142,7 @@ class AdaptiveController:
         """This rank's ``MEASUREMENT_FIELDS`` over the window (NaN where nothing was timed)."""
         b = self.session.plan.ranks[self.session.job.rank].batch_size
         if not self._window:
-            return [0.0, math.nan, math.nan, math.nan, float(b)]
+            return [0.0, math.nan, math.nan, math.nan, float(b), math.nan]
         steps = [s.step_s for s in self._window]
         units = [s.unit_s for s in self._window]
         computes = [s.compute_s for s in self._window]
@@ -148,7 +150,10 @@ class AdaptiveController:
         unit = statistics.median(units) if all(math.isfinite(u) for u in units) else math.nan
         compute = statistics.median(computes) if all(math.isfinite(c) for c in computes) \
             else math.nan
-        return [float(len(steps)), unit, step, step - compute, float(b)]
+        # the window's spread: the decision weighs a move against it (planner.adapt.scale_error)
+        mad = statistics.median(abs(u - unit) for u in units) if math.isfinite(unit) \
+            else math.nan
+        return [float(len(steps)), unit, step, step - compute, float(b), mad]
 
     # ---- exchange + decide ---------------------------------------------------------------
     def _exchange(self, row: list[float]) -> list[list[float]]:
@@ -168,21 +173,24 @@ class AdaptiveController:
         rows = self._exchange(self.local_row())
         self._window = []
         session = self.session
-        steps = [r[2] for r in rows if len(r) > 2 and math.isfinite(r[2]) and r[0] >= 1]
-        if len(steps) == len(rows):  # the running split's measured step: the slowest rank's
-            self._measured_step_s[split_key(session.plan)] = max(steps)
+        # measured_step_s: the last decision's SwitchHistory (each split's fastest measured
+        # step, the last window, the last switch's payoff): the decision updates it from rows
         decision = replan_live(session.cluster_profile, session.plan, rows,
                                step=global_step, last_switch_step=self.last_switch_step,
                                threshold=self.threshold, hysteresis_steps=self.hysteresis_steps,
                                previous_scales=self._scales, caps_bytes=self.caps_bytes,
                                streak=self._streak, mode=self.mode,
-                               measured_step_s=dict(self._measured_step_s))
+                               measured_step_s=self._measured_step_s)
         relayout = getattr(decision, "relayout", False)
         if self.mode == "state":  # a StateDecision: its batch part, or the re-layout
             decision = decision.batch if not relayout else decision.batch._replace(
                 switch=True, plan=decision.plan, reason=decision.reason,
                 predicted_after_s=decision.predicted_free_s, streak=0)
         self._streak = decision.streak
+        self._measured_step_s = decision.history
+        if decision.notice and session.job.is_main:  # a switch that did not pay
+            logger.warning("adaptive re-balancing after step %d: %s", global_step,
+                           decision.notice)
         if self._switch_scales is None:
             self._switch_scales = [1.0] * len(decision.scales)
         self._scales = decision.scales

@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from hf_cephalo.planner import Plan, memory, predict
 from hf_cephalo.planner.types import activation_checkpointing_mode
-from hf_cephalo.planner.predict import MeasuredStep, predicted_unit_compute_s, refit_to_measured
+from hf_cephalo.planner.predict import (MeasuredStep, measured_speeds, predicted_unit_compute_s,
+                                        refit_to_measured)
 from hf_cephalo.profiler.emulate import find_emulated
-from hf_cephalo.profiles.cache import write_back_devices
+from hf_cephalo.profiles.cache import write_back_measured
 from hf_cephalo.units import GIB
 
 __all__ = ["StepTime", "StepTimer", "AccuracyReport", "format_accuracy_table", "format_plan_table",
@@ -325,8 +326,11 @@ class AccuracyReport:
             measured = [MeasuredStep(r["step_s"], r["compute_s"], r.get("root_s"))
                         for r in self.rows]
             refit = refit_to_measured(plan, cluster, measured)
-            self.written_back = [str(p) for p in write_back_devices(cluster.extra, refit.devices)]
-            logger.info("measured step terms written back to the profile cache (%s): the next "
-                        "run plans from them", ", ".join(self.written_back))
+            # [Note: the cache does not learn load] (profiles/cache.py): a loaded run is kept out
+            done = write_back_measured(cluster.extra, refit.devices,
+                                       measured_speeds(plan, cluster, measured),
+                                       steps=len(session.timer.steps) - self._segment - 1)
+            self.written_back = [str(p) for p in done.written]
+            logger.info("%s", done.line)
         if session.job.world_size > 1:
             dist.barrier(group=session.engine.group)
