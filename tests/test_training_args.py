@@ -197,12 +197,16 @@ def test_package_exports_every_public_name():
     """README imports ``CephaloTrainer, CephaloTrainingArguments`` from the package; every name in a
     submodule's ``__all__`` must resolve through the lazy package namespace."""
     import importlib
+    import importlib.util
 
     import hf_cephalo.integrations as pkg
     from hf_cephalo.integrations import CephaloTrainer, CephaloTrainingArguments  # noqa: F401  (README line)
 
     expected = set()
-    for mod in ("trainer", "training_args", "accelerate", "data", "pretrained", "quiet"):
+    mods = ["trainer", "training_args", "accelerate", "data", "pretrained", "quiet"]
+    if importlib.util.find_spec("trl") is not None:  # the trl extra (installed by the test extra)
+        mods.append("trl_sft")
+    for mod in mods:
         module = importlib.import_module(f"hf_cephalo.integrations.{mod}")
         for name in module.__all__:
             expected.add(name)
