@@ -205,7 +205,7 @@ def test_package_exports_every_public_name():
     expected = set()
     mods = ["trainer", "training_args", "accelerate", "data", "pretrained", "quiet"]
     if importlib.util.find_spec("trl") is not None:  # the trl extra (installed by the test extra)
-        mods.append("trl_sft")
+        mods += ["trl_sft", "trl_dpo"]
     for mod in mods:
         module = importlib.import_module(f"hf_cephalo.integrations.{mod}")
         for name in module.__all__:

@@ -1,5 +1,6 @@
 """Hugging Face front ends over the Cephalo runtime (``hf_cephalo.runtime``): CephaloTrainer,
-CephaloTrainingArguments, CephaloSFTTrainer / CephaloSFTConfig (TRL: the ``trl`` extra),
+CephaloTrainingArguments, CephaloSFTTrainer / CephaloSFTConfig and CephaloDPOTrainer /
+CephaloDPOConfig (TRL: the ``trl`` extra),
 CephaloAccelerator/Plugin, the demo datasets and the scripts' output switches (progress bars,
 load reports). Names are imported lazily
 (transformers is heavy): every name in a submodule's ``__all__`` is listed here, so
@@ -16,6 +17,8 @@ _EXPORTS = {
     # TRL (the trl extra)
     "CephaloSFTTrainer": "trl_sft",
     "CephaloSFTConfig": "trl_sft",
+    "CephaloDPOTrainer": "trl_dpo",
+    "CephaloDPOConfig": "trl_dpo",
     # training_args
     "CephaloTrainingArguments": "training_args",
     "CephaloArguments": "training_args",
@@ -48,6 +51,7 @@ _EXPORTS = {
     "train_bpe_tokenizer": "data",
     "pydoc_chat_pairs": "data",
     "pydoc_chat_dataset": "data",
+    "pydoc_preference_dataset": "data",
     "train_chat_tokenizer": "data",
     "CHAT_TEMPLATE": "data",
     "CHAT_FORMATS": "data",

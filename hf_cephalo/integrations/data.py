@@ -41,6 +41,7 @@ __all__ = [
     "train_bpe_tokenizer",
     "pydoc_chat_pairs",
     "pydoc_chat_dataset",
+    "pydoc_preference_dataset",
     "train_chat_tokenizer",
     "CHAT_TEMPLATE",
     "CHAT_FORMATS",
@@ -262,6 +263,32 @@ def pydoc_chat_dataset(fmt: str = "messages", max_pairs: int | None = None, *,
         completions = [f" {a}" for _, a in pairs]
         rows = {"prompt": prompts, "completion": completions} if fmt == "prompt_completion" \
             else {"text": [p + c for p, c in zip(prompts, completions)]}
+    return datasets.Dataset.from_dict(rows)
+
+
+def pydoc_preference_dataset(max_pairs: int | None = None, *, max_answer_chars: int | None = None,
+                             conversational: bool = False, shift: int = 7):
+    """Preference pairs from ``pydoc_chat_pairs``, in TRL's preference format: per question the
+    "chosen" completion is its own topic's answer and the "rejected" one the answer of the topic
+    ``shift`` places later (wrapping), so a model must read the question to prefer the chosen
+    one. Standard format: "prompt" "Question: ...\nAnswer:", "chosen" / "rejected" " answer";
+    ``conversational``: [{user: question}] and [{assistant: answer}] lists. Raises ValueError for
+    fewer than 2 pairs or a ``shift`` that maps a pair onto itself."""
+    import datasets
+
+    pairs = pydoc_chat_pairs(max_pairs, max_answer_chars=max_answer_chars)
+    n = len(pairs)
+    if n < 2 or shift % n == 0:
+        raise ValueError(f"{n} pairs with shift = {shift}: need at least 2 pairs and a shift "
+                         "that is not a multiple of their number")
+    rejected = [pairs[(i + shift) % n][1] for i in range(n)]
+    if conversational:
+        rows = {"prompt": [[{"role": "user", "content": q}] for q, _ in pairs],
+                "chosen": [[{"role": "assistant", "content": a}] for _, a in pairs],
+                "rejected": [[{"role": "assistant", "content": r}] for r in rejected]}
+    else:
+        rows = {"prompt": [f"Question: {q}\nAnswer:" for q, _ in pairs],
+                "chosen": [f" {a}" for _, a in pairs], "rejected": [f" {r}" for r in rejected]}
     return datasets.Dataset.from_dict(rows)
 
 

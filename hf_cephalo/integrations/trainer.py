@@ -152,9 +152,9 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
                              if hasattr(model, "num_parameters") else 0)
         job = job_from_training_args(args, args.world_size, plan=plan, compile=compile_options)
         self._head_calls: HeadCalls | None = None
-        engine_staged = staged
+        engine_staged = self._engine_staged(staged)
         if user_loss:  # [Note: collectives inside the engine's head] in head_calls.py
-            engine_staged = UserLossStagedModel(staged, self.compute_loss,
+            engine_staged = UserLossStagedModel(engine_staged, self.compute_loss,
                                                 variants=self._engine_call_variants())
             self._head_calls = engine_staged.head_calls = HeadCalls(
                 self, engine_staged.replay, None, job.device)
@@ -236,6 +236,16 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         from the engine's head in another way than with the logits (a TRL trainer: its fused
         LM head, ``trl_fused.py``). Default: none."""
         return {}
+
+    def _engine_staged(self, staged):
+        """The adapter the engine runs (the user loss wraps it): ``staged`` (a TRL trainer whose
+        sample is not one row counts its items otherwise: ``trl_dpo.py``)."""
+        return staged
+
+    def _engine_microbatches(self, microbatches: list) -> list:
+        """This rank's collated microbatches as the engine runs them: as collated (a TRL
+        trainer whose sample is two rows unfolds them here: ``trl_dpo.py``)."""
+        return microbatches
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """Stock ``Trainer.compute_loss`` as the engine's head loss (``user_loss.py``), or the
@@ -433,6 +443,7 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         # a packing collator's row holds several samples: their number is not in the batch
         self.last_step_num_samples = None if packs_without_padding(self.data_collator) else \
             sum(_num_samples(mb) for mb in microbatches)
+        microbatches = self._engine_microbatches(microbatches)
         self._scaler_unscaled = False
         if self._head_calls is None:
             out = self.engine.train_step(microbatches, loss_scale=self.accelerator.scaler)

@@ -98,21 +98,23 @@ class FusedLMHead:
                                              label_mask=mask, **fields)
 
     def empty(self, model: torch.nn.Module, inputs: dict[str, Any]):
-        """The same output for zero rows (``head_calls.py``'s replay)."""
+        """The same output, zeros, for the rows of ``inputs``' labels (none in
+        ``head_calls.py``'s replay; a DPO replay passes one pair: ``trl_dpo.py``)."""
         from trl.trainer.utils import FusedCausalLMOutput
 
         labels = inputs.get("shift_labels", inputs.get("labels"))
         seq = 0 if labels is None or labels.dim() < 2 else labels.shape[1]
+        rows = 0 if labels is None or labels.dim() < 1 else labels.shape[0]  # 0 in the replay
         if inputs.get("shift_labels") is None:
             seq = max(seq - 1, 0)
         device = labels.device if labels is not None else None
-        zeros = torch.zeros((0, seq), device=device)
+        zeros = torch.zeros((rows, seq), device=device)
         fields = {name: (zeros.clone() if name in self.outputs else None)
                   for name in _OUTPUT_FIELDS}
         if fields["is_top1"] is not None:
-            fields["is_top1"] = torch.zeros((0, seq), dtype=torch.bool, device=device)
+            fields["is_top1"] = torch.zeros((rows, seq), dtype=torch.bool, device=device)
         return FusedCausalLMOutput(loss=torch.zeros((), device=device),
-                                   label_mask=torch.zeros((0, seq), dtype=torch.bool,
+                                   label_mask=torch.zeros((rows, seq), dtype=torch.bool,
                                                           device=device), **fields)
 
 

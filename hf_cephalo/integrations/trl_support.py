@@ -1,4 +1,5 @@
-"""TRL on the Cephalo runtime: which TRL trainers run, and every ``SFTConfig`` field classified.
+"""TRL on the Cephalo runtime: which TRL trainers run, and every ``SFTConfig`` and ``DPOConfig``
+field classified.
 
 The same contract as ``support.py`` ([Note: no silent no-op] there): each field a TRL config adds
 to ``TrainingArguments`` works as stock (with a test against stock TRL), runs stock TRL code the
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from hf_cephalo.integrations.support import Status, Support
 
-__all__ = ["SFT_FIELD_SUPPORT", "TRL_TRAINER_SUPPORT", "trainer_class_problems",
+__all__ = ["SFT_FIELD_SUPPORT", "DPO_FIELD_SUPPORT", "TRL_TRAINER_SUPPORT", "trainer_class_problems",
            "render_markdown"]
 
 _S = "tests/test_trl_sft.py::"
@@ -87,6 +88,64 @@ SFT_FIELD_SUPPORT: dict[str, Support] = {
 """``SFTConfig`` field (beyond ``TrainingArguments``) -> support."""
 
 
+_D = "tests/test_trl_dpo.py::"
+_DPO_PREP = "DPOTrainer's own dataset preparation (tokenize prompt / chosen / rejected) before planning"
+_PER_PAIR = ("DPOTrainer.compute_loss per microbatch in the engine's head, its mean over the "
+             "microbatch's pairs weighted by m / N (trl_dpo.py, [Note: a preference pair is one "
+             "sample])")
+
+DPO_FIELD_SUPPORT: dict[str, Support] = {
+    "model_init_kwargs": _na("used when the model is given by name, which CephaloDPOTrainer "
+                             "refuses (pass the model object); DPOTrainer also reads it to "
+                             "load its reference copy when no ref_model is given"),
+    "trust_remote_code": _inherited("forwarded by DPOTrainer to AutoProcessor / the reference "
+                                    "copy it loads"),
+    "router_aux_loss_coef": _na("no supported model is a mixture of experts; DPOTrainer itself "
+                                "refuses a coefficient for a model without router logits"),
+    "disable_dropout": _inherited("DPOTrainer turns dropout off in the policy and the reference "
+                                  "before the engine shards them (default True, as the tests "
+                                  "run)"),
+    "dataset_num_proc": _inherited(_DPO_PREP),
+    "max_length": _stock("DataCollatorForPreference truncates each sequence, as stock; a pair "
+                         "is one sample padded to its global batch's width",
+                         _D + "test_dpo_matches_stock"),
+    "truncation_mode": _inherited("DataCollatorForPreference's truncation, per sequence"),
+    "padding_free": _inherited("TRL 1.16 disables it with a warning (standard padding)"),
+    "pad_to_multiple_of": _inherited("DataCollatorForPreference pads each global batch as stock "
+                                     "(the width exchange rounds as the collator does)"),
+    "precompute_ref_log_probs": _stock(
+        "TRL's own precompute over the dataset with the whole model before planning (as stock "
+        "DDP), read from the batch by the loss; refused for a meta model",
+        _D + "test_dpo_matches_stock"),
+    "precompute_ref_batch_size": _inherited("the batch size of TRL's precompute pass"),
+    "loss_type": _stock(
+        _PER_PAIR + "; several types with loss_weights as stock; aot, aot_unpaired and sft "
+        "(not means of per-pair terms) are refused", _D + "test_dpo_matches_stock"),
+    "loss_weights": _inherited("the weights of several loss types, inside compute_loss"),
+    "ld_alpha": _inherited("inside compute_loss; with a reference computed each step (no "
+                           "precompute) it is refused: that pass sums whole completions"),
+    "f_divergence_type": _inherited("inside compute_loss, per pair (not separately tested)"),
+    "f_alpha_divergence_coef": _inherited("inside compute_loss, per pair"),
+    "label_smoothing": _inherited("inside compute_loss, per pair (robust / exo_pair)"),
+    "beta": _stock("inside compute_loss and the rewards metrics", _D + "test_dpo_matches_stock"),
+    "use_weighting": _inherited("WPO weights per pair from the fused head's log_sum_sq_probs "
+                                "(not separately tested)"),
+    "discopop_tau": _inherited("inside compute_loss, per pair"),
+    "activation_offloading": _refused(
+        "TRL's activation offloading hooks the model's forward, which the engine never "
+        "calls; the engine offloads each unit's boundary activation itself: drop "
+        "activation_offloading and set --cephalo_activation_offload on"),
+    "sync_ref_model": _refused(
+        "the reference runs as its own sharded engine (or as precomputed log-probabilities): "
+        "mixing the policy's weights into it every ref_model_sync_steps is not built; drop "
+        "sync_ref_model"),
+    "ref_model_mixup_alpha": _na("read only with sync_ref_model, which is refused"),
+    "ref_model_sync_steps": _na("read only with sync_ref_model, which is refused"),
+    "pad_token": _inherited("DPOTrainer sets the tokenizer's pad token"),
+}
+"""``DPOConfig`` field (beyond ``TrainingArguments``) -> support."""
+
+
 _GENERATES = (
     "generates completions while it trains (model.generate or a vLLM server); the engine holds "
     "the model as per-rank shards and has no generation path. Missing: sampling over the "
@@ -95,12 +154,14 @@ _GENERATES = (
     "trainer with stock Accelerate / FSDP2")
 _PAIRS = (
     "scores a chosen and a rejected sequence per example: the two rows must stay on one rank "
-    "and in one microbatch, and its loss is a per-rank mean; not built on the runtime yet "
-    "(issue 31 item 3 builds CephaloDPOTrainer first)")
+    "and in one microbatch, and its loss is a per-rank mean; built for DPOTrainer only "
+    "(CephaloDPOTrainer), not validated for this trainer's loss and collator")
 TRL_TRAINER_SUPPORT: dict[str, Support] = {
     "SFTTrainer": _stock("CephaloSFTTrainer (CephaloTrainerMixin + SFTTrainer)",
                          _S + "test_sft_matches_stock"),
-    "DPOTrainer": _refused(_PAIRS),
+    "DPOTrainer": _stock("CephaloDPOTrainer (CephaloTrainerMixin + DPOTrainer): a pair is one "
+                         "sample; reference precomputed, a sharded frozen engine, or the PEFT "
+                         "policy with its adapters off", _D + "test_dpo_matches_stock"),
     "RewardTrainer": _refused(_PAIRS),
     "CPOTrainer": _refused(_PAIRS),
     "ORPOTrainer": _refused(_PAIRS),
@@ -145,4 +206,5 @@ def render_markdown() -> str:
                        f"{'`' + s.test + '`' if s.test else ''} |")
         return out + [""]
     return "\n".join(table("TRL trainers", TRL_TRAINER_SUPPORT)
-                     + table("SFTConfig fields (beyond TrainingArguments)", SFT_FIELD_SUPPORT))
+                     + table("SFTConfig fields (beyond TrainingArguments)", SFT_FIELD_SUPPORT)
+                     + table("DPOConfig fields (beyond TrainingArguments)", DPO_FIELD_SUPPORT))

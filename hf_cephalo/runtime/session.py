@@ -165,6 +165,18 @@ class Session:
                              activation_checkpointing=plan.activation_checkpointing,
                              compile=job.compile)
 
+    def forward_only_engine(self, staged: StagedModel) -> CephaloEngine:
+        """A second engine over ``staged`` (a frozen model beside the trained one, e.g. DPO's
+        reference model), sharded by the plan's state ratios r_i like the trained model and
+        built the same way (precision, placement, activation checkpointing), for
+        ``evaluate`` passes only: it holds no gradients and no optimizer. Collective: every rank
+        builds it, in the same order. Its parameters are frozen here (``requires_grad``
+        False). Not priced by the planner, and not re-laid out by a live switch (its shards
+        keep the start plan's r_i)."""
+        for p in staged.model.parameters():
+            p.requires_grad_(False)
+        return self._build_engine(wrap_staged(staged, self.job))
+
     def _make_scaler(self):
         """fp16 anywhere (the job's precision, or one rank's): the engine's sharded loss scaler,
         used by every rank (found-inf agreed across ranks, every rank skips the same step)."""

@@ -1,0 +1,326 @@
+"""CephaloDPOTrainer and CephaloDPOConfig: TRL's ``DPOTrainer`` on the Cephalo runtime.
+
+Swap ``DPOTrainer`` for ``CephaloDPOTrainer`` and ``DPOConfig`` for ``CephaloDPOConfig``
+(every ``DPOConfig`` field plus the ``cephalo_*`` settings); launch as any CephaloTrainer script
+(docs/trl.md). The trainer is ``CephaloTrainerMixin`` + ``DPOTrainer``: DPOTrainer tokenizes
+the preference pairs, builds its collator and its reference (a model, or precomputed
+log-probabilities) inside the mixin's ``super().__init__``; then the mixin builds the session.
+
+[Note: a preference pair is one sample]
+TRL's ``DataCollatorForPreference`` returns ``2m`` rows for ``m`` pairs, the ``m`` chosen rows
+first, then the ``m`` rejected ones, and ``DPOTrainer``'s loss is a MEAN over the pairs of its
+batch. On the runtime a pair is one sample of the weighted split:
+
+- the collator is wrapped (``PairRows``) so that a batch holds ONE row per pair: every
+  ``2m``-row tensor becomes ``(m, 2, ...)``, [chosen, rejected]; the loader splits, pads to the
+  global batch's width and cuts microbatches by pairs as for any sample, so both sequences of a
+  pair stay on one rank and in one microbatch and are padded as one process pads the global
+  batch;
+- before the engine runs them, each microbatch is unfolded back into TRL's layout
+  (``unfold_pairs``: ``2m`` rows, chosen first), which ``DPOTrainer.compute_loss`` reads;
+- the engine's item count of a microbatch is its number of pairs (``PairItems``), so N is the
+  global batch's pair count, and ``compute_loss`` returns the microbatch's pair mean times
+  ``m / N``: the microbatches add up to the mean over every pair of the global batch, as one
+  process with the whole batch computes it. The loss types that are not a mean of per-pair
+  terms (``aot``, ``aot_unpaired``: they sort the batch; ``sft``: a token mean over the batch)
+  are refused.
+
+[Note: the reference log-probabilities]
+``DPOTrainer.compute_loss`` runs in the engine's head per microbatch (its gathers deferred to
+one exchange per step: head_calls.py), where no second model can run. Its reference
+log-probabilities therefore come with the batch, as with TRL's ``precompute_ref_log_probs``:
+
+- ``precompute_ref_log_probs=True``: TRL computes them over the dataset before planning, with
+  the whole model on every rank (as stock DDP; a meta model from ``from_pretrained_sharded`` is
+  refused);
+- a ``ref_model`` (given, or the copy TRL loads): a second engine over it, sharded by the same
+  plan's r_i, frozen, forward only (``Session.forward_only_engine``); each step first runs it
+  over this rank's microbatches (one layered forward, no gradient);
+- a PEFT policy without ``ref_model``: the same pass through the policy's own engine with its
+  adapters disabled (TRL's ``use_adapter(model, None)``).
+
+The step's pass computes each row's summed completion log-probability from its logits (a
+``log_softmax``; TRL's fused head tiles the same computation) and adds ``ref_chosen_logps`` /
+``ref_rejected_logps`` to the microbatch. Requires the ``trl`` extra (written against TRL 1.16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+try:
+    from trl import DPOConfig, DPOTrainer
+except ImportError as exc:  # the optional extra
+    raise ImportError("CephaloDPOTrainer needs TRL: pip install 'hf-cephalo[trl]' "
+                      "(trl>=1.16)") from exc
+
+from hf_cephalo.integrations.trainer import CephaloTrainerMixin
+from hf_cephalo.integrations.trl_config import CephaloTRLConfig, trl_config_dataclass
+from hf_cephalo.integrations.trl_fused import FusedLMHead
+from hf_cephalo.integrations.trl_support import DPO_FIELD_SUPPORT
+from hf_cephalo.integrations.user_loss import HeadView
+from hf_cephalo.models.base import Microbatch, WrappedStagedModel
+
+__all__ = ["CephaloDPOConfig", "CephaloDPOTrainer"]
+
+# what DPOTrainer.__init__ passes add_fused_lm_head (trl/trainer/dpo_trainer.py, TRL 1.16)
+_DPO_FUSED_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
+_REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")  # one value per pair
+_BATCH_LOSSES = {
+    "aot": "sorts the log-ratios of the whole batch (a pair's term depends on the others)",
+    "aot_unpaired": "sorts the log-ratios of the whole batch (a pair's term depends on the "
+                    "others)",
+    "sft": "a token mean over the batch's chosen completions, not a mean of per-pair terms",
+}
+
+
+class PairRows:
+    """The preference collator with one row per pair ([Note: a preference pair is one
+    sample]): ``collate_fn(examples)``'s tensors of ``2m`` rows (chosen rows, then rejected)
+    as ``(m, 2, ...)``; tensors of ``m`` rows (``ref_*_logps``) and other values as they are.
+
+    Raises ValueError naming the collator when a tensor has neither ``m`` nor ``2m`` rows."""
+
+    def __init__(self, collate_fn: Any) -> None:
+        self.collate_fn = collate_fn
+        self.data_collator = collate_fn  # what error messages name (global_width.collator_name)
+
+    def __call__(self, examples: list[Any]) -> dict[str, Any]:
+        from hf_cephalo.runtime.global_width import collator_name
+
+        batch, m = self.collate_fn(examples), len(examples)
+        out = {}
+        for key, value in batch.items():
+            if torch.is_tensor(value) and value.dim() >= 1 and key not in _REF_KEYS:
+                if value.shape[0] != 2 * m:
+                    raise ValueError(f"data collator {collator_name(self)} returned {key!r} of "
+                                     f"shape {tuple(value.shape)} for {m} preference pairs: "
+                                     "CephaloDPOTrainer needs 2 rows per pair (the chosen rows, "
+                                     "then the rejected ones), as TRL's "
+                                     "DataCollatorForPreference returns them")
+                value = torch.stack([value[:m], value[m:]], dim=1)
+            out[key] = value
+        return out
+
+
+def unfold_pairs(microbatch: Microbatch) -> dict[str, Any]:
+    """A ``PairRows`` microbatch in TRL's layout: each ``(m, 2, ...)`` tensor as ``2m`` rows,
+    the ``m`` chosen rows first."""
+    out = dict(microbatch)
+    for key, value in microbatch.items():
+        if torch.is_tensor(value) and value.dim() >= 2 and key not in _REF_KEYS:
+            out[key] = torch.cat([value[:, 0], value[:, 1]])
+    return out
+
+
+class PairItems(WrappedStagedModel):
+    """The engine's item count of a DPO microbatch: its pairs (half its rows). Inside
+    ``reference(head)``: no items (no loss) and, as the head's "logits", each row's per-token
+    completion log-probabilities (2m, S - 1) from TRL's fused head ``head`` on the final hidden
+    states — the computation of TRL's own reference forward."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self._reference_head: FusedLMHead | None = None
+
+    @contextlib.contextmanager
+    def reference(self, head: FusedLMHead):
+        self._reference_head = head
+        try:
+            yield
+        finally:
+            self._reference_head = None
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        ids = microbatch.get("input_ids")
+        if self._reference_head is not None or ids is None or \
+                microbatch.get("completion_mask") is None:
+            return 0
+        return int(ids.shape[0]) // 2
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
+        if self._reference_head is None:
+            return self.inner.head_logits(hidden, microbatch, ctx)
+        labels = microbatch["input_ids"].masked_fill(microbatch["completion_mask"] == 0, -100)
+        return self._reference_head(HeadView(self.inner, hidden, microbatch, ctx),
+                                    {"labels": labels}).log_probs
+
+
+def _replay_pair(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The replay's zero-row inputs (head_calls.py) as ONE pair of zeros, so that TRL's
+    ``logps.chunk(2)`` splits them; the replay's gathers are answered from the records, its
+    loss discarded."""
+    out = {}
+    for key, value in inputs.items():
+        if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == 0:
+            value = value.new_zeros((1 if key in _REF_KEYS else 2, *value.shape[1:]))
+        out[key] = value
+    return out
+
+
+@trl_config_dataclass(DPOConfig)
+class CephaloDPOConfig(CephaloTRLConfig, DPOConfig):
+    """``DPOConfig`` plus the ``cephalo_*`` settings (``CephaloTRLConfig``: the rules of
+    ``CephaloTrainingArguments``; ``trl_config_dataclass``: DPOConfig's own defaults).
+
+    Raises ValueError as ``CephaloTrainingArguments`` and ``DPOConfig`` do; settings the engine
+    cannot honour are refused by ``CephaloDPOTrainer`` in one message (``refused_settings``).
+    """
+
+    @staticmethod
+    def cephalo_field_support() -> dict:
+        """The table of this config's own fields (``support.training_args_problems``)."""
+        return DPO_FIELD_SUPPORT
+
+    def refused_settings(self) -> dict[str, str]:
+        """``CephaloTrainingArguments.refused_settings`` plus the DPO values the table cannot
+        word per field: the loss types that are not a mean of per-pair terms."""
+        refused = super().refused_settings()
+        if self.ld_alpha is not None and not self.precompute_ref_log_probs:
+            refused["ld_alpha"] = (
+                f"--ld_alpha = {self.ld_alpha} with a reference computed each step: the step's "
+                "reference pass sums whole completions (trl_dpo.py); set "
+                "precompute_ref_log_probs=True (TRL weights the reference as stock), or drop "
+                "ld_alpha")
+        batch = [t for t in self.loss_type if t in _BATCH_LOSSES]
+        if batch:
+            why = "; ".join(f"{t}: {_BATCH_LOSSES[t]}" for t in batch)
+            refused["loss_type"] = (
+                f"--loss_type {batch}: Cephalo adds up each microbatch's share of the global "
+                f"batch's mean over pairs, which these losses are not ({why}); use per-pair "
+                "losses (sigmoid, hinge, ipo, robust, bco_pair, ...)")
+        return refused
+
+
+class CephaloDPOTrainer(CephaloTrainerMixin, DPOTrainer):
+    """``DPOTrainer`` on the Cephalo runtime (see the module notes and ``CephaloTrainerMixin``
+    for the arguments and errors; ``ref_model`` as DPOTrainer's). ``model`` must be a model
+    object (a name would be loaded whole on every rank).
+
+    Raises (before any collective, in the mixin's one refusal message where the settings
+    decide it): ValueError for a ``PeftModel`` that already has an adapter and no
+    ``ref_model`` (TRL copies it into a second adapter the engine does not shard apart), for
+    ``precompute_ref_log_probs`` on a meta model, for an evaluation dataset (DPO evaluation
+    on the engine is not built: evaluate with stock DPOTrainer).
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, ref_model=None, args=None,
+                 **kwargs: Any) -> None:
+        _check_dpo_script(model, ref_model, args, kwargs)
+        super().__init__(model, args, ref_model=ref_model, **kwargs)
+        self.data_collator = PairRows(self.data_collator)
+        self._reference = None  # [Note: the reference log-probabilities]
+        if not self.precompute_ref_logps:
+            if self.ref_model is not None:
+                from hf_cephalo.models.registry import stage_model
+
+                pairs = PairItems(stage_model(self.ref_model))
+                engine = self.session.forward_only_engine(pairs)
+                self._reference = _ReferencePass(engine, pairs, contextlib.nullcontext)
+            else:  # a PEFT policy: its own engine with the adapters disabled
+                from trl.trainer.utils import use_adapter
+
+                peft_model = self.model
+                self._reference = _ReferencePass(self.engine, self._pair_items,
+                                                 lambda: use_adapter(peft_model, None))
+
+    def _engine_staged(self, staged):
+        self._pair_items = PairItems(staged)
+        return self._pair_items
+
+    def _engine_call_variants(self) -> dict[str, Any]:
+        outputs = _DPO_FUSED_OUTPUTS + (("log_sum_sq_probs",) if self.use_weighting else ())
+        return {"fused_lm_head": FusedLMHead(outputs=outputs)}
+
+    def _engine_microbatches(self, microbatches: list) -> list:
+        """Each pair unfolded into TRL's rows; the step's reference log-probabilities added
+        ([Note: the reference log-probabilities])."""
+        microbatches = [unfold_pairs(mb) for mb in microbatches]
+        if self._reference is not None:
+            self._reference(microbatches)
+        return microbatches
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """``DPOTrainer.compute_loss`` on this microbatch (its mean over the microbatch's m
+        pairs, the reference log-probabilities read from the batch), times m / N, N the
+        global batch's pairs ([Note: a preference pair is one sample])."""
+        if return_outputs:
+            raise ValueError("CephaloDPOTrainer computes the loss only (DPO evaluation on the "
+                             "engine is not built)")
+        if inputs["input_ids"].shape[0] == 0:  # the step's replay (head_calls.py)
+            inputs = _replay_pair(inputs)
+        pairs = inputs["input_ids"].shape[0] // 2
+        precompute, self.precompute_ref_logps = self.precompute_ref_logps, True
+        try:
+            loss = super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        finally:
+            self.precompute_ref_logps = precompute
+        return loss * pairs / num_items_in_batch
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        raise ValueError(_NO_EVALUATION)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The engine's checkpoint (``CephaloTrainerMixin``) with DPOTrainer's model card."""
+        import os
+
+        name = os.path.basename(os.path.normpath(self.args.output_dir)) \
+            if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
+        self.create_model_card(model_name=name)
+        super()._save_checkpoint(model, trial)
+
+
+_NO_EVALUATION = (
+    "CephaloDPOTrainer does not evaluate yet: DPO's evaluation loss and metrics through the "
+    "engine are not built and tested; drop eval_dataset / evaluate() (and eval_strategy), and "
+    "evaluate the saved model with stock DPOTrainer")
+
+
+def _check_dpo_script(model, ref_model, args, kwargs: dict[str, Any]) -> None:
+    """The DPO refusals that need the objects, before DPOTrainer or any collective runs."""
+    from accelerate.utils import is_peft_model
+
+    problems = []
+    if kwargs.get("eval_dataset") is not None or (
+            args is not None and str(getattr(args.eval_strategy, "value", args.eval_strategy))
+            != "no"):
+        problems.append(_NO_EVALUATION)
+    if model is not None and not isinstance(model, str) and is_peft_model(model) \
+            and ref_model is None and kwargs.get("peft_config") is None:
+        problems.append(
+            "a PeftModel with its own adapter and no ref_model: DPOTrainer copies the adapter "
+            "into a second 'ref' adapter, which the engine would train beside the first; pass "
+            "the base model with peft_config=..., or give ref_model")
+    precompute = getattr(args, "precompute_ref_log_probs", False)
+    if precompute and isinstance(model, torch.nn.Module) and ref_model is None and any(
+            p.is_meta for p in model.parameters()):
+        problems.append(
+            "precompute_ref_log_probs=True with a model on the meta device "
+            "(from_pretrained_sharded): TRL computes the reference over the dataset with the "
+            "whole model before the engine shards it; load the model whole, or drop "
+            "precompute_ref_log_probs (the reference then runs sharded, each step)")
+    if problems:
+        raise ValueError("CephaloDPOTrainer cannot run this script:\n" +
+                         "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)))
+
+
+class _ReferencePass:
+    """One step's reference log-probabilities ([Note: the reference log-probabilities]):
+    ``engine.evaluate`` over this rank's unfolded microbatches inside ``context()`` (the
+    adapters off) with ``pairs`` (the engine's ``PairItems``) answering TRL's fused
+    log-probabilities as the head's output; each row's sum over its completion, the chosen half
+    as ``ref_chosen_logps`` (m,), the rejected half as ``ref_rejected_logps``. Collective (the
+    engine's): every rank calls it each step, also with no microbatches."""
+
+    def __init__(self, engine, pairs: PairItems, context) -> None:
+        self.engine, self.pairs, self.context = engine, pairs, context
+        self.head = FusedLMHead(outputs=("log_probs",))  # add_fused_lm_head(ref_model)'s
+
+    def __call__(self, microbatches: list[dict[str, Any]]) -> None:
+        with self.context(), self.pairs.reference(self.head):
+            out = self.engine.evaluate(microbatches, return_logits=True)
+        for mb, per_token in zip(microbatches, out.logits):
+            mb["ref_chosen_logps"], mb["ref_rejected_logps"] = per_token.sum(dim=1).chunk(2)

@@ -1,0 +1,283 @@
+"""CephaloDPOTrainer vs STOCK TRL DPOTrainer (issue 31 item 3): the same settings give the same
+numbers.
+
+One run_ranks call per world size trains every sub-case through CephaloDPOTrainer: 2 gloo ranks
+with the uneven plan b = [1, 3], m = [1, 2], and 3 ranks with b = [1, 3, 0], m = [1, 1, 0]
+(different l_i and an idle rank). The test process trains the same sub-cases with stock
+``DPOTrainer`` in ONE process with the whole global batch of pairs (per_device_train_batch_size
+= 4, sequential order: the same global batches) and compares, per step, the logged loss,
+grad_norm and DPO's metrics (rewards/*, logps/*, logits/*, entropy, mean_token_accuracy,
+num_tokens), then the final weights. fp32, SGD, rtol 1e-5 / atol 1e-6.
+
+Sub-cases (DPO_CASES): the reference as an explicit ``ref_model`` (a second, frozen engine
+sharded by the plan), as ``precompute_ref_log_probs``, and as a LoRA policy with its adapter
+off; the loss types hinge and ipo (per-pair means of other shapes), conversational pairs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_ranks, test_timeout
+from tests.trl_fixtures import B, SEED, load_tokenizer, offline_env, save_tokenizer, tiny_llama
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+RTOL, ATOL = 1e-5, 1e-6
+LR, STEPS = 0.2, 3
+PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]), 3: ([1, 3, 0], [1, 1, 0], [0.2, 0.5, 0.3])}
+METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins",
+           "rewards/accuracies", "logps/chosen", "logps/rejected", "logits/chosen",
+           "logits/rejected", "entropy", "mean_token_accuracy", "num_tokens")
+DPO_CASES = {
+    # name: (conversational, reference, DPOConfig overrides)
+    "ref_model": (False, "ref_model", dict(beta=0.5)),
+    "precompute": (False, "precompute", dict(precompute_ref_log_probs=True, beta=0.5)),
+    "lora": (False, "lora", dict(beta=0.5)),
+    "hinge_conversational": (True, "ref_model", dict(loss_type=["hinge"], beta=0.3)),
+    "ipo_precompute": (False, "precompute", dict(loss_type=["ipo"], beta=0.5,
+                                                 precompute_ref_log_probs=True)),
+}
+NUM_PAIRS = 3 * B  # three global batches
+
+
+def _dpo_kwargs(case: str, out_dir: str) -> dict:
+    _, _, extra = DPO_CASES[case]
+    return dict(output_dir=os.path.join(out_dir, case), report_to="none", optim="sgd",
+                learning_rate=LR, max_steps=STEPS, logging_steps=1, save_strategy="no",
+                seed=SEED, train_sampling_strategy="sequential", bf16=False,
+                gradient_checkpointing=False, disable_tqdm=True, use_cpu=True, max_length=64,
+                **extra)
+
+
+def _save_datasets(root: str) -> str:
+    """Every case's pairs saved under ``root``: TRL's precompute writes its reference column as
+    a cache file beside the dataset's files, which every rank must find (an in-memory dataset
+    caches in a per-process temporary directory, so stock TRL on several processes fails the
+    same way)."""
+    from hf_cephalo.integrations.data import pydoc_preference_dataset
+
+    for conversational in (False, True):
+        pydoc_preference_dataset(NUM_PAIRS, max_answer_chars=60, conversational=conversational
+                                 ).save_to_disk(os.path.join(root, f"conversational={conversational}"))
+    return root
+
+
+def _dataset(case: str, root: str):
+    import datasets
+
+    conversational, _, _ = DPO_CASES[case]
+    return datasets.load_from_disk(os.path.join(root, f"conversational={conversational}"))
+
+
+def _models(case: str, vocab: int):
+    """(policy, ref_model or None, peft_config or None) — the same weights on both sides."""
+    _, reference, _ = DPO_CASES[case]
+    model = tiny_llama(vocab)
+    if reference == "ref_model":
+        ref = copy.deepcopy(model)
+        with torch.no_grad():  # a reference unlike the policy: the log-ratios start non-zero
+            for p in ref.parameters():
+                p.mul_(0.9)
+        return model, ref, None
+    if reference == "lora":
+        from peft import LoraConfig
+
+        return model, None, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                       target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return model, None, None
+
+
+def _logs(history):
+    rows = [h for h in history if "loss" in h and "train_loss" not in h]
+    return {m: [h[m] for h in rows if m in h] for m in METRICS}
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---- the Cephalo side --------------------------------------------------------------------------
+
+def _worker(rank, world_size, out_dir, tokenizer_path, data_root):
+    offline_env()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    return _to_numpy({case: _cephalo_dpo(case, world_size, out_dir, tokenizer_path, data_root)
+                      for case in DPO_CASES})
+
+
+def _to_numpy(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().numpy()
+    if isinstance(obj, dict):
+        return {k: _to_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_numpy(v) for v in obj)
+    return obj
+
+
+def _plan(world_size):
+    from hf_cephalo.planner import Plan
+
+    return Plan.from_ratios(*PLANS[world_size])
+
+
+def _cephalo_dpo(case, world_size, out_dir, tokenizer_path, data_root):
+    from hf_cephalo.integrations import CephaloDPOConfig, CephaloDPOTrainer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    model, ref, peft_config = _models(case, len(tokenizer))
+    args = CephaloDPOConfig(**_dpo_kwargs(case, os.path.join(out_dir, f"w{world_size}")))
+    trainer = CephaloDPOTrainer(model=model, ref_model=ref, args=args,
+                                train_dataset=_dataset(case, data_root),
+                                processing_class=tokenizer, peft_config=peft_config,
+                                plan=_plan(world_size))
+    trainer.train()
+    return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
+
+
+# one run_ranks per world size, every sub-case inside
+QUIET_S = {2: 45.0, 3: 60.0}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    offline_env()
+    return save_tokenizer(str(tmp_path_factory.mktemp("chat_tokenizer")))
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    offline_env()
+    return _save_datasets(str(tmp_path_factory.mktemp("preference_pairs")))
+
+
+_RUNS: dict = {}
+
+
+def _cephalo(world_size, tmp_path_factory, tokenizer_path, data_root):
+    from tests.dist_utils import budget_s
+
+    if world_size not in _RUNS:
+        out_dir = str(tmp_path_factory.mktemp(f"cephalo_dpo_w{world_size}"))
+        _RUNS[world_size] = run_ranks(_worker, world_size, out_dir, tokenizer_path, data_root,
+                                      timeout_s=budget_s(QUIET_S[world_size]))
+    return _RUNS[world_size]
+
+
+# ---- the stock side -------------------------------------------------------------------------
+
+_STOCK: dict = {}
+
+
+def _stock_dpo(case, tmp_path_factory, tokenizer_path, data_root):
+    if case not in _STOCK:
+        from trl import DPOConfig, DPOTrainer
+
+        offline_env()
+        tokenizer = load_tokenizer(tokenizer_path)
+        model, ref, peft_config = _models(case, len(tokenizer))
+        out_dir = str(tmp_path_factory.mktemp("stock_dpo"))
+        args = DPOConfig(**_dpo_kwargs(case, out_dir), per_device_train_batch_size=B)
+        trainer = DPOTrainer(model=model, ref_model=ref, args=args,
+                             train_dataset=_dataset(case, data_root),
+                             processing_class=tokenizer, peft_config=peft_config)
+        trainer.train()
+        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
+    return _STOCK[case]
+
+
+def _close(got, ref, what):
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
+                               torch.tensor(ref, dtype=torch.float64), rtol=RTOL, atol=ATOL,
+                               msg=lambda m: f"{what}: {m}")
+
+
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
+ULPS = 4
+
+
+def _reward_atol(ref_logs, beta):
+    """The rewards are beta * (logp - ref_logp): differences of two fp32 sums of magnitude
+    |logp| (~100 here), so they carry the absolute error of those sums (one fp32 spacing at
+    100 is 7.6e-6), not an error relative to the small difference. They are compared at
+    ``ULPS`` spacings of the largest summed log-probability, times beta (1.5e-5 at beta 0.5);
+    the log-probabilities themselves are compared at rtol 1e-5 / atol 1e-6."""
+    largest = max(abs(v) for m in ("logps/chosen", "logps/rejected") for v in ref_logs[m])
+    x = torch.tensor(largest, dtype=torch.float32)
+    spacing = float(torch.nextafter(x, torch.tensor(float("inf"))) - x)
+    return beta * ULPS * spacing
+
+
+def _assert_same_run(got, ref, beta):
+    for metric in METRICS:
+        assert len(got["logs"][metric]) == len(ref["logs"][metric]) == STEPS, metric
+        if metric in REWARDS:
+            torch.testing.assert_close(torch.tensor(got["logs"][metric], dtype=torch.float64),
+                                       torch.tensor(ref["logs"][metric], dtype=torch.float64),
+                                       rtol=0, atol=_reward_atol(ref["logs"], beta),
+                                       msg=lambda m: f"{metric}: {m}")
+        else:
+            _close(got["logs"][metric], ref["logs"][metric], metric)
+    assert set(got["state"]) == set(ref["state"])
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(torch.as_tensor(got["state"][key]), value, rtol=RTOL,
+                                   atol=ATOL, msg=lambda m: f"{key}: {m}")
+
+
+@test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", list(DPO_CASES))
+def test_dpo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, data_root):
+    """Every DPO reference kind and loss, 2 and 3 ranks (uneven plan; different l_i and an idle
+    rank): per-step loss, grad_norm and DPO's metrics, and the final weights, equal stock
+    DPOTrainer's on one process with the whole global batch of pairs."""
+    ref = _stock_dpo(case, tmp_path_factory, tokenizer_path, data_root)
+    for rank_result in _cephalo(world_size, tmp_path_factory, tokenizer_path, data_root):
+        _assert_same_run(rank_result[case], ref, DPO_CASES[case][2]["beta"])
+    # the run trained and the metrics are informative (a test that cannot fail is a defect)
+    logs = ref["logs"]
+    assert logs["loss"][0] != logs["loss"][-1]
+    assert any(abs(v) > 1e-3 for v in logs["rewards/margins"]), logs["rewards/margins"]
+
+
+@test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
+def test_dpo_cases_differ(tmp_path_factory, tokenizer_path, data_root):
+    """The sub-cases are different runs (the reference kind and the loss change the numbers)."""
+    losses = {case: _stock_dpo(case, tmp_path_factory, tokenizer_path, data_root)["logs"]["loss"][-1]
+              for case in DPO_CASES}
+    assert len({round(v, 6) for v in losses.values()}) == len(losses), losses
+
+
+def test_dpo_refusals_before_any_collective(tmp_path, tokenizer_path, data_root):
+    """Batch-level losses, sync_ref_model, ld_alpha with a per-step reference and evaluation
+    are refused in ONE message at construction (one process, no process group made)."""
+    import torch.distributed as dist
+
+    from hf_cephalo.integrations import CephaloDPOConfig, CephaloDPOTrainer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    args = CephaloDPOConfig(**{**_dpo_kwargs("ref_model", str(tmp_path)),
+                               "loss_type": ["sigmoid", "aot"], "sync_ref_model": True,
+                               "ld_alpha": 0.5})
+    with pytest.raises(ValueError) as info:
+        CephaloDPOTrainer(model=tiny_llama(len(tokenizer)), args=args,
+                          train_dataset=_dataset("ref_model", data_root), processing_class=tokenizer,
+                          plan=_plan(2))
+    text = str(info.value)
+    for expected in ("--loss_type ['aot']", "--sync_ref_model", "--ld_alpha = 0.5"):
+        assert expected in text, text
+    assert not dist.is_initialized()
+    args = CephaloDPOConfig(**_dpo_kwargs("ref_model", str(tmp_path)))
+    with pytest.raises(ValueError, match="does not evaluate yet"):
+        CephaloDPOTrainer(model=tiny_llama(len(tokenizer)), args=args,
+                          train_dataset=_dataset("ref_model", data_root),
+                          eval_dataset=_dataset("ref_model", data_root),
+                          processing_class=tokenizer, plan=_plan(2))
+    assert not dist.is_initialized()
