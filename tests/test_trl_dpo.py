@@ -22,15 +22,15 @@ import os
 import pytest
 import torch
 
-from tests.dist_utils import run_ranks, test_timeout
-from tests.trl_fixtures import B, SEED, load_tokenizer, offline_env, save_tokenizer, tiny_llama
+from tests.dist_utils import portable, run_ranks, test_timeout
+from tests.trl_fixtures import (B, SEED, load_tokenizer, offline_env, plan, save_tokenizer,
+                                tiny_llama)
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 RTOL, ATOL = 1e-5, 1e-6
 LR, STEPS = 0.2, 3
-PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]), 3: ([1, 3, 0], [1, 1, 0], [0.2, 0.5, 0.3])}
 METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins",
            "rewards/accuracies", "logps/chosen", "logps/rejected", "logits/chosen",
            "logits/rejected", "entropy", "mean_token_accuracy", "num_tokens")
@@ -108,24 +108,8 @@ def _worker(rank, world_size, out_dir, tokenizer_path, data_root):
     offline_env()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    return _to_numpy({case: _cephalo_dpo(case, world_size, out_dir, tokenizer_path, data_root)
-                      for case in DPO_CASES})
-
-
-def _to_numpy(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().numpy()
-    if isinstance(obj, dict):
-        return {k: _to_numpy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_numpy(v) for v in obj)
-    return obj
-
-
-def _plan(world_size):
-    from hf_cephalo.planner import Plan
-
-    return Plan.from_ratios(*PLANS[world_size])
+    return portable({case: _cephalo_dpo(case, world_size, out_dir, tokenizer_path, data_root)
+                     for case in DPO_CASES}, True)
 
 
 def _cephalo_dpo(case, world_size, out_dir, tokenizer_path, data_root):
@@ -137,7 +121,7 @@ def _cephalo_dpo(case, world_size, out_dir, tokenizer_path, data_root):
     trainer = CephaloDPOTrainer(model=model, ref_model=ref, args=args,
                                 train_dataset=_dataset(case, data_root),
                                 processing_class=tokenizer, peft_config=peft_config,
-                                plan=_plan(world_size))
+                                plan=plan(world_size))
     trainer.train()
     return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
 
@@ -269,7 +253,7 @@ def test_dpo_refusals_before_any_collective(tmp_path, tokenizer_path, data_root)
     with pytest.raises(ValueError) as info:
         CephaloDPOTrainer(model=tiny_llama(len(tokenizer)), args=args,
                           train_dataset=_dataset("ref_model", data_root), processing_class=tokenizer,
-                          plan=_plan(2))
+                          plan=plan(2))
     text = str(info.value)
     for expected in ("--loss_type ['aot']", "--sync_ref_model", "--ld_alpha = 0.5"):
         assert expected in text, text
@@ -279,5 +263,5 @@ def test_dpo_refusals_before_any_collective(tmp_path, tokenizer_path, data_root)
         CephaloDPOTrainer(model=tiny_llama(len(tokenizer)), args=args,
                           train_dataset=_dataset("ref_model", data_root),
                           eval_dataset=_dataset("ref_model", data_root),
-                          processing_class=tokenizer, plan=_plan(2))
+                          processing_class=tokenizer, plan=plan(2))
     assert not dist.is_initialized()

@@ -21,15 +21,14 @@ import os
 import pytest
 import torch
 
-from tests.dist_utils import run_ranks, test_timeout
+from tests.dist_utils import portable, run_ranks, test_timeout
 from tests.trl_fixtures import (B, SEED, SFT_CASES, chat_dataset, load_tokenizer, offline_env,
-                                save_tokenizer, tiny_llama)
+                                plan, save_tokenizer, tiny_llama)
 
 trl = pytest.importorskip("trl")
 
 RTOL, ATOL = 1e-5, 1e-6
 LR, STEPS = 0.5, 3
-PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]), 3: ([1, 3, 0], [1, 1, 0], [0.2, 0.5, 0.3])}
 METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
 EVAL_CASE = "assistant_only"  # also evaluates: TRL's eval metrics per global eval batch
 
@@ -67,7 +66,7 @@ def _worker(rank, world_size, out_dir, tokenizer_path):
         results["raw_collective"] = _cephalo_raw_collective(world_size, out_dir)
     else:
         results["resume"] = _cephalo_resume(world_size, out_dir, tokenizer_path)
-    return _to_numpy(results)
+    return portable(results, True)
 
 
 def _cephalo_resume(world_size, out_dir, tokenizer_path, case="packing_bfd_padding_free"):
@@ -82,28 +81,12 @@ def _cephalo_resume(world_size, out_dir, tokenizer_path, case="packing_bfd_paddi
     for resume in (None, os.path.join(kwargs["output_dir"], "checkpoint-2")):
         trainer = CephaloSFTTrainer(model=tiny_llama(len(tokenizer)),
                                     args=CephaloSFTConfig(**kwargs), processing_class=tokenizer,
-                                    train_dataset=_datasets(case)[0], plan=_plan(world_size))
+                                    train_dataset=_datasets(case)[0], plan=plan(world_size))
         trainer.train(resume_from_checkpoint=resume)
         states.append({"logs": _logs(trainer.state.log_history),
                        "state": {k: v.detach().clone()
                                  for k, v in trainer.unshard_model().state_dict().items()}})
     return states
-
-
-def _to_numpy(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().numpy()
-    if isinstance(obj, dict):
-        return {k: _to_numpy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_numpy(v) for v in obj)
-    return obj
-
-
-def _plan(world_size):
-    from hf_cephalo.planner import Plan
-
-    return Plan.from_ratios(*PLANS[world_size])
 
 
 def _cephalo_sft(case, world_size, out_dir, tokenizer_path):
@@ -115,7 +98,7 @@ def _cephalo_sft(case, world_size, out_dir, tokenizer_path):
                             per_device_eval_batch_size=1)
     trainer = CephaloSFTTrainer(model=tiny_llama(len(tokenizer)), args=args, train_dataset=train,
                                 eval_dataset=evaluation, processing_class=tokenizer,
-                                plan=_plan(world_size))
+                                plan=plan(world_size))
     trainer.train()
     out = {"logs": _logs(trainer.state.log_history)}
     if evaluation is not None:
@@ -166,7 +149,7 @@ def _user_trainer(mixin, world_size, out_dir):
 
     cls = type(f"Cephalo{mixin.__name__}", (mixin, CephaloTrainer), {})
     args = CephaloTrainingArguments(**_user_args(os.path.join(out_dir, mixin.__name__)))
-    trainer = cls(model=build("llama"), args=args, plan=_plan(world_size),
+    trainer = cls(model=build("llama"), args=args, plan=plan(world_size),
                   data_collator=_collate, train_dataset=_samples(3 * B, 0))
     trainer._my_metrics = {}
     return trainer

@@ -8,6 +8,9 @@ import os
 import torch
 
 SEED, B = 7, 4
+# uneven plans of the TRL tests: 2 ranks b = [1, 3], m = [1, 2]; 3 ranks b = [1, 3, 0],
+# m = [1, 1, 0] (different l_i and an idle rank)
+PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]), 3: ([1, 3, 0], [1, 1, 0], [0.2, 0.5, 0.3])}
 NUM_PAIRS = 32
 SFT_CASES = {
     # prompt-completion strings; the prompt masked out
@@ -25,6 +28,13 @@ SFT_CASES = {
                                                               completion_only_loss=False,
                                                               max_length=48)),
 }
+
+
+def plan(world_size: int):
+    """The ``PLANS`` entry as a ``Plan`` (b_i, m_i, r_i)."""
+    from hf_cephalo.planner import Plan
+
+    return Plan.from_ratios(*PLANS[world_size])
 
 
 def save_tokenizer(path: str) -> str:

@@ -32,7 +32,8 @@ from typing import Any, Callable
 
 __all__ = ["Status", "Support", "FIELD_SUPPORT", "HOOK_SUPPORT", "RefusedSettings",
            "check_training_args", "training_args_problems", "unclassified_fields",
-           "render_markdown"]
+           "markdown_table", "render_markdown", "stock", "inherited", "not_applicable",
+           "refused"]
 
 
 class Status(enum.Enum):
@@ -78,19 +79,19 @@ def _not_default(default: Any) -> Callable[[Any], bool]:
     return refuse
 
 
-def _stock(note: str, test: str) -> Support:
+def stock(note: str, test: str) -> Support:
     return Support(status=Status.STOCK, note=note, test=test)
 
 
-def _inherited(note: str) -> Support:
+def inherited(note: str) -> Support:
     return Support(status=Status.INHERITED, note=note)
 
 
-def _na(note: str) -> Support:
+def not_applicable(note: str) -> Support:
     return Support(status=Status.NOT_APPLICABLE, note=note)
 
 
-def _refused(note: str, refuse_if: Callable[[Any], bool] | None = None) -> Support:
+def refused(note: str, refuse_if: Callable[[Any], bool] | None = None) -> Support:
     return Support(status=Status.REFUSED, note=note, refuse_if=refuse_if)
 
 
@@ -137,19 +138,19 @@ def _checkpointing_kwargs_refused(value: Any) -> bool:
 
 FIELD_SUPPORT: dict[str, Support] = {
     # ---- run length, optimizer, schedule ----
-    "output_dir": _stock("checkpoints and saved models go there", _T + "test_matches_full_batch_reference"),
-    "per_device_train_batch_size": _stock(
+    "output_dir": stock("checkpoints and saved models go there", _T + "test_matches_full_batch_reference"),
+    "per_device_train_batch_size": stock(
         "without a plan or cephalo_global_batch_size, B = per_device_train_batch_size x world "
         "size x gradient_accumulation_steps (the stock global batch, named in the plan line); "
         "with a plan each rank's b_i comes from the plan",
         _P + "test_matches_stock_trainer"),
-    "num_train_epochs": _stock("stock loop", _T + "test_matches_full_batch_reference"),
-    "max_steps": _stock("stock loop", _P + "test_matches_stock_trainer"),
-    "learning_rate": _stock("stock optimizer kwargs", _P + "test_matches_stock_trainer"),
-    "lr_scheduler_type": _stock("stock scheduler over the shard optimizer",
+    "num_train_epochs": stock("stock loop", _T + "test_matches_full_batch_reference"),
+    "max_steps": stock("stock loop", _P + "test_matches_stock_trainer"),
+    "learning_rate": stock("stock optimizer kwargs", _P + "test_matches_stock_trainer"),
+    "lr_scheduler_type": stock("stock scheduler over the shard optimizer",
                                 _T + "test_matches_full_batch_reference"),
-    "lr_scheduler_kwargs": _inherited("stock create_scheduler"),
-    "warmup_steps": _inherited("stock create_scheduler"),
+    "lr_scheduler_kwargs": inherited("stock create_scheduler"),
+    "warmup_steps": inherited("stock create_scheduler"),
     "optim": Support(
         status=Status.STOCK, test=_P + "test_matches_stock_trainer",
         note="the stock optimizer class and kwargs over this rank's per-parameter shards (one 1-D "
@@ -157,18 +158,18 @@ FIELD_SUPPORT: dict[str, Support] = {
              "itself or matrix-shaped state (LOMO, GaLore, APOLLO, Adafactor) are refused: use an "
              "element-wise optimizer such as adamw_torch or sgd",
         refuse_if=lambda v: any(k in str(getattr(v, "value", v)) for k in ("lomo", "galore", "apollo"))),
-    "optim_args": _inherited("parsed by stock get_optimizer_cls_and_kwargs"),
-    "weight_decay": _stock(
+    "optim_args": inherited("parsed by stock get_optimizer_cls_and_kwargs"),
+    "weight_decay": stock(
         "stock's decay / no-decay parameter groups (get_decay_parameter_names) over the "
         "per-parameter shards, so every optimizer applies its own decay rule as stock",
         _P + "test_weight_decay_as_stock"),
-    "adam_beta1": _inherited("stock optimizer kwargs"),
-    "adam_beta2": _inherited("stock optimizer kwargs"),
-    "adam_epsilon": _inherited("stock optimizer kwargs"),
-    "optim_target_modules": _refused(
+    "adam_beta1": inherited("stock optimizer kwargs"),
+    "adam_beta2": inherited("stock optimizer kwargs"),
+    "adam_epsilon": inherited("stock optimizer kwargs"),
+    "optim_target_modules": refused(
         "GaLore/APOLLO pick modules of the full model, which the engine holds as flat shards; "
         "drop optim_target_modules and use an element-wise optimizer"),
-    "gradient_accumulation_steps": _stock(
+    "gradient_accumulation_steps": stock(
         "the global batch is per_device_train_batch_size x world size x "
         "gradient_accumulation_steps (plan line); one optimizer step = one engine step over "
         "it (the engine accumulates each rank's l_i microbatches); the stock loop still counts "
@@ -183,28 +184,28 @@ FIELD_SUPPORT: dict[str, Support] = {
         note="the engine always divides by the global item count (stock True); False (per-rank "
              "means averaged) is refused: drop the flag",
         refuse_if=lambda v: v is False),
-    "max_grad_norm": _stock("global L2 norm over all ranks' shards", _P + "test_matches_stock_trainer"),
-    "label_smoothing_factor": _stock(
+    "max_grad_norm": stock("global L2 norm over all ranks' shards", _P + "test_matches_stock_trainer"),
+    "label_smoothing_factor": stock(
         "stock LabelSmoother in the engine's head loss, normalized by the global item count",
         _P + "test_label_smoothing_as_stock"),
     # ---- precision / compute ----
-    "bf16": _stock("bf16 autocast, fp32 master weights", _T + "test_bf16_trains_under_autocast"),
-    "fp16": _stock("fp16 autocast with PyTorch's ShardedGradScaler (found-inf agreed across "
+    "bf16": stock("bf16 autocast, fp32 master weights", _T + "test_bf16_trains_under_autocast"),
+    "fp16": stock("fp16 autocast with PyTorch's ShardedGradScaler (found-inf agreed across "
                    "ranks, unscaled before clipping, saved in checkpoints, loss_scale logged; "
                    "fused optimizers such as the default adamw_torch_fused included); "
                    "fp16 gathered parameters unless --cephalo_param_dtype says otherwise",
                    "tests/test_trainer_fp16.py::test_fp16_trainer_scaler_logged_saved_resumed"),
-    "bf16_full_eval": _refused("evaluation runs in the training precision: drop the flag"),
-    "fp16_full_eval": _refused("evaluation runs in the training precision: drop the flag"),
-    "tf32": _inherited("a torch backend switch set by TrainingArguments itself"),
-    "activation_checkpointing": _stock(
+    "bf16_full_eval": refused("evaluation runs in the training precision: drop the flag"),
+    "fp16_full_eval": refused("evaluation runs in the training precision: drop the flag"),
+    "tf32": inherited("a torch backend switch set by TrainingArguments itself"),
+    "activation_checkpointing": stock(
         "the engine recomputes every unit in backward: that is the checkpointing; the model's "
         "own checkpointing is never switched on in addition (logged). Refused beside "
         "--cephalo_activation_checkpointing false or a plan made without checkpointing (the "
         "flag asks for it); with --cephalo_activation_checkpointing auto the trainer plans "
         "with checkpointing on",
         _P + "test_gradient_checkpointing_recomputes_once"),
-    "gradient_checkpointing": _stock(
+    "gradient_checkpointing": stock(
         "alias of activation_checkpointing (same handling)",
         _P + "test_gradient_checkpointing_recomputes_once"),
     "activation_checkpointing_kwargs": Support(
@@ -214,7 +215,7 @@ FIELD_SUPPORT: dict[str, Support] = {
         status=Status.STOCK, test=_L + "test_two_process_fields_as_stock_ddp",
         note="alias of activation_checkpointing_kwargs (same handling)",
         refuse_if=_checkpointing_kwargs_refused),
-    "torch_compile": _stock(
+    "torch_compile": stock(
         "each decoder layer (engine unit) is compiled: forward, recompute and backward; "
         "identical layers share graphs; the profiler times the compiled units; a unit that "
         "fails to compile stops every rank before the first all-gather (docs/engine.md "
@@ -223,137 +224,137 @@ FIELD_SUPPORT: dict[str, Support] = {
         "training and after trainer.unshard_model(), as stock leaves it (stock compiles a "
         "wrapper)",
         "tests/test_compile_trainer.py::test_compiled_trainer_equals_eager"),
-    "torch_compile_backend": _stock(
+    "torch_compile_backend": stock(
         "the backend of the per-unit compile (default inductor); an unknown one is refused "
         "at construction",
         "tests/test_compile.py::test_bad_backend_or_mode_refused_without_process_group"),
-    "torch_compile_mode": _stock(
+    "torch_compile_mode": stock(
         "the inductor mode of the per-unit compile", "tests/test_compile.py::"
         "test_bad_backend_or_mode_refused_without_process_group"),
-    "use_liger_kernel": _refused("Liger patches the model's forward and loss, which the engine "
+    "use_liger_kernel": refused("Liger patches the model's forward and loss, which the engine "
                                  "bypasses: drop use_liger_kernel"),
-    "liger_kernel_config": _refused("see use_liger_kernel: drop the flag"),
-    "use_cache": _na("training never uses a KV cache; the adapters force config.use_cache=False"),
-    "neftune_noise_alpha": _refused("NEFTune's embedding hook is not validated with the engine's "
+    "liger_kernel_config": refused("see use_liger_kernel: drop the flag"),
+    "use_cache": not_applicable("training never uses a KV cache; the adapters force config.use_cache=False"),
+    "neftune_noise_alpha": refused("NEFTune's embedding hook is not validated with the engine's "
                                     "embedding recompute: drop neftune_noise_alpha"),
-    "torch_empty_cache_steps": _refused("the engine's step does not call the stock cache "
+    "torch_empty_cache_steps": refused("the engine's step does not call the stock cache "
                                         "emptying; it releases each unit's buffers itself: drop "
                                         "the flag"),
-    "auto_find_batch_size": _refused(
+    "auto_find_batch_size": refused(
         "the plan fixes every rank's batch and microbatch size; a smaller microbatch needs a "
         "new plan (lower --cephalo_memory_fraction or hf-cephalo plan), not a retry: drop "
         "auto_find_batch_size"),
     # ---- logging ----
-    "logging_strategy": _inherited(_LOOP),
-    "logging_steps": _inherited(_LOOP),
-    "logging_first_step": _inherited(_LOOP),
-    "log_on_each_node": _inherited(_LOOP),
-    "logging_nan_inf_filter": _inherited(_LOOP),
-    "include_num_input_tokens_seen": _stock(
+    "logging_strategy": inherited(_LOOP),
+    "logging_steps": inherited(_LOOP),
+    "logging_first_step": inherited(_LOOP),
+    "log_on_each_node": inherited(_LOOP),
+    "logging_nan_inf_filter": inherited(_LOOP),
+    "include_num_input_tokens_seen": stock(
         "True / 'all': the main input's elements of every microbatch (padding included, as "
         "stock counts each process's padded batch); 'non_padding': the attention mask's sum "
         "(else tokens != the processor's pad_token_id); summed over ranks in one gather per "
         "step, as stock DDP; logged as num_input_tokens_seen",
         _L + "test_two_process_fields_as_stock_ddp"),
-    "log_level": _inherited("stock logging setup"),
-    "log_level_replica": _inherited("stock logging setup"),
-    "disable_tqdm": _inherited("stock progress bar"),
-    "report_to": _inherited("stock reporting callbacks"),
-    "run_name": _inherited("stock reporting callbacks"),
-    "project": _inherited("stock reporting callbacks"),
-    "trackio_space_id": _inherited("stock reporting callbacks"),
-    "trackio_bucket_id": _inherited("stock reporting callbacks"),
-    "trackio_static_space_id": _inherited("stock reporting callbacks"),
+    "log_level": inherited("stock logging setup"),
+    "log_level_replica": inherited("stock logging setup"),
+    "disable_tqdm": inherited("stock progress bar"),
+    "report_to": inherited("stock reporting callbacks"),
+    "run_name": inherited("stock reporting callbacks"),
+    "project": inherited("stock reporting callbacks"),
+    "trackio_space_id": inherited("stock reporting callbacks"),
+    "trackio_bucket_id": inherited("stock reporting callbacks"),
+    "trackio_static_space_id": inherited("stock reporting callbacks"),
     # ---- evaluation ----
-    "eval_strategy": _inherited(_EVAL),
-    "eval_steps": _inherited(_EVAL),
-    "eval_delay": _inherited(_EVAL),
-    "per_device_eval_batch_size": _stock(
+    "eval_strategy": inherited(_EVAL),
+    "eval_steps": inherited(_EVAL),
+    "eval_delay": inherited(_EVAL),
+    "per_device_eval_batch_size": stock(
         "the evaluation microbatch size of every rank; eval_loss is the item (token) mean over "
         "the whole eval set, stock's with one process and batches of equal item counts (stock "
         "averages per-batch means, so its eval_loss changes with this size and, through "
         "padded duplicate samples, with the number of processes)",
         _T + "test_matches_full_batch_reference"),
-    "prediction_loss_only": _stock("no logits kept", _T + "test_prediction_loss_only_keeps_no_logits"),
-    "eval_on_start": _inherited(_EVAL),
-    "eval_do_concat_batches": _refused("predictions are always gathered into one array in "
+    "prediction_loss_only": stock("no logits kept", _T + "test_prediction_loss_only_keeps_no_logits"),
+    "eval_on_start": inherited(_EVAL),
+    "eval_do_concat_batches": refused("predictions are always gathered into one array in "
                                        "dataset order: drop eval_do_concat_batches=False",
                                        refuse_if=lambda v: v is False),
-    "eval_use_gather_object": _na("predictions are always gathered as objects (rows of "
+    "eval_use_gather_object": not_applicable("predictions are always gathered as objects (rows of "
                                   "different ranks' lengths)"),
-    "eval_accumulation_steps": _na("predictions leave the device microbatch by microbatch "
+    "eval_accumulation_steps": not_applicable("predictions leave the device microbatch by microbatch "
                                    "already"),
-    "include_for_metrics": _stock(
+    "include_for_metrics": stock(
         "'inputs': the main input of every sample, gathered in dataset order (padded with "
         "-100); 'loss': each sample gets the mean loss of its evaluation microbatch (stock: of "
         "its evaluation batch, so equal to stock when per_device_eval_batch_size = 1)",
         _L + "test_two_process_fields_as_stock_ddp"),
-    "batch_eval_metrics": _refused("metrics are computed once over the gathered predictions: "
+    "batch_eval_metrics": refused("metrics are computed once over the gathered predictions: "
                                    "drop batch_eval_metrics"),
     # ---- saving ----
-    "save_only_model": _stock(
+    "save_only_model": stock(
         "checkpoints hold what stock's do: the save_model files (streamed; from_pretrained loads "
         "them; a LoRA PeftModel: the adapter) and no optimizer, scheduler, scaler or RNG state; "
         "resuming from one restores the weights (any plan) and the trainer state and restarts "
         "the optimizer and LR schedule, as stock (LoRA: the adapter into the trainable shards)",
         _K + "test_checkpoint_content_matrix"),
-    "save_strategy": _inherited("stock loop decides when; CephaloTrainer saves"),
-    "save_steps": _inherited("stock loop decides when; CephaloTrainer saves"),
-    "save_on_each_node": _refused("only global rank 0 receives the gathered weights: drop "
+    "save_strategy": inherited("stock loop decides when; CephaloTrainer saves"),
+    "save_steps": inherited("stock loop decides when; CephaloTrainer saves"),
+    "save_on_each_node": refused("only global rank 0 receives the gathered weights: drop "
                                   "save_on_each_node (use a shared file system)"),
-    "save_total_limit": _inherited("stock rotate_checkpoints in CephaloTrainer._save_checkpoint"),
-    "enable_jit_checkpoint": _stock(
+    "save_total_limit": inherited("stock rotate_checkpoints in CephaloTrainer._save_checkpoint"),
+    "enable_jit_checkpoint": stock(
         "on SIGTERM (after stock's 3 s grace) every rank saves checkpoint-N at the SAME step, "
         "agreed by a one-element all-reduce at each step end, then stops; the checkpoint is "
         "atomic and resumable onto any plan (jit_checkpoint.py)",
         _L + "test_sigterm_saves_resumable_checkpoint"),
-    "push_to_hub": _inherited(_HUB),
-    "hub_token": _inherited(_HUB),
-    "hub_private_repo": _inherited(_HUB),
-    "hub_model_id": _inherited(_HUB),
-    "hub_strategy": _inherited(_HUB),
-    "hub_always_push": _inherited(_HUB),
-    "hub_revision": _inherited(_HUB),
-    "load_best_model_at_end": _stock(
+    "push_to_hub": inherited(_HUB),
+    "hub_token": inherited(_HUB),
+    "hub_private_repo": inherited(_HUB),
+    "hub_model_id": inherited(_HUB),
+    "hub_strategy": inherited(_HUB),
+    "hub_always_push": inherited(_HUB),
+    "hub_revision": inherited(_HUB),
+    "load_best_model_at_end": stock(
         "at train end the best checkpoint's weights are read into the engine's shards (any "
         "plan, each rank its slices), so save_model, evaluate and unshard_model see them; "
         "save_total_limit keeps the best checkpoint, as stock; without a matching eval "
         "strategy: stock's own ValueError",
         _K + "test_load_best_model_at_end_equals_run_stopped_at_best_step"),
-    "metric_for_best_model": _stock("stock best-checkpoint tracking",
+    "metric_for_best_model": stock("stock best-checkpoint tracking",
                                     _K + "test_load_best_model_at_end_equals_run_stopped_at_best_step"),
-    "greater_is_better": _stock("stock best-checkpoint tracking",
+    "greater_is_better": stock("stock best-checkpoint tracking",
                                 _K + "test_load_best_model_at_end_equals_run_stopped_at_best_step"),
-    "ignore_data_skip": _inherited("stock resume data skipping over the weighted loader"),
-    "restore_callback_states_from_checkpoint": _inherited("stock callback state"),
+    "ignore_data_skip": inherited("stock resume data skipping over the weighted loader"),
+    "restore_callback_states_from_checkpoint": inherited("stock callback state"),
     # ---- reproducibility / data ----
-    "full_determinism": _inherited("stock seeding"),
-    "seed": _stock("seeds the weighted sampler's permutation (same on every rank)",
+    "full_determinism": inherited("stock seeding"),
+    "seed": stock("seeds the weighted sampler's permutation (same on every rank)",
                    _T + "test_matches_full_batch_reference"),
-    "data_seed": _inherited("seeds the weighted sampler's permutation instead of seed"),
-    "use_cpu": _inherited("set automatically without CUDA (MULTI_CPU over gloo)"),
+    "data_seed": inherited("seeds the weighted sampler's permutation instead of seed"),
+    "use_cpu": inherited("set automatically without CUDA (MULTI_CPU over gloo)"),
     "accelerator_config": Support(
         status=Status.NOT_APPLICABLE,
         note="CephaloTrainer's loaders are not prepared by Accelerate; split_batches, "
              "dispatch_batches and even_batches=False are refused (the plan splits batches)",
         refuse_if=_accelerator_config_refused),
-    "parallelism_config": _refused("tensor/context/sequence parallelism is not combined with "
+    "parallelism_config": refused("tensor/context/sequence parallelism is not combined with "
                                    "Cephalo's sharding: drop parallelism_config"),
-    "dataloader_drop_last": _stock(
+    "dataloader_drop_last": stock(
         "training: drops the last partial GLOBAL batch; evaluation: keeps the first "
         "floor(N / (world size x per_device_eval_batch_size)) x that many samples, as stock's "
         "sharded evaluation loader does on the same number of processes",
         _L + "test_two_process_fields_as_stock_ddp"),
-    "dataloader_num_workers": _inherited(
+    "dataloader_num_workers": inherited(
         "workers read this rank's rows ahead inside the weighted loader (its collation and the "
         "per-step width exchange run in the main process); a step read ahead before a live "
         "switch of the split is read again (docs/data.md)"),
-    "dataloader_pin_memory": _inherited("passed to the weighted DataLoader"),
-    "dataloader_persistent_workers": _inherited("passed to the weighted DataLoader"),
-    "dataloader_prefetch_factor": _inherited("passed to the weighted DataLoader"),
-    "dataloader_multiprocessing_context": _inherited("passed to the weighted DataLoader"),
-    "dataloader_in_order": _na("an Accelerate dispatch option; the loaders are not prepared"),
-    "remove_unused_columns": _inherited("stock column pruning before the weighted loader"),
+    "dataloader_pin_memory": inherited("passed to the weighted DataLoader"),
+    "dataloader_persistent_workers": inherited("passed to the weighted DataLoader"),
+    "dataloader_prefetch_factor": inherited("passed to the weighted DataLoader"),
+    "dataloader_multiprocessing_context": inherited("passed to the weighted DataLoader"),
+    "dataloader_in_order": not_applicable("an Accelerate dispatch option; the loaders are not prepared"),
+    "remove_unused_columns": inherited("stock column pruning before the weighted loader"),
     "label_names": Support(
         status=Status.STOCK, test=_L + "test_two_process_fields_as_stock_ddp",
         note="the keys evaluation returns as label_ids (a tuple for several names) and keeps "
@@ -371,48 +372,48 @@ FIELD_SUPPORT: dict[str, Support] = {
              "plan's b_i): use group_by_length",
         refuse_if=lambda v: getattr(v, "value", v) not in ("random", "sequential",
                                                            "group_by_length")),
-    "length_column_name": _stock("lengths for group_by_length",
+    "length_column_name": stock("lengths for group_by_length",
                                  _P + "test_sampling_strategies_as_stock"),
     # ---- distributed ----
-    "ddp_find_unused_parameters": _na("no DDP: the engine reduce-scatters every unit itself"),
-    "ddp_bucket_cap_mb": _na("no DDP: one reduce-scatter per unit"),
-    "ddp_broadcast_buffers": _na("no DDP; buffers are identical on every rank from the start"),
-    "ddp_static_graph": _na("no DDP"),
-    "ddp_backend": _inherited("the process group backend (gloo / nccl) Accelerate creates"),
-    "ddp_timeout": _inherited("the process group timeout"),
-    "fsdp": _refused("Cephalo is the sharding engine: drop fsdp"),
-    "fsdp_config": _refused("Cephalo is the sharding engine: drop fsdp_config"),
-    "deepspeed": _refused("Cephalo is the sharding engine: drop deepspeed"),
-    "debug": _refused("underflow/overflow debugging hooks the model's forward, which the engine "
+    "ddp_find_unused_parameters": not_applicable("no DDP: the engine reduce-scatters every unit itself"),
+    "ddp_bucket_cap_mb": not_applicable("no DDP: one reduce-scatter per unit"),
+    "ddp_broadcast_buffers": not_applicable("no DDP; buffers are identical on every rank from the start"),
+    "ddp_static_graph": not_applicable("no DDP"),
+    "ddp_backend": inherited("the process group backend (gloo / nccl) Accelerate creates"),
+    "ddp_timeout": inherited("the process group timeout"),
+    "fsdp": refused("Cephalo is the sharding engine: drop fsdp"),
+    "fsdp_config": refused("Cephalo is the sharding engine: drop fsdp_config"),
+    "deepspeed": refused("Cephalo is the sharding engine: drop deepspeed"),
+    "debug": refused("underflow/overflow debugging hooks the model's forward, which the engine "
                       "bypasses: drop debug"),
-    "skip_memory_metrics": _inherited("stock memory tracker"),
-    "do_train": _na("not used by Trainer (scripts read it)"),
-    "do_eval": _na("not used by Trainer (scripts read it)"),
-    "do_predict": _na("not used by Trainer (scripts read it)"),
-    "resume_from_checkpoint": _na("not used by Trainer (scripts pass it to train(); "
+    "skip_memory_metrics": inherited("stock memory tracker"),
+    "do_train": not_applicable("not used by Trainer (scripts read it)"),
+    "do_eval": not_applicable("not used by Trainer (scripts read it)"),
+    "do_predict": not_applicable("not used by Trainer (scripts read it)"),
+    "resume_from_checkpoint": not_applicable("not used by Trainer (scripts pass it to train(); "
                                   f"resuming onto any plan is tested in {_C})"),
-    "local_rank": _inherited("set by the launcher"),
+    "local_rank": inherited("set by the launcher"),
 }
 """``TrainingArguments`` field -> support (see [Note: no silent no-op])."""
 
 HOOK_SUPPORT: dict[str, Support] = {
-    "compute_loss_func": _stock(
+    "compute_loss_func": stock(
         "called per microbatch as compute_loss_func(outputs, labels, num_items_in_batch) with "
         "outputs.logits and the GLOBAL item count; exact when the loss is a sum over items "
         "divided by num_items_in_batch", _P + "test_compute_loss_func_as_stock"),
-    "compute_loss (override)": _stock(
+    "compute_loss (override)": stock(
         "called per microbatch with a stand-in model that returns the engine's outputs "
         "(logits; loss when labels are passed) and num_items_in_batch = the global count; an "
         "override that calls the model more than once or with other inputs raises ValueError",
         _P + "test_compute_loss_override_as_stock"),
-    "model forward (override)": _refused(
+    "model forward (override)": refused(
         "the engine runs the model's layers itself, so a subclass's own forward (e.g. a custom "
         "loss) would never run: move the loss into compute_loss_func"),
-    "compute_metrics": _stock("over the gathered predictions", _T + "test_matches_full_batch_reference"),
-    "preprocess_logits_for_metrics": _stock("per microbatch on the device",
+    "compute_metrics": stock("over the gathered predictions", _T + "test_matches_full_batch_reference"),
+    "preprocess_logits_for_metrics": stock("per microbatch on the device",
                                             _T + "test_matches_full_batch_reference"),
-    "callbacks": _inherited("stock callback handler"),
-    "data_collator": _stock(
+    "callbacks": inherited("stock callback handler"),
+    "data_collator": stock(
         "called on this rank's rows of each global batch, padded to the whole global batch's "
         "width (one small exchange per step), so every row is padded as in one process with "
         "the whole batch, whatever the plan; a collator that cannot be reproduced that way "
@@ -420,7 +421,7 @@ HOOK_SUPPORT: dict[str, Support] = {
         "--cephalo_collate microbatch pads per microbatch (less padding; the loss then depends "
         "on the plan with left padding or without position_ids); docs/data.md",
         "tests/test_padding.py::test_default_collation_equals_stock_trainer"),
-    "optimizers": _stock(
+    "optimizers": stock(
         "an optimizer built over the model's parameters before the trainer is re-pointed in "
         "place at this rank's per-parameter shards (same object, class, param groups by "
         "parameter name, hyperparameters), so a scheduler built on it (or stock's, for "
@@ -428,20 +429,20 @@ HOOK_SUPPORT: dict[str, Support] = {
         "step 1-D shards (LBFGS, Adafactor, ...), an optimizer that already stepped, one over "
         "another model's tensors, a scheduler bound to another optimizer or without one",
         _R + "test_optimizers_as_stock"),
-    "optimizer_cls_and_kwargs": _stock("the class and kwargs over the shards",
+    "optimizer_cls_and_kwargs": stock("the class and kwargs over the shards",
                                        _P + "test_matches_stock_trainer"),
-    "_get_train_sampler (override)": _refused(
+    "_get_train_sampler (override)": refused(
         "the plan's weighted sampler decides which rank gets which sample: use "
         "train_sampling_strategy, or override get_train_dataloader"),
-    "model_init": _refused("pass the model itself"),
-    "train_dataset (IterableDataset)": _stock(
+    "model_init": refused("pass the model itself"),
+    "train_dataset (IterableDataset)": stock(
         "a stream (torch IterableDataset, datasets streaming=True): every rank reads the same "
         "stream in order and keeps its rows of each global batch of B consecutive rows "
         "(runtime/streaming.py); max_steps is required as stock (unless it has a length); "
         "set_epoch reaches the dataset; a resume reads and skips the consumed global batches; "
         "read in the main process (dataloader_num_workers is not used for it, warned)",
         _R + "test_streamed_dataset_as_stock"),
-    "eval_dataset (IterableDataset)": _refused(
+    "eval_dataset (IterableDataset)": refused(
         "evaluation splits a dataset with a length by the plan's b_i and gathers it in order: "
         "materialize the part you evaluate on (datasets.Dataset.from_generator)"),
 }
@@ -540,14 +541,18 @@ def check_training_args(args) -> None:
         raise RefusedSettings(problems)
 
 
+def markdown_table(title: str, rows: dict[str, Support], level: int = 2) -> list[str]:
+    """The lines of one support table (name, status, note, test) under a heading of
+    ``level`` (docs/trainer_support.md, docs/trl.md)."""
+    out = [f"{'#' * level} {title}", "", "| name | status | note | test |", "|---|---|---|---|"]
+    for name, s in rows.items():
+        note = s.note.replace("|", "\\|")
+        out.append(f"| `{name}` | {s.status.value} | {note} | "
+                   f"{'`' + s.test + '`' if s.test else ''} |")
+    return out + [""]
+
+
 def render_markdown() -> str:
     """The tables of docs/trainer_support.md (fields, then hooks)."""
-    def table(title: str, rows: dict[str, Support]) -> list[str]:
-        out = [f"## {title}", "", "| name | status | note | test |", "|---|---|---|---|"]
-        for name, s in rows.items():
-            note = s.note.replace("|", "\\|")
-            out.append(f"| `{name}` | {s.status.value} | {note} | "
-                       f"{'`' + s.test + '`' if s.test else ''} |")
-        return out + [""]
-    return "\n".join(table("TrainingArguments fields", FIELD_SUPPORT)
-                     + table("Trainer hooks and constructor arguments", HOOK_SUPPORT))
+    return "\n".join(markdown_table("TrainingArguments fields", FIELD_SUPPORT)
+                     + markdown_table("Trainer hooks and constructor arguments", HOOK_SUPPORT))

@@ -11,29 +11,17 @@ installed TRL adds a field this table does not classify; docs/trl.md holds the r
 
 from __future__ import annotations
 
-from hf_cephalo.integrations.support import Status, Support
+from hf_cephalo.integrations.support import Status, Support, markdown_table
+from hf_cephalo.integrations.support import inherited as _inherited
+from hf_cephalo.integrations.support import not_applicable as _na
+from hf_cephalo.integrations.support import refused as _refused
+from hf_cephalo.integrations.support import stock as _stock
 
 __all__ = ["SFT_FIELD_SUPPORT", "DPO_FIELD_SUPPORT", "TRL_TRAINER_SUPPORT", "trainer_class_problems",
            "render_markdown"]
 
 _S = "tests/test_trl_sft.py::"
 _PREP = "SFTTrainer's own dataset preparation (tokenize, mask, pack) before planning"
-
-
-def _stock(note: str, test: str) -> Support:
-    return Support(status=Status.STOCK, note=note, test=test)
-
-
-def _inherited(note: str) -> Support:
-    return Support(status=Status.INHERITED, note=note)
-
-
-def _na(note: str) -> Support:
-    return Support(status=Status.NOT_APPLICABLE, note=note)
-
-
-def _refused(note: str) -> Support:
-    return Support(status=Status.REFUSED, note=note)
 
 
 SFT_FIELD_SUPPORT: dict[str, Support] = {
@@ -197,14 +185,9 @@ def trainer_class_problems(cls: type) -> list[str]:
 
 
 def render_markdown() -> str:
-    """The tables of docs/trl.md (TRL trainers, then SFTConfig fields)."""
-    def table(title: str, rows: dict[str, Support]) -> list[str]:
-        out = [f"### {title}", "", "| name | status | note | test |", "|---|---|---|---|"]
-        for name, s in rows.items():
-            note = s.note.replace("|", "\\|")
-            out.append(f"| `{name}` | {s.status.value} | {note} | "
-                       f"{'`' + s.test + '`' if s.test else ''} |")
-        return out + [""]
-    return "\n".join(table("TRL trainers", TRL_TRAINER_SUPPORT)
-                     + table("SFTConfig fields (beyond TrainingArguments)", SFT_FIELD_SUPPORT)
-                     + table("DPOConfig fields (beyond TrainingArguments)", DPO_FIELD_SUPPORT))
+    """The tables of docs/trl.md (TRL trainers, then the SFTConfig and DPOConfig fields)."""
+    return "\n".join(markdown_table("TRL trainers", TRL_TRAINER_SUPPORT, 3)
+                     + markdown_table("SFTConfig fields (beyond TrainingArguments)",
+                                      SFT_FIELD_SUPPORT, 3)
+                     + markdown_table("DPOConfig fields (beyond TrainingArguments)",
+                                      DPO_FIELD_SUPPORT, 3))
