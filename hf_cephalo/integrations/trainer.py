@@ -13,10 +13,10 @@ builds the job (``job_from_training_args``) and the ``runtime.Session``: plan, e
 optimizer over the shards, loss scaler, step hooks. What the Trainer does differently from stock
 is then only where it must run through the engine: the step (``training_step`` is one
 ``engine.train_step`` over this rank's microbatches = one optimizer step; the loss is the GLOBAL
-item mean; gradient accumulation: ``trainer_accumulation.py``), the loaders (rank i gets exactly
-b_i samples of each global batch, also of a stream), a given optimizer re-pointed at the shards,
-clipping by the global norm, evaluation (``trainer_eval.py``), saving and checkpoints
-(``trainer_checkpoint.py``). Every
+item mean; gradient accumulation: ``trainer_accumulation.py``), the loaders
+(``trainer_data.py``: rank i gets exactly b_i samples of each global batch, also of a stream),
+a given optimizer re-pointed at the shards, clipping by the global norm, evaluation
+(``trainer_eval.py``), saving and checkpoints (``trainer_checkpoint.py``). Every
 ``TrainingArguments`` field and hook is classified in ``support.py`` (docs/trainer_support.md).
 """
 
@@ -28,7 +28,6 @@ import os
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from hf_cephalo.engine import CompileOptions
@@ -40,11 +39,10 @@ from hf_cephalo.integrations.preflight import (check_script,
                                                engine_checkpointing_replaces_model_checkpointing,
                                                optimizer_problems)
 from hf_cephalo.integrations.support import HOOK_SUPPORT
-from hf_cephalo.integrations.trainer_accumulation import (AccumulationStep,
-                                                          warn_rows_dropped,
-                                                          with_accumulation_steps)
+from hf_cephalo.integrations.trainer_accumulation import AccumulationStep
 from hf_cephalo.integrations.trl_support import trainer_class_problems
 from hf_cephalo.integrations.trainer_checkpoint import EngineCheckpointMixin, _unwrap_optimizer
+from hf_cephalo.integrations.trainer_data import TrainerDataMixin
 from hf_cephalo.integrations.trainer_eval import EngineEvaluationMixin
 from hf_cephalo.integrations.training_args import CephaloArguments, job_from_training_args
 from hf_cephalo.integrations.user_loss import UserLossStagedModel
@@ -57,7 +55,6 @@ from hf_cephalo.runtime.report import format_plan_table  # noqa: F401 (exported)
 from hf_cephalo.runtime.sampler import packs_without_padding
 from hf_cephalo.runtime.session import Session
 from hf_cephalo.runtime.sharded_model import restore_full_model
-from hf_cephalo.runtime.streaming import is_stream
 
 __all__ = ["CephaloTrainer", "CephaloTrainerMixin", "format_plan_table", "format_loss_trend"]
 
@@ -100,7 +97,7 @@ class _SessionCallback(TrainerCallback):
         self.trainer.session.train_end()
 
 
-class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
+class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpointMixin):
     """Puts a ``Trainer`` subclass on the Cephalo runtime (see the module note).
 
     Args:
@@ -302,96 +299,6 @@ class CephaloTrainerMixin(EngineEvaluationMixin, EngineCheckpointMixin):
         if self.accelerator.scaler is not None and "loss" in logs:
             logs = {**logs, "loss_scale": float(self.accelerator.scaler.get_scale())}
         super().log(logs, start_time)
-
-    # ---- data ----------------------------------------------------------------------------
-    def _loader_inputs(self, dataset, description: str, *, lengths: bool):
-        """(dataset, collator, lengths) as stock prepares them for a loader: unused columns
-        pruned (a dataset with a transform keeps its raw columns; unused keys are then dropped
-        per sample after the transform, so an image column survives), per-sample lengths for
-        ``group_by_length`` read from the dataset as given."""
-        import datasets
-
-        if is_stream(dataset) and description != "training":
-            raise ValueError(f"{description}: CephaloTrainer evaluates a dataset with a length "
-                             "(its rows are split by the plan's b_i and gathered in order): "
-                             "materialize it first, e.g. datasets.Dataset.from_generator")
-        collator = self.data_collator
-        sizes = self._sample_lengths(dataset) if lengths and not is_stream(dataset) else None
-        if isinstance(dataset, datasets.Dataset) and dataset.format.get("type") != "custom":
-            dataset = self._remove_unused_columns(dataset, description=description)
-        else:
-            collator = self._get_collator_with_removed_columns(collator, description=description)
-        return dataset, collator, sizes
-
-    def _sample_lengths(self, dataset) -> list[int]:
-        """Per-sample lengths for group_by_length, as stock: the ``length_column_name`` column,
-        else the length of each sample's first model input (``input_ids`` by default).
-
-        Raises ValueError when neither exists."""
-        import datasets
-
-        column = self.args.length_column_name
-        if isinstance(dataset, datasets.Dataset) and column in dataset.column_names:
-            return [int(n) for n in dataset[column]]
-        name = (self.processing_class.model_input_names[0] if self.processing_class is not None
-                and hasattr(self.processing_class, "model_input_names") else "input_ids")
-        first = dataset[0]
-        if not hasattr(first, "keys") or name not in first:
-            raise ValueError(f"train_sampling_strategy='group_by_length' needs a {column!r} column "
-                             f"or samples with {name!r} (length_column_name / the processor's "
-                             "first input): set --length_column_name to a column of per-sample "
-                             "lengths, or use --train_sampling_strategy random")
-        return [len(dataset[i][name]) for i in range(len(dataset))]
-
-    def get_train_dataloader(self) -> DataLoader:
-        """This rank's loader: b_i samples per step as microbatches of m_i (not Accelerate-prepared)."""
-        if self.train_dataset is None:
-            raise ValueError("CephaloTrainer: training requires a train_dataset; pass "
-                             "CephaloTrainer(..., train_dataset=...)")
-        strategy = str(getattr(self.args.train_sampling_strategy, "value",
-                               self.args.train_sampling_strategy))
-        dataset, collator, lengths = self._loader_inputs(
-            self.train_dataset, "training", lengths=strategy == "group_by_length")
-        loader = self.session.train_loader(dataset, collator, shuffle=strategy == "random",
-                                           drop_last=self.args.dataloader_drop_last,
-                                           lengths=lengths)
-        k = self.args.gradient_accumulation_steps  # > 1: [Note: the stock loop's k batches]
-        if self.is_world_process_zero() and self.args.dataloader_drop_last:
-            warn_rows_dropped(dataset, self.plan.global_batch_size, k)
-        return with_accumulation_steps(loader, k)
-
-    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
-        """Unshuffled rank-weighted split of the eval set in microbatches of per_device_eval_batch_size."""
-        if eval_dataset is None and self.eval_dataset is None:
-            raise ValueError("CephaloTrainer: evaluation requires an eval_dataset; pass "
-                             "CephaloTrainer(..., eval_dataset=...) or evaluate(eval_dataset)")
-        if isinstance(eval_dataset, str):
-            eval_dataset = self.eval_dataset[eval_dataset]
-        elif eval_dataset is None:
-            eval_dataset = self.eval_dataset
-        if self.args.dataloader_drop_last:
-            eval_dataset = self._stock_drop_last_eval(eval_dataset)
-        dataset, collator, _ = self._loader_inputs(eval_dataset, "evaluation", lengths=False)
-        return self.session.eval_loader(dataset, collator,
-                                        microbatch_size=self.args.per_device_eval_batch_size)
-
-    def _stock_drop_last_eval(self, dataset):
-        """``dataloader_drop_last`` in evaluation, as stock: W processes take turns reading
-        whole batches of ``per_device_eval_batch_size`` b in dataset order and an incomplete last
-        round is dropped (Accelerate's ``BatchSamplerShard``), so stock evaluates the first
-        floor(N / (W b)) W b samples; so does this (W = world size)."""
-        import datasets
-
-        round_size = self.args.world_size * self.args.per_device_eval_batch_size
-        keep = len(dataset) // round_size * round_size
-        if keep == len(dataset):
-            return dataset
-        if isinstance(dataset, datasets.Dataset):
-            return dataset.select(range(keep))
-        return torch.utils.data.Subset(dataset, range(keep))
-
-    def get_test_dataloader(self, test_dataset) -> DataLoader:
-        return self.get_eval_dataloader(test_dataset)
 
     def get_total_train_batch_size(self, args) -> int:
         """The plan's global batch size B (Trainer's speed metrics and logs use it)."""
