@@ -240,8 +240,9 @@ def test_dpo_cases_differ(tmp_path_factory, tokenizer_path, data_root):
 
 
 def test_dpo_refusals_before_any_collective(tmp_path, tokenizer_path, data_root):
-    """Batch-level losses, sync_ref_model, ld_alpha with a per-step reference and evaluation
-    are refused in ONE message at construction (one process, no process group made)."""
+    """Batch-level losses, sync_ref_model, ld_alpha with a per-step reference, a full
+    fine-tune without a reference to load, and evaluation are refused in ONE message at
+    construction (one process, no process group made)."""
     import torch.distributed as dist
 
     from hf_cephalo.integrations import CephaloDPOConfig, CephaloDPOTrainer
@@ -255,7 +256,8 @@ def test_dpo_refusals_before_any_collective(tmp_path, tokenizer_path, data_root)
                           train_dataset=_dataset("ref_model", data_root), processing_class=tokenizer,
                           plan=plan(2))
     text = str(info.value)
-    for expected in ("--loss_type ['aot']", "--sync_ref_model", "--ld_alpha = 0.5"):
+    for expected in ("--loss_type ['aot']", "--sync_ref_model", "--ld_alpha = 0.5",
+                     "ref_model=copy.deepcopy(model)"):  # no name to load a reference copy by
         assert expected in text, text
     assert not dist.is_initialized()
     args = CephaloDPOConfig(**_dpo_kwargs("ref_model", str(tmp_path)))

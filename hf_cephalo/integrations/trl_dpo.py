@@ -209,7 +209,7 @@ class CephaloDPOTrainer(CephaloTrainerMixin, DPOTrainer):
 
     def __init__(self, model: torch.nn.Module | None = None, ref_model=None, args=None,
                  **kwargs: Any) -> None:
-        _check_dpo_script(model, ref_model, args, kwargs)
+        self._script_args = args  # read by _hook_problems, inside the mixin's __init__
         super().__init__(model, args, ref_model=ref_model, **kwargs)
         self.data_collator = PairRows(self.data_collator)
         self._reference = None  # [Note: the reference log-probabilities]
@@ -226,6 +226,12 @@ class CephaloDPOTrainer(CephaloTrainerMixin, DPOTrainer):
                 peft_model = self.model
                 self._reference = _ReferencePass(self.engine, self._pair_items,
                                                  lambda: use_adapter(peft_model, None))
+
+    def _hook_problems(self, model, kwargs: dict[str, Any]) -> list[str]:
+        """The mixin's, plus the DPO refusals that need the objects (``dpo_problems``): all in
+        the one refusal message, before DPOTrainer or any collective runs."""
+        return super()._hook_problems(model, kwargs) + dpo_problems(
+            model, kwargs.get("ref_model"), self._script_args, kwargs)
 
     def _engine_staged(self, staged):
         self._pair_items = PairItems(staged)
@@ -279,8 +285,9 @@ _NO_EVALUATION = (
     "evaluate the saved model with stock DPOTrainer")
 
 
-def _check_dpo_script(model, ref_model, args, kwargs: dict[str, Any]) -> None:
-    """The DPO refusals that need the objects, before DPOTrainer or any collective runs."""
+def dpo_problems(model, ref_model, args, kwargs: dict[str, Any]) -> list[str]:
+    """The DPO refusals that need the objects (model, ref_model, datasets, peft_config); one
+    message each (empty: none)."""
     from accelerate.utils import is_peft_model
 
     problems = []
@@ -295,6 +302,14 @@ def _check_dpo_script(model, ref_model, args, kwargs: dict[str, Any]) -> None:
             "into a second 'ref' adapter, which the engine would train beside the first; pass "
             "the base model with peft_config=..., or give ref_model")
     precompute = getattr(args, "precompute_ref_log_probs", False)
+    if isinstance(model, torch.nn.Module) and ref_model is None and not precompute \
+            and not is_peft_model(model) and kwargs.get("peft_config") is None \
+            and not getattr(getattr(model, "config", None), "_name_or_path", ""):
+        problems.append(
+            "ref_model=None on a full fine-tune of a model built from its config: DPOTrainer "
+            "would load the reference copy by the model's name, which is empty; pass "
+            "ref_model=copy.deepcopy(model) (before training), or "
+            "precompute_ref_log_probs=True, or train a LoRA adapter (peft_config=...)")
     if precompute and isinstance(model, torch.nn.Module) and ref_model is None and any(
             p.is_meta for p in model.parameters()):
         problems.append(
@@ -302,9 +317,7 @@ def _check_dpo_script(model, ref_model, args, kwargs: dict[str, Any]) -> None:
             "(from_pretrained_sharded): TRL computes the reference over the dataset with the "
             "whole model before the engine shards it; load the model whole, or drop "
             "precompute_ref_log_probs (the reference then runs sharded, each step)")
-    if problems:
-        raise ValueError("CephaloDPOTrainer cannot run this script:\n" +
-                         "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)))
+    return problems
 
 
 class _ReferencePass:
