@@ -108,8 +108,30 @@ def _worker(rank, world_size, out_dir, tokenizer_path, data_root):
     offline_env()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    return portable({case: _cephalo_dpo(case, world_size, out_dir, tokenizer_path, data_root)
-                     for case in DPO_CASES}, True)
+    results = {case: _cephalo_dpo(case, world_size, out_dir, tokenizer_path, data_root)
+               for case in DPO_CASES}
+    if world_size == 2:
+        results["in_memory_precompute"] = _in_memory_precompute(out_dir, tokenizer_path,
+                                                                data_root)
+    return portable(results, True)
+
+
+def _in_memory_precompute(out_dir, tokenizer_path, data_root):
+    """precompute_ref_log_probs with an in-memory dataset on 2 ranks: refused on every rank
+    before any collective (TRL's cache file would be in a per-process temporary directory)."""
+    import datasets
+
+    from hf_cephalo.integrations import CephaloDPOConfig, CephaloDPOTrainer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    in_memory = datasets.Dataset.from_dict(_dataset("precompute", data_root).to_dict())
+    args = CephaloDPOConfig(**_dpo_kwargs("precompute", os.path.join(out_dir, "in_memory")))
+    try:
+        CephaloDPOTrainer(model=tiny_llama(len(tokenizer)), args=args, train_dataset=in_memory,
+                          processing_class=tokenizer, plan=plan(2))
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
 
 
 def _cephalo_dpo(case, world_size, out_dir, tokenizer_path, data_root):
@@ -256,7 +278,7 @@ def test_dpo_refusals_before_any_collective(tmp_path, tokenizer_path, data_root)
                           train_dataset=_dataset("ref_model", data_root), processing_class=tokenizer,
                           plan=plan(2))
     text = str(info.value)
-    for expected in ("--loss_type ['aot']", "--sync_ref_model", "--ld_alpha = 0.5",
+    for expected in ("--loss_type ['sigmoid', 'aot'] (aot)", "--sync_ref_model", "--ld_alpha = 0.5",
                      "ref_model=copy.deepcopy(model)"):  # no name to load a reference copy by
         assert expected in text, text
     assert not dist.is_initialized()
@@ -267,3 +289,15 @@ def test_dpo_refusals_before_any_collective(tmp_path, tokenizer_path, data_root)
                           eval_dataset=_dataset("ref_model", data_root),
                           processing_class=tokenizer, plan=plan(2))
     assert not dist.is_initialized()
+
+
+@test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
+def test_in_memory_precompute_refused_on_every_rank(tmp_path_factory, tokenizer_path, data_root):
+    """An in-memory dataset with precompute_ref_log_probs on 2 ranks: the same refusal on
+    both ranks at construction, naming save_to_disk, instead of stock TRL's missing cache file
+    inside its precompute (the refusal is in the mixin's first check, before DPOTrainer's
+    __init__ and any collective)."""
+    results = [r["in_memory_precompute"]
+               for r in _cephalo(2, tmp_path_factory, tokenizer_path, data_root)]
+    assert results[0]["error"] is not None and "save_to_disk" in results[0]["error"], results
+    assert results[0]["error"] == results[1]["error"]

@@ -189,7 +189,7 @@ class CephaloDPOConfig(CephaloTRLConfig, DPOConfig):
         if batch:
             why = "; ".join(f"{t}: {_BATCH_LOSSES[t]}" for t in batch)
             refused["loss_type"] = (
-                f"--loss_type {batch}: Cephalo adds up each microbatch's share of the global "
+                f"--loss_type {list(self.loss_type)} ({', '.join(batch)}): Cephalo adds up each microbatch's share of the global "
                 f"batch's mean over pairs, which these losses are not ({why}); use per-pair "
                 "losses (sigmoid, hinge, ipo, robust, bco_pair, ...)")
         return refused
@@ -310,6 +310,15 @@ def dpo_problems(model, ref_model, args, kwargs: dict[str, Any]) -> list[str]:
             "would load the reference copy by the model's name, which is empty; pass "
             "ref_model=copy.deepcopy(model) (before training), or "
             "precompute_ref_log_probs=True, or train a LoRA adapter (peft_config=...)")
+    train = kwargs.get("train_dataset")
+    if precompute and getattr(args, "world_size", 1) > 1 and train is not None \
+            and hasattr(train, "cache_files") and not train.cache_files:
+        problems.append(
+            "precompute_ref_log_probs=True with an in-memory train_dataset on "
+            f"{args.world_size} processes: TRL writes the reference column as a cache file "
+            "beside the dataset's files, and an in-memory dataset caches in a per-process "
+            "temporary directory the other ranks cannot read (stock TRL fails the same way); "
+            "save it first: dataset.save_to_disk(path), then datasets.load_from_disk(path)")
     if precompute and isinstance(model, torch.nn.Module) and ref_model is None and any(
             p.is_meta for p in model.parameters()):
         problems.append(
