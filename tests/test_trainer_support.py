@@ -79,7 +79,7 @@ def test_refused_at_construction(tmp_path, kw, monkeypatch):
 
     monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
     (field,) = kw
-    with pytest.raises(ValueError, match=f"--{field} = .* not supported by CephaloTrainer: "):
+    with pytest.raises(ValueError, match=f"--{field} = .* not supported by Cephalo: "):
         CephaloTrainer(model=build("llama"), args=_args(tmp_path, **kw))
     assert not torch.distributed.is_initialized()
 

@@ -125,8 +125,8 @@ def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
             staged = stage_model(model)
         except ValueError as e:  # an unsupported class or PEFT setup, with the route to take
             problems.append(f"model: {e}")
-    if problems:
-        raise RefusedSettings(problems)
+    if problems:  # a TRL config names its trainer and page (trl_config.py)
+        raise RefusedSettings(problems, **getattr(args, "cephalo_refusal_source", dict)())
     return staged
 
 

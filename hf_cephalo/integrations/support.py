@@ -474,18 +474,20 @@ class RefusedSettings(ValueError):
     arguments and hooks, the datasets and the model class, and raises them together, before
     any process group, profile or collective exists (preflight.py, ``check_script``).
 
-    ``problems``: one line per refused setting, each naming it, its value and what to do.
-    One problem reads as before: ``"<problem> (docs/trainer_support.md)"``; several are
+    ``problems``: one line per refused setting, each naming it, its value and what to do;
+    ``who``: the trainer refusing them; ``docs``: the page classifying them. One problem reads
+    as before: ``"<problem> (docs/trainer_support.md)"``; several are
     numbered, one per line, under a header giving their count.
     """
 
-    def __init__(self, problems: list[str]) -> None:
+    def __init__(self, problems: list[str], *, who: str = "CephaloTrainer",
+                 docs: str = DOCS) -> None:
         self.problems = list(problems)
         if len(self.problems) == 1:
-            message = f"{self.problems[0]} ({DOCS})"
+            message = f"{self.problems[0]} ({docs})"
         else:
-            message = (f"CephaloTrainer refuses {len(self.problems)} settings of this script; "
-                       f"change all of them ({DOCS}):\n"
+            message = (f"{who} refuses {len(self.problems)} settings of this script; "
+                       f"change all of them ({docs}):\n"
                        + "\n".join(f"  {i}. {p}" for i, p in enumerate(self.problems, 1)))
         super().__init__(message)
 
@@ -528,7 +530,7 @@ def training_args_problems(args) -> list[str]:
                 defaults[support.implies]):
             continue  # the implied field is reported (TrainingArguments set it, or the user)
         elif _refused_value(support, value, default):
-            problems.append(f"--{f.name} = {value!r} is not supported by CephaloTrainer: "
+            problems.append(f"--{f.name} = {value!r} is not supported by Cephalo: "
                             f"{support.note}")
     return problems
 

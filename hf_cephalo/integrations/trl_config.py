@@ -18,6 +18,12 @@ class CephaloTRLConfig(CephaloTrainingArguments):
     (``trl.trainer.base_config._BaseConfig``: True unless ``fp16``) settled first, since the
     Cephalo precision checks read it."""
 
+    def cephalo_refusal_source(self) -> dict[str, str]:
+        """Who refuses this config's settings, and the page that classifies them
+        (``support.RefusedSettings``): the TRL trainer, docs/trl.md."""
+        name = type(self).__name__.replace("Config", "Trainer")
+        return {"who": name, "docs": "docs/trl.md and docs/trainer_support.md"}
+
     def __post_init__(self) -> None:
         if self.bf16 is None:
             self.bf16 = not self.fp16
