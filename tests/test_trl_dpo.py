@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from tests.dist_utils import portable, run_ranks, test_timeout
-from tests.trl_fixtures import (B, SEED, load_tokenizer, offline_env, plan, save_tokenizer,
-                                tiny_llama)
+from tests.trl_fixtures import (B, SEED, assert_same_state, load_tokenizer, offline_env, plan,
+                                save_tokenizer, tiny_llama)
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -231,10 +231,7 @@ def _assert_same_run(got, ref, beta):
                                        msg=lambda m: f"{metric}: {m}")
         else:
             _close(got["logs"][metric], ref["logs"][metric], metric)
-    assert set(got["state"]) == set(ref["state"])
-    for key, value in ref["state"].items():
-        torch.testing.assert_close(torch.as_tensor(got["state"][key]), value, rtol=RTOL,
-                                   atol=ATOL, msg=lambda m: f"{key}: {m}")
+    assert_same_state(got["state"], ref["state"], RTOL, ATOL)
 
 
 @test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from tests.dist_utils import portable, run_ranks, test_timeout
-from tests.trl_fixtures import (B, SEED, SFT_CASES, chat_dataset, load_tokenizer, offline_env,
-                                plan, save_tokenizer, tiny_llama)
+from tests.trl_fixtures import (B, SEED, SFT_CASES, assert_same_state, chat_dataset,
+                                load_tokenizer, offline_env, plan, save_tokenizer, tiny_llama)
 
 trl = pytest.importorskip("trl")
 
@@ -266,10 +266,7 @@ def _assert_same_run(got, ref, metrics=METRICS):
     for metric in metrics:
         assert len(got["logs"][metric]) == len(ref["logs"][metric]) == STEPS, metric
         _close(got["logs"][metric], ref["logs"][metric], metric)
-    assert set(got["state"]) == set(ref["state"])
-    for key, value in ref["state"].items():
-        torch.testing.assert_close(torch.as_tensor(got["state"][key]), value, rtol=RTOL,
-                                   atol=ATOL, msg=lambda m: f"{key}: {m}")
+    assert_same_state(got["state"], ref["state"], RTOL, ATOL)
 
 
 @test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)

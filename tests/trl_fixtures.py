@@ -37,6 +37,14 @@ def plan(world_size: int):
     return Plan.from_ratios(*PLANS[world_size])
 
 
+def assert_same_state(got: dict, ref: dict, rtol: float, atol: float) -> None:
+    """The same parameter names, each value within rtol / atol of the reference's."""
+    assert set(got) == set(ref)
+    for key, value in ref.items():
+        torch.testing.assert_close(torch.as_tensor(got[key]), value, rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{key}: {m}")
+
+
 def save_tokenizer(path: str) -> str:
     """A 512-entry BPE + ChatML tokenizer trained on pydoc text, saved under ``path``."""
     from hf_cephalo.integrations.data import pydoc_texts, train_chat_tokenizer
