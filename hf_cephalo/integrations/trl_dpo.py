@@ -200,11 +200,14 @@ class CephaloDPOTrainer(CephaloTrainerMixin, DPOTrainer):
     for the arguments and errors; ``ref_model`` as DPOTrainer's). ``model`` must be a model
     object (a name would be loaded whole on every rank).
 
-    Raises (before any collective, in the mixin's one refusal message where the settings
-    decide it): ValueError for a ``PeftModel`` that already has an adapter and no
-    ``ref_model`` (TRL copies it into a second adapter the engine does not shard apart), for
-    ``precompute_ref_log_probs`` on a meta model, for an evaluation dataset (DPO evaluation
-    on the engine is not built: evaluate with stock DPOTrainer).
+    Raises ``RefusedSettings`` (a ValueError; before any collective, in the mixin's one
+    refusal message, ``dpo_problems`` and ``CephaloDPOConfig.refused_settings``) for: a
+    ``PeftModel`` that already has an adapter and no ``ref_model`` (TRL copies it into a second
+    adapter the engine would train beside the first); no ``ref_model`` on a full fine-tune of a
+    model built from its config (TRL would load a copy by an empty name);
+    ``precompute_ref_log_probs`` on a meta model, or with an in-memory dataset on several
+    ranks; an evaluation dataset or eval strategy (DPO evaluation on the engine is not built:
+    evaluate with stock DPOTrainer); the config's refused values.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, ref_model=None, args=None,
