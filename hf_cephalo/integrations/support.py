@@ -148,7 +148,7 @@ FIELD_SUPPORT: dict[str, Support] = {
     "max_steps": stock("stock loop", _P + "test_matches_stock_trainer"),
     "learning_rate": stock("stock optimizer kwargs", _P + "test_matches_stock_trainer"),
     "lr_scheduler_type": stock("stock scheduler over the shard optimizer",
-                                _T + "test_matches_full_batch_reference"),
+                               _T + "test_matches_full_batch_reference"),
     "lr_scheduler_kwargs": inherited("stock create_scheduler"),
     "warmup_steps": inherited("stock create_scheduler"),
     "optim": Support(
@@ -191,10 +191,10 @@ FIELD_SUPPORT: dict[str, Support] = {
     # ---- precision / compute ----
     "bf16": stock("bf16 autocast, fp32 master weights", _T + "test_bf16_trains_under_autocast"),
     "fp16": stock("fp16 autocast with PyTorch's ShardedGradScaler (found-inf agreed across "
-                   "ranks, unscaled before clipping, saved in checkpoints, loss_scale logged; "
-                   "fused optimizers such as the default adamw_torch_fused included); "
-                   "fp16 gathered parameters unless --cephalo_param_dtype says otherwise",
-                   "tests/test_trainer_fp16.py::test_fp16_trainer_scaler_logged_saved_resumed"),
+                  "ranks, unscaled before clipping, saved in checkpoints, loss_scale logged; "
+                  "fused optimizers such as the default adamw_torch_fused included); "
+                  "fp16 gathered parameters unless --cephalo_param_dtype says otherwise",
+                  "tests/test_trainer_fp16.py::test_fp16_trainer_scaler_logged_saved_resumed"),
     "bf16_full_eval": refused("evaluation runs in the training precision: drop the flag"),
     "fp16_full_eval": refused("evaluation runs in the training precision: drop the flag"),
     "tf32": inherited("a torch backend switch set by TrainingArguments itself"),
@@ -232,14 +232,15 @@ FIELD_SUPPORT: dict[str, Support] = {
         "the inductor mode of the per-unit compile", "tests/test_compile.py::"
         "test_bad_backend_or_mode_refused_without_process_group"),
     "use_liger_kernel": refused("Liger patches the model's forward and loss, which the engine "
-                                 "bypasses: drop use_liger_kernel"),
+                                "bypasses: drop use_liger_kernel"),
     "liger_kernel_config": refused("see use_liger_kernel: drop the flag"),
-    "use_cache": not_applicable("training never uses a KV cache; the adapters force config.use_cache=False"),
+    "use_cache": not_applicable(
+        "training never uses a KV cache; the adapters force config.use_cache=False"),
     "neftune_noise_alpha": refused("NEFTune's embedding hook is not validated with the engine's "
-                                    "embedding recompute: drop neftune_noise_alpha"),
+                                   "embedding recompute: drop neftune_noise_alpha"),
     "torch_empty_cache_steps": refused("the engine's step does not call the stock cache "
-                                        "emptying; it releases each unit's buffers itself: drop "
-                                        "the flag"),
+                                       "emptying; it releases each unit's buffers itself: drop "
+                                       "the flag"),
     "auto_find_batch_size": refused(
         "the plan fixes every rank's batch and microbatch size; a smaller microbatch needs a "
         "new plan (lower --cephalo_memory_fraction or hf-cephalo plan), not a retry: drop "
@@ -278,19 +279,19 @@ FIELD_SUPPORT: dict[str, Support] = {
     "prediction_loss_only": stock("no logits kept", _T + "test_prediction_loss_only_keeps_no_logits"),
     "eval_on_start": inherited(_EVAL),
     "eval_do_concat_batches": refused("predictions are always gathered into one array in "
-                                       "dataset order: drop eval_do_concat_batches=False",
-                                       refuse_if=lambda v: v is False),
+                                      "dataset order: drop eval_do_concat_batches=False",
+                                      refuse_if=lambda v: v is False),
     "eval_use_gather_object": not_applicable("predictions are always gathered as objects (rows of "
-                                  "different ranks' lengths)"),
-    "eval_accumulation_steps": not_applicable("predictions leave the device microbatch by microbatch "
-                                   "already"),
+                                             "different ranks' lengths)"),
+    "eval_accumulation_steps": not_applicable(
+        "predictions leave the device microbatch by microbatch already"),
     "include_for_metrics": stock(
         "'inputs': the main input of every sample, gathered in dataset order (padded with "
         "-100); 'loss': each sample gets the mean loss of its evaluation microbatch (stock: of "
         "its evaluation batch, so equal to stock when per_device_eval_batch_size = 1)",
         _L + "test_two_process_fields_as_stock_ddp"),
     "batch_eval_metrics": refused("metrics are computed once over the gathered predictions: "
-                                   "drop batch_eval_metrics"),
+                                  "drop batch_eval_metrics"),
     # ---- saving ----
     "save_only_model": stock(
         "checkpoints hold what stock's do: the save_model files (streamed; from_pretrained loads "
@@ -301,7 +302,7 @@ FIELD_SUPPORT: dict[str, Support] = {
     "save_strategy": inherited("stock loop decides when; CephaloTrainer saves"),
     "save_steps": inherited("stock loop decides when; CephaloTrainer saves"),
     "save_on_each_node": refused("only global rank 0 receives the gathered weights: drop "
-                                  "save_on_each_node (use a shared file system)"),
+                                 "save_on_each_node (use a shared file system)"),
     "save_total_limit": inherited("stock rotate_checkpoints in CephaloTrainer._save_checkpoint"),
     "enable_jit_checkpoint": stock(
         "on SIGTERM (after stock's 3 s grace) every rank saves checkpoint-N at the SAME step, "
@@ -322,15 +323,15 @@ FIELD_SUPPORT: dict[str, Support] = {
         "strategy: stock's own ValueError",
         _K + "test_load_best_model_at_end_equals_run_stopped_at_best_step"),
     "metric_for_best_model": stock("stock best-checkpoint tracking",
-                                    _K + "test_load_best_model_at_end_equals_run_stopped_at_best_step"),
+                                   _K + "test_load_best_model_at_end_equals_run_stopped_at_best_step"),
     "greater_is_better": stock("stock best-checkpoint tracking",
-                                _K + "test_load_best_model_at_end_equals_run_stopped_at_best_step"),
+                               _K + "test_load_best_model_at_end_equals_run_stopped_at_best_step"),
     "ignore_data_skip": inherited("stock resume data skipping over the weighted loader"),
     "restore_callback_states_from_checkpoint": inherited("stock callback state"),
     # ---- reproducibility / data ----
     "full_determinism": inherited("stock seeding"),
     "seed": stock("seeds the weighted sampler's permutation (same on every rank)",
-                   _T + "test_matches_full_batch_reference"),
+                  _T + "test_matches_full_batch_reference"),
     "data_seed": inherited("seeds the weighted sampler's permutation instead of seed"),
     "use_cpu": inherited("set automatically without CUDA (MULTI_CPU over gloo)"),
     "accelerator_config": Support(
@@ -339,7 +340,7 @@ FIELD_SUPPORT: dict[str, Support] = {
              "dispatch_batches and even_batches=False are refused (the plan splits batches)",
         refuse_if=_accelerator_config_refused),
     "parallelism_config": refused("tensor/context/sequence parallelism is not combined with "
-                                   "Cephalo's sharding: drop parallelism_config"),
+                                  "Cephalo's sharding: drop parallelism_config"),
     "dataloader_drop_last": stock(
         "training: drops the last partial GLOBAL batch; evaluation: keeps the first "
         "floor(N / (world size x per_device_eval_batch_size)) x that many samples, as stock's "
@@ -353,7 +354,8 @@ FIELD_SUPPORT: dict[str, Support] = {
     "dataloader_persistent_workers": inherited("passed to the weighted DataLoader"),
     "dataloader_prefetch_factor": inherited("passed to the weighted DataLoader"),
     "dataloader_multiprocessing_context": inherited("passed to the weighted DataLoader"),
-    "dataloader_in_order": not_applicable("an Accelerate dispatch option; the loaders are not prepared"),
+    "dataloader_in_order": not_applicable(
+        "an Accelerate dispatch option; the loaders are not prepared"),
     "remove_unused_columns": inherited("stock column pruning before the weighted loader"),
     "label_names": Support(
         status=Status.STOCK, test=_L + "test_two_process_fields_as_stock_ddp",
@@ -373,11 +375,13 @@ FIELD_SUPPORT: dict[str, Support] = {
         refuse_if=lambda v: getattr(v, "value", v) not in ("random", "sequential",
                                                            "group_by_length")),
     "length_column_name": stock("lengths for group_by_length",
-                                 _P + "test_sampling_strategies_as_stock"),
+                                _P + "test_sampling_strategies_as_stock"),
     # ---- distributed ----
-    "ddp_find_unused_parameters": not_applicable("no DDP: the engine reduce-scatters every unit itself"),
+    "ddp_find_unused_parameters": not_applicable(
+        "no DDP: the engine reduce-scatters every unit itself"),
     "ddp_bucket_cap_mb": not_applicable("no DDP: one reduce-scatter per unit"),
-    "ddp_broadcast_buffers": not_applicable("no DDP; buffers are identical on every rank from the start"),
+    "ddp_broadcast_buffers": not_applicable(
+        "no DDP; buffers are identical on every rank from the start"),
     "ddp_static_graph": not_applicable("no DDP"),
     "ddp_backend": inherited("the process group backend (gloo / nccl) Accelerate creates"),
     "ddp_timeout": inherited("the process group timeout"),
@@ -385,13 +389,13 @@ FIELD_SUPPORT: dict[str, Support] = {
     "fsdp_config": refused("Cephalo is the sharding engine: drop fsdp_config"),
     "deepspeed": refused("Cephalo is the sharding engine: drop deepspeed"),
     "debug": refused("underflow/overflow debugging hooks the model's forward, which the engine "
-                      "bypasses: drop debug"),
+                     "bypasses: drop debug"),
     "skip_memory_metrics": inherited("stock memory tracker"),
     "do_train": not_applicable("not used by Trainer (scripts read it)"),
     "do_eval": not_applicable("not used by Trainer (scripts read it)"),
     "do_predict": not_applicable("not used by Trainer (scripts read it)"),
     "resume_from_checkpoint": not_applicable("not used by Trainer (scripts pass it to train(); "
-                                  f"resuming onto any plan is tested in {_C})"),
+                                             f"resuming onto any plan is tested in {_C})"),
     "local_rank": inherited("set by the launcher"),
 }
 """``TrainingArguments`` field -> support (see [Note: no silent no-op])."""
@@ -411,7 +415,7 @@ HOOK_SUPPORT: dict[str, Support] = {
         "loss) would never run: move the loss into compute_loss_func"),
     "compute_metrics": stock("over the gathered predictions", _T + "test_matches_full_batch_reference"),
     "preprocess_logits_for_metrics": stock("per microbatch on the device",
-                                            _T + "test_matches_full_batch_reference"),
+                                           _T + "test_matches_full_batch_reference"),
     "callbacks": inherited("stock callback handler"),
     "data_collator": stock(
         "called on this rank's rows of each global batch, padded to the whole global batch's "
@@ -430,7 +434,7 @@ HOOK_SUPPORT: dict[str, Support] = {
         "another model's tensors, a scheduler bound to another optimizer or without one",
         _R + "test_optimizers_as_stock"),
     "optimizer_cls_and_kwargs": stock("the class and kwargs over the shards",
-                                       _P + "test_matches_stock_trainer"),
+                                      _P + "test_matches_stock_trainer"),
     "_get_train_sampler (override)": refused(
         "the plan's weighted sampler decides which rank gets which sample: use "
         "train_sampling_strategy, or override get_train_dataloader"),
