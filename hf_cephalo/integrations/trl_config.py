@@ -1,6 +1,6 @@
 """The Cephalo side of a TRL config: ``CephaloTRLConfig`` + a TRL config class, made a dataclass
-by ``trl_config_dataclass`` (``CephaloSFTConfig`` in trl_sft.py; the other TRL trainers' configs
-the same way). Imports no TRL.
+by ``trl_config_dataclass`` (``CephaloSFTConfig`` in trl_sft.py, ``CephaloDPOConfig`` in
+trl_dpo.py); and ``TRLModelCard``, what the TRL trainers add to each checkpoint. Imports no TRL.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import dataclasses
 
 from hf_cephalo.integrations.training_args import CephaloTrainingArguments
 
-__all__ = ["CephaloTRLConfig", "trl_config_dataclass"]
+__all__ = ["CephaloTRLConfig", "TRLModelCard", "trl_config_dataclass"]
 
 
 class CephaloTRLConfig(CephaloTrainingArguments):
@@ -55,3 +55,17 @@ def trl_config_dataclass(trl_config: type):
         cls.__annotations__ = annotations
         return dataclasses.dataclass(cls)
     return decorate
+
+
+class TRLModelCard:
+    """Put before ``CephaloTrainerMixin`` in a TRL trainer's bases: each checkpoint gets TRL's
+    model card (``create_model_card``, as TRL's own ``_save_checkpoint`` does), then the
+    engine's checkpoint (``CephaloTrainerMixin._save_checkpoint``)."""
+
+    def _save_checkpoint(self, model, trial) -> None:
+        import os
+
+        name = os.path.basename(os.path.normpath(self.args.output_dir)) \
+            if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
+        self.create_model_card(model_name=name)
+        super()._save_checkpoint(model, trial)

@@ -58,11 +58,13 @@ except ImportError as exc:  # the optional extra
                       "(trl>=1.16)") from exc
 
 from hf_cephalo.integrations.trainer import CephaloTrainerMixin
-from hf_cephalo.integrations.trl_config import CephaloTRLConfig, trl_config_dataclass
+from hf_cephalo.integrations.trl_config import (CephaloTRLConfig, TRLModelCard,
+                                                 trl_config_dataclass)
 from hf_cephalo.integrations.trl_fused import FusedLMHead
 from hf_cephalo.integrations.trl_support import DPO_FIELD_SUPPORT
 from hf_cephalo.integrations.user_loss import HeadView
 from hf_cephalo.models.base import Microbatch, WrappedStagedModel
+from hf_cephalo.runtime.global_width import collator_name
 
 __all__ = ["CephaloDPOConfig", "CephaloDPOTrainer"]
 
@@ -89,8 +91,6 @@ class PairRows:
         self.data_collator = collate_fn  # what error messages name (global_width.collator_name)
 
     def __call__(self, examples: list[Any]) -> dict[str, Any]:
-        from hf_cephalo.runtime.global_width import collator_name
-
         batch, m = self.collate_fn(examples), len(examples)
         out = {}
         for key, value in batch.items():
@@ -195,7 +195,7 @@ class CephaloDPOConfig(CephaloTRLConfig, DPOConfig):
         return refused
 
 
-class CephaloDPOTrainer(CephaloTrainerMixin, DPOTrainer):
+class CephaloDPOTrainer(TRLModelCard, CephaloTrainerMixin, DPOTrainer):
     """``DPOTrainer`` on the Cephalo runtime (see the module notes and ``CephaloTrainerMixin``
     for the arguments and errors; ``ref_model`` as DPOTrainer's). ``model`` must be a model
     object (a name would be loaded whole on every rank).
@@ -271,15 +271,6 @@ class CephaloDPOTrainer(CephaloTrainerMixin, DPOTrainer):
 
     def evaluate(self, *args: Any, **kwargs: Any):
         raise ValueError(_NO_EVALUATION)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """The engine's checkpoint (``CephaloTrainerMixin``) with DPOTrainer's model card."""
-        import os
-
-        name = os.path.basename(os.path.normpath(self.args.output_dir)) \
-            if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
-        self.create_model_card(model_name=name)
-        super()._save_checkpoint(model, trial)
 
 
 _NO_EVALUATION = (

@@ -32,7 +32,8 @@ except ImportError as exc:  # the optional extra
                       "(trl>=1.16)") from exc
 
 from hf_cephalo.integrations.trainer import CephaloTrainerMixin
-from hf_cephalo.integrations.trl_config import CephaloTRLConfig, trl_config_dataclass
+from hf_cephalo.integrations.trl_config import (CephaloTRLConfig, TRLModelCard,
+                                                 trl_config_dataclass)
 from hf_cephalo.integrations.trl_fused import FusedLMHead
 from hf_cephalo.integrations.trl_support import SFT_FIELD_SUPPORT
 
@@ -74,7 +75,7 @@ class CephaloSFTConfig(CephaloTRLConfig, SFTConfig):
         return refused
 
 
-class CephaloSFTTrainer(CephaloTrainerMixin, SFTTrainer):
+class CephaloSFTTrainer(TRLModelCard, CephaloTrainerMixin, SFTTrainer):
     """``SFTTrainer`` on the Cephalo runtime (see the module note and ``CephaloTrainerMixin``
     for the arguments and errors). ``model`` must be a model object (a name would be loaded
     whole on every rank): ``AutoModelForCausalLM.from_pretrained(...)`` or
@@ -82,12 +83,3 @@ class CephaloSFTTrainer(CephaloTrainerMixin, SFTTrainer):
 
     def _engine_call_variants(self) -> dict[str, Any]:
         return {"fused_lm_head": FusedLMHead(outputs=_SFT_FUSED_OUTPUTS)}
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """The engine's checkpoint (``CephaloTrainerMixin``) with SFTTrainer's model card."""
-        import os
-
-        name = os.path.basename(os.path.normpath(self.args.output_dir)) \
-            if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
-        self.create_model_card(model_name=name)
-        super()._save_checkpoint(model, trial)
