@@ -114,8 +114,11 @@ def test_pooled_position_is_the_last_non_pad_token(arch):
         hidden, ctx = staged.embed(batch)
         for i in range(staged.num_units):
             hidden = staged.run_unit(i, hidden, ctx)
-        every = staged.token_logits(hidden)  # (4, SEQ, NUM_LABELS)
+        scores = []  # the score layer's output on every position, (4, SEQ, NUM_LABELS)
+        handle = model.score.register_forward_hook(lambda m, a, out: scores.append(out))
         pooled = staged.head_logits(hidden, batch, ctx)
+        handle.remove()
+        every = scores[0]
         ref = model(**batch).logits
     expected = every[torch.arange(4), torch.tensor([6, SEQ - 1, 8, 0])]
     torch.testing.assert_close(pooled, expected, rtol=0, atol=0)
@@ -164,16 +167,17 @@ def test_items_are_samples_without_minus_100():
 
 
 def test_structure_reuses_the_decoder_body():
-    """The classifier's units and embedding are the causal LM adapter's (one body); only the
-    head modules differ: norm + score, no lm_head."""
+    """The GPT-2 classifier's units and embedding are the causal LM adapter's (one body); only
+    the head modules differ: ln_f + score, no lm_head. The generic classifiers' head ends with
+    the model's own score."""
     from hf_cephalo.models.gpt2 import GPT2DecoderBody
-    from hf_cephalo.models.llama import LlamaDecoderBody
 
-    for arch, body in (("llama_cls", LlamaDecoderBody), ("mistral_cls", LlamaDecoderBody),
-                       ("qwen2_cls", LlamaDecoderBody), ("gpt2_cls", GPT2DecoderBody)):
+    for arch in ("llama_cls", "mistral_cls", "qwen2_cls", "gpt2_cls"):
         model = build(arch)
         staged = stage_model(model)
-        assert isinstance(staged, body)
         assert staged.head_modules()[-1] is model.score
-        for name in ("units", "embed_modules", "embed", "run_unit"):
-            assert getattr(type(staged), name) is getattr(body, name), (arch, name)
+        assert "lm_head" not in dict(model.named_modules())
+    staged = stage_model(build("gpt2_cls"))
+    assert isinstance(staged, GPT2DecoderBody)
+    for name in ("units", "embed_modules", "embed", "run_unit"):
+        assert getattr(type(staged), name) is getattr(GPT2DecoderBody, name), name

@@ -13,10 +13,8 @@ import transformers
 from torch import nn
 
 from hf_cephalo.models.base import StagedModel
-from hf_cephalo.models.bert import BertStagedModel
 from hf_cephalo.models.gpt2 import GPT2SequenceClassifierStagedModel, GPT2StagedModel
 from hf_cephalo.models.gpt_neox import GPTNeoXStagedModel
-from hf_cephalo.models.llama import LlamaSequenceClassifierStagedModel, LlamaStagedModel
 from hf_cephalo.models.peft_lora import is_peft_model, unwrap_peft_model
 from hf_cephalo.models.vit import ViTStagedModel
 
@@ -157,6 +155,24 @@ def _unsupported(model: nn.Module) -> UnsupportedModelError:
         f"adapter and {register}.", [])
 
 
+GENERIC_HEADS = ("CausalLM", "SequenceClassification")
+"""Heads the generic path (``models/generic.py``) stages for a class without an adapter."""
+
+
+def _generic(model: nn.Module) -> StagedModel:
+    """``model`` on the generic path (self-checked on a tiny copy first), or
+    UnsupportedModelError with the reason the check gave."""
+    from hf_cephalo.models.generic import StructureError
+    from hf_cephalo.models.self_check import generic_staged
+    try:
+        return generic_staged(model)
+    except StructureError as exc:
+        name = type(model).__name__
+        raise UnsupportedModelError(
+            f"hf_cephalo cannot train {name} exactly: {exc}. Nothing was run. Train it through "
+            f"a hand-written adapter ({GUIDE}) or report the class.", []) from exc
+
+
 def adapter_for(model: nn.Module) -> type[StagedModel]:
     """The adapter class registered for ``model``'s class or its nearest registered base class.
 
@@ -191,7 +207,14 @@ def stage_model(model: nn.Module) -> StagedModel:
     """
     if isinstance(model, StagedModel):
         return model
-    adapter = adapter_for(model)
+    try:
+        adapter = adapter_for(model)
+    except UnsupportedModelError:
+        inner = unwrap_peft_model(model) if is_peft_model(model) else model
+        if _model_head_kind(inner) not in GENERIC_HEADS or _is_base_model(inner):
+            raise
+        check_transformers_version(transformers.__version__)
+        return _generic(inner)
     if is_peft_model(model):
         model = model.base_model.model
     if adapter.__module__.startswith("hf_cephalo.models."):
@@ -199,8 +222,7 @@ def stage_model(model: nn.Module) -> StagedModel:
     return adapter(model)
 
 
-for _adapter in (LlamaStagedModel, LlamaSequenceClassifierStagedModel, GPT2StagedModel,
-                 GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel, ViTStagedModel,
-                 BertStagedModel):
+for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel,
+                 ViTStagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)

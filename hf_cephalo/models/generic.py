@@ -1,0 +1,468 @@
+"""One staged model for any layer-stack Hugging Face model: the model's OWN forward around its layers.
+
+[Note: the generic staged model]
+The engine needs three calls (``embed``, ``run_unit``, ``head_loss``); a hand-written adapter
+re-implements the model's forward to provide them, and so drifts from it. This adapter instead
+runs ``model(**inputs)`` itself with the decoder layers swapped for stubs:
+
+- ``embed``: the stubs record each layer's arguments (masks per layer type, rotary cos/sin,
+  position ids, any per-layer extra) and the first layer's input hidden states; the last stub
+  stops the forward. Everything the model does before its layers (embedding scale, multipliers,
+  mask and rotary construction) is the model's own code.
+- ``run_unit(i)``: layer i itself, called with exactly the arguments the forward gave it.
+- ``head_*``: the forward again, every layer a pass-through and the last one returning the final
+  hidden states, the embedding-side modules answering zeros of their recorded shape (they are
+  not gathered in the head phase). Everything after the layers (final norm, logit scaling and
+  softcapping, pooling) is the model's own code; the loss is the model's loss as a sum.
+
+Three facts make this exact, and each is checked, never assumed: the forward passes each
+layer's output straight to the next layer (the stubs check object identity, every call), the
+layer arguments do not depend on parameters (checked on the tiny copy: none requires grad),
+and the head does not read the embedding side except through tied weights (checked by the
+self-check, ``models/self_check.py``, which compares loss and every gradient with the model's
+own on a tiny random model of the same class and config before anything trains).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from hf_cephalo.models.base import Microbatch
+from hf_cephalo.models.hf_common import (CausalLMStagedModel, ClassifierStagedModel,
+                                         HFStagedModel, LastTokenClassifierStagedModel,
+                                         check_poolable, pad_token_id_of, require_key)
+
+NOT_MODEL_INPUTS = frozenset({"labels", "return_dict", "output_attentions", "output_hidden_states",
+                              "output_router_logits", "use_cache", "cache", "past_key_values",
+                              "inputs_embeds", "logits_to_keep", "num_items_in_batch",
+                              "return_loss", "cache_position"})
+"""Forward parameters never taken from a microbatch (the staged model sets or drops them)."""
+
+
+class StructureError(ValueError):
+    """The model's forward does something the generic path cannot stage (the message says what)."""
+
+
+class _Stop(Exception):
+    """Raised inside a stub to end the model's forward early (not an error)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the generic staged model finds each part of a model (relative module names).
+
+    layers: the layer ``ModuleList``'s name (``"model.layers"``).
+    embed: parameter- or buffer-holding modules called before the first layer.
+    head: those called after the last layer (a module in both lists is a tied use).
+    embed_only: parameter-holding modules called before the first layer only; the head pass
+        stubs them (their unit is not gathered then).
+    output_len: None when a layer returns its hidden states; k when it returns a k-tuple with
+        the hidden states first and None elsewhere.
+    plain_head: the logits are exactly ``get_output_embeddings()`` of its input (no scaling or
+        softcapping after it): TRL's fused log-probabilities may project the final hidden
+        states themselves.
+    """
+
+    layers: str
+    embed: tuple[str, ...]
+    head: tuple[str, ...]
+    embed_only: tuple[str, ...]
+    output_len: int | None
+    plain_head: bool = False
+
+
+@dataclass
+class GenericContext:
+    """Per-microbatch layer arguments recorded by ``embed`` (never differentiated).
+
+    calls: per layer, (positional arguments after the hidden states, keyword arguments).
+    stub_shapes: per embedding-only module, the (shape, dtype) tree of its output.
+    """
+
+    calls: list[tuple[tuple, dict]]
+    stub_shapes: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Stub(nn.Module):
+    """Stands in for a module during one forward: calls ``fn(*args, **kwargs)``; any other
+    attribute is the real module's (``decoder_layer.attention_type``)."""
+
+    def __init__(self, real: nn.Module, fn: Callable):
+        super().__init__()
+        object.__setattr__(self, "_real", real)
+        object.__setattr__(self, "_fn", fn)
+
+    def forward(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_real"), name)
+
+
+@contextlib.contextmanager
+def swapped(model: nn.Module, replacements: dict[str, nn.Module]) -> Iterator[None]:
+    """Swap submodules by name (``"model.layers.3"``) for the ``with`` block, then restore."""
+    saved = []
+    try:
+        for name, new in replacements.items():
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            saved.append((parent, child, parent._modules[child]))
+            parent._modules[child] = new
+        yield
+    finally:
+        for parent, child, old in reversed(saved):
+            parent._modules[child] = old
+
+
+def split_hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
+    """A layer call's hidden states (first positional, or ``hidden_states=``) and the rest."""
+    if args:
+        return args[0], tuple(args[1:]), dict(kwargs)
+    kwargs = dict(kwargs)
+    if "hidden_states" not in kwargs:
+        raise StructureError("the model calls its layers without hidden states as the first "
+                             "argument or as hidden_states=")
+    return kwargs.pop("hidden_states"), (), kwargs
+
+
+def call_layer(layer: nn.Module, hidden: torch.Tensor, call: tuple[tuple, dict],
+               output_len: int | None) -> torch.Tensor:
+    """Layer ``layer`` on ``hidden`` with the recorded arguments ``call``: (m, S, H) -> (m, S, H)."""
+    args, kwargs = call
+    out = layer(hidden, *args, **kwargs)
+    return out if output_len is None else out[0]
+
+
+def wrap_output(hidden: torch.Tensor, output_len: int | None):
+    """What a layer returns, given its hidden states: the tensor, or (hidden, None, ...)."""
+    return hidden if output_len is None else (hidden,) + (None,) * (output_len - 1)
+
+
+def forward_inputs(model: nn.Module, microbatch: Microbatch) -> dict[str, Any]:
+    """The microbatch's keys the model's ``forward`` takes as inputs (labels never: the loss is
+    computed as a sum by the staged model). Cached per model class."""
+    names = _forward_params(type(model))
+    return {k: v for k, v in microbatch.items() if k in names and v is not None}
+
+
+_PARAMS: dict[type, frozenset] = {}
+
+
+def _forward_params(cls: type) -> frozenset:
+    if cls not in _PARAMS:
+        params = inspect.signature(cls.forward).parameters
+        _PARAMS[cls] = frozenset(n for n, p in params.items()
+                                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                                 and n != "self") - NOT_MODEL_INPUTS
+    return _PARAMS[cls]
+
+
+def _shape_tree(out: Any) -> Any:
+    return pytree.tree_map(lambda t: (t.shape, t.dtype, t.device) if torch.is_tensor(t) else t,
+                           out)
+
+
+def _zeros_tree(tree: Any) -> Any:
+    return pytree.tree_map(
+        lambda s: torch.zeros(s[0], dtype=s[1], device=s[2])
+        if isinstance(s, tuple) and len(s) == 3 and isinstance(s[0], torch.Size) else s,
+        tree, is_leaf=lambda s: isinstance(s, tuple) and len(s) == 3
+        and isinstance(s[0], torch.Size))
+
+
+class GenericDecoderBody(HFStagedModel):
+    """Units = the model's layers; ``embed`` / head passes = the model's own forward around them.
+
+    Built from a ``Layout`` (``models/self_check.py`` finds it on a tiny copy of the model and
+    proves the staging exact there first). Microbatch keys: whatever the model's ``forward``
+    takes (``input_ids`` (m, S), ``attention_mask`` (m, S), ``position_ids`` (m, S), ...), and
+    ``labels`` for the loss.
+    """
+
+    def __init__(self, model: nn.Module, layout: Layout):
+        self.layout = layout
+        self._layers = model.get_submodule(layout.layers)
+        super().__init__(model)
+
+    # ---- structure ----
+    def units(self) -> list[nn.Module]:
+        return list(self._layers)
+
+    def embed_modules(self) -> list[nn.Module]:
+        return [self.model.get_submodule(n) for n in self.layout.embed]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.get_submodule(n) for n in self.layout.head]
+
+    # ---- the forward with stubs ----
+    def _layer_names(self) -> list[str]:
+        return [f"{self.layout.layers}.{i}" for i in range(len(self._layers))]
+
+    def _run(self, microbatch: Microbatch, stubs: dict[str, nn.Module], **extra) -> Any:
+        inputs = forward_inputs(self.model, microbatch)
+        with swapped(self.model, stubs):
+            try:
+                return self.model(**inputs, **extra)
+            except _Stop:
+                return None
+
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, GenericContext]:
+        """The model's forward up to its first layer: hidden (m, S, H) and every layer's
+        arguments (``GenericContext``)."""
+        require_key(microbatch, "input_ids", type(self).__name__)
+        L = len(self._layers)
+        calls: list[tuple[tuple, dict]] = []
+        first: list[torch.Tensor] = []
+        shapes: dict[str, Any] = {}
+
+        def recorder(i: int) -> Callable:
+            def record(*args, **kwargs):
+                hidden, rest, kw = split_hidden(args, kwargs)
+                if i == 0:
+                    first.append(hidden)
+                elif hidden is not first[0]:
+                    raise StructureError(
+                        f"the forward of {type(self.model).__name__} changes the hidden states "
+                        f"between layers {i - 1} and {i}; the generic path runs layer after "
+                        "layer and cannot stage it")
+                calls.append((rest, kw))
+                if i == L - 1:
+                    raise _Stop
+                return wrap_output(hidden, self.layout.output_len)
+            return record
+
+        def shape_recorder(name: str, real: nn.Module) -> Callable:
+            def record(*args, **kwargs):
+                out = real(*args, **kwargs)
+                shapes[name] = _shape_tree(out)
+                return out
+            return record
+
+        stubs = {n: _Stub(self._layers[i], recorder(i)) for i, n in enumerate(self._layer_names())}
+        for name in self.layout.embed_only:
+            real = self.model.get_submodule(name)
+            stubs[name] = _Stub(real, shape_recorder(name, real))
+        self._run(microbatch, stubs, **self.forward_extra(microbatch))
+        if len(calls) != L:
+            raise StructureError(f"the forward of {type(self.model).__name__} called "
+                                 f"{len(calls)} of its {L} layers")
+        return first[0], GenericContext(calls, shapes)
+
+    def run_unit(self, index: int, hidden: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
+        """Layer ``index`` with the arguments the model's forward gave it: (m, S, H) -> same."""
+        return call_layer(self._layers[index], hidden, ctx.calls[index], self.layout.output_len)
+
+    def forward_extra(self, microbatch: Microbatch) -> dict[str, Any]:
+        """Keyword arguments every staged forward passes (``use_cache=False`` where taken)."""
+        return {"use_cache": False} if "use_cache" in inspect.signature(
+            type(self.model).forward).parameters else {}
+
+    def head_forward(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: GenericContext,
+                     stop_at: nn.Module | None = None) -> Any:
+        """The model's forward with every layer a pass-through and the last one returning
+        ``hidden``: the model's output object (its ``logits``). With ``stop_at``, returns the
+        input of that module (the final hidden states before the output projection) instead."""
+        L = len(self._layers)
+
+        def passer(i: int) -> Callable:
+            def run(*args, **kwargs):
+                h, _, _ = split_hidden(args, kwargs)
+                return wrap_output(hidden if i == L - 1 else h, self.layout.output_len)
+            return run
+
+        stubs = {n: _Stub(self._layers[i], passer(i)) for i, n in enumerate(self._layer_names())}
+        for name in self.layout.embed_only:
+            tree = ctx.stub_shapes[name]
+            stubs[name] = _Stub(self.model.get_submodule(name),
+                                lambda *a, _t=tree, **k: _zeros_tree(_t))
+        captured: list[torch.Tensor] = []
+        handle = None
+        if stop_at is not None:
+            def grab(module, args, kwargs):
+                captured.append(args[0] if args else next(iter(kwargs.values())))
+                raise _Stop
+            handle = stop_at.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            out = self._run(microbatch, stubs, **self.forward_extra(microbatch))
+        finally:
+            if handle is not None:
+                handle.remove()
+        return captured[0] if stop_at is not None else out
+
+
+class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
+    """A causal LM (``...ForCausalLM``) on the generic path: logits from the model's own head
+    code (final norm, scaling, softcapping), the summed next-token loss of ``labels`` (m, S)."""
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                    ctx: GenericContext) -> torch.Tensor:
+        """(m, S, H) -> logits (m, S, V), as ``model(**microbatch).logits``."""
+        return self.head_forward(hidden, microbatch, ctx).logits
+
+    def final_hidden(self, hidden: torch.Tensor, microbatch: Microbatch,
+                     ctx: GenericContext) -> torch.Tensor:
+        """The input of the output projection: (m, S, H), after the final norm."""
+        return self.head_forward(hidden, microbatch, ctx, stop_at=self.output_head())
+
+    def output_head(self) -> nn.Module:
+        """``get_output_embeddings()`` when the logits are exactly its output; ValueError for a
+        model that transforms its logits after it (softcapping, scaling)."""
+        if not self.layout.plain_head:
+            raise ValueError(f"{type(self.model).__name__} transforms its logits after the output "
+                             "projection (logit scaling or softcapping), so they cannot be "
+                             "computed from the projection alone; use a loss on the logits "
+                             "instead (e.g. TRL's use_liger_kernel / fused log-probs off).")
+        return self.model.get_output_embeddings()
+
+    def has_plain_head(self) -> bool:
+        """True when ``output_head`` may be used (see ``Layout.plain_head``)."""
+        return self.layout.plain_head
+
+
+class GenericEncoderClassifier(GenericDecoderBody, ClassifierStagedModel):
+    """A sequence classifier that pools by position (BERT-style [CLS] pooler): the model's own
+    head, the summed classification loss of ``labels`` (m,) (or (m, num_labels) for regression /
+    multi-label)."""
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                    ctx: GenericContext) -> torch.Tensor:
+        """(m, S, H) -> logits (m, num_labels), as ``model(**microbatch).logits``."""
+        return self.head_forward(hidden, microbatch, ctx).logits
+
+
+class GenericSequenceClassifier(GenericDecoderBody, LastTokenClassifierStagedModel):
+    """A decoder sequence classifier (``GenericForSequenceClassification`` and the like): the
+    model's own head (final norm, score, last-non-pad pooling), the summed classification loss
+    of ``labels`` (m,) (or (m, num_labels) for regression / multi-label)."""
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
+                    ctx: GenericContext) -> torch.Tensor:
+        """(m, S, H) -> pooled logits (m, num_labels), as ``model(**microbatch).logits``."""
+        input_ids = require_key(microbatch, "input_ids", type(self).__name__)
+        check_poolable(input_ids, pad_token_id_of(self.model.config), type(self.model).__name__)
+        return self.head_forward(hidden, microbatch, ctx).logits
+
+
+def staged_class(model: nn.Module) -> type:
+    """The generic staged class for a model: a causal LM, a last-token classifier (a ``score``
+    head pooled at the last non-pad token, as ``GenericForSequenceClassification``) or a
+    position-pooled classifier (BERT's [CLS] pooler and ``classifier``)."""
+    if not any(c.__name__.endswith("ForSequenceClassification") for c in type(model).__mro__):
+        return GenericCausalLM
+    if isinstance(getattr(model, "score", None), nn.Module):
+        return GenericSequenceClassifier
+    return GenericEncoderClassifier
+
+
+def layer_list_candidates(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """``ModuleList``s whose entries are all of a class the model declares unsplittable
+    (``_no_split_modules``, what FSDP wraps): the candidates for the layer stack."""
+    declared = set(getattr(model, "_no_split_modules", None) or ())
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and all(
+                type(m).__name__ in declared for m in module):
+            out.append((name, module))
+    return out
+
+
+def module_partition(model: nn.Module, layers: nn.ModuleList) -> list[tuple[str, nn.Module]]:
+    """The modules outside ``layers`` holding parameters or buffers directly, by name."""
+    inside = {id(m) for m in layers.modules()}
+    return [(n, m) for n, m in model.named_modules()
+            if id(m) not in inside and (next(m.parameters(recurse=False), None) is not None
+                                        or next(m.buffers(recurse=False), None) is not None)]
+
+
+def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> Layout:
+    """Run ``model(**inputs)`` once (no grad) with forward hooks on every module outside the
+    layers, and sort them by when they run: before the first layer (embedding side) or after
+    the last (head side). A parameter-holding module never called goes to the head side (it
+    gets no gradient, as in the model). The head pass stubs the largest modules that run before
+    the first layer only (so their dropout draws no random numbers twice). Also records the
+    layers' output form.
+
+    Raises StructureError when the layers are not called in order, each once, or return
+    something other than their hidden states.
+    """
+    layers = model.get_submodule(layers_name)
+    L = len(layers)
+    order: list[int] = []
+    output_len: list[int | None] = []
+    before: set[str] = set()
+    after: set[str] = set()
+    handles = []
+
+    def on_layer(i):
+        def hook(module, args, out):
+            order.append(i)
+            if isinstance(out, torch.Tensor):
+                output_len.append(None)
+            elif isinstance(out, tuple) and out and torch.is_tensor(out[0]) and all(
+                    o is None for o in out[1:]):
+                output_len.append(len(out))
+            else:
+                raise StructureError(f"layer {i} of {type(model).__name__} returns "
+                                     f"{type(out).__name__}, not its hidden states")
+        return hook
+
+    def on_module(name):
+        def hook(module, args, out):
+            (after if order else before).add(name)
+        return hook
+
+    inside = {id(m) for m in layers.modules()}
+    outside = [(n, m) for n, m in model.named_modules()
+               if n and id(m) not in inside and not (layers_name + ".").startswith(n + ".")]
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_hook(on_layer(i)))
+    for name, module in outside:
+        handles.append(module.register_forward_hook(on_module(name)))
+    try:
+        with torch.no_grad():
+            model(**forward_inputs(model, microbatch))
+    finally:
+        for h in handles:
+            h.remove()
+    if order != list(range(L)):
+        raise StructureError(f"the forward of {type(model).__name__} calls its layers in the "
+                             f"order {order[:12]}, not each once in order")
+    if len(set(output_len)) != 1:
+        raise StructureError(f"the layers of {type(model).__name__} return different forms")
+    parts = module_partition(model, layers)
+    has_params = {n for n, m in parts if next(m.parameters(recurse=False), None) is not None}
+    embed = [n for n, _ in parts if n in before]
+    head = [n for n, _ in parts if n in after or (n in has_params and n not in before)]
+    only_before = {n for n, _ in outside if n in before and n not in after and not any(
+        a.startswith(n + ".") for a in after)}
+    embed_only = [n for n in only_before
+                  if not any(n.startswith(o + ".") for o in only_before)]
+    return Layout(layers_name, tuple(embed), tuple(head), tuple(sorted(embed_only)),
+                  output_len[0])
+
+
+def ctx_requires_grad(ctx: GenericContext) -> list[str]:
+    """Layer arguments that carry autograd history (depend on parameters): the engine reuses
+    them across recomputes without a graph, so their gradient would be lost."""
+    bad = []
+    for i, (args, kwargs) in enumerate(ctx.calls):
+        for key, value in [*enumerate(args), *kwargs.items()]:
+            if any(torch.is_tensor(t) and t.requires_grad for t in pytree.tree_leaves(value)):
+                bad.append(f"layer {i} argument {key!r}")
+    return bad
+
+
+def leaves_of(values: Sequence[Any]) -> list[torch.Tensor]:
+    return [t for v in values for t in pytree.tree_leaves(v) if torch.is_tensor(t)]

@@ -1,0 +1,361 @@
+"""Before a model trains on the generic path: prove the staging exact on a tiny copy of it.
+
+[Note: the self-check]
+``generic_staged(model)`` builds a tiny random model of the SAME class from the SAME config,
+only sizes shrunk (``tiny_config``: layers, widths, experts, vocabulary; every flag, multiplier,
+scale, softcap and layer pattern kept), finds the layout on it (``generic.trace_layout``), then
+compares, in fp32 on CPU, the staged loss and every parameter gradient with the model's own
+``model(**batch, labels=...)`` over a padded batch cut into two microbatches. Only if they agree
+(rtol 1e-5) is the user's model staged, with the tiny copy's layout; otherwise ``StructureError``
+says what differed. It needs no weights of the user's model (it works on a meta-device model)
+and no process group, so every rank refuses alike before any collective. Results are cached per
+(class, config) in the process.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_cephalo.models.generic import (Layout, staged_class,
+                                       StructureError, ctx_requires_grad, layer_list_candidates,
+                                       trace_layout)
+
+RTOL, ATOL = 1e-5, 1e-6
+"""The self-check's tolerance on losses and gradients (fp32)."""
+
+TINY_VOCAB = 96
+_SIZES = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 24,
+          "shared_expert_intermediate_size": 24, "ffn_hidden_size": 48, "n_inner": 48,
+          "kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+          "v_head_dim": 8, "d_model": 32, "n_embd": 32, "embedding_size": 32}
+_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOPK = ("num_experts_per_tok", "moe_topk", "top_k")
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id",
+              "decoder_start_token_id")
+
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What the self-check proved for one (class, config): the layout, and the module structure
+    of the tiny copy (outside its layers; each layer) that a real model must have too."""
+
+    layout: Layout
+    outside: dict
+    layers: list
+
+
+_CACHE: dict[tuple, Proof | StructureError] = {}
+
+
+def _num_layers_needed(cfg: Any, L: int) -> int:
+    """Fewest layers that keep every per-layer pattern of the config (each distinct entry of a
+    per-layer list, the first MoE layer after dense ones), at least 2."""
+    need = 2
+    for value in vars(cfg).values():
+        if isinstance(value, (list, tuple)) and len(value) == L and L > 0:
+            seen: list = []
+            for i, v in enumerate(value):
+                key = json.dumps(v, sort_keys=True, default=str)
+                if key not in seen:
+                    seen.append(key)
+                    need = max(need, i + 1)
+    for key in ("first_k_dense_replace", "decoder_sparse_step", "moe_layer_freq"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and v > 0:
+            need = max(need, v + 1)
+    for key in ("mlp_only_layers",):
+        v = getattr(cfg, key, None)
+        if v:
+            need = max(need, min(max(v) + 2, L))
+    return min(L, need)
+
+
+def _is_width(key: str) -> bool:
+    return ("dim" in key or "size" in key or key.startswith("n_")) and not any(
+        w in key for w in ("position", "vocab", "window", "layer", "head", "expert", "chunk",
+                           "group", "block", "batch"))
+
+
+def _shrink_text(cfg: Any) -> None:
+    widths = {getattr(cfg, k): v for k, v in _SIZES.items()
+              if isinstance(getattr(cfg, k, None), int) and k in ("hidden_size", "d_model",
+                                                                  "n_embd")}
+    for key, value in list(vars(cfg).items()):
+        # a width tied to the model width (OPT's word_embed_proj_dim) stays tied to it
+        if isinstance(value, int) and not isinstance(value, bool) and value in widths \
+                and key not in _SIZES and _is_width(key):
+            setattr(cfg, key, widths[value])
+    L = getattr(cfg, "num_hidden_layers", None)
+    if isinstance(L, int):
+        n = _num_layers_needed(cfg, L)
+        for key, value in list(vars(cfg).items()):
+            if isinstance(value, (list, tuple)) and len(value) == L and key != "architectures":
+                setattr(cfg, key, type(value)(value[:n]))
+        cfg.num_hidden_layers = n
+        if getattr(cfg, "mlp_only_layers", None):
+            cfg.mlp_only_layers = [i for i in cfg.mlp_only_layers if i < n]
+    heads = next((getattr(cfg, k) for k in _HEADS if isinstance(getattr(cfg, k, None), int)), None)
+    for key in _HEADS:
+        if isinstance(getattr(cfg, key, None), int):
+            setattr(cfg, key, 4)
+    for key in _KV_HEADS:
+        v = getattr(cfg, key, None)
+        if isinstance(v, int):
+            setattr(cfg, key, 4 if heads is None or v >= heads else 2 if v > 1 else 1)
+    if isinstance(getattr(cfg, "head_dim", None), int):
+        cfg.head_dim = 8
+    for key, size in _SIZES.items():
+        if isinstance(getattr(cfg, key, None), int):
+            setattr(cfg, key, size)
+    for key in _EXPERTS:
+        if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) > 4:
+            setattr(cfg, key, 4)
+    for key in _TOPK:
+        if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) > 2:
+            setattr(cfg, key, 2)
+    for key in ("n_group", "topk_group"):
+        if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) > 1:
+            setattr(cfg, key, 1)
+    if isinstance(getattr(cfg, "sliding_window", None), int):
+        cfg.sliding_window = 4  # shorter than the check's rows, so the sliding mask shows
+    if isinstance(getattr(cfg, "vocab_size", None), int):
+        _shrink_vocab(cfg)
+
+
+def _shrink_vocab(cfg: Any) -> None:
+    """Vocabulary to TINY_VOCAB; special token ids mapped into it, equal ids kept equal."""
+    ids: dict[int, int] = {}
+    for key in _TOKEN_IDS:
+        v = getattr(cfg, key, None)
+        vals = v if isinstance(v, list) else [v]
+        for x in vals:
+            if isinstance(x, int) and x >= TINY_VOCAB and x not in ids:
+                ids[x] = TINY_VOCAB - 1 - len(ids)
+    for key in _TOKEN_IDS:
+        v = getattr(cfg, key, None)
+        if isinstance(v, list):
+            setattr(cfg, key, [ids.get(x, x) for x in v])
+        elif isinstance(v, int):
+            setattr(cfg, key, ids.get(v, v))
+    cfg.vocab_size = TINY_VOCAB
+
+
+def tiny_config(config: Any) -> Any:
+    """A copy of ``config`` with sizes shrunk (layers to the fewest that keep each per-layer
+    pattern, widths, heads, experts, vocabulary, sliding window); every other field kept."""
+    cfg = copy.deepcopy(config)
+    _shrink_text(cfg)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if text is not cfg:
+        _shrink_text(text)
+    impl = getattr(config, "_attn_implementation", None)
+    cfg._attn_implementation = impl if impl in ("eager", "sdpa") else None  # auto: sdpa or eager
+    return cfg
+
+
+def _check_batch(config: Any, classifier: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Four rows of 9 tokens: left padding on one row (classifier) or right padding (causal
+    LM), labels with ignored positions; pad ids avoided in the real tokens."""
+    g = torch.Generator().manual_seed(seed)
+    pad = config.get_text_config().pad_token_id if hasattr(config, "get_text_config") else None
+    vocab = config.get_text_config().vocab_size
+    ids = torch.randint(4, vocab - 8, (4, 9), generator=g)
+    mask = torch.ones_like(ids)
+    pad_id = pad if isinstance(pad, int) else 0
+    if classifier:
+        mask[1, :3] = 0
+        ids[1, :3] = pad_id
+        kind = config.problem_type or ("regression" if config.num_labels == 1
+                                       else "single_label_classification")
+        if kind == "single_label_classification":
+            labels = torch.tensor([0, 1, 1, 0]) % max(int(config.num_labels), 1)
+        elif kind == "multi_label_classification":
+            labels = (torch.rand(4, config.num_labels, generator=g) > 0.5).float()
+        else:
+            labels = torch.randn(4, config.num_labels, generator=g).squeeze(-1)
+    else:
+        mask[2, 6:] = 0
+        ids[2, 6:] = pad_id
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[0, :2] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _staged_loss(staged, batch: dict, cut: int):
+    """The staged loss mean over the whole batch, run as two microbatches (rows [0, cut),
+    [cut, end)), with autograd through embed, every unit and the head."""
+    total, items = 0.0, 0
+    mbs = [{k: v[:cut] for k, v in batch.items()}, {k: v[cut:] for k, v in batch.items()}]
+    n = sum(staged.count_items(mb) for mb in mbs)
+    for mb in mbs:
+        hidden, ctx = staged.embed(mb)
+        bad = ctx_requires_grad(ctx)
+        if bad:
+            raise StructureError(f"layer arguments depend on parameters ({', '.join(bad[:3])}); "
+                                 "the engine reuses them without a graph")
+        for i in range(staged.num_units):
+            hidden = staged.run_unit(i, hidden, ctx)
+        out = staged.head_loss(hidden, mb, ctx)
+        total = total + out.loss_sum / n
+        items += out.num_items
+    extra = staged.global_terms_loss(mbs) if hasattr(staged, "global_terms_loss") else 0.0
+    return total + extra
+
+
+def _compare(model: nn.Module, staged, batch: dict) -> str | None:
+    """None when the staged loss and gradients equal the model's own, else what differs."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    ref = model(**batch)
+    ref.loss.backward()
+    ref_loss = ref.loss.detach()
+    ref_grads = {n: None if p.grad is None else p.grad.clone() for n, p in params}
+    model.zero_grad(set_to_none=True)
+    loss = _staged_loss(staged, batch, cut=1)
+    loss.backward()
+    if not torch.allclose(loss.detach(), ref_loss, rtol=RTOL, atol=ATOL):
+        return f"loss {float(loss):.8g} != the model's own {float(ref_loss):.8g}"
+    for n, p in params:
+        a, b = p.grad, ref_grads[n]
+        a = torch.zeros_like(p) if a is None else a
+        b = torch.zeros_like(p) if b is None else b
+        if not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
+            diff = float((a - b).abs().max())
+            return f"gradient of {n} differs from the model's own by {diff:.3g}"
+    return None
+
+
+def _plain_head(model: nn.Module, staged, batch: dict) -> bool:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return False
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        hidden, ctx = staged.embed(batch)
+        for i in range(staged.num_units):
+            hidden = staged.run_unit(i, hidden, ctx)
+        final = staged.head_forward(hidden, batch, ctx, stop_at=head)
+        return torch.equal(head(final), logits)
+
+
+def find_layers(model: nn.Module) -> str:
+    """The name of the model's layer stack, or StructureError saying why none fits."""
+    cands = layer_list_candidates(model)
+    if len(cands) != 1:
+        found = [f"{n} ({len(m)})" for n, m in cands]
+        raise StructureError(
+            f"{type(model).__name__} has {len(cands)} stacks of the layer classes it declares in "
+            f"_no_split_modules ({', '.join(found) or 'none'}); the generic path needs exactly "
+            "one (a multimodal model has one per tower: load its language model alone, e.g. "
+            "AutoModelForCausalLM on a text-only checkpoint)")
+    return cands[0][0]
+
+
+def check_class(cls: type, config: Any) -> Proof:
+    """The layout of ``cls`` under ``config``, proven on a tiny copy; cached. Raises
+    StructureError with the reason when the generic path would not be exact."""
+    key = (cls, config.to_json_string(use_diff=False) if hasattr(config, "to_json_string")
+           else repr(config))
+    hit = _CACHE.get(key)
+    if hit is None:
+        try:
+            hit = _check(cls, config)
+        except StructureError as exc:
+            hit = exc
+        _CACHE[key] = hit
+    if isinstance(hit, StructureError):
+        raise hit
+    return hit
+
+
+def _check(cls: type, config: Any) -> Proof:
+    cfg = tiny_config(config)
+    classifier = any(c.__name__.endswith("ForSequenceClassification") for c in cls.__mro__)
+    text = cfg.get_text_config()
+    if classifier and getattr(text, "pad_token_id", None) is None:
+        text.pad_token_id = 0  # pooling needs one (stock refuses more rows without it too)
+    try:
+        with warnings.catch_warnings(), torch.device("cpu"):
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            tiny = cls(cfg).float().eval()
+    except Exception as exc:  # noqa: BLE001 - any failure to build is a refusal with its cause
+        raise StructureError(f"could not build a tiny copy of {cls.__name__} to check the "
+                             f"staging ({type(exc).__name__}: {exc})") from exc
+    _perturb(tiny)
+    batch = _check_batch(cfg, classifier)
+    layers = find_layers(tiny)
+    try:
+        layout = trace_layout(tiny, batch, layers)
+        staged = staged_class(tiny)(tiny, layout)
+        problem = _compare(tiny, staged, batch)
+        plain = (not classifier) and _plain_head(tiny, staged, batch)
+    except StructureError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise StructureError(f"staging a tiny {cls.__name__} failed ({type(exc).__name__}: "
+                             f"{exc})") from exc
+    if problem is not None:
+        raise StructureError(f"the staged {cls.__name__} is not the model's own computation on a "
+                             f"tiny copy: {problem}")
+    final = Layout(layout.layers, layout.embed, layout.head, layout.embed_only,
+                   layout.output_len, plain)
+    return Proof(final, _outside(tiny, layers), [_structure(m) for m in tiny.get_submodule(layers)])
+
+
+def _perturb(model: nn.Module) -> None:
+    """Move every norm weight and bias off its initial value (ones / zeros), so a skipped or
+    misplaced norm changes the result."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def _structure(module: nn.Module) -> dict[str, str]:
+    return {n: type(m).__name__ for n, m in module.named_modules()}
+
+
+def _outside(model: nn.Module, layers: str) -> dict[str, str]:
+    inside = {id(m) for m in model.get_submodule(layers).modules()}
+    return {n: type(m).__name__ for n, m in model.named_modules() if id(m) not in inside}
+
+
+def _same_structure(model: nn.Module, proof: Proof) -> None:
+    """StructureError unless ``model`` has the tiny copy's modules outside its layers and each
+    of its layers is built like one of the tiny copy's (a model changed after construction,
+    e.g. a pooler removed or a module attached, is not the model the check ran on)."""
+    outside = _outside(model, proof.layout.layers)
+    if outside != proof.outside:
+        diff = sorted(set(outside.items()) ^ set(proof.outside.items()))[:4]
+        raise StructureError(f"its modules differ from a {type(model).__name__} built from its "
+                             f"config (first differences: {diff}); the check ran on the latter")
+    for i, layer in enumerate(model.get_submodule(proof.layout.layers)):
+        if _structure(layer) not in proof.layers:
+            raise StructureError(f"its layer {i} is built unlike any layer of a "
+                                 f"{type(model).__name__} built from its config")
+
+
+def generic_staged(model: nn.Module):
+    """``model`` on the generic path, after ``check_class`` proved it on a tiny copy.
+
+    Raises StructureError (a ValueError) with the reason when the class cannot be staged
+    exactly or the model is not built as its config says; no process group is needed.
+    """
+    proof = check_class(type(model), model.config)
+    _same_structure(model, proof)
+    try:
+        return staged_class(model)(model, proof.layout)
+    except (ValueError, AttributeError) as exc:
+        raise StructureError(str(exc)) from exc
