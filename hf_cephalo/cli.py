@@ -853,8 +853,9 @@ def _run_profile(args: argparse.Namespace) -> int:
     except ValueError as e:  # keep the first line; transformers appends ~200 config names
         from hf_cephalo.models import supported_model_classes
 
-        raise ValueError(f"{str(e).splitlines()[0].rstrip('.;: ')}; hf_cephalo has adapters "
-                         f"for: {', '.join(supported_model_classes())}") from None
+        raise ValueError(f"{str(e).splitlines()[0].rstrip('.;: ')}; hf_cephalo trains the "
+                         f"causal-LM and sequence-classification heads of transformers' models, "
+                         f"and through adapters: {', '.join(supported_model_classes())}") from None
     except (AttributeError, TypeError, KeyError) as e:  # a class that does not fit the config
         name = args.model_class or (config_data.get("architectures") or
                                     ["AutoModelForCausalLM"])[0]

@@ -68,8 +68,8 @@ def test_bad_setups_fail_before_profiling(tmp_path, capsys, no_profiling):
         (build("llama"), {}, dict(eval_dataset={"dev": _Stream()}), ValueError,
          r"eval_dataset\['dev'\]: _Stream is a stream.*Dataset\.from_generator"),
         (_bare_bert(), {}, {}, ValueError,
-         r"no staged-model adapter for BertModel; .* load the model as "
-         r"BertForSequenceClassification"),
+         r"cannot train BertModel: it is a base model .* Load the model as "
+         r"BertLMHeadModel or BertForSequenceClassification"),
         (_prefix_tuned_llama(), {}, {}, ValueError,
          r"PEFT method PREFIX_TUNING \(adapter 'default'\) is not supported .*LORA"),
         (build("llama"), dict(cephalo_emulate_slowdown=["1", "2"]), {}, ValueError,

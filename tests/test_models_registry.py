@@ -48,15 +48,16 @@ def test_structure_covers_parameters_exactly(arch):
     assert len(set(numels)) == 1  # identical units
 
 
-def test_unknown_model_class_lists_supported_and_points_to_docs():
+def test_class_without_adapter_trains_generically_and_non_models_are_refused():
+    """OPT has no hand-written adapter: the generic path stages it (its word_embed_proj_dim
+    ties to the hidden width, so the tiny copy shrinks it too)."""
     model = transformers.OPTForCausalLM(transformers.OPTConfig(
         vocab_size=50, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
         word_embed_proj_dim=16))
-    with pytest.raises(ValueError, match="OPTForCausalLM") as info:
-        stage_model(model)
-    assert "LlamaForCausalLM" in str(info.value) and "docs/adding_a_model.md" in str(info.value)
-    with pytest.raises(ValueError, match="no staged-model adapter"):
+    assert type(stage_model(model)) is GenericCausalLM
+    with pytest.raises(ValueError, match="no staged-model adapter for Linear") as info:
         stage_model(torch.nn.Linear(2, 2))
+    assert "docs/adding_a_model.md" in str(info.value)
 
 
 def _tiny(config_cls, **kw):
@@ -79,41 +80,38 @@ def _refusal(model) -> ValueError:
 
 def test_unsupported_messages_fit_the_class():
     """Every refusal points to docs/adding_a_model.md, with advice for its class (issue 33,
-    item 5): another head of a supported architecture is told to write an adapter over the
-    existing body (never to load a causal LM, which trains another head and loss); a head of an
-    architecture without an adapter is told how to add one and which supported classes of the
-    same task to follow; a bare base model is told which heads to load it with."""
+    item 5; issue 36): a head the generic path does not stage (token classification, masked
+    LM, double heads) is told to write an adapter for it, over the existing body where its
+    architecture has a hand-written one (never to load another class, which trains another head
+    and loss); a bare base model is told which heads of its architecture hf_cephalo trains."""
     token_cls = _refusal(transformers.LlamaForTokenClassification(_tiny(transformers.LlamaConfig)))
     text = str(token_cls)
-    assert "token classification head" in text and "load the model as" not in text
-    assert "hf_cephalo.models.llama.LlamaDecoderBody" in text
+    assert "(a token classification head)" in text and "load the model as" not in text
+    assert "causal-LM and sequence-classification heads" in text and "Body" not in text
     assert "register_adapter(LlamaForTokenClassification, YourAdapter)" in text
     assert token_cls.alternatives == []
 
     double = str(_refusal(transformers.GPT2DoubleHeadsModel(transformers.GPT2Config(
         n_layer=1, n_embd=16, n_head=2, vocab_size=50))))
-    assert "load the model as" not in double and "GPT2DecoderBody" in double
+    assert "load the model as" not in double and "a head of another kind" in double
+    assert "hf_cephalo.models.gpt2.GPT2DecoderBody" in double
     masked = str(_refusal(transformers.BertForMaskedLM(_tiny(transformers.BertConfig))))
-    assert "masked LM head" in masked and "BertStagedModel" in masked
-
-    opt_cls = _refusal(transformers.OPTForSequenceClassification(_opt_config()))
-    text = str(opt_cls)
-    assert "its architecture (model_type 'opt') has none" in text
-    assert "Sequence classification is supported for BertForSequenceClassification, " \
-           "GPT2ForSequenceClassification, LlamaForSequenceClassification" in text
-    assert "CausalLM" not in text and "load the model as" not in text
-    assert opt_cls.alternatives == []
+    assert "(a masked LM head)" in masked
 
     base = _refusal(transformers.LlamaModel(_tiny(transformers.LlamaConfig)))
     assert "base model without a head" in str(base)
-    assert "load the model as LlamaForCausalLM or LlamaForSequenceClassification" in str(base)
+    assert "Load the model as LlamaForCausalLM or LlamaForSequenceClassification" in str(base)
     assert base.alternatives == ["LlamaForCausalLM", "LlamaForSequenceClassification"]
+    vit = _refusal(transformers.ViTModel(transformers.ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        image_size=8, patch_size=4)))
+    assert vit.alternatives == ["ViTForImageClassification"]
 
-    class MyOPTClassifier(transformers.OPTForSequenceClassification):  # a user subclass
+    class MyLlamaTagger(transformers.LlamaForTokenClassification):  # a user subclass
         pass
 
-    assert "Sequence classification is supported" in str(_refusal(MyOPTClassifier(_opt_config())))
-    _refusal(transformers.OPTForCausalLM(_opt_config()))
+    assert "(a token classification head)" in str(
+        _refusal(MyLlamaTagger(_tiny(transformers.LlamaConfig))))
     _refusal(torch.nn.Linear(2, 2))
 
 
@@ -128,22 +126,28 @@ def test_head_kind_from_class_names():
 
 
 def test_subclass_finds_base_adapter_and_register_adapter_overrides():
-    class MyLlama(transformers.LlamaForCausalLM):
+    class MyGPT2(transformers.GPT2LMHeadModel):
         pass
 
-    model = MyLlama(build("llama").config)
-    assert adapter_for(model) is LlamaStagedModel
+    model = MyGPT2(build("gpt2").config)
+    assert adapter_for(model) is GPT2StagedModel
 
-    class MyAdapter(LlamaStagedModel):
+    class MyAdapter(GPT2StagedModel):
         pass
 
-    register_adapter(MyLlama, MyAdapter)
+    register_adapter(MyGPT2, MyAdapter)
     try:
         assert type(stage_model(model)) is MyAdapter
-        assert type(stage_model(build("llama"))) is LlamaStagedModel
+        assert type(stage_model(build("gpt2"))) is GPT2StagedModel
     finally:
         from hf_cephalo.models import registry
-        registry._ADAPTERS.pop("MyLlama")
+        registry._ADAPTERS.pop("MyGPT2")
+    # a registered adapter wins over the generic path for a class the generic path stages
+    register_adapter(transformers.LlamaForCausalLM, MyAdapter)
+    try:
+        assert adapter_for(build("llama")) is MyAdapter
+    finally:
+        registry._ADAPTERS.pop("LlamaForCausalLM")
     with pytest.raises(TypeError, match="StagedModel subclass"):
         register_adapter("X", object)
 

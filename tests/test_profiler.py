@@ -475,7 +475,7 @@ def test_cli_profile_config_errors_name_the_file(tmp_path, capsys, monkeypatch):
     assert main(["profile", "--model-config", str(cfg_dir), "--model-class", "NoSuchModel"]
                 + out) == 2
     err = capsys.readouterr().err
-    assert "(e.g. LlamaForCausalLM); hf_cephalo has adapters for: " in err
+    assert "(e.g. LlamaForCausalLM); hf_cephalo trains the causal-LM and " in err
 
 
 def test_only_rank_0_prints_unless_verbose(capsys, monkeypatch):

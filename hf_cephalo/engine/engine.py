@@ -524,7 +524,7 @@ class CephaloEngine:
         stash = ActivationStash(self.offload_activations, self.streams, self.stats)
         step = LayeredStep(self.staged, self.units, self.root, mbs, global_items, stash,
                            self.device, keep_graphs=not self.activation_checkpointing,
-                           scale_loss=scale_loss)
+                           scale_loss=scale_loss, reduce_sums=self._reduce_sums)
         try:
             with global_num_items_scope(global_items):  # [Note: global item count for user losses]
                 with running(self._compiled):  # [Note: compiled units] in compile.py
@@ -537,8 +537,13 @@ class CephaloEngine:
             self._param_shards.bind_grads()
         loss = step.local_loss_sum.clone()
         C.all_reduce_sum(loss.view(1), self.group, self.stats)
-        return StepOutput(float(loss) / global_items, global_items, float(step.local_loss_sum),
-                          local_items)
+        return StepOutput(float(loss) / global_items + step.extra_loss, global_items,
+                          float(step.local_loss_sum), local_items)
+
+    def _reduce_sums(self, terms: torch.Tensor) -> torch.Tensor:
+        """SUM-all-reduce of a staged model's global-batch loss sums (``LayeredStep``)."""
+        C.all_reduce_sum(terms, self.group, self.stats)
+        return terms
 
     def forward_step(self, microbatches: Sequence[Mapping[str, torch.Tensor]], *,
                      with_logits: bool = True) -> "OpenStep":
@@ -553,6 +558,13 @@ class CephaloEngine:
         the global item count is 0 and a loss is wanted; RuntimeError after an earlier failure.
         """
         self.check_usable("forward_step")
+        term = self.staged.global_loss_name()
+        if term is not None:  # before any collective
+            raise ValueError(
+                f"this model adds {term}, a loss over the whole global batch that a step whose "
+                "loss the caller computes (a custom loop, TRL) cannot include: its gradient would "
+                "be added whatever loss the caller backpropagates. Turn it off (e.g. "
+                "model.config.output_router_logits = False) or train with CephaloTrainer")
         mbs = list(microbatches)
         local_items, global_items = self._global_items(mbs, for_training=True)
         stash = ActivationStash(self.offload_activations, self.streams, self.stats)
@@ -677,16 +689,26 @@ class CephaloEngine:
         self.check_usable("evaluate")
         mbs = list(microbatches)
         _, global_items = self._global_items(mbs, for_training=False)
+        self.staged.begin_step()
         try:
             with global_num_items_scope(global_items):  # [Note: global item count for user losses]
                 with running(self._compiled):
                     loss_sum, logits, mb_sums = self._evaluate_layered(mbs, return_logits,
                                                                        process_logits)
+            terms = self.staged.global_loss_sums()
         except BaseException as exc:
+            self.staged.end_step()
             self.abandon_step(None, exc, "evaluate")
             raise
-        C.all_reduce_sum(loss_sum, self.group, self.stats)
-        loss = float(loss_sum) / global_items if global_items else float("nan")
+        try:
+            C.all_reduce_sum(loss_sum, self.group, self.stats)
+            # a global-batch term (the MoE router loss) of this evaluation batch, as the
+            # model's own loss over the whole batch includes it
+            extra = 0.0 if terms is None else \
+                self.staged.finish_global_loss(self._reduce_sums(terms.to(self.device)).cpu())
+        finally:
+            self.staged.end_step()
+        loss = float(loss_sum) / global_items + extra if global_items else float("nan")
         counts = [self.staged.count_items(mb) for mb in mbs]
         mb_losses = tuple(float(s) / n if n else float("nan") for s, n in zip(mb_sums, counts))
         return EvalOutput(loss, global_items, logits, mb_losses)

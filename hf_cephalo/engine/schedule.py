@@ -76,7 +76,7 @@ recompute, so the global RNG advances exactly as in one forward pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -146,11 +146,15 @@ class LayeredStep:
             memory grows with l like standard training; see [Note: kept graphs across reshard]).
         scale_loss: applied to each microbatch's ``loss_sum / N`` before its backward (a loss
             scaler's ``scale``, fp16); default identity.
+        reduce_sums: SUM-all-reduce of the staged model's ``global_loss_sums`` vector over the
+            ranks (a collective every rank joins after the forward phase); needed only when the
+            staged model has such sums (the MoE router loss of the global batch).
     """
 
     def __init__(self, staged, units: Sequence[FlatParamUnit], root: RootUnits,
                  microbatches: Sequence[Any], global_num_items: int, stash: ActivationStash,
-                 device: torch.device, keep_graphs: bool = False, scale_loss=None):
+                 device: torch.device, keep_graphs: bool = False, scale_loss=None,
+                 reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.staged, self.units, self.root = staged, list(units), root
         self.mbs, self.N = list(microbatches), global_num_items
         self.stash, self.device = stash, device
@@ -161,11 +165,32 @@ class LayeredStep:
         self.kept: dict[tuple, tuple] = {}  # (unit, microbatch) -> (input, output) with graph
         self.reducing: list[FlatParamUnit] = []  # reduce-scatters issued, not yet waited
         self.local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # no host sync
+        self.reduce_sums = reduce_sums
+        self.extra_loss = 0.0  # a global-batch loss term (``finish_global_loss``), added once
 
     def run(self) -> None:
-        self.forward()
-        self.head()
-        self.backward()
+        self.staged.begin_step()
+        try:
+            self.forward()
+            self.finish_global_loss()
+            self.head()
+            self.backward()
+        finally:
+            self.staged.end_step()
+
+    def finish_global_loss(self) -> None:
+        """After the forward phase: all-reduce the staged model's ``global_loss_sums`` (every rank,
+        the same vector size) and let it finish its global-batch loss term, whose gradient the
+        recomputed units add in backward, scaled like the microbatches' losses."""
+        terms = self.staged.global_loss_sums()
+        if terms is None:
+            return
+        if self.reduce_sums is None:
+            raise RuntimeError(f"{type(self.staged).__name__} has a global-batch loss term "
+                               "but this step was given no reduce_sums")
+        total = self.reduce_sums(terms.to(self.device))
+        grad_scale = float(self.scale_loss(torch.ones((), device=self.device)))
+        self.extra_loss = self.staged.finish_global_loss(total.cpu(), grad_scale)
 
     # ---- a step whose loss the caller computes (a custom training loop) -----------------------
     def open_head(self, with_logits: bool) -> "HeadOutputs":

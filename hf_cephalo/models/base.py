@@ -58,6 +58,27 @@ def global_num_items() -> int | None:
     return _GLOBAL_NUM_ITEMS.get()
 
 
+_STAGED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "hf_cephalo_staged_call", default=False)
+
+
+@contextlib.contextmanager
+def staged_call() -> Iterator[None]:
+    """While a staged model calls the user's model object itself (the generic path runs the
+    model's own ``forward`` with its layers swapped for stubs): the guard that makes a sharded
+    model's ``forward`` raise (``runtime/sharded_model.py``) lets this call through."""
+    token = _STAGED_CALL.set(True)
+    try:
+        yield
+    finally:
+        _STAGED_CALL.reset(token)
+
+
+def in_staged_call() -> bool:
+    """True inside ``staged_call``."""
+    return _STAGED_CALL.get()
+
+
 class HeadOutput(NamedTuple):
     """Result of ``StagedModel.head_loss`` for one microbatch.
 
@@ -162,6 +183,32 @@ class StagedModel(abc.ABC):
         """Items ``head_loss`` will sum over for this microbatch, computed from the inputs
         alone (before any forward), so the engine can all-reduce the global count first."""
 
+    # ---- loss terms of the whole global batch -------------------------------------------
+    def global_loss_name(self) -> str | None:
+        """A description of the loss term ``global_loss_sums`` carries ("the MoE router
+        load-balancing loss ..."), or None (default) when the model has none."""
+        return None
+
+    def begin_step(self) -> None:
+        """Called on every rank before a training step's (or evaluation's) forward phase.
+        Default: nothing."""
+
+    def global_loss_sums(self) -> torch.Tensor | None:
+        """A float64 vector of sums this rank's forward phase accumulated, for a loss term that
+        is not a sum over items (the MoE router loss, [Note: global router loss] in
+        ``models/generic.py``); the engine SUM-all-reduces it over ranks after the forward
+        phase and hands the total to ``finish_global_loss``. None (default): no such term. None on
+        every rank or on none, and of one size on all (it depends on the config only)."""
+        return None
+
+    def finish_global_loss(self, total: torch.Tensor, grad_scale: float = 1.0) -> float:
+        """The global sums; returns the term's value, added once to the step's loss. The
+        layers' backward then adds its gradient times ``grad_scale`` (the loss scale)."""
+        return 0.0
+
+    def end_step(self) -> None:
+        """Called on every rank after a step (also a failed one). Default: nothing."""
+
     # ---- misc -------------------------------------------------------------------------
     def prepare_for_training(self) -> None:
         """Hook run once before wrapping (e.g. force ``use_cache=False``). Default: nothing."""
@@ -205,6 +252,21 @@ class WrappedStagedModel(StagedModel):
 
     def prepare_for_training(self) -> None:
         self.inner.prepare_for_training()
+
+    def global_loss_name(self) -> str | None:
+        return self.inner.global_loss_name()
+
+    def begin_step(self) -> None:
+        self.inner.begin_step()
+
+    def global_loss_sums(self) -> torch.Tensor | None:
+        return self.inner.global_loss_sums()
+
+    def finish_global_loss(self, total: torch.Tensor, grad_scale: float = 1.0) -> float:
+        return self.inner.finish_global_loss(total, grad_scale)
+
+    def end_step(self) -> None:
+        self.inner.end_step()
 
     def check_microbatch_sizes(self, sizes) -> None:
         self.inner.check_microbatch_sizes(sizes)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from hf_cephalo.models.base import Microbatch
+from hf_cephalo.models.base import Microbatch, staged_call
 from hf_cephalo.models.hf_common import (CausalLMStagedModel, ClassifierStagedModel,
                                          HFStagedModel, LastTokenClassifierStagedModel,
                                          check_poolable, pad_token_id_of, require_key)
@@ -212,7 +212,7 @@ class GenericDecoderBody(HFStagedModel):
 
     def _run(self, microbatch: Microbatch, stubs: dict[str, nn.Module], **extra) -> Any:
         inputs = forward_inputs(self.model, microbatch)
-        with swapped(self.model, stubs):
+        with swapped(self.model, stubs), staged_call():
             try:
                 return self.model(**inputs, **extra)
             except _Stop:
@@ -304,7 +304,85 @@ class GenericDecoderBody(HFStagedModel):
 
 class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
     """A causal LM (``...ForCausalLM``) on the generic path: logits from the model's own head
-    code (final norm, scaling, softcapping), the summed next-token loss of ``labels`` (m, S)."""
+    code (final norm, scaling, softcapping), the summed next-token loss of ``labels`` (m, S),
+    and with ``config.output_router_logits`` the router load-balancing loss of the global batch
+    ([Note: global router loss]).
+
+    Raises StructureError when ``output_router_logits`` is set but the model declares no router
+    output (``_can_record_outputs``) or lacks ``num_experts`` / ``num_experts_per_tok`` /
+    ``router_aux_loss_coef``.
+    """
+
+    def __init__(self, model: nn.Module, layout: Layout):
+        super().__init__(model, layout)
+        self.router: RouterLoss | None = None
+        if getattr(model.config.get_text_config(), "output_router_logits", False):
+            spec = router_spec(model)
+            missing = [a for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+                       if not isinstance(getattr(model, a, None), (int, float))]
+            if spec is None or missing:
+                raise StructureError(
+                    f"{type(model).__name__} has output_router_logits=True, but "
+                    f"{'it declares no router output' if spec is None else 'it has no ' + ', '.join(missing)}"
+                    "; the router load-balancing loss of the global batch cannot be computed: "
+                    "set model.config.output_router_logits = False")
+            self.router = RouterLoss(model, *spec)
+            self._routers = [[m for m in layer.modules() if isinstance(m, spec[0])]
+                             for layer in self._layers]
+
+    def forward_extra(self, microbatch: Microbatch) -> dict[str, Any]:
+        extra = super().forward_extra(microbatch)
+        if "output_router_logits" in inspect.signature(type(self.model).forward).parameters:
+            extra["output_router_logits"] = False  # the global router loss is added apart
+        return extra
+
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, GenericContext]:
+        hidden, ctx = super().embed(microbatch)
+        mask = microbatch.get("attention_mask")
+        ctx.extra["router_mask"] = None if mask is None else mask.reshape(-1)
+        return hidden, ctx
+
+    def run_unit(self, index: int, hidden: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
+        router = self.router
+        if router is None or not (router.collecting or router.total is not None):
+            return super().run_unit(index, hidden, ctx)
+        logits: list[torch.Tensor] = []
+        handles = [m.register_forward_hook(lambda mod, a, out: logits.append(router.logits_of(out)))
+                   for m in self._routers[index]]
+        try:
+            out = super().run_unit(index, hidden, ctx)
+        finally:
+            for h in handles:
+                h.remove()
+        mask = ctx.extra.get("router_mask")
+        if router.collecting and (index, id(ctx)) not in router.seen:
+            router.seen.add((index, id(ctx)))
+            for z in logits:
+                router.add(z, mask)
+        grads = [z for z in logits if z.requires_grad]
+        if torch.is_grad_enabled() and grads:
+            out = _AttachRouterGrad.apply(out, router, mask, *grads)
+        return out
+
+    def global_loss_name(self) -> str | None:
+        if self.router is None:
+            return None
+        return (f"the MoE router load-balancing loss (config.output_router_logits=True, "
+                f"router_aux_loss_coef={self.router.coef})")
+
+    def begin_step(self) -> None:
+        if self.router is not None:
+            self.router.begin_step()
+
+    def global_loss_sums(self) -> torch.Tensor | None:
+        return None if self.router is None else self.router.sums.clone()
+
+    def finish_global_loss(self, total: torch.Tensor, grad_scale: float = 1.0) -> float:
+        return 0.0 if self.router is None else self.router.finish(total, grad_scale)
+
+    def end_step(self) -> None:
+        if self.router is not None:
+            self.router.collecting, self.router.total = False, None
 
     def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch,
                     ctx: GenericContext) -> torch.Tensor:
@@ -466,3 +544,99 @@ def ctx_requires_grad(ctx: GenericContext) -> list[str]:
 
 def leaves_of(values: Sequence[Any]) -> list[torch.Tensor]:
     return [t for v in values for t in pytree.tree_leaves(v) if torch.is_tensor(t)]
+
+
+# ---- the router load-balancing loss of the GLOBAL batch (MoE) ----------------------------------
+
+class RouterLoss:
+    """The load-balancing loss ``coef * load_balancing_loss_func(router logits of the whole
+    global batch)`` (Switch Transformer eqs. 4-6, as transformers' MoE causal LMs add it with
+    ``output_router_logits=True``), over every microbatch of every rank, not per rank.
+
+    [Note: global router loss]
+    ``aux = E * sum_e (T_e / R) * (P_e / R)``: T_e the top-k assignments to expert e, P_e the
+    sum of softmax router probabilities, R the (unmasked) rows, each summed over every layer and
+    every token of the global batch. T is not differentiable, so given the global T and R the
+    gradient of one row's logits z is ``coef * E / R^2 * m * p * (T - p . T)`` (p = softmax(z),
+    m its attention-mask entry): a sum over rows, exact under any split. The engine's forward
+    phase accumulates T, P, R per rank (``global_loss_sums``), all-reduces them once, and every
+    recomputed layer adds that gradient to its router logits (``_AttachRouterGrad``).
+    """
+
+    def __init__(self, model: nn.Module, router_cls: type, index: int):
+        self.E = int(model.num_experts)
+        self.top_k = int(model.num_experts_per_tok)
+        self.coef = float(model.router_aux_loss_coef)
+        self.router_cls, self.index = router_cls, index
+        self.collecting = False
+        self.sums = torch.zeros(2 * self.E + 1, dtype=torch.float64)
+        self.total: torch.Tensor | None = None
+        self.grad_scale = 1.0
+        self.seen: set = set()
+
+    def begin_step(self) -> None:
+        self.collecting, self.total, self.seen = True, None, set()
+        self.sums = torch.zeros(2 * self.E + 1, dtype=torch.float64)
+
+    def logits_of(self, out: Any) -> torch.Tensor:
+        return out[self.index] if isinstance(out, (tuple, list)) else out
+
+    def add(self, logits: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Accumulate one layer's router logits (rows, E) of one microbatch."""
+        with torch.no_grad():
+            probs = torch.softmax(logits.detach().float(), dim=-1)
+            _, chosen = torch.topk(probs, self.top_k, dim=-1)
+            w = torch.ones(probs.shape[0], device=probs.device) if mask is None \
+                else mask.to(probs.device, torch.float32)
+            counts = torch.zeros(self.E, device=probs.device).scatter_add_(
+                0, chosen.reshape(-1), w.repeat_interleave(self.top_k))
+            part = torch.cat([counts, (probs * w[:, None]).sum(0), w.sum().view(1)])
+            self.sums += part.to("cpu", torch.float64)
+
+    def finish(self, total: torch.Tensor, grad_scale: float) -> float:
+        """Set the global sums (all-reduced ``sums``); return coef * aux of the global batch."""
+        self.total, self.grad_scale, self.collecting = total.to(torch.float64), grad_scale, False
+        T, P, R = self.total[:self.E], self.total[self.E:2 * self.E], float(self.total[-1])
+        if R == 0:
+            return 0.0
+        return self.coef * self.E * float((T / R * P / R).sum())
+
+    def row_grad(self, logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """d(coef * aux)/d logits for one layer's rows of one microbatch (``finish`` first)."""
+        assert self.total is not None, "router loss gradient before the global sums"
+        T = self.total[:self.E].to(logits.device, torch.float32)
+        R = float(self.total[-1])
+        p = torch.softmax(logits.float(), dim=-1)
+        g = p * (T - (p * T).sum(-1, keepdim=True))
+        if mask is not None:
+            g = g * mask.to(g.device, g.dtype)[:, None]
+        return (g * (self.grad_scale * self.coef * self.E / (R * R))).to(logits.dtype)
+
+
+class _AttachRouterGrad(torch.autograd.Function):
+    """Identity on a layer's output that, in backward, gives the layer's router logits the
+    global router loss's gradient (``RouterLoss.row_grad``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, router_loss, mask, *logits):
+        ctx.router_loss, ctx.mask = router_loss, mask
+        ctx.save_for_backward(*logits)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits = ctx.saved_tensors
+        return (grad, None, None, *(ctx.router_loss.row_grad(z.detach(), ctx.mask)
+                                    for z in logits))
+
+
+def router_spec(model: nn.Module) -> tuple[type, int] | None:
+    """The router module class and output index the model declares for ``router_logits``
+    (``_can_record_outputs``, transformers' own output-recording table), or None."""
+    spec = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+    if spec is None:
+        return None
+    if isinstance(spec, type):
+        return spec, 0
+    cls = getattr(spec, "target_class", None)
+    return (cls, int(getattr(spec, "index", 0) or 0)) if isinstance(cls, type) else None

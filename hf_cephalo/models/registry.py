@@ -69,13 +69,20 @@ GUIDE = "docs/adding_a_model.md"
 
 
 def _same_architecture(model: nn.Module) -> list[str]:
-    """Supported class names whose config has the model's ``model_type``."""
+    """Class names of the model's architecture (its ``config.model_type``) that hf_cephalo
+    trains: its causal-LM and sequence-classification heads in transformers' auto mappings
+    (the generic path stages those), then classes with a registered adapter; no repeats."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None:
         return []
-    return [name for name in supported_model_classes()
-            if getattr(getattr(getattr(transformers, name, None), "config_class", None),
-                       "model_type", None) == model_type]
+    from transformers.models.auto import modeling_auto as auto
+
+    names = [auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type),
+             auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)]
+    names += [name for name in supported_model_classes()
+              if getattr(getattr(getattr(transformers, name, None), "config_class", None),
+                         "model_type", None) == model_type]
+    return list(dict.fromkeys(n for n in names if isinstance(n, str)))
 
 
 def head_kind(class_name: str) -> str | None:
@@ -109,50 +116,48 @@ def _words(kind: str) -> str:
 
 def _body_of(adapter: type[StagedModel]) -> type[StagedModel]:
     """The class holding an adapter's units and embedding: its ``...Body`` base
-    (``LlamaDecoderBody``) where it has one, else the adapter itself (``BertStagedModel``)."""
+    (``GPT2DecoderBody``) where it has one, else the adapter itself (``ViTStagedModel``)."""
     return next((c for c in adapter.__mro__ if c.__name__.endswith("Body")), adapter)
 
 
 def _unsupported(model: nn.Module) -> UnsupportedModelError:
-    """The error for a model without an adapter, with the advice that fits its class:
-    a base model -> load it with a supported head; a class whose architecture is supported with
-    other heads -> write an adapter for this head over the existing body; a head of a task
-    supported on other architectures -> write an adapter for the architecture, naming those as
-    examples; anything else -> the supported classes. Each points to GUIDE."""
+    """The error for a model neither an adapter nor the generic path stages, with the advice
+    that fits its class: a base model -> load it with a head hf_cephalo trains; another head
+    (token classification, masked LM, ...) -> write an adapter for it, over an existing body
+    where the architecture has one; anything else -> what hf_cephalo stages. Each points to
+    GUIDE."""
     name = type(model).__name__
     register = (f"register it with hf_cephalo.models.register_adapter({name}, YourAdapter) "
                 f"(see {GUIDE})")
+    scope = ("hf_cephalo trains the causal-LM and sequence-classification heads of Hugging Face "
+             "models (its generic path runs the model's own forward around its layers) and, "
+             f"through hand-written adapters, {', '.join(supported_model_classes())}")
     same = _same_architecture(model)
     kind = _model_head_kind(model)
     if _is_base_model(model) and same:
         return UnsupportedModelError(
-            f"hf_cephalo has no staged-model adapter for {name}; it is a base model without a "
-            f"head, hence without a training loss: load the model as {' or '.join(same)} (e.g. "
+            f"hf_cephalo cannot train {name}: it is a base model without a head, hence without "
+            f"a training loss. Load the model as {' or '.join(same)} (e.g. "
             f"{same[0]}.from_pretrained(path)); to train another head, write an adapter for "
             f"that head's class (see {GUIDE}).", same)
-    if same:
-        body = _body_of(_ADAPTERS[same[0]])
-        head = f" (a {_words(kind)} head)" if kind else ""
+    if hasattr(model, "config"):
+        adapters = [n for n in same if n in _ADAPTERS]
+        if adapters:
+            body = _body_of(_ADAPTERS[adapters[0]])
+            reuse = (f" that reuses the units and embedding of "
+                     f"{body.__module__}.{body.__qualname__} and")
+        else:
+            reuse = " that"
+        head = f"a {_words(kind)} head" if kind else "a head of another kind"
         return UnsupportedModelError(
-            f"hf_cephalo has no staged-model adapter for {name}{head}. Its architecture is "
-            f"supported as {', '.join(same)}, but loading it as one of those would train another "
-            f"head and loss. To train this head, write an adapter that reuses the units and "
-            f"embedding of {body.__module__}.{body.__qualname__} and defines the head "
-            f"(head_modules, head_logits, the loss), and {register}.", [])
-    peers = [c for c in supported_model_classes() if kind is not None and head_kind(c) == kind]
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if peers:
-        task = _words(kind)
-        return UnsupportedModelError(
-            f"hf_cephalo has no staged-model adapter for {name}: its architecture "
-            f"(model_type {model_type!r}) has none. {task[0].upper()}{task[1:]} is supported "
-            f"for {', '.join(peers)}; to train {name}, write an adapter for its architecture "
-            f"(its layers as units, its embedding, this head; the adapters of those classes are "
-            f"the examples to follow) and {register}.", [])
+            f"hf_cephalo cannot train {name} ({head}): {scope}; this head is none of "
+            f"those. Loading the model as another class would "
+            f"train another head and loss. To train this head, write an adapter{reuse} "
+            f"defines the head (head_modules, head_logits, the loss), and {register}.", [])
     return UnsupportedModelError(
-        f"hf_cephalo has no staged-model adapter for {name}; supported model classes: "
-        f"{', '.join(supported_model_classes())}. To train another architecture, write an "
-        f"adapter and {register}.", [])
+        f"hf_cephalo has no staged-model adapter for {name}, which is not a Hugging Face model "
+        f"with a head: {scope}. To train another kind of model, write an adapter and "
+        f"{register}.", [])
 
 
 GENERIC_HEADS = ("CausalLM", "SequenceClassification")

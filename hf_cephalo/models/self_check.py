@@ -197,6 +197,7 @@ def _staged_loss(staged, batch: dict, cut: int):
     total, items = 0.0, 0
     mbs = [{k: v[:cut] for k, v in batch.items()}, {k: v[cut:] for k, v in batch.items()}]
     n = sum(staged.count_items(mb) for mb in mbs)
+    staged.begin_step()
     for mb in mbs:
         hidden, ctx = staged.embed(mb)
         bad = ctx_requires_grad(ctx)
@@ -208,7 +209,8 @@ def _staged_loss(staged, batch: dict, cut: int):
         out = staged.head_loss(hidden, mb, ctx)
         total = total + out.loss_sum / n
         items += out.num_items
-    extra = staged.global_terms_loss(mbs) if hasattr(staged, "global_terms_loss") else 0.0
+    terms = staged.global_loss_sums()
+    extra = 0.0 if terms is None else staged.finish_global_loss(terms, 1.0)
     return total + extra
 
 
@@ -221,8 +223,11 @@ def _compare(model: nn.Module, staged, batch: dict) -> str | None:
     ref_loss = ref.loss.detach()
     ref_grads = {n: None if p.grad is None else p.grad.clone() for n, p in params}
     model.zero_grad(set_to_none=True)
-    loss = _staged_loss(staged, batch, cut=1)
-    loss.backward()
+    try:
+        loss = _staged_loss(staged, batch, cut=1)
+        loss.backward()
+    finally:
+        staged.end_step()
     if not torch.allclose(loss.detach(), ref_loss, rtol=RTOL, atol=ATOL):
         return f"loss {float(loss):.8g} != the model's own {float(ref_loss):.8g}"
     for n, p in params:
@@ -323,13 +328,46 @@ def _perturb(model: nn.Module) -> None:
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
+# PEFT's wrappers of one module (a LoRA Linear around its base Linear, modules_to_save around
+# a head): the wrapped module counts, since the wrapper runs in its place inside the same call.
+_WRAPPERS = {"BaseTunerLayer": "base_layer", "AuxiliaryTrainingWrapper": "original_module"}
+
+
+def _wrapped(module: nn.Module) -> nn.Module | None:
+    for cls in type(module).__mro__:
+        attr = _WRAPPERS.get(cls.__name__)
+        if attr is not None and isinstance(getattr(module, attr, None), nn.Module):
+            return getattr(module, attr)
+    return None
+
+
+def _modules(root: nn.Module, skip: set[int] = frozenset()) -> dict[str, str]:
+    """{name: class name} of ``root``'s modules, a PEFT wrapper read as the module it wraps
+    (its adapter submodules left out), modules whose id is in ``skip`` left out."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        if id(module) in skip:
+            return
+        inner = _wrapped(module)
+        if inner is not None:
+            walk(prefix, inner)
+            return
+        out[prefix] = type(module).__name__
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(f"{prefix}.{name}" if prefix else name, child)
+
+    walk("", root)
+    return out
+
+
 def _structure(module: nn.Module) -> dict[str, str]:
-    return {n: type(m).__name__ for n, m in module.named_modules()}
+    return _modules(module)
 
 
 def _outside(model: nn.Module, layers: str) -> dict[str, str]:
-    inside = {id(m) for m in model.get_submodule(layers).modules()}
-    return {n: type(m).__name__ for n, m in model.named_modules() if id(m) not in inside}
+    return _modules(model, skip={id(m) for m in model.get_submodule(layers).modules()})
 
 
 def _same_structure(model: nn.Module, proof: Proof) -> None:

@@ -20,6 +20,8 @@ import functools
 import torch
 from torch import nn
 
+from ..models.base import in_staged_call
+
 __all__ = ["SHARDED_MODEL_MESSAGE", "guard_sharded_model", "is_sharded", "restore_full_model"]
 
 SHARDED_MODEL_MESSAGE = (
@@ -41,7 +43,7 @@ def guard_sharded_model(model: nn.Module, full_numel: int) -> None:
         return
 
     def forward_pre_hook(module, args, kwargs):
-        if is_sharded(module, full_numel):
+        if not in_staged_call() and is_sharded(module, full_numel):
             raise RuntimeError(f"{type(module).__name__}.forward: {SHARDED_MODEL_MESSAGE}")
 
     model.register_forward_pre_hook(forward_pre_hook, with_kwargs=True)

@@ -1,0 +1,95 @@
+"""The generic path (models/generic.py) in the engine equals one process with the whole batch
+(issue 36): the 2026 model zoo of ``tests/zoo_fixtures.py`` on 2 and 3 gloo ranks with uneven
+plans (uneven b_i including a rank with no samples, uneven m_i, uneven state ratios r_i
+including a zero share).
+
+Per variant, every rank runs 3 SGD steps (fp32; the parameter difference is lr x the gradient
+difference, so the gradients themselves are checked) of ``CephaloEngine`` on its own slice of
+each global batch; the reference is ``model(**batch).loss.backward()`` on the whole batch in one
+process, with the same optimizer. Compared: each step's global loss (the MoE models' include
+the router load-balancing loss of the WHOLE global batch, as the model's own loss over that
+batch does), every parameter after the last step, and an evaluation's loss.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_cephalo.engine import CephaloEngine
+from hf_cephalo.models import stage_model
+from tests.dist_utils import budget_s, run_ranks, test_timeout
+from tests.models_fixtures import make_batch
+from tests.zoo_fixtures import ZOO, build_zoo, zoo_batch_arch
+
+RTOL, ATOL = 1e-5, 1e-6
+PLANS = {2: ([4, 1], [3, 1], [0.7, 0.3]),
+         3: ([2, 0, 3], [1, 1, 2], [0.0, 0.6, 0.4])}
+
+
+def _slice(batch, sizes_b, sizes_m, rank):
+    start = sum(sizes_b[:rank])
+    mine = {k: v[start:start + sizes_b[rank]] for k, v in batch.items()}
+    m = sizes_m[rank]
+    return [{k: v[j:j + m] for k, v in mine.items()} for j in range(0, sizes_b[rank], m)]
+
+
+def _batch(name: str, size: int, seed: int):
+    padding = "left" if name.endswith("_cls") else True
+    return make_batch(zoo_batch_arch(name), size, seed=seed, padding=padding)
+
+
+def _run(rank: int, world: int, name: str) -> None:
+    sizes_b, sizes_m, ratios = PLANS[world]
+    model = build_zoo(name, seed=11)
+    staged = stage_model(model)
+    staged.prepare_for_training()
+    ref = copy.deepcopy(model)
+    engine = CephaloEngine(staged, ratios)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        batch = _batch(name, sum(sizes_b), seed=100 + step)
+        out = engine.train_step(_slice(batch, sizes_b, sizes_m, rank))
+        opt.step()
+        engine.zero_grad()
+        ref_opt.zero_grad(set_to_none=False)
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(out.loss, float(ref_loss.detach()), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{name} world {world} step {step} loss: {m}")
+    batch = _batch(name, sum(sizes_b), seed=7)
+    with torch.no_grad():
+        ev = engine.evaluate(_slice(batch, sizes_b, sizes_m, rank), return_logits=False)
+        torch.testing.assert_close(ev.loss, float(ref(**batch).loss), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{name} world {world} evaluation loss: {m}")
+    if staged.global_loss_name() is not None:  # refused on every rank before any collective
+        with pytest.raises(ValueError, match="router load-balancing loss.*output_router_logits"):
+            engine.forward_step(_slice(batch, sizes_b, sizes_m, rank))
+    full = engine.full_state_dict()
+    if rank == 0:
+        expected = ref.state_dict()
+        assert list(full) == list(expected), name
+        for key, value in expected.items():
+            torch.testing.assert_close(full[key], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{name} world {world} {key}: {m}")
+
+
+def zoo_worker(rank: int, world: int) -> list[str]:
+    torch.use_deterministic_algorithms(True)
+    for name in ZOO:
+        _run(rank, world, name)
+    return list(ZOO)
+
+
+@test_timeout(40)
+def test_zoo_engine_parity_two_ranks():
+    assert run_ranks(zoo_worker, 2, timeout_s=budget_s(40)) == [list(ZOO)] * 2
+
+
+@test_timeout(50)
+def test_zoo_engine_parity_three_ranks():
+    assert run_ranks(zoo_worker, 3, timeout_s=budget_s(50)) == [list(ZOO)] * 3

@@ -1,0 +1,72 @@
+"""Tiny models of the decoder classes people fine-tune in 2026, each with the features that make
+its forward differ from Llama's set to NON-default values (multipliers, softcaps, sliding
+windows, QK norms, partial rotary, no-RoPE layers, MoE routing with the router loss on), so a
+generic path that skipped one of them would not match the model's own loss.
+
+Written out by hand per class (not shrunk by ``models/self_check.py``), so the tests that use
+them do not depend on the code they check. 2 layers, hidden 64, 4 heads (2 KV heads), head dim
+16, vocabulary ``VOCAB``; ``make_batch`` of ``tests/models_fixtures.py`` feeds them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import transformers
+
+from tests.models_fixtures import PAD, VOCAB
+
+BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+            pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.3)
+
+
+def _cfg(config_cls: type, **kw: Any) -> Any:
+    return config_cls(**{**BASE, **kw})
+
+
+ZOO: dict[str, tuple[str, Callable[[], Any]]] = {
+    # name: (model class in transformers, config factory)
+    "qwen3": ("Qwen3ForCausalLM", lambda: _cfg(transformers.Qwen3Config, head_dim=16)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", lambda: _cfg(
+        transformers.Qwen3MoeConfig, head_dim=16, num_experts=4, moe_intermediate_size=32,
+        decoder_sparse_step=1, mlp_only_layers=[], **MOE)),
+    "qwen3_moe_no_router_loss": ("Qwen3MoeForCausalLM", lambda: _cfg(
+        transformers.Qwen3MoeConfig, head_dim=16, num_experts=4, moe_intermediate_size=32,
+        decoder_sparse_step=1, mlp_only_layers=[], **{**MOE, "output_router_logits": False})),
+    "gemma3": ("Gemma3ForCausalLM", lambda: _cfg(
+        transformers.Gemma3TextConfig, head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=20,
+        final_logit_softcapping=3.0, attn_logit_softcapping=4.0)),
+    "gpt_oss": ("GptOssForCausalLM", lambda: _cfg(
+        transformers.GptOssConfig, head_dim=16, num_local_experts=4, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], **MOE)),
+    "phi3": ("Phi3ForCausalLM", lambda: _cfg(transformers.Phi3Config,
+                                              partial_rotary_factor=0.5)),
+    "granite": ("GraniteForCausalLM", lambda: _cfg(
+        transformers.GraniteConfig, embedding_multiplier=3.0, logits_scaling=2.0,
+        residual_multiplier=0.5, attention_multiplier=0.3)),
+    "olmo2": ("Olmo2ForCausalLM", lambda: _cfg(transformers.Olmo2Config)),
+    "smollm3": ("SmolLM3ForCausalLM", lambda: _cfg(transformers.SmolLM3Config,
+                                                    no_rope_layers=[1, 0])),
+    "qwen3_cls": ("Qwen3ForSequenceClassification", lambda: _cfg(
+        transformers.Qwen3Config, head_dim=16, num_labels=3)),
+}
+"""The zoo. ``qwen3_cls`` pools the last non-pad token (batches with left padding)."""
+
+
+def build_zoo(name: str, seed: int = 0) -> torch.nn.Module:
+    """The tiny ``name`` model in eval mode (dropout off), fp32, deterministic init."""
+    class_name, config = ZOO[name]
+    torch.manual_seed(seed)
+    cfg = config()
+    cfg._attn_implementation = "eager"
+    return getattr(transformers, class_name)(cfg).eval()
+
+
+def zoo_batch_arch(name: str) -> str:
+    """The ``make_batch`` arch whose batch layout fits ``name``: causal LM rows with labels, or
+    one class label per row for the classifier."""
+    return "qwen2_cls" if name.endswith("_cls") else "llama"
