@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.base import AutocastStagedModel, StagedModel, global_num_items_scope
+from ..models.base import (AutocastStagedModel, StagedModel, global_num_items_scope,
+                          refuse_global_loss)
 from ..planner.state import layout_unit_shards  # pure planning code (numpy), no torch.distributed
 from . import collectives as C
 from .compile import (CompileFailure, CompileOptions, CompileStats, CompiledUnits,
@@ -558,13 +559,8 @@ class CephaloEngine:
         the global item count is 0 and a loss is wanted; RuntimeError after an earlier failure.
         """
         self.check_usable("forward_step")
-        term = self.staged.global_loss_name()
-        if term is not None:  # before any collective
-            raise ValueError(
-                f"this model adds {term}, a loss over the whole global batch that a step whose "
-                "loss the caller computes (a custom loop, TRL) cannot include: its gradient would "
-                "be added whatever loss the caller backpropagates. Turn it off (e.g. "
-                "model.config.output_router_logits = False) or train with CephaloTrainer")
+        refuse_global_loss(self.staged, "a step whose loss the caller computes "
+                           "(forward_step: a custom loop)")  # before any collective
         mbs = list(microbatches)
         local_items, global_items = self._global_items(mbs, for_training=True)
         stash = ActivationStash(self.offload_activations, self.streams, self.stats)

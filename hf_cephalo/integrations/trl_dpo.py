@@ -63,7 +63,7 @@ from hf_cephalo.integrations.trl_config import (CephaloTRLConfig, TRLModelCard,
 from hf_cephalo.integrations.trl_fused import FusedLMHead
 from hf_cephalo.integrations.trl_support import DPO_FIELD_SUPPORT
 from hf_cephalo.integrations.user_loss import HeadView
-from hf_cephalo.models.base import Microbatch, WrappedStagedModel
+from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
 from hf_cephalo.runtime.global_width import collator_name
 
 __all__ = ["CephaloDPOConfig", "CephaloDPOTrainer"]
@@ -123,6 +123,7 @@ class PairItems(WrappedStagedModel):
     states — the computation of TRL's own reference forward."""
 
     def __init__(self, inner) -> None:
+        refuse_global_loss(inner, "TRL's DPO loss")
         super().__init__(inner)
         self._reference_head: FusedLMHead | None = None
 

@@ -31,7 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassi
 
 from hf_cephalo.integrations.head_calls import HeadCalls
 from hf_cephalo.models.base import (HeadEvalOutput, HeadOutput, Microbatch, StagedModel,
-                                    WrappedStagedModel, global_num_items)
+                                    WrappedStagedModel, global_num_items, refuse_global_loss)
 from hf_cephalo.models.hf_common import CausalLMStagedModel
 
 __all__ = ["CallVariant", "EngineOutputs", "HeadView", "UserLossStagedModel"]
@@ -194,6 +194,7 @@ class UserLossStagedModel(WrappedStagedModel):
     def __init__(self, inner: StagedModel, compute_loss: ComputeLoss, *,
                  head_calls: HeadCalls | None = None,
                  variants: Mapping[str, CallVariant] | None = None):
+        refuse_global_loss(inner, "a custom compute_loss / compute_loss_func")
         super().__init__(inner)
         self.compute_loss = compute_loss
         self.head_calls = head_calls

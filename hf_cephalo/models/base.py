@@ -79,6 +79,20 @@ def in_staged_call() -> bool:
     return _STAGED_CALL.get()
 
 
+def refuse_global_loss(staged: "StagedModel", door: str) -> None:
+    """ValueError if ``staged`` adds a global-batch loss term (``global_loss_name``) that
+    ``door`` (a loss the caller computes: a custom ``compute_loss``, TRL's trainers) would not
+    include or would include per microbatch. Called at construction, before any collective."""
+    term = staged.global_loss_name()
+    if term is not None:
+        raise ValueError(
+            f"{door} computes the loss itself, but this model adds {term}, a term over the "
+            "whole global batch the engine adds apart from that loss; hf_cephalo cannot give "
+            "it the value and gradient the caller's loss code expects. Turn it off (e.g. "
+            "model.config.output_router_logits = False) or train with CephaloTrainer's default "
+            "loss")
+
+
 class HeadOutput(NamedTuple):
     """Result of ``StagedModel.head_loss`` for one microbatch.
 
