@@ -308,24 +308,22 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
     and with ``config.output_router_logits`` the router load-balancing loss of the global batch
     ([Note: global router loss]).
 
-    Raises StructureError when ``output_router_logits`` is set but the model declares no router
-    output (``_can_record_outputs``) or lacks ``num_experts`` / ``num_experts_per_tok`` /
-    ``router_aux_loss_coef``.
+    The router loss is added when ``output_router_logits`` is set and the model declares its
+    router output (``_can_record_outputs``) and has ``num_experts``, ``num_experts_per_tok``
+    and ``router_aux_loss_coef`` (what transformers' MoE causal LMs compute it from); a model
+    whose own loss adds another router term fails the self-check and is refused.
     """
 
     def __init__(self, model: nn.Module, layout: Layout):
         super().__init__(model, layout)
         self.router: RouterLoss | None = None
-        if getattr(model.config.get_text_config(), "output_router_logits", False):
-            spec = router_spec(model)
-            missing = [a for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
-                       if not isinstance(getattr(model, a, None), (int, float))]
-            if spec is None or missing:
-                raise StructureError(
-                    f"{type(model).__name__} has output_router_logits=True, but "
-                    f"{'it declares no router output' if spec is None else 'it has no ' + ', '.join(missing)}"
-                    "; the router load-balancing loss of the global batch cannot be computed: "
-                    "set model.config.output_router_logits = False")
+        spec = router_spec(model)
+        attrs = all(isinstance(getattr(model, a, None), (int, float))
+                    for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"))
+        if getattr(model.config.get_text_config(), "output_router_logits", False) and spec \
+                and attrs:
+            # the attributes transformers' MoE causal LMs compute their router loss from; a
+            # class without them adds no router loss, or one the self-check finds unequal
             self.router = RouterLoss(model, *spec)
             self._routers = [[m for m in layer.modules() if isinstance(m, spec[0])]
                              for layer in self._layers]
@@ -446,13 +444,16 @@ def staged_class(model: nn.Module) -> type:
 
 def layer_list_candidates(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     """``ModuleList``s whose entries are all of a class the model declares unsplittable
-    (``_no_split_modules``, what FSDP wraps): the candidates for the layer stack."""
+    (``_no_split_modules``, what FSDP wraps): the candidates for the layer stack. For a class
+    declaring none, the outermost lists of one parameter-holding class instead (the
+    self-check then decides whether the forward really runs them as a stack)."""
     declared = set(getattr(model, "_no_split_modules", None) or ())
-    out = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and all(
-                type(m).__name__ in declared for m in module):
-            out.append((name, module))
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    out = [(n, m) for n, m in lists if all(type(e).__name__ in declared for e in m)]
+    if not out:  # a class that declares none: the lists of one parameter-holding layer class
+        out = [(n, m) for n, m in lists if len({type(e) for e in m}) == 1
+               and next(m[0].parameters(), None) is not None
+               and not any(n.startswith(o + ".") for o, _ in lists if o != n)]
     return out
 
 

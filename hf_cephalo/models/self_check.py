@@ -259,8 +259,9 @@ def find_layers(model: nn.Module) -> str:
     if len(cands) != 1:
         found = [f"{n} ({len(m)})" for n, m in cands]
         raise StructureError(
-            f"{type(model).__name__} has {len(cands)} stacks of the layer classes it declares in "
-            f"_no_split_modules ({', '.join(found) or 'none'}); the generic path needs exactly "
+            f"{type(model).__name__} has {len(cands)} layer stacks (lists of the layer classes "
+            f"it declares in _no_split_modules, else of one layer class: "
+            f"{', '.join(found) or 'none'}); the generic path needs exactly "
             "one (a multimodal model has one per tower: load its language model alone, e.g. "
             "AutoModelForCausalLM on a text-only checkpoint)")
     return cands[0][0]

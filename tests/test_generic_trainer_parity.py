@@ -1,0 +1,135 @@
+"""CephaloTrainer on the generic path vs STOCK Trainer with the whole global batch in one process
+(issue 36): the 2026 zoo of tests/zoo_fixtures.py (Qwen3, Qwen3-MoE with the router loss on and
+off, Gemma 3, GPT-OSS, Phi-3, Granite, OLMo 2, SmolLM3, Qwen3ForSequenceClassification with left
+padding).
+
+2 ranks with an uneven plan (b = [1, 3], m = [1, 2], r = [0.35, 0.65]) and 3 ranks with an idle
+rank that holds state (b = [2, 0, 2], m = [1, 1, 2], r = [0.0, 0.6, 0.4]); stock Trainer with
+per_device_train_batch_size = the global batch (4), sequential order, so both see the same
+global batches. Compared: the logged loss and gradient norm of each step (SGD with gradient
+clipping) and the final weights (the user's model object after ``trainer.unshard_model()``).
+fp32, rtol 1e-5, atol 1e-6.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+from tests.dist_utils import budget_s, run_ranks, test_timeout
+from tests.zoo_fixtures import ZOO, build_zoo
+
+RTOL, ATOL = 1e-5, 1e-6
+LR, MAX_NORM, SEED, N_TRAIN, STEPS, SEQ = 0.1, 0.5, 7, 8, 2, 10
+PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]), 3: ([2, 0, 2], [1, 1, 2], [0.0, 0.6, 0.4])}
+GLOBAL_BATCH = 4
+
+
+def _samples(name: str, n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Rows of SEQ tokens with uneven padding (left padding for the classifier, right
+    otherwise) and, for causal LMs, ignored labels at the start of some rows."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(3, 97, (SEQ,), generator=g)
+        length = SEQ - (i % 3) * 2
+        mask = torch.zeros(SEQ, dtype=torch.long)
+        if name.endswith("_cls"):
+            mask[SEQ - length:] = 1
+            row = {"labels": torch.tensor(i % 3)}
+        else:
+            mask[:length] = 1
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[: int(torch.randint(0, 4, (), generator=g))] = -100
+            row = {"labels": labels}
+        row.update(input_ids=ids.masked_fill(mask == 0, 0), attention_mask=mask)
+        rows.append(row)
+    return rows
+
+
+def _collate(rows):
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _args(name: str, out_dir: str) -> dict:
+    return dict(output_dir=os.path.join(out_dir, name), report_to="none", optim="sgd",
+                learning_rate=LR, max_grad_norm=MAX_NORM, max_steps=STEPS, logging_steps=1,
+                save_strategy="no", seed=SEED, train_sampling_strategy="sequential",
+                disable_tqdm=True, use_cpu=True)
+
+
+def _logs(trainer):
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    return [h["loss"] for h in logs], [h["grad_norm"] for h in logs]
+
+
+def _worker(rank: int, world: int, out_dir: str) -> dict:
+    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import Plan
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    sizes, micro, ratios = PLANS[world]
+    results = {}
+    for name in ZOO:
+        trainer = CephaloTrainer(
+            model=build_zoo(name, seed=3), args=CephaloTrainingArguments(**_args(name, out_dir)),
+            plan=Plan.from_ratios(sizes, micro, ratios), data_collator=_collate,
+            train_dataset=_samples(name, N_TRAIN))
+        trainer.train()
+        losses, norms = _logs(trainer)
+        model = trainer.unshard_model()
+        results[name] = dict(losses=losses, norms=norms, state={
+            k: v.detach().clone().numpy() for k, v in model.state_dict().items()})
+    return results
+
+
+_STOCK: dict = {}
+
+
+def _stock(name: str, out_dir: str) -> dict:
+    if name not in _STOCK:
+        model = build_zoo(name, seed=3)
+        args = transformers.TrainingArguments(per_device_train_batch_size=GLOBAL_BATCH,
+                                              **_args(name, out_dir))
+        trainer = transformers.Trainer(model=model, args=args, data_collator=_collate,
+                                       train_dataset=_samples(name, N_TRAIN))
+        trainer.train()
+        losses, norms = _logs(trainer)
+        _STOCK[name] = dict(losses=losses, norms=norms, state={
+            k: v.detach().clone() for k, v in model.state_dict().items()})
+    return _STOCK[name]
+
+
+def _check_world(world: int, out_dir: str) -> None:
+    runs = run_ranks(_worker, world, out_dir, timeout_s=budget_s(25 * world))
+    for name in ZOO:
+        ref = _stock(name, out_dir)
+        for rank, run in enumerate(runs):
+            got = run[name]
+            where = f"{name} world {world} rank {rank}"
+            assert len(got["losses"]) == len(ref["losses"]) == STEPS, where
+            for what in ("losses", "norms"):
+                torch.testing.assert_close(
+                    torch.tensor(got[what], dtype=torch.float64),
+                    torch.tensor(ref[what], dtype=torch.float64), rtol=RTOL, atol=ATOL,
+                    msg=lambda m: f"{where} {what}: {m}")
+            assert set(got["state"]) == set(ref["state"]), where
+            for key, value in ref["state"].items():
+                torch.testing.assert_close(torch.as_tensor(got["state"][key]), value,
+                                           rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{where} {key}: {m}")
+
+
+@test_timeout(50, margin_s=120)
+def test_zoo_trainer_matches_stock_two_ranks(tmp_path):
+    _check_world(2, str(tmp_path))
+
+
+@test_timeout(75, margin_s=120)
+def test_zoo_trainer_matches_stock_three_ranks(tmp_path):
+    _check_world(3, str(tmp_path))
