@@ -69,7 +69,7 @@ def test_bad_setups_fail_before_profiling(tmp_path, capsys, no_profiling):
          r"eval_dataset\['dev'\]: _Stream is a stream.*Dataset\.from_generator"),
         (_bare_bert(), {}, {}, ValueError,
          r"cannot train BertModel: it is a base model .* Load the model as "
-         r"BertLMHeadModel or BertForSequenceClassification"),
+         r"BertForSequenceClassification or BertLMHeadModel"),
         (_prefix_tuned_llama(), {}, {}, ValueError,
          r"PEFT method PREFIX_TUNING \(adapter 'default'\) is not supported .*LORA"),
         (build("llama"), dict(cephalo_emulate_slowdown=["1", "2"]), {}, ValueError,

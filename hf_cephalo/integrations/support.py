@@ -411,8 +411,10 @@ HOOK_SUPPORT: dict[str, Support] = {
         "override that calls the model more than once or with other inputs raises ValueError",
         _P + "test_compute_loss_override_as_stock"),
     "model forward (override)": refused(
-        "the engine runs the model's layers itself, so a subclass's own forward (e.g. a custom "
-        "loss) would never run: move the loss into compute_loss_func"),
+        "the engine computes the loss itself from the logits (the generic path runs the "
+        "transformers class's forward with its layers staged, an adapter runs the layers "
+        "directly), so a subclass's own forward (e.g. a custom loss) would be bypassed: move "
+        "the loss into compute_loss_func"),
     "compute_metrics": stock("over the gathered predictions", _T + "test_matches_full_batch_reference"),
     "preprocess_logits_for_metrics": stock("per microbatch on the device",
                                            _T + "test_matches_full_batch_reference"),

@@ -213,8 +213,12 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         problems += optimizer_problems(model, kwargs.get("optimizers"))
         if type(self)._get_train_sampler is not Trainer._get_train_sampler:
             problems.append(refused("_get_train_sampler (override)"))
+        # the nearest class with a hand-written adapter, else the nearest transformers class
+        # (the generic path): a forward overridden below it (e.g. a custom loss) is bypassed
         registered = next((c for c in type(model).__mro__ if c.__name__ in supported_model_classes()),
-                          None)
+                          None) or next((c for c in type(model).__mro__
+                                         if c.__module__.startswith("transformers.")
+                                         and "forward" in vars(c)), None)
         if registered is not None and type(model).forward is not registered.forward:
             problems.append(refused("model forward (override)"))
         problems += trainer_class_problems(type(self))  # TRL trainers the engine cannot run

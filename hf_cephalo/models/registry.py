@@ -71,7 +71,8 @@ GUIDE = "docs/adding_a_model.md"
 def _same_architecture(model: nn.Module) -> list[str]:
     """Class names of the model's architecture (its ``config.model_type``) that hf_cephalo
     trains: its causal-LM and sequence-classification heads in transformers' auto mappings
-    (the generic path stages those), then classes with a registered adapter; no repeats."""
+    (the generic path stages those; the classifier first for an encoder, which has a masked-LM
+    head), then classes with a registered adapter; no repeats."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None:
         return []
@@ -79,6 +80,8 @@ def _same_architecture(model: nn.Module) -> list[str]:
 
     names = [auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type),
              auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)]
+    if model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:  # an encoder: classify first
+        names.reverse()
     names += [name for name in supported_model_classes()
               if getattr(getattr(getattr(transformers, name, None), "config_class", None),
                          "model_type", None) == model_type]
