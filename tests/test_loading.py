@@ -19,6 +19,9 @@ import transformers
 
 from tests.dist_utils import run_ranks
 from tests.models_fixtures import build
+from tests.zoo_fixtures import ZOO, build_zoo
+
+ZOO_LOADED = ("qwen3", "gemma3", "gpt_oss")  # generic-path classes loaded sharded
 
 TIMEOUT_S = 600.0
 
@@ -233,7 +236,8 @@ def _key_variant_folders(tmp_path) -> list[tuple[str, str, str, dict]]:
     variant ``from_pretrained`` also accepts: causal LMs a checkpoint of the base model (no
     ``base_model_prefix``; tied head); BERT legacy ``LayerNorm.gamma`` / ``beta`` names plus a
     pretraining-head key the classifier does not use; ViT the model's current names; Llama also
-    the user's ``key_mapping``."""
+    the user's ``key_mapping``; Qwen3, Gemma 3 and GPT-OSS (generic path) as sharded
+    ``save_pretrained`` folders (the meta model holds nothing, each rank only its shards)."""
     from tests.models_fixtures import BUILDERS, CAUSAL
 
     out = []
@@ -262,6 +266,10 @@ def _key_variant_folders(tmp_path) -> list[tuple[str, str, str, dict]]:
               os.path.join(current, "model.safetensors"), metadata={"format": "pt"})
     vit.config.save_pretrained(current)
     out.append(("vit", "current names", current, {}))
+    for name in ZOO_LOADED:  # generic path (issue 36): the model's own keys and conversions
+        saved = str(tmp_path / f"{name}-save_pretrained")
+        build_zoo(name).save_pretrained(saved, max_shard_size="100KB")
+        out.append((name, "save_pretrained, sharded", saved, {}))
     mapped = _rewrite_keys(str(tmp_path / "llama-save_pretrained"), str(tmp_path / "llama-mapped"),
                            lambda k: k.replace("model.", "decoder.", 1))
     out.append(("llama", "key_mapping", mapped, {"key_mapping": {r"^decoder\.": "model."}}))
@@ -277,11 +285,15 @@ def _check_key_variants(rank, world_size, variants) -> list[str]:
 
     done = []
     for arch, variant, path, kwargs in variants:
-        cls = type(BUILDERS[arch]())
+        cls = type(BUILDERS[arch]()) if arch in BUILDERS else getattr(transformers, ZOO[arch][0])
         reference, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
         assert not info["missing_keys"] and not info["mismatched_keys"], (arch, variant, info)
         model = hf_cephalo.from_pretrained_sharded(path, model_class=cls, **kwargs)
+        assert all(p.is_meta for p in model.parameters()), (arch, variant)  # nothing read yet
         engine = _engine(model, [0.7, 0.3])
+        held = sum(part.local.numel() for u in engine.all_units() for part in u.parts)
+        total = sum(p.numel() for p in reference.parameters())
+        assert held < 0.75 * total, (arch, variant, held, total)  # this rank's shards only
         conversions = [c.source_patterns for c in model._weight_conversions]
         assert conversions == [c.source_patterns for c in reference._weight_conversions], \
             (arch, variant, conversions)
@@ -361,8 +373,8 @@ def test_checkpoint_keys_through_transformers_mapping(runs):
 
     done = runs[2][0]["key_variants"]
     assert runs[2][1]["key_variants"] == done
-    assert {case.split(":")[0] for case in done} == set(BUILDERS)
-    assert len(done) == 2 * len(BUILDERS) + 1, done
+    assert {case.split(":")[0] for case in done} == set(BUILDERS) | set(ZOO_LOADED)
+    assert len(done) == 2 * len(BUILDERS) + 1 + len(ZOO_LOADED), done
 
 
 def test_meta_init_same_for_every_plan_and_world_size(runs):

@@ -30,7 +30,8 @@ from .compile import (CompileFailure, CompileOptions, CompileStats, CompiledUnit
                       timed_probe)
 from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_params,
                          move_shared_params, param_infos)
-from .loading import CheckpointLike, StartKind, choose_source, place_buffers
+from .loading import (CheckpointLike, StartKind, choose_source, param_shapes_beside_meta_buffers,
+                      place_buffers)
 from .offload import ActivationStash, CudaStreams, host_wait
 from .param_shards import ParamShards
 from .schedule import LayeredStep, RootUnits
@@ -332,6 +333,7 @@ class CephaloEngine:
         fqns: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             fqns.setdefault(id(p), []).append(name)
+        shapes = param_shapes_beside_meta_buffers(model)  # before placeholders replace them
         groups = [(f"unit {i}", [m]) for i, m in enumerate(self.staged.units())]
         groups += [("embed", list(self.staged.embed_modules())),
                    ("head", list(self.staged.head_modules()))]
@@ -356,7 +358,7 @@ class CephaloEngine:
         # the training dtype (one for the whole model): that of the trainable parts
         self.dtype = next((u.dtype for u in flat_units if u.trainable_numel), flat_units[-1].dtype)
         place_buffers(model, self.device, source,
-                      seed=getattr(source, "seed", 0))
+                      seed=getattr(source, "seed", 0), param_shapes=shapes)
 
     def _build_unit(self, name, modules, params, uses, fqns, row, use_all_reduce,
                     source) -> FlatParamUnit:

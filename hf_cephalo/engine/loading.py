@@ -327,13 +327,26 @@ def _materialize_buffers(module: nn.Module) -> bool:
     return found
 
 
+def param_shapes_beside_meta_buffers(model: nn.Module) -> dict[int, dict[str, torch.Size]]:
+    """``id(module)`` -> {parameter name: shape} of the modules holding a meta buffer: what
+    their init function sees when ``place_buffers`` runs it after the parameters became the
+    engine's placeholders (``_fill_meta_buffers``)."""
+    return {id(m): {n: p.shape for n, p in m._parameters.items() if p is not None}
+            for m in model.modules()
+            if any(b is not None and b.is_meta for b in m._buffers.values())}
+
+
 def place_buffers(model: nn.Module, device: torch.device, source, init_fns=None,
-                  seed: int = 0) -> None:
+                  seed: int = 0, param_shapes: dict[int, dict[str, torch.Size]] | None = None
+                  ) -> None:
     """Every buffer on the compute device, moved one at a time (shared buffers once).
 
     Meta buffers are read from the checkpoint when it stores them (persistent buffers), else
-    computed by their module's init function (e.g. rotary ``inv_freq``), seeded by the
-    module's name. In-memory starts take rank 0's values (collective).
+    computed by their module's init function (e.g. rotary ``inv_freq``, Gemma's scaled
+    embedding's ``embed_scale``), seeded by the module's name, with the module's own
+    parameters seen as meta tensors of their shapes (``param_shapes``, taken before the engine
+    replaced them: an init function that also initializes them then writes nothing, e.g. the
+    padding row of an embedding). In-memory starts take rank 0's values (collective).
     Raises ValueError for a meta buffer that neither the checkpoint nor an init function
     provides.
     """
@@ -342,7 +355,8 @@ def place_buffers(model: nn.Module, device: torch.device, source, init_fns=None,
     for mod_name, module in model.named_modules():
         metas = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
         if metas:
-            _fill_meta_buffers(mod_name, module, metas, source, init_fns, seed)
+            _fill_meta_buffers(mod_name, module, metas, source, init_fns, seed,
+                               (param_shapes or {}).get(id(module), {}))
         for name, buf in list(module._buffers.items()):
             if buf is None:
                 continue
@@ -354,7 +368,7 @@ def place_buffers(model: nn.Module, device: torch.device, source, init_fns=None,
 
 
 def _fill_meta_buffers(mod_name: str, module: nn.Module, names: list[str], source,
-                       init_fns, seed: int) -> None:
+                       init_fns, seed: int, shapes: dict[str, torch.Size]) -> None:
     keys = {n: f"{mod_name}.{n}" if mod_name else n for n in names}
     values = {n: source.fill_buffer(keys[n], module._buffers[n], module) for n in names}
     _materialize_buffers(module)
@@ -367,9 +381,18 @@ def _fill_meta_buffers(mod_name: str, module: nn.Module, names: list[str], sourc
                              "or reset_parameters) provides them; build the model on the CPU "
                              "(not the meta device), or give the module a reset_parameters that "
                              "fills them")
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), _init_guard():
-            torch.manual_seed(unit_seed(seed, f"buffers of {mod_name}"))
-            fn(module)
+        held = dict(module._parameters)
+        try:
+            for n, shape in shapes.items():  # the placeholders as their shapes, on meta
+                if module._parameters.get(n) is not None:
+                    module._parameters[n] = nn.Parameter(
+                        torch.empty(shape, device="meta", dtype=held[n].dtype),
+                        requires_grad=held[n].requires_grad)
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), _init_guard():
+                torch.manual_seed(unit_seed(seed, f"buffers of {mod_name}"))
+                fn(module)
+        finally:
+            module._parameters.update(held)
     for n, v in values.items():
         if v is not None:
             module._buffers[n].copy_(v)

@@ -7,8 +7,8 @@ entries and folds each tile into per-token log-probabilities (and entropy, top-1
 (B, T, V) logits are never built. The engine never calls ``model.forward``: its head has the
 last unit's output instead. ``FusedLMHead`` is the ``user_loss.CallVariant`` that does what the
 patched forward does after its backbone, from that output: the adapter's final norm
-(``final_hidden``), the causal shift, the SAME kernel call with the adapter's ``output_head``
-— so the loss, its gradient and the metrics are TRL's, per microbatch, and the logits of a
+(``final_hidden``), the causal shift, the SAME kernel call with the adapter's output projection
+and the config's logit scale and softcap (as TRL reads them) — so the loss, its gradient and the metrics are TRL's, per microbatch, and the logits of a
 microbatch are never materialized either. Written against TRL 1.16.
 """
 
@@ -27,8 +27,9 @@ _OUTPUT_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is
 
 
 def _logit_scale(text_config: Any) -> float:
-    """The pre-softcap logit multiplier TRL's fused head reads from the config (1.0 for every
-    model hf_cephalo supports); ``add_fused_lm_head``'s lookup order."""
+    """The pre-softcap logit multiplier TRL's fused head reads from the config (Granite's
+    1 / logits_scaling, Cohere's logit_scale, ...; 1.0 where none); ``add_fused_lm_head``'s
+    lookup order."""
     scale = getattr(text_config, "logit_scale", None)
     if scale is None:
         scale = getattr(text_config, "output_multiplier", None)
@@ -69,7 +70,7 @@ class FusedLMHead:
             hidden, labels = hidden[:, :-1], labels[:, 1:]  # (m, S - 1, H), (m, S - 1)
         else:
             labels = shift_labels
-        head = view.output_head()
+        head = view.output_projection()  # TRL applies the config's scale / softcap below
         weight, bias = head.weight, head.bias
         labels = labels.to(weight.device)
         mask = labels != -100

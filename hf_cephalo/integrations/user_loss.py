@@ -87,6 +87,11 @@ class HeadView:
     def output_head(self) -> torch.nn.Module:
         return self._causal("output_head").output_head()
 
+    def output_projection(self) -> torch.nn.Module:
+        """The projection ``final_hidden()`` feeds, before any logit scaling / softcapping
+        (``CausalLMStagedModel.output_projection``)."""
+        return self._causal("output_projection").output_projection()
+
 
 class CallVariant(Protocol):
     """A model call the stand-in answers differently, selected by a truthy keyword argument

@@ -63,11 +63,15 @@ class Layout:
     head: those called after the last layer (a module in both lists is a tied use).
     embed_only: parameter-holding modules called before the first layer only; the head pass
         stubs them (their unit is not gathered then).
-    output_len: None when a layer returns its hidden states; k when it returns a k-tuple with
-        the hidden states first and None elsewhere.
+    output_len: None when a layer returns its hidden states; k when it returns a k-tuple (or
+        list) with the hidden states first. Stub layers return the other k - 1 entries as None
+        (attention weights, cache entries the model reads only when asked for them): where
+        the model's forward would use one of them, the self-check's comparison differs or
+        fails, and the class is refused.
     plain_head: the logits are exactly ``get_output_embeddings()`` of its input (no scaling or
-        softcapping after it): TRL's fused log-probabilities may project the final hidden
-        states themselves.
+        softcapping after it), so ``output_head()`` may stand for the whole head; where not,
+        only ``output_projection()`` is answered (TRL's fused log-probabilities apply the
+        config's scaling and softcapping themselves, as on stock).
     """
 
     layers: str
@@ -390,7 +394,13 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
     def final_hidden(self, hidden: torch.Tensor, microbatch: Microbatch,
                      ctx: GenericContext) -> torch.Tensor:
         """The input of the output projection: (m, S, H), after the final norm."""
-        return self.head_forward(hidden, microbatch, ctx, stop_at=self.output_head())
+        return self.head_forward(hidden, microbatch, ctx, stop_at=self.output_projection())
+
+    def output_projection(self) -> nn.Module:
+        """``get_output_embeddings()``, whatever the model does to its output afterwards: for a
+        loss that applies the config's logit scaling / softcapping itself (TRL's fused head,
+        as stock TRL does on the model's own backbone output)."""
+        return self.model.get_output_embeddings()
 
     def output_head(self) -> nn.Module:
         """``get_output_embeddings()`` when the logits are exactly its output; ValueError for a
@@ -489,9 +499,8 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
             order.append(i)
             if isinstance(out, torch.Tensor):
                 output_len.append(None)
-            elif isinstance(out, tuple) and out and torch.is_tensor(out[0]) and all(
-                    o is None for o in out[1:]):
-                output_len.append(len(out))
+            elif isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
+                output_len.append(len(out))  # extras: None in the stubs (see Layout)
             else:
                 raise StructureError(f"layer {i} of {type(model).__name__} returns "
                                      f"{type(out).__name__}, not its hidden states")

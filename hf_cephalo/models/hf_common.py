@@ -340,6 +340,12 @@ class CausalLMStagedModel(HFStagedModel):
         """The output projection (``lm_head``: weight (V, H), bias (V,) or None), a head module."""
         raise NotImplementedError(f"{type(self).__name__} must implement output_head")
 
+    def output_projection(self) -> nn.Module:
+        """The (V, H) projection ``final_hidden`` feeds, for a loss that applies the config's
+        logit scaling / softcapping itself as TRL's fused head does; ``output_head()`` here
+        (the generic path also answers it where the logits are transformed after it)."""
+        return self.output_head()
+
     def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
         """Final norm + output projection: (m, S, H) -> logits (m, S, V), as the model's forward."""
         return self.output_head()(self.final_hidden(hidden, microbatch, ctx))

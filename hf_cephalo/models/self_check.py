@@ -31,10 +31,12 @@ RTOL, ATOL = 1e-5, 1e-6
 """The self-check's tolerance on losses and gradients (fp32)."""
 
 TINY_VOCAB = 96
+TINY_MAX_NUMEL = 50_000_000  # a tiny copy above this is a config the shrink missed
 _SIZES = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 24,
           "shared_expert_intermediate_size": 24, "ffn_hidden_size": 48, "n_inner": 48,
           "kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
-          "v_head_dim": 8, "d_model": 32, "n_embd": 32, "embedding_size": 32}
+          "v_head_dim": 8, "d_model": 32, "n_embd": 32, "embedding_size": 32,
+          "hidden_size_per_layer_input": 8}
 _HEADS = ("num_attention_heads", "n_head", "num_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -86,49 +88,81 @@ def _is_width(key: str) -> bool:
                            "group", "block", "batch"))
 
 
+def _get(cfg: Any, key: str) -> Any:
+    """``cfg.key``, or None where reading it raises (a per-layer attribute read globally)."""
+    try:
+        return getattr(cfg, key, None)
+    except Exception:  # noqa: BLE001 - a per-layer attribute: the stored global value
+        return vars(cfg).get(key)
+
+
+def _set(cfg: Any, key: str, value: Any) -> None:
+    """``cfg.key = value``, except where the class makes ``key`` a read-only property (derived
+    from other fields, which the shrink sets); a per-layer attribute's global value is stored
+    as the config stores it."""
+    prop = getattr(type(cfg), key, None)
+    if isinstance(prop, property) and prop.fset is None:
+        return
+    try:
+        setattr(cfg, key, value)
+    except Exception:  # noqa: BLE001
+        vars(cfg)[key] = value
+
+
+def _int(cfg: Any, key: str) -> int | None:
+    v = _get(cfg, key)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def _shrink_text(cfg: Any) -> None:
-    widths = {getattr(cfg, k): v for k, v in _SIZES.items()
-              if isinstance(getattr(cfg, k, None), int) and k in ("hidden_size", "d_model",
-                                                                  "n_embd")}
+    widths = {_get(cfg, k): v for k, v in _SIZES.items()
+              if _int(cfg, k) is not None and k in ("hidden_size", "d_model", "n_embd")}
     for key, value in list(vars(cfg).items()):
         # a width tied to the model width (OPT's word_embed_proj_dim) stays tied to it
         if isinstance(value, int) and not isinstance(value, bool) and value in widths \
                 and key not in _SIZES and _is_width(key):
-            setattr(cfg, key, widths[value])
-    L = getattr(cfg, "num_hidden_layers", None)
-    if isinstance(L, int):
+            _set(cfg, key, widths[value])
+    L = _int(cfg, "num_hidden_layers")
+    if L is not None:
         n = _num_layers_needed(cfg, L)
         for key, value in list(vars(cfg).items()):
             if isinstance(value, (list, tuple)) and len(value) == L and key != "architectures":
-                setattr(cfg, key, type(value)(value[:n]))
-        cfg.num_hidden_layers = n
-        if getattr(cfg, "mlp_only_layers", None):
+                _set(cfg, key, type(value)(value[:n]))
+        _set(cfg, "num_hidden_layers", n)
+        for key, value in list(vars(cfg).items()):  # encoder_layers / decoder_layers alike
+            if key.endswith("_layers") and value == L and not isinstance(value, bool):
+                _set(cfg, key, n)
+        if _get(cfg, "mlp_only_layers"):
             cfg.mlp_only_layers = [i for i in cfg.mlp_only_layers if i < n]
-    heads = next((getattr(cfg, k) for k in _HEADS if isinstance(getattr(cfg, k, None), int)), None)
+    heads = next((_int(cfg, k) for k in _HEADS if _int(cfg, k) is not None), None)
     for key in _HEADS:
-        if isinstance(getattr(cfg, key, None), int):
-            setattr(cfg, key, 4)
+        if _int(cfg, key) is not None:
+            _set(cfg, key, 4)
     for key in _KV_HEADS:
-        v = getattr(cfg, key, None)
-        if isinstance(v, int):
-            setattr(cfg, key, 4 if heads is None or v >= heads else 2 if v > 1 else 1)
-    if isinstance(getattr(cfg, "head_dim", None), int):
-        cfg.head_dim = 8
+        v = _int(cfg, key)
+        if v is not None:
+            _set(cfg, key, 4 if heads is None or v >= heads else 2 if v > 1 else 1)
+    head_dim, rope_dim = _int(cfg, "head_dim"), _int(cfg, "qk_rope_head_dim")
+    if head_dim is not None:  # MLA (DeepSeek) ties head_dim to the rotary part's width
+        _set(cfg, "head_dim", _SIZES["qk_rope_head_dim"] if head_dim == rope_dim else 8)
     for key, size in _SIZES.items():
-        if isinstance(getattr(cfg, key, None), int):
-            setattr(cfg, key, size)
+        if _int(cfg, key) is not None:
+            _set(cfg, key, size)
+    for key in ("rotary_dim", "rotary_emb_dim"):  # a rotary width no wider than a tiny head
+        if _int(cfg, key) is not None and _int(cfg, key) > 4:
+            _set(cfg, key, 4)
     for key in _EXPERTS:
-        if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) > 4:
-            setattr(cfg, key, 4)
+        if _int(cfg, key) is not None and _int(cfg, key) > 4:
+            _set(cfg, key, 4)
     for key in _TOPK:
-        if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) > 2:
-            setattr(cfg, key, 2)
+        if _int(cfg, key) is not None and _int(cfg, key) > 2:
+            _set(cfg, key, 2)
     for key in ("n_group", "topk_group"):
-        if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) > 1:
-            setattr(cfg, key, 1)
-    if isinstance(getattr(cfg, "sliding_window", None), int):
+        if _int(cfg, key) is not None and _int(cfg, key) > 1:
+            _set(cfg, key, 1)
+    if _int(cfg, "sliding_window") is not None:
         cfg.sliding_window = 4  # shorter than the check's rows, so the sliding mask shows
-    if isinstance(getattr(cfg, "vocab_size", None), int):
+    if _int(cfg, "vocab_size") is not None:
         _shrink_vocab(cfg)
 
 
@@ -147,6 +181,9 @@ def _shrink_vocab(cfg: Any) -> None:
             setattr(cfg, key, [ids.get(x, x) for x in v])
         elif isinstance(v, int):
             setattr(cfg, key, ids.get(v, v))
+    for key, value in list(vars(cfg).items()):  # per-layer input vocabularies (Gemma 3n / 4)
+        if key.startswith("vocab_size") and isinstance(value, int) and value > TINY_VOCAB:
+            _set(cfg, key, TINY_VOCAB)
     cfg.vocab_size = TINY_VOCAB
 
 
@@ -154,20 +191,40 @@ def tiny_config(config: Any) -> Any:
     """A copy of ``config`` with sizes shrunk (layers to the fewest that keep each per-layer
     pattern, widths, heads, experts, vocabulary, sliding window); every other field kept."""
     cfg = copy.deepcopy(config)
-    _shrink_text(cfg)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    if text is not cfg:
-        _shrink_text(text)
+    for sub in _configs(cfg):  # the model's own and every sub-config (text, vision, encoder...)
+        _shrink_text(sub)
     impl = getattr(config, "_attn_implementation", None)
     cfg._attn_implementation = impl if impl in ("eager", "sdpa") else None  # auto: sdpa or eager
     return cfg
+
+
+def _configs(cfg: Any) -> list[Any]:
+    """``cfg`` and every config nested in it (a multi-part model's text / vision / encoder /
+    patcher configs), each once."""
+    out, todo, seen = [], [cfg], set()
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        out.append(c)
+        todo.extend(v for v in vars(c).values() if hasattr(v, "to_json_string")
+                    and hasattr(v, "model_type"))
+    return out
+
+
+def tiny_numel(cls: type, cfg: Any) -> int:
+    """Parameters of ``cls(cfg)``, counted on the meta device (nothing allocated)."""
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        return sum(p.numel() for p in cls(cfg).parameters())
 
 
 def _check_batch(config: Any, classifier: bool, seed: int = 0) -> dict[str, torch.Tensor]:
     """Four rows of 9 tokens: left padding on one row (classifier) or right padding (causal
     LM), labels with ignored positions; pad ids avoided in the real tokens."""
     g = torch.Generator().manual_seed(seed)
-    pad = config.get_text_config().pad_token_id if hasattr(config, "get_text_config") else None
+    pad = getattr(config.get_text_config(), "pad_token_id", None)  # a config may define none
     vocab = config.get_text_config().vocab_size
     ids = torch.randint(4, vocab - 8, (4, 9), generator=g)
     mask = torch.ones_like(ids)
@@ -290,6 +347,16 @@ def _check(cls: type, config: Any) -> Proof:
     text = cfg.get_text_config()
     if classifier and getattr(text, "pad_token_id", None) is None:
         text.pad_token_id = 0  # pooling needs one (stock refuses more rows without it too)
+    try:
+        numel = tiny_numel(cls, cfg)
+    except Exception as exc:  # noqa: BLE001 - any failure to build is a refusal with its cause
+        raise StructureError(f"could not build a tiny copy of {cls.__name__} to check the "
+                             f"staging ({type(exc).__name__}: {exc})") from exc
+    if numel > TINY_MAX_NUMEL:
+        raise StructureError(f"a tiny copy of {cls.__name__} to check the staging would still "
+                             f"hold {numel / 1e6:.0f}M parameters (its config has sizes the "
+                             f"check does not know how to shrink; limit "
+                             f"{TINY_MAX_NUMEL / 1e6:.0f}M)")
     try:
         with warnings.catch_warnings(), torch.device("cpu"):
             warnings.simplefilter("ignore")
