@@ -49,8 +49,8 @@ from hf_cephalo.integrations.user_loss import UserLossStagedModel
 from hf_cephalo.models.registry import supported_model_classes
 from hf_cephalo.planner import Plan
 from hf_cephalo.profiles.types import ClusterProfile
-from hf_cephalo.runtime.optim import (decay_groups, parameter_names, repoint_optimizer,
-                                      shard_optimizer)
+from hf_cephalo.runtime.optim import (decay_groups, engine_names, parameter_names,
+                                      repoint_optimizer, shard_optimizer)
 from hf_cephalo.runtime.report import format_plan_table  # noqa: F401 (exported)
 from hf_cephalo.runtime.sampler import packs_without_padding
 from hf_cephalo.runtime.session import Session
@@ -125,6 +125,8 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
             raise TypeError(f"{type(self).__name__} needs CephaloTrainingArguments, got "
                             f"{type(args).__name__}: build args=CephaloTrainingArguments(...) "
                             "(every TrainingArguments field plus the cephalo_* settings)")
+        if isinstance(model, str):  # a TRL door loads a name as stock TRL does; else refused
+            model = self._load_named_model(model, args)
         # [Note: no silent no-op] and [Note: one refusal message] in support.py: every refused
         # setting of the script (arguments, hooks, datasets, model) in one ValueError, before
         # the process group exists
@@ -143,7 +145,8 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         if self.model is not model:  # the subclass wrapped the model (e.g. get_peft_model)
             model = self.model
             staged = check_script(args, model, [])
-        self._decay_names = set(self.get_decay_parameter_names(model))  # before sharding
+        # before sharding; as the engine names them (a PeftModel's carry a prefix it has not)
+        self._decay_names = engine_names(model, self.get_decay_parameter_names(model))
         # stock floating_point_ops' parameter count, read while the model still holds its weights
         self._flops_numel = (model.num_parameters(exclude_embeddings=True)
                              if hasattr(model, "num_parameters") else 0)
@@ -237,6 +240,11 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         from the engine's head in another way than with the logits (a TRL trainer: its fused
         LM head, ``trl_fused.py``). Default: none."""
         return {}
+
+    def _load_named_model(self, name: str, args) -> Any:
+        """A model given by name: stock ``Trainer`` takes a model object, so the name is kept
+        and refused by ``check_script``; the TRL doors load it (``TRLModelByName``)."""
+        return name
 
     def _engine_staged(self, staged):
         """The adapter the engine runs (the user loss wraps it): ``staged`` (a TRL trainer whose

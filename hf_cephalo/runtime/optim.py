@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 __all__ = ["shard_optimizer", "repoint_optimizer", "repoint_problems", "parameter_names",
-           "check_elementwise_optimizer", "decay_groups", "NOT_ELEMENTWISE"]
+           "check_elementwise_optimizer", "decay_groups", "engine_names", "NOT_ELEMENTWISE"]
 
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon", "Shampoo", "GaLoreAdamW",
                    "GaLoreAdamW8bit", "GaLoreAdafactor", "Apollo", "Lomo", "AdaLomo")
@@ -74,9 +74,26 @@ def shard_optimizer(engine, optimizer_cls: type, optimizer_kwargs: Mapping[str, 
 
 
 def parameter_names(model: torch.nn.Module) -> dict[int, str]:
-    """``id(parameter)`` -> name for every parameter of ``model``: what ``repoint_optimizer``
-    needs, taken before the engine replaces the parameters."""
-    return {id(p): n for n, p in model.named_parameters()}
+    """``id(parameter)`` -> the engine's name for every parameter of ``model``: what
+    ``repoint_optimizer`` needs, taken before the engine replaces the parameters.
+
+    The engine names parameters as the model it stages does: a LoRA ``PeftModel``'s are those
+    of the model it wraps (``base_model.model.``'s names, without that prefix), so an optimizer
+    or a decay group built over the ``PeftModel`` finds its shards (``engine_names``).
+    """
+    from hf_cephalo.models.peft_lora import is_peft_model
+
+    inner = model.base_model.model if is_peft_model(model) else model
+    return {id(p): n for n, p in inner.named_parameters()}
+
+
+def engine_names(model: torch.nn.Module, names: Iterable[str]) -> set[str]:
+    """The engine's names (``parameter_names``) of the parameters ``model.named_parameters()``
+    calls ``names``: e.g. stock ``get_decay_parameter_names`` of a ``PeftModel``
+    (``base_model.model.model.layers.0...lora_A.default.weight``) as the engine's shards are
+    named (``model.layers.0...lora_A.default.weight``)."""
+    name_of, wanted = parameter_names(model), set(names)
+    return {name_of[id(p)] for n, p in model.named_parameters() if n in wanted}
 
 
 def repoint_problems(optimizer: torch.optim.Optimizer, name_of: Mapping[int, str], what: str,
