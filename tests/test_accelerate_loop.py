@@ -23,7 +23,9 @@ parameter), fp32 at rtol 1e-5 / atol 1e-6:
 * the same job through ``CephaloTrainer`` gives the loop's losses;
 * bf16 autocast: the loop equals the Trainer door on the same plan (same engine), fp32 master
   weights within bf16 tolerance of the fp32 reference;
-* evaluation: ``gather_for_metrics`` returns every eval row exactly once, in dataset order;
+* evaluation: ``gather_for_metrics`` returns every eval row exactly once, in dataset order, and
+  so do per-row ids the collator passes through as a list (each rank holds its rows' own);
+  the loop pops those ids from every batch (an idle rank's too);
 * refusals before any collective: a second model, ``no_sync``, backward twice, a loss that does
   not depend on the outputs (every rank raises, none hangs).
 """
@@ -78,6 +80,16 @@ class _Stream(torch.utils.data.IterableDataset):
 
 def _collate(rows):
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _with_idx(rows):
+    return [dict(r, idx=i) for i, r in enumerate(rows)]
+
+
+def _collate_idx(rows):
+    """Per-row metadata as collators pass it through: a list of ints beside the tensors."""
+    return {**_collate([{k: v for k, v in r.items() if k != "idx"} for r in rows]),
+            "idx": [r["idx"] for r in rows]}
 
 
 # the model's matrices (decayed); the norms are not. By NAME: the prepared model's parameters
@@ -160,9 +172,9 @@ def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, preci
         loader = DataLoader(_Stream(_samples(N_TRAIN, 0)), batch_size=B // world,
                             collate_fn=_collate)
     else:
-        loader = DataLoader(_samples(N_TRAIN, 0), batch_size=max(B // (world * ga), 1),
-                            shuffle=True, collate_fn=_collate,
-                            generator=torch.Generator().manual_seed(SEED))
+        loader = DataLoader(_with_idx(_samples(N_TRAIN, 0)),
+                            batch_size=max(B // (world * ga), 1), shuffle=True,
+                            collate_fn=_collate_idx, generator=torch.Generator().manual_seed(SEED))
     objects = [model, optimizer, loader] + ([scheduler] if sched else [])
     model, optimizer, loader, *rest = accelerator.prepare(*objects)
     scheduler = rest[0] if rest else None
@@ -177,6 +189,11 @@ def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, preci
         active = accelerator.skip_first_batches(loader, skip) if skip else loader
         skip = 0
         for batch in active:
+            # the loop edits its batch (issue 37: an idle rank's batch was one cached object,
+            # so the second pop raised KeyError); the ids are this rank's rows' own
+            idx = batch.pop("idx", None)
+            if not stream:
+                assert len(idx) == batch["input_ids"].shape[0], idx
             with accelerator.accumulate(model):
                 outputs = model(**batch)
                 if kind == "own":
@@ -226,17 +243,19 @@ def _eval_case(rank, world, root, plan):
     accelerator = _accelerator(plan_file)
     model = build("llama", seed=0)
     train = DataLoader(_samples(N_TRAIN, 0), batch_size=B // world, collate_fn=_collate)
-    evals = DataLoader(_samples(N_EVAL, 5), batch_size=2, collate_fn=_collate)
+    evals = DataLoader(_with_idx(_samples(N_EVAL, 5)), batch_size=2, collate_fn=_collate_idx)
     model, train, evals = accelerator.prepare(model, train, evals)
     model.eval()
-    ids, logits = [], []
+    ids, logits, idx = [], [], []
     for batch in evals:
+        rows = batch.pop("idx")
         with torch.no_grad():
             outputs = model(**batch)
         got = accelerator.gather_for_metrics((batch["input_ids"], outputs.logits))
         ids.append(got[0])
         logits.append(got[1])
-    return dict(ids=torch.cat(ids), logits=torch.cat(logits))
+        idx.extend(accelerator.gather_for_metrics(rows))  # metadata: gather_object
+    return dict(ids=torch.cat(ids), logits=torch.cat(logits), idx=idx)
 
 
 def _refusals(rank, world, root, plan):
@@ -256,6 +275,22 @@ def _refusals(rank, world, root, plan):
         accelerator.prepare(model, build("llama", seed=1), loader)
     except ValueError as e:
         errors["second_model"] = str(e)
+    data = _samples(N_TRAIN, 0)
+    samplers = {  # issue 37: each was replaced by the engine's order without a word
+        "reverse_sampler": DataLoader(data, batch_size=B // world, collate_fn=_collate,
+                                      sampler=list(range(N_TRAIN))[::-1]),
+        "weighted_sampler": DataLoader(data, batch_size=B // world, collate_fn=_collate,
+                                       sampler=torch.utils.data.WeightedRandomSampler(
+                                           [1.0] * N_TRAIN, N_TRAIN)),
+        "replacement": DataLoader(data, batch_size=B // world, collate_fn=_collate,
+                                  sampler=torch.utils.data.RandomSampler(data, True)),
+        "batch_sampler": DataLoader(data, collate_fn=_collate, batch_sampler=[[0, 1], [2, 3]]),
+    }
+    for name, bad in samplers.items():
+        try:
+            accelerator.prepare(model, bad)
+        except ValueError as e:
+            errors[name] = str(e)
     model, loader = accelerator.prepare(model, loader)
     try:
         accelerator.prepare(DataLoader(_Stream(_samples(N_EVAL, 5)), batch_size=2,
@@ -498,6 +533,7 @@ def test_gather_for_metrics_every_row_once_in_order(runs, world):
     for result in runs[world]:
         got = result["eval"]
         assert torch.equal(got["ids"], torch.stack([r["input_ids"] for r in data]))
+        assert got["idx"] == list(range(N_EVAL))  # each row's metadata once, in order
         torch.testing.assert_close(got["logits"], want, rtol=RTOL, atol=1e-5)
 
 
@@ -509,5 +545,12 @@ def test_refusals_on_every_rank(runs, world):
         assert "trains ONE model" in errors["second_model_later"]
         assert "no_sync" in errors["no_sync"]
         assert "evaluation DataLoader over a stream" in errors["stream_eval"]
+        assert "sampler=list(...)" in errors["reverse_sampler"], errors
+        assert "WeightedRandomSampler" in errors["weighted_sampler"]
+        for name in ("reverse_sampler", "weighted_sampler", "replacement"):
+            assert "reorder or repeat the dataset" in errors[name], errors[name]
+        assert "replacement=True" in errors["replacement"]
+        assert "batch_sampler=list" in errors["batch_sampler"]
+        assert "Pass batch_size= and shuffle=" in errors["batch_sampler"]
         assert "does not depend on this step's model outputs" in errors["not_from_outputs"]
         assert "called twice" in errors["backward_twice"]

@@ -185,6 +185,37 @@ def test_packing_collator_pads_nothing():
         GlobalBatchCollator(flatten, [1, 3], 0, 1)([{"input_ids": [1, 2, 3]}] * 4)
 
 
+def test_global_batch_collation_cuts_per_row_metadata():
+    """Ids and texts a collator passes through belong to their rows: each rank and microbatch
+    gets its own rows' entries (issue 37: every rank got the whole global batch's list), in
+    global order when concatenated over ranks; a field that is not one entry per sample stays
+    whole; the container type is kept."""
+    from transformers import BatchEncoding
+
+    def collate(samples):
+        return BatchEncoding({"x": torch.tensor([s["i"] for s in samples]),
+                              "idx": [s["i"] for s in samples],
+                              "text": tuple(f"row {s['i']}" for s in samples),
+                              "task": ["lm"]})
+
+    samples = [{"i": i} for i in range(7)]
+    sizes = [2, 0, 5]
+    got = {}
+    for rank in range(3):
+        got[rank] = GlobalBatchCollator(collate, sizes, rank, 2)(samples)
+    assert got[1] == []
+    ids = [i for rank in (0, 2) for mb in got[rank] for i in mb["idx"]]
+    assert ids == list(range(7))
+    for rank in (0, 2):
+        for mb in got[rank]:
+            assert isinstance(mb, BatchEncoding)
+            assert mb["idx"] == mb["x"].tolist()
+            assert list(mb["text"]) == [f"row {i}" for i in mb["idx"]]
+            assert isinstance(mb["text"], tuple)
+            assert mb["task"] == ["lm"]  # one entry for 7 samples: not per row, kept
+    assert [len(mb["idx"]) for mb in got[2]] == [2, 2, 1]
+
+
 def test_global_batch_collation_refuses_unsplittable_tensors():
     collate = GlobalBatchCollator(lambda s: {"x": torch.zeros(len(s)), "n": torch.tensor(3.0)},
                                   [2, 2], 1, 1)

@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 def check_loop_setup(accelerator, args) -> None:
     """Refusals of a custom loop's setup, on every rank before any collective (ValueError):
     a second model, an optimizer or loader prepared before the model, DeepSpeed / FSDP / fp8
-    beside Cephalo, dispatched batches, a loader without a batch size or over an iterable
-    dataset."""
+    beside Cephalo, dispatched batches, a loader without a batch size (a batch sampler), with
+    a sampler the engine would replace (``_sampler_problem``), or an evaluation loader over an
+    iterable dataset."""
     from accelerate.utils import DistributedType
 
     models = [a for a in args if isinstance(a, nn.Module) and not isinstance(a, CephaloModel)]
@@ -65,9 +66,18 @@ def check_loop_setup(accelerator, args) -> None:
     training = not accelerator.cephalo_loaders  # the first loader prepared trains
     for loader in (a for a in args if isinstance(a, DataLoader)):
         if loader.batch_size is None:
-            raise ValueError("a prepared DataLoader needs a batch_size (the global batch is "
-                             "batch_size x world size rows, cut by the plan's b_i): got "
-                             f"batch_size=None over {type(loader.dataset).__name__}")
+            given = "" if loader.batch_sampler is None else \
+                f" (batch_sampler={type(loader.batch_sampler).__name__})"
+            raise ValueError("a prepared DataLoader needs a batch_size: the global batch is "
+                             "batch_size x world size rows, cut by the plan's b_i, so the plan, "
+                             f"not a batch sampler, decides each rank's rows; got batch_size=None"
+                             f"{given} over {type(loader.dataset).__name__}. Pass batch_size= "
+                             "and shuffle= instead; for an order of your own, reorder the "
+                             "dataset (torch.utils.data.Subset(dataset, indices)) and pass "
+                             "shuffle=False")
+        problem = _sampler_problem(loader, training)
+        if problem:
+            raise ValueError(problem)
         if is_stream(loader.dataset) and not training:
             raise ValueError(f"an evaluation DataLoader over a stream "
                              f"({type(loader.dataset).__name__}): evaluation splits a dataset "
@@ -75,6 +85,41 @@ def check_loop_setup(accelerator, args) -> None:
                              "materialize the part you evaluate on (datasets.Dataset."
                              "from_generator, or list(stream))")
         training = False
+
+
+def _sampler_problem(loader: DataLoader, training: bool) -> str | None:
+    """Why the loader's sampler cannot be honoured (None: it can). The engine draws the rows of
+    each global batch itself (a permutation per epoch for ``shuffle=True``'s RandomSampler,
+    dataset order for SequentialSampler / evaluation), so any other sampler, a RandomSampler
+    with replacement or its own ``num_samples``, or a shuffled evaluation loader would be
+    replaced silently: refused instead, naming what to do."""
+    from torch.utils.data import SequentialSampler
+
+    from hf_cephalo.runtime.streaming import is_stream
+
+    sampler = loader.sampler
+    if is_stream(loader.dataset):
+        return None  # an IterableDataset's loader has no sampler of the user's
+    name = type(sampler).__name__
+    fix = ("for an order of your own (weighted, curriculum, length-grouped), reorder or repeat "
+           "the dataset itself (torch.utils.data.Subset(dataset, indices)) and pass "
+           "shuffle=False")
+    if type(sampler) is RandomSampler:
+        if sampler.replacement or sampler._num_samples is not None:
+            return (f"DataLoader(sampler=RandomSampler(replacement={sampler.replacement}, "
+                    f"num_samples={sampler._num_samples})): the engine shuffles each epoch as "
+                    "a permutation of the whole dataset (shuffle=True); " + fix)
+        if not training:
+            return ("an evaluation DataLoader with shuffle=True: evaluation reads the dataset "
+                    "in order, split by the plan's b_i, and gather_for_metrics returns rows in "
+                    "dataset order; pass shuffle=False")
+        return None
+    if type(sampler) is SequentialSampler:
+        return None
+    return (f"DataLoader(sampler={name}(...)): the engine draws each global batch's rows itself "
+            "(shuffle=True: a permutation per epoch, seeded as Accelerate seeds it; "
+            "shuffle=False: dataset order) and splits them by the plan's b_i, so a sampler "
+            "would be replaced; " + fix)
 
 
 def _broadcast_seed(accelerator, loader: DataLoader | None) -> int:
@@ -243,30 +288,35 @@ def _options_of(loader: DataLoader):
 
 class _EmptyBatch:
     """The batch of a rank with no rows in a step: the keys and trailing shapes of a collated
-    sample, with 0 rows (made once, from the dataset's first sample)."""
+    sample, with 0 rows (tensors and per-row fields, ``sampler.cut_rows``). The sample is
+    collated once (the dataset's first); each call returns a NEW batch object, so a loop that
+    edits its batch (``batch.pop("idx")``) finds the same batch at the next idle step."""
 
     def __init__(self, dataset, collate) -> None:
-        self.dataset, self.collate, self._batch = dataset, collate, None
+        self.dataset, self.collate, self._one = dataset, collate, None
 
     def __call__(self):
-        if self._batch is None:
-            from accelerate.utils import recursively_apply
+        from hf_cephalo.runtime.sampler import cut_rows
 
+        if self._one is None:
             from hf_cephalo.runtime.streaming import is_stream
 
             first = next(iter(self.dataset)) if is_stream(self.dataset) else self.dataset[0]
-            one = self.collate([first])  # the collator's own type (BatchEncoding...)
-            self._batch = recursively_apply(lambda t: t[:0] if t.dim() > 0 else t, one,
-                                            error_on_other_type=False)
-        return self._batch
+            self._one = self.collate([first])  # the collator's own type (BatchEncoding...)
+        return cut_rows(self._one, 0, 0, 1, strict=False)
 
 
 # ---- collectives over this rank's rows ---------------------------------------------------------
 def holds_only_tensors(data: Any) -> bool:
+    """Whether ``data`` holds tensors only, so ``gather_rows`` gathers it; else
+    ``gather_object``. The answer must be the same on every rank (each then issues the same
+    collectives): an empty list or tuple counts as objects, because per-row metadata (a list
+    cut to this rank's rows: ``sampler.cut_rows``) is empty exactly on a rank without rows,
+    while a list of tensors has the same length on every rank."""
     if torch.is_tensor(data):
         return True
     if isinstance(data, (list, tuple)):
-        return all(holds_only_tensors(d) for d in data)
+        return bool(data) and all(holds_only_tensors(d) for d in data)
     if isinstance(data, dict):
         return all(holds_only_tensors(d) for d in data.values())
     return False

@@ -485,14 +485,22 @@ def step_split(samples: Any, batch_sizes: list[int] | None, microbatch_size: int
     return batch_sizes, microbatch_size
 
 
-def cut_rows(batch: Any, start: int, stop: int, num_samples: int) -> Any:
-    """``batch`` with every tensor cut to rows ``[start, stop)`` (dim 0); the container types
-    (dict, ``BatchEncoding``, list, tuple, namedtuple) and non-tensor leaves kept
-    (``accelerate.utils.recursively_apply``)."""
-    from accelerate.utils import recursively_apply
+def cut_rows(batch: Any, start: int, stop: int, num_samples: int, *, strict: bool = True) -> Any:
+    """``batch`` with every tensor cut to rows ``[start, stop)`` (dim 0), and every per-row
+    field too: a list / tuple of ``num_samples`` non-tensor items under a mapping key (ids,
+    texts, sources a collator passes through) is cut to the same rows, so each rank and
+    microbatch holds its own rows' metadata. The container types (dict, ``BatchEncoding``,
+    list, tuple, namedtuple) and other non-tensor leaves are kept.
 
-    def cut(tensor: torch.Tensor) -> torch.Tensor:
+    Raises ValueError (``strict``) for a tensor whose first dimension is not ``num_samples``;
+    not ``strict``: a 0-d tensor is kept and other tensors are cut as they are.
+    """
+    from collections.abc import Mapping
+
+    def cut_tensor(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() == 0 or tensor.shape[0] != num_samples:
+            if not strict:
+                return tensor if tensor.dim() == 0 else tensor[start:stop]
             raise ValueError(f"the data collator returned a tensor of shape {tuple(tensor.shape)} "
                              f"for {num_samples} samples: its first dimension is not the "
                              "samples, so the global batch cannot be split into ranks and "
@@ -501,4 +509,18 @@ def cut_rows(batch: Any, start: int, stop: int, num_samples: int) -> Any:
                              "--cephalo_collate microbatch (padding then depends on the plan)")
         return tensor[start:stop]
 
-    return recursively_apply(cut, batch, error_on_other_type=False)
+    def cut(value: Any, field: bool) -> Any:
+        if torch.is_tensor(value):
+            return cut_tensor(value)
+        if isinstance(value, Mapping):
+            return type(value)({k: cut(v, True) for k, v in value.items()})
+        if isinstance(value, (list, tuple)):
+            named = hasattr(value, "_fields")
+            if field and not named and len(value) == num_samples \
+                    and not any(torch.is_tensor(v) for v in value):
+                return value[start:stop]  # one entry per sample
+            items = [cut(v, False) for v in value]
+            return type(value)(*items) if named else type(value)(items)
+        return value
+
+    return cut(batch, False)
