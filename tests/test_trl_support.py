@@ -109,9 +109,11 @@ def test_sft_defaults_are_trl_defaults(tmp_path):
 
 
 def test_refused_in_one_message_before_any_collective(tmp_path, monkeypatch):
-    """activation_offloading, use_liger_kernel, pad_to_multiple_of with padding-free packing and
-    a model name: one numbered message, raised before SFTTrainer prepares anything and before
-    any process group exists."""
+    """activation_offloading, use_liger_kernel and pad_to_multiple_of with padding-free
+    packing: one numbered message, raised before SFTTrainer prepares anything and before any
+    process group exists; CephaloTrainer refuses a model given by name in the same message
+    (stock Trainer takes a model object; the TRL doors load a name: next test)."""
+    from hf_cephalo.integrations import CephaloTrainer, CephaloTrainingArguments
     from hf_cephalo.integrations import CephaloSFTTrainer
     from tests.trl_fixtures import tiny_llama
 
@@ -122,16 +124,39 @@ def test_refused_in_one_message_before_any_collective(tmp_path, monkeypatch):
     monkeypatch.setattr(trl.SFTTrainer, "_prepare_dataset",
                         lambda *a, **k: prepared.append(1))
     with pytest.raises(RefusedSettings) as info:
-        CephaloSFTTrainer(model="some/llama", args=args, train_dataset=_chat())
+        CephaloSFTTrainer(model=tiny_llama(32), args=args, train_dataset=_chat())
     message = str(info.value)
-    assert "refuses 4 settings" in message, message
+    assert "refuses 3 settings" in message, message
     for needle in ("--use_liger_kernel", "--activation_offloading", "--pad_to_multiple_of = 8",
-                   "--cephalo_activation_offload", "from_pretrained_sharded"):
+                   "--cephalo_activation_offload"):
         assert needle in message, (needle, message)
     assert not prepared and not torch.distributed.is_initialized()
+    with pytest.raises(RefusedSettings, match="from_pretrained_sharded"):
+        CephaloTrainer(model="some/llama", args=CephaloTrainingArguments(
+            output_dir=str(tmp_path), report_to="none"), train_dataset=[{}])
     with pytest.raises(RefusedSettings, match="activation_offloading"):  # a model object too
         CephaloSFTTrainer(model=tiny_llama(32), args=_config(tmp_path, activation_offloading=True),
                           train_dataset=_chat())
+
+
+def test_model_by_name_refusals(tmp_path, monkeypatch):
+    """A model given by name (as TRL's scripts pass it) is loaded on the meta device; the
+    model_init_kwargs the engine cannot honour are refused, naming the key and what to do,
+    before any process group exists."""
+    from hf_cephalo.integrations import CephaloSFTTrainer
+    from tests.trl_fixtures import tiny_llama
+
+    monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
+    folder = str(tmp_path / "saved")
+    tiny_llama(32).save_pretrained(folder)
+    for kwargs, needle in [({"dtype": "bfloat16"}, "dtype='bfloat16'.*bf16=True"),
+                           ({"quantization_config": {"load_in_4bit": True}},
+                            r"\['quantization_config'\].*pass the object"),
+                           ({"device_map": {"": 0}}, "device_map")]:
+        with pytest.raises(ValueError, match=needle):
+            CephaloSFTTrainer(model=folder, args=_config(tmp_path, model_init_kwargs=kwargs),
+                              train_dataset=_chat())
+    assert not torch.distributed.is_initialized()
 
 
 @pytest.mark.parametrize("name, why", [("GRPOTrainer", "generates completions"),

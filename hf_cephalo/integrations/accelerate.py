@@ -17,7 +17,7 @@ N workers), and each worker builds its state with ``cpu=True``: Accelerate then 
 MULTI_CPU, gloo and the real number of processes. Without ``cpu=True`` the workers would see an
 initialized process group while Accelerate reports DistributedType.NO and one process.
 ``CephaloAccelerator`` and ``CephaloTrainingArguments`` set ``cpu=True`` automatically when CUDA
-is absent.
+is absent (a script's ``cpu=False`` included: Accelerate's own examples pass ``cpu=args.cpu``).
 
 [Note: Accelerate must not re-shard the weighted sampler]
 ``Accelerator.prepare`` wraps a DataLoader so that each process reads 1/world_size of its
@@ -69,8 +69,8 @@ class CephaloAccelerator(Accelerator):
     """An ``Accelerator`` that trains through the Cephalo runtime.
 
     Takes every ``Accelerator`` argument plus ``cephalo_plugin`` (default: ``CephaloPlugin()``,
-    i.e. from ``HF_CEPHALO_*``). ``cpu`` defaults to True when CUDA is absent (see
-    [Note: CPU workers under accelerate launch]). ``distributed_type`` / ``num_processes`` remain
+    i.e. from ``HF_CEPHALO_*``). ``cpu`` is True when CUDA is absent, also where a script passes
+    ``cpu=False`` (see [Note: CPU workers under accelerate launch]). ``distributed_type`` / ``num_processes`` remain
     Accelerate's (MULTI_GPU or MULTI_CPU, real world size), so gather, reduce, broadcast and RNG
     synchronization work as usual; ``cephalo_distributed_type`` is CEPHALO.
 
@@ -84,7 +84,10 @@ class CephaloAccelerator(Accelerator):
     """
 
     def __init__(self, *args: Any, cephalo_plugin: CephaloPlugin | None = None, **kwargs: Any) -> None:
-        if "cpu" not in kwargs and not torch.cuda.is_available():
+        if not kwargs.get("cpu") and not torch.cuda.is_available():
+            # also for an explicit cpu=False (Accelerate's examples pass cpu=args.cpu): without
+            # CUDA the device is the CPU either way, and only cpu=True gives the workers the
+            # real world size ([Note: CPU workers under accelerate launch])
             kwargs["cpu"] = True
         super().__init__(*args, **kwargs)
         from hf_cephalo.launch_check import check_this_launch

@@ -72,3 +72,50 @@ def from_pretrained_sharded(pretrained_model_name_or_path: str | os.PathLike, *,
             model = cls._from_config(config, dtype=dtype)
     model.cephalo_checkpoint = files
     return model
+
+
+_NAMED_MODEL_KEYS = (*_HUB_KEYS, "dtype", "trust_remote_code", "device_map",
+                     "attn_implementation", "low_cpu_mem_usage")
+
+
+def load_named_model(name: str, model_init_kwargs: dict[str, Any] | None, *, door: str,
+                     trust_remote_code: bool = False):
+    """A model given BY NAME to a TRL door, loaded as stock TRL loads it
+    (``trl.trainer.utils.create_model_from_path``: ``AutoModelForCausalLM`` with
+    ``model_init_kwargs``, dtype float32 unless given), but with ``from_pretrained_sharded``:
+    on the meta device, each rank later reading only its shards, so no rank holds the whole
+    model.
+
+    Args:
+        name: a Hub id or a local folder.
+        model_init_kwargs: the config's ``model_init_kwargs`` (``revision``, ``cache_dir``,
+            ``token``, ``local_files_only``, ``subfolder``, ``trust_remote_code``,
+            ``attn_implementation``; ``dtype`` float32; ``device_map`` None / "auto" and
+            ``low_cpu_mem_usage``, which the engine's placement supersedes).
+        door: the trainer's name, for the messages.
+
+    Raises ValueError (before any collective) for a key or value the engine cannot honour:
+    ``dtype`` other than float32 (the engine keeps fp32 master weights; use ``bf16=True`` or
+    per-rank precision for lower-precision compute), ``quantization_config`` and any other key.
+    """
+    kwargs = dict(model_init_kwargs or {})
+    unknown = sorted(k for k in kwargs if k not in _NAMED_MODEL_KEYS)
+    if unknown:
+        raise ValueError(f"{door}(model={name!r}) with model_init_kwargs {unknown}: the engine "
+                         "loads the model shard by shard on the meta device and cannot honour "
+                         "them; load the model yourself and pass the object, or drop them")
+    dtype = kwargs.pop("dtype", "float32")
+    if dtype not in (None, "float32", torch.float32):
+        raise ValueError(f"{door}(model={name!r}) with model_init_kwargs dtype={dtype!r}: the "
+                         "engine trains fp32 master weights; drop dtype (float32) and use "
+                         "bf16=True for bf16 compute (or per-rank precision: docs/guide.md)")
+    if kwargs.pop("device_map", None) not in (None, "auto"):
+        raise ValueError(f"{door}(model={name!r}): a device_map other than None / 'auto' places "
+                         "layers by hand; the engine places every rank's shards itself")
+    kwargs.pop("low_cpu_mem_usage", None)
+    kwargs.setdefault("trust_remote_code", trust_remote_code)
+    attn = kwargs.pop("attn_implementation", None)
+    model = from_pretrained_sharded(name, **kwargs)
+    if attn is not None:
+        model.set_attn_implementation(attn)
+    return model

@@ -57,6 +57,21 @@ def trl_config_dataclass(trl_config: type):
     return decorate
 
 
+class TRLModelByName:
+    """Put before ``CephaloTrainerMixin`` in a TRL trainer's bases: ``model="org/name"`` (TRL's
+    reference scripts pass ``model_args.model_name_or_path``) is loaded as stock TRL loads it,
+    with the config's ``model_init_kwargs``, but on the meta device so that each rank reads only
+    its shards (``pretrained.load_named_model``; its refusals are ValueErrors raised before any
+    collective)."""
+
+    def _load_named_model(self, name: str, args):
+        from hf_cephalo.integrations.pretrained import load_named_model
+
+        return load_named_model(name, getattr(args, "model_init_kwargs", None),
+                                door=type(self).__name__,
+                                trust_remote_code=getattr(args, "trust_remote_code", False))
+
+
 class TRLModelCard:
     """Put before ``CephaloTrainerMixin`` in a TRL trainer's bases: each checkpoint gets TRL's
     model card (``create_model_card``, as TRL's own ``_save_checkpoint`` does), then the

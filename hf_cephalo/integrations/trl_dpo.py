@@ -58,7 +58,7 @@ except ImportError as exc:  # the optional extra
                       "(trl>=1.16)") from exc
 
 from hf_cephalo.integrations.trainer import CephaloTrainerMixin
-from hf_cephalo.integrations.trl_config import (CephaloTRLConfig, TRLModelCard,
+from hf_cephalo.integrations.trl_config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
                                                  trl_config_dataclass)
 from hf_cephalo.integrations.trl_fused import FusedLMHead
 from hf_cephalo.integrations.trl_support import DPO_FIELD_SUPPORT
@@ -196,10 +196,10 @@ class CephaloDPOConfig(CephaloTRLConfig, DPOConfig):
         return refused
 
 
-class CephaloDPOTrainer(TRLModelCard, CephaloTrainerMixin, DPOTrainer):
+class CephaloDPOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, DPOTrainer):
     """``DPOTrainer`` on the Cephalo runtime (see the module notes and ``CephaloTrainerMixin``
-    for the arguments and errors; ``ref_model`` as DPOTrainer's). ``model`` must be a model
-    object (a name would be loaded whole on every rank).
+    for the arguments and errors; ``ref_model`` as DPOTrainer's). ``model``: a model object, or
+    a Hub id / folder loaded on the meta device as for SFT (``TRLModelByName``).
 
     Raises ``RefusedSettings`` (a ValueError; before any collective, in the mixin's one
     refusal message, ``dpo_problems`` and ``CephaloDPOConfig.refused_settings``) for: a

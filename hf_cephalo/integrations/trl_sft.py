@@ -32,7 +32,7 @@ except ImportError as exc:  # the optional extra
                       "(trl>=1.16)") from exc
 
 from hf_cephalo.integrations.trainer import CephaloTrainerMixin
-from hf_cephalo.integrations.trl_config import (CephaloTRLConfig, TRLModelCard,
+from hf_cephalo.integrations.trl_config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
                                                  trl_config_dataclass)
 from hf_cephalo.integrations.trl_fused import FusedLMHead
 from hf_cephalo.integrations.trl_support import SFT_FIELD_SUPPORT
@@ -75,11 +75,12 @@ class CephaloSFTConfig(CephaloTRLConfig, SFTConfig):
         return refused
 
 
-class CephaloSFTTrainer(TRLModelCard, CephaloTrainerMixin, SFTTrainer):
+class CephaloSFTTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, SFTTrainer):
     """``SFTTrainer`` on the Cephalo runtime (see the module note and ``CephaloTrainerMixin``
-    for the arguments and errors). ``model`` must be a model object (a name would be loaded
-    whole on every rank): ``AutoModelForCausalLM.from_pretrained(...)`` or
-    ``hf_cephalo.integrations.from_pretrained_sharded(...)``."""
+    for the arguments and errors). ``model``: a model object, or a Hub id / folder, loaded as
+    stock TRL loads it but on the meta device, each rank reading its shards
+    (``TRLModelByName``, ``pretrained.load_named_model``: ValueError for ``model_init_kwargs``
+    it cannot honour)."""
 
     def _engine_call_variants(self) -> dict[str, Any]:
         return {"fused_lm_head": FusedLMHead(outputs=_SFT_FUSED_OUTPUTS)}

@@ -25,12 +25,21 @@ _PREP = "SFTTrainer's own dataset preparation (tokenize, mask, pack) before plan
 
 
 SFT_FIELD_SUPPORT: dict[str, Support] = {
-    "model_init_kwargs": _na("used when the model is given by name, which CephaloSFTTrainer "
-                             "refuses (pass the model object); SFTTrainer warns it is ignored"),
+    "model_init_kwargs": _stock(
+        "with a model given by name (TRL's scripts pass model_args.model_name_or_path): loaded "
+        "as stock TRL loads it (AutoModelForCausalLM, float32 unless dtype is given), but on "
+        "the meta device, each rank reading only its shards (pretrained.load_named_model); a "
+        "dtype other than float32, quantization_config or another key the engine cannot "
+        "honour is refused before any collective; with a model object SFTTrainer warns it is "
+        "ignored, as stock",
+        "tests/test_generic_doors.py::test_trl_sft_equals_stock_one_process"),
     "trust_remote_code": _inherited("forwarded by SFTTrainer to AutoProcessor when no "
                                     "processing_class is given"),
-    "router_aux_loss_coef": _na("no supported model is a mixture of experts; SFTTrainer itself "
-                                "refuses a coefficient for a model without router logits"),
+    "router_aux_loss_coef": _na("used only for a mixture of experts whose config sets "
+                                "output_router_logits, which the TRL doors refuse (TRL adds the "
+                                "router loss per microbatch; the engine's covers the global "
+                                "batch: models/base.refuse_global_loss); unused otherwise, as on "
+                                "stock"),
     "chat_template_path": _inherited("SFTTrainer sets the template (and resizes the embeddings "
                                      "for added tokens) before the engine shards the model"),
     "dataset_text_field": _inherited(_PREP),
@@ -83,13 +92,16 @@ _PER_PAIR = ("DPOTrainer.compute_loss per microbatch in the engine's head, its m
              "sample])")
 
 DPO_FIELD_SUPPORT: dict[str, Support] = {
-    "model_init_kwargs": _na("used when the model is given by name, which CephaloDPOTrainer "
-                             "refuses (pass the model object); DPOTrainer also reads it to "
-                             "load its reference copy when no ref_model is given"),
+    "model_init_kwargs": _inherited("with a model given by name: loaded as for SFT "
+                                    "(pretrained.load_named_model: the meta device, each rank "
+                                    "its shards; refusals before any collective); DPOTrainer "
+                                    "also reads it to load its reference copy when no "
+                                    "ref_model is given"),
     "trust_remote_code": _inherited("forwarded by DPOTrainer to AutoProcessor / the reference "
                                     "copy it loads"),
-    "router_aux_loss_coef": _na("no supported model is a mixture of experts; DPOTrainer itself "
-                                "refuses a coefficient for a model without router logits"),
+    "router_aux_loss_coef": _na("used only for a mixture of experts whose config sets "
+                                "output_router_logits, which the TRL doors refuse (see SFT); "
+                                "unused otherwise, as on stock"),
     "disable_dropout": _inherited("DPOTrainer turns dropout off in the policy and the reference "
                                   "before the engine shards them (default True, as the tests "
                                   "run)"),
