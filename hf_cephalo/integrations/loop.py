@@ -39,10 +39,12 @@ from typing import Any, Iterator
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import send_to_device
 from torch import nn
 
-__all__ = ["CephaloModel", "CephaloDataLoader", "CephaloOptimizer", "split_rows"]
+__all__ = ["CephaloModel", "CephaloDataLoader", "CephaloOptimizer", "CephaloScheduler",
+           "split_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +257,39 @@ class _SkippingLoader:
 
     def __getattr__(self, name: str):
         return getattr(self.loader, name)
+
+
+class CephaloScheduler(AcceleratedScheduler):
+    """A prepared LR scheduler of a custom loop: Accelerate's, stepped
+    ``steps_per_optimizer_step`` times per optimizer step instead of the CURRENT number of
+    processes.
+
+    [Note: the LR schedule across world sizes]
+    Stock ``AcceleratedScheduler`` steps the scheduler ``num_processes`` times per optimizer step
+    (once with ``split_batches``): a script sizes its schedule for the unprepared loader, whose
+    batches Accelerate spreads over the processes. Here the global batch is fixed by the run,
+    not by the world size, so a run saved on 2 ranks and resumed on 3 would follow another
+    schedule. The rule: the world size the run STARTS on behaves as stock (``num_processes``
+    steps per optimizer step); the count is saved with the checkpoint
+    (``loop_state.SCHEDULERS_NAME``) and a resume on any world size continues it, so the
+    trajectory is the uninterrupted run's.
+    """
+
+    def __init__(self, scheduler, optimizers, *, steps_per_optimizer_step: int,
+                 step_with_optimizer: bool = True, split_batches: bool = False) -> None:
+        super().__init__(scheduler, optimizers, step_with_optimizer=step_with_optimizer,
+                         split_batches=split_batches)
+        self.steps_per_optimizer_step = int(steps_per_optimizer_step)
+
+    def step(self, *args, **kwargs):
+        if not self.step_with_optimizer or not self.gradient_state.sync_gradients:
+            return super().step(*args, **kwargs)  # stock's bookkeeping, no count involved
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return
+        for _ in range(self.steps_per_optimizer_step):
+            total = getattr(self.scheduler, "total_steps", None)
+            if total is None or self.scheduler._step_count <= total:
+                self.scheduler.step(*args, **kwargs)
 
 
 class CephaloOptimizer(AcceleratedOptimizer):

@@ -223,8 +223,23 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
             results[i] = _prepare_loader(accelerator, obj)
     for i, obj in enumerate(results):
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-            results[i] = accelerator.prepare_scheduler(obj)
+            results[i] = _prepare_scheduler(accelerator, obj)
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _prepare_scheduler(accelerator, scheduler):
+    """Accelerate's ``prepare_scheduler`` (its optimizer matching, ``step_with_optimizer``,
+    ``split_batches``), as a ``CephaloScheduler`` stepped as stock on this world size until a
+    checkpoint says otherwise ([Note: the LR schedule across world sizes] in ``loop.py``)."""
+    from hf_cephalo.integrations.loop import CephaloScheduler
+
+    stock = accelerator.prepare_scheduler(scheduler)
+    ours = CephaloScheduler(
+        stock.scheduler, stock.optimizers, step_with_optimizer=stock.step_with_optimizer,
+        split_batches=stock.split_batches,
+        steps_per_optimizer_step=1 if stock.split_batches else accelerator.num_processes)
+    accelerator._schedulers[accelerator._schedulers.index(stock)] = ours
+    return ours
 
 
 def _check_optimizers(args: tuple, name_of: dict[int, str]) -> None:

@@ -7,7 +7,9 @@ Accelerate's ``save_state`` keeps: each LR scheduler's ``state_dict`` (``schedul
 ``scheduler_<i>.pt``), every rank's RNG states (``random_states_<rank>.pkl``: Python, NumPy,
 torch, CUDA), the loss scaler (``scaler.pt``), the objects given to
 ``register_for_checkpointing`` (``custom_checkpoint_<i>.pkl``) and the prepared loaders' position
-(``cephalo_loaders.json``: the epoch in progress and the batches handed out). It is written
+(``cephalo_loaders.json``: the epoch in progress and the batches handed out) and each
+scheduler's steps per optimizer step (``cephalo_schedulers.json``: a resume on another world
+size keeps the schedule, [Note: the LR schedule across world sizes] in ``loop.py``). It is written
 aside and renamed after its completeness marker (``atomic_checkpoint_dir``): a save killed
 midway publishes nothing. The full model is not in it: ``accelerator.save_model`` or
 ``hf-cephalo export`` write one.
@@ -34,7 +36,11 @@ import torch
 from hf_cephalo.runtime import checkpointing
 from hf_cephalo.runtime.checkpoint_contents import LOADERS_NAME, CheckpointContents, check_contents
 
-__all__ = ["save_loop_state", "load_loop_state", "LOADERS_NAME"]
+__all__ = ["save_loop_state", "load_loop_state", "LOADERS_NAME", "SCHEDULERS_NAME"]
+
+SCHEDULERS_NAME = "cephalo_schedulers.json"
+"""Each prepared scheduler's steps per optimizer step ([Note: the LR schedule across world
+sizes] in ``loop.py``): what a resume on another world size keeps."""
 
 
 def _scheduler_name(i: int) -> str:
@@ -81,6 +87,9 @@ def save_loop_state(accelerator, output_dir: str) -> str:
             checkpointing.save_adapter_config(session.model, staging)
             for i, scheduler in enumerate(accelerator._schedulers):
                 torch.save(scheduler.state_dict(), os.path.join(staging, _scheduler_name(i)))
+            with open(os.path.join(staging, SCHEDULERS_NAME), "w") as f:
+                json.dump([getattr(s, "steps_per_optimizer_step", None)
+                           for s in accelerator._schedulers], f)
             if accelerator.scaler is not None:
                 torch.save(accelerator.scaler.state_dict(), os.path.join(staging, "scaler.pt"))
             for i, obj in enumerate(accelerator._custom_objects):
@@ -106,6 +115,7 @@ def load_loop_state(accelerator, input_dir: str) -> None:
     for i, scheduler in enumerate(accelerator._schedulers):
         scheduler.load_state_dict(torch.load(os.path.join(input_dir, _scheduler_name(i)),
                                              weights_only=True))
+    _restore_scheduler_steps(accelerator, input_dir)
     path = os.path.join(input_dir, "scaler.pt")
     if accelerator.scaler is not None and os.path.isfile(path):
         accelerator.scaler.load_state_dict(torch.load(path, weights_only=True))
@@ -118,6 +128,19 @@ def load_loop_state(accelerator, input_dir: str) -> None:
         _set_rng_state(pickle.load(f))
     _restore_loaders(accelerator, input_dir)
     session.global_step = step
+
+
+def _restore_scheduler_steps(accelerator, input_dir: str) -> None:
+    """The saved run's scheduler steps per optimizer step, kept on this world size (a
+    checkpoint without the file: the count in force stays)."""
+    path = os.path.join(input_dir, SCHEDULERS_NAME)
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        counts = json.load(f)
+    for scheduler, count in zip(accelerator._schedulers, counts):
+        if count is not None and hasattr(scheduler, "steps_per_optimizer_step"):
+            scheduler.steps_per_optimizer_step = int(count)
 
 
 def _restore_loaders(accelerator, input_dir: str) -> None:
