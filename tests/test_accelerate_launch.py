@@ -90,5 +90,5 @@ def test_bad_setting_fails_on_every_rank_without_hanging(tmp_path):
     [(rc, out)] = _wait_all([_launch("cephalo_cpu.yaml", free_port(), tmp_path,
                                      env_extra={"HF_CEPHALO_MEMORY_FRACTION": "2"})])
     assert rc != 0
-    assert "memory_fraction = '2' (--cephalo_memory_fraction or env HF_CEPHALO_MEMORY_FRACTION)" in out
+    assert "memory_fraction = '2' (--cephalo_memory_fraction, CephaloPlugin(memory_fraction=...) or env HF_CEPHALO_MEMORY_FRACTION)" in out
     assert not list(tmp_path.glob("rank*.json"))

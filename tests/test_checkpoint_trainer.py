@@ -274,3 +274,22 @@ def test_resume_true_over_a_corrupt_newest_checkpoint_names_the_complete_one_bef
         f"CheckpointError: {shard}: corrupt — CRC-32 does not match the one recorded at save; "
         "the checkpoint is damaged: copy the directory again, or resume from the newest complete "
         f"checkpoint before it, {earlier}: --resume_from_checkpoint {earlier} "), error
+
+
+def test_trainer_refuses_a_custom_loop_checkpoint(tmp_path):
+    """A checkpoint written by a custom loop's save_state holds no trainer_state.json:
+    CephaloTrainer names that and what to do, before reading any state (issue 37: a raw
+    FileNotFoundError), on every rank alike (the contents file is what every rank reads)."""
+    from types import SimpleNamespace
+
+    from hf_cephalo.integrations.trainer import CephaloTrainerMixin
+    from hf_cephalo.runtime.checkpoint_contents import CheckpointContents
+
+    loop_ckpt = tmp_path / "loop-ckpt"
+    loop_ckpt.mkdir()
+    CheckpointContents(save_only_model=False, save_full_model=False, peft=False, scaler=False,
+                       scheduler=True, world_size=2, front_end="accelerate").write(str(loop_ckpt))
+    stub = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path)), session=None)
+    with pytest.raises(ValueError, match=r"custom Accelerate loop.*accelerator\.load_state.*"
+                                         r"hf-cephalo export"):
+        CephaloTrainerMixin._prepare_resume(stub, str(loop_ckpt))

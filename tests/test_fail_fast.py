@@ -123,6 +123,8 @@ def test_step_time_off_by_more_than_15_percent_names_the_term():
 
     # within 15%: silent
     assert diagnose_step_time([row(0, 1.1, 0.8, 0.8), row(1, 1.0, 0.5, 0.5)], 1.0) is None
+    # faster than predicted (0.82x): silent, nothing waits longer than planned (issue 37)
+    assert diagnose_step_time([row(0, 0.82, 0.6, 0.8), row(1, 0.8, 0.5, 0.5)], 1.0) is None
     # compute is off (the demo's 0.77 vs 1.02 s kind of gap)
     msg = diagnose_step_time([row(0, 1.02, 0.95, 0.70), row(1, 1.0, 0.4, 0.4)], 0.77)
     assert msg.startswith("measured step time 1.020 s (slowest rank, median after the first step) "

@@ -103,14 +103,14 @@ def test_precision_defaults_follow_the_compute_dtype(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(cephalo_memory_fraction=0.0), r"memory_fraction = 0.0 \(--cephalo_memory_fraction or env HF_CEPHALO_MEMORY_FRACTION\)"),
+    (dict(cephalo_memory_fraction=0.0), r"memory_fraction = 0.0 \(--cephalo_memory_fraction, CephaloPlugin\(memory_fraction=\.\.\.\) or env HF_CEPHALO_MEMORY_FRACTION\)"),
     (dict(cephalo_memory_fraction=1.5), "memory_fraction = 1.5"),
     (dict(cephalo_memory_fraction=float("nan")), "memory_fraction = nan"),
     (dict(cephalo_global_batch_size=0), "global_batch_size = 0"),
     (dict(cephalo_activation_offload="sometimes"), "activation_offload = 'sometimes'"),
     (dict(cephalo_emulate_slowdown=[1.0, 0.5]), r"emulate_slowdown = \[1.0, 0.5\]"),
     (dict(cephalo_emulate_slowdown="1,x"), r"emulate_slowdown = '1,x' is not a list of numbers "
-                                           r"\(--cephalo_emulate_slowdown or env "
+                                           r"\(--cephalo_emulate_slowdown, CephaloPlugin\(emulate_slowdown=\.\.\.\) or env "
                                            r"HF_CEPHALO_EMULATE_SLOWDOWN: use e.g. '1,2.5'\)"),
     (dict(cephalo_emulate_memory_cap_bytes=[0]), r"emulate_memory_cap_bytes = \[0\]"),
     (dict(cephalo_emulate_memory_cap_bytes="1.5"), "whole numbers"),
@@ -125,9 +125,9 @@ def test_precision_defaults_follow_the_compute_dtype(tmp_path, monkeypatch):
     (dict(cephalo_param_dtype="bf16"), r"cephalo_param_dtype = 'bf16' but the compute dtype is fp32"),
     (dict(bf16=True, cephalo_param_dtype="fp16"), "cephalo_param_dtype = 'fp16' but the compute dtype is bf16"),
     (dict(bf16=True, cephalo_param_dtype="fp32", cephalo_reduce_dtype="bf16"), "cephalo_reduce_dtype = 'bf16' is lower"),
-    (dict(cephalo_param_dtype="int8"), r"param_dtype = 'int8' \(--cephalo_param_dtype or env HF_CEPHALO_PARAM_DTYPE\)"),
-    (dict(cephalo_save_full_model="maybe"), r"save_full_model = 'maybe' \(--cephalo_save_full_model or env HF_CEPHALO_SAVE_FULL_MODEL\)"),
-    (dict(cephalo_max_shard_size="5XB"), r"max_shard_size = '5XB' \(--cephalo_max_shard_size or env HF_CEPHALO_MAX_SHARD_SIZE\)"),
+    (dict(cephalo_param_dtype="int8"), r"param_dtype = 'int8' \(--cephalo_param_dtype, CephaloPlugin\(param_dtype=\.\.\.\) or env HF_CEPHALO_PARAM_DTYPE\)"),
+    (dict(cephalo_save_full_model="maybe"), r"save_full_model = 'maybe' \(--cephalo_save_full_model, CephaloPlugin\(save_full_model=\.\.\.\) or env HF_CEPHALO_SAVE_FULL_MODEL\)"),
+    (dict(cephalo_max_shard_size="5XB"), r"max_shard_size = '5XB' \(--cephalo_max_shard_size, CephaloPlugin\(max_shard_size=\.\.\.\) or env HF_CEPHALO_MAX_SHARD_SIZE\)"),
     (dict(cephalo_max_shard_size="0"), "max_shard_size = '0'"),
 ])
 def test_validation(tmp_path, kw, match):

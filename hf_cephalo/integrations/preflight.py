@@ -138,12 +138,26 @@ def engine_checkpointing_replaces_model_checkpointing(args, plan: Plan | None = 
 
     The user asked for checkpointing, so a plan without it is refused (before any collective):
     ``--cephalo_activation_checkpointing false``, or a plan (``plan`` / ``--cephalo_plan_file``)
-    that records it off; with ``auto`` the trainer plans with checkpointing on.
+    that records it off; with ``auto`` the trainer plans with checkpointing on. A flag that is on
+    only by the config class's default (TRL's ``SFTConfig``) is not a request: it is cleared
+    without a word and nothing is refused (``auto`` still plans with checkpointing on).
 
     Raises:
         ValueError: the flag with ``--cephalo_activation_checkpointing false`` or such a plan.
     """
     asked = args.activation_checkpointing or args.gradient_checkpointing
+    # a config whose DEFAULT is on (TRL's SFTConfig) did not ask: no refusal, no warning
+    fields = getattr(type(args), "__dataclass_fields__", {})
+    by_default = all(name in fields and getattr(args, name) == fields[name].default
+                     for name in ("activation_checkpointing", "gradient_checkpointing"))
+    if asked and by_default:
+        if args.cephalo_activation_checkpointing == "auto":
+            args.cephalo_activation_checkpointing = "true"  # as when asked: plan with it on
+        logger.debug("gradient_checkpointing is on by the config's default; the engine's "
+                     "per-unit activation checkpointing replaces the model's")
+        args.activation_checkpointing = False
+        args.gradient_checkpointing = False
+        return
     if asked and args.cephalo_activation_checkpointing == "false":
         raise ValueError(
             "--gradient_checkpointing (or --activation_checkpointing) asks for activation "

@@ -158,6 +158,15 @@ class EngineCheckpointMixin:
         read."""
         checkpoint = checkpointing.resolve_resume(self.args.output_dir, resume_from_checkpoint)
         if checkpoint:
+            from hf_cephalo.runtime.checkpoint_contents import read_contents
+
+            contents = read_contents(checkpoint)
+            if contents is not None and contents.front_end == "accelerate":
+                raise ValueError(
+                    f"{checkpoint} was written by a custom Accelerate loop (save_state), which "
+                    "keeps no trainer_state.json: resume it with accelerator.load_state in that "
+                    "loop; to start a Trainer run from its weights, export them (hf-cephalo "
+                    "export) and load the model from the exported folder")
             checkpointing.prepare_resume(self.session, checkpoint)
         return checkpoint
 

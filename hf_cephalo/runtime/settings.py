@@ -183,8 +183,8 @@ class CephaloSettings:
         return next(f.metadata["default"] for f in fields(cls) if f.name == name)
 
     def _bad(self, name: str, requirement: str) -> ValueError:
-        return ValueError(f"{name} = {getattr(self, name)!r} (--cephalo_{name} or env "
-                          f"{env_name(name)}): {requirement}")
+        return ValueError(f"{name} = {getattr(self, name)!r} (--cephalo_{name}, "
+                          f"CephaloPlugin({name}=...) or env {env_name(name)}): {requirement}")
 
     def _validate(self) -> None:
         commands = {"plan_file": "`hf-cephalo plan --profile PROFILE -B N --out FILE` (or "
@@ -335,7 +335,7 @@ def _parse_list(value: Any, cast: type, name: str) -> list:
     or int; '8e9' is a whole number of bytes); ValueError naming the setting ``name``, its
     value, flag and environment variable."""
     what = f"{name} = {value!r}"
-    where = f"--cephalo_{name} or env {env_name(name)}"
+    where = f"--cephalo_{name}, CephaloPlugin({name}=...) or env {env_name(name)}"
     parts = [value] if isinstance(value, str) else list(value)
     items = [x for part in parts
              for x in (part.replace(",", " ").split() if isinstance(part, str) else [part])]
