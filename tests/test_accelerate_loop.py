@@ -137,7 +137,7 @@ CASES = {  # name -> (loss kind, scheduler, gradient accumulation steps, precisi
 
 
 # ---- the distributed side -------------------------------------------------------------------
-def _accelerator(plan_file, precision="no", ga=1, **plugin):
+def _accelerator(plan_file, precision="no", ga=1, handlers=None, **plugin):
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import ProjectConfiguration
 
@@ -148,7 +148,7 @@ def _accelerator(plan_file, precision="no", ga=1, **plugin):
     project = os.path.dirname(plan_file)
     return CephaloAccelerator(
         cephalo_plugin=CephaloPlugin(plan_file=plan_file, adaptive="off", **plugin),
-        mixed_precision=precision, gradient_accumulation_steps=ga,
+        mixed_precision=precision, gradient_accumulation_steps=ga, kwargs_handlers=handlers,
         project_config=ProjectConfiguration(project_dir=project))
 
 
@@ -320,6 +320,14 @@ def _refusals(rank, world, root, plan):
         accelerator.backward(outputs.loss)
     except RuntimeError as e:
         errors["backward_twice"] = str(e)
+    # GradScalerKwargs reach the engine's sharded loss scaler (issue 37: they were dropped)
+    from accelerate.utils import GradScalerKwargs
+
+    fp16 = _accelerator(plan_file, "fp16", handlers=[GradScalerKwargs(init_scale=1024.0,
+                                                                        growth_interval=7)])
+    fp16.prepare(build("llama", seed=0).train(),
+                 DataLoader(_samples(N_TRAIN, 0), batch_size=B // world, collate_fn=_collate))
+    errors["scaler"] = (float(fp16.scaler.get_scale()), fp16.scaler.get_growth_interval())
     return errors
 
 
@@ -532,3 +540,4 @@ def test_refusals_on_every_rank(runs, world):
         assert "Pass batch_size= and shuffle=" in errors["batch_sampler"]
         assert "does not depend on this step's model outputs" in errors["not_from_outputs"]
         assert "called twice" in errors["backward_twice"]
+        assert list(errors["scaler"]) == [1024.0, 7]  # tuples come back as lists

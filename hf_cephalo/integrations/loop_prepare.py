@@ -34,9 +34,10 @@ logger = logging.getLogger(__name__)
 def check_loop_setup(accelerator, args) -> None:
     """Refusals of a custom loop's setup, on every rank before any collective (ValueError):
     a second model, an optimizer or loader prepared before the model, DeepSpeed / FSDP / fp8
-    beside Cephalo, dispatched batches, a loader without a batch size (a batch sampler), with
-    a sampler the engine would replace (``_sampler_problem``), or an evaluation loader over an
-    iterable dataset."""
+    beside Cephalo, dispatched batches, then in one message every Accelerator setting and
+    DataLoader argument the loop would drop (``loop_support.accelerator_problems`` /
+    ``loader_problems``: a batch sampler, a sampler the engine would replace, an evaluation
+    loader that shuffles, drops its last batch or reads a stream, ...)."""
     from accelerate.utils import DistributedType
 
     models = [a for a in args if isinstance(a, nn.Module) and not isinstance(a, CephaloModel)]
@@ -61,65 +62,17 @@ def check_loop_setup(accelerator, args) -> None:
     if getattr(accelerator.dataloader_config, "dispatch_batches", None):
         raise ValueError("DataLoaderConfiguration(dispatch_batches=True): each rank reads its "
                          "own rows of every global batch; drop dispatch_batches")
-    from hf_cephalo.runtime.streaming import is_stream
+    from hf_cephalo.integrations.loop_support import accelerator_problems, loader_problems
 
+    problems = accelerator_problems(accelerator)
     training = not accelerator.cephalo_loaders  # the first loader prepared trains
     for loader in (a for a in args if isinstance(a, DataLoader)):
-        if loader.batch_size is None:
-            given = "" if loader.batch_sampler is None else \
-                f" (batch_sampler={type(loader.batch_sampler).__name__})"
-            raise ValueError("a prepared DataLoader needs a batch_size: the global batch is "
-                             "batch_size x world size rows, cut by the plan's b_i, so the plan, "
-                             f"not a batch sampler, decides each rank's rows; got batch_size=None"
-                             f"{given} over {type(loader.dataset).__name__}. Pass batch_size= "
-                             "and shuffle= instead; for an order of your own, reorder the "
-                             "dataset (torch.utils.data.Subset(dataset, indices)) and pass "
-                             "shuffle=False")
-        problem = _sampler_problem(loader, training)
-        if problem:
-            raise ValueError(problem)
-        if is_stream(loader.dataset) and not training:
-            raise ValueError(f"an evaluation DataLoader over a stream "
-                             f"({type(loader.dataset).__name__}): evaluation splits a dataset "
-                             "with a length by the plan's b_i and gathers it in order; "
-                             "materialize the part you evaluate on (datasets.Dataset."
-                             "from_generator, or list(stream))")
+        problems += loader_problems(loader, training)
         training = False
-
-
-def _sampler_problem(loader: DataLoader, training: bool) -> str | None:
-    """Why the loader's sampler cannot be honoured (None: it can). The engine draws the rows of
-    each global batch itself (a permutation per epoch for ``shuffle=True``'s RandomSampler,
-    dataset order for SequentialSampler / evaluation), so any other sampler, a RandomSampler
-    with replacement or its own ``num_samples``, or a shuffled evaluation loader would be
-    replaced silently: refused instead, naming what to do."""
-    from torch.utils.data import SequentialSampler
-
-    from hf_cephalo.runtime.streaming import is_stream
-
-    sampler = loader.sampler
-    if is_stream(loader.dataset):
-        return None  # an IterableDataset's loader has no sampler of the user's
-    name = type(sampler).__name__
-    fix = ("for an order of your own (weighted, curriculum, length-grouped), reorder or repeat "
-           "the dataset itself (torch.utils.data.Subset(dataset, indices)) and pass "
-           "shuffle=False")
-    if type(sampler) is RandomSampler:
-        if sampler.replacement or sampler._num_samples is not None:
-            return (f"DataLoader(sampler=RandomSampler(replacement={sampler.replacement}, "
-                    f"num_samples={sampler._num_samples})): the engine shuffles each epoch as "
-                    "a permutation of the whole dataset (shuffle=True); " + fix)
-        if not training:
-            return ("an evaluation DataLoader with shuffle=True: evaluation reads the dataset "
-                    "in order, split by the plan's b_i, and gather_for_metrics returns rows in "
-                    "dataset order; pass shuffle=False")
-        return None
-    if type(sampler) is SequentialSampler:
-        return None
-    return (f"DataLoader(sampler={name}(...)): the engine draws each global batch's rows itself "
-            "(shuffle=True: a permutation per epoch, seeded as Accelerate seeds it; "
-            "shuffle=False: dataset order) and splits them by the plan's b_i, so a sampler "
-            "would be replaced; " + fix)
+    if problems:
+        raise ValueError(problems[0] if len(problems) == 1 else
+                         f"CephaloAccelerator.prepare refuses {len(problems)} settings:\n" +
+                         "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)))
 
 
 def _broadcast_seed(accelerator, loader: DataLoader | None) -> int:
@@ -206,6 +159,10 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
                           train_dataset=None if train is None else train.dataset)
         accelerator.cephalo_loop = LoopState(session, _output_class(staged))
         accelerator._cephalo_name_of = name_of
+        if session.scaler is not None and accelerator.scaler_handler is not None:
+            # GradScalerKwargs(init_scale=..., growth_interval=...): the engine's scaler takes them
+            session.scaler = session.engine.make_grad_scaler(
+                **accelerator.scaler_handler.to_kwargs())
         if session.scaler is not None:  # fp16: the engine's sharded scaler for every rank
             accelerator.scaler, accelerator.native_amp = session.scaler, True
         results[model_index] = CephaloModel(session, accelerator.cephalo_loop)
