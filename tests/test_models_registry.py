@@ -233,3 +233,23 @@ def test_old_transformers_is_a_clear_error():
     check_transformers_version("5.0.0")
     with pytest.raises(ValueError, match=r"transformers>=5.0 \(found 4.46.0\)"):
         check_transformers_version("4.46.0")
+
+
+def test_layers_of_different_sizes_stage_but_are_not_planned():
+    """DeepSeek-V3-style dense first layers then MoE layers: the generic path stages them (the
+    engine shards units of any size), the planner's identical-unit cost model says it cannot
+    plan them, naming the layers, the sizes and what to do (a plan of one's own)."""
+    from hf_cephalo.profiler.measure import model_profile
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        head_dim=4, max_position_embeddings=64, pad_token_id=0)
+    cfg._attn_implementation = "eager"
+    staged = stage_model(transformers.DeepseekV3ForCausalLM(cfg))
+    assert len({sum(p.numel() for p in u.parameters()) for u in staged.units()}) == 2
+    with pytest.raises(ValueError, match=r"layers of DeepseekV3ForCausalLM differ in size "
+                                         r"\(layers \[0\]; layers 1-2: .*--cephalo_plan_file"):
+        model_profile(staged)

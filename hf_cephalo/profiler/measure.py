@@ -207,8 +207,18 @@ def model_profile(staged: StagedModel, name: str | None = None,
     units = staged.units()
     sizes = [sum(p.numel() for p in u.parameters()) for u in units]
     if len(set(sizes)) != 1:
-        raise ValueError(f"units have different parameter counts {sizes}; the cost model needs "
-                         "identical units (docs/design.md contract 1)")
+        groups = {}
+        for i, n in enumerate(sizes):
+            groups.setdefault(n, []).append(i)
+        which = "; ".join(f"layers {v[0]}-{v[-1]}" if len(v) > 1 and v == list(
+            range(v[0], v[-1] + 1)) else f"layers {v}" for v in groups.values())
+        raise ValueError(
+            f"the layers of {type(staged.model).__name__} differ in size ({which}: "
+            f"{sorted(groups)} elements; e.g. dense and mixture-of-experts layers); the "
+            "planner's cost and memory models price identical units (docs/design.md contract "
+            "1), so it cannot profile and plan this model: give a plan of your own "
+            "(--cephalo_plan_file, or plan=Plan.from_ratios(b_i, m_i, r_i)) and leave "
+            "--cephalo_adaptive off (the engine itself shards layers of different sizes)")
     unit_ids = {id(p) for u in units for p in u.parameters()}
     embed = {id(p): p.numel() for p in _unique_params(staged.embed_modules())
              if id(p) not in unit_ids}
