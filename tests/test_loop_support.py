@@ -87,7 +87,8 @@ def _accelerator(**kwargs):
 
 
 def test_accelerator_settings_the_loop_would_drop_are_refused():
-    from accelerate.utils import AutocastKwargs, DataLoaderConfiguration, TorchDynamoPlugin
+    from accelerate.utils import (AutocastKwargs, DataLoaderConfiguration, ProjectConfiguration,
+                                  TorchDynamoPlugin)
 
     from hf_cephalo.integrations.loop_support import accelerator_problems
 
@@ -100,6 +101,9 @@ def test_accelerator_settings_the_loop_would_drop_are_refused():
          r"AutocastKwargs\(\{'cache_enabled': True\}\).*CephaloPlugin\(precision"),
         (dict(dynamo_plugin=TorchDynamoPlugin(backend="eager", fullgraph=True)),
          r"TorchDynamoPlugin\(fullgraph=True\): .*backend and mode only"),
+        (dict(project_config=ProjectConfiguration(project_dir="/tmp", total_limit=2)),
+         r"total_limit=2\): save_state does not rotate"),
+        (dict(rng_types=["torch", "generator"]), r"rng_types=\['torch', 'generator'\]"),
     ]
     for kwargs, needle in cases:
         problems = accelerator_problems(_accelerator(**kwargs))

@@ -164,6 +164,16 @@ def accelerator_problems(accelerator: Any) -> list[str]:
         problems.append(f"AutocastKwargs({autocast.to_kwargs()}): the engine runs its own "
                         "autocast per rank (precision per rank: CephaloPlugin(precision=...)); "
                         "drop the handler")
+    limit = getattr(accelerator.project_configuration, "total_limit", None)
+    if limit is not None:
+        problems.append(f"ProjectConfiguration(total_limit={limit}): save_state does not "
+                        "rotate Cephalo checkpoints; drop total_limit and remove old "
+                        "checkpoint folders yourself")
+    rng = list(getattr(accelerator, "rng_types", None) or ["generator"])
+    if rng != ["generator"]:
+        problems.append(f"Accelerator(rng_types={rng}): the engine's loaders draw each epoch's "
+                        "permutation from a seed that is the same on every rank and do not "
+                        "synchronize other generators at each epoch; leave rng_types unset")
     seed = getattr(accelerator.dataloader_config, "data_seed", None)
     if seed is not None:
         problems.append(f"DataLoaderConfiguration(data_seed={seed}): the training loader's "
