@@ -21,8 +21,9 @@ from hf_cephalo.models.vit import ViTStagedModel
 _ADAPTERS: dict[str, type[StagedModel]] = {}
 
 MIN_TRANSFORMERS_MAJOR = 5
-"""The built-in adapters follow transformers 5.x module layouts and mask builders (tested with
-5.24); 4.x lays models out differently (e.g. ``vit.encoder.layer``, ``past_key_values``)."""
+"""The built-in adapters follow transformers 5.x module layouts and mask builders (the model
+tests pass on 5.24 and 5.25, not on 5.22 or older: pyproject.toml requires 5.24); 4.x lays
+models out differently (e.g. ``vit.encoder.layer``, ``past_key_values``)."""
 
 
 def check_transformers_version(version: str) -> None:
