@@ -148,6 +148,8 @@ def _sft(name: str, root: str, tokenizer_path: str, by_name: str | None = None) 
                               **extra),
         train_dataset=chat_dataset("prompt_completion"), processing_class=tokenizer,
         plan=Plan.from_ratios(*PLAN))
+    if by_name is not None:  # used by the door, hidden from SFTTrainer's warning, restored
+        assert trainer.args.model_init_kwargs == {"dtype": "float32"}
     trainer.train()
     return dict(logs=_sft_logs(trainer.state.log_history),
                 state={k: v.detach().clone()

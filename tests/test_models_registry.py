@@ -253,3 +253,40 @@ def test_layers_of_different_sizes_stage_but_are_not_planned():
     with pytest.raises(ValueError, match=r"layers of DeepseekV3ForCausalLM differ in size "
                                          r"\(layers \[0\]; layers 1-2: .*--cephalo_plan_file"):
         model_profile(staged)
+
+
+def test_heads_whose_base_model_is_themselves_are_not_called_base_models():
+    """transformers answers ``base_model`` with the model itself when the prefix attribute is
+    missing: Llama4ForCausalLM (prefix 'language_model', body at .model) was refused as "a
+    base model without a head" and told to load itself; T5ForConditionalGeneration was told to
+    load a classifier (another head). A compiled model is told to pass the model itself."""
+    from hf_cephalo.models.registry import UnsupportedModelError
+
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, intermediate_size_mlp=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_local_experts=2, max_position_embeddings=64, pad_token_id=0)
+    cfg._attn_implementation = "eager"
+    try:
+        stage_model(transformers.Llama4ForCausalLM(cfg))  # the self-check decides
+    except ValueError as exc:
+        assert "base model without a head" not in str(exc), exc
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4))
+    with pytest.raises(UnsupportedModelError, match="conditional generation head") as info:
+        stage_model(t5)
+    assert "T5ForSequenceClassification" not in str(info.value)
+    with pytest.raises(UnsupportedModelError, match="torch.compile'd model .*pass the model"):
+        stage_model(torch.compile(build("llama")))
+
+
+def test_a_layer_appended_after_construction_is_refused_when_staging():
+    """Caught by stage_model (no process group), not at the first forward, where a rank
+    without rows would never look (issue 36: the fresh-install check found it)."""
+    import copy
+
+    model = build("llama")
+    model.model.layers.append(copy.deepcopy(model.model.layers[0]))
+    with pytest.raises(ValueError, match=r"holds 3 layers in model.layers but its config says "
+                                         r"num_hidden_layers = 2"):
+        stage_model(model)

@@ -157,6 +157,13 @@ def test_model_by_name_refusals(tmp_path, monkeypatch):
             CephaloSFTTrainer(model=folder, args=_config(tmp_path, model_init_kwargs=kwargs),
                               train_dataset=_chat())
     assert not torch.distributed.is_initialized()
+    # honoured as stock's from_pretrained honours them: "auto" on a float32 checkpoint, a
+    # config override, a loading option set to None
+    from hf_cephalo.integrations.pretrained import load_named_model
+
+    model = load_named_model(folder, {"dtype": "auto", "use_cache": False,
+                                      "quantization_config": None}, door="CephaloSFTTrainer")
+    assert model.config.use_cache is False and all(p.is_meta for p in model.parameters())
 
 
 @pytest.mark.parametrize("name, why", [("GRPOTrainer", "generates completions"),

@@ -77,10 +77,13 @@ def check_loop_setup(accelerator, args) -> None:
 
 def _broadcast_seed(accelerator, loader: DataLoader | None) -> int:
     """The sampler's seed, the same on every rank: the loader's generator's initial seed, else
-    torch's (``accelerate.utils.set_seed``), rank 0's value broadcast."""
+    its RandomSampler's own generator's, else torch's (``accelerate.utils.set_seed``), rank 0's
+    value broadcast."""
     from accelerate.utils import broadcast_object_list
 
     generator = getattr(loader, "generator", None)
+    if generator is None:  # DataLoader(sampler=RandomSampler(data, generator=g)): g seeds it
+        generator = getattr(getattr(loader, "sampler", None), "generator", None)
     seed = [int(generator.initial_seed() if generator is not None else torch.initial_seed())
             % (2 ** 63)]
     if accelerator.num_processes > 1:

@@ -39,7 +39,8 @@ LOADER_FIELD_SUPPORT: dict[str, Support] = {
                       "every rank; evaluation: refused (rows are evaluated and gathered in "
                       "dataset order)", _T + "test_loop_equals_full_batch_reference"),
     "sampler": _refused("the engine draws each global batch's rows itself; only shuffle's "
-                        "RandomSampler (without replacement or num_samples) and "
+                        "RandomSampler (without replacement or num_samples; its own generator "
+                        "seeds the permutation where the loader has none) and "
                         "SequentialSampler are accepted; " + _REORDER),
     "batch_sampler": _refused("the plan, not a batch sampler, decides each rank's rows; pass "
                               "batch_size= and shuffle=; " + _REORDER),

@@ -74,8 +74,13 @@ def from_pretrained_sharded(pretrained_model_name_or_path: str | os.PathLike, *,
     return model
 
 
-_NAMED_MODEL_KEYS = (*_HUB_KEYS, "dtype", "trust_remote_code", "device_map",
-                     "attn_implementation", "low_cpu_mem_usage")
+_LOADING_ONLY_KEYS = ("quantization_config", "load_in_8bit", "load_in_4bit", "use_kernels",
+                      "tp_plan", "tp_size", "device_mesh", "max_memory", "offload_folder",
+                      "offload_state_dict", "offload_buffers", "gguf_file", "variant",
+                      "use_safetensors", "adapter_name", "adapter_kwargs", "weights_only")
+"""``from_pretrained`` options that are not config fields and that a meta-device start, each
+rank reading its shards of the safetensors files, cannot honour (a value of None / False is
+no request and passes)."""
 
 
 def load_named_model(name: str, model_init_kwargs: dict[str, Any] | None, *, door: str,
@@ -88,26 +93,36 @@ def load_named_model(name: str, model_init_kwargs: dict[str, Any] | None, *, doo
 
     Args:
         name: a Hub id or a local folder.
-        model_init_kwargs: the config's ``model_init_kwargs`` (``revision``, ``cache_dir``,
-            ``token``, ``local_files_only``, ``subfolder``, ``trust_remote_code``,
-            ``attn_implementation``; ``dtype`` float32; ``device_map`` None / "auto" and
-            ``low_cpu_mem_usage``, which the engine's placement supersedes).
+        model_init_kwargs: the config's ``model_init_kwargs``: the hub options (``revision``,
+            ``cache_dir``, ``token``, ``local_files_only``, ``subfolder``),
+            ``trust_remote_code``, ``attn_implementation``; ``dtype`` float32, or "auto" for a
+            checkpoint stored in float32; ``device_map`` None / "auto" and
+            ``low_cpu_mem_usage`` (the engine's placement supersedes them); any other key is a
+            config override, as ``from_pretrained`` treats it (``use_cache=False``).
         door: the trainer's name, for the messages.
 
-    Raises ValueError (before any collective) for a key or value the engine cannot honour:
-    ``dtype`` other than float32 (the engine keeps fp32 master weights; use ``bf16=True`` or
-    per-rank precision for lower-precision compute), ``quantization_config`` and any other key.
+    Raises ValueError (before any collective) for a value the engine cannot honour: a dtype
+    other than float32 (the engine keeps fp32 master weights; use ``bf16=True`` or per-rank
+    precision for lower-precision compute), a hand device map, or a loading option of
+    ``_LOADING_ONLY_KEYS`` (quantization, kernels, tensor parallelism, offloading, ...).
     """
+    import transformers
+
     kwargs = dict(model_init_kwargs or {})
-    unknown = sorted(k for k in kwargs if k not in _NAMED_MODEL_KEYS)
-    if unknown:
-        raise ValueError(f"{door}(model={name!r}) with model_init_kwargs {unknown}: the engine "
+    loading = sorted(k for k in _LOADING_ONLY_KEYS if kwargs.pop(k, None) not in (None, False))
+    if loading:
+        raise ValueError(f"{door}(model={name!r}) with model_init_kwargs {loading}: the engine "
                          "loads the model shard by shard on the meta device and cannot honour "
                          "them; load the model yourself and pass the object, or drop them")
-    dtype = kwargs.pop("dtype", "float32")
+    dtype = asked = kwargs.pop("dtype", "float32")
+    if dtype == "auto":  # the checkpoint's own dtype: fine where that is float32
+        hub = {k: kwargs[k] for k in (*_HUB_KEYS, "trust_remote_code") if k in kwargs}
+        stored = getattr(transformers.AutoConfig.from_pretrained(name, **hub), "dtype", None)
+        dtype = "float32" if stored in (None, "float32", torch.float32) else stored
     if dtype not in (None, "float32", torch.float32):
-        raise ValueError(f"{door}(model={name!r}) with model_init_kwargs dtype={dtype!r}: the "
-                         "engine trains fp32 master weights; drop dtype (float32) and use "
+        stored = "" if asked == dtype else f" (the checkpoint's {dtype})"
+        raise ValueError(f"{door}(model={name!r}) with model_init_kwargs dtype={asked!r}"
+                         f"{stored}: the engine trains fp32 master weights; drop dtype (float32) and use "
                          "bf16=True for bf16 compute (or per-rank precision: docs/guide.md)")
     if kwargs.pop("device_map", None) not in (None, "auto"):
         raise ValueError(f"{door}(model={name!r}): a device_map other than None / 'auto' places "
@@ -115,7 +130,7 @@ def load_named_model(name: str, model_init_kwargs: dict[str, Any] | None, *, doo
     kwargs.pop("low_cpu_mem_usage", None)
     kwargs.setdefault("trust_remote_code", trust_remote_code)
     attn = kwargs.pop("attn_implementation", None)
-    model = from_pretrained_sharded(name, **kwargs)
+    model = from_pretrained_sharded(name, **kwargs)  # the rest: hub options, config overrides
     if attn is not None:
         model.set_attn_implementation(attn)
     return model

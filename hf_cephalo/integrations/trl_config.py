@@ -64,12 +64,31 @@ class TRLModelByName:
     its shards (``pretrained.load_named_model``; its refusals are ValueErrors raised before any
     collective)."""
 
+    _hides_used_init_kwargs = False
+    """SFT: once the door has loaded the model with ``model_init_kwargs``, SFTTrainer would say
+    they "will be ignored" (it sees a model object); they are hidden from it during its
+    ``__init__`` and restored after. DPO keeps them visible: it loads its reference copy with
+    them."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._used_init_kwargs = None
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            if self._used_init_kwargs is not None:
+                config, value = self._used_init_kwargs
+                config.model_init_kwargs = value
+
     def _load_named_model(self, name: str, args):
         from hf_cephalo.integrations.pretrained import load_named_model
 
-        return load_named_model(name, getattr(args, "model_init_kwargs", None),
-                                door=type(self).__name__,
-                                trust_remote_code=getattr(args, "trust_remote_code", False))
+        model = load_named_model(name, getattr(args, "model_init_kwargs", None),
+                                 door=type(self).__name__,
+                                 trust_remote_code=getattr(args, "trust_remote_code", False))
+        if self._hides_used_init_kwargs and getattr(args, "model_init_kwargs", None):
+            self._used_init_kwargs = (args, args.model_init_kwargs)
+            args.model_init_kwargs = None
+        return model
 
 
 class TRLModelCard:

@@ -82,5 +82,7 @@ class CephaloSFTTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, SFTTr
     (``TRLModelByName``, ``pretrained.load_named_model``: ValueError for ``model_init_kwargs``
     it cannot honour)."""
 
+    _hides_used_init_kwargs = True  # TRLModelByName: no false "will be ignored" warning
+
     def _engine_call_variants(self) -> dict[str, Any]:
         return {"fused_lm_head": FusedLMHead(outputs=_SFT_FUSED_OUTPUTS)}

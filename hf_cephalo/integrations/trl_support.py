@@ -27,11 +27,12 @@ _PREP = "SFTTrainer's own dataset preparation (tokenize, mask, pack) before plan
 SFT_FIELD_SUPPORT: dict[str, Support] = {
     "model_init_kwargs": _stock(
         "with a model given by name (TRL's scripts pass model_args.model_name_or_path): loaded "
-        "as stock TRL loads it (AutoModelForCausalLM, float32 unless dtype is given), but on "
-        "the meta device, each rank reading only its shards (pretrained.load_named_model); a "
-        "dtype other than float32, quantization_config or another key the engine cannot "
-        "honour is refused before any collective; with a model object SFTTrainer warns it is "
-        "ignored, as stock",
+        "as stock TRL loads it (AutoModelForCausalLM, float32 unless dtype is given; hub "
+        "options, attn_implementation, dtype 'auto' on a float32 checkpoint and config "
+        "overrides as from_pretrained), but on the meta device, each rank reading only its "
+        "shards (pretrained.load_named_model); a dtype other than float32, a hand device_map "
+        "and loading options (quantization_config, ...) are refused before any collective; "
+        "with a model object SFTTrainer warns it is ignored, as stock",
         "tests/test_generic_doors.py::test_trl_sft_equals_stock_one_process"),
     "trust_remote_code": _inherited("forwarded by SFTTrainer to AutoProcessor when no "
                                     "processing_class is given"),

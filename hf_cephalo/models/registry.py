@@ -107,8 +107,12 @@ def _model_head_kind(model: nn.Module) -> str | None:
 
 def _is_base_model(model: nn.Module) -> bool:
     """A Hugging Face base model without a head (``LlamaModel``, ``BertModel``): its
-    ``base_model`` (the module under ``base_model_prefix``) is itself."""
-    return getattr(model, "base_model", None) is model and hasattr(model, "config")
+    ``base_model`` (the module under ``base_model_prefix``) is itself, and its class names no
+    head. (transformers also answers ``base_model`` with the model itself when the prefix's
+    attribute is missing, e.g. ``Llama4ForCausalLM``, ``T5ForConditionalGeneration``: those
+    have heads.)"""
+    return getattr(model, "base_model", None) is model and hasattr(model, "config") \
+        and _model_head_kind(model) is None
 
 
 def _words(kind: str) -> str:
@@ -131,6 +135,11 @@ def _unsupported(model: nn.Module) -> UnsupportedModelError:
     where the architecture has one; anything else -> what hf_cephalo stages. Each points to
     GUIDE."""
     name = type(model).__name__
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile(model)
+        return UnsupportedModelError(
+            f"hf_cephalo cannot stage a torch.compile'd model ({name} of "
+            f"{type(model._orig_mod).__name__}): pass the model itself; the engine compiles "
+            "each layer unit when asked (--torch_compile, or Accelerate's dynamo_backend)", [])
     register = (f"register it with hf_cephalo.models.register_adapter({name}, YourAdapter) "
                 f"(see {GUIDE})")
     scope = ("hf_cephalo trains the causal-LM and sequence-classification heads of Hugging Face "

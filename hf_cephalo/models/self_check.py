@@ -54,6 +54,10 @@ class Proof:
     layout: Layout
     outside: dict
     layers: list
+    extra_layers: int | None = None
+    """len(layer stack) - the text config's num_hidden_layers on the tiny copy (None: no such
+    field): a real model must have the same difference (a layer appended after construction
+    would run in no forward, or the forward would stop at the config's count)."""
 
 
 _CACHE: dict[tuple, Proof | StructureError] = {}
@@ -383,7 +387,13 @@ def _check(cls: type, config: Any) -> Proof:
                              f"tiny copy: {problem}")
     final = Layout(layout.layers, layout.embed, layout.head, layout.embed_only,
                    layout.output_len, plain)
-    return Proof(final, _outside(tiny, layers), [_structure(m) for m in tiny.get_submodule(layers)])
+    return Proof(final, _outside(tiny, layers), [_structure(m) for m in tiny.get_submodule(layers)],
+                 _extra_layers(tiny, layers))
+
+
+def _extra_layers(model: nn.Module, layers: str) -> int | None:
+    count = _int(model.config.get_text_config(), "num_hidden_layers")
+    return None if count is None else len(model.get_submodule(layers)) - count
 
 
 def _perturb(model: nn.Module) -> None:
@@ -447,6 +457,13 @@ def _same_structure(model: nn.Module, proof: Proof) -> None:
         diff = sorted(set(outside.items()) ^ set(proof.outside.items()))[:4]
         raise StructureError(f"its modules differ from a {type(model).__name__} built from its "
                              f"config (first differences: {diff}); the check ran on the latter")
+    extra = _extra_layers(model, proof.layout.layers)
+    if proof.extra_layers is not None and extra != proof.extra_layers:
+        count = len(model.get_submodule(proof.layout.layers))
+        raise StructureError(f"it holds {count} layers in {proof.layout.layers} but its config "
+                             f"says num_hidden_layers = {count - extra} (a layer added or "
+                             "removed after construction); build the model from a config that "
+                             "counts its layers")
     for i, layer in enumerate(model.get_submodule(proof.layout.layers)):
         if _structure(layer) not in proof.layers:
             raise StructureError(f"its layer {i} is built unlike any layer of a "
