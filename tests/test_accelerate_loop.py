@@ -273,11 +273,15 @@ def _refusals(rank, world, root, plan):
     errors = {}
     model = build("llama", seed=0).train()
     loader = DataLoader(_samples(N_TRAIN, 0), batch_size=B // world, collate_fn=_collate)
-    try:  # a loader before the model: refused, not prepared by stock Accelerate unchecked
-        accelerator.prepare(DataLoader(_samples(N_TRAIN, 0), batch_size=B // world,
-                                       collate_fn=_collate))
+    # a loader before the model is prepared as stock (nothing to split it by yet); the model
+    # prepared after it is refused, naming it, instead of training on that loader unchecked
+    early = _accelerator(plan_file)
+    early.prepare(DataLoader(_samples(N_TRAIN, 0), batch_size=B // world, collate_fn=_collate))
+    try:
+        early.prepare(build("llama", seed=0).train())
     except ValueError as e:
         errors["loader_first"] = str(e)
+    accelerator = _accelerator(plan_file)
     try:
         accelerator.prepare(model, build("llama", seed=1), loader)
     except ValueError as e:
@@ -532,7 +536,8 @@ def test_gather_for_metrics_every_row_once_in_order(runs, world):
 def test_refusals_on_every_rank(runs, world):
     for result in runs[world]:
         errors = result["refusals"]
-        assert "prepare() the model first" in errors["loader_first"]
+        assert "got the model after DataLoaderShard" in errors["loader_first"], errors
+        assert "prepare the model first" in errors["loader_first"]
         assert "trains ONE model" in errors["second_model"]
         assert "trains ONE model" in errors["second_model_later"]
         assert "no_sync" in errors["no_sync"]

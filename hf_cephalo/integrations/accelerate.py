@@ -156,12 +156,9 @@ class CephaloAccelerator(Accelerator):
         size); a plan that does not fit (after profiling, on every rank)."""
         from hf_cephalo.integrations.loop_prepare import prepare_loop
 
-        loop_objects = (torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)
         if self.cephalo_engine is not None or (
-                self.cephalo_loop is None and not any(isinstance(a, loop_objects) for a in args)):
+                self.cephalo_loop is None and not any(isinstance(a, torch.nn.Module) for a in args)):
             return super().prepare(*args, device_placement=device_placement)
-        # a loader or optimizer before the model lands in check_loop_setup's refusal (stock
-        # prepare would hand back a loader the engine never splits, with no check of it)
         return prepare_loop(self, args)
 
     def backward(self, loss, **kwargs):

@@ -45,6 +45,15 @@ def check_loop_setup(accelerator, args) -> None:
         raise ValueError("CephaloAccelerator trains ONE model: prepare() got a second one (a "
                          "teacher or reference model?); keep it outside prepare() (it runs as "
                          "an ordinary module), or train each model in its own run")
+    # a loader / optimizer prepared BEFORE the model went through stock prepare (the engine did
+    # not exist): a loader the plan never splits, an optimizer over the unsharded parameters
+    early = [type(o).__name__ for o in [*accelerator._dataloaders, *accelerator._optimizers]
+             if not isinstance(o, (CephaloDataLoader, CephaloOptimizer))]
+    if accelerator.cephalo_loop is None and models and early:
+        raise ValueError(f"prepare() got the model after {', '.join(early)}: those were prepared "
+                         "as stock Accelerate prepares them (not split by the plan's b_i, not "
+                         "re-pointed at the shards); prepare the model first, or in the same "
+                         "call as its optimizer and loaders")
     if accelerator.cephalo_loop is None and any(isinstance(a, (torch.optim.Optimizer, DataLoader))
                                                 for a in args) and not models:
         raise ValueError("prepare() the model first, or in the same call as its optimizer and "
