@@ -197,8 +197,9 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, **hub_kwargs) -> Checkpo
     if single is None:
         raise ValueError(f"{source!r}: neither {INDEX_FILE} nor {SINGLE_FILE} found (locally, "
                          "in the Hugging Face cache, or on the Hub when online); sharded "
-                         "loading reads safetensors only: convert the checkpoint with "
-                         "save_pretrained(safe_serialization=True)")
+                         "loading reads safetensors only: convert the checkpoint by loading "
+                         "it with from_pretrained and writing it with save_pretrained (which "
+                         "writes safetensors)")
     from safetensors import safe_open
 
     single = os.path.abspath(single)
