@@ -140,7 +140,6 @@ def time_steps(args) -> dict[str, float]:
 
 
 def self_check_cost() -> list[tuple[str, float, float]]:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from tests.zoo_fixtures import ZOO, build_zoo
 
     out = []

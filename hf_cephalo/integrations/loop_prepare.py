@@ -54,11 +54,6 @@ def check_loop_setup(accelerator, args) -> None:
                          "as stock Accelerate prepares them (not split by the plan's b_i, not "
                          "re-pointed at the shards); prepare the model first, or in the same "
                          "call as its optimizer and loaders")
-    if accelerator.cephalo_loop is None and any(isinstance(a, (torch.optim.Optimizer, DataLoader))
-                                                for a in args) and not models:
-        raise ValueError("prepare() the model first, or in the same call as its optimizer and "
-                         "loaders: the optimizer is re-pointed at the model's shards and the "
-                         "loaders split batches by the plan, which the model's preparation makes")
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP,
                                         DistributedType.MEGATRON_LM):
         raise ValueError(f"CephaloAccelerator with distributed_type "

@@ -118,6 +118,14 @@ def _int(cfg: Any, key: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def _cap(cfg: Any, keys: tuple[str, ...], limit: int) -> None:
+    """Each integer field of ``keys`` above ``limit`` set to ``limit``."""
+    for key in keys:
+        value = _int(cfg, key)
+        if value is not None and value > limit:
+            _set(cfg, key, limit)
+
+
 def _shrink_text(cfg: Any) -> None:
     widths = {_get(cfg, k): v for k, v in _SIZES.items()
               if _int(cfg, k) is not None and k in ("hidden_size", "d_model", "n_embd")}
@@ -152,18 +160,10 @@ def _shrink_text(cfg: Any) -> None:
     for key, size in _SIZES.items():
         if _int(cfg, key) is not None:
             _set(cfg, key, size)
-    for key in ("rotary_dim", "rotary_emb_dim"):  # a rotary width no wider than a tiny head
-        if _int(cfg, key) is not None and _int(cfg, key) > 4:
-            _set(cfg, key, 4)
-    for key in _EXPERTS:
-        if _int(cfg, key) is not None and _int(cfg, key) > 4:
-            _set(cfg, key, 4)
-    for key in _TOPK:
-        if _int(cfg, key) is not None and _int(cfg, key) > 2:
-            _set(cfg, key, 2)
-    for key in ("n_group", "topk_group"):
-        if _int(cfg, key) is not None and _int(cfg, key) > 1:
-            _set(cfg, key, 1)
+    _cap(cfg, ("rotary_dim", "rotary_emb_dim"), 4)  # a rotary width no wider than a tiny head
+    _cap(cfg, _EXPERTS, 4)
+    _cap(cfg, _TOPK, 2)
+    _cap(cfg, ("n_group", "topk_group"), 1)
     if _int(cfg, "sliding_window") is not None:
         cfg.sliding_window = 4  # shorter than the check's rows, so the sliding mask shows
     if _int(cfg, "vocab_size") is not None:
