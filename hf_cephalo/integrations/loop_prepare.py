@@ -166,10 +166,9 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
                           train_dataset=None if train is None else train.dataset)
         accelerator.cephalo_loop = LoopState(session, _output_class(staged))
         accelerator._cephalo_name_of = name_of
-        if session.scaler is not None and accelerator.scaler_handler is not None:
+        if accelerator.scaler_handler is not None:
             # GradScalerKwargs(init_scale=..., growth_interval=...): the engine's scaler takes them
-            session.scaler = session.engine.make_grad_scaler(
-                **accelerator.scaler_handler.to_kwargs())
+            session.set_scaler_options(**accelerator.scaler_handler.to_kwargs())
         if session.scaler is not None:  # fp16: the engine's sharded scaler for every rank
             accelerator.scaler, accelerator.native_amp = session.scaler, True
         results[model_index] = CephaloModel(session, accelerator.cephalo_loop)

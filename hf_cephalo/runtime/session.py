@@ -177,12 +177,18 @@ class Session:
             p.requires_grad_(False)
         return self._build_engine(wrap_staged(staged, self.job))
 
-    def _make_scaler(self):
+    def _make_scaler(self, **options):
         """fp16 anywhere (the job's precision, or one rank's): the engine's sharded loss scaler,
-        used by every rank (found-inf agreed across ranks, every rank skips the same step)."""
+        used by every rank (found-inf agreed across ranks, every rank skips the same step);
+        ``options``: ``GradScaler``'s (``init_scale``, ``growth_interval``, ...)."""
         if self.job.precision.compute == "fp16" or "fp16" in (self.rank_precisions or ()):
-            return self.engine.make_grad_scaler()
+            return self.engine.make_grad_scaler(**options)
         return None
+
+    def set_scaler_options(self, **options) -> None:
+        """Rebuild the loss scaler (fp16; none otherwise) with ``GradScaler`` options, before
+        training (Accelerate's ``GradScalerKwargs`` in a custom loop)."""
+        self.scaler = self._make_scaler(**options)
 
     def _make_controller(self) -> AdaptiveController | None:
         """The live re-balancing controller where it applies; a warning, once, where it cannot
