@@ -23,8 +23,7 @@ import pytest
 import torch
 
 from hf_cephalo.engine import checkpoint as ckpt
-from tests.dist_utils import _worker as dist_worker
-from tests.dist_utils import budget_s, free_port, run_ranks, test_timeout
+from tests.dist_utils import budget_s, run_ranks, start_ranks, test_timeout
 from tests.models_fixtures import build
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -133,15 +132,7 @@ def _resume_true_error(rank, world_size, run_dir):
 def _run_until_killed(fn, world_size, *args, timeout_s=budget_s(JOB_S)):
     """Start ``fn`` on gloo ranks like ``run_ranks``; wait for rank 0 to die by SIGKILL, then
     kill the other ranks (blocked in a collective with the dead rank). Hard timeout."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=dist_worker, args=(r, world_size, port, fn, args, out),
-                         daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    procs, _ = start_ranks(fn, world_size, *args)
     try:
         procs[0].join(timeout_s)
         exitcode = procs[0].exitcode
