@@ -149,8 +149,8 @@ def _start_load(args) -> subprocess.Popen:
 
 def _train(name, plan, cluster, oracle_cluster, data, schedule, steps, args):
     """One run of ``steps`` steps from ``plan``; its step times, plans and switches."""
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import predict
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -77,8 +77,8 @@ def slowest(seconds: float) -> float:
 
 # ---- (a) CephaloTrainer ------------------------------------------------------------------------
 def run_trainer(args, plan_file, out_dir) -> list[float]:
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
     targs = CephaloTrainingArguments(
         output_dir=out_dir, report_to="none", learning_rate=1e-4, max_steps=args.steps,
@@ -96,7 +96,7 @@ def run_loop(args, plan_file, out_dir) -> tuple[list[float], dict]:
     from accelerate.state import AcceleratorState, GradientState
     from torch.utils.data import DataLoader
 
-    from hf_cephalo.integrations import CephaloAccelerator, CephaloPlugin
+    from hf_cephalo import CephaloAccelerator, CephaloPlugin
 
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()

@@ -20,7 +20,7 @@ import argparse
 
 from torch.utils.data import DataLoader
 
-from hf_cephalo.integrations.data import group_texts, pydoc_text_dataset, train_bpe_tokenizer
+from hf_cephalo.demo_data import group_texts, pydoc_text_dataset, train_bpe_tokenizer
 from hf_cephalo.runtime.sampler import (GlobalBatchCollator, MicrobatchCollator,
                                              WeightedBatchSampler)
 

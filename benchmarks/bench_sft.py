@@ -69,7 +69,7 @@ def chat_data(args):
     """The conversations, answers cut to deterministic lengths spread over 40 ..
     ``--answer-chars`` characters (chat data is not of one length: what padding wastes and
     packing recovers)."""
-    from hf_cephalo.integrations.data import pydoc_chat_dataset
+    from hf_cephalo.demo_data import pydoc_chat_dataset
 
     data = pydoc_chat_dataset("messages", args.max_pairs, max_answer_chars=args.answer_chars,
                               parts=True)
@@ -194,7 +194,7 @@ def run_fsdp2(args, rank, layout, tokenizer, out_dir):
 
 
 def run_cephalo(args, rank, layout, tokenizer, out_dir):
-    from hf_cephalo.integrations import CephaloSFTConfig, CephaloSFTTrainer
+    from hf_cephalo import CephaloSFTConfig, CephaloSFTTrainer
 
     clock = _StepClock()
     # activation checkpointing only where memory needs it (FSDP2 runs without it here)
@@ -332,7 +332,7 @@ def main():
     if len(args.slowdown) != 2 or args.global_batch_size % 2 or args.warmup < 1:
         p.error("two slowdowns, an even --global-batch-size and --warmup >= 1")
     load_before = os.getloadavg()[0]
-    from hf_cephalo.integrations.data import pydoc_texts, train_chat_tokenizer
+    from hf_cephalo.demo_data import pydoc_texts, train_chat_tokenizer
 
     with tempfile.TemporaryDirectory() as tokenizer_dir, tempfile.TemporaryDirectory() as cache:
         os.environ["HF_CEPHALO_PROFILE_CACHE"] = cache  # this run's profiles (the workers inherit)

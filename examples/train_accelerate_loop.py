@@ -30,10 +30,10 @@ from torch.utils.data import DataLoader
 from transformers import (AutoModelForSequenceClassification, AutoTokenizer,
                           DataCollatorWithPadding, get_linear_schedule_with_warmup, set_seed)
 
-from hf_cephalo.integrations import CephaloAccelerator, CephaloPlugin
-from hf_cephalo.integrations.data import (PYDOC_PARAGRAPH_LABELS, minilm_path,
-                                          pydoc_paragraph_classes, stratified_split)
-from hf_cephalo.integrations.quiet import progress_bars_from_rank_zero, quiet_load_report
+from hf_cephalo import CephaloAccelerator, CephaloPlugin
+from hf_cephalo.demo_data import (PYDOC_PARAGRAPH_LABELS, minilm_path, pydoc_paragraph_classes,
+                                  stratified_split)
+from hf_cephalo.integrations import progress_bars_from_rank_zero, quiet_load_report
 
 
 def get_dataloaders(accelerator, tokenizer, batch_size: int, eval_batch_size: int, seed: int,

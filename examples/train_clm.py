@@ -42,11 +42,9 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config,
                           GPT2LMHeadModel, HfArgumentParser, LlamaConfig, LlamaForCausalLM,
                           default_data_collator, set_seed)
 
-from hf_cephalo.integrations.data import group_texts, pydoc_text_dataset, train_bpe_tokenizer
-from hf_cephalo.integrations.pretrained import from_pretrained_sharded
-from hf_cephalo.integrations.quiet import progress_bars_from_rank_zero
-from hf_cephalo.integrations.trainer import CephaloTrainer, format_loss_trend
-from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+from hf_cephalo import CephaloTrainer, CephaloTrainingArguments, from_pretrained_sharded
+from hf_cephalo.demo_data import group_texts, pydoc_text_dataset, train_bpe_tokenizer
+from hf_cephalo.integrations import format_loss_trend, progress_bars_from_rank_zero
 
 logger = logging.getLogger("train_clm")
 

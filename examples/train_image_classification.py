@@ -24,10 +24,10 @@ from transformers.utils import logging as hf_logging
 from transformers import (HfArgumentParser, ViTConfig, ViTForImageClassification,
                           default_data_collator, set_seed)
 
-from hf_cephalo.integrations.data import digits_image_datasets
-from hf_cephalo.integrations.quiet import progress_bars_from_rank_zero, quiet_load_report
-from hf_cephalo.integrations.trainer import CephaloTrainer, format_loss_trend
-from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+from hf_cephalo import CephaloTrainer, CephaloTrainingArguments
+from hf_cephalo.demo_data import digits_image_datasets
+from hf_cephalo.integrations import (format_loss_trend, progress_bars_from_rank_zero,
+                                     quiet_load_report)
 
 _NUM_CLASSES = 10
 # Defaults for this example (any flag overrides them): a ViT built from its config needs a larger

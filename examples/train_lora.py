@@ -40,11 +40,11 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,
                           BertForSequenceClassification, DataCollatorWithPadding,
                           HfArgumentParser, set_seed)
 
-from hf_cephalo.integrations.data import (PYDOC_PARAGRAPH_LABELS, minilm_path,
-                                          pydoc_paragraph_classes, stratified_split)
-from hf_cephalo.integrations.quiet import progress_bars_from_rank_zero, quiet_load_report
-from hf_cephalo.integrations.trainer import CephaloTrainer, format_loss_trend
-from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+from hf_cephalo import CephaloTrainer, CephaloTrainingArguments
+from hf_cephalo.demo_data import (PYDOC_PARAGRAPH_LABELS, minilm_path, pydoc_paragraph_classes,
+                                  stratified_split)
+from hf_cephalo.integrations import (format_loss_trend, progress_bars_from_rank_zero,
+                                     quiet_load_report)
 
 LABELS = PYDOC_PARAGRAPH_LABELS
 # Measured on 2 loaded CPU processes (examples/README.md): 3 epochs at 1e-3, global batch 16

@@ -13,7 +13,7 @@ A stock TRL script with two names changed: ``SFTTrainer`` -> ``CephaloSFTTrainer
 
 - Data: a chat dataset built from Python's own documentation (``pydoc_data.topics``, shipped
   with CPython): the user asks what the documentation says about a topic, the assistant answers
-  with a part of its text (``hf_cephalo.integrations.data.pydoc_chat_dataset``, ~1,500
+  with a part of its text (``hf_cephalo.demo_data.pydoc_chat_dataset``, ~1,500
   conversations); the last ``--eval_pairs`` are held out.
 - Tokenizer: a byte-level BPE trained on that text with ChatML turn markers and a chat template
   whose assistant turns carry ``{% generation %}`` markers (``--assistant_only_loss``), or
@@ -44,11 +44,10 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, HfArgumentParser,
                           LlamaForCausalLM, set_seed)
 from transformers.utils import logging as hf_logging
 
-from hf_cephalo.integrations import CephaloSFTConfig, CephaloSFTTrainer, format_loss_trend
-from hf_cephalo.integrations.data import (CHAT_FORMATS, pydoc_chat_dataset, pydoc_chat_pairs,
-                                          pydoc_texts, train_chat_tokenizer)
-from hf_cephalo.integrations.pretrained import from_pretrained_sharded
-from hf_cephalo.integrations.quiet import progress_bars_from_rank_zero
+from hf_cephalo import CephaloSFTConfig, CephaloSFTTrainer, from_pretrained_sharded
+from hf_cephalo.demo_data import (CHAT_FORMATS, pydoc_chat_dataset, pydoc_chat_pairs, pydoc_texts,
+                                  train_chat_tokenizer)
+from hf_cephalo.integrations import format_loss_trend, progress_bars_from_rank_zero
 
 logger = logging.getLogger("train_sft")
 

@@ -1,8 +1,20 @@
 """hf_cephalo: heterogeneous-GPU training for Hugging Face models (Cephalo, ICS'25).
 
-Stages (imports point right-to-left): profiler -> planner -> engine -> integrations.
-Heavy submodules are imported lazily so ``hf-cephalo plan`` starts without torch.distributed.
+The doors (each a drop-in for its stock class; imported lazily, the TRL ones need the ``trl``
+extra)::
+
+    from hf_cephalo import CephaloTrainer, CephaloTrainingArguments      # transformers' Trainer
+    from hf_cephalo import CephaloAccelerator, CephaloPlugin             # an Accelerate loop
+    from hf_cephalo import CephaloSFTTrainer, CephaloSFTConfig           # TRL
+    from hf_cephalo import CephaloDPOTrainer, CephaloDPOConfig
+
+Layers, each importing only the ones below it: ``units`` / ``profiles`` -> ``planner``,
+``models``, ``engine`` -> ``profiler`` -> ``runtime`` -> ``integrations`` (the doors:
+``integrations/trainer``, ``integrations/loop``, ``integrations/trl``). Nothing heavy is imported
+here, so ``hf-cephalo plan`` starts without torch.distributed.
 """
+
+from importlib import import_module
 
 from hf_cephalo.parent_death import install_parent_death_guard as _install_parent_death_guard
 from hf_cephalo.rank_errors import install_rank_error_hook as _install_rank_error_hook
@@ -14,14 +26,31 @@ __version__ = "0.1.0"
 # argument parsing are covered and any script importing hf_cephalo gets it; stdlib only, cheap.
 _install_rank_error_hook()
 # Under torchrun / accelerate launch, a worker ends within about a second of its launcher's death
-# (SIGKILL of the launcher would otherwise leave it training and checkpointing as an orphan;
-# hf_cephalo/parent_death.py, [Note: parent death]). Stdlib only, cheap.
+# (hf_cephalo/parent_death.py, [Note: parent death]). Stdlib only, cheap.
 _install_parent_death_guard()
+
+_EXPORTS = {
+    "CephaloTrainer": "hf_cephalo.integrations.trainer",
+    "CephaloTrainingArguments": "hf_cephalo.integrations.trainer",
+    "CephaloAccelerator": "hf_cephalo.integrations.loop",
+    "CephaloPlugin": "hf_cephalo.integrations.loop",
+    "CephaloSFTTrainer": "hf_cephalo.integrations.trl",
+    "CephaloSFTConfig": "hf_cephalo.integrations.trl",
+    "CephaloDPOTrainer": "hf_cephalo.integrations.trl",
+    "CephaloDPOConfig": "hf_cephalo.integrations.trl",
+    "from_pretrained_sharded": "hf_cephalo.runtime.pretrained",
+    "latest_checkpoint": "hf_cephalo.runtime.elastic",
+}
+
+__all__ = ["__version__", *_EXPORTS]
 
 
 def __getattr__(name: str):
-    """Lazy top-level entries (importing them pulls in torch and transformers)."""
-    if name == "from_pretrained_sharded":
-        from hf_cephalo.integrations.pretrained import from_pretrained_sharded
-        return from_pretrained_sharded
+    """Lazy top-level names (importing them pulls in torch and transformers; TRL's need trl)."""
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'hf_cephalo' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

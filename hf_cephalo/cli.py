@@ -691,7 +691,7 @@ def _run_export(args: argparse.Namespace) -> int:
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     kwargs = dict(verify=not args.no_verify, overwrite=args.overwrite, max_shard_size=size)
     if args.merge_lora:
-        from hf_cephalo.integrations.peft_merge import export_merged_lora
+        from hf_cephalo.engine.peft_merge import export_merged_lora
 
         out = export_merged_lora(args.checkpoint, args.out, adapter_config=args.adapter_config,
                                  **kwargs)

@@ -62,6 +62,8 @@ import re
 import sys
 from typing import Any, Callable, NamedTuple
 
+from hf_cephalo.environment import env_flag
+
 __all__ = ["ALL_RANK_ERRORS_ENV", "ErrorKind", "classify_error", "error_file_record",
            "error_identity", "install_rank_error_hook", "normalized_message", "report_error_once"]
 
@@ -114,10 +116,6 @@ class _Election(NamedTuple):
 
     first_rank: int | None
     """The rank that was first (this rank when ``won``); None when its file was unreadable."""
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
 
 
 def _launched_with_several_ranks() -> bool:
@@ -389,7 +387,7 @@ def report_error_once(message: str, kind: str = "ValueError") -> bool:
     raises. Unlike the hook, it cannot hold off the launcher's SIGTERM while the caller prints
     (a window of microseconds between the election and the print).
     """
-    if not _launched_with_several_ranks() or _env_flag(ALL_RANK_ERRORS_ENV):
+    if not _launched_with_several_ranks() or env_flag(ALL_RANK_ERRORS_ENV):
         return True
     try:
         return _elect_and_record(f"{kind}: {message}", kind, _rank(), shown="message",
@@ -463,7 +461,7 @@ def install_rank_error_hook() -> bool:
     global _previous_hook
     if _previous_hook is not None:
         return True
-    if not _launched_with_several_ranks() or _env_flag(ALL_RANK_ERRORS_ENV):
+    if not _launched_with_several_ranks() or env_flag(ALL_RANK_ERRORS_ENV):
         return False
     _previous_hook = sys.excepthook
     sys.excepthook = _RankErrorHook(_previous_hook)

@@ -137,11 +137,11 @@ CASES = {  # name -> (loss kind, scheduler, gradient accumulation steps, precisi
 
 
 # ---- the distributed side -------------------------------------------------------------------
-def _accelerator(plan_file, precision="no", ga=1, handlers=None, **plugin):
+def _accelerator(plan_file, precision="no", ga=1, handlers=None, project=True, **plugin):
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import ProjectConfiguration
 
-    from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
+    from hf_cephalo.integrations.loop.accelerator import CephaloAccelerator, CephaloPlugin
 
     AcceleratorState._reset_state(reset_partial_state=False)  # another mixed precision per case
     GradientState._reset_state()
@@ -149,12 +149,12 @@ def _accelerator(plan_file, precision="no", ga=1, handlers=None, **plugin):
     return CephaloAccelerator(
         cephalo_plugin=CephaloPlugin(plan_file=plan_file, adaptive="off", **plugin),
         mixed_precision=precision, gradient_accumulation_steps=ga, kwargs_handlers=handlers,
-        project_config=ProjectConfiguration(project_dir=project))
+        project_config=ProjectConfiguration(project_dir=project) if project else None)
 
 
 def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, precision="no",
           switch=None, save_at=None, resume=None, steps=None, stream=False,
-          checkpoint="loop-ckpt"):
+          checkpoint="loop-ckpt", project=True):
     """One run of the stock-shaped loop; returns per-step global losses and (rank 0) the final
     state dict."""
     from hf_cephalo.planner import Plan
@@ -164,7 +164,7 @@ def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, preci
     os.makedirs(out, exist_ok=True)
     plan_file = os.path.join(out, "plan.json")
     Plan.from_ratios(*plan).save(plan_file)
-    accelerator = _accelerator(plan_file, precision, ga,
+    accelerator = _accelerator(plan_file, precision, ga, project=project,
                                loss_reduction="sum" if kind == "weighted" else "mean")
     model = build("llama", seed=0).train()
     optimizer = torch.optim.AdamW(_groups(list(model.named_parameters())), lr=LR, eps=EPS)
@@ -350,6 +350,15 @@ def _worker(rank, world, root):
         results[name] = _loop(rank, world, root, name, first, kind=kind, sched=sched, ga=ga,
                               precision=precision)
     results["switch"] = _loop(rank, world, root, "switch", first, switch=(3, second))
+    # no project_dir: the loop writes nothing into the working directory (as stock)
+    cwd, empty = os.getcwd(), os.path.join(root, f"cwd-{world}-{rank}")
+    os.makedirs(empty)
+    os.chdir(empty)
+    try:
+        results["no_project"] = _loop(rank, world, root, "no_project", first, project=False)
+    finally:
+        os.chdir(cwd)
+    results["no_project"]["cwd_files"] = sorted(os.listdir(empty))
     results["stream"] = _loop(rank, world, root, "stream", second, stream=True, sched=True)
     if world == 2:
         results["saved"] = _loop(rank, world, root, "saved", first, sched=True, save_at=3,
@@ -373,8 +382,8 @@ def _worker(rank, world, root):
 def _trainer(rank, world, root, plan, precision="no"):
     """The same job (model, data order, AdamW groups, clipping, constant LR) through
     CephaloTrainer."""
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 
     args = CephaloTrainingArguments(
@@ -457,6 +466,16 @@ def test_loop_equals_full_batch_reference(runs, world, case):
     for result in runs[world]:  # the global loss is the same on every rank
         _close(result[case]["losses"], ref_losses)
     _params_close(runs[world][0][case]["state"], ref_state)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_without_project_dir_nothing_is_written(runs, world):
+    """A loop without ``project_dir`` writes no progress, plan or report file into the working
+    directory (a cephalo_progress.json once landed in the repository root that way), and
+    trains the same run."""
+    for rank in range(world):
+        assert runs[world][rank]["no_project"]["cwd_files"] == []
+        _close(runs[world][rank]["no_project"]["losses"], runs[world][rank]["own"]["losses"])
 
 
 @pytest.mark.parametrize("world", [2, 3])

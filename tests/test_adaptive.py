@@ -114,9 +114,9 @@ def _injected(scales, bad=None):
 
 def _train(out_dir, name, world_size, *, adaptive, local_row=None, schedule=None,
            max_steps=-1, save_steps=None, resume=None, momentum=0.0, capped=False):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
     from hf_cephalo.runtime.adaptive import AdaptiveController
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import optimize
 
     model = build("llama")

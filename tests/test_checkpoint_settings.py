@@ -73,8 +73,8 @@ def _env(rank, world_size):
 
 
 def _trainer(out_dir, plan=PLAN, *, lora=False, cls=None, trainer_kw=None, **kw):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
     from tests.test_lora import peft_model
 
@@ -120,7 +120,7 @@ def _matrix_worker(rank, world_size, root):
     import torch.distributed as dist
 
     _env(rank, world_size)
-    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
 
     out = {"runs": {}}
     for setting in SETTINGS:
@@ -330,7 +330,7 @@ def test_resume_true_picks_newest_complete_checkpoint(matrix):
 
 
 def test_latest_checkpoint_skips_incomplete(tmp_path, caplog):
-    from hf_cephalo.integrations import latest_checkpoint
+    from hf_cephalo import latest_checkpoint
 
     for step, complete in ((2, True), (10, False), (4, False), (3, True)):
         os.makedirs(tmp_path / f"checkpoint-{step}")
@@ -424,7 +424,7 @@ def test_load_best_model_at_end_equals_run_stopped_at_best_step(best):
 def test_load_best_model_at_end_without_eval_strategy_gets_stock_error(tmp_path):
     from transformers import TrainingArguments
 
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
     kw = dict(output_dir=str(tmp_path), report_to="none", load_best_model_at_end=True,
               save_strategy="steps", eval_strategy="no")

@@ -53,7 +53,7 @@ def _collate(rows):
 
 
 def _kill_mid_save_class():
-    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
 
     class KilledMidSave(CephaloTrainer):
         """Rank 0 dies by SIGKILL after writing its shards of checkpoint-KILL_AT, before the
@@ -70,8 +70,8 @@ def _kill_mid_save_class():
 def _trainer(rank, world_size, out_dir, plan_name, cls=None, save_full_model=False):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 
     # adam_epsilon 1e-4: attention's key bias has a zero true gradient; with a tiny eps Adam turns
@@ -273,7 +273,7 @@ def test_trainer_refuses_a_custom_loop_checkpoint(tmp_path):
     FileNotFoundError), on every rank alike (the contents file is what every rank reads)."""
     from types import SimpleNamespace
 
-    from hf_cephalo.integrations.trainer import CephaloTrainerMixin
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainerMixin
     from hf_cephalo.runtime.checkpoint_contents import CheckpointContents
 
     loop_ckpt = tmp_path / "loop-ckpt"

@@ -61,7 +61,7 @@ def compiled_modules(model: torch.nn.Module) -> list[str]:
 
 def _args(out_dir: str, backend: str | None, cls=None):
     if cls is None:
-        from hf_cephalo.integrations.training_args import CephaloTrainingArguments as cls
+        from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments as cls
     return cls(output_dir=out_dir, report_to="none", optim="sgd", learning_rate=0.5,
                max_grad_norm=0.5, num_train_epochs=1, logging_steps=1, save_strategy="no",
                seed=3, disable_tqdm=True, per_device_eval_batch_size=1, use_cpu=True,
@@ -90,7 +90,7 @@ def _spy_units(trainer, seen: list[bool]) -> None:
 
 def _run(rank: int, out_dir: str, backend: str | None) -> dict:
     """One short training run; what the tests compare (state and save only on rank 0)."""
-    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
     from hf_cephalo.planner import Plan
 
     out_dir = os.path.join(out_dir, str(backend))

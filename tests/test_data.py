@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hf_cephalo.integrations.data import (
+from hf_cephalo.demo_data import (
     EOS_TOKEN,
     digits_image_datasets,
     group_texts,

@@ -136,8 +136,8 @@ def test_world_too_small_names_the_missing_devices(tmp_path):
 
 def _bad_inputs(rank, world_size, out_dir, profile_path, unknown_profile_path):
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from tests.models_fixtures import build
 
     rows = [{"input_ids": torch.arange(1, 13) + i, "labels": torch.arange(1, 13) + i}

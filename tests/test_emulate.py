@@ -112,8 +112,8 @@ def test_memory_cap_errors(tmp_path, monkeypatch):
         EmulationConfig(slowdown=[1.0, 2.0]).check_world_size(3)
 
     # Through the trainer (single process): a plan file whose rank needs more than the cap.
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
     for name in ("PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE", "EMULATE_SLOWDOWN",
                  "EMULATE_MEMORY_CAP_BYTES"):
@@ -162,8 +162,8 @@ def _trainer_worker(rank, world_size, out_dir):
                       HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE="4")
     for name in ("PLAN_FILE", "PROFILE_FILE", "EMULATE_MEMORY_CAP_BYTES"):
         os.environ.pop("HF_CEPHALO_" + name, None)
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.profiler import measure
 
     def make(run):

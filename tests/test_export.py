@@ -244,7 +244,7 @@ def test_bad_max_shard_size():
 def test_merge_lora_refuses_a_checkpoint_without_lora(runs, tmp_path):
     pytest.importorskip("peft")
     from hf_cephalo.cli import main
-    from hf_cephalo.integrations.peft_merge import export_merged_lora
+    from hf_cephalo.engine.peft_merge import export_merged_lora
 
     src = os.path.join(runs[2][0]["gpt2"]["base"], "ckpt")
     with pytest.raises(ckpt.CheckpointError, match=r"no LoRA matrices .*without --merge-lora"):

@@ -1,4 +1,4 @@
-"""A new user's mistakes fail before the wait ([Note: fail fast] in integrations/preflight.py).
+"""A new user's mistakes fail before the wait ([Note: fail fast] in integrations/trainer/preflight.py).
 
 Single process, no process group: each bad setup must raise before the automatic profile
 (``profile_cluster`` is replaced by a function that fails the test, and no profile line may
@@ -36,7 +36,7 @@ def no_profiling(monkeypatch, tmp_path):
 
 
 def _args(tmp_path, **kw):
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
     return CephaloTrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", **kw)
 
@@ -60,7 +60,7 @@ def _bare_bert():
 
 
 def test_bad_setups_fail_before_profiling(tmp_path, capsys, no_profiling):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
 
     cases = [  # (model, args, trainer kwargs, error type, message pattern)
         (build("llama"), {}, dict(train_dataset=_Stream()), ValueError,
@@ -86,7 +86,7 @@ def test_bad_setups_fail_before_profiling(tmp_path, capsys, no_profiling):
 def test_global_batch_below_world_size_warns_before_planning(tmp_path, caplog, no_profiling):
     """B < N: rank 0 warns from the arguments alone, before profiling (world size 4 given, no
     process group)."""
-    from hf_cephalo.integrations.training_args import job_from_training_args
+    from hf_cephalo.integrations.trainer.training_args import job_from_training_args
     from hf_cephalo.models import stage_model
     from hf_cephalo.planner import Plan
     from hf_cephalo.runtime.planning import check_plan_for_job, resolve_plan, warn_idle_ranks

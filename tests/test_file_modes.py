@@ -78,7 +78,7 @@ def _save_worker(rank, world_size, root):
     from hf_cephalo.engine import CephaloEngine
     from hf_cephalo.engine import checkpoint as ckpt
     from hf_cephalo.engine.export import save_pretrained_streamed
-    from hf_cephalo.runtime.peft_save import save_peft_adapter
+    from hf_cephalo.engine.peft_save import save_peft_adapter
     from hf_cephalo.models import stage_model
 
     with umask(0o022):

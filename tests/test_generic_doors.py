@@ -77,7 +77,7 @@ def _loop(name: str, root: str) -> dict:
     from accelerate.utils import ProjectConfiguration
     from torch.utils.data import DataLoader
 
-    from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
+    from hf_cephalo.integrations.loop.accelerator import CephaloAccelerator, CephaloPlugin
     from hf_cephalo.planner import Plan
 
     out = os.path.join(root, f"loop-{name}")

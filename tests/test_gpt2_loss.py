@@ -60,8 +60,8 @@ def _run(trainer) -> dict:
 
 
 def _worker(rank, world_size, out_dir):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")

@@ -1,4 +1,4 @@
-"""The pieces of [Note: collectives inside the engine's head] (integrations/head_calls.py) in one
+"""The pieces of [Note: collectives inside the engine's head] (hf_cephalo/runtime/head_calls.py) in one
 process, no process group: how the replay combines the microbatches' gathers, what the step's
 snapshot restores, and the torch.distributed guard. The multi-rank behaviour (different l_i,
 an idle rank, stock-equal metrics, a refused all_reduce) is tests/test_trl_sft.py's.
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_cephalo.integrations import head_calls as H
+from hf_cephalo.runtime import head_calls as H
 
 
 def test_combine_sums_counts_and_concatenates_rows():

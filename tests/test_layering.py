@@ -1,7 +1,7 @@
 """Every import of the package points down its layers (docs/design.md "Layering"):
 
     utilities (units, file_modes, console, launch_check) < profiles (pure data) < planner (pure)
-    < models, engine < profiler (torch measurement) < runtime < integrations < cli, rank_errors,
+    < models, engine < profiler (torch measurement) < runtime < integrations, demo_data < cli, rank_errors,
     parent_death
 
 Imports inside functions count too (they are how a module reaches another lazily). The runtime
@@ -18,9 +18,9 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf_cephalo")
 LAYERS = {
-    "units": 0, "file_modes": 0, "console": 0, "launch_check": 0,
+    "units": 0, "file_modes": 0, "console": 0, "launch_check": 0, "environment": 0,
     "profiles": 1, "planner": 2, "models": 3, "engine": 3, "profiler": 4, "runtime": 5,
-    "integrations": 6, "cli": 7, "rank_errors": 7, "parent_death": 7, "__init__": 7,
+    "integrations": 6, "demo_data": 6, "cli": 7, "rank_errors": 7, "parent_death": 7, "__init__": 7,
 }
 
 

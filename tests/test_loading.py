@@ -188,8 +188,8 @@ def _check_trainer_meta_start(rank, world_size, path, out_dir) -> None:
                       LOCAL_WORLD_SIZE=str(world_size))
     import hf_cephalo
     from hf_cephalo.engine.loading import StartKind
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 
     args = CephaloTrainingArguments(output_dir=out_dir, report_to="none", optim="sgd",

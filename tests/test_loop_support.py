@@ -1,4 +1,4 @@
-"""The custom loop's DataLoader matrix (``integrations/loop_support.py``, issue 37): every
+"""The custom loop's DataLoader matrix (``integrations/loop/support.py``, issue 37): every
 DataLoader argument of the installed torch is classified, every "works as stock" entry names
 an existing test, docs/accelerate.md holds the rendered table, and each refused value is one
 clear message from ``loader_problems`` (no process group needed: ``CephaloAccelerator.prepare``
@@ -14,15 +14,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, WeightedRandomSampler
 
-from hf_cephalo.integrations.loop_support import (LOADER_FIELD_SUPPORT, loader_problems,
+from hf_cephalo.integrations.loop.support import (LOADER_FIELD_SUPPORT, loader_problems,
                                                   render_markdown, unclassified_loader_fields)
-from hf_cephalo.integrations.support import Status
+from hf_cephalo.integrations.trainer.support import Status
 from tests.test_trainer_support import ROOT, _test_names
 
 
 def test_every_dataloader_argument_is_classified():
     assert unclassified_loader_fields() == [], (
-        "classify the new DataLoader arguments in hf_cephalo/integrations/loop_support.py")
+        "classify the new DataLoader arguments in hf_cephalo/integrations/loop/support.py")
 
 
 def test_stock_entries_name_existing_tests():
@@ -37,7 +37,7 @@ def test_docs_hold_the_rendered_table():
     with open(os.path.join(ROOT, "docs", "accelerate.md")) as f:
         assert render_markdown() in f.read(), (
             "regenerate the DataLoader table of docs/accelerate.md: python -c \"from "
-            "hf_cephalo.integrations.loop_support import render_markdown as r; print(r())\"")
+            "hf_cephalo.integrations.loop.support import render_markdown as r; print(r())\"")
 
 
 class _Stream(IterableDataset):
@@ -90,7 +90,7 @@ def test_accelerator_settings_the_loop_would_drop_are_refused():
     from accelerate.utils import (AutocastKwargs, DataLoaderConfiguration, ProjectConfiguration,
                                   TorchDynamoPlugin)
 
-    from hf_cephalo.integrations.loop_support import accelerator_problems
+    from hf_cephalo.integrations.loop.support import accelerator_problems
 
     assert accelerator_problems(_accelerator()) == []
     cases = [

@@ -287,7 +287,7 @@ def test_merged_export_equals_peft_merge_and_unload(runs, arch, tmp_path):
     import transformers
     from safetensors.torch import load_file
 
-    from hf_cephalo.integrations.peft_merge import export_merged_lora
+    from hf_cephalo.engine.peft_merge import export_merged_lora
 
     saved = runs[f"{arch}/three"]
     model = peft_model(arch)

@@ -39,8 +39,8 @@ def _collate(rows):
 
 
 def _trainer(out_dir, plan, **kw):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
     args = CephaloTrainingArguments(output_dir=out_dir, report_to="none", learning_rate=1e-2,
                                     max_steps=4, logging_steps=1, save_strategy="steps",
@@ -102,7 +102,7 @@ def test_checkpoint_resumes_onto_another_plan(trained):
 def test_adapter_of_another_base_is_refused(trained):
     import transformers
 
-    from hf_cephalo.runtime.peft_save import check_adapter_matches
+    from hf_cephalo.engine.peft_save import check_adapter_matches
 
     check_adapter_matches(trained["save_dir"], build("bert", seed=0))  # its own base: fine
     cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2,
@@ -149,7 +149,7 @@ def test_merge_lora_bad_inputs(trained, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from hf_cephalo.engine.checkpoint import CheckpointError, export_hf
-    from hf_cephalo.integrations.peft_merge import export_merged_lora
+    from hf_cephalo.engine.peft_merge import export_merged_lora
 
     checkpoint = os.path.join(trained["out_dir"], "checkpoint-4")
     with pytest.raises(CheckpointError, match=r"is a LoRA checkpoint .*lora_A.*--merge-lora"):

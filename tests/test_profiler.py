@@ -241,8 +241,8 @@ def test_refuses_profiles_of_other_models_and_devices(tmp_path, monkeypatch):
     check_profile_matches(cluster, mine, ["NVIDIA A10G"])  # spec-sheet style names match
 
     # Through the trainer: a profile file of another model is refused before training.
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
     for name in ("PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE"):
         monkeypatch.delenv("HF_CEPHALO_" + name, raising=False)

@@ -215,8 +215,8 @@ def trainer_case(rank, world, out_dir) -> dict:
                       HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE="2")
     for name in ("PLAN_FILE", "PROFILE_FILE", "EMULATE_MEMORY_CAP_BYTES", "EMULATE_SLOWDOWN"):
         os.environ.pop("HF_CEPHALO_" + name, None)
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from tests.models_fixtures import build
     from tests.test_trainer import _collate, _dataset, _samples
 
@@ -344,7 +344,7 @@ def test_bad_input_names_rank_and_device():
 def test_training_args_refusals(tmp_path, monkeypatch):
     """--cephalo_precision beside a one-precision flag, a bad name, and a plan made at start
     are refused before any process group work."""
-    from hf_cephalo.integrations.training_args import (CephaloTrainingArguments,
+    from hf_cephalo.integrations.trainer.training_args import (CephaloTrainingArguments,
                                                        job_from_training_args)
     from hf_cephalo.models import stage_model
     from hf_cephalo.runtime.planning import resolve_plan

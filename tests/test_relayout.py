@@ -354,8 +354,8 @@ def _trainer_run(rank, world, out_dir, switch: bool) -> dict:
                       LOCAL_WORLD_SIZE=str(world))
     from transformers import TrainerCallback
 
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from tests.models_fixtures import build
 
     g = torch.Generator().manual_seed(3)

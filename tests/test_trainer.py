@@ -68,8 +68,8 @@ def _collate(rows):
 def _worker(rank, world_size, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 
     results = {}
@@ -117,8 +117,8 @@ def _auto_checkpointing_run(out_dir):
     import contextlib
     import io
 
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
     os.environ["HF_CEPHALO_PROFILE_CACHE"] = os.path.join(out_dir, "cache")
     n_train, _, sizes, _, _ = CASES["llama"]
@@ -165,8 +165,8 @@ def _bf16_run(out_dir):
     fp32 all-gathers (``cephalo_param_dtype="fp32"``) so that autocast alone is compared with
     single-process autocast; bf16 gathered parameters (the --bf16 default) are compared with a
     reference applying the same casts in tests/test_mixed_precision.py."""
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 
     n_train, _, sizes, _, _ = CASES["llama"]
@@ -189,8 +189,8 @@ def _image_column_survives(out_dir):
     Trainer's column pruning must keep "image" (stock Trainer needs remove_unused_columns=False)."""
     import datasets
 
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 
     def to_pixels(batch):
@@ -344,8 +344,8 @@ def test_image_column_survives_column_pruning(trained):
 
 def test_rejects_bad_setup(tmp_path, monkeypatch):
     """Single process, no process group: every error is raised before any collective."""
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.launch_check import single_process_hint
     from hf_cephalo.planner import Plan
 
@@ -394,8 +394,8 @@ def test_emulated_cap_enforced_for_plan_without_predicted_memory(tmp_path, monke
     """A hand-made plan file (no predicted_memory_bytes) is still held to the emulated memory cap:
     at least r_i × S (the rank's training-state shard) must fit, checked before any collective."""
     from hf_cephalo.runtime.planning import check_state_fits_caps
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
     from hf_cephalo.profiler.emulate import EmulatedOutOfMemoryError
 
@@ -423,7 +423,7 @@ def test_emulated_cap_enforced_for_plan_without_predicted_memory(tmp_path, monke
 
 
 def test_format_loss_trend():
-    from hf_cephalo.integrations.trainer import format_loss_trend
+    from hf_cephalo.integrations.trainer.trainer import format_loss_trend
 
     assert format_loss_trend([2.0, 1.5]) == "first 2.0000 -> last 1.5000 (went down; 2 logged values)"
     assert "DID NOT go down; 3 logged values" in format_loss_trend([1.0, 0.5, 1.2])

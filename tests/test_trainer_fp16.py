@@ -18,8 +18,8 @@ from tests.test_trainer import _collate, _dataset, _samples
 
 
 def _train(out_dir, plan, resume=None):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
     # optim not given: transformers' default, the fused AdamW
     args = CephaloTrainingArguments(output_dir=out_dir, report_to="none",

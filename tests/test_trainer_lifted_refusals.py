@@ -112,8 +112,8 @@ def _summary(trainer, model) -> dict:
 # ---- the multi-rank side --------------------------------------------------------------------
 
 def _cephalo(case, out_dir, sizes, resume=None, **overrides):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 
     B = sum(sizes[0])
@@ -297,7 +297,7 @@ def test_stand_ins_give_stock_loader_lengths_and_skips():
     from accelerate import skip_first_batches
     from torch.utils.data import DataLoader
 
-    from hf_cephalo.integrations.trainer_accumulation import (AccumulationStep,
+    from hf_cephalo.integrations.trainer.accumulation import (AccumulationStep,
                                                               with_accumulation_steps)
     from hf_cephalo.runtime.data import weighted_loader
 
@@ -335,7 +335,7 @@ def test_stream_with_a_length():
     the stock loader's length (10 rows, B = 3, k = 3: 3 x 3 + 1)."""
     from torch.utils.data import IterableDataset
 
-    from hf_cephalo.integrations.trainer_accumulation import (AccumulationStep,
+    from hf_cephalo.integrations.trainer.accumulation import (AccumulationStep,
                                                               with_accumulation_steps)
     from hf_cephalo.runtime.streaming import stream_loader
 
@@ -369,7 +369,7 @@ def test_drop_last_with_accumulation_warns(caplog):
     would have trained some of its rows (22 rows, B = 8, k = 4: 6 of the last 6)."""
     import logging
 
-    from hf_cephalo.integrations.trainer_accumulation import warn_rows_dropped
+    from hf_cephalo.integrations.trainer.accumulation import warn_rows_dropped
 
     with caplog.at_level(logging.WARNING, logger="hf_cephalo"):
         warn_rows_dropped(range(22), 8, 4)
@@ -388,10 +388,10 @@ def test_refusals_before_any_collective(tmp_path, monkeypatch):
     a streamed eval dataset. A stream with max_steps passes the checks."""
     from torch.utils.data import IterableDataset
 
-    from hf_cephalo.integrations.preflight import dataset_problems
-    from hf_cephalo.integrations.support import RefusedSettings
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.preflight import dataset_problems
+    from hf_cephalo.integrations.trainer.support import RefusedSettings
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
     class Stream(IterableDataset):
         def __iter__(self):
@@ -431,7 +431,7 @@ def test_refusals_before_any_collective(tmp_path, monkeypatch):
 def test_plan_line_names_the_global_batch(tmp_path, monkeypatch):
     """B = per_device_train_batch_size x world size x gradient_accumulation_steps, said in the
     plan line; a plan or --cephalo_global_batch_size fixes B instead (nothing derived)."""
-    from hf_cephalo.integrations.training_args import (CephaloTrainingArguments,
+    from hf_cephalo.integrations.trainer.training_args import (CephaloTrainingArguments,
                                                        job_from_training_args)
     from hf_cephalo.planner import Plan
     from hf_cephalo.runtime.report import format_plan_table

@@ -71,7 +71,7 @@ class StockOverride(_OverrideMixin, transformers.Trainer):
 
 
 def _cephalo_override():
-    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
 
     return type("CephaloOverride", (_OverrideMixin, CephaloTrainer), {})
 
@@ -137,8 +137,8 @@ def _to_numpy(obj):
 
 
 def _cephalo_trainer(case, out_dir, **kwargs):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 
     arch, _, kind = CASES[case]

@@ -1,4 +1,4 @@
-"""The Trainer support matrix (hf_cephalo/integrations/support.py) is complete, documented and
+"""The Trainer support matrix (hf_cephalo/integrations/trainer/support.py) is complete, documented and
 enforced: every TrainingArguments field of the installed transformers is classified, every
 "works as stock" entry names an existing test, docs/trainer_support.md is the rendered table,
 and refused values / hooks raise ValueError at construction before any process group exists.
@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from hf_cephalo.integrations.support import (FIELD_SUPPORT, HOOK_SUPPORT, Status,
+from hf_cephalo.integrations.trainer.support import (FIELD_SUPPORT, HOOK_SUPPORT, Status,
                                              check_training_args, render_markdown,
                                              unclassified_fields)
 from tests.models_fixtures import build
@@ -52,7 +52,7 @@ def test_docs_page_is_the_rendered_matrix():
 
 
 def _args(tmp_path, **kw):
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
     return CephaloTrainingArguments(output_dir=str(tmp_path), report_to="none", **kw)
 
@@ -75,7 +75,7 @@ REFUSED_VALUES = [
 def test_refused_at_construction(tmp_path, kw, monkeypatch):
     """Refused before the process group, the plan or the engine exist; the message names the
     field and says what to do."""
-    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
 
     monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
     (field,) = kw
@@ -89,7 +89,7 @@ def test_torch_compile_becomes_the_engines_per_unit_compile(tmp_path):
     torch_compile when a backend or mode is given: each maps to the engine's CompileOptions;
     an unknown backend is a ValueError at construction (before any collective)."""
     from hf_cephalo.engine import CompileOptions
-    from hf_cephalo.integrations.trainer import CephaloTrainer, _compile_options
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer, _compile_options
 
     assert _compile_options(_args(tmp_path)) is None
     for kw, expected in ((dict(torch_compile=True), CompileOptions()),
@@ -135,7 +135,7 @@ class _CustomForward(transformers.LlamaForCausalLM):
 
 
 def test_hooks_refused_at_construction(tmp_path):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
 
     model = build("llama")
 
@@ -181,8 +181,8 @@ def test_every_refusal_of_a_script_in_one_message(tmp_path, monkeypatch):
     before any process group exists."""
     from torch.utils.data import IterableDataset
 
-    from hf_cephalo.integrations.support import RefusedSettings
-    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.support import RefusedSettings
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
 
     class Stream(IterableDataset):
         def __iter__(self):
@@ -216,9 +216,9 @@ def test_gradient_checkpointing_with_checkpointing_off_is_refused(tmp_path, monk
     """--gradient_checkpointing asks for activation checkpointing: beside
     --cephalo_activation_checkpointing false, or a plan file made without it, it is refused
     before any process group exists; with 'auto' it means checkpointing on."""
-    from hf_cephalo.integrations.preflight import \
+    from hf_cephalo.integrations.trainer.preflight import \
         engine_checkpointing_replaces_model_checkpointing as _engine_checkpointing_replaces_model_checkpointing
-    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
     from hf_cephalo.planner import Plan
 
     monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
@@ -250,12 +250,12 @@ def test_activation_checkpointing_flag_any_case_and_against_a_plan_file(tmp_path
 
     from transformers import HfArgumentParser
 
-    from hf_cephalo.integrations.training_args import job_from_training_args
+    from hf_cephalo.integrations.trainer.training_args import job_from_training_args
     from hf_cephalo.runtime.planning import check_plan_file_checkpointing
-    from hf_cephalo.integrations.preflight import \
+    from hf_cephalo.integrations.trainer.preflight import \
         engine_checkpointing_replaces_model_checkpointing as _engine_checkpointing_replaces_model_checkpointing
-    from hf_cephalo.integrations.trainer import format_plan_table
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import format_plan_table
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 
     monkeypatch.delenv("HF_CEPHALO_ACTIVATION_CHECKPOINTING", raising=False)

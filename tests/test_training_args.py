@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import HfArgumentParser
 
-from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
 ENV_NAMES = ["PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE", "MEMORY_FRACTION",
              "ACTIVATION_OFFLOAD", "EMULATE_SLOWDOWN", "EMULATE_MEMORY_CAP_BYTES",
@@ -29,7 +29,7 @@ def test_defaults(tmp_path):
     args = _args(tmp_path)
     assert args.cephalo_plan_file is None and args.cephalo_global_batch_size is None
     assert args.cephalo_memory_fraction == 0.8
-    assert args.cephalo_activation_offload == "auto" and args.cephalo_offload_activations is None
+    assert args.cephalo_activation_offload == "auto" and args.cephalo_settings().offload_activations is None
     assert args.cephalo_save_full_model is False and args.cephalo_max_shard_size == "50GB"
     if not torch.cuda.is_available():
         assert args.use_cpu  # so accelerate-launched workers build a MULTI_CPU state
@@ -46,7 +46,7 @@ def test_hf_argument_parser(tmp_path):
         "--cephalo_emulate_slowdown", "1", "2.5", "--cephalo_emulate_memory_cap_bytes", "4000000000", "2000000000"])
     assert args.cephalo_plan_file == str(plan)
     assert args.cephalo_global_batch_size == 12 and args.cephalo_memory_fraction == 0.5
-    assert args.cephalo_offload_activations is False
+    assert args.cephalo_settings().offload_activations is False
     assert args.cephalo_emulate_slowdown == [1.0, 2.5]
     assert args.cephalo_emulate_memory_cap_bytes == [4_000_000_000, 2_000_000_000]
     with pytest.raises(SystemExit):  # argparse rejects a value outside the choices
@@ -79,7 +79,7 @@ def test_env_fallbacks_and_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_CEPHALO_EMULATE_MEMORY_CAP_BYTES", "8e9,4e9")
     args = _args(tmp_path)
     assert args.cephalo_global_batch_size == 24 and args.cephalo_memory_fraction == 0.6
-    assert args.cephalo_offload_activations is True
+    assert args.cephalo_settings().offload_activations is True
     assert args.cephalo_emulate_slowdown == [1.0, 3.0]
     assert args.cephalo_emulate_memory_cap_bytes == [8_000_000_000, 4_000_000_000]
     explicit = _args(tmp_path, cephalo_global_batch_size=8, cephalo_memory_fraction=0.9)
@@ -87,7 +87,7 @@ def test_env_fallbacks_and_precedence(tmp_path, monkeypatch):
 
 
 def test_precision_defaults_follow_the_compute_dtype(tmp_path, monkeypatch):
-    from hf_cephalo.integrations.training_args import EnginePrecision, check_bf16_support
+    from hf_cephalo.integrations.trainer.training_args import EnginePrecision, check_bf16_support
 
     bf16, fp16 = torch.bfloat16, torch.float16
     assert _args(tmp_path).engine_precision() == EnginePrecision(None, None, None)
@@ -142,7 +142,7 @@ def test_validation(tmp_path, kw, match):
 def test_refused_fields_are_reported_by_the_trainer_checks(tmp_path, kw, match):
     """Constructing the arguments succeeds; the refusal comes with every other refusal of the
     script from CephaloTrainer (check_training_args: [Note: one refusal message])."""
-    from hf_cephalo.integrations.support import check_training_args
+    from hf_cephalo.integrations.trainer.support import check_training_args
 
     args = _args(tmp_path, per_device_train_batch_size=8, **kw)
     with pytest.raises(ValueError, match=match):
@@ -172,7 +172,7 @@ def test_batch_size_rules_and_world_size_check(tmp_path):
     """The job's global batch, resolved once ([Note: batch size semantics] in runtime/job.py):
     stock's per-device x world (x accumulation steps), the setting, or the plan's; an emulation
     list of another length than the world is refused when the job is made."""
-    from hf_cephalo.integrations.training_args import job_from_training_args
+    from hf_cephalo.integrations.trainer.training_args import job_from_training_args
     from hf_cephalo.planner import Plan
 
     def batch(args, world, plan=None):
@@ -194,28 +194,37 @@ def test_batch_size_rules_and_world_size_check(tmp_path):
 
 
 def test_package_exports_every_public_name():
-    """README imports ``CephaloTrainer, CephaloTrainingArguments`` from the package; every name in a
-    submodule's ``__all__`` must resolve through the lazy package namespace."""
+    """The package face (README: ``from hf_cephalo import CephaloTrainer, ...``) and each door
+    package resolve their names lazily to the defining module; importing ``hf_cephalo`` alone
+    imports no door (nor transformers)."""
     import importlib
-    import importlib.util
+    import subprocess
+    import sys
 
-    import hf_cephalo.integrations as pkg
-    from hf_cephalo.integrations import CephaloTrainer, CephaloTrainingArguments  # noqa: F401  (README line)
+    import hf_cephalo
+    import hf_cephalo.integrations as doors
 
-    expected = set()
-    mods = ["trainer", "training_args", "accelerate", "data", "pretrained", "quiet"]
-    if importlib.util.find_spec("trl") is not None:  # the trl extra (installed by the test extra)
-        mods += ["trl_sft", "trl_dpo"]
-    for mod in mods:
-        module = importlib.import_module(f"hf_cephalo.integrations.{mod}")
-        for name in module.__all__:
-            expected.add(name)
-            assert getattr(pkg, name) is getattr(module, name), name
+    face = {"CephaloTrainer", "CephaloTrainingArguments", "CephaloAccelerator", "CephaloPlugin",
+            "CephaloSFTTrainer", "CephaloSFTConfig", "CephaloDPOTrainer", "CephaloDPOConfig",
+            "from_pretrained_sharded", "latest_checkpoint"}
+    assert set(hf_cephalo.__all__) == face | {"__version__"}
+    for door in ("trainer", "loop", "trl"):
+        package = importlib.import_module(f"hf_cephalo.integrations.{door}")
+        for name in package.__all__:
+            defining = importlib.import_module(f"{package.__name__}.{package._EXPORTS[name]}")
+            assert name in defining.__all__, (door, name)
+            assert getattr(package, name) is getattr(defining, name) is getattr(doors, name)
+            if name in face:
+                assert getattr(hf_cephalo, name) is getattr(defining, name)
     from hf_cephalo.runtime.elastic import latest_checkpoint
+    from hf_cephalo.runtime.pretrained import from_pretrained_sharded
 
-    assert pkg.latest_checkpoint is latest_checkpoint  # the README's elastic script imports it
-    expected.add("latest_checkpoint")
-    assert set(pkg.__all__) == expected
+    assert hf_cephalo.latest_checkpoint is latest_checkpoint
+    assert hf_cephalo.from_pretrained_sharded is from_pretrained_sharded
+    code = ("import sys, hf_cephalo; print(sorted(m for m in sys.modules if m.startswith("
+            "('transformers', 'hf_cephalo.integrations', 'torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_adaptive_settings_defaults_and_errors(tmp_path, monkeypatch):
@@ -261,8 +270,8 @@ def test_settings_declared_once_help_and_defaults(tmp_path):
 
     from transformers import HfArgumentParser
 
-    from hf_cephalo.integrations.accelerate import CephaloPlugin
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.loop.accelerator import CephaloPlugin
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.runtime.settings import CephaloSettings, env_name
 
     args, plugin = _args(tmp_path), CephaloPlugin()

@@ -60,7 +60,7 @@ def _save_datasets(root: str) -> str:
     a cache file beside the dataset's files, which every rank must find (an in-memory dataset
     caches in a per-process temporary directory, so stock TRL on several processes fails the
     same way)."""
-    from hf_cephalo.integrations.data import pydoc_preference_dataset
+    from hf_cephalo.demo_data import pydoc_preference_dataset
 
     for conversational in (False, True):
         pydoc_preference_dataset(NUM_PAIRS, max_answer_chars=60, conversational=conversational

@@ -142,8 +142,8 @@ class _RawCollectiveMixin:
 
 
 def _user_trainer(mixin, world_size, out_dir):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from tests.models_fixtures import build
     from tests.test_trainer_parity import _collate, _samples
 
@@ -172,7 +172,7 @@ def _cephalo_gather_metrics(world_size, out_dir):
 
 
 def _cephalo_raw_collective(world_size, out_dir):
-    from hf_cephalo.integrations.head_calls import HeadCallError
+    from hf_cephalo.runtime.head_calls import HeadCallError
 
     trainer = _user_trainer(_RawCollectiveMixin, world_size, out_dir)
     try:

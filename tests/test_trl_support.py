@@ -1,4 +1,4 @@
-"""TRL's support matrix (hf_cephalo/integrations/trl_support.py) is complete, documented and
+"""TRL's support matrix (hf_cephalo/integrations/trl/support.py) is complete, documented and
 enforced: every field SFTConfig adds to TrainingArguments is classified, every "works as stock"
 entry names an existing test, docs/trl.md holds the rendered tables, refused settings and TRL
 trainers that generate are refused in ONE message before any process group exists, and the
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from hf_cephalo.integrations.support import RefusedSettings, Status
+from hf_cephalo.integrations.trainer.support import RefusedSettings, Status
 from tests.test_trainer_support import ROOT, _test_names
 
 trl = pytest.importorskip("trl")
@@ -30,7 +30,7 @@ def _sft_fields(config=None) -> list[str]:
 
 def test_every_sft_config_field_is_classified():
     """A field a future TRL adds to SFTConfig fails here until trl_support.py classifies it."""
-    from hf_cephalo.integrations.trl_support import SFT_FIELD_SUPPORT
+    from hf_cephalo.integrations.trl.support import SFT_FIELD_SUPPORT
 
     names = _sft_fields()
     assert [n for n in names if n not in SFT_FIELD_SUPPORT] == []
@@ -39,7 +39,7 @@ def test_every_sft_config_field_is_classified():
 
 def test_every_dpo_config_field_is_classified():
     """A field a future TRL adds to DPOConfig fails here until trl_support.py classifies it."""
-    from hf_cephalo.integrations.trl_support import DPO_FIELD_SUPPORT
+    from hf_cephalo.integrations.trl.support import DPO_FIELD_SUPPORT
 
     names = _sft_fields(trl.DPOConfig)
     assert [n for n in names if n not in DPO_FIELD_SUPPORT] == []
@@ -47,7 +47,7 @@ def test_every_dpo_config_field_is_classified():
 
 
 def test_stock_entries_name_existing_tests():
-    from hf_cephalo.integrations.trl_support import (DPO_FIELD_SUPPORT, SFT_FIELD_SUPPORT,
+    from hf_cephalo.integrations.trl.support import (DPO_FIELD_SUPPORT, SFT_FIELD_SUPPORT,
                                                      TRL_TRAINER_SUPPORT)
 
     for name, support in {**SFT_FIELD_SUPPORT, **DPO_FIELD_SUPPORT,
@@ -61,19 +61,19 @@ def test_stock_entries_name_existing_tests():
 def test_every_trl_trainer_is_classified():
     """Every trainer class TRL exports (stable and experimental) has an entry: a new one is
     refused as 'not validated' anyway, but should be classified with its reason."""
-    from hf_cephalo.integrations.trl_support import TRL_TRAINER_SUPPORT
+    from hf_cephalo.integrations.trl.support import TRL_TRAINER_SUPPORT
 
     exported = {name for name in dir(trl) if name.endswith("Trainer")}
     assert exported - set(TRL_TRAINER_SUPPORT) == set()
 
 
 def test_docs_page_is_the_rendered_matrix():
-    from hf_cephalo.integrations.trl_support import render_markdown
+    from hf_cephalo.integrations.trl.support import render_markdown
 
     with open(os.path.join(ROOT, "docs", "trl.md")) as f:
         page = f.read()
     assert render_markdown() in page, ("regenerate the tables of docs/trl.md: python -c "
-                                       "\"from hf_cephalo.integrations.trl_support import "
+                                       "\"from hf_cephalo.integrations.trl.support import "
                                        "render_markdown as r; print(r())\"")
 
 
@@ -159,7 +159,7 @@ def test_model_by_name_refusals(tmp_path, monkeypatch):
     assert not torch.distributed.is_initialized()
     # honoured as stock's from_pretrained honours them: "auto" on a float32 checkpoint, a
     # config override, a loading option set to None
-    from hf_cephalo.integrations.pretrained import load_named_model
+    from hf_cephalo.runtime.pretrained import load_named_model
 
     model = load_named_model(folder, {"dtype": "auto", "use_cache": False,
                                       "quantization_config": None}, door="CephaloSFTTrainer")

@@ -47,7 +47,7 @@ def assert_same_state(got: dict, ref: dict, rtol: float, atol: float) -> None:
 
 def save_tokenizer(path: str) -> str:
     """A 512-entry BPE + ChatML tokenizer trained on pydoc text, saved under ``path``."""
-    from hf_cephalo.integrations.data import pydoc_texts, train_chat_tokenizer
+    from hf_cephalo.demo_data import pydoc_texts, train_chat_tokenizer
 
     train_chat_tokenizer(pydoc_texts(60000), 512).save_pretrained(path)
     return path
@@ -64,7 +64,7 @@ def chat_dataset(fmt: str, num_pairs: int = NUM_PAIRS, offset: int = 0):
     lengths, so packing puts several in a row and padding differs per row)."""
     import datasets
 
-    from hf_cephalo.integrations.data import pydoc_chat_dataset
+    from hf_cephalo.demo_data import pydoc_chat_dataset
 
     ds = pydoc_chat_dataset(fmt, offset + num_pairs, max_answer_chars=200)
     ds = ds.select(range(offset, offset + num_pairs))

@@ -947,7 +947,7 @@ def _layout_sources(layout: CheckpointLayout, reader: _ShardReader, model):
             raise CheckpointError(
                 f"{layout.directory} is a LoRA checkpoint ({len(unexpected)} adapter/base keys "
                 f"{type(model).__name__} does not have, e.g. {lora[0]}): export merged "
-                "weights with --merge-lora (hf_cephalo.integrations.peft_merge."
+                "weights with --merge-lora (hf_cephalo.engine.peft_merge."
                 "export_merged_lora), or save the adapter with trainer.save_model")
         raise CheckpointError(f"{os.path.join(layout.directory, FILES.LAYOUT)}: keys do not "
                               f"match {type(model).__name__}: missing {missing}, unexpected "

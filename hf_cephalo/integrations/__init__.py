@@ -1,64 +1,21 @@
-"""Hugging Face front ends over the Cephalo runtime (``hf_cephalo.runtime``): CephaloTrainer,
-CephaloTrainingArguments, CephaloSFTTrainer / CephaloSFTConfig and CephaloDPOTrainer /
-CephaloDPOConfig (TRL: the ``trl`` extra),
-CephaloAccelerator/Plugin, the demo datasets and the scripts' output switches (progress bars,
-load reports). Names are imported lazily
-(transformers is heavy): every name in a submodule's ``__all__`` is listed here, so
-``from hf_cephalo.integrations import CephaloTrainer`` imports only what it needs."""
+"""The doors: Hugging Face front ends over the Cephalo runtime (``hf_cephalo.runtime``), a
+folder each: ``trainer/`` (transformers' Trainer), ``loop/`` (an Accelerate loop), ``trl/``
+(TRL's SFT and DPO trainers); ``quiet`` holds the scripts' output switches (progress bars,
+load reports). A door only translates its front end's settings into the runtime's ``Job`` and
+calls the runtime. Every door name is re-exported here and at ``hf_cephalo`` (lazily)."""
 
 from importlib import import_module
 
 _EXPORTS = {
-    # trainer
-    "CephaloTrainer": "trainer",
-    "CephaloTrainerMixin": "trainer",
-    "format_plan_table": "trainer",
-    "format_loss_trend": "trainer",
-    # TRL (the trl extra)
-    "CephaloSFTTrainer": "trl_sft",
-    "CephaloSFTConfig": "trl_sft",
-    "CephaloDPOTrainer": "trl_dpo",
-    "CephaloDPOConfig": "trl_dpo",
-    # training_args
-    "CephaloTrainingArguments": "training_args",
-    "CephaloArguments": "training_args",
-    "job_from_training_args": "training_args",
-    # accelerate
-    "CephaloDistributedType": "accelerate",
-    "CephaloPlugin": "accelerate",
-    "CephaloAccelerator": "accelerate",
-    "ENV_PREFIX": "accelerate",
-    "ACTIVATION_OFFLOAD_CHOICES": "accelerate",
-    "ADAPTIVE_CHOICES": "accelerate",
-    # the runtime's public names a script uses (hf_cephalo.runtime holds the rest)
-    "latest_checkpoint": "hf_cephalo.runtime.elastic",
-    # pretrained
-    "from_pretrained_sharded": "pretrained",
-    # quiet
-    "disable_progress_bars": "quiet",
-    "progress_bars_from_rank_zero": "quiet",
-    "print_line": "quiet",
-    "quiet_load_report": "quiet",
-    "LOAD_REPORT_LOGGER": "quiet",
-    # data
-    "pydoc_texts": "data",
-    "pydoc_text_dataset": "data",
-    "pydoc_paragraph_classes": "data",
-    "stratified_split": "data",
-    "minilm_path": "data",
-    "PYDOC_TOPIC_GROUPS": "data",
-    "PYDOC_PARAGRAPH_LABELS": "data",
-    "train_bpe_tokenizer": "data",
-    "pydoc_chat_pairs": "data",
-    "pydoc_chat_dataset": "data",
-    "pydoc_preference_dataset": "data",
-    "train_chat_tokenizer": "data",
-    "CHAT_TEMPLATE": "data",
-    "CHAT_FORMATS": "data",
-    "group_texts": "data",
-    "digits_image_datasets": "data",
-    "EOS_TOKEN": "data",
-    "PAD_TOKEN": "data",
+    **{n: "trainer" for n in ("CephaloTrainer", "CephaloTrainerMixin", "CephaloTrainingArguments",
+                              "CephaloArguments", "job_from_training_args", "format_plan_table",
+                              "format_loss_trend")},
+    **{n: "loop" for n in ("CephaloAccelerator", "CephaloPlugin", "CephaloDistributedType",
+                           "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES")},
+    **{n: "trl" for n in ("CephaloSFTTrainer", "CephaloSFTConfig", "CephaloDPOTrainer",
+                          "CephaloDPOConfig")},
+    **{n: "quiet" for n in ("disable_progress_bars", "progress_bars_from_rank_zero", "print_line",
+                            "quiet_load_report", "LOAD_REPORT_LOGGER")},
 }
 
 __all__ = list(_EXPORTS)
@@ -66,9 +23,7 @@ __all__ = list(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        module = _EXPORTS[name]
-        return getattr(import_module(module if module.startswith("hf_cephalo.")
-                                     else f"{__name__}.{module}"), name)
+        return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

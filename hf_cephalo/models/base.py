@@ -1,8 +1,8 @@
 """The StagedModel contract: a model seen as embedding + a list of identical units + head.
 
 The layered engine (``hf_cephalo.engine``) never imports a concrete model; it drives any
-``StagedModel``. An adapter for a Hugging Face architecture (``models/llama.py``, ...) or the
-generic test model (``models/toy.py``) implements it. docs/design.md contract 5.
+``StagedModel``. The generic decoder path (``models/generic.py``), an adapter for a Hugging Face
+architecture (``models/gpt2.py``, ...) or the test model (``models/toy.py``) implements it. docs/design.md contract 5.
 
 Data flow for one microbatch (a dict of tensors as produced by a collator)::
 
@@ -41,7 +41,7 @@ def global_num_items_scope(num_items: int) -> Iterator[None]:
     [Note: global item count for user losses]
     ``head_loss`` returns a SUM and the engine divides it by N. A Hugging Face style loss
     (``compute_loss_func(outputs, labels, num_items_in_batch)``, ``LabelSmoother``) divides by
-    ``num_items_in_batch`` itself, so an adapter wrapping one (``integrations/user_loss.py``)
+    ``num_items_in_batch`` itself, so an adapter wrapping one (``hf_cephalo/runtime/user_loss.py``)
     reads N here, passes it as ``num_items_in_batch`` and returns ``loss * N`` as the sum. The
     gradient then equals the full-batch one exactly when the loss is a sum over items divided
     by ``num_items_in_batch`` (true for cross entropy, label smoothing, any per-token loss).

@@ -326,7 +326,7 @@ class CausalLMStagedModel(HFStagedModel):
     ``final_hidden`` (the final norm: (m, S, H) -> (m, S, H)) and ``output_head`` (the (V, H)
     projection, ``lm_head``), so that ``head_logits`` = ``output_head()(final_hidden(...))``
     (m, S, V) and a loss that never materializes the logits (TRL's chunked log-probabilities,
-    ``integrations/trl_fused.py``) can project the final hidden states itself, tile by tile.
+    ``integrations/trl/fused.py``) can project the final hidden states itself, tile by tile.
     ``head_loss`` and ``head_loss_and_logits`` (``HFStagedModel``) run the head once.
     Raises ValueError when the microbatch has no ``labels``.
     """

@@ -55,7 +55,9 @@ _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash"
 
 def default_cache_dir() -> Path:
     """``$HF_CEPHALO_PROFILE_CACHE`` or ``~/.cache/hf_cephalo/profiles``."""
-    env = os.environ.get("HF_CEPHALO_PROFILE_CACHE")
+    from hf_cephalo.environment import env_text
+
+    env = env_text("HF_CEPHALO_PROFILE_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "hf_cephalo" / "profiles"
 
 

@@ -233,6 +233,7 @@ class AdaptiveController:
         self.records.append(record)
         if session.job.is_main:
             print_line(line)
+        if session.job.is_main and session.job.output_dir is not None:
             os.makedirs(session.job.output_dir, exist_ok=True)
             with open(os.path.join(session.job.output_dir, REPLANS_NAME), "a") as f:
                 f.write(json.dumps(record) + "\n")

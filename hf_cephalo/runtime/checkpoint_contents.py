@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 from hf_cephalo.engine.checkpoint import FILES, CheckpointError, damaged_remedy
 from hf_cephalo.engine.export import INDEX_NAME, WEIGHTS_NAME
-from hf_cephalo.runtime.peft_save import ADAPTER_FILES
+from hf_cephalo.engine.peft_save import ADAPTER_FILES
 
 __all__ = ["CONTENTS_NAME", "CheckpointContents", "MissingFile", "missing_files",
            "read_contents", "check_contents"]

@@ -22,7 +22,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from hf_cephalo.engine.checkpoint import CheckpointError, is_complete
 
 from hf_cephalo.planner import Plan
 from hf_cephalo.runtime.checkpoint_contents import CheckpointContents, check_contents
@@ -33,19 +38,40 @@ from hf_cephalo.runtime.elastic import (RunRecord, check_resume, latest_checkpoi
 if TYPE_CHECKING:
     from hf_cephalo.runtime.session import Session
 
-__all__ = ["save_training_state", "save_run_record", "save_model_files", "save_adapter_config",
-           "resolve_resume", "prepare_resume",
-           "adopt_checkpoint_plan", "load_weights", "load_checkpoint_weights", "load_optimizer"]
+__all__ = ["atomic_checkpoint", "save_training_state", "save_shards", "save_run_record",
+           "save_model_files", "save_adapter_config", "resolve_resume", "prepare_resume",
+           "adopt_checkpoint_plan", "load_weights", "load_checkpoint_weights", "load_optimizer",
+           "load_scheduler", "is_complete", "CheckpointError"]
 
 logger = logging.getLogger(__name__)
 
 
-def save_training_state(session: "Session", directory: str, optimizer, global_step: int) -> None:
-    """Every rank: its shards (+ optimizer state) into ``directory``; rank 0: the plan and run
-    record. Collective only through the caller's ``atomic_checkpoint_dir``."""
+@contextmanager
+def atomic_checkpoint(session: "Session", directory: str,
+                      contents: CheckpointContents) -> Iterator[str]:
+    """Collective (every rank): a checkpoint written atomically. Yields the hidden staging
+    folder each rank writes its files into; on exit every rank's files are checked against
+    ``contents`` (what the run's settings promise) and the folder is renamed to ``directory``
+    after the completeness marker ([Note: atomic checkpoints] in engine/checkpoint.py), so a
+    run killed mid-save leaves no ``directory``. Each door adds its own files inside."""
+    from hf_cephalo.engine.checkpoint import atomic_checkpoint_dir
+
+    with atomic_checkpoint_dir(directory, session.engine.group, check=lambda staging:
+                               check_contents(staging, contents, when="save")) as staging:
+        yield staging
+
+
+def save_shards(session: "Session", directory: str, optimizer) -> None:
+    """Every rank: its parameter and optimizer shards with their layout into ``directory``."""
     from hf_cephalo.engine.checkpoint import save_sharded
 
     save_sharded(session.engine, directory, optimizer)
+
+
+def save_training_state(session: "Session", directory: str, optimizer, global_step: int) -> None:
+    """Every rank: its shards (+ optimizer state) into ``directory``; rank 0: the plan and run
+    record. Collective only through the caller's ``atomic_checkpoint``."""
+    save_shards(session, directory, optimizer)
     if session.job.is_main:
         save_run_record(session, directory, global_step)
 
@@ -134,7 +160,8 @@ def adopt_checkpoint_plan(session: "Session", checkpoint_plan: Plan | None) -> N
             # beside the outputs in step with it
             print(f"[hf-cephalo] {resume_banner(plan, checkpoint_plan, new is not None)}:\n"
                   + format_plan_table(plan), flush=True)
-            plan.save(os.path.join(session.job.output_dir, "plan.json"))
+            if session.job.output_dir is not None:
+                plan.save(os.path.join(session.job.output_dir, "plan.json"))
 
 
 def load_weights(session: "Session", checkpoint: str, contents: CheckpointContents | None,
@@ -146,7 +173,7 @@ def load_weights(session: "Session", checkpoint: str, contents: CheckpointConten
     the frozen base kept, as ``PeftModel.from_pretrained``)."""
     from hf_cephalo.engine.checkpoint import load_sharded
     from hf_cephalo.engine.loading import load_weights_into_engine
-    from hf_cephalo.runtime.peft_save import load_peft_adapter
+    from hf_cephalo.engine.peft_save import load_peft_adapter
 
     if contents is None or contents.has_shards:
         load_sharded(session.engine, checkpoint)
@@ -180,6 +207,20 @@ def load_optimizer(session: "Session", optimizer, checkpoint: str) -> None:
         load_sharded_optimizer(session.engine, optimizer, checkpoint)
 
 
+def load_scheduler(session: "Session", scheduler, checkpoint: str,
+                   name: str = "scheduler.pt") -> None:
+    """The LR scheduler's position from ``checkpoint/name``; a missing file is a
+    ``CheckpointError`` naming it, raised on every rank alike."""
+    from hf_cephalo.engine.checkpoint import damaged_remedy, errors_on_every_rank
+
+    path = os.path.join(checkpoint, name)
+    with errors_on_every_rank(session.engine.group):
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing (the LR scheduler's position); "
+                                  f"{damaged_remedy(checkpoint)}")
+        scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
 def save_model_files(session: "Session", output_dir: str, max_shard_size) -> None:
     """Collective (every rank): a ``from_pretrained`` model directory of the current weights.
 
@@ -194,7 +235,7 @@ def save_model_files(session: "Session", output_dir: str, max_shard_size) -> Non
     """
     from hf_cephalo.engine.export import save_pretrained_streamed
     from hf_cephalo.models.peft_lora import is_peft_model
-    from hf_cephalo.runtime.peft_save import save_peft_adapter
+    from hf_cephalo.engine.peft_save import save_peft_adapter
 
     if is_peft_model(session.model):
         save_peft_adapter(session.engine, session.model, output_dir)
@@ -204,7 +245,7 @@ def save_model_files(session: "Session", output_dir: str, max_shard_size) -> Non
 
 def save_adapter_config(model, directory: str) -> None:
     """A LoRA ``PeftModel``'s ``adapter_config.json`` into a checkpoint: ``hf-cephalo export
-    --merge-lora`` needs its rank, alpha and targets (``integrations/peft_merge.py``)."""
+    --merge-lora`` needs its rank, alpha and targets (``hf_cephalo/engine/peft_merge.py``)."""
     import copy
 
     from hf_cephalo.models.peft_lora import is_peft_model

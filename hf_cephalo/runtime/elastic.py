@@ -285,10 +285,11 @@ class ElasticProgress:
     ``self.report`` (every rank), printed and appended to ``cephalo_restarts.jsonl`` by rank 0.
 
     Args:
-        output_dir: the run's output directory; rank: this rank; world_size: the world's.
+        output_dir: the run's output directory (None: no file is read or written; the
+            resume is still printed); rank: this rank; world_size: the world's.
     """
 
-    def __init__(self, output_dir: str, rank: int, world_size: int):
+    def __init__(self, output_dir: str | None, rank: int, world_size: int):
         self.output_dir, self.rank, self.world_size = output_dir, rank, world_size
         self.report: ResumeReport | None = None
         self._armed: tuple[str, int, Plan | None, int | None, Progress | None] | None = None
@@ -298,7 +299,7 @@ class ElasticProgress:
         """A resume from ``checkpoint`` (at ``checkpoint_step``, trained on ``old_plan`` by
         ``old_world_size`` ranks): reported at the next ``step_begin``."""
         self._armed = (checkpoint, checkpoint_step, old_plan, old_world_size,
-                       read_progress(self.output_dir))
+                       None if self.output_dir is None else read_progress(self.output_dir))
 
     def step_begin(self, plan: Plan) -> None:
         """Before a step on ``plan``: the resume report, once after ``arm``."""
@@ -315,6 +316,7 @@ class ElasticProgress:
             old_plan=old_plan, new_plan=plan)
         if self.rank == 0:
             self._print(self.report)
+        if self.rank == 0 and self.output_dir is not None:
             os.makedirs(self.output_dir, exist_ok=True)  # a loop's project_dir may not exist yet
             with open(os.path.join(self.output_dir, RESTARTS_NAME), "a") as f:
                 f.write(json.dumps(self.report.to_json()) + "\n")
@@ -330,7 +332,7 @@ class ElasticProgress:
 
     def step_end(self, global_step: int) -> None:
         """After optimizer step ``global_step`` finished: rank 0 rewrites the progress file."""
-        if self.rank == 0:
+        if self.rank == 0 and self.output_dir is not None:
             os.makedirs(self.output_dir, exist_ok=True)
             _write_json_atomic(os.path.join(self.output_dir, PROGRESS_NAME),
                                Progress(global_step, time.time(), self.world_size)._asdict())

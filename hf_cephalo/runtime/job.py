@@ -59,7 +59,8 @@ class Job:
         settings: the resolved Cephalo settings.
         world_size / rank: the process group's (rank = global rank).
         device: this rank's compute device.
-        output_dir: where plans, profiles, checkpoints and reports go.
+        output_dir: where plans, profiles, progress and reports go; None when the front end
+            names no folder (a loop without ``project_dir``): then the runtime writes no file.
         seed: the run's seed (per-unit init of a meta model); data_seed: the seed of the
             sampler's permutations (the front end's data seed, else ``seed``).
         global_batch_size: B (samples per optimizer step); global_batch_size_given: fixed by
@@ -79,7 +80,7 @@ class Job:
     world_size: int
     rank: int
     device: torch.device
-    output_dir: str
+    output_dir: str | None
     seed: int
     data_seed: int
     global_batch_size: int

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from hf_cephalo.environment import env_flag, env_int
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import InfeasiblePlanError, Plan, optimize, predict
 from hf_cephalo.planner.optimize import optimize_auto_checkpointing
@@ -155,7 +156,7 @@ def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> Resolved
     plan, cluster = replan_with_measured_u(plan, cluster, staged, job, B)
     plan.validate_for(world_size, cluster.model, precision=_precision_tag(job, staged))
     check_plan_memory([p.memory_bytes for p in predict(plan, cluster).ranks], caps)
-    if job.rank == 0:
+    if job.rank == 0 and job.output_dir is not None:
         os.makedirs(job.output_dir, exist_ok=True)
         cluster.save(os.path.join(job.output_dir, "profile.json"))
         plan.save(os.path.join(job.output_dir, "plan.json"))
@@ -342,9 +343,9 @@ def select_world_devices(cluster: ClusterProfile, names: list[str], source: str)
     return dataclasses.replace(cluster, devices=devices)
 
 
-def _missing_devices(output_dir: str, names: list[str]) -> str:
+def _missing_devices(output_dir: str | None, names: list[str]) -> str:
     """The devices the last checkpoint's plan ran on that the world ``names`` lacks."""
-    checkpoint = latest_checkpoint(output_dir)
+    checkpoint = None if output_dir is None else latest_checkpoint(output_dir)
     plan = None if checkpoint is None else read_checkpoint_record(checkpoint)[0]
     if plan is None:
         return (f". This world ({len(names)} ranks: {names}) cannot hold the job: add devices "
@@ -507,13 +508,12 @@ def measure_config(job: Job, global_batch_size: int, train_dataset) -> MeasureCo
     """What the profiler measures at start for this job: microbatch sizes 1..min(8, B)
     (``HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE``), the dataset's sequence length (128 without
     one), the job's precision and compile options."""
-    max_m = int(os.environ.get("HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE", "8"))
+    max_m = env_int("HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE", 8)
     seq = sequence_length_of(train_dataset, DEFAULT_SEQUENCE_LENGTH) if train_dataset is not None \
         else DEFAULT_SEQUENCE_LENGTH
     # Quiet by default: rank 0 prints a line every QUIET_INTERVAL_S and a summary;
     # HF_CEPHALO_VERBOSE=1 or DEBUG logging on hf_cephalo: every rank, every second.
-    verbose = (os.environ.get("HF_CEPHALO_VERBOSE", "0").strip().lower() in ("1", "true", "yes")
-               or logging.getLogger("hf_cephalo").isEnabledFor(logging.DEBUG))
+    verbose = (env_flag("HF_CEPHALO_VERBOSE") or logging.getLogger("hf_cephalo").isEnabledFor(logging.DEBUG))
     precision = job.precision
     return MeasureConfig(max_microbatch_size=max(1, min(max_m, global_batch_size)),
                          sequence_length=seq, precision=precision.compute, verbose=verbose,

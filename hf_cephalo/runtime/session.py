@@ -341,6 +341,19 @@ class Session:
         for listener in self.switch_listeners:
             listener({"step": global_step, "plan": new})
 
+    def any_rank(self, flag: bool) -> bool:
+        """Collective (every rank): whether ``flag`` is true on some rank of the job."""
+        from hf_cephalo.runtime.collectives import any_rank
+
+        return any_rank(flag, self.engine.group, self.job.device)
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Collective (every rank): every rank's rows of ``tensor``, in rank order along dim 0
+        (``runtime.collectives.gather_rows``; ValueError for disagreeing trailing dims)."""
+        from hf_cephalo.runtime.collectives import gather_rows
+
+        return gather_rows(tensor, self.engine.group)
+
     def relayout_state(self, new_plan: Plan) -> None:
         """Collective, at a step boundary: re-lay the training state onto ``new_plan``'s r_i in
         memory and make it the current plan (``engine/relayout.py``; the optimizer, its param

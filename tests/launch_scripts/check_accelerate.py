@@ -17,9 +17,9 @@ import torch
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object, synchronize_rng_states
 from torch.utils.data import DataLoader
 
-from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloDistributedType, CephaloPlugin
+from hf_cephalo.integrations.loop.accelerator import CephaloAccelerator, CephaloDistributedType, CephaloPlugin
 from hf_cephalo.runtime.sampler import MicrobatchCollator, WeightedBatchSampler
-from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
 
 def main(out_dir: str) -> None:
@@ -94,8 +94,8 @@ def main(out_dir: str) -> None:
 def train_end_to_end(out_dir: str, world_size: int) -> dict:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, default_data_collator
 
-    from hf_cephalo.integrations.data import group_texts, pydoc_text_dataset, train_bpe_tokenizer
-    from hf_cephalo.integrations.trainer import CephaloTrainer
+    from hf_cephalo.demo_data import group_texts, pydoc_text_dataset, train_bpe_tokenizer
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
 
     texts = pydoc_text_dataset(max_chars=30_000)
     tokenizer = train_bpe_tokenizer(texts["text"], vocab_size=400)

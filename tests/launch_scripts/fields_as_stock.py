@@ -141,8 +141,8 @@ def run(kind: str, out_dir: str, name: str) -> dict:
                                               **settings)
         trainer = transformers.Trainer(args=args, **kwargs)
     else:
-        from hf_cephalo.integrations.trainer import CephaloTrainer
-        from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+        from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+        from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
         from hf_cephalo.planner import Plan
 
         trainer = CephaloTrainer(args=CephaloTrainingArguments(**settings),

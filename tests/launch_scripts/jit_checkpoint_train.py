@@ -61,8 +61,8 @@ class Progress(TrainerCallback):
 
 
 def trainer(output_dir: str, max_steps: int, progress: str | None = None):
-    from hf_cephalo.integrations.trainer import CephaloTrainer
-    from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
 
     args = CephaloTrainingArguments(

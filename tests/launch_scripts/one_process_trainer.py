@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from hf_cephalo.integrations.trainer import CephaloTrainer  # noqa: E402
-from hf_cephalo.integrations.training_args import CephaloTrainingArguments  # noqa: E402
+from hf_cephalo.integrations.trainer.trainer import CephaloTrainer  # noqa: E402
+from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments  # noqa: E402
 from hf_cephalo.planner import Plan  # noqa: E402
 from tests.models_fixtures import build  # noqa: E402
 

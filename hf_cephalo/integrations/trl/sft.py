@@ -31,11 +31,11 @@ except ImportError as exc:  # the optional extra
     raise ImportError("CephaloSFTTrainer needs TRL: pip install 'hf-cephalo[trl]' "
                       "(trl>=1.16)") from exc
 
-from hf_cephalo.integrations.trainer import CephaloTrainerMixin
-from hf_cephalo.integrations.trl_config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
+from hf_cephalo.integrations.trainer.trainer import CephaloTrainerMixin
+from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
                                                  trl_config_dataclass)
-from hf_cephalo.integrations.trl_fused import FusedLMHead
-from hf_cephalo.integrations.trl_support import SFT_FIELD_SUPPORT
+from hf_cephalo.integrations.trl.fused import FusedLMHead
+from hf_cephalo.integrations.trl.support import SFT_FIELD_SUPPORT
 
 __all__ = ["CephaloSFTConfig", "CephaloSFTTrainer"]
 

@@ -122,7 +122,7 @@ _GC_KWARGS_NOTE = (
     "inputs do not require grad (frozen embeddings, LoRA without enable_input_require_grads), "
     "the engine's recompute does, so results would differ from stock; other values "
     "(every_n_layers > 1, offload=True, preserve_rng_state=False, other keys) change what the "
-    "engine always does: drop them (activation offload: --cephalo_offload_activations)")
+    "engine always does: drop them (activation offload: --cephalo_activation_offload)")
 
 
 def _checkpointing_kwargs_refused(value: Any) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from hf_cephalo.integrations.support import RefusedSettings, training_args_problems
+from hf_cephalo.integrations.trainer.support import RefusedSettings, training_args_problems
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import Plan
@@ -119,7 +119,7 @@ def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
     elif isinstance(model, str):
         problems.append(f"model = {model!r}: pass the model object, not its name (a name would "
                         "be loaded whole on every rank): AutoModelForCausalLM.from_pretrained"
-                        "(name) or hf_cephalo.integrations.from_pretrained_sharded(name)")
+                        "(name) or hf_cephalo.from_pretrained_sharded(name)")
     else:
         try:
             staged = stage_model(model)

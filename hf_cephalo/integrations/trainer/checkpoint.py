@@ -16,7 +16,7 @@ import os
 import torch
 
 from hf_cephalo.runtime import checkpointing
-from hf_cephalo.runtime.checkpoint_contents import CheckpointContents, check_contents
+from hf_cephalo.runtime.checkpoint_contents import CheckpointContents
 
 __all__ = ["EngineCheckpointMixin"]
 
@@ -67,13 +67,11 @@ class EngineCheckpointMixin:
         tokenizer and ``training_args.bin``; the full model only with
         ``cephalo_save_full_model``; a LoRA PeftModel's ``adapter_config.json``) goes into a
         hidden ``.tmp-checkpoint-N`` that is renamed to ``checkpoint-N`` after the completeness
-        marker (``hf_cephalo.engine.checkpoint`` [Note: atomic checkpoints]); a run killed
+        marker (``runtime.checkpointing.atomic_checkpoint``); a run killed
         mid-save leaves no ``checkpoint-N``. ``hf-cephalo export checkpoint-N --out DIR``
         writes the full model from it on demand.
         """
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
-
-        from hf_cephalo.engine.checkpoint import atomic_checkpoint_dir
 
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
@@ -82,8 +80,7 @@ class EngineCheckpointMixin:
         self._set_best_model_checkpoint(run_dir, output_dir)  # before trainer_state.json, as stock
         contents = self._checkpoint_contents()
         # [Note: a checkpoint holds what its settings promise] in checkpoint_contents.py
-        with atomic_checkpoint_dir(output_dir, self.engine.group, check=lambda staging:
-                                   check_contents(staging, contents, when="save")) as staging:
+        with checkpointing.atomic_checkpoint(self.session, output_dir, contents) as staging:
             if contents.has_model_files:  # save_only_model (as stock) or cephalo_save_full_model
                 self.save_model(staging, _internal_call=True)
             elif self.args.should_save:
@@ -143,10 +140,8 @@ class EngineCheckpointMixin:
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank writes its parameter and optimizer shards with the layout
-        (``engine.checkpoint.save_sharded``); rank 0 also ``scheduler.pt``."""
-        from hf_cephalo.engine.checkpoint import save_sharded
-
-        save_sharded(self.engine, output_dir, _unwrap_optimizer(self.optimizer))
+        (``runtime.checkpointing.save_shards``); rank 0 also ``scheduler.pt``."""
+        checkpointing.save_shards(self.session, output_dir, _unwrap_optimizer(self.optimizer))
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
@@ -173,7 +168,7 @@ class EngineCheckpointMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Load the sharded parameters and buffers, re-laid for this plan / world size.
 
-        Raises ``hf_cephalo.engine.checkpoint.CheckpointError`` (a ValueError naming the file)
+        Raises ``CheckpointError`` (a ValueError naming the file)
         for an incomplete, corrupt or other-model checkpoint — before training starts.
         """
         contents = checkpointing.load_checkpoint_weights(self.session, resume_from_checkpoint)
@@ -191,18 +186,9 @@ class EngineCheckpointMixin:
         """
         if checkpoint is None or self._resumed_weights_only:
             return  # save_only_model: stock finds no optimizer.pt / scheduler.pt and skips both
-        from hf_cephalo.engine.checkpoint import (CheckpointError, damaged_remedy,
-                                                  errors_on_every_rank, load_sharded_optimizer)
-
-        path = os.path.join(checkpoint, "scheduler.pt")
-        with errors_on_every_rank(self.engine.group):
-            load_sharded_optimizer(self.engine, _unwrap_optimizer(self.optimizer), checkpoint)
-            if self.lr_scheduler is not None:
-                if not os.path.isfile(path):
-                    raise CheckpointError(f"{path}: missing (the LR scheduler's position); "
-                                          f"{damaged_remedy(checkpoint)}")
-                self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu",
-                                                             weights_only=True))
+        checkpointing.load_optimizer(self.session, _unwrap_optimizer(self.optimizer), checkpoint)
+        if self.lr_scheduler is not None:
+            checkpointing.load_scheduler(self.session, self.lr_scheduler, checkpoint)
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's weights into the engine's shards

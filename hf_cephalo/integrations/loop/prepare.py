@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from hf_cephalo.integrations.loop import CephaloDataLoader, CephaloModel, CephaloOptimizer, LoopState
+from hf_cephalo.integrations.loop.loop import CephaloDataLoader, CephaloModel, CephaloOptimizer, LoopState
 
 __all__ = ["prepare_loop", "job_from_accelerator", "gather_rows", "holds_only_tensors",
            "check_clip_parameters", "checkpoint_dir", "resume_dir"]
@@ -66,7 +66,7 @@ def check_loop_setup(accelerator, args) -> None:
     if getattr(accelerator.dataloader_config, "dispatch_batches", None):
         raise ValueError("DataLoaderConfiguration(dispatch_batches=True): each rank reads its "
                          "own rows of every global batch; drop dispatch_batches")
-    from hf_cephalo.integrations.loop_support import accelerator_problems, loader_problems
+    from hf_cephalo.integrations.loop.support import accelerator_problems, loader_problems
 
     problems = accelerator_problems(accelerator)
     training = not accelerator.cephalo_loaders  # the first loader prepared trains
@@ -102,8 +102,8 @@ def job_from_accelerator(accelerator, train_loader: DataLoader | None, seed: int
     for; the plugin's global batch size disagrees with the plan file's."""
     from accelerate.utils import DynamoBackend
 
-    from hf_cephalo.engine import CompileOptions
     from hf_cephalo.planner import Plan
+    from hf_cephalo.runtime import CompileOptions
     from hf_cephalo.runtime.data import LoaderOptions
     from hf_cephalo.runtime.job import Job, resolve_global_batch_size
     from hf_cephalo.runtime.settings import JobPrecision
@@ -130,7 +130,7 @@ def job_from_accelerator(accelerator, train_loader: DataLoader | None, seed: int
     compute = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[accelerator.mixed_precision]
     return Job(settings=settings, world_size=accelerator.num_processes,
                rank=accelerator.process_index, device=accelerator.device,
-               output_dir=accelerator.project_dir or os.getcwd(), seed=seed, data_seed=seed,
+               output_dir=accelerator.project_dir, seed=seed, data_seed=seed,
                global_batch_size=global_batch_size, global_batch_size_given=given,
                precision=JobPrecision.resolve(compute, settings), compile=compile_options,
                loader=loader, activation_checkpointing_given=settings.was_given(
@@ -138,7 +138,7 @@ def job_from_accelerator(accelerator, train_loader: DataLoader | None, seed: int
 
 
 def _output_class(staged):
-    from hf_cephalo.integrations.user_loss import _causal
+    from hf_cephalo.runtime.user_loss import _causal
     from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutput
 
     return CausalLMOutputWithPast if _causal(staged) else SequenceClassifierOutput
@@ -194,7 +194,7 @@ def _prepare_scheduler(accelerator, scheduler):
     """Accelerate's ``prepare_scheduler`` (its optimizer matching, ``step_with_optimizer``,
     ``split_batches``), as a ``CephaloScheduler`` stepped as stock on this world size until a
     checkpoint says otherwise ([Note: the LR schedule across world sizes] in ``loop.py``)."""
-    from hf_cephalo.integrations.loop import CephaloScheduler
+    from hf_cephalo.integrations.loop.loop import CephaloScheduler
 
     stock = accelerator.prepare_scheduler(scheduler)
     ours = CephaloScheduler(
@@ -309,35 +309,7 @@ def gather_rows(accelerator, data: Any) -> Any:
     other dimensions (pad them first: ``accelerator.pad_across_processes``)."""
     from accelerate.utils import recursively_apply
 
-    return recursively_apply(lambda t: _gather_tensor(accelerator, t), data)
-
-
-def _gather_tensor(accelerator, tensor: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    group = accelerator.cephalo_loop.session.engine.group
-    world = accelerator.num_processes
-    if world == 1:
-        return tensor
-    tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
-    device = tensor.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    local = tensor.to(device)
-    shape = torch.tensor(list(local.shape), dtype=torch.int64, device=device)
-    shapes = [torch.empty_like(shape) for _ in range(world)]
-    dist.all_gather(shapes, shape, group=group)
-    shapes = [[int(n) for n in s.tolist()] for s in shapes]
-    rest = {tuple(s[1:]) for s in shapes if s[0] > 0}
-    if len(rest) > 1:
-        raise ValueError(f"gather: the ranks' tensors have shapes {shapes}; beyond the rows "
-                         "they must agree (pad them with accelerator.pad_across_processes)")
-    biggest = [max(s[d] for s in shapes) for d in range(len(shapes[0]))]
-    padded = local.new_zeros(biggest)
-    padded[tuple(slice(0, n) for n in local.shape)] = local
-    out = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(out, padded, group=group)
-    rows = [o[tuple(slice(0, n) for n in s)] for o, s in zip(out, shapes) if s[0] > 0]
-    result = torch.cat(rows) if rows else local[:0]
-    return result.to(tensor.device)
+    return recursively_apply(accelerator.cephalo_loop.session.gather_rows, data)
 
 
 def check_clip_parameters(accelerator, parameters, norm_type) -> None:
@@ -372,7 +344,7 @@ def resume_dir(accelerator, input_dir: str | None) -> str:
     """``load_state``'s folder: ``input_dir``, else the newest complete automatic checkpoint."""
     if input_dir is not None:
         return str(input_dir)
-    from hf_cephalo.engine.checkpoint import is_complete
+    from hf_cephalo.runtime.checkpointing import is_complete
 
     root = os.path.join(accelerator.project_dir or ".", "checkpoints")
     found = sorted((d for d in os.listdir(root) if d.startswith("checkpoint_")

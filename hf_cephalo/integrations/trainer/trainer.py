@@ -30,22 +30,22 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from hf_cephalo.engine import CompileOptions
-from hf_cephalo.integrations.accelerate import CephaloAccelerator, CephaloPlugin
-from hf_cephalo.integrations.head_calls import HeadCalls
-from hf_cephalo.integrations.jit_checkpoint import replace_jit_checkpoint_callback
+from hf_cephalo.integrations.loop.accelerator import CephaloAccelerator, CephaloPlugin
+from hf_cephalo.runtime import CompileOptions
+from hf_cephalo.runtime.head_calls import HeadCalls
+from hf_cephalo.integrations.trainer.jit_checkpoint import replace_jit_checkpoint_callback
 from hf_cephalo.console import format_loss_trend  # noqa: F401 (exported: the examples use it)
-from hf_cephalo.integrations.preflight import (check_script,
+from hf_cephalo.integrations.trainer.preflight import (check_script,
                                                engine_checkpointing_replaces_model_checkpointing,
                                                optimizer_problems)
-from hf_cephalo.integrations.support import HOOK_SUPPORT
-from hf_cephalo.integrations.trainer_accumulation import AccumulationStep
-from hf_cephalo.integrations.trl_support import trainer_class_problems
-from hf_cephalo.integrations.trainer_checkpoint import EngineCheckpointMixin, _unwrap_optimizer
-from hf_cephalo.integrations.trainer_data import TrainerDataMixin
-from hf_cephalo.integrations.trainer_eval import EngineEvaluationMixin
-from hf_cephalo.integrations.training_args import CephaloArguments, job_from_training_args
-from hf_cephalo.integrations.user_loss import UserLossStagedModel
+from hf_cephalo.integrations.trainer.support import HOOK_SUPPORT
+from hf_cephalo.integrations.trainer.accumulation import AccumulationStep
+from hf_cephalo.integrations.trl.support import trainer_class_problems
+from hf_cephalo.integrations.trainer.checkpoint import EngineCheckpointMixin, _unwrap_optimizer
+from hf_cephalo.integrations.trainer.data import TrainerDataMixin
+from hf_cephalo.integrations.trainer.evaluation import EngineEvaluationMixin
+from hf_cephalo.integrations.trainer.training_args import CephaloArguments, job_from_training_args
+from hf_cephalo.runtime.user_loss import UserLossStagedModel
 from hf_cephalo.models.registry import supported_model_classes
 from hf_cephalo.planner import Plan
 from hf_cephalo.profiles.types import ClusterProfile

@@ -57,12 +57,12 @@ except ImportError as exc:  # the optional extra
     raise ImportError("CephaloDPOTrainer needs TRL: pip install 'hf-cephalo[trl]' "
                       "(trl>=1.16)") from exc
 
-from hf_cephalo.integrations.trainer import CephaloTrainerMixin
-from hf_cephalo.integrations.trl_config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
+from hf_cephalo.integrations.trainer.trainer import CephaloTrainerMixin
+from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
                                                  trl_config_dataclass)
-from hf_cephalo.integrations.trl_fused import FusedLMHead
-from hf_cephalo.integrations.trl_support import DPO_FIELD_SUPPORT
-from hf_cephalo.integrations.user_loss import HeadView
+from hf_cephalo.integrations.trl.fused import FusedLMHead
+from hf_cephalo.integrations.trl.support import DPO_FIELD_SUPPORT
+from hf_cephalo.runtime.user_loss import HeadView
 from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
 from hf_cephalo.runtime.global_width import collator_name
 

@@ -15,7 +15,7 @@ CephaloTrainer save is collective (every rank writes its shards), so the decisio
 the same grace, the original handler restored at train end) and replaces its decision: at every
 step end and epoch end -- hooks every rank reaches at the same global step -- each rank adds its
 flag into a one-element all-reduce (MAX); when any rank has been signalled, EVERY rank saves
-``checkpoint-<global_step>`` (atomic: ``engine.checkpoint.atomic_checkpoint_dir``), skips the
+``checkpoint-<global_step>`` (atomic: ``runtime.checkpointing.atomic_checkpoint``), skips the
 regular save of that step and stops training. A rank whose own timer has not fired yet saves
 too. After the JIT checkpoint no more all-reduces are made. Cost: one int32 all-reduce per step,
 only with ``enable_jit_checkpoint``. The save must finish within the launcher's grace period
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-import torch.distributed as dist
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 
 __all__ = ["AgreedJITCheckpointCallback", "replace_jit_checkpoint_callback"]
@@ -75,13 +73,8 @@ class AgreedJITCheckpointCallback(JITCheckpointCallback):
         self.trainer._save_checkpoint(self.trainer.model, trial=None)
 
     def _any_rank_signalled(self) -> bool:
-        """One-element all-reduce (MAX) of the ranks' flags; collective, every rank calls it."""
-        group = self.trainer.engine.group
-        flag = torch.tensor([int(self.jit_manager.is_checkpoint_requested)], dtype=torch.int32,
-                            device=self.trainer.args.device)
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        """Collective, every rank calls it: one all-reduce (MAX) of the ranks' flags."""
+        return self.trainer.session.any_rank(self.jit_manager.is_checkpoint_requested)
 
 
 def replace_jit_checkpoint_callback(trainer) -> None:

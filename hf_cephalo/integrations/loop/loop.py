@@ -404,16 +404,11 @@ class LoopState:
     def _check_loss_connected(self, open_step, loss) -> None:
         """Every rank learns whether some rank's loss does not reach its outputs (one int
         all-reduce), so all raise together instead of one rank hanging in the backward."""
-        import torch.distributed as dist
-
-        bad = 0
+        bad = False
         if open_step.local_items and open_step.logits:
             outputs = [*open_step.logits, *open_step.loss_sums]
-            bad = int(loss is None or not loss.requires_grad or not _reaches(loss, outputs))
-        flag = torch.tensor([bad], dtype=torch.int32, device=self.session.job.device
-                            if dist.get_backend(self.session.engine.group) == "nccl" else "cpu")
-        dist.all_reduce(flag, group=self.session.engine.group)
-        if int(flag.item()):
+            bad = loss is None or not loss.requires_grad or not _reaches(loss, outputs)
+        if self.session.any_rank(bad):
             self.session.engine.discard_step(open_step, "a loss not from the outputs")
             raise RuntimeError("accelerator.backward(loss): on some rank the loss does not "
                                "depend on this step's model outputs (outputs.loss / "

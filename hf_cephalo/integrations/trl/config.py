@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hf_cephalo.integrations.training_args import CephaloTrainingArguments
+from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
 __all__ = ["CephaloTRLConfig", "TRLModelCard", "trl_config_dataclass"]
 
@@ -80,7 +80,7 @@ class TRLModelByName:
                 config.model_init_kwargs = value
 
     def _load_named_model(self, name: str, args):
-        from hf_cephalo.integrations.pretrained import load_named_model
+        from hf_cephalo.runtime.pretrained import load_named_model
 
         model = load_named_model(name, getattr(args, "model_init_kwargs", None),
                                  door=type(self).__name__,

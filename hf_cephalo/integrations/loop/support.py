@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_cephalo.integrations.support import Support, markdown_table
-from hf_cephalo.integrations.support import inherited as _inherited
-from hf_cephalo.integrations.support import refused as _refused
-from hf_cephalo.integrations.support import stock as _stock
+from hf_cephalo.integrations.trainer.support import Support, markdown_table
+from hf_cephalo.integrations.trainer.support import inherited as _inherited
+from hf_cephalo.integrations.trainer.support import refused as _refused
+from hf_cephalo.integrations.trainer.support import stock as _stock
 
 __all__ = ["LOADER_FIELD_SUPPORT", "loader_problems", "unclassified_loader_fields",
            "accelerator_problems", "render_markdown"]

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from hf_cephalo.integrations.head_calls import current_head_call
+from hf_cephalo.runtime.head_calls import current_head_call
 from hf_cephalo.runtime.sampler import WeightedBatchSampler
 from hf_cephalo.runtime.settings import (ACTIVATION_OFFLOAD_CHOICES, ADAPTIVE_CHOICES,  # noqa: F401
                                          ENV_PREFIX, CephaloSettings, env_name)
@@ -154,7 +154,7 @@ class CephaloAccelerator(Accelerator):
         ``loop_prepare.check_loop_setup`` (a second model, an optimizer over other tensors, an
         unsupported model, Accelerate features the engine replaces, a missing global batch
         size); a plan that does not fit (after profiling, on every rank)."""
-        from hf_cephalo.integrations.loop_prepare import prepare_loop
+        from hf_cephalo.integrations.loop.prepare import prepare_loop
 
         if self.cephalo_engine is not None or (
                 self.cephalo_loop is None and not any(isinstance(a, torch.nn.Module) for a in args)):
@@ -195,7 +195,7 @@ class CephaloAccelerator(Accelerator):
         must be the prepared model's (all of them)."""
         if self.cephalo_loop is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-        from hf_cephalo.integrations.loop_prepare import check_clip_parameters
+        from hf_cephalo.integrations.loop.prepare import check_clip_parameters
 
         check_clip_parameters(self, parameters, norm_type)
         self.unscale_gradients()
@@ -237,7 +237,7 @@ class CephaloAccelerator(Accelerator):
             return call.gather(tensor, "gather")
         if self.cephalo_loop is None:
             return super().gather(tensor)
-        from hf_cephalo.integrations.loop_prepare import gather_rows
+        from hf_cephalo.integrations.loop.prepare import gather_rows
 
         return gather_rows(self, tensor)
 
@@ -254,7 +254,7 @@ class CephaloAccelerator(Accelerator):
             return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
         from accelerate.utils import gather_object
 
-        from hf_cephalo.integrations.loop_prepare import gather_rows, holds_only_tensors
+        from hf_cephalo.integrations.loop.prepare import gather_rows, holds_only_tensors
 
         if use_gather_object or not holds_only_tensors(input_data):
             return gather_object(input_data)
@@ -263,14 +263,14 @@ class CephaloAccelerator(Accelerator):
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         """A prepared loader's next iteration from batch ``num_batches`` of the epoch in
         progress (the skipped samples are not read)."""
-        from hf_cephalo.integrations.loop import CephaloDataLoader
+        from hf_cephalo.integrations.loop.loop import CephaloDataLoader
 
         if isinstance(dataloader, CephaloDataLoader):
             return dataloader.skipping(num_batches)
         return super().skip_first_batches(dataloader, num_batches)
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-        from hf_cephalo.integrations.loop import CephaloModel
+        from hf_cephalo.integrations.loop.loop import CephaloModel
 
         if isinstance(model, CephaloModel):
             return model._module
@@ -281,7 +281,7 @@ class CephaloAccelerator(Accelerator):
         """Collective (every rank): the prepared model's full state dict on the main process
         (CPU tensors, ``model.state_dict()``'s keys), ``{}`` elsewhere, as Accelerate's FSDP
         full state dict. Holds the whole model on rank 0; ``save_model`` streams instead."""
-        from hf_cephalo.integrations.loop import CephaloModel
+        from hf_cephalo.integrations.loop.loop import CephaloModel
 
         if not isinstance(model, CephaloModel):
             return super().get_state_dict(model, unwrap=unwrap)
@@ -291,7 +291,7 @@ class CephaloAccelerator(Accelerator):
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
         """Collective (every rank): a ``from_pretrained`` folder of the prepared model,
         streamed one unit at a time (rank 0 writes; a LoRA PeftModel: its adapter)."""
-        from hf_cephalo.integrations.loop import CephaloModel
+        from hf_cephalo.integrations.loop.loop import CephaloModel
         from hf_cephalo.runtime.checkpointing import save_model_files
 
         if not isinstance(model, CephaloModel):
@@ -309,8 +309,8 @@ class CephaloAccelerator(Accelerator):
         another plan and world size. Returns the folder, as stock."""
         if self.cephalo_loop is None:
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
-        from hf_cephalo.integrations.loop_prepare import checkpoint_dir
-        from hf_cephalo.integrations.loop_state import save_loop_state
+        from hf_cephalo.integrations.loop.prepare import checkpoint_dir
+        from hf_cephalo.integrations.loop.state import save_loop_state
 
         return save_loop_state(self, checkpoint_dir(self, output_dir))
 
@@ -321,8 +321,8 @@ class CephaloAccelerator(Accelerator):
         complete one."""
         if self.cephalo_loop is None:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
-        from hf_cephalo.integrations.loop_prepare import resume_dir
-        from hf_cephalo.integrations.loop_state import load_loop_state
+        from hf_cephalo.integrations.loop.prepare import resume_dir
+        from hf_cephalo.integrations.loop.state import load_loop_state
 
         load_loop_state(self, resume_dir(self, input_dir))
 

@@ -14,7 +14,6 @@ evaluation microbatch size of every rank.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, fields, make_dataclass
 
 import torch
@@ -98,14 +97,13 @@ class CephaloTrainingArguments(CephaloArguments, TrainingArguments):
     def _resolve_cephalo_fields(self) -> None:
         # CephaloSettings owns environment fallback, defaults and validation; copy its normalized
         # values back so that the fields and the settings never disagree.
+        settings = CephaloSettings(**{f.name: getattr(self, "cephalo_" + f.name)
+                                      for f in fields(CephaloSettings)})
         # whether the user chose activation checkpointing (flag, Python or env) rather than
         # taking the default: an explicit choice that contradicts a plan file is refused
         # (runtime planning, check_plan_file_checkpointing)
         self._cephalo_activation_checkpointing_given = \
-            self.cephalo_activation_checkpointing is not None or \
-            bool(os.environ.get(env_name("activation_checkpointing"), "").strip())
-        settings = CephaloSettings(**{f.name: getattr(self, "cephalo_" + f.name)
-                                      for f in fields(CephaloSettings)})
+            settings.was_given("activation_checkpointing")
         for f in fields(CephaloSettings):
             setattr(self, "cephalo_" + f.name, getattr(settings, f.name))
 
@@ -132,11 +130,6 @@ class CephaloTrainingArguments(CephaloArguments, TrainingArguments):
     def engine_precision(self) -> EnginePrecision:
         """The engine's ``autocast_dtype`` / ``param_dtype`` / ``reduce_dtype`` (``job_precision``)."""
         return self.job_precision().engine()
-
-    @property
-    def cephalo_offload_activations(self) -> bool | None:
-        """``cephalo_activation_offload`` as the engine's argument: True, False, or None (auto)."""
-        return {"on": True, "off": False, "auto": None}[self.cephalo_activation_offload]
 
 
 def job_from_training_args(args, world_size: int, *, plan=None, compile=None):

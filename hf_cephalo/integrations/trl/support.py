@@ -11,11 +11,11 @@ installed TRL adds a field this table does not classify; docs/trl.md holds the r
 
 from __future__ import annotations
 
-from hf_cephalo.integrations.support import Status, Support, markdown_table
-from hf_cephalo.integrations.support import inherited as _inherited
-from hf_cephalo.integrations.support import not_applicable as _na
-from hf_cephalo.integrations.support import refused as _refused
-from hf_cephalo.integrations.support import stock as _stock
+from hf_cephalo.integrations.trainer.support import Status, Support, markdown_table
+from hf_cephalo.integrations.trainer.support import inherited as _inherited
+from hf_cephalo.integrations.trainer.support import not_applicable as _na
+from hf_cephalo.integrations.trainer.support import refused as _refused
+from hf_cephalo.integrations.trainer.support import stock as _stock
 
 __all__ = ["SFT_FIELD_SUPPORT", "DPO_FIELD_SUPPORT", "TRL_TRAINER_SUPPORT", "trainer_class_problems",
            "render_markdown"]

@@ -47,7 +47,7 @@ from hf_cephalo.engine.export import (DEFAULT_MAX_SHARD_SIZE, SavedTensor, copy_
                                       parse_max_shard_size, plan_hf_files, remove_stale_weights,
                                       write_hf_configs, write_hf_files)
 
-from hf_cephalo.runtime.peft_save import ADAPTER_FILES, check_adapter_matches
+from hf_cephalo.engine.peft_save import ADAPTER_FILES, check_adapter_matches
 
 __all__ = ["export_merged_lora", "lora_checkpoint_keys"]
 

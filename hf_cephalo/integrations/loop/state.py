@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from hf_cephalo.runtime import checkpointing
-from hf_cephalo.runtime.checkpoint_contents import LOADERS_NAME, CheckpointContents, check_contents
+from hf_cephalo.runtime.checkpoint_contents import LOADERS_NAME, CheckpointContents
 
 __all__ = ["save_loop_state", "load_loop_state", "LOADERS_NAME", "SCHEDULERS_NAME"]
 
@@ -66,7 +66,6 @@ def _set_rng_state(state: dict) -> None:
 def save_loop_state(accelerator, output_dir: str) -> str:
     """Collective (every rank): the loop's checkpoint into ``output_dir`` (see the module
     note); returns the folder."""
-    from hf_cephalo.engine.checkpoint import atomic_checkpoint_dir
     from hf_cephalo.models.peft_lora import is_peft_model
 
     loop = accelerator.cephalo_loop
@@ -77,8 +76,7 @@ def save_loop_state(accelerator, output_dir: str) -> str:
                                   scaler=accelerator.scaler is not None,
                                   scheduler=bool(accelerator._schedulers),
                                   world_size=session.job.world_size, front_end="accelerate")
-    with atomic_checkpoint_dir(output_dir, session.engine.group, check=lambda staging:
-                               check_contents(staging, contents, when="save")) as staging:
+    with checkpointing.atomic_checkpoint(session, output_dir, contents) as staging:
         checkpointing.save_training_state(session, staging, optimizer, session.global_step)
         with open(os.path.join(staging, f"random_states_{session.job.rank}.pkl"), "wb") as f:
             pickle.dump(_rng_state(), f)

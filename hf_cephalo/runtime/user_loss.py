@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutput
 
-from hf_cephalo.integrations.head_calls import HeadCalls
+from hf_cephalo.runtime.head_calls import HeadCalls
 from hf_cephalo.models.base import (HeadEvalOutput, HeadOutput, Microbatch, StagedModel,
                                     WrappedStagedModel, global_num_items, refuse_global_loss)
 from hf_cephalo.models.hf_common import CausalLMStagedModel
