@@ -262,13 +262,13 @@ def test_bad_backend_or_mode_refused_without_process_group():
 def test_profiler_times_the_compiled_units_under_their_own_cache_key(tmp_path, monkeypatch):
     """With compile_backend set, profile_cluster compiles the units before timing them (every
     unit call sees the compiled module, and no graph is compiled in the timed rounds; on the CPU the memory pass alone is forced eager: see
-    ``measure._peak_bytes``), and the profile is cached apart from
+    ``compute._peak_bytes``), and the profile is cached apart from
     the eager one (an eager profile never prices a compiled run). aot_eager: dynamo and
     AOTAutograd without inductor's kernel compilation, to keep the test cheap."""
     import transformers
 
     from hf_cephalo.models.registry import stage_model
-    from hf_cephalo.profiler import measure
+    from hf_cephalo.profiler import compute, measure
     from hf_cephalo.profiles.cache import ProfileCache
 
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
@@ -292,14 +292,14 @@ def test_profiler_times_the_compiled_units_under_their_own_cache_key(tmp_path, m
     # [Note: compiling before timing]: every graph is compiled before the timed rounds, whose
     # times and progress estimate thus leave compiling out
     from hf_cephalo.engine.compile import graph_count
-    real_rounds, compiled_in_rounds = measure._time_rounds, []
+    real_rounds, compiled_in_rounds = compute._time_rounds, []
 
     def rounds_spy(*args, **kwargs):
         before = graph_count()
         real_rounds(*args, **kwargs)
         compiled_in_rounds.append(graph_count() - before)
 
-    monkeypatch.setattr(measure, "_time_rounds", rounds_spy)
+    monkeypatch.setattr(compute, "_time_rounds", rounds_spy)
     measure.profile_cluster(staged, measure.MeasureConfig(**base, compile_backend="aot_eager"),
                             cache=cache)
     assert seen and all(seen)

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from hf_cephalo.models import stage_model
-from hf_cephalo.profiler import measure
+from hf_cephalo.profiler import compute, measure
 from hf_cephalo.profiles.cache import ProfileCache, model_description, model_fingerprint
 from hf_cephalo.profiler.emulate import EmulationConfig
 from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches, model_profile,
@@ -54,9 +54,9 @@ def test_measured_profile_is_valid_and_grows_with_microbatch_size(capsys, monkey
         timed.append(({m: tuple(inputs[m][1].shape) for m in inputs},
                       {m: list(v) for m, v in f.items()}, {m: list(v) for m, v in fb.items()}))
 
-    real_rounds = measure._time_rounds
-    monkeypatch.setattr(measure, "_time_rounds", recording_rounds)
-    monkeypatch.setattr(measure, "MAX_REMEASURES", 0)
+    real_rounds = compute._time_rounds
+    monkeypatch.setattr(compute, "_time_rounds", recording_rounds)
+    monkeypatch.setattr(compute, "MAX_REMEASURES", 0)
     cluster = profile_cluster(staged, MeasureConfig(max_microbatch_size=8, sequence_length=64,
                                                     repeats=3), cache=False)
     again = ClusterProfile.from_json(json.loads(json.dumps(cluster.to_json())))  # validates
@@ -88,10 +88,10 @@ def test_measured_profile_is_valid_and_grows_with_microbatch_size(capsys, monkey
     fwd = [statistics.median(f_times[m]) for m in range(1, 9)]
     bwd = [statistics.median([fb - f for f, fb in zip(f_times[m], fb_times[m])])
            for m in range(1, 9)]
-    bwd = [b if b > 0 and b >= measure.MIN_BWD_TO_FWD * f else measure.MIN_BWD_TO_FWD * f
+    bwd = [b if b > 0 and b >= compute.MIN_BWD_TO_FWD * f else compute.MIN_BWD_TO_FWD * f
            for f, b in zip(fwd, bwd)]  # [Note: implausible backward times]
-    assert dev.fwd_s == measure._non_decreasing(fwd)
-    assert dev.bwd_s == measure._non_decreasing(bwd)
+    assert dev.fwd_s == compute._non_decreasing(fwd)
+    assert dev.bwd_s == compute._non_decreasing(bwd)
     assert all(a <= b for a, b in zip(dev.fwd_s, dev.fwd_s[1:]))
     assert all(a <= b for a, b in zip(dev.bwd_s, dev.bwd_s[1:]))
     # The model profile covers every parameter; fp32 Adam state is 16 bytes per parameter.
@@ -108,10 +108,10 @@ def test_measured_profile_is_valid_and_grows_with_microbatch_size(capsys, monkey
 
 def test_non_decreasing_fit_pools_adjacent_violators():
     """The fit the profiler applies to per-m medians: least squares, non-decreasing."""
-    assert measure._non_decreasing([1.0, 2.0, 2.0, 5.0]) == [1.0, 2.0, 2.0, 5.0]  # unchanged
-    assert measure._non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
-    assert measure._non_decreasing([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
-    assert measure._non_decreasing([1.0, 4.0, 2.0, 0.0, 6.0]) == [1.0, 2.0, 2.0, 2.0, 6.0]
+    assert compute._non_decreasing([1.0, 2.0, 2.0, 5.0]) == [1.0, 2.0, 2.0, 5.0]  # unchanged
+    assert compute._non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert compute._non_decreasing([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert compute._non_decreasing([1.0, 4.0, 2.0, 0.0, 6.0]) == [1.0, 2.0, 2.0, 2.0, 6.0]
 
 
 def test_profiles_every_supported_architecture():
@@ -318,7 +318,7 @@ def test_implausible_backward_times_are_remeasured_then_warned(monkeypatch, recw
         return rounds
 
     # m=2's backward is negative on the first try, plausible (0.05 s) on the second.
-    monkeypatch.setattr(measure, "_time_rounds", fake_rounds(
+    monkeypatch.setattr(compute, "_time_rounds", fake_rounds(
         lambda k, m: 0.010 * m + (0.03 if m == 1 or k else -0.005)))
     dev = measure.measure_device(staged, config, device="cpu", name="cpu", capacity_bytes=1e9)
     assert len(attempts) == 2 and not recwarn.list
@@ -326,13 +326,13 @@ def test_implausible_backward_times_are_remeasured_then_warned(monkeypatch, recw
 
     # Always implausible (1 us vs 20 ms forward): bounded re-measures, then a loud warning.
     attempts.clear()
-    monkeypatch.setattr(measure, "_time_rounds", fake_rounds(
+    monkeypatch.setattr(compute, "_time_rounds", fake_rounds(
         lambda k, m: 0.010 * m + (0.03 if m == 1 else 1e-6)))
     with pytest.warns(RuntimeWarning, match=r"rank 3 \(cpu\).*m=2: fwd 20\.0000 ms, bwd 0\.0010 ms"):
         dev = measure.measure_device(staged, config, device="cpu", name="cpu",
                                      capacity_bytes=1e9, rank=3)
-    assert len(attempts) == 1 + measure.MAX_REMEASURES
-    assert dev.bwd_s[1] >= measure.MIN_BWD_TO_FWD * dev.fwd_s[1] > 1e-3  # never ~0 s
+    assert len(attempts) == 1 + compute.MAX_REMEASURES
+    assert dev.bwd_s[1] >= compute.MIN_BWD_TO_FWD * dev.fwd_s[1] > 1e-3  # never ~0 s
 
 
 def test_cli_profile_checks_out_path_before_measuring(tmp_path, capsys, monkeypatch):
@@ -484,7 +484,7 @@ def test_only_rank_0_prints_unless_verbose(capsys, monkeypatch):
     restores every rank's per-second lines with per-microbatch times."""
     from hf_cephalo.profiler import measure as measure_module
 
-    monkeypatch.setattr(measure_module, "QUIET_INTERVAL_S", 0.0)  # a time-left line every time
+    monkeypatch.setattr(compute, "QUIET_INTERVAL_S", 0.0)  # a time-left line every time
     staged = stage_model(_llama())
     quiet = MeasureConfig(max_microbatch_size=2, sequence_length=8, repeats=1)
     measure_module.measure_device(staged, quiet, device="cpu", name="cpu", capacity_bytes=1e9, rank=1)
@@ -493,6 +493,6 @@ def test_only_rank_0_prints_unless_verbose(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "rank 0 (cpu): done" in out and "s left" in out and "microbatch size 1/2" not in out
     loud = MeasureConfig(max_microbatch_size=2, sequence_length=8, repeats=1, verbose=True)
-    monkeypatch.setattr(measure_module, "QUIET_INTERVAL_S", 1e9)  # verbose uses its own 1 s
+    monkeypatch.setattr(compute, "QUIET_INTERVAL_S", 1e9)  # verbose uses its own 1 s
     measure_module.measure_device(staged, loud, device="cpu", name="cpu", capacity_bytes=1e9, rank=1)
     assert "rank 1 (cpu): done" in capsys.readouterr().out

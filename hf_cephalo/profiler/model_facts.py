@@ -1,0 +1,118 @@
+"""What the planner needs to know of the model itself (``ModelProfile``), without timing it.
+
+``model_profile``: units, parameters per unit and outside the units (embedding, head, ties),
+trainable parameters (PEFT), state bytes. ``ModelProfile.param_bytes`` /
+``boundary_bytes_per_sample``: the parameters' element size and the bytes of one sample's
+embedding output (the boundary tensor the engine stashes). ``model_dtype``: the parameters'
+dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from hf_cephalo.models.base import StagedModel
+from hf_cephalo.profiles.precision import Precision
+from hf_cephalo.profiles.types import ModelProfile
+
+__all__ = ["model_profile", "model_dtype", "boundary_bytes_per_sample"]
+
+
+def _unique_params(modules) -> list[torch.nn.Parameter]:
+    seen, out = set(), []
+    for mod in modules:
+        for p in mod.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def model_dtype(staged: StagedModel) -> torch.dtype:
+    return next(iter(staged.units()[0].parameters())).dtype
+
+
+def model_profile(staged: StagedModel, name: str | None = None,
+                  boundary_bytes_per_sample: float = 0.0,
+                  precision: Precision | None = None) -> ModelProfile:
+    """ModelProfile of a staged model: units, parameters per unit / outside units, state bytes.
+
+    ``state_bytes_per_param`` = 4 × element size (parameter, gradient and Adam's two moments in
+    the parameter dtype: 16 for fp32, paper §2.4); ``param_bytes`` = the element size; ``gathered_param_bytes`` / ``reduce_bytes`` from ``precision`` (None: not cast);
+    ``boundary_bytes_per_sample`` as given (``boundary_bytes_per_sample`` measures it). A model
+    with frozen parameters (PEFT) records its trainable elements, in all and per unit (layer,
+    embedding, head), and the frozen parameters' element size (a bf16 base: 2). The
+    root is split as the engine splits it (engine.py ``_build_units``): ``params_embed`` =
+    the parameters of ``embed_modules()`` (a tied weight once), ``params_head`` = those of
+    ``head_modules()`` not already there, ``head_ties_embedding`` when the head uses one of
+    the embedding's. Raises ValueError if units differ in size.
+    """
+    units = staged.units()
+    sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    if len(set(sizes)) != 1:
+        groups = {}
+        for i, n in enumerate(sizes):
+            groups.setdefault(n, []).append(i)
+        which = "; ".join(f"layers {v[0]}-{v[-1]}" if len(v) > 1 and v == list(
+            range(v[0], v[-1] + 1)) else f"layers {v}" for v in groups.values())
+        raise ValueError(
+            f"the layers of {type(staged.model).__name__} differ in size ({which}: "
+            f"{sorted(groups)} elements; e.g. dense and mixture-of-experts layers); the "
+            "planner's cost and memory models price identical units (docs/design.md contract "
+            "1), so it cannot profile and plan this model: give a plan of your own "
+            "(--cephalo_plan_file, or plan=Plan.from_ratios(b_i, m_i, r_i)) and leave "
+            "--cephalo_adaptive off (the engine itself shards layers of different sizes)")
+    unit_ids = {id(p) for u in units for p in u.parameters()}
+    embed = {id(p): p.numel() for p in _unique_params(staged.embed_modules())
+             if id(p) not in unit_ids}
+    head = {id(p): p.numel() for p in _unique_params(staged.head_modules())
+            if id(p) not in unit_ids}
+    tied = any(k in embed for k in head)
+    head_only = sum(n for k, n in head.items() if k not in embed)
+    model = staged.model
+    if name is None:
+        cfg = getattr(model, "config", None)
+        name = str(getattr(cfg, "name_or_path", "") or type(model).__name__)
+    # a PEFT model as it will train: only its trainable parameters (the adapter) carry state;
+    # they are in the training dtype, a frozen base may be stored in its own (bf16)
+    params = list(_unique_params([*units, *staged.embed_modules(), *staged.head_modules()]))
+    trained = [p for p in params if p.requires_grad]
+    elem = trained[0].element_size() if trained else \
+        torch.empty((), dtype=model_dtype(staged)).element_size()
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    lora = trainable != sum(p.numel() for p in params)
+    per_unit = sum(p.numel() for p in units[0].parameters() if p.requires_grad)
+    root = {id(p): p for p in _unique_params([*staged.embed_modules(), *staged.head_modules()])}
+    t_embed = sum(root[k].numel() for k in embed if root[k].requires_grad)
+    t_head = sum(root[k].numel() for k in head if k not in embed and root[k].requires_grad)
+    frozen = [p for p in params if not p.requires_grad]
+    frozen_elem = frozen[0].element_size() if frozen else elem
+    return ModelProfile(name=name, num_units=len(units), params_per_unit=sizes[0],
+                        params_other=sum(embed.values()) + head_only,
+                        params_embed=sum(embed.values()), params_head=head_only,
+                        head_ties_embedding=tied, state_bytes_per_param=4.0 * elem,
+                        param_bytes=elem, boundary_bytes_per_sample=boundary_bytes_per_sample,
+                        trainable_params=trainable if lora else None,
+                        trainable_per_unit=per_unit if lora else None,
+                        trainable_embed=t_embed if lora else None,
+                        trainable_head=t_head if lora else None,
+                        frozen_bytes_per_param=frozen_elem,
+                        gathered_param_bytes=None if precision is None or precision.param == "fp32"
+                        else precision.param_bytes,
+                        reduce_bytes=None if precision is None or precision.reduce == "fp32"
+                        else precision.reduce_bytes)
+
+
+def boundary_bytes_per_sample(staged: StagedModel, make_microbatch: Callable[[int], Any],
+                              device: torch.device | str,
+                              dtype: torch.dtype | None = None) -> float:
+    """Bytes of one sample's embedding output: the boundary tensor the engine stashes per sample
+    and unit boundary (sequence length x hidden size x element size). ``dtype``: the gathered
+    parameters' dtype when cast (the embedding then outputs it), else the output's own."""
+    mb = {k: v.to(device) for k, v in make_microbatch(1).items()}
+    with torch.no_grad():
+        hidden, _ = staged.embed(mb)
+    size = hidden.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size()
+    return float(hidden.numel() * size)
