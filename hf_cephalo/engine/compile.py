@@ -49,7 +49,7 @@ rank that failed on that unit, the others a message naming the failing ranks. Ne
 raising rank's own number, so the same failure on several ranks is one message, which
 ``hf_cephalo.rank_errors`` prints once under a launcher. A rank without a microbatch compiles
 nothing and learns the others' failures from that all-reduce. The profiler compiles the unit it
-times the same way before its first lockstep barrier (``profiler/measure.py``, [Note: compiling
+times the same way before its first lockstep barrier (``profiler/compute.py``, [Note: compiling
 before timing]).
 """
 

@@ -143,7 +143,7 @@ def unit_comm(cluster: ClusterProfile) -> CommProfile:
     """AG and RS of one unit at the job's collective element sizes, seconds.
 
     The profile's ``allgather_s`` / ``reducescatter_s`` move the unit in its master dtype
-    (``ModelProfile.param_bytes``: ``profiler.measure.measure_comm`` times the model's own
+    (``ModelProfile.param_bytes``: ``profiler.comm.measure_comm`` times the model's own
     dtype; spec-sheet estimates assume fp32). A low-precision ``param_dtype`` all-gathers e_p
     bytes per element and a low ``reduce_dtype`` reduce-scatters e_r, so the times scale by
     e_p / e and e_r / e (bandwidth-bound collectives; the latency part is scaled too, an
@@ -160,7 +160,7 @@ def unit_comm(cluster: ClusterProfile) -> CommProfile:
 
 # [Note: unit time without activation checkpointing]
 # The profile's F(m) is one unit's forward without autograd and B(m) is "(recompute + backward)
-# - forward of the same repeat" (profiler/measure.py), so F + B is what the engine's backward
+# - forward of the same repeat" (profiler/compute.py), so F + B is what the engine's backward
 # of one microbatch costs: the recompute WITH autograd plus the backward proper. With
 # checkpointing (paper §3.3, DESIGN.md contract 2) a unit runs l forwards in the forward pass
 # and l recomputes + backwards in the backward pass:

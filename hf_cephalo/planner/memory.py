@@ -24,7 +24,7 @@ Device memory of rank i = r_i·S + M_i(m, b) with
   A_head,i(m): the same for the head's loss + backward beside the last unit's kept forward
   graph (``head_memory_bytes``; A_i(m) when absent). Both measured with the units gathered as
   the engine gathers them (per-parameter leaves) and their flat gradients already allocated
-  (profiler/measure.py ``_compute_memory``), as the engine allocates a unit's gradient before
+  (profiler/compute.py ``_compute_memory``), as the engine allocates a unit's gradient before
   its first backward; a backward adds each parameter's gradient into it in place and makes no
   unit-sized tensor (flat_param.py [Note: parameter views while unsharded]), so A_i(m) holds
   only activations and per-parameter gradients until their add.

@@ -3,7 +3,7 @@
 A device profile is keyed by (measurement version, model fingerprint, device name, dtype,
 sequence length, profiled microbatch sizes); the collective profile by (measurement version,
 model fingerprint, dtype, world size, backend, every rank's device name). The measurement
-version (``MEASUREMENT_VERSION``) changes whenever ``measure.py`` measures differently, so
+version (``MEASUREMENT_VERSION``) changes whenever the profiler (``hf_cephalo.profiler``) measures differently, so
 entries written by older code are measured anew instead of being reused. The model fingerprint (``model_fingerprint``) hashes the model class
 and its config (or, without a config, every parameter's name and shape), so another model never
 hits. Emulated devices have their own names (``emulate.emulated_device_name``), so they never
