@@ -59,16 +59,21 @@ def run_profile(args: argparse.Namespace) -> int:
     config_file, config_data = _read_model_config(args.model_config)
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes --out: check before measuring
         check_output_file(args.out, "--out", "profile.json")
+    config, emulation = _measure_options(args)
+    model = _build_model(args, config_file, config_data)
+    staged = _stage(model, config_file)
+    _check_sequence_length(args, model, config_file)
+    device = _init_process_group()
+    cluster, rank = _measure(args, staged, config, device, emulation)
+    if rank == 0:
+        _write_profile(cluster, args.out)
+    return 0
 
-    import torch
-    import torch.distributed as dist
 
-    from hf_cephalo.models import UnsupportedModelError, stage_model
-    from hf_cephalo.profiles.cache import ProfileCache
+def _measure_options(args: argparse.Namespace):
+    """(MeasureConfig, EmulationConfig or None) of the measurement and emulation options."""
     from hf_cephalo.profiler.emulate import EmulationConfig
-    from hf_cephalo.profiler.measure import (MeasureConfig, build_model_from_config,
-                                             max_positions, profile_cluster)
-    from hf_cephalo.profiles.types import format_bytes
+    from hf_cephalo.profiler.measure import MeasureConfig
 
     config = MeasureConfig(max_microbatch_size=args.max_microbatch_size,
                            sequence_length=args.sequence_length, repeats=args.repeats,
@@ -79,11 +84,21 @@ def run_profile(args: argparse.Namespace) -> int:
     caps = _per_rank_list(args.emulate_memory_cap_bytes, int, "--emulate-memory-cap-bytes")
     emulation = None if slow is None and caps is None else \
         EmulationConfig(slowdown=slow, memory_cap_bytes=caps)
+    return config, emulation
+
+
+def _build_model(args: argparse.Namespace, config_file: str, config_data: dict):
+    """The model of --model-config (random weights, --dtype) as --model-class; ValueError
+    naming the fix when transformers cannot build it."""
+    import torch
+
+    from hf_cephalo.profiler.measure import build_model_from_config
+
     if args.model_class:
         _check_model_class(args.model_class, config_file, config_data)
     try:
-        model = build_model_from_config(args.model_config, args.model_class,
-                                        getattr(torch, args.dtype))
+        return build_model_from_config(args.model_config, args.model_class,
+                                       getattr(torch, args.dtype))
     except ValueError as e:  # keep the first line; transformers appends ~200 config names
         from hf_cephalo.models import supported_model_classes
 
@@ -96,8 +111,14 @@ def run_profile(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot build {name} from model config {config_file!r} (model_type "
                          f"{config_data['model_type']!r}): {type(e).__name__}: {e}; pass a "
                          "--model-class that fits this config") from None
+
+
+def _stage(model, config_file: str):
+    """``stage_model(model)``; a base model without a head is a ValueError naming the heads."""
+    from hf_cephalo.models import UnsupportedModelError, stage_model
+
     try:
-        staged = stage_model(model)
+        return stage_model(model)
     except UnsupportedModelError as e:
         if not e.alternatives:
             raise
@@ -106,12 +127,25 @@ def run_profile(args: argparse.Namespace) -> int:
                          f"{e.alternatives[0]} (supported heads of this architecture: "
                          f"{', '.join(e.alternatives)}) and train the model as that class; for "
                          "another head see docs/adding_a_model.md") from None
+
+
+def _check_sequence_length(args: argparse.Namespace, model, config_file: str) -> None:
+    """Refuse a --sequence-length beyond the model's positions (before any collective)."""
+    from hf_cephalo.profiler.measure import max_positions
+
     limit = None if getattr(model, "main_input_name", "input_ids") == "pixel_values" \
         else max_positions(model)
     if limit is not None and args.sequence_length > limit:  # before any collective
         raise ValueError(f"--sequence-length {args.sequence_length} exceeds the model's {limit} "
                          f"positions (model config {config_file!r}); give --sequence-length "
                          f"{limit} or less")
+
+
+def _init_process_group():
+    """This rank's device; the process group under a launcher with several ranks."""
+    import torch
+    import torch.distributed as dist
+
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -123,6 +157,17 @@ def run_profile(args: argparse.Namespace) -> int:
             dist.init_process_group("nccl", device_id=device)
         else:
             dist.init_process_group("gloo")
+    return device
+
+
+def _measure(args: argparse.Namespace, staged, config, device, emulation):
+    """(cluster profile, this rank): ``profile_cluster`` (or the cache), then the process
+    group destroyed whatever happened."""
+    import torch.distributed as dist
+
+    from hf_cephalo.profiler.measure import profile_cluster
+    from hf_cephalo.profiles.cache import ProfileCache
+
     cache = False if args.no_cache else ProfileCache(args.cache_dir)
     try:
         cluster = profile_cluster(staged, config, device=device, emulation=emulation, cache=cache)
@@ -130,18 +175,23 @@ def run_profile(args: argparse.Namespace) -> int:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if dist.is_initialized():
             dist.destroy_process_group()
-    if rank == 0:
-        cluster.save(args.out)
-        m = cluster.model
-        print(f"model {m.name}: {m.num_units} units x {m.params_per_unit} params + "
-              f"{m.params_other} other; all-gather {cluster.comm.allgather_s * 1e3:.2f} ms, "
-              f"reduce-scatter {cluster.comm.reducescatter_s * 1e3:.2f} ms per unit")
-        for i, d in enumerate(cluster.devices):
-            print(f"rank {i} {d.name}: m=1 fwd {d.fwd_s[0] * 1e3:.2f} ms bwd {d.bwd_s[0] * 1e3:.2f} ms, "
-                  f"m={d.microbatch_sizes[-1]} fwd {d.fwd_s[-1] * 1e3:.2f} ms bwd "
-                  f"{d.bwd_s[-1] * 1e3:.2f} ms, compute memory {format_bytes(d.compute_memory_bytes[-1])}")
-        print(f"cluster profile written to {args.out}")
-    return 0
+    return cluster, rank
+
+
+def _write_profile(cluster, out: str) -> None:
+    """Rank 0: write the profile to ``out`` and print its summary, a line per rank."""
+    from hf_cephalo.profiles.types import format_bytes
+
+    cluster.save(out)
+    m = cluster.model
+    print(f"model {m.name}: {m.num_units} units x {m.params_per_unit} params + "
+          f"{m.params_other} other; all-gather {cluster.comm.allgather_s * 1e3:.2f} ms, "
+          f"reduce-scatter {cluster.comm.reducescatter_s * 1e3:.2f} ms per unit")
+    for i, d in enumerate(cluster.devices):
+        print(f"rank {i} {d.name}: m=1 fwd {d.fwd_s[0] * 1e3:.2f} ms bwd {d.bwd_s[0] * 1e3:.2f} ms, "
+              f"m={d.microbatch_sizes[-1]} fwd {d.fwd_s[-1] * 1e3:.2f} ms bwd "
+              f"{d.bwd_s[-1] * 1e3:.2f} ms, compute memory {format_bytes(d.compute_memory_bytes[-1])}")
+    print(f"cluster profile written to {out}")
 
 
 def _per_rank_list(text: str | None, cast, flag: str):
