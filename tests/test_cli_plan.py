@@ -218,12 +218,12 @@ def test_plan_os_error_is_a_message_not_a_traceback(tmp_path, capsys, monkeypatc
 
 
 def test_plan_stops_quietly_when_stdout_closes(capsys, monkeypatch):
-    import hf_cephalo.cli as cli
+    import hf_cephalo.cli.plan as plan_command  # where run_plan looks the table up
 
     def closed(*args):
         raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(cli, "format_plan_table", closed)
+    monkeypatch.setattr(plan_command, "format_plan_table", closed)
     assert main(PLAN_A) == 1
     assert "error" not in capsys.readouterr().err
 

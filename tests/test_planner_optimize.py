@@ -260,6 +260,7 @@ def _spec_cluster(copies):
 
 def test_too_large_instances_are_refused_upfront():
     opt = importlib.import_module("hf_cephalo.planner.optimize")
+    from hf_cephalo.planner.solver import device_groups
     from hf_cephalo.profiles.specs import estimate_cluster_profile, load_cluster_yaml
 
     cluster = estimate_cluster_profile(load_cluster_yaml("examples/clusters/cluster_a.yaml"),
@@ -283,7 +284,7 @@ def test_too_large_instances_are_refused_upfront():
     opt.check_problem_size(big, 4096)
     big.devices = [dataclasses.replace(d, fwd_s=[f * (1 + 1e-4 * i) for f in d.fwd_s])
                    for i, d in enumerate(big.devices)]
-    assert len(opt._groups(big)) == 512
+    assert len(device_groups(big)) == 512
     opt.check_problem_size(big, 4096)
     work, mem = opt.estimate_problem_size(big, 4096)
     assert work <= opt.MAX_SOLVER_WORK and mem <= opt.MAX_SOLVER_MEMORY_BYTES
