@@ -103,21 +103,23 @@ def test_train_clm_progress_bars_from_rank_zero_and_none_in_a_log(tmp_path):
 @test_timeout(LAUNCH_S, LAUNCH_S)
 def test_train_clm_gpt2_and_image_classification_bf16(tmp_path):
     """Both under --bf16 (bf16 autocast): the reload check runs under the same autocast, and the
-    image example's metrics take the bf16 logits."""
-    rc, out = _launch("train_clm.py", "--model_type", "gpt2", "--output_dir", str(tmp_path / "g"),
-                      "--cephalo_plan_file", _uneven_plan(tmp_path / "p.json", (2, 4), (1, 4), (0.3, 0.7)),
-                      "--bf16", *TINY_CLM)
+    image example's metrics take the bf16 logits. The two launches run side by side."""
+    plan = _uneven_plan(tmp_path / "vit_plan.json", (6, 10), (3, 5), (0.6, 0.4))
+    (rc, out), (rc_vit, out_vit) = _wait_all([
+        _start("train_clm.py", "--model_type", "gpt2", "--output_dir", str(tmp_path / "g"),
+               "--cephalo_plan_file", _uneven_plan(tmp_path / "p.json", (2, 4), (1, 4), (0.3, 0.7)),
+               "--bf16", *TINY_CLM),
+        _start("train_image_classification.py", "--cephalo_plan_file", plan,
+               "--output_dir", str(tmp_path / "v"), "--image_size", "16", "--hidden_size", "32",
+               "--num_layers", "2", "--num_heads", "2", "--num_train_epochs", "1",
+               "--max_train_samples", "480", "--learning_rate", "3e-3", "--logging_steps", "5",
+               "--bf16", *COMMON)])
     assert rc == 0, out[-6000:]
     assert "model: GPT2LMHeadModel" in out and "logits equal the trained model's" in out
     losses = _losses(out)
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
-    plan = _uneven_plan(tmp_path / "vit_plan.json", (6, 10), (3, 5), (0.6, 0.4))
-    rc, out = _launch("train_image_classification.py", "--cephalo_plan_file", plan,
-                      "--output_dir", str(tmp_path / "v"), "--image_size", "16", "--hidden_size", "32",
-                      "--num_layers", "2", "--num_heads", "2", "--num_train_epochs", "1",
-                      "--max_train_samples", "480", "--learning_rate", "3e-3", "--logging_steps", "5",
-                      "--bf16", *COMMON)
+    rc, out = rc_vit, out_vit
     assert rc == 0, out[-6000:]
     assert "Cephalo plan: global batch size 16" in out
     [(accuracy, num_images)] = re.findall(r"held-out accuracy: ([0-9.]+) on (\d+) images", out)
@@ -130,27 +132,28 @@ def test_train_clm_gpt2_and_image_classification_bf16(tmp_path):
 
 @test_timeout(LAUNCH_S, LAUNCH_S, LAUNCH_S)
 def test_user_mistakes_fail_fast_with_clear_errors(tmp_path):
-    # a plan made for 3 ranks launched on 2: every rank refuses before any collective
+    """Three mistakes, launched side by side: a plan made for 3 ranks launched on 2 (every rank
+    refuses before any collective), an empty training file, and a missing checkpoint to resume
+    from (an error, not a silent run from scratch; both examples pass it on)."""
     plan = _uneven_plan(tmp_path / "plan3.json", (2, 3, 3), (1, 1, 1), (0.2, 0.3, 0.5))
-    rc, out = _launch("train_clm.py", "--cephalo_plan_file", plan, "--output_dir", str(tmp_path / "a"),
-                      *TINY_CLM)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    missing = tmp_path / "no_such_checkpoint"
+    (rc, out), (rc_empty, out_empty), (rc_missing, out_missing) = _wait_all([
+        _start("train_clm.py", "--cephalo_plan_file", plan, "--output_dir", str(tmp_path / "a"),
+               *TINY_CLM),
+        _start("train_clm.py", "--train_file", str(empty), "--output_dir", str(tmp_path / "b"),
+               *TINY_CLM),
+        _start("train_clm.py", "--cephalo_plan_file", _uneven_plan(tmp_path / "plan.json"),
+               "--output_dir", str(tmp_path / "c"), "--resume_from_checkpoint", str(missing),
+               *TINY_CLM)])
     assert rc != 0 and (f"plan file {str(plan)!r} is for world size 3 but the job has world "
                         "size 2; re-run `hf-cephalo plan` for this cluster or drop "
                         "--cephalo_plan_file to plan at start") in out, out[-4000:]
-    # an empty training file
-    empty = tmp_path / "empty.txt"
-    empty.write_text("")
-    rc, out = _launch("train_clm.py", "--train_file", str(empty), "--output_dir", str(tmp_path / "b"),
-                      *TINY_CLM)
-    assert rc != 0 and f"--train_file {str(empty)!r} is empty" in out, out[-4000:]
-    # --resume_from_checkpoint reaches trainer.train: a missing checkpoint is an error, not a
-    # silent run from scratch (both examples pass it on)
-    missing = tmp_path / "no_such_checkpoint"
-    rc, out = _launch("train_clm.py", "--cephalo_plan_file", _uneven_plan(tmp_path / "plan.json"),
-                      "--output_dir", str(tmp_path / "c"), "--resume_from_checkpoint", str(missing),
-                      *TINY_CLM)
-    assert rc != 0 and "CheckpointError" in out and f"{missing}: no such checkpoint directory" in out, \
-        out[-4000:]
+    assert rc_empty != 0 and f"--train_file {str(empty)!r} is empty" in out_empty, \
+        out_empty[-4000:]
+    assert rc_missing != 0 and "CheckpointError" in out_missing and \
+        f"{missing}: no such checkpoint directory" in out_missing, out_missing[-4000:]
 
 
 @test_timeout(LAUNCH_S)
