@@ -43,7 +43,7 @@ from hf_cephalo.engine.checkpoint import (FILES, CheckpointError, CheckpointLayo
                                           check_export_target, read_layout)
 from hf_cephalo.engine.checkpoint.offline import layout_sources, layout_units, meta_model
 from hf_cephalo.engine.checkpoint.reader import ShardReader, read_buffers
-from hf_cephalo.engine.engine import FullUnit
+from hf_cephalo.engine.state_dicts import FullUnit
 from hf_cephalo.engine.export import (DEFAULT_MAX_SHARD_SIZE, SavedTensor, copy_processor_files,
                                       parse_max_shard_size, plan_hf_files, remove_stale_weights,
                                       write_hf_configs, write_hf_files)

@@ -196,7 +196,7 @@ def layout_sources(layout: CheckpointLayout, reader: ShardReader, model):
 
 def layout_units(reader: ShardReader, order: list[int]):
     """Yield ``FullUnit`` per unit index in ``order``, read from the shard files."""
-    from ..engine import FullUnit
+    from ..state_dicts import FullUnit
 
     for u in order:
         info = reader.layout.units[u]
