@@ -25,7 +25,7 @@ save's collectives would fail or wait for peers that are gone. Parent death ther
 its own path that runs no Python code of the training script. A worker ended in the middle of
 a checkpoint leaves only the hidden staging directory ``.tmp-checkpoint-N``: the completeness
 marker is written and the directory renamed into place only after every rank finished
-writing (hf_cephalo/engine/checkpoint.py, [Note: atomic checkpoints]), so no ``checkpoint-N``
+writing (hf_cephalo/engine/checkpoint/atomic.py, [Note: atomic checkpoints]), so no ``checkpoint-N``
 is ever published partial.
 
 A worker started by a plain ``python train.py`` (no ``TORCHELASTIC_RUN_ID``) is left alone:

@@ -11,8 +11,8 @@ the range via ``safe_open(...).get_slice`` (never the whole tensor unless the ra
 cut to the range and converted to the requested dtype. A reader of a sharded unit calls it
 once per parameter that overlaps its shard, so it reads about its own share of the file.
 
-Also the primitives ``checkpoint.py`` (sharded checkpoints) and ``export.py`` (streamed HF save)
-share, kept here so imports point one way (checkpoint -> export -> checkpoint_files):
+Also the primitives the ``checkpoint`` package (sharded checkpoints) and ``export.py`` (streamed
+HF save) share, kept here so imports point one way (checkpoint -> export -> checkpoint_files):
 ``CheckpointError`` / ``DAMAGED``, ``fsync_file`` and ``errors_on_every_rank``.
 """
 
@@ -101,7 +101,7 @@ class CheckpointFiles:
                                  "download the complete checkpoint again")
 
 
-# ---- primitives shared by checkpoint.py and export.py ------------------------------------
+# ---- primitives shared by checkpoint/ and export.py ---------------------------------------
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: missing, incomplete, corrupt or of another model.
 

@@ -25,6 +25,7 @@ from ..models.base import (AutocastStagedModel, StagedModel, global_num_items_sc
                           refuse_global_loss)
 from ..planner.state import layout_unit_shards  # pure planning code (numpy), no torch.distributed
 from . import collectives as C
+from . import evaluation, state_dicts
 from .compile import (CompileFailure, CompileOptions, CompileStats, CompiledUnits,
                       compile_line, graph_count, probe_compile, remote_failure, running,
                       timed_probe)
@@ -32,9 +33,11 @@ from .flat_param import (FlatParamUnit, LiveTracker, UnitShardMeta, collect_para
                          move_shared_params, param_infos)
 from .loading import (CheckpointLike, StartKind, choose_source, param_shapes_beside_meta_buffers,
                       place_buffers)
-from .offload import ActivationStash, CudaStreams, host_wait
+from .evaluation import EvalOutput
+from .offload import ActivationStash, CudaStreams
 from .param_shards import ParamShards
 from .schedule import LayeredStep, RootUnits
+from .state_dicts import FullUnit
 from .stats import CollectiveStats
 
 if TYPE_CHECKING:
@@ -64,41 +67,6 @@ class OpenStep:
         self.step, self.stash = step, stash
         self.logits, self.loss_sums = logits, loss_sums
         self.local_items, self.global_items = local_items, global_items
-
-
-class EvalOutput(NamedTuple):
-    """Result of ``evaluate``: loss (global item mean, NaN if no items), num_items (global),
-    logits: one entry per microbatch of this rank: its logits (as ``StagedModel.head_logits``)
-    or what ``process_logits`` made of them; empty with ``return_logits=False``."""
-
-    loss: float
-    num_items: int
-    logits: list[torch.Tensor]
-    microbatch_losses: tuple[float, ...] = ()
-    """Per microbatch of this rank: its own item-mean loss (its loss sum / its item count, what
-    the model's forward returns for that microbatch alone); NaN for a microbatch without items."""
-
-
-class FullUnit(NamedTuple):
-    """One unit's full (gathered) parameters, as ``CephaloEngine.iter_full_units`` yields them.
-
-    index: the unit's position in ``shard_metadata()`` (layers in order, root unit(s) after).
-    tensors: every parameter name (tied aliases included, each alias the SAME tensor object) ->
-        a view of the gathered flat buffer with the parameter's shape, on the engine's device in
-        the training dtype. Valid until the iterator advances (copy what you keep).
-    """
-
-    index: int
-    tensors: dict[str, torch.Tensor]
-
-
-def _param_views(unit: FlatParamUnit, full) -> dict[str, torch.Tensor]:
-    """Every alias of every parameter -> one view of the unit's full parts ``full``
-    (``FlatParamUnit.gather_full``)."""
-    out: dict[str, torch.Tensor] = {}
-    for info, view in zip(unit.infos, unit.param_views(full)):
-        out.update((alias, view) for alias in info.aliases)
-    return out
 
 
 def _check_ratios(state_ratios, world_size: int) -> list[float]:
@@ -346,7 +314,7 @@ class CephaloEngine:
             [[int(n) for n in row] for row in shard_layout]
         _check_layout(layout, [name for name, _ in groups], numels, self.world_size)
         source.check([info for unit_infos in infos for info in unit_infos])
-        self._key_map = self._state_dict_keys(fqns)
+        self._key_map = state_dicts.state_dict_keys(self, fqns)
         flat_units = []
         for (name, modules), row in zip(groups, layout):
             params, uses = collected.pop(0)  # drop each unit's originals once it is built
@@ -391,16 +359,6 @@ class CephaloEngine:
                              "or head_modules(); the StagedModel adapter must cover every "
                              "model parameter")
         return infos
-
-    def _state_dict_keys(self, fqns: dict[int, list[str]]) -> list[tuple[str, str, str]]:
-        """(key, 'param', the parameter's first fqn) or (key, 'buffer', key) in
-        ``model.state_dict()`` order (fqns, not parameter ids: the originals do not survive
-        construction)."""
-        out = []
-        for key, value in self.staged.model.state_dict(keep_vars=True).items():
-            names = fqns.get(id(value)) if isinstance(value, nn.Parameter) else None
-            out.append((key, "param", names[0]) if names else (key, "buffer", key))
-        return out
 
     # ---- public API ---------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -668,220 +626,28 @@ class CephaloEngine:
         if self._param_shards is not None:
             self._param_shards.drop_grads()
 
-    @torch.no_grad()
     def evaluate(self, microbatches, *, return_logits: bool = True,
                  process_logits: Callable[[torch.Tensor, Mapping], Any] | None = None
                  ) -> EvalOutput:
-        """Layered forward only; does not change train/eval mode (call ``model.eval()``).
-
-        The head runs ONCE per microbatch (``StagedModel.head_loss_and_logits``, or
-        ``head_loss`` alone when no logits are wanted), and each microbatch's final hidden
-        state and logits are released as soon as its head ran, so at most one microbatch's
-        logits are on the device at a time unless they are returned.
-        return_logits: False keeps no logits (loss only: ``prediction_loss_only``).
-        process_logits: called as ``process_logits(logits, microbatch)`` on each microbatch's
-            device logits right after its head; its result is kept instead of the logits (e.g.
-            ``preprocess_logits_for_metrics`` then ``.cpu()``, so predictions leave the device
-            per microbatch). Ignored with ``return_logits=False``.
-        """
-        self.check_usable("evaluate")
-        mbs = list(microbatches)
-        _, global_items = self._global_items(mbs, for_training=False)
-        self.staged.begin_step()
-        try:
-            with global_num_items_scope(global_items):  # [Note: global item count for user losses]
-                with running(self._compiled):
-                    loss_sum, logits, mb_sums = self._evaluate_layered(mbs, return_logits,
-                                                                       process_logits)
-            terms = self.staged.global_loss_sums()
-        except BaseException as exc:
-            self.staged.end_step()
-            self.abandon_step(None, exc, "evaluate")
-            raise
-        try:
-            C.all_reduce_sum(loss_sum, self.group, self.stats)
-            # a global-batch term (the MoE router loss) of this evaluation batch, as the
-            # model's own loss over the whole batch includes it
-            extra = 0.0 if terms is None else \
-                self.staged.finish_global_loss(self._reduce_sums(terms.to(self.device)).cpu())
-        finally:
-            self.staged.end_step()
-        loss = float(loss_sum) / global_items + extra if global_items else float("nan")
-        counts = [self.staged.count_items(mb) for mb in mbs]
-        mb_losses = tuple(float(s) / n if n else float("nan") for s, n in zip(mb_sums, counts))
-        return EvalOutput(loss, global_items, logits, mb_losses)
-
-    def _evaluate_layered(self, mbs, return_logits: bool, process_logits):
-        """(loss sum (1,) float64, logits per microbatch, loss sum per microbatch) of the
-        layered forward. The root
-        units are gathered around their uses like in ``train_step`` (kept all along with
-        ``root_resident``); every all-gather is prefetched one unit ahead."""
-        root = self.root
-        head_phase = root.head_phase()
-        first = root.both() if root.resident else [root.embed]
-        after_embed = self.units[:1] or head_phase
-        for unit in [*first, *after_embed]:
-            unit.start_unshard()
-        root.embed.wait_unshard(requires_grad=False)
-        hiddens, ctxs = [], []
-        for mb in mbs:
-            root.embed.use_params()
-            h, ctx = self.staged.embed(mb)
-            hiddens.append(h)
-            ctxs.append(ctx)
-        if not root.resident and not any(root.embed is u for u in after_embed):
-            root.embed.reshard()
-        for i, unit in enumerate(self.units):
-            if self.device.type == "cuda":  # see [Note: host waits for the compute stream]
-                host_wait(self.device, self.stats)
-            unit.wait_unshard(requires_grad=False)
-            for nxt in (self.units[i + 1:i + 2] or head_phase):
-                nxt.start_unshard()
-            unit.use_params()
-            hiddens = [self.staged.run_unit(i, h, c) for h, c in zip(hiddens, ctxs)]
-            unit.reshard()
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for unit in head_phase:
-            unit.wait_unshard(requires_grad=False)
-        mb_sums: list[torch.Tensor] = []
-        logits = self._eval_heads(hiddens, mbs, ctxs, loss_sum, return_logits, process_logits,
-                                  head_phase, mb_sums)
-        for unit in root.both():
-            unit.reshard()
-        return loss_sum, logits, mb_sums
-
-    def _eval_heads(self, hiddens: list, mbs, ctxs, loss_sum: torch.Tensor, return_logits: bool,
-                    process_logits, head_units: list[FlatParamUnit],
-                    mb_sums: list[torch.Tensor]) -> list:
-        """One head pass per microbatch, adding its loss sum into ``loss_sum`` (and appending
-        it to ``mb_sums``, (1,) float64 each); each
-        microbatch's hidden state (and its logits unless returned) is released before the next
-        microbatch's head runs."""
-        kept = []
-        for j, (mb, ctx) in enumerate(zip(mbs, ctxs)):
-            hidden, hiddens[j] = hiddens[j], None
-            for unit in head_units:
-                unit.use_params()
-            before = loss_sum.clone()
-            result = self._eval_head(hidden, mb, ctx, loss_sum, return_logits, process_logits)
-            mb_sums.append(loss_sum - before)
-            if return_logits:
-                kept.append(result)
-        return kept
-
-    def _eval_head(self, hidden, mb, ctx, loss_sum: torch.Tensor, return_logits: bool,
-                   process_logits):
-        """The head of one microbatch: adds its loss sum into ``loss_sum``; returns what is
-        kept of its logits (None without ``return_logits``). The logits are locals of this
-        call, so they are freed when it returns unless kept. A microbatch without items (no
-        ``labels``: ``predict`` on unlabeled data) adds no loss and runs ``head_logits`` only."""
-        if self.staged.count_items(mb) == 0:
-            if not return_logits:
-                return None
-            logits = self.staged.head_logits(hidden, mb, ctx)
-            return logits if process_logits is None else process_logits(logits, mb)
-        if not return_logits:
-            loss_sum += self.staged.head_loss(hidden, mb, ctx).loss_sum.double()
-            return None
-        out = self.staged.head_loss_and_logits(hidden, mb, ctx)
-        loss_sum += out.loss.loss_sum.double()
-        return out.logits if process_logits is None else process_logits(out.logits, mb)
+        """Layered forward only, no gradients (``evaluation.evaluate``)."""
+        return evaluation.evaluate(self, microbatches, return_logits=return_logits,
+                                   process_logits=process_logits)
 
     def iter_full_units(self, order: Sequence[int] | None = None) -> Iterator[FullUnit]:
-        """Collective generator: gather one unit at a time, in ``order`` (unit indices of
-        ``shard_metadata()``, repeats allowed; default: every unit once, in that order).
-
-        Every rank must run it to the end (``for ... in``): each step is one all-gather of one
-        unit. Rank 0 gets one ``FullUnit`` per entry of ``order``; the other ranks take part in
-        the gathers and get nothing. At most one gathered unit is alive at a time as long as
-        the caller drops the previous ``FullUnit`` before advancing (see [Note: streamed save]
-        in ``export.py``).
-
-        Raises:
-            ValueError: an index outside ``range(len(shard_metadata()))`` (before any gather).
-            RuntimeError: an earlier step raised part-way (``check_usable``).
-        """
-        self.check_usable("iter_full_units")
-        units = self.all_units()
-        order = list(range(len(units))) if order is None else [int(i) for i in order]
-        bad = [i for i in order if not 0 <= i < len(units)]
-        if bad:
-            raise ValueError(f"iter_full_units: unit indices {bad} are outside 0..{len(units) - 1}")
-        return self._gather_units(order)
-
-    def _gather_units(self, order: list[int]) -> Iterator[FullUnit]:
-        units = self.all_units()
-        for index in order:
-            unit = units[index]
-            full = unit.gather_full()
-            if self.rank == 0:
-                yield FullUnit(index, _param_views(unit, full))
-            del full  # before the next gather: one gathered unit alive at a time
+        """Collective generator, one unit per step (``state_dicts.iter_full_units``)."""
+        return state_dicts.iter_full_units(self, order)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Collective: rank 0 gets ``model.state_dict()``'s keys (CPU tensors in the training
-        dtype — fp32 for an fp32 model — tied aliases included, each alias the same tensor)
-        with the current values; other ranks get None.
-
-        Holds the whole model on rank 0: for small models and tests. To write a large model,
-        stream it (``hf_cephalo.engine.export.save_pretrained_streamed``)."""
-        self.check_usable("full_state_dict")
-        by_key: dict[str, torch.Tensor] = {}
-        for full_unit in self.iter_full_units():
-            copies: dict[int, torch.Tensor] = {}
-            for key, view in full_unit.tensors.items():
-                if id(view) not in copies:
-                    copies[id(view)] = view.detach().to("cpu", copy=True)
-                by_key[key] = copies[id(view)]
-        if self.rank != 0:
-            return None
-        model = self.staged.model
-        return {key: by_key[ref] if kind == "param" else
-                model.get_buffer(ref).detach().to("cpu", copy=True)
-                for key, kind, ref in self._key_map}
+        """Collective: the full state dict on rank 0 (``state_dicts.full_state_dict``)."""
+        return state_dicts.full_state_dict(self)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Collective: rank 0 gets {parameter name: CPU tensor} for every trainable parameter
-        (every alias of a tied one), other ranks None. Gathers only the trainable prefix of
-        each unit that has one (bytes moved: the trainable elements, e.g. a LoRA adapter's;
-        frozen base weights never travel). Raises RuntimeError as ``check_usable``."""
-        self.check_usable("trainable_state_dict")
-        out: dict[str, torch.Tensor] = {}
-        for unit in self.all_units():
-            if unit.trainable_numel == 0:
-                continue
-            flat = unit.gather_trainable()
-            if self.rank != 0:
-                continue
-            for info in unit.infos:
-                if info.requires_grad:  # the trainable part starts at flat index 0
-                    value = flat[info.offset:info.offset + info.numel].view(info.shape).clone()
-                    out.update({alias: value for alias in info.aliases})
-        return out if self.rank == 0 else None
+        """Collective: the trainable parameters on rank 0 (``state_dicts.trainable_state_dict``)."""
+        return state_dicts.trainable_state_dict(self)
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Every rank passes the same full dict (``model.state_dict()`` keys); takes its shards.
-
-        Raises ValueError naming missing / unexpected keys or a shape mismatch (no collective).
-        """
-        self.check_usable("load_full_state_dict")
-        expected = {key for key, _, _ in self._key_map}
-        missing, unexpected = expected - set(state_dict), set(state_dict) - expected
-        if missing or unexpected:
-            raise ValueError(f"state dict mismatch: missing {sorted(missing)}, unexpected "
-                             f"{sorted(unexpected)}; pass a state dict of this model, with "
-                             "model.state_dict()'s keys")
-        key_of = {}
-        for key, kind, ref in self._key_map:
-            if kind == "param":
-                key_of.setdefault(ref, key)
-        for unit in self.all_units():
-            tensors = [state_dict[key_of[info.fqn]] for info in unit.infos]
-            unit.load_flat(unit.flat_from_tensors(tensors))
-        with torch.no_grad():
-            for key, kind, ref in self._key_map:
-                if kind == "buffer":
-                    self.staged.model.get_buffer(ref).copy_(state_dict[key])
+        """Every rank takes its shards of a full dict (``state_dicts.load_full_state_dict``)."""
+        return state_dicts.load_full_state_dict(self, state_dict)
 
     def shard_metadata(self) -> list[UnitShardMeta]:
         """Per unit (layers in order, then the embedding and the head unit): per-rank numel and

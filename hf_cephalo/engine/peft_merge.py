@@ -39,10 +39,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from hf_cephalo.engine.checkpoint import (FILES, CheckpointError, CheckpointLayout, _layout_sources,
-                                          _layout_units, _meta_model, _read_buffers, _ShardReader,
+from hf_cephalo.engine.checkpoint import (FILES, CheckpointError, CheckpointLayout,
                                           check_export_target, read_layout)
-from hf_cephalo.engine.engine import FullUnit
+from hf_cephalo.engine.checkpoint.offline import layout_sources, layout_units, meta_model
+from hf_cephalo.engine.checkpoint.reader import ShardReader, read_buffers
+from hf_cephalo.engine.state_dicts import FullUnit
 from hf_cephalo.engine.export import (DEFAULT_MAX_SHARD_SIZE, SavedTensor, copy_processor_files,
                                       parse_max_shard_size, plan_hf_files, remove_stale_weights,
                                       write_hf_configs, write_hf_files)
@@ -88,8 +89,8 @@ def export_merged_lora(directory: str, out_dir: str, *, adapter_config: str | No
     adapter_name = _adapter_name(layout)
     config_dir, config = _read_lora_config(directory, adapter_config)
     if os.path.isfile(os.path.join(config_dir, ADAPTER_FILES[0])):
-        check_adapter_matches(config_dir, _meta_model(layout))
-    reader = _ShardReader(layout, verify)
+        check_adapter_matches(config_dir, meta_model(layout))
+    reader = ShardReader(layout, verify)
     peft_inner = _meta_peft(layout, config, adapter_name, config_dir).base_model.model
     peft_sources, total_numel, dtype = _checked_sources(layout, reader, peft_inner, config_dir)
     unloading = _meta_peft(layout, config, adapter_name, config_dir)
@@ -103,9 +104,9 @@ def export_merged_lora(directory: str, out_dir: str, *, adapter_config: str | No
     plan = plan_hf_files(merged, sources, max_shard_size=max_shard_size,
                          total_parameters=total_numel)
     layers = _lora_layers_by_unit(peft_inner, peft_sources)
-    buffers = _read_buffers(layout, reader)
+    buffers = read_buffers(layout, reader)
     os.makedirs(out_dir, exist_ok=True)
-    units = _merged_units(_layout_units(reader, plan.unit_order), layers, adapter_name)
+    units = _merged_units(layout_units(reader, plan.unit_order), layers, adapter_name)
     result = write_hf_files(out_dir, plan, units, buffers=buffers)
     write_hf_configs(out_dir, merged, dtype)
     remove_stale_weights(out_dir, result.files)
@@ -150,7 +151,7 @@ def _meta_peft(layout: CheckpointLayout, config, adapter_name: str, config_dir: 
     from peft import get_peft_model
 
     try:
-        peft_model = get_peft_model(_meta_model(layout), copy.deepcopy(config),
+        peft_model = get_peft_model(meta_model(layout), copy.deepcopy(config),
                                     adapter_name=adapter_name, low_cpu_mem_usage=True)
     except ValueError as e:  # e.g. target modules that the base model lacks
         raise CheckpointError(f"{config_dir}: the adapter config does not fit the checkpoint's "
@@ -159,9 +160,9 @@ def _meta_peft(layout: CheckpointLayout, config, adapter_name: str, config_dir: 
 
 
 def _checked_sources(layout, reader, peft_inner, config_dir):
-    """``_layout_sources`` of the meta PeftModel, its shapes checked against the checkpoint."""
+    """``layout_sources`` of the meta PeftModel, its shapes checked against the checkpoint."""
     try:
-        sources, total_numel, dtype = _layout_sources(layout, reader, peft_inner)
+        sources, total_numel, dtype = layout_sources(layout, reader, peft_inner)
     except CheckpointError as e:
         raise CheckpointError(f"{config_dir}: the adapter config gives other keys than the "
                               f"checkpoint's (an adapter of another run?): {e}") from None

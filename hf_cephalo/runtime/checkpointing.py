@@ -52,7 +52,7 @@ def atomic_checkpoint(session: "Session", directory: str,
     """Collective (every rank): a checkpoint written atomically. Yields the hidden staging
     folder each rank writes its files into; on exit every rank's files are checked against
     ``contents`` (what the run's settings promise) and the folder is renamed to ``directory``
-    after the completeness marker ([Note: atomic checkpoints] in engine/checkpoint.py), so a
+    after the completeness marker ([Note: atomic checkpoints] in engine/checkpoint/atomic.py), so a
     run killed mid-save leaves no ``directory``. Each door adds its own files inside."""
     from hf_cephalo.engine.checkpoint import atomic_checkpoint_dir
 

@@ -5,7 +5,7 @@
 and replaces what the engine holds: the weights and optimizer state are the runtime's sharded
 state (``runtime/checkpointing.py``: loadable onto any plan and world size), the model files
 are streamed one unit at a time, and the folder is written aside and renamed after its
-completeness marker ([Note: atomic checkpoints] in engine/checkpoint.py).
+completeness marker ([Note: atomic checkpoints] in engine/checkpoint/atomic.py).
 """
 
 from __future__ import annotations
