@@ -427,3 +427,30 @@ class LastTokenClassifierStagedModel(ClassifierStagedModel):
         if input_ids is not None:
             check_poolable(input_ids, pad_token_id_of(self.model.config), type(self.model).__name__)
         return super().count_items(microbatch)
+
+
+def causal_adapter(staged: StagedModel) -> "CausalLMStagedModel | None":
+    """The causal-LM adapter inside ``staged`` (unwrapping ``.inner``: a user loss, head
+    calls), or None for a classifier."""
+    inner = staged
+    while not isinstance(inner, CausalLMStagedModel) and hasattr(inner, "inner"):
+        inner = inner.inner
+    return inner if isinstance(inner, CausalLMStagedModel) else None
+
+
+def is_causal_lm(staged: StagedModel) -> bool:
+    """Whether ``staged`` (possibly wrapped) is a causal language model (the one way the
+    runtime and the doors ask: the label shift, the output class, the shape of empty logits)."""
+    return causal_adapter(staged) is not None
+
+
+def empty_logits(staged: StagedModel, input_ids: Any, device=None) -> torch.Tensor:
+    """The logits of 0 rows as the model's forward would shape them: (0, T, vocab_size) for a
+    causal LM (T from ``input_ids`` (rows, T), 0 without), (0, num_labels) for a classifier."""
+    config = staged.model.config
+    if is_causal_lm(staged):
+        seq = input_ids.shape[1] if isinstance(input_ids, torch.Tensor) and input_ids.dim() > 1 \
+            else 0
+        return torch.zeros((0, seq, config.get_text_config().vocab_size), device=device)
+    return torch.zeros((0, config.num_labels), device=device)
+

@@ -341,6 +341,81 @@ class Session:
         for listener in self.switch_listeners:
             listener({"step": global_step, "plan": new})
 
+    # ---- the step calls a door makes (the engine stays behind the session) -----------------
+    @property
+    def staged(self) -> StagedModel:
+        """The staged model the engine runs (possibly wrapped: a user loss, head calls)."""
+        return self.engine.staged
+
+    @property
+    def group(self):
+        """The job's process group."""
+        return self.engine.group
+
+    def zero_grad(self) -> None:
+        """Drop the shards' gradients (one engine step per optimizer step)."""
+        self.engine.zero_grad()
+
+    def train_step(self, microbatches: Sequence[Any], loss_scale: Any = None):
+        """Collective: forward + backward of one optimizer step over this rank's microbatches
+        (``CephaloEngine.train_step``: the gradient of the global item-mean loss, added to the
+        shards' ``.grad``; raises ValueError on every rank for a step with no items)."""
+        return self.engine.train_step(microbatches, loss_scale=loss_scale)
+
+    def forward_step(self, microbatches: Sequence[Any]):
+        """Collective: the forward half of a step whose loss the caller computes; returns the
+        open step ``backward_step`` or ``discard_step`` takes (``CephaloEngine.forward_step``)."""
+        return self.engine.forward_step(microbatches)
+
+    def backward_step(self, open_step, loss) -> bool:
+        """Collective: the backward half of ``open_step`` for ``loss``."""
+        return self.engine.backward_step(open_step, loss)
+
+    def discard_step(self, open_step, why: str) -> None:
+        """Drop ``open_step`` without a backward (``why`` names the reason in later errors)."""
+        self.engine.discard_step(open_step, why)
+
+    def evaluate(self, microbatches: Sequence[Any], **kwargs):
+        """Collective: the layered forward without gradients (``CephaloEngine.evaluate``)."""
+        return self.engine.evaluate(microbatches, **kwargs)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Collective: the global L2 norm of the gradients, clipped to ``max_norm`` (``inf``:
+        the norm only)."""
+        return self.engine.clip_grad_norm_(float(max_norm))
+
+    def named_shards(self):
+        """(name, shard) of this rank's per-parameter shards, the model's parameter names."""
+        return self.engine.param_shards.named_parameters()
+
+    def shard_params(self) -> list:
+        """This rank's per-parameter shards (what an optimizer over the model steps)."""
+        return self.engine.param_shards.params
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the whole model's state dict on rank 0 (CPU), None elsewhere."""
+        return self.engine.full_state_dict()
+
+    def restore_full_model(self) -> None:
+        """Collective: full copies of the current weights into the user's model object on
+        every rank (``sharded_model.restore_full_model``)."""
+        from hf_cephalo.runtime.sharded_model import restore_full_model
+
+        restore_full_model(self.engine)
+
+    def build_optimizer(self, optimizer_cls: type, optimizer_kwargs, groups):
+        """``optimizer_cls`` over this rank's shards in ``groups`` (``optim.shard_optimizer``)."""
+        from hf_cephalo.runtime.optim import shard_optimizer
+
+        return shard_optimizer(self.engine, optimizer_cls, optimizer_kwargs, groups)
+
+    def repoint_optimizer(self, optimizer, name_of, what: str) -> None:
+        """An optimizer built over the model's parameters, re-pointed in place at their shards
+        (``optim.repoint_optimizer``; ValueError naming ``what`` for a parameter it lacks)."""
+        from hf_cephalo.runtime.optim import repoint_optimizer
+
+        repoint_optimizer(optimizer, self.engine, name_of, what)
+
     def any_rank(self, flag: bool) -> bool:
         """Collective (every rank): whether ``flag`` is true on some rank of the job."""
         from hf_cephalo.runtime.collectives import any_rank

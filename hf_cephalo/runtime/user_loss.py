@@ -32,7 +32,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassi
 from hf_cephalo.runtime.head_calls import HeadCalls
 from hf_cephalo.models.base import (HeadEvalOutput, HeadOutput, Microbatch, StagedModel,
                                     WrappedStagedModel, global_num_items, refuse_global_loss)
-from hf_cephalo.models.hf_common import CausalLMStagedModel
+from hf_cephalo.models.hf_common import (CausalLMStagedModel, causal_adapter, empty_logits,
+                                         is_causal_lm)
 
 __all__ = ["CallVariant", "EngineOutputs", "HeadView", "UserLossStagedModel"]
 
@@ -44,18 +45,6 @@ _CALL_OPTIONS = {"use_cache": (False, None), "return_dict": (True, None),
                  "output_attentions": (False, None), "output_hidden_states": (False, None)}
 # HF model arguments the stand-in reads itself (not inputs to compare with the microbatch)
 _LOSS_ARGUMENTS = ("labels", "num_items_in_batch", "shift_labels")
-
-
-def _causal_adapter(staged: StagedModel) -> CausalLMStagedModel | None:
-    inner = staged
-    while not isinstance(inner, CausalLMStagedModel) and hasattr(inner, "inner"):
-        inner = inner.inner
-    return inner if isinstance(inner, CausalLMStagedModel) else None
-
-
-def _causal(staged: StagedModel) -> bool:
-    """Whether ``staged`` (possibly wrapped) is a causal language model's adapter."""
-    return _causal_adapter(staged) is not None
 
 
 class HeadView:
@@ -74,7 +63,7 @@ class HeadView:
         return self._logits
 
     def _causal(self, what: str) -> CausalLMStagedModel:
-        adapter = _causal_adapter(self.staged)
+        adapter = causal_adapter(self.staged)
         if adapter is None:
             raise ValueError(f"{what} needs a causal language model; "
                              f"{type(self.staged.model).__name__} is not one")
@@ -120,7 +109,7 @@ class EngineOutputs:
                  variants: Mapping[str, CallVariant]) -> None:
         self._staged, self._view, self._num_items = staged, view, num_items
         self._variants, self._calls = variants, 0
-        self._causal = _causal(staged)  # the label smoother's shift
+        self.cephalo_causal_lm = is_causal_lm(staged)  # the label smoother's shift
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._staged.model, name)
@@ -160,27 +149,18 @@ class EngineOutputs:
                                  "batch as collated; change the batch in the data collator instead")
 
     def _default(self, inputs: dict[str, Any]):
-        causal = self._causal
+        causal = self.cephalo_causal_lm
         cls = CausalLMOutputWithPast if causal else SequenceClassifierOutput
         labels = inputs.get("labels")
         if self._view is None:  # the replay: zero rows
             return cls(loss=None if labels is None else torch.zeros(()),
-                       logits=torch.zeros(_empty_logits_shape(self._staged, inputs, causal)))
+                       logits=empty_logits(self._staged, inputs.get("input_ids")))
         logits = self._view.logits()
         loss = None
         if labels is not None:
             out = self._staged.loss_from_logits(logits, {**self._view.microbatch, "labels": labels})
             loss = out.loss_sum / self._num_items
         return cls(loss=loss, logits=logits)
-
-
-def _empty_logits_shape(staged: StagedModel, inputs: dict[str, Any], causal: bool) -> tuple:
-    config = staged.model.config
-    if causal:
-        ids = inputs.get("input_ids")
-        seq = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() > 1 else 0
-        return (0, seq, config.get_text_config().vocab_size)
-    return (0, config.num_labels)
 
 
 class UserLossStagedModel(WrappedStagedModel):

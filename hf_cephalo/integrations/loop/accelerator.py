@@ -38,7 +38,7 @@ from accelerate import Accelerator
 from hf_cephalo.runtime.head_calls import current_head_call
 from hf_cephalo.runtime.sampler import WeightedBatchSampler
 from hf_cephalo.runtime.settings import (ACTIVATION_OFFLOAD_CHOICES, ADAPTIVE_CHOICES,  # noqa: F401
-                                         ENV_PREFIX, CephaloSettings, env_name)
+                                         ENV_PREFIX, CephaloSettings)
 
 __all__ = ["CephaloDistributedType", "CephaloPlugin", "CephaloAccelerator", "ENV_PREFIX",
            "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES"]
@@ -74,7 +74,7 @@ class CephaloAccelerator(Accelerator):
     Accelerate's (MULTI_GPU or MULTI_CPU, real world size), so gather, reduce, broadcast and RNG
     synchronization work as usual; ``cephalo_distributed_type`` is CEPHALO.
 
-    Two doors use it: ``CephaloTrainer`` (which attaches its own engine: ``attach_engine``) and
+    Two doors use it: ``CephaloTrainer`` (which attaches its own session: ``attach_session``) and
     a custom loop, where ``prepare(model, optimizer, train_dataloader, ...)`` plans, shards the
     model and returns the loop's objects ([Note: a custom loop on the layered engine] in
     ``loop.py``; docs/accelerate.md "Your own training loop").
@@ -95,19 +95,20 @@ class CephaloAccelerator(Accelerator):
         check_this_launch(self.num_processes)  # one CPU process where several were asked for
         self.cephalo_plugin = cephalo_plugin if cephalo_plugin is not None else CephaloPlugin()
         self.cephalo_plugin.check_world_size(self.num_processes)
-        self.cephalo_engine: Any = None
+        self.cephalo_trainer_session: Any = None  # CephaloTrainer's (attach_session)
         self.cephalo_loop = None  # a custom loop's LoopState once prepare() saw the model
         self.cephalo_loaders: list = []  # the loop's prepared loaders (training first)
 
-    def attach_engine(self, engine: Any, model: torch.nn.Module | None = None) -> None:
-        """Register the ``CephaloEngine`` that owns the model's parameters (set by CephaloTrainer).
+    def attach_session(self, session: Any, model: torch.nn.Module | None = None) -> None:
+        """Register the runtime ``Session`` whose engine owns the model's parameters (set by
+        CephaloTrainer).
 
         Afterwards ``prepare_model`` returns that model (the engine's staged model, or ``model``:
         the object the user passed, e.g. a LoRA ``PeftModel`` around it) unchanged: the engine
         already shards and synchronizes it, and a DistributedDataParallel wrapper would
         all-reduce again (or refuse a model whose parameters are all frozen while sharded).
         """
-        self.cephalo_engine = engine
+        self.cephalo_trainer_session = session
         self.cephalo_model = model
 
     @property
@@ -123,9 +124,10 @@ class CephaloAccelerator(Accelerator):
     # ---- the Trainer door --------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):
-        """Return the engine's model unchanged (see ``attach_engine``); others as ``Accelerator`` does."""
-        if self.cephalo_engine is not None and (
-                model is self.cephalo_engine.staged.model or
+        """Return the engine's model unchanged (see ``attach_session``); others as ``Accelerator``
+        does."""
+        if self.cephalo_trainer_session is not None and (
+                model is self.cephalo_trainer_session.staged.model or
                 model is getattr(self, "cephalo_model", None)):
             return model
         return super().prepare_model(model, device_placement=device_placement,
@@ -156,7 +158,7 @@ class CephaloAccelerator(Accelerator):
         size); a plan that does not fit (after profiling, on every rank)."""
         from hf_cephalo.integrations.loop.prepare import prepare_loop
 
-        if self.cephalo_engine is not None or (
+        if self.cephalo_trainer_session is not None or (
                 self.cephalo_loop is None and not any(isinstance(a, torch.nn.Module) for a in args)):
             return super().prepare(*args, device_placement=device_placement)
         return prepare_loop(self, args)
@@ -199,7 +201,7 @@ class CephaloAccelerator(Accelerator):
 
         check_clip_parameters(self, parameters, norm_type)
         self.unscale_gradients()
-        return self.cephalo_loop.session.engine.clip_grad_norm_(float(max_norm))
+        return self.cephalo_loop.session.clip_grad_norm(float(max_norm))
 
     # ---- inside the engine's head: [Note: collectives inside the engine's head] -------------
     @property
@@ -285,7 +287,7 @@ class CephaloAccelerator(Accelerator):
 
         if not isinstance(model, CephaloModel):
             return super().get_state_dict(model, unwrap=unwrap)
-        state = model._session.engine.full_state_dict()
+        state = model._session.full_state_dict()
         return {} if state is None else state
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):

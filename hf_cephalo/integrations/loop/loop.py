@@ -43,6 +43,8 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import send_to_device
 from torch import nn
 
+from hf_cephalo.models.hf_common import empty_logits
+
 __all__ = ["CephaloModel", "CephaloDataLoader", "CephaloOptimizer", "CephaloScheduler",
            "split_rows"]
 
@@ -81,18 +83,6 @@ def _cat(tensors: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
     return empty
 
 
-def _empty_logits(model: nn.Module, batch: dict[str, Any], device) -> torch.Tensor:
-    """The logits of 0 rows, shaped as the model's would be: (0, T, vocab_size) for a causal LM
-    (T from the batch's ``input_ids``), (0, num_labels) for a classifier."""
-    config = getattr(model, "config", None)
-    ids = batch.get("input_ids")
-    if config is not None and getattr(config, "is_decoder", False) or \
-            type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
-        width = 0 if ids is None or ids.dim() < 2 else ids.shape[1]
-        return torch.zeros((0, width, config.vocab_size), device=device)
-    return torch.zeros((0, getattr(config, "num_labels", 1)), device=device)
-
-
 class CephaloModel(nn.Module):
     """The prepared model of a custom loop (see [Note: a custom loop on the layered engine]).
 
@@ -118,7 +108,7 @@ class CephaloModel(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        for name, shard in self._session.engine.param_shards.named_parameters():
+        for name, shard in self._session.named_shards():
             yield prefix + name, shard
 
     def train(self, mode: bool = True) -> "CephaloModel":
@@ -145,13 +135,14 @@ class CephaloModel(nn.Module):
                 torch.zeros((), device=session.job.device)
         else:
             hooks.end_open_step("an evaluation forward")
-            out = session.engine.evaluate(microbatches, return_logits=True)
+            out = session.evaluate(microbatches, return_logits=True)
             logits, total = out.logits, out.num_items
-            counts = [session.engine.staged.count_items(mb) for mb in microbatches]
+            counts = [session.staged.count_items(mb) for mb in microbatches]
             local = sum(counts)
             sums = [m * n for m, n in zip(out.microbatch_losses, counts) if n]
             loss = torch.tensor(sum(sums) / local if local else 0.0, device=session.job.device)
-        empty = None if logits else _empty_logits(self._module, batch, session.job.device)
+        empty = None if logits else empty_logits(session.staged, batch.get("input_ids"),
+                                                 session.job.device)
         output = hooks.output_class(loss=loss, logits=_cat(list(logits), empty))
         # not ModelOutput fields: attributes, so the output's tuple / dict views stay stock's
         object.__setattr__(output, "num_items", int(local))
@@ -308,7 +299,7 @@ class CephaloOptimizer(AcceleratedOptimizer):
 
     def zero_grad(self, set_to_none=None):
         super().zero_grad(set_to_none)
-        self._cephalo_hooks.session.engine.zero_grad()
+        self._cephalo_hooks.session.zero_grad()
 
 
 class LoopState:
@@ -360,7 +351,7 @@ class LoopState:
                                "training loader first, or evaluate under torch.no_grad() / "
                                "model.eval(); several loss terms come from one forward's "
                                "outputs")
-        self.open = self.session.engine.forward_step(microbatches)
+        self.open = self.session.forward_step(microbatches)
         return self.open
 
     def end_open_step(self, why: str) -> None:
@@ -368,7 +359,7 @@ class LoopState:
         with a warning (rank 0)."""
         if self.open is None:
             return
-        self.session.engine.discard_step(self.open, why)
+        self.session.discard_step(self.open, why)
         self.open = None
         if self.session.job.is_main:
             logger.warning("model(**batch) ran in training mode but %s came before "
@@ -386,7 +377,7 @@ class LoopState:
                                "training mode since the last backward (called twice, or the "
                                "model was in eval mode / under torch.no_grad())")
         if not torch.is_tensor(loss) or loss.numel() != 1:
-            self.session.engine.discard_step(open_step, "a bad loss")
+            self.session.discard_step(open_step, "a bad loss")
             raise TypeError(f"accelerator.backward needs a 1-element loss tensor, got "
                             f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
         weighted = None
@@ -398,7 +389,7 @@ class LoopState:
         elif scaler is not None:
             scaler.scale(torch.zeros((), device=self.session.job.device))  # lazily made scale
         self._check_loss_connected(open_step, weighted)
-        self.session.engine.backward_step(open_step, weighted)
+        self.session.backward_step(open_step, weighted)
         self.backward_done = True
 
     def _check_loss_connected(self, open_step, loss) -> None:
@@ -409,7 +400,7 @@ class LoopState:
             outputs = [*open_step.logits, *open_step.loss_sums]
             bad = loss is None or not loss.requires_grad or not _reaches(loss, outputs)
         if self.session.any_rank(bad):
-            self.session.engine.discard_step(open_step, "a loss not from the outputs")
+            self.session.discard_step(open_step, "a loss not from the outputs")
             raise RuntimeError("accelerator.backward(loss): on some rank the loss does not "
                                "depend on this step's model outputs (outputs.loss / "
                                "outputs.logits of the last model(**batch)); the layered "

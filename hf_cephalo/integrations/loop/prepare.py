@@ -138,16 +138,17 @@ def job_from_accelerator(accelerator, train_loader: DataLoader | None, seed: int
 
 
 def _output_class(staged):
-    from hf_cephalo.runtime.user_loss import _causal
     from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutput
 
-    return CausalLMOutputWithPast if _causal(staged) else SequenceClassifierOutput
+    from hf_cephalo.models.hf_common import is_causal_lm
+
+    return CausalLMOutputWithPast if is_causal_lm(staged) else SequenceClassifierOutput
 
 
 def prepare_loop(accelerator, args: tuple) -> tuple:
     """The custom loop's prepare (see ``CephaloAccelerator.prepare``)."""
     from hf_cephalo.models import stage_model
-    from hf_cephalo.runtime.optim import parameter_names, repoint_optimizer
+    from hf_cephalo.runtime.optim import parameter_names
     from hf_cephalo.runtime.session import Session
 
     check_loop_setup(accelerator, args)
@@ -177,8 +178,8 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
     loop = accelerator.cephalo_loop
     for i, obj in enumerate(args):
         if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, CephaloOptimizer):
-            repoint_optimizer(obj, loop.session.engine, accelerator._cephalo_name_of,
-                              "accelerator.prepare(optimizer)")
+            loop.session.repoint_optimizer(obj, accelerator._cephalo_name_of,
+                                           "accelerator.prepare(optimizer)")
             loop.session.set_optimizer(obj)
             results[i] = CephaloOptimizer(obj, loop, scaler=accelerator.scaler)
             accelerator._optimizers.append(results[i])
@@ -318,7 +319,7 @@ def check_clip_parameters(accelerator, parameters, norm_type) -> None:
     if float(norm_type) != 2.0:
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): the engine clips by the global "
                          "L2 norm over every rank's shards; use norm_type=2")
-    shards = accelerator.cephalo_loop.session.engine.param_shards.params
+    shards = accelerator.cephalo_loop.session.shard_params()
     given = {id(p) for p in (parameters if not torch.is_tensor(parameters) else [parameters])}
     if given != {id(p) for p in shards}:
         raise ValueError("clip_grad_norm_: pass the prepared model's parameters "

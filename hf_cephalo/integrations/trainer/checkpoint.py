@@ -18,12 +18,12 @@ import torch
 from hf_cephalo.runtime import checkpointing
 from hf_cephalo.runtime.checkpoint_contents import CheckpointContents
 
-__all__ = ["EngineCheckpointMixin"]
+__all__ = ["EngineCheckpointMixin", "unwrap_optimizer"]
 
 logger = logging.getLogger(__name__)
 
 
-def _unwrap_optimizer(optimizer):
+def unwrap_optimizer(optimizer):
     """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (or itself)."""
     return getattr(optimizer, "optimizer", optimizer)
 
@@ -136,12 +136,12 @@ class EngineCheckpointMixin:
                                   peft=is_peft_model(self.model),
                                   scaler=self.accelerator.scaler is not None,
                                   scheduler=self.lr_scheduler is not None,
-                                  world_size=self.engine.world_size)
+                                  world_size=self.session.job.world_size)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank writes its parameter and optimizer shards with the layout
         (``runtime.checkpointing.save_shards``); rank 0 also ``scheduler.pt``."""
-        checkpointing.save_shards(self.session, output_dir, _unwrap_optimizer(self.optimizer))
+        checkpointing.save_shards(self.session, output_dir, unwrap_optimizer(self.optimizer))
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
@@ -186,7 +186,7 @@ class EngineCheckpointMixin:
         """
         if checkpoint is None or self._resumed_weights_only:
             return  # save_only_model: stock finds no optimizer.pt / scheduler.pt and skips both
-        checkpointing.load_optimizer(self.session, _unwrap_optimizer(self.optimizer), checkpoint)
+        checkpointing.load_optimizer(self.session, unwrap_optimizer(self.optimizer), checkpoint)
         if self.lr_scheduler is not None:
             checkpointing.load_scheduler(self.session, self.lr_scheduler, checkpoint)
 

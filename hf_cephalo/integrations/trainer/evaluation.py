@@ -52,7 +52,7 @@ class _GatheredPredictions(NamedTuple):
 
 
 class EngineEvaluationMixin:
-    """``evaluation_loop`` through ``self.engine`` (see the module note). Mixed into a
+    """``evaluation_loop`` through ``self.session`` (see the module note). Mixed into a
     ``Trainer`` subclass whose ``engine`` is the session's and whose eval loaders come from
     ``Session.eval_loader``."""
 
@@ -110,9 +110,9 @@ class EngineEvaluationMixin:
         metrics are those of the whole step's batch."""
         head_calls = getattr(self, "_head_calls", None)
         if head_calls is None:
-            return self.engine.evaluate(microbatches, **kwargs)
+            return self.session.evaluate(microbatches, **kwargs)
         with head_calls.step(microbatches):
-            out = self.engine.evaluate(microbatches, **kwargs)
+            out = self.session.evaluate(microbatches, **kwargs)
         head_calls.finish(out.num_items)
         return out
 

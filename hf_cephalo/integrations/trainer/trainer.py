@@ -41,7 +41,7 @@ from hf_cephalo.integrations.trainer.preflight import (check_script,
 from hf_cephalo.integrations.trainer.support import HOOK_SUPPORT
 from hf_cephalo.integrations.trainer.accumulation import AccumulationStep
 from hf_cephalo.integrations.trl.support import trainer_class_problems
-from hf_cephalo.integrations.trainer.checkpoint import EngineCheckpointMixin, _unwrap_optimizer
+from hf_cephalo.integrations.trainer.checkpoint import EngineCheckpointMixin, unwrap_optimizer
 from hf_cephalo.integrations.trainer.data import TrainerDataMixin
 from hf_cephalo.integrations.trainer.evaluation import EngineEvaluationMixin
 from hf_cephalo.integrations.trainer.training_args import CephaloArguments, job_from_training_args
@@ -49,12 +49,10 @@ from hf_cephalo.runtime.user_loss import UserLossStagedModel
 from hf_cephalo.models.registry import supported_model_classes
 from hf_cephalo.planner import Plan
 from hf_cephalo.profiles.types import ClusterProfile
-from hf_cephalo.runtime.optim import (decay_groups, engine_names, parameter_names,
-                                      repoint_optimizer, shard_optimizer)
+from hf_cephalo.runtime.optim import decay_groups, engine_names, parameter_names
 from hf_cephalo.runtime.report import format_plan_table  # noqa: F401 (exported)
 from hf_cephalo.runtime.sampler import packs_without_padding
 from hf_cephalo.runtime.session import Session
-from hf_cephalo.runtime.sharded_model import restore_full_model
 
 __all__ = ["CephaloTrainer", "CephaloTrainerMixin", "format_plan_table", "format_loss_trend"]
 
@@ -162,10 +160,10 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
                                cluster_profile=cluster_profile,
                                train_dataset=self.train_dataset, plan_staged=staged)
         if self._head_calls is not None:
-            self._head_calls.group = self.engine.group
-        self.accelerator.attach_engine(self.engine, model)
+            self._head_calls.group = self.session.group
+        self.accelerator.attach_session(self.session, model)
         if self.optimizer is not None:  # optimizers=(optimizer, scheduler): checked above
-            repoint_optimizer(self.optimizer, self.engine, name_of, "optimizers")
+            self.session.repoint_optimizer(self.optimizer, name_of, "optimizers")
             self.session.set_optimizer(self.optimizer)  # the scheduler: the same object
         if self.session.scaler is not None:  # fp16: the engine's sharded scaler, [Note] below
             self.accelerator.scaler = self.session.scaler
@@ -279,7 +277,8 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         elif labels is not None:
-            loss = self.label_smoother(outputs, labels, shift_labels=getattr(model, "_causal", False),
+            loss = self.label_smoother(outputs, labels,
+                                       shift_labels=getattr(model, "cephalo_causal_lm", False),
                                        num_items_in_batch=num_items_in_batch)
         else:
             loss = outputs["loss"]
@@ -302,7 +301,7 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         """Unscale the shard gradients before clipping / the norm (once per step)."""
         scaler = self.accelerator.scaler
         if scaler is not None and not self._scaler_unscaled:
-            scaler.unscale_(_unwrap_optimizer(self.optimizer))  # all-reduces found-inf
+            scaler.unscale_(unwrap_optimizer(self.optimizer))  # all-reduces found-inf
             self._scaler_unscaled = True
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -357,7 +356,7 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         if isinstance(inputs, AccumulationStep):  # [Note: the stock loop's k batches]
             return torch.zeros((), dtype=torch.float32, device=self.args.device)
         model.train()
-        self.engine.zero_grad()  # one engine step per optimizer step: every step starts fresh
+        self.session.zero_grad()  # one engine step per optimizer step: every step starts fresh
         microbatches = self._prepare_input(list(inputs))
         # a packing collator's row holds several samples: their number is not in the batch
         self.last_step_num_samples = None if packs_without_padding(self.data_collator) else \
@@ -365,21 +364,21 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         microbatches = self._engine_microbatches(microbatches)
         self._scaler_unscaled = False
         if self._head_calls is None:
-            out = self.engine.train_step(microbatches, loss_scale=self.accelerator.scaler)
+            out = self.session.train_step(microbatches, loss_scale=self.accelerator.scaler)
         else:  # [Note: collectives inside the engine's head] in head_calls.py
             with self._head_calls.step(microbatches):
-                out = self.engine.train_step(microbatches, loss_scale=self.accelerator.scaler)
+                out = self.session.train_step(microbatches, loss_scale=self.accelerator.scaler)
             self._head_calls.finish(out.num_items)
         return torch.tensor(out.loss, dtype=torch.float32, device=self.args.device)
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         self._unscale_once()  # as accelerator.clip_grad_norm_ does
-        return self.engine.clip_grad_norm_(self.args.max_grad_norm)
+        return self.session.clip_grad_norm(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm=None):
         if grad_norm is None:
             self._unscale_once()
-            grad_norm = self.engine.clip_grad_norm_(float("inf"))  # global norm, no clipping
+            grad_norm = self.session.clip_grad_norm(float("inf"))  # global norm, no clipping
         return grad_norm
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
@@ -400,9 +399,9 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
                 raise ValueError(f"optimizer {optimizer_cls.__name__} needs the model itself, which "
                                  "the engine holds as flat shards: use an element-wise optimizer "
                                  "such as --optim adamw_torch or sgd")
-            names = [name for name, _ in self.engine.param_shards.named_parameters()]
+            names = [name for name, _ in self.session.named_shards()]
             groups = decay_groups(names, self._decay_names, self.args.weight_decay)
-            self.optimizer = shard_optimizer(self.engine, optimizer_cls, optimizer_kwargs, groups)
+            self.optimizer = self.session.build_optimizer(optimizer_cls, optimizer_kwargs, groups)
         self.session.set_optimizer(self.optimizer)
         return self.optimizer
 
@@ -436,7 +435,7 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         [Note: the user's model while sharded] in ``sharded_model.py``). To save without
         gathering on every rank use ``trainer.save_model(dir)`` (rank 0 writes).
         """
-        restore_full_model(self.engine)
+        self.session.restore_full_model()
         return self.model
 
 

@@ -20,7 +20,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_cephalo.runtime.settings import (CephaloSettings, EnginePrecision,  # noqa: F401
-                                         JobPrecision, cephalo_fields, env_name)
+                                         JobPrecision, cephalo_fields)
 
 __all__ = ["CephaloTrainingArguments", "CephaloArguments", "job_from_training_args"]
 

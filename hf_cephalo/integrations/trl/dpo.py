@@ -228,7 +228,7 @@ class CephaloDPOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, DPOTr
                 from trl.trainer.utils import use_adapter
 
                 peft_model = self.model
-                self._reference = _ReferencePass(self.engine, self._pair_items,
+                self._reference = _ReferencePass(self.session, self._pair_items,
                                                  lambda: use_adapter(peft_model, None))
 
     def _hook_problems(self, model, kwargs: dict[str, Any]) -> list[str]:
@@ -326,18 +326,19 @@ def dpo_problems(model, ref_model, args, kwargs: dict[str, Any]) -> list[str]:
 
 class _ReferencePass:
     """One step's reference log-probabilities ([Note: the reference log-probabilities]):
-    ``engine.evaluate`` over this rank's unfolded microbatches inside ``context()`` (the
+    ``runner.evaluate`` (the session's, or a forward-only engine the session built) over this
+    rank's unfolded microbatches inside ``context()`` (the
     adapters off) with ``pairs`` (the engine's ``PairItems``) answering TRL's fused
     log-probabilities as the head's output; each row's sum over its completion, the chosen half
     as ``ref_chosen_logps`` (m,), the rejected half as ``ref_rejected_logps``. Collective (the
     engine's): every rank calls it each step, also with no microbatches."""
 
-    def __init__(self, engine, pairs: PairItems, context) -> None:
-        self.engine, self.pairs, self.context = engine, pairs, context
+    def __init__(self, runner, pairs: PairItems, context) -> None:
+        self.runner, self.pairs, self.context = runner, pairs, context
         self.head = FusedLMHead(outputs=("log_probs",))  # add_fused_lm_head(ref_model)'s
 
     def __call__(self, microbatches: list[dict[str, Any]]) -> None:
         with self.context(), self.pairs.reference(self.head):
-            out = self.engine.evaluate(microbatches, return_logits=True)
+            out = self.runner.evaluate(microbatches, return_logits=True)
         for mb, per_token in zip(microbatches, out.logits):
             mb["ref_chosen_logps"], mb["ref_rejected_logps"] = per_token.sum(dim=1).chunk(2)
