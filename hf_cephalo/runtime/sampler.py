@@ -52,7 +52,7 @@ boundary applies to the next step on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +68,8 @@ __all__ = [
     "split_counts",
     "split_microbatches",
     "global_batches",
+    "cut_rows",
+    "split_rows",
 ]
 
 
@@ -495,8 +497,6 @@ def cut_rows(batch: Any, start: int, stop: int, num_samples: int, *, strict: boo
     Raises ValueError (``strict``) for a tensor whose first dimension is not ``num_samples``;
     not ``strict``: a 0-d tensor is kept and other tensors are cut as they are.
     """
-    from collections.abc import Mapping
-
     def cut_tensor(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() == 0 or tensor.shape[0] != num_samples:
             if not strict:
@@ -524,3 +524,21 @@ def cut_rows(batch: Any, start: int, stop: int, num_samples: int, *, strict: boo
         return value
 
     return cut(batch, False)
+
+
+def split_rows(batch: Mapping[str, Any], size: int) -> list[Any]:
+    """``batch`` (a dict whose tensors hold R rows: one rank's rows of a step) cut into
+    microbatches of at most ``size`` rows (R = 0: none), by ``cut_rows`` (per-row fields cut
+    too).
+
+    Raises ValueError: a tensor whose first dimension is not R (its rows cannot be told
+    apart: e.g. a padding-free packing collator's single row)."""
+    rows = next((v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0), 0)
+    for key, value in batch.items():
+        if torch.is_tensor(value) and (value.dim() == 0 or value.shape[0] != rows):
+            raise ValueError(f"the batch's {key!r} has shape {tuple(value.shape)} but the batch "
+                             f"holds {rows} rows: every tensor's first dimension must be the "
+                             "samples, so that this rank's rows can be cut into microbatches")
+    return [cut_rows(batch, lo, min(lo + size, rows), rows)
+            for lo in range(0, rows, max(size, 1))]
+

@@ -44,36 +44,11 @@ from accelerate.utils import send_to_device
 from torch import nn
 
 from hf_cephalo.models.hf_common import empty_logits
+from hf_cephalo.runtime.sampler import split_rows
 
-__all__ = ["CephaloModel", "CephaloDataLoader", "CephaloOptimizer", "CephaloScheduler",
-           "split_rows"]
+__all__ = ["CephaloModel", "CephaloDataLoader", "CephaloOptimizer", "CephaloScheduler"]
 
 logger = logging.getLogger(__name__)
-
-
-def split_rows(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
-    """``batch`` (a dict whose tensors hold R rows) cut into dicts of at most ``size`` rows
-    (R = 0: none). Non-tensor values that are lists of R items are cut too; others are kept
-    whole.
-
-    Raises ValueError: a tensor whose first dimension is not R (its rows cannot be told
-    apart: e.g. a padding-free packing collator's single row)."""
-    rows = next((v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0), 0)
-    for key, value in batch.items():
-        if torch.is_tensor(value) and (value.dim() == 0 or value.shape[0] != rows):
-            raise ValueError(f"the batch's {key!r} has shape {tuple(value.shape)} but the batch "
-                             f"holds {rows} rows: every tensor's first dimension must be the "
-                             "samples, so that this rank's rows can be cut into microbatches")
-
-    def cut(value, lo, hi):
-        if torch.is_tensor(value) and value.dim() > 0:
-            return value[lo:hi]
-        if isinstance(value, (list, tuple)) and len(value) == rows:
-            return value[lo:hi]
-        return value
-
-    return [{k: cut(v, lo, min(lo + size, rows)) for k, v in batch.items()}
-            for lo in range(0, rows, max(size, 1))]
 
 
 def _cat(tensors: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
