@@ -73,6 +73,8 @@ class Job:
         loader: the DataLoader worker / pinning settings of the training loader.
         activation_checkpointing_given: the user chose the setting (rather than its default),
             so a plan file that contradicts it is refused.
+        file_plan: the plan of ``settings.plan_file``, read once by the front end (None
+            without a plan file; the runtime reads the file itself when a front end did not).
         emulation: the per-rank emulation (slowdown, memory caps, schedule) or None.
     """
 
@@ -90,6 +92,7 @@ class Job:
     compile: CompileOptions | None = None
     loader: LoaderOptions = field(default_factory=LoaderOptions)
     activation_checkpointing_given: bool = False
+    file_plan: Plan | None = None
     emulation: EmulationConfig | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:

@@ -99,11 +99,9 @@ def resolve_plan(job: Job, staged: StagedModel, train_dataset: Any = None) -> Re
                                   exc.constraint) from exc
 
 
-def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> ResolvedPlan:
-    world_size, model = job.world_size, staged.model
-    per_rank = job.settings.precision is not None \
-        and job.settings.plan_file is None
-    if per_rank and job.settings.profile_file is not None:
+def _refuse_per_rank_precision_with_profile_file(job: Job) -> None:
+    if job.settings.precision is not None and job.settings.plan_file is None \
+            and job.settings.profile_file is not None:
         raise NotImplementedError(
             f"--cephalo_precision {job.settings.precision} with cephalo_profile_file: a profile "
             "file holds every rank measured in one precision, so it cannot price each rank at "
@@ -111,6 +109,10 @@ def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> Resolved
             "its precision at start), or make a plan with `hf-cephalo plan --cluster "
             "CLUSTER.yaml --model SHAPE --precision auto --out plan.json` and pass "
             "--cephalo_plan_file plan.json")
+
+
+def _memory_caps(job: Job) -> list[int | None]:
+    """Each rank's emulated memory cap (None: none); this rank's is applied to its device."""
     emulation = job.emulation
     cap = None if emulation is None else emulation.cap_of(job.rank)
     if cap is not None:
@@ -119,25 +121,37 @@ def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> Resolved
             logger.info("emulated memory caps: %s; on rank 0 %s", ", ".join(
                 f"rank {i} {format_bytes(c)}" for i, c in enumerate(emulation.memory_cap_bytes)),
                 how)
-    caps = [None] * world_size if emulation is None or emulation.memory_cap_bytes is None \
+    return [None] * job.world_size if emulation is None or emulation.memory_cap_bytes is None \
         else list(emulation.memory_cap_bytes)
+
+
+def _plan_from_file(job: Job, staged: StagedModel, train_dataset: Any,
+                    caps: list[int | None]) -> ResolvedPlan:
+    """The plan file's plan, checked against this job (world, model, precision, batch,
+    checkpointing, memory caps)."""
+    plan = job.file_plan if job.file_plan is not None else Plan.load(job.settings.plan_file)
+    plan.validate_for(job.world_size, model_profile(staged),
+                      precision=_precision_tag(job, staged), plan_file=job.settings.plan_file)
+    _check_plan_batch(job, plan)
+    check_plan_file_checkpointing(plan, job)
+    check_state_fits_caps(plan, model_profile(staged).state_bytes, caps)
+    if all(r.predicted_memory_bytes is not None for r in plan.ranks):
+        check_plan_memory([r.predicted_memory_bytes for r in plan.ranks], caps)
+    if job.rank == 0:
+        warn_idle_ranks(plan.global_batch_size, job.world_size)
+    # Live re-balancing starts from the plan file and needs a profile to refit.
+    cluster = _cluster(job, staged, train_dataset, plan.global_batch_size) \
+        if job.settings.profile_file is not None and job.settings.adaptive == "batch" \
+        and job.world_size > 1 else None
+    return ResolvedPlan(plan, cluster)
+
+
+def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> ResolvedPlan:
+    world_size, model = job.world_size, staged.model
+    _refuse_per_rank_precision_with_profile_file(job)
+    caps = _memory_caps(job)
     if job.settings.plan_file is not None:
-        plan = Plan.load(job.settings.plan_file)
-        plan.validate_for(world_size, model_profile(staged),
-                          precision=_precision_tag(job, staged),
-                          plan_file=job.settings.plan_file)
-        _check_plan_batch(job, plan)
-        check_plan_file_checkpointing(plan, job)
-        check_state_fits_caps(plan, model_profile(staged).state_bytes, caps)
-        if all(r.predicted_memory_bytes is not None for r in plan.ranks):
-            check_plan_memory([r.predicted_memory_bytes for r in plan.ranks], caps)
-        if job.rank == 0:
-            warn_idle_ranks(plan.global_batch_size, world_size)
-        # Live re-balancing starts from the plan file and needs a profile to refit.
-        cluster = _cluster(job, staged, train_dataset, plan.global_batch_size) \
-            if job.settings.profile_file is not None and job.settings.adaptive == "batch" \
-            and world_size > 1 else None
-        return ResolvedPlan(plan, cluster)
+        return _plan_from_file(job, staged, train_dataset, caps)
     B = job.global_batch_size
     if job.is_main:
         warn_idle_ranks(B, world_size)

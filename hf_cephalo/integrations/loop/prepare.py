@@ -134,7 +134,7 @@ def job_from_accelerator(accelerator, train_loader: DataLoader | None, seed: int
                global_batch_size=global_batch_size, global_batch_size_given=given,
                precision=JobPrecision.resolve(compute, settings), compile=compile_options,
                loader=loader, activation_checkpointing_given=settings.was_given(
-                   "activation_checkpointing"))
+                   "activation_checkpointing"), file_plan=plan)
 
 
 def _output_class(staged):

@@ -133,7 +133,9 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
                               eval_dataset=kwargs.get("eval_dataset"))
         name_of = parameter_names(model)  # a user's optimizer's, before the engine replaces them
         compile_options = _compile_options(args)  # a bad backend / mode: ValueError here
-        engine_checkpointing_replaces_model_checkpointing(args, plan)
+        file_plan = Plan.load(args.cephalo_plan_file) \
+            if plan is None and args.cephalo_plan_file is not None else None  # read once
+        engine_checkpointing_replaces_model_checkpointing(args, plan or file_plan)
         user_loss = self._uses_user_loss(args, kwargs)
         # args.place_model_on_device is False (CephaloTrainingArguments): stock Trainer must not
         # move the whole model to the device; the engine moves only this rank's shards.
@@ -148,7 +150,8 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         # stock floating_point_ops' parameter count, read while the model still holds its weights
         self._flops_numel = (model.num_parameters(exclude_embeddings=True)
                              if hasattr(model, "num_parameters") else 0)
-        job = job_from_training_args(args, args.world_size, plan=plan, compile=compile_options)
+        job = job_from_training_args(args, args.world_size, plan=plan, file_plan=file_plan,
+                                     compile=compile_options)
         self._head_calls: HeadCalls | None = None
         engine_staged = self._engine_staged(staged)
         if user_loss:  # [Note: collectives inside the engine's head] in head_calls.py

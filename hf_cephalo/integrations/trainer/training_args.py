@@ -121,22 +121,24 @@ class CephaloTrainingArguments(CephaloArguments, TrainingArguments):
         themselves."""
         return False
 
-    def job_precision(self) -> JobPrecision:
+    def job_precision(self, settings: CephaloSettings | None = None) -> JobPrecision:
         """The job's precision from --bf16 / --fp16 and the cephalo_* dtype settings
-        (``JobPrecision.resolve``; ValueError for a combination it refuses)."""
+        (``settings``: this object's, built when not given; ``JobPrecision.resolve``;
+        ValueError for a combination it refuses)."""
         compute = "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
-        return JobPrecision.resolve(compute, self.cephalo_settings())
+        return JobPrecision.resolve(compute, settings or self.cephalo_settings())
 
     def engine_precision(self) -> EnginePrecision:
         """The engine's ``autocast_dtype`` / ``param_dtype`` / ``reduce_dtype`` (``job_precision``)."""
         return self.job_precision().engine()
 
 
-def job_from_training_args(args, world_size: int, *, plan=None, compile=None):
+def job_from_training_args(args, world_size: int, *, plan=None, file_plan=None, compile=None):
     """The runtime's ``Job`` of a Trainer run (``CephaloTrainer`` and the TRL trainers):
     ``args``' cephalo_* settings, seed, output directory, precision and DataLoader settings;
     the global batch size resolved once ([Note: batch size semantics] in runtime/job.py) from
-    ``plan`` (or the plan file), ``cephalo_global_batch_size``, or stock's
+    ``plan`` (or the plan file: ``file_plan`` when the caller read it already; the Job
+    carries it, so nothing reads the file again), ``cephalo_global_batch_size``, or stock's
     ``per_device_train_batch_size`` x world size x ``gradient_accumulation_steps`` (then
     named in the plan line: ``Job.global_batch_origin``).
 
@@ -145,10 +147,12 @@ def job_from_training_args(args, world_size: int, *, plan=None, compile=None):
     from hf_cephalo.runtime.data import LoaderOptions
     from hf_cephalo.runtime.job import Job, resolve_global_batch_size
 
-    settings = args.cephalo_settings()
+    settings = args.cephalo_settings()  # once per job
     source = "the plan" if plan is not None else f"the plan {settings.plan_file!r}"
-    if plan is None and settings.plan_file is not None:
-        plan = Plan.load(settings.plan_file)
+    if plan is None and file_plan is None and settings.plan_file is not None:
+        file_plan = Plan.load(settings.plan_file)
+    if plan is None:
+        plan = file_plan
     stock = args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps
     global_batch_size, given = resolve_global_batch_size(settings, stock, plan, source)
     origin = "" if given else (
@@ -165,5 +169,6 @@ def job_from_training_args(args, world_size: int, *, plan=None, compile=None):
                data_seed=args.data_seed if args.data_seed is not None else args.seed,
                global_batch_size=global_batch_size, global_batch_size_given=given,
                global_batch_origin=origin,
-               precision=args.job_precision(), compile=compile, loader=loader,
-               activation_checkpointing_given=args._cephalo_activation_checkpointing_given)
+               precision=args.job_precision(settings), compile=compile, loader=loader,
+               activation_checkpointing_given=args._cephalo_activation_checkpointing_given,
+               file_plan=file_plan)
