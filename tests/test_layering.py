@@ -72,6 +72,8 @@ def test_every_import_points_down():
                  "transformers.trainer", "hf_cephalo.integrations")),
     ("profiles", ("torch",)),
     ("planner", ("torch",)),
+    # the doors only translate: they reach the engine and the process group through the runtime
+    ("integrations", ("hf_cephalo.engine", "torch.distributed")),
 ])
 def test_layer_does_not_import(package, banned):
     found = []
@@ -89,3 +91,18 @@ def test_layer_does_not_import(package, banned):
                 if any(name == b or name.startswith(b + ".") for b in banned):
                     found.append(f"hf_cephalo/{'/'.join(rel)}.py:{node.lineno} imports {name}")
     assert not found, "\n".join(found)
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name another module needs is public (in its ``__all__`` or at least without the
+    leading underscore): importing ``_name`` from elsewhere couples to an implementation."""
+    found = []
+    for rel, path in _modules():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(
+                    "hf_cephalo")):
+                found += [f"hf_cephalo/{'/'.join(rel)}.py:{node.lineno} imports {a.name}"
+                          for a in node.names if a.name.startswith("_")
+                          and not a.name.startswith("__")]
+    assert not found, "\n".join(found)
+
