@@ -1,57 +1,22 @@
 """Under a launcher, show an error raised on several ranks once and name it in the launcher's report.
 
-Under ``accelerate launch`` / torchrun every rank runs the same script, so a bad setting raises
-the same exception on every rank: N interleaved copies of one traceback, then the launcher's
-``ChildFailedError`` block saying "To enable traceback see ...". ``install_rank_error_hook``
-(called when ``hf_cephalo`` is imported) changes an uncaught exception's report to:
-
-- the first rank on this machine to fail with an error prints its traceback under a one-line
-  header naming the rank; a rank failing later with the identical error prints nothing;
-- a rank that stopped only because it lost its connection to a rank that failed first
-  (``classify_error`` -> ``ErrorKind.CONSEQUENCE``) prints one line, once per machine;
-- every failing rank writes torchrun's error file (``TORCHELASTIC_ERROR_FILE``), so the
-  launcher's block shows the message, the first error as "Root Cause".
-
-Set ``HF_CEPHALO_ALL_RANK_ERRORS=1`` to keep Python's default (every rank prints its traceback).
-
-A program that catches its errors, prints them and exits with a status (``hf-cephalo``'s
-``error: ...``, exit status 2) never reaches ``sys.excepthook``: it asks
-``report_error_once(message)`` whether to print, which runs the same election and error-file
-write. ``SystemExit`` raised elsewhere (argparse's usage errors) is not covered: every rank
-prints it.
+``install_rank_error_hook`` (installed when ``hf_cephalo`` is imported) and
+``report_error_once(message)`` (for a program that prints its own ``error: ...``) make the first
+rank on a machine to fail with an error print it once, a lost-connection consequence one line
+per machine, and every failing rank write torchrun's error file, so the launcher names the first
+error as "Root Cause". ``HF_CEPHALO_ALL_RANK_ERRORS=1`` keeps Python's default. What a user
+sees, and what is not covered: docs/accelerate.md, "Errors under a launcher".
 
 [Note: one error report per job]
 Which rank prints is an election without communication (the process group may be what broke):
-the fingerprint of an error is the SHA-1 of ``error_identity``: the exception's type name
-and its message with what differs between processes of one job removed
-(``normalized_message``: the items of a bracketed list of names sorted, since a ``set`` of
-strings iterates in a per-process order, e.g. transformers' "No columns in the dataset match
-the model's forward method signature: (...)"; object addresses and temp names blanked); a rank
-creates a file named by it, atomically (``os.link`` fails when the name exists), in a directory of the local temp
-directory keyed by the job (the launcher agent's pid, which all local workers have as parent,
-``MASTER_PORT`` and torchelastic's run id, restart count and per-attempt log directory). The
-rank that creates it prints; a rank that finds it prints nothing. A different message has a
-different fingerprint and prints too (it is news). The election is per machine: on several
-machines each machine's first failing rank prints, into that machine's launcher output.
-Lost-connection errors share one fingerprint, so a machine prints one such line however many of
-its ranks lose their peers.
-The first rank of a job to fail creates the job's directory and removes other jobs' directories
-older than ``STALE_JOB_DIR_S`` (a few bytes each).
-
-The launcher sends SIGTERM to the other ranks as soon as one rank exits with an error. A rank
-that won an election but is still printing would then die silently while the quiet ones have
-already exited. So the hook ignores SIGTERM while it runs and restores the previous disposition
-when it returns: a SIGTERM that came meanwhile is dropped, the process exits with status 1 as
-without the hook (the launcher's SIGKILL, after its grace period, still ends a rank that hangs at
-exit); a later one acts as before. After ``init_process_group`` torch's own hook wraps this one
-(it prefixes each line with ``[rankN]:``) and writes what this hook printed after it returns,
-an unprotected window of a few microseconds.
-
-The error file's timestamp orders the launcher's report: it names the failure with the
-smallest one as "Root Cause". A rank that stayed quiet, or lost its connection, writes the
-second after its cause's (it is ordered after it), so the printed error is the root cause.
-Its error file's display line (``py_callstack``, which the launcher shows) is one line, not the
-traceback: the traceback is printed once above the block, the block repeats only the message.
+a rank prints iff it atomically creates (``os.link``) a file named by the error's fingerprint
+(SHA-1 of ``error_identity``: type name and message, with what differs between processes of one
+job removed by ``normalized_message``) in a temp directory keyed by the job. So an identical
+error prints once per machine, a different message prints too, and lost-connection errors share
+one fingerprint. The hook ignores SIGTERM while it runs (the launcher's stop of the other ranks)
+so the winner is not killed mid-print, and a quiet rank's error file is timestamped after its
+cause's, so the launcher's "Root Cause" is the printed error. The job key, stale directories,
+signals and timestamps: docs/accelerate.md, "One error report per job".
 """
 
 from __future__ import annotations

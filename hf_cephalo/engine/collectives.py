@@ -2,35 +2,16 @@
 
 [Note: uneven collectives]
 A unit of N elements is split at element granularity into per-rank shards of ``n_r`` elements
-(``sum(n_r) == N``, zeros allowed; the planner ratio-splits every unit, so every unit has the
-same shape of split). Nothing is padded: every collective moves exactly the elements of the
-logical exchange.
-
-* All-gather (``all_gather_shards``): the output IS the unit's gathered (N,) flat buffer, shards
-  in rank order. Equal shards: one ``all_gather_single`` (``all_gather_into_tensor`` before
-  torch 2.13) straight into it. Unequal shards: NCCL (and any non-gloo backend) takes
-  ``dist.all_gather(list(output.split(sizes)), local)`` with unequal sizes; gloo rejects that
-  ("invalid tensor size"), so each rank's slice is broadcast from its owner into the output
-  (W async broadcasts; the own slice is copied in first, it is the broadcast's source). Measured
-  on gloo at 2-4 ranks (8 MB unit, skewed and even splits): the broadcasts were as fast as or
-  faster than ``all_to_all_single`` with split sizes, which in addition needs a (W * n_r,)
-  copy of the local shard as its send buffer; see docs/engine.md.
-* Reduce-scatter (``reduce_scatter_shards``): the input is the unit's (Nt,) flat gradient of
-  the trainable prefix, split by each rank's TRAINABLE counts ``k_r`` (views, no copy; frozen
-  elements are never reduced); the output is this rank's fresh (k_r,) summed slice. Equal
-  counts: one ``reduce_scatter_single``; otherwise ``dist.reduce_scatter(out, list(split))``,
-  which gloo (torch 2.13) and NCCL accept with unequal sizes. ``use_all_reduce`` all-reduces the
-  whole (Nt,) input in place instead and slices it (backends without reduce-scatter).
-* A rank with a zero-size shard still takes part in every collective, so no rank ever waits
-  for a collective another rank skipped.
-* SUM only: the engine normalizes by the all-reduced global item count before backward
-  (docs/design.md contract 4), never with AVG or a division by the world size (gloo has neither
-  AVG nor PREMUL_SUM).
-* Counting (``CollectiveStats``): per rank, the payload bytes of the logical exchange this rank
-  sends and receives, whatever algorithm the backend runs underneath: all-gather sent
-  ``(W - 1) * n_self``, received ``N - n_self``; reduce-scatter sent ``Nt - k_self``, received
-  ``(W - 1) * k_self``; all-reduce fallback: a ring all-reduce's ``2 * (W - 1) * Nt // W`` each
-  way (times the element size).
+(``sum(n_r) == N``, zeros allowed) and nothing is padded: every collective moves exactly the
+elements of the logical exchange. The all-gather's output IS the unit's gathered (N,) buffer,
+shards in rank order; the reduce-scatter's input is the unit's (Nt,) trainable gradient split
+by each rank's trainable count ``k_r`` (views, no copy), its output this rank's (k_r,) sum.
+Equal shards take the single-tensor collective, unequal ones the list form (on gloo, which
+rejects an unequal list all-gather, one broadcast per owner). A rank with a zero-size shard
+still joins every collective, so no rank waits for one another skipped. SUM only: the engine
+divides by the all-reduced global item count before backward (gloo has no AVG).
+``CollectiveStats`` counts the logical exchange's payload per rank, whatever the backend runs.
+Per backend, measured times and byte counts: docs/engine.md, "Collectives".
 """
 
 from __future__ import annotations

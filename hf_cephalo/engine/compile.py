@@ -1,57 +1,34 @@
 """torch.compile per unit: options, the up-front probe, graph counts (docs/engine.md "Compile").
 
-[Note: compiled units]
-Each layer unit's module is compiled with ``nn.Module.compile`` (the module tree, its names and
-the engine's parameter leaves are unchanged), with ``fullgraph=True`` so that a graph break is an
-error, never a silent partial fallback to eager. Dynamo treats built-in module parameters as
-graph inputs (``inline_inbuilt_nn_modules``, on by default since torch 2.5), so identical
-decoder layers share one compiled graph per grad mode: two graphs for all units (the no-grad
-forward, and the forward + backward of the recompute / kept graph), whatever the number of
-layers. A microbatch of another size (the last one of an uneven split, another plan,
-evaluation) recompiles ONCE with dynamic shapes (torch's default ``dynamic=None``), after which
-every size reuses it: at most 4 graphs for the units in training mode (eval mode has its own:
-dropout off is another graph).
-
-The compiled call is installed on the modules only while the engine runs them
-(``CompiledUnits.active``: the probe, ``train_step``, ``evaluate``; the profiler's timing), and
-the modules get back what they had before (normally eager: ``_compiled_call_impl`` unset, the
-class default None) when it returns, so the user's model object is eager whenever the user can
-reach it: between steps, after training, after ``trainer.unshard_model()``, as stock Trainer
-leaves it (stock compiles a wrapper, ``torch.compile(model)``, and leaves the model eager).
-torch has no public "uncompile" (``nn.Module.compile`` sets ``_compiled_call_impl``; its
-``__getstate__`` drops it): the engine sets and removes that attribute itself. Re-installing
-the same compiled callable recompiles nothing: dynamo caches graphs on the code of
-``Module._call_impl`` with guards on the module, not on the attribute. While the engine runs,
-dynamo's recompile limit is made an error (``fail_on_recompile_limit_hit``) so that passing it
-never falls back to eager.
-Only the layer units are compiled: the embedding and head run once per microbatch each and
-hold data-dependent Python (item counts, HF mask builders).
-
-Dropout under compile: inductor draws its random seeds from torch's global generator when the
-graph runs, so restoring the CPU (and CUDA) RNG state before the recompute (``RngState`` in
-``schedule.py``) replays the forward's masks exactly as in eager; the masks themselves differ
-from eager's (another random stream), like any compiled model's.
-
-[Note: compile failures before the first collective]
-Compilation is lazy (first call), and the first call of a unit happens after its all-gather.
-So the first ``train_step`` and the first ``evaluate`` in each of train and eval mode (dropout
-makes them different graphs) first run ``probe_compile`` on every rank that has a microbatch:
-the embedding and each unit run locally on zero-filled parameters of the real shapes (no
-collective), which compiles every graph the call will use: for ``train_step`` without and
-with autograd, on parameters that require grad; for ``evaluate`` the no-grad forward only, on
-parameters that do not (dynamo guards on ``requires_grad``: probing evaluation with the
-training step's parameters compiled an autograd graph evaluate never runs and left it to
-compile its real graph after the probe, outside this guarantee). A failure (a backend that
-cannot compile, an unsupported op, a graph break) is folded into the step's first collective,
-the item-count all-reduce, as one integer per rank; then every rank raises before any
-all-gather: the failing ones a ``CompileFailure`` with the compiler's root cause, naming every
-rank that failed on that unit, the others a message naming the failing ranks. Neither holds the
-raising rank's own number, so the same failure on several ranks is one message, which
-``hf_cephalo.rank_errors`` prints once under a launcher. A rank without a microbatch compiles
-nothing and learns the others' failures from that all-reduce. The profiler compiles the unit it
-times the same way before its first lockstep barrier (``profiler/compute.py``, [Note: compiling
-before timing]).
+``CompiledUnits`` compiles the layer units and installs the compiled calls while the engine
+runs; ``probe_compile`` compiles every graph a call needs before its first collective.
 """
+
+# [Note: compiled units]
+# Only the layer units are compiled, each with ``nn.Module.compile(fullgraph=True)``: the module
+# tree, its names and the engine's parameter leaves are unchanged, and a graph break is an
+# error, never a silent partial fallback to eager (the recompile limit too, while the engine
+# runs: ``fail_on_recompile_limit_hit``). Identical layers share one graph per grad mode (at most
+# 4 graphs in training mode, whatever the number of layers). The compiled call is installed only
+# while the engine runs the modules (``CompiledUnits.active``: the probe, ``train_step``,
+# ``evaluate``, the profiler's timing) and the modules get back what they had when it returns,
+# so the user's model object is eager whenever the user can reach it, as stock Trainer leaves
+# it. Dropout under compile replays the forward's masks in the recompute (``RngState`` in
+# ``schedule.py``). Graph counts, why only the layers, how the call is installed and removed:
+# docs/engine.md, "Compiled units".
+
+# [Note: compile failures before the first collective]
+# Compilation is lazy and a unit's first call comes after its all-gather, so a compile failure
+# there would leave the other ranks waiting in a collective. The first ``train_step`` and the
+# first ``evaluate`` in each of train and eval mode therefore first run ``probe_compile`` on
+# every rank with a microbatch: the embedding and each unit run locally on zero-filled
+# parameters of the real shapes, with the ``requires_grad`` the real call has (dynamo guards
+# on it), compiling every graph the call uses without any collective. A failure is folded into
+# the step's first collective, the item-count all-reduce, and every rank raises before any
+# all-gather, with a message that does not hold the raising rank's number (printed once by
+# ``hf_cephalo.rank_errors``). The profiler does the same before its first lockstep barrier
+# (``profiler/compute.py``, [Note: compiling before timing]). The messages: docs/engine.md,
+# "Compile", Failures.
 
 from __future__ import annotations
 

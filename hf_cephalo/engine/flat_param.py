@@ -1,120 +1,77 @@
 """One unit's parameters as two flat parts (trainable, frozen), each sharded across ranks.
 
-[Note: flat unit layout]
-The unit's distinct parameters (tied weights once) are flattened in a fixed order, trainable
-parameters first, then frozen ones (``requires_grad=False``). That order defines the unit's
-flat INDEX (``ParamInfo.offset``, checkpoints, the layout row)::
-
-    flat index (N,) = [ trainable params ... (Nt) | frozen params ... (N - Nt) ]
-
-but the storage is two parts (``UnitPart``), each one dtype: see [Note: two parts per unit].
-
-[Note: two parts per unit]
-A unit's trainable part (Nt elements, the training dtype: fp32) and its frozen part (N - Nt
-elements, stored in their own dtype: a LoRA base loaded with ``torch_dtype=torch.bfloat16``
-stays bf16) are two flat buffers, and EACH is sharded by the unit's layout row: the planner's
-row gives rank r ``n_r`` elements of the unit (r_i of it), ``split_unit_row`` cuts it into
-``k_r`` trainable (Nt·n_r/N by largest remainder, integer arithmetic, so every rank computes the
-same split) and ``f_r = n_r - k_r`` frozen elements. So every rank holds r_i of the adapters AND
-r_i of the frozen base (within rounding): training state r_i·(16 B·Nt + e_f·(N - Nt)) with
-AdamW. (One contiguous slice of ``[trainable | frozen]`` per rank would give the first rank
-holding the unit all of a small adapter.) Rank r holds ``[start_k, start_k + k_r)`` of the
-trainable part (``self.trainable.local``, which IS the optimizer's ``shard_param``: frozen
-elements never get a gradient or optimizer state) and ``[start_f, start_f + f_r)`` of the
-frozen part (``self.frozen.local``); ``local_segments()`` names both in the flat index. A unit
-with no frozen (full fine-tuning) or no trainable elements has one non-empty part and the
-same layout as one buffer cut into contiguous slices.
-Collectives: each NON-EMPTY part is all-gathered (one all-gather per part: all ranks decide
-from Nt and N, never from their own shard sizes, so they issue the same collectives); only
-the trainable part is reduce-scattered (its gradient, split by ``k``; the reduce-scatter's
-input needs no copy); the frozen part is never reduced. ``param_dtype`` applies to the parts
-stored in the training dtype; a part stored in another dtype (a bf16 frozen base) is gathered
-as stored (``gather_dtype``). See [Note: uneven collectives] in ``collectives.py``.
-
-[Note: parameter views while unsharded]
-After the all-gathers, every trainable parameter becomes its own autograd leaf that ALIASES its
-slice of the gathered trainable part (Nt,): ``flat[off:off + n].view(shape).detach()`` with
-``requires_grad=True`` (``ParamLeaves``), made once per gather and installed in every module
-entry that uses the parameter (tied uses: the same leaf). Frozen entries get detached views of
-the gathered frozen part (one ``torch.split``, no autograd). Before the unit's FIRST backward in
-a step the engine allocates ONE zero-filled (Nt,) gradient (``FlatParamUnit.prepare_grad``) and
-presets each leaf's ``.grad`` to the view of it at the parameter's offset. Autograd's
-AccumulateGrad then adds each microbatch's parameter gradient IN PLACE into that view (with
-``.grad`` defined and grad mode off it runs ``variable_grad += new_grad``;
-torch/csrc/autograd/functions/accumulate_grad.h), so a microbatch's backward allocates no
-unit-sized tensor and concatenates nothing: it allocates only the per-parameter gradients
-autograd computes (as for plain module parameters; tied uses summed per parameter first), each
-freed after its add. Parameters a microbatch does not use keep their zeros. The flat gradient
-is the reduce-scatter's input as it is (``start_reduce_grad`` takes it and clears the leaves'
-``.grad``); one zero fill per unit and reduce-scatter. Allocating it at the first backward, not
-at the gather, keeps the memory timeline the planner prices (planner/memory.py [Note: memory
-terms]); between the gather and that backward the unit holds no gradient.
-Schemes this replaced (tests/test_flat_views.py and benchmarks/bench_engine.py measure them):
-views from ONE ``torch.split`` of an (Nt,) leaf, whose backward concatenated every microbatch's
-parameter gradients into a fresh (Nt,) tensor added into ``leaf.grad`` (one unit-sized
-allocation and add per microbatch: 4-10% of a step's CPU time at l = 8 on the benchmark's
-Llama); before that one slice per parameter, whose backward zero-filled an (Nt,) gradient per
-parameter and summed them.
-The leaves stay the same objects while the unit is gathered; ``use_params`` re-points the module
-entries at them before every forward call (the placeholders of a reshard, or another user of the
-modules, may have replaced them). Graphs of different microbatches share only the leaves'
-AccumulateGrad nodes, as with ordinary parameters. Evaluation gathers leaves without grad. On
-reshard the entries become empty placeholders and the leaves and the gathered buffer are
-released ([Note: kept graphs across reshard] keeps them); the flat gradient belongs to the unit,
-not to the leaves.
-
-[Note: kept graphs across reshard]
-With activation checkpointing off, every microbatch's forward graph is kept until backward, and
-those graphs save the parameter leaves, which alias the gathered buffer. Resharding then frees
-only the buffer's storage (``untyped_storage().resize_(0)``, shared by the leaves) and keeps the
-tensor objects (FSDP2 frees its unsharded parameters the same way); the backward all-gather
-resizes the storage back and copies the data in through ``.data`` so the version counter that
-autograd checks for the saved leaves (detached aliases share the buffer's counter) does not
-change. The leaves stay the same objects, so their gradients still go into the unit's one flat
-gradient.
-
-[Note: communication buffers]
-What the collectives of one unit allocate beyond the shard, the gathered buffer and the
-gradient (e = element size; ``LiveTracker.comm_bytes`` counts them, its peak is
-``CollectiveStats.peak_comm_buffer_bytes``):
-* all-gather (one per non-empty part, [Note: two parts per unit]; sizes below summed over
-  them): the send buffer is the local shard itself (no copy, nothing padded). The (N,)
-  output is allocated when the all-gather is issued (``start_unshard``, i.e. at the prefetch)
-  and counted as a communication buffer (N·e) until ``wait_unshard``; from then on it IS the
-  unit's gathered buffer (counted in ``peak_unsharded_numel``) until ``reshard``. With kept
-  graphs (no recompute) the refill copies it into the kept storage and it dies at the wait.
-* reduce-scatter: the input is the unit's (Nt,) gradient (counted in
-  ``peak_unsharded_grad_numel`` until ``wait_reduce_grad``); a rank without a gradient (no
-  microbatch) sends a (Nt,) zero buffer instead, counted from issue to wait. The (k_r,) output
-  is counted from issue to wait; it then becomes ``shard_param.grad`` (first step after
-  ``zero_grad``) or is added into it and dropped. The all-reduce fallback reduces the input in
-  place and its output is a view of it (cloned into ``shard_param.grad`` at the wait).
-``gather_full``'s (N,) output belongs to its caller and is not counted.
-With a low-precision ``param_dtype`` the all-gather's send buffer is the shard cast to it
-(n_r·e_p, counted from issue to wait) and the gathered buffer has e_p-byte elements; see
-[Note: low-precision gathered parameters]
-FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` semantics, one policy for all ranks.
-The master shard (``local``) and the optimizer state stay in the training dtype (fp32); each
-all-gather sends the shard cast to ``param_dtype`` (bf16/fp16), so the gathered (N,) buffer, the
-bytes on the wire and the parameter leaves are low precision, and autograd produces each
-parameter's gradient in ``param_dtype``. Accumulating the microbatches in that dtype would round
-the running sum to 8 (bf16) or 11 (fp16) mantissa bits l - 1 times, so the unit's flat gradient
-([Note: parameter views while unsharded]) is an fp32 (Nt,) accumulator instead, and a leaf's
-``.grad`` cannot be a view of it (AccumulateGrad needs the leaf's dtype). Each leaf therefore
-gets a post-accumulate-grad hook that adds its microbatch gradient (upcast) into its view of the
-fp32 accumulator and drops it at once: per microbatch only per-parameter low-precision
-gradients exist, each until its hook ran, and no unit-sized tensor or concatenation is made
-(the alternative, keeping one split of a flat low-precision leaf for this case, would keep the
-per-microbatch (Nt,) concatenation and a unit-sized low-precision gradient). The sums are the
-same as with one flat low-precision gradient upcast per microbatch (0 + g is exact for the first
-one, later ones are added in fp32); the cost is one Python hook call per parameter and
-microbatch. FSDP2 likewise keeps an fp32 ``unsharded_accumulated_grad`` beside the bf16
-``unsharded_param.grad``. The alternative of an fp32 leaf cast to ``param_dtype`` inside each
-forward call needs an fp32 (Nt,) gathered copy of the unit (what the low-precision all-gather
-saves) or a custom autograd function. The reduce-scatter sends the accumulator cast to
-``reduce_dtype`` (fp32 by default: no cast) and its (k_r,) result is upcast into the fp32 shard
-gradient. ``gather_full`` (saving, export) gathers the fp32 master shards.
+``FlatParamUnit`` holds a unit's shards, gathers and reshards them, owns the unit's one flat
+gradient and its reduce-scatter; ``split_unit_row`` cuts a layout row into the two parts. The
+invariants are the Notes below; the why and the measurements: docs/engine.md, "Flat parameters
+and shards" and the sections after it.
 """
+
+# [Note: flat unit layout]
+# The unit's distinct parameters (tied weights once) are flattened in one fixed order, trainable
+# parameters first, then frozen ones (``requires_grad=False``). That order is the unit's flat
+# INDEX, shared by ``ParamInfo.offset``, checkpoints and the layout row, so every rank and every
+# saved file agree on which element is which::
+#
+#     flat index (N,) = [ trainable params ... (Nt) | frozen params ... (N - Nt) ]
+#
+# but the storage is two parts (``UnitPart``), each one dtype: see [Note: two parts per unit].
+
+# [Note: two parts per unit]
+# The trainable part (Nt elements, the training dtype) and the frozen part (N - Nt elements,
+# stored in their own dtype: a bf16 LoRA base stays bf16) are two flat buffers, and EACH is
+# sharded by the unit's layout row: ``split_unit_row`` cuts rank r's ``n_r`` into ``k_r``
+# trainable and ``f_r = n_r - k_r`` frozen elements (largest remainder in integer arithmetic, so
+# every rank computes the same split). So every rank holds r_i of the adapters AND r_i of the
+# base. The trainable shard (``self.trainable.local``) IS the optimizer's ``shard_param``: frozen
+# elements never get a gradient or optimizer state. Every rank issues the same collectives,
+# decided from Nt and N, never from its own shard sizes: one all-gather per NON-EMPTY part, and
+# a reduce-scatter of the trainable part only ([Note: uneven collectives] in ``collectives.py``).
+# Why two parts: docs/engine.md, "Two parts per unit".
+
+# [Note: parameter views while unsharded]
+# While a unit is gathered, each trainable parameter is its own autograd leaf that ALIASES its
+# slice of the gathered trainable part (``ParamLeaves``; tied uses share the leaf), installed in
+# every module entry that uses it (``use_params`` re-points them before every forward call).
+# Before the unit's FIRST backward in a step (not at the gather: the timeline planner/memory.py
+# [Note: memory terms] prices) ``prepare_grad`` allocates ONE zero-filled (Nt,) gradient and
+# presets each leaf's ``.grad`` to its view of it, so autograd adds every microbatch's gradients
+# in place: a backward allocates no unit-sized tensor and concatenates nothing, and the flat
+# gradient is the reduce-scatter's input as it is. The flat gradient belongs to the unit, not to
+# the leaves; on reshard the entries become empty placeholders. How AccumulateGrad does it, and
+# the schemes this replaced: docs/engine.md, "Parameter views while unsharded".
+
+# [Note: kept graphs across reshard]
+# With activation checkpointing off, every microbatch's forward graph is kept until backward, and
+# those graphs save the parameter leaves, which alias the gathered buffer. Resharding then frees
+# only the buffer's storage (``untyped_storage().resize_(0)``, shared by the leaves) and keeps the
+# tensor objects (FSDP2 frees its unsharded parameters the same way); the backward all-gather
+# resizes the storage back and copies the data in through ``.data`` so the version counter that
+# autograd checks for the saved leaves (detached aliases share the buffer's counter) does not
+# change. The leaves stay the same objects, so their gradients still go into the unit's one flat
+# gradient.
+
+# [Note: communication buffers]
+# Beyond the shard, the gathered buffer and the gradient, one unit's collectives allocate only:
+# the all-gather's (N,) output (one per non-empty part) from its issue (the prefetch) to
+# ``wait_unshard``, after which it IS the gathered buffer (the send buffer is the local shard
+# itself, or its cast copy with a low-precision ``param_dtype``); the reduce-scatter's (k_r,)
+# output from issue to wait, after which it becomes or is added into ``shard_param.grad``; and
+# on a rank without a gradient a (Nt,) zero input. Nothing is padded. ``LiveTracker.comm_bytes``
+# counts exactly these (peak: ``CollectiveStats.peak_comm_buffer_bytes``) and planner/memory.py
+# prices them the same way. Each case (kept graphs, the all-reduce fallback, ``gather_full``):
+# docs/engine.md, "Communication buffers".
+
+# [Note: low-precision gathered parameters]
+# FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``, one policy for all ranks. The
+# master shard (``local``) and the optimizer state stay in the training dtype (fp32); each
+# all-gather sends the shard cast to ``param_dtype``, so the gathered buffer, the wire and the
+# leaves are low precision. The unit's flat gradient stays an fp32 (Nt,) accumulator (summing l
+# microbatches in bf16 / fp16 would round the running sum l - 1 times): a post-accumulate-grad
+# hook per leaf adds its low-precision gradient, upcast, into its view of the accumulator and
+# drops it, so no unit-sized low-precision tensor exists. The reduce-scatter sends the
+# accumulator cast to ``reduce_dtype`` and its result is upcast into the fp32 shard gradient;
+# ``gather_full`` (saving, export) gathers the fp32 master shards. Alternatives considered:
+# docs/engine.md, "Low-precision gathered parameters".
 
 from __future__ import annotations
 

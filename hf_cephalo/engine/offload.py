@@ -1,74 +1,34 @@
 """Boundary-activation stash (CPU: kept in place; CUDA: async offload to pinned memory) and the
-CUDA side streams of the engine.
+CUDA side streams of the engine (docs/engine.md, "Schedule (per step)", **CUDA**).
 
-[Note: CUDA streams]
-Three streams: the compute (current) stream, an all-gather stream and an offload stream.
-* Lifetimes: a tensor allocated on one stream and used on another is ``record_stream``-ed on the
-  other before its last reference goes, so the caching allocator hands its block out again only
-  after that stream passed the point of the free. This covers the all-gather input (the local
-  shard itself, no copy), the reduce-scatter input (the unit's (Nt,) gradient, or zeros, made
-  on the compute stream), the collectives' outputs (allocated on the all-gather stream, read on
-  the compute stream; the all-gather's own-slice copy of the gloo path runs on the all-gather
-  stream too), the offloaded source tensor and the reloaded copy.
-* All-gather: the gathered output is allocated on the all-gather stream after it waited for the
-  compute stream (the optimizer may have just written the local shard); the compute stream waits
-  on an event recorded after the collective before it reads the output.
-  Reduce-scatter mirrors this (input produced on compute, collective on the all-gather stream).
-* Collectives run with ``async_op=False`` under the all-gather stream: the collective is ordered
-  on that stream (NCCL launches it there, or on the process group's own stream joined to it
-  both ways), so the event recorded after it marks its end. The all-gather stream waits for the
-  compute stream before each collective, and the compute stream's own collectives (item count,
-  loss sum) come after it waited for every side-stream event, so each rank's GPU runs its
-  collectives in the one order every rank issues them. The stream has high
-  priority, like FSDP2's communication streams, so its kernels are not queued behind compute.
-* Offload: a boundary activation produced on the compute stream is copied to pinned CPU memory
-  on the offload stream after it waited for the compute stream. The pinned copy needs no
-  ``record_stream``: a ``non_blocking`` copy to or from pinned memory of the caching host
-  allocator records an event on the copying stream, and the block is not reused before that
-  event completed, so dropping the CPU copy (``pop``) while its copy back is in flight is safe.
-  ``wait_offload`` blocks the host until the copy out finished; the copy back does not need it
-  (it is ordered after the copy out on the offload stream).
-* Reload: ``start_reload(key)`` prefetches the next microbatch's tensor back to the GPU on the
-  offload stream while the current microbatch computes. The compute stream waits on the
-  reload's event only when it reads the tensor (``get``/``pop``).
-* Live tensor: the most recently offloaded tensor keeps its device copy until the next stash
-  write. When the schedule reads exactly that key next (every boundary with one microbatch),
-  ``get``/``pop`` return the device copy: no host wait for the copy out, no copy back. The
-  device holds at most one such boundary tensor beyond what it would hold after a reload.
-* Host waits: see [Note: host waits for the compute stream]; the schedule calls
-  ``one_microbatch_in_flight`` before every microbatch and ``one_unit_in_flight`` before every
-  unit, and the stash decides which of them block the host.
-On CPU none of this exists: collectives are waited on directly and the stash keeps tensors.
-
-[Note: host waits for the compute stream]
-The host runs ahead of the GPU: it queues kernels and allocations long before the compute
-stream executes them. Whether that costs memory depends on the streams a block is used on:
-* A block allocated and freed on ONE stream is reused by the caching allocator for the next
-  allocation on that stream at once, without waiting: stream order already puts every kernel
-  of the new owner after every kernel of the old one. So tensors that live on the compute
-  stream only (a unit's activations and recompute, the autograd gradients, the unit's flat
-  gradient, boundary tensors a non-offloading stash keeps in place) take the same blocks
-  however far ahead the host runs: no host wait protects anything there.
-* A block used on another stream (``record_stream``) goes back to the pool only when the event
-  recorded at its free has completed on that stream; the allocator checks at allocation time.
-  If the host runs ahead, those events are still pending and every new allocation takes a
-  fresh block, so such blocks accumulate with the host's lead. Two kinds exist:
-  - per UNIT: the gathered buffers (all-gather output, read on the compute stream) and the
-    reduce-scatter input/output. Without a wait the host would issue the all-gathers of many
-    units before the GPU finished the first, holding them all. The host therefore waits once
-    per unit (``one_unit_in_flight``, before the unit's wait and its successor's prefetch), so
-    the block of the unit resharded before is free again: gathered units stay at two
-    (current + prefetched) plus the root, as the planner counts them.
-  - per MICROBATCH, only with activation offload: the source of each copy out (recorded on the
-    offload stream), each reloaded copy (allocated on the offload stream, recorded on the
-    compute stream) and the pinned host copies (the caching host allocator reuses a block only
-    after the copy's event). Here the host waits before every microbatch
-    (``one_microbatch_in_flight``: one microbatch in flight, the paper's fragmentation fix,
-    §3.3), which also bounds the queue at unit boundaries, so the per-unit wait is skipped.
-Without offload the compute stream is therefore synchronized about 2 x L times per step
-instead of about (2 L + 3) x l; with offload as before. Every wait is counted in
-``CollectiveStats.host_syncs``. CPU: no streams, no waits.
+``ActivationStash`` keeps or offloads each microbatch's boundary tensors and decides where the
+host waits; ``CudaStreams`` holds the side streams. The invariants are the Notes below.
 """
+
+# [Note: CUDA streams]
+# Three streams: compute (current), all-gather and offload. A tensor allocated on one stream and
+# used on another is ``record_stream``-ed on the other before its last reference goes (pinned
+# host copies excepted: the caching host allocator records their copy's event itself), so no
+# block is handed out again while another stream may still use it. Every cross-stream read waits
+# on an event recorded after its producer: the all-gather stream waits for the compute stream
+# before each collective, the compute stream waits on the collective's event before reading its
+# output; offload copies wait for the compute stream, and a reload is waited on only when read
+# (``get`` / ``pop``). Collectives run with ``async_op=False`` on the all-gather stream and the
+# compute stream's own collectives come after it waited for every side-stream event, so each
+# rank's GPU runs its collectives in the one order every rank issues them. On CPU none of this
+# exists. Each stream's duties, the live tensor and why: docs/engine.md, "CUDA streams".
+
+# [Note: host waits for the compute stream]
+# The host runs ahead of the GPU. Blocks used on one stream only are reused in stream order
+# however far ahead it runs; blocks also used on another stream (``record_stream``) return to the
+# pool only once the event recorded at their free completed, so they pile up with the host's
+# lead. The host therefore waits once per unit (``one_unit_in_flight``: gathered units stay at
+# two, current + prefetched, plus the root, as the planner counts them), and with activation
+# offload once per microbatch instead (``one_microbatch_in_flight``: one microbatch in flight,
+# paper §3.3, which also bounds the queue at unit boundaries). The schedule calls both; the
+# stash decides which block. Every wait is counted in ``CollectiveStats.host_syncs``; CPU: no
+# streams, no waits. Which blocks are which, and the sync counts: docs/engine.md, "Host waits
+# for the compute stream".
 
 from __future__ import annotations
 

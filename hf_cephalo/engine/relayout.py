@@ -4,38 +4,19 @@ contract 7; docs/engine.md "Re-layout in memory").
 Usage (every rank, at a step boundary: after ``optimizer.step()`` and ``zero_grad()``)::
 
     relayout_state(engine, optimizer, layout)   # shards + optimizer state move; no files
-    # optimizer, its param groups and any LR scheduler stay valid
 
 [Note: re-layout in memory]
 A unit's flat index ``[trainable | frozen]`` is the same under every plan; a plan only moves the
-per-rank cut points (``planner.state.layout_unit_shards`` of its r_i, each row split into the two
-parts by ``flat_param.split_unit_row``). So a re-layout is, per unit and part, one exchange in
-which rank s gives rank d the overlap of s's old range with d's new range: exactly what
-``load_sharded`` reads from a checkpoint onto a new plan, with a collective instead of files,
-hence the same values bit for bit. Per unit, every tensor that lives on the trainable shard
-moves the same way: the parameter shard, each per-element optimizer state tensor (AdamW's
-``exp_avg``, ``exp_avg_sq``; ``max_exp_avg_sq`` with amsgrad) and a gradient that persists;
-the frozen shard (a LoRA base) moves alone. 0-dim optimizer state (AdamW's ``step``) is the
-same on every rank and stays as it is.
-
-* Collective: ``all_to_all_single`` with split sizes (gloo and NCCL take uneven and zero
-  splits); the input is the old shard itself and the output the new shard, so nothing is
-  padded or copied and the bytes on the wire are the elements that change owner (what stays on
-  a rank is a local copy inside the call): the ideal for any pair of layouts, however skewed.
-  ``CollectiveStats.relayout_*`` counts them.
-* Memory: unit by unit. A unit's new tensors are allocated, filled, then swapped in for the
-  old ones, which die with the swap; the peak beyond the training state is one unit's new
-  shard-set on this rank (``CollectiveStats.peak_relayout_buffer_bytes``), not the model.
-* Identity: the optimizer's parameters stay the same objects (``shard_param.data`` becomes the
-  new shard, FSDP's way of swapping storage; the per-parameter shards are re-pointed at their
-  new slices, [Note: per-parameter shards] in ``param_shards.py``), so
-  ``optimizer.param_groups``, ``optimizer.state`` keys, wrappers (Accelerate's
-  ``AcceleratedOptimizer``) and LR schedulers keep pointing at valid objects.
-* Order of checks: the layout (one row per unit, summing to its size) and the step boundary
-  are checked locally
-  before any collective; then ONE ``all_gather_object`` of what each rank holds (the new
-  layout, per unit which optimizer state keys and scalars, whether a gradient persists) lets
-  every rank raise the same error when the ranks disagree, before any state moves.
+per-rank cut points. So a re-layout is, per unit and part, one ``all_to_all_single`` in which
+rank s gives rank d the overlap of s's old range with d's new range: what ``load_sharded``
+reads from a checkpoint onto a new plan (the same values bit for bit), and only elements that
+change owner cross the wire. It moves everything on the trainable shard (parameter shard,
+per-element optimizer state, a persisting gradient) and the frozen shard, one unit at a time
+(peak: one unit's new shard-set), and keeps the optimizer's parameters the same objects, so
+param groups, wrappers and LR schedulers stay valid. Every check, the one ``all_gather_object``
+included, runs before any state moves, so ranks that disagree all raise instead of pairing the
+wrong tensors. Collective, memory, identity and checks in detail: docs/engine.md, "Re-layout
+in memory".
 """
 
 from __future__ import annotations

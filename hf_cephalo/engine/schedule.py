@@ -1,77 +1,34 @@
 """The layered gradient-accumulation schedule (paper §3.3, Fig. 4; docs/design.md contract 4).
 
-[Note: layered schedule]
-The root is two units (``RootUnits``): the embedding unit E (token / position embeddings; a
-tied input/output embedding lives here, once) and the head unit H (final norm + lm_head /
-classifier). Each is gathered around its uses, like the layer units, and its all-gather is
-prefetched while the previous phase computes. Forward (no autograd graph is kept; activations
-are checkpointed at unit boundaries)::
-
-    gather E; prefetch unit 0
-    for each microbatch j: h[0][j] = embed(j)                      # stash h[0][j]
-    reshard E
-    for unit i in 0..L-1:  wait unit i; prefetch unit i+1 (after the last: H, and E if tied)
-        for each microbatch j: h[i+1][j] = unit_i(h[i][j])         # stash h[i+1][j]
-        reshard unit i (except the last unit: backward starts with it)
-Head (H gathered; E too when tied)::
-
-    for each microbatch j: loss_j = head_loss(h[L][j]) / N;  backward -> g[L][j] (stashed)
-    reduce-scatter H (and E's head-use gradient when tied); reshard them
-Backward::
-
-    for unit i in L-1..0: wait unit i; prefetch unit i-1 (after unit 0: E)
-        for each microbatch j (last first): recompute unit_i(h[i][j]) with the forward's RNG state
-                               (not for the last unit's last microbatch: its forward graph was
-                               kept, it is the first one backward needs),
-                               backward with g[i+1][j] -> g[i][j] (stashed), grads accumulate
-                               in place into unit i's flat gradient (allocated before its first
-                               backward: [Note: parameter views while unsharded])
-        (each microbatch first prefetches the next one's stashed tensors, across unit
-        boundaries too; the host waits for the compute stream per microbatch with offload,
-        else per unit: see [Note: host waits for the compute stream] in offload.py)
-        reduce-scatter unit i's gradient ONCE; wait the previous reduce-scatters; reshard unit i
-    wait E; for each microbatch j: recompute embed(j), backward with g[0][j]
-    reduce-scatter E; wait every reduce-scatter; reshard E
-
-Tied embeddings: E's shard gradient receives two reduce-scatters, the head use's (after the
-head phase) and the embedding use's (at the end); ``wait_reduce_grad`` ADDS each into the same
-shard gradient, so the result is the gradient of the one tied storage (summed in another
-order than one reduce-scatter of the sum: equal up to fp32 rounding). With L = 0, E stays
-gathered from the head phase into the embedding backward and is reduce-scattered once.
-
-``root_resident`` (``RootUnits.resident``): E and H are gathered once at the start and kept
-gathered, with their gradients, until the end of the step (FSDP2's root module behaviour;
-faster when the root is small, costs its full parameters + gradient all step).
-
-Collectives per step for L >= 1 layer units (plus two 8-byte all-reduces: item count, loss
-sum), independent of the number of microbatches::
-
-                      all-gathers               reduce-scatters
-    split, untied     2L + 2 (L fwd, L-1 bwd,   L + 2
-                      E twice, H once)
-    split, tied       2L + 3 (E three times)    L + 3 (E twice)
-    root_resident     2L + 1 (E, H once)        L + 2
-
-identical on every rank, including a rank with no microbatch (it runs no compute but joins
-every collective), so ranks with 3 vs 1 vs 0 microbatches never hang.
-
-[Note: open steps]
-A custom training loop computes its own loss from the model's outputs between the forward and
-the backward (``CephaloEngine.forward_step`` / ``backward_step``). The step then splits at the
-head: ``open_head`` runs the head of every microbatch with autograd on (each final hidden
-state a leaf, the head units gathered with their gradients prepared) and hands back the logits
-and loss sums; the caller's loss is backpropagated once (``close_head``), the leaves' gradients
-become the boundary gradients g[L][j], and the layered backward continues as in ``head``. The
-collectives are those of a ``run`` step. The head graphs of all the rank's microbatches live
-until that backward (memory grows with b_i in the head, as with any loop holding its logits).
-
-Autograd: each recompute runs the unit on a detached stashed input with ``requires_grad=True``
-and calls ``torch.autograd.backward(output, boundary_grad)`` directly, so the unit's parameter
-gradients are produced even when the input does not depend on a trainable tensor (the trap of
-reentrant checkpointing). Dropout is replayed like ``torch.utils.checkpoint``: the CPU (and
-CUDA) RNG state before each forward call is saved and restored inside ``fork_rng`` for the
-recompute, so the global RNG advances exactly as in one forward pass.
+``LayeredStep`` runs one step (or one evaluation) of a rank's microbatches unit by unit;
+``RootUnits`` holds the embedding and head units, ``RngState`` the state a recompute replays.
+The invariants are the Notes below; the schedule step by step: docs/engine.md, "Schedule (per
+step)" and "Layered schedule".
 """
+
+# [Note: layered schedule]
+# A step runs every microbatch through one unit before the next: the embedding unit E (a tied
+# embedding lives here, once), the L layer units, the head unit H (loss + its backward), then
+# the layer units in reverse, each microbatch recomputed from its stashed boundary input, and
+# E's backward last. Each unit (E and H too, unless ``root_resident``) is gathered around its
+# uses with the next one prefetched, and its gradient is reduce-scattered ONCE per step, after
+# every microbatch's backward. The collective sequence depends only on L, the tie and
+# ``root_resident``, never on the number of microbatches, so ranks with 3, 1 or 0 microbatches
+# issue the same collectives and none hangs. A tied E gets two reduce-scatters that both ADD
+# into its one shard gradient. A recompute runs the unit on a detached stashed input
+# (``requires_grad=True``, so parameter gradients exist even when no input needs one) with the
+# forward's CPU / CUDA RNG state restored, so gradients and dropout masks are those of one
+# forward pass. Pseudo-code and the collective counts: docs/engine.md, "Layered schedule".
+
+# [Note: open steps]
+# A custom training loop computes its own loss from the model's outputs between the forward and
+# the backward (``CephaloEngine.forward_step`` / ``backward_step``). The step then splits at the
+# head: ``open_head`` runs the head of every microbatch with autograd on (each final hidden
+# state a leaf, the head units gathered with their gradients prepared) and hands back the logits
+# and loss sums; the caller's loss is backpropagated once (``close_head``), the leaves' gradients
+# become the boundary gradients g[L][j], and the layered backward continues as in ``head``. The
+# collectives are those of a ``run`` step. The head graphs of all the rank's microbatches live
+# until that backward (memory grows with b_i in the head, as with any loop holding its logits).
 
 from __future__ import annotations
 

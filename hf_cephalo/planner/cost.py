@@ -1,30 +1,13 @@
 """The latency/memory model of the paper (§2.4), docs/design.md contract 2.
 
-All functions are pure numpy and vectorize over the microbatch size ``m`` (an int or an int
-array). Units: seconds and bytes. Used by the optimizer (``optimize.py``), the state partition
-(``state.py``) and the plan simulator (``simulate.py``).
-
-* F_i(m), B_i(m): the profiled value at a profiled m; linear interpolation between profiled
-  points; beyond the largest profiled m, the least-squares line through the upper profiled
-  points (the upper half, at least two) -- "sublinear for small m, linear after" (paper §2.4,
-  Fig. 5 left). A profile with only m = 1 extrapolates proportionally (F(m) = m·F(1)).
-* A_i(m): least-squares line through all profiled activation-memory points (paper Fig. 5
-  right); with only m = 1, proportional. Clamped at 0. The engine's buffers come on top
-  (``memory.py``, [Note: memory terms]): M_i(m, b) = every device byte besides the state.
-* Per-unit latency with l microbatches of size m (all-gather of the next unit overlaps compute;
-  backward recomputes the forward because activations are checkpointed):
-  ``T_i(l, m) = max(l·F(m), AG·u) + max(l·(F(m) + B(m)), (AG + RS)·u)``; a plan without
-  activation checkpointing keeps the forward graphs instead, ``max(l·F, AG·u) + max(l·B,
-  (AG + RS)·u)`` ([Note: unit time without activation checkpointing]);
-  u = the profile's measured ``CommProfile.uneven_factor`` if the plan shards the training
-  state unevenly (1.15, the paper's bound, for profiles without a measurement), else 1. An idle rank (b_i = 0) pays
-  ``AG·u + (AG + RS)·u`` and has no compute memory.
-* Step terms outside the units ([Note: step terms]): per rank the embedding and head compute
-  of its microbatches and the engine's bookkeeping per unit and microbatch (in the compute
-  phase, with the units), the optimizer step on its shard and the host overhead of a step
-  (phases of their own); per step the collectives no compute hides (the root's all-gathers /
-  reduce-scatters, the small all-reduces). A profile without them prices them at 0: the
-  paper's model, iteration time = num_units · max_i T_i.
+Pure numpy, vectorized over the microbatch size ``m`` (an int or an int array); seconds and
+bytes. Used by the optimizer (``optimize.py``), the state partition (``state.py``) and the plan
+simulator (``simulate.py``). F_i(m), B_i(m) interpolate the profile, A_i(m) is a line through
+the profiled activation memory (the engine's buffers on top: ``memory.py``, [Note: memory
+terms]), T_i(l, m) is one unit's time with the next unit's all-gather and its reduce-scatter
+overlapped ([Note: unit time without activation checkpointing]), and the terms outside the units
+are [Note: step terms]; a profile without those terms prices them at 0, the paper's model.
+Formulas, the uneven factor u and an idle rank's terms: docs/planner.md, "Cost model".
 """
 
 from __future__ import annotations
@@ -159,24 +142,16 @@ def unit_comm(cluster: ClusterProfile) -> CommProfile:
 
 
 # [Note: unit time without activation checkpointing]
-# The profile's F(m) is one unit's forward without autograd and B(m) is "(recompute + backward)
-# - forward of the same repeat" (profiler/compute.py), so F + B is what the engine's backward
-# of one microbatch costs: the recompute WITH autograd plus the backward proper. With
-# checkpointing (paper §3.3, DESIGN.md contract 2) a unit runs l forwards in the forward pass
-# and l recomputes + backwards in the backward pass:
+# F(m) is one unit's forward without autograd and B(m) = (recompute + backward) - forward of the
+# same repeat (profiler/compute.py), so F + B is what one microbatch's recompute with autograd
+# plus its backward costs. With checkpointing a unit runs l forwards, then l recomputes +
+# backwards:
 #     T = max(l·F, AG·u) + max(l·(F + B), (AG + RS)·u).
-# Without checkpointing (engine ``activation_checkpointing=False``, schedule.py
-# ``_forward_kept``) the forward pass runs each microbatch once WITH autograd and the backward
-# pass runs the backward proper only, so the step's compute per unit is l·(F + B) instead of
-# l·F + l·(F + B): the forward with autograd plus the backward is the same (F + B) the
-# recompute + backward costs. How it splits between the two passes is priced as l·F forward
-# and l·B backward (the autograd forward's extra over the no-grad forward, a few per cent, is
-# priced in the backward pass, where the measurement puts it; it only matters when a
-# collective is the longer side of one max and not of the other):
+# Without it (engine ``activation_checkpointing=False``) each forward runs once with autograd and
+# the backward pass runs the backward proper, the same F + B per microbatch, priced as
 #     T = max(l·F, AG·u) + max(l·B, (AG + RS)·u).
-# The embedding is recomputed in the backward in both modes (schedule.py ``backward``), so the
-# root terms (``root_compute_s``) do not change; the bookkeeping o_i (RNG capture + replay for
-# the recompute) is kept as measured (an over-estimate without recompute, microseconds).
+# The root terms and the bookkeeping o_i are the same in both modes. Why this split between the
+# passes: docs/planner.md, "Activation checkpointing as a planned choice".
 def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool, *,
                 activation_checkpointing: bool = True) -> np.ndarray:
     """T_i(l, m) for one unit (forward + backward, with or without recompute), seconds.
@@ -230,32 +205,18 @@ def is_uneven(cluster: ClusterProfile, compute_memory: Sequence[float],
 
 
 # [Note: step terms]
-# The paper's model prices the L units only; on small models and on CPU the rest of a step is
-# a large part of it (the main job: ~40 %). A step runs in phases separated by collectives, and
-# at each collective every rank waits for the slowest:
+# The paper prices the L units only; on small models and on CPU the rest of a step is a large
+# part of it (~40 % on the main job). A step runs in phases separated by collectives, and at each
+# one every rank waits for the slowest:
 #
-#     compute phase    busy_i = L·T_i(l_i, m_i)             units (with the collectives they hide)
-#                             + Σ_j (E_i(m_j) + H_i(m_j))    embedding and head per microbatch
-#                             + l_i·L·o_i                    engine bookkeeping per unit, microbatch
-#     optimizer phase  opt_i  = r_i·P_t·p_i                  optimizer step + clipping on the shard
-#                                                            (after the gradient-norm all-reduce)
-#     host             s_i                                   the training loop's own time per step
+#     step = max_i busy_i + max_i opt_i + max_i s_i + C
 #
-#     step = max_i busy_i + max_i opt_i + max_i s_i + C,
-#     C = AG_root + RS_root + 3·AR + (3L + 8)·w
-#
-# (DeviceProfile.embed_s / head_s / microbatch_overhead_s / optimizer_s_per_param /
-# step_overhead_s; CommProfile.root_allgather_s / root_reducescatter_s / allreduce_s /
-# collective_wait_s). The root's collectives and the small all-reduces sit between phases
-# where no compute hides them; w is what each of the step's 3L + 8 blocking collectives adds
-# when the ranks come to it from compute (waking the rank that arrived first: microseconds on
-# an idle host, a scheduler slice on an oversubscribed one). On CPU ranks the units' own
-# collectives add to T_i (``CommProfile.overlaps_compute``). wait_i = the step minus rank i's
-# own work and C. The compute phase is priced as the slowest rank's total rather than per unit and per root phase (assumes one rank is the
-# slowest throughout; true when its units dominate); that keeps the optimizer exact:
-# max_i busy_i = L·max_i (T_i + extra_i / L), so it minimizes the per-unit time with each
-# rank's root compute and bookkeeping spread over its L units (``rank_extra_s``); opt_i, s_i
-# and C do not depend on (b_i, m_i, l_i).
+# busy_i: the compute phase (units, embedding and head per microbatch, bookkeeping); opt_i: the
+# optimizer on the shard; s_i: the loop's own time; C: the collectives no compute hides. Pricing
+# the compute phase as the slowest rank's total (one rank slowest throughout) keeps the
+# optimizer exact: max_i busy_i = L·max_i (T_i + extra_i / L) (``rank_extra_s``), while opt_i,
+# s_i and C do not depend on (b_i, m_i, l_i). Each term, its profile field and w:
+# docs/planner.md, "Cost model".
 STEP_ALLREDUCES = 3
 """Small all-reduces per training step: the global item count, the loss sum, the gradient norm."""
 

@@ -5,95 +5,15 @@ Pure Python/numpy. One function per term, each citing the engine code it mirrors
 through ``rank_memory_bytes`` and ``host_memory_bytes`` only.
 
 [Note: memory terms]
-Symbols (elements unless said): e = ``ModelProfile.param_bytes`` (element size of the flat
-buffers), N_u = one layer unit, L = units, W = world size; the root is two units
-(``ModelProfile.root_split``, engine/schedule.py [Note: layered schedule]): N_E the embedding
-unit (a tied head weight included), N_H the head unit, t = 1 when the head uses E (tied), and
-N_P = N_H + t·N_E the units the head phase gathers, N_r = N_E + N_H. k_X = this rank's shard of
-unit X (the reduce-scatter's output; ``row[rank]`` of the plan's layout, ceil(N/W) before a
-layout exists). a = ``boundary_bytes_per_sample``; rank i has b samples in microbatches of m.
-Device memory of rank i = r_i·S + M_i(m, b) with
-
-    M_i(m, b) = max( max(A_i(m) + E_unit, A_head,i(m) + E_head, E_between) + D(m, b),
-                     A_emb(m) + E_emb + D_1(m, b) )                            (b > 0)
-    M_i(0, 0) = E_idle                                                          (idle rank)
-
-* r_i·S: training state, S = 16 B per parameter for fp32 Adam (paper §2.4): the local shard
-  ``FlatParamUnit.local`` (4), its ``shard_param.grad`` (4), Adam's two moments (8).
-* A_i(m): the profiled activation memory of ONE microbatch in a unit's recompute + backward;
-  A_head,i(m): the same for the head's loss + backward beside the last unit's kept forward
-  graph (``head_memory_bytes``; A_i(m) when absent). Both measured with the units gathered as
-  the engine gathers them (per-parameter leaves) and their flat gradients already allocated
-  (profiler/compute.py ``_compute_memory``), as the engine allocates a unit's gradient before
-  its first backward; a backward adds each parameter's gradient into it in place and makes no
-  unit-sized tensor (flat_param.py [Note: parameter views while unsharded]), so A_i(m) holds
-  only activations and per-parameter gradients until their add.
-* Collectives (``collective_buffers``, flat_param.py [Note: communication buffers]): an
-  all-gather in flight holds its (N,) output, which becomes the gathered unit (no send copy):
-  G_X = N_X. A reduce-scatter in flight holds its input, the unit's gradient (no copy, counted
-  with the gradient while the unit is current) and its (k,) output: R_X = N_X + k_X once the
-  unit is done. At most one all-gather (the next unit's prefetch) and two reduce-scatters (the
-  current unit's, just issued, and the previous one's) are in flight.
-* E_unit, during unit i's backward (schedule.py ``LayeredStep.backward``): e·[2·N_u (unit i
-  gathered + its gradient) + G(i-1) + R(i+1)], the largest over i, where G(i-1) = N_u, and N_E
-  for unit 0 (E is prefetched); R(i+1) = N_u + k_{i+1}, and for the last unit the head's
-  reduce-scatters, N_H + k_H + t·(N_E + k_E).
-* E_between, no activations, between two phases: unit i's reduce-scatter issued while unit
-  i+1's is still in flight, e·[2·N_u + k_i + G(i-1) + R(i+1)]; the head's reduce-scatters
-  issued (``LayeredStep._leave``: H first, then E), e·[N_u + 2·N_P + k_H] and, tied,
-  e·[N_u + 2·N_P - N_H + k_H + k_E].
-* E_head, during the head (``LayeredStep.head``): e·(2·N_P + N_u): the head phase's units
-  gathered + their gradients, the last unit still gathered (no prefetch in flight).
-* E_emb + A_emb(m), the embedding backward at the end (``LayeredStep.backward`` after the
-  units): E gathered + its gradient, unit 0's reduce-scatter in flight, then E's own issued:
-  E_emb = e·(2·N_E + N_u + k_0 + k_E); A_emb(m) = e·N_E + m·a: the dense weight gradients the
-  embedding backward makes (N_E, each added into E's flat gradient in place), the recomputed
-  output.
-* D(m, b): boundary tensors on the device (offload.py ``ActivationStash``): without offload every
-  microbatch's boundary activation of every unit boundary, (L + 1)·b·a (end of the forward,
-  head and backward phases); D_1 = b·a in the embedding backward (only the boundary gradients
-  of unit 0 are left). With offload (CUDA) the current and prefetched input and boundary
-  gradient plus the live copy, 5·m·a, in both.
-* E_idle: a rank without samples joins every collective and computes nothing; its reduce-scatter
-  inputs are zero buffers of the unit's size allocated at the issue: the largest of the unit
-  moments e·[2·N_u + k_i + G(i-1) + R(i+1)], the head's e·[N_u + N_P + N_H + k_H] (tied also
-  e·[N_u + N_H + 2·N_E + k_H + k_E]) and E_emb.
-* Host (pinned, CUDA offload only): (L + 1)·b·a per rank, summed over the ranks of one machine
-  against c × that machine's RAM (``ClusterProfile.host_memory_bytes``).
-
-Precision ([Note: precision tags] in profiles/precision.py; engine/flat_param.py [Note:
-low-precision gathered parameters]). Every e above is one of three element sizes
-(``_Sizes``): e_p = ``ModelProfile.param_gather_bytes`` for gathered units and all-gather
-outputs (2 with a bf16 / fp16 ``param_dtype``), e = ``param_bytes`` for the unit's gradient (the
-fp32 accumulator, also with low-precision parameters) and e_r = ``grad_reduce_bytes`` for the
-reduce-scatters. With e_p < e an all-gather in flight also holds its send buffer, the shard's
-cast copy: G_X = e_p·(N_X + k_X); a reduce-scatter in flight holds R_X = e_r·(N_X + k_X); at its
-issue with e_r < e the accumulator and its cast copy coexist, e·N_X + e_r·N_X (replacing
-e·(N_X + k_X)). The per-parameter low-precision gradients autograd makes before their hooks
-add them into the accumulator are in A_i(m): the profile measures the unit gathered in e_p
-(``MeasureConfig.param_dtype``); A_emb's dense gradients are e_p·N_E.
-The boundary tensors a are the gathered dtype's (a bf16 embedding outputs bf16).
-
-Frozen parameters (LoRA; engine/flat_param.py [Note: two parts per unit]): a unit X holds Nt_X
-trainable elements (``ModelProfile.unit_trainable_numels``) and N_X - Nt_X frozen ones, each
-part sharded by the layout row (this rank's trainable share kt_X = Nt_X·k_X/N_X). Every
-gradient, reduce-scatter and issue term above covers Nt_X and kt_X, not N_X and k_X (an idle
-rank's zeros are (Nt,) too); a gathered unit is e_p·Nt_X + e_f·(N_X - Nt_X) and its all-gather
-the same (+ the cast send copies), where e_f = ``frozen_bytes_per_param`` when the frozen part
-is stored in its own dtype (a bf16 base is gathered as stored) and e_p when it is stored in the
-training dtype; A_emb's dense gradients are e_p·Nt_E. Full fine-tuning: Nt = N.
-
-Not binding, so not priced: the embedding forward (E + unit 0's prefetch, under E_emb), the
-layer forwards (two units, under E_unit; the last with H and t·E in flight, under E_head).
-
-``root_resident`` (the engine's ``root_resident=True``): E and H are gathered all step. Then
-G(-1) = R(L) = 0 and the head's reduce-scatters move to the end; every unit and head moment
-adds e·(N_r + N_P) (both gathered + the head phase's gradients; E's own gradient appears in the
-embedding backward) on a busy rank and e·N_r on an idle one; E_emb = e·(2·N_r + N_u + k_0 +
-k_E + k_H).
-
-Without activation checkpointing (the engine keeps every forward graph): [Note: memory without
-activation checkpointing] below.
+Device memory of rank i is r_i·S + M_i(m, b): its shards' training state plus, over the phases
+of engine/schedule.py [Note: layered schedule], the peak of the gathered units, their flat
+gradients, the collectives' buffers in flight (flat_param.py [Note: communication buffers]),
+one microbatch's profiled activations and the stashed boundary tensors; an idle rank holds
+E_idle. Each term mirrors one engine allocation at the moment the engine makes it, and each is
+a per-rank constant, a function of m or linear in b, so the optimizer's search stays exact.
+Change a term with the engine, never alone (tests/test_plan_memory.py compares them). Symbols,
+phases, precision, frozen parameters, ``root_resident``: docs/planner.md, "Memory model".
+Without activation checkpointing: [Note: memory without activation checkpointing] below.
 """
 
 from __future__ import annotations
@@ -405,23 +325,13 @@ def kept_graphs_bytes(cluster: ClusterProfile, rank: int, m, b) -> np.ndarray:
 
 
 # [Note: memory without activation checkpointing]
-# With ``activation_checkpointing=False`` (schedule.py ``_forward_kept`` for every unit i and
-# microbatch j) the forward keeps each (unit, microbatch) graph until that unit's backward:
-# K(m) bytes each (``kept_graph_bytes``: autograd's saved tensors + the unit's output, which is
-# also the next boundary tensor, so the stash holds no copy of its own). All L·l of them are
-# alive from the end of the forward through the head phase, the peak; in the backward they
-# go unit by unit. On top of the checkpointing model (rank_memory_bytes):
-# * unit and head moments: + (L·Σ_j K(m_j) - K(m)): A_i(m) already holds one graph (the
-#   recompute's, here the kept one of the current microbatch) and A_head,i(m) the last unit's
-#   kept graph, so one K is not added twice;
-# * between moments (no activation measured): + L·Σ_j K(m_j), an upper bound (between two
-#   backward units fewer graphs are left);
-# * the boundary stash: without offload the levels 1..L are the graphs' outputs (in K), so D
-#   keeps two levels, the embedding outputs and the boundary gradients, 2·b·a; with offload
-#   unchanged (5·m·a device copies);
-# * the embedding backward (every graph consumed) and an idle rank: unchanged.
-# The gathered parameters a kept graph saves are views of the gathered buffer, whose storage
-# reshard frees ([Note: kept graphs across reshard] in flat_param.py): not in K, not extra.
+# With ``activation_checkpointing=False`` (schedule.py ``_forward_kept``) every (unit,
+# microbatch) forward graph, K(m) bytes each (``kept_graph_bytes``), lives from its forward to
+# its unit's backward, so all L·l of them are alive through the head phase, the peak. The
+# terms add them on top of the checkpointing model without counting one graph twice (A_i(m)
+# and A_head,i(m) already hold one) and without counting the gathered parameters a graph saves
+# (reshard frees their storage: [Note: kept graphs across reshard] in flat_param.py). Each
+# term per moment: docs/planner.md, "Activation checkpointing as a planned choice".
 def rank_memory_bytes(cluster: ClusterProfile, rank: int, m, b, *, root_resident: bool = False,
                       layout: Sequence[Sequence[int]] | None = None,
                       activation_checkpointing: bool = True) -> np.ndarray:

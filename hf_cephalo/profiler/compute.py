@@ -32,31 +32,19 @@ from hf_cephalo.units import GIB
 __all__ = ["measure_device"]
 
 # [Note: what is measured]
-# What is measured, per rank, with the real model, its dtype and a microbatch of the training
-# sequence length (synthetic token ids / pixels of the right shape, ``synthetic_microbatch``):
-#
-# - ``fwd_s[m]``: one unit's forward without autograd (the engine's forward pass), m = 1..M.
-# - ``bwd_s[m]``: the engine's backward of one unit is a recompute (forward WITH autograd) plus
-#   the backward; ``bwd_s[m]`` is that measured time minus the forward time of the same repeat
-#   (median over repeats), so the cost model's
-#   ``F + B`` per microbatch equals what the engine's backward really costs (the recompute that
-#   keeps activations is slower than the no-grad forward; the difference lands in ``bwd_s``).
-#   Median of ``repeats`` runs after ``warmup`` runs, the microbatch sizes interleaved in
-#   rounds; the medians are then fitted non-decreasing in m (``_non_decreasing``: a larger
-#   microbatch cannot really be faster, so a dip is load noise on a shared machine). A backward
-#   median that is not positive or below a tenth of the forward is re-measured, then warned about
-#   ([Note: implausible backward times]).
-# - ``compute_memory_bytes[m]`` / ``head_memory_bytes[m]``: activation memory of ONE microbatch in
-#   flight, without the engine's own buffers (gathered units, full gradients, the root,
-#   collective buffers, the boundary stash), which the planner prices from the model profile
-#   (planner/memory.py): the peak of a unit's recompute + backward, and of the head's loss +
-#   backward beside the last unit's kept graph, each measured with the unit's and the root's
-#   gradients already allocated (``_compute_memory``). CUDA: the caching allocator's peak over each region; CPU: the peak of
-#   live tensors allocated in it (``live_memory.LiveTensorBytes``, operator granularity).
-# - ``kept_graph_bytes[m]``: what ONE microbatch's forward graph of a unit holds from its forward
-#   to its backward when the engine keeps graphs (``activation_checkpointing=False``): the bytes
-#   still allocated after a forward with autograd, the saved tensors plus the output
-
+# Per rank, with the real model, its dtype and a synthetic microbatch of the training shape
+# (``synthetic_microbatch``), each number is what the engine really spends, so the planner's
+# sums match the engine's step:
+# - ``fwd_s[m]``: one unit's forward without autograd (the engine's forward pass);
+# - ``bwd_s[m]``: (recompute WITH autograd + backward) minus the forward of the same repeat, so
+#   the cost model's F + B is exactly the engine's backward; medians over interleaved rounds,
+#   fitted non-decreasing in m ([Note: implausible backward times] for a bad median);
+# - ``compute_memory_bytes[m]`` / ``head_memory_bytes[m]``: the activation memory of ONE
+#   microbatch without the engine's own buffers (planner/memory.py prices those), measured with
+#   the gradients already allocated (``_compute_memory``);
+# - ``kept_graph_bytes[m]``: what one microbatch's forward graph of a unit keeps until its
+#   backward when the engine keeps graphs (``activation_checkpointing=False``).
+# Each field in detail: docs/profiling.md, "What is measured".
 
 QUIET_INTERVAL_S = 15.0
 """Seconds between two progress lines of a non-verbose profile (rank 0 only)."""

@@ -1,37 +1,15 @@
 """Live re-balancing while training: measure, exchange, decide, switch (docs/adaptive.md).
 
 ``AdaptiveController`` (``--cephalo_adaptive batch``, the default, or ``state``), driven by the
-runtime's session after every optimizer step, in every front end:
-
-1. **Measure** (every rank, every step): the session's ``StepTimer`` record of the step (its
-   wall time, the compute the ``EmulatedStagedModel`` timer saw: all of it, and the units'
-   forward + recompute + backward), at the rank's current (b_i, m_i, l_i). The wait is the step minus all compute: collectives
-   not hidden behind compute, waiting for slower ranks, the optimizer step.
-2. **Exchange** every ``cephalo_adaptive_interval`` steps: each rank's medians over the steps
-   since the last exchange (the first step of the run and the first after a switch are left
-   out: they pay one-time costs; so is a step with fewer samples than b_i, the partial last
-   global batch of an epoch) go into ONE fixed-size float64 all-gather
-   (``MEASUREMENT_FIELDS``, NaN where missing); no Python objects are gathered.
-3. **Decide** on every rank from the exchanged numbers only (``planning.replan_live`` ->
-   ``planner.adapt.decide_batch_switch``): refit the start profile, re-plan with r_i fixed,
-   switch when the predicted step time drops by more than the threshold at two exchanges in a
-   row, also at the unfavourable end of each rank's measured noise, after a rank's speed moved
-   ([Note: a switch must pay against the noise] in planner/adapt.py), with hysteresis, never
-   over a memory cap. The decision's ``history`` goes back into the next one.
-4. **Switch** at the step boundary (``Session.switch_plan``): the session's plan becomes the new
-   plan and the ``SplitSchedule`` of the training loader splits the next global batches by the
-   new b_i / m_i ([Note: switching the split live] in sampler.py). Nothing else moves: the
-   engine's shards, the optimizer state and the global batches are those of the uninterrupted
-   run, so the trajectory is the same up to fp32 summation order. Rank 0 prints one line and
-   appends a record to ``output_dir/cephalo_replans.jsonl``; the Trainer also puts it into
-   ``state.log_history``.
-
-``--cephalo_adaptive state`` decides with ``planner.adapt.decide_state_switch`` (the batch
-decision, or the plan with r_i free when it is worth moving state); a re-layout switch first
-re-lays the state (``Session.relayout_state``, collective, at the same step boundary on every
-rank: the parameter shards, a persisting gradient and the optimizer state move,
-``engine.relayout``), then the split changes as above. The record's ``mode`` is "state" and it
-carries the old and new r_i.
+runtime's session after every optimizer step, in every front end: every rank times its steps
+(the session's ``StepTimer``); every ``cephalo_adaptive_interval`` steps each rank's medians go
+into ONE fixed-size float64 all-gather (``MEASUREMENT_FIELDS``); every rank decides from the
+exchanged numbers (``planning.replan_live`` -> ``planner.adapt.decide_batch_switch``, or
+``decide_state_switch`` in state mode; [Note: a switch must pay against the noise] in
+planner/adapt.py); a switch happens at the step boundary (``Session.switch_plan``: the loader's
+``SplitSchedule``, [Note: switching the split live] in sampler.py; in state mode after
+``Session.relayout_state``). Each step in detail, and the records a switch writes:
+docs/adaptive.md, "What happens while training".
 
 [Note: one decision on every rank]
 Every rank must take the same switch at the same step, or the next step's collectives would

@@ -1,54 +1,47 @@
 """Weighted batch sampler: rank i gets exactly b_i samples of every global batch.
 
-Cephalo balances compute by giving ranks different batch sizes b_i (paper §2.4, constraint I:
-sum_i b_i = B, the global batch size). Every rank builds the SAME permutation of the dataset
-(seeded by ``seed + epoch``, like ``torch.utils.data.DistributedSampler``), cuts it into global
-batches of B indices, and takes its own contiguous slice of each global batch. The result is a
-pure function of (epoch, seed, dataset length, batch sizes), so no communication is needed and
-every rank takes the same number of steps. Each step's slice is a ``StepIndices``: a list of
-dataset indices that also says where they sit in which global batch, split how.
-
-Orders (``TrainingArguments.train_sampling_strategy``, applied to the GLOBAL batches, then split
-by b_i): "random" (the permutation above), "sequential" (dataset order: the global batches
-stock ``Trainer`` makes with ``SequentialSampler``), "group_by_length" (stock
-``get_length_grouped_indices`` over the dataset's lengths with the global batch size and a
-generator seeded ``seed + epoch``: megabatches sorted by length, longest batch first).
-
-[Note: last partial global batch]
-When the dataset length N is not a multiple of B, the last global batch holds n = N mod B
-samples. They are split proportionally to b_i with the largest-remainder method (exact integer
-arithmetic, ties to the lower rank): rank i gets floor(n·b_i/B) or one more, never more than
-b_i, and a rank with b_i = 0 gets none. No sample is duplicated or dropped (unless
-``drop_last``), so every sample is used exactly once per epoch. A rank may therefore get ZERO
-samples in the last step (e.g. 1 leftover sample on 3 ranks); it still yields an empty list
-so that it joins the step's collectives — the loader's width exchange and the engine's, which
-accepts an empty microbatch list.
-
-[Note: padding independent of the plan]
-A collator pads the rows it is given to the longest of them, and padding is not neutral (with
-left padding the first real token is predicted from a pad position; GPT-2 without
-``position_ids`` numbers positions from the first column), so a row must get the width of its
-whole global batch, whatever the plan. Three ways (``runtime/data.py``, docs/data.md):
-"global_width" (default): a rank reads and collates its b_i rows only, padded to the global
-batch's width by a per-step exchange ([Note: the global width] in ``global_width.py``);
-"global_batch" (``GlobalBatchCollator``): every rank reads and collates all B rows and keeps
-its own, the fallback for a collator the first is not exact for; "microbatch"
-(``MicrobatchCollator``): each microbatch padded on its own, plan-dependent. A packing
-collator that pads nothing (``DataCollatorWithFlattening`` with ``position_ids``) gives the
-same tokens however the samples are grouped and makes one row that cannot be cut into
-samples: it is applied per microbatch in every mode (``packs_without_padding``).
-
-[Note: switching the split live]
-A live re-balance (``runtime/adaptive.py``) changes b_i and m_i between two steps. The
-global batches do not change (they depend on seed, epoch, dataset length and B only); only
-their split does. ``SplitSchedule`` records which (b_i, m_i) hold from which global step
-(``epoch · steps_per_epoch + index in the epoch``); the sampler reads it when it draws step k
-(the loader itself runs in the main process and does not run ahead: after the previous step
-ended) and writes the split into step k's ``StepIndices``, which every collator cuts by. A
-step that DataLoader workers read ahead under the old split is not that step any more
-(``StepIndices.same_step``): it is read again (``ReadAhead``), so a switch recorded at a step
-boundary applies to the next step on every rank.
+Every rank builds the SAME permutation of the dataset (seeded by ``seed + epoch``), cuts it into
+global batches of B = sum_i b_i indices (ordered by ``train_sampling_strategy``: random,
+sequential or group_by_length) and takes its own contiguous slice of each: a pure function of
+(epoch, seed, dataset length, batch sizes), so no communication is needed and every rank takes
+the same number of steps. Each step's slice is a ``StepIndices``, which also says where its
+indices sit in which global batch, split how. docs/accelerate.md, "The weighted batch sampler".
 """
+
+# [Note: last partial global batch]
+# When the dataset length N is not a multiple of B, the last global batch holds n = N mod B
+# samples. They are split proportionally to b_i with the largest-remainder method (exact integer
+# arithmetic, ties to the lower rank): rank i gets floor(n·b_i/B) or one more, never more than
+# b_i, and a rank with b_i = 0 gets none. No sample is duplicated or dropped (unless
+# ``drop_last``), so every sample is used exactly once per epoch. A rank may therefore get ZERO
+# samples in the last step (e.g. 1 leftover sample on 3 ranks); it still yields an empty list
+# so that it joins the step's collectives — the loader's width exchange and the engine's, which
+# accepts an empty microbatch list.
+
+# [Note: padding independent of the plan]
+# A collator pads the rows it is given to the longest of them, and padding is not neutral (with
+# left padding the first real token is predicted from a pad position; GPT-2 without
+# ``position_ids`` numbers positions from the first column), so a row must get the width of its
+# whole global batch, whatever the plan. Three ways (``runtime/data.py``, docs/data.md):
+# "global_width" (default): a rank reads and collates its b_i rows only, padded to the global
+# batch's width by a per-step exchange ([Note: the global width] in ``global_width.py``);
+# "global_batch" (``GlobalBatchCollator``): every rank reads and collates all B rows and keeps
+# its own, the fallback for a collator the first is not exact for; "microbatch"
+# (``MicrobatchCollator``): each microbatch padded on its own, plan-dependent. A packing
+# collator that pads nothing (``DataCollatorWithFlattening`` with ``position_ids``) gives the
+# same tokens however the samples are grouped and makes one row that cannot be cut into
+# samples: it is applied per microbatch in every mode (``packs_without_padding``).
+
+# [Note: switching the split live]
+# A live re-balance (``runtime/adaptive.py``) changes b_i and m_i between two steps. The
+# global batches do not change (they depend on seed, epoch, dataset length and B only); only
+# their split does. ``SplitSchedule`` records which (b_i, m_i) hold from which global step
+# (``epoch · steps_per_epoch + index in the epoch``); the sampler reads it when it draws step k
+# (the loader itself runs in the main process and does not run ahead: after the previous step
+# ended) and writes the split into step k's ``StepIndices``, which every collator cuts by. A
+# step that DataLoader workers read ahead under the old split is not that step any more
+# (``StepIndices.same_step``): it is read again (``ReadAhead``), so a switch recorded at a step
+# boundary applies to the next step on every rank.
 
 from __future__ import annotations
 

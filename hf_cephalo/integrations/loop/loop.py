@@ -2,32 +2,16 @@
 optimizer over the runtime session (docs/accelerate.md "Your own training loop").
 
 [Note: a custom loop on the layered engine]
-A stock Accelerate loop reads ``for batch in loader: loss = model(**batch).loss;
-accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()``. Prepared by
-``CephaloAccelerator``:
-
-- the training loader yields THIS rank's b_i rows of each global batch as one collated batch on
-  the device (``CephaloDataLoader``; an idle rank gets the same keys with 0 rows), every rank the
-  same number of batches; drawing a batch starts the session's step (timer, slowdown schedule,
-  resume report);
-- ``model(**batch)`` (``CephaloModel``) cuts the rows into microbatches of m_i and, in training
-  with grad enabled, runs the engine's layered forward and the head of each microbatch with
-  autograd kept (``engine.forward_step``); it returns the model's output class with ``logits``
-  (this rank's rows), ``loss`` (the mean over this rank's items, as a stock forward returns for
-  its batch), ``num_items`` and ``num_items_in_batch`` (this rank's and the global item count).
-  In eval mode or under ``torch.no_grad()`` it runs ``engine.evaluate`` (no backward expected);
-- ``accelerator.backward(loss)`` weights the loss by the normalization rule
-  (``CephaloSettings.loss_reduction``: "mean" -> times n_i / N, "sum" -> as it is), scales it
-  for fp16, and runs the layered backward (``engine.backward_step``) with one reduce-scatter per
-  unit; the loss must come from this step's outputs (checked on every rank at once);
-- ``optimizer.step()`` steps the optimizer the user built, re-pointed at the per-parameter
-  shards, then ends the session's step (the adaptive controller may switch the split; the next
-  batch the loader draws follows it); ``zero_grad`` drops the engine's gradients too.
-
-The gradient is then that of the loss on the single-device full global batch whenever the loss
-is a mean over items (tokens with a label after the causal shift, or samples) of this rank's
-rows, or, with "sum", this rank's part of a global sum (e.g. a sum divided by
-``outputs.num_items_in_batch``).
+A stock Accelerate loop (``loss = model(**batch).loss; accelerator.backward(loss);
+optimizer.step(); optimizer.zero_grad()``) runs unchanged on the layered engine: the loader
+yields this rank's b_i rows of each global batch (every rank the same number of batches; an idle
+rank 0 rows), ``model(**batch)`` runs the engine's layered forward and head over microbatches of
+m_i and returns this rank's loss mean and item counts, ``accelerator.backward`` weights the loss
+by the normalization rule and runs the layered backward (one reduce-scatter per unit; the loss
+must come from this step's outputs), and ``optimizer.step()`` steps the shards and ends the
+session's step. So the gradient is that of the loss on the single-device full global batch
+whenever the loss is a mean over this rank's items, or, with "sum", this rank's part of a global
+sum. Each call in detail: docs/accelerate.md, "A custom loop on the layered engine".
 """
 
 from __future__ import annotations

@@ -1,47 +1,27 @@
 """CephaloDPOTrainer and CephaloDPOConfig: TRL's ``DPOTrainer`` on the Cephalo runtime.
 
-Swap ``DPOTrainer`` for ``CephaloDPOTrainer`` and ``DPOConfig`` for ``CephaloDPOConfig``
-(every ``DPOConfig`` field plus the ``cephalo_*`` settings); launch as any CephaloTrainer script
-(docs/trl.md). The trainer is ``CephaloTrainerMixin`` + ``DPOTrainer``: DPOTrainer tokenizes
-the preference pairs, builds its collator and its reference (a model, or precomputed
-log-probabilities) inside the mixin's ``super().__init__``; then the mixin builds the session.
+``CephaloTrainerMixin`` + ``DPOTrainer`` (``CephaloDPOConfig``: every ``DPOConfig`` field plus
+the ``cephalo_*`` settings): DPOTrainer tokenizes the pairs and builds its collator and reference
+inside the mixin's ``super().__init__``, then the mixin builds the session. docs/trl.md, "DPO:
+CephaloDPOTrainer". Requires the ``trl`` extra (written against TRL 1.16).
 
 [Note: a preference pair is one sample]
-TRL's ``DataCollatorForPreference`` returns ``2m`` rows for ``m`` pairs, the ``m`` chosen rows
-first, then the ``m`` rejected ones, and ``DPOTrainer``'s loss is a MEAN over the pairs of its
-batch. On the runtime a pair is one sample of the weighted split:
-
-- the collator is wrapped (``PairRows``) so that a batch holds ONE row per pair: every
-  ``2m``-row tensor becomes ``(m, 2, ...)``, [chosen, rejected]; the loader splits, pads to the
-  global batch's width and cuts microbatches by pairs as for any sample, so both sequences of a
-  pair stay on one rank and in one microbatch and are padded as one process pads the global
-  batch;
-- before the engine runs them, each microbatch is unfolded back into TRL's layout
-  (``unfold_pairs``: ``2m`` rows, chosen first), which ``DPOTrainer.compute_loss`` reads;
-- the engine's item count of a microbatch is its number of pairs (``PairItems``), so N is the
-  global batch's pair count, and ``compute_loss`` returns the microbatch's pair mean times
-  ``m / N``: the microbatches add up to the mean over every pair of the global batch, as one
-  process with the whole batch computes it. The loss types that are not a mean of per-pair
-  terms (``aot``, ``aot_unpaired``: they sort the batch; ``sft``: a token mean over the batch)
-  are refused.
+TRL's collator returns the ``m`` chosen rows, then the ``m`` rejected ones, and the DPO loss is a
+MEAN over pairs. So a pair is one sample of the weighted split: ``PairRows`` folds a batch to one
+``(2, ...)`` row per pair (both sequences stay on one rank, in one microbatch, padded as one
+process pads the global batch), ``unfold_pairs`` restores TRL's layout before the engine runs a
+microbatch, and the item count is the number of pairs (``PairItems``), so the microbatches' pair
+means times ``m / N`` add up to the global batch's mean. Loss types that are not a mean of
+per-pair terms (``aot``, ``aot_unpaired``, ``sft``) are refused.
 
 [Note: the reference log-probabilities]
-``DPOTrainer.compute_loss`` runs in the engine's head per microbatch (its gathers deferred to
-one exchange per step: head_calls.py), where no second model can run. Its reference
-log-probabilities therefore come with the batch, as with TRL's ``precompute_ref_log_probs``:
-
-- ``precompute_ref_log_probs=True``: TRL computes them over the dataset before planning, with
-  the whole model on every rank (as stock DDP; a meta model from ``from_pretrained_sharded`` is
-  refused);
-- a ``ref_model`` (given, or the copy TRL loads): a second engine over it, sharded by the same
-  plan's r_i, frozen, forward only (``Session.forward_only_engine``); each step first runs it
-  over this rank's microbatches (one layered forward, no gradient);
-- a PEFT policy without ``ref_model``: the same pass through the policy's own engine with its
-  adapters disabled (TRL's ``use_adapter(model, None)``).
-
-The step's pass computes each row's summed completion log-probability from its logits (a
-``log_softmax``; TRL's fused head tiles the same computation) and adds ``ref_chosen_logps`` /
-``ref_rejected_logps`` to the microbatch. Requires the ``trl`` extra (written against TRL 1.16).
+``DPOTrainer.compute_loss`` runs in the engine's head per microbatch, where no second model can
+run, so the reference log-probabilities come with the batch (``ref_chosen_logps`` /
+``ref_rejected_logps``), as with TRL's ``precompute_ref_log_probs``: precomputed by TRL before
+planning, or each step by a forward-only pass over this rank's microbatches, through a second
+engine over the ``ref_model`` sharded by the same plan's r_i (``Session.forward_only_engine``),
+or through the policy's own engine with its adapters disabled (PEFT without ``ref_model``).
+The three ways in detail: docs/trl.md, "DPO: CephaloDPOTrainer".
 """
 
 from __future__ import annotations
