@@ -14,6 +14,7 @@ from hf_cephalo.cli.arguments import (DEFAULT_PRECISION, add_cluster_source_argu
                                       check_common_plan_options, precision_arg)
 from hf_cephalo.cli.cluster import (apply_lora, auto_precision_plan, estimate_options,
                                     load_cluster, restrict_gpu_types, spec_cluster)
+from hf_cephalo.planner.types import DEFAULT_MEMORY_FRACTION
 
 __all__ = ["add_simulate_arguments", "run_simulate"]
 
@@ -22,7 +23,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_source_arguments(p, "llama-7b")
     p.add_argument("--global-batch-size", "-B", type=int, nargs="+", required=True,
                    help="B, samples per iteration; several values compare plans across B")
-    p.add_argument("--memory-fraction", type=float, default=0.8,
+    p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
                    help="c, fraction of each GPU's memory a plan may use (default 0.8)")
     p.add_argument("--gpu-types", nargs="+",
                    help="with --cluster: keep only the machines of these GPU types")

@@ -19,6 +19,8 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
+from hf_cephalo.planner.types import DEFAULT_MEMORY_FRACTION
+
 __all__ = ["CephaloSettings", "ENV_PREFIX", "env_name", "cephalo_fields", "JobPrecision",
            "EnginePrecision", "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES",
            "PARAM_DTYPE_CHOICES", "REDUCE_DTYPE_CHOICES", "COLLATE_CHOICES",
@@ -70,7 +72,7 @@ class CephaloSettings:
         "Global batch size B in samples per optimizer step, summed over all ranks. Must equal the "
         "plan's value if a plan file is given. Default: the plan's value, else the per-device "
         "batch size x world size (x gradient accumulation steps)."))
-    memory_fraction: float | None = _setting(0.8, (
+    memory_fraction: float | None = _setting(DEFAULT_MEMORY_FRACTION, (
         "Fraction c in (0, 1] of each device's memory capacity (bytes) the plan may use "
         "(paper §2.4 memory constraints)."))
     activation_offload: str | None = _setting("auto", (
