@@ -20,6 +20,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
 from hf_cephalo.planner.types import DEFAULT_MEMORY_FRACTION
+from hf_cephalo.units import DEFAULT_MAX_SHARD_SIZE
 
 __all__ = ["CephaloSettings", "ENV_PREFIX", "env_name", "cephalo_fields", "JobPrecision",
            "EnginePrecision", "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES",
@@ -109,7 +110,7 @@ class CephaloSettings:
         "safetensors + config, loadable with from_pretrained). False: checkpoints hold the "
         "sharded state only, and `hf-cephalo export checkpoint-N --out DIR` writes the full "
         "model on demand."))
-    max_shard_size: str | None = _setting("50GB", (
+    max_shard_size: str | None = _setting(DEFAULT_MAX_SHARD_SIZE, (
         "Largest weight file save_model writes, as save_pretrained's max_shard_size: bytes or a "
         "size such as '5GB' (units TB, GB, MB, KB, powers of 1000); bigger models are written as "
         "model-0000k-of-0000n.safetensors + model.safetensors.index.json."))
