@@ -43,7 +43,7 @@ def _peak_flops(cluster, precision: str):
     """Spec-sheet peak TFLOP/s per rank, or None if a device type is not in the tables."""
     from hf_cephalo.profiles.specs import get_gpu_spec
 
-    from hf_cephalo.profiles.precision import parse_rank_precisions
+    from hf_cephalo.profiles.precision import PRECISIONS, parse_rank_precisions
     from hf_cephalo.profiles.specs import spec_precisions
 
     try:
@@ -51,12 +51,10 @@ def _peak_flops(cluster, precision: str):
     except ValueError:
         return None
     per_rank = cluster.extra.get("rank_precisions")
-    if per_rank is None and precision not in ("fp32", "bf16", "fp16"):
+    if per_rank is None and precision not in PRECISIONS:
         per_rank = parse_rank_precisions(precision, len(specs)) or \
             [spec_precisions(s)[0] for s in specs]  # auto
-    columns = {"bf16": "bf16_tflops", "fp16": "fp16_tflops", "fp32": "fp32_tflops"}
-    peaks = [getattr(s, columns[p]) for s, p in
-             zip(specs, per_rank or [precision] * len(specs))]
+    peaks = [s.tflops(p) for s, p in zip(specs, per_rank or [precision] * len(specs))]
     return None if any(p is None for p in peaks) else peaks
 
 

@@ -20,6 +20,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
 from hf_cephalo.planner.types import DEFAULT_MEMORY_FRACTION
+from hf_cephalo.profiles.precision import FASTEST_FIRST, PRECISIONS
 from hf_cephalo.units import DEFAULT_MAX_SHARD_SIZE
 
 __all__ = ["CephaloSettings", "ENV_PREFIX", "env_name", "cephalo_fields", "JobPrecision",
@@ -30,8 +31,8 @@ __all__ = ["CephaloSettings", "ENV_PREFIX", "env_name", "cephalo_fields", "JobPr
 ENV_PREFIX = "HF_CEPHALO_"
 ACTIVATION_OFFLOAD_CHOICES = ("on", "off", "auto")
 ADAPTIVE_CHOICES = ("off", "batch", "state")
-PARAM_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
-REDUCE_DTYPE_CHOICES = ("fp32", "bf16", "fp16")
+PARAM_DTYPE_CHOICES = ("auto", *FASTEST_FIRST)
+REDUCE_DTYPE_CHOICES = PRECISIONS
 COLLATE_CHOICES = ("global_width", "global_batch", "microbatch")
 LOSS_REDUCTION_CHOICES = ("mean", "sum")
 
@@ -208,8 +209,7 @@ class CephaloSettings:
         self._validate_emulation()
         if self.precision is not None:
             names = str(self.precision).replace(",", " ").split()
-            if names != ["auto"] and (not names or any(n not in ("fp32", "bf16", "fp16")
-                                                       for n in names)):
+            if names != ["auto"] and (not names or any(n not in PRECISIONS for n in names)):
                 raise self._bad("precision", "must be 'auto' or one of fp32 / bf16 / fp16 per "
                                              "rank in rank order, e.g. 'bf16,bf16,fp16,fp32'")
             self.precision = ",".join(names)
