@@ -433,10 +433,9 @@ class JobPrecision:
 
     def engine(self) -> EnginePrecision:
         """The engine's ``autocast_dtype`` / ``param_dtype`` / ``reduce_dtype``."""
-        import torch
+        from hf_cephalo.engine.rank_precision import DTYPES
 
-        dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-        return EnginePrecision(dtypes[self.compute], dtypes[self.param], dtypes[self.reduce])
+        return EnginePrecision(DTYPES[self.compute], DTYPES[self.param], DTYPES[self.reduce])
 
     def profile(self):
         """The profiler's ``Precision`` (profiles/precision.py) of the one job precision."""
