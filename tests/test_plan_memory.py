@@ -32,6 +32,7 @@ import torch.distributed as dist
 import transformers
 
 from hf_cephalo.engine.engine import CephaloEngine
+from hf_cephalo.engine.rank_precision import DTYPES
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import AutocastStagedModel
 from hf_cephalo.planner import Plan, memory
@@ -88,7 +89,6 @@ NOAC_PLANS = [
 # MeasureConfig / engine precision arguments of each precision
 _PRECISION = {"fp32": ("fp32", "fp32", "fp32"), "bf16": ("bf16", "bf16", "fp32"),
               "bf16+rs": ("bf16", "bf16", "bf16")}
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 # a name fragment: run only those cases (a quick look by hand); unset: all
 ONLY = os.environ.get("HF_CEPHALO_TEST_PLAN_MEMORY_ONLY")
 
@@ -126,7 +126,7 @@ def _profile(world_size: int, tied: bool, precision: str,
     config = MeasureConfig(max_microbatch_size=6, sequence_length=SEQ, warmup=0, repeats=1,
                            progress=False, precision=compute, param_dtype=param,
                            reduce_dtype=reduce)
-    timed = staged if compute == "fp32" else AutocastStagedModel(staged, "cpu", _DTYPES[compute])
+    timed = staged if compute == "fp32" else AutocastStagedModel(staged, "cpu", DTYPES[compute])
     dev = measure_device(timed, config, device="cpu", name="cpu", capacity_bytes=1e12)
     a = boundary_bytes_per_sample(staged, lambda m: synthetic_microbatch(staged.model, m, SEQ),
                                   "cpu", config.gather_dtype)
@@ -138,7 +138,7 @@ def _profile(world_size: int, tied: bool, precision: str,
 def _measured_bytes(rank, plan: Plan, group, tied: bool, precision: str,
                     lora: torch.dtype | None = None) -> float:
     staged = _build(tied, lora)
-    compute, param, reduce = (_DTYPES[d] for d in _PRECISION[precision])
+    compute, param, reduce = (DTYPES[d] for d in _PRECISION[precision])
     engine = CephaloEngine(staged, state_ratios=plan.state_ratios, process_group=group,
                            root_resident=plan.root_resident, autocast_dtype=compute,
                            activation_checkpointing=plan.activation_checkpointing,

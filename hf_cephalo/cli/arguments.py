@@ -15,6 +15,7 @@ from typing import Sequence
 
 from hf_cephalo.planner.types import (activation_checkpointing_setting,
                                       parse_activation_checkpointing)
+from hf_cephalo.profiles.precision import PRECISIONS
 
 __all__ = ["DEFAULT_EFFICIENCY", "DEFAULT_PRECISION", "add_cluster_source_arguments",
            "precision_arg", "checkpointing_word", "checkpointing_arg", "check_output_file",
@@ -55,7 +56,7 @@ def precision_arg(value: str) -> str:
     """``--precision``: fp32 / bf16 / fp16, ``auto`` or a comma list of those (one per rank;
     its length is checked against the cluster)."""
     names = value.replace(",", " ").split()
-    if value != "auto" and (not names or any(n not in ("fp32", "bf16", "fp16") for n in names)):
+    if value != "auto" and (not names or any(n not in PRECISIONS for n in names)):
         raise argparse.ArgumentTypeError(
             f"{value!r}: give fp32, bf16, fp16, auto, or one of those per rank (bf16,fp16,fp32)")
     return value

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from hf_cephalo.units import DEFAULT_MAX_SHARD_SIZE
+
 __all__ = ["add_export_arguments", "run_export"]
 
 
@@ -23,7 +25,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="allow --out to be a non-empty directory that is not a previous export "
                         "(never the checkpoint directory itself)")
-    p.add_argument("--max-shard-size", default="50GB",
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                    help="largest weight file, as save_pretrained's max_shard_size: bytes or a "
                         "size such as '5GB' (units TB, GB, MB, KB; powers of 1000). Larger "
                         "weights go into model-0000k-of-0000n.safetensors files with an index "

@@ -16,7 +16,7 @@ from hf_cephalo.cli.arguments import (DEFAULT_PRECISION, add_cluster_source_argu
                                       checkpointing_word, precision_arg)
 from hf_cephalo.cli.cluster import auto_precision_plan, load_cluster, spec_cluster
 from hf_cephalo.planner.types import (ACTIVATION_CHECKPOINTING_CHOICES,
-                                      activation_checkpointing_mode)
+                                      DEFAULT_MEMORY_FRACTION, activation_checkpointing_mode)
 
 __all__ = ["add_plan_arguments", "run_plan", "format_plan_table", "plan_figure", "plot_plan"]
 
@@ -25,7 +25,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_source_arguments(p, "llama-3b")
     p.add_argument("--global-batch-size", "-B", type=int, required=True,
                    help="B, samples per iteration over all ranks")
-    p.add_argument("--memory-fraction", type=float, default=0.8,
+    p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
                    help="c, fraction of each GPU's memory the plan may use (default 0.8)")
     p.add_argument("--no-idle", action="store_true",
                    help="require every rank to process at least one sample (b_i >= 1)")

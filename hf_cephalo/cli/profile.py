@@ -13,6 +13,7 @@ import argparse
 import os
 
 from hf_cephalo.cli.arguments import check_output_file
+from hf_cephalo.profiles.precision import PRECISIONS
 
 __all__ = ["add_profile_arguments", "run_profile"]
 
@@ -33,14 +34,14 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                         "--precision bf16) or bfloat16 (a model trained in bfloat16 parameters); "
                         "float16 is refused (Cephalo does not train in float16)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per microbatch size (median)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16 / fp16: time the forward under that autocast, as training with "
                         "--bf16 / --fp16 runs (default fp32)")
-    p.add_argument("--param-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+    p.add_argument("--param-dtype", choices=("auto", *PRECISIONS), default="auto",
                    help="gathered-parameter dtype of the job (cephalo_param_dtype): auto "
                         "(default: the --precision dtype, as the trainer's default), fp32, or "
                         "the --precision dtype; the unit is profiled gathered in it")
-    p.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+    p.add_argument("--reduce-dtype", choices=PRECISIONS, default="fp32",
                    help="gradient reduce-scatter dtype of the job (cephalo_reduce_dtype): fp32 "
                         "(default) or the param dtype; recorded in the profile's precision")
     p.add_argument("--emulate-slowdown", help="emulation: per-rank compute slowdown, e.g. '1,3'")

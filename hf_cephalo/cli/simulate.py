@@ -14,6 +14,7 @@ from hf_cephalo.cli.arguments import (DEFAULT_PRECISION, add_cluster_source_argu
                                       check_common_plan_options, precision_arg)
 from hf_cephalo.cli.cluster import (apply_lora, auto_precision_plan, estimate_options,
                                     load_cluster, restrict_gpu_types, spec_cluster)
+from hf_cephalo.planner.types import DEFAULT_MEMORY_FRACTION
 
 __all__ = ["add_simulate_arguments", "run_simulate"]
 
@@ -22,7 +23,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_source_arguments(p, "llama-7b")
     p.add_argument("--global-batch-size", "-B", type=int, nargs="+", required=True,
                    help="B, samples per iteration; several values compare plans across B")
-    p.add_argument("--memory-fraction", type=float, default=0.8,
+    p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
                    help="c, fraction of each GPU's memory a plan may use (default 0.8)")
     p.add_argument("--gpu-types", nargs="+",
                    help="with --cluster: keep only the machines of these GPU types")
@@ -42,7 +43,7 @@ def _peak_flops(cluster, precision: str):
     """Spec-sheet peak TFLOP/s per rank, or None if a device type is not in the tables."""
     from hf_cephalo.profiles.specs import get_gpu_spec
 
-    from hf_cephalo.profiles.precision import parse_rank_precisions
+    from hf_cephalo.profiles.precision import PRECISIONS, parse_rank_precisions
     from hf_cephalo.profiles.specs import spec_precisions
 
     try:
@@ -50,12 +51,10 @@ def _peak_flops(cluster, precision: str):
     except ValueError:
         return None
     per_rank = cluster.extra.get("rank_precisions")
-    if per_rank is None and precision not in ("fp32", "bf16", "fp16"):
+    if per_rank is None and precision not in PRECISIONS:
         per_rank = parse_rank_precisions(precision, len(specs)) or \
             [spec_precisions(s)[0] for s in specs]  # auto
-    columns = {"bf16": "bf16_tflops", "fp16": "fp16_tflops", "fp32": "fp32_tflops"}
-    peaks = [getattr(s, columns[p]) for s, p in
-             zip(specs, per_rank or [precision] * len(specs))]
+    peaks = [s.tflops(p) for s, p in zip(specs, per_rank or [precision] * len(specs))]
     return None if any(p is None for p in peaks) else peaks
 
 

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 import torch
 
 from hf_cephalo.file_modes import apply_default_mode
+from hf_cephalo.units import DEFAULT_MAX_SHARD_SIZE
 
 from .checkpoint_files import errors_on_every_rank, fsync_file
 
@@ -47,7 +48,6 @@ __all__ = ["DEFAULT_MAX_SHARD_SIZE", "WEIGHTS_NAME", "INDEX_NAME", "PROCESSOR_FI
            "engine_sources", "write_hf_files", "write_hf_configs", "remove_stale_weights",
            "copy_processor_files", "save_pretrained_streamed"]
 
-DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5.x save_pretrained's default
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")

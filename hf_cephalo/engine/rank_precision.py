@@ -41,6 +41,7 @@ from ..profiles.precision import (PRECISIONS, auto_precision, capability_precisi
 __all__ = ["RankPrecision", "DTYPES", "rank_precision", "device_precisions",
            "resolve_rank_precisions", "check_scalable_optimizer"]
 
+# precision name (PRECISIONS) -> torch dtype, None = fp32 (no cast); the package's one such map
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -19,6 +19,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from hf_cephalo.planner.memory import activation_bytes, memory_line  # noqa: F401 (re-export)
+from hf_cephalo.planner.types import DEFAULT_MEMORY_FRACTION  # noqa: F401 (re-export)
 from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile
 
 __all__ = [
@@ -48,8 +49,6 @@ __all__ = [
 
 UNEVEN_FACTOR = 1.15
 """u when not measured: collective slowdown of uneven shards, the paper's bound (§2.4/§3)."""
-DEFAULT_MEMORY_FRACTION = 0.8
-"""c: the fraction of each GPU's memory the plan may use (paper §3: cap at 80 %)."""
 
 
 def _upper_line(ms: np.ndarray, values: np.ndarray) -> tuple[float, float]:

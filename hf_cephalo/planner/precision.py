@@ -15,6 +15,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 from hf_cephalo.planner.optimize import InfeasiblePlanError
 from hf_cephalo.planner.types import Plan
+from hf_cephalo.profiles.precision import FASTEST_FIRST
 from hf_cephalo.profiles.types import ClusterProfile
 
 __all__ = ["PrecisionChoice", "precision_candidates", "choose_precision"]
@@ -35,7 +36,7 @@ def precision_candidates(supported: Sequence[Sequence[str]]) -> dict[str, list[s
     """Per-rank precision lists to plan: each precision every rank runs (one for all; 16-bit
     first), then each rank's fastest (``supported[i]`` fastest first) when that differs."""
     out = {}
-    for p in ("bf16", "fp16", "fp32"):
+    for p in FASTEST_FIRST:
         if all(p in s for s in supported):
             out[p] = [p] * len(supported)
     fastest = [s[0] for s in supported]

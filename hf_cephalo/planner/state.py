@@ -18,6 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+from hf_cephalo.planner.types import DEFAULT_MEMORY_FRACTION
+
 __all__ = ["partition_state", "layout_unit_shards", "integer_targets", "skewed_state_ratios"]
 
 
@@ -55,7 +57,7 @@ def partition_state(state_bytes: float, compute_memory_bytes: Sequence[float],
 
 
 def skewed_state_ratios(state_bytes: float, capacity_bytes: Sequence[float],
-                        memory_fraction: float = 0.8) -> list[float]:
+                        memory_fraction: float = DEFAULT_MEMORY_FRACTION) -> list[float]:
     """The most skewed state ratios the memory caps allow: the rank with the most memory takes
     as much of S as c·C_i holds, then the next, ... (compute memory ignored: an upper bound on
     the skew of any plan). What the profiler times the uneven factor u for.

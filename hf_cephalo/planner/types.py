@@ -22,11 +22,13 @@ from hf_cephalo.launch_check import single_process_hint
 from hf_cephalo.profiles.precision import PRECISIONS, Precision
 from hf_cephalo.profiles.types import ModelProfile, file_remedy, read_json_file, write_json_file
 
-__all__ = ["RankPlan", "Plan", "PLAN_FORMAT", "check_batch_and_fraction",
-           "ACTIVATION_CHECKPOINTING_CHOICES", "parse_activation_checkpointing",
-           "activation_checkpointing_setting"]
+__all__ = ["RankPlan", "Plan", "PLAN_FORMAT", "DEFAULT_MEMORY_FRACTION",
+           "check_batch_and_fraction", "ACTIVATION_CHECKPOINTING_CHOICES",
+           "parse_activation_checkpointing", "activation_checkpointing_setting"]
 
 ACTIVATION_CHECKPOINTING_CHOICES = ("true", "false", "auto")
+DEFAULT_MEMORY_FRACTION = 0.8
+"""c: the fraction of each GPU's memory the plan may use (paper §3: cap at 80 %)."""
 
 
 def parse_activation_checkpointing(value: Any) -> str:
@@ -168,7 +170,7 @@ class Plan:
     """
 
     global_batch_size: int
-    memory_fraction: float = 0.8
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
     uneven_state: bool = False
     predicted_iteration_s: float | None = None
     ranks: list[RankPlan] = field(default_factory=list)
@@ -259,7 +261,7 @@ class Plan:
     @classmethod
     def from_ratios(cls, batch_sizes: Sequence[int], microbatch_sizes: Sequence[int],
                     state_ratios: Sequence[float], *, devices: Sequence[str] | None = None,
-                    memory_fraction: float = 0.8, root_resident: bool = False,
+                    memory_fraction: float = DEFAULT_MEMORY_FRACTION, root_resident: bool = False,
                     activation_checkpointing: bool = True) -> "Plan":
         """A hand-made plan: l_i = ceil(b_i / m_i) (last microbatch smaller), b_i may be 0.
 
@@ -353,7 +355,7 @@ class Plan:
                 raise ValueError(f"plan JSON: rank entry {i} misses {missing}")
             ranks.append(RankPlan(**{k: r[k] for k in keys if k in r}))
         return cls(global_batch_size=data["global_batch_size"],
-                   memory_fraction=data.get("memory_fraction", 0.8),
+                   memory_fraction=data.get("memory_fraction", DEFAULT_MEMORY_FRACTION),
                    uneven_state=bool(data.get("uneven_state", False)),
                    predicted_iteration_s=data.get("predicted_iteration_s"),
                    ranks=ranks, model=data.get("model"),

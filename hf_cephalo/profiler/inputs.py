@@ -16,16 +16,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from hf_cephalo.engine.rank_precision import DTYPES
 from hf_cephalo.profiles.precision import PRECISIONS, Precision
 
-__all__ = ["MeasureConfig", "MakeMicrobatch", "AUTOCAST_DTYPES", "precision_tag",
+__all__ = ["MeasureConfig", "MakeMicrobatch", "precision_tag",
            "synthetic_microbatch", "max_positions", "build_model_from_config",
            "sequence_length_of"]
 
 MakeMicrobatch = Callable[[int], Mapping[str, torch.Tensor]]
-
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def precision_tag(param_dtype: str, precision: str, gather: str = "fp32",
@@ -90,7 +88,7 @@ class MeasureConfig:
     @property
     def gather_dtype(self) -> torch.dtype | None:
         """The dtype the unit's views are cast to, None when not cast."""
-        return AUTOCAST_DTYPES.get(self.param_dtype)
+        return DTYPES.get(self.param_dtype)
 
     def prints(self, rank: int) -> bool:
         """Whether ``rank`` prints progress lines under this config."""

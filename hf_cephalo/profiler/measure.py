@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hf_cephalo.engine.compile import CompiledUnits, CompileOptions
+from hf_cephalo.engine.rank_precision import DTYPES
 from hf_cephalo.models.base import AutocastStagedModel, StagedModel
 from hf_cephalo.planner.state import skewed_state_ratios
 from hf_cephalo.profiles.cache import (ProfileCache, comm_key, device_key, model_description,
@@ -28,9 +29,9 @@ from hf_cephalo.profiler.emulate import EmulatedStagedModel, EmulationConfig, em
 from hf_cephalo.profiler.hardware import (all_gather_objects, device_capacity_bytes,
                                           local_device_name, local_world_size, machine_layout,
                                           rank_and_world_size)
-from hf_cephalo.profiler.inputs import (AUTOCAST_DTYPES, MakeMicrobatch, MeasureConfig,
-                                        build_model_from_config, max_positions, precision_tag,
-                                        sequence_length_of, synthetic_microbatch)
+from hf_cephalo.profiler.inputs import (MakeMicrobatch, MeasureConfig, build_model_from_config,
+                                        max_positions, precision_tag, sequence_length_of,
+                                        synthetic_microbatch)
 from hf_cephalo.profiler.model_facts import boundary_bytes_per_sample, model_dtype, model_profile
 from hf_cephalo.profiler.profile_checks import check_profile_matches, check_profile_precision
 from hf_cephalo.profiles.precision import PRECISIONS
@@ -91,7 +92,7 @@ def _profile_cluster(staged: StagedModel, config: MeasureConfig, *, device, emul
     slowdown = 1.0 if emulation is None else emulation.slowdown_of(rank)
     cap = None if emulation is None else emulation.cap_of(rank)
     base = staged.inner if isinstance(staged, EmulatedStagedModel) else staged
-    timed = AutocastStagedModel(base, torch.device(device).type, AUTOCAST_DTYPES[config.precision]) \
+    timed = AutocastStagedModel(base, torch.device(device).type, DTYPES[config.precision]) \
         if config.precision != "fp32" else base
     measured = EmulatedStagedModel(timed, slowdown, device) if slowdown != 1.0 else timed
     name = emulated_device_name(local_device_name(device), slowdown, cap)

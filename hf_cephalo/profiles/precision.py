@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-__all__ = ["PRECISIONS", "ELEMENT_BYTES", "Precision", "PER_RANK", "capability_precisions",
-           "auto_precision", "parse_rank_precisions", "check_rank_precisions",
-           "rank_precisions_tag"]
+__all__ = ["PRECISIONS", "FASTEST_FIRST", "ELEMENT_BYTES", "Precision", "PER_RANK",
+           "capability_precisions", "auto_precision", "parse_rank_precisions",
+           "check_rank_precisions", "rank_precisions_tag"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16")  # the precision names, declared once
+FASTEST_FIRST = (*PRECISIONS[1:], PRECISIONS[0])  # bf16 > fp16 > fp32
 PER_RANK = "per-rank"  # compute part of the tag of a job whose ranks differ in precision
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one element of each dtype
 
@@ -84,8 +85,6 @@ class Precision(NamedTuple):
 
 # --- precision per rank (docs/engine.md "Precision per rank") ----------------------------------
 
-_FASTEST_FIRST = ("bf16", "fp16", "fp32")
-
 
 def capability_precisions(capability: tuple[int, int] | None) -> tuple[str, ...]:
     """Precisions a device runs, fastest first, from its CUDA compute capability.
@@ -97,7 +96,7 @@ def capability_precisions(capability: tuple[int, int] | None) -> tuple[str, ...]
     fp32 only. Source: CUDA C++ Programming Guide, "Arithmetic Instructions" throughput table.
     """
     if capability is None:
-        return ("bf16", "fp16", "fp32")
+        return FASTEST_FIRST
     major, minor = int(capability[0]), int(capability[1])
     out = []
     if major >= 8:

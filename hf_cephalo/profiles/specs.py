@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from hf_cephalo.profiles.precision import (FASTEST_FIRST, PRECISIONS, check_rank_precisions,
+                                           parse_rank_precisions, rank_precisions_tag)
 from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 from hf_cephalo.units import GIB
 
@@ -64,6 +66,11 @@ class GPUSpec:
     bf16_tflops: float | None
     source: str
     fp16_tflops: float | None = None
+
+    def tflops(self, precision: str) -> float | None:
+        """The peak TFLOP/s column of ``precision`` (one of PRECISIONS); None: not listed."""
+        return {"fp32": self.fp32_tflops, "bf16": self.bf16_tflops,
+                "fp16": self.fp16_tflops}[precision]
 
 
 _DATASHEET = "NVIDIA data sheet"
@@ -541,8 +548,7 @@ def spec_precisions(gpu: str | GPUSpec) -> tuple[str, ...]:
     """Precisions the spec sheet of ``gpu`` gives a rate for, fastest first (bf16 > fp16 >
     fp32): what ``--precision auto`` picks from and what a per-rank list is checked against."""
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu_spec(gpu)
-    return tuple(p for p, rate in (("bf16", spec.bf16_tflops), ("fp16", spec.fp16_tflops),
-                                   ("fp32", spec.fp32_tflops)) if rate is not None)
+    return tuple(p for p in FASTEST_FIRST if spec.tflops(p) is not None)
 
 
 def rank_precisions_for(cluster: ClusterSpec, precision: str | Sequence[str]) -> list[str]:
@@ -551,11 +557,9 @@ def rank_precisions_for(cluster: ClusterSpec, precision: str | Sequence[str]) ->
 
     Raises ValueError: a list of the wrong length or a GPU without the precision (naming the
     rank and the GPU)."""
-    from hf_cephalo.profiles.precision import check_rank_precisions, parse_rank_precisions
-
     gpus = cluster.gpus
     supported = [spec_precisions(g) for g in gpus]
-    if isinstance(precision, str) and precision in ("fp32", "bf16", "fp16"):
+    if isinstance(precision, str) and precision in PRECISIONS:
         # one precision for all: estimate_device_profile refuses it with the proposal
         return [precision] * len(gpus)
     out = parse_rank_precisions(precision, len(gpus))
@@ -579,8 +583,6 @@ def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kw
     gathers the fp32 master and each rank casts locally: docs/engine.md "Precision per rank");
     ``extra["rank_precisions"]`` records the list.
     """
-    from hf_cephalo.profiles.precision import rank_precisions_tag
-
     precision = kwargs.pop("precision", "fp32")
     shape = model if isinstance(model, ModelShape) else get_model_shape(model)
     gpus = cluster.gpus
@@ -597,7 +599,7 @@ def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kw
     uniform = per_rank[0] if len(set(per_rank)) == 1 else "fp32"
     extra = {"cluster": cluster.name, "model_shape": shape.name,
              "dtype": rank_precisions_tag(per_rank)}
-    if not (isinstance(precision, str) and precision in ("fp32", "bf16", "fp16")):
+    if not (isinstance(precision, str) and precision in PRECISIONS):
         extra["rank_precisions"] = list(per_rank)
     return ClusterProfile(model=_model_in_precision(shape, uniform), devices=devices,
                           comm=estimate_comm_profile(shape, len(gpus), bw),

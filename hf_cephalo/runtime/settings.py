@@ -19,6 +19,10 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
+from hf_cephalo.planner.types import DEFAULT_MEMORY_FRACTION
+from hf_cephalo.profiles.precision import FASTEST_FIRST, PRECISIONS
+from hf_cephalo.units import DEFAULT_MAX_SHARD_SIZE
+
 __all__ = ["CephaloSettings", "ENV_PREFIX", "env_name", "cephalo_fields", "JobPrecision",
            "EnginePrecision", "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES",
            "PARAM_DTYPE_CHOICES", "REDUCE_DTYPE_CHOICES", "COLLATE_CHOICES",
@@ -27,8 +31,8 @@ __all__ = ["CephaloSettings", "ENV_PREFIX", "env_name", "cephalo_fields", "JobPr
 ENV_PREFIX = "HF_CEPHALO_"
 ACTIVATION_OFFLOAD_CHOICES = ("on", "off", "auto")
 ADAPTIVE_CHOICES = ("off", "batch", "state")
-PARAM_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
-REDUCE_DTYPE_CHOICES = ("fp32", "bf16", "fp16")
+PARAM_DTYPE_CHOICES = ("auto", *FASTEST_FIRST)
+REDUCE_DTYPE_CHOICES = PRECISIONS
 COLLATE_CHOICES = ("global_width", "global_batch", "microbatch")
 LOSS_REDUCTION_CHOICES = ("mean", "sum")
 
@@ -70,7 +74,7 @@ class CephaloSettings:
         "Global batch size B in samples per optimizer step, summed over all ranks. Must equal the "
         "plan's value if a plan file is given. Default: the plan's value, else the per-device "
         "batch size x world size (x gradient accumulation steps)."))
-    memory_fraction: float | None = _setting(0.8, (
+    memory_fraction: float | None = _setting(DEFAULT_MEMORY_FRACTION, (
         "Fraction c in (0, 1] of each device's memory capacity (bytes) the plan may use "
         "(paper §2.4 memory constraints)."))
     activation_offload: str | None = _setting("auto", (
@@ -107,7 +111,7 @@ class CephaloSettings:
         "safetensors + config, loadable with from_pretrained). False: checkpoints hold the "
         "sharded state only, and `hf-cephalo export checkpoint-N --out DIR` writes the full "
         "model on demand."))
-    max_shard_size: str | None = _setting("50GB", (
+    max_shard_size: str | None = _setting(DEFAULT_MAX_SHARD_SIZE, (
         "Largest weight file save_model writes, as save_pretrained's max_shard_size: bytes or a "
         "size such as '5GB' (units TB, GB, MB, KB, powers of 1000); bigger models are written as "
         "model-0000k-of-0000n.safetensors + model.safetensors.index.json."))
@@ -205,8 +209,7 @@ class CephaloSettings:
         self._validate_emulation()
         if self.precision is not None:
             names = str(self.precision).replace(",", " ").split()
-            if names != ["auto"] and (not names or any(n not in ("fp32", "bf16", "fp16")
-                                                       for n in names)):
+            if names != ["auto"] and (not names or any(n not in PRECISIONS for n in names)):
                 raise self._bad("precision", "must be 'auto' or one of fp32 / bf16 / fp16 per "
                                              "rank in rank order, e.g. 'bf16,bf16,fp16,fp32'")
             self.precision = ",".join(names)
@@ -430,10 +433,9 @@ class JobPrecision:
 
     def engine(self) -> EnginePrecision:
         """The engine's ``autocast_dtype`` / ``param_dtype`` / ``reduce_dtype``."""
-        import torch
+        from hf_cephalo.engine.rank_precision import DTYPES
 
-        dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-        return EnginePrecision(dtypes[self.compute], dtypes[self.param], dtypes[self.reduce])
+        return EnginePrecision(DTYPES[self.compute], DTYPES[self.param], DTYPES[self.reduce])
 
     def profile(self):
         """The profiler's ``Precision`` (profiles/precision.py) of the one job precision."""

@@ -14,8 +14,9 @@ import os
 import torch
 
 from ..checkpoint_files import CheckpointError
-from ..export import (PROCESSOR_FILES, SavedTensor, copy_processor_files, parse_max_shard_size,
-                      plan_hf_files, remove_stale_weights, write_hf_configs, write_hf_files)
+from ..export import (DEFAULT_MAX_SHARD_SIZE, PROCESSOR_FILES, SavedTensor, copy_processor_files,
+                      parse_max_shard_size, plan_hf_files, remove_stale_weights, write_hf_configs,
+                      write_hf_files)
 from .layout import FILES, CheckpointLayout
 from .reader import ShardReader, read_buffers, read_layout, read_parts, unit_views
 
@@ -85,7 +86,7 @@ def check_export_target(directory: str, out_dir: str, *, overwrite: bool = False
 
 
 def export_hf(directory: str, out_dir: str, *, verify: bool = True, overwrite: bool = False,
-              max_shard_size: int | str = "50GB") -> str:
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> str:
     """Write a ``from_pretrained``-loadable model directory from a sharded checkpoint.
 
     Offline (no process group). The model class named by the saved config's ``architectures``
