@@ -14,8 +14,7 @@ Layers, each importing only the ones below it: ``units`` / ``profiles`` -> ``pla
 here, so ``hf-cephalo plan`` starts without torch.distributed.
 """
 
-from importlib import import_module
-
+from hf_cephalo.lazy import lazy_exports
 from hf_cephalo.parent_death import install_parent_death_guard as _install_parent_death_guard
 from hf_cephalo.rank_errors import install_rank_error_hook as _install_rank_error_hook
 
@@ -45,12 +44,4 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str):
-    """Lazy top-level names (importing them pulls in torch and transformers; TRL's need trl)."""
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'hf_cephalo' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf_cephalo")
 LAYERS = {
-    "units": 0, "file_modes": 0, "console": 0, "launch_check": 0, "environment": 0,
+    "units": 0, "file_modes": 0, "console": 0, "launch_check": 0, "environment": 0, "lazy": 0,
     "profiles": 1, "planner": 2, "models": 3, "engine": 3, "profiler": 4, "runtime": 5,
     "integrations": 6, "demo_data": 6, "cli": 7, "rank_errors": 7, "parent_death": 7, "__init__": 7,
 }

@@ -13,7 +13,7 @@ import argparse
 import os
 from typing import Sequence
 
-from hf_cephalo.planner.types import (activation_checkpointing_setting,
+from hf_cephalo.planner.types import (DEFAULT_MEMORY_FRACTION, activation_checkpointing_setting,
                                       parse_activation_checkpointing)
 from hf_cephalo.profiles.precision import PRECISIONS
 
@@ -157,7 +157,8 @@ def _check_fraction(value: float | None, flag: str, what: str, note: str) -> Non
 def check_common_plan_options(args: argparse.Namespace, outputs: Sequence[str]) -> None:
     """Checks shared by plan and simulate, all before reading, solving or printing anything."""
     _check_fraction(args.memory_fraction, "--memory-fraction", "memory fraction",
-                    "the share of each GPU's memory a plan may use; default 0.8")
+                    f"the share of each GPU's memory a plan may use; default "
+                    f"{DEFAULT_MEMORY_FRACTION}")
     _check_fraction(args.efficiency, "--efficiency", "efficiency",
                     f"the assumed share of peak FLOP/s; default {DEFAULT_EFFICIENCY}")
     if args.profile:

@@ -29,7 +29,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest weight file, as save_pretrained's max_shard_size: bytes or a "
                         "size such as '5GB' (units TB, GB, MB, KB; powers of 1000). Larger "
                         "weights go into model-0000k-of-0000n.safetensors files with an index "
-                        "(default 50GB, save_pretrained's)")
+                        f"(default {DEFAULT_MAX_SHARD_SIZE}, save_pretrained's)")
     p.add_argument("--merge-lora", action="store_true",
                    help="the checkpoint is of a LoRA PeftModel run: write the base model with "
                         "the adapter merged into its weights (PEFT's merge_and_unload, streamed "

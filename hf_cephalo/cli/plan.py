@@ -26,7 +26,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch-size", "-B", type=int, required=True,
                    help="B, samples per iteration over all ranks")
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
-                   help="c, fraction of each GPU's memory the plan may use (default 0.8)")
+                   help="c, fraction of each GPU's memory the plan may use (default "
+                        f"{DEFAULT_MEMORY_FRACTION})")
     p.add_argument("--no-idle", action="store_true",
                    help="require every rank to process at least one sample (b_i >= 1)")
     p.add_argument("--precision", type=precision_arg, default=None,

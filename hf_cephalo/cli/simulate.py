@@ -24,7 +24,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch-size", "-B", type=int, nargs="+", required=True,
                    help="B, samples per iteration; several values compare plans across B")
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
-                   help="c, fraction of each GPU's memory a plan may use (default 0.8)")
+                   help="c, fraction of each GPU's memory a plan may use (default "
+                        f"{DEFAULT_MEMORY_FRACTION})")
     p.add_argument("--gpu-types", nargs="+",
                    help="with --cluster: keep only the machines of these GPU types")
     p.add_argument("--no-idle", action="store_true",

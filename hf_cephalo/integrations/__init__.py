@@ -4,7 +4,7 @@ folder each: ``trainer/`` (transformers' Trainer), ``loop/`` (an Accelerate loop
 load reports). A door only translates its front end's settings into the runtime's ``Job`` and
 calls the runtime. Every door name is re-exported here and at ``hf_cephalo`` (lazily)."""
 
-from importlib import import_module
+from hf_cephalo.lazy import lazy_exports
 
 _EXPORTS = {
     **{n: "trainer" for n in ("CephaloTrainer", "CephaloTrainerMixin", "CephaloTrainingArguments",
@@ -21,11 +21,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,7 +1,7 @@
 """The Accelerate-loop door: ``CephaloAccelerator`` / ``CephaloPlugin``, a drop-in for
 ``Accelerator`` in a custom training loop (names imported lazily)."""
 
-from importlib import import_module
+from hf_cephalo.lazy import lazy_exports
 
 _EXPORTS = {
     "CephaloAccelerator": "accelerator",
@@ -14,11 +14,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -2,7 +2,7 @@
 ``CephaloDPOTrainer`` / ``CephaloDPOConfig``, drop-ins for TRL's (names imported lazily: the
 package imports without trl)."""
 
-from importlib import import_module
+from hf_cephalo.lazy import lazy_exports
 
 _EXPORTS = {
     "CephaloSFTTrainer": "sft",
@@ -14,11 +14,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
