@@ -1,22 +1,16 @@
 """Refuse a job that runs as one process where the user launched several.
 
 [Note: one process where several were asked]
-Stock ``accelerate launch`` (1.15, ``accelerate/commands/launch.py`` ``launch_command``) starts
-several workers only through torchrun (``multi_gpu_launcher``): with ``distributed_type:
-MULTI_GPU`` in the config, ``--multi_gpu``, or more than one visible GPU. Otherwise (no config
-on a machine without CUDA, ``--cpu``, or a config saying ``MULTI_CPU``, which expects
-``--mpirun_hostfile``) it runs ``simple_launcher``: ONE ``python train.py`` whatever
-``--num_processes`` says. That worker gets no ``WORLD_SIZE`` / ``RANK`` / ``LOCAL_RANK`` /
-``LOCAL_WORLD_SIZE`` and no process count; it gets the ``ACCELERATE_*`` variables the launcher
-always exports (``ACCELERATE_USE_CPU``, ``ACCELERATE_MIXED_PRECISION``) and, only when
-``--num_processes`` > 1 or ``--num_machines`` > 1, ``MASTER_ADDR`` / ``MASTER_PORT``
-(``accelerate/utils/launch.py`` ``prepare_simple_launcher_cmd_env``). Accelerate then reports
-``DistributedType.NO`` with one process and the job silently trains one rank (DESIGN.md
-contract 6). So a world of one on CPU, without a launcher's ``WORLD_SIZE``, with the simple
-launcher's variables and a ``MASTER_ADDR`` that the launcher process itself did not have
-(``/proc/<ppid>/environ``, where readable), is that mistake; so is one process given a plan
-for several ranks. ``accelerate_configs/cephalo_cpu.yaml`` says MULTI_GPU, so torchrun starts
-the workers, and Cephalo runs them on CPU over gloo (docs/accelerate.md).
+Stock ``accelerate launch`` (1.15) starts several workers only through torchrun; otherwise (no
+config on a machine without CUDA, ``--cpu``, a ``MULTI_CPU`` config) it runs ONE ``python
+train.py`` whatever ``--num_processes`` says, and Accelerate reports ``DistributedType.NO``
+with one process: the job would silently train one rank (DESIGN.md contract 6). So a world of
+one on CPU, without a launcher's ``WORLD_SIZE``, with the simple launcher's variables and a
+``MASTER_ADDR`` that the launcher process itself did not have (``/proc/<ppid>/environ``, where
+readable), is that mistake; so is one process given a plan for several ranks.
+``accelerate_configs/cephalo_cpu.yaml`` says MULTI_GPU, so torchrun starts the workers. What
+the simple launcher passes, in accelerate's source: docs/accelerate.md, "One process where
+several were asked for".
 """
 
 from __future__ import annotations

@@ -1,37 +1,17 @@
 """Under a launcher, end this worker when the launcher dies.
 
 [Note: parent death]
-Under ``torchrun`` and ``accelerate launch`` every worker is a child of the launcher's elastic
-agent: the ``torchrun`` process itself, and for ``accelerate launch`` the ``accelerate launch``
-process (it runs torch's agent in-process; tests/test_parent_death.py checks both trees). When
-the launcher is killed with SIGKILL (a scheduler pre-empting or cancelling the job), nothing
-stops its workers: they are re-parented to init (or a subreaper) and go on training and
-writing checkpoints into the output directory. ``install_parent_death_guard`` (called when
-``hf_cephalo`` is imported, only under torchelastic: ``TORCHELASTIC_RUN_ID`` set) ends the
-worker within about a second of its launcher's death, by two routes:
-
-- Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` through ctypes: the kernel sends SIGKILL when
-  the thread that started the worker exits (torch's agent starts workers from its main thread,
-  so: when the launcher process ends).
-- Everywhere (and as the fallback where prctl is missing, or when the worker started before
-  the guard was set): a daemon thread polls ``os.getppid()`` every ``POLL_S`` seconds and ends
-  the process with ``os._exit`` (no handler, no ``atexit``) once the parent is no longer the
-  launcher it started under.
-
-Why SIGKILL / ``os._exit`` and not SIGTERM: SIGTERM is the launcher's ordinary "stop" and, with
-``enable_jit_checkpoint``, stock Trainer's cue to write a checkpoint. A worker whose launcher
-is gone must not start that save: the other ranks are being ended at the same time, so the
-save's collectives would fail or wait for peers that are gone. Parent death therefore takes
-its own path that runs no Python code of the training script. A worker ended in the middle of
-a checkpoint leaves only the hidden staging directory ``.tmp-checkpoint-N``: the completeness
-marker is written and the directory renamed into place only after every rank finished
-writing (hf_cephalo/engine/checkpoint/atomic.py, [Note: atomic checkpoints]), so no ``checkpoint-N``
-is ever published partial.
-
-A worker started by a plain ``python train.py`` (no ``TORCHELASTIC_RUN_ID``) is left alone:
-there the parent is a shell, and ``nohup``/a closed terminal must not end a training run.
-Not covered: a launcher that dies between starting the worker and the worker's
-``import hf_cephalo`` (the guard then records the new parent as the launcher).
+Under a torchelastic launcher (``torchrun``, ``accelerate launch``: ``TORCHELASTIC_RUN_ID`` set)
+a worker must not outlive its launcher: one killed with SIGKILL (a scheduler pre-empting the
+job) leaves its workers re-parented, still training and writing checkpoints.
+``install_parent_death_guard`` (run when ``hf_cephalo`` is imported) ends the worker within
+about a second of that death: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` on Linux and, everywhere, a
+daemon thread that polls ``os.getppid()`` every ``POLL_S`` seconds and calls ``os._exit``. Never
+through SIGTERM or Python handlers: SIGTERM is the launcher's ordinary stop and the cue for a
+JIT checkpoint, whose collectives cannot finish while the other ranks are ending too; a save
+cut off stays an unpublished ``.tmp-checkpoint-N`` ([Note: atomic checkpoints]). A plain
+``python train.py`` is left alone (its parent is a shell). The two routes in detail, and what
+is not covered: docs/accelerate.md, "Parent death".
 """
 
 from __future__ import annotations

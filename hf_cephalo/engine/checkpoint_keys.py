@@ -1,31 +1,16 @@
 """Which checkpoint key feeds which model parameter: transformers' own renames, no hand matching.
 
 [Note: checkpoint keys through transformers' mapping]
-A folder written by ``save_pretrained`` does not always use the model's parameter names:
-transformers 5 renames modules in code and maps the stored names back when loading (GPT-NeoX's
-``embed_out`` -> ``lm_head``; ViT's ``encoder.layer.N.attention.attention.query`` ->
-``layers.N.attention.q_proj``), old checkpoints carry legacy names (BERT's ``LayerNorm.gamma``
-/ ``beta``), a checkpoint of the base model lacks the ``base_model_prefix`` (``h.0...`` for
-``transformer.h.0...``) and one of a model with a head has it where a base model has not, and
-``from_pretrained(..., key_mapping=...)`` adds the user's own renames. ``checkpoint_key_map``
-resolves every checkpoint key with the functions ``from_pretrained`` itself uses, in its order:
-``transformers.conversion_mapping.get_model_conversion_mapping(model, key_mapping)`` (the
-model's registered transforms, scoped to sub-models, plus the legacy ones), then, for each
-checkpoint key in ``dot_natural_key`` order, ``core_model_loading.rename_source_key`` (every
-renaming, at most one converter, the ``base_model_prefix`` added or stripped against the
-model's state-dict keys) with the same fallback for keys that should not be renamed
-(``convert_and_load_state_dict_in_model``). So a checkpoint loads sharded exactly when, and the
-way, ``from_pretrained`` loads it.
-
-A converter (a transform that splits or merges tensors, e.g. fused qkv or stacked MoE
-experts) needs whole tensors: its element ranges cannot be read piecewise, so such a
-checkpoint is refused (NotImplementedError, naming the keys). None of the supported models
-registers one.
-
-As ``from_pretrained`` does, the transforms that matched are kept on the model as
-``model._weight_conversions``; ``save_pretrained`` (and the engine's streamed save,
-``export.plan_hf_files``) then write the names the checkpoint had (a legacy checkpoint is
-re-saved in its own layout).
+A checkpoint's stored names need not be the model's parameter names (renames registered in
+transformers' code, legacy names, a missing or extra ``base_model_prefix``, the user's
+``key_mapping``). ``checkpoint_key_map`` resolves every key with the functions
+``from_pretrained`` itself uses, in its order (``get_model_conversion_mapping``, then
+``rename_source_key`` per key), so a checkpoint loads sharded exactly when, and the way,
+``from_pretrained`` loads it. A converter (a transform that splits or merges tensors) needs
+whole tensors, so such a checkpoint is refused (NotImplementedError naming the keys). The
+transforms that matched are kept as ``model._weight_conversions``, so saves write the
+checkpoint's own names again. Examples and the steps in full: docs/checkpoints.md,
+"Checkpoint keys through transformers' mapping".
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
 """Streamed Hugging Face save: sharded safetensors written one unit at a time.
 
-``save_pretrained_streamed(engine, out_dir)`` (collective) and ``export_hf`` (offline, from a
-sharded checkpoint) write what ``PreTrainedModel.save_pretrained(out_dir, max_shard_size=...)``
-writes for the same weights: ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` +
-``model.safetensors.index.json`` when the weights exceed ``max_shard_size``; ``config.json`` and
-``generation_config.json``; the same keys (tied weights once, under the name transformers keeps),
-the same file split and the same index.
+``save_pretrained_streamed`` (collective) and ``export_hf`` (offline, from a sharded checkpoint)
+write what ``save_pretrained(out_dir, max_shard_size=...)`` writes for the same weights.
 
 [Note: streamed save]
-The file split is planned before any tensor is gathered: every saved tensor's shape and dtype
-is known from the shard metadata, so ``huggingface_hub.split_torch_state_dict_into_shards``
-runs over META tensors in ``model.state_dict()`` order and gives the same split (and so the
-shard count n in the file names) as ``save_pretrained`` — after the same key edits
-(``_keys_to_ignore_on_save``, ``remove_tied_weights_from_state_dict``, renames of
-``revert_weight_conversion``). Then the files are written in order. The units a file needs are
-gathered in the order the file's keys need them, one at a time; consecutive needs of the same
-unit share one gather (a unit whose tensors straddle two files is gathered once), so rank 0
-holds at most ONE output file's tensors (CPU copies) plus ONE gathered unit. A unit needed by
-two non-adjacent files (e.g. a root unit holding both the embedding, saved first, and the head,
-saved last) is gathered once per visit. safetensors' ``save_file`` needs all tensors of a file
-at once, which is why the bound is one file, not one tensor.
-
-Every file is written aside (hidden ``.tmp-`` name in the target directory, fsynced) and renamed
-into place; shards first, then the index, then the configs; weight files of an earlier save
-that the new one does not list are removed last. If rank 0 fails to write, it keeps taking
-part in the remaining gathers (the other ranks are never left waiting in a collective) and
-every rank raises at the end (``errors_on_every_rank``).
+The file split is planned on META tensors (shapes and dtypes from the shard metadata, after
+``save_pretrained``'s own key edits) by ``split_torch_state_dict_into_shards``, so it equals
+``save_pretrained``'s before any tensor is gathered. Files are then written in order, the units
+each needs gathered one at a time, so rank 0 holds at most ONE output file's tensors plus ONE
+gathered unit (safetensors writes a file whole). Each file is written aside and renamed into
+place (shards, index, configs; stale weight files removed last); a rank 0 that fails to write
+still joins every remaining gather, and every rank raises at the end (``errors_on_every_rank``).
+Steps in full: docs/checkpoints.md, "Streamed save".
 """
 
 from __future__ import annotations

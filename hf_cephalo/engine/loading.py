@@ -1,34 +1,17 @@
 """Where a new engine's shards come from: rank 0's model, a checkpoint's slices, or a seeded init.
 
 [Note: no full model after construction]
-``CephaloEngine`` builds its units one at a time (``engine._build_units``). For each unit the
-weight source writes this rank's element ranges of the unit's two parts (trainable, frozen:
-[Note: two parts per unit] in ``flat_param.py``) into the unit's shards, then the module entries become placeholders. Nothing keeps the
-model's original parameter tensors: the units keep only their layout (``ParamInfo``) and the
-(module, attribute) entries, the engine's state-dict key map names parameters by fqn, so once
-every unit is built the originals are garbage (unless the caller holds them). At any moment a
-rank holds its shards plus at most one unit's full values (host memory; on the device at most
-one unit, on rank 0 of an in-memory start). Buffers (e.g. rotary ``inv_freq``) move to the
-compute device one by one.
-
-Three starts, chosen by ``choose_source`` from the model's parameter devices:
-
-- ``IN_MEMORY`` (parameters on the CPU, or already on the compute device): rank 0's values,
-  as FSDP's ``sync_module_states``: rank 0 flattens each unit and sends every other rank just
-  its range (point-to-point, so the bytes sent are the model's bytes once, whatever the
-  layout). A model that each rank initialized differently (a new classification head, another
-  seed) thus starts from ONE set of weights. Buffers are broadcast from rank 0 too.
-- ``CHECKPOINT`` (a safetensors folder / Hub id; parameters usually on the meta device): each
-  rank reads only the elements overlapping its shards (``checkpoint_files.read_range``), under
-  the checkpoint key ``from_pretrained`` would load into each parameter
-  (``checkpoint_keys.checkpoint_key_map``: transformers' own renames). The whole checkpoint
-  (keys, shapes, file headers) is checked first, on every rank, before any collective, so a
-  bad checkpoint raises the same ValueError everywhere.
-- ``INIT`` (parameters on the meta device, no checkpoint): each unit is materialized on the host
-  and initialized by the model's own ``_init_weights`` (transformers' ``PreTrainedModel``; plain
-  torch modules: ``reset_parameters``), under a CPU generator seeded from (seed, unit name)
-  (``unit_seed``). Every rank computes the same full unit and keeps its range, so the weights
-  do not depend on the world size, the plan or the rank.
+``CephaloEngine`` builds its units one at a time (``engine._build_units``): the weight source
+writes this rank's element ranges of the unit's two parts ([Note: two parts per unit] in
+``flat_param.py``) into its shards, then the module entries become placeholders. Nothing keeps
+the original parameter tensors (units keep only ``ParamInfo`` and (module, attribute) entries;
+the key map names parameters by fqn), so a rank holds its shards plus at most one unit's full
+values. Three starts, chosen by ``choose_source`` from the parameters' devices: ``IN_MEMORY``
+(rank 0's values, each rank sent its range: one set of weights), ``CHECKPOINT`` (each rank
+reads only its elements, under ``checkpoint_keys.checkpoint_key_map``'s keys; the whole
+checkpoint checked on every rank before any collective) and ``INIT`` (the model's own init per
+unit under a generator seeded from (seed, unit name), ``unit_seed``: the weights do not depend
+on world size, plan or rank). docs/engine.md, "Construction: unit by unit, no full model".
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Per-parameter shards: this rank's slice of every trainable parameter, for optimizers.
 
 [Note: per-parameter shards]
-A unit's trainable shard (``shard_param``, (k_r,)) is a flat slice of ``[p_0 | p_1 | ...]``
-(``flat_param.py`` [Note: flat unit layout]). ``ParamShards`` cuts it back into one 1-D
-``nn.Parameter`` per trainable parameter (tied weights once, under every alias): this rank's
-elements of that parameter, possibly none, a VIEW of the shard's storage, as FSDP2's
-per-parameter DTensor shards are (flattened here). An optimizer built over them keeps the
-user's parameter groups exactly (a no-decay group, a per-group learning rate), because each
-group holds whole parameters, which a flat shard mixes. After every backward the engine points
-each one's ``.grad`` at its slice of the shard gradient (``bind_grads``), so the optimizer's
-in-place updates, ``clip_grad_norm_`` and a loss scaler's ``unscale_`` act on the same
-elements; after a re-layout (``relayout.py``) the same Parameter objects are re-pointed at the
-new shards (``rebind``), so param groups, LR schedulers and state keys stay valid. Checkpoints
-and re-layouts see the optimizer state per unit, concatenated in flat order
-(``unit_states`` / ``load_unit_states``), the same format as for an optimizer over the flat
-shards (``engine.parameters()``), which stays supported.
+A unit's trainable shard (``shard_param``) is a flat slice of ``[p_0 | p_1 | ...]``
+([Note: flat unit layout] in ``flat_param.py``). ``ParamShards`` cuts it into one 1-D
+``nn.Parameter`` per trainable parameter (tied weights once): this rank's elements of it,
+possibly none, a VIEW of the shard's storage, so an optimizer keeps the user's parameter groups.
+After every backward each one's ``.grad`` points at its slice of the shard gradient
+(``bind_grads``); after a re-layout the same Parameter objects are re-pointed at the new shards
+(``rebind``), so param groups, LR schedulers and state keys stay valid. Checkpoints and
+re-layouts see the optimizer state per unit in flat order (``unit_states`` /
+``load_unit_states``), the format of an optimizer over the flat shards (``engine.parameters()``,
+still supported). docs/engine.md, "Per-parameter shards".
 """
 
 from __future__ import annotations

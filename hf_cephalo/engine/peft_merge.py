@@ -1,31 +1,17 @@
 """``hf-cephalo export --merge-lora``: merged full weights from a sharded LoRA checkpoint.
 
-A checkpoint of a LoRA ``PeftModel`` run (``CephaloTrainer`` checkpoint-N, or
-``engine.checkpoint.save_checkpoint``) holds the engine's units of the wrapped transformers
-model with PEFT's parameter names (``...query.base_layer.weight``, ``...query.lora_A.default.weight``,
-``classifier.modules_to_save.default.weight``, ``classifier.original_module.weight``), the base
-config in ``cephalo_layout.json``, and (trainer checkpoints) the ``adapter_config.json`` of the
-adapter. ``export_merged_lora`` writes what ``peft_model.merge_and_unload().save_pretrained(dir)``
-writes: the base class's key names, every LoRA target's weight merged, ``modules_to_save``
-copies in place of the originals; loadable with ``from_pretrained`` of the base class.
+``export_merged_lora`` turns a checkpoint of a LoRA ``PeftModel`` run into what
+``peft_model.merge_and_unload().save_pretrained(dir)`` writes, loadable by the base class.
 
 [Note: streamed LoRA merge]
-PEFT's own code does every step, one unit at a time, never on the whole model:
-- Names: the PeftModel is rebuilt on the META device from the layout config and the adapter
-  config (``get_peft_model(..., low_cpu_mem_usage=True)``); its state-dict keys and shapes must
-  equal the checkpoint's (else the adapter config is not the one trained). A second meta copy
-  is ``merge_and_unload()``-ed: tensor identity maps each merged key to the checkpoint key it
-  came from (``query.weight`` <- ``query.base_layer.weight``, ``classifier.weight`` <-
-  ``classifier.modules_to_save.default.weight``), so unload's renames are PEFT's, not ours.
-- Values: for each unit read from the shards, each LoRA layer in it is copied from the meta
-  model, given the unit's tensors (``load_state_dict(assign=True)``) and merged by its own
-  ``LoraLayer.merge()`` (what ``merge_and_unload`` calls per layer: W += B @ A x scaling, with
-  fan_in_fan_out, rsLoRA, DoRA as PEFT implements them); its ``base_layer`` tensors are then saved.
-- Files: the streamed writer of ``engine/export.py`` ([Note: streamed save]) over the merged
-  (meta) model: same files, split, tied weights and configs as ``save_pretrained``.
-Memory: one unit's full flat buffer + one LoRA layer's copy (its base weight, A and B) + one
-output file's tensors; the frozen base is never held whole. Every LoRA tensor must live in the
-unit of its base layer ([Note: LoRA in the engine] in ``models/peft_lora.py``).
+PEFT's own code does every step, one unit at a time, never on the whole model. Names: a META
+PeftModel rebuilt from the layout and adapter configs (its keys and shapes must equal the
+checkpoint's) and a ``merge_and_unload()``-ed meta copy, mapped by tensor identity. Values: each
+LoRA layer's own ``LoraLayer.merge()`` on its unit's tensors. Files: the streamed writer
+([Note: streamed save]). So the merge is PEFT's (renames, fan_in_fan_out, rsLoRA, DoRA), and
+memory stays one unit + one LoRA layer + one output file; every LoRA tensor must live in its
+base layer's unit ([Note: LoRA in the engine] in ``models/peft_lora.py``). Steps in full:
+docs/checkpoints.md, "Streamed LoRA merge".
 """
 
 from __future__ import annotations

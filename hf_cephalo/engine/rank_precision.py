@@ -1,32 +1,16 @@
 """Precision per rank: each rank computes in its own precision inside one data-parallel job.
 
 [Note: precision per rank]
-Every rank holds fp32 master shards, fp32 optimizer state and reduce-scatters fp32 gradients,
-whatever it computes in; only the compute differs. A rank autocasts its own microbatches to its
-precision (``CephaloEngine(autocast_dtype=...)``), so a bf16 rank's matmuls run in bf16 and an
-fp32 rank's in fp32, while the gradients each rank accumulates over its microbatches are fp32
-(autocast casts the fp32 weights inside each op; the backward of that cast is fp32).
-
-All-gather dtype: when the ranks' precisions differ, the gathered parameters are the fp32
-master (``param_dtype=None``) and each rank casts them locally inside autocast. That is the one
-exact choice: a bf16 gather would round the weights an fp16 or fp32 rank computes with (bf16
-has 8 mantissa bits, fp16 11), an fp16 gather would overflow weights above 65504 for bf16 /
-fp32 ranks. Cost: 4 bytes per gathered element instead of 2 (all-gathered bytes double against
-a one-precision ``--bf16`` job, equal to an fp32 job). When every rank has the same precision
-the job is the ordinary ``--bf16`` / ``--fp16`` / fp32 job (gathered in the compute dtype).
-
-Loss scaling: ONE scaler for the whole job (``CephaloEngine.make_grad_scaler``), used by EVERY
-rank as soon as one rank computes in fp16. Every rank multiplies its loss by the same scale S
-(a power of 2: ``GradScaler`` starts at 2^16 and only doubles or halves) and every rank unscales
-its reduce-scattered shard by 1/S before the optimizer; found-inf is SUM-all-reduced, so every
-rank skips the same step. For an fp32 or bf16 rank, multiplying by a power of 2 and dividing by
-it again is exact (the exponent changes, the mantissa does not; fp32 and bf16 share an 8-bit
-exponent, range 2^127) unless a value leaves the exponent range — an overflow then skips the
-step on every rank, which is the scaler's contract; an underflow cannot happen for gradients
-scaled up. So bf16 and fp32 ranks compute bit for bit what they would compute without the
-scaler, and one scaler state (``scaler.pt``) serves any plan. The alternative (only fp16 ranks
-scale, and unscale their partial sums before the reduce-scatter) needs a second scale per rank
-and an unscale pass on the full unit gradient of each fp16 rank; it gains nothing exact.
+Only the compute differs between ranks: every rank holds fp32 master shards and optimizer
+state, accumulates fp32 gradients (autocast's weight cast has an fp32 backward) and
+reduce-scatters fp32. When the ranks' precisions differ the all-gather is the fp32 master
+(``param_dtype=None``), cast by each rank inside autocast: the one exact choice (a bf16 gather
+rounds an fp16 / fp32 rank's weights, an fp16 gather overflows). ONE loss scaler
+(``CephaloEngine.make_grad_scaler``) serves every rank as soon as one computes in fp16: its
+scale is a power of 2, so scaling and unscaling is exact for bf16 / fp32 ranks; found-inf is
+SUM-all-reduced, so every rank skips the same step; one ``scaler.pt`` resumes onto any plan.
+With one precision for all, the job is the ordinary ``--bf16`` / ``--fp16`` / fp32 job.
+Why, the costs and the rejected alternative: docs/engine.md, "Precision per rank (issue 25)".
 """
 
 from __future__ import annotations

@@ -3,24 +3,14 @@
 [Note: the generic staged model]
 The engine needs three calls (``embed``, ``run_unit``, ``head_loss``); a hand-written adapter
 re-implements the model's forward to provide them, and so drifts from it. This adapter instead
-runs ``model(**inputs)`` itself with the decoder layers swapped for stubs:
-
-- ``embed``: the stubs record each layer's arguments (masks per layer type, rotary cos/sin,
-  position ids, any per-layer extra) and the first layer's input hidden states; the last stub
-  stops the forward. Everything the model does before its layers (embedding scale, multipliers,
-  mask and rotary construction) is the model's own code.
-- ``run_unit(i)``: layer i itself, called with exactly the arguments the forward gave it.
-- ``head_*``: the forward again, every layer a pass-through and the last one returning the final
-  hidden states, the embedding-side modules answering zeros of their recorded shape (they are
-  not gathered in the head phase). Everything after the layers (final norm, logit scaling and
-  softcapping, pooling) is the model's own code; the loss is the model's loss as a sum.
-
-Three facts make this exact, and each is checked, never assumed: the forward passes each
-layer's output straight to the next layer (the stubs check object identity, every call), the
-layer arguments do not depend on parameters (checked on the tiny copy: none requires grad),
-and the head does not read the embedding side except through tied weights (checked by the
-self-check, ``models/self_check.py``, which compares loss and every gradient with the model's
-own on a tiny random model of the same class and config before anything trains).
+runs ``model(**inputs)`` itself with the decoder layers swapped for stubs: ``embed`` records
+each layer's arguments and the first layer's input; ``run_unit(i)`` calls layer i with exactly
+those arguments; ``head_*`` runs the forward again with pass-through layers. So everything
+before and after the layers is the model's own code. Three facts make this exact, each checked,
+never assumed: each layer's output goes straight to the next layer (object identity, every
+call), the layer arguments do not depend on parameters (none requires grad on the tiny copy),
+and the head reads the embedding side only through tied weights (the self-check,
+``models/self_check.py``). Details: docs/adding_a_model.md, "The generic path".
 """
 
 from __future__ import annotations

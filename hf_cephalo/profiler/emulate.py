@@ -1,34 +1,22 @@
 """Emulated heterogeneity: make identical devices behave like slower or smaller ones.
 
-This is EMULATION for one-machine development and CI, not a model of any real GPU. Two knobs,
-one value per rank in rank order (``CephaloTrainingArguments.cephalo_emulate_slowdown`` and
-``cephalo_emulate_memory_cap_bytes``, or ``EmulationConfig`` directly):
-
-- **Compute slowdown** s_i >= 1 (``EmulatedStagedModel``): every ``embed`` / ``run_unit`` /
-  ``head_loss`` call, and the backward of every unit and of the head, is timed and then the
-  rank really waits ``(s_i - 1) × elapsed`` seconds (``time.sleep``), so its compute takes s_i
-  times as long while collectives keep their real speed. Because the wrapper is itself a
-  ``StagedModel``, emulated ranks go through the same profile -> plan -> train path as real
-  ones: the profiler measures the slowed unit, the planner sees a slower device, the engine
-  trains at the slowed speed. On CUDA each timed call synchronizes the device (the emulated
-  rank loses compute/communication overlap; fine for emulation, never used without it).
-  The embedding backward (a scatter-add into the embedding table) is not slowed.
-- **Memory capacity** C_i (``apply_memory_cap``, ``check_plan_memory``): the planner uses
-  C_i instead of the device's real capacity. On CUDA the caching allocator is limited with
-  ``torch.cuda.set_per_process_memory_fraction(C_i / total)`` (public PyTorch API), so going
-  over it raises the allocator's own out-of-memory error. On CPU there is no allocator limit;
-  the documented method is accounting: training-state bytes of the rank (r_i · S) plus the
-  profiled compute memory M_i(m_i) are checked against C_i before training starts, and a plan
-  that needs more raises ``EmulatedOutOfMemoryError`` naming the rank, the need and the cap.
-
-[Note: slowdown of the backward pass]
-The engine calls ``torch.autograd.backward(y, grad)`` itself, outside the adapter, so the
-wrapper cannot time it with a call boundary. When ``run_unit``/``head_loss`` runs with grad
-enabled on an input that requires grad, the wrapper registers two tensor hooks: one on the
-output (fires first in backward: start time) and one on the input (fires when the input's
-gradient is complete, i.e. after the unit's backward: end time, then sleep). Hooks are
-removed after they fire, so stashed tensors carry nothing into later microbatches.
+EMULATION for one-machine development and CI, not a model of any real GPU; one value per rank
+(``cephalo_emulate_slowdown``, ``cephalo_emulate_memory_cap_bytes``, or ``EmulationConfig``).
+Compute slowdown s_i >= 1 (``EmulatedStagedModel``): each call and backward is timed, then the
+rank sleeps (s_i - 1) x elapsed; collectives keep their real speed, and as a ``StagedModel`` the
+wrapper goes through the real profile -> plan -> train path. Memory capacity C_i
+(``apply_memory_cap``, ``check_plan_memory``): the allocator's limit on CUDA; on CPU the plan's
+need is checked against C_i (``EmulatedOutOfMemoryError``). Details: docs/profiling.md,
+"Emulated heterogeneity".
 """
+
+# [Note: slowdown of the backward pass]
+# The engine calls ``torch.autograd.backward(y, grad)`` itself, outside the adapter, so the
+# wrapper cannot time it with a call boundary. When ``run_unit``/``head_loss`` runs with grad
+# enabled on an input that requires grad, the wrapper registers two tensor hooks: one on the
+# output (fires first in backward: start time) and one on the input (fires when the input's
+# gradient is complete, i.e. after the unit's backward: end time, then sleep). Hooks are
+# removed after they fire, so stashed tensors carry nothing into later microbatches.
 
 from __future__ import annotations
 

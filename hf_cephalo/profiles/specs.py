@@ -3,27 +3,11 @@
 ESTIMATES ONLY. Peak TFLOP/s from vendor data sheets times an assumed efficiency, and
 activation memory from a textbook formula, stand in for measurements until the profiler
 (``hf-cephalo profile``) measures the real ones; a measured ``ClusterProfile`` replaces all of
-this. Pure Python (no torch) so ``hf-cephalo plan`` starts fast.
-
-Formulas (per transformer layer, per sample, sequence length s, hidden h, heads a, FFN f):
-
-* forward FLOPs = 2·P_matmul·s + 4·s²·h (two FLOPs per multiply-add for the weight matmuls;
-  QKᵀ and attention·V add 2·s²·h each); backward = 2 × forward (Kaplan et al. 2020, §2.1;
-  Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters", §5.1).
-* F(m) = launch overhead + m·FLOPs / (efficiency · peak), B(m) = 2·(F(m) − overhead) + overhead.
-* activation bytes of one layer during its recompute + backward = s·h·(34 + 5·a·s/h) for 16-bit
-  activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models", eq. 1), doubled for fp32; plus logits and their gradient for a language-model head
-  (2·s·V·4 bytes). Boundary activations are offloaded to the host (docs/design.md contract 4), so
-  compute memory grows with m, not with l.
-* fixed compute memory: a framework reserve (``framework_reserve_bytes``, default 1 GiB). The
-  engine's own buffers (gathered units, full gradients, the root, collective buffers, the
-  boundary stash) are priced by the planner from the model profile (planner/memory.py), with
-  ``boundary_bytes_per_sample`` = 4·s·h (fp32 hidden states) and activation offload on.
-* host RAM per machine: ``host_ram_gib`` of a machine entry in the cluster YAML (or of the
-  cluster), the limit of the pinned offload buffers; absent = not limited.
-* all-gather / reduce-scatter of one unit in a ring: (N − 1)/N · 4·P_unit bytes over the slowest
-  link (the network between machines if the job spans several, else the intra-machine link).
+this. Pure Python (no torch) so ``hf-cephalo plan`` starts fast. Per transformer layer and
+sample: forward FLOPs 2·P_matmul·s + 4·s²·h, backward twice that; activation bytes
+s·h·(34 + 5·a·s/h) for 16-bit activations (Korthikanti et al. 2022); a framework reserve; the
+engine's buffers priced by the planner's memory model; collectives as a ring over the slowest
+link. The formulas and their sources: docs/planner.md, "Spec-sheet formulas".
 """
 
 from __future__ import annotations

@@ -2,23 +2,17 @@
 and again before it is resumed from or loaded as the best model.
 
 [Note: a checkpoint holds what its settings promise]
-A checkpoint's files follow from the save settings of the run that wrote it:
-
-- weights, always: without ``save_only_model`` the sharded engine state (``cephalo_layout.json``,
-  ``cephalo_buffers.safetensors``, one ``cephalo_shard_rank<R>.safetensors`` per rank, which
-  carry the parameters AND the optimizer state); with ``save_only_model`` what stock
-  ``Trainer.save_model`` writes (``model.safetensors`` or ``model.safetensors.index.json`` + its
-  shards, ``config.json``; a LoRA ``PeftModel``: ``adapter_model.safetensors`` +
-  ``adapter_config.json``), which ``from_pretrained`` loads;
-- the full model as well with ``cephalo_save_full_model`` (the same ``save_model`` files);
-- optimizer and LR scheduler (``scheduler.pt``) without ``save_only_model``, as stock;
-- the fp16 loss scaler (``scaler.pt``) with ``--fp16`` and without ``save_only_model``, as stock.
-
-``CheckpointContents`` records the settings in ``cephalo_contents.json``; ``missing_files``
-lists each promised file that is absent with the setting that promised it. The trainer runs it
-on rank 0 before writing the completeness marker (a checkpoint missing a promised file is never
-marked complete: the save raises on every rank instead) and on every rank before resuming or
-loading the best model (a missing file is a ``CheckpointError`` naming it and the setting).
+A checkpoint's files follow from the save settings of the run that wrote it: the sharded engine
+state (parameters AND optimizer state) unless ``save_only_model``, else what stock
+``Trainer.save_model`` writes (a LoRA ``PeftModel``: the adapter files); the ``save_model``
+files too with ``cephalo_save_full_model``; ``scheduler.pt`` without ``save_only_model``;
+``scaler.pt`` with ``--fp16`` and without ``save_only_model``, as stock. ``CheckpointContents``
+records the settings in ``cephalo_contents.json``; ``missing_files`` lists each promised file
+that is absent with the setting that promised it. The trainer runs it on rank 0 before writing
+the completeness marker (a checkpoint missing a promised file is never marked complete: the save
+raises on every rank instead) and on every rank before resuming or loading the best model (a
+``CheckpointError`` naming the file and the setting). Files per setting: docs/checkpoints.md,
+"What each save setting puts into a checkpoint".
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The loader builder every front end uses: this rank's b_i rows of each global batch.
 
-One function (``weighted_loader``) turns a map-style dataset and the user's collator into the
-DataLoader a rank iterates: a ``WeightedBatchSampler`` (every rank the same permutation, its own
-contiguous slice of each global batch; ``sampler.py``), every sample read under its own seed
-(``sample_reads.py``), and one of three collations (``COLLATE_CHOICES``; [Note: padding
-independent of the plan] in ``sampler.py``):
-
-- ``"global_width"`` (default): each rank reads and collates only its b_i rows, padded to the
-  global batch's width by a per-step exchange (``global_width.py``); a collator whose output
-  this cannot reproduce (checked on the first step) gets ``"global_batch"``, said once;
-- ``"global_batch"``: each rank reads and collates the whole global batch, keeps its rows;
-- ``"microbatch"``: each microbatch collated on its own (padding depends on the plan).
+``weighted_loader`` turns a map-style dataset and the user's collator into the DataLoader a rank
+iterates: a ``WeightedBatchSampler`` (``sampler.py``), every sample read under its own seed
+(``sample_reads.py``), one of the collations ``COLLATE_CHOICES`` ([Note: padding independent of
+the plan] in ``sampler.py``; docs/data.md, "The three collations"). Used by every front end.
 
 [Note: the loader runs in the main process]
 The loader a front end iterates has ``num_workers = 0``: its dataset (``_StepSource``) and
@@ -19,10 +12,6 @@ process group). The DataLoader workers the user asked for read ahead inside it
 (``ReadAhead``). So the loader survives what a front end may rebuild it from: stock Trainer's
 resume (``accelerate.skip_first_batches``) makes a plain DataLoader of its dataset, batch
 sampler and collate function, and gets the same steps.
-
-The CephaloTrainer, the Accelerate loop and the TRL trainers build their loaders here; what
-differs between them (column pruning, the sampling strategy's lengths, the Trainer's own
-collator wrapper) is decided by the front end before the call.
 """
 
 from __future__ import annotations

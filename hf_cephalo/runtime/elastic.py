@@ -1,28 +1,8 @@
 """Elastic training: re-plan for the world a (re)start gets and resume on the same trajectory.
 
-Under PyTorch's elastic agent (``torchrun --nnodes=MIN:MAX --max-restarts=K
---rdzv-backend=c10d``; README "Elastic training") every change of membership restarts all
-workers; each new worker builds its front end (``CephaloTrainer``, a prepared
-``CephaloAccelerator`` loop) for the world it got. This module holds what that needs beyond the
-stock resume path:
-
-1. **What a checkpoint ran on**: ``plan.json`` (the plan, loadable as ``cephalo_plan_file`` on
-   the same world) and ``cephalo_run.json`` (``RunRecord``: global batch size, model
-   fingerprint, world size and device names, step, wall time) written by rank 0 into every
-   ``checkpoint-N`` (``write_checkpoint_record``).
-2. **Planning for the new world**: ``planning.resolve_plan`` (the one home of planning; it
-   reads this module's records, this module does not import it) with the SAME global batch
-   size; a world too small for the job raises ``InfeasiblePlanError`` naming the devices the
-   last checkpoint ran on that are missing.
-3. **Resume checks** (``check_resume``): a checkpoint of another model or another global batch
-   size is refused before its state is read.
-4. **Time lost per change** (``ElasticProgress``): rank 0 records the last finished step in
-   ``output_dir/cephalo_progress.json`` (``Progress``; rewritten after every step, aside and
-   renamed, not fsynced: the step count and restart time of a resume need the LAST finished
-   step, and a crash gives no notice); on resume it logs the old and new plan
-   side by side and a ``ResumeReport`` (steps redone since the checkpoint, seconds from the last
-   finished step before the change to the first step after it), appended to
-   ``output_dir/cephalo_restarts.jsonl``.
+Beyond the stock resume this module holds what a checkpoint ran on (``plan.json``,
+``cephalo_run.json``: ``write_checkpoint_record``), the resume checks (``check_resume``) and
+the time lost per change (``ElasticProgress``). docs/guide.md, "runtime/elastic.py".
 
 [Note: world-independent trajectory]
 For any plan the engine's gradient is the full-batch gradient of the step's global batch

@@ -1,32 +1,16 @@
 """A Trainer's ``compute_loss`` inside the engine's head: no collective there, one per step.
 
 [Note: collectives inside the engine's head]
-The engine calls the user's loss once per microbatch inside its head phase
-(``user_loss.py``); ranks run different numbers of microbatches (l_i), an idle rank none. A
-collective issued there (``accelerator.gather_for_metrics`` in TRL's ``SFTTrainer.compute_loss``,
-3-5 per call) would pair the wrong calls across ranks or wait forever on a rank that never makes
-it. So a step runs the user's code twice over, never communicating inside the head:
-
-1. **In the head**, per microbatch: ``gather`` / ``gather_for_metrics`` / ``reduce(sum)`` return
-   this microbatch's value as one process would see it and record it; the loss is kept; the
-   trainer's plain-data state (metric lists, counters) is restored after the step, so what the
-   calls appended there is dropped.
-2. **Once per step, on every rank** (``HeadCalls.finish``): ONE ``all_gather_object`` of every
-   rank's records (an idle rank sends none), then ``compute_loss`` is replayed once on empty
-   (zero-row) inputs whose k-th gather returns the k-th gathered value of EVERY microbatch of
-   the global batch, in global-batch order: a 0-dim value summed, a value with rows
-   concatenated along dim 0. The replay's loss is discarded; its side effects (the metrics) are
-   those of one process holding the whole global batch, exactly when each gathered value is a
-   sum over the microbatch's items (0-dim) or one row per sample — the rule the loss itself
-   follows ([Note: global item count for user losses] in models/base.py).
-
-Inside both, ``accelerator.num_processes`` is 1 (the loss is this microbatch's share of the
-global loss, never a per-process mean that DDP would average), and every other collective
-(``torch.distributed.*``, ``accelerator.reduce('mean')``, ``broadcast``...) is refused: the call
-raises, the step finishes with a zero loss for that microbatch so that every rank still joins
-every collective of the schedule, and at the exchange every rank raises the same error
-(``HeadCallError``) before the optimizer step. Any other exception of the user's loss takes the
-same route, so a loss that fails on one rank only never leaves the others waiting.
+The engine calls the user's loss once per microbatch in its head phase (``user_loss.py``), and
+ranks run different numbers of microbatches (l_i; an idle rank none), so a collective issued
+there (TRL's ``gather_for_metrics``) would pair the wrong calls or wait forever. So nothing in
+the head communicates: gathers and ``reduce(sum)`` return and record this microbatch's value,
+and once per step every rank joins ONE ``all_gather_object`` of the records
+(``HeadCalls.finish``), then replays ``compute_loss`` on zero-row inputs whose gathers return
+every microbatch's value in global-batch order: the metrics of one process holding the global
+batch ([Note: global item count for user losses] in models/base.py). Any other collective,
+and any exception, gives that microbatch a zero loss and every rank the same
+``HeadCallError`` at the exchange. docs/trl.md, "Metrics and collectives in a loss".
 """
 
 from __future__ import annotations

@@ -3,29 +3,12 @@
 One mechanism makes every plan of a job (inputs: a profile, the world, the global batch size B
 and the memory fraction; output: a ``Plan``; deterministic, so every rank holding the same
 inputs computes the same plan). Every function takes the ``Job`` (``job.py``), never a front
-end's settings object.
-
-1. **At start or an elastic restart** (``resolve_plan``): the plan file if given (validated
-   against the world, the model and the emulated caps); else the profile: the profile file
-   (refused if it was measured for another model, dtype or device:
-   ``measure.check_profile_matches``; a pool of device profiles looked up by name,
-   ``select_world_devices``) or ``profile_cluster`` on every rank (collective; per-rank device
-   profiles come from the on-disk cache when present); then the exact optimizer
-   (``planner.optimize``), and for an uneven plan its own layout timed once
-   ([Note: measuring u after planning]); rank 0 saves ``profile.json`` and ``plan.json`` in
-   ``output_dir``; emulated memory caps are applied and checked (``EmulatedOutOfMemoryError``
-   on every rank before training starts). After a restart the same path runs for the world
-   the restart got, with the SAME global batch size; a world too small for the job raises
-   ``InfeasiblePlanError`` naming the devices the last checkpoint ran on that it lacks.
-2. **Live** (``replan_live``, called by the adaptive controller every ``adaptive_interval``
-   steps): the profile refit to what the ranks measured (``planner.adapt.refit_cluster``), the
-   optimizer re-run with the current r_i fixed (``planner.adapt.replan_batch``), and the
-   decision whether to switch (``planner.adapt.decide_batch_switch``; [Note: one decision on
-   every rank] in ``adaptive.py``).
-
-The profiler's inputs from the job live here too: the emulation wrapper (``wrap_staged``), the
-measurement configuration (``measure_config``), each rank's device name, the job's precision
-tag and each rank's precision (``job_rank_precisions``).
+end's settings object. ``resolve_plan``: at start and after an elastic restart (a plan file, or
+a profile and ``planner.optimize``, for the world the (re)start got, with the SAME B).
+``replan_live``: for the adaptive controller (refit, re-optimize with r_i fixed, decide:
+[Note: one decision on every rank] in ``adaptive.py``). The profiler's inputs from the job live
+here too (``wrap_staged``, ``measure_config``, device names, ``job_rank_precisions``). Steps in
+full: docs/adaptive.md, "runtime/planning.py".
 """
 
 from __future__ import annotations

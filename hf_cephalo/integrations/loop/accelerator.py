@@ -1,30 +1,37 @@
 """Cephalo's place inside Accelerate: CephaloDistributedType, CephaloPlugin, CephaloAccelerator.
 
-[Note: why Cephalo does not extend Accelerate's DistributedType]
-Stock ``accelerate launch`` validates its YAML config in the launcher process and rejects unknown
-keys and unknown ``distributed_type`` values, and Accelerate's gather / reduce / broadcast
-dispatch on ``AcceleratorState.distributed_type``: a new member written there turns them into
-silent no-ops. So Accelerate's own type stays MULTI_GPU (CUDA, NCCL) or MULTI_CPU (gloo), and
-Cephalo registers itself beside it: ``CephaloDistributedType.CEPHALO`` carried by a
-``CephaloPlugin`` on the ``CephaloAccelerator`` (docs/design.md contract 6). Cephalo's settings come from
-``CephaloTrainingArguments`` or ``HF_CEPHALO_*`` environment variables, never from the YAML.
-
-[Note: CPU workers under accelerate launch]
-On a machine without CUDA, stock ``accelerate launch`` with ``distributed_type: MULTI_CPU``
-starts one process (it expects mpirun), and ``use_cpu: true`` in the YAML is not passed to the
-workers. Cephalo's CPU config therefore says MULTI_GPU with ``num_processes`` N (torchrun starts
-N workers), and each worker builds its state with ``cpu=True``: Accelerate then reports
-MULTI_CPU, gloo and the real number of processes. Without ``cpu=True`` the workers would see an
-initialized process group while Accelerate reports DistributedType.NO and one process.
-``CephaloAccelerator`` and ``CephaloTrainingArguments`` set ``cpu=True`` automatically when CUDA
-is absent (a script's ``cpu=False`` included: Accelerate's own examples pass ``cpu=args.cpu``).
-
-[Note: Accelerate must not re-shard the weighted sampler]
-``Accelerator.prepare`` wraps a DataLoader so that each process reads 1/world_size of its
-batches; Cephalo's per-rank DataLoader already yields only this rank's b_i samples (see
-``sampler.WeightedBatchSampler``). ``CephaloAccelerator.prepare_data_loader`` returns such a
-loader unchanged (no re-sharding, no device placement: the engine moves microbatches itself).
+Accelerate's own distributed type stays MULTI_GPU / MULTI_CPU and Cephalo registers beside it;
+CPU workers are started as MULTI_GPU and built with ``cpu=True``; Cephalo's per-rank loaders are
+not re-sharded. The Notes below say why; docs/accelerate.md, "How Cephalo fits into Accelerate
+(and why)".
 """
+
+# [Note: why Cephalo does not extend Accelerate's DistributedType]
+# Stock ``accelerate launch`` validates its YAML config in the launcher process and rejects
+# unknown keys and unknown ``distributed_type`` values, and Accelerate's gather / reduce /
+# broadcast dispatch on ``AcceleratorState.distributed_type``: a new member written there turns
+# them into silent no-ops. So Accelerate's own type stays MULTI_GPU (CUDA, NCCL) or MULTI_CPU
+# (gloo), and Cephalo registers itself beside it: ``CephaloDistributedType.CEPHALO`` carried by
+# a ``CephaloPlugin`` on the ``CephaloAccelerator`` (docs/design.md contract 6). Cephalo's
+# settings come from ``CephaloTrainingArguments`` or ``HF_CEPHALO_*`` environment variables,
+# never from the YAML.
+#
+# [Note: CPU workers under accelerate launch]
+# On a machine without CUDA, stock ``accelerate launch`` with ``distributed_type: MULTI_CPU``
+# starts one process (it expects mpirun), and ``use_cpu: true`` in the YAML is not passed to the
+# workers. Cephalo's CPU config therefore says MULTI_GPU with ``num_processes`` N (torchrun
+# starts N workers), and each worker builds its state with ``cpu=True``: Accelerate then
+# reports MULTI_CPU, gloo and the real number of processes. Without ``cpu=True`` the workers
+# would see an initialized process group while Accelerate reports DistributedType.NO and one
+# process. ``CephaloAccelerator`` and ``CephaloTrainingArguments`` set ``cpu=True``
+# automatically when CUDA is absent (a script's ``cpu=False`` included: Accelerate's own
+# examples pass ``cpu=args.cpu``).
+#
+# [Note: Accelerate must not re-shard the weighted sampler]
+# ``Accelerator.prepare`` wraps a DataLoader so that each process reads 1/world_size of its
+# batches; Cephalo's per-rank DataLoader already yields only this rank's b_i samples (see
+# ``sampler.WeightedBatchSampler``). ``CephaloAccelerator.prepare_data_loader`` returns such a
+# loader unchanged (no re-sharding, no device placement: the engine moves microbatches itself).
 
 from __future__ import annotations
 

@@ -1,25 +1,16 @@
 """``enable_jit_checkpoint``: save a checkpoint on SIGTERM, with every rank saving at the same step.
 
 [Note: JIT checkpoint agreed by all ranks]
-Stock ``Trainer`` (``transformers.trainer_jit_checkpoint``) installs a SIGTERM handler whose
-``CheckpointManager`` raises a per-process flag ``kill_wait`` (3) seconds after the signal (a
-SIGKILL within that grace means no checkpoint is attempted); its callback then saves at the
-first hook that sees the flag (step begin, before the optimizer step, step end). Each rank sees
-the signal at its own moment (a launcher forwards SIGTERM to its workers one by one, and the
-timer threads race the training loop), so under several processes the ranks can reach the
-collective ``_save_checkpoint`` at different steps: one rank waits in the save's all-gathers
-while another starts the next step's, and the job hangs until the launcher's SIGKILL. A
-CephaloTrainer save is collective (every rank writes its shards), so the decision must be too.
-
-``AgreedJITCheckpointCallback`` keeps stock's signal handling (the same ``CheckpointManager``,
-the same grace, the original handler restored at train end) and replaces its decision: at every
-step end and epoch end -- hooks every rank reaches at the same global step -- each rank adds its
-flag into a one-element all-reduce (MAX); when any rank has been signalled, EVERY rank saves
-``checkpoint-<global_step>`` (atomic: ``runtime.checkpointing.atomic_checkpoint``), skips the
-regular save of that step and stops training. A rank whose own timer has not fired yet saves
-too. After the JIT checkpoint no more all-reduces are made. Cost: one int32 all-reduce per step,
-only with ``enable_jit_checkpoint``. The save must finish within the launcher's grace period
-after its SIGTERM (torchrun: 30 s before SIGKILL).
+Stock ``Trainer``'s SIGTERM handling (``transformers.trainer_jit_checkpoint``) raises a
+per-process flag a grace after the signal and saves at the first hook that sees it; each rank
+sees the signal at its own moment, so the ranks can reach the collective save at different
+steps and the job hangs. A CephaloTrainer save is collective (every rank writes its shards), so
+the decision must be too: ``AgreedJITCheckpointCallback`` keeps stock's signal handling and, at
+every step end and epoch end (hooks every rank reaches at the same global step), all-reduces
+the flags (MAX); once any rank was signalled EVERY rank saves ``checkpoint-<global_step>``
+(atomic), skips that step's regular save and stops. Cost: one int32 all-reduce per step, only
+with ``enable_jit_checkpoint``. Details: docs/checkpoints.md, "JIT checkpoint agreed by all
+ranks".
 """
 
 from __future__ import annotations

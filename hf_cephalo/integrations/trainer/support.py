@@ -19,7 +19,6 @@ accepted and then do nothing. So every field is one of:
 - ``REFUSED``: a non-default value raises ValueError at construction, before any profiling or
   collective, naming the field and what to do instead (all refusals of a script in one
   message: [Note: one refusal message]).
-
 A ``STOCK`` / ``INHERITED`` field may still refuse some values (``refuse_if``), e.g.
 ``train_sampling_strategy="batch_rebalance"``.
 """
