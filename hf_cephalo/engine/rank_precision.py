@@ -3,17 +3,18 @@
 [Note: precision per rank]
 Every rank holds fp32 master shards, fp32 optimizer state and reduce-scatters fp32 gradients,
 whatever it computes in; only the compute differs. A rank autocasts its own microbatches to its
-precision (``CephaloEngine(autocast_dtype=...)``), so a bf16 rank's matmuls run in bf16 and an
+precision (``EnginePrecision(compute=...)``), so a bf16 rank's matmuls run in bf16 and an
 fp32 rank's in fp32, while the gradients each rank accumulates over its microbatches are fp32
 (autocast casts the fp32 weights inside each op; the backward of that cast is fp32).
 
 All-gather dtype: when the ranks' precisions differ, the gathered parameters are the fp32
-master (``param_dtype=None``) and each rank casts them locally inside autocast. That is the one
-exact choice: a bf16 gather would round the weights an fp16 or fp32 rank computes with (bf16
-has 8 mantissa bits, fp16 11), an fp16 gather would overflow weights above 65504 for bf16 /
-fp32 ranks. Cost: 4 bytes per gathered element instead of 2 (all-gathered bytes double against
-a one-precision ``--bf16`` job, equal to an fp32 job). When every rank has the same precision
-the job is the ordinary ``--bf16`` / ``--fp16`` / fp32 job (gathered in the compute dtype).
+master (``EnginePrecision.param`` None) and each rank casts them locally inside autocast. That
+is the one exact choice: a bf16 gather would round the weights an fp16 or fp32 rank computes
+with (bf16 has 8 mantissa bits, fp16 11), an fp16 gather would overflow weights above 65504 for
+bf16 / fp32 ranks. Cost: 4 bytes per gathered element instead of 2 (all-gathered bytes double
+against a one-precision ``--bf16`` job, equal to an fp32 job). When every rank has the same
+precision the job is the ordinary ``--bf16`` / ``--fp16`` / fp32 job (gathered in the compute
+dtype).
 
 Loss scaling: ONE scaler for the whole job (``CephaloEngine.make_grad_scaler``), used by EVERY
 rank as soon as one rank computes in fp16. Every rank multiplies its loss by the same scale S
@@ -37,6 +38,7 @@ import torch
 
 from ..profiles.precision import (PRECISIONS, auto_precision, capability_precisions,
                                   check_rank_precisions, parse_rank_precisions)
+from .precision import EnginePrecision
 
 __all__ = ["RankPrecision", "DTYPES", "rank_precision", "device_precisions",
            "resolve_rank_precisions", "check_scalable_optimizer"]
@@ -46,16 +48,14 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class RankPrecision(NamedTuple):
-    """One rank's ``CephaloEngine`` precision arguments in a per-rank job.
+    """One rank's precision in a per-rank job.
 
-    autocast_dtype / param_dtype / reduce_dtype: as ``CephaloEngine`` takes them (None: fp32).
+    engine: its ``CephaloEngine(precision=...)`` policy.
     loss_scaling: True when ANY rank computes in fp16: then every rank trains with the job's
         one scaler ([Note: precision per rank]).
     """
 
-    autocast_dtype: torch.dtype | None
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
+    engine: EnginePrecision
     loss_scaling: bool
 
 
@@ -69,7 +69,8 @@ def rank_precision(precisions: Sequence[str], rank: int) -> RankPrecision:
                          f"{list(PRECISIONS)} per rank and 0 <= rank < {len(precisions)}")
     mine = DTYPES[precisions[rank]]
     uniform = len(set(precisions)) == 1
-    return RankPrecision(mine, mine if uniform else None, None, "fp16" in precisions)
+    return RankPrecision(EnginePrecision(mine, mine if uniform else None, None),
+                         "fp16" in precisions)
 
 
 def device_precisions(device: torch.device) -> tuple[str, ...]:
