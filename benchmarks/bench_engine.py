@@ -284,13 +284,14 @@ def time_interleaved(steps: dict, args, device, profile: bool = True) -> tuple[d
 
 def cephalo_runner(args, rank, device, num_mb, ratios=None, checkpointing=True,
                    compiled=False):
-    from hf_cephalo.engine import CephaloEngine, CompileOptions
+    from hf_cephalo.engine import CephaloEngine, CompileOptions, EnginePrecision
     from hf_cephalo.models.registry import stage_model
     model = build_model(args).to(device)
     low = _LOW_DTYPES.get(args.param_dtype)  # autocast + gathered params, reduce fp32
     engine = CephaloEngine(stage_model(model), ratios, device=device,
-                           activation_checkpointing=checkpointing, autocast_dtype=low,
-                           param_dtype=low, compile=CompileOptions() if compiled else None)
+                           activation_checkpointing=checkpointing,
+                           precision=EnginePrecision(low, low),
+                           compile=CompileOptions() if compiled else None)
     opt = torch.optim.AdamW(engine.parameters(), lr=1e-4)
     m = args.local_batch // num_mb
 

@@ -14,14 +14,14 @@ import copy
 
 import torch
 
-from hf_cephalo.engine import CephaloEngine
+from hf_cephalo.engine import CephaloEngine, EnginePrecision
 from hf_cephalo.engine.rank_precision import rank_precision
 from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
 from tests.dist_utils import run_ranks
 from tests.test_engine_parity import make_batch, split_microbatches
 
 BF16, FP16 = torch.bfloat16, torch.float16
-MODES = {  # name: (autocast, param_dtype, reduce_dtype)
+MODES = {  # name: EnginePrecision(compute, param, reduce) arguments
     "fp32": (None, None, None),
     "bf16 autocast, fp32 gathered": (BF16, None, None),
     "bf16 gathered, fp32 reduce": (BF16, BF16, None),
@@ -38,12 +38,11 @@ PER_RANK = {  # name: per rank (rank 0 has 8 microbatches, rank 1 4) its precisi
 }
 
 
-def _grads(rank, model, mbs, dtype=None, modes=(None, None, None), scaled=None):
-    autocast, param, reduce = modes
+def _grads(rank, model, mbs, dtype=None, precision=EnginePrecision(), scaled=None):
     engine = CephaloEngine(ToyStaged(model.to(dtype) if dtype else model), [0.7, 0.3],
-                           autocast_dtype=autocast, param_dtype=param, reduce_dtype=reduce)
+                           precision=precision)
     if scaled is None:
-        scaled = autocast == FP16
+        scaled = precision.compute == FP16
     scale = 1024.0 if scaled else None  # fp16: a fixed loss scale (every rank), unscaled below
     engine.train_step(mbs, loss_scale=scale)
     grads = [p.grad.double() / (scale or 1.0) for p in engine.parameters()]
@@ -64,13 +63,12 @@ def worker(rank, world):
     truth = _grads(rank, copy.deepcopy(model), mbs, torch.float64)
     errors = {}
     for name, modes in MODES.items():
-        g = _grads(rank, copy.deepcopy(model), mbs, None, modes)
+        g = _grads(rank, copy.deepcopy(model), mbs, None, EnginePrecision(*modes))
         if rank == 0:
             errors[name] = float((g - truth).norm() / truth.norm())
     for name, precisions in PER_RANK.items():
         mine = rank_precision(precisions, rank)
-        g = _grads(rank, copy.deepcopy(model), mbs, None,
-                   (mine.autocast_dtype, mine.param_dtype, mine.reduce_dtype), mine.loss_scaling)
+        g = _grads(rank, copy.deepcopy(model), mbs, None, mine.engine, mine.loss_scaling)
         if rank == 0:
             errors[name] = float((g - truth).norm() / truth.norm())
     return errors

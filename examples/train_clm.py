@@ -204,7 +204,7 @@ def check_reloaded(trainer: CephaloTrainer, save_dir: str, sample: dict[str, tor
     # the engine keeps them) and run under the same autocast.
     device = trainer.args.device
     reloaded = AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32).to(device)
-    param_dtype = trainer.args.engine_precision().param_dtype
+    param_dtype = trainer.args.engine_precision().param
     if param_dtype is not None:
         for p in reloaded.parameters():
             p.data = p.data.to(param_dtype)

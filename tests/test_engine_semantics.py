@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hf_cephalo.engine import CephaloEngine
+from hf_cephalo.engine import CephaloEngine, EnginePrecision
 from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
 from tests.dist_utils import budget_s, run_ranks, test_timeout
 
@@ -595,7 +595,7 @@ def case_host_sync_counts(rank, world):
 
 
 def case_bf16_autocast(rank, world):
-    """autocast_dtype=bfloat16: with the reference's shapes (one rank, one microbatch) the
+    """EnginePrecision(compute=bfloat16): with the reference's shapes (one rank, one microbatch) the
     gradient equals single-process autocast training; with an uneven split (3 microbatches on
     two ranks) it is as close to the float64 truth as single-process bf16 training is, and
     measurably not fp32 (bf16 really ran). Other dtypes and non-fp32 parameters are refused
@@ -614,7 +614,7 @@ def case_bf16_autocast(rank, world):
 
     def run(split):
         engine = CephaloEngine(ToyStaged(copy.deepcopy(model)), [0.6, 0.4],
-                               autocast_dtype=torch.bfloat16)
+                               precision=EnginePrecision(torch.bfloat16))
         out = engine.train_step(split)
         return out, gather_grads(engine)
 
@@ -634,9 +634,9 @@ def case_bf16_autocast(rank, world):
     assert e_uneven < 3 * e_ref, (e_ref, e_uneven)
     assert abs(out.loss - float(ref_loss)) < 2e-2 * abs(float(ref_loss))
     with pytest.raises(ValueError, match="only torch.bfloat16, torch.float16"):
-        CephaloEngine(ToyStaged(ToyLM(cfg)), autocast_dtype=torch.float64)
+        CephaloEngine(ToyStaged(ToyLM(cfg)), precision=EnginePrecision(torch.float64))
     with pytest.raises(ValueError, match="fp32 parameters"):
-        CephaloEngine(ToyStaged(ToyLM(cfg).double()), autocast_dtype=torch.bfloat16)
+        CephaloEngine(ToyStaged(ToyLM(cfg).double()), precision=EnginePrecision(torch.bfloat16))
 
 
 class _Boom(RuntimeError):

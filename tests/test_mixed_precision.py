@@ -30,12 +30,14 @@ One process group per world size (2 and 3 ranks) runs every sub-case:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import tempfile
 
+import pytest
 import torch
 
-from hf_cephalo.engine import CephaloEngine
+from hf_cephalo.engine import CephaloEngine, EnginePrecision
 from hf_cephalo.engine.checkpoint import load_checkpoint, save_checkpoint
 from hf_cephalo.models.base import AutocastStagedModel
 from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
@@ -170,8 +172,8 @@ def _low_reduce_bound(per_mb, plan, world, dtype) -> dict:
 def param_dtype_case(rank, world, plan, dtype, reduce_dtype, tie, seed) -> None:
     model = toy(seed, tie)
     ref = copy.deepcopy(model)
-    engine = CephaloEngine(ToyStaged(model), plan["ratios"], autocast_dtype=dtype,
-                           param_dtype=dtype, reduce_dtype=reduce_dtype)
+    engine = CephaloEngine(ToyStaged(model), plan["ratios"],
+                           precision=EnginePrecision(dtype, dtype, reduce_dtype))
     opt = torch.optim.AdamW(engine.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(seed)
@@ -212,8 +214,8 @@ def bytes_case(rank, world, plan, dtype) -> None:
     """All-gathered bytes of param_dtype=dtype are exactly half of fp32 gathering."""
     counts = {}
     for pd, rd in ((None, None), (dtype, None), (dtype, dtype)):
-        engine = CephaloEngine(ToyStaged(toy(3, True)), plan["ratios"], autocast_dtype=dtype,
-                               param_dtype=pd, reduce_dtype=rd)
+        engine = CephaloEngine(ToyStaged(toy(3, True)), plan["ratios"],
+                               precision=EnginePrecision(dtype, pd, rd))
         gen = torch.Generator().manual_seed(3)
         ids, labels = make_batch(gen, sum(plan["sizes_b"]), 6, 24)
         engine.train_step(split_microbatches(ids, labels, plan["sizes_b"], plan["sizes_m"], rank))
@@ -236,8 +238,8 @@ def accumulation_case(rank, world, dtype) -> dict:
         sizes_m = [m] + [1] * (world - 1)
         model = toy(5, False, layers=3)
         ref = copy.deepcopy(model)
-        engine = CephaloEngine(ToyStaged(model), [1.0 / world] * world, autocast_dtype=dtype,
-                               param_dtype=dtype)
+        engine = CephaloEngine(ToyStaged(model), [1.0 / world] * world,
+                               precision=EnginePrecision(dtype, dtype))
         gen = torch.Generator().manual_seed(5)
         ids, labels = make_batch(gen, 8, 8, 24, pad_frac=0.0)
         out = engine.train_step(split_microbatches(ids, labels, sizes_b, sizes_m, rank))
@@ -266,8 +268,8 @@ def scaler_run(rank, world, plan, batches, steps, tmp, *, param_dtype, model=Non
     fused: AdamW(fused=True); unscale: call ``scaler.unscale_`` before ``step`` (else ``step``
     does); clip: ``clip_grad_norm_(1.0)`` after ``unscale_``."""
     model = model if model is not None else toy(11, True)
-    engine = CephaloEngine(OverflowStaged(model), plan["ratios"], autocast_dtype=torch.float16,
-                           param_dtype=param_dtype)
+    engine = CephaloEngine(OverflowStaged(model), plan["ratios"],
+                           precision=EnginePrecision(torch.float16, param_dtype))
     opt = torch.optim.AdamW(engine.parameters(), lr=LR, fused=fused)
     scaler = engine.make_grad_scaler(init_scale=2.0 ** 12, growth_interval=3)
     first = 0
@@ -408,15 +410,14 @@ def fused_case(rank, world) -> dict:
 def bad_input_case(rank, world) -> int:
     """Refused before any collective (ValueError naming the value and the fix)."""
     model = toy(1, False)
-    cases = [dict(autocast_dtype=None, param_dtype=torch.bfloat16),     # fp32-only compute
-             dict(autocast_dtype=torch.bfloat16, param_dtype=torch.float16),
-             dict(autocast_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),  # RS < params
-             dict(autocast_dtype=torch.float16, param_dtype=torch.float16,
-                  reduce_dtype=torch.bfloat16),
-             dict(autocast_dtype=torch.float64)]
+    cases = [dict(compute=None, param=torch.bfloat16),     # fp32-only compute
+             dict(compute=torch.bfloat16, param=torch.float16),
+             dict(compute=torch.bfloat16, reduce=torch.bfloat16),  # RS < params
+             dict(compute=torch.float16, param=torch.float16, reduce=torch.bfloat16),
+             dict(compute=torch.float64)]
     for kwargs in cases:
         try:
-            CephaloEngine(ToyStaged(model), **kwargs)
+            CephaloEngine(ToyStaged(model), precision=EnginePrecision(**kwargs))
         except ValueError as exc:
             assert "dtype" in str(exc), exc
         else:
@@ -460,3 +461,19 @@ def test_mixed_precision_two_ranks():
 
 def test_mixed_precision_three_ranks():
     _run(3)
+
+
+def test_engine_precision_policy():
+    """The policy is validated and normalized once, when built: fp32 param / reduce dtypes are
+    stored as None (no cast), so equal policies compare equal; it is frozen; the engine takes
+    nothing else (TypeError before any collective)."""
+    bf16 = torch.bfloat16
+    assert EnginePrecision() == EnginePrecision(None, None, None)
+    assert EnginePrecision(bf16, torch.float32, torch.float32) == EnginePrecision(bf16)
+    assert EnginePrecision(bf16, bf16, bf16).reduce is bf16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EnginePrecision(bf16).compute = torch.float16
+    with pytest.raises(ValueError, match="only torch.bfloat16, torch.float16"):
+        EnginePrecision(torch.float32)
+    with pytest.raises(TypeError, match="pass hf_cephalo.engine.EnginePrecision"):
+        CephaloEngine(ToyStaged(toy(1, False)), precision=(bf16, None, None))

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import transformers
 
 from hf_cephalo.engine.engine import CephaloEngine
+from hf_cephalo.engine.precision import EnginePrecision
 from hf_cephalo.engine.rank_precision import DTYPES
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.base import AutocastStagedModel
@@ -140,9 +141,9 @@ def _measured_bytes(rank, plan: Plan, group, tied: bool, precision: str,
     staged = _build(tied, lora)
     compute, param, reduce = (DTYPES[d] for d in _PRECISION[precision])
     engine = CephaloEngine(staged, state_ratios=plan.state_ratios, process_group=group,
-                           root_resident=plan.root_resident, autocast_dtype=compute,
-                           activation_checkpointing=plan.activation_checkpointing,
-                           param_dtype=param, reduce_dtype=reduce)
+                           root_resident=plan.root_resident,
+                           precision=EnginePrecision(compute, param, reduce),
+                           activation_checkpointing=plan.activation_checkpointing)
     r = plan.ranks[rank]
     mb = synthetic_microbatch(staged.model, r.batch_size, SEQ, seed=rank) if r.batch_size else {}
     mbs = [{k: v[j:j + r.microbatch_size] for k, v in mb.items()}

@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_cephalo.engine import CephaloEngine
+from hf_cephalo.engine import CephaloEngine, EnginePrecision
 from hf_cephalo.engine.checkpoint import load_checkpoint, save_checkpoint
 from hf_cephalo.engine.rank_precision import (DTYPES, check_scalable_optimizer, rank_precision,
                                               resolve_rank_precisions)
@@ -134,10 +134,8 @@ def engine_run(rank, tmp, batches, first: int, last: int):
     checkpoint + the scaler before SWITCH, B starts from it."""
     plan, prec = assignment(first)
     mine = rank_precision(prec, rank)
-    engine = CephaloEngine(OverflowStaged(toy(11, True)), plan["ratios"],
-                           autocast_dtype=mine.autocast_dtype, param_dtype=mine.param_dtype,
-                           reduce_dtype=mine.reduce_dtype)
-    assert mine.loss_scaling and mine.param_dtype is None  # mixed job: fp32 gathers
+    engine = CephaloEngine(OverflowStaged(toy(11, True)), plan["ratios"], precision=mine.engine)
+    assert mine.loss_scaling and mine.engine.param is None  # mixed job: fp32 gathers
     opt = torch.optim.AdamW(engine.parameters(), lr=LR)
     scaler = engine.make_grad_scaler(init_scale=2.0 ** 12, growth_interval=3)
     if first == SWITCH:
@@ -231,8 +229,8 @@ def trainer_case(rank, world, out_dir) -> dict:
     assert trainer.plan.precision == "float32+autocast-per-rank"
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
-    return dict(autocast=str(trainer.engine.autocast_dtype),
-                param_dtype=str(trainer.engine.param_dtype),
+    return dict(autocast=str(trainer.engine.precision.compute),
+                param_dtype=str(trainer.engine.precision.param),
                 scaler=type(trainer.accelerator.scaler).__name__,
                 scales=[h["loss_scale"] for h in logs], losses=[h["loss"] for h in logs])
 
@@ -277,8 +275,9 @@ def test_parse_and_auto():
     got = resolve_rank_precisions("auto", 3, ["A6000", "T4", "P40"], [(8, 6), (7, 5), (6, 1)])
     assert got == ["bf16", "fp16", "fp32"]
     assert resolve_rank_precisions("auto", 2, ["cpu", "cpu"], [None, None]) == ["fp32", "fp32"]
-    assert rank_precision(["bf16", "bf16"], 1) == (torch.bfloat16, torch.bfloat16, None, False)
-    assert rank_precision(["bf16", "fp32"], 0) == (torch.bfloat16, None, None, False)
+    assert rank_precision(["bf16", "bf16"], 1) == (
+        EnginePrecision(torch.bfloat16, torch.bfloat16, None), False)
+    assert rank_precision(["bf16", "fp32"], 0) == (EnginePrecision(torch.bfloat16, None, None), False)
     assert rank_precision(["bf16", "fp16"], 0).loss_scaling
     assert rank_precisions_tag(["bf16", "fp16"]) == "float32+autocast-per-rank"
     assert rank_precisions_tag(["bf16"] * 2) == "float32+autocast-bf16+gather-bf16"

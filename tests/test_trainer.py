@@ -180,7 +180,7 @@ def _bf16_run(out_dir):
     trainer.train()
     (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
     predicted = trainer.predict(_dataset(_samples("llama", 3, 1)))  # bf16 logits -> numpy
-    return dict(autocast_dtype=str(trainer.engine.autocast_dtype), loss=log["loss"],
+    return dict(autocast_dtype=str(trainer.engine.precision.compute), loss=log["loss"],
                 grad_norm=log["grad_norm"], predictions=predicted.predictions)
 
 

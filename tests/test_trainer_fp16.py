@@ -31,8 +31,8 @@ def _train(out_dir, plan, resume=None):
     trainer.train(resume_from_checkpoint=resume)
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
     return dict(steps=[h["step"] for h in logs], scales=[h["loss_scale"] for h in logs],
-                losses=[h["loss"] for h in logs], param_dtype=str(trainer.engine.param_dtype),
-                autocast=str(trainer.engine.autocast_dtype),
+                losses=[h["loss"] for h in logs], param_dtype=str(trainer.engine.precision.param),
+                autocast=str(trainer.engine.precision.compute),
                 scaler=type(trainer.accelerator.scaler).__name__,
                 optim=getattr(args.optim, "value", args.optim),
                 fused=trainer.optimizer.optimizer.defaults.get("fused"))

@@ -87,7 +87,8 @@ def test_env_fallbacks_and_precedence(tmp_path, monkeypatch):
 
 
 def test_precision_defaults_follow_the_compute_dtype(tmp_path, monkeypatch):
-    from hf_cephalo.integrations.trainer.training_args import EnginePrecision, check_bf16_support
+    from hf_cephalo.engine import EnginePrecision
+    from hf_cephalo.integrations.trainer.training_args import check_bf16_support
 
     bf16, fp16 = torch.bfloat16, torch.float16
     assert _args(tmp_path).engine_precision() == EnginePrecision(None, None, None)

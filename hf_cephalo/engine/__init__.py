@@ -6,11 +6,12 @@ from .evaluation import EvalOutput
 from .checkpoint_files import CheckpointFiles, resolve_checkpoint
 from .flat_param import ParamInfo, ShardedState, UnitShardMeta
 from .loading import StartKind
+from .precision import EnginePrecision
 from .relayout import relayout_state
 from .state_dicts import FullUnit
 from .stats import CollectiveStats
 
 __all__ = ["CephaloEngine", "CheckpointFiles", "CollectiveStats", "CompileOptions", "CompileStats",
-           "EvalOutput", "FullUnit",
+           "EnginePrecision", "EvalOutput", "FullUnit",
            "ParamInfo", "ShardedState", "StartKind", "StepOutput", "UnitShardMeta",
            "relayout_state", "resolve_checkpoint"]

@@ -36,6 +36,7 @@ from .loading import (CheckpointLike, StartKind, choose_source, param_shapes_bes
 from .evaluation import EvalOutput
 from .offload import ActivationStash, CudaStreams
 from .param_shards import ParamShards
+from .precision import EnginePrecision
 from .schedule import LayeredStep, RootUnits
 from .state_dicts import FullUnit
 from .stats import CollectiveStats
@@ -82,50 +83,15 @@ def _check_ratios(state_ratios, world_size: int) -> list[float]:
     return ratios
 
 
-_LOW_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _check_autocast(dtype, model: nn.Module) -> torch.dtype | None:
-    """Validate ``autocast_dtype`` (see ``CephaloEngine``); ValueError names the fix."""
-    if dtype is None:
-        return None
-    if dtype not in _LOW_DTYPES:
-        raise ValueError(f"autocast_dtype={dtype}: only torch.bfloat16, torch.float16 (with a "
-                         "loss scaler: engine.make_grad_scaler()) or None are supported")
+def _check_fp32_master(compute: torch.dtype | None, model: nn.Module) -> None:
+    """Autocast (``compute`` not None) needs fp32 parameters (master weights); ValueError names
+    the fix."""
+    if compute is None:
+        return
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     if dtypes != ["torch.float32"]:
-        raise ValueError(f"autocast_dtype={dtype} needs fp32 parameters (master weights), "
+        raise ValueError(f"autocast_dtype={compute} needs fp32 parameters (master weights), "
                          f"the model has {dtypes}: load it in float32 (model.float())")
-    return dtype
-
-
-def _check_precision(autocast_dtype, param_dtype, reduce_dtype
-                     ) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """Validate ``param_dtype`` / ``reduce_dtype`` against the autocast dtype (FSDP2
-    ``MixedPrecisionPolicy`` semantics, [Note: low-precision gathered parameters] in
-    ``flat_param.py``); returns them with fp32 normalized to None (no cast). ValueError names
-    the fix."""
-    if param_dtype == torch.float32:
-        param_dtype = None
-    if reduce_dtype == torch.float32:
-        reduce_dtype = None
-    if param_dtype is not None:
-        if param_dtype not in _LOW_DTYPES:
-            raise ValueError(f"param_dtype={param_dtype}: use torch.bfloat16, torch.float16 or "
-                             "None (gather the fp32 master weights)")
-        if autocast_dtype is None:
-            raise ValueError(f"param_dtype={param_dtype} needs mixed-precision compute: the "
-                             "forward runs in fp32 without autocast_dtype; pass "
-                             f"autocast_dtype={param_dtype} (--bf16 / --fp16) or drop param_dtype")
-        if param_dtype != autocast_dtype:
-            raise ValueError(f"param_dtype={param_dtype} differs from autocast_dtype="
-                             f"{autocast_dtype}: gather the parameters in the compute dtype "
-                             f"(param_dtype={autocast_dtype}) or in fp32 (None)")
-    if reduce_dtype is not None and reduce_dtype != param_dtype:
-        raise ValueError(f"reduce_dtype={reduce_dtype} is lower than (or differs from) "
-                         f"param_dtype={param_dtype or torch.float32}: reduce in fp32 (None) or "
-                         "in the param dtype")
-    return param_dtype, reduce_dtype
 
 
 def _scale_fn(loss_scale) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -180,21 +146,14 @@ class CephaloEngine:
             instead of ~4, a quarter less compute; activation memory grows with the number of
             microbatches like standard training; same collectives). The plan's
             ``activation_checkpointing`` decides it in the trainer (docs/planner.md).
-        autocast_dtype: None (default: compute in the parameters' dtype), ``torch.bfloat16``
-            or ``torch.float16``: every forward call (and recompute) runs under
-            ``torch.autocast(device.type, dtype)`` while master parameters, gradients and
-            optimizer state stay fp32 (mixed precision as ``TrainingArguments(bf16=True)`` /
-            ``fp16=True`` gives stock Trainer; https://pytorch.org/docs/stable/amp.html).
-            float16 needs a loss scaler over every rank's shards: ``make_grad_scaler()``,
+        precision: the mixed-precision policy ``EnginePrecision(compute, param, reduce)``
+            (autocast, gathered-parameter and reduce-scatter dtypes; ``engine/precision.py``);
+            default fp32, no autocast. Master parameters, gradients and optimizer state stay
+            fp32 (as stock Trainer's ``bf16=True`` / ``fp16=True``). ``compute=torch.float16``
+            needs a loss scaler over every rank's shards: ``make_grad_scaler()``,
             ``train_step(..., loss_scale=scaler)``, ``scaler.unscale_(opt)`` before
-            ``clip_grad_norm_``, then ``scaler.step(opt)``, ``scaler.update()``.
-        param_dtype: None (default: gather the fp32 master shards) or the autocast dtype:
-            each shard is cast to it before the all-gather, so all-gathered bytes and the
-            gathered units halve; gradients still accumulate in fp32 across microbatches
-            ([Note: low-precision gathered parameters] in ``flat_param.py``; FSDP2's
-            ``MixedPrecisionPolicy.param_dtype``).
-        reduce_dtype: None (default: reduce-scatter gradients in fp32) or ``param_dtype``
-            (half the reduce-scatter bytes; the reduced shard is upcast to fp32).
+            ``clip_grad_norm_``, then ``scaler.step(opt)``, ``scaler.update()``. Kept as
+            ``engine.precision``.
         root_resident: False (default): the embedding and head units are gathered around
             their uses (embedding forward, head phase, embedding backward) and resharded in
             between, so their full parameters and gradients are not held all step. True: both
@@ -224,10 +183,11 @@ class CephaloEngine:
     original parameters.
 
     Raises:
-        TypeError: ``compile`` neither None nor ``CompileOptions``.
+        TypeError: ``compile`` neither None nor ``CompileOptions``; ``precision`` not an
+            ``EnginePrecision``.
         ValueError: bad ratios / layout, parameters outside units and root or shared between
-            units, mixed dtypes in a unit, an autocast dtype other than bfloat16 or with
-            non-fp32 parameters, parameters on a device other than meta / CPU / ``device``,
+            units, mixed dtypes in a unit, an autocast dtype with non-fp32 parameters,
+            parameters on a device other than meta / CPU / ``device``,
             meta and materialized parameters mixed without a checkpoint, a checkpoint with a
             missing key, a wrong shape or a truncated file — all before the first collective.
     """
@@ -237,14 +197,15 @@ class CephaloEngine:
                  process_group: dist.ProcessGroup | None = None,
                  device: torch.device | None = None, offload_activations: bool | None = None,
                  reduce_scatter_fallback: bool = False, activation_checkpointing: bool = True,
-                 autocast_dtype: torch.dtype | None = None, root_resident: bool = False,
+                 precision: EnginePrecision = EnginePrecision(), root_resident: bool = False,
                  checkpoint: CheckpointLike | None = None, init_seed: int = 0,
-                 param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None,
                  compile: CompileOptions | None = None):
         if compile is not None and not isinstance(compile, CompileOptions):
             raise TypeError(f"compile={compile!r}: pass hf_cephalo.engine.CompileOptions("
                             "backend=..., mode=...) or None (eager)")
+        if not isinstance(precision, EnginePrecision):
+            raise TypeError(f"precision={precision!r}: pass hf_cephalo.engine.EnginePrecision("
+                            "compute, param, reduce) (default: fp32)")
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("CephaloEngine needs an initialized torch.distributed process group "
                              "(call dist.init_process_group first, e.g. via torchrun)")
@@ -268,11 +229,10 @@ class CephaloEngine:
             else bool(offload_activations)
         self.streams = CudaStreams(self.device) if self.device.type == "cuda" else None
         self.activation_checkpointing = bool(activation_checkpointing)
-        self.autocast_dtype = _check_autocast(autocast_dtype, model)
-        self.param_dtype, self.reduce_dtype = _check_precision(self.autocast_dtype, param_dtype,
-                                                               reduce_dtype)
-        if self.autocast_dtype is not None:  # every forward call under autocast
-            self.staged = AutocastStagedModel(staged, self.device.type, self.autocast_dtype)
+        _check_fp32_master(precision.compute, model)
+        self.precision = precision
+        if precision.compute is not None:  # every forward call under autocast
+            self.staged = AutocastStagedModel(staged, self.device.type, precision.compute)
         self.stats = CollectiveStats()
         self._tracker = LiveTracker(self.stats)
         use_all_reduce = reduce_scatter_fallback or not C.reduce_scatter_supported(process_group)
@@ -333,8 +293,8 @@ class CephaloEngine:
         unit = FlatParamUnit(name, params, uses, fqns, row, rank=self.rank,
                              world_size=self.world_size, group=self.group, device=self.device,
                              stats=self.stats, tracker=self._tracker, streams=self.streams,
-                             use_all_reduce=use_all_reduce, param_dtype=self.param_dtype,
-                             reduce_dtype=self.reduce_dtype)
+                             use_all_reduce=use_all_reduce, param_dtype=self.precision.param,
+                             reduce_dtype=self.precision.reduce)
         source.fill(unit, params, modules)
         return unit  # ``params`` (the originals) die with the caller's reference
 
@@ -440,7 +400,7 @@ class CephaloEngine:
         return None
 
     def make_grad_scaler(self, **kwargs) -> "CephaloGradScaler":
-        """A loss scaler for ``autocast_dtype=torch.float16``: PyTorch's ``ShardedGradScaler`` on
+        """A loss scaler for ``EnginePrecision(compute=torch.float16)``: PyTorch's ``ShardedGradScaler`` on
         this engine's device type and process group (``kwargs``: ``init_scale``,
         ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``enabled``), as
         ``CephaloGradScaler`` so that fused optimizers (``AdamW(fused=True)``) work with it.

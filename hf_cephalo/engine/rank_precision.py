@@ -4,7 +4,7 @@
 Only the compute differs between ranks: every rank holds fp32 master shards and optimizer
 state, accumulates fp32 gradients (autocast's weight cast has an fp32 backward) and
 reduce-scatters fp32. When the ranks' precisions differ the all-gather is the fp32 master
-(``param_dtype=None``), cast by each rank inside autocast: the one exact choice (a bf16 gather
+(``EnginePrecision.param`` None), cast by each rank inside autocast: the one exact choice (a bf16 gather
 rounds an fp16 / fp32 rank's weights, an fp16 gather overflows). ONE loss scaler
 (``CephaloEngine.make_grad_scaler``) serves every rank as soon as one computes in fp16: its
 scale is a power of 2, so scaling and unscaling is exact for bf16 / fp32 ranks; found-inf is
@@ -21,6 +21,7 @@ import torch
 
 from ..profiles.precision import (PRECISIONS, auto_precision, capability_precisions,
                                   check_rank_precisions, parse_rank_precisions)
+from .precision import EnginePrecision
 
 __all__ = ["RankPrecision", "DTYPES", "rank_precision", "device_precisions",
            "resolve_rank_precisions", "check_scalable_optimizer"]
@@ -30,16 +31,14 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class RankPrecision(NamedTuple):
-    """One rank's ``CephaloEngine`` precision arguments in a per-rank job.
+    """One rank's precision in a per-rank job.
 
-    autocast_dtype / param_dtype / reduce_dtype: as ``CephaloEngine`` takes them (None: fp32).
+    engine: its ``CephaloEngine(precision=...)`` policy.
     loss_scaling: True when ANY rank computes in fp16: then every rank trains with the job's
         one scaler ([Note: precision per rank]).
     """
 
-    autocast_dtype: torch.dtype | None
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
+    engine: EnginePrecision
     loss_scaling: bool
 
 
@@ -53,7 +52,8 @@ def rank_precision(precisions: Sequence[str], rank: int) -> RankPrecision:
                          f"{list(PRECISIONS)} per rank and 0 <= rank < {len(precisions)}")
     mine = DTYPES[precisions[rank]]
     uniform = len(set(precisions)) == 1
-    return RankPrecision(mine, mine if uniform else None, None, "fp16" in precisions)
+    return RankPrecision(EnginePrecision(mine, mine if uniform else None, None),
+                         "fp16" in precisions)
 
 
 def device_precisions(device: torch.device) -> tuple[str, ...]:

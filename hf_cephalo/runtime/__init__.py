@@ -7,13 +7,13 @@ accuracy report, elastic progress and the process group live here, taking one jo
 adapters over it. It imports no ``transformers.Trainer``.
 """
 
-__all__ = ["CompileOptions"]
+from hf_cephalo.lazy import lazy_exports
 
+# engine types the doors name (they import no hf_cephalo.engine), imported lazily:
+# ``hf_cephalo.runtime.settings`` is read by ``hf-cephalo plan``, which needs no engine
+_EXPORTS = {"CompileOptions": "hf_cephalo.engine.compile",
+            "EnginePrecision": "hf_cephalo.engine.precision"}
 
-def __getattr__(name: str):
-    """``CompileOptions`` (the engine's torch.compile settings, for the doors), imported lazily:
-    ``hf_cephalo.runtime.settings`` is read by ``hf-cephalo plan``, which needs no engine."""
-    if name == "CompileOptions":
-        from hf_cephalo.engine import CompileOptions
-        return CompileOptions
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = list(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -155,12 +155,10 @@ class Session:
         unit with the job's seed; an in-memory model takes rank 0's values."""
         job, plan = self.job, self.plan
         precision = job.precision.engine() if self.rank_precisions is None else \
-            rank_precision(self.rank_precisions, job.rank)
+            rank_precision(self.rank_precisions, job.rank).engine
         return CephaloEngine(staged, plan.state_ratios, device=job.device,
                              offload_activations=job.settings.offload_activations,
-                             autocast_dtype=precision.autocast_dtype,
-                             param_dtype=precision.param_dtype,
-                             reduce_dtype=precision.reduce_dtype,
+                             precision=precision,
                              root_resident=plan.root_resident, init_seed=job.seed,
                              activation_checkpointing=plan.activation_checkpointing,
                              compile=job.compile)

@@ -17,14 +17,17 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal
 
 from hf_cephalo.planner.types import DEFAULT_MEMORY_FRACTION
 from hf_cephalo.profiles.precision import FASTEST_FIRST, PRECISIONS
 from hf_cephalo.units import DEFAULT_MAX_SHARD_SIZE
 
+if TYPE_CHECKING:  # torch-free at import: ``hf-cephalo plan`` reads these settings
+    from hf_cephalo.engine.precision import EnginePrecision
+
 __all__ = ["CephaloSettings", "ENV_PREFIX", "env_name", "cephalo_fields", "JobPrecision",
-           "EnginePrecision", "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES",
+           "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES",
            "PARAM_DTYPE_CHOICES", "REDUCE_DTYPE_CHOICES", "COLLATE_CHOICES",
            "LOSS_REDUCTION_CHOICES"]
 
@@ -376,14 +379,6 @@ def cephalo_fields() -> list[tuple[str, Any, Any]]:
     return out
 
 
-class EnginePrecision(NamedTuple):
-    """``CephaloEngine`` precision arguments (None = fp32 / no autocast)."""
-
-    autocast_dtype: Any
-    param_dtype: Any
-    reduce_dtype: Any
-
-
 @dataclass(frozen=True)
 class JobPrecision:
     """The job's one precision (compute / gathered-parameter / reduce dtype names: fp32, bf16,
@@ -432,7 +427,9 @@ class JobPrecision:
         return cls(compute, param, reduce, settings.precision)
 
     def engine(self) -> EnginePrecision:
-        """The engine's ``autocast_dtype`` / ``param_dtype`` / ``reduce_dtype``."""
+        """The engine's precision policy (``CephaloEngine(precision=...)``): these names as
+        torch dtypes, fp32 as None."""
+        from hf_cephalo.engine.precision import EnginePrecision
         from hf_cephalo.engine.rank_precision import DTYPES
 
         return EnginePrecision(DTYPES[self.compute], DTYPES[self.param], DTYPES[self.reduce])

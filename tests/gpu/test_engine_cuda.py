@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_cephalo.engine import CephaloEngine
+from hf_cephalo.engine import CephaloEngine, EnginePrecision
 from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
 from tests.dist_utils import run_ranks
 from tests.test_engine_semantics import mbs_of
@@ -199,7 +199,7 @@ def cuda_dropout_worker(rank, world):
 
 
 def cuda_bf16_worker(rank, world):
-    """autocast_dtype=bfloat16 on CUDA with the reference's shapes (one microbatch, offload on):
+    """EnginePrecision(compute=bfloat16) on CUDA with the reference's shapes (one microbatch, offload on):
     loss and gradients equal single-process bf16-autocast training, and differ from fp32's."""
     device, group = _nccl_setup()
     cfg = ToyConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=3, max_seq_len=16)
@@ -216,7 +216,7 @@ def cuda_bf16_worker(rank, world):
         grads[name] = (loss.item(), {n: p.grad for n, p in ref.named_parameters()
                                      if p.grad is not None})
     engine = CephaloEngine(ToyStaged(copy.deepcopy(model)), process_group=group, device=device,
-                           autocast_dtype=torch.bfloat16)
+                           precision=EnginePrecision(torch.bfloat16))
     out = engine.train_step([{"input_ids": ids, "labels": labels}])
     torch.testing.assert_close(out.loss, grads["bf16"][0], rtol=RTOL, atol=ATOL)
     flat_grads = {}
@@ -290,8 +290,8 @@ def cuda_fp16_scaler_worker(rank, world):
     results = {}
     for param_dtype in (None, torch.float16):
         engine = CephaloEngine(OverflowStaged(copy.deepcopy(model)), process_group=group,
-                               device=device, autocast_dtype=torch.float16,
-                               param_dtype=param_dtype)
+                               device=device,
+                               precision=EnginePrecision(torch.float16, param_dtype))
         opt = torch.optim.AdamW(engine.parameters(), lr=1e-3)
         scaler = engine.make_grad_scaler(init_scale=2.0 ** 12, growth_interval=3)
 

@@ -38,7 +38,7 @@ def _run(device, group, precision: str, scaled: bool, batches):
     returns (first step's unscaled shard grads, final shards)."""
     mine = rank_precision([precision, "fp16" if precision != "fp16" else "fp32"], 0)
     engine = CephaloEngine(ToyStaged(_model()), [1.0], process_group=group, device=device,
-                           autocast_dtype=mine.autocast_dtype, param_dtype=mine.param_dtype)
+                           precision=mine.engine)
     opt = torch.optim.AdamW(engine.parameters(), lr=1e-3)
     scaler = engine.make_grad_scaler(init_scale=2.0 ** 16) if scaled else None
     first = None

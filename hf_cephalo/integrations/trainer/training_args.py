@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields, make_dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import TrainingArguments
 
-from hf_cephalo.runtime.settings import (CephaloSettings, EnginePrecision,  # noqa: F401
-                                         JobPrecision, cephalo_fields)
+from hf_cephalo.runtime.settings import CephaloSettings, JobPrecision, cephalo_fields
+
+if TYPE_CHECKING:  # the engine is imported when a job builds it, not with the arguments
+    from hf_cephalo.runtime import EnginePrecision
 
 __all__ = ["CephaloTrainingArguments", "CephaloArguments", "job_from_training_args"]
 
@@ -129,7 +132,7 @@ class CephaloTrainingArguments(CephaloArguments, TrainingArguments):
         return JobPrecision.resolve(compute, settings or self.cephalo_settings())
 
     def engine_precision(self) -> EnginePrecision:
-        """The engine's ``autocast_dtype`` / ``param_dtype`` / ``reduce_dtype`` (``job_precision``)."""
+        """The engine's precision policy (``job_precision().engine()``)."""
         return self.job_precision().engine()
 
 
