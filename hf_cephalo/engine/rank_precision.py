@@ -4,8 +4,8 @@
 Only the compute differs between ranks: every rank holds fp32 master shards and optimizer
 state, accumulates fp32 gradients (autocast's weight cast has an fp32 backward) and
 reduce-scatters fp32. When the ranks' precisions differ the all-gather is the fp32 master
-(``EnginePrecision.param`` None), cast by each rank inside autocast: the one exact choice (a bf16 gather
-rounds an fp16 / fp32 rank's weights, an fp16 gather overflows). ONE loss scaler
+(``EnginePrecision.param`` None), cast by each rank inside autocast: the one exact choice (a
+bf16 gather rounds an fp16 / fp32 rank's weights, an fp16 gather overflows). ONE loss scaler
 (``CephaloEngine.make_grad_scaler``) serves every rank as soon as one computes in fp16: its
 scale is a power of 2, so scaling and unscaling is exact for bf16 / fp32 ranks; found-inf is
 SUM-all-reduced, so every rank skips the same step; one ``scaler.pt`` resumes onto any plan.
