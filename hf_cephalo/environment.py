@@ -19,6 +19,7 @@ PROCESS_ENV = {
     "HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE": "largest microbatch size profiled at start (8)",
     "HF_CEPHALO_VERBOSE": "1: the profiler prints every rank's progress every second",
     "HF_CEPHALO_ALL_RANK_ERRORS": "1: under a launcher every rank prints its own traceback",
+    "HF_CEPHALO_TORCH_VERSION": "scripts/setup_env.sh: the torch release it installs (2.13.0)",
 }
 """Name -> what it does (its default in parentheses)."""
 

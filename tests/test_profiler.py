@@ -496,3 +496,30 @@ def test_only_rank_0_prints_unless_verbose(capsys, monkeypatch):
     monkeypatch.setattr(compute, "QUIET_INTERVAL_S", 1e9)  # verbose uses its own 1 s
     measure_module.measure_device(staged, loud, device="cpu", name="cpu", capacity_bytes=1e9, rank=1)
     assert "rank 1 (cpu): done" in capsys.readouterr().out
+
+
+def test_profiling_leaves_the_random_streams_as_they_were():
+    """Profiling runs the units in train mode (GPT-2: dropout) and draws synthetic batches; a
+    seeded run must train the same whether or not it profiled at start (a fresh profile and a
+    cached one gave two different losses from one seed)."""
+    import random
+
+    import numpy as np
+
+    def draws():
+        return torch.rand(4), random.random(), float(np.random.rand())
+
+    def seed():
+        torch.manual_seed(123)
+        random.seed(5)
+        np.random.seed(7)
+
+    staged = stage_model(build("gpt2"))  # built first: initialising it draws too
+    config = MeasureConfig(max_microbatch_size=2, sequence_length=12, repeats=1, warmup=0,
+                           progress=False)
+    seed()
+    expected = draws()
+    seed()
+    profile_cluster(staged, config, cache=False)
+    got = draws()
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]

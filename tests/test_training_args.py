@@ -288,3 +288,21 @@ def test_settings_declared_once_help_and_defaults(tmp_path):
     for name in names:
         assert f"--cephalo_{name}" in text and env_name(name) in text, name
     assert "(0.05 = 5%)" in text.replace("\n", " ").replace("  ", " ")
+
+
+def test_a_misspelled_variable_is_named_with_the_closest_setting(monkeypatch, caplog):
+    """An HF_CEPHALO_* variable that nothing reads was ignored without a word."""
+    import logging
+
+    from hf_cephalo.runtime import settings
+
+    monkeypatch.setenv("HF_CEPHALO_MEMORY_FRACTON", "0.5")
+    monkeypatch.setattr(settings, "_warned_unknown", set())
+    with caplog.at_level(logging.WARNING, logger="hf_cephalo.runtime.settings"):
+        assert settings.CephaloSettings().memory_fraction == settings.CephaloSettings.default_of(
+            "memory_fraction")
+        settings.CephaloSettings()  # said once
+    said = [r.getMessage() for r in caplog.records if "HF_CEPHALO_MEMORY_FRACTON" in r.getMessage()]
+    assert said == ["HF_CEPHALO_MEMORY_FRACTON is set but is not a Cephalo setting or variable, "
+                    "so it is ignored; did you mean HF_CEPHALO_MEMORY_FRACTION?"], said
+

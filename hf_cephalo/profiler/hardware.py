@@ -9,8 +9,10 @@ profiler's modules share: ``sync_device``, ``rank_and_world_size``, ``all_gather
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+import random
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from hf_cephalo.units import GIB
 
 __all__ = ["local_device_name", "device_capacity_bytes", "local_world_size", "machine_layout",
-           "sync_device", "rank_and_world_size", "all_gather_objects"]
+           "sync_device", "rank_and_world_size", "all_gather_objects", "preserved_rng"]
 
 
 def sync_device(device: torch.device) -> None:
@@ -111,3 +113,23 @@ def local_world_size(group: dist.ProcessGroup | None = None) -> int:
 
     host = socket.gethostname()
     return sum(h == host for h in all_gather_objects(host, group, world_size))
+
+
+@contextlib.contextmanager
+def preserved_rng(device: torch.device | str = "cpu") -> Iterator[None]:
+    """Run the body without moving the caller's random streams: torch's CPU generator (and
+    ``device``'s, a CUDA device), Python's ``random`` and NumPy's global state are as they were
+    on exit. Measuring runs the units in train mode (dropout) a number of times that depends on
+    timing and on the profile cache; without this a seeded run trained differently depending on
+    whether it profiled at start."""
+    import numpy as np
+
+    device = torch.device(device)
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+

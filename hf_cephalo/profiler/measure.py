@@ -28,7 +28,7 @@ from hf_cephalo.profiler.compute import measure_device
 from hf_cephalo.profiler.emulate import EmulatedStagedModel, EmulationConfig, emulated_device_name
 from hf_cephalo.profiler.hardware import (all_gather_objects, device_capacity_bytes,
                                           local_device_name, local_world_size, machine_layout,
-                                          rank_and_world_size)
+                                          preserved_rng, rank_and_world_size)
 from hf_cephalo.profiler.inputs import (MakeMicrobatch, MeasureConfig, build_model_from_config,
                                         max_positions, precision_tag, sequence_length_of,
                                         synthetic_microbatch)
@@ -67,6 +67,8 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
             (``local_world_size``, ``device_capacity_bytes``).
         cache: True (default directory), a ``ProfileCache``, or False/None (always measure).
         make_microbatch: ``m -> microbatch`` override of ``synthetic_microbatch``.
+    The caller's random streams are left as they were (``hardware.preserved_rng``).
+
     Raises:
         ValueError: bad config or emulation lists that do not match the world size.
     """
@@ -76,7 +78,8 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
         compiled = CompiledUnits(staged.units(), CompileOptions(backend=config.compile_backend,
                                                                 mode=config.compile_mode))
     # the units run compiled while measured only: the model is left as it came (eager)
-    with compiled.active(strict=False) if compiled is not None else contextlib.nullcontext():
+    with compiled.active(strict=False) if compiled is not None else contextlib.nullcontext(), \
+            preserved_rng(device):
         return _profile_cluster(staged, config, device=device, emulation=emulation, cache=cache,
                                 group=group, make_microbatch=make_microbatch,
                                 model_name=model_name)

@@ -30,6 +30,7 @@ from hf_cephalo.planner.types import activation_checkpointing_setting
 from hf_cephalo.profiler.emulate import (EmulatedOutOfMemoryError, EmulatedStagedModel,
                                          apply_memory_cap, check_plan_memory,
                                          emulated_device_name)
+from hf_cephalo.profiler.hardware import preserved_rng
 from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches,
                                          check_profile_precision, local_device_name,
                                          measure_comm, model_dtype, model_profile,
@@ -74,7 +75,8 @@ def resolve_plan(job: Job, staged: StagedModel, train_dataset: Any = None) -> Re
             memory cap.
     """
     try:
-        return _resolve_plan(job, staged, train_dataset)
+        with preserved_rng(job.device):  # profiling must not move a seeded run's dropout
+            return _resolve_plan(job, staged, train_dataset)
     except InfeasiblePlanError as exc:
         # Every rank solved the same problem, so every rank is here: the gather is matched.
         names = _gather_names(_local_name(job), job.world_size)

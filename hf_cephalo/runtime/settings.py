@@ -14,11 +14,14 @@ exists because stock ``accelerate launch`` rejects unknown keys in its YAML conf
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from hf_cephalo.environment import PROCESS_ENV
 from hf_cephalo.planner.types import DEFAULT_MEMORY_FRACTION
 from hf_cephalo.profiles.precision import FASTEST_FIRST, PRECISIONS
 from hf_cephalo.units import DEFAULT_MAX_SHARD_SIZE
@@ -50,6 +53,23 @@ def _setting(default: Any, help: str, cli_type: Any = None) -> Any:
     help text in the metadata; ``cli_type`` is the type the command-line field gets when it
     differs from the setting's own (lists parsed from '1,3')."""
     return field(default=None, metadata={"default": default, "help": help, "cli_type": cli_type})
+
+
+_warned_unknown: set[str] = set()
+
+
+def warn_unknown_environment() -> None:
+    """Warn once per variable about an ``HF_CEPHALO_*`` variable that is neither a setting's
+    nor a declared process variable (a misspelling would otherwise be ignored silently),
+    naming the closest known name."""
+    known = {env_name(f.name) for f in fields(CephaloSettings)} | set(PROCESS_ENV)
+    for name in sorted(os.environ):
+        if name.startswith(ENV_PREFIX) and name not in known and name not in _warned_unknown:
+            _warned_unknown.add(name)
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            logging.getLogger(__name__).warning(
+                "%s is set but is not a Cephalo setting or variable, so it is ignored%s",
+                name, f"; did you mean {close[0]}?" if close else "")
 
 
 @dataclass(kw_only=True)
@@ -177,6 +197,7 @@ class CephaloSettings:
             else:
                 given.add(f.name)
         self._given = frozenset(given)
+        warn_unknown_environment()
         self._validate()
 
     def was_given(self, name: str) -> bool:
