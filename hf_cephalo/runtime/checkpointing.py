@@ -27,7 +27,10 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from hf_cephalo.engine.checkpoint import CheckpointError, is_complete
+from hf_cephalo.engine.checkpoint import (CheckpointError, atomic_checkpoint_dir, damaged_remedy,
+                                          errors_on_every_rank, is_complete, load_sharded,
+                                          load_sharded_optimizer, newest_complete_checkpoint,
+                                          save_sharded)
 
 from hf_cephalo.planner import Plan
 from hf_cephalo.runtime.checkpoint_contents import CheckpointContents, check_contents
@@ -54,8 +57,6 @@ def atomic_checkpoint(session: "Session", directory: str,
     ``contents`` (what the run's settings promise) and the folder is renamed to ``directory``
     after the completeness marker ([Note: atomic checkpoints] in engine/checkpoint/atomic.py), so a
     run killed mid-save leaves no ``directory``. Each door adds its own files inside."""
-    from hf_cephalo.engine.checkpoint import atomic_checkpoint_dir
-
     with atomic_checkpoint_dir(directory, session.engine.group, check=lambda staging:
                                check_contents(staging, contents, when="save")) as staging:
         yield staging
@@ -63,8 +64,6 @@ def atomic_checkpoint(session: "Session", directory: str,
 
 def save_shards(session: "Session", directory: str, optimizer) -> None:
     """Every rank: its parameter and optimizer shards with their layout into ``directory``."""
-    from hf_cephalo.engine.checkpoint import save_sharded
-
     save_sharded(session.engine, directory, optimizer)
 
 
@@ -98,8 +97,6 @@ def resolve_resume(output_dir: str, value) -> str | None:
     if value is True:
         found = latest_checkpoint(output_dir)
         if found is None:
-            from hf_cephalo.engine.checkpoint import newest_complete_checkpoint
-
             incomplete = newest_complete_checkpoint(output_dir).skipped
             which = (f" (only incomplete ones, without the completeness marker: "
                      f"{', '.join(incomplete)})" if incomplete else "")
@@ -171,7 +168,6 @@ def load_weights(session: "Session", checkpoint: str, contents: CheckpointConten
     ``save_model`` files (``save_only_model``; read slice by slice as
     ``from_pretrained_sharded`` does; a LoRA PeftModel's adapter into the trainable shards,
     the frozen base kept, as ``PeftModel.from_pretrained``)."""
-    from hf_cephalo.engine.checkpoint import load_sharded
     from hf_cephalo.engine.loading import load_weights_into_engine
     from hf_cephalo.engine.peft_save import load_peft_adapter
 
@@ -189,8 +185,6 @@ def load_checkpoint_weights(session: "Session", checkpoint: str, *, when: str = 
     its messages; ``weights_only``: the weight files only), then load its weights
     (``load_weights``); a bad shard on one rank stops all ranks (``CheckpointError`` on every
     rank). Returns the checkpoint's recorded contents (None for one without the record)."""
-    from hf_cephalo.engine.checkpoint import errors_on_every_rank
-
     what = "load the checkpoint" if when == "resume" else f"{when} from {checkpoint}"
     with errors_on_every_rank(session.engine.group, what=what):
         contents = check_contents(checkpoint, when=when, weights_only=weights_only)
@@ -201,8 +195,6 @@ def load_checkpoint_weights(session: "Session", checkpoint: str, *, when: str = 
 def load_optimizer(session: "Session", optimizer, checkpoint: str) -> None:
     """The optimizer state of ``checkpoint`` re-laid for this plan (exact values); errors on
     every rank (``CheckpointError``). Reads only safetensors and JSON."""
-    from hf_cephalo.engine.checkpoint import errors_on_every_rank, load_sharded_optimizer
-
     with errors_on_every_rank(session.engine.group):
         load_sharded_optimizer(session.engine, optimizer, checkpoint)
 
@@ -211,8 +203,6 @@ def load_scheduler(session: "Session", scheduler, checkpoint: str,
                    name: str = "scheduler.pt") -> None:
     """The LR scheduler's position from ``checkpoint/name``; a missing file is a
     ``CheckpointError`` naming it, raised on every rank alike."""
-    from hf_cephalo.engine.checkpoint import damaged_remedy, errors_on_every_rank
-
     path = os.path.join(checkpoint, name)
     with errors_on_every_rank(session.engine.group):
         if not os.path.isfile(path):
