@@ -10,8 +10,13 @@ global batches. Compared: the logged loss and gradient norm of each step (SGD wi
 clipping) and the final weights (the user's model object after ``trainer.unshard_model()``).
 On 2 ranks also ``qwen3_lora``: a LoRA ``PeftModel`` of the Qwen3 model (adapters on attention
 and MLP projections) with AdamW and weight decay 0.1 (stock puts the adapter matrices in the
-decay group: issue 37 found them all in the no-decay group, silently). fp32, rtol 1e-5,
-atol 1e-6.
+decay group: issue 37 found them all in the no-decay group, silently). On both, ``glm5`` (GLM-5's
+DSA indexer weights get no gradient) with SGD and weight decay 0.1: stock skips them (their
+``.grad`` is None), so they must come out unchanged, not decayed; on 2 ranks also with AdamW
+(weight decay 0.1; epsilon 1e-3, so that Adam's g / (|g| + eps) does not blow fp32 rounding of a
+near-cancelled gradient element up to the tolerance) and a checkpoint at the end, whose
+optimizer state holds the indexer weights at a fresh state (zeros, step 0), resumed on 3 ranks
+for one more step (constant LR, so that the reference, stock's 3 steps, has the same schedule). fp32, rtol 1e-5, atol 1e-6.
 """
 
 from __future__ import annotations
@@ -58,13 +63,17 @@ def _collate(rows):
 
 
 LORA = "qwen3_lora"  # 2 ranks only
+UNREACHED = "glm5"  # SGD with weight decay: its indexer weights get no gradient
+UNREACHED_ADAMW = "glm5_adamw"  # AdamW with weight decay, saved at the end (2 ranks only)
 
 
 def _names(world: int) -> list[str]:
-    return [*ZOO, LORA] if world == 2 else list(ZOO)
+    return [*ZOO, LORA, UNREACHED, UNREACHED_ADAMW] if world == 2 else [*ZOO, UNREACHED]
 
 
 def _model(name: str) -> torch.nn.Module:
+    if name == UNREACHED_ADAMW:
+        return build_zoo(UNREACHED, seed=3)
     if name != LORA:
         return build_zoo(name, seed=3)
     from peft import LoraConfig, get_peft_model
@@ -77,11 +86,15 @@ def _model(name: str) -> torch.nn.Module:
 
 
 def _args(name: str, out_dir: str) -> dict:
-    optim = dict(optim="adamw_torch", weight_decay=0.1) if name == LORA else dict(optim="sgd")
+    optim = dict(optim="adamw_torch", weight_decay=0.1) if name == LORA else \
+        dict(optim="sgd", weight_decay=0.1) if name == UNREACHED else \
+        dict(optim="adamw_torch", weight_decay=0.1, adam_epsilon=1e-3, save_strategy="steps",
+             save_steps=STEPS, lr_scheduler_type="constant") if name == UNREACHED_ADAMW else \
+        dict(optim="sgd")
     return dict(output_dir=os.path.join(out_dir, name), report_to="none",
                 learning_rate=LR, max_grad_norm=MAX_NORM, max_steps=STEPS, logging_steps=1,
-                save_strategy="no", seed=SEED, train_sampling_strategy="sequential",
-                disable_tqdm=True, use_cpu=True, **optim)
+                seed=SEED, train_sampling_strategy="sequential", disable_tqdm=True,
+                use_cpu=True, **{"save_strategy": "no", **optim})
 
 
 def _logs(trainer):
@@ -105,10 +118,19 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
             train_dataset=_samples(name, N_TRAIN))
         trainer.train()
         losses, norms = _logs(trainer)
+        if name == UNREACHED_ADAMW:
+            results["optim_steps"] = _indexer_steps(trainer.optimizer, trainer.session)
         model = trainer.unshard_model()
         results[name] = dict(losses=losses, norms=norms, state={
             k: v.detach().clone().numpy() for k, v in model.state_dict().items()})
     return results
+
+
+def _indexer_steps(optimizer, session) -> dict[str, float]:
+    """AdamW's step count per non-empty parameter shard (an empty one steps nothing): the
+    indexer's are 0 (never stepped), the rest the steps taken."""
+    return {name: float(optimizer.state[p]["step"]) for name, p in session.named_shards()
+            if p in optimizer.state and p.numel()}
 
 
 _STOCK: dict = {}
@@ -130,6 +152,13 @@ def _stock(name: str, out_dir: str) -> dict:
 
 def _check_world(world: int, out_dir: str) -> None:
     runs = run_ranks(_worker, world, out_dir, timeout_s=budget_s(25 * world))
+    if world == 2:
+        for run in runs:
+            steps = run["optim_steps"]
+            assert steps and all(v == (0 if ".indexer." in n else STEPS)
+                                 for n, v in steps.items()), steps
+        saved = os.path.join(out_dir, UNREACHED_ADAMW, f"checkpoint-{STEPS}")
+        assert os.path.isdir(saved) and os.listdir(saved), saved
     for name in _names(world):
         ref = _stock(name, out_dir)
         for rank, run in enumerate(runs):
@@ -148,9 +177,52 @@ def _check_world(world: int, out_dir: str) -> None:
                                            msg=lambda m: f"{where} {key}: {m}")
 
 
-@test_timeout(50, margin_s=120)
+def _resume_worker(rank: int, world: int, out_dir: str) -> dict:
+    """The 2-rank AdamW checkpoint of ``glm5_adamw`` resumed on 3 ranks for one more step."""
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import Plan
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    args = {**_args(UNREACHED_ADAMW, out_dir), "max_steps": STEPS + 1, "save_strategy": "no"}
+    trainer = CephaloTrainer(
+        model=_model(UNREACHED_ADAMW), args=CephaloTrainingArguments(**args),
+        plan=Plan.from_ratios(*PLANS[3]), data_collator=_collate,
+        train_dataset=_samples(UNREACHED_ADAMW, N_TRAIN))
+    trainer.train(resume_from_checkpoint=os.path.join(out_dir, UNREACHED_ADAMW,
+                                                      f"checkpoint-{STEPS}"))
+    steps = _indexer_steps(trainer.optimizer, trainer.session)
+    model = trainer.unshard_model()
+    return dict(steps=steps, state={k: v.detach().clone().numpy()
+                                    for k, v in model.state_dict().items()})
+
+
+def _check_resume(out_dir: str) -> None:
+    """Saved on 2 ranks, resumed on 3: the indexer weights' optimizer state comes back at step
+    0 (the others at STEPS + 1 after one more step), and the weights equal stock's after
+    STEPS + 1 steps."""
+    runs = run_ranks(_resume_worker, 3, out_dir, timeout_s=budget_s(25))
+    model = _model(UNREACHED_ADAMW)
+    args = {**_args(UNREACHED_ADAMW, os.path.join(out_dir, "stock")), "max_steps": STEPS + 1,
+            "save_strategy": "no"}
+    transformers.Trainer(model=model, data_collator=_collate,
+                         args=transformers.TrainingArguments(per_device_train_batch_size=GLOBAL_BATCH,
+                                                             **args),
+                         train_dataset=_samples(UNREACHED_ADAMW, N_TRAIN)).train()
+    for rank, run in enumerate(runs):
+        assert rank == 0 or run["steps"], rank  # rank 0 holds no state (r = 0)
+        assert all(v == (0 if ".indexer." in n else STEPS + 1)
+                   for n, v in run["steps"].items()), (rank, run["steps"])
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(torch.as_tensor(run["state"][key]), value, rtol=RTOL,
+                                       atol=ATOL, msg=lambda m: f"resumed rank {rank} {key}: {m}")
+
+
+@test_timeout(50, 25, margin_s=120)
 def test_zoo_trainer_matches_stock_two_ranks(tmp_path):
     _check_world(2, str(tmp_path))
+    _check_resume(str(tmp_path))
 
 
 @test_timeout(75, margin_s=120)

@@ -251,6 +251,7 @@ class CephaloEngine:
         self._failure_exc: BaseException | None = None  # that step's exception
         self._abandoned: list = []  # in-flight collectives of that step, kept referenced
         self._param_shards: ParamShards | None = None  # built on first use (param_shards)
+        self._untouched: frozenset[int] = frozenset()  # [Note: parameters without a gradient]
 
     # ---- construction ---------------------------------------------------------------------
     def _build_units(self, ratios, shard_layout, use_all_reduce, source) -> None:
@@ -341,6 +342,7 @@ class CephaloEngine:
         ``param_shards.py``): what an optimizer with the model's parameter groups steps."""
         if self._param_shards is None:
             self._param_shards = ParamShards(self.all_units(), self.rank)
+            self._param_shards.untouched = self._untouched
             self._param_shards.bind_grads()
         return self._param_shards
 
@@ -456,10 +458,25 @@ class CephaloEngine:
         assert len(stash) == 0 and not step.kept, "schedule left stashed tensors behind"
         if self._param_shards is not None:
             self._param_shards.bind_grads()
-        loss = step.local_loss_sum.clone()
-        C.all_reduce_sum(loss.view(1), self.group, self.stats)
+        loss = self._reduce_with_touched(step.local_loss_sum.view(1))
         return StepOutput(float(loss) / global_items + step.extra_loss, global_items,
                           float(step.local_loss_sum), local_items)
+
+    def _reduce_with_touched(self, head: torch.Tensor) -> torch.Tensor:
+        """SUM-all-reduce ``head`` (1-D float64) in ONE collective with every unit's ``touched``
+        flags, and record the trainable parameters (``ParamShards`` order) no rank has given a
+        gradient since ``zero_grad``: the optimizer keeps those as they are ([Note: parameters
+        without a gradient]). Returns the reduced ``head``."""
+        flags = [t for unit in self.all_units() for t in unit.touched]
+        vec = torch.cat([head.double(), torch.tensor(flags, dtype=torch.float64,
+                                                     device=head.device)])
+        C.all_reduce_sum(vec, self.group, self.stats)
+        n = head.numel()
+        self._untouched = frozenset(
+            k for k, v in enumerate(vec[n:].tolist()) if v == 0)
+        if self._param_shards is not None:
+            self._param_shards.untouched = self._untouched
+        return vec[:n]
 
     def _reduce_sums(self, terms: torch.Tensor) -> torch.Tensor:
         """SUM-all-reduce of a staged model's global-batch loss sums (``LayeredStep``)."""
@@ -513,6 +530,7 @@ class CephaloEngine:
         assert len(stash) == 0 and not step.kept, "schedule left stashed tensors behind"
         if self._param_shards is not None:
             self._param_shards.bind_grads()
+        self._reduce_with_touched(torch.zeros(0, dtype=torch.float64, device=self.device))
         return reached or not step.mbs
 
     def discard_step(self, open_step: "OpenStep", why: str) -> None:
@@ -580,10 +598,15 @@ class CephaloEngine:
         return norm
 
     def zero_grad(self) -> None:
-        """Drop every shard's gradient (set to None), per-parameter shards' included."""
+        """Drop every shard's gradient (set to None), per-parameter shards' included, and
+        forget which parameters received one ([Note: parameters without a gradient])."""
         for p in self.parameters():
             p.grad = None
+        for unit in self.all_units():
+            unit.touched[:] = [False] * len(unit.touched)
+        self._untouched = frozenset()
         if self._param_shards is not None:
+            self._param_shards.untouched = self._untouched
             self._param_shards.drop_grads()
 
     def evaluate(self, microbatches, *, return_logits: bool = True,

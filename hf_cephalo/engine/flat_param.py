@@ -266,12 +266,16 @@ class ParamLeaves:
     (and version counter). No gradient until ``accumulate_into``.
     """
 
-    def __init__(self, infos: Sequence[ParamInfo], trainable: torch.Tensor, requires_grad: bool):
+    def __init__(self, infos: Sequence[ParamInfo], trainable: torch.Tensor, requires_grad: bool,
+                 touched: list[bool] | None = None):
         self.infos = [i for i in infos if i.requires_grad]
         flat = trainable.detach()
         self.leaves = [flat[i.offset:i.offset + i.numel].view(i.shape).detach()
                        .requires_grad_(requires_grad) for i in self.infos]
         self.requires_grad = requires_grad and trainable.numel() > 0
+        if self.requires_grad and touched is not None:  # [Note: parameters without a gradient]
+            for k, leaf in enumerate(self.leaves):
+                leaf.register_post_accumulate_grad_hook(functools.partial(_mark, touched, k))
         self.dtype = trainable.dtype
         self._target = _FlatGrad()
         self._hooked = False
@@ -308,6 +312,10 @@ class ParamLeaves:
                                          leaf.grad._base is self.grad), "unprepared backward"
             leaf.grad = None
         self._target.grad = None
+
+
+def _mark(touched: list[bool], k: int, _leaf: torch.Tensor) -> None:
+    touched[k] = True
 
 
 def split_unit_row(row: Sequence[int], trainable_numel: int) -> tuple[list[int], list[int]]:
@@ -422,6 +430,9 @@ class FlatParamUnit:
         self.local_trainable_numel = self.trainable_per_rank[rank]
         # the trainable shard IS the optimizer's parameter: the training state is r_i of the model
         self.shard_param = nn.Parameter(self.trainable.local)
+        self.touched = [False] * sum(1 for i in self.infos if i.requires_grad)
+        """Per trainable parameter (flat order): whether a backward on this rank accumulated a
+        gradient into it since ``zero_grad`` ([Note: parameters without a gradient])."""
         self.state = ShardedState.SHARDED
         self._pending_ag: list[C.AllGatherResult] | None = None  # one per non-empty part
         self._full: list[torch.Tensor] | None = None  # gathered [(Nt,), (N - Nt,)]
@@ -578,7 +589,7 @@ class FlatParamUnit:
             self._freed_nbytes = None
             return
         self._full = gathered
-        self._leaves = ParamLeaves(self.infos, self._full[0], requires_grad)
+        self._leaves = ParamLeaves(self.infos, self._full[0], requires_grad, self.touched)
         if self._grad is not None and self._leaves.requires_grad:  # not reduced yet: keep adding
             self._leaves.accumulate_into(self._grad)
         self.use_params()
@@ -593,7 +604,7 @@ class FlatParamUnit:
         assert self.state is ShardedState.UNSHARDED, f"{self.name} used while sharded"
         old = self._leaves
         self._retired.append(old)
-        self._leaves = ParamLeaves(self.infos, self._full[0], old.requires_grad)
+        self._leaves = ParamLeaves(self.infos, self._full[0], old.requires_grad, self.touched)
         if self._grad is None:
             self.prepare_grad()
         elif self._leaves.requires_grad:

@@ -9,7 +9,9 @@ A checkpoint directory holds (``FILES`` names them):
   of unit u's flat buffer; ``units.<u>.optim.<key>`` — (t_R,) every optimizer state tensor with
   the shard's shape (AdamW: ``exp_avg``, ``exp_avg_sq``), t_R = the trainable part of the
   slice. Its safetensors metadata (JSON) carries the rank, the fingerprint, 0-dim optimizer
-  state (AdamW ``step``) per unit and the optimizer's param groups (lr, betas, ...).
+  state (AdamW ``step``) per unit and the optimizer's param groups (lr, betas, ...); a 0-dim
+  state the unit's parameters disagree on (one the optimizer skipped) is a tensor
+  ``units.<u>.optim.<key>@per_element`` instead.
 * ``cephalo_buffers.safetensors`` (rank 0): the model's persistent buffers.
 * ``cephalo_complete.json`` (rank 0, written LAST): size and CRC-32 of each shard file.
 """
