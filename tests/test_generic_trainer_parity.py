@@ -16,7 +16,8 @@ DSA indexer weights get no gradient) with SGD and weight decay 0.1: stock skips 
 (weight decay 0.1; epsilon 1e-3, so that Adam's g / (|g| + eps) does not blow fp32 rounding of a
 near-cancelled gradient element up to the tolerance) and a checkpoint at the end, whose
 optimizer state holds the indexer weights at a fresh state (zeros, step 0), resumed on 3 ranks
-for one more step (constant LR, so that the reference, stock's 3 steps, has the same schedule). fp32, rtol 1e-5, atol 1e-6.
+for one more step (constant LR, so that the reference, stock's 3 steps, has the same schedule).
+fp32, rtol 1e-5, atol 1e-6.
 """
 
 from __future__ import annotations
@@ -206,9 +207,8 @@ def _check_resume(out_dir: str) -> None:
     model = _model(UNREACHED_ADAMW)
     args = {**_args(UNREACHED_ADAMW, os.path.join(out_dir, "stock")), "max_steps": STEPS + 1,
             "save_strategy": "no"}
-    transformers.Trainer(model=model, data_collator=_collate,
-                         args=transformers.TrainingArguments(per_device_train_batch_size=GLOBAL_BATCH,
-                                                             **args),
+    stock_args = transformers.TrainingArguments(per_device_train_batch_size=GLOBAL_BATCH, **args)
+    transformers.Trainer(model=model, args=stock_args, data_collator=_collate,
                          train_dataset=_samples(UNREACHED_ADAMW, N_TRAIN)).train()
     for rank, run in enumerate(runs):
         assert rank == 0 or run["steps"], rank  # rank 0 holds no state (r = 0)
