@@ -41,18 +41,21 @@ def test_subset_is_exact_and_docs_agree():
     assert summary and summary.group(2) == "0", "the generated page lists wrong classes"
 
 
-def test_a_class_the_path_cannot_stage_is_refused_with_its_reason():
-    """A vision-language class has several layer stacks: refused by name and reason."""
+def test_a_vision_language_class_stages_its_language_model_for_text():
+    """A vision-language class has several layer stacks; on text its forward runs one (the
+    language model's), which the generic path stages; its classifier alike. Exactness, image
+    inputs and the refusals: tests/test_models_multimodal.py."""
     from hf_cephalo.models import stage_model
 
     config = transformers.Gemma3Config(
         text_config=dict(vocab_size=96, hidden_size=32, intermediate_size=48,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=16),
+                         head_dim=16, pad_token_id=0),
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                            num_attention_heads=2, image_size=28, patch_size=14),
         mm_tokens_per_image=4)
-    model = transformers.Gemma3ForConditionalGeneration(config)
-    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration") as info:
-        stage_model(model)
-    assert "docs/adding_a_model.md" in str(info.value)
+    for cls in (transformers.Gemma3ForConditionalGeneration,
+                transformers.Gemma3ForSequenceClassification):
+        staged = stage_model(cls(config))
+        assert staged.layout.layers == "model.language_model.layers", cls.__name__
+        assert "model.vision_tower" in staged.layout.unused, cls.__name__

@@ -10,7 +10,11 @@ before and after the layers is the model's own code. Three facts make this exact
 never assumed: each layer's output goes straight to the next layer (object identity, every
 call), the layer arguments do not depend on parameters (none requires grad on the tiny copy),
 and the head reads the embedding side only through tied weights (the self-check,
-``models/self_check.py``). Details: docs/adding_a_model.md, "The generic path".
+``models/self_check.py``). A vision-language model is staged for text-only fine-tuning of its
+language model where its own forward on text runs one layer stack and is a causal LM's: its
+never-called towers sit on the head side, untrained, and a microbatch with their inputs
+(``pixel_values``) is refused (``GenericDecoderBody.check_inputs``). Details:
+docs/adding_a_model.md, "The generic path".
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from torch.utils import _pytree as pytree
 from hf_cephalo.models.base import Microbatch, staged_call
 from hf_cephalo.models.hf_common import (CausalLMStagedModel, ClassifierStagedModel,
                                          HFStagedModel, LastTokenClassifierStagedModel,
-                                         check_poolable, pad_token_id_of, require_key)
+                                         causal_lm_loss_sum, check_poolable, pad_token_id_of,
+                                         require_key)
 
 NOT_MODEL_INPUTS = frozenset({"labels", "return_dict", "output_attentions", "output_hidden_states",
                               "output_router_logits", "use_cache", "cache", "past_key_values",
@@ -37,7 +42,22 @@ NOT_MODEL_INPUTS = frozenset({"labels", "return_dict", "output_attentions", "out
 
 
 class StructureError(ValueError):
-    """The model's forward does something the generic path cannot stage (the message says what)."""
+    """The model's forward does something the generic path cannot stage (the message says what).
+
+    causal_lm: True when the self-check found the class's own forward on text to be a causal
+    LM's (``causal_lm_problem``) before the staging failed; False otherwise."""
+
+    causal_lm: bool = False
+
+
+class NotCausalLMError(StructureError):
+    """The class's own forward on text (``input_ids``, ``attention_mask``, ``labels``) does not
+    return a causal LM's output: logits over the vocabulary and the shifted next-token loss."""
+
+
+class TextOnlyInputError(ValueError):
+    """A microbatch carries inputs of a tower the staged model does not run (``pixel_values``
+    for a vision-language model staged for text-only fine-tuning)."""
 
 
 class _Stop(Exception):
@@ -62,6 +82,13 @@ class Layout:
         softcapping after it), so ``output_head()`` may stand for the whole head; where not,
         only ``output_projection()`` is answered (TRL's fused log-probabilities apply the
         config's scaling and softcapping themselves, as on stock).
+    inputs: the forward inputs of the traced (checked) microbatch (``input_ids``,
+        ``attention_mask``).
+    unused: the outermost parameter-holding modules the traced forward never called (a
+        vision-language model's vision tower and projector on text): on the head side, never
+        trained. Where there are some, a microbatch may carry only ``inputs`` and
+        ``position_ids`` (``GenericDecoderBody.check_inputs``): another input (``pixel_values``)
+        would run a module the layout never placed.
     """
 
     layers: str
@@ -70,6 +97,8 @@ class Layout:
     embed_only: tuple[str, ...]
     output_len: int | None
     plain_head: bool = False
+    inputs: tuple[str, ...] = ()
+    unused: tuple[str, ...] = ()
 
 
 @dataclass
@@ -212,10 +241,41 @@ class GenericDecoderBody(HFStagedModel):
             except _Stop:
                 return None
 
+    def check_inputs(self, microbatch: Microbatch) -> None:
+        """TextOnlyInputError when the self-check's forward left modules uncalled
+        (``Layout.unused``: a vision-language model staged for text-only fine-tuning) and the
+        microbatch carries a forward input other than the checked ones and ``position_ids``
+        (``pixel_values``, ``token_type_ids``, ...): it would run a module the staging never
+        placed, or change the forward in a way the check never saw."""
+        if not self.layout.unused:
+            return
+        allowed = set(self.layout.inputs) | {"position_ids"}
+        extra = sorted(k for k in forward_inputs(self.model, microbatch) if k not in allowed)
+        if extra:
+            name = type(self.model).__name__
+            raise TextOnlyInputError(
+                f"{name} is staged for text-only fine-tuning of its language model: its own "
+                f"forward on {', '.join(sorted(allowed))} runs one layer stack and never calls "
+                f"{', '.join(self.layout.unused)}, and the staging is proven exact for that "
+                f"forward only. This microbatch also carries {', '.join(extra)}, which the "
+                f"staged model does not run (images, audio or other non-text inputs are not "
+                f"supported). Drop {'these keys' if len(extra) > 1 else 'that key'} from the "
+                f"batch (text-only data; e.g. the tokenizer's output instead of the "
+                f"processor's), or train the multimodal model through a hand-written adapter "
+                f"(docs/adding_a_model.md).")
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        """The head's item count, after ``check_inputs``: the engine counts items before a
+        step's first collective, so a microbatch the staged model would refuse is refused
+        before this rank all-gathers anything."""
+        self.check_inputs(microbatch)
+        return super().count_items(microbatch)
+
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, GenericContext]:
         """The model's forward up to its first layer: hidden (m, S, H) and every layer's
         arguments (``GenericContext``)."""
         require_key(microbatch, "input_ids", type(self).__name__)
+        self.check_inputs(microbatch)
         L = len(self._layers)
         calls: list[tuple[tuple, dict]] = []
         first: list[torch.Tensor] = []
@@ -304,7 +364,9 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
 
     The router loss is added when ``output_router_logits`` is set and the model declares its
     router output (``_can_record_outputs``) and has ``num_experts``, ``num_experts_per_tok``
-    and ``router_aux_loss_coef`` (what transformers' MoE causal LMs compute it from); a model
+    and ``router_aux_loss_coef`` (what transformers' MoE causal LMs compute it from), or its
+    text config has them (a vision-language MoE on text, ``Qwen3_5MoeForConditionalGeneration``);
+    a model
     whose own loss adds another router term fails the self-check and is refused.
     """
 
@@ -312,13 +374,15 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
         super().__init__(model, layout)
         self.router: RouterLoss | None = None
         spec = router_spec(model)
-        attrs = all(isinstance(getattr(model, a, None), (int, float))
-                    for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"))
-        if getattr(model.config.get_text_config(), "output_router_logits", False) and spec \
-                and attrs:
-            # the attributes transformers' MoE causal LMs compute their router loss from; a
-            # class without them adds no router loss, or one the self-check finds unequal
-            self.router = RouterLoss(model, *spec)
+        text = model.config.get_text_config()
+        # the attributes transformers' MoE causal LMs compute their router loss from, on the
+        # model, else (a vision-language model's, on text) on its text config; a class with
+        # neither adds no router loss, or one the self-check finds unequal
+        source = next((s for s in (model, text) if all(
+            isinstance(getattr(s, a, None), (int, float))
+            for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"))), None)
+        if getattr(text, "output_router_logits", False) and spec and source is not None:
+            self.router = RouterLoss(source, *spec)
             self._routers = [[m for m in layer.modules() if isinstance(m, spec[0])]
                              for layer in self._layers]
 
@@ -469,9 +533,10 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     """Run ``model(**inputs)`` once (no grad) with forward hooks on every module outside the
     layers, and sort them by when they run: before the first layer (embedding side) or after
     the last (head side). A parameter-holding module never called goes to the head side (it
-    gets no gradient, as in the model). The head pass stubs the largest modules that run before
-    the first layer only (so their dropout draws no random numbers twice). Also records the
-    layers' output form.
+    gets no gradient, as in the model; ``Layout.unused`` names the outermost ones). The head
+    pass stubs the largest modules that run before the first layer only (so their dropout
+    draws no random numbers twice). Also records the layers' output form and the forward
+    inputs it ran on (``Layout.inputs``).
 
     Raises StructureError when the layers are not called in order, each once, or return
     something other than their hidden states.
@@ -527,8 +592,48 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
         a.startswith(n + ".") for a in after)}
     embed_only = [n for n in only_before
                   if not any(n.startswith(o + ".") for o in only_before)]
+    quiet = {n for n, m in outside if n not in before and n not in after
+             and next(m.parameters(), None) is not None}
+    unused = sorted(n for n in quiet if not any(n.startswith(o + ".") for o in quiet))
     return Layout(layers_name, tuple(embed), tuple(head), tuple(sorted(embed_only)),
-                  output_len[0])
+                  output_len[0], inputs=tuple(sorted(forward_inputs(model, microbatch))),
+                  unused=tuple(unused))
+
+
+def causal_lm_problem(model: nn.Module, batch: Microbatch) -> str | None:
+    """None when the model's own forward on ``batch`` (``input_ids``, ``attention_mask``,
+    ``labels`` (B, S)) is a causal LM's: ``logits`` (B, S, V) with V the text vocabulary (or
+    the output embeddings' rows) and a ``loss`` equal to the mean next-token cross entropy of
+    those logits (labels shifted by one, -100 ignored); else what differs. What makes a class
+    a causal LM here is what it computes, not its name (a vision-language model's
+    ``...ForConditionalGeneration`` on text is one). A MoE router loss is switched off for the
+    comparison (the generic path adds it apart)."""
+    extra = {k: False for k in ("output_router_logits", "use_cache")
+             if k in inspect.signature(type(model).forward).parameters}
+    try:
+        with torch.no_grad():
+            out = model(**forward_inputs(model, batch), labels=batch["labels"], **extra)
+    except Exception as exc:  # noqa: BLE001 - a forward that needs other inputs is no text LM
+        return f"it fails on text alone ({type(exc).__name__}: {str(exc)[:200]})"
+    logits, loss = getattr(out, "logits", None), getattr(out, "loss", None)
+    ids = batch["input_ids"]
+    if not torch.is_tensor(logits) or logits.dim() != 3 or logits.shape[:2] != ids.shape:
+        shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
+        return f"its logits are {shape}, not one row of scores per token {tuple(ids.shape)}"
+    vocab = {getattr(model.config.get_text_config(), "vocab_size", None)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(getattr(head, "weight", None), torch.Tensor):
+        vocab.add(head.weight.shape[0])
+    if logits.shape[-1] not in vocab:
+        return f"its logits score {logits.shape[-1]} classes, not the vocabulary {vocab}"
+    if not torch.is_tensor(loss):
+        return "it returns no loss for labels"
+    ref = causal_lm_loss_sum(logits.float(), batch["labels"])
+    if not torch.allclose(loss.float(), ref.loss_sum / max(ref.num_items, 1), rtol=1e-4,
+                          atol=1e-5):
+        return (f"its loss {float(loss):.6g} is not the shifted next-token loss of its logits "
+                f"{float(ref.loss_sum / max(ref.num_items, 1)):.6g}")
+    return None
 
 
 def ctx_requires_grad(ctx: GenericContext) -> list[str]:
@@ -563,7 +668,9 @@ class RouterLoss:
     recomputed layer adds that gradient to its router logits (``_AttachRouterGrad``).
     """
 
-    def __init__(self, model: nn.Module, router_cls: type, index: int):
+    def __init__(self, model: Any, router_cls: type, index: int):
+        """``model``: the model, or its text config, holding ``num_experts``,
+        ``num_experts_per_tok`` and ``router_aux_loss_coef``."""
         self.E = int(model.num_experts)
         self.top_k = int(model.num_experts_per_tok)
         self.coef = float(model.router_aux_loss_coef)

@@ -128,6 +128,15 @@ def _body_of(adapter: type[StagedModel]) -> type[StagedModel]:
     return next((c for c in adapter.__mro__ if c.__name__.endswith("Body")), adapter)
 
 
+def scope_text() -> str:
+    """What hf_cephalo trains, for the unsupported-model messages."""
+    return ("hf_cephalo trains the causal-LM and sequence-classification heads of Hugging Face "
+            "models (its generic path runs the model's own forward around its layers; a "
+            "vision-language model's language model on text where that forward is a causal "
+            "LM's) and, through hand-written adapters, "
+            f"{', '.join(supported_model_classes())}")
+
+
 def _unsupported(model: nn.Module) -> UnsupportedModelError:
     """The error for a model neither an adapter nor the generic path stages, with the advice
     that fits its class: a base model -> load it with a head hf_cephalo trains; another head
@@ -142,9 +151,7 @@ def _unsupported(model: nn.Module) -> UnsupportedModelError:
             "each layer unit when asked (--torch_compile, or Accelerate's dynamo_backend)", [])
     register = (f"register it with hf_cephalo.models.register_adapter({name}, YourAdapter) "
                 f"(see {GUIDE})")
-    scope = ("hf_cephalo trains the causal-LM and sequence-classification heads of Hugging Face "
-             "models (its generic path runs the model's own forward around its layers) and, "
-             f"through hand-written adapters, {', '.join(supported_model_classes())}")
+    scope = scope_text()
     same = _same_architecture(model)
     kind = _model_head_kind(model)
     if _is_base_model(model) and same:
@@ -174,7 +181,10 @@ def _unsupported(model: nn.Module) -> UnsupportedModelError:
 
 
 GENERIC_HEADS = ("CausalLM", "SequenceClassification")
-"""Heads the generic path (``models/generic.py``) stages for a class without an adapter."""
+"""Heads the generic path (``models/generic.py``) stages for a class without an adapter by
+their name. A class with another head (``...ForConditionalGeneration``) is staged as a causal
+LM where its own forward on text computes one and the staging is exact, both proven on a tiny
+copy (``_generic_text_lm``)."""
 
 
 def _generic(model: nn.Module) -> StagedModel:
@@ -189,6 +199,57 @@ def _generic(model: nn.Module) -> StagedModel:
         raise UnsupportedModelError(
             f"hf_cephalo cannot train {name} exactly: {exc}. Nothing was run. Train it through "
             f"a hand-written adapter ({GUIDE}) or report the class.", []) from exc
+
+
+def _generic_text_lm(model: nn.Module) -> StagedModel:
+    """A model whose head is named neither causal LM nor sequence classification (a
+    vision-language ``...ForConditionalGeneration``) on the generic path as a causal LM, for
+    text-only fine-tuning of its language model: only where the self-check finds, on a tiny
+    copy, that its own forward on text returns logits over the vocabulary and the shifted
+    next-token loss, and that the staging is exact. Otherwise UnsupportedModelError: for a
+    forward that is no causal LM, ``_unsupported``'s advice for its head; for a causal LM the
+    path cannot stage, the class, the reason and what to do."""
+    from hf_cephalo.models.generic import NotCausalLMError, StructureError
+    from hf_cephalo.models.self_check import generic_staged
+    name = type(model).__name__
+    try:
+        return generic_staged(model)
+    except NotCausalLMError as exc:
+        raise _unsupported(model) from exc
+    except StructureError as exc:
+        if not exc.causal_lm:  # the tiny copy did not build or run: nothing proven either way
+            raise UnsupportedModelError(
+                f"hf_cephalo cannot train {name}: {scope_text()}; a class with another head "
+                f"name (here {_words(_model_head_kind(model) or 'another')}) trains as a causal "
+                f"LM only where a tiny copy of it proves its forward on text is one, and that "
+                f"check could not run: {exc}. Nothing was run. To train it, write an adapter "
+                f"and register it with hf_cephalo.models.register_adapter({name}, YourAdapter) "
+                f"(see {GUIDE}).", []) from exc
+        text_class = _text_class(model)
+        other = (f"; its text-only class {text_class} is no way around: it runs the same "
+                 f"language model, and from_pretrained on this checkpoint may report the "
+                 f"language model's weights as missing (they are stored under {name}'s names)"
+                 if text_class and text_class != name else "")
+        raise UnsupportedModelError(
+            f"hf_cephalo cannot train {name} exactly: its own forward on text (input_ids, "
+            f"attention_mask, labels) is a causal LM's (logits over the vocabulary, the shifted "
+            f"next-token loss), whose language model hf_cephalo would fine-tune on text only, "
+            f"but the generic path cannot stage that forward exactly: {exc}. Nothing was run. "
+            f"To fine-tune it, write an adapter for {name} and register it with "
+            f"hf_cephalo.models.register_adapter({name}, YourAdapter) (see {GUIDE}){other}.",
+            []) from exc
+
+
+def _text_class(model: nn.Module) -> str | None:
+    """The causal-LM class transformers maps the model's text config to (``Gemma4ForCausalLM``
+    for ``Gemma4ForConditionalGeneration``), or None."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        return None
+    from transformers.models.auto import modeling_auto as auto
+    name = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(
+        getattr(config.get_text_config(), "model_type", None))
+    return name if isinstance(name, str) else None
 
 
 def adapter_for(model: nn.Module) -> type[StagedModel]:
@@ -229,10 +290,11 @@ def stage_model(model: nn.Module) -> StagedModel:
         adapter = adapter_for(model)
     except UnsupportedModelError:
         inner = unwrap_peft_model(model) if is_peft_model(model) else model
-        if _model_head_kind(inner) not in GENERIC_HEADS or _is_base_model(inner):
+        kind = _model_head_kind(inner)
+        if kind is None or _is_base_model(inner) or not hasattr(inner, "config"):
             raise
         check_transformers_version(transformers.__version__)
-        return _generic(inner)
+        return _generic(inner) if kind in GENERIC_HEADS else _generic_text_lm(inner)
     if is_peft_model(model):
         model = model.base_model.model
     if adapter.__module__.startswith("hf_cephalo.models."):

@@ -3,11 +3,14 @@
 [Note: the self-check]
 ``generic_staged(model)`` builds a tiny random model of the SAME class from the SAME config,
 only sizes shrunk (``tiny_config``: layers, widths, experts, vocabulary; every flag, multiplier,
-scale, softcap and layer pattern kept), finds the layout on it (``generic.trace_layout``), then
-compares, in fp32 on CPU, the staged loss and every parameter gradient with the model's own
+scale, softcap and layer pattern kept), finds the layout on it (``generic.trace_layout``; of
+several layer stacks, the one its forward runs on text: ``find_layers``), then compares, in
+fp32 on CPU, the staged loss and every parameter gradient with the model's own
 ``model(**batch, labels=...)`` over a padded batch cut into two microbatches. Only if they agree
 (rtol 1e-5) is the user's model staged, with the tiny copy's layout; otherwise ``StructureError``
-says what differed. It needs no weights of the user's model (it works on a meta-device model)
+says what differed. A class that is not a sequence classifier must first prove a causal LM by
+what it computes (``generic.causal_lm_problem``; a vision-language ``...ForConditionalGeneration``
+on text is one). It needs no weights of the user's model (it works on a meta-device model)
 and no process group, so every rank refuses alike before any collective. Results are cached per
 (class, config) in the process.
 """
@@ -15,6 +18,7 @@ and no process group, so every rank refuses alike before any collective. Results
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import warnings
 from dataclasses import dataclass
@@ -23,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_cephalo.models.generic import (Layout, staged_class,
-                                       StructureError, ctx_requires_grad, layer_list_candidates,
-                                       trace_layout)
+from hf_cephalo.models.generic import (Layout, NotCausalLMError, staged_class,
+                                       StructureError, causal_lm_problem, ctx_requires_grad,
+                                       forward_inputs, layer_list_candidates, trace_layout)
 
 RTOL, ATOL = 1e-5, 1e-6
 """The self-check's tolerance on losses and gradients (fp32)."""
@@ -314,18 +318,46 @@ def _plain_head(model: nn.Module, staged, batch: dict) -> bool:
         return torch.equal(head(final), logits)
 
 
-def find_layers(model: nn.Module) -> str:
-    """The name of the model's layer stack, or StructureError saying why none fits."""
+def find_layers(model: nn.Module, batch: dict | None = None) -> str:
+    """The name of the model's layer stack, or StructureError saying why none fits.
+
+    With several candidates (a multimodal model: one stack per tower) and a ``batch``, the
+    stack is the one whose layers the model's own forward on that batch runs (traced with
+    forward hooks, no grad): on text, a vision-language model runs its language model's layers
+    only. Exactly one stack must run."""
     cands = layer_list_candidates(model)
-    if len(cands) != 1:
-        found = [f"{n} ({len(m)})" for n, m in cands]
-        raise StructureError(
-            f"{type(model).__name__} has {len(cands)} layer stacks (lists of the layer classes "
-            f"it declares in _no_split_modules, else of one layer class: "
-            f"{', '.join(found) or 'none'}); the generic path needs exactly "
-            "one (a multimodal model has one per tower: load its language model alone, e.g. "
-            "AutoModelForCausalLM on a text-only checkpoint)")
-    return cands[0][0]
+    if len(cands) == 1:
+        return cands[0][0]
+    found = [f"{n} ({len(m)})" for n, m in cands]
+    which = ""
+    if cands and batch is not None:
+        ran = _stacks_run(model, batch, cands)
+        if len(ran) == 1:
+            return ran[0]
+        which = f"; its forward on text runs {len(ran)} of them ({', '.join(ran) or 'none'})"
+    raise StructureError(
+        f"{type(model).__name__} has {len(cands)} layer stacks (lists of the layer classes "
+        f"it declares in _no_split_modules, else of one layer class: "
+        f"{', '.join(found) or 'none'}){which}; the generic path needs exactly one stack "
+        "that the forward runs (a multimodal model's language model, on text inputs)")
+
+
+def _stacks_run(model: nn.Module, batch: dict,
+                cands: list[tuple[str, nn.ModuleList]]) -> list[str]:
+    """Names of the candidate stacks any of whose layers ``model(**batch inputs)`` calls."""
+    ran: set[str] = set()
+    handles = [layer.register_forward_hook(lambda *_, _n=name: ran.add(_n))
+               for name, stack in cands for layer in stack]
+    try:
+        with torch.no_grad():
+            model(**forward_inputs(model, batch))
+    except Exception as exc:  # noqa: BLE001 - the forward itself fails: a refusal with its cause
+        raise StructureError(f"the forward of a tiny {type(model).__name__} fails on text "
+                             f"inputs ({type(exc).__name__}: {exc})") from exc
+    finally:
+        for h in handles:
+            h.remove()
+    return [name for name, _ in cands if name in ran]
 
 
 def check_class(cls: type, config: Any) -> Proof:
@@ -371,7 +403,22 @@ def _check(cls: type, config: Any) -> Proof:
                              f"staging ({type(exc).__name__}: {exc})") from exc
     _perturb(tiny)
     batch = _check_batch(cfg, classifier)
-    layers = find_layers(tiny)
+    if not classifier:  # a causal LM by what its forward computes on text, whatever its name
+        problem = causal_lm_problem(tiny, batch)
+        if problem is not None:
+            raise NotCausalLMError(f"{cls.__name__}'s own forward on text (input_ids, "
+                                   f"attention_mask, labels) is not a causal LM's: {problem}")
+    try:
+        return _prove(cls, tiny, batch, classifier)
+    except StructureError as exc:
+        exc.causal_lm = not classifier  # proven a causal LM above; the staging failed
+        raise
+
+
+def _prove(cls: type, tiny: nn.Module, batch: dict, classifier: bool) -> Proof:
+    """The layout of the tiny copy ``tiny`` of ``cls``, its staging compared with its own
+    forward on ``batch``; StructureError with what differed."""
+    layers = find_layers(tiny, batch)
     try:
         layout = trace_layout(tiny, batch, layers)
         staged = staged_class(tiny)(tiny, layout)
@@ -385,8 +432,7 @@ def _check(cls: type, config: Any) -> Proof:
     if problem is not None:
         raise StructureError(f"the staged {cls.__name__} is not the model's own computation on a "
                              f"tiny copy: {problem}")
-    final = Layout(layout.layers, layout.embed, layout.head, layout.embed_only,
-                   layout.output_len, plain)
+    final = dataclasses.replace(layout, plain_head=plain)
     return Proof(final, _outside(tiny, layers), [_structure(m) for m in tiny.get_submodule(layers)],
                  _extra_layers(tiny, layers))
 
