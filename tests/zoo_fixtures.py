@@ -63,9 +63,17 @@ UNREACHED: dict[str, tuple[str, Callable[[], Any]]] = {
         index_head_dim=16, index_n_heads=2, index_topk=4, n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
         topk_group=1)),
+    "gemma3_vlm": ("Gemma3ForConditionalGeneration", lambda: transformers.Gemma3Config(
+        text_config={**BASE, "head_dim": 16, "final_logit_softcapping": 3.0,
+                     "query_pre_attn_scalar": 20, "sliding_window": 4,
+                     "layer_types": ["sliding_attention", "full_attention"]},
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4)),
 }
 """Models with parameters their forward never gives a gradient (GLM-5's DSA indexer picks the
-top-``index_topk`` keys: its weights get none), apart from ZOO so the tests over the whole zoo
+top-``index_topk`` keys: its weights get none; Gemma 3's vision-language class on text never
+calls its vision tower), apart from ZOO so the tests over the whole zoo
 do not pay for them."""
 
 
