@@ -56,3 +56,24 @@ def test_a_class_the_path_cannot_stage_is_refused_with_its_reason():
     with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration") as info:
         stage_model(model)
     assert "docs/adding_a_model.md" in str(info.value)
+
+
+def test_tiny_config_keeps_what_the_model_needs_to_run():
+    """The self-check's shrink keeps the ties a model relies on (config only: nothing built)."""
+    from hf_cephalo.models.self_check import tiny_config
+
+    jamba = tiny_config(transformers.JambaConfig())  # attention every 8th layer from layer 4
+    assert "attention" in jamba.layers_block_type and not jamba.use_cache
+    mamba2 = tiny_config(transformers.Mamba2Config())  # inner width split into heads
+    assert mamba2.num_heads * mamba2.head_dim == mamba2.expand * mamba2.hidden_size
+    assert mamba2.num_heads % mamba2.n_groups == 0 and mamba2.n_groups < mamba2.num_heads
+    zamba2 = tiny_config(transformers.Zamba2Config())  # widths its config derives
+    assert zamba2.attention_hidden_size == 2 * zamba2.hidden_size
+    assert zamba2.hybrid_layer_ids == [i for i, t in enumerate(zamba2.layers_block_type)
+                                       if t == "hybrid"] != []
+    longcat = tiny_config(transformers.LongcatFlashConfig())  # MLA: nope + rope
+    assert longcat.qk_head_dim == longcat.qk_nope_head_dim + longcat.qk_rope_head_dim
+    marian = tiny_config(transformers.MarianConfig())
+    assert marian.decoder_vocab_size == marian.vocab_size
+    gemma3n = tiny_config(transformers.Gemma3nTextConfig())  # some layers store, some reuse
+    assert 0 < gemma3n.num_kv_shared_layers < gemma3n.num_hidden_layers
