@@ -67,13 +67,20 @@ _CACHE: dict[tuple, Proof | StructureError] = {}
 
 def _per_layer_lists(cfg: Any, L: int) -> list:
     """The config's per-layer lists: its fields of length ``L`` and the lists its class derives
-    per layer (a ``layers_block_type`` property read from an attention period / offset or a
-    cyclic ``block_types``)."""
+    per layer from the start (a ``layers_block_type`` property read from an attention period /
+    offset or a cyclic ``block_types``: fewer layers give a prefix of it; a list counted from
+    the last layer, e.g. which layers store keys / values for shared ones, is not a pattern
+    the first layers must show)."""
     out = [v for v in vars(cfg).values() if isinstance(v, (list, tuple)) and len(v) == L]
+    if L < 2:
+        return out
+    fewer = copy.copy(cfg)
+    _set(fewer, "num_hidden_layers", L - 1)
     for name in dir(type(cfg)):
         if isinstance(getattr(type(cfg), name, None), property) and name not in vars(cfg):
             value = _get(cfg, name)
-            if isinstance(value, (list, tuple)) and len(value) == L:
+            if isinstance(value, (list, tuple)) and len(value) == L \
+                    and list(_get(fewer, name) or ()) == list(value[:L - 1]):
                 out.append(value)
     return out
 
