@@ -22,6 +22,7 @@ SUBSET = [
     "MistralForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
     "GptOssForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
     "CohereForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "OPTForCausalLM",
+    "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "JambaForCausalLM",
     "Qwen3ForSequenceClassification", "LlamaForSequenceClassification",
 ]
 
