@@ -4,7 +4,9 @@ For every causal LM in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (and 
 ``--seq-cls`` every ``...ForSequenceClassification`` of a decoder in
 ``MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES``), from the class's default config:
 
-1. a tiny random model (sizes shrunk by ``models/self_check.tiny_config``; the transforms that
+1. a tiny random model (sizes shrunk by ``models/self_check.tiny_config``; a field the default
+   config leaves unset although the forward needs it set as a checkpoint or the user would,
+   ``UNSET_DEFAULTS``; the transforms that
    change the math around the layers -- embedding / residual / attention multipliers, logit
    scaling and softcapping, the MoE router loss -- set to NON-default values where the config
    has them, so a skipped transform shows; norm weights moved off 1);
@@ -56,6 +58,13 @@ NON_DEFAULT = {  # config field -> value where the field exists (the transforms 
     "output_router_logits": True, "router_aux_loss_coef": 0.3,
 }
 
+UNSET_DEFAULTS = {  # config field -> value (from the config) where the default config leaves it
+    # None although the forward needs it: every checkpoint sets it (DeepSeek-V2's default has no
+    # experts per token), or the user must (X-MOD: model.set_default_language(...))
+    "num_experts_per_tok": lambda cfg: 2,
+    "default_language": lambda cfg: (getattr(cfg, "languages", None) or [None])[0],
+}
+
 
 @dataclass
 class Row:
@@ -74,6 +83,9 @@ def _config(model_type: str):
         for key, value in NON_DEFAULT.items():
             if key in fields:
                 setattr(cfg, key, value)
+        for key, value in UNSET_DEFAULTS.items():
+            if key in fields and fields[key] is None:
+                setattr(cfg, key, value(cfg))
     return config
 
 
@@ -178,7 +190,8 @@ def check(model_type: str, class_name: str) -> Row:
                     if p.dim() == 1:
                         p.add_(0.1 * torch.randn(p.shape))
             batch = _batch(config, classifier)
-            model(**batch)  # transformers' own forward must run for a comparison to mean much
+            with torch.no_grad():  # (no graph left in a module that keeps its last state)
+                model(**batch)  # transformers' own forward must run for a comparison to mean much
     except Exception as exc:  # noqa: BLE001 - the tiny copy does not build / run
         if not _default_builds(cls, model_type):
             return Row(model_type, class_name, "not built", _short(exc),
@@ -243,7 +256,9 @@ def render(rows: list[Row]) -> str:
         "do not edit by hand.",
         "",
         "Each class of transformers' causal-LM mapping (and each decoder's sequence "
-        "classifier) as a tiny random model from its default config, with embedding / "
+        "classifier) as a tiny random model from its default config (where it leaves a "
+        "field the forward needs unset, the value a checkpoint or the user sets: the experts "
+        "per token, X-MOD's default language), with embedding / "
         "residual / attention multipliers, logit scaling and softcapping and the MoE router "
         "loss set to non-default values where the config has them: `exact` means "
         "hf_cephalo stages it and its staged loss and every gradient over two microbatches "

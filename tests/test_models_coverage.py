@@ -22,6 +22,7 @@ SUBSET = [
     "MistralForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
     "GptOssForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
     "CohereForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "OPTForCausalLM",
+    "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "JambaForCausalLM",
     "Qwen3ForSequenceClassification", "LlamaForSequenceClassification",
 ]
 
@@ -59,3 +60,24 @@ def test_a_vision_language_class_stages_its_language_model_for_text():
         staged = stage_model(cls(config))
         assert staged.layout.layers == "model.language_model.layers", cls.__name__
         assert "model.vision_tower" in staged.layout.unused, cls.__name__
+
+
+def test_tiny_config_keeps_what_the_model_needs_to_run():
+    """The self-check's shrink keeps the ties a model relies on (config only: nothing built)."""
+    from hf_cephalo.models.self_check import tiny_config
+
+    jamba = tiny_config(transformers.JambaConfig())  # attention every 8th layer from layer 4
+    assert "attention" in jamba.layers_block_type and not jamba.use_cache
+    mamba2 = tiny_config(transformers.Mamba2Config())  # inner width split into heads
+    assert mamba2.num_heads * mamba2.head_dim == mamba2.expand * mamba2.hidden_size
+    assert mamba2.num_heads % mamba2.n_groups == 0 and mamba2.n_groups < mamba2.num_heads
+    zamba2 = tiny_config(transformers.Zamba2Config())  # widths its config derives
+    assert zamba2.attention_hidden_size == 2 * zamba2.hidden_size
+    assert zamba2.hybrid_layer_ids == [i for i, t in enumerate(zamba2.layers_block_type)
+                                       if t == "hybrid"] != []
+    longcat = tiny_config(transformers.LongcatFlashConfig())  # MLA: nope + rope
+    assert longcat.qk_head_dim == longcat.qk_nope_head_dim + longcat.qk_rope_head_dim
+    marian = tiny_config(transformers.MarianConfig())
+    assert marian.decoder_vocab_size == marian.vocab_size
+    gemma3n = tiny_config(transformers.Gemma3nTextConfig())  # some layers store, some reuse
+    assert 0 < gemma3n.num_kv_shared_layers < gemma3n.num_hidden_layers

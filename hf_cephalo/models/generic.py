@@ -116,12 +116,15 @@ class GenericContext:
 
 class _Stub(nn.Module):
     """Stands in for a module during one forward: calls ``fn(*args, **kwargs)``; any other
-    attribute is the real module's (``decoder_layer.attention_type``)."""
+    attribute is the real module's (``decoder_layer.attention_type``), and so are its
+    parameters: a forward that reads ``next(self.parameters()).dtype`` finds them even when
+    every module holding parameters is stubbed (OpenAI GPT's body in the head pass)."""
 
     def __init__(self, real: nn.Module, fn: Callable):
         super().__init__()
         object.__setattr__(self, "_real", real)
         object.__setattr__(self, "_fn", fn)
+        self._modules["stubbed"] = real
 
     def forward(self, *args, **kwargs):
         return self._fn(*args, **kwargs)

@@ -2,10 +2,11 @@
 
 [Note: the self-check]
 ``generic_staged(model)`` builds a tiny random model of the SAME class from the SAME config,
-only sizes shrunk (``tiny_config``: layers, widths, experts, vocabulary; every flag, multiplier,
-scale, softcap and layer pattern kept), finds the layout on it (``generic.trace_layout``; of
-several layer stacks, the one its forward runs on text: ``find_layers``), then compares, in
-fp32 on CPU, the staged loss and every parameter gradient with the model's own
+only sizes shrunk (``tiny_config``: layers, widths, experts, vocabulary, with the fields tied to
+them kept tied; every flag, multiplier, scale, softcap and layer pattern kept; no cache, as it
+trains), finds the layout on it (``generic.trace_layout``; of several layer stacks, the one its
+forward runs on text: ``find_layers``), then compares, in fp32 on CPU, the staged loss and every
+parameter gradient with the model's own
 ``model(**batch, labels=...)`` over a padded batch cut into two microbatches. Only if they agree
 (rtol 1e-5) is the user's model staged, with the tiny copy's layout; otherwise ``StructureError``
 says what differed. A class that is not a sequence classifier must first prove a causal LM by
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import warnings
 from dataclasses import dataclass
@@ -67,12 +69,32 @@ class Proof:
 _CACHE: dict[tuple, Proof | StructureError] = {}
 
 
+def _per_layer_lists(cfg: Any, L: int) -> list:
+    """The config's per-layer lists: its fields of length ``L`` and the lists its class derives
+    per layer from the start (a ``layers_block_type`` property read from an attention period /
+    offset or a cyclic ``block_types``: fewer layers give a prefix of it; a list counted from
+    the last layer, e.g. which layers store keys / values for shared ones, is not a pattern
+    the first layers must show)."""
+    out = [v for v in vars(cfg).values() if isinstance(v, (list, tuple)) and len(v) == L]
+    if L < 2:
+        return out
+    fewer = copy.copy(cfg)
+    _set(fewer, "num_hidden_layers", L - 1)
+    for name in dir(type(cfg)):
+        if isinstance(getattr(type(cfg), name, None), property) and name not in vars(cfg):
+            value = _get(cfg, name)
+            if isinstance(value, (list, tuple)) and len(value) == L \
+                    and list(_get(fewer, name) or ()) == list(value[:L - 1]):
+                out.append(value)
+    return out
+
+
 def _num_layers_needed(cfg: Any, L: int) -> int:
     """Fewest layers that keep every per-layer pattern of the config (each distinct entry of a
-    per-layer list, the first MoE layer after dense ones), at least 2."""
+    per-layer list, stored or derived, the first MoE layer after dense ones), at least 2."""
     need = 2
-    for value in vars(cfg).values():
-        if isinstance(value, (list, tuple)) and len(value) == L and L > 0:
+    for value in _per_layer_lists(cfg, L):
+        if L > 0:
             seen: list = []
             for i, v in enumerate(value):
                 key = json.dumps(v, sort_keys=True, default=str)
@@ -87,7 +109,19 @@ def _num_layers_needed(cfg: Any, L: int) -> int:
         v = getattr(cfg, key, None)
         if v:
             need = max(need, min(max(v) + 2, L))
+    if (_int(cfg, "num_kv_shared_layers") or 0) > 0:
+        need += 1  # the last layers reuse an earlier layer's keys / values: keep one that does
     return min(L, need)
+
+
+def _shared_kv_layers(cfg: Any, L: int, n: int) -> int | None:
+    """``num_kv_shared_layers`` (the last layers, which reuse the keys / values of the last
+    earlier layer of their type) for ``n`` of ``L`` layers: as many as fit after the layers
+    that keep the per-layer patterns, at least one."""
+    k = _int(cfg, "num_kv_shared_layers")
+    if not k or n >= L:
+        return None
+    return max(1, min(k, n - (_num_layers_needed(cfg, L) - 1)))
 
 
 def _is_width(key: str) -> bool:
@@ -130,7 +164,46 @@ def _cap(cfg: Any, keys: tuple[str, ...], limit: int) -> None:
             _set(cfg, key, limit)
 
 
+def _ssm_splits(cfg: Any) -> list[tuple[str, str, Any, int]]:
+    """(heads field, head-width field, expand, heads) of each state-space mixer whose inner width,
+    expand × the model width, the config splits into heads × head width (Mamba-2 style):
+    the shrink keeps that split, or the mixer's reshape into heads fails."""
+    hidden = next((_int(cfg, k) for k in ("hidden_size", "d_model") if _int(cfg, k)), None)
+    ints = {k: v for k, v in vars(cfg).items() if isinstance(v, int) and not isinstance(v, bool)}
+    out = []
+    for e_key, expand in vars(cfg).items():
+        if "expand" not in e_key or isinstance(expand, bool) or \
+                not isinstance(expand, (int, float)) or hidden is None:
+            continue
+        for h_key, h in ints.items():
+            for d_key, d in ints.items():
+                if "heads" in h_key and ("head_dim" in d_key or "d_head" in d_key
+                                         or "headdim" in d_key) and h * d == expand * hidden:
+                    out.append((h_key, d_key, expand, h))
+    return out
+
+
+def _keep_ssm_splits(cfg: Any, splits: list, groups: dict[str, int]) -> None:
+    """Each split of ``_ssm_splits`` made again at the tiny width: 4 heads (fewer where the
+    inner width has fewer), head width = expand × width / heads; a group count (B / C shared
+    by a group of heads) dividing the heads, below them where it was."""
+    hidden = next((_int(cfg, k) for k in ("hidden_size", "d_model") if _int(cfg, k)), None)
+    for h_key, d_key, expand, heads_before in splits:
+        inner = int(expand * hidden)
+        heads = max(h for h in (4, 2, 1) if inner % h == 0)
+        _set(cfg, h_key, heads)
+        _set(cfg, d_key, inner // heads)
+        for g_key, g in groups.items():
+            if heads_before % g == 0:
+                shared = g < heads_before  # heads shared a group: keep them sharing one
+                _set(cfg, g_key, max(x for x in range(1, heads + 1) if heads % x == 0
+                                     and x <= g and (x < heads or not shared or heads == 1)))
+
+
 def _shrink_text(cfg: Any) -> None:
+    splits = _ssm_splits(cfg)
+    groups = {k: v for k, v in vars(cfg).items() if isinstance(v, int) and not isinstance(v, bool)
+              and v > 0 and (k.endswith("n_groups") or k.endswith("ngroups"))}
     widths = {_get(cfg, k): v for k, v in _SIZES.items()
               if _int(cfg, k) is not None and k in ("hidden_size", "d_model", "n_embd")}
     for key, value in list(vars(cfg).items()):
@@ -141,6 +214,9 @@ def _shrink_text(cfg: Any) -> None:
     L = _int(cfg, "num_hidden_layers")
     if L is not None:
         n = _num_layers_needed(cfg, L)
+        shared = _shared_kv_layers(cfg, L, n)
+        if shared is not None:
+            _set(cfg, "num_kv_shared_layers", shared)
         for key, value in list(vars(cfg).items()):
             if isinstance(value, (list, tuple)) and len(value) == L and key != "architectures":
                 _set(cfg, key, type(value)(value[:n]))
@@ -158,18 +234,26 @@ def _shrink_text(cfg: Any) -> None:
         v = _int(cfg, key)
         if v is not None:
             _set(cfg, key, 4 if heads is None or v >= heads else 2 if v > 1 else 1)
+    # a per-head width that is the sum of two the shrink sets (MLA's qk_head_dim = nope + rope)
+    parts = {k: _int(cfg, k) for k in _SIZES if "head_dim" in k and _int(cfg, k) is not None}
+    sums = [(key, a, b) for key, value in vars(cfg).items() if "head_dim" in key
+            and key not in _SIZES and isinstance(value, int) and not isinstance(value, bool)
+            for a in parts for b in parts if a < b and parts[a] + parts[b] == value]
     head_dim, rope_dim = _int(cfg, "head_dim"), _int(cfg, "qk_rope_head_dim")
     if head_dim is not None:  # MLA (DeepSeek) ties head_dim to the rotary part's width
         _set(cfg, "head_dim", _SIZES["qk_rope_head_dim"] if head_dim == rope_dim else 8)
     for key, size in _SIZES.items():
         if _int(cfg, key) is not None:
             _set(cfg, key, size)
+    for key, a, b in sums:
+        _set(cfg, key, _SIZES[a] + _SIZES[b])
     _cap(cfg, ("rotary_dim", "rotary_emb_dim"), 4)  # a rotary width no wider than a tiny head
     _cap(cfg, _EXPERTS, 4)
     _cap(cfg, _TOPK, 2)
     _cap(cfg, ("n_group", "topk_group"), 1)
     if _int(cfg, "sliding_window") is not None:
         cfg.sliding_window = 4  # shorter than the check's rows, so the sliding mask shows
+    _keep_ssm_splits(cfg, splits, groups)
     if _int(cfg, "vocab_size") is not None:
         _shrink_vocab(cfg)
 
@@ -189,21 +273,57 @@ def _shrink_vocab(cfg: Any) -> None:
             setattr(cfg, key, [ids.get(x, x) for x in v])
         elif isinstance(v, int):
             setattr(cfg, key, ids.get(v, v))
-    for key, value in list(vars(cfg).items()):  # per-layer input vocabularies (Gemma 3n / 4)
-        if key.startswith("vocab_size") and isinstance(value, int) and value > TINY_VOCAB:
+    vocab = cfg.vocab_size
+    for key, value in list(vars(cfg).items()):
+        # per-layer input vocabularies (Gemma 3n / 4), and a vocabulary of the same size as
+        # the model's (Marian's decoder_vocab_size: its logits' width)
+        if isinstance(value, int) and value > TINY_VOCAB and (
+                key.startswith("vocab_size") or (key.endswith("vocab_size") and value == vocab)):
             _set(cfg, key, TINY_VOCAB)
     cfg.vocab_size = TINY_VOCAB
 
 
 def tiny_config(config: Any) -> Any:
     """A copy of ``config`` with sizes shrunk (layers to the fewest that keep each per-layer
-    pattern, widths, heads, experts, vocabulary, sliding window); every other field kept."""
+    pattern, widths, heads, experts, vocabulary, sliding window) and no cache, as it trains;
+    every other field kept."""
     cfg = copy.deepcopy(config)
     for sub in _configs(cfg):  # the model's own and every sub-config (text, vision, encoder...)
+        before = dict(vars(sub))
         _shrink_text(sub)
+        _derive_again(sub, before)
+        if _get(sub, "use_cache") is True:
+            # training runs without a cache (prepare_for_training turns it off; the staged
+            # forwards pass use_cache=False), so the model's own loss is compared as it trains:
+            # a cache only keeps state for the next call (a hybrid stack without attention
+            # layers cannot even build one; a recurrent block would keep its states)
+            _set(sub, "use_cache", False)
     impl = getattr(config, "_attn_implementation", None)
     cfg._attn_implementation = impl if impl in ("eager", "sdpa") else None  # auto: sdpa or eager
     return cfg
+
+
+def _derive_again(cfg: Any, before: dict) -> None:
+    """Fields the config class derives from its sizes (not arguments of its constructor: a
+    Zamba-2 attention width = 2 × the model width, its hybrid layer ids from the layer types)
+    and that the shrink left as they were, derived again from the shrunk sizes, as the class
+    derives them on loading a config of those sizes."""
+    try:
+        params = inspect.signature(type(cfg).__init__).parameters
+        if sum(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) < 2:
+            return  # a config without declared fields: nothing tells fields from derived ones
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            again = type(cfg)(**{k: v for k, v in cfg.to_dict().items() if k in params})
+    except Exception:  # noqa: BLE001 - a config that does not rebuild keeps its shrunk fields
+        return
+    for key, value in vars(cfg).items():
+        if key.startswith("_") or key in params or key not in vars(again) \
+                or hasattr(value, "to_json_string"):
+            continue
+        derived = vars(again)[key]
+        if key in before and before[key] == value and derived != value:
+            _set(cfg, key, derived)
 
 
 def _configs(cfg: Any) -> list[Any]:
