@@ -1,9 +1,11 @@
-"""The custom loop's DataLoader matrix (``integrations/loop/support.py``, issue 37): every
-DataLoader argument of the installed torch is classified, every "works as stock" entry names
-an existing test, docs/accelerate.md holds the rendered table, and each refused value is one
-clear message from ``loader_problems`` (no process group needed: ``CephaloAccelerator.prepare``
-raises it on every rank before any collective; tests/test_accelerate_loop.py checks that on 2
-and 3 ranks)."""
+"""The custom loop's support matrices (``integrations/loop/support.py``, issue 37): every
+DataLoader argument of the installed torch and every ``Accelerator.__init__`` argument,
+``DataLoaderConfiguration`` and ``ProjectConfiguration`` field of the installed accelerate is
+classified, every "works as stock" entry names an existing test, docs/accelerate.md holds the
+rendered tables, and each refused value is one clear message from ``loader_problems`` /
+``accelerator_problems`` (no process group needed: ``CephaloAccelerator.prepare`` raises it on
+every rank before any collective; tests/test_accelerate_loop.py checks that on 2 and 3
+ranks)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, WeightedRandomSampler
 
+from hf_cephalo.integrations.loop import support
 from hf_cephalo.integrations.loop.support import (LOADER_FIELD_SUPPORT, loader_problems,
                                                   render_markdown, unclassified_loader_fields)
 from hf_cephalo.integrations.trainer.support import Status
@@ -25,19 +28,38 @@ def test_every_dataloader_argument_is_classified():
         "classify the new DataLoader arguments in hf_cephalo/integrations/loop/support.py")
 
 
-def test_stock_entries_name_existing_tests():
-    for name, support in LOADER_FIELD_SUPPORT.items():
-        assert support.note, name
-        if support.status is Status.STOCK:
-            path, _, func = support.test.partition("::")
-            assert func in _test_names(path), f"{name}: {support.test} does not exist"
+def test_every_accelerator_argument_and_config_field_is_classified():
+    """Fails when the installed accelerate has an argument or field the tables miss (an entry
+    for one an older supported accelerate lacks is harmless)."""
+    where = "classify them in hf_cephalo/integrations/loop/support.py"
+    assert support.unclassified_accelerator_fields() == [], f"Accelerator.__init__: {where}"
+    assert support.unclassified_dataloader_config_fields() == [], \
+        f"DataLoaderConfiguration: {where}"
+    assert support.unclassified_project_config_fields() == [], f"ProjectConfiguration: {where}"
 
 
-def test_docs_hold_the_rendered_table():
+TABLES = {"DataLoader": LOADER_FIELD_SUPPORT, "Accelerator": support.ACCELERATOR_FIELD_SUPPORT,
+          "DataLoaderConfiguration": support.DATALOADER_CONFIG_SUPPORT,
+          "ProjectConfiguration": support.PROJECT_CONFIG_SUPPORT}
+
+
+@pytest.mark.parametrize("table", list(TABLES))
+def test_stock_entries_name_existing_tests(table):
+    for name, entry in TABLES[table].items():
+        assert entry.note, name
+        if entry.status is Status.STOCK:
+            assert entry.test, f"{table} {name}: a 'works as stock' entry needs a test"
+            path, _, func = entry.test.partition("::")
+            assert func in _test_names(path), f"{table} {name}: {entry.test} does not exist"
+
+
+def test_docs_hold_the_rendered_tables():
     with open(os.path.join(ROOT, "docs", "accelerate.md")) as f:
-        assert render_markdown() in f.read(), (
-            "regenerate the DataLoader table of docs/accelerate.md: python -c \"from "
-            "hf_cephalo.integrations.loop.support import render_markdown as r; print(r())\"")
+        text = f.read()
+    for render in ("render_markdown", "render_accelerator_markdown"):
+        assert getattr(support, render)() in text, (
+            "regenerate the tables of docs/accelerate.md: python -c \"from "
+            f"hf_cephalo.integrations.loop.support import {render} as r; print(r())\"")
 
 
 class _Stream(IterableDataset):
@@ -86,8 +108,10 @@ def _accelerator(**kwargs):
     return Accelerator(cpu=True, **kwargs)
 
 
-def test_accelerator_settings_the_loop_would_drop_are_refused():
-    from accelerate.utils import (AutocastKwargs, DataLoaderConfiguration, ProjectConfiguration,
+def test_accelerator_settings_the_loop_would_drop_are_refused(monkeypatch):
+    from accelerate.utils import (AutocastKwargs, DataLoaderConfiguration,
+                                  DistributedDataParallelKwargs, FullyShardedDataParallelPlugin,
+                                  GradientAccumulationPlugin, ProjectConfiguration,
                                   TorchDynamoPlugin)
 
     from hf_cephalo.integrations.loop.support import accelerator_problems
@@ -104,8 +128,105 @@ def test_accelerator_settings_the_loop_would_drop_are_refused():
         (dict(project_config=ProjectConfiguration(project_dir="/tmp", total_limit=2)),
          r"total_limit=2\): save_state does not rotate"),
         (dict(rng_types=["torch", "generator"]), r"rng_types=\['torch', 'generator'\]"),
+        # accepted and silently dropped before these refusals (issue 37's support matrix)
+        (dict(dynamo_plugin=TorchDynamoPlugin(backend="eager", disable=True)),
+         r"disable=True\) with a backend: .*leave the backend at 'no'"),
+        (dict(kwargs_handlers=[DistributedDataParallelKwargs(comm_hook="fp16")]),
+         r"DistributedDataParallelKwargs\(comm_hook='fp16'\): .*drop the hook"),
+        (dict(gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=2, sync_with_dataloader=False)),
+         r"sync_with_dataloader=False\): .*leave sync_with_dataloader True"),
+        (dict(project_config=ProjectConfiguration(project_dir="/tmp", save_on_each_node=True)),
+         r"save_on_each_node=True\): .*shared file system"),
     ]
     for kwargs, needle in cases:
         problems = accelerator_problems(_accelerator(**kwargs))
         assert len(problems) == 1 and re.search(needle, problems[0]), (kwargs, problems)
+    # without CUDA Accelerate runs on the CPU and ignores an FSDP / DeepSpeed plugin; refused
+    # all the same (on CUDA check_loop_setup refuses its distributed type)
+    assert accelerator_problems(_accelerator(dynamo_plugin=TorchDynamoPlugin(
+        backend="no", disable=True))) == []
+    for env in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM"):
+        monkeypatch.setenv(env, "false")
+    problems = accelerator_problems(_accelerator(fsdp_plugin=FullyShardedDataParallelPlugin()))
+    assert len(problems) == 1 and re.search(r"fsdp_plugin=\.\.\.\) / ACCELERATE_USE_FSDP=true: "
+                                            r"Cephalo is the sharding engine", problems[0])
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
     _accelerator()  # leave a plain state behind
+
+
+def test_job_follows_the_accelerator_settings():
+    """``job_from_accelerator`` (no process group): the global batch is batch_size x world x
+    gradient_accumulation_steps, without the world under ``split_batches``; the dynamo backend
+    and mode become the per-unit compile options; a scheduler steps world-size times per
+    optimizer step, once under ``split_batches``."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin
+
+    from hf_cephalo.integrations.loop.accelerator import CephaloPlugin
+    from hf_cephalo.integrations.loop.prepare import _prepare_scheduler, job_from_accelerator
+
+    def job(split, backend="no"):
+        acc = SimpleNamespace(
+            cephalo_plugin=CephaloPlugin(adaptive="off"), gradient_accumulation_steps=2,
+            split_batches=split, num_processes=3, process_index=0, device=torch.device("cpu"),
+            project_dir=None, mixed_precision="no",
+            state=SimpleNamespace(dynamo_plugin=TorchDynamoPlugin(backend=backend,
+                                                                  mode="max-autotune")))
+        return job_from_accelerator(acc, DataLoader(DATA, batch_size=2), seed=0)
+
+    assert job(False).global_batch_size == 2 * 3 * 2 and job(False).compile is None
+    assert job(True).global_batch_size == 2 * 2
+    compiled = job(False, backend="inductor").compile
+    assert (compiled.backend, compiled.mode) == ("inductor", "max-autotune")
+    for split, steps in ((False, 3), (True, 1)):
+        stock = _accelerator(dataloader_config=DataLoaderConfiguration(split_batches=split))
+        acc = SimpleNamespace(prepare_scheduler=stock.prepare_scheduler,
+                              _schedulers=stock._schedulers, num_processes=3)
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: step)
+        assert _prepare_scheduler(acc, scheduler).steps_per_optimizer_step == steps
+    _accelerator()
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_load_state_restores_loader_positions(tmp_path, stateful):
+    """The saved loaders' epoch is restored; the position only with use_stateful_dataloader
+    (without it the next iteration starts the epoch and skip_first_batches skips, as stock)."""
+    import json
+    from types import SimpleNamespace
+
+    from accelerate.utils import DataLoaderConfiguration
+
+    from hf_cephalo.integrations.loop.state import LOADERS_NAME, _restore_loaders
+
+    (tmp_path / LOADERS_NAME).write_text(json.dumps([{"epoch": 2, "position": 3},
+                                                     {"epoch": 0, "position": 0}]))
+    loaders = [SimpleNamespace(epoch=0, _skip_next=0), SimpleNamespace(epoch=0, _skip_next=0)]
+    acc = SimpleNamespace(cephalo_loaders=loaders, dataloader_config=DataLoaderConfiguration(
+        use_stateful_dataloader=stateful) if stateful else DataLoaderConfiguration())
+    _restore_loaders(acc, str(tmp_path))
+    assert [(l.epoch, l._skip_next) for l in loaders] == [(2, 3 if stateful else 0), (0, 0)]
+
+
+def test_automatic_checkpoint_names(tmp_path):
+    """As stock: project_dir/checkpoints/checkpoint_<iteration>, counted up from
+    ``iteration``; load_state() without a folder takes the newest complete one."""
+    from accelerate.utils import ProjectConfiguration
+
+    from hf_cephalo.engine.checkpoint.atomic import FILES
+    from hf_cephalo.integrations.loop.prepare import checkpoint_dir, resume_dir
+
+    acc = _accelerator(project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True, iteration=4))
+    root = tmp_path / "checkpoints"
+    assert checkpoint_dir(acc, None) == str(root / "checkpoint_4")
+    assert checkpoint_dir(acc, None) == str(root / "checkpoint_5")
+    assert acc.save_iteration == 6
+    for i, complete in ((4, True), (5, True), (10, False)):
+        (root / f"checkpoint_{i}").mkdir(parents=True)
+        if complete:
+            (root / f"checkpoint_{i}" / FILES.COMPLETE).write_text("")
+    assert resume_dir(acc, None) == str(root / "checkpoint_5")
+    _accelerator()

@@ -1,12 +1,14 @@
-"""The custom loop's DataLoader support matrix: every ``torch.utils.data.DataLoader`` argument a
-user can set on a loader passed to ``CephaloAccelerator.prepare``, classified.
+"""The custom loop's support matrices: every ``torch.utils.data.DataLoader`` argument a user
+can set on a loader passed to ``CephaloAccelerator.prepare``, every ``Accelerator.__init__``
+argument, every ``DataLoaderConfiguration`` and ``ProjectConfiguration`` field, classified.
 
 The same contract as ``support.py`` ([Note: no silent no-op] there): each argument works as
-stock (the prepared loader honours it), has no meaning here, or has values refused at
-``prepare`` (``loader_problems``: ValueError on every rank, before any collective, naming the
-argument and what to do). ``tests/test_loop_support.py`` fails when the installed torch adds
-a DataLoader argument this table does not classify, and checks that docs/accelerate.md holds
-the rendered table (``render_markdown``).
+stock (the prepared loop honours it), runs stock code nothing of ours changes, has no meaning
+here, or has values refused at ``prepare`` (``loader_problems`` / ``accelerator_problems``:
+ValueError on every rank, before any collective, naming the argument and what to do).
+``tests/test_loop_support.py`` fails when the installed torch or accelerate adds an argument
+these tables do not classify, and checks that docs/accelerate.md holds the rendered tables
+(``render_markdown``, ``render_accelerator_markdown``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ from typing import Any
 
 from hf_cephalo.integrations.trainer.support import Support, markdown_table
 from hf_cephalo.integrations.trainer.support import inherited as _inherited
+from hf_cephalo.integrations.trainer.support import not_applicable as _not_applicable
 from hf_cephalo.integrations.trainer.support import refused as _refused
 from hf_cephalo.integrations.trainer.support import stock as _stock
 
-__all__ = ["LOADER_FIELD_SUPPORT", "loader_problems", "unclassified_loader_fields",
-           "accelerator_problems", "render_markdown"]
+__all__ = ["LOADER_FIELD_SUPPORT", "ACCELERATOR_FIELD_SUPPORT", "DATALOADER_CONFIG_SUPPORT",
+           "PROJECT_CONFIG_SUPPORT", "loader_problems", "unclassified_loader_fields",
+           "unclassified_accelerator_fields", "unclassified_dataloader_config_fields",
+           "unclassified_project_config_fields", "accelerator_problems", "render_markdown",
+           "render_accelerator_markdown"]
 
 _T = "tests/test_accelerate_loop.py::"
 _REORDER = ("for an order of your own (weighted, curriculum, length-grouped), reorder or repeat "
@@ -76,6 +82,126 @@ LOADER_FIELD_SUPPORT: dict[str, Support] = {
 """Every ``DataLoader.__init__`` argument: how a loader prepared by a custom loop honours it
 (the first loader prepared trains; later ones evaluate: they keep ``dataset``, ``batch_size``,
 ``collate_fn`` and the worker settings, and refuse ``shuffle`` and ``drop_last``)."""
+
+
+_S = "tests/test_loop_support.py::"
+_SHARDING = ("Cephalo is the sharding engine: drop the plugin (accelerate_configs/cephalo.yaml or "
+             "cephalo_cpu.yaml)")
+_PARALLEL = ("tensor, context or sequence parallelism is not combined with Cephalo's sharding: "
+             "drop it")
+
+ACCELERATOR_FIELD_SUPPORT: dict[str, Support] = {
+    "device_placement": _refused("False: the engine places every shard and microbatch on the "
+                                 "device itself; leave device_placement at True"),
+    "split_batches": _inherited("ignored by Accelerate itself since 1.0 (kept in its signature, "
+                                "read nowhere): set DataLoaderConfiguration(split_batches=True)"),
+    "mixed_precision": _stock("'no' / 'bf16' / 'fp16' (else ACCELERATE_MIXED_PRECISION) is the "
+                              "engine's compute precision on every rank unless "
+                              "CephaloPlugin(precision=...) sets one per rank; fp16 scales the "
+                              "loss with the engine's sharded scaler; 'fp8' is refused",
+                              _T + "test_trainer_and_loop_give_the_same_losses"),
+    "gradient_accumulation_steps": _stock(
+        "folded into the global batch: each prepared training batch is one global batch of "
+        "batch_size x world size x k rows and ends an optimizer step ([Note: the global batch "
+        "of a custom loop])", _T + "test_loop_equals_full_batch_reference"),
+    "cpu": _stock("Accelerate's CPU state (gloo, the real world size); the engine trains on "
+                  "the CPU; set automatically where CUDA is absent ([Note: CPU workers under "
+                  "accelerate launch])", "tests/test_accelerate_launch.py::"
+                  "test_single_machine_cpu_config"),
+    "dataloader_config": _inherited("stored by stock; each field: the DataLoaderConfiguration "
+                                    "table"),
+    "deepspeed_plugin": _refused(_SHARDING),
+    "fsdp_plugin": _refused(_SHARDING),
+    "torch_tp_plugin": _refused(_PARALLEL),
+    "megatron_lm_plugin": _refused(_SHARDING),
+    "rng_types": _refused("the engine's loaders draw each epoch's permutation from a seed that "
+                          "is the same on every rank and do not synchronize other generators "
+                          "at each epoch; leave rng_types unset"),
+    "log_with": _inherited("trackers: init_trackers, log and end_training are stock's"),
+    "project_dir": _inherited("stock stores it as ProjectConfiguration(project_dir=...): see "
+                              "that table"),
+    "project_config": _inherited("stored by stock; each field: the ProjectConfiguration table"),
+    "gradient_accumulation_plugin": _stock(
+        "num_steps as gradient_accumulation_steps (stock builds this plugin from it); every "
+        "prepared batch ends an optimizer step, so adjust_scheduler and sync_each_batch change "
+        "nothing (no batch skips its sync); sync_with_dataloader=False is refused (an epoch's "
+        "last batch always ends its step): leave it True",
+        _T + "test_loop_equals_full_batch_reference"),
+    "step_scheduler_with_optimizer": _inherited("read by Accelerate's prepare_scheduler; False "
+                                                "steps the scheduler at every call, in stock's "
+                                                "AcceleratedScheduler code"),
+    "kwargs_handlers": _stock(
+        "GradScalerKwargs: the engine's sharded loss scaler (fp16); InitProcessGroupKwargs, "
+        "ProfileKwargs: stock's process group and profiler; DistributedDataParallelKwargs: no "
+        "DDP wrapper (one reduce-scatter per unit), so its bucket, buffer and unused-parameter "
+        "settings have no effect, and a comm_hook / comm_wrapper is refused; AutocastKwargs "
+        "with a field set: refused (the engine's own autocast; precision per rank: "
+        "CephaloPlugin(precision=...)); fp8 recipe handlers: refused with fp8",
+        _T + "test_refusals_on_every_rank"),
+    "dynamo_backend": _stock("each layer unit is compiled with this backend (and "
+                             "ACCELERATE_DYNAMO_MODE), as the Trainer door's torch_compile "
+                             "(tests/test_compile_trainer.py)",
+                             _S + "test_job_follows_the_accelerator_settings"),
+    "dynamo_plugin": _stock("backend and mode as dynamo_backend; with a backend, fullgraph, "
+                            "dynamic, options, use_regional_compilation and disable=True are "
+                            "refused (the engine compiles each unit with backend and mode "
+                            "only; to train uncompiled leave the backend at 'no')",
+                            _S + "test_job_follows_the_accelerator_settings"),
+    "deepspeed_plugins": _refused(_SHARDING),
+    "parallelism_config": _refused(_PARALLEL),
+}
+"""Every ``Accelerator.__init__`` argument (Accelerate 1.10.1 up to the installed one): how a
+``CephaloAccelerator`` running a custom loop honours it. Refused values raise ValueError at
+``prepare``, on every rank before any collective (``check_loop_setup``: DeepSpeed / FSDP /
+Megatron, fp8, ``dispatch_batches``; ``accelerator_problems``: the rest)."""
+
+DATALOADER_CONFIG_SUPPORT: dict[str, Support] = {
+    "split_batches": _stock("batch_size is the batch of all processes together: B = batch_size "
+                            "x gradient_accumulation_steps, and schedulers step once per "
+                            "optimizer step, as stock",
+                            _S + "test_job_follows_the_accelerator_settings"),
+    "dispatch_batches": _refused("True: each rank reads its own rows of every global batch (a "
+                                 "stream is read in order by every rank); drop dispatch_batches "
+                                 "(None, stock's default, is accepted)"),
+    "even_batches": _not_applicable(
+        "the engine never pads or repeats rows: a last partial global batch is split by the "
+        "plan's b_i (training; dropped with drop_last=True) and evaluation yields every row "
+        "once; unlike stock's even_batches=True, no rows from the start fill a short last batch"),
+    "use_seedable_sampler": _not_applicable(
+        "the training order is always the engine's permutation of seed + epoch, the same on "
+        "every rank (what use_seedable_sampler=True asks for); either value gives that order"),
+    "data_seed": _refused("the training loader's permutation is seeded by its generator "
+                          "(DataLoader(generator=torch.Generator().manual_seed(seed))) or "
+                          "torch's initial seed: seed the generator instead"),
+    "non_blocking": _not_applicable("the engine copies each microbatch to the device itself"),
+    "use_stateful_dataloader": _stock(
+        "load_state restores the training loader's position: its next iteration continues the "
+        "saved epoch after the batches done (without it: from the epoch's start, and "
+        "skip_first_batches skips the batches done, as stock)",
+        _S + "test_load_state_restores_loader_positions"),
+}
+"""Every ``accelerate.DataLoaderConfiguration`` field: how a custom loop honours it."""
+
+PROJECT_CONFIG_SUPPORT: dict[str, Support] = {
+    "project_dir": _stock("the engine's plan, profile, progress and report files go there "
+                          "(none without it, as stock writes nothing); automatic checkpoints "
+                          "go under its checkpoints/", _T + "test_without_project_dir_nothing_"
+                          "is_written"),
+    "logging_dir": _inherited("the trackers' folder (stock)"),
+    "automatic_checkpoint_naming": _stock(
+        "save_state() writes project_dir/checkpoints/checkpoint_<iteration> and counts up; "
+        "load_state() reads the newest complete one. An output_dir given to save_state is "
+        "used as given (stock ignores it under automatic naming)",
+        _S + "test_automatic_checkpoint_names"),
+    "total_limit": _refused("save_state does not rotate Cephalo checkpoints: drop total_limit "
+                            "and remove old checkpoint folders yourself"),
+    "iteration": _stock("the number of the next automatic checkpoint folder, as stock",
+                        _S + "test_automatic_checkpoint_names"),
+    "save_on_each_node": _refused("the checkpoint is one folder on a file system every rank "
+                                  "shares (each rank writes its shards, rank 0 the rest): use a "
+                                  "shared file system and leave save_on_each_node False"),
+}
+"""Every ``accelerate.utils.ProjectConfiguration`` field: how a custom loop honours it."""
 
 
 def loader_problems(loader: Any, training: bool) -> list[str]:
@@ -143,8 +269,19 @@ def accelerator_problems(accelerator: Any) -> list[str]:
     word (empty: none), each with what to do. Read from the constructed accelerator, so every
     rank answers the same; needs no collective. (DeepSpeed / FSDP / Megatron, fp8 and
     ``dispatch_batches`` are refused by ``loop_prepare.check_loop_setup`` itself;
-    ``GradScalerKwargs`` are honoured: the engine's sharded loss scaler takes them.)"""
+    ``GradScalerKwargs`` are honoured: the engine's sharded loss scaler takes them. Every
+    argument: ``ACCELERATOR_FIELD_SUPPORT`` and the tables after it.)"""
+    import os
+
     problems = []
+    for env, name in (("ACCELERATE_USE_DEEPSPEED", "deepspeed_plugin"),
+                      ("ACCELERATE_USE_FSDP", "fsdp_plugin"),
+                      ("ACCELERATE_USE_MEGATRON_LM", "megatron_lm_plugin")):
+        # Accelerate sets these for a given plugin (or a launch config) and then ignores the
+        # plugin where it runs on the CPU: refused on every device, as on CUDA
+        if os.environ.get(env, "false").lower() == "true":
+            problems.append(f"Accelerator({name}=...) / {env}=true: "
+                            + ACCELERATOR_FIELD_SUPPORT[name].note)
     if accelerator.device_placement is False:
         problems.append("Accelerator(device_placement=False): the engine places every shard "
                         "and microbatch on the device itself; leave device_placement at True")
@@ -160,6 +297,25 @@ def accelerator_problems(accelerator: Any) -> list[str]:
         problems.append(f"TorchDynamoPlugin({', '.join(f'{k}={v!r}' for k, v in extra.items())}): "
                         "the engine compiles each layer unit with the backend and mode only "
                         "(regional by construction); drop these fields")
+    if str(getattr(dynamo.backend, "value", dynamo.backend)).upper() != "NO" and \
+            getattr(dynamo, "disable", False):
+        problems.append("TorchDynamoPlugin(disable=True) with a backend: the engine compiles "
+                        "each layer unit whenever a backend is set; to train uncompiled, leave "
+                        "the backend at 'no' (no dynamo_backend, no ACCELERATE_DYNAMO_BACKEND)")
+    ddp = getattr(accelerator, "ddp_handler", None)
+    hooks = {k: getattr(ddp, k, None) for k in ("comm_hook", "comm_wrapper")}
+    hooks = {k: str(getattr(v, "value", v)) for k, v in hooks.items()
+             if str(getattr(v, "value", v)).lower() not in ("none", "no")}
+    if hooks:
+        given = ", ".join(f"{k}={v!r}" for k, v in hooks.items())
+        problems.append(f"DistributedDataParallelKwargs({given}): the engine has no DDP "
+                        "wrapper to hook (it reduce-scatters each unit's gradients in the "
+                        "training precision); drop the hook")
+    if getattr(accelerator.gradient_state, "sync_with_dataloader", True) is False:
+        problems.append("GradientAccumulationPlugin(sync_with_dataloader=False): each batch of "
+                        "a prepared training loader is one whole global batch, so an epoch's "
+                        "last batch always ends its optimizer step; leave sync_with_dataloader "
+                        "True")
     autocast = getattr(accelerator, "autocast_handler", None)
     if autocast is not None and autocast.to_kwargs():
         problems.append(f"AutocastKwargs({autocast.to_kwargs()}): the engine runs its own "
@@ -170,6 +326,9 @@ def accelerator_problems(accelerator: Any) -> list[str]:
         problems.append(f"ProjectConfiguration(total_limit={limit}): save_state does not "
                         "rotate Cephalo checkpoints; drop total_limit and remove old "
                         "checkpoint folders yourself")
+    if getattr(accelerator.project_configuration, "save_on_each_node", False):
+        problems.append("ProjectConfiguration(save_on_each_node=True): "
+                        + PROJECT_CONFIG_SUPPORT["save_on_each_node"].note)
     rng = list(getattr(accelerator, "rng_types", None) or ["generator"])
     if rng != ["generator"]:
         problems.append(f"Accelerator(rng_types={rng}): the engine's loaders draw each epoch's "
@@ -194,7 +353,52 @@ def unclassified_loader_fields() -> list[str]:
     return [n for n in names if n not in LOADER_FIELD_SUPPORT]
 
 
+def _unclassified(names, table: dict[str, Support]) -> list[str]:
+    return [n for n in names if n != "self" and n not in table]
+
+
+def unclassified_accelerator_fields() -> list[str]:
+    """``Accelerator.__init__`` arguments of the installed accelerate that the table misses."""
+    import inspect
+
+    from accelerate import Accelerator
+
+    return _unclassified(inspect.signature(Accelerator.__init__).parameters,
+                         ACCELERATOR_FIELD_SUPPORT)
+
+
+def unclassified_dataloader_config_fields() -> list[str]:
+    """``DataLoaderConfiguration`` fields of the installed accelerate that the table misses."""
+    import dataclasses
+
+    from accelerate import DataLoaderConfiguration
+
+    return _unclassified([f.name for f in dataclasses.fields(DataLoaderConfiguration)],
+                         DATALOADER_CONFIG_SUPPORT)
+
+
+def unclassified_project_config_fields() -> list[str]:
+    """``ProjectConfiguration`` fields of the installed accelerate that the table misses."""
+    import dataclasses
+
+    from accelerate.utils import ProjectConfiguration
+
+    return _unclassified([f.name for f in dataclasses.fields(ProjectConfiguration)],
+                         PROJECT_CONFIG_SUPPORT)
+
+
 def render_markdown() -> str:
     """The DataLoader table of docs/accelerate.md."""
     return "\n".join(markdown_table("DataLoader arguments (custom loops)",
                                     LOADER_FIELD_SUPPORT, 3))
+
+
+def render_accelerator_markdown() -> str:
+    """The Accelerator, DataLoaderConfiguration and ProjectConfiguration tables of
+    docs/accelerate.md."""
+    return "\n".join(markdown_table("Accelerator arguments (custom loops)",
+                                    ACCELERATOR_FIELD_SUPPORT, 3)
+                     + markdown_table("DataLoaderConfiguration fields (custom loops)",
+                                      DATALOADER_CONFIG_SUPPORT, 3)
+                     + markdown_table("ProjectConfiguration fields (custom loops)",
+                                      PROJECT_CONFIG_SUPPORT, 3))
