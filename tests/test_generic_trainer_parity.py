@@ -13,7 +13,9 @@ and MLP projections) with AdamW and weight decay 0.1 (stock puts the adapter mat
 decay group: issue 37 found them all in the no-decay group, silently). On both, ``glm5`` (GLM-5's
 DSA indexer weights get no gradient) with SGD and weight decay 0.1: stock skips them (their
 ``.grad`` is None), so they must come out unchanged, not decayed; likewise ``gemma3_vlm``'s vision tower
-(``Gemma3ForConditionalGeneration`` fine-tuned on text only); on 2 ranks also with AdamW
+(``Gemma3ForConditionalGeneration`` fine-tuned on text only) and ``gemma4``'s
+(``Gemma4ForConditionalGeneration`` as its 31B checkpoint is: no per-layer inputs, wider
+full-attention layers); on 2 ranks also with AdamW
 (weight decay 0.1; epsilon 1e-3, so that Adam's g / (|g| + eps) does not blow fp32 rounding of a
 near-cancelled gradient element up to the tolerance) and a checkpoint at the end, whose
 optimizer state holds the indexer weights at a fresh state (zeros, step 0), resumed on 3 ranks
@@ -67,11 +69,12 @@ def _collate(rows):
 LORA = "qwen3_lora"  # 2 ranks only
 UNREACHED = "glm5"  # SGD with weight decay: its indexer weights get no gradient
 VLM = "gemma3_vlm"  # SGD with weight decay: text only, its vision tower gets no gradient
+GEMMA4 = "gemma4"  # Gemma4ForConditionalGeneration on text, layers of two sizes
 UNREACHED_ADAMW = "glm5_adamw"  # AdamW with weight decay, saved at the end (2 ranks only)
 
 
 def _names(world: int) -> list[str]:
-    both = [*ZOO, UNREACHED, VLM]
+    both = [*ZOO, UNREACHED, VLM, GEMMA4]
     return [*both, LORA, UNREACHED_ADAMW] if world == 2 else both
 
 
@@ -91,7 +94,7 @@ def _model(name: str) -> torch.nn.Module:
 
 def _args(name: str, out_dir: str) -> dict:
     optim = dict(optim="adamw_torch", weight_decay=0.1) if name == LORA else \
-        dict(optim="sgd", weight_decay=0.1) if name in (UNREACHED, VLM) else \
+        dict(optim="sgd", weight_decay=0.1) if name in (UNREACHED, VLM, GEMMA4) else \
         dict(optim="adamw_torch", weight_decay=0.1, adam_epsilon=1e-3, save_strategy="steps",
              save_steps=STEPS, lr_scheduler_type="constant") if name == UNREACHED_ADAMW else \
         dict(optim="sgd")

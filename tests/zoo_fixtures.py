@@ -56,7 +56,7 @@ ZOO: dict[str, tuple[str, Callable[[], Any]]] = {
 }
 """The zoo. ``qwen3_cls`` pools the last non-pad token (batches with left padding)."""
 
-UNREACHED: dict[str, tuple[str, Callable[[], Any]]] = {
+EXTRA: dict[str, tuple[str, Callable[[], Any]]] = {
     "glm5": ("GlmMoeDsaForCausalLM", lambda: _cfg(
         transformers.GlmMoeDsaConfig, num_key_value_heads=4, head_dim=8, kv_lora_rank=16,
         q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
@@ -70,16 +70,23 @@ UNREACHED: dict[str, tuple[str, Callable[[], Any]]] = {
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                            num_attention_heads=2, image_size=28, patch_size=14),
         mm_tokens_per_image=4)),
+    "gemma4": ("Gemma4ForConditionalGeneration", lambda: transformers.Gemma4Config(
+        text_config={**BASE, "head_dim": 16, "global_head_dim": 32, "sliding_window": 4,
+                     "hidden_size_per_layer_input": 0, "final_logit_softcapping": 3.0,
+                     "layer_types": ["sliding_attention", "full_attention"]},
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=2))),
 }
-"""Models with parameters their forward never gives a gradient (GLM-5's DSA indexer picks the
-top-``index_topk`` keys: its weights get none; Gemma 3's vision-language class on text never
-calls its vision tower), apart from ZOO so the tests over the whole zoo
-do not pay for them."""
+"""Models apart from ZOO, so the tests over the whole zoo do not pay for them: with parameters
+their forward never gives a gradient (GLM-5's DSA indexer picks the top-``index_topk`` keys: its
+weights get none; a vision-language class on text never calls its vision tower), and Gemma 4 as
+its 31B / 26B checkpoints are (no per-layer inputs; full-attention layers wider than the
+sliding ones, so its layers differ in size)."""
 
 
 def build_zoo(name: str, seed: int = 0) -> torch.nn.Module:
     """The tiny ``name`` model in eval mode (dropout off), fp32, deterministic init."""
-    class_name, config = {**ZOO, **UNREACHED}[name]
+    class_name, config = {**ZOO, **EXTRA}[name]
     torch.manual_seed(seed)
     cfg = config()
     cfg._attn_implementation = "eager"
