@@ -11,7 +11,8 @@ num_tokens), then the final weights. fp32, SGD, rtol 1e-5 / atol 1e-6.
 
 Sub-cases (DPO_CASES): the reference as an explicit ``ref_model`` (a second, frozen engine
 sharded by the plan), as ``precompute_ref_log_probs``, and as a LoRA policy with its adapter
-off; the loss types hinge and ipo (per-pair means of other shapes), conversational pairs.
+off; the loss types hinge and ipo (per-pair means of other shapes), conversational pairs; on
+2 ranks also the policy given by name.
 """
 
 from __future__ import annotations
@@ -113,7 +114,21 @@ def _worker(rank, world_size, out_dir, tokenizer_path, data_root):
     if world_size == 2:
         results["in_memory_precompute"] = _in_memory_precompute(out_dir, tokenizer_path,
                                                                 data_root)
+        results["by_name"] = _cephalo_dpo("lora", world_size, out_dir, tokenizer_path,
+                                          data_root, by_name=_by_name_dir(out_dir))
     return portable(results, True)
+
+
+def _by_name_dir(out_dir: str) -> str:
+    """The "lora" case's base model saved as a ``save_pretrained`` folder, for the door's
+    model-by-name path (TRL's dpo.py passes ``model=model_args.model_name_or_path``, no
+    reference model and, with --use_peft, a peft_config)."""
+    return os.path.join(out_dir, "policy")
+
+
+def _save_by_name(out_dir: str, tokenizer_path: str) -> None:
+    model, _, _ = _models("lora", len(load_tokenizer(tokenizer_path)))
+    model.save_pretrained(_by_name_dir(out_dir), max_shard_size="200KB")
 
 
 def _in_memory_precompute(out_dir, tokenizer_path, data_root):
@@ -134,12 +149,15 @@ def _in_memory_precompute(out_dir, tokenizer_path, data_root):
     return {"error": None}
 
 
-def _cephalo_dpo(case, world_size, out_dir, tokenizer_path, data_root):
+def _cephalo_dpo(case, world_size, out_dir, tokenizer_path, data_root, by_name=None):
     from hf_cephalo.integrations import CephaloDPOConfig, CephaloDPOTrainer
 
     tokenizer = load_tokenizer(tokenizer_path)
     model, ref, peft_config = _models(case, len(tokenizer))
-    args = CephaloDPOConfig(**_dpo_kwargs(case, os.path.join(out_dir, f"w{world_size}")))
+    if by_name:
+        model = by_name  # the same weights, read by the door from the folder
+    where = f"w{world_size}" + ("-by-name" if by_name else "")
+    args = CephaloDPOConfig(**_dpo_kwargs(case, os.path.join(out_dir, where)))
     trainer = CephaloDPOTrainer(model=model, ref_model=ref, args=args,
                                 train_dataset=_dataset(case, data_root),
                                 processing_class=tokenizer, peft_config=peft_config,
@@ -165,6 +183,7 @@ def data_root(tmp_path_factory):
 
 
 _RUNS: dict = {}
+_RUN_DIRS: dict = {}
 
 
 def _cephalo(world_size, tmp_path_factory, tokenizer_path, data_root):
@@ -172,6 +191,9 @@ def _cephalo(world_size, tmp_path_factory, tokenizer_path, data_root):
 
     if world_size not in _RUNS:
         out_dir = str(tmp_path_factory.mktemp(f"cephalo_dpo_w{world_size}"))
+        _RUN_DIRS[world_size] = out_dir
+        if world_size == 2:
+            _save_by_name(out_dir, tokenizer_path)
         _RUNS[world_size] = run_ranks(_worker, world_size, out_dir, tokenizer_path, data_root,
                                       timeout_s=budget_s(QUIET_S[world_size]))
     return _RUNS[world_size]
@@ -182,21 +204,24 @@ def _cephalo(world_size, tmp_path_factory, tokenizer_path, data_root):
 _STOCK: dict = {}
 
 
-def _stock_dpo(case, tmp_path_factory, tokenizer_path, data_root):
-    if case not in _STOCK:
+def _stock_dpo(case, tmp_path_factory, tokenizer_path, data_root, by_name=None):
+    key = case if by_name is None else (case, "by name")
+    if key not in _STOCK:
         from trl import DPOConfig, DPOTrainer
 
         offline_env()
         tokenizer = load_tokenizer(tokenizer_path)
         model, ref, peft_config = _models(case, len(tokenizer))
+        if by_name is not None:
+            model = by_name  # stock TRL loads it (create_model_from_path)
         out_dir = str(tmp_path_factory.mktemp("stock_dpo"))
         args = DPOConfig(**_dpo_kwargs(case, out_dir), per_device_train_batch_size=B)
         trainer = DPOTrainer(model=model, ref_model=ref, args=args,
                              train_dataset=_dataset(case, data_root),
                              processing_class=tokenizer, peft_config=peft_config)
         trainer.train()
-        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
-    return _STOCK[case]
+        _STOCK[key] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
+    return _STOCK[key]
 
 
 def _close(got, ref, what):
@@ -248,6 +273,21 @@ def test_dpo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, d
     logs = ref["logs"]
     assert logs["loss"][0] != logs["loss"][-1]
     assert any(abs(v) > 1e-3 for v in logs["rewards/margins"]), logs["rewards/margins"]
+
+
+@test_timeout(QUIET_S[2], margin_s=240)
+def test_dpo_by_name_matches_stock(tmp_path_factory, tokenizer_path, data_root):
+    """The model given by name (a ``save_pretrained`` folder of the "lora" case's base model)
+    with a LoRA peft_config and no reference model, as TRL's dpo.py passes them with
+    --use_peft, loaded by the door on the meta device, each rank reading its shards: the same
+    run as stock DPOTrainer on the model object (TRL loads a name with ``from_pretrained``: the
+    same weights), 2 ranks. (With ``precompute_ref_log_probs`` a model by name is refused with
+    what to do: TRL would run the whole model before the engine shards it.)"""
+    runs = _cephalo(2, tmp_path_factory, tokenizer_path, data_root)
+    ref = _stock_dpo("lora", tmp_path_factory, tokenizer_path, data_root,
+                     by_name=_by_name_dir(_RUN_DIRS[2]))
+    for rank_result in runs:
+        _assert_same_run(rank_result["by_name"], ref, DPO_CASES["lora"][2]["beta"])
 
 
 @test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)

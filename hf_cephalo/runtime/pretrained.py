@@ -84,7 +84,7 @@ no request and passes)."""
 
 
 def load_named_model(name: str, model_init_kwargs: dict[str, Any] | None, *, door: str,
-                     trust_remote_code: bool = False):
+                     trust_remote_code: bool = False, whole: bool = False):
     """A model given BY NAME to a TRL door, loaded as stock TRL loads it
     (``trl.trainer.utils.create_model_from_path``: ``AutoModelForCausalLM`` with
     ``model_init_kwargs``, dtype float32 unless given), but with ``from_pretrained_sharded``:
@@ -100,6 +100,10 @@ def load_named_model(name: str, model_init_kwargs: dict[str, Any] | None, *, doo
             ``low_cpu_mem_usage`` (the engine's placement supersedes them); any other key is a
             config override, as ``from_pretrained`` treats it (``use_cache=False``).
         door: the trainer's name, for the messages.
+        whole: load the whole model on every rank (``from_pretrained``), as stock does: for a
+            ``peft_config`` the trainer applies itself, whose new adapter weights no checkpoint
+            holds (PEFT initializes them from the random stream of a whole model); the engine
+            shards it afterwards.
 
     Raises ValueError (before any collective) for a value the engine cannot honour: a dtype
     other than float32 (the engine keeps fp32 master weights; use ``bf16=True`` or per-rank
@@ -130,7 +134,11 @@ def load_named_model(name: str, model_init_kwargs: dict[str, Any] | None, *, doo
     kwargs.pop("low_cpu_mem_usage", None)
     kwargs.setdefault("trust_remote_code", trust_remote_code)
     attn = kwargs.pop("attn_implementation", None)
-    model = from_pretrained_sharded(name, **kwargs)  # the rest: hub options, config overrides
+    if whole:
+        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,
+                                                                  **kwargs)
+    else:
+        model = from_pretrained_sharded(name, **kwargs)  # the rest: hub options, overrides
     if attn is not None:
         model.set_attn_implementation(attn)
     return model

@@ -124,7 +124,8 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
                             f"{type(args).__name__}: build args=CephaloTrainingArguments(...) "
                             "(every TrainingArguments field plus the cephalo_* settings)")
         if isinstance(model, str):  # a TRL door loads a name as stock TRL does; else refused
-            model = self._load_named_model(model, args)
+            model = self._load_named_model(model, args,
+                                           whole=kwargs.get("peft_config") is not None)
         # [Note: no silent no-op] and [Note: one refusal message] in support.py: every refused
         # setting of the script (arguments, hooks, datasets, model) in one ValueError, before
         # the process group exists
@@ -242,9 +243,10 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         LM head, ``trl_fused.py``). Default: none."""
         return {}
 
-    def _load_named_model(self, name: str, args) -> Any:
+    def _load_named_model(self, name: str, args, whole: bool = False) -> Any:
         """A model given by name: stock ``Trainer`` takes a model object, so the name is kept
-        and refused by ``check_script``; the TRL doors load it (``TRLModelByName``)."""
+        and refused by ``check_script``; the TRL doors load it (``TRLModelByName``; ``whole``
+        with a ``peft_config``)."""
         return name
 
     def _engine_staged(self, staged):

@@ -62,7 +62,8 @@ class TRLModelByName:
     reference scripts pass ``model_args.model_name_or_path``) is loaded as stock TRL loads it,
     with the config's ``model_init_kwargs``, but on the meta device so that each rank reads only
     its shards (``pretrained.load_named_model``; its refusals are ValueErrors raised before any
-    collective)."""
+    collective); whole, as stock, where a ``peft_config`` adds adapter weights no checkpoint
+    holds (PEFT draws them from the random stream of the whole model)."""
 
     _hides_used_init_kwargs = False
     """SFT: once the door has loaded the model with ``model_init_kwargs``, SFTTrainer would say
@@ -79,12 +80,13 @@ class TRLModelByName:
                 config, value = self._used_init_kwargs
                 config.model_init_kwargs = value
 
-    def _load_named_model(self, name: str, args):
+    def _load_named_model(self, name: str, args, whole: bool = False):
         from hf_cephalo.runtime.pretrained import load_named_model
 
         model = load_named_model(name, getattr(args, "model_init_kwargs", None),
                                  door=type(self).__name__,
-                                 trust_remote_code=getattr(args, "trust_remote_code", False))
+                                 trust_remote_code=getattr(args, "trust_remote_code", False),
+                                 whole=whole)
         if self._hides_used_init_kwargs and getattr(args, "model_init_kwargs", None):
             self._used_init_kwargs = (args, args.model_init_kwargs)
             args.model_init_kwargs = None

@@ -30,9 +30,11 @@ SFT_FIELD_SUPPORT: dict[str, Support] = {
         "as stock TRL loads it (AutoModelForCausalLM, float32 unless dtype is given; hub "
         "options, attn_implementation, dtype 'auto' on a float32 checkpoint and config "
         "overrides as from_pretrained), but on the meta device, each rank reading only its "
-        "shards (pretrained.load_named_model); a dtype other than float32, a hand device_map "
-        "and loading options (quantization_config, ...) are refused before any collective; "
-        "with a model object SFTTrainer warns it is ignored, as stock",
+        "shards (pretrained.load_named_model; with a peft_config whole on every rank, as "
+        "stock: PEFT draws the new adapter weights from the whole model's random stream); a "
+        "dtype other than float32, a hand device_map and loading options "
+        "(quantization_config, ...) are refused before any collective; with a model object "
+        "SFTTrainer warns it is ignored, as stock",
         "tests/test_generic_doors.py::test_trl_sft_equals_stock_one_process"),
     "trust_remote_code": _inherited("forwarded by SFTTrainer to AutoProcessor when no "
                                     "processing_class is given"),
@@ -95,9 +97,9 @@ _PER_PAIR = ("DPOTrainer.compute_loss per microbatch in the engine's head, its m
 DPO_FIELD_SUPPORT: dict[str, Support] = {
     "model_init_kwargs": _inherited("with a model given by name: loaded as for SFT "
                                     "(pretrained.load_named_model: the meta device, each rank "
-                                    "its shards; refusals before any collective); DPOTrainer "
-                                    "also reads it to load its reference copy when no "
-                                    "ref_model is given"),
+                                    "its shards, or whole with a peft_config; refusals before "
+                                    "any collective); DPOTrainer also reads it to load its "
+                                    "reference copy when no ref_model is given"),
     "trust_remote_code": _inherited("forwarded by DPOTrainer to AutoProcessor / the reference "
                                     "copy it loads"),
     "router_aux_loss_coef": _na("used only for a mixture of experts whose config sets "
