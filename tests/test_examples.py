@@ -255,7 +255,7 @@ LOOP_LAUNCH_S = 45.0
 @test_timeout(LOOP_LAUNCH_S, LOOP_LAUNCH_S)
 def test_accelerate_loop_example_resumes_into_the_uninterrupted_run(tmp_path):
     """Accelerate's nlp_example on CephaloAccelerator (an uneven plan): 3 steps with a
-    save_state at step 2, then a second job resumed from that checkpoint (load_state +
+    save_state at step 2 (end_training prints the accuracy table), then a second job resumed from that checkpoint (load_state +
     skip_first_batches) into another directory: its final weights are the uninterrupted run's,
     bit for bit (dropout on: the loader's generator, not the restored global RNG, seeds the
     epoch's iteration, as in stock Accelerate)."""
@@ -275,6 +275,8 @@ def test_accelerate_loop_example_resumes_into_the_uninterrupted_run(tmp_path):
                      out), out[-6000:]
     assert re.search(r"epoch 0: train loss [0-9.]+, held-out accuracy [0-9.]+ on 231 paragraphs",
                      out), out[-6000:]
+    # accelerator.end_training(): the predicted-vs-measured table, as the Trainer door prints
+    assert re.search(r"rank +b_i +m_i +unit compute s/step pred", out), out[-6000:]
     assert (full / "step_2" / "cephalo_complete.json").is_file(), sorted(full.iterdir())
     [(rc, out2)] = wait_all([_start("train_accelerate_loop.py", *common, "--output_dir",
                                     str(resumed), "--resume_from_checkpoint",

@@ -337,7 +337,10 @@ class CephaloAccelerator(Accelerator):
 
     def end_training(self):
         """Stock (trackers ended, the process group destroyed), after a custom loop's session
-        dropped an open step."""
+        dropped an open step and ended its training: the predicted-vs-measured table (rank 0)
+        and the profile cache's write-back, as the Trainer door does at the end of ``train()``
+        (collective: every rank calls it, as stock's ``destroy_process_group`` needs too)."""
         if self.cephalo_loop is not None:
             self.cephalo_loop.end_open_step("end_training")
+            self.cephalo_loop.finish()
         return super().end_training()

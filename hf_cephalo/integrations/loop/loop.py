@@ -278,6 +278,7 @@ class LoopState:
         self._loader: CephaloDataLoader | None = None  # the loader that drew the last batch
         self._rows = 0
         self._step_open = False  # the session's step was begun by a training batch
+        self._training = False  # a training batch was drawn since the last ``finish``
 
     # ---- the loaders ------------------------------------------------------------------------
     def batch_drawn(self, loader: CephaloDataLoader, batch: dict[str, Any]) -> None:
@@ -286,6 +287,9 @@ class LoopState:
                            if torch.is_tensor(v) and v.dim() > 0), 0)
         if loader.training:
             self.end_open_step("the next training batch")
+            if not self._training:  # the session's train begin: the report counts from here
+                self.session.train_begin()
+                self._training = True
             self.session.step_begin(self.session.global_step)
             self._step_open = True
             self.backward_done = False
@@ -312,6 +316,14 @@ class LoopState:
                                "outputs")
         self.open = self.session.forward_step(microbatches)
         return self.open
+
+    def finish(self) -> None:
+        """The session's train end, as the Trainer door's ``on_train_end``: the accuracy table
+        (rank 0) and the measured step times written back to the profile cache. Collective
+        (every rank, at ``accelerator.end_training()``); nothing when no step trained."""
+        if self._training:
+            self._training = False
+            self.session.train_end()
 
     def end_open_step(self, why: str) -> None:
         """A forward whose backward will not come (every rank at the same point): dropped
