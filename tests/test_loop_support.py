@@ -18,9 +18,8 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Weighte
 
 from hf_cephalo.integrations.loop import support
 from hf_cephalo.integrations.loop.support import (LOADER_FIELD_SUPPORT, loader_problems,
-                                                  render_markdown, unclassified_loader_fields)
-from hf_cephalo.integrations.trainer.support import Status
-from tests.test_trainer_support import ROOT, _test_names
+                                                  unclassified_loader_fields)
+from tests.test_trainer_support import ROOT, assert_entries_explained
 
 
 def test_every_dataloader_argument_is_classified():
@@ -45,12 +44,7 @@ TABLES = {"DataLoader": LOADER_FIELD_SUPPORT, "Accelerator": support.ACCELERATOR
 
 @pytest.mark.parametrize("table", list(TABLES))
 def test_stock_entries_name_existing_tests(table):
-    for name, entry in TABLES[table].items():
-        assert entry.note, name
-        if entry.status is Status.STOCK:
-            assert entry.test, f"{table} {name}: a 'works as stock' entry needs a test"
-            path, _, func = entry.test.partition("::")
-            assert func in _test_names(path), f"{table} {name}: {entry.test} does not exist"
+    assert_entries_explained(TABLES[table], table)
 
 
 def test_docs_hold_the_rendered_tables():

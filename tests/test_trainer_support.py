@@ -36,13 +36,20 @@ def _test_names(path: str) -> set[str]:
     return {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
 
 
-def test_stock_entries_name_existing_tests_and_notes():
-    for name, support in {**FIELD_SUPPORT, **HOOK_SUPPORT}.items():
-        assert support.note, name
+def assert_entries_explained(table: dict, label: str = "") -> None:
+    """Every entry of a support table has a note, and every "works as stock" one names a test
+    that exists."""
+    for name, support in table.items():
+        where = f"{label} {name}".strip()
+        assert support.note, where
         if support.status is Status.STOCK:
-            assert support.test, f"{name}: a 'works as stock' entry needs a test"
+            assert support.test, f"{where}: a 'works as stock' entry needs a test"
             path, _, func = support.test.partition("::")
-            assert func in _test_names(path), f"{name}: {support.test} does not exist"
+            assert func in _test_names(path), f"{where}: {support.test} does not exist"
+
+
+def test_stock_entries_name_existing_tests_and_notes():
+    assert_entries_explained({**FIELD_SUPPORT, **HOOK_SUPPORT})
 
 
 def test_docs_page_is_the_rendered_matrix():
