@@ -1,6 +1,7 @@
 """The generic path through the Accelerate loop and TRL SFT doors (issue 36): Qwen3 and Gemma 3
 (sliding and full attention layers, logit and attention softcapping) on 2 gloo ranks with an
-uneven plan equal one process with the whole global batch.
+uneven plan and on 3 with an idle rank that holds state equal one process with the whole global
+batch.
 
 * Accelerate loop: ``CephaloAccelerator(cpu=False)`` (as Accelerate's examples pass it on a
   machine without CUDA), ``prepare`` + ``model(**batch)`` + ``accelerator.backward`` with AdamW
@@ -11,7 +12,7 @@ uneven plan equal one process with the whole global batch.
   logged loss, grad norm, entropy, token accuracy, token count, then the final weights; and
   Qwen3 given BY NAME (a saved folder), as TRL's reference scripts pass it.
 
-fp32, rtol 1e-5 / atol 1e-6. One run_ranks call.
+fp32, rtol 1e-5 / atol 1e-6. One run_ranks call per world size.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ trl = pytest.importorskip("trl")
 
 RTOL, ATOL = 1e-5, 1e-6
 NAMES = ("qwen3", "gemma3")
-PLAN = ([1, 3], [1, 2], [0.35, 0.65])  # b_i, m_i, r_i; global batch 4
+PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]),  # b_i, m_i, r_i; global batch 4
+         3: ([2, 0, 2], [1, 1, 2], [0.0, 0.6, 0.4])}  # an idle rank that holds state
 B, STEPS, SEQ, LR, MAX_NORM, EPS = 4, 3, 10, 0.01, 0.8, 1e-4
 SFT_METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
 JOB_S = 60.0
-pytestmark = test_timeout(JOB_S, margin_s=180)
+pytestmark = test_timeout(JOB_S, JOB_S, margin_s=180)
 
 
 def _model(name: str, vocab: int | None = None) -> torch.nn.Module:
@@ -72,7 +74,7 @@ def _optimizer(model):
 
 # ---- Accelerate loop ---------------------------------------------------------------------------
 
-def _loop(name: str, root: str) -> dict:
+def _loop(name: str, root: str, world: int) -> dict:
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import ProjectConfiguration
     from torch.utils.data import DataLoader
@@ -80,10 +82,10 @@ def _loop(name: str, root: str) -> dict:
     from hf_cephalo.integrations.loop.accelerator import CephaloAccelerator, CephaloPlugin
     from hf_cephalo.planner import Plan
 
-    out = os.path.join(root, f"loop-{name}")
+    out = os.path.join(root, f"loop-{name}-{world}")
     os.makedirs(out, exist_ok=True)
     plan_file = os.path.join(out, "plan.json")
-    Plan.from_ratios(*PLAN).save(plan_file)
+    Plan.from_ratios(*PLANS[world]).save(plan_file)
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
     accelerator = CephaloAccelerator(  # cpu=False as Accelerate's examples pass it (issue 37)
@@ -91,6 +93,8 @@ def _loop(name: str, root: str) -> dict:
         project_config=ProjectConfiguration(project_dir=out))
     model = _model(name).train()
     optimizer = _optimizer(model)
+    # the plan fixes the global batch B; the loader's batch_size is what stock DDP on 2 ranks
+    # would take for it
     loader = DataLoader(_rows(STEPS * B), batch_size=B // 2, collate_fn=_collate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses = []
@@ -135,7 +139,8 @@ def _sft_logs(history) -> dict:
     return {m: [h[m] for h in rows] for m in SFT_METRICS}
 
 
-def _sft(name: str, root: str, tokenizer_path: str, by_name: str | None = None) -> dict:
+def _sft(name: str, root: str, tokenizer_path: str, world: int,
+         by_name: str | None = None) -> dict:
     from hf_cephalo.integrations import CephaloSFTConfig, CephaloSFTTrainer
     from hf_cephalo.planner import Plan
     from tests.trl_fixtures import chat_dataset, load_tokenizer
@@ -144,10 +149,10 @@ def _sft(name: str, root: str, tokenizer_path: str, by_name: str | None = None) 
     extra = {} if by_name is None else {"model_init_kwargs": {"dtype": "float32"}}
     trainer = CephaloSFTTrainer(
         model=_model(name, len(tokenizer)) if by_name is None else by_name,
-        args=CephaloSFTConfig(**_sft_args(os.path.join(root, f"sft-{name}-{by_name is None}")),
-                              **extra),
+        args=CephaloSFTConfig(**_sft_args(os.path.join(
+            root, f"sft-{name}-{by_name is None}-{world}")), **extra),
         train_dataset=chat_dataset("prompt_completion"), processing_class=tokenizer,
-        plan=Plan.from_ratios(*PLAN))
+        plan=Plan.from_ratios(*PLANS[world]))
     if by_name is not None:  # used by the door, hidden from SFTTrainer's warning, restored
         assert trainer.args.model_init_kwargs == {"dtype": "float32"}
     trainer.train()
@@ -181,10 +186,10 @@ def _worker(rank: int, world: int, root: str, tokenizer_path: str) -> dict:
     torch.set_num_threads(1)
     out = {}
     for name in NAMES:
-        out[f"loop-{name}"] = _loop(name, root)
-        out[f"sft-{name}"] = _sft(name, root, tokenizer_path)
-    # by name, as TRL's scripts pass model_args.model_name_or_path (issue 37): the same model
-    out["sft-by-name"] = _sft("qwen3", root, tokenizer_path, by_name=_saved(root))
+        out[f"loop-{name}"] = _loop(name, root, world)
+        out[f"sft-{name}"] = _sft(name, root, tokenizer_path, world)
+    if world == 2:  # by name, as TRL's scripts pass model_args.model_name_or_path (issue 37)
+        out["sft-by-name"] = _sft("qwen3", root, tokenizer_path, world, by_name=_saved(root))
     return portable(out, True)
 
 
@@ -203,7 +208,8 @@ def runs(tmp_path_factory):
 
     _model("qwen3", len(load_tokenizer(tokenizer_path))).save_pretrained(
         _saved(root), max_shard_size="200KB")
-    got = run_ranks(_worker, 2, root, tokenizer_path, timeout_s=budget_s(JOB_S))
+    got = {world: run_ranks(_worker, world, root, tokenizer_path, timeout_s=budget_s(JOB_S))
+           for world in PLANS}
     refs = {}
     for name in NAMES:
         refs[f"loop-{name}"] = _loop_reference(name)
@@ -224,19 +230,20 @@ def _same_state(got: dict, ref: dict, where: str) -> None:
                                    atol=ATOL, msg=lambda m: f"{where} {key}: {m}")
 
 
+@pytest.mark.parametrize("world", list(PLANS))
 @pytest.mark.parametrize("name", NAMES)
-def test_accelerate_loop_equals_one_process(runs, name):
+def test_accelerate_loop_equals_one_process(runs, name, world):
     got, refs = runs
     ref = refs[f"loop-{name}"]
     assert ref["losses"][0] != ref["losses"][-1]  # it trained
-    for rank, result in enumerate(got):
+    for rank, result in enumerate(got[world]):
         _close(result[f"loop-{name}"]["losses"], ref["losses"], f"{name} rank {rank} losses")
-    _same_state(got[0][f"loop-{name}"]["state"], ref["state"], f"{name} loop")
+    _same_state(got[world][0][f"loop-{name}"]["state"], ref["state"], f"{name} loop")
 
 
-@pytest.mark.parametrize("name, key", [(n, f"sft-{n}") for n in NAMES] +
-                         [("qwen3", "sft-by-name")])
-def test_trl_sft_equals_stock_one_process(runs, name, key):
+@pytest.mark.parametrize("world, name, key", [(w, n, f"sft-{n}") for w in PLANS for n in NAMES]
+                         + [(2, "qwen3", "sft-by-name")])
+def test_trl_sft_equals_stock_one_process(runs, world, name, key):
     """``key`` "sft-by-name": the model given by name (a sharded ``save_pretrained`` folder of
     the same Qwen3 model), loaded by the door on the meta device, each rank reading its shards;
     stock SFTTrainer trains the model object (TRL loads a name with ``from_pretrained``: the
@@ -244,7 +251,7 @@ def test_trl_sft_equals_stock_one_process(runs, name, key):
     got, refs = runs
     ref = refs[f"sft-{name}"]
     assert ref["logs"]["loss"][0] != ref["logs"]["loss"][-1]
-    for rank, result in enumerate(got):
+    for rank, result in enumerate(got[world]):
         for metric in SFT_METRICS:
             assert len(result[key]["logs"][metric]) == STEPS, (key, metric)
             _close(result[key]["logs"][metric], ref["logs"][metric],
