@@ -10,16 +10,19 @@ global batches. Compared: the logged loss and gradient norm of each step (SGD wi
 clipping) and the final weights (the user's model object after ``trainer.unshard_model()``).
 On 2 ranks also ``qwen3_lora``: a LoRA ``PeftModel`` of the Qwen3 model (adapters on attention
 and MLP projections) with AdamW and weight decay 0.1 (stock puts the adapter matrices in the
-decay group: issue 37 found them all in the no-decay group, silently). On both, ``glm5`` (GLM-5's
-DSA indexer weights get no gradient) with SGD and weight decay 0.1: stock skips them (their
-``.grad`` is None), so they must come out unchanged, not decayed; likewise ``gemma3_vlm``'s vision tower
-(``Gemma3ForConditionalGeneration`` fine-tuned on text only) and ``gemma4``'s
+decay group: issue 37 found them all in the no-decay group, silently).
+
+Parameters the forward never reaches (docs/engine.md, "Parameters without a gradient"): stock
+skips them (their ``.grad`` is None), so they must come out unchanged, not decayed, on both
+world sizes with SGD and weight decay 0.1 for ``glm5`` (GLM-5's DSA indexer), ``gemma3_vlm``
+(``Gemma3ForConditionalGeneration`` on text: its vision tower) and ``gemma4``
 (``Gemma4ForConditionalGeneration`` as its 31B checkpoint is: no per-layer inputs, wider
-full-attention layers); on 2 ranks also with AdamW
-(weight decay 0.1; epsilon 1e-3, so that Adam's g / (|g| + eps) does not blow fp32 rounding of a
-near-cancelled gradient element up to the tolerance) and a checkpoint at the end, whose
-optimizer state holds the indexer weights at a fresh state (zeros, step 0), resumed on 3 ranks
-for one more step (constant LR, so that the reference, stock's 3 steps, has the same schedule).
+full-attention layers). On 2 ranks also: ``glm5_user_optimizer``, an SGD the user assigns to
+``trainer.optimizer`` over the shards; ``glm5_adamw``, AdamW with weight decay 0.1 (epsilon
+1e-3, so that Adam's g / (|g| + eps) does not blow the fp32 rounding of a near-cancelled
+gradient element up to the tolerance) saved at the end: its optimizer state holds the indexer
+weights at a fresh state (zeros, step 0), and resumed on 3 ranks for one more step (constant
+LR, so that the reference, stock's 3 steps, has the same schedule) it equals stock.
 fp32, rtol 1e-5, atol 1e-6.
 """
 
@@ -71,15 +74,21 @@ UNREACHED = "glm5"  # SGD with weight decay: its indexer weights get no gradient
 VLM = "gemma3_vlm"  # SGD with weight decay: text only, its vision tower gets no gradient
 GEMMA4 = "gemma4"  # Gemma4ForConditionalGeneration on text, layers of two sizes
 UNREACHED_ADAMW = "glm5_adamw"  # AdamW with weight decay, saved at the end (2 ranks only)
+USER_OPTIMIZER = "glm5_user_optimizer"  # trainer.optimizer = SGD(shards, weight_decay=0.1)
 
 
 def _names(world: int) -> list[str]:
     both = [*ZOO, UNREACHED, VLM, GEMMA4]
-    return [*both, LORA, UNREACHED_ADAMW] if world == 2 else both
+    return [*both, LORA, UNREACHED_ADAMW, USER_OPTIMIZER] if world == 2 else both
+
+
+def _user_sgd(params):
+    """The optimizer a user builds: plain SGD, one group, weight decay on every parameter."""
+    return torch.optim.SGD(params, lr=LR, weight_decay=0.1)
 
 
 def _model(name: str) -> torch.nn.Module:
-    if name == UNREACHED_ADAMW:
+    if name in (UNREACHED_ADAMW, USER_OPTIMIZER):
         return build_zoo(UNREACHED, seed=3)
     if name != LORA:
         return build_zoo(name, seed=3)
@@ -123,6 +132,8 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
             model=_model(name), args=CephaloTrainingArguments(**_args(name, out_dir)),
             plan=Plan.from_ratios(sizes, micro, ratios), data_collator=_collate,
             train_dataset=_samples(name, N_TRAIN))
+        if name == USER_OPTIMIZER:  # assigned after construction, over the shards
+            trainer.optimizer = _user_sgd([p for _, p in trainer.session.named_shards()])
         trainer.train()
         losses, norms = _logs(trainer)
         if name == UNREACHED_ADAMW:
@@ -148,8 +159,11 @@ def _stock(name: str, out_dir: str) -> dict:
         model = _model(name)
         args = transformers.TrainingArguments(per_device_train_batch_size=GLOBAL_BATCH,
                                               **_args(name, out_dir))
+        optimizers = (_user_sgd(model.parameters()), None) if name == USER_OPTIMIZER \
+            else (None, None)
         trainer = transformers.Trainer(model=model, args=args, data_collator=_collate,
-                                       train_dataset=_samples(name, N_TRAIN))
+                                       train_dataset=_samples(name, N_TRAIN),
+                                       optimizers=optimizers)
         trainer.train()
         losses, norms = _logs(trainer)
         _STOCK[name] = dict(losses=losses, norms=norms, state={

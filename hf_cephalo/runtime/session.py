@@ -280,11 +280,17 @@ class Session:
     # ---- optimizer ------------------------------------------------------------------------------
     def set_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Adopt the front end's optimizer over the shards (``optim.py``); fp16 ranks: the
-        scaler must be able to drive it."""
+        scaler must be able to drive it. One over the per-parameter shards (also one a user
+        assigned, e.g. ``trainer.optimizer = AdamW(...)``) skips the parameters a step did not
+        reach, as stock ([Note: parameters without a gradient])."""
         inner = getattr(optimizer, "optimizer", optimizer)
         if self.rank_precisions is not None:
             check_scalable_optimizer(inner, self.rank_precisions,
                                      [r.device for r in self.plan.ranks])
+        shards = self.engine.param_shards
+        own = {id(p) for p in shards.params}
+        if any(id(p) in own for group in inner.param_groups for p in group["params"]):
+            shards.hold_untouched(inner)
         self.optimizer = inner
         return optimizer
 
