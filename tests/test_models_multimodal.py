@@ -131,3 +131,17 @@ def test_a_causal_lm_the_path_cannot_stage_is_refused_with_class_reason_and_reme
     assert "register_adapter(Gemma4ForConditionalGeneration" in text
     assert "docs/adding_a_model.md" in text and "Nothing was run" in text
     assert "Gemma4ForCausalLM is no way around" in text and "none of those" not in text
+
+
+def test_profiling_input_of_a_vision_language_class():
+    """Profiling at start builds token ids from the TEXT config's vocabulary (a vision-language
+    class keeps ``vocab_size`` there): a Gemma 3 VLM with no plan used to fail here, before
+    training, asking for a ``make_microbatch`` no door takes."""
+    from hf_cephalo.profiler.inputs import synthetic_microbatch
+
+    model = _gemma3_vlm()
+    mb = synthetic_microbatch(model, 3, 8)
+    vocab = model.config.get_text_config().vocab_size
+    assert mb["input_ids"].shape == (3, 8) and int(mb["input_ids"].max()) < vocab
+    with torch.no_grad():  # the model's own forward takes it (text only)
+        assert model(**mb).loss is not None

@@ -387,8 +387,13 @@ def _staged_loss(staged, batch: dict, cut: int):
         hidden, ctx = staged.embed(mb)
         bad = ctx_requires_grad(ctx)
         if bad:
-            raise StructureError(f"layer arguments depend on parameters ({', '.join(bad[:3])}); "
-                                 "the engine reuses them without a graph")
+            raise StructureError(
+                f"layer arguments depend on parameters ({', '.join(bad[:3])}): the forward "
+                "computes them from weights before the layers (e.g. per-layer input embeddings: "
+                "Gemma 3n, and Gemma 4 E2B / E4B with hidden_size_per_layer_input > 0), and the "
+                "engine hands them to each layer unit without a gradient path back to those "
+                "weights, so they would not train; a config without them stages (Gemma 4 31B "
+                "and 26B-A4B have none)")
         for i in range(staged.num_units):
             hidden = staged.run_unit(i, hidden, ctx)
         out = staged.head_loss(hidden, mb, ctx)

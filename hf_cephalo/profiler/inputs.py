@@ -120,8 +120,16 @@ class MeasureConfig:
 def max_positions(model: torch.nn.Module) -> int | None:
     """Longest sequence (tokens) the model's position embeddings cover: its config's
     ``max_position_embeddings`` or ``n_positions``; None when the config names neither."""
-    cfg = getattr(model, "config", None)
+    cfg = _text_config(model)
     return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+
+def _text_config(model: torch.nn.Module):
+    """The config that describes the model's text inputs: its text config where it has one (a
+    vision-language ``...ForConditionalGeneration`` keeps ``vocab_size`` there), else its own."""
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else None
+    return text if text is not None else cfg
 
 
 def synthetic_microbatch(model: torch.nn.Module, m: int, sequence_length: int,
@@ -144,14 +152,18 @@ def synthetic_microbatch(model: torch.nn.Module, m: int, sequence_length: int,
         size = getattr(cfg, "image_size", None)
         channels = getattr(cfg, "num_channels", 3)
         if size is None:
-            raise ValueError(f"{cls}: config has no image_size; pass make_microbatch to profile it")
+            raise ValueError(f"{cls}: its config has no image_size to build images for "
+                             "profiling; give a plan (--cephalo_plan_file) or a profile "
+                             "(--cephalo_profile_file)")
         mb = {"pixel_values": torch.randn(m, channels, size, size, generator=g),
               "labels": torch.randint(0, num_labels, (m,), generator=g)}
     else:
-        vocab = getattr(cfg, "vocab_size", None)
+        vocab = getattr(_text_config(model), "vocab_size", None)
         if vocab is None:
-            raise ValueError(f"{cls}: no config.vocab_size to build synthetic token ids; pass "
-                             "make_microbatch to profile this model")
+            raise ValueError(f"{cls}: its config has no vocab_size to build token ids for "
+                             "profiling; give a plan (--cephalo_plan_file, or "
+                             "plan=Plan.from_ratios(b_i, m_i, r_i)) or a profile "
+                             "(--cephalo_profile_file)")
         limit = max_positions(model)
         if limit is not None and sequence_length > limit:
             raise ValueError(f"sequence_length {sequence_length} exceeds the model's "

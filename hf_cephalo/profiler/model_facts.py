@@ -59,7 +59,8 @@ def model_profile(staged: StagedModel, name: str | None = None,
             range(v[0], v[-1] + 1)) else f"layers {v}" for v in groups.values())
         raise ValueError(
             f"the layers of {type(staged.model).__name__} differ in size ({which}: "
-            f"{sorted(groups)} elements; e.g. dense and mixture-of-experts layers); the "
+            f"{sorted(groups)} elements: e.g. dense and mixture-of-experts layers, or "
+            "full-attention layers wider than sliding-window ones); the "
             "planner's cost and memory models price identical units (docs/design.md contract "
             "1), so it cannot profile and plan this model: give a plan of your own "
             "(--cephalo_plan_file, or plan=Plan.from_ratios(b_i, m_i, r_i)) and leave "

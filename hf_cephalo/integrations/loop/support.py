@@ -114,9 +114,10 @@ ACCELERATOR_FIELD_SUPPORT: dict[str, Support] = {
     "fsdp_plugin": _refused(_SHARDING),
     "torch_tp_plugin": _refused(_PARALLEL),
     "megatron_lm_plugin": _refused(_SHARDING),
-    "rng_types": _refused("the engine's loaders draw each epoch's permutation from a seed that "
-                          "is the same on every rank and do not synchronize other generators "
-                          "at each epoch; leave rng_types unset"),
+    "rng_types": _refused("any value but stock's default ['generator'] (accepted): the "
+                          "engine's loaders draw each epoch's permutation from a seed that is "
+                          "the same on every rank and do not synchronize other generators at "
+                          "each epoch; leave rng_types unset"),
     "log_with": _inherited("trackers: init_trackers, log and end_training are stock's"),
     "project_dir": _inherited("stock stores it as ProjectConfiguration(project_dir=...): see "
                               "that table"),
