@@ -145,3 +145,28 @@ def test_profiling_input_of_a_vision_language_class():
     assert mb["input_ids"].shape == (3, 8) and int(mb["input_ids"].max()) < vocab
     with torch.no_grad():  # the model's own forward takes it (text only)
         assert model(**mb).loss is not None
+
+
+def _one_rank_refused(rank: int, world: int, _root: str) -> str:
+    from hf_cephalo.engine import CephaloEngine
+
+    engine = CephaloEngine(stage_model(_gemma3_vlm()), [0.5, 0.5])
+    batch = _text_batch(2)
+    if rank == 0:  # only this rank's batch carries images
+        batch["pixel_values"] = torch.zeros(2, 3, 28, 28)
+    try:
+        engine.train_step([batch])
+    except ValueError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "trained"
+
+
+def test_a_microbatch_refused_on_one_rank_is_refused_on_every_rank(tmp_path):
+    """Only rank 0's microbatch carries pixel_values: rank 0 raises its TextOnlyInputError,
+    rank 1 a ValueError naming rank 0, both at the step's first all-reduce (before, rank 1 went
+    on into the all-gathers rank 0 never reached and died of a closed connection)."""
+    from tests.dist_utils import budget_s, run_ranks
+
+    first, second = run_ranks(_one_rank_refused, 2, str(tmp_path), timeout_s=budget_s(20))
+    assert first.startswith("TextOnlyInputError") and "pixel_values" in first, first
+    assert second.startswith("ValueError") and "rank(s) [0]" in second, second

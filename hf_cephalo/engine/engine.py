@@ -354,16 +354,25 @@ class CephaloEngine:
         """(local, global) item count: the first collective of a step or an evaluation. With
         compile on, it also carries each rank's compile-probe result (one int per rank; see
         [Note: compile failures before the first collective] in ``compile.py``)."""
-        local = sum(int(self.staged.count_items(mb)) for mb in microbatches)
-        failure = self._probe_compile(microbatches, for_training)
+        refused, local = None, 0
+        try:
+            local = sum(int(self.staged.count_items(mb)) for mb in microbatches)
+        except ValueError as exc:  # a microbatch the staged model refuses: agreed below
+            refused = exc
+        failure = None if refused is not None else self._probe_compile(microbatches,
+                                                                        for_training)
         codes = [0] * (self.world_size if self.compile is not None else 0)
         if failure is not None:
             codes[self.rank] = failure.unit_index + 1
-        t = torch.tensor([local, *codes], dtype=torch.int64, device=self.device)
+        refusals = [0] * self.world_size
+        refusals[self.rank] = int(refused is not None)
+        t = torch.tensor([local, *refusals, *codes], dtype=torch.int64, device=self.device)
         C.all_reduce_sum(t, self.group, self.stats)
+        _raise_refused(refused, t[1:1 + self.world_size].tolist())
+        codes_seen = t[1 + self.world_size:].tolist()
         if failure is not None:  # the same message on every rank that failed on this unit
-            raise failure.on_ranks(t[1:].tolist())
-        remote = remote_failure(t[1:].tolist(), self.compile, self.rank,
+            raise failure.on_ranks(codes_seen)
+        remote = remote_failure(codes_seen, self.compile, self.rank,
                                 [u.name for u in self.units]) if codes else None
         if remote is not None:
             raise remote
@@ -636,3 +645,16 @@ class CephaloEngine:
         """Per unit (layers in order, then the embedding and the head unit): per-rank numel and
         parameter fqns/offsets."""
         return [u.meta() for u in self.all_units()]
+
+
+def _raise_refused(refused: ValueError | None, flags: list[int]) -> None:
+    """After a step's first all-reduce: a rank whose microbatch its staged model refused
+    (``count_items`` raised ValueError, e.g. an image batch for a text-only staging) raises
+    its own error, every other rank one naming it, so no rank goes on into a collective the
+    refusing rank never reaches. Nothing to do when no rank refused."""
+    if refused is not None:
+        raise refused
+    ranks = [r for r, flag in enumerate(flags) if flag]
+    if ranks:
+        raise ValueError(f"the microbatches of rank(s) {ranks} were refused by the staged model "
+                         "(their error says why and what to do); nothing ran on any rank")
