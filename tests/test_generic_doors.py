@@ -140,7 +140,7 @@ def _sft_logs(history) -> dict:
 
 
 def _sft(name: str, root: str, tokenizer_path: str, world: int,
-         by_name: str | None = None) -> dict:
+         by_name: str | None = None, planned: bool = False) -> dict:
     from hf_cephalo.integrations import CephaloSFTConfig, CephaloSFTTrainer
     from hf_cephalo.planner import Plan
     from tests.trl_fixtures import chat_dataset, load_tokenizer
@@ -150,9 +150,10 @@ def _sft(name: str, root: str, tokenizer_path: str, world: int,
     trainer = CephaloSFTTrainer(
         model=_model(name, len(tokenizer)) if by_name is None else by_name,
         args=CephaloSFTConfig(**_sft_args(os.path.join(
-            root, f"sft-{name}-{by_name is None}-{world}")), **extra),
+            root, f"sft-{name}-{by_name is None}-{world}-{planned}")), **extra,
+            **({"per_device_train_batch_size": B // world} if planned else {})),
         train_dataset=chat_dataset("prompt_completion"), processing_class=tokenizer,
-        plan=Plan.from_ratios(*PLANS[world]))
+        plan=None if planned else Plan.from_ratios(*PLANS[world]))
     if by_name is not None:  # used by the door, hidden from SFTTrainer's warning, restored
         assert trainer.args.model_init_kwargs == {"dtype": "float32"}
     trainer.train()
@@ -182,7 +183,8 @@ def _worker(rank: int, world: int, root: str, tokenizer_path: str) -> dict:
 
     offline_env()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world))
+                      LOCAL_WORLD_SIZE=str(world),
+                      HF_CEPHALO_PROFILE_CACHE=os.path.join(root, "profile-cache"))
     torch.set_num_threads(1)
     out = {}
     for name in NAMES:
@@ -190,6 +192,10 @@ def _worker(rank: int, world: int, root: str, tokenizer_path: str) -> dict:
         out[f"sft-{name}"] = _sft(name, root, tokenizer_path, world)
     if world == 2:  # by name, as TRL's scripts pass model_args.model_name_or_path (issue 37)
         out["sft-by-name"] = _sft("qwen3", root, tokenizer_path, world, by_name=_saved(root))
+        # ... and with no plan: profiled at start through a copy (the model is on the meta
+        # device), planned, then trained
+        out["sft-by-name-planned"] = _sft("qwen3", root, tokenizer_path, world,
+                                          by_name=_saved(root), planned=True)
     return portable(out, True)
 
 
@@ -242,10 +248,11 @@ def test_accelerate_loop_equals_one_process(runs, name, world):
 
 
 @pytest.mark.parametrize("world, name, key", [(w, n, f"sft-{n}") for w in PLANS for n in NAMES]
-                         + [(2, "qwen3", "sft-by-name")])
+                         + [(2, "qwen3", "sft-by-name"), (2, "qwen3", "sft-by-name-planned")])
 def test_trl_sft_equals_stock_one_process(runs, world, name, key):
     """``key`` "sft-by-name": the model given by name (a sharded ``save_pretrained`` folder of
-    the same Qwen3 model), loaded by the door on the meta device, each rank reading its shards;
+    the same Qwen3 model), loaded by the door on the meta device, each rank reading its shards
+    ("-planned": with no plan, so profiled at start through a copy and planned);
     stock SFTTrainer trains the model object (TRL loads a name with ``from_pretrained``: the
     same weights)."""
     got, refs = runs

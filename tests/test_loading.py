@@ -183,7 +183,8 @@ def _check_bad_inputs(rank, world_size, bad) -> None:
 
 def _check_trainer_meta_start(rank, world_size, path, out_dir) -> None:
     """CephaloTrainer on a ``from_pretrained_sharded`` model: the engine holds the checkpoint,
-    stock Trainer did not move the model, a step trains; without a plan it is refused."""
+    stock Trainer did not move the model, a step trains; without a plan it is profiled through
+    a copy (embedding, head and first layer built with the model's own init) and planned."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     import hf_cephalo
@@ -195,11 +196,15 @@ def _check_trainer_meta_start(rank, world_size, path, out_dir) -> None:
     args = CephaloTrainingArguments(output_dir=out_dir, report_to="none", optim="sgd",
                                     max_steps=1, save_strategy="no", disable_tqdm=True)
     assert args.place_model_on_device is False
-    _expect_error(lambda: CephaloTrainer(model=hf_cephalo.from_pretrained_sharded(path),
-                                         args=args), "meta device", "--cephalo_plan_file")
+    # no plan: the meta model is profiled through a copy (embedding, head, first layer built
+    # with the model's own init) and planned; the engine then reads the shards
+    os.environ["HF_CEPHALO_PROFILE_CACHE"] = os.path.join(out_dir, "profile-cache")
     gen = torch.Generator().manual_seed(0)
     rows = [{"input_ids": ids, "labels": ids}
             for ids in torch.randint(1, 97, (4, 12), generator=gen)]
+    auto = CephaloTrainer(model=hf_cephalo.from_pretrained_sharded(path), args=args,
+                          train_dataset=rows)
+    assert len(auto.plan.batch_sizes) == 2 and sum(auto.plan.batch_sizes) > 0, auto.plan
     trainer = CephaloTrainer(model=hf_cephalo.from_pretrained_sharded(path), args=args,
                              plan=Plan.from_ratios([1, 1], [1, 1], [0.7, 0.3]),
                              train_dataset=rows,

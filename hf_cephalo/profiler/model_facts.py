@@ -117,3 +117,37 @@ def boundary_bytes_per_sample(staged: StagedModel, make_microbatch: Callable[[in
         hidden, _ = staged.embed(mb)
     size = hidden.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size()
     return float(hidden.numel() * size)
+
+
+def profiling_stand_in(staged: StagedModel) -> StagedModel:
+    """A staged copy of a meta-device model (sharded loading) that the profiler can run: the
+    profiler runs only the root modules (embedding, head) and unit 0 (``compute.py``; the other
+    units are counted, never run), so a copy of the model, free while on the meta device, gets
+    those modules materialized on the CPU with the model's own initialization
+    (``_init_weights``: random weights, its buffers), each unit's shape and count as the
+    model's, and the same fingerprint for the profile cache. Host memory: the embedding, the
+    head and one layer. The user's model is not touched.
+
+    Raises:
+        ValueError: the model has no ``_init_weights`` to initialize them with (not a
+            transformers model): give a plan or a profile file.
+    """
+    import copy
+
+    from hf_cephalo.models import stage_model
+
+    model = copy.deepcopy(staged.model)
+    for module in model.modules():  # a forward patched onto the instance (TRL's fused head
+        module.__dict__.pop("forward", None)  # closes over the original): the class's own
+    if not callable(getattr(model, "_init_weights", None)):
+        raise ValueError(f"{type(model).__name__} is on the meta device and has no "
+                         "_init_weights to build a profiling copy with: give a plan "
+                         "(--cephalo_plan_file) or a profile (--cephalo_profile_file)")
+    copied = stage_model(model)
+    run = [*copied.root_modules(), copied.units()[0]]
+    with torch.no_grad():
+        for module in run:
+            module.to_empty(device="cpu")
+            for sub in module.modules():
+                model._init_weights(sub)
+    return copied

@@ -31,6 +31,7 @@ from hf_cephalo.profiler.emulate import (EmulatedOutOfMemoryError, EmulatedStage
                                          apply_memory_cap, check_plan_memory,
                                          emulated_device_name)
 from hf_cephalo.profiler.hardware import preserved_rng
+from hf_cephalo.profiler.model_facts import profiling_stand_in
 from hf_cephalo.profiler.measure import (MeasureConfig, check_profile_matches,
                                          check_profile_precision, local_device_name,
                                          measure_comm, model_dtype, model_profile,
@@ -132,7 +133,7 @@ def _plan_from_file(job: Job, staged: StagedModel, train_dataset: Any,
 
 
 def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> ResolvedPlan:
-    world_size, model = job.world_size, staged.model
+    world_size = job.world_size
     _refuse_per_rank_precision_with_profile_file(job)
     caps = _memory_caps(job)
     if job.settings.plan_file is not None:
@@ -140,8 +141,8 @@ def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> Resolved
     B = job.global_batch_size
     if job.is_main:
         warn_idle_ranks(B, world_size)
-    _refuse_meta_profiling(model, job)
-    cluster = _cluster(job, staged, train_dataset, B)
+    profiled = _profiled(staged, job)
+    cluster = _cluster(job, profiled, train_dataset, B)
     reason = ""
     try:
         if planned_checkpointing(job) is None:  # auto: keep why, for the plan's line
@@ -152,7 +153,7 @@ def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> Resolved
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e}{_infeasible_remedy(job, B, e.constraint)}",
                                   e.constraint) from None
-    plan, cluster = replan_with_measured_u(plan, cluster, staged, job, B)
+    plan, cluster = replan_with_measured_u(plan, cluster, profiled, job, B)
     plan.validate_for(world_size, cluster.model, precision=_precision_tag(job, staged))
     check_plan_memory([p.memory_bytes for p in predict(plan, cluster).ranks], caps)
     if job.rank == 0 and job.output_dir is not None:
@@ -206,15 +207,15 @@ def _infeasible_remedy(job: Job, global_batch_size: int, constraint: str) -> str
     return "; to fit: " + ", ".join(ways[:-1]) + ", or " + ways[-1]
 
 
-def _refuse_meta_profiling(model: torch.nn.Module, job: Job) -> None:
-    """Profiling at start runs the model's own modules, which a meta-device model (sharded
-    loading, ``from_pretrained_sharded``) does not have yet: ValueError naming the fix, raised
-    on every rank before any collective."""
-    if job.settings.profile_file is None and any(p.is_meta for p in model.parameters()):
-        raise ValueError("the model is on the meta device (sharded loading), so it cannot be "
-                         "profiled at start: give --cephalo_plan_file or --cephalo_profile_file "
-                         "(hf-cephalo profile --model-config <config.json> measures one "
-                         "from the config alone)")
+def _profiled(staged: StagedModel, job: Job) -> StagedModel:
+    """What profiling at start runs: ``staged`` itself, or for a meta-device model (sharded
+    loading, e.g. a TRL door given a model by name) a copy whose embedding, head and first
+    layer are materialized with the model's own initialization
+    (``model_facts.profiling_stand_in``): timing needs their shapes, not the checkpoint's
+    values, and each rank holds the embedding, the head and one layer for it."""
+    if job.settings.profile_file is None and any(p.is_meta for p in staged.model.parameters()):
+        return profiling_stand_in(staged)
+    return staged
 
 
 # [Note: measuring u after planning]
