@@ -444,3 +444,24 @@ def test_hub_id_resolves_from_cache_offline(tmp_path, monkeypatch):
     files = model.cephalo_checkpoint
     assert files.index_path is not None and len(files.files) > 1
     assert all(str(snapshot) in f for f in files.files)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_profiling_copy_of_a_meta_model_keeps_its_facts(tmp_path, tied):
+    """The copy profiling at start runs for a meta-device model has the model's facts (units,
+    parameters per unit, embedding / head split, a tied weight once: to_empty gives each use
+    its own tensor, the copy ties them again), materializes only what the profiler runs, and
+    leaves the user's model on the meta device."""
+    import hf_cephalo
+    from hf_cephalo.models import stage_model
+    from hf_cephalo.profiler.model_facts import model_profile, profiling_stand_in
+
+    model = hf_cephalo.from_pretrained_sharded(_save(tmp_path, tied))
+    staged = stage_model(model)
+    copy = profiling_stand_in(staged)
+    assert model_profile(copy) == model_profile(staged)
+    run = {id(p) for m in [*copy.root_modules(), copy.units()[0]] for p in m.parameters()}
+    assert all(not p.is_meta for m in [*copy.root_modules(), copy.units()[0]]
+               for p in m.parameters())
+    assert all(p.is_meta for p in copy.model.parameters() if id(p) not in run)
+    assert all(p.is_meta for p in model.parameters())

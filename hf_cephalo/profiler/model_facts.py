@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.profiles.precision import Precision
@@ -145,9 +146,17 @@ def profiling_stand_in(staged: StagedModel) -> StagedModel:
                          "(--cephalo_plan_file) or a profile (--cephalo_profile_file)")
     copied = stage_model(model)
     run = [*copied.root_modules(), copied.units()[0]]
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}  # tied weights: one parameter, many uses
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            uses.setdefault(id(p), []).append((module, name))
     with torch.no_grad():
         for module in run:
             module.to_empty(device="cpu")
             for sub in module.modules():
                 model._init_weights(sub)
+    for group in uses.values():  # to_empty gave each use its own tensor: tie them again
+        first = getattr(*group[0])
+        for module, name in group[1:]:
+            setattr(module, name, first)
     return copied
