@@ -251,7 +251,6 @@ class CephaloEngine:
         self._failure_exc: BaseException | None = None  # that step's exception
         self._abandoned: list = []  # in-flight collectives of that step, kept referenced
         self._param_shards: ParamShards | None = None  # built on first use (param_shards)
-        self._untouched: frozenset[int] = frozenset()  # [Note: parameters without a gradient]
 
     # ---- construction ---------------------------------------------------------------------
     def _build_units(self, ratios, shard_layout, use_all_reduce, source) -> None:
@@ -342,7 +341,6 @@ class CephaloEngine:
         ``param_shards.py``): what an optimizer with the model's parameter groups steps."""
         if self._param_shards is None:
             self._param_shards = ParamShards(self.all_units(), self.rank)
-            self._param_shards.untouched = self._untouched
             self._param_shards.bind_grads()
         return self._param_shards
 
@@ -473,19 +471,18 @@ class CephaloEngine:
 
     def _reduce_with_touched(self, head: torch.Tensor) -> torch.Tensor:
         """SUM-all-reduce ``head`` (1-D float64) in ONE collective with every unit's ``touched``
-        flags, and record the trainable parameters (``ParamShards`` order) no rank has given a
-        gradient since ``zero_grad``: the optimizer keeps those as they are ([Note: parameters
+        flags, and set each unit's ``unreached``: the trainable parameters no rank has given a
+        gradient since ``zero_grad``, which the optimizer keeps as they are ([Note: parameters
         without a gradient]). Returns the reduced ``head``."""
-        flags = [t for unit in self.all_units() for t in unit.touched]
+        units = self.all_units()
+        flags = [t for unit in units for t in unit.touched]
         vec = torch.cat([head.double(), torch.tensor(flags, dtype=torch.float64,
                                                      device=head.device)])
         C.all_reduce_sum(vec, self.group, self.stats)
-        n = head.numel()
-        self._untouched = frozenset(
-            k for k, v in enumerate(vec[n:].tolist()) if v == 0)
-        if self._param_shards is not None:
-            self._param_shards.untouched = self._untouched
-        return vec[:n]
+        summed = iter(vec[head.numel():].tolist())
+        for unit in units:
+            unit.unreached[:] = [next(summed) == 0 for _ in unit.touched]
+        return vec[:head.numel()]
 
     def _reduce_sums(self, terms: torch.Tensor) -> torch.Tensor:
         """SUM-all-reduce of a staged model's global-batch loss sums (``LayeredStep``)."""
@@ -612,10 +609,8 @@ class CephaloEngine:
         for p in self.parameters():
             p.grad = None
         for unit in self.all_units():
-            unit.touched[:] = [False] * len(unit.touched)
-        self._untouched = frozenset()
+            unit.touched[:] = unit.unreached[:] = [False] * len(unit.touched)
         if self._param_shards is not None:
-            self._param_shards.untouched = self._untouched
             self._param_shards.drop_grads()
 
     def evaluate(self, microbatches, *, return_logits: bool = True,

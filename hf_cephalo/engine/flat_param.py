@@ -433,6 +433,9 @@ class FlatParamUnit:
         self.touched = [False] * sum(1 for i in self.infos if i.requires_grad)
         """Per trainable parameter (flat order): whether a backward on this rank accumulated a
         gradient into it since ``zero_grad`` ([Note: parameters without a gradient])."""
+        self.unreached = [False] * len(self.touched)
+        """Per trainable parameter (flat order): no rank's backward reached it since
+        ``zero_grad`` (the ranks' ``touched`` summed at each step's end by the engine)."""
         self.state = ShardedState.SHARDED
         self._pending_ag: list[C.AllGatherResult] | None = None  # one per non-empty part
         self._full: list[torch.Tensor] | None = None  # gathered [(Nt,), (N - Nt,)]

@@ -70,10 +70,14 @@ class ParamShards:
                 self.slices.append(ParamSlice(u, lo, hi, tuple(info.aliases)))
                 self.params.append(nn.Parameter(unit.shard_param.detach()[lo:hi]))
         self.by_name = {name: p for s, p in zip(self.slices, self.params) for name in s.names}
-        self.untouched: frozenset[int] = frozenset()
+
+    @property
+    def untouched(self) -> list[int]:
         """Indices into ``params`` of the parameters no rank has given a gradient since
-        ``zero_grad`` (set by the engine after each step; [Note: parameters without a
-        gradient])."""
+        ``zero_grad`` (the units' ``unreached``, in the same order: [Note: parameters without
+        a gradient])."""
+        flags = (f for unit in self._units for f in unit.unreached)
+        return [k for k, unreached in enumerate(flags) if unreached]
 
     def hold_untouched(self, optimizer: torch.optim.Optimizer) -> None:
         """Step hooks on ``optimizer`` (over these shards): during ``optimizer.step()`` every
@@ -88,7 +92,7 @@ class ParamShards:
 
         def before(opt, args, kwargs) -> None:
             held.clear()
-            for k in sorted(self.untouched):
+            for k in self.untouched:
                 p = self.params[k]
                 held.append((p, p.grad))
                 p.grad = None

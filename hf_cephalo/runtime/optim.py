@@ -70,9 +70,7 @@ def shard_optimizer(engine, optimizer_cls: type, optimizer_kwargs: Mapping[str, 
                              "of the model")
         param_groups.append({**{k: v for k, v in group.items() if k != "names"},
                              "params": [shards[n] for n in group["names"]]})
-    optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
-    engine.param_shards.hold_untouched(optimizer)  # [Note: parameters without a gradient]
-    return optimizer
+    return optimizer_cls(param_groups, **optimizer_kwargs)
 
 
 def parameter_names(model: torch.nn.Module) -> dict[int, str]:
@@ -166,4 +164,3 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, engine, name_of: Mapping
                 params.append(shards.by_name[name_of[id(p)]])
         group["params"] = params
     inner.state.clear()
-    shards.hold_untouched(inner)  # [Note: parameters without a gradient]

@@ -280,9 +280,10 @@ class Session:
     # ---- optimizer ------------------------------------------------------------------------------
     def set_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Adopt the front end's optimizer over the shards (``optim.py``); fp16 ranks: the
-        scaler must be able to drive it. One over the per-parameter shards (also one a user
-        assigned, e.g. ``trainer.optimizer = AdamW(...)``) skips the parameters a step did not
-        reach, as stock ([Note: parameters without a gradient])."""
+        scaler must be able to drive it. One over the per-parameter shards (built, re-pointed
+        or assigned by the user, e.g. ``trainer.optimizer = AdamW(...)``: every door adopts its
+        optimizer here) skips the parameters a step did not reach, as stock ([Note: parameters
+        without a gradient])."""
         inner = getattr(optimizer, "optimizer", optimizer)
         if self.rank_precisions is not None:
             check_scalable_optimizer(inner, self.rank_precisions,
