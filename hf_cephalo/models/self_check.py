@@ -547,9 +547,8 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, classifier: bool) -> Proof:
     try:
         layout = trace_layout(tiny, batch, layers)
         staged = staged_class(tiny)(tiny, layout)
-        pristine = copy.deepcopy(tiny)
         problem = _compare(tiny, staged, batch)
-        if problem is not None and _equal_in_float64(pristine, batch, layers):
+        if problem is not None and _equal_in_float64(tiny, batch, layers):
             problem = None  # [Note: fp32 rounding or another computation]
         plain = (not classifier) and _plain_head(tiny, staged, batch)
     except StructureError:
@@ -577,15 +576,21 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, classifier: bool) -> Proof:
 # about 1e-7 relative, within the tolerance.
 
 
+def float64_copy(model: nn.Module) -> nn.Module:
+    """A float64 copy of ``model`` ([Note: fp32 rounding or another computation]); grouped
+    expert matmuls, which have no float64 kernel, run as the loop over experts, which computes
+    the same inside the layers, on both sides of a comparison."""
+    wide = copy.deepcopy(model).double()
+    if getattr(wide.config, "_experts_implementation", None) not in (None, "eager"):
+        wide.set_experts_implementation("eager")
+    return wide
+
+
 def _equal_in_float64(tiny: nn.Module, batch: dict, layers: str) -> bool:
-    """Whether the float64 copy of ``tiny`` stages equal to its own forward (False also when a
-    kernel of the model has no float64 version, e.g. grouped expert matmuls)."""
+    """Whether a float64 copy of ``tiny`` stages equal to its own forward (False also when a
+    kernel of the model has no float64 version)."""
     try:
-        wide = tiny.double()
-        if getattr(wide.config, "_experts_implementation", None) not in (None, "eager"):
-            # grouped expert matmuls have no float64 kernel; the loop over experts computes
-            # the same inside the layers, on both sides of the comparison
-            wide.set_experts_implementation("eager")
+        wide = float64_copy(tiny)
         staged = staged_class(wide)(wide, trace_layout(wide, batch, layers))
         return _compare(wide, staged, batch) is None
     except Exception:  # noqa: BLE001 - no float64 check possible: the fp32 verdict stands
