@@ -205,9 +205,8 @@ def unit_states(engine, optimizer: torch.optim.Optimizer, what: str
         return {u: optimizer.state[p] for u, p in enumerate(params) if p in optimizer.state}
     members = [layout.shards.unit_params(u) for u in range(len(params))]
     states = [[optimizer.state.get(p) for p, _ in m] for m in members]
-    differs = torch.tensor([float(any(_disagree(st, key) for key in (next((s for s in st if s),
-                                                                              None) or {})))
-                            for st in states], dtype=torch.float64, device=engine.device)
+    differs = torch.tensor([float(_disagree(st)) for st in states], dtype=torch.float64,
+                           device=engine.device)
     if engine.world_size > 1:
         C.all_reduce_sum(differs, engine.group, engine.stats)
     out: dict[int, dict[str, Any]] = {}
@@ -218,11 +217,14 @@ def unit_states(engine, optimizer: torch.optim.Optimizer, what: str
     return out
 
 
-def _disagree(states: list, key: str) -> bool:
-    """Whether the (stateful) parameters hold different 0-dim tensors under ``key``."""
-    values = [s[key] for s in states if s and torch.is_tensor(s.get(key))
-              and s[key].dim() == 0]
-    return any(not _same(v, values[0]) for v in values[1:])
+def _disagree(states: list) -> bool:
+    """Whether the (stateful) parameters of a unit hold different 0-dim tensors under a key."""
+    held = [s for s in states if s]
+    for key in held[0] if held else ():
+        values = [s[key] for s in held if torch.is_tensor(s.get(key)) and s[key].dim() == 0]
+        if any(not _same(v, values[0]) for v in values[1:]):
+            return True
+    return False
 
 
 def _merge_unit(u: int, members, states, per_element_scalars: bool, what: str) -> dict:
