@@ -26,6 +26,7 @@ SUBSET = [
     "CohereForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "OPTForCausalLM",
     "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "JambaForCausalLM",
     "Qwen3ForSequenceClassification", "LlamaForSequenceClassification",
+    "BartForCausalLM", "TrOCRForCausalLM",  # their own loss takes the labels as given
 ]
 
 

@@ -314,3 +314,21 @@ def test_activation_checkpointing_flag_any_case_and_against_a_plan_file(tmp_path
     assert "activation checkpointing on (recompute in backward) [auto: off does not fit: x]," \
         in format_plan_table(plan, "off does not fit: x")
     assert "[auto:" not in format_plan_table(plan)
+
+
+def test_label_smoother_shifts_by_stocks_rule():
+    """Stock Trainer's label smoother shifts the labels when the model's class is in
+    transformers' causal-LM mapping, whatever the model's own loss does: BartForCausalLM (its
+    own loss takes labels as given) shifts, Qwen3_5ForConditionalGeneration (a causal LM by
+    what it computes, not in the mapping) does not, a classifier does not."""
+    from hf_cephalo.runtime.user_loss import EngineOutputs
+
+    class Staged:  # what EngineOutputs reads of a staged model here: its model's class name
+        def __init__(self, class_name: str):
+            self.model = type(class_name, (), {})()
+
+    for name, shift in (("BartForCausalLM", True), ("Qwen3ForCausalLM", True),
+                        ("Qwen3_5ForConditionalGeneration", False),
+                        ("Gemma3ForConditionalGeneration", True),
+                        ("Qwen3ForSequenceClassification", False)):
+        assert EngineOutputs(Staged(name), None, 1, {}).cephalo_smoother_shift is shift, name

@@ -76,12 +76,19 @@ EXTRA: dict[str, tuple[str, Callable[[], Any]]] = {
                      "layer_types": ["sliding_attention", "full_attention"]},
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                            num_attention_heads=2))),
+    "bart_causal": ("BartForCausalLM", lambda: transformers.BartConfig(
+        vocab_size=VOCAB, d_model=64, decoder_layers=2, decoder_attention_heads=4,
+        decoder_ffn_dim=128, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=128,
+        max_position_embeddings=64, scale_embedding=True, dropout=0.0, pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)),
 }
 """Models apart from ZOO, so the tests over the whole zoo do not pay for them: with parameters
 their forward never gives a gradient (GLM-5's DSA indexer picks the top-``index_topk`` keys: its
 weights get none; a vision-language class on text never calls its vision tower), and Gemma 4 as
 its 31B / 26B checkpoints are (no per-layer inputs; full-attention layers wider than the
-sliding ones, so its layers differ in size)."""
+sliding ones, so its layers differ in size); ``BartForCausalLM``, whose own loss scores each
+position against its label as given (no shift: its caller shifts)."""
 
 
 def build_zoo(name: str, seed: int = 0) -> torch.nn.Module:

@@ -52,7 +52,8 @@ class StructureError(ValueError):
 
 class NotCausalLMError(StructureError):
     """The class's own forward on text (``input_ids``, ``attention_mask``, ``labels``) does not
-    return a causal LM's output: logits over the vocabulary and the shifted next-token loss."""
+    return a causal LM's output: logits over the vocabulary and the next-token loss of them
+    (labels shifted by one, or taken as given)."""
 
 
 class TextOnlyInputError(ValueError):
@@ -89,6 +90,10 @@ class Layout:
         trained. Where there are some, a microbatch may carry only ``inputs`` and
         ``position_ids`` (``GenericDecoderBody.check_inputs``): another input (``pixel_values``)
         would run a module the layout never placed.
+    label_shift: a causal LM's own loss scores position t against ``labels[t + 1]`` (True,
+        ``ForCausalLMLoss``) or against ``labels[t]`` (False: the causal LMs of transformers'
+        encoder-decoder families, ``BartForCausalLM`` and its kin, whose callers shift the
+        labels); decided from what the loss computes (``causal_lm_problem``).
     """
 
     layers: str
@@ -99,6 +104,7 @@ class Layout:
     plain_head: bool = False
     inputs: tuple[str, ...] = ()
     unused: tuple[str, ...] = ()
+    label_shift: bool = True
 
 
 @dataclass
@@ -389,6 +395,11 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
             self._routers = [[m for m in layer.modules() if isinstance(m, spec[0])]
                              for layer in self._layers]
 
+    @property
+    def label_shift(self) -> bool:  # type: ignore[override]
+        """The layout's: whether the model's own loss shifts its labels (``Layout.label_shift``)."""
+        return self.layout.label_shift
+
     def forward_extra(self, microbatch: Microbatch) -> dict[str, Any]:
         extra = super().forward_extra(microbatch)
         if "output_router_logits" in inspect.signature(type(self.model).forward).parameters:
@@ -603,40 +614,63 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
                   unused=tuple(unused))
 
 
-def causal_lm_problem(model: nn.Module, batch: Microbatch) -> str | None:
-    """None when the model's own forward on ``batch`` (``input_ids``, ``attention_mask``,
-    ``labels`` (B, S)) is a causal LM's: ``logits`` (B, S, V) with V the text vocabulary (or
-    the output embeddings' rows) and a ``loss`` equal to the mean next-token cross entropy of
-    those logits (labels shifted by one, -100 ignored); else what differs. What makes a class
-    a causal LM here is what it computes, not its name (a vision-language model's
-    ``...ForConditionalGeneration`` on text is one). A MoE router loss is switched off for the
-    comparison (the generic path adds it apart)."""
+def causal_lm_problem(model: nn.Module, batch: Microbatch) -> tuple[str | None, bool]:
+    """(None, label_shift) when the model's own forward on ``batch`` (``input_ids``,
+    ``attention_mask``, ``labels`` (B, S)) is a causal LM's: ``logits`` (B, S, V) with V the
+    text vocabulary (or the output embeddings' rows) and a ``loss`` equal to the mean
+    cross entropy of those logits against the labels shifted by one (label_shift True,
+    ``ForCausalLMLoss``) or, where not, against the labels as given (False:
+    ``BartForCausalLM`` and the other causal LMs of encoder-decoder families, whose callers
+    shift); else (what differs, True). What makes a class a causal LM here is what it
+    computes, not its name (a vision-language model's ``...ForConditionalGeneration`` on text
+    is one). A MoE router loss is switched off for the comparison (the generic path adds it
+    apart). On random weights the two conventions give different losses, so at most one
+    matches."""
     extra = {k: False for k in ("output_router_logits", "use_cache")
              if k in inspect.signature(type(model).forward).parameters}
     try:
         with torch.no_grad():
             out = model(**forward_inputs(model, batch), labels=batch["labels"], **extra)
     except Exception as exc:  # noqa: BLE001 - a forward that needs other inputs is no text LM
-        return f"it fails on text alone ({type(exc).__name__}: {str(exc)[:200]})"
+        return f"it fails on text alone ({type(exc).__name__}: {str(exc)[:200]})", True
     logits, loss = getattr(out, "logits", None), getattr(out, "loss", None)
     ids = batch["input_ids"]
     if not torch.is_tensor(logits) or logits.dim() != 3 or logits.shape[:2] != ids.shape:
         shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
-        return f"its logits are {shape}, not one row of scores per token {tuple(ids.shape)}"
+        return f"its logits are {shape}, not one row of scores per token {tuple(ids.shape)}", True
     vocab = {getattr(model.config.get_text_config(), "vocab_size", None)}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(getattr(head, "weight", None), torch.Tensor):
         vocab.add(head.weight.shape[0])
     if logits.shape[-1] not in vocab:
-        return f"its logits score {logits.shape[-1]} classes, not the vocabulary {vocab}"
+        return f"its logits score {logits.shape[-1]} classes, not the vocabulary {vocab}", True
     if not torch.is_tensor(loss):
-        return "it returns no loss for labels"
-    ref = causal_lm_loss_sum(logits.float(), batch["labels"])
-    if not torch.allclose(loss.float(), ref.loss_sum / max(ref.num_items, 1), rtol=1e-4,
-                          atol=1e-5):
-        return (f"its loss {float(loss):.6g} is not the shifted next-token loss of its logits "
-                f"{float(ref.loss_sum / max(ref.num_items, 1)):.6g}")
-    return None
+        return "it returns no loss for labels", True
+    means = {}
+    for shift in (True, False):
+        ref = causal_lm_loss_sum(logits.float(), batch["labels"], shift)
+        means[shift] = ref.loss_sum / max(ref.num_items, 1)
+        if torch.allclose(loss.float(), means[shift], rtol=1e-4, atol=1e-5):
+            if not shift and not _reads_left_only(model, batch, logits, extra):
+                return ("its loss scores the labels as given and its logits at a position "
+                        "depend on later tokens: a masked LM's loss, not a causal LM's"), True
+            return None, shift
+    return (f"its loss {float(loss):.6g} is the cross entropy of its logits neither against "
+            f"the next labels ({float(means[True]):.6g}) nor against the labels as given "
+            f"({float(means[False]):.6g})"), True
+
+
+def _reads_left_only(model: nn.Module, batch: Microbatch, logits: torch.Tensor,
+                     extra: dict[str, Any]) -> bool:
+    """Whether the logits at positions < S - 1 stay the same when each row's last token changes
+    (a causal LM's do; a masked LM's, which attends both ways, do not). ``logits`` (B, S, V):
+    the model's on ``batch``."""
+    inputs = forward_inputs(model, batch)
+    ids = inputs["input_ids"].clone()
+    ids[:, -1] = (ids[:, -1] + 1) % logits.shape[-1]
+    with torch.no_grad():
+        other = model(**{**inputs, "input_ids": ids}, **extra).logits
+    return torch.allclose(other[:, :-1].float(), logits[:, :-1].float(), rtol=1e-5, atol=1e-6)
 
 
 def ctx_requires_grad(ctx: GenericContext) -> list[str]:

@@ -146,19 +146,25 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def count_causal_items(labels: torch.Tensor) -> int:
-    """Tokens scored by the causal LM loss: labels != -100 after the shift."""
-    return int((shift_labels(labels) != IGNORE_INDEX).sum().item())
+def count_causal_items(labels: torch.Tensor, shift: bool = True) -> int:
+    """Tokens scored by the causal LM loss: labels != -100 after the shift (``shift=False``:
+    labels != -100, for a model whose own loss takes its labels as given)."""
+    return int(((shift_labels(labels) if shift else labels) != IGNORE_INDEX).sum().item())
 
 
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> HeadOutput:
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
+                       shift: bool = True) -> HeadOutput:
     """Summed next-token cross entropy. logits (m, S, V), labels (m, S) with -100 ignored.
 
     Equals ``ForCausalLMLoss`` (same shift, half-precision logits upcast to fp32) times its item
     count, so loss_sum / num_items == the model's own mean loss. Unlike ``ForCausalLMLoss``,
-    fp64 logits are kept in fp64 (never downcast).
+    fp64 logits are kept in fp64 (never downcast). ``shift=False``: position t is scored against
+    ``labels[t]``, as the causal LMs of transformers' encoder-decoder families compute it
+    (``BartForCausalLM``: ``CrossEntropyLoss()(logits.view(-1, V), labels.view(-1))``, labels
+    shifted by the caller).
     """
-    targets = shift_labels(labels.to(logits.device)).reshape(-1)
+    labels = labels.to(logits.device)
+    targets = (shift_labels(labels) if shift else labels).reshape(-1)
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
     loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets,
@@ -320,7 +326,8 @@ class HFStagedModel(StagedModel):
 
 class CausalLMStagedModel(HFStagedModel):
     """Common part of the decoder-only causal-LM adapters: the summed next-token loss and its
-    item count, read from the microbatch's ``labels`` (m, S) with -100 ignored.
+    item count, read from the microbatch's ``labels`` (m, S) with -100 ignored, shifted by one
+    position (``label_shift``; False for a model whose own loss takes its labels as given).
 
     Subclasses implement structure, ``embed``, ``run_unit`` and the head in two parts:
     ``final_hidden`` (the final norm: (m, S, H) -> (m, S, H)) and ``output_head`` (the (V, H)
@@ -330,6 +337,10 @@ class CausalLMStagedModel(HFStagedModel):
     ``head_loss`` and ``head_loss_and_logits`` (``HFStagedModel``) run the head once.
     Raises ValueError when the microbatch has no ``labels``.
     """
+
+    label_shift: bool = True
+    """Whether the loss scores position t against ``labels[t + 1]`` (``ForCausalLMLoss``) or,
+    False, against ``labels[t]`` (the generic path decides it from the model's own loss)."""
 
     def final_hidden(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
         """The last unit's output through the final norm: (m, S, H) -> (m, S, H), what the HF
@@ -351,16 +362,18 @@ class CausalLMStagedModel(HFStagedModel):
         return self.output_head()(self.final_hidden(hidden, microbatch, ctx))
 
     def loss_from_logits(self, logits: torch.Tensor, microbatch: Microbatch) -> HeadOutput:
-        """Summed next-token cross entropy over labels != -100 (after the causal shift)."""
+        """Summed next-token cross entropy over labels != -100 (after the causal shift, where
+        ``label_shift``)."""
         labels = require_key(microbatch, "labels", type(self).__name__)
-        return causal_lm_loss_sum(logits, labels)
+        return causal_lm_loss_sum(logits, labels, self.label_shift)
 
     def count_items(self, microbatch: Microbatch) -> int:
-        """Tokens scored by ``head_loss``: labels != -100 after the causal shift; 0 without
-        ``labels`` (prediction on unlabeled data; training then refuses the empty batch)."""
+        """Tokens scored by ``head_loss``: labels != -100 after the causal shift (where
+        ``label_shift``); 0 without ``labels`` (prediction on unlabeled data; training then
+        refuses the empty batch)."""
         if microbatch.get("labels") is None:
             return 0
-        return count_causal_items(microbatch["labels"])
+        return count_causal_items(microbatch["labels"], self.label_shift)
 
 
 class ClassifierStagedModel(HFStagedModel):

@@ -205,10 +205,11 @@ def _generic_text_lm(model: nn.Module) -> StagedModel:
     """A model whose head is named neither causal LM nor sequence classification (a
     vision-language ``...ForConditionalGeneration``) on the generic path as a causal LM, for
     text-only fine-tuning of its language model: only where the self-check finds, on a tiny
-    copy, that its own forward on text returns logits over the vocabulary and the shifted
-    next-token loss, and that the staging is exact. Otherwise UnsupportedModelError: for a
-    forward that is no causal LM, ``_unsupported``'s advice for its head; for a causal LM the
-    path cannot stage, the class, the reason and what to do."""
+    copy, that its own forward on text returns logits over the vocabulary and their
+    next-token loss (``generic.causal_lm_problem``), and that the staging is exact.
+    Otherwise UnsupportedModelError: for a forward that is no causal LM, ``_unsupported``'s
+    advice for its head; for a causal LM the path cannot stage, the class, the reason and what
+    to do."""
     from hf_cephalo.models.generic import NotCausalLMError, StructureError
     from hf_cephalo.models.self_check import generic_staged
     name = type(model).__name__
@@ -232,7 +233,7 @@ def _generic_text_lm(model: nn.Module) -> StagedModel:
                  if text_class and text_class != name else "")
         raise UnsupportedModelError(
             f"hf_cephalo cannot train {name} exactly: its own forward on text (input_ids, "
-            f"attention_mask, labels) is a causal LM's (logits over the vocabulary, the shifted "
+            f"attention_mask, labels) is a causal LM's (logits over the vocabulary, their "
             f"next-token loss), whose language model hf_cephalo would fine-tune on text only, "
             f"but the generic path cannot stage that forward exactly: {exc}. Nothing was run. "
             f"To fine-tune it, write an adapter for {name} and register it with "

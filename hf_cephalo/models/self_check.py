@@ -529,26 +529,30 @@ def _check(cls: type, config: Any) -> Proof:
     _perturb(tiny)
     batch = _check_batch(cfg, classifier)
     if not classifier:  # a causal LM by what its forward computes on text, whatever its name
-        problem = causal_lm_problem(tiny, batch)
+        problem, label_shift = causal_lm_problem(tiny, batch)
         if problem is not None:
             raise NotCausalLMError(f"{cls.__name__}'s own forward on text (input_ids, "
                                    f"attention_mask, labels) is not a causal LM's: {problem}")
+    else:
+        label_shift = True
     try:
-        return _prove(cls, tiny, batch, classifier)
+        return _prove(cls, tiny, batch, classifier, label_shift)
     except StructureError as exc:
         exc.causal_lm = not classifier  # proven a causal LM above; the staging failed
         raise
 
 
-def _prove(cls: type, tiny: nn.Module, batch: dict, classifier: bool) -> Proof:
-    """The layout of the tiny copy ``tiny`` of ``cls``, its staging compared with its own
-    forward on ``batch``; StructureError with what differed."""
+def _prove(cls: type, tiny: nn.Module, batch: dict, classifier: bool,
+           label_shift: bool = True) -> Proof:
+    """The layout of the tiny copy ``tiny`` of ``cls`` (a causal LM's loss shifting its labels
+    or not: ``label_shift``), its staging compared with its own forward on ``batch``;
+    StructureError with what differed."""
     layers = find_layers(tiny, batch)
     try:
-        layout = trace_layout(tiny, batch, layers)
+        layout = dataclasses.replace(trace_layout(tiny, batch, layers), label_shift=label_shift)
         staged = staged_class(tiny)(tiny, layout)
         problem = _compare(tiny, staged, batch)
-        if problem is not None and _equal_in_float64(tiny, batch, layers):
+        if problem is not None and _equal_in_float64(tiny, batch, layout):
             problem = None  # [Note: fp32 rounding or another computation]
         plain = (not classifier) and _plain_head(tiny, staged, batch)
     except StructureError:
@@ -586,12 +590,14 @@ def float64_copy(model: nn.Module) -> nn.Module:
     return wide
 
 
-def _equal_in_float64(tiny: nn.Module, batch: dict, layers: str) -> bool:
+def _equal_in_float64(tiny: nn.Module, batch: dict, layout: Layout) -> bool:
     """Whether a float64 copy of ``tiny`` stages equal to its own forward (False also when a
     kernel of the model has no float64 version)."""
     try:
         wide = float64_copy(tiny)
-        staged = staged_class(wide)(wide, trace_layout(wide, batch, layers))
+        traced = trace_layout(wide, batch, layout.layers)
+        staged = staged_class(wide)(wide, dataclasses.replace(traced,
+                                                              label_shift=layout.label_shift))
         return _compare(wide, staged, batch) is None
     except Exception:  # noqa: BLE001 - no float64 check possible: the fp32 verdict stands
         return False

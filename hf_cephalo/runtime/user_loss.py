@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutput
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hf_cephalo.runtime.head_calls import HeadCalls
 from hf_cephalo.models.base import (HeadEvalOutput, HeadOutput, Microbatch, StagedModel,
@@ -109,7 +110,11 @@ class EngineOutputs:
                  variants: Mapping[str, CallVariant]) -> None:
         self._staged, self._view, self._num_items = staged, view, num_items
         self._variants, self._calls = variants, 0
-        self.cephalo_causal_lm = is_causal_lm(staged)  # the label smoother's shift
+        self.cephalo_causal_lm = is_causal_lm(staged)
+        # stock Trainer's rule for the label smoother's shift: the class is in transformers'
+        # causal-LM mapping (whether or not the model's own loss shifts, e.g. BartForCausalLM's)
+        self.cephalo_smoother_shift = type(staged.model).__name__ in set(
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._staged.model, name)

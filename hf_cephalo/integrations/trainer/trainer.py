@@ -283,7 +283,7 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         elif labels is not None:
             loss = self.label_smoother(outputs, labels,
-                                       shift_labels=getattr(model, "cephalo_causal_lm", False),
+                                       shift_labels=getattr(model, "cephalo_smoother_shift", False),
                                        num_items_in_batch=num_items_in_batch)
         else:
             loss = outputs["loss"]
