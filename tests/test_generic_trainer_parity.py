@@ -75,13 +75,16 @@ VLM = "gemma3_vlm"  # SGD with weight decay: text only, its vision tower gets no
 GEMMA4 = "gemma4"  # Gemma4ForConditionalGeneration on text, layers of two sizes
 UNREACHED_ADAMW = "glm5_adamw"  # AdamW with weight decay, saved at the end (2 ranks only)
 USER_OPTIMIZER = "glm5_user_optimizer"  # trainer.optimizer = SGD(shards, weight_decay=0.1)
+PLANNED = "gemma4_planned"  # Gemma 4's layers of two sizes with no plan: profiled (its largest
+# layer), planned per layer, trained (2 ranks only)
 UNSHIFTED = "bart_causal"  # its own loss takes the labels as given; label smoothing on, which
 # stock shifts for a class in the causal-LM mapping whatever the model's loss does (2 ranks only)
 
 
 def _names(world: int) -> list[str]:
     both = [*ZOO, UNREACHED, VLM, GEMMA4]
-    return [*both, LORA, UNREACHED_ADAMW, USER_OPTIMIZER, UNSHIFTED] if world == 2 else both
+    return [*both, LORA, UNREACHED_ADAMW, USER_OPTIMIZER, UNSHIFTED, PLANNED] if world == 2 \
+        else both
 
 
 def _user_sgd(params):
@@ -92,6 +95,8 @@ def _user_sgd(params):
 def _model(name: str) -> torch.nn.Module:
     if name in (UNREACHED_ADAMW, USER_OPTIMIZER):
         return build_zoo(UNREACHED, seed=3)
+    if name == PLANNED:
+        return build_zoo(GEMMA4, seed=3)
     if name != LORA:
         return build_zoo(name, seed=3)
     from peft import LoraConfig, get_peft_model
@@ -105,7 +110,7 @@ def _model(name: str) -> torch.nn.Module:
 
 def _args(name: str, out_dir: str) -> dict:
     optim = dict(optim="adamw_torch", weight_decay=0.1) if name == LORA else \
-        dict(optim="sgd", weight_decay=0.1) if name in (UNREACHED, VLM, GEMMA4) else \
+        dict(optim="sgd", weight_decay=0.1) if name in (UNREACHED, VLM, GEMMA4, PLANNED) else \
         dict(optim="adamw_torch", weight_decay=0.1, adam_epsilon=1e-3, save_strategy="steps",
              save_steps=STEPS, lr_scheduler_type="constant") if name == UNREACHED_ADAMW else \
         dict(optim="sgd", label_smoothing_factor=0.1) if name == UNSHIFTED else \
@@ -127,18 +132,25 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
     from hf_cephalo.planner import Plan
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world))
+                      LOCAL_WORLD_SIZE=str(world),
+                      HF_CEPHALO_PROFILE_CACHE=os.path.join(out_dir, "profile-cache"))
     sizes, micro, ratios = PLANS[world]
     results = {}
     for name in _names(world):
+        planned = name == PLANNED  # no plan: the door profiles at start and plans
         trainer = CephaloTrainer(
-            model=_model(name), args=CephaloTrainingArguments(**_args(name, out_dir)),
-            plan=Plan.from_ratios(sizes, micro, ratios), data_collator=_collate,
-            train_dataset=_samples(name, N_TRAIN))
+            model=_model(name), args=CephaloTrainingArguments(
+                **_args(name, out_dir),
+                **({"per_device_train_batch_size": GLOBAL_BATCH // world} if planned else {})),
+            plan=None if planned else Plan.from_ratios(sizes, micro, ratios),
+            data_collator=_collate, train_dataset=_samples(name, N_TRAIN))
+
         if name == USER_OPTIMIZER:  # assigned after construction, over the shards
             trainer.optimizer = _user_sgd([p for _, p in trainer.session.named_shards()])
         trainer.train()
         losses, norms = _logs(trainer)
+        if planned:  # the model profile the plan was made from: each layer's size
+            results["planned_units"] = trainer.session.cluster_profile.model.unit_params
         if name == UNREACHED_ADAMW:
             results["optim_steps"] = _indexer_steps(trainer.optimizer, trainer.session)
         model = trainer.unshard_model()
@@ -183,6 +195,9 @@ def _check_world(world: int, out_dir: str) -> None:
                                  for n, v in steps.items()), steps
         saved = os.path.join(out_dir, UNREACHED_ADAMW, f"checkpoint-{STEPS}")
         assert os.path.isdir(saved) and os.listdir(saved), saved
+        sizes = [sum(p.numel() for p in layer.parameters())
+                 for layer in _model(PLANNED).model.language_model.layers]
+        assert len(set(sizes)) == 2 and all(run["planned_units"] == sizes for run in runs)
     for name in _names(world):
         ref = _stock(name, out_dir)
         for rank, run in enumerate(runs):

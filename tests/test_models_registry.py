@@ -235,10 +235,14 @@ def test_old_transformers_is_a_clear_error():
         check_transformers_version("4.46.0")
 
 
-def test_layers_of_different_sizes_stage_but_are_not_planned():
+def test_layers_of_different_sizes_are_priced_per_layer():
     """DeepSeek-V3-style dense first layers then MoE layers: the generic path stages them (the
-    engine shards units of any size), the planner's identical-unit cost model says it cannot
-    plan them, naming the layers, the sizes and what to do (a plan of one's own)."""
+    engine shards units of any size) and the model profile records each layer's elements, the
+    largest as params_per_unit, so the memory model's units are the engine's; the profiler
+    measures the largest unit, through a view whose unit 0 is that layer with its own layer
+    arguments ([Note: layers of different sizes])."""
+    from hf_cephalo.planner.memory import model_layout_numels
+    from hf_cephalo.profiler.model_facts import ProfiledUnit, profiled_unit
     from hf_cephalo.profiler.measure import model_profile
 
     cfg = transformers.DeepseekV3Config(
@@ -249,10 +253,29 @@ def test_layers_of_different_sizes_stage_but_are_not_planned():
         head_dim=4, max_position_embeddings=64, pad_token_id=0)
     cfg._attn_implementation = "eager"
     staged = stage_model(transformers.DeepseekV3ForCausalLM(cfg))
-    assert len({sum(p.numel() for p in u.parameters()) for u in staged.units()}) == 2
-    with pytest.raises(ValueError, match=r"layers of DeepseekV3ForCausalLM differ in size "
-                                         r"\(layers \[0\]; layers 1-2: .*--cephalo_plan_file"):
-        model_profile(staged)
+    sizes = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
+    assert len(set(sizes)) == 2 and sizes[0] != max(sizes)
+    profile = model_profile(staged)
+    assert profile.unit_params == sizes and profile.params_per_unit == max(sizes)
+    assert profile.num_params == sum(p.numel() for p in staged.model.parameters())
+    assert model_layout_numels(profile)[:3] == sizes
+    assert _round_trips(profile)
+    index = profiled_unit(staged)
+    assert sizes[index] == max(sizes) and index == sizes.index(max(sizes))
+    view = ProfiledUnit(staged, index)
+    assert view.units() == [staged.units()[index]]
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "attention_mask": torch.ones(1, 4,
+                                                                                    dtype=torch.long)}
+    with torch.no_grad():
+        hidden, ctx = staged.embed(batch)
+        torch.testing.assert_close(view.run_unit(0, hidden, ctx),
+                                   staged.run_unit(index, hidden, ctx), rtol=0, atol=0)
+
+
+def _round_trips(profile) -> bool:
+    from hf_cephalo.profiles.types import ModelProfile
+
+    return ModelProfile.from_json(profile.to_json()) == profile
 
 
 def test_heads_whose_base_model_is_themselves_are_not_called_base_models():

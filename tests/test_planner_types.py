@@ -185,3 +185,28 @@ def test_activation_checkpointing_round_trip_and_old_plan_files(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="activation_checkpointing must be true or false"):
         Plan.load(path)
+
+
+def test_model_profile_with_layers_of_different_sizes():
+    """unit_params lists each layer's elements, the largest being params_per_unit; the totals
+    and the memory model's units follow it; a list of another length, a count above the
+    largest or a params_per_unit that is not the largest is refused with what to fix."""
+    from hf_cephalo.planner.memory import model_layout_numels
+    from hf_cephalo.profiles.types import ModelProfile
+
+    model = ModelProfile(num_units=3, params_per_unit=10, params_other=4, params_embed=3,
+                         params_head=1, unit_params=[6, 10, 10])
+    assert model.num_params == 30 and model.unit_numels() == [6, 10, 10]
+    assert model_layout_numels(model) == [6, 10, 10, 3, 1]
+    assert model.layer_trainable_numels() == [6.0, 10.0, 10.0]
+    lora = ModelProfile(num_units=3, params_per_unit=10, params_other=4, params_embed=3,
+                        params_head=1, unit_params=[6, 10, 10],
+                        trainable_params=7, trainable_per_unit=2, trainable_embed=0,
+                        trainable_head=1, unit_trainable=[2, 2, 2])
+    assert lora.layer_trainable_numels() == [2.0, 2.0, 2.0]
+    for kw, match in ((dict(unit_params=[6, 10]), "one count per layer"),
+                      (dict(unit_params=[6, 12, 10]), "exceeds"),
+                      (dict(unit_params=[6, 8, 8]), "must be the largest"),
+                      (dict(unit_trainable=[1, 1, 1]), "needs unit_params")):
+        with pytest.raises(ValueError, match=match):
+            ModelProfile(num_units=3, params_per_unit=10, params_other=4, **kw)

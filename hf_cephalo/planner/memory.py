@@ -71,7 +71,7 @@ class EngineBuffers(NamedTuple):
 def model_layout_numels(model: ModelProfile) -> list[int]:
     """Elements of the engine's units in its order: the L layers, the embedding, the head."""
     split = model.root_split()
-    return [model.params_per_unit] * model.num_units + [split.embed_numel, split.head_numel]
+    return model.unit_numels() + [split.embed_numel, split.head_numel]
 
 
 class _Unit(NamedTuple):
@@ -102,8 +102,8 @@ class _Shards(NamedTuple):
 
 def _shards(model: ModelProfile, world_size: int, layout, rank) -> _Shards:
     numels = model_layout_numels(model)
-    nt_unit, nt_embed, nt_head = model.unit_trainable_numels()
-    nts = [nt_unit] * model.num_units + [nt_embed, nt_head]
+    _, nt_embed, nt_head = model.unit_trainable_numels()
+    nts = model.layer_trainable_numels() + [nt_embed, nt_head]
     if layout is None:
         ks = [collective_buffers(n, world_size).reduce_scatter_numel - n for n in numels]
     else:

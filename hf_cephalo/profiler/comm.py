@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.profiler.hardware import sync_device
-from hf_cephalo.profiler.model_facts import model_dtype, model_profile
+from hf_cephalo.profiler.model_facts import model_dtype, model_profile, profiled_unit
 from hf_cephalo.profiles.types import CommProfile
 
 __all__ = ["measure_comm"]
@@ -83,7 +83,7 @@ def measure_comm(staged: StagedModel, *, device: torch.device | str, repeats: in
 
     device = torch.device(device)
     n = dist.get_world_size(group)
-    numel = sum(p.numel() for p in staged.units()[0].parameters())
+    numel = sum(p.numel() for p in staged.units()[profiled_unit(staged)].parameters())
     dtype, fallback = model_dtype(staged), not C.reduce_scatter_supported(group)
     even = integer_targets([1.0 / n] * n, numel)
     times = list(_time_unit_collectives(even, dtype, device, group, repeats, fallback))

@@ -25,7 +25,7 @@ from hf_cephalo.models.base import StagedModel
 from hf_cephalo.profiler.hardware import sync_device
 from hf_cephalo.profiler.inputs import MakeMicrobatch, MeasureConfig, synthetic_microbatch
 from hf_cephalo.profiler.live_memory import LiveTensorBytes
-from hf_cephalo.profiler.model_facts import model_dtype
+from hf_cephalo.profiler.model_facts import ProfiledUnit, model_dtype, profiled_unit
 from hf_cephalo.profiles.types import DeviceProfile
 from hf_cephalo.units import GIB
 
@@ -500,8 +500,9 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
 
     Args:
         staged: the staged model (an ``EmulatedStagedModel`` measures the emulated device);
-            its root modules and first unit are moved to ``device`` (the other units are
-            never run, so they stay where they are).
+            its root modules and its largest unit (``profiled_unit``: unit 0 when the layers
+            are identical; [Note: layers of different sizes]) are moved to ``device`` (the
+            other units are never run, so they stay where they are).
         config: what to profile. device: the compute device. name: recorded device name.
         capacity_bytes: C_i recorded in the profile. rank: used in progress lines.
         make_microbatch: ``m -> microbatch`` override of ``synthetic_microbatch``.
@@ -520,6 +521,9 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
             failed to compile on this rank; RuntimeError: it failed on another rank.
     """
     device = torch.device(device)
+    largest = profiled_unit(staged)
+    if largest:  # layers of different sizes: "unit 0" below is the largest layer
+        staged = ProfiledUnit(staged, largest)
     model = staged.model
     for module in [*staged.root_modules(), staged.units()[0]]:
         module.to(device)  # only what is run: never the whole model on the device

@@ -14,11 +14,23 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hf_cephalo.models.base import StagedModel
+from hf_cephalo.models.base import StagedModel, WrappedStagedModel
 from hf_cephalo.profiles.precision import Precision
 from hf_cephalo.profiles.types import ModelProfile
 
-__all__ = ["model_profile", "model_dtype", "boundary_bytes_per_sample"]
+__all__ = ["model_profile", "model_dtype", "boundary_bytes_per_sample", "profiled_unit",
+           "ProfiledUnit"]
+
+# [Note: layers of different sizes]
+# Where a model's layers differ in size (DeepSeek-V3 / GLM-5's dense first layers before MoE
+# ones, Gemma 4's full-attention layers wider than its sliding ones, Llama 4's interleaved MoE
+# layers), the model profile records each layer's elements (``ModelProfile.unit_params``), so
+# the training state, each unit's shards and each gathered buffer are priced per layer, as the
+# engine allocates them. Time and activation memory are measured on ONE unit, the largest
+# (``profiled_unit``; the first of equal ones), and price every unit: an upper bound per unit
+# where a larger layer computes more, so a plan is feasible by construction and its predicted
+# step is pessimistic by the smaller layers' share (docs/planner.md, "Layers of different
+# sizes"). The planner's optimum stays exact for that model of the step.
 
 
 def _unique_params(modules) -> list[torch.nn.Parameter]:
@@ -35,6 +47,32 @@ def model_dtype(staged: StagedModel) -> torch.dtype:
     return next(iter(staged.units()[0].parameters())).dtype
 
 
+def profiled_unit(staged: StagedModel) -> int:
+    """The index of the unit the profiler times and measures: the largest (most elements; the
+    first of equal ones, so 0 for identical layers). [Note: layers of different sizes]"""
+    sizes = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
+    return max(range(len(sizes)), key=lambda i: (sizes[i], -i))
+
+
+class ProfiledUnit(WrappedStagedModel):
+    """``staged`` seen through its profiled unit only: ``units()`` is ``[units()[u]]`` and
+    ``run_unit(0, ...)`` runs unit u with unit u's own layer arguments (``ctx``), so the
+    profiler's code for "unit 0" measures the largest unit. Anything else is ``staged``'s."""
+
+    def __init__(self, inner: StagedModel, index: int):
+        super().__init__(inner)
+        self.index = index
+
+    def units(self) -> list[nn.Module]:
+        return [self.inner.units()[self.index]]
+
+    def run_unit(self, index: int, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
+        if index != 0:
+            raise IndexError(f"ProfiledUnit has one unit (the model's unit {self.index}); "
+                             f"got index {index}")
+        return self.inner.run_unit(self.index, hidden, ctx)
+
+
 def model_profile(staged: StagedModel, name: str | None = None,
                   boundary_bytes_per_sample: float = 0.0,
                   precision: Precision | None = None) -> ModelProfile:
@@ -48,24 +86,13 @@ def model_profile(staged: StagedModel, name: str | None = None,
     root is split as the engine splits it (engine.py ``_build_units``): ``params_embed`` =
     the parameters of ``embed_modules()`` (a tied weight once), ``params_head`` = those of
     ``head_modules()`` not already there, ``head_ties_embedding`` when the head uses one of
-    the embedding's. Raises ValueError if units differ in size.
+    the embedding's. Layers of different sizes: each one's elements in ``unit_params`` (and
+    trainable elements in ``unit_trainable``), the largest as ``params_per_unit`` ([Note:
+    layers of different sizes]).
     """
     units = staged.units()
     sizes = [sum(p.numel() for p in u.parameters()) for u in units]
-    if len(set(sizes)) != 1:
-        groups = {}
-        for i, n in enumerate(sizes):
-            groups.setdefault(n, []).append(i)
-        which = "; ".join(f"layers {v[0]}-{v[-1]}" if len(v) > 1 and v == list(
-            range(v[0], v[-1] + 1)) else f"layers {v}" for v in groups.values())
-        raise ValueError(
-            f"the layers of {type(staged.model).__name__} differ in size ({which}: "
-            f"{sorted(groups)} elements: e.g. dense and mixture-of-experts layers, or "
-            "full-attention layers wider than sliding-window ones); the "
-            "planner's cost and memory models price identical units (docs/design.md contract "
-            "1), so it cannot profile and plan this model: give a plan of your own "
-            "(--cephalo_plan_file, or plan=Plan.from_ratios(b_i, m_i, r_i)) and leave "
-            "--cephalo_adaptive off (the engine itself shards layers of different sizes)")
+    largest = profiled_unit(staged)
     unit_ids = {id(p) for u in units for p in u.parameters()}
     embed = {id(p): p.numel() for p in _unique_params(staged.embed_modules())
              if id(p) not in unit_ids}
@@ -85,13 +112,18 @@ def model_profile(staged: StagedModel, name: str | None = None,
         torch.empty((), dtype=model_dtype(staged)).element_size()
     trainable = sum(p.numel() for p in params if p.requires_grad)
     lora = trainable != sum(p.numel() for p in params)
-    per_unit = sum(p.numel() for p in units[0].parameters() if p.requires_grad)
+    trained_per_unit = [sum(p.numel() for p in u.parameters() if p.requires_grad)
+                        for u in units]
+    per_unit = trained_per_unit[largest]
+    uneven = len(set(sizes)) > 1
     root = {id(p): p for p in _unique_params([*staged.embed_modules(), *staged.head_modules()])}
     t_embed = sum(root[k].numel() for k in embed if root[k].requires_grad)
     t_head = sum(root[k].numel() for k in head if k not in embed and root[k].requires_grad)
     frozen = [p for p in params if not p.requires_grad]
     frozen_elem = frozen[0].element_size() if frozen else elem
-    return ModelProfile(name=name, num_units=len(units), params_per_unit=sizes[0],
+    return ModelProfile(name=name, num_units=len(units), params_per_unit=sizes[largest],
+                        unit_params=sizes if uneven else None,
+                        unit_trainable=trained_per_unit if uneven and lora else None,
                         params_other=sum(embed.values()) + head_only,
                         params_embed=sum(embed.values()), params_head=head_only,
                         head_ties_embedding=tied, state_bytes_per_param=4.0 * elem,
@@ -122,8 +154,8 @@ def boundary_bytes_per_sample(staged: StagedModel, make_microbatch: Callable[[in
 
 def profiling_stand_in(staged: StagedModel) -> StagedModel:
     """A staged copy of a meta-device model (sharded loading) that the profiler can run: the
-    profiler runs only the root modules (embedding, head) and unit 0 (``compute.py``; the other
-    units are counted, never run), so a copy of the model, free while on the meta device, gets
+    profiler runs only the root modules (embedding, head) and the profiled unit
+    (``profiled_unit``: the largest; ``compute.py``; the other units are counted, never run), so a copy of the model, free while on the meta device, gets
     those modules materialized on the CPU with the model's own initialization
     (``_init_weights``: random weights, its buffers), each unit's shape and count as the
     model's, and the same fingerprint for the profile cache. Host memory: the embedding, the
@@ -145,7 +177,7 @@ def profiling_stand_in(staged: StagedModel) -> StagedModel:
                          "_init_weights to build a profiling copy with: give a plan "
                          "(--cephalo_plan_file) or a profile (--cephalo_profile_file)")
     copied = stage_model(model)
-    run = [*copied.root_modules(), copied.units()[0]]
+    run = [*copied.root_modules(), copied.units()[profiled_unit(copied)]]
     uses: dict[int, list[tuple[nn.Module, str]]] = {}  # tied weights: one parameter, many uses
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):

@@ -96,7 +96,14 @@ class ModelProfile:
     Attributes:
         name: model name (free text, e.g. ``"llama-3b"``); used to check plan/model matches.
         num_units: number of transformer layers (each one FSDP unit).
-        params_per_unit: parameters (elements) of one transformer layer.
+        params_per_unit: parameters (elements) of one transformer layer; of the largest one
+            where they differ (``unit_params``): the profiled unit, whose times and activation
+            memory price every unit ([Note: layers of different sizes] in
+            ``profiler/model_facts.py``).
+        unit_params: each layer's elements in layer order where they differ (dense and MoE
+            layers, full-attention layers wider than sliding ones); None: every layer holds
+            ``params_per_unit``. The training state, the shards and the gathered buffers are
+            priced per layer from it.
         params_other: parameters outside the layers: embeddings, final norm, head (the root).
         params_embed / params_head: the root's split into the engine's embedding unit (token /
             position embeddings; a tied lm head weight included, once) and its head unit (final
@@ -119,8 +126,11 @@ class ModelProfile:
             in another dtype than ``param_bytes`` is also gathered at this size (engine/
             flat_param.py [Note: two parts per unit]).
         trainable_per_unit / trainable_embed / trainable_head: trainable elements Nt of one
-            layer unit, of the embedding unit and of the head unit (a LoRA adapter's share of
-            each); all three or none, with L·per_unit + embed + head = ``trainable_params``.
+            layer unit (the largest), of the embedding unit and of the head unit (a LoRA
+            adapter's share of each); all three or none, with L·per_unit + embed + head =
+            ``trainable_params`` (with ``unit_trainable``: its sum + embed + head).
+        unit_trainable: with ``unit_params``, each layer's trainable elements (None: each
+            layer's Nt is ``trainable_per_unit`` scaled by its size).
             None (older profiles): every unit trains the fraction trainable_params / num_params
             (``unit_trainable_numels``). Only Nt carries a gradient and a reduce-scatter.
         gathered_param_bytes: e_p, bytes of one element of a gathered unit and of the
@@ -149,11 +159,14 @@ class ModelProfile:
     trainable_per_unit: int | None = None
     trainable_embed: int | None = None
     trainable_head: int | None = None
+    unit_params: list[int] | None = None
+    unit_trainable: list[int] | None = None
 
     def __post_init__(self) -> None:
         owner = f"model profile {self.name!r}"
         self.num_units = _check_int(owner, "num_units", self.num_units, minimum=1)
         self.params_per_unit = _check_int(owner, "params_per_unit", self.params_per_unit, minimum=1)
+        self._check_unit_lists(owner)
         self.params_other = _check_int(owner, "params_other", self.params_other, minimum=0)
         self.state_bytes_per_param = _check_number(
             owner, "state_bytes_per_param", self.state_bytes_per_param, positive=True
@@ -190,6 +203,32 @@ class ModelProfile:
                              f"{self.head_ties_embedding!r}")
         self._check_unit_trainable(owner)
 
+    def _check_unit_lists(self, owner: str) -> None:
+        for name, limits in (("unit_params", None), ("unit_trainable", "unit_params")):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if limits is not None and self.unit_params is None:
+                raise ValueError(f"{owner}: unit_trainable needs unit_params")
+            if not isinstance(values, (list, tuple)) or len(values) != self.num_units:
+                raise ValueError(f"{owner}: {name} must list one count per layer "
+                                 f"({self.num_units}), got {values!r}")
+            values = [_check_int(owner, f"{name}[{i}]", v, minimum=0)
+                      for i, v in enumerate(values)]
+            caps = [self.params_per_unit] * self.num_units if limits is None \
+                else getattr(self, limits)
+            if any(v > c for v, c in zip(values, caps)):
+                raise ValueError(f"{owner}: {name} {values} exceeds the layers' elements {caps}")
+            setattr(self, name, list(values))
+        if self.unit_params is not None and max(self.unit_params) != self.params_per_unit:
+            raise ValueError(f"{owner}: params_per_unit {self.params_per_unit} must be the "
+                             f"largest of unit_params {self.unit_params}")
+
+    def unit_numels(self) -> list[int]:
+        """Elements of each layer unit, in layer order."""
+        return list(self.unit_params) if self.unit_params is not None else \
+            [self.params_per_unit] * self.num_units
+
     def _check_unit_trainable(self, owner: str) -> None:
         names = ("trainable_per_unit", "trainable_embed", "trainable_head")
         given = [getattr(self, n) is not None for n in names]
@@ -204,17 +243,19 @@ class ModelProfile:
             if value > limit:
                 raise ValueError(f"{owner}: {n} {value} exceeds the unit's {limit} elements")
             setattr(self, n, value)
-        total = self.num_units * self.trainable_per_unit + self.trainable_embed + \
-            self.trainable_head
+        layers = sum(self.unit_trainable) if self.unit_trainable is not None else \
+            self.num_units * self.trainable_per_unit
+        total = layers + self.trainable_embed + self.trainable_head
         if total != self.trainable_params:
-            raise ValueError(f"{owner}: num_units x trainable_per_unit + trainable_embed + "
+            raise ValueError(f"{owner}: the layers' trainable elements + trainable_embed + "
                              f"trainable_head = {total} must equal trainable_params "
                              f"{self.trainable_params}")
 
     def unit_trainable_numels(self) -> tuple[float, float, float]:
-        """Nt (trainable elements) of (one layer unit, the embedding unit, the head unit), the
-        unit's full numel without frozen parameters; without the per-unit fields each unit
-        trains the model's fraction trainable_params / num_params (may be fractional)."""
+        """Nt (trainable elements) of (one layer unit, the largest, the embedding unit, the
+        head unit), the unit's full numel without frozen parameters; without the per-unit
+        fields each unit trains the model's fraction trainable_params / num_params (may be
+        fractional). Each layer's: ``layer_trainable_numels``."""
         ne, nh, _ = self.root_split()
         if self.trainable_params is None:
             return float(self.params_per_unit), float(ne), float(nh)
@@ -223,6 +264,14 @@ class ModelProfile:
                     float(self.trainable_head))
         f = self.trainable_params / self.num_params
         return f * self.params_per_unit, f * ne, f * nh
+
+    def layer_trainable_numels(self) -> list[float]:
+        """Nt of each layer unit, in layer order (``unit_trainable`` where given, else the
+        largest layer's Nt scaled by each layer's size)."""
+        if self.unit_trainable is not None:
+            return [float(n) for n in self.unit_trainable]
+        nt = self.unit_trainable_numels()[0]
+        return [nt * n / self.params_per_unit for n in self.unit_numels()]
 
     def root_split(self) -> "RootSplit":
         """The root as the engine's two units (elements), for the memory model.
@@ -248,7 +297,7 @@ class ModelProfile:
     @property
     def num_params(self) -> int:
         """Total parameter count (elements)."""
-        return self.num_units * self.params_per_unit + self.params_other
+        return sum(self.unit_numels()) + self.params_other
 
     @property
     def num_trainable_params(self) -> int:
@@ -276,7 +325,8 @@ class ModelProfile:
                                             "trainable_params", "frozen_bytes_per_param",
                                             "gathered_param_bytes", "reduce_bytes",
                                             "trainable_per_unit", "trainable_embed",
-                                            "trainable_head")
+                                            "trainable_head", "unit_params",
+                                            "unit_trainable")
                                    if k in data})
 
 

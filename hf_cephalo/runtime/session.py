@@ -66,13 +66,12 @@ def plan_layout(engine: CephaloEngine, plan: Plan) -> list[list[int]]:
         raise ValueError(f"relayout_state: the new plan is for world size {plan.world_size} but "
                          f"the engine runs on {engine.world_size} ranks; re-plan for these ranks "
                          "(a change of world size is an elastic restart from a checkpoint)")
-    units = engine.all_units()
     if plan.model is not None:
         mine = dict(num_units=engine.num_units,
-                    params_per_unit=units[0].numel if engine.num_units else 0,
+                    params_per_unit=max((u.numel for u in engine.units), default=0),
                     params_other=engine.root.embed.numel + engine.root.head.numel)
         theirs = {k: plan.model.get(k) for k in mine}
-        if mine != theirs or len({u.numel for u in engine.units}) > 1:
+        if mine != theirs:
             raise ValueError(f"relayout_state: the new plan was made for model "
                              f"{plan.model.get('name')!r} {theirs} but the engine's model has "
                              f"{mine}; re-plan for this model")

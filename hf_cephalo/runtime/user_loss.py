@@ -83,6 +83,14 @@ class HeadView:
         return self._causal("output_projection").output_projection()
 
 
+def stock_smoother_shift(model: torch.nn.Module) -> bool:
+    """Whether stock Trainer's label smoother shifts the labels for ``model`` (a model, not a
+    PEFT wrapper): its class is in transformers' causal-LM mapping, whether or not the model's
+    own loss shifts (``BartForCausalLM``'s does not; ``Qwen3_5ForConditionalGeneration``, not
+    in the mapping, is not shifted although its loss is)."""
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
 class CallVariant(Protocol):
     """A model call the stand-in answers differently, selected by a truthy keyword argument
     (e.g. TRL's ``fused_lm_head=True``)."""
@@ -111,10 +119,7 @@ class EngineOutputs:
         self._staged, self._view, self._num_items = staged, view, num_items
         self._variants, self._calls = variants, 0
         self.cephalo_causal_lm = is_causal_lm(staged)
-        # stock Trainer's rule for the label smoother's shift: the class is in transformers'
-        # causal-LM mapping (whether or not the model's own loss shifts, e.g. BartForCausalLM's)
-        self.cephalo_smoother_shift = type(staged.model).__name__ in set(
-            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        self.cephalo_smoother_shift = stock_smoother_shift(staged.model)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._staged.model, name)
@@ -183,12 +188,21 @@ class UserLossStagedModel(WrappedStagedModel):
 
     def __init__(self, inner: StagedModel, compute_loss: ComputeLoss, *,
                  head_calls: HeadCalls | None = None,
-                 variants: Mapping[str, CallVariant] | None = None):
+                 variants: Mapping[str, CallVariant] | None = None,
+                 count_items: Callable[[Microbatch], int] | None = None):
         refuse_global_loss(inner, "a custom compute_loss / compute_loss_func")
         super().__init__(inner)
         self.compute_loss = compute_loss
         self.head_calls = head_calls
         self.variants = dict(variants or {})
+        self._count_items = count_items
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        """The items N the loss is a sum over: ``count_items`` as given (a front end's rule for
+        the ``num_items_in_batch`` it hands the loss, e.g. stock Trainer's), else the model's."""
+        if self._count_items is not None:
+            return self._count_items(microbatch)
+        return self.inner.count_items(microbatch)
 
     def _user_loss(self, view: HeadView) -> HeadOutput:
         num_items = global_num_items()
@@ -209,7 +223,7 @@ class UserLossStagedModel(WrappedStagedModel):
 
         loss = run() if self.head_calls is None else \
             self.head_calls.call(run, fallback=lambda: view.hidden.sum() * 0)
-        return HeadOutput(loss * num_items, self.inner.count_items(view.microbatch))
+        return HeadOutput(loss * num_items, self.count_items(view.microbatch))
 
     def replay(self, inputs: dict[str, Any], num_items: int) -> None:
         """``compute_loss`` once on zero-row ``inputs`` (the step's replay, ``head_calls.py``);

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -45,8 +45,9 @@ from hf_cephalo.integrations.trainer.checkpoint import EngineCheckpointMixin, un
 from hf_cephalo.integrations.trainer.data import TrainerDataMixin
 from hf_cephalo.integrations.trainer.evaluation import EngineEvaluationMixin
 from hf_cephalo.integrations.trainer.training_args import CephaloArguments, job_from_training_args
-from hf_cephalo.runtime.user_loss import UserLossStagedModel
+from hf_cephalo.runtime.user_loss import UserLossStagedModel, stock_smoother_shift
 from hf_cephalo.models.registry import supported_model_classes
+from hf_cephalo.models.hf_common import is_causal_lm
 from hf_cephalo.planner import Plan
 from hf_cephalo.profiles.types import ClusterProfile
 from hf_cephalo.runtime.optim import decay_groups, engine_names, parameter_names
@@ -157,7 +158,8 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         engine_staged = self._engine_staged(staged)
         if user_loss:  # [Note: collectives inside the engine's head] in head_calls.py
             engine_staged = UserLossStagedModel(engine_staged, self.compute_loss,
-                                                variants=self._engine_call_variants())
+                                                variants=self._engine_call_variants(),
+                                                count_items=self._stock_item_count(staged))
             self._head_calls = engine_staged.head_calls = HeadCalls(
                 self, engine_staged.replay, None, job.device)
         self.session = Session(job, engine_staged, model=model, plan=plan,
@@ -236,6 +238,32 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         return (args.label_smoothing_factor != 0 or kwargs.get("compute_loss_func") is not None
                 or type(self).compute_loss is not CephaloTrainerMixin.compute_loss
                 or _base_compute_loss(type(self)) is not None)
+
+    def _stock_item_count(self, staged) -> Callable[[dict], int] | None:
+        """For a label smoother or ``compute_loss_func`` on a causal LM, the items N as stock
+        Trainer counts the ``num_items_in_batch`` it hands them (``_get_num_items_in_batch``):
+        ``shift_labels`` where the batch has them, else ``labels[..., 1:]`` where the model's
+        loss type shifts (``_loss_shifts_labels``), else ``labels``; where stock counts none
+        (the model takes no loss keyword arguments), the label smoother divides by its own
+        mask, shifted by its own rule (``stock_smoother_shift``). These agree with the model's
+        own count except where its loss does not shift (``BartForCausalLM``). None (the model's
+        count): another loss, a classifier, or a transformers without that rule."""
+        loss_shifts = getattr(self, "_loss_shifts_labels", None)
+        if (self.label_smoother is None and self.compute_loss_func is None) or \
+                loss_shifts is None or not is_causal_lm(staged):
+            return None
+        counted = bool(self.model_accepts_loss_kwargs) or self.compute_loss_func is not None
+        shift = loss_shifts if counted else stock_smoother_shift(staged.model)
+
+        def count(microbatch: dict) -> int:
+            labels = microbatch.get("shift_labels")
+            if labels is None:
+                labels = microbatch.get("labels")
+                if labels is None:
+                    return 0
+                labels = labels[..., 1:] if shift else labels
+            return int(labels.ne(-100).sum().item())
+        return count
 
     def _engine_call_variants(self) -> dict[str, Any]:
         """Keyword -> ``user_loss.CallVariant``: model calls the loss's stand-in model answers
