@@ -3,8 +3,8 @@
 [Note: the self-check]
 ``generic_staged(model)`` builds a tiny random model of the SAME class from the SAME config,
 only sizes shrunk (``tiny_config``: layers, widths, experts, vocabulary, with the fields tied to
-them kept tied; every flag, multiplier, scale, softcap and layer pattern kept; no cache, as it
-trains), finds the layout on it (``generic.trace_layout``; of several layer stacks, the one its
+them kept tied; every flag, multiplier, scale, softcap and layer pattern kept; where the config
+class validates its sizes, sizes it accepts; no cache, as it trains), finds the layout on it (``generic.trace_layout``; of several layer stacks, the one its
 forward runs on text: ``find_layers``), then compares, in fp32 on CPU, the staged loss and every
 parameter gradient with the model's own
 ``model(**batch, labels=...)`` over a padded batch cut into two microbatches. Only if they agree
@@ -200,7 +200,7 @@ def _keep_ssm_splits(cfg: Any, splits: list, groups: dict[str, int]) -> None:
                                      and x <= g and (x < heads or not shared or heads == 1)))
 
 
-def _shrink_text(cfg: Any) -> None:
+def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False) -> None:
     splits = _ssm_splits(cfg)
     groups = {k: v for k, v in vars(cfg).items() if isinstance(v, int) and not isinstance(v, bool)
               and v > 0 and (k.endswith("n_groups") or k.endswith("ngroups"))}
@@ -227,6 +227,7 @@ def _shrink_text(cfg: Any) -> None:
         if _get(cfg, "mlp_only_layers"):
             cfg.mlp_only_layers = [i for i in cfg.mlp_only_layers if i < n]
     heads = next((_int(cfg, k) for k in _HEADS if _int(cfg, k) is not None), None)
+    kv = next((_int(cfg, k) for k in _KV_HEADS if _int(cfg, k) is not None), None)
     for key in _HEADS:
         if _int(cfg, key) is not None:
             _set(cfg, key, 4)
@@ -234,6 +235,8 @@ def _shrink_text(cfg: Any) -> None:
         v = _int(cfg, key)
         if v is not None:
             _set(cfg, key, 4 if heads is None or v >= heads else 2 if v > 1 else 1)
+    if group_heads:
+        _keep_group_heads(cfg, heads, kv)
     # a per-head width that is the sum of two the shrink sets (MLA's qk_head_dim = nope + rope)
     parts = {k: _int(cfg, k) for k in _SIZES if "head_dim" in k and _int(cfg, k) is not None}
     sums = [(key, a, b) for key, value in vars(cfg).items() if "head_dim" in key
@@ -241,7 +244,7 @@ def _shrink_text(cfg: Any) -> None:
             for a in parts for b in parts if a < b and parts[a] + parts[b] == value]
     head_dim, rope_dim = _int(cfg, "head_dim"), _int(cfg, "qk_rope_head_dim")
     if head_dim is not None:  # MLA (DeepSeek) ties head_dim to the rotary part's width
-        _set(cfg, "head_dim", _SIZES["qk_rope_head_dim"] if head_dim == rope_dim else 8)
+        _set(cfg, "head_dim", _SIZES["qk_rope_head_dim"] if head_dim == rope_dim else head_width)
     for key, size in _SIZES.items():
         if (_int(cfg, key) or 0) > 0:  # 0 switches the part off (Gemma 4's per-layer inputs)
             _set(cfg, key, size)
@@ -256,6 +259,23 @@ def _shrink_text(cfg: Any) -> None:
     _keep_ssm_splits(cfg, splits, groups)
     if _int(cfg, "vocab_size") is not None:
         _shrink_vocab(cfg)
+
+
+def _keep_group_heads(cfg: Any, heads: int | None, kv: int | None) -> None:
+    """A head count equal to the query heads per key / value head (``heads // kv``, e.g.
+    Kolibri 1.1's index_num_heads: the leading query heads of key head 0 that score keys,
+    at most that many) stays equal to it at the shrunk head counts. Only where the ratio
+    tells it apart (1 < ratio < heads): with one key head the ratio is the head count."""
+    if not heads or not kv or heads % kv or not 1 < heads // kv < heads:
+        return
+    tiny_heads = next((_int(cfg, k) for k in _HEADS if _int(cfg, k) is not None), None)
+    tiny_kv = next((_int(cfg, k) for k in _KV_HEADS if _int(cfg, k) is not None), None)
+    if not tiny_heads or not tiny_kv:
+        return
+    for key, value in list(vars(cfg).items()):
+        if "heads" in key and key not in _HEADS + _KV_HEADS and value == heads // kv \
+                and isinstance(value, int) and not isinstance(value, bool):
+            _set(cfg, key, tiny_heads // tiny_kv)
 
 
 def _shrink_vocab(cfg: Any) -> None:
@@ -289,9 +309,7 @@ def tiny_config(config: Any) -> Any:
     every other field kept."""
     cfg = copy.deepcopy(config)
     for sub in _configs(cfg):  # the model's own and every sub-config (text, vision, encoder...)
-        before = dict(vars(sub))
-        _shrink_text(sub)
-        _derive_again(sub, before)
+        _shrink_valid(sub)
         if _get(sub, "use_cache") is True:
             # training runs without a cache (prepare_for_training turns it off; the staged
             # forwards pass use_cache=False), so the model's own loss is compared as it trains:
@@ -301,6 +319,46 @@ def tiny_config(config: Any) -> Any:
     impl = getattr(config, "_attn_implementation", None)
     cfg._attn_implementation = impl if impl in ("eager", "sdpa") else None  # auto: sdpa or eager
     return cfg
+
+
+SHRINK_VARIANTS = ({}, {"group_heads": True}, {"head_width": 16},
+                   {"head_width": 16, "group_heads": True})
+"""The shrinks ``tiny_config`` tries on each config, in order (arguments of ``_shrink_text``):
+the first that the config class's own validation accepts (``validate_architecture``), else
+the first. Kolibri 1.1 rounds keys and values in blocks of 16 (head_dim a multiple of 16) and
+scores keys with at most the query heads of one key head (index_num_heads)."""
+
+
+def _shrink_valid(cfg: Any) -> None:
+    """``cfg`` shrunk in place (``_shrink_text``, then ``_derive_again``) by the first of
+    ``SHRINK_VARIANTS`` its class validates, else by the first: a config whose class states a
+    constraint on its sizes that the usual shrink breaks is shrunk to sizes that meet it, where
+    a variant does; every other config gets the usual shrink."""
+    nested = {id(v): v for v in vars(cfg).values() if hasattr(v, "to_json_string")}
+    original = copy.deepcopy(vars(cfg), dict(nested))  # sub-configs stay the same objects
+    for variant in SHRINK_VARIANTS + (SHRINK_VARIANTS[0],):
+        vars(cfg).clear()
+        vars(cfg).update(copy.deepcopy(original, dict(nested)))
+        before = dict(vars(cfg))
+        _shrink_text(cfg, **variant)
+        _derive_again(cfg, before)
+        if _valid(cfg):
+            return
+
+
+def _valid(cfg: Any) -> bool:
+    """Whether the config class's own architecture validation accepts ``cfg`` (True where it
+    has none)."""
+    validate = getattr(cfg, "validate_architecture", None)
+    if validate is None:
+        return True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            validate()
+        return True
+    except Exception:  # noqa: BLE001 - any rejection
+        return False
 
 
 def _derive_again(cfg: Any, before: dict) -> None:
