@@ -56,7 +56,7 @@ NON_DEFAULT = {  # config field -> value where the field exists (the transforms 
     "embedding_multiplier": 3.0, "logits_scaling": 2.0, "residual_multiplier": 0.5,
     "attention_multiplier": 0.3, "logit_scale": 0.7, "final_logit_softcapping": 3.0,
     "attn_logit_softcapping": 4.0, "scale_emb": 2.5, "dim_model_base": 48,
-    "output_router_logits": True, "router_aux_loss_coef": 0.3,
+    "output_router_logits": True, "router_aux_loss_coef": 0.3, "aux_loss_coef": 0.3,
 }
 
 UNSET_DEFAULTS = {  # config field -> value (from the config) where the default config leaves it

@@ -367,7 +367,8 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
 
     The router loss is added when ``output_router_logits`` is set and the model declares its
     router output (``_can_record_outputs``) and has ``num_experts``, ``num_experts_per_tok``
-    and ``router_aux_loss_coef`` (what transformers' MoE causal LMs compute it from), or its
+    and a coefficient (``router_aux_loss_coef``; JetMoE's ``aux_loss_coef``: ``ROUTER_COEFS``)
+    (what transformers' MoE causal LMs compute it from), or its
     text config has them (a vision-language MoE on text, ``Qwen3_5MoeForConditionalGeneration``);
     a model
     whose own loss adds another router term fails the self-check and is refused.
@@ -383,7 +384,7 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
         # neither adds no router loss, or one the self-check finds unequal
         source = next((s for s in (model, text) if all(
             isinstance(getattr(s, a, None), (int, float))
-            for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"))), None)
+            for a in ("num_experts", "num_experts_per_tok")) and router_coef_name(s)), None)
         if getattr(text, "output_router_logits", False) and spec and source is not None:
             self.router = RouterLoss(source, *spec)
             self._routers = [[m for m in layer.modules() if isinstance(m, spec[0])]
@@ -427,7 +428,7 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
         if self.router is None:
             return None
         return (f"the MoE router load-balancing loss (config.output_router_logits=True, "
-                f"router_aux_loss_coef={self.router.coef})")
+                f"{self.router.coef_name}={self.router.coef})")
 
     def begin_step(self) -> None:
         if self.router is not None:
@@ -656,6 +657,17 @@ def leaves_of(values: Sequence[Any]) -> list[torch.Tensor]:
 
 # ---- the router load-balancing loss of the GLOBAL batch (MoE) ----------------------------------
 
+ROUTER_COEFS = ("router_aux_loss_coef", "aux_loss_coef")
+"""The names transformers' MoE causal LMs give the router loss's coefficient (on the model or
+its config): ``router_aux_loss_coef`` (Mixtral, Qwen3-MoE, ...), ``aux_loss_coef`` (JetMoE)."""
+
+
+def router_coef_name(source: Any) -> str | None:
+    """The first name of ``ROUTER_COEFS`` that ``source`` holds as a number, or None."""
+    return next((a for a in ROUTER_COEFS if isinstance(getattr(source, a, None), (int, float))
+                 and not isinstance(getattr(source, a, None), bool)), None)
+
+
 class RouterLoss:
     """The load-balancing loss ``coef * load_balancing_loss_func(router logits of the whole
     global batch)`` (Switch Transformer eqs. 4-6, as transformers' MoE causal LMs add it with
@@ -673,10 +685,11 @@ class RouterLoss:
 
     def __init__(self, model: Any, router_cls: type, index: int):
         """``model``: the model, or its text config, holding ``num_experts``,
-        ``num_experts_per_tok`` and ``router_aux_loss_coef``."""
+        ``num_experts_per_tok`` and a coefficient named in ``ROUTER_COEFS``."""
         self.E = int(model.num_experts)
         self.top_k = int(model.num_experts_per_tok)
-        self.coef = float(model.router_aux_loss_coef)
+        self.coef_name = router_coef_name(model) or ROUTER_COEFS[0]
+        self.coef = float(getattr(model, self.coef_name))
         self.router_cls, self.index = router_cls, index
         self.collecting = False
         self.sums = torch.zeros(2 * self.E + 1, dtype=torch.float64)
