@@ -618,7 +618,7 @@ def causal_lm_problem(model: nn.Module, batch: Microbatch) -> str | None:
         with torch.no_grad():
             out = model(**forward_inputs(model, batch), labels=batch["labels"], **extra)
     except Exception as exc:  # noqa: BLE001 - a forward that needs other inputs is no text LM
-        return f"it fails on text alone ({type(exc).__name__}: {str(exc)[:200]})"
+        return f"it fails on text alone ({type(exc).__name__}: {str(exc)[:200]}){_needs(model, exc)}"
     logits, loss = getattr(out, "logits", None), getattr(out, "loss", None)
     ids = batch["input_ids"]
     if not torch.is_tensor(logits) or logits.dim() != 3 or logits.shape[:2] != ids.shape:
@@ -638,6 +638,32 @@ def causal_lm_problem(model: nn.Module, batch: Microbatch) -> str | None:
         return (f"its loss {float(loss):.6g} is not the shifted next-token loss of its logits "
                 f"{float(ref.loss_sum / max(ref.num_items, 1)):.6g}")
     return None
+
+
+TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "token_type_ids",
+                         "labels"})
+"""What a text batch gives a forward (``causal_lm_problem``'s batch, and the ids the tokenizer
+adds)."""
+
+
+def _needs(model: nn.Module, exc: BaseException) -> str:
+    """For a forward that fails on text alone: the tensor inputs it takes besides text, in
+    plain words (those its error names, else all but ``inputs_embeds``, which every model
+    takes in place of ids): an image-conditioned LM's ``pixel_values``, a draft model's
+    ``inputs_embeds`` and ``shared_kv_states`` from the model it drafts for. Empty where
+    there are none."""
+    params = inspect.signature(type(model).forward).parameters
+    tensors = [n for n, p in params.items() if n not in TEXT_INPUTS and n not in (
+        "cache", "past_key_values", "cache_position", "logits_to_keep", "num_items_in_batch")
+        and "Tensor" in str(p.annotation)]
+    named = [n for n in tensors if n in str(exc)]
+    names = named or [n for n in tensors if n != "inputs_embeds"]
+    if not names:
+        return ""
+    return (f"; besides text (input_ids, attention_mask, labels) its forward takes "
+            f"{', '.join(names)}, which a text batch does not provide: a model that needs "
+            f"{'them' if len(names) > 1 else 'it'} (an image, or states of another model) "
+            f"does not train on text alone")
 
 
 def ctx_requires_grad(ctx: GenericContext) -> list[str]:
