@@ -18,7 +18,9 @@ For every causal LM in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (and 
 
 Status per class: ``exact`` (staged and equal), ``refused`` (with the reason; nothing would
 run; this includes a tiny copy that does not build or run although transformers builds the
-default config: the self-check refuses such a model the same way), ``not built`` (transformers
+default config: the self-check refuses such a model the same way, and where the copy builds
+but its forward fails on the batch, the reason is hf_cephalo's own refusal of it, which says
+what inputs besides text the forward takes), ``not built`` (transformers
 itself cannot build the class from its default config, on the meta device, e.g. it needs a
 checkpoint-specific config), or ``WRONG`` (staged but not equal: a bug; the exit status is
 then 1). ``--write-docs`` writes the table to docs/supported_models.md.
@@ -56,7 +58,7 @@ NON_DEFAULT = {  # config field -> value where the field exists (the transforms 
     "embedding_multiplier": 3.0, "logits_scaling": 2.0, "residual_multiplier": 0.5,
     "attention_multiplier": 0.3, "logit_scale": 0.7, "final_logit_softcapping": 3.0,
     "attn_logit_softcapping": 4.0, "scale_emb": 2.5, "dim_model_base": 48,
-    "output_router_logits": True, "router_aux_loss_coef": 0.3,
+    "output_router_logits": True, "router_aux_loss_coef": 0.3, "aux_loss_coef": 0.3,
 }
 
 UNSET_DEFAULTS = {  # config field -> value (from the config) where the default config leaves it
@@ -195,6 +197,7 @@ def check(model_type: str, class_name: str) -> Row:
         return Row(model_type, class_name, "refused",
                    f"the tiny copy would hold {numel / 1e6:.0f}M parameters: its config has "
                    "sizes the self-check does not shrink", time.perf_counter() - t0)
+    model = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -211,8 +214,9 @@ def check(model_type: str, class_name: str) -> Row:
         if not _default_builds(cls, model_type):
             return Row(model_type, class_name, "not built", _short(exc),
                        time.perf_counter() - t0)
+        reason = _refusal(model)  # built, its forward failed: hf_cephalo's words
         return Row(model_type, class_name, "refused",
-                   f"the self-check's tiny copy does not build or run ({_short(exc)})",
+                   reason or f"the self-check's tiny copy does not build or run ({_short(exc)})",
                    time.perf_counter() - t0)
     try:
         with warnings.catch_warnings():
@@ -226,6 +230,23 @@ def check(model_type: str, class_name: str) -> Row:
                    time.perf_counter() - t0)
     status = "exact" if problem is None or problem.startswith("rounding: ") else "WRONG"
     return Row(model_type, class_name, status, problem or "", time.perf_counter() - t0)
+
+
+def _refusal(model) -> str | None:
+    """hf_cephalo's reason for refusing ``model`` (a tiny copy whose own forward failed on the
+    batch: the self-check runs the same forward and says what the model needs), or None where
+    there is no model or stage_model gives no UnsupportedModelError."""
+    if model is None:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stage_model(model)
+    except UnsupportedModelError as exc:
+        return str(exc).split(": ", 1)[-1].split(". Nothing was run")[0]
+    except Exception:  # noqa: BLE001 - no reason in hf_cephalo's words
+        return None
+    return None
 
 
 def _default_builds(cls: type, model_type: str) -> bool:

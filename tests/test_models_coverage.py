@@ -84,6 +84,41 @@ def test_tiny_config_keeps_what_the_model_needs_to_run():
     assert marian.decoder_vocab_size == marian.vocab_size
     gemma3n = tiny_config(transformers.Gemma3nTextConfig())  # some layers store, some reuse
     assert 0 < gemma3n.num_kv_shared_layers < gemma3n.num_hidden_layers
+    kolibri = tiny_config(transformers.Kolibri1_1Config())  # sizes its class validates
+    kolibri.validate_architecture()  # head_dim a multiple of 16, index heads within a group
+    assert kolibri.head_dim % 16 == 0
+    assert kolibri.index_num_heads == kolibri.num_attention_heads // kolibri.num_key_value_heads
+    blt = tiny_config(transformers.BltConfig())  # widths tied across its parts
+    assert blt.encoder_hash_byte_group_vocab < 1000
+    assert blt.encoder_config.hidden_size_global == blt.global_config.hidden_size
+    assert blt.decoder_config.hidden_size_global == blt.global_config.hidden_size
+    assert blt.global_config.encoder_cross_output_size == \
+        blt.encoder_config.hidden_size * blt.cross_attn_k != blt.global_config.hidden_size
+
+
+def test_classes_once_refused_for_the_shrink_or_their_names_are_exact():
+    """Kolibri 1.1 (the shrink broke its head_dim % 16 and index-head constraints), JetMoE (its
+    router loss coefficient is named aux_loss_coef), BertGenerationDecoder (a causal LM whose
+    name says no head): each stages and matches its own loss and gradients. BLT's tiny copy
+    is small now and refused for its six layer stacks, not for its size."""
+    types = {name: t for t, name in classes(seq_cls=False)}
+    for name in ("BertGenerationDecoder", "JetMoeForCausalLM", "Kolibri1_1ForCausalLM"):
+        row = check(types[name], name)
+        assert row.status == "exact", (name, row.status, row.detail)
+    blt = check(types["BltForCausalLM"], "BltForCausalLM")
+    assert blt.status == "refused" and "6 layer stacks" in blt.detail, blt.detail
+
+
+def test_a_forward_that_needs_more_than_text_is_refused_saying_what_it_takes():
+    """GIT's loss skips the image tokens its text follows (no pixel_values: no logits left);
+    Gemma 4's draft assistant needs the target model's embeddings and key / value states."""
+    types = {name: t for t, name in classes(seq_cls=False)}
+    git = check(types["GitForCausalLM"], "GitForCausalLM")
+    assert git.status == "refused" and "its forward takes pixel_values" in git.detail, git.detail
+    name = "Gemma4UnifiedAssistantForCausalLM"
+    drafter = check(types[name], name)
+    assert drafter.status == "refused", drafter
+    assert "takes inputs_embeds, shared_kv_states" in drafter.detail, drafter.detail
 
 
 def test_gemma4_without_per_layer_inputs_stages():

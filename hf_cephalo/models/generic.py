@@ -373,7 +373,8 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
 
     The router loss is added when ``output_router_logits`` is set and the model declares its
     router output (``_can_record_outputs``) and has ``num_experts``, ``num_experts_per_tok``
-    and ``router_aux_loss_coef`` (what transformers' MoE causal LMs compute it from), or its
+    and a coefficient (``router_aux_loss_coef``; JetMoE's ``aux_loss_coef``: ``ROUTER_COEFS``)
+    (what transformers' MoE causal LMs compute it from), or its
     text config has them (a vision-language MoE on text, ``Qwen3_5MoeForConditionalGeneration``);
     a model
     whose own loss adds another router term fails the self-check and is refused.
@@ -389,7 +390,7 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
         # neither adds no router loss, or one the self-check finds unequal
         source = next((s for s in (model, text) if all(
             isinstance(getattr(s, a, None), (int, float))
-            for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"))), None)
+            for a in ("num_experts", "num_experts_per_tok")) and router_coef_name(s)), None)
         if getattr(text, "output_router_logits", False) and spec and source is not None:
             self.router = RouterLoss(source, *spec)
             self._routers = [[m for m in layer.modules() if isinstance(m, spec[0])]
@@ -438,7 +439,7 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
         if self.router is None:
             return None
         return (f"the MoE router load-balancing loss (config.output_router_logits=True, "
-                f"router_aux_loss_coef={self.router.coef})")
+                f"{self.router.coef_name}={self.router.coef})")
 
     def begin_step(self) -> None:
         if self.router is not None:
@@ -632,7 +633,8 @@ def causal_lm_problem(model: nn.Module, batch: Microbatch) -> tuple[str | None, 
         with torch.no_grad():
             out = model(**forward_inputs(model, batch), labels=batch["labels"], **extra)
     except Exception as exc:  # noqa: BLE001 - a forward that needs other inputs is no text LM
-        return f"it fails on text alone ({type(exc).__name__}: {str(exc)[:200]})", True
+        return (f"it fails on text alone ({type(exc).__name__}: {str(exc)[:200]})"
+                f"{_needs(model, exc)}"), True
     logits, loss = getattr(out, "logits", None), getattr(out, "loss", None)
     ids = batch["input_ids"]
     if not torch.is_tensor(logits) or logits.dim() != 3 or logits.shape[:2] != ids.shape:
@@ -673,6 +675,32 @@ def _reads_left_only(model: nn.Module, batch: Microbatch, logits: torch.Tensor,
     return torch.allclose(other[:, :-1].float(), logits[:, :-1].float(), rtol=1e-5, atol=1e-6)
 
 
+TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "token_type_ids",
+                         "labels"})
+"""What a text batch gives a forward (``causal_lm_problem``'s batch, and the ids the tokenizer
+adds)."""
+
+
+def _needs(model: nn.Module, exc: BaseException) -> str:
+    """For a forward that fails on text alone: the tensor inputs it takes besides text, in
+    plain words (those its error names, else all but ``inputs_embeds``, which every model
+    takes in place of ids): an image-conditioned LM's ``pixel_values``, a draft model's
+    ``inputs_embeds`` and ``shared_kv_states`` from the model it drafts for. Empty where
+    there are none."""
+    params = inspect.signature(type(model).forward).parameters
+    tensors = [n for n, p in params.items() if n not in TEXT_INPUTS and n not in (
+        "cache", "past_key_values", "cache_position", "logits_to_keep", "num_items_in_batch")
+        and "Tensor" in str(p.annotation)]
+    named = [n for n in tensors if n in str(exc)]
+    names = named or [n for n in tensors if n != "inputs_embeds"]
+    if not names:
+        return ""
+    return (f"; besides text (input_ids, attention_mask, labels) its forward takes "
+            f"{', '.join(names)}, which a text batch does not provide: a model that needs "
+            f"{'them' if len(names) > 1 else 'it'} (an image, or states of another model) "
+            f"does not train on text alone")
+
+
 def ctx_requires_grad(ctx: GenericContext) -> list[str]:
     """Layer arguments that carry autograd history (depend on parameters): the engine reuses
     them across recomputes without a graph, so their gradient would be lost."""
@@ -689,6 +717,17 @@ def leaves_of(values: Sequence[Any]) -> list[torch.Tensor]:
 
 
 # ---- the router load-balancing loss of the GLOBAL batch (MoE) ----------------------------------
+
+ROUTER_COEFS = ("router_aux_loss_coef", "aux_loss_coef")
+"""The names transformers' MoE causal LMs give the router loss's coefficient (on the model or
+its config): ``router_aux_loss_coef`` (Mixtral, Qwen3-MoE, ...), ``aux_loss_coef`` (JetMoE)."""
+
+
+def router_coef_name(source: Any) -> str | None:
+    """The first name of ``ROUTER_COEFS`` that ``source`` holds as a number, or None."""
+    return next((a for a in ROUTER_COEFS if isinstance(getattr(source, a, None), (int, float))
+                 and not isinstance(getattr(source, a, None), bool)), None)
+
 
 class RouterLoss:
     """The load-balancing loss ``coef * load_balancing_loss_func(router logits of the whole
@@ -707,10 +746,11 @@ class RouterLoss:
 
     def __init__(self, model: Any, router_cls: type, index: int):
         """``model``: the model, or its text config, holding ``num_experts``,
-        ``num_experts_per_tok`` and ``router_aux_loss_coef``."""
+        ``num_experts_per_tok`` and a coefficient named in ``ROUTER_COEFS``."""
         self.E = int(model.num_experts)
         self.top_k = int(model.num_experts_per_tok)
-        self.coef = float(model.router_aux_loss_coef)
+        self.coef_name = router_coef_name(model) or ROUTER_COEFS[0]
+        self.coef = float(getattr(model, self.coef_name))
         self.router_cls, self.index = router_cls, index
         self.collecting = False
         self.sums = torch.zeros(2 * self.E + 1, dtype=torch.float64)

@@ -101,8 +101,26 @@ def head_kind(class_name: str) -> str | None:
 
 def _model_head_kind(model: nn.Module) -> str | None:
     """``head_kind`` of the model's class or its nearest base class that has one (a user
-    subclass ``MyClassifier(OPTForSequenceClassification)`` is a sequence classifier)."""
-    return next((k for k in (head_kind(c.__name__) for c in type(model).__mro__) if k), None)
+    subclass ``MyClassifier(OPTForSequenceClassification)`` is a sequence classifier); a class
+    whose name says no head but that transformers lists as a causal LM
+    (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: ``BertGenerationDecoder``) is a causal LM (the
+    self-check still proves its forward one by what it computes)."""
+    for cls in type(model).__mro__:
+        kind = head_kind(cls.__name__)
+        if kind is None and cls.__name__ in _causal_lm_class_names():
+            kind = "CausalLM"
+        if kind:
+            return kind
+    return None
+
+
+def _causal_lm_class_names() -> frozenset[str]:
+    """Class names in transformers' causal-LM auto mapping."""
+    from transformers.models.auto import modeling_auto as auto
+    names = set()
+    for value in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update(value if isinstance(value, (tuple, list)) else (value,))
+    return frozenset(names)
 
 
 def _is_base_model(model: nn.Module) -> bool:

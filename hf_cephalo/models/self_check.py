@@ -3,8 +3,8 @@
 [Note: the self-check]
 ``generic_staged(model)`` builds a tiny random model of the SAME class from the SAME config,
 only sizes shrunk (``tiny_config``: layers, widths, experts, vocabulary, with the fields tied to
-them kept tied; every flag, multiplier, scale, softcap and layer pattern kept; no cache, as it
-trains), finds the layout on it (``generic.trace_layout``; of several layer stacks, the one its
+them kept tied; every flag, multiplier, scale, softcap and layer pattern kept; where the config
+class validates its sizes, sizes it accepts; no cache, as it trains), finds the layout on it (``generic.trace_layout``; of several layer stacks, the one its
 forward runs on text: ``find_layers``), then compares, in fp32 on CPU, the staged loss and every
 parameter gradient with the model's own
 ``model(**batch, labels=...)`` over a padded batch cut into two microbatches. Only if they agree
@@ -127,7 +127,7 @@ def _shared_kv_layers(cfg: Any, L: int, n: int) -> int | None:
 def _is_width(key: str) -> bool:
     return ("dim" in key or "size" in key or key.startswith("n_")) and not any(
         w in key for w in ("position", "vocab", "window", "layer", "head", "expert", "chunk",
-                           "group", "block", "batch"))
+                           "group", "block", "batch", "image"))
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -200,14 +200,24 @@ def _keep_ssm_splits(cfg: Any, splits: list, groups: dict[str, int]) -> None:
                                      and x <= g and (x < heads or not shared or heads == 1)))
 
 
-def _shrink_text(cfg: Any) -> None:
+_MODEL_WIDTHS = ("hidden_size", "d_model", "n_embd")
+
+
+def _model_widths(cfg: Any) -> dict[int, int]:
+    """{a model width of ``cfg`` (hidden_size, d_model, n_embd): its tiny size}."""
+    return {_get(cfg, k): _SIZES[k] for k in _MODEL_WIDTHS if _int(cfg, k) is not None}
+
+
+def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
+                 tree_widths: dict[int, int] | None = None) -> None:
     splits = _ssm_splits(cfg)
     groups = {k: v for k, v in vars(cfg).items() if isinstance(v, int) and not isinstance(v, bool)
               and v > 0 and (k.endswith("n_groups") or k.endswith("ngroups"))}
-    widths = {_get(cfg, k): v for k, v in _SIZES.items()
-              if _int(cfg, k) is not None and k in ("hidden_size", "d_model", "n_embd")}
+    widths = {**(tree_widths or {}), **_model_widths(cfg)}
     for key, value in list(vars(cfg).items()):
-        # a width tied to the model width (OPT's word_embed_proj_dim) stays tied to it
+        # a width tied to the model width (OPT's word_embed_proj_dim) stays tied to it, and so
+        # does one tied to another part's model width (BLT's local hidden_size_global: its
+        # global transformer's hidden_size)
         if isinstance(value, int) and not isinstance(value, bool) and value in widths \
                 and key not in _SIZES and _is_width(key):
             _set(cfg, key, widths[value])
@@ -227,6 +237,7 @@ def _shrink_text(cfg: Any) -> None:
         if _get(cfg, "mlp_only_layers"):
             cfg.mlp_only_layers = [i for i in cfg.mlp_only_layers if i < n]
     heads = next((_int(cfg, k) for k in _HEADS if _int(cfg, k) is not None), None)
+    kv = next((_int(cfg, k) for k in _KV_HEADS if _int(cfg, k) is not None), None)
     for key in _HEADS:
         if _int(cfg, key) is not None:
             _set(cfg, key, 4)
@@ -234,6 +245,8 @@ def _shrink_text(cfg: Any) -> None:
         v = _int(cfg, key)
         if v is not None:
             _set(cfg, key, 4 if heads is None or v >= heads else 2 if v > 1 else 1)
+    if group_heads:
+        _keep_group_heads(cfg, heads, kv)
     # a per-head width that is the sum of two the shrink sets (MLA's qk_head_dim = nope + rope)
     parts = {k: _int(cfg, k) for k in _SIZES if "head_dim" in k and _int(cfg, k) is not None}
     sums = [(key, a, b) for key, value in vars(cfg).items() if "head_dim" in key
@@ -241,7 +254,7 @@ def _shrink_text(cfg: Any) -> None:
             for a in parts for b in parts if a < b and parts[a] + parts[b] == value]
     head_dim, rope_dim = _int(cfg, "head_dim"), _int(cfg, "qk_rope_head_dim")
     if head_dim is not None:  # MLA (DeepSeek) ties head_dim to the rotary part's width
-        _set(cfg, "head_dim", _SIZES["qk_rope_head_dim"] if head_dim == rope_dim else 8)
+        _set(cfg, "head_dim", _SIZES["qk_rope_head_dim"] if head_dim == rope_dim else head_width)
     for key, size in _SIZES.items():
         if (_int(cfg, key) or 0) > 0:  # 0 switches the part off (Gemma 4's per-layer inputs)
             _set(cfg, key, size)
@@ -256,6 +269,23 @@ def _shrink_text(cfg: Any) -> None:
     _keep_ssm_splits(cfg, splits, groups)
     if _int(cfg, "vocab_size") is not None:
         _shrink_vocab(cfg)
+
+
+def _keep_group_heads(cfg: Any, heads: int | None, kv: int | None) -> None:
+    """A head count equal to the query heads per key / value head (``heads // kv``, e.g.
+    Kolibri 1.1's index_num_heads: the leading query heads of key head 0 that score keys,
+    at most that many) stays equal to it at the shrunk head counts. Only where the ratio
+    tells it apart (1 < ratio < heads): with one key head the ratio is the head count."""
+    if not heads or not kv or heads % kv or not 1 < heads // kv < heads:
+        return
+    tiny_heads = next((_int(cfg, k) for k in _HEADS if _int(cfg, k) is not None), None)
+    tiny_kv = next((_int(cfg, k) for k in _KV_HEADS if _int(cfg, k) is not None), None)
+    if not tiny_heads or not tiny_kv:
+        return
+    for key, value in list(vars(cfg).items()):
+        if "heads" in key and key not in _HEADS + _KV_HEADS and value == heads // kv \
+                and isinstance(value, int) and not isinstance(value, bool):
+            _set(cfg, key, tiny_heads // tiny_kv)
 
 
 def _shrink_vocab(cfg: Any) -> None:
@@ -276,9 +306,11 @@ def _shrink_vocab(cfg: Any) -> None:
     vocab = cfg.vocab_size
     for key, value in list(vars(cfg).items()):
         # per-layer input vocabularies (Gemma 3n / 4), and a vocabulary of the same size as
-        # the model's (Marian's decoder_vocab_size: its logits' width)
+        # the model's (Marian's decoder_vocab_size: its logits' width), and a vocabulary of
+        # hashed ids (BLT's encoder_hash_byte_group_vocab: ids are taken modulo its size)
         if isinstance(value, int) and value > TINY_VOCAB and (
-                key.startswith("vocab_size") or (key.endswith("vocab_size") and value == vocab)):
+                key.startswith("vocab_size") or key.endswith("_vocab")
+                or (key.endswith("vocab_size") and value == vocab)):
             _set(cfg, key, TINY_VOCAB)
     cfg.vocab_size = TINY_VOCAB
 
@@ -288,10 +320,13 @@ def tiny_config(config: Any) -> Any:
     pattern, widths, heads, experts, vocabulary, sliding window) and no cache, as it trains;
     every other field kept."""
     cfg = copy.deepcopy(config)
-    for sub in _configs(cfg):  # the model's own and every sub-config (text, vision, encoder...)
-        before = dict(vars(sub))
-        _shrink_text(sub)
-        _derive_again(sub, before)
+    subs = _configs(cfg)  # the model's own and every sub-config (text, vision, encoder...)
+    tree_widths = {w: t for sub in subs for w, t in _model_widths(sub).items()}
+    befores = {id(sub): dict(vars(sub)) for sub in subs}
+    for sub in subs:
+        _shrink_valid(sub, tree_widths)
+    for sub in subs:
+        _derive_into_parts(sub, befores)
         if _get(sub, "use_cache") is True:
             # training runs without a cache (prepare_for_training turns it off; the staged
             # forwards pass use_cache=False), so the model's own loss is compared as it trains:
@@ -301,6 +336,46 @@ def tiny_config(config: Any) -> Any:
     impl = getattr(config, "_attn_implementation", None)
     cfg._attn_implementation = impl if impl in ("eager", "sdpa") else None  # auto: sdpa or eager
     return cfg
+
+
+SHRINK_VARIANTS = ({}, {"group_heads": True}, {"head_width": 16},
+                   {"head_width": 16, "group_heads": True})
+"""The shrinks ``tiny_config`` tries on each config, in order (arguments of ``_shrink_text``):
+the first that the config class's own validation accepts (``validate_architecture``), else
+the first. Kolibri 1.1 rounds keys and values in blocks of 16 (head_dim a multiple of 16) and
+scores keys with at most the query heads of one key head (index_num_heads)."""
+
+
+def _shrink_valid(cfg: Any, tree_widths: dict[int, int] | None = None) -> None:
+    """``cfg`` shrunk in place (``_shrink_text``, then ``_derive_again``) by the first of
+    ``SHRINK_VARIANTS`` its class validates, else by the first: a config whose class states a
+    constraint on its sizes that the usual shrink breaks is shrunk to sizes that meet it, where
+    a variant does; every other config gets the usual shrink."""
+    nested = {id(v): v for v in vars(cfg).values() if hasattr(v, "to_json_string")}
+    original = copy.deepcopy(vars(cfg), dict(nested))  # sub-configs stay the same objects
+    for variant in SHRINK_VARIANTS + (SHRINK_VARIANTS[0],):
+        vars(cfg).clear()
+        vars(cfg).update(copy.deepcopy(original, dict(nested)))
+        before = dict(vars(cfg))
+        _shrink_text(cfg, tree_widths=tree_widths, **variant)
+        _derive_again(cfg, before)
+        if _valid(cfg):
+            return
+
+
+def _valid(cfg: Any) -> bool:
+    """Whether the config class's own architecture validation accepts ``cfg`` (True where it
+    has none)."""
+    validate = getattr(cfg, "validate_architecture", None)
+    if validate is None:
+        return True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            validate()
+        return True
+    except Exception:  # noqa: BLE001 - any rejection
+        return False
 
 
 def _derive_again(cfg: Any, before: dict) -> None:
@@ -324,6 +399,37 @@ def _derive_again(cfg: Any, before: dict) -> None:
         derived = vars(again)[key]
         if key in before and before[key] == value and derived != value:
             _set(cfg, key, derived)
+
+
+def _derive_into_parts(cfg: Any, befores: dict[int, dict]) -> None:
+    """Fields a config class derives into its sub-configs from the sizes of the tree (BLT's
+    global_config.encoder_cross_output_size: the encoder's width × cross_attn_k, None where
+    that is the global width) and that the shrink left as they were, derived again from the
+    shrunk tree, as the class derives them on loading it (``befores``: each config's fields
+    before the shrink, by id)."""
+    if not any(hasattr(v, "to_json_string") for v in vars(cfg).values()):
+        return
+    try:
+        params = inspect.signature(type(cfg).__init__).parameters
+        if sum(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) < 2:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            again = type(cfg)(**{k: v for k, v in cfg.to_dict().items() if k in params})
+    except Exception:  # noqa: BLE001 - a config that does not rebuild keeps its shrunk parts
+        return
+    for name, sub in vars(cfg).items():
+        rebuilt = vars(again).get(name)
+        if not (hasattr(sub, "to_json_string") and hasattr(rebuilt, "to_json_string")):
+            continue
+        before = befores.get(id(sub), {})
+        for key, value in list(vars(sub).items()):
+            if key.startswith("_") or hasattr(value, "to_json_string") \
+                    or key not in vars(rebuilt):
+                continue
+            derived = vars(rebuilt)[key]
+            if key in before and before[key] == value and derived != value:
+                _set(sub, key, derived)
 
 
 def _configs(cfg: Any) -> list[Any]:
