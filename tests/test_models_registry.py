@@ -239,20 +239,13 @@ def test_layers_of_different_sizes_are_priced_per_layer():
     """DeepSeek-V3-style dense first layers then MoE layers: the generic path stages them (the
     engine shards units of any size) and the model profile records each layer's elements, the
     largest as params_per_unit, so the memory model's units are the engine's; the profiler
-    measures the largest unit, through a view whose unit 0 is that layer with its own layer
+    measures another layer through a view whose unit 0 is that layer with its own layer
     arguments ([Note: layers of different sizes])."""
     from hf_cephalo.planner.memory import model_layout_numels
     from hf_cephalo.profiler.model_facts import ProfiledUnit, profiled_unit
     from hf_cephalo.profiler.measure import model_profile
 
-    cfg = transformers.DeepseekV3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-        kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-        head_dim=4, max_position_embeddings=64, pad_token_id=0)
-    cfg._attn_implementation = "eager"
-    staged = stage_model(transformers.DeepseekV3ForCausalLM(cfg))
+    staged = stage_model(_deepseek())
     sizes = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
     assert len(set(sizes)) == 2 and sizes[0] != max(sizes)
     profile = model_profile(staged)
@@ -270,6 +263,56 @@ def test_layers_of_different_sizes_are_priced_per_layer():
         hidden, ctx = staged.embed(batch)
         torch.testing.assert_close(view.run_unit(0, hidden, ctx),
                                    staged.run_unit(index, hidden, ctx), rtol=0, atol=0)
+
+
+def test_layers_of_each_size_are_profiled_and_combined(monkeypatch):
+    """measure_device runs one layer of each size, each with its own layer arguments, and
+    records the layers' mean times and kept graphs (each size weighted by its count) and the
+    largest activation memory ([Note: layers of different sizes])."""
+    from hf_cephalo.profiler import compute
+    from hf_cephalo.profiler.inputs import MeasureConfig
+    from hf_cephalo.profiler.model_facts import unit_groups
+
+    staged = stage_model(_deepseek(layers=4))  # one dense layer, then three MoE layers
+    assert unit_groups(staged) == [(0, 1), (1, 3)]
+    ran: list[int] = []
+    handles = [layer.register_forward_hook(lambda *_, i=i: ran.append(i))
+               for i, layer in enumerate(staged.units())]
+    config = MeasureConfig(max_microbatch_size=2, sequence_length=8, warmup=0, repeats=1,
+                           progress=False)
+    try:
+        compute.measure_device(staged, config, device="cpu", name="cpu", capacity_bytes=1e9)
+    finally:
+        for h in handles:
+            h.remove()
+    assert set(ran) == {0, 1}, ran  # one layer of each size, never the others
+    fake = {0: ([1.0, 2.0], [3.0, 4.0], [10.0, 20.0], [11.0, 21.0], [5.0, 6.0]),
+            1: ([5.0, 6.0], [7.0, 8.0], [30.0, 5.0], [31.0, 6.0], [9.0, 10.0])}
+
+    def measured(one, *args):  # each group's numbers, told apart by the unit it runs
+        return fake[0 if one.units()[0] is staged.units()[0] else 1]
+
+    monkeypatch.setattr(compute, "_measure_unit", measured)
+    profile = compute.measure_device(staged, config, device="cpu", name="cpu",
+                                     capacity_bytes=1e9)
+    assert profile.fwd_s == [0.25 * 1 + 0.75 * 5, 0.25 * 2 + 0.75 * 6]
+    assert profile.bwd_s == [0.25 * 3 + 0.75 * 7, 0.25 * 4 + 0.75 * 8]
+    assert profile.kept_graph_bytes == [0.25 * 5 + 0.75 * 9, 0.25 * 6 + 0.75 * 10]
+    assert profile.compute_memory_bytes == [30.0, 20.0]
+    assert profile.head_memory_bytes == [31.0, 21.0]
+
+
+def _deepseek(layers: int = 3):
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, head_dim=4, max_position_embeddings=64,
+        pad_token_id=0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(cfg)
 
 
 def _round_trips(profile) -> bool:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.profiler.hardware import sync_device
-from hf_cephalo.profiler.model_facts import model_dtype, model_profile, profiled_unit
+from hf_cephalo.profiler.model_facts import mean_unit_numel, model_dtype, model_profile
 from hf_cephalo.profiles.types import CommProfile
 
 __all__ = ["measure_comm"]
@@ -66,7 +66,8 @@ def _time_unit_collectives(numel_per_rank: Sequence[int], dtype, device, group, 
 def measure_comm(staged: StagedModel, *, device: torch.device | str, repeats: int = 5,
                  group: dist.ProcessGroup | None = None,
                  state_ratios: Sequence[float] | None = None) -> CommProfile:
-    """One unit's all-gather and reduce-scatter (collective on every rank), and u.
+    """One unit's all-gather and reduce-scatter (collective on every rank), and u; a unit of
+    the layers' mean size where they differ (``mean_unit_numel``).
 
     AG and RS: EVEN shards. ``state_ratios`` (e.g. ``planner.state.skewed_state_ratios``): the
     same unit split by those ratios (``integer_targets``, as a ratio-split unit of the plan's
@@ -83,7 +84,7 @@ def measure_comm(staged: StagedModel, *, device: torch.device | str, repeats: in
 
     device = torch.device(device)
     n = dist.get_world_size(group)
-    numel = sum(p.numel() for p in staged.units()[profiled_unit(staged)].parameters())
+    numel = mean_unit_numel(staged)  # [Note: layers of different sizes] in model_facts.py
     dtype, fallback = model_dtype(staged), not C.reduce_scatter_supported(group)
     even = integer_targets([1.0 / n] * n, numel)
     times = list(_time_unit_collectives(even, dtype, device, group, repeats, fallback))

@@ -25,7 +25,7 @@ from hf_cephalo.models.base import StagedModel
 from hf_cephalo.profiler.hardware import sync_device
 from hf_cephalo.profiler.inputs import MakeMicrobatch, MeasureConfig, synthetic_microbatch
 from hf_cephalo.profiler.live_memory import LiveTensorBytes
-from hf_cephalo.profiler.model_facts import ProfiledUnit, model_dtype, profiled_unit
+from hf_cephalo.profiler.model_facts import ProfiledUnit, model_dtype, unit_groups
 from hf_cephalo.profiles.types import DeviceProfile
 from hf_cephalo.units import GIB
 
@@ -490,6 +490,31 @@ def _measure_optimizer(staged: StagedModel, device: torch.device, repeats: int) 
     return statistics.median(times) / (2 * numel)
 
 
+def _measure_unit(staged, config: MeasureConfig, inputs, device, rank: int, name: str,
+                  before_each, any_rank, rank_codes):
+    """Unit 0 of ``staged`` (a ``ProfiledUnit`` for a layer of another size): per m, its
+    forward and backward seconds (fitted non-decreasing), its activation memory (unit, head
+    phase) and its kept graph, as five lists in the order of ``config.microbatch_sizes``."""
+    ms = config.microbatch_sizes
+    # Rounds over all m (not all repeats of one m at a time), so load changes on a shared
+    # machine spread over every microbatch size instead of bending the curve.
+    views = _FlatViews(staged.units()[0], dtype=config.gather_dtype)
+    views.prepare_grad()  # backward adds into the unit's flat gradient, as in the engine
+    try:
+        if config.compile_backend is not None:
+            _compile_unit(staged, config, inputs, views, device, rank, name, rank_codes)
+        fwd_med, bwd_med = _measure_times(staged, config, inputs, views, device, rank, name,
+                                          before_each, any_rank)
+        unit_head = [_compute_memory(staged, views, inputs[m][1], inputs[m][0],
+                                     inputs[m][2], inputs[m][3], device) for m in ms]
+        kept = [_kept_graph_memory(staged, views, inputs[m][1], inputs[m][2], device)
+                for m in ms]
+    finally:
+        views.restore()
+    return (_non_decreasing([fwd_med[m] for m in ms]), _non_decreasing([bwd_med[m] for m in ms]),
+            [u for u, _ in unit_head], [h for _, h in unit_head], kept)
+
+
 def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.device | str,
                    name: str, capacity_bytes: float, rank: int = 0,
                    make_microbatch: MakeMicrobatch | None = None,
@@ -500,9 +525,11 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
 
     Args:
         staged: the staged model (an ``EmulatedStagedModel`` measures the emulated device);
-            its root modules and its largest unit (``profiled_unit``: unit 0 when the layers
-            are identical; [Note: layers of different sizes]) are moved to ``device`` (the
-            other units are never run, so they stay where they are).
+            its root modules and one unit of each size (``unit_groups``: unit 0 when the
+            layers are identical; [Note: layers of different sizes]) are moved to ``device``
+            (the other units are never run, so they stay where they are). With layers of
+            several sizes, the times and kept graphs recorded are those of the layers' mean
+            (each size weighted by its count), the activation memory the largest.
         config: what to profile. device: the compute device. name: recorded device name.
         capacity_bytes: C_i recorded in the profile. rank: used in progress lines.
         make_microbatch: ``m -> microbatch`` override of ``synthetic_microbatch``.
@@ -521,11 +548,12 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
             failed to compile on this rank; RuntimeError: it failed on another rank.
     """
     device = torch.device(device)
-    largest = profiled_unit(staged)
-    if largest:  # layers of different sizes: "unit 0" below is the largest layer
-        staged = ProfiledUnit(staged, largest)
+    groups = unit_groups(staged)  # [Note: layers of different sizes]
+    total = sum(count for _, count in groups)
+    views_of = [staged if len(groups) == 1 else ProfiledUnit(staged, index)
+                for index, _ in groups]
     model = staged.model
-    for module in [*staged.root_modules(), staged.units()[0]]:
+    for module in [*staged.root_modules(), *(staged.units()[i] for i, _ in groups)]:
         module.to(device)  # only what is run: never the whole model on the device
     was_training = model.training
     model.train()
@@ -542,27 +570,24 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
             if config.gather_dtype is not None:  # a low-precision embedding's output
                 hidden = hidden.to(config.gather_dtype)
             inputs[m] = (mb, hidden, ctx, torch.randn_like(hidden))
-        # Rounds over all m (not all repeats of one m at a time), so load changes on a shared
-        # machine spread over every microbatch size instead of bending the curve.
-        views = _FlatViews(staged.units()[0], dtype=config.gather_dtype)
-        views.prepare_grad()  # backward adds into the unit's flat gradient, as in the engine
-        try:
-            if config.compile_backend is not None:
-                _compile_unit(staged, config, inputs, views, device, rank, name, rank_codes)
-            fwd_med, bwd_med = _measure_times(staged, config, inputs, views, device, rank, name,
-                                              before_each, any_rank)
-            unit_head = [_compute_memory(staged, views, inputs[m][1], inputs[m][0],
-                                         inputs[m][2], inputs[m][3], device) for m in ms]
-            kept = [_kept_graph_memory(staged, views, inputs[m][1], inputs[m][2], device)
-                    for m in ms]
-        finally:
-            views.restore()
+        fwd, bwd = [0.0] * len(ms), [0.0] * len(ms)
+        mem, head_mem, kept = [0.0] * len(ms), [0.0] * len(ms), [0.0] * len(ms)
+        for one, (index, count) in zip(views_of, groups):
+            f, b, u, h, k = _measure_unit(one, config, inputs, device, rank, name, before_each,
+                                          any_rank, rank_codes)
+            w = count / total  # this size's share of the layers: times and kept graphs are
+            fwd = [x + w * y for x, y in zip(fwd, f)]  # summed over layers, activation
+            bwd = [x + w * y for x, y in zip(bwd, b)]  # memory is the largest of them
+            kept = [x + w * y for x, y in zip(kept, k)]
+            mem = [max(x, y) for x, y in zip(mem, u)]
+            head_mem = [max(x, y) for x, y in zip(head_mem, h)]
+            if len(groups) > 1 and config.prints(rank):
+                print(f"[hf-cephalo profile] rank {rank} ({name}): layer {index} "
+                      f"({count} of {total} layers of its size): m={ms[-1]}: fwd "
+                      f"{f[-1] * 1e3:.2f} ms, bwd {b[-1] * 1e3:.2f} ms", flush=True)
         embed_s, head_s = _measure_root(staged, config, inputs, device, before_each)
         bookkeeping_s = _measure_bookkeeping(device, config.repeats)
         optimizer_s = _measure_optimizer(staged, device, config.repeats)
-        fwd = _non_decreasing([fwd_med[m] for m in ms])
-        bwd = _non_decreasing([bwd_med[m] for m in ms])
-        mem, head_mem = [u for u, _ in unit_head], [h for _, h in unit_head]
         if config.prints(rank):
             print(f"[hf-cephalo profile] rank {rank} ({name}): done; m={ms[-1]}: fwd "
                   f"{fwd[-1] * 1e3:.2f} ms, bwd {bwd[-1] * 1e3:.2f} ms, compute memory "

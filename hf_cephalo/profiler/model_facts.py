@@ -19,18 +19,20 @@ from hf_cephalo.profiles.precision import Precision
 from hf_cephalo.profiles.types import ModelProfile
 
 __all__ = ["model_profile", "model_dtype", "boundary_bytes_per_sample", "profiled_unit",
-           "ProfiledUnit"]
+           "unit_groups", "mean_unit_numel", "ProfiledUnit"]
 
 # [Note: layers of different sizes]
 # Where a model's layers differ in size (DeepSeek-V3 / GLM-5's dense first layers before MoE
 # ones, Gemma 4's full-attention layers wider than its sliding ones, Llama 4's interleaved MoE
 # layers), the model profile records each layer's elements (``ModelProfile.unit_params``), so
 # the training state, each unit's shards and each gathered buffer are priced per layer, as the
-# engine allocates them. Time and activation memory are measured on ONE unit, the largest
-# (``profiled_unit``; the first of equal ones), and price every unit: an upper bound per unit
-# where a larger layer computes more, so a plan is feasible by construction and its predicted
-# step is pessimistic by the smaller layers' share (docs/planner.md, "Layers of different
-# sizes"). The planner's optimum stays exact for that model of the step.
+# engine allocates them. The profiler measures one layer of each size (``unit_groups``) and
+# records, per rank, the layers' mean forward / backward time and kept graph (each size
+# weighted by its count, so L times it is the rank's sum over its layers) and the largest
+# layer's activation memory (the peak one unit's recompute reaches); the collectives are timed
+# at the layers' mean size (their time is linear in bytes). The cost model's L·max_i T_i then
+# sums each rank's layers exactly and differs from Σ_u max_i T_i,u only where the ranks' speed
+# ratio differs between layer sizes (docs/planner.md, "Layers of different sizes").
 
 
 def _unique_params(modules) -> list[torch.nn.Parameter]:
@@ -47,9 +49,26 @@ def model_dtype(staged: StagedModel) -> torch.dtype:
     return next(iter(staged.units()[0].parameters())).dtype
 
 
+def unit_groups(staged: StagedModel) -> list[tuple[int, int]]:
+    """(index of the first layer of a size, number of layers of that size), one pair per
+    distinct layer size in the order they first appear: ``[(0, L)]`` for identical layers.
+    [Note: layers of different sizes]"""
+    sizes = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
+    first: dict[int, list[int]] = {}
+    for i, n in enumerate(sizes):
+        first.setdefault(n, [i, 0])[1] += 1
+    return [(i, count) for i, count in first.values()]
+
+
+def mean_unit_numel(staged: StagedModel) -> int:
+    """The layers' mean element count (rounded): the size whose collectives the profiler times."""
+    sizes = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
+    return round(sum(sizes) / len(sizes))
+
+
 def profiled_unit(staged: StagedModel) -> int:
-    """The index of the unit the profiler times and measures: the largest (most elements; the
-    first of equal ones, so 0 for identical layers). [Note: layers of different sizes]"""
+    """The index of the largest unit (most elements; the first of equal ones, so 0 for
+    identical layers): its size is ``ModelProfile.params_per_unit``."""
     sizes = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
     return max(range(len(sizes)), key=lambda i: (sizes[i], -i))
 
@@ -57,7 +76,8 @@ def profiled_unit(staged: StagedModel) -> int:
 class ProfiledUnit(WrappedStagedModel):
     """``staged`` seen through its profiled unit only: ``units()`` is ``[units()[u]]`` and
     ``run_unit(0, ...)`` runs unit u with unit u's own layer arguments (``ctx``), so the
-    profiler's code for "unit 0" measures the largest unit. Anything else is ``staged``'s."""
+    profiler's code for "unit 0" measures a layer of another size (``unit_groups``). Anything
+    else is ``staged``'s."""
 
     def __init__(self, inner: StagedModel, index: int):
         super().__init__(inner)
@@ -154,8 +174,9 @@ def boundary_bytes_per_sample(staged: StagedModel, make_microbatch: Callable[[in
 
 def profiling_stand_in(staged: StagedModel) -> StagedModel:
     """A staged copy of a meta-device model (sharded loading) that the profiler can run: the
-    profiler runs only the root modules (embedding, head) and the profiled unit
-    (``profiled_unit``: the largest; ``compute.py``; the other units are counted, never run), so a copy of the model, free while on the meta device, gets
+    profiler runs only the root modules (embedding, head) and one unit of each size
+    (``unit_groups``: unit 0 for identical layers; ``compute.py``; the other units are counted,
+    never run), so a copy of the model, free while on the meta device, gets
     those modules materialized on the CPU with the model's own initialization
     (``_init_weights``: random weights, its buffers), each unit's shape and count as the
     model's, and the same fingerprint for the profile cache. Host memory: the embedding, the
@@ -177,7 +198,7 @@ def profiling_stand_in(staged: StagedModel) -> StagedModel:
                          "_init_weights to build a profiling copy with: give a plan "
                          "(--cephalo_plan_file) or a profile (--cephalo_profile_file)")
     copied = stage_model(model)
-    run = [*copied.root_modules(), copied.units()[profiled_unit(copied)]]
+    run = [*copied.root_modules(), *(copied.units()[i] for i, _ in unit_groups(copied))]
     uses: dict[int, list[tuple[nn.Module, str]]] = {}  # tied weights: one parameter, many uses
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):

@@ -97,8 +97,8 @@ class ModelProfile:
         name: model name (free text, e.g. ``"llama-3b"``); used to check plan/model matches.
         num_units: number of transformer layers (each one FSDP unit).
         params_per_unit: parameters (elements) of one transformer layer; of the largest one
-            where they differ (``unit_params``): the profiled unit, whose times and activation
-            memory price every unit ([Note: layers of different sizes] in
+            where they differ (``unit_params``; the device profiles then hold the layers' mean
+            times and the largest activation memory: [Note: layers of different sizes] in
             ``profiler/model_facts.py``).
         unit_params: each layer's elements in layer order where they differ (dense and MoE
             layers, full-attention layers wider than sliding ones); None: every layer holds
@@ -343,8 +343,10 @@ class DeviceProfile:
         name: device type, e.g. ``"A10G"``.
         memory_capacity_bytes: C_i, total device memory in bytes.
         microbatch_sizes: profiled microbatch sizes m (strictly increasing, must contain 1).
-        fwd_s: forward time of one unit at each profiled m, seconds.
-        bwd_s: backward time (without the recompute) of one unit at each profiled m, seconds.
+        fwd_s: forward time of one unit at each profiled m, seconds (layers of different
+            sizes: their mean, each size weighted by its count).
+        bwd_s: backward time (without the recompute) of one unit at each profiled m, seconds
+            (likewise).
         compute_memory_bytes: activation memory of one microbatch at each profiled m, bytes:
             a unit's recompute + backward (format 1: peak memory minus training state, the
             engine's buffers included); without ``head_memory_bytes`` also the head's.
