@@ -378,20 +378,31 @@ def _valid(cfg: Any) -> bool:
         return False
 
 
+def _rebuilt(cfg: Any) -> tuple[Any, Any] | None:
+    """(the config class built again from ``cfg``'s declared fields, those fields' signature
+    parameters), so what the class derives from them can be read; None for a config without
+    declared fields (nothing tells fields from derived ones) or one that does not rebuild (it
+    keeps its shrunk fields)."""
+    try:
+        params = inspect.signature(type(cfg).__init__).parameters
+        if sum(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) < 2:
+            return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return type(cfg)(**{k: v for k, v in cfg.to_dict().items() if k in params}), params
+    except Exception:  # noqa: BLE001 - a config that does not rebuild keeps its shrunk fields
+        return None
+
+
 def _derive_again(cfg: Any, before: dict) -> None:
     """Fields the config class derives from its sizes (not arguments of its constructor: a
     Zamba-2 attention width = 2 × the model width, its hybrid layer ids from the layer types)
     and that the shrink left as they were, derived again from the shrunk sizes, as the class
     derives them on loading a config of those sizes."""
-    try:
-        params = inspect.signature(type(cfg).__init__).parameters
-        if sum(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) < 2:
-            return  # a config without declared fields: nothing tells fields from derived ones
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            again = type(cfg)(**{k: v for k, v in cfg.to_dict().items() if k in params})
-    except Exception:  # noqa: BLE001 - a config that does not rebuild keeps its shrunk fields
+    rebuilt = _rebuilt(cfg)
+    if rebuilt is None:
         return
+    again, params = rebuilt
     for key, value in vars(cfg).items():
         if key.startswith("_") or key in params or key not in vars(again) \
                 or hasattr(value, "to_json_string"):
@@ -409,15 +420,10 @@ def _derive_into_parts(cfg: Any, befores: dict[int, dict]) -> None:
     before the shrink, by id)."""
     if not any(hasattr(v, "to_json_string") for v in vars(cfg).values()):
         return
-    try:
-        params = inspect.signature(type(cfg).__init__).parameters
-        if sum(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) < 2:
-            return
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            again = type(cfg)(**{k: v for k, v in cfg.to_dict().items() if k in params})
-    except Exception:  # noqa: BLE001 - a config that does not rebuild keeps its shrunk parts
+    rebuilt = _rebuilt(cfg)
+    if rebuilt is None:
         return
+    again = rebuilt[0]
     for name, sub in vars(cfg).items():
         rebuilt = vars(again).get(name)
         if not (hasattr(sub, "to_json_string") and hasattr(rebuilt, "to_json_string")):
