@@ -20,7 +20,12 @@ step terms] (units, embedding and head, bookkeeping, optimizer step, the root's 
 waiting); "units only" is the paper's num_units x max_i T_i, the model before the step terms.
 Ratios are printed against (a).
 
+``--model deepseek`` runs a DeepSeek-V3-shaped model instead: a dense first layer, then MoE
+layers (layers of two sizes: one of each is profiled, docs/planner.md "Layers of different
+sizes").
+
 Usage: python benchmarks/bench_hetero.py [--steps 5] [--global-batch-size 32] [--slowdown 1,3]
+       [--model deepseek]
 """
 
 from __future__ import annotations
@@ -42,6 +47,19 @@ PLAN_NAMES = ("even split", "compute balance (even state)", "Cephalo")
 def build_model(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if args.model == "deepseek":  # layers of two sizes: the first dense, the others MoE
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        cfg = DeepseekV3Config(
+            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+            moe_intermediate_size=args.intermediate // 4, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, num_key_value_heads=args.heads,
+            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+            topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=64,
+            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+            max_position_embeddings=args.seq)
+        torch.manual_seed(0)
+        return DeepseekV3ForCausalLM(cfg).float()
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                       intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                       num_attention_heads=args.heads, num_key_value_heads=args.heads,
@@ -139,7 +157,8 @@ def _predicted_unit_s(plan, cluster, rank):
 
 
 def report(args, result):
-    print(f"\n2 CPU ranks emulating slowdown {args.slowdown}; Llama-shaped model: "
+    shape = "Llama" if args.model == "llama" else "DeepSeek-V3 (dense layer 0, MoE after)"
+    print(f"\n2 CPU ranks emulating slowdown {args.slowdown}; {shape}-shaped model: "
           f"{args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
           f"vocab {args.vocab}, sequence {args.seq}; global batch {args.global_batch_size}; "
           f"median of {args.steps} steps (profiling took {result['profile_s']:.1f} s)")
@@ -181,6 +200,9 @@ def main():
                    help="profiled m = 1..M (default 16: plans use microbatches up to ~B/2, "
                         "beyond M the cost model extrapolates)")
     p.add_argument("--repeats", type=int, default=5, help="profiler: timed runs per m (median)")
+    p.add_argument("--model", default="llama", choices=["llama", "deepseek"],
+                   help="llama: identical layers; deepseek: a dense first layer, then MoE "
+                        "layers (layers of two sizes, docs/planner.md)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=688)
