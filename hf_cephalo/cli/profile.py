@@ -185,7 +185,9 @@ def _write_profile(cluster, out: str) -> None:
 
     cluster.save(out)
     m = cluster.model
-    print(f"model {m.name}: {m.num_units} units x {m.params_per_unit} params + "
+    units = f"{m.num_units} units x {m.params_per_unit} params" if m.unit_params is None else \
+        f"{m.num_units} units of {sum(m.unit_params)} params (per unit {m.unit_params})"
+    print(f"model {m.name}: {units} + "
           f"{m.params_other} other; all-gather {cluster.comm.allgather_s * 1e3:.2f} ms, "
           f"reduce-scatter {cluster.comm.reducescatter_s * 1e3:.2f} ms per unit")
     for i, d in enumerate(cluster.devices):

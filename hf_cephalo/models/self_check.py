@@ -47,6 +47,11 @@ _HEADS = ("num_attention_heads", "n_head", "num_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _TOPK = ("num_experts_per_tok", "moe_topk", "top_k")
+_SPARSE_TOKENS = ("index_topk", "_num_local_tokens", "_num_sink_tokens")
+"""Token counts of sparse attention (the keys a DSA / index layer picks, its local and sink
+tokens): shrunk below the check's rows, like the sliding window, so the sparse path (and any
+state it hands a later layer, as Kolibri 1.1's reindexers read an earlier layer's key pool)
+runs in the check; at their defaults (2048 keys) a 9-token row never reaches it."""
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id",
               "decoder_start_token_id")
 
@@ -266,6 +271,7 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
     _cap(cfg, ("n_group", "topk_group"), 1)
     if _int(cfg, "sliding_window") is not None:
         cfg.sliding_window = 4  # shorter than the check's rows, so the sliding mask shows
+    _cap(cfg, [k for k in vars(cfg) if k in _SPARSE_TOKENS or k.endswith(_SPARSE_TOKENS)], 2)
     _keep_ssm_splits(cfg, splits, groups)
     if _int(cfg, "vocab_size") is not None:
         _shrink_vocab(cfg)
@@ -671,7 +677,11 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, classifier: bool,
         raise
     except Exception as exc:  # noqa: BLE001
         raise StructureError(f"staging a tiny {cls.__name__} failed ({type(exc).__name__}: "
-                             f"{exc})") from exc
+                             f"{exc}); the generic path runs each layer on the previous "
+                             "layer's hidden states with the arguments the model's forward "
+                             "gave the layers before any ran, so a layer that reads another "
+                             "layer's other outputs (a shared key pool, top-k indices) fails "
+                             "this way") from exc
     if problem is not None:
         raise StructureError(f"the staged {cls.__name__} is not the model's own computation on a "
                              f"tiny copy: {problem} (and not equal in float64 either)")

@@ -159,7 +159,7 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         if user_loss:  # [Note: collectives inside the engine's head] in head_calls.py
             engine_staged = UserLossStagedModel(engine_staged, self.compute_loss,
                                                 variants=self._engine_call_variants(),
-                                                count_items=self._stock_item_count(staged))
+                                                count_items=self._user_loss_items(staged))
             self._head_calls = engine_staged.head_calls = HeadCalls(
                 self, engine_staged.replay, None, job.device)
         self.session = Session(job, engine_staged, model=model, plan=plan,
@@ -239,21 +239,19 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
                 or type(self).compute_loss is not CephaloTrainerMixin.compute_loss
                 or _base_compute_loss(type(self)) is not None)
 
-    def _stock_item_count(self, staged) -> Callable[[dict], int] | None:
-        """For a label smoother or ``compute_loss_func`` on a causal LM, the items N as stock
-        Trainer counts the ``num_items_in_batch`` it hands them (``_get_num_items_in_batch``):
-        ``shift_labels`` where the batch has them, else ``labels[..., 1:]`` where the model's
-        loss type shifts (``_loss_shifts_labels``), else ``labels``; where stock counts none
-        (the model takes no loss keyword arguments), the label smoother divides by its own
-        mask, shifted by its own rule (``stock_smoother_shift``). These agree with the model's
-        own count except where its loss does not shift (``BartForCausalLM``). None (the model's
-        count): another loss, a classifier, or a transformers without that rule."""
-        loss_shifts = getattr(self, "_loss_shifts_labels", None)
+    def _user_loss_items(self, staged) -> Callable[[dict], int] | None:
+        """The items N a label smoother or ``compute_loss_func`` on a causal LM gets as
+        ``num_items_in_batch`` (docs/trainer_support.md, "Losses"): ``shift_labels`` where the
+        batch has them, else the tokens with label != -100 after the causal shift, whatever the
+        model's own loss does (``BartForCausalLM``'s takes its labels unshifted: stock counts
+        them shifted, as its loss type is ForCausalLM); for the label smoother, the labels it
+        scores, unshifted where stock's smoother does not shift (``stock_smoother_shift``: a
+        class outside transformers' causal-LM mapping). None (the model's own count): another
+        loss, or a classifier."""
         if (self.label_smoother is None and self.compute_loss_func is None) or \
-                loss_shifts is None or not is_causal_lm(staged):
+                not is_causal_lm(staged):
             return None
-        counted = bool(self.model_accepts_loss_kwargs) or self.compute_loss_func is not None
-        shift = loss_shifts if counted else stock_smoother_shift(staged.model)
+        shift = self.compute_loss_func is not None or stock_smoother_shift(staged.model)
 
         def count(microbatch: dict) -> int:
             labels = microbatch.get("shift_labels")
