@@ -242,7 +242,7 @@ def test_layers_of_different_sizes_are_priced_per_layer():
     measures another layer through a view whose unit 0 is that layer with its own layer
     arguments ([Note: layers of different sizes])."""
     from hf_cephalo.planner.memory import model_layout_numels
-    from hf_cephalo.profiler.model_facts import ProfiledUnit, profiled_unit
+    from hf_cephalo.profiler.model_facts import ProfiledUnit, largest_unit
     from hf_cephalo.profiler.measure import model_profile
 
     staged = stage_model(_deepseek())
@@ -253,7 +253,7 @@ def test_layers_of_different_sizes_are_priced_per_layer():
     assert profile.num_params == sum(p.numel() for p in staged.model.parameters())
     assert model_layout_numels(profile)[:3] == sizes
     assert _round_trips(profile)
-    index = profiled_unit(staged)
+    index = largest_unit(staged)
     assert sizes[index] == max(sizes) and index == sizes.index(max(sizes))
     view = ProfiledUnit(staged, index)
     assert view.units() == [staged.units()[index]]

@@ -496,8 +496,6 @@ def _measure_unit(staged, config: MeasureConfig, inputs, device, rank: int, name
     forward and backward seconds (fitted non-decreasing), its activation memory (unit, head
     phase) and its kept graph, as five lists in the order of ``config.microbatch_sizes``."""
     ms = config.microbatch_sizes
-    # Rounds over all m (not all repeats of one m at a time), so load changes on a shared
-    # machine spread over every microbatch size instead of bending the curve.
     views = _FlatViews(staged.units()[0], dtype=config.gather_dtype)
     views.prepare_grad()  # backward adds into the unit's flat gradient, as in the engine
     try:
@@ -570,21 +568,21 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
             if config.gather_dtype is not None:  # a low-precision embedding's output
                 hidden = hidden.to(config.gather_dtype)
             inputs[m] = (mb, hidden, ctx, torch.randn_like(hidden))
-        fwd, bwd = [0.0] * len(ms), [0.0] * len(ms)
-        mem, head_mem, kept = [0.0] * len(ms), [0.0] * len(ms), [0.0] * len(ms)
+        measured = []  # per layer size: (share of the layers, fwd, bwd, unit, head, kept)
         for one, (index, count) in zip(views_of, groups):
             f, b, u, h, k = _measure_unit(one, config, inputs, device, rank, name, before_each,
                                           any_rank, rank_codes)
-            w = count / total  # this size's share of the layers: times and kept graphs are
-            fwd = [x + w * y for x, y in zip(fwd, f)]  # summed over layers, activation
-            bwd = [x + w * y for x, y in zip(bwd, b)]  # memory is the largest of them
-            kept = [x + w * y for x, y in zip(kept, k)]
-            mem = [max(x, y) for x, y in zip(mem, u)]
-            head_mem = [max(x, y) for x, y in zip(head_mem, h)]
+            measured.append((count / total, f, b, u, h, k))
             if len(groups) > 1 and config.prints(rank):
                 print(f"[hf-cephalo profile] rank {rank} ({name}): layer {index} "
                       f"({count} of {total} layers of its size): m={ms[-1]}: fwd "
                       f"{f[-1] * 1e3:.2f} ms, bwd {b[-1] * 1e3:.2f} ms", flush=True)
+        # times and kept graphs: the layers' mean (L times it is the sum over the layers);
+        # activation memory: the largest layer's (one unit recomputes at a time)
+        fwd, bwd, kept = ([sum(g[0] * g[j][i] for g in measured) for i in range(len(ms))]
+                          for j in (1, 2, 5))
+        mem, head_mem = ([max(g[j][i] for g in measured) for i in range(len(ms))]
+                         for j in (3, 4))
         embed_s, head_s = _measure_root(staged, config, inputs, device, before_each)
         bookkeeping_s = _measure_bookkeeping(device, config.repeats)
         optimizer_s = _measure_optimizer(staged, device, config.repeats)

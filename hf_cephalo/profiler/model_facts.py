@@ -18,7 +18,7 @@ from hf_cephalo.models.base import StagedModel, WrappedStagedModel
 from hf_cephalo.profiles.precision import Precision
 from hf_cephalo.profiles.types import ModelProfile
 
-__all__ = ["model_profile", "model_dtype", "boundary_bytes_per_sample", "profiled_unit",
+__all__ = ["model_profile", "model_dtype", "boundary_bytes_per_sample", "largest_unit",
            "unit_groups", "mean_unit_numel", "ProfiledUnit"]
 
 # [Note: layers of different sizes]
@@ -30,9 +30,10 @@ __all__ = ["model_profile", "model_dtype", "boundary_bytes_per_sample", "profile
 # records, per rank, the layers' mean forward / backward time and kept graph (each size
 # weighted by its count, so L times it is the rank's sum over its layers) and the largest
 # layer's activation memory (the peak one unit's recompute reaches); the collectives are timed
-# at the layers' mean size (their time is linear in bytes). The cost model's L·max_i T_i then
-# sums each rank's layers exactly and differs from Σ_u max_i T_i,u only where the ranks' speed
-# ratio differs between layer sizes (docs/planner.md, "Layers of different sizes").
+# at the layers' mean size (their time is linear in bytes). L·T_i is then each rank's exact sum
+# over its layers, and the step the cost model prices, L·max_i T_i, a lower bound on the
+# engine's Σ_u max_i T_i,u, equal where every rank's speed ratio is the same for each layer
+# size (docs/planner.md, "Layers of different sizes").
 
 
 def _unique_params(modules) -> list[torch.nn.Parameter]:
@@ -66,7 +67,7 @@ def mean_unit_numel(staged: StagedModel) -> int:
     return round(sum(sizes) / len(sizes))
 
 
-def profiled_unit(staged: StagedModel) -> int:
+def largest_unit(staged: StagedModel) -> int:
     """The index of the largest unit (most elements; the first of equal ones, so 0 for
     identical layers): its size is ``ModelProfile.params_per_unit``."""
     sizes = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
@@ -74,7 +75,7 @@ def profiled_unit(staged: StagedModel) -> int:
 
 
 class ProfiledUnit(WrappedStagedModel):
-    """``staged`` seen through its profiled unit only: ``units()`` is ``[units()[u]]`` and
+    """``staged`` seen through one of its units, u: ``units()`` is ``[units()[u]]`` and
     ``run_unit(0, ...)`` runs unit u with unit u's own layer arguments (``ctx``), so the
     profiler's code for "unit 0" measures a layer of another size (``unit_groups``). Anything
     else is ``staged``'s."""
@@ -112,7 +113,7 @@ def model_profile(staged: StagedModel, name: str | None = None,
     """
     units = staged.units()
     sizes = [sum(p.numel() for p in u.parameters()) for u in units]
-    largest = profiled_unit(staged)
+    largest = largest_unit(staged)
     unit_ids = {id(p) for u in units for p in u.parameters()}
     embed = {id(p): p.numel() for p in _unique_params(staged.embed_modules())
              if id(p) not in unit_ids}
