@@ -409,8 +409,15 @@ def _derive_again(cfg: Any, before: dict) -> None:
     if rebuilt is None:
         return
     again, params = rebuilt
-    for key, value in vars(cfg).items():
-        if key.startswith("_") or key in params or key not in vars(again) \
+    _take_derived(cfg, again, before, skip=params)
+
+
+def _take_derived(cfg: Any, again: Any, before: dict, skip=()) -> None:
+    """Each field of ``cfg`` the shrink left as it was (its value in ``before``) that ``again``
+    (the config class built from the shrunk fields) derives otherwise, set to the derived
+    value; private fields, sub-configs and the names in ``skip`` left alone."""
+    for key, value in list(vars(cfg).items()):
+        if key.startswith("_") or key in skip or key not in vars(again) \
                 or hasattr(value, "to_json_string"):
             continue
         derived = vars(again)[key]
@@ -431,17 +438,9 @@ def _derive_into_parts(cfg: Any, befores: dict[int, dict]) -> None:
         return
     again = rebuilt[0]
     for name, sub in vars(cfg).items():
-        rebuilt = vars(again).get(name)
-        if not (hasattr(sub, "to_json_string") and hasattr(rebuilt, "to_json_string")):
-            continue
-        before = befores.get(id(sub), {})
-        for key, value in list(vars(sub).items()):
-            if key.startswith("_") or hasattr(value, "to_json_string") \
-                    or key not in vars(rebuilt):
-                continue
-            derived = vars(rebuilt)[key]
-            if key in before and before[key] == value and derived != value:
-                _set(sub, key, derived)
+        part = vars(again).get(name)
+        if hasattr(sub, "to_json_string") and hasattr(part, "to_json_string"):
+            _take_derived(sub, part, befores.get(id(sub), {}))
 
 
 def _configs(cfg: Any) -> list[Any]:
@@ -666,9 +665,14 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, classifier: bool,
     or not: ``label_shift``), its staging compared with its own forward on ``batch``;
     StructureError with what differed."""
     layers = find_layers(tiny, batch)
+    hint = ""  # why a staged model that builds may still fail to run
     try:
         layout = dataclasses.replace(trace_layout(tiny, batch, layers), label_shift=label_shift)
         staged = staged_class(tiny)(tiny, layout)
+        hint = ("; the generic path runs each layer on the previous layer's hidden states with "
+                "the arguments the model's forward gave the layers before any ran, so a layer "
+                "that reads another layer's other outputs (a shared key pool, top-k indices) "
+                "fails this way")
         problem = _compare(tiny, staged, batch)
         if problem is not None and _equal_in_float64(tiny, batch, layout):
             problem = None  # [Note: fp32 rounding or another computation]
@@ -677,11 +681,7 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, classifier: bool,
         raise
     except Exception as exc:  # noqa: BLE001
         raise StructureError(f"staging a tiny {cls.__name__} failed ({type(exc).__name__}: "
-                             f"{exc}); the generic path runs each layer on the previous "
-                             "layer's hidden states with the arguments the model's forward "
-                             "gave the layers before any ran, so a layer that reads another "
-                             "layer's other outputs (a shared key pool, top-k indices) fails "
-                             "this way") from exc
+                             f"{exc}){hint}") from exc
     if problem is not None:
         raise StructureError(f"the staged {cls.__name__} is not the model's own computation on a "
                              f"tiny copy: {problem} (and not equal in float64 either)")
