@@ -7,6 +7,7 @@ docs/adding_a_model.md).
 
 from __future__ import annotations
 
+import functools
 import re
 
 import transformers
@@ -107,15 +108,16 @@ def _model_head_kind(model: nn.Module) -> str | None:
     self-check still proves its forward one by what it computes)."""
     for cls in type(model).__mro__:
         kind = head_kind(cls.__name__)
-        if kind is None and cls.__name__ in _causal_lm_class_names():
+        if kind is None and cls.__name__ in causal_lm_class_names():
             kind = "CausalLM"
         if kind:
             return kind
     return None
 
 
-def _causal_lm_class_names() -> frozenset[str]:
-    """Class names in transformers' causal-LM auto mapping."""
+@functools.lru_cache(maxsize=None)
+def causal_lm_class_names() -> frozenset[str]:
+    """Class names in transformers' causal-LM auto mapping (read once)."""
     from transformers.models.auto import modeling_auto as auto
     names = set()
     for value in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():

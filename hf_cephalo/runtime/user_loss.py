@@ -28,9 +28,9 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutput
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hf_cephalo.runtime.head_calls import HeadCalls
+from hf_cephalo.models.registry import causal_lm_class_names
 from hf_cephalo.models.base import (HeadEvalOutput, HeadOutput, Microbatch, StagedModel,
                                     WrappedStagedModel, global_num_items, refuse_global_loss)
 from hf_cephalo.models.hf_common import (CausalLMStagedModel, causal_adapter, empty_logits,
@@ -88,7 +88,7 @@ def stock_smoother_shift(model: torch.nn.Module) -> bool:
     PEFT wrapper): its class is in transformers' causal-LM mapping, whether or not the model's
     own loss shifts (``BartForCausalLM``'s does not; ``Qwen3_5ForConditionalGeneration``, not
     in the mapping, is not shifted although its loss is)."""
-    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return type(model).__name__ in causal_lm_class_names()
 
 
 class CallVariant(Protocol):
