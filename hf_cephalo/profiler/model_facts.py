@@ -50,11 +50,16 @@ def model_dtype(staged: StagedModel) -> torch.dtype:
     return next(iter(staged.units()[0].parameters())).dtype
 
 
+def unit_sizes(staged: StagedModel) -> list[int]:
+    """Elements of each unit (layer), in order."""
+    return [sum(p.numel() for p in u.parameters()) for u in staged.units()]
+
+
 def unit_groups(staged: StagedModel) -> list[tuple[int, int]]:
     """(index of the first layer of a size, number of layers of that size), one pair per
     distinct layer size in the order they first appear: ``[(0, L)]`` for identical layers.
     [Note: layers of different sizes]"""
-    sizes = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
+    sizes = unit_sizes(staged)
     first: dict[int, list[int]] = {}
     for i, n in enumerate(sizes):
         first.setdefault(n, [i, 0])[1] += 1
@@ -63,14 +68,14 @@ def unit_groups(staged: StagedModel) -> list[tuple[int, int]]:
 
 def mean_unit_numel(staged: StagedModel) -> int:
     """The layers' mean element count (rounded): the size whose collectives the profiler times."""
-    sizes = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
+    sizes = unit_sizes(staged)
     return round(sum(sizes) / len(sizes))
 
 
 def largest_unit(staged: StagedModel) -> int:
     """The index of the largest unit (most elements; the first of equal ones, so 0 for
     identical layers): its size is ``ModelProfile.params_per_unit``."""
-    sizes = [sum(p.numel() for p in u.parameters()) for u in staged.units()]
+    sizes = unit_sizes(staged)
     return max(range(len(sizes)), key=lambda i: (sizes[i], -i))
 
 
@@ -112,7 +117,7 @@ def model_profile(staged: StagedModel, name: str | None = None,
     layers of different sizes]).
     """
     units = staged.units()
-    sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    sizes = unit_sizes(staged)
     largest = largest_unit(staged)
     unit_ids = {id(p) for u in units for p in u.parameters()}
     embed = {id(p): p.numel() for p in _unique_params(staged.embed_modules())
@@ -181,7 +186,7 @@ def profiling_stand_in(staged: StagedModel) -> StagedModel:
     those modules materialized on the CPU with the model's own initialization
     (``_init_weights``: random weights, its buffers), each unit's shape and count as the
     model's, and the same fingerprint for the profile cache. Host memory: the embedding, the
-    head and one layer. The user's model is not touched.
+    head and one layer of each size. The user's model is not touched.
 
     Raises:
         ValueError: the model has no ``_init_weights`` to initialize them with (not a

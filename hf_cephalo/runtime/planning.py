@@ -209,10 +209,10 @@ def _infeasible_remedy(job: Job, global_batch_size: int, constraint: str) -> str
 
 def _profiled(staged: StagedModel, job: Job) -> StagedModel:
     """What profiling at start runs: ``staged`` itself, or for a meta-device model (sharded
-    loading, e.g. a TRL door given a model by name) a copy whose embedding, head and first
-    layer are materialized with the model's own initialization
+    loading, e.g. a TRL door given a model by name) a copy whose embedding, head and one
+    layer of each size are materialized with the model's own initialization
     (``model_facts.profiling_stand_in``): timing needs their shapes, not the checkpoint's
-    values, and each rank holds the embedding, the head and one layer for it."""
+    values, and each rank holds those modules for it."""
     if job.settings.profile_file is None and any(p.is_meta for p in staged.model.parameters()):
         return profiling_stand_in(staged)
     return staged
