@@ -60,6 +60,19 @@ def test_class_without_adapter_trains_generically_and_non_models_are_refused():
     assert "docs/adding_a_model.md" in str(info.value)
 
 
+def test_staging_leaves_the_global_rng_as_it_found_it():
+    """The self-check seeds its tiny copy; staging must not reseed the user's RNG (it did: a
+    custom loop's shuffled loader took its order from torch.initial_seed(), which the first
+    staging of a class set to 0, and dropout masks followed the check's draws)."""
+    config = transformers.BertConfig(vocab_size=61, hidden_size=16, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=32, num_labels=3)
+    torch.manual_seed(42)
+    model = transformers.BertForSequenceClassification(config)
+    state = torch.get_rng_state()
+    stage_model(model)  # a config no other test stages: the check runs here, uncached
+    assert torch.initial_seed() == 42 and torch.equal(torch.get_rng_state(), state)
+
+
 def _tiny(config_cls, **kw):
     defaults = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                     intermediate_size=32)

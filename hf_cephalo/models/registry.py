@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import re
 
+import torch
 import transformers
 from torch import nn
 
@@ -300,6 +301,10 @@ def stage_model(model: nn.Module) -> StagedModel:
     A LoRA ``PeftModel`` is staged as the model it wraps, LoRA layers inside the units (see
     [Note: LoRA in the engine] in ``peft_lora.py``); ``staged.model`` is then the wrapped model.
 
+    Staging leaves torch's global RNG as it found it (state and ``initial_seed()``): the
+    self-check seeds its tiny copy, and the user's dropout masks and a loader's seed must not
+    depend on whether a check ran (the check is cached per class and config).
+
     Raises ValueError (``UnsupportedModelError``) for an unsupported class, ValueError for a
     PEFT wrapper other than one LoRA adapter, ValueError for a built-in adapter with transformers < 5,
     or when the adapter's root modules and units do not cover ``model.parameters()`` exactly
@@ -307,6 +312,11 @@ def stage_model(model: nn.Module) -> StagedModel:
     """
     if isinstance(model, StagedModel):
         return model
+    with torch.random.fork_rng(devices=[]):
+        return _stage(model)
+
+
+def _stage(model: nn.Module) -> StagedModel:
     try:
         adapter = adapter_for(model)
     except UnsupportedModelError:
