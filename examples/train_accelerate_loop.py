@@ -13,7 +13,7 @@ state shares r_i, shards the model and re-points the optimizer built before ``pr
 
 Data (no download): the paragraphs of Python's own reference documentation that ``pydoc``
 ships, each labelled by the part of the documentation it comes from (statements, expressions,
-objects and types; ``integrations.data.pydoc_paragraph_classes``). Model: the pretrained
+objects and types; ``hf_cephalo.demo_data.pydoc_paragraph_classes``). Model: the pretrained
 all-MiniLM-L6-v2 BERT with a new 3-class head (``BertForSequenceClassification``), or
 ``--model_name_or_path`` (any supported classification model: a Hub id or a local folder).
 Cephalo's settings come from ``--cephalo_*`` flags here (``CephaloPlugin``) or ``HF_CEPHALO_*``.
@@ -26,6 +26,7 @@ import os
 import re
 
 import torch
+from accelerate.utils import DataLoaderConfiguration
 from torch.utils.data import DataLoader
 from transformers import (AutoModelForSequenceClassification, AutoTokenizer,
                           DataCollatorWithPadding, get_linear_schedule_with_warmup, set_seed)
@@ -58,8 +59,12 @@ def get_dataloaders(accelerator, tokenizer, batch_size: int, eval_batch_size: in
 
 
 def training_function(args):
+    # use_seedable_sampler=True: the training order is seed + epoch's on any world size (the
+    # order Cephalo reads a shuffled loader in; with stock's default it says so once)
     accelerator = CephaloAccelerator(mixed_precision=args.mixed_precision,
                                      project_dir=args.output_dir,
+                                     dataloader_config=DataLoaderConfiguration(
+                                         use_seedable_sampler=True),
                                      cephalo_plugin=CephaloPlugin(**args.cephalo))
     progress_bars_from_rank_zero(accelerator.process_index, True)
     set_seed(args.seed)

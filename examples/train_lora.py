@@ -6,7 +6,7 @@
 
 Data (no download): the paragraphs of Python's own reference documentation that ``pydoc``
 ships (``pydoc_data.topics``), each labelled by the part of the documentation its topic comes
-from (``integrations.data.PYDOC_TOPIC_GROUPS``: statements, expressions and operators, objects and types). A paragraph
+from (``hf_cephalo.demo_data.PYDOC_TOPIC_GROUPS``: statements, expressions and operators, objects and types). A paragraph
 that appears under several topics (``compound`` repeats ``if``, ``while``, ...) is kept once;
 one under two groups is dropped. The distinct paragraphs are split stratified into train and
 held-out (``--test_fraction``): no held-out text is seen in training.

@@ -139,17 +139,20 @@ CASES = {  # name -> (loss kind, scheduler, gradient accumulation steps, precisi
 # ---- the distributed side -------------------------------------------------------------------
 def _accelerator(plan_file, precision="no", ga=1, handlers=None, project=True, **plugin):
     from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
     from hf_cephalo.integrations.loop.accelerator import CephaloAccelerator, CephaloPlugin
 
     AcceleratorState._reset_state(reset_partial_state=False)  # another mixed precision per case
     GradientState._reset_state()
     project = os.path.dirname(plan_file)
+    # data_seed seeds the training order, as stock's seedable sampler (the model's build
+    # leaves torch's initial seed at 0)
     return CephaloAccelerator(
         cephalo_plugin=CephaloPlugin(plan_file=plan_file, adaptive="off", **plugin),
         mixed_precision=precision, gradient_accumulation_steps=ga, kwargs_handlers=handlers,
-        project_config=ProjectConfiguration(project_dir=project) if project else None)
+        project_config=ProjectConfiguration(project_dir=project) if project else None,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=SEED))
 
 
 def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, precision="no",
@@ -169,7 +172,7 @@ def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, preci
     model = build("llama", seed=0).train()
     optimizer = torch.optim.AdamW(_groups(list(model.named_parameters())), lr=LR, eps=EPS)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lambda) if sched else None
-    # the loader's generator seeds the weighted sampler's permutation (seed + epoch)
+    # the permutation is data_seed + epoch's (the loader's generator draws workers' seeds)
     if stream:  # in order (a DataLoader over an IterableDataset takes no shuffle)
         loader = DataLoader(_Stream(_samples(N_TRAIN, 0)), batch_size=B // world,
                             collate_fn=_collate)
@@ -431,7 +434,9 @@ def _reference(world, *, kind="own", sched=False, ga=1, precision="no", steps=No
             optimizer.step()
             optimizer.zero_grad()
             if scheduler is not None:
-                for _ in range(world):  # stock AcceleratedScheduler: num_processes steps
+                # once per unprepared-loader batch the global batch replaces (stock's
+                # num_processes at stock's B): B / (batch_size x ga), the loader of _loop
+                for _ in range(B // (max(B // (world * ga), 1) * ga)):
                     scheduler.step()
             losses.append(float(loss))
             if steps is not None and len(losses) >= steps:

@@ -102,6 +102,43 @@ def _accelerator(**kwargs):
     return Accelerator(cpu=True, **kwargs)
 
 
+def test_training_order_is_stock_seedable_samplers(caplog):
+    """A shuffled training loader is read in stock Accelerate's order under
+    use_seedable_sampler=True (``runtime.sampler.global_batches`` of data_seed, else torch's
+    initial seed, + epoch), whatever the loader's generator says; with stock's default (False)
+    prepare says so once, naming the setting."""
+    import logging
+    from types import SimpleNamespace
+
+    from accelerate.utils import DataLoaderConfiguration
+
+    from hf_cephalo.integrations.loop.prepare import _broadcast_seed, _say_training_order
+    from hf_cephalo.runtime.sampler import global_batches
+
+    for data_seed in (None, 11):
+        torch.manual_seed(42)  # the script's set_seed
+        config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed)
+        stock = _accelerator(dataloader_config=config)
+        loader = DataLoader(list(range(24)), batch_size=4, shuffle=True,
+                            generator=torch.Generator().manual_seed(7))
+        prepared = stock.prepare(loader)
+        ours = SimpleNamespace(dataloader_config=config, num_processes=1)
+        seed = _broadcast_seed(ours)
+        assert seed == (42 if data_seed is None else 11)
+        for epoch in range(3):
+            assert [b.tolist() for b in prepared] == global_batches(24, 4, epoch=epoch, seed=seed)
+    said = []
+    for seedable, shuffle in ((False, True), (True, True), (False, False)):
+        ours = SimpleNamespace(is_main_process=True, dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=seedable))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "hf_cephalo.integrations.loop.prepare"):
+            _say_training_order(ours, DataLoader(DATA, batch_size=2, shuffle=shuffle))
+        said.append(caplog.text)
+    assert "use_seedable_sampler=True)) to silence this" in said[0] and said[1:] == ["", ""]
+    _accelerator()
+
+
 def test_accelerator_settings_the_loop_would_drop_are_refused(monkeypatch):
     from accelerate.utils import (AutocastKwargs, DataLoaderConfiguration,
                                   DistributedDataParallelKwargs, FullyShardedDataParallelPlugin,
@@ -111,10 +148,10 @@ def test_accelerator_settings_the_loop_would_drop_are_refused(monkeypatch):
     from hf_cephalo.integrations.loop.support import accelerator_problems
 
     assert accelerator_problems(_accelerator()) == []
+    assert accelerator_problems(_accelerator(dataloader_config=DataLoaderConfiguration(
+        data_seed=3, use_seedable_sampler=True))) == []  # the training order's seed
     cases = [
         (dict(device_placement=False), r"device_placement=False\): the engine places"),
-        (dict(dataloader_config=DataLoaderConfiguration(data_seed=3)),
-         r"data_seed=3\).*DataLoader\(generator="),
         (dict(kwargs_handlers=[AutocastKwargs(cache_enabled=True)]),
          r"AutocastKwargs\(\{'cache_enabled': True\}\).*CephaloPlugin\(precision"),
         (dict(dynamo_plugin=TorchDynamoPlugin(backend="eager", fullgraph=True)),
@@ -153,13 +190,16 @@ def test_job_follows_the_accelerator_settings():
     """``job_from_accelerator`` (no process group): the global batch is batch_size x world x
     gradient_accumulation_steps, without the world under ``split_batches``; the dynamo backend
     and mode become the per-unit compile options; a scheduler steps world-size times per
-    optimizer step, once under ``split_batches``."""
+    optimizer step at stock's global batch, once under ``split_batches``, and in general once
+    per loader batch the global batch replaces; a fractional count is refused."""
     from types import SimpleNamespace
 
     from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin
 
     from hf_cephalo.integrations.loop.accelerator import CephaloPlugin
-    from hf_cephalo.integrations.loop.prepare import _prepare_scheduler, job_from_accelerator
+    from hf_cephalo.integrations.loop.prepare import (_fractional_scheduler_steps,
+                                                      _prepare_scheduler, job_from_accelerator,
+                                                      scheduler_steps)
 
     def job(split, backend="no"):
         acc = SimpleNamespace(
@@ -177,10 +217,24 @@ def test_job_follows_the_accelerator_settings():
     for split, steps in ((False, 3), (True, 1)):
         stock = _accelerator(dataloader_config=DataLoaderConfiguration(split_batches=split))
         acc = SimpleNamespace(prepare_scheduler=stock.prepare_scheduler,
-                              _schedulers=stock._schedulers, num_processes=3)
+                              _schedulers=stock._schedulers, num_processes=3,
+                              split_batches=split)
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: step)
         assert _prepare_scheduler(acc, scheduler).steps_per_optimizer_step == steps
+    # the count is the loader batches one global batch replaces: stock's at stock's B, 1 for a
+    # B of one loader batch x GA (one process's schedule), the same on any world size
+    loader = DataLoader(DATA, batch_size=2)
+    for split, world, batch, steps in ((False, 3, 12, 3), (True, 3, 4, 1), (False, 3, 4, 1),
+                                       (False, 2, 16, 4), (False, 5, 4, 1), (False, 3, 6, None)):
+        acc = SimpleNamespace(split_batches=split, num_processes=world,
+                              gradient_accumulation_steps=2)
+        assert scheduler_steps(batch, loader, acc) == steps, (split, world, batch)
+    assert scheduler_steps(6, None, acc) == 3  # no training loader: stock's count
+    message = _fractional_scheduler_steps(6, loader, acc)
+    assert re.search(r"global batch size 6 is not a whole number of the training loader's "
+                     r"batches \(batch_size 2 x gradient_accumulation_steps 2 = 4 samples\).*"
+                     r"a multiple of 4", message), message
     _accelerator()
 
 

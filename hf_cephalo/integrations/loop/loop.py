@@ -216,13 +216,13 @@ class CephaloScheduler(AcceleratedScheduler):
 
     [Note: the LR schedule across world sizes]
     Stock ``AcceleratedScheduler`` steps the scheduler ``num_processes`` times per optimizer step
-    (once with ``split_batches``): a script sizes its schedule for the unprepared loader, whose
-    batches Accelerate spreads over the processes. Here the global batch is fixed by the run,
-    not by the world size, so a run saved on 2 ranks and resumed on 3 would follow another
-    schedule. The rule: the world size the run STARTS on behaves as stock (``num_processes``
-    steps per optimizer step); the count is saved with the checkpoint
-    (``loop_state.SCHEDULERS_NAME``) and a resume on any world size continues it, so the
-    trajectory is the uninterrupted run's.
+    (once with ``split_batches``): a script sizes its schedule for the unprepared loader, and one
+    optimizer step consumes that many of its batches. Here the global batch B is fixed by the
+    run (a plan, ``global_batch_size``), not by the world size, so the count is the number of
+    unprepared-loader batches B replaces, B / (batch_size x gradient_accumulation_steps)
+    (``prepare.scheduler_steps``): stock's count at stock's B, and one process's at a B of one
+    loader batch; a B that is not a whole number of batches is refused with a scheduler. The
+    count is saved with the checkpoint (``state.SCHEDULERS_NAME``) and a resume continues it.
     """
 
     def __init__(self, scheduler, optimizers, *, steps_per_optimizer_step: int,
@@ -279,6 +279,9 @@ class LoopState:
         self._rows = 0
         self._step_open = False  # the session's step was begun by a training batch
         self._training = False  # a training batch was drawn since the last ``finish``
+        # a prepared scheduler's steps per optimizer step (``prepare.scheduler_steps``), or
+        # the refusal of a global batch that is not a whole number of loader batches
+        self.scheduler_steps: int | str = 1
 
     # ---- the loaders ------------------------------------------------------------------------
     def batch_drawn(self, loader: CephaloDataLoader, batch: dict[str, Any]) -> None:

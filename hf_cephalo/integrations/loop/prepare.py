@@ -9,19 +9,22 @@ instead (required for elastic resumes onto another world). Each batch of the pre
 loader is this rank's share of ONE global batch: with ``gradient_accumulation_steps = k`` the k
 per-process batches stock would draw are one batch here (the engine accumulates their
 microbatches in one layered pass), ``accumulate()`` syncs every batch, ``backward`` does not
-divide by k, and the loader has 1/k as many batches; the LR scheduler still steps as stock
-Accelerate steps it per optimizer step (``num_processes`` times unless ``split_batches``), so
-the schedule a script computed from its unprepared loader is unchanged.
+divide by k, and the loader has 1/k as many batches; the LR scheduler steps once per
+unprepared-loader batch a global batch replaces (``scheduler_steps``: stock's ``num_processes``,
+or 1 under ``split_batches``, at stock's B), so the schedule a script computed from its
+unprepared loader keeps its length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, RandomSampler
 
 from hf_cephalo.integrations.loop.loop import CephaloDataLoader, CephaloModel, CephaloOptimizer, LoopState
@@ -79,20 +82,34 @@ def check_loop_setup(accelerator, args) -> None:
                          "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)))
 
 
-def _broadcast_seed(accelerator, loader: DataLoader | None) -> int:
-    """The sampler's seed, the same on every rank: the loader's generator's initial seed, else
-    its RandomSampler's own generator's, else torch's (``accelerate.utils.set_seed``), rank 0's
-    value broadcast."""
+def _broadcast_seed(accelerator) -> int:
+    """The training order's seed, as stock's ``SeedableRandomSampler`` takes it at prepare:
+    ``DataLoaderConfiguration(data_seed=...)``, else torch's initial seed
+    (``accelerate.utils.set_seed``); rank 0's value, broadcast."""
     from accelerate.utils import broadcast_object_list
 
-    generator = getattr(loader, "generator", None)
-    if generator is None:  # DataLoader(sampler=RandomSampler(data, generator=g)): g seeds it
-        generator = getattr(getattr(loader, "sampler", None), "generator", None)
-    seed = [int(generator.initial_seed() if generator is not None else torch.initial_seed())
-            % (2 ** 63)]
+    data_seed = getattr(accelerator.dataloader_config, "data_seed", None)
+    seed = [int(data_seed if data_seed is not None else torch.initial_seed()) % (2 ** 63)]
     if accelerator.num_processes > 1:
         broadcast_object_list(seed, from_process=0)
     return seed[0]
+
+
+def _say_training_order(accelerator, train: DataLoader | None) -> None:
+    """A shuffled training loader without ``use_seedable_sampler=True``: say once that the
+    order is the seedable sampler's (stock's default order cannot be kept: docs/accelerate.md,
+    the DataLoaderConfiguration table)."""
+    if train is None or not isinstance(train.sampler, RandomSampler) or \
+            accelerator.dataloader_config.use_seedable_sampler or not accelerator.is_main_process:
+        return
+    logger.warning("the training loader is read in stock Accelerate's order under "
+                   "DataLoaderConfiguration(use_seedable_sampler=True): a permutation of "
+                   "data_seed (else torch's initial seed) + epoch, the same on every world size "
+                   "and across resumes. Stock's default order (use_seedable_sampler=False) is "
+                   "drawn from the global RNG or a generator each epoch and changes with the "
+                   "world size, so it is not kept; pass "
+                   "Accelerator(dataloader_config=DataLoaderConfiguration("
+                   "use_seedable_sampler=True)) to silence this")
 
 
 def job_from_accelerator(accelerator, train_loader: DataLoader | None, seed: int):
@@ -162,10 +179,19 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
         train = loaders[0] if loaders else None
         name_of = parameter_names(model)  # before the engine
         _check_optimizers(args, name_of)  # before the session's first collective
-        job = job_from_accelerator(accelerator, train, _broadcast_seed(accelerator, train))
+        job = job_from_accelerator(accelerator, train, seed=0)
+        steps = scheduler_steps(job.global_batch_size, train, accelerator)
+        if steps is None:  # refused now if a scheduler comes with the model, else at its prepare
+            steps = _fractional_scheduler_steps(job.global_batch_size, train, accelerator)
+            if any(isinstance(a, LRScheduler) for a in args):
+                raise ValueError(steps)
+        seed = _broadcast_seed(accelerator)  # the first collective
+        _say_training_order(accelerator, train)
+        job = dataclasses.replace(job, seed=seed, data_seed=seed)
         session = Session(job, staged, model=model,
                           train_dataset=None if train is None else train.dataset)
         accelerator.cephalo_loop = LoopState(session, _output_class(staged))
+        accelerator.cephalo_loop.scheduler_steps = steps
         accelerator._cephalo_name_of = name_of
         if accelerator.scaler_handler is not None:
             # GradScalerKwargs(init_scale=..., growth_interval=...): the engine's scaler takes them
@@ -186,22 +212,55 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
         elif isinstance(obj, DataLoader):
             results[i] = _prepare_loader(accelerator, obj)
     for i, obj in enumerate(results):
-        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+        if isinstance(obj, LRScheduler):
             results[i] = _prepare_scheduler(accelerator, obj)
     return results[0] if len(results) == 1 else tuple(results)
 
 
+def scheduler_steps(global_batch_size: int, train_loader: DataLoader | None,
+                    accelerator) -> int | None:
+    """How many times a prepared scheduler steps per optimizer step ([Note: the LR schedule
+    across world sizes] in ``loop.py``): the number of the unprepared training loader's
+    batches one global batch replaces, B / (batch_size x gradient_accumulation_steps). At
+    stock's global batch that is stock's count (``num_processes``; 1 with ``split_batches``),
+    and it does not change with the world size. Without a training loader: stock's count.
+    None when B is not a whole number of loader batches."""
+    stock = 1 if accelerator.split_batches else accelerator.num_processes
+    if train_loader is None or not train_loader.batch_size:
+        return stock
+    per_step = train_loader.batch_size * accelerator.gradient_accumulation_steps
+    return global_batch_size // per_step if global_batch_size % per_step == 0 else None
+
+
+def _fractional_scheduler_steps(global_batch_size: int, train_loader, accelerator) -> str:
+    bs, ga = train_loader.batch_size, accelerator.gradient_accumulation_steps
+    return (f"global batch size {global_batch_size} is not a whole number of the training "
+            f"loader's batches (batch_size {bs} x gradient_accumulation_steps {ga} = {bs * ga} "
+            "samples): the prepared scheduler steps once per loader batch a global batch "
+            "replaces (stock Accelerate: num_processes times per optimizer step), so a schedule "
+            "sized from the loader keeps its length, and here that count is not whole. Make the "
+            f"global batch size (the plan file's, or CephaloPlugin(global_batch_size=...)) a "
+            f"multiple of {bs * ga}, or the loader's batch_size a divisor of {global_batch_size}")
+
+
 def _prepare_scheduler(accelerator, scheduler):
     """Accelerate's ``prepare_scheduler`` (its optimizer matching, ``step_with_optimizer``,
-    ``split_batches``), as a ``CephaloScheduler`` stepped as stock on this world size until a
-    checkpoint says otherwise ([Note: the LR schedule across world sizes] in ``loop.py``)."""
+    ``split_batches``), as a ``CephaloScheduler`` stepped ``scheduler_steps`` times per
+    optimizer step until a checkpoint says otherwise ([Note: the LR schedule across world
+    sizes] in ``loop.py``).
+
+    Raises ValueError: the global batch is not a whole number of training-loader batches."""
     from hf_cephalo.integrations.loop.loop import CephaloScheduler
 
+    loop = getattr(accelerator, "cephalo_loop", None)
+    steps = loop.scheduler_steps if loop is not None else \
+        (1 if accelerator.split_batches else accelerator.num_processes)
+    if isinstance(steps, str):
+        raise ValueError(steps)
     stock = accelerator.prepare_scheduler(scheduler)
     ours = CephaloScheduler(
         stock.scheduler, stock.optimizers, step_with_optimizer=stock.step_with_optimizer,
-        split_batches=stock.split_batches,
-        steps_per_optimizer_step=1 if stock.split_batches else accelerator.num_processes)
+        split_batches=stock.split_batches, steps_per_optimizer_step=steps)
     accelerator._schedulers[accelerator._schedulers.index(stock)] = ours
     return ours
 

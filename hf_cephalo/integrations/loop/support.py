@@ -40,14 +40,15 @@ LOADER_FIELD_SUPPORT: dict[str, Support] = {
                          "gradient_accumulation_steps is the global batch B, cut by the plan's "
                          "b_i; None (a batch_sampler) is refused",
                          _T + "test_loop_equals_full_batch_reference"),
-    "shuffle": _stock("training: a permutation of the dataset per epoch, seeded by the "
-                      "loader's generator (else torch's initial seed) + epoch, the same on "
-                      "every rank; evaluation: refused (rows are evaluated and gathered in "
-                      "dataset order)", _T + "test_loop_equals_full_batch_reference"),
+    "shuffle": _stock("training: stock's order under DataLoaderConfiguration("
+                      "use_seedable_sampler=True), a permutation per epoch seeded by data_seed "
+                      "(else torch's initial seed at prepare) + epoch, the same on every rank "
+                      "and world size (see use_seedable_sampler for the default False); "
+                      "evaluation: refused (rows are evaluated and gathered in dataset order)",
+                      _T + "test_loop_equals_full_batch_reference"),
     "sampler": _refused("the engine draws each global batch's rows itself; only shuffle's "
-                        "RandomSampler (without replacement or num_samples; its own generator "
-                        "seeds the permutation where the loader has none) and "
-                        "SequentialSampler are accepted; " + _REORDER),
+                        "RandomSampler (without replacement or num_samples; ordered as "
+                        "shuffle=True) and SequentialSampler are accepted; " + _REORDER),
     "batch_sampler": _refused("the plan, not a batch sampler, decides each rank's rows; pass "
                               "batch_size= and shuffle=; " + _REORDER),
     "num_workers": _inherited("passed to the runtime's read-ahead torch DataLoader (its "
@@ -68,8 +69,9 @@ LOADER_FIELD_SUPPORT: dict[str, Support] = {
                                "(torch.utils.data.get_worker_info()): leave it None"),
     "multiprocessing_context": _inherited("the read-ahead torch DataLoader's workers' start "
                                           "method"),
-    "generator": _stock("its initial seed (rank 0's, broadcast) seeds the epoch permutations; "
-                        "each epoch's iteration draws worker seeds from it, as stock",
+    "generator": _stock("each epoch's iteration draws the workers' base seed from it, as "
+                        "stock; it does not choose the order (stock's seedable sampler reseeds "
+                        "it with data_seed, else torch's initial seed, + epoch: shuffle)",
                         _T + "test_save_on_two_ranks_resume_on_three"),
     "prefetch_factor": _inherited("the read-ahead torch DataLoader's per-worker prefetch"),
     "persistent_workers": _inherited("the read-ahead torch DataLoader keeps its workers "
@@ -168,12 +170,15 @@ DATALOADER_CONFIG_SUPPORT: dict[str, Support] = {
         "the engine never pads or repeats rows: a last partial global batch is split by the "
         "plan's b_i (training; dropped with drop_last=True) and evaluation yields every row "
         "once; unlike stock's even_batches=True, no rows from the start fill a short last batch"),
-    "use_seedable_sampler": _not_applicable(
-        "the training order is always the engine's permutation of seed + epoch, the same on "
-        "every rank (what use_seedable_sampler=True asks for); either value gives that order"),
-    "data_seed": _refused("the training loader's permutation is seeded by its generator "
-                          "(DataLoader(generator=torch.Generator().manual_seed(seed))) or "
-                          "torch's initial seed: seed the generator instead"),
+    "use_seedable_sampler": _stock(
+        "True: stock's order (a permutation of data_seed, else torch's initial seed, + epoch). "
+        "False, stock's default: the same order, and prepare warns once, because stock's "
+        "False order (drawn each epoch from the global RNG on one process, from a generator "
+        "seeded once at prepare on several) changes with the world size and is not repeated by "
+        "a resume; pass True to silence it and to compare with a stock run",
+        _S + "test_training_order_is_stock_seedable_samplers"),
+    "data_seed": _stock("seeds the training order (use_seedable_sampler's seed), rank 0's "
+                        "value", _S + "test_training_order_is_stock_seedable_samplers"),
     "non_blocking": _not_applicable("the engine copies each microbatch to the device itself"),
     "use_stateful_dataloader": _stock(
         "load_state restores the training loader's position: its next iteration continues the "
@@ -335,12 +340,6 @@ def accelerator_problems(accelerator: Any) -> list[str]:
         problems.append(f"Accelerator(rng_types={rng}): the engine's loaders draw each epoch's "
                         "permutation from a seed that is the same on every rank and do not "
                         "synchronize other generators at each epoch; leave rng_types unset")
-    seed = getattr(accelerator.dataloader_config, "data_seed", None)
-    if seed is not None:
-        problems.append(f"DataLoaderConfiguration(data_seed={seed}): the training loader's "
-                        "permutation is seeded by its generator (DataLoader(generator="
-                        "torch.Generator().manual_seed(seed))) or torch's initial seed; "
-                        "seed the generator instead")
     return problems
 
 
