@@ -210,3 +210,31 @@ def test_model_profile_with_layers_of_different_sizes():
                       (dict(unit_trainable=[1, 1, 1]), "needs unit_params")):
         with pytest.raises(ValueError, match=match):
             ModelProfile(num_units=3, params_per_unit=10, params_other=4, **kw)
+
+
+def test_save_replaces_the_file_whole(tmp_path, monkeypatch):
+    """A plan (or profile) file is written beside its path and renamed over it: a reader
+    sees the old plan or the new one, never a part (every rank of a job may write the same
+    plan file while another reads it), and a failed write leaves the old file and no
+    partial one."""
+    import os
+
+    from hf_cephalo.file_modes import current_umask
+    from hf_cephalo.profiles import types
+
+    path = tmp_path / "plan.json"
+    old = Plan.from_ratios([2, 4], [1, 2], [0.5, 0.5])
+    old.save(path)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~current_umask()
+    real_dumps = json.dumps
+
+    def half_written(data, **kw):
+        (tmp_path / f".plan.json.{os.getpid()}.partial").write_text(real_dumps(data)[:10])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(types.json, "dumps", half_written)
+    with pytest.raises(OSError, match="disk full"):
+        Plan.from_ratios([3, 3], [1, 1], [0.5, 0.5]).save(path)
+    monkeypatch.undo()
+    assert Plan.load(path).to_json() == old.to_json()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]

@@ -12,6 +12,7 @@ missing numbers, mismatched list lengths.
 from __future__ import annotations
 
 import json
+import os
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -60,8 +61,16 @@ def _require_keys(owner: str, data: Mapping[str, Any], keys: tuple[str, ...]) ->
 
 def write_json_file(path: str | Path, data: Any) -> None:
     """Write ``data`` as JSON indented by 2 with a trailing newline: the on-disk form of
-    profile and plan files (docs/profiles.md)."""
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    profile and plan files (docs/profiles.md). Atomic: written beside ``path`` under a name
+    of this process, then renamed over it, so a reader (another rank, a job starting) sees
+    the old file or the new one, never a part (the mode is ``open()``'s: the umask decides)."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def file_remedy(message: str, what: str, command: str) -> str:
