@@ -60,10 +60,16 @@ def test_class_without_adapter_trains_generically_and_non_models_are_refused():
     assert "docs/adding_a_model.md" in str(info.value)
 
 
-def test_staging_leaves_the_global_rng_as_it_found_it():
+def test_staging_leaves_the_global_rng_and_the_log_as_it_found_them(monkeypatch):
     """The self-check seeds its tiny copy; staging must not reseed the user's RNG (it did: a
     custom loop's shuffled loader took its order from torch.initial_seed(), which the first
-    staging of a class set to 0, and dropout masks followed the check's draws)."""
+    staging of a class set to 0, and dropout masks followed the check's draws). Nor does it
+    read the config's deprecated aliases (each read logs transformers' deprecation warning in
+    the user's run: `torch_dtype` / `use_return_dict` on every rank)."""
+    reads = []
+    for alias in ("torch_dtype", "use_return_dict"):
+        monkeypatch.setattr(transformers.PretrainedConfig, alias,
+                            property(lambda self, a=alias: reads.append(a)))
     config = transformers.BertConfig(vocab_size=61, hidden_size=16, num_hidden_layers=2,
                                      num_attention_heads=2, intermediate_size=32, num_labels=3)
     torch.manual_seed(42)
@@ -71,6 +77,7 @@ def test_staging_leaves_the_global_rng_as_it_found_it():
     state = torch.get_rng_state()
     stage_model(model)  # a config no other test stages: the check runs here, uncached
     assert torch.initial_seed() == 42 and torch.equal(torch.get_rng_state(), state)
+    assert reads == [], reads
 
 
 def _tiny(config_cls, **kw):

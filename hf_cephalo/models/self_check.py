@@ -74,6 +74,11 @@ class Proof:
 _CACHE: dict[tuple, Proof | StructureError] = {}
 
 
+# config properties transformers keeps as deprecated aliases: reading one logs a deprecation
+# warning in the user's run, and neither is a per-layer list
+_DEPRECATED_PROPERTIES = frozenset({"torch_dtype", "use_return_dict"})
+
+
 def _per_layer_lists(cfg: Any, L: int) -> list:
     """The config's per-layer lists: its fields of length ``L`` and the lists its class derives
     per layer from the start (a ``layers_block_type`` property read from an attention period /
@@ -86,7 +91,8 @@ def _per_layer_lists(cfg: Any, L: int) -> list:
     fewer = copy.copy(cfg)
     _set(fewer, "num_hidden_layers", L - 1)
     for name in dir(type(cfg)):
-        if isinstance(getattr(type(cfg), name, None), property) and name not in vars(cfg):
+        if isinstance(getattr(type(cfg), name, None), property) and name not in vars(cfg) \
+                and name not in _DEPRECATED_PROPERTIES:
             value = _get(cfg, name)
             if isinstance(value, (list, tuple)) and len(value) == L \
                     and list(_get(fewer, name) or ()) == list(value[:L - 1]):

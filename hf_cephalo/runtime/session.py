@@ -194,16 +194,14 @@ class Session:
         job = self.job
         if job.settings.adaptive == "off" or job.world_size == 1:
             return None
-        why_not = None
         if self.cluster_profile is None:
-            why_not = ("the plan was given without the profile it was made from (give "
-                       "--cephalo_profile_file with --cephalo_plan_file, or cluster_profile= "
-                       "with plan=) so there is nothing to refit")
-        if why_not is not None:
-            if job.is_main:
-                logger.warning("--cephalo_adaptive %s is off for this run: %s; set "
-                               "--cephalo_adaptive off to silence this", job.settings.adaptive,
-                               why_not)
+            if job.is_main:  # named for every door: a flag, a CephaloPlugin field, a variable
+                logger.warning(
+                    "live re-balancing (adaptive=%s) is off for this run: the plan was given "
+                    "without the profile it was made from, so there is nothing to refit; give "
+                    "profile_file with plan_file, or set adaptive to off to silence this (as "
+                    "--cephalo_<setting>, CephaloPlugin(<setting>=...) or HF_CEPHALO_<SETTING>)",
+                    job.settings.adaptive)
             return None
         emulation = job.emulation
         caps = None if emulation is None or emulation.memory_cap_bytes is None \
