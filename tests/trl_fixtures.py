@@ -98,9 +98,11 @@ def tiny_llama(vocab_size: int):
 
 
 def offline_env() -> None:
-    """No hub access, no telemetry, no progress bars (the ranks and the stock runs)."""
-    os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
-                      HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    """No hub access, no telemetry, no progress bars (the ranks and the stock runs). The bars
+    are switched off in this process only, not through HF_DATASETS_DISABLE_PROGRESS_BARS: the
+    module fixtures call this in pytest's own process, whose environment every later launch
+    inherits (tests/test_examples.py checks datasets' bars of a launched script)."""
+    os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
     import datasets
 
     datasets.disable_progress_bars()
