@@ -39,7 +39,7 @@ printed evaluation metrics, against
   Cephalo's global batch is stock's default (the loader's batch x world size).
 
 Run: ``python benchmarks/accelerate_examples.py --accelerate PATH_TO_ACCELERATE_CHECKOUT``
-(``pip install evaluate``, which the examples import; about 6 minutes on 2 CPU cores).
+(``pip install evaluate``, which the examples import; about 7 minutes on 2 CPU cores).
 Exit status 1 if any comparison fails.
 """
 
@@ -327,8 +327,9 @@ def compare(label: str, ours: Path, ref: Path, ours_micro: int = 1, ref_micro: i
     pretrained = load_file(ours.parent.parent / "bert-base-cased" / "model.safetensors")
     moved = max(float((wb[k] - pretrained[k.removeprefix("bert.")]).abs().max())
                 for k in wb if k.removeprefix("bert.") in pretrained)
-    ma, mb = metrics(ours), metrics(ref)[-len(metrics(ours)):] if metrics(ours) else []
-    ok &= ma == mb
+    ma = metrics(ours)
+    mb = metrics(ref)[-len(ma):] if ma else []
+    ok &= bool(ma) and ma == mb  # every run prints its metrics each epoch
     print(f"{'PASS' if ok else 'FAIL'} {label}: {len(a)} vs {len(b)} steps, loss rel diff "
           f"{loss_diff:.1e}, LR diff {lr_diff:.1e}, weights max |diff| {worst:.1e} "
           f"(the largest movement from the pretrained weights: {moved:.1e}; {bad} of {sum(v.numel() for v in wb.values()):,} elements out of rtol {RTOL}), "

@@ -197,9 +197,8 @@ def test_job_follows_the_accelerator_settings():
     from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin
 
     from hf_cephalo.integrations.loop.accelerator import CephaloPlugin
-    from hf_cephalo.integrations.loop.prepare import (_fractional_scheduler_steps,
-                                                      _prepare_scheduler, job_from_accelerator,
-                                                      scheduler_steps)
+    from hf_cephalo.integrations.loop.prepare import (_prepare_scheduler, _scheduler_steps,
+                                                      job_from_accelerator, scheduler_steps)
 
     def job(split, backend="no"):
         acc = SimpleNamespace(
@@ -231,10 +230,31 @@ def test_job_follows_the_accelerator_settings():
                               gradient_accumulation_steps=2)
         assert scheduler_steps(batch, loader, acc) == steps, (split, world, batch)
     assert scheduler_steps(6, None, acc) == 3  # no training loader: stock's count
-    message = _fractional_scheduler_steps(6, loader, acc)
-    assert re.search(r"global batch size 6 is not a whole number of the training loader's "
-                     r"batches \(batch_size 2 x gradient_accumulation_steps 2 = 4 samples\).*"
-                     r"a multiple of 4", message), message
+    with pytest.raises(ValueError, match=r"global batch size 6 is not a whole number of the "
+                       r"training loader's batches \(batch_size 2 x gradient_accumulation_steps "
+                       r"2 = 4 samples\).*a multiple of 4, or a loader batch_size with batch_size "
+                       r"x 2 dividing 6 \(1, 3\)"):
+        _scheduler_steps(6, loader, acc)
+    with pytest.raises(ValueError, match=r"no loader batch_size can do: "
+                       r"gradient_accumulation_steps 2 does not divide 15"):
+        _scheduler_steps(15, loader, acc)
+    # the model prepared first, the loader and scheduler later: the count still comes from the
+    # training loader (it once fell back to num_processes there)
+    for batch_size, steps in ((16, 1), (8, 2), (6, None)):
+        stock = _accelerator()
+        acc = SimpleNamespace(
+            prepare_scheduler=stock.prepare_scheduler, _schedulers=stock._schedulers,
+            num_processes=2, split_batches=False, gradient_accumulation_steps=1,
+            cephalo_loop=SimpleNamespace(session=SimpleNamespace(
+                job=SimpleNamespace(global_batch_size=16))),
+            cephalo_loaders=[SimpleNamespace(batch_size=batch_size)])
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: step)
+        if steps is None:
+            with pytest.raises(ValueError, match="global batch size 16 is not a whole number"):
+                _prepare_scheduler(acc, scheduler)
+        else:
+            assert _prepare_scheduler(acc, scheduler).steps_per_optimizer_step == steps
     _accelerator()
 
 

@@ -279,9 +279,6 @@ class LoopState:
         self._rows = 0
         self._step_open = False  # the session's step was begun by a training batch
         self._training = False  # a training batch was drawn since the last ``finish``
-        # a prepared scheduler's steps per optimizer step (``prepare.scheduler_steps``), or
-        # the refusal of a global batch that is not a whole number of loader batches
-        self.scheduler_steps: int | str = 1
 
     # ---- the loaders ------------------------------------------------------------------------
     def batch_drawn(self, loader: CephaloDataLoader, batch: dict[str, Any]) -> None:

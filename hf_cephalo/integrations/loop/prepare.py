@@ -180,18 +180,15 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
         name_of = parameter_names(model)  # before the engine
         _check_optimizers(args, name_of)  # before the session's first collective
         job = job_from_accelerator(accelerator, train, seed=0)
-        steps = scheduler_steps(job.global_batch_size, train, accelerator)
-        if steps is None:  # refused now if a scheduler comes with the model, else at its prepare
-            steps = _fractional_scheduler_steps(job.global_batch_size, train, accelerator)
-            if any(isinstance(a, LRScheduler) for a in args):
-                raise ValueError(steps)
+        if train is not None and any(isinstance(a, LRScheduler) for a in args):
+            # a fractional count is refused here, before any collective (and at the
+            # scheduler's own prepare when it comes in a later call)
+            _scheduler_steps(job.global_batch_size, train, accelerator)
         seed = _broadcast_seed(accelerator)  # the first collective
-        _say_training_order(accelerator, train)
         job = dataclasses.replace(job, seed=seed, data_seed=seed)
         session = Session(job, staged, model=model,
                           train_dataset=None if train is None else train.dataset)
         accelerator.cephalo_loop = LoopState(session, _output_class(staged))
-        accelerator.cephalo_loop.scheduler_steps = steps
         accelerator._cephalo_name_of = name_of
         if accelerator.scaler_handler is not None:
             # GradScalerKwargs(init_scale=..., growth_interval=...): the engine's scaler takes them
@@ -232,15 +229,25 @@ def scheduler_steps(global_batch_size: int, train_loader: DataLoader | None,
     return global_batch_size // per_step if global_batch_size % per_step == 0 else None
 
 
-def _fractional_scheduler_steps(global_batch_size: int, train_loader, accelerator) -> str:
+def _scheduler_steps(global_batch_size: int, train_loader, accelerator) -> int:
+    """``scheduler_steps``, or ValueError naming the numbers and the fixes."""
+    steps = scheduler_steps(global_batch_size, train_loader, accelerator)
+    if steps is not None:
+        return steps
     bs, ga = train_loader.batch_size, accelerator.gradient_accumulation_steps
-    return (f"global batch size {global_batch_size} is not a whole number of the training "
-            f"loader's batches (batch_size {bs} x gradient_accumulation_steps {ga} = {bs * ga} "
-            "samples): the prepared scheduler steps once per loader batch a global batch "
-            "replaces (stock Accelerate: num_processes times per optimizer step), so a schedule "
-            "sized from the loader keeps its length, and here that count is not whole. Make the "
-            f"global batch size (the plan file's, or CephaloPlugin(global_batch_size=...)) a "
-            f"multiple of {bs * ga}, or the loader's batch_size a divisor of {global_batch_size}")
+    fits = [d for d in range(1, global_batch_size + 1) if global_batch_size % (d * ga) == 0]
+    other = (f"or a loader batch_size with batch_size x {ga} dividing {global_batch_size} "
+             f"({', '.join(map(str, fits[:6]))}{', ...' if len(fits) > 6 else ''})" if fits else
+             f"(no loader batch_size can do: gradient_accumulation_steps {ga} does not divide "
+             f"{global_batch_size})")
+    raise ValueError(
+        f"global batch size {global_batch_size} is not a whole number of the training loader's "
+        f"batches (batch_size {bs} x gradient_accumulation_steps {ga} = {bs * ga} samples): the "
+        "prepared scheduler steps once per loader batch a global batch replaces (stock "
+        "Accelerate: num_processes times per optimizer step), so a schedule sized from the "
+        "loader keeps its length, and here that count is not whole. Make the global batch size "
+        f"(the plan file's, or CephaloPlugin(global_batch_size=...)) a multiple of {bs * ga}, "
+        f"{other}")
 
 
 def _prepare_scheduler(accelerator, scheduler):
@@ -253,10 +260,10 @@ def _prepare_scheduler(accelerator, scheduler):
     from hf_cephalo.integrations.loop.loop import CephaloScheduler
 
     loop = getattr(accelerator, "cephalo_loop", None)
-    steps = loop.scheduler_steps if loop is not None else \
-        (1 if accelerator.split_batches else accelerator.num_processes)
-    if isinstance(steps, str):
-        raise ValueError(steps)
+    train = accelerator.cephalo_loaders[0] if loop is not None and accelerator.cephalo_loaders \
+        else None  # the training loader, prepared with the model or in an earlier call
+    steps = _scheduler_steps(loop.session.job.global_batch_size, train, accelerator) \
+        if loop is not None else (1 if accelerator.split_batches else accelerator.num_processes)
     stock = accelerator.prepare_scheduler(scheduler)
     ours = CephaloScheduler(
         stock.scheduler, stock.optimizers, step_with_optimizer=stock.step_with_optimizer,
@@ -295,6 +302,7 @@ def _prepare_loader(accelerator, loader: DataLoader) -> CephaloDataLoader:
     training = not accelerator.cephalo_loaders
     collate = loader.collate_fn
     if training:
+        _say_training_order(accelerator, loader)
         inner = session.train_loader(loader.dataset, collate,
                                      shuffle=isinstance(loader.sampler, RandomSampler),
                                      drop_last=loader.drop_last, whole_batches=True)

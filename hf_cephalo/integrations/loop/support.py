@@ -37,8 +37,10 @@ LOADER_FIELD_SUPPORT: dict[str, Support] = {
                       "rows per step, read in order by every rank; training loaders only)",
                       _T + "test_streamed_training_set"),
     "batch_size": _stock("the first (training) loader's batch_size x world size x "
-                         "gradient_accumulation_steps is the global batch B, cut by the plan's "
-                         "b_i; None (a batch_sampler) is refused",
+                         "gradient_accumulation_steps is the global batch B unless a plan file "
+                         "or global_batch_size sets B, cut by the plan's b_i; a scheduler steps "
+                         "B / (batch_size x gradient_accumulation_steps) times per optimizer "
+                         "step; None (a batch_sampler) is refused",
                          _T + "test_loop_equals_full_batch_reference"),
     "shuffle": _stock("training: stock's order under DataLoaderConfiguration("
                       "use_seedable_sampler=True), a permutation per epoch seeded by data_seed "
@@ -103,9 +105,9 @@ ACCELERATOR_FIELD_SUPPORT: dict[str, Support] = {
                               "loss with the engine's sharded scaler; 'fp8' is refused",
                               _T + "test_trainer_and_loop_give_the_same_losses"),
     "gradient_accumulation_steps": _stock(
-        "folded into the global batch: each prepared training batch is one global batch of "
-        "batch_size x world size x k rows and ends an optimizer step ([Note: the global batch "
-        "of a custom loop])", _T + "test_loop_equals_full_batch_reference"),
+        "folded into the global batch: each prepared training batch is one global batch (of "
+        "batch_size x world size x k rows unless a plan file or global_batch_size sets B) and "
+        "ends an optimizer step ([Note: the global batch of a custom loop])", _T + "test_loop_equals_full_batch_reference"),
     "cpu": _stock("Accelerate's CPU state (gloo, the real world size); the engine trains on "
                   "the CPU; set automatically where CUDA is absent ([Note: CPU workers under "
                   "accelerate launch])", "tests/test_accelerate_launch.py::"
@@ -160,8 +162,10 @@ Megatron, fp8, ``dispatch_batches``; ``accelerator_problems``: the rest)."""
 
 DATALOADER_CONFIG_SUPPORT: dict[str, Support] = {
     "split_batches": _stock("batch_size is the batch of all processes together: B = batch_size "
-                            "x gradient_accumulation_steps, and schedulers step once per "
-                            "optimizer step, as stock",
+                            "x gradient_accumulation_steps (unless a plan file or "
+                            "global_batch_size sets B), and schedulers step once per optimizer "
+                            "step at that B, as stock (B / (batch_size x "
+                            "gradient_accumulation_steps) times in general)",
                             _S + "test_job_follows_the_accelerator_settings"),
     "dispatch_batches": _refused("True: each rank reads its own rows of every global batch (a "
                                  "stream is read in order by every rank); drop dispatch_batches "
@@ -178,7 +182,8 @@ DATALOADER_CONFIG_SUPPORT: dict[str, Support] = {
         "a resume; pass True to silence it and to compare with a stock run",
         _S + "test_training_order_is_stock_seedable_samplers"),
     "data_seed": _stock("seeds the training order (use_seedable_sampler's seed), rank 0's "
-                        "value", _S + "test_training_order_is_stock_seedable_samplers"),
+                        "value, with either use_seedable_sampler (stock reads it only with "
+                        "True)", _S + "test_training_order_is_stock_seedable_samplers"),
     "non_blocking": _not_applicable("the engine copies each microbatch to the device itself"),
     "use_stateful_dataloader": _stock(
         "load_state restores the training loader's position: its next iteration continues the "
