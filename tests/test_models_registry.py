@@ -63,10 +63,12 @@ def test_class_without_adapter_trains_generically_and_non_models_are_refused():
 def test_staging_leaves_the_global_rng_and_the_log_as_it_found_them(monkeypatch):
     """The self-check seeds its tiny copy; staging must not reseed the user's RNG (it did: a
     custom loop's shuffled loader took its order from torch.initial_seed(), which the first
-    staging of a class set to 0, and dropout masks followed the check's draws). Nor does it
+    staging of a class set to 0, and dropout masks followed the check's draws), nor a CUDA
+    device's generators (torch.manual_seed reseeds them too, and fork_rng(devices=[]) restores
+    the CPU's only). Nor does it
     read the config's deprecated aliases (each read logs transformers' deprecation warning in
     the user's run: `torch_dtype` / `use_return_dict` on every rank)."""
-    reads = []
+    reads, cuda_seeds = [], []
     for alias in ("torch_dtype", "use_return_dict"):
         monkeypatch.setattr(transformers.PretrainedConfig, alias,
                             property(lambda self, a=alias: reads.append(a)))
@@ -75,9 +77,10 @@ def test_staging_leaves_the_global_rng_and_the_log_as_it_found_them(monkeypatch)
     torch.manual_seed(42)
     model = transformers.BertForSequenceClassification(config)
     state = torch.get_rng_state()
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", cuda_seeds.append)  # a GPU's generators
     stage_model(model)  # a config no other test stages: the check runs here, uncached
     assert torch.initial_seed() == 42 and torch.equal(torch.get_rng_state(), state)
-    assert reads == [], reads
+    assert cuda_seeds == [] and reads == [], (cuda_seeds, reads)
 
 
 def _tiny(config_cls, **kw):

@@ -644,7 +644,9 @@ def _check(cls: type, config: Any) -> Proof:
     try:
         with warnings.catch_warnings(), torch.device("cpu"):
             warnings.simplefilter("ignore")
-            torch.manual_seed(0)
+            # the CPU generator only (torch.manual_seed would also reseed every CUDA device,
+            # which stage_model's fork_rng(devices=[]) does not restore); the copy is on the CPU
+            torch.default_generator.manual_seed(0)
             tiny = cls(cfg).float().eval()
     except Exception as exc:  # noqa: BLE001 - any failure to build is a refusal with its cause
         raise StructureError(f"could not build a tiny copy of {cls.__name__} to check the "
