@@ -3,4 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"
+# Two pytest workers, each running whole test files (--dist loadfile: a module's process-group
+# fixture runs once): the multi-rank tests wait on each other's collectives and launches often
+# enough that two at a time finish sooner on 2 cores. Add -n 0 to run in one process.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=30 "$@"

@@ -29,7 +29,9 @@ multi-process job gets ``budget_s(quiet_s)`` = SLOWDOWN x its measured time (mea
 each test that runs such jobs (its module fixture included: pytest-timeout counts fixture
 setup against the first test that needs it) gets ``test_timeout(...)``, the sum of its jobs'
 budgets plus a margin, so the job's own timeout (which names the hung ranks) fires first.
-Override with CEPHALO_TEST_SLOWDOWN (e.g. 10 on a very slow machine).
+The README's test command runs two pytest workers, so a job may share the cores with another
+file's job: measured at most 3x its time alone, inside the factor. Override with
+CEPHALO_TEST_SLOWDOWN (e.g. 10 on a very slow machine).
 """
 
 
