@@ -4,7 +4,7 @@ For every causal LM in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (and 
 ``--seq-cls`` every ``...ForSequenceClassification`` of a decoder in
 ``MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES``), from the class's default config:
 
-1. a tiny random model (sizes shrunk by ``models/self_check.tiny_config``; a field the default
+1. a tiny random model (sizes shrunk by ``models/shrink.tiny_config``; a field the default
    config leaves unset although the forward needs it set as a checkpoint or the user would,
    ``UNSET_DEFAULTS``; the transforms that
    change the math around the layers -- embedding / residual / attention multipliers, logit
@@ -47,8 +47,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hf_cephalo.models import stage_model  # noqa: E402
 from hf_cephalo.models.registry import UnsupportedModelError  # noqa: E402
-from hf_cephalo.models.self_check import (TINY_MAX_NUMEL, float64_copy,  # noqa: E402
-                                          tiny_config, tiny_numel)
+from hf_cephalo.models.self_check import float64_copy  # noqa: E402
+from hf_cephalo.models.shrink import TINY_MAX_NUMEL, tiny_config, tiny_numel  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs",

@@ -67,7 +67,7 @@ def test_a_vision_language_class_stages_its_language_model_for_text():
 
 def test_tiny_config_keeps_what_the_model_needs_to_run():
     """The self-check's shrink keeps the ties a model relies on (config only: nothing built)."""
-    from hf_cephalo.models.self_check import tiny_config
+    from hf_cephalo.models.shrink import tiny_config
 
     jamba = tiny_config(transformers.JambaConfig())  # attention every 8th layer from layer 4
     assert "attention" in jamba.layers_block_type and not jamba.use_cache
@@ -138,7 +138,7 @@ def test_gemma4_without_per_layer_inputs_stages():
     softcapped logits) and the float64 one passes ([Note: fp32 rounding or another
     computation]). The default config (E2B-like, per-layer inputs computed from parameters)
     stays refused with that reason."""
-    from hf_cephalo.models.self_check import tiny_config
+    from hf_cephalo.models.shrink import tiny_config
 
     assert tiny_config(transformers.Gemma4TextConfig(
         hidden_size_per_layer_input=0)).hidden_size_per_layer_input == 0

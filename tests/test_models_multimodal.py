@@ -116,7 +116,7 @@ def test_a_causal_lm_the_path_cannot_stage_is_refused_with_class_reason_and_reme
     """Gemma4ForConditionalGeneration's text forward is a causal LM's, but its layers take
     per-layer inputs computed from parameters: refused by name, reason and what to do, not
     told that its head is none hf_cephalo trains."""
-    from hf_cephalo.models.self_check import tiny_config
+    from hf_cephalo.models.shrink import tiny_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
