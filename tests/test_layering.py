@@ -121,3 +121,30 @@ def test_no_module_is_over_800_lines():
                 if count > 800:
                     long[os.path.relpath(path, ROOT)] = count
     assert not long, long
+
+
+def test_no_function_over_60_code_lines():
+    """Issue 38's limit: a function's code (after its docstring; blank and comment lines not
+    counted) fits in 60 lines; split a longer one by step."""
+    long = []
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                source = f.read()
+            lines = source.split("\n")
+            for node in ast.walk(ast.parse(source)):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                first = node.body[0]
+                docstring = isinstance(first, ast.Expr) and isinstance(
+                    getattr(first, "value", None), ast.Constant) and isinstance(first.value.value, str)
+                start = first.end_lineno if docstring else first.lineno - 1
+                code = [line for line in lines[start:node.end_lineno]
+                        if line.strip() and not line.strip().startswith("#")]
+                if len(code) > 60:
+                    long.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} "
+                                f"({len(code)} lines)")
+    assert not long, long

@@ -275,6 +275,26 @@ def loader_problems(loader: Any, training: bool) -> list[str]:
     return problems
 
 
+def _dynamo_problems(dynamo: Any) -> list[str]:
+    """A ``TorchDynamoPlugin`` with a backend and fields the engine's per-unit compile does not
+    take (``accelerator_problems``)."""
+    if str(getattr(dynamo.backend, "value", dynamo.backend)).upper() == "NO":
+        return []
+    problems = []
+    extra = {k: getattr(dynamo, k) for k in ("fullgraph", "dynamic", "options",
+                                             "use_regional_compilation")
+             if getattr(dynamo, k, None) not in (None, False)}
+    if extra:
+        problems.append(f"TorchDynamoPlugin({', '.join(f'{k}={v!r}' for k, v in extra.items())}): "
+                        "the engine compiles each layer unit with the backend and mode only "
+                        "(regional by construction); drop these fields")
+    if getattr(dynamo, "disable", False):
+        problems.append("TorchDynamoPlugin(disable=True) with a backend: the engine compiles "
+                        "each layer unit whenever a backend is set; to train uncompiled, leave "
+                        "the backend at 'no' (no dynamo_backend, no ACCELERATE_DYNAMO_BACKEND)")
+    return problems
+
+
 def accelerator_problems(accelerator: Any) -> list[str]:
     """``Accelerator`` settings a custom loop on the engine would otherwise drop without a
     word (empty: none), each with what to do. Read from the constructed accelerator, so every
@@ -300,19 +320,7 @@ def accelerator_problems(accelerator: Any) -> list[str]:
         problems.append("Accelerator(parallelism_config=... / torch_tp_plugin=...): tensor, "
                         "context or sequence parallelism is not combined with Cephalo's "
                         "sharding; drop it")
-    dynamo = accelerator.state.dynamo_plugin
-    extra = {k: getattr(dynamo, k) for k in ("fullgraph", "dynamic", "options",
-                                             "use_regional_compilation")
-             if getattr(dynamo, k, None) not in (None, False)}
-    if str(getattr(dynamo.backend, "value", dynamo.backend)).upper() != "NO" and extra:
-        problems.append(f"TorchDynamoPlugin({', '.join(f'{k}={v!r}' for k, v in extra.items())}): "
-                        "the engine compiles each layer unit with the backend and mode only "
-                        "(regional by construction); drop these fields")
-    if str(getattr(dynamo.backend, "value", dynamo.backend)).upper() != "NO" and \
-            getattr(dynamo, "disable", False):
-        problems.append("TorchDynamoPlugin(disable=True) with a backend: the engine compiles "
-                        "each layer unit whenever a backend is set; to train uncompiled, leave "
-                        "the backend at 'no' (no dynamo_backend, no ACCELERATE_DYNAMO_BACKEND)")
+    problems += _dynamo_problems(accelerator.state.dynamo_plugin)
     ddp = getattr(accelerator, "ddp_handler", None)
     hooks = {k: getattr(ddp, k, None) for k in ("comm_hook", "comm_wrapper")}
     hooks = {k: str(getattr(v, "value", v)) for k, v in hooks.items()
