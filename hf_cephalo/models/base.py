@@ -210,7 +210,7 @@ class StagedModel(abc.ABC):
     def global_loss_sums(self) -> torch.Tensor | None:
         """A float64 vector of sums this rank's forward phase accumulated, for a loss term that
         is not a sum over items (the MoE router loss, [Note: global router loss] in
-        ``models/generic.py``); the engine SUM-all-reduces it over ranks after the forward
+        ``models/router_loss.py``); the engine SUM-all-reduces it over ranks after the forward
         phase and hands the total to ``finish_global_loss``. None (default): no such term. None on
         every rank or on none, and of one size on all (it depends on the config only)."""
         return None
