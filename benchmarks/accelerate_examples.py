@@ -31,8 +31,9 @@ world size and no run on another layout could repeat it (docs/accelerate.md, the
 DataLoaderConfiguration table).
 
 Compared (fp32): every optimizer step's loss over the whole global batch (each rank's mean
-weighted by its rows), the learning rate, the final weights (rtol 1e-5, atol 1e-6, with the largest difference and the largest movement printed) and the
-printed evaluation metrics, against
+weighted by its rows), the learning rate, the final weights (rtol 1e-5, atol 1e-6, with the
+largest difference and the largest movement printed) and the printed evaluation metrics,
+against
 - the stock script on ONE process with the whole global batch (``python script.py``), where
   Cephalo's global batch is set to the loader's batch (a plan file's), and
 - the stock script on 2 processes (``torchrun``, DistributedDataParallel on gloo), where
@@ -332,7 +333,8 @@ def compare(label: str, ours: Path, ref: Path, ours_micro: int = 1, ref_micro: i
     ok &= bool(ma) and ma == mb  # every run prints its metrics each epoch
     print(f"{'PASS' if ok else 'FAIL'} {label}: {len(a)} vs {len(b)} steps, loss rel diff "
           f"{loss_diff:.1e}, LR diff {lr_diff:.1e}, weights max |diff| {worst:.1e} "
-          f"(the largest movement from the pretrained weights: {moved:.1e}; {bad} of {sum(v.numel() for v in wb.values()):,} elements out of rtol {RTOL}), "
+          f"(the largest movement from the pretrained weights: {moved:.1e}; {bad} of "
+          f"{sum(v.numel() for v in wb.values()):,} elements out of rtol {RTOL}), "
           f"metrics {'equal' if ma == mb else f'{ma} vs {mb}'}")
     return bool(ok)
 

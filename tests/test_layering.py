@@ -140,7 +140,8 @@ def test_no_function_over_60_code_lines():
                     continue
                 first = node.body[0]
                 docstring = isinstance(first, ast.Expr) and isinstance(
-                    getattr(first, "value", None), ast.Constant) and isinstance(first.value.value, str)
+                    getattr(first, "value", None), ast.Constant) \
+                    and isinstance(first.value.value, str)
                 start = first.end_lineno if docstring else first.lineno - 1
                 code = [line for line in lines[start:node.end_lineno]
                         if line.strip() and not line.strip().startswith("#")]

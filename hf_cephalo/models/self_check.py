@@ -2,18 +2,18 @@
 
 [Note: the self-check]
 ``generic_staged(model)`` builds a tiny random model of the SAME class from the SAME config,
-only sizes shrunk (``shrink.tiny_config``: layers, widths, experts, vocabulary, with the fields tied to
-them kept tied; every flag, multiplier, scale, softcap and layer pattern kept; where the config
-class validates its sizes, sizes it accepts; no cache, as it trains), finds the layout on it (``generic.trace_layout``; of several layer stacks, the one its
-forward runs on text: ``find_layers``), then compares, in fp32 on CPU, the staged loss and every
-parameter gradient with the model's own
-``model(**batch, labels=...)`` over a padded batch cut into two microbatches. Only if they agree
-(rtol 1e-5) is the user's model staged, with the tiny copy's layout; otherwise ``StructureError``
-says what differed. A class that is not a sequence classifier must first prove a causal LM by
-what it computes (``generic.causal_lm_problem``; a vision-language ``...ForConditionalGeneration``
-on text is one). It needs no weights of the user's model (it works on a meta-device model)
-and no process group, so every rank refuses alike before any collective. Results are cached per
-(class, config) in the process.
+only sizes shrunk (``shrink.tiny_config``: layers, widths, experts, vocabulary, with the fields
+tied to them kept tied; every flag, multiplier, scale, softcap and layer pattern kept; where
+the config class validates its sizes, sizes it accepts; no cache, as it trains), finds the
+layout on it (``generic.trace_layout``; of several layer stacks, the one its forward runs on
+text: ``find_layers``), then compares, in fp32 on CPU, the staged loss and every parameter
+gradient with the model's own ``model(**batch, labels=...)`` over a padded batch cut into two
+microbatches. Only if they agree (rtol 1e-5) is the user's model staged, with the tiny copy's
+layout; otherwise ``StructureError`` says what differed. A class that is not a sequence
+classifier must first prove a causal LM by what it computes (``generic.causal_lm_problem``; a
+vision-language ``...ForConditionalGeneration`` on text is one). It needs no weights of the
+user's model (it works on a meta-device model) and no process group, so every rank refuses
+alike before any collective. Results are cached per (class, config) in the process.
 """
 
 from __future__ import annotations

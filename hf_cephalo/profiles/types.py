@@ -12,8 +12,8 @@ missing numbers, mismatched list lengths.
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -260,10 +260,11 @@ def _prepare_scheduler(accelerator, scheduler):
     from hf_cephalo.integrations.loop.loop import CephaloScheduler
 
     loop = getattr(accelerator, "cephalo_loop", None)
-    train = accelerator.cephalo_loaders[0] if loop is not None and accelerator.cephalo_loaders \
-        else None  # the training loader, prepared with the model or in an earlier call
-    steps = _scheduler_steps(loop.session.job.global_batch_size, train, accelerator) \
-        if loop is not None else (1 if accelerator.split_batches else accelerator.num_processes)
+    if loop is None:  # no model prepared yet: no global batch, stock's count
+        steps = scheduler_steps(0, None, accelerator)
+    else:  # the training loader came with the model or in an earlier call (else stock's count)
+        train = accelerator.cephalo_loaders[0] if accelerator.cephalo_loaders else None
+        steps = _scheduler_steps(loop.session.job.global_batch_size, train, accelerator)
     stock = accelerator.prepare_scheduler(scheduler)
     ours = CephaloScheduler(
         stock.scheduler, stock.optimizers, step_with_optimizer=stock.step_with_optimizer,

@@ -107,7 +107,8 @@ ACCELERATOR_FIELD_SUPPORT: dict[str, Support] = {
     "gradient_accumulation_steps": _stock(
         "folded into the global batch: each prepared training batch is one global batch (of "
         "batch_size x world size x k rows unless a plan file or global_batch_size sets B) and "
-        "ends an optimizer step ([Note: the global batch of a custom loop])", _T + "test_loop_equals_full_batch_reference"),
+        "ends an optimizer step ([Note: the global batch of a custom loop])",
+        _T + "test_loop_equals_full_batch_reference"),
     "cpu": _stock("Accelerate's CPU state (gloo, the real world size); the engine trains on "
                   "the CPU; set automatically where CUDA is absent ([Note: CPU workers under "
                   "accelerate launch])", "tests/test_accelerate_launch.py::"
