@@ -465,3 +465,23 @@ def test_profiling_copy_of_a_meta_model_keeps_its_facts(tmp_path, tied):
                for p in m.parameters())
     assert all(p.is_meta for p in copy.model.parameters() if id(p) not in run)
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_meta_init_seeds_the_cpu_generator_only(monkeypatch):
+    """run_init draws each module's init from its own seed on the CPU generator and gives the
+    caller's state back; a CUDA device's generators are not touched (torch.manual_seed
+    reseeded them, and fork_rng(devices=[]) gives back the CPU's only)."""
+    from hf_cephalo.engine.loading import run_init
+
+    cuda_seeds = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", cuda_seeds.append)  # a GPU's generators
+    layer = torch.nn.Linear(4, 3)
+    init = {id(layer): lambda m: torch.nn.init.normal_(m.weight)}
+    state = torch.get_rng_state()
+    run_init(init, [layer], seed=3)
+    first = layer.weight.detach().clone()
+    run_init(init, [layer], seed=3)
+    assert torch.equal(layer.weight, first) and torch.equal(torch.get_rng_state(), state)
+    run_init(init, [layer], seed=4)
+    assert not torch.equal(layer.weight, first)
+    assert cuda_seeds == []

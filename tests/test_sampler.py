@@ -309,9 +309,11 @@ def test_step_indices_carry_the_step_and_travel_to_workers():
     assert list(sampler.iter_steps(2, 7)) == steps[1:]  # from a global step on (read-ahead)
 
 
-def test_samples_are_read_under_their_own_seed():
+def test_samples_are_read_under_their_own_seed(monkeypatch):
     """read_sample(k, epoch) draws the same on every call and leaves the process's
-    generators as they were; another sample or epoch draws differently."""
+    generators as they were; another sample or epoch draws differently. A CUDA device's
+    generators are not touched (torch.manual_seed reseeded them on every read, and only the
+    CPU's state was given back: on a GPU, dropout then followed the last sample read)."""
     import numpy as np
 
     from hf_cephalo.runtime.sample_reads import preserved_rng, read_sample, sample_seed
@@ -320,6 +322,8 @@ def test_samples_are_read_under_their_own_seed():
         def __getitem__(self, i):
             return (random.random(), float(np.random.rand()), float(torch.rand(())))
 
+    cuda_seeds = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", cuda_seeds.append)  # a GPU's generators
     states = random.getstate(), torch.random.get_rng_state()
     a = read_sample(Noisy(), 3, seed=1, epoch=0)
     assert a == read_sample(Noisy(), 3, seed=1, epoch=0)
@@ -330,6 +334,7 @@ def test_samples_are_read_under_their_own_seed():
         first = torch.rand(())
     with preserved_rng(5):
         assert torch.equal(torch.rand(()), first)
+    assert cuda_seeds == []
 
 
 def test_global_width_check_on_collators():

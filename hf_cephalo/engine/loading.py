@@ -290,9 +290,10 @@ def _init_guard():
 
 def run_init(init_fns: dict[int, Callable], modules: Sequence[nn.Module], seed: int) -> None:
     """Apply each submodule's init function (post-order) under a CPU RNG seeded with ``seed``;
-    the caller's RNG state is restored afterwards."""
+    the caller's RNG state is restored afterwards. The CPU generator only: torch.manual_seed
+    would also reseed every CUDA device's, which fork_rng(devices=[]) does not give back."""
     with torch.random.fork_rng(devices=[]), torch.no_grad(), _init_guard():
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         for module in _post_order(modules):
             fn = init_fns.get(id(module))
             if fn is not None:
@@ -372,7 +373,7 @@ def _fill_meta_buffers(mod_name: str, module: nn.Module, names: list[str], sourc
                         torch.empty(shape, device="meta", dtype=held[n].dtype),
                         requires_grad=held[n].requires_grad)
             with torch.random.fork_rng(devices=[]), torch.no_grad(), _init_guard():
-                torch.manual_seed(unit_seed(seed, f"buffers of {mod_name}"))
+                torch.default_generator.manual_seed(unit_seed(seed, f"buffers of {mod_name}"))
                 fn(module)
         finally:
             module._parameters.update(held)

@@ -45,13 +45,15 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 @contextlib.contextmanager
 def preserved_rng(seed: int | None = None) -> Iterator[None]:
     """Run the body with Python's, NumPy's and torch's CPU generators seeded with ``seed``
-    (None: as they are), and give them back their states afterwards."""
+    (None: as they are), and give them back their states afterwards. Only the CPU generator:
+    ``torch.manual_seed`` would also reseed every CUDA device's (left reseeded, as only the
+    CPU's is given back), and costs a formatted stack per call on a machine without one."""
     states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
     try:
         if seed is not None:
             random.seed(seed)
             np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
         yield
     finally:
         random.setstate(states[0])
