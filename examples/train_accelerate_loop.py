@@ -38,11 +38,13 @@ from hf_cephalo.integrations import progress_bars_from_rank_zero, quiet_load_rep
 
 
 def get_dataloaders(accelerator, tokenizer, batch_size: int, eval_batch_size: int, seed: int,
-                    max_train_samples: int | None):
+                    max_train_samples: int | None, max_eval_samples: int | None = None):
     """Train and evaluation DataLoaders over the tokenized paragraphs (as nlp_example's)."""
     train, test = stratified_split(pydoc_paragraph_classes(), 0.2, seed)
     if max_train_samples is not None:
         train = train[:max_train_samples]
+    if max_eval_samples is not None:
+        test = test[:max_eval_samples]
 
     def encode(rows):
         return [{**tokenizer(text, truncation=True, max_length=128), "labels": label}
@@ -72,7 +74,7 @@ def training_function(args):
     tokenizer = AutoTokenizer.from_pretrained(path)
     train_dataloader, eval_dataloader = get_dataloaders(
         accelerator, tokenizer, args.batch_size, args.eval_batch_size, args.seed,
-        args.max_train_samples)
+        args.max_train_samples, args.max_eval_samples)
     with quiet_load_report(not accelerator.is_main_process):  # the new head's init, once
         model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=len(PYDOC_PARAGRAPH_LABELS))
@@ -148,6 +150,7 @@ def main():
     parser.add_argument("--eval_batch_size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--max_train_samples", type=int, default=None)
+    parser.add_argument("--max_eval_samples", type=int, default=None)
     parser.add_argument("--max_train_steps", type=int, default=None)
     parser.add_argument("--checkpointing_steps", type=int, default=None)
     parser.add_argument("--resume_from_checkpoint", default=None)

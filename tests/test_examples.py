@@ -60,11 +60,25 @@ def _losses(out: str) -> list[float]:
     return [float(x) for x in re.findall(r"\{'loss': '([0-9.]+)'", out)]
 
 
-@test_timeout(LAUNCH_S)
-def test_train_clm_llama_uneven_plan(tmp_path):
-    plan = _uneven_plan(tmp_path / "plan.json")
-    rc, out = _launch("train_clm.py", "--cephalo_plan_file", plan, "--output_dir", str(tmp_path / "o"),
-                      *TINY_CLM)
+@pytest.fixture(scope="module")
+def clm_default_runs(tmp_path_factory):
+    """Two launches of train_clm.py side by side, neither with --disable_tqdm: bars forced on
+    (--disable_tqdm false, no plan), and the script's default into a pipe with an uneven plan
+    (b = 3/5, m = 2/3, r = 65/35). Returns ``{"bars": (rc, out), "default": (rc, out, dir)}``."""
+    tmp_path = tmp_path_factory.mktemp("clm")
+    i = TINY_CLM.index("--disable_tqdm")
+    default = TINY_CLM[:i] + TINY_CLM[i + 2:]  # no --disable_tqdm: the script's default
+    bars, plain = _wait_all([
+        _start("train_clm.py", "--output_dir", str(tmp_path / "bars"), *default,
+               "--disable_tqdm", "false"),
+        _start("train_clm.py", "--cephalo_plan_file", _uneven_plan(tmp_path / "plan.json"),
+               "--output_dir", str(tmp_path / "o"), *default)])
+    return {"bars": bars, "default": (*plain, tmp_path / "o")}
+
+
+@test_timeout(LAUNCH_S)  # the two launches of clm_default_runs run at the same time
+def test_train_clm_llama_uneven_plan(clm_default_runs):
+    rc, out, out_dir = clm_default_runs["default"]
     assert rc == 0, out[-6000:]
     assert "Cephalo plan: global batch size 8" in out
     assert re.search(r"\n\s+0 \S+\s+3\s+2\s+2\s+65\.00\n\s+1 \S+\s+5\s+3\s+2\s+35\.00", out), out[-6000:]
@@ -74,29 +88,25 @@ def test_train_clm_llama_uneven_plan(tmp_path):
     assert "logits equal the trained model's on a sample batch (2, 32)" in out
     [generated] = re.findall(r"generated \(greedy, 8 new tokens\): '(.*)'", out)
     assert generated.startswith("The assert statement")
-    final = tmp_path / "o" / "final"
+    final = out_dir / "final"
     assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
-    # --disable_tqdm: no bar of datasets' map/filter or of the reload's "Loading weights"; the
-    # reload of our own save has nothing to report
-    assert "it/s]" not in out and "Loading weights" not in out and "LOAD REPORT" not in out
+    # the reload of our own save has nothing to report
+    assert "LOAD REPORT" not in out
 
 
-@test_timeout(LAUNCH_S)  # the two launches run at the same time
-def test_train_clm_progress_bars_from_rank_zero_and_none_in_a_log(tmp_path):
+@test_timeout(LAUNCH_S)  # the two launches of clm_default_runs run at the same time
+def test_train_clm_progress_bars_from_rank_zero_and_none_in_a_log(clm_default_runs):
     """Every rank maps the same text: datasets' bars are rank 0's only (each rank's bars
     interleaved before, issue 33); into a pipe (not a terminal) without --disable_tqdm, no bar
-    at all, the logged losses instead (a log file held every refresh)."""
-    i = TINY_CLM.index("--disable_tqdm")
-    default = TINY_CLM[:i] + TINY_CLM[i + 2:]  # no --disable_tqdm: the script's default
-    (rc, out), (rc_default, out_default) = _wait_all([
-        _start("train_clm.py", "--output_dir", str(tmp_path / "bars"), *default,
-               "--disable_tqdm", "false"),
-        _start("train_clm.py", "--output_dir", str(tmp_path / "default"), *default)])
+    at all (of datasets' map/filter, of the reload's "Loading weights", of training), the logged
+    losses instead (a log file held every refresh)."""
+    (rc, out), (rc_default, out_default, _) = clm_default_runs["bars"], clm_default_runs["default"]
     assert rc == 0 and rc_default == 0, (out + out_default)[-6000:]
     # train_clm maps twice (tokenize, group into blocks); each bar starts once with "0%"
     assert out.count("Map:   0%") == 2, out[-6000:]
     assert "it/s]" in out  # Trainer's own bar: rank 0's, as stock
     assert "Map" not in out_default and "it/s]" not in out_default, out_default[-6000:]
+    assert "Loading weights" not in out_default, out_default[-6000:]
     assert len(_losses(out_default)) == 6, out_default[-6000:]
 
 
@@ -168,6 +178,10 @@ def test_train_clm_two_machines_without_shared_filesystem(tmp_path):
     (rc0, out0), (rc1, out1) = _wait_all(procs)
     assert rc0 == 0 and rc1 == 0, f"machine 0:\n{out0[-4000:]}\nmachine 1:\n{out1[-4000:]}"
     assert "logits equal the trained model's" in out0 and "(went down; 6 logged values)" in out0
+    # --disable_tqdm (TINY_CLM): no bar of datasets' map/filter, of the reload's "Loading
+    # weights" or of training, even where a bar would be drawn
+    assert "it/s]" not in out0 + out1 and "Loading weights" not in out0 + out1
+    assert "Map" not in out0 + out1, out0[-4000:]
     assert not (tmp_path / "m1" / "tokenizer").exists()
 
 
@@ -247,7 +261,7 @@ def test_train_lora_minilm_adapter_and_merged_export(tmp_path):
     assert not any(info.values()) and model.config.num_labels == 3, info
 
 
-# examples/train_accelerate_loop.py: model load, 3 (then 1) steps of 16 paragraphs, 231 held-out
+# examples/train_accelerate_loop.py: model load, 3 (then 1) steps of 16 paragraphs, 41 held-out
 # paragraphs, a save_state and the final save. Measured 27-43 s per launch on 2 loaded cores.
 LOOP_LAUNCH_S = 45.0
 
@@ -265,7 +279,7 @@ def test_accelerate_loop_example_resumes_into_the_uninterrupted_run(tmp_path):
 
     plan = _uneven_plan(tmp_path / "plan.json", (6, 10), (3, 5), (0.6, 0.4))
     common = ("--cephalo_plan_file", plan, "--max_train_samples", "64", "--max_train_steps", "3",
-              "--num_epochs", "1")
+              "--num_epochs", "1", "--max_eval_samples", "41")  # 41: the last batch is uneven
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     budget = budget_s(LOOP_LAUNCH_S)
     [(rc, out)] = wait_all([_start("train_accelerate_loop.py", *common, "--output_dir", str(full),
@@ -273,7 +287,7 @@ def test_accelerate_loop_example_resumes_into_the_uninterrupted_run(tmp_path):
     assert rc == 0, out[-6000:]
     assert re.search(r"rank device +b_i +m_i +l_i +r_i %\n +0 .* 6 +3 +\d+ +60\.00\n +1 .* 10 +5",
                      out), out[-6000:]
-    assert re.search(r"epoch 0: train loss [0-9.]+, held-out accuracy [0-9.]+ on 231 paragraphs",
+    assert re.search(r"epoch 0: train loss [0-9.]+, held-out accuracy [0-9.]+ on 41 paragraphs",
                      out), out[-6000:]
     # accelerator.end_training(): the predicted-vs-measured table, as the Trainer door prints
     assert re.search(r"rank +b_i +m_i +unit compute s/step pred", out), out[-6000:]
