@@ -89,6 +89,10 @@ class DataArguments:
     def __post_init__(self) -> None:
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"--test_fraction {self.test_fraction} must be in (0, 1)")
+        for flag in ("max_train_samples", "max_eval_samples"):
+            value = getattr(self, flag)
+            if value is not None and value < 1:
+                raise ValueError(f"--{flag} {value} must be >= 1 (leave it out for all)")
 
 
 def build(model_args: ModelArguments, process_index: int):

@@ -438,7 +438,7 @@ def _reference(world, *, kind="own", sched=False, ga=1, precision="no", steps=No
                 # num_processes at stock's B): B / (batch_size x ga), the loader of _loop
                 for _ in range(B // (max(B // (world * ga), 1) * ga)):
                     scheduler.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             if steps is not None and len(losses) >= steps:
                 return losses, model.state_dict()
     return losses, model.state_dict()

@@ -8,10 +8,12 @@ stalling CI.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -304,6 +306,30 @@ def test_accelerate_loop_example_resumes_into_the_uninterrupted_run(tmp_path):
     assert not diff, sorted(diff.items(), key=lambda kv: -kv[1])[:5]
     model = AutoModelForSequenceClassification.from_pretrained(resumed / "final")
     assert model.config.num_labels == 3
+
+
+def _example_module(script: str, monkeypatch):
+    name = f"example_{script[:-3]}"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(120)  # a regression would train in this process instead of refusing
+@pytest.mark.parametrize("flag", ["--max_train_samples", "--max_eval_samples"])
+def test_sample_limits_below_one_are_refused(flag, monkeypatch, capsys):
+    """In-process, before any Accelerator or model: a limit of 0 or less is an error naming the
+    flag (a negative slice silently dropped the last rows, 0 trained or scored nothing)."""
+    loop = _example_module("train_accelerate_loop.py", monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["train_accelerate_loop.py", flag, "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        loop.main()
+    assert exit_info.value.code == 2 and f"{flag} 0 must be >= 1" in capsys.readouterr().err
+    lora = _example_module("train_lora.py", monkeypatch)
+    with pytest.raises(ValueError, match=f"{flag} -1 must be >= 1"):
+        lora.main(["--output_dir", "unused", flag, "-1"])
 
 
 TINY_SFT = ("--hidden_size", "32", "--num_layers", "2", "--num_heads", "2", "--vocab_size", "300",
