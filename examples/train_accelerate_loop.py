@@ -158,10 +158,10 @@ def main():
                  "emulate_memory_cap_bytes", "adaptive"):
         parser.add_argument(f"--cephalo_{name}", default=None)
     args = parser.parse_args()
-    for flag, lowest in (("max_train_samples", 1), ("max_eval_samples", 1)):
+    for flag in ("max_train_samples", "max_eval_samples"):
         value = getattr(args, flag)
-        if value is not None and value < lowest:
-            parser.error(f"--{flag} {value} must be >= {lowest} (leave it out for all)")
+        if value is not None and value < 1:
+            parser.error(f"--{flag} {value} must be >= 1 (leave it out for all)")
     args.cephalo = {k.removeprefix("cephalo_"): v for k, v in vars(args).items()
                     if k.startswith("cephalo_") and v is not None}
     training_function(args)
