@@ -25,7 +25,7 @@ from ..models.base import (AutocastStagedModel, StagedModel, global_num_items_sc
                           refuse_global_loss)
 from ..planner.state import layout_unit_shards  # pure planning code (numpy), no torch.distributed
 from . import collectives as C
-from . import evaluation, state_dicts
+from . import evaluation, generation, state_dicts
 from .compile import (CompileFailure, CompileOptions, CompileStats, CompiledUnits,
                       compile_line, graph_count, probe_compile, remote_failure, running,
                       timed_probe)
@@ -619,6 +619,31 @@ class CephaloEngine:
         """Layered forward only, no gradients (``evaluation.evaluate``)."""
         return evaluation.evaluate(self, microbatches, return_logits=return_logits,
                                    process_logits=process_logits)
+
+    def generate(self, prompt_ids, rows, params, round_: int, *, mode: str = "auto",
+                 memory_budget_bytes: int | None = None, pad_to_multiple_of: int | None = None):
+        """Collective: decode this rank's prompts with the model's own ``generate`` over the
+        sharded weights (``generation.engine_generate``; [Note: two decode modes]).
+
+        Args:
+            prompt_ids: this rank's B prompts as token-id lists (B may be 0).
+            rows: (B,) each prompt's global row index, the key of its sampling ([Note: keyed
+                sampling] in ``sampling.py``). params: ``SamplingParams``.
+            round_: the generation round (part of the key). mode: ``"auto"`` (gather once when
+                every rank's ``memory_budget_bytes`` holds the full weights plus its KV cache,
+                else sharded), ``"gather_once"`` or ``"sharded"``.
+            memory_budget_bytes: bytes this rank may add for the call (None: no limit).
+
+        Returns:
+            ``GenerateOutput(completions, truncated, mode, steps)``.
+
+        Raises:
+            ValueError: mismatched rows, an empty prompt, an unknown mode, a budget that holds
+                neither mode (after one all-reduce, on every rank, before any gather).
+        """
+        return generation.engine_generate(self, prompt_ids, rows, params, round_, mode=mode,
+                                          memory_budget_bytes=memory_budget_bytes,
+                                          pad_to_multiple_of=pad_to_multiple_of)
 
     def iter_full_units(self, order: Sequence[int] | None = None) -> Iterator[FullUnit]:
         """Collective generator, one unit per step (``state_dicts.iter_full_units``)."""

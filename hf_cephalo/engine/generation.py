@@ -1,0 +1,348 @@
+"""Generation on the sharded engine: transformers' own decode loop over a gathered or a
+layer-by-layer gathered model, with keyed sampling.
+
+[Note: two decode modes]
+The engine holds every unit as per-rank shards; the model object's parameter entries are
+empty placeholders between uses. Generation runs the model's own ``generate`` (its KV cache
+classes, position handling and attention masks) over the model object while the units'
+gathered views are installed in it, in one of two modes, one mode for every rank of a call:
+
+- **gather once** (``"gather_once"``): every unit (layers, embedding, head) is all-gathered once
+  for the call, the rank decodes its rows locally without any further collective, and the
+  gathered buffers are freed at the end. Memory: the full weights in the gathered dtype plus
+  the KV cache of this rank's rows. What ZeRO-3's ``ds3_gather_for_generation`` does, priced
+  before it is chosen (``choose_mode``).
+- **layered sharded decode** (``"sharded"``): the embedding and head units are gathered for the
+  call; each layer unit is all-gathered by a forward pre-hook right before the layer runs
+  (the next layer's all-gather issued as it starts, as in training's prefetch) and resharded
+  by a forward hook right after, so one all-gather per layer per decode step. Every rank runs
+  the same number of decode steps (lock-step, ``LockStepStop``): a rank whose rows have all
+  ended, or that has none, keeps stepping (on a one-token stand-in row) until every rank's rows
+  have ended or ``max_new_tokens`` is reached. Memory: the shard, the root, two layer units,
+  the KV cache.
+
+Both modes produce the same tokens: the same forward code on the same weights, and sampling
+keyed by the global row ([Note: keyed sampling] in ``sampling.py``). The modes differ in
+time (gather once: no collective per step; sharded: one all-gather per layer and step, plus one
+all-reduce per step for the lock-step stop) and memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models.base import staged_call
+from . import collectives as C
+from .sampling import KeyedSampler, SamplingParams
+
+__all__ = ["DECODE_MODES", "GenerateOutput", "generate_rows", "engine_generate", "choose_mode",
+           "kv_cache_bytes_per_token", "LockStepStop"]
+
+DECODE_MODES = ("auto", "gather_once", "sharded")
+
+
+class GenerateOutput(NamedTuple):
+    """Result of a generation call on one rank.
+
+    completions: per local row, the generated token ids up to and including the first EOS
+        (all ``max_new_tokens`` ids when none came: the row was truncated).
+    truncated: per local row, True when it reached ``max_new_tokens`` without an EOS.
+    mode: the decode mode every rank used (``"gather_once"`` or ``"sharded"``).
+    steps: decode steps (forward calls) this rank ran.
+    """
+
+    completions: list[list[int]]
+    truncated: list[bool]
+    mode: str
+    steps: int
+
+
+class LockStepStop:
+    """A transformers ``StoppingCriteria``: a row stops when the sampler saw its EOS; with a
+    ``group``, ALL rows stop together only once every rank's rows have (one SUM all-reduce of
+    this rank's unfinished-row count per decode step), so every rank runs the same number of
+    forward calls ([Note: two decode modes]). Without a group the ended rows stop as they end.
+    """
+
+    def __init__(self, sampler: KeyedSampler, group=None, lockstep: bool = False,
+                 stats=None):
+        self.sampler, self.group, self.lockstep, self.stats = sampler, group, lockstep, stats
+        self.steps = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.steps += 1
+        done = self.sampler.update_done(input_ids).clone()
+        if not self.lockstep:
+            return done
+        flag = torch.tensor([float((~done).sum())], dtype=torch.float64, device=done.device)
+        if self.stats is not None:
+            C.all_reduce_sum(flag, self.group, self.stats)
+        else:
+            dist.all_reduce(flag, group=self.group)
+        return torch.full_like(done, bool(flag.item() == 0))
+
+
+def _left_pad(prompt_ids: Sequence[Sequence[int]], pad: int, multiple: int | None,
+              device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) left-padded ids and attention mask, P rounded up to ``multiple`` (TRL's
+    ``pad_to_multiple_of``)."""
+    width = max(len(p) for p in prompt_ids)
+    if multiple:
+        width = -(-width // multiple) * multiple
+    ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for j, row in enumerate(prompt_ids):
+        if len(row):
+            ids[j, width - len(row):] = torch.as_tensor(list(row), dtype=torch.long)
+            mask[j, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _check_rows(prompt_ids, rows) -> None:
+    if len(rows) != len(prompt_ids):
+        raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(rows)} global row "
+                         "indices; pass one global row index per prompt")
+    empty = [j for j, p in enumerate(prompt_ids) if len(p) == 0]
+    if empty:
+        raise ValueError(f"generate: prompt(s) {empty} are empty; every row needs at least one "
+                         "prompt token (e.g. the tokenizer's BOS)")
+
+
+@torch.no_grad()
+def generate_rows(model: nn.Module, prompt_ids: Sequence[Sequence[int]], rows: Sequence[int],
+                  params: SamplingParams, round_: int, *, device: torch.device | None = None,
+                  pad_to_multiple_of: int | None = None, lockstep_group: Any = None,
+                  lockstep: bool = False, stats=None) -> GenerateOutput:
+    """Decode ``prompt_ids`` with ``model.generate`` (its own KV cache and masks) and keyed
+    sampling, on a model whose weights are all present (a plain model, or the engine's during
+    a call). The single-process reference and both engine modes run this function.
+
+    Args:
+        prompt_ids: B token-id lists (left-padded here with ``params.pad_token_id``).
+        rows: (B,) the global row index of each prompt (its sampling key).
+        round_: the generation round (part of the key).
+        lockstep: every rank of ``lockstep_group`` calls this the same number of times and
+            runs the same number of decode steps (``LockStepStop``); a rank without prompts
+            decodes a one-token stand-in row and returns no completions.
+
+    Returns:
+        ``GenerateOutput`` (``mode`` empty: the caller's).
+
+    Raises:
+        ValueError: ``rows`` and ``prompt_ids`` differ in length, or a prompt is empty.
+    """
+    _check_rows(prompt_ids, rows)
+    device = device or next(iter(model.parameters())).device
+    real = len(prompt_ids)
+    if real == 0 and not lockstep:
+        return GenerateOutput([], [], "", 0)
+    if real == 0:  # a stand-in row keeps this rank in step with the others
+        prompt_ids, rows = [[params.pad_token_id]], [-1]
+    ids, mask = _left_pad(prompt_ids, params.pad_token_id, pad_to_multiple_of, device)
+    sampler = KeyedSampler(params, rows, round_, ids.shape[1], device)
+    if real == 0:
+        sampler.done[:] = True
+    stop = LockStepStop(sampler, lockstep_group, lockstep, stats)
+    from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+    config = GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=False,
+                              num_beams=1, pad_token_id=params.pad_token_id, eos_token_id=None,
+                              temperature=None, top_k=None, top_p=None, use_cache=True)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                         logits_processor=LogitsProcessorList([sampler]),
+                         stopping_criteria=StoppingCriteriaList([stop]))
+    new = out[:, ids.shape[1]:].tolist()
+    completions, truncated = [], []
+    eos = set(params.eos_token_ids)
+    for tokens in new[:real]:
+        end = next((k for k, t in enumerate(tokens) if t in eos), None)
+        completions.append(tokens[:end + 1] if end is not None else tokens)
+        truncated.append(end is None)
+    return GenerateOutput(completions, truncated, "", stop.steps)
+
+
+def kv_cache_bytes_per_token(config: Any, element_size: int) -> int:
+    """Bytes of KV cache one token of one row costs: 2 (K and V) x layers x KV heads x head
+    dim x ``element_size``, from the model config's ``num_hidden_layers``,
+    ``num_key_value_heads`` (else ``num_attention_heads``) and ``head_dim`` (else
+    ``hidden_size / num_attention_heads``). An upper bound for sliding-window or linear-attention
+    layers, which keep less. 0 when the config lacks the fields."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (
+        text.hidden_size // heads if heads and getattr(text, "hidden_size", None) else None)
+    if not (layers and kv and head_dim):
+        return 0
+    return 2 * int(layers) * int(kv) * int(head_dim) * int(element_size)
+
+
+def _full_param_bytes(engine) -> int:
+    return sum(part.numel * torch.empty(0, dtype=unit.gather_dtype(part)).element_size()
+               for unit in engine.all_units() for part in unit.parts)
+
+
+def _unit_param_bytes(engine) -> tuple[int, int]:
+    """(root bytes, largest layer unit's bytes), gathered."""
+    def size(unit):
+        return sum(part.numel * torch.empty(0, dtype=unit.gather_dtype(part)).element_size()
+                   for part in unit.parts)
+    root = size(engine.root.embed) + size(engine.root.head)
+    return root, max((size(u) for u in engine.units), default=0)
+
+
+def decode_memory_bytes(engine, num_rows: int, max_tokens: int, mode: str) -> int:
+    """Predicted bytes a call adds on this rank beyond its resident shards: gathered weights
+    (the whole model for ``gather_once``; the root and two layer units for ``sharded``) plus
+    the KV cache of ``num_rows`` rows of ``max_tokens`` tokens (prompt + completion), in the
+    gathered dtype. Logits and activations of one token per row are not counted."""
+    element = torch.empty(0, dtype=engine.units[0].param_dtype if engine.units else
+                          torch.float32).element_size()
+    kv = kv_cache_bytes_per_token(getattr(engine.staged.model, "config", None), element)
+    cache = kv * max(num_rows, 1) * max_tokens
+    if mode == "gather_once":
+        return _full_param_bytes(engine) + cache
+    root, layer = _unit_param_bytes(engine)
+    return root + 2 * layer + cache
+
+
+def choose_mode(engine, mode: str, num_rows: int, max_tokens: int,
+                memory_budget_bytes: int | None,
+                refused: Exception | None = None) -> tuple[str, int]:
+    """Collective (one all-reduce): the decode mode every rank uses, and the number of ranks
+    whose budget the gather-once mode would exceed. ``"auto"``: gather once if it fits
+    every rank's ``memory_budget_bytes`` (None: no limit on that rank), else sharded.
+    ``refused``: this rank's own refusal of its inputs, raised here after the all-reduce (the
+    other ranks raise one naming this rank), so no rank is left waiting in a collective.
+
+    Raises (on every rank, after the all-reduce, before any gather):
+        ValueError: a rank's refusal; an unknown mode; a rank that asked for ``gather_once`` explicitly while some
+            rank's budget does not hold it; a rank whose budget does not hold even the sharded
+            mode (its KV cache is too large: fewer rows or a shorter ``max_completion_length``).
+    """
+    if refused is None and mode not in DECODE_MODES:
+        refused = ValueError(f"generate: decode mode {mode!r}; choose one of {DECODE_MODES}")
+    once = decode_memory_bytes(engine, num_rows, max_tokens, "gather_once")
+    sharded = decode_memory_bytes(engine, num_rows, max_tokens, "sharded")
+    budget = memory_budget_bytes
+    flags = torch.zeros(3 + engine.world_size, dtype=torch.float64, device=engine.device)
+    flags[3 + engine.rank] = float(refused is not None)
+    flags[0] = float(budget is not None and once > budget)  # gather-once does not fit here
+    flags[1] = float(budget is not None and sharded > budget)  # nothing fits here
+    flags[2] = float(mode == "gather_once")
+    C.all_reduce_sum(flags, engine.group, engine.stats)
+    too_big_once, too_big, asked_once = (int(f) for f in flags.tolist()[:3])
+    if refused is not None:
+        raise refused
+    ranks = [r for r, f in enumerate(flags.tolist()[3:]) if f]
+    if ranks:
+        raise ValueError(f"generate: the inputs of rank(s) {ranks} were refused (their error "
+                         "says why); nothing was generated on any rank")
+    if too_big:
+        raise ValueError(
+            f"generate: {too_big} rank(s) cannot hold even the layered sharded decode (this "
+            f"rank: {sharded / 2**20:.1f} MiB for {num_rows} row(s) of up to {max_tokens} "
+            f"tokens, budget {'none' if budget is None else f'{budget / 2**20:.1f} MiB'}); the "
+            "KV cache is too large: generate fewer rows per rank or fewer tokens "
+            "(max_completion_length)")
+    if asked_once and too_big_once:
+        raise ValueError(f"generate: decode mode 'gather_once' does not fit on {too_big_once} "
+                         f"rank(s) (this rank needs {once / 2**20:.1f} MiB); use 'sharded' or "
+                         "'auto'")
+    if mode == "auto":
+        mode = "sharded" if too_big_once else "gather_once"
+    return mode, too_big_once
+
+
+@contextlib.contextmanager
+def _gathered(units: Sequence):
+    """All-gather ``units`` (every rank, same order), install their views; reshard on exit."""
+    try:
+        for unit in units:
+            unit.start_unshard()
+        for unit in units:
+            unit.wait_unshard(requires_grad=False)
+            unit.use_params()
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+@contextlib.contextmanager
+def _layer_hooks(engine):
+    """Forward hooks that gather each layer unit right before its module runs and reshard it
+    right after, issuing the next layer's all-gather as a layer starts ([Note: two decode
+    modes])."""
+    modules, units = engine.staged.units(), engine.units
+    handles = []
+
+    def pre(i):
+        def hook(module, args, kwargs=None):
+            units[i].start_unshard()
+            units[i].wait_unshard(requires_grad=False)
+            if i + 1 < len(units):
+                units[i + 1].start_unshard()
+            units[i].use_params()
+        return hook
+
+    def post(i):
+        def hook(module, args, output):
+            units[i].reshard()
+        return hook
+
+    try:
+        for i, module in enumerate(modules):
+            handles.append(module.register_forward_pre_hook(pre(i)))
+            handles.append(module.register_forward_hook(post(i)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for unit in units:
+            unit.reshard()
+
+
+def engine_generate(engine, prompt_ids: Sequence[Sequence[int]], rows: Sequence[int],
+                    params: SamplingParams, round_: int, *, mode: str = "auto",
+                    memory_budget_bytes: int | None = None,
+                    pad_to_multiple_of: int | None = None) -> GenerateOutput:
+    """Collective: every rank calls it (with its own rows, possibly none). See
+    ``CephaloEngine.generate``."""
+    engine.check_usable("generate")
+    refused = None
+    try:
+        _check_rows(prompt_ids, rows)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"generate: params must be hf_cephalo SamplingParams, got "
+                             f"{type(params).__name__}")
+    except ValueError as exc:
+        refused = exc
+    width = max((len(p) for p in prompt_ids), default=1)
+    max_new = getattr(params, "max_new_tokens", 0)
+    mode, _ = choose_mode(engine, mode, len(prompt_ids), width + max_new, memory_budget_bytes,
+                          refused)
+    try:
+        return _decode(engine, prompt_ids, rows, params, round_, mode, pad_to_multiple_of)
+    except BaseException as exc:  # mid-decode: the ranks' collectives may be out of step
+        engine.abandon_step(None, exc, "generate")
+        raise
+
+
+def _decode(engine, prompt_ids, rows, params, round_, mode, pad_to_multiple_of):
+    model = engine.staged.model
+    autocast = torch.autocast(engine.device.type, dtype=engine.precision.compute) \
+        if engine.precision.compute is not None else contextlib.nullcontext()
+    lockstep = mode == "sharded"
+    units = engine.all_units() if mode == "gather_once" else engine.root.both()
+    with staged_call(), autocast, _gathered(units), \
+            (_layer_hooks(engine) if lockstep else contextlib.nullcontext()):
+        out = generate_rows(model, prompt_ids, rows, params, round_, device=engine.device,
+                            pad_to_multiple_of=pad_to_multiple_of, lockstep_group=engine.group,
+                            lockstep=lockstep, stats=engine.stats)
+    return out._replace(mode=mode)

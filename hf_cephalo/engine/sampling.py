@@ -1,0 +1,162 @@
+"""Sampling keyed by the global row: completions that do not depend on the plan.
+
+[Note: keyed sampling]
+A sampled token is a function of the logits and of the key (seed, round, global row, position),
+nothing else: no generator state is carried from one row or one step to the next. After the
+logits are warped as transformers' sampling warpers do (temperature, top-k, top-p, min-p, in
+that order, ``GenerationMixin._get_logits_processor``), each row adds Gumbel noise
+``g = -log(-log(u))`` with ``u ~ U[0, 1)^V`` drawn from a CPU ``torch.Generator`` seeded with a
+64-bit hash of its key, and takes the argmax (the Gumbel-max trick: ``argmax(l + g)`` is a
+sample of ``softmax(l)``; Gumbel 1954, as used by Maddison et al. 2014, "A* Sampling"). So the
+same prompt on global row ``r`` in round ``k`` gets the same completion on any plan, world size,
+rank or batch composition, and a resumed run re-samples exactly what the uninterrupted run
+sampled. Stock sampling (``torch.multinomial`` on each rank's own generator) draws from one
+stream per rank, so what a row gets depends on which rank decoded it and after which rows.
+
+The noise is drawn on the CPU in float64 (the CPU generator's stream is the same on every
+machine; a CUDA generator's is not guaranteed to match across devices) and added to the
+float64 warped logits on the logits' device. Cost: one ``(V,)`` draw per row and token.
+Greedy decoding (``do_sample=False``) adds no noise: the argmax of the logits.
+
+What remains plan-dependent: the logits themselves, which a different padding width or batch
+size can move in the last bits; a sampled token flips only when two perturbed logits tie
+within that rounding (measured: never in the tests' runs; docs/generation.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from transformers import LogitsProcessor
+
+__all__ = ["SamplingParams", "sample_key", "gumbel_noise", "KeyedSampler", "warp_logits"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How completions are sampled (the fields of transformers' ``GenerationConfig`` and TRL's
+    ``GRPOConfig`` of the same names).
+
+    max_new_tokens: completion tokens at most (>= 1); a row that reaches it without an EOS
+        is truncated there (TRL's ``max_completion_length``).
+    do_sample: False = greedy (argmax), True = keyed sampling ([Note: keyed sampling]).
+    temperature (> 0), top_k (0 or None: off), top_p (in (0, 1]), min_p (None or in [0, 1]):
+        the warpers, applied in transformers' order.
+    eos_token_ids: a row ends after the first of these; pad_token_id fills after it.
+    seed: the job's seed, part of every key.
+
+    Raises:
+        ValueError: a field out of range (named, with its value).
+    """
+
+    max_new_tokens: int
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    pad_token_id: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+             "an int >= 1 (TRL: max_completion_length)"),
+            ("temperature", float(self.temperature) > 0, "> 0 (use do_sample=False for greedy)"),
+            ("top_k", self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 0),
+             "None, 0 (off) or a positive int"),
+            ("top_p", 0 < float(self.top_p) <= 1, "in (0, 1]"),
+            ("min_p", self.min_p is None or 0 <= float(self.min_p) <= 1, "None or in [0, 1]"),
+            ("pad_token_id", isinstance(self.pad_token_id, int) and self.pad_token_id >= 0,
+             "a token id (the tokenizer's pad_token_id)"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: must be {want}")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+
+def sample_key(seed: int, round_: int, row: int, position: int) -> int:
+    """The 63-bit generator seed of one sampled token: a BLAKE2b hash of the four ints
+    (each as a signed 64-bit little-endian integer), so nearby keys give unrelated streams."""
+    packed = struct.pack("<4q", int(seed), int(round_), int(row), int(position))
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little") >> 1
+
+
+def gumbel_noise(keys: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """(len(keys), vocab_size) float64 CPU tensor of standard Gumbel noise, row ``j`` drawn
+    from a CPU generator seeded with ``keys[j]`` ([Note: keyed sampling])."""
+    out = torch.empty(len(keys), vocab_size, dtype=torch.float64)
+    gen = torch.Generator()
+    for j, key in enumerate(keys):
+        gen.manual_seed(int(key))
+        out[j] = torch.rand(vocab_size, generator=gen, dtype=torch.float64)
+    return out.log_().neg_().log_().neg_()
+
+
+def warp_logits(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(B, V) float64 logits after transformers' own temperature / top-k / top-p / min-p
+    warpers (filtered entries -inf), in ``GenerationMixin``'s order."""
+    from transformers.generation.logits_process import (MinPLogitsWarper,
+                                                        TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+    warpers = []
+    if float(params.temperature) != 1.0:
+        warpers.append(TemperatureLogitsWarper(float(params.temperature)))
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(top_k=int(params.top_k)))
+    if float(params.top_p) < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=float(params.top_p)))
+    if params.min_p is not None:
+        warpers.append(MinPLogitsWarper(min_p=float(params.min_p)))
+    scores = scores.double()
+    for warper in warpers:
+        scores = warper(None, scores)
+    return scores
+
+
+class KeyedSampler(LogitsProcessor):
+    """A transformers ``LogitsProcessor`` that turns greedy decoding into keyed sampling.
+
+    Passed to ``model.generate(..., do_sample=False, logits_processor=[sampler])``: at each
+    step it returns scores whose argmax is the keyed sample of each row ([Note: keyed
+    sampling]); a row that has produced an EOS gets the pad token from then on (its scores
+    are -inf but at ``pad_token_id``). ``done`` (B,) bool says which rows have ended.
+
+    Args:
+        params: ``SamplingParams``. rows: (B,) the global row index of each batch row.
+        round_: the generation round (TRL: the optimizer step that generates).
+        prompt_width: the padded prompt length; token position = ``input_ids.shape[1] -
+            prompt_width``.
+    """
+
+    def __init__(self, params: SamplingParams, rows: Sequence[int], round_: int,
+                 prompt_width: int, device: torch.device):
+        self.params, self.rows, self.round = params, [int(r) for r in rows], int(round_)
+        self.prompt_width = int(prompt_width)
+        self.done = torch.zeros(len(self.rows), dtype=torch.bool, device=device)
+        self._eos = torch.tensor(params.eos_token_ids, dtype=torch.long, device=device)
+
+    def update_done(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Mark rows whose last token is an EOS (after the prompt); returns ``done``."""
+        if input_ids.shape[1] > self.prompt_width and self._eos.numel():
+            self.done |= torch.isin(input_ids[:, -1], self._eos)
+        return self.done
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        position = input_ids.shape[1] - self.prompt_width
+        done = self.update_done(input_ids)
+        p = self.params
+        out = warp_logits(scores, p) if p.do_sample else scores.double()
+        if p.do_sample:
+            keys = [sample_key(p.seed, self.round, row, position) for row in self.rows]
+            out = out + gumbel_noise(keys, out.shape[-1]).to(out.device)
+        if bool(done.any()):
+            out[done] = float("-inf")
+            out[done, p.pad_token_id] = 0.0
+        return out
