@@ -37,7 +37,7 @@ _EXPORTS = {
     "CephaloSFTConfig": "hf_cephalo.integrations.trl",
     "CephaloDPOTrainer": "hf_cephalo.integrations.trl",
     "CephaloDPOConfig": "hf_cephalo.integrations.trl",
-    "reproducible_rollout": "hf_cephalo.integrations.trl.rollout",
+    "reproducible_rollout": "hf_cephalo.integrations.trl.reproducible",
     "SamplingParams": "hf_cephalo.runtime.generation",
     "from_pretrained_sharded": "hf_cephalo.runtime.pretrained",
     "latest_checkpoint": "hf_cephalo.runtime.elastic",
