@@ -28,6 +28,9 @@ parameter), fp32 at rtol 1e-5 / atol 1e-6:
 * evaluation: ``gather_for_metrics`` returns every eval row exactly once, in dataset order, and
   so do per-row ids the collator passes through as a list (each rank holds its rows' own);
   the loop pops those ids from every batch (an idle rank's too);
+* after training, the prepared model's ``generate`` and ``CephaloTrainer.generate`` give each
+  row (interleaved over the ranks, an idle rank included) what one process decodes with the
+  final weights (keyed sampling, docs/generation.md);
 * refusals before any collective: a second model, ``no_sync``, backward twice, a loss that does
   not depend on the outputs (every rank raises, none hangs).
 """
@@ -233,7 +236,27 @@ def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, preci
         if steps is not None and step >= steps:
             break
     state = accelerator.get_state_dict(model)
-    return dict(losses=losses, state=state if rank == 0 else None)
+    generated = _generate(rank, world, model.generate) if name == "own" else None
+    return dict(losses=losses, state=state if rank == 0 else None, generated=generated)
+
+
+GEN_PROMPTS = [[5, 6, 7], [8], [9, 10, 11, 12], [13, 14], [3, 3]]
+GEN_KW = dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20,
+              eos_token_id=[4, 17], pad_token_id=0, seed=3, round_=2)
+
+
+def _generate(rank, world, generate):
+    """This rank's rows of GEN_PROMPTS (interleaved: rank r gets rows r, r + W, ...), left
+    padded, through a door's ``generate`` with their global row indices."""
+    rows = list(range(rank, len(GEN_PROMPTS), world))
+    width = max(len(GEN_PROMPTS[r]) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for j, r in enumerate(rows):
+        ids[j, width - len(GEN_PROMPTS[r]):] = torch.tensor(GEN_PROMPTS[r])
+        mask[j, width - len(GEN_PROMPTS[r]):] = 1
+    out = generate(ids, mask, rows=rows, **GEN_KW)
+    return dict(rows=rows, width=width, out=out.tolist())
 
 
 def _eval_case(rank, world, root, plan):
@@ -402,7 +425,9 @@ def _trainer(rank, world, root, plan, precision="no"):
         _groups(list(trainer.engine.param_shards.named_parameters())), lr=LR, eps=EPS)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
-    return dict(losses=[h["loss"] for h in logs], state=trainer.engine.full_state_dict())
+    generated = _generate(rank, world, trainer.generate) if precision == "no" else None
+    return dict(losses=[h["loss"] for h in logs], state=trainer.engine.full_state_dict(),
+                generated=generated)
 
 
 # ---- the single-process reference ------------------------------------------------------------
@@ -520,6 +545,40 @@ def test_trainer_and_loop_give_the_same_losses(runs):
         _params_close(runs[2][0][f"trainer_{precision}"]["state"], runs[2][0][precision]["state"])
     ref_losses, _ = _reference(2, precision="bf16")
     _close(runs[2][0]["bf16"]["losses"], ref_losses, rtol=2 ** -7, atol=0)
+
+
+def _completions(generated: list[dict], eos=(4, 17)) -> dict[int, list[int]]:
+    """Row -> completion (up to its first EOS) from every rank's ``_generate`` result."""
+    out = {}
+    for g in generated:
+        for row, tokens in zip(g["rows"], g["out"]):
+            assert tokens[:g["width"]][-len(GEN_PROMPTS[row]):] == GEN_PROMPTS[row]
+            tail = tokens[g["width"]:]
+            end = next((k for k, t in enumerate(tail) if t in eos), None)
+            out[row] = tail[:end + 1] if end is not None else tail
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_generate_after_training_in_both_doors(runs, world):
+    """After training, the loop's prepared ``model.generate`` (2 and 3 ranks, an idle rank
+    included: rows interleaved over the ranks) and ``CephaloTrainer.generate`` (2 ranks) give
+    every row the completion one process decodes with the final weights (docs/generation.md):
+    (B, P + T) as ``generate`` returns it, keyed sampling by the global row."""
+    from hf_cephalo.runtime.generation import SamplingParams, generate_rows
+
+    model = build("llama", seed=0)
+    model.load_state_dict(runs[world][0]["own"]["state"])
+    params = SamplingParams(max_new_tokens=6, temperature=0.7, top_k=20, eos_token_ids=(4, 17),
+                            pad_token_id=0, seed=3)
+    want = generate_rows(model.eval(), GEN_PROMPTS, list(range(len(GEN_PROMPTS))), params,
+                         2).completions
+    doors = [[r["own"]["generated"] for r in runs[world]]]
+    if world == 2:
+        doors.append([r["trainer"]["generated"] for r in runs[world]])
+    for generated in doors:
+        got = _completions(generated)
+        assert [got[row] for row in range(len(GEN_PROMPTS))] == want
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -15,7 +15,8 @@ from typing import Sequence
 from ..engine.generation import DECODE_MODES, GenerateOutput, generate_rows
 from ..engine.sampling import SamplingParams, sample_key
 
-__all__ = ["DECODE_MODES", "GenerateOutput", "SamplingParams", "generate_rows",
+__all__ = ["DECODE_MODES", "GenerateOutput", "SamplingParams", "generate_rows", "generate_tensor",
+           "sampling_from_generation_config",
            "generation_budget_bytes", "sample_key", "session_generate"]
 
 
@@ -41,3 +42,83 @@ def session_generate(session, prompt_ids: Sequence[Sequence[int]], rows: Sequenc
     return session.engine.generate(prompt_ids, rows, params, round_, mode=mode,
                                    memory_budget_bytes=budget,
                                    pad_to_multiple_of=pad_to_multiple_of)
+
+
+_GENERATE_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
+                  "eos_token_id", "pad_token_id")
+
+
+def sampling_from_generation_config(model, kwargs: dict, seed: int) -> SamplingParams:
+    """``SamplingParams`` from ``model.generate``-style keyword arguments over the model's own
+    ``generation_config`` (a keyword wins over the config, as in ``generate``).
+
+    Raises:
+        TypeError: a keyword the sharded ``generate`` does not honour (named; what it takes).
+        ValueError: no completion length (neither ``max_new_tokens`` nor the config's).
+    """
+    unknown = sorted(set(kwargs) - set(_GENERATE_KEYS))
+    if unknown:
+        raise TypeError(f"generate on the sharded model does not take {unknown}: it decodes "
+                        f"with keyed sampling and takes {list(_GENERATE_KEYS)} (plus rows, "
+                        "round_, seed, mode); beams, penalties and streamers are not built")
+    config = getattr(model, "generation_config", None)
+
+    def pick(name, default=None):
+        for value in (kwargs.get(name), getattr(config, name, None)):
+            if value is not None:
+                return value
+        return default
+
+    max_new = pick("max_new_tokens")
+    if max_new is None:
+        raise ValueError("generate: pass max_new_tokens (the sharded generate needs a "
+                         "completion length limit)")
+    eos = pick("eos_token_id", ())
+    eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+    pad = pick("pad_token_id", eos[0] if eos else 0)
+    return SamplingParams(max_new_tokens=int(max_new), do_sample=bool(pick("do_sample", False)),
+                          temperature=float(pick("temperature", 1.0)),
+                          top_k=int(pick("top_k", 0) or 0), top_p=float(pick("top_p", 1.0)),
+                          min_p=pick("min_p"), eos_token_ids=eos, pad_token_id=int(pad),
+                          seed=int(seed))
+
+
+def generate_tensor(session, input_ids, attention_mask=None, *, rows=None,
+                    round_: int | None = None,
+                    seed: int | None = None, mode: str = "auto", **kwargs):
+    """Collective: ``model.generate`` on the sharded model, as a tensor (the doors' call).
+
+    Args:
+        input_ids: (B, P) this rank's prompts, left-padded (B may be 0);
+            attention_mask: (B, P), 1 on prompt tokens (default: all ones).
+        rows: (B,) the prompts' global row indices (their sampling keys). Default: numbered in
+            rank order (rank 0's rows first), which depends on how rows are split over the
+            ranks: pass the rows' own indices for completions that do not.
+        round_ (default: the optimizer steps done, ``session.global_step``), seed (default
+            the job's seed), mode: as ``CephaloEngine.generate``.
+        kwargs: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+            ``min_p``, ``eos_token_id``, ``pad_token_id`` (default: the model's
+            ``generation_config``).
+
+    Returns:
+        (B, P + T) long tensor as ``generate`` returns it: the prompts as given, then each
+        completion right-padded with the pad id to the longest on this rank (T).
+    """
+    import torch
+
+    params = sampling_from_generation_config(session.model, kwargs,
+                                             session.job.seed if seed is None else seed)
+    ids = torch.as_tensor(input_ids)
+    mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+    if rows is None:
+        counts = session.gather_rows(torch.tensor([len(prompts)], device=session.job.device))
+        start = int(counts[:session.job.rank].sum())
+        rows = list(range(start, start + len(prompts)))
+    round_ = session.global_step if round_ is None else int(round_)
+    out = session_generate(session, prompts, [int(r) for r in rows], params, round_, mode=mode)
+    width = max((len(c) for c in out.completions), default=0)
+    tail = torch.full((len(prompts), width), params.pad_token_id, dtype=torch.long)
+    for j, tokens in enumerate(out.completions):
+        tail[j, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+    return torch.cat([ids.cpu().long(), tail], dim=1).to(ids.device)

@@ -28,7 +28,8 @@ SHARDED_MODEL_MESSAGE = (
     "this model's parameters are sharded across ranks by CephaloTrainer (its local tensors are "
     "empty placeholders): save it with trainer.save_model(output_dir) (every rank calls it; "
     "rank 0 writes a from_pretrained checkpoint), or call trainer.unshard_model() on every rank "
-    "to get full weights back into this object")
+    "to get full weights back into this object; to generate, call generate on the trainer or "
+    "on the prepared model instead (collective; docs/generation.md)")
 
 
 def is_sharded(model: nn.Module, full_numel: int) -> bool:

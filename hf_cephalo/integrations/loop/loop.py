@@ -75,6 +75,19 @@ class CephaloModel(nn.Module):
         self._module.train(mode)
         return self
 
+    def generate(self, input_ids=None, attention_mask=None, **kwargs):
+        """Collective (every rank, same number of calls): ``generate`` on the sharded weights,
+        with keyed sampling (docs/generation.md): (B, P + T) prompts then completions, as
+        ``model.generate`` returns them. Keywords: ``max_new_tokens``, ``do_sample``,
+        ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``eos_token_id``, ``pad_token_id``
+        (default: the model's ``generation_config``), and ``rows`` (the prompts' global row
+        indices: completions then do not depend on the plan), ``round_``, ``seed``, ``mode``
+        (``runtime.generation.generate_tensor``). Raises TypeError for other keywords."""
+        from hf_cephalo.runtime.generation import generate_tensor
+
+        self._hooks.end_open_step("generate")
+        return generate_tensor(self._session, input_ids, attention_mask, **kwargs)
+
     def state_dict(self, *args, **kwargs):
         raise RuntimeError("the prepared model is sharded across ranks: use "
                            "accelerator.get_state_dict(model) (every rank calls it; rank 0 gets "

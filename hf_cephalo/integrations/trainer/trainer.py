@@ -456,6 +456,19 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     # ---- the user's model ------------------------------------------------------------------
+    def generate(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
+        """Collective (every rank, same number of calls): ``model.generate`` on the sharded
+        weights with keyed sampling (docs/generation.md); (B, P + T) prompts then completions.
+        Keywords as the prepared loop model's ``generate``
+        (``runtime.generation.generate_tensor``): ``max_new_tokens``, ``do_sample``,
+        ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``eos_token_id``, ``pad_token_id``,
+        ``rows``, ``round_`` (default: ``state.global_step``), ``seed`` (default
+        ``args.seed``), ``mode``. Raises TypeError for other keywords."""
+        from hf_cephalo.runtime.generation import generate_tensor
+
+        kwargs.setdefault("round_", self.state.global_step)
+        return generate_tensor(self.session, input_ids, attention_mask, **kwargs)
+
     def unshard_model(self) -> torch.nn.Module:
         """Collective (call on every rank): put full copies of the current weights into the
         model object passed to ``CephaloTrainer`` (``trainer.model``) on every rank, so that
