@@ -237,15 +237,19 @@ def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, preci
             break
     state = accelerator.get_state_dict(model)
     generated = _generate(rank, world, model.generate) if name == "own" else None
-    return dict(losses=losses, state=state if rank == 0 else None, generated=generated)
+    # the rows decoded elsewhere than where they are held (the planner's g_i apart from b_i)
+    split = _generate(rank, world, model.generate, GEN_SPLITS[world]) if name == "own" else None
+    return dict(losses=losses, state=state if rank == 0 else None, generated=generated,
+                generated_split=split)
 
 
 GEN_PROMPTS = [[5, 6, 7], [8], [9, 10, 11, 12], [13, 14], [3, 3]]
+GEN_SPLITS = {2: [5, 0], 3: [0, 2, 3]}  # g_i: rows each rank decodes
 GEN_KW = dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20,
               eos_token_id=[4, 17], pad_token_id=0, seed=3, round_=2)
 
 
-def _generate(rank, world, generate):
+def _generate(rank, world, generate, split=None):
     """This rank's rows of GEN_PROMPTS (interleaved: rank r gets rows r, r + W, ...), left
     padded, through a door's ``generate`` with their global row indices."""
     rows = list(range(rank, len(GEN_PROMPTS), world))
@@ -255,7 +259,7 @@ def _generate(rank, world, generate):
     for j, r in enumerate(rows):
         ids[j, width - len(GEN_PROMPTS[r]):] = torch.tensor(GEN_PROMPTS[r])
         mask[j, width - len(GEN_PROMPTS[r]):] = 1
-    out = generate(ids, mask, rows=rows, **GEN_KW)
+    out = generate(ids, mask, rows=rows, generation_split=split, **GEN_KW)
     return dict(rows=rows, width=width, out=out.tolist())
 
 
@@ -564,7 +568,9 @@ def test_generate_after_training_in_both_doors(runs, world):
     """After training, the loop's prepared ``model.generate`` (2 and 3 ranks, an idle rank
     included: rows interleaved over the ranks) and ``CephaloTrainer.generate`` (2 ranks) give
     every row the completion one process decodes with the final weights (docs/generation.md):
-    (B, P + T) as ``generate`` returns it, keyed sampling by the global row."""
+    (B, P + T) as ``generate`` returns it, keyed sampling by the global row; also when the
+    rows are decoded by other ranks than hold them (``generation_split`` g = [5, 0] on 2
+    ranks, [0, 2, 3] on 3)."""
     from hf_cephalo.runtime.generation import SamplingParams, generate_rows
 
     model = build("llama", seed=0)
@@ -573,7 +579,8 @@ def test_generate_after_training_in_both_doors(runs, world):
                             pad_token_id=0, seed=3)
     want = generate_rows(model.eval(), GEN_PROMPTS, list(range(len(GEN_PROMPTS))), params,
                          2).completions
-    doors = [[r["own"]["generated"] for r in runs[world]]]
+    doors = [[r["own"]["generated"] for r in runs[world]],
+             [r["own"]["generated_split"] for r in runs[world]]]
     if world == 2:
         doors.append([r["trainer"]["generated"] for r in runs[world]])
     for generated in doors:

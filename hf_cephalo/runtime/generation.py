@@ -35,13 +35,51 @@ def generation_budget_bytes(plan, rank: int) -> int | None:
 
 def session_generate(session, prompt_ids: Sequence[Sequence[int]], rows: Sequence[int],
                      params: SamplingParams, round_: int, *, mode: str = "auto",
-                     pad_to_multiple_of: int | None = None) -> GenerateOutput:
+                     pad_to_multiple_of: int | None = None,
+                     generation_split: Sequence[int] | None = None) -> GenerateOutput:
     """Collective: ``CephaloEngine.generate`` over the session's engine, with this rank's
-    budget from its plan (``generation_budget_bytes``)."""
+    budget from its plan (``generation_budget_bytes``).
+
+    ``generation_split``: g_i, the rows each rank DECODES (rank order, summing to the rows of
+    all ranks), apart from the rows it holds and trains (b_i): the prompts' token ids are
+    all-gathered, rank i decodes the g_i rows that come i-th in global row order, and the
+    completions' token ids are all-gathered back, each rank keeping its own rows
+    ([Note: generation split]). None: each rank decodes its own rows. The completions are the
+    same either way (keyed sampling).
+
+    Raises:
+        ValueError: a split of another world size or total (every rank alike, after the
+            prompts' exchange).
+    """
     budget = generation_budget_bytes(session.plan, session.job.rank)
-    return session.engine.generate(prompt_ids, rows, params, round_, mode=mode,
-                                   memory_budget_bytes=budget,
-                                   pad_to_multiple_of=pad_to_multiple_of)
+    if generation_split is None:
+        return session.engine.generate(prompt_ids, rows, params, round_, mode=mode,
+                                       memory_budget_bytes=budget,
+                                       pad_to_multiple_of=pad_to_multiple_of)
+    import torch.distributed as dist
+
+    # [Note: generation split] decoding is memory-bandwidth-bound, training compute-bound: the
+    # planner's g_i for the decode differs from b_i; only token ids cross ranks, twice
+    group, world, rank = session.group, session.job.world_size, session.job.rank
+    mine = [(int(r), list(map(int, p))) for r, p in zip(rows, prompt_ids)]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    table = sorted(pair for part in everyone for pair in part)
+    split = [int(g) for g in generation_split]
+    if len(split) != world or sum(split) != len(table) or min(split) < 0:
+        raise ValueError(f"generation_split {split}: needs {world} non-negative counts summing "
+                         f"to the {len(table)} rows of the generation batch")
+    start = sum(split[:rank])
+    todo = table[start:start + split[rank]]
+    out = session.engine.generate([p for _, p in todo], [r for r, _ in todo], params, round_,
+                                  mode=mode, memory_budget_bytes=budget,
+                                  pad_to_multiple_of=pad_to_multiple_of)
+    decoded: list = [None] * world
+    dist.all_gather_object(decoded, [(r, c, t) for (r, _), c, t in
+                                     zip(todo, out.completions, out.truncated)], group=group)
+    by_row = {r: (c, t) for part in decoded for r, c, t in part}
+    return out._replace(completions=[by_row[int(r)][0] for r in rows],
+                        truncated=[by_row[int(r)][1] for r in rows])
 
 
 _GENERATE_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
@@ -84,8 +122,8 @@ def sampling_from_generation_config(model, kwargs: dict, seed: int) -> SamplingP
 
 
 def generate_tensor(session, input_ids, attention_mask=None, *, rows=None,
-                    round_: int | None = None,
-                    seed: int | None = None, mode: str = "auto", **kwargs):
+                    round_: int | None = None, seed: int | None = None, mode: str = "auto",
+                    generation_split: Sequence[int] | None = None, **kwargs):
     """Collective: ``model.generate`` on the sharded model, as a tensor (the doors' call).
 
     Args:
@@ -95,7 +133,8 @@ def generate_tensor(session, input_ids, attention_mask=None, *, rows=None,
             rank order (rank 0's rows first), which depends on how rows are split over the
             ranks: pass the rows' own indices for completions that do not.
         round_ (default: the optimizer steps done, ``session.global_step``), seed (default
-            the job's seed), mode: as ``CephaloEngine.generate``.
+            the job's seed), mode: as ``CephaloEngine.generate``; generation_split: the rows
+            each rank decodes (``session_generate``).
         kwargs: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
             ``min_p``, ``eos_token_id``, ``pad_token_id`` (default: the model's
             ``generation_config``).
@@ -116,7 +155,8 @@ def generate_tensor(session, input_ids, attention_mask=None, *, rows=None,
         start = int(counts[:session.job.rank].sum())
         rows = list(range(start, start + len(prompts)))
     round_ = session.global_step if round_ is None else int(round_)
-    out = session_generate(session, prompts, [int(r) for r in rows], params, round_, mode=mode)
+    out = session_generate(session, prompts, [int(r) for r in rows], params, round_, mode=mode,
+                           generation_split=generation_split)
     width = max((len(c) for c in out.completions), default=0)
     tail = torch.full((len(prompts), width), params.pad_token_id, dtype=torch.long)
     for j, tokens in enumerate(out.completions):
