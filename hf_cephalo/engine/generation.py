@@ -41,7 +41,7 @@ from . import collectives as C
 from .sampling import KeyedSampler, SamplingParams
 
 __all__ = ["DECODE_MODES", "GenerateOutput", "generate_rows", "engine_generate", "choose_mode",
-           "kv_cache_bytes_per_token", "LockStepStop"]
+           "kv_cache_bytes_per_token", "LockStepStop", "decode_memory_bytes", "gathered_bytes"]
 
 DECODE_MODES = ("auto", "gather_once", "sharded")
 
@@ -182,18 +182,15 @@ def kv_cache_bytes_per_token(config: Any, element_size: int) -> int:
     return 2 * int(layers) * int(kv) * int(head_dim) * int(element_size)
 
 
-def _full_param_bytes(engine) -> int:
-    return sum(part.numel * torch.empty(0, dtype=unit.gather_dtype(part)).element_size()
-               for unit in engine.all_units() for part in unit.parts)
-
-
-def _unit_param_bytes(engine) -> tuple[int, int]:
-    """(root bytes, largest layer unit's bytes), gathered."""
+def gathered_bytes(engine) -> tuple[int, int, int]:
+    """(every unit, the embedding + head units, the largest layer unit) in bytes, in the
+    dtypes they are all-gathered in."""
     def size(unit):
         return sum(part.numel * torch.empty(0, dtype=unit.gather_dtype(part)).element_size()
                    for part in unit.parts)
     root = size(engine.root.embed) + size(engine.root.head)
-    return root, max((size(u) for u in engine.units), default=0)
+    layers = [size(u) for u in engine.units]
+    return root + sum(layers), root, max(layers, default=0)
 
 
 def decode_memory_bytes(engine, num_rows: int, max_tokens: int, mode: str) -> int:
@@ -204,11 +201,9 @@ def decode_memory_bytes(engine, num_rows: int, max_tokens: int, mode: str) -> in
     element = torch.empty(0, dtype=engine.units[0].param_dtype if engine.units else
                           torch.float32).element_size()
     kv = kv_cache_bytes_per_token(getattr(engine.staged.model, "config", None), element)
-    cache = kv * max(num_rows, 1) * max_tokens
-    if mode == "gather_once":
-        return _full_param_bytes(engine) + cache
-    root, layer = _unit_param_bytes(engine)
-    return root + 2 * layer + cache
+    cache = kv * num_rows * max_tokens
+    full, root, layer = gathered_bytes(engine)
+    return (full if mode == "gather_once" else root + 2 * layer) + cache
 
 
 def choose_mode(engine, mode: str, num_rows: int, max_tokens: int,
@@ -298,7 +293,8 @@ def _layer_hooks(engine):
 
     try:
         for i, module in enumerate(modules):
-            handles.append(module.register_forward_pre_hook(pre(i)))
+            # first of the pre-hooks: a timing hook (emulated slowdown) sees the gathered layer
+            handles.append(module.register_forward_pre_hook(pre(i), prepend=True))
             handles.append(module.register_forward_hook(post(i)))
         yield
     finally:

@@ -1,0 +1,91 @@
+"""The generation planner (planner/generation.py, [Note: the decode cost model]): the split of a
+generation batch g_i and the decode mode, exact against brute force over every split."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from hf_cephalo.planner.generation import (DecodeModel, DecodeProfile,
+                                           InfeasibleGenerationError, plan_generation)
+
+MODEL = DecodeModel(weight_bytes=1000.0, root_bytes=100.0, unit_bytes=200.0, num_units=4,
+                    kv_bytes_per_token=2.0, allgather_s_per_unit=0.01, allreduce_s=0.001,
+                    gather_all_s=0.05)
+
+
+def _brute(ranks, model, rows, prompt, new, mode):
+    """The least predicted time of ``mode`` over every split that fits memory."""
+    best = None
+    tokens = prompt + new
+    for split in itertools.product(range(rows + 1), repeat=len(ranks)):
+        if sum(split) != rows:
+            continue
+        fits = all(r.memory_budget_bytes is None or
+                   model.decode_memory(mode, g, tokens) <= r.memory_budget_bytes
+                   for r, g in zip(ranks, split))
+        if not fits:
+            continue
+        if mode == "gather_once":
+            t = max(new * r.step_s(g) for r, g in zip(ranks, split)) + model.gather_all_s
+        else:
+            t = new * (max(r.step_s(max(g, 1)) for r, g in zip(ranks, split))
+                       + model.num_units * model.allgather_s_per_unit + model.allreduce_s)
+        best = t if best is None else min(best, t)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_split_is_optimal_against_brute_force(seed):
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4])
+    rows = rng.randint(1, 9)
+    ranks = [DecodeProfile(f"gpu{i}", rng.uniform(0.001, 0.05), rng.uniform(0.0, 0.02),
+                           rng.choice([None, 1100.0, 1500.0, 450.0, 2000.0]))
+             for i in range(world)]
+    want = {m: _brute(ranks, MODEL, rows, 3, 5, m) for m in ("gather_once", "sharded")}
+    feasible = [t for t in want.values() if t is not None]
+    if not feasible:
+        with pytest.raises(InfeasibleGenerationError, match="no decode mode fits"):
+            plan_generation(ranks, MODEL, rows, 3, 5)
+        return
+    got = plan_generation(ranks, MODEL, rows, 3, 5)
+    assert sum(got.rows) == rows
+    assert got.predicted_s == pytest.approx(min(feasible), rel=1e-12)
+    assert got.predicted_s == pytest.approx(want[got.mode], rel=1e-12)
+
+
+def test_fast_memory_takes_more_rows_and_idle_ranks_cost_nothing_gathered():
+    fast = DecodeProfile("H100", 0.002, 0.0001)
+    slow = DecodeProfile("T4", 0.02, 0.001)
+    plan = plan_generation([fast, slow, slow], MODEL, 12, 4, 8)
+    assert plan.mode == "gather_once"
+    assert plan.rows[0] > plan.rows[1] and plan.rows[1] == plan.rows[2]
+    # a rank that cannot hold the full weights forces the sharded decode on every rank
+    tight = DecodeProfile("small", 0.002, 0.0001, memory_budget_bytes=600.0)
+    assert plan_generation([tight, slow], MODEL, 4, 4, 8).mode == "sharded"
+
+
+def test_profiles_from_timings_and_spec_sheets():
+    prof = DecodeProfile.from_timings("x", [1, 4, 16], [0.011, 0.014, 0.026])
+    assert prof.fixed_s == pytest.approx(0.01, abs=1e-4)
+    assert prof.per_row_s == pytest.approx(0.001, abs=1e-4)
+    with pytest.raises(ValueError, match="two or more row counts"):
+        DecodeProfile.from_timings("x", [2, 2], [0.1, 0.1])
+    with pytest.raises(ValueError, match="fixed_s must be >= 0"):
+        DecodeProfile("x", -1.0, 0.0)
+    h100 = DecodeProfile.from_spec("H100", weight_bytes=16e9, kv_bytes_per_token=131072,
+                                   context_tokens=1024, flops_per_token=16e9,
+                                   bandwidth_gbs=3350, peak_tflops=989.4)
+    t4 = DecodeProfile.from_spec("T4", weight_bytes=16e9, kv_bytes_per_token=131072,
+                                 context_tokens=1024, flops_per_token=16e9, bandwidth_gbs=320,
+                                 peak_tflops=65.0)
+    assert h100.fixed_s == pytest.approx(16e9 / (3350e9 * 0.5))
+    assert t4.fixed_s / h100.fixed_s == pytest.approx(3350 / 320)
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="rows"):
+        plan_generation([DecodeProfile("a", 0.01, 0.0)], MODEL, 0, 3, 5)
