@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from hf_cephalo.planner.generation import (DecodeModel, DecodeProfile,
+from hf_cephalo.planner.generation import (DecodeModel, DecodeProfile, spec_decode,
                                            InfeasibleGenerationError, plan_generation)
 
 MODEL = DecodeModel(weight_bytes=1000.0, root_bytes=100.0, unit_bytes=200.0, num_units=4,
@@ -89,3 +89,23 @@ def test_profiles_from_timings_and_spec_sheets():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="rows"):
         plan_generation([DecodeProfile("a", 0.01, 0.0)], MODEL, 0, 3, 5)
+
+
+def test_spec_sheets_price_a_mixed_cluster():
+    """One H100 and three T4s decoding Llama-3-8B (fp16) from the spec tables: the H100's
+    memory bandwidth (3350 vs 320 GB/s) gives it most rows, and the plan beats an even split;
+    the T4 has no bf16 peak."""
+    from hf_cephalo.profiles.specs import GPU_SPECS, get_model_shape
+
+    shape = get_model_shape("llama-3-8b")
+    assert GPU_SPECS["H100"].memory_bandwidth_gbs == 3350.0
+    h100, model = spec_decode("H100", shape, precision="fp16")
+    t4, _ = spec_decode("T4", shape, precision="fp16")
+    plan = plan_generation([h100, t4, t4, t4], model, 64, 128, 256)
+    assert plan.mode == "gather_once" and sum(plan.rows) == 64
+    assert plan.rows[0] > 3 * max(plan.rows[1:])
+    even = max(r.step_s(16) for r in (h100, t4)) * 256
+    assert plan.predicted_s < even
+    with pytest.raises(ValueError, match="no bf16 peak|lists no bf16"):
+        spec_decode("T4", shape, precision="bf16")
+

@@ -39,7 +39,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["DecodeProfile", "DecodeModel", "GenerationPlan", "plan_generation",
+__all__ = ["DecodeProfile", "DecodeModel", "GenerationPlan", "plan_generation", "spec_decode",
            "InfeasibleGenerationError"]
 
 
@@ -221,3 +221,42 @@ def plan_generation(ranks: Sequence[DecodeProfile], model: DecodeModel, rows: in
             + "; ".join(why) + "): generate fewer rows per step (steps_per_generation, "
             "per_device_train_batch_size) or shorter completions (max_completion_length)")
     return best
+
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def spec_decode(gpu, shape, *, precision: str = "bf16", context_tokens: int = 1024,
+                efficiency: float = 0.5, memory_budget_bytes: float | None = None
+                ) -> tuple[DecodeProfile, DecodeModel]:
+    """What-if decode profile of ``gpu`` (a ``GPUSpec`` or its name) for ``shape`` (a
+    spec-sheet ``ModelShape``): the weights in ``precision`` read once per step over the data
+    sheet's memory bandwidth, each row's KV cache at ``context_tokens`` tokens and its
+    2 x params FLOPs per token over the peak, both at ``efficiency`` (an ESTIMATE until
+    measured); and the ``DecodeModel`` of the shape (collective times 0: add the cluster's).
+
+    Raises:
+        ValueError: a GPU without a bandwidth figure, or without ``precision``'s peak.
+    """
+    from hf_cephalo.profiles.specs import get_gpu_spec
+
+    spec = gpu if not isinstance(gpu, str) else get_gpu_spec(gpu)
+    if spec.memory_bandwidth_gbs is None:
+        raise ValueError(f"{spec.name}: no memory bandwidth in its spec sheet; measure its "
+                         "decode speed instead (runtime.generation_plan)")
+    peak = spec.tflops(precision)
+    if peak is None:
+        raise ValueError(f"{spec.name} lists no {precision} peak; plan in another precision")
+    element = _BYTES[precision]
+    head_dim = shape.hidden // shape.heads
+    kv = 2 * shape.num_layers * (shape.kv_heads or shape.heads) * head_dim * element
+    weights = shape.num_params * element
+    profile = DecodeProfile.from_spec(
+        spec.name, weight_bytes=weights, kv_bytes_per_token=kv, context_tokens=context_tokens,
+        flops_per_token=2.0 * shape.num_params, bandwidth_gbs=spec.memory_bandwidth_gbs,
+        peak_tflops=peak, efficiency=efficiency, memory_budget_bytes=memory_budget_bytes)
+    model = DecodeModel(weight_bytes=weights,
+                        root_bytes=shape.params_other * element,
+                        unit_bytes=shape.params_per_layer * element,
+                        num_units=shape.num_layers, kv_bytes_per_token=kv)
+    return profile, model

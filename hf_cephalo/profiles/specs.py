@@ -42,6 +42,8 @@ class GPUSpec:
         fp16_tflops: peak dense fp16 TFLOP/s (tensor cores where the GPU has them; P100:
             its packed half-precision rate); None if the data sheet gives no fp16 figure.
         source: where the figures come from.
+        memory_bandwidth_gbs: peak device-memory bandwidth, GB/s (10^9 bytes/s), the bound of
+            decoding (``planner/generation.py``); None if not listed.
     """
 
     name: str
@@ -50,6 +52,7 @@ class GPUSpec:
     bf16_tflops: float | None
     source: str
     fp16_tflops: float | None = None
+    memory_bandwidth_gbs: float | None = None
 
     def tflops(self, precision: str) -> float | None:
         """The peak TFLOP/s column of ``precision`` (one of PRECISIONS); None: not listed."""
@@ -114,6 +117,15 @@ GPU_SPECS: dict[str, GPUSpec] = {s.name: s for s in [
                    "[fp16: FP16 tensor 1979 with sparsity, dense half]",
             fp16_tflops=989.4),
 ]}
+
+
+# Peak memory bandwidth, GB/s, from the same data sheets (the GPU memory bandwidth row): the
+# bound of decoding, where each step reads every weight and the KV cache (planner/generation.py)
+_MEMORY_BANDWIDTH_GBS = {"L4": 300.0, "A6000": 768.0, "P40": 346.0, "P100": 732.0,
+                         "V100-16GB": 900.0, "T4": 320.0, "A10G": 600.0, "A100-40GB": 1555.0,
+                         "A100-80GB": 2039.0, "H100": 3350.0, "H200": 4800.0}
+GPU_SPECS = {name: replace(spec, memory_bandwidth_gbs=_MEMORY_BANDWIDTH_GBS.get(name))
+             for name, spec in GPU_SPECS.items()}
 
 
 @dataclass(frozen=True, kw_only=True)
