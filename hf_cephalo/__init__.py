@@ -31,6 +31,7 @@ _install_parent_death_guard()
 _EXPORTS = {
     "CephaloTrainer": "hf_cephalo.integrations.trainer",
     "CephaloTrainingArguments": "hf_cephalo.integrations.trainer",
+    "CompletionsCallback": "hf_cephalo.integrations.trainer",
     "CephaloAccelerator": "hf_cephalo.integrations.loop",
     "CephaloPlugin": "hf_cephalo.integrations.loop",
     "CephaloSFTTrainer": "hf_cephalo.integrations.trl",

@@ -244,6 +244,22 @@ def _loop(rank, world, root, name, plan, *, kind="own", sched=False, ga=1, preci
 
 
 GEN_PROMPTS = [[5, 6, 7], [8], [9, 10, 11, 12], [13, 14], [3, 3]]
+COMPLETION_PROMPTS = ["abc", "hello"]
+CALLBACK_KW = dict(max_new_tokens=5, do_sample=True, top_k=10, eos_token_id=1, seed=4)
+
+
+def _char_tokenizer():
+    """A character-level tokenizer of fewer ids than the test model's vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "abcdefghijklmnopqrstuvwxyz "
+    vocab = {"<pad>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
+
+
 GEN_SPLITS = {2: [5, 0], 3: [0, 2, 3]}  # g_i: rows each rank decodes
 GEN_KW = dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20,
               eos_token_id=[4, 17], pad_token_id=0, seed=3, round_=2)
@@ -427,6 +443,12 @@ def _trainer(rank, world, root, plan, precision="no"):
                              train_dataset=_samples(N_TRAIN, 0), data_collator=_collate)
     trainer.optimizer = torch.optim.AdamW(
         _groups(list(trainer.engine.param_shards.named_parameters())), lr=LR, eps=EPS)
+    if precision == "no":  # completions of fixed prompts every 2 steps and at the end
+        from hf_cephalo import CompletionsCallback
+
+        trainer.processing_class = _char_tokenizer()
+        trainer.add_callback(CompletionsCallback(trainer, COMPLETION_PROMPTS, every_n_steps=2,
+                                                 **CALLBACK_KW))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
     generated = _generate(rank, world, trainer.generate) if precision == "no" else None
@@ -478,7 +500,8 @@ def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("loop"))
     out = {2: run_ranks(_worker, 2, root, timeout_s=budget_s(JOB2_S)),
            3: run_ranks(_worker, 3, root, timeout_s=budget_s(JOB3_S))}
-    return {w: [portable(r, to_numpy=False) for r in res] for w, res in out.items()}
+    return {"root": root, **{w: [portable(r, to_numpy=False) for r in res]
+                             for w, res in out.items()}}
 
 
 def _close(got, want, rtol=RTOL, atol=ATOL):
@@ -586,6 +609,31 @@ def test_generate_after_training_in_both_doors(runs, world):
     for generated in doors:
         got = _completions(generated)
         assert [got[row] for row in range(len(GEN_PROMPTS))] == want
+
+
+def test_completions_callback_samples_the_final_weights(runs):
+    """CompletionsCallback on the 2-rank Trainer run: rank 0 wrote each prompt at steps 2, 4,
+    ... and at the end; the last step's completions are what one process decodes from the
+    final weights with the same keys (prompt index, step)."""
+    import json
+
+    from hf_cephalo.runtime.generation import SamplingParams, generate_rows
+
+    path = os.path.join(runs["root"], "2-trainer-no", "completions.jsonl")
+    lines = [json.loads(line) for line in open(path)]
+    steps = sorted({line["step"] for line in lines})
+    assert steps[:2] == [2, 4] and all(s % 2 == 0 for s in steps[:-1])
+    last = [line for line in lines if line["step"] == steps[-1]]
+    assert [line["prompt"] for line in last] == COMPLETION_PROMPTS
+    tok = _char_tokenizer()
+    model = build("llama", seed=0)
+    model.load_state_dict(runs[2][0]["trainer"]["state"])
+    ids = [tok(p)["input_ids"] for p in COMPLETION_PROMPTS]
+    params = SamplingParams(max_new_tokens=5, top_k=10, eos_token_ids=(1,), pad_token_id=0,
+                            seed=4)
+    want = generate_rows(model.eval(), ids, [0, 1], params, steps[-1]).completions
+    assert [line["completion"] for line in last] == \
+        [tok.decode(w, skip_special_tokens=True) for w in want]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -8,6 +8,7 @@ _EXPORTS = {
     "CephaloTrainerMixin": "trainer",
     "format_plan_table": "trainer",
     "format_loss_trend": "trainer",
+    "CompletionsCallback": "completions",
     "CephaloTrainingArguments": "training_args",
     "CephaloArguments": "training_args",
     "job_from_training_args": "training_args",
