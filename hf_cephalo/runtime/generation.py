@@ -40,8 +40,8 @@ def session_generate(session, prompt_ids: Sequence[Sequence[int]], rows: Sequenc
     """Collective: ``CephaloEngine.generate`` over the session's engine, with this rank's
     budget from its plan (``generation_budget_bytes``).
 
-    ``generation_split``: g_i, the rows each rank DECODES (rank order, summing to the rows of
-    all ranks), apart from the rows it holds and trains (b_i): the prompts' token ids are
+    ``generation_split``: g_i, the rows each rank DECODES (rank order, summing to the distinct
+    rows of all ranks), apart from the rows it holds and trains (b_i): the prompts' token ids are
     all-gathered, rank i decodes the g_i rows that come i-th in global row order, and the
     completions' token ids are all-gathered back, each rank keeping its own rows
     ([Note: generation split]). None: each rank decodes its own rows. The completions are the
@@ -64,7 +64,8 @@ def session_generate(session, prompt_ids: Sequence[Sequence[int]], rows: Sequenc
     mine = [(int(r), list(map(int, p))) for r, p in zip(rows, prompt_ids)]
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
-    table = sorted(pair for part in everyone for pair in part)
+    # a row two ranks both hold (a group spanning ranks, decoded whole by each) once
+    table = sorted({r: p for part in everyone for r, p in part}.items())
     split = [int(g) for g in generation_split]
     if len(split) != world or sum(split) != len(table) or min(split) < 0:
         raise ValueError(f"generation_split {split}: needs {world} non-negative counts summing "
