@@ -109,3 +109,29 @@ def test_spec_sheets_price_a_mixed_cluster():
     with pytest.raises(ValueError, match="no bf16 peak|lists no bf16"):
         spec_decode("T4", shape, precision="bf16")
 
+
+
+def test_an_rl_step_is_priced_per_phase():
+    """A GRPO step on spec sheets (two A100s and two T4s, llama-3.2-1b, bf16 / fp16 per GPU):
+    generation, log-prob passes and training are priced apart; the log-prob passes are
+    forward-only (cheaper than a training step), each extra pass adds the same time, and
+    the round's time is shared by the steps it feeds."""
+    from hf_cephalo.planner import Plan, optimize
+    from hf_cephalo.planner.generation import forward_pass_s, price_rl_step
+    from hf_cephalo.profiles.specs import ClusterSpec, estimate_cluster_profile, get_model_shape
+
+    spec = ClusterSpec(name="mixed", machines=[["A100-40GB", "A100-40GB", "T4", "T4"]],
+                       interconnect_gbps=100.0)
+    shape = get_model_shape("llama-3.2-1b")
+    cluster = estimate_cluster_profile(spec, shape, precision="fp16")
+    plan = optimize(cluster, 32)
+    gen = plan_generation([spec_decode(g, shape, precision="fp16")[0]
+                           for g in ("A100-40GB", "A100-40GB", "T4", "T4")],
+                          spec_decode("T4", shape, precision="fp16")[1], 32, 128, 256)
+    one = price_rl_step(plan, cluster, gen, logprob_passes=1)
+    two = price_rl_step(plan, cluster, gen, logprob_passes=2, steps_per_generation=2)
+    assert 0 < forward_pass_s(plan, cluster) < one.training_s
+    assert two.logprob_s == pytest.approx(2 * one.logprob_s)
+    assert two.generation_s == pytest.approx(one.generation_s / 2)
+    assert one.total_s == pytest.approx(one.generation_s + one.logprob_s + one.training_s)
+    assert isinstance(plan, Plan) and sum(gen.rows) == 32

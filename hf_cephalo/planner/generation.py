@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = ["DecodeProfile", "DecodeModel", "GenerationPlan", "plan_generation", "spec_decode",
+           "RLStepPrediction", "forward_pass_s", "price_rl_step",
            "InfeasibleGenerationError"]
 
 
@@ -260,3 +261,50 @@ def spec_decode(gpu, shape, *, precision: str = "bf16", context_tokens: int = 10
                         unit_bytes=shape.params_per_layer * element,
                         num_units=shape.num_layers, kv_bytes_per_token=kv)
     return profile, model
+
+
+@dataclass(frozen=True)
+class RLStepPrediction:
+    """Predicted seconds of one on-policy RL step's phases (GRPO / RLOO): ``generation_s``
+    (the round, ``GenerationPlan.predicted_s``, divided over the steps it feeds),
+    ``logprob_s`` (forward-only layered passes over the batch: old policy and reference),
+    ``training_s`` (the training step of ``planner.predict``) and ``total_s``, their sum."""
+
+    generation_s: float
+    logprob_s: float
+    training_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.generation_s + self.logprob_s + self.training_s
+
+
+def forward_pass_s(plan, cluster) -> float:
+    """One forward-only layered pass of ``plan``'s batch (old-policy or reference
+    log-probabilities): per unit the slowest rank's sum of F_i(m) over its microbatches plus
+    one all-gather (overlapped where the profile says collectives overlap compute), over every
+    unit; the root's compute and the head are not counted (an underestimate for large
+    vocabularies). Seconds."""
+    from hf_cephalo.planner import cost
+
+    comm = cost.unit_comm(cluster)
+    per_unit = []
+    for rank_plan, device in zip(plan.ranks, cluster.devices):
+        f = float(cost.rank_compute_s(device, rank_plan.batch_size,
+                                      max(rank_plan.microbatch_size, 1)).fwd_s)
+        per_unit.append(max(f, comm.allgather_s) if comm.overlaps_compute
+                        else f + comm.allgather_s)
+    return cluster.model.num_units * max(per_unit, default=0.0)
+
+
+def price_rl_step(plan, cluster, generation: GenerationPlan, *, logprob_passes: int,
+                  steps_per_generation: int = 1) -> RLStepPrediction:
+    """The predicted phases of one RL optimizer step: the generation round shared by
+    ``steps_per_generation`` steps, ``logprob_passes`` forward-only passes (0 with ``beta`` 0
+    and one iteration; 1 for the reference; 1 more for the old policy when ``num_iterations``
+    > 1), and the training step (``planner.predict``)."""
+    from hf_cephalo.planner.predict import predict
+
+    return RLStepPrediction(generation.predicted_s / max(steps_per_generation, 1),
+                            logprob_passes * forward_pass_s(plan, cluster),
+                            predict(plan, cluster).iteration_s)
