@@ -214,3 +214,30 @@ def test_kto_cases_differ(tmp_path_factory, tokenizer_path):
     losses = {case: _stock_kto(case, tmp_path_factory, tokenizer_path)["logs"]["loss"][0]
               for case in KTO_CASES}
     assert len({round(v, 6) for v in losses.values()}) == len(losses), losses
+
+
+def test_kto_refusals_before_any_collective(tmp_path, tokenizer_path):
+    """A dataset without KTO's columns, per_device_train_batch_size 1 (a global batch of one
+    row: the KL rows would pair a prompt with its own completion), precompute_ref_log_probs,
+    sync_ref_model, a full fine-tune without a reference to load, and evaluation: refused in ONE
+    message at construction (one process, no process group made)."""
+    import datasets
+    import torch.distributed as dist
+
+    from hf_cephalo import CephaloKTOConfig, CephaloKTOTrainer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    args = CephaloKTOConfig(**{**_kto_kwargs("ref_model", str(tmp_path)),
+                               "per_device_train_batch_size": 1,
+                               "precompute_ref_log_probs": True, "sync_ref_model": True})
+    wrong = datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["b"]})
+    with pytest.raises(ValueError) as info:
+        CephaloKTOTrainer(model=tiny_llama(len(tokenizer)), args=args, train_dataset=wrong,
+                          eval_dataset=kto_dataset(), processing_class=tokenizer)
+    text = str(info.value)
+    for expected in ("a global batch of 1 row", "per_device_train_batch_size = 1",
+                     "--precompute_ref_log_probs", "--sync_ref_model",
+                     "'prompt', 'completion', 'label'", "ref_model=copy.deepcopy(model)",
+                     "does not evaluate yet"):
+        assert expected in text, (expected, text)
+    assert not dist.is_initialized()

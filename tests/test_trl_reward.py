@@ -192,3 +192,26 @@ def test_reward_cases_differ(tmp_path_factory, tokenizer_path):
     losses = {case: _stock_reward(case, tmp_path_factory, tokenizer_path)["logs"]["loss"][0]
               for case in REWARD_CASES}
     assert len({round(v, 6) for v in losses.values()}) == len(losses), losses
+
+
+def test_reward_refusals_before_any_collective(tmp_path, tokenizer_path):
+    """A dataset without the preference columns, activation_offloading and evaluation: refused
+    in ONE message at construction (one process, no process group made)."""
+    import datasets
+    import torch.distributed as dist
+
+    from hf_cephalo import CephaloRewardConfig, CephaloRewardTrainer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    args = CephaloRewardConfig(**{**_reward_kwargs("qwen3", str(tmp_path)),
+                                  "activation_offloading": True})
+    wrong = datasets.Dataset.from_dict({"text": ["a"], "score": [1.0]})
+    with pytest.raises(ValueError) as info:
+        CephaloRewardTrainer(model=_model("qwen3", tokenizer), args=args, train_dataset=wrong,
+                             eval_dataset=_dataset("plain"), processing_class=tokenizer,
+                             plan=plan(2))
+    text = str(info.value)
+    for expected in ("--activation_offloading", "'chosen' and 'rejected'",
+                     "does not evaluate yet"):
+        assert expected in text, (expected, text)
+    assert not dist.is_initialized()
