@@ -246,10 +246,9 @@ KTO_FIELD_SUPPORT: dict[str, Support] = {
     "pad_to_multiple_of": _inherited("the collator pads each global batch as stock (the width "
                                      "exchange rounds as the collator does)"),
     "precompute_ref_log_probs": _refused(
-        "KTO's precompute pass over the dataset is not validated on the runtime (its reference "
-        "KL rows are paired within per_device_train_batch_size, not the global batch); drop "
-        "precompute_ref_log_probs: the reference then runs as a sharded frozen engine (or the "
-        "PEFT policy with its adapters off) each step"),
+        "reading KTO's precomputed reference columns (and the KL exchange over them) is not "
+        "built or tested on the runtime; drop precompute_ref_log_probs: the reference then "
+        "runs as a sharded frozen engine (or the PEFT policy with its adapters off) each step"),
     "precompute_ref_batch_size": _na("read only with precompute_ref_log_probs, which is "
                                      "refused"),
     "loss_type": _stock(
