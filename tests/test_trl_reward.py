@@ -11,7 +11,8 @@ min / mean / max reward, num_tokens), then the final weights. fp32, SGD with cli
 LR schedule, rtol 1e-5 / atol 1e-6.
 
 Sub-cases (REWARD_CASES): a tiny Qwen3 and a tiny Llama classifier; with a ``margin`` column
-and ``center_rewards_coefficient``; conversational pairs.
+and ``center_rewards_coefficient``; conversational pairs; LoRA with the ``score`` head trained
+in full (``modules_to_save``, as TRL recommends for a reward model).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ REWARD_CASES = {
     "qwen3_margin_center": ("qwen3", "margin", dict(center_rewards_coefficient=0.1)),
     "llama_center_conversational": ("llama", "conversational",
                                     dict(center_rewards_coefficient=0.05)),
+    # LoRA on the attention projections, the score head trained in full (modules_to_save)
+    "qwen3_lora": ("qwen3", "plain", {}),
 }
 NUM_PAIRS = 3 * B  # three global batches
 
@@ -84,6 +87,16 @@ def _model(case: str, tokenizer):
     return tiny_classifier(arch, len(tokenizer), tokenizer.pad_token_id)
 
 
+def _peft_config(case: str):
+    if not case.endswith("_lora"):
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0,
+                      target_modules=["q_proj", "v_proj"], modules_to_save=["score"],
+                      init_lora_weights=False)
+
+
 def _logs(history):
     rows = [h for h in history if "loss" in h and "train_loss" not in h]
     return {m: [h[m] for h in rows if m in h] for m in METRICS}
@@ -111,7 +124,8 @@ def _cephalo_reward(case, world_size, out_dir, tokenizer_path):
     args = CephaloRewardConfig(**_reward_kwargs(case, os.path.join(out_dir, f"w{world_size}")))
     trainer = CephaloRewardTrainer(model=_model(case, tokenizer), args=args,
                                    train_dataset=_dataset(REWARD_CASES[case][1]),
-                                   processing_class=tokenizer, plan=plan(world_size))
+                                   processing_class=tokenizer, plan=plan(world_size),
+                                   peft_config=_peft_config(case))
     trainer.train()
     return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
 
@@ -153,7 +167,7 @@ def _stock_reward(case, tmp_path_factory, tokenizer_path):
         args = RewardConfig(**_reward_kwargs(case, out_dir), per_device_train_batch_size=B)
         trainer = RewardTrainer(model=_model(case, tokenizer), args=args,
                                 train_dataset=_dataset(REWARD_CASES[case][1]),
-                                processing_class=tokenizer)
+                                processing_class=tokenizer, peft_config=_peft_config(case))
         trainer.train()
         _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
     return _STOCK[case]
