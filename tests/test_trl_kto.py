@@ -99,25 +99,39 @@ def _state(model):
 
 # ---- the Cephalo side --------------------------------------------------------------------------
 
-def _worker(rank, world_size, out_dir, tokenizer_path):
+SAVED_CASE = "ref_model"  # saved at step 2 on 2 ranks, resumed on 3
+
+
+def _worker(rank, world_size, out_dir, tokenizer_path, resume_from=None):
     offline_env()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     results = {case: _cephalo_kto(case, world_size, out_dir, tokenizer_path)
                for case in KTO_CASES}
+    if resume_from is not None:
+        results["resume"] = _cephalo_kto(SAVED_CASE, world_size, os.path.join(out_dir, "resume"),
+                                   tokenizer_path, resume_from=resume_from)
     return portable(results, True)
 
 
-def _cephalo_kto(case, world_size, out_dir, tokenizer_path):
+def _checkpoint(out_dir_w2: str) -> str:
+    """Where the 2-rank run saved SAVED_CASE's step-2 checkpoint."""
+    return os.path.join(out_dir_w2, "w2", SAVED_CASE, "checkpoint-2")
+
+
+def _cephalo_kto(case, world_size, out_dir, tokenizer_path, resume_from=None):
     from hf_cephalo import CephaloKTOConfig, CephaloKTOTrainer
 
     tokenizer = load_tokenizer(tokenizer_path)
     model, ref, peft_config = _models(case, len(tokenizer))
-    args = CephaloKTOConfig(**_kto_kwargs(case, os.path.join(out_dir, f"w{world_size}")))
+    kwargs = _kto_kwargs(case, os.path.join(out_dir, f"w{world_size}"))
+    if case == SAVED_CASE and world_size == 2 and resume_from is None:
+        kwargs.update(save_strategy="steps", save_steps=2)
+    args = CephaloKTOConfig(**kwargs)
     trainer = CephaloKTOTrainer(model=model, ref_model=ref, args=args,
                                 train_dataset=kto_dataset(), processing_class=tokenizer,
                                 peft_config=peft_config, plan=plan(world_size))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from)
     return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
 
 
@@ -131,6 +145,7 @@ def tokenizer_path(tmp_path_factory):
 
 
 _RUNS: dict = {}
+_RUN_DIRS: dict = {}
 
 
 def _cephalo(world_size, tmp_path_factory, tokenizer_path):
@@ -138,7 +153,12 @@ def _cephalo(world_size, tmp_path_factory, tokenizer_path):
 
     if world_size not in _RUNS:
         out_dir = str(tmp_path_factory.mktemp(f"cephalo_kto_w{world_size}"))
-        _RUNS[world_size] = run_ranks(_worker, world_size, out_dir, tokenizer_path,
+        resume_from = None
+        if world_size == 3:  # resumes the 2-rank run's checkpoint
+            _cephalo(2, tmp_path_factory, tokenizer_path)
+            resume_from = _checkpoint(_RUN_DIRS[2])
+        _RUN_DIRS[world_size] = out_dir
+        _RUNS[world_size] = run_ranks(_worker, world_size, out_dir, tokenizer_path, resume_from,
                                       timeout_s=budget_s(QUIET_S[world_size]))
     return _RUNS[world_size]
 
@@ -181,8 +201,8 @@ def _reward_atol(ref_logs, beta):
     return beta * ULPS * spacing
 
 
-def _assert_same_run(got, ref, beta):
-    for metric in METRICS:
+def _assert_same_run(got, ref, beta, metrics=METRICS):
+    for metric in metrics:
         assert len(got["logs"][metric]) == len(ref["logs"][metric]), metric
         rtol, atol = (0, _reward_atol(ref["logs"], beta)) if metric in REWARDS else (RTOL, ATOL)
         torch.testing.assert_close(torch.tensor(got["logs"][metric], dtype=torch.float64),
@@ -241,3 +261,19 @@ def test_kto_refusals_before_any_collective(tmp_path, tokenizer_path):
                      "does not evaluate yet"):
         assert expected in text, (expected, text)
     assert not dist.is_initialized()
+
+
+@test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
+def test_kto_save_on_2_resume_on_3(tmp_path_factory, tokenizer_path):
+    """ref_model: the step-2 checkpoint of the 2-rank run (b = [1, 3]), resumed on 3 ranks
+    (b = [1, 3, 0], another state layout) by a fresh trainer, gives step 3's loss, metrics and
+    the final weights of the uninterrupted run (stock's on one process); steps 1-2 come from
+    the checkpoint's trainer_state.json. TRL keeps its token counter outside the checkpoint
+    (stock restarts num_tokens at 0 on resume too): the resumed step counts its own tokens."""
+    ref = _stock_kto(SAVED_CASE, tmp_path_factory, tokenizer_path)
+    for rank_result in _cephalo(3, tmp_path_factory, tokenizer_path):
+        resumed = rank_result["resume"]
+        _assert_same_run(resumed, ref, KTO_CASES[SAVED_CASE][1]["beta"],
+                         [m for m in METRICS if m != "num_tokens"])
+        tokens = ref["logs"]["num_tokens"]
+        assert resumed["logs"]["num_tokens"] == [*tokens[:2], tokens[2] - tokens[1]]

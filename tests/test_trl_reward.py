@@ -108,25 +108,39 @@ def _state(model):
 
 # ---- the Cephalo side --------------------------------------------------------------------------
 
-def _worker(rank, world_size, out_dir, tokenizer_path):
+SAVED_CASE = "qwen3_margin_center"  # saved at step 2 on 2 ranks, resumed on 3
+
+
+def _worker(rank, world_size, out_dir, tokenizer_path, resume_from=None):
     offline_env()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     results = {case: _cephalo_reward(case, world_size, out_dir, tokenizer_path)
                for case in REWARD_CASES}
+    if resume_from is not None:
+        results["resume"] = _cephalo_reward(SAVED_CASE, world_size, os.path.join(out_dir, "resume"),
+                                   tokenizer_path, resume_from=resume_from)
     return portable(results, True)
 
 
-def _cephalo_reward(case, world_size, out_dir, tokenizer_path):
+def _checkpoint(out_dir_w2: str) -> str:
+    """Where the 2-rank run saved SAVED_CASE's step-2 checkpoint."""
+    return os.path.join(out_dir_w2, "w2", SAVED_CASE, "checkpoint-2")
+
+
+def _cephalo_reward(case, world_size, out_dir, tokenizer_path, resume_from=None):
     from hf_cephalo import CephaloRewardConfig, CephaloRewardTrainer
 
     tokenizer = load_tokenizer(tokenizer_path)
-    args = CephaloRewardConfig(**_reward_kwargs(case, os.path.join(out_dir, f"w{world_size}")))
+    kwargs = _reward_kwargs(case, os.path.join(out_dir, f"w{world_size}"))
+    if case == SAVED_CASE and world_size == 2 and resume_from is None:
+        kwargs.update(save_strategy="steps", save_steps=2)
+    args = CephaloRewardConfig(**kwargs)
     trainer = CephaloRewardTrainer(model=_model(case, tokenizer), args=args,
                                    train_dataset=_dataset(REWARD_CASES[case][1]),
                                    processing_class=tokenizer, plan=plan(world_size),
                                    peft_config=_peft_config(case))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from)
     return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
 
 
@@ -140,6 +154,7 @@ def tokenizer_path(tmp_path_factory):
 
 
 _RUNS: dict = {}
+_RUN_DIRS: dict = {}
 
 
 def _cephalo(world_size, tmp_path_factory, tokenizer_path):
@@ -147,7 +162,12 @@ def _cephalo(world_size, tmp_path_factory, tokenizer_path):
 
     if world_size not in _RUNS:
         out_dir = str(tmp_path_factory.mktemp(f"cephalo_reward_w{world_size}"))
-        _RUNS[world_size] = run_ranks(_worker, world_size, out_dir, tokenizer_path,
+        resume_from = None
+        if world_size == 3:  # resumes the 2-rank run's checkpoint
+            _cephalo(2, tmp_path_factory, tokenizer_path)
+            resume_from = _checkpoint(_RUN_DIRS[2])
+        _RUN_DIRS[world_size] = out_dir
+        _RUNS[world_size] = run_ranks(_worker, world_size, out_dir, tokenizer_path, resume_from,
                                       timeout_s=budget_s(QUIET_S[world_size]))
     return _RUNS[world_size]
 
@@ -173,8 +193,8 @@ def _stock_reward(case, tmp_path_factory, tokenizer_path):
     return _STOCK[case]
 
 
-def _assert_same_run(got, ref):
-    for metric in METRICS:
+def _assert_same_run(got, ref, metrics=METRICS):
+    for metric in metrics:
         assert len(got["logs"][metric]) == len(ref["logs"][metric]) == STEPS, metric
         torch.testing.assert_close(torch.tensor(got["logs"][metric], dtype=torch.float64),
                                    torch.tensor(ref["logs"][metric], dtype=torch.float64),
@@ -229,3 +249,18 @@ def test_reward_refusals_before_any_collective(tmp_path, tokenizer_path):
                      "does not evaluate yet"):
         assert expected in text, (expected, text)
     assert not dist.is_initialized()
+
+
+@test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
+def test_reward_save_on_2_resume_on_3(tmp_path_factory, tokenizer_path):
+    """qwen3_margin_center: the step-2 checkpoint of the 2-rank run (b = [1, 3]), resumed on 3 ranks
+    (b = [1, 3, 0], another state layout) by a fresh trainer, gives step 3's loss, metrics and
+    the final weights of the uninterrupted run (stock's on one process); steps 1-2 come from
+    the checkpoint's trainer_state.json. TRL keeps its token counter outside the checkpoint
+    (stock restarts num_tokens at 0 on resume too): the resumed step counts its own tokens."""
+    ref = _stock_reward(SAVED_CASE, tmp_path_factory, tokenizer_path)
+    for rank_result in _cephalo(3, tmp_path_factory, tokenizer_path):
+        resumed = rank_result["resume"]
+        _assert_same_run(resumed, ref, [m for m in METRICS if m != "num_tokens"])
+        tokens = ref["logs"]["num_tokens"]
+        assert resumed["logs"]["num_tokens"] == [*tokens[:2], tokens[2] - tokens[1]]
