@@ -12,7 +12,8 @@ entropy, num_tokens), then the final weights. fp32, SGD, rtol 1e-5 / atol 1e-6 (
 fp32 spacings of the largest sum times beta, as tests/test_trl_dpo.py).
 
 The rows' labels make unbalanced steps: in the first global batch rank 0 (b_0 = 1) sees only
-an undesirable row, in the second rank 1 sees only undesirable rows. Sub-cases (KTO_CASES):
+an undesirable row, in the second rank 1 sees only undesirable rows, and the third has no
+desirable row at all (stock logs no rewards/chosen, logps/chosen, rewards/margins for it). Sub-cases (KTO_CASES):
 a reference model (weights 0.9x the policy's) with desirable / undesirable weights != 1, LoRA
 with the adapter off as the reference, and apo_zero_unpaired (no KL term).
 """
@@ -43,9 +44,9 @@ KTO_CASES = {
     "lora": ("lora", dict(beta=0.5, desirable_weight=0.8, undesirable_weight=1.25)),
     "apo_zero_unpaired": ("ref_model", dict(beta=0.3, loss_type="apo_zero_unpaired")),
 }
-LABELS = [False, True, True, False,   # rank 0 (b_0 = 1): only an undesirable row
-          True, False, False, False,  # rank 1 (b_1 = 3): only undesirable rows
-          False, True, False, True]
+LABELS = [False, True, True, False,    # rank 0 (b_0 = 1): only an undesirable row
+          True, False, False, False,   # rank 1 (b_1 = 3): only undesirable rows
+          False, False, False, False]  # no desirable row in the whole global batch
 NUM_ROWS = len(LABELS)  # three global batches
 
 
@@ -183,7 +184,8 @@ def _stock_kto(case, tmp_path_factory, tokenizer_path):
         trainer = KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=kto_dataset(),
                              processing_class=tokenizer, peft_config=peft_config)
         trainer.train()
-        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
+        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model),
+                        "rows": len(trainer.train_dataset)}
     return _STOCK[case]
 
 
@@ -225,9 +227,10 @@ def test_kto_matches_stock(case, world_size, tmp_path_factory, tokenizer_path):
     ref = _stock_kto(case, tmp_path_factory, tokenizer_path)
     for rank_result in _cephalo(world_size, tmp_path_factory, tokenizer_path):
         _assert_same_run(rank_result[case], ref, KTO_CASES[case][1]["beta"])
+    assert ref["rows"] == NUM_ROWS, ref["rows"]  # no row dropped: B rows a step, as LABELS says
     logs = ref["logs"]  # the run trained and the metrics are informative
     assert logs["loss"][0] != logs["loss"][-1]
-    assert len(logs["rewards/margins"]) == STEPS
+    assert len(logs["rewards/margins"]) == STEPS - 1 and len(logs["rewards/rejected"]) == STEPS
     if KTO_CASES[case][1].get("loss_type", "kto") == "kto":
         assert any(v > 1e-4 for v in logs["kl"]), logs["kl"]  # the KL term is not clamped away
 

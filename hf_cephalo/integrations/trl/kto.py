@@ -311,6 +311,8 @@ class _LabelCountGathers:
             names.append("rewards/margins")
         for name in names:
             metrics[name].pop()
+            if not metrics[name]:  # stock never made the key: KTOTrainer.log averages each list
+                del metrics[name]
 
 
 _NO_EVALUATION = (
