@@ -7,6 +7,8 @@ extra)::
     from hf_cephalo import CephaloAccelerator, CephaloPlugin             # an Accelerate loop
     from hf_cephalo import CephaloSFTTrainer, CephaloSFTConfig           # TRL
     from hf_cephalo import CephaloDPOTrainer, CephaloDPOConfig
+    from hf_cephalo import CephaloRewardTrainer, CephaloRewardConfig
+    from hf_cephalo import CephaloKTOTrainer, CephaloKTOConfig
 
 Layers, each importing only the ones below it: ``units`` / ``profiles`` -> ``planner``,
 ``models``, ``engine`` -> ``profiler`` -> ``runtime`` -> ``integrations`` (the doors:
@@ -38,6 +40,10 @@ _EXPORTS = {
     "CephaloSFTConfig": "hf_cephalo.integrations.trl",
     "CephaloDPOTrainer": "hf_cephalo.integrations.trl",
     "CephaloDPOConfig": "hf_cephalo.integrations.trl",
+    "CephaloRewardTrainer": "hf_cephalo.integrations.trl",
+    "CephaloRewardConfig": "hf_cephalo.integrations.trl",
+    "CephaloKTOTrainer": "hf_cephalo.integrations.trl",
+    "CephaloKTOConfig": "hf_cephalo.integrations.trl",
     "reproducible_rollout": "hf_cephalo.integrations.trl.reproducible",
     "SamplingParams": "hf_cephalo.runtime.generation",
     "from_pretrained_sharded": "hf_cephalo.runtime.pretrained",

@@ -9,7 +9,8 @@ SLOW_FIRST = ("test_examples.py", "test_elastic_launch.py", "test_trainer_launch
               "test_global_width.py", "test_accelerate_launch.py", "test_compile.py",
               "test_rank_errors.py", "test_generic_trainer_parity.py", "test_loading.py",
               "test_parent_death.py", "test_plan_memory.py", "test_mixed_precision.py",
-              "test_models_engine_parity.py", "test_trl_sft.py", "test_trl_dpo.py")
+              "test_models_engine_parity.py", "test_trl_sft.py", "test_trl_dpo.py",
+              "test_trl_kto.py", "test_trl_reward.py")
 
 
 def pytest_collection_modifyitems(items) -> None:

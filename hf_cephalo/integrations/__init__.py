@@ -14,6 +14,8 @@ _EXPORTS = {
                            "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES")},
     **{n: "trl" for n in ("CephaloSFTTrainer", "CephaloSFTConfig", "CephaloDPOTrainer",
                           "CephaloDPOConfig")},
+    **{n: "trl" for n in ("CephaloRewardTrainer", "CephaloRewardConfig", "CephaloKTOTrainer",
+                          "CephaloKTOConfig")},
     **{n: "quiet" for n in ("disable_progress_bars", "progress_bars_from_rank_zero", "print_line",
                             "quiet_load_report", "LOAD_REPORT_LOGGER")},
 }

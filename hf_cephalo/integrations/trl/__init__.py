@@ -9,6 +9,10 @@ _EXPORTS = {
     "CephaloSFTConfig": "sft",
     "CephaloDPOTrainer": "dpo",
     "CephaloDPOConfig": "dpo",
+    "CephaloRewardTrainer": "reward",
+    "CephaloRewardConfig": "reward",
+    "CephaloKTOTrainer": "kto",
+    "CephaloKTOConfig": "kto",
 }
 
 __all__ = list(_EXPORTS)

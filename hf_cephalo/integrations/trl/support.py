@@ -18,7 +18,7 @@ from hf_cephalo.integrations.trainer.support import refused as _refused
 from hf_cephalo.integrations.trainer.support import stock as _stock
 
 __all__ = ["SFT_FIELD_SUPPORT", "DPO_FIELD_SUPPORT", "TRL_TRAINER_SUPPORT", "trainer_class_problems",
-           "render_markdown"]
+           "render_markdown", "REWARD_FIELD_SUPPORT", "KTO_FIELD_SUPPORT"]
 
 _S = "tests/test_trl_sft.py::"
 _PREP = "SFTTrainer's own dataset preparation (tokenize, mask, pack) before planning"
@@ -165,12 +165,16 @@ TRL_TRAINER_SUPPORT: dict[str, Support] = {
     "DPOTrainer": _stock("CephaloDPOTrainer (CephaloTrainerMixin + DPOTrainer): a pair is one "
                          "sample; reference precomputed, a sharded frozen engine, or the PEFT "
                          "policy with its adapters off", _D + "test_dpo_matches_stock"),
-    "RewardTrainer": _refused(_PAIRS),
+    "RewardTrainer": _stock("CephaloRewardTrainer (CephaloTrainerMixin + RewardTrainer): a "
+                            "pair is one sample; loss and metrics of the global batch's pairs",
+                            "tests/test_trl_reward.py::test_reward_matches_stock"),
     "CPOTrainer": _refused(_PAIRS),
     "ORPOTrainer": _refused(_PAIRS),
     "TPOTrainer": _refused(_PAIRS),
-    "KTOTrainer": _refused("needs a KL batch of mismatched prompt / completion pairs and a "
-                           "reference model beside the policy; not built on the runtime"),
+    "KTOTrainer": _stock("CephaloKTOTrainer (CephaloTrainerMixin + KTOTrainer): a row is one "
+                         "sample; the KL estimate of the global batch; the reference a sharded "
+                         "frozen engine or the PEFT policy with its adapters off",
+                         "tests/test_trl_kto.py::test_kto_matches_stock"),
     **{name: _refused(_GENERATES) for name in (
         "GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
         "PPOTrainer", "GKDTrainer", "GOLDTrainer", "GMPOTrainer", "A2POTrainer",
@@ -178,6 +182,92 @@ TRL_TRAINER_SUPPORT: dict[str, Support] = {
         "ServerDistillationTrainer", "IWOPDTrainer", "SDFTTrainer", "SDPOTrainer")},
 }
 """TRL trainer class -> support (the first TRL class in a trainer's MRO decides)."""
+
+
+_R = "tests/test_trl_reward.py::"
+_REWARD_PREP = "RewardTrainer's own dataset preparation (EOS, tokenize, filter) before planning"
+_OFFLOAD = _refused(
+    "TRL's activation offloading hooks the model's forward, which the engine never calls; the "
+    "engine offloads each unit's boundary activation itself: drop activation_offloading and set "
+    "--cephalo_activation_offload on")
+
+REWARD_FIELD_SUPPORT: dict[str, Support] = {
+    "model_init_kwargs": _inherited(
+        "with a model given by name (TRL's reward.py passes model_args.model_name_or_path): "
+        "loaded as stock RewardTrainer loads it (AutoModelForSequenceClassification, "
+        "num_labels=1, float32 unless dtype is given, after set_seed(seed): the new score head "
+        "is drawn from the whole model's random stream), whole on every rank, then sharded"),
+    "trust_remote_code": _inherited("forwarded by RewardTrainer to the model / tokenizer it "
+                                    "loads"),
+    "chat_template_path": _inherited("RewardTrainer sets the template (and resizes the "
+                                     "embeddings for added tokens) before the engine shards the "
+                                     "model"),
+    "disable_dropout": _inherited("RewardTrainer turns dropout off before the engine shards the "
+                                  "model (default True, as the tests run)"),
+    "dataset_num_proc": _inherited(_REWARD_PREP),
+    "eos_token": _inherited(_REWARD_PREP),
+    "max_length": _stock("RewardTrainer filters pairs longer than max_length, as stock; a pair "
+                         "is one sample padded to its global batch's width",
+                         _R + "test_reward_matches_stock"),
+    "pad_to_multiple_of": _inherited("DataCollatorForPreference pads each global batch as stock "
+                                     "(the width exchange rounds as the collator does)"),
+    "center_rewards_coefficient": _stock(
+        "inside RewardTrainer.compute_loss per microbatch: a mean over its pairs, weighted by "
+        "m / N, so the term is the mean over the global batch's pairs",
+        _R + "test_reward_matches_stock"),
+    "activation_offloading": _OFFLOAD,
+    "pad_token": _inherited("deprecated by TRL; RewardTrainer sets the tokenizer's and the "
+                            "config's pad token"),
+}
+"""``RewardConfig`` field (beyond ``TrainingArguments``) -> support."""
+
+
+_K = "tests/test_trl_kto.py::"
+_KTO_PREP = ("KTOTrainer's own dataset preparation (extract the prompt, unpair, tokenize) "
+             "before planning")
+
+KTO_FIELD_SUPPORT: dict[str, Support] = {
+    "model_init_kwargs": _inherited("with a model given by name: loaded as for SFT "
+                                    "(pretrained.load_named_model: the meta device, each rank "
+                                    "its shards, or whole with a peft_config); KTOTrainer also "
+                                    "reads it to load its reference copy when no ref_model is "
+                                    "given"),
+    "trust_remote_code": _inherited("forwarded by KTOTrainer to AutoProcessor / the reference "
+                                    "copy it loads"),
+    "router_aux_loss_coef": _na("used only for a mixture of experts whose config sets "
+                                "output_router_logits, which the TRL doors refuse (see SFT); "
+                                "unused otherwise, as on stock"),
+    "disable_dropout": _inherited("KTOTrainer turns dropout off in the policy and the reference "
+                                  "before the engine shards them"),
+    "dataset_num_proc": _inherited(_KTO_PREP),
+    "max_length": _stock("DataCollatorForUnpairedPreference truncates each row, as stock; a row "
+                         "is one sample padded to its global batch's width",
+                         _K + "test_kto_matches_stock"),
+    "pad_to_multiple_of": _inherited("the collator pads each global batch as stock (the width "
+                                     "exchange rounds as the collator does)"),
+    "precompute_ref_log_probs": _refused(
+        "reading KTO's precomputed reference columns (and the KL exchange over them) is not "
+        "built or tested on the runtime; drop precompute_ref_log_probs: the reference then "
+        "runs as a sharded frozen engine (or the PEFT policy with its adapters off) each step"),
+    "precompute_ref_batch_size": _na("read only with precompute_ref_log_probs, which is "
+                                     "refused"),
+    "loss_type": _stock(
+        "KTOTrainer's loss per microbatch in the engine's head (kto, apo_zero_unpaired: a mean "
+        "of per-row terms), weighted by m / N; kto's KL estimate is that of the global batch "
+        "(kto.py, [Note: the KL estimate of the global batch])", _K + "test_kto_matches_stock"),
+    "beta": _stock("inside the loss and the rewards metrics", _K + "test_kto_matches_stock"),
+    "desirable_weight": _stock("weights the desirable rows' losses inside the loss",
+                               _K + "test_kto_matches_stock"),
+    "undesirable_weight": _stock("weights the undesirable rows' losses inside the loss",
+                                 _K + "test_kto_matches_stock"),
+    "activation_offloading": _OFFLOAD,
+    "sync_ref_model": _refused(
+        "the reference runs as its own sharded engine: mixing the policy's weights into it "
+        "every ref_model_sync_steps is not built; drop sync_ref_model"),
+    "ref_model_mixup_alpha": _na("read only with sync_ref_model, which is refused"),
+    "ref_model_sync_steps": _na("read only with sync_ref_model, which is refused"),
+}
+"""``KTOConfig`` field (beyond ``TrainingArguments``) -> support."""
 
 
 def trainer_class_problems(cls: type) -> list[str]:
@@ -205,4 +295,8 @@ def render_markdown() -> str:
                      + markdown_table("SFTConfig fields (beyond TrainingArguments)",
                                       SFT_FIELD_SUPPORT, 3)
                      + markdown_table("DPOConfig fields (beyond TrainingArguments)",
-                                      DPO_FIELD_SUPPORT, 3))
+                                      DPO_FIELD_SUPPORT, 3)
+                     + markdown_table("RewardConfig fields (beyond TrainingArguments)",
+                                      REWARD_FIELD_SUPPORT, 3)
+                     + markdown_table("KTOConfig fields (beyond TrainingArguments)",
+                                      KTO_FIELD_SUPPORT, 3))
