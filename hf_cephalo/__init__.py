@@ -7,6 +7,7 @@ extra)::
     from hf_cephalo import CephaloAccelerator, CephaloPlugin             # an Accelerate loop
     from hf_cephalo import CephaloSFTTrainer, CephaloSFTConfig           # TRL
     from hf_cephalo import CephaloDPOTrainer, CephaloDPOConfig
+    from hf_cephalo import CephaloGRPOTrainer, CephaloGRPOConfig
 
 Layers, each importing only the ones below it: ``units`` / ``profiles`` -> ``planner``,
 ``models``, ``engine`` -> ``profiler`` -> ``runtime`` -> ``integrations`` (the doors:
@@ -37,6 +38,8 @@ _EXPORTS = {
     "CephaloSFTConfig": "hf_cephalo.integrations.trl",
     "CephaloDPOTrainer": "hf_cephalo.integrations.trl",
     "CephaloDPOConfig": "hf_cephalo.integrations.trl",
+    "CephaloGRPOTrainer": "hf_cephalo.integrations.trl",
+    "CephaloGRPOConfig": "hf_cephalo.integrations.trl",
     "from_pretrained_sharded": "hf_cephalo.runtime.pretrained",
     "latest_checkpoint": "hf_cephalo.runtime.elastic",
 }

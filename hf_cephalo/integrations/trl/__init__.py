@@ -1,6 +1,6 @@
-"""The TRL doors (the ``trl`` extra): ``CephaloSFTTrainer`` / ``CephaloSFTConfig`` and
-``CephaloDPOTrainer`` / ``CephaloDPOConfig``, drop-ins for TRL's (names imported lazily: the
-package imports without trl)."""
+"""The TRL doors (the ``trl`` extra): ``CephaloSFTTrainer`` / ``CephaloSFTConfig``,
+``CephaloDPOTrainer`` / ``CephaloDPOConfig`` and ``CephaloGRPOTrainer`` / ``CephaloGRPOConfig``,
+drop-ins for TRL's (names imported lazily: the package imports without trl)."""
 
 from hf_cephalo.lazy import lazy_exports
 
@@ -9,6 +9,8 @@ _EXPORTS = {
     "CephaloSFTConfig": "sft",
     "CephaloDPOTrainer": "dpo",
     "CephaloDPOConfig": "dpo",
+    "CephaloGRPOTrainer": "grpo",
+    "CephaloGRPOConfig": "grpo",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,0 +1,235 @@
+"""CephaloGRPOTrainer vs STOCK TRL GRPOTrainer (issue 46): the same settings give the same
+numbers.
+
+Completions come from a deterministic ``rollout_func`` (a fixed function of the prompt text,
+the step and the completion's number in its group: ``_rollout``) and the rewards from two
+deterministic reward functions, so both sides train on the same completions. One run_ranks call
+per world size trains every sub-case through CephaloGRPOTrainer: 2 gloo ranks with the uneven
+plan b = [1, 3], m = [1, 2] (the first group spans the ranks), and 3 ranks with b = [1, 3, 0],
+m = [1, 1, 0] (different l_i and an idle rank). The test process trains the same sub-cases with
+stock ``GRPOTrainer`` in ONE process with the whole generation batch
+(per_device_train_batch_size = B = 4, G = 2: two prompts per step) and compares, per step, the
+logged loss, grad_norm, learning_rate and GRPO's metrics (rewards, reward_std, advantages'
+zero-std fraction, entropy, clip ratios, kl, completion lengths, tokens), then the final
+weights. Qwen3 (tiny, from its config), fp32, SGD, rtol 1e-5 / atol 1e-6.
+
+Sub-cases (GRPO_CASES): every built loss type (dapo: TRL's default, grpo, bnpo, dr_grpo) with
+scale_rewards group / batch / none, reward weights, mask_truncated_completions, and beta 0.04
+with TRL's reference model (a second engine) and num_iterations 2 (old log-probabilities).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import budget_s, portable, run_ranks, test_timeout
+from tests.trl_fixtures import (B, SEED, assert_same_state, load_tokenizer, offline_env, plan,
+                                save_tokenizer)
+from tests.zoo_fixtures import ZOO
+
+trl = pytest.importorskip("trl")
+
+RTOL, ATOL = 1e-5, 1e-6
+LR, STEPS, G = 0.5, 3, 2
+GRPO_CASES = {
+    # name: GRPOConfig overrides
+    "dapo": dict(),
+    "grpo_batch_scale": dict(loss_type="grpo", scale_rewards="batch", reward_weights=[1.0, 0.5]),
+    "bnpo_masked_truncated": dict(loss_type="bnpo", mask_truncated_completions=True),
+    "dr_grpo_no_scale": dict(loss_type="dr_grpo", scale_rewards="none",
+                             max_completion_length=16),
+    "beta_ref_two_iterations": dict(beta=0.04, num_iterations=2),
+}
+METRICS = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std",
+           "rewards/length_reward/mean", "rewards/length_reward/std",
+           "rewards/vowel_reward/mean", "entropy", "clip_ratio/region_mean",
+           "completions/mean_length", "completions/min_length", "completions/max_length",
+           "completions/clipped_ratio", "completions/mean_terminated_length", "num_tokens", "kl")
+NUM_PROMPTS = 8
+
+
+# ---- the deterministic rollout and rewards -----------------------------------------------------
+
+def _rollout(prompts, trainer):
+    """A fixed function of (prompt text, step, the completion's number in its group): prompt
+    ids from the tokenizer; 2-9 completion tokens, most ending in EOS (one in three runs to
+    its end: truncated)."""
+    tokenizer = trainer.processing_class
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    step = trainer.state.global_step
+    prompt_ids, completion_ids = [], []
+    for i, prompt in enumerate(prompts):
+        k = i % trainer.num_generations
+        h = sum(prompt.encode()) % 997
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][:12]
+        n = 2 + (h + 3 * k + step) % 8
+        done = [((h * 7 + k * 13 + step * 5 + j * 11) % (vocab - 20)) + 10 for j in range(n)]
+        if (h + k + step) % 3:
+            done[-1] = eos
+        prompt_ids.append(ids)
+        completion_ids.append(done)
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+def length_reward(prompts, completions, **kwargs):
+    return [float(len(c)) / 10.0 for c in completions]
+
+
+def vowel_reward(prompts, completions, **kwargs):
+    return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
+
+
+# ---- shared pieces -----------------------------------------------------------------------------
+
+def _dataset():
+    import datasets
+
+    from hf_cephalo.demo_data import pydoc_texts
+
+    text = " ".join(pydoc_texts(8000))
+    prompts = [text[i * 97:i * 97 + 20 + 7 * (i % 4)] for i in range(NUM_PROMPTS)]
+    return datasets.Dataset.from_dict({"prompt": prompts})
+
+
+def _model_dir(root: str, tokenizer_path: str) -> str:
+    """Tiny Qwen3 saved under ``root`` (TRL builds the reference copy from the model's name)."""
+    import transformers
+
+    path = os.path.join(root, "qwen3")
+    if not os.path.isdir(path):
+        class_name, config = ZOO["qwen3"]
+        torch.manual_seed(SEED)
+        cfg = config()
+        tokenizer = load_tokenizer(tokenizer_path)
+        cfg.vocab_size, cfg.pad_token_id = len(tokenizer), tokenizer.pad_token_id
+        cfg.eos_token_id = tokenizer.eos_token_id
+        getattr(transformers, class_name)(cfg).save_pretrained(path)
+    return path
+
+
+def _model(path: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _grpo_kwargs(case: str, out_dir: str) -> dict:
+    return {**dict(output_dir=os.path.join(out_dir, case), report_to="none", optim="sgd",
+                   learning_rate=LR, max_steps=STEPS, logging_steps=1, save_strategy="no",
+                   seed=SEED, bf16=False, gradient_checkpointing=False, disable_tqdm=True,
+                   use_cpu=True, num_generations=G, max_completion_length=8),
+            **GRPO_CASES[case]}
+
+
+def _logs(history):
+    rows = [h for h in history if "loss" in h and "train_loss" not in h]
+    return {m: [h[m] for h in rows if m in h] for m in METRICS}
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---- the Cephalo side --------------------------------------------------------------------------
+
+def _worker(rank, world_size, out_dir, tokenizer_path, model_dir):
+    offline_env()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), TRL_EXPERIMENTAL_SILENCE="1")
+    return portable({case: _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir)
+                     for case in GRPO_CASES}, True)
+
+
+def _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir):
+    from hf_cephalo import CephaloGRPOConfig, CephaloGRPOTrainer
+
+    args = CephaloGRPOConfig(**_grpo_kwargs(case, os.path.join(out_dir, f"w{world_size}")),
+                             per_device_train_batch_size=2)
+    trainer = CephaloGRPOTrainer(model=_model(model_dir), args=args,
+                                 reward_funcs=[length_reward, vowel_reward],
+                                 train_dataset=_dataset(),
+                                 processing_class=load_tokenizer(tokenizer_path),
+                                 rollout_func=_rollout, plan=plan(world_size))
+    trainer.train()
+    return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
+
+
+QUIET_S = {2: 60.0, 3: 75.0}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    offline_env()
+    return save_tokenizer(str(tmp_path_factory.mktemp("chat_tokenizer")))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer_path):
+    return _model_dir(str(tmp_path_factory.mktemp("grpo_model")), tokenizer_path)
+
+
+_RUNS: dict = {}
+
+
+def _cephalo(world_size, tmp_path_factory, tokenizer_path, model_dir):
+    if world_size not in _RUNS:
+        out_dir = str(tmp_path_factory.mktemp(f"cephalo_grpo_w{world_size}"))
+        _RUNS[world_size] = run_ranks(_worker, world_size, out_dir, tokenizer_path, model_dir,
+                                      timeout_s=budget_s(QUIET_S[world_size]))
+    return _RUNS[world_size]
+
+
+# ---- the stock side ----------------------------------------------------------------------------
+
+_STOCK: dict = {}
+
+
+def _stock_grpo(case, tmp_path_factory, tokenizer_path, model_dir):
+    if case not in _STOCK:
+        from trl import GRPOConfig, GRPOTrainer
+
+        offline_env()
+        os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+        out_dir = str(tmp_path_factory.mktemp("stock_grpo"))
+        args = GRPOConfig(**_grpo_kwargs(case, out_dir), per_device_train_batch_size=B)
+        trainer = GRPOTrainer(model=_model(model_dir), args=args,
+                              reward_funcs=[length_reward, vowel_reward],
+                              train_dataset=_dataset(),
+                              processing_class=load_tokenizer(tokenizer_path),
+                              rollout_func=_rollout)
+        trainer.train()
+        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
+    return _STOCK[case]
+
+
+def _assert_same_run(got, ref):
+    for metric in METRICS:
+        assert len(got["logs"][metric]) == len(ref["logs"][metric]), metric
+        torch.testing.assert_close(torch.tensor(got["logs"][metric], dtype=torch.float64),
+                                   torch.tensor(ref["logs"][metric], dtype=torch.float64),
+                                   rtol=RTOL, atol=ATOL, msg=lambda m: f"{metric}: {m}")
+    assert_same_state(got["state"], ref["state"], RTOL, ATOL)
+
+
+@test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", list(GRPO_CASES))
+def test_grpo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, model_dir):
+    """Every built loss type, reward scaling, truncation masking, beta > 0 with TRL's
+    reference model and num_iterations 2, on 2 and 3 ranks (uneven plan, a group spanning
+    ranks; different l_i and an idle rank): per-step loss, grad_norm, learning rate and GRPO's
+    metrics, and the final weights, equal stock GRPOTrainer's on one process with the whole
+    generation batch."""
+    ref = _stock_grpo(case, tmp_path_factory, tokenizer_path, model_dir)
+    for rank_result in _cephalo(world_size, tmp_path_factory, tokenizer_path, model_dir):
+        _assert_same_run(rank_result[case], ref)
+    # the run trained and its metrics are informative (a test that cannot fail is a defect)
+    logs = ref["logs"]
+    assert len(logs["loss"]) == STEPS
+    assert all(v > 1e-3 for v in logs["grad_norm"]), logs["grad_norm"]
+    assert logs["reward"][0] != logs["reward"][-1]
+    if GRPO_CASES[case].get("beta"):
+        assert len(logs["kl"]) == STEPS and any(v > 0 for v in logs["kl"]), logs["kl"]
