@@ -42,7 +42,10 @@ GRPO_CASES = {
     "dr_grpo_no_scale": dict(loss_type="dr_grpo", scale_rewards="none",
                              max_completion_length=16),
     "beta_ref_two_iterations": dict(beta=0.04, num_iterations=2),
+    # a LoRA policy: the reference is the policy with its adapter off
+    "lora_beta": dict(beta=0.04, loss_type="bnpo"),
 }
+LORA_CASES = ("lora_beta",)
 METRICS = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std",
            "rewards/length_reward/mean", "rewards/length_reward/std",
            "rewards/vowel_reward/mean", "entropy", "clip_ratio/region_mean",
@@ -116,6 +119,15 @@ def _model(path: str):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
+def _peft_config(case: str):
+    if case not in LORA_CASES:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                      init_lora_weights=False)
+
+
 def _grpo_kwargs(case: str, out_dir: str) -> dict:
     return {**dict(output_dir=os.path.join(out_dir, case), report_to="none", optim="sgd",
                    learning_rate=LR, max_steps=STEPS, logging_steps=1, save_strategy="no",
@@ -139,8 +151,35 @@ def _worker(rank, world_size, out_dir, tokenizer_path, model_dir):
     offline_env()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), TRL_EXPERIMENTAL_SILENCE="1")
-    return portable({case: _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir)
-                     for case in GRPO_CASES}, True)
+    results = {case: _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir)
+               for case in GRPO_CASES}
+    if world_size == 2:
+        results["reward_raises"] = _reward_raises(out_dir, tokenizer_path, model_dir)
+    return portable(results, True)
+
+
+def rank_one_reward(prompts, completions, **kwargs):
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("no reward for these rows")
+    return [0.0] * len(prompts)
+
+
+def _reward_raises(out_dir, tokenizer_path, model_dir):
+    """A reward function that raises on rank 1 only: the same error on both ranks at the
+    first step, before the step's engine collectives (no hang)."""
+    from hf_cephalo import CephaloGRPOConfig, CephaloGRPOTrainer
+
+    args = CephaloGRPOConfig(**_grpo_kwargs("dapo", os.path.join(out_dir, "raises")),
+                             per_device_train_batch_size=2)
+    trainer = CephaloGRPOTrainer(model=_model(model_dir), args=args,
+                                 reward_funcs=[rank_one_reward], train_dataset=_dataset(),
+                                 processing_class=load_tokenizer(tokenizer_path),
+                                 rollout_func=_rollout, plan=plan(2))
+    try:
+        trainer.train()
+    except ValueError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}
 
 
 def _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir):
@@ -152,7 +191,8 @@ def _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir):
                                  reward_funcs=[length_reward, vowel_reward],
                                  train_dataset=_dataset(),
                                  processing_class=load_tokenizer(tokenizer_path),
-                                 rollout_func=_rollout, plan=plan(world_size))
+                                 rollout_func=_rollout, plan=plan(world_size),
+                                 peft_config=_peft_config(case))
     trainer.train()
     return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
 
@@ -199,7 +239,7 @@ def _stock_grpo(case, tmp_path_factory, tokenizer_path, model_dir):
                               reward_funcs=[length_reward, vowel_reward],
                               train_dataset=_dataset(),
                               processing_class=load_tokenizer(tokenizer_path),
-                              rollout_func=_rollout)
+                              rollout_func=_rollout, peft_config=_peft_config(case))
         trainer.train()
         _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
     return _STOCK[case]
@@ -233,3 +273,49 @@ def test_grpo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, 
     assert logs["reward"][0] != logs["reward"][-1]
     if GRPO_CASES[case].get("beta"):
         assert len(logs["kl"]) == STEPS and any(v > 0 for v in logs["kl"]), logs["kl"]
+
+
+@test_timeout(QUIET_S[2], margin_s=240)
+def test_reward_function_raising_on_one_rank(tmp_path_factory, tokenizer_path, model_dir):
+    """A reward function raising on rank 1 only: both ranks raise the same ValueError naming
+    the rank and the error (one status exchange), instead of rank 0 waiting in the next
+    collective."""
+    errors = [r["reward_raises"]["error"]
+              for r in _cephalo(2, tmp_path_factory, tokenizer_path, model_dir)]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert "a reward function failed on rank 1" in errors[0], errors[0]
+    assert "no reward for these rows" in errors[0], errors[0]
+
+
+def test_grpo_refusals_before_any_collective(tmp_path, tokenizer_path, model_dir):
+    """Every setting the door does not build, in ONE message at construction (one process, no
+    process group made): no rollout_func, num_generations not dividing the global batch,
+    steps_per_generation, gradient accumulation, an unvalidated loss type, the entropy
+    quantile, vLLM, tools; then evaluation."""
+    import torch.distributed as dist
+
+    from hf_cephalo import CephaloGRPOConfig, CephaloGRPOTrainer
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    tokenizer = load_tokenizer(tokenizer_path)
+    kwargs = {**_grpo_kwargs("dapo", str(tmp_path)), "num_generations": 3,
+              "loss_type": "sapo", "top_entropy_quantile": 0.5, "use_vllm": True,
+              "gradient_accumulation_steps": 2}
+    args = CephaloGRPOConfig(**kwargs, per_device_train_batch_size=3)
+    with pytest.raises(ValueError) as info:
+        CephaloGRPOTrainer(model=_model(model_dir), args=args, reward_funcs=[length_reward],
+                           train_dataset=_dataset(), processing_class=tokenizer,
+                           tools=[len], plan=plan(2))
+    text = str(info.value)
+    for expected in ("no rollout_func", "num_generations = 3 does not divide the generation "
+                     "batch B = 4", "--steps_per_generation = 2", "--gradient_accumulation_steps "
+                     "= 2", "--loss_type 'sapo'", "--top_entropy_quantile = 0.5",
+                     "--use_vllm = True", "tools: multi-turn"):
+        assert expected in text, (expected, text)
+    assert not dist.is_initialized()
+    args = CephaloGRPOConfig(**_grpo_kwargs("dapo", str(tmp_path)), per_device_train_batch_size=2)
+    with pytest.raises(ValueError, match="does not evaluate yet"):
+        CephaloGRPOTrainer(model=_model(model_dir), args=args, reward_funcs=[length_reward],
+                           train_dataset=_dataset(), eval_dataset=_dataset(),
+                           processing_class=tokenizer, rollout_func=_rollout, plan=plan(2))
+    assert not dist.is_initialized()

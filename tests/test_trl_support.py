@@ -166,7 +166,7 @@ def test_model_by_name_refusals(tmp_path, monkeypatch):
     assert model.config.use_cache is False and all(p.is_meta for p in model.parameters())
 
 
-@pytest.mark.parametrize("name, why", [("GRPOTrainer", "generates completions"),
+@pytest.mark.parametrize("name, why", [("GRPOTrainer", "through CephaloGRPOTrainer only"),
                                        ("RLOOTrainer", "generates completions"),
                                        ("RewardTrainer", "chosen and a rejected")])
 def test_trl_trainers_that_cannot_run_are_refused(tmp_path, name, why, monkeypatch):

@@ -47,7 +47,7 @@ class RolloutStep:
     def _reference(trainer, head) -> _Pass:
         """TRL's ``ref_model`` as a second engine sharded by the plan, or (a PEFT policy) the
         policy's own engine with its adapter off (``use_adapter``, as GRPOTrainer)."""
-        from hf_cephalo.integrations.trl.grpo import CompletionItems
+        from hf_cephalo.integrations.trl.rollout_door import CompletionItems
         from hf_cephalo.models.registry import stage_model
 
         if trainer.ref_model is not None:
@@ -76,7 +76,7 @@ class RolloutStep:
         rewards = self._agreed(lambda: self._local_rewards(groups.rows, prompts, completions,
                                                            out["completion_ids"]),
                                "a reward function")
-        advantages = self._advantages(rewards, groups, prompts, completions)
+        advantages = self._advantages(rewards, groups, prompts, completions, microbatches)
         start = 0
         for mb in microbatches:
             n = mb["input_ids"].shape[0]
@@ -217,29 +217,35 @@ class RolloutStep:
     def _local_rewards(self, rows, prompts, completions, completion_ids) -> torch.Tensor:
         """(b_i, num_funcs): TRL's ``_calculate_rewards`` on this rank's rows, its closing
         all-gather left out (the rows are gathered in global order by ``_advantages``)."""
-        from trl.trainer import grpo_trainer
+        import importlib
 
         t = self.trainer
         if not rows:
             return torch.zeros((0, len(t.reward_funcs)), device=t.args.device)
-        saved = grpo_trainer.gather
-        grpo_trainer.gather = lambda tensor: tensor  # scoped: restored below
+        module = importlib.import_module(type(t)._calculate_rewards.__module__)
+        saved = module.gather
+        module.gather = lambda tensor: tensor  # scoped: restored below
         try:
             return t._calculate_rewards(rows, prompts, completions, completion_ids)
         finally:
-            grpo_trainer.gather = saved
+            module.gather = saved
+
+    def _group_advantages(self, rewards_per_func: torch.Tensor, microbatches: list):
+        """The batch's advantages from its rewards (``rollout.Advantages``): GRPO's."""
+        t = self.trainer
+        return group_advantages(rewards_per_func, t.reward_weights, t.num_generations,
+                                t.scale_rewards, t.multi_objective_aggregation)
 
     def _advantages(self, rewards: torch.Tensor, groups: RowGroups, prompts: list,
-                    completions: list) -> torch.Tensor:
+                    completions: list, microbatches: list) -> torch.Tensor:
         """The batch's rewards in global row order -> advantages (this rank's rows), and
-        GRPOTrainer's reward metrics and completion logs, as one process computes them."""
+        TRL's reward metrics and completion logs, as one process computes them."""
         from accelerate.utils import gather_object
         from trl.trainer.utils import nanstd
 
         t = self.trainer
         rewards_per_func = self._gather(rewards)
-        result = group_advantages(rewards_per_func, t.reward_weights, t.num_generations,
-                                  t.scale_rewards, t.multi_objective_aggregation)
+        result = self._group_advantages(rewards_per_func, microbatches)
         metrics = t._metrics["train"]
         for i, name in enumerate(t.reward_func_names):
             metrics[f"rewards/{name}/mean"].append(torch.nanmean(rewards_per_func[:, i]).item())

@@ -329,7 +329,17 @@ def trainer_class_problems(cls: type) -> list[str]:
     if support.status is Status.REFUSED:
         return [f"TRL's {trl.__name__} is not supported on the Cephalo runtime: it "
                 f"{support.note}"]
+    door = _DOOR_ONLY.get(trl.__name__)
+    if door is not None and "RolloutDoor" not in {c.__name__ for c in cls.__mro__}:
+        return [f"TRL's {trl.__name__} runs on the Cephalo runtime through {door} only (its "
+                "rows, rewards and loss normalizers are re-laid for the plan there); use "
+                f"{door}"]
     return []
+
+
+_DOOR_ONLY = {"GRPOTrainer": "CephaloGRPOTrainer"}
+"""TRL trainers the mixin alone cannot put on the runtime: the door that does (its bases
+include ``rollout_door.RolloutDoor``)."""
 
 
 def render_markdown() -> str:
