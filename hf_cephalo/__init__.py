@@ -8,6 +8,7 @@ extra)::
     from hf_cephalo import CephaloSFTTrainer, CephaloSFTConfig           # TRL
     from hf_cephalo import CephaloDPOTrainer, CephaloDPOConfig
     from hf_cephalo import CephaloGRPOTrainer, CephaloGRPOConfig
+    from hf_cephalo import CephaloRLOOTrainer, CephaloRLOOConfig
 
 Layers, each importing only the ones below it: ``units`` / ``profiles`` -> ``planner``,
 ``models``, ``engine`` -> ``profiler`` -> ``runtime`` -> ``integrations`` (the doors:
@@ -40,6 +41,8 @@ _EXPORTS = {
     "CephaloDPOConfig": "hf_cephalo.integrations.trl",
     "CephaloGRPOTrainer": "hf_cephalo.integrations.trl",
     "CephaloGRPOConfig": "hf_cephalo.integrations.trl",
+    "CephaloRLOOTrainer": "hf_cephalo.integrations.trl",
+    "CephaloRLOOConfig": "hf_cephalo.integrations.trl",
     "from_pretrained_sharded": "hf_cephalo.runtime.pretrained",
     "latest_checkpoint": "hf_cephalo.runtime.elastic",
 }

@@ -14,8 +14,11 @@ zero-std fraction, entropy, clip ratios, kl, completion lengths, tokens), then t
 weights. Qwen3 (tiny, from its config), fp32, SGD, rtol 1e-5 / atol 1e-6.
 
 Sub-cases (GRPO_CASES): every built loss type (dapo: TRL's default, grpo, bnpo, dr_grpo) with
-scale_rewards group / batch / none, reward weights, mask_truncated_completions, and beta 0.04
-with TRL's reference model (a second engine) and num_iterations 2 (old log-probabilities).
+scale_rewards group / batch / none, reward weights, mask_truncated_completions, beta 0.04
+with TRL's reference model (a second engine) and num_iterations 2 (old log-probabilities), and
+a LoRA policy with beta (the reference: the adapter off). RLOO_CASES: CephaloRLOOTrainer with
+RLOOConfig's defaults against stock RLOOTrainer whose generation is the same function
+(``_rollout_rloo_class``: stock RLOOTrainer takes no rollout_func).
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ GRPO_CASES = {
     "lora_beta": dict(beta=0.04, loss_type="bnpo"),
 }
 LORA_CASES = ("lora_beta",)
+RLOO_CASES = {
+    # RLOOConfig's defaults: beta 0.05 (KL in the reward, TRL's reference model)
+    "rloo_default": dict(),
+}
 METRICS = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std",
            "rewards/length_reward/mean", "rewards/length_reward/std",
            "rewards/vowel_reward/mean", "entropy", "clip_ratio/region_mean",
@@ -129,11 +136,16 @@ def _peft_config(case: str):
 
 
 def _grpo_kwargs(case: str, out_dir: str) -> dict:
+    if case in RLOO_CASES:
+        return {**_base_kwargs(case, out_dir), **RLOO_CASES[case]}
+    return {**_base_kwargs(case, out_dir), **GRPO_CASES[case]}
+
+
+def _base_kwargs(case: str, out_dir: str) -> dict:
     return {**dict(output_dir=os.path.join(out_dir, case), report_to="none", optim="sgd",
                    learning_rate=LR, max_steps=STEPS, logging_steps=1, save_strategy="no",
                    seed=SEED, bf16=False, gradient_checkpointing=False, disable_tqdm=True,
-                   use_cpu=True, num_generations=G, max_completion_length=8),
-            **GRPO_CASES[case]}
+                   use_cpu=True, num_generations=G, max_completion_length=8)}
 
 
 def _logs(history):
@@ -153,9 +165,25 @@ def _worker(rank, world_size, out_dir, tokenizer_path, model_dir):
                       LOCAL_WORLD_SIZE=str(world_size), TRL_EXPERIMENTAL_SILENCE="1")
     results = {case: _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir)
                for case in GRPO_CASES}
+    results.update({case: _cephalo_rloo(case, world_size, out_dir, tokenizer_path, model_dir)
+                    for case in RLOO_CASES})
     if world_size == 2:
         results["reward_raises"] = _reward_raises(out_dir, tokenizer_path, model_dir)
     return portable(results, True)
+
+
+def _cephalo_rloo(case, world_size, out_dir, tokenizer_path, model_dir):
+    from hf_cephalo import CephaloRLOOConfig, CephaloRLOOTrainer
+
+    args = CephaloRLOOConfig(**_grpo_kwargs(case, os.path.join(out_dir, f"w{world_size}")),
+                             per_device_train_batch_size=2)
+    trainer = CephaloRLOOTrainer(model=_model(model_dir), args=args,
+                                 reward_funcs=[length_reward, vowel_reward],
+                                 train_dataset=_dataset(),
+                                 processing_class=load_tokenizer(tokenizer_path),
+                                 rollout_func=_rollout, plan=plan(world_size))
+    trainer.train()
+    return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
 
 
 def rank_one_reward(prompts, completions, **kwargs):
@@ -245,6 +273,39 @@ def _stock_grpo(case, tmp_path_factory, tokenizer_path, model_dir):
     return _STOCK[case]
 
 
+def _rollout_rloo_class():
+    """Stock ``RLOOTrainer`` whose generation is ``_rollout`` (it takes no rollout_func): its
+    prompt tokenization returns the rollout's prompt ids and its generation the rollout's
+    completions; everything after (metrics, rewards, advantages, loss) is stock's."""
+    from trl import RLOOTrainer
+
+    class RolloutRLOOTrainer(RLOOTrainer):
+        def _tokenize_prompts(self, prompts):
+            self._rollout_output = _rollout(prompts, self)
+            return self._rollout_output["prompt_ids"], None, {}
+
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+            return self._rollout_output["completion_ids"]
+
+    return RolloutRLOOTrainer
+
+
+def _stock_rloo(case, tmp_path_factory, tokenizer_path, model_dir):
+    if case not in _STOCK:
+        from trl import RLOOConfig
+
+        offline_env()
+        out_dir = str(tmp_path_factory.mktemp("stock_rloo"))
+        args = RLOOConfig(**_grpo_kwargs(case, out_dir), per_device_train_batch_size=B)
+        trainer = _rollout_rloo_class()(model=_model(model_dir), args=args,
+                                        reward_funcs=[length_reward, vowel_reward],
+                                        train_dataset=_dataset(),
+                                        processing_class=load_tokenizer(tokenizer_path))
+        trainer.train()
+        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
+    return _STOCK[case]
+
+
 def _assert_same_run(got, ref):
     for metric in METRICS:
         assert len(got["logs"][metric]) == len(ref["logs"][metric]), metric
@@ -273,6 +334,21 @@ def test_grpo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, 
     assert logs["reward"][0] != logs["reward"][-1]
     if GRPO_CASES[case].get("beta"):
         assert len(logs["kl"]) == STEPS and any(v > 0 for v in logs["kl"]), logs["kl"]
+
+
+@test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", list(RLOO_CASES))
+def test_rloo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, model_dir):
+    """CephaloRLOOTrainer with its default loss (beta 0.05: KL in the reward, TRL's reference
+    model as a second engine), 2 and 3 ranks, equals stock RLOOTrainer on one process whose
+    generation is the same deterministic function (``_rollout_rloo_class``)."""
+    ref = _stock_rloo(case, tmp_path_factory, tokenizer_path, model_dir)
+    for rank_result in _cephalo(world_size, tmp_path_factory, tokenizer_path, model_dir):
+        _assert_same_run(rank_result[case], ref)
+    logs = ref["logs"]
+    assert all(v > 1e-3 for v in logs["grad_norm"]), logs["grad_norm"]
+    assert len(logs["kl"]) == STEPS and any(v != 0 for v in logs["kl"]), logs["kl"]
 
 
 @test_timeout(QUIET_S[2], margin_s=240)

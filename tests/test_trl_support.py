@@ -167,7 +167,7 @@ def test_model_by_name_refusals(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name, why", [("GRPOTrainer", "through CephaloGRPOTrainer only"),
-                                       ("RLOOTrainer", "generates completions"),
+                                       ("RLOOTrainer", "through CephaloRLOOTrainer only"),
                                        ("RewardTrainer", "chosen and a rejected")])
 def test_trl_trainers_that_cannot_run_are_refused(tmp_path, name, why, monkeypatch):
     """A TRL trainer the engine cannot run, put on the runtime by the same mixin, is refused

@@ -13,7 +13,8 @@ _EXPORTS = {
     **{n: "loop" for n in ("CephaloAccelerator", "CephaloPlugin", "CephaloDistributedType",
                            "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES")},
     **{n: "trl" for n in ("CephaloSFTTrainer", "CephaloSFTConfig", "CephaloDPOTrainer",
-                          "CephaloDPOConfig", "CephaloGRPOTrainer", "CephaloGRPOConfig")},
+                          "CephaloDPOConfig", "CephaloGRPOTrainer", "CephaloGRPOConfig",
+                          "CephaloRLOOTrainer", "CephaloRLOOConfig")},
     **{n: "quiet" for n in ("disable_progress_bars", "progress_bars_from_rank_zero", "print_line",
                             "quiet_load_report", "LOAD_REPORT_LOGGER")},
 }

@@ -1,6 +1,7 @@
 """The TRL doors (the ``trl`` extra): ``CephaloSFTTrainer`` / ``CephaloSFTConfig``,
-``CephaloDPOTrainer`` / ``CephaloDPOConfig`` and ``CephaloGRPOTrainer`` / ``CephaloGRPOConfig``,
-drop-ins for TRL's (names imported lazily: the package imports without trl)."""
+``CephaloDPOTrainer`` / ``CephaloDPOConfig``, ``CephaloGRPOTrainer`` / ``CephaloGRPOConfig`` and
+``CephaloRLOOTrainer`` / ``CephaloRLOOConfig``, drop-ins for TRL's (names imported lazily: the
+package imports without trl)."""
 
 from hf_cephalo.lazy import lazy_exports
 
@@ -11,6 +12,8 @@ _EXPORTS = {
     "CephaloDPOConfig": "dpo",
     "CephaloGRPOTrainer": "grpo",
     "CephaloGRPOConfig": "grpo",
+    "CephaloRLOOTrainer": "rloo",
+    "CephaloRLOOConfig": "rloo",
 }
 
 __all__ = list(_EXPORTS)

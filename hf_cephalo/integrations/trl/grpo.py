@@ -44,7 +44,7 @@ except ImportError as exc:  # the optional extra
 from hf_cephalo.integrations.trainer.trainer import CephaloTrainerMixin
 from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
                                                  trl_config_dataclass)
-from hf_cephalo.integrations.trl.rollout_door import RolloutDoor, loss_mask
+from hf_cephalo.integrations.trl.rollout_door import RolloutDoor, loss_mask, one_step_per_generation
 from hf_cephalo.integrations.trl.rollout_step import RolloutStep
 from hf_cephalo.integrations.trl.support import GRPO_FIELD_SUPPORT
 
@@ -80,26 +80,6 @@ class CephaloGRPOConfig(CephaloTRLConfig, GRPOConfig):
                 f"--loss_type {self.loss_type!r}: not validated on the engine (built and tested "
                 f"against stock: {', '.join(BUILT_LOSSES)})")
         return refused
-
-
-def one_step_per_generation(args) -> dict[str, str]:
-    """The refusals of gradient accumulation and ``steps_per_generation`` > 1 (a generating
-    door trains one generation batch per optimizer step)."""
-    refused = {}
-    if args.gradient_accumulation_steps != 1:
-        refused["gradient_accumulation_steps"] = (
-            f"--gradient_accumulation_steps = {args.gradient_accumulation_steps}: the door "
-            "trains the whole generation batch (the plan's global batch) in one optimizer "
-            "step, each rank in its own microbatches; set the global batch "
-            "(--cephalo_global_batch_size or the plan) and leave it at 1")
-    if args.steps_per_generation not in (None, 1):
-        refused["steps_per_generation"] = (
-            f"--steps_per_generation = {args.steps_per_generation} (generation_batch_size "
-            f"{args.generation_batch_size}): one process shuffles the rows of a generation "
-            "batch across its optimizer steps, which would move completions between ranks "
-            "(not built); generate once per step: leave steps_per_generation and "
-            "generation_batch_size unset")
-    return refused
 
 
 class CephaloGRPOTrainer(TRLModelByName, TRLModelCard, RolloutDoor, CephaloTrainerMixin,

@@ -20,7 +20,8 @@ from hf_cephalo.integrations.trl.rollout import GenerationRows, RowGroups
 from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
 from hf_cephalo.runtime.user_loss import HeadView
 
-__all__ = ["CompletionItems", "RolloutDoor", "loss_mask", "rollout_problems"]
+__all__ = ["CompletionItems", "RolloutDoor", "loss_mask", "one_step_per_generation",
+           "rollout_problems"]
 
 
 class CompletionItems(WrappedStagedModel):
@@ -252,3 +253,23 @@ def _batch_problems(args, batch_size: int, train) -> list[str]:
                 f"replay yet; train one epoch (max_steps <= {per_epoch}) or set "
                 "shuffle_dataset=False"]
     return []
+
+
+def one_step_per_generation(args) -> dict[str, str]:
+    """The refusals of gradient accumulation and ``steps_per_generation`` > 1 (a generating
+    door trains one generation batch per optimizer step)."""
+    refused = {}
+    if args.gradient_accumulation_steps != 1:
+        refused["gradient_accumulation_steps"] = (
+            f"--gradient_accumulation_steps = {args.gradient_accumulation_steps}: the door "
+            "trains the whole generation batch (the plan's global batch) in one optimizer "
+            "step, each rank in its own microbatches; set the global batch "
+            "(--cephalo_global_batch_size or the plan) and leave it at 1")
+    if args.steps_per_generation not in (None, 1):
+        refused["steps_per_generation"] = (
+            f"--steps_per_generation = {args.steps_per_generation} (generation_batch_size "
+            f"{args.generation_batch_size}): one process shuffles the rows of a generation "
+            "batch across its optimizer steps, which would move completions between ranks "
+            "(not built); generate once per step: leave steps_per_generation and "
+            "generation_batch_size unset")
+    return refused

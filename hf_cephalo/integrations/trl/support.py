@@ -17,7 +17,8 @@ from hf_cephalo.integrations.trainer.support import not_applicable as _na
 from hf_cephalo.integrations.trainer.support import refused as _refused
 from hf_cephalo.integrations.trainer.support import stock as _stock
 
-__all__ = ["SFT_FIELD_SUPPORT", "DPO_FIELD_SUPPORT", "GRPO_FIELD_SUPPORT", "TRL_TRAINER_SUPPORT",
+__all__ = ["SFT_FIELD_SUPPORT", "DPO_FIELD_SUPPORT", "GRPO_FIELD_SUPPORT", "RLOO_FIELD_SUPPORT",
+           "TRL_TRAINER_SUPPORT",
            "trainer_class_problems", "render_markdown"]
 
 _S = "tests/test_trl_sft.py::"
@@ -278,6 +279,43 @@ GRPO_FIELD_SUPPORT: dict[str, Support] = {
 """``GRPOConfig`` field (beyond ``TrainingArguments``) -> support."""
 
 
+_R = "tests/test_trl_grpo.py::"
+_RLOO_SHARED = ("model_init_kwargs", "trust_remote_code", "router_aux_loss_coef", "disable_dropout",
+                "num_generations_eval", "ds3_gather_for_generation", "shuffle_dataset",
+                "pad_to_multiple_of", "generation_batch_size", "steps_per_generation",
+                "temperature", "top_p", "top_k", "min_p", "generation_kwargs",
+                "chat_template_kwargs", "repetition_penalty", "cache_implementation", "use_vllm",
+                "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
+                "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host",
+                "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+                "vllm_gpu_memory_utilization", "vllm_max_model_length",
+                "vllm_tensor_parallel_size", "epsilon", "epsilon_high", "sync_ref_model",
+                "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions",
+                "log_multimodal", "num_completions_to_print", "log_unique_prompts",
+                "use_transformers_continuous_batching", "transformers_continuous_batching_config",
+                "use_transformers_paged")
+RLOO_FIELD_SUPPORT: dict[str, Support] = {
+    **{name: GRPO_FIELD_SUPPORT[name] for name in _RLOO_SHARED},
+    "num_generations": _stock("G rows per prompt; a group may span ranks (the leave-one-out "
+                              "baseline over the global batch)", _R + "test_rloo_matches_stock"),
+    "max_completion_length": _na(_BUILTIN_GENERATION),
+    "beta": _stock("the reference's KL summed per row and subtracted from its reward (a second "
+                   "engine over TRL's ref_model, or the LoRA policy with its adapter off)",
+                   _R + "test_rloo_matches_stock"),
+    "num_iterations": _inherited("each generation batch trained num_iterations times against "
+                                 "the old log-probabilities (not separately tested for RLOO)"),
+    "reward_weights": _inherited("the weighted sum of the reward functions over the global "
+                                 "batch (rloo.rloo_advantages)"),
+    "normalize_advantages": _inherited("over the global batch (rloo.rloo_advantages; not "
+                                       "separately tested)"),
+    "reward_clip_range": _inherited("per row before the baseline (rloo.rloo_advantages; not "
+                                    "separately tested)"),
+    "mask_truncated_completions": _inherited("a completion not ending in EOS / pad is masked, "
+                                             "as stock (the same code as GRPO's)"),
+}
+"""``RLOOConfig`` field (beyond ``TrainingArguments``) -> support."""
+
+
 _GENERATES = (
     "generates completions while it trains (model.generate or a vLLM server); the engine holds "
     "the model as per-rank shards and has no generation path. Missing: sampling over the "
@@ -304,8 +342,11 @@ TRL_TRAINER_SUPPORT: dict[str, Support] = {
                           "rollout_func: rewards, advantages and every loss's normalizer over "
                           "the global generation batch; built-in generation lands separately",
                           _G + "test_grpo_matches_stock"),
+    "RLOOTrainer": _stock("CephaloRLOOTrainer (CephaloTrainerMixin + RLOOTrainer) with a "
+                          "rollout_func: the leave-one-out baseline and KL-in-reward over the "
+                          "global generation batch", _R + "test_rloo_matches_stock"),
     **{name: _refused(_GENERATES) for name in (
-        "RLOOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
+        "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
         "PPOTrainer", "GKDTrainer", "GOLDTrainer", "GMPOTrainer", "A2POTrainer",
         "AsyncGRPOTrainer", "DistillationTrainer", "AsyncDistillationTrainer",
         "ServerDistillationTrainer", "IWOPDTrainer", "SDFTTrainer", "SDPOTrainer")},
@@ -337,18 +378,20 @@ def trainer_class_problems(cls: type) -> list[str]:
     return []
 
 
-_DOOR_ONLY = {"GRPOTrainer": "CephaloGRPOTrainer"}
+_DOOR_ONLY = {"GRPOTrainer": "CephaloGRPOTrainer", "RLOOTrainer": "CephaloRLOOTrainer"}
 """TRL trainers the mixin alone cannot put on the runtime: the door that does (its bases
 include ``rollout_door.RolloutDoor``)."""
 
 
 def render_markdown() -> str:
-    """The tables of docs/trl.md (TRL trainers, then the SFTConfig, DPOConfig and GRPOConfig
-    fields)."""
+    """The tables of docs/trl.md (TRL trainers, then the SFTConfig, DPOConfig, GRPOConfig and
+    RLOOConfig fields)."""
     return "\n".join(markdown_table("TRL trainers", TRL_TRAINER_SUPPORT, 3)
                      + markdown_table("SFTConfig fields (beyond TrainingArguments)",
                                       SFT_FIELD_SUPPORT, 3)
                      + markdown_table("DPOConfig fields (beyond TrainingArguments)",
                                       DPO_FIELD_SUPPORT, 3)
                      + markdown_table("GRPOConfig fields (beyond TrainingArguments)",
-                                      GRPO_FIELD_SUPPORT, 3))
+                                      GRPO_FIELD_SUPPORT, 3)
+                     + markdown_table("RLOOConfig fields (beyond TrainingArguments)",
+                                      RLOO_FIELD_SUPPORT, 3))
