@@ -4,9 +4,9 @@ numbers.
 Completions come from a deterministic ``rollout_func`` (a fixed function of the prompt text,
 the step and the completion's number in its group: ``_rollout``) and the rewards from two
 deterministic reward functions, so both sides train on the same completions. One run_ranks call
-per world size trains every sub-case through CephaloGRPOTrainer: 2 gloo ranks with the uneven
-plan b = [1, 3], m = [1, 2] (the first group spans the ranks), and 3 ranks with b = [1, 3, 0],
-m = [1, 1, 0] (different l_i and an idle rank). The test process trains the same sub-cases with
+per world size trains the sub-cases through CephaloGRPOTrainer: 2 gloo ranks with the uneven
+plan b = [1, 3], m = [1, 2] (the first group spans the ranks; every sub-case), and 3 ranks with
+b = [1, 3, 0], m = [1, 1, 0] (different l_i and an idle rank; ``THREE_RANKS``). The test process trains the same sub-cases with
 stock ``GRPOTrainer`` in ONE process with the whole generation batch
 (per_device_train_batch_size = B = 4, G = 2: two prompts per step) and compares, per step, the
 logged loss, grad_norm, learning_rate and GRPO's metrics (rewards, reward_std, advantages'
@@ -47,18 +47,26 @@ GRPO_CASES = {
     "beta_ref_two_iterations": dict(beta=0.04, num_iterations=2),
     # a LoRA policy: the reference is the policy with its adapter off
     "lora_beta": dict(beta=0.04, loss_type="bnpo"),
+    # a mixture of experts, with a reference engine
+    # (router loss off: TRL adds it per microbatch, refused otherwise)
+    "moe_beta": dict(beta=0.04, loss_type="grpo", router_aux_loss_coef=0.0),
 }
 LORA_CASES = ("lora_beta",)
+MOE_CASES = ("moe_beta",)  # Qwen3-MoE (4 experts, top 2; no router loss)
 RLOO_CASES = {
     # RLOOConfig's defaults: beta 0.05 (KL in the reward, TRL's reference model)
     "rloo_default": dict(),
 }
+THREE_RANKS = ("dapo", "beta_ref_two_iterations", "lora_beta", "moe_beta", "rloo_default")
+"""The sub-cases also run on 3 ranks (an idle rank); the loss types' normalizers differ from
+dapo's only in the item count, which the 2-rank run (a group spanning ranks) checks."""
 METRICS = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std",
            "rewards/length_reward/mean", "rewards/length_reward/std",
            "rewards/vowel_reward/mean", "entropy", "clip_ratio/region_mean",
            "completions/mean_length", "completions/min_length", "completions/max_length",
            "completions/clipped_ratio", "completions/mean_terminated_length", "num_tokens", "kl")
 NUM_PROMPTS = 8
+CASE_WORLDS = [(c, 2) for c in [*GRPO_CASES, *RLOO_CASES]] + [(c, 3) for c in THREE_RANKS]
 
 
 # ---- the deterministic rollout and rewards -----------------------------------------------------
@@ -105,25 +113,29 @@ def _dataset():
 
 
 def _model_dir(root: str, tokenizer_path: str) -> str:
-    """Tiny Qwen3 saved under ``root`` (TRL builds the reference copy from the model's name)."""
+    """Tiny Qwen3 and Qwen3-MoE (``tests/zoo_fixtures.py``) saved under ``root`` (TRL builds the
+    reference copy from the model's name)."""
     import transformers
 
-    path = os.path.join(root, "qwen3")
-    if not os.path.isdir(path):
-        class_name, config = ZOO["qwen3"]
-        torch.manual_seed(SEED)
-        cfg = config()
-        tokenizer = load_tokenizer(tokenizer_path)
-        cfg.vocab_size, cfg.pad_token_id = len(tokenizer), tokenizer.pad_token_id
-        cfg.eos_token_id = tokenizer.eos_token_id
-        getattr(transformers, class_name)(cfg).save_pretrained(path)
-    return path
+    for name in ("qwen3", "qwen3_moe_no_router_loss"):
+        path = os.path.join(root, name)
+        if not os.path.isdir(path):
+            class_name, config = ZOO[name]
+            torch.manual_seed(SEED)
+            cfg = config()
+            tokenizer = load_tokenizer(tokenizer_path)
+            cfg.vocab_size, cfg.pad_token_id = len(tokenizer), tokenizer.pad_token_id
+            cfg.eos_token_id = tokenizer.eos_token_id
+            getattr(transformers, class_name)(cfg).save_pretrained(path)
+    return root
 
 
-def _model(path: str):
+def _model(root: str, case: str):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    name = "qwen3_moe_no_router_loss" if case in MOE_CASES else "qwen3"
+    return transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, name),
+                                                             dtype=torch.float32)
 
 
 def _peft_config(case: str):
@@ -163,10 +175,11 @@ def _worker(rank, world_size, out_dir, tokenizer_path, model_dir):
     offline_env()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), TRL_EXPERIMENTAL_SILENCE="1")
+    cases = [c for c, w in CASE_WORLDS if w == world_size]
     results = {case: _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir)
-               for case in GRPO_CASES}
+               for case in cases if case in GRPO_CASES}
     results.update({case: _cephalo_rloo(case, world_size, out_dir, tokenizer_path, model_dir)
-                    for case in RLOO_CASES})
+                    for case in cases if case in RLOO_CASES})
     if world_size == 2:
         results["reward_raises"] = _reward_raises(out_dir, tokenizer_path, model_dir)
     return portable(results, True)
@@ -176,8 +189,8 @@ def _cephalo_rloo(case, world_size, out_dir, tokenizer_path, model_dir):
     from hf_cephalo import CephaloRLOOConfig, CephaloRLOOTrainer
 
     args = CephaloRLOOConfig(**_grpo_kwargs(case, os.path.join(out_dir, f"w{world_size}")),
-                             per_device_train_batch_size=2)
-    trainer = CephaloRLOOTrainer(model=_model(model_dir), args=args,
+                             per_device_train_batch_size=2, cephalo_adaptive="off")
+    trainer = CephaloRLOOTrainer(model=_model(model_dir, case), args=args,
                                  reward_funcs=[length_reward, vowel_reward],
                                  train_dataset=_dataset(),
                                  processing_class=load_tokenizer(tokenizer_path),
@@ -199,7 +212,7 @@ def _reward_raises(out_dir, tokenizer_path, model_dir):
 
     args = CephaloGRPOConfig(**_grpo_kwargs("dapo", os.path.join(out_dir, "raises")),
                              per_device_train_batch_size=2)
-    trainer = CephaloGRPOTrainer(model=_model(model_dir), args=args,
+    trainer = CephaloGRPOTrainer(model=_model(model_dir, "dapo"), args=args,
                                  reward_funcs=[rank_one_reward], train_dataset=_dataset(),
                                  processing_class=load_tokenizer(tokenizer_path),
                                  rollout_func=_rollout, plan=plan(2))
@@ -214,8 +227,8 @@ def _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir):
     from hf_cephalo import CephaloGRPOConfig, CephaloGRPOTrainer
 
     args = CephaloGRPOConfig(**_grpo_kwargs(case, os.path.join(out_dir, f"w{world_size}")),
-                             per_device_train_batch_size=2)
-    trainer = CephaloGRPOTrainer(model=_model(model_dir), args=args,
+                             per_device_train_batch_size=2, cephalo_adaptive="off")
+    trainer = CephaloGRPOTrainer(model=_model(model_dir, case), args=args,
                                  reward_funcs=[length_reward, vowel_reward],
                                  train_dataset=_dataset(),
                                  processing_class=load_tokenizer(tokenizer_path),
@@ -263,7 +276,7 @@ def _stock_grpo(case, tmp_path_factory, tokenizer_path, model_dir):
         os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
         out_dir = str(tmp_path_factory.mktemp("stock_grpo"))
         args = GRPOConfig(**_grpo_kwargs(case, out_dir), per_device_train_batch_size=B)
-        trainer = GRPOTrainer(model=_model(model_dir), args=args,
+        trainer = GRPOTrainer(model=_model(model_dir, case), args=args,
                               reward_funcs=[length_reward, vowel_reward],
                               train_dataset=_dataset(),
                               processing_class=load_tokenizer(tokenizer_path),
@@ -297,7 +310,7 @@ def _stock_rloo(case, tmp_path_factory, tokenizer_path, model_dir):
         offline_env()
         out_dir = str(tmp_path_factory.mktemp("stock_rloo"))
         args = RLOOConfig(**_grpo_kwargs(case, out_dir), per_device_train_batch_size=B)
-        trainer = _rollout_rloo_class()(model=_model(model_dir), args=args,
+        trainer = _rollout_rloo_class()(model=_model(model_dir, case), args=args,
                                         reward_funcs=[length_reward, vowel_reward],
                                         train_dataset=_dataset(),
                                         processing_class=load_tokenizer(tokenizer_path))
@@ -316,8 +329,7 @@ def _assert_same_run(got, ref):
 
 
 @test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("case", list(GRPO_CASES))
+@pytest.mark.parametrize("case, world_size", [cw for cw in CASE_WORLDS if cw[0] in GRPO_CASES])
 def test_grpo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, model_dir):
     """Every built loss type, reward scaling, truncation masking, beta > 0 with TRL's
     reference model and num_iterations 2, on 2 and 3 ranks (uneven plan, a group spanning
@@ -337,8 +349,7 @@ def test_grpo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, 
 
 
 @test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("case", list(RLOO_CASES))
+@pytest.mark.parametrize("case, world_size", [cw for cw in CASE_WORLDS if cw[0] in RLOO_CASES])
 def test_rloo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, model_dir):
     """CephaloRLOOTrainer with its default loss (beta 0.05: KL in the reward, TRL's reference
     model as a second engine), 2 and 3 ranks, equals stock RLOOTrainer on one process whose
@@ -376,22 +387,25 @@ def test_grpo_refusals_before_any_collective(tmp_path, tokenizer_path, model_dir
     tokenizer = load_tokenizer(tokenizer_path)
     kwargs = {**_grpo_kwargs("dapo", str(tmp_path)), "num_generations": 3,
               "loss_type": "sapo", "top_entropy_quantile": 0.5, "use_vllm": True,
-              "gradient_accumulation_steps": 2}
+              "gradient_accumulation_steps": 2, "num_iterations": 2,
+              "cephalo_adaptive": "batch"}
     args = CephaloGRPOConfig(**kwargs, per_device_train_batch_size=3)
     with pytest.raises(ValueError) as info:
-        CephaloGRPOTrainer(model=_model(model_dir), args=args, reward_funcs=[length_reward],
-                           train_dataset=_dataset(), processing_class=tokenizer,
-                           tools=[len], plan=plan(2))
+        CephaloGRPOTrainer(model=_model(model_dir, "dapo"), args=args,
+                           reward_funcs=[length_reward], train_dataset=_dataset(),
+                           processing_class=tokenizer, tools=[len], plan=plan(2))
     text = str(info.value)
     for expected in ("no rollout_func", "num_generations = 3 does not divide the generation "
                      "batch B = 4", "--steps_per_generation = 2", "--gradient_accumulation_steps "
                      "= 2", "--loss_type 'sapo'", "--top_entropy_quantile = 0.5",
+                     "--cephalo_adaptive batch with num_iterations = 2",
                      "--use_vllm = True", "tools: multi-turn"):
         assert expected in text, (expected, text)
     assert not dist.is_initialized()
     args = CephaloGRPOConfig(**_grpo_kwargs("dapo", str(tmp_path)), per_device_train_batch_size=2)
     with pytest.raises(ValueError, match="does not evaluate yet"):
-        CephaloGRPOTrainer(model=_model(model_dir), args=args, reward_funcs=[length_reward],
-                           train_dataset=_dataset(), eval_dataset=_dataset(),
+        CephaloGRPOTrainer(model=_model(model_dir, "dapo"), args=args,
+                           reward_funcs=[length_reward], train_dataset=_dataset(),
+                           eval_dataset=_dataset(),
                            processing_class=tokenizer, rollout_func=_rollout, plan=plan(2))
     assert not dist.is_initialized()

@@ -21,7 +21,7 @@ from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global
 from hf_cephalo.runtime.user_loss import HeadView
 
 __all__ = ["CompletionItems", "RolloutDoor", "loss_mask", "one_step_per_generation",
-           "rollout_problems"]
+           "rollout_problems", "router_loss_problems"]
 
 
 class CompletionItems(WrappedStagedModel):
@@ -102,7 +102,8 @@ class RolloutDoor:
         problems = [p for p in super()._hook_problems(model, kwargs)
                     if not p.startswith("_get_train_sampler")]
         return problems + rollout_problems(self._script_args, self._batch_size, kwargs,
-                                           self._rollout_func_given(kwargs))
+                                           self._rollout_func_given(kwargs)) \
+            + router_loss_problems(model, self._script_args)
 
     def _rollout_func_given(self, kwargs: dict[str, Any]) -> bool:
         return kwargs.get("rollout_func") is not None
@@ -237,6 +238,25 @@ def rollout_problems(args, batch_size: int | None, kwargs: dict[str, Any],
     return problems
 
 
+def router_loss_problems(model, args) -> list[str]:
+    """A mixture of experts whose router load-balancing loss TRL would add (GRPOTrainer /
+    RLOOTrainer turn it on whenever the coefficient is non-zero: ``router_aux_loss_coef``, or
+    the model config's when None): TRL adds it per microbatch (a mean over the microbatch's
+    chunks, not a sum over the global batch's items), so it cannot be split exactly."""
+    config = getattr(model, "config", None)
+    if config is None or args is None:
+        return []
+    text_config = config.get_text_config()
+    coef = getattr(args, "router_aux_loss_coef", None)
+    coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
+    if not hasattr(text_config, "output_router_logits") or not coef:
+        return []
+    return [f"router_aux_loss_coef = {coef} on the mixture of experts "
+            f"{type(model).__name__}: TRL adds the router's load-balancing loss per microbatch "
+            "(a per-microbatch mean, not a sum over the global batch's items), which the engine "
+            "cannot split exactly; set router_aux_loss_coef=0.0 in the config"]
+
+
 def _batch_problems(args, batch_size: int, train) -> list[str]:
     G = args.num_generations
     if batch_size % G:
@@ -257,7 +277,8 @@ def _batch_problems(args, batch_size: int, train) -> list[str]:
 
 def one_step_per_generation(args) -> dict[str, str]:
     """The refusals of gradient accumulation and ``steps_per_generation`` > 1 (a generating
-    door trains one generation batch per optimizer step)."""
+    door trains one generation batch per optimizer step), and of a live re-balancing inside a
+    generation round (``num_iterations`` > 1)."""
     refused = {}
     if args.gradient_accumulation_steps != 1:
         refused["gradient_accumulation_steps"] = (
@@ -265,6 +286,13 @@ def one_step_per_generation(args) -> dict[str, str]:
             "trains the whole generation batch (the plan's global batch) in one optimizer "
             "step, each rank in its own microbatches; set the global batch "
             "(--cephalo_global_batch_size or the plan) and leave it at 1")
+    adaptive = getattr(args, "cephalo_adaptive", "off") or "off"
+    if args.num_iterations > 1 and adaptive != "off":
+        refused["num_iterations"] = (
+            f"--cephalo_adaptive {adaptive} with num_iterations = {args.num_iterations}: a live "
+            "switch of the split between two iterations of a generation batch would give a "
+            "rank rows whose completions and old log-probabilities another rank holds (not "
+            "built); set --cephalo_adaptive off, or num_iterations 1")
     if args.steps_per_generation not in (None, 1):
         refused["steps_per_generation"] = (
             f"--steps_per_generation = {args.steps_per_generation} (generation_batch_size "

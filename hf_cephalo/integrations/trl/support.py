@@ -163,8 +163,10 @@ GRPO_FIELD_SUPPORT: dict[str, Support] = {
                                     "load its reference copy when beta != 0"),
     "trust_remote_code": _inherited("forwarded by GRPOTrainer to AutoProcessor / the reference "
                                     "copy it loads"),
-    "router_aux_loss_coef": _na("used only for a mixture of experts whose config sets "
-                                "output_router_logits, which the TRL doors refuse (see SFT)"),
+    "router_aux_loss_coef": _inherited(
+        "0.0 turns TRL's router load-balancing loss off for a mixture of experts (tested); a "
+        "non-zero coefficient (the model config's when None) on a mixture of experts is "
+        "refused: TRL adds that loss per microbatch, not as a sum over the global batch"),
     "disable_dropout": _inherited("GRPOTrainer turns dropout off in the policy and the "
                                   "reference before the engine shards them"),
     "cast_lm_head_to_fp32": _inherited("passed to TRL's fused head on the engine (the hidden "
