@@ -75,12 +75,14 @@ def _rollout(prompts, trainer):
     """A fixed function of (prompt text, step, the completion's number in its group): prompt
     ids from the tokenizer; 2-9 completion tokens, most ending in EOS (one in three runs to
     its end: truncated)."""
+    G = trainer.num_generations  # called with whole groups, in order, as on one process
+    assert len(prompts) % G == 0 and all(p == prompts[i - i % G] for i, p in enumerate(prompts))
     tokenizer = trainer.processing_class
     vocab, eos = len(tokenizer), tokenizer.eos_token_id
     step = trainer.state.global_step
     prompt_ids, completion_ids = [], []
     for i, prompt in enumerate(prompts):
-        k = i % trainer.num_generations
+        k = i % G
         h = sum(prompt.encode()) % 997
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][:12]
         n = 2 + (h + 3 * k + step) % 8
@@ -161,8 +163,11 @@ def _base_kwargs(case: str, out_dir: str) -> dict:
 
 
 def _logs(history):
+    """Every value of the per-step log rows (all that stock logs, step_time aside: a wall
+    clock)."""
     rows = [h for h in history if "loss" in h and "train_loss" not in h]
-    return {m: [h[m] for h in rows if m in h] for m in METRICS}
+    keys = sorted({k for h in rows for k in h} - {"step_time"})
+    return {m: [h[m] for h in rows if m in h] for m in keys}
 
 
 def _state(model):
@@ -320,7 +325,9 @@ def _stock_rloo(case, tmp_path_factory, tokenizer_path, model_dir):
 
 
 def _assert_same_run(got, ref):
-    for metric in METRICS:
+    assert set(got["logs"]) == set(ref["logs"]), set(got["logs"]) ^ set(ref["logs"])
+    assert set(METRICS) <= set(ref["logs"]) | {"kl"}
+    for metric in ref["logs"]:
         assert len(got["logs"][metric]) == len(ref["logs"][metric]), metric
         torch.testing.assert_close(torch.tensor(got["logs"][metric], dtype=torch.float64),
                                    torch.tensor(ref["logs"][metric], dtype=torch.float64),
