@@ -82,6 +82,31 @@ class _Rows:
         return list(samples)
 
 
+class _PlanningRows:
+    """One row of ``input_ids`` as long as the longest of the first 16 prompts (tokenized as
+    text, or with the chat template) plus ``max_completion_length``: what the planner's
+    ``sequence_length_of`` reads. Only its length is real."""
+
+    def __init__(self, prompts, tokenizer, max_completion_length: int) -> None:
+        self.length = max_completion_length + max(
+            (_prompt_length(prompts[i]["prompt"], tokenizer)
+             for i in range(min(len(prompts), 16))), default=0)
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return {"input_ids": [0] * self.length}
+
+
+def _prompt_length(prompt, tokenizer) -> int:
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's
+    if isinstance(prompt, str):
+        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+    return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
 class RolloutDoor:
     """The shared methods of the generating doors (see the module note). A door sets
     ``_rollout_step_class`` and defines ``_per_token_items()`` / ``_loss_share(inputs, N)``."""
@@ -107,6 +132,15 @@ class RolloutDoor:
 
     def _rollout_func_given(self, kwargs: dict[str, Any]) -> bool:
         return kwargs.get("rollout_func") is not None
+
+    def _planning_dataset(self):
+        """What prices the profile: rows of the longest tokenized prompt among the first 16
+        plus ``max_completion_length`` tokens (the rows the engine will train), instead of the
+        prompt dataset, which has no ``input_ids``."""
+        if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
+            return self.train_dataset
+        return _PlanningRows(self.train_dataset, self.processing_class,
+                             self.args.max_completion_length)
 
     def _engine_staged(self, staged):
         self._items = CompletionItems(staged, per_token=self._per_token_items())
