@@ -1,24 +1,26 @@
-"""CephaloGRPOTrainer vs STOCK TRL GRPOTrainer (issue 46): the same settings give the same
-numbers.
+"""CephaloGRPOTrainer / CephaloRLOOTrainer vs STOCK TRL GRPOTrainer / RLOOTrainer (issue 46): the
+same settings give the same numbers.
 
 Completions come from a deterministic ``rollout_func`` (a fixed function of the prompt text,
-the step and the completion's number in its group: ``_rollout``) and the rewards from two
-deterministic reward functions, so both sides train on the same completions. One run_ranks call
-per world size trains the sub-cases through CephaloGRPOTrainer: 2 gloo ranks with the uneven
-plan b = [1, 3], m = [1, 2] (the first group spans the ranks; every sub-case), and 3 ranks with
-b = [1, 3, 0], m = [1, 1, 0] (different l_i and an idle rank; ``THREE_RANKS``). The test process trains the same sub-cases with
-stock ``GRPOTrainer`` in ONE process with the whole generation batch
-(per_device_train_batch_size = B = 4, G = 2: two prompts per step) and compares, per step, the
-logged loss, grad_norm, learning_rate and GRPO's metrics (rewards, reward_std, advantages'
-zero-std fraction, entropy, clip ratios, kl, completion lengths, tokens), then the final
-weights. Qwen3 (tiny, from its config), fp32, SGD, rtol 1e-5 / atol 1e-6.
+the step and the completion's number in its group: ``_rollout``, which also asserts it is
+called with whole groups in order) and the rewards from two deterministic reward functions, so
+both sides train on the same completions. One run_ranks call per world size trains the
+sub-cases: 2 gloo ranks with the uneven plan b = [1, 3], m = [1, 2] (the first group spans the
+ranks; every sub-case), and 3 ranks with b = [1, 3, 0], m = [1, 1, 0] (different l_i and an
+idle rank; ``THREE_RANKS``). The test process trains the same sub-cases with stock TRL in ONE
+process with the whole generation batch (per_device_train_batch_size = B = 4, G = 2: two
+prompts per step) and compares every key of every per-step log row (loss, grad_norm,
+learning_rate, epoch, rewards, reward_std, zero-std fraction, entropy, clip ratios, kl,
+completion lengths, tokens; step_time aside), then the final weights. Qwen3 (tiny, from its
+config), fp32, SGD, rtol 1e-5 / atol 1e-6.
 
 Sub-cases (GRPO_CASES): every built loss type (dapo: TRL's default, grpo, bnpo, dr_grpo) with
-scale_rewards group / batch / none, reward weights, mask_truncated_completions, beta 0.04
-with TRL's reference model (a second engine) and num_iterations 2 (old log-probabilities), and
-a LoRA policy with beta (the reference: the adapter off). RLOO_CASES: CephaloRLOOTrainer with
-RLOOConfig's defaults against stock RLOOTrainer whose generation is the same function
-(``_rollout_rloo_class``: stock RLOOTrainer takes no rollout_func).
+scale_rewards group / batch / none, reward weights, mask_truncated_completions, the top-entropy
+token mask, beta 0.04 with TRL's reference model (a second engine) and num_iterations 2 (old
+log-probabilities), a LoRA policy with beta (the reference: the adapter off), and Qwen3-MoE.
+RLOO_CASES: CephaloRLOOTrainer with RLOOConfig's defaults against stock RLOOTrainer whose
+generation is the same function (``_rollout_rloo_class``: stock RLOOTrainer takes no
+rollout_func).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ GRPO_CASES = {
     "dapo": dict(),
     "grpo_batch_scale": dict(loss_type="grpo", scale_rewards="batch", reward_weights=[1.0, 0.5]),
     "bnpo_masked_truncated": dict(loss_type="bnpo", mask_truncated_completions=True),
+    # the mask of the top 50 % entropy tokens: a quantile over the global batch's tokens
+    "dapo_entropy_quantile": dict(top_entropy_quantile=0.5),
     "dr_grpo_no_scale": dict(loss_type="dr_grpo", scale_rewards="none",
                              max_completion_length=16),
     "beta_ref_two_iterations": dict(beta=0.04, num_iterations=2),
@@ -384,8 +388,8 @@ def test_reward_function_raising_on_one_rank(tmp_path_factory, tokenizer_path, m
 def test_grpo_refusals_before_any_collective(tmp_path, tokenizer_path, model_dir):
     """Every setting the door does not build, in ONE message at construction (one process, no
     process group made): no rollout_func, num_generations not dividing the global batch,
-    steps_per_generation, gradient accumulation, an unvalidated loss type, the entropy
-    quantile, vLLM, tools; then evaluation."""
+    steps_per_generation, gradient accumulation, an unvalidated loss type, the entropy bonus,
+    vLLM, tools, num_iterations with live re-balancing; then evaluation."""
     import torch.distributed as dist
 
     from hf_cephalo import CephaloGRPOConfig, CephaloGRPOTrainer
@@ -393,7 +397,7 @@ def test_grpo_refusals_before_any_collective(tmp_path, tokenizer_path, model_dir
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     tokenizer = load_tokenizer(tokenizer_path)
     kwargs = {**_grpo_kwargs("dapo", str(tmp_path)), "num_generations": 3,
-              "loss_type": "sapo", "top_entropy_quantile": 0.5, "use_vllm": True,
+              "loss_type": "sapo", "entropy_coef": 0.1, "use_vllm": True,
               "gradient_accumulation_steps": 2, "num_iterations": 2,
               "cephalo_adaptive": "batch"}
     args = CephaloGRPOConfig(**kwargs, per_device_train_batch_size=3)
@@ -404,7 +408,7 @@ def test_grpo_refusals_before_any_collective(tmp_path, tokenizer_path, model_dir
     text = str(info.value)
     for expected in ("no rollout_func", "num_generations = 3 does not divide the generation "
                      "batch B = 4", "--steps_per_generation = 2", "--gradient_accumulation_steps "
-                     "= 2", "--loss_type 'sapo'", "--top_entropy_quantile = 0.5",
+                     "= 2", "--loss_type 'sapo'", "--entropy_coef = 0.1",
                      "--cephalo_adaptive batch with num_iterations = 2",
                      "--use_vllm = True", "tools: multi-turn"):
         assert expected in text, (expected, text)

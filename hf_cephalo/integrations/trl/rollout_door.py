@@ -38,8 +38,10 @@ class CompletionItems(WrappedStagedModel):
         self._head: FusedLMHead | None = None
 
     @contextlib.contextmanager
-    def logprobs(self, head: FusedLMHead):
-        self._head = head
+    def logprobs(self, head: FusedLMHead, output: str = "log_probs"):
+        """Inside: the head's "logits" are ``head``'s per-token ``output`` (log_probs, or
+        entropy) over the completion."""
+        self._head, self._output = head, output
         try:
             yield
         finally:
@@ -59,7 +61,7 @@ class CompletionItems(WrappedStagedModel):
         labels = microbatch["input_ids"].masked_fill(microbatch["attention_mask"] == 0, -100)
         labels[:, :-width] = -100  # only the completion tokens are scored, as TRL's
         out = self._head(HeadView(self.inner, hidden, microbatch, ctx), {"labels": labels})
-        return out.log_probs[:, -width:]
+        return getattr(out, self._output)[:, -width:]
 
 
 def loss_mask(microbatch: Microbatch) -> torch.Tensor:
@@ -188,8 +190,26 @@ class RolloutDoor:
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             groups = RowGroups.of(rows, self._batch_size, self.num_generations)
             self._buffered_inputs = self._rollout(groups, self._step // generate_every)
+        if getattr(self, "top_entropy_quantile", 1.0) < 1.0:  # [Note: the entropy threshold]
+            self._entropy_threshold = self._rollout.entropy_threshold(
+                self._buffered_inputs, 1 - self.top_entropy_quantile)
         self.last_step_num_samples = len(rows)
         return self._buffered_inputs
+
+    # [Note: the entropy threshold]
+    # GRPO's top_entropy_quantile masks the tokens whose entropy is below a quantile of ALL the
+    # step's loss tokens' entropies; TRL computes it inside compute_loss with a gather, which in
+    # the engine's head sees one microbatch. So each step first runs a forward-only pass of the
+    # policy (the step's weights: the same entropies the training forward computes), gathers
+    # every rank's loss-token entropies and takes TRL's quantile of them; the loss's mask then
+    # compares against that threshold, as one process does.
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor,
+                              threshold: float) -> torch.Tensor:
+        """(m, C) bool: TRL's mask with the step's global threshold ([Note: the entropy
+        threshold]); no token when the batch has no loss token."""
+        if self._entropy_threshold is None:
+            return torch.zeros_like(entropies, dtype=torch.bool)
+        return ((entropies * mask.float()) >= self._entropy_threshold) & mask.bool()
 
     def _cephalo_rollout(self, prompts: list, global_rows: list[int],
                          generation_round: int) -> dict[str, Any]:

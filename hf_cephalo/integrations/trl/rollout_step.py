@@ -39,6 +39,7 @@ class RolloutStep:
         self.exchange = StepExchange(trainer.session.group)
         head = trainer._fused_head(("log_probs",))
         self.policy = _Pass(trainer.session, trainer._items, contextlib.nullcontext, head)
+        self.entropy_head = trainer._fused_head(("log_probs", "entropy"))
         self.reference = None
         if trainer.beta != 0.0:
             self.reference = self._reference(trainer, head)
@@ -213,6 +214,19 @@ class RolloutStep:
             if self.reference is not None:
                 for mb, logps in zip(microbatches, self.reference(microbatches)):
                     mb["ref_per_token_logps"] = logps
+
+    def entropy_threshold(self, microbatches: list[dict[str, Any]], q: float) -> float | None:
+        """TRL's ``torch.quantile(q)`` of the entropies of every loss token of the step's
+        global batch under the current weights (None: no loss token). Collective: a
+        forward-only pass of the policy and one row gather."""
+        from hf_cephalo.integrations.trl.rollout_door import loss_mask
+
+        with torch.no_grad(), self.policy.items.logprobs(self.entropy_head, "entropy"):
+            out = self.policy.runner.evaluate(microbatches, return_logits=True)
+        local = [ent[loss_mask(mb).bool()].float().cpu()
+                 for mb, ent in zip(microbatches, out.logits)]
+        gathered = self._gather(torch.cat(local) if local else torch.zeros(0))
+        return None if gathered.numel() == 0 else torch.quantile(gathered, q)
 
     def _local_rewards(self, rows, prompts, completions, completion_ids) -> torch.Tensor:
         """(b_i, num_funcs): TRL's ``_calculate_rewards`` on this rank's rows, its closing

@@ -248,10 +248,10 @@ GRPO_FIELD_SUPPORT: dict[str, Support] = {
         "every ref_model_sync_steps is not built; drop sync_ref_model"),
     "ref_model_mixup_alpha": _na("read only with sync_ref_model, which is refused"),
     "ref_model_sync_steps": _na("read only with sync_ref_model, which is refused"),
-    "top_entropy_quantile": _refused(
-        "the entropy threshold is a quantile over the global batch's tokens, computed inside "
-        "the loss; the engine's head sees one microbatch (not built); leave it at 1.0",
-        refuse_if=lambda v: v != 1.0),
+    "top_entropy_quantile": _stock(
+        "the threshold is TRL's quantile of every loss token's entropy in the step's global "
+        "batch, from a forward-only pass at each step (rollout_door.py, [Note: the entropy "
+        "threshold]); one extra layered forward per step", _G + "test_grpo_matches_stock"),
     "entropy_coef": _refused(
         "the entropy bonus is a per-microbatch token mean beside the policy loss's own "
         "normalizer (not one sum over the global batch); leave it at 0.0",
