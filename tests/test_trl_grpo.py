@@ -42,10 +42,13 @@ LR, STEPS, G = 0.5, 3, 2
 GRPO_CASES = {
     # name: GRPOConfig overrides
     "dapo": dict(),
-    "grpo_batch_scale": dict(loss_type="grpo", scale_rewards="batch", reward_weights=[1.0, 0.5]),
-    "bnpo_masked_truncated": dict(loss_type="bnpo", mask_truncated_completions=True),
-    # the mask of the top 50 % entropy tokens: a quantile over the global batch's tokens
-    "dapo_entropy_quantile": dict(top_entropy_quantile=0.5),
+    # conversational prompts (chat template, assistant-message completions)
+    "grpo_conversational": dict(loss_type="grpo", scale_rewards="batch",
+                                reward_weights=[1.0, 0.5]),
+    # truncated completions masked; the mask of the top 50 % entropy tokens (a quantile over
+    # the global batch's tokens)
+    "bnpo_masked_entropy": dict(loss_type="bnpo", mask_truncated_completions=True,
+                                top_entropy_quantile=0.5),
     "dr_grpo_no_scale": dict(loss_type="dr_grpo", scale_rewards="none",
                              max_completion_length=16),
     "beta_ref_two_iterations": dict(beta=0.04, num_iterations=2),
@@ -56,6 +59,7 @@ GRPO_CASES = {
     "moe_beta": dict(beta=0.04, loss_type="grpo", router_aux_loss_coef=0.0),
 }
 LORA_CASES = ("lora_beta",)
+CONVERSATIONAL_CASES = ("grpo_conversational",)  # chat prompts, assistant-message completions
 MOE_CASES = ("moe_beta",)  # Qwen3-MoE (4 experts, top 2; no router loss)
 RLOO_CASES = {
     # RLOOConfig's defaults: beta 0.05 (KL in the reward, TRL's reference model)
@@ -87,8 +91,13 @@ def _rollout(prompts, trainer):
     prompt_ids, completion_ids = [], []
     for i, prompt in enumerate(prompts):
         k = i % G
-        h = sum(prompt.encode()) % 997
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][:12]
+        h = sum(_text(prompt).encode()) % 997
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][:12]
+        else:  # conversational: the chat template's prompt
+            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)[-20:]
         n = 2 + (h + 3 * k + step) % 8
         done = [((h * 7 + k * 13 + step * 5 + j * 11) % (vocab - 20)) + 10 for j in range(n)]
         if (h + k + step) % 3:
@@ -98,23 +107,30 @@ def _rollout(prompts, trainer):
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 
 
+def _text(message) -> str:
+    """A prompt or completion's text (a string, or the last message of a conversation)."""
+    return message if isinstance(message, str) else message[-1]["content"]
+
+
 def length_reward(prompts, completions, **kwargs):
-    return [float(len(c)) / 10.0 for c in completions]
+    return [float(len(_text(c))) / 10.0 for c in completions]
 
 
 def vowel_reward(prompts, completions, **kwargs):
-    return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
+    return [float(sum(ch in "aeiou" for ch in _text(c))) for c in completions]
 
 
 # ---- shared pieces -----------------------------------------------------------------------------
 
-def _dataset():
+def _dataset(case: str | None = None):
     import datasets
 
     from hf_cephalo.demo_data import pydoc_texts
 
     text = " ".join(pydoc_texts(8000))
     prompts = [text[i * 97:i * 97 + 20 + 7 * (i % 4)] for i in range(NUM_PROMPTS)]
+    if case in CONVERSATIONAL_CASES:
+        prompts = [[{"role": "user", "content": p}] for p in prompts]
     return datasets.Dataset.from_dict({"prompt": prompts})
 
 
@@ -239,7 +255,7 @@ def _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir):
                              per_device_train_batch_size=2, cephalo_adaptive="off")
     trainer = CephaloGRPOTrainer(model=_model(model_dir, case), args=args,
                                  reward_funcs=[length_reward, vowel_reward],
-                                 train_dataset=_dataset(),
+                                 train_dataset=_dataset(case),
                                  processing_class=load_tokenizer(tokenizer_path),
                                  rollout_func=_rollout, plan=plan(world_size),
                                  peft_config=_peft_config(case))
@@ -287,7 +303,7 @@ def _stock_grpo(case, tmp_path_factory, tokenizer_path, model_dir):
         args = GRPOConfig(**_grpo_kwargs(case, out_dir), per_device_train_batch_size=B)
         trainer = GRPOTrainer(model=_model(model_dir, case), args=args,
                               reward_funcs=[length_reward, vowel_reward],
-                              train_dataset=_dataset(),
+                              train_dataset=_dataset(case),
                               processing_class=load_tokenizer(tokenizer_path),
                               rollout_func=_rollout, peft_config=_peft_config(case))
         trainer.train()
