@@ -64,6 +64,10 @@ MOE_CASES = ("moe_beta",)  # Qwen3-MoE (4 experts, top 2; no router loss)
 RLOO_CASES = {
     # RLOOConfig's defaults: beta 0.05 (KL in the reward, TRL's reference model)
     "rloo_default": dict(),
+    # no reference; each batch trained twice (old log-probabilities); advantages normalized
+    # over the batch; rewards clipped
+    "rloo_two_iterations": dict(beta=0.0, num_iterations=2, normalize_advantages=True,
+                                reward_clip_range=(0.0, 6.0)),
 }
 THREE_RANKS = ("dapo", "beta_ref_two_iterations", "lora_beta", "moe_beta", "rloo_default")
 """The sub-cases also run on 3 ranks (an idle rank); the loss types' normalizers differ from
@@ -379,14 +383,18 @@ def test_grpo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, 
 @pytest.mark.parametrize("case, world_size", [cw for cw in CASE_WORLDS if cw[0] in RLOO_CASES])
 def test_rloo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, model_dir):
     """CephaloRLOOTrainer with its default loss (beta 0.05: KL in the reward, TRL's reference
-    model as a second engine), 2 and 3 ranks, equals stock RLOOTrainer on one process whose
-    generation is the same deterministic function (``_rollout_rloo_class``)."""
+    model as a second engine; 2 and 3 ranks) and with num_iterations 2, normalized advantages
+    and clipped rewards (2 ranks) equals stock RLOOTrainer on one process whose generation is
+    the same deterministic function (``_rollout_rloo_class``)."""
     ref = _stock_rloo(case, tmp_path_factory, tokenizer_path, model_dir)
     for rank_result in _cephalo(world_size, tmp_path_factory, tokenizer_path, model_dir):
         _assert_same_run(rank_result[case], ref)
     logs = ref["logs"]
-    assert all(v > 1e-3 for v in logs["grad_norm"]), logs["grad_norm"]
-    assert len(logs["kl"]) == STEPS and any(v != 0 for v in logs["kl"]), logs["kl"]
+    assert sum(v > 1e-3 for v in logs["grad_norm"]) >= 2, logs["grad_norm"]
+    if RLOO_CASES[case].get("num_iterations", 1) > 1:  # the 2nd pass: ratios off 1, clipped
+        assert logs["clip_ratio/region_mean"][1] > 0, logs["clip_ratio/region_mean"]
+    if RLOO_CASES[case].get("beta", 0.05):
+        assert len(logs["kl"]) == STEPS and any(v != 0 for v in logs["kl"]), logs["kl"]
 
 
 @test_timeout(QUIET_S[2], margin_s=240)

@@ -304,14 +304,14 @@ RLOO_FIELD_SUPPORT: dict[str, Support] = {
     "beta": _stock("the reference's KL summed per row and subtracted from its reward (a second "
                    "engine over TRL's ref_model, or the LoRA policy with its adapter off)",
                    _R + "test_rloo_matches_stock"),
-    "num_iterations": _inherited("each generation batch trained num_iterations times against "
-                                 "the old log-probabilities (not separately tested for RLOO)"),
+    "num_iterations": _stock("each generation batch trained num_iterations times against "
+                             "the old log-probabilities", _R + "test_rloo_matches_stock"),
     "reward_weights": _inherited("the weighted sum of the reward functions over the global "
                                  "batch (rloo.rloo_advantages)"),
-    "normalize_advantages": _inherited("over the global batch (rloo.rloo_advantages; not "
-                                       "separately tested)"),
-    "reward_clip_range": _inherited("per row before the baseline (rloo.rloo_advantages; not "
-                                    "separately tested)"),
+    "normalize_advantages": _stock("over the global batch (rloo.rloo_advantages)",
+                                   _R + "test_rloo_matches_stock"),
+    "reward_clip_range": _stock("per row before the baseline (rloo.rloo_advantages)",
+                                _R + "test_rloo_matches_stock"),
     "mask_truncated_completions": _inherited("a completion not ending in EOS / pad is masked, "
                                              "as stock (the same code as GRPO's)"),
 }
