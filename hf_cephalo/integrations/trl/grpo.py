@@ -26,7 +26,8 @@ tokens; ``accelerator.num_processes`` is 1 in the head): share 1. ``bnpo``: TRL 
 microbatch's tokens; one process by the batch's: share tokens_mb / N, N = the batch's loss
 tokens. ``grpo``: a mean over the microbatch's rows of per-row token means; one process over
 the batch's rows: share rows_mb / N, N = B. ``dr_grpo``: the token sum over
-rows_mb x max_completion_length: share rows_mb / N, N = B. Items counted by ``CompletionItems``.
+rows_mb x max_completion_length: share rows_mb / N, N = B. Items counted by
+``rollout_door.CompletionItems``.
 
 Requires the ``trl`` extra (written against TRL 1.16). docs/trl.md, "GRPO: CephaloGRPOTrainer".
 """

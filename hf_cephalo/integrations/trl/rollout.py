@@ -22,7 +22,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["GenerationRows", "RowGroups", "group_advantages", "pad_rows"]
+__all__ = ["Advantages", "GenerationRows", "RowGroups", "group_advantages", "pad_rows",
+           "padded_width"]
 
 POSITION = "_cephalo_row"
 """The key ``GenerationRows`` adds to each row: its index in the epoch's row order."""

@@ -32,7 +32,9 @@ class _Pass:
 
 class RolloutStep:
     """``step(groups, generation_round)`` -> this rank's microbatches of the round (dicts of
-    GRPOTrainer's inputs plus ``input_ids`` / ``attention_mask`` for the engine)."""
+    the TRL trainer's loss inputs plus ``input_ids`` / ``attention_mask`` for the engine).
+    GRPO's; ``rloo.RLOORolloutStep`` overrides the decoding, log-probabilities and
+    advantages."""
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
