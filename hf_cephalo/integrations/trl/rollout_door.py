@@ -189,7 +189,10 @@ class RolloutDoor:
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             groups = RowGroups.of(rows, self._batch_size, self.num_generations)
-            self._buffered_inputs = self._rollout(groups, self._step // generate_every)
+            # the round from the optimizer step, which a resumed run restores (TRL's _step
+            # restarts at 0): the same round number as the uninterrupted run
+            self._buffered_inputs = self._rollout(groups,
+                                                  self.state.global_step // generate_every)
         if getattr(self, "top_entropy_quantile", 1.0) < 1.0:  # [Note: the entropy threshold]
             self._entropy_threshold = self._rollout.entropy_threshold(
                 self._buffered_inputs, 1 - self.top_entropy_quantile)
