@@ -9,6 +9,8 @@ extra)::
     from hf_cephalo import CephaloDPOTrainer, CephaloDPOConfig
     from hf_cephalo import CephaloRewardTrainer, CephaloRewardConfig
     from hf_cephalo import CephaloKTOTrainer, CephaloKTOConfig
+    from hf_cephalo import CephaloGRPOTrainer, CephaloGRPOConfig
+    from hf_cephalo import CephaloRLOOTrainer, CephaloRLOOConfig
 
 Layers, each importing only the ones below it: ``units`` / ``profiles`` -> ``planner``,
 ``models``, ``engine`` -> ``profiler`` -> ``runtime`` -> ``integrations`` (the doors:
@@ -40,6 +42,10 @@ _EXPORTS = {
     "CephaloSFTConfig": "hf_cephalo.integrations.trl",
     "CephaloDPOTrainer": "hf_cephalo.integrations.trl",
     "CephaloDPOConfig": "hf_cephalo.integrations.trl",
+    "CephaloGRPOTrainer": "hf_cephalo.integrations.trl",
+    "CephaloGRPOConfig": "hf_cephalo.integrations.trl",
+    "CephaloRLOOTrainer": "hf_cephalo.integrations.trl",
+    "CephaloRLOOConfig": "hf_cephalo.integrations.trl",
     "CephaloRewardTrainer": "hf_cephalo.integrations.trl",
     "CephaloRewardConfig": "hf_cephalo.integrations.trl",
     "CephaloKTOTrainer": "hf_cephalo.integrations.trl",

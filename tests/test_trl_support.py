@@ -179,8 +179,8 @@ def test_model_by_name_refusals(tmp_path, monkeypatch):
     assert model.config.use_cache is False and all(p.is_meta for p in model.parameters())
 
 
-@pytest.mark.parametrize("name, why", [("GRPOTrainer", "generates completions"),
-                                       ("RLOOTrainer", "generates completions"),
+@pytest.mark.parametrize("name, why", [("GRPOTrainer", "through CephaloGRPOTrainer only"),
+                                       ("RLOOTrainer", "through CephaloRLOOTrainer only"),
                                        ("DistillationTrainer", "generates completions")])
 def test_trl_trainers_that_cannot_run_are_refused(tmp_path, name, why, monkeypatch):
     """A TRL trainer the engine cannot run, put on the runtime by the same mixin, is refused

@@ -164,7 +164,7 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
                 self, engine_staged.replay, None, job.device)
         self.session = Session(job, engine_staged, model=model, plan=plan,
                                cluster_profile=cluster_profile,
-                               train_dataset=self.train_dataset, plan_staged=staged)
+                               train_dataset=self._planning_dataset(), plan_staged=staged)
         if self._head_calls is not None:
             self._head_calls.group = self.session.group
         self.accelerator.attach_session(self.session, model)
@@ -274,6 +274,11 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         and refused by ``check_script``; the TRL doors load it (``TRLModelByName``; ``whole``
         with a ``peft_config``)."""
         return name
+
+    def _planning_dataset(self):
+        """The dataset whose rows price the profile (their ``input_ids`` length): the training
+        set (a generating TRL door: rows of its prompt + completion length)."""
+        return self.train_dataset
 
     def _engine_staged(self, staged):
         """The adapter the engine runs (the user loss wraps it): ``staged`` (a TRL trainer whose

@@ -1,5 +1,6 @@
-"""The TRL doors (the ``trl`` extra): ``CephaloSFTTrainer`` / ``CephaloSFTConfig`` and
-``CephaloDPOTrainer`` / ``CephaloDPOConfig``, drop-ins for TRL's (names imported lazily: the
+"""The TRL doors (the ``trl`` extra): ``CephaloSFTTrainer`` / ``CephaloSFTConfig``,
+``CephaloDPOTrainer`` / ``CephaloDPOConfig``, ``CephaloGRPOTrainer`` / ``CephaloGRPOConfig`` and
+``CephaloRLOOTrainer`` / ``CephaloRLOOConfig``, drop-ins for TRL's (names imported lazily: the
 package imports without trl)."""
 
 from hf_cephalo.lazy import lazy_exports
@@ -13,6 +14,10 @@ _EXPORTS = {
     "CephaloRewardConfig": "reward",
     "CephaloKTOTrainer": "kto",
     "CephaloKTOConfig": "kto",
+    "CephaloGRPOTrainer": "grpo",
+    "CephaloGRPOConfig": "grpo",
+    "CephaloRLOOTrainer": "rloo",
+    "CephaloRLOOConfig": "rloo",
 }
 
 __all__ = list(_EXPORTS)

@@ -17,8 +17,9 @@ from hf_cephalo.integrations.trainer.support import not_applicable as _na
 from hf_cephalo.integrations.trainer.support import refused as _refused
 from hf_cephalo.integrations.trainer.support import stock as _stock
 
-__all__ = ["SFT_FIELD_SUPPORT", "DPO_FIELD_SUPPORT", "TRL_TRAINER_SUPPORT", "trainer_class_problems",
-           "render_markdown", "REWARD_FIELD_SUPPORT", "KTO_FIELD_SUPPORT"]
+__all__ = ["SFT_FIELD_SUPPORT", "DPO_FIELD_SUPPORT", "GRPO_FIELD_SUPPORT", "RLOO_FIELD_SUPPORT",
+           "REWARD_FIELD_SUPPORT", "KTO_FIELD_SUPPORT", "TRL_TRAINER_SUPPORT",
+           "trainer_class_problems", "render_markdown"]
 
 _S = "tests/test_trl_sft.py::"
 _PREP = "SFTTrainer's own dataset preparation (tokenize, mask, pack) before planning"
@@ -149,6 +150,174 @@ DPO_FIELD_SUPPORT: dict[str, Support] = {
 """``DPOConfig`` field (beyond ``TrainingArguments``) -> support."""
 
 
+_G = "tests/test_trl_grpo.py::"
+_GRPO_LOSS = ("GRPOTrainer.compute_loss per microbatch in the engine's head, rescaled to its "
+              "share of the one-process loss (grpo.py, [Note: each loss type's normalizer])")
+_BUILTIN_GENERATION = ("configures TRL's built-in generation, which the door does not run: "
+                       "completions come from the rollout_func (as on stock with a rollout_func)")
+_VLLM = "read only with use_vllm, which is refused"
+
+GRPO_FIELD_SUPPORT: dict[str, Support] = {
+    "model_init_kwargs": _inherited("with a model given by name: loaded as for SFT "
+                                    "(pretrained.load_named_model); GRPOTrainer also reads it to "
+                                    "load its reference copy when beta != 0"),
+    "trust_remote_code": _inherited("forwarded by GRPOTrainer to AutoProcessor / the reference "
+                                    "copy it loads"),
+    "router_aux_loss_coef": _inherited(
+        "0.0 turns TRL's router load-balancing loss off for a mixture of experts (tested); a "
+        "non-zero coefficient (the model config's when None) on a mixture of experts is "
+        "refused: TRL adds that loss per microbatch, not as a sum over the global batch"),
+    "disable_dropout": _inherited("GRPOTrainer turns dropout off in the policy and the "
+                                  "reference before the engine shards them"),
+    "cast_lm_head_to_fp32": _inherited("passed to TRL's fused head on the engine (the hidden "
+                                       "states and head in fp32; not separately tested)"),
+    "num_generations": _stock("G rows per prompt, consecutive in the generation batch; a group "
+                              "may span ranks (rewards and advantages over the global batch); "
+                              "a global batch it does not divide is refused",
+                              _G + "test_grpo_matches_stock"),
+    "num_generations_eval": _na("evaluation is refused (not built on the engine)"),
+    "max_completion_length": _stock("dr_grpo's constant normalizer, as stock; completion "
+                                    "lengths are the rollout_func's",
+                                    _G + "test_grpo_matches_stock"),
+    "ds3_gather_for_generation": _na("DeepSpeed ZeRO-3 only; the engine is not DeepSpeed"),
+    "shuffle_dataset": _stock("TRL's RepeatSampler order (seeded by seed), split by the plan; a "
+                              "shuffled dataset read for more than one epoch is refused (the "
+                              "next epoch's order is not replayed yet)",
+                              _G + "test_grpo_matches_stock"),
+    "pad_to_multiple_of": _inherited("prompts and completions padded to the generation batch's "
+                                     "width rounded up to it, as one process pads the batch"),
+    "generation_batch_size": _inherited("set by the door to the plan's global batch B (one "
+                                        "generation batch per optimizer step); a value giving "
+                                        "steps_per_generation > 1 is refused"),
+    "steps_per_generation": _refused(
+        "one process shuffles the rows of a generation batch across its optimizer steps, which "
+        "would move completions between ranks (not built); leave it unset (1)",
+        refuse_if=lambda v: v not in (None, 1)),
+    "temperature": _inherited("TRL's fused head divides the logits by it for the old, "
+                              "reference and training log-probabilities, as stock (sampling is "
+                              "the rollout_func's; tested at 1.0)"),
+    "top_p": _na(_BUILTIN_GENERATION),
+    "top_k": _na(_BUILTIN_GENERATION),
+    "min_p": _na(_BUILTIN_GENERATION),
+    "generation_kwargs": _na(_BUILTIN_GENERATION),
+    "chat_template_kwargs": _inherited("read by GRPOTrainer's reward-model path and a "
+                                       "rollout_func, as stock"),
+    "repetition_penalty": _na(_BUILTIN_GENERATION),
+    "cache_implementation": _na(_BUILTIN_GENERATION),
+    "use_vllm": _refused(
+        "vLLM generation (colocate or server) is not built on the engine: the server would "
+        "take the weights unit by unit from the shards (docs/trl.md); use a rollout_func"),
+    **{name: _na(_VLLM) for name in (
+        "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
+        "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host",
+        "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+        "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+        "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_cap")},
+    "beta": _stock("the KL term against TRL's ref_model as a second engine sharded by the plan "
+                   "(or the LoRA policy with its adapter off), per token in compute_loss",
+                   _G + "test_grpo_matches_stock"),
+    "num_iterations": _stock("each generation batch trained num_iterations times, with the old "
+                             "policy's log-probabilities from a forward-only pass",
+                             _G + "test_grpo_matches_stock"),
+    "epsilon": _inherited("the clipping range, per token in compute_loss"),
+    "delta": _inherited("two-sided clipping, per token in compute_loss (not separately tested)"),
+    "epsilon_high": _inherited("the upper clipping bound, per token in compute_loss"),
+    "sapo_temperature_neg": _na("loss_type sapo only, which is refused"),
+    "sapo_temperature_pos": _na("loss_type sapo only, which is refused"),
+    "vespo_k_pos": _na("loss_type vespo only, which is refused"),
+    "vespo_lambda_pos": _na("loss_type vespo only, which is refused"),
+    "vespo_k_neg": _na("loss_type vespo only, which is refused"),
+    "vespo_lambda_neg": _na("loss_type vespo only, which is refused"),
+    "importance_sampling_level": _inherited("token or sequence ratios per row in compute_loss "
+                                            "(not separately tested)"),
+    "reward_weights": _stock("the weighted sum of the reward functions over the global batch "
+                             "(rollout.group_advantages)", _G + "test_grpo_matches_stock"),
+    "multi_objective_aggregation": _inherited("sum_then_normalize (tested) or "
+                                              "normalize_then_sum over the global batch "
+                                              "(rollout.group_advantages)"),
+    "scale_rewards": _stock("group, batch or none over the global batch "
+                            "(rollout.group_advantages)", _G + "test_grpo_matches_stock"),
+    "loss_type": _stock(_GRPO_LOSS + "; dapo, bnpo, grpo and dr_grpo; the others are refused "
+                        "(not validated)", _G + "test_grpo_matches_stock"),
+    "mask_truncated_completions": _stock("a completion not ending in EOS / pad is masked, as "
+                                         "stock", _G + "test_grpo_matches_stock"),
+    "sync_ref_model": _refused(
+        "the reference runs as its own sharded engine: mixing the policy's weights into it "
+        "every ref_model_sync_steps is not built; drop sync_ref_model"),
+    "ref_model_mixup_alpha": _na("read only with sync_ref_model, which is refused"),
+    "ref_model_sync_steps": _na("read only with sync_ref_model, which is refused"),
+    "top_entropy_quantile": _stock(
+        "the threshold is TRL's quantile of every loss token's entropy in the step's global "
+        "batch, from a forward-only pass at each step (rollout_door.py, [Note: the entropy "
+        "threshold]); one extra layered forward per step", _G + "test_grpo_matches_stock"),
+    "entropy_coef": _refused(
+        "the entropy bonus is a per-microbatch token mean beside the policy loss's own "
+        "normalizer (not one sum over the global batch); leave it at 0.0",
+        refuse_if=lambda v: v != 0.0),
+    "use_adaptive_entropy": _refused("the adaptive entropy bonus (see entropy_coef) is not "
+                                     "built; leave it off"),
+    "entropy_coef_min": _na("read only with use_adaptive_entropy, which is refused"),
+    "entropy_coef_max": _na("read only with use_adaptive_entropy, which is refused"),
+    "entropy_coef_delta": _na("read only with use_adaptive_entropy, which is refused"),
+    "entropy_target": _na("read only with use_adaptive_entropy, which is refused"),
+    "max_tool_calling_iterations": _na("tools are refused (multi-turn tool calling is not "
+                                       "built on the engine)"),
+    "off_policy_mask_threshold": _inherited("per row, from the rollout's sampling "
+                                            "log-probabilities, in compute_loss (not "
+                                            "separately tested)"),
+    "use_bias_correction_kl": _inherited("per token in compute_loss"),
+    "log_completions": _inherited("GRPOTrainer.log prints / reports the gathered rows of the "
+                                  "global batch on rank 0"),
+    "log_multimodal": _na("multimodal prompts are refused"),
+    "num_completions_to_print": _inherited("with log_completions"),
+    "log_unique_prompts": _inherited("with log_completions"),
+    "log_completions_hub_repo": _inherited("with log_completions (not separately tested)"),
+    "use_transformers_continuous_batching": _na(_BUILTIN_GENERATION),
+    "transformers_continuous_batching_config": _na(_BUILTIN_GENERATION),
+    "use_transformers_paged": _na(_BUILTIN_GENERATION),
+}
+"""``GRPOConfig`` field (beyond ``TrainingArguments``) -> support."""
+
+
+_R = "tests/test_trl_grpo.py::"
+_RLOO_SHARED = ("model_init_kwargs", "trust_remote_code", "router_aux_loss_coef", "disable_dropout",
+                "num_generations_eval", "ds3_gather_for_generation", "shuffle_dataset",
+                "pad_to_multiple_of", "generation_batch_size", "steps_per_generation",
+                "temperature", "top_p", "top_k", "min_p", "generation_kwargs",
+                "chat_template_kwargs", "repetition_penalty", "cache_implementation", "use_vllm",
+                "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
+                "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host",
+                "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+                "vllm_gpu_memory_utilization", "vllm_max_model_length",
+                "vllm_tensor_parallel_size", "epsilon", "epsilon_high", "sync_ref_model",
+                "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions",
+                "log_multimodal", "num_completions_to_print", "log_unique_prompts",
+                "use_transformers_continuous_batching", "transformers_continuous_batching_config",
+                "use_transformers_paged")
+RLOO_FIELD_SUPPORT: dict[str, Support] = {
+    **{name: GRPO_FIELD_SUPPORT[name] for name in _RLOO_SHARED},
+    "num_generations": _stock("G rows per prompt; a group may span ranks (the leave-one-out "
+                              "baseline over the global batch)", _R + "test_rloo_matches_stock"),
+    "max_completion_length": _na(_BUILTIN_GENERATION),
+    "beta": _stock("the reference's KL summed per row and subtracted from its reward (a second "
+                   "engine over TRL's ref_model, or the LoRA policy with its adapter off)",
+                   _R + "test_rloo_matches_stock"),
+    "num_iterations": _stock("each generation batch trained num_iterations times against "
+                             "the old log-probabilities", _R + "test_rloo_matches_stock"),
+    "reward_weights": _inherited("the weighted sum of the reward functions over the global "
+                                 "batch (rloo.rloo_advantages)"),
+    "normalize_advantages": _stock("over the global batch (rloo.rloo_advantages)",
+                                   _R + "test_rloo_matches_stock"),
+    "reward_clip_range": _stock("per row before the baseline (rloo.rloo_advantages)",
+                                _R + "test_rloo_matches_stock"),
+    "mask_truncated_completions": _inherited("a completion not ending in EOS / pad is masked, "
+                                             "as stock (the same code as GRPO's)"),
+}
+"""``RLOOConfig`` field (beyond ``TrainingArguments``) -> support."""
+
+
 _GENERATES = (
     "generates completions while it trains (model.generate or a vLLM server); the engine holds "
     "the model as per-rank shards and has no generation path. Missing: sampling over the "
@@ -175,8 +344,15 @@ TRL_TRAINER_SUPPORT: dict[str, Support] = {
                          "sample; the KL estimate of the global batch; the reference a sharded "
                          "frozen engine or the PEFT policy with its adapters off",
                          "tests/test_trl_kto.py::test_kto_matches_stock"),
+    "GRPOTrainer": _stock("CephaloGRPOTrainer (CephaloTrainerMixin + GRPOTrainer) with a "
+                          "rollout_func: rewards, advantages and every loss's normalizer over "
+                          "the global generation batch; built-in generation lands separately",
+                          _G + "test_grpo_matches_stock"),
+    "RLOOTrainer": _stock("CephaloRLOOTrainer (CephaloTrainerMixin + RLOOTrainer) with a "
+                          "rollout_func: the leave-one-out baseline and KL-in-reward over the "
+                          "global generation batch", _R + "test_rloo_matches_stock"),
     **{name: _refused(_GENERATES) for name in (
-        "GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
+        "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
         "PPOTrainer", "GKDTrainer", "GOLDTrainer", "GMPOTrainer", "A2POTrainer",
         "AsyncGRPOTrainer", "DistillationTrainer", "AsyncDistillationTrainer",
         "ServerDistillationTrainer", "IWOPDTrainer", "SDFTTrainer", "SDPOTrainer")},
@@ -286,11 +462,22 @@ def trainer_class_problems(cls: type) -> list[str]:
     if support.status is Status.REFUSED:
         return [f"TRL's {trl.__name__} is not supported on the Cephalo runtime: it "
                 f"{support.note}"]
+    door = _DOOR_ONLY.get(trl.__name__)
+    if door is not None and "RolloutDoor" not in {c.__name__ for c in cls.__mro__}:
+        return [f"TRL's {trl.__name__} runs on the Cephalo runtime through {door} only (its "
+                "rows, rewards and loss normalizers are re-laid for the plan there); use "
+                f"{door}"]
     return []
 
 
+_DOOR_ONLY = {"GRPOTrainer": "CephaloGRPOTrainer", "RLOOTrainer": "CephaloRLOOTrainer"}
+"""TRL trainers the mixin alone cannot put on the runtime: the door that does (its bases
+include ``rollout_door.RolloutDoor``)."""
+
+
 def render_markdown() -> str:
-    """The tables of docs/trl.md (TRL trainers, then the SFTConfig and DPOConfig fields)."""
+    """The tables of docs/trl.md (TRL trainers, then the SFTConfig, DPOConfig, GRPOConfig and
+    RLOOConfig fields)."""
     return "\n".join(markdown_table("TRL trainers", TRL_TRAINER_SUPPORT, 3)
                      + markdown_table("SFTConfig fields (beyond TrainingArguments)",
                                       SFT_FIELD_SUPPORT, 3)
@@ -299,4 +486,8 @@ def render_markdown() -> str:
                      + markdown_table("RewardConfig fields (beyond TrainingArguments)",
                                       REWARD_FIELD_SUPPORT, 3)
                      + markdown_table("KTOConfig fields (beyond TrainingArguments)",
-                                      KTO_FIELD_SUPPORT, 3))
+                                      KTO_FIELD_SUPPORT, 3)
+                     + markdown_table("GRPOConfig fields (beyond TrainingArguments)",
+                                      GRPO_FIELD_SUPPORT, 3)
+                     + markdown_table("RLOOConfig fields (beyond TrainingArguments)",
+                                      RLOO_FIELD_SUPPORT, 3))
