@@ -57,6 +57,16 @@ GRPO_CASES = {
     # a mixture of experts, with a reference engine
     # (router loss off: TRL adds it per microbatch, refused otherwise)
     "moe_beta": dict(beta=0.04, loss_type="grpo", router_aux_loss_coef=0.0),
+    # built-in generation on the engine (no rollout_func): keyed sampling; stock runs
+    # hf_cephalo.reproducible_rollout(seed) on one process
+    "generated": dict(temperature=0.9, top_k=20, top_p=0.95),
+    "generated_sharded_plan": dict(temperature=1.2, min_p=0.02, beta=0.04, num_iterations=2),
+}
+GENERATED = {  # case: the Cephalo settings of its built-in generation
+    "generated": dict(cephalo_decode_mode="gather_once"),
+    "generated_sharded_plan": dict(cephalo_decode_mode="sharded",
+                                   cephalo_generation_split="plan"),
+    "rloo_generated": dict(cephalo_decode_mode="sharded"),
 }
 LORA_CASES = ("lora_beta",)
 CONVERSATIONAL_CASES = ("grpo_conversational",)  # chat prompts, assistant-message completions
@@ -68,8 +78,11 @@ RLOO_CASES = {
     # over the batch; rewards clipped
     "rloo_two_iterations": dict(beta=0.0, num_iterations=2, normalize_advantages=True,
                                 reward_clip_range=(0.0, 6.0)),
+    # built-in generation (stock: its generation replaced by the same keyed decode)
+    "rloo_generated": dict(temperature=0.8, top_k=30),
 }
-THREE_RANKS = ("dapo", "beta_ref_two_iterations", "lora_beta", "moe_beta", "rloo_default")
+THREE_RANKS = ("dapo", "beta_ref_two_iterations", "lora_beta", "moe_beta", "rloo_default",
+               "generated_sharded_plan")
 """The sub-cases also run on 3 ranks (an idle rank); the loss types' normalizers differ from
 dapo's only in the item count, which the 2-rank run (a group spanning ranks) checks."""
 METRICS = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std",
@@ -218,12 +231,14 @@ def _cephalo_rloo(case, world_size, out_dir, tokenizer_path, model_dir):
     from hf_cephalo import CephaloRLOOConfig, CephaloRLOOTrainer
 
     args = CephaloRLOOConfig(**_grpo_kwargs(case, os.path.join(out_dir, f"w{world_size}")),
-                             per_device_train_batch_size=2, cephalo_adaptive="off")
+                             per_device_train_batch_size=2, cephalo_adaptive="off",
+                             **GENERATED.get(case, {}))
     trainer = CephaloRLOOTrainer(model=_model(model_dir, case), args=args,
                                  reward_funcs=[length_reward, vowel_reward],
                                  train_dataset=_dataset(),
                                  processing_class=load_tokenizer(tokenizer_path),
-                                 rollout_func=_rollout, plan=plan(world_size))
+                                 rollout_func=None if case in GENERATED else _rollout,
+                                 plan=plan(world_size))
     trainer.train()
     return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
 
@@ -256,15 +271,18 @@ def _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir):
     from hf_cephalo import CephaloGRPOConfig, CephaloGRPOTrainer
 
     args = CephaloGRPOConfig(**_grpo_kwargs(case, os.path.join(out_dir, f"w{world_size}")),
-                             per_device_train_batch_size=2, cephalo_adaptive="off")
+                             per_device_train_batch_size=2, cephalo_adaptive="off",
+                             **GENERATED.get(case, {}))
     trainer = CephaloGRPOTrainer(model=_model(model_dir, case), args=args,
                                  reward_funcs=[length_reward, vowel_reward],
                                  train_dataset=_dataset(case),
                                  processing_class=load_tokenizer(tokenizer_path),
-                                 rollout_func=_rollout, plan=plan(world_size),
-                                 peft_config=_peft_config(case))
+                                 rollout_func=None if case in GENERATED else _rollout,
+                                 plan=plan(world_size), peft_config=_peft_config(case))
     trainer.train()
-    return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
+    report = trainer._builtin.report if case in GENERATED else None
+    return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model()),
+            "generation": report}
 
 
 QUIET_S = {2: 60.0, 3: 75.0}
@@ -305,11 +323,14 @@ def _stock_grpo(case, tmp_path_factory, tokenizer_path, model_dir):
         os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
         out_dir = str(tmp_path_factory.mktemp("stock_grpo"))
         args = GRPOConfig(**_grpo_kwargs(case, out_dir), per_device_train_batch_size=B)
+        import hf_cephalo
+
+        rollout = hf_cephalo.reproducible_rollout(SEED) if case in GENERATED else _rollout
         trainer = GRPOTrainer(model=_model(model_dir, case), args=args,
                               reward_funcs=[length_reward, vowel_reward],
                               train_dataset=_dataset(case),
                               processing_class=load_tokenizer(tokenizer_path),
-                              rollout_func=_rollout, peft_config=_peft_config(case))
+                              rollout_func=rollout, peft_config=_peft_config(case))
         trainer.train()
         _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
     return _STOCK[case]
@@ -332,6 +353,26 @@ def _rollout_rloo_class():
     return RolloutRLOOTrainer
 
 
+def _keyed_rloo_class():
+    """Stock ``RLOOTrainer`` whose generation is the keyed decode of
+    ``hf_cephalo.reproducible_rollout`` over the whole batch (row j keyed by its index; the
+    round by the optimizer step): what CephaloRLOOTrainer's built-in generation gives."""
+    from trl import RLOOTrainer
+
+    from hf_cephalo.integrations.trl.reproducible import generation_round, sampling_params
+    from hf_cephalo.runtime.generation import generate_rows
+
+    class KeyedRLOOTrainer(RLOOTrainer):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+            model = self.accelerator.unwrap_model(self.model)
+            rows = [list(map(int, p)) for p in prompt_ids]
+            return generate_rows(model, rows, list(range(len(rows))),
+                                 sampling_params(self.args, self, SEED), generation_round(self),
+                                 pad_to_multiple_of=self.pad_to_multiple_of).completions
+
+    return KeyedRLOOTrainer
+
+
 def _stock_rloo(case, tmp_path_factory, tokenizer_path, model_dir):
     if case not in _STOCK:
         from trl import RLOOConfig
@@ -339,10 +380,10 @@ def _stock_rloo(case, tmp_path_factory, tokenizer_path, model_dir):
         offline_env()
         out_dir = str(tmp_path_factory.mktemp("stock_rloo"))
         args = RLOOConfig(**_grpo_kwargs(case, out_dir), per_device_train_batch_size=B)
-        trainer = _rollout_rloo_class()(model=_model(model_dir, case), args=args,
-                                        reward_funcs=[length_reward, vowel_reward],
-                                        train_dataset=_dataset(),
-                                        processing_class=load_tokenizer(tokenizer_path))
+        cls = _keyed_rloo_class() if case in GENERATED else _rollout_rloo_class()
+        trainer = cls(model=_model(model_dir, case), args=args,
+                      reward_funcs=[length_reward, vowel_reward], train_dataset=_dataset(),
+                      processing_class=load_tokenizer(tokenizer_path))
         trainer.train()
         _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
     return _STOCK[case]
@@ -413,7 +454,9 @@ def test_grpo_refusals_before_any_collective(tmp_path, tokenizer_path, model_dir
     """Every setting the door does not build, in ONE message at construction (one process, no
     process group made): no rollout_func, num_generations not dividing the global batch,
     steps_per_generation, gradient accumulation, an unvalidated loss type, the entropy bonus,
-    vLLM, tools, num_iterations with live re-balancing; then evaluation."""
+    vLLM, tools, num_iterations with live re-balancing, and what built-in generation (no
+    rollout_func) does not reproduce: repetition_penalty, generation_kwargs, a cache
+    implementation; then evaluation."""
     import torch.distributed as dist
 
     from hf_cephalo import CephaloGRPOConfig, CephaloGRPOTrainer
@@ -423,18 +466,20 @@ def test_grpo_refusals_before_any_collective(tmp_path, tokenizer_path, model_dir
     kwargs = {**_grpo_kwargs("dapo", str(tmp_path)), "num_generations": 3,
               "loss_type": "sapo", "entropy_coef": 0.1, "use_vllm": True,
               "gradient_accumulation_steps": 2, "num_iterations": 2,
-              "cephalo_adaptive": "batch"}
+              "cephalo_adaptive": "batch", "repetition_penalty": 1.1,
+              "generation_kwargs": {"num_beams": 2}, "cache_implementation": "static"}
     args = CephaloGRPOConfig(**kwargs, per_device_train_batch_size=3)
     with pytest.raises(ValueError) as info:
         CephaloGRPOTrainer(model=_model(model_dir, "dapo"), args=args,
                            reward_funcs=[length_reward], train_dataset=_dataset(),
                            processing_class=tokenizer, tools=[len], plan=plan(2))
     text = str(info.value)
-    for expected in ("no rollout_func", "num_generations = 3 does not divide the generation "
+    for expected in ("num_generations = 3 does not divide the generation "
                      "batch B = 4", "--steps_per_generation = 2", "--gradient_accumulation_steps "
                      "= 2", "--loss_type 'sapo'", "--entropy_coef = 0.1",
                      "--cephalo_adaptive batch with num_iterations = 2",
-                     "--use_vllm = True", "tools: multi-turn"):
+                     "--use_vllm = True", "tools: multi-turn", "repetition_penalty = 1.1",
+                     "generation_kwargs = {'num_beams': 2}", "cache_implementation = 'static'"):
         assert expected in text, (expected, text)
     assert not dist.is_initialized()
     args = CephaloGRPOConfig(**_grpo_kwargs("dapo", str(tmp_path)), per_device_train_batch_size=2)
@@ -444,3 +489,22 @@ def test_grpo_refusals_before_any_collective(tmp_path, tokenizer_path, model_dir
                            eval_dataset=_dataset(),
                            processing_class=tokenizer, rollout_func=_rollout, plan=plan(2))
     assert not dist.is_initialized()
+
+
+@test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
+def test_builtin_generation_reports_its_mode_and_split(tmp_path_factory, tokenizer_path,
+                                                       model_dir):
+    """Built-in generation ran in the configured decode mode every round; with the 'plan'
+    split the generation planner gave every rank its rows (summing to the generation batch)
+    and a predicted time, on 2 ranks and on 3 (an idle rank decodes too)."""
+    for world_size in (2, 3):
+        for rank_result in _cephalo(world_size, tmp_path_factory, tokenizer_path, model_dir):
+            report = rank_result["generated_sharded_plan"]["generation"]
+            assert len(report) == STEPS // 2 + STEPS % 2  # num_iterations 2: rounds 0 and 2
+            assert {r["mode"] for r in report} == {"sharded"}
+            assert all(sum(r["split"]) == B and len(r["split"]) == world_size for r in report)
+            assert all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in report)
+    for rank_result in _cephalo(2, tmp_path_factory, tokenizer_path, model_dir):
+        report = rank_result["generated"]["generation"]
+        assert len(report) == STEPS and {r["mode"] for r in report} == {"gather_once"}
+        assert all(r["split"] is None for r in report)

@@ -382,14 +382,15 @@ class Session:
         return self.engine.evaluate(microbatches, **kwargs)
 
     def generate(self, prompt_ids, rows, params, round_: int, *, mode: str = "auto",
-                 pad_to_multiple_of: int | None = None):
+                 pad_to_multiple_of: int | None = None, generation_split=None):
         """Collective: decode this rank's prompts on the sharded weights, sampling keyed by
-        each prompt's global row (``runtime.generation.session_generate``; returns
-        ``GenerateOutput``)."""
+        each prompt's global row, optionally on other ranks (``generation_split``)
+        (``runtime.generation.session_generate``; returns ``GenerateOutput``)."""
         from hf_cephalo.runtime.generation import session_generate
 
         return session_generate(self, prompt_ids, rows, params, round_, mode=mode,
-                                pad_to_multiple_of=pad_to_multiple_of)
+                                pad_to_multiple_of=pad_to_multiple_of,
+                                generation_split=generation_split)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Collective: the global L2 norm of the gradients, clipped to ``max_norm`` (``inf``:

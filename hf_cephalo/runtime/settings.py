@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # torch-free at import: ``hf-cephalo plan`` reads these setti
 __all__ = ["CephaloSettings", "ENV_PREFIX", "env_name", "cephalo_fields", "JobPrecision",
            "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES",
            "PARAM_DTYPE_CHOICES", "REDUCE_DTYPE_CHOICES", "COLLATE_CHOICES",
-           "LOSS_REDUCTION_CHOICES"]
+           "LOSS_REDUCTION_CHOICES", "DECODE_MODE_CHOICES", "GENERATION_SPLIT_CHOICES"]
 
 ENV_PREFIX = "HF_CEPHALO_"
 ACTIVATION_OFFLOAD_CHOICES = ("on", "off", "auto")
@@ -41,6 +41,8 @@ PARAM_DTYPE_CHOICES = ("auto", *FASTEST_FIRST)
 REDUCE_DTYPE_CHOICES = PRECISIONS
 COLLATE_CHOICES = ("global_width", "global_batch", "microbatch")
 LOSS_REDUCTION_CHOICES = ("mean", "sum")
+DECODE_MODE_CHOICES = ("auto", "gather_once", "sharded")
+GENERATION_SPLIT_CHOICES = ("rows", "plan")
 
 
 def env_name(name: str) -> str:
@@ -186,6 +188,20 @@ class CephaloSettings:
         "backpropagated as it is (docs/accelerate.md 'Your own training loop')."),
         cli_type=Literal["mean", "sum"])
 
+    decode_mode: str | None = _setting("auto", (
+        "How every rank decodes in the generating doors (GRPO, RLOO; docs/generation.md): "
+        "'gather_once' (each unit all-gathered once per generation round, no collective per "
+        "token), 'sharded' (one all-gather per layer per decoded token, every rank in "
+        "lock-step: the full weights never on one rank) or 'auto' (gather once when every "
+        "rank's memory budget holds the full weights and its KV cache, else sharded)."),
+        cli_type=Literal["auto", "gather_once", "sharded"])
+    generation_split: str | None = _setting("rows", (
+        "Which rows a rank decodes in the generating doors: 'rows' (the rows it trains, b_i) "
+        "or 'plan' (g_i from the generation planner: each rank's decode speed is measured at "
+        "the first round and the split that finishes the round soonest is used; only token ids "
+        "move between ranks; docs/generation.md). The completions are the same either way."),
+        cli_type=Literal["rows", "plan"])
+
     def __post_init__(self) -> None:
         given = set()  # set explicitly or by the environment (not the default)
         for f in fields(CephaloSettings):
@@ -242,7 +258,9 @@ class CephaloSettings:
                               ("param_dtype", PARAM_DTYPE_CHOICES),
                               ("reduce_dtype", REDUCE_DTYPE_CHOICES),
                               ("collate", COLLATE_CHOICES),
-                              ("loss_reduction", LOSS_REDUCTION_CHOICES)):
+                              ("loss_reduction", LOSS_REDUCTION_CHOICES),
+                              ("decode_mode", DECODE_MODE_CHOICES),
+                              ("generation_split", GENERATION_SPLIT_CHOICES)):
             value = str(getattr(self, name)).strip().lower()
             if value not in choices:
                 raise self._bad(name, f"must be one of {choices}")

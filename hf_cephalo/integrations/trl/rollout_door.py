@@ -120,6 +120,7 @@ class RolloutDoor:
         self._batch_size = global_batch(args, kwargs.get("plan"))
         if self._batch_size is not None and args is not None:
             args.generation_batch_size = self._batch_size  # one generation batch per step
+        self._builtin = None  # built-in generation, made at the first round without rollout_func
         super().__init__(model, args, **kwargs)
         self._rollout = self._rollout_step_class(self)
 
@@ -220,9 +221,17 @@ class RolloutDoor:
         row, in batch order), ``global_rows`` their row numbers in the generation batch,
         ``generation_round`` the batch's number. Returns TRL's rollout dict (``prompt_ids``,
         ``completion_ids``, ``logprobs`` and extra per-row fields), one entry per prompt.
-        Today the user's ``rollout_func(prompts, trainer)``, as stock GRPOTrainer calls it.
+        The user's ``rollout_func(prompts, trainer)``, as stock GRPOTrainer calls it, or without
+        one the engine's built-in generation (``builtin_generation.BuiltinRollout``:
+        collective, so every rank calls it each round, with empty lists when it has no rows).
 
         Raises ValueError when the rollout misses a required key."""
+        if self.rollout_func is None:  # built-in generation on the engine (collective)
+            if self._builtin is None:
+                from hf_cephalo.integrations.trl.builtin_generation import BuiltinRollout
+
+                self._builtin = BuiltinRollout(self)
+            return self._builtin(prompts, global_rows)
         output = self.rollout_func(copy.deepcopy(prompts), self)
         missing = {"prompt_ids", "completion_ids", "logprobs"} - set(output)
         if missing:
@@ -270,11 +279,10 @@ def rollout_problems(args, batch_size: int | None, kwargs: dict[str, Any],
     """The refusals that need the objects (rollout_func, tools, datasets); one message each
     (empty: none)."""
     problems = []
-    if not has_rollout:
-        problems.append(
-            "no rollout_func: the door takes completions from a rollout_func(prompts, trainer) "
-            "-> {'prompt_ids', 'completion_ids', 'logprobs'} (as GRPOTrainer's); built-in "
-            "generation on the sharded engine lands separately: set rollout_func")
+    if not has_rollout:  # built-in generation on the engine
+        from hf_cephalo.integrations.trl.builtin_generation import generation_problems
+
+        problems += generation_problems(args)
     for name in ("tools", "environment_factory"):
         if kwargs.get(name):
             problems.append(f"{name}: multi-turn tool calling / environments are not built on "

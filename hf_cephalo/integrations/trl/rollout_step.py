@@ -102,6 +102,8 @@ class RolloutStep:
     def _rollout(self, groups: RowGroups, generation_round: int) -> dict[str, Any]:
         """This rank's rows of the rollout of the whole groups it touches (none: empty)."""
         if not groups.rows:
+            if self.trainer.rollout_func is None:  # built-in generation is collective
+                self.trainer._cephalo_rollout([], [], generation_round)
             return {"prompt_ids": [], "completion_ids": [], "logprobs": None, "extra": {}}
         output = self.trainer._cephalo_rollout(groups.group_prompts, groups.group_rows,
                                                generation_round)

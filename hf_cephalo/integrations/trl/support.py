@@ -153,8 +153,12 @@ DPO_FIELD_SUPPORT: dict[str, Support] = {
 _G = "tests/test_trl_grpo.py::"
 _GRPO_LOSS = ("GRPOTrainer.compute_loss per microbatch in the engine's head, rescaled to its "
               "share of the one-process loss (grpo.py, [Note: each loss type's normalizer])")
-_BUILTIN_GENERATION = ("configures TRL's built-in generation, which the door does not run: "
-                       "completions come from the rollout_func (as on stock with a rollout_func)")
+_BUILTIN_GENERATION = ("configures TRL's own generation backend, which the door does not run: "
+                       "built-in generation decodes on the sharded engine (transformers' "
+                       "generate, dynamic KV cache; docs/generation.md) and refuses a value "
+                       "other than the default; a rollout_func ignores it, as stock")
+_KEYED = ("built-in generation (no rollout_func) samples with it, keyed by the global row "
+          "(docs/generation.md); a rollout_func ignores it, as stock")
 _VLLM = "read only with use_vllm, which is refused"
 
 GRPO_FIELD_SUPPORT: dict[str, Support] = {
@@ -176,9 +180,9 @@ GRPO_FIELD_SUPPORT: dict[str, Support] = {
                               "a global batch it does not divide is refused",
                               _G + "test_grpo_matches_stock"),
     "num_generations_eval": _na("evaluation is refused (not built on the engine)"),
-    "max_completion_length": _stock("dr_grpo's constant normalizer, as stock; completion "
-                                    "lengths are the rollout_func's",
-                                    _G + "test_grpo_matches_stock"),
+    "max_completion_length": _stock("dr_grpo's constant normalizer, as stock; the completion "
+                                    "limit of built-in generation (required); a rollout_func's "
+                                    "lengths are its own", _G + "test_grpo_matches_stock"),
     "ds3_gather_for_generation": _na("DeepSpeed ZeRO-3 only; the engine is not DeepSpeed"),
     "shuffle_dataset": _stock("TRL's RepeatSampler order (seeded by seed), split by the plan; a "
                               "shuffled dataset read for more than one epoch is refused (the "
@@ -193,12 +197,12 @@ GRPO_FIELD_SUPPORT: dict[str, Support] = {
         "one process shuffles the rows of a generation batch across its optimizer steps, which "
         "would move completions between ranks (not built); leave it unset (1)",
         refuse_if=lambda v: v not in (None, 1)),
-    "temperature": _inherited("TRL's fused head divides the logits by it for the old, "
-                              "reference and training log-probabilities, as stock (sampling is "
-                              "the rollout_func's; tested at 1.0)"),
-    "top_p": _na(_BUILTIN_GENERATION),
-    "top_k": _na(_BUILTIN_GENERATION),
-    "min_p": _na(_BUILTIN_GENERATION),
+    "temperature": _stock("TRL's fused head divides the logits by it for the old, reference "
+                          "and training log-probabilities, as stock; " + _KEYED,
+                          _G + "test_grpo_matches_stock"),
+    "top_p": _stock(_KEYED, _G + "test_grpo_matches_stock"),
+    "top_k": _stock(_KEYED, _G + "test_grpo_matches_stock"),
+    "min_p": _stock(_KEYED, _G + "test_grpo_matches_stock"),
     "generation_kwargs": _na(_BUILTIN_GENERATION),
     "chat_template_kwargs": _inherited("read by GRPOTrainer's reward-model path and a "
                                        "rollout_func, as stock"),
@@ -206,7 +210,8 @@ GRPO_FIELD_SUPPORT: dict[str, Support] = {
     "cache_implementation": _na(_BUILTIN_GENERATION),
     "use_vllm": _refused(
         "vLLM generation (colocate or server) is not built on the engine: the server would "
-        "take the weights unit by unit from the shards (docs/trl.md); use a rollout_func"),
+        "take the weights unit by unit from the shards (docs/generation.md); use built-in "
+        "generation or a rollout_func"),
     **{name: _na(_VLLM) for name in (
         "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
         "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host",
@@ -300,7 +305,9 @@ RLOO_FIELD_SUPPORT: dict[str, Support] = {
     **{name: GRPO_FIELD_SUPPORT[name] for name in _RLOO_SHARED},
     "num_generations": _stock("G rows per prompt; a group may span ranks (the leave-one-out "
                               "baseline over the global batch)", _R + "test_rloo_matches_stock"),
-    "max_completion_length": _na(_BUILTIN_GENERATION),
+    "max_completion_length": _stock("the completion limit of built-in generation (required); a "
+                                    "rollout_func's lengths are its own",
+                                    _R + "test_rloo_matches_stock"),
     "beta": _stock("the reference's KL summed per row and subtracted from its reward (a second "
                    "engine over TRL's ref_model, or the LoRA policy with its adapter off)",
                    _R + "test_rloo_matches_stock"),
@@ -344,13 +351,14 @@ TRL_TRAINER_SUPPORT: dict[str, Support] = {
                          "sample; the KL estimate of the global batch; the reference a sharded "
                          "frozen engine or the PEFT policy with its adapters off",
                          "tests/test_trl_kto.py::test_kto_matches_stock"),
-    "GRPOTrainer": _stock("CephaloGRPOTrainer (CephaloTrainerMixin + GRPOTrainer) with a "
-                          "rollout_func: rewards, advantages and every loss's normalizer over "
-                          "the global generation batch; built-in generation lands separately",
+    "GRPOTrainer": _stock("CephaloGRPOTrainer (CephaloTrainerMixin + GRPOTrainer): built-in "
+                          "generation on the sharded engine (keyed sampling) or a rollout_func; "
+                          "rewards, advantages and every loss's normalizer over the global "
+                          "generation batch",
                           _G + "test_grpo_matches_stock"),
-    "RLOOTrainer": _stock("CephaloRLOOTrainer (CephaloTrainerMixin + RLOOTrainer) with a "
-                          "rollout_func: the leave-one-out baseline and KL-in-reward over the "
-                          "global generation batch", _R + "test_rloo_matches_stock"),
+    "RLOOTrainer": _stock("CephaloRLOOTrainer (CephaloTrainerMixin + RLOOTrainer): built-in "
+                          "generation or a rollout_func; the leave-one-out baseline and "
+                          "KL-in-reward over the global generation batch", _R + "test_rloo_matches_stock"),
     **{name: _refused(_GENERATES) for name in (
         "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
         "PPOTrainer", "GKDTrainer", "GOLDTrainer", "GMPOTrainer", "A2POTrainer",
