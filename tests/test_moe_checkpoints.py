@@ -183,9 +183,16 @@ def test_load_train_save_equals_transformers(runs, name, tmp_path):
 def test_class_sweep_subset(model_type, name):
     """``benchmarks/moe_checkpoints.py`` on a subset: reads and written files equal
     transformers'; Kimi-Linear's conv weights, concatenated along dim 0, are refused by
-    ``from_pretrained_sharded`` with the conversion named (no trainer, no profile yet)."""
+    ``from_pretrained_sharded`` with the conversion named (no trainer, no profile yet), and a
+    ``Session`` warns before planning that its full-model save will refuse it."""
+    from benchmarks.moe_checkpoints import _meta_model
+    from hf_cephalo.engine.export import streamed_save_problem
+
     status, detail = sweep_check(model_type, name)
+    save_problem = streamed_save_problem(_meta_model(model_type, name))  # a Session warns
     if model_type == "kimi_linear":
         assert status == "refused" and "Concatenate(dim=0)" in detail, (status, detail)
+        assert "Concatenate(dim=0)" in save_problem and "unshard_model" in save_problem
     else:
         assert status == "exact", (status, detail)
+        assert save_problem is None, save_problem

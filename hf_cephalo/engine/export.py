@@ -29,10 +29,12 @@ from hf_cephalo.file_modes import apply_default_mode
 from hf_cephalo.units import DEFAULT_MAX_SHARD_SIZE
 
 from .checkpoint_files import errors_on_every_rank, fsync_file
-from .merged_keys import MergedKeys, MergedSlice, merge_spec, merged_shape, stored_slices
+from .merged_keys import (SAVE_FIX, MergedKeys, MergedSlice, merge_spec, merged_shape,
+                          stored_slices)
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "WEIGHTS_NAME", "INDEX_NAME", "PROCESSOR_FILES",
            "SavedTensor", "HFFilePlan", "SaveResult", "parse_max_shard_size", "plan_hf_files",
+           "streamed_save_problem",
            "engine_sources", "write_hf_files", "write_hf_configs", "remove_stale_weights",
            "copy_processor_files", "save_pretrained_streamed"]
 
@@ -291,26 +293,45 @@ def _split_sources(model, split: Mapping[str, torch.Tensor],
             raise NotImplementedError(
                 f"{type(model).__name__}: transformers' save conversion writes {key!r}, which "
                 "its loading conversion does not map back onto one parameter; the streamed "
-                "save writes renamed and per-expert tensors only: gather the model on every "
-                "rank instead (trainer.unshard_model(), then model.save_pretrained)")
+                f"save writes renamed and per-expert tensors only: {SAVE_FIX}")
         stacks.setdefault(renamed, {}).setdefault(pattern, []).append(key)
     out = {}
     for renamed, per_pattern in stacks.items():
         converter = by_pattern[next(iter(per_pattern))]
         merged = MergedKeys(tuple(tuple(per_pattern.get(p, ())) for p in
-                                  converter.source_patterns), merge_spec(converter))
+                                  converter.source_patterns), merge_spec(converter, SAVE_FIX))
         shapes = [[tuple(split[k].shape) for k in keys] for keys in merged.keys]
         if merged_shape(merged, shapes) != tuple(kept[renamed].shape):
             raise NotImplementedError(
                 f"{type(model).__name__}: transformers saves {renamed} "
                 f"{tuple(kept[renamed].shape)} as {sum(map(len, shapes))} tensors that do not "
-                "stack back into it; gather the model on every rank instead "
-                "(trainer.unshard_model(), then model.save_pretrained)")
+                f"stack back into it; {SAVE_FIX}")
         sizes = [s[0][merged.cat_dim] if merged.cat_dim is not None else 0 for s in shapes]
         shape = tuple(kept[renamed].shape)
         for k, (pattern, sl) in stored_slices(merged, sizes).items():
             out[k] = _Split(renamed, sl, *_stock_storage(renamed, shape, merged, pattern))
     return out
+
+
+def streamed_save_problem(model: torch.nn.Module) -> str | None:
+    """Why the streamed save (``save_model``, ``hf-cephalo export``) would refuse ``model``:
+    its ``save_pretrained`` layout converts tensors other than stacked experts
+    (``merged_keys.merge_spec``); None when it can be written. Reads names and shapes only
+    (meta, placeholder or real parameters)."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return None
+    state = model.state_dict(keep_vars=True)
+    sources = {k: SavedTensor(0, str(id(v)), tuple(v.shape), v.dtype) for k, v in state.items()}
+    metas = {k: torch.empty(s.shape, dtype=s.dtype, device="meta") for k, s in sources.items()}
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        metas.pop(key, None)
+    try:
+        _apply_hf_key_edits(model, metas, sources)
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
 
 
 def _unit_order(files: Mapping[str, list[str]], sources: Mapping[str, SavedTensor]) -> list[int]:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 from typing import Iterator, NamedTuple, Sequence
 
-__all__ = ["MergedKeys", "MergedSlice", "merge_spec", "merged_shape", "merged_reads"]
+__all__ = ["MergedKeys", "MergedSlice", "merge_spec", "merged_shape", "merged_reads",
+           "stored_slices", "LOAD_FIX", "SAVE_FIX"]
 
 
 class MergedKeys(NamedTuple):
@@ -47,12 +48,19 @@ class MergedSlice(NamedTuple):
     length: int
 
 
-def merge_spec(converter) -> int | None:
+LOAD_FIX = ("load the model with from_pretrained on the CPU and pass it to the engine, or "
+            "re-save the checkpoint in the model's own layout")
+SAVE_FIX = ("gather the model on every rank instead (trainer.unshard_model(), then "
+            "model.save_pretrained)")
+
+
+def merge_spec(converter, fix: str = LOAD_FIX) -> int | None:
     """The ``cat_dim`` a transformers ``WeightConverter`` gives ``MergedKeys``.
 
-    Raises NotImplementedError for any op chain other than ``[MergeModulelist(dim=0)]`` and
-    ``[MergeModulelist(dim=0), Concatenate(dim=d >= 1)]`` (the MoE expert layouts): others
-    (fused qkv chunks, transposes, ...) are not streamed range by range.
+    Raises NotImplementedError (ending in ``fix``: what to do instead) for any op chain other
+    than ``[MergeModulelist(dim=0)]`` and ``[MergeModulelist(dim=0), Concatenate(dim=d >= 1)]``
+    (the MoE expert layouts): others (fused qkv chunks, transposes, ...) are not streamed range
+    by range.
     """
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
@@ -67,8 +75,7 @@ def merge_spec(converter) -> int | None:
         f"transformers converts checkpoint tensors {converter.source_patterns} into "
         f"{converter.target_patterns} with {ops}; hf_cephalo reads and writes stacked and "
         "concatenated experts (MergeModulelist(dim=0), then Concatenate(dim>=1)) range by "
-        "range, not this conversion: load the model with from_pretrained on the CPU and pass "
-        "it to the engine, or re-save the checkpoint in the model's own layout")
+        f"range, not this conversion: {fix}")
 
 
 def merged_shape(merged: MergedKeys, shapes: Sequence[Sequence[tuple[int, ...]]]
