@@ -196,3 +196,43 @@ def test_class_sweep_subset(model_type, name):
     else:
         assert status == "exact", (status, detail)
         assert save_problem is None, save_problem
+
+
+@pytest.mark.parametrize("cat_dim", [None, 1, 2])
+def test_merged_ranges_follow_transformers_ops(cat_dim):
+    """``merged_reads`` (every sub-range of the fused parameter) and ``stored_slices`` (the
+    per-expert views a save writes) against transformers' own ``MergeModulelist`` /
+    ``Concatenate`` on random tensors, also for a concatenation along an inner axis
+    (``Concatenate(dim=2)``: several runs per expert), which no model of the sweep uses."""
+    import random
+
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    from hf_cephalo.engine.export import select_saved
+    from hf_cephalo.engine.merged_keys import MergedKeys, merged_reads, stored_slices
+
+    g = torch.Generator().manual_seed(0)
+    experts, sizes = 3, ([5] if cat_dim is None else [2, 3])
+    shapes = [(4, n, 6) if cat_dim == 2 else (n, 6) for n in sizes]
+    stored = {f"experts.{e}.p{k}": torch.randn(shapes[k], generator=g)
+              for k in range(len(sizes)) for e in range(experts)}
+    keys = tuple(tuple(f"experts.{e}.p{k}" for e in range(experts)) for k in range(len(sizes)))
+    merged = MergedKeys(keys, None if cat_dim is None else cat_dim - 1)
+    patterns = [f"p{k}" for k in range(len(sizes))]
+    inputs = {p: [stored[k] for k in ks] for p, ks in zip(patterns, keys)}
+    out = MergeModulelist(dim=0).convert(inputs, patterns, ["fused"])
+    if cat_dim is not None:
+        out = Concatenate(dim=cat_dim).convert(out, patterns, ["fused"])
+    fused = next(iter(out.values()))
+    flat = fused.reshape(-1)
+    axis = [s[merged.cat_dim] for s in shapes] if cat_dim is not None else [0]
+    rng = random.Random(1)
+    for lo, hi in [(0, flat.numel())] + [sorted((rng.randrange(flat.numel() + 1),
+                                                 rng.randrange(flat.numel() + 1)))
+                                         for _ in range(50)]:
+        got = torch.full((hi - lo,), float("nan"))
+        for key, s, t, off in merged_reads(merged, tuple(fused.shape), axis, lo, hi):
+            got[off:off + t - s] = stored[key].reshape(-1)[s:t]
+        assert torch.equal(got, flat[lo:hi]), (lo, hi)
+    for key, (_, sl) in stored_slices(merged, axis).items():
+        assert torch.equal(select_saved(fused, sl), stored[key]), key
