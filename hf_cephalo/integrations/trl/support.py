@@ -104,11 +104,12 @@ DPO_FIELD_SUPPORT: dict[str, Support] = {
                                     "reference copy when no ref_model is given"),
     "trust_remote_code": _inherited("forwarded by DPOTrainer to AutoProcessor / the reference "
                                     "copy it loads"),
-    "router_aux_loss_coef": _na("used only for a mixture of experts whose config sets "
-                                "output_router_logits, which the DPO door refuses (DPO's loss "
-                                "would add the router loss per microbatch; the engine's covers "
-                                "the global batch: models/base.refuse_global_loss); unused "
-                                "otherwise, as on stock"),
+    "router_aux_loss_coef": _na("used only for a mixture of experts (a config with "
+                                "output_router_logits), whose router loss DPOTrainer adds per "
+                                "call unless this is 0.0: the DPO door refuses such a model at "
+                                "construction, naming router_aux_loss_coef=0.0 (the engine's "
+                                "router loss covers the global batch, apart from DPO's loss); "
+                                "unused otherwise, as on stock"),
     "disable_dropout": _inherited("DPOTrainer turns dropout off in the policy and the reference "
                                   "before the engine shards them (default True, as the tests "
                                   "run)"),
