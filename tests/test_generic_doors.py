@@ -278,3 +278,17 @@ def test_trl_sft_equals_stock_one_process(runs, world, name, key):
             _close(result[key]["logs"][metric], ref["logs"][metric],
                    f"{key} rank {rank} {metric}")
         _same_state(result[key]["state"], ref["state"], f"{key} rank {rank}")
+
+
+def test_user_loss_and_the_router_loss():
+    """A user ``compute_loss`` cannot add the global router loss as stock would (once, over the
+    whole batch, with its gradient): refused at construction with the fix; a door whose loss
+    leaves the term to the engine (the SFT door, ``global_loss_apart``) is not refused."""
+    from hf_cephalo.models import stage_model
+    from hf_cephalo.runtime.user_loss import UserLossStagedModel
+
+    staged = stage_model(_model(MOE))
+    assert staged.global_loss_name() is not None and staged.global_loss_output() is None
+    with pytest.raises(ValueError, match="output_router_logits = False"):
+        UserLossStagedModel(staged, lambda *a, **k: None)
+    UserLossStagedModel(staged, lambda *a, **k: None, global_loss_apart=True)
