@@ -1,6 +1,7 @@
 """Each rank's peak host memory loading a checkpoint sharded and exporting it again, per class.
 
-2 gloo ranks on CPU, state ratios 0.8 / 0.2, for a Llama, a Qwen3, a Gemma 3 and a GPT-OSS of
+2 gloo ranks on CPU, state ratios 0.8 / 0.2, for a Llama, a Qwen3, a Gemma 3, a GPT-OSS, and
+the MoE classes whose checkpoints store one tensor per expert (Qwen3-MoE, Mixtral, OLMoE) of
 about 30 M parameters each (most of them in the layers, as in a 7B model). The parent saves each
 with ``save_pretrained(max_shard_size=...)``; then, in ONE run, each rank measures:
 
@@ -41,6 +42,16 @@ MODELS = {
     "gpt_oss": ("GptOssForCausalLM", "GptOssConfig",
                 dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2,
                      intermediate_size=512, sliding_window=64)),
+    # checkpoints that store one tensor per expert, merged into the fused parameter on load
+    # and split back on save ([Note: merged expert tensors] in engine/merged_keys.py)
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  dict(head_dim=64, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=352, decoder_sparse_step=1, mlp_only_layers=[])),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(head_dim=64, num_local_experts=8, num_experts_per_tok=2,
+                     intermediate_size=352)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig",
+              dict(num_experts=8, num_experts_per_tok=2, intermediate_size=352)),
 }
 
 

@@ -10,7 +10,9 @@ batch.
 * TRL SFT: ``CephaloSFTTrainer`` with prompt-completion data (prompt masked out) vs stock
   ``SFTTrainer`` on one process (per_device_train_batch_size = the global batch), SGD, 3 steps:
   logged loss, grad norm, entropy, token accuracy, token count, then the final weights; and
-  Qwen3 given BY NAME (a saved folder), as TRL's reference scripts pass it.
+  Qwen3 given BY NAME (a saved folder), as TRL's reference scripts pass it. Qwen3-MoE with the
+  router load-balancing loss (issue 49), 2 ranks, as an object and by name (a save_pretrained
+  folder storing one tensor per expert): the same, plus TRL's logged ``aux_loss``.
 
 fp32, rtol 1e-5 / atol 1e-6. One run_ranks call per world size.
 """
@@ -33,6 +35,7 @@ PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]),  # b_i, m_i, r_i; global batch 4
          3: ([2, 0, 2], [1, 1, 2], [0.0, 0.6, 0.4])}  # an idle rank that holds state
 B, STEPS, SEQ, LR, MAX_NORM, EPS = 4, 3, 10, 0.01, 0.8, 1e-4
 SFT_METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+MOE = "qwen3_moe"  # SFT on 2 ranks: the router loss (coefficient 0.3) and its aux_loss metric
 JOB_S = 60.0
 pytestmark = test_timeout(JOB_S, JOB_S, margin_s=180)
 
@@ -136,7 +139,7 @@ def _sft_args(out_dir: str) -> dict:
 
 def _sft_logs(history) -> dict:
     rows = [h for h in history if "loss" in h and "train_loss" not in h]
-    return {m: [h[m] for h in rows] for m in SFT_METRICS}
+    return {m: [h[m] for h in rows if m in h] for m in (*SFT_METRICS, "aux_loss")}
 
 
 def _sft(name: str, root: str, tokenizer_path: str, world: int,
@@ -196,11 +199,14 @@ def _worker(rank: int, world: int, root: str, tokenizer_path: str) -> dict:
         # device), planned, then trained
         out["sft-by-name-planned"] = _sft("qwen3", root, tokenizer_path, world,
                                           by_name=_saved(root), planned=True)
+        out[f"sft-{MOE}"] = _sft(MOE, root, tokenizer_path, world)
+        out[f"sft-{MOE}-by-name"] = _sft(MOE, root, tokenizer_path, world,
+                                         by_name=_saved(root, MOE))
     return portable(out, True)
 
 
-def _saved(root: str) -> str:
-    return os.path.join(root, "qwen3-saved")
+def _saved(root: str, name: str = "qwen3") -> str:
+    return os.path.join(root, f"{name}-saved")
 
 
 @pytest.fixture(scope="module")
@@ -212,14 +218,16 @@ def runs(tmp_path_factory):
     tokenizer_path = save_tokenizer(os.path.join(root, "tokenizer"))
     from tests.trl_fixtures import load_tokenizer
 
-    _model("qwen3", len(load_tokenizer(tokenizer_path))).save_pretrained(
-        _saved(root), max_shard_size="200KB")
+    for name in ("qwen3", MOE):
+        _model(name, len(load_tokenizer(tokenizer_path))).save_pretrained(
+            _saved(root, name), max_shard_size="200KB")
     got = {world: run_ranks(_worker, world, root, tokenizer_path, timeout_s=budget_s(JOB_S))
            for world in PLANS}
     refs = {}
     for name in NAMES:
         refs[f"loop-{name}"] = _loop_reference(name)
         refs[f"sft-{name}"] = _sft_reference(name, os.path.join(root, "stock"), tokenizer_path)
+    refs[f"sft-{MOE}"] = _sft_reference(MOE, os.path.join(root, "stock"), tokenizer_path)
     return got, refs
 
 
@@ -248,19 +256,39 @@ def test_accelerate_loop_equals_one_process(runs, name, world):
 
 
 @pytest.mark.parametrize("world, name, key", [(w, n, f"sft-{n}") for w in PLANS for n in NAMES]
-                         + [(2, "qwen3", "sft-by-name"), (2, "qwen3", "sft-by-name-planned")])
+                         + [(2, "qwen3", "sft-by-name"), (2, "qwen3", "sft-by-name-planned"),
+                            (2, MOE, f"sft-{MOE}"), (2, MOE, f"sft-{MOE}-by-name")])
 def test_trl_sft_equals_stock_one_process(runs, world, name, key):
     """``key`` "sft-by-name": the model given by name (a sharded ``save_pretrained`` folder of
     the same Qwen3 model), loaded by the door on the meta device, each rank reading its shards
     ("-planned": with no plan, so profiled at start through a copy and planned);
     stock SFTTrainer trains the model object (TRL loads a name with ``from_pretrained``: the
-    same weights)."""
+    same weights). Qwen3-MoE: stock adds the router loss (TRL switches the config's
+    output_router_logits on) and logs ``aux_loss``; by name, its experts are stored one tensor
+    per expert and merged range by range."""
     got, refs = runs
     ref = refs[f"sft-{name}"]
     assert ref["logs"]["loss"][0] != ref["logs"]["loss"][-1]
+    metrics = SFT_METRICS + (("aux_loss",) if name == MOE else ())
+    if name == MOE:  # the router loss is in stock's run (a test that cannot fail is a defect)
+        assert len(ref["logs"]["aux_loss"]) == STEPS and min(ref["logs"]["aux_loss"]) > 0
     for rank, result in enumerate(got[world]):
-        for metric in SFT_METRICS:
+        for metric in metrics:
             assert len(result[key]["logs"][metric]) == STEPS, (key, metric)
             _close(result[key]["logs"][metric], ref["logs"][metric],
                    f"{key} rank {rank} {metric}")
         _same_state(result[key]["state"], ref["state"], f"{key} rank {rank}")
+
+
+def test_user_loss_and_the_router_loss():
+    """A user ``compute_loss`` cannot add the global router loss as stock would (once, over the
+    whole batch, with its gradient): refused at construction with the fix; a door whose loss
+    leaves the term to the engine (the SFT door, ``global_loss_apart``) is not refused."""
+    from hf_cephalo.models import stage_model
+    from hf_cephalo.runtime.user_loss import UserLossStagedModel
+
+    staged = stage_model(_model(MOE))
+    assert staged.global_loss_name() is not None and staged.global_loss_output() is None
+    with pytest.raises(ValueError, match="output_router_logits = False"):
+        UserLossStagedModel(staged, lambda *a, **k: None)
+    UserLossStagedModel(staged, lambda *a, **k: None, global_loss_apart=True)

@@ -319,6 +319,21 @@ def test_dpo_refusals_before_any_collective(tmp_path, tokenizer_path, data_root)
                      "ref_model=copy.deepcopy(model)"):  # no name to load a reference copy by
         assert expected in text, text
     assert not dist.is_initialized()
+    # a mixture of experts: DPOTrainer adds its router loss per call (issue 49: refused after
+    # DPOTrainer.__init__ decided it, before planning; router_aux_loss_coef=0.0 is the fix)
+    import transformers
+
+    from tests.zoo_fixtures import ZOO
+
+    moe_config = ZOO["qwen3_moe_no_router_loss"][1]()
+    moe_config.vocab_size = len(tokenizer)
+    moe = transformers.Qwen3MoeForCausalLM(moe_config)
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0\.0 in the DPOConfig"):
+        CephaloDPOTrainer(model=moe, ref_model=copy.deepcopy(moe),
+                          args=CephaloDPOConfig(**_dpo_kwargs("ref_model", str(tmp_path))),
+                          train_dataset=_dataset("ref_model", data_root),
+                          processing_class=tokenizer, plan=plan(2))
+    assert not dist.is_initialized()
     args = CephaloDPOConfig(**_dpo_kwargs("ref_model", str(tmp_path)))
     with pytest.raises(ValueError, match="does not evaluate yet"):
         CephaloDPOTrainer(model=tiny_llama(len(tokenizer)), args=args,

@@ -6,10 +6,11 @@ transformers' code, legacy names, a missing or extra ``base_model_prefix``, the 
 ``key_mapping``). ``checkpoint_key_map`` resolves every key with the functions
 ``from_pretrained`` itself uses, in its order (``get_model_conversion_mapping``, then
 ``rename_source_key`` per key), so a checkpoint loads sharded exactly when, and the way,
-``from_pretrained`` loads it. A converter (a transform that splits or merges tensors) needs
-whole tensors, so such a checkpoint is refused (NotImplementedError naming the keys). The
-transforms that matched are kept as ``model._weight_conversions``, so saves write the
-checkpoint's own names again. Examples and the steps in full: docs/checkpoints.md,
+``from_pretrained`` loads it. A converter that stacks per-expert tensors into one parameter is
+resolved into the stored keys of each stacked entry (``MergedKeys``, [Note: merged expert
+tensors] in ``merged_keys.py``), which a rank reads range by range; any other converter is
+refused (NotImplementedError naming it). The transforms that matched are kept as
+``model._weight_conversions``, so saves write the checkpoint's own names again. Examples and the steps in full: docs/checkpoints.md,
 "Checkpoint keys through transformers' mapping".
 """
 
@@ -19,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from torch import nn
+
+from .merged_keys import MergedKeys, merge_spec
 
 __all__ = ["KeyMap", "checkpoint_key_map"]
 
@@ -30,10 +33,13 @@ class KeyMap(NamedTuple):
         key, in ``dot_natural_key`` order, that transformers maps onto it).
     unexpected: checkpoint keys that map onto no model key (``from_pretrained`` reports them as
         unexpected and skips them; e.g. a pretraining head).
+    merged: model state-dict key -> the stored tensors transformers merges into it (MoE
+        experts stored one tensor per expert; ``merged_keys.MergedKeys``).
     """
 
     to_checkpoint: dict[str, str]
     unexpected: list[str]
+    merged: dict[str, MergedKeys] = {}
 
 
 def checkpoint_key_map(model: nn.Module, checkpoint_keys: Iterable[str], *,
@@ -52,8 +58,8 @@ def checkpoint_key_map(model: nn.Module, checkpoint_keys: Iterable[str], *,
         A ``KeyMap``. Sets ``model._weight_conversions`` to the transforms that matched, as
         ``from_pretrained`` does, so that saving writes the checkpoint's own names.
     Raises:
-        NotImplementedError: a checkpoint key that transformers would convert by splitting or
-            merging tensors (not a rename): its ranges cannot be read shard by shard.
+        NotImplementedError: a checkpoint key that transformers converts other than by stacking
+            experts (``merged_keys.merge_spec``): its ranges cannot be read shard by shard.
     """
     from transformers import PreTrainedModel
 
@@ -74,9 +80,12 @@ def checkpoint_key_map(model: nn.Module, checkpoint_keys: Iterable[str], *,
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     prefix = model.base_model_prefix
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
     to_checkpoint: dict[str, str] = {}
-    unexpected, converted = [], []
-    # dot_natural_key order, as stock: some renamings keep state across keys (GroupWeightRename)
+    unexpected: list[str] = []
+    stacks: dict[str, dict[str, list[str]]] = {}  # model key -> source pattern -> stored keys
+    # dot_natural_key order, as stock: some renamings keep state across keys (GroupWeightRename),
+    # and converters stack each pattern's tensors in this order
     for key in sorted(checkpoint_keys, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, model_keys)
         if renamed not in model_keys and key in model_keys:
@@ -85,15 +94,14 @@ def checkpoint_key_map(model: nn.Module, checkpoint_keys: Iterable[str], *,
         if renamed not in model_keys:
             unexpected.append(key)
         elif pattern is not None:
-            converted.append(f"{key} -> {renamed}")
+            stacks.setdefault(renamed, {}).setdefault(pattern, []).append(key)
         else:
             to_checkpoint.setdefault(renamed, key)
-    if converted:
-        raise NotImplementedError(
-            f"{type(model).__name__}: transformers converts {len(converted)} checkpoint "
-            f"tensors by splitting or merging them (e.g. {converted[:3]}); such tensors cannot "
-            "be read shard by shard: load the model with from_pretrained on the CPU and pass "
-            "it to the engine (rank 0's weights are sent to every rank), or re-save the "
-            "checkpoint in the model's own layout")
+    merged = {}
+    for renamed, per_pattern in stacks.items():
+        converter = by_pattern[next(iter(per_pattern))]
+        cat_dim = merge_spec(converter)
+        merged[renamed] = MergedKeys(tuple(tuple(per_pattern.get(p, ()))
+                                           for p in converter.source_patterns), cat_dim)
     model._weight_conversions = [c for c in conversions if c.was_used()]
-    return KeyMap(to_checkpoint, unexpected)
+    return KeyMap(to_checkpoint, unexpected, merged)

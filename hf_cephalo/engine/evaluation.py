@@ -56,35 +56,44 @@ def evaluate(engine, microbatches, *, return_logits: bool = True,
     mbs = list(microbatches)
     _, global_items = engine._global_items(mbs, for_training=False)
     engine.staged.begin_step()
+    extra: list[float] = []
     try:
         with global_num_items_scope(global_items):  # [Note: global item count for user losses]
             with running(engine._compiled):
-                loss_sum, logits, mb_sums = _evaluate_layered(engine, mbs, return_logits,
-                                                               process_logits)
-        terms = engine.staged.global_loss_sums()
+                loss_sum, logits, mb_sums = _evaluate_layered(
+                    engine, mbs, return_logits, process_logits,
+                    before_heads=lambda: extra.append(_finish_global_terms(engine)))
     except BaseException as exc:
         engine.staged.end_step()
         engine.abandon_step(None, exc, "evaluate")
         raise
     try:
         C.all_reduce_sum(loss_sum, engine.group, engine.stats)
-        # a global-batch term (the MoE router loss) of this evaluation batch, as the
-        # model's own loss over the whole batch includes it
-        extra = 0.0 if terms is None else \
-            engine.staged.finish_global_loss(engine._reduce_sums(terms.to(engine.device)).cpu())
     finally:
         engine.staged.end_step()
-    loss = float(loss_sum) / global_items + extra if global_items else float("nan")
+    loss = float(loss_sum) / global_items + extra[0] if global_items else float("nan")
     counts = [engine.staged.count_items(mb) for mb in mbs]
     mb_losses = tuple(float(s) / n if n else float("nan") for s, n in zip(mb_sums, counts))
     return EvalOutput(loss, global_items, logits, mb_losses)
 
 
-def _evaluate_layered(engine, mbs, return_logits: bool, process_logits):
+def _finish_global_terms(engine) -> float:
+    """Collective: a global-batch term (the MoE router loss) of this evaluation batch, as the
+    model's own loss over the whole batch includes it; finished before the heads run, so a loss
+    in the head can read it (``StagedModel.global_loss_output``), as in a training step."""
+    terms = engine.staged.global_loss_sums()
+    if terms is None:
+        return 0.0
+    return engine.staged.finish_global_loss(engine._reduce_sums(terms.to(engine.device)).cpu())
+
+
+def _evaluate_layered(engine, mbs, return_logits: bool, process_logits,
+                      before_heads: Callable[[], None] = lambda: None):
     """(loss sum (1,) float64, logits per microbatch, loss sum per microbatch) of the
     layered forward. The root
     units are gathered around their uses like in ``train_step`` (kept all along with
-    ``root_resident``); every all-gather is prefetched one unit ahead."""
+    ``root_resident``); every all-gather is prefetched one unit ahead. ``before_heads`` runs
+    (on every rank) between the last unit and the heads."""
     root = engine.root
     head_phase = root.head_phase()
     first = root.both() if root.resident else [root.embed]
@@ -109,6 +118,7 @@ def _evaluate_layered(engine, mbs, return_logits: bool, process_logits):
         unit.use_params()
         hiddens = [engine.staged.run_unit(i, h, c) for h, c in zip(hiddens, ctxs)]
         unit.reshard()
+    before_heads()
     loss_sum = torch.zeros(1, dtype=torch.float64, device=engine.device)
     for unit in head_phase:
         unit.wait_unshard(requires_grad=False)

@@ -17,6 +17,7 @@ Steps in full: docs/checkpoints.md, "Streamed save".
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -28,9 +29,12 @@ from hf_cephalo.file_modes import apply_default_mode
 from hf_cephalo.units import DEFAULT_MAX_SHARD_SIZE
 
 from .checkpoint_files import errors_on_every_rank, fsync_file
+from .merged_keys import (SAVE_FIX, MergedKeys, MergedSlice, merge_spec, merged_shape,
+                          stored_slices)
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "WEIGHTS_NAME", "INDEX_NAME", "PROCESSOR_FILES",
            "SavedTensor", "HFFilePlan", "SaveResult", "parse_max_shard_size", "plan_hf_files",
+           "streamed_save_problem",
            "engine_sources", "write_hf_files", "write_hf_configs", "remove_stale_weights",
            "copy_processor_files", "save_pretrained_streamed"]
 
@@ -50,13 +54,16 @@ class SavedTensor(NamedTuple):
     """Where one saved tensor comes from.
 
     unit: index of the unit holding it (``shard_metadata()`` / layout order), None for a buffer;
-    name: its key in that unit's ``FullUnit.tensors`` (or the buffer key); shape, dtype: as saved.
+    name: its key in that unit's ``FullUnit.tensors`` (or the buffer key); shape, dtype: as saved;
+    select: for one expert's tensor split from a merged parameter on save, its place in that
+    parameter ([Note: merged expert tensors] in ``merged_keys.py``); None: the whole tensor.
     """
 
     unit: int | None
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    select: MergedSlice | None = None
 
 
 class HFFilePlan(NamedTuple):
@@ -126,8 +133,8 @@ def plan_hf_files(model: torch.nn.Module, sources: Mapping[str, SavedTensor], *,
         total_parameters: distinct parameter elements (the index's ``total_parameters``).
     Raises:
         ValueError: a bad ``max_shard_size``.
-        NotImplementedError: the model's weight conversions combine tensors (only renames can
-            be streamed).
+        NotImplementedError: the model's weight conversions split or combine tensors other
+            than stacked experts (``merged_keys.merge_spec``).
     """
     from huggingface_hub import split_torch_state_dict_into_shards
 
@@ -135,12 +142,16 @@ def plan_hf_files(model: torch.nn.Module, sources: Mapping[str, SavedTensor], *,
     metas = {k: torch.empty(s.shape, dtype=s.dtype, device="meta") for k, s in sources.items()}
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         metas.pop(key, None)
-    renamed = _apply_hf_key_edits(model, metas, sources)
-    saved = {new: sources[old] for new, old in renamed.items()}
-    split = split_torch_state_dict_into_shards(
-        {k: metas[old] for k, old in renamed.items()},
-        filename_pattern=WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors"),
-        max_shard_size=limit)
+    saved: dict[str, SavedTensor] = {}
+    storages: dict[str, tuple[tuple, int]] = {}
+    for new, old in _apply_hf_key_edits(model, metas, sources).items():
+        if isinstance(old, _Split):  # one expert split off a merged parameter
+            shape = _slice_shape(sources[old.key].shape, old.select)
+            saved[new] = sources[old.key]._replace(shape=shape, select=old.select)
+            storages[new] = (old.storage, old.storage_numel)
+        else:
+            saved[new] = sources[old]
+    split = _split_like_save_pretrained(saved, storages, limit)
     files = {name: list(keys) for name, keys in split.filename_to_tensors.items()}
     index = None
     if split.is_sharded:
@@ -149,10 +160,47 @@ def plan_hf_files(model: torch.nn.Module, sources: Mapping[str, SavedTensor], *,
     return HFFilePlan(files, saved, _unit_order(files, saved), index)
 
 
+def _split_like_save_pretrained(saved: Mapping[str, SavedTensor],
+                                storages: Mapping[str, tuple[tuple, int]], limit: int):
+    """``split_torch_state_dict_into_shards`` over meta tensors of ``saved``, with the storage
+    sharing ``save_pretrained``'s tensors have: the experts split off one merged parameter
+    share one storage (``storages``: key -> (storage id, its element count)), so stock puts
+    them into the file of the first and counts the storage once ([Note: merged expert
+    tensors] in ``merged_keys.py``)."""
+    from huggingface_hub.serialization._base import split_state_dict_into_shards_factory
+
+    metas = {k: torch.empty(s.shape, dtype=s.dtype, device="meta") for k, s in saved.items()}
+    by_id = {id(t): k for k, t in metas.items()}
+
+    def storage_id(t: torch.Tensor):
+        return storages.get(by_id[id(t)], (None,))[0]
+
+    def storage_size(t: torch.Tensor) -> int:
+        key = by_id[id(t)]
+        numel = storages[key][1] if key in storages else t.numel()
+        return numel * t.element_size()
+
+    return split_state_dict_into_shards_factory(
+        metas, get_storage_size=storage_size, get_storage_id=storage_id,
+        filename_pattern=WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors"),
+        max_shard_size=limit)
+
+
+class _Split(NamedTuple):
+    """A saved tensor split off merged parameter ``key`` at ``select``; ``storage``, of
+    ``storage_numel`` elements: the storage it shares in ``save_pretrained``."""
+
+    key: str
+    select: MergedSlice
+    storage: tuple
+    storage_numel: int
+
+
 def _apply_hf_key_edits(model, metas: dict[str, torch.Tensor],
-                        sources: Mapping[str, SavedTensor]) -> dict[str, str]:
-    """Drop tied aliases and apply renames as ``save_pretrained`` does: {saved key: state-dict
-    key}, in saving order."""
+                        sources: Mapping[str, SavedTensor]) -> dict[str, Any]:
+    """Drop tied aliases and apply transformers' save conversions as ``save_pretrained`` does:
+    {saved key: state-dict key, or (state-dict key, ``MergedSlice``) for one expert split off a
+    merged parameter}, in saving order."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):  # plain module: keep the first name of a tensor
@@ -172,13 +220,118 @@ def _apply_hf_key_edits(model, metas: dict[str, torch.Tensor],
     kept = remove_tied_weights_from_state_dict(dict(metas), _AliasProbe(model, identity))
     by_id = {id(t): k for k, t in kept.items()}
     reverted = revert_weight_conversion(model, dict(kept))
-    if any(id(t) not in by_id for t in reverted.values()) or len(reverted) != len(kept):
-        raise NotImplementedError(
-            f"{type(model).__name__} has weight conversions that combine or split tensors on "
-            "save (transformers' conversion mapping); the streamed save handles renames only: "
-            "gather the model on every rank instead (trainer.unshard_model(), then "
-            "model.save_pretrained)")
-    return {new: by_id[id(t)] for new, t in reverted.items()}
+    split = {k: t for k, t in reverted.items() if id(t) not in by_id}
+    selects = _split_sources(model, split, kept) if split else {}
+    out = {}
+    for new, t in reverted.items():
+        out[new] = by_id[id(t)] if new not in selects else selects[new]
+    return out
+
+
+def _slice_shape(shape: tuple[int, ...], sl: MergedSlice) -> tuple[int, ...]:
+    entry = list(shape[1:])
+    if sl.dim is not None:
+        entry[sl.dim] = sl.length
+    return tuple(entry)
+
+
+def select_saved(tensor: torch.Tensor, sl: MergedSlice | None) -> torch.Tensor:
+    """The saved tensor ``sl`` picks from ``tensor`` (a view; ``tensor`` itself for None)."""
+    if sl is None:
+        return tensor
+    entry = tensor[sl.entry]
+    return entry if sl.dim is None else entry.narrow(sl.dim, sl.start, sl.length)
+
+
+def _stock_storage(key: str, shape: tuple[int, ...], merged: MergedKeys,
+                   pattern: int) -> tuple[tuple, int]:
+    """(storage id, element count) in ``save_pretrained`` of a tensor of source pattern
+    ``pattern`` split off parameter ``key``: its reverse
+    ops are ``SplitModulelist`` views of the parameter, after ``Chunk`` (one ``.contiguous()``
+    copy per pattern, unless the chunk is contiguous already) when the patterns were
+    concatenated."""
+    if merged.cat_dim is None:
+        return (key,), math.prod(shape)
+    dim = merged.cat_dim + 1
+    chunk = torch.empty(shape, device="meta").chunk(len(merged.keys), dim)[0]
+    if chunk.is_contiguous():
+        return (key,), math.prod(shape)
+    return (key, pattern), chunk.numel()
+
+
+def _save_conversions(model) -> list:
+    """The forward transforms ``revert_weight_conversion`` inverts on save (its choice)."""
+    import copy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+    return copy.deepcopy(list(conversions))
+
+
+def _split_sources(model, split: Mapping[str, torch.Tensor],
+                   kept: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, MergedSlice]]:
+    """Each tensor ``revert_weight_conversion`` split off a merged parameter (meta, by saved
+    key) -> (the parameter's state-dict key, its ``MergedSlice``): the saved keys are mapped
+    forward by transformers' own loading renames, as ``checkpoint_keys`` maps a checkpoint.
+    Raises NotImplementedError for a split that is not stacked experts."""
+    from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                 dot_natural_key, rename_source_key)
+
+    conversions = _save_conversions(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    stacks: dict[str, dict[str, list[str]]] = {}
+    for key in sorted(split, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None or renamed not in kept:
+            raise NotImplementedError(
+                f"{type(model).__name__}: transformers' save conversion writes {key!r}, which "
+                "its loading conversion does not map back onto one parameter; the streamed "
+                f"save writes renamed and per-expert tensors only: {SAVE_FIX}")
+        stacks.setdefault(renamed, {}).setdefault(pattern, []).append(key)
+    out = {}
+    for renamed, per_pattern in stacks.items():
+        converter = by_pattern[next(iter(per_pattern))]
+        merged = MergedKeys(tuple(tuple(per_pattern.get(p, ())) for p in
+                                  converter.source_patterns), merge_spec(converter, SAVE_FIX))
+        shapes = [[tuple(split[k].shape) for k in keys] for keys in merged.keys]
+        if merged_shape(merged, shapes) != tuple(kept[renamed].shape):
+            raise NotImplementedError(
+                f"{type(model).__name__}: transformers saves {renamed} "
+                f"{tuple(kept[renamed].shape)} as {sum(map(len, shapes))} tensors that do not "
+                f"stack back into it; {SAVE_FIX}")
+        sizes = [s[0][merged.cat_dim] if merged.cat_dim is not None else 0 for s in shapes]
+        shape = tuple(kept[renamed].shape)
+        for k, (pattern, sl) in stored_slices(merged, sizes).items():
+            out[k] = _Split(renamed, sl, *_stock_storage(renamed, shape, merged, pattern))
+    return out
+
+
+def streamed_save_problem(model: torch.nn.Module) -> str | None:
+    """Why the streamed save (``save_model``, ``hf-cephalo export``) would refuse ``model``:
+    its ``save_pretrained`` layout converts tensors other than stacked experts
+    (``merged_keys.merge_spec``); None when it can be written. Reads names and shapes only
+    (meta, placeholder or real parameters)."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return None
+    state = model.state_dict(keep_vars=True)
+    sources = {k: SavedTensor(0, str(id(v)), tuple(v.shape), v.dtype) for k, v in state.items()}
+    metas = {k: torch.empty(s.shape, dtype=s.dtype, device="meta") for k, s in sources.items()}
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        metas.pop(key, None)
+    try:
+        _apply_hf_key_edits(model, metas, sources)
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
 
 
 def _unit_order(files: Mapping[str, list[str]], sources: Mapping[str, SavedTensor]) -> list[int]:
@@ -232,7 +385,8 @@ def write_hf_files(out_dir: str, plan: HFFilePlan, units: Iterable, *,
                 current = next(stream, None)
                 if current is None:
                     raise RuntimeError(f"unit stream ended before unit {src.unit} ({key})")
-            tensors[key] = current.tensors[src.name].detach().to("cpu", copy=True).contiguous()
+            tensors[key] = select_saved(current.tensors[src.name], src.select).detach().to(
+                "cpu", copy=True).contiguous()
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         total, peak = total + size, max(peak, size)
         _write_aside(os.path.join(out_dir, name),

@@ -20,7 +20,7 @@ import contextlib
 import enum
 import hashlib
 import os
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from torch import nn
 from .checkpoint_files import CheckpointFiles, read_range, resolve_checkpoint
 from .checkpoint_keys import KeyMap, checkpoint_key_map
 from .flat_param import FlatParamUnit, ParamInfo
+from .merged_keys import MergedKeys, merged_reads, merged_shape
 
 
 class StartKind(enum.Enum):
@@ -136,6 +137,8 @@ class CheckpointSource:
     def __init__(self, files: CheckpointFiles, key_map: KeyMap, rank: int):
         self.files, self.key_map, self.rank = files, key_map, rank
         self._keys: dict[str, str] = {}  # parameter fqn -> checkpoint key
+        # parameter fqn -> (stored tensors merged into it, each pattern's size along cat_dim)
+        self._merged: dict[str, tuple[MergedKeys, list[int]]] = {}
 
     def _find(self, names: Sequence[str]) -> str | None:
         """The checkpoint key transformers maps onto the first of ``names`` (a parameter's
@@ -144,7 +147,8 @@ class CheckpointSource:
         return next((to_checkpoint[n] for n in names if n in to_checkpoint), None)
 
     def check(self, infos: Sequence[ParamInfo]) -> None:
-        """Every parameter has a key of the right shape; every file's header is sound.
+        """Every parameter has a key (or, merged from per-expert tensors, every stored tensor
+        of it) of the right shape; every file's header is sound.
 
         Keys are resolved by transformers' own loading renames ([Note: checkpoint keys
         through transformers' mapping] in ``checkpoint_keys.py``). Raises ValueError naming
@@ -155,6 +159,11 @@ class CheckpointSource:
         for info in infos:
             key = self._find(info.aliases)
             if key is None:
+                merged = next((self.key_map.merged[n] for n in info.aliases
+                               if n in self.key_map.merged), None)
+                if merged is not None:
+                    self._check_merged(info, merged)
+                    continue
                 raise ValueError(f"parameter {info.fqn} (names {list(info.aliases)}) is not in "
                                  f"the checkpoint {self.files.where()}, also not under the "
                                  "names from_pretrained maps onto it (transformers' key renames, "
@@ -168,27 +177,51 @@ class CheckpointSource:
                                  "checkpoint")
             self._keys[info.fqn] = key
 
+    def _check_merged(self, info: ParamInfo, merged: MergedKeys) -> None:
+        shapes = [[tuple(self.files.shape(k)) for k in keys] for keys in merged.keys]
+        if merged_shape(merged, shapes) != tuple(info.shape):
+            found = {keys[0] if keys else "(none)": f"{len(keys)} x {s[0] if s else ()}"
+                     for keys, s in zip(merged.keys, shapes)}
+            raise ValueError(f"parameter {info.fqn} {tuple(info.shape)}: transformers merges it "
+                             f"from the stored tensors {found} of {self.files.where()}, which "
+                             "do not make that shape: the model's config (number of experts, "
+                             "sizes) does not match the checkpoint")
+        sizes = [s[0][merged.cat_dim] if merged.cat_dim is not None else 0 for s in shapes]
+        self._merged[info.fqn] = (merged, sizes)
+
+    def _reads(self, info: ParamInfo, lo: int, hi: int, dest: torch.Tensor):
+        """(file, key, stored shape, start, stop, dest) reads giving the parameter's elements
+        ``[lo, hi)`` (offsets within the parameter) into ``dest``."""
+        if info.fqn not in self._merged:
+            key = self._keys[info.fqn]
+            return [(self.files.weight_map[key], key, tuple(info.shape), lo, hi, dest)]
+        merged, sizes = self._merged[info.fqn]
+        return [(self.files.weight_map[key], key, self.files.shape(key), s, t,
+                 dest[off:off + t - s])
+                for key, s, t, off in merged_reads(merged, tuple(info.shape), sizes, lo, hi)]
+
     def fill(self, unit: FlatParamUnit, params: Sequence[torch.Tensor],
              modules: Sequence[nn.Module]) -> None:
         """Read the elements of this rank's range, file by file (each opened once per unit
-        and closed after it, so mapped file pages do not stay in the process)."""
+        and closed after it, so mapped file pages do not stay in the process); a parameter
+        merged from per-expert tensors reads only the ranges of them its range covers
+        ([Note: merged expert tensors] in ``merged_keys.py``)."""
         from safetensors import safe_open
 
-        by_file: dict[str, list[tuple[ParamInfo, str, int, int, torch.Tensor]]] = {}
+        by_file: dict[str, list[tuple[str, tuple, int, int, torch.Tensor]]] = {}
         for start, stop, local in unit.local_segments():
             for info in unit.infos:
                 lo, hi = max(start, info.offset), min(stop, info.offset + info.numel)
                 if lo < hi:
-                    key = self._keys[info.fqn]
-                    by_file.setdefault(self.files.weight_map[key], []).append(
-                        (info, key, lo, hi, local[lo - start:hi - start]))
+                    dest = local[lo - start:hi - start]
+                    for path, *read in self._reads(info, lo - info.offset, hi - info.offset,
+                                                   dest):
+                        by_file.setdefault(path, []).append(read)
         with torch.no_grad():
             for path, reads in by_file.items():
                 with safe_open(path, framework="pt") as f:
-                    for info, key, lo, hi, dest in reads:
-                        values = read_range(f, key, tuple(info.shape), lo - info.offset,
-                                            hi - info.offset, dest.dtype)
-                        dest.copy_(values)
+                    for key, shape, lo, hi, dest in reads:
+                        dest.copy_(read_range(f, key, tuple(shape), lo, hi, dest.dtype))
 
     def fill_buffer(self, key: str, buffer: torch.Tensor, module: nn.Module) -> torch.Tensor:
         """A persistent buffer stored in the checkpoint is read; else None (init it)."""
@@ -380,6 +413,33 @@ def _fill_meta_buffers(mod_name: str, module: nn.Module, names: list[str], sourc
     for n, v in values.items():
         if v is not None:
             module._buffers[n].copy_(v)
+
+
+def check_checkpoint(model: nn.Module, files: CheckpointFiles) -> None:
+    """Check, before any profiling or collective, that ``files`` can feed ``model`` (any device:
+    meta is fine) the way the engine will read them: every parameter found under transformers'
+    names (or merged from per-expert tensors) with its shape, every file header sound.
+
+    Raises:
+        ValueError: as ``CheckpointSource.check`` (names the parameter and the file).
+        NotImplementedError: a conversion other than stacked experts (``checkpoint_key_map``).
+    """
+    names: dict[int, list[str]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    source = CheckpointSource(files, checkpoint_key_map(model, files.weight_map,
+                                                        key_mapping=files.key_mapping), 0)
+    source.check([_Named(n[0], tuple(n), tuple(params[i].shape)) for i, n in names.items()])
+
+
+class _Named(NamedTuple):
+    """What ``CheckpointSource.check`` reads of a ``ParamInfo``."""
+
+    fqn: str
+    aliases: tuple[str, ...]
+    shape: tuple[int, ...]
 
 
 # ---- into an engine that already exists ----------------------------------------------------

@@ -220,6 +220,16 @@ class StagedModel(abc.ABC):
         layers' backward then adds its gradient times ``grad_scale`` (the loss scale)."""
         return 0.0
 
+    def global_loss_output(self, ctx: Any = None) -> torch.Tensor | None:
+        """The global-batch term as the model's own output reports it (``outputs.aux_loss``:
+        the MoE router loss before its coefficient; 0-dim, no gradient), between
+        ``finish_global_loss`` and ``end_step``, so a loss run in the head (TRL's) can log it:
+        for the whole global batch, or with ``ctx`` (a microbatch's context) that microbatch's
+        share, the term times its fraction of the rows the term runs over, so the shares of
+        every microbatch of every rank add up to the term (what a 0-dim gather of the head's
+        replay sums: head_calls.py). None (default): no such term, or outside that window."""
+        return None
+
     def end_step(self) -> None:
         """Called on every rank after a step (also a failed one). Default: nothing."""
 
@@ -269,6 +279,9 @@ class WrappedStagedModel(StagedModel):
 
     def global_loss_name(self) -> str | None:
         return self.inner.global_loss_name()
+
+    def global_loss_output(self, ctx: Any = None) -> torch.Tensor | None:
+        return self.inner.global_loss_output(ctx)
 
     def begin_step(self) -> None:
         self.inner.begin_step()

@@ -431,7 +431,7 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
         if router.collecting and (index, id(ctx)) not in router.seen:
             router.seen.add((index, id(ctx)))
             for z in logits:
-                router.add(z, mask)
+                router.add(z, mask, id(ctx))
         grads = [z for z in logits if z.requires_grad]
         if torch.is_grad_enabled() and grads:
             out = AttachRouterGrad.apply(out, router, mask, *grads)
@@ -452,6 +452,12 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
 
     def finish_global_loss(self, total: torch.Tensor, grad_scale: float = 1.0) -> float:
         return 0.0 if self.router is None else self.router.finish(total, grad_scale)
+
+    def global_loss_output(self, ctx: Any = None) -> torch.Tensor | None:
+        if self.router is None or self.router.total is None:
+            return None
+        value = self.router.aux if ctx is None else self.router.share(id(ctx))
+        return torch.tensor(value, dtype=torch.float32)
 
     def end_step(self) -> None:
         if self.router is not None:

@@ -50,18 +50,21 @@ class RouterLoss:
         self.collecting = False
         self.sums = torch.zeros(2 * self.E + 1, dtype=torch.float64)
         self.total: torch.Tensor | None = None
+        self.aux = 0.0  # the step's aux (before ``coef``), set by ``finish``
         self.grad_scale = 1.0
         self.seen: set = set()
 
     def begin_step(self) -> None:
         self.collecting, self.total, self.seen = True, None, set()
         self.sums = torch.zeros(2 * self.E + 1, dtype=torch.float64)
+        self.rows: dict[int, float] = {}  # id(microbatch context) -> its part of R
 
     def logits_of(self, out: Any) -> torch.Tensor:
         return out[self.index] if isinstance(out, (tuple, list)) else out
 
-    def add(self, logits: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Accumulate one layer's router logits (rows, E) of one microbatch."""
+    def add(self, logits: torch.Tensor, mask: torch.Tensor | None, key: int = 0) -> None:
+        """Accumulate one layer's router logits (rows, E) of one microbatch (``key``: its
+        context's id, for ``share``)."""
         with torch.no_grad():
             probs = torch.softmax(logits.detach().float(), dim=-1)
             _, chosen = torch.topk(probs, self.top_k, dim=-1)
@@ -71,14 +74,21 @@ class RouterLoss:
                 0, chosen.reshape(-1), w.repeat_interleave(self.top_k))
             part = torch.cat([counts, (probs * w[:, None]).sum(0), w.sum().view(1)])
             self.sums += part.to("cpu", torch.float64)
+            self.rows[key] = self.rows.get(key, 0.0) + float(part[-1])  # over layers, as R
 
     def finish(self, total: torch.Tensor, grad_scale: float) -> float:
         """Set the global sums (all-reduced ``sums``); return coef * aux of the global batch."""
         self.total, self.grad_scale, self.collecting = total.to(torch.float64), grad_scale, False
         T, P, R = self.total[:self.E], self.total[self.E:2 * self.E], float(self.total[-1])
-        if R == 0:
-            return 0.0
-        return self.coef * self.E * float((T / R * P / R).sum())
+        self.aux = 0.0 if R == 0 else self.E * float((T / R * P / R).sum())
+        return self.coef * self.aux
+
+    def share(self, key: int) -> float:
+        """The aux (before ``coef``, after ``finish``) times the fraction of the global rows R
+        that the microbatch of context id ``key`` holds: the microbatches' shares add up to the
+        aux of the global batch."""
+        R = float(self.total[-1])
+        return 0.0 if R == 0 else self.aux * self.rows.get(key, 0.0) / R
 
     def row_grad(self, logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """d(coef * aux)/d logits for one layer's rows of one microbatch (``finish`` first)."""

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hf_cephalo.engine.checkpoint_files import resolve_checkpoint
+from hf_cephalo.engine.loading import check_checkpoint
 
 __all__ = ["from_pretrained_sharded"]
 
@@ -49,12 +50,15 @@ def from_pretrained_sharded(pretrained_model_name_or_path: str | os.PathLike, *,
             (``hf_cephalo.engine.checkpoint_keys``), when the engine reads the checkpoint.
         **kwargs: ``revision``, ``cache_dir``, ``token``, ``local_files_only``, ``subfolder``
             (hub options) and config overrides (e.g. ``num_labels=3``: a head whose shape then
-            differs from the checkpoint's is refused when the engine checks the checkpoint).
+            differs from the checkpoint's is refused here).
     Returns:
         The model, every parameter and buffer on the meta device, with
         ``model.cephalo_checkpoint`` (a ``CheckpointFiles``).
-    Raises:
-        ValueError: no safetensors checkpoint found (``resolve_checkpoint``).
+    Raises (before any collective or profiling; ``engine.loading.check_checkpoint``):
+        ValueError: no safetensors checkpoint found (``resolve_checkpoint``); a parameter
+            missing from it or stored with another shape; a truncated or corrupt file.
+        NotImplementedError: a tensor transformers converts other than by stacking experts
+            (per-expert tensors merged into a fused parameter are read range by range).
     """
     import transformers
 
@@ -70,6 +74,7 @@ def from_pretrained_sharded(pretrained_model_name_or_path: str | os.PathLike, *,
             model = cls.from_config(config, dtype=dtype)
         else:
             model = cls._from_config(config, dtype=dtype)
+    check_checkpoint(model, files)  # refusals now, before a trainer profiles or plans
     model.cephalo_checkpoint = files
     return model
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from hf_cephalo.engine import CephaloEngine, relayout_state
+from hf_cephalo.engine.export import streamed_save_problem
 from hf_cephalo.engine.rank_precision import check_scalable_optimizer, rank_precision
 from hf_cephalo.launch_check import check_this_launch
 from hf_cephalo.models.base import StagedModel
@@ -117,6 +118,7 @@ class Session:
         self.checkpointing_reason = ""  # why activation checkpointing auto chose the plan's
         # one CPU process where several were asked for (stock accelerate launch on CPU)
         check_this_launch(job.world_size, None if plan is None else plan.world_size)
+        _warn_if_unsaveable(self.model)
         if plan is not None:
             check_plan_for_job(job, plan)
             self.cluster_profile = cluster_profile
@@ -463,3 +465,16 @@ class Session:
                                  "for this run's precision")
         relayout_onto_plan(self.engine, self.optimizer, new_plan)
         self.plan = new_plan
+
+
+def _warn_if_unsaveable(model: nn.Module) -> None:
+    """Say before planning that the full-model save will refuse ``model`` (a conversion of its
+    ``save_pretrained`` layout other than stacked experts), so the user learns it before the
+    run, not after it; training and the sharded checkpoints are not affected."""
+    problem = streamed_save_problem(model)
+    if problem is not None:
+        import warnings
+
+        warnings.warn(f"save_model, cephalo_save_full_model and hf-cephalo export will refuse "
+                      f"this model: {problem}. Training and the sharded checkpoints "
+                      "(checkpoint-N, save_state) are not affected", stacklevel=3)

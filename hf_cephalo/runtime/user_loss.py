@@ -44,8 +44,9 @@ ComputeLoss = Callable[..., torch.Tensor]
 # model-call options with one accepted value each: what the engine's forward always does
 _CALL_OPTIONS = {"use_cache": (False, None), "return_dict": (True, None),
                  "output_attentions": (False, None), "output_hidden_states": (False, None)}
-# HF model arguments the stand-in reads itself (not inputs to compare with the microbatch)
-_LOSS_ARGUMENTS = ("labels", "num_items_in_batch", "shift_labels")
+# HF model arguments the stand-in reads itself (not inputs to compare with the microbatch);
+# output_router_logits: the router loss's value, which the engine computed over the global batch
+_LOSS_ARGUMENTS = ("labels", "num_items_in_batch", "shift_labels", "output_router_logits")
 
 
 class HeadView:
@@ -139,6 +140,13 @@ class EngineOutputs:
                                  "and returns the logits only")
         if self._view is not None:
             self._check_inputs(inputs)
+            if inputs.get("output_router_logits") and \
+                    self._staged.global_loss_output() is None:
+                raise ValueError("compute_loss called the model with output_router_logits=True, "
+                                 "but the model adds no router loss (its config's "
+                                 "output_router_logits is off, or it has no router): set "
+                                 "model.config.output_router_logits = True before the trainer, "
+                                 "or do not ask for the router logits")
         if variant is not None:
             return variant(self._view, inputs) if self._view is not None else \
                 variant.empty(self._staged.model, inputs)
@@ -184,13 +192,23 @@ class UserLossStagedModel(WrappedStagedModel):
             head] (None: called directly).
         variants: keyword -> ``CallVariant`` the stand-in model answers (e.g. TRL's
             ``fused_lm_head``).
+        global_loss_apart: the trainer's loss leaves the model's global-batch term (the MoE
+            router loss) to the engine, which adds it once per step with its gradient
+            ([Note: global router loss]); its loss only reads the term's value
+            (``StagedModel.global_loss_output``, e.g. as ``outputs.aux_loss`` for a metric).
+            False (default): such a model is refused (``refuse_global_loss``), since a user
+            loss would add the term per microbatch, or not at all.
+    Raises:
+        ValueError: ``inner`` adds a global-batch term and ``global_loss_apart`` is False.
     """
 
     def __init__(self, inner: StagedModel, compute_loss: ComputeLoss, *,
                  head_calls: HeadCalls | None = None,
                  variants: Mapping[str, CallVariant] | None = None,
-                 count_items: Callable[[Microbatch], int] | None = None):
-        refuse_global_loss(inner, "a custom compute_loss / compute_loss_func")
+                 count_items: Callable[[Microbatch], int] | None = None,
+                 global_loss_apart: bool = False):
+        if not global_loss_apart:
+            refuse_global_loss(inner, "a custom compute_loss / compute_loss_func")
         super().__init__(inner)
         self.compute_loss = compute_loss
         self.head_calls = head_calls

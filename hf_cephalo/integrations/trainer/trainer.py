@@ -144,7 +144,9 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         # The subclass's __init__ runs here: a TRL trainer tokenizes / packs its datasets and
         # may wrap the model (a PEFT config), so the plan below sees what it prepared.
         super().__init__(model=model, args=args, **kwargs)
-        if self.model is not model:  # the subclass wrapped the model (e.g. get_peft_model)
+        if self.model is not model or self._restage_after_init(staged):
+            # the subclass wrapped the model (e.g. get_peft_model), or changed what staging
+            # reads (TRL's SFTTrainer sets the config's output_router_logits)
             model = self.model
             staged = check_script(args, model, [])
         # before sharding; as the engine names them (a PeftModel's carry a prefix it has not)
@@ -159,7 +161,8 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         if user_loss:  # [Note: collectives inside the engine's head] in head_calls.py
             engine_staged = UserLossStagedModel(engine_staged, self.compute_loss,
                                                 variants=self._engine_call_variants(),
-                                                count_items=self._user_loss_items(staged))
+                                                count_items=self._user_loss_items(staged),
+                                                global_loss_apart=self._global_loss_apart)
             self._head_calls = engine_staged.head_calls = HeadCalls(
                 self, engine_staged.replay, None, job.device)
         self.session = Session(job, engine_staged, model=model, plan=plan,
@@ -262,6 +265,16 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
                 labels = labels[..., 1:] if shift else labels
             return int(labels.ne(-100).sum().item())
         return count
+
+    _global_loss_apart = False
+    """Whether this trainer's own ``compute_loss`` leaves a model's global-batch term (the MoE
+    router loss) to the engine (``UserLossStagedModel``'s ``global_loss_apart``): a TRL door
+    that knows its loss's router term. A user's ``compute_loss`` cannot: such a model is refused."""
+
+    def _restage_after_init(self, staged) -> bool:
+        """Whether the subclass's ``__init__`` changed the model's config in a way staging
+        reads, so it is staged again. Default: no."""
+        return False
 
     def _engine_call_variants(self) -> dict[str, Any]:
         """Keyword -> ``user_loss.CallVariant``: model calls the loss's stand-in model answers

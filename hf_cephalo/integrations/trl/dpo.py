@@ -217,6 +217,22 @@ class CephaloDPOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, DPOTr
         return super()._hook_problems(model, kwargs) + dpo_problems(
             model, kwargs.get("ref_model"), self._script_args, kwargs)
 
+    def _restage_after_init(self, staged) -> bool:
+        """DPOTrainer decided in its ``__init__`` whether it adds a MoE's router loss
+        (``aux_loss_enabled``: the config has ``output_router_logits``, whatever its value, and
+        the coefficient is not 0); refused here, before planning: its term is per call of the
+        policy (chosen and rejected rows together), while the engine's covers the global batch.
+        """
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError(
+                f"CephaloDPOTrainer: {type(self.model).__name__} is a mixture of experts, and "
+                "DPOTrainer adds its router load-balancing loss to every call's loss "
+                f"(router_aux_loss_coef = {self.router_aux_loss_coef}); the DPO door cannot add "
+                "it as stock does (the engine's router loss is the whole global batch's, added "
+                "apart from DPO's loss): set router_aux_loss_coef=0.0 in the DPOConfig, which "
+                "turns it off in stock DPOTrainer too")
+        return super()._restage_after_init(staged)
+
     def _engine_staged(self, staged):
         self._pair_items = PairItems(staged)
         return self._pair_items

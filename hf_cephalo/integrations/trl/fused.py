@@ -44,7 +44,11 @@ def _logit_scale(text_config: Any) -> float:
 class FusedLMHead:
     """``model(**inputs, fused_lm_head=True)`` on the engine's head: a ``FusedCausalLMOutput``
     (loss = -sum(log_probs) / num_items_in_batch; log_probs, entropy, is_top1, label_mask:
-    (m, S - 1) each, zero where the label is -100), as TRL's patched forward returns it.
+    (m, S - 1) each, zero where the label is -100; with ``output_router_logits=True``,
+    aux_loss: this microbatch's share of the router loss of the whole global batch, 0-dim,
+    without gradient, so a gather of it over the step gives the global batch's
+    (``StagedModel.global_loss_output``); the engine adds the term to the step's loss itself,
+    so loss leaves it out), as TRL's patched forward returns it.
 
     Args (as ``add_fused_lm_head``'s): temperature, cast_lm_head_to_fp32, outputs — the
     per-token fields the kernel computes (SFTTrainer asks for log_probs, entropy, is_top1).
@@ -95,8 +99,10 @@ class FusedLMHead:
                          for x in per_token)
         fields = dict(zip(_OUTPUT_FIELDS, per_token))
         count = mask.sum().clamp(min=1) if num_items is None else num_items
-        return trl_utils.FusedCausalLMOutput(loss=-fields["log_probs"].sum() / count,
-                                             label_mask=mask, **fields)
+        loss, aux = -fields["log_probs"].sum() / count, None
+        if inputs.get("output_router_logits"):  # [Note: router loss in the SFT door] in sft.py
+            aux = view.staged.global_loss_output(view.ctx).to(hidden.device)
+        return trl_utils.FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=aux, **fields)
 
     def empty(self, model: torch.nn.Module, inputs: dict[str, Any]):
         """The same output, zeros, for the rows of ``inputs``' labels (none in
@@ -114,9 +120,10 @@ class FusedLMHead:
                   for name in _OUTPUT_FIELDS}
         if fields["is_top1"] is not None:
             fields["is_top1"] = torch.zeros((rows, seq), dtype=torch.bool, device=device)
+        aux = torch.zeros((), device=device) if inputs.get("output_router_logits") else None
         return FusedCausalLMOutput(loss=torch.zeros((), device=device),
                                    label_mask=torch.zeros((rows, seq), dtype=torch.bool,
-                                                          device=device), **fields)
+                                                          device=device), aux_loss=aux, **fields)
 
 
 def _use_triton(device: torch.device) -> bool:

@@ -16,7 +16,23 @@ declared, not re-implemented:
   engine's head (``trl_fused.FusedLMHead``);
 - its padding-free collator (``padding_free``, bfd packing) is applied per microbatch
   (``runtime.sampler.packs_without_padding``);
-- every ``SFTConfig`` field is classified (``trl_support.SFT_FIELD_SUPPORT``).
+- every ``SFTConfig`` field is classified (``trl_support.SFT_FIELD_SUPPORT``);
+- a MoE's router load-balancing loss is the engine's, over the global batch ([Note: router
+  loss in the SFT door]).
+
+[Note: router loss in the SFT door]
+SFTTrainer adds ``router_aux_loss_coef * outputs.aux_loss`` to each ``compute_loss`` call (the
+router loss of that call's rows) and logs ``aux_loss``. The engine adds ``coef * aux`` of the
+WHOLE global batch once per step, with its exact gradient into every layer's router
+([Note: global router loss] in models/router_loss.py); TRL's term, added per microbatch in the
+head, would count it once per microbatch and give the routers no gradient (the layers ran
+before the head). So while ``compute_loss`` runs, this door reads TRL's coefficient as 0 (the
+``router_aux_loss_coef`` property): TRL's loss is the token loss, and the fused head still
+answers ``aux_loss`` with the global batch's value, so the logged ``aux_loss`` is stock's.
+SFTTrainer's ``__init__`` switches the config's ``output_router_logits`` on (coefficient != 0)
+or off and writes its coefficient into the config, after the mixin staged the model: the door
+then sets the model's own ``router_aux_loss_coef`` to it and stages the model again
+(``_restage_after_init``), so the engine adds exactly the term stock SFT adds.
 
 Requires the ``trl`` extra (``pip install hf-cephalo[trl]``; written against TRL 1.16).
 """
@@ -83,6 +99,42 @@ class CephaloSFTTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, SFTTr
     it cannot honour)."""
 
     _hides_used_init_kwargs = True  # TRLModelByName: no false "will be ignored" warning
+    _global_loss_apart = True  # [Note: router loss in the SFT door]
+    _loss_running = False
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """SFTTrainer's router loss coefficient; 0.0 while ``compute_loss`` runs, where the
+        engine adds the term itself ([Note: router loss in the SFT door])."""
+        return 0.0 if self._loss_running else self._router_coef
+
+    @router_aux_loss_coef.setter
+    def router_aux_loss_coef(self, value: float) -> None:
+        self._router_coef = value
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """SFTTrainer's ``compute_loss``, its router term left to the engine."""
+        held, self._loss_running = self._loss_running, True
+        try:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        finally:
+            self._loss_running = held
+
+    def _restage_after_init(self, staged) -> bool:
+        """After SFTTrainer set the config's ``output_router_logits`` and coefficient: the
+        model's own coefficient follows the config, and the model is staged again when the
+        router loss it adds (on / off, coefficient) is not the one TRL trains with."""
+        text = self.model.config.get_text_config()
+        if not hasattr(text, "router_aux_loss_coef"):
+            return False
+        coef, changed = text.router_aux_loss_coef, False
+        for module in self.model.modules():  # the causal LM reads its own copy
+            own = getattr(module, "router_aux_loss_coef", None)
+            if isinstance(own, (int, float)) and not isinstance(own, bool) and own != coef:
+                module.router_aux_loss_coef, changed = coef, True
+        router = getattr(staged, "router", None)
+        return changed or bool(getattr(text, "output_router_logits", False)) != (router is not None)
 
     def _engine_call_variants(self) -> dict[str, Any]:
         return {"fused_lm_head": FusedLMHead(outputs=_SFT_FUSED_OUTPUTS)}

@@ -39,11 +39,13 @@ SFT_FIELD_SUPPORT: dict[str, Support] = {
         "tests/test_generic_doors.py::test_trl_sft_equals_stock_one_process"),
     "trust_remote_code": _inherited("forwarded by SFTTrainer to AutoProcessor when no "
                                     "processing_class is given"),
-    "router_aux_loss_coef": _na("used only for a mixture of experts whose config sets "
-                                "output_router_logits, which the TRL doors refuse (TRL adds the "
-                                "router loss per microbatch; the engine's covers the global "
-                                "batch: models/base.refuse_global_loss); unused otherwise, as on "
-                                "stock"),
+    "router_aux_loss_coef": _stock(
+        "a mixture of experts trains with the router load-balancing loss as stock SFT does "
+        "(SFTTrainer switches the config's output_router_logits on unless the coefficient is "
+        "0): the engine adds coef x the router loss of the WHOLE global batch once per step, "
+        "with its gradient, and TRL's logged aux_loss is that batch's (sft.py, [Note: router "
+        "loss in the SFT door])",
+        "tests/test_generic_doors.py::test_trl_sft_equals_stock_one_process"),
     "chat_template_path": _inherited("SFTTrainer sets the template (and resizes the embeddings "
                                      "for added tokens) before the engine shards the model"),
     "dataset_text_field": _inherited(_PREP),
@@ -103,8 +105,11 @@ DPO_FIELD_SUPPORT: dict[str, Support] = {
                                     "reference copy when no ref_model is given"),
     "trust_remote_code": _inherited("forwarded by DPOTrainer to AutoProcessor / the reference "
                                     "copy it loads"),
-    "router_aux_loss_coef": _na("used only for a mixture of experts whose config sets "
-                                "output_router_logits, which the TRL doors refuse (see SFT); "
+    "router_aux_loss_coef": _na("used only for a mixture of experts (a config with "
+                                "output_router_logits), whose router loss DPOTrainer adds per "
+                                "call unless this is 0.0: the DPO door refuses such a model at "
+                                "construction, naming router_aux_loss_coef=0.0 (the engine's "
+                                "router loss covers the global batch, apart from DPO's loss); "
                                 "unused otherwise, as on stock"),
     "disable_dropout": _inherited("DPOTrainer turns dropout off in the policy and the reference "
                                   "before the engine shards them (default True, as the tests "
