@@ -7,9 +7,10 @@ step trains one generation batch of B rows (B = the plan's global batch; B / G p
 G times in a row), rank i its b_i rows; the steps of a generation round read as one process
 with the whole batch reads them ([Note: rows of a generation batch] in rollout.py):
 
-1. completions come from ONE method, ``_cephalo_rollout`` (today the user's ``rollout_func``,
-   called with the whole groups this rank's rows touch, in order; without one the trainer is
-   refused: built-in generation lands separately);
+1. completions come from ONE method, ``_cephalo_rollout``: the user's ``rollout_func``,
+   called with the whole groups this rank's rows touch, in order, or without one the engine's
+   built-in generation (``builtin_generation.py``, keyed sampling: the same completions as
+   stock on one process with ``hf_cephalo.reproducible_rollout``);
 2. rewards per row on the rank that holds it (TRL's own ``_calculate_rewards``), gathered in
    global row order; advantages as one process computes them (``rollout.group_advantages``);
 3. the old policy's and the reference's per-token log-probabilities by forward-only passes
@@ -89,8 +90,8 @@ class CephaloGRPOTrainer(TRLModelByName, TRLModelCard, RolloutDoor, CephaloTrain
     for the arguments and errors; ``reward_funcs``, ``rollout_func`` ... as GRPOTrainer's).
 
     Raises ``RefusedSettings`` (a ValueError; before any collective, in the mixin's one refusal
-    message) for: no ``rollout_func`` (built-in generation on the engine lands separately),
-    tools / environments, multimodal prompts, an evaluation dataset, an iterable dataset, a
+    message) for: built-in generation settings it does not reproduce (without a
+    ``rollout_func``: ``builtin_generation.generation_problems``), tools / environments, multimodal prompts, an evaluation dataset, an iterable dataset, a
     global batch that ``num_generations`` does not divide, a shuffled dataset read for more
     than one epoch, and the config's refused values (``CephaloGRPOConfig.refused_settings``,
     the field table). At a step: ``LoaderStepError`` (a ValueError) on EVERY rank when the

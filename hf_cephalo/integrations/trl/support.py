@@ -331,11 +331,10 @@ RLOO_FIELD_SUPPORT: dict[str, Support] = {
 
 
 _GENERATES = (
-    "generates completions while it trains (model.generate or a vLLM server); the engine holds "
-    "the model as per-rank shards and has no generation path. Missing: sampling over the "
-    "sharded layers with a KV cache (or syncing the gathered weights to vLLM each step), and a "
-    "planner that prices generation. Train the policy with CephaloSFTTrainer, or run this "
-    "trainer with stock Accelerate / FSDP2")
+    "generates completions while it trains; the engine generates on its shards "
+    "(docs/generation.md), but this trainer's loss, reference / teacher passes and generation "
+    "settings are not built and validated on the runtime (GRPO and RLOO are: "
+    "CephaloGRPOTrainer, CephaloRLOOTrainer). Run this trainer with stock Accelerate / FSDP2")
 _PAIRS = (
     "scores a chosen and a rejected sequence per example: the two rows must stay on one rank "
     "and in one microbatch, and its loss is a per-rank mean; built for DPOTrainer only "
