@@ -133,10 +133,15 @@ class SplitLeaves:
     flat gradient, so the first microbatch's concatenation is added, not adopted (one
     unit-sized fill and add per unit and step more than it did)."""
 
-    def __init__(self, infos, trainable, requires_grad):
+    def __init__(self, infos, trainable, requires_grad, touched=None):
         self.infos = [i for i in infos if i.requires_grad]
         self.flat = trainable.detach().requires_grad_(requires_grad and trainable.numel() > 0)
         self.requires_grad, self.dtype, self.grad = self.flat.requires_grad, trainable.dtype, None
+        if self.requires_grad and touched is not None:  # the engine's signature: its backward
+            # reaches every parameter of the flat leaf at once, so mark them all (else the
+            # optimizer would skip them as parameters no rank reached)
+            self.flat.register_post_accumulate_grad_hook(
+                lambda _leaf: touched.__setitem__(slice(None), [True] * len(touched)))
 
     @property
     def leaves(self) -> list:
