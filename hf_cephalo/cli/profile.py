@@ -171,7 +171,8 @@ def _measure(args: argparse.Namespace, staged, config, device, emulation):
 
     cache = False if args.no_cache else ProfileCache(args.cache_dir)
     try:
-        cluster = profile_cluster(staged, config, device=device, emulation=emulation, cache=cache)
+        cluster = profile_cluster(staged, config, device=device, emulation=emulation, cache=cache,
+                                  remeasure_hint="pass --no-cache (or delete that file)")
     finally:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if dist.is_initialized():
