@@ -254,7 +254,9 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
             return label_count(stock_count_shifts(self.model))
         if self.label_smoother is not None:
             return label_count(stock_smoother_shift(staged.model))
-        return stock_item_count(self.model, staged)  # the model's own loss, or TRL's
+        if type(self)._engine_staged is not CephaloTrainerMixin._engine_staged:
+            return None  # a sample is not one row (DPO's pairs): the door counts its items
+        return stock_item_count(self.model, staged)  # the model's own loss, or TRL SFT's
 
     def _engine_call_variants(self) -> dict[str, Any]:
         """Keyword -> ``user_loss.CallVariant``: model calls the loss's stand-in model answers
