@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Sequence
 
 import torch
@@ -33,7 +34,7 @@ _EXPERT_COUNT = ("num_experts", "num_local_experts", "n_routed_experts")
 _EXPERT_TOP_K = ("num_experts_per_tok", "moe_topk", "top_k")
 _FORMS = ("a folder holding config.json (or the file), a Hub id in the local Hub cache "
           "(e.g. Qwen/Qwen3-0.6B; nothing is downloaded), a transformers model_type (e.g. "
-          "qwen3, with --model-override hidden_size=1024 ...), or a table shape")
+          "qwen3, with --model-override hidden_size=1024 ...)")
 
 
 def parse_overrides(items: Sequence[str] | None) -> dict[str, Any]:
@@ -54,71 +55,93 @@ def parse_overrides(items: Sequence[str] | None) -> dict[str, Any]:
 
 
 def resolve_model_config(model: str, overrides: dict[str, Any] | None = None,
-                         table_shapes: Sequence[str] = ()):
+                         table_shapes: Sequence[str] = (), flag: str = "--model"):
     """(config, source) of ``--model``: a folder or config.json file, a model_type, or a Hub id
-    in the local cache; ``overrides`` applied (a key the config does not have is refused: a
-    typo would otherwise price the defaults). ``table_shapes``: names the error lists too.
+    in the local cache, built with ``overrides`` among its fields (so fields derived from them,
+    such as ``layer_types`` from ``num_hidden_layers``, follow); a key the config does not have
+    is refused (a typo would otherwise price the defaults). ``table_shapes``: names the error
+    lists too; ``flag``: the option the messages name.
 
     Raises:
-        ValueError: none of the forms matches, the file is not a config, or an unknown key.
+        ValueError: none of the forms matches, the file is not a config, an unknown key, or
+            fields transformers refuses together.
     """
-    import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if os.path.exists(model):
-        config, source = _local_config(model), os.path.abspath(model)
+        file = os.path.join(model, "config.json") if os.path.isdir(model) else model
+        data, source = _config_data(file, model, flag), os.path.abspath(model)
     elif model in CONFIG_MAPPING:
-        config, source = transformers.AutoConfig.for_model(model), f"model_type {model}"
-    elif "/" in model:
-        try:
-            config = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--model {model!r} is not in the local Hub cache ({type(e).__name__}"
-                             f"; nothing is downloaded): fetch its config first (e.g. "
-                             f"`hf download {model} config.json`), or give a folder holding "
-                             "its config.json") from None
-        source = f"Hub cache {model}"
+        data, source = {"model_type": model}, f"model_type {model}"
+    elif re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", model):  # org/name
+        data, source = _config_data(_cached_config_file(model, flag), model, flag), \
+            f"Hub cache {model}"
+    elif os.sep in model or model.startswith("."):
+        raise ValueError(f"{flag} {model!r} does not exist; give a folder holding a "
+                         "config.json (or the file)")
     else:
-        raise ValueError(f"unknown model {model!r}: --model takes {_FORMS}"
-                         + (f" (known: {sorted(table_shapes)})" if table_shapes else ""))
-    _apply_overrides(config, overrides or {}, model)
-    return config, source
+        raise ValueError(f"unknown model {model!r}: {flag} takes {_FORMS}"
+                         + (f", or a table shape (known: {sorted(table_shapes)})"
+                            if table_shapes else ""))
+    return _build_config(data, overrides or {}, model, flag), source
 
 
-def _local_config(path: str):
-    import transformers
+def _cached_config_file(model: str, flag: str) -> str:
+    from transformers.utils import cached_file
 
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        path = cached_file(model, "config.json", local_files_only=True)
+    except (OSError, ValueError) as e:
+        path, reason = None, type(e).__name__
+    else:
+        reason = "no config.json"
+    if path is None:
+        raise ValueError(f"{flag} {model!r} is not in the local Hub cache ({reason}; nothing is "
+                         f"downloaded): fetch its config first (e.g. `hf download {model} "
+                         "config.json`), or give a folder holding its config.json")
+    return path
+
+
+def _config_data(file: str, model: str, flag: str) -> dict[str, Any]:
     if not os.path.isfile(file):
-        raise ValueError(f"--model {path!r}: the folder holds no config.json; give a folder "
+        raise ValueError(f"{flag} {model!r}: the folder holds no config.json; give a folder "
                          "save_pretrained wrote, or the config.json itself")
     try:
         with open(file, encoding="utf-8") as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--model {file!r} is not valid JSON ({e}); give a transformers "
+        raise ValueError(f"{flag} {file!r} is not valid JSON ({e}); give a transformers "
                          "config.json") from None
     if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"--model {file!r} has no 'model_type'; give a transformers config.json "
+        raise ValueError(f"{flag} {file!r} has no 'model_type'; give a transformers config.json "
                          "(the one save_pretrained writes beside the weights)")
-    try:
-        return transformers.AutoConfig.for_model(**data)
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"--model {file!r}: transformers cannot read this config "
-                         f"(model_type {data['model_type']!r}: {e})") from None
+    return data
 
 
-def _apply_overrides(config, overrides: dict[str, Any], model: str) -> None:
-    """Set each key on the config that has it (the text config of a multimodal one)."""
-    text = config.get_text_config()
+def _build_config(data: dict[str, Any], overrides: dict[str, Any], model: str, flag: str):
+    """The config of ``data`` with ``overrides``: each key where the config class has it, else
+    in its text config (a multimodal model's ``text_config``)."""
+    import transformers
+
+    data = dict(data)
+    default = transformers.AutoConfig.for_model(data["model_type"])
+    text_key = next((k for k in ("text_config",) if hasattr(default, k)), None)
     for key, value in overrides.items():
-        target = config if hasattr(config, key) else text if hasattr(text, key) else None
-        if target is None:
-            raise ValueError(f"--model-override {key}={value!r}: the {config.model_type} config "
-                             f"of {model!r} has no field {key!r} (fields such as "
+        if hasattr(default, key):
+            data[key] = value
+        elif text_key and hasattr(default.get_text_config(), key):
+            data[text_key] = {**(data.get(text_key) or {}), key: value}
+        else:
+            raise ValueError(f"--model-override {key}={value!r}: the {data['model_type']} "
+                             f"config of {model!r} has no field {key!r} (fields such as "
                              "num_hidden_layers, hidden_size, intermediate_size, "
                              "num_attention_heads, vocab_size)")
-        setattr(target, key, value)
+    try:
+        return transformers.AutoConfig.for_model(**data)
+    except Exception as e:  # noqa: BLE001 - transformers' validators raise several types
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{flag} {model!r}: transformers refuses this config (model_type "
+                         f"{data['model_type']!r}: {first.strip()})") from None
 
 
 def config_shape(config, *, name: str, seq_len: int = DEFAULT_SEQ_LEN,
