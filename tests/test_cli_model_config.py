@@ -216,6 +216,11 @@ def test_three_forms_of_a_config_price_the_same_model(tmp_path, capsys, monkeypa
         o["model"].pop("name")
         o["extra"].pop("model_shape")
     assert outs[0] == outs[1] == outs[2]
+    # simulate prices the same config against the baselines
+    assert main(["simulate", "--cluster", str(tmp_path / "c.yaml"), "--model", str(folder),
+                 "-B", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "model small" in text and "even FSDP split" in text
 
 
 @pytest.mark.parametrize("argv, message", [
