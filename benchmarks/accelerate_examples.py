@@ -341,7 +341,7 @@ def compare(label: str, ours: Path, ref: Path, ours_micro: int = 1, ref_micro: i
 
 # ---- the runs -------------------------------------------------------------------------------------
 
-def run_all(workdir: Path) -> bool:
+def run_all(workdir: Path, smoke: bool = False) -> bool:
     ok = True
     plan16 = plan_file(workdir, "b16", (6, 10), (3, 5), (0.6, 0.4))
     plan16_3 = plan_file(workdir, "b16_3ranks", (4, 5, 7), (2, 5, 7), (0.5, 0.2, 0.3))
@@ -352,6 +352,8 @@ def run_all(workdir: Path) -> bool:
     ours = launch(workdir, "nlp_cephalo_b16", "accelerate", "cephalo_nlp_example.py",
                   env={"HF_CEPHALO_PLAN_FILE": plan16})
     ok &= compare("nlp_example, Cephalo 2 ranks b = 6/10 vs stock 1 process, B = 16", ours, ref)
+    if smoke:  # the first comparison only
+        return ok
     ddp = launch(workdir, "nlp_stock_ddp", "torchrun", "stock_nlp_example.py", "--cpu")
     ours = launch(workdir, "nlp_cephalo_b32", "accelerate", "cephalo_nlp_example.py",
                   env={"HF_CEPHALO_PLAN_FILE": plan32})
@@ -390,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a checkout of Accelerate's repository (its examples/ folder)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where to run (default: a temporary folder, removed after)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="nlp_example.py on Cephalo against stock on one process only (the "
+                             "suite's check that the benchmark runs, where a checkout is given)")
     args = parser.parse_args(argv)
     missing = [rel for rel in SCRIPTS.values() if not (args.accelerate / rel).is_file()]
     if missing:
@@ -400,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = make_workdir(args.accelerate.resolve(), workdir)
     print("README's edit per script: " + ", ".join(f"{k} {v} diff lines" for k, v in sizes.items()))
     try:
-        ok = run_all(workdir)
+        ok = run_all(workdir, args.smoke)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

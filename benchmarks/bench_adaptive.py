@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,8 +45,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from rank_launch import free_port, run_ranks
 from bench_hetero import build_model  # the same Llama-shaped model (this folder is on sys.path)
 
 CASES = {"2": [1.0, 3.0], "3": [1.0, 2.0, 4.0]}  # drift cases: factors from the change step on
@@ -224,7 +223,7 @@ def report(case, world_size, args, result):
     print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--change-step", type=int, default=10)
@@ -244,24 +243,23 @@ def main():
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--json", help="also write the raw results here")
-    args = p.parse_args()
+    p.set_defaults(model="llama")  # bench_hetero.build_model's Llama-shaped model
+    p.add_argument("--smoke", action="store_true",
+                   help="smallest settings: case 2 only, 6 steps, a 2-layer model (the suite's "
+                        "check that the benchmark runs; numbers meaningless)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.cases, args.steps, args.change_step, args.from_step = "2", 6, 2, 3
+        args.global_batch_size, args.max_microbatch_size, args.repeats = 4, 2, 1
+        args.layers, args.hidden, args.intermediate, args.vocab, args.seq = 2, 32, 64, 64, 16
     results = {}
     for case in args.cases.split(","):
         if case not in (*CASES, "noisy"):
             raise SystemExit(f"--cases: unknown case {case!r}; use 2, 3 or noisy")
         world_size = len(NOISY_FACTORS) if case == "noisy" else len(CASES[case])
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        out_q = ctx.Queue()
-        procs = [ctx.Process(target=worker, args=(r, world_size, case, args, port, out_q))
-                 for r in range(world_size)]
-        for proc in procs:
-            proc.start()
-        got = dict(out_q.get(timeout=3600) for _ in procs)
-        for proc in procs:
-            proc.join()
+        port = free_port()
+        got = dict(run_ranks(worker, [(r, world_size, case, args, port)
+                                      for r in range(world_size)], timeout_s=3600))
         results[case] = got[0]
         report(case, world_size, args, got[0])
     if args.json:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from rank_launch import free_port, run_ranks  # this folder is on sys.path
 
 # (label, cluster yaml, model, global batch size, devices of the rank subset per world size)
 PLAN_SOURCES = [
@@ -264,14 +264,19 @@ def cases_for(world, numels, sources):
     return cases
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--unit-mb", type=float, default=4.0, help="layer unit size, MB of fp32")
     p.add_argument("--units", type=int, default=3, help="layer units (plus one root unit)")
     p.add_argument("--reps", type=int, default=4, help="timed repetitions (median)")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--quick", action="store_true", help="1 MB units, 3 reps")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true",
+                   help="smallest settings: 2 ranks, 0.05 MB units, 1 repetition (the suite's "
+                        "check that the benchmark runs; numbers meaningless)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.unit_mb, args.units, args.reps, args.worlds = 0.05, 2, 1, [2]
     if args.quick:
         args.unit_mb, args.reps = 1.0, 3
     unit = int(args.unit_mb * 2**20 / 4) // 12 * 12  # divisible by 2, 3, 4: even is exact
@@ -280,20 +285,11 @@ def main():
     for label, ranks, _ in sources:
         print(f"plan {label}: r_i = {[round(r, 4) for _, r in ranks][:8]}"
               f"{' ...' if len(ranks) > 8 else ''} ({len(ranks)} ranks)")
-    ctx = mp.get_context("spawn")
     for world in args.worlds:
-        queue = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cases = cases_for(world, numels, sources)
-        procs = [ctx.Process(target=worker, args=(r, world, port, cases, args.reps, queue))
-                 for r in range(world)]
-        for proc in procs:
-            proc.start()
-        results = queue.get(timeout=600)
-        for proc in procs:
-            proc.join()
+        [results] = run_ranks(worker, [(r, world, port, cases, args.reps) for r in range(world)],
+                              timeout_s=600, expect=1)
         report(world, results)
 
 

@@ -23,14 +23,14 @@ import argparse
 import io
 import os
 import random
-import socket
 import statistics
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from rank_launch import free_port, run_ranks  # this folder is on sys.path
 
 PLANS = {2: ([8, 24], [4, 8]), 4: ([4, 6, 10, 12], [2, 3, 5, 6])}  # B = 32, uneven
 MODES = ("global_batch", "global_width")
@@ -168,17 +168,9 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
 
 
 def _run(world: int, args) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    port = free_port()
+    results = dict(run_ranks(_worker, [(r, world, port, args) for r in range(world)],
+                             timeout_s=1800))
     return [results[r] for r in range(world)]
 
 
@@ -252,7 +244,7 @@ def _cluster_b(ms_per_read: float, workers: int) -> None:
           "check on the first step)")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--read-ms", type=float, default=3.0, help="ms per __getitem__")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per mode and repeat")
@@ -261,7 +253,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--cluster-b-workers", type=int, default=8,
                         help="loader workers per rank assumed for the Cluster B prediction")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest settings: 2 ranks, 2 steps, 1 repeat (the suite's "
+                             "check that the benchmark runs; numbers meaningless)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.repeats, args.worlds, args.read_ms = 2, 1, "2", 0.5
     ms_per_read = None
     for world in (int(w) for w in args.worlds.split(",")):
         ms_per_read = _report(world, _run(world, args))

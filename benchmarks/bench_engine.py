@@ -40,7 +40,7 @@ profiled self CPU time of one Cephalo step split into matmuls, SDPA attention, c
 and the rest (``op_time_split``), with the speedup ceiling if the rest cost nothing (traced /
 (traced - rest), from the one profiled step: its tracing overhead is not in the medians).
 
-Usage: python benchmarks/bench_engine.py [--world-size 2] [--device cpu|cuda] [--quick]
+Usage: python benchmarks/bench_engine.py [--world-size 2] [--device cpu|cuda] [--quick | --smoke]
        [--compile]
 """
 
@@ -49,14 +49,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from rank_launch import free_port, run_ranks
 
 
 def build_model(args):
@@ -133,10 +133,15 @@ class SplitLeaves:
     flat gradient, so the first microbatch's concatenation is added, not adopted (one
     unit-sized fill and add per unit and step more than it did)."""
 
-    def __init__(self, infos, trainable, requires_grad):
+    def __init__(self, infos, trainable, requires_grad, touched=None):
         self.infos = [i for i in infos if i.requires_grad]
         self.flat = trainable.detach().requires_grad_(requires_grad and trainable.numel() > 0)
         self.requires_grad, self.dtype, self.grad = self.flat.requires_grad, trainable.dtype, None
+        if self.requires_grad and touched is not None:  # the engine's signature: its backward
+            # reaches every parameter of the flat leaf at once, so mark them all (else the
+            # optimizer would skip them as parameters no rank reached)
+            self.flat.register_post_accumulate_grad_hook(
+                lambda _leaf: touched.__setitem__(slice(None), [True] * len(touched)))
 
     @property
     def leaves(self) -> list:
@@ -649,7 +654,7 @@ def report(args, results):
             json.dump({"args": vars(args), "results": results}, fh, indent=1, default=str)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -665,7 +670,10 @@ def main():
     p.add_argument("--steps", type=int, default=7, help="timed steps per configuration")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     p.add_argument("--json", default=None, help="also write the raw results here")
-    p.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
+    p.add_argument("--quick", action="store_true", help="tiny settings, one timed step")
+    p.add_argument("--smoke", action="store_true",
+                   help="smallest settings: --quick with l = 2 microbatches of 1 sequence "
+                        "(the suite's check that the benchmark runs; numbers meaningless)")
     p.add_argument("--compile", action="store_true",
                    help="only compare eager vs torch.compile (inductor): Cephalo per unit, "
                         "FSDP2-GA per layer as torchtitan, with the physical bound eager and "
@@ -675,7 +683,9 @@ def main():
                         "autocast) with FSDP2 MixedPrecisionPolicy(param_dtype, "
                         "reduce_dtype=fp32) + standard gradient accumulation (default fp32: "
                         "the full benchmark)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.quick, args.num_mb, args.local_batch = True, [2], 2
     if args.quick:
         args.layers, args.hidden, args.intermediate, args.vocab, args.seq = 2, 64, 128, 256, 32
         args.steps = 1
@@ -686,17 +696,9 @@ def main():
         p.error("--compile compares fp32 runs: drop --param-dtype")
     if args.param_dtype == "fp32" and not args.compile:
         args.grad_bytes = unit_backward_bytes(args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, port, q)) for r in range(args.world_size)]
-    for proc in procs:
-        proc.start()
-    results = dict(q.get(timeout=3600) for _ in procs)
-    for proc in procs:
-        proc.join()
+    port = free_port()
+    results = dict(run_ranks(worker, [(r, args, port) for r in range(args.world_size)],
+                             timeout_s=3600))
     ordered = [results[r] for r in range(args.world_size)]
     if args.compile:
         report_compile(args, ordered)

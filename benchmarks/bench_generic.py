@@ -139,11 +139,11 @@ def time_steps(args) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def self_check_cost() -> list[tuple[str, float, float]]:
+def self_check_cost(limit: int | None = None) -> list[tuple[str, float, float]]:
     from tests.zoo_fixtures import ZOO, build_zoo
 
     out = []
-    for name in ZOO:
+    for name in list(ZOO)[:limit]:
         model = build_zoo(name)
         self_check._CACHE.clear()
         t0 = time.perf_counter()
@@ -155,7 +155,7 @@ def self_check_cost() -> list[tuple[str, float, float]]:
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
@@ -165,7 +165,14 @@ def main() -> None:
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest settings: 1 layer of hidden 64, 1 timed step, the self-check "
+                             "cost of one zoo model (the suite's check that the benchmark runs; "
+                             "numbers meaningless)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.hidden, args.layers, args.seq, args.vocab = 64, 1, 16, 128
+        args.microbatches, args.microbatch_size, args.steps = 2, 1, 1
     transformers.logging.set_verbosity_error()
     print(f"Llama hidden {args.hidden}, {args.layers} layers, seq {args.seq}, "
           f"{args.microbatches} microbatches of {args.microbatch_size}, {args.device}, "
@@ -177,7 +184,7 @@ def main() -> None:
         print(f"  {name:8s} {t[name] * 1e3:8.1f} ms  {t[name] / t['model']:.3f}x model")
     print(f"  generic / direct = {t['generic'] / t['direct']:.3f}x (goal <= 1.02x)")
     print("\nself-check at start (first stage_model of a class and config; then cached):")
-    for name, cold, warm in self_check_cost():
+    for name, cold, warm in self_check_cost(1 if args.smoke else None):
         print(f"  {name:26s} {cold:6.2f} s cold  {warm * 1e3:7.1f} ms cached")
 
 

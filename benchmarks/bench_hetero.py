@@ -33,13 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from rank_launch import free_port, run_ranks  # this folder is on sys.path
 
 PLAN_NAMES = ("even split", "compute balance (even state)", "Cephalo")
 
@@ -191,7 +191,7 @@ def report(args, result):
           f"{os.cpu_count()} CPUs")
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--slowdown", default="1,3", help="per-rank emulated slowdown (default 1,3)")
     p.add_argument("--global-batch-size", type=int, default=32)
@@ -211,20 +211,17 @@ def main():
     p.add_argument("--seq", type=int, default=128,
                    help="tokens per sample (at 64 per-call overheads and load noise dominate)")
     p.add_argument("--json", help="also write the raw results here")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true",
+                   help="smallest settings: 1 timed step per plan, a 2-layer model, B = 4 (the "
+                        "suite's check that the benchmark runs; numbers meaningless)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.global_batch_size, args.steps, args.max_microbatch_size, args.repeats = 4, 1, 2, 1
+        args.layers, args.hidden, args.intermediate, args.vocab, args.seq = 2, 32, 64, 64, 16
     args.slowdown = [float(x) for x in args.slowdown.split(",")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out_q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, port, out_q))
-             for r in range(len(args.slowdown))]
-    for proc in procs:
-        proc.start()
-    results = dict(out_q.get(timeout=1800) for _ in procs)
-    for proc in procs:
-        proc.join()
+    port = free_port()
+    results = dict(run_ranks(worker, [(r, args, port) for r in range(len(args.slowdown))],
+                             timeout_s=1800))
     report(args, results[0])
     print("\nper rank, unit compute per step (forward + recompute + backward of every unit, "
           "emulated wait included), predicted / measured s:")

@@ -55,12 +55,19 @@ MODELS = {
 }
 
 
-def _build(name: str):
+SMOKE = dict(COMMON, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+"""``--smoke``: the smallest model of each kind (numbers meaningless)."""
+
+
+def _build(name: str, common: dict = COMMON):
     import torch
     import transformers
 
     cls, cfg_cls, extra = MODELS[name]
-    config = getattr(transformers, cfg_cls)(**{**COMMON, **extra})
+    extra = {k: min(v, common["hidden_size"] // 4) if k == "head_dim" else v
+             for k, v in extra.items()}
+    config = getattr(transformers, cfg_cls)(**{**common, **extra})
     torch.manual_seed(0)
     return getattr(transformers, cls)(config).float()
 
@@ -102,36 +109,33 @@ def _worker(rank: int, world_size: int, port: int, names: list[str], root: str, 
 
 def main(argv=None) -> int:
     import torch
-    import torch.multiprocessing as mp
     import transformers
 
     from hf_cephalo.engine.export import parse_max_shard_size
-    from tests.dist_utils import free_port
+    from rank_launch import free_port, run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-shard-size", default="20MB")
     parser.add_argument("--only", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest settings: Llama only, 2 layers of hidden 64, 20 kB shards "
+                             "(the suite's check that the benchmark runs; numbers meaningless)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.only, args.max_shard_size = ["llama"], "20kB"
     names = list(args.only)
     shard_bytes = parse_max_shard_size(args.max_shard_size)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     sizes, saved = {}, {}
     with tempfile.TemporaryDirectory() as root:
         for name in names:
-            model = _build(name)
+            model = _build(name, SMOKE if args.smoke else COMMON)
             sizes[name] = sum(p.numel() for p in model.parameters()) * 4
             model.save_pretrained(os.path.join(root, name), max_shard_size=args.max_shard_size)
             saved[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             del model
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, 2, port, names, root,
-                                                   args.max_shard_size, q)) for r in range(2)]
-        for p in procs:
-            p.start()
-        got = dict(q.get(timeout=1800) for _ in procs)
-        for p in procs:
-            p.join(60)
+        got = dict(run_ranks(_worker, [(r, 2, port, names, root, args.max_shard_size)
+                                       for r in range(2)], timeout_s=1800))
         exact = {}
         for name in names:
             cls = getattr(transformers, MODELS[name][0])

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -42,7 +41,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from rank_launch import free_port, run_ranks  # this folder is on sys.path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -270,32 +270,29 @@ def median_after_first(rounds: list[list[float]]) -> float:
     return statistics.median([t for times in rounds for t in times[1:]])
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--slowdown", default="1,3")
     parser.add_argument("--quick", action="store_true", help="a smaller model")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest settings: --quick with 1 round of 2 steps, B = 4 (the suite's "
+                             "check that the benchmark runs; numbers meaningless)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.quick, args.rounds, args.steps, args.global_batch_size = True, 1, 2, 4
     args.slowdown_text = args.slowdown
     args.slowdown = [float(x) for x in args.slowdown.split(",")]
     assert len(args.slowdown) == 2, "two ranks"
-    shape = dict(vocab=512, hidden=128, intermediate=256, layers=2, heads=4, seq=64) \
+    shape = dict(vocab=64, hidden=32, intermediate=64, layers=2, heads=4, seq=16) if args.smoke \
+        else dict(vocab=512, hidden=128, intermediate=256, layers=2, heads=4, seq=64) \
         if args.quick else dict(vocab=2048, hidden=256, intermediate=768, layers=4, heads=4, seq=128)
     for k, v in shape.items():
         setattr(args, k, v)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out_q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, port, out_q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out_q.get() for _ in procs)
-    for p in procs:
-        p.join()
+    port = free_port()
+    results = dict(run_ranks(worker, [(r, args, port) for r in range(2)], timeout_s=3600))
     r0 = results[0]
     trainer, loop, fsdp2 = (median_after_first(r0[k]) for k in ("trainer", "loop", "fsdp2"))
     bound = r0["bound_s"]

@@ -40,9 +40,7 @@ import argparse
 import ctypes
 import io
 import os
-import queue
 import re
-import socket
 import subprocess
 import sys
 import tarfile
@@ -50,7 +48,8 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from rank_launch import free_port, run_ranks  # this folder is on sys.path
 
 RATIOS = (0.8, 0.2)
 BASELINE_REF = "1008393"  # the commit before sharded loading (issue 12): today's start
@@ -81,12 +80,15 @@ class PeakRss:
         return _status_kib("VmRSS") * 1024 - self.base_bytes
 
 
-def config(quick: bool):
+def config(quick: bool, smoke: bool = False):
     from transformers import LlamaConfig
 
-    hidden, layers, vocab = (512, 8, 16000) if quick else (1024, 24, 32000)
+    hidden, layers, vocab = (64, 2, 256) if smoke else (512, 8, 16000) if quick else \
+        (1024, 24, 32000)
+    heads = 4 if smoke else 16
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
-                       num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16,
+                       num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=heads,
                        max_position_embeddings=64, tie_word_embeddings=False)
 
 
@@ -273,33 +275,13 @@ def _save_full(engine, rss: PeakRss, rank: int, path: str) -> int:
 
 def run_mode(mode: str, path: str, baseline: str | None = None,
              opts: dict | None = None) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, len(RATIOS), port, mode, path, baseline,
-                                             opts or {}, out))
-             for r in range(len(RATIOS))]
-    for p in procs:
-        p.start()
-    results = {}
-    while len(results) < len(procs):
-        try:
-            rank, result = out.get(timeout=5)
-            results[rank] = result
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"bench_memory {mode}: a rank exited with {dead}")
-    for p in procs:
-        p.join()
+    port = free_port()
+    results = dict(run_ranks(_rank, [(r, len(RATIOS), port, mode, path, baseline, opts or {})
+                                     for r in range(len(RATIOS))], timeout_s=3600))
     return [results[r] for r in range(len(RATIOS))]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a ~50 M-parameter model")
     parser.add_argument("--baseline-ref", default=BASELINE_REF, help=(
@@ -309,11 +291,15 @@ def main() -> None:
         "(c): the streamed save's max_shard_size is P / this (default 8: several files)"))
     parser.add_argument("--foreach", action="store_true", help=(
         "(b): AdamW(foreach=True) instead of torch's CPU default (the per-tensor loop)"))
-    args = parser.parse_args()
-    cfg = config(args.quick)
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest settings: a 2-layer model of hidden 64, no baseline checkout "
+                             "(the suite's check that the benchmark runs; numbers meaningless)")
+    args = parser.parse_args(argv)
+    cfg = config(args.quick, args.smoke)
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         path = os.path.join(tmp, "ckpt")
-        n = save_checkpoint(cfg, path, "50MB" if args.quick else "400MB")
+        n = save_checkpoint(cfg, path, "100kB" if args.smoke else "50MB" if args.quick
+                            else "400MB")
         P = 4.0 * n
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         h, v = cfg.hidden_size, cfg.vocab_size
@@ -326,7 +312,8 @@ def main() -> None:
               f"layer {layer_p:.4f} P; ratios {RATIOS}; streamed save max_shard_size "
               f"{shard_bytes / 2 ** 20:.0f} MiB (P/{args.save_files}); AdamW foreach="
               f"{args.foreach or None}", flush=True)
-        baseline = extract_baseline(args.baseline_ref, os.path.join(tmp, "baseline"))
+        baseline = None if args.smoke else \
+            extract_baseline(args.baseline_ref, os.path.join(tmp, "baseline"))
         old = run_mode("old", path, baseline) if baseline else [{"a": float("nan"),
                                                                 "a_after": float("nan")}] * 2
         new = run_mode("new", path, opts={"foreach": True if args.foreach else None,

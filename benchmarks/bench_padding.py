@@ -47,15 +47,22 @@ def count_tokens(rows, collator, batch_sizes, micro, mode: str, seed: int) -> tu
     return real, padded
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-length", type=int, default=512, help="tokens per topic row")
     parser.add_argument("--block-size", type=int, default=64, help="the demo's --block_size")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest settings: 30 topics, rows of at most 64 tokens (the suite's check that the"
+                             " benchmark runs)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.max_length, args.block_size = 64, 32
     from transformers import DataCollatorForLanguageModeling, default_data_collator
 
     text = pydoc_text_dataset()
+    if args.smoke:
+        text = text.select(range(min(30, len(text))))
     tokenizer = train_bpe_tokenizer(text["text"], vocab_size=2048)
     blocks = group_texts(text, tokenizer, args.block_size)
     packed = [blocks[i] for i in range(len(blocks))]

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from rank_launch import free_port, run_ranks  # this folder is on sys.path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {2: ([0.5, 0.5], [1.0, 0.0]), 3: ([0.5, 0.3, 0.2], [0.0, 0.4, 0.6])}
@@ -139,29 +139,25 @@ def _mib(n) -> str:
     return "-" if n is None else f"{n / 2 ** 20:.1f}"
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=2048)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest settings: the 2-rank case, 2 layers of hidden 32 (the suite's check that the "
+                             "benchmark runs; numbers meaningless)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.hidden, args.layers, args.vocab = 32, 2, 64
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned ranks
-    ctx = mp.get_context("spawn")
     print(f"Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, fp32, AdamW")
-    for world, (old, new) in CASES.items():
-        out = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    for world, (old, new) in list(CASES.items())[:1 if args.smoke else None]:
+        port = free_port()
         with tempfile.TemporaryDirectory() as tmp:
-            procs = [ctx.Process(target=_worker, args=(r, world, port, args,
-                                                       os.path.join(tmp, "ckpt"), out))
-                     for r in range(world)]
-            for p in procs:
-                p.start()
-            rows = sorted((out.get(timeout=900) for _ in range(world)), key=lambda r: r["rank"])
-            for p in procs:
-                p.join()
+            rows = sorted(run_ranks(_worker, [(r, world, port, args, os.path.join(tmp, "ckpt"))
+                                              for r in range(world)], timeout_s=900),
+                          key=lambda r: r["rank"])
         print(f"\n{world} ranks: r = {old} -> {new}")
         print("rank | sent MiB (ideal) | received MiB (ideal) | all-to-alls | RSS before / after "
               "/ peak MiB | extra MiB | one-unit set MiB | state after MiB | peak counted MiB "

@@ -36,6 +36,8 @@ MODEL = dict(vocab_size=8000, hidden_size=1024, intermediate_size=2816, num_hidd
              num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=256)
 QUICK = dict(MODEL, vocab_size=4000, hidden_size=512, intermediate_size=1408,
              num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4)
+SMOKE = dict(MODEL, vocab_size=256, hidden_size=64, intermediate_size=128,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 RATIOS = [0.8, 0.2]
 
 
@@ -123,26 +125,22 @@ def _worker(rank: int, world_size: int, port: int, config: dict, shard: str, out
 
 
 def main(argv=None) -> int:
-    import torch.multiprocessing as mp
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a ~24 M parameter model")
     parser.add_argument("--max-shard-size", default="50MB")
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest settings: 2 layers of hidden 64, 20 kB shards (the "
+                             "suite's check that the benchmark runs; numbers meaningless)")
     args = parser.parse_args(argv)
-    from tests.dist_utils import free_port
+    from rank_launch import free_port, run_ranks
 
-    config = QUICK if args.quick else MODEL
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    config = SMOKE if args.smoke else QUICK if args.quick else MODEL
+    if args.smoke:
+        args.max_shard_size = "20kB"
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, 2, port, config, args.max_shard_size,
-                                                   out_dir, q)) for r in range(2)]
-        for p in procs:
-            p.start()
-        got = sorted(q.get(timeout=600) for _ in procs)
-        for p in procs:
-            p.join(60)
+        got = sorted(run_ranks(_worker, [(r, 2, port, config, args.max_shard_size, out_dir)
+                                         for r in range(2)], timeout_s=600))
     fp32_bytes = got[0][1]
     print(f"Llama {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocab "
           f"{config['vocab_size']}: P = {fp32_bytes / 1e6:.0f} MB fp32; ratios {RATIOS}")

@@ -39,14 +39,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from rank_launch import free_port, run_ranks  # this folder is on sys.path
 
 LAYOUTS = {"no packing": dict(packing=False),
            "packing wrapped": dict(packing=True, packing_strategy="wrapped"),
@@ -312,7 +312,7 @@ def report(args, results, load_before: float) -> None:
           f"{os.cpu_count()} CPUs")
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--slowdown", default="1,3", help="per-rank emulated slowdown (default 1,3)")
     p.add_argument("--global-batch-size", type=int, default=16, help="rows per step (even)")
@@ -327,7 +327,15 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary (tokens)")
     p.add_argument("--json", help="also write the raw results here")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true",
+                   help="smallest settings: B = 2, 1 warm-up and 1 timed step, 2 layers, 40 "
+                        "conversations (the suite's check that the benchmark runs; numbers "
+                        "meaningless)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.global_batch_size, args.steps, args.warmup, args.max_length = 2, 1, 1, 64
+        args.answer_chars, args.max_pairs, args.layers, args.hidden, args.vocab = \
+            120, 40, 2, 32, 300
     args.slowdown = [float(x) for x in args.slowdown.split(",")]
     if len(args.slowdown) != 2 or args.global_batch_size % 2 or args.warmup < 1:
         p.error("two slowdowns, an even --global-batch-size and --warmup >= 1")
@@ -336,20 +344,12 @@ def main():
 
     with tempfile.TemporaryDirectory() as tokenizer_dir, tempfile.TemporaryDirectory() as cache:
         os.environ["HF_CEPHALO_PROFILE_CACHE"] = cache  # this run's profiles (the workers inherit)
-        train_chat_tokenizer(pydoc_texts(), args.vocab,
+        texts = pydoc_texts()
+        train_chat_tokenizer(texts[:40] if args.smoke else texts, args.vocab,
                              model_max_length=args.max_length).save_pretrained(tokenizer_dir)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        out_q = ctx.Queue()
-        procs = [ctx.Process(target=worker, args=(r, args, port, tokenizer_dir, out_q))
-                 for r in range(2)]
-        for proc in procs:
-            proc.start()
-        results = dict(out_q.get(timeout=3600) for _ in procs)
-        for proc in procs:
-            proc.join()
+        port = free_port()
+        results = dict(run_ranks(worker, [(r, args, port, tokenizer_dir) for r in range(2)],
+                                 timeout_s=3600))
     report(args, results[0], load_before)
     if args.json:
         with open(args.json, "w") as f:

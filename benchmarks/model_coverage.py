@@ -325,7 +325,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="also every decoder's ...ForSequenceClassification")
     parser.add_argument("--write-docs", action="store_true", help=f"write {DOCS}")
     parser.add_argument("--only", nargs="*", help="class names to check (default: all)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="Qwen3ForCausalLM only, no docs written (the suite's check that "
+                             "the sweep runs)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.only, args.write_docs = ["Qwen3ForCausalLM"], False
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     rows = []

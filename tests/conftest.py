@@ -5,7 +5,8 @@ The README's test command runs two pytest workers that take whole files in colle
 Within a file the order is pytest's, and a run of one file is unchanged."""
 
 SLOW_FIRST = ("test_examples.py", "test_elastic_launch.py", "test_trainer_launch.py",
-              "test_trl_grpo.py", "test_engine_parity.py", "test_compile_trainer.py", "test_models_coverage.py",
+              "test_trl_grpo.py", "test_benchmarks_smoke.py", "test_engine_parity.py",
+              "test_compile_trainer.py", "test_models_coverage.py",
               "test_global_width.py", "test_accelerate_launch.py", "test_compile.py",
               "test_rank_errors.py", "test_generic_trainer_parity.py", "test_loading.py",
               "test_parent_death.py", "test_plan_memory.py", "test_mixed_precision.py",

@@ -353,6 +353,61 @@ def test_cli_profile_checks_out_path_before_measuring(tmp_path, capsys, monkeypa
     assert "is a directory" in capsys.readouterr().err
 
 
+def test_cli_profile_says_in_one_line_that_it_reused_a_cached_measurement(tmp_path, capsys,
+                                                                         monkeypatch):
+    """The second ``hf-cephalo profile`` of the same model reuses the first's measurement and
+    says so in one line: whose, from which file, and how to measure again; ``--no-cache``
+    measures again and says nothing of the cache."""
+    from hf_cephalo.cli import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    cfg_dir = tmp_path / "model"
+    _llama(hidden=64).config.save_pretrained(cfg_dir)
+    base = ["profile", "--model-config", str(cfg_dir), "--sequence-length", "8",
+            "--max-microbatch-size", "1", "--repeats", "1", "--cache-dir", str(tmp_path / "c")]
+    lines = []
+    for extra in ([], [], ["--no-cache"]):
+        assert main(base + ["--out", str(tmp_path / "p.json"), *extra]) == 0
+        lines.append([ln for ln in capsys.readouterr().out.splitlines() if "cached" in ln])
+    [entry] = tmp_path.joinpath("c").glob("device-*.json")
+    assert lines[0] == [] and lines[2] == []
+    [reused] = lines[1]
+    assert reused.startswith("[hf-cephalo profile] rank 0 (cpu): reused the cached measurement "
+                             f"{entry}, measured ")
+    assert reused.endswith("(nothing timed); to measure again: pass --no-cache (or delete that "
+                           "file)")
+
+
+def test_cli_profile_takes_a_model_type_with_overrides(tmp_path, capsys, monkeypatch):
+    """--model-config qwen3 --model-override ... profiles the model a config folder with those
+    fields builds (the same units and parameters)."""
+    import json
+
+    from hf_cephalo.cli import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    fields = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=97)
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3",
+                                                    "architectures": ["Qwen3ForCausalLM"],
+                                                    **fields}))
+    common = ["--sequence-length", "8", "--max-microbatch-size", "1", "--repeats", "1",
+              "--cache-dir", str(tmp_path / "c")]
+    assert main(["profile", "--model-config", str(folder), "--out", str(tmp_path / "a.json"),
+                 *common]) == 0
+    assert main(["profile", "--model-config", "qwen3", "--model-override",
+                 *(f"{k}={v}" for k, v in fields.items()), "--out", str(tmp_path / "b.json"),
+                 *common]) == 0
+    a, b = (json.loads((tmp_path / f).read_text())["model"] for f in ("a.json", "b.json"))
+    a.pop("name"), b.pop("name")
+    assert a == b and a["num_units"] == 2
+    assert main(["profile", "--model-config", "qwen3", "--model-override", "hiden_size=8",
+                 "--out", str(tmp_path / "c.json")]) == 2
+    assert "has no field 'hiden_size'" in capsys.readouterr().err
+
+
 def test_cpu_capacity_is_the_host_ram_divided_between_its_ranks(monkeypatch):
     whole = measure.device_capacity_bytes("cpu")
     assert whole > 0 and measure.device_capacity_bytes("cpu", 4) == whole / 4

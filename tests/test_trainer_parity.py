@@ -24,9 +24,8 @@ RTOL, ATOL = 1e-5, 1e-6
 LR, MAX_NORM, SEED, N_TRAIN, STEPS = 0.1, 0.5, 7, 8, 2
 SIZES, MICRO, RATIOS = [1, 3], [1, 2], [0.35, 0.65]
 # Llama with biases (attention and MLP) as well as RMSNorm scales: weight decay must skip both.
-# (Not GPT-2: stock Trainer divides GPT-2's loss by the UNSHIFTED label count — its config has
-# loss_type None, so Trainer._loss_shifts_labels is False — which is not the full-batch token
-# mean model(**batch).loss gives and Cephalo matches; see the closing note of issue 13.)
+# (GPT-2, whose loss stock divides by the UNSHIFTED label count since its loss_type is None:
+# tests/test_stock_loss_type.py.)
 CONFIG = {"llama_bias": dict(attention_bias=True, mlp_bias=True)}
 ARCH = {"llama_bias": "llama"}
 

@@ -32,8 +32,19 @@ def add_cluster_source_arguments(p: argparse.ArgumentParser, model_example: str)
     src.add_argument("--profile", help="measured cluster profile JSON (docs/profiles.md)")
     src.add_argument("--cluster", help="cluster YAML of GPU types per machine (spec-sheet "
                                        "estimate; needs --model)")
-    p.add_argument("--model", help=f"model shape for --cluster, e.g. {model_example} "
-                                   f"(see docs/planner.md)")
+    p.add_argument("--model", help=f"the model for --cluster: a table shape (e.g. "
+                                   f"{model_example}), a folder holding a transformers "
+                                   f"config.json (or the file), a Hub id in the local Hub cache "
+                                   f"(nothing is downloaded), or a model_type such as qwen3 "
+                                   f"(transformers' defaults); a config is built on the meta "
+                                   f"device and its own layers, experts and layer kinds priced "
+                                   f"(docs/planner.md, 'Any model by its config')")
+    p.add_argument("--model-override", nargs="+", metavar="KEY=VALUE",
+                   help="with a config --model: change fields of the config, e.g. "
+                        "num_hidden_layers=28 hidden_size=1024 (values read as JSON)")
+    p.add_argument("--sequence-length", type=int, default=None,
+                   help="with --cluster: tokens per sample the estimate prices (default: the "
+                        "table shape's, 512 for a config --model)")
     p.add_argument("--efficiency", type=float, default=None,
                    help=f"assumed fraction of peak FLOP/s for --cluster estimates (default "
                         f"{DEFAULT_EFFICIENCY}; not with --profile)")

@@ -13,7 +13,7 @@ import argparse
 
 from hf_cephalo.cli.arguments import DEFAULT_EFFICIENCY, DEFAULT_PRECISION, checkpointing_arg
 
-__all__ = ["load_cluster", "spec_cluster", "restrict_gpu_types", "auto_precision_plan",
+__all__ = ["load_cluster", "model_shape", "spec_cluster", "restrict_gpu_types", "auto_precision_plan",
            "apply_lora", "estimate_options"]
 
 
@@ -31,10 +31,13 @@ def load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: bool
             raise ValueError(f"--lora-rank {args.lora_rank} applies only to --cluster estimates; "
                              f"the profile {args.profile} already fixes the model (profile the "
                              "PeftModel as it will train: hf-cephalo profile / CephaloTrainer)")
-        if args.model:
-            raise ValueError(f"--model {args.model} applies only to --cluster estimates; the "
-                             f"profile {args.profile} already fixes the model (drop --model, or "
-                             "use --cluster with --model)")
+        for flag, value in (("--model", args.model),
+                            ("--model-override", getattr(args, "model_override", None)),
+                            ("--sequence-length", getattr(args, "sequence_length", None))):
+            if value is not None:
+                raise ValueError(f"{flag} {value} applies only to --cluster estimates; the "
+                                 f"profile {args.profile} already fixes the model (drop {flag}, "
+                                 "or use --cluster with --model)")
         ignored = [f"--efficiency {args.efficiency}"] if args.efficiency is not None else []
         if args.precision is not None and not precision_applies_to_profile:
             ignored.append(f"--precision {args.precision}")
@@ -45,13 +48,63 @@ def load_cluster(args: argparse.Namespace, *, precision_applies_to_profile: bool
                              f"{' and '.join(f.split()[0] for f in ignored)}, or use --cluster "
                              "with --model)")
         return ClusterProfile.load(args.profile)
-    if not args.model:
-        raise ValueError("--cluster needs --model (one of the shapes in docs/planner.md, "
-                         "e.g. --model llama-3b)")
     from hf_cephalo.profiles.specs import estimate_cluster_profile, load_cluster_yaml
 
-    return apply_lora(estimate_cluster_profile(load_cluster_yaml(args.cluster), args.model,
+    return apply_lora(estimate_cluster_profile(load_cluster_yaml(args.cluster), model_shape(args),
                                                 **estimate_options(args)), args)
+
+
+def model_shape(args: argparse.Namespace):
+    """What ``--model`` names, resolved once per command (kept on ``args``): a table
+    ``ModelShape`` (``--sequence-length`` replacing its own), or the ``ConfigShape`` of a
+    transformers config read from a meta-device build (``profiler.config_shape``).
+
+    Raises:
+        ValueError: no --model, a form it does not take, ``--model-override`` with a table
+            shape, or a model hf_cephalo cannot stage (the reason named).
+    """
+    shape = getattr(args, "_model_shape", None)
+    if shape is not None:
+        return shape
+    if not args.model:
+        raise ValueError("--cluster needs --model (a table shape such as llama-3b, a config "
+                         "folder, a cached Hub id or a model_type: docs/planner.md)")
+    from hf_cephalo.profiles.specs import MODEL_SHAPES, get_model_shape
+
+    overrides = getattr(args, "model_override", None)
+    seq_len = getattr(args, "sequence_length", None)
+    if seq_len is not None and seq_len < 1:
+        raise ValueError(f"--sequence-length {seq_len}: give a number of tokens >= 1")
+    if args.model.lower() in {k.lower() for k in MODEL_SHAPES}:
+        shape = get_model_shape(args.model)
+        if overrides:
+            raise ValueError(f"--model-override applies to a config --model; {args.model} is a "
+                             "table shape (fixed): give its model_type (e.g. llama) or a config "
+                             "folder with the fields to change")
+        if seq_len is not None and shape.family == "vit":
+            raise ValueError(f"--sequence-length {seq_len}: {shape.name}'s tokens are fixed by "
+                             f"its image patches ({shape.seq_len}); drop --sequence-length")
+        if seq_len is not None:
+            from dataclasses import replace
+            shape = replace(shape, seq_len=seq_len)
+    else:
+        shape = _config_shape(args.model, overrides, seq_len, list(MODEL_SHAPES))
+    args._model_shape = shape
+    return shape
+
+
+def _config_shape(model: str, overrides, seq_len: int | None, table_shapes: list[str]):
+    """The ConfigShape of a config ``--model`` (torch and transformers imported here)."""
+    import os
+
+    from hf_cephalo.profiler.config_shape import (DEFAULT_SEQ_LEN, config_shape,
+                                                  parse_overrides, resolve_model_config)
+
+    config, source = resolve_model_config(model, parse_overrides(overrides), table_shapes)
+    name = os.path.basename(os.path.normpath(model)) if os.path.exists(model) else model
+    if overrides:
+        name += "[" + ",".join(overrides) + "]"
+    return config_shape(config, name=name, seq_len=seq_len or DEFAULT_SEQ_LEN, source=source)
 
 
 def spec_cluster(args: argparse.Namespace):
@@ -91,7 +144,7 @@ def auto_precision_plan(args: argparse.Namespace, spec, global_batch_size: int):
 
     def plan_for(precisions):
         options = dict(estimate_options(args), precision=precisions)
-        cluster = apply_lora(estimate_cluster_profile(spec, args.model, **options), args)
+        cluster = apply_lora(estimate_cluster_profile(spec, model_shape(args), **options), args)
         return cluster, optimize(cluster, global_batch_size, args.memory_fraction,
                                  allow_idle=not args.no_idle, root_resident=args.root_resident,
                                  activation_checkpointing=checkpointing_arg(args))
@@ -117,10 +170,10 @@ def apply_lora(cluster, args: argparse.Namespace):
         return cluster
     from dataclasses import replace
 
-    from hf_cephalo.profiles.specs import get_model_shape, lora_model_profile
+    from hf_cephalo.profiles.specs import lora_model_profile
 
     frozen = 2.0 if args.frozen_dtype == "bf16" else 4.0
-    model = lora_model_profile(cluster.model, get_model_shape(args.model), args.lora_rank,
+    model = lora_model_profile(cluster.model, model_shape(args), args.lora_rank,
                                tuple(args.lora_targets), frozen)
     return replace(cluster, model=model)
 

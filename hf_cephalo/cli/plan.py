@@ -18,7 +18,8 @@ from hf_cephalo.cli.cluster import auto_precision_plan, load_cluster, spec_clust
 from hf_cephalo.planner.types import (ACTIVATION_CHECKPOINTING_CHOICES,
                                       DEFAULT_MEMORY_FRACTION, activation_checkpointing_mode)
 
-__all__ = ["add_plan_arguments", "run_plan", "format_plan_table", "plan_figure", "plot_plan"]
+__all__ = ["add_plan_arguments", "run_plan", "even_split_line", "format_plan_table",
+           "plan_figure", "plot_plan"]
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,6 +95,7 @@ def run_plan(args: argparse.Namespace) -> int:
           + activation_checkpointing_mode(plan.activation_checkpointing, reason))
     print(f"predicted iteration time: {pred.iteration_s:.3f} s, "
           f"{pred.samples_per_s:.2f} samples/s")
+    print(even_split_line(cluster, plan, pred))
     if args.out:
         plan.save(args.out)
         print(f"plan written to {args.out}")
@@ -101,6 +103,25 @@ def run_plan(args: argparse.Namespace) -> int:
         plot_plan(plan, pred, args.plot)
         print(f"plot written to {args.plot}")
     return 0
+
+
+def even_split_line(cluster, plan, prediction) -> str:
+    """The plan's predicted speed-up over FSDP's even split of the same batch on the same
+    cluster (``planner.simulate.even_split_plan``: b_i = B/N, r_i = 1/N, the fastest common
+    microbatch that fits), or why there is none (the even split does not fit)."""
+    from hf_cephalo.planner.simulate import even_split_plan, predict
+
+    even = even_split_plan(cluster, plan.global_batch_size, plan.memory_fraction,
+                           root_resident=plan.root_resident)
+    even_pred = predict(even, cluster)
+    if not even_pred.fits:
+        over = sorted({r.device for r, p in zip(even.ranks, even_pred.ranks) if not p.fits})
+        return (f"even split (b_i = B/N, r_i = 1/N): does not fit ({', '.join(over)} over the "
+                f"cap), so no speed-up is defined; this plan is what makes the job run")
+    speedup = prediction.samples_per_s / even_pred.samples_per_s
+    return (f"predicted speed-up over an even split: {speedup:.2f}x (even split: "
+            f"{even_pred.iteration_s:.3f} s, "
+            f"{even_pred.samples_per_s:.2f} samples/s)")
 
 
 def format_plan_table(plan, prediction) -> str:

@@ -20,8 +20,12 @@ __all__ = ["add_profile_arguments", "run_profile"]
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-config", required=True,
-                   help="Hugging Face model config: a config.json file or a directory holding one "
-                        "(the model is built from it with random weights; nothing is downloaded)")
+                   help="Hugging Face model config: a config.json file or a directory holding one, "
+                        "a Hub id in the local Hub cache, or a model_type such as qwen3 (the "
+                        "model is built from it with random weights; nothing is downloaded)")
+    p.add_argument("--model-override", nargs="+", metavar="KEY=VALUE",
+                   help="change fields of the model config, e.g. num_hidden_layers=2 "
+                        "hidden_size=256 (values read as JSON)")
     p.add_argument("--model-class", help="model class, e.g. LlamaForCausalLM (default: the "
                                          "config's first 'architectures' entry)")
     p.add_argument("--out", required=True, help="write the cluster profile JSON here (rank 0)")
@@ -57,6 +61,7 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     """Profile every rank (one process per rank under torchrun / accelerate launch, or one)."""
     _check_profile_dtype(args.dtype, args.precision)
+    args.model_config = _local_model_config(args)
     config_file, config_data = _read_model_config(args.model_config)
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes --out: check before measuring
         check_output_file(args.out, "--out", "profile.json")
@@ -171,7 +176,8 @@ def _measure(args: argparse.Namespace, staged, config, device, emulation):
 
     cache = False if args.no_cache else ProfileCache(args.cache_dir)
     try:
-        cluster = profile_cluster(staged, config, device=device, emulation=emulation, cache=cache)
+        cluster = profile_cluster(staged, config, device=device, emulation=emulation, cache=cache,
+                                  remeasure_hint="pass --no-cache (or delete that file)")
     finally:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if dist.is_initialized():
@@ -222,6 +228,26 @@ def _check_profile_dtype(dtype: str, precision: str) -> None:
                          "dtypes, so no job could use this profile; use --dtype float32 "
                          "--precision bf16 (training with --bf16), or --dtype bfloat16 "
                          "--precision fp32 (a model trained in bfloat16 parameters)")
+
+
+def _local_model_config(args: argparse.Namespace) -> str:
+    """``--model-config`` as a local file: as given where it exists and nothing is overridden,
+    else the config a cached Hub id or a model_type names (``profiler.config_shape``), with
+    ``--model-override`` applied, written to a temporary folder that lives until exit."""
+    if os.path.exists(args.model_config) and not args.model_override:
+        return args.model_config
+    import atexit
+    import shutil
+    import tempfile
+
+    from hf_cephalo.profiler.config_shape import parse_overrides, resolve_model_config
+
+    config, _ = resolve_model_config(args.model_config, parse_overrides(args.model_override),
+                                     flag="--model-config")
+    folder = tempfile.mkdtemp(prefix="hf_cephalo_model_config_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    config.save_pretrained(folder)
+    return folder
 
 
 def _read_model_config(path: str) -> tuple[str, dict]:

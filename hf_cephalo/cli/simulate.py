@@ -13,7 +13,7 @@ import argparse
 from hf_cephalo.cli.arguments import (DEFAULT_PRECISION, add_cluster_source_arguments,
                                       check_common_plan_options, precision_arg)
 from hf_cephalo.cli.cluster import (apply_lora, auto_precision_plan, estimate_options,
-                                    load_cluster, restrict_gpu_types, spec_cluster)
+                                    load_cluster, model_shape, restrict_gpu_types, spec_cluster)
 from hf_cephalo.planner.types import DEFAULT_MEMORY_FRACTION
 
 __all__ = ["add_simulate_arguments", "run_simulate"]
@@ -72,11 +72,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.gpu_types and not args.cluster:
         raise ValueError("--gpu-types needs --cluster (a measured profile fixes its ranks)")
     if args.gpu_types:
-        if not args.model:
-            raise ValueError("--cluster needs --model (e.g. --model llama-7b)")
         from hf_cephalo.profiles.specs import estimate_cluster_profile
 
-        cluster = apply_lora(estimate_cluster_profile(restrict_gpu_types(args), args.model,
+        cluster = apply_lora(estimate_cluster_profile(restrict_gpu_types(args), model_shape(args),
                                                        **estimate_options(args)), args)
     else:
         cluster = load_cluster(args, precision_applies_to_profile=True)

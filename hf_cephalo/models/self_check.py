@@ -198,7 +198,11 @@ def check_class(cls: type, config: Any) -> Proof:
     hit = _CACHE.get(key)
     if hit is None:
         try:
-            hit = _check(cls, config)
+            # the tiny copy, its batch and every comparison on the CPU whatever the caller's
+            # default device (a model built under ``with torch.device("meta")`` is staged
+            # inside that context: the copy would be on meta too, and its checks fail)
+            with torch.device("cpu"):
+                hit = _check(cls, config)
         except StructureError as exc:
             hit = exc
         _CACHE[key] = hit

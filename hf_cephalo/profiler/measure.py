@@ -13,6 +13,7 @@ a profile of another model or device). This module is their public front: the na
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,8 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
                     cache: ProfileCache | None | bool = True,
                     group: dist.ProcessGroup | None = None,
                     make_microbatch: MakeMicrobatch | None = None,
-                    model_name: str | None = None) -> ClusterProfile:
+                    model_name: str | None = None,
+                    remeasure_hint: str | None = None) -> ClusterProfile:
     """Profile every rank and the collectives; the same ``ClusterProfile`` on every rank.
 
     Collective when a process group with world size > 1 is initialized (every rank must call
@@ -67,6 +69,9 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
             (``local_world_size``, ``device_capacity_bytes``).
         cache: True (default directory), a ``ProfileCache``, or False/None (always measure).
         make_microbatch: ``m -> microbatch`` override of ``synthetic_microbatch``.
+        remeasure_hint: how the caller's user measures again instead of reusing a cached
+            measurement (e.g. ``"pass --no-cache"``), said in the one line that reports the
+            reuse; default: delete the cached file or point the cache elsewhere.
     The caller's random streams are left as they were (``hardware.preserved_rng``).
 
     Raises:
@@ -82,11 +87,11 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
             preserved_rng(device):
         return _profile_cluster(staged, config, device=device, emulation=emulation, cache=cache,
                                 group=group, make_microbatch=make_microbatch,
-                                model_name=model_name)
+                                model_name=model_name, remeasure_hint=remeasure_hint)
 
 
 def _profile_cluster(staged: StagedModel, config: MeasureConfig, *, device, emulation, cache,
-                     group, make_microbatch, model_name) -> ClusterProfile:
+                     group, make_microbatch, model_name, remeasure_hint) -> ClusterProfile:
     """``profile_cluster`` with the units as they are to be timed."""
     device = torch.device(device)
     rank, world_size = rank_and_world_size(group)
@@ -116,8 +121,8 @@ def _profile_cluster(staged: StagedModel, config: MeasureConfig, *, device, emul
     if _all_ranks(dev is not None, device, group, world_size):
         dev.name, dev.memory_capacity_bytes = name, capacity
         if config.prints(rank):
-            print(f"[hf-cephalo profile] rank {rank} ({name}): cached profile "
-                  f"{store.root}/{key}.json", flush=True)
+            print(reuse_line(rank, name, store.root / f"{key}.json", world_size, remeasure_hint),
+                  flush=True)
     else:
         # [Note: lockstep profiling] Every rank measures, in lockstep (a barrier before each
         # timed item), even where its own cache entry exists: ranks share the machine's cores
@@ -156,6 +161,22 @@ def _profile_cluster(staged: StagedModel, config: MeasureConfig, *, device, emul
                **({"profile_cache": {"root": str(store.root),
                                      "device_keys": [g["key"] for g in gathered]}}
                   if store is not None else {})})
+
+
+def reuse_line(rank: int, name: str, path, world_size: int, hint: str | None = None) -> str:
+    """The one line that says a cached measurement was reused instead of timing: whose, from
+    which file, measured when, and how to measure again (``hint``, else the cache's way)."""
+    import datetime
+
+    try:
+        when = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.timezone.utc)
+        measured = f", measured {when:%Y-%m-%d %H:%M} UTC"
+    except OSError:
+        measured = ""
+    ranks = "every rank" if world_size > 1 else f"rank {rank} ({name})"
+    how = hint or "delete that file, or set HF_CEPHALO_PROFILE_CACHE to another directory"
+    return (f"[hf-cephalo profile] {ranks}: reused the cached measurement {path}{measured} "
+            f"(nothing timed); to measure again: {how}")
 
 
 def _all_ranks(flag: bool, device, group, world_size: int) -> bool:

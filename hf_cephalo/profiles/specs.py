@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from hf_cephalo.profiles.config_shape import ConfigShape
 from hf_cephalo.profiles.precision import (FASTEST_FIRST, PRECISIONS, check_rank_precisions,
                                            parse_rank_precisions, rank_precisions_tag)
 from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
@@ -219,6 +220,26 @@ class ModelShape:
             return self._attention_params + 3 * h * f
         return 4 * h * h + 2 * h * f
 
+    def layer_fwd_flops(self) -> float:
+        """Forward FLOPs of one sample through one layer: 2·P_matmul·s + 4·s²·h."""
+        s, h = self.seq_len, self.hidden
+        return 2.0 * self.matmul_params_per_layer * s + 4.0 * s * s * h
+
+    def activation_bytes_per_sample(self) -> float:
+        """fp32 activation bytes of one sample in one layer's recompute + backward, plus the
+        logits of a language-model head (docs/planner.md, "Spec-sheet formulas")."""
+        s, h, a = self.seq_len, self.hidden, self.heads
+        layer = 2.0 * s * h * (34 + 5 * a * s / h)  # fp32: twice the 16-bit figure
+        head = 2.0 * s * self.vocab * 4 if self.family in ("gpt", "llama", "bert") else 0.0
+        return layer + head
+
+    def lora_dims(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of the attention projections LoRA adapts (k, v: grouped-query
+        attention's kv_heads·head_dim for ``llama``)."""
+        h = self.hidden
+        kv = h * (self.kv_heads or self.heads) // self.heads if self.family == "llama" else h
+        return {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h)}
+
     def model_profile(self) -> ModelProfile:
         """fp32 parameters (4 bytes; bf16 autocast keeps them fp32) and fp32 hidden states."""
         return ModelProfile(name=self.name, num_units=self.num_layers,
@@ -286,19 +307,11 @@ def get_model_shape(name: str) -> ModelShape:
     raise ValueError(f"unknown model {name!r}; known: {sorted(MODEL_SHAPES)}")
 
 
-def _layer_fwd_flops(shape: ModelShape) -> float:
-    s, h = shape.seq_len, shape.hidden
-    return 2.0 * shape.matmul_params_per_layer * s + 4.0 * s * s * h
+Shape = ModelShape | ConfigShape
+"""What the spec-sheet estimate prices: a table shape, or a config's facts (``ConfigShape``)."""
 
 
-def _activation_bytes_per_sample(shape: ModelShape) -> float:
-    s, h, a = shape.seq_len, shape.hidden, shape.heads
-    layer = 2.0 * s * h * (34 + 5 * a * s / h)  # fp32: twice the 16-bit figure
-    head = 2.0 * s * shape.vocab * 4 if shape.family in ("gpt", "llama", "bert") else 0.0
-    return layer + head
-
-
-def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency: float = 0.5,
+def estimate_device_profile(gpu: str | GPUSpec, shape: Shape, *, efficiency: float = 0.5,
                             precision: str = "fp32", launch_overhead_s: float = 2e-4,
                             framework_reserve_bytes: float = GIB,
                             microbatch_sizes: Sequence[int] = (1, 2, 4, 8, 16)) -> DeviceProfile:
@@ -337,18 +350,18 @@ def estimate_device_profile(gpu: str | GPUSpec, shape: ModelShape, *, efficiency
         peak = spec.fp16_tflops
     else:
         raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
-    per_sample_s = _layer_fwd_flops(shape) / (efficiency * peak * 1e12)
+    per_sample_s = shape.layer_fwd_flops() / (efficiency * peak * 1e12)
     ms = list(microbatch_sizes)
     fwd = [launch_overhead_s + m * per_sample_s for m in ms]
     bwd = [launch_overhead_s + 2 * m * per_sample_s for m in ms]
     fixed = framework_reserve_bytes  # engine buffers: planner/memory.py
-    act = _activation_bytes_per_sample(shape)
+    act = shape.activation_bytes_per_sample()
     return DeviceProfile(name=spec.name, memory_capacity_bytes=spec.memory_gib * GIB,
                          microbatch_sizes=ms, fwd_s=fwd, bwd_s=bwd,
                          compute_memory_bytes=[fixed + m * act for m in ms])
 
 
-def estimate_comm_profile(shape: ModelShape, world_size: int, bandwidth_gbps: float,
+def estimate_comm_profile(shape: Shape, world_size: int, bandwidth_gbps: float,
                           *, latency_s: float = 2e-5) -> CommProfile:
     """Ring all-gather / reduce-scatter time of one fp32 unit over ``bandwidth_gbps`` (Gbit/s)."""
     if bandwidth_gbps <= 0 or world_size < 1:
@@ -497,7 +510,7 @@ LORA_TARGETS = ("q", "k", "v", "o")
 """Attention projections a spec-sheet LoRA estimate can adapt (``--lora-targets``)."""
 
 
-def lora_params_per_layer(shape: ModelShape, rank: int, targets: Sequence[str] = ("q", "v")) -> int:
+def lora_params_per_layer(shape: Shape, rank: int, targets: Sequence[str] = ("q", "v")) -> int:
     """Elements of LoRA's A (r x in) and B (out x r) for ``targets`` in one layer of ``shape``.
 
     q, o: hidden -> hidden; k, v: hidden -> kv_heads·head_dim (grouped-query attention).
@@ -510,13 +523,11 @@ def lora_params_per_layer(shape: ModelShape, rank: int, targets: Sequence[str] =
     if bad or not targets:
         raise ValueError(f"LoRA targets {list(targets)}: each must be one of {list(LORA_TARGETS)} "
                          "(attention projections), e.g. --lora-targets q v")
-    h = shape.hidden
-    kv = h * (shape.kv_heads or shape.heads) // shape.heads if shape.family == "llama" else h
-    out = {"q": h, "o": h, "k": kv, "v": kv}
-    return sum(int(rank) * (h + out[t]) for t in targets)
+    dims = shape.lora_dims()
+    return sum(int(rank) * (dims[t][0] + dims[t][1]) for t in targets)
 
 
-def lora_model_profile(model: ModelProfile, shape: ModelShape, rank: int,
+def lora_model_profile(model: ModelProfile, shape: Shape, rank: int,
                        targets: Sequence[str] = ("q", "v"),
                        frozen_bytes_per_param: float = 4.0) -> ModelProfile:
     """``model`` (the shape's full fine-tuning profile) as LoRA trains it: each unit gains the
@@ -524,14 +535,17 @@ def lora_model_profile(model: ModelProfile, shape: ModelShape, rank: int,
     frozen at ``frozen_bytes_per_param`` (4 fp32, 2 bf16). Compute times are left as for full
     fine-tuning (an upper bound: LoRA skips the base weights' gradient GEMMs)."""
     adapter = lora_params_per_layer(shape, rank, targets)
+    per_layer = None if model.unit_params is None else \
+        dict(unit_params=[n + adapter for n in model.unit_params],
+             unit_trainable=[adapter] * model.num_units)
     return replace(model, name=f"{model.name}+lora-r{int(rank)}-{''.join(targets)}",
-                   params_per_unit=model.params_per_unit + adapter,
+                   params_per_unit=model.params_per_unit + adapter, **(per_layer or {}),
                    trainable_params=model.num_units * adapter,
                    trainable_per_unit=adapter, trainable_embed=0, trainable_head=0,
                    frozen_bytes_per_param=frozen_bytes_per_param)
 
 
-def _model_in_precision(shape: ModelShape, precision: str) -> ModelProfile:
+def _model_in_precision(shape: Shape, precision: str) -> ModelProfile:
     """``shape.model_profile()`` with the element sizes of ``precision``'s default job."""
     model = shape.model_profile()
     if precision == "fp32":
@@ -565,8 +579,9 @@ def rank_precisions_for(cluster: ClusterSpec, precision: str | Sequence[str]) ->
     return out
 
 
-def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kwargs) -> ClusterProfile:
-    """Analytical ClusterProfile (spec-sheet ESTIMATE) for ``model`` on ``cluster``.
+def estimate_cluster_profile(cluster: ClusterSpec, model: str | Shape, **kwargs) -> ClusterProfile:
+    """Analytical ClusterProfile (spec-sheet ESTIMATE) for ``model`` on ``cluster``: a table
+    name, a ``ModelShape`` or a config's ``ConfigShape``.
 
     ``kwargs`` go to ``estimate_device_profile`` (efficiency, precision, ...). With
     ``precision`` bf16 / fp16 the model is priced as the trainer runs ``--bf16`` / ``--fp16`` by
@@ -580,7 +595,7 @@ def estimate_cluster_profile(cluster: ClusterSpec, model: str | ModelShape, **kw
     ``extra["rank_precisions"]`` records the list.
     """
     precision = kwargs.pop("precision", "fp32")
-    shape = model if isinstance(model, ModelShape) else get_model_shape(model)
+    shape = model if isinstance(model, (ModelShape, ConfigShape)) else get_model_shape(model)
     gpus = cluster.gpus
     per_rank = rank_precisions_for(cluster, precision)
     multi = sum(1 for m in cluster.machines if m) > 1

@@ -98,7 +98,8 @@ def optimizer_problems(model: nn.Module | None, optimizers: Any) -> list[str]:
 
 
 def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
-                 train_dataset: Any = None, eval_dataset: Any = None) -> StagedModel:
+                 train_dataset: Any = None, eval_dataset: Any = None,
+                 model_refused: bool = False) -> StagedModel:
     """Every refusal of the script's settings at once ([Note: one refusal message] in
     support.py); returns the staged model.
 
@@ -106,6 +107,9 @@ def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
     Trainer arguments and hooks (``hook_problems``, from ``CephaloTrainer._hook_problems``), the
     datasets (``dataset_problems``) and the model (no model, or a class without an adapter:
     ``stage_model``'s message). Needs no process group; run it before anything else.
+    ``model_refused``: a hook problem already refuses the model (its class overrides
+    ``forward``): it is not staged, since what staging would report follows from that
+    override (one reason per refusal).
 
     Raises:
         RefusedSettings: (a ValueError) one message listing every problem found.
@@ -120,7 +124,7 @@ def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
         problems.append(f"model = {model!r}: pass the model object, not its name (a name would "
                         "be loaded whole on every rank): AutoModelForCausalLM.from_pretrained"
                         "(name) or hf_cephalo.from_pretrained_sharded(name)")
-    else:
+    elif not model_refused:
         try:
             staged = stage_model(model)
         except ValueError as e:  # an unsupported class or PEFT setup, with the route to take

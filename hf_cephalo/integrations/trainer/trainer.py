@@ -45,6 +45,8 @@ from hf_cephalo.integrations.trainer.checkpoint import EngineCheckpointMixin, un
 from hf_cephalo.integrations.trainer.data import TrainerDataMixin
 from hf_cephalo.integrations.trainer.evaluation import EngineEvaluationMixin
 from hf_cephalo.integrations.trainer.training_args import CephaloArguments, job_from_training_args
+from hf_cephalo.runtime.stock_items import (ItemCountStagedModel, label_count,
+                                            stock_count_shifts, stock_item_count)
 from hf_cephalo.runtime.user_loss import UserLossStagedModel, stock_smoother_shift
 from hf_cephalo.models.registry import supported_model_classes
 from hf_cephalo.models.hf_common import is_causal_lm
@@ -132,7 +134,8 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         # the process group exists
         staged = check_script(args, model, self._hook_problems(model, kwargs),
                               train_dataset=kwargs.get("train_dataset"),
-                              eval_dataset=kwargs.get("eval_dataset"))
+                              eval_dataset=kwargs.get("eval_dataset"),
+                              model_refused=_overrides_forward(model))
         name_of = parameter_names(model)  # a user's optimizer's, before the engine replaces them
         compile_options = _compile_options(args)  # a bad backend / mode: ValueError here
         file_plan = Plan.load(args.cephalo_plan_file) \
@@ -165,6 +168,8 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
                                                 global_loss_apart=self._global_loss_apart)
             self._head_calls = engine_staged.head_calls = HeadCalls(
                 self, engine_staged.replay, None, job.device)
+        elif stock_item_count(model, staged) is not None:  # [Note: stock's item count ...]
+            engine_staged = ItemCountStagedModel(engine_staged, stock_item_count(model, staged))
         self.session = Session(job, engine_staged, model=model, plan=plan,
                                cluster_profile=cluster_profile,
                                train_dataset=self._planning_dataset(), plan_staged=staged)
@@ -223,13 +228,7 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         problems += optimizer_problems(model, kwargs.get("optimizers"))
         if type(self)._get_train_sampler is not Trainer._get_train_sampler:
             problems.append(refused("_get_train_sampler (override)"))
-        # the nearest class with a hand-written adapter, else the nearest transformers class
-        # (the generic path): a forward overridden below it (e.g. a custom loss) is bypassed
-        registered = next((c for c in type(model).__mro__ if c.__name__ in supported_model_classes()),
-                          None) or next((c for c in type(model).__mro__
-                                         if c.__module__.startswith("transformers.")
-                                         and "forward" in vars(c)), None)
-        if registered is not None and type(model).forward is not registered.forward:
+        if _overrides_forward(model):
             problems.append(refused("model forward (override)"))
         problems += trainer_class_problems(type(self))  # TRL trainers the engine cannot run
         return problems
@@ -243,28 +242,24 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
                 or _base_compute_loss(type(self)) is not None)
 
     def _user_loss_items(self, staged) -> Callable[[dict], int] | None:
-        """The items N a label smoother or ``compute_loss_func`` on a causal LM gets as
-        ``num_items_in_batch`` (docs/trainer_support.md, "Losses"): ``shift_labels`` where the
-        batch has them, else the tokens with label != -100 after the causal shift, whatever the
-        model's own loss does (``BartForCausalLM``'s takes its labels unshifted: stock counts
-        them shifted, as its loss type is ForCausalLM); for the label smoother, the labels it
-        scores, unshifted where stock's smoother does not shift (``stock_smoother_shift``: a
-        class outside transformers' causal-LM mapping). None (the model's own count): another
-        loss, or a classifier."""
-        if (self.label_smoother is None and self.compute_loss_func is None) or \
-                not is_causal_lm(staged):
+        """The items N a user loss on a causal LM gets as ``num_items_in_batch``
+        (docs/trainer_support.md, "Losses"): ``shift_labels`` where the batch has them, else the
+        labels != -100 counted as stock counts them for the model's ``loss_type`` ([Note:
+        stock's item count follows the loss type] in runtime/stock_items.py: after the causal
+        shift for a causal-LM loss type, whatever the model's own loss does, e.g.
+        ``BartForCausalLM``'s unshifted one); for the label smoother, the labels it scores,
+        unshifted where stock's smoother does not shift (``stock_smoother_shift``: a class
+        outside transformers' causal-LM mapping). None (the model's own count): a classifier,
+        or a loss whose count stock takes as the model does."""
+        if not is_causal_lm(staged):
             return None
-        shift = self.compute_loss_func is not None or stock_smoother_shift(staged.model)
-
-        def count(microbatch: dict) -> int:
-            labels = microbatch.get("shift_labels")
-            if labels is None:
-                labels = microbatch.get("labels")
-                if labels is None:
-                    return 0
-                labels = labels[..., 1:] if shift else labels
-            return int(labels.ne(-100).sum().item())
-        return count
+        if self.compute_loss_func is not None:  # stock's count for its loss type
+            return label_count(stock_count_shifts(self.model))
+        if self.label_smoother is not None:
+            return label_count(stock_smoother_shift(staged.model))
+        if type(self)._engine_staged is not CephaloTrainerMixin._engine_staged:
+            return None  # a sample is not one row (DPO's pairs): the door counts its items
+        return stock_item_count(self.model, staged)  # the model's own loss, or TRL SFT's
 
     _global_loss_apart = False
     """Whether this trainer's own ``compute_loss`` leaves a model's global-batch term (the MoE
@@ -533,3 +528,16 @@ def _num_samples(microbatch) -> int:
     """Samples in one collated microbatch: the first dimension of its first tensor."""
     values = microbatch.values() if hasattr(microbatch, "values") else [microbatch]
     return next((int(v.shape[0]) for v in values if torch.is_tensor(v) and v.dim() > 0), 0)
+
+
+def _overrides_forward(model: torch.nn.Module | None) -> bool:
+    """Whether ``model``'s class overrides ``forward`` below the class the engine stages it by:
+    the nearest class with a hand-written adapter, else the nearest transformers class (the
+    generic path). Such a forward (e.g. a custom loss) would be bypassed."""
+    if model is None or isinstance(model, str):
+        return False
+    registered = next((c for c in type(model).__mro__ if c.__name__ in supported_model_classes()),
+                      None) or next((c for c in type(model).__mro__
+                                     if c.__module__.startswith("transformers.")
+                                     and "forward" in vars(c)), None)
+    return registered is not None and type(model).forward is not registered.forward
