@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from rank_launch import free_port, run_ranks  # this folder is on sys.path
 
 WAYS = (("even split, gather once", "even", "gather_once"),
         ("even split, sharded decode", "even", "sharded"),
@@ -133,9 +132,6 @@ def worker(rank, args, port, out_q):
     dist.init_process_group("gloo", rank=rank, world_size=len(args.slowdown))
     try:
         out_q.put((rank, run(rank, args)))
-    except BaseException as exc:  # the other ranks must not wait for this one
-        out_q.put((rank, exc))
-        raise
     finally:
         dist.destroy_process_group()
 
@@ -168,10 +164,10 @@ def report(args, results) -> None:
           f"({tokens / bound:.1f} tok/s)")
     print(f"completions identical across the four ways: {same}")
     if not same:
-        sys.exit("completions differ between ways of decoding")
+        raise SystemExit("completions differ between ways of decoding")
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--slowdown", default="1,3")
     p.add_argument("--rows", type=int, default=16)
@@ -182,32 +178,14 @@ def main():
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="smallest sizes, one timed round")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.slowdown = [float(x) for x in args.slowdown.split(",")]
     if args.smoke:
         args.rows, args.prompt, args.new, args.layers, args.hidden, args.vocab = 4, 4, 3, 2, 32, 64
         args.repeats = 1
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out_q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, port, out_q))
-             for r in range(len(args.slowdown))]
-    for proc in procs:
-        proc.start()
-    results = {}
-    try:
-        for _ in procs:
-            rank, res = out_q.get(timeout=1800)
-            if isinstance(res, BaseException):
-                raise SystemExit(f"rank {rank} failed: {res!r}")
-            results[rank] = res
-    finally:
-        for proc in procs:  # a rank that died ends the others at once
-            if proc.is_alive() and len(results) < len(procs):
-                proc.terminate()
-            proc.join()
+    port = free_port()
+    results = dict(run_ranks(worker, [(r, args, port) for r in range(len(args.slowdown))],
+                             timeout_s=1800))
     report(args, results)
 
 

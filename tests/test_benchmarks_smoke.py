@@ -39,6 +39,7 @@ SMOKE = {
     "bench_save_memory": "rank 0 peak-base / P",
     "bench_memory": "(a) old: hf_cephalo at",
     "bench_sft": "",
+    "bench_generation": "completions identical across the four ways: True",
 }
 
 
