@@ -19,8 +19,10 @@ world sizes with SGD and weight decay 0.1 for ``glm5`` (GLM-5's DSA indexer), ``
 (``Gemma4ForConditionalGeneration`` as its 31B checkpoint is: no per-layer inputs, wider
 full-attention layers). On 2 ranks also: ``glm5_user_optimizer``, an SGD the user assigns to
 ``trainer.optimizer`` over the shards; ``glm5_adamw``, AdamW with weight decay 0.1 (epsilon
-1e-3, so that Adam's g / (|g| + eps) does not blow the fp32 rounding of a near-cancelled
-gradient element up to the tolerance) saved at the end: its optimizer state holds the indexer
+1e-2, so that Adam's g / (|g| + eps) does not blow the fp32 rounding of a near-cancelled
+gradient element up to the tolerance: at 1e-3 stock's own fp32 run is 1.9e-6 from its float64
+run at embed_tokens[91, 6], beyond atol, and the engine 1.2e-6 from stock there; at 1e-2
+stock's fp32 is at most 9.8e-8 from float64 anywhere) saved at the end: its optimizer state holds the indexer
 weights at a fresh state (zeros, step 0), and resumed on 3 ranks for one more step (constant
 LR, so that the reference, stock's 3 steps, has the same schedule) it equals stock.
 fp32, rtol 1e-5, atol 1e-6.
@@ -111,7 +113,7 @@ def _model(name: str) -> torch.nn.Module:
 def _args(name: str, out_dir: str) -> dict:
     optim = dict(optim="adamw_torch", weight_decay=0.1) if name == LORA else \
         dict(optim="sgd", weight_decay=0.1) if name in (UNREACHED, VLM, GEMMA4, PLANNED) else \
-        dict(optim="adamw_torch", weight_decay=0.1, adam_epsilon=1e-3, save_strategy="steps",
+        dict(optim="adamw_torch", weight_decay=0.1, adam_epsilon=1e-2, save_strategy="steps",
              save_steps=STEPS, lr_scheduler_type="constant") if name == UNREACHED_ADAMW else \
         dict(optim="sgd", label_smoothing_factor=0.1) if name == UNSHIFTED else \
         dict(optim="sgd")
