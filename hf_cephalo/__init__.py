@@ -11,6 +11,7 @@ extra)::
     from hf_cephalo import CephaloKTOTrainer, CephaloKTOConfig
     from hf_cephalo import CephaloGRPOTrainer, CephaloGRPOConfig
     from hf_cephalo import CephaloRLOOTrainer, CephaloRLOOConfig
+    from hf_cephalo import reproducible_rollout, SamplingParams, CompletionsCallback  # generation
 
 Layers, each importing only the ones below it: ``units`` / ``profiles`` -> ``planner``,
 ``models``, ``engine`` -> ``profiler`` -> ``runtime`` -> ``integrations`` (the doors:
@@ -50,7 +51,7 @@ _EXPORTS = {
     "CephaloRewardConfig": "hf_cephalo.integrations.trl",
     "CephaloKTOTrainer": "hf_cephalo.integrations.trl",
     "CephaloKTOConfig": "hf_cephalo.integrations.trl",
-    "reproducible_rollout": "hf_cephalo.integrations.trl.reproducible",
+    "reproducible_rollout": "hf_cephalo.integrations.trl",
     "SamplingParams": "hf_cephalo.runtime.generation",
     "from_pretrained_sharded": "hf_cephalo.runtime.pretrained",
     "latest_checkpoint": "hf_cephalo.runtime.elastic",

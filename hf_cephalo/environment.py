@@ -20,6 +20,9 @@ PROCESS_ENV = {
     "HF_CEPHALO_VERBOSE": "1: the profiler prints every rank's progress every second",
     "HF_CEPHALO_ALL_RANK_ERRORS": "1: under a launcher every rank prints its own traceback",
     "HF_CEPHALO_TORCH_VERSION": "scripts/setup_env.sh: the torch release it installs (2.13.0)",
+    "HF_CEPHALO_ACCELERATE_CHECKOUT": "tests/test_benchmarks_smoke.py: a checkout of Accelerate's "
+                                      "repository for accelerate_examples.py --smoke (unset: "
+                                      "that test skips)",
 }
 """Name -> what it does (its default in parentheses)."""
 

@@ -242,3 +242,15 @@ def staged_backward(staged: StagedModel, microbatches, num_items: int) -> float:
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+
+
+def stock_num_items(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``num_items_in_batch`` as stock ``Trainer`` passes it to the model's forward for this
+    batch (``Trainer._get_num_items_in_batch``): labels after the causal shift when the model's
+    ``loss_type`` maps to transformers' ``ForCausalLMLoss``, else every label (GPT-2, whose
+    ``loss_type`` is None, divides its shifted loss sum by the unshifted count)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    shifts = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
+    labels = batch["labels"][..., 1:] if shifts else batch["labels"]
+    return labels.ne(-100).sum()

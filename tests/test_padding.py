@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_ranks, test_timeout
-from tests.models_fixtures import VOCAB, build
+from tests.models_fixtures import VOCAB, build, stock_num_items
 
 RTOL, ATOL = 1e-5, 1e-6
 # seconds of the 2-rank job, measured on 2 cores under load: [Note: test time budgets]
@@ -138,7 +138,9 @@ def _full_batch_reference(arch: str, kind: str) -> dict:
         optimizer.zero_grad()
         # use_cache=False: the training semantics the engine runs (with a cache HF skips the
         # packed-sequence detection: tests/test_models_exactness.py)
-        loss = model(**batch, use_cache=False).loss
+        # divided as stock Trainer divides it (num_items_in_batch: GPT-2 by every label)
+        loss = model(**batch, use_cache=False,
+                     num_items_in_batch=stock_num_items(model, batch)).loss
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         optimizer.step()

@@ -16,7 +16,7 @@ from transformers import get_linear_schedule_with_warmup
 
 from hf_cephalo.runtime.sampler import global_batches
 from tests.dist_utils import budget_s, run_ranks, test_timeout
-from tests.models_fixtures import build
+from tests.models_fixtures import build, stock_num_items
 
 RTOL, ATOL = 1e-5, 1e-6
 # seconds of the 2-rank job, measured (37 s on 2 cores under load 7; the auto activation
@@ -219,7 +219,10 @@ def _reference(arch: str):
     sched = get_linear_schedule_with_warmup(opt, 0, len(batches))
     losses, norms = [], []
     for batch in batches:
-        out = model(**_collate([data[i] for i in batch]))  # HF mean over the global batch
+        rows = _collate([data[i] for i in batch])
+        # the global batch's loss as stock Trainer divides it (num_items_in_batch)
+        items = stock_num_items(model, rows) if "labels" in rows and arch != "vit" else None
+        out = model(**rows, **({} if items is None else {"num_items_in_batch": items}))
         out.loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         losses.append(float(out.loss.detach()))
@@ -227,8 +230,10 @@ def _reference(arch: str):
         sched.step()
         opt.zero_grad()
     model.eval()
-    with torch.no_grad():
-        eval_out = model(**_collate(eval_data))
+    with torch.no_grad():  # stock's prediction_step passes num_items_in_batch too
+        rows = _collate(eval_data)
+        items = stock_num_items(model, rows) if "labels" in rows and arch != "vit" else None
+        eval_out = model(**rows, **({} if items is None else {"num_items_in_batch": items}))
     return model, losses, norms, float(eval_out.loss), eval_out.logits.argmax(-1), _collate(eval_data)
 
 

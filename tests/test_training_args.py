@@ -208,6 +208,9 @@ def test_package_exports_every_public_name():
 
     face = {"CephaloTrainer", "CephaloTrainingArguments", "CephaloAccelerator", "CephaloPlugin",
             "CephaloSFTTrainer", "CephaloSFTConfig", "CephaloDPOTrainer", "CephaloDPOConfig",
+            "CephaloRewardTrainer", "CephaloRewardConfig", "CephaloKTOTrainer",
+            "CephaloKTOConfig", "CephaloGRPOTrainer", "CephaloGRPOConfig", "CephaloRLOOTrainer",
+            "CephaloRLOOConfig", "reproducible_rollout", "CompletionsCallback", "SamplingParams",
             "from_pretrained_sharded", "latest_checkpoint"}
     assert set(hf_cephalo.__all__) == face | {"__version__"}
     doors_installed = ["trainer", "loop"] + (["trl"] if importlib.util.find_spec("trl") else [])
@@ -222,8 +225,11 @@ def test_package_exports_every_public_name():
     from hf_cephalo.runtime.elastic import latest_checkpoint
     from hf_cephalo.runtime.pretrained import from_pretrained_sharded
 
+    from hf_cephalo.runtime.generation import SamplingParams
+
     assert hf_cephalo.latest_checkpoint is latest_checkpoint
     assert hf_cephalo.from_pretrained_sharded is from_pretrained_sharded
+    assert hf_cephalo.SamplingParams is SamplingParams
     code = ("import sys, hf_cephalo; print(sorted(m for m in sys.modules if m.startswith("
             "('transformers', 'hf_cephalo.integrations', 'torch'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

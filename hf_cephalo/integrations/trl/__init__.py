@@ -1,7 +1,9 @@
 """The TRL doors (the ``trl`` extra): ``CephaloSFTTrainer`` / ``CephaloSFTConfig``,
 ``CephaloDPOTrainer`` / ``CephaloDPOConfig``, ``CephaloGRPOTrainer`` / ``CephaloGRPOConfig`` and
-``CephaloRLOOTrainer`` / ``CephaloRLOOConfig``, drop-ins for TRL's (names imported lazily: the
-package imports without trl)."""
+``CephaloRLOOTrainer`` / ``CephaloRLOOConfig``, ``CephaloRewardTrainer`` / ``CephaloRewardConfig``
+and ``CephaloKTOTrainer`` / ``CephaloKTOConfig``, drop-ins for TRL's, and
+``reproducible_rollout`` (a ``rollout_func`` for stock GRPOTrainer that samples as the engine
+does) (names imported lazily: the package imports without trl)."""
 
 from hf_cephalo.lazy import lazy_exports
 
@@ -18,6 +20,7 @@ _EXPORTS = {
     "CephaloGRPOConfig": "grpo",
     "CephaloRLOOTrainer": "rloo",
     "CephaloRLOOConfig": "rloo",
+    "reproducible_rollout": "reproducible",
 }
 
 __all__ = list(_EXPORTS)
