@@ -190,7 +190,9 @@ def _unsupported(model: nn.Module) -> UnsupportedModelError:
                      f"{body.__module__}.{body.__qualname__} and")
         else:
             reuse = " that"
-        head = f"a {_words(kind)} head" if kind else "a head of another kind"
+        words = _words(kind) if kind else ""
+        head = f"{'an' if words[:1] in tuple('aeiou') else 'a'} {words} head" if kind \
+            else "a head of another kind"
         return UnsupportedModelError(
             f"hf_cephalo cannot train {name} ({head}): {scope}; this head is none of "
             f"those. Loading the model as another class would "
@@ -251,6 +253,10 @@ def _generic_any(model: nn.Module, kind: str) -> StagedModel:
     refusal = _encoder_decoder(model)
     if refusal is not None:
         raise refusal
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    if kind not in GENERIC_HEADS and not isinstance(getattr(text, "vocab_size", None), int):
+        raise _unsupported(model)  # no vocabulary: no causal LM to prove, another kind of head
     try:
         return _generic(model) if kind in GENERIC_HEADS else _generic_text_lm(model)
     except UnsupportedModelError:
