@@ -1,7 +1,8 @@
 """The generic path's encoder heads through CephaloTrainer equal STOCK Trainer (issue 47).
 
-One launched group per world size, four sub-cases in each: a DINOv2 image classifier
-(``pixel_values``), a BERT NER model with ``DataCollatorForTokenClassification``, a BERT
+One launched group per world size, five sub-cases in each: a DINOv2 image classifier
+(``pixel_values``), a Swin image classifier (two stages of different sizes, the hidden states
+(m, 16, 16) then (m, 4, 32) between them), a BERT NER model with ``DataCollatorForTokenClassification``, a BERT
 masked LM with ``DataCollatorForLanguageModeling(mlm=True, seed=...)`` and a RoBERTa
 question-answering model (``start_positions`` / ``end_positions``). 2 ranks with an uneven plan
 (b = [1, 3], m = [1, 2], r = [0.35, 0.65]) and 3 ranks with an idle rank that holds state
@@ -37,7 +38,7 @@ LR, MAX_NORM, SEED, MASK_SEED, N_TRAIN, N_EVAL, STEPS = 0.1, 0.5, 7, 5, 8, 4, 2
 PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]), 3: ([2, 0, 2], [1, 1, 2], [0.0, 0.6, 0.4])}
 GLOBAL_BATCH = 4
 VOCAB, NUM_LABELS, PAD, MASK = 60, 5, 0, 1
-CASES = ("dinov2", "bert_ner", "bert_mlm", "roberta_qa")
+CASES = ("dinov2", "swin", "bert_ner", "bert_mlm", "roberta_qa")
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 TEXT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
             intermediate_size=48, max_position_embeddings=40, pad_token_id=PAD, **NO_DROPOUT)
@@ -51,6 +52,11 @@ def _model(name: str) -> torch.nn.Module:
                                         mlp_ratio=2, image_size=28, patch_size=7, num_labels=3,
                                         **NO_DROPOUT)
         return transformers.Dinov2ForImageClassification(cfg)
+    if name == "swin":  # stages of different sizes; the hidden states shrink between them
+        cfg = transformers.SwinConfig(image_size=28, patch_size=7, embed_dim=16, depths=[1, 2],
+                                      num_heads=[2, 2], window_size=2, num_labels=3,
+                                      drop_path_rate=0.0, **NO_DROPOUT)
+        return transformers.SwinForImageClassification(cfg)
     if name == "bert_ner":
         return transformers.BertForTokenClassification(
             transformers.BertConfig(num_labels=NUM_LABELS, **TEXT))
@@ -74,7 +80,7 @@ def _samples(name: str, n: int, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i in range(n):
-        if name == "dinov2":
+        if name in ("dinov2", "swin"):
             rows.append({"pixel_values": torch.randn(3, 28, 28, generator=g),
                          "labels": torch.tensor(i % 3)})
             continue
@@ -92,7 +98,7 @@ def _samples(name: str, n: int, seed: int) -> list[dict]:
 
 
 def _collator(name: str):
-    if name == "dinov2":
+    if name in ("dinov2", "swin"):
         return transformers.default_data_collator
     if name == "bert_ner":
         return transformers.DataCollatorForTokenClassification(_tokenizer())
