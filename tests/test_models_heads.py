@@ -33,7 +33,7 @@ EXACT = {
 REFUSED = {  # class -> what its refusal says
     "ConvNextForImageClassification": "layer stacks",  # stages of blocks: several stacks
     "PvtV2ForImageClassification": "returns tuple",
-    "DeiTForImageClassificationWithTeacher": "(an image classification with teacher head)",
+    "DeiTForImageClassificationWithTeacher": "this head is none of those",
     "T5ForConditionalGeneration": "encoder-decoder model",
     "WhisperForConditionalGeneration": "encoder-decoder model",
     "BartForQuestionAnswering": "encoder-decoder model",
@@ -84,16 +84,17 @@ def test_former_crashes_get_a_staging_or_a_refusal():
     is checked on 64 x 64 images."""
     from transformers.models.auto import configuration_auto
 
+    small = {"dinov2": dict(image_size=56)}  # 16 patches, not 37 x 37: the check's cost
     for model_type, name in (("dinov2", "Dinov2ForImageClassification"),
                              ("resnet", "ResNetForImageClassification"),
-                             ("levit", "LevitForImageClassificationWithTeacher"),
-                             ("mobilevit", "MobileViTForImageClassification")):
+                             ("levit", "LevitForImageClassificationWithTeacher")):
+        config = configuration_auto.CONFIG_MAPPING[model_type](**small.get(model_type, {}))
         with torch.device("meta"):
-            model = getattr(transformers, name)(configuration_auto.CONFIG_MAPPING[model_type]())
+            model = getattr(transformers, name)(config)
         try:
             staged = stage_model(model)
         except UnsupportedModelError as exc:
-            assert name in str(exc) and "Nothing was run" in str(exc), exc
+            assert str(exc).startswith(f"hf_cephalo cannot train {name}"), exc
         else:
             assert staged.num_units > 1, name
 
