@@ -368,6 +368,9 @@ def _stage(model: nn.Module) -> StagedModel:
         adapter = adapter_for(model)
     except UnsupportedModelError:
         inner = unwrap_peft_model(model) if is_peft_model(model) else model
+        refusal = _encoder_decoder(inner) if hasattr(inner, "config") else None
+        if refusal is not None:  # whatever its name says (MarianMTModel, EncoderDecoderModel)
+            raise refusal from None
         kind = _model_head_kind(inner)
         if kind is None or _is_base_model(inner) or not hasattr(inner, "config"):
             raise
