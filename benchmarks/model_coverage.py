@@ -25,14 +25,26 @@ itself cannot build the class from its default config, on the meta device, e.g. 
 checkpoint-specific config), or ``WRONG`` (staged but not equal: a bug; the exit status is
 then 1). ``--write-docs`` writes the table to docs/supported_models.md.
 
-Run: ``python benchmarks/model_coverage.py [--seq-cls] [--write-docs] [--only NAME ...]``
-(about 2 minutes for the causal LMs on 2 CPU cores; no downloads).
+With ``--tasks`` (issue 47) also the classes of transformers' image-classification,
+token-classification, masked-LM, question-answering, seq2seq-LM and speech-seq2seq mappings
+(``TASK_MAPPINGS``), each on its task's inputs (images of the config's size, per-token labels,
+masked-LM labels, answer spans); ``CRASH`` marks a raw exception from ``stage_model`` (never
+allowed: a class outside the path gets one ``UnsupportedModelError``; the exit status is then
+1). ``--rows-out FILE`` appends each row as it is done (JSON lines), ``--rows-in FILE ...``
+renders rows of several such runs (the mappings run in parallel processes), and
+``--no-causal --write-docs`` keeps the page's causal-LM part as generated before.
+
+Run: ``python benchmarks/model_coverage.py [--seq-cls] [--tasks all] [--write-docs]
+[--only NAME ...]`` (about 2 minutes for the causal LMs on 2 quiet CPU cores, far longer for
+the task mappings, whose image classifiers run at their configs' image sizes; no downloads).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -46,6 +58,11 @@ from transformers.models.auto import configuration_auto, modeling_auto
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hf_cephalo.models import stage_model  # noqa: E402
+from hf_cephalo.models.generic_heads import (CAUSAL_LM, ENCODER_TASKS,  # noqa: E402
+                                             IMAGE_CLASSIFICATION, MASKED_LM,
+                                             QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION,
+                                             TOKEN_CLASSIFICATION, image_batch, task_of,
+                                             token_labels)
 from hf_cephalo.models.registry import UnsupportedModelError  # noqa: E402
 from hf_cephalo.models.self_check import float64_copy  # noqa: E402
 from hf_cephalo.models.shrink import TINY_MAX_NUMEL, tiny_config, tiny_numel  # noqa: E402
@@ -69,6 +86,26 @@ UNSET_DEFAULTS = {  # config field -> value (from the config) where the default 
 }
 
 
+CAUSAL = "causal-lm"
+TASK_MAPPINGS = {  # --tasks name -> transformers' mapping of that task
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "speech-seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+}
+
+
+TEXT_ONLY = (" An `exact` class here is an audio- or vision-language model whose own forward on "
+             "text is a causal LM's: staged for **text-only** fine-tuning of its language model "
+             "(a batch with `input_features`, `pixel_values` or other non-text inputs is "
+             "refused, docs/adding_a_model.md \"Vision-language models on text\"); the "
+             "encoder-decoders (a forward taking `decoder_input_ids`) are refused.")
+TASK_NOTES = {"seq2seq-lm": TEXT_ONLY, "speech-seq2seq": TEXT_ONLY}
+"""What a mapping's `exact` means where it is not the task's own training."""
+
+
 @dataclass
 class Row:
     model_type: str
@@ -76,6 +113,7 @@ class Row:
     status: str
     detail: str = ""
     seconds: float = 0.0
+    mapping: str = CAUSAL
 
 
 def _config(model_type: str):
@@ -92,7 +130,12 @@ def _config(model_type: str):
     return config
 
 
-def _batch(config, classifier: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+def _batch(config, task: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """5 rows for ``task``: images (image classification), else 11 tokens right-padded (left for
+    a sequence classifier) to lengths 11, 6, 9, 4, 11 with the task's labels."""
+    if task == IMAGE_CLASSIFICATION:
+        return image_batch(config, rows=5, seed=seed)
+    classifier = task == SEQUENCE_CLASSIFICATION
     g = torch.Generator().manual_seed(seed)
     text = config.get_text_config()
     vocab = text.vocab_size
@@ -100,7 +143,6 @@ def _batch(config, classifier: bool, seed: int = 0) -> dict[str, torch.Tensor]:
     ids = torch.randint(4, vocab - 8, (rows, seq), generator=g)
     pad = getattr(text, "pad_token_id", None)
     pad = pad if isinstance(pad, int) else 0
-    mask = torch.ones_like(ids)
     lengths = torch.tensor([11, 6, 9, 4, 11])
     pos = torch.arange(seq)[None, :]
     mask = (pos >= seq - lengths[:, None]).long() if classifier else \
@@ -109,6 +151,8 @@ def _batch(config, classifier: bool, seed: int = 0) -> dict[str, torch.Tensor]:
     batch = {"input_ids": ids, "attention_mask": mask}
     if classifier:
         batch["labels"] = torch.tensor([0, 1, 1, 0, 1]) % max(int(config.num_labels), 1)
+    elif task in (TOKEN_CLASSIFICATION, MASKED_LM, QUESTION_ANSWERING):
+        batch.update(token_labels(task, config, ids, mask, g))
     else:
         labels = ids.masked_fill(mask == 0, -100)
         labels[:, 2] = -100
@@ -156,7 +200,7 @@ def compare(model, batch) -> str | None:
 
 
 def _compare_once(model, batch) -> str | None:
-    staged = stage_model(model)
+    staged = _stage(model)
     staged.prepare_for_training()
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
@@ -175,13 +219,35 @@ def _compare_once(model, batch) -> str | None:
     return None
 
 
-def check(model_type: str, class_name: str) -> Row:
+class _Crash(Exception):
+    """``stage_model`` raised something other than ``UnsupportedModelError``: a raw exception,
+    which a class outside the path must never get (status ``CRASH``)."""
+
+
+def _stage(model):
+    try:
+        return stage_model(model)
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a raw exception from stage_model
+        raise _Crash(_short(exc)) from exc
+
+
+def check(model_type: str, class_name: str, mapping: str = CAUSAL) -> Row:
     """Build, stage and compare one class (see the module docstring)."""
     t0 = time.perf_counter()
+    row = _check(model_type, class_name)
+    row.mapping, row.seconds = mapping, time.perf_counter() - t0
+    return row
+
+
+def _check(model_type: str, class_name: str) -> Row:
     cls = getattr(transformers, class_name, None)
     if cls is None:
         return Row(model_type, class_name, "not built", "not importable from transformers")
-    classifier = class_name.endswith("ForSequenceClassification")
+    task = task_of(cls)
+    task = task if task in ENCODER_TASKS else CAUSAL_LM
+    classifier = task == SEQUENCE_CLASSIFICATION
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -192,11 +258,13 @@ def check(model_type: str, class_name: str) -> Row:
             config._attn_implementation = "eager"
             numel = tiny_numel(cls, config)
     except Exception as exc:  # noqa: BLE001 - the class does not build in transformers
-        return Row(model_type, class_name, "not built", _short(exc), time.perf_counter() - t0)
+        if not _default_builds(cls, model_type):
+            return Row(model_type, class_name, "not built", _short(exc))
+        return _default_refusal(cls, model_type, exc)  # the shrink fails: stage_model decides
     if numel > TINY_MAX_NUMEL:  # the self-check refuses it the same way (never allocated)
         return Row(model_type, class_name, "refused",
                    f"the tiny copy would hold {numel / 1e6:.0f}M parameters: its config has "
-                   "sizes the self-check does not shrink", time.perf_counter() - t0)
+                   "sizes the self-check does not shrink")
     model = None
     try:
         with warnings.catch_warnings():
@@ -207,46 +275,62 @@ def check(model_type: str, class_name: str) -> Row:
                 for p in model.parameters():
                     if p.dim() == 1:
                         p.add_(0.1 * torch.randn(p.shape))
-            batch = _batch(config, classifier)
+            batch = _batch(config, task)
             with torch.no_grad():  # (no graph left in a module that keeps its last state)
                 model(**batch)  # transformers' own forward must run for a comparison to mean much
     except Exception as exc:  # noqa: BLE001 - the tiny copy does not build / run
         if not _default_builds(cls, model_type):
-            return Row(model_type, class_name, "not built", _short(exc),
-                       time.perf_counter() - t0)
-        reason = _refusal(model)  # built, its forward failed: hf_cephalo's words
+            return Row(model_type, class_name, "not built", _short(exc))
+        try:
+            reason = _refusal(model)  # built, its forward failed: hf_cephalo's words
+        except _Crash as crash:
+            return Row(model_type, class_name, "CRASH", str(crash))
         return Row(model_type, class_name, "refused",
-                   reason or f"the self-check's tiny copy does not build or run ({_short(exc)})",
-                   time.perf_counter() - t0)
+                   reason or f"the self-check's tiny copy does not build or run ({_short(exc)})")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             problem = compare(model, batch)
     except UnsupportedModelError as exc:
         reason = str(exc).split(": ", 1)[-1].split(". Nothing was run")[0]
-        return Row(model_type, class_name, "refused", reason, time.perf_counter() - t0)
+        return Row(model_type, class_name, "refused", reason)
+    except _Crash as crash:
+        return Row(model_type, class_name, "CRASH", str(crash))
     except Exception as exc:  # noqa: BLE001 - staged, then failed: a bug of ours
-        return Row(model_type, class_name, "WRONG", f"staged, then raised {_short(exc)}",
-                   time.perf_counter() - t0)
+        return Row(model_type, class_name, "WRONG", f"staged, then raised {_short(exc)}")
     status = "exact" if problem is None or problem.startswith("rounding: ") else "WRONG"
-    return Row(model_type, class_name, status, problem or "", time.perf_counter() - t0)
+    return Row(model_type, class_name, status, problem or "")
 
 
 def _refusal(model) -> str | None:
     """hf_cephalo's reason for refusing ``model`` (a tiny copy whose own forward failed on the
     batch: the self-check runs the same forward and says what the model needs), or None where
-    there is no model or stage_model gives no UnsupportedModelError."""
+    there is no model or it stages; ``_Crash`` for a raw exception."""
     if model is None:
         return None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            stage_model(model)
+            _stage(model)
     except UnsupportedModelError as exc:
         return str(exc).split(": ", 1)[-1].split(". Nothing was run")[0]
-    except Exception:  # noqa: BLE001 - no reason in hf_cephalo's words
-        return None
     return None
+
+
+def _default_refusal(cls: type, model_type: str, exc: BaseException) -> Row:
+    """The row of a class whose default config builds but whose tiny config does not: what
+    ``stage_model`` says of the default-config model on the meta device (a refusal, or
+    ``CRASH``)."""
+    name = cls.__name__
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        model = cls(configuration_auto.CONFIG_MAPPING[model_type]())
+    try:
+        reason = _refusal(model)
+    except _Crash as crash:
+        return Row(model_type, name, "CRASH", str(crash))
+    return Row(model_type, name, "refused", reason or f"the tiny copy does not build "
+               f"({_short(exc)}), yet stage_model staged the default-config model")
 
 
 def _default_builds(cls: type, model_type: str) -> bool:
@@ -266,9 +350,14 @@ def _short(exc: BaseException) -> str:
     return text if len(text) < 160 else text[:157] + "..."
 
 
-def classes(seq_cls: bool) -> list[tuple[str, str]]:
-    pairs = sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
-    if seq_cls:
+def classes(seq_cls: bool, mapping: str = CAUSAL) -> list[tuple[str, str]]:
+    """(model type, class name) of one mapping (``TASK_MAPPINGS``; the causal LMs, with
+    ``seq_cls`` also every decoder's sequence classifier), sorted by model type."""
+    if mapping != CAUSAL:
+        pairs = sorted(getattr(modeling_auto, TASK_MAPPINGS[mapping]).items())
+    else:
+        pairs = sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
+    if seq_cls and mapping == CAUSAL:
         decoders = set(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
         pairs += sorted((t, n) for t, n in
                         modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.items()
@@ -280,16 +369,45 @@ def classes(seq_cls: bool) -> list[tuple[str, str]]:
     return out
 
 
-def render(rows: list[Row]) -> str:
+def summary(rows: list[Row]) -> str:
+    """One line of counts: classes, built, exact (share of built), refused, wrong, crash."""
     built = [r for r in rows if r.status != "not built"]
-    exact = [r for r in rows if r.status == "exact"]
-    wrong = [r for r in rows if r.status == "WRONG"]
+    count = {k: len([r for r in rows if r.status == k]) for k in ("exact", "refused", "WRONG",
+                                                                  "CRASH")}
+    return (f"Of {len(rows)} classes, {len(built)} build; of those {count['exact']} are exact "
+            f"({100.0 * count['exact'] / max(len(built), 1):.0f}%), {count['refused']} refused, "
+            f"{count['WRONG']} wrong, {count['CRASH']} crash.")
+
+
+def _table(rows: list[Row]) -> list[str]:
+    lines = ["| model type | class | status | reason |", "|---|---|---|---|"]
+    for r in rows:
+        detail = r.detail.replace("|", "\\|") if r.status != "exact" or r.detail else ""
+        lines.append(f"| {r.model_type} | `{r.name}` | {r.status} | {detail} |")
+    return lines
+
+
+def _kept_causal(text: str) -> list[str]:
+    """The causal-LM part of an existing page (its lines before the first task section)."""
+    lines = text.rstrip("\n").split("\n")
+    end = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
+    while end and not lines[end - 1].strip():
+        end -= 1
+    return lines[:end]
+
+
+def render(rows: list[Row], kept: str | None = None) -> str:
+    """The page: the causal-LM table from ``rows``, or (no causal rows) kept from the page
+    ``kept``, then one section per task mapping in ``rows``."""
+    causal = [r for r in rows if r.mapping == CAUSAL]
+    if not causal and kept is not None:
+        return "\n".join(_kept_causal(kept) + _task_sections(rows)) + "\n"
     lines = [
         "# Supported models",
         "",
-        "Generated by `python benchmarks/model_coverage.py --seq-cls --write-docs` with "
-        f"transformers {transformers.__version__} and torch {torch.__version__.split('+')[0]}; "
-        "do not edit by hand.",
+        "Generated by `python benchmarks/model_coverage.py --seq-cls --tasks all --write-docs` "
+        f"with transformers {transformers.__version__} and torch "
+        f"{torch.__version__.split('+')[0]}; do not edit by hand.",
         "",
         "Each class of transformers' causal-LM mapping (and each decoder's sequence "
         "classifier) as a tiny random model from its default config (where it leaves a "
@@ -300,30 +418,50 @@ def render(rows: list[Row]) -> str:
         "hf_cephalo stages it and its staged loss and every gradient over two microbatches "
         "equal the model's own (fp32, rtol 1e-5 / atol 1e-6; where fp32 rounding of the "
         "reordered sums exceeds that, as for Gemma 4's scaled embeddings, equal in float64 "
-        "at the same tolerances, and the fp32 difference is shown); `refused` means hf_cephalo refuses it before "
-        "anything runs, with the reason shown (including a tiny copy for the self-check that "
-        "does not build or run: such a model is refused the same way); `not built` means "
-        "transformers itself cannot build the class from its default config (a real "
-        "checkpoint's config may build, and then the self-check decides).",
+        "at the same tolerances, and the fp32 difference is shown); `refused` means hf_cephalo "
+        "refuses it before anything runs, with the reason shown (including a tiny copy for "
+        "the self-check that does not build or run: such a model is refused the same way); "
+        "`not built` means transformers itself cannot build the class from its default config "
+        "(a real checkpoint's config may build, and then the self-check decides); `crash` "
+        "would be a raw exception from `stage_model` (a bug: the sweep fails). The other "
+        "tasks' mappings follow, each checked the same way on its own inputs (images for "
+        "image classification; per-token labels, masked-LM labels or answer spans on text).",
         "",
-        f"Of {len(rows)} classes, {len(built)} build; of those {len(exact)} are exact "
-        f"({100.0 * len(exact) / max(len(built), 1):.0f}%), "
-        f"{len([r for r in rows if r.status == 'refused'])} refused, {len(wrong)} wrong.",
+        summary(causal),
         "",
-        "| model type | class | status | reason |",
-        "|---|---|---|---|",
+        *_table(causal),
     ]
-    for r in rows:
-        detail = r.detail.replace("|", "\\|") if r.status != "exact" or r.detail else ""
-        lines.append(f"| {r.model_type} | `{r.name}` | {r.status} | {detail} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _task_sections(rows)) + "\n"
+
+
+def _task_sections(rows: list[Row]) -> list[str]:
+    lines: list[str] = []
+    for mapping in TASK_MAPPINGS:
+        part = [r for r in rows if r.mapping == mapping]
+        if part:
+            total = len(classes(False, mapping))
+            reached = "" if len(part) >= total else (
+                f" This run reached {len(part)} of the mapping's {total} classes (the sweep "
+                "was stopped); the others are not checked here.")
+            lines += ["", f"## {mapping} (`{TASK_MAPPINGS[mapping]}`)", "",
+                      "Generated by `python benchmarks/model_coverage.py --no-causal --tasks "
+                      f"{mapping} --write-docs`.{reached}{TASK_NOTES.get(mapping, '')}", "",
+                      summary(part), "", *_table(part)]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-cls", action="store_true",
                         help="also every decoder's ...ForSequenceClassification")
+    parser.add_argument("--tasks", nargs="*", default=[],
+                        help=f"also these mappings ({', '.join(TASK_MAPPINGS)}, or all)")
+    parser.add_argument("--no-causal", action="store_true",
+                        help="skip the causal-LM mapping (--write-docs keeps the page's)")
     parser.add_argument("--write-docs", action="store_true", help=f"write {DOCS}")
+    parser.add_argument("--rows-out", help="also write the rows as JSON lines to this file")
+    parser.add_argument("--rows-in", nargs="*", default=[],
+                        help="take these files' rows (from --rows-out) instead of checking")
     parser.add_argument("--only", nargs="*", help="class names to check (default: all)")
     parser.add_argument("--smoke", action="store_true",
                         help="Qwen3ForCausalLM only, no docs written (the suite's check that "
@@ -331,29 +469,62 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         args.only, args.write_docs = ["Qwen3ForCausalLM"], False
+    tasks = list(TASK_MAPPINGS) if "all" in args.tasks else args.tasks
+    unknown = sorted(set(tasks) - set(TASK_MAPPINGS))
+    if unknown:
+        parser.error(f"unknown --tasks {unknown}")
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    rows = []
     t0 = time.perf_counter()
-    for model_type, name in classes(args.seq_cls):
-        if args.only and name not in args.only:
-            continue
-        row = check(model_type, name)
-        rows.append(row)
-        print(f"{row.status:9s} {name:48s} {row.seconds:6.2f}s  {row.detail[:110]}", flush=True)
-    built = [r for r in rows if r.status != "not built"]
-    exact = [r for r in rows if r.status == "exact"]
-    wrong = [r for r in rows if r.status == "WRONG"]
-    print(f"\n{len(rows)} classes, {len(built)} build, {len(exact)} exact "
-          f"({100.0 * len(exact) / max(len(built), 1):.1f}% of those that build), "
-          f"{len(built) - len(exact) - len(wrong)} refused, {len(wrong)} WRONG; "
-          f"{time.perf_counter() - t0:.0f} s")
+    mappings = ([] if args.no_causal else [CAUSAL]) + tasks
+    rows = _read_rows(args.rows_in) if args.rows_in else _check_all(mappings, args)
+    mappings = list(dict.fromkeys(r.mapping for r in rows))
+    for mapping in mappings:
+        part = [r for r in rows if r.mapping == mapping]
+        print(f"{mapping}: {summary(part)}")
+    print(f"{time.perf_counter() - t0:.0f} s")
     if args.write_docs:
+        with open(DOCS) as f:
+            kept = f.read()
         with open(DOCS + ".tmp", "w") as f:
-            f.write(render(rows))
+            f.write(render(rows, kept))
         os.replace(DOCS + ".tmp", DOCS)
         print(f"wrote {os.path.normpath(DOCS)}")
-    return 1 if wrong else 0
+    return 1 if any(r.status in ("WRONG", "CRASH") for r in rows) else 0
+
+
+def _check_all(mappings: list[str], args) -> list[Row]:
+    """Every class of ``mappings`` checked (``--only`` ones), each row printed and, with
+    ``--rows-out``, appended to that file as it is done (a long sweep can be rendered from the
+    rows of several processes, ``--rows-in``)."""
+    rows = []
+    if args.rows_out:
+        open(args.rows_out, "w").close()
+    for mapping in mappings:
+        for model_type, name in classes(args.seq_cls, mapping):
+            if args.only and name not in args.only:
+                continue
+            row = check(model_type, name, mapping)
+            rows.append(row)
+            print(f"{row.status:9s} {name:48s} {row.seconds:6.2f}s  {row.detail[:110]}",
+                  flush=True)
+            if args.rows_out:
+                with open(args.rows_out, "a") as f:
+                    f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+    return rows
+
+
+def _read_rows(paths: list[str]) -> list[Row]:
+    """The rows of ``paths`` in order; a later file's row for the same (mapping, model type,
+    class) replaces an earlier one in place (a re-check of a few classes)."""
+    rows: dict[tuple[str, str, str], Row] = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    row = Row(**json.loads(line))
+                    rows[(row.mapping, row.model_type, row.name)] = row
+    return list(rows.values())
 
 
 if __name__ == "__main__":

@@ -103,23 +103,25 @@ def _refusal(model) -> ValueError:
 
 def test_unsupported_messages_fit_the_class():
     """Every refusal points to docs/adding_a_model.md, with advice for its class (issue 33,
-    item 5; issue 36): a head the generic path does not stage (token classification, masked
-    LM, double heads) is told to write an adapter for it, over the existing body where its
-    architecture has a hand-written one (never to load another class, which trains another head
-    and loss); a bare base model is told which heads of its architecture hf_cephalo trains."""
-    token_cls = _refusal(transformers.LlamaForTokenClassification(_tiny(transformers.LlamaConfig)))
-    text = str(token_cls)
-    assert "(a token classification head)" in text and "load the model as" not in text
-    assert "causal-LM and sequence-classification heads" in text and "Body" not in text
-    assert "register_adapter(LlamaForTokenClassification, YourAdapter)" in text
-    assert token_cls.alternatives == []
+    item 5; issues 36, 47): a head the generic path does not stage (multiple choice, next
+    sentence prediction, double heads) is told to write an adapter for it, over the existing
+    body where its architecture has a hand-written one (never to load another class, which
+    trains another head and loss); a bare base model is told which heads of its architecture
+    hf_cephalo trains."""
+    choice = _refusal(transformers.BertForMultipleChoice(_tiny(transformers.BertConfig)))
+    text = str(choice)
+    assert "(a multiple choice head)" in text and "load the model as" not in text
+    assert "causal-LM, sequence-classification, image-classification, token-classification, " \
+        "masked-LM and question-answering heads" in text and "Body" not in text
+    assert "register_adapter(BertForMultipleChoice, YourAdapter)" in text
+    assert choice.alternatives == []
 
     double = str(_refusal(transformers.GPT2DoubleHeadsModel(transformers.GPT2Config(
         n_layer=1, n_embd=16, n_head=2, vocab_size=50))))
     assert "load the model as" not in double and "a head of another kind" in double
     assert "hf_cephalo.models.gpt2.GPT2DecoderBody" in double
-    masked = str(_refusal(transformers.BertForMaskedLM(_tiny(transformers.BertConfig))))
-    assert "(a masked LM head)" in masked
+    nsp = str(_refusal(transformers.BertForNextSentencePrediction(_tiny(transformers.BertConfig))))
+    assert "(a next sentence prediction head)" in nsp
 
     base = _refusal(transformers.LlamaModel(_tiny(transformers.LlamaConfig)))
     assert "base model without a head" in str(base)
@@ -130,11 +132,10 @@ def test_unsupported_messages_fit_the_class():
         image_size=8, patch_size=4)))
     assert vit.alternatives == ["ViTForImageClassification"]
 
-    class MyLlamaTagger(transformers.LlamaForTokenClassification):  # a user subclass
+    class MyChooser(transformers.BertForMultipleChoice):  # a user subclass
         pass
 
-    assert "(a token classification head)" in str(
-        _refusal(MyLlamaTagger(_tiny(transformers.LlamaConfig))))
+    assert "(a multiple choice head)" in str(_refusal(MyChooser(_tiny(transformers.BertConfig))))
     _refusal(torch.nn.Linear(2, 2))
 
 
@@ -362,7 +363,7 @@ def test_heads_whose_base_model_is_themselves_are_not_called_base_models():
         assert "base model without a head" not in str(exc), exc
     t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4))
-    with pytest.raises(UnsupportedModelError, match="conditional generation head") as info:
+    with pytest.raises(UnsupportedModelError, match="it is an encoder-decoder model") as info:
         stage_model(t5)
     assert "T5ForSequenceClassification" not in str(info.value)
     with pytest.raises(UnsupportedModelError, match="torch.compile'd model .*pass the model"):

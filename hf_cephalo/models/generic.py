@@ -39,7 +39,8 @@ from hf_cephalo.models.router_loss import (AttachRouterGrad, RouterLoss, router_
 NOT_MODEL_INPUTS = frozenset({"labels", "return_dict", "output_attentions", "output_hidden_states",
                               "output_router_logits", "use_cache", "cache", "past_key_values",
                               "inputs_embeds", "logits_to_keep", "num_items_in_batch",
-                              "return_loss", "cache_position"})
+                              "return_loss", "cache_position", "start_positions",
+                              "end_positions"})
 """Forward parameters never taken from a microbatch (the staged model sets or drops them)."""
 
 
@@ -283,9 +284,11 @@ class GenericDecoderBody(HFStagedModel):
         return super().count_items(microbatch)
 
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, GenericContext]:
-        """The model's forward up to its first layer: hidden (m, S, H) and every layer's
-        arguments (``GenericContext``)."""
-        require_key(microbatch, "input_ids", type(self).__name__)
+        """The model's forward up to its first layer: hidden (m, S, H) (an image model's
+        (m, patches, H) or feature map) and every layer's arguments (``GenericContext``).
+        ValueError without the model's ``main_input_name`` (``input_ids``, ``pixel_values``)."""
+        require_key(microbatch, getattr(self.model, "main_input_name", None) or "input_ids",
+                    type(self).__name__)
         self.check_inputs(microbatch)
         L = len(self._layers)
         calls: list[tuple[tuple, dict]] = []
@@ -516,17 +519,6 @@ class GenericSequenceClassifier(GenericDecoderBody, LastTokenClassifierStagedMod
         input_ids = require_key(microbatch, "input_ids", type(self).__name__)
         check_poolable(input_ids, pad_token_id_of(self.model.config), type(self.model).__name__)
         return self.head_forward(hidden, microbatch, ctx).logits
-
-
-def staged_class(model: nn.Module) -> type:
-    """The generic staged class for a model: a causal LM, a last-token classifier (a ``score``
-    head pooled at the last non-pad token, as ``GenericForSequenceClassification``) or a
-    position-pooled classifier (BERT's [CLS] pooler and ``classifier``)."""
-    if not any(c.__name__.endswith("ForSequenceClassification") for c in type(model).__mro__):
-        return GenericCausalLM
-    if isinstance(getattr(model, "score", None), nn.Module):
-        return GenericSequenceClassifier
-    return GenericEncoderClassifier
 
 
 def layer_list_candidates(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:

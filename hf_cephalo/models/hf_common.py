@@ -459,11 +459,16 @@ def is_causal_lm(staged: StagedModel) -> bool:
 
 def empty_logits(staged: StagedModel, input_ids: Any, device=None) -> torch.Tensor:
     """The logits of 0 rows as the model's forward would shape them: (0, T, vocab_size) for a
-    causal LM (T from ``input_ids`` (rows, T), 0 without), (0, num_labels) for a classifier."""
+    causal LM (T from ``input_ids`` (rows, T), 0 without), (0, T, C) for a head scoring every
+    position (``token_logits_width``: a token classifier's labels, a masked LM's vocabulary,
+    question answering's start and end), (0, num_labels) for a classifier."""
     config = staged.model.config
+    seq = input_ids.shape[1] if isinstance(input_ids, torch.Tensor) and input_ids.dim() > 1 \
+        else 0
     if is_causal_lm(staged):
-        seq = input_ids.shape[1] if isinstance(input_ids, torch.Tensor) and input_ids.dim() > 1 \
-            else 0
         return torch.zeros((0, seq, config.get_text_config().vocab_size), device=device)
+    width = getattr(staged, "token_logits_width", None)
+    if callable(width):
+        return torch.zeros((0, seq, width()), device=device)
     return torch.zeros((0, config.num_labels), device=device)
 

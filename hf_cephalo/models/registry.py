@@ -151,10 +151,11 @@ def _body_of(adapter: type[StagedModel]) -> type[StagedModel]:
 
 def scope_text() -> str:
     """What hf_cephalo trains, for the unsupported-model messages."""
-    return ("hf_cephalo trains the causal-LM and sequence-classification heads of Hugging Face "
-            "models (its generic path runs the model's own forward around its layers; a "
-            "vision-language model's language model on text where that forward is a causal "
-            "LM's) and, through hand-written adapters, "
+    return ("hf_cephalo trains the causal-LM, sequence-classification, image-classification, "
+            "token-classification, masked-LM and question-answering heads of Hugging Face "
+            "models whose layers run in a row (its generic path runs the model's own forward "
+            "around its layers; a vision-language model's language model on text where that "
+            "forward is a causal LM's) and, through hand-written adapters, "
             f"{', '.join(supported_model_classes())}")
 
 
@@ -189,7 +190,9 @@ def _unsupported(model: nn.Module) -> UnsupportedModelError:
                      f"{body.__module__}.{body.__qualname__} and")
         else:
             reuse = " that"
-        head = f"a {_words(kind)} head" if kind else "a head of another kind"
+        words = _words(kind) if kind else ""
+        head = f"{'an' if words[:1] in tuple('aeiou') else 'a'} {words} head" if kind \
+            else "a head of another kind"
         return UnsupportedModelError(
             f"hf_cephalo cannot train {name} ({head}): {scope}; this head is none of "
             f"those. Loading the model as another class would "
@@ -201,11 +204,12 @@ def _unsupported(model: nn.Module) -> UnsupportedModelError:
         f"{register}.", [])
 
 
-GENERIC_HEADS = ("CausalLM", "SequenceClassification")
-"""Heads the generic path (``models/generic.py``) stages for a class without an adapter by
-their name. A class with another head (``...ForConditionalGeneration``) is staged as a causal
-LM where its own forward on text computes one and the staging is exact, both proven on a tiny
-copy (``_generic_text_lm``)."""
+GENERIC_HEADS = ("CausalLM", "SequenceClassification", "ImageClassification",
+                 "TokenClassification", "MaskedLM", "QuestionAnswering")
+"""Heads the generic path (``models/generic.py``, ``models/generic_heads.py``) stages for a
+class without an adapter by their name. A class with another head
+(``...ForConditionalGeneration``) is staged as a causal LM where its own forward on text
+computes one and the staging is exact, both proven on a tiny copy (``_generic_text_lm``)."""
 
 
 def _generic(model: nn.Module) -> StagedModel:
@@ -220,6 +224,49 @@ def _generic(model: nn.Module) -> StagedModel:
         raise UnsupportedModelError(
             f"hf_cephalo cannot train {name} exactly: {exc}. Nothing was run. Train it through "
             f"a hand-written adapter ({GUIDE}) or report the class.", []) from exc
+
+
+def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
+    """The refusal of an encoder-decoder model (its forward takes ``decoder_input_ids``: T5,
+    BART, Marian, Whisper, and their classifiers), None for any other model. Its decoder
+    layers read the encoder's output through cross-attention: a tensor made by one layer
+    stack and read by every layer of another, whose gradient must flow back into the encoder,
+    which the engine does not carry between units."""
+    import inspect
+    if "decoder_input_ids" not in inspect.signature(type(model).forward).parameters:
+        return None
+    name = type(model).__name__
+    return UnsupportedModelError(
+        f"hf_cephalo cannot train {name}: it is an encoder-decoder model (its forward takes "
+        f"decoder_input_ids); every decoder layer reads the encoder's output through "
+        f"cross-attention, a tensor that crosses layer units and must carry its gradient back "
+        f"into the encoder, and the layered engine does not carry such side inputs between "
+        f"units yet. Nothing was run. A decoder-only or encoder-only model of the task trains "
+        f"({scope_text()}); to train this one, write an adapter (see {GUIDE}).", [])
+
+
+def _generic_any(model: nn.Module, kind: str) -> StagedModel:
+    """The generic path for a model with a head (``_generic`` or ``_generic_text_lm`` by its
+    ``kind``), encoder-decoders refused first; any exception on the way becomes one
+    UnsupportedModelError naming the class and the cause (a model outside the path is refused,
+    never crashes)."""
+    refusal = _encoder_decoder(model)
+    if refusal is not None:
+        raise refusal
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    if kind not in GENERIC_HEADS and not isinstance(getattr(text, "vocab_size", None), int):
+        raise _unsupported(model)  # no vocabulary: no causal LM to prove, another kind of head
+    try:
+        return _generic(model) if kind in GENERIC_HEADS else _generic_text_lm(model)
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one refusal with the cause, never a raw error
+        name = type(model).__name__
+        raise UnsupportedModelError(
+            f"hf_cephalo cannot train {name}: staging it on the generic path failed "
+            f"({type(exc).__name__}: {str(exc)[:300]}). Nothing was run. {scope_text()}; to "
+            f"train this class, write an adapter (see {GUIDE}) or report the class.", []) from exc
 
 
 def _generic_text_lm(model: nn.Module) -> StagedModel:
@@ -321,11 +368,14 @@ def _stage(model: nn.Module) -> StagedModel:
         adapter = adapter_for(model)
     except UnsupportedModelError:
         inner = unwrap_peft_model(model) if is_peft_model(model) else model
+        refusal = _encoder_decoder(inner) if hasattr(inner, "config") else None
+        if refusal is not None:  # whatever its name says (MarianMTModel, EncoderDecoderModel)
+            raise refusal from None
         kind = _model_head_kind(inner)
         if kind is None or _is_base_model(inner) or not hasattr(inner, "config"):
             raise
         check_transformers_version(transformers.__version__)
-        return _generic(inner) if kind in GENERIC_HEADS else _generic_text_lm(inner)
+        return _generic_any(inner, kind)
     if is_peft_model(model):
         model = model.base_model.model
     if adapter.__module__.startswith("hf_cephalo.models."):

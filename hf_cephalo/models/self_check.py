@@ -27,9 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_cephalo.models.generic import (Layout, NotCausalLMError, staged_class,
-                                       StructureError, causal_lm_problem, ctx_requires_grad,
-                                       forward_inputs, layer_list_candidates, trace_layout)
+from hf_cephalo.models.generic import (Layout, NotCausalLMError, StructureError,
+                                       causal_lm_problem, ctx_requires_grad, forward_inputs,
+                                       layer_list_candidates, trace_layout)
+from hf_cephalo.models.generic_heads import (CAUSAL_LM, CLASSIFIER_TASKS, ENCODER_TASKS,
+                                             IMAGE_CLASSIFICATION, SEQUENCE_CLASSIFICATION,
+                                             image_batch, staged_class, task_of, token_labels)
 from hf_cephalo.models.shrink import TINY_MAX_NUMEL, int_field, tiny_config, tiny_numel
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -53,16 +56,23 @@ class Proof:
 _CACHE: dict[tuple, Proof | StructureError] = {}
 
 
-def _check_batch(config: Any, classifier: bool, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Four rows of 9 tokens: left padding on one row (classifier) or right padding (causal
-    LM), labels with ignored positions; pad ids avoided in the real tokens."""
+def _check_batch(config: Any, task: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The tiny copy's batch for its task: four images (image classification), else four
+    rows of 9 tokens with left padding on one row (sequence classifier) or right padding
+    (the other text tasks), and the task's labels with ignored positions; pad ids avoided in
+    the real tokens. ValueError when the config names no vocabulary or image size."""
+    if task == IMAGE_CLASSIFICATION:
+        return image_batch(config, seed=seed)
     g = torch.Generator().manual_seed(seed)
     pad = getattr(config.get_text_config(), "pad_token_id", None)  # a config may define none
-    vocab = config.get_text_config().vocab_size
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ValueError(f"{type(config).__name__} names no vocabulary size (vocab_size) to "
+                         "build the check's token ids")
     ids = torch.randint(4, vocab - 8, (4, 9), generator=g)
     mask = torch.ones_like(ids)
     pad_id = pad if isinstance(pad, int) else 0
-    if classifier:
+    if task == SEQUENCE_CLASSIFICATION:
         mask[1, :3] = 0
         ids[1, :3] = pad_id
         kind = config.problem_type or ("regression" if config.num_labels == 1
@@ -73,11 +83,14 @@ def _check_batch(config: Any, classifier: bool, seed: int = 0) -> dict[str, torc
             labels = (torch.rand(4, config.num_labels, generator=g) > 0.5).float()
         else:
             labels = torch.randn(4, config.num_labels, generator=g).squeeze(-1)
-    else:
-        mask[2, 6:] = 0
-        ids[2, 6:] = pad_id
-        labels = ids.masked_fill(mask == 0, -100)
-        labels[0, :2] = -100
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    mask[2, 6:] = 0
+    ids[2, 6:] = pad_id
+    if task != CAUSAL_LM:
+        return {"input_ids": ids, "attention_mask": mask,
+                **token_labels(task, config, ids, mask, g)}
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, :2] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -213,9 +226,10 @@ def check_class(cls: type, config: Any) -> Proof:
 
 def _check(cls: type, config: Any) -> Proof:
     cfg = tiny_config(config)
-    classifier = any(c.__name__.endswith("ForSequenceClassification") for c in cls.__mro__)
+    task = task_of(cls)
+    task = task if task in ENCODER_TASKS else CAUSAL_LM  # another name: a causal LM, if proven
     text = cfg.get_text_config()
-    if classifier and getattr(text, "pad_token_id", None) is None:
+    if task == SEQUENCE_CLASSIFICATION and getattr(text, "pad_token_id", None) is None:
         text.pad_token_id = 0  # pooling needs one (stock refuses more rows without it too)
     try:
         numel = tiny_numel(cls, cfg)
@@ -238,8 +252,12 @@ def _check(cls: type, config: Any) -> Proof:
         raise StructureError(f"could not build a tiny copy of {cls.__name__} to check the "
                              f"staging ({type(exc).__name__}: {exc})") from exc
     _perturb(tiny)
-    batch = _check_batch(cfg, classifier)
-    if not classifier:  # a causal LM by what its forward computes on text, whatever its name
+    try:
+        batch = _check_batch(cfg, task)
+    except ValueError as exc:
+        raise StructureError(f"could not build the check's batch for a tiny {cls.__name__} "
+                             f"({exc})") from exc
+    if task == CAUSAL_LM:  # a causal LM by what its forward computes on text, whatever its name
         problem, label_shift = causal_lm_problem(tiny, batch)
         if problem is not None:
             raise NotCausalLMError(f"{cls.__name__}'s own forward on text (input_ids, "
@@ -247,13 +265,13 @@ def _check(cls: type, config: Any) -> Proof:
     else:
         label_shift = True
     try:
-        return _prove(cls, tiny, batch, classifier, label_shift)
+        return _prove(cls, tiny, batch, task, label_shift)
     except StructureError as exc:
-        exc.causal_lm = not classifier  # proven a causal LM above; the staging failed
+        exc.causal_lm = task == CAUSAL_LM  # proven a causal LM above; the staging failed
         raise
 
 
-def _prove(cls: type, tiny: nn.Module, batch: dict, classifier: bool,
+def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
            label_shift: bool = True) -> Proof:
     """The layout of the tiny copy ``tiny`` of ``cls`` (a causal LM's loss shifting its labels
     or not: ``label_shift``), its staging compared with its own forward on ``batch``;
@@ -270,7 +288,7 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, classifier: bool,
         problem = _compare(tiny, staged, batch)
         if problem is not None and _equal_in_float64(tiny, batch, layout):
             problem = None  # [Note: fp32 rounding or another computation]
-        plain = (not classifier) and _plain_head(tiny, staged, batch)
+        plain = task == CAUSAL_LM and _plain_head(tiny, staged, batch)
     except StructureError:
         raise
     except Exception as exc:  # noqa: BLE001

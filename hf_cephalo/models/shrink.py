@@ -300,6 +300,7 @@ def tiny_config(config: Any) -> Any:
     befores = {id(sub): dict(vars(sub)) for sub in subs}
     for sub in subs:
         _shrink_valid(sub, tree_widths)
+        _keep_embedding_apart(sub, befores[id(sub)])
     for sub in subs:
         _derive_into_parts(sub, befores)
         if _get(sub, "use_cache") is True:
@@ -311,6 +312,16 @@ def tiny_config(config: Any) -> Any:
     impl = getattr(config, "_attn_implementation", None)
     cfg._attn_implementation = impl if impl in ("eager", "sdpa") else None  # auto: sdpa or eager
     return cfg
+
+
+def _keep_embedding_apart(cfg: Any, before: dict) -> None:
+    """An embedding width the config keeps apart from the model width (ELECTRA's and ALBERT's
+    ``embedding_size``, projected to ``hidden_size`` by a module that exists only then) stays
+    apart: shrunk to half the tiny model width, so the tiny copy has the projection too."""
+    emb, hidden = before.get("embedding_size"), before.get("hidden_size")
+    if isinstance(emb, int) and isinstance(hidden, int) and emb != hidden \
+            and int_field(cfg, "embedding_size") == int_field(cfg, "hidden_size"):
+        _set(cfg, "embedding_size", _SIZES["hidden_size"] // 2)
 
 
 SHRINK_VARIANTS = ({}, {"group_heads": True}, {"head_width": 16},

@@ -140,15 +140,28 @@ def _probe_subsets(num_rows: int, batch_sizes: Sequence[int]) -> list[range]:
     return [s for s in dict.fromkeys(subsets) if len(s)]
 
 
+def _private_copy(collate_fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """A deep copy of ``collate_fn`` (a generator it owns included), or ``collate_fn`` itself
+    where it cannot be copied (a closure over such state is then advanced by the check)."""
+    import copy
+    try:
+        return copy.deepcopy(collate_fn)
+    except Exception:  # noqa: BLE001 - an uncopyable collator: checked as it is
+        return collate_fn
+
+
 def check_global_width(collate_fn: Callable[[list[Any]], Any], samples: Sequence[Any],
                        batch_sizes: Sequence[int]) -> str | None:
     """Whether collating rows plus the global batch's widest rows reproduces the whole-batch
     collation of ``samples`` (one global batch) exactly, for the rank slices of
     ``batch_sizes`` and a few other subsets ([Note: the global width]). Returns None if so,
-    else the reason. The generators are given back their states (a random collator is not
-    advanced by the check)."""
+    else the reason. The generators are given back their states, and the check calls a copy
+    of the collator, so a random collator is not advanced by the check, neither the global
+    generators nor its own (``DataCollatorForLanguageModeling(seed=...)`` keeps one): its
+    draws stay those of one process calling it once per global batch."""
     name = collator_name(collate_fn)
     try:
+        collate_fn = _private_copy(collate_fn)
         with preserved_rng():
             full = collate_fn(list(samples))
             full_widths = row_widths(full, len(samples), name)

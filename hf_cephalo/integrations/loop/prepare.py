@@ -18,6 +18,7 @@ unprepared loader keeps its length.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any
@@ -155,11 +156,27 @@ def job_from_accelerator(accelerator, train_loader: DataLoader | None, seed: int
 
 
 def _output_class(staged):
-    from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutput
+    """The output type the model's own forward returns, called as ``cls(loss=, logits=)``: a
+    causal LM's, a token head's, a masked LM's, a question-answering model's (its stacked
+    logits (m, S, 2) split into ``start_logits`` / ``end_logits``), else a classifier's."""
+    from transformers import modeling_outputs as outputs
 
     from hf_cephalo.models.hf_common import is_causal_lm
 
-    return CausalLMOutputWithPast if is_causal_lm(staged) else SequenceClassifierOutput
+    if is_causal_lm(staged):
+        return outputs.CausalLMOutputWithPast
+    split = tuple(getattr(staged, "prediction_outputs", None) or ())
+    if split:
+        return functools.partial(_split_output, outputs.QuestionAnsweringModelOutput, split)
+    kind = type(staged.model).__name__.rpartition("For")[2]
+    return {"MaskedLM": outputs.MaskedLMOutput,
+            "TokenClassification": outputs.TokenClassifierOutput}.get(
+        kind, outputs.SequenceClassifierOutput)
+
+
+def _split_output(cls, names: tuple[str, ...], loss, logits):
+    """``cls(loss=loss, name_j=logits[..., j])``: a head whose logits stack several outputs."""
+    return cls(loss=loss, **{name: logits[..., j] for j, name in enumerate(names)})
 
 
 def prepare_loop(accelerator, args: tuple) -> tuple:

@@ -73,6 +73,8 @@ class EngineEvaluationMixin:
         """
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
+        if not prediction_loss_only:
+            self._check_prediction_outputs()
         self.model.eval()
         loss_sum, num_items, local, has_labels = 0.0, 0, [], bool(self.label_names)
         for indices, microbatches in zip(dataloader.batch_sampler.local_batches(), dataloader):
@@ -116,6 +118,24 @@ class EngineEvaluationMixin:
         head_calls.finish(out.num_items)
         return out
 
+    def _prediction_outputs(self) -> tuple[str, ...]:
+        """The model outputs the staged head stacks on the last dimension of its logits (a
+        question-answering model's ``start_logits`` and ``end_logits``), which stock's
+        evaluation returns as a tuple of predictions; () for one output."""
+        return tuple(getattr(self.session.staged, "prediction_outputs", None) or ())
+
+    def _check_prediction_outputs(self) -> None:
+        """ValueError, on every rank before the evaluation's first collective, for
+        ``preprocess_logits_for_metrics`` on a model with several outputs: stock hands it the
+        tuple of outputs, which the engine's per-row predictions do not reproduce."""
+        outputs = self._prediction_outputs()
+        if outputs and self.preprocess_logits_for_metrics is not None:
+            raise ValueError(
+                f"preprocess_logits_for_metrics is not supported for "
+                f"{type(self.session.staged.model).__name__}: stock hands it the tuple "
+                f"({', '.join(outputs)}), and hf_cephalo's evaluation keeps one tensor per row; "
+                "drop it and compute from the predictions tuple in compute_metrics instead.")
+
     def _microbatch_predictions(self, logits: torch.Tensor, microbatch) -> torch.Tensor:
         """One microbatch's predictions on the CPU: ``preprocess_logits_for_metrics`` (on the
         device, as stock Trainer applies it) of its logits. The engine calls this right after
@@ -158,6 +178,8 @@ class EngineEvaluationMixin:
         if not rows:
             return _GatheredPredictions(None, None, None, None)
         predictions = _stack_padded([row.prediction for row in rows], -100)
+        if self._prediction_outputs():  # (N, S, k) -> k arrays (N, S), as stock's tuple
+            predictions = tuple(predictions[..., j] for j in range(predictions.shape[-1]))
         labels = None
         if has_labels:
             labels = tuple(_stack_padded([row.labels[k] for row in rows], -100)

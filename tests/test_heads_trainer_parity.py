@@ -1,0 +1,224 @@
+"""The generic path's encoder heads through CephaloTrainer equal STOCK Trainer (issue 47).
+
+One launched group per world size, five sub-cases in each: a DINOv2 image classifier
+(``pixel_values``), a Swin image classifier (two stages of different sizes, the hidden states
+(m, 16, 16) then (m, 4, 32) between them), a BERT NER model with ``DataCollatorForTokenClassification``, a BERT
+masked LM with ``DataCollatorForLanguageModeling(mlm=True, seed=...)`` and a RoBERTa
+question-answering model (``start_positions`` / ``end_positions``). 2 ranks with an uneven plan
+(b = [1, 3], m = [1, 2], r = [0.35, 0.65]) and 3 ranks with an idle rank that holds state
+(b = [2, 0, 2], m = [1, 1, 2], r = [0.0, 0.6, 0.4]); stock Trainer with the whole global batch
+(4) in one process, sequential order, so both see the same global batches. Compared: the
+logged loss and gradient norm of each step (SGD with clipping), the final weights, the eval
+loss, for the NER model the eval accuracy and predictions (dataset order, at the scored
+positions), for the QA model its (start_logits, end_logits) predictions at each row's tokens.
+
+The masked LM's masks are random: the collator draws them for the batch it is given from its
+own generator (``seed``). The runtime hands a random collator the whole global batch on every
+rank that has rows in the step, once per step ([Note: the global width]'s fallback), and the
+first step's check calls a copy of it, so its draws are those of stock's one process. The eval
+set is one global batch (4 rows; the door evaluates in global batches of the plan's size) and
+stock's one eval batch: stock averages per-batch means, the engine takes the item mean of the
+whole set (docs/trainer_support.md), equal for one batch; and the masked LM's eval rows are
+then masked alike. fp32, rtol 1e-5 / atol 1e-6.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import numpy as np
+import torch
+import transformers
+
+from tests.dist_utils import budget_s, run_ranks, test_timeout
+
+RTOL, ATOL = 1e-5, 1e-6
+LR, MAX_NORM, SEED, MASK_SEED, N_TRAIN, N_EVAL, STEPS = 0.1, 0.5, 7, 5, 8, 4, 2
+PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]), 3: ([2, 0, 2], [1, 1, 2], [0.0, 0.6, 0.4])}
+GLOBAL_BATCH = 4
+VOCAB, NUM_LABELS, PAD, MASK = 60, 5, 0, 1
+CASES = ("dinov2", "swin", "bert_ner", "bert_mlm", "roberta_qa")
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+TEXT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+            intermediate_size=48, max_position_embeddings=40, pad_token_id=PAD, **NO_DROPOUT)
+JOB_S = 60.0  # one launched group, four cases (2-core machine under load)
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(3)
+    if name == "dinov2":
+        cfg = transformers.Dinov2Config(hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                        mlp_ratio=2, image_size=28, patch_size=7, num_labels=3,
+                                        **NO_DROPOUT)
+        return transformers.Dinov2ForImageClassification(cfg)
+    if name == "swin":  # stages of different sizes; the hidden states shrink between them
+        cfg = transformers.SwinConfig(image_size=28, patch_size=7, embed_dim=16, depths=[1, 2],
+                                      num_heads=[2, 2], window_size=2, num_labels=3,
+                                      drop_path_rate=0.0, **NO_DROPOUT)
+        return transformers.SwinForImageClassification(cfg)
+    if name == "bert_ner":
+        return transformers.BertForTokenClassification(
+            transformers.BertConfig(num_labels=NUM_LABELS, **TEXT))
+    if name == "bert_mlm":
+        return transformers.BertForMaskedLM(transformers.BertConfig(**TEXT))
+    return transformers.RobertaForQuestionAnswering(transformers.RobertaConfig(**TEXT))
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"<pad>": PAD, "<mask>": MASK, **{f"t{i}": i for i in range(2, VOCAB)}}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>",
+        mask_token="<mask>")
+
+
+def _samples(name: str, n: int, seed: int) -> list[dict]:
+    """Rows of 3..12 tokens (lists: the collator pads them), or 28 x 28 images."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        if name in ("dinov2", "swin"):
+            rows.append({"pixel_values": torch.randn(3, 28, 28, generator=g),
+                         "labels": torch.tensor(i % 3)})
+            continue
+        length = int(torch.randint(3, 13, (), generator=g))
+        ids = torch.randint(2, VOCAB, (length,), generator=g).tolist()
+        row = {"input_ids": ids}
+        if name == "bert_ner":
+            labels = torch.randint(0, NUM_LABELS, (length,), generator=g).tolist()
+            row["labels"] = [-100] + labels[1:]  # a position not scored, as for subwords
+        elif name == "roberta_qa":
+            start = int(torch.randint(0, length, (), generator=g))
+            row.update(start_positions=start, end_positions=min(start + 2, length - 1))
+        rows.append(row)
+    return rows
+
+
+def _collator(name: str):
+    if name in ("dinov2", "swin"):
+        return transformers.default_data_collator
+    if name == "bert_ner":
+        return transformers.DataCollatorForTokenClassification(_tokenizer())
+    if name == "bert_mlm":
+        return transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=True,
+                                                            mlm_probability=0.3, seed=MASK_SEED)
+    return transformers.DataCollatorWithPadding(_tokenizer())
+
+
+def _ner_accuracy(prediction) -> dict:
+    labels = prediction.label_ids
+    keep = labels != -100
+    return {"accuracy": float((prediction.predictions.argmax(-1)[keep] == labels[keep]).mean())}
+
+
+def _args(name: str, out_dir: str) -> dict:
+    return dict(output_dir=os.path.join(out_dir, name), report_to="none", optim="sgd",
+                learning_rate=LR, max_grad_norm=MAX_NORM, max_steps=STEPS, logging_steps=1,
+                save_strategy="no", seed=SEED, train_sampling_strategy="sequential",
+                disable_tqdm=True, use_cpu=True,
+                prediction_loss_only=name not in ("bert_ner", "roberta_qa"))
+
+
+def _logs(trainer):
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    return [h["loss"] for h in logs], [h["grad_norm"] for h in logs]
+
+
+def _result(trainer, name: str, model_of) -> dict:
+    """Logged steps, eval metrics (and NER predictions), then the final weights: ``model_of()``
+    after evaluation (the engine re-shards the model for an evaluation)."""
+    losses, norms = _logs(trainer)
+    metrics = trainer.evaluate(_samples(name, N_EVAL, 1))
+    out = dict(losses=losses, norms=norms, eval_loss=metrics["eval_loss"])
+    if name == "bert_ner":
+        out["accuracy"] = metrics["eval_accuracy"]
+        predicted = trainer.predict(_samples(name, N_EVAL, 1))
+        # the scored positions' logits: at a padded position stock returns the model's logits
+        # on the pad token where its batch was that wide, the door -100 where this rank's
+        # microbatch was narrower (padding, which no metric reads)
+        out["predictions"] = np.asarray(predicted.predictions)[predicted.label_ids != -100]
+    if name == "roberta_qa":  # stock's (start_logits, end_logits) tuple, each row's tokens
+        samples = _samples(name, N_EVAL, 1)
+        start, end = trainer.predict(samples).predictions
+        out["predictions"] = np.concatenate([np.concatenate([s[:len(r["input_ids"])],
+                                                             e[:len(r["input_ids"])]])
+                                             for s, e, r in zip(start, end, samples)])
+    out["state"] = {k: v.detach().clone().numpy() for k, v in model_of().state_dict().items()}
+    return out
+
+
+def _worker(rank: int, world: int, out_dir: str) -> dict:
+    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+    from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
+    from hf_cephalo.planner import Plan
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    # a rank that torchrun starts is its process's main process; these forked ranks are not,
+    # and the masked-LM collator's seeded generator is made only in a main process or a
+    # DataLoader worker
+    multiprocessing.current_process().name = "MainProcess"
+    results = {}
+    for name in CASES:
+        trainer = CephaloTrainer(
+            model=_model(name), plan=Plan.from_ratios(*PLANS[world]),
+            args=CephaloTrainingArguments(per_device_eval_batch_size=N_EVAL // world,
+                                          **_args(name, out_dir)),
+            data_collator=_collator(name), train_dataset=_samples(name, N_TRAIN, 0),
+            compute_metrics=_ner_accuracy if name == "bert_ner" else None)
+        trainer.train()
+        results[name] = _result(trainer, name, trainer.unshard_model)
+    return results
+
+
+def _stock(name: str, out_dir: str) -> dict:
+    model = _model(name)
+    args = transformers.TrainingArguments(per_device_train_batch_size=GLOBAL_BATCH,
+                                          per_device_eval_batch_size=N_EVAL,
+                                          **_args(name, os.path.join(out_dir, "stock")))
+    trainer = transformers.Trainer(model=model, args=args, data_collator=_collator(name),
+                                   train_dataset=_samples(name, N_TRAIN, 0),
+                                   compute_metrics=_ner_accuracy if name == "bert_ner" else None)
+    trainer.train()
+    return _result(trainer, name, lambda: model)
+
+
+def _check_world(world: int, out_dir: str) -> None:
+    runs = run_ranks(_worker, world, out_dir, timeout_s=budget_s(JOB_S))
+    worst: dict[str, float] = {}
+    for name in CASES:
+        ref = _stock(name, out_dir)
+        assert len(ref["losses"]) == STEPS and max(ref["norms"]) > MAX_NORM, name  # clipped
+        for rank, got in enumerate(runs):
+            got = got[name]
+            where = f"{name} world {world} rank {rank}"
+            for what in ("losses", "norms", "eval_loss", "accuracy", "predictions"):
+                if what in ref:
+                    torch.testing.assert_close(
+                        torch.as_tensor(np.asarray(got[what]), dtype=torch.float64),
+                        torch.as_tensor(np.asarray(ref[what]), dtype=torch.float64),
+                        rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {what}: {m}")
+                    diff = np.abs(np.asarray(got[what], dtype=np.float64)
+                                  - np.asarray(ref[what], dtype=np.float64)).max()
+                    worst[what] = max(worst.get(what, 0.0), float(diff))
+            assert set(got["state"]) == set(ref["state"]), where
+            for key, value in ref["state"].items():
+                torch.testing.assert_close(torch.as_tensor(got["state"][key]),
+                                           torch.as_tensor(value), rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{where} {key}: {m}")
+                worst["state"] = max(worst.get("state", 0.0),
+                                     float(np.abs(got["state"][key] - value).max()))
+    print(f"world {world} max |diff| " + " ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+
+
+@test_timeout(JOB_S, margin_s=120)
+def test_encoder_heads_trainer_matches_stock_two_ranks(tmp_path):
+    _check_world(2, str(tmp_path))
+
+
+@test_timeout(JOB_S, margin_s=120)
+def test_encoder_heads_trainer_matches_stock_three_ranks(tmp_path):
+    _check_world(3, str(tmp_path))
