@@ -26,7 +26,7 @@ SMOKE = {
     "bench_planner": "reference recurrence on Cluster B",
     "bench_padding": "padded tokens / real tokens",
     "bench_generic": "self-check at start",
-    "model_coverage": "1 classes, 1 build, 1 exact",
+    "model_coverage": "Of 1 classes, 1 build; of those 1 are exact",
     "bench_precision_error": "| fp32 |",
     "bench_collectives": "even, variable: all-gathers",
     "bench_dataload": "",
