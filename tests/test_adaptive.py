@@ -14,7 +14,7 @@ One process group per world size runs every sub-case:
   (that rank frozen), a warning, no crash;
 - resume (2 ranks): a run resumed from a checkpoint written after the switch trains on the
   checkpoint's split from its first step, on the same trajectory;
-- measured (2 ranks): the emulated slowdown schedule makes rank 1 4x slower from step 1 and the
+- measured (2 ranks): the emulated slowdown schedule makes rank 1 4x slower from step 0 and the
   real timers (no injection) make the plan move work off it, with the same trajectory;
 - state mode (2 ranks, ``--cephalo_adaptive state``, SGD with momentum so that optimizer state
   must move; not AdamW: see MOMENTUM): on a cluster whose memory caps bind
@@ -200,7 +200,7 @@ def _worker(rank, world_size, out_dir):
                                 local_row=_injected(scales, bad={1: [2.0, 0.5, float("nan"),
                                                                      0.1, 4.0, 0.0]}))
         out["measured"] = _train(out_dir, "measured", world_size, adaptive="batch",
-                                 schedule="0:1,1;1:1,4")
+                                 schedule="0:1,4")
         # state mode on the capped cluster, SGD with momentum (its buffers move with the shards):
         # rank 0 reads 3x slower, r_i is re-laid in memory after step 4; then a resume from the
         # checkpoint written after that switch

@@ -52,15 +52,20 @@ def _benchmark_imports():
 
 @pytest.fixture()
 def _restored(monkeypatch):
-    """Ranks from the forkserver; the environment and torch's threads as they were after."""
+    """Ranks from the forkserver; the environment, torch's threads and transformers' log
+    verbosity as they were after (a later test in this process reads transformers' logs)."""
     from rank_launch import START_ENV
 
+    import transformers
+
     env, threads = dict(os.environ), torch.get_num_threads()
+    verbosity = transformers.logging.get_verbosity()  # model_coverage sets it to errors
     monkeypatch.setenv(START_ENV, "forkserver")
     yield
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(threads)
+    transformers.logging.set_verbosity(verbosity)
 
 
 @pytest.mark.parametrize("name", list(SMOKE))
