@@ -7,7 +7,7 @@ CephaloDPOTrainer". Requires the ``trl`` extra (written against TRL 1.16).
 
 [Note: a preference pair is one sample]
 TRL's collator returns the ``m`` chosen rows, then the ``m`` rejected ones, and the DPO loss is a
-MEAN over pairs. So a pair is one sample of the weighted split: ``PairRows`` folds a batch to one
+MEAN over pairs. So a pair is one sample of the weighted split: ``pairs.PairRows`` folds a batch to one
 ``(2, ...)`` row per pair (both sequences stay on one rank, in one microbatch, padded as one
 process pads the global batch), ``unfold_pairs`` restores TRL's layout before the engine runs a
 microbatch, and the item count is the number of pairs (``PairItems``), so the microbatches' pair
@@ -41,10 +41,10 @@ from hf_cephalo.integrations.trainer.trainer import CephaloTrainerMixin
 from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
                                                  trl_config_dataclass)
 from hf_cephalo.integrations.trl.fused import FusedLMHead
+from hf_cephalo.integrations.trl.pairs import PairRows, unfold_pairs
 from hf_cephalo.integrations.trl.support import DPO_FIELD_SUPPORT
 from hf_cephalo.runtime.user_loss import HeadView
 from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
-from hf_cephalo.runtime.global_width import collator_name
 
 __all__ = ["CephaloDPOConfig", "CephaloDPOTrainer"]
 
@@ -57,43 +57,6 @@ _BATCH_LOSSES = {
                     "others)",
     "sft": "a token mean over the batch's chosen completions, not a mean of per-pair terms",
 }
-
-
-class PairRows:
-    """The preference collator with one row per pair ([Note: a preference pair is one
-    sample]): ``collate_fn(examples)``'s tensors of ``2m`` rows (chosen rows, then rejected)
-    as ``(m, 2, ...)``; tensors of ``m`` rows (``ref_*_logps``) and other values as they are.
-
-    Raises ValueError naming the collator when a tensor has neither ``m`` nor ``2m`` rows."""
-
-    def __init__(self, collate_fn: Any) -> None:
-        self.collate_fn = collate_fn
-        self.data_collator = collate_fn  # what error messages name (global_width.collator_name)
-
-    def __call__(self, examples: list[Any]) -> dict[str, Any]:
-        batch, m = self.collate_fn(examples), len(examples)
-        out = {}
-        for key, value in batch.items():
-            if torch.is_tensor(value) and value.dim() >= 1 and key not in _REF_KEYS:
-                if value.shape[0] != 2 * m:
-                    raise ValueError(f"data collator {collator_name(self)} returned {key!r} of "
-                                     f"shape {tuple(value.shape)} for {m} preference pairs: "
-                                     "CephaloDPOTrainer needs 2 rows per pair (the chosen rows, "
-                                     "then the rejected ones), as TRL's "
-                                     "DataCollatorForPreference returns them")
-                value = torch.stack([value[:m], value[m:]], dim=1)
-            out[key] = value
-        return out
-
-
-def unfold_pairs(microbatch: Microbatch) -> dict[str, Any]:
-    """A ``PairRows`` microbatch in TRL's layout: each ``(m, 2, ...)`` tensor as ``2m`` rows,
-    the ``m`` chosen rows first."""
-    out = dict(microbatch)
-    for key, value in microbatch.items():
-        if torch.is_tensor(value) and value.dim() >= 2 and key not in _REF_KEYS:
-            out[key] = torch.cat([value[:, 0], value[:, 1]])
-    return out
 
 
 class PairItems(WrappedStagedModel):
@@ -195,7 +158,7 @@ class CephaloDPOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, DPOTr
                  **kwargs: Any) -> None:
         self._script_args = args  # read by _hook_problems, inside the mixin's __init__
         super().__init__(model, args, ref_model=ref_model, **kwargs)
-        self.data_collator = PairRows(self.data_collator)
+        self.data_collator = PairRows(self.data_collator, _REF_KEYS, "CephaloDPOTrainer")
         self._reference = None  # [Note: the reference log-probabilities]
         if not self.precompute_ref_logps:
             if self.ref_model is not None:
@@ -244,7 +207,7 @@ class CephaloDPOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, DPOTr
     def _engine_microbatches(self, microbatches: list) -> list:
         """Each pair unfolded into TRL's rows; the step's reference log-probabilities added
         ([Note: the reference log-probabilities])."""
-        microbatches = [unfold_pairs(mb) for mb in microbatches]
+        microbatches = [unfold_pairs(mb, _REF_KEYS) for mb in microbatches]
         if self._reference is not None:
             self._reference(microbatches)
         return microbatches

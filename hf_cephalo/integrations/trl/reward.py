@@ -10,7 +10,7 @@ TRL 1.16).
 TRL's ``DataCollatorForPreference`` returns the ``m`` chosen rows, then the ``m`` rejected ones
 (and ``margin``, one value per pair); the loss ``-logsigmoid(r_c - r_r [- margin])`` plus
 ``center_rewards_coefficient * mean((r_c + r_r)^2)`` is a MEAN over pairs. So a pair is one sample
-of the weighted split: ``RewardPairRows`` folds a batch to one ``(2, ...)`` row per pair (both
+of the weighted split: ``pairs.PairRows`` folds a batch to one ``(2, ...)`` row per pair (both
 sequences on one rank, in one microbatch, padded to the global batch's width), ``unfold_pairs``
 restores TRL's layout before the engine runs a microbatch, and the item count is the number of
 pairs (``RewardPairItems``): the microbatches' pair means times ``m / N`` add up to the global
@@ -40,50 +40,13 @@ except ImportError as exc:  # the optional extra
 from hf_cephalo.integrations.trainer.trainer import CephaloTrainerMixin
 from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
                                                  trl_config_dataclass)
+from hf_cephalo.integrations.trl.pairs import PairRows, unfold_pairs
 from hf_cephalo.integrations.trl.support import REWARD_FIELD_SUPPORT
 from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
-from hf_cephalo.runtime.global_width import collator_name
 
 __all__ = ["CephaloRewardConfig", "CephaloRewardTrainer"]
 
 _PER_PAIR_KEYS = ("margin",)  # one value per pair, not per row
-
-
-class RewardPairRows:
-    """The preference collator with one row per pair ([Note: a reward pair is one sample]):
-    ``collate_fn(examples)``'s tensors of ``2m`` rows (chosen rows, then rejected) as
-    ``(m, 2, ...)``; ``margin`` (m,) and non-tensor values as they are.
-
-    Raises ValueError naming the collator when a row tensor has not ``2m`` rows."""
-
-    def __init__(self, collate_fn: Any) -> None:
-        self.collate_fn = collate_fn
-        self.data_collator = collate_fn  # what error messages name (global_width.collator_name)
-
-    def __call__(self, examples: list[Any]) -> dict[str, Any]:
-        batch, m = self.collate_fn(examples), len(examples)
-        out = {}
-        for key, value in batch.items():
-            if torch.is_tensor(value) and value.dim() >= 1 and key not in _PER_PAIR_KEYS:
-                if value.shape[0] != 2 * m:
-                    raise ValueError(f"data collator {collator_name(self)} returned {key!r} of "
-                                     f"shape {tuple(value.shape)} for {m} preference pairs: "
-                                     "CephaloRewardTrainer needs 2 rows per pair (the chosen "
-                                     "rows, then the rejected ones), as TRL's "
-                                     "DataCollatorForPreference returns them")
-                value = torch.stack([value[:m], value[m:]], dim=1)
-            out[key] = value
-        return out
-
-
-def unfold_pairs(microbatch: Microbatch) -> dict[str, Any]:
-    """A ``RewardPairRows`` microbatch in TRL's layout: each ``(m, 2, ...)`` tensor as ``2m``
-    rows, the ``m`` chosen rows first."""
-    out = dict(microbatch)
-    for key, value in microbatch.items():
-        if torch.is_tensor(value) and value.dim() >= 2 and key not in _PER_PAIR_KEYS:
-            out[key] = torch.cat([value[:, 0], value[:, 1]])
-    return out
 
 
 class RewardPairItems(WrappedStagedModel):
@@ -163,7 +126,8 @@ class CephaloRewardTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, Re
     def __init__(self, model: Any = None, args=None, **kwargs: Any) -> None:
         self._script_args = args  # read by _hook_problems, inside the mixin's __init__
         super().__init__(model, args, **kwargs)
-        self.data_collator = RewardPairRows(self.data_collator)
+        self.data_collator = PairRows(self.data_collator, _PER_PAIR_KEYS,
+                                      "CephaloRewardTrainer")
 
     def _load_named_model(self, name: str, args, whole: bool = False):
         """A name, loaded as stock RewardTrainer loads it (``create_model_from_path`` with
@@ -195,7 +159,7 @@ class CephaloRewardTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, Re
         return RewardPairItems(staged)
 
     def _engine_microbatches(self, microbatches: list) -> list:
-        return [unfold_pairs(mb) for mb in microbatches]
+        return [unfold_pairs(mb, _PER_PAIR_KEYS) for mb in microbatches]
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """``RewardTrainer.compute_loss`` on this microbatch (its mean over the microbatch's m

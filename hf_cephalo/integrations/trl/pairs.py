@@ -1,0 +1,59 @@
+"""A preference pair as one sample: the chosen and rejected rows folded into one row and back
+(the DPO and reward doors; [Note: a preference pair is one sample] in dpo.py).
+
+TRL's preference collator returns the ``m`` chosen rows, then the ``m`` rejected ones. ``PairRows``
+folds such a batch to one ``(2, ...)`` row per pair, so the weighted split keeps both sequences of
+a pair on one rank and in one microbatch (padded as one process pads the global batch);
+``unfold_pairs`` restores TRL's layout before the engine runs a microbatch. Tensors with one value
+per pair (``per_pair_keys``: DPO's precomputed reference log-probabilities, the reward margin)
+stay as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from hf_cephalo.models.base import Microbatch
+from hf_cephalo.runtime.global_width import collator_name
+
+__all__ = ["PairRows", "unfold_pairs"]
+
+
+class PairRows:
+    """The preference collator with one row per pair: ``collate_fn(examples)``'s tensors of
+    ``2m`` rows (chosen rows, then rejected) as ``(m, 2, ...)``; ``per_pair_keys`` tensors and
+    other values as they are. ``door`` names the trainer in errors.
+
+    Raises ValueError naming the collator when a row tensor has not ``2m`` rows."""
+
+    def __init__(self, collate_fn: Any, per_pair_keys: Sequence[str], door: str) -> None:
+        self.collate_fn = collate_fn
+        self.data_collator = collate_fn  # what error messages name (global_width.collator_name)
+        self.per_pair_keys, self.door = tuple(per_pair_keys), door
+
+    def __call__(self, examples: list[Any]) -> dict[str, Any]:
+        batch, m = self.collate_fn(examples), len(examples)
+        out = {}
+        for key, value in batch.items():
+            if torch.is_tensor(value) and value.dim() >= 1 and key not in self.per_pair_keys:
+                if value.shape[0] != 2 * m:
+                    raise ValueError(f"data collator {collator_name(self)} returned {key!r} of "
+                                     f"shape {tuple(value.shape)} for {m} preference pairs: "
+                                     f"{self.door} needs 2 rows per pair (the chosen rows, then "
+                                     "the rejected ones), as TRL's DataCollatorForPreference "
+                                     "returns them")
+                value = torch.stack([value[:m], value[m:]], dim=1)
+            out[key] = value
+        return out
+
+
+def unfold_pairs(microbatch: Microbatch, per_pair_keys: Sequence[str]) -> dict[str, Any]:
+    """A ``PairRows`` microbatch in TRL's layout: each ``(m, 2, ...)`` tensor (but the
+    ``per_pair_keys`` ones) as ``2m`` rows, the ``m`` chosen rows first."""
+    out = dict(microbatch)
+    for key, value in microbatch.items():
+        if torch.is_tensor(value) and value.dim() >= 2 and key not in per_pair_keys:
+            out[key] = torch.cat([value[:, 0], value[:, 1]])
+    return out
