@@ -375,6 +375,20 @@ def _refusals(rank, world, root, plan):
         accelerator.backward(outputs.loss)
     except RuntimeError as e:
         errors["backward_twice"] = str(e)
+    # generate: a keyword refused on rank 0 only, a token outside the vocabulary on the last
+    # rank only, one row index with two prompts: every rank raises, none hangs, and the model
+    # generates afterwards
+    ids = torch.tensor([[5, 6, 7]])
+    for name, kw in (("generate_beams", dict(num_beams=2) if rank == 0 else {}),
+                     ("generate_vocab", {}),
+                     ("generate_rows", dict(generation_split=[1] + [0] * (world - 1)))):
+        bad = torch.tensor([[5, 6, 10_000]]) if name == "generate_vocab" and \
+            rank == world - 1 else ids + rank if name == "generate_rows" else ids
+        try:
+            model.generate(bad, rows=[0], max_new_tokens=2, **kw)
+        except (TypeError, ValueError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    errors["generate_after"] = model.generate(ids, rows=[rank], max_new_tokens=2).shape[1]
     # GradScalerKwargs reach the engine's sharded loss scaler (issue 37: they were dropped)
     from accelerate.utils import GradScalerKwargs
 
@@ -689,4 +703,10 @@ def test_refusals_on_every_rank(runs, world):
         assert "Pass batch_size= and shuffle=" in errors["batch_sampler"]
         assert "does not depend on this step's model outputs" in errors["not_from_outputs"]
         assert "called twice" in errors["backward_twice"]
+        assert "num_beams" in errors["generate_beams"] or \
+            "another rank's call was refused" in errors["generate_beams"], errors
+        assert "outside the model's vocabulary" in errors["generate_vocab"] or \
+            "were refused" in errors["generate_vocab"], errors
+        assert "given with different prompts" in errors["generate_rows"], errors
+        assert errors["generate_after"] == 5
         assert list(errors["scaler"]) == [1024.0, 7]  # tuples come back as lists

@@ -113,6 +113,20 @@ def _check_rows(prompt_ids, rows) -> None:
                          "prompt token (e.g. the tokenizer's BOS)")
 
 
+def _check_vocab(model, prompt_ids) -> None:
+    """ValueError for a prompt token id outside the model's input embedding."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    size = getattr(embedding, "num_embeddings", None)
+    if size is None:
+        return
+    bad = [(j, t) for j, p in enumerate(prompt_ids) for t in p if not 0 <= int(t) < size]
+    if bad:
+        j, t = bad[0]
+        raise ValueError(f"generate: prompt {j} holds token id {t}, outside the model's "
+                         f"vocabulary of {size} (ids 0..{size - 1}); tokenize with the "
+                         "model's own tokenizer")
+
+
 @torch.no_grad()
 def generate_rows(model: nn.Module, prompt_ids: Sequence[Sequence[int]], rows: Sequence[int],
                   params: SamplingParams, round_: int, *, device: torch.device | None = None,
@@ -134,9 +148,11 @@ def generate_rows(model: nn.Module, prompt_ids: Sequence[Sequence[int]], rows: S
         ``GenerateOutput`` (``mode`` empty: the caller's).
 
     Raises:
-        ValueError: ``rows`` and ``prompt_ids`` differ in length, or a prompt is empty.
+        ValueError: ``rows`` and ``prompt_ids`` differ in length, a prompt is empty or holds a
+            token id outside the vocabulary.
     """
     _check_rows(prompt_ids, rows)
+    _check_vocab(model, prompt_ids)
     device = device or next(iter(model.parameters())).device
     real = len(prompt_ids)
     if real == 0 and not lockstep:
@@ -314,6 +330,7 @@ def engine_generate(engine, prompt_ids: Sequence[Sequence[int]], rows: Sequence[
     refused = None
     try:
         _check_rows(prompt_ids, rows)
+        _check_vocab(engine.staged.model, prompt_ids)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"generate: params must be hf_cephalo SamplingParams, got "
                              f"{type(params).__name__}")

@@ -26,6 +26,8 @@ within that rounding (measured: never in the tests' runs; docs/generation.md).
 from __future__ import annotations
 
 import hashlib
+import math
+import operator
 import struct
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -34,6 +36,46 @@ import torch
 from transformers import LogitsProcessor
 
 __all__ = ["SamplingParams", "sample_key", "gumbel_noise", "KeyedSampler", "warp_logits"]
+
+
+def _token_id(value) -> int:
+    """``value`` as a token id (an int or a numpy / torch integer, not a bool)."""
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a token id")
+    return operator.index(value)
+
+
+def _token_ids(values) -> tuple[int, ...]:
+    return (_token_id(values),) if not isinstance(values, (list, tuple)) else \
+        tuple(_token_id(v) for v in values)
+
+
+def _finite(value) -> float:
+    if isinstance(value, bool) or not math.isfinite(float(value)):
+        raise ValueError("not a finite number")
+    return float(value)
+
+
+def _flag(value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError("not a bool")
+    return value
+
+
+_FIELD_CHECKS = [  # name, what it must be, cast, check on the cast value
+    ("max_new_tokens", "an int >= 1 (TRL: max_completion_length)", _token_id, lambda v: v >= 1),
+    ("do_sample", "True or False", _flag, lambda v: True),
+    ("temperature", "a finite number > 0 (TRL: temperature; greedy: do_sample=False)", _finite,
+     lambda v: v > 0),
+    ("top_k", "None, 0 (off) or a positive int", _token_id, lambda v: v is None or v >= 0),
+    ("top_p", "a number in (0, 1]", _finite, lambda v: 0 < v <= 1),
+    ("min_p", "None or a number in [0, 1]", _finite, lambda v: v is None or 0 <= v <= 1),
+    ("eos_token_ids", "token ids >= 0 (the tokenizer's EOS ids)", _token_ids,
+     lambda v: all(t >= 0 for t in v)),
+    ("pad_token_id", "a token id >= 0 (the tokenizer's pad_token_id)", _token_id,
+     lambda v: v >= 0),
+    ("seed", "an int", _token_id, lambda v: True),
+]
 
 
 @dataclass(frozen=True)
@@ -50,7 +92,8 @@ class SamplingParams:
     seed: the job's seed, part of every key.
 
     Raises:
-        ValueError: a field out of range (named, with its value).
+        ValueError: a field of the wrong type or out of range (named, with its value and what
+            it must be).
     """
 
     max_new_tokens: int
@@ -64,21 +107,16 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        checks = [
-            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-             "an int >= 1 (TRL: max_completion_length)"),
-            ("temperature", float(self.temperature) > 0, "> 0 (use do_sample=False for greedy)"),
-            ("top_k", self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 0),
-             "None, 0 (off) or a positive int"),
-            ("top_p", 0 < float(self.top_p) <= 1, "in (0, 1]"),
-            ("min_p", self.min_p is None or 0 <= float(self.min_p) <= 1, "None or in [0, 1]"),
-            ("pad_token_id", isinstance(self.pad_token_id, int) and self.pad_token_id >= 0,
-             "a token id (the tokenizer's pad_token_id)"),
-        ]
-        for name, ok, want in checks:
-            if not ok:
+        for name, want, cast, ok in _FIELD_CHECKS:
+            value = getattr(self, name)
+            try:
+                value = None if value is None and name in ("top_k", "min_p") else cast(value)
+                good = ok(value)
+            except (TypeError, ValueError, OverflowError):
+                good = False
+            if not good:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: must be {want}")
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+            object.__setattr__(self, name, value)
 
 
 def sample_key(seed: int, round_: int, row: int, position: int) -> int:

@@ -48,8 +48,8 @@ def session_generate(session, prompt_ids: Sequence[Sequence[int]], rows: Sequenc
     same either way (keyed sampling).
 
     Raises:
-        ValueError: a split of another world size or total (every rank alike, after the
-            prompts' exchange).
+        ValueError: a split of another world size or total, or one row index given with two
+            different prompts (every rank alike, after the prompts' exchange).
     """
     budget = generation_budget_bytes(session.plan, session.job.rank)
     if generation_split is None:
@@ -65,7 +65,13 @@ def session_generate(session, prompt_ids: Sequence[Sequence[int]], rows: Sequenc
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     # a row two ranks both hold (a group spanning ranks, decoded whole by each) once
-    table = sorted({r: p for part in everyone for r, p in part}.items())
+    held: dict[int, list[int]] = {}
+    clashes = sorted({r for part in everyone for r, p in part if held.setdefault(r, p) != p})
+    if clashes:  # every rank sees the same table: every rank raises
+        raise ValueError(f"generate: global row(s) {clashes[:8]} are given with different "
+                         "prompts on different ranks; a row index must name one prompt (pass "
+                         "each prompt's index in the global batch as its row)")
+    table = sorted(held.items())
     split = [int(g) for g in generation_split]
     if len(split) != world or sum(split) != len(table) or min(split) < 0:
         raise ValueError(f"generation_split {split}: needs {world} non-negative counts summing "
@@ -99,7 +105,8 @@ def sampling_from_generation_config(model, kwargs: dict, seed: int) -> SamplingP
     if unknown:
         raise TypeError(f"generate on the sharded model does not take {unknown}: it decodes "
                         f"with keyed sampling and takes {list(_GENERATE_KEYS)} (plus rows, "
-                        "round_, seed, mode); beams, penalties and streamers are not built")
+                        "round_, seed, mode, generation_split); beams, penalties and streamers "
+                        "are not built")
     config = getattr(model, "generation_config", None)
 
     def pick(name, default=None):
@@ -146,11 +153,20 @@ def generate_tensor(session, input_ids, attention_mask=None, *, rows=None,
     """
     import torch
 
-    params = sampling_from_generation_config(session.model, kwargs,
-                                             session.job.seed if seed is None else seed)
-    ids = torch.as_tensor(input_ids)
-    mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
-    prompts = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+    refused = None
+    try:  # a refusal on one rank must reach the others before any collective
+        params = sampling_from_generation_config(session.model, kwargs,
+                                                 session.job.seed if seed is None else seed)
+        ids = torch.as_tensor(input_ids)
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+        prompts = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+    except (TypeError, ValueError) as exc:
+        refused = exc
+    if session.any_rank(refused is not None):
+        if refused is not None:
+            raise refused
+        raise ValueError("generate: another rank's call was refused (its error says why); "
+                         "nothing was generated on any rank")
     if rows is None:
         counts = session.gather_rows(torch.tensor([len(prompts)], device=session.job.device))
         start = int(counts[:session.job.rank].sum())

@@ -25,11 +25,13 @@ from ..models.base import in_staged_call
 __all__ = ["SHARDED_MODEL_MESSAGE", "guard_sharded_model", "is_sharded", "restore_full_model"]
 
 SHARDED_MODEL_MESSAGE = (
-    "this model's parameters are sharded across ranks by CephaloTrainer (its local tensors are "
-    "empty placeholders): save it with trainer.save_model(output_dir) (every rank calls it; "
-    "rank 0 writes a from_pretrained checkpoint), or call trainer.unshard_model() on every rank "
-    "to get full weights back into this object; to generate, call generate on the trainer or "
-    "on the prepared model instead (collective; docs/generation.md)")
+    "this model's parameters are sharded across ranks by hf_cephalo (its local tensors are "
+    "empty placeholders): save it with trainer.save_model(output_dir) or, in an Accelerate loop, "
+    "accelerator.save_model(model, output_dir) (every rank calls it; rank 0 writes a "
+    "from_pretrained checkpoint); get full weights back into this object with "
+    "trainer.unshard_model() (every rank) or accelerator.get_state_dict(model); to generate, "
+    "call generate on the trainer or on the prepared model instead (collective; "
+    "docs/generation.md)")
 
 
 def is_sharded(model: nn.Module, full_numel: int) -> bool:

@@ -45,6 +45,16 @@ def generation_problems(args) -> list[str]:
     if getattr(args, "max_completion_length", 1) is None:
         problems.append("max_completion_length = None: built-in generation needs a completion "
                         "length limit")
+    checks = (("temperature", "> 0 (keyed sampling divides the logits by it)",
+               lambda v: v > 0),
+              ("top_p", "in (0, 1]", lambda v: 0 < v <= 1),
+              ("top_k", ">= 0 (0: off)", lambda v: v is None or v >= 0),
+              ("min_p", "in [0, 1]", lambda v: v is None or 0 <= v <= 1),
+              ("max_completion_length", ">= 1", lambda v: v is None or v >= 1))
+    for name, want, ok in checks:
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            problems.append(f"{name} = {value}: built-in generation needs {want}")
     return problems
 
 
