@@ -31,15 +31,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """One checkpoint tensor: its key, file (absolute path) and shape."""
-
-    key: str
-    path: str
-    shape: tuple[int, ...]
-
-
 @dataclass
 class CheckpointFiles:
     """A resolved safetensors checkpoint.

@@ -492,10 +492,6 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
                              "instead (e.g. TRL's use_liger_kernel / fused log-probs off).")
         return self.model.get_output_embeddings()
 
-    def has_plain_head(self) -> bool:
-        """True when ``output_head`` may be used (see ``Layout.plain_head``)."""
-        return self.layout.plain_head
-
 
 class GenericEncoderClassifier(GenericDecoderBody, ClassifierStagedModel):
     """A sequence classifier that pools by position (BERT-style [CLS] pooler): the model's own

@@ -2,7 +2,9 @@
 
 A front end writes its own files around these (the Trainer's ``trainer_state.json`` and
 ``rng_state_<r>.pth``, Accelerate's ``random_states_<r>.pkl``); what the runtime writes is the
-same in every door, so a checkpoint of one resumes in another:
+same in every door (a Trainer checkpoint and a loop's ``save_state`` folder hold the same
+sharded state; the Trainer refuses to resume a loop's folder, which has no
+``trainer_state.json``, and says how to start from its exported weights):
 
 - ``save_training_state``: each rank's parameter and optimizer shards with their layout
   (``engine.checkpoint.save_sharded``) and, by rank 0, the plan and run record the checkpoint

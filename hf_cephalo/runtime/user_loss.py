@@ -9,7 +9,7 @@ trainer's ``compute_loss`` a stand-in model (``EngineOutputs``) whose call retur
 microbatch's outputs computed from the head's input — the logits (and the adapter's loss,
 normalized by N, when ``labels`` are passed, as an HF model given ``num_items_in_batch`` does),
 or what a registered call variant computes instead (TRL's ``fused_lm_head=True``: per-token
-log-probabilities without the logits, ``trl_fused.py``) — with ``num_items_in_batch = N``, and
+log-probabilities without the logits, ``integrations/trl/fused.py``) — with ``num_items_in_batch = N``, and
 returns ``loss * N`` as the sum, so the engine's division gives back the user's loss. Nothing
 is computed that the loss does not ask for: the logits only when it reads them.
 

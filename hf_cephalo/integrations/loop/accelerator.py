@@ -314,7 +314,7 @@ class CephaloAccelerator(Accelerator):
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs):
         """Custom loops: the sharded training state, schedulers, RNG, scaler, registered
-        objects and loader positions, written atomically (``loop_state.py``); resumable onto
+        objects and loader positions, written atomically (``state.py``); resumable onto
         another plan and world size. Returns the folder, as stock."""
         if self.cephalo_loop is None:
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
@@ -326,7 +326,7 @@ class CephaloAccelerator(Accelerator):
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs):
         """Custom loops: restore a ``save_state`` folder onto this plan and world size
-        (``loop_state.py``); ``input_dir`` None with automatic checkpoint naming: the newest
+        (``state.py``); ``input_dir`` None with automatic checkpoint naming: the newest
         complete one."""
         if self.cephalo_loop is None:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)

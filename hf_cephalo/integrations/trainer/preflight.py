@@ -24,7 +24,7 @@ from hf_cephalo.planner import Plan
 from hf_cephalo.runtime.optim import parameter_names, repoint_problems
 from hf_cephalo.runtime.streaming import is_stream
 
-__all__ = ["check_datasets", "check_script", "dataset_problems", "optimizer_problems",
+__all__ = ["check_script", "dataset_problems", "optimizer_problems",
            "engine_checkpointing_replaces_model_checkpointing"]
 
 logger = logging.getLogger(__name__)
@@ -71,15 +71,6 @@ def dataset_problems(train_dataset: Any = None, eval_dataset: Any = None, *,
         if message:
             problems.append(message)
     return problems
-
-
-def check_datasets(train_dataset: Any = None, eval_dataset: Any = None, *,
-                   max_steps: int = -1) -> None:
-    """Raise ``RefusedSettings`` (a ValueError) naming every dataset ``dataset_problems``
-    refuses."""
-    problems = dataset_problems(train_dataset, eval_dataset, max_steps=max_steps)
-    if problems:
-        raise RefusedSettings(problems)
 
 
 def optimizer_problems(model: nn.Module | None, optimizers: Any) -> list[str]:
@@ -129,7 +120,7 @@ def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
             staged = stage_model(model)
         except ValueError as e:  # an unsupported class or PEFT setup, with the route to take
             problems.append(f"model: {e}")
-    if problems:  # a TRL config names its trainer and page (trl_config.py)
+    if problems:  # a TRL config names its trainer and page (integrations/trl/config.py)
         raise RefusedSettings(problems, **getattr(args, "cephalo_refusal_source", dict)())
     return staged
 

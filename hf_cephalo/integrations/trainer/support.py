@@ -510,7 +510,7 @@ def training_args_problems(args) -> list[str]:
 
     own = args.refused_settings() if hasattr(args, "refused_settings") else {}
     problems = []
-    # a TRL config adds its own fields and their table (``cephalo_field_support``, trl_support.py)
+    # a TRL config adds its own fields and their table (``cephalo_field_support``, integrations/trl/support.py)
     table = {**FIELD_SUPPORT, **(args.cephalo_field_support()
                                  if hasattr(args, "cephalo_field_support") else {})}
     config_fields = [f for f in dataclasses.fields(

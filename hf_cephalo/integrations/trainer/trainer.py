@@ -13,10 +13,10 @@ builds the job (``job_from_training_args``) and the ``runtime.Session``: plan, e
 optimizer over the shards, loss scaler, step hooks. What the Trainer does differently from stock
 is then only where it must run through the engine: the step (``training_step`` is one
 ``engine.train_step`` over this rank's microbatches = one optimizer step; the loss is the GLOBAL
-item mean; gradient accumulation: ``trainer_accumulation.py``), the loaders
-(``trainer_data.py``: rank i gets exactly b_i samples of each global batch, also of a stream),
+item mean; gradient accumulation: ``accumulation.py``), the loaders
+(``data.py``: rank i gets exactly b_i samples of each global batch, also of a stream),
 a given optimizer re-pointed at the shards, clipping by the global norm, evaluation
-(``trainer_eval.py``), saving and checkpoints (``trainer_checkpoint.py``). Every
+(``evaluation.py``), saving and checkpoints (``checkpoint.py``). Every
 ``TrainingArguments`` field and hook is classified in ``support.py`` (docs/trainer_support.md).
 """
 
@@ -274,7 +274,7 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
     def _engine_call_variants(self) -> dict[str, Any]:
         """Keyword -> ``user_loss.CallVariant``: model calls the loss's stand-in model answers
         from the engine's head in another way than with the logits (a TRL trainer: its fused
-        LM head, ``trl_fused.py``). Default: none."""
+        LM head, ``integrations/trl/fused.py``). Default: none."""
         return {}
 
     def _load_named_model(self, name: str, args, whole: bool = False) -> Any:
@@ -290,12 +290,12 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
 
     def _engine_staged(self, staged):
         """The adapter the engine runs (the user loss wraps it): ``staged`` (a TRL trainer whose
-        sample is not one row counts its items otherwise: ``trl_dpo.py``)."""
+        sample is not one row counts its items otherwise: ``integrations/trl/dpo.py``)."""
         return staged
 
     def _engine_microbatches(self, microbatches: list) -> list:
         """This rank's collated microbatches as the engine runs them: as collated (a TRL
-        trainer whose sample is two rows unfolds them here: ``trl_dpo.py``)."""
+        trainer whose sample is two rows unfolds them here: ``integrations/trl/dpo.py``)."""
         return microbatches
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):

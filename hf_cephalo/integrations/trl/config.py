@@ -1,6 +1,6 @@
 """The Cephalo side of a TRL config: ``CephaloTRLConfig`` + a TRL config class, made a dataclass
-by ``trl_config_dataclass`` (``CephaloSFTConfig`` in trl_sft.py, ``CephaloDPOConfig`` in
-trl_dpo.py); and ``TRLModelCard``, what the TRL trainers add to each checkpoint. Imports no TRL.
+by ``trl_config_dataclass`` (``CephaloSFTConfig`` in sft.py, ``CephaloDPOConfig`` in
+dpo.py); and ``TRLModelCard``, what the TRL trainers add to each checkpoint. Imports no TRL.
 """
 
 from __future__ import annotations

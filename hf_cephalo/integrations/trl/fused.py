@@ -106,7 +106,7 @@ class FusedLMHead:
 
     def empty(self, model: torch.nn.Module, inputs: dict[str, Any]):
         """The same output, zeros, for the rows of ``inputs``' labels (none in
-        ``head_calls.py``'s replay; a DPO replay passes one pair: ``trl_dpo.py``)."""
+        ``head_calls.py``'s replay; a DPO replay passes one pair: ``dpo.py``)."""
         from trl.trainer.utils import FusedCausalLMOutput
 
         labels = inputs.get("shift_labels", inputs.get("labels"))
