@@ -52,6 +52,7 @@ from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName
                                                  trl_config_dataclass)
 from hf_cephalo.integrations.trl.fused import FusedLMHead
 from hf_cephalo.integrations.trl.support import KTO_FIELD_SUPPORT
+from hf_cephalo.integrations.trl.whole_eval import evaluate_whole_set, no_predict
 from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
 from hf_cephalo.runtime.user_loss import HeadView
 
@@ -279,18 +280,8 @@ class CephaloKTOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, KTOTr
             total, count = total + step_total, count + step_count
         if self.calculate_KL:
             self._step_kl = self._global_kl(total, count)
-        loss_sum, num_items = 0.0, 0
-        first = next((microbatches for microbatches in steps if microbatches), [])
-        with self._head_calls.step(first):  # ONE exchange and replay for the whole set
-            for microbatches in steps:
-                out = self.session.evaluate(microbatches, return_logits=False)
-                if out.num_items:
-                    loss_sum += out.loss * out.num_items
-                    num_items += out.num_items
-        self._head_calls.finish(num_items)
-        metrics = {f"{metric_key_prefix}_loss": loss_sum / num_items} if num_items else {}
-        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics,
-                              num_samples=dataloader.batch_sampler.dataset_length)
+        return evaluate_whole_set(self, steps, dataloader.batch_sampler.dataset_length,
+                                  metric_key_prefix)
 
     def predict(self, *args: Any, **kwargs: Any):
         """Refused (ValueError, on every rank before any collective): see ``_NO_PREDICT``."""
@@ -298,14 +289,12 @@ class CephaloKTOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, KTOTr
 
 
 # [Note: KTO evaluation of the whole set]
-# Stock KTOTrainer evaluates through Trainer's loop; with the whole eval set in ONE batch
-# (per_device_eval_batch_size = N, one process) its KL estimate is the mean over all N KL rows
-# and its metrics those of all rows. Here: a first pass over this rank's eval steps computes the
-# reference log-probabilities and the KL sums, ONE exchange gives the whole set's KL estimate;
-# then the engine evaluates every step with that estimate, inside ONE two-phase head call
-# (head_calls.py) spanning all steps: KTO's gathers of every microbatch of every rank are
-# combined once and compute_loss replayed once, so the metrics are the whole set's (not a mean
-# of per-step values). The steps' collated microbatches are kept on the CPU between the passes.
+# Stock KTOTrainer with the whole eval set in ONE batch (one process) estimates the KL over all
+# N KL rows. Here a first pass over this rank's eval steps computes the reference
+# log-probabilities and the KL sums, ONE exchange gives the whole set's estimate, then
+# ``evaluate_whole_set`` ([Note: evaluation of the whole set in one exchange] in whole_eval.py)
+# evaluates every step with it. This rank's prepared eval microbatches (token ids, reference
+# log-probabilities) stay where the inputs go (the device) between the passes.
 
 
 class _LabelCountGathers:
@@ -372,12 +361,7 @@ class _LabelCountGathers:
                 del metrics[name]
 
 
-_NO_PREDICT = (
-    "CephaloKTOTrainer does not predict (predict(), compute_metrics, "
-    "preprocess_logits_for_metrics): stock KTOTrainer recomputes each eval batch's full "
-    "vocabulary logits for them, padded to that batch's width, which the engine's evaluation "
-    "(the loss and KTO's metrics of the whole set through TRL's fused head) does not reproduce; "
-    "use evaluate() for the loss and metrics, and run the saved model for logits")
+_NO_PREDICT = no_predict("CephaloKTOTrainer", "KTOTrainer")
 
 
 def _global_batch_size(args, plan) -> int | None:
