@@ -76,6 +76,27 @@ def _dataset(case: str, root: str):
     return datasets.load_from_disk(os.path.join(root, f"conversational={conversational}"))
 
 
+EVAL_PAIRS = 7  # not a multiple of B: the eval loader's last step is partial
+EVAL_CASE = "ref_model"  # evaluated at steps 2 and 3 (eval_strategy "steps") and after
+
+
+def _eval_dataset():
+    """EVAL_PAIRS pairs the training set does not hold (other questions, another shift)."""
+    import datasets
+
+    from hf_cephalo.demo_data import pydoc_preference_dataset
+
+    ds = pydoc_preference_dataset(NUM_PAIRS + EVAL_PAIRS, max_answer_chars=60, shift=5)
+    return datasets.Dataset.from_dict(ds.select(range(NUM_PAIRS, NUM_PAIRS + EVAL_PAIRS)).to_dict())
+
+
+def _eval_logs(history) -> list[dict]:
+    wall = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
+            "eval_model_preparation_time")
+    return [{k: v for k, v in h.items() if k.startswith("eval_") and k not in wall}
+            for h in history if "eval_loss" in h]
+
+
 def _models(case: str, vocab: int):
     """(policy, ref_model or None, peft_config or None) — the same weights on both sides."""
     _, reference, _ = DPO_CASES[case]
@@ -157,13 +178,22 @@ def _cephalo_dpo(case, world_size, out_dir, tokenizer_path, data_root, by_name=N
     if by_name:
         model = by_name  # the same weights, read by the door from the folder
     where = f"w{world_size}" + ("-by-name" if by_name else "")
-    args = CephaloDPOConfig(**_dpo_kwargs(case, os.path.join(out_dir, where)))
+    evaluating = case == EVAL_CASE and not by_name
+    eval_kwargs = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2) \
+        if evaluating else {}  # microbatches of 2 inside the eval loader's steps
+    args = CephaloDPOConfig(**_dpo_kwargs(case, os.path.join(out_dir, where)), **eval_kwargs)
     trainer = CephaloDPOTrainer(model=model, ref_model=ref, args=args,
                                 train_dataset=_dataset(case, data_root),
                                 processing_class=tokenizer, peft_config=peft_config,
-                                plan=plan(world_size))
+                                plan=plan(world_size),
+                                eval_dataset=_eval_dataset() if evaluating else None)
     trainer.train()
-    return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
+    result = {"logs": _logs(trainer.state.log_history)}
+    if evaluating:
+        trainer.evaluate()
+        result["eval"] = _eval_logs(trainer.state.log_history)
+    result["state"] = _state(trainer.unshard_model())
+    return result
 
 
 # one run_ranks per world size, every sub-case inside
@@ -215,12 +245,21 @@ def _stock_dpo(case, tmp_path_factory, tokenizer_path, data_root, by_name=None):
         if by_name is not None:
             model = by_name  # stock TRL loads it (create_model_from_path)
         out_dir = str(tmp_path_factory.mktemp("stock_dpo"))
-        args = DPOConfig(**_dpo_kwargs(case, out_dir), per_device_train_batch_size=B)
+        evaluating = case == EVAL_CASE and by_name is None  # the whole eval set in one batch
+        eval_kwargs = dict(eval_strategy="steps", eval_steps=2,
+                           per_device_eval_batch_size=EVAL_PAIRS) if evaluating else {}
+        args = DPOConfig(**_dpo_kwargs(case, out_dir), **eval_kwargs,
+                         per_device_train_batch_size=B)
         trainer = DPOTrainer(model=model, ref_model=ref, args=args,
                              train_dataset=_dataset(case, data_root),
-                             processing_class=tokenizer, peft_config=peft_config)
+                             processing_class=tokenizer, peft_config=peft_config,
+                             eval_dataset=_eval_dataset() if evaluating else None)
         trainer.train()
-        _STOCK[key] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
+        _STOCK[key] = {"logs": _logs(trainer.state.log_history)}
+        if evaluating:
+            trainer.evaluate()
+            _STOCK[key]["eval"] = _eval_logs(trainer.state.log_history)
+        _STOCK[key]["state"] = _state(trainer.model)
     return _STOCK[key]
 
 
@@ -300,8 +339,9 @@ def test_dpo_cases_differ(tmp_path_factory, tokenizer_path, data_root):
 
 def test_dpo_refusals_before_any_collective(tmp_path, tokenizer_path, data_root):
     """Batch-level losses, sync_ref_model, ld_alpha with a per-step reference, a full
-    fine-tune without a reference to load, and evaluation are refused in ONE message at
-    construction (one process, no process group made)."""
+    fine-tune without a reference to load are refused in ONE message at construction (one
+    process, no process group made); so are evaluation with precompute_ref_log_probs and
+    compute_metrics."""
     import torch.distributed as dist
 
     from hf_cephalo.integrations import CephaloDPOConfig, CephaloDPOTrainer
@@ -334,12 +374,19 @@ def test_dpo_refusals_before_any_collective(tmp_path, tokenizer_path, data_root)
                           train_dataset=_dataset("ref_model", data_root),
                           processing_class=tokenizer, plan=plan(2))
     assert not dist.is_initialized()
-    args = CephaloDPOConfig(**_dpo_kwargs("ref_model", str(tmp_path)))
-    with pytest.raises(ValueError, match="does not evaluate yet"):
+    # evaluation with precomputed reference columns, compute_metrics (stock's predictions are
+    # full-vocabulary logits the engine does not reproduce): refused, each with its reason
+    args = CephaloDPOConfig(**{**_dpo_kwargs("precompute", str(tmp_path)),
+                               "eval_strategy": "steps", "eval_steps": 1})
+    with pytest.raises(ValueError) as info:
         CephaloDPOTrainer(model=tiny_llama(len(tokenizer)), args=args,
                           train_dataset=_dataset("ref_model", data_root),
                           eval_dataset=_dataset("ref_model", data_root),
+                          compute_metrics=lambda prediction: {},
                           processing_class=tokenizer, plan=plan(2))
+    text = str(info.value)
+    for expected in ("precompute_ref_log_probs=True with evaluation", "does not predict"):
+        assert expected in text, text
     assert not dist.is_initialized()
 
 
@@ -353,3 +400,31 @@ def test_in_memory_precompute_refused_on_every_rank(tmp_path_factory, tokenizer_
                for r in _cephalo(2, tmp_path_factory, tokenizer_path, data_root)]
     assert results[0]["error"] is not None and "save_to_disk" in results[0]["error"], results
     assert results[0]["error"] == results[1]["error"]
+
+
+@test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dpo_evaluation_matches_stock(world_size, tmp_path_factory, tokenizer_path, data_root):
+    """EVAL_CASE evaluated at steps 2 and 3 (eval_strategy "steps") and by evaluate() after
+    training, on 2 ranks (b = [1, 3]) and 3 (an idle rank), microbatches of 2 pairs: eval_loss
+    and DPO's metrics equal stock DPOTrainer's with the whole eval set in ONE batch on one
+    process."""
+    ref = _stock_dpo(EVAL_CASE, tmp_path_factory, tokenizer_path, data_root)
+    beta = DPO_CASES[EVAL_CASE][2]["beta"]
+    assert len(ref["eval"]) == 3  # steps 2 and 3 (eval_steps; the last step), evaluate()
+    keys = {f"eval_{m}" for m in METRICS if m != "grad_norm"}
+    logps = {m: [h[f"eval_{m}"] for h in ref["eval"]] for m in ("logps/chosen", "logps/rejected")}
+    for rank_result in _cephalo(world_size, tmp_path_factory, tokenizer_path, data_root):
+        got = rank_result[EVAL_CASE]["eval"]
+        assert len(got) == len(ref["eval"])
+        for mine, theirs in zip(got, ref["eval"]):
+            assert set(mine) == set(theirs) and keys <= set(theirs), (sorted(mine), sorted(theirs))
+            for key in theirs:
+                rewards = key.removeprefix("eval_") in REWARDS
+                rtol, atol = (0, _reward_atol(logps, beta)) if rewards else (RTOL, ATOL)
+                torch.testing.assert_close(torch.tensor(mine[key], dtype=torch.float64),
+                                           torch.tensor(theirs[key], dtype=torch.float64),
+                                           rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+    # informative: the evaluations differ, the margins are not 0, accuracy strictly inside (0, 1)
+    assert ref["eval"][0]["eval_loss"] != ref["eval"][-1]["eval_loss"]
+    assert all(abs(h["eval_rewards/margins"]) > 1e-4 for h in ref["eval"]), ref["eval"]

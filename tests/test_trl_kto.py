@@ -74,6 +74,33 @@ def kto_dataset():
         "label": LABELS})
 
 
+EVAL_LABELS = [True, False, False, True, False, True, True]  # 7 rows: a partial last step
+EVAL_CASES = ("ref_model", "lora")  # evaluated at steps 2 and 3 and by evaluate() after
+
+
+def kto_eval_dataset():
+    """Rows the training set does not hold (other questions, another shift), EVAL_LABELS."""
+    import datasets
+
+    from hf_cephalo.demo_data import pydoc_preference_dataset
+
+    n = len(EVAL_LABELS)
+    pairs = pydoc_preference_dataset(NUM_ROWS + n, max_answer_chars=60, shift=5)
+    pairs = pairs.select(range(NUM_ROWS, NUM_ROWS + n))
+    return datasets.Dataset.from_dict({
+        "prompt": pairs["prompt"],
+        "completion": [c if good else r for c, r, good in
+                       zip(pairs["chosen"], pairs["rejected"], EVAL_LABELS)],
+        "label": EVAL_LABELS})
+
+
+def _eval_logs(history) -> list[dict]:
+    wall = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
+            "eval_model_preparation_time")
+    return [{k: v for k, v in h.items() if k.startswith("eval_") and k not in wall}
+            for h in history if "eval_loss" in h]
+
+
 def _models(case: str, vocab: int):
     """(policy, ref_model or None, peft_config or None) — the same weights on both sides."""
     reference, _ = KTO_CASES[case]
@@ -131,12 +158,21 @@ def _cephalo_kto(case, world_size, out_dir, tokenizer_path, resume_from=None):
     kwargs = _kto_kwargs(case, os.path.join(out_dir, f"w{world_size}"))
     if case == SAVED_CASE and world_size == 2 and resume_from is None:
         kwargs.update(save_strategy="steps", save_steps=2)
+    evaluating = case in EVAL_CASES and resume_from is None
+    if evaluating:  # microbatches of 2 inside the eval loader's steps of b_i rows
+        kwargs.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
     args = CephaloKTOConfig(**kwargs)
     trainer = CephaloKTOTrainer(model=model, ref_model=ref, args=args,
                                 train_dataset=kto_dataset(), processing_class=tokenizer,
-                                peft_config=peft_config, plan=plan(world_size))
+                                peft_config=peft_config, plan=plan(world_size),
+                                eval_dataset=kto_eval_dataset() if evaluating else None)
     trainer.train(resume_from_checkpoint=resume_from)
-    return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
+    result = {"logs": _logs(trainer.state.log_history)}
+    if evaluating:
+        trainer.evaluate()
+        result["eval"] = _eval_logs(trainer.state.log_history)
+    result["state"] = _state(trainer.unshard_model())
+    return result
 
 
 QUIET_S = {2: 45.0, 3: 60.0}
@@ -180,12 +216,20 @@ def _stock_kto(case, tmp_path_factory, tokenizer_path):
         tokenizer = load_tokenizer(tokenizer_path)
         model, ref, peft_config = _models(case, len(tokenizer))
         out_dir = str(tmp_path_factory.mktemp("stock_kto"))
-        args = KTOConfig(**_kto_kwargs(case, out_dir), per_device_train_batch_size=B)
+        evaluating = case in EVAL_CASES  # the whole eval set in one batch
+        eval_kwargs = dict(eval_strategy="steps", eval_steps=2,
+                           per_device_eval_batch_size=len(EVAL_LABELS)) if evaluating else {}
+        args = KTOConfig(**_kto_kwargs(case, out_dir), **eval_kwargs,
+                         per_device_train_batch_size=B)
         trainer = KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=kto_dataset(),
-                             processing_class=tokenizer, peft_config=peft_config)
+                             processing_class=tokenizer, peft_config=peft_config,
+                             eval_dataset=kto_eval_dataset() if evaluating else None)
         trainer.train()
-        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model),
-                        "rows": len(trainer.train_dataset)}
+        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "rows": len(trainer.train_dataset)}
+        if evaluating:
+            trainer.evaluate()
+            _STOCK[case]["eval"] = _eval_logs(trainer.state.log_history)
+        _STOCK[case]["state"] = _state(trainer.model)
     return _STOCK[case]
 
 
@@ -245,8 +289,10 @@ def test_kto_cases_differ(tmp_path_factory, tokenizer_path):
 def test_kto_refusals_before_any_collective(tmp_path, tokenizer_path):
     """A dataset without KTO's columns, per_device_train_batch_size 1 (a global batch of one
     row: the KL rows would pair a prompt with its own completion), precompute_ref_log_probs,
-    sync_ref_model, a full fine-tune without a reference to load, and evaluation: refused in ONE
-    message at construction (one process, no process group made)."""
+    sync_ref_model, a full fine-tune without a reference to load, a train and an eval dataset
+    without KTO's columns (each named) and compute_metrics (stock's predictions are full logits
+    the engine does not reproduce): refused in ONE message at construction (one process, no
+    process group made)."""
     import datasets
     import torch.distributed as dist
 
@@ -259,12 +305,15 @@ def test_kto_refusals_before_any_collective(tmp_path, tokenizer_path):
     wrong = datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["b"]})
     with pytest.raises(ValueError) as info:
         CephaloKTOTrainer(model=tiny_llama(len(tokenizer)), args=args, train_dataset=wrong,
-                          eval_dataset=kto_dataset(), processing_class=tokenizer)
+                          eval_dataset={"held_out": wrong}, processing_class=tokenizer,
+                          compute_metrics=lambda prediction: {})
     text = str(info.value)
     for expected in ("a global batch of 1 row", "per_device_train_batch_size = 1",
                      "--precompute_ref_log_probs", "--sync_ref_model",
+                     "train_dataset has the columns ['answer', 'prompt']",
+                     "eval_dataset['held_out'] has the columns ['answer', 'prompt']",
                      "'prompt', 'completion', 'label'", "ref_model=copy.deepcopy(model)",
-                     "does not evaluate yet"):
+                     "does not predict"):
         assert expected in text, (expected, text)
     assert not dist.is_initialized()
 
@@ -283,3 +332,37 @@ def test_kto_save_on_2_resume_on_3(tmp_path_factory, tokenizer_path):
                          [m for m in METRICS if m != "num_tokens"])
         tokens = ref["logs"]["num_tokens"]
         assert resumed["logs"]["num_tokens"] == [*tokens[:2], tokens[2] - tokens[1]]
+
+
+@test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
+@pytest.mark.parametrize("case, world_size", [(c, w) for c in EVAL_CASES for w in (2, 3)])
+def test_kto_evaluation_matches_stock(case, world_size, tmp_path_factory, tokenizer_path):
+    """EVAL_CASES evaluated at steps 2 and 3 (eval_strategy "steps") and by evaluate() after
+    training, on 2 ranks (b = [1, 3]) and 3 (an idle rank), microbatches of 2 rows: eval_loss,
+    the KL estimate (the whole eval set's) and KTO's metrics equal stock KTOTrainer's with the
+    whole eval set in ONE batch on one process."""
+    ref = _stock_kto(case, tmp_path_factory, tokenizer_path)
+    beta = KTO_CASES[case][1]["beta"]
+    assert len(ref["eval"]) == 3  # steps 2 and 3 (eval_steps; the last step), evaluate()
+    keys = {"eval_loss", "eval_kl", "eval_entropy", "eval_num_tokens", "eval_logits/chosen",
+            "eval_logits/rejected", "eval_rewards/chosen", "eval_rewards/rejected",
+            "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"}
+    logps = {m: [h[f"eval_{m}"] for h in ref["eval"]] for m in ("logps/chosen", "logps/rejected")}
+    for rank_result in _cephalo(world_size, tmp_path_factory, tokenizer_path):
+        got = rank_result[case]["eval"]
+        assert len(got) == len(ref["eval"])
+        for mine, theirs in zip(got, ref["eval"]):
+            assert set(mine) == set(theirs) == keys, (sorted(mine), sorted(theirs))
+            for key in keys:
+                rewards = key.removeprefix("eval_") in REWARDS
+                rtol, atol = (0, _reward_atol(logps, beta)) if rewards else (RTOL, ATOL)
+                torch.testing.assert_close(torch.tensor(mine[key], dtype=torch.float64),
+                                           torch.tensor(theirs[key], dtype=torch.float64),
+                                           rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+    # informative: the KL term is not clamped away (the reference-model case: LoRA's eval KL
+    # estimate is negative, clamped to 0 on both sides); the rewards are not 0; the evaluations
+    # differ
+    if case == "ref_model":
+        assert any(h["eval_kl"] > 1e-4 for h in ref["eval"]), ref["eval"]
+    assert all(abs(h["eval_rewards/margins"]) > 1e-4 for h in ref["eval"]), ref["eval"]
+    assert ref["eval"][0]["eval_loss"] != ref["eval"][-1]["eval_loss"]

@@ -69,6 +69,64 @@ def _dataset(kind: str):
     return ds
 
 
+EVAL_PAIRS = 7  # not a multiple of B: the eval loader's last step is partial
+EVAL_CASE = "qwen3_margin_center"  # evaluated during training (eval_steps) and after it
+
+
+def _eval_dataset(kind: str):
+    """EVAL_PAIRS pairs the training set does not hold (other questions, another shift)."""
+    import datasets
+
+    from hf_cephalo.demo_data import pydoc_preference_dataset
+
+    ds = pydoc_preference_dataset(NUM_PAIRS + EVAL_PAIRS, max_answer_chars=60, shift=5,
+                                  conversational=kind == "conversational")
+    rows = ds.select(range(NUM_PAIRS, NUM_PAIRS + EVAL_PAIRS)).to_dict()
+    if kind == "margin":
+        rows["margin"] = [0.5 - 0.25 * (i % 3) for i in range(EVAL_PAIRS)]
+    return datasets.Dataset.from_dict(rows)
+
+
+def _eval_kwargs(case: str) -> dict:
+    """Evaluation during training: at steps 2 and 3 (eval_strategy "steps": every 2 steps and
+    the last), then trainer.evaluate() and predict() after it."""
+    if case != EVAL_CASE:
+        return {}
+    return dict(eval_strategy="steps", eval_steps=2)
+
+
+def reward_metrics(prediction) -> dict:
+    """A compute_metrics of the rewards (stock hands it label_ids=(): no label names)."""
+    rewards = prediction.predictions
+    assert prediction.label_ids == (), prediction.label_ids
+    half = rewards.shape[0] // 2
+    return {"chosen_first": float(rewards[0, 0]), "top_rejected": float(rewards[half:].max())}
+
+
+def double_rewards(logits, labels):
+    """A preprocess_logits_for_metrics (stock calls it with the batch's rewards and ())."""
+    assert labels == (), labels
+    return logits * 2
+
+
+def _eval_logs(history) -> list[dict]:
+    return [{k: v for k, v in h.items() if k.startswith("eval_") and k not in _WALL_CLOCK}
+            for h in history if "eval_loss" in h]
+
+
+_WALL_CLOCK = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
+               "eval_model_preparation_time")
+
+
+def _evaluate_and_predict(trainer) -> dict:
+    """trainer.evaluate() after training, then predict() of the eval set (its rewards)."""
+    trainer.evaluate()
+    out = trainer.predict(trainer.eval_dataset)
+    return {"eval": _eval_logs(trainer.state.log_history), "predictions": out.predictions,
+            "label_ids": out.label_ids, "test_loss": out.metrics["test_loss"],
+            "test_chosen_first": out.metrics["test_chosen_first"]}
+
+
 def tiny_classifier(arch: str, vocab_size: int, pad_token_id: int):
     """A tiny random ``*ForSequenceClassification`` with one label (a reward model)."""
     import transformers
@@ -139,13 +197,31 @@ def _cephalo_reward(case, world_size, out_dir, tokenizer_path, resume_from=None)
     kwargs = _reward_kwargs(case, os.path.join(out_dir, f"w{world_size}"))
     if case == SAVED_CASE and world_size == 2 and resume_from is None:
         kwargs.update(save_strategy="steps", save_steps=2)
+    evaluating = resume_from is None and bool(_eval_kwargs(case))
+    eval_kwargs = {}
+    if evaluating:  # microbatches of 2 inside the eval loader's steps of b_i pairs
+        kwargs.update(_eval_kwargs(case), per_device_eval_batch_size=2)
+        eval_kwargs = dict(eval_dataset=_eval_dataset(REWARD_CASES[case][1]),
+                           compute_metrics=reward_metrics,
+                           preprocess_logits_for_metrics=double_rewards)
     args = CephaloRewardConfig(**kwargs)
     trainer = CephaloRewardTrainer(model=_model(case, tokenizer), args=args,
                                    train_dataset=_dataset(REWARD_CASES[case][1]),
                                    processing_class=tokenizer, plan=plan(world_size),
-                                   peft_config=_peft_config(case))
+                                   peft_config=_peft_config(case), **eval_kwargs)
     trainer.train(resume_from_checkpoint=resume_from)
-    return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
+    result = {"logs": _logs(trainer.state.log_history)}
+    if evaluating:
+        result.update(_evaluate_and_predict(trainer))
+    if case == SAVED_CASE and world_size == 2 and resume_from is None:
+        trainer.save_model(_saved_model(out_dir))  # collective: the GRPO reward model test's
+    result["state"] = _state(trainer.unshard_model())
+    return result
+
+
+def _saved_model(out_dir: str) -> str:
+    """Where the 2-rank run saves SAVED_CASE's final reward model (from_pretrained folder)."""
+    return os.path.join(out_dir, "w2", SAVED_CASE, "final_model")
 
 
 QUIET_S = {2: 45.0, 3: 60.0}
@@ -188,13 +264,22 @@ def _stock_reward(case, tmp_path_factory, tokenizer_path):
         offline_env()
         tokenizer = load_tokenizer(tokenizer_path)
         out_dir = str(tmp_path_factory.mktemp("stock_reward"))
-        args = RewardConfig(**_reward_kwargs(case, out_dir), per_device_train_batch_size=B)
+        eval_kwargs = {}
+        if _eval_kwargs(case):  # the whole eval set in one batch
+            eval_kwargs = dict(eval_dataset=_eval_dataset(REWARD_CASES[case][1]),
+                               compute_metrics=reward_metrics,
+                               preprocess_logits_for_metrics=double_rewards)
+        args = RewardConfig(**_reward_kwargs(case, out_dir), **_eval_kwargs(case),
+                            per_device_train_batch_size=B, per_device_eval_batch_size=EVAL_PAIRS)
         trainer = RewardTrainer(model=_model(case, tokenizer), args=args,
                                 train_dataset=_dataset(REWARD_CASES[case][1]),
-                                processing_class=tokenizer, peft_config=_peft_config(case))
+                                processing_class=tokenizer, peft_config=_peft_config(case),
+                                **eval_kwargs)
         trainer.train()
-        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model),
-                        "pairs": len(trainer.train_dataset)}
+        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "pairs": len(trainer.train_dataset)}
+        if eval_kwargs:
+            _STOCK[case].update(_evaluate_and_predict(trainer))
+        _STOCK[case]["state"] = _state(trainer.model)
     return _STOCK[case]
 
 
@@ -235,8 +320,9 @@ def test_reward_cases_differ(tmp_path_factory, tokenizer_path):
 
 
 def test_reward_refusals_before_any_collective(tmp_path, tokenizer_path):
-    """A dataset without the preference columns, activation_offloading and evaluation: refused
-    in ONE message at construction (one process, no process group made)."""
+    """A train and an eval dataset without the preference columns (each named),
+    activation_offloading and include_for_metrics: refused in ONE message at construction (one
+    process, no process group made)."""
     import datasets
     import torch.distributed as dist
 
@@ -244,15 +330,18 @@ def test_reward_refusals_before_any_collective(tmp_path, tokenizer_path):
 
     tokenizer = load_tokenizer(tokenizer_path)
     args = CephaloRewardConfig(**{**_reward_kwargs("qwen3", str(tmp_path)),
-                                  "activation_offloading": True})
+                                  "activation_offloading": True,
+                                  "include_for_metrics": ["inputs"], "eval_strategy": "steps"})
     wrong = datasets.Dataset.from_dict({"text": ["a"], "score": [1.0]})
+    unpaired = datasets.Dataset.from_dict({"prompt": ["a"], "completion": ["b"]})
     with pytest.raises(ValueError) as info:
         CephaloRewardTrainer(model=_model("qwen3", tokenizer), args=args, train_dataset=wrong,
-                             eval_dataset=_dataset("plain"), processing_class=tokenizer,
+                             eval_dataset={"held_out": unpaired}, processing_class=tokenizer,
                              plan=plan(2))
     text = str(info.value)
-    for expected in ("--activation_offloading", "'chosen' and 'rejected'",
-                     "does not evaluate yet"):
+    for expected in ("--activation_offloading", "train_dataset has the columns ['score', 'text']",
+                     "eval_dataset['held_out'] has the columns ['completion', 'prompt']",
+                     "'chosen' and 'rejected'", "include_for_metrics=['inputs']"):
         assert expected in text, (expected, text)
     assert not dist.is_initialized()
 
@@ -270,3 +359,89 @@ def test_reward_save_on_2_resume_on_3(tmp_path_factory, tokenizer_path):
         _assert_same_run(resumed, ref, [m for m in METRICS if m != "num_tokens"])
         tokens = ref["logs"]["num_tokens"]
         assert resumed["logs"]["num_tokens"] == [*tokens[:2], tokens[2] - tokens[1]]
+
+
+@test_timeout(QUIET_S[2], QUIET_S[3], margin_s=240)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reward_evaluation_matches_stock(world_size, tmp_path_factory, tokenizer_path):
+    """EVAL_CASE evaluated at steps 2 and 3 (eval_strategy "steps"), by trainer.evaluate() after
+    training and by predict(), on 2 ranks (b = [1, 3]) and 3 (an idle rank), microbatches of 2
+    pairs: eval_loss, the reward metrics, compute_metrics' and the predictions (2N rewards,
+    after preprocess_logits_for_metrics) equal stock RewardTrainer's with the whole eval set in
+    ONE batch on one process."""
+    ref = _stock_reward(EVAL_CASE, tmp_path_factory, tokenizer_path)
+    assert len(ref["eval"]) == 3  # steps 2 and 3 (eval_steps; the last step), evaluate()
+    keys = {"eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward", "eval_mean_reward",
+            "eval_max_reward", "eval_num_tokens", "eval_chosen_first", "eval_top_rejected"}
+    for rank_result in _cephalo(world_size, tmp_path_factory, tokenizer_path):
+        got = rank_result[EVAL_CASE]
+        assert len(got["eval"]) == len(ref["eval"])
+        for mine, theirs in zip(got["eval"], ref["eval"]):
+            assert set(mine) == set(theirs) == keys, (sorted(mine), sorted(theirs))
+            for key in keys:
+                torch.testing.assert_close(torch.tensor(mine[key], dtype=torch.float64),
+                                           torch.tensor(theirs[key], dtype=torch.float64),
+                                           rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
+        assert tuple(got["label_ids"]) == ref["label_ids"] == ()  # a list once portable
+        assert got["predictions"].shape == ref["predictions"].shape == (2 * EVAL_PAIRS, 1)
+        torch.testing.assert_close(torch.as_tensor(got["predictions"]),
+                                   torch.as_tensor(ref["predictions"]), rtol=RTOL, atol=ATOL)
+        for key in ("test_loss", "test_chosen_first"):
+            torch.testing.assert_close(got[key], ref[key], rtol=RTOL, atol=ATOL)
+    # informative: the two evaluations differ (a step of training between), the rewards differ
+    first, last = ref["eval"][0], ref["eval"][-1]
+    assert first["eval_loss"] != last["eval_loss"]
+    assert len({round(float(v), 6) for v in ref["predictions"].ravel()}) == 2 * EVAL_PAIRS
+
+
+def test_saved_reward_model_scores_grpo_completions(tmp_path_factory, tokenizer_path, tmp_path):
+    """The reward model CephaloRewardTrainer saved (2 ranks, save_model) loads with
+    AutoModelForSequenceClassification.from_pretrained and is a GRPO reward model
+    (reward_funcs=[its folder]): stock GRPOTrainer on one process, one step with
+    hf_cephalo.reproducible_rollout; the logged reward is the mean of the scores the loaded
+    model gives the prompt + completion texts directly (TRL's scoring: right padding, no
+    special tokens, logits[:, 0])."""
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    import hf_cephalo
+
+    run = _cephalo(2, tmp_path_factory, tokenizer_path)
+    folder = _saved_model(_RUN_DIRS[2])
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    saved = {k: torch.as_tensor(v) for k, v in run[0][SAVED_CASE]["state"].items()}
+    assert_same_state(_state(loaded), saved, RTOL, ATOL)
+    tokenizer = load_tokenizer(tokenizer_path)
+    torch.manual_seed(SEED)
+    policy = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+    seen = []
+
+    def record(prompts, completions, **kwargs):
+        seen.extend(p + c for p, c in zip(prompts, completions))
+        return [0.0] * len(completions)
+
+    prompts = _eval_dataset("plain")["prompt"][:2]
+    import datasets
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", max_steps=1, logging_steps=1,
+                      per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
+                      learning_rate=0.0, save_strategy="no", seed=SEED, use_cpu=True,
+                      bf16=False, disable_tqdm=True)
+    trainer = GRPOTrainer(model=policy, args=args, reward_funcs=[folder, record],
+                          train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+                          processing_class=tokenizer,
+                          rollout_func=hf_cephalo.reproducible_rollout(SEED))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "reward" in h][0]
+    assert len(seen) == 4
+    inputs = load_tokenizer(folder)(text=seen, return_tensors="pt", padding=True,
+                                    padding_side="right", add_special_tokens=False)
+    with torch.no_grad():
+        scores = loaded(**inputs).logits[:, 0]
+    name = os.path.basename(folder)
+    torch.testing.assert_close(logged[f"rewards/{name}/mean"], scores.mean().item(),
+                               rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(logged["reward"], scores.mean().item(), rtol=RTOL, atol=ATOL)
+    assert scores.std().item() > 1e-4  # the completions get different scores

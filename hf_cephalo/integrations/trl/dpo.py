@@ -30,6 +30,7 @@ import contextlib
 from typing import Any
 
 import torch
+from transformers.trainer_utils import EvalLoopOutput
 
 try:
     from trl import DPOConfig, DPOTrainer
@@ -43,6 +44,7 @@ from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName
 from hf_cephalo.integrations.trl.fused import FusedLMHead
 from hf_cephalo.integrations.trl.pairs import PairRows, unfold_pairs
 from hf_cephalo.integrations.trl.support import DPO_FIELD_SUPPORT
+from hf_cephalo.integrations.trl.whole_eval import evaluate_whole_set, no_predict
 from hf_cephalo.runtime.user_loss import HeadView
 from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
 
@@ -150,8 +152,10 @@ class CephaloDPOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, DPOTr
     adapter the engine would train beside the first); no ``ref_model`` on a full fine-tune of a
     model built from its config (TRL would load a copy by an empty name);
     ``precompute_ref_log_probs`` on a meta model, or with an in-memory dataset on several
-    ranks; an evaluation dataset or eval strategy (DPO evaluation on the engine is not built:
-    evaluate with stock DPOTrainer); the config's refused values.
+    ranks, or with evaluation; ``compute_metrics`` / ``preprocess_logits_for_metrics``
+    (``predict()`` raises the same reason); the config's refused values. ``evaluate()`` and
+    ``eval_strategy`` give stock's numbers for the whole eval set in one batch
+    (``evaluation_loop``).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, ref_model=None, args=None,
@@ -217,8 +221,7 @@ class CephaloDPOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, DPOTr
         pairs, the reference log-probabilities read from the batch), times m / N, N the
         global batch's pairs ([Note: a preference pair is one sample])."""
         if return_outputs:
-            raise ValueError("CephaloDPOTrainer computes the loss only (DPO evaluation on the "
-                             "engine is not built)")
+            raise ValueError(_NO_PREDICT)
         if inputs["input_ids"].shape[0] == 0:  # the step's replay (head_calls.py)
             inputs = _replay_pair(inputs)
         pairs = inputs["input_ids"].shape[0] // 2
@@ -229,14 +232,32 @@ class CephaloDPOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, DPOTr
             self.precompute_ref_logps = precompute
         return loss * pairs / num_items_in_batch
 
-    def evaluate(self, *args: Any, **kwargs: Any):
-        raise ValueError(_NO_EVALUATION)
+    def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None,
+                        metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """``evaluate()``'s loop through the engine, as stock with the whole eval set in ONE
+        batch ([Note: evaluation of the whole set in one exchange] in whole_eval.py): every
+        pair once; metrics ``{prefix}_loss`` (the mean over the N pairs); DPO's ``rewards/*``,
+        ``logps/*``, ``logits/*``, ``entropy``, ``mean_token_accuracy`` of the whole set go to
+        the eval metrics DPOTrainer's ``log`` adds (one entry per loop). No predictions
+        (``predict`` is refused). Collective: every rank."""
+        self.model.eval()
+        steps = [self._engine_microbatches(self._prepare_input(microbatches))
+                 for microbatches in dataloader]  # each step's reference pass: collective
+        return evaluate_whole_set(self, steps, dataloader.batch_sampler.dataset_length,
+                                  metric_key_prefix)
+
+    def predict(self, *args: Any, **kwargs: Any):
+        """Refused (ValueError, on every rank before any collective): see ``_NO_PREDICT``."""
+        raise ValueError(_NO_PREDICT)
 
 
-_NO_EVALUATION = (
-    "CephaloDPOTrainer does not evaluate yet: DPO's evaluation loss and metrics through the "
-    "engine are not built and tested; drop eval_dataset / evaluate() (and eval_strategy), and "
-    "evaluate the saved model with stock DPOTrainer")
+_NO_PREDICT = no_predict("CephaloDPOTrainer", "DPOTrainer")
+_NO_PRECOMPUTED_EVAL = (
+    "precompute_ref_log_probs=True with evaluation (eval_dataset / eval_strategy): reading "
+    "the eval set's precomputed reference column through the engine is not built or tested; "
+    "drop precompute_ref_log_probs (the reference then runs sharded each step, evaluation "
+    "included), or evaluate the saved model with stock DPOTrainer")
 
 
 def dpo_problems(model, ref_model, args, kwargs: dict[str, Any]) -> list[str]:
@@ -245,10 +266,13 @@ def dpo_problems(model, ref_model, args, kwargs: dict[str, Any]) -> list[str]:
     from accelerate.utils import is_peft_model
 
     problems = []
-    if kwargs.get("eval_dataset") is not None or (
-            args is not None and str(getattr(args.eval_strategy, "value", args.eval_strategy))
-            != "no"):
-        problems.append(_NO_EVALUATION)
+    evaluating = kwargs.get("eval_dataset") is not None or (
+        args is not None and str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no")
+    if evaluating and getattr(args, "precompute_ref_log_probs", False):
+        problems.append(_NO_PRECOMPUTED_EVAL)
+    if kwargs.get("compute_metrics") is not None or \
+            kwargs.get("preprocess_logits_for_metrics") is not None:
+        problems.append(_NO_PREDICT)
     if model is not None and not isinstance(model, str) and is_peft_model(model) \
             and ref_model is None and kwargs.get("peft_config") is None:
         problems.append(

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import EvalLoopOutput
 
 try:
     from trl import KTOConfig, KTOTrainer
@@ -51,6 +52,7 @@ from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName
                                                  trl_config_dataclass)
 from hf_cephalo.integrations.trl.fused import FusedLMHead
 from hf_cephalo.integrations.trl.support import KTO_FIELD_SUPPORT
+from hf_cephalo.integrations.trl.whole_eval import evaluate_whole_set, no_predict
 from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
 from hf_cephalo.runtime.user_loss import HeadView
 
@@ -145,7 +147,8 @@ class CephaloKTOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, KTOTr
     message, ``kto_problems`` and the table) for: a global batch of one row with the KL term; a
     train dataset without the columns KTOTrainer reads; a ``PeftModel`` that already has an
     adapter and no ``ref_model``; no ``ref_model`` on a full fine-tune of a model built from
-    its config; an evaluation dataset or eval strategy (not built); the refused fields
+    its config; ``compute_metrics`` / ``preprocess_logits_for_metrics`` (``_NO_PREDICT``;
+    ``predict()`` raises it too); the refused fields
     (``precompute_ref_log_probs``, ``sync_ref_model``, ``activation_offloading``).
     """
 
@@ -199,22 +202,35 @@ class CephaloKTOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, KTOTr
     def _engine_microbatches(self, microbatches: list) -> list:
         """The step's reference log-probabilities and KL estimate ([Note: the KL estimate of
         the global batch]); collective: every rank, each step."""
+        total, count = self._reference_pass(microbatches)
+        if self.calculate_KL:
+            self._step_kl = self._global_kl(total, count)
+        return microbatches
+
+    def _reference_pass(self, microbatches: list) -> tuple[torch.Tensor, int]:
+        """Sets each microbatch's ``ref_logps`` (and zero ``ref_KL_logps``); returns this
+        rank's KL (sum of policy - reference log-probabilities over its KL rows (float64), their
+        number); zeros without the KL term. Collective (the engines' forward-only passes)."""
         n = len(microbatches)
         kl_rows = [_kl_rows(mb) for mb in microbatches] if self.calculate_KL else []
         ref = self._reference([{k: mb[k] for k in _ROWS} for mb in microbatches] + kl_rows)
         for mb, logps in zip(microbatches, ref[:n]):
             mb["ref_logps"] = logps
             mb["ref_KL_logps"] = torch.zeros_like(logps)  # the KL term arrives whole, below
-        if self.calculate_KL:
-            policy = self._policy_kl(kl_rows)
-            total = sum(((p - r).double().sum() for p, r in zip(policy, ref[n:])),
-                        torch.zeros((), dtype=torch.float64))
-            count = sum(int(p.shape[0]) for p in policy)
-            sums = self.session.gather_rows(torch.stack(
-                [total.cpu(), torch.tensor(float(count), dtype=torch.float64)]).reshape(1, 2))
-            total, count = sums.sum(dim=0).tolist()
-            self._step_kl = float(torch.tensor(total / count, dtype=torch.float32))
-        return microbatches
+        total = torch.zeros((), dtype=torch.float64)
+        if not self.calculate_KL:
+            return total, 0
+        policy = self._policy_kl(kl_rows)
+        for p, r in zip(policy, ref[n:]):
+            total = total + (p - r).double().sum().cpu()
+        return total, sum(int(p.shape[0]) for p in policy)
+
+    def _global_kl(self, total: torch.Tensor, count: int) -> float:
+        """``sum / count`` over every rank's KL rows (ONE exchange; collective), as float32."""
+        sums = self.session.gather_rows(torch.stack(
+            [total.cpu(), torch.tensor(float(count), dtype=torch.float64)]).reshape(1, 2))
+        total, count = sums.sum(dim=0).tolist()
+        return float(torch.tensor(total / count, dtype=torch.float32))
 
     def _compute_kl_logps(self, model, batch):
         """The step's global KL estimate for each KL row (the reference's arrive as zeros), so
@@ -232,7 +248,7 @@ class CephaloKTOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, KTOTr
         exchange would add up the microbatches' copies); [Note: KTO's gathers do not depend on
         the labels]."""
         if return_outputs:
-            raise ValueError(_NO_EVALUATION)
+            raise ValueError(_NO_PREDICT)
         rows = inputs["input_ids"].shape[0]
         precompute, self.precompute_ref_logps = self.precompute_ref_logps, True
         gathers = _LabelCountGathers(self, inputs)
@@ -247,8 +263,38 @@ class CephaloKTOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, KTOTr
             self._metrics[mode]["kl"][-1] = max(self._step_kl, 0.0)
         return loss * rows / num_items_in_batch
 
-    def evaluate(self, *args: Any, **kwargs: Any):
-        raise ValueError(_NO_EVALUATION)
+    def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None,
+                        metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """``evaluate()``'s loop through the engine, as stock with the whole eval set in ONE
+        batch ([Note: KTO evaluation of the whole set]): every row once; metrics
+        ``{prefix}_loss`` (the mean over the N rows); ``kl`` (the whole set's estimate),
+        ``rewards/*``, ``logps/*``, ``logits/*``, ``entropy`` of the whole set go to the eval
+        metrics KTOTrainer's ``log`` adds (one entry per loop). No predictions (``predict``
+        is refused). Collective: every rank."""
+        self.model.eval()
+        steps = [self._prepare_input(microbatches) for microbatches in dataloader]
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        for microbatches in steps:  # the reference log-probabilities; the KL sums
+            step_total, step_count = self._reference_pass(microbatches)
+            total, count = total + step_total, count + step_count
+        if self.calculate_KL:
+            self._step_kl = self._global_kl(total, count)
+        return evaluate_whole_set(self, steps, dataloader.batch_sampler.dataset_length,
+                                  metric_key_prefix)
+
+    def predict(self, *args: Any, **kwargs: Any):
+        """Refused (ValueError, on every rank before any collective): see ``_NO_PREDICT``."""
+        raise ValueError(_NO_PREDICT)
+
+
+# [Note: KTO evaluation of the whole set]
+# Stock KTOTrainer with the whole eval set in ONE batch (one process) estimates the KL over all
+# N KL rows. Here a first pass over this rank's eval steps computes the reference
+# log-probabilities and the KL sums, ONE exchange gives the whole set's estimate, then
+# ``evaluate_whole_set`` ([Note: evaluation of the whole set in one exchange] in whole_eval.py)
+# evaluates every step with it. This rank's prepared eval microbatches (token ids, reference
+# log-probabilities) stay where the inputs go (the device) between the passes.
 
 
 class _LabelCountGathers:
@@ -315,10 +361,7 @@ class _LabelCountGathers:
                 del metrics[name]
 
 
-_NO_EVALUATION = (
-    "CephaloKTOTrainer does not evaluate yet: KTO's evaluation loss and metrics through the "
-    "engine are not built and tested; drop eval_dataset / evaluate() (and eval_strategy), and "
-    "evaluate the saved model with stock KTOTrainer")
+_NO_PREDICT = no_predict("CephaloKTOTrainer", "KTOTrainer")
 
 
 def _global_batch_size(args, plan) -> int | None:
@@ -338,10 +381,9 @@ def kto_problems(model, ref_model, args, kwargs: dict[str, Any], batch_size) -> 
     from accelerate.utils import is_peft_model
 
     problems = []
-    if kwargs.get("eval_dataset") is not None or (
-            args is not None and str(getattr(args.eval_strategy, "value", args.eval_strategy))
-            != "no"):
-        problems.append(_NO_EVALUATION)
+    if kwargs.get("compute_metrics") is not None or \
+            kwargs.get("preprocess_logits_for_metrics") is not None:
+        problems.append(_NO_PREDICT)
     kl = args is not None and args.loss_type != "apo_zero_unpaired"
     if kl and batch_size is not None and batch_size <= 1:
         problems.append(
@@ -356,19 +398,24 @@ def kto_problems(model, ref_model, args, kwargs: dict[str, Any], batch_size) -> 
             "device's batch); CephaloKTOTrainer pairs them within the global batch, whose size "
             "the plan or cephalo_global_batch_size gives: set per_device_train_batch_size to 2 "
             "or more")
-    problems += _dataset_problems(kwargs.get("train_dataset"))
+    evaluation = kwargs.get("eval_dataset")
+    named = [("train_dataset", kwargs.get("train_dataset"))] + (
+        [(f"eval_dataset[{k!r}]", d) for k, d in evaluation.items()]
+        if isinstance(evaluation, dict) else [("eval_dataset", evaluation)])
+    for name, dataset in named:
+        problems += _dataset_problems(name, dataset)
     problems += _reference_problems(model, ref_model, kwargs, is_peft_model)
     return problems
 
 
-def _dataset_problems(dataset) -> list[str]:
+def _dataset_problems(name: str, dataset) -> list[str]:
     names = getattr(dataset, "column_names", None)
     if not isinstance(names, (list, tuple)):
         return []
     columns = set(names)
     if {"completion", "label"} <= columns or {"chosen", "rejected"} <= columns:
         return []
-    return [f"train_dataset has the columns {sorted(columns)}: KTOTrainer needs unpaired "
+    return [f"{name} has the columns {sorted(columns)}: KTOTrainer needs unpaired "
             "preference rows ('prompt', 'completion', 'label': True for desirable) or paired "
             "ones ('chosen', 'rejected', optionally 'prompt', unpaired by KTOTrainer); rename "
             "or build those columns"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
 try:
     from trl import RewardConfig, RewardTrainer
@@ -117,10 +118,13 @@ class CephaloRewardTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, Re
     ``margin``, ``min_reward`` / ``mean_reward`` / ``max_reward`` and ``num_tokens``, those of
     the whole global batch ([Note: reward metrics of the global batch]).
 
+    ``evaluate()`` / ``predict()`` (and ``eval_strategy``) run through the engine and give
+    stock's numbers for the whole eval set in one batch ([Note: reward evaluation of the whole
+    set], ``evaluation_loop``).
+
     Raises ``RefusedSettings`` (a ValueError, before any collective, in the mixin's one
-    refusal message) for: a train dataset without the columns RewardTrainer reads
-    (``reward_problems``); an evaluation dataset or eval strategy (reward evaluation on the
-    engine is not built); the config's refused values.
+    refusal message) for: a train or eval dataset without the columns RewardTrainer reads,
+    ``include_for_metrics`` (``reward_problems``); the config's refused values.
     """
 
     def __init__(self, model: Any = None, args=None, **kwargs: Any) -> None:
@@ -166,7 +170,7 @@ class CephaloRewardTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, Re
         pairs), times m / N, N the global batch's pairs ([Note: a reward pair is one sample]);
         accuracy and margin of the global batch ([Note: reward metrics of the global batch])."""
         if return_outputs:
-            raise ValueError(_NO_EVALUATION)
+            raise ValueError(_NO_OUTPUTS)
         if inputs["input_ids"].shape[0] == 0:  # the step's replay (head_calls.py)
             inputs, model = _replay_pair(inputs), _OnePairOfZeros(model)
         pairs = inputs["input_ids"].shape[0] // 2
@@ -182,33 +186,138 @@ class CephaloRewardTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, Re
         self._metrics[mode]["margin"][-1] = (sums[1] / total).item()
         return loss * pairs / num_items_in_batch
 
-    def evaluate(self, *args: Any, **kwargs: Any):
-        raise ValueError(_NO_EVALUATION)
+    def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None,
+                        metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """Stock ``evaluate`` / ``predict``'s loop through the engine ([Note: reward evaluation
+        of the whole set]): every pair once, in dataset order.
+
+        Returns ``EvalLoopOutput``, as stock's with the N pairs in one batch: ``predictions``
+        (2N, 1) float32, the N chosen rewards then the N rejected ones (after
+        ``preprocess_logits_for_metrics(predictions, ())``), ``label_ids`` () (RewardTrainer
+        has no label names; both None with ``prediction_loss_only``), metrics
+        ``{prefix}_loss`` (the mean over the N pairs) and ``compute_metrics``' (called with
+        ``label_ids=()``, as stock); ``accuracy``, ``margin``, ``min_reward`` /
+        ``mean_reward`` / ``max_reward`` of the whole set go to the eval metrics
+        RewardTrainer's ``log`` adds (one entry per loop). Collective: every rank."""
+        if prediction_loss_only is None:
+            prediction_loss_only = self.args.prediction_loss_only
+        self.model.eval()
+        before = {key: list(values) for key, values in self._metrics["eval"].items()}
+        loss_sum, num_items, local = 0.0, 0, []
+        for indices, microbatches in zip(dataloader.batch_sampler.local_batches(), dataloader):
+            microbatches = self._engine_microbatches(self._prepare_input(microbatches))
+            out = self._engine_evaluate(microbatches, return_logits=True)
+            if out.num_items:
+                loss_sum += out.loss * out.num_items
+                num_items += out.num_items
+            local += _local_pairs(indices, out.logits)
+        chosen, rejected = _gathered_pairs(local, dataloader.batch_sampler.dataset_length,
+                                           self.args.world_size)
+        self._metrics["eval"].clear()
+        self._metrics["eval"].update(before)
+        self._metrics["eval"]["num_tokens"] = [self._total_train_tokens]
+        for key, value in _reward_metrics(chosen, rejected).items():
+            self._metrics["eval"][key].append(value)
+        metrics, predictions = {}, None
+        if not prediction_loss_only:
+            predictions = torch.cat([chosen, rejected]).unsqueeze(-1)
+            if self.preprocess_logits_for_metrics is not None:
+                predictions = self.preprocess_logits_for_metrics(predictions, ())
+            predictions = predictions.numpy()
+            if self.compute_metrics is not None:  # stock's labels: () (RewardTrainer has none)
+                metrics = self.compute_metrics(EvalPrediction(predictions=predictions,
+                                                              label_ids=()))
+        metrics = denumpify_detensorize(metrics)
+        if num_items:
+            metrics["loss"] = loss_sum / num_items
+        metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v
+                   for k, v in metrics.items()}
+        return EvalLoopOutput(predictions=predictions,
+                              label_ids=None if prediction_loss_only else (), metrics=metrics,
+                              num_samples=dataloader.batch_sampler.dataset_length)
 
 
-_NO_EVALUATION = (
-    "CephaloRewardTrainer does not evaluate yet: the reward model's evaluation loss and metrics "
-    "through the engine are not built and tested; drop eval_dataset / evaluate() (and "
-    "eval_strategy), and evaluate the saved model with stock RewardTrainer")
+# [Note: reward evaluation of the whole set]
+# Stock RewardTrainer evaluates through Trainer's loop: per eval batch, compute_loss appends
+# that batch's metrics, and eval_loss is the mean of the batches' losses; with the whole eval
+# set in ONE batch (per_device_eval_batch_size = N, one process) they are the whole set's.
+# Here the eval loader splits the set by the plan's b_i (unshuffled), the engine runs each
+# step's microbatches (the loss: each microbatch's pair mean x m / N_step, so the sum over
+# steps of loss x N_step is the set's loss sum), and each pair's two rewards are gathered once,
+# in dataset order: accuracy, margin and min / mean / max reward are computed from all of them,
+# ONE entry per loop (the per-step entries compute_loss leaves are dropped), so the numbers are
+# stock's one-batch ones whatever the plan and per_device_eval_batch_size.
+
+_NO_OUTPUTS = (
+    "CephaloRewardTrainer.compute_loss(return_outputs=True): the engine runs the model in "
+    "layers and returns the loss only; use trainer.evaluate() / predict() (the rewards are "
+    "predict()'s predictions)")
+
+
+def _local_pairs(indices: list[int], logits: list[torch.Tensor]) -> list[tuple[int, float, float]]:
+    """(dataset index, chosen reward, rejected reward) of each pair of this rank's eval step;
+    ``logits``: one (2m, 1) tensor per microbatch, the m chosen rows first."""
+    rows, position = [], 0
+    for rewards in logits:
+        chosen, rejected = rewards.detach().float().cpu().reshape(-1).chunk(2)
+        for c, r in zip(chosen.tolist(), rejected.tolist()):
+            rows.append((indices[position], c, r))
+            position += 1
+    return rows
+
+
+def _gathered_pairs(local: list, num_pairs: int, world_size: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's pairs in dataset order: the chosen and the rejected rewards, (N,) each
+    (float32). Collective with several processes. RuntimeError if a pair is missing or twice."""
+    from accelerate.utils import gather_object
+
+    rows = sorted(gather_object(local) if world_size > 1 else local)
+    if [row[0] for row in rows] != list(range(num_pairs)):
+        raise RuntimeError(f"reward evaluation gathered {len(rows)} pairs for {num_pairs} "
+                           "(internal error: each pair must appear exactly once)")
+    return (torch.tensor([row[1] for row in rows], dtype=torch.float32),
+            torch.tensor([row[2] for row in rows], dtype=torch.float32))
+
+
+def _reward_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, float]:
+    """RewardTrainer.compute_loss's metrics of one batch holding these pairs (none for none)."""
+    if chosen.numel() == 0:
+        return {}
+    rewards = torch.cat([chosen, rejected])
+    return {"min_reward": rewards.min().item(), "mean_reward": rewards.mean().item(),
+            "max_reward": rewards.max().item(),
+            "accuracy": (chosen > rejected).float().mean().item(),
+            "margin": (chosen - rejected).mean().item()}
 
 
 def reward_problems(args, kwargs: dict[str, Any]) -> list[str]:
     """The reward refusals that need the objects (datasets); one message each (empty: none)."""
     problems = []
-    if kwargs.get("eval_dataset") is not None or (
-            args is not None and str(getattr(args.eval_strategy, "value", args.eval_strategy))
-            != "no"):
-        problems.append(_NO_EVALUATION)
-    train = kwargs.get("train_dataset")
-    columns = _column_names(train)
-    if columns is not None and not ({"chosen", "rejected"} <= columns or
-                                    {"chosen_ids", "rejected_ids"} <= columns or
-                                    {"chosen_input_ids", "rejected_input_ids"} <= columns):
+    if args is not None and getattr(args, "include_for_metrics", None):
         problems.append(
-            f"train_dataset has the columns {sorted(columns)}: RewardTrainer needs a preference "
-            "dataset with 'chosen' and 'rejected' (text or messages, optionally 'prompt' and "
-            "'margin'), or tokenized 'chosen_ids' and 'rejected_ids'; rename or build those "
-            "columns")
+            f"include_for_metrics={list(args.include_for_metrics)} with CephaloRewardTrainer: "
+            "stock hands compute_metrics each eval batch's inputs / losses, which the engine's "
+            "reward evaluation (the rewards of every pair, gathered) does not reproduce; drop "
+            "include_for_metrics and compute from the predictions (2N rewards, the N chosen "
+            "first)")
+    datasets = [("train_dataset", kwargs.get("train_dataset"))]
+    evaluation = kwargs.get("eval_dataset")
+    if isinstance(evaluation, dict):
+        datasets += [(f"eval_dataset[{name!r}]", d) for name, d in evaluation.items()]
+    else:
+        datasets.append(("eval_dataset", evaluation))
+    for name, dataset in datasets:
+        columns = _column_names(dataset)
+        if columns is not None and not ({"chosen", "rejected"} <= columns or
+                                        {"chosen_ids", "rejected_ids"} <= columns or
+                                        {"chosen_input_ids", "rejected_input_ids"} <= columns):
+            problems.append(
+                f"{name} has the columns {sorted(columns)}: RewardTrainer needs a preference "
+                "dataset with 'chosen' and 'rejected' (text or messages, optionally 'prompt' "
+                "and 'margin'), or tokenized 'chosen_ids' and 'rejected_ids'; rename or build "
+                "those columns")
     return problems
 
 
