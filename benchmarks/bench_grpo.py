@@ -291,6 +291,15 @@ def predictions(args, planned, even_plan, even_mode) -> dict:
         out[way] = dict(generation=p.generation_s, scoring=p.logprob_s, training=p.training_s,
                         total=p.total_s, split=list(gen.rows), mode=gen.mode)
     out["profiles"] = [(d.fixed_s, d.per_row_s) for d in builtin.profiles]
+    # would pricing the whole step at start pick another training plan? (the start plan
+    # minimizes the training step alone; g_i is planned apart, from the decode profiles)
+    from hf_cephalo.planner.simulate import compute_balance_plan
+
+    out["start_candidates"] = {
+        name: price_rl_step(plan, cluster, builtin.plan, logprob_passes=1).total_s
+        for name, plan in (("even", even_plan), ("compute balance",
+                                                 compute_balance_plan(cluster, 2 * half)),
+                           ("start plan (training optimum)", planned.plan))}
     return out
 
 
@@ -406,6 +415,8 @@ def report(args, results, bound_one_s, load_before) -> None:
     print("decode profiles (a_i s, c_i s/row) per decode step, measured by the planned run: "
           + ", ".join(f"rank {r}: ({a:.4f}, {c:.5f})"
                       for r, (a, c) in enumerate(r0["predicted"]["profiles"])))
+    print("priced whole step (price_rl_step, the planned g_i) of candidate training plans: "
+          + ", ".join(f"{k} {v:.3f} s" for k, v in r0["predicted"]["start_candidates"].items()))
     same, diff = same_runs(results)
     print(f"\nCephalo even vs planned: same completions: {same}; largest relative loss "
           f"difference {diff:.2e} (tolerance 1e-5)")
