@@ -18,7 +18,7 @@ Systems:
       distributed type to FSDP with an FSDP2 plugin after the Trainer built its Accelerator:
       everything after that is stock (``accelerator.prepare`` -> ``fsdp2_prepare_model``).
       The 3x rank is emulated as Cephalo emulates it: each decoder layer's forward and
-      backward are timed and followed by a sleep of 2x their duration (``_emulate_layers``).
+      backward are timed and followed by a sleep of 2x their duration (``emulate_layers``).
   (b) ``CephaloSFTTrainer`` with ``--cephalo_emulate_slowdown 1 3``: it profiles both ranks,
       plans (b_i, m_i, r_i) and trains (live re-balancing off, so every timed step runs the
       start plan).
@@ -123,7 +123,7 @@ class _BackwardEnd(torch.autograd.Function):
         return grad, None, None
 
 
-def _emulate_layers(model, factor: float) -> None:
+def emulate_layers(model, factor: float) -> None:
     """Each decoder layer's forward and backward followed by a sleep of (factor - 1) x their
     duration (before ``fully_shard``: FSDP2's unshard / reshard hooks stay outside the clock)."""
     if factor == 1.0:
@@ -140,7 +140,7 @@ def _emulate_layers(model, factor: float) -> None:
         layer.forward = timed
 
 
-class _StepClock:
+class StepClock:
     """A TrainerCallback's step-end times (perf_counter, s)."""
 
     def __init__(self):
@@ -156,7 +156,7 @@ class _StepClock:
         self.callback = Callback()
 
 
-def _measure(trainer, clock: _StepClock, args) -> dict:
+def _measure(trainer, clock: StepClock, args) -> dict:
     """Median step time over the timed steps and TRL's num_tokens per step."""
     trainer.train()
     logs = [h for h in trainer.state.log_history if "num_tokens" in h and "loss" in h]
@@ -167,25 +167,34 @@ def _measure(trainer, clock: _StepClock, args) -> dict:
                 loss=logs[-1]["loss"])
 
 
-def run_fsdp2(args, rank, layout, tokenizer, out_dir):
+def use_fsdp2(trainer, layer_class: str) -> None:
+    """Put a stock Trainer's Accelerator on FSDP2 after the Trainer built it: what accelerate
+    does on GPUs for fsdp_version 2 (``fully_shard`` per ``layer_class`` + the root, reshard
+    after forward); accelerate refuses FSDP on a CPU-only state. Everything after (prepare ->
+    ``fsdp2_prepare_model``) is stock. Call it at the end of an override of
+    ``create_accelerator_and_postprocess``."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=[layer_class], reshard_after_forward=True,
+        state_dict_type="SHARDED_STATE_DICT")
+    trainer.is_fsdp_enabled = True
+
+
+def run_fsdp2(args, rank, layout, tokenizer, out_dir):
     from trl import SFTConfig, SFTTrainer
 
     class FSDP2SFTTrainer(SFTTrainer):
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
-            # what accelerate does on GPUs for fsdp_version 2 (it refuses a CPU-only state)
-            state = self.accelerator.state
-            state.distributed_type = DistributedType.FSDP
-            state.fsdp_plugin = FullyShardedDataParallelPlugin(
-                fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True,
-                state_dict_type="SHARDED_STATE_DICT")
-            self.is_fsdp_enabled = True
+            use_fsdp2(self, "LlamaDecoderLayer")
 
     model = build_model(args, len(tokenizer))
-    _emulate_layers(model, args.slowdown[rank])
-    clock = _StepClock()
+    emulate_layers(model, args.slowdown[rank])
+    clock = StepClock()
     config = SFTConfig(**sft_kwargs(args, layout, out_dir),
                        per_device_train_batch_size=args.global_batch_size // 2)
     trainer = FSDP2SFTTrainer(model=model, args=config, train_dataset=chat_data(args),
@@ -196,7 +205,7 @@ def run_fsdp2(args, rank, layout, tokenizer, out_dir):
 def run_cephalo(args, rank, layout, tokenizer, out_dir):
     from hf_cephalo import CephaloSFTConfig, CephaloSFTTrainer
 
-    clock = _StepClock()
+    clock = StepClock()
     # activation checkpointing only where memory needs it (FSDP2 runs without it here)
     config = CephaloSFTConfig(**sft_kwargs(args, layout, out_dir),
                               cephalo_global_batch_size=args.global_batch_size,

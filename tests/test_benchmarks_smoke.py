@@ -40,6 +40,7 @@ SMOKE = {
     "bench_memory": "(a) old: hf_cephalo at",
     "bench_sft": "",
     "bench_generation": "completions identical across the four ways: True",
+    "bench_grpo": "Cephalo even vs planned: same completions: True",
 }
 
 

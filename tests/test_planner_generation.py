@@ -135,3 +135,22 @@ def test_an_rl_step_is_priced_per_phase():
     assert two.generation_s == pytest.approx(one.generation_s / 2)
     assert one.total_s == pytest.approx(one.generation_s + one.logprob_s + one.training_s)
     assert isinstance(plan, Plan) and sum(gen.rows) == 32
+
+
+def test_a_given_split_is_priced_as_the_plan_prices_it():
+    """price_generation of the planner's own split gives the planner's prediction in each mode;
+    any other split is priced no lower; bad splits and modes are refused."""
+    from hf_cephalo.planner.generation import price_generation
+
+    ranks = [DecodeProfile("fast", 0.01, 0.002), DecodeProfile("slow", 0.03, 0.006)]
+    for mode in ("gather_once", "sharded"):
+        plan = plan_generation(ranks, MODEL, 8, 4, 16, modes=(mode,))
+        assert price_generation(ranks, MODEL, plan.rows, 16, mode).predicted_s == \
+            pytest.approx(plan.predicted_s)
+        for g in range(9):
+            assert price_generation(ranks, MODEL, [g, 8 - g], 16, mode).predicted_s >= \
+                plan.predicted_s - 1e-12
+    with pytest.raises(ValueError, match="needs 2 counts"):
+        price_generation(ranks, MODEL, [8], 16, "sharded")
+    with pytest.raises(ValueError, match="give gather_once or sharded"):
+        price_generation(ranks, MODEL, [4, 4], 16, "beams")

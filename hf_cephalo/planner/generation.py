@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = ["DecodeProfile", "DecodeModel", "GenerationPlan", "plan_generation", "spec_decode",
+           "price_generation",
            "RLStepPrediction", "forward_pass_s", "price_rl_step",
            "InfeasibleGenerationError"]
 
@@ -206,22 +207,38 @@ def plan_generation(ranks: Sequence[DecodeProfile], model: DecodeModel, rows: in
         if split is None:
             why.append(f"{mode}: at most {caps} rows per rank")
             continue
-        if mode == "gather_once":
-            rank_s = [new_tokens * r.step_s(g) for r, g in zip(ranks, split)]
-            total = max(rank_s) + model.gather_all_s
-        else:
-            step = max(r.step_s(max(g, 1)) for r, g in zip(ranks, split))
-            comm = model.num_units * model.allgather_s_per_unit + model.allreduce_s
-            rank_s = [new_tokens * (step + comm)] * len(ranks)
-            total = rank_s[0]
-        if best is None or total < best.predicted_s:
-            best = GenerationPlan(split, mode, total, rank_s)
+        priced = price_generation(ranks, model, split, new_tokens, mode)
+        if best is None or priced.predicted_s < best.predicted_s:
+            best = priced
     if best is None:
         raise InfeasibleGenerationError(
             f"no decode mode fits {rows} rows of {tokens} tokens in the ranks' memory ("
             + "; ".join(why) + "): generate fewer rows per step (steps_per_generation, "
             "per_device_train_batch_size) or shorter completions (max_completion_length)")
     return best
+
+
+def price_generation(ranks: Sequence[DecodeProfile], model: DecodeModel, split: Sequence[int],
+                     new_tokens: int, mode: str) -> GenerationPlan:
+    """The predicted round of a GIVEN split g_i (``split``, rank order) in ``mode``
+    (``gather_once`` or ``sharded``), [Note: the decode cost model]: gather once
+    ``max_i T t_i(g_i) + W_ag``; sharded ``T (max_i t_i(max(g_i, 1)) + L u_ag + r_ar)``. No
+    memory check (``plan_generation`` applies the caps). Seconds.
+
+    Raises ValueError for a split of another length than ``ranks``, a negative count or an
+    unknown mode."""
+    split = [int(g) for g in split]
+    if len(split) != len(ranks) or min(split, default=0) < 0:
+        raise ValueError(f"price_generation: split {split} needs {len(ranks)} counts >= 0")
+    if mode == "gather_once":
+        rank_s = [new_tokens * r.step_s(g) for r, g in zip(ranks, split)]
+        return GenerationPlan(split, mode, max(rank_s) + model.gather_all_s, rank_s)
+    if mode != "sharded":
+        raise ValueError(f"price_generation: mode {mode!r}: give gather_once or sharded")
+    step = max(r.step_s(max(g, 1)) for r, g in zip(ranks, split))
+    comm = model.num_units * model.allgather_s_per_unit + model.allreduce_s
+    rank_s = [new_tokens * (step + comm)] * len(ranks)
+    return GenerationPlan(split, mode, rank_s[0], rank_s)
 
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

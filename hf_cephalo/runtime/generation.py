@@ -45,17 +45,21 @@ def session_generate(session, prompt_ids: Sequence[Sequence[int]], rows: Sequenc
     all-gathered, rank i decodes the g_i rows that come i-th in global row order, and the
     completions' token ids are all-gathered back, each rank keeping its own rows
     ([Note: generation split]). None: each rank decodes its own rows. The completions are the
-    same either way (keyed sampling).
+    same either way (keyed sampling). A rank with an emulated slowdown decodes that much slower
+    (``generation_plan.emulated_decode``), as the decode profiles it is planned from measured.
 
     Raises:
         ValueError: a split of another world size or total, or one row index given with two
             different prompts (every rank alike, after the prompts' exchange).
     """
+    from .generation_plan import emulated_decode  # it imports this module
+
     budget = generation_budget_bytes(session.plan, session.job.rank)
     if generation_split is None:
-        return session.engine.generate(prompt_ids, rows, params, round_, mode=mode,
-                                       memory_budget_bytes=budget,
-                                       pad_to_multiple_of=pad_to_multiple_of)
+        with emulated_decode(session.engine.staged):
+            return session.engine.generate(prompt_ids, rows, params, round_, mode=mode,
+                                           memory_budget_bytes=budget,
+                                           pad_to_multiple_of=pad_to_multiple_of)
     import torch.distributed as dist
 
     # [Note: generation split] decoding is memory-bandwidth-bound, training compute-bound: the
@@ -78,9 +82,10 @@ def session_generate(session, prompt_ids: Sequence[Sequence[int]], rows: Sequenc
                          f"to the {len(table)} rows of the generation batch")
     start = sum(split[:rank])
     todo = table[start:start + split[rank]]
-    out = session.engine.generate([p for _, p in todo], [r for r, _ in todo], params, round_,
-                                  mode=mode, memory_budget_bytes=budget,
-                                  pad_to_multiple_of=pad_to_multiple_of)
+    with emulated_decode(session.engine.staged):
+        out = session.engine.generate([p for _, p in todo], [r for r, _ in todo], params,
+                                      round_, mode=mode, memory_budget_bytes=budget,
+                                      pad_to_multiple_of=pad_to_multiple_of)
     decoded: list = [None] * world
     dist.all_gather_object(decoded, [(r, c, t) for (r, _), c, t in
                                      zip(todo, out.completions, out.truncated)], group=group)

@@ -62,12 +62,14 @@ class BuiltinRollout:
     """``rollout(prompts, global_rows)`` -> TRL's rollout dict, decoded on the engine.
     Collective: every rank calls it at every generation round (a rank without rows with empty
     lists). ``report``: per round, the decode mode, the rows each rank decoded, the measured
-    wall seconds on this rank and, with ``generation_split`` 'plan', the planner's prediction.
+    wall seconds on this rank and, with ``generation_split`` 'plan', the planner's prediction;
+    ``profiles``: with 'plan', every rank's measured ``DecodeProfile`` (rank order).
     """
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.plan = None  # the generation planner's GenerationPlan ('plan' split)
+        self.profiles = None  # each rank's measured DecodeProfile it was planned from
         self.report: list[dict[str, Any]] = []
 
     def _settings(self):
@@ -78,13 +80,19 @@ class BuiltinRollout:
         if self._settings().generation_split != "plan":
             return None
         if self.plan is None:
-            from hf_cephalo.runtime.generation_plan import plan_generation_split
+            from hf_cephalo.runtime.generation import generation_budget_bytes
+            from hf_cephalo.runtime.generation_plan import (measure_decode_profiles,
+                                                             plan_generation_split)
 
             t = self.trainer
             tokens = len(t._planning_dataset()[0]["input_ids"])
             new = int(t.args.max_completion_length)
-            self.plan = plan_generation_split(t.session, t._batch_size, max(tokens - new, 1),
-                                              new)
+            session = t.session
+            self.profiles = measure_decode_profiles(
+                session.engine, seed=session.job.seed,
+                memory_budget_bytes=generation_budget_bytes(session.plan, session.job.rank))
+            self.plan = plan_generation_split(session, t._batch_size, max(tokens - new, 1),
+                                              new, profiles=self.profiles)
         return list(self.plan.rows)
 
     def __call__(self, prompts: list, global_rows: list[int]) -> dict[str, Any]:
