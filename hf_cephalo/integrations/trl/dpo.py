@@ -128,7 +128,7 @@ class CephaloDPOConfig(CephaloTRLConfig, DPOConfig):
         if self.ld_alpha is not None and not self.precompute_ref_log_probs:
             refused["ld_alpha"] = (
                 f"--ld_alpha = {self.ld_alpha} with a reference computed each step: the step's "
-                "reference pass sums whole completions (trl_dpo.py); set "
+                "reference pass sums whole completions (integrations/trl/dpo.py); set "
                 "precompute_ref_log_probs=True (TRL weights the reference as stock), or drop "
                 "ld_alpha")
         batch = [t for t in self.loss_type if t in _BATCH_LOSSES]

@@ -80,7 +80,7 @@ SFT_FIELD_SUPPORT: dict[str, Support] = {
         "SFTTrainer.compute_loss runs in the engine's head per microbatch; nll and chunked_nll "
         "(an alias of nll in TRL 1.16) use TRL's fused LM head (per-token log-probabilities, "
         "entropy and top-1 in tiles: the (m, S, V) logits are never built), computed from the "
-        "head's final hidden states (trl_fused.py); dft is the same per-token sum (not "
+        "head's final hidden states (integrations/trl/fused.py); dft is the same per-token sum (not "
         "separately tested)", _S + "test_sft_matches_stock"),
     "activation_offloading": _refused(
         "TRL's activation offloading hooks the model's forward, which the engine never "
@@ -94,7 +94,7 @@ SFT_FIELD_SUPPORT: dict[str, Support] = {
 _D = "tests/test_trl_dpo.py::"
 _DPO_PREP = "DPOTrainer's own dataset preparation (tokenize prompt / chosen / rejected) before planning"
 _PER_PAIR = ("DPOTrainer.compute_loss per microbatch in the engine's head, its mean over the "
-             "microbatch's pairs weighted by m / N (trl_dpo.py, [Note: a preference pair is one "
+             "microbatch's pairs weighted by m / N (integrations/trl/dpo.py, [Note: a preference pair is one "
              "sample])")
 
 DPO_FIELD_SUPPORT: dict[str, Support] = {
@@ -469,8 +469,8 @@ def trainer_class_problems(cls: type) -> list[str]:
     support = TRL_TRAINER_SUPPORT.get(trl.__name__)
     if support is None:
         return [f"TRL's {trl.__name__} is not validated on the Cephalo runtime: its training "
-                "step, loss and collator are not classified (hf_cephalo/integrations/"
-                "trl_support.py); use CephaloSFTTrainer or stock TRL"]
+                "step, loss and collator are not classified (hf_cephalo/integrations/trl/"
+                "support.py); use CephaloSFTTrainer or stock TRL"]
     if support.status is Status.REFUSED:
         return [f"TRL's {trl.__name__} is not supported on the Cephalo runtime: it "
                 f"{support.note}"]
