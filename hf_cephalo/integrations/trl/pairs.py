@@ -18,7 +18,11 @@ import torch
 from hf_cephalo.models.base import Microbatch
 from hf_cephalo.runtime.global_width import collator_name
 
-__all__ = ["PairRows", "unfold_pairs"]
+__all__ = ["PairRows", "unfold_pairs", "PAIR_ROWS"]
+
+PAIR_ROWS = 2
+"""Sequence rows of one preference pair in the engine's microbatch (chosen + rejected): the
+doors' ``Job.rows_per_sample``, the planner's pricing of a pair (planner/rows.py)."""
 
 
 class PairRows:
