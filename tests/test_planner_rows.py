@@ -146,3 +146,25 @@ def test_bad_rows_and_double_pricing_are_refused():
         per_sample_cluster(per_sample_cluster(cluster, 2), 2)
     cached = dataclasses.replace(cluster, extra={"profile_cache": ["x"], "sequence_length": 64})
     assert "profile_cache" not in per_sample_cluster(cached, 2).extra  # never written back
+
+
+def test_per_sample_profile_reads_and_writes_its_rows():
+    """A per-sample profile's JSON records k (a per-row one reads and writes as before), and
+    the extrapolation note counts rows: m = 2 pairs are 4 rows, beyond the profiled 2."""
+    from hf_cephalo.planner.simulate import extrapolation_note
+
+    cluster = _tight_cluster(8.0)
+    per_sample = per_sample_cluster(cluster, 2)
+    assert "rows_per_sample" not in cluster.to_json()["devices"][0]
+    again = ClusterProfile.from_json(per_sample.to_json())
+    assert [d.rows_per_sample for d in again.devices] == [2, 2]
+    assert float(memory.rank_memory_bytes(again, 0, 2, 2)) == \
+        float(memory.rank_memory_bytes(per_sample, 0, 2, 2))
+    narrow = dataclasses.replace(cluster, devices=[
+        dataclasses.replace(d, microbatch_sizes=[1, 2], fwd_s=d.fwd_s[:2], bwd_s=d.bwd_s[:2],
+                            compute_memory_bytes=d.compute_memory_bytes[:2])
+        for d in cluster.devices])
+    plan = optimize(per_sample_cluster(narrow, 2), 4)
+    assert [r.microbatch_size for r in plan.ranks] == [2, 2]
+    note = extrapolation_note(plan, per_sample_cluster(narrow, 2))
+    assert "rank 0 m=2 (4 rows, profiled up to 2 rows)" in note, note
