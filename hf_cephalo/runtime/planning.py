@@ -216,8 +216,8 @@ def _infeasible_remedy(job: Job, global_batch_size: int, constraint: str) -> str
 
 def _pair_remedy(job: Job) -> str:
     """What to do when not even one sample of several rows (a preference pair) fits any rank."""
-    ways = ["a shorter max_length (or max_prompt_length / max_completion_length) in the "
-            "trainer's config", "a GPU with more memory"]
+    ways = ["a shorter max_length in the trainer's config (DPO truncates each sequence to "
+            "it, the reward trainer drops longer pairs)", "a GPU with more memory"]
     if planned_checkpointing(job) is False:
         ways.append("--cephalo_activation_checkpointing true or auto")
     if job.precision.compute == "fp32":
