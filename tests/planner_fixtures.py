@@ -79,13 +79,15 @@ def with_host_limits(rng: np.random.Generator, cluster: ClusterProfile, B: int) 
 
 
 def brute_force(cluster: ClusterProfile, B: int, c: float = 0.8, allow_idle: bool = True,
-                activation_checkpointing: bool = True) -> float:
+                activation_checkpointing: bool = True, rows_per_sample: int = 1) -> float:
     """min over every assignment of max_i T_i with u decided by the assignment; inf if none.
 
     Memory per rank is ``memory.rank_memory_bytes``; with host RAM figures each machine's
     pinned offload bytes must fit c × its RAM. ``activation_checkpointing``: the engine
-    setting both are priced for.
+    setting both are priced for. ``rows_per_sample`` k: b and m count samples of k rows each,
+    priced with the per-row profile's functions at k·m and k·b rows (planner/rows.py).
     """
+    k = rows_per_sample
     ac = {"activation_checkpointing": activation_checkpointing}
     devs, comm = cluster.devices, cluster.comm
     N, S = len(devs), cluster.model.state_bytes
@@ -97,13 +99,14 @@ def brute_force(cluster: ClusterProfile, B: int, c: float = 0.8, allow_idle: boo
                  cost.idle_unit_time_s(comm, True))] \
             if allow_idle and idle_mem <= c * d.memory_capacity_bytes else []
         for m in range(1, B + 1):
-            f, bw = float(cost.fwd_time_s(d, m)), float(cost.bwd_time_s(d, m))
+            f, bw = float(cost.fwd_time_s(d, k * m)), float(cost.bwd_time_s(d, k * m))
             for l in range(1, B // m + 1):
-                mem = float(memory.rank_memory_bytes(cluster, i, m, l * m, **ac))
+                mem = float(memory.rank_memory_bytes(cluster, i, k * m, k * l * m, **ac))
                 if mem > c * d.memory_capacity_bytes:
                     continue
                 # the compute phase per unit (cost.py [Note: step terms])
-                extra = float(cost.rank_extra_s(cluster, i, l * m, m)) / cluster.model.num_units
+                extra = float(cost.rank_extra_s(cluster, i, k * l * m, k * m)) / \
+                    cluster.model.num_units
                 opts.append((l * m, m, mem,
                              float(cost.unit_time_s(f, bw, l, comm, False, **ac)) + extra,
                              float(cost.unit_time_s(f, bw, l, comm, True, **ac)) + extra))
@@ -115,7 +118,7 @@ def brute_force(cluster: ClusterProfile, B: int, c: float = 0.8, allow_idle: boo
             return True
         need = [0.0] * len(cluster.host_memory_bytes)
         for k, o in zip(cluster.machines_of_ranks, chosen):
-            need[k] += float(memory.host_memory_bytes(cluster.model, o[0],
+            need[k] += float(memory.host_memory_bytes(cluster.model, rows_per_sample * o[0],
                                                       cluster.offload_activations))
         return all(x <= c * h * (1 + 1e-12) for x, h in zip(need, cluster.host_memory_bytes))
 

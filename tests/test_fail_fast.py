@@ -136,3 +136,55 @@ def test_step_time_off_by_more_than_15_percent_names_the_term():
            "predicted 0.300 s" in msg, msg
     # no compute timings (CUDA without emulation): the gap, without a term
     assert "no compute timings" in diagnose_step_time([row(0, 2.0, None, None)], 1.0)
+
+
+def _one_gpu_profile(capacity_gib: float):
+    """One rank whose activation line is 1 GiB per sequence row (the state: a few bytes)."""
+    from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
+
+    gib = float(1 << 30)
+    device = DeviceProfile(name="small", memory_capacity_bytes=capacity_gib * gib,
+                           microbatch_sizes=[1, 2], fwd_s=[1.0, 1.8], bwd_s=[2.0, 3.6],
+                           compute_memory_bytes=[1 * gib, 2 * gib])
+    model = ModelProfile(name="m", num_units=2, params_per_unit=1, params_other=0,
+                         state_bytes_per_param=1.0)
+    return ClusterProfile(model=model, devices=[device],
+                          comm=CommProfile(allgather_s=0.1, reducescatter_s=0.1),
+                          extra={"sequence_length": 64})
+
+
+def test_a_pair_that_fits_no_rank_is_refused_naming_the_pair(tmp_path, monkeypatch, no_profiling):
+    """A door whose sample is a preference pair (Job.rows_per_sample = 2) plans each sample as
+    2 rows: with 0.8 x 1.875 GiB usable one row (1 GiB) fits, one pair (2 GiB) does not, so
+    the plan is refused before any collective naming the rank, the memory, the pair's rows and
+    width and what to do; the same profile plans a 1-row job; the saved profile stays per row."""
+    from hf_cephalo.integrations.trainer.training_args import job_from_training_args
+    from hf_cephalo.models import stage_model
+    from hf_cephalo.planner import InfeasiblePlanError
+    from hf_cephalo.profiles.types import ClusterProfile
+    from hf_cephalo.runtime import planning
+
+    capacity = {"gib": 1.875}
+    monkeypatch.setattr(planning, "profile_cluster",
+                        lambda *a, **k: _one_gpu_profile(capacity["gib"]))
+    args = _args(tmp_path, cephalo_global_batch_size=2)
+    staged = stage_model(build("llama"))
+    with pytest.raises(InfeasiblePlanError) as info:
+        planning.resolve_plan(job_from_training_args(args, 1, rows_per_sample=2), staged)
+    text = str(info.value)
+    for expected in ("rank 0 (small): microbatch size 1 (one sample = 2 sequence rows of 64 "
+                     "tokens that share a microbatch) needs 2.0 GiB, cap 1.5 GiB",
+                     "one sample of this trainer is a preference pair", "a shorter max_length",
+                     "a GPU with more memory", "--bf16", "a LoRA adapter"):
+        assert expected in text, (expected, text)
+    assert not torch.distributed.is_initialized()
+    rows = planning.resolve_plan(job_from_training_args(args, 1), staged).plan.ranks[0]
+    assert (rows.batch_size, rows.microbatch_size) == (2, 1)
+    capacity["gib"] = 4.0  # 3.2 GiB usable: one pair per microbatch (2 rows), two microbatches
+    resolved = planning.resolve_plan(job_from_training_args(args, 1, rows_per_sample=2), staged)
+    pair = resolved.plan.ranks[0]
+    assert (pair.batch_size, pair.microbatch_size) == (2, 1)
+    assert 2 * (1 << 30) <= pair.predicted_memory_bytes < 2 * (1 << 30) + 64
+    assert resolved.cluster.devices[0].rows_per_sample == 2  # what live re-planning prices
+    saved = ClusterProfile.load(str(tmp_path / "out" / "profile.json"))
+    assert saved.devices[0].rows_per_sample == 1 and "rows_per_sample" not in saved.extra

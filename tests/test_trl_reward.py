@@ -445,3 +445,27 @@ def test_saved_reward_model_scores_grpo_completions(tmp_path_factory, tokenizer_
                                rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(logged["reward"], scores.mean().item(), rtol=RTOL, atol=ATOL)
     assert scores.std().item() > 1e-4  # the completions get different scores
+
+
+def test_a_pair_is_planned_as_two_rows_of_its_longer_width():
+    """The pair doors plan a sample as 2 rows (Job.rows_per_sample; KTO's KL rows run in
+    microbatches of their own: 1), profiled at each pair's longer sequence, at most
+    max_length (PairWidths; the planner side: tests/test_planner_rows.py)."""
+    import datasets
+
+    from hf_cephalo import CephaloDPOTrainer, CephaloKTOTrainer, CephaloRewardTrainer
+    from hf_cephalo.integrations.trl.pairs import PairWidths
+    from hf_cephalo.profiler.inputs import sequence_length_of
+
+    assert [cls._rows_per_sample(None) for cls in (CephaloDPOTrainer, CephaloRewardTrainer,
+                                                   CephaloKTOTrainer)] == [2, 2, 1]
+    reward = datasets.Dataset.from_dict({"chosen_ids": [[1] * 5, [1] * 9],
+                                         "rejected_ids": [[2] * 7, [2] * 3]})
+    dpo = datasets.Dataset.from_dict({"prompt_ids": [[3] * 4, [3] * 6],
+                                      "chosen_ids": [[1] * 5, [1] * 2],
+                                      "rejected_ids": [[2] * 1, [2] * 8]})
+    assert sequence_length_of(PairWidths.of(reward, None), 128) == 9
+    assert sequence_length_of(PairWidths.of(dpo, None), 128) == 14  # 6 + 8
+    assert sequence_length_of(PairWidths.of(dpo, 12), 128) == 12  # the collator truncates
+    unpaired = datasets.Dataset.from_dict({"text": ["a"]})
+    assert PairWidths.of(unpaired, 12) is unpaired

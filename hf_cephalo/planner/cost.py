@@ -72,14 +72,21 @@ def _curve(ms_profiled: Sequence[int], values: Sequence[float], m) -> np.ndarray
     return out
 
 
+def _rows(device: DeviceProfile, m) -> np.ndarray:
+    """The sequence rows of a microbatch of ``m`` samples: k·m (k = ``rows_per_sample``)."""
+    return device.rows_per_sample * np.asarray(m, dtype=np.float64)
+
+
 def fwd_time_s(device: DeviceProfile, m) -> np.ndarray:
-    """F_i(m): forward time of one unit for one microbatch of size ``m`` (seconds), m >= 1."""
-    return _curve(device.microbatch_sizes, device.fwd_s, m)
+    """F_i(m): forward time of one unit for one microbatch of ``m`` samples (seconds), m >= 1;
+    the profiled per-row curve at k·m rows (planner/rows.py)."""
+    return _curve(device.microbatch_sizes, device.fwd_s, _rows(device, m))
 
 
 def bwd_time_s(device: DeviceProfile, m) -> np.ndarray:
-    """B_i(m): backward time (without recompute) of one unit, microbatch size ``m`` (seconds)."""
-    return _curve(device.microbatch_sizes, device.bwd_s, m)
+    """B_i(m): backward time (without recompute) of one unit, microbatch of ``m`` samples
+    (seconds; the per-row curve at k·m rows)."""
+    return _curve(device.microbatch_sizes, device.bwd_s, _rows(device, m))
 
 
 def compute_memory_bytes(device: DeviceProfile, m) -> np.ndarray:
@@ -220,17 +227,19 @@ STEP_ALLREDUCES = 3
 """Small all-reduces per training step: the global item count, the loss sum, the gradient norm."""
 
 
-def _per_microbatch_sum(ms_profiled, values, batch_size, microbatch_size) -> np.ndarray:
-    """Σ_j v(m_j) over ceil(b/m) microbatches (the last one of b - (l-1)·m samples), seconds;
-    vectorized over b and m; 0 for b = 0 or a table that is None."""
+def _per_microbatch_sum(ms_profiled, values, batch_size, microbatch_size,
+                        rows_per_sample: int = 1) -> np.ndarray:
+    """Σ_j v(k·m_j) over ceil(b/m) microbatches (the last one of b - (l-1)·m samples; k rows
+    per sample), seconds; vectorized over b and m; 0 for b = 0 or a table that is None."""
     b = np.asarray(batch_size, dtype=np.int64)
     m = np.maximum(np.asarray(microbatch_size, dtype=np.int64), 1)
     if values is None:
         return np.zeros(np.broadcast(b, m).shape)
     ls = -(-b // m)
     last = np.maximum(b - np.maximum(ls - 1, 0) * m, 1)
-    total = np.maximum(ls - 1, 0) * _curve(ms_profiled, values, m) + \
-        _curve(ms_profiled, values, last)
+    k = rows_per_sample
+    total = np.maximum(ls - 1, 0) * _curve(ms_profiled, values, k * m) + \
+        _curve(ms_profiled, values, k * last)
     return np.where(b > 0, total, 0.0)
 
 
@@ -238,9 +247,9 @@ def root_compute_s(device: DeviceProfile, batch_size, microbatch_size) -> np.nda
     """Σ_j (E(m_j) + H(m_j)): embedding (forward + recompute + backward) and head (loss +
     backward) compute of a rank's microbatches, seconds. b and m broadcast together; 0 for
     b = 0 or a profile without ``embed_s`` / ``head_s``."""
-    ms = device.microbatch_sizes
-    return (_per_microbatch_sum(ms, device.embed_s, batch_size, microbatch_size)
-            + _per_microbatch_sum(ms, device.head_s, batch_size, microbatch_size))
+    ms, k = device.microbatch_sizes, device.rows_per_sample
+    return (_per_microbatch_sum(ms, device.embed_s, batch_size, microbatch_size, k)
+            + _per_microbatch_sum(ms, device.head_s, batch_size, microbatch_size, k))
 
 
 def rank_extra_s(cluster: ClusterProfile, rank: int, batch_size, microbatch_size) -> np.ndarray:

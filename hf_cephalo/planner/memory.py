@@ -234,13 +234,15 @@ def engine_buffers(model: ModelProfile, world_size: int, *, root_resident: bool 
 
 
 def memory_line(device: DeviceProfile) -> tuple[float, float]:
-    """(slope bytes/sample, intercept bytes) of the least-squares activation-memory line."""
+    """(slope bytes/sample, intercept bytes) of the least-squares activation-memory line: the
+    line α·r + β through the profiled rows r, per sample of k = ``rows_per_sample`` rows
+    (α·k, β) (planner/rows.py)."""
     ms = np.asarray(device.microbatch_sizes, dtype=np.float64)
     vs = np.asarray(device.compute_memory_bytes, dtype=np.float64)
     if len(ms) == 1:
-        return float(vs[0] / ms[0]), 0.0
+        return float(vs[0] / ms[0]) * device.rows_per_sample, 0.0
     slope, intercept = np.polyfit(ms, vs, 1)
-    return float(slope), float(intercept)
+    return float(slope) * device.rows_per_sample, float(intercept)
 
 
 def activation_bytes(device: DeviceProfile, m) -> np.ndarray:
@@ -257,7 +259,8 @@ def head_activation_bytes(device: DeviceProfile, m) -> np.ndarray:
     return activation_bytes(DeviceProfile(
         name=device.name, memory_capacity_bytes=device.memory_capacity_bytes,
         microbatch_sizes=device.microbatch_sizes, fwd_s=device.fwd_s, bwd_s=device.bwd_s,
-        compute_memory_bytes=device.head_memory_bytes), m)
+        compute_memory_bytes=device.head_memory_bytes,
+        rows_per_sample=device.rows_per_sample), m)
 
 
 def embed_activation_bytes(model: ModelProfile, m) -> np.ndarray:
@@ -306,7 +309,8 @@ def kept_graph_bytes(device: DeviceProfile, m) -> np.ndarray:
     return activation_bytes(DeviceProfile(
         name=device.name, memory_capacity_bytes=device.memory_capacity_bytes,
         microbatch_sizes=device.microbatch_sizes, fwd_s=device.fwd_s, bwd_s=device.bwd_s,
-        compute_memory_bytes=device.kept_graph_bytes), m)
+        compute_memory_bytes=device.kept_graph_bytes,
+        rows_per_sample=device.rows_per_sample), m)
 
 
 def kept_graphs_bytes(cluster: ClusterProfile, rank: int, m, b) -> np.ndarray:

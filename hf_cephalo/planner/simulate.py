@@ -488,12 +488,16 @@ def extrapolation_note(plan: Plan, cluster: ClusterProfile) -> str | None:
     """
     if cluster.source != "measured":
         return None
+    # profiled rows; a microbatch of m samples is k·m rows (planner/rows.py)
     profiled = [max(d.microbatch_sizes) for d in cluster.devices]
-    beyond = [(r.rank, r.microbatch_size, profiled[r.rank]) for r in plan.ranks
-              if r.batch_size > 0 and r.microbatch_size > profiled[r.rank]]
+    rows = [d.rows_per_sample for d in cluster.devices]
+    beyond = [(r.rank, r.microbatch_size, profiled[r.rank], rows[r.rank]) for r in plan.ranks
+              if r.batch_size > 0 and r.microbatch_size * rows[r.rank] > profiled[r.rank]]
     if not beyond:
         return None
-    ranks = ", ".join(f"rank {i} m={m} (profiled up to {top})" for i, m, top in beyond)
+    ranks = ", ".join(f"rank {i} m={m} (profiled up to {top})" if k == 1 else
+                      f"rank {i} m={m} ({k * m} rows, profiled up to {top} rows)"
+                      for i, m, top, k in beyond)
     return (f"note: {ranks}: beyond the profiled microbatch sizes, so its times and memory are "
             "extrapolated (linear fit, paper §2.4); to measure them, profile with "
             "hf-cephalo profile --max-microbatch-size N (or HF_CEPHALO_PROFILE_MAX_MICROBATCH_SIZE)")

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hf_cephalo.planner import cost, memory
+from hf_cephalo.planner.rows import sample_words
 from hf_cephalo.profiles.types import ClusterProfile, format_bytes
 
 __all__ = ["Assignment", "FixedState", "Case", "device_groups", "fixed_state_groups",
@@ -382,7 +383,8 @@ def diagnose(cluster: ClusterProfile, B: int, c: float, allow_idle: bool,
     # one entry per run of consecutive ranks with the same text (64 equal lines bury the point)
     runs: list[tuple[list[int], str]] = []
     for i in too_big:
-        text = (f"({devs[i].name}): microbatch size 1 needs {format_bytes(need1[i])}, "
+        text = (f"({devs[i].name}): microbatch size 1{sample_words(cluster)} needs "
+                f"{format_bytes(need1[i])}, "
                 f"cap {format_bytes(c * devs[i].memory_capacity_bytes)}")
         if runs and runs[-1][1] == text and runs[-1][0][-1] == i - 1:
             runs[-1][0].append(i)

@@ -385,6 +385,11 @@ class DeviceProfile:
             optimizer step (the training loop, data loading, callbacks), seconds; 0 until a
             training run measured it (``planner.predict.refit_to_measured``, written back to
             the profile cache at train end).
+
+    rows_per_sample: k, the sequence rows one sample of the plan is (default 1). Every table
+        above is measured per ROW (m = rows in a microbatch); with k > 1 the planner reads
+        each at k·m for a microbatch of m samples (``planner.rows.per_sample_cluster``: a
+        preference pair is 2 rows). Written to JSON only when k > 1.
     """
 
     name: str
@@ -400,9 +405,12 @@ class DeviceProfile:
     microbatch_overhead_s: float = 0.0
     optimizer_s_per_param: float = 0.0
     step_overhead_s: float = 0.0
+    rows_per_sample: int = 1
 
     def __post_init__(self) -> None:
         owner = f"device profile {self.name!r}"
+        self.rows_per_sample = _check_int(owner, "rows_per_sample", self.rows_per_sample,
+                                          minimum=1)
         self.memory_capacity_bytes = _check_number(
             owner, "memory_capacity_bytes", self.memory_capacity_bytes, positive=True
         )
@@ -439,14 +447,18 @@ class DeviceProfile:
                               stacklevel=3)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.rows_per_sample == 1:  # per-row profiles read and write as before
+            del data["rows_per_sample"]
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "DeviceProfile":
         keys = ("name", "memory_capacity_bytes", "microbatch_sizes", "fwd_s", "bwd_s",
                 "compute_memory_bytes")
         _require_keys("device profile", data, keys)
-        optional = {k: data[k] for k in (*_OPTIONAL_TABLES, *_STEP_TERMS) if k in data}
+        optional = {k: data[k] for k in (*_OPTIONAL_TABLES, *_STEP_TERMS, "rows_per_sample")
+                    if k in data}
         return cls(**{k: data[k] for k in keys}, **optional)
 
 

@@ -76,6 +76,11 @@ class Job:
         file_plan: the plan of ``settings.plan_file``, read once by the front end (None
             without a plan file; the runtime reads the file itself when a front end did not).
         emulation: the per-rank emulation (slowdown, memory caps, schedule) or None.
+        rows_per_sample: the sequence rows one sample is in the engine's training microbatch
+            (set by the door, not a user option): 2 for a preference pair of the DPO and
+            reward doors (chosen + rejected rows share a microbatch), 1 otherwise. The planner
+            prices a microbatch of m samples as rows_per_sample x m rows
+            (``planner.rows.per_sample_cluster``).
     """
 
     settings: CephaloSettings
@@ -93,9 +98,14 @@ class Job:
     loader: LoaderOptions = field(default_factory=LoaderOptions)
     activation_checkpointing_given: bool = False
     file_plan: Plan | None = None
+    rows_per_sample: int = 1
     emulation: EmulationConfig | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        if isinstance(self.rows_per_sample, bool) or not isinstance(self.rows_per_sample, int) \
+                or self.rows_per_sample < 1:  # a door's value, checked on every rank
+            raise ValueError(f"Job.rows_per_sample must be an int >= 1 (the sequence rows of "
+                             f"one sample), got {self.rows_per_sample!r}")
         self.settings.check_world_size(self.world_size)  # emulation lists: before any collective
         emulation = EmulationConfig.from_settings(self.settings)
         if emulation is not None:

@@ -26,6 +26,7 @@ from hf_cephalo.environment import env_flag, env_int
 from hf_cephalo.models.base import StagedModel
 from hf_cephalo.planner import InfeasiblePlanError, Plan, optimize, predict
 from hf_cephalo.planner.optimize import optimize_auto_checkpointing
+from hf_cephalo.planner.rows import per_sample_cluster
 from hf_cephalo.planner.types import activation_checkpointing_setting
 from hf_cephalo.profiler.emulate import (EmulatedOutOfMemoryError, EmulatedStagedModel,
                                          apply_memory_cap, check_plan_memory,
@@ -142,7 +143,9 @@ def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> Resolved
     if job.is_main:
         warn_idle_ranks(B, world_size)
     profiled = _profiled(staged, job)
-    cluster = _cluster(job, profiled, train_dataset, B)
+    measured = _cluster(job, profiled, train_dataset, B)  # per sequence row, as measured
+    # a door whose sample is several rows (a preference pair): priced per sample, k rows each
+    cluster = per_sample_cluster(measured, job.rows_per_sample)
     reason = ""
     try:
         if planned_checkpointing(job) is None:  # auto: keep why, for the plan's line
@@ -158,7 +161,9 @@ def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> Resolved
     check_plan_memory([p.memory_bytes for p in predict(plan, cluster).ranks], caps)
     if job.rank == 0 and job.output_dir is not None:
         os.makedirs(job.output_dir, exist_ok=True)
-        cluster.save(os.path.join(job.output_dir, "profile.json"))
+        # per row (reusable by any door), with the u measured for the plan
+        dataclasses.replace(measured, comm=cluster.comm).save(
+            os.path.join(job.output_dir, "profile.json"))
         plan.save(os.path.join(job.output_dir, "plan.json"))
         print(f"[hf-cephalo] profile and plan saved to {job.output_dir}/profile.json, plan.json",
               flush=True)
@@ -194,6 +199,8 @@ def _infeasible_remedy(job: Job, global_batch_size: int, constraint: str) -> str
     More devices: ``resolve_elastic_plan`` adds which ones."""
     if constraint not in ("device", "aggregate", "state", "batch"):
         return ""
+    if constraint == "device" and job.rows_per_sample > 1:
+        return _pair_remedy(job)
     ways = ["--cephalo_activation_checkpointing true or auto (recompute in backward instead "
             "of keeping every forward graph)"] \
         if planned_checkpointing(job) is False else []
@@ -205,6 +212,24 @@ def _infeasible_remedy(job: Job, global_batch_size: int, constraint: str) -> str
     if job.settings.emulate_memory_cap_bytes is not None:
         ways.append("larger --cephalo_emulate_memory_cap_bytes")
     return "; to fit: " + ", ".join(ways[:-1]) + ", or " + ways[-1]
+
+
+def _pair_remedy(job: Job) -> str:
+    """What to do when not even one sample of several rows (a preference pair) fits any rank."""
+    ways = ["a shorter max_length in the trainer's config (DPO truncates each sequence to "
+            "it, the reward trainer drops longer pairs)", "a GPU with more memory"]
+    if planned_checkpointing(job) is False:
+        ways.append("--cephalo_activation_checkpointing true or auto")
+    if job.precision.compute == "fp32":
+        ways.append("--bf16")
+    ways += ["a LoRA adapter", f"a --cephalo_memory_fraction closer to 1 (now "
+             f"{job.settings.memory_fraction})"]
+    if job.settings.emulate_memory_cap_bytes is not None:
+        ways.append("larger --cephalo_emulate_memory_cap_bytes")
+    return (f"; one sample of this trainer is a preference pair: its chosen and rejected rows "
+            f"({job.rows_per_sample} rows at the global batch's padded width) must share one "
+            "microbatch on one rank, so the smallest unit of work is those "
+            f"{job.rows_per_sample} rows; to fit: " + ", ".join(ways[:-1]) + ", or " + ways[-1])
 
 
 def _profiled(staged: StagedModel, job: Job) -> StagedModel:

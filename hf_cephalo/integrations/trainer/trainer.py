@@ -158,7 +158,8 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         self._flops_numel = (model.num_parameters(exclude_embeddings=True)
                              if hasattr(model, "num_parameters") else 0)
         job = job_from_training_args(args, args.world_size, plan=plan, file_plan=file_plan,
-                                     compile=compile_options)
+                                     compile=compile_options,
+                                     rows_per_sample=self._rows_per_sample())
         self._head_calls: HeadCalls | None = None
         engine_staged = self._engine_staged(staged)
         if user_loss:  # [Note: collectives inside the engine's head] in head_calls.py
@@ -292,6 +293,12 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         """The adapter the engine runs (the user loss wraps it): ``staged`` (a TRL trainer whose
         sample is not one row counts its items otherwise: ``integrations/trl/dpo.py``)."""
         return staged
+
+    def _rows_per_sample(self) -> int:
+        """The sequence rows one sample is in the engine's training microbatch, for the
+        planner's pricing (``Job.rows_per_sample``): 1; a TRL door whose sample is a
+        preference pair (both rows in one microbatch) says 2."""
+        return 1
 
     def _engine_microbatches(self, microbatches: list) -> list:
         """This rank's collated microbatches as the engine runs them: as collated (a TRL

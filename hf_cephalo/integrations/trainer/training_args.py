@@ -136,14 +136,16 @@ class CephaloTrainingArguments(CephaloArguments, TrainingArguments):
         return self.job_precision().engine()
 
 
-def job_from_training_args(args, world_size: int, *, plan=None, file_plan=None, compile=None):
+def job_from_training_args(args, world_size: int, *, plan=None, file_plan=None, compile=None,
+                           rows_per_sample: int = 1):
     """The runtime's ``Job`` of a Trainer run (``CephaloTrainer`` and the TRL trainers):
     ``args``' cephalo_* settings, seed, output directory, precision and DataLoader settings;
     the global batch size resolved once ([Note: batch size semantics] in runtime/job.py) from
     ``plan`` (or the plan file: ``file_plan`` when the caller read it already; the Job
     carries it, so nothing reads the file again), ``cephalo_global_batch_size``, or stock's
     ``per_device_train_batch_size`` x world size x ``gradient_accumulation_steps`` (then
-    named in the plan line: ``Job.global_batch_origin``).
+    named in the plan line: ``Job.global_batch_origin``). ``rows_per_sample``: the door's
+    sequence rows per sample (``Job.rows_per_sample``; 2 for a preference pair).
 
     Raises ValueError: ``cephalo_global_batch_size`` disagrees with the plan's."""
     from hf_cephalo.planner import Plan
@@ -174,4 +176,4 @@ def job_from_training_args(args, world_size: int, *, plan=None, file_plan=None, 
                global_batch_origin=origin,
                precision=args.job_precision(settings), compile=compile, loader=loader,
                activation_checkpointing_given=args._cephalo_activation_checkpointing_given,
-               file_plan=file_plan)
+               file_plan=file_plan, rows_per_sample=rows_per_sample)

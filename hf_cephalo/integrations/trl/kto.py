@@ -192,6 +192,12 @@ class CephaloKTOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, KTOTr
         args.per_device_train_batch_size = self._kl_batch_size
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
+    def _rows_per_sample(self) -> int:
+        """1: the KL rows never share a microbatch with the rows they belong to (the reference
+        pass runs them as microbatches of their own, the policy's KL pass apart, both
+        forward-only), so the training microbatch of m samples is m rows."""
+        return 1
+
     def _engine_staged(self, staged):
         self._rows = KTORows(staged)
         return self._rows

@@ -18,7 +18,11 @@ import torch
 from hf_cephalo.models.base import Microbatch
 from hf_cephalo.runtime.global_width import collator_name
 
-__all__ = ["PairRows", "unfold_pairs"]
+__all__ = ["PairRows", "unfold_pairs", "PAIR_ROWS", "PairWidths"]
+
+PAIR_ROWS = 2
+"""Sequence rows of one preference pair in the engine's microbatch (chosen + rejected): the
+doors' ``Job.rows_per_sample``, the planner's pricing of a pair (planner/rows.py)."""
 
 
 class PairRows:
@@ -57,3 +61,37 @@ def unfold_pairs(microbatch: Microbatch, per_pair_keys: Sequence[str]) -> dict[s
         if torch.is_tensor(value) and value.dim() >= 2 and key not in per_pair_keys:
             out[key] = torch.cat([value[:, 0], value[:, 1]])
     return out
+
+
+class PairWidths:
+    """What prices a pair door's profile (the mixin's ``_planning_dataset``): for each pair of
+    a tokenized preference dataset, one row of ``input_ids`` as long as the pair's longer
+    sequence (``prompt_ids`` + the longer of ``chosen_ids`` / ``rejected_ids``; without
+    ``prompt_ids``, the reward trainer's, the longer of the two), at most ``max_length``
+    (the collator's truncation; None: none). The profile is measured per row at that width and
+    a pair is priced as ``PAIR_ROWS`` such rows (planner/rows.py). Only lengths are real.
+    ``sequence_length_of`` reads its first rows; a dataset without the columns is used as it
+    is (``of``)."""
+
+    def __init__(self, dataset: Any, max_length: int | None) -> None:
+        self.dataset, self.max_length = dataset, max_length
+
+    @classmethod
+    def of(cls, dataset: Any, max_length: int | None) -> Any:
+        """A ``PairWidths`` over ``dataset`` when it has the tokenized pair columns and a
+        length, else ``dataset`` itself."""
+        names = getattr(dataset, "column_names", None) or ()
+        if "chosen_ids" in names and "rejected_ids" in names and hasattr(dataset, "__len__"):
+            return cls(dataset, max_length)
+        return dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        row = self.dataset[index]
+        width = len(row.get("prompt_ids") or ()) + max(len(row["chosen_ids"]),
+                                                       len(row["rejected_ids"]))
+        if self.max_length is not None:
+            width = min(width, self.max_length)
+        return {"input_ids": [0] * width}

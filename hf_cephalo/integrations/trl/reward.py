@@ -41,7 +41,7 @@ except ImportError as exc:  # the optional extra
 from hf_cephalo.integrations.trainer.trainer import CephaloTrainerMixin
 from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
                                                  trl_config_dataclass)
-from hf_cephalo.integrations.trl.pairs import PairRows, unfold_pairs
+from hf_cephalo.integrations.trl.pairs import PAIR_ROWS, PairRows, PairWidths, unfold_pairs
 from hf_cephalo.integrations.trl.support import REWARD_FIELD_SUPPORT
 from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
 
@@ -158,6 +158,16 @@ class CephaloRewardTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, Re
         """The mixin's, plus ``reward_problems``: all in the one refusal message."""
         return super()._hook_problems(model, kwargs) + reward_problems(self._script_args,
                                                                        kwargs)
+
+    def _planning_dataset(self):
+        """The profile's rows: each pair's longer sequence, at most ``max_length``
+        (``PairWidths``; the tokenized pair dataset has no ``input_ids``)."""
+        return PairWidths.of(self.train_dataset, self.args.max_length)
+
+    def _rows_per_sample(self) -> int:
+        """2: a pair's chosen and rejected rows share one microbatch (``PairRows``), so the
+        planner prices a microbatch of m pairs as 2m rows (planner/rows.py)."""
+        return PAIR_ROWS
 
     def _engine_staged(self, staged):
         return RewardPairItems(staged)
