@@ -357,12 +357,20 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
 
 
 def float64_copy(model: nn.Module) -> nn.Module:
-    """A float64 copy of ``model`` ([Note: fp32 rounding or another computation]); grouped
+    """A float64 copy of ``model`` ([Note: fp32 rounding or another computation]), SDPA attention
+    where it ran eager and the class has SDPA (both sides of a comparison use it); grouped
     expert matmuls, which have no float64 kernel, run as the loop over experts, which computes
     the same inside the layers, on both sides of a comparison."""
     wide = copy.deepcopy(model).double()
     if getattr(wide.config, "_experts_implementation", None) not in (None, "eager"):
         wide.set_experts_implementation("eager")
+    if getattr(wide.config, "_attn_implementation", None) == "eager":
+        # eager attention takes its softmax in float32, where float64's mask minimum is -inf:
+        # a fully masked (padding) row is NaN and spreads (Gemma 4); SDPA stays in float64
+        try:
+            wide.set_attn_implementation("sdpa")
+        except Exception:  # noqa: BLE001 - no SDPA for this class: eager, as before
+            pass
     return wide
 
 

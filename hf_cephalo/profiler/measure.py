@@ -33,7 +33,8 @@ from hf_cephalo.profiler.hardware import (all_gather_objects, device_capacity_by
 from hf_cephalo.profiler.inputs import (MakeMicrobatch, MeasureConfig, build_model_from_config,
                                         max_positions, precision_tag, sequence_length_of,
                                         synthetic_microbatch)
-from hf_cephalo.profiler.model_facts import boundary_bytes_per_sample, model_dtype, model_profile
+from hf_cephalo.profiler.model_facts import (boundary_bytes_per_sample, model_dtype,
+                                             model_profile, side_bytes_per_sample)
 from hf_cephalo.profiler.profile_checks import check_profile_matches, check_profile_precision
 from hf_cephalo.profiles.precision import PRECISIONS
 from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile
@@ -141,10 +142,11 @@ def _profile_cluster(staged: StagedModel, config: MeasureConfig, *, device, emul
             store.put_device(key, dev)
     gathered = all_gather_objects({"device": dev.to_json(), "key": key}, group, world_size)
     devices = [DeviceProfile.from_json(g["device"]) for g in gathered]
+    make = make_microbatch or (lambda m: synthetic_microbatch(
+        base.model, m, config.sequence_length, device))
     model = model_profile(base, model_name, boundary_bytes_per_sample(
-        base, make_microbatch or (lambda m: synthetic_microbatch(
-            base.model, m, config.sequence_length, device)), device, config.gather_dtype),
-        precision=config.precision_spec)
+        base, make, device, config.gather_dtype), precision=config.precision_spec,
+        side_bytes_per_sample=side_bytes_per_sample(base, make, device))
     ratios = skewed_state_ratios(model.state_bytes, [d.memory_capacity_bytes for d in devices])
     comm = _cluster_comm(base, store, fingerprint, dtype, [d.name for d in devices], device,
                          config, group, world_size, ratios)
