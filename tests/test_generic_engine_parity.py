@@ -10,8 +10,8 @@ process, with the same optimizer. Compared: each step's global loss (the MoE mod
 the router load-balancing loss of the WHOLE global batch, as the model's own loss over that
 batch does), every parameter after the last step, and an evaluation's loss. The same process
 groups also run the models with side inputs (``SIDE_INPUTS``: Gemma 3n text and Gemma 4 E with
-per-layer inputs, whose gradient reaches the embedding side's weights through every layer:
-docs/engine.md, "Side inputs").
+per-layer inputs, each layer reading its own; MPNet's position bias, which every layer reads;
+their gradient reaches the embedding side's weights: docs/engine.md, "Side inputs").
 """
 
 from __future__ import annotations
@@ -47,7 +47,12 @@ def _slice(batch, sizes_b, sizes_m, rank):
 
 def _batch(name: str, size: int, seed: int):
     padding = "left" if name.endswith("_cls") else True
-    return make_batch(zoo_batch_arch(name), size, seed=seed, padding=padding)
+    batch = make_batch(zoo_batch_arch(name), size, seed=seed, padding=padding)
+    if name.endswith("_tokens"):  # one of 3 classes per token, none on the padding
+        g = torch.Generator().manual_seed(seed)
+        labels = torch.randint(0, 3, batch["input_ids"].shape, generator=g)
+        batch["labels"] = labels.masked_fill(batch["attention_mask"] == 0, -100)
+    return batch
 
 
 def _run(rank: int, world: int, name: str) -> None:

@@ -137,8 +137,7 @@ def test_gemma4_with_and_without_per_layer_inputs_stages():
     have); its fp32 comparison misses atol 1e-6 by rounding only (scaled embeddings,
     softcapped logits) and the float64 one passes ([Note: fp32 rounding or another
     computation]). The default config (E2B-like: per-layer inputs computed from parameters, a
-    side input the engine carries: docs/engine.md, "Side inputs") stages too. Gemma 3n text
-    stages without KV sharing and is refused, saying why, with it (its default config)."""
+    side input the engine carries: docs/engine.md, "Side inputs") stages too."""
     from hf_cephalo.models.shrink import tiny_config
 
     assert tiny_config(transformers.Gemma4TextConfig(
@@ -151,6 +150,14 @@ def test_gemma4_with_and_without_per_layer_inputs_stages():
         staged = stage_model(model)
         assert staged.layout.layers == "model.layers", extra
         assert bool(staged.layout.side) == ("hidden_size_per_layer_input" in extra), extra
+
+
+def test_gemma3n_stages_without_kv_sharing_and_is_refused_with_it():
+    """Gemma 3n text: its per-layer inputs are side inputs (staged); its KV sharing (the
+    default config, as the released E2B / E4B ones: the last layers read keys / values an earlier
+    layer wrote) is refused saying why. The shrink shrinks its per-layer widths (a list)."""
+    from hf_cephalo.models.shrink import tiny_config
+
     assert tiny_config(transformers.Gemma3nTextConfig()).intermediate_size[0] == 48
     with torch.device("meta"):
         gemma3n = transformers.Gemma3nForCausalLM(

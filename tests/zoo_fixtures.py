@@ -103,10 +103,16 @@ SIDE_INPUTS: dict[str, tuple[str, Callable[[], Any]]] = {
         hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
         num_kv_shared_layers=0, final_logit_softcapping=3.0,
         layer_types=["sliding_attention", "full_attention"])),
+    "mpnet_tokens": ("MPNetForTokenClassification", lambda: transformers.MPNetConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=80, num_labels=3, pad_token_id=PAD,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
 }
 """Models with side inputs (docs/engine.md, "Side inputs"): per-layer inputs computed from the
 embedding side's weights before the layers and read by every layer (Gemma 3n text, Gemma 4 as
-its E2B / E4B checkpoints are), without KV sharing (still refused)."""
+its E2B / E4B checkpoints are), without KV sharing (still refused); and one side input that
+EVERY layer reads, its gradient summed over the layers: MPNet's relative position bias, computed
+from the encoder's ``relative_attention_bias`` weights before the first layer."""
 
 
 def build_zoo(name: str, seed: int = 0) -> torch.nn.Module:

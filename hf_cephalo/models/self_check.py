@@ -353,20 +353,21 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
 # atol 1e-6): rounding then shrinks by nine orders of magnitude while a different computation
 # (a skipped multiplier, another loss) keeps its size, so only the latter is refused. The loss
 # itself may stay fp32 inside the model (transformers' loss upcasts logits with ``.float()``):
-# about 1e-7 relative, within the tolerance.
+# about 1e-7 relative, within the tolerance. Where the float64 copy's eager attention is NaN
+# on padding (its softmax runs in float32), the comparison is run again with SDPA on both sides.
 
 
-def float64_copy(model: nn.Module) -> nn.Module:
-    """A float64 copy of ``model`` ([Note: fp32 rounding or another computation]), SDPA attention
-    where it ran eager and the class has SDPA (both sides of a comparison use it); grouped
+def float64_copy(model: nn.Module, sdpa: bool = False) -> nn.Module:
+    """A float64 copy of ``model`` ([Note: fp32 rounding or another computation]); with
+    ``sdpa``, SDPA attention where it ran eager and the class has SDPA (both sides of a
+    comparison use it: eager takes its softmax in float32, where float64's mask minimum is
+    -inf, so a fully masked padding row is NaN and spreads, as in Gemma 4); grouped
     expert matmuls, which have no float64 kernel, run as the loop over experts, which computes
     the same inside the layers, on both sides of a comparison."""
     wide = copy.deepcopy(model).double()
     if getattr(wide.config, "_experts_implementation", None) not in (None, "eager"):
         wide.set_experts_implementation("eager")
-    if getattr(wide.config, "_attn_implementation", None) == "eager":
-        # eager attention takes its softmax in float32, where float64's mask minimum is -inf:
-        # a fully masked (padding) row is NaN and spreads (Gemma 4); SDPA stays in float64
+    if sdpa and getattr(wide.config, "_attn_implementation", None) == "eager":
         try:
             wide.set_attn_implementation("sdpa")
         except Exception:  # noqa: BLE001 - no SDPA for this class: eager, as before
@@ -375,10 +376,15 @@ def float64_copy(model: nn.Module) -> nn.Module:
 
 
 def _equal_in_float64(tiny: nn.Module, batch: dict, layout: Layout) -> bool:
-    """Whether a float64 copy of ``tiny`` stages equal to its own forward (False also when a
-    kernel of the model has no float64 version)."""
+    """Whether a float64 copy of ``tiny`` stages equal to its own forward, with its attention
+    as is or else with SDPA (``float64_copy``); False also when a kernel of the model has no
+    float64 version."""
+    return any(_equal_in_float64_once(tiny, batch, layout, sdpa) for sdpa in (False, True))
+
+
+def _equal_in_float64_once(tiny: nn.Module, batch: dict, layout: Layout, sdpa: bool) -> bool:
     try:
-        wide = float64_copy(tiny)
+        wide = float64_copy(tiny, sdpa)
         traced = trace_layout(wide, batch, layout.layers)
         staged = staged_class(wide)(wide, dataclasses.replace(
             traced, label_shift=layout.label_shift, side=layout.side))
