@@ -126,6 +126,12 @@ class GenericContext:
     calls: list[tuple[tuple, dict]]
     stub_shapes: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    origin: int | None = None  # ``key`` of the ctx this one copies (``with_side_inputs``)
+
+    @property
+    def key(self) -> int:
+        """The microbatch's identity: the same for a copy made by ``with_side_inputs``."""
+        return id(self) if self.origin is None else self.origin
 
 
 class _Stub(nn.Module):
@@ -366,7 +372,7 @@ class GenericDecoderBody(HFStagedModel):
                 calls[i] = (args[:key] + (value,) + args[key + 1:], kwargs)
             else:
                 kwargs[key] = value
-        return GenericContext(calls, ctx.stub_shapes, ctx.extra)
+        return GenericContext(calls, ctx.stub_shapes, ctx.extra, origin=ctx.key)
 
     def forward_extra(self, microbatch: Microbatch) -> dict[str, Any]:
         """Keyword arguments every staged forward passes (``use_cache=False`` where taken)."""
@@ -467,10 +473,10 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
             for h in handles:
                 h.remove()
         mask = ctx.extra.get("router_mask")
-        if router.collecting and (index, id(ctx)) not in router.seen:
-            router.seen.add((index, id(ctx)))
+        if router.collecting and (index, ctx.key) not in router.seen:
+            router.seen.add((index, ctx.key))
             for z in logits:
-                router.add(z, mask, id(ctx))
+                router.add(z, mask, ctx.key)
         grads = [z for z in logits if z.requires_grad]
         if torch.is_grad_enabled() and grads:
             out = AttachRouterGrad.apply(out, router, mask, *grads)
@@ -495,7 +501,7 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
     def global_loss_output(self, ctx: Any = None) -> torch.Tensor | None:
         if self.router is None or self.router.total is None:
             return None
-        value = self.router.aux if ctx is None else self.router.share(id(ctx))
+        value = self.router.aux if ctx is None else self.router.share(ctx.key)
         return torch.tensor(value, dtype=torch.float32)
 
     def end_step(self) -> None:
