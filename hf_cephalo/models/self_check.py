@@ -110,11 +110,11 @@ def _staged_loss(staged, batch: dict, cut: int):
                                  f"not in another ({missed[:3]})")
         # every unit reads the side inputs through with_side_inputs, as in the engine
         ctx = staged.with_side_inputs(ctx, staged.side_inputs(ctx))
-        inputs = []
+        inputs, before = [], _shared_state(ctx)
         for i in range(staged.num_units):
             inputs.append(hidden)
             hidden = staged.run_unit(i, hidden, ctx)
-        _refuse_shared_layer_state(staged, inputs + [hidden], ctx)
+        _refuse_shared_layer_state(staged, inputs + [hidden], ctx, before)
         out = staged.head_loss(hidden, mb, ctx)
         total = total + out.loss_sum / n
         items += out.num_items
@@ -123,21 +123,33 @@ def _staged_loss(staged, batch: dict, cut: int):
     return total + extra
 
 
-def _refuse_shared_layer_state(staged, hiddens: list, ctx: GenericContext) -> None:
+def _shared_state(ctx: GenericContext) -> dict[int, dict]:
+    """{id: a copy of its items} of every dict-like layer argument (a dict the layers share)."""
+    return {id(v): dict(v) for args, kwargs in ctx.calls for v in [*args, *kwargs.values()]
+            if isinstance(v, MutableMapping)}
+
+
+def _refuse_shared_layer_state(staged, hiddens: list, ctx: GenericContext,
+                               before: dict[int, dict]) -> None:
     """StructureError when a layer reads what another layer wrote into an argument they share
     (a dict of keys / values: Gemma 3n's and Gemma 4's KV sharing). ``hiddens``: the units'
-    inputs and the last output of one forward that filled those arguments. Each layer is run
-    again (no grad) with every shared dict emptied; a layer that then fails or differs reads
-    state made by a unit, which the engine's recompute would get without its gradient."""
-    if not any(isinstance(v, MutableMapping) for args, kwargs in ctx.calls
-               for v in [*args, *kwargs.values()]):
+    inputs and the last output of one forward; ``before``: the dicts' items before it
+    (``_shared_state``). Where the layers wrote into a dict, each layer is run again (no grad)
+    with those dicts as before the forward; a layer that then fails or differs reads state
+    made by a unit, which the engine's recompute would get without its gradient."""
+    after = _shared_state(ctx)
+    written = {k for k, items in after.items() if items.keys() != before[k].keys()
+               or any(items[n] is not before[k][n] for n in items)}
+    if not written:
         return
+
+    def fresh(v):
+        return type(v)(before[id(v)]) if id(v) in written else v
+
     for i in range(staged.num_units):
         calls = list(ctx.calls)
         args, kwargs = calls[i]
-        calls[i] = (tuple(type(v)() if isinstance(v, MutableMapping) else v for v in args),
-                    {k: type(v)() if isinstance(v, MutableMapping) else v
-                     for k, v in kwargs.items()})
+        calls[i] = (tuple(fresh(v) for v in args), {k: fresh(v) for k, v in kwargs.items()})
         alone = dataclasses.replace(ctx, calls=calls)
         try:
             with torch.no_grad():
