@@ -194,6 +194,8 @@ def compare(model, batch) -> str | None:
         return None
     try:
         again = _compare_once(float64_copy(pristine), batch)
+        if again is not None:  # eager float64 attention may be NaN on padding: SDPA
+            again = _compare_once(float64_copy(pristine, sdpa=True), batch)
     except Exception as exc:  # noqa: BLE001 - no float64 run: the fp32 verdict stands
         return f"{problem} (float64 did not run: {_short(exc)})"
     return problem if again is not None else f"rounding: {problem} in fp32, equal in float64"

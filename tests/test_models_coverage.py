@@ -130,25 +130,40 @@ def test_a_forward_that_needs_more_than_text_is_refused_saying_what_it_takes():
     assert "takes inputs_embeds, shared_kv_states" in drafter.detail, drafter.detail
 
 
-def test_gemma4_without_per_layer_inputs_stages():
+def test_gemma4_with_and_without_per_layer_inputs_stages():
     """Gemma 4 as its 31B (dense) and 26B-A4B (MoE) checkpoints are, without per-layer inputs:
     the shrink keeps ``hidden_size_per_layer_input = 0`` off (it used to switch the per-layer
     inputs on in the tiny copy, which then refused the class for a part the model does not
     have); its fp32 comparison misses atol 1e-6 by rounding only (scaled embeddings,
     softcapped logits) and the float64 one passes ([Note: fp32 rounding or another
-    computation]). The default config (E2B-like, per-layer inputs computed from parameters)
-    stays refused with that reason."""
+    computation]). The default config (E2B-like: per-layer inputs computed from parameters, a
+    side input the engine carries: docs/engine.md, "Side inputs") stages too."""
     from hf_cephalo.models.shrink import tiny_config
 
     assert tiny_config(transformers.Gemma4TextConfig(
         hidden_size_per_layer_input=0)).hidden_size_per_layer_input == 0
     moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-    for extra in ({}, moe):
-        config = transformers.Gemma4TextConfig(hidden_size_per_layer_input=0, **extra)
+    for extra in ({}, moe, {"hidden_size_per_layer_input": 256}):
+        config = transformers.Gemma4TextConfig(**{"hidden_size_per_layer_input": 0, **extra})
         with torch.device("meta"):
             model = transformers.Gemma4ForCausalLM(config)
-        assert stage_model(model).layout.layers == "model.layers", extra
+        staged = stage_model(model)
+        assert staged.layout.layers == "model.layers", extra
+        assert bool(staged.layout.side) == ("hidden_size_per_layer_input" in extra), extra
+
+
+def test_gemma3n_stages_without_kv_sharing_and_is_refused_with_it():
+    """Gemma 3n text: its per-layer inputs are side inputs (staged); its KV sharing (the
+    default config, as the released E2B / E4B ones: the last layers read keys / values an earlier
+    layer wrote) is refused saying why. The shrink shrinks its per-layer widths (a list)."""
+    from hf_cephalo.models.shrink import tiny_config
+
+    assert tiny_config(transformers.Gemma3nTextConfig()).intermediate_size[0] == 48
     with torch.device("meta"):
-        model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig())
-    with pytest.raises(ValueError, match="layer arguments depend on parameters"):
+        gemma3n = transformers.Gemma3nForCausalLM(
+            transformers.Gemma3nTextConfig(num_kv_shared_layers=0))
+    assert stage_model(gemma3n).layout.side
+    with torch.device("meta"):
+        model = transformers.Gemma3nForCausalLM(transformers.Gemma3nTextConfig())
+    with pytest.raises(ValueError, match="reads keys / values another layer computed"):
         stage_model(model)

@@ -113,21 +113,22 @@ def test_image_inputs_are_refused_before_anything_runs():
 
 
 def test_a_causal_lm_the_path_cannot_stage_is_refused_with_class_reason_and_remedy():
-    """Gemma4ForConditionalGeneration's text forward is a causal LM's, but its layers take
-    per-layer inputs computed from parameters: refused by name, reason and what to do, not
-    told that its head is none hf_cephalo trains."""
+    """Gemma4ForConditionalGeneration's text forward is a causal LM's, but with KV sharing
+    (num_kv_shared_layers > 0) its forward cuts the hidden states before the first sharing
+    layer: refused by name, reason and what to do, not told that its head is none hf_cephalo
+    trains. (Its per-layer inputs, once refused here, are side inputs the engine carries.)"""
     from hf_cephalo.models.shrink import tiny_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = tiny_config(transformers.Gemma4Config())
+        config = tiny_config(transformers.Gemma4Config(text_config=dict(num_kv_shared_layers=10)))
         model = transformers.Gemma4ForConditionalGeneration(config)
     with pytest.raises(UnsupportedModelError) as info:
         stage_model(model)
     text = str(info.value)
     assert text.startswith("hf_cephalo cannot train Gemma4ForConditionalGeneration exactly: its "
                            "own forward on text")
-    assert "layer arguments depend on parameters" in text
+    assert "changes the hidden states between layers" in text
     assert "register_adapter(Gemma4ForConditionalGeneration" in text
     assert "docs/adding_a_model.md" in text and "Nothing was run" in text
     assert "Gemma4ForCausalLM is no way around" in text and "none of those" not in text

@@ -71,3 +71,38 @@ def test_iteration_time_and_uneven_rule():
     assert not cost.is_uneven(cl, [30.0, 0.0], 0.8)
     assert cost.is_uneven(cl, [31.0, 0.0], 0.8)
     assert math.isclose(cl.model.state_bytes, 100.0)
+
+
+def test_side_inputs_are_priced_per_sample_with_their_gradients():
+    """The memory model adds 2·s·b for side inputs (their values and summed gradients, kept on
+    the device through the step: planner/memory.py ``side_input_bytes``), nothing for an idle
+    rank, and the profile keeps s through JSON; the profiler measures s as the per-layer
+    inputs' bytes (Gemma 3n: sequence x layers x per-layer width x 4 B per sample)."""
+    import numpy as np
+
+    from hf_cephalo.models import stage_model
+    from hf_cephalo.planner import memory
+    from hf_cephalo.profiler.model_facts import side_bytes_per_sample
+    from tests.models_fixtures import make_batch
+    from tests.zoo_fixtures import build_zoo
+
+    plain = ModelProfile(name="m", num_units=3, params_per_unit=100, params_other=50,
+                         boundary_bytes_per_sample=64.0)
+    side = ModelProfile.from_json({**plain.to_json(), "side_bytes_per_sample": 1000.0})
+    assert side.side_bytes_per_sample == 1000.0
+    for offload in (False, True):
+        with_side, without = (ClusterProfile(
+            model=p, devices=[_dev(), _dev()], offload_activations=offload,
+            comm=CommProfile(allgather_s=0.0, reducescatter_s=0.0)) for p in (side, plain))
+        m, b = np.array([1, 2, 0]), np.array([3, 4, 0])
+        extra = memory.rank_memory_bytes(with_side, 0, m, b) - \
+            memory.rank_memory_bytes(without, 0, m, b)
+        assert extra.tolist() == [6000.0, 8000.0, 0.0], offload
+
+    staged = stage_model(build_zoo("gemma3n"))
+    rows = lambda n: {k: v for k, v in make_batch("llama", n, seed=0).items()}  # noqa: E731
+    seq = rows(1)["input_ids"].shape[1]
+    cfg = staged.model.config
+    assert side_bytes_per_sample(staged, rows, "cpu") == \
+        seq * cfg.num_hidden_layers * cfg.hidden_size_per_layer_input * 4
+    assert side_bytes_per_sample(stage_model(build_zoo("qwen3")), rows, "cpu") == 0.0

@@ -91,9 +91,33 @@ sliding ones, so its layers differ in size); ``BartForCausalLM``, whose own loss
 position against its label as given (no shift: its caller shifts)."""
 
 
+SIDE_INPUTS: dict[str, tuple[str, Callable[[], Any]]] = {
+    "gemma3n": ("Gemma3nForCausalLM", lambda: _cfg(
+        transformers.Gemma3nTextConfig, head_dim=16, intermediate_size=[128, 96],
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB, laurel_rank=8,
+        altup_num_inputs=3, num_kv_shared_layers=0, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        activation_sparsity_pattern=[0.95, 0.0], final_logit_softcapping=3.0)),
+    "gemma4_e": ("Gemma4ForCausalLM", lambda: _cfg(
+        transformers.Gemma4TextConfig, head_dim=16, global_head_dim=32, sliding_window=4,
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=0, final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "full_attention"])),
+    "mpnet_tokens": ("MPNetForTokenClassification", lambda: transformers.MPNetConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=80, num_labels=3, pad_token_id=PAD,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+}
+"""Models with side inputs (docs/engine.md, "Side inputs"): per-layer inputs computed from the
+embedding side's weights before the layers and read by every layer (Gemma 3n text, Gemma 4 as
+its E2B / E4B checkpoints are), without KV sharing (still refused); and one side input that
+EVERY layer reads, its gradient summed over the layers: MPNet's relative position bias, computed
+from the encoder's ``relative_attention_bias`` weights before the first layer."""
+
+
 def build_zoo(name: str, seed: int = 0) -> torch.nn.Module:
     """The tiny ``name`` model in eval mode (dropout off), fp32, deterministic init."""
-    class_name, config = {**ZOO, **EXTRA}[name]
+    class_name, config = {**ZOO, **EXTRA, **SIDE_INPUTS}[name]
     torch.manual_seed(seed)
     cfg = config()
     cfg._attn_implementation = "eager"

@@ -20,6 +20,17 @@ step)" and "Layered schedule".
 # forward's CPU / CUDA RNG state restored, so gradients and dropout masks are those of one
 # forward pass. Pseudo-code and the collective counts: docs/engine.md, "Layered schedule".
 
+# [Note: side inputs]
+# A tensor ``embed`` computes from parameters that units read besides the hidden states
+# (``StagedModel.side_inputs(ctx)``: Gemma 3n's per-layer inputs) stays in the microbatch's ctx
+# from the forward phase (no graph) to E's backward. Each unit's recompute (and a kept forward)
+# reads detached copies with ``requires_grad=True`` (``with_side_inputs``), like its boundary
+# input; their gradients are summed per microbatch over the units that read them
+# (``side_grads[j]``) and, in E's backward, backpropagated through the re-run ``embed``
+# together with the hidden state's gradient (one ``autograd.backward`` over both). No
+# collective is added: the sequence stays that of [Note: layered schedule]. A side input made
+# by a layer unit (KV sharing, an encoder's output) is not carried (docs/engine.md).
+
 # [Note: open steps]
 # A custom training loop computes its own loss from the model's outputs between the forward and
 # the backward (``CephaloEngine.forward_step`` / ``backward_step``). The step then splits at the
@@ -116,6 +127,7 @@ class LayeredStep:
         self.mbs, self.N = list(microbatches), global_num_items
         self.stash, self.device = stash, device
         self.ctxs: list[Any] = []
+        self.side_grads: dict[int, list] = {}  # microbatch -> summed side-input gradients
         self.rng: dict[tuple, RngState] = {}
         self.keep_graphs = keep_graphs
         self.scale_loss = scale_loss if scale_loss is not None else (lambda loss: loss)
@@ -276,8 +288,9 @@ class LayeredStep:
         x = self.stash.pop((i, j)).detach().requires_grad_(True)
         with torch.enable_grad():  # the forward phase runs under no_grad; this graph is kept
             unit.use_params()
-            y = self.staged.run_unit(i, x, self.ctxs[j])
-        self.kept[(i, j)] = (x, y)
+            ctx, sides = self._unit_ctx(j)
+            y = self.staged.run_unit(i, x, ctx)
+        self.kept[(i, j)] = (x, y, sides)
         self.stash.start_offload((i + 1, j), y.detach())
 
     def head(self) -> None:
@@ -322,25 +335,57 @@ class LayeredStep:
             unit.reshard()
         self._gather([root.embed])
         for j, mb in enumerate(self.mbs):
-            self.stash.wait_offload(("grad", j))
-            self.stash.start_reload(("grad", j + 1))
-            self.stash.one_microbatch_in_flight(self.device)
-            grad = self.stash.pop(("grad", j))
-            fork = self.rng.pop(("embed", j)).replay()
-            try:
-                root.embed.use_params()
-                hidden, _ = self.staged.embed(mb)
-            finally:
-                fork.__exit__(None, None, None)
-            root.embed.prepare_grad()
-            if hidden.requires_grad:
-                torch.autograd.backward(hidden, grad)
+            self._embed_backward(j, mb)
         last = root.both() if root.resident else [root.embed]
         for unit in last:
             self._start_reduce(unit)
         self._wait_reduces()
         for unit in last:
             unit.reshard()
+
+    def _embed_backward(self, j: int, mb: Any) -> None:
+        """E's backward for microbatch ``j``: re-run ``embed`` (forward RNG replayed) and
+        backpropagate the boundary gradient g[0][j] and the side inputs' summed gradients
+        together ([Note: side inputs])."""
+        self.stash.wait_offload(("grad", j))
+        self.stash.start_reload(("grad", j + 1))
+        self.stash.one_microbatch_in_flight(self.device)
+        grad = self.stash.pop(("grad", j))
+        fork = self.rng.pop(("embed", j)).replay()
+        try:
+            self.root.embed.use_params()
+            hidden, ctx = self.staged.embed(mb)
+        finally:
+            fork.__exit__(None, None, None)
+        self.root.embed.prepare_grad()
+        outputs, grads = ([hidden], [grad]) if hidden.requires_grad else ([], [])
+        side_grads = self.side_grads.pop(j, None)
+        if side_grads is not None:
+            sides = self.staged.side_inputs(ctx)
+            assert len(sides) == len(side_grads), "side inputs differ between embed calls"
+            for side, side_grad in zip(sides, side_grads):
+                if side_grad is not None and side.requires_grad:
+                    outputs.append(side)
+                    grads.append(side_grad)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+
+    def _unit_ctx(self, j: int) -> tuple[Any, list[torch.Tensor]]:
+        """Microbatch ``j``'s ctx for a unit run with autograd: its side inputs replaced by
+        fresh leaves (returned too) whose gradients ``_add_side_grads`` collects."""
+        ctx = self.ctxs[j]
+        sides = [s.detach().requires_grad_(True) for s in self.staged.side_inputs(ctx)]
+        return (self.staged.with_side_inputs(ctx, sides), sides) if sides else (ctx, [])
+
+    def _add_side_grads(self, j: int, sides: list[torch.Tensor]) -> None:
+        """Add the gradients the unit just gave microbatch ``j``'s side-input leaves into the
+        microbatch's sums (a side input no unit differentiates keeps None)."""
+        if not sides:
+            return
+        sums = self.side_grads.setdefault(j, [None] * len(sides))
+        for k, side in enumerate(sides):
+            if side.grad is not None:
+                sums[k] = side.grad if sums[k] is None else sums[k].add_(side.grad)
 
     def _recompute_backward(self, unit: FlatParamUnit, i: int, j: int) -> None:
         self.stash.wait_offload(("grad", j))
@@ -356,9 +401,10 @@ class LayeredStep:
             self.stash.start_reload((i - 1, last))
         self.stash.one_microbatch_in_flight(self.device)
         if (i, j) in self.kept:
-            x, y = self.kept.pop((i, j))
+            x, y, sides = self.kept.pop((i, j))
             unit.prepare_grad()
             torch.autograd.backward(y, self.stash.pop(("grad", j)))
+            self._add_side_grads(j, sides)
             self.stash.start_offload(("grad", j), _grad_or_zeros(x), keep=i == 0 and j == 0)
             return
         self.stash.wait_offload((i, j))
@@ -367,11 +413,13 @@ class LayeredStep:
         fork = self.rng.pop((i, j)).replay()
         try:
             unit.use_params()
-            y = self.staged.run_unit(i, x, self.ctxs[j])
+            ctx, sides = self._unit_ctx(j)
+            y = self.staged.run_unit(i, x, ctx)
         finally:
             fork.__exit__(None, None, None)
         unit.prepare_grad()
         torch.autograd.backward(y, grad)
+        self._add_side_grads(j, sides)
         # unit 0's gradient for microbatch 0 is the first one the embedding backward reads
         self.stash.start_offload(("grad", j), _grad_or_zeros(x), keep=i == 0 and j == 0)
 

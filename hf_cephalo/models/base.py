@@ -172,6 +172,20 @@ class StagedModel(abc.ABC):
         """Run unit ``index`` on ``hidden`` (shape kept). Must be deterministic in eval mode
         and replayable (dropout RNG is handled by the engine's recompute)."""
 
+    def side_inputs(self, ctx: Any) -> list[torch.Tensor]:
+        """The side inputs in ``ctx``: tensors ``embed`` computed from parameters that units
+        read besides the hidden states (Gemma 3n's per-layer inputs), each listed once, in an
+        order that depends on the model and the microbatch's shapes only (the same for the
+        ``ctx`` of any call of ``embed`` on that microbatch). The engine hands each unit
+        detached copies and carries their summed gradient back into ``embed``
+        (docs/engine.md, "Side inputs"). Default: none."""
+        return []
+
+    def with_side_inputs(self, ctx: Any, tensors: list[torch.Tensor]) -> Any:
+        """``ctx`` with its ``side_inputs`` replaced by ``tensors`` (same order and shapes);
+        ``ctx`` itself unchanged. Default: ``ctx`` (no side inputs)."""
+        return ctx
+
     @abc.abstractmethod
     def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> HeadOutput:
         """Final norm + head + loss SUM over this microbatch's items (see ``HeadOutput``)."""
@@ -303,6 +317,12 @@ class WrappedStagedModel(StagedModel):
 
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
         return self.inner.run_unit(index, hidden, ctx)
+
+    def side_inputs(self, ctx: Any) -> list[torch.Tensor]:
+        return self.inner.side_inputs(ctx)
+
+    def with_side_inputs(self, ctx: Any, tensors: list[torch.Tensor]) -> Any:
+        return self.inner.with_side_inputs(ctx, tensors)
 
     def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> HeadOutput:
         return self.inner.head_loss(hidden, microbatch, ctx)

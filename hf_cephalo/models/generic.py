@@ -97,6 +97,10 @@ class Layout:
         ``ForCausalLMLoss``) or against ``labels[t]`` (False: the causal LMs of transformers'
         encoder-decoder families, ``BartForCausalLM`` and its kin, whose callers shift the
         labels); decided from what the loss computes (``causal_lm_problem``).
+    side: the layer arguments computed from parameters before the layers (side inputs:
+        Gemma 3n's per-layer inputs), as (layer index, positional index or keyword) pairs,
+        found by the self-check on the tiny copy (``side_arguments``); the engine carries
+        their gradient back into the embedding unit ([Note: side inputs] in engine/schedule.py).
     """
 
     layers: str
@@ -108,6 +112,7 @@ class Layout:
     inputs: tuple[str, ...] = ()
     unused: tuple[str, ...] = ()
     label_shift: bool = True
+    side: tuple[tuple[int, int | str], ...] = ()
 
 
 @dataclass
@@ -121,6 +126,12 @@ class GenericContext:
     calls: list[tuple[tuple, dict]]
     stub_shapes: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    origin: int | None = None  # ``key`` of the ctx this one copies (``with_side_inputs``)
+
+    @property
+    def key(self) -> int:
+        """The microbatch's identity: the same for a copy made by ``with_side_inputs``."""
+        return id(self) if self.origin is None else self.origin
 
 
 class _Stub(nn.Module):
@@ -332,6 +343,37 @@ class GenericDecoderBody(HFStagedModel):
         """Layer ``index`` with the arguments the model's forward gave it: (m, S, H) -> same."""
         return call_layer(self._layers[index], hidden, ctx.calls[index], self.layout.output_len)
 
+    def side_inputs(self, ctx: GenericContext) -> list[torch.Tensor]:
+        """The floating tensors of the layer arguments ``Layout.side`` names (per-layer
+        inputs: (m, S, P) each), each once (a tensor several layers read is one side input),
+        in layer order."""
+        out: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for i, key in self.layout.side:
+            args, kwargs = ctx.calls[i]
+            for t in pytree.tree_leaves(args[key] if isinstance(key, int) else kwargs[key]):
+                if torch.is_tensor(t) and t.is_floating_point() and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(t)
+        return out
+
+    def with_side_inputs(self, ctx: GenericContext,
+                         tensors: list[torch.Tensor]) -> GenericContext:
+        """A copy of ``ctx`` whose ``Layout.side`` arguments read ``tensors`` in place of
+        ``side_inputs(ctx)``; every other argument is the same object (a dict the layers
+        share stays shared)."""
+        new = {id(old): t for old, t in zip(self.side_inputs(ctx), tensors)}
+        calls = [(tuple(args), dict(kwargs)) for args, kwargs in ctx.calls]
+        for i, key in self.layout.side:
+            args, kwargs = calls[i]
+            value = args[key] if isinstance(key, int) else kwargs[key]
+            value = pytree.tree_map(lambda t: new.get(id(t), t), value)
+            if isinstance(key, int):
+                calls[i] = (args[:key] + (value,) + args[key + 1:], kwargs)
+            else:
+                kwargs[key] = value
+        return GenericContext(calls, ctx.stub_shapes, ctx.extra, origin=ctx.key)
+
     def forward_extra(self, microbatch: Microbatch) -> dict[str, Any]:
         """Keyword arguments every staged forward passes (``use_cache=False`` where taken)."""
         return {"use_cache": False} if "use_cache" in inspect.signature(
@@ -431,10 +473,10 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
             for h in handles:
                 h.remove()
         mask = ctx.extra.get("router_mask")
-        if router.collecting and (index, id(ctx)) not in router.seen:
-            router.seen.add((index, id(ctx)))
+        if router.collecting and (index, ctx.key) not in router.seen:
+            router.seen.add((index, ctx.key))
             for z in logits:
-                router.add(z, mask, id(ctx))
+                router.add(z, mask, ctx.key)
         grads = [z for z in logits if z.requires_grad]
         if torch.is_grad_enabled() and grads:
             out = AttachRouterGrad.apply(out, router, mask, *grads)
@@ -459,7 +501,7 @@ class GenericCausalLM(GenericDecoderBody, CausalLMStagedModel):
     def global_loss_output(self, ctx: Any = None) -> torch.Tensor | None:
         if self.router is None or self.router.total is None:
             return None
-        value = self.router.aux if ctx is None else self.router.share(id(ctx))
+        value = self.router.aux if ctx is None else self.router.share(ctx.key)
         return torch.tensor(value, dtype=torch.float32)
 
     def end_step(self) -> None:
@@ -697,12 +739,13 @@ def _needs(model: nn.Module, exc: BaseException) -> str:
             f"does not train on text alone")
 
 
-def ctx_requires_grad(ctx: GenericContext) -> list[str]:
-    """Layer arguments that carry autograd history (depend on parameters): the engine reuses
-    them across recomputes without a graph, so their gradient would be lost."""
-    bad = []
+def side_arguments(ctx: GenericContext) -> tuple[tuple[int, int | str], ...]:
+    """The layer arguments that carry autograd history (computed from parameters before the
+    layers), as (layer index, positional index or keyword): ``Layout.side``, the side inputs
+    the engine carries gradients for."""
+    found = []
     for i, (args, kwargs) in enumerate(ctx.calls):
         for key, value in [*enumerate(args), *kwargs.items()]:
             if any(torch.is_tensor(t) and t.requires_grad for t in pytree.tree_leaves(value)):
-                bad.append(f"layer {i} argument {key!r}")
-    return bad
+                found.append((i, key))
+    return tuple(found)

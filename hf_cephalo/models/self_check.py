@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import MutableMapping
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_cephalo.models.generic import (Layout, NotCausalLMError, StructureError,
-                                       causal_lm_problem, ctx_requires_grad, forward_inputs,
-                                       layer_list_candidates, trace_layout)
+from hf_cephalo.models.generic import (GenericContext, Layout, NotCausalLMError, StructureError,
+                                       causal_lm_problem, forward_inputs,
+                                       layer_list_candidates, side_arguments, trace_layout)
 from hf_cephalo.models.generic_heads import (CAUSAL_LM, CLASSIFIER_TASKS, ENCODER_TASKS,
                                              IMAGE_CLASSIFICATION, SEQUENCE_CLASSIFICATION,
                                              image_batch, staged_class, task_of, token_labels)
@@ -103,23 +104,66 @@ def _staged_loss(staged, batch: dict, cut: int):
     staged.begin_step()
     for mb in mbs:
         hidden, ctx = staged.embed(mb)
-        bad = ctx_requires_grad(ctx)
-        if bad:
-            raise StructureError(
-                f"layer arguments depend on parameters ({', '.join(bad[:3])}): the forward "
-                "computes them from weights before the layers (e.g. per-layer input embeddings: "
-                "Gemma 3n, and Gemma 4 E2B / E4B with hidden_size_per_layer_input > 0), and the "
-                "engine hands them to each layer unit without a gradient path back to those "
-                "weights, so they would not train; a config without them stages (Gemma 4 31B "
-                "and 26B-A4B have none)")
+        missed = sorted(set(side_arguments(ctx)) - set(staged.layout.side), key=str)
+        if missed:  # the layout's side inputs come from the first microbatch's forward
+            raise StructureError(f"layer arguments depend on parameters in one microbatch but "
+                                 f"not in another ({missed[:3]})")
+        # every unit reads the side inputs through with_side_inputs, as in the engine
+        ctx = staged.with_side_inputs(ctx, staged.side_inputs(ctx))
+        inputs, before = [], _shared_state(ctx)
         for i in range(staged.num_units):
+            inputs.append(hidden)
             hidden = staged.run_unit(i, hidden, ctx)
+        _refuse_shared_layer_state(staged, inputs + [hidden], ctx, before)
         out = staged.head_loss(hidden, mb, ctx)
         total = total + out.loss_sum / n
         items += out.num_items
     terms = staged.global_loss_sums()
     extra = 0.0 if terms is None else staged.finish_global_loss(terms, 1.0)
     return total + extra
+
+
+def _shared_state(ctx: GenericContext) -> dict[int, dict]:
+    """{id: a copy of its items} of every dict-like layer argument (a dict the layers share)."""
+    return {id(v): dict(v) for args, kwargs in ctx.calls for v in [*args, *kwargs.values()]
+            if isinstance(v, MutableMapping)}
+
+
+def _refuse_shared_layer_state(staged, hiddens: list, ctx: GenericContext,
+                               before: dict[int, dict]) -> None:
+    """StructureError when a layer reads what another layer wrote into an argument they share
+    (a dict of keys / values: Gemma 3n's and Gemma 4's KV sharing). ``hiddens``: the units'
+    inputs and the last output of one forward; ``before``: the dicts' items before it
+    (``_shared_state``). Where the layers wrote into a dict, each layer is run again (no grad)
+    with those dicts as before the forward; a layer that then fails or differs reads state
+    made by a unit, which the engine's recompute would get without its gradient."""
+    after = _shared_state(ctx)
+    written = {k for k, items in after.items() if items.keys() != before[k].keys()
+               or any(items[n] is not before[k][n] for n in items)}
+    if not written:
+        return
+
+    def fresh(v):
+        return type(v)(before[id(v)]) if id(v) in written else v
+
+    for i in range(staged.num_units):
+        calls = list(ctx.calls)
+        args, kwargs = calls[i]
+        calls[i] = (tuple(fresh(v) for v in args), {k: fresh(v) for k, v in kwargs.items()})
+        alone = dataclasses.replace(ctx, calls=calls)
+        try:
+            with torch.no_grad():
+                out = staged.run_unit(i, hiddens[i], alone)
+            same = torch.allclose(out, hiddens[i + 1], rtol=RTOL, atol=ATOL)
+        except Exception:  # noqa: BLE001 - a layer that cannot run without it reads it
+            same = False
+        if not same:
+            raise StructureError(
+                f"layer {i} reads keys / values another layer computed (a dict the layers share, "
+                f"KV sharing: Gemma 3n, Gemma 4 with num_kv_shared_layers > 0): a side input "
+                f"made by a layer unit, whose gradient the engine does not carry back into "
+                f"that unit yet (side inputs computed before the layers, such as per-layer "
+                f"inputs, are carried); a config with num_kv_shared_layers = 0 stages")
 
 
 def _compare(model: nn.Module, staged, batch: dict) -> str | None:
@@ -146,6 +190,14 @@ def _compare(model: nn.Module, staged, batch: dict) -> str | None:
             diff = float((a - b).abs().max())
             return f"gradient of {n} differs from the model's own by {diff:.3g}"
     return None
+
+
+def _side_of(staged, batch: dict) -> tuple:
+    """``Layout.side`` of the tiny copy: the layer arguments its forward computes from
+    parameters (with autograd on, on the check's batch)."""
+    with torch.enable_grad():
+        _, ctx = staged.embed({k: v for k, v in batch.items() if k != "labels"})
+    return side_arguments(ctx)
 
 
 def _plain_head(model: nn.Module, staged, batch: dict) -> bool:
@@ -280,6 +332,8 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     hint = ""  # why a staged model that builds may still fail to run
     try:
         layout = dataclasses.replace(trace_layout(tiny, batch, layers), label_shift=label_shift)
+        layout = dataclasses.replace(layout, side=_side_of(staged_class(tiny)(tiny, layout),
+                                                           batch))
         staged = staged_class(tiny)(tiny, layout)
         hint = ("; the generic path runs each layer on the previous layer's hidden states with "
                 "the arguments the model's forward gave the layers before any ran, so a layer "
@@ -311,27 +365,41 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
 # atol 1e-6): rounding then shrinks by nine orders of magnitude while a different computation
 # (a skipped multiplier, another loss) keeps its size, so only the latter is refused. The loss
 # itself may stay fp32 inside the model (transformers' loss upcasts logits with ``.float()``):
-# about 1e-7 relative, within the tolerance.
+# about 1e-7 relative, within the tolerance. Where the float64 copy's eager attention is NaN
+# on padding (its softmax runs in float32), the comparison is run again with SDPA on both sides.
 
 
-def float64_copy(model: nn.Module) -> nn.Module:
-    """A float64 copy of ``model`` ([Note: fp32 rounding or another computation]); grouped
+def float64_copy(model: nn.Module, sdpa: bool = False) -> nn.Module:
+    """A float64 copy of ``model`` ([Note: fp32 rounding or another computation]); with
+    ``sdpa``, SDPA attention where it ran eager and the class has SDPA (both sides of a
+    comparison use it: eager takes its softmax in float32, where float64's mask minimum is
+    -inf, so a fully masked padding row is NaN and spreads, as in Gemma 4); grouped
     expert matmuls, which have no float64 kernel, run as the loop over experts, which computes
     the same inside the layers, on both sides of a comparison."""
     wide = copy.deepcopy(model).double()
     if getattr(wide.config, "_experts_implementation", None) not in (None, "eager"):
         wide.set_experts_implementation("eager")
+    if sdpa and getattr(wide.config, "_attn_implementation", None) == "eager":
+        try:
+            wide.set_attn_implementation("sdpa")
+        except Exception:  # noqa: BLE001 - no SDPA for this class: eager, as before
+            pass
     return wide
 
 
 def _equal_in_float64(tiny: nn.Module, batch: dict, layout: Layout) -> bool:
-    """Whether a float64 copy of ``tiny`` stages equal to its own forward (False also when a
-    kernel of the model has no float64 version)."""
+    """Whether a float64 copy of ``tiny`` stages equal to its own forward, with its attention
+    as is or else with SDPA (``float64_copy``); False also when a kernel of the model has no
+    float64 version."""
+    return any(_equal_in_float64_once(tiny, batch, layout, sdpa) for sdpa in (False, True))
+
+
+def _equal_in_float64_once(tiny: nn.Module, batch: dict, layout: Layout, sdpa: bool) -> bool:
     try:
-        wide = float64_copy(tiny)
+        wide = float64_copy(tiny, sdpa)
         traced = trace_layout(wide, batch, layout.layers)
-        staged = staged_class(wide)(wide, dataclasses.replace(traced,
-                                                              label_shift=layout.label_shift))
+        staged = staged_class(wide)(wide, dataclasses.replace(
+            traced, label_shift=layout.label_shift, side=layout.side))
         return _compare(wide, staged, batch) is None
     except Exception:  # noqa: BLE001 - no float64 check possible: the fp32 verdict stands
         return False

@@ -232,6 +232,10 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
     for key, size in _SIZES.items():
         if (int_field(cfg, key) or 0) > 0:  # 0 switches the part off (Gemma 4's per-layer inputs)
             _set(cfg, key, size)
+        value = _get(cfg, key)
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+            # one width per layer (Gemma 3n's intermediate_size): each shrunk, 0 stays off
+            _set(cfg, key, type(value)(size if v > 0 else 0 for v in value))
     for key, a, b in sums:
         _set(cfg, key, _SIZES[a] + _SIZES[b])
     _cap(cfg, ("rotary_dim", "rotary_emb_dim"), 4)  # a rotary width no wider than a tiny head

@@ -27,7 +27,7 @@ from hf_cephalo.profiles.types import ClusterProfile, DeviceProfile, ModelProfil
 
 __all__ = ["CollectiveBuffers", "EngineBuffers", "collective_buffers", "engine_buffers",
            "activation_bytes", "head_activation_bytes", "embed_activation_bytes",
-           "device_stash_bytes", "host_memory_bytes", "rank_memory_bytes", "memory_line",
+           "device_stash_bytes", "side_input_bytes", "host_memory_bytes", "rank_memory_bytes", "memory_line",
            "model_layout_numels", "kept_graph_bytes", "kept_graphs_bytes"]
 
 # Device copies of boundary tensors with offload: current input + boundary gradient, their
@@ -285,6 +285,15 @@ def device_stash_bytes(model: ModelProfile, m, b, offload: bool,
     return levels * a * np.asarray(b, dtype=np.float64)
 
 
+def side_input_bytes(model: ModelProfile, b) -> np.ndarray:
+    """Σ(b): one rank's side inputs and their summed gradients on the device, 2·s·b bytes
+    (s = ``side_bytes_per_sample``; engine/schedule.py [Note: side inputs]). The values live in
+    each microbatch's ctx from the forward's embedding to E's backward; the gradient sums
+    appear in the units' backward and reach s·b before E's backward frees them, so 2·s·b is
+    exact there and an upper bound in the forward and head phases (s·b). Not offloaded."""
+    return 2.0 * model.side_bytes_per_sample * np.asarray(b, dtype=np.float64)
+
+
 def host_memory_bytes(model: ModelProfile, b, offload: bool) -> np.ndarray:
     """Pinned host bytes of one rank's offloaded boundary tensors, (L + 1)·b·a (0 without)."""
     if not offload:
@@ -368,5 +377,5 @@ def rank_memory_bytes(cluster: ClusterProfile, rank: int, m, b, *, root_resident
     embed = embed_activation_bytes(model, m) + buf.embed_bytes + \
         device_stash_bytes(model, m, b, offload, levels=1)
     busy = np.maximum(phases + device_stash_bytes(model, m, b, offload, levels=stash_levels),
-                      embed)
+                      embed) + side_input_bytes(model, b)
     return np.where(b > 0, busy, buf.idle_bytes)

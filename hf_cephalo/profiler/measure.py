@@ -33,10 +33,11 @@ from hf_cephalo.profiler.hardware import (all_gather_objects, device_capacity_by
 from hf_cephalo.profiler.inputs import (MakeMicrobatch, MeasureConfig, build_model_from_config,
                                         max_positions, precision_tag, sequence_length_of,
                                         synthetic_microbatch)
-from hf_cephalo.profiler.model_facts import boundary_bytes_per_sample, model_dtype, model_profile
+from hf_cephalo.profiler.model_facts import (boundary_bytes_per_sample, model_dtype,
+                                             model_profile, side_bytes_per_sample)
 from hf_cephalo.profiler.profile_checks import check_profile_matches, check_profile_precision
 from hf_cephalo.profiles.precision import PRECISIONS
-from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile
+from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
 
 __all__ = ["MeasureConfig", "synthetic_microbatch", "build_model_from_config", "model_profile",
            "local_device_name",
@@ -90,6 +91,17 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
                                 model_name=model_name, remeasure_hint=remeasure_hint)
 
 
+def _measured_model_profile(base: StagedModel, model_name, make_microbatch, device,
+                            config: MeasureConfig) -> ModelProfile:
+    """The model profile with the bytes per sample the engine keeps measured on ``device``:
+    the boundary hidden state and the side inputs (``model_facts``)."""
+    make = make_microbatch or (lambda m: synthetic_microbatch(
+        base.model, m, config.sequence_length, device))
+    return model_profile(base, model_name, boundary_bytes_per_sample(
+        base, make, device, config.gather_dtype), precision=config.precision_spec,
+        side_bytes_per_sample=side_bytes_per_sample(base, make, device))
+
+
 def _profile_cluster(staged: StagedModel, config: MeasureConfig, *, device, emulation, cache,
                      group, make_microbatch, model_name, remeasure_hint) -> ClusterProfile:
     """``profile_cluster`` with the units as they are to be timed."""
@@ -141,10 +153,7 @@ def _profile_cluster(staged: StagedModel, config: MeasureConfig, *, device, emul
             store.put_device(key, dev)
     gathered = all_gather_objects({"device": dev.to_json(), "key": key}, group, world_size)
     devices = [DeviceProfile.from_json(g["device"]) for g in gathered]
-    model = model_profile(base, model_name, boundary_bytes_per_sample(
-        base, make_microbatch or (lambda m: synthetic_microbatch(
-            base.model, m, config.sequence_length, device)), device, config.gather_dtype),
-        precision=config.precision_spec)
+    model = _measured_model_profile(base, model_name, make_microbatch, device, config)
     ratios = skewed_state_ratios(model.state_bytes, [d.memory_capacity_bytes for d in devices])
     comm = _cluster_comm(base, store, fingerprint, dtype, [d.name for d in devices], device,
                          config, group, world_size, ratios)

@@ -18,7 +18,7 @@ from hf_cephalo.models.base import StagedModel, WrappedStagedModel
 from hf_cephalo.profiles.precision import Precision
 from hf_cephalo.profiles.types import ModelProfile
 
-__all__ = ["model_profile", "model_dtype", "boundary_bytes_per_sample", "largest_unit",
+__all__ = ["model_profile", "model_dtype", "boundary_bytes_per_sample", "side_bytes_per_sample", "largest_unit",
            "unit_groups", "mean_unit_numel", "ProfiledUnit"]
 
 # [Note: layers of different sizes]
@@ -101,12 +101,14 @@ class ProfiledUnit(WrappedStagedModel):
 
 def model_profile(staged: StagedModel, name: str | None = None,
                   boundary_bytes_per_sample: float = 0.0,
-                  precision: Precision | None = None) -> ModelProfile:
+                  precision: Precision | None = None,
+                  side_bytes_per_sample: float = 0.0) -> ModelProfile:
     """ModelProfile of a staged model: units, parameters per unit / outside units, state bytes.
 
     ``state_bytes_per_param`` = 4 × element size (parameter, gradient and Adam's two moments in
     the parameter dtype: 16 for fp32, paper §2.4); ``param_bytes`` = the element size; ``gathered_param_bytes`` / ``reduce_bytes`` from ``precision`` (None: not cast);
-    ``boundary_bytes_per_sample`` as given (``boundary_bytes_per_sample`` measures it). A model
+    ``boundary_bytes_per_sample`` and ``side_bytes_per_sample`` as given (the functions of those
+    names measure them). A model
     with frozen parameters (PEFT) records its trainable elements, in all and per unit (layer,
     embedding, head), and the frozen parameters' element size (a bf16 base: 2). The
     root is split as the engine splits it (engine.py ``_build_units``): ``params_embed`` =
@@ -154,6 +156,7 @@ def model_profile(staged: StagedModel, name: str | None = None,
                         params_embed=sum(embed.values()), params_head=head_only,
                         head_ties_embedding=tied, state_bytes_per_param=4.0 * elem,
                         param_bytes=elem, boundary_bytes_per_sample=boundary_bytes_per_sample,
+                        side_bytes_per_sample=side_bytes_per_sample,
                         trainable_params=trainable if lora else None,
                         trainable_per_unit=per_unit if lora else None,
                         trainable_embed=t_embed if lora else None,
@@ -176,6 +179,17 @@ def boundary_bytes_per_sample(staged: StagedModel, make_microbatch: Callable[[in
         hidden, _ = staged.embed(mb)
     size = hidden.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size()
     return float(hidden.numel() * size)
+
+
+def side_bytes_per_sample(staged: StagedModel, make_microbatch: Callable[[int], Any],
+                          device: torch.device | str) -> float:
+    """Bytes of one sample's side inputs (``StagedModel.side_inputs`` of its embedding's ctx:
+    Gemma 3n's per-layer inputs), which the engine keeps on the device through the step; 0
+    for a model without them."""
+    mb = {k: v.to(device) for k, v in make_microbatch(1).items()}
+    with torch.no_grad():
+        _, ctx = staged.embed(mb)
+    return float(sum(t.numel() * t.element_size() for t in staged.side_inputs(ctx)))
 
 
 def profiling_stand_in(staged: StagedModel) -> StagedModel:

@@ -128,6 +128,11 @@ class ModelProfile:
         boundary_bytes_per_sample: bytes of one sample's hidden state at a unit boundary
             (sequence length x hidden size x activation element size), what the engine stashes
             per sample and unit boundary; 0 = unknown (the stash is then not priced).
+        side_bytes_per_sample: bytes of one sample's side inputs (tensors the embedding unit
+            computes from parameters and every layer reads besides the hidden state: Gemma 3n's
+            per-layer inputs, sequence length x layers x per-layer width x element size), which
+            the engine keeps on the device for the whole step, with their summed gradients
+            (docs/engine.md, "Side inputs"); 0 for a model without them.
         trainable_params: parameters (elements) that train, e.g. a LoRA adapter's; None = every
             parameter trains (full fine-tuning). Only these carry gradient and optimizer state.
         frozen_bytes_per_param: resident bytes of one frozen element (its storage: 4 for fp32,
@@ -158,6 +163,7 @@ class ModelProfile:
     state_bytes_per_param: float = 16.0
     param_bytes: float = 4.0
     boundary_bytes_per_sample: float = 0.0
+    side_bytes_per_sample: float = 0.0
     params_embed: int | None = None
     params_head: int | None = None
     head_ties_embedding: bool = False
@@ -183,6 +189,8 @@ class ModelProfile:
         self.param_bytes = _check_number(owner, "param_bytes", self.param_bytes, positive=True)
         self.boundary_bytes_per_sample = _check_number(
             owner, "boundary_bytes_per_sample", self.boundary_bytes_per_sample)
+        self.side_bytes_per_sample = _check_number(
+            owner, "side_bytes_per_sample", self.side_bytes_per_sample)
         if (self.params_embed is None) != (self.params_head is None):
             raise ValueError(f"{owner}: give both params_embed and params_head or neither, got "
                              f"params_embed={self.params_embed!r}, params_head={self.params_head!r}")
@@ -329,7 +337,8 @@ class ModelProfile:
         _require_keys("model profile", data, ("num_units", "params_per_unit", "params_other"))
         return cls(**{k: data[k] for k in ("name", "num_units", "params_per_unit", "params_other",
                                             "state_bytes_per_param", "param_bytes",
-                                            "boundary_bytes_per_sample", "params_embed",
+                                            "boundary_bytes_per_sample",
+                                            "side_bytes_per_sample", "params_embed",
                                             "params_head", "head_ties_embedding",
                                             "trainable_params", "frozen_bytes_per_param",
                                             "gathered_param_bytes", "reduce_bytes",
