@@ -23,12 +23,14 @@ def _same(a: float, b: float) -> bool:
 
 
 def _real_units(rng, cluster: ClusterProfile) -> ClusterProfile:
-    """Units of real size and a boundary stash, as test_planner_optimize's engine-buffer case."""
+    """Units of real size, a boundary stash and side inputs (engine/schedule.py [Note: side
+    inputs]), as test_planner_optimize's engine-buffer case."""
     model = cluster.model
     model.params_per_unit, model.params_other = 1000, int(rng.integers(0, 3000))
     model.state_bytes_per_param /= 1000
     model.param_bytes = float(rng.uniform(0.0, 0.1)) * GIB / 1000
     model.boundary_bytes_per_sample = float(rng.uniform(0.0, 0.1)) * GIB
+    model.side_bytes_per_sample = float(rng.uniform(0.0, 0.05)) * GIB  # per-layer inputs
     return cluster
 
 

@@ -12,7 +12,7 @@ k·m rows:
     F'(m) = F(k·m), B'(m) = B(k·m), E'(m) = E(k·m), H'(m) = H(k·m)   (cost.py, the curves)
     A'(m) = α·k·m + β  for each least-squares line A(r) = α·r + β     (memory.memory_line:
                                                    compute, head and kept-graph memory)
-    a' = k·a                                                  (boundary bytes per sample)
+    a' = k·a, s' = k·s                    (boundary and side-input bytes per sample)
 
 Every other term of the model is per rank, per microbatch or per unit, not per row, and stays.
 So for any (b, m) the per-sample cluster's M_i(m, b), F_i, B_i and root compute equal the
@@ -57,9 +57,10 @@ def per_sample_cluster(cluster: ClusterProfile, rows_per_sample: int) -> Cluster
         rows_per_sample: k >= 1; 1 returns ``cluster`` itself.
 
     Returns a new ClusterProfile (the input is not changed): every device with
-    ``rows_per_sample = k``, the model's ``boundary_bytes_per_sample`` times k, ``extra``
-    recording k (``ROWS_PER_SAMPLE_KEY``) and without ``profile_cache``: a refit of it is not
-    a per-row measurement, so it is never written back over the per-row cache entries.
+    ``rows_per_sample = k``, the model's ``boundary_bytes_per_sample`` and
+    ``side_bytes_per_sample`` times k, ``extra`` recording k (``ROWS_PER_SAMPLE_KEY``) and
+    without ``profile_cache``: a refit of it is not a per-row measurement, so it is never
+    written back over the per-row cache entries.
 
     Raises:
         ValueError: k not an int >= 1, or ``cluster`` already per sample (k applied twice).
@@ -78,7 +79,8 @@ def per_sample_cluster(cluster: ClusterProfile, rows_per_sample: int) -> Cluster
     for d in cluster.devices:
         made.setdefault(id(d), dataclasses.replace(d, rows_per_sample=k))
     model = dataclasses.replace(
-        cluster.model, boundary_bytes_per_sample=k * cluster.model.boundary_bytes_per_sample)
+        cluster.model, boundary_bytes_per_sample=k * cluster.model.boundary_bytes_per_sample,
+        side_bytes_per_sample=k * cluster.model.side_bytes_per_sample)
     extra = {key: v for key, v in cluster.extra.items() if key != "profile_cache"}
     extra[ROWS_PER_SAMPLE_KEY] = k
     return dataclasses.replace(cluster, model=model, devices=[made[id(d)] for d in cluster.devices],
