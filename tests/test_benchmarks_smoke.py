@@ -40,6 +40,7 @@ SMOKE = {
     "bench_memory": "(a) old: hf_cephalo at",
     "bench_sft": "",
     "bench_generation": "completions identical across the four ways: True",
+    "bench_startup": "Cephalo, cached profile, rank 0's start: import hf_cephalo",
 }
 
 
