@@ -13,8 +13,8 @@ its benchmark ([Note: parent death] in hf_cephalo/parent_death.py for the launch
 Ranks are spawned (a fresh interpreter each, what the measurements assume: an environment
 variable such as ``MALLOC_MMAP_THRESHOLD_`` set by the benchmark reaches the new process's
 allocator). With ``HF_CEPHALO_BENCH_START=forkserver`` they come from a forkserver that imports
-torch, transformers, Accelerate, datasets and hf_cephalo once, so a rank starts in a fraction of
-a second after the first: the smoke test runs every benchmark in one process that way
+torch, transformers and hf_cephalo once, so a rank starts in a fraction of a second after the
+first: the smoke test runs every benchmark in one process that way
 (tests/test_benchmarks_smoke.py). Either way each rank gets the benchmark's environment as it
 is when the ranks start.
 """
@@ -34,8 +34,8 @@ __all__ = ["run_ranks", "free_port", "POLL_S", "START_ENV"]
 POLL_S = 0.25
 """Seconds between two looks at the ranks' exit statuses while waiting for results."""
 
-_PRELOAD = ["torch", "torch.distributed", "transformers", "accelerate", "datasets", "hf_cephalo",
-            "hf_cephalo.engine", "hf_cephalo.models"]
+_PRELOAD = ["torch", "torch.distributed", "transformers", "hf_cephalo", "hf_cephalo.engine",
+            "hf_cephalo.models"]
 
 
 def free_port() -> int:

@@ -89,3 +89,19 @@ def test_equal_ranks_plan_the_same_cold_and_cached_and_say_the_reuse(tmp_path):
     assert line.endswith(" UTC (nothing timed); to measure again: delete that file, or set "
                          "HF_CEPHALO_PROFILE_CACHE to another directory")
     assert results[1]["cached_output"] == ""
+
+
+def test_staging_a_generic_model_builds_no_unsupported_model_error(monkeypatch):
+    """The generic path stages most models; the unsupported-model message (which imports every
+    hand-written adapter's transformers module) is built only when it is raised."""
+    from hf_cephalo.models import registry, stage_model
+
+    def built(model):
+        raise AssertionError(f"the unsupported-model error was built for {type(model).__name__}")
+
+    monkeypatch.setattr(registry, "_unsupported", built)
+    cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    staged = stage_model(transformers.BertForSequenceClassification(cfg))
+    assert staged.num_units == 1
