@@ -163,7 +163,7 @@ def _instrument(clock: _Clock, cephalo: bool) -> None:
     import importlib
 
     import accelerate
-    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     if cephalo:
         for module, owner, attr, label in PHASES:
@@ -193,8 +193,6 @@ def _instrument(clock: _Clock, cephalo: bool) -> None:
     def after_step(optimizer, args, kwargs):  # the profiler's own steps come before prepare ends
         if "prepare_end" in clock.marks:
             clock.marks.setdefault("first_step", time.time())
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
     register_optimizer_step_post_hook(after_step)
 
 
