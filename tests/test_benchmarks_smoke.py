@@ -41,6 +41,7 @@ SMOKE = {
     "bench_sft": "",
     "bench_generation": "completions identical across the four ways: True",
     "bench_grpo": "Cephalo even vs planned: same completions: True",
+    "bench_startup": "Cephalo, cached profile, rank 0's start: import hf_cephalo",
 }
 
 

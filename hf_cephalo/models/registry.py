@@ -336,10 +336,21 @@ def adapter_for(model: nn.Module) -> type[StagedModel]:
     """
     if is_peft_model(model):
         model = unwrap_peft_model(model)
+    adapter = _registered_adapter(model)
+    if adapter is None:
+        raise _unsupported(model)
+    return adapter
+
+
+def _registered_adapter(model: nn.Module) -> type[StagedModel] | None:
+    """The adapter registered for ``model``'s class or its nearest registered base class, or
+    None. Staging asks this first: most models take the generic path, and ``_unsupported``'s
+    message (which imports every adapter's transformers module to name the architecture's
+    classes) is built only when it is raised."""
     for cls in type(model).__mro__:
         if cls.__name__ in _ADAPTERS:
             return _ADAPTERS[cls.__name__]
-    raise _unsupported(model)
+    return None
 
 
 def stage_model(model: nn.Module) -> StagedModel:
@@ -364,16 +375,15 @@ def stage_model(model: nn.Module) -> StagedModel:
 
 
 def _stage(model: nn.Module) -> StagedModel:
-    try:
-        adapter = adapter_for(model)
-    except UnsupportedModelError:
-        inner = unwrap_peft_model(model) if is_peft_model(model) else model
+    inner = unwrap_peft_model(model) if is_peft_model(model) else model
+    adapter = _registered_adapter(inner)
+    if adapter is None:
         refusal = _encoder_decoder(inner) if hasattr(inner, "config") else None
         if refusal is not None:  # whatever its name says (MarianMTModel, EncoderDecoderModel)
-            raise refusal from None
+            raise refusal
         kind = _model_head_kind(inner)
         if kind is None or _is_base_model(inner) or not hasattr(inner, "config"):
-            raise
+            raise _unsupported(inner)
         check_transformers_version(transformers.__version__)
         return _generic_any(inner, kind)
     if is_peft_model(model):

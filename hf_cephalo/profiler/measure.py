@@ -13,7 +13,9 @@ a profile of another model or device). This module is their public front: the na
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -130,29 +132,20 @@ def _profile_cluster(staged: StagedModel, config: MeasureConfig, *, device, emul
     key = device_key(fingerprint, timing_name, dtype, config.sequence_length,
                      config.microbatch_sizes)
     dev = store.get_device(key) if store is not None else None
-    if _all_ranks(dev is not None, device, group, world_size):
+    reused = _all_ranks(dev is not None, device, group, world_size)
+    if reused:
         dev.name, dev.memory_capacity_bytes = name, capacity
         if config.prints(rank):
             print(reuse_line(rank, name, store.root / f"{key}.json", world_size, remeasure_hint),
                   flush=True)
     else:
-        # [Note: lockstep profiling] Every rank measures, in lockstep (a barrier before each
-        # timed item), even where its own cache entry exists: ranks share the machine's cores
-        # and memory bandwidth as they will in training, where a fast rank waits for the slow
-        # one at every collective. Without it a fast rank would finish early and the slow rank
-        # would be profiled alone, faster than it will train.
-        barrier = (lambda: dist.barrier(group)) if world_size > 1 else None
-        any_rank = (lambda flag: not _all_ranks(not flag, device, group, world_size)) \
-            if world_size > 1 else None
-        rank_codes = (lambda code: _rank_codes(code, device, group, world_size)) \
-            if world_size > 1 else None
-        dev = measure_device(measured, config, device=device, name=name, capacity_bytes=capacity,
-                             rank=rank, make_microbatch=make_microbatch, before_each=barrier,
-                             any_rank=any_rank, rank_codes=rank_codes)
-        if store is not None:
-            store.put_device(key, dev)
+        dev = _measure_in_lockstep(measured, config, device, name, capacity, rank, group,
+                                   world_size, make_microbatch)
     gathered = all_gather_objects({"device": dev.to_json(), "key": key}, group, world_size)
-    devices = [DeviceProfile.from_json(g["device"]) for g in gathered]
+    devices = one_profile_per_device([DeviceProfile.from_json(g["device"]) for g in gathered],
+                                     [g["key"] for g in gathered])
+    if store is not None and not reused:
+        store.put_device(key, devices[rank])
     model = _measured_model_profile(base, model_name, make_microbatch, device, config)
     ratios = skewed_state_ratios(model.state_bytes, [d.memory_capacity_bytes for d in devices])
     comm = _cluster_comm(base, store, fingerprint, dtype, [d.name for d in devices], device,
@@ -170,6 +163,63 @@ def _profile_cluster(staged: StagedModel, config: MeasureConfig, *, device, emul
                **({"profile_cache": {"root": str(store.root),
                                      "device_keys": [g["key"] for g in gathered]}}
                   if store is not None else {})})
+
+
+def _measure_in_lockstep(measured, config, device, name, capacity, rank, group, world_size,
+                         make_microbatch) -> DeviceProfile:
+    """This rank's device profile, measured (collective with world size > 1).
+
+    [Note: lockstep profiling] Every rank measures, in lockstep (a barrier before each timed
+    item), even where its own cache entry exists: ranks share the machine's cores and memory
+    bandwidth as they will in training, where a fast rank waits for the slow one at every
+    collective. Without it a fast rank would finish early and the slow rank would be profiled
+    alone, faster than it will train."""
+    barrier = (lambda: dist.barrier(group)) if world_size > 1 else None
+    any_rank = (lambda flag: not _all_ranks(not flag, device, group, world_size)) \
+        if world_size > 1 else None
+    rank_codes = (lambda code: _rank_codes(code, device, group, world_size)) \
+        if world_size > 1 else None
+    return measure_device(measured, config, device=device, name=name, capacity_bytes=capacity,
+                          rank=rank, make_microbatch=make_microbatch, before_each=barrier,
+                          any_rank=any_rank, rank_codes=rank_codes)
+
+
+# [Note: one profile per device]
+# Ranks whose cache keys are equal (the same device, or the same emulated speed, for the same
+# model, dtype, sequence length and microbatch sizes) get ONE device profile: the mean of their
+# measured times and the largest of their memory figures. The cache holds one entry per key, so
+# every start after the first plans from one profile for them anyway; without this the first
+# (cold) start planned from each rank's own noise, e.g. b = 19/13 on two equal CPU ranks whose
+# next start, from the cache, planned 16/16. Now the cold start's plan is the cached start's.
+# Computed from the gathered profiles, so every rank holds the same result.
+_TIMES = ("fwd_s", "bwd_s", "embed_s", "head_s", "microbatch_overhead_s",
+          "optimizer_s_per_param", "step_overhead_s")
+_BYTES = ("compute_memory_bytes", "head_memory_bytes", "kept_graph_bytes")
+
+
+def one_profile_per_device(devices: list[DeviceProfile], keys: list[str]) -> list[DeviceProfile]:
+    """``devices`` (one per rank) with the ranks of one cache key given one profile ([Note: one
+    profile per device]); each rank keeps its own name and memory capacity."""
+    out = list(devices)
+    for key in dict.fromkeys(keys):
+        members = [i for i, k in enumerate(keys) if k == key]
+        if len(members) < 2:
+            continue
+        group = [devices[i] for i in members]
+        merged = {f: _combine([getattr(d, f) for d in group], statistics.fmean) for f in _TIMES}
+        merged.update({f: _combine([getattr(d, f) for d in group], max) for f in _BYTES})
+        for i in members:
+            out[i] = dataclasses.replace(devices[i], **merged)
+    return out
+
+
+def _combine(values: list, how):
+    """``how`` over the ranks' ``values``: scalars, or lists element by element (None stays)."""
+    if any(v is None for v in values):
+        return values[0]
+    if isinstance(values[0], list):
+        return [how(column) for column in zip(*values)]
+    return how(values)
 
 
 def reuse_line(rank: int, name: str, path, world_size: int, hint: str | None = None) -> str:
