@@ -220,10 +220,31 @@ def _rank(rank: int, world_size: int, port: int, workdir: str, script: str, ceph
         from hf_cephalo import CephaloAccelerator  # noqa: F401 - the script's import line
         clock.phases["import hf_cephalo"] = time.perf_counter() - start
     _instrument(clock, cephalo)
+    _report_at_end_training(clock, rank, out)
     sys.argv = [script, "--cpu", "--epochs", str(epochs)]
     runpy.run_path(script, run_name="__main__")
-    clock.marks["end"] = time.time()
-    out.put({"rank": rank, "marks": clock.marks, "phases": clock.phases})
+
+
+def _report_at_end_training(clock: _Clock, rank: int, out) -> None:
+    """Report this rank's marks when the script's ``accelerator.end_training()`` returns (the
+    end of the timed job), then end the process at once. The interpreter's teardown is not
+    part of the job, and the stock DDP side can hang in it: once, a rank waited for good in
+    ``~ProcessGroupGloo`` while the script's DDP model (its Reducer holds the process group)
+    was freed after ``end_training`` had destroyed the group, the other rank already gone."""
+    import accelerate
+
+    end_training = accelerate.Accelerator.end_training
+
+    def reported(accelerator):
+        end_training(accelerator)
+        clock.marks["end"] = time.time()
+        out.put({"rank": rank, "marks": clock.marks, "phases": clock.phases})
+        out.close()
+        out.join_thread()  # the result is on the pipe before the process ends
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    accelerate.Accelerator.end_training = reported
 
 
 # ---- the benchmark --------------------------------------------------------------------------------
