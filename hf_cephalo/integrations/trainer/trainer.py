@@ -40,7 +40,7 @@ from hf_cephalo.integrations.trainer.preflight import (check_script,
                                                optimizer_problems)
 from hf_cephalo.integrations.trainer.support import HOOK_SUPPORT
 from hf_cephalo.integrations.trainer.accumulation import AccumulationStep
-from hf_cephalo.integrations.trl.support import trainer_class_problems
+from hf_cephalo.integrations.shared import trainer_class_problems
 from hf_cephalo.integrations.trainer.checkpoint import EngineCheckpointMixin, unwrap_optimizer
 from hf_cephalo.integrations.trainer.data import TrainerDataMixin
 from hf_cephalo.integrations.trainer.evaluation import EngineEvaluationMixin
