@@ -222,7 +222,7 @@ def loader_problems(loader: Any, training: bool) -> list[str]:
     an evaluation loader's ``shuffle`` / ``drop_last``. Needs no process group."""
     from torch.utils.data import RandomSampler, SequentialSampler
 
-    from hf_cephalo.runtime.streaming import is_stream
+    from hf_cephalo.runtime import is_stream
 
     problems = []
     if loader.batch_size is None:
