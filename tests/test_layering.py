@@ -107,6 +107,79 @@ def test_no_module_imports_another_modules_private_name():
     assert not found, "\n".join(found)
 
 
+# [Note: the runtime's face] in hf_cephalo/runtime/__init__.py: a door takes every name from below
+# it from ``hf_cephalo.runtime`` itself; only these stdlib-level utility modules stay direct
+DOOR_UTILITIES = ("hf_cephalo.lazy", "hf_cephalo.console", "hf_cephalo.environment",
+                  "hf_cephalo.units", "hf_cephalo.launch_check")
+# door -> rank: a door imports only itself and doors of a lower rank (trl -> trainer -> loop ->
+# shared); the package's own __init__ re-exports every door (by name, lazily)
+DOOR_ORDER = {"shared": 0, "quiet": 0, "loop": 1, "trainer": 2, "trl": 3, "__init__": 4}
+
+
+def door_import_problems(root: str = ROOT) -> tuple[list[str], list[str]]:
+    """(imports below the face, door imports against the chain) of the modules under
+    ``root``/integrations, one ``file:line ...`` each."""
+    import importlib
+
+    face = set(importlib.import_module("hf_cephalo.runtime").__all__)
+    below, against = [], []
+    for folder, _, files in os.walk(os.path.join(root, "integrations")):
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, root)[:-3].split(os.sep)
+            where = f"hf_cephalo/{'/'.join(rel)}.py"
+            door = rel[1] if len(rel) > 1 else "__init__"
+            for node in ast.walk(ast.parse(open(path).read(), path)):
+                for dotted, names in _imported_names(rel, node):
+                    parts = dotted.split(".")
+                    if parts[0] != "hf_cephalo" or dotted in DOOR_UTILITIES:
+                        continue
+                    if len(parts) > 2 and parts[1] == "integrations":
+                        if DOOR_ORDER[parts[2]] > DOOR_ORDER[door] or (
+                                parts[2] != door and DOOR_ORDER[parts[2]] == DOOR_ORDER[door]):
+                            against.append(f"{where}:{node.lineno} imports {dotted} "
+                                           f"({door} -> {parts[2]})")
+                    elif len(parts) == 2 and parts[1] == "integrations":
+                        if door != "__init__":
+                            against.append(f"{where}:{node.lineno} imports {dotted}")
+                    elif dotted != "hf_cephalo.runtime":
+                        below += [f"{where}:{node.lineno} imports {n} from {dotted}" for n in names]
+                    else:
+                        below += [f"{where}:{node.lineno} imports {n} from {dotted}, which "
+                                  f"its __all__ does not export" for n in names if n not in face]
+    return below, against
+
+
+def _imported_names(rel: list[str], node):
+    """(dotted module, [names]) an import node brings in (``import a.b``: ``a.b``, [``a.b``])."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.name, [alias.name]
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:
+            package = ["hf_cephalo", *rel[:-1]]
+            base = package[:len(package) - node.level + 1]
+            yield ".".join(base + ([node.module] if node.module else [])), [
+                a.name for a in node.names]
+        else:
+            yield node.module, [a.name for a in node.names]
+
+
+def test_doors_take_the_runtime_face_and_import_down_the_door_chain():
+    """Issue 49 item 6: (a) a door (hf_cephalo/integrations) imports from below it only
+    ``hf_cephalo.runtime`` (names in its ``__all__``) and the utility modules above; (b) door
+    imports follow the chain trl -> trainer -> loop -> shared (as TRL's trainers build on the
+    Trainer, and the Trainer on Accelerate), none against it."""
+    below, against = door_import_problems()
+    print(f"names the doors import from below the runtime's face: {len(below)}; "
+          f"door imports against the chain trl -> trainer -> loop -> shared: {len(against)}")
+    assert not below, ("import these from hf_cephalo.runtime (export them there):\n"
+                       + "\n".join(below))
+    assert not against, "door imports against trl -> trainer -> loop -> shared:\n" + "\n".join(
+        against)
+
 
 def test_no_module_is_over_800_lines():
     """Issue 38's limit: a module over 800 lines holds several concepts; split it by concept

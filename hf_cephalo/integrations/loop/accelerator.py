@@ -42,10 +42,9 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from hf_cephalo.runtime.head_calls import current_head_call
-from hf_cephalo.runtime.sampler import WeightedBatchSampler
-from hf_cephalo.runtime.settings import (ACTIVATION_OFFLOAD_CHOICES, ADAPTIVE_CHOICES,  # noqa: F401
-                                         ENV_PREFIX, CephaloSettings)
+from hf_cephalo.runtime import (ACTIVATION_OFFLOAD_CHOICES, ADAPTIVE_CHOICES,  # noqa: F401
+                                ENV_PREFIX, CephaloSettings, WeightedBatchSampler,
+                                current_head_call)
 
 __all__ = ["CephaloDistributedType", "CephaloPlugin", "CephaloAccelerator", "ENV_PREFIX",
            "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES"]
@@ -301,7 +300,7 @@ class CephaloAccelerator(Accelerator):
         """Collective (every rank): a ``from_pretrained`` folder of the prepared model,
         streamed one unit at a time (rank 0 writes; a LoRA PeftModel: its adapter)."""
         from hf_cephalo.integrations.loop.loop import CephaloModel
-        from hf_cephalo.runtime.checkpointing import save_model_files
+        from hf_cephalo.runtime import save_model_files
 
         if not isinstance(model, CephaloModel):
             return super().save_model(model, save_directory, max_shard_size=max_shard_size,

@@ -27,8 +27,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import send_to_device
 from torch import nn
 
-from hf_cephalo.models.hf_common import empty_logits
-from hf_cephalo.runtime.sampler import split_rows
+from hf_cephalo.runtime import empty_logits, split_rows
 
 __all__ = ["CephaloModel", "CephaloDataLoader", "CephaloOptimizer", "CephaloScheduler"]
 
@@ -83,7 +82,7 @@ class CephaloModel(nn.Module):
         (default: the model's ``generation_config``), and ``rows`` (the prompts' global row
         indices: completions then do not depend on the plan), ``round_``, ``seed``, ``mode``
         (``runtime.generation.generate_tensor``). Raises TypeError for other keywords."""
-        from hf_cephalo.runtime.generation import generate_tensor
+        from hf_cephalo.runtime import generate_tensor
 
         self._hooks.end_open_step("generate")
         return generate_tensor(self._session, input_ids, attention_mask, **kwargs)
@@ -186,7 +185,7 @@ class CephaloDataLoader:
 
     def _stream_steps(self):
         """The runtime's ``StreamSteps`` when this loader reads a stream, else None."""
-        from hf_cephalo.runtime.streaming import StreamSteps
+        from hf_cephalo.runtime import StreamSteps
 
         return self.inner.dataset if isinstance(self.inner.dataset, StreamSteps) else None
 

@@ -120,11 +120,8 @@ def job_from_accelerator(accelerator, train_loader: DataLoader | None, seed: int
     for; the plugin's global batch size disagrees with the plan file's."""
     from accelerate.utils import DynamoBackend
 
-    from hf_cephalo.planner import Plan
-    from hf_cephalo.runtime import CompileOptions
-    from hf_cephalo.runtime.data import LoaderOptions
-    from hf_cephalo.runtime.job import Job, resolve_global_batch_size
-    from hf_cephalo.runtime.settings import JobPrecision
+    from hf_cephalo.runtime import (CompileOptions, Job, JobPrecision, LoaderOptions, Plan,
+                                    resolve_global_batch_size)
 
     settings = accelerator.cephalo_plugin
     plan = Plan.load(settings.plan_file) if settings.plan_file is not None else None
@@ -161,7 +158,7 @@ def _output_class(staged):
     logits (m, S, 2) split into ``start_logits`` / ``end_logits``), else a classifier's."""
     from transformers import modeling_outputs as outputs
 
-    from hf_cephalo.models.hf_common import is_causal_lm
+    from hf_cephalo.runtime import is_causal_lm
 
     if is_causal_lm(staged):
         return outputs.CausalLMOutputWithPast
@@ -181,9 +178,7 @@ def _split_output(cls, names: tuple[str, ...], loss, logits):
 
 def prepare_loop(accelerator, args: tuple) -> tuple:
     """The custom loop's prepare (see ``CephaloAccelerator.prepare``)."""
-    from hf_cephalo.models import stage_model
-    from hf_cephalo.runtime.optim import parameter_names
-    from hf_cephalo.runtime.session import Session
+    from hf_cephalo.runtime import Session, parameter_names, stage_model
 
     check_loop_setup(accelerator, args)
     results = list(args)
@@ -293,7 +288,7 @@ def _prepare_scheduler(accelerator, scheduler):
 def _check_optimizers(args: tuple, name_of: dict[int, str]) -> None:
     """Refuse an optimizer prepared with the model that cannot be re-pointed at its shards
     (``runtime.optim.repoint_problems``), on every rank alike, before any collective."""
-    from hf_cephalo.runtime.optim import repoint_problems
+    from hf_cephalo.runtime import repoint_problems
 
     for obj in args:
         if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, CephaloOptimizer):
@@ -342,7 +337,7 @@ def _prepare_loader(accelerator, loader: DataLoader) -> CephaloDataLoader:
 
 
 def _options_of(loader: DataLoader):
-    from hf_cephalo.runtime.data import LoaderOptions
+    from hf_cephalo.runtime import LoaderOptions
 
     return LoaderOptions(num_workers=loader.num_workers, pin_memory=loader.pin_memory,
                          persistent_workers=loader.persistent_workers,
@@ -360,10 +355,10 @@ class _EmptyBatch:
         self.dataset, self.collate, self._one = dataset, collate, None
 
     def __call__(self):
-        from hf_cephalo.runtime.sampler import cut_rows
+        from hf_cephalo.runtime import cut_rows
 
         if self._one is None:
-            from hf_cephalo.runtime.streaming import is_stream
+            from hf_cephalo.runtime import is_stream
 
             first = next(iter(self.dataset)) if is_stream(self.dataset) else self.dataset[0]
             self._one = self.collate([first])  # the collator's own type (BatchEncoding...)
@@ -430,7 +425,7 @@ def resume_dir(accelerator, input_dir: str | None) -> str:
     """``load_state``'s folder: ``input_dir``, else the newest complete automatic checkpoint."""
     if input_dir is not None:
         return str(input_dir)
-    from hf_cephalo.runtime.checkpointing import is_complete
+    from hf_cephalo.runtime import is_complete
 
     root = os.path.join(accelerator.project_dir or ".", "checkpoints")
     found = sorted((d for d in os.listdir(root) if d.startswith("checkpoint_")

@@ -33,8 +33,9 @@ import random
 import numpy as np
 import torch
 
-from hf_cephalo.runtime import checkpointing
-from hf_cephalo.runtime.checkpoint_contents import LOADERS_NAME, CheckpointContents
+from hf_cephalo.runtime import (LOADERS_NAME, CheckpointContents, atomic_checkpoint,
+                                load_checkpoint_weights, load_optimizer, prepare_resume,
+                                save_adapter_config, save_training_state)
 
 __all__ = ["save_loop_state", "load_loop_state", "LOADERS_NAME", "SCHEDULERS_NAME"]
 
@@ -66,7 +67,7 @@ def _set_rng_state(state: dict) -> None:
 def save_loop_state(accelerator, output_dir: str) -> str:
     """Collective (every rank): the loop's checkpoint into ``output_dir`` (see the module
     note); returns the folder."""
-    from hf_cephalo.models.peft_lora import is_peft_model
+    from hf_cephalo.runtime import is_peft_model
 
     loop = accelerator.cephalo_loop
     session = loop.session
@@ -76,13 +77,13 @@ def save_loop_state(accelerator, output_dir: str) -> str:
                                   scaler=accelerator.scaler is not None,
                                   scheduler=bool(accelerator._schedulers),
                                   world_size=session.job.world_size, front_end="accelerate")
-    with checkpointing.atomic_checkpoint(session, output_dir, contents) as staging:
-        checkpointing.save_training_state(session, staging, optimizer, session.global_step)
+    with atomic_checkpoint(session, output_dir, contents) as staging:
+        save_training_state(session, staging, optimizer, session.global_step)
         with open(os.path.join(staging, f"random_states_{session.job.rank}.pkl"), "wb") as f:
             pickle.dump(_rng_state(), f)
         if session.job.is_main:
             contents.write(staging)
-            checkpointing.save_adapter_config(session.model, staging)
+            save_adapter_config(session.model, staging)
             for i, scheduler in enumerate(accelerator._schedulers):
                 torch.save(scheduler.state_dict(), os.path.join(staging, _scheduler_name(i)))
             with open(os.path.join(staging, SCHEDULERS_NAME), "w") as f:
@@ -106,10 +107,10 @@ def load_loop_state(accelerator, input_dir: str) -> None:
     incomplete or corrupt one."""
     loop = accelerator.cephalo_loop
     session = loop.session
-    step = checkpointing.prepare_resume(session, input_dir)
-    checkpointing.load_checkpoint_weights(session, input_dir)
+    step = prepare_resume(session, input_dir)
+    load_checkpoint_weights(session, input_dir)
     if session.optimizer is not None:
-        checkpointing.load_optimizer(session, session.optimizer, input_dir)
+        load_optimizer(session, session.optimizer, input_dir)
     for i, scheduler in enumerate(accelerator._schedulers):
         scheduler.load_state_dict(torch.load(os.path.join(input_dir, _scheduler_name(i)),
                                              weights_only=True))

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_cephalo.integrations.trainer.support import Support, markdown_table
-from hf_cephalo.integrations.trainer.support import inherited as _inherited
-from hf_cephalo.integrations.trainer.support import not_applicable as _not_applicable
-from hf_cephalo.integrations.trainer.support import refused as _refused
-from hf_cephalo.integrations.trainer.support import stock as _stock
+from hf_cephalo.integrations.shared import Support, markdown_table
+from hf_cephalo.integrations.shared import inherited as _inherited
+from hf_cephalo.integrations.shared import not_applicable as _not_applicable
+from hf_cephalo.integrations.shared import refused as _refused
+from hf_cephalo.integrations.shared import stock as _stock
 
 __all__ = ["LOADER_FIELD_SUPPORT", "ACCELERATOR_FIELD_SUPPORT", "DATALOADER_CONFIG_SUPPORT",
            "PROJECT_CONFIG_SUPPORT", "loader_problems", "unclassified_loader_fields",
@@ -222,7 +222,7 @@ def loader_problems(loader: Any, training: bool) -> list[str]:
     an evaluation loader's ``shuffle`` / ``drop_last``. Needs no process group."""
     from torch.utils.data import RandomSampler, SequentialSampler
 
-    from hf_cephalo.runtime.streaming import is_stream
+    from hf_cephalo.runtime import is_stream
 
     problems = []
     if loader.batch_size is None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from hf_cephalo.runtime.streaming import is_stream
+from hf_cephalo.runtime import is_stream
 
 __all__ = ["AccumulationStep", "with_accumulation_steps", "accumulation_steps_of",
            "warn_rows_dropped"]

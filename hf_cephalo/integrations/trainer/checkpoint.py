@@ -15,8 +15,10 @@ import os
 
 import torch
 
-from hf_cephalo.runtime import checkpointing
-from hf_cephalo.runtime.checkpoint_contents import CheckpointContents
+from hf_cephalo.runtime import (CheckpointContents, atomic_checkpoint, load_checkpoint_weights,
+                                load_optimizer, load_scheduler, prepare_resume, resolve_resume,
+                                save_adapter_config, save_model_files, save_run_record,
+                                save_shards)
 
 __all__ = ["EngineCheckpointMixin", "unwrap_optimizer"]
 
@@ -40,7 +42,7 @@ class EngineCheckpointMixin:
         model; a LoRA ``PeftModel``: its adapter, as stock). Rank 0 also writes the processing
         class (tokenizer) and ``training_args.bin``, as stock ``Trainer._save`` does."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        checkpointing.save_model_files(self.session, output_dir, self.args.cephalo_max_shard_size)
+        save_model_files(self.session, output_dir, self.args.cephalo_max_shard_size)
         if self.args.should_save:
             self._save_side_files(output_dir)
         if self.args.push_to_hub and not _internal_call:
@@ -80,14 +82,14 @@ class EngineCheckpointMixin:
         self._set_best_model_checkpoint(run_dir, output_dir)  # before trainer_state.json, as stock
         contents = self._checkpoint_contents()
         # [Note: a checkpoint holds what its settings promise] in checkpoint_contents.py
-        with checkpointing.atomic_checkpoint(self.session, output_dir, contents) as staging:
+        with atomic_checkpoint(self.session, output_dir, contents) as staging:
             if contents.has_model_files:  # save_only_model (as stock) or cephalo_save_full_model
                 self.save_model(staging, _internal_call=True)
             elif self.args.should_save:
                 self._save_side_files(staging)
             if self.args.should_save:
-                checkpointing.save_run_record(self.session, staging, self.state.global_step)
-                checkpointing.save_adapter_config(self.model, staging)
+                save_run_record(self.session, staging, self.state.global_step)
+                save_adapter_config(self.model, staging)
                 contents.write(staging)
             if contents.has_shards:  # not save_only_model: parameters + optimizer, as stock
                 self._save_optimizer_and_scheduler(staging)
@@ -129,7 +131,7 @@ class EngineCheckpointMixin:
 
     def _checkpoint_contents(self) -> CheckpointContents:
         """What this run's checkpoints hold, by its save settings (``CheckpointContents``)."""
-        from hf_cephalo.models.peft_lora import is_peft_model
+        from hf_cephalo.runtime import is_peft_model
 
         return CheckpointContents(save_only_model=bool(self.args.save_only_model),
                                   save_full_model=bool(self.args.cephalo_save_full_model),
@@ -141,7 +143,7 @@ class EngineCheckpointMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank writes its parameter and optimizer shards with the layout
         (``runtime.checkpointing.save_shards``); rank 0 also ``scheduler.pt``."""
-        checkpointing.save_shards(self.session, output_dir, unwrap_optimizer(self.optimizer))
+        save_shards(self.session, output_dir, unwrap_optimizer(self.optimizer))
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
@@ -151,9 +153,9 @@ class EngineCheckpointMixin:
         run (same model, same global batch size) and reported on the first step. Every rank
         reads the same files and raises the same ValueError, before the checkpoint's state is
         read."""
-        checkpoint = checkpointing.resolve_resume(self.args.output_dir, resume_from_checkpoint)
+        checkpoint = resolve_resume(self.args.output_dir, resume_from_checkpoint)
         if checkpoint:
-            from hf_cephalo.runtime.checkpoint_contents import read_contents
+            from hf_cephalo.runtime import read_contents
 
             contents = read_contents(checkpoint)
             if contents is not None and contents.front_end == "accelerate":
@@ -162,7 +164,7 @@ class EngineCheckpointMixin:
                     "keeps no trainer_state.json: resume it with accelerator.load_state in that "
                     "loop; to start a Trainer run from its weights, export them (hf-cephalo "
                     "export) and load the model from the exported folder")
-            checkpointing.prepare_resume(self.session, checkpoint)
+            prepare_resume(self.session, checkpoint)
         return checkpoint
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -171,7 +173,7 @@ class EngineCheckpointMixin:
         Raises ``CheckpointError`` (a ValueError naming the file)
         for an incomplete, corrupt or other-model checkpoint — before training starts.
         """
-        contents = checkpointing.load_checkpoint_weights(self.session, resume_from_checkpoint)
+        contents = load_checkpoint_weights(self.session, resume_from_checkpoint)
         self._resumed_weights_only = contents is not None and contents.save_only_model
         if self._resumed_weights_only and self.is_world_process_zero():  # said once
             logger.warning(f"{resume_from_checkpoint} was saved with save_only_model=True: it "
@@ -186,9 +188,9 @@ class EngineCheckpointMixin:
         """
         if checkpoint is None or self._resumed_weights_only:
             return  # save_only_model: stock finds no optimizer.pt / scheduler.pt and skips both
-        checkpointing.load_optimizer(self.session, unwrap_optimizer(self.optimizer), checkpoint)
+        load_optimizer(self.session, unwrap_optimizer(self.optimizer), checkpoint)
         if self.lr_scheduler is not None:
-            checkpointing.load_scheduler(self.session, self.lr_scheduler, checkpoint)
+            load_scheduler(self.session, self.lr_scheduler, checkpoint)
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's weights into the engine's shards
@@ -202,5 +204,4 @@ class EngineCheckpointMixin:
         """
         path = self.state.best_model_checkpoint
         logger.info(f"Loading best model from {path} (score: {self.state.best_metric}).")
-        checkpointing.load_checkpoint_weights(self.session, path, when="load the best model",
-                                              weights_only=True)
+        load_checkpoint_weights(self.session, path, when="load the best model", weights_only=True)

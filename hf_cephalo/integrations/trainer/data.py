@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from hf_cephalo.integrations.trainer.accumulation import warn_rows_dropped, with_accumulation_steps
-from hf_cephalo.runtime.streaming import is_stream
+from hf_cephalo.runtime import is_stream
 
 __all__ = ["TrainerDataMixin"]
 

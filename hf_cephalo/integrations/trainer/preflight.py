@@ -18,11 +18,8 @@ from typing import Any
 from torch import nn
 
 from hf_cephalo.integrations.trainer.support import RefusedSettings, training_args_problems
-from hf_cephalo.models import stage_model
-from hf_cephalo.models.base import StagedModel
-from hf_cephalo.planner import Plan
-from hf_cephalo.runtime.optim import parameter_names, repoint_problems
-from hf_cephalo.runtime.streaming import is_stream
+from hf_cephalo.runtime import (Plan, StagedModel, is_stream, parameter_names, repoint_problems,
+                                stage_model)
 
 __all__ = ["check_script", "dataset_problems", "optimizer_problems",
            "engine_checkpointing_replaces_model_checkpointing"]

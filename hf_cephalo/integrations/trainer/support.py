@@ -29,35 +29,13 @@ import dataclasses
 import enum
 from typing import Any, Callable
 
+from hf_cephalo.integrations.shared import (Status, Support, inherited, markdown_table,
+                                           not_applicable, refused, stock)
+
 __all__ = ["Status", "Support", "FIELD_SUPPORT", "HOOK_SUPPORT", "RefusedSettings",
            "check_training_args", "training_args_problems", "unclassified_fields",
            "markdown_table", "render_markdown", "stock", "inherited", "not_applicable",
            "refused"]
-
-
-class Status(enum.Enum):
-    STOCK = "works as stock"
-    INHERITED = "stock code path"
-    NOT_APPLICABLE = "not applicable"
-    REFUSED = "refused"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Support:
-    """How CephaloTrainer handles one field or hook.
-
-    note: why / what to do instead (for REFUSED: the fix the error message gives).
-    test: ``tests/<file>.py::<name>`` comparing with stock Trainer (STOCK entries).
-    refuse_if: value -> True when that value is refused (REFUSED default: "not the default").
-    """
-
-    status: Status
-    note: str
-    test: str | None = None
-    refuse_if: Callable[[Any], bool] | None = None
-    implies: str | None = None
-    """A REFUSED field TrainingArguments turns on whenever this one is set (and may set this
-    one itself, as torch_compile fills in torch_compile_backend): only that field is reported."""
 
 
 def _is_unset(value: Any) -> bool:
@@ -76,22 +54,6 @@ def _not_default(default: Any) -> Callable[[Any], bool]:
             return not _is_unset(value)
         return value != default
     return refuse
-
-
-def stock(note: str, test: str) -> Support:
-    return Support(status=Status.STOCK, note=note, test=test)
-
-
-def inherited(note: str) -> Support:
-    return Support(status=Status.INHERITED, note=note)
-
-
-def not_applicable(note: str) -> Support:
-    return Support(status=Status.NOT_APPLICABLE, note=note)
-
-
-def refused(note: str, refuse_if: Callable[[Any], bool] | None = None) -> Support:
-    return Support(status=Status.REFUSED, note=note, refuse_if=refuse_if)
 
 
 def _accelerator_config_refused(value: Any) -> bool:
@@ -546,17 +508,6 @@ def check_training_args(args) -> None:
     problems = training_args_problems(args)
     if problems:
         raise RefusedSettings(problems)
-
-
-def markdown_table(title: str, rows: dict[str, Support], level: int = 2) -> list[str]:
-    """The lines of one support table (name, status, note, test) under a heading of
-    ``level`` (docs/trainer_support.md, docs/trl.md)."""
-    out = [f"{'#' * level} {title}", "", "| name | status | note | test |", "|---|---|---|---|"]
-    for name, s in rows.items():
-        note = s.note.replace("|", "\\|")
-        out.append(f"| `{name}` | {s.status.value} | {note} | "
-                   f"{'`' + s.test + '`' if s.test else ''} |")
-    return out + [""]
 
 
 def render_markdown() -> str:

@@ -31,8 +31,6 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from hf_cephalo.integrations.loop.accelerator import CephaloAccelerator, CephaloPlugin
-from hf_cephalo.runtime import CompileOptions
-from hf_cephalo.runtime.head_calls import HeadCalls
 from hf_cephalo.integrations.trainer.jit_checkpoint import replace_jit_checkpoint_callback
 from hf_cephalo.console import format_loss_trend  # noqa: F401 (exported: the examples use it)
 from hf_cephalo.integrations.trainer.preflight import (check_script,
@@ -40,22 +38,17 @@ from hf_cephalo.integrations.trainer.preflight import (check_script,
                                                optimizer_problems)
 from hf_cephalo.integrations.trainer.support import HOOK_SUPPORT
 from hf_cephalo.integrations.trainer.accumulation import AccumulationStep
-from hf_cephalo.integrations.trl.support import trainer_class_problems
+from hf_cephalo.integrations.shared import trainer_class_problems
 from hf_cephalo.integrations.trainer.checkpoint import EngineCheckpointMixin, unwrap_optimizer
 from hf_cephalo.integrations.trainer.data import TrainerDataMixin
 from hf_cephalo.integrations.trainer.evaluation import EngineEvaluationMixin
 from hf_cephalo.integrations.trainer.training_args import CephaloArguments, job_from_training_args
-from hf_cephalo.runtime.stock_items import (ItemCountStagedModel, label_count,
-                                            stock_count_shifts, stock_item_count)
-from hf_cephalo.runtime.user_loss import UserLossStagedModel, stock_smoother_shift
-from hf_cephalo.models.registry import supported_model_classes
-from hf_cephalo.models.hf_common import is_causal_lm
-from hf_cephalo.planner import Plan
-from hf_cephalo.profiles.types import ClusterProfile
-from hf_cephalo.runtime.optim import decay_groups, engine_names, parameter_names
-from hf_cephalo.runtime.report import format_plan_table  # noqa: F401 (exported)
-from hf_cephalo.runtime.sampler import packs_without_padding
-from hf_cephalo.runtime.session import Session
+from hf_cephalo.runtime import (ClusterProfile, CompileOptions, HeadCalls, ItemCountStagedModel,
+                                Plan, Session, UserLossStagedModel, decay_groups, engine_names,
+                                is_causal_lm, label_count, packs_without_padding,
+                                parameter_names, stock_count_shifts, stock_item_count,
+                                stock_smoother_shift, supported_model_classes)
+from hf_cephalo.runtime import format_plan_table  # noqa: F401 (exported)
 
 __all__ = ["CephaloTrainer", "CephaloTrainerMixin", "format_plan_table", "format_loss_trend"]
 
@@ -484,7 +477,7 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``eos_token_id``, ``pad_token_id``,
         ``rows``, ``round_`` (default: ``state.global_step``), ``seed`` (default
         ``args.seed``), ``mode``. Raises TypeError for other keywords."""
-        from hf_cephalo.runtime.generation import generate_tensor
+        from hf_cephalo.runtime import generate_tensor
 
         kwargs.setdefault("round_", self.state.global_step)
         return generate_tensor(self.session, input_ids, attention_mask, **kwargs)

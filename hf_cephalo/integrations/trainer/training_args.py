@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import TrainingArguments
 
-from hf_cephalo.runtime.settings import CephaloSettings, JobPrecision, cephalo_fields
+from hf_cephalo.runtime import CephaloSettings, JobPrecision, cephalo_fields
 
 if TYPE_CHECKING:  # the engine is imported when a job builds it, not with the arguments
     from hf_cephalo.runtime import EnginePrecision
@@ -148,9 +148,7 @@ def job_from_training_args(args, world_size: int, *, plan=None, file_plan=None, 
     sequence rows per sample (``Job.rows_per_sample``; 2 for a preference pair).
 
     Raises ValueError: ``cephalo_global_batch_size`` disagrees with the plan's."""
-    from hf_cephalo.planner import Plan
-    from hf_cephalo.runtime.data import LoaderOptions
-    from hf_cephalo.runtime.job import Job, resolve_global_batch_size
+    from hf_cephalo.runtime import Job, LoaderOptions, Plan, resolve_global_batch_size
 
     settings = args.cephalo_settings()  # once per job
     source = "the plan" if plan is not None else f"the plan {settings.plan_file!r}"

@@ -80,9 +80,8 @@ class BuiltinRollout:
         if self._settings().generation_split != "plan":
             return None
         if self.plan is None:
-            from hf_cephalo.runtime.generation import generation_budget_bytes
-            from hf_cephalo.runtime.generation_plan import (measure_decode_profiles,
-                                                             plan_generation_split)
+            from hf_cephalo.runtime import (generation_budget_bytes, measure_decode_profiles,
+                                            plan_generation_split)
 
             t = self.trainer
             tokens = len(t._planning_dataset()[0]["input_ids"])

@@ -81,7 +81,7 @@ class TRLModelByName:
                 config.model_init_kwargs = value
 
     def _load_named_model(self, name: str, args, whole: bool = False):
-        from hf_cephalo.runtime.pretrained import load_named_model
+        from hf_cephalo.runtime import load_named_model
 
         model = load_named_model(name, getattr(args, "model_init_kwargs", None),
                                  door=type(self).__name__,

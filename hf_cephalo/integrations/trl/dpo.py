@@ -45,8 +45,7 @@ from hf_cephalo.integrations.trl.fused import FusedLMHead
 from hf_cephalo.integrations.trl.pairs import PAIR_ROWS, PairRows, PairWidths, unfold_pairs
 from hf_cephalo.integrations.trl.support import DPO_FIELD_SUPPORT
 from hf_cephalo.integrations.trl.whole_eval import evaluate_whole_set, no_predict
-from hf_cephalo.runtime.user_loss import HeadView
-from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
+from hf_cephalo.runtime import HeadView, Microbatch, WrappedStagedModel, refuse_global_loss
 
 __all__ = ["CephaloDPOConfig", "CephaloDPOTrainer"]
 
@@ -166,7 +165,7 @@ class CephaloDPOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, DPOTr
         self._reference = None  # [Note: the reference log-probabilities]
         if not self.precompute_ref_logps:
             if self.ref_model is not None:
-                from hf_cephalo.models.registry import stage_model
+                from hf_cephalo.runtime import stage_model
 
                 pairs = PairItems(stage_model(self.ref_model))
                 engine = self.session.forward_only_engine(pairs)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hf_cephalo.runtime.user_loss import HeadView
+from hf_cephalo.runtime import HeadView
 
 __all__ = ["FusedLMHead"]
 

@@ -53,8 +53,7 @@ from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName
 from hf_cephalo.integrations.trl.fused import FusedLMHead
 from hf_cephalo.integrations.trl.support import KTO_FIELD_SUPPORT
 from hf_cephalo.integrations.trl.whole_eval import evaluate_whole_set, no_predict
-from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
-from hf_cephalo.runtime.user_loss import HeadView
+from hf_cephalo.runtime import HeadView, Microbatch, WrappedStagedModel, refuse_global_loss
 
 __all__ = ["CephaloKTOConfig", "CephaloKTOTrainer"]
 
@@ -164,7 +163,7 @@ class CephaloKTOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, KTOTr
         super().__init__(model, args, ref_model=ref_model, **kwargs)
         self._reference = self._policy_kl = None
         if self.ref_model is not None:
-            from hf_cephalo.models.registry import stage_model
+            from hf_cephalo.runtime import stage_model
 
             rows = KTORows(stage_model(self.ref_model))
             self._reference = _SummedLogps(self.session.forward_only_engine(rows), rows,

@@ -15,8 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hf_cephalo.models.base import Microbatch
-from hf_cephalo.runtime.global_width import collator_name
+from hf_cephalo.runtime import Microbatch, collator_name
 
 __all__ = ["PairRows", "unfold_pairs", "PAIR_ROWS", "PairWidths"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from hf_cephalo.runtime.generation import SamplingParams, generate_rows
+from hf_cephalo.runtime import SamplingParams, generate_rows
 
 __all__ = ["EVAL_ROUND_OFFSET", "reproducible_rollout", "sampling_params", "generation_round"]
 

@@ -43,7 +43,7 @@ from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName
                                                  trl_config_dataclass)
 from hf_cephalo.integrations.trl.pairs import PAIR_ROWS, PairRows, PairWidths, unfold_pairs
 from hf_cephalo.integrations.trl.support import REWARD_FIELD_SUPPORT
-from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
+from hf_cephalo.runtime import Microbatch, WrappedStagedModel, refuse_global_loss
 
 __all__ = ["CephaloRewardConfig", "CephaloRewardTrainer"]
 

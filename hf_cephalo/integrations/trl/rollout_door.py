@@ -17,8 +17,7 @@ import torch
 from hf_cephalo.integrations.trainer.accumulation import AccumulationStep
 from hf_cephalo.integrations.trl.fused import FusedLMHead
 from hf_cephalo.integrations.trl.rollout import GenerationRows, RowGroups
-from hf_cephalo.models.base import Microbatch, WrappedStagedModel, refuse_global_loss
-from hf_cephalo.runtime.user_loss import HeadView
+from hf_cephalo.runtime import HeadView, Microbatch, WrappedStagedModel, refuse_global_loss
 
 __all__ = ["CompletionItems", "RolloutDoor", "loss_mask", "one_step_per_generation",
            "rollout_problems", "router_loss_problems"]
@@ -265,7 +264,7 @@ def global_batch(args, plan) -> int | None:
     if args is None:
         return None
     if plan is None and getattr(args, "cephalo_plan_file", None):
-        from hf_cephalo.planner import Plan
+        from hf_cephalo.runtime import Plan
 
         plan = Plan.load(args.cephalo_plan_file)
     if plan is not None:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from hf_cephalo.integrations.trl.rollout import RowGroups, group_advantages, pad_rows, padded_width
-from hf_cephalo.runtime.exchange import StepExchange
+from hf_cephalo.runtime import StepExchange
 
 __all__ = ["RolloutStep"]
 
@@ -51,7 +51,7 @@ class RolloutStep:
         """TRL's ``ref_model`` as a second engine sharded by the plan, or (a PEFT policy) the
         policy's own engine with its adapter off (``use_adapter``, as GRPOTrainer)."""
         from hf_cephalo.integrations.trl.rollout_door import CompletionItems
-        from hf_cephalo.models.registry import stage_model
+        from hf_cephalo.runtime import stage_model
 
         if trainer.ref_model is not None:
             items = CompletionItems(stage_model(trainer.ref_model), trainer._items.per_token)

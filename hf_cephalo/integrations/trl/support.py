@@ -6,16 +6,19 @@ to ``TrainingArguments`` works as stock (with a test against stock TRL), runs st
 engine does not replace, has no meaning here, or is refused at construction — in the one
 numbered refusal message, before any collective. ``tests/test_trl_support.py`` fails when an
 installed TRL adds a field this table does not classify; docs/trl.md holds the rendered tables
-(``render_markdown``). Imports no TRL: the trainer check reads class names only.
+(``render_markdown``). The TRL trainer table and its check (``TRL_TRAINER_SUPPORT``,
+``trainer_class_problems``) live in ``integrations/shared.py``, where the trainer door reads
+them; they are re-exported here.
 """
 
 from __future__ import annotations
 
-from hf_cephalo.integrations.trainer.support import Status, Support, markdown_table
-from hf_cephalo.integrations.trainer.support import inherited as _inherited
-from hf_cephalo.integrations.trainer.support import not_applicable as _na
-from hf_cephalo.integrations.trainer.support import refused as _refused
-from hf_cephalo.integrations.trainer.support import stock as _stock
+from hf_cephalo.integrations.shared import TRL_TRAINER_SUPPORT, Support, markdown_table
+from hf_cephalo.integrations.shared import inherited as _inherited
+from hf_cephalo.integrations.shared import not_applicable as _na
+from hf_cephalo.integrations.shared import refused as _refused
+from hf_cephalo.integrations.shared import stock as _stock
+from hf_cephalo.integrations.shared import trainer_class_problems
 
 __all__ = ["SFT_FIELD_SUPPORT", "DPO_FIELD_SUPPORT", "GRPO_FIELD_SUPPORT", "RLOO_FIELD_SUPPORT",
            "REWARD_FIELD_SUPPORT", "KTO_FIELD_SUPPORT", "TRL_TRAINER_SUPPORT",
@@ -330,48 +333,6 @@ RLOO_FIELD_SUPPORT: dict[str, Support] = {
 """``RLOOConfig`` field (beyond ``TrainingArguments``) -> support."""
 
 
-_GENERATES = (
-    "generates completions while it trains; the engine generates on its shards "
-    "(docs/generation.md), but this trainer's loss, reference / teacher passes and generation "
-    "settings are not built and validated on the runtime (GRPO and RLOO are: "
-    "CephaloGRPOTrainer, CephaloRLOOTrainer). Run this trainer with stock Accelerate / FSDP2")
-_PAIRS = (
-    "scores a chosen and a rejected sequence per example: the two rows must stay on one rank "
-    "and in one microbatch, and its loss is a per-rank mean; built for DPOTrainer only "
-    "(CephaloDPOTrainer), not validated for this trainer's loss and collator")
-TRL_TRAINER_SUPPORT: dict[str, Support] = {
-    "SFTTrainer": _stock("CephaloSFTTrainer (CephaloTrainerMixin + SFTTrainer)",
-                         _S + "test_sft_matches_stock"),
-    "DPOTrainer": _stock("CephaloDPOTrainer (CephaloTrainerMixin + DPOTrainer): a pair is one "
-                         "sample; reference precomputed, a sharded frozen engine, or the PEFT "
-                         "policy with its adapters off", _D + "test_dpo_matches_stock"),
-    "RewardTrainer": _stock("CephaloRewardTrainer (CephaloTrainerMixin + RewardTrainer): a "
-                            "pair is one sample; loss and metrics of the global batch's pairs",
-                            "tests/test_trl_reward.py::test_reward_matches_stock"),
-    "CPOTrainer": _refused(_PAIRS),
-    "ORPOTrainer": _refused(_PAIRS),
-    "TPOTrainer": _refused(_PAIRS),
-    "KTOTrainer": _stock("CephaloKTOTrainer (CephaloTrainerMixin + KTOTrainer): a row is one "
-                         "sample; the KL estimate of the global batch; the reference a sharded "
-                         "frozen engine or the PEFT policy with its adapters off",
-                         "tests/test_trl_kto.py::test_kto_matches_stock"),
-    "GRPOTrainer": _stock("CephaloGRPOTrainer (CephaloTrainerMixin + GRPOTrainer): built-in "
-                          "generation on the sharded engine (keyed sampling) or a rollout_func; "
-                          "rewards, advantages and every loss's normalizer over the global "
-                          "generation batch",
-                          _G + "test_grpo_matches_stock"),
-    "RLOOTrainer": _stock("CephaloRLOOTrainer (CephaloTrainerMixin + RLOOTrainer): built-in "
-                          "generation or a rollout_func; the leave-one-out baseline and "
-                          "KL-in-reward over the global generation batch", _R + "test_rloo_matches_stock"),
-    **{name: _refused(_GENERATES) for name in (
-        "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
-        "PPOTrainer", "GKDTrainer", "GOLDTrainer", "GMPOTrainer", "A2POTrainer",
-        "AsyncGRPOTrainer", "DistillationTrainer", "AsyncDistillationTrainer",
-        "ServerDistillationTrainer", "IWOPDTrainer", "SDFTTrainer", "SDPOTrainer")},
-}
-"""TRL trainer class -> support (the first TRL class in a trainer's MRO decides)."""
-
-
 _R = "tests/test_trl_reward.py::"
 _REWARD_PREP = "RewardTrainer's own dataset preparation (EOS, tokenize, filter) before planning"
 _OFFLOAD = _refused(
@@ -456,35 +417,6 @@ KTO_FIELD_SUPPORT: dict[str, Support] = {
     "ref_model_sync_steps": _na("read only with sync_ref_model, which is refused"),
 }
 """``KTOConfig`` field (beyond ``TrainingArguments``) -> support."""
-
-
-def trainer_class_problems(cls: type) -> list[str]:
-    """One message when ``cls`` (a ``CephaloTrainerMixin`` subclass) sits on a TRL trainer
-    the engine cannot run (``TRL_TRAINER_SUPPORT``; an unlisted one is refused as not
-    validated); empty otherwise. Reads class names only (no TRL import)."""
-    trl = next((c for c in cls.__mro__ if c.__module__.split(".")[0] == "trl"
-                and c.__name__ != "_BaseTrainer" and c.__name__ != "Trainer"), None)
-    if trl is None:
-        return []
-    support = TRL_TRAINER_SUPPORT.get(trl.__name__)
-    if support is None:
-        return [f"TRL's {trl.__name__} is not validated on the Cephalo runtime: its training "
-                "step, loss and collator are not classified (hf_cephalo/integrations/trl/"
-                "support.py); use CephaloSFTTrainer or stock TRL"]
-    if support.status is Status.REFUSED:
-        return [f"TRL's {trl.__name__} is not supported on the Cephalo runtime: it "
-                f"{support.note}"]
-    door = _DOOR_ONLY.get(trl.__name__)
-    if door is not None and "RolloutDoor" not in {c.__name__ for c in cls.__mro__}:
-        return [f"TRL's {trl.__name__} runs on the Cephalo runtime through {door} only (its "
-                "rows, rewards and loss normalizers are re-laid for the plan there); use "
-                f"{door}"]
-    return []
-
-
-_DOOR_ONLY = {"GRPOTrainer": "CephaloGRPOTrainer", "RLOOTrainer": "CephaloRLOOTrainer"}
-"""TRL trainers the mixin alone cannot put on the runtime: the door that does (its bases
-include ``rollout_door.RolloutDoor``)."""
 
 
 def render_markdown() -> str:
