@@ -130,8 +130,8 @@ def trainer_class_problems(cls: type) -> list[str]:
     support = TRL_TRAINER_SUPPORT.get(trl.__name__)
     if support is None:
         return [f"TRL's {trl.__name__} is not validated on the Cephalo runtime: its training "
-                "step, loss and collator are not classified (hf_cephalo/integrations/trl/"
-                "support.py); use CephaloSFTTrainer or stock TRL"]
+                "step, loss and collator are not classified (TRL_TRAINER_SUPPORT in "
+                "hf_cephalo/integrations/shared.py); use CephaloSFTTrainer or stock TRL"]
     if support.status is Status.REFUSED:
         return [f"TRL's {trl.__name__} is not supported on the Cephalo runtime: it "
                 f"{support.note}"]
