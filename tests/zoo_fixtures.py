@@ -101,10 +101,10 @@ SIDE_INPUTS: dict[str, tuple[str, Callable[[], Any]]] = {
     "gemma4_e": ("Gemma4ForCausalLM", lambda: _cfg(
         transformers.Gemma4TextConfig, head_dim=16, global_head_dim=32, sliding_window=4,
         hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
-        num_kv_shared_layers=0, final_logit_softcapping=3.0,
-        layer_types=["sliding_attention", "full_attention"])),
+        num_kv_shared_layers=0, final_logit_softcapping=3.0, num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2)),
     "mpnet_tokens": ("MPNetForTokenClassification", lambda: transformers.MPNetConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
         intermediate_size=128, max_position_embeddings=80, num_labels=3, pad_token_id=PAD,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
 }
@@ -112,7 +112,10 @@ SIDE_INPUTS: dict[str, tuple[str, Callable[[], Any]]] = {
 embedding side's weights before the layers and read by every layer (Gemma 3n text, Gemma 4 as
 its E2B / E4B checkpoints are), without KV sharing (still refused); and one side input that
 EVERY layer reads, its gradient summed over the layers: MPNet's relative position bias, computed
-from the encoder's ``relative_attention_bias`` weights before the first layer."""
+from the encoder's ``relative_attention_bias`` weights before the first layer. Gemma 4 E (4
+layers, [s, f, s, f]) and MPNet (3 layers) have more layers than the self-check's tiny copy (2),
+so the side inputs of the layers the copy does not have are found too (by index, only the
+copy's were carried: the others' gradients were dropped)."""
 
 
 def build_zoo(name: str, seed: int = 0) -> torch.nn.Module:

@@ -343,13 +343,24 @@ class GenericDecoderBody(HFStagedModel):
         """Layer ``index`` with the arguments the model's forward gave it: (m, S, H) -> same."""
         return call_layer(self._layers[index], hidden, ctx.calls[index], self.layout.output_len)
 
+    def side_slots(self, ctx: GenericContext) -> list[tuple[int, int | str]]:
+        """(layer index, positional index or keyword) of every side input argument of THIS
+        model's layer calls: each argument ``Layout.side`` names in any layer of the tiny
+        copy, in every layer that takes it. The tiny copy has fewer layers than the model
+        (one of each per-layer pattern), so its layer indices do not name the model's: a
+        Gemma 4 E with layer types [s, f, s, f] has a 2-layer copy, and its layers 2 and 3
+        read per-layer inputs too (taken by index, their gradients were dropped)."""
+        keys = dict.fromkeys(key for _, key in self.layout.side)
+        return [(i, key) for i, (args, kwargs) in enumerate(ctx.calls) for key in keys
+                if (key < len(args) if isinstance(key, int) else key in kwargs)]
+
     def side_inputs(self, ctx: GenericContext) -> list[torch.Tensor]:
-        """The floating tensors of the layer arguments ``Layout.side`` names (per-layer
+        """The floating tensors of the side input arguments (``side_slots``; per-layer
         inputs: (m, S, P) each), each once (a tensor several layers read is one side input),
         in layer order."""
         out: list[torch.Tensor] = []
         seen: set[int] = set()
-        for i, key in self.layout.side:
+        for i, key in self.side_slots(ctx):
             args, kwargs = ctx.calls[i]
             for t in pytree.tree_leaves(args[key] if isinstance(key, int) else kwargs[key]):
                 if torch.is_tensor(t) and t.is_floating_point() and id(t) not in seen:
@@ -359,12 +370,12 @@ class GenericDecoderBody(HFStagedModel):
 
     def with_side_inputs(self, ctx: GenericContext,
                          tensors: list[torch.Tensor]) -> GenericContext:
-        """A copy of ``ctx`` whose ``Layout.side`` arguments read ``tensors`` in place of
-        ``side_inputs(ctx)``; every other argument is the same object (a dict the layers
-        share stays shared)."""
+        """A copy of ``ctx`` whose side input arguments (``side_slots``) read ``tensors`` in
+        place of ``side_inputs(ctx)``; every other argument is the same object (a dict the
+        layers share stays shared)."""
         new = {id(old): t for old, t in zip(self.side_inputs(ctx), tensors)}
         calls = [(tuple(args), dict(kwargs)) for args, kwargs in ctx.calls]
-        for i, key in self.layout.side:
+        for i, key in self.side_slots(ctx):
             args, kwargs = calls[i]
             value = args[key] if isinstance(key, int) else kwargs[key]
             value = pytree.tree_map(lambda t: new.get(id(t), t), value)
