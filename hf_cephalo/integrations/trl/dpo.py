@@ -42,7 +42,7 @@ from hf_cephalo.integrations.trainer.trainer import CephaloTrainerMixin
 from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
                                                  trl_config_dataclass)
 from hf_cephalo.integrations.trl.fused import FusedLMHead
-from hf_cephalo.integrations.trl.pairs import PAIR_ROWS, PairRows, PairWidths, unfold_pairs
+from hf_cephalo.integrations.trl.pairs import PairPlanning, PairRows, unfold_pairs
 from hf_cephalo.integrations.trl.support import DPO_FIELD_SUPPORT
 from hf_cephalo.integrations.trl.whole_eval import evaluate_whole_set, no_predict
 from hf_cephalo.runtime import HeadView, Microbatch, WrappedStagedModel, refuse_global_loss
@@ -140,7 +140,7 @@ class CephaloDPOConfig(CephaloTRLConfig, DPOConfig):
         return refused
 
 
-class CephaloDPOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, DPOTrainer):
+class CephaloDPOTrainer(PairPlanning, TRLModelByName, TRLModelCard, CephaloTrainerMixin, DPOTrainer):
     """``DPOTrainer`` on the Cephalo runtime (see the module notes and ``CephaloTrainerMixin``
     for the arguments and errors; ``ref_model`` as DPOTrainer's). ``model``: a model object, or
     a Hub id / folder loaded on the meta device as for SFT (``TRLModelByName``).
@@ -198,16 +198,6 @@ class CephaloDPOTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, DPOTr
                 "apart from DPO's loss): set router_aux_loss_coef=0.0 in the DPOConfig, which "
                 "turns it off in stock DPOTrainer too")
         return super()._restage_after_init(staged)
-
-    def _planning_dataset(self):
-        """The profile's rows: each pair's longer sequence, at most ``max_length``
-        (``PairWidths``; the tokenized pair dataset has no ``input_ids``)."""
-        return PairWidths.of(self.train_dataset, self.args.max_length)
-
-    def _rows_per_sample(self) -> int:
-        """2: a pair's chosen and rejected rows share one microbatch (``PairRows``), so the
-        planner prices a microbatch of m pairs as 2m rows (planner/rows.py)."""
-        return PAIR_ROWS
 
     def _engine_staged(self, staged):
         self._pair_items = PairItems(staged)

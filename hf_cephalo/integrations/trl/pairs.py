@@ -17,7 +17,7 @@ import torch
 
 from hf_cephalo.runtime import Microbatch, collator_name
 
-__all__ = ["PairRows", "unfold_pairs", "PAIR_ROWS", "PairWidths"]
+__all__ = ["PairRows", "unfold_pairs", "PAIR_ROWS", "PairWidths", "PairPlanning"]
 
 PAIR_ROWS = 2
 """Sequence rows of one preference pair in the engine's microbatch (chosen + rejected): the
@@ -94,3 +94,19 @@ class PairWidths:
         if self.max_length is not None:
             width = min(width, self.max_length)
         return {"input_ids": [0] * width}
+
+
+class PairPlanning:
+    """What the DPO and reward doors (a sample is a preference pair) tell the planner; a base
+    placed before ``CephaloTrainerMixin``, whose ``_planning_dataset`` / ``_rows_per_sample``
+    it overrides."""
+
+    def _planning_dataset(self):
+        """The profile's rows: each pair's longer sequence, at most ``max_length``
+        (``PairWidths``; the tokenized pair dataset has no ``input_ids``)."""
+        return PairWidths.of(self.train_dataset, self.args.max_length)
+
+    def _rows_per_sample(self) -> int:
+        """2: a pair's chosen and rejected rows share one microbatch (``PairRows``), so the
+        planner prices a microbatch of m pairs as 2m rows (planner/rows.py)."""
+        return PAIR_ROWS

@@ -41,7 +41,7 @@ except ImportError as exc:  # the optional extra
 from hf_cephalo.integrations.trainer.trainer import CephaloTrainerMixin
 from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
                                                  trl_config_dataclass)
-from hf_cephalo.integrations.trl.pairs import PAIR_ROWS, PairRows, PairWidths, unfold_pairs
+from hf_cephalo.integrations.trl.pairs import PairPlanning, PairRows, unfold_pairs
 from hf_cephalo.integrations.trl.support import REWARD_FIELD_SUPPORT
 from hf_cephalo.runtime import Microbatch, WrappedStagedModel, refuse_global_loss
 
@@ -107,7 +107,7 @@ class CephaloRewardConfig(CephaloTRLConfig, RewardConfig):
         return REWARD_FIELD_SUPPORT
 
 
-class CephaloRewardTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, RewardTrainer):
+class CephaloRewardTrainer(PairPlanning, TRLModelByName, TRLModelCard, CephaloTrainerMixin, RewardTrainer):
     """``RewardTrainer`` on the Cephalo runtime (see the module notes and
     ``CephaloTrainerMixin`` for the arguments and errors). ``model``: a
     ``*ForSequenceClassification`` object with ``num_labels=1`` (RewardTrainer's ValueError
@@ -158,16 +158,6 @@ class CephaloRewardTrainer(TRLModelByName, TRLModelCard, CephaloTrainerMixin, Re
         """The mixin's, plus ``reward_problems``: all in the one refusal message."""
         return super()._hook_problems(model, kwargs) + reward_problems(self._script_args,
                                                                        kwargs)
-
-    def _planning_dataset(self):
-        """The profile's rows: each pair's longer sequence, at most ``max_length``
-        (``PairWidths``; the tokenized pair dataset has no ``input_ids``)."""
-        return PairWidths.of(self.train_dataset, self.args.max_length)
-
-    def _rows_per_sample(self) -> int:
-        """2: a pair's chosen and rejected rows share one microbatch (``PairRows``), so the
-        planner prices a microbatch of m pairs as 2m rows (planner/rows.py)."""
-        return PAIR_ROWS
 
     def _engine_staged(self, staged):
         return RewardPairItems(staged)
