@@ -32,7 +32,7 @@ import torch
 
 from tests.dist_utils import budget_s, portable, run_ranks, test_timeout
 from tests.trl_fixtures import (B, SEED, assert_same_state, load_tokenizer, offline_env, plan,
-                                save_tokenizer)
+                                save_tokenizer, state_copy)
 from tests.zoo_fixtures import ZOO
 
 trl = pytest.importorskip("trl")
@@ -207,10 +207,6 @@ def _logs(history):
     return {m: [h[m] for h in rows if m in h] for m in keys}
 
 
-def _state(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 # ---- the Cephalo side --------------------------------------------------------------------------
 
 def _worker(rank, world_size, out_dir, tokenizer_path, model_dir):
@@ -240,7 +236,7 @@ def _cephalo_rloo(case, world_size, out_dir, tokenizer_path, model_dir):
                                  rollout_func=None if case in GENERATED else _rollout,
                                  plan=plan(world_size))
     trainer.train()
-    return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model())}
+    return {"logs": _logs(trainer.state.log_history), "state": state_copy(trainer.unshard_model())}
 
 
 def rank_one_reward(prompts, completions, **kwargs):
@@ -281,7 +277,7 @@ def _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir):
                                  plan=plan(world_size), peft_config=_peft_config(case))
     trainer.train()
     report = trainer._builtin.report if case in GENERATED else None
-    return {"logs": _logs(trainer.state.log_history), "state": _state(trainer.unshard_model()),
+    return {"logs": _logs(trainer.state.log_history), "state": state_copy(trainer.unshard_model()),
             "generation": report}
 
 
@@ -332,7 +328,7 @@ def _stock_grpo(case, tmp_path_factory, tokenizer_path, model_dir):
                               processing_class=load_tokenizer(tokenizer_path),
                               rollout_func=rollout, peft_config=_peft_config(case))
         trainer.train()
-        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
+        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": state_copy(trainer.model)}
     return _STOCK[case]
 
 
@@ -385,7 +381,7 @@ def _stock_rloo(case, tmp_path_factory, tokenizer_path, model_dir):
                       reward_funcs=[length_reward, vowel_reward], train_dataset=_dataset(),
                       processing_class=load_tokenizer(tokenizer_path))
         trainer.train()
-        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": _state(trainer.model)}
+        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "state": state_copy(trainer.model)}
     return _STOCK[case]
 
 

@@ -27,8 +27,9 @@ import pytest
 import torch
 
 from tests.dist_utils import portable, run_ranks, test_timeout
-from tests.trl_fixtures import (B, SEED, assert_same_state, load_tokenizer, offline_env, plan,
-                                save_tokenizer, tiny_llama)
+from tests.trl_fixtures import (B, SEED, assert_same_state, eval_logs, load_tokenizer,
+                                offline_env, plan, save_tokenizer, state_copy, step_logs,
+                                tiny_llama)
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -94,13 +95,6 @@ def kto_eval_dataset():
         "label": EVAL_LABELS})
 
 
-def _eval_logs(history) -> list[dict]:
-    wall = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
-            "eval_model_preparation_time")
-    return [{k: v for k, v in h.items() if k.startswith("eval_") and k not in wall}
-            for h in history if "eval_loss" in h]
-
-
 def _models(case: str, vocab: int):
     """(policy, ref_model or None, peft_config or None) — the same weights on both sides."""
     reference, _ = KTO_CASES[case]
@@ -115,15 +109,6 @@ def _models(case: str, vocab: int):
 
     return model, None, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                    target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-
-
-def _logs(history):
-    rows = [h for h in history if "loss" in h and "train_loss" not in h]
-    return {m: [h[m] for h in rows if m in h] for m in METRICS}
-
-
-def _state(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # ---- the Cephalo side --------------------------------------------------------------------------
@@ -167,11 +152,11 @@ def _cephalo_kto(case, world_size, out_dir, tokenizer_path, resume_from=None):
                                 peft_config=peft_config, plan=plan(world_size),
                                 eval_dataset=kto_eval_dataset() if evaluating else None)
     trainer.train(resume_from_checkpoint=resume_from)
-    result = {"logs": _logs(trainer.state.log_history)}
+    result = {"logs": step_logs(trainer.state.log_history, METRICS)}
     if evaluating:
         trainer.evaluate()
-        result["eval"] = _eval_logs(trainer.state.log_history)
-    result["state"] = _state(trainer.unshard_model())
+        result["eval"] = eval_logs(trainer.state.log_history)
+    result["state"] = state_copy(trainer.unshard_model())
     return result
 
 
@@ -225,11 +210,11 @@ def _stock_kto(case, tmp_path_factory, tokenizer_path):
                              processing_class=tokenizer, peft_config=peft_config,
                              eval_dataset=kto_eval_dataset() if evaluating else None)
         trainer.train()
-        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "rows": len(trainer.train_dataset)}
+        _STOCK[case] = {"logs": step_logs(trainer.state.log_history, METRICS), "rows": len(trainer.train_dataset)}
         if evaluating:
             trainer.evaluate()
-            _STOCK[case]["eval"] = _eval_logs(trainer.state.log_history)
-        _STOCK[case]["state"] = _state(trainer.model)
+            _STOCK[case]["eval"] = eval_logs(trainer.state.log_history)
+        _STOCK[case]["state"] = state_copy(trainer.model)
     return _STOCK[case]
 
 

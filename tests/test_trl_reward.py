@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from tests.dist_utils import portable, run_ranks, test_timeout
-from tests.trl_fixtures import (B, SEED, assert_same_state, load_tokenizer, offline_env, plan,
-                                save_tokenizer)
+from tests.trl_fixtures import (B, SEED, assert_same_state, eval_logs, load_tokenizer,
+                                offline_env, plan, save_tokenizer, state_copy, step_logs)
 
 trl = pytest.importorskip("trl")
 
@@ -109,20 +109,11 @@ def double_rewards(logits, labels):
     return logits * 2
 
 
-def _eval_logs(history) -> list[dict]:
-    return [{k: v for k, v in h.items() if k.startswith("eval_") and k not in _WALL_CLOCK}
-            for h in history if "eval_loss" in h]
-
-
-_WALL_CLOCK = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
-               "eval_model_preparation_time")
-
-
 def _evaluate_and_predict(trainer) -> dict:
     """trainer.evaluate() after training, then predict() of the eval set (its rewards)."""
     trainer.evaluate()
     out = trainer.predict(trainer.eval_dataset)
-    return {"eval": _eval_logs(trainer.state.log_history), "predictions": out.predictions,
+    return {"eval": eval_logs(trainer.state.log_history), "predictions": out.predictions,
             "label_ids": out.label_ids, "test_loss": out.metrics["test_loss"],
             "test_chosen_first": out.metrics["test_chosen_first"]}
 
@@ -155,15 +146,6 @@ def _peft_config(case: str):
     return LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0,
                       target_modules=["q_proj", "v_proj"], modules_to_save=["score"],
                       init_lora_weights=False)
-
-
-def _logs(history):
-    rows = [h for h in history if "loss" in h and "train_loss" not in h]
-    return {m: [h[m] for h in rows if m in h] for m in METRICS}
-
-
-def _state(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # ---- the Cephalo side --------------------------------------------------------------------------
@@ -210,12 +192,12 @@ def _cephalo_reward(case, world_size, out_dir, tokenizer_path, resume_from=None)
                                    processing_class=tokenizer, plan=plan(world_size),
                                    peft_config=_peft_config(case), **eval_kwargs)
     trainer.train(resume_from_checkpoint=resume_from)
-    result = {"logs": _logs(trainer.state.log_history)}
+    result = {"logs": step_logs(trainer.state.log_history, METRICS)}
     if evaluating:
         result.update(_evaluate_and_predict(trainer))
     if case == SAVED_CASE and world_size == 2 and resume_from is None:
         trainer.save_model(_saved_model(out_dir))  # collective: the GRPO reward model test's
-    result["state"] = _state(trainer.unshard_model())
+    result["state"] = state_copy(trainer.unshard_model())
     return result
 
 
@@ -276,10 +258,10 @@ def _stock_reward(case, tmp_path_factory, tokenizer_path):
                                 processing_class=tokenizer, peft_config=_peft_config(case),
                                 **eval_kwargs)
         trainer.train()
-        _STOCK[case] = {"logs": _logs(trainer.state.log_history), "pairs": len(trainer.train_dataset)}
+        _STOCK[case] = {"logs": step_logs(trainer.state.log_history, METRICS), "pairs": len(trainer.train_dataset)}
         if eval_kwargs:
             _STOCK[case].update(_evaluate_and_predict(trainer))
-        _STOCK[case]["state"] = _state(trainer.model)
+        _STOCK[case]["state"] = state_copy(trainer.model)
     return _STOCK[case]
 
 
@@ -410,7 +392,7 @@ def test_saved_reward_model_scores_grpo_completions(tmp_path_factory, tokenizer_
     folder = _saved_model(_RUN_DIRS[2])
     loaded = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
     saved = {k: torch.as_tensor(v) for k, v in run[0][SAVED_CASE]["state"].items()}
-    assert_same_state(_state(loaded), saved, RTOL, ATOL)
+    assert_same_state(state_copy(loaded), saved, RTOL, ATOL)
     tokenizer = load_tokenizer(tokenizer_path)
     torch.manual_seed(SEED)
     policy = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(

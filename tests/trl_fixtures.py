@@ -37,6 +37,27 @@ def plan(world_size: int):
     return Plan.from_ratios(*PLANS[world_size])
 
 
+def state_copy(model) -> dict:
+    """A detached copy of ``model``'s state dict (what the runs compare)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def step_logs(history: list[dict], metrics) -> dict[str, list]:
+    """Each of ``metrics``' values over the per-step training log rows of ``history``."""
+    rows = [h for h in history if "loss" in h and "train_loss" not in h]
+    return {m: [h[m] for h in rows if m in h] for m in metrics}
+
+
+EVAL_WALL_CLOCK = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
+                   "eval_model_preparation_time")
+
+
+def eval_logs(history: list[dict]) -> list[dict]:
+    """Every evaluation's logged ``eval_*`` values, wall-clock ones aside."""
+    return [{k: v for k, v in h.items() if k.startswith("eval_") and k not in EVAL_WALL_CLOCK}
+            for h in history if "eval_loss" in h]
+
+
 def assert_same_state(got: dict, ref: dict, rtol: float, atol: float) -> None:
     """The same parameter names, each value within rtol / atol of the reference's."""
     assert set(got) == set(ref)
