@@ -9,7 +9,7 @@ import dataclasses
 
 from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
 
-__all__ = ["CephaloTRLConfig", "TRLModelCard", "trl_config_dataclass"]
+__all__ = ["CephaloTRLConfig", "TRLModelCard", "trl_config_dataclass", "dataset_columns"]
 
 
 class CephaloTRLConfig(CephaloTrainingArguments):
@@ -105,3 +105,19 @@ class TRLModelCard:
             if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
         self.create_model_card(model_name=name)
         super()._save_checkpoint(model, trial)
+
+
+def dataset_columns(kwargs: dict) -> list[tuple[str, set[str]]]:
+    """(name, column names) of a TRL trainer's ``train_dataset`` and ``eval_dataset`` (each of a
+    dict of eval datasets as ``eval_dataset['name']``), as its error messages name them; a
+    dataset without a known list of columns (a stream, a plain list, None) is left out."""
+    evaluation = kwargs.get("eval_dataset")
+    named = [("train_dataset", kwargs.get("train_dataset"))] + (
+        [(f"eval_dataset[{k!r}]", d) for k, d in evaluation.items()]
+        if isinstance(evaluation, dict) else [("eval_dataset", evaluation)])
+    out = []
+    for name, dataset in named:
+        names = getattr(dataset, "column_names", None)
+        if isinstance(names, (list, tuple)):
+            out.append((name, set(names)))
+    return out

@@ -49,7 +49,7 @@ except ImportError as exc:  # the optional extra
 
 from hf_cephalo.integrations.trainer.trainer import CephaloTrainerMixin
 from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
-                                                 trl_config_dataclass)
+                                                 dataset_columns, trl_config_dataclass)
 from hf_cephalo.integrations.trl.fused import FusedLMHead
 from hf_cephalo.integrations.trl.support import KTO_FIELD_SUPPORT
 from hf_cephalo.integrations.trl.whole_eval import evaluate_whole_set, no_predict
@@ -403,27 +403,15 @@ def kto_problems(model, ref_model, args, kwargs: dict[str, Any], batch_size) -> 
             "device's batch); CephaloKTOTrainer pairs them within the global batch, whose size "
             "the plan or cephalo_global_batch_size gives: set per_device_train_batch_size to 2 "
             "or more")
-    evaluation = kwargs.get("eval_dataset")
-    named = [("train_dataset", kwargs.get("train_dataset"))] + (
-        [(f"eval_dataset[{k!r}]", d) for k, d in evaluation.items()]
-        if isinstance(evaluation, dict) else [("eval_dataset", evaluation)])
-    for name, dataset in named:
-        problems += _dataset_problems(name, dataset)
+    for name, columns in dataset_columns(kwargs):
+        if not ({"completion", "label"} <= columns or {"chosen", "rejected"} <= columns):
+            problems.append(
+                f"{name} has the columns {sorted(columns)}: KTOTrainer needs unpaired "
+                "preference rows ('prompt', 'completion', 'label': True for desirable) or "
+                "paired ones ('chosen', 'rejected', optionally 'prompt', unpaired by "
+                "KTOTrainer); rename or build those columns")
     problems += _reference_problems(model, ref_model, kwargs, is_peft_model)
     return problems
-
-
-def _dataset_problems(name: str, dataset) -> list[str]:
-    names = getattr(dataset, "column_names", None)
-    if not isinstance(names, (list, tuple)):
-        return []
-    columns = set(names)
-    if {"completion", "label"} <= columns or {"chosen", "rejected"} <= columns:
-        return []
-    return [f"{name} has the columns {sorted(columns)}: KTOTrainer needs unpaired "
-            "preference rows ('prompt', 'completion', 'label': True for desirable) or paired "
-            "ones ('chosen', 'rejected', optionally 'prompt', unpaired by KTOTrainer); rename "
-            "or build those columns"]
 
 
 def _reference_problems(model, ref_model, kwargs, is_peft_model) -> list[str]:

@@ -40,7 +40,7 @@ except ImportError as exc:  # the optional extra
 
 from hf_cephalo.integrations.trainer.trainer import CephaloTrainerMixin
 from hf_cephalo.integrations.trl.config import (CephaloTRLConfig, TRLModelByName, TRLModelCard,
-                                                 trl_config_dataclass)
+                                                 dataset_columns, trl_config_dataclass)
 from hf_cephalo.integrations.trl.pairs import PairPlanning, PairRows, unfold_pairs
 from hf_cephalo.integrations.trl.support import REWARD_FIELD_SUPPORT
 from hf_cephalo.runtime import Microbatch, WrappedStagedModel, refuse_global_loss
@@ -302,17 +302,9 @@ def reward_problems(args, kwargs: dict[str, Any]) -> list[str]:
             "reward evaluation (the rewards of every pair, gathered) does not reproduce; drop "
             "include_for_metrics and compute from the predictions (2N rewards, the N chosen "
             "first)")
-    datasets = [("train_dataset", kwargs.get("train_dataset"))]
-    evaluation = kwargs.get("eval_dataset")
-    if isinstance(evaluation, dict):
-        datasets += [(f"eval_dataset[{name!r}]", d) for name, d in evaluation.items()]
-    else:
-        datasets.append(("eval_dataset", evaluation))
-    for name, dataset in datasets:
-        columns = _column_names(dataset)
-        if columns is not None and not ({"chosen", "rejected"} <= columns or
-                                        {"chosen_ids", "rejected_ids"} <= columns or
-                                        {"chosen_input_ids", "rejected_input_ids"} <= columns):
+    for name, columns in dataset_columns(kwargs):
+        if not ({"chosen", "rejected"} <= columns or {"chosen_ids", "rejected_ids"} <= columns
+                or {"chosen_input_ids", "rejected_input_ids"} <= columns):
             problems.append(
                 f"{name} has the columns {sorted(columns)}: RewardTrainer needs a preference "
                 "dataset with 'chosen' and 'rejected' (text or messages, optionally 'prompt' "
@@ -320,8 +312,3 @@ def reward_problems(args, kwargs: dict[str, Any]) -> list[str]:
                 "those columns")
     return problems
 
-
-def _column_names(dataset) -> set[str] | None:
-    """A datasets ``Dataset``'s column names (None for anything else or an unknown schema)."""
-    names = getattr(dataset, "column_names", None)
-    return set(names) if isinstance(names, (list, tuple)) else None
