@@ -121,6 +121,16 @@ def test_profiles_every_supported_architecture():
     for arch in ("gpt2", "gpt_neox", "vit", "bert", "mistral"):
         cluster = profile_cluster(stage_model(build(arch)), config, cache=False)
         assert cluster.devices[0].microbatch_sizes == [1, 2], arch
+    # the generic path's encoder heads: each task's targets (token tags in [0, num_labels),
+    # answer spans, masked-LM ids); token-id labels made a 7-tag NER model fail at the start
+    text = dict(vocab_size=90, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                intermediate_size=24)
+    for cls, labels in ((transformers.BertForTokenClassification, 7),
+                        (transformers.BertForQuestionAnswering, 2),
+                        (transformers.BertForMaskedLM, 2)):
+        model = cls(transformers.BertConfig(num_labels=labels, **text))
+        cluster = profile_cluster(stage_model(model), config, cache=False)
+        assert cluster.devices[0].microbatch_sizes == [1, 2], cls.__name__
 
 
 def test_cache_hit_skips_measurement(tmp_path, monkeypatch):

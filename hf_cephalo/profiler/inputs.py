@@ -17,6 +17,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from hf_cephalo.engine.rank_precision import DTYPES
+from hf_cephalo.models.generic_heads import (CLASSIFIER_TASKS, QUESTION_ANSWERING,
+                                             TOKEN_CLASSIFICATION, task_of)
 from hf_cephalo.profiles.precision import PRECISIONS, Precision
 
 __all__ = ["MeasureConfig", "MakeMicrobatch", "precision_tag",
@@ -137,16 +139,21 @@ def synthetic_microbatch(model: torch.nn.Module, m: int, sequence_length: int,
                          seed: int = 0) -> dict[str, torch.Tensor]:
     """A microbatch of m samples shaped like the training data, built from the model's config.
 
-    Text models: ``input_ids`` / ``labels`` (m, S) int64 (causal LM: labels = inputs; sequence
-    classification: labels (m,)), ``attention_mask`` (m, S) of ones. Vision models
-    (``main_input_name == "pixel_values"``): ``pixel_values`` (m, C, H, W) and ``labels`` (m,).
+    Text models: ``input_ids`` (m, S) int64 and ``attention_mask`` (m, S) of ones, with the
+    targets of the model's task (``generic_heads.task_of``): causal and masked LM ``labels`` =
+    the inputs (m, S); sequence classification ``labels`` (m,) and token classification
+    ``labels`` (m, S), both in [0, num_labels); question answering ``start_positions`` /
+    ``end_positions`` (m,) in [0, S). Vision models (``main_input_name == "pixel_values"``):
+    ``pixel_values`` (m, C, H, W) and ``labels`` (m,).
 
     Raises ValueError for a model without a config describing its inputs.
     """
     cfg = getattr(model, "config", None)
     g = torch.Generator().manual_seed(seed)
     cls = type(model).__name__
-    classify = cls.endswith("ForSequenceClassification") or cls.endswith("ForImageClassification")
+    task = task_of(type(model))
+    classify = task in CLASSIFIER_TASKS or cls.endswith(("ForSequenceClassification",
+                                                         "ForImageClassification"))
     num_labels = max(int(getattr(cfg, "num_labels", 2) or 2), 1)
     if getattr(model, "main_input_name", "input_ids") == "pixel_values":
         size = getattr(cfg, "image_size", None)
@@ -169,8 +176,15 @@ def synthetic_microbatch(model: torch.nn.Module, m: int, sequence_length: int,
             raise ValueError(f"sequence_length {sequence_length} exceeds the model's "
                              f"{limit} positions; profile with a shorter sequence length")
         ids = torch.randint(0, vocab, (m, sequence_length), generator=g)
-        labels = torch.randint(0, num_labels, (m,), generator=g) if classify else ids.clone()
-        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if task == QUESTION_ANSWERING:
+            mb.update(start_positions=torch.randint(0, sequence_length, (m,), generator=g),
+                      end_positions=torch.randint(0, sequence_length, (m,), generator=g))
+        elif classify or task == TOKEN_CLASSIFICATION:
+            shape = (m, sequence_length) if task == TOKEN_CLASSIFICATION else (m,)
+            mb["labels"] = torch.randint(0, num_labels, shape, generator=g)
+        else:
+            mb["labels"] = ids.clone()
     return {k: v.to(device) for k, v in mb.items()}
 
 
