@@ -193,3 +193,23 @@ def brute_force_scored(cluster: ClusterProfile, B: int, scoring_passes: float, c
         return np.inf, []
     best = min(v for v, _ in found)
     return best, sorted({b for v, b in found if v <= best + 1e-9 * max(1.0, best)})
+
+
+def forward_heavy_pair() -> ClusterProfile:
+    """Rank 0's forward is slow against its backward (F 30 ms, B 2 ms per sample and unit:
+    training 2F + B = 62 ms, a scoring pass 30 ms), rank 1's the other way (F 6 ms, B 30 ms:
+    training 42 ms, scoring 6 ms); 4 units, ample memory, 1 ms collectives. B = 12 plans
+    b = (5, 7) for training alone, (4, 8) with one scoring pass, (2, 10) with two."""
+    ms = [1, 2, 4, 8]
+
+    def device(name, fwd, bwd):
+        return DeviceProfile(name=name, memory_capacity_bytes=16 * GIB, microbatch_sizes=ms,
+                             fwd_s=[fwd * m for m in ms], bwd_s=[bwd * m for m in ms],
+                             compute_memory_bytes=[0.1 * GIB * m for m in ms])
+
+    model = ModelProfile(name="toy", num_units=4, params_per_unit=1, params_other=0,
+                         state_bytes_per_param=GIB)
+    return ClusterProfile(model=model, devices=[device("fwd-heavy", 0.030, 0.002),
+                                                device("bwd-heavy", 0.006, 0.030)],
+                          comm=CommProfile(allgather_s=0.001, reducescatter_s=0.001),
+                          extra={"sequence_length": 64})

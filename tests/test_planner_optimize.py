@@ -12,8 +12,8 @@ from hf_cephalo.planner.reference import reference_unit_time
 from hf_cephalo.planner.simulate import predict
 from hf_cephalo.planner.types import Plan
 from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
-from tests.planner_fixtures import (GIB, brute_force, brute_force_scored, random_cluster,
-                                   with_host_limits, with_kept_graphs)
+from tests.planner_fixtures import (GIB, brute_force, brute_force_scored, forward_heavy_pair,
+                                   random_cluster, with_host_limits, with_kept_graphs)
 
 
 def _same(a: float, b: float) -> bool:
@@ -515,24 +515,6 @@ def test_scored_optimum_equals_brute_force_on_random_instances(k):
         assert seen["moved by k"] >= 3, seen
 
 
-def _forward_heavy_pair() -> ClusterProfile:
-    """Rank 0's forward is slow against its backward (F 30 ms, B 2 ms per sample and unit:
-    training 2F + B = 62 ms, a scoring pass 30 ms), rank 1's the other way (F 6 ms, B 30 ms:
-    training 42 ms, scoring 6 ms); 4 units, ample memory, 1 ms collectives."""
-    ms = [1, 2, 4, 8]
-
-    def device(name, fwd, bwd):
-        return DeviceProfile(name=name, memory_capacity_bytes=16 * GIB, microbatch_sizes=ms,
-                             fwd_s=[fwd * m for m in ms], bwd_s=[bwd * m for m in ms],
-                             compute_memory_bytes=[0.1 * GIB * m for m in ms])
-
-    model = ModelProfile(name="toy", num_units=4, params_per_unit=1, params_other=0,
-                         state_bytes_per_param=GIB)
-    return ClusterProfile(model=model, devices=[device("fwd-heavy", 0.030, 0.002),
-                                                device("bwd-heavy", 0.006, 0.030)],
-                          comm=CommProfile(allgather_s=0.001, reducescatter_s=0.001))
-
-
 def test_scoring_passes_move_the_batch_off_a_slow_forward_rank():
     """Training alone balances at b = (5, 7) (1.240 s: 4 x max(5 x 62, 7 x 42) ms); with one
     scoring pass (4, 8) is better (1.344 + 0.480 = 1.824 s against 1.240 + 0.600 = 1.840 s),
@@ -541,7 +523,7 @@ def test_scoring_passes_move_the_batch_off_a_slow_forward_rank():
     plan is no lower."""
     from hf_cephalo.planner.optimize import scored_step_s
 
-    cluster = _forward_heavy_pair()
+    cluster = forward_heavy_pair()
     plans = {k: optimize(cluster, 12, scoring_passes=k) for k in (0, 1, 2)}
     assert {k: p.batch_sizes for k, p in plans.items()} == \
         {0: [5, 7], 1: [4, 8], 2: [2, 10]}
@@ -558,4 +540,4 @@ def test_scoring_passes_move_the_batch_off_a_slow_forward_rank():
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "1"])
 def test_scoring_passes_must_be_a_finite_number_at_least_zero(bad):
     with pytest.raises(ValueError, match="scoring_passes must be a finite number >= 0"):
-        optimize(_forward_heavy_pair(), 12, scoring_passes=bad)
+        optimize(forward_heavy_pair(), 12, scoring_passes=bad)

@@ -316,12 +316,15 @@ def forward_pass_s(plan, cluster) -> float:
     return cluster.model.num_units * max(per_unit, default=0.0)
 
 
-def price_rl_step(plan, cluster, generation: GenerationPlan, *, logprob_passes: int,
+def price_rl_step(plan, cluster, generation: GenerationPlan, *, logprob_passes: float,
                   steps_per_generation: int = 1) -> RLStepPrediction:
-    """The predicted phases of one RL optimizer step: the generation round shared by
-    ``steps_per_generation`` steps, ``logprob_passes`` forward-only passes (0 with ``beta`` 0
-    and one iteration; 1 for the reference; 1 more for the old policy when ``num_iterations``
-    > 1), and the training step (``planner.predict``)."""
+    """The predicted phases of one RL optimizer step, seconds: the generation round shared by
+    ``steps_per_generation`` steps, ``logprob_passes`` forward-only passes per step
+    (``forward_pass_s`` each; per generation round 1 for the reference with ``beta`` != 0 and
+    1 for the old policy when GRPO's ``num_iterations`` > 1 or always in RLOO, over the steps
+    the round feeds, plus GRPO's entropy-threshold pass: the doors' ``Job.scoring_passes``,
+    which their start plan minimizes with the training step), and the training step
+    (``planner.predict``). Raises nothing for a plan of ``cluster``."""
     from hf_cephalo.planner.predict import predict
 
     return RLStepPrediction(generation.predicted_s / max(steps_per_generation, 1),
