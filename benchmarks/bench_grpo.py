@@ -281,25 +281,31 @@ def predictions(args, planned, even_plan, even_mode) -> dict:
 
     session, builtin = planned.session, planned._builtin
     cluster = session.cluster_profile
+    k = session.job.scoring_passes  # the door's passes per step, which its start plan priced
     model = decode_model(session.engine, getattr(cluster, "comm", None))
     half = args.global_batch_size // 2
     even_gen = price_generation(builtin.profiles, model, [half, half], args.new, even_mode)
     out = {}
     for way, plan, gen in ((WAYS[1], even_plan, even_gen),
                            (WAYS[2], planned.plan, builtin.plan)):
-        p = price_rl_step(plan, cluster, gen, logprob_passes=1)
+        p = price_rl_step(plan, cluster, gen, logprob_passes=k)
         out[way] = dict(generation=p.generation_s, scoring=p.logprob_s, training=p.training_s,
                         total=p.total_s, split=list(gen.rows), mode=gen.mode)
     out["profiles"] = [(d.fixed_s, d.per_row_s) for d in builtin.profiles]
-    # would pricing the whole step at start pick another training plan? (the start plan
-    # minimizes the training step alone; g_i is planned apart, from the decode profiles)
+    # what pricing the scoring passes at start changed: the start plan minimizes the training
+    # step plus k passes; the training optimum is the plan without them (g_i is planned apart,
+    # from the decode profiles)
+    from hf_cephalo.planner import optimize
     from hf_cephalo.planner.simulate import compute_balance_plan
 
     out["start_candidates"] = {
-        name: price_rl_step(plan, cluster, builtin.plan, logprob_passes=1).total_s
+        name: price_rl_step(plan, cluster, builtin.plan, logprob_passes=k).total_s
         for name, plan in (("even", even_plan), ("compute balance",
                                                  compute_balance_plan(cluster, 2 * half)),
-                           ("start plan (training optimum)", planned.plan))}
+                           ("training optimum", optimize(
+                               cluster, 2 * half, planned.plan.memory_fraction,
+                               activation_checkpointing=planned.plan.activation_checkpointing)),
+                           (f"start plan (training + {k:g} scoring)", planned.plan))}
     return out
 
 

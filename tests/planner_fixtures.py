@@ -140,3 +140,76 @@ def brute_force(cluster: ClusterProfile, B: int, c: float = 0.8, allow_idle: boo
 
     rec(0, B, [])
     return best
+
+
+def brute_force_scored(cluster: ClusterProfile, B: int, scoring_passes: float, c: float = 0.8,
+                       allow_idle: bool = True) -> tuple[float, list[tuple[int, ...]]]:
+    """(min, argmins) over every assignment of the per-unit RL-step objective
+    max_i (T_i + extra_i / L) + k·max_i s_i, with s_i one unit of rank i's forward-only scoring
+    pass (``cost.forward_unit_time_s`` of Σ_j F_i(m_j), as ``generation.forward_pass_s``) and
+    u decided by the assignment, as ``brute_force``; argmins: the batch splits (b_i) reaching
+    the minimum; (inf, []) if none fits. No host-memory limits."""
+    assert cluster.host_memory_bytes is None
+    devs, comm, L = cluster.devices, cost.unit_comm(cluster), cluster.model.num_units
+    N, S = len(devs), cluster.model.state_bytes
+    per_rank = []
+    for i, d in enumerate(devs):
+        idle_mem = float(memory.rank_memory_bytes(cluster, i, 0, 0))
+        opts = [(0, idle_mem, [cost.idle_unit_time_s(comm, u) for u in (False, True)],
+                 [float(cost.forward_unit_time_s(0.0, comm, u)) for u in (False, True)])] \
+            if allow_idle and idle_mem <= c * d.memory_capacity_bytes else []
+        for m in range(1, B + 1):
+            f, bw = float(cost.fwd_time_s(d, m)), float(cost.bwd_time_s(d, m))
+            for l in range(1, B // m + 1):
+                mem = float(memory.rank_memory_bytes(cluster, i, m, l * m))
+                if mem > c * d.memory_capacity_bytes:
+                    continue
+                extra = float(cost.rank_extra_s(cluster, i, l * m, m)) / L
+                fwd = cost.rank_compute_s(d, l * m, m).fwd_s
+                opts.append((l * m, mem,
+                             [float(cost.unit_time_s(f, bw, l, comm, u)) + extra
+                              for u in (False, True)],
+                             [float(cost.forward_unit_time_s(fwd, comm, u))
+                              for u in (False, True)]))
+        per_rank.append(opts)
+    found: list[tuple[float, tuple[int, ...]]] = []
+
+    def rec(i, left, chosen):
+        if i == N:
+            mems = [o[1] for o in chosen]
+            if left or S + sum(mems) > c * sum(d.memory_capacity_bytes for d in devs):
+                return
+            u = int(any(S / N + mem > c * d.memory_capacity_bytes for d, mem in zip(devs, mems)))
+            found.append((max(o[2][u] for o in chosen)
+                          + scoring_passes * max(o[3][u] for o in chosen),
+                          tuple(o[0] for o in chosen)))
+            return
+        for o in per_rank[i]:
+            if o[0] <= left:
+                rec(i + 1, left - o[0], chosen + [o])
+
+    rec(0, B, [])
+    if not found:
+        return np.inf, []
+    best = min(v for v, _ in found)
+    return best, sorted({b for v, b in found if v <= best + 1e-9 * max(1.0, best)})
+
+
+def forward_heavy_pair() -> ClusterProfile:
+    """Rank 0's forward is slow against its backward (F 30 ms, B 2 ms per sample and unit:
+    training 2F + B = 62 ms, a scoring pass 30 ms), rank 1's the other way (F 6 ms, B 30 ms:
+    training 42 ms, scoring 6 ms); 4 units, ample memory, 1 ms collectives. B = 12 plans
+    b = (5, 7) for training alone, (4, 8) with one scoring pass, (2, 10) with two."""
+    ms = [1, 2, 4, 8]
+
+    def device(name, fwd, bwd):
+        return DeviceProfile(name=name, memory_capacity_bytes=16 * GIB, microbatch_sizes=ms,
+                             fwd_s=[fwd * m for m in ms], bwd_s=[bwd * m for m in ms],
+                             compute_memory_bytes=[0.1 * GIB * m for m in ms])
+
+    model = ModelProfile(name="toy", num_units=4, params_per_unit=1, params_other=0,
+                         state_bytes_per_param=GIB)
+    return ClusterProfile(model=model, devices=[device("fwd-heavy", 0.030, 0.002),
+                                                device("bwd-heavy", 0.006, 0.030)],
+                          comm=CommProfile(allgather_s=0.001, reducescatter_s=0.001),
+                          extra={"sequence_length": 64})

@@ -466,3 +466,30 @@ def test_plan_activation_checkpointing_auto_false_and_a_profile_without_kept_gra
     text = capsys.readouterr().out
     assert "activation checkpointing: on (recompute in backward) [auto: off does not fit: " \
         "without activation checkpointing the kept forward graphs" in text, text
+
+
+def test_scoring_passes_move_the_plan_and_are_printed(tmp_path, capsys):
+    """``--scoring-passes K``: the plan minimizes the training step plus K forward-only passes
+    (the pair of tests/planner_fixtures.py whose rank 0 has a slow forward: b = 5 / 7 for
+    training alone, 4 / 8 with one pass), and the output gives that sum; a negative K and
+    K with --precision auto are refused before anything is solved."""
+    from tests.planner_fixtures import forward_heavy_pair
+
+    profile = tmp_path / "pair.json"
+    forward_heavy_pair().save(str(profile))
+    plans = {}
+    for k in ("0", "1"):
+        out = tmp_path / f"plan{k}.json"
+        assert main(["plan", "--profile", str(profile), "-B", "12", "--scoring-passes", k,
+                     "--out", str(out)]) == 0
+        plans[k] = Plan.load(out).batch_sizes
+        text = capsys.readouterr().out
+        assert ("scoring pass" in text) == (k != "0"), text
+    assert plans == {"0": [5, 7], "1": [4, 8]}
+    assert ("with 1 forward-only scoring pass(es) per step (0.480 s each): 1.824 s predicted "
+            "per step") in text, text
+    assert main(["plan", "--profile", str(profile), "-B", "12", "--scoring-passes", "-1"]) == 2
+    assert "--scoring-passes -1.0: must be a finite number >= 0" in capsys.readouterr().err
+    assert main(["plan", "--cluster", "examples/clusters/cluster_a.yaml", "--model", "llama-3b",
+                 "-B", "8", "--precision", "auto", "--scoring-passes", "1"]) == 2
+    assert "--scoring-passes with --precision auto" in capsys.readouterr().err

@@ -106,3 +106,29 @@ def test_side_inputs_are_priced_per_sample_with_their_gradients():
     assert side_bytes_per_sample(staged, rows, "cpu") == \
         seq * cfg.num_hidden_layers * cfg.hidden_size_per_layer_input * 4
     assert side_bytes_per_sample(stage_model(build_zoo("qwen3")), rows, "cpu") == 0.0
+
+
+def test_forward_only_unit_time_is_the_forward_half_of_the_unit_time():
+    """One unit of a scoring pass: max(Σ F, AG·u), or Σ F + AG·u when the collectives take the
+    compute's cores; an idle rank waits for the all-gather; forward_pass_s is L times the
+    slowest rank's, with u on an uneven plan."""
+    from types import SimpleNamespace
+
+    from hf_cephalo.planner.generation import forward_pass_s
+
+    comm = CommProfile(allgather_s=1.0, reducescatter_s=2.0, uneven_factor=1.5)
+    assert cost.forward_unit_time_s([0.0, 0.5, 3.0], comm, False).tolist() == [1.0, 1.0, 3.0]
+    assert cost.forward_unit_time_s([0.5, 3.0], comm, True).tolist() == [1.5, 3.0]
+    serial = CommProfile(allgather_s=1.0, reducescatter_s=2.0, overlaps_compute=False)
+    assert cost.forward_unit_time_s([0.0, 3.0], serial, False).tolist() == [1.0, 4.0]
+    cluster = ClusterProfile(model=ModelProfile(name="m", num_units=3, params_per_unit=1,
+                                                params_other=0),
+                             devices=[_dev(), _dev()], comm=comm)
+
+    def plan(uneven, *batches):  # m = 2: F(2) = 1.5 per microbatch
+        return SimpleNamespace(uneven_state=uneven, ranks=[
+            SimpleNamespace(batch_size=b, microbatch_size=2) for b in batches])
+
+    assert forward_pass_s(plan(False, 4, 0), cluster) == pytest.approx(3 * 3.0)
+    assert forward_pass_s(plan(False, 0, 0), cluster) == pytest.approx(3 * 1.0)
+    assert forward_pass_s(plan(True, 0, 2), cluster) == pytest.approx(3 * 1.5)

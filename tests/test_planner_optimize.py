@@ -12,8 +12,8 @@ from hf_cephalo.planner.reference import reference_unit_time
 from hf_cephalo.planner.simulate import predict
 from hf_cephalo.planner.types import Plan
 from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
-from tests.planner_fixtures import (GIB, brute_force, random_cluster, with_host_limits,
-                                   with_kept_graphs)
+from tests.planner_fixtures import (GIB, brute_force, brute_force_scored, forward_heavy_pair,
+                                   random_cluster, with_host_limits, with_kept_graphs)
 
 
 def _same(a: float, b: float) -> bool:
@@ -449,3 +449,95 @@ def test_no_kept_graph_profile_plans_checkpointing_only():
     assert optimize(cluster, 16, activation_checkpointing=None).activation_checkpointing is True
     with pytest.raises(ValueError, match="kept_graph_bytes"):
         optimize(cluster, 16, activation_checkpointing=False)
+
+
+# ---- scoring passes in the objective (solver.py [Note: scoring passes]) ----------------------
+def _scored_objective(cluster, a, k, c=0.8) -> tuple[float, float]:
+    """(max_i (T_i + extra_i / L) + k·max_i s_i, max_i s_i) of an assignment, priced as
+    ``brute_force_scored`` (u decided by the assignment's memory)."""
+    devs, comm = cluster.devices, cost.unit_comm(cluster)
+    mems = [float(memory.rank_memory_bytes(cluster, i, m, b))
+            for i, (m, b) in enumerate(zip(a.microbatch_sizes, a.batch_sizes))]
+    uneven = cost.is_uneven(cluster, mems, c)
+    times, scoring = [], []
+    for i, (d, b, m, l) in enumerate(zip(devs, a.batch_sizes, a.microbatch_sizes,
+                                         a.num_microbatches)):
+        times.append(cost.idle_unit_time_s(comm, uneven) if b == 0 else
+                     float(cost.unit_time_s(cost.fwd_time_s(d, m), cost.bwd_time_s(d, m), l,
+                                            comm, uneven))
+                     + float(cost.rank_extra_s(cluster, i, b, m)) / cluster.model.num_units)
+        scoring.append(float(cost.forward_unit_time_s(
+            cost.rank_compute_s(d, b, max(m, 1)).fwd_s, comm, uneven)))
+    return max(times) + k * max(scoring), max(scoring)
+
+
+def _close(a: float, b: float) -> bool:
+    return a == b or abs(a - b) <= 1e-9 * max(1.0, abs(b))
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_scored_optimum_equals_brute_force_on_random_instances(k):
+    """optimize(..., scoring_passes=k) minimizes training + k forward-only passes exactly:
+    on 100 random clusters of 2-4 ranks (uneven speeds, forward / backward ratios (backward
+    rescaled per device) and memory; even and uneven state, idle ranks, infeasible ones,
+    collectives overlapped or not), B <= 12, its plan's objective is
+    brute force's minimum over every split, its split is one of brute force's optimal ones,
+    and its L x max_i s_i is what ``forward_pass_s`` prices for the plan."""
+    from hf_cephalo.planner.generation import forward_pass_s
+
+    rng = np.random.default_rng(46)
+    seen = {"feasible": 0, "infeasible": 0, "uneven": 0, "moved by k": 0}
+    for case in range(100):
+        n, B = int(rng.integers(2, 5)), int(rng.integers(1, 13))
+        cluster = random_cluster(rng, n)
+        for d in {id(d): d for d in cluster.devices}.values():  # forward / backward ratios
+            d.bwd_s = [v * float(rng.uniform(0.05, 1.0)) for v in d.bwd_s]  # that differ more
+        expected, splits = brute_force_scored(cluster, B, k)
+        try:
+            a = solve_assignment(cluster, B, scoring_passes=k)
+        except InfeasiblePlanError:
+            assert expected == np.inf, (case, expected)
+            seen["infeasible"] += 1
+            continue
+        got, s_max = _scored_objective(cluster, a, k)
+        assert _close(got, expected), (case, n, B, got, expected)
+        assert tuple(a.batch_sizes) in splits, (case, a.batch_sizes, splits)
+        plan = optimize(cluster, B, scoring_passes=k)
+        assert plan.batch_sizes == a.batch_sizes
+        assert _close(forward_pass_s(plan, cluster), cluster.model.num_units * s_max)
+        if k == 0:  # bit-identical to the training-only optimizer
+            assert solve_assignment(cluster, B) == a
+        seen["feasible"] += 1
+        seen["uneven"] += plan.uneven_state
+        seen["moved by k"] += a.batch_sizes != solve_assignment(cluster, B).batch_sizes
+    assert seen["feasible"] >= 20 and seen["infeasible"] >= 3 and seen["uneven"] >= 3, seen
+    if k:  # the passes matter on these clusters, so the test is not vacuous
+        assert seen["moved by k"] >= 3, seen
+
+
+def test_scoring_passes_move_the_batch_off_a_slow_forward_rank():
+    """Training alone balances at b = (5, 7) (1.240 s: 4 x max(5 x 62, 7 x 42) ms); with one
+    scoring pass (4, 8) is better (1.344 + 0.480 = 1.824 s against 1.240 + 0.600 = 1.840 s),
+    with two (2, 10) (1.680 + 2 x 0.240 = 2.160 s against 2.440 s). Each plan is brute
+    force's only optimum, and the priced whole step (``scored_step_s``) of every other
+    plan is no lower."""
+    from hf_cephalo.planner.optimize import scored_step_s
+
+    cluster = forward_heavy_pair()
+    plans = {k: optimize(cluster, 12, scoring_passes=k) for k in (0, 1, 2)}
+    assert {k: p.batch_sizes for k, p in plans.items()} == \
+        {0: [5, 7], 1: [4, 8], 2: [2, 10]}
+    for k, plan in plans.items():
+        assert brute_force_scored(cluster, 12, k)[1] == [tuple(plan.batch_sizes)]
+        for other in plans.values():
+            assert scored_step_s(plan, cluster, k) <= scored_step_s(other, cluster, k) + 1e-12
+    assert scored_step_s(plans[1], cluster, 1) == pytest.approx(1.824)
+    assert scored_step_s(plans[0], cluster, 1) == pytest.approx(1.840)
+    assert scored_step_s(plans[2], cluster, 2) == pytest.approx(2.160)
+    assert plans[2].predicted_iteration_s == pytest.approx(1.680)  # the training step alone
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "1"])
+def test_scoring_passes_must_be_a_finite_number_at_least_zero(bad):
+    with pytest.raises(ValueError, match="scoring_passes must be a finite number >= 0"):
+        optimize(forward_heavy_pair(), 12, scoring_passes=bad)

@@ -81,6 +81,16 @@ RLOO_CASES = {
     # built-in generation (stock: its generation replaced by the same keyed decode)
     "rloo_generated": dict(temperature=0.8, top_k=30),
 }
+SCORING_PASSES = {
+    # case: forward-only passes per optimizer step the door prices its start plan with
+    # (Job.scoring_passes): per generation round the old policy's (GRPO: num_iterations > 1;
+    # RLOO: always) and the reference's (beta != 0), over the num_iterations steps a round
+    # feeds, plus GRPO's entropy-threshold pass every step (top_entropy_quantile < 1)
+    "dapo": 0.0, "grpo_conversational": 0.0, "bnpo_masked_entropy": 1.0,
+    "dr_grpo_no_scale": 0.0, "beta_ref_two_iterations": (1 + 1) / 2, "lora_beta": 1.0,
+    "moe_beta": 1.0, "generated": 0.0, "generated_sharded_plan": (1 + 1) / 2,
+    "rloo_default": 1.0 + 1.0, "rloo_two_iterations": 1 / 2, "rloo_generated": 1.0 + 1.0,
+}
 THREE_RANKS = ("dapo", "beta_ref_two_iterations", "lora_beta", "moe_beta", "rloo_default",
                "generated_sharded_plan")
 """The sub-cases also run on 3 ranks (an idle rank); the loss types' normalizers differ from
@@ -236,7 +246,8 @@ def _cephalo_rloo(case, world_size, out_dir, tokenizer_path, model_dir):
                                  rollout_func=None if case in GENERATED else _rollout,
                                  plan=plan(world_size))
     trainer.train()
-    return {"logs": _logs(trainer.state.log_history), "state": state_copy(trainer.unshard_model())}
+    return {"logs": _logs(trainer.state.log_history), "state": state_copy(trainer.unshard_model()),
+            "scoring_passes": trainer.session.job.scoring_passes}
 
 
 def rank_one_reward(prompts, completions, **kwargs):
@@ -278,7 +289,7 @@ def _cephalo_grpo(case, world_size, out_dir, tokenizer_path, model_dir):
     trainer.train()
     report = trainer._builtin.report if case in GENERATED else None
     return {"logs": _logs(trainer.state.log_history), "state": state_copy(trainer.unshard_model()),
-            "generation": report}
+            "generation": report, "scoring_passes": trainer.session.job.scoring_passes}
 
 
 QUIET_S = {2: 60.0, 3: 75.0}
@@ -407,6 +418,7 @@ def test_grpo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, 
     ref = _stock_grpo(case, tmp_path_factory, tokenizer_path, model_dir)
     for rank_result in _cephalo(world_size, tmp_path_factory, tokenizer_path, model_dir):
         _assert_same_run(rank_result[case], ref)
+        assert rank_result[case]["scoring_passes"] == SCORING_PASSES[case]
     # the run trained and its metrics are informative (a test that cannot fail is a defect)
     logs = ref["logs"]
     assert len(logs["loss"]) == STEPS
@@ -426,6 +438,7 @@ def test_rloo_matches_stock(case, world_size, tmp_path_factory, tokenizer_path, 
     ref = _stock_rloo(case, tmp_path_factory, tokenizer_path, model_dir)
     for rank_result in _cephalo(world_size, tmp_path_factory, tokenizer_path, model_dir):
         _assert_same_run(rank_result[case], ref)
+        assert rank_result[case]["scoring_passes"] == SCORING_PASSES[case]
     logs = ref["logs"]
     assert sum(v > 1e-3 for v in logs["grad_norm"]) >= 2, logs["grad_norm"]
     if RLOO_CASES[case].get("num_iterations", 1) > 1:  # the 2nd pass: ratios off 1, clipped
@@ -504,3 +517,37 @@ def test_builtin_generation_reports_its_mode_and_split(tmp_path_factory, tokeniz
         report = rank_result["generated"]["generation"]
         assert len(report) == STEPS and {r["mode"] for r in report} == {"gather_once"}
         assert all(r["split"] is None for r in report)
+
+
+def test_the_start_plan_prices_the_doors_scoring_passes(tmp_path, monkeypatch, model_dir):
+    """resolve_plan hands the door's Job.scoring_passes to the optimizer (one process, no
+    process group; the profile is a fixed 2-rank one whose rank 0 has a slow forward against
+    its backward: ``planner_fixtures.forward_heavy_pair``): B = 12 starts on b = [5, 7]
+    without scoring passes and on [4, 8] with one per step (beta with num_iterations 2:
+    reference + old policy every 2 steps), and the line printed under the plan gives the
+    training step, one pass and their sum as the optimizer priced them."""
+    from hf_cephalo import CephaloGRPOConfig
+    from hf_cephalo.integrations.trainer.training_args import job_from_training_args
+    from hf_cephalo.models import stage_model
+    from hf_cephalo.runtime import planning
+    from hf_cephalo.runtime.report import format_scoring_line
+    from tests.planner_fixtures import forward_heavy_pair
+
+    for name in ("PLAN_FILE", "PROFILE_FILE", "GLOBAL_BATCH_SIZE", "EMULATE_SLOWDOWN",
+                 "EMULATE_MEMORY_CAP_BYTES"):
+        monkeypatch.delenv("HF_CEPHALO_" + name, raising=False)
+    monkeypatch.setattr(planning, "profile_cluster", lambda *a, **k: forward_heavy_pair())
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    args = CephaloGRPOConfig(**_grpo_kwargs("beta_ref_two_iterations", str(tmp_path)),
+                             per_device_train_batch_size=6, cephalo_adaptive="off")
+    staged = stage_model(_model(model_dir, "dapo"))
+    splits = {}
+    for k in (0.0, SCORING_PASSES["beta_ref_two_iterations"]):
+        resolved = planning.resolve_plan(job_from_training_args(args, 2, scoring_passes=k),
+                                         staged)
+        splits[k] = resolved.plan.batch_sizes
+    assert splits == {0.0: [5, 7], 1.0: [4, 8]}
+    line = format_scoring_line(resolved.plan, resolved.cluster, 1.0)
+    assert "training 1.344 s + 1 forward-only scoring pass(es) per step" in line, line
+    assert "x 0.480 s = 1.824 s predicted" in line, line
+    assert not torch.distributed.is_initialized()

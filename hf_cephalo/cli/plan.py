@@ -45,6 +45,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "kept_graph_bytes); auto: plan both, keep the faster one that fits "
                         "(any case: True works). "
                         "Recorded in the plan; the trainer builds the engine with it")
+    p.add_argument("--scoring-passes", type=float, default=0.0, metavar="K",
+                   help="K forward-only passes over the same split per optimizer step (a GRPO / "
+                        "RLOO step's old-policy and reference log-probabilities; a fraction when "
+                        "a generation round feeds several steps): the plan minimizes the "
+                        "training step plus K passes (default 0: the training step alone; not "
+                        "with --precision auto)")
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--save-profile", help="write the (estimated) cluster profile JSON here")
     p.add_argument("--plot", help="write a plot (file name ending in .png, .pdf, .svg, ...): "
@@ -55,10 +61,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     from hf_cephalo.planner.optimize import (InfeasiblePlanError, optimize,
                                              optimize_auto_checkpointing)
+    from hf_cephalo.planner.generation import forward_pass_s
     from hf_cephalo.planner.simulate import extrapolation_note, predict
     from hf_cephalo.profiles.types import format_bytes
 
     check_common_plan_options(args, ("out", "save_profile", "plot"))
+    k = _scoring_passes(args)
     cluster = load_cluster(args)
     auto = args.precision == "auto" and not args.profile  # the profile of the chosen policy
     if args.save_profile and not auto:
@@ -70,12 +78,12 @@ def run_plan(args: argparse.Namespace) -> int:
         elif checkpointing_arg(args) is None:  # auto: keep why, for the mode's line
             plan, reason = optimize_auto_checkpointing(
                 cluster, args.global_batch_size, args.memory_fraction,
-                allow_idle=not args.no_idle, root_resident=args.root_resident)
+                allow_idle=not args.no_idle, root_resident=args.root_resident, scoring_passes=k)
         else:
             reason = ""
             plan = optimize(cluster, args.global_batch_size, args.memory_fraction,
                             allow_idle=not args.no_idle, root_resident=args.root_resident,
-                            activation_checkpointing=checkpointing_arg(args))
+                            activation_checkpointing=checkpointing_arg(args), scoring_passes=k)
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e}{_infeasible_remedy(args, cluster, e.constraint)}",
                                   e.constraint) from None
@@ -95,6 +103,10 @@ def run_plan(args: argparse.Namespace) -> int:
           + activation_checkpointing_mode(plan.activation_checkpointing, reason))
     print(f"predicted iteration time: {pred.iteration_s:.3f} s, "
           f"{pred.samples_per_s:.2f} samples/s")
+    if k:
+        one = forward_pass_s(plan, cluster)
+        print(f"with {k:g} forward-only scoring pass(es) per step ({one:.3f} s each): "
+              f"{pred.iteration_s + k * one:.3f} s predicted per step, what this plan minimizes")
     print(even_split_line(cluster, plan, pred))
     if args.out:
         plan.save(args.out)
@@ -103,6 +115,21 @@ def run_plan(args: argparse.Namespace) -> int:
         plot_plan(plan, pred, args.plot)
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _scoring_passes(args: argparse.Namespace) -> float:
+    """``--scoring-passes`` checked before anything is read or solved.
+
+    Raises ValueError (the CLI's ``error: ...``, exit status 2): K negative or not finite,
+    or given with ``--precision auto`` (whose choice compares training steps only)."""
+    k = args.scoring_passes
+    if not (k >= 0 and k != float("inf")):  # also refuses nan
+        raise ValueError(f"--scoring-passes {k}: must be a finite number >= 0 (forward-only "
+                         "passes per optimizer step)")
+    if k and args.precision == "auto" and not args.profile:
+        raise ValueError("--scoring-passes with --precision auto: the precision choice compares "
+                         "training steps only; give a precision (fp32, bf16, fp16 or a list)")
+    return k
 
 
 def even_split_line(cluster, plan, prediction) -> str:

@@ -34,6 +34,7 @@ __all__ = [
     "unit_time_s",
     "unit_comm",
     "idle_unit_time_s",
+    "forward_unit_time_s",
     "iteration_time_s",
     "is_uneven",
     "STEP_ALLREDUCES",
@@ -186,6 +187,21 @@ def unit_time_s(fwd_s, bwd_s, num_microbatches, comm: CommProfile, uneven: bool,
     if not comm.overlaps_compute:  # the collectives take the compute's cores: they add
         return l * f + ag + backward + agrs
     return np.maximum(l * f, ag) + np.maximum(backward, agrs)
+
+
+def forward_unit_time_s(fwd_s, comm: CommProfile, uneven: bool) -> np.ndarray:
+    """One unit of a forward-only layered pass (the old policy's or the reference's
+    log-probabilities of an RL step) on a rank whose microbatches' forwards of that unit take
+    ``fwd_s`` = Σ_j F_i(m_j) seconds (0 for an idle rank): ``max(fwd_s, AG·u)``, the next
+    unit's all-gather hidden under the compute, or ``fwd_s + AG·u`` where the collectives take
+    the compute's cores (``comm.overlaps_compute`` False); u = ``uneven_factor(comm)`` when
+    ``uneven``, else 1. Seconds; vectorized over ``fwd_s``; raises nothing. The forward half
+    of ``unit_time_s`` (docs/planner.md, "Scoring passes in the objective")."""
+    ag = comm.allgather_s * (uneven_factor(comm) if uneven else 1.0)
+    f = np.asarray(fwd_s, dtype=np.float64)
+    if not comm.overlaps_compute:
+        return f + ag
+    return np.maximum(f, ag)
 
 
 def idle_unit_time_s(comm: CommProfile, uneven: bool) -> float:

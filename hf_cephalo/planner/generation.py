@@ -298,28 +298,33 @@ class RLStepPrediction:
 
 def forward_pass_s(plan, cluster) -> float:
     """One forward-only layered pass of ``plan``'s batch (old-policy or reference
-    log-probabilities): per unit the slowest rank's sum of F_i(m) over its microbatches plus
-    one all-gather (overlapped where the profile says collectives overlap compute), over every
-    unit; the root's compute and the head are not counted (an underestimate for large
-    vocabularies). Seconds."""
+    log-probabilities), seconds: ``L · max_i cost.forward_unit_time_s(Σ_j F_i(m_j))`` — per
+    unit the slowest rank's forwards of its microbatches (a smaller last one at its own size)
+    with the next unit's all-gather (overlapped where the profile says collectives overlap
+    compute; times u on an uneven plan, as the training step prices it), over every unit;
+    the root's compute and the head are not counted (an underestimate for large
+    vocabularies). The optimizer minimizes the training step plus k of these
+    (``optimize(..., scoring_passes=k)``, docs/planner.md "Scoring passes in the objective").
+    Raises nothing for a plan of ``cluster``'s world size."""
     from hf_cephalo.planner import cost
 
     comm = cost.unit_comm(cluster)
-    per_unit = []
-    for rank_plan, device in zip(plan.ranks, cluster.devices):
-        f = float(cost.rank_compute_s(device, rank_plan.batch_size,
-                                      max(rank_plan.microbatch_size, 1)).fwd_s)
-        per_unit.append(max(f, comm.allgather_s) if comm.overlaps_compute
-                        else f + comm.allgather_s)
+    per_unit = [float(cost.forward_unit_time_s(
+        cost.rank_compute_s(device, rank_plan.batch_size,
+                            max(rank_plan.microbatch_size, 1)).fwd_s, comm, plan.uneven_state))
+        for rank_plan, device in zip(plan.ranks, cluster.devices)]
     return cluster.model.num_units * max(per_unit, default=0.0)
 
 
-def price_rl_step(plan, cluster, generation: GenerationPlan, *, logprob_passes: int,
+def price_rl_step(plan, cluster, generation: GenerationPlan, *, logprob_passes: float,
                   steps_per_generation: int = 1) -> RLStepPrediction:
-    """The predicted phases of one RL optimizer step: the generation round shared by
-    ``steps_per_generation`` steps, ``logprob_passes`` forward-only passes (0 with ``beta`` 0
-    and one iteration; 1 for the reference; 1 more for the old policy when ``num_iterations``
-    > 1), and the training step (``planner.predict``)."""
+    """The predicted phases of one RL optimizer step, seconds: the generation round shared by
+    ``steps_per_generation`` steps, ``logprob_passes`` forward-only passes per step
+    (``forward_pass_s`` each; per generation round 1 for the reference with ``beta`` != 0 and
+    1 for the old policy when GRPO's ``num_iterations`` > 1 or always in RLOO, over the steps
+    the round feeds, plus GRPO's entropy-threshold pass: the doors' ``Job.scoring_passes``,
+    which their start plan minimizes with the training step), and the training step
+    (``planner.predict``). Raises nothing for a plan of ``cluster``."""
     from hf_cephalo.planner.predict import predict
 
     return RLStepPrediction(generation.predicted_s / max(steps_per_generation, 1),

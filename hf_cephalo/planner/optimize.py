@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hf_cephalo.planner import cost, memory
+from hf_cephalo.planner.generation import forward_pass_s
 from hf_cephalo.planner.predict import predict
 from hf_cephalo.planner.solver import (Assignment, Case, FixedState, device_groups, diagnose,
                                        fixed_state_groups, num_convolutions)
@@ -32,7 +33,7 @@ from hf_cephalo.profiles.types import ClusterProfile, format_bytes
 from hf_cephalo.units import GIB
 
 __all__ = ["optimize", "optimize_auto_checkpointing", "AutoCheckpointing", "optimize_fixed_state",
-           "has_kept_graph_profile", "solve_assignment",
+           "has_kept_graph_profile", "solve_assignment", "check_scoring_passes", "scored_step_s",
            "Assignment", "FixedState", "InfeasiblePlanError", "check_problem_size",
            "estimate_problem_size", "format_bytes"]
 
@@ -125,11 +126,48 @@ def check_problem_size(cluster: ClusterProfile, global_batch_size: int,
         "MAX_SOLVER_MEMORY_BYTES to accept a longer solve)")
 
 
+def check_scoring_passes(scoring_passes: float) -> float:
+    """``scoring_passes`` as a float k >= 0 (forward-only passes per optimizer step; a
+    fraction when a generation round feeds several steps).
+
+    Raises:
+        ValueError: k negative, not finite or not a number (a bool included).
+    """
+    k = scoring_passes
+    if isinstance(k, bool) or not isinstance(k, (int, float)) or not np.isfinite(k) or k < 0:
+        raise ValueError(f"scoring_passes must be a finite number >= 0 (forward-only passes per "
+                         f"optimizer step), got {scoring_passes!r}")
+    return float(k)
+
+
+def _solve_cases(even: Case, uneven: Case, k: float, world_size: int) -> Assignment | None:
+    """The better of the two cases (module doc), or None when neither is feasible. k = 0: the
+    threshold search of max_i T_i; k > 0: the least max_i T_i + k·max_i s_i (solver.py
+    [Note: scoring passes]), the uneven case searched only below the even optimum."""
+    if k == 0:
+        t_even = even.solve(np.inf)
+        t_uneven = uneven.solve(np.inf if t_even is None else t_even)
+        if t_uneven is not None:
+            return uneven.reconstruct(t_uneven, world_size)
+        return None if t_even is None else even.reconstruct(t_even, world_size)
+    ts_even = even.solve_scored(k, np.inf)
+    ts_uneven = uneven.solve_scored(k, np.inf if ts_even is None else
+                                    ts_even[0] + k * ts_even[1])
+    for case, ts in ((uneven, ts_uneven), (even, ts_even)):
+        if ts is not None:
+            return case.reconstruct(ts[0], world_size, ts[1])
+    return None
+
+
 def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
                      memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
                      allow_idle: bool = True, root_resident: bool = False,
-                     activation_checkpointing: bool = True) -> Assignment:
-    """Exact minimum of max_i T_i over (b_i, m_i, l_i) under (I)-(III); see module doc.
+                     activation_checkpointing: bool = True,
+                     scoring_passes: float = 0.0) -> Assignment:
+    """Exact minimum of max_i T_i over (b_i, m_i, l_i) under (I)-(III); see module doc. With
+    ``scoring_passes`` k > 0: of max_i T_i + k·max_i s_i, s_i one unit of rank i's forward-only
+    pass (``cost.forward_unit_time_s``; solver.py [Note: scoring passes]), so that
+    L × it is the training compute phase plus k ``generation.forward_pass_s``.
 
     Memory per rank is ``memory.rank_memory_bytes`` (every engine buffer, see [Note: memory
     terms]); with activation offload and host RAM figures each machine's batch is limited by
@@ -142,22 +180,21 @@ def solve_assignment(cluster: ClusterProfile, global_batch_size: int,
             constraint (a rank whose microbatch size 1 exceeds its cap, aggregate memory, each
             rank's largest batch b_i within its cap summing to less than B, or a machine's
             host memory); never an empty reason.
-        ValueError: B < 1, memory_fraction outside (0, 1]; an instance too large to solve
-            within ``MAX_SOLVER_WORK`` / ``MAX_SOLVER_MEMORY_BYTES`` (``check_problem_size``).
+        ValueError: B < 1, memory_fraction outside (0, 1], scoring_passes not a finite
+            number >= 0; an instance too large to solve within ``MAX_SOLVER_WORK`` /
+            ``MAX_SOLVER_MEMORY_BYTES`` (``check_problem_size``).
     """
     B, c = global_batch_size, memory_fraction
     _check_inputs(cluster, B, c)
+    k = check_scoring_passes(scoring_passes)
     check_problem_size(cluster, B, c)
     groups = device_groups(cluster)
     ac = activation_checkpointing
     even = Case(cluster, groups, B, c, False, allow_idle, root_resident, checkpointing=ac)
-    t_even = even.solve(np.inf)
     uneven = Case(cluster, groups, B, c, True, allow_idle, root_resident, checkpointing=ac)
-    t_uneven = uneven.solve(np.inf if t_even is None else t_even)
-    if t_uneven is not None:
-        return uneven.reconstruct(t_uneven, cluster.world_size)
-    if t_even is not None:
-        return even.reconstruct(t_even, cluster.world_size)
+    found = _solve_cases(even, uneven, k, cluster.world_size)
+    if found is not None:
+        return found
     diagnosis = diagnose(cluster, B, c, allow_idle, root_resident, ac)
     raise InfeasiblePlanError(f"no plan for global batch size {B} fits: "
                               f"{diagnosis.message or 'no assignment meets every memory cap'}",
@@ -201,7 +238,8 @@ def has_kept_graph_profile(cluster: ClusterProfile) -> bool:
 def optimize(cluster: ClusterProfile, global_batch_size: int,
              memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
              allow_idle: bool = True, root_resident: bool = False,
-             activation_checkpointing: bool | None = True) -> Plan:
+             activation_checkpointing: bool | None = True,
+             scoring_passes: float = 0.0) -> Plan:
     """The optimal Plan: exact (b_i, m_i, l_i) plus greedy state ratios r_i.
 
     Args:
@@ -220,16 +258,22 @@ def optimize(cluster: ClusterProfile, global_batch_size: int,
             the one with the smaller predicted step time that fits (checkpointing on a tie;
             without the profile's ``kept_graph_bytes`` only checkpointing is planned).
             Recorded in the plan; the trainer builds the engine with it.
+        scoring_passes: k >= 0, forward-only layered passes over the same split per optimizer
+            step (an RL step's old-policy and reference log-probabilities; a fraction when a
+            generation round feeds several steps). The objective is then the training step
+            plus k × ``generation.forward_pass_s`` (solver.py [Note: scoring passes]), still
+            exact; 0 (default): the training step alone, the plans of before.
+            ``predicted_iteration_s`` stays the training step's.
 
     Raises:
         InfeasiblePlanError / ValueError: see ``solve_assignment`` (for None: when no setting
             fits, the error of the checkpointing plan). ValueError: False with a profile
-            without ``kept_graph_bytes``.
+            without ``kept_graph_bytes``; scoring_passes not a finite number >= 0.
     """
     if activation_checkpointing is None:
         return optimize_auto_checkpointing(cluster, global_batch_size, memory_fraction,
-                                           allow_idle=allow_idle,
-                                           root_resident=root_resident).plan
+                                           allow_idle=allow_idle, root_resident=root_resident,
+                                           scoring_passes=scoring_passes).plan
     if not activation_checkpointing and not has_kept_graph_profile(cluster):
         missing = [d.name for d in cluster.devices if d.kept_graph_bytes is None]
         raise ValueError(f"activation checkpointing off needs the profile's kept_graph_bytes "
@@ -238,7 +282,8 @@ def optimize(cluster: ClusterProfile, global_batch_size: int,
                          "(`hf-cephalo profile`; a cached entry is measured anew) or plan with "
                          "activation checkpointing")
     return _optimize_one(cluster, global_batch_size, memory_fraction, allow_idle,
-                         root_resident, bool(activation_checkpointing), fallback_error=False)
+                         root_resident, bool(activation_checkpointing), fallback_error=False,
+                         scoring_passes=scoring_passes)
 
 
 class AutoCheckpointing(NamedTuple):
@@ -250,32 +295,33 @@ class AutoCheckpointing(NamedTuple):
 
 def optimize_auto_checkpointing(cluster: ClusterProfile, global_batch_size: int,
                                 memory_fraction: float = cost.DEFAULT_MEMORY_FRACTION, *,
-                                allow_idle: bool = True,
-                                root_resident: bool = False) -> AutoCheckpointing:
+                                allow_idle: bool = True, root_resident: bool = False,
+                                scoring_passes: float = 0.0) -> AutoCheckpointing:
     """``optimize(..., activation_checkpointing=None)`` with the reason of its choice, the
     text the CLI and the trainer print after ``[auto: ...]``: which setting did not fit (with
-    the planner's diagnosis), or both predicted iteration times (seconds), or that the profile
-    has no ``kept_graph_bytes`` so only checkpointing was planned.
+    the planner's diagnosis), or both predicted times (seconds: the iteration, plus k scoring
+    passes with ``scoring_passes`` k > 0, ``scored_step_s``), or that the profile has no
+    ``kept_graph_bytes`` so only checkpointing was planned.
 
     Raises:
         InfeasiblePlanError / ValueError: as ``optimize`` (neither setting fits: the error of
             the checkpointing plan).
     """
     args = (cluster, global_batch_size, memory_fraction, allow_idle, root_resident)
-    on = _optimize_one(*args, True, fallback_error=True)
+    on = _optimize_one(*args, True, fallback_error=True, scoring_passes=scoring_passes)
     if not has_kept_graph_profile(cluster):
         if isinstance(on, Exception):
             raise on
         return AutoCheckpointing(on, "the profile has no kept_graph_bytes (spec-sheet or older "
                                      "measurement), so only on was planned")
-    off = _optimize_one(*args, False, fallback_error=True)
+    off = _optimize_one(*args, False, fallback_error=True, scoring_passes=scoring_passes)
     if isinstance(on, Exception) and isinstance(off, Exception):
         raise on
     if isinstance(off, Exception):
         return AutoCheckpointing(on, f"off does not fit: {_reason(off)}")
     if isinstance(on, Exception):
         return AutoCheckpointing(off, f"on does not fit: {_reason(on)}")
-    t_on, t_off = on.predicted_iteration_s, off.predicted_iteration_s
+    t_on, t_off = (scored_step_s(p, cluster, scoring_passes) for p in (on, off))
     if t_off < t_on:
         return AutoCheckpointing(off, f"faster than on, predicted {t_off:.3f} s vs {t_on:.3f} s")
     return AutoCheckpointing(on, f"{'as fast as' if t_on == t_off else 'faster than'} off, "
@@ -289,14 +335,27 @@ def _reason(error: InfeasiblePlanError) -> str:
     return text[text.index(head) + len(head):] if head in text else text
 
 
+def scored_step_s(plan: Plan, cluster: ClusterProfile, scoring_passes: float = 0.0) -> float:
+    """What ``optimize(..., scoring_passes=k)`` minimizes, seconds: the plan's predicted
+    training step (``predict``; ``plan.predicted_iteration_s`` where set) plus k forward-only
+    passes (``generation.forward_pass_s``); k = 0: the training step. Raises ValueError for k
+    not a finite number >= 0."""
+    k = check_scoring_passes(scoring_passes)
+    step = plan.predicted_iteration_s
+    if step is None:
+        step = predict(plan, cluster).iteration_s
+    return step + (k * forward_pass_s(plan, cluster) if k else 0.0)
+
+
 def _optimize_one(cluster: ClusterProfile, global_batch_size: int, memory_fraction: float,
                   allow_idle: bool, root_resident: bool, checkpointing: bool,
-                  fallback_error: bool):
+                  fallback_error: bool, scoring_passes: float = 0.0):
     """``optimize`` for one activation-checkpointing setting; with ``fallback_error`` an
     ``InfeasiblePlanError`` is returned instead of raised (the other setting may fit)."""
     try:
         a = solve_assignment(cluster, global_batch_size, memory_fraction, allow_idle=allow_idle,
-                             root_resident=root_resident, activation_checkpointing=checkpointing)
+                             root_resident=root_resident, activation_checkpointing=checkpointing,
+                             scoring_passes=scoring_passes)
     except InfeasiblePlanError as e:
         if fallback_error:
             return e

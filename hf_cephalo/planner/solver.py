@@ -74,9 +74,11 @@ class _Options:
     l: np.ndarray  # (K,) int
     t: np.ndarray  # (K,) unit time, s
     mem: np.ndarray  # (K,) memory besides the state M_i(m, b), bytes
+    s: np.ndarray  # (K,) one unit of a forward-only scoring pass, s ([Note: scoring passes])
     idle_ok: bool
     idle_t: float
     idle_mem: float  # M_i of the idle rank (the engine's buffers), bytes
+    idle_s: float  # one unit of a scoring pass on the idle rank (its all-gather), s
 
 
 def _device_options(cluster: ClusterProfile, rank: int, B: int, mem_cap: float, uneven: bool,
@@ -112,17 +114,19 @@ def _device_options(cluster: ClusterProfile, rank: int, B: int, mem_cap: float, 
         t = cost.unit_time_s(f[idx], bw[idx], l_rep, comm, uneven,
                              activation_checkpointing=checkpointing) + \
             cost.rank_extra_s(cluster, rank, m_rep * l_rep, m_rep) / cluster.model.num_units
+        scoring = cost.forward_unit_time_s(l_rep * f[idx], comm, uneven)
     else:
         m_rep = l_rep = np.zeros(0, dtype=np.int64)
-        t = memv = np.zeros(0)
+        t = memv = scoring = np.zeros(0)
     idle_mem = float(mem_of(0, 0))
     if only is not None:  # a frozen rank: its current (b, m, l), or idle, and nothing else
         keep = (m_rep == only[1]) & (l_rep == only[2]) if only[0] > 0 else np.zeros(len(m_rep), bool)
         m_rep, l_rep, t, memv = m_rep[keep], l_rep[keep], t[keep], memv[keep]
+        scoring = scoring[keep]
         idle_ok = idle_ok and only[0] == 0
-    return _Options(b=m_rep * l_rep, m=m_rep, l=l_rep, t=t, mem=memv,
+    return _Options(b=m_rep * l_rep, m=m_rep, l=l_rep, t=t, mem=memv, s=scoring,
                     idle_ok=idle_ok and bool(ok(idle_mem)), idle_t=cost.idle_unit_time_s(comm, uneven),
-                    idle_mem=idle_mem)
+                    idle_mem=idle_mem, idle_s=float(cost.forward_unit_time_s(0.0, comm, uneven)))
 
 
 # --- semirings: boolean sumset (FFT) and min-plus ----------------------------------------------
@@ -226,6 +230,35 @@ def _cut(node: _Node, max_batch: int, minplus: bool) -> _Node:
     return _Node(table, node.count, node.left, node.right, node.group)
 
 
+def _first_true(lo: int, hi: int, pred) -> int | None:
+    """Smallest index in [lo, hi) where the monotone predicate ``pred`` (False...True) holds,
+    or None (binary search; ``pred(hi - 1)`` first)."""
+    if lo >= hi or not pred(hi - 1):
+        return None
+    hi -= 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+# [Note: scoring passes]
+# An RL step (GRPO / RLOO) runs, besides the training step, k forward-only layered passes over
+# the same split (the old policy's and the reference's log-probabilities,
+# ``generation.forward_pass_s``): per unit each rank's forwards plus one all-gather, every rank
+# waiting for the slowest at each unit. Its priced time is a second maximum,
+#     L·max_i (T_i + extra_i / L) + k·L·max_i s_i(b_i, m_i),
+# not a maximum of per-rank sums (the passes are separate phases), so the threshold search on
+# one maximum does not apply. Both maxima are thresholds: feasible(t, s) keeps the options with
+# unit time <= t AND scoring unit time <= s, monotone in each. The optimum lies on the Pareto
+# staircase of (t, s): for the least feasible t, the least s feasible with it; then the least t
+# feasible with any smaller s, and so on. ``Case.solve_scored`` walks that staircase with two
+# binary searches per corner and keeps the least t + k·s, stopping once t + k·s_min cannot
+# improve (s_min: the least s feasible at any t) — exact, since every assignment is dominated
+# by a corner. With k = 0 the optimizer runs the one-maximum search, unchanged.
 class Case:
     """One case (even or uneven) of the problem with grouped identical devices.
 
@@ -258,28 +291,33 @@ class Case:
             for r, held in zip(groups, state))
         ts = [o.t for o in self.options] + [[o.idle_t] for o in self.options if o.idle_ok]
         self.candidates = np.unique(np.concatenate([np.asarray(t, dtype=np.float64) for t in ts]))
+        ss = [o.s for o in self.options] + [[o.idle_s] for o in self.options if o.idle_ok]
+        self.scoring_candidates = np.unique(np.concatenate([np.asarray(v, dtype=np.float64)
+                                                            for v in ss]))
         self.machine_caps = _machine_batch_caps(cluster, c) if host_limit else None
 
-    def _leaf_bool(self, k: int, t: float) -> np.ndarray:
+    def _leaf_bool(self, k: int, t: float, s: float = np.inf) -> np.ndarray:
         o = self.options[k]
         a = np.zeros(self.B + 1, dtype=bool)
-        a[o.b[o.t <= t]] = True
-        a[0] = o.idle_ok and o.idle_t <= t
+        a[o.b[(o.t <= t) & (o.s <= s)]] = True
+        a[0] = o.idle_ok and o.idle_t <= t and o.idle_s <= s
         return a
 
-    def _leaf_mem(self, k: int, t: float) -> np.ndarray:
+    def _leaf_mem(self, k: int, t: float, s: float = np.inf) -> np.ndarray:
         o = self.options[k]
         w = np.full(self.B + 1, np.inf)
-        sel = o.t <= t
+        sel = (o.t <= t) & (o.s <= s)
         np.minimum.at(w, o.b[sel], o.mem[sel])
-        w[0] = o.idle_mem if (o.idle_ok and o.idle_t <= t) else np.inf
+        w[0] = o.idle_mem if (o.idle_ok and o.idle_t <= t and o.idle_s <= s) else np.inf
         return w
 
-    def tree(self, t: float, minplus: bool) -> _Node:
+    def tree(self, t: float, minplus: bool, s: float = np.inf) -> _Node:
+        """The sumset (boolean) or knapsack (min-plus) tree of the options with unit time <= t
+        and scoring-pass unit time <= s ([Note: scoring passes])."""
         conv = _minplus_conv if minplus else _bool_conv
         by_machine: dict[int, _Node] = {}
         for k, ranks in enumerate(self.groups):
-            leaf_table = self._leaf_mem(k, t) if minplus else self._leaf_bool(k, t)
+            leaf_table = self._leaf_mem(k, t, s) if minplus else self._leaf_bool(k, t, s)
             p = _power(_Node(leaf_table, 1, group=k), len(ranks), conv)
             key = self.machine_caps[0][ranks[0]] if self.machine_caps else 0
             root = by_machine.get(key)
@@ -293,10 +331,10 @@ class Case:
                                                    root.count + node.count, root, node)
         return root
 
-    def feasible(self, t: float, minplus: bool) -> bool:
+    def feasible(self, t: float, minplus: bool, s: float = np.inf) -> bool:
         if self.infeasible_even_state:
             return False
-        table = self.tree(t, minplus).table
+        table = self.tree(t, minplus, s).table
         if minplus:
             return bool(table[self.B] <= self.mem_budget + abs(self.mem_budget) * _MEM_RTOL)
         return bool(table[self.B])
@@ -322,10 +360,36 @@ class Case:
             idx = self.search(idx, hi, minplus=True)
         return None if idx is None else float(self.candidates[idx])
 
-    def reconstruct(self, t: float, world_size: int) -> Assignment:
+    def feasible_both(self, t: float, s: float) -> bool:
+        """Whether some assignment has every rank's unit time <= t and scoring-pass unit time
+        <= s and meets (I)-(III) (the min-plus check only where (III) binds: uneven)."""
+        return self.feasible(t, False, s) and (not self.aggregate or self.feasible(t, True, s))
+
+    def solve_scored(self, k: float, below: float) -> tuple[float, float] | None:
+        """The (t, s) minimizing t + k·s over the feasible assignments, if t + k·s < ``below``,
+        else None: the staircase walk of [Note: scoring passes]. k > 0."""
+        T, S = self.candidates, self.scoring_candidates
+        j_lb = _first_true(0, len(S), lambda j: self.feasible_both(np.inf, S[j]))
+        if j_lb is None:
+            return None
+        s_lb, best, best_obj = S[j_lb], None, below
+        i_lo, j_hi = 0, len(S)
+        while j_hi > j_lb:
+            # only t with t + k·s_lb <= best can still improve (every later s is >= s_lb)
+            hi = int(np.searchsorted(T, best_obj - k * s_lb, side="right"))
+            i = _first_true(i_lo, hi, lambda i: self.feasible_both(T[i], S[j_hi - 1]))
+            if i is None:
+                break
+            j = _first_true(j_lb, j_hi, lambda j: self.feasible_both(T[i], S[j]))
+            if T[i] + k * S[j] < best_obj:
+                best, best_obj = (float(T[i]), float(S[j])), T[i] + k * S[j]
+            i_lo, j_hi = i + 1, j  # the next corner: a smaller s needs a larger t
+        return best
+
+    def reconstruct(self, t: float, world_size: int, s: float = np.inf) -> Assignment:
         minplus = self.aggregate
         parts: list = []
-        _assign(self.tree(t, minplus), self.B, minplus, parts)
+        _assign(self.tree(t, minplus, s), self.B, minplus, parts)
         per_group = {k: [] for k in range(len(self.groups))}
         for k, b in parts:
             per_group[k].append(b)
@@ -335,7 +399,7 @@ class Case:
             for rank, b in zip(ranks, sorted(per_group[k], reverse=True)):
                 if b == 0:
                     continue
-                sel = np.flatnonzero((o.b == b) & (o.t <= t))
+                sel = np.flatnonzero((o.b == b) & (o.t <= t) & (o.s <= s))
                 # Uneven: the knapsack assumed the least memory for b; among those, least time.
                 key = np.lexsort((o.t[sel], o.mem[sel])) if minplus else np.argsort(o.t[sel])
                 j = sel[key[0]]

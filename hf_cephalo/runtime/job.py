@@ -24,6 +24,7 @@ import torch
 
 from hf_cephalo.engine.compile import CompileOptions
 from hf_cephalo.planner import Plan
+from hf_cephalo.planner.optimize import check_scoring_passes
 from hf_cephalo.profiler.emulate import EmulationConfig
 from hf_cephalo.runtime.data import LoaderOptions
 from hf_cephalo.runtime.settings import CephaloSettings, JobPrecision
@@ -81,6 +82,12 @@ class Job:
             reward doors (chosen + rejected rows share a microbatch), 1 otherwise. The planner
             prices a microbatch of m samples as rows_per_sample x m rows
             (``planner.rows.per_sample_cluster``).
+        scoring_passes: forward-only layered passes over the plan's split per optimizer step
+            (set by the door, not a user option): a GRPO / RLOO door's old-policy and
+            reference log-probability passes (per generation round, over the steps a round
+            feeds) and GRPO's entropy-threshold pass; 0 otherwise. The start plan minimizes
+            the training step plus this many passes (``planner.optimize(...,
+            scoring_passes=)``).
     """
 
     settings: CephaloSettings
@@ -99,6 +106,7 @@ class Job:
     activation_checkpointing_given: bool = False
     file_plan: Plan | None = None
     rows_per_sample: int = 1
+    scoring_passes: float = 0.0
     emulation: EmulationConfig | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -106,6 +114,7 @@ class Job:
                 or self.rows_per_sample < 1:  # a door's value, checked on every rank
             raise ValueError(f"Job.rows_per_sample must be an int >= 1 (the sequence rows of "
                              f"one sample), got {self.rows_per_sample!r}")
+        check_scoring_passes(self.scoring_passes)  # a door's value: ValueError if not >= 0
         self.settings.check_world_size(self.world_size)  # emulation lists: before any collective
         emulation = EmulationConfig.from_settings(self.settings)
         if emulation is not None:

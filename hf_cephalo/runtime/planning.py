@@ -148,11 +148,14 @@ def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> Resolved
     cluster = per_sample_cluster(measured, job.rows_per_sample)
     reason = ""
     try:
+        # an RL door's forward-only scoring passes are priced with the training step
         if planned_checkpointing(job) is None:  # auto: keep why, for the plan's line
-            plan, reason = optimize_auto_checkpointing(cluster, B, job.settings.memory_fraction)
+            plan, reason = optimize_auto_checkpointing(cluster, B, job.settings.memory_fraction,
+                                                       scoring_passes=job.scoring_passes)
         else:
             plan = optimize(cluster, B, job.settings.memory_fraction,
-                            activation_checkpointing=planned_checkpointing(job))
+                            activation_checkpointing=planned_checkpointing(job),
+                            scoring_passes=job.scoring_passes)
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e}{_infeasible_remedy(job, B, e.constraint)}",
                                   e.constraint) from None
@@ -275,7 +278,8 @@ def replan_with_measured_u(plan: Plan, cluster: ClusterProfile, staged: StagedMo
     cluster = dataclasses.replace(cluster, comm=comm)
     return optimize(cluster, global_batch_size, plan.memory_fraction,
                     root_resident=plan.root_resident,
-                    activation_checkpointing=plan.activation_checkpointing), cluster
+                    activation_checkpointing=plan.activation_checkpointing,
+                    scoring_passes=job.scoring_passes), cluster
 
 
 def check_state_fits_caps(plan: Plan, state_bytes: float, caps: list[float | None]) -> None:

@@ -32,7 +32,7 @@ from hf_cephalo.profiles.cache import write_back_measured
 from hf_cephalo.units import GIB
 
 __all__ = ["StepTime", "StepTimer", "AccuracyReport", "format_accuracy_table", "format_plan_table",
-           "diagnose_step_time", "STEP_TIME_TOLERANCE"]
+           "format_scoring_line", "diagnose_step_time", "STEP_TIME_TOLERANCE"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,24 @@ def format_plan_table(plan: Plan, checkpointing_reason: str = "", batch_origin: 
                     f"{r.num_microbatches:>5} {100 * r.state_ratio:>7.2f}"
                     + (f"  {r.precision}" if per_rank else ""))
     return "\n".join(rows)
+
+
+def format_scoring_line(plan: Plan, cluster, scoring_passes: float) -> str:
+    """The line under the plan of a door with forward-only scoring passes (GRPO / RLOO:
+    ``Job.scoring_passes`` k per step): the predicted training step, one pass
+    (``planner.generation.forward_pass_s``) and training + k passes, seconds — what the start
+    plan minimizes (``planner.optimize(..., scoring_passes=k)``). The plan's "predicted
+    iteration" above stays the training step's."""
+    from hf_cephalo.planner.generation import forward_pass_s
+
+    training = plan.predicted_iteration_s
+    if training is None:
+        training = predict(plan, cluster).iteration_s
+    one = forward_pass_s(plan, cluster)
+    return (f"RL step as planned: training {training:.3f} s + {scoring_passes:g} forward-only "
+            f"scoring pass(es) per step (old policy / reference log-probabilities) x "
+            f"{one:.3f} s = {training + scoring_passes * one:.3f} s predicted; generation is "
+            "planned apart")
 
 
 # ---- predicted vs measured --------------------------------------------------------------------

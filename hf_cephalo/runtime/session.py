@@ -43,7 +43,8 @@ from hf_cephalo.runtime.job import Job
 from hf_cephalo.runtime.planning import (check_plan_for_job, job_rank_precisions, resolve_plan,
                                          wrap_staged)
 from hf_cephalo.runtime.process import ensure_process_group, register_exit_teardown
-from hf_cephalo.runtime.report import AccuracyReport, StepTimer, format_plan_table
+from hf_cephalo.runtime.report import (AccuracyReport, StepTimer, format_plan_table,
+                                      format_scoring_line)
 from hf_cephalo.runtime.sampler import SplitSchedule
 from hf_cephalo.runtime.sharded_model import guard_sharded_model
 from hf_cephalo.runtime.streaming import is_stream, stream_loader
@@ -221,6 +222,10 @@ class Session:
                                 self.job.global_batch_origin), flush=True)
         if self.cluster_profile is not None:
             from hf_cephalo.planner.simulate import extrapolation_note
+
+            if self.job.scoring_passes:
+                print(format_scoring_line(self.plan, self.cluster_profile,
+                                          self.job.scoring_passes), flush=True)
 
             note = extrapolation_note(self.plan, self.cluster_profile)
             if note:

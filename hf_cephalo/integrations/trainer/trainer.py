@@ -152,7 +152,8 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
                              if hasattr(model, "num_parameters") else 0)
         job = job_from_training_args(args, args.world_size, plan=plan, file_plan=file_plan,
                                      compile=compile_options,
-                                     rows_per_sample=self._rows_per_sample())
+                                     rows_per_sample=self._rows_per_sample(),
+                                     scoring_passes=self._scoring_passes())
         self._head_calls: HeadCalls | None = None
         engine_staged = self._engine_staged(staged)
         if user_loss:  # [Note: collectives inside the engine's head] in head_calls.py
@@ -292,6 +293,12 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         planner's pricing (``Job.rows_per_sample``): 1; a TRL door whose sample is a
         preference pair (both rows in one microbatch) says 2."""
         return 1
+
+    def _scoring_passes(self) -> float:
+        """Forward-only passes over the plan's split per optimizer step, for the start plan's
+        pricing (``Job.scoring_passes``): 0; the generating TRL doors count their
+        log-probability passes (``integrations/trl/rollout_door.py``)."""
+        return 0.0
 
     def _engine_microbatches(self, microbatches: list) -> list:
         """This rank's collated microbatches as the engine runs them: as collated (a TRL

@@ -137,7 +137,7 @@ class CephaloTrainingArguments(CephaloArguments, TrainingArguments):
 
 
 def job_from_training_args(args, world_size: int, *, plan=None, file_plan=None, compile=None,
-                           rows_per_sample: int = 1):
+                           rows_per_sample: int = 1, scoring_passes: float = 0.0):
     """The runtime's ``Job`` of a Trainer run (``CephaloTrainer`` and the TRL trainers):
     ``args``' cephalo_* settings, seed, output directory, precision and DataLoader settings;
     the global batch size resolved once ([Note: batch size semantics] in runtime/job.py) from
@@ -146,6 +146,7 @@ def job_from_training_args(args, world_size: int, *, plan=None, file_plan=None, 
     ``per_device_train_batch_size`` x world size x ``gradient_accumulation_steps`` (then
     named in the plan line: ``Job.global_batch_origin``). ``rows_per_sample``: the door's
     sequence rows per sample (``Job.rows_per_sample``; 2 for a preference pair).
+    ``scoring_passes``: the door's forward-only passes per step (``Job.scoring_passes``).
 
     Raises ValueError: ``cephalo_global_batch_size`` disagrees with the plan's."""
     from hf_cephalo.runtime import Job, LoaderOptions, Plan, resolve_global_batch_size
@@ -174,4 +175,5 @@ def job_from_training_args(args, world_size: int, *, plan=None, file_plan=None, 
                global_batch_origin=origin,
                precision=args.job_precision(settings), compile=compile, loader=loader,
                activation_checkpointing_given=args._cephalo_activation_checkpointing_given,
-               file_plan=file_plan, rows_per_sample=rows_per_sample)
+               file_plan=file_plan, rows_per_sample=rows_per_sample,
+               scoring_passes=scoring_passes)

@@ -105,6 +105,12 @@ class RLOORolloutStep(RolloutStep):
             return [[{"role": "assistant", "content": c}] for c in contents]
         return contents
 
+    @staticmethod
+    def passes_per_round(args) -> int:
+        """``RolloutStep.passes_per_round`` for RLOO: the old policy's pass always (as
+        RLOOTrainer) plus the reference's with ``beta`` != 0."""
+        return 1 + int(args.beta != 0.0)
+
     def _logprobs(self, microbatches: list[dict[str, Any]], rows: dict[str, Any]) -> None:
         """The old policy's per-token log-probabilities (summed per row: ``old_logps``) and,
         with beta, each row's KL to the reference (kept for the advantages and the ``kl``

@@ -148,6 +148,18 @@ class RolloutDoor:
         self._items = CompletionItems(staged, per_token=self._per_token_items())
         return self._items
 
+    def _scoring_passes(self) -> float:
+        """Forward-only passes over the plan's split per optimizer step, which the start plan
+        prices with the training step (``Job.scoring_passes``): the rollout step's passes per
+        generation round (``passes_per_round``: old policy, reference) over the steps a round
+        feeds (``steps_per_generation`` x ``num_iterations``), plus GRPO's entropy-threshold
+        pass every step (``top_entropy_quantile`` < 1, [Note: the entropy threshold])."""
+        args = self.args
+        steps = max(int(getattr(args, "steps_per_generation", None) or 1), 1) * \
+            args.num_iterations
+        entropy = getattr(args, "top_entropy_quantile", 1.0) < 1.0
+        return self._rollout_step_class.passes_per_round(args) / steps + float(entropy)
+
     def _engine_call_variants(self) -> dict[str, Any]:
         return {"fused_lm_head": self._fused_head(("log_probs", "entropy"))}
 

@@ -47,6 +47,16 @@ class RolloutStep:
             self.reference = self._reference(trainer, head)
 
     @staticmethod
+    def passes_per_round(args) -> int:
+        """The forward-only passes ``_logprobs`` runs per generation round for the config
+        ``args``: the old policy's when GRPOTrainer needs them (gradient accumulation steps not
+        a multiple of ``steps_per_generation`` x ``num_iterations``, so with one step per
+        generation: ``num_iterations`` > 1) plus the reference's with ``beta`` != 0."""
+        generate_every = max(int(args.steps_per_generation or 1), 1) * args.num_iterations
+        old = args.gradient_accumulation_steps % generate_every != 0
+        return int(old) + int(args.beta != 0.0)
+
+    @staticmethod
     def _reference(trainer, head) -> _Pass:
         """TRL's ``ref_model`` as a second engine sharded by the plan, or (a PEFT policy) the
         policy's own engine with its adapter off (``use_adapter``, as GRPOTrainer)."""
