@@ -119,9 +119,12 @@ def assert_same_run(got, expected, what, rank, rtol=RTOL, atol=ATOL):
 
 def case_compiled_equals_eager(rank, world, pair):
     """Dropout 0, uneven state split, uneven microbatches (a last one of another size, a rank
-    with none): compiled == eager after 3 AdamW steps; no recompile after the first step."""
-    plans = [(pair, [0.7, 0.3], [5, 2], [2, 2]),
-             (None, [0.5, 0.1, 0.4], [3, 4, 0], [2, 4, 1])]
+    with none): compiled == eager after 3 AdamW steps; no recompile after the first step.
+    Microbatches of 3 and 2 on whichever rank has two (rank 0, then rank 1): every rank
+    compiles the same two shapes (3 static, then the batch dimension dynamic), so a cold
+    inductor cache compiles 6 graphs' kernels once for both ranks, not a set of shapes each."""
+    plans = [(pair, [0.7, 0.3], [5, 3], [3, 3]),
+             (None, [0.5, 0.1, 0.4], [3, 5, 0], [3, 3, 1])]
     for group, ratios, sizes_b, sizes_m in plans:
         if group is pair and rank == 2:
             continue
@@ -138,11 +141,13 @@ def case_compiled_equals_eager(rank, world, pair):
 def case_dropout_replay(rank, world, pair, break_replay=False):
     """Dropout 0.3, compiled: the recompute (activation checkpointing) gives the gradient of
     the logged loss, i.e. the same run as keeping every forward graph (no recompute), only if
-    the recompute replays the forward's masks."""
+    the recompute replays the forward's masks. Microbatches of 2 on both ranks: one graph per
+    grad mode (the batch dimension dynamic, as case_compiled_equals_eager left the block's
+    code), the same on both ranks."""
     if rank == 2:
         return None
     cfg = ToyConfig(**CFG, dropout=0.3)
-    args = (rank, pair, cfg, [0.6, 0.4], [3, 2], [2, 1], INDUCTOR)
+    args = (rank, pair, cfg, [0.6, 0.4], [4, 2], [2, 2], INDUCTOR)
     kept = train(*args, activation_checkpointing=False)
     saved = schedule.RngState.replay
     if break_replay:  # the recompute draws fresh masks

@@ -7,7 +7,7 @@
 - ``check_resume`` / ``_missing_devices`` / ``format_plan_change``: the messages.
 - Through ``CephaloTrainer``: a checkpoint of another global batch size or another model, and a
   world with a device the profile file does not know, are refused with ValueErrors.
-The end-to-end elastic runs (torchrun agents, 3 -> 2 and 2 -> 3) are in test_elastic_launch.py.
+The end-to-end elastic run (torchrun agents, 2 -> 3 -> 2) is in test_elastic_launch.py.
 """
 
 from __future__ import annotations

@@ -1,18 +1,21 @@
 """Elastic training end to end: torchrun elastic agents on loopback (c10d rendezvous).
 
-Three agents of one CPU process each (``--nnodes=2:3``) train a tiny Llama with a profile
-file (a pool of device profiles, so no profiling run) and ``save_steps=4``:
+Agents of one CPU process each (``--nnodes=2:3``) train a tiny Llama with a profile file (a
+pool of device profiles, so no profiling run) and ``save_steps=4``, in ONE launch sequence
+2 -> 3 -> 2 (one set of agents and three worker generations instead of two separate runs):
 
-- 3 -> 2: at the end of step 6 the third agent's worker SIGKILLs its agent and itself (the node
-  leaves); the two others' workers fail in the next collective, their agents re-rendezvous
-  with 2 nodes, and the new workers re-plan (b 4/4/4 -> 6/6) and resume from checkpoint-4;
 - 2 -> 3: two agents train; after step 6 a third agent joins; the running agents restart
-  their workers, which re-plan for 3 ranks (6/6 -> 4/4/4) and resume from checkpoint-4.
+  their workers, which re-plan for 3 ranks (b 6/6 -> 4/4/4) and resume from checkpoint-4;
+- 3 -> 2: at the end of step 10 the third agent's worker SIGKILLs its agent and itself (the
+  node leaves); the two others' workers fail in the next collective, their agents
+  re-rendezvous with 2 nodes, and the new workers re-plan (4/4/4 -> 6/6) and resume from
+  checkpoint-8.
 
-Both must reproduce an uninterrupted 3-rank run (one torchrun, 3 processes): the same global
+The run must reproduce an uninterrupted 3-rank run (one torchrun, 3 processes): the same global
 batch (sample ids) at every step, per-step losses and final parameters equal (fp32, rtol 1e-5),
-and the resume report (steps redone 2, old and new plan) in ``cephalo_restarts.jsonl``.
-Every process is killed on failure (agents by process group, workers by the ids they record).
+and one resume report per change (steps redone 2, old and new plan) in
+``cephalo_restarts.jsonl``. Every process is killed on failure (agents by process group,
+workers by the ids they record).
 """
 
 from __future__ import annotations
@@ -34,10 +37,14 @@ from tests.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "launch_scripts" / "elastic_train.py"
-MAX_STEPS, CHANGE_AT, CHECKPOINT = 10, 6, 4
+MAX_STEPS = 14
+JOIN_AT, JOIN_CHECKPOINT = 6, 4  # 2 -> 3 after step 6, resumed from checkpoint-4
+LEAVE_AT, LEAVE_CHECKPOINT = 10, 8  # 3 -> 2 after step 10, resumed from checkpoint-8
 RTOL, ATOL = 1e-5, 1e-6
-# Each phase takes ~15-40 s quiet on 2 cores; 5x for a slow machine.
+# The reference takes ~15-25 s quiet on 2 cores, the 2 -> 3 -> 2 sequence ~40-60 s; 5x for a
+# slow machine.
 PHASE_TIMEOUT_S = 200.0
+SEQUENCE_TIMEOUT_S = 300.0
 # [Note: scale-up needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1] (torch 2.13, c10d rendezvous): by
 # default the agents share the rendezvous TCPStore with their workers and cache its address from
 # their first round (DynamicRendezvousHandler._bootstrap_store_info); a node that joins later with
@@ -47,7 +54,7 @@ PHASE_TIMEOUT_S = 200.0
 # the dead node's heartbeat expires after 1 s x 3; 5 s of last call lets all 3 first agents in
 RDZV_CONF = "last_call_timeout=5,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * PHASE_TIMEOUT_S + 120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(PHASE_TIMEOUT_S + SEQUENCE_TIMEOUT_S + 120)]
 
 
 def _env(out: Path, log: Path, profile: Path, **extra: str) -> dict[str, str]:
@@ -142,6 +149,21 @@ def _make_profile(path: Path) -> None:
                    comm=CommProfile(allgather_s=0.001, reducescatter_s=0.001)).save(path)
 
 
+def _start_sequence(launches: Launches, out: Path, log: Path, profile: Path,
+                    deadline: float) -> list[subprocess.Popen]:
+    """2 -> 3 -> 2: agents 0 and 1 train and wait after step JOIN_AT; agent 2 joins then, and
+    its worker kills it and itself after step LEAVE_AT of the 3-rank world."""
+    port = free_port()
+    wait = _env(out, log, profile, ELASTIC_WAIT_AT_STEP=str(JOIN_AT))
+    procs = [_agent(launches, 0, port, wait)]
+    time.sleep(1.0)  # agent 0 hosts the rendezvous store (is_host=1)
+    procs.append(_agent(launches, 1, port, wait))
+    _wait_for(str(log / "waiting-*"), 2, deadline, launches)
+    procs.append(_agent(launches, 2, port,
+                        _env(out, log, profile, ELASTIC_DIE_AT_STEP=str(LEAVE_AT))))
+    return procs
+
+
 def _run(tmp: Path, scenario: str) -> dict:
     out, log = tmp / scenario / "out", tmp / scenario / "log"
     log.mkdir(parents=True)
@@ -149,33 +171,19 @@ def _run(tmp: Path, scenario: str) -> dict:
     if not profile.exists():
         _make_profile(profile)
     launches = Launches(log)
-    deadline = time.time() + PHASE_TIMEOUT_S
     try:
         if scenario == "reference":
             procs = [launches.start(["--standalone", "--nproc-per-node=3"],
                                     _env(out, log, profile), "reference")]
+            _wait(launches, procs, time.time() + PHASE_TIMEOUT_S)
+            expected = [0]
         else:
-            port = free_port()
-            first = 3 if scenario == "leave" else 2
-            chaos = dict(ELASTIC_DIE_AT_STEP=str(CHANGE_AT)) if scenario == "leave" else \
-                dict(ELASTIC_WAIT_AT_STEP=str(CHANGE_AT))
-            # leave: agent 2's worker kills it; join: agents 0 and 1 wait for agent 2
-            procs = []
-            for i in range(first):
-                with_chaos = i == 2 if scenario == "leave" else True
-                procs.append(_agent(launches, i, port,
-                                    _env(out, log, profile, **(chaos if with_chaos else {}))))
-                if i == 0:
-                    time.sleep(1.0)  # agent 0 hosts the rendezvous store (is_host=1)
-            if scenario == "join":
-                _wait_for(str(log / "waiting-*"), 2, deadline, launches)
-                procs.append(_agent(launches, 2, port, _env(out, log, profile)))
-        _wait(launches, procs if scenario != "leave" else procs[:2], deadline)
-        codes = [p.returncode for p in procs]
-        expected = [0, 0, -signal.SIGKILL] if scenario == "leave" else [0] * len(procs)
-        if scenario == "leave":
+            deadline = time.time() + SEQUENCE_TIMEOUT_S
+            procs = _start_sequence(launches, out, log, profile, deadline)
+            _wait(launches, procs[:2], deadline)
             procs[2].wait(timeout=10)
-            codes = [p.returncode for p in procs]
+            expected = [0, 0, -signal.SIGKILL]  # the node that left: killed by its worker
+        codes = [p.returncode for p in procs]
         assert codes == expected, f"exit codes {codes}\n{launches.output()}"
     finally:
         launches.kill_all()
@@ -190,7 +198,7 @@ def reference(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("elastic"), "reference")
 
 
-def _check_same_trajectory(run: dict, ref: dict, worlds: tuple[int, int]) -> None:
+def _check_same_trajectory(run: dict, ref: dict) -> None:
     assert sorted(run["steps"]) == sorted(ref["steps"]) == list(range(1, MAX_STEPS + 1))
     for step in range(1, MAX_STEPS + 1):
         mine, theirs = run["steps"][step], ref["steps"][step]
@@ -199,34 +207,32 @@ def _check_same_trajectory(run: dict, ref: dict, worlds: tuple[int, int]) -> Non
             assert copy["ids"] == theirs["ids"]
         np.testing.assert_allclose(mine["loss"], theirs["loss"], rtol=RTOL, atol=ATOL,
                                    err_msg=f"step {step}")
-    assert [run["steps"][s]["world"] for s in (1, CHECKPOINT + 1, MAX_STEPS)] == \
-        [worlds[0], worlds[1], worlds[1]], run["output"]
+    # 2 ranks until the join, 3 from the step after its checkpoint, 2 again after the leave's
+    worlds = {1: 2, JOIN_CHECKPOINT + 1: 3, LEAVE_CHECKPOINT: 3, LEAVE_CHECKPOINT + 1: 2,
+              MAX_STEPS: 2}
+    assert {s: run["steps"][s]["world"] for s in worlds} == worlds, run["output"]
     for name, value in ref["params"].items():
         np.testing.assert_allclose(run["params"][name].numpy(), value.numpy(), rtol=RTOL,
                                    atol=ATOL, err_msg=name)
 
 
-def _check_report(run: dict, before: list[int], after: list[int]) -> dict:
-    assert len(run["restarts"]) == 1, run["output"]
-    report = run["restarts"][0]
-    assert report["checkpoint_step"] == CHECKPOINT
-    assert report["last_step"] == CHANGE_AT and report["steps_redone"] == CHANGE_AT - CHECKPOINT
+def _check_report(report: dict, checkpoint: int, last_step: int, before: list[int],
+                  after: list[int]) -> None:
+    assert report["checkpoint_step"] == checkpoint
+    assert report["last_step"] == last_step
+    assert report["steps_redone"] == last_step - checkpoint
     assert (report["old_world_size"], report["new_world_size"]) == (len(before), len(after))
     assert [r["batch_size"] for r in report["old_plan"]["ranks"]] == before
     assert [r["batch_size"] for r in report["new_plan"]["ranks"]] == after
     assert report["restart_s"] > 0
     print(f"\nelastic {len(before)} -> {len(after)}: restart {report['restart_s']:.1f} s, "
           f"steps redone {report['steps_redone']}, plan b_i {before} -> {after}")
-    return report
 
 
-def test_node_leaves_3_to_2(reference, tmp_path):
-    run = _run(tmp_path, "leave")
-    _check_same_trajectory(run, reference, (3, 2))
-    _check_report(run, [4, 4, 4], [6, 6])
-
-
-def test_node_joins_2_to_3(reference, tmp_path):
-    run = _run(tmp_path, "join")
-    _check_same_trajectory(run, reference, (2, 3))
-    _check_report(run, [6, 6], [4, 4, 4])
+def test_node_joins_then_leaves_2_to_3_to_2(reference, tmp_path):
+    run = _run(tmp_path, "join_leave")
+    _check_same_trajectory(run, reference)
+    assert len(run["restarts"]) == 2, run["output"]
+    join, leave = run["restarts"]
+    _check_report(join, JOIN_CHECKPOINT, JOIN_AT, [6, 6], [4, 4, 4])
+    _check_report(leave, LEAVE_CHECKPOINT, LEAVE_AT, [4, 4, 4], [6, 6])

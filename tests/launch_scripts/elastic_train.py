@@ -29,7 +29,7 @@ from hf_cephalo.integrations.trainer.trainer import CephaloTrainer  # noqa: E402
 from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments  # noqa: E402
 from tests.models_fixtures import build  # noqa: E402
 
-NUM_SAMPLES, GLOBAL_BATCH, MAX_STEPS, SAVE_STEPS = 40, 12, 10, 4  # 4 steps per epoch, last of 4
+NUM_SAMPLES, GLOBAL_BATCH, MAX_STEPS, SAVE_STEPS = 40, 12, 14, 4  # 4 steps per epoch, last of 4
 LOG = os.environ["ELASTIC_LOG"]
 
 
