@@ -1,14 +1,20 @@
 """Saving and resuming a session's training state, for every front end (docs/checkpoints.md).
 
-A front end writes its own files around these (the Trainer's ``trainer_state.json`` and
-``rng_state_<r>.pth``, Accelerate's ``random_states_<r>.pkl``); what the runtime writes is the
-same in every door (a Trainer checkpoint and a loop's ``save_state`` folder hold the same
-sharded state; the Trainer refuses to resume a loop's folder, which has no
-``trainer_state.json``, and says how to start from its exported weights):
+A checkpoint's saving steps are written here once, and every door goes through them
+(``Session.save_checkpoint``); a door only adds its own files (the
+Trainer's ``trainer_state.json``, ``scheduler.pt`` and ``rng_state_<r>.pth``, Accelerate's
+``random_states_<r>.pkl``). What the runtime writes is the same in every door (a Trainer
+checkpoint and a loop's ``save_state`` folder hold the same sharded state; the Trainer refuses
+to resume a loop's folder, which has no ``trainer_state.json``, and says how to start from its
+exported weights):
 
-- ``save_training_state``: each rank's parameter and optimizer shards with their layout
-  (``engine.checkpoint.save_sharded``) and, by rank 0, the plan and run record the checkpoint
-  was trained with (``plan.json``, ``cephalo_run.json``: elastic resumes check B and model);
+- ``save_checkpoint``: in a staging folder published after its completeness marker
+  (``atomic_checkpoint``), the ``save_model`` files where the settings promise them
+  (``save_model_files``), each rank's parameter and optimizer shards with their layout
+  (``save_shards``: ``engine.checkpoint.save_sharded``) and, by rank 0, the plan and run record
+  the checkpoint was trained with (``plan.json``, ``cephalo_run.json``: elastic resumes check B
+  and model), a LoRA model's ``adapter_config.json`` and ``cephalo_contents.json``; then the
+  door's own files, through its callback;
 - ``resolve_resume``: ``True`` -> the newest complete ``checkpoint-N`` of the output directory;
 - ``prepare_resume``: the checkpoint checked against this run (same model, same global batch
   size; ``elastic.check_resume``), the plan it ran on adopted where live re-balancing had moved
@@ -25,7 +31,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -43,7 +49,7 @@ from hf_cephalo.runtime.elastic import (RunRecord, check_resume, latest_checkpoi
 if TYPE_CHECKING:
     from hf_cephalo.runtime.session import Session
 
-__all__ = ["atomic_checkpoint", "save_training_state", "save_shards", "save_run_record",
+__all__ = ["save_checkpoint", "atomic_checkpoint", "save_shards", "save_run_record",
            "save_model_files", "save_adapter_config", "resolve_resume", "prepare_resume",
            "adopt_checkpoint_plan", "load_weights", "load_checkpoint_weights", "load_optimizer",
            "load_scheduler", "is_complete", "CheckpointError"]
@@ -69,12 +75,37 @@ def save_shards(session: "Session", directory: str, optimizer) -> None:
     save_sharded(session.engine, directory, optimizer)
 
 
-def save_training_state(session: "Session", directory: str, optimizer, global_step: int) -> None:
-    """Every rank: its shards (+ optimizer state) into ``directory``; rank 0: the plan and run
-    record. Collective only through the caller's ``atomic_checkpoint``."""
-    save_shards(session, directory, optimizer)
-    if session.job.is_main:
-        save_run_record(session, directory, global_step)
+def save_checkpoint(session: "Session", directory: str, *, optimizer, global_step: int,
+                    contents: CheckpointContents, add_files: Callable[[str], None],
+                    model_files: Callable[[str], None] | None = None) -> None:
+    """Collective (every rank): ``session``'s checkpoint at ``global_step`` into ``directory``,
+    written atomically (``atomic_checkpoint``); the engine's part of every door's checkpoint is
+    composed here, once.
+
+    Into the staging folder: the ``save_model`` files when ``contents`` promises them
+    (``save_only_model`` or ``cephalo_save_full_model``; collective, streamed:
+    ``model_files(staging)``, by default ``save_model_files`` with the job's
+    ``max_shard_size``; the Trainer passes its ``save_model``, which stock's checkpoint calls
+    and a subclass may override), every rank's parameter and ``optimizer`` shards unless
+    ``save_only_model`` (``save_shards``), and by rank 0 the plan and run record
+    (``save_run_record``), a LoRA model's ``adapter_config.json`` and ``contents`` itself
+    (``cephalo_contents.json``). Then every rank calls ``add_files(staging)``, where the front
+    end writes its own files (the Trainer's ``trainer_state.json``, ``scheduler.pt``, RNG
+    states; a loop's Accelerate-style state). On exit every promised file is checked and the
+    folder is renamed to ``directory`` after the completeness marker."""
+    with atomic_checkpoint(session, directory, contents) as staging:
+        if contents.has_model_files:
+            if model_files is None:
+                save_model_files(session, staging, session.job.settings.max_shard_size)
+            else:
+                model_files(staging)
+        if contents.has_shards:
+            save_shards(session, staging, optimizer)
+        if session.job.is_main:
+            save_run_record(session, staging, global_step)
+            save_adapter_config(session.model, staging)
+            contents.write(staging)
+        add_files(staging)
 
 
 def save_run_record(session: "Session", directory: str, global_step: int) -> None:

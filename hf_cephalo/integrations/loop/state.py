@@ -1,9 +1,10 @@
 """``save_state`` / ``load_state`` of a prepared custom loop (docs/checkpoints.md, "Custom loops").
 
 A custom loop's checkpoint folder holds the runtime's sharded training state (each rank's
-parameter and optimizer shards with their layout, the plan and run record:
-``runtime/checkpointing.py``; loadable onto any plan and world size), and beside it what
-Accelerate's ``save_state`` keeps: each LR scheduler's ``state_dict`` (``scheduler.pt``,
+parameter and optimizer shards with their layout, the plan and run record, written by
+``Session.save_checkpoint``: ``runtime/checkpointing.py``; loadable onto any plan and world
+size), and beside it what Accelerate's ``save_state`` keeps, which this door adds through the
+session's callback: each LR scheduler's ``state_dict`` (``scheduler.pt``,
 ``scheduler_<i>.pt``), every rank's RNG states (``random_states_<rank>.pkl``: Python, NumPy,
 torch, CUDA), the loss scaler (``scaler.pt``), the objects given to
 ``register_for_checkpointing`` (``custom_checkpoint_<i>.pkl``) and the prepared loaders' position
@@ -33,9 +34,8 @@ import random
 import numpy as np
 import torch
 
-from hf_cephalo.runtime import (LOADERS_NAME, CheckpointContents, atomic_checkpoint,
-                                load_checkpoint_weights, load_optimizer, prepare_resume,
-                                save_adapter_config, save_training_state)
+from hf_cephalo.runtime import (LOADERS_NAME, CheckpointContents, load_checkpoint_weights,
+                                load_optimizer, prepare_resume)
 
 __all__ = ["save_loop_state", "load_loop_state", "LOADERS_NAME", "SCHEDULERS_NAME"]
 
@@ -77,25 +77,31 @@ def save_loop_state(accelerator, output_dir: str) -> str:
                                   scaler=accelerator.scaler is not None,
                                   scheduler=bool(accelerator._schedulers),
                                   world_size=session.job.world_size, front_end="accelerate")
-    with atomic_checkpoint(session, output_dir, contents) as staging:
-        save_training_state(session, staging, optimizer, session.global_step)
-        with open(os.path.join(staging, f"random_states_{session.job.rank}.pkl"), "wb") as f:
-            pickle.dump(_rng_state(), f)
-        if session.job.is_main:
-            contents.write(staging)
-            save_adapter_config(session.model, staging)
-            for i, scheduler in enumerate(accelerator._schedulers):
-                torch.save(scheduler.state_dict(), os.path.join(staging, _scheduler_name(i)))
-            with open(os.path.join(staging, SCHEDULERS_NAME), "w") as f:
-                json.dump([getattr(s, "steps_per_optimizer_step", None)
-                           for s in accelerator._schedulers], f)
-            if accelerator.scaler is not None:
-                torch.save(accelerator.scaler.state_dict(), os.path.join(staging, "scaler.pt"))
-            for i, obj in enumerate(accelerator._custom_objects):
-                torch.save(obj.state_dict(), os.path.join(staging, f"custom_checkpoint_{i}.pkl"))
-            with open(os.path.join(staging, LOADERS_NAME), "w") as f:
-                json.dump([loader.state() for loader in accelerator.cephalo_loaders], f)
+    session.save_checkpoint(output_dir, optimizer=optimizer, global_step=session.global_step,
+                            contents=contents,
+                            add_files=lambda staging: _save_loop_files(accelerator, staging))
     return output_dir
+
+
+def _save_loop_files(accelerator, staging: str) -> None:
+    """Every rank: the loop's own files beside the session's (the module note): its RNG
+    states; rank 0 also the schedulers, the scaler, the registered objects and the loaders."""
+    session = accelerator.cephalo_loop.session
+    with open(os.path.join(staging, f"random_states_{session.job.rank}.pkl"), "wb") as f:
+        pickle.dump(_rng_state(), f)
+    if not session.job.is_main:
+        return
+    for i, scheduler in enumerate(accelerator._schedulers):
+        torch.save(scheduler.state_dict(), os.path.join(staging, _scheduler_name(i)))
+    with open(os.path.join(staging, SCHEDULERS_NAME), "w") as f:
+        json.dump([getattr(s, "steps_per_optimizer_step", None)
+                   for s in accelerator._schedulers], f)
+    if accelerator.scaler is not None:
+        torch.save(accelerator.scaler.state_dict(), os.path.join(staging, "scaler.pt"))
+    for i, obj in enumerate(accelerator._custom_objects):
+        torch.save(obj.state_dict(), os.path.join(staging, f"custom_checkpoint_{i}.pkl"))
+    with open(os.path.join(staging, LOADERS_NAME), "w") as f:
+        json.dump([loader.state() for loader in accelerator.cephalo_loaders], f)
 
 
 def load_loop_state(accelerator, input_dir: str) -> None:

@@ -2,10 +2,11 @@
 
 ``EngineCheckpointMixin`` keeps stock ``Trainer``'s checkpoint folder (``checkpoint-N`` with
 ``trainer_state.json``, ``scheduler.pt``, ``rng_state*.pth``, rotation, best-model tracking)
-and replaces what the engine holds: the weights and optimizer state are the runtime's sharded
-state (``runtime/checkpointing.py``: loadable onto any plan and world size), the model files
-are streamed one unit at a time, and the folder is written aside and renamed after its
-completeness marker ([Note: atomic checkpoints] in engine/checkpoint/atomic.py).
+and replaces what the engine holds: the session writes the engine's part of every checkpoint
+(``Session.save_checkpoint``, ``runtime/checkpointing.py``: the weights and optimizer state
+sharded, loadable onto any plan and world size; the model files streamed one unit at a time;
+the folder written aside and renamed after its completeness marker, [Note: atomic checkpoints]
+in engine/checkpoint/atomic.py) and this door adds stock's own files.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import os
 
 import torch
 
-from hf_cephalo.runtime import (CheckpointContents, atomic_checkpoint, load_checkpoint_weights,
-                                load_optimizer, load_scheduler, prepare_resume, resolve_resume,
-                                save_adapter_config, save_model_files, save_run_record,
-                                save_shards)
+from hf_cephalo.runtime import (CheckpointContents, load_checkpoint_weights, load_optimizer,
+                                load_scheduler, prepare_resume, resolve_resume,
+                                save_model_files)
 
 __all__ = ["EngineCheckpointMixin", "unwrap_optimizer"]
 
@@ -65,13 +65,15 @@ class EngineCheckpointMixin:
     def _save_checkpoint(self, model: torch.nn.Module, trial=None) -> None:
         """Collective: the stock checkpoint contents, written atomically.
 
-        Everything (the sharded engine state, scheduler, RNG, ``trainer_state.json``, the
-        tokenizer and ``training_args.bin``; the full model only with
-        ``cephalo_save_full_model``; a LoRA PeftModel's ``adapter_config.json``) goes into a
-        hidden ``.tmp-checkpoint-N`` that is renamed to ``checkpoint-N`` after the completeness
-        marker (``runtime.checkpointing.atomic_checkpoint``); a run killed
-        mid-save leaves no ``checkpoint-N``. ``hf-cephalo export checkpoint-N --out DIR``
-        writes the full model from it on demand.
+        The session writes the engine's part (``Session.save_checkpoint``: the sharded engine
+        state, the plan and run record, a LoRA PeftModel's ``adapter_config.json``; the full
+        model only with ``cephalo_save_full_model`` or ``save_only_model``, through
+        ``save_model`` as stock's checkpoint writes it) and this door adds stock's files
+        (``_save_trainer_files``: scheduler, scaler, RNG, ``trainer_state.json``, the tokenizer
+        and ``training_args.bin``), all into a hidden ``.tmp-checkpoint-N`` that
+        is renamed to ``checkpoint-N`` after the completeness marker; a run killed mid-save
+        leaves no ``checkpoint-N``. ``hf-cephalo export checkpoint-N --out DIR`` writes the
+        full model from it on demand.
         """
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -82,28 +84,33 @@ class EngineCheckpointMixin:
         self._set_best_model_checkpoint(run_dir, output_dir)  # before trainer_state.json, as stock
         contents = self._checkpoint_contents()
         # [Note: a checkpoint holds what its settings promise] in checkpoint_contents.py
-        with atomic_checkpoint(self.session, output_dir, contents) as staging:
-            if contents.has_model_files:  # save_only_model (as stock) or cephalo_save_full_model
-                self.save_model(staging, _internal_call=True)
-            elif self.args.should_save:
-                self._save_side_files(staging)
-            if self.args.should_save:
-                save_run_record(self.session, staging, self.state.global_step)
-                save_adapter_config(self.model, staging)
-                contents.write(staging)
-            if contents.has_shards:  # not save_only_model: parameters + optimizer, as stock
-                self._save_optimizer_and_scheduler(staging)
-                self._save_scaler(staging)
-                self._save_rng_state(staging)
-            if self.args.should_save:
-                self._save_callback_states()
-                self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
+        self.session.save_checkpoint(
+            output_dir, optimizer=unwrap_optimizer(self.optimizer),
+            global_step=self.state.global_step, contents=contents,
+            model_files=lambda staging: self.save_model(staging, _internal_call=True),
+            add_files=lambda staging: self._save_trainer_files(staging, contents))
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint,
                                use_mtime=True)
+
+    def _save_trainer_files(self, staging: str, contents: CheckpointContents) -> None:
+        """Every rank: stock's own files of a checkpoint into its staging folder, beside the
+        engine's part: the tokenizer and ``training_args.bin`` (rank 0; ``save_model`` wrote
+        them with the model files), and unless ``save_only_model`` (as stock) ``scheduler.pt``,
+        ``scaler.pt`` and each rank's RNG state; then (rank 0) ``trainer_state.json`` with the
+        callbacks' states."""
+        if self.args.should_save and not contents.has_model_files:
+            self._save_side_files(staging)
+        if contents.has_shards:  # not save_only_model: parameters + optimizer, as stock
+            self._save_optimizer_and_scheduler(staging)
+            self._save_scaler(staging)
+            self._save_rng_state(staging)
+        if self.args.should_save:
+            self._save_callback_states()
+            self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
 
     def _save_callback_states(self) -> None:
         """Stock's ``ExportableState`` callbacks into ``state.stateful_callbacks``."""
@@ -141,9 +148,9 @@ class EngineCheckpointMixin:
                                   world_size=self.session.job.world_size)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Every rank writes its parameter and optimizer shards with the layout
-        (``runtime.checkpointing.save_shards``); rank 0 also ``scheduler.pt``."""
-        save_shards(self.session, output_dir, unwrap_optimizer(self.optimizer))
+        """Rank 0: ``scheduler.pt``. The parameter and optimizer shards are already in
+        ``output_dir`` (every rank's, written by ``Session.save_checkpoint`` before stock's
+        files)."""
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
