@@ -15,13 +15,13 @@ aside and renamed after its completeness marker (``atomic_checkpoint_dir``): a s
 midway publishes nothing. The full model is not in it: ``accelerator.save_model`` or
 ``hf-cephalo export`` write one.
 
-``load_state`` checks the checkpoint against this run (same model, same global batch size),
-reads this rank's shards re-laid for the current plan, and restores the schedulers, the RNG
-states (this rank's file, else rank 0's on a larger world), the scaler, the registered objects
-and the loaders' epoch: the next iteration of the training loader continues that epoch's
-permutation, from its start (as stock; ``accelerator.skip_first_batches(loader, n)`` skips the
-batches done) or, with ``DataLoaderConfiguration(use_stateful_dataloader=True)``, from the
-position saved.
+``load_state`` checks the checkpoint against this run (same model, same global batch size) and
+reads this rank's shards re-laid for the current plan (``Session.resume``), then restores its
+own files: the schedulers, the RNG states (this rank's file, else rank 0's on a larger world),
+the scaler, the registered objects and the loaders' epoch: the next iteration of the training
+loader continues that epoch's permutation, from its start (as stock;
+``accelerator.skip_first_batches(loader, n)`` skips the batches done) or, with
+``DataLoaderConfiguration(use_stateful_dataloader=True)``, from the position saved.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ import random
 import numpy as np
 import torch
 
-from hf_cephalo.runtime import (LOADERS_NAME, CheckpointContents, load_checkpoint_weights,
-                                load_optimizer, prepare_resume)
+from hf_cephalo.runtime import LOADERS_NAME, CheckpointContents
 
 __all__ = ["save_loop_state", "load_loop_state", "LOADERS_NAME", "SCHEDULERS_NAME"]
 
@@ -113,10 +112,8 @@ def load_loop_state(accelerator, input_dir: str) -> None:
     incomplete or corrupt one."""
     loop = accelerator.cephalo_loop
     session = loop.session
-    step = prepare_resume(session, input_dir)
-    load_checkpoint_weights(session, input_dir)
-    if session.optimizer is not None:
-        load_optimizer(session, session.optimizer, input_dir)
+    resume = session.resume(input_dir)
+    resume.load(session.optimizer)  # weights, then the optimizer state (when there is one)
     for i, scheduler in enumerate(accelerator._schedulers):
         scheduler.load_state_dict(torch.load(os.path.join(input_dir, _scheduler_name(i)),
                                              weights_only=True))
@@ -132,7 +129,7 @@ def load_loop_state(accelerator, input_dir: str) -> None:
               "rb") as f:
         _set_rng_state(pickle.load(f))
     _restore_loaders(accelerator, input_dir)
-    session.global_step = step
+    session.global_step = resume.step
 
 
 def _restore_scheduler_steps(accelerator, input_dir: str) -> None:
