@@ -181,6 +181,39 @@ def test_doors_take_the_runtime_face_and_import_down_the_door_chain():
         against)
 
 
+# Issue 49 item 6: a checkpoint's steps are composed once, in runtime/checkpointing.py
+# (``save_checkpoint``, ``Resume``), and the doors reach them only through the Session
+# (``Session.save_checkpoint`` / ``resume`` / ``load_checkpoint_weights`` / ``save_model_files``),
+# each adding only its own files; of checkpointing's names a door uses only these, which find
+# a checkpoint without reading or writing its state
+CHECKPOINT_LOOKUPS = {"resolve_resume", "is_complete"}
+
+
+def test_doors_compose_checkpoints_only_through_the_session():
+    """No door imports a checkpointing step (the staging folder, shards, run record, model
+    files, the resume's checks and loads) to compose a checkpoint itself: the runtime's face
+    exports none of them, and no module under hf_cephalo/integrations imports one by name."""
+    import importlib
+
+    steps = set(importlib.import_module("hf_cephalo.runtime.checkpointing").__all__) \
+        - CHECKPOINT_LOOKUPS
+    exported = sorted(steps & set(importlib.import_module("hf_cephalo.runtime").__all__))
+    found = []
+    for rel, path in _modules():
+        if rel[0] != "integrations":
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            for dotted, names in _imported_names(rel, node):
+                found += [f"hf_cephalo/{'/'.join(rel)}.py:{node.lineno} imports {n} from "
+                          f"{dotted}" for n in names
+                          if n in steps and dotted.startswith("hf_cephalo.runtime")]
+    print(f"checkpointing steps: {len(steps)}; exported by the face: {len(exported)}; "
+          f"imported by a door: {len(found)}")
+    assert not exported, f"the runtime's face exports checkpointing steps: {exported}"
+    assert not found, ("save and resume through the Session (save_checkpoint, resume):\n"
+                       + "\n".join(found))
+
+
 def test_no_module_is_over_800_lines():
     """Issue 38's limit: a module over 800 lines holds several concepts; split it by concept
     (two had grown past it, unnoticed, before this test)."""

@@ -41,10 +41,9 @@ _EXPORTS = {
     **_from("optim", "decay_groups", "engine_names", "parameter_names", "repoint_problems"),
     # checkpoint contents, and saving / resuming onto any plan and world
     **_from("checkpoint_contents", "CheckpointContents", "LOADERS_NAME", "read_contents"),
-    **_from("checkpointing", "atomic_checkpoint", "save_model_files", "save_run_record",
-            "save_adapter_config", "save_shards", "save_training_state", "resolve_resume",
-            "prepare_resume", "load_checkpoint_weights", "load_optimizer", "load_scheduler",
-            "is_complete"),
+    # (a door saves and resumes through the Session: save_checkpoint, resume, save_model_files;
+    # these two only find checkpoints)
+    **_from("checkpointing", "resolve_resume", "is_complete"),
     # a user's loss on the staged outputs, and stock Trainer's item counts
     **_from("head_calls", "HeadCalls", "current_head_call"),
     **_from("user_loss", "HeadView", "UserLossStagedModel", "stock_smoother_shift"),

@@ -1,20 +1,27 @@
 """Saving and resuming a session's training state, for every front end (docs/checkpoints.md).
 
-A front end writes its own files around these (the Trainer's ``trainer_state.json`` and
-``rng_state_<r>.pth``, Accelerate's ``random_states_<r>.pkl``); what the runtime writes is the
-same in every door (a Trainer checkpoint and a loop's ``save_state`` folder hold the same
-sharded state; the Trainer refuses to resume a loop's folder, which has no
-``trainer_state.json``, and says how to start from its exported weights):
+The sequence of a checkpoint's steps is written here once, and every door goes through it
+(``Session.save_checkpoint`` / ``Session.resume``); a door only adds its own files (the
+Trainer's ``trainer_state.json``, ``scheduler.pt`` and ``rng_state_<r>.pth``, Accelerate's
+``random_states_<r>.pkl``). What the runtime writes is the same in every door (a Trainer
+checkpoint and a loop's ``save_state`` folder hold the same sharded state; the Trainer refuses
+to resume a loop's folder, which has no ``trainer_state.json``, and says how to start from its
+exported weights):
 
-- ``save_training_state``: each rank's parameter and optimizer shards with their layout
-  (``engine.checkpoint.save_sharded``) and, by rank 0, the plan and run record the checkpoint
-  was trained with (``plan.json``, ``cephalo_run.json``: elastic resumes check B and model);
+- ``save_checkpoint``: in a staging folder published after its completeness marker
+  (``atomic_checkpoint``), the ``save_model`` files where the settings promise them
+  (``save_model_files``), each rank's parameter and optimizer shards with their layout
+  (``save_shards``: ``engine.checkpoint.save_sharded``) and, by rank 0, the plan and run record
+  the checkpoint was trained with (``plan.json``, ``cephalo_run.json``: elastic resumes check B
+  and model), a LoRA model's ``adapter_config.json`` and ``cephalo_contents.json``; then the
+  door's own files, through its callback;
 - ``resolve_resume``: ``True`` -> the newest complete ``checkpoint-N`` of the output directory;
-- ``prepare_resume``: the checkpoint checked against this run (same model, same global batch
-  size; ``elastic.check_resume``), the plan it ran on adopted where live re-balancing had moved
-  it, and the resume reported at the first step (``ElasticProgress``);
-- ``load_weights`` / ``load_optimizer``: this rank's shards of the checkpoint's weights and
-  optimizer state, re-laid for this plan and world size, errors raised on every rank.
+- ``Resume``: the checkpoint checked against this run (same model, same global batch size;
+  ``elastic.check_resume``), the plan it ran on adopted where live re-balancing had moved it,
+  and the resume reported at the first step (``prepare_resume``, ``ElasticProgress``); then
+  this rank's shards of its weights and optimizer state, re-laid for this plan and world size,
+  and the LR scheduler's position (``load_checkpoint_weights``, ``load_optimizer``,
+  ``load_scheduler``), errors raised on every rank.
 
 Every rank reads the same files and raises the same error, so no rank is left in a collective.
 """
@@ -25,7 +32,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -43,7 +50,7 @@ from hf_cephalo.runtime.elastic import (RunRecord, check_resume, latest_checkpoi
 if TYPE_CHECKING:
     from hf_cephalo.runtime.session import Session
 
-__all__ = ["atomic_checkpoint", "save_training_state", "save_shards", "save_run_record",
+__all__ = ["save_checkpoint", "Resume", "atomic_checkpoint", "save_shards", "save_run_record",
            "save_model_files", "save_adapter_config", "resolve_resume", "prepare_resume",
            "adopt_checkpoint_plan", "load_weights", "load_checkpoint_weights", "load_optimizer",
            "load_scheduler", "is_complete", "CheckpointError"]
@@ -69,12 +76,37 @@ def save_shards(session: "Session", directory: str, optimizer) -> None:
     save_sharded(session.engine, directory, optimizer)
 
 
-def save_training_state(session: "Session", directory: str, optimizer, global_step: int) -> None:
-    """Every rank: its shards (+ optimizer state) into ``directory``; rank 0: the plan and run
-    record. Collective only through the caller's ``atomic_checkpoint``."""
-    save_shards(session, directory, optimizer)
-    if session.job.is_main:
-        save_run_record(session, directory, global_step)
+def save_checkpoint(session: "Session", directory: str, *, optimizer, global_step: int,
+                    contents: CheckpointContents, add_files: Callable[[str], None],
+                    model_files: Callable[[str], None] | None = None) -> None:
+    """Collective (every rank): ``session``'s checkpoint at ``global_step`` into ``directory``,
+    written atomically (``atomic_checkpoint``); the engine's part of every door's checkpoint is
+    composed here, once.
+
+    Into the staging folder: the ``save_model`` files when ``contents`` promises them
+    (``save_only_model`` or ``cephalo_save_full_model``; collective, streamed:
+    ``model_files(staging)``, by default ``save_model_files`` with the job's
+    ``max_shard_size``; the Trainer passes its ``save_model``, which stock's checkpoint calls
+    and a subclass may override), every rank's parameter and ``optimizer`` shards unless
+    ``save_only_model`` (``save_shards``), and by rank 0 the plan and run record
+    (``save_run_record``), a LoRA model's ``adapter_config.json`` and ``contents`` itself
+    (``cephalo_contents.json``). Then every rank calls ``add_files(staging)``, where the front
+    end writes its own files (the Trainer's ``trainer_state.json``, ``scheduler.pt``, RNG
+    states; a loop's Accelerate-style state). On exit every promised file is checked and the
+    folder is renamed to ``directory`` after the completeness marker."""
+    with atomic_checkpoint(session, directory, contents) as staging:
+        if contents.has_model_files:
+            if model_files is None:
+                save_model_files(session, staging, session.job.settings.max_shard_size)
+            else:
+                model_files(staging)
+        if contents.has_shards:
+            save_shards(session, staging, optimizer)
+        if session.job.is_main:
+            save_run_record(session, staging, global_step)
+            save_adapter_config(session.model, staging)
+            contents.write(staging)
+        add_files(staging)
 
 
 def save_run_record(session: "Session", directory: str, global_step: int) -> None:
@@ -211,6 +243,57 @@ def load_scheduler(session: "Session", scheduler, checkpoint: str,
             raise CheckpointError(f"{path}: missing (the LR scheduler's position); "
                                   f"{damaged_remedy(checkpoint)}")
         scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+class Resume:
+    """The engine's side of resuming ``session`` from ``checkpoint``, in the one order every
+    door takes it (``Session.resume`` builds it).
+
+    Building it checks the checkpoint against this run, adopts the plan it ran on where live
+    re-balancing had moved it and arms the resume report (``prepare_resume``): before the
+    front end's loaders draw a batch or any state is read. ``load_weights`` then reads this
+    rank's shards of its weights, and ``load_optimizer`` the optimizer state and the LR
+    scheduler's position. A custom loop takes them back to back (``load``); the Trainer at
+    the moments stock ``train`` reaches them (``_load_from_checkpoint``, then
+    ``_load_optimizer_and_scheduler`` once the optimizer exists).
+
+    Attributes:
+        checkpoint: the checkpoint folder.
+        step: its global step (``prepare_resume``; ``global_step`` when it has no record).
+        contents: its recorded contents once ``load_weights`` has read them (None before, and
+            for a checkpoint without ``cephalo_contents.json``).
+    """
+
+    def __init__(self, session: "Session", checkpoint: str, *,
+                 global_step: int | None = None) -> None:
+        self.session = session
+        self.checkpoint = checkpoint
+        self.step = prepare_resume(session, checkpoint, global_step=global_step)
+        self.contents: CheckpointContents | None = None
+
+    @property
+    def weights_only(self) -> bool:
+        """The checkpoint was saved with ``save_only_model``: weights, no optimizer state."""
+        return self.contents is not None and self.contents.save_only_model
+
+    def load_weights(self) -> CheckpointContents | None:
+        """This rank's shards of the checkpoint's weights (``load_checkpoint_weights``);
+        returns its recorded contents."""
+        self.contents = load_checkpoint_weights(self.session, self.checkpoint)
+        return self.contents
+
+    def load_optimizer(self, optimizer, scheduler=None) -> None:
+        """The optimizer state re-laid for this plan (``load_optimizer``) and, given a
+        ``scheduler``, its position from ``scheduler.pt`` (``load_scheduler``)."""
+        load_optimizer(self.session, optimizer, self.checkpoint)
+        if scheduler is not None:
+            load_scheduler(self.session, scheduler, self.checkpoint)
+
+    def load(self, optimizer=None, scheduler=None) -> None:
+        """``load_weights``, then (given an ``optimizer``) ``load_optimizer``."""
+        self.load_weights()
+        if optimizer is not None:
+            self.load_optimizer(optimizer, scheduler)
 
 
 def save_model_files(session: "Session", output_dir: str, max_shard_size) -> None:

@@ -16,7 +16,8 @@ the step hooks. What the session owns, in the order a run meets it:
 5. **Step hooks** (``train_begin``, ``step_begin``, ``step_end``, ``train_end``): the one step
    timer, the emulated slowdown schedule, the adaptive controller, the accuracy report and the
    elastic progress file.
-6. **Checkpoints** (``checkpointing.py``) and **re-layout** (``relayout_state``).
+6. **Checkpoints** (``save_checkpoint``, ``resume``: composed once in ``checkpointing.py``;
+   each front end adds only its own files) and **re-layout** (``relayout_state``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from hf_cephalo.planner import Plan
 from hf_cephalo.planner.adapt import refit_cluster
 from hf_cephalo.profiler.emulate import find_emulated
 from hf_cephalo.profiles.types import ClusterProfile
+from hf_cephalo.runtime import checkpointing
 from hf_cephalo.runtime.adaptive import AdaptiveController
+from hf_cephalo.runtime.checkpoint_contents import CheckpointContents
 from hf_cephalo.runtime.data import LoaderOptions, weighted_loader
 from hf_cephalo.runtime.elastic import ElasticProgress
 from hf_cephalo.runtime.job import Job
@@ -448,6 +451,41 @@ class Session:
         from hf_cephalo.runtime.collectives import gather_rows
 
         return gather_rows(tensor, self.engine.group)
+
+    # ---- checkpoints (checkpointing.py: each step composed there once) -----------------------
+    def save_checkpoint(self, directory: str, *, optimizer, global_step: int,
+                        contents: CheckpointContents, add_files: Callable[[str], None],
+                        model_files: Callable[[str], None] | None = None) -> None:
+        """Collective (every rank): this run's checkpoint at ``global_step`` into
+        ``directory``, written atomically: the engine's part (the ``save_model`` files where
+        ``contents`` promises them, through ``model_files(staging)`` when given; the shards of
+        the weights and ``optimizer``, the plan and run record, ``cephalo_contents.json``), then
+        the front end's own files through ``add_files(staging)``
+        (``checkpointing.save_checkpoint``)."""
+        checkpointing.save_checkpoint(self, directory, optimizer=optimizer,
+                                      global_step=global_step, contents=contents,
+                                      add_files=add_files, model_files=model_files)
+
+    def resume(self, checkpoint: str, *, global_step: int | None = None) -> checkpointing.Resume:
+        """Start resuming from ``checkpoint``: checked against this run (another model or
+        global batch size: ValueError on every rank, before any state is read), the plan it
+        ran on adopted, the resume reported at the first step; the returned ``Resume`` loads
+        the weights, then the optimizer state and scheduler (``checkpointing.Resume``)."""
+        return checkpointing.Resume(self, checkpoint, global_step=global_step)
+
+    def load_checkpoint_weights(self, checkpoint: str, *, when: str,
+                                weights_only: bool = False) -> CheckpointContents | None:
+        """This rank's shards of ``checkpoint``'s weights after checking its promised files
+        (``when`` names the action in their messages; ``checkpointing.load_checkpoint_weights``),
+        e.g. the best checkpoint's at the end of training."""
+        return checkpointing.load_checkpoint_weights(self, checkpoint, when=when,
+                                                     weights_only=weights_only)
+
+    def save_model_files(self, directory: str, max_shard_size) -> None:
+        """Collective (every rank): a ``from_pretrained`` folder of the current weights,
+        streamed unit by unit (a LoRA ``PeftModel``: its adapter;
+        ``checkpointing.save_model_files``)."""
+        checkpointing.save_model_files(self, directory, max_shard_size)
 
     def relayout_state(self, new_plan: Plan) -> None:
         """Collective, at a step boundary: re-lay the training state onto ``new_plan``'s r_i in

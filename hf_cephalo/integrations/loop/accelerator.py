@@ -300,7 +300,6 @@ class CephaloAccelerator(Accelerator):
         """Collective (every rank): a ``from_pretrained`` folder of the prepared model,
         streamed one unit at a time (rank 0 writes; a LoRA PeftModel: its adapter)."""
         from hf_cephalo.integrations.loop.loop import CephaloModel
-        from hf_cephalo.runtime import save_model_files
 
         if not isinstance(model, CephaloModel):
             return super().save_model(model, save_directory, max_shard_size=max_shard_size,
@@ -308,7 +307,7 @@ class CephaloAccelerator(Accelerator):
         if not safe_serialization:
             raise ValueError("save_model(safe_serialization=False): the streamed save writes "
                              "safetensors only; drop the argument")
-        save_model_files(model._session, str(save_directory), max_shard_size)
+        model._session.save_model_files(str(save_directory), max_shard_size)
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs):

@@ -1,9 +1,10 @@
 """``save_state`` / ``load_state`` of a prepared custom loop (docs/checkpoints.md, "Custom loops").
 
 A custom loop's checkpoint folder holds the runtime's sharded training state (each rank's
-parameter and optimizer shards with their layout, the plan and run record:
-``runtime/checkpointing.py``; loadable onto any plan and world size), and beside it what
-Accelerate's ``save_state`` keeps: each LR scheduler's ``state_dict`` (``scheduler.pt``,
+parameter and optimizer shards with their layout, the plan and run record, written by
+``Session.save_checkpoint``: ``runtime/checkpointing.py``; loadable onto any plan and world
+size), and beside it what Accelerate's ``save_state`` keeps, which this door adds through the
+session's callback: each LR scheduler's ``state_dict`` (``scheduler.pt``,
 ``scheduler_<i>.pt``), every rank's RNG states (``random_states_<rank>.pkl``: Python, NumPy,
 torch, CUDA), the loss scaler (``scaler.pt``), the objects given to
 ``register_for_checkpointing`` (``custom_checkpoint_<i>.pkl``) and the prepared loaders' position
@@ -14,13 +15,13 @@ aside and renamed after its completeness marker (``atomic_checkpoint_dir``): a s
 midway publishes nothing. The full model is not in it: ``accelerator.save_model`` or
 ``hf-cephalo export`` write one.
 
-``load_state`` checks the checkpoint against this run (same model, same global batch size),
-reads this rank's shards re-laid for the current plan, and restores the schedulers, the RNG
-states (this rank's file, else rank 0's on a larger world), the scaler, the registered objects
-and the loaders' epoch: the next iteration of the training loader continues that epoch's
-permutation, from its start (as stock; ``accelerator.skip_first_batches(loader, n)`` skips the
-batches done) or, with ``DataLoaderConfiguration(use_stateful_dataloader=True)``, from the
-position saved.
+``load_state`` checks the checkpoint against this run (same model, same global batch size) and
+reads this rank's shards re-laid for the current plan (``Session.resume``), then restores its
+own files: the schedulers, the RNG states (this rank's file, else rank 0's on a larger world),
+the scaler, the registered objects and the loaders' epoch: the next iteration of the training
+loader continues that epoch's permutation, from its start (as stock;
+``accelerator.skip_first_batches(loader, n)`` skips the batches done) or, with
+``DataLoaderConfiguration(use_stateful_dataloader=True)``, from the position saved.
 """
 
 from __future__ import annotations
@@ -33,9 +34,7 @@ import random
 import numpy as np
 import torch
 
-from hf_cephalo.runtime import (LOADERS_NAME, CheckpointContents, atomic_checkpoint,
-                                load_checkpoint_weights, load_optimizer, prepare_resume,
-                                save_adapter_config, save_training_state)
+from hf_cephalo.runtime import LOADERS_NAME, CheckpointContents
 
 __all__ = ["save_loop_state", "load_loop_state", "LOADERS_NAME", "SCHEDULERS_NAME"]
 
@@ -77,25 +76,31 @@ def save_loop_state(accelerator, output_dir: str) -> str:
                                   scaler=accelerator.scaler is not None,
                                   scheduler=bool(accelerator._schedulers),
                                   world_size=session.job.world_size, front_end="accelerate")
-    with atomic_checkpoint(session, output_dir, contents) as staging:
-        save_training_state(session, staging, optimizer, session.global_step)
-        with open(os.path.join(staging, f"random_states_{session.job.rank}.pkl"), "wb") as f:
-            pickle.dump(_rng_state(), f)
-        if session.job.is_main:
-            contents.write(staging)
-            save_adapter_config(session.model, staging)
-            for i, scheduler in enumerate(accelerator._schedulers):
-                torch.save(scheduler.state_dict(), os.path.join(staging, _scheduler_name(i)))
-            with open(os.path.join(staging, SCHEDULERS_NAME), "w") as f:
-                json.dump([getattr(s, "steps_per_optimizer_step", None)
-                           for s in accelerator._schedulers], f)
-            if accelerator.scaler is not None:
-                torch.save(accelerator.scaler.state_dict(), os.path.join(staging, "scaler.pt"))
-            for i, obj in enumerate(accelerator._custom_objects):
-                torch.save(obj.state_dict(), os.path.join(staging, f"custom_checkpoint_{i}.pkl"))
-            with open(os.path.join(staging, LOADERS_NAME), "w") as f:
-                json.dump([loader.state() for loader in accelerator.cephalo_loaders], f)
+    session.save_checkpoint(output_dir, optimizer=optimizer, global_step=session.global_step,
+                            contents=contents,
+                            add_files=lambda staging: _save_loop_files(accelerator, staging))
     return output_dir
+
+
+def _save_loop_files(accelerator, staging: str) -> None:
+    """Every rank: the loop's own files beside the session's (the module note): its RNG
+    states; rank 0 also the schedulers, the scaler, the registered objects and the loaders."""
+    session = accelerator.cephalo_loop.session
+    with open(os.path.join(staging, f"random_states_{session.job.rank}.pkl"), "wb") as f:
+        pickle.dump(_rng_state(), f)
+    if not session.job.is_main:
+        return
+    for i, scheduler in enumerate(accelerator._schedulers):
+        torch.save(scheduler.state_dict(), os.path.join(staging, _scheduler_name(i)))
+    with open(os.path.join(staging, SCHEDULERS_NAME), "w") as f:
+        json.dump([getattr(s, "steps_per_optimizer_step", None)
+                   for s in accelerator._schedulers], f)
+    if accelerator.scaler is not None:
+        torch.save(accelerator.scaler.state_dict(), os.path.join(staging, "scaler.pt"))
+    for i, obj in enumerate(accelerator._custom_objects):
+        torch.save(obj.state_dict(), os.path.join(staging, f"custom_checkpoint_{i}.pkl"))
+    with open(os.path.join(staging, LOADERS_NAME), "w") as f:
+        json.dump([loader.state() for loader in accelerator.cephalo_loaders], f)
 
 
 def load_loop_state(accelerator, input_dir: str) -> None:
@@ -107,10 +112,8 @@ def load_loop_state(accelerator, input_dir: str) -> None:
     incomplete or corrupt one."""
     loop = accelerator.cephalo_loop
     session = loop.session
-    step = prepare_resume(session, input_dir)
-    load_checkpoint_weights(session, input_dir)
-    if session.optimizer is not None:
-        load_optimizer(session, session.optimizer, input_dir)
+    resume = session.resume(input_dir)
+    resume.load(session.optimizer)  # weights, then the optimizer state (when there is one)
     for i, scheduler in enumerate(accelerator._schedulers):
         scheduler.load_state_dict(torch.load(os.path.join(input_dir, _scheduler_name(i)),
                                              weights_only=True))
@@ -126,7 +129,7 @@ def load_loop_state(accelerator, input_dir: str) -> None:
               "rb") as f:
         _set_rng_state(pickle.load(f))
     _restore_loaders(accelerator, input_dir)
-    session.global_step = step
+    session.global_step = resume.step
 
 
 def _restore_scheduler_steps(accelerator, input_dir: str) -> None:

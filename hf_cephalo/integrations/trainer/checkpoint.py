@@ -2,10 +2,12 @@
 
 ``EngineCheckpointMixin`` keeps stock ``Trainer``'s checkpoint folder (``checkpoint-N`` with
 ``trainer_state.json``, ``scheduler.pt``, ``rng_state*.pth``, rotation, best-model tracking)
-and replaces what the engine holds: the weights and optimizer state are the runtime's sharded
-state (``runtime/checkpointing.py``: loadable onto any plan and world size), the model files
-are streamed one unit at a time, and the folder is written aside and renamed after its
-completeness marker ([Note: atomic checkpoints] in engine/checkpoint/atomic.py).
+and replaces what the engine holds: the session writes the engine's part of every checkpoint
+and resumes it (``Session.save_checkpoint`` / ``Session.resume``, ``runtime/checkpointing.py``:
+the weights and optimizer state sharded, loadable onto any plan and world size; the model files
+streamed one unit at a time; the folder written aside and renamed after its completeness
+marker, [Note: atomic checkpoints] in engine/checkpoint/atomic.py); this door adds stock's own
+files and calls each step at the moment stock ``Trainer`` reaches it.
 """
 
 from __future__ import annotations
@@ -15,10 +17,7 @@ import os
 
 import torch
 
-from hf_cephalo.runtime import (CheckpointContents, atomic_checkpoint, load_checkpoint_weights,
-                                load_optimizer, load_scheduler, prepare_resume, resolve_resume,
-                                save_adapter_config, save_model_files, save_run_record,
-                                save_shards)
+from hf_cephalo.runtime import CheckpointContents, resolve_resume
 
 __all__ = ["EngineCheckpointMixin", "unwrap_optimizer"]
 
@@ -33,16 +32,16 @@ def unwrap_optimizer(optimizer):
 class EngineCheckpointMixin:
     """Saving and resuming for a ``Trainer`` subclass on the runtime (``self.session``)."""
 
-    _resumed_weights_only = False  # resumed from a save_only_model checkpoint
+    _resume = None  # the session's Resume of the checkpoint train() resumes from
 
     # ---- saving --------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Collective (call on every rank): write a ``from_pretrained`` model directory
-        (``runtime.checkpointing.save_model_files``: streamed, rank 0 never holds the whole
-        model; a LoRA ``PeftModel``: its adapter, as stock). Rank 0 also writes the processing
-        class (tokenizer) and ``training_args.bin``, as stock ``Trainer._save`` does."""
+        (``Session.save_model_files``: streamed, rank 0 never holds the whole model; a LoRA
+        ``PeftModel``: its adapter, as stock). Rank 0 also writes the processing class
+        (tokenizer) and ``training_args.bin``, as stock ``Trainer._save`` does."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_model_files(self.session, output_dir, self.args.cephalo_max_shard_size)
+        self.session.save_model_files(output_dir, self.args.cephalo_max_shard_size)
         if self.args.should_save:
             self._save_side_files(output_dir)
         if self.args.push_to_hub and not _internal_call:
@@ -65,13 +64,15 @@ class EngineCheckpointMixin:
     def _save_checkpoint(self, model: torch.nn.Module, trial=None) -> None:
         """Collective: the stock checkpoint contents, written atomically.
 
-        Everything (the sharded engine state, scheduler, RNG, ``trainer_state.json``, the
-        tokenizer and ``training_args.bin``; the full model only with
-        ``cephalo_save_full_model``; a LoRA PeftModel's ``adapter_config.json``) goes into a
-        hidden ``.tmp-checkpoint-N`` that is renamed to ``checkpoint-N`` after the completeness
-        marker (``runtime.checkpointing.atomic_checkpoint``); a run killed
-        mid-save leaves no ``checkpoint-N``. ``hf-cephalo export checkpoint-N --out DIR``
-        writes the full model from it on demand.
+        The session writes the engine's part (``Session.save_checkpoint``: the sharded engine
+        state, the plan and run record, a LoRA PeftModel's ``adapter_config.json``; the full
+        model only with ``cephalo_save_full_model`` or ``save_only_model``, through
+        ``save_model`` as stock's checkpoint writes it) and this door adds stock's files
+        (``_save_trainer_files``: scheduler, scaler, RNG, ``trainer_state.json``, the tokenizer
+        and ``training_args.bin``), all into a hidden ``.tmp-checkpoint-N`` that
+        is renamed to ``checkpoint-N`` after the completeness marker; a run killed mid-save
+        leaves no ``checkpoint-N``. ``hf-cephalo export checkpoint-N --out DIR`` writes the
+        full model from it on demand.
         """
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -82,28 +83,33 @@ class EngineCheckpointMixin:
         self._set_best_model_checkpoint(run_dir, output_dir)  # before trainer_state.json, as stock
         contents = self._checkpoint_contents()
         # [Note: a checkpoint holds what its settings promise] in checkpoint_contents.py
-        with atomic_checkpoint(self.session, output_dir, contents) as staging:
-            if contents.has_model_files:  # save_only_model (as stock) or cephalo_save_full_model
-                self.save_model(staging, _internal_call=True)
-            elif self.args.should_save:
-                self._save_side_files(staging)
-            if self.args.should_save:
-                save_run_record(self.session, staging, self.state.global_step)
-                save_adapter_config(self.model, staging)
-                contents.write(staging)
-            if contents.has_shards:  # not save_only_model: parameters + optimizer, as stock
-                self._save_optimizer_and_scheduler(staging)
-                self._save_scaler(staging)
-                self._save_rng_state(staging)
-            if self.args.should_save:
-                self._save_callback_states()
-                self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
+        self.session.save_checkpoint(
+            output_dir, optimizer=unwrap_optimizer(self.optimizer),
+            global_step=self.state.global_step, contents=contents,
+            model_files=lambda staging: self.save_model(staging, _internal_call=True),
+            add_files=lambda staging: self._save_trainer_files(staging, contents))
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint,
                                use_mtime=True)
+
+    def _save_trainer_files(self, staging: str, contents: CheckpointContents) -> None:
+        """Every rank: stock's own files of a checkpoint into its staging folder, beside the
+        engine's part: the tokenizer and ``training_args.bin`` (rank 0; ``save_model`` wrote
+        them with the model files), and unless ``save_only_model`` (as stock) ``scheduler.pt``,
+        ``scaler.pt`` and each rank's RNG state; then (rank 0) ``trainer_state.json`` with the
+        callbacks' states."""
+        if self.args.should_save and not contents.has_model_files:
+            self._save_side_files(staging)
+        if contents.has_shards:  # not save_only_model: parameters + optimizer, as stock
+            self._save_optimizer_and_scheduler(staging)
+            self._save_scaler(staging)
+            self._save_rng_state(staging)
+        if self.args.should_save:
+            self._save_callback_states()
+            self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
 
     def _save_callback_states(self) -> None:
         """Stock's ``ExportableState`` callbacks into ``state.stateful_callbacks``."""
@@ -141,9 +147,9 @@ class EngineCheckpointMixin:
                                   world_size=self.session.job.world_size)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Every rank writes its parameter and optimizer shards with the layout
-        (``runtime.checkpointing.save_shards``); rank 0 also ``scheduler.pt``."""
-        save_shards(self.session, output_dir, unwrap_optimizer(self.optimizer))
+        """Rank 0: ``scheduler.pt``. The parameter and optimizer shards are already in
+        ``output_dir`` (every rank's, written by ``Session.save_checkpoint`` before stock's
+        files)."""
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
@@ -152,7 +158,8 @@ class EngineCheckpointMixin:
         """The checkpoint to resume from (True: the newest complete one), checked against this
         run (same model, same global batch size) and reported on the first step. Every rank
         reads the same files and raises the same ValueError, before the checkpoint's state is
-        read."""
+        read (``Session.resume``, kept for the loads of stock's ``train``)."""
+        self._resume = None
         checkpoint = resolve_resume(self.args.output_dir, resume_from_checkpoint)
         if checkpoint:
             from hf_cephalo.runtime import read_contents
@@ -164,18 +171,18 @@ class EngineCheckpointMixin:
                     "keeps no trainer_state.json: resume it with accelerator.load_state in that "
                     "loop; to start a Trainer run from its weights, export them (hf-cephalo "
                     "export) and load the model from the exported folder")
-            prepare_resume(self.session, checkpoint)
+            self._resume = self.session.resume(checkpoint)
         return checkpoint
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """Load the sharded parameters and buffers, re-laid for this plan / world size.
+        """Load the sharded parameters and buffers, re-laid for this plan / world size
+        (``resume_from_checkpoint`` is the one ``_prepare_resume`` began resuming from).
 
         Raises ``CheckpointError`` (a ValueError naming the file)
         for an incomplete, corrupt or other-model checkpoint — before training starts.
         """
-        contents = load_checkpoint_weights(self.session, resume_from_checkpoint)
-        self._resumed_weights_only = contents is not None and contents.save_only_model
-        if self._resumed_weights_only and self.is_world_process_zero():  # said once
+        self._resume.load_weights()
+        if self._resume.weights_only and self.is_world_process_zero():  # said once
             logger.warning(f"{resume_from_checkpoint} was saved with save_only_model=True: it "
                            "holds the model weights and trainer state but no optimizer, LR "
                            "scheduler, scaler or RNG state; resuming as stock Trainer does, with "
@@ -186,11 +193,9 @@ class EngineCheckpointMixin:
 
         Reads only safetensors, JSON and ``torch.load(weights_only=True)``.
         """
-        if checkpoint is None or self._resumed_weights_only:
+        if checkpoint is None or self._resume.weights_only:
             return  # save_only_model: stock finds no optimizer.pt / scheduler.pt and skips both
-        load_optimizer(self.session, unwrap_optimizer(self.optimizer), checkpoint)
-        if self.lr_scheduler is not None:
-            load_scheduler(self.session, self.lr_scheduler, checkpoint)
+        self._resume.load_optimizer(unwrap_optimizer(self.optimizer), self.lr_scheduler)
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's weights into the engine's shards
@@ -204,4 +209,4 @@ class EngineCheckpointMixin:
         """
         path = self.state.best_model_checkpoint
         logger.info(f"Loading best model from {path} (score: {self.state.best_metric}).")
-        load_checkpoint_weights(self.session, path, when="load the best model", weights_only=True)
+        self.session.load_checkpoint_weights(path, when="load the best model", weights_only=True)
