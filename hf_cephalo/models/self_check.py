@@ -52,6 +52,9 @@ class Proof:
     """len(layer stack) - the text config's num_hidden_layers on the tiny copy (None: no such
     field): a real model must have the same difference (a layer appended after construction
     would run in no forward, or the forward would stop at the config's count)."""
+    nested: tuple[str, ...] = ()
+    """The stacks inside each stage of a hierarchical backbone (``nested_stacks``): their items
+    count as a set in ``layers`` (a real stage may be deeper than the tiny copy's)."""
 
 
 _CACHE: dict[tuple, Proof | StructureError] = {}
@@ -213,13 +216,27 @@ def _plain_head(model: nn.Module, staged, batch: dict) -> bool:
         return torch.equal(head(final), logits)
 
 
+def _reshapes(staged, batch: dict) -> bool:
+    """Whether a unit of the staged tiny copy returns hidden states of another shape than its
+    input's (``Layout.reshapes``)."""
+    with torch.no_grad():
+        hidden, ctx = staged.embed(batch)
+        for i in range(staged.num_units):
+            out = staged.run_unit(i, hidden, ctx)
+            if out.shape != hidden.shape:
+                return True
+            hidden = out
+    return False
+
+
 def find_layers(model: nn.Module, batch: dict | None = None) -> str:
     """The name of the model's layer stack, or StructureError saying why none fits.
 
     With several candidates (a multimodal model: one stack per tower) and a ``batch``, the
     stack is the one whose layers the model's own forward on that batch runs (traced with
     forward hooks, no grad): on text, a vision-language model runs its language model's layers
-    only. Exactly one stack must run."""
+    only. Exactly one stack must run, or the stacks that run must nest in the stages of one
+    outer stack (a hierarchical backbone: ``outer_stack``), which is then the stack."""
     cands = layer_list_candidates(model)
     if len(cands) == 1:
         return cands[0][0]
@@ -229,12 +246,59 @@ def find_layers(model: nn.Module, batch: dict | None = None) -> str:
         ran = _stacks_run(model, batch, cands)
         if len(ran) == 1:
             return ran[0]
-        which = f"; its forward on text runs {len(ran)} of them ({', '.join(ran) or 'none'})"
+        outer = outer_stack(model, ran)
+        if outer is not None:
+            return outer
+        which = (f"; its forward on the check's inputs runs {len(ran)} of them "
+                 f"({', '.join(ran) or 'none'})")
     raise StructureError(
         f"{type(model).__name__} has {len(cands)} layer stacks (lists of the layer classes "
         f"it declares in _no_split_modules, else of one layer class: "
         f"{', '.join(found) or 'none'}){which}; the generic path needs exactly one stack "
-        "that the forward runs (a multimodal model's language model, on text inputs)")
+        "that the forward runs (a multimodal model's language model, on text inputs), or "
+        "stacks that lie inside the stages of one outer list of stage modules (a "
+        "hierarchical backbone: each stage one unit)")
+
+
+def _inside_item(name: str, outer: str) -> bool:
+    """Whether module ``name`` lies strictly inside an item of the list ``outer``
+    (``encoder.stages.2.layers`` inside ``encoder.stages``; not ``encoder.stages.2`` itself)."""
+    rest = name[len(outer) + 1:] if name.startswith(outer + ".") else ""
+    return "." in rest
+
+
+def outer_stack(model: nn.Module, names: list[str]) -> str | None:
+    """The stack of stages that holds the nested stacks ``names`` (a hierarchical backbone:
+    ``convnext.encoder.stages`` holds ``convnext.encoder.stages.i.layers``), or None: one of
+    ``names`` whose items hold all the others, else the innermost ``ModuleList`` whose items
+    hold every one of them, its items all of one parameter-holding class that is no list
+    itself (a stage module the forward calls; PoolFormer's and PVT's lists of lists are none).
+    Each stage then is one unit, its downsampling included; the self-check decides whether
+    the forward runs the stages as a row."""
+    if len(names) < 2:
+        return None
+    for name in names:
+        if all(o == name or _inside_item(o, name) for o in names):
+            return name
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    for name, stages in sorted(lists, key=lambda nm: -nm[0].count(".")):
+        if all(_inside_item(o, name) for o in names):
+            kinds = {type(e) for e in stages}
+            if len(kinds) == 1 and not issubclass(next(iter(kinds)), nn.ModuleList) \
+                    and next(stages[0].parameters(), None) is not None:
+                return name
+            return None
+    return None
+
+
+def nested_stacks(model: nn.Module, layers: str) -> tuple[str, ...]:
+    """The candidate stacks inside the stages of ``layers``, by their name inside a stage
+    (``("layers",)`` for ConvNeXt's stages; empty for a stack of plain layers): a stage's depth
+    may differ from the tiny copy's, so ``Proof`` compares their items as a set."""
+    inner = {n[len(layers) + 1:].split(".", 1)[1]
+             for n, _ in layer_list_candidates(model) if _inside_item(n, layers)}
+    return tuple(sorted({".".join("*" if p.isdigit() else p for p in n.split("."))
+                         for n in inner}, key=lambda n: (n.count("."), n)))
 
 
 def _stacks_run(model: nn.Module, batch: dict,
@@ -343,6 +407,7 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
         if problem is not None and _equal_in_float64(tiny, batch, layout):
             problem = None  # [Note: fp32 rounding or another computation]
         plain = task == CAUSAL_LM and _plain_head(tiny, staged, batch)
+        reshapes = _reshapes(staged, batch)
     except StructureError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -351,9 +416,11 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     if problem is not None:
         raise StructureError(f"the staged {cls.__name__} is not the model's own computation on a "
                              f"tiny copy: {problem} (and not equal in float64 either)")
-    final = dataclasses.replace(layout, plain_head=plain)
-    return Proof(final, _outside(tiny, layers), [_structure(m) for m in tiny.get_submodule(layers)],
-                 _extra_layers(tiny, layers))
+    final = dataclasses.replace(layout, plain_head=plain, reshapes=reshapes)
+    nested = nested_stacks(tiny, layers)
+    return Proof(final, _outside(tiny, layers),
+                 [_structure(m, nested) for m in tiny.get_submodule(layers)],
+                 _extra_layers(tiny, layers), nested)
 
 
 # [Note: fp32 rounding or another computation]
@@ -454,8 +521,24 @@ def _modules(root: nn.Module, skip: set[int] = frozenset()) -> dict[str, str]:
     return out
 
 
-def _structure(module: nn.Module) -> dict[str, str]:
-    return _modules(module)
+def _structure(module: nn.Module, nested: tuple[str, ...] = ()) -> Any:
+    """{name: class name} of a layer's modules; for a stage holding the stacks ``nested``
+    (``Proof.nested``), the sorted set of (name, class name) with each such stack's item
+    index read as ``*`` (a stage of 9 blocks is built like one of 2 where its blocks are)."""
+    found = _modules(module)
+    if not nested:
+        return found
+    patterns = [n.split(".") for n in nested]
+
+    def wild(name: str) -> str:
+        parts = name.split(".")
+        for p in patterns:
+            if len(parts) > len(p) and parts[len(p)].isdigit() and all(
+                    a == b or b == "*" for a, b in zip(parts, p)):
+                parts[len(p)] = "*"
+        return ".".join(parts)
+
+    return sorted({(wild(n), c) for n, c in found.items()})
 
 
 def _outside(model: nn.Module, layers: str) -> dict[str, str]:
@@ -479,7 +562,7 @@ def _same_structure(model: nn.Module, proof: Proof) -> None:
                              "removed after construction); build the model from a config that "
                              "counts its layers")
     for i, layer in enumerate(model.get_submodule(proof.layout.layers)):
-        if _structure(layer) not in proof.layers:
+        if _structure(layer, proof.nested) not in proof.layers:
             raise StructureError(f"its layer {i} is built unlike any layer of a "
                                  f"{type(model).__name__} built from its config")
 
