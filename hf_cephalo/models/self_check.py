@@ -174,6 +174,10 @@ def _compare(model: nn.Module, staged, batch: dict) -> str | None:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     model.zero_grad(set_to_none=True)
     ref = model(**batch)
+    if not torch.is_tensor(getattr(ref, "loss", None)):
+        raise StructureError(f"{type(model).__name__}'s own forward returns no loss for labels "
+                             "(it computes logits only), so there is no loss of its own for "
+                             "the staging to match or to train")
     ref.loss.backward()
     ref_loss = ref.loss.detach()
     ref_grads = {n: None if p.grad is None else p.grad.clone() for n, p in params}
