@@ -257,14 +257,22 @@ STAGE_DEPTHS = ("depths",)
 
 def _shrink_stage_depths(cfg: Any) -> None:
     """Each stage's block count cut to at most 2 (a stage's first block, which may differ,
-    and one like the rest), the number of stages and every other per-stage list (widths,
-    heads, strides) kept, so the tiny copy has the model's stages and each downsampling; a
-    count of 0 stays 0."""
+    and one like the rest), the number of stages and every per-stage list (widths, heads,
+    strides) kept, so the tiny copy has the model's stages and each downsampling; a count of
+    0 stays 0. A per-block list of each stage (TextNet's kernel sizes and strides: one list
+    per stage, as long as its depth) keeps its first blocks' entries, so it stays as long."""
     for key in STAGE_DEPTHS:
-        value = _get(cfg, key)
-        if isinstance(value, (list, tuple)) and value and all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value):
-            _set(cfg, key, type(value)(min(v, 2) for v in value))
+        depths = _get(cfg, key)
+        if not (isinstance(depths, (list, tuple)) and depths and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in depths)):
+            continue
+        cut = [min(v, 2) for v in depths]
+        for name, value in list(vars(cfg).items()):
+            if name != key and isinstance(value, (list, tuple)) and len(value) == len(depths) \
+                    and all(isinstance(v, (list, tuple)) and len(v) == d
+                            for v, d in zip(value, depths)) and cut != list(depths):
+                _set(cfg, name, type(value)(type(v)(v[:n]) for v, n in zip(value, cut)))
+        _set(cfg, key, type(depths)(cut))
 
 
 def _keep_group_heads(cfg: Any, heads: int | None, kv: int | None) -> None:
