@@ -197,7 +197,7 @@ def _stock(name: str, out_dir: str) -> dict:
 
 def _check_world(world: int, out_dir: str) -> None:
     runs = run_ranks(_worker, world, out_dir, timeout_s=budget_s(JOB_S))
-    worst: dict[str, float] = {}
+    worst: dict[str, dict[str, float]] = {name: {} for name in CASES}
     for name in CASES:
         ref = _stock(name, out_dir)
         assert len(ref["losses"]) == STEPS and max(ref["norms"]) > MAX_NORM, name  # clipped
@@ -212,15 +212,17 @@ def _check_world(world: int, out_dir: str) -> None:
                         rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {what}: {m}")
                     diff = np.abs(np.asarray(got[what], dtype=np.float64)
                                   - np.asarray(ref[what], dtype=np.float64)).max()
-                    worst[what] = max(worst.get(what, 0.0), float(diff))
+                    worst[name][what] = max(worst[name].get(what, 0.0), float(diff))
             assert set(got["state"]) == set(ref["state"]), where
             for key, value in ref["state"].items():
                 torch.testing.assert_close(torch.as_tensor(got["state"][key]),
                                            torch.as_tensor(value), rtol=RTOL, atol=ATOL,
                                            msg=lambda m: f"{where} {key}: {m}")
-                worst["state"] = max(worst.get("state", 0.0),
-                                     float(np.abs(got["state"][key] - value).max()))
-    print(f"world {world} max |diff| " + " ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+                worst[name]["state"] = max(worst[name].get("state", 0.0),
+                                           float(np.abs(got["state"][key] - value).max()))
+    for name, diffs in worst.items():
+        print(f"world {world} {name} max |diff| "
+              + " ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
 
 
 @test_timeout(JOB_S, margin_s=120)
