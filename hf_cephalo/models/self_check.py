@@ -400,13 +400,14 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     hint = ""  # why a staged model that builds may still fail to run
     try:
         layout = dataclasses.replace(trace_layout(tiny, batch, layers), label_shift=label_shift)
-        layout = dataclasses.replace(layout, side=_side_of(staged_class(tiny)(tiny, layout),
-                                                           batch))
-        staged = staged_class(tiny)(tiny, layout)
+        first = staged_class(tiny)(tiny, layout)
+        # from here the staged forwards run (the first one in _side_of's embed)
         hint = ("; the generic path runs each layer on the previous layer's hidden states with "
                 "the arguments the model's forward gave the layers before any ran, so a layer "
-                "that reads another layer's other outputs (a shared key pool, top-k indices) "
-                "fails this way")
+                "that reads another layer's other outputs (a shared key pool, top-k indices, "
+                "a stage's output dimensions) fails this way")
+        layout = dataclasses.replace(layout, side=_side_of(first, batch))
+        staged = staged_class(tiny)(tiny, layout)
         problem = _compare(tiny, staged, batch)
         if problem is not None and _equal_in_float64(tiny, batch, layout):
             problem = None  # [Note: fp32 rounding or another computation]
