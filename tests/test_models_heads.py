@@ -190,8 +190,11 @@ def test_hierarchical_backbone_stages_are_units_of_the_model_not_of_its_copy():
     downsampling and blocks) is one unit. The self-check's tiny copy has at most 2 blocks a
     stage; models of 3 stages (4, 1, 3 blocks) and 4 stages (1, 3, 2, 1) stage with their OWN
     stages, one after the other in one process (the proofs are cached per config), and their
-    staged loss and gradients equal their own. The profiler refuses them: it would run each
-    unit on the embedding's output, whose shape the stages change."""
+    staged loss and gradients equal their own. The default ResNet, Swin and Hiera stage with
+    their own 4 stages (their copies' stages are shallower; a real stage was refused as built
+    unlike them, ResNet's blocks sitting in an nn.Sequential). The
+    profiler refuses them: it would run each unit on the embedding's output, whose shape the
+    stages change."""
     from hf_cephalo.profiler.model_facts import refuse_reshaping_units
 
     g = torch.Generator().manual_seed(0)
@@ -214,6 +217,11 @@ def test_hierarchical_backbone_stages_are_units_of_the_model_not_of_its_copy():
         assert staged.hidden_shape_changes()
         with pytest.raises(ValueError, match="stages whose hidden states change shape.*plan"):
             refuse_reshaping_units(staged)
+    for name in ("ResNet", "Swin", "Hiera"):  # default configs: stages of up to 16 blocks,
+        config = getattr(transformers, f"{name}Config")()  # blocks in an nn.Sequential too
+        with torch.device("meta"):
+            model = getattr(transformers, f"{name}ForImageClassification")(config)
+        assert stage_model(model).num_units == len(config.depths), name
     with torch.device("meta"):  # a stage deeper than the copy's, built unlike it: refused
         model = transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
             num_stages=3, depths=[4, 1, 3], hidden_sizes=[8, 16, 24], image_size=32))

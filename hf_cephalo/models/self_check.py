@@ -52,9 +52,10 @@ class Proof:
     """len(layer stack) - the text config's num_hidden_layers on the tiny copy (None: no such
     field): a real model must have the same difference (a layer appended after construction
     would run in no forward, or the forward would stop at the config's count)."""
-    nested: tuple[str, ...] = ()
-    """The stacks inside each stage of a hierarchical backbone (``nested_stacks``): their items
-    count as a set in ``layers`` (a real stage may be deeper than the tiny copy's)."""
+    stages: bool = False
+    """The units are a hierarchical backbone's stages (``Layout.reshapes``): ``layers`` holds
+    each stage's modules as a set with every list index read as ``*`` (``_structure``), since
+    the shrink cuts each stage to at most 2 blocks and a real stage is deeper."""
 
 
 _CACHE: dict[tuple, Proof | StructureError] = {}
@@ -295,16 +296,6 @@ def outer_stack(model: nn.Module, names: list[str]) -> str | None:
     return None
 
 
-def nested_stacks(model: nn.Module, layers: str) -> tuple[str, ...]:
-    """The candidate stacks inside the stages of ``layers``, by their name inside a stage
-    (``("layers",)`` for ConvNeXt's stages; empty for a stack of plain layers): a stage's depth
-    may differ from the tiny copy's, so ``Proof`` compares their items as a set."""
-    inner = {n[len(layers) + 1:].split(".", 1)[1]
-             for n, _ in layer_list_candidates(model) if _inside_item(n, layers)}
-    return tuple(sorted({".".join("*" if p.isdigit() else p for p in n.split("."))
-                         for n in inner}, key=lambda n: (n.count("."), n)))
-
-
 def _stacks_run(model: nn.Module, batch: dict,
                 cands: list[tuple[str, nn.ModuleList]]) -> list[str]:
     """Names of the candidate stacks any of whose layers ``model(**batch inputs)`` calls."""
@@ -422,10 +413,9 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
         raise StructureError(f"the staged {cls.__name__} is not the model's own computation on a "
                              f"tiny copy: {problem} (and not equal in float64 either)")
     final = dataclasses.replace(layout, plain_head=plain, reshapes=reshapes)
-    nested = nested_stacks(tiny, layers)
     return Proof(final, _outside(tiny, layers),
-                 [_structure(m, nested) for m in tiny.get_submodule(layers)],
-                 _extra_layers(tiny, layers), nested)
+                 [_structure(m, reshapes) for m in tiny.get_submodule(layers)],
+                 _extra_layers(tiny, layers), reshapes)
 
 
 # [Note: fp32 rounding or another computation]
@@ -526,24 +516,16 @@ def _modules(root: nn.Module, skip: set[int] = frozenset()) -> dict[str, str]:
     return out
 
 
-def _structure(module: nn.Module, nested: tuple[str, ...] = ()) -> Any:
-    """{name: class name} of a layer's modules; for a stage holding the stacks ``nested``
-    (``Proof.nested``), the sorted set of (name, class name) with each such stack's item
-    index read as ``*`` (a stage of 9 blocks is built like one of 2 where its blocks are)."""
+def _structure(module: nn.Module, stage: bool = False) -> Any:
+    """{name: class name} of a layer's modules; for a hierarchical backbone's stage
+    (``Proof.stages``), the sorted set of (name, class name) with every list index read as
+    ``*`` (a stage of 9 blocks, in a ``ModuleList`` or an ``nn.Sequential``, is built like one
+    of 2 where its blocks are built like those)."""
     found = _modules(module)
-    if not nested:
+    if not stage:
         return found
-    patterns = [n.split(".") for n in nested]
-
-    def wild(name: str) -> str:
-        parts = name.split(".")
-        for p in patterns:
-            if len(parts) > len(p) and parts[len(p)].isdigit() and all(
-                    a == b or b == "*" for a, b in zip(parts, p)):
-                parts[len(p)] = "*"
-        return ".".join(parts)
-
-    return sorted({(wild(n), c) for n, c in found.items()})
+    return sorted({(".".join("*" if p.isdigit() else p for p in n.split(".")), c)
+                   for n, c in found.items()})
 
 
 def _outside(model: nn.Module, layers: str) -> dict[str, str]:
@@ -567,7 +549,7 @@ def _same_structure(model: nn.Module, proof: Proof) -> None:
                              "removed after construction); build the model from a config that "
                              "counts its layers")
     for i, layer in enumerate(model.get_submodule(proof.layout.layers)):
-        if _structure(layer, proof.nested) not in proof.layers:
+        if _structure(layer, proof.stages) not in proof.layers:
             raise StructureError(f"its layer {i} is built unlike any layer of a "
                                  f"{type(model).__name__} built from its config")
 
