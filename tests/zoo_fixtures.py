@@ -118,9 +118,29 @@ so the side inputs of the layers the copy does not have are found too (by index,
 copy's were carried: the others' gradients were dropped)."""
 
 
+IMAGE_SIZE = 32
+IMAGES: dict[str, tuple[str, Callable[[], Any]]] = {
+    "convnext": ("ConvNextForImageClassification", lambda: transformers.ConvNextConfig(
+        num_stages=4, depths=[1, 3, 2, 1], hidden_sizes=[8, 16, 24, 32], patch_size=4,
+        image_size=IMAGE_SIZE, num_labels=3, layer_scale_init_value=0.5)),
+}
+"""Hierarchical image backbones: each stage one unit (its downsampling and blocks), units of
+different sizes, the hidden states (m, 8, 8, 8) -> (m, 16, 4, 4) -> (m, 24, 2, 2) -> (m, 32,
+1, 1) between them. ConvNeXt's stage 1 holds 3 blocks where the self-check's tiny copy holds 2
+(the shrink cuts each stage to at most 2 blocks), so the staging on this model is not the
+copy's; its layer scale is 0.5, not 1e-6, so every block's weights move the loss."""
+
+
+def image_zoo_batch(size: int, seed: int) -> dict[str, torch.Tensor]:
+    """``size`` random images (size, 3, IMAGE_SIZE, IMAGE_SIZE) and class labels in [0, 3)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(size, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g),
+            "labels": torch.randint(0, 3, (size,), generator=g)}
+
+
 def build_zoo(name: str, seed: int = 0) -> torch.nn.Module:
     """The tiny ``name`` model in eval mode (dropout off), fp32, deterministic init."""
-    class_name, config = {**ZOO, **EXTRA, **SIDE_INPUTS}[name]
+    class_name, config = {**ZOO, **EXTRA, **SIDE_INPUTS, **IMAGES}[name]
     torch.manual_seed(seed)
     cfg = config()
     cfg._attn_implementation = "eager"

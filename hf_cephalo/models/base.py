@@ -169,8 +169,16 @@ class StagedModel(abc.ABC):
 
     @abc.abstractmethod
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Run unit ``index`` on ``hidden`` (shape kept). Must be deterministic in eval mode
-        and replayable (dropout RNG is handled by the engine's recompute)."""
+        """Run unit ``index`` on ``hidden`` (shape kept, except where ``hidden_shape_changes``:
+        a hierarchical backbone's stages). Must be deterministic in eval mode and replayable
+        (dropout RNG is handled by the engine's recompute)."""
+
+    def hidden_shape_changes(self) -> bool:
+        """Whether some unit returns hidden states of another shape than its input's (the
+        stages of a hierarchical backbone: ConvNeXt's (m, 96, 56, 56) -> (m, 192, 28, 28)).
+        The engine stashes each boundary tensor as it is; the profiler, which times a unit
+        of each size on the embedding's output, refuses such a model. Default: False."""
+        return False
 
     def side_inputs(self, ctx: Any) -> list[torch.Tensor]:
         """The side inputs in ``ctx``: tensors ``embed`` computed from parameters that units
@@ -287,6 +295,9 @@ class WrappedStagedModel(StagedModel):
 
     def count_items(self, microbatch: Microbatch) -> int:
         return self.inner.count_items(microbatch)
+
+    def hidden_shape_changes(self) -> bool:
+        return self.inner.hidden_shape_changes()
 
     def prepare_for_training(self) -> None:
         self.inner.prepare_for_training()

@@ -113,6 +113,9 @@ class Layout:
     unused: tuple[str, ...] = ()
     label_shift: bool = True
     side: tuple[tuple[int, int | str], ...] = ()
+    reshapes: bool = False
+    """Some layer (a hierarchical backbone's stage) returns hidden states of another shape
+    than its input's, on the tiny copy (``StagedModel.hidden_shape_changes``)."""
 
 
 @dataclass
@@ -342,6 +345,9 @@ class GenericDecoderBody(HFStagedModel):
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
         """Layer ``index`` with the arguments the model's forward gave it: (m, S, H) -> same."""
         return call_layer(self._layers[index], hidden, ctx.calls[index], self.layout.output_len)
+
+    def hidden_shape_changes(self) -> bool:
+        return self.layout.reshapes
 
     def side_slots(self, ctx: GenericContext) -> list[tuple[int, int | str]]:
         """(layer index, positional index or keyword) of every side input argument of THIS

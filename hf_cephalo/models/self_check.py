@@ -52,6 +52,10 @@ class Proof:
     """len(layer stack) - the text config's num_hidden_layers on the tiny copy (None: no such
     field): a real model must have the same difference (a layer appended after construction
     would run in no forward, or the forward would stop at the config's count)."""
+    stages: bool = False
+    """The units are a hierarchical backbone's stages (``Layout.reshapes``): ``layers`` holds
+    each stage's modules as a set with every list index read as ``*`` (``_structure``), since
+    the shrink cuts each stage to at most 2 blocks and a real stage is deeper."""
 
 
 _CACHE: dict[tuple, Proof | StructureError] = {}
@@ -171,6 +175,10 @@ def _compare(model: nn.Module, staged, batch: dict) -> str | None:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     model.zero_grad(set_to_none=True)
     ref = model(**batch)
+    if not torch.is_tensor(getattr(ref, "loss", None)):
+        raise StructureError(f"{type(model).__name__}'s own forward returns no loss for labels "
+                             "(it computes logits only), so there is no loss of its own for "
+                             "the staging to match or to train")
     ref.loss.backward()
     ref_loss = ref.loss.detach()
     ref_grads = {n: None if p.grad is None else p.grad.clone() for n, p in params}
@@ -213,13 +221,27 @@ def _plain_head(model: nn.Module, staged, batch: dict) -> bool:
         return torch.equal(head(final), logits)
 
 
+def _reshapes(staged, batch: dict) -> bool:
+    """Whether a unit of the staged tiny copy returns hidden states of another shape than its
+    input's (``Layout.reshapes``)."""
+    with torch.no_grad():
+        hidden, ctx = staged.embed(batch)
+        for i in range(staged.num_units):
+            out = staged.run_unit(i, hidden, ctx)
+            if out.shape != hidden.shape:
+                return True
+            hidden = out
+    return False
+
+
 def find_layers(model: nn.Module, batch: dict | None = None) -> str:
     """The name of the model's layer stack, or StructureError saying why none fits.
 
     With several candidates (a multimodal model: one stack per tower) and a ``batch``, the
     stack is the one whose layers the model's own forward on that batch runs (traced with
     forward hooks, no grad): on text, a vision-language model runs its language model's layers
-    only. Exactly one stack must run."""
+    only. Exactly one stack must run, or the stacks that run must nest in the stages of one
+    outer stack (a hierarchical backbone: ``outer_stack``), which is then the stack."""
     cands = layer_list_candidates(model)
     if len(cands) == 1:
         return cands[0][0]
@@ -229,12 +251,49 @@ def find_layers(model: nn.Module, batch: dict | None = None) -> str:
         ran = _stacks_run(model, batch, cands)
         if len(ran) == 1:
             return ran[0]
-        which = f"; its forward on text runs {len(ran)} of them ({', '.join(ran) or 'none'})"
+        outer = outer_stack(model, ran)
+        if outer is not None:
+            return outer
+        which = (f"; its forward on the check's inputs runs {len(ran)} of them "
+                 f"({', '.join(ran) or 'none'})")
     raise StructureError(
         f"{type(model).__name__} has {len(cands)} layer stacks (lists of the layer classes "
         f"it declares in _no_split_modules, else of one layer class: "
         f"{', '.join(found) or 'none'}){which}; the generic path needs exactly one stack "
-        "that the forward runs (a multimodal model's language model, on text inputs)")
+        "that the forward runs (a multimodal model's language model, on text inputs), or "
+        "stacks that lie inside the stages of one outer list of stage modules (a "
+        "hierarchical backbone: each stage one unit)")
+
+
+def _inside_item(name: str, outer: str) -> bool:
+    """Whether module ``name`` lies strictly inside an item of the list ``outer``
+    (``encoder.stages.2.layers`` inside ``encoder.stages``; not ``encoder.stages.2`` itself)."""
+    rest = name[len(outer) + 1:] if name.startswith(outer + ".") else ""
+    return "." in rest
+
+
+def outer_stack(model: nn.Module, names: list[str]) -> str | None:
+    """The stack of stages that holds the nested stacks ``names`` (a hierarchical backbone:
+    ``convnext.encoder.stages`` holds ``convnext.encoder.stages.i.layers``), or None: one of
+    ``names`` whose items hold all the others, else the innermost ``ModuleList`` whose items
+    hold every one of them, its items all of one parameter-holding class that is no list
+    itself (a stage module the forward calls; PoolFormer's and PVT's lists of lists are none).
+    Each stage then is one unit, its downsampling included; the self-check decides whether
+    the forward runs the stages as a row."""
+    if len(names) < 2:
+        return None
+    for name in names:
+        if all(o == name or _inside_item(o, name) for o in names):
+            return name
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    for name, stages in sorted(lists, key=lambda nm: -nm[0].count(".")):
+        if all(_inside_item(o, name) for o in names):
+            kinds = {type(e) for e in stages}
+            if len(kinds) == 1 and not issubclass(next(iter(kinds)), nn.ModuleList) \
+                    and next(stages[0].parameters(), None) is not None:
+                return name
+            return None
+    return None
 
 
 def _stacks_run(model: nn.Module, batch: dict,
@@ -332,17 +391,19 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     hint = ""  # why a staged model that builds may still fail to run
     try:
         layout = dataclasses.replace(trace_layout(tiny, batch, layers), label_shift=label_shift)
-        layout = dataclasses.replace(layout, side=_side_of(staged_class(tiny)(tiny, layout),
-                                                           batch))
-        staged = staged_class(tiny)(tiny, layout)
+        first = staged_class(tiny)(tiny, layout)
+        # from here the staged forwards run (the first one in _side_of's embed)
         hint = ("; the generic path runs each layer on the previous layer's hidden states with "
                 "the arguments the model's forward gave the layers before any ran, so a layer "
-                "that reads another layer's other outputs (a shared key pool, top-k indices) "
-                "fails this way")
+                "that reads another layer's other outputs (a shared key pool, top-k indices, "
+                "a stage's output dimensions) fails this way")
+        layout = dataclasses.replace(layout, side=_side_of(first, batch))
+        staged = staged_class(tiny)(tiny, layout)
         problem = _compare(tiny, staged, batch)
         if problem is not None and _equal_in_float64(tiny, batch, layout):
             problem = None  # [Note: fp32 rounding or another computation]
         plain = task == CAUSAL_LM and _plain_head(tiny, staged, batch)
+        reshapes = _reshapes(staged, batch)
     except StructureError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -351,9 +412,10 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     if problem is not None:
         raise StructureError(f"the staged {cls.__name__} is not the model's own computation on a "
                              f"tiny copy: {problem} (and not equal in float64 either)")
-    final = dataclasses.replace(layout, plain_head=plain)
-    return Proof(final, _outside(tiny, layers), [_structure(m) for m in tiny.get_submodule(layers)],
-                 _extra_layers(tiny, layers))
+    final = dataclasses.replace(layout, plain_head=plain, reshapes=reshapes)
+    return Proof(final, _outside(tiny, layers),
+                 [_structure(m, reshapes) for m in tiny.get_submodule(layers)],
+                 _extra_layers(tiny, layers), reshapes)
 
 
 # [Note: fp32 rounding or another computation]
@@ -454,8 +516,16 @@ def _modules(root: nn.Module, skip: set[int] = frozenset()) -> dict[str, str]:
     return out
 
 
-def _structure(module: nn.Module) -> dict[str, str]:
-    return _modules(module)
+def _structure(module: nn.Module, stage: bool = False) -> Any:
+    """{name: class name} of a layer's modules; for a hierarchical backbone's stage
+    (``Proof.stages``), the sorted set of (name, class name) with every list index read as
+    ``*`` (a stage of 9 blocks, in a ``ModuleList`` or an ``nn.Sequential``, is built like one
+    of 2 where its blocks are built like those)."""
+    found = _modules(module)
+    if not stage:
+        return found
+    return sorted({(".".join("*" if p.isdigit() else p for p in n.split(".")), c)
+                   for n, c in found.items()})
 
 
 def _outside(model: nn.Module, layers: str) -> dict[str, str]:
@@ -479,7 +549,7 @@ def _same_structure(model: nn.Module, proof: Proof) -> None:
                              "removed after construction); build the model from a config that "
                              "counts its layers")
     for i, layer in enumerate(model.get_submodule(proof.layout.layers)):
-        if _structure(layer) not in proof.layers:
+        if _structure(layer, proof.stages) not in proof.layers:
             raise StructureError(f"its layer {i} is built unlike any layer of a "
                                  f"{type(model).__name__} built from its config")
 

@@ -210,6 +210,7 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
                 _set(cfg, key, n)
         if _get(cfg, "mlp_only_layers"):
             cfg.mlp_only_layers = [i for i in cfg.mlp_only_layers if i < n]
+    _shrink_stage_depths(cfg)
     heads = next((int_field(cfg, k) for k in _HEADS if int_field(cfg, k) is not None), None)
     kv = next((int_field(cfg, k) for k in _KV_HEADS if int_field(cfg, k) is not None), None)
     for key in _HEADS:
@@ -248,6 +249,30 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
     _keep_ssm_splits(cfg, splits, groups)
     if int_field(cfg, "vocab_size") is not None:
         _shrink_vocab(cfg)
+
+
+STAGE_DEPTHS = ("depths",)
+"""Per-stage block counts of a hierarchical backbone (ConvNeXt's, Swin's ``depths``)."""
+
+
+def _shrink_stage_depths(cfg: Any) -> None:
+    """Each stage's block count cut to at most 2 (a stage's first block, which may differ,
+    and one like the rest), the number of stages and every per-stage list (widths, heads,
+    strides) kept, so the tiny copy has the model's stages and each downsampling; a count of
+    0 stays 0. A per-block list of each stage (TextNet's kernel sizes and strides: one list
+    per stage, as long as its depth) keeps its first blocks' entries, so it stays as long."""
+    for key in STAGE_DEPTHS:
+        depths = _get(cfg, key)
+        if not (isinstance(depths, (list, tuple)) and depths and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in depths)):
+            continue
+        cut = [min(v, 2) for v in depths]
+        for name, value in list(vars(cfg).items()):
+            if name != key and isinstance(value, (list, tuple)) and len(value) == len(depths) \
+                    and all(isinstance(v, (list, tuple)) and len(v) == d
+                            for v, d in zip(value, depths)) and cut != list(depths):
+                _set(cfg, name, type(value)(type(v)(v[:n]) for v, n in zip(value, cut)))
+        _set(cfg, key, type(depths)(cut))
 
 
 def _keep_group_heads(cfg: Any, heads: int | None, kv: int | None) -> None:

@@ -25,7 +25,8 @@ from hf_cephalo.models.base import StagedModel
 from hf_cephalo.profiler.hardware import sync_device
 from hf_cephalo.profiler.inputs import MakeMicrobatch, MeasureConfig, synthetic_microbatch
 from hf_cephalo.profiler.live_memory import LiveTensorBytes
-from hf_cephalo.profiler.model_facts import ProfiledUnit, model_dtype, unit_groups
+from hf_cephalo.profiler.model_facts import (ProfiledUnit, model_dtype, refuse_reshaping_units,
+                                             unit_groups)
 from hf_cephalo.profiles.types import DeviceProfile
 from hf_cephalo.units import GIB
 
@@ -545,6 +546,7 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
         CompileFailure (engine/compile.py): with ``config.compile_backend`` set, the unit
             failed to compile on this rank; RuntimeError: it failed on another rank.
     """
+    refuse_reshaping_units(staged)
     device = torch.device(device)
     groups = unit_groups(staged)  # [Note: layers of different sizes]
     total = sum(count for _, count in groups)

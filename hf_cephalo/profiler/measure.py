@@ -36,7 +36,8 @@ from hf_cephalo.profiler.inputs import (MakeMicrobatch, MeasureConfig, build_mod
                                         max_positions, precision_tag, sequence_length_of,
                                         synthetic_microbatch)
 from hf_cephalo.profiler.model_facts import (boundary_bytes_per_sample, model_dtype,
-                                             model_profile, side_bytes_per_sample)
+                                             model_profile, refuse_reshaping_units,
+                                             side_bytes_per_sample)
 from hf_cephalo.profiler.profile_checks import check_profile_matches, check_profile_precision
 from hf_cephalo.profiles.precision import PRECISIONS
 from hf_cephalo.profiles.types import ClusterProfile, CommProfile, DeviceProfile, ModelProfile
@@ -80,6 +81,7 @@ def profile_cluster(staged: StagedModel, config: MeasureConfig | None = None, *,
     Raises:
         ValueError: bad config or emulation lists that do not match the world size.
     """
+    refuse_reshaping_units(staged)
     config = config or MeasureConfig()
     compiled = None
     if config.compile_backend is not None:  # time the units the engine will run

@@ -19,7 +19,7 @@ from hf_cephalo.profiles.precision import Precision
 from hf_cephalo.profiles.types import ModelProfile
 
 __all__ = ["model_profile", "model_dtype", "boundary_bytes_per_sample", "side_bytes_per_sample", "largest_unit",
-           "unit_groups", "mean_unit_numel", "ProfiledUnit"]
+           "unit_groups", "mean_unit_numel", "ProfiledUnit", "refuse_reshaping_units"]
 
 # [Note: layers of different sizes]
 # Where a model's layers differ in size (DeepSeek-V3 / GLM-5's dense first layers before MoE
@@ -97,6 +97,21 @@ class ProfiledUnit(WrappedStagedModel):
             raise IndexError(f"ProfiledUnit has one unit (the model's unit {self.index}); "
                              f"got index {index}")
         return self.inner.run_unit(self.index, hidden, ctx)
+
+
+def refuse_reshaping_units(staged: StagedModel) -> None:
+    """ValueError for a model whose units change the hidden state's shape (a hierarchical
+    backbone's stages: ``StagedModel.hidden_shape_changes``): the profiler times one unit of
+    each size on the embedding's output and prices every unit boundary at that output's
+    bytes, neither of which holds for it. Raised on every rank alike, before any collective.
+    The engine trains such a model under a given plan."""
+    if staged.hidden_shape_changes():
+        raise ValueError(
+            f"{type(staged.model).__name__}'s units are stages whose hidden states change "
+            "shape from one unit to the next (a hierarchical backbone), which the profiler "
+            "cannot time or price yet (it runs each unit on the embedding's output); give a "
+            "plan instead (plan=Plan.from_ratios(b_i, m_i, r_i), --cephalo_plan_file), with "
+            "which the engine trains it exactly")
 
 
 def model_profile(staged: StagedModel, name: str | None = None,
