@@ -25,7 +25,7 @@ from hf_cephalo.models.registry import UnsupportedModelError
 
 EXACT = {
     "image-classification": ["Dinov2ForImageClassification", "DeiTForImageClassification",
-                             "MobileNetV2ForImageClassification"],
+                             "ConvNextForImageClassification"],
     "token-classification": ["BertForTokenClassification", "DebertaV2ForTokenClassification"],
     "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM"],
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering"],
@@ -33,6 +33,8 @@ EXACT = {
 REFUSED = {  # class -> what its refusal says
     "PoolFormerForImageClassification": "layer stacks",  # stages are bare lists: no stage
     "PvtV2ForImageClassification": "returns tuple",
+    "MobileNetV2ForImageClassification": "BatchNorm layers",  # per-microbatch statistics
+    "ResNetForImageClassification": "BatchNorm layers",
     "DeiTForImageClassificationWithTeacher": "this head is none of those",
     "T5ForConditionalGeneration": "encoder-decoder model",
     "WhisperForConditionalGeneration": "encoder-decoder model",
@@ -190,9 +192,9 @@ def test_hierarchical_backbone_stages_are_units_of_the_model_not_of_its_copy():
     downsampling and blocks) is one unit. The self-check's tiny copy has at most 2 blocks a
     stage; models of 3 stages (4, 1, 3 blocks) and 4 stages (1, 3, 2, 1) stage with their OWN
     stages, one after the other in one process (the proofs are cached per config), and their
-    staged loss and gradients equal their own. The default ResNet, Swin and Hiera stage with
+    staged loss and gradients equal their own. The default ConvNeXt, Swin and Hiera stage with
     their own 4 stages (their copies' stages are shallower; a real stage was refused as built
-    unlike them, ResNet's blocks sitting in an nn.Sequential). The
+    unlike them). The
     profiler refuses them: it would run each unit on the embedding's output, whose shape the
     stages change."""
     from hf_cephalo.profiler.model_facts import refuse_reshaping_units
@@ -217,8 +219,8 @@ def test_hierarchical_backbone_stages_are_units_of_the_model_not_of_its_copy():
         assert staged.hidden_shape_changes()
         with pytest.raises(ValueError, match="stages whose hidden states change shape.*plan"):
             refuse_reshaping_units(staged)
-    for name in ("ResNet", "Swin", "Hiera"):  # default configs: stages of up to 16 blocks,
-        config = getattr(transformers, f"{name}Config")()  # blocks in an nn.Sequential too
+    for name in ("ConvNext", "Swin", "Hiera"):  # default configs: stages of up to 16 blocks
+        config = getattr(transformers, f"{name}Config")()
         with torch.device("meta"):
             model = getattr(transformers, f"{name}ForImageClassification")(config)
         assert stage_model(model).num_units == len(config.depths), name

@@ -368,6 +368,7 @@ def _check(cls: type, config: Any) -> Proof:
     except ValueError as exc:
         raise StructureError(f"could not build the check's batch for a tiny {cls.__name__} "
                              f"({exc})") from exc
+    _refuse_batch_norm(tiny, batch)
     if task == CAUSAL_LM:  # a causal LM by what its forward computes on text, whatever its name
         problem, label_shift = causal_lm_problem(tiny, batch)
         if problem is not None:
@@ -380,6 +381,40 @@ def _check(cls: type, config: Any) -> Proof:
     except StructureError as exc:
         exc.causal_lm = task == CAUSAL_LM  # proven a causal LM above; the staging failed
         raise
+
+
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _refuse_batch_norm(tiny: nn.Module, batch: dict) -> None:
+    """StructureError for a model whose forward on ``batch`` runs BatchNorm layers (one only
+    another input's path runs, e.g. a speech encoder's on text, is not refused). In training a
+    BatchNorm layer normalizes each microbatch by that microbatch's own mean and variance and
+    updates its running statistics once per microbatch (and again in the recompute of
+    activation checkpointing): the loss, the gradients and the statistics would depend on the
+    plan's microbatches, where stock normalizes each device's batch once. The comparison on the
+    tiny copy runs in eval mode (running statistics), where the staging is exact, so it cannot
+    see this; the refusal is by the module types the forward runs."""
+    names: list[str] = []
+    hooks = [module.register_forward_hook(lambda *_, name=name: names.append(name))
+             for name, module in tiny.named_modules() if isinstance(module, BATCH_NORMS)]
+    try:
+        if hooks:
+            with torch.no_grad():
+                tiny(**batch)
+    except Exception:  # noqa: BLE001 - the comparisons below report a forward that fails
+        pass
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if names:
+        more = ", ..." if len(names) > 1 else ""
+        raise StructureError(
+            f"{type(tiny).__name__} has BatchNorm layers ({names[0]}{more}): in training each "
+            "normalizes a microbatch by that microbatch's own statistics and updates its running "
+            "statistics once per microbatch (again in the recompute), so its gradients and "
+            "statistics would depend on the plan instead of equalling one process's whole "
+            "batch; hf_cephalo trains models without BatchNorm (LayerNorm, GroupNorm, RMSNorm)")
 
 
 def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
