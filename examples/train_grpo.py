@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> None:
                         logging_steps=5, max_steps=40, report_to="none", save_strategy="no",
                         disable_tqdm=not sys.stderr.isatty())
     task, args = parser.parse_args_into_dataclasses(args=argv)
+    if args.beta != 0.0:  # TRL loads the reference model from the policy's path (stock too)
+        raise ValueError(f"--beta {args.beta}: a KL term needs a reference model, which TRL "
+                         "loads from the model's checkpoint path, and this example builds its "
+                         "model from a config in memory (no path); keep --beta 0 here, or pass "
+                         "a saved model's folder as GRPOTrainer's model in your own script")
     tokenizer = char_tokenizer()
     set_seed(args.seed)  # the same initial weights on every rank
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=task.hidden_size,

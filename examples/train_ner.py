@@ -61,6 +61,9 @@ class DataArguments:
         "help": "Keep at most this many training rows (samples)."})
     max_eval_samples: int | None = field(default=None, metadata={
         "help": "Keep at most this many held-out rows (samples)."})
+    ignore_mismatched_sizes: bool = field(default=False, metadata={
+        "help": "Load a checkpoint whose classifier has another number of labels (its head is "
+                "replaced by a new 7-tag one), as run_ner.py's flag."})
 
     def __post_init__(self) -> None:
         if self.max_words < 1 or self.max_length < 8 or self.held_out_every < 2:
@@ -73,9 +76,13 @@ class DataArguments:
 
 
 def split_rows(rows: list[dict], every: int) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) rows: every ``every``-th topic (in name order) held out whole."""
+    """(train, held-out) rows: every ``every``-th topic (in name order) held out whole.
+    ValueError when that holds out no topic (``every`` above the number of topics)."""
     topics = sorted({row["topic"] for row in rows})
     held = set(topics[every - 1::every])
+    if not held:
+        raise ValueError(f"--held_out_every {every} holds out no topic: the rows come from "
+                         f"{len(topics)} pydoc topics; use a value from 2 to {len(topics)}")
     return ([r for r in rows if r["topic"] not in held], [r for r in rows if r["topic"] in held])
 
 
@@ -118,14 +125,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
     hf_logging.disable_propagation()  # transformers' warnings once, not twice under CI=1
 
+    # the rows first: a bad --held_out_every fails before any model is loaded
+    train_rows, eval_rows = split_rows(pydoc_ner_rows(data_args.max_words), data_args.held_out_every)
     path = data_args.model_name_or_path or minilm_path()
     set_seed(training_args.seed)  # the same new classifier on every rank
     with quiet_load_report(training_args.process_index != 0):  # the new head's report once
         model = AutoModelForTokenClassification.from_pretrained(
             path, num_labels=len(PYDOC_NER_LABELS), id2label=dict(enumerate(PYDOC_NER_LABELS)),
-            label2id={tag: i for i, tag in enumerate(PYDOC_NER_LABELS)})
+            label2id={tag: i for i, tag in enumerate(PYDOC_NER_LABELS)},
+            ignore_mismatched_sizes=data_args.ignore_mismatched_sizes)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    train_rows, eval_rows = split_rows(pydoc_ner_rows(data_args.max_words), data_args.held_out_every)
     train_rows = train_rows[:data_args.max_train_samples]
     eval_rows = eval_rows[:data_args.max_eval_samples]
     train = tokenize(train_rows, tokenizer, data_args.max_length)
