@@ -550,13 +550,13 @@ def test_only_rank_0_prints_unless_verbose(capsys, monkeypatch):
     from hf_cephalo.profiler import measure as measure_module
 
     monkeypatch.setattr(compute, "QUIET_INTERVAL_S", 0.0)  # a time-left line every time
-    # a load spike can make a backward time look implausible, and every rank then warns (its
-    # own test above): not this test's subject, and on a loaded machine it made rank 1 print
-    monkeypatch.setattr(compute, "_implausible", lambda fwd, bwd: False)
     staged = stage_model(_llama())
     quiet = MeasureConfig(max_microbatch_size=2, sequence_length=8, repeats=1)
     measure_module.measure_device(staged, quiet, device="cpu", name="cpu", capacity_bytes=1e9, rank=1)
-    assert capsys.readouterr().out == ""
+    # no progress line; a load spike can make a backward time implausible, and then every rank
+    # warns (tested above): on a loaded machine rank 1 printed that warning, and only that
+    out = capsys.readouterr().out
+    assert all("backward time still implausible" in line for line in out.splitlines()), out
     measure_module.measure_device(staged, quiet, device="cpu", name="cpu", capacity_bytes=1e9, rank=0)
     out = capsys.readouterr().out
     assert "rank 0 (cpu): done" in out and "s left" in out and "microbatch size 1/2" not in out
