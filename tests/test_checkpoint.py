@@ -400,7 +400,8 @@ def test_bad_checkpoints_name_the_file(runs, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"rank0\.safetensors: corrupt .*CRC-32") as e:
         ckpt.read_full_state_dict(d)
     assert str(e.value).endswith("; the checkpoint is damaged: copy the directory again, or "
-                                 "resume from (or export) an earlier checkpoint-N")
+                                 "resume from (or export) an earlier checkpoint (a Trainer's "
+                                 "checkpoint-N, a save_state folder)")
 
     d = copy("header")  # a corrupt header with the size and CRC recorded to match
     path = os.path.join(d, ckpt.FILES.shard(1))

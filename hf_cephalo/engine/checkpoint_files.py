@@ -101,7 +101,7 @@ class CheckpointError(ValueError):
 
 
 DAMAGED = ("the checkpoint is damaged: copy the directory again, or resume from (or export) an "
-           "earlier checkpoint-N")
+           "earlier checkpoint (a Trainer's checkpoint-N, a save_state folder)")
 """The next step of every error about a corrupt or inconsistent checkpoint file."""
 
 
