@@ -31,7 +31,7 @@ from torch import nn
 from hf_cephalo.models.generic import (GenericContext, Layout, NotCausalLMError, StructureError,
                                        causal_lm_problem, forward_inputs,
                                        layer_list_candidates, side_arguments, trace_layout)
-from hf_cephalo.models.generic_heads import (CAUSAL_LM, CLASSIFIER_TASKS, ENCODER_TASKS,
+from hf_cephalo.models.generic_heads import (CAUSAL_LM, ENCODER_TASKS,
                                              IMAGE_CLASSIFICATION, SEQUENCE_CLASSIFICATION,
                                              image_batch, staged_class, task_of, token_labels)
 from hf_cephalo.models.shrink import TINY_MAX_NUMEL, int_field, tiny_config, tiny_numel
