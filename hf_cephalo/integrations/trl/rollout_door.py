@@ -17,6 +17,7 @@ import torch
 from hf_cephalo.integrations.trainer.accumulation import AccumulationStep
 from hf_cephalo.integrations.trl.fused import FusedLMHead
 from hf_cephalo.integrations.trl.rollout import GenerationRows, RowGroups
+from hf_cephalo.integrations.trl.rollout_step import round_steps
 from hf_cephalo.runtime import HeadView, Microbatch, WrappedStagedModel, refuse_global_loss
 
 __all__ = ["CompletionItems", "RolloutDoor", "loss_mask", "one_step_per_generation",
@@ -155,10 +156,8 @@ class RolloutDoor:
         feeds (``steps_per_generation`` x ``num_iterations``), plus GRPO's entropy-threshold
         pass every step (``top_entropy_quantile`` < 1, [Note: the entropy threshold])."""
         args = self.args
-        steps = max(int(getattr(args, "steps_per_generation", None) or 1), 1) * \
-            args.num_iterations
         entropy = getattr(args, "top_entropy_quantile", 1.0) < 1.0
-        return self._rollout_step_class.passes_per_round(args) / steps + float(entropy)
+        return self._rollout_step_class.passes_per_round(args) / round_steps(args) + float(entropy)
 
     def _engine_call_variants(self) -> dict[str, Any]:
         return {"fused_lm_head": self._fused_head(("log_probs", "entropy"))}
@@ -198,7 +197,7 @@ class RolloutDoor:
         """This rank's rows -> its microbatches of the step: generated and scored once per
         generation round (every ``num_iterations`` steps), replayed in between."""
         rows = [row for mb in microbatches for row in (mb if isinstance(mb, list) else [mb])]
-        generate_every = self.args.steps_per_generation * self.num_iterations
+        generate_every = round_steps(self.args)
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             groups = RowGroups.of(rows, self._batch_size, self.num_generations)
             # the round from the optimizer step, which a resumed run restores (TRL's _step

@@ -13,7 +13,13 @@ import torch
 from hf_cephalo.integrations.trl.rollout import RowGroups, group_advantages, pad_rows, padded_width
 from hf_cephalo.runtime import StepExchange
 
-__all__ = ["RolloutStep"]
+__all__ = ["RolloutStep", "round_steps"]
+
+
+def round_steps(args) -> int:
+    """The optimizer steps one generation round feeds for the config ``args``:
+    ``steps_per_generation`` (1 where unset) x ``num_iterations``."""
+    return max(int(getattr(args, "steps_per_generation", None) or 1), 1) * args.num_iterations
 
 
 class _Pass:
@@ -47,14 +53,18 @@ class RolloutStep:
             self.reference = self._reference(trainer, head)
 
     @staticmethod
-    def passes_per_round(args) -> int:
+    def needs_old_logprobs(args) -> bool:
+        """GRPOTrainer's rule for the old policy's log-probabilities: gradient accumulation
+        steps not a multiple of the steps a round feeds (``round_steps``), so with one step per
+        generation: ``num_iterations`` > 1."""
+        return args.gradient_accumulation_steps % round_steps(args) != 0
+
+    @classmethod
+    def passes_per_round(cls, args) -> int:
         """The forward-only passes ``_logprobs`` runs per generation round for the config
-        ``args``: the old policy's when GRPOTrainer needs them (gradient accumulation steps not
-        a multiple of ``steps_per_generation`` x ``num_iterations``, so with one step per
-        generation: ``num_iterations`` > 1) plus the reference's with ``beta`` != 0."""
-        generate_every = max(int(args.steps_per_generation or 1), 1) * args.num_iterations
-        old = args.gradient_accumulation_steps % generate_every != 0
-        return int(old) + int(args.beta != 0.0)
+        ``args``: the old policy's (``needs_old_logprobs``) plus the reference's with ``beta``
+        != 0."""
+        return int(cls.needs_old_logprobs(args)) + int(args.beta != 0.0)
 
     @staticmethod
     def _reference(trainer, head) -> _Pass:
@@ -220,9 +230,8 @@ class RolloutStep:
         """The old policy's (when GRPOTrainer needs them: ``num_iterations`` > 1) and the
         reference's per-token log-probabilities, into each microbatch. Collective."""
         t = self.trainer
-        generate_every = t.args.steps_per_generation * t.num_iterations
         with torch.no_grad():
-            if t.args.gradient_accumulation_steps % generate_every != 0:
+            if self.needs_old_logprobs(t.args):
                 for mb, logps in zip(microbatches, self.policy(microbatches)):
                     mb["old_per_token_logps"] = logps
             if self.reference is not None:
