@@ -117,10 +117,9 @@ def format_scoring_line(plan: Plan, cluster, scoring_passes: float) -> str:
     plan minimizes (``planner.optimize(..., scoring_passes=k)``). The plan's "predicted
     iteration" above stays the training step's."""
     from hf_cephalo.planner.generation import forward_pass_s
+    from hf_cephalo.planner.optimize import scored_step_s
 
-    training = plan.predicted_iteration_s
-    if training is None:
-        training = predict(plan, cluster).iteration_s
+    training = scored_step_s(plan, cluster)  # k = 0: the predicted training step
     one = forward_pass_s(plan, cluster)
     return (f"RL step as planned: training {training:.3f} s + {scoring_passes:g} forward-only "
             f"scoring pass(es) per step (old policy / reference log-probabilities) x "
