@@ -4,6 +4,7 @@ The doors (each a drop-in for its stock class; imported lazily, the TRL ones nee
 extra)::
 
     from hf_cephalo import CephaloTrainer, CephaloTrainingArguments      # transformers' Trainer
+    from hf_cephalo import CephaloSeq2SeqTrainer, CephaloSeq2SeqTrainingArguments  # Seq2SeqTrainer
     from hf_cephalo import CephaloAccelerator, CephaloPlugin             # an Accelerate loop
     from hf_cephalo import CephaloSFTTrainer, CephaloSFTConfig           # TRL
     from hf_cephalo import CephaloDPOTrainer, CephaloDPOConfig
@@ -36,6 +37,8 @@ _install_parent_death_guard()
 _EXPORTS = {
     "CephaloTrainer": "hf_cephalo.integrations.trainer",
     "CephaloTrainingArguments": "hf_cephalo.integrations.trainer",
+    "CephaloSeq2SeqTrainer": "hf_cephalo.integrations.trainer",
+    "CephaloSeq2SeqTrainingArguments": "hf_cephalo.integrations.trainer",
     "CompletionsCallback": "hf_cephalo.integrations.trainer",
     "CephaloAccelerator": "hf_cephalo.integrations.loop",
     "CephaloPlugin": "hf_cephalo.integrations.loop",

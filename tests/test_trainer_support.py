@@ -332,3 +332,41 @@ def test_label_smoother_shifts_by_stocks_rule():
                         ("Gemma3ForConditionalGeneration", True),
                         ("Qwen3ForSequenceClassification", False)):
         assert EngineOutputs(Staged(name), None, 1, {}).cephalo_smoother_shift is shift, name
+
+
+def test_seq2seq_fields_are_classified_and_documented():
+    """CephaloSeq2SeqTrainingArguments: every field Seq2SeqTrainingArguments adds to
+    TrainingArguments is classified (SEQ2SEQ_FIELD_SUPPORT), explained, and rendered in
+    docs/trainer_support.md; both classes are importable from hf_cephalo."""
+    import hf_cephalo
+    from hf_cephalo.integrations.trainer.seq2seq import (SEQ2SEQ_FIELD_SUPPORT,
+                                                         render_seq2seq_markdown)
+
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    added = {f.name for f in dataclasses.fields(transformers.Seq2SeqTrainingArguments)} - base
+    assert added == set(SEQ2SEQ_FIELD_SUPPORT)
+    assert_entries_explained(SEQ2SEQ_FIELD_SUPPORT, "Seq2SeqTrainingArguments")
+    with open(os.path.join(ROOT, "docs", "trainer_support.md")) as f:
+        assert render_seq2seq_markdown() in f.read(), "regenerate docs/trainer_support.md"
+    assert issubclass(hf_cephalo.CephaloSeq2SeqTrainer, transformers.Seq2SeqTrainer)
+    assert issubclass(hf_cephalo.CephaloSeq2SeqTrainingArguments,
+                      transformers.Seq2SeqTrainingArguments)
+
+
+def test_seq2seq_refusals_in_one_message(tmp_path, monkeypatch):
+    """predict_with_generate=True is refused (with the reason) together with every other refused
+    setting of the script, before any process group exists; the generation-only fields are
+    accepted, as stock accepts them without predict_with_generate."""
+    from hf_cephalo import CephaloSeq2SeqTrainer, CephaloSeq2SeqTrainingArguments
+
+    monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
+    args = CephaloSeq2SeqTrainingArguments(output_dir=str(tmp_path), report_to="none",
+                                           predict_with_generate=True, auto_find_batch_size=True)
+    with pytest.raises(ValueError, match=r"(?s)refuses 2 settings.*--auto_find_batch_size.*"
+                                         r"--predict_with_generate = True is not supported by "
+                                         r"Cephalo: evaluation runs the teacher-forced forward"):
+        CephaloSeq2SeqTrainer(model=build("llama"), args=args)
+    assert not torch.distributed.is_initialized()
+    check_training_args(CephaloSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path), report_to="none", generation_max_length=8,
+        generation_num_beams=2, sortish_sampler=True))

@@ -1,5 +1,7 @@
-"""The Trainer door: ``CephaloTrainer`` / ``CephaloTrainingArguments``, drop-ins for
-transformers' ``Trainer`` / ``TrainingArguments`` (names imported lazily)."""
+"""The Trainer door: ``CephaloTrainer`` / ``CephaloTrainingArguments`` and
+``CephaloSeq2SeqTrainer`` / ``CephaloSeq2SeqTrainingArguments``, drop-ins for transformers'
+``Trainer`` / ``TrainingArguments`` and ``Seq2SeqTrainer`` / ``Seq2SeqTrainingArguments`` (names
+imported lazily)."""
 
 from hf_cephalo.lazy import lazy_exports
 
@@ -10,6 +12,8 @@ _EXPORTS = {
     "format_loss_trend": "trainer",
     "CompletionsCallback": "completions",
     "CephaloTrainingArguments": "training_args",
+    "CephaloSeq2SeqTrainer": "seq2seq",
+    "CephaloSeq2SeqTrainingArguments": "seq2seq",
     "CephaloArguments": "training_args",
     "job_from_training_args": "training_args",
 }
