@@ -15,7 +15,11 @@ change on a shared machine hits all alike):
   i.e. the model's own forward around stub layers (what the engine runs per unit).
 
 It prints each as a multiple of ``model`` (the bound: one process, no staging) and ``generic``
-over ``direct`` (goal <= 1.02x). Then the self-check: for each class of the 2026 zoo
+over ``direct`` (goal <= 1.02x). The same for a ViT image classifier (``--image-size``, patches
+of 16, the same hidden size and depth), where the hand-written adapter exists
+(``models/vit.py``): ``adapter`` (``stage_model``, that adapter) against ``generic``
+(``self_check.generic_staged``, the generic path's staging of the same model), goal
+<= 1.02x (issue 47). Then the self-check: for each class of the 2026 zoo
 (``tests/zoo_fixtures.py``), the first ``stage_model`` of a model of that class and config (a
 tiny copy built and compared: cold), and a second one (cached), in seconds.
 
@@ -117,16 +121,46 @@ def time_steps(args) -> dict[str, float]:
     staged = stage_model(model)
     staged.prepare_for_training()
     mbs = microbatches(args)
-    runs = {"model": lambda: step_model(model, mbs), "direct": lambda: step_direct(model, mbs),
-            "generic": lambda: step_generic(staged, mbs)}
+    return _timed({"model": lambda: step_model(model, mbs),
+                   "direct": lambda: step_direct(model, mbs),
+                   "generic": lambda: step_generic(staged, mbs)}, model, args)
+
+
+def build_vit(args) -> transformers.PreTrainedModel:
+    cfg = transformers.ViTConfig(hidden_size=args.hidden, num_hidden_layers=args.layers,
+                                 num_attention_heads=max(args.hidden // 64, 1),
+                                 intermediate_size=args.hidden * 4, image_size=args.image_size,
+                                 patch_size=16, num_labels=10)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.ViTForImageClassification(cfg).to(args.device)
+
+
+def image_microbatches(args) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    size = (args.microbatch_size, 3, args.image_size, args.image_size)
+    return [{"pixel_values": torch.randn(size, generator=g).to(args.device),
+             "labels": torch.randint(0, 10, (args.microbatch_size,), generator=g).to(args.device)}
+            for _ in range(args.microbatches)]
+
+
+def step_image_model(model, mbs) -> None:
+    for mb in mbs:
+        (model(**mb).loss / len(mbs)).backward()  # equal microbatches: the global mean
+
+
+def _timed(runs: dict, model, args) -> dict[str, float]:
+    """Each run once (warm-up; gradients compared with the first run's), then ``args.steps``
+    rounds of all runs interleaved; the median seconds per run."""
     grads = {}
-    for name, run in runs.items():  # warm-up, and the three compute the same gradient
+    for name, run in runs.items():
         model.zero_grad(set_to_none=True)
         run()
         grads[name] = [p.grad.clone() for p in model.parameters()]
-    for name in ("direct", "generic"):
-        worst = max(float((a - b).abs().max()) for a, b in zip(grads[name], grads["model"]))
-        print(f"{name:8s} max |grad - model's| = {worst:.2e}")
+    first = next(iter(runs))
+    for name in list(runs)[1:]:
+        worst = max(float((a - b).abs().max()) for a, b in zip(grads[name], grads[first]))
+        print(f"{name:8s} max |grad - {first}'s| = {worst:.2e}")
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(args.steps):
         for name, run in runs.items():
@@ -137,6 +171,21 @@ def time_steps(args) -> dict[str, float]:
             _sync(args.device)
             times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def time_vit_steps(args) -> dict[str, float]:
+    """ViT: the model's own forward, its hand-written adapter, and the generic path's staging."""
+    from hf_cephalo.models.self_check import generic_staged
+
+    model = build_vit(args)
+    adapter, generic = stage_model(model), generic_staged(model)
+    assert type(adapter).__name__ == "ViTStagedModel", type(adapter)
+    for staged in (adapter, generic):
+        staged.prepare_for_training()
+    mbs = image_microbatches(args)
+    return _timed({"model": lambda: step_image_model(model, mbs),
+                   "adapter": lambda: step_generic(adapter, mbs),
+                   "generic": lambda: step_generic(generic, mbs)}, model, args)
 
 
 def self_check_cost(limit: int | None = None) -> list[tuple[str, float, float]]:
@@ -161,6 +210,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
@@ -171,7 +221,7 @@ def main(argv=None) -> None:
                              "numbers meaningless)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.hidden, args.layers, args.seq, args.vocab = 64, 1, 16, 128
+        args.hidden, args.layers, args.seq, args.vocab, args.image_size = 64, 1, 16, 128, 32
         args.microbatches, args.microbatch_size, args.steps = 2, 1, 1
     transformers.logging.set_verbosity_error()
     print(f"Llama hidden {args.hidden}, {args.layers} layers, seq {args.seq}, "
@@ -183,6 +233,13 @@ def main(argv=None) -> None:
     for name in ("model", "direct", "generic"):
         print(f"  {name:8s} {t[name] * 1e3:8.1f} ms  {t[name] / t['model']:.3f}x model")
     print(f"  generic / direct = {t['generic'] / t['direct']:.3f}x (goal <= 1.02x)")
+    print(f"\nViT hidden {args.hidden}, {args.layers} layers, {args.image_size}px images in "
+          f"patches of 16, {args.microbatches} microbatches of {args.microbatch_size}")
+    v = time_vit_steps(args)
+    print(f"step time (median of {args.steps}):")
+    for name in ("model", "adapter", "generic"):
+        print(f"  {name:8s} {v[name] * 1e3:8.1f} ms  {v[name] / v['model']:.3f}x model")
+    print(f"  generic / adapter = {v['generic'] / v['adapter']:.3f}x (goal <= 1.02x)")
     print("\nself-check at start (first stage_model of a class and config; then cached):")
     for name, cold, warm in self_check_cost(1 if args.smoke else None):
         print(f"  {name:26s} {cold:6.2f} s cold  {warm * 1e3:7.1f} ms cached")
