@@ -11,11 +11,10 @@ from hf_cephalo.models.generic import (GenericCausalLM, GenericEncoderClassifier
                                        GenericSequenceClassifier)
 from hf_cephalo.models.gpt2 import GPT2SequenceClassifierStagedModel, GPT2StagedModel
 from hf_cephalo.models.gpt_neox import GPTNeoXStagedModel
-from hf_cephalo.models.vit import ViTStagedModel
 from tests.models_fixtures import BUILDERS, SEQ_CLS_BUILDERS, build, make_batch
 
 EXPECTED = {"llama": GenericCausalLM, "mistral": GenericCausalLM, "qwen2": GenericCausalLM,
-            "gpt2": GPT2StagedModel, "gpt_neox": GPTNeoXStagedModel, "vit": ViTStagedModel,
+            "gpt2": GPT2StagedModel, "gpt_neox": GPTNeoXStagedModel, "vit": GenericEncoderClassifier,
             "bert": GenericEncoderClassifier, "llama_cls": GenericSequenceClassifier,
             "mistral_cls": GenericSequenceClassifier,
             "qwen2_cls": GenericSequenceClassifier,
@@ -24,11 +23,10 @@ ALL_ARCHS = [*BUILDERS, *SEQ_CLS_BUILDERS]
 
 
 def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
-    """Llama, Mistral, Qwen2 and BERT run on the generic path (models/generic.py); the
-    registry keeps the hand-written adapters of GPT-2, GPT-NeoX and ViT."""
+    """Llama, Mistral, Qwen2, BERT and ViT run on the generic path (models/generic.py); the
+    registry keeps the hand-written adapters of GPT-2 and GPT-NeoX."""
     assert set(supported_model_classes()) == {
-        "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPTNeoXForCausalLM",
-        "ViTForImageClassification"}
+        "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPTNeoXForCausalLM"}
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
@@ -125,8 +123,10 @@ def test_unsupported_messages_fit_the_class():
 
     base = _refusal(transformers.LlamaModel(_tiny(transformers.LlamaConfig)))
     assert "base model without a head" in str(base)
-    assert "Load the model as LlamaForCausalLM or LlamaForSequenceClassification" in str(base)
-    assert base.alternatives == ["LlamaForCausalLM", "LlamaForSequenceClassification"]
+    assert ("Load the model as LlamaForCausalLM or LlamaForSequenceClassification or "
+            "LlamaForTokenClassification or LlamaForQuestionAnswering") in str(base)
+    assert base.alternatives == ["LlamaForCausalLM", "LlamaForSequenceClassification",
+                                 "LlamaForTokenClassification", "LlamaForQuestionAnswering"]
     vit = _refusal(transformers.ViTModel(transformers.ViTConfig(
         hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
         image_size=8, patch_size=4)))

@@ -18,7 +18,6 @@ from hf_cephalo.models.base import StagedModel
 from hf_cephalo.models.gpt2 import GPT2SequenceClassifierStagedModel, GPT2StagedModel
 from hf_cephalo.models.gpt_neox import GPTNeoXStagedModel
 from hf_cephalo.models.peft_lora import is_peft_model, unwrap_peft_model
-from hf_cephalo.models.vit import ViTStagedModel
 
 _ADAPTERS: dict[str, type[StagedModel]] = {}
 
@@ -75,7 +74,8 @@ def _same_architecture(model: nn.Module) -> list[str]:
     """Class names of the model's architecture (its ``config.model_type``) that hf_cephalo
     trains: its causal-LM and sequence-classification heads in transformers' auto mappings
     (the generic path stages those; the classifier first for an encoder, which has a masked-LM
-    head), then classes with a registered adapter; no repeats."""
+    head), then its image-classification, token-classification, question-answering and
+    masked-LM heads, then classes with a registered adapter; no repeats."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None:
         return []
@@ -85,6 +85,10 @@ def _same_architecture(model: nn.Module) -> list[str]:
              auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)]
     if model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:  # an encoder: classify first
         names.reverse()
+    names += [mapping.get(model_type) for mapping in (  # the generic path's other task heads
+        auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+        auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+        auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)]
     names += [name for name in supported_model_classes()
               if getattr(getattr(getattr(transformers, name, None), "config_class", None),
                          "model_type", None) == model_type]
@@ -145,7 +149,7 @@ def _words(kind: str) -> str:
 
 def _body_of(adapter: type[StagedModel]) -> type[StagedModel]:
     """The class holding an adapter's units and embedding: its ``...Body`` base
-    (``GPT2DecoderBody``) where it has one, else the adapter itself (``ViTStagedModel``)."""
+    (``GPT2DecoderBody``) where it has one, else the adapter itself."""
     return next((c for c in adapter.__mro__ if c.__name__.endswith("Body")), adapter)
 
 
@@ -393,7 +397,6 @@ def _stage(model: nn.Module) -> StagedModel:
     return adapter(model)
 
 
-for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel,
-                 ViTStagedModel):
+for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)
