@@ -74,9 +74,11 @@ def test_iteration_time_and_uneven_rule():
 
 
 def test_side_inputs_are_priced_per_sample_with_their_gradients():
-    """The memory model adds 2·s·b for side inputs (their values and summed gradients, kept on
-    the device through the step: planner/memory.py ``side_input_bytes``), nothing for an idle
-    rank, and the profile keeps s through JSON; the profiler measures s as the per-layer
+    """The memory model prices side inputs by phase (planner/memory.py [Note: side inputs by
+    phase]): their values s·b in every phase, their summed gradients s·b more in the unit and
+    embedding phases, and E's backward re-makes one microbatch's, m·s; where they dominate, a
+    rank's peak grows by s·(2·b + m), an idle rank's by nothing; the profile keeps s through
+    JSON; the profiler measures s as the per-layer
     inputs' bytes (Gemma 3n: sequence x layers x per-layer width x 4 B per sample)."""
     import numpy as np
 
@@ -88,16 +90,19 @@ def test_side_inputs_are_priced_per_sample_with_their_gradients():
 
     plain = ModelProfile(name="m", num_units=3, params_per_unit=100, params_other=50,
                          boundary_bytes_per_sample=64.0)
-    side = ModelProfile.from_json({**plain.to_json(), "side_bytes_per_sample": 1000.0})
-    assert side.side_bytes_per_sample == 1000.0
+    s = 1e12  # side inputs far above every other term: the phase holding 2·s·b + m·s peaks
+    side = ModelProfile.from_json({**plain.to_json(), "side_bytes_per_sample": s})
+    assert side.side_bytes_per_sample == s
+    m, b = np.array([1, 2, 0]), np.array([3, 4, 0])
+    assert memory.side_input_bytes(side, b).tolist() == (s * b).tolist()
     for offload in (False, True):
         with_side, without = (ClusterProfile(
             model=p, devices=[_dev(), _dev()], offload_activations=offload,
             comm=CommProfile(allgather_s=0.0, reducescatter_s=0.0)) for p in (side, plain))
-        m, b = np.array([1, 2, 0]), np.array([3, 4, 0])
         extra = memory.rank_memory_bytes(with_side, 0, m, b) - \
             memory.rank_memory_bytes(without, 0, m, b)
-        assert extra.tolist() == [6000.0, 8000.0, 0.0], offload
+        np.testing.assert_allclose(extra, s * (2 * b + m), rtol=1e-9, err_msg=str(offload))
+        assert extra[2] == 0.0, offload
 
     staged = stage_model(build_zoo("gemma3n"))
     rows = lambda n: {k: v for k, v in make_batch("llama", n, seed=0).items()}  # noqa: E731

@@ -264,11 +264,14 @@ def head_activation_bytes(device: DeviceProfile, m) -> np.ndarray:
 
 
 def embed_activation_bytes(model: ModelProfile, m) -> np.ndarray:
-    """A_emb(m): the embedding backward's temporaries, e_p·Nt_E + m·a bytes (the dense weight
-    gradients of its Nt_E trainable elements in the gathered dtype, each added in place into
-    the unit's flat gradient: no concatenation; the recomputed embedding output)."""
+    """A_emb(m): the embedding backward's temporaries, e_p·Nt_E + m·(a + s) bytes (the dense
+    weight gradients of its Nt_E trainable elements in the gathered dtype, each added in place
+    into the unit's flat gradient: no concatenation; the recomputed embedding output and side
+    inputs, s = ``side_bytes_per_sample``, 0 without side inputs). The embedding's other
+    intermediates (a side input's projection and norm) are not priced."""
     e, nt_embed = model.param_gather_bytes, model.unit_trainable_numels()[1]
-    return e * nt_embed + model.boundary_bytes_per_sample * np.asarray(m, dtype=np.float64)
+    per_sample = model.boundary_bytes_per_sample + model.side_bytes_per_sample
+    return e * nt_embed + per_sample * np.asarray(m, dtype=np.float64)
 
 
 def device_stash_bytes(model: ModelProfile, m, b, offload: bool,
@@ -286,12 +289,12 @@ def device_stash_bytes(model: ModelProfile, m, b, offload: bool,
 
 
 def side_input_bytes(model: ModelProfile, b) -> np.ndarray:
-    """Σ(b): one rank's side inputs and their summed gradients on the device, 2·s·b bytes
-    (s = ``side_bytes_per_sample``; engine/schedule.py [Note: side inputs]). The values live in
-    each microbatch's ctx from the forward's embedding to E's backward; the gradient sums
-    appear in the units' backward and reach s·b before E's backward frees them, so 2·s·b is
-    exact there and an upper bound in the forward and head phases (s·b). Not offloaded."""
-    return 2.0 * model.side_bytes_per_sample * np.asarray(b, dtype=np.float64)
+    """s·b: one rank's side inputs on the device, bytes (s = ``side_bytes_per_sample``;
+    engine/schedule.py [Note: side inputs]). The values live in each microbatch's ctx from the
+    forward's embedding to E's backward, in every phase of the step; their gradient sums, s·b
+    more, exist only in the backward (``rank_memory_bytes`` adds them to the unit and embedding
+    phases, where the backward runs: [Note: side inputs by phase]). Not offloaded."""
+    return model.side_bytes_per_sample * np.asarray(b, dtype=np.float64)
 
 
 def host_memory_bytes(model: ModelProfile, b, offload: bool) -> np.ndarray:
@@ -370,12 +373,22 @@ def rank_memory_bytes(cluster: ClusterProfile, rank: int, m, b, *, root_resident
     buf = engine_buffers(model, cluster.world_size, root_resident=root_resident, layout=layout,
                          rank=rank)
     offload = cluster.offload_activations
-    phases = np.maximum(np.maximum(act + buf.unit_bytes,
+    side = side_input_bytes(model, b)  # [Note: side inputs by phase]
+    phases = np.maximum(np.maximum(act + buf.unit_bytes + side,
                                    head_activation_bytes(device, m) + buf.head_bytes) + others,
                         buf.between_bytes + kept)
     stash_levels = None if activation_checkpointing or offload else 2
     embed = embed_activation_bytes(model, m) + buf.embed_bytes + \
-        device_stash_bytes(model, m, b, offload, levels=1)
+        device_stash_bytes(model, m, b, offload, levels=1) + side
     busy = np.maximum(phases + device_stash_bytes(model, m, b, offload, levels=stash_levels),
-                      embed) + side_input_bytes(model, b)
+                      embed) + side
     return np.where(b > 0, busy, buf.idle_bytes)
+
+
+# [Note: side inputs by phase]
+# A side input's values (s·b on a rank) are alive in every phase of the step, from the
+# forward's embedding to E's backward. Their per-microbatch gradient sums appear with the
+# first unit backward that reads them and reach s·b; E's backward frees them microbatch by
+# microbatch. So the unit phase (whose peak is a backward recompute) and the embedding phase
+# (E's backward) hold 2·s·b, the head and between phases s·b. Measured against the engine's
+# peak in tests/test_plan_memory.py (Gemma 3n rows).

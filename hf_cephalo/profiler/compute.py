@@ -124,12 +124,23 @@ class _FlatViews:
         self.leaves.release_grad()
 
 
+def _with_side_leaves(staged: StagedModel, ctx: Any) -> Any:
+    """``ctx`` with its side inputs as fresh leaves that require grad, as the engine's unit
+    runs read them (engine/schedule.py ``_unit_ctx``): the backward then allocates their
+    gradients too, as in the engine; ``ctx`` itself when the model has none."""
+    sides = staged.side_inputs(ctx)
+    if not sides:
+        return ctx
+    return staged.with_side_inputs(ctx, [t.detach().requires_grad_(True) for t in sides])
+
+
 def _unit_backward(staged: StagedModel, hidden: torch.Tensor, ctx: Any,
                    grad: torch.Tensor) -> torch.Tensor:
-    """Recompute (forward with autograd) + backward of unit 0, as the engine's backward does."""
+    """Recompute (forward with autograd) + backward of unit 0, as the engine's backward does
+    (side inputs read as leaves that require grad: ``_with_side_leaves``)."""
     x = hidden.detach().requires_grad_(True)
     with torch.enable_grad():
-        y = staged.run_unit(0, x, ctx)
+        y = staged.run_unit(0, x, _with_side_leaves(staged, ctx))
     torch.autograd.backward(y, grad)
     return y.detach()
 
@@ -190,8 +201,8 @@ def _compute_memory(staged: StagedModel, views: _FlatViews, hidden, mb, ctx, gra
         for v in [views, *head_views]:
             v.install()
         x = hidden.detach().requires_grad_(True)
-        with torch.enable_grad():
-            y = staged.run_unit(0, x, ctx)  # the kept graph, alive during the head
+        with torch.enable_grad():  # the kept graph, alive during the head
+            y = staged.run_unit(0, x, _with_side_leaves(staged, ctx))
         _head_backward(staged, y, mb, ctx)
 
     try:
