@@ -287,10 +287,13 @@ def device_stash_bytes(model: ModelProfile, m, b, offload: bool,
 
 def side_input_bytes(model: ModelProfile, b) -> np.ndarray:
     """Σ(b): one rank's side inputs and their summed gradients on the device, 2·s·b bytes
-    (s = ``side_bytes_per_sample``; engine/schedule.py [Note: side inputs]). The values live in
-    each microbatch's ctx from the forward's embedding to E's backward; the gradient sums
-    appear in the units' backward and reach s·b before E's backward frees them, so 2·s·b is
-    exact there and an upper bound in the forward and head phases (s·b). Not offloaded."""
+    (s = ``side_bytes_per_sample`` = s_E + s_U, the bytes per sample of those the embedding
+    makes and of those a unit k makes, e.g. an encoder's output; engine/schedule.py [Note:
+    side inputs]). The embedding's live in each microbatch's ctx from the forward's embedding
+    to E's backward, a unit's from k's forward to k's backward; the gradient sums appear in
+    the units' backward (a unit's from the last unit's backward to k's). At k's backward all
+    of them coexist, so 2·s·b is exact there and an upper bound elsewhere (s·b in the forward
+    and head phases, 2·s_E·b after k's backward). Not offloaded."""
     return 2.0 * model.side_bytes_per_sample * np.asarray(b, dtype=np.float64)
 
 
