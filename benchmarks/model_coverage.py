@@ -58,6 +58,7 @@ from transformers.models.auto import configuration_auto, modeling_auto
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hf_cephalo.models import stage_model  # noqa: E402
+from hf_cephalo.models.base import run_unit_in  # noqa: E402
 from hf_cephalo.models.generic_heads import (CAUSAL_LM, ENCODER_TASKS,  # noqa: E402
                                              IMAGE_CLASSIFICATION, MASKED_LM,
                                              QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION,
@@ -101,8 +102,11 @@ TEXT_ONLY = (" An `exact` class here is an audio- or vision-language model whose
              "text is a causal LM's: staged for **text-only** fine-tuning of its language model "
              "(a batch with `input_features`, `pixel_values` or other non-text inputs is "
              "refused, docs/adding_a_model.md \"Vision-language models on text\"); the "
-             "encoder-decoders (a forward taking `decoder_input_ids`) are refused.")
-TASK_NOTES = {"seq2seq-lm": TEXT_ONLY, "speech-seq2seq": TEXT_ONLY}
+             "encoder-decoders (a forward taking `decoder_input_ids`) are refused")
+SEQ2SEQ_NOTE = (TEXT_ONLY + ", except T5's and BART's `...ForConditionalGeneration`, which "
+                "train as seq2seq models (their own loss on `labels`, the decoder's input their "
+                "own shift of them: models/seq2seq.py).")
+TASK_NOTES = {"seq2seq-lm": SEQ2SEQ_NOTE, "speech-seq2seq": TEXT_ONLY + "."}
 """What a mapping's `exact` means where it is not the task's own training."""
 
 
@@ -127,6 +131,11 @@ def _config(model_type: str):
         for key, value in UNSET_DEFAULTS.items():
             if key in fields and fields[key] is None:
                 setattr(cfg, key, value(cfg))
+        # T5's default config has no decoder start token; every T5 checkpoint sets the pad id
+        if getattr(cfg, "is_encoder_decoder", False) and \
+                getattr(cfg, "decoder_start_token_id", None) is None and \
+                isinstance(getattr(cfg, "pad_token_id", None), int):
+            cfg.decoder_start_token_id = cfg.pad_token_id
     return config
 
 
@@ -172,8 +181,8 @@ def _staged_loss_and_grads(model, staged, batch, sizes=(2, 3)):
         total = 0.0
         for mb in mbs:
             hidden, ctx = staged.embed(mb)
-            for i in range(staged.num_units):
-                hidden = staged.run_unit(i, hidden, ctx)
+            for i in range(staged.num_units):  # with the side inputs units make (T5, BART)
+                hidden, ctx = run_unit_in(staged, i, hidden, ctx)
             total = total + staged.head_loss(hidden, mb, ctx).loss_sum / n
         sums = staged.global_loss_sums()
         extra = 0.0 if sums is None else staged.finish_global_loss(sums)

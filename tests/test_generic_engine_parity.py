@@ -13,7 +13,11 @@ groups also run the models with side inputs (``SIDE_INPUTS``: Gemma 3n text and 
 per-layer inputs, each layer reading its own; MPNet's position bias, which every layer reads;
 their gradient reaches the embedding side's weights: docs/engine.md, "Side inputs") and the
 hierarchical image backbones (``IMAGES``: a ConvNeXt classifier on random images, each of its 4
-stages one unit, the hidden state's shape changing at every unit boundary).
+stages one unit, the hidden state's shape changing at every unit boundary) and the
+encoder-decoders (``SEQ2SEQ``: T5 and BART ``...ForConditionalGeneration`` on
+``DataCollatorForSeq2Seq``-style batches; the encoder's output is a side input the first decoder
+unit makes and every decoder layer reads, T5's position biases side inputs each stack's layer 0
+makes: engine/schedule.py [Note: side inputs], models/seq2seq.py).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from hf_cephalo.engine import CephaloEngine
 from hf_cephalo.models import stage_model
 from tests.dist_utils import budget_s, run_ranks, test_timeout
 from tests.models_fixtures import make_batch
-from tests.zoo_fixtures import IMAGES, SIDE_INPUTS, ZOO, build_zoo, image_zoo_batch, zoo_batch_arch
+from tests.zoo_fixtures import (IMAGES, SEQ2SEQ, SIDE_INPUTS, ZOO, build_zoo, image_zoo_batch,
+                                seq2seq_batch, zoo_batch_arch)
 
 RTOL, ATOL = 1e-5, 1e-6
 LR = {"gemma4_e": 0.01}
@@ -50,6 +55,8 @@ def _slice(batch, sizes_b, sizes_m, rank):
 def _batch(name: str, size: int, seed: int):
     if name in IMAGES:
         return image_zoo_batch(size, seed)
+    if name in SEQ2SEQ:
+        return seq2seq_batch(size, seed)
     padding = "left" if name.endswith("_cls") else True
     batch = make_batch(zoo_batch_arch(name), size, seed=seed, padding=padding)
     if name.endswith("_tokens"):  # one of 3 classes per token, none on the padding
@@ -102,7 +109,7 @@ def _run(rank: int, world: int, name: str) -> float:
     return worst
 
 
-NAMES = [*ZOO, *SIDE_INPUTS, *IMAGES]
+NAMES = [*ZOO, *SIDE_INPUTS, *IMAGES, *SEQ2SEQ]
 
 
 def zoo_worker(rank: int, world: int) -> dict[str, float]:

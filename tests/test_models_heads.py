@@ -29,6 +29,7 @@ EXACT = {
     "token-classification": ["BertForTokenClassification", "DebertaV2ForTokenClassification"],
     "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM"],
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering"],
+    "seq2seq-lm": ["T5ForConditionalGeneration", "BartForConditionalGeneration"],
 }
 REFUSED = {  # class -> what its refusal says
     "PoolFormerForImageClassification": "layer stacks",  # stages are bare lists: no stage
@@ -36,7 +37,7 @@ REFUSED = {  # class -> what its refusal says
     "MobileNetV2ForImageClassification": "BatchNorm layers",  # per-microbatch statistics
     "ResNetForImageClassification": "BatchNorm layers",
     "DeiTForImageClassificationWithTeacher": "this head is none of those",
-    "T5ForConditionalGeneration": "encoder-decoder model",
+    "MBartForConditionalGeneration": "encoder-decoder model",
     "WhisperForConditionalGeneration": "encoder-decoder model",
     "BartForQuestionAnswering": "encoder-decoder model",
 }

@@ -24,9 +24,12 @@ ALL_ARCHS = [*BUILDERS, *SEQ_CLS_BUILDERS]
 
 def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
     """Llama, Mistral, Qwen2, BERT and ViT run on the generic path (models/generic.py); the
-    registry keeps the hand-written adapters of GPT-2 and GPT-NeoX."""
+    registry keeps the hand-written adapters of GPT-2 and GPT-NeoX, and those of the
+    encoder-decoders T5 and BART (models/seq2seq.py: two stacks, which the generic path does
+    not stage)."""
     assert set(supported_model_classes()) == {
-        "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPTNeoXForCausalLM"}
+        "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPTNeoXForCausalLM",
+        "T5ForConditionalGeneration", "BartForConditionalGeneration"}
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
@@ -349,7 +352,9 @@ def test_heads_whose_base_model_is_themselves_are_not_called_base_models():
     """transformers answers ``base_model`` with the model itself when the prefix attribute is
     missing: Llama4ForCausalLM (prefix 'language_model', body at .model) was refused as "a
     base model without a head" and told to load itself; T5ForConditionalGeneration was told to
-    load a classifier (another head). A compiled model is told to pass the model itself."""
+    load a classifier (another head); it now has an adapter (models/seq2seq.py), which the
+    doors refuse for now, and T5's question-answering head (an encoder-decoder without one) is
+    refused as one. A compiled model is told to pass the model itself."""
     from hf_cephalo.models.registry import UnsupportedModelError
 
     cfg = transformers.Llama4TextConfig(
@@ -361,10 +366,17 @@ def test_heads_whose_base_model_is_themselves_are_not_called_base_models():
         stage_model(transformers.Llama4ForCausalLM(cfg))  # the self-check decides
     except ValueError as exc:
         assert "base model without a head" not in str(exc), exc
-    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4))
+    from hf_cephalo.runtime import stage_model as door_stage_model
+
+    t5_cfg = transformers.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=1,
+                                   num_heads=4, decoder_start_token_id=0)
+    t5 = transformers.T5ForConditionalGeneration(t5_cfg)
+    assert type(stage_model(t5)).__name__ == "T5StagedModel"
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder-decoder: "
+                                         "hf_cephalo's engine trains it exactly"):
+        door_stage_model(t5)
     with pytest.raises(UnsupportedModelError, match="it is an encoder-decoder model") as info:
-        stage_model(t5)
+        stage_model(transformers.T5ForQuestionAnswering(t5_cfg))
     assert "T5ForSequenceClassification" not in str(info.value)
     with pytest.raises(UnsupportedModelError, match="torch.compile'd model .*pass the model"):
         stage_model(torch.compile(build("llama")))
@@ -380,3 +392,26 @@ def test_a_layer_appended_after_construction_is_refused_when_staging():
     with pytest.raises(ValueError, match=r"holds 3 layers in model.layers but its config says "
                                          r"num_hidden_layers = 2"):
         stage_model(model)
+
+
+def test_seq2seq_adapters_refuse_layer_drop_and_a_batch_without_targets():
+    """BART's layer drop skips layers at random in training, which no staged schedule replays:
+    refused when staging. A microbatch with neither ``labels`` nor ``decoder_input_ids`` has no
+    decoder input: a ValueError naming the keys, before any unit runs. ``compile`` is refused
+    before any collective (its probe runs each unit alone on the embedding's output)."""
+    from tests.zoo_fixtures import SEQ2SEQ, build_zoo, seq2seq_batch
+
+    config = SEQ2SEQ["bart"][1]()
+    config.decoder_layerdrop = 0.1
+    with pytest.raises(ValueError, match="layer drop 0.1 .*decoder_layerdrop = 0"):
+        stage_model(transformers.BartForConditionalGeneration(config))
+    staged = stage_model(build_zoo("t5"))
+    batch = seq2seq_batch(2, seed=0)
+    del batch["labels"]
+    with pytest.raises(ValueError, match="neither 'labels' nor 'decoder_input_ids'"):
+        staged.embed(batch)
+    assert staged.count_items(batch) == 0
+    from hf_cephalo.engine import CephaloEngine, CompileOptions
+    with pytest.raises(ValueError, match=r"units \[0, 3\] of T5ForConditionalGeneration make "
+                                         "side inputs .* without compile"):
+        CephaloEngine(staged, [1.0], compile=CompileOptions(backend="eager"))

@@ -111,6 +111,13 @@ def test_side_inputs_are_priced_per_sample_with_their_gradients():
     assert side_bytes_per_sample(staged, rows, "cpu") == \
         seq * cfg.num_hidden_layers * cfg.hidden_size_per_layer_input * 4
     assert side_bytes_per_sample(stage_model(build_zoo("qwen3")), rows, "cpu") == 0.0
+    # a side input a unit makes (the toy's memory, (1, S, H) fp32 per sample) counts too
+    import torch
+
+    from hf_cephalo.models.toy import ToyConfig, ToyLM, ToyStaged
+    toy = ToyStaged(ToyLM(ToyConfig(hidden_size=8, num_heads=2, num_layers=3, memory_from=1)))
+    ids = lambda n: {"input_ids": torch.zeros(n, 5, dtype=torch.long)}  # noqa: E731
+    assert side_bytes_per_sample(toy, ids, "cpu") == 5 * 8 * 4
 
 
 def test_forward_only_unit_time_is_the_forward_half_of_the_unit_time():

@@ -118,6 +118,40 @@ so the side inputs of the layers the copy does not have are found too (by index,
 copy's were carried: the others' gradients were dropped)."""
 
 
+SEQ2SEQ: dict[str, tuple[str, Callable[[], Any]]] = {
+    "t5": ("T5ForConditionalGeneration", lambda: transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        dropout_rate=0.0, feed_forward_proj="gated-gelu", tie_word_embeddings=True,
+        pad_token_id=PAD, eos_token_id=1, decoder_start_token_id=PAD)),
+    "bart": ("BartForConditionalGeneration", lambda: transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=3,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, scale_embedding=True, pad_token_id=PAD, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)),
+}
+"""Encoder-decoders (docs/engine.md, "Side inputs"; models/seq2seq.py): every decoder layer's
+cross-attention reads the encoder's output, a side input the first decoder unit makes; T5's
+relative position bias, made by each stack's layer 0, is read by every layer of its stack. The
+encoder and decoder have different depths (T5 3 / 2, BART 2 / 3), T5 its tied head scaled by
+d_model^-0.5 and the gated FFN, BART scaled embeddings. ``seq2seq_batch`` feeds them."""
+
+
+def seq2seq_batch(size: int, seed: int) -> dict[str, torch.Tensor]:
+    """A ``DataCollatorForSeq2Seq``-style batch: ``input_ids`` (size, 9) right-padded with PAD
+    and their ``attention_mask``, ``labels`` (size, 6) of another length, padded with -100."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (size, 9), generator=g)
+    labels = torch.randint(3, VOCAB, (size, 6), generator=g)
+    mask = torch.ones_like(ids)
+    for row in range(size):
+        keep = int(torch.randint(3, 10, (), generator=g))
+        ids[row, keep:], mask[row, keep:] = PAD, 0
+        labels[row, int(torch.randint(2, 7, (), generator=g)):] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
 IMAGE_SIZE = 32
 IMAGES: dict[str, tuple[str, Callable[[], Any]]] = {
     "convnext": ("ConvNextForImageClassification", lambda: transformers.ConvNextConfig(
@@ -140,7 +174,7 @@ def image_zoo_batch(size: int, seed: int) -> dict[str, torch.Tensor]:
 
 def build_zoo(name: str, seed: int = 0) -> torch.nn.Module:
     """The tiny ``name`` model in eval mode (dropout off), fp32, deterministic init."""
-    class_name, config = {**ZOO, **EXTRA, **SIDE_INPUTS, **IMAGES}[name]
+    class_name, config = {**ZOO, **EXTRA, **SIDE_INPUTS, **IMAGES, **SEQ2SEQ}[name]
     torch.manual_seed(seed)
     cfg = config()
     cfg._attn_implementation = "eager"

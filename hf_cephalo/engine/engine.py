@@ -203,6 +203,7 @@ class CephaloEngine:
         if compile is not None and not isinstance(compile, CompileOptions):
             raise TypeError(f"compile={compile!r}: pass hf_cephalo.engine.CompileOptions("
                             "backend=..., mode=...) or None (eager)")
+        _refuse_compiled_side_inputs(staged, compile)
         if not isinstance(precision, EnginePrecision):
             raise TypeError(f"precision={precision!r}: pass hf_cephalo.engine.EnginePrecision("
                             "compute, param, reduce) (default: fp32)")
@@ -678,3 +679,16 @@ def _raise_refused(refused: ValueError | None, flags: list[int]) -> None:
     if ranks:
         raise ValueError(f"the microbatches of rank(s) {ranks} were refused by the staged model "
                          "(their error says why and what to do); nothing ran on any rank")
+
+
+def _refuse_compiled_side_inputs(staged: StagedModel, compile: CompileOptions | None) -> None:
+    """ValueError (before any collective) for ``compile`` with a model whose units make side
+    inputs (an encoder-decoder: models/seq2seq.py): the compile probe runs each unit alone on
+    the embedding's output, which such a unit does not take."""
+    if compile is None:
+        return
+    making = [i for i in range(staged.num_units) if staged.produces_side_inputs(i)]
+    if making:
+        raise ValueError(f"compile={compile}: units {making} of {type(staged.model).__name__} "
+                         "make side inputs later units read (an encoder-decoder), which "
+                         "hf_cephalo does not compile yet; train it without compile")

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
-from ..models.base import global_num_items_scope
+from ..models.base import global_num_items_scope, run_unit_in
 from . import collectives as C
 from .compile import running
 from .flat_param import FlatParamUnit
@@ -116,7 +116,8 @@ def _evaluate_layered(engine, mbs, return_logits: bool, process_logits,
         for nxt in (engine.units[i + 1:i + 2] or head_phase):
             nxt.start_unshard()
         unit.use_params()
-        hiddens = [engine.staged.run_unit(i, h, c) for h, c in zip(hiddens, ctxs)]
+        outs = [run_unit_in(engine.staged, i, h, c) for h, c in zip(hiddens, ctxs)]
+        hiddens, ctxs = [y for y, _ in outs], [c for _, c in outs]
         unit.reshard()
     before_heads()
     loss_sum = torch.zeros(1, dtype=torch.float64, device=engine.device)

@@ -28,8 +28,22 @@ step)" and "Layered schedule".
 # input; their gradients are summed per microbatch over the units that read them
 # (``side_grads[j]``) and, in E's backward, backpropagated through the re-run ``embed``
 # together with the hidden state's gradient (one ``autograd.backward`` over both). No
-# collective is added: the sequence stays that of [Note: layered schedule]. A side input made
-# by a layer unit (KV sharing, an encoder's output) is not carried (docs/engine.md).
+# collective is added: the sequence stays that of [Note: layered schedule].
+#
+# A unit k may also MAKE side inputs (``produces_side_inputs(k)``: an encoder-decoder's first
+# decoder unit makes the encoder's output from its boundary input, the last encoder layer's
+# output, and every later decoder unit's cross-attention reads it). ``produce_side_inputs``
+# appends them to the ctx k runs on; the forward phase keeps that ctx (no graph) as the
+# microbatch's ctx for the units after k and keeps the ctx k started from (``made_from``).
+# Backward walks units last to first, so the units after k have summed their gradients for
+# the made tensors into ``side_grads[j]`` (after the earlier ones' entries) before k's
+# backward; k's recompute re-makes them with a graph from its stashed input (forward RNG
+# replayed) and runs ONE ``autograd.backward([y, *made], [g, *their sums])``, so the gradient
+# flows into k's parameters and, through k's boundary input gradient, into the units before
+# k (the encoder). Their sums are dropped there; the entries of the earlier side inputs go on
+# to E's backward as above. Still no collective: ranks with 0, 1 or 3 microbatches issue the
+# same sequence. A side input a layer writes into a dict other layers read (KV sharing) is
+# not of this form and stays refused (docs/engine.md).
 
 # [Note: open steps]
 # A custom training loop computes its own loss from the model's outputs between the forward and
@@ -128,6 +142,7 @@ class LayeredStep:
         self.stash, self.device = stash, device
         self.ctxs: list[Any] = []
         self.side_grads: dict[int, list] = {}  # microbatch -> summed side-input gradients
+        self.made_from: dict[tuple, Any] = {}  # (making unit, microbatch) -> ctx it started from
         self.rng: dict[tuple, RngState] = {}
         self.keep_graphs = keep_graphs
         self.scale_loss = scale_loss if scale_loss is not None else (lambda loss: loss)
@@ -277,6 +292,9 @@ class LayeredStep:
                     x = self.stash.get((i, j))
                     self.rng[(i, j)] = RngState(self.device)
                     unit.use_params()
+                    if self.staged.produces_side_inputs(i):  # [Note: side inputs]
+                        self.made_from[(i, j)] = self.ctxs[j]
+                        self.ctxs[j] = self.staged.produce_side_inputs(i, x, self.ctxs[j])
                     self.stash.start_offload((i + 1, j), self.staged.run_unit(i, x, self.ctxs[j]))
                 if i + 1 < L:
                     unit.reshard(keep_graph_storage=self.keep_graphs)
@@ -288,10 +306,30 @@ class LayeredStep:
         x = self.stash.pop((i, j)).detach().requires_grad_(True)
         with torch.enable_grad():  # the forward phase runs under no_grad; this graph is kept
             unit.use_params()
-            ctx, sides = self._unit_ctx(j)
-            y = self.staged.run_unit(i, x, ctx)
-        self.kept[(i, j)] = (x, y, sides)
+            y, sides, made = self._run_with_grad(i, j, x, forward=True)
+        if made:  # later units read them without this graph ([Note: side inputs])
+            self.ctxs[j] = self.staged.with_side_inputs(
+                self.ctxs[j], [s.detach() for s in self.staged.side_inputs(self.ctxs[j])])
+        self.kept[(i, j)] = (x, y, sides, made)
         self.stash.start_offload((i + 1, j), y.detach())
+
+    def _run_with_grad(self, i: int, j: int, x: torch.Tensor, forward: bool = False) -> tuple:
+        """Unit ``i`` on microbatch ``j``'s input leaf ``x`` with autograd: ``(y, sides,
+        made)``: its output, the side-input leaves it read (``_unit_ctx``) and the side inputs
+        it made, with their graph ([Note: side inputs]). A making unit starts from the ctx
+        before it made them: the current one in the ``forward`` phase (which then becomes the
+        ctx with the made ones, for the later units), else the one the forward kept."""
+        if not self.staged.produces_side_inputs(i):
+            ctx, sides = self._unit_ctx(j)
+            return self.staged.run_unit(i, x, ctx), sides, []
+        if forward:
+            self.made_from[(i, j)] = self.ctxs[j]
+        ctx, sides = self._unit_ctx(j, self.made_from[(i, j)])
+        ctx = self.staged.produce_side_inputs(i, x, ctx)
+        made = self.staged.side_inputs(ctx)[len(sides):]
+        if forward:
+            self.ctxs[j] = ctx
+        return self.staged.run_unit(i, x, ctx), sides, made
 
     def head(self) -> None:
         """Head loss + its backward per microbatch; stashes the boundary gradients g[L][j].
@@ -370,19 +408,40 @@ class LayeredStep:
         if outputs:
             torch.autograd.backward(outputs, grads)
 
-    def _unit_ctx(self, j: int) -> tuple[Any, list[torch.Tensor]]:
-        """Microbatch ``j``'s ctx for a unit run with autograd: its side inputs replaced by
-        fresh leaves (returned too) whose gradients ``_add_side_grads`` collects."""
-        ctx = self.ctxs[j]
+    def _unit_ctx(self, j: int, ctx: Any = None) -> tuple[Any, list[torch.Tensor]]:
+        """Microbatch ``j``'s ctx (or ``ctx``) for a unit run with autograd: its side inputs
+        replaced by fresh leaves (returned too) whose gradients ``_add_side_grads`` collects."""
+        ctx = self.ctxs[j] if ctx is None else ctx
         sides = [s.detach().requires_grad_(True) for s in self.staged.side_inputs(ctx)]
         return (self.staged.with_side_inputs(ctx, sides), sides) if sides else (ctx, [])
+
+    def _backward_unit(self, i: int, j: int, y: torch.Tensor, grad: torch.Tensor,
+                       sides: list[torch.Tensor], made: list[torch.Tensor]) -> None:
+        """Unit ``i``'s backward for microbatch ``j``: its output gradient and, for a unit that
+        made side inputs, the later units' summed gradients for them, in ONE backward; then
+        its own side-input leaves' gradients into the sums, and the units before it read the
+        ctx it started from again ([Note: side inputs])."""
+        outputs, grads = [y], [grad]
+        if made:
+            sums = self.side_grads.get(j, [])
+            made_grads = sums[len(sides):len(sides) + len(made)]
+            del sums[len(sides):]  # consumed here; E's backward sees the earlier entries only
+            for tensor, tensor_grad in zip(made, made_grads):
+                if tensor_grad is not None and tensor.requires_grad:
+                    outputs.append(tensor)
+                    grads.append(tensor_grad)
+        torch.autograd.backward(outputs, grads)
+        self._add_side_grads(j, sides)
+        if (i, j) in self.made_from:
+            self.ctxs[j] = self.made_from.pop((i, j))
 
     def _add_side_grads(self, j: int, sides: list[torch.Tensor]) -> None:
         """Add the gradients the unit just gave microbatch ``j``'s side-input leaves into the
         microbatch's sums (a side input no unit differentiates keeps None)."""
         if not sides:
             return
-        sums = self.side_grads.setdefault(j, [None] * len(sides))
+        sums = self.side_grads.setdefault(j, [])
+        sums.extend([None] * (len(sides) - len(sums)))
         for k, side in enumerate(sides):
             if side.grad is not None:
                 sums[k] = side.grad if sums[k] is None else sums[k].add_(side.grad)
@@ -401,10 +460,9 @@ class LayeredStep:
             self.stash.start_reload((i - 1, last))
         self.stash.one_microbatch_in_flight(self.device)
         if (i, j) in self.kept:
-            x, y, sides = self.kept.pop((i, j))
+            x, y, sides, made = self.kept.pop((i, j))
             unit.prepare_grad()
-            torch.autograd.backward(y, self.stash.pop(("grad", j)))
-            self._add_side_grads(j, sides)
+            self._backward_unit(i, j, y, self.stash.pop(("grad", j)), sides, made)
             self.stash.start_offload(("grad", j), _grad_or_zeros(x), keep=i == 0 and j == 0)
             return
         self.stash.wait_offload((i, j))
@@ -413,13 +471,11 @@ class LayeredStep:
         fork = self.rng.pop((i, j)).replay()
         try:
             unit.use_params()
-            ctx, sides = self._unit_ctx(j)
-            y = self.staged.run_unit(i, x, ctx)
+            y, sides, made = self._run_with_grad(i, j, x)
         finally:
             fork.__exit__(None, None, None)
         unit.prepare_grad()
-        torch.autograd.backward(y, grad)
-        self._add_side_grads(j, sides)
+        self._backward_unit(i, j, y, grad, sides, made)
         # unit 0's gradient for microbatch 0 is the first one the embedding backward reads
         self.stash.start_offload(("grad", j), _grad_or_zeros(x), keep=i == 0 and j == 0)
 

@@ -194,6 +194,22 @@ class StagedModel(abc.ABC):
         ``ctx`` itself unchanged. Default: ``ctx`` (no side inputs)."""
         return ctx
 
+    def produces_side_inputs(self, index: int) -> bool:
+        """Whether unit ``index`` makes side inputs that later units read (an encoder-decoder's
+        first decoder unit makes the encoder's output, read by every decoder layer's
+        cross-attention): the callers then run ``produce_side_inputs`` before ``run_unit``
+        (``run_unit_in``). Default: False."""
+        return False
+
+    def produce_side_inputs(self, index: int, hidden: torch.Tensor, ctx: Any) -> Any:
+        """For a unit with ``produces_side_inputs(index)``: ``ctx`` with the side inputs that
+        unit makes from its boundary input ``hidden`` appended, so that
+        ``side_inputs(result) == side_inputs(ctx) + made`` (each made tensor from ``hidden``
+        and unit ``index``'s parameters only); ``ctx`` itself unchanged. The engine carries
+        the later units' summed gradients for them back through this call
+        (docs/engine.md, "Side inputs"). Raises NotImplementedError by default."""
+        raise NotImplementedError(f"{type(self).__name__} makes no side inputs in unit {index}")
+
     @abc.abstractmethod
     def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> HeadOutput:
         """Final norm + head + loss SUM over this microbatch's items (see ``HeadOutput``)."""
@@ -265,6 +281,16 @@ class StagedModel(abc.ABC):
         collective, so every rank refuses alike. Default: any size."""
 
 
+def run_unit_in(staged: StagedModel, index: int, hidden: torch.Tensor,
+                ctx: Any) -> tuple[torch.Tensor, Any]:
+    """Unit ``index`` on ``hidden`` as a forward runs it: ``(output, ctx)`` where ``ctx`` is
+    the one later units read (with the side inputs the unit makes, where
+    ``produces_side_inputs(index)``; else the ``ctx`` given). Output shape: see ``run_unit``."""
+    if staged.produces_side_inputs(index):
+        ctx = staged.produce_side_inputs(index, hidden, ctx)
+    return staged.run_unit(index, hidden, ctx), ctx
+
+
 class WrappedStagedModel(StagedModel):
     """A ``StagedModel`` around another one (``inner``, sharing its model): the structure
     (units, embedding and head modules, item counts, preparation) and every forward call are
@@ -332,6 +358,12 @@ class WrappedStagedModel(StagedModel):
     def side_inputs(self, ctx: Any) -> list[torch.Tensor]:
         return self.inner.side_inputs(ctx)
 
+    def produces_side_inputs(self, index: int) -> bool:
+        return self.inner.produces_side_inputs(index)
+
+    def produce_side_inputs(self, index: int, hidden: torch.Tensor, ctx: Any) -> Any:
+        return self.inner.produce_side_inputs(index, hidden, ctx)
+
     def with_side_inputs(self, ctx: Any, tensors: list[torch.Tensor]) -> Any:
         return self.inner.with_side_inputs(ctx, tensors)
 
@@ -369,6 +401,10 @@ class AutocastStagedModel(WrappedStagedModel):
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
         with self._amp():
             return self.inner.run_unit(index, hidden, ctx)
+
+    def produce_side_inputs(self, index: int, hidden: torch.Tensor, ctx: Any) -> Any:
+        with self._amp():
+            return self.inner.produce_side_inputs(index, hidden, ctx)
 
     def head_loss(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> HeadOutput:
         with self._amp():

@@ -18,6 +18,7 @@ from hf_cephalo.models.base import StagedModel
 from hf_cephalo.models.gpt2 import GPT2SequenceClassifierStagedModel, GPT2StagedModel
 from hf_cephalo.models.gpt_neox import GPTNeoXStagedModel
 from hf_cephalo.models.peft_lora import is_peft_model, unwrap_peft_model
+from hf_cephalo.models.seq2seq import BartStagedModel, T5StagedModel
 
 _ADAPTERS: dict[str, type[StagedModel]] = {}
 
@@ -231,22 +232,22 @@ def _generic(model: nn.Module) -> StagedModel:
 
 
 def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
-    """The refusal of an encoder-decoder model (its forward takes ``decoder_input_ids``: T5,
-    BART, Marian, Whisper, and their classifiers), None for any other model. Its decoder
-    layers read the encoder's output through cross-attention: a tensor made by one layer
-    stack and read by every layer of another, whose gradient must flow back into the encoder,
-    which the engine does not carry between units."""
+    """The refusal of an encoder-decoder model without an adapter (its forward takes
+    ``decoder_input_ids``: Marian, mBART, Pegasus, Whisper, T5's and BART's classifiers, ...),
+    None for any other model. T5's and BART's ``...ForConditionalGeneration`` have adapters
+    (``models/seq2seq.py``) and never get here; the generic path stages one layer stack, not
+    an encoder, a decoder and the code between them."""
     import inspect
     if "decoder_input_ids" not in inspect.signature(type(model).forward).parameters:
         return None
     name = type(model).__name__
     return UnsupportedModelError(
         f"hf_cephalo cannot train {name}: it is an encoder-decoder model (its forward takes "
-        f"decoder_input_ids); every decoder layer reads the encoder's output through "
-        f"cross-attention, a tensor that crosses layer units and must carry its gradient back "
-        f"into the encoder, and the layered engine does not carry such side inputs between "
-        f"units yet. Nothing was run. A decoder-only or encoder-only model of the task trains "
-        f"({scope_text()}); to train this one, write an adapter (see {GUIDE}).", [])
+        f"decoder_input_ids) without an adapter; the generic path stages one layer stack, not "
+        f"an encoder, a decoder whose cross-attention reads the encoder's output and the code "
+        f"between them. Nothing was run. T5's and BART's ...ForConditionalGeneration train "
+        f"(models/seq2seq.py), as does a decoder-only or encoder-only model of the task "
+        f"({scope_text()}); to train this one, write an adapter like those (see {GUIDE}).", [])
 
 
 def _generic_any(model: nn.Module, kind: str) -> StagedModel:
@@ -397,6 +398,7 @@ def _stage(model: nn.Module) -> StagedModel:
     return adapter(model)
 
 
-for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel):
+for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel,
+                 T5StagedModel, BartStagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)

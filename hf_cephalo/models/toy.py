@@ -4,14 +4,15 @@ Embedding (token + learned position) -> N identical pre-norm blocks (causal self
 MLP) -> final LayerNorm -> linear head with next-token cross-entropy (labels -100 ignored).
 ``ToyLM`` is the plain ``nn.Module`` (the single-process reference); ``ToyStaged`` is its
 ``StagedModel`` view. Options exercise engine corner cases: tied embeddings, dropout, a frozen
-norm inside each block, and a ``rare`` parameter used only by microbatches that contain a given
-token id.
+norm inside each block, a ``rare`` parameter used only by microbatches that contain a given
+token id, and a side input made by a layer unit (``memory_from``: the shape of an
+encoder-decoder's encoder output, read by every later layer).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,10 @@ class ToyConfig:
     max_seq_len: positions (tokens); tie_embeddings: head weight = token embedding;
     dropout: probability after attention and MLP (0 = off); frozen_norm: the blocks' first
     norm has requires_grad=False; rare_token_id: if set, each block adds a ``rare`` vector at
-    positions holding this token id, and only when the microbatch contains it.
+    positions holding this token id, and only when the microbatch contains it;
+    memory_from: if set, the block at this index first makes a ``memory`` from its input (its
+    ``mem_norm``, then dropout) and it and every later block add ``mem_proj(memory)`` to their
+    input (engine/schedule.py [Note: side inputs]: a side input made by a unit).
     """
 
     vocab_size: int = 64
@@ -42,6 +46,7 @@ class ToyConfig:
     dropout: float = 0.0
     frozen_norm: bool = False
     rare_token_id: int | None = None
+    memory_from: int | None = None
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads:
@@ -55,7 +60,7 @@ class ToyConfig:
 
 
 class ToyBlock(nn.Module):
-    def __init__(self, cfg: ToyConfig):
+    def __init__(self, cfg: ToyConfig, index: int = 0):
         super().__init__()
         h = cfg.hidden_size
         self.cfg = cfg
@@ -70,8 +75,19 @@ class ToyBlock(nn.Module):
             self.rare = nn.Parameter(torch.randn(h) * 0.1)
         if cfg.frozen_norm:
             self.ln1.requires_grad_(False)
+        if cfg.memory_from is not None and index >= cfg.memory_from:
+            if index == cfg.memory_from:
+                self.mem_norm = nn.LayerNorm(h)
+            self.mem_proj = nn.Linear(h, h)
 
-    def forward(self, x: torch.Tensor, rare_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def make_memory(self, x: torch.Tensor) -> torch.Tensor:
+        """The memory the block at ``memory_from`` makes from its input x (m, S, H)."""
+        return self.drop(self.mem_norm(x))
+
+    def forward(self, x: torch.Tensor, rare_mask: torch.Tensor | None = None,
+                memory: torch.Tensor | None = None) -> torch.Tensor:
+        if memory is not None:
+            x = x + self.mem_proj(memory)
         m, s, h = x.shape  # (m, S, H)
         nh = self.cfg.num_heads
         q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
@@ -92,7 +108,7 @@ class ToyLM(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
-        self.blocks = nn.ModuleList(ToyBlock(cfg) for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(ToyBlock(cfg, i) for i in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -109,9 +125,11 @@ class ToyLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         x = self.embed(input_ids)
-        mask = self.rare_mask(input_ids)
-        for block in self.blocks:
-            x = block(x, mask)
+        mask, memory = self.rare_mask(input_ids), None
+        for i, block in enumerate(self.blocks):
+            if i == self.cfg.memory_from:
+                memory = block.make_memory(x)
+            x = block(x, mask, memory)
         logits = self.head(self.ln_f(x))  # (B, S, V)
         if labels is None:
             return None, logits
@@ -125,9 +143,18 @@ def count_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != -100).sum())
 
 
+class ToyCtx(NamedTuple):
+    """A ``ToyStaged`` ctx with ``memory_from``: the rare mask and the memory (None until
+    the making block ran)."""
+
+    rare_mask: torch.Tensor | None
+    memory: torch.Tensor | None = None
+
+
 class ToyStaged(StagedModel):
     """``StagedModel`` view of ``ToyLM``: units = blocks; embedding = wte, wpe; head = ln_f,
-    head (``head.weight`` is ``wte.weight`` when tied: it lives in the embedding unit).
+    head (``head.weight`` is ``wte.weight`` when tied: it lives in the embedding unit). With
+    ``memory_from`` the memory is a side input that unit makes (``produce_side_inputs``).
 
     Microbatch keys: ``input_ids`` (m, S) int64, optional ``labels`` (m, S) (default input_ids).
     """
@@ -145,10 +172,26 @@ class ToyStaged(StagedModel):
 
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Any]:
         ids = microbatch["input_ids"]
-        return self.model.embed(ids), self.model.rare_mask(ids)
+        mask = self.model.rare_mask(ids)
+        return self.model.embed(ids), (mask if self.model.cfg.memory_from is None else
+                                       ToyCtx(mask))
 
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
+        if isinstance(ctx, ToyCtx):
+            return self.model.blocks[index](hidden, ctx.rare_mask, ctx.memory)
         return self.model.blocks[index](hidden, ctx)
+
+    def side_inputs(self, ctx: Any) -> list[torch.Tensor]:
+        return [ctx.memory] if isinstance(ctx, ToyCtx) and ctx.memory is not None else []
+
+    def with_side_inputs(self, ctx: Any, tensors: list[torch.Tensor]) -> Any:
+        return ctx._replace(memory=tensors[0]) if tensors else ctx
+
+    def produces_side_inputs(self, index: int) -> bool:
+        return index == self.model.cfg.memory_from
+
+    def produce_side_inputs(self, index: int, hidden: torch.Tensor, ctx: Any) -> Any:
+        return ctx._replace(memory=self.model.blocks[index].make_memory(hidden))
 
     def _labels(self, microbatch: Microbatch) -> torch.Tensor:
         return microbatch.get("labels", microbatch["input_ids"])

@@ -289,11 +289,13 @@ def device_stash_bytes(model: ModelProfile, m, b, offload: bool,
 
 
 def side_input_bytes(model: ModelProfile, b) -> np.ndarray:
-    """s·b: one rank's side inputs on the device, bytes (s = ``side_bytes_per_sample``;
-    engine/schedule.py [Note: side inputs]). The values live in each microbatch's ctx from the
-    forward's embedding to E's backward, in every phase of the step; their gradient sums, s·b
-    more, exist only in the backward (``rank_memory_bytes`` adds them to the unit and embedding
-    phases, where the backward runs: [Note: side inputs by phase]). Not offloaded."""
+    """s·b: one rank's side inputs on the device, bytes (s = ``side_bytes_per_sample`` =
+    s_E + s_U, the bytes per sample of those the embedding makes and of those a unit k makes,
+    e.g. an encoder's output; engine/schedule.py [Note: side inputs]). The embedding's live in
+    each microbatch's ctx from the forward's embedding to E's backward, a unit's from k's
+    forward to k's backward; their gradient sums, s·b more at most, exist only in the backward
+    (``rank_memory_bytes`` adds them to the unit and embedding phases, where the backward runs:
+    [Note: side inputs by phase]; an upper bound after k's backward). Not offloaded."""
     return model.side_bytes_per_sample * np.asarray(b, dtype=np.float64)
 
 

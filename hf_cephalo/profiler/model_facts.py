@@ -198,12 +198,28 @@ def boundary_bytes_per_sample(staged: StagedModel, make_microbatch: Callable[[in
 
 def side_bytes_per_sample(staged: StagedModel, make_microbatch: Callable[[int], Any],
                           device: torch.device | str) -> float:
-    """Bytes of one sample's side inputs (``StagedModel.side_inputs`` of its embedding's ctx:
-    Gemma 3n's per-layer inputs), which the engine keeps on the device through the step; 0
-    for a model without them."""
+    """Bytes of one sample's side inputs, which the engine keeps on the device through the
+    step: those of its embedding's ctx (``StagedModel.side_inputs``: Gemma 3n's per-layer
+    inputs) plus those a unit makes (``produce_side_inputs``, run here on the embedding's
+    output: the profiler takes only models whose units keep the hidden state's shape); 0 for
+    a model without them.
+
+    Raises:
+        ValueError: a unit that makes side inputs is not materialized (a model on the meta
+            device): give a plan instead."""
     mb = {k: v.to(device) for k, v in make_microbatch(1).items()}
     with torch.no_grad():
-        _, ctx = staged.embed(mb)
+        hidden, ctx = staged.embed(mb)
+        for index, unit in enumerate(staged.units()):
+            if not staged.produces_side_inputs(index):
+                continue
+            if any(p.is_meta for p in unit.parameters()):
+                raise ValueError(
+                    f"unit {index} of {type(staged.model).__name__} makes side inputs but its "
+                    "parameters are not materialized (a model on the meta device), so the "
+                    "profiler cannot measure them; give a plan instead "
+                    "(plan=Plan.from_ratios(b_i, m_i, r_i), --cephalo_plan_file)")
+            ctx = staged.produce_side_inputs(index, hidden, ctx)
     return float(sum(t.numel() * t.element_size() for t in staged.side_inputs(ctx)))
 
 

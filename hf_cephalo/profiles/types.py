@@ -130,7 +130,8 @@ class ModelProfile:
             per sample and unit boundary; 0 = unknown (the stash is then not priced).
         side_bytes_per_sample: bytes of one sample's side inputs (tensors the embedding unit
             computes from parameters and every layer reads besides the hidden state: Gemma 3n's
-            per-layer inputs, sequence length x layers x per-layer width x element size), which
+            per-layer inputs, sequence length x layers x per-layer width x element size; and
+            those a layer unit makes for later units, e.g. an encoder's output), which
             the engine keeps on the device for the whole step, with their summed gradients
             (docs/engine.md, "Side inputs"); 0 for a model without them.
         trainable_params: parameters (elements) that train, e.g. a LoRA adapter's; None = every

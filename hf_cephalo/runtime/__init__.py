@@ -57,7 +57,8 @@ _EXPORTS = {
     **_from("pretrained", "load_named_model"),
     **_from("report", "format_plan_table"),
     # staged models (hf_cephalo.models): staging a Hugging Face model and what a door wraps
-    **_from("hf_cephalo.models.registry", "stage_model", "supported_model_classes"),
+    **_from("door_models", "stage_model"),  # refuses what no door takes yet (seq2seq)
+    **_from("hf_cephalo.models.registry", "supported_model_classes"),
     **_from("hf_cephalo.models.base", "StagedModel", "WrappedStagedModel", "Microbatch",
             "refuse_global_loss"),
     **_from("hf_cephalo.models.hf_common", "empty_logits", "is_causal_lm"),
