@@ -106,7 +106,10 @@ TEXT_ONLY = (" An `exact` class here is an audio- or vision-language model whose
 SEQ2SEQ_NOTE = (TEXT_ONLY + ", except T5's and BART's `...ForConditionalGeneration`, which "
                 "train as seq2seq models (their own loss on `labels`, the decoder's input their "
                 "own shift of them: models/seq2seq.py).")
-TASK_NOTES = {"seq2seq-lm": SEQ2SEQ_NOTE, "speech-seq2seq": TEXT_ONLY + "."}
+SPEECH_NOTE = (TEXT_ONLY + ", except Whisper's `WhisperForConditionalGeneration`, which trains "
+               "as a speech-to-text model (random log-mel `input_features` and token `labels`, "
+               "its own loss and label shift: models/whisper.py).")
+TASK_NOTES = {"seq2seq-lm": SEQ2SEQ_NOTE, "speech-seq2seq": SPEECH_NOTE}
 """What a mapping's `exact` means where it is not the task's own training."""
 
 
@@ -139,11 +142,27 @@ def _config(model_type: str):
     return config
 
 
-def _batch(config, task: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """5 rows for ``task``: images (image classification), else 11 tokens right-padded (left for
-    a sequence classifier) to lengths 11, 6, 9, 4, 11 with the task's labels."""
+def _speech_batch(config, seed: int) -> dict[str, torch.Tensor]:
+    """5 rows of random log-mel features (num_mel_bins x 2 x max_source_positions: what
+    Whisper's feature extractor pads every clip to) and token labels of lengths 6, 3, 5, 2, 6
+    padded with -100."""
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(5, config.num_mel_bins, 2 * config.max_source_positions, generator=g)
+    labels = torch.randint(4, config.vocab_size - 8, (5, 6), generator=g)
+    labels[torch.arange(6)[None, :] >= torch.tensor([6, 3, 5, 2, 6])[:, None]] = -100
+    return {"input_features": features, "labels": labels}
+
+
+def _batch(config, task: str, seed: int = 0, cls: type | None = None) -> dict[str, torch.Tensor]:
+    """5 rows for ``task``: images (image classification); log-mel features for a speech
+    encoder-decoder whose input is ``input_features`` of a fixed length (``_speech_batch``:
+    Whisper); else 11 tokens right-padded (left for a sequence classifier) to lengths 11, 6, 9,
+    4, 11 with the task's labels."""
     if task == IMAGE_CLASSIFICATION:
         return image_batch(config, rows=5, seed=seed)
+    if getattr(cls, "main_input_name", None) == "input_features" and \
+            hasattr(config, "num_mel_bins") and hasattr(config, "max_source_positions"):
+        return _speech_batch(config, seed)
     classifier = task == SEQUENCE_CLASSIFICATION
     g = torch.Generator().manual_seed(seed)
     text = config.get_text_config()
@@ -286,7 +305,7 @@ def _check(model_type: str, class_name: str) -> Row:
                 for p in model.parameters():
                     if p.dim() == 1:
                         p.add_(0.1 * torch.randn(p.shape))
-            batch = _batch(config, task)
+            batch = _batch(config, task, cls=cls)
             with torch.no_grad():  # (no graph left in a module that keeps its last state)
                 model(**batch)  # transformers' own forward must run for a comparison to mean much
     except Exception as exc:  # noqa: BLE001 - the tiny copy does not build / run

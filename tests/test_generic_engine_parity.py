@@ -17,7 +17,8 @@ stages one unit, the hidden state's shape changing at every unit boundary) and t
 encoder-decoders (``SEQ2SEQ``: T5 and BART ``...ForConditionalGeneration`` on
 ``DataCollatorForSeq2Seq``-style batches; the encoder's output is a side input the first decoder
 unit makes and every decoder layer reads, T5's position biases side inputs each stack's layer 0
-makes: engine/schedule.py [Note: side inputs], models/seq2seq.py).
+makes: engine/schedule.py [Note: side inputs], models/seq2seq.py; and Whisper on random log-mel
+features, models/whisper.py).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _batch(name: str, size: int, seed: int):
     if name in IMAGES:
         return image_zoo_batch(size, seed)
     if name in SEQ2SEQ:
-        return seq2seq_batch(size, seed)
+        return seq2seq_batch(size, seed, name)
     padding = "left" if name.endswith("_cls") else True
     batch = make_batch(zoo_batch_arch(name), size, seed=seed, padding=padding)
     if name.endswith("_tokens"):  # one of 3 classes per token, none on the padding

@@ -130,18 +130,34 @@ SEQ2SEQ: dict[str, tuple[str, Callable[[], Any]]] = {
         decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
         activation_dropout=0.0, scale_embedding=True, pad_token_id=PAD, bos_token_id=1,
         eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)),
+    "whisper": ("WhisperForConditionalGeneration", lambda: transformers.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=3,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_source_positions=12, max_target_positions=16, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, apply_spec_augment=False,
+        pad_token_id=PAD, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        begin_suppress_tokens=None, suppress_tokens=None)),
 }
 """Encoder-decoders (docs/engine.md, "Side inputs"; models/seq2seq.py): every decoder layer's
 cross-attention reads the encoder's output, a side input the first decoder unit makes; T5's
 relative position bias, made by each stack's layer 0, is read by every layer of its stack. The
 encoder and decoder have different depths (T5 3 / 2, BART 2 / 3), T5 its tied head scaled by
-d_model^-0.5 and the gated FFN, BART scaled embeddings. ``seq2seq_batch`` feeds them."""
+d_model^-0.5 and the gated FFN, BART scaled embeddings; Whisper (speech-to-text, the encoder's
+input random log-mel features, its output made by the encoder's final norm in the first
+decoder unit: models/whisper.py). ``seq2seq_batch`` feeds them."""
 
 
-def seq2seq_batch(size: int, seed: int) -> dict[str, torch.Tensor]:
+def seq2seq_batch(size: int, seed: int, name: str = "t5") -> dict[str, torch.Tensor]:
     """A ``DataCollatorForSeq2Seq``-style batch: ``input_ids`` (size, 9) right-padded with PAD
-    and their ``attention_mask``, ``labels`` (size, 6) of another length, padded with -100."""
+    and their ``attention_mask``, ``labels`` (size, 6) of another length, padded with -100. For
+    ``"whisper"``: ``input_features`` (size, 8 mel bins, 24 frames) of random values instead of
+    the token ids (what ``WhisperFeatureExtractor`` pads every clip to)."""
     g = torch.Generator().manual_seed(seed)
+    if name == "whisper":
+        labels = torch.randint(3, VOCAB, (size, 6), generator=g)
+        for row in range(size):
+            labels[row, int(torch.randint(2, 7, (), generator=g)):] = -100
+        return {"input_features": torch.randn(size, 8, 24, generator=g), "labels": labels}
     ids = torch.randint(3, VOCAB, (size, 9), generator=g)
     labels = torch.randint(3, VOCAB, (size, 6), generator=g)
     mask = torch.ones_like(ids)

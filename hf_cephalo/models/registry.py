@@ -19,6 +19,7 @@ from hf_cephalo.models.gpt2 import GPT2SequenceClassifierStagedModel, GPT2Staged
 from hf_cephalo.models.gpt_neox import GPTNeoXStagedModel
 from hf_cephalo.models.peft_lora import is_peft_model, unwrap_peft_model
 from hf_cephalo.models.seq2seq import BartStagedModel, T5StagedModel
+from hf_cephalo.models.whisper import WhisperStagedModel
 
 _ADAPTERS: dict[str, type[StagedModel]] = {}
 
@@ -399,6 +400,6 @@ def _stage(model: nn.Module) -> StagedModel:
 
 
 for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel,
-                 T5StagedModel, BartStagedModel):
+                 T5StagedModel, BartStagedModel, WhisperStagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)

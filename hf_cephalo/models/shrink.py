@@ -216,6 +216,9 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
     for key in _HEADS:
         if int_field(cfg, key) is not None:
             _set(cfg, key, 4)
+    for key, value in list(vars(cfg).items()):  # the other stack's alike (Whisper's decoder)
+        if key.endswith("_attention_heads") and value == heads and not isinstance(value, bool):
+            _set(cfg, key, 4)
     for key in _KV_HEADS:
         v = int_field(cfg, key)
         if v is not None:
