@@ -231,3 +231,16 @@ def test_hierarchical_backbone_stages_are_units_of_the_model_not_of_its_copy():
     model.convnext.encoder.stages[0].layers[3] = torch.nn.Identity()
     with pytest.raises(UnsupportedModelError, match="its layer 0 is built unlike"):
         stage_model(model)
+
+
+def test_the_page_reads_back_into_its_rows():
+    """``--recheck-docs`` rewrites a few classes' rows from the page's own: the page read back
+    (``page_rows``) renders to itself, every task section's rows included."""
+    from benchmarks.model_coverage import page_rows, render
+
+    text = Path(DOCS).read_text()
+    rows = page_rows(text)
+    assert {r.mapping for r in rows} == {"image-classification", "token-classification",
+                                         "masked-lm", "question-answering", "seq2seq-lm",
+                                         "speech-seq2seq"}
+    assert render(rows, text) == text
