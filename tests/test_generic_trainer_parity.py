@@ -30,8 +30,9 @@ fp32, rtol 1e-5, atol 1e-6.
 On both world sizes also the encoder-decoders (``SEQ2SEQ`` of tests/zoo_fixtures.py: T5 and
 BART ``...ForConditionalGeneration``) on ``DataCollatorForSeq2Seq`` batches (inputs and labels
 of their own lengths, padded per global batch; the decoder inputs the collator's shift of the
-labels), with the model's own loss: besides the training, ``evaluate``'s loss and ``predict``'s
-logits (at the labelled positions) equal stock's ([Note: encoder-decoders at the doors] in
+labels), with the model's own loss: besides the training, ``evaluate``'s loss, ``predict``'s
+logits (at the labelled positions) and the model ``save_model`` writes (loaded back with
+``from_pretrained``) equal stock's ([Note: encoder-decoders at the doors] in
 runtime/door_models.py).
 """
 
@@ -195,6 +196,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
         losses, norms = _logs(trainer)
         if name in SEQ2SEQ:
             results[f"{name}_eval"] = _eval_and_predict(trainer)
+            trainer.save_model(os.path.join(out_dir, name, "final"))  # Hugging Face files
         if planned:  # the model profile the plan was made from: each layer's size
             results["planned_units"] = trainer.session.cluster_profile.model.unit_params
         if name == UNREACHED_ADAMW:
@@ -279,6 +281,11 @@ def _check_world(world: int, out_dir: str) -> None:
                                            msg=lambda m: f"{where} {key}: {m}")
             if name in SEQ2SEQ:
                 _check_eval(run[f"{name}_eval"], _STOCK[f"{name}_eval"], where)
+        if name in SEQ2SEQ:  # the saved model loads back as the class, stock's weights
+            saved = type(_model(name)).from_pretrained(os.path.join(out_dir, name, "final"))
+            for key, value in ref["state"].items():
+                torch.testing.assert_close(saved.state_dict()[key], value, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{name} world {world} saved {key}: {m}")
 
 
 def _resume_worker(rank: int, world: int, out_dir: str) -> dict:

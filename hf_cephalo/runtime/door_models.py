@@ -6,8 +6,8 @@ yet.
 T5's and BART's ``...ForConditionalGeneration`` (models/seq2seq.py) train exactly on the
 engine. ``CephaloTrainer`` takes them with the model's own loss: its training (losses,
 gradient norms, weights), ``evaluate``'s loss and ``predict``'s logits (at the labelled
-positions: the gathered rows are padded with -100 beyond each rank's widest) equal stock
-Trainer's with the whole global batch on ``DataCollatorForSeq2Seq`` batches (the global width pads the
+positions: the gathered rows are padded with -100 beyond each rank's widest) and the model
+``save_model`` writes equal stock Trainer's with the whole global batch on ``DataCollatorForSeq2Seq`` batches (the global width pads the
 encoder's and the decoder's axes apart: runtime/global_width.py), on 2 ranks with an uneven
 plan and on 3 with an idle rank (tests/test_generic_trainer_parity.py). Not checked, so
 refused before any collective: a loss of the user's on them (label smoothing,
