@@ -5,15 +5,15 @@ yet.
 [Note: encoder-decoders at the doors]
 T5's and BART's ``...ForConditionalGeneration`` (models/seq2seq.py) train exactly on the
 engine. ``CephaloTrainer`` takes them with the model's own loss: its training (losses,
-gradient norms, weights), ``evaluate``'s loss and ``predict``'s logits (at the labelled
+gradient norms, weights), ``evaluate``'s loss, ``predict``'s logits (at the labelled
 positions: the gathered rows are padded with -100 beyond each rank's widest) and the model
-``save_model`` writes equal stock Trainer's with the whole global batch on ``DataCollatorForSeq2Seq`` batches (the global width pads the
-encoder's and the decoder's axes apart: runtime/global_width.py), on 2 ranks with an uneven
-plan and on 3 with an idle rank (tests/test_generic_trainer_parity.py). Not checked, so
-refused before any collective: a loss of the user's on them (label smoothing,
-``compute_loss_func``, a ``compute_loss`` override, TRL's trainers, which compute their own),
-and the other doors (the accelerate loop, TRL's reference models), whose outputs and item counts
-are those of one token sequence per row.
+``save_model`` writes equal stock Trainer's with the whole global batch, on
+``DataCollatorForSeq2Seq`` batches (the global width pads the encoder's and the decoder's axes
+apart: runtime/global_width.py), on 2 ranks with an uneven plan and on 3 with an idle rank
+(tests/test_generic_trainer_parity.py). Not checked, so refused before any collective: a loss
+of the user's on them (label smoothing, ``compute_loss_func``, a ``compute_loss`` override,
+TRL's trainers, which compute their own), and the other doors (the accelerate loop, TRL's
+reference models), whose outputs and item counts are those of one token sequence per row.
 """
 
 from __future__ import annotations
