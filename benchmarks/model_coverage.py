@@ -32,7 +32,10 @@ masked-LM labels, answer spans); ``CRASH`` marks a raw exception from ``stage_mo
 allowed: a class outside the path gets one ``UnsupportedModelError``; the exit status is then
 1). ``--rows-out FILE`` appends each row as it is done (JSON lines), ``--rows-in FILE ...``
 renders rows of several such runs (the mappings run in parallel processes), and
-``--no-causal --write-docs`` keeps the page's causal-LM part as generated before.
+``--no-causal --write-docs`` keeps the page's causal-LM part as generated before;
+``--no-causal --recheck-docs --only NAME ... --write-docs`` takes the page's task rows as they
+are, checks the ``--only`` classes again in each mapping that lists them and writes the page
+(a fix that changes a few classes' rows, without the hours of a whole task sweep).
 
 Run: ``python benchmarks/model_coverage.py [--seq-cls] [--tasks all] [--write-docs]
 [--only NAME ...]`` (about 2 minutes for the causal LMs on 2 quiet CPU cores, far longer for
@@ -46,6 +49,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -493,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows-in", nargs="*", default=[],
                         help="take these files' rows (from --rows-out) instead of checking")
     parser.add_argument("--only", nargs="*", help="class names to check (default: all)")
+    parser.add_argument("--recheck-docs", action="store_true",
+                        help="take the page's task rows, check the --only classes again "
+                             "(needs --no-causal and --only)")
     parser.add_argument("--smoke", action="store_true",
                         help="Qwen3ForCausalLM only, no docs written (the suite's check that "
                              "the sweep runs)")
@@ -507,7 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     t0 = time.perf_counter()
     mappings = ([] if args.no_causal else [CAUSAL]) + tasks
-    rows = _read_rows(args.rows_in) if args.rows_in else _check_all(mappings, args)
+    if args.recheck_docs and not (args.no_causal and args.only):
+        parser.error("--recheck-docs needs --no-causal and --only")
+    rows = _read_rows(args.rows_in) if args.rows_in else _recheck_page(args.only) \
+        if args.recheck_docs else _check_all(mappings, args)
     mappings = list(dict.fromkeys(r.mapping for r in rows))
     for mapping in mappings:
         part = [r for r in rows if r.mapping == mapping]
@@ -541,6 +551,35 @@ def _check_all(mappings: list[str], args) -> list[Row]:
             if args.rows_out:
                 with open(args.rows_out, "a") as f:
                     f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+    return rows
+
+
+def page_rows(text: str) -> list[Row]:
+    """The task sections' rows of a page ``render`` wrote (status, reason; no seconds), in
+    page order: ``render(page_rows(text), text) == text``."""
+    rows, mapping = [], None
+    for line in text.split("\n"):
+        if line.startswith("## "):
+            mapping = line[3:].split(" ", 1)[0]
+        elif mapping and line.startswith("| ") and not line.startswith("| model type"):
+            cells = re.split(r"(?<!\\) \| ", line[2:-2])
+            if len(cells) != 4:
+                raise ValueError(f"not a row of 4 cells: {line!r}")
+            model_type, name, status, detail = cells
+            rows.append(Row(model_type, name.strip("`"), status, detail.replace("\\|", "|"),
+                            mapping=mapping))
+    return rows
+
+
+def _recheck_page(only: list[str]) -> list[Row]:
+    """The page's task rows, those of the ``only`` classes checked again (each printed)."""
+    with open(DOCS) as f:
+        rows = page_rows(f.read())
+    for i, row in enumerate(rows):
+        if row.name in only:
+            rows[i] = check(row.model_type, row.name, row.mapping)
+            print(f"{rows[i].status:9s} {row.name:48s} {row.mapping}  {rows[i].detail[:90]}",
+                  flush=True)
     return rows
 
 

@@ -26,6 +26,14 @@ stock's fp32 is at most 9.8e-8 from float64 anywhere) saved at the end: its opti
 weights at a fresh state (zeros, step 0), and resumed on 3 ranks for one more step (constant
 LR, so that the reference, stock's 3 steps, has the same schedule) it equals stock.
 fp32, rtol 1e-5, atol 1e-6.
+
+On both world sizes also the encoder-decoders (``SEQ2SEQ`` of tests/zoo_fixtures.py: T5 and
+BART ``...ForConditionalGeneration``) on ``DataCollatorForSeq2Seq`` batches (inputs and labels
+of their own lengths, padded per global batch; the decoder inputs the collator's shift of the
+labels), with the model's own loss: besides the training, ``evaluate``'s loss, ``predict``'s
+logits (at the labelled positions) and the model ``save_model`` writes (loaded back with
+``from_pretrained``) equal stock's ([Note: encoder-decoders at the doors] in
+runtime/door_models.py).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import torch
 import transformers
 
 from tests.dist_utils import budget_s, run_ranks, test_timeout
-from tests.zoo_fixtures import ZOO, build_zoo
+from tests.zoo_fixtures import SEQ2SEQ, ZOO, build_zoo
 
 RTOL, ATOL = 1e-5, 1e-6
 LR, MAX_NORM, SEED, N_TRAIN, STEPS, SEQ = 0.1, 0.5, 7, 8, 2, 10
@@ -71,6 +79,39 @@ def _collate(rows):
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
+def _seq2seq_rows(n: int, seed: int) -> list[dict[str, list[int]]]:
+    """Token rows of 3..9 inputs and 2..6 labels, as a tokenized seq2seq dataset holds them."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, 97, (int(torch.randint(3, 10, (), generator=g)),),
+                                        generator=g).tolist(),
+             "labels": torch.randint(3, 97, (int(torch.randint(2, 7, (), generator=g)),),
+                                     generator=g).tolist()} for _ in range(n)]
+
+
+def _data(name: str, model: torch.nn.Module) -> tuple:
+    """(collator, train rows) of ``name``: ``DataCollatorForSeq2Seq`` (right padding, labels
+    padded with -100, ``decoder_input_ids`` from ``model``) for the encoder-decoders."""
+    if name not in SEQ2SEQ:
+        return _collate, _samples(name, N_TRAIN)
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"<pad>": 0, **{f"t{i}": i for i in range(1, 97)}}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>")
+    return (transformers.DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+            _seq2seq_rows(N_TRAIN, seed=5))
+
+
+def _eval_and_predict(trainer) -> dict:
+    """``evaluate``'s loss and ``predict``'s logits (the first prediction output) and labels."""
+    rows = _seq2seq_rows(5, seed=9)
+    out = trainer.predict(rows)
+    logits = out.predictions[0] if isinstance(out.predictions, tuple) else out.predictions
+    return dict(eval_loss=trainer.evaluate(rows)["eval_loss"], logits=logits,
+                label_ids=out.label_ids)
+
+
 LORA = "qwen3_lora"  # 2 ranks only
 UNREACHED = "glm5"  # SGD with weight decay: its indexer weights get no gradient
 VLM = "gemma3_vlm"  # SGD with weight decay: text only, its vision tower gets no gradient
@@ -84,7 +125,7 @@ UNSHIFTED = "bart_causal"  # its own loss takes the labels as given; label smoot
 
 
 def _names(world: int) -> list[str]:
-    both = [*ZOO, UNREACHED, VLM, GEMMA4]
+    both = [*ZOO, UNREACHED, VLM, GEMMA4, *SEQ2SEQ]
     return [*both, LORA, UNREACHED_ADAMW, USER_OPTIMIZER, UNSHIFTED, PLANNED] if world == 2 \
         else both
 
@@ -140,17 +181,22 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
     results = {}
     for name in _names(world):
         planned = name == PLANNED  # no plan: the door profiles at start and plans
+        model = _model(name)
+        collator, rows = _data(name, model)
         trainer = CephaloTrainer(
-            model=_model(name), args=CephaloTrainingArguments(
+            model=model, args=CephaloTrainingArguments(
                 **_args(name, out_dir),
                 **({"per_device_train_batch_size": GLOBAL_BATCH // world} if planned else {})),
             plan=None if planned else Plan.from_ratios(sizes, micro, ratios),
-            data_collator=_collate, train_dataset=_samples(name, N_TRAIN))
+            data_collator=collator, train_dataset=rows)
 
         if name == USER_OPTIMIZER:  # assigned after construction, over the shards
             trainer.optimizer = _user_sgd([p for _, p in trainer.session.named_shards()])
         trainer.train()
         losses, norms = _logs(trainer)
+        if name in SEQ2SEQ:
+            results[f"{name}_eval"] = _eval_and_predict(trainer)
+            trainer.save_model(os.path.join(out_dir, name, "final"))  # Hugging Face files
         if planned:  # the model profile the plan was made from: each layer's size
             results["planned_units"] = trainer.session.cluster_profile.model.unit_params
         if name == UNREACHED_ADAMW:
@@ -175,17 +221,34 @@ def _stock(name: str, out_dir: str) -> dict:
     if name not in _STOCK:
         model = _model(name)
         args = transformers.TrainingArguments(per_device_train_batch_size=GLOBAL_BATCH,
+                                              per_device_eval_batch_size=8,
                                               **_args(name, out_dir))
         optimizers = (_user_sgd(model.parameters()), None) if name == USER_OPTIMIZER \
             else (None, None)
-        trainer = transformers.Trainer(model=model, args=args, data_collator=_collate,
-                                       train_dataset=_samples(name, N_TRAIN),
-                                       optimizers=optimizers)
+        collator, rows = _data(name, model)
+        trainer = transformers.Trainer(model=model, args=args, data_collator=collator,
+                                       train_dataset=rows, optimizers=optimizers)
         trainer.train()
         losses, norms = _logs(trainer)
         _STOCK[name] = dict(losses=losses, norms=norms, state={
             k: v.detach().clone() for k, v in model.state_dict().items()})
+        if name in SEQ2SEQ:
+            _STOCK[f"{name}_eval"] = _eval_and_predict(trainer)
     return _STOCK[name]
+
+
+def _check_eval(got: dict, ref: dict, where: str) -> None:
+    """Evaluation loss, labels and the logits of every labelled position equal stock's. (Each
+    rank's evaluation rows are padded to its own widest; the gathered predictions are padded
+    with -100 beyond a row's width, where stock's one batch holds logits of padding tokens.)"""
+    for what in ("eval_loss", "label_ids"):
+        torch.testing.assert_close(torch.as_tensor(got[what]), torch.as_tensor(ref[what]),
+                                   rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {what}: {m}")
+    labelled = torch.as_tensor(ref["label_ids"]) != -100
+    assert got["logits"].shape == ref["logits"].shape, where
+    torch.testing.assert_close(torch.as_tensor(got["logits"])[labelled],
+                               torch.as_tensor(ref["logits"])[labelled], rtol=RTOL, atol=ATOL,
+                               msg=lambda m: f"{where} logits: {m}")
 
 
 def _check_world(world: int, out_dir: str) -> None:
@@ -216,6 +279,13 @@ def _check_world(world: int, out_dir: str) -> None:
                 torch.testing.assert_close(torch.as_tensor(got["state"][key]), value,
                                            rtol=RTOL, atol=ATOL,
                                            msg=lambda m: f"{where} {key}: {m}")
+            if name in SEQ2SEQ:
+                _check_eval(run[f"{name}_eval"], _STOCK[f"{name}_eval"], where)
+        if name in SEQ2SEQ:  # the saved model loads back as the class, stock's weights
+            saved = type(_model(name)).from_pretrained(os.path.join(out_dir, name, "final"))
+            for key, value in ref["state"].items():
+                torch.testing.assert_close(saved.state_dict()[key], value, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{name} world {world} saved {key}: {m}")
 
 
 def _resume_worker(rank: int, world: int, out_dir: str) -> dict:

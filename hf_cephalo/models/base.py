@@ -8,12 +8,16 @@ Data flow for one microbatch (a dict of tensors as produced by a collator)::
 
     hidden, ctx = staged.embed(microbatch)             # embed_modules() params only
     for i in range(staged.num_units):
+        if staged.produces_side_inputs(i):            # e.g. an encoder's output (seq2seq)
+            ctx = staged.produce_side_inputs(i, hidden, ctx)
         hidden = staged.run_unit(i, hidden, ctx)      # unit i params only
     out = staged.head_loss(hidden, microbatch, ctx)   # head_modules() params (+ tied embedding)
 
 ``ctx`` carries per-microbatch tensors that are NOT differentiated through (attention masks,
 position ids, rotary cos/sin). It is built once per microbatch by ``embed`` and reused by the
-recompute in backward, so it must not depend on unit parameters.
+recompute in backward, so it must not depend on unit parameters; the exceptions are its side
+inputs (``side_inputs``), whose gradients the engine carries back to the embedding or to the
+unit that made them (``produce_side_inputs``; docs/engine.md, "Side inputs").
 """
 
 from __future__ import annotations

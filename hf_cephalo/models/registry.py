@@ -234,9 +234,9 @@ def _generic(model: nn.Module) -> StagedModel:
 
 def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
     """The refusal of an encoder-decoder model without an adapter (its forward takes
-    ``decoder_input_ids``: Marian, mBART, Pegasus, Whisper, T5's and BART's classifiers, ...),
-    None for any other model. T5's and BART's ``...ForConditionalGeneration`` have adapters
-    (``models/seq2seq.py``) and never get here; the generic path stages one layer stack, not
+    ``decoder_input_ids``: Marian, mBART, Pegasus, T5's and BART's classifiers, ...), None for
+    any other model. T5's, BART's and Whisper's ``...ForConditionalGeneration`` have adapters
+    (``models/seq2seq.py``, ``models/whisper.py``) and never get here; the generic path stages one layer stack, not
     an encoder, a decoder and the code between them."""
     import inspect
     if "decoder_input_ids" not in inspect.signature(type(model).forward).parameters:
@@ -246,8 +246,8 @@ def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
         f"hf_cephalo cannot train {name}: it is an encoder-decoder model (its forward takes "
         f"decoder_input_ids) without an adapter; the generic path stages one layer stack, not "
         f"an encoder, a decoder whose cross-attention reads the encoder's output and the code "
-        f"between them. Nothing was run. T5's and BART's ...ForConditionalGeneration train "
-        f"(models/seq2seq.py), as does a decoder-only or encoder-only model of the task "
+        f"between them. Nothing was run. T5's, BART's and Whisper's ...ForConditionalGeneration "
+        f"train (models/seq2seq.py, models/whisper.py), as does a decoder-only or encoder-only model of the task "
         f"({scope_text()}); to train this one, write an adapter like those (see {GUIDE}).", [])
 
 

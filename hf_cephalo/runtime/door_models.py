@@ -1,5 +1,19 @@
 """Staging a model for a door (``CephaloTrainer``, ``CephaloAccelerator.prepare``, TRL's
-trainers): ``models.stage_model`` less the models the engine trains but no door takes yet.
+trainers): ``models.stage_model`` less the models the engine trains but a door does not take
+yet.
+
+[Note: encoder-decoders at the doors]
+T5's and BART's ``...ForConditionalGeneration`` (models/seq2seq.py) train exactly on the
+engine. ``CephaloTrainer`` takes them with the model's own loss: its training (losses,
+gradient norms, weights), ``evaluate``'s loss, ``predict``'s logits (at the labelled
+positions: the gathered rows are padded with -100 beyond each rank's widest) and the model
+``save_model`` writes equal stock Trainer's with the whole global batch, on
+``DataCollatorForSeq2Seq`` batches (the global width pads the encoder's and the decoder's axes
+apart: runtime/global_width.py), on 2 ranks with an uneven plan and on 3 with an idle rank
+(tests/test_generic_trainer_parity.py). Not checked, so refused before any collective: a loss
+of the user's on them (label smoothing, ``compute_loss_func``, a ``compute_loss`` override,
+TRL's trainers, which compute their own), and the other doors (the accelerate loop, TRL's
+reference models), whose outputs and item counts are those of one token sequence per row.
 """
 
 from __future__ import annotations
@@ -11,23 +25,31 @@ from hf_cephalo.models.registry import stage_model as stage_any_model
 from hf_cephalo.models.seq2seq import Seq2SeqStagedModel
 
 
-def stage_model(model: nn.Module) -> StagedModel:
-    """``hf_cephalo.models.stage_model(model)`` for a door.
+def stage_model(model: nn.Module, *, seq2seq: bool = False) -> StagedModel:
+    """``hf_cephalo.models.stage_model(model)`` for a door; ``seq2seq``: the door takes
+    encoder-decoders ([Note: encoder-decoders at the doors]: ``CephaloTrainer`` does).
 
     Raises:
-        ValueError: as ``models.stage_model`` (an unsupported class, ...), and for an
-            encoder-decoder (T5's and BART's ``...ForConditionalGeneration``): the engine trains
-            them exactly (``CephaloEngine`` with a plan: docs/engine.md, "Side inputs"), but
-            the doors' data path (one sequence length per row for padding and splitting), item
-            counts and predictions are those of decoder-only and encoder-only models, unchecked
-            for a second sequence. Raised before any collective.
+        ValueError: as ``models.stage_model`` (an unsupported class, ...), and, without
+            ``seq2seq``, for an encoder-decoder (T5's and BART's
+            ``...ForConditionalGeneration``). Raised before any collective.
     """
     staged = stage_any_model(model)
-    if isinstance(staged, Seq2SeqStagedModel):
+    if isinstance(staged, Seq2SeqStagedModel) and not seq2seq:
         raise ValueError(
             f"{type(staged.model).__name__} is an encoder-decoder: hf_cephalo's engine trains "
-            "it exactly (hf_cephalo.engine.CephaloEngine with a plan, Plan.from_ratios; "
-            "docs/engine.md, \"Side inputs\"), but this door does not take encoder-decoders "
-            "yet (its padding, batch split, item counts and predictions are checked for one "
-            "token sequence per row, not an encoder's and a decoder's). Nothing was run")
+            "it exactly, and so does CephaloTrainer with the model's own loss, but this door "
+            "does not take encoder-decoders yet (its outputs and item counts are checked for "
+            "one token sequence per row, not an encoder's and a decoder's). Nothing was run")
     return staged
+
+
+def refuse_seq2seq_user_loss(staged: StagedModel) -> None:
+    """ValueError where ``staged`` is an encoder-decoder and the door runs a loss of the
+    user's on it ([Note: encoder-decoders at the doors]); nothing otherwise."""
+    if isinstance(staged, Seq2SeqStagedModel):
+        raise ValueError(
+            f"{type(staged.model).__name__} is an encoder-decoder: CephaloTrainer trains it "
+            "with the model's own loss only; a loss of yours (label_smoothing_factor, "
+            "compute_loss_func, a compute_loss override, a TRL trainer's loss) on its "
+            "outputs is not checked yet. Train with the model's own loss. Nothing was run")

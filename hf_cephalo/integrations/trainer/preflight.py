@@ -114,7 +114,7 @@ def check_script(args, model: nn.Module | None, hook_problems: list[str], *,
                         "(name) or hf_cephalo.from_pretrained_sharded(name)")
     elif not model_refused:
         try:
-            staged = stage_model(model)
+            staged = stage_model(model, seq2seq=True)  # [Note: encoder-decoders at the doors]
         except ValueError as e:  # an unsupported class or PEFT setup, with the route to take
             problems.append(f"model: {e}")
     if problems:  # a TRL config names its trainer and page (integrations/trl/config.py)
