@@ -28,11 +28,13 @@ LR, so that the reference, stock's 3 steps, has the same schedule) it equals sto
 fp32, rtol 1e-5, atol 1e-6.
 
 On both world sizes also the encoder-decoders (``SEQ2SEQ`` of tests/zoo_fixtures.py: T5 and
-BART ``...ForConditionalGeneration``) on ``DataCollatorForSeq2Seq`` batches (inputs and labels
-of their own lengths, padded per global batch; the decoder inputs the collator's shift of the
-labels), with the model's own loss: besides the training, ``evaluate``'s loss, ``predict``'s
-logits (at the labelled positions) and the model ``save_model`` writes (loaded back with
-``from_pretrained``) equal stock's ([Note: encoder-decoders at the doors] in
+BART ``...ForConditionalGeneration`` on ``DataCollatorForSeq2Seq`` batches: inputs and labels
+of their own lengths, padded per global batch, the decoder inputs the collator's shift of the
+labels; Whisper on random log-mel features with its labels padded with -100, as Whisper
+fine-tuning scripts collate them) through ``CephaloSeq2SeqTrainer`` against STOCK
+``Seq2SeqTrainer``, with the model's own loss: besides the training, ``evaluate``'s loss,
+``predict``'s logits (at the labelled positions) and the model ``save_model`` writes (loaded
+back with ``from_pretrained``) equal stock's ([Note: encoder-decoders at the doors] in
 runtime/door_models.py).
 """
 
@@ -79,9 +81,15 @@ def _collate(rows):
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def _seq2seq_rows(n: int, seed: int) -> list[dict[str, list[int]]]:
-    """Token rows of 3..9 inputs and 2..6 labels, as a tokenized seq2seq dataset holds them."""
+def _seq2seq_rows(n: int, seed: int, name: str = "t5") -> list[dict[str, list]]:
+    """Token rows of 3..9 inputs and 2..6 labels, as a tokenized seq2seq dataset holds them;
+    Whisper's: log-mel features (8 mel bins x 24 frames, the length its feature extractor pads
+    every clip to) and 2..6 labels."""
     g = torch.Generator().manual_seed(seed)
+    if name == "whisper":
+        return [{"input_features": torch.randn(8, 24, generator=g).tolist(),
+                 "labels": torch.randint(3, 97, (int(torch.randint(2, 7, (), generator=g)),),
+                                         generator=g).tolist()} for _ in range(n)]
     return [{"input_ids": torch.randint(3, 97, (int(torch.randint(3, 10, (), generator=g)),),
                                         generator=g).tolist(),
              "labels": torch.randint(3, 97, (int(torch.randint(2, 7, (), generator=g)),),
@@ -93,6 +101,8 @@ def _data(name: str, model: torch.nn.Module) -> tuple:
     padded with -100, ``decoder_input_ids`` from ``model``) for the encoder-decoders."""
     if name not in SEQ2SEQ:
         return _collate, _samples(name, N_TRAIN)
+    if name == "whisper":
+        return _speech_collate, _seq2seq_rows(N_TRAIN, seed=5, name=name)
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
@@ -103,9 +113,18 @@ def _data(name: str, model: torch.nn.Module) -> tuple:
             _seq2seq_rows(N_TRAIN, seed=5))
 
 
-def _eval_and_predict(trainer) -> dict:
+def _speech_collate(rows):
+    """A Whisper fine-tuning collator: the features stacked (all of one length), the labels
+    padded with -100 to the batch's longest."""
+    width = max(len(r["labels"]) for r in rows)
+    return {"input_features": torch.tensor([r["input_features"] for r in rows]),
+            "labels": torch.tensor([r["labels"] + [-100] * (width - len(r["labels"]))
+                                    for r in rows])}
+
+
+def _eval_and_predict(trainer, name: str) -> dict:
     """``evaluate``'s loss and ``predict``'s logits (the first prediction output) and labels."""
-    rows = _seq2seq_rows(5, seed=9)
+    rows = _seq2seq_rows(5, seed=9, name=name)
     out = trainer.predict(rows)
     logits = out.predictions[0] if isinstance(out.predictions, tuple) else out.predictions
     return dict(eval_loss=trainer.evaluate(rows)["eval_loss"], logits=logits,
@@ -170,6 +189,7 @@ def _logs(trainer):
 
 
 def _worker(rank: int, world: int, out_dir: str) -> dict:
+    from hf_cephalo import CephaloSeq2SeqTrainer, CephaloSeq2SeqTrainingArguments
     from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
     from hf_cephalo.integrations.trainer.training_args import CephaloTrainingArguments
     from hf_cephalo.planner import Plan
@@ -183,8 +203,10 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
         planned = name == PLANNED  # no plan: the door profiles at start and plans
         model = _model(name)
         collator, rows = _data(name, model)
-        trainer = CephaloTrainer(
-            model=model, args=CephaloTrainingArguments(
+        door, door_args = (CephaloSeq2SeqTrainer, CephaloSeq2SeqTrainingArguments) \
+            if name in SEQ2SEQ else (CephaloTrainer, CephaloTrainingArguments)
+        trainer = door(
+            model=model, args=door_args(
                 **_args(name, out_dir),
                 **({"per_device_train_batch_size": GLOBAL_BATCH // world} if planned else {})),
             plan=None if planned else Plan.from_ratios(sizes, micro, ratios),
@@ -195,7 +217,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
         trainer.train()
         losses, norms = _logs(trainer)
         if name in SEQ2SEQ:
-            results[f"{name}_eval"] = _eval_and_predict(trainer)
+            results[f"{name}_eval"] = _eval_and_predict(trainer, name)
             trainer.save_model(os.path.join(out_dir, name, "final"))  # Hugging Face files
         if planned:  # the model profile the plan was made from: each layer's size
             results["planned_units"] = trainer.session.cluster_profile.model.unit_params
@@ -220,20 +242,22 @@ _STOCK: dict = {}
 def _stock(name: str, out_dir: str) -> dict:
     if name not in _STOCK:
         model = _model(name)
-        args = transformers.TrainingArguments(per_device_train_batch_size=GLOBAL_BATCH,
-                                              per_device_eval_batch_size=8,
-                                              **_args(name, out_dir))
+        stock_args = transformers.Seq2SeqTrainingArguments if name in SEQ2SEQ \
+            else transformers.TrainingArguments
+        args = stock_args(per_device_train_batch_size=GLOBAL_BATCH, per_device_eval_batch_size=8,
+                          **_args(name, out_dir))
         optimizers = (_user_sgd(model.parameters()), None) if name == USER_OPTIMIZER \
             else (None, None)
         collator, rows = _data(name, model)
-        trainer = transformers.Trainer(model=model, args=args, data_collator=collator,
-                                       train_dataset=rows, optimizers=optimizers)
+        stock = transformers.Seq2SeqTrainer if name in SEQ2SEQ else transformers.Trainer
+        trainer = stock(model=model, args=args, data_collator=collator, train_dataset=rows,
+                        optimizers=optimizers)
         trainer.train()
         losses, norms = _logs(trainer)
         _STOCK[name] = dict(losses=losses, norms=norms, state={
             k: v.detach().clone() for k, v in model.state_dict().items()})
         if name in SEQ2SEQ:
-            _STOCK[f"{name}_eval"] = _eval_and_predict(trainer)
+            _STOCK[f"{name}_eval"] = _eval_and_predict(trainer, name)
     return _STOCK[name]
 
 
