@@ -37,7 +37,7 @@ REFUSED = {  # class -> what its refusal says
     "ResNetForImageClassification": "BatchNorm layers",
     "DeiTForImageClassificationWithTeacher": "this head is none of those",
     "MBartForConditionalGeneration": "encoder-decoder model",
-    "WhisperForConditionalGeneration": "encoder-decoder model",
+    "Speech2TextForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
     "BartForQuestionAnswering": "encoder-decoder model",
 }
 

@@ -182,6 +182,26 @@ def _model_widths(cfg: Any) -> dict[int, int]:
     return {_get(cfg, k): _SIZES[k] for k in _MODEL_WIDTHS if int_field(cfg, k) is not None}
 
 
+def _shrink_heads(cfg: Any, group_heads: bool) -> None:
+    """Query heads to 4 (every stack's: an encoder-decoder's ``decoder_attention_heads`` equal
+    to its ``num_attention_heads``, Whisper's), key / value heads to 4, 2 or 1 by their ratio;
+    ``group_heads``: ``_keep_group_heads``."""
+    heads = next((int_field(cfg, k) for k in _HEADS if int_field(cfg, k) is not None), None)
+    kv = next((int_field(cfg, k) for k in _KV_HEADS if int_field(cfg, k) is not None), None)
+    for key in _HEADS:
+        if int_field(cfg, key) is not None:
+            _set(cfg, key, 4)
+    for key, value in list(vars(cfg).items()):
+        if key.endswith("_attention_heads") and value == heads and not isinstance(value, bool):
+            _set(cfg, key, 4)
+    for key in _KV_HEADS:
+        v = int_field(cfg, key)
+        if v is not None:
+            _set(cfg, key, 4 if heads is None or v >= heads else 2 if v > 1 else 1)
+    if group_heads:
+        _keep_group_heads(cfg, heads, kv)
+
+
 def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
                  tree_widths: dict[int, int] | None = None) -> None:
     splits = _ssm_splits(cfg)
@@ -211,20 +231,7 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
         if _get(cfg, "mlp_only_layers"):
             cfg.mlp_only_layers = [i for i in cfg.mlp_only_layers if i < n]
     _shrink_stage_depths(cfg)
-    heads = next((int_field(cfg, k) for k in _HEADS if int_field(cfg, k) is not None), None)
-    kv = next((int_field(cfg, k) for k in _KV_HEADS if int_field(cfg, k) is not None), None)
-    for key in _HEADS:
-        if int_field(cfg, key) is not None:
-            _set(cfg, key, 4)
-    for key, value in list(vars(cfg).items()):  # the other stack's alike (Whisper's decoder)
-        if key.endswith("_attention_heads") and value == heads and not isinstance(value, bool):
-            _set(cfg, key, 4)
-    for key in _KV_HEADS:
-        v = int_field(cfg, key)
-        if v is not None:
-            _set(cfg, key, 4 if heads is None or v >= heads else 2 if v > 1 else 1)
-    if group_heads:
-        _keep_group_heads(cfg, heads, kv)
+    _shrink_heads(cfg, group_heads)
     # a per-head width that is the sum of two the shrink sets (MLA's qk_head_dim = nope + rope)
     parts = {k: int_field(cfg, k) for k in _SIZES if "head_dim" in k and int_field(cfg, k) is not None}
     sums = [(key, a, b) for key, value in vars(cfg).items() if "head_dim" in key

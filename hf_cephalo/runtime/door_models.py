@@ -3,8 +3,8 @@ trainers): ``models.stage_model`` less the models the engine trains but a door d
 yet.
 
 [Note: encoder-decoders at the doors]
-T5's and BART's ``...ForConditionalGeneration`` (models/seq2seq.py) train exactly on the
-engine. ``CephaloTrainer`` takes them with the model's own loss: its training (losses,
+T5's, BART's and Whisper's ``...ForConditionalGeneration`` (models/seq2seq.py,
+models/whisper.py) train exactly on the engine. ``CephaloTrainer`` takes them with the model's own loss: its training (losses,
 gradient norms, weights), ``evaluate``'s loss, ``predict``'s logits (at the labelled
 positions: the gathered rows are padded with -100 beyond each rank's widest) and the model
 ``save_model`` writes equal stock Trainer's with the whole global batch, on
