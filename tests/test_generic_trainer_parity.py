@@ -1,7 +1,9 @@
 """CephaloTrainer on the generic path vs STOCK Trainer with the whole global batch in one process
 (issue 36): the 2026 zoo of tests/zoo_fixtures.py (Qwen3, Qwen3-MoE with the router loss on and
 off, Gemma 3, GPT-OSS, Phi-3, Granite, OLMo 2, SmolLM3, Qwen3ForSequenceClassification with left
-padding).
+padding), and Gemma 3n text and Gemma 4 E (``SIDE``: per-layer inputs, side inputs the
+embedding makes: docs/engine.md, "Side inputs"; Gemma 4 E at lr 0.01, see
+tests/test_generic_engine_parity.py's ``LR``).
 
 2 ranks with an uneven plan (b = [1, 3], m = [1, 2], r = [0.35, 0.65]) and 3 ranks with an idle
 rank that holds state (b = [2, 0, 2], m = [1, 1, 2], r = [0.0, 0.6, 0.4]); stock Trainer with
@@ -143,8 +145,12 @@ UNSHIFTED = "bart_causal"  # its own loss takes the labels as given; label smoot
 # stock shifts for a class in the causal-LM mapping whatever the model's loss does (2 ranks only)
 
 
+SIDE = ("gemma3n", "gemma4_e")  # per-layer inputs: side inputs the embedding makes
+SIDE_LR = {"gemma4_e": 0.01}  # ill-conditioned tiny copy: tests/test_generic_engine_parity.py LR
+
+
 def _names(world: int) -> list[str]:
-    both = [*ZOO, UNREACHED, VLM, GEMMA4, *SEQ2SEQ]
+    both = [*ZOO, UNREACHED, VLM, GEMMA4, *SIDE, *SEQ2SEQ]
     return [*both, LORA, UNREACHED_ADAMW, USER_OPTIMIZER, UNSHIFTED, PLANNED] if world == 2 \
         else both
 
@@ -178,7 +184,8 @@ def _args(name: str, out_dir: str) -> dict:
         dict(optim="sgd", label_smoothing_factor=0.1) if name == UNSHIFTED else \
         dict(optim="sgd")
     return dict(output_dir=os.path.join(out_dir, name), report_to="none",
-                learning_rate=LR, max_grad_norm=MAX_NORM, max_steps=STEPS, logging_steps=1,
+                learning_rate=SIDE_LR.get(name, LR), max_grad_norm=MAX_NORM, max_steps=STEPS,
+                logging_steps=1,
                 seed=SEED, train_sampling_strategy="sequential", disable_tqdm=True,
                 use_cpu=True, **{"save_strategy": "no", **optim})
 
