@@ -36,7 +36,7 @@ REFUSED = {  # class -> what its refusal says
     "MobileNetV2ForImageClassification": "BatchNorm layers",  # per-microbatch statistics
     "ResNetForImageClassification": "BatchNorm layers",
     "DeiTForImageClassificationWithTeacher": "this head is none of those",
-    "MBartForConditionalGeneration": "encoder-decoder model",
+    "BlenderbotForConditionalGeneration": "encoder-decoder model",  # mBART: an adapter
     "Speech2TextForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
     "BartForQuestionAnswering": "encoder-decoder model",
 }

@@ -19,6 +19,8 @@ from hf_cephalo.models.gpt2 import GPT2SequenceClassifierStagedModel, GPT2Staged
 from hf_cephalo.models.gpt_neox import GPTNeoXStagedModel
 from hf_cephalo.models.peft_lora import is_peft_model, unwrap_peft_model
 from hf_cephalo.models.seq2seq import BartStagedModel, T5StagedModel
+from hf_cephalo.models.seq2seq_families import (MarianStagedModel, MBartStagedModel,
+                                                PegasusStagedModel)
 from hf_cephalo.models.whisper import WhisperStagedModel
 
 _ADAPTERS: dict[str, type[StagedModel]] = {}
@@ -234,9 +236,10 @@ def _generic(model: nn.Module) -> StagedModel:
 
 def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
     """The refusal of an encoder-decoder model without an adapter (its forward takes
-    ``decoder_input_ids``: Marian, mBART, Pegasus, T5's and BART's classifiers, ...), None for
-    any other model. T5's, BART's and Whisper's ``...ForConditionalGeneration`` have adapters
-    (``models/seq2seq.py``, ``models/whisper.py``) and never get here; the generic path stages one layer stack, not
+    ``decoder_input_ids``: Speech2Text, BlenderBot, T5's and BART's classifiers, ...), None for
+    any other model. The ``...ForConditionalGeneration`` of T5, BART, mBART, Pegasus and
+    Whisper and ``MarianMTModel`` have adapters (``models/seq2seq.py``,
+    ``models/seq2seq_families.py``, ``models/whisper.py``) and never get here; the generic path stages one layer stack, not
     an encoder, a decoder and the code between them."""
     import inspect
     if "decoder_input_ids" not in inspect.signature(type(model).forward).parameters:
@@ -246,8 +249,8 @@ def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
         f"hf_cephalo cannot train {name}: it is an encoder-decoder model (its forward takes "
         f"decoder_input_ids) without an adapter; the generic path stages one layer stack, not "
         f"an encoder, a decoder whose cross-attention reads the encoder's output and the code "
-        f"between them. Nothing was run. T5's, BART's and Whisper's ...ForConditionalGeneration "
-        f"train (models/seq2seq.py, models/whisper.py), as does a decoder-only or encoder-only model of the task "
+        f"between them. Nothing was run. T5, BART, mBART, Marian, Pegasus and Whisper train "
+        f"(models/seq2seq.py, models/seq2seq_families.py, models/whisper.py), as does a decoder-only or encoder-only model of the task "
         f"({scope_text()}); to train this one, write an adapter like those (see {GUIDE}).", [])
 
 
@@ -400,6 +403,7 @@ def _stage(model: nn.Module) -> StagedModel:
 
 
 for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel,
-                 T5StagedModel, BartStagedModel, WhisperStagedModel):
+                 T5StagedModel, BartStagedModel, WhisperStagedModel, MBartStagedModel,
+                 MarianStagedModel, PegasusStagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)
