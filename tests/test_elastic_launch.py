@@ -11,7 +11,9 @@ pool of device profiles, so no profiling run) and ``save_steps=4``, in ONE launc
   re-rendezvous with 2 nodes, and the new workers re-plan (4/4/4 -> 6/6) and resume from
   checkpoint-8.
 
-The run must reproduce an uninterrupted 3-rank run (one torchrun, 3 processes): the same global
+The run must reproduce an uninterrupted 3-rank run of the same script (``main()`` on the 3 ranks
+of one process group, started by tests/dist_utils.run_ranks: torchrun's job there was only to
+start 3 workers, and a launch cost the reference 3 imports of transformers): the same global
 batch (sample ids) at every step, per-step losses and final parameters equal (fp32, rtol 1e-5),
 and one resume report per change (steps redone 2, old and new plan) in
 ``cephalo_restarts.jsonl``. Every process is killed on failure (agents by process group,
@@ -33,7 +35,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.dist_utils import free_port
+from tests.dist_utils import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "launch_scripts" / "elastic_train.py"
@@ -164,27 +166,39 @@ def _start_sequence(launches: Launches, out: Path, log: Path, profile: Path,
     return procs
 
 
+def _reference_rank(rank: int, world_size: int, env: dict[str, str]) -> None:
+    """The script's ``main()`` on one rank of the reference's process group, in the environment
+    torchrun gives its workers (the script reads ELASTIC_LOG when imported)."""
+    import importlib.util
+
+    master = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT")}  # set by run_ranks
+    os.environ.clear()
+    os.environ.update(env, **master, RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    spec = importlib.util.spec_from_file_location("elastic_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()
+
+
 def _run(tmp: Path, scenario: str) -> dict:
     out, log = tmp / scenario / "out", tmp / scenario / "log"
     log.mkdir(parents=True)
     profile = tmp / "profile.json"
     if not profile.exists():
         _make_profile(profile)
+    if scenario == "reference":  # no launcher: nothing to kill but the ranks run_ranks ends
+        run_ranks(_reference_rank, 3, _env(out, log, profile), timeout_s=PHASE_TIMEOUT_S)
+        return dict(steps=_trajectory(log), params=torch.load(log / "final.pt"))
     launches = Launches(log)
     try:
-        if scenario == "reference":
-            procs = [launches.start(["--standalone", "--nproc-per-node=3"],
-                                    _env(out, log, profile), "reference")]
-            _wait(launches, procs, time.time() + PHASE_TIMEOUT_S)
-            expected = [0]
-        else:
-            deadline = time.time() + SEQUENCE_TIMEOUT_S
-            procs = _start_sequence(launches, out, log, profile, deadline)
-            _wait(launches, procs[:2], deadline)
-            procs[2].wait(timeout=10)
-            expected = [0, 0, -signal.SIGKILL]  # the node that left: killed by its worker
+        deadline = time.time() + SEQUENCE_TIMEOUT_S
+        procs = _start_sequence(launches, out, log, profile, deadline)
+        _wait(launches, procs[:2], deadline)
+        procs[2].wait(timeout=10)
         codes = [p.returncode for p in procs]
-        assert codes == expected, f"exit codes {codes}\n{launches.output()}"
+        # the node that left: killed by its worker
+        assert codes == [0, 0, -signal.SIGKILL], f"exit codes {codes}\n{launches.output()}"
     finally:
         launches.kill_all()
     restarts = out / "cephalo_restarts.jsonl"

@@ -65,17 +65,23 @@ def _losses(out: str) -> list[float]:
 @pytest.fixture(scope="module")
 def clm_default_runs(tmp_path_factory):
     """Two launches of train_clm.py side by side, neither with --disable_tqdm: bars forced on
-    (--disable_tqdm false, no plan), and the script's default into a pipe with an uneven plan
-    (b = 3/5, m = 2/3, r = 65/35). Returns ``{"bars": (rc, out), "default": (rc, out, dir)}``."""
+    (--disable_tqdm false, no plan, one machine), and the script's default into a pipe with an
+    uneven plan (b = 3/5, m = 2/3, r = 65/35) on two machines on loopback (one process each),
+    each machine with its own output_dir. Returns ``{"bars": (rc, out), "default": (rc, out,
+    dir), "machine1": (rc, out, dir)}`` ("default" is machine 0's)."""
     tmp_path = tmp_path_factory.mktemp("clm")
     i = TINY_CLM.index("--disable_tqdm")
     default = TINY_CLM[:i] + TINY_CLM[i + 2:]  # no --disable_tqdm: the script's default
-    bars, plain = _wait_all([
+    plan, port = _uneven_plan(tmp_path / "plan.json"), free_port()
+    bars, machine0, machine1 = _wait_all([
         _start("train_clm.py", "--output_dir", str(tmp_path / "bars"), *default,
                "--disable_tqdm", "false"),
-        _start("train_clm.py", "--cephalo_plan_file", _uneven_plan(tmp_path / "plan.json"),
-               "--output_dir", str(tmp_path / "o"), *default)])
-    return {"bars": bars, "default": (*plain, tmp_path / "o")}
+        *(_start("train_clm.py", "--cephalo_plan_file", plan, "--output_dir",
+                 str(tmp_path / f"m{r}"), *default, port=port,
+                 config=ROOT / "accelerate_configs" / f"cephalo_cpu_2machines_rank{r}.yaml")
+          for r in range(2))])
+    return {"bars": bars, "default": (*machine0, tmp_path / "m0"),
+            "machine1": (*machine1, tmp_path / "m1")}
 
 
 @test_timeout(LAUNCH_S)  # the two launches of clm_default_runs run at the same time
@@ -128,6 +134,9 @@ def test_train_clm_gpt2_and_image_classification_bf16(tmp_path):
                "--bf16", *COMMON)])
     assert rc == 0, out[-6000:]
     assert "model: GPT2LMHeadModel" in out and "logits equal the trained model's" in out
+    # --disable_tqdm (TINY_CLM): no bar of datasets' map/filter, of the reload's "Loading
+    # weights" or of training, even where a bar would be drawn
+    assert "it/s]" not in out and "Loading weights" not in out and "Map" not in out, out[-4000:]
     losses = _losses(out)
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
@@ -168,23 +177,19 @@ def test_user_mistakes_fail_fast_with_clear_errors(tmp_path):
         f"{missing}: no such checkpoint directory" in out_missing, out_missing[-4000:]
 
 
-@test_timeout(LAUNCH_S)
-def test_train_clm_two_machines_without_shared_filesystem(tmp_path):
-    """num_machines 2 on loopback, each machine with its own output_dir: the trained tokenizer
-    reaches machine 1 by broadcast (it once was read back from machine 0's output_dir)."""
-    plan = _uneven_plan(tmp_path / "plan.json")
-    port = free_port()
-    procs = [_start("train_clm.py", "--cephalo_plan_file", plan, "--output_dir", str(tmp_path / f"m{r}"),
-                    *TINY_CLM, config=ROOT / "accelerate_configs" / f"cephalo_cpu_2machines_rank{r}.yaml",
-                    port=port) for r in range(2)]
-    (rc0, out0), (rc1, out1) = _wait_all(procs)
+@test_timeout(LAUNCH_S)  # the launches of clm_default_runs run at the same time
+def test_train_clm_two_machines_without_shared_filesystem(clm_default_runs):
+    """num_machines 2 on loopback, each machine with its own output_dir (the default run of
+    clm_default_runs): the trained tokenizer reaches machine 1 by broadcast (it once was read
+    back from machine 0's output_dir)."""
+    (rc0, out0, _), (rc1, out1, dir1) = clm_default_runs["default"], clm_default_runs["machine1"]
     assert rc0 == 0 and rc1 == 0, f"machine 0:\n{out0[-4000:]}\nmachine 1:\n{out1[-4000:]}"
     assert "logits equal the trained model's" in out0 and "(went down; 6 logged values)" in out0
-    # --disable_tqdm (TINY_CLM): no bar of datasets' map/filter, of the reload's "Loading
-    # weights" or of training, even where a bar would be drawn
+    # no bar of datasets' map/filter, of the reload's "Loading weights" or of training on
+    # either machine (into a pipe; --disable_tqdm: test_train_clm_gpt2_and_image_classification)
     assert "it/s]" not in out0 + out1 and "Loading weights" not in out0 + out1
     assert "Map" not in out0 + out1, out0[-4000:]
-    assert not (tmp_path / "m1" / "tokenizer").exists()
+    assert not (dir1 / "tokenizer").exists()
 
 
 @test_timeout(LAUNCH_S, 10)  # the launch, then 60 s for the job to end

@@ -34,6 +34,7 @@ import multiprocessing
 import os
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -266,11 +267,19 @@ def _stock(name: str, out_dir: str) -> dict:
     return _result(trainer, name, lambda: model)
 
 
-def _check_world(world: int, out_dir: str) -> None:
+@pytest.fixture(scope="module")
+def stock_runs(tmp_path_factory) -> dict[str, dict]:
+    """Stock Trainer's run of every case: the reference of both world sizes (one process, the
+    whole global batch: nothing in it depends on the plan's world size), run once."""
+    out_dir = str(tmp_path_factory.mktemp("stock"))
+    return {name: _stock(name, out_dir) for name in CASES}
+
+
+def _check_world(world: int, out_dir: str, stock_runs: dict[str, dict]) -> None:
     runs = run_ranks(_worker, world, out_dir, timeout_s=budget_s(JOB_S))
     worst: dict[str, dict[str, float]] = {name: {} for name in CASES}
     for name in CASES:
-        ref = _stock(name, out_dir)
+        ref = stock_runs[name]
         assert len(ref["losses"]) == STEPS and max(ref["norms"]) > MAX_NORM, name  # clipped
         for rank, got in enumerate(runs):
             got = got[name]
@@ -297,10 +306,10 @@ def _check_world(world: int, out_dir: str) -> None:
 
 
 @test_timeout(JOB_S, margin_s=120)
-def test_encoder_heads_trainer_matches_stock_two_ranks(tmp_path):
-    _check_world(2, str(tmp_path))
+def test_encoder_heads_trainer_matches_stock_two_ranks(tmp_path, stock_runs):
+    _check_world(2, str(tmp_path), stock_runs)
 
 
 @test_timeout(JOB_S, margin_s=120)
-def test_encoder_heads_trainer_matches_stock_three_ranks(tmp_path):
-    _check_world(3, str(tmp_path))
+def test_encoder_heads_trainer_matches_stock_three_ranks(tmp_path, stock_runs):
+    _check_world(3, str(tmp_path), stock_runs)
