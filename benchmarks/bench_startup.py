@@ -14,13 +14,18 @@ torch, transformers and Accelerate imports):
 
 1. stock: ``Accelerator(cpu=True)``, DistributedDataParallel over gloo;
 2. Cephalo, cold: an empty ``HF_CEPHALO_PROFILE_CACHE``, so the start profiles;
-3. Cephalo, cached: the same cache again (what every start after the first does).
+3. Cephalo, cached: the same cache again (what every start after the first does);
+4. with ``--checkpointing-on``: cached again with activation checkpointing forced on (the
+   recompute in backward; the default ``auto`` keeps the forward graphs where they fit).
 
 Printed per run: the time from the ranks' start to the end of the first optimizer step and
 the total wall (ranks started to ranks ended), and the ratio to stock; for Cephalo, rank 0's
 phases of the start (hf_cephalo's own import, staging with the self-check, profile, plan,
 shard / load, the rest of ``prepare``, the first step). The phases are taken by wrapping the
-runtime's functions in the ranks (the product is not changed for it).
+runtime's functions in the ranks (the product is not changed for it). Also per run: the load
+average as it started and the CPU seconds (user + system, every thread) both ranks spent in
+all and from the first optimizer step on: on a shared machine other tenants' load stretches
+the wall by a factor that changes from run to run, the work much less.
 
 Run: ``python benchmarks/bench_startup.py`` (a few minutes on 2 cores);
 ``--smoke``: the tiny model, 32 pairs, one epoch.
@@ -139,6 +144,7 @@ class _Clock:
     def __init__(self) -> None:
         self.marks: dict[str, float] = {}
         self.phases: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}  # this process's CPU seconds (all threads) at marks
         self._stack: list[float] = []  # inner time to subtract from each open phase
 
     def wrap(self, owner, attr: str, label: str) -> None:
@@ -156,6 +162,16 @@ class _Clock:
                 if self._stack:
                     self._stack[-1] += took
         setattr(owner, attr, timed)
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far, every thread (gloo's included): on a
+    shared machine the work a run does, which other tenants' load does not stretch as it
+    stretches the wall."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _instrument(clock: _Clock, cephalo: bool) -> None:
@@ -191,8 +207,9 @@ def _instrument(clock: _Clock, cephalo: bool) -> None:
         cls.prepare = prepared
 
     def after_step(optimizer, args, kwargs):  # the profiler's own steps come before prepare ends
-        if "prepare_end" in clock.marks:
-            clock.marks.setdefault("first_step", time.time())
+        if "prepare_end" in clock.marks and "first_step" not in clock.marks:
+            clock.marks["first_step"] = time.time()
+            clock.cpu["first_step"] = _cpu_s()
     register_optimizer_step_post_hook(after_step)
 
 
@@ -238,7 +255,8 @@ def _report_at_end_training(clock: _Clock, rank: int, out) -> None:
     def reported(accelerator):
         end_training(accelerator)
         clock.marks["end"] = time.time()
-        out.put({"rank": rank, "marks": clock.marks, "phases": clock.phases})
+        clock.cpu["end"] = _cpu_s()
+        out.put({"rank": rank, "marks": clock.marks, "phases": clock.phases, "cpu": clock.cpu})
         out.close()
         out.join_thread()  # the result is on the pipe before the process ends
         sys.stdout.flush()
@@ -293,6 +311,7 @@ def run_job(workdir: Path, cephalo: bool, cache: Path, epochs: int,
     script = "cephalo_job.py" if cephalo else "stock_job.py"
     env = {"HF_CEPHALO_PROFILE_CACHE": str(cache), **(env or {})}
     port = free_port()
+    load = os.getloadavg()[0]
     start = time.time()
     results = run_ranks(_rank, [(r, 2, port, str(workdir), script, cephalo, env, epochs)
                                 for r in range(2)], timeout_s=1800)
@@ -310,7 +329,10 @@ def run_job(workdir: Path, cephalo: bool, cache: Path, epochs: int,
             "imports_s": marks["imported"] - marks["start"],
             "prepare_s": marks["prepare_end"] - marks["prepare_begin"],
             "step_1_s": marks["first_step"] - marks["prepare_end"],
-            "after_1st_step_s": wall - first}
+            "after_1st_step_s": wall - first, "load_before": load,
+            "cpu_s": sum(r["cpu"]["end"] for r in by_rank),
+            "cpu_after_1st_step_s": sum(r["cpu"]["end"] - r["cpu"]["first_step"]
+                                        for r in by_rank)}
 
 
 def report(runs: dict[str, dict]) -> None:
@@ -324,6 +346,15 @@ def report(runs: dict[str, dict]) -> None:
               f"{r['prepare_s']:>10.2f}{r['step_1_s']:>11.2f}{r['after_1st_step_s']:>11.2f}")
     print("imports: torch, transformers, Accelerate, datasets (both sides; rank 0); prepare and "
           "1st step: rank 0's; after it: the rest of training, evaluation and the ranks' exit")
+    print(f"{'run':<26}{'load before':>12}{'CPU s':>9}{'x stock':>8}{'CPU after 1st step s':>21}"
+          f"{'x stock':>8}")
+    for name, r in runs.items():
+        print(f"{name:<26}{r['load_before']:>12.2f}{r['cpu_s']:>9.2f}"
+              f"{r['cpu_s'] / stock['cpu_s']:>8.2f}{r['cpu_after_1st_step_s']:>21.2f}"
+              f"{r['cpu_after_1st_step_s'] / stock['cpu_after_1st_step_s']:>8.2f}")
+    print("load before: the 1-minute load average as the run started (a shared machine: other "
+          "tenants' work stretches the wall); CPU: user + system seconds of both ranks (every "
+          "thread) to the end of training, and from the first optimizer step on")
     for name, r in runs.items():
         if r["phases"]:
             print(f"{name}, rank 0's start: " + ", ".join(
@@ -338,9 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where to run (default: a temporary folder, removed after)")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
-    parser.add_argument("--checkpointing-auto", action="store_true",
-                        help="one more cached run with activation checkpointing auto (the "
-                             "default is on: recompute in backward)")
+    parser.add_argument("--checkpointing-on", action="store_true",
+                        help="one more cached run with activation checkpointing true (recompute "
+                             "in backward, the default before auto)")
     args = parser.parse_args(argv)
     epochs = args.epochs or (1 if args.smoke else 3)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_startup_"))
@@ -351,9 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = {"stock DDP": run_job(workdir, False, cache, epochs),
                 "Cephalo, cold profile": run_job(workdir, True, cache, epochs),
                 "Cephalo, cached profile": run_job(workdir, True, cache, epochs)}
-        if args.checkpointing_auto:
-            runs["Cephalo, cached, ckpt auto"] = run_job(
-                workdir, True, cache, epochs, {"HF_CEPHALO_ACTIVATION_CHECKPOINTING": "auto"})
+        if args.checkpointing_on:
+            runs["Cephalo, cached, ckpt on"] = run_job(
+                workdir, True, cache, epochs, {"HF_CEPHALO_ACTIVATION_CHECKPOINTING": "true"})
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

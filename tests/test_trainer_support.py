@@ -316,6 +316,30 @@ def test_activation_checkpointing_flag_any_case_and_against_a_plan_file(tmp_path
     assert "[auto:" not in format_plan_table(plan)
 
 
+def test_default_auto_checkpointing_and_a_checkpointing_model(tmp_path, monkeypatch):
+    """The plan made at start defaults to auto (the faster plan that fits: no recompute where
+    the kept graphs fit, as stock without --gradient_checkpointing); a model whose Hugging
+    Face gradient checkpointing is on asks for checkpointing (planned on, as the stock flag),
+    while an explicit true / false is kept as given."""
+    from hf_cephalo.integrations.trainer.training_args import job_from_training_args
+    from hf_cephalo.runtime.planning import planned_checkpointing
+    from hf_cephalo.runtime.settings import CephaloSettings
+
+    monkeypatch.delenv("HF_CEPHALO_ACTIVATION_CHECKPOINTING", raising=False)
+    assert CephaloSettings.default_of("activation_checkpointing") == "auto"
+    model = build("llama")
+    default = job_from_training_args(_args(tmp_path), 2)
+    assert default.settings.activation_checkpointing == "auto"
+    assert planned_checkpointing(default) is None
+    assert planned_checkpointing(default, model) is None
+    enable = getattr(model, "activation_checkpointing_enable", None)  # newer transformers
+    (enable or model.gradient_checkpointing_enable)()
+    assert planned_checkpointing(default, model) is True
+    for word, want in (("false", False), ("true", True)):
+        job = job_from_training_args(_args(tmp_path, cephalo_activation_checkpointing=word), 2)
+        assert planned_checkpointing(job, model) is want
+
+
 def test_label_smoother_shifts_by_stocks_rule():
     """Stock Trainer's label smoother shifts the labels when the model's class is in
     transformers' causal-LM mapping, whatever the model's own loss does: BartForCausalLM (its

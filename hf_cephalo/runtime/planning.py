@@ -149,12 +149,13 @@ def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> Resolved
     reason = ""
     try:
         # an RL door's forward-only scoring passes are priced with the training step
-        if planned_checkpointing(job) is None:  # auto: keep why, for the plan's line
+        checkpointing = planned_checkpointing(job, getattr(staged, "model", None))
+        if checkpointing is None:  # auto: keep why, for the plan's line
             plan, reason = optimize_auto_checkpointing(cluster, B, job.settings.memory_fraction,
                                                        scoring_passes=job.scoring_passes)
         else:
             plan = optimize(cluster, B, job.settings.memory_fraction,
-                            activation_checkpointing=planned_checkpointing(job),
+                            activation_checkpointing=checkpointing,
                             scoring_passes=job.scoring_passes)
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e}{_infeasible_remedy(job, B, e.constraint)}",
@@ -173,10 +174,24 @@ def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> Resolved
     return ResolvedPlan(plan, cluster, reason)
 
 
-def planned_checkpointing(job) -> bool | None:
+def planned_checkpointing(job, model: Any = None) -> bool | None:
     """``--cephalo_activation_checkpointing`` as ``optimize``'s argument: True, False or None
-    (auto: plan both, keep the faster feasible one)."""
-    return activation_checkpointing_setting(job.settings.activation_checkpointing)
+    (auto, the default: plan both, keep the faster feasible one). With auto, a ``model``
+    whose Hugging Face gradient checkpointing is on (``model.gradient_checkpointing_enable()``
+    before the door's prepare / trainer) asks for checkpointing: True, as the trainer's
+    ``--gradient_checkpointing`` does (the engine's recompute replaces the model's own,
+    which ``prepare_for_training`` switches off)."""
+    setting = activation_checkpointing_setting(job.settings.activation_checkpointing)
+    if setting is None and model is not None and model_checkpointing(model):
+        return True
+    return setting
+
+
+def model_checkpointing(model: Any) -> bool:
+    """Whether a module of ``model`` has Hugging Face gradient checkpointing switched on
+    (``gradient_checkpointing is True``, what ``gradient_checkpointing_enable`` sets)."""
+    modules = model.modules() if hasattr(model, "modules") else []
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in modules)
 
 
 def check_plan_file_checkpointing(plan: Plan, job: Job) -> None:

@@ -158,13 +158,17 @@ class CephaloSettings:
         "file). Not with one mixed precision for the whole job (bf16 / fp16)."))
     # str, not Literal: HfArgumentParser makes Literal choices case-sensitive, and "True" (HF
     # style, as --torch_compile True) must parse (planner.types.parse_activation_checkpointing)
-    activation_checkpointing: str | None = _setting("true", (
-        "Activation checkpointing of the plan made at start: 'true' (each unit's forward is "
-        "recomputed in its backward, the paper's schedule), 'false' (every microbatch's forward "
-        "graph is kept until its backward: no recompute, ~1/4 less compute per step, activation "
-        "memory grows with layers x microbatches; the plan fails when that does not fit) or "
-        "'auto' (plan both, keep the faster one that fits); any case ('True' works). A plan "
-        "file records its own choice: 'false' or 'true' that differs from it is refused."))
+    activation_checkpointing: str | None = _setting("auto", (
+        "Activation checkpointing of the plan made at start: 'auto' (the default: plan both, "
+        "keep the faster one that fits, so the forward graphs are kept wherever they fit in "
+        "memory, as stock training without --gradient_checkpointing, and each unit is "
+        "recomputed only where they do not; the plan line says which and why), 'true' (each "
+        "unit's forward is recomputed in its backward, the paper's schedule: least activation "
+        "memory) or 'false' (every microbatch's forward graph is kept until its backward: no "
+        "recompute, ~1/4 less compute per step, activation memory grows with layers x "
+        "microbatches; the plan fails when that does not fit); any case ('True' works). "
+        "--gradient_checkpointing asks for 'true'. A plan file records its own choice: 'false' "
+        "or 'true' that differs from it is refused."))
     collate: str | None = _setting("global_width", (
         "Where the data collator runs and pads (docs/data.md): 'global_width' each rank reads, "
         "transforms and collates only its own b_i rows, padded to the width of the whole global "

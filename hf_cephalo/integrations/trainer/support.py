@@ -163,8 +163,8 @@ FIELD_SUPPORT: dict[str, Support] = {
         "the engine recomputes every unit in backward: that is the checkpointing; the model's "
         "own checkpointing is never switched on in addition (logged). Refused beside "
         "--cephalo_activation_checkpointing false or a plan made without checkpointing (the "
-        "flag asks for it); with --cephalo_activation_checkpointing auto the trainer plans "
-        "with checkpointing on",
+        "flag asks for it); with --cephalo_activation_checkpointing auto (the default) the "
+        "trainer plans with checkpointing on",
         _P + "test_gradient_checkpointing_recomputes_once"),
     "gradient_checkpointing": stock(
         "alias of activation_checkpointing (same handling)",
