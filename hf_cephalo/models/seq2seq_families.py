@@ -24,22 +24,16 @@ from torch import nn
 from hf_cephalo.models.seq2seq import BartStagedModel, Seq2SeqContext
 
 
-class MBartStagedModel(BartStagedModel):
-    """``MBartForConditionalGeneration``: BART's units, each stack's final ``layer_norm`` and
-    mBART's label shift (see the module note)."""
-
-    model_classes = ("MBartForConditionalGeneration",)
+class FinalNorms:
+    """Each stack's final ``layer_norm`` (pre-LN stacks: mBART, Pegasus): the encoder's makes
+    the encoder's output in the first decoder unit, the decoder's is on the head side before
+    ``lm_head`` and ``final_logits_bias``. Mixed in before a ``BartStagedModel``."""
 
     def junction_modules(self, model: nn.Module) -> list[nn.Module]:
         return [model.model.encoder.layer_norm]
 
     def head_modules(self) -> list[nn.Module]:
         return [self.model.model.decoder.layer_norm, self.model.lm_head]
-
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.mbart.modeling_mbart import shift_tokens_right
-
-        return shift_tokens_right(labels, self.model.config.pad_token_id)
 
     def make(self, index: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> list:
         """The encoder's output: its final ``layer_norm`` of the last encoder layer's output."""
@@ -48,6 +42,18 @@ class MBartStagedModel(BartStagedModel):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.lm_head(self.model.model.decoder.layer_norm(hidden))
         return logits + self.model.final_logits_bias.to(logits.device)
+
+
+class MBartStagedModel(FinalNorms, BartStagedModel):
+    """``MBartForConditionalGeneration``: BART's units, each stack's final ``layer_norm``
+    (``FinalNorms``) and mBART's label shift (see the module note)."""
+
+    model_classes = ("MBartForConditionalGeneration",)
+
+    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        from transformers.models.mbart.modeling_mbart import shift_tokens_right
+
+        return shift_tokens_right(labels, self.model.config.pad_token_id)
 
 
 class MarianStagedModel(BartStagedModel):
@@ -82,28 +88,9 @@ class MarianStagedModel(BartStagedModel):
         return embeds, F.dropout(hidden, p=dec.dropout, training=dec.training)
 
 
-class PegasusStagedModel(MarianStagedModel):
-    """``PegasusForConditionalGeneration``: Marian's inputs, each stack's final ``layer_norm``
-    (see the module note)."""
+class PegasusStagedModel(FinalNorms, MarianStagedModel):
+    """``PegasusForConditionalGeneration``: Marian's inputs and label shift (Pegasus's
+    ``shift_tokens_right`` is the same code), each stack's final ``layer_norm`` (``FinalNorms``;
+    see the module note)."""
 
     model_classes = ("PegasusForConditionalGeneration",)
-
-    def junction_modules(self, model: nn.Module) -> list[nn.Module]:
-        return [model.model.encoder.layer_norm]
-
-    def head_modules(self) -> list[nn.Module]:
-        return [self.model.model.decoder.layer_norm, self.model.lm_head]
-
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.pegasus.modeling_pegasus import shift_tokens_right
-
-        cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
-
-    def make(self, index: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> list:
-        """The encoder's output: its final ``layer_norm`` of the last encoder layer's output."""
-        return [self.model.model.encoder.layer_norm(hidden)]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.lm_head(self.model.model.decoder.layer_norm(hidden))
-        return logits + self.model.final_logits_bias.to(logits.device)
