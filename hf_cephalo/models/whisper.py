@@ -19,11 +19,14 @@ from torch import nn
 
 from hf_cephalo.models.base import Microbatch
 from hf_cephalo.models.hf_common import require_key
-from hf_cephalo.models.seq2seq import Seq2SeqContext, Seq2SeqStagedModel
+from hf_cephalo.models.seq2seq import BartStagedModel, Seq2SeqContext
+from hf_cephalo.models.seq2seq_families import FinalNorms
 
 
-class WhisperStagedModel(Seq2SeqStagedModel):
-    """``WhisperForConditionalGeneration`` as a staged model (see the module note).
+class WhisperStagedModel(FinalNorms, BartStagedModel):
+    """``WhisperForConditionalGeneration`` as a staged model (see the module note): BART's
+    stacks, layer calls and layer-drop refusal (Whisper's layers take the same arguments), each
+    stack's final ``layer_norm`` (``FinalNorms``), Whisper's own inputs and head.
 
     Microbatch keys: ``input_features`` (m, num_mel_bins, 2 x max_source_positions) float,
     ``labels`` (m, T) with -100 ignored, optional ``decoder_input_ids`` / ``decoder_attention_mask``
@@ -42,19 +45,6 @@ class WhisperStagedModel(Seq2SeqStagedModel):
                 "input features with masks drawn from numpy's global RNG in every training "
                 "forward, which the staged schedule cannot replay per microbatch; set "
                 "config.apply_spec_augment = False (augment the features in the data pipeline)")
-
-    def layer_lists(self, model: nn.Module) -> tuple[nn.ModuleList, nn.ModuleList]:
-        return model.model.encoder.layers, model.model.decoder.layers
-
-    def junction_modules(self, model: nn.Module) -> list[nn.Module]:
-        return [model.model.encoder.layer_norm]
-
-    def stacks(self) -> tuple[nn.Module, nn.Module]:
-        return self.model.model.encoder, self.model.model.decoder
-
-    def layer_drop(self) -> float:
-        cfg = self.model.config
-        return max(cfg.encoder_layerdrop, cfg.decoder_layerdrop)
 
     def embed_modules(self) -> list[nn.Module]:
         enc, dec = self.stacks()
@@ -110,18 +100,6 @@ class WhisperStagedModel(Seq2SeqStagedModel):
                                       cache=None, position_ids=positions)
         return hidden, Seq2SeqContext(enc_mask=None, dec_mask=dec_mask, cross_mask=None,
                                       dec_hidden=dec_hidden)
-
-    def make(self, index: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> list:
-        """The encoder's output: its final ``layer_norm`` of the last encoder layer's output."""
-        return [self.model.model.encoder.layer_norm(hidden)]
-
-    def encoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
-        return self.model.model.encoder.layers[i](hidden, None)
-
-    def decoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
-        return self.model.model.decoder.layers[i](
-            hidden, ctx.dec_mask, self.made(ctx, "enc_out"), encoder_attention_mask=None,
-            cache=None, use_cache=False)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.proj_out(self.model.model.decoder.layer_norm(hidden))
