@@ -206,7 +206,8 @@ def test_package_exports_every_public_name():
     import hf_cephalo
     import hf_cephalo.integrations as doors
 
-    face = {"CephaloTrainer", "CephaloTrainingArguments", "CephaloAccelerator", "CephaloPlugin",
+    face = {"CephaloTrainer", "CephaloTrainingArguments", "CephaloSeq2SeqTrainer",
+            "CephaloSeq2SeqTrainingArguments", "CephaloAccelerator", "CephaloPlugin",
             "CephaloSFTTrainer", "CephaloSFTConfig", "CephaloDPOTrainer", "CephaloDPOConfig",
             "CephaloRewardTrainer", "CephaloRewardConfig", "CephaloKTOTrainer",
             "CephaloKTOConfig", "CephaloGRPOTrainer", "CephaloGRPOConfig", "CephaloRLOOTrainer",

@@ -1,5 +1,5 @@
 """The doors: Hugging Face front ends over the Cephalo runtime (``hf_cephalo.runtime``), a
-folder each: ``trainer/`` (transformers' Trainer), ``loop/`` (an Accelerate loop), ``trl/``
+folder each: ``trainer/`` (transformers' Trainer and Seq2SeqTrainer), ``loop/`` (an Accelerate loop), ``trl/``
 (TRL's SFT, DPO, Reward, KTO, GRPO and RLOO trainers); ``quiet`` holds the scripts' output switches (progress bars,
 load reports). A door only translates its front end's settings into the runtime's ``Job`` and
 calls the runtime. Every door name is re-exported here and at ``hf_cephalo`` (lazily)."""
@@ -9,7 +9,8 @@ from hf_cephalo.lazy import lazy_exports
 _EXPORTS = {
     **{n: "trainer" for n in ("CephaloTrainer", "CephaloTrainerMixin", "CephaloTrainingArguments",
                               "CephaloArguments", "job_from_training_args", "format_plan_table",
-                              "format_loss_trend", "CompletionsCallback")},
+                              "format_loss_trend", "CompletionsCallback",
+                              "CephaloSeq2SeqTrainer", "CephaloSeq2SeqTrainingArguments")},
     **{n: "loop" for n in ("CephaloAccelerator", "CephaloPlugin", "CephaloDistributedType",
                            "ACTIVATION_OFFLOAD_CHOICES", "ADAPTIVE_CHOICES")},
     **{n: "trl" for n in ("CephaloSFTTrainer", "CephaloSFTConfig", "CephaloDPOTrainer",
