@@ -225,6 +225,10 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
         losses, norms = _logs(trainer)
         if name in SEQ2SEQ:
             results[f"{name}_eval"] = _eval_and_predict(trainer, name)
+            prompt = {"input_features": torch.zeros(1, 8, 24)} if name == "whisper" \
+                else {"input_ids": torch.tensor([[5, 6, 7]])}
+            with pytest.raises(ValueError, match="is an encoder-decoder, and the engine's decode"):
+                trainer.generate(**prompt, max_new_tokens=2)  # refused, not the prompt back
             trainer.save_model(os.path.join(out_dir, name, "final"))  # Hugging Face files
         if planned:  # the model profile the plan was made from: each layer's size
             results["planned_units"] = trainer.session.cluster_profile.model.unit_params

@@ -217,7 +217,7 @@ def test_hierarchical_backbone_stages_are_units_of_the_model_not_of_its_copy():
             torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{depths} {name}: {m}")
         assert staged.hidden_shape_changes()
-        with pytest.raises(ValueError, match="stages whose hidden states change shape.*plan"):
+        with pytest.raises(ValueError, match="hidden state changes shape between its units.*plan"):
             refuse_reshaping_units(staged)
     for name in ("ConvNext", "Swin", "Hiera"):  # default configs: stages of up to 16 blocks
         config = getattr(transformers, f"{name}Config")()

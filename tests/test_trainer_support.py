@@ -320,7 +320,7 @@ def test_default_auto_checkpointing_and_a_checkpointing_model(tmp_path, monkeypa
     """The plan made at start defaults to auto (the faster plan that fits: no recompute where
     the kept graphs fit, as stock without --gradient_checkpointing); a model whose Hugging
     Face gradient checkpointing is on asks for checkpointing (planned on, as the stock flag),
-    while an explicit true / false is kept as given."""
+    an explicit true is kept, and an explicit false beside it is refused."""
     from hf_cephalo.integrations.trainer.training_args import job_from_training_args
     from hf_cephalo.runtime.planning import planned_checkpointing
     from hf_cephalo.runtime.settings import CephaloSettings
@@ -335,9 +335,12 @@ def test_default_auto_checkpointing_and_a_checkpointing_model(tmp_path, monkeypa
     enable = getattr(model, "activation_checkpointing_enable", None)  # newer transformers
     (enable or model.gradient_checkpointing_enable)()
     assert planned_checkpointing(default, model) is True
-    for word, want in (("false", False), ("true", True)):
-        job = job_from_training_args(_args(tmp_path, cephalo_activation_checkpointing=word), 2)
-        assert planned_checkpointing(job, model) is want
+    job = job_from_training_args(_args(tmp_path, cephalo_activation_checkpointing="true"), 2)
+    assert planned_checkpointing(job, model) is True
+    job = job_from_training_args(_args(tmp_path, cephalo_activation_checkpointing="false"), 2)
+    assert planned_checkpointing(job, build("llama")) is False
+    with pytest.raises(ValueError, match="gradient checkpointing is on .* is 'false' .* opposite"):
+        planned_checkpointing(job, model)  # as 'false' beside --gradient_checkpointing
 
 
 def test_label_smoother_shifts_by_stocks_rule():

@@ -101,17 +101,18 @@ class ProfiledUnit(WrappedStagedModel):
 
 def refuse_reshaping_units(staged: StagedModel) -> None:
     """ValueError for a model whose units change the hidden state's shape (a hierarchical
-    backbone's stages: ``StagedModel.hidden_shape_changes``): the profiler times one unit of
+    backbone's stages, an encoder-decoder: ``StagedModel.hidden_shape_changes``): the profiler times one unit of
     each size on the embedding's output and prices every unit boundary at that output's
     bytes, neither of which holds for it. Raised on every rank alike, before any collective.
     The engine trains such a model under a given plan."""
     if staged.hidden_shape_changes():
         raise ValueError(
-            f"{type(staged.model).__name__}'s units are stages whose hidden states change "
-            "shape from one unit to the next (a hierarchical backbone), which the profiler "
-            "cannot time or price yet (it runs each unit on the embedding's output); give a "
-            "plan instead (plan=Plan.from_ratios(b_i, m_i, r_i), --cephalo_plan_file), with "
-            "which the engine trains it exactly")
+            f"{type(staged.model).__name__}'s hidden state changes shape between its units "
+            "(a hierarchical backbone's stages, or an encoder-decoder's switch from the "
+            "encoder's sequence to the decoder's), which the profiler cannot time or price yet "
+            "(it runs each unit on the embedding's output); give a plan instead "
+            "(plan=Plan.from_ratios(b_i, m_i, r_i), --cephalo_plan_file), with which the "
+            "engine trains it exactly")
 
 
 def model_profile(staged: StagedModel, name: str | None = None,

@@ -134,6 +134,19 @@ def sampling_from_generation_config(model, kwargs: dict, seed: int) -> SamplingP
                           seed=int(seed))
 
 
+def _check_decoder_only(model, input_ids) -> None:
+    """ValueError for an encoder-decoder (the engine's decode path runs decoder-only models:
+    docs/generation.md) or a call without ``input_ids``."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ValueError(
+            f"generate: {type(model).__name__} is an encoder-decoder, and the engine's decode "
+            "path (docs/generation.md) runs decoder-only models: nothing was generated. After "
+            "training, generate with the whole model: trainer.unshard_model().generate(...), or "
+            "load the saved model with from_pretrained and call its generate")
+    if input_ids is None:
+        raise TypeError("generate: input_ids (B, P) is required (the prompts, left-padded)")
+
+
 def generate_tensor(session, input_ids, attention_mask=None, *, rows=None,
                     round_: int | None = None, seed: int | None = None, mode: str = "auto",
                     generation_split: Sequence[int] | None = None, **kwargs):
@@ -155,11 +168,15 @@ def generate_tensor(session, input_ids, attention_mask=None, *, rows=None,
     Returns:
         (B, P + T) long tensor as ``generate`` returns it: the prompts as given, then each
         completion right-padded with the pad id to the longest on this rank (T).
+
+    Raises (on every rank, before any collective): ValueError for an encoder-decoder model
+    or a refused keyword value, TypeError without ``input_ids`` or for an unknown keyword.
     """
     import torch
 
     refused = None
     try:  # a refusal on one rank must reach the others before any collective
+        _check_decoder_only(session.model, input_ids)
         params = sampling_from_generation_config(session.model, kwargs,
                                                  session.job.seed if seed is None else seed)
         ids = torch.as_tensor(input_ids)

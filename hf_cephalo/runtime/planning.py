@@ -157,6 +157,9 @@ def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> Resolved
             plan = optimize(cluster, B, job.settings.memory_fraction,
                             activation_checkpointing=checkpointing,
                             scoring_passes=job.scoring_passes)
+            if checkpointing and activation_checkpointing_setting(
+                    job.settings.activation_checkpointing) is None:  # asked for by the model
+                reason = "the model's gradient checkpointing is on"
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e}{_infeasible_remedy(job, B, e.constraint)}",
                                   e.constraint) from None
@@ -180,9 +183,18 @@ def planned_checkpointing(job, model: Any = None) -> bool | None:
     whose Hugging Face gradient checkpointing is on (``model.gradient_checkpointing_enable()``
     before the door's prepare / trainer) asks for checkpointing: True, as the trainer's
     ``--gradient_checkpointing`` does (the engine's recompute replaces the model's own,
-    which ``prepare_for_training`` switches off)."""
+    which ``prepare_for_training`` switches off). Raises ValueError for such a model beside an
+    explicit 'false' (the two ask for opposite things, as 'false' with
+    ``--gradient_checkpointing`` does)."""
     setting = activation_checkpointing_setting(job.settings.activation_checkpointing)
-    if setting is None and model is not None and model_checkpointing(model):
+    checkpointing = model is not None and model_checkpointing(model)
+    if setting is False and checkpointing:
+        raise ValueError(
+            "the model's gradient checkpointing is on (gradient_checkpointing_enable() was "
+            "called) but --cephalo_activation_checkpointing / HF_CEPHALO_ACTIVATION_CHECKPOINTING "
+            "is 'false' (keep every forward graph): they ask for opposite things. Call "
+            "model.gradient_checkpointing_disable(), or set it to 'auto' or 'true'")
+    if setting is None and checkpointing:
         return True
     return setting
 
