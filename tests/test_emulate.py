@@ -238,7 +238,9 @@ def test_auto_plan_on_emulated_ranks_favours_the_faster_rank(tmp_path, capsys):
 
     cluster = ClusterProfile.load(str(tmp_path / "first" / "profile.json"))
     assert sum(first["batch_sizes"]) == 16
-    assert optimize(cluster, 16).batch_sizes == first["batch_sizes"]
+    # (the start plans with activation checkpointing auto, the default: both settings priced)
+    assert optimize(cluster, 16, activation_checkpointing=None).batch_sizes == \
+        first["batch_sizes"]
     fast = cluster.devices[0]
     cluster.devices[1] = dataclasses.replace(cluster.devices[1],
                                              fwd_s=[3 * t for t in fast.fwd_s],
