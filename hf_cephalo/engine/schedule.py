@@ -62,6 +62,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from ..models.base import run_unit_in, with_side_input_leaves
 from .flat_param import FlatParamUnit
 from .offload import ActivationStash
 
@@ -294,8 +295,8 @@ class LayeredStep:
                     unit.use_params()
                     if self.staged.produces_side_inputs(i):  # [Note: side inputs]
                         self.made_from[(i, j)] = self.ctxs[j]
-                        self.ctxs[j] = self.staged.produce_side_inputs(i, x, self.ctxs[j])
-                    self.stash.start_offload((i + 1, j), self.staged.run_unit(i, x, self.ctxs[j]))
+                    y, self.ctxs[j] = run_unit_in(self.staged, i, x, self.ctxs[j])
+                    self.stash.start_offload((i + 1, j), y)
                 if i + 1 < L:
                     unit.reshard(keep_graph_storage=self.keep_graphs)
 
@@ -411,9 +412,7 @@ class LayeredStep:
     def _unit_ctx(self, j: int, ctx: Any = None) -> tuple[Any, list[torch.Tensor]]:
         """Microbatch ``j``'s ctx (or ``ctx``) for a unit run with autograd: its side inputs
         replaced by fresh leaves (returned too) whose gradients ``_add_side_grads`` collects."""
-        ctx = self.ctxs[j] if ctx is None else ctx
-        sides = [s.detach().requires_grad_(True) for s in self.staged.side_inputs(ctx)]
-        return (self.staged.with_side_inputs(ctx, sides), sides) if sides else (ctx, [])
+        return with_side_input_leaves(self.staged, self.ctxs[j] if ctx is None else ctx)
 
     def _backward_unit(self, i: int, j: int, y: torch.Tensor, grad: torch.Tensor,
                        sides: list[torch.Tensor], made: list[torch.Tensor]) -> None:

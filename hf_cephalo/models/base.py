@@ -295,6 +295,15 @@ def run_unit_in(staged: StagedModel, index: int, hidden: torch.Tensor,
     return staged.run_unit(index, hidden, ctx), ctx
 
 
+def with_side_input_leaves(staged: StagedModel, ctx: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``(ctx', leaves)``: ``ctx`` with its side inputs replaced by fresh leaves that require
+    grad, as a unit run with autograd reads them (the engine's recompute, the profiler's), so
+    its backward gives each leaf its gradient; ``(ctx, [])`` for a model without side inputs.
+    ``ctx`` itself unchanged."""
+    leaves = [s.detach().requires_grad_(True) for s in staged.side_inputs(ctx)]
+    return (staged.with_side_inputs(ctx, leaves), leaves) if leaves else (ctx, [])
+
+
 class WrappedStagedModel(StagedModel):
     """A ``StagedModel`` around another one (``inner``, sharing its model): the structure
     (units, embedding and head modules, item counts, preparation) and every forward call are

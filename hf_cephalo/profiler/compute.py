@@ -21,7 +21,7 @@ from hf_cephalo.engine.compile import (CompileFailure, CompileOptions, graph_cou
                                        record_compile, remote_failure)
 from hf_cephalo.engine.flat_param import (ParamLeaves, collect_params, install_param_views,
                                           move_shared_params, param_infos)
-from hf_cephalo.models.base import StagedModel
+from hf_cephalo.models.base import StagedModel, with_side_input_leaves
 from hf_cephalo.profiler.hardware import sync_device
 from hf_cephalo.profiler.inputs import MakeMicrobatch, MeasureConfig, synthetic_microbatch
 from hf_cephalo.profiler.live_memory import LiveTensorBytes
@@ -124,23 +124,13 @@ class _FlatViews:
         self.leaves.release_grad()
 
 
-def _with_side_leaves(staged: StagedModel, ctx: Any) -> Any:
-    """``ctx`` with its side inputs as fresh leaves that require grad, as the engine's unit
-    runs read them (engine/schedule.py ``_unit_ctx``): the backward then allocates their
-    gradients too, as in the engine; ``ctx`` itself when the model has none."""
-    sides = staged.side_inputs(ctx)
-    if not sides:
-        return ctx
-    return staged.with_side_inputs(ctx, [t.detach().requires_grad_(True) for t in sides])
-
-
 def _unit_backward(staged: StagedModel, hidden: torch.Tensor, ctx: Any,
                    grad: torch.Tensor) -> torch.Tensor:
     """Recompute (forward with autograd) + backward of unit 0, as the engine's backward does
-    (side inputs read as leaves that require grad: ``_with_side_leaves``)."""
+    (side inputs read as leaves that require grad: ``with_side_input_leaves``)."""
     x = hidden.detach().requires_grad_(True)
     with torch.enable_grad():
-        y = staged.run_unit(0, x, _with_side_leaves(staged, ctx))
+        y = staged.run_unit(0, x, with_side_input_leaves(staged, ctx)[0])
     torch.autograd.backward(y, grad)
     return y.detach()
 
@@ -202,7 +192,7 @@ def _compute_memory(staged: StagedModel, views: _FlatViews, hidden, mb, ctx, gra
             v.install()
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():  # the kept graph, alive during the head
-            y = staged.run_unit(0, x, _with_side_leaves(staged, ctx))
+            y = staged.run_unit(0, x, with_side_input_leaves(staged, ctx)[0])
         _head_backward(staged, y, mb, ctx)
 
     try:
