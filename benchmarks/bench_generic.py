@@ -116,14 +116,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_steps(args) -> dict[str, float]:
-    model = build(args)
+def _time_ways(model, mbs, step_own, step_direct, args) -> dict[str, float]:
+    """The three ways of one model (``_timed``): its own forward (``step_own``), the direct
+    calls a hand-written adapter makes (``step_direct``), and ``stage_model``'s staging."""
     staged = stage_model(model)
     staged.prepare_for_training()
-    mbs = microbatches(args)
-    return _timed({"model": lambda: step_model(model, mbs),
+    return _timed({"model": lambda: step_own(model, mbs),
                    "direct": lambda: step_direct(model, mbs),
                    "generic": lambda: step_generic(staged, mbs)}, model, args)
+
+
+def time_steps(args) -> dict[str, float]:
+    """Llama: the model's own forward, the retired Llama adapter's direct calls, generic."""
+    return _time_ways(build(args), microbatches(args), step_model, step_direct, args)
 
 
 def build_vit(args) -> transformers.PreTrainedModel:
@@ -190,13 +195,8 @@ def _timed(runs: dict, model, args) -> dict[str, float]:
 
 def time_vit_steps(args) -> dict[str, float]:
     """ViT: the model's own forward, the retired adapter's direct calls, the generic path."""
-    model = build_vit(args)
-    staged = stage_model(model)
-    staged.prepare_for_training()
-    mbs = image_microbatches(args)
-    return _timed({"model": lambda: step_image_model(model, mbs),
-                   "direct": lambda: step_image_direct(model, mbs),
-                   "generic": lambda: step_generic(staged, mbs)}, model, args)
+    return _time_ways(build_vit(args), image_microbatches(args), step_image_model,
+                      step_image_direct, args)
 
 
 def self_check_cost(limit: int | None = None) -> list[tuple[str, float, float]]:

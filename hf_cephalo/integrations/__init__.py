@@ -1,8 +1,9 @@
 """The doors: Hugging Face front ends over the Cephalo runtime (``hf_cephalo.runtime``), a
-folder each: ``trainer/`` (transformers' Trainer and Seq2SeqTrainer), ``loop/`` (an Accelerate loop), ``trl/``
-(TRL's SFT, DPO, Reward, KTO, GRPO and RLOO trainers); ``quiet`` holds the scripts' output switches (progress bars,
-load reports). A door only translates its front end's settings into the runtime's ``Job`` and
-calls the runtime. Every door name is re-exported here and at ``hf_cephalo`` (lazily)."""
+folder each: ``trainer/`` (transformers' Trainer and Seq2SeqTrainer), ``loop/`` (an Accelerate
+loop), ``trl/`` (TRL's SFT, DPO, Reward, KTO, GRPO and RLOO trainers); ``quiet`` holds the
+scripts' output switches (progress bars, load reports). A door only translates its front end's
+settings into the runtime's ``Job`` and calls the runtime. Every door name is re-exported here
+and at ``hf_cephalo`` (lazily)."""
 
 from hf_cephalo.lazy import lazy_exports
 

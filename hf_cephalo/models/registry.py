@@ -239,8 +239,8 @@ def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
     ``decoder_input_ids``: Speech2Text, BlenderBot, T5's and BART's classifiers, ...), None for
     any other model. The ``...ForConditionalGeneration`` of T5, BART, mBART, Pegasus and
     Whisper and ``MarianMTModel`` have adapters (``models/seq2seq.py``,
-    ``models/seq2seq_families.py``, ``models/whisper.py``) and never get here; the generic path stages one layer stack, not
-    an encoder, a decoder and the code between them."""
+    ``models/seq2seq_families.py``, ``models/whisper.py``) and never get here; the generic
+    path stages one layer stack, not an encoder, a decoder and the code between them."""
     import inspect
     if "decoder_input_ids" not in inspect.signature(type(model).forward).parameters:
         return None
@@ -250,8 +250,9 @@ def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
         f"decoder_input_ids) without an adapter; the generic path stages one layer stack, not "
         f"an encoder, a decoder whose cross-attention reads the encoder's output and the code "
         f"between them. Nothing was run. T5, BART, mBART, Marian, Pegasus and Whisper train "
-        f"(models/seq2seq.py, models/seq2seq_families.py, models/whisper.py), as does a decoder-only or encoder-only model of the task "
-        f"({scope_text()}); to train this one, write an adapter like those (see {GUIDE}).", [])
+        f"(models/seq2seq.py, models/seq2seq_families.py, models/whisper.py), as does a "
+        f"decoder-only or encoder-only model of the task ({scope_text()}); to train this "
+        f"one, write an adapter like those (see {GUIDE}).", [])
 
 
 def _generic_any(model: nn.Module, kind: str) -> StagedModel:

@@ -1,4 +1,5 @@
-"""Adapters for BART's kin: mBART, Marian and Pegasus ``...ForConditionalGeneration`` (``MarianMTModel``).
+"""Adapters for BART's kin: mBART's and Pegasus's ``...ForConditionalGeneration`` and
+``MarianMTModel``.
 
 The units and side inputs of models/seq2seq.py ([Note: encoder-decoder units], BART's adapter);
 what differs is each family's own code around the layers, called or re-stated as its forward

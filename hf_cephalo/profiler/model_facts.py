@@ -101,10 +101,10 @@ class ProfiledUnit(WrappedStagedModel):
 
 def refuse_reshaping_units(staged: StagedModel) -> None:
     """ValueError for a model whose units change the hidden state's shape (a hierarchical
-    backbone's stages, an encoder-decoder: ``StagedModel.hidden_shape_changes``): the profiler times one unit of
-    each size on the embedding's output and prices every unit boundary at that output's
-    bytes, neither of which holds for it. Raised on every rank alike, before any collective.
-    The engine trains such a model under a given plan."""
+    backbone's stages, an encoder-decoder: ``StagedModel.hidden_shape_changes``): the
+    profiler times one unit of each size on the embedding's output and prices every unit
+    boundary at that output's bytes, neither of which holds for it. Raised on every rank
+    alike, before any collective. The engine trains such a model under a given plan."""
     if staged.hidden_shape_changes():
         raise ValueError(
             f"{type(staged.model).__name__}'s hidden state changes shape between its units "

@@ -3,17 +3,19 @@ trainers): ``models.stage_model`` less the models the engine trains but a door d
 yet.
 
 [Note: encoder-decoders at the doors]
-T5's, BART's and Whisper's ``...ForConditionalGeneration`` (models/seq2seq.py,
-models/whisper.py) train exactly on the engine. ``CephaloTrainer`` takes them with the model's own loss: its training (losses,
-gradient norms, weights), ``evaluate``'s loss, ``predict``'s logits (at the labelled
-positions: the gathered rows are padded with -100 beyond each rank's widest) and the model
-``save_model`` writes equal stock Trainer's with the whole global batch, on
-``DataCollatorForSeq2Seq`` batches (the global width pads the encoder's and the decoder's axes
-apart: runtime/global_width.py), on 2 ranks with an uneven plan and on 3 with an idle rank
-(tests/test_generic_trainer_parity.py). Not checked, so refused before any collective: a loss
-of the user's on them (label smoothing, ``compute_loss_func``, a ``compute_loss`` override,
-TRL's trainers, which compute their own), and the other doors (the accelerate loop, TRL's
-reference models), whose outputs and item counts are those of one token sequence per row.
+The encoder-decoders with adapters (T5, BART, mBART, Marian, Pegasus, Whisper:
+models/seq2seq.py, seq2seq_families.py, whisper.py) train exactly on the engine.
+``CephaloTrainer`` (and ``CephaloSeq2SeqTrainer``) takes them with the model's own loss; for T5,
+BART and Whisper its training (losses, gradient norms, weights), ``evaluate``'s loss,
+``predict``'s logits (at the labelled positions: the gathered rows are padded with -100 beyond
+each rank's widest) and the model ``save_model`` writes equal stock's with the whole global
+batch, on ``DataCollatorForSeq2Seq`` (Whisper: log-mel) batches (the global width pads the
+encoder's and the decoder's axes apart: runtime/global_width.py), on 2 ranks with an uneven plan
+and on 3 with an idle rank (tests/test_generic_trainer_parity.py). Not checked, so refused
+before any collective: a loss of the user's on them (label smoothing, ``compute_loss_func``, a
+``compute_loss`` override, TRL's trainers, which compute their own), and the other doors (the
+accelerate loop, TRL's reference models), whose outputs and item counts are those of one token
+sequence per row.
 """
 
 from __future__ import annotations
