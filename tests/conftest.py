@@ -7,7 +7,22 @@ file the order is pytest's, and a run of one file is unchanged. The order is eac
 (setup + call + teardown, ``--durations=0``) run in one process on the 2-core development
 machine under load, cold inductor cache; where such a run was not made, the file's phases in
 the slowest 30 of a full run of the README's test command place it (the files not listed each
-took less than ~20 s)."""
+took less than ~20 s).
+
+[Note: one compute thread per test process]
+Every process the suite starts computes on one thread: ``OMP_NUM_THREADS=1`` is set here (unless
+the caller set it), before any test module imports torch, so the pytest workers, the forkserver
+that starts the ranks of tests/dist_utils.py (whose ranks also call ``torch.set_num_threads(1)``)
+and every launched job inherit it. The suite runs two pytest workers, each often beside 2-3 rank
+processes, on 2 cores: with torch's default (one OpenMP thread per core) the idle threads of one
+process spin waiting for work while another process needs the core, and the tiny models' ops
+gain nothing from a second thread. Measured: tests/test_models_heads.py's two largest tests took
+98 s and 61 s with the default, 36 s and 31 s with one thread, beside the same load.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 SLOW_FIRST = ("test_examples.py", "test_models_coverage.py", "test_compile.py",
               "test_trainer_launch.py", "test_benchmarks_smoke.py", "test_elastic_launch.py",
