@@ -22,8 +22,9 @@ from hf_cephalo.models.seq2seq import BartStagedModel, T5StagedModel
 from hf_cephalo.models.seq2seq_families import (MarianStagedModel, MBartStagedModel,
                                                 PegasusStagedModel)
 from hf_cephalo.models.seq2seq_heads import SEQ2SEQ_HEAD_ADAPTERS
-from hf_cephalo.models.seq2seq_t5_kin import (T5_KIN_REFUSALS, MT5StagedModel,
-                                              T5TokenClassifierStagedModel, UMT5StagedModel)
+from hf_cephalo.models.seq2seq_t5_kin import (T5_KIN_REFUSALS, LongT5StagedModel,
+                                              MT5StagedModel, T5TokenClassifierStagedModel,
+                                              UMT5StagedModel)
 from hf_cephalo.models.whisper import WhisperStagedModel
 
 _ADAPTERS: dict[str, type[StagedModel]] = {}
@@ -253,8 +254,8 @@ def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
     if reason is not None:
         return UnsupportedModelError(
             f"hf_cephalo cannot train {name}: it is an encoder-decoder model of T5's kin "
-            f"whose staging is not exact yet: {reason}. Nothing was run. T5, mT5 and UMT5 "
-            f"train (models/seq2seq.py, models/seq2seq_t5_kin.py).", [])
+            f"whose staging is not exact yet: {reason}. Nothing was run. T5, mT5, UMT5 and "
+            f"LongT5 train (models/seq2seq.py, models/seq2seq_t5_kin.py).", [])
     return UnsupportedModelError(
         f"hf_cephalo cannot train {name}: it is an encoder-decoder model (its forward takes "
         f"decoder_input_ids) without an adapter; the generic path stages one layer stack, not "
@@ -416,6 +417,6 @@ def _stage(model: nn.Module) -> StagedModel:
 for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel,
                  T5StagedModel, BartStagedModel, WhisperStagedModel, MBartStagedModel,
                  MarianStagedModel, PegasusStagedModel, MT5StagedModel, UMT5StagedModel,
-                 T5TokenClassifierStagedModel, *SEQ2SEQ_HEAD_ADAPTERS):
+                 LongT5StagedModel, T5TokenClassifierStagedModel, *SEQ2SEQ_HEAD_ADAPTERS):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)

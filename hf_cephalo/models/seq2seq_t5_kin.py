@@ -17,10 +17,16 @@ what differs is each family's own code around the layers:
   would get no bias. Here unit 0 makes the bias as in the seq2seq adapter. (UMT5's token
   classifier has per-layer biases and trains exactly on the generic path.)
 
-Refused, with the reason, by ``registry._encoder_decoder``: LongT5 (its encoder's local or
-transient-global attention folds the padding mask into the position bias layer 0 hands on)
-and Switch Transformers (MoE layers whose router z-loss and auxiliary loss the model adds over
-the whole batch; see ``T5_KIN_REFUSALS``).
+* LongT5: T5's decoder; its encoder's layers attend locally (``"local"``: blocks of
+  ``local_radius + 1`` tokens and their neighbours) or also to per-block aggregates
+  (``"transient-global"``). Its encoder's mask is the stack's own (the local block mask, or
+  the 2-D padding mask, ones without one), and the position bias layer 0 hands on has the
+  padding folded in (and, transient-global, the side bias to the global blocks), which unit 0
+  makes as the layer's attention does (``longt5_encoder_bias``).
+
+Refused, with the reason, by ``registry._encoder_decoder``: Switch Transformers (MoE layers
+whose router z-loss and auxiliary loss the model adds over the whole batch; see
+``T5_KIN_REFUSALS``).
 """
 
 from __future__ import annotations
@@ -69,6 +75,66 @@ class UMT5StagedModel(T5StagedModel):
     def decoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
         return self.stacks()[1].block[i](hidden, ctx.dec_mask, self.made(ctx, "enc_out"),
                                          encoder_attention_mask=ctx.cross_mask, cache=None)
+
+
+class LongT5StagedModel(T5StagedModel):
+    """``LongT5ForConditionalGeneration``: T5's units, embedding, decoder and head; the encoder's
+    own mask and the position bias its layer 0 computes (see the module note)."""
+
+    model_classes = ("LongT5ForConditionalGeneration",)
+
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Seq2SeqContext]:
+        """As T5's, with the encoder's mask as LongT5's stack builds it: the 2-D padding mask
+        (ones without one) for transient-global attention, its local block mask for local."""
+        from transformers.models.longt5.modeling_longt5 import _get_local_attention_mask
+
+        hidden, ctx = super().embed(microbatch)
+        mask = microbatch.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(hidden.shape[:2], device=hidden.device)
+        enc = self.stacks()[0]
+        if enc.config.encoder_attention_type == "local":
+            mask = _get_local_attention_mask(mask, enc.block_len, hidden.device)
+        return hidden, ctx._replace(enc_mask=mask)
+
+    def decoder_self_mask_input(self, mask: torch.Tensor | None,
+                                embeds: torch.Tensor) -> torch.Tensor | None:
+        if mask is None:  # as LongT5Stack.forward: all ones
+            return torch.ones(embeds.shape[:2], device=embeds.device)
+        return mask
+
+    def make(self, index: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> list:
+        """Unit 0: the encoder's position bias (``longt5_encoder_bias``); unit Le: T5's."""
+        if index == 0:
+            return [longt5_encoder_bias(self.stacks()[0].block[0].layer[0], ctx.enc_mask,
+                                        hidden)]
+        return super().make(index, hidden, ctx)
+
+
+def longt5_encoder_bias(attention_layer: nn.Module, mask: torch.Tensor,
+                        hidden: torch.Tensor) -> torch.Tensor:
+    """The position bias LongT5's encoder layer 0 (``attention_layer``: its self-attention
+    wrapper) computes and hands on, as its attention's forward does: the relative bias of a
+    block (1, 1, heads, L, 3L) plus the local mask's -1e10 at padding, (m, blocks, heads, L, 3L);
+    transient-global: concatenated with the side bias to the global blocks, (m, blocks, heads,
+    L, 3L + G). ``mask``: the layer's mask (the local block mask; transient-global: the 2-D
+    padding mask (m, S)); ``hidden`` (m, S, H) gives the scores' dtype."""
+    from transformers.models.longt5 import modeling_longt5 as lt
+
+    local = getattr(attention_layer, "LocalSelfAttention", None)
+    if local is not None:
+        bias = local.compute_bias(local.block_len)
+        return bias + torch.where(mask > 0, 0.0, -1e10).transpose(1, 2)
+    attn = attention_layer.TransientGlobalSelfAttention
+    dtype = torch.get_autocast_dtype(hidden.device.type) \
+        if torch.is_autocast_enabled(hidden.device.type) else attn.q.weight.dtype
+    _, segments = lt._make_global_fixed_block_ids(mask, attn.global_block_size)
+    local_mask = lt._get_local_attention_mask(mask, attn.block_len, hidden.device)
+    bias = attn.compute_bias(attn.block_len) + \
+        torch.where(local_mask > 0, 0.0, -1e10).transpose(1, 2)
+    side = attn.compute_side_bias(mask, segments)
+    side = lt._split_into_blocks(side, attn.block_len, dim=-2).transpose(1, 2)
+    return torch.cat([bias.type(dtype), side.type(dtype).to(bias.device)], dim=-1)
 
 
 class EncoderContext(NamedTuple):
@@ -158,10 +224,6 @@ class T5TokenClassifierStagedModel(HFStagedModel):
 
 
 T5_KIN_REFUSALS = {
-    "LongT5ForConditionalGeneration": (
-        "its encoder's local or transient-global attention adds the padding mask (and, "
-        "transient-global, a side bias from the global blocks) into the position bias that "
-        "layer 0 computes and hands to every later layer, which no adapter re-states yet"),
     "SwitchTransformersForConditionalGeneration": (
         "its sparse (MoE) layers return router logits from which the model adds a router "
         "z-loss and a load-balancing loss over the whole batch of both stacks, a loss term "
