@@ -27,12 +27,21 @@ def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
     registry keeps the hand-written adapters of GPT-2 and GPT-NeoX, and those of the
     encoder-decoders T5, BART, mBART, Marian, Pegasus and Whisper (models/seq2seq.py,
     models/seq2seq_families.py, models/whisper.py: two stacks, which the generic path does not
-    stage)."""
+    stage), of T5's kin and the encoder-decoders' task heads (models/seq2seq_t5_kin.py,
+    models/seq2seq_heads.py; T5's token classifier: its layer 0 hands the later layers their
+    position bias, which the generic path does not see)."""
     assert set(supported_model_classes()) == {
         "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPTNeoXForCausalLM",
         "T5ForConditionalGeneration", "BartForConditionalGeneration",
         "WhisperForConditionalGeneration", "MBartForConditionalGeneration", "MarianMTModel",
-        "PegasusForConditionalGeneration"}
+        "PegasusForConditionalGeneration"} | T5_KIN_AND_HEADS
+
+
+T5_KIN_AND_HEADS = {
+    "MT5ForConditionalGeneration", "UMT5ForConditionalGeneration",
+    "LongT5ForConditionalGeneration", "T5ForTokenClassification", "MT5ForTokenClassification",
+    *(f"{family}For{task}" for family in ("T5", "MT5", "UMT5", "Bart", "MBart")
+      for task in ("QuestionAnswering", "SequenceClassification"))}
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
