@@ -107,10 +107,11 @@ TEXT_ONLY = (" An `exact` class here is an audio- or vision-language model whose
              "(a batch with `input_features`, `pixel_values` or other non-text inputs is "
              "refused, docs/adding_a_model.md \"Vision-language models on text\"); the "
              "encoder-decoders (a forward taking `decoder_input_ids`) are refused")
-SEQ2SEQ_NOTE = (TEXT_ONLY + ", except T5's, BART's, mBART's and Pegasus's "
-                "`...ForConditionalGeneration` and `MarianMTModel`, which train as seq2seq "
-                "models (their own loss on `labels`, the decoder's input their own shift of them: "
-                "models/seq2seq.py, models/seq2seq_families.py).")
+SEQ2SEQ_NOTE = (TEXT_ONLY + ", except T5's, mT5's, UMT5's, LongT5's, BART's, mBART's and "
+                "Pegasus's `...ForConditionalGeneration` and `MarianMTModel`, which train as "
+                "seq2seq models (their own loss on `labels`, the decoder's input their own shift "
+                "of them: models/seq2seq.py, models/seq2seq_families.py, "
+                "models/seq2seq_t5_kin.py).")
 SPEECH_NOTE = (TEXT_ONLY + ", except Whisper's `WhisperForConditionalGeneration`, which trains "
                "as a speech-to-text model (random log-mel `input_features` and token `labels`, "
                "its own loss and label shift: models/whisper.py).")
