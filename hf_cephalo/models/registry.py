@@ -240,11 +240,14 @@ def _generic(model: nn.Module) -> StagedModel:
 
 def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
     """The refusal of an encoder-decoder model without an adapter (its forward takes
-    ``decoder_input_ids``: Speech2Text, BlenderBot, T5's and BART's classifiers, ...), None for
-    any other model. The ``...ForConditionalGeneration`` of T5, BART, mBART, Pegasus and
-    Whisper and ``MarianMTModel`` have adapters (``models/seq2seq.py``,
-    ``models/seq2seq_families.py``, ``models/whisper.py``) and never get here; the generic
-    path stages one layer stack, not an encoder, a decoder and the code between them."""
+    ``decoder_input_ids``: Speech2Text, BlenderBot, Switch Transformers with the reason
+    ``T5_KIN_REFUSALS`` gives, ...), None for any other model. The
+    ``...ForConditionalGeneration`` of T5, mT5, UMT5, LongT5, BART, mBART, Pegasus and Whisper,
+    ``MarianMTModel`` and the QA / classification heads of T5, mT5, UMT5, BART and mBART have
+    adapters (``models/seq2seq.py``, ``models/seq2seq_families.py``,
+    ``models/seq2seq_t5_kin.py``, ``models/seq2seq_heads.py``, ``models/whisper.py``) and never
+    get here; the generic path stages one layer stack, not an encoder, a decoder and the code
+    between them."""
     import inspect
     if "decoder_input_ids" not in inspect.signature(type(model).forward).parameters:
         return None
