@@ -1,7 +1,7 @@
 """Which transformers classes train on hf_cephalo, checked one by one (issue 36).
 
 For every causal LM in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (and with
-``--seq-cls`` every ``...ForSequenceClassification`` of a decoder in
+``--seq-cls`` every ``...ForSequenceClassification`` of a decoder or an encoder-decoder in
 ``MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES``), from the class's default config:
 
 1. a tiny random model (sizes shrunk by ``models/shrink.tiny_config``; a field the default
@@ -107,10 +107,11 @@ TEXT_ONLY = (" An `exact` class here is an audio- or vision-language model whose
              "(a batch with `input_features`, `pixel_values` or other non-text inputs is "
              "refused, docs/adding_a_model.md \"Vision-language models on text\"); the "
              "encoder-decoders (a forward taking `decoder_input_ids`) are refused")
-SEQ2SEQ_NOTE = (TEXT_ONLY + ", except T5's, BART's, mBART's and Pegasus's "
-                "`...ForConditionalGeneration` and `MarianMTModel`, which train as seq2seq "
-                "models (their own loss on `labels`, the decoder's input their own shift of them: "
-                "models/seq2seq.py, models/seq2seq_families.py).")
+SEQ2SEQ_NOTE = (TEXT_ONLY + ", except T5's, mT5's, UMT5's, LongT5's, BART's, mBART's and "
+                "Pegasus's `...ForConditionalGeneration` and `MarianMTModel`, which train as "
+                "seq2seq models (their own loss on `labels`, the decoder's input their own shift "
+                "of them: models/seq2seq.py, models/seq2seq_families.py, "
+                "models/seq2seq_t5_kin.py).")
 SPEECH_NOTE = (TEXT_ONLY + ", except Whisper's `WhisperForConditionalGeneration`, which trains "
                "as a speech-to-text model (random log-mel `input_features` and token `labels`, "
                "its own loss and label shift: models/whisper.py).")
@@ -181,6 +182,8 @@ def _batch(config, task: str, seed: int = 0, cls: type | None = None) -> dict[st
     mask = (pos >= seq - lengths[:, None]).long() if classifier else \
         (pos < lengths[:, None]).long()
     ids = ids.masked_fill(mask == 0, pad)
+    if classifier and getattr(config, "is_encoder_decoder", False):
+        ids = _end_with_eos(ids, text)
     batch = {"input_ids": ids, "attention_mask": mask}
     if classifier:
         batch["labels"] = torch.tensor([0, 1, 1, 0, 1]) % max(int(config.num_labels), 1)
@@ -191,6 +194,19 @@ def _batch(config, task: str, seed: int = 0, cls: type | None = None) -> dict[st
         labels[:, 2] = -100
         batch["labels"] = labels
     return batch
+
+
+def _end_with_eos(ids: torch.Tensor, config) -> torch.Tensor:
+    """``ids`` (left-padded: the last column is real in every row) ending each row with the
+    config's eos token and holding it nowhere else: an encoder-decoder classifier (BART's,
+    T5's) pools each row at its last eos and refuses a row without one, as a tokenizer's
+    output never is."""
+    eos = getattr(config, "eos_token_id", None)
+    if not isinstance(eos, int):
+        return ids
+    ids = ids.masked_fill(ids == eos, eos + 1 if eos + 1 < config.vocab_size else eos - 1)
+    ids[:, -1] = eos
+    return ids
 
 
 def _staged_loss_and_grads(model, staged, batch, sizes=(2, 3)):
@@ -387,13 +403,15 @@ def _short(exc: BaseException) -> str:
 
 def classes(seq_cls: bool, mapping: str = CAUSAL) -> list[tuple[str, str]]:
     """(model type, class name) of one mapping (``TASK_MAPPINGS``; the causal LMs, with
-    ``seq_cls`` also every decoder's sequence classifier), sorted by model type."""
+    ``seq_cls`` also every decoder's and encoder-decoder's sequence classifier), sorted by
+    model type."""
     if mapping != CAUSAL:
         pairs = sorted(getattr(modeling_auto, TASK_MAPPINGS[mapping]).items())
     else:
         pairs = sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
-    if seq_cls and mapping == CAUSAL:
-        decoders = set(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if seq_cls and mapping == CAUSAL:  # the decoders' and the encoder-decoders' classifiers
+        decoders = set(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | \
+            set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
         pairs += sorted((t, n) for t, n in
                         modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.items()
                         if t in decoders)
@@ -444,8 +462,9 @@ def render(rows: list[Row], kept: str | None = None) -> str:
         f"with transformers {transformers.__version__} and torch "
         f"{torch.__version__.split('+')[0]}; do not edit by hand.",
         "",
-        "Each class of transformers' causal-LM mapping (and each decoder's sequence "
-        "classifier) as a tiny random model from its default config (where it leaves a "
+        "Each class of transformers' causal-LM mapping (and each decoder's and "
+        "encoder-decoder's sequence classifier, its rows ending with the eos token an "
+        "encoder-decoder's classifier pools at) as a tiny random model from its default config (where it leaves a "
         "field the forward needs unset, the value a checkpoint or the user sets: the experts "
         "per token, X-MOD's default language), with embedding / "
         "residual / attention multipliers, logit scaling and softcapping and the MoE router "
@@ -488,7 +507,8 @@ def _task_sections(rows: list[Row]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-cls", action="store_true",
-                        help="also every decoder's ...ForSequenceClassification")
+                        help="also every decoder's and encoder-decoder's "
+                             "...ForSequenceClassification")
     parser.add_argument("--tasks", nargs="*", default=[],
                         help=f"also these mappings ({', '.join(TASK_MAPPINGS)}, or all)")
     parser.add_argument("--no-causal", action="store_true",

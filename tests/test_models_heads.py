@@ -28,8 +28,11 @@ EXACT = {
                              "ConvNextForImageClassification"],
     "token-classification": ["BertForTokenClassification", "DebertaV2ForTokenClassification"],
     "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM"],
-    "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering"],
+    "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering",
+                           "T5ForQuestionAnswering"],  # on the decoder (models/seq2seq_heads.py)
+    "seq2seq-lm": ["LongT5ForConditionalGeneration"],  # local attention (seq2seq_t5_kin.py)
 }
+EXACT["token-classification"].append("T5ForTokenClassification")  # layer 0's bias, handed on
 REFUSED = {  # class -> what its refusal says
     "PoolFormerForImageClassification": "layer stacks",  # stages are bare lists: no stage
     "PvtV2ForImageClassification": "returns tuple",
@@ -38,7 +41,7 @@ REFUSED = {  # class -> what its refusal says
     "DeiTForImageClassificationWithTeacher": "this head is none of those",
     "BlenderbotForConditionalGeneration": "encoder-decoder model",  # mBART: an adapter
     "Speech2TextForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
-    "BartForQuestionAnswering": "encoder-decoder model",
+    "SwitchTransformersForConditionalGeneration": "router z-loss",  # whole-batch MoE losses
 }
 
 
@@ -62,6 +65,21 @@ def test_subset_of_each_mapping_is_exact_and_docs_agree():
                 assert re.search(rf"\| `{name}` \| exact \|", docs), name
     for summary in re.findall(r"of those \d+ are exact .*", docs)[1:]:  # the task sections
         assert summary.endswith("0 wrong, 0 crash."), summary
+
+
+def test_encoder_decoder_classifier_pools_at_eos():
+    """BART's sequence classifier (models/seq2seq_heads.py) is exact on rows that end with the
+    eos token it pools at; a microbatch with a row without one is refused with stock's words
+    when counting items, before a step's first collective."""
+    row = check("bart", "BartForSequenceClassification")
+    assert row.status == "exact", (row.status, row.detail)
+    config = transformers.T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                   num_heads=2, decoder_start_token_id=0, num_labels=3)
+    staged = stage_model(transformers.T5ForSequenceClassification(config))
+    ids = torch.tensor([[5, 6, 1], [7, 1, 8]])  # eos_token_id 1
+    assert staged.count_items({"input_ids": ids, "labels": torch.tensor([0, 2])}) == 2
+    with pytest.raises(ValueError, match="Each example must contain at least one <eos>"):
+        staged.count_items({"input_ids": ids[:, :1], "labels": torch.tensor([0, 2])})
 
 
 def test_refusals_name_the_class_and_the_reason():

@@ -27,12 +27,21 @@ def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
     registry keeps the hand-written adapters of GPT-2 and GPT-NeoX, and those of the
     encoder-decoders T5, BART, mBART, Marian, Pegasus and Whisper (models/seq2seq.py,
     models/seq2seq_families.py, models/whisper.py: two stacks, which the generic path does not
-    stage)."""
+    stage), of T5's kin and the encoder-decoders' task heads (models/seq2seq_t5_kin.py,
+    models/seq2seq_heads.py; T5's token classifier: its layer 0 hands the later layers their
+    position bias, which the generic path does not see)."""
     assert set(supported_model_classes()) == {
         "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPTNeoXForCausalLM",
         "T5ForConditionalGeneration", "BartForConditionalGeneration",
         "WhisperForConditionalGeneration", "MBartForConditionalGeneration", "MarianMTModel",
-        "PegasusForConditionalGeneration"}
+        "PegasusForConditionalGeneration"} | T5_KIN_AND_HEADS
+
+
+T5_KIN_AND_HEADS = {
+    "MT5ForConditionalGeneration", "UMT5ForConditionalGeneration",
+    "LongT5ForConditionalGeneration", "T5ForTokenClassification", "MT5ForTokenClassification",
+    *(f"{family}For{task}" for family in ("T5", "MT5", "UMT5", "Bart", "MBart")
+      for task in ("QuestionAnswering", "SequenceClassification"))}
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
@@ -356,8 +365,8 @@ def test_heads_whose_base_model_is_themselves_are_not_called_base_models():
     missing: Llama4ForCausalLM (prefix 'language_model', body at .model) was refused as "a
     base model without a head" and told to load itself; T5ForConditionalGeneration was told to
     load a classifier (another head); it now has an adapter (models/seq2seq.py), which the
-    doors refuse for now, and T5's question-answering head (an encoder-decoder without one) is
-    refused as one. A compiled model is told to pass the model itself."""
+    doors refuse for now, as has its question-answering head (models/seq2seq_heads.py), and an
+    encoder-decoder without one (Switch Transformers) is refused as one, with its reason. A compiled model is told to pass the model itself."""
     from hf_cephalo.models.registry import UnsupportedModelError
 
     cfg = transformers.Llama4TextConfig(
@@ -378,9 +387,15 @@ def test_heads_whose_base_model_is_themselves_are_not_called_base_models():
     with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder-decoder: "
                                          "hf_cephalo's engine trains it exactly"):
         door_stage_model(t5)
+    assert type(stage_model(transformers.T5ForQuestionAnswering(t5_cfg))).__name__ == \
+        "T5QuestionAnsweringStagedModel"  # an adapter since (models/seq2seq_heads.py)
     with pytest.raises(UnsupportedModelError, match="it is an encoder-decoder model") as info:
-        stage_model(transformers.T5ForQuestionAnswering(t5_cfg))
-    assert "T5ForSequenceClassification" not in str(info.value)
+        stage_model(transformers.SwitchTransformersForConditionalGeneration(
+            transformers.SwitchTransformersConfig(
+                vocab_size=96, d_model=32, d_kv=8, d_ff=48, expert_capacity=4, num_layers=2,
+                num_sparse_encoder_layers=1, num_decoder_layers=2,
+                num_sparse_decoder_layers=1, num_heads=4, num_experts=2)))
+    assert "router z-loss" in str(info.value)
     with pytest.raises(UnsupportedModelError, match="torch.compile'd model .*pass the model"):
         stage_model(torch.compile(build("llama")))
 

@@ -131,6 +131,12 @@ def test_profiles_every_supported_architecture():
         model = cls(transformers.BertConfig(num_labels=labels, **text))
         cluster = profile_cluster(stage_model(model), config, cache=False)
         assert cluster.devices[0].microbatch_sizes == [1, 2], cls.__name__
+    # a unit that makes a side input of the same width (T5's token classifier: its layer 0's
+    # position bias, which every layer reads): made from the embedding's output before timing
+    t5 = transformers.T5ForTokenClassification(transformers.T5Config(
+        vocab_size=90, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2, num_labels=3))
+    cluster = profile_cluster(stage_model(t5), config, cache=False)
+    assert cluster.devices[0].microbatch_sizes == [1, 2]
 
 
 def test_cache_hit_skips_measurement(tmp_path, monkeypatch):

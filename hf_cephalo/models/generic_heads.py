@@ -136,14 +136,7 @@ class GenericQuestionAnswering(GenericDecoderBody, HFStagedModel):
 
     def loss_from_logits(self, logits: torch.Tensor, microbatch: Microbatch) -> HeadOutput:
         positions = [require_key(microbatch, k, type(self).__name__) for k in QA_LABELS]
-        self._check_positions(positions, logits.shape[1])
-        total = 0.0
-        for j, target in enumerate(positions):
-            scores = logits[..., j].float() if logits.dtype not in (
-                torch.float32, torch.float64) else logits[..., j]
-            total = total + F.cross_entropy(scores, target.reshape(-1).to(logits.device),
-                                            reduction="sum")
-        return HeadOutput(total / 2, int(positions[0].reshape(-1).shape[0]))
+        return answer_loss_sum(logits, positions, type(self.model).__name__)
 
     def count_items(self, microbatch: Microbatch) -> int:
         """Rows (each scored once for its start and once for its end); 0 without positions."""
@@ -153,19 +146,39 @@ class GenericQuestionAnswering(GenericDecoderBody, HFStagedModel):
             return 0
         main = microbatch.get(getattr(self.model, "main_input_name", "input_ids"))
         if torch.is_tensor(main) and main.dim() > 1:
-            self._check_positions(positions, main.shape[1])
+            check_answer_positions(positions, main.shape[1], type(self.model).__name__)
         return int(positions[0].reshape(-1).shape[0])
 
-    def _check_positions(self, positions: list[torch.Tensor], seq_len: int) -> None:
-        bad = [int(v) for p in positions for v in p.reshape(-1) if not 0 <= int(v) < seq_len]
-        if bad:
-            raise ValueError(
-                f"{type(self.model).__name__}: answer positions {sorted(set(bad))[:5]} lie "
-                f"outside the microbatch's {seq_len} tokens; stock ignores such a position and "
-                "divides the start and end losses by separate counts that depend on how the "
-                "batch is padded, which hf_cephalo cannot reproduce exactly on another cut of "
-                "the batch. Point unanswerable questions at the [CLS] token (position 0), as "
-                "transformers' question-answering preprocessing does.")
+
+def answer_loss_sum(logits: torch.Tensor, positions: list[torch.Tensor],
+                    model_name: str) -> HeadOutput:
+    """Question answering's loss as a sum over rows: logits (m, S, 2) (start and end stacked),
+    positions [start (m,) or (m, 1), end (m,) or (m, 1)] -> ``(CE_sum(start) + CE_sum(end)) /
+    2``, items = m; stock's ``(CE(start) + CE(end)) / 2`` (means over rows, half logits
+    upcast) times m. ValueError for a position outside [0, S) (``check_answer_positions``)."""
+    check_answer_positions(positions, logits.shape[1], model_name)
+    total = 0.0
+    for j, target in enumerate(positions):
+        scores = logits[..., j].float() if logits.dtype not in (
+            torch.float32, torch.float64) else logits[..., j]
+        total = total + F.cross_entropy(scores, target.reshape(-1).to(logits.device),
+                                        reduction="sum")
+    return HeadOutput(total / 2, int(positions[0].reshape(-1).shape[0]))
+
+
+def check_answer_positions(positions: list[torch.Tensor], seq_len: int, model_name: str) -> None:
+    """ValueError when an answer position lies outside [0, ``seq_len``) (the positions the
+    logits score): stock ignores it and divides the start and end terms by separate counts,
+    which a sum over rows cannot reproduce on another cut of the batch."""
+    bad = [int(v) for p in positions for v in p.reshape(-1) if not 0 <= int(v) < seq_len]
+    if bad:
+        raise ValueError(
+            f"{model_name}: answer positions {sorted(set(bad))[:5]} lie "
+            f"outside the microbatch's {seq_len} tokens; stock ignores such a position and "
+            "divides the start and end losses by separate counts that depend on how the "
+            "batch is padded, which hf_cephalo cannot reproduce exactly on another cut of "
+            "the batch. Point unanswerable questions at the [CLS] token (position 0), as "
+            "transformers' question-answering preprocessing does.")
 
 
 def staged_class(model: nn.Module) -> type:

@@ -237,42 +237,47 @@ class T5StagedModel(Seq2SeqStagedModel):
     model_classes = ("T5ForConditionalGeneration",)
     made_names = ("enc_bias", "enc_out", "dec_bias")
 
+    def body(self, model: nn.Module) -> nn.Module:
+        """The module of ``model`` holding ``shared``, ``encoder`` and ``decoder``: the model
+        itself here (a head whose backbone is a submodule, ``transformer``, overrides it)."""
+        return model
+
     def layer_lists(self, model: nn.Module) -> tuple[nn.ModuleList, nn.ModuleList]:
-        return model.encoder.block, model.decoder.block
+        return self.body(model).encoder.block, self.body(model).decoder.block
 
     def junction_modules(self, model: nn.Module) -> list[nn.Module]:
-        return [model.encoder.final_layer_norm]
+        return [self.body(model).encoder.final_layer_norm]
 
     def stacks(self) -> tuple[nn.Module, nn.Module]:
-        return self.model.encoder, self.model.decoder
+        return self.body(self.model).encoder, self.body(self.model).decoder
 
     def making_units(self) -> tuple[int, ...]:
         return (0, self.num_encoder_units)
 
     def embed_modules(self) -> list[nn.Module]:
-        m = self.model
+        m = self.body(self.model)
         return [m.shared, m.encoder.embed_tokens, m.decoder.embed_tokens]
 
     def head_modules(self) -> list[nn.Module]:
-        return [self.model.decoder.final_layer_norm, self.model.lm_head]
+        return [self.stacks()[1].final_layer_norm, self.model.lm_head]
 
     def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return self.model._shift_right(labels)
 
     def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        enc = self.model.encoder
+        enc = self.stacks()[0]
         embeds = enc.embed_tokens(input_ids)
         return embeds, enc.dropout(embeds)
 
     def decoder_input(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dec = self.model.decoder
+        dec = self.stacks()[1]
         embeds = dec.embed_tokens(ids)
         return embeds, dec.dropout(embeds)
 
     def make(self, index: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> list:
         """Unit 0: the encoder's position bias (1, heads, S, S); unit Le: the encoder's output
         (final norm, dropout) and the decoder's position bias (1, heads, T, T)."""
-        enc, dec = self.model.encoder, self.model.decoder
+        enc, dec = self.stacks()
         if index == 0:
             s = hidden.shape[1]
             return [enc.block[0].layer[0].SelfAttention.compute_bias(s, s, device=hidden.device)]
@@ -281,17 +286,17 @@ class T5StagedModel(Seq2SeqStagedModel):
         return [enc.dropout(enc.final_layer_norm(hidden)), bias]
 
     def encoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
-        return self.model.encoder.block[i](hidden, ctx.enc_mask,
+        return self.stacks()[0].block[i](hidden, ctx.enc_mask,
                                            self.made(ctx, "enc_bias"))[0]
 
     def decoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
         # the cross-attention's bias: None lets each layer make its zeros, as layer 0 does
-        return self.model.decoder.block[i](
+        return self.stacks()[1].block[i](
             hidden, ctx.dec_mask, self.made(ctx, "dec_bias"), self.made(ctx, "enc_out"),
             ctx.cross_mask, None, cache=None)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        dec = self.model.decoder
+        dec = self.stacks()[1]
         out = dec.dropout(dec.final_layer_norm(hidden))
         if self.model.config.scale_decoder_outputs:
             out = out * (self.model.model_dim ** -0.5)

@@ -554,7 +554,9 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
     views_of = [staged if len(groups) == 1 else ProfiledUnit(staged, index)
                 for index, _ in groups]
     model = staged.model
-    for module in [*staged.root_modules(), *(staged.units()[i] for i, _ in groups)]:
+    making = [i for i in range(staged.num_units) if staged.produces_side_inputs(i)]
+    for module in [*staged.root_modules(),
+                   *(staged.units()[i] for i in {*(i for i, _ in groups), *making})]:
         module.to(device)  # only what is run: never the whole model on the device
     was_training = model.training
     model.train()
@@ -568,6 +570,9 @@ def measure_device(staged: StagedModel, config: MeasureConfig, *, device: torch.
             mb = {k: v.to(device) for k, v in make(m).items()}
             with torch.no_grad():
                 hidden, ctx = staged.embed(mb)
+                for index in making:  # what the units read besides the hidden states (T5's
+                    # position bias, made by its layer 0), made from the embedding's output
+                    ctx = staged.produce_side_inputs(index, hidden, ctx)
             if config.gather_dtype is not None:  # a low-precision embedding's output
                 hidden = hidden.to(config.gather_dtype)
             inputs[m] = (mb, hidden, ctx, torch.randn_like(hidden))

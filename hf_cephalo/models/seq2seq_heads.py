@@ -1,0 +1,256 @@
+"""Task heads on the encoder-decoder adapters: question answering and sequence classification of
+T5, mT5, UMT5, BART and mBART.
+
+[Note: encoder-decoder task heads]
+The units, embedding and side inputs are the family's seq2seq adapter's (models/seq2seq.py
+[Note: encoder-decoder units], seq2seq_families.py, seq2seq_t5_kin.py); what changes is H and
+where the decoder's input comes from. Without ``decoder_input_ids`` these models' forwards feed
+the decoder their own shift of ``input_ids`` (T5's ``_shift_right``, BART's and mBART's
+``shift_tokens_right``: the same shift their generation heads apply to ``labels``), so
+``labels`` here are the task's, never the decoder's input. H is the decoder stack's output (its
+final norm where the family has one: T5's norm and dropout, mBART's ``layer_norm``; BART has
+none) and then:
+
+- question answering: ``qa_outputs`` on every decoder position, (m, T, 2) start and end logits
+  stacked; the loss is stock's ``(CE(start) + CE(end)) / 2`` as a sum over rows, items = rows
+  (``generic_heads.answer_loss_sum``). A position outside the decoder's T positions is refused
+  before the step's first collective, as on the generic path (stock ignores it with separate
+  counts for the two terms).
+- sequence classification: the decoder output at each row's last ``<eos>`` of ``input_ids``,
+  through ``classification_head``; the loss by HF's ``problem_type`` rule as a sum
+  (``ClassifierStagedModel``): items = rows (single-label), label elements (regression,
+  multi-label). Stock refuses a batch whose rows have different numbers of ``<eos>`` tokens, or
+  a row with none; the head refuses such a microbatch in ``count_items`` (before any
+  collective), per microbatch as stock per forward call.
+
+Every stock loss here is a mean over the batch's rows (or label elements), so the engine's
+division of the summed microbatch losses by the global item count gives it exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_cephalo.models.base import HeadOutput, Microbatch
+from hf_cephalo.models.generic_heads import QA_LABELS, answer_loss_sum, check_answer_positions
+from hf_cephalo.models.hf_common import ClassifierStagedModel, require_key
+from hf_cephalo.models.seq2seq import BartStagedModel, T5StagedModel
+from hf_cephalo.models.seq2seq_families import MBartStagedModel
+from hf_cephalo.models.seq2seq_t5_kin import UMT5StagedModel
+
+
+class Seq2SeqTaskHead:
+    """The part every task head shares (mixed in before a family's seq2seq adapter): the
+    decoder's input is ``decoder_input_ids`` (m, T) where given, else the family's shift of
+    ``input_ids`` (m, S), T = S. The family's decoder output comes from a mixin listed after
+    the task head (``T5DecoderOutput``, ...): ``decoder_norms()``, the modules it uses (head
+    modules), and ``decoder_output(hidden)``, the last decoder layer's output (m, T, H) -> the
+    decoder stack's output (m, T, H)."""
+
+    def decoder_ids(self, microbatch: Microbatch) -> torch.Tensor:
+        """``decoder_input_ids`` as the model's forward takes them (ValueError without them
+        and ``input_ids``)."""
+        ids = microbatch.get("decoder_input_ids")
+        if ids is not None:
+            return ids
+        return self.shift_labels(require_key(microbatch, "input_ids", type(self).__name__))
+
+    def decoder_length(self, microbatch: Microbatch) -> int | None:
+        """T, the decoder's positions for this microbatch (None without input ids)."""
+        ids = microbatch.get("decoder_input_ids")
+        ids = microbatch.get("input_ids") if ids is None else ids
+        return int(ids.shape[1]) if torch.is_tensor(ids) and ids.dim() > 1 else None
+
+
+class T5DecoderOutput:
+    """T5's decoder output: its ``final_layer_norm`` and dropout."""
+
+    def decoder_norms(self) -> list[nn.Module]:
+        return [self.stacks()[1].final_layer_norm]
+
+    def decoder_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        dec = self.stacks()[1]
+        return dec.dropout(dec.final_layer_norm(hidden))
+
+
+class BartDecoderOutput:
+    """BART's decoder output: its last layer's output (no final norm)."""
+
+    def decoder_norms(self) -> list[nn.Module]:
+        return []
+
+    def decoder_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+class MBartDecoderOutput:
+    """mBART's decoder output: its final ``layer_norm``."""
+
+    def decoder_norms(self) -> list[nn.Module]:
+        return [self.stacks()[1].layer_norm]
+
+    def decoder_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.stacks()[1].layer_norm(hidden)
+
+
+class TransformerBody:
+    """T5's classifiers keep the encoder-decoder in ``transformer`` (a ``T5Model``)."""
+
+    def body(self, model: nn.Module) -> nn.Module:
+        return model.transformer
+
+
+class QuestionAnsweringHead(Seq2SeqTaskHead):
+    """Extractive question answering on the decoder ([Note: encoder-decoder task heads]):
+    ``head_logits`` (m, T, 2), the start and end logits stacked on the last dimension (the
+    model's ``start_logits`` / ``end_logits``: ``prediction_outputs``); microbatch keys
+    ``start_positions`` / ``end_positions`` (m,) or (m, 1). Raises ValueError for a position
+    outside [0, T) (``count_items``, before any collective) or missing positions (the loss)."""
+
+    prediction_outputs = ("start_logits", "end_logits")
+    """The model's outputs ``head_logits`` stacks on its last dimension, in that order."""
+
+    def token_logits_width(self) -> int:
+        """2: the start and end logits of every decoder position."""
+        return 2
+
+    def head_modules(self) -> list[nn.Module]:
+        return [*self.decoder_norms(), self.model.qa_outputs]
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
+        """(m, T, H) -> (m, T, 2), as ``qa_outputs`` of the decoder's output in the model."""
+        return self.model.qa_outputs(self.decoder_output(hidden))
+
+    def loss_from_logits(self, logits: torch.Tensor, microbatch: Microbatch) -> HeadOutput:
+        positions = [require_key(microbatch, k, type(self).__name__) for k in QA_LABELS]
+        return answer_loss_sum(logits, positions, type(self.model).__name__)
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        """Rows (each scored once for its start and once for its end); 0 without positions."""
+        positions = [microbatch.get(k) for k in QA_LABELS]
+        if any(p is None for p in positions):
+            return 0
+        length = self.decoder_length(microbatch)
+        if length is not None:
+            check_answer_positions(positions, length, type(self.model).__name__)
+        return int(positions[0].reshape(-1).shape[0])
+
+
+def eos_pooled(hidden: torch.Tensor, input_ids: torch.Tensor, eos_token_id: int,
+               model_name: str) -> torch.Tensor:
+    """Each row's hidden state at its last ``eos_token_id`` of ``input_ids``: hidden (m, T, H),
+    input_ids (m, S) with T = S -> (m, H), as the BART and T5 classifiers pool. ValueError with
+    stock's words for rows with different numbers of ``<eos>`` tokens or a row without one
+    (``check_eos``)."""
+    check_eos(input_ids, eos_token_id, model_name)
+    eos_mask = input_ids.eq(eos_token_id).to(hidden.device)
+    selected = hidden[eos_mask, :]
+    return selected.view(hidden.shape[0], -1, hidden.shape[-1])[:, -1, :]
+
+
+def check_eos(input_ids: torch.Tensor, eos_token_id: int | None, model_name: str) -> None:
+    """ValueError unless every row of ``input_ids`` (m, S) holds the same number (>= 1) of
+    ``eos_token_id`` tokens, the rule stock's classifier forward enforces per call."""
+    if input_ids.shape[0] == 0:
+        return
+    counts = input_ids.eq(eos_token_id).sum(1) if eos_token_id is not None \
+        else torch.zeros(input_ids.shape[0], dtype=torch.long)
+    if torch.unique(counts).numel() != 1:
+        raise ValueError(f"{model_name}: All examples must have the same number of <eos> tokens "
+                         f"(the rows of this microbatch hold {counts.tolist()} of "
+                         f"eos_token_id {eos_token_id}); the classifier pools each row at its "
+                         "last <eos>, as stock does")
+    if int(counts[0]) < 1:
+        raise ValueError(f"{model_name}: Each example must contain at least one <eos> token "
+                         f"(eos_token_id {eos_token_id}): the classifier pools each row at its "
+                         "last <eos>, as stock does; end every row with the tokenizer's eos")
+
+
+class SequenceClassificationHead(Seq2SeqTaskHead, ClassifierStagedModel):
+    """Sequence classification on the decoder ([Note: encoder-decoder task heads]):
+    ``head_logits`` (m, num_labels) from the decoder output at each row's last ``<eos>``;
+    the loss and items of ``ClassifierStagedModel``. Raises ValueError for a microbatch whose
+    rows hold different numbers of ``<eos>`` tokens or none (``count_items``, before any
+    collective; ``check_eos``) or without ``labels`` (the loss)."""
+
+    def head_modules(self) -> list[nn.Module]:
+        return [*self.decoder_norms(), self.model.classification_head]
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
+        """(m, T, H) -> (m, num_labels), as ``model(**microbatch).logits``."""
+        ids = require_key(microbatch, "input_ids", type(self).__name__)
+        pooled = eos_pooled(self.decoder_output(hidden), ids, self.model.config.eos_token_id,
+                            type(self.model).__name__)
+        return self.model.classification_head(pooled)
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        ids = microbatch.get("input_ids")
+        if torch.is_tensor(ids):
+            check_eos(ids, self.model.config.eos_token_id, type(self.model).__name__)
+        return super().count_items(microbatch)
+
+
+class T5QuestionAnsweringStagedModel(QuestionAnsweringHead, T5DecoderOutput, T5StagedModel):
+    """``T5ForQuestionAnswering`` / ``MT5ForQuestionAnswering``: T5's units and embedding."""
+
+    model_classes = ("T5ForQuestionAnswering", "MT5ForQuestionAnswering")
+
+
+class UMT5QuestionAnsweringStagedModel(QuestionAnsweringHead, T5DecoderOutput, UMT5StagedModel):
+    """``UMT5ForQuestionAnswering``: UMT5's units and embedding."""
+
+    model_classes = ("UMT5ForQuestionAnswering",)
+
+
+class T5SequenceClassifierStagedModel(SequenceClassificationHead, T5DecoderOutput,
+                                      TransformerBody, T5StagedModel):
+    """``T5ForSequenceClassification`` / ``MT5ForSequenceClassification``: T5's units and
+    embedding under ``transformer``."""
+
+    model_classes = ("T5ForSequenceClassification", "MT5ForSequenceClassification")
+
+
+class UMT5SequenceClassifierStagedModel(SequenceClassificationHead, T5DecoderOutput,
+                                        TransformerBody, UMT5StagedModel):
+    """``UMT5ForSequenceClassification``: UMT5's units and embedding under ``transformer``."""
+
+    model_classes = ("UMT5ForSequenceClassification",)
+
+
+class BartQuestionAnsweringStagedModel(QuestionAnsweringHead, BartDecoderOutput,
+                                       BartStagedModel):
+    """``BartForQuestionAnswering``: BART's units and embedding."""
+
+    model_classes = ("BartForQuestionAnswering",)
+
+
+class BartSequenceClassifierStagedModel(SequenceClassificationHead, BartDecoderOutput,
+                                        BartStagedModel):
+    """``BartForSequenceClassification``: BART's units and embedding."""
+
+    model_classes = ("BartForSequenceClassification",)
+
+
+class MBartQuestionAnsweringStagedModel(QuestionAnsweringHead, MBartDecoderOutput,
+                                        MBartStagedModel):
+    """``MBartForQuestionAnswering``: mBART's units, embedding and shift."""
+
+    model_classes = ("MBartForQuestionAnswering",)
+
+
+class MBartSequenceClassifierStagedModel(SequenceClassificationHead, MBartDecoderOutput,
+                                         MBartStagedModel):
+    """``MBartForSequenceClassification``: mBART's units, embedding and shift."""
+
+    model_classes = ("MBartForSequenceClassification",)
+
+
+SEQ2SEQ_HEAD_ADAPTERS = (
+    T5QuestionAnsweringStagedModel, UMT5QuestionAnsweringStagedModel,
+    T5SequenceClassifierStagedModel, UMT5SequenceClassifierStagedModel,
+    BartQuestionAnsweringStagedModel, BartSequenceClassifierStagedModel,
+    MBartQuestionAnsweringStagedModel, MBartSequenceClassifierStagedModel)
+"""The task-head adapters of this module (registered by models/registry.py)."""
