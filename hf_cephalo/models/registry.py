@@ -373,10 +373,11 @@ def stage_model(model: nn.Module) -> StagedModel:
     self-check seeds its tiny copy, and the user's dropout masks and a loader's seed must not
     depend on whether a check ran (the check is cached per class and config).
 
-    Raises ValueError (``UnsupportedModelError``) for an unsupported class, ValueError for a
-    PEFT wrapper other than one LoRA adapter, ValueError for a built-in adapter with transformers < 5,
-    or when the adapter's root modules and units do not cover ``model.parameters()`` exactly
-    (e.g. extra modules attached to the model).
+    Raises ValueError (``UnsupportedModelError``) for an unsupported class or a setting its
+    adapter refuses (an encoder-decoder's layer drop: the adapter's own message, prefixed with
+    the class), ValueError for a PEFT wrapper other than one LoRA adapter, ValueError for a
+    built-in adapter with transformers < 5, or when the adapter's root modules and units do not
+    cover ``model.parameters()`` exactly (e.g. extra modules attached to the model).
     """
     if isinstance(model, StagedModel):
         return model
@@ -400,7 +401,13 @@ def _stage(model: nn.Module) -> StagedModel:
         model = model.base_model.model
     if adapter.__module__.startswith("hf_cephalo.models."):
         check_transformers_version(transformers.__version__)
-    return adapter(model)
+    try:
+        return adapter(model)
+    except UnsupportedModelError:
+        raise
+    except ValueError as exc:  # the adapter refuses a setting (layer drop, SpecAugment, ...)
+        raise UnsupportedModelError(f"hf_cephalo cannot train {type(inner).__name__}: {exc}",
+                                    []) from exc
 
 
 for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel,
