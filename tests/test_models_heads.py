@@ -36,7 +36,7 @@ REFUSED = {  # class -> what its refusal says
     "MobileNetV2ForImageClassification": "BatchNorm layers",  # per-microbatch statistics
     "ResNetForImageClassification": "BatchNorm layers",
     "DeiTForImageClassificationWithTeacher": "this head is none of those",
-    "BlenderbotForConditionalGeneration": "encoder-decoder model",  # mBART: an adapter
+    "M2M100ForConditionalGeneration": "has layer drop 0.05",  # its default config's
     "Speech2TextForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
     "BartForQuestionAnswering": "encoder-decoder model",
 }

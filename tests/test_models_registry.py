@@ -25,14 +25,18 @@ ALL_ARCHS = [*BUILDERS, *SEQ_CLS_BUILDERS]
 def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
     """Llama, Mistral, Qwen2, BERT and ViT run on the generic path (models/generic.py); the
     registry keeps the hand-written adapters of GPT-2 and GPT-NeoX, and those of the
-    encoder-decoders T5, BART, mBART, Marian, Pegasus and Whisper (models/seq2seq.py,
-    models/seq2seq_families.py, models/whisper.py: two stacks, which the generic path does not
-    stage)."""
+    encoder-decoders T5, BART, mBART, Marian, Pegasus, Whisper and BART's kin
+    (models/seq2seq.py, models/seq2seq_families.py, models/seq2seq_kin.py, models/whisper.py:
+    two stacks, which the generic path does not stage)."""
     assert set(supported_model_classes()) == {
         "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPTNeoXForCausalLM",
         "T5ForConditionalGeneration", "BartForConditionalGeneration",
         "WhisperForConditionalGeneration", "MBartForConditionalGeneration", "MarianMTModel",
-        "PegasusForConditionalGeneration"}
+        "PegasusForConditionalGeneration",
+        # BART's kin (models/seq2seq_kin.py)
+        "BlenderbotForConditionalGeneration", "BlenderbotSmallForConditionalGeneration",
+        "PLBartForConditionalGeneration", "MvpForConditionalGeneration",
+        "M2M100ForConditionalGeneration"}
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)

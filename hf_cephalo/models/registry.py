@@ -21,6 +21,8 @@ from hf_cephalo.models.peft_lora import is_peft_model, unwrap_peft_model
 from hf_cephalo.models.seq2seq import BartStagedModel, T5StagedModel
 from hf_cephalo.models.seq2seq_families import (MarianStagedModel, MBartStagedModel,
                                                 PegasusStagedModel)
+from hf_cephalo.models.seq2seq_kin import (BlenderbotSmallStagedModel, BlenderbotStagedModel,
+                                           M2M100StagedModel, MvpStagedModel, PLBartStagedModel)
 from hf_cephalo.models.whisper import WhisperStagedModel
 
 _ADAPTERS: dict[str, type[StagedModel]] = {}
@@ -412,6 +414,8 @@ def _stage(model: nn.Module) -> StagedModel:
 
 for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel,
                  T5StagedModel, BartStagedModel, WhisperStagedModel, MBartStagedModel,
-                 MarianStagedModel, PegasusStagedModel):
+                 MarianStagedModel, PegasusStagedModel, BlenderbotStagedModel,
+                 BlenderbotSmallStagedModel, PLBartStagedModel, MvpStagedModel,
+                 M2M100StagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)

@@ -1,0 +1,185 @@
+"""Adapters for more of BART's kin: Blenderbot, Blenderbot-small, PLBart, MVP and M2M100's
+``...ForConditionalGeneration``.
+
+The units and side inputs of models/seq2seq.py ([Note: encoder-decoder units], BART's adapter)
+and, where a family has them, each stack's final norms (``FinalNorms``, models/seq2seq_families.py).
+What differs is each family's own code around the layers, re-stated as its forward has it, with
+its own modules and label shift called:
+
+* Blenderbot: token embeddings scaled inside the embedding module, learned positions, no
+  embedding LayerNorm; each stack's final ``layer_norm`` (pre-LN layers).
+* Blenderbot-small: the encoder scales its token embeddings by ``embed_scale`` and normalises
+  tokens plus positions; the decoder neither scales nor normalises the positions (its forward
+  applies ``layernorm_embedding`` to the token embeddings alone, then adds the positions).
+* PLBart: BART's embeddings and layers with mBART's label shift (each row's last non-pad token,
+  the language id, moves to the front: PLBart has no single decoder start token).
+* MVP: BART's layout with ``embed_scale`` outside the embedding, positions from the ids, layers
+  that take (and here get no) prompts and return tuples; its prompt tuning (``use_prompt``) is
+  refused. The decoder's causal mask is built from ``decoder_attention_mask`` as given.
+* M2M100: scaled token embeddings, sinusoidal positions counted from each row's non-pad tokens,
+  final norms, a head without ``final_logits_bias``.
+
+Each loss is the model's own mean cross entropy over ``labels`` (-100 ignored); layer drop is
+refused as for BART (M2M100's default config has 0.05: set both to 0 to train it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_cephalo.models.seq2seq import BartStagedModel, Seq2SeqContext
+from hf_cephalo.models.seq2seq_families import FinalNorms, MarianStagedModel
+
+
+def _dropout(hidden: torch.Tensor, stack: nn.Module) -> torch.Tensor:
+    """The stack's embedding dropout (``stack.dropout`` is a probability in these families)."""
+    return F.dropout(hidden, p=stack.dropout, training=stack.training)
+
+
+def _positions(ids: torch.Tensor) -> torch.Tensor:
+    """Decoder positions 0..T-1 (T,), as the decoders make them without a cache."""
+    return torch.arange(ids.shape[1], device=ids.device)
+
+
+class BlenderbotStagedModel(FinalNorms, MarianStagedModel):
+    """``BlenderbotForConditionalGeneration``: Marian's embedding modules (no embedding
+    LayerNorm) with the scale inside ``embed_tokens``, learned positions, each stack's final
+    ``layer_norm`` (``FinalNorms``), BART's label shift (Blenderbot's copy of it)."""
+
+    model_classes = ("BlenderbotForConditionalGeneration",)
+
+    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        from transformers.models.blenderbot.modeling_blenderbot import shift_tokens_right
+
+        cfg = self.model.config
+        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
+
+    def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = self.stacks()[0]
+        embeds = enc.embed_tokens(input_ids)
+        return embeds, _dropout(embeds + enc.embed_positions(embeds.shape[:-1]), enc)
+
+    def decoder_input(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dec = self.stacks()[1]
+        embeds = dec.embed_tokens(ids)
+        hidden = embeds + dec.embed_positions(ids.shape, 0, position_ids=_positions(ids))
+        return embeds, _dropout(hidden, dec)
+
+
+class BlenderbotSmallStagedModel(BartStagedModel):
+    """``BlenderbotSmallForConditionalGeneration``: BART's modules, layers, head and label shift
+    (Blenderbot-small's copy), its own embedding steps (see the module note)."""
+
+    model_classes = ("BlenderbotSmallForConditionalGeneration",)
+
+    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        from transformers.models.blenderbot_small.modeling_blenderbot_small import \
+            shift_tokens_right
+
+        cfg = self.model.config
+        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
+
+    def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = self.stacks()[0]
+        embeds = enc.embed_tokens(input_ids) * enc.embed_scale
+        hidden = enc.layernorm_embedding(embeds + enc.embed_positions(embeds.shape[:-1]))
+        return embeds, _dropout(hidden, enc)
+
+    def decoder_input(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dec = self.stacks()[1]
+        embeds = dec.embed_tokens(ids)  # the decoder's forward does not scale them
+        positions = dec.embed_positions(ids.shape, 0, position_ids=_positions(ids))
+        return embeds, _dropout(dec.layernorm_embedding(embeds) + positions, dec)
+
+
+class PLBartStagedModel(BartStagedModel):
+    """``PLBartForConditionalGeneration``: BART's units, embeddings and head; PLBart's label
+    shift (mBART's rule, see the module note)."""
+
+    model_classes = ("PLBartForConditionalGeneration",)
+
+    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        from transformers.models.plbart.modeling_plbart import shift_tokens_right
+
+        return shift_tokens_right(labels, self.model.config.pad_token_id)
+
+
+class MvpStagedModel(BartStagedModel):
+    """``MvpForConditionalGeneration``: BART's modules and head, MVP's embedding steps and
+    layer calls (see the module note). Raises ValueError for a model with ``use_prompt``: its
+    layer-wise prompts are made once per forward by modules every layer reads, which no unit
+    owns."""
+
+    model_classes = ("MvpForConditionalGeneration",)
+
+    def __init__(self, model: nn.Module):
+        if getattr(model.config, "use_prompt", False):
+            raise ValueError(
+                f"{type(model).__name__} has use_prompt=True: its layer-wise prompts are made "
+                "once per forward by the encoder's and decoder's prompt modules and read by every "
+                "layer, which hf_cephalo's units (each owning its own parameters) do not stage; "
+                "fine-tune it with config.use_prompt = False")
+        super().__init__(model)
+
+    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        from transformers.models.mvp.modeling_mvp import shift_tokens_right
+
+        cfg = self.model.config
+        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
+
+    def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = self.stacks()[0]
+        embeds = enc.embed_tokens(input_ids) * enc.embed_scale
+        hidden = enc.layernorm_embedding(embeds + enc.embed_positions(input_ids))
+        return embeds, _dropout(hidden, enc)
+
+    def decoder_input(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dec = self.stacks()[1]
+        embeds = dec.embed_tokens(ids) * dec.embed_scale
+        hidden = dec.layernorm_embedding(embeds + dec.embed_positions(ids, 0))
+        return embeds, _dropout(hidden, dec)
+
+    def decoder_self_mask_input(self, mask: torch.Tensor | None,
+                                embeds: torch.Tensor) -> torch.Tensor | None:
+        return mask  # MvpDecoder.forward builds its causal mask from the mask as given
+
+    def encoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
+        return self.model.model.encoder.layers[i](hidden, ctx.enc_mask, self_attn_prompt=None)[0]
+
+    def decoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
+        return self.model.model.decoder.layers[i](
+            hidden, ctx.dec_mask, self.made(ctx, "enc_out"), encoder_attention_mask=ctx.cross_mask,
+            self_attn_prompt=None, cross_attn_prompt=None, cache=None, use_cache=False)[0]
+
+
+class M2M100StagedModel(FinalNorms, MarianStagedModel):
+    """``M2M100ForConditionalGeneration``: Marian's embedding modules with the scale inside
+    ``embed_tokens``, M2M100's sinusoidal positions (from the ids: pad tokens keep the pad
+    position), each stack's final ``layer_norm``; H = the decoder's norm and ``lm_head`` (no
+    ``final_logits_bias``)."""
+
+    model_classes = ("M2M100ForConditionalGeneration",)
+
+    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        from transformers.models.m2m_100.modeling_m2m_100 import shift_tokens_right
+
+        cfg = self.model.config
+        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
+
+    def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = self.stacks()[0]
+        embeds = enc.embed_tokens(input_ids)
+        positions = enc.embed_positions(input_ids, embeds).to(embeds.device)
+        return embeds, _dropout(embeds + positions, enc)
+
+    def decoder_input(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dec = self.stacks()[1]
+        embeds = dec.embed_tokens(ids)
+        positions = dec.embed_positions(ids, embeds, 0).to(embeds.device)
+        return embeds, _dropout(embeds + positions, dec)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.decoder.layer_norm(hidden))
+
