@@ -37,7 +37,7 @@ REFUSED = {  # class -> what its refusal says
     "ResNetForImageClassification": "BatchNorm layers",
     "DeiTForImageClassificationWithTeacher": "this head is none of those",
     "M2M100ForConditionalGeneration": "has layer drop 0.05",  # its default config's
-    "Speech2TextForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
+    "CohereAsrForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
     "BartForQuestionAnswering": "encoder-decoder model",
 }
 

@@ -25,9 +25,10 @@ ALL_ARCHS = [*BUILDERS, *SEQ_CLS_BUILDERS]
 def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
     """Llama, Mistral, Qwen2, BERT and ViT run on the generic path (models/generic.py); the
     registry keeps the hand-written adapters of GPT-2 and GPT-NeoX, and those of the
-    encoder-decoders T5, BART, mBART, Marian, Pegasus, Whisper and BART's kin
-    (models/seq2seq.py, models/seq2seq_families.py, models/seq2seq_kin.py, models/whisper.py:
-    two stacks, which the generic path does not stage)."""
+    encoder-decoders T5, BART, mBART, Marian, Pegasus, Whisper, BART's kin, Speech2Text and
+    Moonshine (models/seq2seq.py, models/seq2seq_families.py,
+    models/seq2seq_kin.py, models/whisper.py, models/speech_seq2seq.py: two stacks, which the
+    generic path does not stage)."""
     assert set(supported_model_classes()) == {
         "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPTNeoXForCausalLM",
         "T5ForConditionalGeneration", "BartForConditionalGeneration",
@@ -36,7 +37,9 @@ def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
         # BART's kin (models/seq2seq_kin.py)
         "BlenderbotForConditionalGeneration", "BlenderbotSmallForConditionalGeneration",
         "PLBartForConditionalGeneration", "MvpForConditionalGeneration",
-        "M2M100ForConditionalGeneration"}
+        "M2M100ForConditionalGeneration",
+        # speech (models/speech_seq2seq.py)
+        "Speech2TextForConditionalGeneration", "MoonshineForConditionalGeneration"}
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)

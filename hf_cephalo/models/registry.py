@@ -23,6 +23,7 @@ from hf_cephalo.models.seq2seq_families import (MarianStagedModel, MBartStagedMo
                                                 PegasusStagedModel)
 from hf_cephalo.models.seq2seq_kin import (BlenderbotSmallStagedModel, BlenderbotStagedModel,
                                            M2M100StagedModel, MvpStagedModel, PLBartStagedModel)
+from hf_cephalo.models.speech_seq2seq import MoonshineStagedModel, Speech2TextStagedModel
 from hf_cephalo.models.whisper import WhisperStagedModel
 
 _ADAPTERS: dict[str, type[StagedModel]] = {}
@@ -416,6 +417,6 @@ for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStag
                  T5StagedModel, BartStagedModel, WhisperStagedModel, MBartStagedModel,
                  MarianStagedModel, PegasusStagedModel, BlenderbotStagedModel,
                  BlenderbotSmallStagedModel, PLBartStagedModel, MvpStagedModel,
-                 M2M100StagedModel):
+                 M2M100StagedModel, Speech2TextStagedModel, MoonshineStagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)
