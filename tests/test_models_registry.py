@@ -37,7 +37,7 @@ def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
         # BART's kin (models/seq2seq_kin.py)
         "BlenderbotForConditionalGeneration", "BlenderbotSmallForConditionalGeneration",
         "PLBartForConditionalGeneration", "MvpForConditionalGeneration",
-        "M2M100ForConditionalGeneration",
+        "M2M100ForConditionalGeneration", "FSMTForConditionalGeneration",
         # speech (models/speech_seq2seq.py)
         "Speech2TextForConditionalGeneration", "MoonshineForConditionalGeneration"}
 

@@ -22,7 +22,8 @@ from hf_cephalo.models.seq2seq import BartStagedModel, T5StagedModel
 from hf_cephalo.models.seq2seq_families import (MarianStagedModel, MBartStagedModel,
                                                 PegasusStagedModel)
 from hf_cephalo.models.seq2seq_kin import (BlenderbotSmallStagedModel, BlenderbotStagedModel,
-                                           M2M100StagedModel, MvpStagedModel, PLBartStagedModel)
+                                           FSMTStagedModel, M2M100StagedModel, MvpStagedModel,
+                                           PLBartStagedModel)
 from hf_cephalo.models.speech_seq2seq import MoonshineStagedModel, Speech2TextStagedModel
 from hf_cephalo.models.whisper import WhisperStagedModel
 
@@ -417,6 +418,7 @@ for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStag
                  T5StagedModel, BartStagedModel, WhisperStagedModel, MBartStagedModel,
                  MarianStagedModel, PegasusStagedModel, BlenderbotStagedModel,
                  BlenderbotSmallStagedModel, PLBartStagedModel, MvpStagedModel,
-                 M2M100StagedModel, Speech2TextStagedModel, MoonshineStagedModel):
+                 M2M100StagedModel, Speech2TextStagedModel, MoonshineStagedModel,
+                 FSMTStagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)

@@ -1,5 +1,5 @@
-"""Adapters for more of BART's kin: Blenderbot, Blenderbot-small, PLBart, MVP and M2M100's
-``...ForConditionalGeneration``.
+"""Adapters for more of BART's kin: Blenderbot, Blenderbot-small, PLBart, MVP, M2M100 and
+FSMT's ``...ForConditionalGeneration``.
 
 The units and side inputs of models/seq2seq.py ([Note: encoder-decoder units], BART's adapter)
 and, where a family has them, each stack's final norms (``FinalNorms``, models/seq2seq_families.py).
@@ -18,6 +18,8 @@ its own modules and label shift called:
   refused. The decoder's causal mask is built from ``decoder_attention_mask`` as given.
 * M2M100: scaled token embeddings, sinusoidal positions counted from each row's non-pad tokens,
   final norms, a head without ``final_logits_bias``.
+* FSMT: fairseq's layers, which run sequence-first and take key-padding masks; its decoder's
+  input without ``decoder_input_ids`` is its shift of ``input_ids`` (see ``FSMTStagedModel``).
 
 Each loss is the model's own mean cross entropy over ``labels`` (-100 ignored); layer drop is
 refused as for BART (M2M100's default config has 0.05: set both to 0 to train it).
@@ -25,10 +27,14 @@ refused as for BART (M2M100's default config has 0.05: set both to 0 to train it
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_cephalo.models.base import Microbatch
+from hf_cephalo.models.hf_common import require_key
 from hf_cephalo.models.seq2seq import BartStagedModel, Seq2SeqContext
 from hf_cephalo.models.seq2seq_families import FinalNorms, MarianStagedModel
 
@@ -183,3 +189,77 @@ class M2M100StagedModel(FinalNorms, MarianStagedModel):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.decoder.layer_norm(hidden))
 
+
+
+class FSMTMasks(NamedTuple):
+    """FSMT's decoder masks as its forward makes them: ``causal`` (T, T) float, -inf above the
+    diagonal; ``padding`` (m, T) bool, True at pad tokens (None where the decoder's input has
+    none and no ``decoder_attention_mask`` is given)."""
+
+    causal: torch.Tensor
+    padding: torch.Tensor | None
+
+
+class FSMTStagedModel(BartStagedModel):
+    """``FSMTForConditionalGeneration`` (fairseq's WMT19 translation models): BART's units with
+    FSMT's own code around them. Its layers run sequence-first (S, m, H): each unit transposes
+    the (m, S, H) boundary in and out. Masks are key-padding masks (True at padding), the
+    decoder's causal mask additive, all made as ``FSMTModel.forward`` makes them; no
+    ``decoder_input_ids`` means the model's own shift of ``input_ids`` (not of ``labels``: its
+    forward's fairseq default), each row's last non-pad token moved to the front. Token
+    embeddings are scaled by ``embed_scale``, positions sinusoidal from the non-pad tokens; H
+    = the decoder's ``output_projection``; the loss the mean cross entropy over ``labels``."""
+
+    model_classes = ("FSMTForConditionalGeneration",)
+
+    def embed_modules(self) -> list[nn.Module]:
+        enc, dec = self.stacks()
+        return [enc.embed_tokens, enc.embed_positions, dec.embed_tokens, dec.embed_positions]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.model.decoder.output_projection]
+
+    def decoder_ids(self, microbatch: Microbatch) -> torch.Tensor:
+        """``decoder_input_ids`` as given, else FSMT's shift of ``input_ids`` (m, T)."""
+        from transformers.models.fsmt.modeling_fsmt import shift_tokens_right
+
+        ids = microbatch.get("decoder_input_ids")
+        if ids is not None:
+            return ids
+        input_ids = require_key(microbatch, "input_ids", type(self).__name__)
+        return shift_tokens_right(input_ids.clone(), self.model.config.pad_token_id)
+
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Seq2SeqContext]:
+        """input_ids (m, S) -> encoder hidden (m, S, H); the ctx with the key-padding masks
+        (``cross_mask`` = ``enc_mask``), ``FSMTMasks`` as ``dec_mask`` and the decoder's input
+        hidden (m, T, H)."""
+        from transformers.models.fsmt.modeling_fsmt import (_prepare_fsmt_decoder_inputs,
+                                                            invert_mask)
+
+        input_ids = require_key(microbatch, "input_ids", type(self).__name__)
+        mask = microbatch.get("attention_mask")
+        enc, dec = self.stacks()
+        ids, padding, causal = _prepare_fsmt_decoder_inputs(
+            self.model.config, input_ids, decoder_input_ids=self.decoder_ids(microbatch),
+            decoder_padding_mask=microbatch.get("decoder_attention_mask"),
+            causal_mask_dtype=dec.embed_tokens.weight.dtype)
+        hidden = enc.embed_tokens(input_ids) * enc.embed_scale + enc.embed_positions(input_ids)
+        dec_hidden = dec.embed_tokens(ids) * dec.embed_scale + dec.embed_positions(ids)
+        key_padding = None if mask is None else invert_mask(mask)
+        return _dropout(hidden, enc), Seq2SeqContext(
+            enc_mask=key_padding, dec_mask=FSMTMasks(causal, padding), cross_mask=key_padding,
+            dec_hidden=_dropout(dec_hidden, dec))
+
+    def encoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
+        out = self.model.model.encoder.layers[i](hidden.transpose(0, 1), ctx.enc_mask)[0]
+        return out.transpose(0, 1)
+
+    def decoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
+        out = self.model.model.decoder.layers[i](
+            hidden.transpose(0, 1), self.made(ctx, "enc_out").transpose(0, 1),
+            encoder_attn_mask=ctx.cross_mask, layer_state=None, causal_mask=ctx.dec_mask.causal,
+            decoder_padding_mask=ctx.dec_mask.padding)[0]
+        return out.transpose(0, 1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.model.decoder.output_projection(hidden)
