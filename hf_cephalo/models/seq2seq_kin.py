@@ -1,5 +1,5 @@
-"""Adapters for more of BART's kin: Blenderbot, Blenderbot-small, PLBart, MVP, M2M100 and
-FSMT's ``...ForConditionalGeneration``.
+"""Adapters for more of BART's kin: Blenderbot, Blenderbot-small, PLBart, MVP, M2M100, FSMT
+and BigBird-Pegasus's ``...ForConditionalGeneration``.
 
 The units and side inputs of models/seq2seq.py ([Note: encoder-decoder units], BART's adapter)
 and, where a family has them, each stack's final norms (``FinalNorms``, models/seq2seq_families.py).
@@ -20,6 +20,8 @@ its own modules and label shift called:
   final norms, a head without ``final_logits_bias``.
 * FSMT: fairseq's layers, which run sequence-first and take key-padding masks; its decoder's
   input without ``decoder_input_ids`` is its shift of ``input_ids`` (see ``FSMTStagedModel``).
+* BigBird-Pegasus: Blenderbot's embeddings, final norms named ``layernorm_embedding``, BART's
+  head; full attention only (block-sparse attention is refused).
 
 Each loss is the model's own mean cross entropy over ``labels`` (-100 ignored); layer drop is
 refused as for BART (M2M100's default config has 0.05: set both to 0 to train it).
@@ -263,3 +265,54 @@ class FSMTStagedModel(BartStagedModel):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.model.decoder.output_projection(hidden)
+
+
+class BigBirdPegasusStagedModel(BlenderbotStagedModel):
+    """``BigBirdPegasusForConditionalGeneration`` with full attention: Blenderbot's embedding
+    steps (scaled token embeddings, learned positions), each stack's ``layernorm_embedding``
+    applied after its layers (as BigBird-Pegasus's forward does: its final norms), BART's head
+    (``lm_head`` plus ``final_logits_bias``) and label shift (BigBird-Pegasus's copy).
+
+    Raises ValueError for an encoder with block-sparse attention (``attention_type``
+    ``"block_sparse"``, the default config's): not staged yet (the encoder pads its input to a
+    multiple of ``block_size``, builds block masks and falls back to full attention per
+    forward, all inside its forward). Its own forward switches a model to full attention for
+    rows of at most (5 + 2 x num_random_blocks) x block_size tokens, as on the check's tiny
+    copy."""
+
+    model_classes = ("BigBirdPegasusForConditionalGeneration",)
+
+    def __init__(self, model: nn.Module):
+        kind = model.model.encoder.attention_type
+        if kind != "original_full":
+            cfg = model.config
+            limit = (5 + 2 * cfg.num_random_blocks) * cfg.block_size
+            raise ValueError(
+                f"{type(model).__name__} has attention_type={kind!r}: hf_cephalo stages "
+                "BigBird-Pegasus with full attention only (block-sparse attention pads the "
+                "encoder's input to a multiple of block_size and builds its block masks inside "
+                "the encoder's forward; not staged yet). Train it with full attention: "
+                "model.model.encoder.set_attention_type('original_full') (its own forward "
+                f"switches to it for inputs of at most {limit} tokens)")
+        super().__init__(model)
+
+    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        from transformers.models.bigbird_pegasus.modeling_bigbird_pegasus import \
+            shift_tokens_right
+
+        cfg = self.model.config
+        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
+
+    def junction_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [model.model.encoder.layernorm_embedding]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.model.decoder.layernorm_embedding, self.model.lm_head]
+
+    def make(self, index: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> list:
+        """The encoder's output: its ``layernorm_embedding`` of the last encoder layer's."""
+        return [self.model.model.encoder.layernorm_embedding(hidden)]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.lm_head(self.model.model.decoder.layernorm_embedding(hidden))
+        return logits + self.model.final_logits_bias.to(logits.device)
