@@ -38,7 +38,7 @@ def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
         "BlenderbotForConditionalGeneration", "BlenderbotSmallForConditionalGeneration",
         "PLBartForConditionalGeneration", "MvpForConditionalGeneration",
         "M2M100ForConditionalGeneration", "FSMTForConditionalGeneration",
-        "BigBirdPegasusForConditionalGeneration",
+        "BigBirdPegasusForConditionalGeneration", "LEDForConditionalGeneration",
         # speech (models/speech_seq2seq.py)
         "Speech2TextForConditionalGeneration", "MoonshineForConditionalGeneration"}
 

@@ -1,5 +1,5 @@
-"""Adapters for more of BART's kin: Blenderbot, Blenderbot-small, PLBart, MVP, M2M100, FSMT
-and BigBird-Pegasus's ``...ForConditionalGeneration``.
+"""Adapters for more of BART's kin: Blenderbot, Blenderbot-small, PLBart, MVP, M2M100, FSMT,
+BigBird-Pegasus and LED's ``...ForConditionalGeneration``.
 
 The units and side inputs of models/seq2seq.py ([Note: encoder-decoder units], BART's adapter)
 and, where a family has them, each stack's final norms (``FinalNorms``, models/seq2seq_families.py).
@@ -22,6 +22,8 @@ its own modules and label shift called:
   input without ``decoder_input_ids`` is its shift of ``input_ids`` (see ``FSMTStagedModel``).
 * BigBird-Pegasus: Blenderbot's embeddings, final norms named ``layernorm_embedding``, BART's
   head; full attention only (block-sparse attention is refused).
+* LED: BART's layout under ``model.led``, an encoder of Longformer layers on the input padded
+  to a multiple of ``attention_window`` (see ``LEDStagedModel``).
 
 Each loss is the model's own mean cross entropy over ``labels`` (-100 ignored); layer drop is
 refused as for BART (M2M100's default config has 0.05: set both to 0 to train it).
@@ -316,3 +318,105 @@ class BigBirdPegasusStagedModel(BlenderbotStagedModel):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.lm_head(self.model.model.decoder.layernorm_embedding(hidden))
         return logits + self.model.final_logits_bias.to(logits.device)
+
+
+class LEDEncoderMasks(NamedTuple):
+    """LED's encoder masks as its forward makes them over the input padded to a multiple of
+    ``attention_window``: ``mask`` (m, S') float (0 local, negative at padding, positive at
+    global tokens), ``is_index_masked`` / ``is_index_global_attn`` (m, S') bool,
+    ``is_global_attn`` (any global token in the microbatch) and ``length``, S before the
+    padding (the encoder's output is cut back to it)."""
+
+    mask: torch.Tensor
+    is_index_masked: torch.Tensor
+    is_index_global_attn: torch.Tensor
+    is_global_attn: bool
+    length: int
+
+
+class LEDStagedModel(BartStagedModel):
+    """``LEDForConditionalGeneration`` (Longformer-Encoder-Decoder): BART's layout under
+    ``model.led``; the encoder's Longformer layers (sliding-window attention plus global
+    tokens from an optional ``global_attention_mask`` (m, S)) run on the input padded to a
+    multiple of ``attention_window`` with ``LEDEncoderMasks``, by the encoder's own
+    ``_merge_to_attention_mask`` and ``_pad_to_window_size``; the first decoder unit cuts the
+    encoder's output back to S. Unscaled token embeddings, learned positions and
+    ``layernorm_embedding`` in both stacks; the decoder's causal mask from
+    ``decoder_attention_mask`` as given; H = ``lm_head`` plus ``final_logits_bias``."""
+
+    model_classes = ("LEDForConditionalGeneration",)
+
+    def layer_lists(self, model: nn.Module) -> tuple[nn.ModuleList, nn.ModuleList]:
+        return model.led.encoder.layers, model.led.decoder.layers
+
+    def stacks(self) -> tuple[nn.Module, nn.Module]:
+        return self.model.led.encoder, self.model.led.decoder
+
+    def embed_modules(self) -> list[nn.Module]:
+        enc, dec = self.stacks()
+        return [self.model.led.shared, enc.embed_tokens, enc.embed_positions,
+                enc.layernorm_embedding, dec.embed_tokens, dec.embed_positions,
+                dec.layernorm_embedding]
+
+    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        from transformers.models.led.modeling_led import shift_tokens_right
+
+        cfg = self.model.config
+        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
+
+    def encoder_input(self, microbatch: Microbatch) -> tuple[torch.Tensor, LEDEncoderMasks]:
+        """input_ids (m, S) -> (the hidden into encoder layer 0 (m, S', H), its masks)."""
+        from transformers.models.led.modeling_led import _prepare_4d_attention_mask_inverted
+
+        enc = self.stacks()[0]
+        input_ids = require_key(microbatch, "input_ids", type(self).__name__)
+        embeds = enc.embed_tokens(input_ids)
+        mask = microbatch.get("attention_mask")
+        mask = torch.ones(embeds.shape[:-1], device=embeds.device, dtype=torch.long) \
+            if mask is None else mask
+        if microbatch.get("global_attention_mask") is not None:
+            mask = enc._merge_to_attention_mask(mask, microbatch["global_attention_mask"])
+        _, ids, mask, embeds = enc._pad_to_window_size(
+            input_ids=input_ids, attention_mask=mask, inputs_embeds=embeds,
+            pad_token_id=self.model.config.pad_token_id)
+        mask = _prepare_4d_attention_mask_inverted(mask, embeds.dtype)[:, 0, 0, :]
+        hidden = enc.layernorm_embedding(embeds + enc.embed_positions(ids.size()))
+        glob = mask > 0
+        return _dropout(hidden, enc), LEDEncoderMasks(mask, mask < 0, glob,
+                                                      bool(glob.flatten().any().item()),
+                                                      input_ids.shape[1])
+
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Seq2SeqContext]:
+        """input_ids (m, S) -> encoder hidden (m, S', H); the ctx with ``LEDEncoderMasks``, the
+        decoder's masks and its input hidden (m, T, H)."""
+        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+        hidden, enc_masks = self.encoder_input(microbatch)
+        dec = self.stacks()[1]
+        ids = self.decoder_ids(microbatch)
+        embeds = dec.embed_tokens(ids)
+        dec_hidden = dec.layernorm_embedding(embeds + dec.embed_positions(ids.size(), 0))
+        dec_mask = None if ids.shape[1] <= 1 else create_causal_mask(
+            config=dec.config, inputs_embeds=embeds,
+            attention_mask=microbatch.get("decoder_attention_mask"), cache=None)
+        cross_mask = create_bidirectional_mask(
+            config=dec.config, inputs_embeds=embeds, attention_mask=microbatch.get(
+                "attention_mask"), encoder_hidden_states=hidden[:, :enc_masks.length])
+        return hidden, Seq2SeqContext(enc_mask=enc_masks, dec_mask=dec_mask,
+                                      cross_mask=cross_mask, dec_hidden=_dropout(dec_hidden, dec))
+
+    def make(self, index: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> list:
+        """The encoder's output: the last encoder layer's, cut back to the S input tokens."""
+        return [hidden[:, :ctx.enc_mask.length].clone()]
+
+    def encoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
+        masks = ctx.enc_mask
+        return self.model.led.encoder.layers[i](
+            hidden, attention_mask=masks.mask, is_index_masked=masks.is_index_masked,
+            is_index_global_attn=masks.is_index_global_attn,
+            is_global_attn=masks.is_global_attn)[0]
+
+    def decoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
+        return self.model.led.decoder.layers[i](
+            hidden, ctx.dec_mask, self.made(ctx, "enc_out"),
+            encoder_attention_mask=ctx.cross_mask, cache=None, use_cache=False)[0]
