@@ -39,6 +39,7 @@ def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
         "PLBartForConditionalGeneration", "MvpForConditionalGeneration",
         "M2M100ForConditionalGeneration", "FSMTForConditionalGeneration",
         "BigBirdPegasusForConditionalGeneration", "LEDForConditionalGeneration",
+        "PegasusXForConditionalGeneration",
         # speech (models/speech_seq2seq.py)
         "Speech2TextForConditionalGeneration", "MoonshineForConditionalGeneration"}
 

@@ -23,7 +23,8 @@ from hf_cephalo.models.seq2seq_families import (MarianStagedModel, MBartStagedMo
                                                 PegasusStagedModel)
 from hf_cephalo.models.seq2seq_kin import (BigBirdPegasusStagedModel, BlenderbotSmallStagedModel,
                                            BlenderbotStagedModel, FSMTStagedModel, LEDStagedModel,
-                                           M2M100StagedModel, MvpStagedModel, PLBartStagedModel)
+                                           M2M100StagedModel, MvpStagedModel, PegasusXStagedModel,
+                                           PLBartStagedModel)
 from hf_cephalo.models.speech_seq2seq import MoonshineStagedModel, Speech2TextStagedModel
 from hf_cephalo.models.whisper import WhisperStagedModel
 
@@ -419,6 +420,7 @@ for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStag
                  MarianStagedModel, PegasusStagedModel, BlenderbotStagedModel,
                  BlenderbotSmallStagedModel, PLBartStagedModel, MvpStagedModel,
                  M2M100StagedModel, Speech2TextStagedModel, MoonshineStagedModel,
-                 FSMTStagedModel, BigBirdPegasusStagedModel, LEDStagedModel):
+                 FSMTStagedModel, BigBirdPegasusStagedModel, LEDStagedModel,
+                 PegasusXStagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)

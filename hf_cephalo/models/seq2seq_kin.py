@@ -1,5 +1,5 @@
 """Adapters for more of BART's kin: Blenderbot, Blenderbot-small, PLBart, MVP, M2M100, FSMT,
-BigBird-Pegasus and LED's ``...ForConditionalGeneration``.
+BigBird-Pegasus, LED and PEGASUS-X's ``...ForConditionalGeneration``.
 
 The units and side inputs of models/seq2seq.py ([Note: encoder-decoder units], BART's adapter)
 and, where a family has them, each stack's final norms (``FinalNorms``, models/seq2seq_families.py).
@@ -24,6 +24,8 @@ its own modules and label shift called:
   head; full attention only (block-sparse attention is refused).
 * LED: BART's layout under ``model.led``, an encoder of Longformer layers on the input padded
   to a multiple of ``attention_window`` (see ``LEDStagedModel``).
+* PEGASUS-X: encoder layers that carry global tokens beside the tokens, joined into one
+  boundary between units (see ``PegasusXStagedModel``).
 
 Each loss is the model's own mean cross entropy over ``labels`` (-100 ignored); layer drop is
 refused as for BART (M2M100's default config has 0.05: set both to 0 to train it).
@@ -420,3 +422,78 @@ class LEDStagedModel(BartStagedModel):
         return self.model.led.decoder.layers[i](
             hidden, ctx.dec_mask, self.made(ctx, "enc_out"),
             encoder_attention_mask=ctx.cross_mask, cache=None, use_cache=False)[0]
+
+
+class PegasusXEncoderMask(NamedTuple):
+    """PEGASUS-X's encoder mask as its forward makes it: ``mask`` (m, S') float, 0 at tokens
+    and the dtype's minimum at padding (S' = S padded to a multiple of ``block_size``), and
+    ``length`` S (the encoder's output is cut back to it)."""
+
+    mask: torch.Tensor
+    length: int
+
+
+class PegasusXStagedModel(BlenderbotStagedModel):
+    """``PegasusXForConditionalGeneration``: Blenderbot's embedding modules plus the encoder's
+    ``embed_global`` (its global tokens), the encoder's input padded to a multiple of
+    ``block_size``, each stack's final ``layer_norm``, ``lm_head`` without a bias.
+
+    PEGASUS-X's encoder layers take and return two tensors, the tokens' (m, S', H) and the
+    global tokens' (m, G, H) hidden states: the boundary between encoder units is both joined
+    along the sequence (m, S' + G, H), split again in each unit (an exact copy either way); the
+    first decoder unit makes the encoder's output from the tokens' part, cut back to S, with
+    the encoder's final norm."""
+
+    model_classes = ("PegasusXForConditionalGeneration",)
+
+    def embed_modules(self) -> list[nn.Module]:
+        return [*super().embed_modules(), self.stacks()[0].embed_global]
+
+    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        from transformers.models.pegasus_x.modeling_pegasus_x import shift_tokens_right
+
+        cfg = self.model.config
+        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
+
+    def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Seq2SeqContext]:
+        """input_ids (m, S) -> the encoder's tokens and global tokens (m, S' + G, H); the ctx
+        with ``PegasusXEncoderMask``, the decoder's masks and input hidden (m, T, H)."""
+        hidden, ctx = super().embed(microbatch)
+        enc = self.stacks()[0]
+        mask = microbatch.get("attention_mask")
+        mask = torch.ones(*hidden.shape[:-1], dtype=hidden.dtype, device=hidden.device) \
+            if mask is None else mask.to(dtype=hidden.dtype)
+        lowest, inverted = torch.finfo(hidden.dtype).min, 1.0 - mask
+        mask = inverted.masked_fill(inverted.to(torch.bool), lowest)
+        batch_size, length, _ = hidden.shape
+        if length % self.model.config.block_size != 0:  # as PegasusXEncoder.forward
+            pad = self.model.config.block_size - length % self.model.config.block_size
+            hidden = F.pad(hidden, pad=(0, 0, 0, pad), value=0)
+            mask = F.pad(mask, pad=(0, pad), value=lowest)
+        ids = torch.arange(self.model.config.num_global_tokens, device=hidden.device)
+        hidden = torch.cat([hidden, enc.embed_global(ids[None].expand(batch_size, -1))], dim=1)
+        return hidden, ctx._replace(enc_mask=PegasusXEncoderMask(mask, length))
+
+    def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = self.stacks()[0]
+        embeds = enc.embed_tokens(input_ids)
+        return embeds, _dropout(embeds + enc.embed_positions(embeds), enc)
+
+    def decoder_input(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dec = self.stacks()[1]
+        embeds = dec.embed_tokens(ids)
+        positions = dec.embed_positions(embeds, 0, _positions(ids)[:, None])
+        return embeds, _dropout(embeds + positions, dec)
+
+    def encoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
+        split = hidden.shape[1] - self.model.config.num_global_tokens
+        tokens, global_tokens = self.stacks()[0].layers[i](
+            hidden[:, :split], hidden[:, split:], ctx.enc_mask.mask)
+        return torch.cat([tokens, global_tokens], dim=1)
+
+    def make(self, index: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> list:
+        """The encoder's output: its final ``layer_norm`` of the tokens' part, cut back to S."""
+        return [self.stacks()[0].layer_norm(hidden[:, :ctx.enc_mask.length])]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.decoder.layer_norm(hidden))
