@@ -21,10 +21,10 @@ from hf_cephalo.models.peft_lora import is_peft_model, unwrap_peft_model
 from hf_cephalo.models.seq2seq import BartStagedModel, T5StagedModel
 from hf_cephalo.models.seq2seq_families import (MarianStagedModel, MBartStagedModel,
                                                 PegasusStagedModel)
-from hf_cephalo.models.seq2seq_kin import (BigBirdPegasusStagedModel, BlenderbotSmallStagedModel,
-                                           BlenderbotStagedModel, FSMTStagedModel, LEDStagedModel,
-                                           M2M100StagedModel, MvpStagedModel, PegasusXStagedModel,
-                                           PLBartStagedModel)
+from hf_cephalo.models.seq2seq_kin import (NOT_EXACT, BigBirdPegasusStagedModel,
+                                           BlenderbotSmallStagedModel, BlenderbotStagedModel,
+                                           FSMTStagedModel, LEDStagedModel, M2M100StagedModel,
+                                           MvpStagedModel, PegasusXStagedModel, PLBartStagedModel)
 from hf_cephalo.models.speech_seq2seq import MoonshineStagedModel, Speech2TextStagedModel
 from hf_cephalo.models.whisper import WhisperStagedModel
 
@@ -241,21 +241,28 @@ def _generic(model: nn.Module) -> StagedModel:
 
 def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
     """The refusal of an encoder-decoder model without an adapter (its forward takes
-    ``decoder_input_ids``: Speech2Text, BlenderBot, T5's and BART's classifiers, ...), None for
-    any other model. The ``...ForConditionalGeneration`` of T5, BART, mBART, Pegasus and
-    Whisper and ``MarianMTModel`` have adapters (``models/seq2seq.py``,
-    ``models/seq2seq_families.py``, ``models/whisper.py``) and never get here; the generic
-    path stages one layer stack, not an encoder, a decoder and the code between them."""
+    ``decoder_input_ids``: ProphetNet, T5's and BART's classifiers, ...), None for any other
+    model: why it cannot train exactly where ``NOT_EXACT`` knows (NLLB-MoE), else that it has no
+    adapter. The encoder-decoders with adapters (``models/seq2seq.py``,
+    ``models/seq2seq_families.py``, ``models/seq2seq_kin.py``, ``models/whisper.py``,
+    ``models/speech_seq2seq.py``) never get here; the generic path stages one layer stack, not
+    an encoder, a decoder and the code between them."""
     import inspect
     if "decoder_input_ids" not in inspect.signature(type(model).forward).parameters:
         return None
     name = type(model).__name__
+    why = next((NOT_EXACT[c.__name__] for c in type(model).__mro__ if c.__name__ in NOT_EXACT),
+               None)
+    if why is not None:
+        return UnsupportedModelError(f"hf_cephalo cannot train {name} exactly: {why}. Nothing "
+                                     f"was run. {scope_text()}.", [])
     return UnsupportedModelError(
         f"hf_cephalo cannot train {name}: it is an encoder-decoder model (its forward takes "
         f"decoder_input_ids) without an adapter; the generic path stages one layer stack, not "
         f"an encoder, a decoder whose cross-attention reads the encoder's output and the code "
-        f"between them. Nothing was run. T5, BART, mBART, Marian, Pegasus and Whisper train "
-        f"(models/seq2seq.py, models/seq2seq_families.py, models/whisper.py), as does a "
+        f"between them. Nothing was run. T5, BART and their kin and Whisper, Speech2Text and "
+        f"Moonshine train (models/seq2seq.py, models/seq2seq_families.py, "
+        f"models/seq2seq_kin.py, models/whisper.py, models/speech_seq2seq.py), as does a "
         f"decoder-only or encoder-only model of the task ({scope_text()}); to train this "
         f"one, write an adapter like those (see {GUIDE}).", [])
 

@@ -45,6 +45,17 @@ from hf_cephalo.models.seq2seq import BartStagedModel, Seq2SeqContext
 from hf_cephalo.models.seq2seq_families import FinalNorms, MarianStagedModel
 
 
+NOT_EXACT = {
+    "NllbMoeForConditionalGeneration": (
+        "its MoE layers route over the whole batch's tokens at once (each expert takes at most "
+        "expert_capacity of them, counted across the batch, in order or by router probability), "
+        "so a token's experts depend on the other rows and microbatches do not compute what "
+        "the model computes on the whole batch (its default config also has layer drop 0.05)"),
+}
+"""Encoder-decoders of BART's kin that no adapter can train exactly -> why (the registry's
+refusal of them says it)."""
+
+
 def _dropout(hidden: torch.Tensor, stack: nn.Module) -> torch.Tensor:
     """The stack's embedding dropout (``stack.dropout`` is a probability in these families)."""
     return F.dropout(hidden, p=stack.dropout, training=stack.training)
