@@ -108,12 +108,16 @@ TEXT_ONLY = (" An `exact` class here is an audio- or vision-language model whose
              "refused, docs/adding_a_model.md \"Vision-language models on text\"); the "
              "encoder-decoders (a forward taking `decoder_input_ids`) are refused")
 SEQ2SEQ_NOTE = (TEXT_ONLY + ", except T5's, BART's, mBART's and Pegasus's "
-                "`...ForConditionalGeneration` and `MarianMTModel`, which train as seq2seq "
-                "models (their own loss on `labels`, the decoder's input their own shift of them: "
-                "models/seq2seq.py, models/seq2seq_families.py).")
-SPEECH_NOTE = (TEXT_ONLY + ", except Whisper's `WhisperForConditionalGeneration`, which trains "
-               "as a speech-to-text model (random log-mel `input_features` and token `labels`, "
-               "its own loss and label shift: models/whisper.py).")
+                "`...ForConditionalGeneration` and `MarianMTModel`, and those of BART's kin "
+                "(Blenderbot, Blenderbot-small, PLBart, MVP, M2M100, FSMT, BigBird-Pegasus, LED, "
+                "PEGASUS-X), which train as seq2seq models (their own loss on `labels`, the "
+                "decoder's input their own shift of them: models/seq2seq.py, "
+                "models/seq2seq_families.py, models/seq2seq_kin.py).")
+SPEECH_NOTE = (TEXT_ONLY + ", except Whisper's, Speech2Text's and Moonshine's "
+               "`...ForConditionalGeneration`, which train as speech-to-text models (random audio "
+               "as each one's feature extractor gives it: log-mel `input_features`, frames of "
+               "features or raw `input_values`, and token `labels`; their own loss and label "
+               "shift: models/whisper.py, models/speech_seq2seq.py).")
 TASK_NOTES = {"seq2seq-lm": SEQ2SEQ_NOTE, "speech-seq2seq": SPEECH_NOTE}
 """What a mapping's `exact` means where it is not the task's own training."""
 

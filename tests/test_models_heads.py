@@ -1,6 +1,7 @@
 """The generic path's task heads (issue 47): image classification, token classification, masked
-LM and question answering staged exactly, every other class of those mappings (and of the
-seq2seq and speech mappings) refused with one clear error, never a raw exception.
+LM and question answering staged exactly, as are the seq2seq and speech mappings' classes with
+an encoder-decoder adapter; every other class of those mappings refused with one clear error,
+never a raw exception.
 
 The full sweep over transformers' mappings is ``benchmarks/model_coverage.py --tasks all``
 (minutes; its table is docs/supported_models.md, and it exits 1 on any WRONG or CRASH row). CI
@@ -29,6 +30,11 @@ EXACT = {
     "token-classification": ["BertForTokenClassification", "DebertaV2ForTokenClassification"],
     "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM"],
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering"],
+    # BART's kin (models/seq2seq_kin.py): FSMT's sequence-first layers, MVP's layer calls,
+    # PEGASUS-X's global tokens joined into the boundary; Moonshine's raw-audio front end
+    "seq2seq-lm": ["FSMTForConditionalGeneration", "MvpForConditionalGeneration",
+                   "PegasusXForConditionalGeneration"],
+    "speech-seq2seq": ["MoonshineForConditionalGeneration"],
 }
 REFUSED = {  # class -> what its refusal says
     "PoolFormerForImageClassification": "layer stacks",  # stages are bare lists: no stage
