@@ -406,6 +406,31 @@ def test_a_layer_appended_after_construction_is_refused_when_staging():
         stage_model(model)
 
 
+def test_bart_kin_refuse_what_they_cannot_stage_exactly():
+    """Built on the meta device (no weights, no forward), each refused with the fix: MVP's
+    prompt tuning (prompt modules every layer reads), BigBird-Pegasus's block-sparse attention
+    (not staged yet); NLLB-MoE (routing over the whole batch). M2M100's default layer drop:
+    tests/test_models_heads.py."""
+    from transformers import BigBirdPegasusConfig, MvpConfig, NllbMoeConfig
+
+    from hf_cephalo.models import UnsupportedModelError
+
+    small = dict(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                 encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+                 decoder_ffn_dim=16)
+    cases = [(transformers.MvpForConditionalGeneration, MvpConfig(use_prompt=True, **small),
+              "use_prompt=True.*config.use_prompt = False"),
+             (transformers.BigBirdPegasusForConditionalGeneration, BigBirdPegasusConfig(**small),
+              "block_sparse.*set_attention_type\\('original_full'\\).*704 tokens"),
+             (transformers.NllbMoeForConditionalGeneration, NllbMoeConfig(**small),
+              "its MoE layers route over the whole batch")]
+    for cls, config, reason in cases:
+        with torch.device("meta"):
+            model = cls(config)
+        with pytest.raises(UnsupportedModelError, match=f"{cls.__name__}.*: .*{reason}"):
+            stage_model(model)
+
+
 def test_seq2seq_adapters_refuse_layer_drop_and_a_batch_without_targets():
     """BART's layer drop skips layers at random in training, which no staged schedule replays:
     refused when staging. A microbatch with neither ``labels`` nor ``decoder_input_ids`` has no
