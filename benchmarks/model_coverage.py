@@ -160,10 +160,10 @@ def _speech_batch(config, seed: int, main_input: str,
                   padded_mels: bool) -> dict[str, torch.Tensor]:
     """5 rows of random audio and token labels of lengths 6, 3, 5, 2, 6 padded with -100. The
     audio as the model's feature extractor gives it: with ``padded_mels``, log-mel features
-    (num_mel_bins x 2 x max_source_positions) that every clip is padded to (Whisper); else features (frames x
-    input_feat_per_channel x input_channels: Speech2Text) or raw samples (``input_values``:
-    Moonshine) of 64 frames / 4000 samples, with an ``attention_mask`` marking each row's
-    length (64, 40, 56, 24, 64 frames; samples in proportion)."""
+    (num_mel_bins x 2 x max_source_positions) that every clip is padded to (Whisper); else
+    features (frames x input_feat_per_channel x input_channels: Speech2Text) or raw samples
+    (``input_values``: Moonshine) of 64 frames / 4000 samples, with an ``attention_mask``
+    marking each row's length (64, 40, 56, 24, 64 frames; samples in proportion)."""
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(4, config.vocab_size - 8, (5, 6), generator=g)
     labels[torch.arange(6)[None, :] >= torch.tensor([6, 3, 5, 2, 6])[:, None]] = -100

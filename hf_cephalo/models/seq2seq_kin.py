@@ -2,9 +2,9 @@
 BigBird-Pegasus, LED and PEGASUS-X's ``...ForConditionalGeneration``.
 
 The units and side inputs of models/seq2seq.py ([Note: encoder-decoder units], BART's adapter)
-and, where a family has them, each stack's final norms (``FinalNorms``, models/seq2seq_families.py).
-What differs is each family's own code around the layers, re-stated as its forward has it, with
-its own modules and label shift called:
+and, where a family has them, each stack's final norms (``FinalNorms``,
+models/seq2seq_families.py). What differs is each family's own code around the layers,
+re-stated as its forward has it, with its own modules and label shift called:
 
 * Blenderbot: token embeddings scaled inside the embedding module, learned positions, no
   embedding LayerNorm; each stack's final ``layer_norm`` (pre-LN layers).
