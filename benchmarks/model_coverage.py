@@ -108,13 +108,16 @@ TEXT_ONLY = (" An `exact` class here is an audio- or vision-language model whose
              "refused, docs/adding_a_model.md \"Vision-language models on text\"); the "
              "encoder-decoders (a forward taking `decoder_input_ids`) are refused")
 SEQ2SEQ_NOTE = (TEXT_ONLY + ", except T5's, mT5's, UMT5's, LongT5's, BART's, mBART's and "
-                "Pegasus's `...ForConditionalGeneration` and `MarianMTModel`, which train as "
-                "seq2seq models (their own loss on `labels`, the decoder's input their own shift "
-                "of them: models/seq2seq.py, models/seq2seq_families.py, "
-                "models/seq2seq_t5_kin.py).")
-SPEECH_NOTE = (TEXT_ONLY + ", except Whisper's `WhisperForConditionalGeneration`, which trains "
-               "as a speech-to-text model (random log-mel `input_features` and token `labels`, "
-               "its own loss and label shift: models/whisper.py).")
+                "Pegasus's `...ForConditionalGeneration` and `MarianMTModel`, and those of BART's "
+                "kin (Blenderbot, Blenderbot-small, PLBart, MVP, M2M100, FSMT, BigBird-Pegasus, "
+                "LED, PEGASUS-X), which train as seq2seq models (their own loss on `labels`, the "
+                "decoder's input their own shift of them: models/seq2seq.py, "
+                "models/seq2seq_families.py, models/seq2seq_t5_kin.py, models/seq2seq_kin.py).")
+SPEECH_NOTE = (TEXT_ONLY + ", except Whisper's, Speech2Text's and Moonshine's "
+               "`...ForConditionalGeneration`, which train as speech-to-text models (random audio "
+               "as each one's feature extractor gives it: log-mel `input_features`, frames of "
+               "features or raw `input_values`, and token `labels`; their own loss and label "
+               "shift: models/whisper.py, models/speech_seq2seq.py).")
 TASK_NOTES = {"seq2seq-lm": SEQ2SEQ_NOTE, "speech-seq2seq": SPEECH_NOTE}
 """What a mapping's `exact` means where it is not the task's own training."""
 
@@ -140,6 +143,11 @@ def _config(model_type: str):
         for key, value in UNSET_DEFAULTS.items():
             if key in fields and fields[key] is None:
                 setattr(cfg, key, value(cfg))
+        # an encoder-decoder's forward fills the shifted labels' -100 with the pad id, which
+        # Moonshine's default config leaves None: the eos id, as a checkpoint or the user sets it
+        if getattr(cfg, "is_encoder_decoder", False) and "pad_token_id" in fields and \
+                fields["pad_token_id"] is None and isinstance(fields.get("eos_token_id"), int):
+            cfg.pad_token_id = cfg.eos_token_id
         # T5's default config has no decoder start token; every T5 checkpoint sets the pad id
         if getattr(cfg, "is_encoder_decoder", False) and \
                 getattr(cfg, "decoder_start_token_id", None) is None and \
@@ -148,27 +156,45 @@ def _config(model_type: str):
     return config
 
 
-def _speech_batch(config, seed: int) -> dict[str, torch.Tensor]:
-    """5 rows of random log-mel features (num_mel_bins x 2 x max_source_positions: what
-    Whisper's feature extractor pads every clip to) and token labels of lengths 6, 3, 5, 2, 6
-    padded with -100."""
+def _speech_batch(config, seed: int, main_input: str,
+                  padded_mels: bool) -> dict[str, torch.Tensor]:
+    """5 rows of random audio and token labels of lengths 6, 3, 5, 2, 6 padded with -100. The
+    audio as the model's feature extractor gives it: with ``padded_mels``, log-mel features
+    (num_mel_bins x 2 x max_source_positions) that every clip is padded to (Whisper); else
+    features (frames x input_feat_per_channel x input_channels: Speech2Text) or raw samples
+    (``input_values``: Moonshine) of 64 frames / 4000 samples, with an ``attention_mask``
+    marking each row's length (64, 40, 56, 24, 64 frames; samples in proportion)."""
     g = torch.Generator().manual_seed(seed)
-    features = torch.randn(5, config.num_mel_bins, 2 * config.max_source_positions, generator=g)
     labels = torch.randint(4, config.vocab_size - 8, (5, 6), generator=g)
     labels[torch.arange(6)[None, :] >= torch.tensor([6, 3, 5, 2, 6])[:, None]] = -100
-    return {"input_features": features, "labels": labels}
+    if padded_mels:
+        features = torch.randn(5, config.num_mel_bins, 2 * config.max_source_positions,
+                               generator=g)
+        return {"input_features": features, "labels": labels}
+    steps = 4000 if main_input == "input_values" else 64
+    shape = (5, steps) if main_input == "input_values" else \
+        (5, steps, config.input_feat_per_channel * config.input_channels)
+    lengths = torch.tensor([64, 40, 56, 24, 64]) * steps // 64
+    mask = (torch.arange(steps)[None, :] < lengths[:, None]).long()
+    return {main_input: torch.randn(*shape, generator=g), "attention_mask": mask,
+            "labels": labels}
 
 
 def _batch(config, task: str, seed: int = 0, cls: type | None = None) -> dict[str, torch.Tensor]:
-    """5 rows for ``task``: images (image classification); log-mel features for a speech
-    encoder-decoder whose input is ``input_features`` of a fixed length (``_speech_batch``:
-    Whisper); else 11 tokens right-padded (left for a sequence classifier) to lengths 11, 6, 9,
-    4, 11 with the task's labels."""
+    """5 rows for ``task``: images (image classification); audio for a speech encoder-decoder
+    whose input is ``input_features`` or ``input_values`` (``_speech_batch``: Whisper,
+    Speech2Text, Moonshine); else 11 tokens right-padded (left for a sequence classifier) to
+    lengths 11, 6, 9, 4, 11 with the task's labels."""
     if task == IMAGE_CLASSIFICATION:
         return image_batch(config, rows=5, seed=seed)
-    if getattr(cls, "main_input_name", None) == "input_features" and \
-            hasattr(config, "num_mel_bins") and hasattr(config, "max_source_positions"):
-        return _speech_batch(config, seed)
+    main_input = getattr(cls, "main_input_name", None)
+    padded_mels = main_input == "input_features" and hasattr(config, "num_mel_bins") and \
+        hasattr(config, "max_source_positions")
+    framed = getattr(config, "is_encoder_decoder", False) and (
+        main_input == "input_values" or
+        main_input == "input_features" and hasattr(config, "input_feat_per_channel"))
+    if padded_mels or framed:
+        return _speech_batch(config, seed, main_input, padded_mels)
     classifier = task == SEQUENCE_CLASSIFICATION
     g = torch.Generator().manual_seed(seed)
     text = config.get_text_config()

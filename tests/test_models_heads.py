@@ -1,6 +1,7 @@
 """The generic path's task heads (issue 47): image classification, token classification, masked
-LM and question answering staged exactly, every other class of those mappings (and of the
-seq2seq and speech mappings) refused with one clear error, never a raw exception.
+LM and question answering staged exactly, as are the seq2seq and speech mappings' classes with
+an encoder-decoder adapter; every other class of those mappings refused with one clear error,
+never a raw exception.
 
 The full sweep over transformers' mappings is ``benchmarks/model_coverage.py --tasks all``
 (minutes; its table is docs/supported_models.md, and it exits 1 on any WRONG or CRASH row). CI
@@ -30,7 +31,12 @@ EXACT = {
     "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM"],
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering",
                            "T5ForQuestionAnswering"],  # on the decoder (models/seq2seq_heads.py)
-    "seq2seq-lm": ["LongT5ForConditionalGeneration"],  # local attention (seq2seq_t5_kin.py)
+    # LongT5's local attention (seq2seq_t5_kin.py); BART's kin (models/seq2seq_kin.py): FSMT's
+    # sequence-first layers, MVP's layer calls, PEGASUS-X's global tokens joined into the
+    # boundary; Moonshine's raw-audio front end
+    "seq2seq-lm": ["LongT5ForConditionalGeneration", "FSMTForConditionalGeneration",
+                   "MvpForConditionalGeneration", "PegasusXForConditionalGeneration"],
+    "speech-seq2seq": ["MoonshineForConditionalGeneration"],
 }
 EXACT["token-classification"].append("T5ForTokenClassification")  # layer 0's bias, handed on
 REFUSED = {  # class -> what its refusal says
@@ -39,8 +45,8 @@ REFUSED = {  # class -> what its refusal says
     "MobileNetV2ForImageClassification": "BatchNorm layers",  # per-microbatch statistics
     "ResNetForImageClassification": "BatchNorm layers",
     "DeiTForImageClassificationWithTeacher": "this head is none of those",
-    "BlenderbotForConditionalGeneration": "encoder-decoder model",  # mBART: an adapter
-    "Speech2TextForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
+    "M2M100ForConditionalGeneration": "has layer drop 0.05",  # its default config's
+    "CohereAsrForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
     "SwitchTransformersForConditionalGeneration": "router z-loss",  # whole-batch MoE losses
 }
 

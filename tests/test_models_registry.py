@@ -25,8 +25,9 @@ ALL_ARCHS = [*BUILDERS, *SEQ_CLS_BUILDERS]
 def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
     """Llama, Mistral, Qwen2, BERT and ViT run on the generic path (models/generic.py); the
     registry keeps the hand-written adapters of GPT-2 and GPT-NeoX, and those of the
-    encoder-decoders T5, BART, mBART, Marian, Pegasus and Whisper (models/seq2seq.py,
-    models/seq2seq_families.py, models/whisper.py: two stacks, which the generic path does not
+    encoder-decoders T5, BART, mBART, Marian, Pegasus, Whisper, BART's kin, Speech2Text and
+    Moonshine (models/seq2seq.py, models/seq2seq_families.py, models/seq2seq_kin.py,
+    models/whisper.py, models/speech_seq2seq.py: two stacks, which the generic path does not
     stage), of T5's kin and the encoder-decoders' task heads (models/seq2seq_t5_kin.py,
     models/seq2seq_heads.py; T5's token classifier: its layer 0 hands the later layers their
     position bias, which the generic path does not see)."""
@@ -34,7 +35,15 @@ def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
         "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPTNeoXForCausalLM",
         "T5ForConditionalGeneration", "BartForConditionalGeneration",
         "WhisperForConditionalGeneration", "MBartForConditionalGeneration", "MarianMTModel",
-        "PegasusForConditionalGeneration"} | T5_KIN_AND_HEADS
+        "PegasusForConditionalGeneration",
+        # BART's kin (models/seq2seq_kin.py)
+        "BlenderbotForConditionalGeneration", "BlenderbotSmallForConditionalGeneration",
+        "PLBartForConditionalGeneration", "MvpForConditionalGeneration",
+        "M2M100ForConditionalGeneration", "FSMTForConditionalGeneration",
+        "BigBirdPegasusForConditionalGeneration", "LEDForConditionalGeneration",
+        "PegasusXForConditionalGeneration",
+        # speech (models/speech_seq2seq.py)
+        "Speech2TextForConditionalGeneration", "MoonshineForConditionalGeneration"} | T5_KIN_AND_HEADS
 
 
 T5_KIN_AND_HEADS = {
@@ -410,6 +419,31 @@ def test_a_layer_appended_after_construction_is_refused_when_staging():
     with pytest.raises(ValueError, match=r"holds 3 layers in model.layers but its config says "
                                          r"num_hidden_layers = 2"):
         stage_model(model)
+
+
+def test_bart_kin_refuse_what_they_cannot_stage_exactly():
+    """Built on the meta device (no weights, no forward), each refused with the fix: MVP's
+    prompt tuning (prompt modules every layer reads), BigBird-Pegasus's block-sparse attention
+    (not staged yet); NLLB-MoE (routing over the whole batch). M2M100's default layer drop:
+    tests/test_models_heads.py."""
+    from transformers import BigBirdPegasusConfig, MvpConfig, NllbMoeConfig
+
+    from hf_cephalo.models import UnsupportedModelError
+
+    small = dict(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                 encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+                 decoder_ffn_dim=16)
+    cases = [(transformers.MvpForConditionalGeneration, MvpConfig(use_prompt=True, **small),
+              "use_prompt=True.*config.use_prompt = False"),
+             (transformers.BigBirdPegasusForConditionalGeneration, BigBirdPegasusConfig(**small),
+              "block_sparse.*set_attention_type\\('original_full'\\).*704 tokens"),
+             (transformers.NllbMoeForConditionalGeneration, NllbMoeConfig(**small),
+              "its MoE layers route over the whole batch")]
+    for cls, config, reason in cases:
+        with torch.device("meta"):
+            model = cls(config)
+        with pytest.raises(UnsupportedModelError, match=f"{cls.__name__}.*: .*{reason}"):
+            stage_model(model)
 
 
 def test_seq2seq_adapters_refuse_layer_drop_and_a_batch_without_targets():

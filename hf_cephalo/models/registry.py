@@ -25,6 +25,11 @@ from hf_cephalo.models.seq2seq_heads import SEQ2SEQ_HEAD_ADAPTERS
 from hf_cephalo.models.seq2seq_t5_kin import (T5_KIN_REFUSALS, LongT5StagedModel,
                                               MT5StagedModel, T5TokenClassifierStagedModel,
                                               UMT5StagedModel)
+from hf_cephalo.models.seq2seq_kin import (NOT_EXACT, BigBirdPegasusStagedModel,
+                                           BlenderbotSmallStagedModel, BlenderbotStagedModel,
+                                           FSMTStagedModel, LEDStagedModel, M2M100StagedModel,
+                                           MvpStagedModel, PegasusXStagedModel, PLBartStagedModel)
+from hf_cephalo.models.speech_seq2seq import MoonshineStagedModel, Speech2TextStagedModel
 from hf_cephalo.models.whisper import WhisperStagedModel
 
 _ADAPTERS: dict[str, type[StagedModel]] = {}
@@ -240,31 +245,32 @@ def _generic(model: nn.Module) -> StagedModel:
 
 def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
     """The refusal of an encoder-decoder model without an adapter (its forward takes
-    ``decoder_input_ids``: Speech2Text, BlenderBot, Switch Transformers with the reason
-    ``T5_KIN_REFUSALS`` gives, ...), None for any other model. The
-    ``...ForConditionalGeneration`` of T5, mT5, UMT5, LongT5, BART, mBART, Pegasus and Whisper,
-    ``MarianMTModel`` and the QA / classification heads of T5, mT5, UMT5, BART and mBART have
-    adapters (``models/seq2seq.py``, ``models/seq2seq_families.py``,
-    ``models/seq2seq_t5_kin.py``, ``models/seq2seq_heads.py``, ``models/whisper.py``) and never
-    get here; the generic path stages one layer stack, not an encoder, a decoder and the code
-    between them."""
+    ``decoder_input_ids``: ProphetNet, SpeechT5, ...), None for any other model: why it cannot
+    train exactly where ``T5_KIN_REFUSALS`` or ``NOT_EXACT`` knows (Switch Transformers,
+    NLLB-MoE), else that it has no adapter. The encoder-decoders with adapters
+    (``models/seq2seq.py``, ``models/seq2seq_families.py``, ``models/seq2seq_t5_kin.py``,
+    ``models/seq2seq_kin.py``, ``models/seq2seq_heads.py``, ``models/whisper.py``,
+    ``models/speech_seq2seq.py``) never get here; the generic path stages one layer stack, not
+    an encoder, a decoder and the code between them."""
     import inspect
     if "decoder_input_ids" not in inspect.signature(type(model).forward).parameters:
         return None
     name = type(model).__name__
-    reason = next((T5_KIN_REFUSALS[c.__name__] for c in type(model).__mro__
-                   if c.__name__ in T5_KIN_REFUSALS), None)
-    if reason is not None:
-        return UnsupportedModelError(
-            f"hf_cephalo cannot train {name}: it is an encoder-decoder model of T5's kin "
-            f"whose staging is not exact yet: {reason}. Nothing was run. T5, mT5, UMT5 and "
-            f"LongT5 train (models/seq2seq.py, models/seq2seq_t5_kin.py).", [])
+    not_exact = {**T5_KIN_REFUSALS, **NOT_EXACT}
+    why = next((not_exact[c.__name__] for c in type(model).__mro__ if c.__name__ in not_exact),
+               None)
+    if why is not None:
+        return UnsupportedModelError(f"hf_cephalo cannot train {name} exactly: {why}. Nothing "
+                                     f"was run. {scope_text()}.", [])
     return UnsupportedModelError(
         f"hf_cephalo cannot train {name}: it is an encoder-decoder model (its forward takes "
         f"decoder_input_ids) without an adapter; the generic path stages one layer stack, not "
         f"an encoder, a decoder whose cross-attention reads the encoder's output and the code "
-        f"between them. Nothing was run. T5, BART, mBART, Marian, Pegasus and Whisper train "
-        f"(models/seq2seq.py, models/seq2seq_families.py, models/whisper.py), as does a "
+        f"between them. Nothing was run. T5, BART and their kin and Whisper, Speech2Text and "
+        f"Moonshine train (models/seq2seq.py, models/seq2seq_families.py, "
+        f"models/seq2seq_t5_kin.py, models/seq2seq_kin.py, models/whisper.py, "
+        f"models/speech_seq2seq.py), as do the question-answering and classification heads of "
+        f"T5, mT5, UMT5, BART and mBART (models/seq2seq_heads.py) and a "
         f"decoder-only or encoder-only model of the task ({scope_text()}); to train this "
         f"one, write an adapter like those (see {GUIDE}).", [])
 
@@ -387,10 +393,11 @@ def stage_model(model: nn.Module) -> StagedModel:
     self-check seeds its tiny copy, and the user's dropout masks and a loader's seed must not
     depend on whether a check ran (the check is cached per class and config).
 
-    Raises ValueError (``UnsupportedModelError``) for an unsupported class, ValueError for a
-    PEFT wrapper other than one LoRA adapter, ValueError for a built-in adapter with transformers < 5,
-    or when the adapter's root modules and units do not cover ``model.parameters()`` exactly
-    (e.g. extra modules attached to the model).
+    Raises ValueError (``UnsupportedModelError``) for an unsupported class or a setting its
+    adapter refuses (an encoder-decoder's layer drop: the adapter's own message, prefixed with
+    the class), ValueError for a PEFT wrapper other than one LoRA adapter, ValueError for a
+    built-in adapter with transformers < 5, or when the adapter's root modules and units do not
+    cover ``model.parameters()`` exactly (e.g. extra modules attached to the model).
     """
     if isinstance(model, StagedModel):
         return model
@@ -414,12 +421,22 @@ def _stage(model: nn.Module) -> StagedModel:
         model = model.base_model.model
     if adapter.__module__.startswith("hf_cephalo.models."):
         check_transformers_version(transformers.__version__)
-    return adapter(model)
+    try:
+        return adapter(model)
+    except UnsupportedModelError:
+        raise
+    except ValueError as exc:  # the adapter refuses a setting (layer drop, SpecAugment, ...)
+        raise UnsupportedModelError(f"hf_cephalo cannot train {type(inner).__name__}: {exc}",
+                                    []) from exc
 
 
 for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStagedModel,
                  T5StagedModel, BartStagedModel, WhisperStagedModel, MBartStagedModel,
                  MarianStagedModel, PegasusStagedModel, MT5StagedModel, UMT5StagedModel,
-                 LongT5StagedModel, T5TokenClassifierStagedModel, *SEQ2SEQ_HEAD_ADAPTERS):
+                 LongT5StagedModel, T5TokenClassifierStagedModel, *SEQ2SEQ_HEAD_ADAPTERS,
+                 BlenderbotStagedModel, BlenderbotSmallStagedModel, PLBartStagedModel,
+                 MvpStagedModel, M2M100StagedModel, Speech2TextStagedModel, MoonshineStagedModel,
+                 FSMTStagedModel, BigBirdPegasusStagedModel, LEDStagedModel,
+                 PegasusXStagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)

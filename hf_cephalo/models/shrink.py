@@ -25,6 +25,10 @@ _SIZES = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 2
           "hidden_size_per_layer_input": 8}
 _HEADS = ("num_attention_heads", "n_head", "num_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
+_STACKS = ("encoder", "decoder", "cross")
+"""Stacks with their own ``<stack>_num_key_value_heads`` (Moonshine's encoder, Dia's
+cross-attention): shrunk by the same rule as the model's key / value heads, so they never
+exceed their stack's query heads, which the shrink sets to 4."""
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _TOPK = ("num_experts_per_tok", "moe_topk", "top_k")
 _SPARSE_TOKENS = ("index_topk", "_num_local_tokens", "_num_sink_tokens")
@@ -188,6 +192,8 @@ def _shrink_heads(cfg: Any, group_heads: bool) -> None:
     ``group_heads``: ``_keep_group_heads``."""
     heads = next((int_field(cfg, k) for k in _HEADS if int_field(cfg, k) is not None), None)
     kv = next((int_field(cfg, k) for k in _KV_HEADS if int_field(cfg, k) is not None), None)
+    stacks = {s: (int_field(cfg, f"{s}_num_attention_heads"),
+                  int_field(cfg, f"{s}_num_key_value_heads")) for s in _STACKS}
     for key in _HEADS:
         if int_field(cfg, key) is not None:
             _set(cfg, key, 4)
@@ -198,6 +204,10 @@ def _shrink_heads(cfg: Any, group_heads: bool) -> None:
         v = int_field(cfg, key)
         if v is not None:
             _set(cfg, key, 4 if heads is None or v >= heads else 2 if v > 1 else 1)
+    for stack, (h, v) in stacks.items():  # one not aliased to the fields above (not shrunk)
+        if v is not None and int_field(cfg, f"{stack}_num_key_value_heads") == v:
+            _set(cfg, f"{stack}_num_key_value_heads", 4 if h is None or v >= h else
+                 2 if v > 1 else 1)
     if group_heads:
         _keep_group_heads(cfg, heads, kv)
 

@@ -3,8 +3,9 @@ trainers): ``models.stage_model`` less the models the engine trains but a door d
 yet.
 
 [Note: encoder-decoders at the doors]
-The encoder-decoders with adapters (T5, BART, mBART, Marian, Pegasus, Whisper:
-models/seq2seq.py, seq2seq_families.py, whisper.py) train exactly on the engine.
+The encoder-decoders with adapters (T5, BART, mBART, Marian, Pegasus, Whisper, BART's kin,
+Speech2Text, Moonshine: models/seq2seq.py, seq2seq_families.py, seq2seq_kin.py, whisper.py,
+speech_seq2seq.py) train exactly on the engine.
 ``CephaloTrainer`` (and ``CephaloSeq2SeqTrainer``) takes them with the model's own loss; for T5,
 BART and Whisper its training (losses, gradient norms, weights), ``evaluate``'s loss,
 ``predict``'s logits (at the labelled positions: the gathered rows are padded with -100 beyond
