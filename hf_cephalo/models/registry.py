@@ -260,8 +260,9 @@ def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
     why = next((not_exact[c.__name__] for c in type(model).__mro__ if c.__name__ in not_exact),
                None)
     if why is not None:
-        return UnsupportedModelError(f"hf_cephalo cannot train {name} exactly: {why}. Nothing "
-                                     f"was run. {scope_text()}.", [])
+        return UnsupportedModelError(f"hf_cephalo cannot train {name} exactly: it is an "
+                                     f"encoder-decoder model whose staging cannot be exact yet: "
+                                     f"{why}. Nothing was run. {scope_text()}.", [])
     return UnsupportedModelError(
         f"hf_cephalo cannot train {name}: it is an encoder-decoder model (its forward takes "
         f"decoder_input_ids) without an adapter; the generic path stages one layer stack, not "
