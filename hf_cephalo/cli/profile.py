@@ -106,11 +106,11 @@ def _build_model(args: argparse.Namespace, config_file: str, config_data: dict):
         return build_model_from_config(args.model_config, args.model_class,
                                        getattr(torch, args.dtype))
     except ValueError as e:  # keep the first line; transformers appends ~200 config names
-        from hf_cephalo.models import supported_model_classes
+        from hf_cephalo.models import adapter_summary
 
         raise ValueError(f"{str(e).splitlines()[0].rstrip('.;: ')}; hf_cephalo trains the "
                          f"causal-LM and sequence-classification heads of transformers' models, "
-                         f"and through adapters: {', '.join(supported_model_classes())}") from None
+                         f"and through adapters {adapter_summary()}") from None
     except (AttributeError, TypeError, KeyError) as e:  # a class that does not fit the config
         name = args.model_class or (config_data.get("architectures") or
                                     ["AutoModelForCausalLM"])[0]

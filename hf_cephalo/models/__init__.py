@@ -12,8 +12,8 @@ from typing import Any
 from hf_cephalo.models.base import (HeadEvalOutput, HeadOutput, Microbatch, StagedModel,
                                     WrappedStagedModel)
 
-_REGISTRY_NAMES = ("UnsupportedModelError", "adapter_for", "register_adapter", "stage_model",
-                   "supported_model_classes")
+_REGISTRY_NAMES = ("UnsupportedModelError", "adapter_for", "adapter_summary",
+                   "register_adapter", "stage_model", "supported_model_classes")
 
 __all__ = ["HeadEvalOutput", "HeadOutput", "Microbatch", "StagedModel", "WrappedStagedModel",
            *_REGISTRY_NAMES]

@@ -67,6 +67,22 @@ def supported_model_classes() -> list[str]:
     return sorted(_ADAPTERS)
 
 
+def adapter_summary() -> str:
+    """The registered adapters in one short phrase for messages: how many classes of how many
+    model types, the types by name (``config_class.model_type`` of the transformers class; a
+    class that is not one of transformers' is named itself) and where each class is listed,
+    e.g. "35 classes of 24 model types (bart, ..., whisper; each class:
+    hf_cephalo.models.supported_model_classes(), docs/supported_models.md)". One class name
+    per adapter made the messages grow by a line with each new family."""
+    types = set()
+    for name in supported_model_classes():
+        config_class = getattr(getattr(transformers, name, None), "config_class", None)
+        types.add(getattr(config_class, "model_type", None) or name)
+    return (f"{len(_ADAPTERS)} classes of {len(types)} model types ({', '.join(sorted(types))};"
+            f" each class: hf_cephalo.models.supported_model_classes(), "
+            f"docs/supported_models.md)")
+
+
 class UnsupportedModelError(ValueError):
     """No adapter for a model's class. ``alternatives``: supported classes that can stand in
     for the model, i.e. heads of the same architecture (same ``config.model_type``) for a bare
@@ -172,8 +188,7 @@ def scope_text() -> str:
             "token-classification, masked-LM and question-answering heads of Hugging Face "
             "models whose layers run in a row (its generic path runs the model's own forward "
             "around its layers; a vision-language model's language model on text where that "
-            "forward is a causal LM's) and, through hand-written adapters, "
-            f"{', '.join(supported_model_classes())}")
+            f"forward is a causal LM's) and, through hand-written adapters, {adapter_summary()}")
 
 
 def _unsupported(model: nn.Module) -> UnsupportedModelError:
