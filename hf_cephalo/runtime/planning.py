@@ -44,7 +44,7 @@ from hf_cephalo.runtime.elastic import latest_checkpoint, read_checkpoint_record
 from hf_cephalo.runtime.job import Job
 from hf_cephalo.units import GIB
 
-__all__ = ["ResolvedPlan", "resolve_plan", "select_world_devices", "replan_with_measured_u",
+__all__ = ["ResolvedPlan", "resolve_plan", "select_world_devices", "cluster_with_measured_u",
            "check_state_fits_caps", "replan_live", "adopt_checkpoint_split",
            "adopt_checkpoint_state", "resume_banner", "wrap_staged", "measure_config",
            "job_rank_precisions", "warn_idle_ranks", "check_plan_for_job"]
@@ -146,24 +146,11 @@ def _resolve_plan(job: Job, staged: StagedModel, train_dataset: Any) -> Resolved
     measured = _cluster(job, profiled, train_dataset, B)  # per sequence row, as measured
     # a door whose sample is several rows (a preference pair): priced per sample, k rows each
     cluster = per_sample_cluster(measured, job.rows_per_sample)
-    reason = ""
-    try:
-        # an RL door's forward-only scoring passes are priced with the training step
-        checkpointing = planned_checkpointing(job, getattr(staged, "model", None))
-        if checkpointing is None:  # auto: keep why, for the plan's line
-            plan, reason = optimize_auto_checkpointing(cluster, B, job.settings.memory_fraction,
-                                                       scoring_passes=job.scoring_passes)
-        else:
-            plan = optimize(cluster, B, job.settings.memory_fraction,
-                            activation_checkpointing=checkpointing,
-                            scoring_passes=job.scoring_passes)
-            if checkpointing and activation_checkpointing_setting(
-                    job.settings.activation_checkpointing) is None:  # asked for by the model
-                reason = "the model's gradient checkpointing is on"
-    except InfeasiblePlanError as e:
-        raise InfeasiblePlanError(f"{e}{_infeasible_remedy(job, B, e.constraint)}",
-                                  e.constraint) from None
-    plan, cluster = replan_with_measured_u(plan, cluster, profiled, job, B)
+    plan, reason = _optimize_at_start(job, staged, cluster, B)
+    remeasured = cluster_with_measured_u(plan, cluster, profiled, job)
+    if remeasured is not None:  # once, the same way (auto re-decides checkpointing), with its u
+        cluster = remeasured
+        plan, reason = _optimize_at_start(job, staged, cluster, B)
     plan.validate_for(world_size, cluster.model, precision=_precision_tag(job, staged))
     check_plan_memory([p.memory_bytes for p in predict(plan, cluster).ranks], caps)
     if job.rank == 0 and job.output_dir is not None:
@@ -283,30 +270,54 @@ def _profiled(staged: StagedModel, job: Job) -> StagedModel:
 U_REPLAN_TOLERANCE = 0.05
 
 
-def replan_with_measured_u(plan: Plan, cluster: ClusterProfile, staged: StagedModel, job: Job,
-                           global_batch_size: int) -> tuple[Plan, ClusterProfile]:
-    """(plan, cluster) after re-planning once with u measured for ``plan``'s own layout.
+def _optimize_at_start(job: Job, staged: StagedModel, cluster: ClusterProfile,
+                       global_batch_size: int) -> tuple[Plan, str]:
+    """The start's plan for ``cluster`` and why its activation checkpointing setting was chosen
+    ('' where the user set it): the exact optimizer with the job's checkpointing setting (auto
+    prices both and keeps the faster, ``optimize_auto_checkpointing``), an RL door's
+    forward-only scoring passes priced with the training step. Raises InfeasiblePlanError with
+    the job's remedy appended."""
+    try:
+        checkpointing = planned_checkpointing(job, getattr(staged, "model", None))
+        if checkpointing is None:  # auto: keep why, for the plan's line
+            return optimize_auto_checkpointing(cluster, global_batch_size,
+                                               job.settings.memory_fraction,
+                                               scoring_passes=job.scoring_passes)
+        plan = optimize(cluster, global_batch_size, job.settings.memory_fraction,
+                        activation_checkpointing=checkpointing,
+                        scoring_passes=job.scoring_passes)
+    except InfeasiblePlanError as e:
+        raise InfeasiblePlanError(f"{e}{_infeasible_remedy(job, global_batch_size, e.constraint)}",
+                                  e.constraint) from None
+    asked_by_model = checkpointing and activation_checkpointing_setting(
+        job.settings.activation_checkpointing) is None
+    return plan, "the model's gradient checkpointing is on" if asked_by_model else ""
+
+
+def cluster_with_measured_u(plan: Plan, cluster: ClusterProfile, staged: StagedModel,
+                            job: Job) -> ClusterProfile | None:
+    """``cluster`` with the uneven factor u measured for ``plan``'s own layout, to plan again
+    with, where it differs from the profile's by more than ``U_REPLAN_TOLERANCE``; None where it
+    does not, or where nothing is measured.
 
     Collective on every rank (all ranks hold the same plan) when the plan is uneven, the world
-    size is > 1 and the profile carries a measured u; otherwise returns its inputs unchanged.
+    size is > 1 and the profile carries a measured u. The caller re-plans with the same
+    optimizer call as before (so ``profile.json``, saved with this u, re-plans to the plan the
+    job runs: with checkpointing auto the re-plan decides it again, as the first plan did).
     """
     if not plan.uneven_state or cluster.world_size == 1 or cluster.comm.uneven_factor is None \
             or not (dist.is_available() and dist.is_initialized()):
-        return plan, cluster
+        return None
     measured = measure_comm(staged, device=job.device, group=None,
                             state_ratios=plan.state_ratios).uneven_factor
     old = cluster.comm.uneven_factor
     if abs(measured - old) <= U_REPLAN_TOLERANCE * old:
-        return plan, cluster
+        return None
     logger.info("uneven factor of the plan's layout %.3f differs from the profile's %.3f: "
                 "re-planning once", measured, old)
     comm = dataclasses.replace(cluster.comm, uneven_factor=measured,
                                uneven_state_ratios=list(plan.state_ratios))
-    cluster = dataclasses.replace(cluster, comm=comm)
-    return optimize(cluster, global_batch_size, plan.memory_fraction,
-                    root_resident=plan.root_resident,
-                    activation_checkpointing=plan.activation_checkpointing,
-                    scoring_passes=job.scoring_passes), cluster
+    return dataclasses.replace(cluster, comm=comm)
 
 
 def check_state_fits_caps(plan: Plan, state_bytes: float, caps: list[float | None]) -> None:
