@@ -17,8 +17,9 @@ stages one unit, the hidden state's shape changing at every unit boundary) and t
 encoder-decoders (``SEQ2SEQ``: T5 and BART ``...ForConditionalGeneration`` on
 ``DataCollatorForSeq2Seq``-style batches; the encoder's output is a side input the first decoder
 unit makes and every decoder layer reads, T5's position biases side inputs each stack's layer 0
-makes: engine/schedule.py [Note: side inputs], models/seq2seq.py; and Whisper on random log-mel
-features, models/whisper.py).
+makes: engine/schedule.py [Note: side inputs], models/seq2seq.py; Whisper on random log-mel
+features, models/whisper.py; LED and PEGASUS-X, whose encoder boundary is padded to a window or
+block and joined with global tokens, models/seq2seq_kin.py).
 """
 
 from __future__ import annotations

@@ -137,6 +137,19 @@ SEQ2SEQ: dict[str, tuple[str, Callable[[], Any]]] = {
         attention_dropout=0.0, activation_dropout=0.0, apply_spec_augment=False,
         pad_token_id=PAD, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
         begin_suppress_tokens=None, suppress_tokens=None)),
+    "led": ("LEDForConditionalGeneration", lambda: transformers.LEDConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_encoder_position_embeddings=64,
+        max_decoder_position_embeddings=64, attention_window=[4, 4], dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=PAD, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=2)),
+    "pegasus_x": ("PegasusXForConditionalGeneration", lambda: transformers.PegasusXConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64, num_global_tokens=4, block_size=4,
+        stagger_local_blocks=True, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=PAD, eos_token_id=1, decoder_start_token_id=PAD)),
 }
 """Encoder-decoders (docs/engine.md, "Side inputs"; models/seq2seq.py): every decoder layer's
 cross-attention reads the encoder's output, a side input the first decoder unit makes; T5's
@@ -144,7 +157,11 @@ relative position bias, made by each stack's layer 0, is read by every layer of 
 encoder and decoder have different depths (T5 3 / 2, BART 2 / 3), T5 its tied head scaled by
 d_model^-0.5 and the gated FFN, BART scaled embeddings; Whisper (speech-to-text, the encoder's
 input random log-mel features, its output made by the encoder's final norm in the first
-decoder unit: models/whisper.py). ``seq2seq_batch`` feeds them."""
+decoder unit: models/whisper.py); two of BART's kin whose encoder boundary is not the input's
+tokens (models/seq2seq_kin.py): LED's Longformer encoder on the input padded to its window (9
+tokens -> 12) with the output cut back in the first decoder unit, and PEGASUS-X's, whose
+boundary joins its 4 global tokens to the tokens padded to its block size. ``seq2seq_batch``
+feeds them."""
 
 
 def seq2seq_batch(size: int, seed: int, name: str = "t5") -> dict[str, torch.Tensor]:
