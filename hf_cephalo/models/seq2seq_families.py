@@ -26,22 +26,27 @@ from hf_cephalo.models.seq2seq import BartStagedModel, Seq2SeqContext
 
 
 class FinalNorms:
-    """Each stack's final ``layer_norm`` (pre-LN stacks: mBART, Pegasus): the encoder's makes
-    the encoder's output in the first decoder unit, the decoder's is on the head side before
-    ``lm_head`` and ``final_logits_bias``. Mixed in before a ``BartStagedModel``."""
+    """Each stack's final norm (pre-LN stacks: mBART, Pegasus, ``layer_norm``; BigBird-Pegasus
+    names it ``layernorm_embedding``: ``final_norm_name``): the encoder's makes the encoder's
+    output in the first decoder unit, the decoder's is on the head side before ``lm_head`` and
+    ``final_logits_bias``. Mixed in before a ``BartStagedModel``."""
+
+    final_norm_name = "layer_norm"
+    """The attribute of each stack that holds its final norm."""
 
     def junction_modules(self, model: nn.Module) -> list[nn.Module]:
-        return [model.model.encoder.layer_norm]
+        return [getattr(model.model.encoder, self.final_norm_name)]
 
     def head_modules(self) -> list[nn.Module]:
-        return [self.model.model.decoder.layer_norm, self.model.lm_head]
+        return [getattr(self.model.model.decoder, self.final_norm_name), self.model.lm_head]
 
     def make(self, index: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> list:
-        """The encoder's output: its final ``layer_norm`` of the last encoder layer's output."""
-        return [self.model.model.encoder.layer_norm(hidden)]
+        """The encoder's output: its final norm of the last encoder layer's output."""
+        return [getattr(self.model.model.encoder, self.final_norm_name)(hidden)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.lm_head(self.model.model.decoder.layer_norm(hidden))
+        norm = getattr(self.model.model.decoder, self.final_norm_name)
+        logits = self.model.lm_head(norm(hidden))
         return logits + self.model.final_logits_bias.to(logits.device)
 
 

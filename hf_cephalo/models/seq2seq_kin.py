@@ -296,6 +296,7 @@ class BigBirdPegasusStagedModel(BlenderbotStagedModel):
     copy."""
 
     model_classes = ("BigBirdPegasusForConditionalGeneration",)
+    final_norm_name = "layernorm_embedding"
 
     def __init__(self, model: nn.Module):
         kind = model.model.encoder.attention_type
@@ -317,20 +318,6 @@ class BigBirdPegasusStagedModel(BlenderbotStagedModel):
 
         cfg = self.model.config
         return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
-
-    def junction_modules(self, model: nn.Module) -> list[nn.Module]:
-        return [model.model.encoder.layernorm_embedding]
-
-    def head_modules(self) -> list[nn.Module]:
-        return [self.model.model.decoder.layernorm_embedding, self.model.lm_head]
-
-    def make(self, index: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> list:
-        """The encoder's output: its ``layernorm_embedding`` of the last encoder layer's."""
-        return [self.model.model.encoder.layernorm_embedding(hidden)]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.lm_head(self.model.model.decoder.layernorm_embedding(hidden))
-        return logits + self.model.final_logits_bias.to(logits.device)
 
 
 class LEDEncoderMasks(NamedTuple):
