@@ -354,7 +354,10 @@ def _check(model_type: str, class_name: str) -> Row:
                         p.add_(0.1 * torch.randn(p.shape))
             batch = _batch(config, task, cls=cls)
             with torch.no_grad():  # (no graph left in a module that keeps its last state)
-                model(**batch)  # transformers' own forward must run for a comparison to mean much
+                # transformers' own forward must run for a comparison to mean much; on a copy:
+                # a forward may change its model (BigBird-Pegasus switches its block-sparse
+                # attention to full on short rows), and the staging must see the model as built
+                copy.deepcopy(model)(**batch)
     except Exception as exc:  # noqa: BLE001 - the tiny copy does not build / run
         if not _default_builds(cls, model_type):
             return Row(model_type, class_name, "not built", _short(exc))
