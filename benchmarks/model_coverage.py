@@ -493,8 +493,8 @@ def render(rows: list[Row], kept: str | None = None) -> str:
         "",
         "Each class of transformers' causal-LM mapping (and each decoder's and "
         "encoder-decoder's sequence classifier, its rows ending with the eos token an "
-        "encoder-decoder's classifier pools at) as a tiny random model from its default config (where it leaves a "
-        "field the forward needs unset, the value a checkpoint or the user sets: the experts "
+        "encoder-decoder's classifier pools at) as a tiny random model from its default "
+        "config (where it leaves a field the forward needs unset, the value a checkpoint or the user sets: the experts "
         "per token, X-MOD's default language), with embedding / "
         "residual / attention multipliers, logit scaling and softcapping and the MoE router "
         "loss set to non-default values where the config has them: `exact` means "

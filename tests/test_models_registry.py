@@ -43,7 +43,8 @@ def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
         "BigBirdPegasusForConditionalGeneration", "LEDForConditionalGeneration",
         "PegasusXForConditionalGeneration",
         # speech (models/speech_seq2seq.py)
-        "Speech2TextForConditionalGeneration", "MoonshineForConditionalGeneration"} | T5_KIN_AND_HEADS
+        "Speech2TextForConditionalGeneration", "MoonshineForConditionalGeneration",
+    } | T5_KIN_AND_HEADS
 
 
 T5_KIN_AND_HEADS = {
@@ -375,7 +376,8 @@ def test_heads_whose_base_model_is_themselves_are_not_called_base_models():
     base model without a head" and told to load itself; T5ForConditionalGeneration was told to
     load a classifier (another head); it now has an adapter (models/seq2seq.py), which the
     doors refuse for now, as has its question-answering head (models/seq2seq_heads.py), and an
-    encoder-decoder without one (Switch Transformers) is refused as one, with its reason. A compiled model is told to pass the model itself."""
+    encoder-decoder without one (Switch Transformers) is refused as one, with its reason. A
+    compiled model is told to pass the model itself."""
     from hf_cephalo.models.registry import UnsupportedModelError
 
     cfg = transformers.Llama4TextConfig(
