@@ -71,7 +71,7 @@ def adapter_summary() -> str:
     """The registered adapters in one short phrase for messages: how many classes of how many
     model types, the types by name (``config_class.model_type`` of the transformers class; a
     class that is not one of transformers' is named itself) and where each class is listed,
-    e.g. "35 classes of 24 model types (bart, ..., whisper; each class:
+    e.g. "35 classes of 22 model types (bart, ..., whisper; each class:
     hf_cephalo.models.supported_model_classes(), docs/supported_models.md)". One class name
     per adapter made the messages grow by a line with each new family."""
     types = set()
@@ -286,7 +286,8 @@ def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
         f"Moonshine train (models/seq2seq.py, models/seq2seq_families.py, "
         f"models/seq2seq_t5_kin.py, models/seq2seq_kin.py, models/whisper.py, "
         f"models/speech_seq2seq.py), as do the question-answering and classification heads of "
-        f"T5, mT5, UMT5, BART and mBART (models/seq2seq_heads.py) and a "
+        f"T5, mT5, UMT5, BART and mBART (models/seq2seq_heads.py), T5's and mT5's token "
+        f"classifiers (models/seq2seq_t5_kin.py) and a "
         f"decoder-only or encoder-only model of the task ({scope_text()}); to train this "
         f"one, write an adapter like those (see {GUIDE}).", [])
 
