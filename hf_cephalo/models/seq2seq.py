@@ -31,6 +31,7 @@ model's own forward and backward on the whole batch.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import torch
@@ -39,6 +40,17 @@ from torch import nn
 
 from hf_cephalo.models.base import HeadOutput, Microbatch
 from hf_cephalo.models.hf_common import HFStagedModel, require_key
+
+
+def own_shift_tokens_right(model: nn.Module):
+    """``shift_tokens_right`` of the modeling module of ``model``'s class, or of its nearest base
+    class whose module defines one. Raises ValueError if none does."""
+    for cls in type(model).__mro__:
+        shift = getattr(sys.modules.get(cls.__module__), "shift_tokens_right", None)
+        if shift is not None:
+            return shift
+    raise ValueError(f"no modeling module of {type(model).__name__} or its base classes defines "
+                     "shift_tokens_right; give the microbatch decoder_input_ids")
 
 
 class Seq2SeqContext(NamedTuple):
@@ -332,10 +344,14 @@ class BartStagedModel(Seq2SeqStagedModel):
         return [self.model.lm_head]
 
     def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.bart.modeling_bart import shift_tokens_right
-
+        """The model's own ``shift_tokens_right(labels, pad_token_id, decoder_start_token_id)``:
+        each family's modeling module has its copy (BART, Marian, Pegasus, Blenderbot, LED,
+        Whisper, ...), taken from the module of the model's class or of its nearest base class
+        that defines one (a user's subclass lives elsewhere). mBART and PLBart shift without a
+        start token and override this."""
         cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
+        return own_shift_tokens_right(self.model)(labels, cfg.pad_token_id,
+                                                  cfg.decoder_start_token_id)
 
     def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         enc = self.model.model.encoder

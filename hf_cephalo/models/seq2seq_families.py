@@ -74,11 +74,6 @@ class MarianStagedModel(BartStagedModel):
                    dec.embed_tokens, dec.embed_positions]
         return [m for m in modules if m is not None]
 
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.marian.modeling_marian import shift_tokens_right
-
-        cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
 
     def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         enc = self.stacks()[0]
@@ -95,8 +90,8 @@ class MarianStagedModel(BartStagedModel):
 
 
 class PegasusStagedModel(FinalNorms, MarianStagedModel):
-    """``PegasusForConditionalGeneration``: Marian's inputs and label shift (Pegasus's
-    ``shift_tokens_right`` is the same code), each stack's final ``layer_norm`` (``FinalNorms``;
-    see the module note)."""
+    """``PegasusForConditionalGeneration``: Marian's inputs, Pegasus's own label shift (as every
+    family's, ``BartStagedModel.shift_labels``), each stack's final ``layer_norm``
+    (``FinalNorms``; see the module note)."""
 
     model_classes = ("PegasusForConditionalGeneration",)

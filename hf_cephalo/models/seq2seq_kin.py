@@ -73,11 +73,6 @@ class BlenderbotStagedModel(FinalNorms, MarianStagedModel):
 
     model_classes = ("BlenderbotForConditionalGeneration",)
 
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.blenderbot.modeling_blenderbot import shift_tokens_right
-
-        cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
 
     def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         enc = self.stacks()[0]
@@ -97,12 +92,6 @@ class BlenderbotSmallStagedModel(BartStagedModel):
 
     model_classes = ("BlenderbotSmallForConditionalGeneration",)
 
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.blenderbot_small.modeling_blenderbot_small import \
-            shift_tokens_right
-
-        cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
 
     def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         enc = self.stacks()[0]
@@ -146,11 +135,6 @@ class MvpStagedModel(BartStagedModel):
                 "fine-tune it with config.use_prompt = False")
         super().__init__(model)
 
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.mvp.modeling_mvp import shift_tokens_right
-
-        cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
 
     def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         enc = self.stacks()[0]
@@ -185,11 +169,6 @@ class M2M100StagedModel(FinalNorms, MarianStagedModel):
 
     model_classes = ("M2M100ForConditionalGeneration",)
 
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.m2m_100.modeling_m2m_100 import shift_tokens_right
-
-        cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
 
     def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         enc = self.stacks()[0]
@@ -205,7 +184,6 @@ class M2M100StagedModel(FinalNorms, MarianStagedModel):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.decoder.layer_norm(hidden))
-
 
 
 class FSMTMasks(NamedTuple):
@@ -312,13 +290,6 @@ class BigBirdPegasusStagedModel(BlenderbotStagedModel):
                 f"switches to it for inputs of at most {limit} tokens)")
         super().__init__(model)
 
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.bigbird_pegasus.modeling_bigbird_pegasus import \
-            shift_tokens_right
-
-        cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
-
 
 class LEDEncoderMasks(NamedTuple):
     """LED's encoder masks as its forward makes them over the input padded to a multiple of
@@ -358,11 +329,6 @@ class LEDStagedModel(BartStagedModel):
                 enc.layernorm_embedding, dec.embed_tokens, dec.embed_positions,
                 dec.layernorm_embedding]
 
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.led.modeling_led import shift_tokens_right
-
-        cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
 
     def encoder_input(self, microbatch: Microbatch) -> tuple[torch.Tensor, LEDEncoderMasks]:
         """input_ids (m, S) -> (the hidden into encoder layer 0 (m, S', H), its masks)."""
@@ -447,11 +413,6 @@ class PegasusXStagedModel(BlenderbotStagedModel):
     def embed_modules(self) -> list[nn.Module]:
         return [*super().embed_modules(), self.stacks()[0].embed_global]
 
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.pegasus_x.modeling_pegasus_x import shift_tokens_right
-
-        cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
 
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Seq2SeqContext]:
         """input_ids (m, S) -> the encoder's tokens and global tokens (m, S' + G, H); the ctx

@@ -82,12 +82,6 @@ class Speech2TextStagedModel(FinalNorms, BartStagedModel):
         enc, dec = self.stacks()
         return [enc.conv, enc.embed_positions, dec.embed_tokens, dec.embed_positions]
 
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.speech_to_text.modeling_speech_to_text import \
-            shift_tokens_right
-
-        cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
 
     def audio_input(self, features: torch.Tensor, mask: torch.Tensor | None) -> AudioInput:
         """input_features (m, frames, C) and their mask (m, frames) -> ``AudioInput`` over the
@@ -145,11 +139,6 @@ class MoonshineStagedModel(BartStagedModel):
     def head_modules(self) -> list[nn.Module]:
         return [self.model.model.decoder.norm, self.model.proj_out]
 
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.moonshine.modeling_moonshine import shift_tokens_right
-
-        cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
 
     def audio_input(self, values: torch.Tensor, mask: torch.Tensor | None) -> AudioInput:
         """input_values (m, samples) and their mask (m, samples) -> ``AudioInput`` over the

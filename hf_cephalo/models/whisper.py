@@ -53,11 +53,6 @@ class WhisperStagedModel(FinalNorms, BartStagedModel):
     def head_modules(self) -> list[nn.Module]:
         return [self.model.model.decoder.layer_norm, self.model.proj_out]
 
-    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        from transformers.models.whisper.modeling_whisper import shift_tokens_right
-
-        cfg = self.model.config
-        return shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
 
     def encoder_input(self, input_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """input_features (m, mels, 2 x P) -> (the front end's output, the hidden into encoder
