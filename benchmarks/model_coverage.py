@@ -107,17 +107,19 @@ TEXT_ONLY = (" An `exact` class here is an audio- or vision-language model whose
              "(a batch with `input_features`, `pixel_values` or other non-text inputs is "
              "refused, docs/adding_a_model.md \"Vision-language models on text\"); the "
              "encoder-decoders (a forward taking `decoder_input_ids`) are refused")
-SEQ2SEQ_NOTE = (TEXT_ONLY + ", except T5's, mT5's, UMT5's, LongT5's, BART's, mBART's and "
-                "Pegasus's `...ForConditionalGeneration` and `MarianMTModel`, and those of BART's "
-                "kin (Blenderbot, Blenderbot-small, PLBart, MVP, M2M100, FSMT, BigBird-Pegasus, "
-                "LED, PEGASUS-X), which train as seq2seq models (their own loss on `labels`, the "
-                "decoder's input their own shift of them: models/seq2seq.py, "
-                "models/seq2seq_families.py, models/seq2seq_t5_kin.py, models/seq2seq_kin.py).")
-SPEECH_NOTE = (TEXT_ONLY + ", except Whisper's, Speech2Text's and Moonshine's "
+SEQ2SEQ_NOTE = (TEXT_ONLY + ", except T5's, mT5's, UMT5's, LongT5's, BART's, mBART's, "
+                "Pegasus's, T5Gemma's and T5Gemma 2's `...ForConditionalGeneration` and "
+                "`MarianMTModel`, and those of BART's kin (Blenderbot, Blenderbot-small, PLBart, "
+                "MVP, M2M100, FSMT, BigBird-Pegasus, LED, PEGASUS-X), which train as seq2seq "
+                "models (their own loss on `labels`, the decoder's input their own shift of "
+                "them: models/seq2seq.py, models/seq2seq_families.py, models/seq2seq_t5_kin.py, "
+                "models/seq2seq_kin.py, models/seq2seq_gemma.py; T5Gemma 2 on text only, its "
+                "vision tower unused and a batch with `pixel_values` refused).")
+SPEECH_NOTE = (TEXT_ONLY + ", except Whisper's, Speech2Text's, Moonshine's and Pop2Piano's "
                "`...ForConditionalGeneration`, which train as speech-to-text models (random audio "
                "as each one's feature extractor gives it: log-mel `input_features`, frames of "
                "features or raw `input_values`, and token `labels`; their own loss and label "
-               "shift: models/whisper.py, models/speech_seq2seq.py).")
+               "shift: models/whisper.py, models/speech_seq2seq.py, models/seq2seq_t5_kin.py).")
 TASK_NOTES = {"seq2seq-lm": SEQ2SEQ_NOTE, "speech-seq2seq": SPEECH_NOTE}
 """What a mapping's `exact` means where it is not the task's own training."""
 
@@ -156,14 +158,21 @@ def _config(model_type: str):
     return config
 
 
+FEATURES_AS_EMBEDDINGS = {"pop2piano"}
+"""Speech encoder-decoders whose encoder takes the feature extractor's ``input_features``
+(frames x d_model) as its input embeddings, although their ``main_input_name`` is
+``input_ids`` (Pop2Piano): the sweep feeds them features, their training input."""
+
+
 def _speech_batch(config, seed: int, main_input: str,
                   padded_mels: bool) -> dict[str, torch.Tensor]:
     """5 rows of random audio and token labels of lengths 6, 3, 5, 2, 6 padded with -100. The
     audio as the model's feature extractor gives it: with ``padded_mels``, log-mel features
     (num_mel_bins x 2 x max_source_positions) that every clip is padded to (Whisper); else
-    features (frames x input_feat_per_channel x input_channels: Speech2Text) or raw samples
-    (``input_values``: Moonshine) of 64 frames / 4000 samples, with an ``attention_mask``
-    marking each row's length (64, 40, 56, 24, 64 frames; samples in proportion)."""
+    features (frames x input_feat_per_channel x input_channels: Speech2Text; frames x d_model:
+    ``FEATURES_AS_EMBEDDINGS``) or raw samples (``input_values``: Moonshine) of 64 frames /
+    4000 samples, with an ``attention_mask`` marking each row's length (64, 40, 56, 24, 64
+    frames; samples in proportion)."""
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(4, config.vocab_size - 8, (5, 6), generator=g)
     labels[torch.arange(6)[None, :] >= torch.tensor([6, 3, 5, 2, 6])[:, None]] = -100
@@ -172,8 +181,9 @@ def _speech_batch(config, seed: int, main_input: str,
                                generator=g)
         return {"input_features": features, "labels": labels}
     steps = 4000 if main_input == "input_values" else 64
-    shape = (5, steps) if main_input == "input_values" else \
-        (5, steps, config.input_feat_per_channel * config.input_channels)
+    width = config.d_model if config.model_type in FEATURES_AS_EMBEDDINGS else \
+        getattr(config, "input_feat_per_channel", 0) * getattr(config, "input_channels", 0)
+    shape = (5, steps) if main_input == "input_values" else (5, steps, width)
     lengths = torch.tensor([64, 40, 56, 24, 64]) * steps // 64
     mask = (torch.arange(steps)[None, :] < lengths[:, None]).long()
     return {main_input: torch.randn(*shape, generator=g), "attention_mask": mask,
@@ -183,16 +193,19 @@ def _speech_batch(config, seed: int, main_input: str,
 def _batch(config, task: str, seed: int = 0, cls: type | None = None) -> dict[str, torch.Tensor]:
     """5 rows for ``task``: images (image classification); audio for a speech encoder-decoder
     whose input is ``input_features`` or ``input_values`` (``_speech_batch``: Whisper,
-    Speech2Text, Moonshine); else 11 tokens right-padded (left for a sequence classifier) to
+    Speech2Text, Moonshine, Pop2Piano); else 11 tokens right-padded (left for a sequence classifier) to
     lengths 11, 6, 9, 4, 11 with the task's labels."""
     if task == IMAGE_CLASSIFICATION:
         return image_batch(config, rows=5, seed=seed)
     main_input = getattr(cls, "main_input_name", None)
+    if getattr(config, "model_type", None) in FEATURES_AS_EMBEDDINGS:
+        main_input = "input_features"
     padded_mels = main_input == "input_features" and hasattr(config, "num_mel_bins") and \
         hasattr(config, "max_source_positions")
     framed = getattr(config, "is_encoder_decoder", False) and (
         main_input == "input_values" or
-        main_input == "input_features" and hasattr(config, "input_feat_per_channel"))
+        main_input == "input_features" and hasattr(config, "input_feat_per_channel") or
+        config.model_type in FEATURES_AS_EMBEDDINGS)
     if padded_mels or framed:
         return _speech_batch(config, seed, main_input, padded_mels)
     classifier = task == SEQUENCE_CLASSIFICATION

@@ -21,10 +21,11 @@ from hf_cephalo.models.peft_lora import is_peft_model, unwrap_peft_model
 from hf_cephalo.models.seq2seq import BartStagedModel, T5StagedModel
 from hf_cephalo.models.seq2seq_families import (MarianStagedModel, MBartStagedModel,
                                                 PegasusStagedModel)
+from hf_cephalo.models.seq2seq_gemma import T5Gemma2StagedModel, T5GemmaStagedModel
 from hf_cephalo.models.seq2seq_heads import SEQ2SEQ_HEAD_ADAPTERS
 from hf_cephalo.models.seq2seq_t5_kin import (T5_KIN_REFUSALS, LongT5StagedModel,
-                                              MT5StagedModel, T5TokenClassifierStagedModel,
-                                              UMT5StagedModel)
+                                              MT5StagedModel, Pop2PianoStagedModel,
+                                              T5TokenClassifierStagedModel, UMT5StagedModel)
 from hf_cephalo.models.seq2seq_kin import (NOT_EXACT, BigBirdPegasusStagedModel,
                                            BlenderbotSmallStagedModel, BlenderbotStagedModel,
                                            FSMTStagedModel, LEDStagedModel, M2M100StagedModel,
@@ -264,8 +265,8 @@ def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
     train exactly where ``T5_KIN_REFUSALS`` or ``NOT_EXACT`` knows (Switch Transformers,
     NLLB-MoE), else that it has no adapter. The encoder-decoders with adapters
     (``models/seq2seq.py``, ``models/seq2seq_families.py``, ``models/seq2seq_t5_kin.py``,
-    ``models/seq2seq_kin.py``, ``models/seq2seq_heads.py``, ``models/whisper.py``,
-    ``models/speech_seq2seq.py``) never get here; the generic path stages one layer stack, not
+    ``models/seq2seq_kin.py``, ``models/seq2seq_gemma.py``, ``models/seq2seq_heads.py``,
+    ``models/whisper.py``, ``models/speech_seq2seq.py``) never get here; the generic path stages one layer stack, not
     an encoder, a decoder and the code between them."""
     import inspect
     if "decoder_input_ids" not in inspect.signature(type(model).forward).parameters:
@@ -282,9 +283,10 @@ def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
         f"hf_cephalo cannot train {name}: it is an encoder-decoder model (its forward takes "
         f"decoder_input_ids) without an adapter; the generic path stages one layer stack, not "
         f"an encoder, a decoder whose cross-attention reads the encoder's output and the code "
-        f"between them. Nothing was run. T5, BART and their kin and Whisper, Speech2Text and "
-        f"Moonshine train (models/seq2seq.py, models/seq2seq_families.py, "
-        f"models/seq2seq_t5_kin.py, models/seq2seq_kin.py, models/whisper.py, "
+        f"between them. Nothing was run. T5, BART and their kin (Pop2Piano among T5's), "
+        f"T5Gemma, T5Gemma 2 (on text) and Whisper, Speech2Text and Moonshine train "
+        f"(models/seq2seq.py, models/seq2seq_families.py, models/seq2seq_t5_kin.py, "
+        f"models/seq2seq_kin.py, models/seq2seq_gemma.py, models/whisper.py, "
         f"models/speech_seq2seq.py), as do the question-answering and classification heads of "
         f"T5, mT5, UMT5, BART and mBART (models/seq2seq_heads.py) and a "
         f"decoder-only or encoder-only model of the task ({scope_text()}); to train this "
@@ -453,6 +455,7 @@ for _adapter in (GPT2StagedModel, GPT2SequenceClassifierStagedModel, GPTNeoXStag
                  BlenderbotStagedModel, BlenderbotSmallStagedModel, PLBartStagedModel,
                  MvpStagedModel, M2M100StagedModel, Speech2TextStagedModel, MoonshineStagedModel,
                  FSMTStagedModel, BigBirdPegasusStagedModel, LEDStagedModel,
-                 PegasusXStagedModel):
+                 PegasusXStagedModel, Pop2PianoStagedModel, T5GemmaStagedModel,
+                 T5Gemma2StagedModel):
     for _name in _adapter.model_classes:
         register_adapter(_name, _adapter)

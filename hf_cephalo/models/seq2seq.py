@@ -111,6 +111,11 @@ class Seq2SeqStagedModel(HFStagedModel):
         """The model's own labels -> ``decoder_input_ids`` shift."""
         raise NotImplementedError
 
+    def encoder_source(self, microbatch: Microbatch) -> torch.Tensor:
+        """What ``encoder_input`` takes from the microbatch: ``input_ids`` (m, S) (ValueError
+        without them). Pop2Piano's adapter takes its ``input_features`` instead."""
+        return require_key(microbatch, "input_ids", type(self).__name__)
+
     def encoder_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs_embeds, hidden into encoder layer 0), both (m, S, H)."""
         raise NotImplementedError
@@ -193,10 +198,9 @@ class Seq2SeqStagedModel(HFStagedModel):
         decoder's input hidden (m, T, H)."""
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
-        input_ids = require_key(microbatch, "input_ids", type(self).__name__)
         mask = microbatch.get("attention_mask")
         encoder, decoder = self.stacks()
-        enc_embeds, hidden = self.encoder_input(input_ids)
+        enc_embeds, hidden = self.encoder_input(self.encoder_source(microbatch))
         dec_embeds, dec_hidden = self.decoder_input(self.decoder_ids(microbatch))
         dec_mask = self.decoder_self_mask_input(microbatch.get("decoder_attention_mask"),
                                                 dec_embeds)

@@ -1,5 +1,5 @@
-"""Adapters for T5's kin: mT5 and UMT5's ``...ForConditionalGeneration``, and the encoder-only
-token classifiers of T5 and mT5.
+"""Adapters for T5's kin: mT5, UMT5, LongT5 and Pop2Piano's ``...ForConditionalGeneration``,
+and the encoder-only token classifiers of T5 and mT5.
 
 The units and side inputs of models/seq2seq.py ([Note: encoder-decoder units], T5's adapter);
 what differs is each family's own code around the layers:
@@ -23,6 +23,12 @@ what differs is each family's own code around the layers:
   the 2-D padding mask, ones without one), and the position bias layer 0 hands on has the
   padding folded in (and, transient-global, the side bias to the global blocks), which unit 0
   makes as the layer's attention does (``longt5_encoder_bias``).
+
+* Pop2Piano (piano covers of pop audio): T5's code under Pop2Piano's names, whose encoder
+  takes the ``input_features`` its feature extractor gives (m, frames, d_model) as its input
+  embeddings (or ``input_ids`` through ``shared``). Its ``mel_conditioner`` (the composer
+  embedding ``generate`` puts before the features) is never called by the forward: it sits on
+  the embedding side and gets no gradient, as in the model's own backward.
 
 Refused, with the reason, by ``registry._encoder_decoder``: Switch Transformers (MoE layers
 whose router z-loss and auxiliary loss the model adds over the whole batch; see
@@ -75,6 +81,37 @@ class UMT5StagedModel(T5StagedModel):
     def decoder_layer(self, i: int, hidden: torch.Tensor, ctx: Seq2SeqContext) -> torch.Tensor:
         return self.stacks()[1].block[i](hidden, ctx.dec_mask, self.made(ctx, "enc_out"),
                                          encoder_attention_mask=ctx.cross_mask, cache=None)
+
+
+class Pop2PianoStagedModel(T5StagedModel):
+    """``Pop2PianoForConditionalGeneration`` (see the module note): T5's units, position
+    biases, junction, head (scaled by d_model^-0.5 where ``scale_decoder_outputs``) and label
+    shift. Microbatch keys: ``input_features`` (m, frames, d_model) float, or ``input_ids``
+    (m, S); optional ``attention_mask`` (m, frames or S), ``labels`` (m, T) with -100
+    ignored, optional ``decoder_input_ids`` / ``decoder_attention_mask`` (m, T). Raises
+    ValueError (per microbatch) with both or neither of ``input_features`` and ``input_ids``,
+    as the model's own forward does."""
+
+    model_classes = ("Pop2PianoForConditionalGeneration",)
+
+    def embed_modules(self) -> list[nn.Module]:
+        return [*super().embed_modules(), self.model.mel_conditioner]
+
+    def encoder_source(self, microbatch: Microbatch) -> torch.Tensor:
+        """``input_features`` (m, frames, d_model), else ``input_ids`` (m, S)."""
+        features = microbatch.get("input_features")
+        if features is None:
+            return super().encoder_source(microbatch)
+        if microbatch.get("input_ids") is not None:
+            raise ValueError(f"{type(self).__name__}: the microbatch has both input_features "
+                             "and input_ids; the model's encoder takes one of them")
+        return features
+
+    def encoder_input(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The features as the encoder's input embeddings, or the ids' embeddings; dropout."""
+        if not source.is_floating_point():
+            return super().encoder_input(source)
+        return source, self.stacks()[0].dropout(source)
 
 
 class LongT5StagedModel(T5StagedModel):
