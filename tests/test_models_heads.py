@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformers
 
-from benchmarks.model_coverage import DOCS, check, classes
+from benchmarks.model_coverage import DOCS, check, classes, compare
 from hf_cephalo.models import stage_model
 from hf_cephalo.models.registry import UnsupportedModelError
 
@@ -34,9 +34,12 @@ EXACT = {
     # LongT5's local attention (seq2seq_t5_kin.py); BART's kin (models/seq2seq_kin.py): FSMT's
     # sequence-first layers, MVP's layer calls, PEGASUS-X's global tokens joined into the
     # boundary; Moonshine's raw-audio front end
+    # T5Gemma's and T5Gemma 2's Gemma stacks (models/seq2seq_gemma.py; T5Gemma 2 on text)
     "seq2seq-lm": ["LongT5ForConditionalGeneration", "FSMTForConditionalGeneration",
-                   "MvpForConditionalGeneration", "PegasusXForConditionalGeneration"],
-    "speech-seq2seq": ["MoonshineForConditionalGeneration"],
+                   "MvpForConditionalGeneration", "PegasusXForConditionalGeneration",
+                   "T5GemmaForConditionalGeneration", "T5Gemma2ForConditionalGeneration"],
+    # Pop2Piano: T5 on the features its extractor gives (models/seq2seq_t5_kin.py)
+    "speech-seq2seq": ["MoonshineForConditionalGeneration", "Pop2PianoForConditionalGeneration"],
 }
 EXACT["token-classification"].append("T5ForTokenClassification")  # layer 0's bias, handed on
 REFUSED = {  # class -> what its refusal says
@@ -71,6 +74,48 @@ def test_subset_of_each_mapping_is_exact_and_docs_agree():
                 assert re.search(rf"\| `{name}` \| exact \|", docs), name
     for summary in re.findall(r"of those \d+ are exact .*", docs)[1:]:  # the task sections
         assert summary.endswith("0 wrong, 0 crash."), summary
+
+
+def test_gemma_encoder_decoders_and_pop2piano_off_the_sweeps_batch():
+    """What the sweep's batch leaves out, each against the model's own loss and gradients
+    (``compare``): T5Gemma (models/seq2seq_gemma.py) without ``attention_mask`` (each stack's
+    default mask from its pad tokens, the cross-attention unmasked, as its forward does) and
+    with per-row ``position_ids`` / ``decoder_position_ids`` and a ``decoder_attention_mask``;
+    T5Gemma 2 with its end-of-image token among the tokens (its own embedding); Pop2Piano on
+    ``input_ids`` (the sweep feeds it features). T5Gemma 2's ``pixel_values`` are refused
+    when counting items (text only: its vision tower is never run)."""
+    from hf_cephalo.models.generic import TextOnlyInputError
+    from hf_cephalo.models.shrink import tiny_config
+    from tests.zoo_fixtures import build_zoo, seq2seq_batch
+
+    batch = seq2seq_batch(5, seed=3, name="t5gemma")
+    mask = batch.pop("attention_mask")
+    assert compare(build_zoo("t5gemma"), batch) is None
+    batch.update(attention_mask=mask, decoder_attention_mask=(batch["labels"] != -100).long(),
+                 position_ids=torch.arange(9).repeat(5, 1) + torch.arange(5)[:, None],
+                 decoder_position_ids=torch.arange(6).repeat(5, 1) + 2)
+    batch["decoder_attention_mask"][:, 0] = 1
+    assert compare(build_zoo("t5gemma"), batch) is None
+
+    config = tiny_config(transformers.T5Gemma2Config(eoi_token_index=5))
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.T5Gemma2ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # an end-of-image embedding apart from the token's row
+        model.model.encoder.text_model.embed_tokens.eoi_embedding.normal_()
+    ids = torch.randint(6, 40, (5, 8))
+    ids[:, 3] = 5
+    labels = ids[:, :6].clone()
+    labels[3:, 4:] = -100
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    assert compare(model, batch) is None
+    with pytest.raises(TextOnlyInputError, match="text-only.*pixel_values"):
+        stage_model(model).count_items({**batch, "pixel_values": torch.zeros(5, 3, 8, 8)})
+
+    config = tiny_config(transformers.Pop2PianoConfig(decoder_start_token_id=0))
+    config._attn_implementation = "eager"
+    model = transformers.Pop2PianoForConditionalGeneration(config).eval()
+    assert compare(model, seq2seq_batch(5, seed=4)) is None
 
 
 def test_encoder_decoder_classifier_pools_at_eos():

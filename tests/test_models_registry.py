@@ -25,10 +25,11 @@ ALL_ARCHS = [*BUILDERS, *SEQ_CLS_BUILDERS]
 def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
     """Llama, Mistral, Qwen2, BERT and ViT run on the generic path (models/generic.py); the
     registry keeps the hand-written adapters of GPT-2 and GPT-NeoX, and those of the
-    encoder-decoders T5, BART, mBART, Marian, Pegasus, Whisper, BART's kin, Speech2Text and
-    Moonshine (models/seq2seq.py, models/seq2seq_families.py, models/seq2seq_kin.py,
-    models/whisper.py, models/speech_seq2seq.py: two stacks, which the generic path does not
-    stage), of T5's kin and the encoder-decoders' task heads (models/seq2seq_t5_kin.py,
+    encoder-decoders T5, BART, mBART, Marian, Pegasus, Whisper, BART's kin, Speech2Text,
+    Moonshine, T5Gemma and T5Gemma 2 (models/seq2seq.py, models/seq2seq_families.py,
+    models/seq2seq_kin.py, models/whisper.py, models/speech_seq2seq.py,
+    models/seq2seq_gemma.py: two stacks, which the generic path does not stage), of T5's kin
+    (Pop2Piano among them) and the encoder-decoders' task heads (models/seq2seq_t5_kin.py,
     models/seq2seq_heads.py; T5's token classifier: its layer 0 hands the later layers their
     position bias, which the generic path does not see)."""
     assert set(supported_model_classes()) == {
@@ -44,12 +45,15 @@ def test_hand_written_adapters_are_only_where_the_generic_path_is_not_used():
         "PegasusXForConditionalGeneration",
         # speech (models/speech_seq2seq.py)
         "Speech2TextForConditionalGeneration", "MoonshineForConditionalGeneration",
+        # Gemma's encoder-decoders (models/seq2seq_gemma.py)
+        "T5GemmaForConditionalGeneration", "T5Gemma2ForConditionalGeneration",
     } | T5_KIN_AND_HEADS
 
 
 T5_KIN_AND_HEADS = {
     "MT5ForConditionalGeneration", "UMT5ForConditionalGeneration",
-    "LongT5ForConditionalGeneration", "T5ForTokenClassification", "MT5ForTokenClassification",
+    "LongT5ForConditionalGeneration", "Pop2PianoForConditionalGeneration",
+    "T5ForTokenClassification", "MT5ForTokenClassification",
     *(f"{family}For{task}" for family in ("T5", "MT5", "UMT5", "Bart", "MBart")
       for task in ("QuestionAnswering", "SequenceClassification"))}
 

@@ -150,6 +150,8 @@ SEQ2SEQ: dict[str, tuple[str, Callable[[], Any]]] = {
         decoder_ffn_dim=64, max_position_embeddings=64, num_global_tokens=4, block_size=4,
         stagger_local_blocks=True, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
         pad_token_id=PAD, eos_token_id=1, decoder_start_token_id=PAD)),
+    "t5gemma": ("T5GemmaForConditionalGeneration", lambda: transformers.T5GemmaConfig(
+        encoder=_t5gemma_stack(3), decoder=_t5gemma_stack(2), vocab_size=VOCAB)),
 }
 """Encoder-decoders (docs/engine.md, "Side inputs"; models/seq2seq.py): every decoder layer's
 cross-attention reads the encoder's output, a side input the first decoder unit makes; T5's
@@ -160,8 +162,21 @@ input random log-mel features, its output made by the encoder's final norm in th
 decoder unit: models/whisper.py); two of BART's kin whose encoder boundary is not the input's
 tokens (models/seq2seq_kin.py): LED's Longformer encoder on the input padded to its window (9
 tokens -> 12) with the output cut back in the first decoder unit, and PEGASUS-X's, whose
-boundary joins its 4 global tokens to the tokens padded to its block size. ``seq2seq_batch``
-feeds them."""
+boundary joins its 4 global tokens to the tokens padded to its block size; T5Gemma's Gemma
+stacks (models/seq2seq_gemma.py: 3 / 2 layers, sliding-window layers of window 4 beside full
+ones, attention and final logit soft-capping, each stack's masks by layer type and rotary
+positions made before the layers). ``seq2seq_batch`` feeds them."""
+
+
+def _t5gemma_stack(layers: int) -> dict[str, Any]:
+    """One T5Gemma stack's config: sliding-window (window 4) and full layers in turn,
+    grouped-query attention, non-default soft-capping."""
+    return dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
+                layer_types=(["sliding_attention", "full_attention"] * 2)[:layers],
+                final_logit_softcapping=3.0, attn_logit_softcapping=4.0,
+                pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
 
 
 def seq2seq_batch(size: int, seed: int, name: str = "t5") -> dict[str, torch.Tensor]:
