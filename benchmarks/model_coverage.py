@@ -193,8 +193,8 @@ def _speech_batch(config, seed: int, main_input: str,
 def _batch(config, task: str, seed: int = 0, cls: type | None = None) -> dict[str, torch.Tensor]:
     """5 rows for ``task``: images (image classification); audio for a speech encoder-decoder
     whose input is ``input_features`` or ``input_values`` (``_speech_batch``: Whisper,
-    Speech2Text, Moonshine, Pop2Piano); else 11 tokens right-padded (left for a sequence classifier) to
-    lengths 11, 6, 9, 4, 11 with the task's labels."""
+    Speech2Text, Moonshine, Pop2Piano); else 11 tokens right-padded (left for a sequence
+    classifier) to lengths 11, 6, 9, 4, 11 with the task's labels."""
     if task == IMAGE_CLASSIFICATION:
         return image_batch(config, rows=5, seed=seed)
     main_input = getattr(cls, "main_input_name", None)

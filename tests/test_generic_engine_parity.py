@@ -19,7 +19,9 @@ encoder-decoders (``SEQ2SEQ``: T5 and BART ``...ForConditionalGeneration`` on
 unit makes and every decoder layer reads, T5's position biases side inputs each stack's layer 0
 makes: engine/schedule.py [Note: side inputs], models/seq2seq.py; Whisper on random log-mel
 features, models/whisper.py; LED and PEGASUS-X, whose encoder boundary is padded to a window or
-block and joined with global tokens, models/seq2seq_kin.py).
+block and joined with global tokens, models/seq2seq_kin.py; T5Gemma's Gemma stacks, their masks
+by layer type (sliding windows) and rotary positions made before the layers,
+models/seq2seq_gemma.py).
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ fp32, rtol 1e-5, atol 1e-6.
 On both world sizes also the encoder-decoders (``SEQ2SEQ`` of tests/zoo_fixtures.py: T5 and
 BART ``...ForConditionalGeneration`` on ``DataCollatorForSeq2Seq`` batches: inputs and labels
 of their own lengths, padded per global batch, the decoder inputs the collator's shift of the
-labels; Whisper on random log-mel features with its labels padded with -100, as Whisper
-fine-tuning scripts collate them) through ``CephaloSeq2SeqTrainer`` against STOCK
+labels; LED, PEGASUS-X and T5Gemma alike; Whisper on random log-mel features with its labels
+padded with -100, as Whisper fine-tuning scripts collate them) through ``CephaloSeq2SeqTrainer`` against STOCK
 ``Seq2SeqTrainer``, with the model's own loss: besides the training, ``evaluate``'s loss,
 ``predict``'s logits (at the labelled positions) and the model ``save_model`` writes (loaded
 back with ``from_pretrained``) equal stock's ([Note: encoder-decoders at the doors] in

@@ -266,8 +266,8 @@ def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
     NLLB-MoE), else that it has no adapter. The encoder-decoders with adapters
     (``models/seq2seq.py``, ``models/seq2seq_families.py``, ``models/seq2seq_t5_kin.py``,
     ``models/seq2seq_kin.py``, ``models/seq2seq_gemma.py``, ``models/seq2seq_heads.py``,
-    ``models/whisper.py``, ``models/speech_seq2seq.py``) never get here; the generic path stages one layer stack, not
-    an encoder, a decoder and the code between them."""
+    ``models/whisper.py``, ``models/speech_seq2seq.py``) never get here; the generic path
+    stages one layer stack, not an encoder, a decoder and the code between them."""
     import inspect
     if "decoder_input_ids" not in inspect.signature(type(model).forward).parameters:
         return None

@@ -4,10 +4,11 @@ yet.
 
 [Note: encoder-decoders at the doors]
 The encoder-decoders with adapters (T5, BART, mBART, Marian, Pegasus, Whisper, BART's kin,
-Speech2Text, Moonshine: models/seq2seq.py, seq2seq_families.py, seq2seq_kin.py, whisper.py,
-speech_seq2seq.py) train exactly on the engine.
+T5's kin, Speech2Text, Moonshine, T5Gemma, T5Gemma 2: models/seq2seq.py, seq2seq_families.py,
+seq2seq_kin.py, seq2seq_t5_kin.py, seq2seq_gemma.py, whisper.py, speech_seq2seq.py) train
+exactly on the engine.
 ``CephaloTrainer`` (and ``CephaloSeq2SeqTrainer``) takes them with the model's own loss; for T5,
-BART and Whisper its training (losses, gradient norms, weights), ``evaluate``'s loss,
+BART, Whisper, LED, PEGASUS-X and T5Gemma its training (losses, gradient norms, weights), ``evaluate``'s loss,
 ``predict``'s logits (at the labelled positions: the gathered rows are padded with -100 beyond
 each rank's widest) and the model ``save_model`` writes equal stock's with the whole global
 batch, on ``DataCollatorForSeq2Seq`` (Whisper: log-mel) batches (the global width pads the
