@@ -72,7 +72,7 @@ def adapter_summary() -> str:
     """The registered adapters in one short phrase for messages: how many classes of how many
     model types, the types by name (``config_class.model_type`` of the transformers class; a
     class that is not one of transformers' is named itself) and where each class is listed,
-    e.g. "35 classes of 22 model types (bart, ..., whisper; each class:
+    e.g. "38 classes of 25 model types (bart, ..., whisper; each class:
     hf_cephalo.models.supported_model_classes(), docs/supported_models.md)". One class name
     per adapter made the messages grow by a line with each new family."""
     types = set()
