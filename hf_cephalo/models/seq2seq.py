@@ -194,8 +194,8 @@ class Seq2SeqStagedModel(HFStagedModel):
         return self.shift_labels(microbatch["labels"])
 
     def embed(self, microbatch: Microbatch) -> tuple[torch.Tensor, Seq2SeqContext]:
-        """input_ids (m, S) -> encoder hidden (m, S, H); the ctx with the masks and the
-        decoder's input hidden (m, T, H)."""
+        """input_ids (m, S) (``encoder_source``) -> encoder hidden (m, S, H); the ctx with the
+        masks and the decoder's input hidden (m, T, H)."""
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
         mask = microbatch.get("attention_mask")
