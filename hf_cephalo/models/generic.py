@@ -113,6 +113,12 @@ class Layout:
     unused: tuple[str, ...] = ()
     label_shift: bool = True
     side: tuple[tuple[int, int | str], ...] = ()
+    plain_extras: bool = False
+    """A layer returns, after its hidden states, plain data the forward reads (a hierarchical
+    stage's output dimensions, which Swin V2, Donut-Swin and FocalNet turn into the next
+    stage's ``input_dimensions``): the stubs return it as the real layer would, from a run of
+    each layer on fake tensors (shapes only: no compute, no random numbers;
+    ``layer_extras``); entries holding tensors stay None."""
     reshapes: bool = False
     """Some layer (a hierarchical backbone's stage) returns hidden states of another shape
     than its input's, on the tiny copy (``StagedModel.hidden_shape_changes``)."""
@@ -194,9 +200,42 @@ def call_layer(layer: nn.Module, hidden: torch.Tensor, call: tuple[tuple, dict],
     return out if output_len is None else out[0]
 
 
-def wrap_output(hidden: torch.Tensor, output_len: int | None):
-    """What a layer returns, given its hidden states: the tensor, or (hidden, None, ...)."""
-    return hidden if output_len is None else (hidden,) + (None,) * (output_len - 1)
+def wrap_output(hidden: torch.Tensor, output_len: int | None, extras: tuple | None = None):
+    """What a layer returns, given its hidden states: the tensor, or (hidden, None, ...), or
+    (hidden, *extras) (``layer_extras``)."""
+    if output_len is None:
+        return hidden
+    return (hidden,) + (extras if extras is not None else (None,) * (output_len - 1))
+
+
+def _holds_tensor(value: Any) -> bool:
+    return any(torch.is_tensor(t) for t in pytree.tree_leaves(value))
+
+
+def has_plain_extras(out: Any) -> bool:
+    """A layer's output (a tuple or list) carries, after its hidden states, an entry that is
+    neither None nor holds a tensor (a stage's output dimensions)."""
+    return isinstance(out, (tuple, list)) and any(
+        e is not None and not _holds_tensor(e) for e in out[1:])
+
+
+class FakeLayerChain:
+    """The layers run one after another on fake tensors (shapes and plain values only: no
+    arithmetic, no random numbers drawn), from the first layer's input: ``step(layer, call)``
+    is what that layer returns after its hidden states, each entry holding a tensor as None
+    (``Layout.plain_extras``)."""
+
+    def __init__(self, hidden: torch.Tensor):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.hidden = self.mode.from_tensor(hidden)
+
+    def step(self, layer: nn.Module, call: tuple[tuple, dict]) -> tuple:
+        args, kwargs = call
+        with self.mode, torch.no_grad():
+            res = layer(self.hidden, *args, **kwargs)
+        self.hidden = res[0]
+        return tuple(None if _holds_tensor(e) else e for e in res[1:])
 
 
 def forward_inputs(model: nn.Module, microbatch: Microbatch) -> dict[str, Any]:
@@ -308,6 +347,9 @@ class GenericDecoderBody(HFStagedModel):
         calls: list[tuple[tuple, dict]] = []
         first: list[torch.Tensor] = []
         shapes: dict[str, Any] = {}
+        chains: list[FakeLayerChain] = []
+        layers = list(self._layers)  # the real ones (the forward runs stubs in their place)
+        extras: list[tuple] = []
 
         def recorder(i: int) -> Callable:
             def record(*args, **kwargs):
@@ -320,9 +362,14 @@ class GenericDecoderBody(HFStagedModel):
                         f"between layers {i - 1} and {i}; the generic path runs layer after "
                         "layer and cannot stage it")
                 calls.append((rest, kw))
+                if self.layout.plain_extras:
+                    if not chains:
+                        chains.append(FakeLayerChain(hidden))
+                    extras.append(chains[0].step(layers[i], calls[-1]))
                 if i == L - 1:
                     raise _Stop
-                return wrap_output(hidden, self.layout.output_len)
+                return wrap_output(hidden, self.layout.output_len,
+                                   extras[-1] if extras else None)
             return record
 
         def shape_recorder(name: str, real: nn.Module) -> Callable:
@@ -340,7 +387,8 @@ class GenericDecoderBody(HFStagedModel):
         if len(calls) != L:
             raise StructureError(f"the forward of {type(self.model).__name__} called "
                                  f"{len(calls)} of its {L} layers")
-        return first[0], GenericContext(calls, shapes)
+        return first[0], GenericContext(calls, shapes,
+                                        {"layer_extras": extras} if extras else {})
 
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
         """Layer ``index`` with the arguments the model's forward gave it: (m, S, H) -> same."""
@@ -402,11 +450,13 @@ class GenericDecoderBody(HFStagedModel):
         ``hidden``: the model's output object (its ``logits``). With ``stop_at``, returns the
         input of that module (the final hidden states before the output projection) instead."""
         L = len(self._layers)
+        extras = ctx.extra.get("layer_extras")
 
         def passer(i: int) -> Callable:
             def run(*args, **kwargs):
                 h, _, _ = split_hidden(args, kwargs)
-                return wrap_output(hidden if i == L - 1 else h, self.layout.output_len)
+                return wrap_output(hidden if i == L - 1 else h, self.layout.output_len,
+                                   extras[i] if extras else None)
             return run
 
         stubs = {n: _Stub(self._layers[i], passer(i)) for i, n in enumerate(self._layer_names())}
@@ -615,6 +665,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     L = len(layers)
     order: list[int] = []
     output_len: list[int | None] = []
+    plain: list[bool] = []
     before: set[str] = set()
     after: set[str] = set()
     handles = []
@@ -626,6 +677,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
                 output_len.append(None)
             elif isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
                 output_len.append(len(out))  # extras: None in the stubs (see Layout)
+                plain.append(has_plain_extras(out))
             else:
                 raise StructureError(f"layer {i} of {type(model).__name__} returns "
                                      f"{type(out).__name__}, not its hidden states")
@@ -667,7 +719,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     unused = sorted(n for n in quiet if not any(n.startswith(o + ".") for o in quiet))
     return Layout(layers_name, tuple(embed), tuple(head), tuple(sorted(embed_only)),
                   output_len[0], inputs=tuple(sorted(forward_inputs(model, microbatch))),
-                  unused=tuple(unused))
+                  unused=tuple(unused), plain_extras=any(plain))
 
 
 def causal_lm_problem(model: nn.Module, batch: Microbatch) -> tuple[str | None, bool]:
