@@ -664,23 +664,24 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     layers = model.get_submodule(layers_name)
     L = len(layers)
     order: list[int] = []
-    output_len: list[int | None] = []
+    output_len: list[int | None | str] = []  # "bad": another form (_form_problem)
     plain: list[bool] = []
+    seen: list[tuple[Any, Any]] = []  # per layer: (its hidden states input, its output)
     before: set[str] = set()
     after: set[str] = set()
     handles = []
 
     def on_layer(i):
-        def hook(module, args, out):
+        def hook(module, args, kwargs, out):
             order.append(i)
+            seen.append((split_hidden(args, kwargs)[0], out))
             if isinstance(out, torch.Tensor):
                 output_len.append(None)
             elif isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
                 output_len.append(len(out))  # extras: None in the stubs (see Layout)
                 plain.append(has_plain_extras(out))
             else:
-                raise StructureError(f"layer {i} of {type(model).__name__} returns "
-                                     f"{type(out).__name__}, not its hidden states")
+                output_len.append("bad")
         return hook
 
     def on_module(name):
@@ -692,7 +693,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     outside = [(n, m) for n, m in model.named_modules()
                if n and id(m) not in inside and not (layers_name + ".").startswith(n + ".")]
     for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_hook(on_layer(i)))
+        handles.append(layer.register_forward_hook(on_layer(i), with_kwargs=True))
     for name, module in outside:
         handles.append(module.register_forward_hook(on_module(name)))
     try:
@@ -704,6 +705,8 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     if order != list(range(L)):
         raise StructureError(f"the forward of {type(model).__name__} calls its layers in the "
                              f"order {order[:12]}, not each once in order")
+    if "bad" in output_len:
+        raise StructureError(_form_problem(model, seen, output_len.index("bad")))
     if len(set(output_len)) != 1:
         raise StructureError(f"the layers of {type(model).__name__} return different forms")
     parts = module_partition(model, layers)
@@ -720,6 +723,27 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     return Layout(layers_name, tuple(embed), tuple(head), tuple(sorted(embed_only)),
                   output_len[0], inputs=tuple(sorted(forward_inputs(model, microbatch))),
                   unused=tuple(unused), plain_extras=any(plain))
+
+
+def _form_problem(model: nn.Module, seen: list[tuple[Any, Any]], i: int) -> str:
+    """Why layer i's output (not its hidden states, nor a tuple or list with them first) cannot
+    be staged, from each layer's (hidden states input, output) on the traced forward: where
+    the forward hands layer i + 1 a tensor that none of layer i's outputs is, it rearranges
+    them between the layers (the real cause); else the output's form."""
+    name = type(model).__name__
+    out = seen[i][1]
+    form = type(out).__name__
+    leaves = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t)]
+    if len(seen) > i + 1 and not any(t is seen[i + 1][0] for t in leaves):
+        given = seen[i + 1][0]
+        shapes = ", ".join(str(tuple(t.shape)) for t in leaves) or "none"
+        return (f"the forward of {name} changes the hidden states between its layers: layer "
+                f"{i} returns a {form} (tensors of shapes {shapes}) and the forward hands layer "
+                f"{i + 1} a tensor of shape {tuple(getattr(given, 'shape', ()))}, none of "
+                "them (it reshapes or rearranges them in between); the generic path runs "
+                "layer after layer on the hidden states each returns, so this model needs a "
+                "hand-written adapter (docs/adding_a_model.md)")
+    return f"layer {i} of {name} returns {form}, not its hidden states"
 
 
 def causal_lm_problem(model: nn.Module, batch: Microbatch) -> tuple[str | None, bool]:
