@@ -242,8 +242,34 @@ def image_batch(config: Any, rows: int = 4, seed: int = 0) -> dict[str, torch.Te
     where it has one) and their labels."""
     g = torch.Generator().manual_seed(seed)
     vision = getattr(config, "vision_config", None) or config
+    if _patchified(vision):
+        return {**patch_batch(vision, rows, g), "labels": class_labels(config, rows, g)}
     pixels = torch.randn((rows, *_image_shape(vision)), generator=g)
     return {"pixel_values": pixels, "labels": class_labels(config, rows, g)}
+
+
+def _patchified(config: Any) -> bool:
+    """The vision config takes images as patch sequences of a variable grid (SigLIP 2's
+    NaFlex form): it names a patch budget (``num_patches``) and a ``patch_size``, no
+    ``image_size``."""
+    return getattr(config, "image_size", None) is None and all(
+        isinstance(getattr(config, k, None), int) for k in ("num_patches", "patch_size"))
+
+
+def patch_batch(config: Any, rows: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """``rows`` images as their processor gives them to a patchified model (``_patchified``):
+    ``pixel_values`` (rows, num_patches, patch_size**2 * C) of flattened patches,
+    ``spatial_shapes`` (rows, 2) each image's (h, w) patch grid, and ``pixel_attention_mask``
+    (rows, num_patches), 1 on an image's h * w patches and 0 on the padding after them; grids
+    of different sizes, so the rows have different padding."""
+    n, p = config.num_patches, config.patch_size
+    channels = getattr(config, "num_channels", None) or 3
+    side = max(int(n ** 0.5), 1)
+    grids = [(side, side), (side, max(side - 1, 1)), (max(side - 1, 1), max(side // 2, 1))]
+    shapes = torch.tensor([grids[r % len(grids)] for r in range(rows)])
+    mask = (torch.arange(n)[None, :] < shapes.prod(-1)[:, None]).long()
+    pixels = torch.randn((rows, n, p * p * channels), generator=g) * mask[..., None]
+    return {"pixel_values": pixels, "pixel_attention_mask": mask, "spatial_shapes": shapes}
 
 
 def token_labels(task: str, config: Any, ids: torch.Tensor, mask: torch.Tensor,
