@@ -186,7 +186,8 @@ def _batch(config, task: str, seed: int = 0, cls: type | None = None) -> dict[st
     Speech2Text, Moonshine); else 11 tokens right-padded (left for a sequence classifier) to
     lengths 11, 6, 9, 4, 11 with the task's labels."""
     if task == IMAGE_CLASSIFICATION:
-        return image_batch(config, rows=5, seed=seed)
+        return image_batch(config, rows=5, seed=seed,
+                           main_input=getattr(cls, "main_input_name", None) or "pixel_values")
     main_input = getattr(cls, "main_input_name", None)
     padded_mels = main_input == "input_features" and hasattr(config, "num_mel_bins") and \
         hasattr(config, "max_source_positions")

@@ -208,6 +208,11 @@ DEFAULT_IMAGE_SIZE = 64
 size its downsampling leaves at least one pixel of: 64 / 32 = 2)."""
 
 
+IMAGE_TOKENS = 16
+"""The check's image length for a classifier of token-id images (ImageGPT's 32 x 32 images are
+1024 ids; any length up to its positions is an image prefix it classifies)."""
+
+
 def _image_shape(config: Any) -> tuple[int, int, int]:
     """(C, H, W) of the pixel inputs a vision config describes (``num_channels``,
     ``image_size`` an int or a pair; ``DEFAULT_IMAGE_SIZE`` where it names none); ValueError
@@ -237,11 +242,18 @@ def class_labels(config: Any, rows: int, g: torch.Generator) -> torch.Tensor:
     return torch.randn(rows, config.num_labels, generator=g).squeeze(-1)
 
 
-def image_batch(config: Any, rows: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+def image_batch(config: Any, rows: int = 4, seed: int = 0,
+                main_input: str = "pixel_values") -> dict[str, torch.Tensor]:
     """``rows`` random images (rows, C, H, W) of the config's size (its ``vision_config``'s
-    where it has one) and their labels."""
+    where it has one) and their labels. An image classifier whose input is
+    ``input_ids`` (ImageGPT: an image as a sequence of color-cluster ids) gets ``rows``
+    sequences of ``IMAGE_TOKENS`` random ids of its vocabulary instead, a patchified model
+    (``_patchified``) its patch sequences (``patch_batch``)."""
     g = torch.Generator().manual_seed(seed)
     vision = getattr(config, "vision_config", None) or config
+    if main_input == "input_ids":
+        ids = torch.randint(0, int(vision.vocab_size) - 1, (rows, IMAGE_TOKENS), generator=g)
+        return {"input_ids": ids, "labels": class_labels(config, rows, g)}
     if _patchified(vision):
         return {**patch_batch(vision, rows, g), "labels": class_labels(config, rows, g)}
     pixels = torch.randn((rows, *_image_shape(vision)), generator=g)
