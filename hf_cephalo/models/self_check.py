@@ -493,7 +493,16 @@ def _equal_in_float64(tiny: nn.Module, batch: dict, layout: Layout) -> bool:
     return any(_equal_in_float64_once(tiny, batch, layout, sdpa) for sdpa in (False, True))
 
 
+def float64_batch(batch: dict) -> dict:
+    """``batch`` with its floating-point tensors in float64 (pixels, float labels), for a
+    float64 copy ([Note: fp32 rounding or another computation]): a model that does not cast
+    its inputs to its weights' dtype (BiT's first convolution) fails on float32 pixels."""
+    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+            for k, v in batch.items()}
+
+
 def _equal_in_float64_once(tiny: nn.Module, batch: dict, layout: Layout, sdpa: bool) -> bool:
+    batch = float64_batch(batch)
     try:
         wide = float64_copy(tiny, sdpa)
         traced = trace_layout(wide, batch, layout.layers)
