@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hf_cephalo.models.base import Microbatch, staged_call
+from hf_cephalo.models.generic_outputs import FakeLayerChain, form_problem, has_plain_extras
 from hf_cephalo.models.hf_common import (CausalLMStagedModel, ClassifierStagedModel,
                                          HFStagedModel, LastTokenClassifierStagedModel,
                                          causal_lm_loss_sum, check_poolable, pad_token_id_of,
@@ -206,36 +207,6 @@ def wrap_output(hidden: torch.Tensor, output_len: int | None, extras: tuple | No
     if output_len is None:
         return hidden
     return (hidden,) + (extras if extras is not None else (None,) * (output_len - 1))
-
-
-def _holds_tensor(value: Any) -> bool:
-    return any(torch.is_tensor(t) for t in pytree.tree_leaves(value))
-
-
-def has_plain_extras(out: Any) -> bool:
-    """A layer's output (a tuple or list) carries, after its hidden states, an entry that is
-    neither None nor holds a tensor (a stage's output dimensions)."""
-    return isinstance(out, (tuple, list)) and any(
-        e is not None and not _holds_tensor(e) for e in out[1:])
-
-
-class FakeLayerChain:
-    """The layers run one after another on fake tensors (shapes and plain values only: no
-    arithmetic, no random numbers drawn), from the first layer's input: ``step(layer, call)``
-    is what that layer returns after its hidden states, each entry holding a tensor as None
-    (``Layout.plain_extras``)."""
-
-    def __init__(self, hidden: torch.Tensor):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self.hidden = self.mode.from_tensor(hidden)
-
-    def step(self, layer: nn.Module, call: tuple[tuple, dict]) -> tuple:
-        args, kwargs = call
-        with self.mode, torch.no_grad():
-            res = layer(self.hidden, *args, **kwargs)
-        self.hidden = res[0]
-        return tuple(None if _holds_tensor(e) else e for e in res[1:])
 
 
 def forward_inputs(model: nn.Module, microbatch: Microbatch) -> dict[str, Any]:
@@ -664,7 +635,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     layers = model.get_submodule(layers_name)
     L = len(layers)
     order: list[int] = []
-    output_len: list[int | None | str] = []  # "bad": another form (_form_problem)
+    output_len: list[int | None | str] = []  # "bad": another form (form_problem)
     plain: list[bool] = []
     seen: list[tuple[Any, Any]] = []  # per layer: (its hidden states input, its output)
     before: set[str] = set()
@@ -706,7 +677,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
         raise StructureError(f"the forward of {type(model).__name__} calls its layers in the "
                              f"order {order[:12]}, not each once in order")
     if "bad" in output_len:
-        raise StructureError(_form_problem(model, seen, output_len.index("bad")))
+        raise StructureError(form_problem(model, seen, output_len.index("bad")))
     if len(set(output_len)) != 1:
         raise StructureError(f"the layers of {type(model).__name__} return different forms")
     parts = module_partition(model, layers)
@@ -723,27 +694,6 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     return Layout(layers_name, tuple(embed), tuple(head), tuple(sorted(embed_only)),
                   output_len[0], inputs=tuple(sorted(forward_inputs(model, microbatch))),
                   unused=tuple(unused), plain_extras=any(plain))
-
-
-def _form_problem(model: nn.Module, seen: list[tuple[Any, Any]], i: int) -> str:
-    """Why layer i's output (not its hidden states, nor a tuple or list with them first) cannot
-    be staged, from each layer's (hidden states input, output) on the traced forward: where
-    the forward hands layer i + 1 a tensor that none of layer i's outputs is, it rearranges
-    them between the layers (the real cause); else the output's form."""
-    name = type(model).__name__
-    out = seen[i][1]
-    form = type(out).__name__
-    leaves = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t)]
-    if len(seen) > i + 1 and not any(t is seen[i + 1][0] for t in leaves):
-        given = seen[i + 1][0]
-        shapes = ", ".join(str(tuple(t.shape)) for t in leaves) or "none"
-        return (f"the forward of {name} changes the hidden states between its layers: layer "
-                f"{i} returns a {form} (tensors of shapes {shapes}) and the forward hands layer "
-                f"{i + 1} a tensor of shape {tuple(getattr(given, 'shape', ()))}, none of "
-                "them (it reshapes or rearranges them in between); the generic path runs "
-                "layer after layer on the hidden states each returns, so this model needs a "
-                "hand-written adapter (docs/adding_a_model.md)")
-    return f"layer {i} of {name} returns {form}, not its hidden states"
 
 
 def causal_lm_problem(model: nn.Module, batch: Microbatch) -> tuple[str | None, bool]:

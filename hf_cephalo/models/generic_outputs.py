@@ -1,0 +1,66 @@
+"""What the generic path reads from its layers' outputs beyond their hidden states.
+
+``Layout.plain_extras`` in models/generic.py: a layer (a hierarchical stage) that returns,
+after its hidden states, plain data the model's forward reads (Swin V2's output dimensions)
+gets it back from its stub as the real layer would, from a run of the layers on fake tensors
+(``FakeLayerChain``); ``form_problem`` says why an output of another form cannot be staged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+
+def _holds_tensor(value: Any) -> bool:
+    return any(torch.is_tensor(t) for t in pytree.tree_leaves(value))
+
+
+def has_plain_extras(out: Any) -> bool:
+    """A layer's output (a tuple or list) carries, after its hidden states, an entry that is
+    neither None nor holds a tensor (a stage's output dimensions)."""
+    return isinstance(out, (tuple, list)) and any(
+        e is not None and not _holds_tensor(e) for e in out[1:])
+
+
+class FakeLayerChain:
+    """The layers run one after another on fake tensors (shapes and plain values only: no
+    arithmetic, no random numbers drawn), from the first layer's input: ``step(layer, call)``
+    is what that layer returns after its hidden states, each entry holding a tensor as None
+    (``Layout.plain_extras``)."""
+
+    def __init__(self, hidden: torch.Tensor):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.hidden = self.mode.from_tensor(hidden)
+
+    def step(self, layer: nn.Module, call: tuple[tuple, dict]) -> tuple:
+        args, kwargs = call
+        with self.mode, torch.no_grad():
+            res = layer(self.hidden, *args, **kwargs)
+        self.hidden = res[0]
+        return tuple(None if _holds_tensor(e) else e for e in res[1:])
+
+
+def form_problem(model: nn.Module, seen: list[tuple[Any, Any]], i: int) -> str:
+    """Why layer i's output (not its hidden states, nor a tuple or list with them first) cannot
+    be staged, from each layer's (hidden states input, output) on the traced forward: where
+    the forward hands layer i + 1 a tensor that none of layer i's outputs is, it rearranges
+    them between the layers (the real cause); else the output's form."""
+    name = type(model).__name__
+    out = seen[i][1]
+    form = type(out).__name__
+    leaves = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t)]
+    if len(seen) > i + 1 and not any(t is seen[i + 1][0] for t in leaves):
+        given = seen[i + 1][0]
+        shapes = ", ".join(str(tuple(t.shape)) for t in leaves) or "none"
+        return (f"the forward of {name} changes the hidden states between its layers: layer "
+                f"{i} returns a {form} (tensors of shapes {shapes}) and the forward hands layer "
+                f"{i + 1} a tensor of shape {tuple(getattr(given, 'shape', ()))}, none of "
+                "them (it reshapes or rearranges them in between); the generic path runs "
+                "layer after layer on the hidden states each returns, so this model needs a "
+                "hand-written adapter (docs/adding_a_model.md)")
+    return f"layer {i} of {name} returns {form}, not its hidden states"
