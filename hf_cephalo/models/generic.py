@@ -115,11 +115,11 @@ class Layout:
     label_shift: bool = True
     side: tuple[tuple[int, int | str], ...] = ()
     plain_extras: bool = False
-    """A layer returns, after its hidden states, plain data the forward reads (a hierarchical
-    stage's output dimensions, which Swin V2, Donut-Swin and FocalNet turn into the next
-    stage's ``input_dimensions``): the stubs return it as the real layer would, from a run of
-    each layer on fake tensors (shapes only: no compute, no random numbers;
-    ``layer_extras``); entries holding tensors stay None."""
+    """A layer returns, after its hidden states, plain data (numbers) the forward reads (a
+    hierarchical stage's output dimensions, which Swin V2, Donut-Swin and FocalNet turn into
+    the next stage's ``input_dimensions``): the stubs return it as the real layer would, from a
+    run of the layers on fake tensors (shapes only: no compute, no random numbers;
+    ``generic_outputs.FakeLayerChain``); every other entry stays None."""
     reshapes: bool = False
     """Some layer (a hierarchical backbone's stage) returns hidden states of another shape
     than its input's, on the tiny copy (``StagedModel.hidden_shape_changes``)."""
@@ -645,7 +645,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     def on_layer(i):
         def hook(module, args, kwargs, out):
             order.append(i)
-            seen.append((split_hidden(args, kwargs)[0], out))
+            seen.append((args[0] if args else kwargs.get("hidden_states"), out))
             if isinstance(out, torch.Tensor):
                 output_len.append(None)
             elif isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):

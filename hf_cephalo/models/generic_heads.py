@@ -246,13 +246,14 @@ def image_batch(config: Any, rows: int = 4, seed: int = 0,
                 main_input: str = "pixel_values") -> dict[str, torch.Tensor]:
     """``rows`` random images (rows, C, H, W) of the config's size (its ``vision_config``'s
     where it has one) and their labels. An image classifier whose input is
-    ``input_ids`` (ImageGPT: an image as a sequence of color-cluster ids) gets ``rows``
-    sequences of ``IMAGE_TOKENS`` random ids of its vocabulary instead, a patchified model
+    ``input_ids`` and whose config names a vocabulary (ImageGPT: an image as a sequence of
+    color-cluster ids; not a vision-language classifier such as ShieldGemma 2, whose text
+    config does) gets ``rows`` sequences of ``IMAGE_TOKENS`` random ids of it instead, a patchified model
     (``_patchified``) its patch sequences (``patch_batch``)."""
     g = torch.Generator().manual_seed(seed)
     vision = getattr(config, "vision_config", None) or config
-    if main_input == "input_ids":
-        ids = torch.randint(0, int(vision.vocab_size) - 1, (rows, IMAGE_TOKENS), generator=g)
+    if main_input == "input_ids" and isinstance(getattr(config, "vocab_size", None), int):
+        ids = torch.randint(0, config.vocab_size - 1, (rows, IMAGE_TOKENS), generator=g)
         return {"input_ids": ids, "labels": class_labels(config, rows, g)}
     if _patchified(vision):
         return {**patch_batch(vision, rows, g), "labels": class_labels(config, rows, g)}

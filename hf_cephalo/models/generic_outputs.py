@@ -15,22 +15,25 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 
-def _holds_tensor(value: Any) -> bool:
-    return any(torch.is_tensor(t) for t in pytree.tree_leaves(value))
+def _plain(value: Any) -> bool:
+    """Plain data: numbers (ints, floats, bools) in tuples, lists or dicts, nothing else (no
+    tensor, no cache object)."""
+    leaves = pytree.tree_leaves(value)
+    return value is not None and bool(leaves) and all(
+        isinstance(v, (bool, int, float)) for v in leaves)
 
 
 def has_plain_extras(out: Any) -> bool:
-    """A layer's output (a tuple or list) carries, after its hidden states, an entry that is
-    neither None nor holds a tensor (a stage's output dimensions)."""
-    return isinstance(out, (tuple, list)) and any(
-        e is not None and not _holds_tensor(e) for e in out[1:])
+    """A layer's output (a tuple or list) carries plain data (``_plain``) after its hidden
+    states (a stage's output dimensions)."""
+    return isinstance(out, (tuple, list)) and any(_plain(e) for e in out[1:])
 
 
 class FakeLayerChain:
     """The layers run one after another on fake tensors (shapes and plain values only: no
     arithmetic, no random numbers drawn), from the first layer's input: ``step(layer, call)``
-    is what that layer returns after its hidden states, each entry holding a tensor as None
-    (``Layout.plain_extras``)."""
+    is what that layer returns after its hidden states, each entry other than plain data
+    (``_plain``) as None, as the stubs return it (``Layout.plain_extras``)."""
 
     def __init__(self, hidden: torch.Tensor):
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -42,7 +45,7 @@ class FakeLayerChain:
         with self.mode, torch.no_grad():
             res = layer(self.hidden, *args, **kwargs)
         self.hidden = res[0]
-        return tuple(None if _holds_tensor(e) else e for e in res[1:])
+        return tuple(e if _plain(e) else None for e in res[1:])
 
 
 def form_problem(model: nn.Module, seen: list[tuple[Any, Any]], i: int) -> str:
