@@ -29,7 +29,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hf_cephalo.models.base import Microbatch, staged_call
-from hf_cephalo.models.generic_outputs import FakeLayerChain, form_problem, has_plain_extras
+from hf_cephalo.models.generic_outputs import (FakeLayerChain, form_problem, has_plain_extras,
+                                              parameter_shapes)
 from hf_cephalo.models.hf_common import (CausalLMStagedModel, ClassifierStagedModel,
                                          HFStagedModel, LastTokenClassifierStagedModel,
                                          causal_lm_loss_sum, check_poolable, pad_token_id_of,
@@ -253,6 +254,8 @@ class GenericDecoderBody(HFStagedModel):
     def __init__(self, model: nn.Module, layout: Layout):
         self.layout = layout
         self._layers = model.get_submodule(layout.layers)
+        self._layer_shapes = [parameter_shapes(layer) for layer in self._layers] \
+            if layout.plain_extras else []
         super().__init__(model)
 
     # ---- structure ----
@@ -336,7 +339,7 @@ class GenericDecoderBody(HFStagedModel):
                 if self.layout.plain_extras:
                     if not chains:
                         chains.append(FakeLayerChain(hidden))
-                    extras.append(chains[0].step(layers[i], calls[-1]))
+                    extras.append(chains[0].step(layers[i], calls[-1], self._layer_shapes[i]))
                 if i == L - 1:
                     raise _Stop
                 return wrap_output(hidden, self.layout.output_len,

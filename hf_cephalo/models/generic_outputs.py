@@ -29,21 +29,36 @@ def has_plain_extras(out: Any) -> bool:
     return isinstance(out, (tuple, list)) and any(_plain(e) for e in out[1:])
 
 
+def parameter_shapes(layer: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """{name: (shape, dtype)} of a layer's parameters, taken while they are whole: the engine
+    later holds them as shards, or as views of a freed buffer, between its gathers."""
+    return {n: (p.shape, p.dtype) for n, p in layer.named_parameters()}
+
+
 class FakeLayerChain:
     """The layers run one after another on fake tensors (shapes and plain values only: no
-    arithmetic, no random numbers drawn), from the first layer's input: ``step(layer, call)``
-    is what that layer returns after its hidden states, each entry other than plain data
-    (``_plain``) as None, as the stubs return it (``Layout.plain_extras``)."""
+    arithmetic, no random numbers drawn), from the first layer's input: ``step(layer, call,
+    shapes)`` is what that layer returns after its hidden states, each entry other than plain
+    data (``_plain``) as None, as the stubs return it (``Layout.plain_extras``). The layer runs
+    on fake parameters of its whole ``shapes`` (``parameter_shapes``), never its own: outside
+    its unit's gather the engine holds them sharded; floating ones take the hidden states'
+    dtype (the gathered one under a low-precision ``param_dtype``)."""
 
     def __init__(self, hidden: torch.Tensor):
         from torch._subclasses.fake_tensor import FakeTensorMode
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.hidden = self.mode.from_tensor(hidden)
 
-    def step(self, layer: nn.Module, call: tuple[tuple, dict]) -> tuple:
+    def step(self, layer: nn.Module, call: tuple[tuple, dict],
+             shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> tuple:
         args, kwargs = call
+        h = self.hidden
         with self.mode, torch.no_grad():
-            res = layer(self.hidden, *args, **kwargs)
+            params = {n: torch.empty(shape, device=h.device,
+                                     dtype=h.dtype if dtype.is_floating_point else dtype)
+                      for n, (shape, dtype) in shapes.items()}
+            res = torch.func.functional_call(layer, params, (h, *args), kwargs,
+                                             tie_weights=False)
         self.hidden = res[0]
         return tuple(e if _plain(e) else None for e in res[1:])
 
