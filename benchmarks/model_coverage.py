@@ -69,7 +69,7 @@ from hf_cephalo.models.generic_heads import (CAUSAL_LM, ENCODER_TASKS,  # noqa: 
                                              TOKEN_CLASSIFICATION, image_batch, task_of,
                                              token_labels)
 from hf_cephalo.models.registry import UnsupportedModelError  # noqa: E402
-from hf_cephalo.models.self_check import float64_copy  # noqa: E402
+from hf_cephalo.models.self_check import float64_batch, float64_copy  # noqa: E402
 from hf_cephalo.models.shrink import TINY_MAX_NUMEL, tiny_config, tiny_numel  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -196,7 +196,8 @@ def _batch(config, task: str, seed: int = 0, cls: type | None = None) -> dict[st
     Speech2Text, Moonshine, Pop2Piano); else 11 tokens right-padded (left for a sequence
     classifier) to lengths 11, 6, 9, 4, 11 with the task's labels."""
     if task == IMAGE_CLASSIFICATION:
-        return image_batch(config, rows=5, seed=seed)
+        return image_batch(config, rows=5, seed=seed,
+                           main_input=getattr(cls, "main_input_name", None) or "pixel_values")
     main_input = getattr(cls, "main_input_name", None)
     if getattr(config, "model_type", None) in FEATURES_AS_EMBEDDINGS:
         main_input = "input_features"
@@ -281,9 +282,10 @@ def compare(model, batch) -> str | None:
     if problem is None:
         return None
     try:
-        again = _compare_once(float64_copy(pristine), batch)
+        wide_batch = float64_batch(batch)
+        again = _compare_once(float64_copy(pristine), wide_batch)
         if again is not None:  # eager float64 attention may be NaN on padding: SDPA
-            again = _compare_once(float64_copy(pristine, sdpa=True), batch)
+            again = _compare_once(float64_copy(pristine, sdpa=True), wide_batch)
     except Exception as exc:  # noqa: BLE001 - no float64 run: the fp32 verdict stands
         return f"{problem} (float64 did not run: {_short(exc)})"
     return problem if again is not None else f"rounding: {problem} in fp32, equal in float64"

@@ -13,7 +13,9 @@ groups also run the models with side inputs (``SIDE_INPUTS``: Gemma 3n text and 
 per-layer inputs, each layer reading its own; MPNet's position bias, which every layer reads;
 their gradient reaches the embedding side's weights: docs/engine.md, "Side inputs") and the
 hierarchical image backbones (``IMAGES``: a ConvNeXt classifier on random images, each of its 4
-stages one unit, the hidden state's shape changing at every unit boundary) and the
+stages one unit, the hidden state's shape changing at every unit boundary; a Swin V2
+classifier, whose stages return the output dimensions its encoder reads, from a fake-tensor run
+on the stages' whole shapes while the engine holds them sharded) and the
 encoder-decoders (``SEQ2SEQ``: T5 and BART ``...ForConditionalGeneration`` on
 ``DataCollatorForSeq2Seq``-style batches; the encoder's output is a side input the first decoder
 unit makes and every decoder layer reads, T5's position biases side inputs each stack's layer 0

@@ -44,9 +44,11 @@ EXACT = {
 EXACT["token-classification"].append("T5ForTokenClassification")  # layer 0's bias, handed on
 REFUSED = {  # class -> what its refusal says
     "PoolFormerForImageClassification": "layer stacks",  # stages are bare lists: no stage
-    "PvtV2ForImageClassification": "returns tuple",
+    # reshapes each stage's tokens into an image-shaped map before the next stage
+    "PvtV2ForImageClassification": "changes the hidden states between its layers",
     "MobileNetV2ForImageClassification": "BatchNorm layers",  # per-microbatch statistics
     "ResNetForImageClassification": "BatchNorm layers",
+    "EfficientNetForImageClassification": "BatchNorm layers",  # its depth_coefficient shrunk
     "DeiTForImageClassificationWithTeacher": "this head is none of those",
     "M2M100ForConditionalGeneration": "has layer drop 0.05",  # its default config's
     "CohereAsrForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
@@ -316,3 +318,52 @@ def test_the_page_reads_back_into_its_rows():
     seq2seq = {r.name: r.status for r in rows if r.mapping == "seq2seq-lm"}
     assert seq2seq["T5ForConditionalGeneration"] == seq2seq["BartForConditionalGeneration"] \
         == "exact", seq2seq
+
+
+# small configs of the classes the generic path stages since the layer outputs, patchified and
+# token-id images and the float64 pixels (models/generic_outputs.py, generic_heads.image_batch,
+# self_check.float64_batch): images of 32 pixels, 2 stages, so the check takes seconds
+_SMALL_IMAGE_CONFIGS = {
+    "Swinv2ForImageClassification": ("swinv2", dict(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+        window_size=4)),
+    "DonutSwinForImageClassification": ("donut-swin", dict(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+        window_size=4)),
+    "FocalNetForImageClassification": ("focalnet", dict(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], focal_levels=[2, 2],
+        focal_windows=[3, 3])),
+    "Siglip2ForImageClassification": ("siglip2", dict(vision_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_patches=16, patch_size=4), text_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=64))),
+    "ImageGPTForImageClassification": ("imagegpt", dict(
+        vocab_size=17, n_positions=64, n_embd=16, n_layer=2, n_head=2)),
+    "BitForImageClassification": ("bit", dict(
+        embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_groups=4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SMALL_IMAGE_CONFIGS))
+def test_hierarchical_patchified_and_token_image_classifiers_are_exact(name):
+    """Swin V2, Donut-Swin and FocalNet (stages returning their output dimensions), SigLIP 2
+    (patch sequences with a padding mask and grids), ImageGPT (images as color-cluster ids) and
+    BiT (fp32 rounding, equal in float64): ``stage_model`` proves a tiny copy exact, and the
+    sweep's independent comparison (5 rows as microbatches of 2 and 3) agrees."""
+    from transformers.models.auto import configuration_auto
+
+    from benchmarks.model_coverage import compare
+    from hf_cephalo.models.generic_heads import image_batch
+
+    model_type, fields = _SMALL_IMAGE_CONFIGS[name]
+    config = configuration_auto.CONFIG_MAPPING[model_type](**fields, num_labels=3)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(transformers, name)(config).float().eval()
+    staged = stage_model(model)
+    assert staged.num_units >= 2, name
+    cls = type(model)
+    batch = image_batch(config, rows=5, main_input=cls.main_input_name)
+    problem = compare(model, batch)
+    assert problem is None or problem.startswith("rounding: "), (name, problem)

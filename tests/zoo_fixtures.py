@@ -205,12 +205,18 @@ IMAGES: dict[str, tuple[str, Callable[[], Any]]] = {
     "convnext": ("ConvNextForImageClassification", lambda: transformers.ConvNextConfig(
         num_stages=4, depths=[1, 3, 2, 1], hidden_sizes=[8, 16, 24, 32], patch_size=4,
         image_size=IMAGE_SIZE, num_labels=3, layer_scale_init_value=0.5)),
+    "swinv2": ("Swinv2ForImageClassification", lambda: transformers.Swinv2Config(
+        image_size=IMAGE_SIZE, patch_size=4, embed_dim=16, depths=[1, 2], num_heads=[2, 2],
+        window_size=4, num_labels=3)),
 }
 """Hierarchical image backbones: each stage one unit (its downsampling and blocks), units of
 different sizes, the hidden states (m, 8, 8, 8) -> (m, 16, 4, 4) -> (m, 24, 2, 2) -> (m, 32,
 1, 1) between them. ConvNeXt's stage 1 holds 3 blocks where the self-check's tiny copy holds 2
 (the shrink cuts each stage to at most 2 blocks), so the staging on this model is not the
-copy's; its layer scale is 0.5, not 1e-6, so every block's weights move the loss."""
+copy's; its layer scale is 0.5, not 1e-6, so every block's weights move the loss. Swin V2's
+stages return their output dimensions, which its encoder turns into the next stage's
+input_dimensions (the stubs return them from a fake-tensor run of the stages:
+models/generic_outputs.py), hidden states (m, 64, 16) -> (m, 16, 32)."""
 
 
 def image_zoo_batch(size: int, seed: int) -> dict[str, torch.Tensor]:

@@ -29,6 +29,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hf_cephalo.models.base import Microbatch, staged_call
+from hf_cephalo.models.generic_outputs import (FakeLayerChain, form_problem, has_plain_extras,
+                                              parameter_shapes)
 from hf_cephalo.models.hf_common import (CausalLMStagedModel, ClassifierStagedModel,
                                          HFStagedModel, LastTokenClassifierStagedModel,
                                          causal_lm_loss_sum, check_poolable, pad_token_id_of,
@@ -113,6 +115,12 @@ class Layout:
     unused: tuple[str, ...] = ()
     label_shift: bool = True
     side: tuple[tuple[int, int | str], ...] = ()
+    plain_extras: bool = False
+    """A layer returns, after its hidden states, plain data (numbers) the forward reads (a
+    hierarchical stage's output dimensions, which Swin V2, Donut-Swin and FocalNet turn into
+    the next stage's ``input_dimensions``): the stubs return it as the real layer would, from a
+    run of the layers on fake tensors (shapes only: no compute, no random numbers;
+    ``generic_outputs.FakeLayerChain``); every other entry stays None."""
     reshapes: bool = False
     """Some layer (a hierarchical backbone's stage) returns hidden states of another shape
     than its input's, on the tiny copy (``StagedModel.hidden_shape_changes``)."""
@@ -194,9 +202,12 @@ def call_layer(layer: nn.Module, hidden: torch.Tensor, call: tuple[tuple, dict],
     return out if output_len is None else out[0]
 
 
-def wrap_output(hidden: torch.Tensor, output_len: int | None):
-    """What a layer returns, given its hidden states: the tensor, or (hidden, None, ...)."""
-    return hidden if output_len is None else (hidden,) + (None,) * (output_len - 1)
+def wrap_output(hidden: torch.Tensor, output_len: int | None, extras: tuple | None = None):
+    """What a layer returns, given its hidden states: the tensor, or (hidden, None, ...), or
+    (hidden, *extras) (``layer_extras``)."""
+    if output_len is None:
+        return hidden
+    return (hidden,) + (extras if extras is not None else (None,) * (output_len - 1))
 
 
 def forward_inputs(model: nn.Module, microbatch: Microbatch) -> dict[str, Any]:
@@ -243,6 +254,8 @@ class GenericDecoderBody(HFStagedModel):
     def __init__(self, model: nn.Module, layout: Layout):
         self.layout = layout
         self._layers = model.get_submodule(layout.layers)
+        self._layer_shapes = [parameter_shapes(layer) for layer in self._layers] \
+            if layout.plain_extras else []
         super().__init__(model)
 
     # ---- structure ----
@@ -308,6 +321,9 @@ class GenericDecoderBody(HFStagedModel):
         calls: list[tuple[tuple, dict]] = []
         first: list[torch.Tensor] = []
         shapes: dict[str, Any] = {}
+        chains: list[FakeLayerChain] = []
+        layers = list(self._layers)  # the real ones (the forward runs stubs in their place)
+        extras: list[tuple] = []
 
         def recorder(i: int) -> Callable:
             def record(*args, **kwargs):
@@ -320,9 +336,14 @@ class GenericDecoderBody(HFStagedModel):
                         f"between layers {i - 1} and {i}; the generic path runs layer after "
                         "layer and cannot stage it")
                 calls.append((rest, kw))
+                if self.layout.plain_extras:
+                    if not chains:
+                        chains.append(FakeLayerChain(hidden))
+                    extras.append(chains[0].step(layers[i], calls[-1], self._layer_shapes[i]))
                 if i == L - 1:
                     raise _Stop
-                return wrap_output(hidden, self.layout.output_len)
+                return wrap_output(hidden, self.layout.output_len,
+                                   extras[-1] if extras else None)
             return record
 
         def shape_recorder(name: str, real: nn.Module) -> Callable:
@@ -340,7 +361,8 @@ class GenericDecoderBody(HFStagedModel):
         if len(calls) != L:
             raise StructureError(f"the forward of {type(self.model).__name__} called "
                                  f"{len(calls)} of its {L} layers")
-        return first[0], GenericContext(calls, shapes)
+        return first[0], GenericContext(calls, shapes,
+                                        {"layer_extras": extras} if extras else {})
 
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
         """Layer ``index`` with the arguments the model's forward gave it: (m, S, H) -> same."""
@@ -402,11 +424,13 @@ class GenericDecoderBody(HFStagedModel):
         ``hidden``: the model's output object (its ``logits``). With ``stop_at``, returns the
         input of that module (the final hidden states before the output projection) instead."""
         L = len(self._layers)
+        extras = ctx.extra.get("layer_extras")
 
         def passer(i: int) -> Callable:
             def run(*args, **kwargs):
                 h, _, _ = split_hidden(args, kwargs)
-                return wrap_output(hidden if i == L - 1 else h, self.layout.output_len)
+                return wrap_output(hidden if i == L - 1 else h, self.layout.output_len,
+                                   extras[i] if extras else None)
             return run
 
         stubs = {n: _Stub(self._layers[i], passer(i)) for i, n in enumerate(self._layer_names())}
@@ -614,21 +638,24 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     layers = model.get_submodule(layers_name)
     L = len(layers)
     order: list[int] = []
-    output_len: list[int | None] = []
+    output_len: list[int | None | str] = []  # "bad": another form (form_problem)
+    plain: list[bool] = []
+    seen: list[tuple[Any, Any]] = []  # per layer: (its hidden states input, its output)
     before: set[str] = set()
     after: set[str] = set()
     handles = []
 
     def on_layer(i):
-        def hook(module, args, out):
+        def hook(module, args, kwargs, out):
             order.append(i)
+            seen.append((args[0] if args else kwargs.get("hidden_states"), out))
             if isinstance(out, torch.Tensor):
                 output_len.append(None)
             elif isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
                 output_len.append(len(out))  # extras: None in the stubs (see Layout)
+                plain.append(has_plain_extras(out))
             else:
-                raise StructureError(f"layer {i} of {type(model).__name__} returns "
-                                     f"{type(out).__name__}, not its hidden states")
+                output_len.append("bad")
         return hook
 
     def on_module(name):
@@ -640,7 +667,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     outside = [(n, m) for n, m in model.named_modules()
                if n and id(m) not in inside and not (layers_name + ".").startswith(n + ".")]
     for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_hook(on_layer(i)))
+        handles.append(layer.register_forward_hook(on_layer(i), with_kwargs=True))
     for name, module in outside:
         handles.append(module.register_forward_hook(on_module(name)))
     try:
@@ -652,6 +679,8 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     if order != list(range(L)):
         raise StructureError(f"the forward of {type(model).__name__} calls its layers in the "
                              f"order {order[:12]}, not each once in order")
+    if "bad" in output_len:
+        raise StructureError(form_problem(model, seen, output_len.index("bad")))
     if len(set(output_len)) != 1:
         raise StructureError(f"the layers of {type(model).__name__} return different forms")
     parts = module_partition(model, layers)
@@ -667,7 +696,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     unused = sorted(n for n in quiet if not any(n.startswith(o + ".") for o in quiet))
     return Layout(layers_name, tuple(embed), tuple(head), tuple(sorted(embed_only)),
                   output_len[0], inputs=tuple(sorted(forward_inputs(model, microbatch))),
-                  unused=tuple(unused))
+                  unused=tuple(unused), plain_extras=any(plain))
 
 
 def causal_lm_problem(model: nn.Module, batch: Microbatch) -> tuple[str | None, bool]:

@@ -208,6 +208,11 @@ DEFAULT_IMAGE_SIZE = 64
 size its downsampling leaves at least one pixel of: 64 / 32 = 2)."""
 
 
+IMAGE_TOKENS = 16
+"""The check's image length for a classifier of token-id images (ImageGPT's 32 x 32 images are
+1024 ids; any length up to its positions is an image prefix it classifies)."""
+
+
 def _image_shape(config: Any) -> tuple[int, int, int]:
     """(C, H, W) of the pixel inputs a vision config describes (``num_channels``,
     ``image_size`` an int or a pair; ``DEFAULT_IMAGE_SIZE`` where it names none); ValueError
@@ -237,13 +242,47 @@ def class_labels(config: Any, rows: int, g: torch.Generator) -> torch.Tensor:
     return torch.randn(rows, config.num_labels, generator=g).squeeze(-1)
 
 
-def image_batch(config: Any, rows: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+def image_batch(config: Any, rows: int = 4, seed: int = 0,
+                main_input: str = "pixel_values") -> dict[str, torch.Tensor]:
     """``rows`` random images (rows, C, H, W) of the config's size (its ``vision_config``'s
-    where it has one) and their labels."""
+    where it has one) and their labels. An image classifier whose input is
+    ``input_ids`` and whose config names a vocabulary (ImageGPT: an image as a sequence of
+    color-cluster ids; not a vision-language classifier such as ShieldGemma 2, whose text
+    config does) gets ``rows`` sequences of ``IMAGE_TOKENS`` random ids of it instead, a patchified model
+    (``_patchified``) its patch sequences (``patch_batch``)."""
     g = torch.Generator().manual_seed(seed)
     vision = getattr(config, "vision_config", None) or config
+    if main_input == "input_ids" and isinstance(getattr(config, "vocab_size", None), int):
+        ids = torch.randint(0, config.vocab_size - 1, (rows, IMAGE_TOKENS), generator=g)
+        return {"input_ids": ids, "labels": class_labels(config, rows, g)}
+    if _patchified(vision):
+        return {**patch_batch(vision, rows, g), "labels": class_labels(config, rows, g)}
     pixels = torch.randn((rows, *_image_shape(vision)), generator=g)
     return {"pixel_values": pixels, "labels": class_labels(config, rows, g)}
+
+
+def _patchified(config: Any) -> bool:
+    """The vision config takes images as patch sequences of a variable grid (SigLIP 2's
+    NaFlex form): it names a patch budget (``num_patches``) and a ``patch_size``, no
+    ``image_size``."""
+    return getattr(config, "image_size", None) is None and all(
+        isinstance(getattr(config, k, None), int) for k in ("num_patches", "patch_size"))
+
+
+def patch_batch(config: Any, rows: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """``rows`` images as their processor gives them to a patchified model (``_patchified``):
+    ``pixel_values`` (rows, num_patches, patch_size**2 * C) of flattened patches,
+    ``spatial_shapes`` (rows, 2) each image's (h, w) patch grid, and ``pixel_attention_mask``
+    (rows, num_patches), 1 on an image's h * w patches and 0 on the padding after them; grids
+    of different sizes, so the rows have different padding."""
+    n, p = config.num_patches, config.patch_size
+    channels = getattr(config, "num_channels", None) or 3
+    side = max(int(n ** 0.5), 1)
+    grids = [(side, side), (side, max(side - 1, 1)), (max(side - 1, 1), max(side // 2, 1))]
+    shapes = torch.tensor([grids[r % len(grids)] for r in range(rows)])
+    mask = (torch.arange(n)[None, :] < shapes.prod(-1)[:, None]).long()
+    pixels = torch.randn((rows, n, p * p * channels), generator=g) * mask[..., None]
+    return {"pixel_values": pixels, "pixel_attention_mask": mask, "spatial_shapes": shapes}
 
 
 def token_labels(task: str, config: Any, ids: torch.Tensor, mask: torch.Tensor,

@@ -61,13 +61,14 @@ class Proof:
 _CACHE: dict[tuple, Proof | StructureError] = {}
 
 
-def _check_batch(config: Any, task: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def _check_batch(config: Any, task: str, seed: int = 0,
+                 main_input: str = "pixel_values") -> dict[str, torch.Tensor]:
     """The tiny copy's batch for its task: four images (image classification), else four
     rows of 9 tokens with left padding on one row (sequence classifier) or right padding
     (the other text tasks), and the task's labels with ignored positions; pad ids avoided in
     the real tokens. ValueError when the config names no vocabulary or image size."""
     if task == IMAGE_CLASSIFICATION:
-        return image_batch(config, seed=seed)
+        return image_batch(config, seed=seed, main_input=main_input)
     g = torch.Generator().manual_seed(seed)
     pad = getattr(config.get_text_config(), "pad_token_id", None)  # a config may define none
     vocab = getattr(config.get_text_config(), "vocab_size", None)
@@ -364,7 +365,8 @@ def _check(cls: type, config: Any) -> Proof:
                              f"staging ({type(exc).__name__}: {exc})") from exc
     _perturb(tiny)
     try:
-        batch = _check_batch(cfg, task)
+        batch = _check_batch(cfg, task, main_input=getattr(cls, "main_input_name", None)
+                             or "pixel_values")
     except ValueError as exc:
         raise StructureError(f"could not build the check's batch for a tiny {cls.__name__} "
                              f"({exc})") from exc
@@ -491,7 +493,16 @@ def _equal_in_float64(tiny: nn.Module, batch: dict, layout: Layout) -> bool:
     return any(_equal_in_float64_once(tiny, batch, layout, sdpa) for sdpa in (False, True))
 
 
+def float64_batch(batch: dict) -> dict:
+    """``batch`` with its floating-point tensors in float64 (pixels, float labels), for a
+    float64 copy ([Note: fp32 rounding or another computation]): a model that does not cast
+    its inputs to its weights' dtype (BiT's first convolution) fails on float32 pixels."""
+    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+            for k, v in batch.items()}
+
+
 def _equal_in_float64_once(tiny: nn.Module, batch: dict, layout: Layout, sdpa: bool) -> bool:
+    batch = float64_batch(batch)
     try:
         wide = float64_copy(tiny, sdpa)
         traced = trace_layout(wide, batch, layout.layers)

@@ -241,6 +241,7 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
         if _get(cfg, "mlp_only_layers"):
             cfg.mlp_only_layers = [i for i in cfg.mlp_only_layers if i < n]
     _shrink_stage_depths(cfg)
+    _shrink_depth_coefficient(cfg)
     _shrink_heads(cfg, group_heads)
     # a per-head width that is the sum of two the shrink sets (MLA's qk_head_dim = nope + rope)
     parts = {k: int_field(cfg, k) for k in _SIZES if "head_dim" in k and int_field(cfg, k) is not None}
@@ -293,6 +294,18 @@ def _shrink_stage_depths(cfg: Any) -> None:
                             for v, d in zip(value, depths)) and cut != list(depths):
                 _set(cfg, name, type(value)(type(v)(v[:n]) for v, n in zip(value, cut)))
         _set(cfg, key, type(depths)(cut))
+
+
+def _shrink_depth_coefficient(cfg: Any) -> None:
+    """A compound-scaled network's depth multiplier (EfficientNet's ``depth_coefficient``:
+    stage i repeats its block ``ceil(depth_coefficient * num_block_repeats[i])`` times) cut so
+    no stage repeats its block more than twice, as ``_shrink_stage_depths`` cuts ``depths``;
+    the per-stage lists and widths kept."""
+    coef, repeats = _get(cfg, "depth_coefficient"), _get(cfg, "num_block_repeats")
+    if isinstance(coef, (int, float)) and not isinstance(coef, bool) and coef > 0 and \
+            isinstance(repeats, (list, tuple)) and repeats and \
+            all(isinstance(r, int) and r > 0 for r in repeats):
+        _set(cfg, "depth_coefficient", min(float(coef), 2 / max(repeats)))
 
 
 def _keep_group_heads(cfg: Any, heads: int | None, kv: int | None) -> None:

@@ -1,0 +1,84 @@
+"""What the generic path reads from its layers' outputs beyond their hidden states.
+
+``Layout.plain_extras`` in models/generic.py: a layer (a hierarchical stage) that returns,
+after its hidden states, plain data the model's forward reads (Swin V2's output dimensions)
+gets it back from its stub as the real layer would, from a run of the layers on fake tensors
+(``FakeLayerChain``); ``form_problem`` says why an output of another form cannot be staged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+
+def _plain(value: Any) -> bool:
+    """Plain data: numbers (ints, floats, bools) in tuples, lists or dicts, nothing else (no
+    tensor, no cache object)."""
+    leaves = pytree.tree_leaves(value)
+    return value is not None and bool(leaves) and all(
+        isinstance(v, (bool, int, float)) for v in leaves)
+
+
+def has_plain_extras(out: Any) -> bool:
+    """A layer's output (a tuple or list) carries plain data (``_plain``) after its hidden
+    states (a stage's output dimensions)."""
+    return isinstance(out, (tuple, list)) and any(_plain(e) for e in out[1:])
+
+
+def parameter_shapes(layer: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """{name: (shape, dtype)} of a layer's parameters, taken while they are whole: the engine
+    later holds them as shards, or as views of a freed buffer, between its gathers."""
+    return {n: (p.shape, p.dtype) for n, p in layer.named_parameters()}
+
+
+class FakeLayerChain:
+    """The layers run one after another on fake tensors (shapes and plain values only: no
+    arithmetic, no random numbers drawn), from the first layer's input: ``step(layer, call,
+    shapes)`` is what that layer returns after its hidden states, each entry other than plain
+    data (``_plain``) as None, as the stubs return it (``Layout.plain_extras``). The layer runs
+    on fake parameters of its whole ``shapes`` (``parameter_shapes``), never its own: outside
+    its unit's gather the engine holds them sharded; floating ones take the hidden states'
+    dtype (the gathered one under a low-precision ``param_dtype``)."""
+
+    def __init__(self, hidden: torch.Tensor):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.hidden = self.mode.from_tensor(hidden)
+
+    def step(self, layer: nn.Module, call: tuple[tuple, dict],
+             shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> tuple:
+        args, kwargs = call
+        h = self.hidden
+        with self.mode, torch.no_grad():
+            params = {n: torch.empty(shape, device=h.device,
+                                     dtype=h.dtype if dtype.is_floating_point else dtype)
+                      for n, (shape, dtype) in shapes.items()}
+            res = torch.func.functional_call(layer, params, (h, *args), kwargs,
+                                             tie_weights=False)
+        self.hidden = res[0]
+        return tuple(e if _plain(e) else None for e in res[1:])
+
+
+def form_problem(model: nn.Module, seen: list[tuple[Any, Any]], i: int) -> str:
+    """Why layer i's output (not its hidden states, nor a tuple or list with them first) cannot
+    be staged, from each layer's (hidden states input, output) on the traced forward: where
+    the forward hands layer i + 1 a tensor that none of layer i's outputs is, it rearranges
+    them between the layers (the real cause); else the output's form."""
+    name = type(model).__name__
+    out = seen[i][1]
+    form = type(out).__name__
+    leaves = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t)]
+    if len(seen) > i + 1 and not any(t is seen[i + 1][0] for t in leaves):
+        given = seen[i + 1][0]
+        shapes = ", ".join(str(tuple(t.shape)) for t in leaves) or "none"
+        return (f"the forward of {name} changes the hidden states between its layers: layer "
+                f"{i} returns a {form} (tensors of shapes {shapes}) and the forward hands layer "
+                f"{i + 1} a tensor of shape {tuple(getattr(given, 'shape', ()))}, none of "
+                "them (it reshapes or rearranges them in between); the generic path runs "
+                "layer after layer on the hidden states each returns, so this model needs a "
+                "hand-written adapter (docs/adding_a_model.md)")
+    return f"layer {i} of {name} returns {form}, not its hidden states"
