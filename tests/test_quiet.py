@@ -29,12 +29,17 @@ class _Records(logging.Handler):
 
 @pytest.fixture
 def transformers_log():
-    """Every record of the ``transformers`` loggers (they do not propagate to the root)."""
+    """Every record of the ``transformers`` loggers (they do not propagate to the root), at
+    transformers' default verbosity (warning) whatever an earlier test in this process left
+    (a Trainer sets the verbosity from its ``log_level``), restored after."""
     handler = _Records()
     root = logging.getLogger("transformers")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()
     root.addHandler(handler)
     yield handler.messages
     root.removeHandler(handler)
+    transformers.logging.set_verbosity(verbosity)
 
 
 @pytest.fixture(scope="module")
