@@ -35,6 +35,8 @@ from hf_cephalo.models.hf_common import (CausalLMStagedModel, ClassifierStagedMo
                                          HFStagedModel, LastTokenClassifierStagedModel,
                                          causal_lm_loss_sum, check_poolable, pad_token_id_of,
                                          require_key)
+from hf_cephalo.models.kv_sharing import (KVSharing, made_tensors, shared_call, store_layers,
+                                          written)
 from hf_cephalo.models.router_loss import (AttachRouterGrad, RouterLoss, router_coef_name,
                                            router_spec)
 
@@ -121,6 +123,10 @@ class Layout:
     the next stage's ``input_dimensions``): the stubs return it as the real layer would, from a
     run of the layers on fake tensors (shapes only: no compute, no random numbers;
     ``generic_outputs.FakeLayerChain``); every other entry stays None."""
+    kv: KVSharing | None = None
+    """Layers that store keys / values later layers read (KV sharing: Gemma 3n, Gemma 4 with
+    num_kv_shared_layers > 0), found by the self-check; they make side inputs
+    ([Note: KV sharing as made side inputs] in models/kv_sharing.py)."""
     reshapes: bool = False
     """Some layer (a hierarchical backbone's stage) returns hidden states of another shape
     than its input's, on the tiny copy (``StagedModel.hidden_shape_changes``)."""
@@ -138,6 +144,8 @@ class GenericContext:
     stub_shapes: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     origin: int | None = None  # ``key`` of the ctx this one copies (``with_side_inputs``)
+    made: tuple = ()  # (store layer, key, (k, v)): what the store layers made (KV sharing)
+    pending: dict = field(default_factory=dict)  # store layer -> (input, grad mode, output)
 
     @property
     def key(self) -> int:
@@ -256,6 +264,8 @@ class GenericDecoderBody(HFStagedModel):
         self._layers = model.get_submodule(layout.layers)
         self._layer_shapes = [parameter_shapes(layer) for layer in self._layers] \
             if layout.plain_extras else []
+        self._stores = store_layers(self._layers, layout.kv)
+        self._writes: list = []  # what the last layer run wrote into its shared dict
         super().__init__(model)
 
     # ---- structure ----
@@ -365,8 +375,44 @@ class GenericDecoderBody(HFStagedModel):
                                         {"layer_extras": extras} if extras else {})
 
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
-        """Layer ``index`` with the arguments the model's forward gave it: (m, S, H) -> same."""
-        return call_layer(self._layers[index], hidden, ctx.calls[index], self.layout.output_len)
+        """Layer ``index`` with the arguments the model's forward gave it: (m, S, H) -> same.
+        With KV sharing its shared dict is a fresh one holding what the store layers before it
+        made; a store layer's output right after ``produce_side_inputs`` on the same input is
+        the one that call computed ([Note: KV sharing as made side inputs])."""
+        kept = ctx.pending.pop(index, None)
+        if kept is not None and kept[0] is hidden and kept[1] == torch.is_grad_enabled():
+            return kept[2]
+        if self.layout.kv is None:
+            return call_layer(self._layers[index], hidden, ctx.calls[index],
+                              self.layout.output_len)
+        call, fresh, given = shared_call(self.layout.kv, ctx.calls[index], index, ctx.made)
+        out = call_layer(self._layers[index], hidden, call, self.layout.output_len)
+        self._writes = written(given, fresh)
+        if self._writes and index not in self._stores:
+            raise StructureError(f"layer {index} of {type(self.model).__name__} wrote keys / "
+                                 "values into the dict the layers share, but it is not marked "
+                                 f"as a store layer ({self.layout.kv.marker} is not True)")
+        return out
+
+    def produces_side_inputs(self, index: int) -> bool:
+        """Whether layer ``index`` stores keys / values later layers read (KV sharing)."""
+        return index in self._stores
+
+    def produce_side_inputs(self, index: int, hidden: torch.Tensor,
+                            ctx: GenericContext) -> GenericContext:
+        """Run store layer ``index`` on ``hidden`` (``run_unit``) and return ``ctx`` with the
+        keys / values it wrote appended to ``made`` (side inputs of the later layers), its
+        output kept for the ``run_unit`` on the same input that follows."""
+        self._writes = []
+        out = self.run_unit(index, hidden, ctx)
+        if not self._writes:
+            raise StructureError(f"layer {index} of {type(self.model).__name__} is marked as a "
+                                 f"store layer ({self.layout.kv.marker}) but wrote no keys / "
+                                 "values into the dict the layers share")
+        made = ctx.made + tuple((index, key, value) for key, value in self._writes)
+        new = GenericContext(ctx.calls, ctx.stub_shapes, ctx.extra, origin=ctx.key, made=made)
+        new.pending[index] = (hidden, torch.is_grad_enabled(), out)
+        return new
 
     def hidden_shape_changes(self) -> bool:
         return self.layout.reshapes
@@ -384,16 +430,17 @@ class GenericDecoderBody(HFStagedModel):
 
     def side_inputs(self, ctx: GenericContext) -> list[torch.Tensor]:
         """The floating tensors of the side input arguments (``side_slots``; per-layer
-        inputs: (m, S, P) each), each once (a tensor several layers read is one side input),
-        in layer order."""
+        inputs: (m, S, P) each) in layer order, then those the store layers made (KV sharing:
+        keys / values (m, heads, S, D)) in making order, each once (a tensor several layers
+        read is one side input)."""
         out: list[torch.Tensor] = []
         seen: set[int] = set()
-        for i, key in self.side_slots(ctx):
-            args, kwargs = ctx.calls[i]
-            for t in pytree.tree_leaves(args[key] if isinstance(key, int) else kwargs[key]):
-                if torch.is_tensor(t) and t.is_floating_point() and id(t) not in seen:
-                    seen.add(id(t))
-                    out.append(t)
+        found = [t for i, key in self.side_slots(ctx) for t in pytree.tree_leaves(
+            ctx.calls[i][0][key] if isinstance(key, int) else ctx.calls[i][1][key])]
+        for t in [*found, *made_tensors(ctx.made)]:
+            if torch.is_tensor(t) and t.is_floating_point() and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
         return out
 
     def with_side_inputs(self, ctx: GenericContext,
@@ -411,7 +458,10 @@ class GenericDecoderBody(HFStagedModel):
                 calls[i] = (args[:key] + (value,) + args[key + 1:], kwargs)
             else:
                 kwargs[key] = value
-        return GenericContext(calls, ctx.stub_shapes, ctx.extra, origin=ctx.key)
+        made = tuple((i, k, pytree.tree_map(lambda t: new.get(id(t), t), v))
+                     for i, k, v in ctx.made)
+        return GenericContext(calls, ctx.stub_shapes, ctx.extra, origin=ctx.key, made=made,
+                              pending=ctx.pending)
 
     def forward_extra(self, microbatch: Microbatch) -> dict[str, Any]:
         """Keyword arguments every staged forward passes (``use_cache=False`` where taken)."""
@@ -600,21 +650,6 @@ class GenericSequenceClassifier(GenericDecoderBody, LastTokenClassifierStagedMod
         return self.head_forward(hidden, microbatch, ctx).logits
 
 
-def layer_list_candidates(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """``ModuleList``s whose entries are all of a class the model declares unsplittable
-    (``_no_split_modules``, what FSDP wraps): the candidates for the layer stack. For a class
-    declaring none, the outermost lists of one parameter-holding class instead (the
-    self-check then decides whether the forward really runs them as a stack)."""
-    declared = set(getattr(model, "_no_split_modules", None) or ())
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    out = [(n, m) for n, m in lists if all(type(e).__name__ in declared for e in m)]
-    if not out:  # a class that declares none: the lists of one parameter-holding layer class
-        out = [(n, m) for n, m in lists if len({type(e) for e in m}) == 1
-               and next(m[0].parameters(), None) is not None
-               and not any(n.startswith(o + ".") for o, _ in lists if o != n)]
-    return out
-
-
 def module_partition(model: nn.Module, layers: nn.ModuleList) -> list[tuple[str, nn.Module]]:
     """The modules outside ``layers`` holding parameters or buffers directly, by name."""
     inside = {id(m) for m in layers.modules()}
@@ -783,15 +818,3 @@ def _needs(model: nn.Module, exc: BaseException) -> str:
             f"{', '.join(names)}, which a text batch does not provide: a model that needs "
             f"{'them' if len(names) > 1 else 'it'} (an image, or states of another model) "
             f"does not train on text alone")
-
-
-def side_arguments(ctx: GenericContext) -> tuple[tuple[int, int | str], ...]:
-    """The layer arguments that carry autograd history (computed from parameters before the
-    layers), as (layer index, positional index or keyword): ``Layout.side``, the side inputs
-    the engine carries gradients for."""
-    found = []
-    for i, (args, kwargs) in enumerate(ctx.calls):
-        for key, value in [*enumerate(args), *kwargs.items()]:
-            if any(torch.is_tensor(t) and t.requires_grad for t in pytree.tree_leaves(value)):
-                found.append((i, key))
-    return tuple(found)
