@@ -41,7 +41,7 @@ from tests.zoo_fixtures import (IMAGES, SEQ2SEQ, SIDE_INPUTS, ZOO, build_zoo, im
                                 seq2seq_batch, zoo_batch_arch)
 
 RTOL, ATOL = 1e-5, 1e-6
-LR = {"gemma4_e": 0.01}
+LR = {"gemma4_e": 0.01, "gemma4_e_kv": 0.01}
 """SGD learning rates other than 0.1. Gemma 4 E's tiny copy is ill-conditioned at 0.1: stock
 itself, the same batches accumulated over this file's microbatches instead of one full batch,
 ends 3 steps 1.6e-6 (2 ranks' split) / 9.6e-7 (3 ranks') apart at embed_tokens (the engine:

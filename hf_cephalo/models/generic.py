@@ -202,6 +202,15 @@ def split_hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
     return kwargs.pop("hidden_states"), (), kwargs
 
 
+def whole_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is a view of all of ``b``'s elements as ``b`` lays them out (Gemma 4's
+    ``hidden[:, 0:]`` before its first KV-sharing layer, ``logits_to_keep=0``): the same
+    values, and the same gradient path."""
+    base = a._base
+    return torch.is_tensor(b) and base is not None and (base is b or base is b._base) and \
+        a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+
+
 def call_layer(layer: nn.Module, hidden: torch.Tensor, call: tuple[tuple, dict],
                output_len: int | None) -> torch.Tensor:
     """Layer ``layer`` on ``hidden`` with the recorded arguments ``call``: (m, S, H) -> (m, S, H)."""
@@ -340,7 +349,7 @@ class GenericDecoderBody(HFStagedModel):
                 hidden, rest, kw = split_hidden(args, kwargs)
                 if i == 0:
                     first.append(hidden)
-                elif hidden is not first[0]:
+                elif hidden is not first[0] and not whole_view(hidden, first[0]):
                     raise StructureError(
                         f"the forward of {type(self.model).__name__} changes the hidden states "
                         f"between layers {i - 1} and {i}; the generic path runs layer after "
