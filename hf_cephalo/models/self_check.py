@@ -145,9 +145,10 @@ def _shared_state(ctx: GenericContext) -> dict[int, dict]:
 
 def _refuse_shared_layer_state(staged, hiddens: list, ctx: GenericContext,
                                before: dict[int, dict]) -> None:
-    """StructureError when a layer reads what another layer wrote into an argument they share
-    (a dict of keys / values: Gemma 3n's and Gemma 4's KV sharing). ``hiddens``: the units'
-    inputs and the last output of one forward; ``before``: the dicts' items before it
+    """StructureError when a layer reads what another layer wrote into an argument they share,
+    other than the KV sharing the staging carries (``Layout.kv``: Gemma 3n's and Gemma 4's,
+    whose layers run on fresh dicts, so the recorded one stays unwritten). ``hiddens``: the
+    units' inputs and the last output of one forward; ``before``: the dicts' items before it
     (``_shared_state``). Where the layers wrote into a dict, each layer is run again (no grad)
     with those dicts as before the forward; a layer that then fails or differs reads state
     made by a unit, which the engine's recompute would get without its gradient."""
@@ -173,11 +174,11 @@ def _refuse_shared_layer_state(staged, hiddens: list, ctx: GenericContext,
             same = False
         if not same:
             raise StructureError(
-                f"layer {i} reads keys / values another layer computed (a dict the layers share, "
-                f"KV sharing: Gemma 3n, Gemma 4 with num_kv_shared_layers > 0): a side input "
-                f"made by a layer unit, whose gradient the engine does not carry back into "
-                f"that unit yet (side inputs computed before the layers, such as per-layer "
-                f"inputs, are carried); a config with num_kv_shared_layers = 0 stages")
+                f"layer {i} reads what another layer wrote into a dict the layers share, in a "
+                f"form the staging does not carry: the engine carries keys / values a store "
+                f"layer writes and later layers reuse (KV sharing: Gemma 3n, Gemma 4; "
+                f"models/kv_sharing.py), but here the recompute would read the forward's copy "
+                f"without a gradient path into the writing layer")
 
 
 def _compare(model: nn.Module, staged, batch: dict) -> str | None:
