@@ -145,7 +145,6 @@ class GenericContext:
     extra: dict[str, Any] = field(default_factory=dict)
     origin: int | None = None  # ``key`` of the ctx this one copies (``with_side_inputs``)
     made: tuple = ()  # (store layer, key, (k, v)): what the store layers made (KV sharing)
-    pending: dict = field(default_factory=dict)  # store layer -> (input, grad mode, output)
 
     @property
     def key(self) -> int:
@@ -275,6 +274,7 @@ class GenericDecoderBody(HFStagedModel):
             if layout.plain_extras else []
         self._stores = store_layers(self._layers, layout.kv)
         self._writes: list = []  # what the last layer run wrote into its shared dict
+        self._made_out: tuple | None = None  # (store layer, input, grad mode, its output)
         super().__init__(model)
 
     # ---- structure ----
@@ -386,11 +386,13 @@ class GenericDecoderBody(HFStagedModel):
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
         """Layer ``index`` with the arguments the model's forward gave it: (m, S, H) -> same.
         With KV sharing its shared dict is a fresh one holding what the store layers before it
-        made; a store layer's output right after ``produce_side_inputs`` on the same input is
-        the one that call computed ([Note: KV sharing as made side inputs])."""
-        kept = ctx.pending.pop(index, None)
-        if kept is not None and kept[0] is hidden and kept[1] == torch.is_grad_enabled():
-            return kept[2]
+        made; a store layer's output in the call right after its ``produce_side_inputs``, on
+        the same input, is the one that call computed ([Note: KV sharing as made side
+        inputs]); any other call drops it."""
+        kept, self._made_out = self._made_out, None
+        if kept is not None and kept[0] == index and kept[1] is hidden and \
+                kept[2] == torch.is_grad_enabled():
+            return kept[3]
         if self.layout.kv is None:
             return call_layer(self._layers[index], hidden, ctx.calls[index],
                               self.layout.output_len)
@@ -411,7 +413,7 @@ class GenericDecoderBody(HFStagedModel):
                             ctx: GenericContext) -> GenericContext:
         """Run store layer ``index`` on ``hidden`` (``run_unit``) and return ``ctx`` with the
         keys / values it wrote appended to ``made`` (side inputs of the later layers), its
-        output kept for the ``run_unit`` on the same input that follows."""
+        output kept for a ``run_unit`` on the same input right after."""
         self._writes = []
         out = self.run_unit(index, hidden, ctx)
         if not self._writes:
@@ -419,9 +421,8 @@ class GenericDecoderBody(HFStagedModel):
                                  f"store layer ({self.layout.kv.marker}) but wrote no keys / "
                                  "values into the dict the layers share")
         made = ctx.made + tuple((index, key, value) for key, value in self._writes)
-        new = GenericContext(ctx.calls, ctx.stub_shapes, ctx.extra, origin=ctx.key, made=made)
-        new.pending[index] = (hidden, torch.is_grad_enabled(), out)
-        return new
+        self._made_out = (index, hidden, torch.is_grad_enabled(), out)
+        return GenericContext(ctx.calls, ctx.stub_shapes, ctx.extra, origin=ctx.key, made=made)
 
     def hidden_shape_changes(self) -> bool:
         return self.layout.reshapes
@@ -469,8 +470,7 @@ class GenericDecoderBody(HFStagedModel):
                 kwargs[key] = value
         made = tuple((i, k, pytree.tree_map(lambda t: new.get(id(t), t), v))
                      for i, k, v in ctx.made)
-        return GenericContext(calls, ctx.stub_shapes, ctx.extra, origin=ctx.key, made=made,
-                              pending=ctx.pending)
+        return GenericContext(calls, ctx.stub_shapes, ctx.extra, origin=ctx.key, made=made)
 
     def forward_extra(self, microbatch: Microbatch) -> dict[str, Any]:
         """Keyword arguments every staged forward passes (``use_cache=False`` where taken)."""
