@@ -132,6 +132,9 @@ def find_kv_sharing(staged: Any, batch: dict,
     raise where the sharing takes another form."""
     with torch.no_grad():
         hidden, ctx = staged.embed({k: v for k, v in batch.items() if k != "labels"})
+        if not any(isinstance(v, MutableMapping) for args, kwargs in ctx.calls
+                   for v in [*args, *kwargs.values()]):
+            return None  # no dict the layers share: nothing to run
         writers: dict[int, set] = {}
         hiddens = []
         for i in range(staged.num_units):
