@@ -10,7 +10,7 @@ text: ``find_layers``), then compares, in fp32 on CPU, the staged loss and every
 gradient with the model's own ``model(**batch, labels=...)`` over a padded batch cut into two
 microbatches. Only if they agree (rtol 1e-5) is the user's model staged, with the tiny copy's
 layout; otherwise ``StructureError`` says what differed. A class that is not a sequence
-classifier must first prove a causal LM by what it computes (``generic.causal_lm_problem``; a
+classifier must first prove a causal LM by what it computes (``causal_check.causal_lm_problem``; a
 vision-language ``...ForConditionalGeneration`` on text is one). It needs no weights of the
 user's model (it works on a meta-device model) and no process group, so every rank refuses
 alike before any collective. Results are cached per (class, config) in the process.
@@ -30,8 +30,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hf_cephalo.models.base import run_unit_in
+from hf_cephalo.models.causal_check import causal_lm_problem
 from hf_cephalo.models.generic import (GenericContext, Layout, NotCausalLMError, StructureError,
-                                       causal_lm_problem, forward_inputs, trace_layout)
+                                       forward_inputs, trace_layout)
 from hf_cephalo.models.generic_heads import (CAUSAL_LM, ENCODER_TASKS,
                                              IMAGE_CLASSIFICATION, SEQUENCE_CLASSIFICATION,
                                              image_batch, staged_class, task_of, token_labels)
