@@ -11,7 +11,9 @@ the router load-balancing loss of the WHOLE global batch, as the model's own los
 batch does), every parameter after the last step, and an evaluation's loss. The same process
 groups also run the models with side inputs (``SIDE_INPUTS``: Gemma 3n text and Gemma 4 E with
 per-layer inputs, each layer reading its own; MPNet's position bias, which every layer reads;
-their gradient reaches the embedding side's weights: docs/engine.md, "Side inputs") and the
+their gradient reaches the embedding side's weights: docs/engine.md, "Side inputs"; Gemma 3n
+and Gemma 4 E with KV sharing, whose store layers make the keys / values the later layers
+reuse, their gradient carried back through the store units: models/kv_sharing.py) and the
 hierarchical image backbones (``IMAGES``: a ConvNeXt classifier on random images, each of its 4
 stages one unit, the hidden state's shape changing at every unit boundary; a Swin V2
 classifier, whose stages return the output dimensions its encoder reads, from a fake-tensor run
@@ -41,12 +43,13 @@ from tests.zoo_fixtures import (IMAGES, SEQ2SEQ, SIDE_INPUTS, ZOO, build_zoo, im
                                 seq2seq_batch, zoo_batch_arch)
 
 RTOL, ATOL = 1e-5, 1e-6
-LR = {"gemma4_e": 0.01}
+LR = {"gemma4_e": 0.01, "gemma4_e_kv": 0.01}
 """SGD learning rates other than 0.1. Gemma 4 E's tiny copy is ill-conditioned at 0.1: stock
 itself, the same batches accumulated over this file's microbatches instead of one full batch,
 ends 3 steps 1.6e-6 (2 ranks' split) / 9.6e-7 (3 ranks') apart at embed_tokens (the engine:
 1.4e-6); at 0.01 stock's own drift is 1.2e-7, and the engine's first-step gradient equals
-stock's to 6e-8 at lr 1."""
+stock's to 6e-8 at lr 1. Gemma 4 E with KV sharing is the same model with its last 2 layers
+reusing keys / values, at the same rate."""
 PLANS = {2: ([4, 1], [3, 1], [0.7, 0.3]),
          3: ([2, 0, 3], [1, 1, 2], [0.0, 0.6, 0.4])}
 

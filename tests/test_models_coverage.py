@@ -152,18 +152,42 @@ def test_gemma4_with_and_without_per_layer_inputs_stages():
         assert bool(staged.layout.side) == ("hidden_size_per_layer_input" in extra), extra
 
 
-def test_gemma3n_stages_without_kv_sharing_and_is_refused_with_it():
-    """Gemma 3n text: its per-layer inputs are side inputs (staged); its KV sharing (the
-    default config, as the released E2B / E4B ones: the last layers read keys / values an earlier
-    layer wrote) is refused saying why. The shrink shrinks its per-layer widths (a list)."""
+def test_gemma3n_and_gemma4_stage_with_and_without_kv_sharing(monkeypatch):
+    """Gemma 3n text: its per-layer inputs are side inputs; its KV sharing (the default config,
+    as the released E2B / E4B ones: the last 15 layers read the keys / values layers 18 and 19
+    stored) stages too: the store layers make them as side inputs (models/kv_sharing.py), found
+    on the tiny copy and, on the real model, by their ``store_full_length_kv``. Gemma 4 with
+    per-layer inputs and 20 layers sharing (as E2B) alike. Without the store units' gradient for what they
+    made, the self-check's comparison fails. The shrink shrinks its per-layer widths (a list)."""
+    from hf_cephalo.models import self_check
+    from hf_cephalo.models.generic import GenericDecoderBody, StructureError
     from hf_cephalo.models.shrink import tiny_config
 
     assert tiny_config(transformers.Gemma3nTextConfig()).intermediate_size[0] == 48
     with torch.device("meta"):
         gemma3n = transformers.Gemma3nForCausalLM(
             transformers.Gemma3nTextConfig(num_kv_shared_layers=0))
-    assert stage_model(gemma3n).layout.side
-    with torch.device("meta"):
-        model = transformers.Gemma3nForCausalLM(transformers.Gemma3nTextConfig())
-    with pytest.raises(ValueError, match="reads keys / values another layer computed"):
-        stage_model(model)
+    staged = stage_model(gemma3n)
+    assert staged.layout.side and staged.layout.kv is None
+    configs = [transformers.Gemma3nTextConfig(), transformers.Gemma4TextConfig(
+        num_kv_shared_layers=20, hidden_size_per_layer_input=256)]
+    for config, cls in zip(configs, [transformers.Gemma3nForCausalLM,
+                                     transformers.Gemma4ForCausalLM]):
+        with torch.device("meta"):
+            model = cls(config)
+        staged = stage_model(model)
+        assert staged.layout.kv.marker == "self_attn.store_full_length_kv", cls
+        stores = [i for i, mode in enumerate(config.kv_sharing_modes) if mode == "store"]
+        assert [i for i in range(staged.num_units) if staged.produces_side_inputs(i)] == stores
+        assert len(stores) == 2, cls  # the last sliding and full layer before the sharing
+    with_side_inputs = GenericDecoderBody.with_side_inputs
+
+    def without_made_grads(self, ctx, tensors):  # the reuse layers' gradient never arrives
+        cut = len(tensors) - len(ctx.made) * 2
+        return with_side_inputs(self, ctx, [t.detach() if k >= cut else t
+                                            for k, t in enumerate(tensors)])
+
+    monkeypatch.setattr(GenericDecoderBody, "with_side_inputs", without_made_grads)
+    monkeypatch.setattr(self_check, "_CACHE", {})
+    with pytest.raises(StructureError, match="not the model's own computation"):
+        self_check.check_class(transformers.Gemma3nForCausalLM, configs[0])

@@ -112,23 +112,31 @@ def test_image_inputs_are_refused_before_anything_runs():
         staged.count_items(dict(batch, token_type_ids=torch.zeros_like(batch["input_ids"])))
 
 
-def test_a_causal_lm_the_path_cannot_stage_is_refused_with_class_reason_and_remedy():
-    """Gemma4ForConditionalGeneration's text forward is a causal LM's, but with KV sharing
-    (num_kv_shared_layers > 0) its forward cuts the hidden states before the first sharing
-    layer: refused by name, reason and what to do, not told that its head is none hf_cephalo
-    trains. (Its per-layer inputs, once refused here, are side inputs the engine carries.)"""
+def test_a_causal_lm_the_path_cannot_stage_is_refused_with_class_reason_and_remedy(monkeypatch):
+    """Gemma4ForConditionalGeneration's text forward is a causal LM's; with KV sharing
+    (num_kv_shared_layers > 0) it stages, its store layers making the keys / values the later
+    layers reuse (models/kv_sharing.py; once refused here, as its per-layer inputs were). Where
+    the staging cannot take the sharing (no attribute marks the store layers: the check's
+    finding patched away) it is refused by name, reason and what to do, not told that its head
+    is none hf_cephalo trains."""
+    from hf_cephalo.models import kv_sharing, self_check
     from hf_cephalo.models.shrink import tiny_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = tiny_config(transformers.Gemma4Config(text_config=dict(num_kv_shared_layers=10)))
         model = transformers.Gemma4ForConditionalGeneration(config)
+    staged = stage_model(model)
+    assert staged.layout.kv is not None and staged.layout.side
+    assert any(staged.produces_side_inputs(i) for i in range(staged.num_units))
+    monkeypatch.setattr(kv_sharing, "_markers", lambda layers, stores: [])
+    monkeypatch.setattr(self_check, "_CACHE", {})
     with pytest.raises(UnsupportedModelError) as info:
         stage_model(model)
     text = str(info.value)
     assert text.startswith("hf_cephalo cannot train Gemma4ForConditionalGeneration exactly: its "
                            "own forward on text")
-    assert "changes the hidden states between layers" in text
+    assert "no boolean attribute of the layers marks the storing ones" in text
     assert "register_adapter(Gemma4ForConditionalGeneration" in text
     assert "docs/adding_a_model.md" in text and "Nothing was run" in text
     assert "Gemma4ForCausalLM is no way around" in text and "none of those" not in text

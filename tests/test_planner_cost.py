@@ -111,6 +111,12 @@ def test_side_inputs_are_priced_per_sample_with_their_gradients():
     assert side_bytes_per_sample(staged, rows, "cpu") == \
         seq * cfg.num_hidden_layers * cfg.hidden_size_per_layer_input * 4
     assert side_bytes_per_sample(stage_model(build_zoo("qwen3")), rows, "cpu") == 0.0
+    # with KV sharing, also the keys and values its 2 store layers make (fp32 per sample)
+    kv = stage_model(build_zoo("gemma3n_kv"))
+    cfg = kv.model.config
+    assert side_bytes_per_sample(kv, rows, "cpu") == \
+        seq * cfg.num_hidden_layers * cfg.hidden_size_per_layer_input * 4 + \
+        2 * 2 * cfg.num_key_value_heads * seq * cfg.head_dim * 4
     # a side input a unit makes (the toy's memory, (1, S, H) fp32 per sample) counts too
     import torch
 

@@ -103,6 +103,17 @@ SIDE_INPUTS: dict[str, tuple[str, Callable[[], Any]]] = {
         hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
         num_kv_shared_layers=0, final_logit_softcapping=3.0, num_hidden_layers=4,
         layer_types=["sliding_attention", "full_attention"] * 2)),
+    "gemma3n_kv": ("Gemma3nForCausalLM", lambda: _cfg(
+        transformers.Gemma3nTextConfig, head_dim=16, intermediate_size=[128, 96, 128, 96],
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB, laurel_rank=8,
+        altup_num_inputs=3, num_kv_shared_layers=2, sliding_window=4, num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], final_logit_softcapping=3.0)),
+    "gemma4_e_kv": ("Gemma4ForCausalLM", lambda: _cfg(
+        transformers.Gemma4TextConfig, head_dim=16, global_head_dim=32, sliding_window=4,
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=2, final_logit_softcapping=3.0, num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2)),
     "mpnet_tokens": ("MPNetForTokenClassification", lambda: transformers.MPNetConfig(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
         intermediate_size=128, max_position_embeddings=80, num_labels=3, pad_token_id=PAD,
@@ -110,7 +121,9 @@ SIDE_INPUTS: dict[str, tuple[str, Callable[[], Any]]] = {
 }
 """Models with side inputs (docs/engine.md, "Side inputs"): per-layer inputs computed from the
 embedding side's weights before the layers and read by every layer (Gemma 3n text, Gemma 4 as
-its E2B / E4B checkpoints are), without KV sharing (still refused); and one side input that
+its E2B / E4B checkpoints are), without and with KV sharing (``..._kv``: layers 2 and 3 read
+the keys / values layers 0 and 1 stored, side inputs those store units make, their gradient
+carried back through them: models/kv_sharing.py); and one side input that
 EVERY layer reads, its gradient summed over the layers: MPNet's relative position bias, computed
 from the encoder's ``relative_attention_bias`` weights before the first layer. Gemma 4 E (4
 layers, [s, f, s, f]) and MPNet (3 layers) have more layers than the self-check's tiny copy (2),

@@ -683,12 +683,14 @@ def _raise_refused(refused: ValueError | None, flags: list[int]) -> None:
 
 def _refuse_compiled_side_inputs(staged: StagedModel, compile: CompileOptions | None) -> None:
     """ValueError (before any collective) for ``compile`` with a model whose units make side
-    inputs (an encoder-decoder: models/seq2seq.py): the compile probe runs each unit alone on
-    the embedding's output, which such a unit does not take."""
+    inputs (an encoder-decoder: models/seq2seq.py; a layer storing keys / values later layers
+    reuse: models/kv_sharing.py): the compile probe runs each unit alone on the embedding's
+    output, which such a unit does not take."""
     if compile is None:
         return
     making = [i for i in range(staged.num_units) if staged.produces_side_inputs(i)]
     if making:
         raise ValueError(f"compile={compile}: units {making} of {type(staged.model).__name__} "
-                         "make side inputs later units read (an encoder-decoder), which "
+                         "make side inputs later units read (an encoder-decoder, or layers "
+                         "storing keys / values later layers reuse: KV sharing), which "
                          "hf_cephalo does not compile yet; train it without compile")

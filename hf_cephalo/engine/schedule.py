@@ -42,8 +42,12 @@ step)" and "Layered schedule".
 # flows into k's parameters and, through k's boundary input gradient, into the units before
 # k (the encoder). Their sums are dropped there; the entries of the earlier side inputs go on
 # to E's backward as above. Still no collective: ranks with 0, 1 or 3 microbatches issue the
-# same sequence. A side input a layer writes into a dict other layers read (KV sharing) is
-# not of this form and stays refused (docs/engine.md).
+# same sequence. Several units may make side inputs (T5's layer 0 of each stack; the store
+# layers of KV sharing, Gemma 3n / Gemma 4, whose keys / values the later layers reuse:
+# [Note: KV sharing as made side inputs] in models/kv_sharing.py): each appends after the
+# earlier ones' and drops its own sums in its backward, so the later making unit's entries
+# are consumed first. A side input a layer writes into a dict other layers read in any other
+# form stays refused (self_check._refuse_shared_layer_state).
 
 # [Note: open steps]
 # A custom training loop computes its own loss from the model's outputs between the forward and

@@ -201,8 +201,9 @@ class StagedModel(abc.ABC):
     def produces_side_inputs(self, index: int) -> bool:
         """Whether unit ``index`` makes side inputs that later units read (an encoder-decoder's
         first decoder unit makes the encoder's output, read by every decoder layer's
-        cross-attention): the callers then run ``produce_side_inputs`` before ``run_unit``
-        (``run_unit_in``). Default: False."""
+        cross-attention; a KV-sharing store layer its keys / values, read by the later reuse
+        layers): the callers then run ``produce_side_inputs`` before ``run_unit``
+        (``run_unit_in``). It depends on ``index`` only. Default: False."""
         return False
 
     def produce_side_inputs(self, index: int, hidden: torch.Tensor, ctx: Any) -> Any:

@@ -33,8 +33,9 @@ from hf_cephalo.models.generic_outputs import (FakeLayerChain, form_problem, has
                                               parameter_shapes)
 from hf_cephalo.models.hf_common import (CausalLMStagedModel, ClassifierStagedModel,
                                          HFStagedModel, LastTokenClassifierStagedModel,
-                                         causal_lm_loss_sum, check_poolable, pad_token_id_of,
-                                         require_key)
+                                         check_poolable, pad_token_id_of, require_key)
+from hf_cephalo.models.kv_sharing import (KVSharing, made_tensors, shared_call, store_layers,
+                                          written)
 from hf_cephalo.models.router_loss import (AttachRouterGrad, RouterLoss, router_coef_name,
                                            router_spec)
 
@@ -50,7 +51,7 @@ class StructureError(ValueError):
     """The model's forward does something the generic path cannot stage (the message says what).
 
     causal_lm: True when the self-check found the class's own forward on text to be a causal
-    LM's (``causal_lm_problem``) before the staging failed; False otherwise."""
+    LM's (``causal_check.causal_lm_problem``) before the staging failed; False otherwise."""
 
     causal_lm: bool = False
 
@@ -98,7 +99,7 @@ class Layout:
     label_shift: a causal LM's own loss scores position t against ``labels[t + 1]`` (True,
         ``ForCausalLMLoss``) or against ``labels[t]`` (False: the causal LMs of transformers'
         encoder-decoder families, ``BartForCausalLM`` and its kin, whose callers shift the
-        labels); decided from what the loss computes (``causal_lm_problem``).
+        labels); decided from what the loss computes (``causal_check.causal_lm_problem``).
     side: the layer arguments computed from parameters before the layers (side inputs:
         Gemma 3n's per-layer inputs), as (layer index, positional index or keyword) pairs,
         found by the self-check on the tiny copy (``side_arguments``); the engine carries
@@ -121,6 +122,10 @@ class Layout:
     the next stage's ``input_dimensions``): the stubs return it as the real layer would, from a
     run of the layers on fake tensors (shapes only: no compute, no random numbers;
     ``generic_outputs.FakeLayerChain``); every other entry stays None."""
+    kv: KVSharing | None = None
+    """Layers that store keys / values later layers read (KV sharing: Gemma 3n, Gemma 4 with
+    num_kv_shared_layers > 0), found by the self-check; they make side inputs
+    ([Note: KV sharing as made side inputs] in models/kv_sharing.py)."""
     reshapes: bool = False
     """Some layer (a hierarchical backbone's stage) returns hidden states of another shape
     than its input's, on the tiny copy (``StagedModel.hidden_shape_changes``)."""
@@ -138,6 +143,7 @@ class GenericContext:
     stub_shapes: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     origin: int | None = None  # ``key`` of the ctx this one copies (``with_side_inputs``)
+    made: tuple = ()  # (store layer, key, (k, v)): what the store layers made (KV sharing)
 
     @property
     def key(self) -> int:
@@ -192,6 +198,15 @@ def split_hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
         raise StructureError("the model calls its layers without hidden states as the first "
                              "argument or as hidden_states=")
     return kwargs.pop("hidden_states"), (), kwargs
+
+
+def whole_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is a view of all of ``b``'s elements as ``b`` lays them out (Gemma 4's
+    ``hidden[:, 0:]`` before its first KV-sharing layer, ``logits_to_keep=0``): the same
+    values, and the same gradient path."""
+    base = a._base
+    return torch.is_tensor(b) and base is not None and (base is b or base is b._base) and \
+        a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
 
 
 def call_layer(layer: nn.Module, hidden: torch.Tensor, call: tuple[tuple, dict],
@@ -256,6 +271,9 @@ class GenericDecoderBody(HFStagedModel):
         self._layers = model.get_submodule(layout.layers)
         self._layer_shapes = [parameter_shapes(layer) for layer in self._layers] \
             if layout.plain_extras else []
+        self._stores = store_layers(self._layers, layout.kv)
+        self._writes: list = []  # what the last layer run wrote into its shared dict
+        self._made_out: tuple | None = None  # (store layer, input, grad mode, its output)
         super().__init__(model)
 
     # ---- structure ----
@@ -330,7 +348,7 @@ class GenericDecoderBody(HFStagedModel):
                 hidden, rest, kw = split_hidden(args, kwargs)
                 if i == 0:
                     first.append(hidden)
-                elif hidden is not first[0]:
+                elif hidden is not first[0] and not whole_view(hidden, first[0]):
                     raise StructureError(
                         f"the forward of {type(self.model).__name__} changes the hidden states "
                         f"between layers {i - 1} and {i}; the generic path runs layer after "
@@ -365,8 +383,45 @@ class GenericDecoderBody(HFStagedModel):
                                         {"layer_extras": extras} if extras else {})
 
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
-        """Layer ``index`` with the arguments the model's forward gave it: (m, S, H) -> same."""
-        return call_layer(self._layers[index], hidden, ctx.calls[index], self.layout.output_len)
+        """Layer ``index`` with the arguments the model's forward gave it: (m, S, H) -> same.
+        With KV sharing its shared dict is a fresh one holding what the store layers before it
+        made; a store layer's output in the call right after its ``produce_side_inputs``, on
+        the same input, is the one that call computed ([Note: KV sharing as made side
+        inputs]); any other call drops it."""
+        kept, self._made_out = self._made_out, None
+        if kept is not None and kept[0] == index and kept[1] is hidden and \
+                kept[2] == torch.is_grad_enabled():
+            return kept[3]
+        if self.layout.kv is None:
+            return call_layer(self._layers[index], hidden, ctx.calls[index],
+                              self.layout.output_len)
+        call, fresh, given = shared_call(self.layout.kv, ctx.calls[index], index, ctx.made)
+        out = call_layer(self._layers[index], hidden, call, self.layout.output_len)
+        self._writes = written(given, fresh)
+        if self._writes and index not in self._stores:
+            raise StructureError(f"layer {index} of {type(self.model).__name__} wrote keys / "
+                                 "values into the dict the layers share, but it is not marked "
+                                 f"as a store layer ({self.layout.kv.marker} is not True)")
+        return out
+
+    def produces_side_inputs(self, index: int) -> bool:
+        """Whether layer ``index`` stores keys / values later layers read (KV sharing)."""
+        return index in self._stores
+
+    def produce_side_inputs(self, index: int, hidden: torch.Tensor,
+                            ctx: GenericContext) -> GenericContext:
+        """Run store layer ``index`` on ``hidden`` (``run_unit``) and return ``ctx`` with the
+        keys / values it wrote appended to ``made`` (side inputs of the later layers), its
+        output kept for a ``run_unit`` on the same input right after."""
+        self._writes = []
+        out = self.run_unit(index, hidden, ctx)
+        if not self._writes:
+            raise StructureError(f"layer {index} of {type(self.model).__name__} is marked as a "
+                                 f"store layer ({self.layout.kv.marker}) but wrote no keys / "
+                                 "values into the dict the layers share")
+        made = ctx.made + tuple((index, key, value) for key, value in self._writes)
+        self._made_out = (index, hidden, torch.is_grad_enabled(), out)
+        return GenericContext(ctx.calls, ctx.stub_shapes, ctx.extra, origin=ctx.key, made=made)
 
     def hidden_shape_changes(self) -> bool:
         return self.layout.reshapes
@@ -384,16 +439,17 @@ class GenericDecoderBody(HFStagedModel):
 
     def side_inputs(self, ctx: GenericContext) -> list[torch.Tensor]:
         """The floating tensors of the side input arguments (``side_slots``; per-layer
-        inputs: (m, S, P) each), each once (a tensor several layers read is one side input),
-        in layer order."""
+        inputs: (m, S, P) each) in layer order, then those the store layers made (KV sharing:
+        keys / values (m, heads, S, D)) in making order, each once (a tensor several layers
+        read is one side input)."""
         out: list[torch.Tensor] = []
         seen: set[int] = set()
-        for i, key in self.side_slots(ctx):
-            args, kwargs = ctx.calls[i]
-            for t in pytree.tree_leaves(args[key] if isinstance(key, int) else kwargs[key]):
-                if torch.is_tensor(t) and t.is_floating_point() and id(t) not in seen:
-                    seen.add(id(t))
-                    out.append(t)
+        found = [t for i, key in self.side_slots(ctx) for t in pytree.tree_leaves(
+            ctx.calls[i][0][key] if isinstance(key, int) else ctx.calls[i][1][key])]
+        for t in [*found, *made_tensors(ctx.made)]:
+            if torch.is_tensor(t) and t.is_floating_point() and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
         return out
 
     def with_side_inputs(self, ctx: GenericContext,
@@ -411,7 +467,9 @@ class GenericDecoderBody(HFStagedModel):
                 calls[i] = (args[:key] + (value,) + args[key + 1:], kwargs)
             else:
                 kwargs[key] = value
-        return GenericContext(calls, ctx.stub_shapes, ctx.extra, origin=ctx.key)
+        made = tuple((i, k, pytree.tree_map(lambda t: new.get(id(t), t), v))
+                     for i, k, v in ctx.made)
+        return GenericContext(calls, ctx.stub_shapes, ctx.extra, origin=ctx.key, made=made)
 
     def forward_extra(self, microbatch: Microbatch) -> dict[str, Any]:
         """Keyword arguments every staged forward passes (``use_cache=False`` where taken)."""
@@ -600,21 +658,6 @@ class GenericSequenceClassifier(GenericDecoderBody, LastTokenClassifierStagedMod
         return self.head_forward(hidden, microbatch, ctx).logits
 
 
-def layer_list_candidates(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """``ModuleList``s whose entries are all of a class the model declares unsplittable
-    (``_no_split_modules``, what FSDP wraps): the candidates for the layer stack. For a class
-    declaring none, the outermost lists of one parameter-holding class instead (the
-    self-check then decides whether the forward really runs them as a stack)."""
-    declared = set(getattr(model, "_no_split_modules", None) or ())
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    out = [(n, m) for n, m in lists if all(type(e).__name__ in declared for e in m)]
-    if not out:  # a class that declares none: the lists of one parameter-holding layer class
-        out = [(n, m) for n, m in lists if len({type(e) for e in m}) == 1
-               and next(m[0].parameters(), None) is not None
-               and not any(n.startswith(o + ".") for o, _ in lists if o != n)]
-    return out
-
-
 def module_partition(model: nn.Module, layers: nn.ModuleList) -> list[tuple[str, nn.Module]]:
     """The modules outside ``layers`` holding parameters or buffers directly, by name."""
     inside = {id(m) for m in layers.modules()}
@@ -697,101 +740,3 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     return Layout(layers_name, tuple(embed), tuple(head), tuple(sorted(embed_only)),
                   output_len[0], inputs=tuple(sorted(forward_inputs(model, microbatch))),
                   unused=tuple(unused), plain_extras=any(plain))
-
-
-def causal_lm_problem(model: nn.Module, batch: Microbatch) -> tuple[str | None, bool]:
-    """(None, label_shift) when the model's own forward on ``batch`` (``input_ids``,
-    ``attention_mask``, ``labels`` (B, S)) is a causal LM's: ``logits`` (B, S, V) with V the
-    text vocabulary (or the output embeddings' rows) and a ``loss`` equal to the mean
-    cross entropy of those logits against the labels shifted by one (label_shift True,
-    ``ForCausalLMLoss``) or, where not, against the labels as given (False:
-    ``BartForCausalLM`` and the other causal LMs of encoder-decoder families, whose callers
-    shift); else (what differs, True). What makes a class a causal LM here is what it
-    computes, not its name (a vision-language model's ``...ForConditionalGeneration`` on text
-    is one). A MoE router loss is switched off for the comparison (the generic path adds it
-    apart). On random weights the two conventions give different losses, so at most one
-    matches."""
-    extra = {k: False for k in ("output_router_logits", "use_cache")
-             if k in inspect.signature(type(model).forward).parameters}
-    try:
-        with torch.no_grad():
-            out = model(**forward_inputs(model, batch), labels=batch["labels"], **extra)
-    except Exception as exc:  # noqa: BLE001 - a forward that needs other inputs is no text LM
-        return (f"it fails on text alone ({type(exc).__name__}: {str(exc)[:200]})"
-                f"{_needs(model, exc)}"), True
-    logits, loss = getattr(out, "logits", None), getattr(out, "loss", None)
-    ids = batch["input_ids"]
-    if not torch.is_tensor(logits) or logits.dim() != 3 or logits.shape[:2] != ids.shape:
-        shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
-        return f"its logits are {shape}, not one row of scores per token {tuple(ids.shape)}", True
-    vocab = {getattr(model.config.get_text_config(), "vocab_size", None)}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(getattr(head, "weight", None), torch.Tensor):
-        vocab.add(head.weight.shape[0])
-    if logits.shape[-1] not in vocab:
-        return f"its logits score {logits.shape[-1]} classes, not the vocabulary {vocab}", True
-    if not torch.is_tensor(loss):
-        return "it returns no loss for labels", True
-    means = {}
-    for shift in (True, False):
-        ref = causal_lm_loss_sum(logits.float(), batch["labels"], shift)
-        means[shift] = ref.loss_sum / max(ref.num_items, 1)
-        if torch.allclose(loss.float(), means[shift], rtol=1e-4, atol=1e-5):
-            if not shift and not _reads_left_only(model, batch, logits, extra):
-                return ("its loss scores the labels as given and its logits at a position "
-                        "depend on later tokens: a masked LM's loss, not a causal LM's"), True
-            return None, shift
-    return (f"its loss {float(loss):.6g} is the cross entropy of its logits neither against "
-            f"the next labels ({float(means[True]):.6g}) nor against the labels as given "
-            f"({float(means[False]):.6g})"), True
-
-
-def _reads_left_only(model: nn.Module, batch: Microbatch, logits: torch.Tensor,
-                     extra: dict[str, Any]) -> bool:
-    """Whether the logits at positions < S - 1 stay the same when each row's last token changes
-    (a causal LM's do; a masked LM's, which attends both ways, do not). ``logits`` (B, S, V):
-    the model's on ``batch``."""
-    inputs = forward_inputs(model, batch)
-    ids = inputs["input_ids"].clone()
-    ids[:, -1] = (ids[:, -1] + 1) % logits.shape[-1]
-    with torch.no_grad():
-        other = model(**{**inputs, "input_ids": ids}, **extra).logits
-    return torch.allclose(other[:, :-1].float(), logits[:, :-1].float(), rtol=1e-5, atol=1e-6)
-
-
-TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "token_type_ids",
-                         "labels"})
-"""What a text batch gives a forward (``causal_lm_problem``'s batch, and the ids the tokenizer
-adds)."""
-
-
-def _needs(model: nn.Module, exc: BaseException) -> str:
-    """For a forward that fails on text alone: the tensor inputs it takes besides text, in
-    plain words (those its error names, else all but ``inputs_embeds``, which every model
-    takes in place of ids): an image-conditioned LM's ``pixel_values``, a draft model's
-    ``inputs_embeds`` and ``shared_kv_states`` from the model it drafts for. Empty where
-    there are none."""
-    params = inspect.signature(type(model).forward).parameters
-    tensors = [n for n, p in params.items() if n not in TEXT_INPUTS and n not in (
-        "cache", "past_key_values", "cache_position", "logits_to_keep", "num_items_in_batch")
-        and "Tensor" in str(p.annotation)]
-    named = [n for n in tensors if n in str(exc)]
-    names = named or [n for n in tensors if n != "inputs_embeds"]
-    if not names:
-        return ""
-    return (f"; besides text (input_ids, attention_mask, labels) its forward takes "
-            f"{', '.join(names)}, which a text batch does not provide: a model that needs "
-            f"{'them' if len(names) > 1 else 'it'} (an image, or states of another model) "
-            f"does not train on text alone")
-
-
-def side_arguments(ctx: GenericContext) -> tuple[tuple[int, int | str], ...]:
-    """The layer arguments that carry autograd history (computed from parameters before the
-    layers), as (layer index, positional index or keyword): ``Layout.side``, the side inputs
-    the engine carries gradients for."""
-    found = []
-    for i, (args, kwargs) in enumerate(ctx.calls):
-        for key, value in [*enumerate(args), *kwargs.items()]:
-            if any(torch.is_tensor(t) and t.requires_grad for t in pytree.tree_leaves(value)):
-                found.append((i, key))
-    return tuple(found)

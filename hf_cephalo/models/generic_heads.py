@@ -46,7 +46,7 @@ TOKEN_TASKS = frozenset({TOKEN_CLASSIFICATION, MASKED_LM})
 
 ENCODER_TASKS = CLASSIFIER_TASKS | TOKEN_TASKS | {QUESTION_ANSWERING}
 """Tasks the generic path stages besides the causal LM (which a class may also prove by what
-its forward computes, whatever its name: ``generic.causal_lm_problem``)."""
+its forward computes, whatever its name: ``causal_check.causal_lm_problem``)."""
 
 
 def task_of(cls: type) -> str | None:

@@ -322,7 +322,7 @@ def _generic_text_lm(model: nn.Module) -> StagedModel:
     vision-language ``...ForConditionalGeneration``) on the generic path as a causal LM, for
     text-only fine-tuning of its language model: only where the self-check finds, on a tiny
     copy, that its own forward on text returns logits over the vocabulary and their
-    next-token loss (``generic.causal_lm_problem``), and that the staging is exact.
+    next-token loss (``causal_check.causal_lm_problem``), and that the staging is exact.
     Otherwise UnsupportedModelError: for a forward that is no causal LM, ``_unsupported``'s
     advice for its head; for a causal LM the path cannot stage, the class, the reason and what
     to do."""

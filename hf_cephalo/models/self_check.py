@@ -10,7 +10,7 @@ text: ``find_layers``), then compares, in fp32 on CPU, the staged loss and every
 gradient with the model's own ``model(**batch, labels=...)`` over a padded batch cut into two
 microbatches. Only if they agree (rtol 1e-5) is the user's model staged, with the tiny copy's
 layout; otherwise ``StructureError`` says what differed. A class that is not a sequence
-classifier must first prove a causal LM by what it computes (``generic.causal_lm_problem``; a
+classifier must first prove a causal LM by what it computes (``causal_check.causal_lm_problem``; a
 vision-language ``...ForConditionalGeneration`` on text is one). It needs no weights of the
 user's model (it works on a meta-device model) and no process group, so every rank refuses
 alike before any collective. Results are cached per (class, config) in the process.
@@ -27,13 +27,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
+from hf_cephalo.models.base import run_unit_in
+from hf_cephalo.models.causal_check import causal_lm_problem
 from hf_cephalo.models.generic import (GenericContext, Layout, NotCausalLMError, StructureError,
-                                       causal_lm_problem, forward_inputs,
-                                       layer_list_candidates, side_arguments, trace_layout)
+                                       forward_inputs, trace_layout)
 from hf_cephalo.models.generic_heads import (CAUSAL_LM, ENCODER_TASKS,
                                              IMAGE_CLASSIFICATION, SEQUENCE_CLASSIFICATION,
                                              image_batch, staged_class, task_of, token_labels)
+from hf_cephalo.models.kv_sharing import find_kv_sharing
 from hf_cephalo.models.shrink import TINY_MAX_NUMEL, int_field, tiny_config, tiny_numel
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -118,7 +121,14 @@ def _staged_loss(staged, batch: dict, cut: int):
         inputs, before = [], _shared_state(ctx)
         for i in range(staged.num_units):
             inputs.append(hidden)
+            if not staged.produces_side_inputs(i):
+                hidden = staged.run_unit(i, hidden, ctx)
+                continue
+            # a store layer (KV sharing) makes side inputs: as in the engine, the units
+            # after it read them through with_side_inputs
+            ctx = staged.produce_side_inputs(i, hidden, ctx)
             hidden = staged.run_unit(i, hidden, ctx)
+            ctx = staged.with_side_inputs(ctx, staged.side_inputs(ctx))
         _refuse_shared_layer_state(staged, inputs + [hidden], ctx, before)
         out = staged.head_loss(hidden, mb, ctx)
         total = total + out.loss_sum / n
@@ -136,9 +146,10 @@ def _shared_state(ctx: GenericContext) -> dict[int, dict]:
 
 def _refuse_shared_layer_state(staged, hiddens: list, ctx: GenericContext,
                                before: dict[int, dict]) -> None:
-    """StructureError when a layer reads what another layer wrote into an argument they share
-    (a dict of keys / values: Gemma 3n's and Gemma 4's KV sharing). ``hiddens``: the units'
-    inputs and the last output of one forward; ``before``: the dicts' items before it
+    """StructureError when a layer reads what another layer wrote into an argument they share,
+    other than the KV sharing the staging carries (``Layout.kv``: Gemma 3n's and Gemma 4's,
+    whose layers run on fresh dicts, so the recorded one stays unwritten). ``hiddens``: the
+    units' inputs and the last output of one forward; ``before``: the dicts' items before it
     (``_shared_state``). Where the layers wrote into a dict, each layer is run again (no grad)
     with those dicts as before the forward; a layer that then fails or differs reads state
     made by a unit, which the engine's recompute would get without its gradient."""
@@ -164,11 +175,11 @@ def _refuse_shared_layer_state(staged, hiddens: list, ctx: GenericContext,
             same = False
         if not same:
             raise StructureError(
-                f"layer {i} reads keys / values another layer computed (a dict the layers share, "
-                f"KV sharing: Gemma 3n, Gemma 4 with num_kv_shared_layers > 0): a side input "
-                f"made by a layer unit, whose gradient the engine does not carry back into "
-                f"that unit yet (side inputs computed before the layers, such as per-layer "
-                f"inputs, are carried); a config with num_kv_shared_layers = 0 stages")
+                f"layer {i} reads what another layer wrote into a dict the layers share, in a "
+                f"form the staging does not carry: the engine carries keys / values a store "
+                f"layer writes and later layers reuse (KV sharing: Gemma 3n, Gemma 4; "
+                f"models/kv_sharing.py), but here the recompute would read the forward's copy "
+                f"without a gradient path into the writing layer")
 
 
 def _compare(model: nn.Module, staged, batch: dict) -> str | None:
@@ -209,6 +220,18 @@ def _side_of(staged, batch: dict) -> tuple:
     return side_arguments(ctx)
 
 
+def side_arguments(ctx: GenericContext) -> tuple[tuple[int, int | str], ...]:
+    """The layer arguments that carry autograd history (computed from parameters before the
+    layers), as (layer index, positional index or keyword): ``Layout.side``, the side inputs
+    the engine carries gradients for."""
+    found = []
+    for i, (args, kwargs) in enumerate(ctx.calls):
+        for key, value in [*enumerate(args), *kwargs.items()]:
+            if any(torch.is_tensor(t) and t.requires_grad for t in pytree.tree_leaves(value)):
+                found.append((i, key))
+    return tuple(found)
+
+
 def _plain_head(model: nn.Module, staged, batch: dict) -> bool:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
@@ -217,7 +240,7 @@ def _plain_head(model: nn.Module, staged, batch: dict) -> bool:
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         hidden, ctx = staged.embed(batch)
         for i in range(staged.num_units):
-            hidden = staged.run_unit(i, hidden, ctx)
+            hidden, ctx = run_unit_in(staged, i, hidden, ctx)
         final = staged.head_forward(hidden, batch, ctx, stop_at=head)
         return torch.equal(head(final), logits)
 
@@ -228,7 +251,7 @@ def _reshapes(staged, batch: dict) -> bool:
     with torch.no_grad():
         hidden, ctx = staged.embed(batch)
         for i in range(staged.num_units):
-            out = staged.run_unit(i, hidden, ctx)
+            out, ctx = run_unit_in(staged, i, hidden, ctx)
             if out.shape != hidden.shape:
                 return True
             hidden = out
@@ -264,6 +287,21 @@ def find_layers(model: nn.Module, batch: dict | None = None) -> str:
         "that the forward runs (a multimodal model's language model, on text inputs), or "
         "stacks that lie inside the stages of one outer list of stage modules (a "
         "hierarchical backbone: each stage one unit)")
+
+
+def layer_list_candidates(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """``ModuleList``s whose entries are all of a class the model declares unsplittable
+    (``_no_split_modules``, what FSDP wraps): the candidates for the layer stack. For a class
+    declaring none, the outermost lists of one parameter-holding class instead (the
+    self-check then decides whether the forward really runs them as a stack)."""
+    declared = set(getattr(model, "_no_split_modules", None) or ())
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    out = [(n, m) for n, m in lists if all(type(e).__name__ in declared for e in m)]
+    if not out:  # a class that declares none: the lists of one parameter-holding layer class
+        out = [(n, m) for n, m in lists if len({type(e) for e in m}) == 1
+               and next(m[0].parameters(), None) is not None
+               and not any(n.startswith(o + ".") for o, _ in lists if o != n)]
+    return out
 
 
 def _inside_item(name: str, outer: str) -> bool:
@@ -434,7 +472,8 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
                 "the arguments the model's forward gave the layers before any ran, so a layer "
                 "that reads another layer's other outputs (a shared key pool, top-k indices, "
                 "a stage's output dimensions) fails this way")
-        layout = dataclasses.replace(layout, side=_side_of(first, batch))
+        layout = dataclasses.replace(layout, side=_side_of(first, batch),
+                                     kv=find_kv_sharing(first, batch, StructureError))
         staged = staged_class(tiny)(tiny, layout)
         problem = _compare(tiny, staged, batch)
         if problem is not None and _equal_in_float64(tiny, batch, layout):
@@ -507,7 +546,7 @@ def _equal_in_float64_once(tiny: nn.Module, batch: dict, layout: Layout, sdpa: b
         wide = float64_copy(tiny, sdpa)
         traced = trace_layout(wide, batch, layout.layers)
         staged = staged_class(wide)(wide, dataclasses.replace(
-            traced, label_shift=layout.label_shift, side=layout.side))
+            traced, label_shift=layout.label_shift, side=layout.side, kv=layout.kv))
         return _compare(wide, staged, batch) is None
     except Exception:  # noqa: BLE001 - no float64 check possible: the fp32 verdict stands
         return False
