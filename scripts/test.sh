@@ -9,8 +9,5 @@ bash scripts/setup_env.sh
 # Two pytest workers, each running whole test files (--dist loadfile: a module's process-group
 # fixture runs once): the multi-rank tests wait on each other's collectives and launches often
 # enough that two at a time finish sooner on 2 cores. Add -n 0 to run in one process.
-# --no-loadscope-reorder: the files go out in tests/conftest.py's order (the longest first);
-# xdist's default hands out the files with the most tests first, which left the long launches
-# for the end.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder \
-  --durations=30 "$@"
+# The files go out in xdist's order: tests/conftest.py, [Note: test file order].
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=30 "$@"
