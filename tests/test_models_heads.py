@@ -367,3 +367,21 @@ def test_hierarchical_patchified_and_token_image_classifiers_are_exact(name):
     batch = image_batch(config, rows=5, main_input=cls.main_input_name)
     problem = compare(model, batch)
     assert problem is None or problem.startswith("rounding: "), (name, problem)
+
+
+def test_siglip2_position_table_is_gathered_with_the_embeddings():
+    """SigLIP 2's embeddings read ``position_embedding.weight`` and resize it without calling
+    the embedding module: the module belongs to the embedding side all the same (``trace_layout``
+    sees the read, ``generic.ParameterReads``), else the engine never gathers it there and the
+    first step fails on the empty placeholder. A text tower of another depth than the vision
+    tower's is no "layer added after construction": the count is the vision config's."""
+    from transformers.models.auto import configuration_auto
+
+    _, fields = _SMALL_IMAGE_CONFIGS["Siglip2ForImageClassification"]
+    fields = {"vision_config": {**fields["vision_config"], "num_hidden_layers": 3},
+              "text_config": {**fields["text_config"], "num_hidden_layers": 1}}
+    config = configuration_auto.CONFIG_MAPPING["siglip2"](**fields, num_labels=3)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    staged = stage_model(transformers.Siglip2ForImageClassification(config).eval())
+    assert "vision_model.embeddings.position_embedding" in staged.layout.embed, staged.layout

@@ -658,6 +658,37 @@ class GenericSequenceClassifier(GenericDecoderBody, LastTokenClassifierStagedMod
         return self.head_forward(hidden, microbatch, ctx).logits
 
 
+class ParameterReads(torch.overrides.TorchFunctionMode):
+    """While active, records which modules of ``modules`` ((name, module) pairs) have their own
+    parameter read by an op, before the first layer or after (``after_layers()``), so that
+    ``place_uncalled`` can place the modules never called: SigLIP 2's embeddings read
+    ``position_embedding.weight`` and resize it, never calling the embedding. Such a module
+    belongs to the side of the layers where it is read, as a called one does (``trace_layout``);
+    otherwise the engine would not gather it with that side's unit."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]], after_layers: Callable[[], bool]):
+        super().__init__()
+        self._owner = {id(p): name for name, m in modules for p in m.parameters(recurse=False)}
+        self._after_layers = after_layers
+        self.read: tuple[set[str], set[str]] = (set(), set())  # before / after the layers
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            name = self._owner.get(id(leaf)) if isinstance(leaf, nn.Parameter) else None
+            if name is not None:
+                self.read[self._after_layers()].add(name)
+        return func(*args, **kwargs)
+
+    def place_uncalled(self, before: set[str], after: set[str]) -> None:
+        """Add to ``before`` / ``after`` (the called modules' names, by side) the modules never
+        called whose parameter was read on that side. (A parameter two modules hold, a tied
+        embedding, is recorded under one of them: both are called, so nothing changes.)"""
+        called = before | after
+        before |= self.read[0] - called
+        after |= self.read[1] - called
+
+
 def module_partition(model: nn.Module, layers: nn.ModuleList) -> list[tuple[str, nn.Module]]:
     """The modules outside ``layers`` holding parameters or buffers directly, by name."""
     inside = {id(m) for m in layers.modules()}
@@ -679,7 +710,6 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     something other than their hidden states.
     """
     layers = model.get_submodule(layers_name)
-    L = len(layers)
     order: list[int] = []
     output_len: list[int | None | str] = []  # "bad": another form (form_problem)
     plain: list[bool] = []
@@ -713,13 +743,15 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
         handles.append(layer.register_forward_hook(on_layer(i), with_kwargs=True))
     for name, module in outside:
         handles.append(module.register_forward_hook(on_module(name)))
+    reads = ParameterReads(outside, lambda: bool(order))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), reads:
             model(**forward_inputs(model, microbatch))
     finally:
         for h in handles:
             h.remove()
-    if order != list(range(L)):
+    reads.place_uncalled(before, after)
+    if order != list(range(len(layers))):
         raise StructureError(f"the forward of {type(model).__name__} calls its layers in the "
                              f"order {order[:12]}, not each once in order")
     if "bad" in output_len:

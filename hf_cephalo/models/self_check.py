@@ -553,7 +553,17 @@ def _equal_in_float64_once(tiny: nn.Module, batch: dict, layout: Layout, sdpa: b
 
 
 def _extra_layers(model: nn.Module, layers: str) -> int | None:
-    count = int_field(model.config.get_text_config(), "num_hidden_layers")
+    """Layers in ``layers`` beyond the ``num_hidden_layers`` of the config of the stack that
+    holds them: the nearest module above them with a config (SigLIP 2's vision tower for its
+    vision layers, whose text tower may have another depth), else the text config."""
+    config = model.config.get_text_config()
+    parts = layers.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        own = getattr(model.get_submodule(".".join(parts[:cut])), "config", None)
+        if int_field(own, "num_hidden_layers") is not None:
+            config = own
+            break
+    count = int_field(config, "num_hidden_layers")
     return None if count is None else len(model.get_submodule(layers)) - count
 
 
