@@ -19,9 +19,10 @@ import transformers
 
 from tests.dist_utils import run_ranks
 from tests.models_fixtures import build
-from tests.zoo_fixtures import ZOO, build_zoo
+from tests.zoo_fixtures import SIDE_INPUTS, ZOO, build_zoo
 
 ZOO_LOADED = ("qwen3", "gemma3", "gpt_oss")  # generic-path classes loaded sharded
+SIDE_LOADED = ("gemma3n", "gemma4_e")  # many scalar buffers (scales) beside rotary ones
 
 TIMEOUT_S = 600.0
 
@@ -271,7 +272,7 @@ def _key_variant_folders(tmp_path) -> list[tuple[str, str, str, dict]]:
               os.path.join(current, "model.safetensors"), metadata={"format": "pt"})
     vit.config.save_pretrained(current)
     out.append(("vit", "current names", current, {}))
-    for name in ZOO_LOADED:  # generic path (issue 36): the model's own keys and conversions
+    for name in ZOO_LOADED + SIDE_LOADED:  # generic path: the model's own keys, conversions
         saved = str(tmp_path / f"{name}-save_pretrained")
         build_zoo(name).save_pretrained(saved, max_shard_size="100KB")
         out.append((name, "save_pretrained, sharded", saved, {}))
@@ -281,16 +282,43 @@ def _key_variant_folders(tmp_path) -> list[tuple[str, str, str, dict]]:
     return out
 
 
+def _assert_same_buffers(model, reference, what: str) -> None:
+    """Every buffer (each name, shared ones too) has the reference's shape, dtype and value."""
+    got = dict(model.named_buffers(remove_duplicate=False))
+    expected = dict(reference.named_buffers(remove_duplicate=False))
+    assert got.keys() == expected.keys(), (what, set(got) ^ set(expected))
+    for key, value in expected.items():
+        b = got[key]
+        assert (b.shape, b.dtype) == (value.shape, value.dtype), (what, key, b.shape, value.shape)
+        assert torch.equal(b.cpu(), value), f"{what}: buffer {key} differs"
+
+
+def _assert_same_outputs(engine, reference, what: str) -> None:
+    """The engine's eval logits and loss on one batch (the same on every rank) equal the
+    reference's forward."""
+    from tests.models_fixtures import make_batch
+
+    batch = make_batch("llama", 2, seed=3)
+    out = engine.evaluate([batch])
+    with torch.no_grad():
+        ref = reference.eval()(**batch)
+    diff = (out.logits[0].float().cpu() - ref.logits).abs().max().item()
+    assert diff < 1e-5, (what, diff)
+    assert abs(out.loss - ref.loss.item()) < 1e-5, (what, out.loss, ref.loss.item())
+
+
 def _check_key_variants(rank, world_size, variants) -> list[str]:
     """Every folder: ``from_pretrained_sharded`` + the engine (uneven 0.7/0.3) holds, tensor by
     tensor, what ``from_pretrained`` loads (which loads every key: nothing newly initialized),
-    and keeps the same weight conversions for saving."""
+    and keeps the same weight conversions for saving; its buffers and, for ``SIDE_LOADED``,
+    its logits and loss are those of ``from_pretrained`` too."""
     import hf_cephalo
     from tests.models_fixtures import BUILDERS
 
     done = []
     for arch, variant, path, kwargs in variants:
-        cls = type(BUILDERS[arch]()) if arch in BUILDERS else getattr(transformers, ZOO[arch][0])
+        cls = type(BUILDERS[arch]()) if arch in BUILDERS else \
+            getattr(transformers, {**ZOO, **SIDE_INPUTS}[arch][0])
         reference, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
         assert not info["missing_keys"] and not info["mismatched_keys"], (arch, variant, info)
         model = hf_cephalo.from_pretrained_sharded(path, model_class=cls, **kwargs)
@@ -308,6 +336,9 @@ def _check_key_variants(rank, world_size, variants) -> list[str]:
             assert full.keys() == expected.keys(), (arch, variant)
             for key, value in expected.items():
                 assert torch.equal(full[key], value), f"{arch} {variant}: {key} differs"
+        _assert_same_buffers(model, reference, f"{arch} {variant}")
+        if arch in SIDE_LOADED:
+            _assert_same_outputs(engine, reference, f"{arch} {variant}")
         done.append(f"{arch}: {variant}")
     return done
 
@@ -378,8 +409,9 @@ def test_checkpoint_keys_through_transformers_mapping(runs):
 
     done = runs[2][0]["key_variants"]
     assert runs[2][1]["key_variants"] == done
-    assert {case.split(":")[0] for case in done} == set(BUILDERS) | set(ZOO_LOADED)
-    assert len(done) == 2 * len(BUILDERS) + 1 + len(ZOO_LOADED), done
+    loaded = ZOO_LOADED + SIDE_LOADED
+    assert {case.split(":")[0] for case in done} == set(BUILDERS) | set(loaded)
+    assert len(done) == 2 * len(BUILDERS) + 1 + len(loaded), done
 
 
 def test_meta_init_same_for_every_plan_and_world_size(runs):
@@ -485,3 +517,24 @@ def test_meta_init_seeds_the_cpu_generator_only(monkeypatch):
     run_init(init, [layer], seed=4)
     assert not torch.equal(layer.weight, first)
     assert cuda_seeds == []
+
+
+@pytest.mark.parametrize("arch", SIDE_LOADED)
+def test_buffers_moved_to_another_device_keep_their_names(tmp_path, arch):
+    """Every buffer moved to a device other than the host is a new tensor: the ids of the
+    host tensors it replaced were reused by buffers materialized later, which then took an
+    earlier buffer's place (Gemma 3n's last ``embed_scale`` became a rotary ``inv_freq``).
+    The meta device stands for a GPU here: each buffer keeps its shape and dtype."""
+    import hf_cephalo
+    from hf_cephalo.engine.loading import choose_source, place_buffers
+
+    path = str(tmp_path / arch)
+    build_zoo(arch).save_pretrained(path)
+    reference = getattr(transformers, SIDE_INPUTS[arch][0]).from_pretrained(path)
+    model = hf_cephalo.from_pretrained_sharded(path)
+    meta = torch.device("meta")
+    place_buffers(model, meta, choose_source(model, model.cephalo_checkpoint, seed=0,
+                                             device=meta, rank=0, world_size=1, group=None))
+    got = {k: (b.shape, b.dtype) for k, b in model.named_buffers(remove_duplicate=False)}
+    assert got == {k: (b.shape, b.dtype)
+                   for k, b in reference.named_buffers(remove_duplicate=False)}

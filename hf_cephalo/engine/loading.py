@@ -368,7 +368,11 @@ def place_buffers(model: nn.Module, device: torch.device, source, init_fns=None,
     provides.
     """
     init_fns = init_functions(model) if init_fns is None else init_fns
-    moved: dict[int, torch.Tensor] = {}
+    # id(original) -> (original, moved). The original is kept alive until the end: once its
+    # module entry points at the moved copy, a freed original's id could be reused by a buffer
+    # materialized later (a meta buffer's host tensor) and that buffer would be swapped for the
+    # wrong one (Gemma 3n's last ``embed_scale`` became a rotary ``inv_freq`` on a GPU).
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for mod_name, module in model.named_modules():
         metas = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
         if metas:
@@ -380,8 +384,8 @@ def place_buffers(model: nn.Module, device: torch.device, source, init_fns=None,
             if id(buf) not in moved:
                 new = buf.to(device)
                 source.sync_buffer(new)
-                moved[id(buf)] = new
-            module._buffers[name] = moved[id(buf)]
+                moved[id(buf)] = (buf, new)
+            module._buffers[name] = moved[id(buf)][1]
 
 
 def _fill_meta_buffers(mod_name: str, module: nn.Module, names: list[str], source,
