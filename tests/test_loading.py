@@ -538,3 +538,21 @@ def test_buffers_moved_to_another_device_keep_their_names(tmp_path, arch):
     got = {k: (b.shape, b.dtype) for k, b in model.named_buffers(remove_duplicate=False)}
     assert got == {k: (b.shape, b.dtype)
                    for k, b in reference.named_buffers(remove_duplicate=False)}
+
+
+def test_a_checkpoint_without_a_causal_lm_names_model_class(tmp_path):
+    """from_pretrained_sharded's default class is AutoModelForCausalLM: an image classifier's
+    checkpoint loaded without ``model_class=`` is refused with the argument to pass (it was
+    transformers' bare "Unrecognized configuration class"), and loads with it."""
+    import transformers
+
+    from hf_cephalo import from_pretrained_sharded
+
+    config = transformers.ViTConfig(image_size=8, patch_size=4, hidden_size=8, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=16, num_labels=2)
+    transformers.ViTForImageClassification(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"'vit' checkpoint \(ViTForImageClassification\) has no "
+                                         r"causal LM; .*model_class=transformers\.ViTFor"):
+        from_pretrained_sharded(tmp_path)
+    model = from_pretrained_sharded(tmp_path, model_class=transformers.ViTForImageClassification)
+    assert type(model).__name__ == "ViTForImageClassification"

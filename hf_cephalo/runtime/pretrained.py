@@ -56,7 +56,8 @@ def from_pretrained_sharded(pretrained_model_name_or_path: str | os.PathLike, *,
         ``model.cephalo_checkpoint`` (a ``CheckpointFiles``).
     Raises (before any collective or profiling; ``engine.loading.check_checkpoint``):
         ValueError: no safetensors checkpoint found (``resolve_checkpoint``); a parameter
-            missing from it or stored with another shape; a truncated or corrupt file.
+            missing from it or stored with another shape; a truncated or corrupt file; no
+            ``model_class`` for a checkpoint that has no causal LM (it names the argument).
         NotImplementedError: a tensor transformers converts other than by stacking experts
             (per-expert tensors merged into a fused parameter are read range by range).
     """
@@ -71,12 +72,26 @@ def from_pretrained_sharded(pretrained_model_name_or_path: str | os.PathLike, *,
     cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
     with torch.device("meta"):
         if hasattr(cls, "from_config"):  # an Auto class
-            model = cls.from_config(config, dtype=dtype)
+            try:
+                model = cls.from_config(config, dtype=dtype)
+            except ValueError as exc:
+                if model_class is not None:
+                    raise
+                raise ValueError(_not_causal(config)) from exc
         else:
             model = cls._from_config(config, dtype=dtype)
     check_checkpoint(model, files)  # refusals now, before a trainer profiles or plans
     model.cephalo_checkpoint = files
     return model
+
+
+def _not_causal(config: Any) -> str:
+    """The refusal of a checkpoint that AutoModelForCausalLM, the default, cannot build."""
+    named = ", ".join(getattr(config, "architectures", None) or []) or "no architectures"
+    example = (getattr(config, "architectures", None) or ["<ItsClass>"])[0]
+    return (f"from_pretrained_sharded builds AutoModelForCausalLM unless model_class= is given, "
+            f"and a {config.model_type!r} checkpoint ({named}) has no causal LM; pass the "
+            f"class to train, e.g. model_class=transformers.{example}")
 
 
 _LOADING_ONLY_KEYS = ("quantization_config", "load_in_8bit", "load_in_4bit", "use_kernels",
