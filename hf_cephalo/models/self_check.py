@@ -121,14 +121,10 @@ def _staged_loss(staged, batch: dict, cut: int):
         inputs, before = [], _shared_state(ctx)
         for i in range(staged.num_units):
             inputs.append(hidden)
-            if not staged.produces_side_inputs(i):
-                hidden = staged.run_unit(i, hidden, ctx)
-                continue
-            # a store layer (KV sharing) makes side inputs: as in the engine, the units
-            # after it read them through with_side_inputs
-            ctx = staged.produce_side_inputs(i, hidden, ctx)
-            hidden = staged.run_unit(i, hidden, ctx)
-            ctx = staged.with_side_inputs(ctx, staged.side_inputs(ctx))
+            hidden, made = run_unit_in(staged, i, hidden, ctx)
+            if made is not ctx:  # a store layer (KV sharing) made side inputs: as in the
+                # engine, the units after it read them through with_side_inputs
+                ctx = staged.with_side_inputs(made, staged.side_inputs(made))
         _refuse_shared_layer_state(staged, inputs + [hidden], ctx, before)
         out = staged.head_loss(hidden, mb, ctx)
         total = total + out.loss_sum / n

@@ -87,8 +87,9 @@ def from_pretrained_sharded(pretrained_model_name_or_path: str | os.PathLike, *,
 
 def _not_causal(config: Any) -> str:
     """The refusal of a checkpoint that AutoModelForCausalLM, the default, cannot build."""
-    named = ", ".join(getattr(config, "architectures", None) or []) or "no architectures"
-    example = (getattr(config, "architectures", None) or ["<ItsClass>"])[0]
+    architectures = getattr(config, "architectures", None) or []
+    named = ", ".join(architectures) or "no architectures"
+    example = architectures[0] if architectures else "<ItsClass>"
     return (f"from_pretrained_sharded builds AutoModelForCausalLM unless model_class= is given, "
             f"and a {config.model_type!r} checkpoint ({named}) has no causal LM; pass the "
             f"class to train, e.g. model_class=transformers.{example}")
