@@ -452,6 +452,30 @@ def test_bart_kin_refuse_what_they_cannot_stage_exactly():
             stage_model(model)
 
 
+def test_bigbird_block_sparse_refused_with_the_fix_full_attention_staged():
+    """BigBird's default block-sparse attention: refused with its cause and the fix, before the
+    self-check runs (it was refused as "built unlike" its tiny copy, whose forward switched to
+    full attention on the check's short batch). With full attention the self-check proves it
+    exact (each head of every mapping it is in is staged)."""
+    from transformers import BigBirdConfig
+
+    from hf_cephalo.models import UnsupportedModelError
+
+    small = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=32, max_position_embeddings=64)
+    heads = (transformers.BigBirdForMaskedLM, transformers.BigBirdForQuestionAnswering)
+    for cls in heads:
+        with torch.device("meta"):
+            model = cls(BigBirdConfig(**small))
+        with pytest.raises(UnsupportedModelError, match=(
+                f"{cls.__name__} has attention_type='block_sparse'.*"
+                r"model.base_model.set_attention_type\('original_full'\).*704 tokens")):
+            stage_model(model)
+    model = transformers.BigBirdForMaskedLM(BigBirdConfig(**small))
+    model.base_model.set_attention_type("original_full")
+    assert stage_model(model).model is model
+
+
 def test_seq2seq_adapters_refuse_layer_drop_and_a_batch_without_targets():
     """BART's layer drop skips layers at random in training, which no staged schedule replays:
     refused when staging. A microbatch with neither ``labels`` nor ``decoder_input_ids`` has no

@@ -651,9 +651,32 @@ def generic_staged(model: nn.Module):
     Raises StructureError (a ValueError) with the reason when the class cannot be staged
     exactly or the model is not built as its config says; no process group is needed.
     """
+    _refuse_block_sparse(model)
     proof = check_class(type(model), model.config)
     _same_structure(model, proof)
     try:
         return staged_class(model)(model, proof.layout)
     except (ValueError, AttributeError) as exc:
         raise StructureError(str(exc)) from exc
+
+
+def _refuse_block_sparse(model: nn.Module) -> None:
+    """StructureError for a BigBird model with block-sparse attention (``attention_type``
+    ``"block_sparse"``, its default config's). Its forward picks the attention per call: rows
+    of at most (5 + 2 x num_random_blocks) x block_size tokens switch the whole model to full
+    attention (``set_attention_type``, changing its layers), longer ones run block-sparse
+    attention, which pads the input to a multiple of block_size and builds its block masks
+    inside the model's forward, around the layers: not staged. The check's tiny copy switches
+    on its short batch, so without this refusal the model was refused as "built unlike" its
+    own tiny copy, a reason that named no cause."""
+    base = getattr(model, "base_model", None)
+    kind = getattr(base, "attention_type", None)
+    if getattr(model.config, "model_type", None) != "big_bird" or kind != "block_sparse":
+        return
+    limit = (5 + 2 * model.config.num_random_blocks) * model.config.block_size
+    raise StructureError(
+        f"{type(model).__name__} has attention_type='block_sparse': hf_cephalo stages BigBird "
+        "with full attention only (block-sparse attention pads the input to a multiple of "
+        "block_size and builds its block masks inside the model's forward; not staged). Train "
+        "it with full attention: model.base_model.set_attention_type('original_full') before "
+        f"handing it over (its own forward switches to it for rows of at most {limit} tokens)")
