@@ -141,7 +141,7 @@ def _engine_cases(rank: int, world_size: int) -> dict:
 
 
 ENC_DEC = ("t5", "bart")  # tests/zoo_fixtures.py SEQ2SEQ
-ENC_DEC_SPLITS = ([1, 3], [0, 4])
+ENC_DEC_SPLITS = ([1, 3], [0, 4], [3, 1])  # [3, 1]: row 3 ends (EOS) 4 steps before rows 0-1
 
 
 def _enc_dec_params(name: str, do_sample: bool):
@@ -256,7 +256,7 @@ def test_decode_modes_gather_and_step_as_documented(engine_results):
 @test_timeout(40)
 @pytest.mark.parametrize("name", ENC_DEC)
 def test_encoder_decoder_completions_do_not_depend_on_the_plan(engine_results, name):
-    """T5 and BART on 2 ranks (state 0.7 / 0.3; the rows split 1 + 3 and 0 + 4), both decode
+    """T5 and BART on 2 ranks (state 0.7 / 0.3; the rows split 1 + 3, 0 + 4, 3 + 1), both decode
     modes, sampled and greedy: the completions are token-identical to one process decoding the
     4 rows (``generate_rows``), which for greedy decoding is the model's own ``generate``
     (decoder start token, then the completion up to the EOS), and every decoding rank reports

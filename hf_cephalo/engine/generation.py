@@ -17,7 +17,8 @@ gathered views are installed in it, in one of two modes, one mode for every rank
   (the next layer's all-gather issued as it starts, as in training's prefetch) and resharded
   by a forward hook right after, so one all-gather per layer per decode step. Every rank runs
   the same number of decode steps (lock-step, ``LockStepStop``): a rank whose rows have all
-  ended, or that has none, keeps stepping (on a one-token stand-in row) until every rank's rows
+  ended, or that has none, keeps stepping (on a one-token stand-in row that never ends, so that
+  ``generate``'s own EOS stop cannot end it early) until every rank's rows
   have ended or ``max_new_tokens`` is reached. Memory: the shard, the root, two layer units,
   the KV cache.
 
@@ -185,8 +186,10 @@ def generate_rows(model: nn.Module, prompt_ids: Sequence[Sequence[int]], rows: S
         rows: (B,) the global row index of each prompt (its sampling key).
         round_: the generation round (part of the key).
         lockstep: every rank of ``lockstep_group`` calls this the same number of times and
-            runs the same number of decode steps (``LockStepStop``); a rank without prompts
-            decodes a one-token stand-in row and returns no completions.
+            runs the same number of decode steps (``LockStepStop``); each rank decodes one
+            extra one-token stand-in row that never ends (``KeyedSampler(keep_alive=True)``),
+            so ``generate`` does not stop when this rank's own rows have (a rank without
+            prompts decodes only it and returns no completions).
         generation_config: a ``GenerationConfig`` whose logits processors (repetition
             penalty, forced tokens, ...) run before the sampler (``_decode_config``); None:
             the model's own ``generation_config`` alone, as ``generate`` merges it in.
@@ -204,15 +207,13 @@ def generate_rows(model: nn.Module, prompt_ids: Sequence[Sequence[int]], rows: S
     real = len(prompt_ids)
     if real == 0 and not lockstep:
         return GenerateOutput([], [], "", 0)
-    if real == 0:  # a stand-in row keeps this rank in step with the others
-        prompt_ids, rows = [[params.pad_token_id]], [-1]
+    if lockstep:  # a stand-in row that never ends keeps this rank in step with the others
+        prompt_ids, rows = [*prompt_ids, [params.pad_token_id]], [*rows, -1]
     enc_dec = is_encoder_decoder(model)
     ids, mask = _pad(prompt_ids, params.pad_token_id, pad_to_multiple_of, device,
                      left=not enc_dec)
     start = 1 if enc_dec else ids.shape[1]  # the decoder's tokens before the completion
-    sampler = KeyedSampler(params, rows, round_, start, device)
-    if real == 0:
-        sampler.done[:] = True
+    sampler = KeyedSampler(params, rows, round_, start, device, keep_alive=lockstep)
     stop = LockStepStop(sampler, lockstep_group, lockstep, stats)
     from transformers import LogitsProcessorList, StoppingCriteriaList
     out = model.generate(input_ids=ids, attention_mask=mask,
@@ -225,7 +226,7 @@ def generate_rows(model: nn.Module, prompt_ids: Sequence[Sequence[int]], rows: S
         end = next((k for k, t in enumerate(tokens) if t in eos), None)
         completions.append(tokens[:end + 1] if end is not None else tokens)
         truncated.append(end is None)
-    decoder_start = tuple(out[0, :start].tolist()) if enc_dec else ()
+    decoder_start = tuple(out[0, :start].tolist()) if enc_dec and real else ()
     return GenerateOutput(completions, truncated, "", stop.steps, decoder_start)
 
 
