@@ -7,7 +7,9 @@ all-gather per layer per decode step) give token-identical completions to ONE pr
 decoding the whole batch, for every split of the rows over 2 ranks (b = [1, 3], [3, 1],
 [0, 4]), with and without tied embeddings, sampled and greedy. Stock ``GRPOTrainer`` on one
 process with ``hf_cephalo.reproducible_rollout`` trains on exactly the completions the engine
-generates for the same rows and round.
+generates for the same rows and round. Encoder-decoders ([Note: encoder-decoder generation]):
+T5 and BART over three splits (one where a rank's rows end first), LED, PEGASUS-X and T5Gemma
+over one, both modes, equal one process (and greedy equals the model's own ``generate``).
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ def _engine_cases(rank: int, world_size: int) -> dict:
 
 
 ENC_DEC = ("t5", "bart")  # tests/zoo_fixtures.py SEQ2SEQ
+ENC_DEC_KIN = ("led", "pegasus_x", "t5gemma")  # tests/zoo_fixtures.py SEQ2SEQ
 ENC_DEC_SPLITS = ([1, 3], [0, 4], [3, 1])  # [3, 1]: row 3 ends (EOS) 4 steps before rows 0-1
 
 
@@ -183,6 +186,13 @@ def _encoder_decoder_cases(rank: int) -> dict:
                         completions=got.completions, start=got.decoder_start, mode=got.mode,
                         steps=got.steps, peak=engine.stats.peak_unsharded_numel,
                         full=sum(u.numel for u in engine.all_units()))
+    for name in ENC_DEC_KIN:  # one split, sampled: their encoders' own boundaries and junctions
+        engine = CephaloEngine(stage_model(build_zoo(name, seed=3)), state_ratios=[0.7, 0.3])
+        rows = [0, 1, 2] if rank == 0 else [3]
+        for mode in MODES:
+            got = engine.generate([PROMPTS[r] for r in rows], rows,
+                                  _enc_dec_params(name, True)[0], ROUND, mode=mode)
+            out[(name, mode)] = got.completions
     return out
 
 
@@ -238,7 +248,7 @@ def test_decode_modes_gather_and_step_as_documented(engine_results):
     per step, every rank the same number of steps (the idle rank too), the peak gathered
     parameters at most the root and two layer units."""
     for key, r0 in engine_results[0].items():
-        if key == "refusals" or key[0] in ENC_DEC:
+        if key == "refusals" or key[0] in ENC_DEC + ENC_DEC_KIN:
             continue
         r1 = engine_results[1][key]
         _, _, mode = key
@@ -295,6 +305,21 @@ def test_encoder_decoder_completions_do_not_depend_on_the_plan(engine_results, n
                 if mode == "sharded":
                     assert runs[0]["steps"] == runs[1]["steps"] >= 1, key
                     assert runs[0]["peak"] < runs[0]["full"], key
+
+
+@test_timeout(40)
+def test_encoder_decoder_kin_generate_in_both_modes(engine_results):
+    """LED (its Longformer encoder pads the input to its window), PEGASUS-X (global tokens
+    joined at the encoder boundary) and T5Gemma (Gemma stacks): rows split 3 + 1, sampled, both
+    modes, token-identical to one process."""
+    from hf_cephalo.runtime.generation import generate_rows
+    from tests.zoo_fixtures import build_zoo
+
+    for name in ENC_DEC_KIN:
+        ref = generate_rows(build_zoo(name, seed=3), PROMPTS[:4], list(range(4)),
+                            _enc_dec_params(name, True)[0], ROUND).completions
+        for mode in MODES:
+            assert [c for r in engine_results for c in r[(name, mode)]] == ref, (name, mode)
 
 
 @test_timeout(40)
