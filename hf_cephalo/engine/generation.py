@@ -131,17 +131,20 @@ def is_encoder_decoder(model) -> bool:
 
 def _decode_config(params: SamplingParams, base: Any = None):
     """The ``GenerationConfig`` of a keyed decode: ``base``'s fields (a front end's resolved
-    generation settings: its logits processors run as in ``generate``, before the sampler)
-    with what the keyed sampler owns overridden (greedy argmax over its scores, one beam, the
-    length, the pad, no EOS stop: ``LockStepStop`` stops rows)."""
+    generation settings, its EOS ``params``' own: its logits processors run as in
+    ``generate``, before the sampler) with what the keyed sampler owns overridden (greedy
+    argmax over its scores, one beam, the length, the pad). Fields left unset (without
+    ``base``: all but those, the EOS too) ``generate`` fills from the model's own
+    ``generation_config``; its EOS stop ends rows where the sampler's does, and the stand-in
+    row keeps a lock-step call going ([Note: two decode modes])."""
     import copy
 
     from transformers import GenerationConfig
 
     config = GenerationConfig() if base is None else copy.deepcopy(base)
     config.update(max_new_tokens=params.max_new_tokens, max_length=None, do_sample=False,
-                  num_beams=1, pad_token_id=params.pad_token_id, eos_token_id=None,
-                  temperature=None, top_k=None, top_p=None, min_p=None, use_cache=True)
+                  num_beams=1, pad_token_id=params.pad_token_id, temperature=None, top_k=None,
+                  top_p=None, min_p=None, use_cache=True)
     return config
 
 
