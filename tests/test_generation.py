@@ -7,7 +7,9 @@ all-gather per layer per decode step) give token-identical completions to ONE pr
 decoding the whole batch, for every split of the rows over 2 ranks (b = [1, 3], [3, 1],
 [0, 4]), with and without tied embeddings, sampled and greedy. Stock ``GRPOTrainer`` on one
 process with ``hf_cephalo.reproducible_rollout`` trains on exactly the completions the engine
-generates for the same rows and round.
+generates for the same rows and round. Encoder-decoders ([Note: encoder-decoder generation]):
+T5 and BART over three splits (one where a rank's rows end first), LED, PEGASUS-X and T5Gemma
+over one, both modes, equal one process (and greedy equals the model's own ``generate``).
 """
 
 from __future__ import annotations
@@ -136,6 +138,61 @@ def _engine_cases(rank: int, world_size: int) -> dict:
                     unit=max(u.numel for u in engine.units),
                     full=sum(u.numel for u in engine.all_units()))
     out["refusals"] = _refusals(rank)
+    out.update(_encoder_decoder_cases(rank))
+    return out
+
+
+ENC_DEC = ("t5", "bart")  # tests/zoo_fixtures.py SEQ2SEQ
+ENC_DEC_KIN = ("led", "pegasus_x", "t5gemma")  # tests/zoo_fixtures.py SEQ2SEQ
+ENC_DEC_SPLITS = ([1, 3], [0, 4], [3, 1])  # [3, 1]: row 3 ends (EOS) 4 steps before rows 0-1
+
+
+def _enc_dec_params(name: str, do_sample: bool):
+    """Keyed sampling over the model's own EOS and pad; greedy decoding under a generation
+    config whose processors (no repeated token, at least 3 tokens) run before the sampler,
+    so that the tiny random models' greedy completions are not one token repeated or an
+    immediate EOS."""
+    from transformers import GenerationConfig
+
+    from tests.zoo_fixtures import build_zoo
+
+    config = build_zoo(name, seed=3).generation_config
+    eos = config.eos_token_id
+    params = _params(do_sample, eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos),
+                     pad_token_id=config.pad_token_id, max_new_tokens=6)
+    return params, None if do_sample else GenerationConfig(no_repeat_ngram_size=1,
+                                                           min_new_tokens=3)
+
+
+def _encoder_decoder_cases(rank: int) -> dict:
+    """T5 and BART ([Note: encoder-decoder generation]): the first 4 prompts as encoder
+    inputs, both splits, both modes, sampled and greedy."""
+    from hf_cephalo.engine import CephaloEngine
+    from hf_cephalo.models.registry import stage_model
+    from tests.zoo_fixtures import build_zoo
+
+    out = {}
+    for name in ENC_DEC:
+        engine = CephaloEngine(stage_model(build_zoo(name, seed=3)), state_ratios=[0.7, 0.3])
+        for split in ENC_DEC_SPLITS:
+            off, n = sum(split[:rank]), split[rank]
+            for mode in MODES:
+                for do_sample in (True, False):
+                    params, config = _enc_dec_params(name, do_sample)
+                    engine.stats.reset()
+                    got = engine.generate(PROMPTS[off:off + n], list(range(off, off + n)),
+                                          params, ROUND, mode=mode, generation_config=config)
+                    out[(name, tuple(split), mode, do_sample)] = dict(
+                        completions=got.completions, start=got.decoder_start, mode=got.mode,
+                        steps=got.steps, peak=engine.stats.peak_unsharded_numel,
+                        full=sum(u.numel for u in engine.all_units()))
+    for name in ENC_DEC_KIN:  # one split, sampled: their encoders' own boundaries and junctions
+        engine = CephaloEngine(stage_model(build_zoo(name, seed=3)), state_ratios=[0.7, 0.3])
+        rows = [0, 1, 2] if rank == 0 else [3]
+        for mode in MODES:
+            got = engine.generate([PROMPTS[r] for r in rows], rows,
+                                  _enc_dec_params(name, True)[0], ROUND, mode=mode)
+            out[(name, mode)] = got.completions
     return out
 
 
@@ -191,7 +248,7 @@ def test_decode_modes_gather_and_step_as_documented(engine_results):
     per step, every rank the same number of steps (the idle rank too), the peak gathered
     parameters at most the root and two layer units."""
     for key, r0 in engine_results[0].items():
-        if key == "refusals":
+        if key == "refusals" or key[0] in ENC_DEC + ENC_DEC_KIN:
             continue
         r1 = engine_results[1][key]
         _, _, mode = key
@@ -204,6 +261,65 @@ def test_decode_modes_gather_and_step_as_documented(engine_results):
             assert r0["all_gathers"] == 2 + r0["layers"] * r0["steps"], key
             assert r0["all_reduces"] == 1 + r0["steps"]
             assert r0["peak"] <= r0["root"] + 2 * r0["unit"] < r0["full"]
+
+
+@test_timeout(40)
+@pytest.mark.parametrize("name", ENC_DEC)
+def test_encoder_decoder_completions_do_not_depend_on_the_plan(engine_results, name):
+    """T5 and BART on 2 ranks (state 0.7 / 0.3; the rows split 1 + 3, 0 + 4, 3 + 1), both decode
+    modes, sampled and greedy: the completions are token-identical to one process decoding the
+    4 rows (``generate_rows``), which for greedy decoding is the model's own ``generate``
+    (decoder start token, then the completion up to the EOS), and every decoding rank reports
+    the decoder start token. The sharded mode holds less than the full weights."""
+    from hf_cephalo.runtime.generation import generate_rows
+    from tests.zoo_fixtures import build_zoo
+
+    model = build_zoo(name, seed=3)
+    prompts = PROMPTS[:4]
+    for do_sample in (True, False):
+        params, config = _enc_dec_params(name, do_sample)
+        ref = generate_rows(model, prompts, list(range(4)), params, ROUND,
+                            generation_config=config)
+        start = (model.generation_config.decoder_start_token_id,)
+        assert ref.decoder_start == start
+        if not do_sample:  # greedy: transformers' own generate on the right-padded batch
+            ids = torch.full((4, 5), params.pad_token_id)
+            for j, row in enumerate(prompts):
+                ids[j, :len(row)] = torch.tensor(row)
+            mask = (ids != params.pad_token_id).long()
+            stock = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                   do_sample=False, no_repeat_ngram_size=1,
+                                   min_new_tokens=3).tolist()
+            eos = set(params.eos_token_ids)
+            assert [row[:1] for row in stock] == [list(start)] * 4
+            assert ref.completions == [
+                row[1:][:next((k + 1 for k, t in enumerate(row[1:]) if t in eos), 6)]
+                for row in stock]
+        for split in ENC_DEC_SPLITS:
+            for mode in MODES:
+                key = (name, tuple(split), mode, do_sample)
+                runs = [r[key] for r in engine_results]
+                got = [c for r in runs for c in r["completions"]]
+                assert got == ref.completions, key
+                assert all(r["mode"] == mode and r["start"] in (start, ()) for r in runs), key
+                if mode == "sharded":
+                    assert runs[0]["steps"] == runs[1]["steps"] >= 1, key
+                    assert runs[0]["peak"] < runs[0]["full"], key
+
+
+@test_timeout(40)
+def test_encoder_decoder_kin_generate_in_both_modes(engine_results):
+    """LED (its Longformer encoder pads the input to its window), PEGASUS-X (global tokens
+    joined at the encoder boundary) and T5Gemma (Gemma stacks): rows split 3 + 1, sampled, both
+    modes, token-identical to one process."""
+    from hf_cephalo.runtime.generation import generate_rows
+    from tests.zoo_fixtures import build_zoo
+
+    for name in ENC_DEC_KIN:
+        ref = generate_rows(build_zoo(name, seed=3), PROMPTS[:4], list(range(4)),
+                            _enc_dec_params(name, True)[0], ROUND).completions
+        for mode in MODES:
+            assert [c for r in engine_results for c in r[(name, mode)]] == ref, (name, mode)
 
 
 @test_timeout(40)

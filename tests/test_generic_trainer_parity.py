@@ -37,7 +37,15 @@ padded with -100, as Whisper fine-tuning scripts collate them) through ``Cephalo
 ``Seq2SeqTrainer``, with the model's own loss: besides the training, ``evaluate``'s loss,
 ``predict``'s logits (at the labelled positions) and the model ``save_model`` writes (loaded
 back with ``from_pretrained``) equal stock's ([Note: encoder-decoders at the doors] in
-runtime/door_models.py).
+runtime/door_models.py). ``trainer.generate`` (greedy, 2 prompts) equals the stock-trained
+model's own ``generate`` for all but Whisper, which is refused (its encoder reads features).
+For T5 and BART (``GENERATE``) also ``predict_with_generate=True`` ([Note: predict_with_generate]
+in integrations/trainer/seq2seq.py), set after training on both trainers: ``predict`` with
+``generation_max_length`` 8 (ids padded to the model's max_length 20), ``evaluate``, and
+``predict`` with 20..24 new tokens (ids wider than 20) give the same ids, labels (exact) and
+loss and ``compute_metrics`` (RTOL / ATOL) as stock; ``num_beams=2`` is refused with every
+torch.distributed collective patched to fail; and sampled ids equal one process decoding the 5
+rows keyed by their dataset index.
 """
 
 from __future__ import annotations
@@ -133,6 +141,59 @@ def _eval_and_predict(trainer, name: str) -> dict:
                 label_ids=out.label_ids)
 
 
+GENERATE = ("t5", "bart")  # predict_with_generate=True after the teacher-forced evaluation
+GEN_MAX_LENGTH, GEN_LONG = 8, 24  # decoder tokens (with the start token) / completion tokens
+
+
+def _generation_metrics(prediction) -> dict:
+    """compute_metrics of a generating evaluation: exact matches of the generated ids with
+    the labels (-100 and padding included), and their sum and count beside -100."""
+    predictions, labels = prediction.predictions, prediction.label_ids
+    width = min(predictions.shape[1], labels.shape[1])
+    return {"match": float((predictions[:, :width] == labels[:, :width]).mean()),
+            "kept": float((predictions != -100).sum()),
+            "total": float(predictions[predictions != -100].sum() / 1000)}
+
+
+def _generate_and_score(trainer, name: str) -> dict:
+    """``predict_with_generate=True`` (set on the arguments after training, as a script may):
+    ``predict`` with ``generation_max_length`` (ids shorter than the model's max_length 20,
+    padded to it), ``evaluate``'s loss and metrics, and ``predict`` with at least 20 new
+    tokens (a keyword's logits processor; ids of the longest row's width, labels padded to
+    20)."""
+    trainer.args.predict_with_generate, trainer.args.generation_max_length = True, GEN_MAX_LENGTH
+    trainer.args.generation_num_beams = 1
+    trainer.compute_metrics = _generation_metrics
+    rows = _seq2seq_rows(5, seed=9, name=name)
+    out = trainer.predict(rows)
+    long = trainer.predict(rows, max_new_tokens=GEN_LONG, min_new_tokens=20).predictions
+    return dict(predictions=out.predictions, label_ids=out.label_ids, metrics=out.metrics,
+                eval=trainer.evaluate(rows), long=long)
+
+
+def _refused_beams_without_collectives(trainer, name: str) -> str:
+    """evaluate(num_beams=2) with predict_with_generate=True: the ValueError, raised while
+    every torch.distributed collective is patched to fail (so none ran)."""
+    import torch.distributed as dist
+    from unittest import mock
+
+    names = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier",
+             "all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+             "broadcast_object_list")
+    with pytest.raises(ValueError, match="beam search and the other strategies are not built"
+                       ) as caught, mock.patch.multiple(dist, **{
+                           n: mock.Mock(side_effect=AssertionError(f"collective {n} ran"))
+                           for n in names}):
+        trainer.evaluate(_seq2seq_rows(5, seed=9, name=name), num_beams=2)
+    return str(caught.value)
+
+
+def _sampled(trainer, name: str):
+    """predict with keyed sampling: the rows' completions depend on the dataset index only."""
+    return trainer.predict(_seq2seq_rows(5, seed=9, name=name), do_sample=True,
+                           top_k=0).predictions
+
+
 LORA = "qwen3_lora"  # 2 ranks only
 UNREACHED = "glm5"  # SGD with weight decay: its indexer weights get no gradient
 VLM = "gemma3_vlm"  # SGD with weight decay: text only, its vision tower gets no gradient
@@ -225,11 +286,17 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
         losses, norms = _logs(trainer)
         if name in SEQ2SEQ:
             results[f"{name}_eval"] = _eval_and_predict(trainer, name)
-            prompt = {"input_features": torch.zeros(1, 8, 24)} if name == "whisper" \
-                else {"input_ids": torch.tensor([[5, 6, 7]])}
-            with pytest.raises(ValueError, match="is an encoder-decoder, and the engine's decode"):
-                trainer.generate(**prompt, max_new_tokens=2)  # refused, not the prompt back
+            if name == "whisper":  # its encoder reads log-mel features, not token ids
+                with pytest.raises(ValueError, match="reads 'input_features', not token ids"):
+                    trainer.generate(input_features=torch.zeros(1, 8, 24), max_new_tokens=2)
+            else:  # greedy: the decoder start token, then up to 3 tokens
+                results[f"{name}_generate"] = trainer.generate(
+                    input_ids=torch.tensor(PROMPT), max_new_tokens=3, do_sample=False).tolist()
             trainer.save_model(os.path.join(out_dir, name, "final"))  # Hugging Face files
+            if name in GENERATE:
+                results[f"{name}_generated"] = _generate_and_score(trainer, name)
+                results[f"{name}_beams"] = _refused_beams_without_collectives(trainer, name)
+                results[f"{name}_sampled"] = _sampled(trainer, name)
         if planned:  # the model profile the plan was made from: each layer's size
             results["planned_units"] = trainer.session.cluster_profile.model.unit_params
         if name == UNREACHED_ADAMW:
@@ -267,9 +334,19 @@ def _stock(name: str, out_dir: str) -> dict:
         losses, norms = _logs(trainer)
         _STOCK[name] = dict(losses=losses, norms=norms, state={
             k: v.detach().clone() for k, v in model.state_dict().items()})
+        _STOCK[f"{name}_model"] = model
         if name in SEQ2SEQ:
             _STOCK[f"{name}_eval"] = _eval_and_predict(trainer, name)
+            if name != "whisper":
+                _STOCK[f"{name}_generate"] = model.generate(
+                    input_ids=torch.tensor(PROMPT), attention_mask=torch.ones(2, 3).long(),
+                    max_new_tokens=3, do_sample=False).tolist()
+        if name in GENERATE:
+            _STOCK[f"{name}_generated"] = _generate_and_score(trainer, name)
     return _STOCK[name]
+
+
+PROMPT = [[5, 6, 7], [9, 10, 11]]
 
 
 def _check_eval(got: dict, ref: dict, where: str) -> None:
@@ -284,6 +361,49 @@ def _check_eval(got: dict, ref: dict, where: str) -> None:
     torch.testing.assert_close(torch.as_tensor(got["logits"])[labelled],
                                torch.as_tensor(ref["logits"])[labelled], rtol=RTOL, atol=ATOL,
                                msg=lambda m: f"{where} logits: {m}")
+
+
+def _check_generated(run: dict, name: str, where: str) -> None:
+    """predict_with_generate=True: generated ids and labels exact (shapes included), loss and
+    metrics within RTOL / ATOL of stock's; beams refused before any collective; sampled ids
+    equal ONE process decoding the 5 rows keyed by their dataset index."""
+    got, ref = run[f"{name}_generated"], _STOCK[f"{name}_generated"]
+    for what in ("predictions", "label_ids", "long"):
+        assert got[what].shape == ref[what].shape and (got[what] == ref[what]).all(), \
+            (where, what, got[what], ref[what])
+    assert ref["predictions"].shape[1] == 20 and ref["long"].shape[1] > 20, where
+    for metrics in ("metrics", "eval"):
+        keys = {k for k in ref[metrics]
+                if k.partition("_")[2] in ("loss", "match", "kept", "total")}
+        assert len(keys) == 4, (where, ref[metrics])
+        for key in keys:
+            torch.testing.assert_close(torch.tensor(got[metrics][key], dtype=torch.float64),
+                                       torch.tensor(ref[metrics][key], dtype=torch.float64),
+                                       rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {key}: {m}")
+    assert "num_beams=2" in run[f"{name}_beams"], where
+    assert (run[f"{name}_sampled"] == _sampled_reference(name)).all(), where
+
+
+_SAMPLED: dict = {}
+
+
+def _sampled_reference(name: str):
+    """The sampled predictions of one process: ``generate_rows`` on stock's trained model,
+    rows keyed by dataset index, round = the steps trained, laid out as stock's one batch."""
+    if name not in _SAMPLED:
+        from hf_cephalo.runtime import generate_rows, resolve_generation
+
+        model = _STOCK[f"{name}_model"]
+        params, config = resolve_generation(model, dict(max_length=GEN_MAX_LENGTH, num_beams=1,
+                                                         do_sample=True, top_k=0), SEED)
+        rows = _seq2seq_rows(5, seed=9, name=name)
+        out = generate_rows(model, [r["input_ids"] for r in rows], list(range(5)), params,
+                            STEPS, generation_config=config)
+        ids = torch.full((5, 20), params.pad_token_id)
+        for j, tokens in enumerate(out.completions):
+            ids[j, :1 + len(tokens)] = torch.tensor([*out.decoder_start, *tokens])
+        _SAMPLED[name] = ids.numpy()
+    return _SAMPLED[name]
 
 
 def _check_world(world: int, out_dir: str) -> None:
@@ -316,6 +436,11 @@ def _check_world(world: int, out_dir: str) -> None:
                                            msg=lambda m: f"{where} {key}: {m}")
             if name in SEQ2SEQ:
                 _check_eval(run[f"{name}_eval"], _STOCK[f"{name}_eval"], where)
+                if name != "whisper":  # trainer.generate: stock's greedy ids, start token first
+                    assert run[f"{name}_generate"] == _STOCK[f"{name}_generate"], \
+                        (where, run[f"{name}_generate"], _STOCK[f"{name}_generate"])
+            if name in GENERATE:
+                _check_generated(run, name, where)
         if name in SEQ2SEQ:  # the saved model loads back as the class, stock's weights
             saved = type(_model(name)).from_pretrained(os.path.join(out_dir, name, "final"))
             for key, value in ref["state"].items():

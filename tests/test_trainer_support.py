@@ -381,18 +381,35 @@ def test_seq2seq_fields_are_classified_and_documented():
 
 
 def test_seq2seq_refusals_in_one_message(tmp_path, monkeypatch):
-    """predict_with_generate=True is refused (with the reason) together with every other refused
-    setting of the script, before any process group exists; the generation-only fields are
-    accepted, as stock accepts them without predict_with_generate."""
+    """predict_with_generate=True is refused (with the reason) for a decoder-only model, with
+    generation_num_beams > 1, for a generation_config with num_beams > 1 and for Whisper (its
+    encoder reads features), together with every other refused setting of the script, before
+    any process group exists; the generation fields are accepted without
+    predict_with_generate, as stock reads them nowhere then."""
     from hf_cephalo import CephaloSeq2SeqTrainer, CephaloSeq2SeqTrainingArguments
+    from tests.zoo_fixtures import build_zoo
 
     monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
     args = CephaloSeq2SeqTrainingArguments(output_dir=str(tmp_path), report_to="none",
-                                           predict_with_generate=True, auto_find_batch_size=True)
-    with pytest.raises(ValueError, match=r"(?s)refuses 2 settings.*--auto_find_batch_size.*"
-                                         r"--predict_with_generate = True is not supported by "
-                                         r"Cephalo: evaluation runs the teacher-forced forward"):
+                                           predict_with_generate=True, auto_find_batch_size=True,
+                                           generation_num_beams=2)
+    with pytest.raises(ValueError, match=r"(?s)refuses 3 settings.*--auto_find_batch_size.*"
+                                         r"--generation_num_beams = 2 with "
+                                         r"--predict_with_generate is not supported by Cephalo: "
+                                         r"beam search is not built.*--predict_with_generate = "
+                                         r"True is not supported for LlamaForCausalLM"):
         CephaloSeq2SeqTrainer(model=build("llama"), args=args)
+    t5 = build_zoo("t5")
+    t5.generation_config.num_beams = 4
+    generating = CephaloSeq2SeqTrainingArguments(output_dir=str(tmp_path), report_to="none",
+                                                 predict_with_generate=True)
+    with pytest.raises(ValueError, match=r"predict_with_generate = True is not supported for "
+                                         r"T5ForConditionalGeneration with these settings: .*"
+                                         r"'beam_search' \(num_beams=4\)"):
+        CephaloSeq2SeqTrainer(model=t5, args=generating)
+    with pytest.raises(ValueError, match=r"WhisperForConditionalGeneration's encoder reads "
+                                         r"'input_features', not token ids"):
+        CephaloSeq2SeqTrainer(model=build_zoo("whisper"), args=generating)
     assert not torch.distributed.is_initialized()
     check_training_args(CephaloSeq2SeqTrainingArguments(
         output_dir=str(tmp_path), report_to="none", generation_max_length=8,

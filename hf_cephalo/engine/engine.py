@@ -622,7 +622,8 @@ class CephaloEngine:
                                    process_logits=process_logits)
 
     def generate(self, prompt_ids, rows, params, round_: int, *, mode: str = "auto",
-                 memory_budget_bytes: int | None = None, pad_to_multiple_of: int | None = None):
+                 memory_budget_bytes: int | None = None, pad_to_multiple_of: int | None = None,
+                 generation_config=None):
         """Collective: decode this rank's prompts with the model's own ``generate`` over the
         sharded weights (``generation.engine_generate``; [Note: two decode modes]).
 
@@ -634,9 +635,11 @@ class CephaloEngine:
                 every rank's ``memory_budget_bytes`` holds the full weights plus its KV cache,
                 else sharded), ``"gather_once"`` or ``"sharded"``.
             memory_budget_bytes: bytes this rank may add for the call (None: no limit).
+            generation_config: a ``GenerationConfig`` whose logits processors run before the
+                sampler (``generation.generate_rows``); None: the model's own.
 
         Returns:
-            ``GenerateOutput(completions, truncated, mode, steps)``.
+            ``GenerateOutput(completions, truncated, mode, steps, decoder_start)``.
 
         Raises:
             ValueError: mismatched rows, an empty prompt, an unknown mode, a budget that holds
@@ -644,7 +647,8 @@ class CephaloEngine:
         """
         return generation.engine_generate(self, prompt_ids, rows, params, round_, mode=mode,
                                           memory_budget_bytes=memory_budget_bytes,
-                                          pad_to_multiple_of=pad_to_multiple_of)
+                                          pad_to_multiple_of=pad_to_multiple_of,
+                                          generation_config=generation_config)
 
     def iter_full_units(self, order: Sequence[int] | None = None) -> Iterator[FullUnit]:
         """Collective generator, one unit per step (``state_dicts.iter_full_units``)."""

@@ -17,9 +17,21 @@ gathered views are installed in it, in one of two modes, one mode for every rank
   (the next layer's all-gather issued as it starts, as in training's prefetch) and resharded
   by a forward hook right after, so one all-gather per layer per decode step. Every rank runs
   the same number of decode steps (lock-step, ``LockStepStop``): a rank whose rows have all
-  ended, or that has none, keeps stepping (on a one-token stand-in row) until every rank's rows
+  ended, or that has none, keeps stepping (on a one-token stand-in row that never ends, so that
+  ``generate``'s own EOS stop cannot end it early) until every rank's rows
   have ended or ``max_new_tokens`` is reached. Memory: the shard, the root, two layer units,
   the KV cache.
+
+[Note: encoder-decoder generation]
+For an encoder-decoder (``config.is_encoder_decoder``: T5, BART and the staged seq2seq models)
+the prompts are the encoder's inputs, right-padded as tokenizers pad them (BART's absolute
+positions would move under left padding), and ``generate`` returns DECODER tokens: the decoder
+start token, then the completion. So the keyed sampler's positions count from the decoder's
+width 1, not the prompt's, and the start token is returned apart (``decoder_start``). In the
+sharded mode the encoder layers run once per call and the decoder layers once per step, each
+gathered by its hook; the first decoder unit is a container (the encoder's junction modules,
+e.g. T5's final norm, and decoder layer 0) that is never called itself, so each member
+carries the unit's hooks and the unit is gathered for the junction and again for each step.
 
 Both modes produce the same tokens: the same forward code on the same weights, and sampling
 keyed by the global row ([Note: keyed sampling] in ``sampling.py``). The modes differ in
@@ -41,7 +53,8 @@ from . import collectives as C
 from .sampling import KeyedSampler, SamplingParams
 
 __all__ = ["DECODE_MODES", "GenerateOutput", "generate_rows", "engine_generate", "choose_mode",
-           "kv_cache_bytes_per_token", "LockStepStop", "decode_memory_bytes", "gathered_bytes"]
+           "kv_cache_bytes_per_token", "LockStepStop", "decode_memory_bytes", "gathered_bytes",
+           "is_encoder_decoder"]
 
 DECODE_MODES = ("auto", "gather_once", "sharded")
 
@@ -54,12 +67,17 @@ class GenerateOutput(NamedTuple):
     truncated: per local row, True when it reached ``max_new_tokens`` without an EOS.
     mode: the decode mode every rank used (``"gather_once"`` or ``"sharded"``).
     steps: decode steps (forward calls) this rank ran.
+    decoder_start: the decoder tokens ``generate`` put before every completion: an
+        encoder-decoder's start token (``[decoder_start_token_id]``, [Note: encoder-decoder
+        generation]); () for a decoder-only model, whose completions follow the prompt, and
+        for a rank that decoded no rows.
     """
 
     completions: list[list[int]]
     truncated: list[bool]
     mode: str
     steps: int
+    decoder_start: tuple[int, ...] = ()
 
 
 class LockStepStop:
@@ -87,10 +105,11 @@ class LockStepStop:
         return torch.full_like(done, bool(flag.item() == 0))
 
 
-def _left_pad(prompt_ids: Sequence[Sequence[int]], pad: int, multiple: int | None,
-              device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, P) left-padded ids and attention mask, P rounded up to ``multiple`` (TRL's
-    ``pad_to_multiple_of``)."""
+def _pad(prompt_ids: Sequence[Sequence[int]], pad: int, multiple: int | None, device,
+         left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) padded ids and attention mask, P rounded up to ``multiple`` (TRL's
+    ``pad_to_multiple_of``); left-padded for a decoder, right-padded (``left=False``) for an
+    encoder's input, as tokenizers and ``DataCollatorForSeq2Seq`` pad it."""
     width = max(len(p) for p in prompt_ids)
     if multiple:
         width = -(-width // multiple) * multiple
@@ -98,9 +117,35 @@ def _left_pad(prompt_ids: Sequence[Sequence[int]], pad: int, multiple: int | Non
     mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
     for j, row in enumerate(prompt_ids):
         if len(row):
-            ids[j, width - len(row):] = torch.as_tensor(list(row), dtype=torch.long)
-            mask[j, width - len(row):] = 1
+            where = slice(width - len(row), width) if left else slice(0, len(row))
+            ids[j, where] = torch.as_tensor(list(row), dtype=torch.long)
+            mask[j, where] = 1
     return ids.to(device), mask.to(device)
+
+
+def is_encoder_decoder(model) -> bool:
+    """True for a model whose ``generate`` runs an encoder on the prompt and decodes from the
+    decoder start token ([Note: encoder-decoder generation])."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def _decode_config(params: SamplingParams, base: Any = None):
+    """The ``GenerationConfig`` of a keyed decode: ``base``'s fields (a front end's resolved
+    generation settings, its EOS ``params``' own: its logits processors run as in
+    ``generate``, before the sampler) with what the keyed sampler owns overridden (greedy
+    argmax over its scores, one beam, the length, the pad). Fields left unset (without
+    ``base``: all but those, the EOS too) ``generate`` fills from the model's own
+    ``generation_config``; its EOS stop ends rows where the sampler's does, and the stand-in
+    row keeps a lock-step call going ([Note: two decode modes])."""
+    import copy
+
+    from transformers import GenerationConfig
+
+    config = GenerationConfig() if base is None else copy.deepcopy(base)
+    config.update(max_new_tokens=params.max_new_tokens, max_length=None, do_sample=False,
+                  num_beams=1, pad_token_id=params.pad_token_id, temperature=None, top_k=None,
+                  top_p=None, min_p=None, use_cache=True)
+    return config
 
 
 def _check_rows(prompt_ids, rows) -> None:
@@ -131,18 +176,26 @@ def _check_vocab(model, prompt_ids) -> None:
 def generate_rows(model: nn.Module, prompt_ids: Sequence[Sequence[int]], rows: Sequence[int],
                   params: SamplingParams, round_: int, *, device: torch.device | None = None,
                   pad_to_multiple_of: int | None = None, lockstep_group: Any = None,
-                  lockstep: bool = False, stats=None) -> GenerateOutput:
+                  lockstep: bool = False, stats=None, generation_config: Any = None
+                  ) -> GenerateOutput:
     """Decode ``prompt_ids`` with ``model.generate`` (its own KV cache and masks) and keyed
     sampling, on a model whose weights are all present (a plain model, or the engine's during
     a call). The single-process reference and both engine modes run this function.
 
     Args:
-        prompt_ids: B token-id lists (left-padded here with ``params.pad_token_id``).
+        prompt_ids: B token-id lists: a decoder's prompts (left-padded here with
+            ``params.pad_token_id``) or an encoder-decoder's encoder inputs (right-padded;
+            [Note: encoder-decoder generation]).
         rows: (B,) the global row index of each prompt (its sampling key).
         round_: the generation round (part of the key).
         lockstep: every rank of ``lockstep_group`` calls this the same number of times and
-            runs the same number of decode steps (``LockStepStop``); a rank without prompts
-            decodes a one-token stand-in row and returns no completions.
+            runs the same number of decode steps (``LockStepStop``); each rank decodes one
+            extra one-token stand-in row that never ends (``KeyedSampler(keep_alive=True)``),
+            so ``generate`` does not stop when this rank's own rows have (a rank without
+            prompts decodes only it and returns no completions).
+        generation_config: a ``GenerationConfig`` whose logits processors (repetition
+            penalty, forced tokens, ...) run before the sampler (``_decode_config``); None:
+            the model's own ``generation_config`` alone, as ``generate`` merges it in.
 
     Returns:
         ``GenerateOutput`` (``mode`` empty: the caller's).
@@ -157,28 +210,27 @@ def generate_rows(model: nn.Module, prompt_ids: Sequence[Sequence[int]], rows: S
     real = len(prompt_ids)
     if real == 0 and not lockstep:
         return GenerateOutput([], [], "", 0)
-    if real == 0:  # a stand-in row keeps this rank in step with the others
-        prompt_ids, rows = [[params.pad_token_id]], [-1]
-    ids, mask = _left_pad(prompt_ids, params.pad_token_id, pad_to_multiple_of, device)
-    sampler = KeyedSampler(params, rows, round_, ids.shape[1], device)
-    if real == 0:
-        sampler.done[:] = True
+    if lockstep:  # a stand-in row that never ends keeps this rank in step with the others
+        prompt_ids, rows = [*prompt_ids, [params.pad_token_id]], [*rows, -1]
+    enc_dec = is_encoder_decoder(model)
+    ids, mask = _pad(prompt_ids, params.pad_token_id, pad_to_multiple_of, device,
+                     left=not enc_dec)
+    start = 1 if enc_dec else ids.shape[1]  # the decoder's tokens before the completion
+    sampler = KeyedSampler(params, rows, round_, start, device, keep_alive=lockstep)
     stop = LockStepStop(sampler, lockstep_group, lockstep, stats)
-    from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-    config = GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=False,
-                              num_beams=1, pad_token_id=params.pad_token_id, eos_token_id=None,
-                              temperature=None, top_k=None, top_p=None, use_cache=True)
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+    out = model.generate(input_ids=ids, attention_mask=mask,
+                         generation_config=_decode_config(params, generation_config),
                          logits_processor=LogitsProcessorList([sampler]),
                          stopping_criteria=StoppingCriteriaList([stop]))
-    new = out[:, ids.shape[1]:].tolist()
     completions, truncated = [], []
     eos = set(params.eos_token_ids)
-    for tokens in new[:real]:
+    for tokens in out[:real, start:].tolist():
         end = next((k for k, t in enumerate(tokens) if t in eos), None)
         completions.append(tokens[:end + 1] if end is not None else tokens)
         truncated.append(end is None)
-    return GenerateOutput(completions, truncated, "", stop.steps)
+    decoder_start = tuple(out[0, :start].tolist()) if enc_dec and real else ()
+    return GenerateOutput(completions, truncated, "", stop.steps, decoder_start)
 
 
 def kv_cache_bytes_per_token(config: Any, element_size: int) -> int:
@@ -308,10 +360,16 @@ def _layer_hooks(engine):
         return hook
 
     try:
-        for i, module in enumerate(modules):
-            # first of the pre-hooks: a timing hook (emulated slowdown) sees the gathered layer
-            handles.append(module.register_forward_pre_hook(pre(i), prepend=True))
-            handles.append(module.register_forward_hook(post(i)))
+        for i, unit_module in enumerate(modules):
+            # a container unit is never called itself: its members are ([Note: encoder-decoder
+            # generation]); each gathers the unit as it starts and reshards it as it ends
+            members = list(unit_module) if isinstance(unit_module, nn.ModuleList) \
+                else [unit_module]
+            for module in members:
+                # first of the pre-hooks: a timing hook (emulated slowdown) sees the gathered
+                # layer
+                handles.append(module.register_forward_pre_hook(pre(i), prepend=True))
+                handles.append(module.register_forward_hook(post(i)))
         yield
     finally:
         for handle in handles:
@@ -323,7 +381,8 @@ def _layer_hooks(engine):
 def engine_generate(engine, prompt_ids: Sequence[Sequence[int]], rows: Sequence[int],
                     params: SamplingParams, round_: int, *, mode: str = "auto",
                     memory_budget_bytes: int | None = None,
-                    pad_to_multiple_of: int | None = None) -> GenerateOutput:
+                    pad_to_multiple_of: int | None = None,
+                    generation_config: Any = None) -> GenerateOutput:
     """Collective: every rank calls it (with its own rows, possibly none). See
     ``CephaloEngine.generate``."""
     engine.check_usable("generate")
@@ -341,13 +400,15 @@ def engine_generate(engine, prompt_ids: Sequence[Sequence[int]], rows: Sequence[
     mode, _ = choose_mode(engine, mode, len(prompt_ids), width + max_new, memory_budget_bytes,
                           refused)
     try:
-        return _decode(engine, prompt_ids, rows, params, round_, mode, pad_to_multiple_of)
+        return _decode(engine, prompt_ids, rows, params, round_, mode, pad_to_multiple_of,
+                       generation_config)
     except BaseException as exc:  # mid-decode: the ranks' collectives may be out of step
         engine.abandon_step(None, exc, "generate")
         raise
 
 
-def _decode(engine, prompt_ids, rows, params, round_, mode, pad_to_multiple_of):
+def _decode(engine, prompt_ids, rows, params, round_, mode, pad_to_multiple_of,
+            generation_config):
     model = engine.staged.model
     autocast = torch.autocast(engine.device.type, dtype=engine.precision.compute) \
         if engine.precision.compute is not None else contextlib.nullcontext()
@@ -357,5 +418,6 @@ def _decode(engine, prompt_ids, rows, params, round_, mode, pad_to_multiple_of):
             (_layer_hooks(engine) if lockstep else contextlib.nullcontext()):
         out = generate_rows(model, prompt_ids, rows, params, round_, device=engine.device,
                             pad_to_multiple_of=pad_to_multiple_of, lockstep_group=engine.group,
-                            lockstep=lockstep, stats=engine.stats)
+                            lockstep=lockstep, stats=engine.stats,
+                            generation_config=generation_config)
     return out._replace(mode=mode)

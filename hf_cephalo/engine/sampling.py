@@ -169,16 +169,27 @@ class KeyedSampler(LogitsProcessor):
     Args:
         params: ``SamplingParams``. rows: (B,) the global row index of each batch row.
         round_: the generation round (TRL: the optimizer step that generates).
-        prompt_width: the padded prompt length; token position = ``input_ids.shape[1] -
-            prompt_width``.
+        prompt_width: the tokens before the first sampled one in ``input_ids`` (a decoder's
+            padded prompt length; an encoder-decoder's decoder start: 1); token position =
+            ``input_ids.shape[1] - prompt_width``.
+        keep_alive: the last row is a stand-in that never ends: counted as done, it emits a
+            token outside ``eos_token_ids`` (the pad, or the smallest id that is not an EOS),
+            so that ``generate``'s own EOS stop (the model's ``generation_config`` EOS) cannot
+            end a lock-step call on one rank while the others still decode.
     """
 
     def __init__(self, params: SamplingParams, rows: Sequence[int], round_: int,
-                 prompt_width: int, device: torch.device):
+                 prompt_width: int, device: torch.device, keep_alive: bool = False):
         self.params, self.rows, self.round = params, [int(r) for r in rows], int(round_)
         self.prompt_width = int(prompt_width)
         self.done = torch.zeros(len(self.rows), dtype=torch.bool, device=device)
         self._eos = torch.tensor(params.eos_token_ids, dtype=torch.long, device=device)
+        eos = set(params.eos_token_ids)
+        self.keep_alive = keep_alive
+        self._filler = params.pad_token_id if params.pad_token_id not in eos else \
+            min(set(range(len(eos) + 1)) - eos)
+        if keep_alive:
+            self.done[-1] = True
 
     def update_done(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Mark rows whose last token is an EOS (after the prompt); returns ``done``."""
@@ -197,4 +208,7 @@ class KeyedSampler(LogitsProcessor):
         if bool(done.any()):
             out[done] = float("-inf")
             out[done, p.pad_token_id] = 0.0
+        if self.keep_alive:
+            out[-1] = float("-inf")
+            out[-1, self._filler] = 0.0
         return out

@@ -51,7 +51,7 @@ _EXPORTS = {
             "stock_item_count"),
     # generation on the sharded engine
     **_from("generation", "SamplingParams", "generate_rows", "generate_tensor",
-            "generation_budget_bytes"),
+            "generation_budget_bytes", "resolve_generation", "ResolvedGeneration"),
     **_from("generation_plan", "measure_decode_profiles", "plan_generation_split"),
     # loading a model by name, and the plan report
     **_from("pretrained", "load_named_model"),

@@ -10,13 +10,13 @@ completion is the same whichever decoded it ([Note: keyed sampling] in
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 from ..engine.generation import DECODE_MODES, GenerateOutput, generate_rows
 from ..engine.sampling import SamplingParams, sample_key
 
 __all__ = ["DECODE_MODES", "GenerateOutput", "SamplingParams", "generate_rows", "generate_tensor",
-           "sampling_from_generation_config",
+           "sampling_from_generation_config", "ResolvedGeneration", "resolve_generation",
            "generation_budget_bytes", "sample_key", "session_generate"]
 
 
@@ -36,7 +36,8 @@ def generation_budget_bytes(plan, rank: int) -> int | None:
 def session_generate(session, prompt_ids: Sequence[Sequence[int]], rows: Sequence[int],
                      params: SamplingParams, round_: int, *, mode: str = "auto",
                      pad_to_multiple_of: int | None = None,
-                     generation_split: Sequence[int] | None = None) -> GenerateOutput:
+                     generation_split: Sequence[int] | None = None,
+                     generation_config=None) -> GenerateOutput:
     """Collective: ``CephaloEngine.generate`` over the session's engine, with this rank's
     budget from its plan (``generation_budget_bytes``).
 
@@ -47,6 +48,8 @@ def session_generate(session, prompt_ids: Sequence[Sequence[int]], rows: Sequenc
     ([Note: generation split]). None: each rank decodes its own rows. The completions are the
     same either way (keyed sampling). A rank with an emulated slowdown decodes that much slower
     (``generation_plan.emulated_decode``), as the decode profiles it is planned from measured.
+    ``generation_config``: as ``CephaloEngine.generate`` (its logits processors run before the
+    sampler; ``resolve_generation`` builds one from ``generate`` keywords).
 
     Raises:
         ValueError: a split of another world size or total, or one row index given with two
@@ -59,7 +62,8 @@ def session_generate(session, prompt_ids: Sequence[Sequence[int]], rows: Sequenc
         with emulated_decode(session.engine.staged):
             return session.engine.generate(prompt_ids, rows, params, round_, mode=mode,
                                            memory_budget_bytes=budget,
-                                           pad_to_multiple_of=pad_to_multiple_of)
+                                           pad_to_multiple_of=pad_to_multiple_of,
+                                           generation_config=generation_config)
     import torch.distributed as dist
 
     # [Note: generation split] decoding is memory-bandwidth-bound, training compute-bound: the
@@ -85,13 +89,16 @@ def session_generate(session, prompt_ids: Sequence[Sequence[int]], rows: Sequenc
     with emulated_decode(session.engine.staged):
         out = session.engine.generate([p for _, p in todo], [r for r, _ in todo], params,
                                       round_, mode=mode, memory_budget_bytes=budget,
-                                      pad_to_multiple_of=pad_to_multiple_of)
+                                      pad_to_multiple_of=pad_to_multiple_of,
+                                      generation_config=generation_config)
     decoded: list = [None] * world
-    dist.all_gather_object(decoded, [(r, c, t) for (r, _), c, t in
-                                     zip(todo, out.completions, out.truncated)], group=group)
-    by_row = {r: (c, t) for part in decoded for r, c, t in part}
+    dist.all_gather_object(decoded, (out.decoder_start, [(r, c, t) for (r, _), c, t in zip(
+        todo, out.completions, out.truncated)]), group=group)
+    by_row = {r: (c, t) for _, part in decoded for r, c, t in part}
+    start = next((st for st, _ in decoded if st), ())  # every decoding rank's is the same
     return out._replace(completions=[by_row[int(r)][0] for r in rows],
-                        truncated=[by_row[int(r)][1] for r in rows])
+                        truncated=[by_row[int(r)][1] for r in rows],
+                        decoder_start=start if rows else ())
 
 
 _GENERATE_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
@@ -134,17 +141,116 @@ def sampling_from_generation_config(model, kwargs: dict, seed: int) -> SamplingP
                           seed=int(seed))
 
 
-def _check_decoder_only(model, input_ids) -> None:
-    """ValueError for an encoder-decoder (the engine's decode path runs decoder-only models:
-    docs/generation.md) or a call without ``input_ids``."""
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+class ResolvedGeneration(NamedTuple):
+    """What an encoder-decoder's ``generate(**gen_kwargs)`` would decode with, for the keyed
+    decode: ``params`` (length, EOS, pad, sampling) and ``config``, the model's
+    ``generation_config`` updated with the keywords and transformers' defaults (its logits
+    processors run before the sampler)."""
+
+    params: SamplingParams
+    config: Any
+
+
+# (field, refused when, why): what the keyed decode of one sequence per row cannot do
+_UNBUILT = (
+    ("num_return_sequences", lambda v, c: (v or 1) > 1, "one sequence per row is decoded"),
+    ("max_time", lambda v, c: v is not None, "a wall-clock stop differs per rank and run"),
+    ("stop_strings", lambda v, c: bool(v), "stop strings need the tokenizer inside generate"),
+    ("guidance_scale", lambda v, c: v is not None and v != 1, "classifier-free guidance is "
+     "not built"),
+    ("typical_p", lambda v, c: c.do_sample and v is not None and v < 1, "the keyed sampler "
+     "warps with temperature, top_k, top_p and min_p only"),
+    ("epsilon_cutoff", lambda v, c: c.do_sample and v is not None and 0 < v < 1, "the keyed "
+     "sampler warps with temperature, top_k, top_p and min_p only"),
+    ("eta_cutoff", lambda v, c: c.do_sample and v is not None and 0 < v < 1, "the keyed "
+     "sampler warps with temperature, top_k, top_p and min_p only"),
+    ("top_h", lambda v, c: c.do_sample and v is not None, "the keyed sampler warps with "
+     "temperature, top_k, top_p and min_p only"),
+)
+
+
+def _generation_refusals(config) -> list[str]:
+    """One message per setting of the resolved ``config`` the keyed decode does not honour."""
+    problems = []
+    mode = str(getattr(config.get_generation_mode(), "value", config.get_generation_mode()))
+    if mode not in ("greedy_search", "sample"):
+        problems.append(
+            f"generation mode {mode!r} (num_beams={config.num_beams}): the sharded decode runs "
+            "greedy decoding or keyed sampling, one sequence per row; beam search and the "
+            "other strategies are not built: set generation_num_beams=1 (and num_beams=1 in "
+            "the model's generation_config / the generation keywords)")
+    for name, refused_when, why in _UNBUILT:
+        value = getattr(config, name, None)
+        if refused_when(value, config):
+            problems.append(f"{name}={value!r}: {why}")
+    return problems
+
+
+def resolve_generation(model, gen_kwargs: dict, seed: int,
+                       generation_config=None) -> ResolvedGeneration:
+    """The keyed decode of ``model.generate(**gen_kwargs)`` for an encoder-decoder: the model's
+    ``generation_config`` (or ``generation_config``, one about to replace it) updated with
+    ``gen_kwargs`` and transformers' defaults (as ``generate`` resolves it); ``max_length``
+    counts the decoder's tokens including its start token, so the completion is at most
+    ``max_new_tokens`` or else ``max_length - 1`` tokens.
+
+    Raises (before any collective): ValueError for a model that is not an encoder-decoder
+    reading token ids, a keyword that is no ``GenerationConfig`` field (``synced_gpus`` is
+    accepted: the sharded decode keeps the ranks in step itself), a setting the keyed decode
+    does not honour (``num_beams`` > 1, ...: each named with the reason), a length that
+    leaves no completion token, or no pad / EOS token.
+    """
+    import copy
+
+    from transformers import GenerationConfig
+
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ValueError(f"generation keywords: {type(model).__name__} is not an "
+                         "encoder-decoder; this resolution is for encoder-decoders")
+    _check_generate_inputs(model, input_ids=())
+    config = copy.deepcopy(generation_config or getattr(model, "generation_config", None)
+                           or GenerationConfig())
+    extra = config.update(**{k: v for k, v in gen_kwargs.items() if k != "synced_gpus"})
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+    config.update(**{k: v for k, v in defaults.items() if getattr(config, k, None) is None})
+    problems = ([f"{sorted(extra)}: not GenerationConfig fields (model inputs to generate "
+                 "are not built)"] if extra else []) + _generation_refusals(config)
+    max_new = config.max_new_tokens if config.max_new_tokens is not None else \
+        (config.max_length or 20) - 1
+    if max_new < 1:
+        problems.append(f"max_length={config.max_length}: counts the decoder start token, "
+                        "so it leaves no token to generate; use max_length >= 2")
+    eos = config.eos_token_id
+    eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
+    if pad is None:
+        problems.append("no pad_token_id and no eos_token_id in the generation config: set "
+                        "model.generation_config.pad_token_id")
+    if problems:
+        raise ValueError("generate on the sharded model: " + "; ".join(problems))
+    params = SamplingParams(
+        max_new_tokens=int(max_new), do_sample=bool(config.do_sample),
+        temperature=float(config.temperature), top_k=int(config.top_k or 0),
+        top_p=float(config.top_p), min_p=config.min_p, eos_token_ids=eos,
+        pad_token_id=int(pad), seed=int(seed))
+    return ResolvedGeneration(params, config)
+
+
+def _check_generate_inputs(model, input_ids) -> None:
+    """ValueError for an encoder-decoder whose encoder does not read token ids (Whisper's
+    log-mel ``input_features``): the engine's decode takes prompts as token ids ([Note:
+    encoder-decoder generation]); else TypeError for a call without ``input_ids``."""
+    main = getattr(model, "main_input_name", "input_ids")
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) and \
+            main != "input_ids":
         raise ValueError(
-            f"generate: {type(model).__name__} is an encoder-decoder, and the engine's decode "
-            "path (docs/generation.md) runs decoder-only models: nothing was generated. After "
-            "training, generate with the whole model: trainer.unshard_model().generate(...), or "
-            "load the saved model with from_pretrained and call its generate")
+            f"generate: {type(model).__name__}'s encoder reads {main!r}, not token ids, and "
+            "the sharded decode takes prompts as token ids: nothing was generated. Generate "
+            "with the whole model: trainer.unshard_model().generate(...), or load the saved "
+            "model with from_pretrained and call its generate")
     if input_ids is None:
-        raise TypeError("generate: input_ids (B, P) is required (the prompts, left-padded)")
+        raise TypeError("generate: input_ids (B, P) is required (the prompts, left-padded; an "
+                        "encoder-decoder's encoder inputs)")
 
 
 def generate_tensor(session, input_ids, attention_mask=None, *, rows=None,
@@ -167,16 +273,19 @@ def generate_tensor(session, input_ids, attention_mask=None, *, rows=None,
 
     Returns:
         (B, P + T) long tensor as ``generate`` returns it: the prompts as given, then each
-        completion right-padded with the pad id to the longest on this rank (T).
+        completion right-padded with the pad id to the longest on this rank (T). For an
+        encoder-decoder (``input_ids``: the encoder's inputs) (B, 1 + T) decoder tokens: the
+        decoder start token, then the completion ([Note: encoder-decoder generation]).
 
-    Raises (on every rank, before any collective): ValueError for an encoder-decoder model
-    or a refused keyword value, TypeError without ``input_ids`` or for an unknown keyword.
+    Raises (on every rank, before any collective): ValueError for an encoder-decoder whose
+    encoder does not read token ids (Whisper) or a refused keyword value, TypeError without
+    ``input_ids`` or for an unknown keyword.
     """
     import torch
 
     refused = None
     try:  # a refusal on one rank must reach the others before any collective
-        _check_decoder_only(session.model, input_ids)
+        _check_generate_inputs(session.model, input_ids)
         params = sampling_from_generation_config(session.model, kwargs,
                                                  session.job.seed if seed is None else seed)
         ids = torch.as_tensor(input_ids)
@@ -200,4 +309,7 @@ def generate_tensor(session, input_ids, attention_mask=None, *, rows=None,
     tail = torch.full((len(prompts), width), params.pad_token_id, dtype=torch.long)
     for j, tokens in enumerate(out.completions):
         tail[j, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+    if getattr(session.model.config, "is_encoder_decoder", False):  # decoder tokens only
+        head = torch.tensor(out.decoder_start, dtype=torch.long).expand(len(prompts), -1)
+        return torch.cat([head, tail], dim=1).to(ids.device)
     return torch.cat([ids.cpu().long(), tail], dim=1).to(ids.device)

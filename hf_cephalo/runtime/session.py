@@ -392,15 +392,18 @@ class Session:
         return self.engine.evaluate(microbatches, **kwargs)
 
     def generate(self, prompt_ids, rows, params, round_: int, *, mode: str = "auto",
-                 pad_to_multiple_of: int | None = None, generation_split=None):
+                 pad_to_multiple_of: int | None = None, generation_split=None,
+                 generation_config=None):
         """Collective: decode this rank's prompts on the sharded weights, sampling keyed by
-        each prompt's global row, optionally on other ranks (``generation_split``)
+        each prompt's global row, optionally on other ranks (``generation_split``), with the
+        logits processors of ``generation_config`` (``resolve_generation``)
         (``runtime.generation.session_generate``; returns ``GenerateOutput``)."""
         from hf_cephalo.runtime.generation import session_generate
 
         return session_generate(self, prompt_ids, rows, params, round_, mode=mode,
                                 pad_to_multiple_of=pad_to_multiple_of,
-                                generation_split=generation_split)
+                                generation_split=generation_split,
+                                generation_config=generation_config)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Collective: the global L2 norm of the gradients, clipped to ``max_norm`` (``inf``:

@@ -79,22 +79,24 @@ class EngineEvaluationMixin:
         loss_sum, num_items, local, has_labels = 0.0, 0, [], bool(self.label_names)
         for indices, microbatches in zip(dataloader.batch_sampler.local_batches(), dataloader):
             microbatches = self._prepare_input(microbatches)
-            out = self._engine_evaluate(microbatches, return_logits=not prediction_loss_only,
-                                        process_logits=self._microbatch_predictions)
+            out = self._engine_evaluate(
+                microbatches, return_logits=not prediction_loss_only and self._returns_logits(),
+                process_logits=self._microbatch_predictions)
             if out.num_items:
                 loss_sum += out.loss * out.num_items
                 num_items += out.num_items
             has_labels = has_labels and all(mb.get(k) is not None for mb in microbatches
                                             for k in self.label_names)
             if not prediction_loss_only:
-                local += self._local_predictions(indices, microbatches, out)
+                local += self._step_predictions(indices, microbatches, out)
         metrics: dict[str, Any] = {}
         if num_items and has_labels:
             metrics["loss"] = loss_sum / num_items
         predictions = label_ids = None
         num_samples = dataloader.batch_sampler.dataset_length
         if not prediction_loss_only:
-            gathered = self._gather_predictions(local, num_samples, has_labels)
+            gathered = self._finish_predictions(
+                self._gather_predictions(local, num_samples, has_labels))
             predictions, label_ids = gathered.predictions, gathered.label_ids
             if self.compute_metrics is not None and label_ids is not None:
                 extra = {"inputs": gathered.inputs, "losses": gathered.losses}
@@ -117,6 +119,24 @@ class EngineEvaluationMixin:
             out = self.session.evaluate(microbatches, **kwargs)
         head_calls.finish(out.num_items)
         return out
+
+    # ---- what a door that predicts otherwise (generated tokens: seq2seq.py) replaces -----
+    def _returns_logits(self) -> bool:
+        """Whether the evaluation's forward returns logits (the predictions)."""
+        return True
+
+    def _step_predictions(self, indices: list[int], microbatches, out) -> list:
+        """This rank's ``_PredictionRow``s of one evaluation step (``out``: its
+        ``engine.evaluate``); collective in a door whose predictions need one."""
+        return self._local_predictions(indices, microbatches, out)
+
+    def _prediction_pad_value(self) -> int:
+        """What pads the gathered predictions to the widest (stock's eval loop: -100)."""
+        return -100
+
+    def _finish_predictions(self, gathered: "_GatheredPredictions") -> "_GatheredPredictions":
+        """The gathered predictions and labels as ``compute_metrics`` gets them."""
+        return gathered
 
     def _prediction_outputs(self) -> tuple[str, ...]:
         """The model outputs the staged head stacks on the last dimension of its logits (a
@@ -144,16 +164,19 @@ class EngineEvaluationMixin:
             logits = self.preprocess_logits_for_metrics(logits, microbatch.get("labels"))
         return logits.detach().cpu()
 
-    def _local_predictions(self, indices: list[int], microbatches, out) -> list[_PredictionRow]:
+    def _local_predictions(self, indices: list[int], microbatches, out,
+                           predictions=None) -> list[_PredictionRow]:
         """One ``_PredictionRow`` per sample of this rank (CPU tensors): labels = one row per
         ``label_names`` key; the main input and the microbatch's loss only when
-        ``include_for_metrics`` asks for them."""
+        ``include_for_metrics`` asks for them. ``predictions``: per microbatch, its rows'
+        predictions (default: ``out.logits``)."""
         wanted = self.args.include_for_metrics
         name = getattr(self.model, "main_input_name", "input_ids")
         rows = []
         position = 0
-        for k, (mb, mb_predictions) in enumerate(zip(microbatches, out.logits)):
-            for j in range(mb_predictions.shape[0]):
+        predictions = out.logits if predictions is None else predictions
+        for k, (mb, mb_predictions) in enumerate(zip(microbatches, predictions)):
+            for j in range(len(mb_predictions)):
                 labels = tuple(None if mb.get(key) is None else mb[key][j].detach().cpu()
                                for key in self.label_names)
                 rows.append(_PredictionRow(
@@ -177,7 +200,8 @@ class EngineEvaluationMixin:
                                "samples (internal error: each sample must appear exactly once)")
         if not rows:
             return _GatheredPredictions(None, None, None, None)
-        predictions = _stack_padded([row.prediction for row in rows], -100)
+        predictions = _stack_padded([row.prediction for row in rows],
+                                    self._prediction_pad_value())
         if self._prediction_outputs():  # (N, S, k) -> k arrays (N, S), as stock's tuple
             predictions = tuple(predictions[..., j] for j in range(predictions.shape[-1]))
         labels = None

@@ -479,13 +479,15 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
     # ---- the user's model ------------------------------------------------------------------
     def generate(self, input_ids=None, attention_mask=None, **kwargs) -> torch.Tensor:
         """Collective (every rank, same number of calls): ``model.generate`` on the sharded
-        weights with keyed sampling (docs/generation.md); (B, P + T) prompts then completions.
+        weights with keyed sampling (docs/generation.md); (B, P + T) prompts then completions
+        (an encoder-decoder: (B, 1 + T) decoder tokens, the start token then the completion).
         Keywords as the prepared loop model's ``generate``
         (``runtime.generation.generate_tensor``): ``max_new_tokens``, ``do_sample``,
         ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``eos_token_id``, ``pad_token_id``,
         ``rows``, ``round_`` (default: ``state.global_step``), ``seed`` (default
         ``args.seed``), ``mode``. Raises TypeError for other keywords or without
-        ``input_ids``, ValueError for an encoder-decoder (decoder-only decode path)."""
+        ``input_ids``, ValueError for an encoder-decoder whose encoder reads features
+        (Whisper: the prompts are token ids)."""
         from hf_cephalo.runtime import generate_tensor
 
         kwargs.setdefault("round_", self.state.global_step)
