@@ -98,6 +98,25 @@ def test_warpers_filter_as_transformers_does():
     assert set(picks.tolist()) == {1, 2}
 
 
+def test_kv_cache_bytes_count_the_decoder_layers_of_an_encoder_decoder():
+    """The decode's memory price per cached token (``choose_mode`` picks the decode mode by
+    it): 2 (K and V) x layers x KV heads x head dim x bytes; an encoder-decoder caches in its
+    decoder layers only (self- and cross-attention), at T5's d_kv or BART's decoder heads."""
+    import transformers
+
+    from hf_cephalo.engine.generation import kv_cache_bytes_per_token as per_token
+
+    llama = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2)
+    t5 = transformers.T5Config(d_model=32, d_kv=4, num_heads=2, num_layers=3,
+                               num_decoder_layers=1)
+    bart = transformers.BartConfig(d_model=32, encoder_layers=3, decoder_layers=2,
+                                   encoder_attention_heads=4, decoder_attention_heads=2)
+    assert per_token(llama, 4) == 2 * 2 * 2 * 8 * 4
+    assert per_token(t5, 4) == 2 * 1 * 2 * 4 * 4  # 1 decoder layer, 2 heads of d_kv 4
+    assert per_token(bart, 2) == 2 * 2 * 2 * 16 * 2  # 2 decoder layers, 2 heads of 32 / 2
+
+
 def test_rows_keep_their_completions_in_any_batch():
     """The same row index gives the same completion decoded alone, in another batch order or
     beside other rows: the batch composition does not enter the key."""

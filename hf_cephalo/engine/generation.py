@@ -238,12 +238,22 @@ def kv_cache_bytes_per_token(config: Any, element_size: int) -> int:
     dim x ``element_size``, from the model config's ``num_hidden_layers``,
     ``num_key_value_heads`` (else ``num_attention_heads``) and ``head_dim`` (else
     ``hidden_size / num_attention_heads``). An upper bound for sliding-window or linear-attention
-    layers, which keep less. 0 when the config lacks the fields."""
+    layers, which keep less. 0 when the config lacks the fields.
+
+    An encoder-decoder (``is_encoder_decoder``) caches in its decoder layers only
+    (``decoder_layers`` / ``num_decoder_layers``; T5's head dim ``d_kv``): self-attention K / V
+    per decoder token and cross-attention K / V per encoder token, so the same bytes per token
+    price a row of P prompt (encoder) tokens and T new tokens at (P + T) tokens, as for a
+    decoder-only model."""
     text = getattr(config, "get_text_config", lambda: config)()
     layers = getattr(text, "num_hidden_layers", None)
     heads = getattr(text, "num_attention_heads", None)
+    if getattr(text, "is_encoder_decoder", False):
+        layers = getattr(text, "decoder_layers", None) or \
+            getattr(text, "num_decoder_layers", None) or layers
+        heads = getattr(text, "decoder_attention_heads", None) or heads
     kv = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (
+    head_dim = getattr(text, "head_dim", None) or getattr(text, "d_kv", None) or (
         text.hidden_size // heads if heads and getattr(text, "hidden_size", None) else None)
     if not (layers and kv and head_dim):
         return 0
