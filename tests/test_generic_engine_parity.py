@@ -17,7 +17,9 @@ reuse, their gradient carried back through the store units: models/kv_sharing.py
 hierarchical image backbones (``IMAGES``: a ConvNeXt classifier on random images, each of its 4
 stages one unit, the hidden state's shape changing at every unit boundary; a Swin V2
 classifier, whose stages return the output dimensions its encoder reads, from a fake-tensor run
-on the stages' whole shapes while the engine holds them sharded) and the
+on the stages' whole shapes while the engine holds them sharded; a SigLIP 2 classifier on
+patch sequences of different grids, its position embeddings resized per image from a parameter
+of the embedding unit) and the
 encoder-decoders (``SEQ2SEQ``: T5 and BART ``...ForConditionalGeneration`` on
 ``DataCollatorForSeq2Seq``-style batches; the encoder's output is a side input the first decoder
 unit makes and every decoder layer reads, T5's position biases side inputs each stack's layer 0
@@ -63,7 +65,7 @@ def _slice(batch, sizes_b, sizes_m, rank):
 
 def _batch(name: str, size: int, seed: int):
     if name in IMAGES:
-        return image_zoo_batch(size, seed)
+        return image_zoo_batch(size, seed, name)
     if name in SEQ2SEQ:
         return seq2seq_batch(size, seed, name)
     padding = "left" if name.endswith("_cls") else True

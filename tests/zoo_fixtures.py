@@ -221,6 +221,13 @@ IMAGES: dict[str, tuple[str, Callable[[], Any]]] = {
     "swinv2": ("Swinv2ForImageClassification", lambda: transformers.Swinv2Config(
         image_size=IMAGE_SIZE, patch_size=4, embed_dim=16, depths=[1, 2], num_heads=[2, 2],
         window_size=4, num_labels=3)),
+    "siglip2": ("Siglip2ForImageClassification", lambda: transformers.Siglip2Config(
+        text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_patches=16, patch_size=4),
+        num_labels=3)),
 }
 """Hierarchical image backbones: each stage one unit (its downsampling and blocks), units of
 different sizes, the hidden states (m, 8, 8, 8) -> (m, 16, 4, 4) -> (m, 24, 2, 2) -> (m, 32,
@@ -229,14 +236,24 @@ different sizes, the hidden states (m, 8, 8, 8) -> (m, 16, 4, 4) -> (m, 24, 2, 2
 copy's; its layer scale is 0.5, not 1e-6, so every block's weights move the loss. Swin V2's
 stages return their output dimensions, which its encoder turns into the next stage's
 input_dimensions (the stubs return them from a fake-tensor run of the stages:
-models/generic_outputs.py), hidden states (m, 64, 16) -> (m, 16, 32)."""
+models/generic_outputs.py), hidden states (m, 64, 16) -> (m, 16, 32). SigLIP 2 takes its
+images as patch sequences of variable grids (NaFlex: ``pixel_values`` (m, 16, 48),
+``spatial_shapes``, ``pixel_attention_mask``), its position embeddings resized per image from
+a parameter the forward reads without calling its module (``generic.ParameterReads``)."""
 
 
-def image_zoo_batch(size: int, seed: int) -> dict[str, torch.Tensor]:
-    """``size`` random images (size, 3, IMAGE_SIZE, IMAGE_SIZE) and class labels in [0, 3)."""
+def image_zoo_batch(size: int, seed: int, name: str = "convnext") -> dict[str, torch.Tensor]:
+    """``size`` random images of the ``IMAGES`` model ``name`` and class labels in [0, 3):
+    (size, 3, IMAGE_SIZE, IMAGE_SIZE) pixels, or SigLIP 2's patch sequences of three grid
+    sizes (``generic_heads.patch_batch``, as the self-check builds them)."""
     g = torch.Generator().manual_seed(seed)
-    return {"pixel_values": torch.randn(size, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g),
-            "labels": torch.randint(0, 3, (size,), generator=g)}
+    if name == "siglip2":
+        from hf_cephalo.models.generic_heads import patch_batch
+
+        batch = patch_batch(IMAGES[name][1]().vision_config, size, g)
+    else:
+        batch = {"pixel_values": torch.randn(size, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g)}
+    return {**batch, "labels": torch.randint(0, 3, (size,), generator=g)}
 
 
 def build_zoo(name: str, seed: int = 0) -> torch.nn.Module:
