@@ -254,9 +254,11 @@ def _generic(model: nn.Module) -> StagedModel:
         return generic_staged(model)
     except StructureError as exc:
         name = type(model).__name__
+        advice = "" if getattr(exc, "fix_given", False) else \
+            f" Train it through a hand-written adapter ({GUIDE}) or report the class."
         raise UnsupportedModelError(
-            f"hf_cephalo cannot train {name} exactly: {exc}. Nothing was run. Train it through "
-            f"a hand-written adapter ({GUIDE}) or report the class.", []) from exc
+            f"hf_cephalo cannot train {name} exactly: {exc}. Nothing was run.{advice}",
+            []) from exc
 
 
 def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:

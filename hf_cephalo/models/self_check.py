@@ -674,9 +674,12 @@ def _refuse_block_sparse(model: nn.Module) -> None:
     if getattr(model.config, "model_type", None) != "big_bird" or kind != "block_sparse":
         return
     limit = (5 + 2 * model.config.num_random_blocks) * model.config.block_size
-    raise StructureError(
+    error = StructureError(
         f"{type(model).__name__} has attention_type='block_sparse': hf_cephalo stages BigBird "
         "with full attention only (block-sparse attention pads the input to a multiple of "
-        "block_size and builds its block masks inside the model's forward; not staged). Train "
-        "it with full attention: model.base_model.set_attention_type('original_full') before "
-        f"handing it over (its own forward switches to it for rows of at most {limit} tokens)")
+        "block_size and builds its block masks inside the model's forward; not staged; its "
+        f"forward runs full attention only on rows of at most {limit} tokens, block-sparse on "
+        "longer ones). Train it with full attention: "
+        "model.base_model.set_attention_type('original_full') before handing it over")
+    error.fix_given = True  # the registry adds no generic advice after this fix
+    raise error
