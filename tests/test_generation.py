@@ -117,6 +117,30 @@ def test_kv_cache_bytes_count_the_decoder_layers_of_an_encoder_decoder():
     assert per_token(bart, 2) == 2 * 2 * 2 * 16 * 2  # 2 decoder layers, 2 heads of 32 / 2
 
 
+def test_keyed_decode_gives_its_length_without_transformers_warning():
+    """The keyed decode states its length as max_length (prompt + new tokens): as
+    max_new_tokens, generate warned "Both max_new_tokens and max_length" on every call once
+    the model's generation_config had a max_length (Seq2SeqTrainer's evaluation sets it)."""
+    import transformers
+    from transformers.testing_utils import CaptureLogger
+
+    from hf_cephalo.runtime import SamplingParams, generate_rows
+
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                   num_heads=2, decoder_start_token_id=0, pad_token_id=0,
+                                   eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    model.generation_config.max_length = 20
+    params = SamplingParams(max_new_tokens=5, do_sample=False, eos_token_ids=(63,),
+                            pad_token_id=0)
+    logger = transformers.utils.logging.get_logger("transformers.generation.utils")
+    with CaptureLogger(logger) as captured:
+        out = generate_rows(model, [[5, 6, 7], [8, 9]], [0, 1], params, 0)
+    assert "max_new_tokens" not in captured.out, captured.out
+    assert [len(c) for c in out.completions] == [5, 5]  # the length still holds
+
+
 def test_rows_keep_their_completions_in_any_batch():
     """The same row index gives the same completion decoded alone, in another batch order or
     beside other rows: the batch composition does not enter the key."""

@@ -129,20 +129,25 @@ def is_encoder_decoder(model) -> bool:
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
-def _decode_config(params: SamplingParams, base: Any = None):
+def _decode_config(params: SamplingParams, base: Any = None, prompt_width: int = 0):
     """The ``GenerationConfig`` of a keyed decode: ``base``'s fields (a front end's resolved
     generation settings, its EOS ``params``' own: its logits processors run as in
     ``generate``, before the sampler) with what the keyed sampler owns overridden (greedy
     argmax over its scores, one beam, the length, the pad). Fields left unset (without
     ``base``: all but those, the EOS too) ``generate`` fills from the model's own
     ``generation_config``; its EOS stop ends rows where the sampler's does, and the stand-in
-    row keeps a lock-step call going ([Note: two decode modes])."""
+    row keeps a lock-step call going ([Note: two decode modes]). The length is given as
+    ``max_length`` = ``prompt_width`` (the decoder's tokens before the completion) +
+    ``params.max_new_tokens``, the same stop as ``max_new_tokens``: given as ``max_new_tokens``,
+    ``generate`` warns "Both max_new_tokens and max_length" on every call once the model's own
+    ``generation_config`` has a ``max_length`` (as ``Seq2SeqTrainer``'s evaluation leaves it)."""
     import copy
 
     from transformers import GenerationConfig
 
     config = GenerationConfig() if base is None else copy.deepcopy(base)
-    config.update(max_new_tokens=params.max_new_tokens, max_length=None, do_sample=False,
+    config.update(max_new_tokens=None, max_length=int(prompt_width) + params.max_new_tokens,
+                  do_sample=False,
                   num_beams=1, pad_token_id=params.pad_token_id, temperature=None, top_k=None,
                   top_p=None, min_p=None, use_cache=True)
     return config
@@ -220,7 +225,7 @@ def generate_rows(model: nn.Module, prompt_ids: Sequence[Sequence[int]], rows: S
     stop = LockStepStop(sampler, lockstep_group, lockstep, stats)
     from transformers import LogitsProcessorList, StoppingCriteriaList
     out = model.generate(input_ids=ids, attention_mask=mask,
-                         generation_config=_decode_config(params, generation_config),
+                         generation_config=_decode_config(params, generation_config, start),
                          logits_processor=LogitsProcessorList([sampler]),
                          stopping_criteria=StoppingCriteriaList([stop]))
     completions, truncated = [], []
