@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
-from ..engine.generation import DECODE_MODES, GenerateOutput, generate_rows
+from ..engine.generation import DECODE_MODES, GenerateOutput, generate_rows, is_encoder_decoder
 from ..engine.sampling import SamplingParams, sample_key
 
 __all__ = ["DECODE_MODES", "GenerateOutput", "SamplingParams", "generate_rows", "generate_tensor",
@@ -151,6 +151,7 @@ class ResolvedGeneration(NamedTuple):
     config: Any
 
 
+_WARPERS = "the keyed sampler warps with temperature, top_k, top_p and min_p only"
 # (field, refused when, why): what the keyed decode of one sequence per row cannot do
 _UNBUILT = (
     ("num_return_sequences", lambda v, c: (v or 1) > 1, "one sequence per row is decoded"),
@@ -158,14 +159,10 @@ _UNBUILT = (
     ("stop_strings", lambda v, c: bool(v), "stop strings need the tokenizer inside generate"),
     ("guidance_scale", lambda v, c: v is not None and v != 1, "classifier-free guidance is "
      "not built"),
-    ("typical_p", lambda v, c: c.do_sample and v is not None and v < 1, "the keyed sampler "
-     "warps with temperature, top_k, top_p and min_p only"),
-    ("epsilon_cutoff", lambda v, c: c.do_sample and v is not None and 0 < v < 1, "the keyed "
-     "sampler warps with temperature, top_k, top_p and min_p only"),
-    ("eta_cutoff", lambda v, c: c.do_sample and v is not None and 0 < v < 1, "the keyed "
-     "sampler warps with temperature, top_k, top_p and min_p only"),
-    ("top_h", lambda v, c: c.do_sample and v is not None, "the keyed sampler warps with "
-     "temperature, top_k, top_p and min_p only"),
+    ("typical_p", lambda v, c: c.do_sample and v is not None and v < 1, _WARPERS),
+    ("epsilon_cutoff", lambda v, c: c.do_sample and v is not None and 0 < v < 1, _WARPERS),
+    ("eta_cutoff", lambda v, c: c.do_sample and v is not None and 0 < v < 1, _WARPERS),
+    ("top_h", lambda v, c: c.do_sample and v is not None, _WARPERS),
 )
 
 
@@ -204,7 +201,7 @@ def resolve_generation(model, gen_kwargs: dict, seed: int,
 
     from transformers import GenerationConfig
 
-    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+    if not is_encoder_decoder(model):
         raise ValueError(f"generation keywords: {type(model).__name__} is not an "
                          "encoder-decoder; this resolution is for encoder-decoders")
     _check_generate_inputs(model, input_ids=())
@@ -241,8 +238,7 @@ def _check_generate_inputs(model, input_ids) -> None:
     log-mel ``input_features``): the engine's decode takes prompts as token ids ([Note:
     encoder-decoder generation]); else TypeError for a call without ``input_ids``."""
     main = getattr(model, "main_input_name", "input_ids")
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) and \
-            main != "input_ids":
+    if is_encoder_decoder(model) and main != "input_ids":
         raise ValueError(
             f"generate: {type(model).__name__}'s encoder reads {main!r}, not token ids, and "
             "the sharded decode takes prompts as token ids: nothing was generated. Generate "
@@ -309,7 +305,7 @@ def generate_tensor(session, input_ids, attention_mask=None, *, rows=None,
     tail = torch.full((len(prompts), width), params.pad_token_id, dtype=torch.long)
     for j, tokens in enumerate(out.completions):
         tail[j, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
-    if getattr(session.model.config, "is_encoder_decoder", False):  # decoder tokens only
+    if is_encoder_decoder(session.model):  # decoder tokens only
         head = torch.tensor(out.decoder_start, dtype=torch.long).expand(len(prompts), -1)
         return torch.cat([head, tail], dim=1).to(ids.device)
     return torch.cat([ids.cpu().long(), tail], dim=1).to(ids.device)
