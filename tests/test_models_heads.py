@@ -27,7 +27,8 @@ from hf_cephalo.models.registry import UnsupportedModelError
 EXACT = {
     "image-classification": ["Dinov2ForImageClassification", "DeiTForImageClassification",
                              "ConvNextForImageClassification"],
-    "token-classification": ["BertForTokenClassification", "DebertaV2ForTokenClassification"],
+    "token-classification": ["BertForTokenClassification", "DebertaV2ForTokenClassification",
+                             "AlbertForTokenClassification"],  # repeated layer calls
     "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM"],
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering",
                            "T5ForQuestionAnswering"],  # on the decoder (models/seq2seq_heads.py)
@@ -385,3 +386,45 @@ def test_siglip2_position_table_is_gathered_with_the_embeddings():
     torch.manual_seed(0)
     staged = stage_model(transformers.Siglip2ForImageClassification(config).eval())
     assert "vision_model.embeddings.position_embedding" in staged.layout.embed, staged.layout
+
+
+def test_layers_called_several_times_in_a_row_stage_one_unit_each():
+    """ALBERT shares each of its num_hidden_groups layer groups across num_hidden_layers /
+    groups consecutive layers ([Note: repeated layer calls]): a unit per group, run once per
+    call, equal to the model's own loss and gradients at call counts the self-check's tiny
+    copy (2 groups called twice, or 1 group twice) does not have; one group per layer stays
+    one call per unit. A forward that calls its layers out of runs ([0, 1, 0]) is refused."""
+    from hf_cephalo.models.generic import StructureError, trace_layout
+    from hf_cephalo.models.generic_repeats import runs_in_order
+
+    assert runs_in_order([0, 0, 1, 1, 1], 2) and not runs_in_order([0, 1, 0], 2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 60, (3, 7), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    for groups, layers, calls in ((2, 6, [3, 3]), (1, 5, [5]), (3, 3, None)):
+        cfg = transformers.AlbertConfig(
+            vocab_size=60, embedding_size=16, hidden_size=32, num_attention_heads=2,
+            intermediate_size=48, num_hidden_groups=groups, num_hidden_layers=layers,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        torch.manual_seed(1)
+        model = transformers.AlbertForMaskedLM(cfg)
+        staged = stage_model(model)
+        assert staged.num_units == groups and staged.layout.repeats == (calls is not None)
+        _, ctx = staged.embed(batch)
+        assert [len(c) for c in ctx.extra["repeat_calls"]] == calls if calls else \
+            "repeat_calls" not in ctx.extra
+        (own, own_grads), (loss, grads) = _own_and_staged(model, staged, batch)
+        torch.testing.assert_close(loss, own, rtol=1e-5, atol=1e-6)
+        for name, grad in own_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    encoder = model.albert.encoder
+
+    def out_of_runs(hidden_states, attention_mask=None, **kwargs):
+        hidden_states = encoder.embedding_hidden_mapping_in(hidden_states)
+        for i in (0, 1, 0):
+            hidden_states = encoder.albert_layer_groups[i](hidden_states, attention_mask)
+        return transformers.modeling_outputs.BaseModelOutput(last_hidden_state=hidden_states)
+
+    encoder.forward = out_of_runs
+    with pytest.raises(StructureError, match=r"order \[0, 1, 0\], not each once"):
+        trace_layout(model, batch, "albert.encoder.albert_layer_groups")

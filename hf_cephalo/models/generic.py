@@ -31,6 +31,8 @@ from torch.utils import _pytree as pytree
 from hf_cephalo.models.base import Microbatch, staged_call
 from hf_cephalo.models.generic_outputs import (FakeLayerChain, form_problem, has_plain_extras,
                                               parameter_shapes)
+from hf_cephalo.models.generic_repeats import (check_order, run_repeated, runs_in_order,
+                                              stop_after_layers)
 from hf_cephalo.models.hf_common import (CausalLMStagedModel, ClassifierStagedModel,
                                          HFStagedModel, LastTokenClassifierStagedModel,
                                          check_poolable, pad_token_id_of, require_key)
@@ -129,6 +131,9 @@ class Layout:
     reshapes: bool = False
     """Some layer (a hierarchical backbone's stage) returns hidden states of another shape
     than its input's, on the tiny copy (``StagedModel.hidden_shape_changes``)."""
+    repeats: bool = False
+    """The forward calls a layer several times in a row (ALBERT's shared layer group): a unit
+    runs its layer once per recorded call ([Note: repeated layer calls])."""
 
 
 @dataclass
@@ -336,7 +341,7 @@ class GenericDecoderBody(HFStagedModel):
                     type(self).__name__)
         self.check_inputs(microbatch)
         L = len(self._layers)
-        calls: list[tuple[tuple, dict]] = []
+        calls: list[tuple[int, tuple, dict]] = []  # (layer, args, kwargs) in call order
         first: list[torch.Tensor] = []
         shapes: dict[str, Any] = {}
         chains: list[FakeLayerChain] = []
@@ -346,19 +351,19 @@ class GenericDecoderBody(HFStagedModel):
         def recorder(i: int) -> Callable:
             def record(*args, **kwargs):
                 hidden, rest, kw = split_hidden(args, kwargs)
-                if i == 0:
+                if not first:
                     first.append(hidden)
                 elif hidden is not first[0] and not whole_view(hidden, first[0]):
                     raise StructureError(
                         f"the forward of {type(self.model).__name__} changes the hidden states "
-                        f"between layers {i - 1} and {i}; the generic path runs layer after "
-                        "layer and cannot stage it")
-                calls.append((rest, kw))
+                        f"between layers {calls[-1][0]} and {i}; the generic path runs layer "
+                        "after layer and cannot stage it")
+                calls.append((i, rest, kw))
                 if self.layout.plain_extras:
                     if not chains:
                         chains.append(FakeLayerChain(hidden))
-                    extras.append(chains[0].step(layers[i], calls[-1], self._layer_shapes[i]))
-                if i == L - 1:
+                    extras.append(chains[0].step(layers[i], (rest, kw), self._layer_shapes[i]))
+                if i == L - 1 and not self.layout.repeats:
                     raise _Stop
                 return wrap_output(hidden, self.layout.output_len,
                                    extras[-1] if extras else None)
@@ -375,12 +380,19 @@ class GenericDecoderBody(HFStagedModel):
         for name in self.layout.embed_only:
             real = self.model.get_submodule(name)
             stubs[name] = _Stub(real, shape_recorder(name, real))
-        self._run(microbatch, stubs, **self.forward_extra(microbatch))
-        if len(calls) != L:
-            raise StructureError(f"the forward of {type(self.model).__name__} called "
-                                 f"{len(calls)} of its {L} layers")
-        return first[0], GenericContext(calls, shapes,
-                                        {"layer_extras": extras} if extras else {})
+        stop = stop_after_layers(self.model, self.layout.layers, lambda: bool(calls), _Stop) \
+            if self.layout.repeats else contextlib.nullcontext()
+        with stop:
+            self._run(microbatch, stubs, **self.forward_extra(microbatch))
+        per = [[(a, k) for j, a, k in calls if j == i] for i in range(L)]
+        if not runs_in_order([j for j, _, _ in calls], L) or \
+                (len(calls) != L and not self.layout.repeats):
+            raise StructureError(f"the forward of {type(self.model).__name__} called its "
+                                 f"{L} layers in the order {[j for j, _, _ in calls][:12]}")
+        extra = {"layer_extras": extras} if extras else {}
+        if self.layout.repeats:
+            extra["repeat_calls"] = per
+        return first[0], GenericContext([p[0] for p in per], shapes, extra)
 
     def run_unit(self, index: int, hidden: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
         """Layer ``index`` with the arguments the model's forward gave it: (m, S, H) -> same.
@@ -392,6 +404,9 @@ class GenericDecoderBody(HFStagedModel):
         if kept is not None and kept[0] == index and kept[1] is hidden and \
                 kept[2] == torch.is_grad_enabled():
             return kept[3]
+        if self.layout.repeats:
+            return run_repeated(self._layers[index], hidden, ctx.extra["repeat_calls"][index],
+                                self.layout.output_len)
         if self.layout.kv is None:
             return call_layer(self._layers[index], hidden, ctx.calls[index],
                               self.layout.output_len)
@@ -716,6 +731,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     seen: list[tuple[Any, Any]] = []  # per layer: (its hidden states input, its output)
     before: set[str] = set()
     after: set[str] = set()
+    called_at: list[int] = []  # per module call: how many layer calls came before it
     handles = []
 
     def on_layer(i):
@@ -734,6 +750,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     def on_module(name):
         def hook(module, args, out):
             (after if order else before).add(name)
+            called_at.append(len(order))
         return hook
 
     inside = {id(m) for m in layers.modules()}
@@ -751,9 +768,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
         for h in handles:
             h.remove()
     reads.place_uncalled(before, after)
-    if order != list(range(len(layers))):
-        raise StructureError(f"the forward of {type(model).__name__} calls its layers in the "
-                             f"order {order[:12]}, not each once in order")
+    check_order(type(model).__name__, order, len(layers), called_at, StructureError)
     if "bad" in output_len:
         raise StructureError(form_problem(model, seen, output_len.index("bad")))
     if len(set(output_len)) != 1:
@@ -764,11 +779,11 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     head = [n for n, _ in parts if n in after or (n in has_params and n not in before)]
     only_before = {n for n, _ in outside if n in before and n not in after and not any(
         a.startswith(n + ".") for a in after)}
-    embed_only = [n for n in only_before
-                  if not any(n.startswith(o + ".") for o in only_before)]
+    embed_only = [n for n in only_before if not any(n.startswith(o + ".") for o in only_before)]
     quiet = {n for n, m in outside if n not in before and n not in after
              and next(m.parameters(), None) is not None}
     unused = sorted(n for n in quiet if not any(n.startswith(o + ".") for o in quiet))
     return Layout(layers_name, tuple(embed), tuple(head), tuple(sorted(embed_only)),
                   output_len[0], inputs=tuple(sorted(forward_inputs(model, microbatch))),
-                  unused=tuple(unused), plain_extras=any(plain))
+                  unused=tuple(unused), plain_extras=any(plain),
+                  repeats=order != list(range(len(layers))))

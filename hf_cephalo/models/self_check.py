@@ -36,6 +36,7 @@ from hf_cephalo.models.generic import (GenericContext, Layout, NotCausalLMError,
 from hf_cephalo.models.generic_heads import (CAUSAL_LM, ENCODER_TASKS,
                                              IMAGE_CLASSIFICATION, SEQUENCE_CLASSIFICATION,
                                              image_batch, staged_class, task_of, token_labels)
+from hf_cephalo.models.generic_repeats import repeats_problem
 from hf_cephalo.models.kv_sharing import find_kv_sharing
 from hf_cephalo.models.shrink import TINY_MAX_NUMEL, int_field, tiny_config, tiny_numel
 
@@ -54,7 +55,9 @@ class Proof:
     extra_layers: int | None = None
     """len(layer stack) - the text config's num_hidden_layers on the tiny copy (None: no such
     field): a real model must have the same difference (a layer appended after construction
-    would run in no forward, or the forward would stop at the config's count)."""
+    would run in no forward, or the forward would stop at the config's count). None also where
+    the forward calls its layers several times each (``Layout.repeats``: ALBERT holds
+    num_hidden_groups layer groups for num_hidden_layers calls)."""
     stages: bool = False
     """The units are a hierarchical backbone's stages (``Layout.reshapes``): ``layers`` holds
     each stage's modules as a set with every list index read as ``*`` (``_structure``), since
@@ -470,6 +473,10 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
                 "a stage's output dimensions) fails this way")
         layout = dataclasses.replace(layout, side=_side_of(first, batch),
                                      kv=find_kv_sharing(first, batch, StructureError))
+        if layout.repeats:
+            why = repeats_problem(cls.__name__, layout.kv, layout.side, layout.plain_extras)
+            if why:
+                raise StructureError(why)
         staged = staged_class(tiny)(tiny, layout)
         problem = _compare(tiny, staged, batch)
         if problem is not None and _equal_in_float64(tiny, batch, layout):
@@ -487,7 +494,7 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     final = dataclasses.replace(layout, plain_head=plain, reshapes=reshapes)
     return Proof(final, _outside(tiny, layers),
                  [_structure(m, reshapes) for m in tiny.get_submodule(layers)],
-                 _extra_layers(tiny, layers), reshapes)
+                 None if layout.repeats else _extra_layers(tiny, layers), reshapes)
 
 
 # [Note: fp32 rounding or another computation]

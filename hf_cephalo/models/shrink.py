@@ -240,6 +240,7 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
                 _set(cfg, key, n)
         if _get(cfg, "mlp_only_layers"):
             cfg.mlp_only_layers = [i for i in cfg.mlp_only_layers if i < n]
+        _shrink_layer_groups(cfg, L, n)
     _shrink_stage_depths(cfg)
     _shrink_depth_coefficient(cfg)
     _shrink_heads(cfg, group_heads)
@@ -270,6 +271,24 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
     _keep_ssm_splits(cfg, splits, groups)
     if int_field(cfg, "vocab_size") is not None:
         _shrink_vocab(cfg)
+
+
+def _shrink_layer_groups(cfg: Any, L: int, n: int) -> None:
+    """ALBERT's ``num_hidden_groups`` layer groups, each called for L / groups consecutive
+    layers: fewer layers than groups in the copy would skip groups (ALBERT picks group
+    int(i / (L / groups)) for layer i), and a copy of as many layers as groups would call each
+    once where the model repeats them ([Note: repeated layer calls] in
+    models/generic_repeats.py). One group per layer stays so (n groups); else at most 2 groups,
+    each called twice."""
+    groups = int_field(cfg, "num_hidden_groups")
+    if groups is None:
+        return
+    if groups >= L:
+        _set(cfg, "num_hidden_groups", n)
+        return
+    groups = min(groups, 2)
+    _set(cfg, "num_hidden_groups", groups)
+    _set(cfg, "num_hidden_layers", 2 * groups)
 
 
 STAGE_DEPTHS = ("depths",)
