@@ -1,12 +1,13 @@
 """The generic path's encoder heads through CephaloTrainer equal STOCK Trainer (issue 47).
 
-One launched group per world size, nine sub-cases in each: a DINOv2 image classifier
+One launched group per world size, ten sub-cases in each: a DINOv2 image classifier
 (``pixel_values``), a Swin image classifier (two stages of different sizes, the hidden states
 (m, 16, 16) then (m, 4, 32) between them), a ConvNeXt image classifier (4 stages, each one
 unit with its downsampling, of 1, 2, 3, 1 blocks where the self-check's tiny copy has at most
 2; the hidden states (m, 8, 14, 14) -> (m, 8, 14, 14) -> (m, 16, 7, 7) -> (m, 24, 3, 3) ->
 (m, 32, 1, 1) at its unit boundaries), a BERT NER model with
-``DataCollatorForTokenClassification``, a BERT and a ModernBERT
+``DataCollatorForTokenClassification`` (and a SqueezeBERT one: its encoder calls each layer's
+``forward`` directly, on (m, H, S) hidden states, and the layers return a dict), a BERT and a ModernBERT
 masked LM with ``DataCollatorForLanguageModeling(mlm=True, seed=...)``, an ALBERT masked LM
 whose 2 shared layer groups are each called twice ([Note: repeated layer calls]), a RoBERTa question-answering model
 (``start_positions`` / ``end_positions``), and the pretrained MiniLM BERT (the
@@ -47,10 +48,11 @@ PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]), 3: ([2, 0, 2], [1, 1, 2], [0.0, 0.6,
 GLOBAL_BATCH = 4
 VOCAB, NUM_LABELS, PAD, MASK = 60, 5, 0, 1
 CASES = ("dinov2", "swin", "convnext", "bert_ner", "bert_mlm", "modernbert_mlm", "roberta_qa",
-         "minilm_ner", "albert_mlm")
+         "minilm_ner", "albert_mlm", "squeezebert_ner")
 MLM = ("bert_mlm", "modernbert_mlm", "albert_mlm")
 IMAGE_CASES = ("dinov2", "swin", "convnext")
-NER = ("bert_ner", "minilm_ner")  # scored by the tag accuracy, predictions compared
+# scored by the tag accuracy, predictions compared
+NER = ("bert_ner", "minilm_ner", "squeezebert_ner")
 # At LR the pretrained MiniLM's weights agree (rtol 1e-5 / atol 1e-6) after the 2 steps, but 2
 # of its 504 eval logits, near zero where the classifier's sums cancel (|x| ~ 9e-4), then differ
 # by 1.65e-6 (the weights' fp32 rounding amplified); a smaller step keeps every number in
@@ -59,7 +61,7 @@ MINILM_LR = 0.01
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 TEXT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
             intermediate_size=48, max_position_embeddings=40, pad_token_id=PAD, **NO_DROPOUT)
-JOB_S = 105.0  # one launched group, nine cases (2-core machine under load)
+JOB_S = 115.0  # one launched group, ten cases (2-core machine under load)
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -79,6 +81,9 @@ def _model(name: str) -> torch.nn.Module:
                                           hidden_sizes=[8, 16, 24, 32], patch_size=2,
                                           image_size=28, num_labels=3, layer_scale_init_value=0.5)
         return transformers.ConvNextForImageClassification(cfg)
+    if name == "squeezebert_ner":
+        return transformers.SqueezeBertForTokenClassification(transformers.SqueezeBertConfig(
+            num_labels=NUM_LABELS, embedding_size=TEXT["hidden_size"], **TEXT))
     if name == "bert_ner":
         return transformers.BertForTokenClassification(
             transformers.BertConfig(num_labels=NUM_LABELS, **TEXT))
@@ -154,7 +159,7 @@ def _samples(name: str, n: int, seed: int) -> list[dict]:
         length = int(torch.randint(3, 13, (), generator=g))
         ids = torch.randint(2, VOCAB, (length,), generator=g).tolist()
         row = {"input_ids": ids}
-        if name == "bert_ner":
+        if name in ("bert_ner", "squeezebert_ner"):
             labels = torch.randint(0, NUM_LABELS, (length,), generator=g).tolist()
             row["labels"] = [-100] + labels[1:]  # a position not scored, as for subwords
         elif name == "roberta_qa":
@@ -167,7 +172,7 @@ def _samples(name: str, n: int, seed: int) -> list[dict]:
 def _collator(name: str):
     if name in IMAGE_CASES:
         return transformers.default_data_collator
-    if name == "bert_ner":
+    if name in ("bert_ner", "squeezebert_ner"):
         return transformers.DataCollatorForTokenClassification(_tokenizer())
     if name == "minilm_ner":  # one width (the rows' 48-token limit) for every microbatch:
         # the pretrained model's logits of the same row differ in fp32 with the width it is
@@ -188,7 +193,7 @@ def _metrics(name: str):
     random NER model, none for the others."""
     if name == "minilm_ner":
         return _ner_example().scores
-    return _ner_accuracy if name == "bert_ner" else None
+    return _ner_accuracy if name in NER else None
 
 
 def _ner_accuracy(prediction) -> dict:

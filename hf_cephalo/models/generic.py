@@ -29,8 +29,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hf_cephalo.models.base import Microbatch, staged_call
-from hf_cephalo.models.generic_outputs import (FakeLayerChain, form_problem, has_plain_extras,
-                                              parameter_shapes)
+from hf_cephalo.models.generic_outputs import (BAD_FORM, FakeLayerChain, call_layer, form_problem,
+                                              has_plain_extras, layer_form, parameter_shapes,
+                                              traced_forward, wrap_output)
 from hf_cephalo.models.generic_repeats import (check_order, run_repeated, runs_in_order,
                                               stop_after_layers)
 from hf_cephalo.models.hf_common import (CausalLMStagedModel, ClassifierStagedModel,
@@ -83,7 +84,8 @@ class Layout:
     embed_only: parameter-holding modules called before the first layer only; the head pass
         stubs them (their unit is not gathered then).
     output_len: None when a layer returns its hidden states; k when it returns a k-tuple (or
-        list) with the hidden states first. Stub layers return the other k - 1 entries as None
+        list) with the hidden states first; a key when it returns a dict holding only them,
+        under that key (SqueezeBERT's ``"feature_map"``; ``generic_outputs.layer_form``). Stub layers return the other k - 1 entries as None
         (attention weights, cache entries the model reads only when asked for them): where
         the model's forward would use one of them, the self-check's comparison differs or
         fails, and the class is refused.
@@ -112,7 +114,7 @@ class Layout:
     embed: tuple[str, ...]
     head: tuple[str, ...]
     embed_only: tuple[str, ...]
-    output_len: int | None
+    output_len: int | str | None
     plain_head: bool = False
     inputs: tuple[str, ...] = ()
     unused: tuple[str, ...] = ()
@@ -212,22 +214,6 @@ def whole_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     base = a._base
     return torch.is_tensor(b) and base is not None and (base is b or base is b._base) and \
         a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
-
-
-def call_layer(layer: nn.Module, hidden: torch.Tensor, call: tuple[tuple, dict],
-               output_len: int | None) -> torch.Tensor:
-    """Layer ``layer`` on ``hidden`` with the recorded arguments ``call``: (m, S, H) -> (m, S, H)."""
-    args, kwargs = call
-    out = layer(hidden, *args, **kwargs)
-    return out if output_len is None else out[0]
-
-
-def wrap_output(hidden: torch.Tensor, output_len: int | None, extras: tuple | None = None):
-    """What a layer returns, given its hidden states: the tensor, or (hidden, None, ...), or
-    (hidden, *extras) (``layer_extras``)."""
-    if output_len is None:
-        return hidden
-    return (hidden,) + (extras if extras is not None else (None,) * (output_len - 1))
 
 
 def forward_inputs(model: nn.Module, microbatch: Microbatch) -> dict[str, Any]:
@@ -726,7 +712,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     """
     layers = model.get_submodule(layers_name)
     order: list[int] = []
-    output_len: list[int | None | str] = []  # "bad": another form (form_problem)
+    output_len: list[Any] = []  # per call: ``layer_form`` of its output
     plain: list[bool] = []
     seen: list[tuple[Any, Any]] = []  # per layer: (its hidden states input, its output)
     before: set[str] = set()
@@ -738,13 +724,8 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
         def hook(module, args, kwargs, out):
             order.append(i)
             seen.append((args[0] if args else kwargs.get("hidden_states"), out))
-            if isinstance(out, torch.Tensor):
-                output_len.append(None)
-            elif isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
-                output_len.append(len(out))  # extras: None in the stubs (see Layout)
-                plain.append(has_plain_extras(out))
-            else:
-                output_len.append("bad")
+            output_len.append(layer_form(out))  # a tuple's extras: None in the stubs (Layout)
+            plain.append(has_plain_extras(out))
         return hook
 
     def on_module(name):
@@ -757,7 +738,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     outside = [(n, m) for n, m in model.named_modules()
                if n and id(m) not in inside and not (layers_name + ".").startswith(n + ".")]
     for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_hook(on_layer(i), with_kwargs=True))
+        handles.append(traced_forward(layer, on_layer(i)))
     for name, module in outside:
         handles.append(module.register_forward_hook(on_module(name)))
     reads = ParameterReads(outside, lambda: bool(order))
@@ -769,8 +750,8 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
             h.remove()
     reads.place_uncalled(before, after)
     check_order(type(model).__name__, order, len(layers), called_at, StructureError)
-    if "bad" in output_len:
-        raise StructureError(form_problem(model, seen, output_len.index("bad")))
+    if BAD_FORM in output_len:
+        raise StructureError(form_problem(model, seen, output_len.index(BAD_FORM)))
     if len(set(output_len)) != 1:
         raise StructureError(f"the layers of {type(model).__name__} return different forms")
     parts = module_partition(model, layers)

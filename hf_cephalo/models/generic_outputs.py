@@ -4,6 +4,8 @@
 after its hidden states, plain data the model's forward reads (Swin V2's output dimensions)
 gets it back from its stub as the real layer would, from a run of the layers on fake tensors
 (``FakeLayerChain``); ``form_problem`` says why an output of another form cannot be staged.
+A layer's output form (``layer_form``): its hidden states, a tuple or list with them first, or
+a dict with them as its one entry (SqueezeBERT's ``{"feature_map": hidden}``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,74 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+
+
+BAD_FORM = object()
+"""``layer_form`` of an output the generic path cannot stage (``form_problem`` says why)."""
+
+
+def layer_form(out: Any) -> Any:
+    """The form of a layer's output: None (its hidden states), k (a k-tuple or list with the
+    hidden states first), a key (a dict whose one entry, under that key, is the hidden states),
+    else ``BAD_FORM``."""
+    if isinstance(out, torch.Tensor):
+        return None
+    if isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
+        return len(out)
+    if type(out) is dict and len(out) == 1 and torch.is_tensor(next(iter(out.values()))):
+        return next(iter(out))
+    return BAD_FORM
+
+
+def hidden_of(out: Any, form: Any) -> torch.Tensor:
+    """The hidden states in a layer's output of form ``form`` (``layer_form``)."""
+    return out if form is None else out[form if isinstance(form, str) else 0]
+
+
+def wrap_output(hidden: torch.Tensor, form: Any, extras: tuple | None = None):
+    """What a layer of form ``form`` returns, given its hidden states: the tensor, or
+    (hidden, None, ...), or (hidden, *extras) (``layer_extras``), or {key: hidden}."""
+    if form is None:
+        return hidden
+    if isinstance(form, str):
+        return {form: hidden}
+    return (hidden,) + (extras if extras is not None else (None,) * (form - 1))
+
+
+def call_layer(layer: nn.Module, hidden: torch.Tensor, call: tuple[tuple, dict],
+               form: Any) -> torch.Tensor:
+    """Layer ``layer`` on ``hidden`` with the recorded arguments ``call`` (positional, keyword),
+    its output of form ``form``: (m, S, H) -> (m, S, H)."""
+    args, kwargs = call
+    return hidden_of(layer(hidden, *args, **kwargs), form)
+
+
+class _Undo:
+    def __init__(self, undo: Any):
+        self.remove = undo
+
+
+def traced_forward(layer: nn.Module, hook: Any) -> _Undo:
+    """Call ``hook(layer, args, kwargs, out)`` after every run of ``layer``'s forward, whether
+    the model calls the layer (``layer(...)``) or its ``forward`` directly (SqueezeBERT's
+    encoder does: a module hook would not see that call); returns a handle whose ``remove()``
+    undoes it (restoring an instance ``forward`` the layer had)."""
+    had = layer.__dict__.get("forward")
+    real = layer.forward
+
+    def forward(*args, **kwargs):
+        out = real(*args, **kwargs)
+        hook(layer, args, kwargs, out)
+        return out
+
+    def undo():
+        if had is None:
+            layer.__dict__.pop("forward", None)
+        else:
+            layer.__dict__["forward"] = had
+
+    layer.forward = forward
+    return _Undo(undo)
 
 
 def _plain(value: Any) -> bool:
@@ -81,4 +151,5 @@ def form_problem(model: nn.Module, seen: list[tuple[Any, Any]], i: int) -> str:
                 "them (it reshapes or rearranges them in between); the generic path runs "
                 "layer after layer on the hidden states each returns, so this model needs a "
                 "hand-written adapter (docs/adding_a_model.md)")
-    return f"layer {i} of {name} returns {form}, not its hidden states"
+    return (f"layer {i} of {name} returns {form}, not its hidden states (nor a tuple or list "
+            "with them first, or a dict holding only them)")

@@ -26,6 +26,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from hf_cephalo.models.generic_outputs import call_layer
+
 
 def runs_in_order(order: list[int], num_layers: int) -> bool:
     """Whether ``order`` (the layer indices in call order) is one run of consecutive calls per
@@ -82,9 +84,9 @@ def repeats_problem(name: str, kv: object, side: tuple, plain_extras: bool) -> s
 
 
 def run_repeated(layer: nn.Module, hidden: torch.Tensor, calls: list[tuple[tuple, dict]],
-                 output_len: int | None) -> torch.Tensor:
-    """``layer`` once per recorded call, each on the previous call's output: (m, S, H) -> same."""
-    for args, kwargs in calls:
-        out = layer(hidden, *args, **kwargs)
-        hidden = out if output_len is None else out[0]
+                 form: int | str | None) -> torch.Tensor:
+    """``layer`` once per recorded call, each on the previous call's output (of form ``form``,
+    ``generic_outputs.layer_form``): (m, S, H) -> same."""
+    for call in calls:
+        hidden = call_layer(layer, hidden, call, form)
     return hidden
