@@ -32,6 +32,7 @@ EXACT = {
                              "XLNetForTokenClassification"],
     "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM"],
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering",
+                           "XLNetForQuestionAnsweringSimple",  # ...Simple: the span head
                            "T5ForQuestionAnswering"],  # on the decoder (models/seq2seq_heads.py)
     # LongT5's local attention (seq2seq_t5_kin.py); BART's kin (models/seq2seq_kin.py): FSMT's
     # sequence-first layers, MVP's layer calls, PEGASUS-X's global tokens joined into the
@@ -55,6 +56,8 @@ REFUSED = {  # class -> what its refusal says
     "M2M100ForConditionalGeneration": "has layer drop 0.05",  # its default config's
     "CohereAsrForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
     "SwitchTransformersForConditionalGeneration": "router z-loss",  # whole-batch MoE losses
+    # a span head now, refused for its layers: four parallel lists (attentions, norms, ffns)
+    "XLMForQuestionAnsweringSimple": "has 4 layer stacks",
 }
 
 
