@@ -58,6 +58,9 @@ REFUSED = {  # class -> what its refusal says
     "SwitchTransformersForConditionalGeneration": "router z-loss",  # whole-batch MoE losses
     # a span head now, refused for its layers: four parallel lists (attentions, norms, ffns)
     "XLMForQuestionAnsweringSimple": "has 4 layer stacks",
+    # its ids are Unicode code points (no vocab_size): the check's batch builds, and its
+    # forward runs three stacks (characters, downsampled deep stack, characters again)
+    "CanineForQuestionAnswering": "has 3 layer stacks",
 }
 
 
