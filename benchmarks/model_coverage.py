@@ -69,7 +69,8 @@ from hf_cephalo.models.generic_heads import (CAUSAL_LM, ENCODER_TASKS,  # noqa: 
                                              TOKEN_CLASSIFICATION, image_batch, task_of,
                                              token_labels)
 from hf_cephalo.models.registry import UnsupportedModelError  # noqa: E402
-from hf_cephalo.models.self_check import float64_batch, float64_copy  # noqa: E402
+from hf_cephalo.models.self_check import (float64_batch, float64_copy,  # noqa: E402
+                                          token_id_range)
 from hf_cephalo.models.shrink import TINY_MAX_NUMEL, tiny_config, tiny_numel  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -212,7 +213,7 @@ def _batch(config, task: str, seed: int = 0, cls: type | None = None) -> dict[st
     classifier = task == SEQUENCE_CLASSIFICATION
     g = torch.Generator().manual_seed(seed)
     text = config.get_text_config()
-    vocab = text.vocab_size
+    vocab = token_id_range(config)  # CANINE: Unicode code points, no vocab_size
     rows, seq = 5, 11
     ids = torch.randint(4, vocab - 8, (rows, seq), generator=g)
     pad = getattr(text, "pad_token_id", None)

@@ -27,10 +27,13 @@ from hf_cephalo.models.registry import UnsupportedModelError
 EXACT = {
     "image-classification": ["Dinov2ForImageClassification", "DeiTForImageClassification",
                              "ConvNextForImageClassification"],
+    # XLNet: its transformer holds mask_emb beside the layers (the head side owns it alone);
+    # ALBERT: repeated layer calls (models/generic_repeats.py)
     "token-classification": ["BertForTokenClassification", "DebertaV2ForTokenClassification",
-                             "AlbertForTokenClassification"],  # repeated layer calls
+                             "XLNetForTokenClassification", "AlbertForTokenClassification"],
     "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM"],
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering",
+                           "XLNetForQuestionAnsweringSimple",  # ...Simple: the span head
                            "T5ForQuestionAnswering"],  # on the decoder (models/seq2seq_heads.py)
     # LongT5's local attention (seq2seq_t5_kin.py); BART's kin (models/seq2seq_kin.py): FSMT's
     # sequence-first layers, MVP's layer calls, PEGASUS-X's global tokens joined into the
@@ -54,6 +57,11 @@ REFUSED = {  # class -> what its refusal says
     "M2M100ForConditionalGeneration": "has layer drop 0.05",  # its default config's
     "CohereAsrForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
     "SwitchTransformersForConditionalGeneration": "router z-loss",  # whole-batch MoE losses
+    # a span head now, refused for its layers: four parallel lists (attentions, norms, ffns)
+    "XLMForQuestionAnsweringSimple": "has 4 layer stacks",
+    # its ids are Unicode code points (no vocab_size): the check's batch builds, and its
+    # forward runs three stacks (characters, downsampled deep stack, characters again)
+    "CanineForQuestionAnswering": "has 3 layer stacks",
 }
 
 
@@ -171,6 +179,28 @@ def test_former_crashes_get_a_staging_or_a_refusal():
             assert str(exc).startswith(f"hf_cephalo cannot train {name}"), exc
         else:
             assert staged.num_units > 1, name
+
+
+def test_a_parameter_beside_the_layers_is_the_roots_alone():
+    """XLNet's ``transformer`` holds ``mask_emb`` itself and contains the layers: the root
+    gets its own entries only (``OwnParameters``), so every unit owns its parameters (it was
+    refused with "unit 0 shares parameters with the root unit"); what the engine writes into
+    them lands in the model. Its sequence classifier is exact like its token and span heads."""
+    from hf_cephalo.models.hf_common import OwnParameters
+
+    row = check("xlnet", "XLNetForSequenceClassification")
+    assert row.status == "exact", (row.status, row.detail)
+    config = transformers.XLNetConfig(vocab_size=40, d_model=16, n_layer=2, n_head=2,
+                                      d_inner=32, num_labels=3)
+    model = transformers.XLNetForTokenClassification(config)
+    staged = stage_model(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    root = {names[id(p)] for m in staged.root_modules() for p in m.parameters()}
+    assert "transformer.mask_emb" in root and not any(".layer." in n for n in root), root
+    own = next(m for m in staged.head_modules() if isinstance(m, OwnParameters))
+    assert [n for n, _ in own.named_parameters()] == ["mask_emb"]
+    own._parameters["mask_emb"] = torch.zeros(0)  # as the engine's placeholders
+    assert model.transformer.mask_emb.shape == (0,)
 
 
 def test_question_answering_refuses_positions_outside_the_microbatch():

@@ -174,6 +174,9 @@ def test_head_kind_from_class_names():
     assert head_kind("LlamaForSequenceClassification") == "SequenceClassification"
     assert head_kind("GPT2LMHeadModel") == head_kind("OPTForCausalLM") == "CausalLM"
     assert head_kind("BertModel") is None and head_kind("Formula") is None
+    # XLNet's, XLM's and Flaubert's plain span head (their ...ForQuestionAnswering is the
+    # beam-search head, another kind)
+    assert head_kind("XLNetForQuestionAnsweringSimple") == "QuestionAnswering"
     assert [_words(k) for k in ("SequenceClassification", "CausalLM", "MaskedLM")] == \
         ["sequence classification", "causal LM", "masked LM"]
 

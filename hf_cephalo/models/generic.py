@@ -36,7 +36,8 @@ from hf_cephalo.models.generic_repeats import (check_order, run_repeated, runs_i
                                               stop_after_layers)
 from hf_cephalo.models.hf_common import (CausalLMStagedModel, ClassifierStagedModel,
                                          HFStagedModel, LastTokenClassifierStagedModel,
-                                         check_poolable, pad_token_id_of, require_key)
+                                         OwnParameters, check_poolable, pad_token_id_of,
+                                         require_key)
 from hf_cephalo.models.kv_sharing import (KVSharing, made_tensors, shared_call, store_layers,
                                           written)
 from hf_cephalo.models.router_loss import (AttachRouterGrad, RouterLoss, router_coef_name,
@@ -265,6 +266,7 @@ class GenericDecoderBody(HFStagedModel):
         self._stores = store_layers(self._layers, layout.kv)
         self._writes: list = []  # what the last layer run wrote into its shared dict
         self._made_out: tuple | None = None  # (store layer, input, grad mode, its output)
+        self._own: dict[str, OwnParameters] = {}  # _root_module's, by name
         super().__init__(model)
 
     # ---- structure ----
@@ -272,10 +274,21 @@ class GenericDecoderBody(HFStagedModel):
         return list(self._layers)
 
     def embed_modules(self) -> list[nn.Module]:
-        return [self.model.get_submodule(n) for n in self.layout.embed]
+        return [self._root_module(n) for n in self.layout.embed]
 
     def head_modules(self) -> list[nn.Module]:
-        return [self.model.get_submodule(n) for n in self.layout.head]
+        return [self._root_module(n) for n in self.layout.head]
+
+    def _root_module(self, name: str) -> nn.Module:
+        """The module ``name`` of the layout's embedding or head side, or, where it contains the
+        layers (XLNet's ``transformer`` holds ``mask_emb`` itself), its own entries only
+        (``OwnParameters``, one per name): its parameters() would include the units'."""
+        module = self.model.get_submodule(name)
+        if name and not (self.layout.layers + ".").startswith(name + "."):
+            return module
+        if name not in self._own:
+            self._own[name] = OwnParameters(module)
+        return self._own[name]
 
     # ---- the forward with stubs ----
     def _layer_names(self) -> list[str]:

@@ -48,14 +48,28 @@ ENCODER_TASKS = CLASSIFIER_TASKS | TOKEN_TASKS | {QUESTION_ANSWERING}
 """Tasks the generic path stages besides the causal LM (which a class may also prove by what
 its forward computes, whatever its name: ``causal_check.causal_lm_problem``)."""
 
+TASK_ALIASES = {"QuestionAnsweringSimple": QUESTION_ANSWERING}
+"""Class-name suffixes that name a task under another word: XLNet's, XLM's and Flaubert's
+``...ForQuestionAnsweringSimple`` is the plain span head (``qa_outputs`` -> start and end
+logits, stock's ``(CE(start) + CE(end)) / 2``), as ``BertForQuestionAnswering``; their
+``...ForQuestionAnswering`` is the beam-search head (start / end top-k, answer class)."""
+
+
+def task_word(kind: str) -> str:
+    """The task a ``...For<kind>`` class name says: ``kind`` itself, or its ``TASK_ALIASES``
+    entry (``"QuestionAnsweringSimple"`` -> ``"QuestionAnswering"``)."""
+    return TASK_ALIASES.get(kind, kind)
+
 
 def task_of(cls: type) -> str | None:
     """The generic task of a model class: the ``...For<Task>`` suffix of its nearest base class
-    that has one, when that task is in ``ENCODER_TASKS`` or the causal LM; else None
-    (``DeiTForImageClassificationWithTeacher``, ``BertForPreTraining``, a base model)."""
+    that has one (read through ``task_word``), when that task is in ``ENCODER_TASKS`` or the
+    causal LM; else None (``DeiTForImageClassificationWithTeacher``, ``BertForPreTraining``,
+    a base model)."""
     for c in cls.__mro__:
         before, sep, kind = c.__name__.rpartition("For")
         if sep and before and kind[:1].isupper():
+            kind = task_word(kind)
             return kind if kind in ENCODER_TASKS or kind == CAUSAL_LM else None
     return None
 

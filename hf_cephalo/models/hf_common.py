@@ -140,6 +140,28 @@ def check_partition(model: nn.Module, root_modules: Sequence[nn.Module],
 
 # ---- losses as SUMS (the engine divides by the global item count) ---------------------------
 
+class OwnParameters(nn.Module):
+    """The parameters and buffers ``owner`` holds itself, not those of its submodules, as a
+    module of its own: a root module for an ``owner`` that also contains the layers (XLNet's
+    ``transformer`` holds ``mask_emb`` beside its ``layer`` list), whose ``parameters()``
+    would otherwise hand the layers' parameters to the root too.
+
+    It shares ``owner``'s entry dicts (no copy): the engine's views and placeholders written
+    into its ``_parameters`` land in ``owner``, as does ``.to()``; it is never called (the
+    model's own forward reads ``owner``). A ``_init_weights`` that tests the owner's class
+    does not recognize it."""
+
+    def __init__(self, owner: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_parameters", owner._parameters)
+        object.__setattr__(self, "_buffers", owner._buffers)
+        object.__setattr__(self, "_non_persistent_buffers_set",
+                           owner._non_persistent_buffers_set)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("OwnParameters holds another module's entries; it is never called")
+
+
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """Causal shift as in ``transformers.loss.loss_utils.ForCausalLMLoss``: position t is scored
     against label t+1; the last position gets IGNORE_INDEX. labels (m, S) -> (m, S)."""

@@ -15,6 +15,7 @@ import transformers
 from torch import nn
 
 from hf_cephalo.models.base import StagedModel
+from hf_cephalo.models.generic_heads import task_word
 from hf_cephalo.models.gpt2 import GPT2SequenceClassifierStagedModel, GPT2StagedModel
 from hf_cephalo.models.gpt_neox import GPTNeoXStagedModel
 from hf_cephalo.models.peft_lora import is_peft_model, unwrap_peft_model
@@ -128,11 +129,13 @@ def _same_architecture(model: nn.Module) -> list[str]:
 def head_kind(class_name: str) -> str | None:
     """The task of a Hugging Face class from its name: ``"SequenceClassification"`` for
     ``LlamaForSequenceClassification``, ``"CausalLM"`` for ``...ForCausalLM`` and GPT-2's
-    ``...LMHeadModel``; None for a name of neither form (a base model such as ``BertModel``)."""
+    ``...LMHeadModel``; ``"QuestionAnswering"`` for XLNet's ``...ForQuestionAnsweringSimple``
+    (``generic_heads.task_word``); None for a name of neither form (a base model such as
+    ``BertModel``)."""
     if class_name.endswith("LMHeadModel"):
         return "CausalLM"
     before, sep, kind = class_name.rpartition("For")
-    return kind if sep and before and kind[:1].isupper() else None
+    return task_word(kind) if sep and before and kind[:1].isupper() else None
 
 
 def _model_head_kind(model: nn.Module) -> str | None:

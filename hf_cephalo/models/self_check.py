@@ -77,11 +77,7 @@ def _check_batch(config: Any, task: str, seed: int = 0,
         return image_batch(config, seed=seed, main_input=main_input)
     g = torch.Generator().manual_seed(seed)
     pad = getattr(config.get_text_config(), "pad_token_id", None)  # a config may define none
-    vocab = getattr(config.get_text_config(), "vocab_size", None)
-    if not isinstance(vocab, int):
-        raise ValueError(f"{type(config).__name__} names no vocabulary size (vocab_size) to "
-                         "build the check's token ids")
-    ids = torch.randint(4, vocab - 8, (4, 9), generator=g)
+    ids = torch.randint(4, token_id_range(config) - 8, (4, 9), generator=g)
     mask = torch.ones_like(ids)
     pad_id = pad if isinstance(pad, int) else 0
     if task == SEQUENCE_CLASSIFICATION:
@@ -104,6 +100,26 @@ def _check_batch(config: Any, task: str, seed: int = 0,
     labels = ids.masked_fill(mask == 0, -100)
     labels[0, :2] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+UNICODE_CODE_POINTS = 0x110000
+"""The ids of a model that reads characters as their Unicode code points (CANINE: its
+tokenizer's vocabulary is every code point, ``chr(i)`` -> i)."""
+
+
+def token_id_range(config: Any) -> int:
+    """The number of token ids the model reads, for the check's random tokens: the text
+    config's ``vocab_size``; for a config without one whose model hashes each id into
+    ``num_hash_buckets`` embedding rows (CANINE, whose ids are Unicode code points, any of them
+    valid), ``UNICODE_CODE_POINTS``. ValueError when the config names neither."""
+    text = config.get_text_config()
+    vocab = getattr(text, "vocab_size", None)
+    if isinstance(vocab, int):
+        return vocab
+    if isinstance(getattr(text, "num_hash_buckets", None), int):
+        return UNICODE_CODE_POINTS
+    raise ValueError(f"{type(config).__name__} names no vocabulary size (vocab_size) to "
+                     "build the check's token ids")
 
 
 def _staged_loss(staged, batch: dict, cut: int):
