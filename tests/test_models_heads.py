@@ -13,6 +13,7 @@ that the generated page agrees.
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -33,6 +34,7 @@ EXACT = {
                              "XLNetForTokenClassification", "AlbertForTokenClassification"],
     "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM"],
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering",
+                           "MvpForQuestionAnswering",  # MVP's units, a new H
                            "XLNetForQuestionAnsweringSimple",  # ...Simple: the span head
                            "T5ForQuestionAnswering"],  # on the decoder (models/seq2seq_heads.py)
     # LongT5's local attention (seq2seq_t5_kin.py); BART's kin (models/seq2seq_kin.py): FSMT's
@@ -458,3 +460,36 @@ def test_layers_called_several_times_in_a_row_stage_one_unit_each():
     encoder.forward = out_of_runs
     with pytest.raises(StructureError, match=r"order \[0, 1, 0\], not each once"):
         trace_layout(model, batch, "albert.encoder.albert_layer_groups")
+
+
+def test_gemma_encoder_decoder_classifiers_pool_and_score_as_the_model_does():
+    """T5Gemma's and T5Gemma 2's token and sequence classifiers on their encoder-decoder
+    adapters (models/seq2seq_heads.py), on RIGHT-padded rows of different lengths (the
+    sweep's classifier batch is left-padded, where every row pools its last position): the
+    sequence classifiers pool where each model's own rule says (T5Gemma: the last non-pad
+    input token + 1, for the decoder's right shift; T5Gemma 2: the decoder input's last
+    non-pad token), equal to ``compare``'s loss and every gradient (microbatches of 2 and 3
+    rows). A T5Gemma classifier built with is_encoder_decoder=False is refused with the
+    reason."""
+    from hf_cephalo.models.shrink import tiny_config
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 40, (5, 9), generator=g)
+    mask = torch.ones_like(ids)
+    for row, keep in enumerate((9, 4, 7, 2, 6)):
+        ids[row, keep:], mask[row, keep:] = 0, 0
+    tags = torch.randint(0, 3, (5, 9), generator=g).masked_fill(mask == 0, -100)
+    for family in ("T5Gemma", "T5Gemma2"):
+        config = tiny_config(getattr(transformers, f"{family}Config")(num_labels=3))
+        config.pad_token_id = 0
+        config._attn_implementation = "eager"
+        for head, labels in (("TokenClassification", tags),
+                             ("SequenceClassification", torch.tensor([0, 2, 1, 1, 0]))):
+            torch.manual_seed(0)
+            model = getattr(transformers, f"{family}For{head}")(copy.deepcopy(config)).eval()
+            batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+            assert compare(model, batch) is None, (family, head)
+        if family == "T5Gemma":  # T5Gemma 2's classifiers are always encoder-decoders
+            with pytest.raises(UnsupportedModelError, match="is_encoder_decoder=False"):
+                stage_model(transformers.T5GemmaForTokenClassification(
+                    copy.deepcopy(config), is_encoder_decoder=False))

@@ -54,8 +54,11 @@ T5_KIN_AND_HEADS = {
     "MT5ForConditionalGeneration", "UMT5ForConditionalGeneration",
     "LongT5ForConditionalGeneration", "Pop2PianoForConditionalGeneration",
     "T5ForTokenClassification", "MT5ForTokenClassification",
-    *(f"{family}For{task}" for family in ("T5", "MT5", "UMT5", "Bart", "MBart")
-      for task in ("QuestionAnswering", "SequenceClassification"))}
+    *(f"{family}For{task}" for family in ("T5", "MT5", "UMT5", "Bart", "MBart", "Mvp")
+      for task in ("QuestionAnswering", "SequenceClassification")),
+    "LEDForQuestionAnswering",
+    *(f"{family}For{task}" for family in ("T5Gemma", "T5Gemma2")
+      for task in ("TokenClassification", "SequenceClassification"))}
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)

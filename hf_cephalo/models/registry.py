@@ -293,7 +293,8 @@ def _encoder_decoder(model: nn.Module) -> UnsupportedModelError | None:
         f"(models/seq2seq.py, models/seq2seq_families.py, models/seq2seq_t5_kin.py, "
         f"models/seq2seq_kin.py, models/seq2seq_gemma.py, models/whisper.py, "
         f"models/speech_seq2seq.py), as do the question-answering and classification heads of "
-        f"T5, mT5, UMT5, BART and mBART (models/seq2seq_heads.py) and a "
+        f"T5, mT5, UMT5, BART, mBART and MVP, LED's question answering and T5Gemma's and "
+        f"T5Gemma 2's token and sequence classifiers (models/seq2seq_heads.py) and a "
         f"decoder-only or encoder-only model of the task ({scope_text()}); to train this "
         f"one, write an adapter like those (see {GUIDE}).", [])
 

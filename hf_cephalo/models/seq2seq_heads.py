@@ -1,5 +1,6 @@
 """Task heads on the encoder-decoder adapters: question answering and sequence classification of
-T5, mT5, UMT5, BART and mBART.
+T5, mT5, UMT5, BART, mBART and MVP, LED's question answering, and T5Gemma's and T5Gemma 2's
+token and sequence classification.
 
 [Note: encoder-decoder task heads]
 The units, embedding and side inputs are the family's seq2seq adapter's (models/seq2seq.py
@@ -23,6 +24,12 @@ none) and then:
   a row with none; the head refuses such a microbatch in ``count_items`` (before any
   collective), per microbatch as stock per forward call.
 
+- token classification (T5Gemma, T5Gemma 2): ``score`` on every decoder position, the summed
+  cross entropy against ``labels`` (m, S) as given, items = labels != -100.
+- T5Gemma's and T5Gemma 2's sequence classification: ``score`` at each row's last non-pad
+  position by the model's own rule (T5Gemma: of ``input_ids``, plus one for the decoder's
+  right shift; T5Gemma 2: of the decoder's input), at most T - 1; ``problem_type``'s loss.
+
 Every stock loss here is a mean over the batch's rows (or label elements), so the engine's
 division of the summed microbatch losses by the global item count gives it exactly.
 """
@@ -35,10 +42,13 @@ import torch
 from torch import nn
 
 from hf_cephalo.models.base import HeadOutput, Microbatch
-from hf_cephalo.models.generic_heads import QA_LABELS, answer_loss_sum, check_answer_positions
+from hf_cephalo.models.generic_heads import (QA_LABELS, answer_loss_sum, check_answer_positions,
+                                             token_loss_sum)
 from hf_cephalo.models.hf_common import ClassifierStagedModel, require_key
 from hf_cephalo.models.seq2seq import BartStagedModel, T5StagedModel
 from hf_cephalo.models.seq2seq_families import MBartStagedModel
+from hf_cephalo.models.seq2seq_gemma import T5Gemma2StagedModel, T5GemmaStagedModel
+from hf_cephalo.models.seq2seq_kin import LEDStagedModel, MvpStagedModel
 from hf_cephalo.models.seq2seq_t5_kin import UMT5StagedModel
 
 
@@ -96,6 +106,17 @@ class MBartDecoderOutput:
         return self.stacks()[1].layer_norm(hidden)
 
 
+class GemmaDecoderOutput:
+    """T5Gemma's and T5Gemma 2's decoder output: its final ``norm`` and dropout."""
+
+    def decoder_norms(self) -> list[nn.Module]:
+        return [self.stacks()[1].norm]
+
+    def decoder_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        dec = self.stacks()[1]
+        return dec.dropout(dec.norm(hidden))
+
+
 class TransformerBody:
     """T5's classifiers keep the encoder-decoder in ``transformer`` (a ``T5Model``)."""
 
@@ -137,6 +158,33 @@ class QuestionAnsweringHead(Seq2SeqTaskHead):
         if length is not None:
             check_answer_positions(positions, length, type(self.model).__name__)
         return int(positions[0].reshape(-1).shape[0])
+
+
+class TokenClassificationHead(Seq2SeqTaskHead):
+    """Token classification on the decoder ([Note: encoder-decoder task heads]): the decoder
+    reads the model's shift of ``input_ids`` (T = S), ``head_logits`` (m, T, num_labels) =
+    ``score`` of the decoder's output at every position; the summed cross entropy against
+    ``labels`` (m, S) as given (-100 ignored, stock's ``ForTokenClassification`` loss as a sum),
+    items = labels != -100. ValueError without ``labels`` (the loss)."""
+
+    def token_logits_width(self) -> int:
+        """C = ``config.num_labels`` of the logits (m, T, C)."""
+        return int(self.model.config.num_labels)
+
+    def head_modules(self) -> list[nn.Module]:
+        return [*self.decoder_norms(), self.model.score]
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
+        """(m, T, H) -> (m, T, num_labels), as ``model(**microbatch).logits``."""
+        return self.model.score(self.decoder_output(hidden))
+
+    def loss_from_logits(self, logits: torch.Tensor, microbatch: Microbatch) -> HeadOutput:
+        return token_loss_sum(logits, require_key(microbatch, "labels", type(self).__name__))
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        """Positions with label != -100; 0 without ``labels``."""
+        labels = microbatch.get("labels")
+        return 0 if labels is None else int((labels != -100).sum().item())
 
 
 def eos_pooled(hidden: torch.Tensor, input_ids: torch.Tensor, eos_token_id: int,
@@ -248,9 +296,140 @@ class MBartSequenceClassifierStagedModel(SequenceClassificationHead, MBartDecode
     model_classes = ("MBartForSequenceClassification",)
 
 
+class MvpQuestionAnsweringStagedModel(QuestionAnsweringHead, BartDecoderOutput, MvpStagedModel):
+    """``MvpForQuestionAnswering``: MVP's units, embedding steps and layer calls (BART's
+    decoder output: no final norm)."""
+
+    model_classes = ("MvpForQuestionAnswering",)
+
+
+class MvpSequenceClassifierStagedModel(SequenceClassificationHead, BartDecoderOutput,
+                                       MvpStagedModel):
+    """``MvpForSequenceClassification``: MVP's units, embedding steps and layer calls."""
+
+    model_classes = ("MvpForSequenceClassification",)
+
+
+class LEDQuestionAnsweringStagedModel(QuestionAnsweringHead, BartDecoderOutput, LEDStagedModel):
+    """``LEDForQuestionAnswering``: LED's units (the Longformer encoder on the input padded to
+    its window, cut back in the first decoder unit) under ``led``; no final decoder norm."""
+
+    model_classes = ("LEDForQuestionAnswering",)
+
+
+class EncoderDecoderMode:
+    """A head whose model may be built without its decoder (T5Gemma's classifiers take
+    ``is_encoder_decoder``; T5Gemma 2's always have one): raises ValueError for such a model, which has no decoder to
+    stage (this adapter stages the encoder-decoder form, the default)."""
+
+    def __init__(self, model: nn.Module):
+        if not getattr(model.config, "is_encoder_decoder", True):
+            raise ValueError(
+                "it was built with is_encoder_decoder=False (its encoder only), and hf_cephalo "
+                "stages this head as an encoder-decoder only; build it with "
+                "is_encoder_decoder=True (the default)")
+        super().__init__(model)
+
+
+class T5GemmaTokenClassifierStagedModel(EncoderDecoderMode, TokenClassificationHead,
+                                        GemmaDecoderOutput, T5GemmaStagedModel):
+    """``T5GemmaForTokenClassification`` as an encoder-decoder (``config.is_encoder_decoder``,
+    its default): T5Gemma's units, embedding and masks; ``score`` on the decoder's output."""
+
+    model_classes = ("T5GemmaForTokenClassification",)
+
+
+class T5Gemma2TokenClassifierStagedModel(TokenClassificationHead, GemmaDecoderOutput,
+                                         T5Gemma2StagedModel):
+    """``T5Gemma2ForTokenClassification`` on text: T5Gemma 2's units, embedding and masks;
+    ``score`` on the decoder's output; the unused vision tower and projector on the head side
+    (a microbatch with ``pixel_values`` is refused, as for its generation head)."""
+
+    model_classes = ("T5Gemma2ForTokenClassification",)
+
+    def head_modules(self) -> list[nn.Module]:
+        encoder = self.model.model.encoder
+        return [*super().head_modules(), encoder.vision_tower, encoder.multi_modal_projector]
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        self.check_inputs(microbatch)
+        return super().count_items(microbatch)
+
+
+class LastTokenSeq2SeqClassifier(Seq2SeqTaskHead, ClassifierStagedModel):
+    """Sequence classification on the decoder's last non-pad position (T5Gemma's classifiers):
+    ``head_logits`` (m, num_labels) = ``score`` of the decoder's output (m, T, H) at each row's
+    ``pooled_positions``; the loss and items of ``ClassifierStagedModel``. Raises ValueError
+    for a model without ``pad_token_id`` (stock pools position -1 for a batch of one row and
+    refuses more; a microbatch is not stock's batch, so the staging refuses it up front)."""
+
+    def __init__(self, model: nn.Module):
+        if model.config.pad_token_id is None:
+            raise ValueError("its config has no pad_token_id, which its classifier needs to "
+                             "find each row's last token (stock refuses batches of more than "
+                             "one row without it); set config.pad_token_id")
+        super().__init__(model)
+
+    def head_modules(self) -> list[nn.Module]:
+        return [*self.decoder_norms(), self.model.score]
+
+    def pooled_positions(self, microbatch: Microbatch, length: int) -> torch.Tensor:
+        """Each row's pooled decoder position (m,): T5Gemma's rule, the last non-pad token of
+        ``input_ids`` plus one (the decoder reads their right shift), at most T - 1."""
+        ids = require_key(microbatch, "input_ids", type(self).__name__)
+        return last_non_pad(ids, self.model.config.pad_token_id, 1, length)
+
+    def head_logits(self, hidden: torch.Tensor, microbatch: Microbatch, ctx: Any) -> torch.Tensor:
+        """(m, T, H) -> (m, num_labels), as ``model(**microbatch).logits``."""
+        logits = self.model.score(self.decoder_output(hidden))
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        return logits[rows, self.pooled_positions(microbatch, logits.shape[1]).to(logits.device)]
+
+
+def last_non_pad(ids: torch.Tensor, pad_token_id: int, shift: int, length: int) -> torch.Tensor:
+    """The rightmost position of ``ids`` (m, S) that is not ``pad_token_id`` (0 for a row of
+    pads), plus ``shift``, clamped to ``length`` - 1: (m,), as T5Gemma's classifiers pool."""
+    mask = (ids != pad_token_id).to(torch.int32)
+    last = (torch.arange(ids.shape[-1], device=ids.device, dtype=torch.int32) * mask).argmax(-1)
+    return torch.clamp(last + shift, max=length - 1)
+
+
+class T5GemmaSequenceClassifierStagedModel(EncoderDecoderMode, LastTokenSeq2SeqClassifier,
+                                           GemmaDecoderOutput, T5GemmaStagedModel):
+    """``T5GemmaForSequenceClassification`` as an encoder-decoder: T5Gemma's units, embedding
+    and masks; ``score`` at each row's last token (``pooled_positions``)."""
+
+    model_classes = ("T5GemmaForSequenceClassification",)
+
+
+class T5Gemma2SequenceClassifierStagedModel(LastTokenSeq2SeqClassifier, GemmaDecoderOutput,
+                                            T5Gemma2StagedModel):
+    """``T5Gemma2ForSequenceClassification`` on text: T5Gemma 2's units, embedding and masks;
+    ``score`` at each row's last non-pad decoder token (its own rule: of the decoder's input,
+    unshifted); the vision tower and projector on the head side, unused."""
+
+    model_classes = ("T5Gemma2ForSequenceClassification",)
+
+    def pooled_positions(self, microbatch: Microbatch, length: int) -> torch.Tensor:
+        return last_non_pad(self.decoder_ids(microbatch), self.model.config.pad_token_id, 0,
+                            length)
+
+    def head_modules(self) -> list[nn.Module]:
+        encoder = self.model.model.encoder
+        return [*super().head_modules(), encoder.vision_tower, encoder.multi_modal_projector]
+
+    def count_items(self, microbatch: Microbatch) -> int:
+        self.check_inputs(microbatch)
+        return super().count_items(microbatch)
+
+
 SEQ2SEQ_HEAD_ADAPTERS = (
     T5QuestionAnsweringStagedModel, UMT5QuestionAnsweringStagedModel,
     T5SequenceClassifierStagedModel, UMT5SequenceClassifierStagedModel,
     BartQuestionAnsweringStagedModel, BartSequenceClassifierStagedModel,
-    MBartQuestionAnsweringStagedModel, MBartSequenceClassifierStagedModel)
+    MBartQuestionAnsweringStagedModel, MBartSequenceClassifierStagedModel,
+    MvpQuestionAnsweringStagedModel, MvpSequenceClassifierStagedModel,
+    LEDQuestionAnsweringStagedModel, T5GemmaTokenClassifierStagedModel,
+    T5Gemma2TokenClassifierStagedModel, T5GemmaSequenceClassifierStagedModel,
+    T5Gemma2SequenceClassifierStagedModel)
 """The task-head adapters of this module (registered by models/registry.py)."""
