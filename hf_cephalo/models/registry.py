@@ -195,12 +195,13 @@ def scope_text() -> str:
             f"forward is a causal LM's) and, through hand-written adapters, {adapter_summary()}")
 
 
-def _unsupported(model: nn.Module) -> UnsupportedModelError:
+def _unsupported(model: nn.Module, found: str = "") -> UnsupportedModelError:
     """The error for a model neither an adapter nor the generic path stages, with the advice
     that fits its class: a base model -> load it with a head hf_cephalo trains; another head
     (token classification, masked LM, ...) -> write an adapter for it, over an existing body
     where the architecture has one; anything else -> what hf_cephalo stages. Each points to
-    GUIDE."""
+    GUIDE. ``found``: what the self-check found the class's forward on text to be (a
+    ``NotCausalLMError``'s reason), said with the head's refusal."""
     name = type(model).__name__
     if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile(model)
         return UnsupportedModelError(
@@ -231,7 +232,7 @@ def _unsupported(model: nn.Module) -> UnsupportedModelError:
             else "a head of another kind"
         return UnsupportedModelError(
             f"hf_cephalo cannot train {name} ({head}): {scope}; this head is none of "
-            f"those. Loading the model as another class would "
+            f"those{f' ({found})' if found else ''}. Loading the model as another class would "
             f"train another head and loss. To train this head, write an adapter{reuse} "
             f"defines the head (head_modules, head_logits, the loss), and {register}.", [])
     return UnsupportedModelError(
@@ -338,7 +339,7 @@ def _generic_text_lm(model: nn.Module) -> StagedModel:
     try:
         return generic_staged(model)
     except NotCausalLMError as exc:
-        raise _unsupported(model) from exc
+        raise _unsupported(model, str(exc)) from exc
     except StructureError as exc:
         if not exc.causal_lm:  # the tiny copy did not build or run: nothing proven either way
             raise UnsupportedModelError(
