@@ -75,15 +75,24 @@ class Seq2SeqTaskHead:
         return int(ids.shape[1]) if torch.is_tensor(ids) and ids.dim() > 1 else None
 
 
-class T5DecoderOutput:
-    """T5's decoder output: its ``final_layer_norm`` and dropout."""
+class NormDropoutOutput:
+    """A decoder output that is the decoder's final norm (its attribute ``norm_name``) and
+    dropout of the last layer's output."""
+
+    norm_name = "norm"
 
     def decoder_norms(self) -> list[nn.Module]:
-        return [self.stacks()[1].final_layer_norm]
+        return [getattr(self.stacks()[1], self.norm_name)]
 
     def decoder_output(self, hidden: torch.Tensor) -> torch.Tensor:
         dec = self.stacks()[1]
-        return dec.dropout(dec.final_layer_norm(hidden))
+        return dec.dropout(getattr(dec, self.norm_name)(hidden))
+
+
+class T5DecoderOutput(NormDropoutOutput):
+    """T5's decoder output: its ``final_layer_norm`` and dropout."""
+
+    norm_name = "final_layer_norm"
 
 
 class BartDecoderOutput:
@@ -106,15 +115,8 @@ class MBartDecoderOutput:
         return self.stacks()[1].layer_norm(hidden)
 
 
-class GemmaDecoderOutput:
+class GemmaDecoderOutput(NormDropoutOutput):
     """T5Gemma's and T5Gemma 2's decoder output: its final ``norm`` and dropout."""
-
-    def decoder_norms(self) -> list[nn.Module]:
-        return [self.stacks()[1].norm]
-
-    def decoder_output(self, hidden: torch.Tensor) -> torch.Tensor:
-        dec = self.stacks()[1]
-        return dec.dropout(dec.norm(hidden))
 
 
 class TransformerBody:
@@ -339,13 +341,10 @@ class T5GemmaTokenClassifierStagedModel(EncoderDecoderMode, TokenClassificationH
     model_classes = ("T5GemmaForTokenClassification",)
 
 
-class T5Gemma2TokenClassifierStagedModel(TokenClassificationHead, GemmaDecoderOutput,
-                                         T5Gemma2StagedModel):
-    """``T5Gemma2ForTokenClassification`` on text: T5Gemma 2's units, embedding and masks;
-    ``score`` on the decoder's output; the unused vision tower and projector on the head side
-    (a microbatch with ``pixel_values`` is refused, as for its generation head)."""
-
-    model_classes = ("T5Gemma2ForTokenClassification",)
+class Gemma2TextHead:
+    """T5Gemma 2's task heads on text (mixed in first): the unused vision tower and projector
+    on the head side, as for its generation head, and a microbatch with ``pixel_values``
+    refused when its items are counted (before any collective; ``check_inputs``)."""
 
     def head_modules(self) -> list[nn.Module]:
         encoder = self.model.model.encoder
@@ -354,6 +353,15 @@ class T5Gemma2TokenClassifierStagedModel(TokenClassificationHead, GemmaDecoderOu
     def count_items(self, microbatch: Microbatch) -> int:
         self.check_inputs(microbatch)
         return super().count_items(microbatch)
+
+
+class T5Gemma2TokenClassifierStagedModel(Gemma2TextHead, TokenClassificationHead,
+                                         GemmaDecoderOutput, T5Gemma2StagedModel):
+    """``T5Gemma2ForTokenClassification`` on text: T5Gemma 2's units, embedding and masks;
+    ``score`` on the decoder's output; the unused vision tower and projector on the head side
+    (a microbatch with ``pixel_values`` is refused, as for its generation head)."""
+
+    model_classes = ("T5Gemma2ForTokenClassification",)
 
 
 class LastTokenSeq2SeqClassifier(Seq2SeqTaskHead, ClassifierStagedModel):
@@ -402,8 +410,8 @@ class T5GemmaSequenceClassifierStagedModel(EncoderDecoderMode, LastTokenSeq2SeqC
     model_classes = ("T5GemmaForSequenceClassification",)
 
 
-class T5Gemma2SequenceClassifierStagedModel(LastTokenSeq2SeqClassifier, GemmaDecoderOutput,
-                                            T5Gemma2StagedModel):
+class T5Gemma2SequenceClassifierStagedModel(Gemma2TextHead, LastTokenSeq2SeqClassifier,
+                                            GemmaDecoderOutput, T5Gemma2StagedModel):
     """``T5Gemma2ForSequenceClassification`` on text: T5Gemma 2's units, embedding and masks;
     ``score`` at each row's last non-pad decoder token (its own rule: of the decoder's input,
     unshifted); the vision tower and projector on the head side, unused."""
@@ -413,14 +421,6 @@ class T5Gemma2SequenceClassifierStagedModel(LastTokenSeq2SeqClassifier, GemmaDec
     def pooled_positions(self, microbatch: Microbatch, length: int) -> torch.Tensor:
         return last_non_pad(self.decoder_ids(microbatch), self.model.config.pad_token_id, 0,
                             length)
-
-    def head_modules(self) -> list[nn.Module]:
-        encoder = self.model.model.encoder
-        return [*super().head_modules(), encoder.vision_tower, encoder.multi_modal_projector]
-
-    def count_items(self, microbatch: Microbatch) -> int:
-        self.check_inputs(microbatch)
-        return super().count_items(microbatch)
 
 
 SEQ2SEQ_HEAD_ADAPTERS = (
