@@ -46,6 +46,9 @@ in integrations/trainer/seq2seq.py), set after training on both trainers: ``pred
 loss and ``compute_metrics`` (RTOL / ATOL) as stock; ``num_beams=2`` is refused with every
 torch.distributed collective patched to fail; and sampled ids equal one process decoding the 5
 rows keyed by their dataset index.
+On 2 ranks also a loss of the user's on an encoder-decoder: T5 with ``label_smoothing_factor``
+0.1 (training and ``evaluate``'s loss) and BART with a ``compute_loss_func`` (summed token cross
+entropy / ``num_items_in_batch``), each against stock ``Seq2SeqTrainer`` with the same setting.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ def _seq2seq_rows(n: int, seed: int, name: str = "t5") -> list[dict[str, list]]:
 def _data(name: str, model: torch.nn.Module) -> tuple:
     """(collator, train rows) of ``name``: ``DataCollatorForSeq2Seq`` (right padding, labels
     padded with -100, ``decoder_input_ids`` from ``model``) for the encoder-decoders."""
-    if name not in SEQ2SEQ:
+    if _base(name) not in SEQ2SEQ:
         return _collate, _samples(name, N_TRAIN)
     if name == "whisper":
         return _speech_collate, _seq2seq_rows(N_TRAIN, seed=5, name=name)
@@ -204,6 +207,28 @@ PLANNED = "gemma4_planned"  # Gemma 4's layers of two sizes with no plan: profil
 # layer), planned per layer, trained (2 ranks only)
 UNSHIFTED = "bart_causal"  # its own loss takes the labels as given; label smoothing on, which
 # stock shifts for a class in the causal-LM mapping whatever the model's loss does (2 ranks only)
+SMOOTHED = "t5_smoothed"  # T5 with label smoothing: stock's smoother on an encoder-decoder's
+# logits, unshifted, and its eval loss (2 ranks only)
+LOSS_FUNC = "bart_loss_func"  # BART with a compute_loss_func of the user's (2 ranks only)
+
+
+def _base(name: str) -> str:
+    """The zoo model a case trains (``SMOOTHED`` is T5, ``LOSS_FUNC`` BART)."""
+    return {SMOOTHED: "t5", LOSS_FUNC: "bart"}.get(name, name)
+
+
+def _user_loss_func(name: str):
+    """``LOSS_FUNC``'s compute_loss_func: token cross entropy summed over the labels != -100
+    and divided by ``num_items_in_batch`` (the sum-over-items form a user loss must have)."""
+    if name != LOSS_FUNC:
+        return None
+
+    def loss(outputs, labels, num_items_in_batch=None):
+        logits = outputs["logits"].float()
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
+            ignore_index=-100, reduction="sum") / num_items_in_batch
+    return loss
 
 
 SIDE = ("gemma3n", "gemma4_e")  # per-layer inputs: side inputs the embedding makes
@@ -212,7 +237,8 @@ SIDE_LR = {"gemma4_e": 0.01}  # ill-conditioned tiny copy: tests/test_generic_en
 
 def _names(world: int) -> list[str]:
     both = [*ZOO, UNREACHED, VLM, GEMMA4, *SIDE, *SEQ2SEQ]
-    return [*both, LORA, UNREACHED_ADAMW, USER_OPTIMIZER, UNSHIFTED, PLANNED] if world == 2 \
+    return [*both, LORA, UNREACHED_ADAMW, USER_OPTIMIZER, UNSHIFTED, SMOOTHED, LOSS_FUNC,
+            PLANNED] if world == 2 \
         else both
 
 
@@ -227,7 +253,7 @@ def _model(name: str) -> torch.nn.Module:
     if name == PLANNED:
         return build_zoo(GEMMA4, seed=3)
     if name != LORA:
-        return build_zoo(name, seed=3)
+        return build_zoo(_base(name), seed=3)
     from peft import LoraConfig, get_peft_model
 
     base = build_zoo("qwen3", seed=3)
@@ -242,7 +268,7 @@ def _args(name: str, out_dir: str) -> dict:
         dict(optim="sgd", weight_decay=0.1) if name in (UNREACHED, VLM, GEMMA4, PLANNED) else \
         dict(optim="adamw_torch", weight_decay=0.1, adam_epsilon=1e-2, save_strategy="steps",
              save_steps=STEPS, lr_scheduler_type="constant") if name == UNREACHED_ADAMW else \
-        dict(optim="sgd", label_smoothing_factor=0.1) if name == UNSHIFTED else \
+        dict(optim="sgd", label_smoothing_factor=0.1) if name in (UNSHIFTED, SMOOTHED) else \
         dict(optim="sgd")
     return dict(output_dir=os.path.join(out_dir, name), report_to="none",
                 learning_rate=SIDE_LR.get(name, LR), max_grad_norm=MAX_NORM, max_steps=STEPS,
@@ -272,13 +298,13 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
         model = _model(name)
         collator, rows = _data(name, model)
         door, door_args = (CephaloSeq2SeqTrainer, CephaloSeq2SeqTrainingArguments) \
-            if name in SEQ2SEQ else (CephaloTrainer, CephaloTrainingArguments)
+            if _base(name) in SEQ2SEQ else (CephaloTrainer, CephaloTrainingArguments)
         trainer = door(
             model=model, args=door_args(
                 **_args(name, out_dir),
                 **({"per_device_train_batch_size": GLOBAL_BATCH // world} if planned else {})),
             plan=None if planned else Plan.from_ratios(sizes, micro, ratios),
-            data_collator=collator, train_dataset=rows)
+            data_collator=collator, train_dataset=rows, compute_loss_func=_user_loss_func(name))
 
         if name == USER_OPTIMIZER:  # assigned after construction, over the shards
             trainer.optimizer = _user_sgd([p for _, p in trainer.session.named_shards()])
@@ -297,6 +323,8 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
                 results[f"{name}_generated"] = _generate_and_score(trainer, name)
                 results[f"{name}_beams"] = _refused_beams_without_collectives(trainer, name)
                 results[f"{name}_sampled"] = _sampled(trainer, name)
+        if name == SMOOTHED:
+            results[f"{name}_eval_loss"] = trainer.evaluate(_seq2seq_rows(5, seed=9))["eval_loss"]
         if planned:  # the model profile the plan was made from: each layer's size
             results["planned_units"] = trainer.session.cluster_profile.model.unit_params
         if name == UNREACHED_ADAMW:
@@ -320,16 +348,16 @@ _STOCK: dict = {}
 def _stock(name: str, out_dir: str) -> dict:
     if name not in _STOCK:
         model = _model(name)
-        stock_args = transformers.Seq2SeqTrainingArguments if name in SEQ2SEQ \
+        stock_args = transformers.Seq2SeqTrainingArguments if _base(name) in SEQ2SEQ \
             else transformers.TrainingArguments
         args = stock_args(per_device_train_batch_size=GLOBAL_BATCH, per_device_eval_batch_size=8,
                           **_args(name, out_dir))
         optimizers = (_user_sgd(model.parameters()), None) if name == USER_OPTIMIZER \
             else (None, None)
         collator, rows = _data(name, model)
-        stock = transformers.Seq2SeqTrainer if name in SEQ2SEQ else transformers.Trainer
+        stock = transformers.Seq2SeqTrainer if _base(name) in SEQ2SEQ else transformers.Trainer
         trainer = stock(model=model, args=args, data_collator=collator, train_dataset=rows,
-                        optimizers=optimizers)
+                        optimizers=optimizers, compute_loss_func=_user_loss_func(name))
         trainer.train()
         losses, norms = _logs(trainer)
         _STOCK[name] = dict(losses=losses, norms=norms, state={
@@ -343,6 +371,8 @@ def _stock(name: str, out_dir: str) -> dict:
                     max_new_tokens=3, do_sample=False).tolist()
         if name in GENERATE:
             _STOCK[f"{name}_generated"] = _generate_and_score(trainer, name)
+        if name == SMOOTHED:
+            _STOCK[f"{name}_eval_loss"] = trainer.evaluate(_seq2seq_rows(5, seed=9))["eval_loss"]
     return _STOCK[name]
 
 
@@ -441,6 +471,9 @@ def _check_world(world: int, out_dir: str) -> None:
                         (where, run[f"{name}_generate"], _STOCK[f"{name}_generate"])
             if name in GENERATE:
                 _check_generated(run, name, where)
+            if name == SMOOTHED:
+                torch.testing.assert_close(run[f"{name}_eval_loss"], _STOCK[f"{name}_eval_loss"],
+                                           rtol=RTOL, atol=ATOL, msg=lambda m: f"{where}: {m}")
         if name in SEQ2SEQ:  # the saved model loads back as the class, stock's weights
             saved = type(_model(name)).from_pretrained(os.path.join(out_dir, name, "final"))
             for key, value in ref["state"].items():

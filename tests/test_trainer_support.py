@@ -416,22 +416,14 @@ def test_seq2seq_refusals_in_one_message(tmp_path, monkeypatch):
         generation_num_beams=2, sortish_sampler=True))
 
 
-def test_seq2seq_with_a_loss_of_the_users_is_refused_before_any_process_group(tmp_path,
-                                                                              monkeypatch):
-    """CephaloTrainer takes T5 / BART with the model's own loss
-    (tests/test_generic_trainer_parity.py); label smoothing (a loss of the user's on the
-    outputs, unchecked for an encoder-decoder) is refused before any process group exists, and
-    a door that does not take encoder-decoders (the accelerate loop, TRL's reference models:
-    ``stage_model`` without ``seq2seq``) refuses them ([Note: encoder-decoders at the doors])."""
-    from hf_cephalo.integrations.trainer.trainer import CephaloTrainer
+def test_seq2seq_in_a_door_without_encoder_decoders_is_refused_before_any_process_group():
+    """CephaloTrainer takes T5 / BART with the model's own loss, label smoothing or a
+    compute_loss_func (tests/test_generic_trainer_parity.py); a door that does not take
+    encoder-decoders (the accelerate loop, TRL's reference models: ``stage_model`` without
+    ``seq2seq``) refuses them ([Note: encoder-decoders at the doors])."""
     from hf_cephalo.runtime import stage_model
     from tests.zoo_fixtures import build_zoo
 
-    monkeypatch.delenv("HF_CEPHALO_PLAN_FILE", raising=False)
-    with pytest.raises(ValueError, match="BartForConditionalGeneration is an encoder-decoder: "
-                                         "CephaloTrainer trains it with the model's own loss"):
-        CephaloTrainer(model=build_zoo("bart"), args=_args(tmp_path, label_smoothing_factor=0.1))
-    assert not torch.distributed.is_initialized()
     with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder-decoder: .*"
                                          "this door does not take encoder-decoders yet"):
         stage_model(build_zoo("t5"))

@@ -479,14 +479,20 @@ def is_causal_lm(staged: StagedModel) -> bool:
     return causal_adapter(staged) is not None
 
 
-def empty_logits(staged: StagedModel, input_ids: Any, device=None) -> torch.Tensor:
-    """The logits of 0 rows as the model's forward would shape them: (0, T, vocab_size) for a
-    causal LM (T from ``input_ids`` (rows, T), 0 without), (0, T, C) for a head scoring every
-    position (``token_logits_width``: a token classifier's labels, a masked LM's vocabulary,
-    question answering's start and end), (0, num_labels) for a classifier."""
+def empty_logits(staged: StagedModel, inputs: Mapping[str, Any], device=None) -> torch.Tensor:
+    """The logits of 0 rows of ``inputs`` (a batch) as the model's forward would shape them:
+    (0, T, vocab_size) for a causal LM (T from ``input_ids`` (rows, T), 0 without), (0, T, C)
+    for a head scoring every position (``token_logits_width``: a token classifier's labels, a
+    masked LM's vocabulary, question answering's start and end; an encoder-decoder LM's
+    vocabulary, T its decoder's positions: ``logits_length``), (0, num_labels) for a
+    classifier."""
     config = staged.model.config
+    input_ids = inputs.get("input_ids")
     seq = input_ids.shape[1] if isinstance(input_ids, torch.Tensor) and input_ids.dim() > 1 \
         else 0
+    length = getattr(staged, "logits_length", None)
+    if callable(length):
+        seq = length(inputs)
     if is_causal_lm(staged):
         return torch.zeros((0, seq, config.get_text_config().vocab_size), device=device)
     width = getattr(staged, "token_logits_width", None)

@@ -93,6 +93,21 @@ class Seq2SeqStagedModel(HFStagedModel):
         super().__init__(model)
         self.refuse_layer_drop()
 
+    def token_logits_width(self) -> int:
+        """V of the LM logits (m, T, V): the output projection's ``out_features`` (not its
+        weight's rows: a sharded weight is a placeholder between steps), else the config's
+        ``vocab_size``."""
+        width = getattr(self.model.get_output_embeddings(), "out_features", None)
+        return int(width) if isinstance(width, int) else \
+            int(self.model.config.get_text_config().vocab_size)
+
+    def logits_length(self, inputs: Microbatch) -> int:
+        """T of the logits (m, T, ...) of ``inputs``: the decoder's positions, the width of
+        ``decoder_input_ids``, else of ``labels`` (0 without either)."""
+        ids = inputs.get("decoder_input_ids")
+        ids = inputs.get("labels") if ids is None else ids
+        return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() > 1 else 0
+
     # ---- family hooks -------------------------------------------------------------------
     def layer_lists(self, model: nn.Module) -> tuple[nn.ModuleList, nn.ModuleList]:
         """(encoder layers, decoder layers) of ``model``."""

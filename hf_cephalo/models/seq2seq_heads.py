@@ -74,6 +74,10 @@ class Seq2SeqTaskHead:
         ids = microbatch.get("input_ids") if ids is None else ids
         return int(ids.shape[1]) if torch.is_tensor(ids) and ids.dim() > 1 else None
 
+    def logits_length(self, inputs: Microbatch) -> int:
+        """T of per-position logits (m, T, C): the decoder's positions (0 without input ids)."""
+        return self.decoder_length(inputs) or 0
+
 
 class NormDropoutOutput:
     """A decoder output that is the decoder's final norm (its attribute ``norm_name``) and
@@ -226,6 +230,8 @@ class SequenceClassificationHead(Seq2SeqTaskHead, ClassifierStagedModel):
     rows hold different numbers of ``<eos>`` tokens or none (``count_items``, before any
     collective; ``check_eos``) or without ``labels`` (the loss)."""
 
+    token_logits_width = None  # one row of logits per sample, not per position
+
     def head_modules(self) -> list[nn.Module]:
         return [*self.decoder_norms(), self.model.classification_head]
 
@@ -370,6 +376,8 @@ class LastTokenSeq2SeqClassifier(Seq2SeqTaskHead, ClassifierStagedModel):
     ``pooled_positions``; the loss and items of ``ClassifierStagedModel``. Raises ValueError
     for a model without ``pad_token_id`` (stock pools position -1 for a batch of one row and
     refuses more; a microbatch is not stock's batch, so the staging refuses it up front)."""
+
+    token_logits_width = None  # one row of logits per sample, not per position
 
     def __init__(self, model: nn.Module):
         if model.config.pad_token_id is None:

@@ -13,11 +13,14 @@ BART, Whisper, LED, PEGASUS-X and T5Gemma its training (losses, gradient norms, 
 each rank's widest) and the model ``save_model`` writes equal stock's with the whole global
 batch, on ``DataCollatorForSeq2Seq`` (Whisper: log-mel) batches (the global width pads the
 encoder's and the decoder's axes apart: runtime/global_width.py), on 2 ranks with an uneven plan
-and on 3 with an idle rank (tests/test_generic_trainer_parity.py). Not checked, so refused
-before any collective: a loss of the user's on them (label smoothing, ``compute_loss_func``, a
-``compute_loss`` override, TRL's trainers, which compute their own), and the other doors (the
-accelerate loop, TRL's reference models), whose outputs and item counts are those of one token
-sequence per row.
+and on 3 with an idle rank (tests/test_generic_trainer_parity.py); so do T5 with
+``label_smoothing_factor`` (stock's smoother on the decoder's logits, unshifted; the eval loss
+too) and BART with a ``compute_loss_func`` (handed the label tokens != -100 as
+``num_items_in_batch``, as stock does), on 2 ranks. A user loss runs on the stand-in model's
+outputs (``logits`` (m, T, V), T the decoder's positions; ``runtime/user_loss.py``). Not
+checked, so refused before any collective: the other doors (the accelerate loop, TRL's trainers
+and reference models), whose outputs and item counts are those of one token sequence per
+row.
 """
 
 from __future__ import annotations
@@ -46,14 +49,3 @@ def stage_model(model: nn.Module, *, seq2seq: bool = False) -> StagedModel:
             "does not take encoder-decoders yet (its outputs and item counts are checked for "
             "one token sequence per row, not an encoder's and a decoder's). Nothing was run")
     return staged
-
-
-def refuse_seq2seq_user_loss(staged: StagedModel) -> None:
-    """ValueError where ``staged`` is an encoder-decoder and the door runs a loss of the
-    user's on it ([Note: encoder-decoders at the doors]); nothing otherwise."""
-    if isinstance(staged, Seq2SeqStagedModel):
-        raise ValueError(
-            f"{type(staged.model).__name__} is an encoder-decoder: CephaloTrainer trains it "
-            "with the model's own loss only; a loss of yours (label_smoothing_factor, "
-            "compute_loss_func, a compute_loss override, a TRL trainer's loss) on its "
-            "outputs is not checked yet. Train with the model's own loss. Nothing was run")

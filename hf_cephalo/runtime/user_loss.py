@@ -172,7 +172,7 @@ class EngineOutputs:
         labels = inputs.get("labels")
         if self._view is None:  # the replay: zero rows
             return cls(loss=None if labels is None else torch.zeros(()),
-                       logits=empty_logits(self._staged, inputs.get("input_ids")))
+                       logits=empty_logits(self._staged, inputs))
         logits = self._view.logits()
         loss = None
         if labels is not None:

@@ -112,8 +112,7 @@ class CephaloModel(nn.Module):
             local = sum(counts)
             sums = [m * n for m, n in zip(out.microbatch_losses, counts) if n]
             loss = torch.tensor(sum(sums) / local if local else 0.0, device=session.job.device)
-        empty = None if logits else empty_logits(session.staged, batch.get("input_ids"),
-                                                 session.job.device)
+        empty = None if logits else empty_logits(session.staged, batch, session.job.device)
         output = hooks.output_class(loss=loss, logits=_cat(list(logits), empty))
         # not ModelOutput fields: attributes, so the output's tuple / dict views stay stock's
         object.__setattr__(output, "num_items", int(local))

@@ -46,7 +46,7 @@ from hf_cephalo.integrations.trainer.training_args import CephaloArguments, job_
 from hf_cephalo.runtime import (ClusterProfile, CompileOptions, HeadCalls, ItemCountStagedModel,
                                 Plan, Session, UserLossStagedModel, decay_groups, engine_names,
                                 is_causal_lm, label_count, packs_without_padding,
-                                parameter_names, refuse_seq2seq_user_loss, stock_count_shifts,
+                                parameter_names, stock_count_shifts,
                                 stock_item_count, stock_smoother_shift, supported_model_classes)
 from hf_cephalo.runtime import format_plan_table  # noqa: F401 (exported)
 
@@ -157,7 +157,6 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         self._head_calls: HeadCalls | None = None
         engine_staged = self._engine_staged(staged)
         if user_loss:  # [Note: collectives inside the engine's head] in head_calls.py
-            refuse_seq2seq_user_loss(staged)  # before any collective
             engine_staged = UserLossStagedModel(engine_staged, self.compute_loss,
                                                 variants=self._engine_call_variants(),
                                                 count_items=self._user_loss_items(staged),
