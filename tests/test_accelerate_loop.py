@@ -31,6 +31,7 @@ parameter), fp32 at rtol 1e-5 / atol 1e-6:
 * after training, the prepared model's ``generate`` and ``CephaloTrainer.generate`` give each
   row (interleaved over the ranks, an idle rank included) what one process decodes with the
   final weights (keyed sampling, docs/generation.md);
+* T5 (an encoder-decoder) with the model's own loss, both world sizes;
 * refusals before any collective: a second model, ``no_sync``, backward twice, a loss that does
   not depend on the outputs (every rank raises, none hangs).
 """
@@ -435,6 +436,7 @@ def _worker(rank, world, root):
         results["stream_resumed"] = _loop(rank, world, root, "stream_resumed", second,
                                           stream=True, resume=os.path.join(root, "stream-ckpt"))
     results["eval"] = _eval_case(rank, world, root, first)
+    results["t5"] = _seq2seq_loop(rank, world, root, first)
     results["refusals"] = _refusals(rank, world, root, first)
     return portable(results, to_numpy=True)
 
@@ -471,6 +473,68 @@ def _trainer(rank, world, root, plan, precision="no"):
 
 
 # ---- the single-process reference ------------------------------------------------------------
+def _seq2seq_samples() -> list[dict[str, torch.Tensor]]:
+    """``DataCollatorForSeq2Seq``-style rows of one width: 9 input tokens right-padded with 0
+    (3..9 kept), 6 labels padded with -100 (2..6 kept)."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for _ in range(N_TRAIN):
+        ids, mask = torch.randint(3, 97, (9,), generator=g), torch.ones(9, dtype=torch.long)
+        keep = int(torch.randint(3, 10, (), generator=g))
+        ids[keep:], mask[keep:] = 0, 0
+        labels = torch.randint(3, 97, (6,), generator=g)
+        labels[int(torch.randint(2, 7, (), generator=g)):] = -100
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return rows
+
+
+def _seq2seq_loop(rank, world, root, plan):
+    """T5 (``T5ForConditionalGeneration``: an encoder-decoder, the decoder's input the model's
+    own shift of the labels) through the loop with the model's own loss: per-step global
+    losses and (rank 0) the final state dict."""
+    from hf_cephalo.planner import Plan
+    from torch.utils.data import DataLoader
+    from tests.zoo_fixtures import build_zoo
+
+    plan_file = os.path.join(root, f"{world}-t5", "plan.json")
+    os.makedirs(os.path.dirname(plan_file), exist_ok=True)
+    Plan.from_ratios(*plan).save(plan_file)
+    accelerator = _accelerator(plan_file)
+    model = build_zoo("t5", seed=3).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR * 5)
+    loader = DataLoader(_seq2seq_samples(), batch_size=B // world, shuffle=True,
+                        collate_fn=_collate, generator=torch.Generator().manual_seed(SEED))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for batch in loader:
+        outputs = model(**batch)
+        accelerator.backward(outputs.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        local = outputs.loss.detach() * outputs.num_items if outputs.num_items else \
+            torch.zeros(())
+        losses.append(float(accelerator.reduce(local, "sum")) / outputs.num_items_in_batch)
+    state = accelerator.get_state_dict(model)
+    return dict(losses=losses, state=state if rank == 0 else None)
+
+
+def _seq2seq_reference():
+    """``_seq2seq_loop``'s job as a plain loop on one process with the whole global batch."""
+    from hf_cephalo.runtime.sampler import global_batches
+    from tests.zoo_fixtures import build_zoo
+
+    model = build_zoo("t5", seed=3).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR * 5)
+    data, losses = _seq2seq_samples(), []
+    for indices in global_batches(N_TRAIN, B, epoch=0, seed=SEED):
+        loss = model(**_collate([data[i] for i in indices])).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, model.state_dict()
+
+
 def _reference(world, *, kind="own", sched=False, ga=1, precision="no", steps=None,
                stream=False):
     from hf_cephalo.runtime.sampler import global_batches
@@ -537,6 +601,16 @@ def test_loop_equals_full_batch_reference(runs, world, case):
     for result in runs[world]:  # the global loss is the same on every rank
         _close(result[case]["losses"], ref_losses)
     _params_close(runs[world][0][case]["state"], ref_state)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_encoder_decoder_loop_equals_full_batch_reference(runs, world):
+    """T5 through the loop door (the model's own loss; [Note: encoder-decoders at the doors])
+    equals one process with the whole global batch, an idle rank included on 3 ranks."""
+    ref_losses, ref_state = _seq2seq_reference()
+    for result in runs[world]:
+        _close(result["t5"]["losses"], ref_losses)
+    _params_close(runs[world][0]["t5"]["state"], ref_state)
 
 
 @pytest.mark.parametrize("world", [2, 3])

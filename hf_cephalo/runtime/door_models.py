@@ -17,10 +17,11 @@ and on 3 with an idle rank (tests/test_generic_trainer_parity.py); so do T5 with
 ``label_smoothing_factor`` (stock's smoother on the decoder's logits, unshifted; the eval loss
 too) and BART with a ``compute_loss_func`` (handed the label tokens != -100 as
 ``num_items_in_batch``, as stock does), on 2 ranks. A user loss runs on the stand-in model's
-outputs (``logits`` (m, T, V), T the decoder's positions; ``runtime/user_loss.py``). Not
-checked, so refused before any collective: the other doors (the accelerate loop, TRL's trainers
-and reference models), whose outputs and item counts are those of one token sequence per
-row.
+outputs (``logits`` (m, T, V), T the decoder's positions; ``runtime/user_loss.py``). The
+accelerate loop takes them too (``CephaloAccelerator.prepare``; T5 with the model's own loss on
+2 ranks and on 3 with an idle rank equals one process with the whole global batch:
+tests/test_accelerate_loop.py). Not checked, so refused before any collective: TRL's trainers
+and reference models, whose outputs and item counts are those of one token sequence per row.
 """
 
 from __future__ import annotations

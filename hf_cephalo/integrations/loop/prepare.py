@@ -187,7 +187,7 @@ def prepare_loop(accelerator, args: tuple) -> tuple:
     loaders = [a for a in args if isinstance(a, DataLoader)]
     if model_index is not None:
         model = args[model_index]
-        staged = stage_model(model)  # an unsupported model: ValueError before any collective
+        staged = stage_model(model, seq2seq=True)  # unsupported: ValueError before any collective
         train = loaders[0] if loaders else None
         name_of = parameter_names(model)  # before the engine
         _check_optimizers(args, name_of)  # before the session's first collective
