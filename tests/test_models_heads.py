@@ -31,7 +31,9 @@ EXACT = {
     # ALBERT: repeated layer calls (models/generic_repeats.py)
     "token-classification": ["BertForTokenClassification", "DebertaV2ForTokenClassification",
                              "XLNetForTokenClassification", "AlbertForTokenClassification"],
-    "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM"],
+    # LUKE: its 500k-entity vocabulary shrunk (models/shrink.py), entity inputs left out
+    "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM",
+                  "LukeForMaskedLM"],
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering",
                            "XLNetForQuestionAnsweringSimple",  # ...Simple: the span head
                            "T5ForQuestionAnswering"],  # on the decoder (models/seq2seq_heads.py)

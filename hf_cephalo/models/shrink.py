@@ -368,7 +368,19 @@ def _shrink_vocab(cfg: Any) -> None:
                 key.startswith("vocab_size") or key.endswith("_vocab")
                 or (key.endswith("vocab_size") and value == vocab)):
             _set(cfg, key, TINY_VOCAB)
+    _shrink_larger_vocabs(cfg, vocab)
     cfg.vocab_size = TINY_VOCAB
+
+
+def _shrink_larger_vocabs(cfg: Any, vocab: int) -> None:
+    """Each further vocabulary (a ``*_vocab_size`` field) larger than the model's own
+    ``vocab``, to TINY_VOCAB: a table of ids of another kind (LUKE's 500k entities, read only
+    when the batch holds entity ids) would otherwise keep the tiny copy at full size; a
+    smaller one (RoCBert's shape and pronunciation ids, a codebook) is left as it is."""
+    for key, value in list(vars(cfg).items()):
+        if key.endswith("_vocab_size") and isinstance(value, int) \
+                and not isinstance(value, bool) and value > max(vocab, TINY_VOCAB):
+            _set(cfg, key, TINY_VOCAB)
 
 
 def tiny_config(config: Any) -> Any:
