@@ -64,6 +64,9 @@ REFUSED = {  # class -> what its refusal says
     # its ids are Unicode code points (no vocab_size): the check's batch builds, and its
     # forward runs three stacks (characters, downsampled deep stack, characters again)
     "CanineForQuestionAnswering": "has 3 layer stacks",
+    # its axial position widths now split the tiny width (models/shrink.py); its layers run
+    # inside its reversible _ReversibleFunction (models/autograd_layers.py)
+    "ReformerForQuestionAnswering": "inside the custom autograd function _ReversibleFunction",
 }
 
 

@@ -225,6 +225,7 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
         if isinstance(value, int) and not isinstance(value, bool) and value in widths \
                 and key not in _SIZES and _is_width(key):
             _set(cfg, key, widths[value])
+    _shrink_width_parts(cfg, widths)
     L = int_field(cfg, "num_hidden_layers")
     if L is not None:
         n = _num_layers_needed(cfg, L)
@@ -271,6 +272,24 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
     _keep_ssm_splits(cfg, splits, groups)
     if int_field(cfg, "vocab_size") is not None:
         _shrink_vocab(cfg)
+
+
+def _shrink_width_parts(cfg: Any, widths: dict[int, int]) -> None:
+    """A model width split into parts (a list of widths summing to it: Reformer's
+    ``axial_pos_embds_dim``, its axial position embedding's parts, concatenated to the model
+    width) split the same way at the tiny width (``widths``: {model width: tiny width}): each
+    part scaled, at least 1, the last taking what rounding leaves, so they still sum to it."""
+    for key, value in list(vars(cfg).items()):
+        if not (isinstance(value, (list, tuple)) and len(value) > 1 and _is_width(key)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+                and sum(value) in widths):
+            continue
+        tiny = widths[sum(value)]
+        if tiny < len(value):
+            continue
+        parts = [max(1, v * tiny // sum(value)) for v in value[:-1]]
+        if sum(parts) < tiny:
+            _set(cfg, key, type(value)(parts + [tiny - sum(parts)]))
 
 
 def _shrink_layer_groups(cfg: Any, L: int, n: int) -> None:
