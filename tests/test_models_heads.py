@@ -65,8 +65,11 @@ REFUSED = {  # class -> what its refusal says
     # forward runs three stacks (characters, downsampled deep stack, characters again)
     "CanineForQuestionAnswering": "has 3 layer stacks",
     # its axial position widths now split the tiny width (models/shrink.py); its layers run
-    # inside its reversible _ReversibleFunction (models/autograd_layers.py)
+    # inside its reversible _ReversibleFunction (models/forward_refusals.py)
     "ReformerForQuestionAnswering": "inside the custom autograd function _ReversibleFunction",
+    # d_latents shrunk (models/shrink.py); its decoder queries max_position_embeddings
+    # positions whatever the row length (models/forward_refusals.py)
+    "PerceiverForMaskedLM": "its head predicts a fixed number of positions",
 }
 
 

@@ -23,6 +23,7 @@ _SIZES = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 2
           "kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
           "v_head_dim": 8, "d_model": 32, "n_embd": 32, "embedding_size": 32,
           "hidden_size_per_layer_input": 8}
+_SIZES["d_latents"] = 32  # Perceiver's latents' width (its layers run on the latents)
 _HEADS = ("num_attention_heads", "n_head", "num_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
 _STACKS = ("encoder", "decoder", "cross")
