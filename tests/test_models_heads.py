@@ -32,8 +32,9 @@ EXACT = {
     "token-classification": ["BertForTokenClassification", "DebertaV2ForTokenClassification",
                              "XLNetForTokenClassification", "AlbertForTokenClassification"],
     # LUKE: its 500k-entity vocabulary shrunk (models/shrink.py), entity inputs left out
+    # NeoMME: a head width whose partial rotary part is a multiple of 4 (models/shrink.py)
     "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM",
-                  "LukeForMaskedLM"],
+                  "LukeForMaskedLM", "NeoMMEForMaskedLM"],
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering",
                            "XLNetForQuestionAnsweringSimple",  # ...Simple: the span head
                            "T5ForQuestionAnswering"],  # on the decoder (models/seq2seq_heads.py)

@@ -464,14 +464,31 @@ def _shrink_valid(cfg: Any, tree_widths: dict[int, int] | None = None) -> None:
 
 def _valid(cfg: Any) -> bool:
     """Whether the config class's own architecture validation accepts ``cfg`` (True where it
-    has none)."""
+    has none) and the class builds again from its fields (``_rebuilds``)."""
     validate = getattr(cfg, "validate_architecture", None)
     if validate is None:
-        return True
+        return _rebuilds(cfg)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             validate()
+    except Exception:  # noqa: BLE001 - any rejection
+        return False
+    return _rebuilds(cfg)
+
+
+def _rebuilds(cfg: Any) -> bool:
+    """Whether the config class builds again from ``cfg``'s declared fields, i.e. accepts its
+    sizes where it checks them on loading rather than in ``validate_architecture`` (NeoMME's
+    rotated head widths, a multiple of 4: a head of 8 with partial_rotary_factor 0.25 rotates
+    2). True for a config without declared fields (``_rebuilt``: nothing to rebuild)."""
+    try:
+        params = inspect.signature(type(cfg).__init__).parameters
+        if sum(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) < 2:
+            return True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            type(cfg)(**{k: v for k, v in cfg.to_dict().items() if k in params})
         return True
     except Exception:  # noqa: BLE001 - any rejection
         return False
