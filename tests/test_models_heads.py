@@ -37,7 +37,9 @@ EXACT = {
                   "LukeForMaskedLM", "NeoMMEForMaskedLM"],
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering",
                            "XLNetForQuestionAnsweringSimple",  # ...Simple: the span head
-                           "T5ForQuestionAnswering"],  # on the decoder (models/seq2seq_heads.py)
+                           "T5ForQuestionAnswering",  # on the decoder (models/seq2seq_heads.py)
+                           # its rows hold 3 separators (generic_heads.QA_SEPARATORS)
+                           "LongformerForQuestionAnswering"],
     # LongT5's local attention (seq2seq_t5_kin.py); BART's kin (models/seq2seq_kin.py): FSMT's
     # sequence-first layers, MVP's layer calls, PEGASUS-X's global tokens joined into the
     # boundary; Moonshine's raw-audio front end
