@@ -161,7 +161,7 @@ def test_refusals_name_the_class_and_the_reason():
     another kind, encoder-decoders (seq2seq, speech, their classifiers)."""
     types = {}
     for mapping in ("image-classification", "seq2seq-lm", "speech-seq2seq",
-                    "question-answering"):
+                    "question-answering", "masked-lm"):
         types.update({n: (t, mapping) for n, t in _types(mapping).items()})
     for name, reason in REFUSED.items():
         model_type, mapping = types[name]
