@@ -32,11 +32,16 @@ EXACT = {
     # ALBERT: repeated layer calls (models/generic_repeats.py)
     "token-classification": ["BertForTokenClassification", "DebertaV2ForTokenClassification",
                              "XLNetForTokenClassification", "AlbertForTokenClassification"],
-    "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM"],
+    # LUKE: its 500k-entity vocabulary shrunk (models/shrink.py), entity inputs left out
+    # NeoMME: a head width whose partial rotary part is a multiple of 4 (models/shrink.py)
+    "masked-lm": ["BertForMaskedLM", "ModernBertForMaskedLM", "RobertaForMaskedLM",
+                  "LukeForMaskedLM", "NeoMMEForMaskedLM"],
     "question-answering": ["RobertaForQuestionAnswering", "XLMRobertaForQuestionAnswering",
                            "MvpForQuestionAnswering",  # MVP's units, a new H
                            "XLNetForQuestionAnsweringSimple",  # ...Simple: the span head
-                           "T5ForQuestionAnswering"],  # on the decoder (models/seq2seq_heads.py)
+                           "T5ForQuestionAnswering",  # on the decoder (models/seq2seq_heads.py)
+                           # its rows hold 3 separators (generic_heads.QA_SEPARATORS)
+                           "LongformerForQuestionAnswering"],
     # LongT5's local attention (seq2seq_t5_kin.py); BART's kin (models/seq2seq_kin.py): FSMT's
     # sequence-first layers, MVP's layer calls, PEGASUS-X's global tokens joined into the
     # boundary; Moonshine's raw-audio front end
@@ -64,6 +69,12 @@ REFUSED = {  # class -> what its refusal says
     # its ids are Unicode code points (no vocab_size): the check's batch builds, and its
     # forward runs three stacks (characters, downsampled deep stack, characters again)
     "CanineForQuestionAnswering": "has 3 layer stacks",
+    # its axial position widths now split the tiny width (models/shrink.py); its layers run
+    # inside its reversible _ReversibleFunction (models/forward_refusals.py)
+    "ReformerForQuestionAnswering": "inside the custom autograd function _ReversibleFunction",
+    # d_latents shrunk (models/shrink.py); its decoder queries max_position_embeddings
+    # positions whatever the row length (models/forward_refusals.py)
+    "PerceiverForMaskedLM": "its head predicts a fixed number of positions",
 }
 
 
@@ -152,7 +163,7 @@ def test_refusals_name_the_class_and_the_reason():
     another kind, encoder-decoders (seq2seq, speech, their classifiers)."""
     types = {}
     for mapping in ("image-classification", "seq2seq-lm", "speech-seq2seq",
-                    "question-answering"):
+                    "question-answering", "masked-lm"):
         types.update({n: (t, mapping) for n, t in _types(mapping).items()})
     for name, reason in REFUSED.items():
         model_type, mapping = types[name]

@@ -303,7 +303,9 @@ def token_labels(task: str, config: Any, ids: torch.Tensor, mask: torch.Tensor,
                  g: torch.Generator) -> dict[str, torch.Tensor]:
     """The label keys of a text task for ids (B, S) with padding ``mask``: per-token classes
     (token classification), masked-out original ids (masked LM: about a third of the real
-    tokens scored), or answer spans inside each row (question answering)."""
+    tokens scored), or answer spans inside each row (question answering; with
+    ``input_ids`` too where the model finds the question by its separators:
+    ``QA_SEPARATORS``)."""
     if task == TOKEN_CLASSIFICATION:
         labels = torch.randint(0, max(int(config.num_labels), 1), ids.shape, generator=g)
         return {"labels": labels.masked_fill(mask == 0, IGNORE_INDEX)}
@@ -314,4 +316,29 @@ def token_labels(task: str, config: Any, ids: torch.Tensor, mask: torch.Tensor,
     lengths = mask.sum(-1)
     start = (torch.rand(ids.shape[0], generator=g) * lengths).long()
     end = torch.minimum(start + 2, lengths - 1)
-    return {"start_positions": start, "end_positions": end}
+    spans = {"start_positions": start, "end_positions": end}
+    if getattr(config, "model_type", None) in QA_SEPARATORS:
+        spans["input_ids"] = _question_and_context(config, ids, mask)
+    return spans
+
+
+QA_SEPARATORS = {"longformer"}
+"""Model types whose question-answering forward finds the question by the config's
+``sep_token_id`` in every row (Longformer: exactly 3 separators, ``<s> question </s></s>
+context </s>`` as its tokenizer lays a pair out, the tokens before the first one given
+global attention) and refuses rows without them: their check rows are laid out so."""
+
+
+def _question_and_context(config: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``ids`` (B, S), right-padded by ``mask``, as question / context pairs: the config's
+    separator at positions q, q + 1 and the row's last real token (q = 2, less in a row
+    shorter than 5 tokens) and nowhere else. ValueError for a row of fewer than 3 tokens."""
+    sep = int(config.sep_token_id)
+    other = sep + 1 if sep + 1 < config.vocab_size else sep - 1
+    out = ids.masked_fill(ids == sep, other)
+    for row, length in enumerate(mask.sum(-1).tolist()):
+        if length < 3:
+            raise ValueError(f"a row of {length} tokens cannot hold a question and a context")
+        q = min(2, length - 3)
+        out[row, [q, q + 1, length - 1]] = sep
+    return out

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from hf_cephalo.models.base import run_unit_in
 from hf_cephalo.models.causal_check import causal_lm_problem
+from hf_cephalo.models.forward_refusals import refuse_by_own_forward
 from hf_cephalo.models.generic import (GenericContext, Layout, NotCausalLMError, StructureError,
                                        forward_inputs, trace_layout)
 from hf_cephalo.models.generic_heads import (CAUSAL_LM, ENCODER_TASKS,
@@ -478,6 +479,7 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     or not: ``label_shift``), its staging compared with its own forward on ``batch``;
     StructureError with what differed."""
     layers = find_layers(tiny, batch)
+    refuse_by_own_forward(tiny, batch, layers, task)
     hint = ""  # why a staged model that builds may still fail to run
     try:
         layout = dataclasses.replace(trace_layout(tiny, batch, layers), label_shift=label_shift)

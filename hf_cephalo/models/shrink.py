@@ -23,6 +23,7 @@ _SIZES = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 2
           "kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
           "v_head_dim": 8, "d_model": 32, "n_embd": 32, "embedding_size": 32,
           "hidden_size_per_layer_input": 8}
+_SIZES["d_latents"] = 32  # Perceiver's latents' width (its layers run on the latents)
 _HEADS = ("num_attention_heads", "n_head", "num_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
 _STACKS = ("encoder", "decoder", "cross")
@@ -225,6 +226,7 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
         if isinstance(value, int) and not isinstance(value, bool) and value in widths \
                 and key not in _SIZES and _is_width(key):
             _set(cfg, key, widths[value])
+    _shrink_width_parts(cfg, widths)
     L = int_field(cfg, "num_hidden_layers")
     if L is not None:
         n = _num_layers_needed(cfg, L)
@@ -271,6 +273,24 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
     _keep_ssm_splits(cfg, splits, groups)
     if int_field(cfg, "vocab_size") is not None:
         _shrink_vocab(cfg)
+
+
+def _shrink_width_parts(cfg: Any, widths: dict[int, int]) -> None:
+    """A model width split into parts (a list of widths summing to it: Reformer's
+    ``axial_pos_embds_dim``, its axial position embedding's parts, concatenated to the model
+    width) split the same way at the tiny width (``widths``: {model width: tiny width}): each
+    part scaled, at least 1, the last taking what rounding leaves, so they still sum to it."""
+    for key, value in list(vars(cfg).items()):
+        if not (isinstance(value, (list, tuple)) and len(value) > 1 and _is_width(key)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+                and sum(value) in widths):
+            continue
+        tiny = widths[sum(value)]
+        if tiny < len(value):
+            continue
+        parts = [max(1, v * tiny // sum(value)) for v in value[:-1]]
+        if sum(parts) < tiny:
+            _set(cfg, key, type(value)(parts + [tiny - sum(parts)]))
 
 
 def _shrink_layer_groups(cfg: Any, L: int, n: int) -> None:
@@ -368,7 +388,19 @@ def _shrink_vocab(cfg: Any) -> None:
                 key.startswith("vocab_size") or key.endswith("_vocab")
                 or (key.endswith("vocab_size") and value == vocab)):
             _set(cfg, key, TINY_VOCAB)
+    _shrink_larger_vocabs(cfg, vocab)
     cfg.vocab_size = TINY_VOCAB
+
+
+def _shrink_larger_vocabs(cfg: Any, vocab: int) -> None:
+    """Each further vocabulary (a ``*_vocab_size`` field) larger than the model's own
+    ``vocab``, to TINY_VOCAB: a table of ids of another kind (LUKE's 500k entities, read only
+    when the batch holds entity ids) would otherwise keep the tiny copy at full size; a
+    smaller one (RoCBert's shape and pronunciation ids, a codebook) is left as it is."""
+    for key, value in list(vars(cfg).items()):
+        if key.endswith("_vocab_size") and isinstance(value, int) \
+                and not isinstance(value, bool) and value > max(vocab, TINY_VOCAB):
+            _set(cfg, key, TINY_VOCAB)
 
 
 def tiny_config(config: Any) -> Any:
@@ -432,14 +464,31 @@ def _shrink_valid(cfg: Any, tree_widths: dict[int, int] | None = None) -> None:
 
 def _valid(cfg: Any) -> bool:
     """Whether the config class's own architecture validation accepts ``cfg`` (True where it
-    has none)."""
+    has none) and the class builds again from its fields (``_rebuilds``)."""
     validate = getattr(cfg, "validate_architecture", None)
     if validate is None:
-        return True
+        return _rebuilds(cfg)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             validate()
+    except Exception:  # noqa: BLE001 - any rejection
+        return False
+    return _rebuilds(cfg)
+
+
+def _rebuilds(cfg: Any) -> bool:
+    """Whether the config class builds again from ``cfg``'s declared fields, i.e. accepts its
+    sizes where it checks them on loading rather than in ``validate_architecture`` (NeoMME's
+    rotated head widths, a multiple of 4: a head of 8 with partial_rotary_factor 0.25 rotates
+    2). True for a config without declared fields (``_rebuilt``: nothing to rebuild)."""
+    try:
+        params = inspect.signature(type(cfg).__init__).parameters
+        if sum(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) < 2:
+            return True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            type(cfg)(**{k: v for k, v in cfg.to_dict().items() if k in params})
         return True
     except Exception:  # noqa: BLE001 - any rejection
         return False
