@@ -269,6 +269,7 @@ def _shrink_text(cfg: Any, head_width: int = 8, group_heads: bool = False,
     _cap(cfg, ("n_group", "topk_group"), 1)
     if int_field(cfg, "sliding_window") is not None:
         cfg.sliding_window = 4  # shorter than the check's rows, so the sliding mask shows
+    _shrink_attention_window(cfg)
     _cap(cfg, [k for k in vars(cfg) if k in _SPARSE_TOKENS or k.endswith(_SPARSE_TOKENS)], 2)
     _keep_ssm_splits(cfg, splits, groups)
     if int_field(cfg, "vocab_size") is not None:
@@ -291,6 +292,19 @@ def _shrink_width_parts(cfg: Any, widths: dict[int, int]) -> None:
         parts = [max(1, v * tiny // sum(value)) for v in value[:-1]]
         if sum(parts) < tiny:
             _set(cfg, key, type(value)(parts + [tiny - sum(parts)]))
+
+
+def _shrink_attention_window(cfg: Any) -> None:
+    """Longformer's and LED's ``attention_window`` (512 by default; an int or one per layer) to
+    4: shorter than the check's rows, so the sliding-window attention shows (at 512 every row
+    fits one window), and the forward pads each row to a multiple of 4, not of 512 (the
+    check's cost: 19 s for LongformerForQuestionAnswering at 512)."""
+    window = _get(cfg, "attention_window")
+    if isinstance(window, int) and not isinstance(window, bool) and window > 4:
+        _set(cfg, "attention_window", 4)
+    elif isinstance(window, (list, tuple)) and window and all(
+            isinstance(w, int) and w > 4 for w in window):
+        _set(cfg, "attention_window", type(window)(4 for _ in window))
 
 
 def _shrink_layer_groups(cfg: Any, L: int, n: int) -> None:
