@@ -236,7 +236,7 @@ def test_question_answering_refuses_positions_outside_the_microbatch():
 def test_token_heads_answer_empty_logits_of_their_shape():
     """A rank without rows answers logits of zero rows shaped as the model's (a custom loss's
     replay, the custom loop): (0, S, num_labels) for a token classifier, (0, S, vocab) for a
-    masked LM, (0, S, 2) for question answering."""
+    masked LM, (0, S, 2) for question answering, (0, T, vocab) for T5 (T the decoder's)."""
     from hf_cephalo.models.hf_common import empty_logits
 
     text = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -247,7 +247,14 @@ def test_token_heads_answer_empty_logits_of_their_shape():
                        (transformers.BertForQuestionAnswering, 2)):  # start and end: 2 labels
         staged = stage_model(cls(transformers.BertConfig(num_labels=width if width < 40 else 2,
                                                          **text)))
-        assert tuple(empty_logits(staged, ids).shape) == (0, 7, width), cls.__name__
+        assert tuple(empty_logits(staged, {"input_ids": ids}).shape) == (0, 7, width), \
+            cls.__name__
+    # an encoder-decoder LM: (0, T, vocab), T its decoder's positions (the labels' width)
+    from tests.zoo_fixtures import build_zoo
+
+    for inputs in ({"input_ids": ids, "labels": torch.zeros(0, 5, dtype=torch.long)},
+                   {"input_ids": ids, "decoder_input_ids": torch.zeros(0, 5, dtype=torch.long)}):
+        assert tuple(empty_logits(stage_model(build_zoo("t5")), inputs).shape) == (0, 5, 97)
 
 
 def test_custom_loop_outputs_are_the_models_own_types():
