@@ -57,8 +57,9 @@ REFUSED = {  # class -> what its refusal says
     "M2M100ForConditionalGeneration": "has layer drop 0.05",  # its default config's
     "CohereAsrForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
     "SwitchTransformersForConditionalGeneration": "router z-loss",  # whole-batch MoE losses
-    # a span head now, refused for its layers: four parallel lists (attentions, norms, ffns)
-    "XLMForQuestionAnsweringSimple": "has 4 layer stacks",
+    # a span head now, refused for its layers: parallel lists of attentions and ffns (its
+    # lists of norms beside them are lists of leaf modules, no layer stacks)
+    "XLMForQuestionAnsweringSimple": "has 2 layer stacks",
     # its ids are Unicode code points (no vocab_size): the check's batch builds, and its
     # forward runs three stacks (characters, downsampled deep stack, characters again)
     "CanineForQuestionAnswering": "has 3 layer stacks",

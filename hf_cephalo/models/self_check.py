@@ -307,14 +307,17 @@ def find_layers(model: nn.Module, batch: dict | None = None) -> str:
 def layer_list_candidates(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     """``ModuleList``s whose entries are all of a class the model declares unsplittable
     (``_no_split_modules``, what FSDP wraps): the candidates for the layer stack. For a class
-    declaring none, the outermost lists of one parameter-holding class instead (the
-    self-check then decides whether the forward really runs them as a stack)."""
+    declaring none, the outermost lists of one parameter-holding class instead, of modules
+    that hold submodules (a list of leaf modules, e.g. MarkupLM's per-depth xpath
+    ``nn.Embedding`` tables, is a table of parameters, no stack of layers; the self-check
+    then decides whether the forward really runs them as a stack)."""
     declared = set(getattr(model, "_no_split_modules", None) or ())
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     out = [(n, m) for n, m in lists if all(type(e).__name__ in declared for e in m)]
     if not out:  # a class that declares none: the lists of one parameter-holding layer class
         out = [(n, m) for n, m in lists if len({type(e) for e in m}) == 1
                and next(m[0].parameters(), None) is not None
+               and next(m[0].children(), None) is not None
                and not any(n.startswith(o + ".") for o, _ in lists if o != n)]
     return out
 
