@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from hf_cephalo.models.base import run_unit_in
 from hf_cephalo.models.causal_check import causal_lm_problem
+from hf_cephalo.models.document_inputs import with_document_inputs
 from hf_cephalo.models.generic import (GenericContext, Layout, NotCausalLMError, StructureError,
                                        forward_inputs, trace_layout)
 from hf_cephalo.models.generic_heads import (CAUSAL_LM, ENCODER_TASKS,
@@ -423,6 +424,7 @@ def _check(cls: type, config: Any) -> Proof:
     try:
         batch = _check_batch(cfg, task, main_input=getattr(cls, "main_input_name", None)
                              or "pixel_values")
+        batch = with_document_inputs(cls, cfg, batch)  # [Note: document inputs]
     except ValueError as exc:
         raise StructureError(f"could not build the check's batch for a tiny {cls.__name__} "
                              f"({exc})") from exc
