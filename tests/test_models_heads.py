@@ -46,6 +46,13 @@ EXACT = {
     "speech-seq2seq": ["MoonshineForConditionalGeneration", "Pop2PianoForConditionalGeneration"],
 }
 EXACT["token-classification"].append("T5ForTokenClassification")  # layer 0's bias, handed on
+# document models, on the boxes / HTML paths their forward takes (models/document_inputs.py):
+# MarkupLM's per-depth xpath embedding lists are no layer stacks; LayoutLMv3's box embeddings
+# are sixths of its width (shrink.BOX_EMBEDDINGS) and its relative-position tables are read,
+# never called; Bros requires boxes and derives even sinusoid widths from its width
+EXACT["token-classification"] += ["MarkupLMForTokenClassification",
+                                  "LayoutLMv3ForTokenClassification", "BrosForTokenClassification"]
+EXACT["question-answering"] += ["MarkupLMForQuestionAnswering", "LayoutLMv3ForQuestionAnswering"]
 REFUSED = {  # class -> what its refusal says
     "PoolFormerForImageClassification": "layer stacks",  # stages are bare lists: no stage
     # reshapes each stage's tokens into an image-shaped map before the next stage
@@ -63,6 +70,8 @@ REFUSED = {  # class -> what its refusal says
     # its ids are Unicode code points (no vocab_size): the check's batch builds, and its
     # forward runs three stacks (characters, downsampled deep stack, characters again)
     "CanineForQuestionAnswering": "has 3 layer stacks",
+    # each layer returns its layout stream beside its hidden states, and the next reads both
+    "LiltForQuestionAnswering": "carry a second stream of hidden states (layout_inputs",
 }
 
 
