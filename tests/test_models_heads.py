@@ -468,3 +468,48 @@ def test_layers_called_several_times_in_a_row_stage_one_unit_each():
     encoder.forward = out_of_runs
     with pytest.raises(StructureError, match=r"order \[0, 1, 0\], not each once"):
         trace_layout(model, batch, "albert.encoder.albert_layer_groups")
+
+
+def test_document_models_get_their_inputs_and_widths():
+    """Document models (models/document_inputs.py): the check's boxes are ordered corners,
+    zero on padding, integer where the config embeds coordinates by value (LayoutLMv3) and
+    page-normalized floats otherwise (Bros); MarkupLM's xpath ids stay inside its tables and
+    are the pad ids on padding. The shrink keeps the splits of the width these models make
+    (LiLT's sixths, LayoutLMv3's 4 coordinate + 2 shape widths, Bros's even sinusoid widths).
+    A staged LayoutLMv3 (its vision tower unused on text) takes microbatches with ``bbox`` and
+    refuses ``pixel_values``, before any collective."""
+    from hf_cephalo.models.document_inputs import with_document_inputs
+    from hf_cephalo.models.generic import TextOnlyInputError
+    from hf_cephalo.models.shrink import tiny_config
+
+    ids = torch.randint(4, 90, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    v3 = tiny_config(transformers.LayoutLMv3Config())
+    assert v3.hidden_size == 4 * v3.coordinate_size + 2 * v3.shape_size
+    assert tiny_config(transformers.LiltConfig()).hidden_size % 6 == 0
+    bros = tiny_config(transformers.BrosConfig())
+    assert bros.dim_bbox_sinusoid_emb_1d % 2 == 0 and bros.dim_bbox_sinusoid_emb_1d > 0
+    for cls, cfg, dtype in ((transformers.LayoutLMv3ForTokenClassification, v3, torch.int64),
+                            (transformers.BrosForTokenClassification, bros, torch.float32)):
+        box = with_document_inputs(cls, cfg, batch)["bbox"]
+        assert box.shape == (3, 7, 4) and box.dtype == dtype
+        assert (box[..., 2] >= box[..., 0]).all() and (box[..., 3] >= box[..., 1]).all()
+        assert (box[1, 4:] == 0).all() and box.max() <= 1000 and box.min() >= 0
+    markup = tiny_config(transformers.MarkupLMConfig())
+    tags = with_document_inputs(transformers.MarkupLMForTokenClassification, markup,
+                                batch)["xpath_tags_seq"]
+    assert tags.shape == (3, 7, markup.max_depth)
+    assert (tags[1, 4:] == markup.tag_pad_id).all()
+    assert tags.max() < markup.max_xpath_tag_unit_embeddings
+    assert with_document_inputs(transformers.BertForTokenClassification,
+                                tiny_config(transformers.BertConfig()), batch) is batch
+
+    torch.manual_seed(0)
+    staged = stage_model(transformers.LayoutLMv3ForTokenClassification(v3))
+    mb = with_document_inputs(type(staged.model), v3, {
+        **batch, "labels": (ids % 2).masked_fill(mask == 0, -100)})
+    assert staged.count_items(mb) == int(mask.sum())
+    with pytest.raises(TextOnlyInputError, match="pixel_values"):
+        staged.count_items({**mb, "pixel_values": torch.zeros(3, 3, 224, 224)})
