@@ -484,7 +484,8 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     or not: ``label_shift``), its staging compared with its own forward on ``batch``;
     StructureError with what differed."""
     layers = find_layers(tiny, batch)
-    hint, first = "", None  # why a staged model that builds may still fail to run
+    hint = ""  # why a staged model that builds may still fail to run
+    first = None  # the staged tiny copy, once built (``_second_stream`` reads its trace)
     try:
         layout = dataclasses.replace(trace_layout(tiny, batch, layers), label_shift=label_shift)
         first = staged_class(tiny)(tiny, layout)

@@ -563,8 +563,7 @@ def _split_broken(before: Any, sub: Any, fields: dict[str, int]) -> bool:
     (``BOX_EMBEDDINGS``), or a width the config class derives from it (Bros's
     ``dim_bbox_sinusoid_emb_1d`` = width / 4 / dim_bbox, halved for sines and cosines) odd or
     0 where the full config's is even."""
-    trial = copy.copy(sub)
-    vars(trial).update(vars(sub))
+    trial = copy.copy(sub)  # its own field dict: setting a field leaves ``sub`` as it is
     for key, value in fields.items():
         _set(trial, key, value)
     width = int_field(trial, "hidden_size")
