@@ -63,6 +63,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hf_cephalo.models import stage_model  # noqa: E402
 from hf_cephalo.models.base import run_unit_in  # noqa: E402
+from hf_cephalo.models.document_inputs import with_document_inputs  # noqa: E402
 from hf_cephalo.models.generic_heads import (CAUSAL_LM, ENCODER_TASKS,  # noqa: E402
                                              IMAGE_CLASSIFICATION, MASKED_LM,
                                              QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION,
@@ -195,7 +196,8 @@ def _batch(config, task: str, seed: int = 0, cls: type | None = None) -> dict[st
     """5 rows for ``task``: images (image classification); audio for a speech encoder-decoder
     whose input is ``input_features`` or ``input_values`` (``_speech_batch``: Whisper,
     Speech2Text, Moonshine, Pop2Piano); else 11 tokens right-padded (left for a sequence
-    classifier) to lengths 11, 6, 9, 4, 11 with the task's labels."""
+    classifier) to lengths 11, 6, 9, 4, 11 with the task's labels, and the boxes / HTML paths
+    of a document model whose forward takes them (``models.document_inputs``)."""
     if task == IMAGE_CLASSIFICATION:
         return image_batch(config, rows=5, seed=seed,
                            main_input=getattr(cls, "main_input_name", None) or "pixel_values")
@@ -234,7 +236,8 @@ def _batch(config, task: str, seed: int = 0, cls: type | None = None) -> dict[st
         labels = ids.masked_fill(mask == 0, -100)
         labels[:, 2] = -100
         batch["labels"] = labels
-    return batch
+    # boxes / HTML paths where the forward takes them ([Note: document inputs])
+    return batch if cls is None else with_document_inputs(cls, config, batch, seed)
 
 
 def _end_with_eos(ids: torch.Tensor, config) -> torch.Tensor:

@@ -53,6 +53,13 @@ EXACT = {
     "speech-seq2seq": ["MoonshineForConditionalGeneration", "Pop2PianoForConditionalGeneration"],
 }
 EXACT["token-classification"].append("T5ForTokenClassification")  # layer 0's bias, handed on
+# document models, on the boxes / HTML paths their forward takes (models/document_inputs.py):
+# MarkupLM's per-depth xpath embedding lists are no layer stacks; LayoutLMv3's box embeddings
+# are sixths of its width (shrink.BOX_EMBEDDINGS) and its relative-position tables are read,
+# never called; Bros requires boxes and derives even sinusoid widths from its width
+EXACT["token-classification"] += ["MarkupLMForTokenClassification",
+                                  "LayoutLMv3ForTokenClassification", "BrosForTokenClassification"]
+EXACT["question-answering"] += ["MarkupLMForQuestionAnswering", "LayoutLMv3ForQuestionAnswering"]
 REFUSED = {  # class -> what its refusal says
     "PoolFormerForImageClassification": "layer stacks",  # stages are bare lists: no stage
     # reshapes each stage's tokens into an image-shaped map before the next stage
@@ -64,8 +71,9 @@ REFUSED = {  # class -> what its refusal says
     "M2M100ForConditionalGeneration": "has layer drop 0.05",  # its default config's
     "CohereAsrForConditionalGeneration": "encoder-decoder model",  # Whisper: an adapter
     "SwitchTransformersForConditionalGeneration": "router z-loss",  # whole-batch MoE losses
-    # a span head now, refused for its layers: four parallel lists (attentions, norms, ffns)
-    "XLMForQuestionAnsweringSimple": "has 4 layer stacks",
+    # a span head now, refused for its layers: parallel lists of attentions and ffns (its
+    # lists of norms beside them are lists of leaf modules, no layer stacks)
+    "XLMForQuestionAnsweringSimple": "has 2 layer stacks",
     # its ids are Unicode code points (no vocab_size): the check's batch builds, and its
     # forward runs three stacks (characters, downsampled deep stack, characters again)
     "CanineForQuestionAnswering": "has 3 layer stacks",
@@ -75,6 +83,8 @@ REFUSED = {  # class -> what its refusal says
     # d_latents shrunk (models/shrink.py); its decoder queries max_position_embeddings
     # positions whatever the row length (models/forward_refusals.py)
     "PerceiverForMaskedLM": "its head predicts a fixed number of positions",
+    # each layer returns its layout stream beside its hidden states, and the next reads both
+    "LiltForQuestionAnswering": "carry a second stream of hidden states (layout_inputs",
 }
 
 
@@ -511,3 +521,48 @@ def test_gemma_encoder_decoder_classifiers_pool_and_score_as_the_model_does():
             with pytest.raises(UnsupportedModelError, match="is_encoder_decoder=False"):
                 stage_model(transformers.T5GemmaForTokenClassification(
                     copy.deepcopy(config), is_encoder_decoder=False))
+
+
+def test_document_models_get_their_inputs_and_widths():
+    """Document models (models/document_inputs.py): the check's boxes are ordered corners,
+    zero on padding, integer where the config embeds coordinates by value (LayoutLMv3) and
+    page-normalized floats otherwise (Bros); MarkupLM's xpath ids stay inside its tables and
+    are the pad ids on padding. The shrink keeps the splits of the width these models make
+    (LiLT's sixths, LayoutLMv3's 4 coordinate + 2 shape widths, Bros's even sinusoid widths).
+    A staged LayoutLMv3 (its vision tower unused on text) takes microbatches with ``bbox`` and
+    refuses ``pixel_values``, before any collective."""
+    from hf_cephalo.models.document_inputs import with_document_inputs
+    from hf_cephalo.models.generic import TextOnlyInputError
+    from hf_cephalo.models.shrink import tiny_config
+
+    ids = torch.randint(4, 90, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    v3 = tiny_config(transformers.LayoutLMv3Config())
+    assert v3.hidden_size == 4 * v3.coordinate_size + 2 * v3.shape_size
+    assert tiny_config(transformers.LiltConfig()).hidden_size % 6 == 0
+    bros = tiny_config(transformers.BrosConfig())
+    assert bros.dim_bbox_sinusoid_emb_1d % 2 == 0 and bros.dim_bbox_sinusoid_emb_1d > 0
+    for cls, cfg, dtype in ((transformers.LayoutLMv3ForTokenClassification, v3, torch.int64),
+                            (transformers.BrosForTokenClassification, bros, torch.float32)):
+        box = with_document_inputs(cls, cfg, batch)["bbox"]
+        assert box.shape == (3, 7, 4) and box.dtype == dtype
+        assert (box[..., 2] >= box[..., 0]).all() and (box[..., 3] >= box[..., 1]).all()
+        assert (box[1, 4:] == 0).all() and box.max() <= 1000 and box.min() >= 0
+    markup = tiny_config(transformers.MarkupLMConfig())
+    tags = with_document_inputs(transformers.MarkupLMForTokenClassification, markup,
+                                batch)["xpath_tags_seq"]
+    assert tags.shape == (3, 7, markup.max_depth)
+    assert (tags[1, 4:] == markup.tag_pad_id).all()
+    assert tags.max() < markup.max_xpath_tag_unit_embeddings
+    assert with_document_inputs(transformers.BertForTokenClassification,
+                                tiny_config(transformers.BertConfig()), batch) is batch
+
+    torch.manual_seed(0)
+    staged = stage_model(transformers.LayoutLMv3ForTokenClassification(v3))
+    mb = with_document_inputs(type(staged.model), v3, {
+        **batch, "labels": (ids % 2).masked_fill(mask == 0, -100)})
+    assert staged.count_items(mb) == int(mask.sum())
+    with pytest.raises(TextOnlyInputError, match="pixel_values"):
+        staged.count_items({**mb, "pixel_values": torch.zeros(3, 3, 224, 224)})

@@ -761,6 +761,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     finally:
         for h in handles:
             h.remove()
+    called = before | after  # embed_only: called modules only (a stub stands in for calls)
     reads.place_uncalled(before, after)
     check_order(type(model).__name__, order, len(layers), called_at, StructureError)
     if BAD_FORM in output_len:
@@ -771,7 +772,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     has_params = {n for n, m in parts if next(m.parameters(recurse=False), None) is not None}
     embed = [n for n, _ in parts if n in before]
     head = [n for n, _ in parts if n in after or (n in has_params and n not in before)]
-    only_before = {n for n, _ in outside if n in before and n not in after and not any(
+    only_before = {n for n, _ in outside if n in before & called and n not in after and not any(
         a.startswith(n + ".") for a in after)}
     embed_only = [n for n in only_before if not any(n.startswith(o + ".") for o in only_before)]
     quiet = {n for n, m in outside if n not in before and n not in after

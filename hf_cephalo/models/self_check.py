@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from collections.abc import MutableMapping
 import warnings
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from hf_cephalo.models.base import run_unit_in
 from hf_cephalo.models.causal_check import causal_lm_problem
+from hf_cephalo.models.document_inputs import with_document_inputs
 from hf_cephalo.models.forward_refusals import refuse_by_own_forward
 from hf_cephalo.models.generic import (GenericContext, Layout, NotCausalLMError, StructureError,
                                        forward_inputs, trace_layout)
@@ -308,14 +310,17 @@ def find_layers(model: nn.Module, batch: dict | None = None) -> str:
 def layer_list_candidates(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     """``ModuleList``s whose entries are all of a class the model declares unsplittable
     (``_no_split_modules``, what FSDP wraps): the candidates for the layer stack. For a class
-    declaring none, the outermost lists of one parameter-holding class instead (the
-    self-check then decides whether the forward really runs them as a stack)."""
+    declaring none, the outermost lists of one parameter-holding class instead, of modules
+    that hold submodules (a list of leaf modules, e.g. MarkupLM's per-depth xpath
+    ``nn.Embedding`` tables, is a table of parameters, no stack of layers; the self-check
+    then decides whether the forward really runs them as a stack)."""
     declared = set(getattr(model, "_no_split_modules", None) or ())
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     out = [(n, m) for n, m in lists if all(type(e).__name__ in declared for e in m)]
     if not out:  # a class that declares none: the lists of one parameter-holding layer class
         out = [(n, m) for n, m in lists if len({type(e) for e in m}) == 1
                and next(m[0].parameters(), None) is not None
+               and next(m[0].children(), None) is not None
                and not any(n.startswith(o + ".") for o, _ in lists if o != n)]
     return out
 
@@ -421,6 +426,7 @@ def _check(cls: type, config: Any) -> Proof:
     try:
         batch = _check_batch(cfg, task, main_input=getattr(cls, "main_input_name", None)
                              or "pixel_values")
+        batch = with_document_inputs(cls, cfg, batch)  # [Note: document inputs]
     except ValueError as exc:
         raise StructureError(f"could not build the check's batch for a tiny {cls.__name__} "
                              f"({exc})") from exc
@@ -481,6 +487,7 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     layers = find_layers(tiny, batch)
     refuse_by_own_forward(tiny, batch, layers, task)
     hint = ""  # why a staged model that builds may still fail to run
+    first = None  # the staged tiny copy, once built (``_second_stream`` reads its trace)
     try:
         layout = dataclasses.replace(trace_layout(tiny, batch, layers), label_shift=label_shift)
         first = staged_class(tiny)(tiny, layout)
@@ -504,7 +511,8 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     except StructureError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise StructureError(f"staging a tiny {cls.__name__} failed ({type(exc).__name__}: "
+        raise StructureError(_second_stream(first, batch) or
+                             f"staging a tiny {cls.__name__} failed ({type(exc).__name__}: "
                              f"{exc}){hint}") from exc
     if problem is not None:
         raise StructureError(f"the staged {cls.__name__} is not the model's own computation on a "
@@ -513,6 +521,40 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     return Proof(final, _outside(tiny, layers),
                  [_structure(m, reshapes) for m in tiny.get_submodule(layers)],
                  None if layout.repeats else _extra_layers(tiny, layers), reshapes)
+
+
+def _second_stream(staged, batch: dict) -> str | None:
+    """Why a staging that failed to run failed, where the model's forward feeds each layer an
+    output of the layer before it besides its hidden states (LiLT's layout stream: each layer
+    returns (text hidden, layout hidden) and the next reads both): an argument that layer 0
+    gets as a tensor and a later layer as None (the traced forward's stubs return None for a
+    layer's outputs other than its hidden states); None where there is no such argument or
+    ``staged`` (the staged tiny copy) is None or its embed fails."""
+    if staged is None:
+        return None
+    try:
+        with torch.no_grad():
+            _, ctx = staged.embed({k: v for k, v in batch.items() if k != "labels"})
+    except Exception:  # noqa: BLE001 - no trace to read: the caller's reason stands
+        return None
+    calls = ctx.calls
+    if len(calls) < 2:
+        return None
+    layer = staged.model.get_submodule(staged.layout.layers)[0]
+    names = list(inspect.signature(layer.forward).parameters)[1:]  # after the hidden states
+    first_args, first_kwargs = calls[0]
+    fed = [names[k] if k < len(names) else f"argument {k + 1}"
+           for k, v in enumerate(first_args) if torch.is_tensor(v)
+           and any(k < len(a) and a[k] is None for a, _ in calls[1:])]
+    fed += [k for k, v in first_kwargs.items() if torch.is_tensor(v)
+            and any(kw.get(k, v) is None for _, kw in calls[1:])]
+    if not fed:
+        return None
+    return (f"{type(staged.model).__name__}'s layers carry a second stream of hidden states "
+            f"({', '.join(fed)}: each layer returns it beside its hidden states and the next "
+            "layer reads it); the generic path hands one hidden-states tensor from layer to "
+            "layer and gives every layer the other arguments the forward computed before the "
+            "first layer ran")
 
 
 # [Note: fp32 rounding or another computation]

@@ -436,6 +436,7 @@ def tiny_config(config: Any) -> Any:
             # a cache only keeps state for the next call (a hybrid stack without attention
             # layers cannot even build one; a recurrent block would keep its states)
             _set(sub, "use_cache", False)
+    _widen_splits(config, cfg)
     impl = getattr(config, "_attn_implementation", None)
     cfg._attn_implementation = impl if impl in ("eager", "sdpa") else None  # auto: sdpa or eager
     return cfg
@@ -587,3 +588,77 @@ def tiny_numel(cls: type, cfg: Any) -> int:
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         return sum(p.numel() for p in cls(cfg).parameters())
+
+
+TINY_WIDTHS = (32, 48, 64, 96)
+"""Model widths (``hidden_size``) a tiny copy may take, in order: the first at which every
+width the model splits off it stays whole (``_split_broken``); 32 for nearly every config."""
+BOX_EMBEDDINGS = 6
+"""A config that embeds 2-D box coordinates by value (``max_2d_position_embeddings``) and whose
+model width is a multiple of 6 splits that width among six box embeddings concatenated (x0, y0,
+x1, y1, height, width: LiLT's ``hidden_size // 6`` each, LayoutLMv3's 4 × ``coordinate_size`` +
+2 × ``shape_size``, each a sixth of the width), which only the modeling code states."""
+
+
+def _embeds_boxes(before: Any) -> bool:
+    width = int_field(before, "hidden_size")
+    return int_field(before, "max_2d_position_embeddings") is not None and width is not None \
+        and width % BOX_EMBEDDINGS == 0
+
+
+def _widened_fields(before: Any, sub: Any, width: int) -> dict[str, int]:
+    """The fields of the tiny ``sub`` (of config ``before``) that change at model width
+    ``width``: those the shrink tied to the model width, and the box embeddings' widths (a
+    sixth of it, ``BOX_EMBEDDINGS``) of a config that embeds boxes."""
+    tiny, full = int_field(sub, "hidden_size"), int_field(before, "hidden_size")
+    out = {k: width for k, v in vars(sub).items() if v == tiny and not isinstance(v, bool)
+           and vars(before).get(k) == full}
+    if _embeds_boxes(before):
+        out.update({k: width // BOX_EMBEDDINGS for k, v in vars(sub).items()
+                    if _is_width(k) and isinstance(v, int) and not isinstance(v, bool)
+                    and vars(before).get(k) == v and v * BOX_EMBEDDINGS == full})
+    return out
+
+
+def _split_broken(before: Any, sub: Any, fields: dict[str, int]) -> bool:
+    """Whether the tiny ``sub`` with ``fields`` set breaks a split of the model width that
+    ``before`` (the full config) keeps: a box embedding's width no sixth of it
+    (``BOX_EMBEDDINGS``), or a width the config class derives from it (Bros's
+    ``dim_bbox_sinusoid_emb_1d`` = width / 4 / dim_bbox, halved for sines and cosines) odd or
+    0 where the full config's is even."""
+    trial = copy.copy(sub)  # its own field dict: setting a field leaves ``sub`` as it is
+    for key, value in fields.items():
+        _set(trial, key, value)
+    width = int_field(trial, "hidden_size")
+    if _embeds_boxes(before) and (width % BOX_EMBEDDINGS or any(
+            _is_width(k) and v * BOX_EMBEDDINGS == int_field(before, "hidden_size")
+            and (int_field(trial, k) or 0) * BOX_EMBEDDINGS != width
+            for k, v in vars(before).items() if isinstance(v, int) and not isinstance(v, bool))):
+        return True
+    rebuilt = _rebuilt(trial)
+    if rebuilt is None:
+        return False
+    again, params = rebuilt
+    derived = {k: (v, int_field(before, k)) for k, v in vars(again).items()
+               if k not in params and not k.startswith("_") and _is_width(k)
+               and isinstance(v, int) and not isinstance(v, bool)}
+    return any(full and full % 2 == 0 and (tiny % 2 or tiny == 0)
+               for tiny, full in derived.values())
+
+
+def _widen_splits(config: Any, cfg: Any) -> None:
+    """Each config in the tiny ``cfg`` (of the full ``config``) whose model width breaks a split
+    of it (``_split_broken``) set to the first of ``TINY_WIDTHS`` that keeps them, the fields
+    the class derives from it derived again; left at 32 where none does."""
+    for before, sub in zip(_configs(config), _configs(cfg)):
+        if int_field(before, "hidden_size") is None or int_field(sub, "hidden_size") is None \
+                or not _split_broken(before, sub, {}):
+            continue
+        for width in TINY_WIDTHS[1:]:
+            fields = _widened_fields(before, sub, width)
+            if not _split_broken(before, sub, fields):
+                kept = dict(vars(sub))
+                for key, value in fields.items():
+                    _set(sub, key, value)
+                _derive_again(sub, kept)
+                break

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from hf_cephalo.engine.rank_precision import DTYPES
+from hf_cephalo.models.document_inputs import with_document_inputs
 from hf_cephalo.models.generic_heads import (CLASSIFIER_TASKS, QUESTION_ANSWERING,
                                              TOKEN_CLASSIFICATION, task_of)
 from hf_cephalo.profiles.precision import PRECISIONS, Precision
@@ -143,7 +144,9 @@ def synthetic_microbatch(model: torch.nn.Module, m: int, sequence_length: int,
     targets of the model's task (``generic_heads.task_of``): causal and masked LM ``labels`` =
     the inputs (m, S); sequence classification ``labels`` (m,) and token classification
     ``labels`` (m, S), both in [0, num_labels); question answering ``start_positions`` /
-    ``end_positions`` (m,) in [0, S). Vision models (``main_input_name == "pixel_values"``):
+    ``end_positions`` (m,) in [0, S); a document model's boxes or HTML paths where its forward
+    takes them (``bbox`` (m, S, 4), ``xpath_tags_seq`` / ``xpath_subs_seq``:
+    ``models.document_inputs``). Vision models (``main_input_name == "pixel_values"``):
     ``pixel_values`` (m, C, H, W) and ``labels`` (m,).
 
     Raises ValueError for a model without a config describing its inputs.
@@ -185,6 +188,7 @@ def synthetic_microbatch(model: torch.nn.Module, m: int, sequence_length: int,
             mb["labels"] = torch.randint(0, num_labels, shape, generator=g)
         else:
             mb["labels"] = ids.clone()
+        mb = with_document_inputs(type(model), cfg, mb, seed)  # boxes, HTML paths: Bros needs them
     return {k: v.to(device) for k, v in mb.items()}
 
 
