@@ -84,7 +84,8 @@ REFUSED = {  # class -> what its refusal says
     # positions whatever the row length (models/forward_refusals.py)
     "PerceiverForMaskedLM": "its head predicts a fixed number of positions",
     # each layer returns its layout stream beside its hidden states, and the next reads both
-    "LiltForQuestionAnswering": "carry a second stream of hidden states (layout_inputs",
+    "LiltForQuestionAnswering": "carry a second stream of hidden states (layer 1 takes "
+                                "layout_inputs",
 }
 
 

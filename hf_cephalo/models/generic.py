@@ -29,9 +29,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hf_cephalo.models.base import Microbatch, staged_call
-from hf_cephalo.models.generic_outputs import (BAD_FORM, FakeLayerChain, call_layer, form_problem,
-                                              has_plain_extras, layer_form, parameter_shapes,
-                                              traced_forward, wrap_output)
+from hf_cephalo.models.generic_outputs import (BAD_FORM, FakeLayerChain, call_layer, check_streams,
+                                              form_problem, has_plain_extras, layer_form,
+                                              parameter_shapes, traced_forward, wrap_output)
 from hf_cephalo.models.generic_repeats import (check_order, run_repeated, runs_in_order,
                                               stop_after_layers)
 from hf_cephalo.models.hf_common import (CausalLMStagedModel, ClassifierStagedModel,
@@ -727,7 +727,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     order: list[int] = []
     output_len: list[Any] = []  # per call: ``layer_form`` of its output
     plain: list[bool] = []
-    seen: list[tuple[Any, Any]] = []  # per layer: (its hidden states input, its output)
+    seen: list[tuple] = []  # per layer call: (its hidden states input, its output, args, kwargs)
     before: set[str] = set()
     after: set[str] = set()
     called_at: list[int] = []  # per module call: how many layer calls came before it
@@ -736,7 +736,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     def on_layer(i):
         def hook(module, args, kwargs, out):
             order.append(i)
-            seen.append((args[0] if args else kwargs.get("hidden_states"), out))
+            seen.append((args[0] if args else kwargs.get("hidden_states"), out, args, kwargs))
             output_len.append(layer_form(out))  # a tuple's extras: None in the stubs (Layout)
             plain.append(has_plain_extras(out))
         return hook
@@ -764,6 +764,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     called = before | after  # embed_only: called modules only (a stub stands in for calls)
     reads.place_uncalled(before, after)
     check_order(type(model).__name__, order, len(layers), called_at, StructureError)
+    check_streams(type(model).__name__, seen, StructureError, layers[0])
     if BAD_FORM in output_len:
         raise StructureError(form_problem(model, seen, output_len.index(BAD_FORM)))
     if len(set(output_len)) != 1:

@@ -10,6 +10,7 @@ a dict with them as its one entry (SqueezeBERT's ``{"feature_map": hidden}``).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -131,6 +132,34 @@ class FakeLayerChain:
                                              tie_weights=False)
         self.hidden = res[0]
         return tuple(e if _plain(e) else None for e in res[1:])
+
+
+def check_streams(name: str, seen: list[tuple], error: type[Exception],
+                  layer: nn.Module) -> None:
+    """Raise ``error`` where a layer call takes, besides its hidden states, a tensor the layer
+    call before it returned beside its hidden states: a second stream from layer to layer
+    (Zaya's router states, LiLT's layout stream), which the stubs cannot hand on (they return
+    None there, and each layer gets the arguments recorded before any layer ran). ``seen``:
+    per layer call, (hidden states input, output, args, kwargs) of the traced forward;
+    ``layer``: one of the layers (its forward's parameter names name the argument)."""
+    params = list(inspect.signature(layer.forward).parameters)
+    for i in range(1, len(seen)):
+        out = seen[i - 1][1]
+        extra = out[1:] if isinstance(out, (tuple, list)) else \
+            list(out.values())[1:] if isinstance(out, dict) else []
+        made = {id(t) for t in pytree.tree_leaves(extra) if torch.is_tensor(t)}
+        _, _, args, kwargs = seen[i]
+        rest = {**dict(enumerate(args[1:], 1)),
+                **{k: v for k, v in kwargs.items() if args or k != "hidden_states"}}
+        fed = [(params[k] if k < len(params) else f"argument {k + 1}") if isinstance(k, int)
+               else k for k, v in rest.items()
+               if any(torch.is_tensor(t) and id(t) in made for t in pytree.tree_leaves(v))]
+        if fed:
+            raise error(f"{name}'s layers carry a second stream of hidden states (layer {i} "
+                        f"takes {', '.join(fed)} from what layer {i - 1} returned beside its "
+                        "hidden states); the generic path hands one hidden-states tensor from "
+                        "layer to layer and gives every layer the other arguments the forward "
+                        "computed before the first layer ran")
 
 
 def form_problem(model: nn.Module, seen: list[tuple[Any, Any]], i: int) -> str:

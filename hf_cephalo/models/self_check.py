@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 from collections.abc import MutableMapping
 import warnings
 from dataclasses import dataclass
@@ -487,7 +486,6 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     layers = find_layers(tiny, batch)
     refuse_by_own_forward(tiny, batch, layers, task)
     hint = ""  # why a staged model that builds may still fail to run
-    first = None  # the staged tiny copy, once built (``_second_stream`` reads its trace)
     try:
         layout = dataclasses.replace(trace_layout(tiny, batch, layers), label_shift=label_shift)
         first = staged_class(tiny)(tiny, layout)
@@ -511,8 +509,7 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     except StructureError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise StructureError(_second_stream(first, batch) or
-                             f"staging a tiny {cls.__name__} failed ({type(exc).__name__}: "
+        raise StructureError(f"staging a tiny {cls.__name__} failed ({type(exc).__name__}: "
                              f"{exc}){hint}") from exc
     if problem is not None:
         raise StructureError(f"the staged {cls.__name__} is not the model's own computation on a "
@@ -521,40 +518,6 @@ def _prove(cls: type, tiny: nn.Module, batch: dict, task: str,
     return Proof(final, _outside(tiny, layers),
                  [_structure(m, reshapes) for m in tiny.get_submodule(layers)],
                  None if layout.repeats else _extra_layers(tiny, layers), reshapes)
-
-
-def _second_stream(staged, batch: dict) -> str | None:
-    """Why a staging that failed to run failed, where the model's forward feeds each layer an
-    output of the layer before it besides its hidden states (LiLT's layout stream: each layer
-    returns (text hidden, layout hidden) and the next reads both): an argument that layer 0
-    gets as a tensor and a later layer as None (the traced forward's stubs return None for a
-    layer's outputs other than its hidden states); None where there is no such argument or
-    ``staged`` (the staged tiny copy) is None or its embed fails."""
-    if staged is None:
-        return None
-    try:
-        with torch.no_grad():
-            _, ctx = staged.embed({k: v for k, v in batch.items() if k != "labels"})
-    except Exception:  # noqa: BLE001 - no trace to read: the caller's reason stands
-        return None
-    calls = ctx.calls
-    if len(calls) < 2:
-        return None
-    layer = staged.model.get_submodule(staged.layout.layers)[0]
-    names = list(inspect.signature(layer.forward).parameters)[1:]  # after the hidden states
-    first_args, first_kwargs = calls[0]
-    fed = [names[k] if k < len(names) else f"argument {k + 1}"
-           for k, v in enumerate(first_args) if torch.is_tensor(v)
-           and any(k < len(a) and a[k] is None for a, _ in calls[1:])]
-    fed += [k for k, v in first_kwargs.items() if torch.is_tensor(v)
-            and any(kw.get(k, v) is None for _, kw in calls[1:])]
-    if not fed:
-        return None
-    return (f"{type(staged.model).__name__}'s layers carry a second stream of hidden states "
-            f"({', '.join(fed)}: each layer returns it beside its hidden states and the next "
-            "layer reads it); the generic path hands one hidden-states tensor from layer to "
-            "layer and gives every layer the other arguments the forward computed before the "
-            "first layer ran")
 
 
 # [Note: fp32 rounding or another computation]
