@@ -1,13 +1,14 @@
 """The generic path's encoder heads through CephaloTrainer equal STOCK Trainer (issue 47).
 
-One launched group per world size, ten sub-cases in each: a DINOv2 image classifier
+One launched group per world size, eleven sub-cases in each: a DINOv2 image classifier
 (``pixel_values``), a Swin image classifier (two stages of different sizes, the hidden states
 (m, 16, 16) then (m, 4, 32) between them), a ConvNeXt image classifier (4 stages, each one
 unit with its downsampling, of 1, 2, 3, 1 blocks where the self-check's tiny copy has at most
 2; the hidden states (m, 8, 14, 14) -> (m, 8, 14, 14) -> (m, 16, 7, 7) -> (m, 24, 3, 3) ->
 (m, 32, 1, 1) at its unit boundaries), a BERT NER model with
 ``DataCollatorForTokenClassification`` (and a SqueezeBERT one: its encoder calls each layer's
-``forward`` directly, on (m, H, S) hidden states, and the layers return a dict), a BERT and a ModernBERT
+``forward`` directly, on (m, H, S) hidden states, and the layers return a dict; and an XLNet
+one: its ``transformer`` holds ``mask_emb`` beside the layers, which the head side owns alone), a BERT and a ModernBERT
 masked LM with ``DataCollatorForLanguageModeling(mlm=True, seed=...)``, an ALBERT masked LM
 whose 2 shared layer groups are each called twice ([Note: repeated layer calls]), a RoBERTa question-answering model
 (``start_positions`` / ``end_positions``), and the pretrained MiniLM BERT (the
@@ -48,11 +49,11 @@ PLANS = {2: ([1, 3], [1, 2], [0.35, 0.65]), 3: ([2, 0, 2], [1, 1, 2], [0.0, 0.6,
 GLOBAL_BATCH = 4
 VOCAB, NUM_LABELS, PAD, MASK = 60, 5, 0, 1
 CASES = ("dinov2", "swin", "convnext", "bert_ner", "bert_mlm", "modernbert_mlm", "roberta_qa",
-         "minilm_ner", "albert_mlm", "squeezebert_ner")
+         "minilm_ner", "albert_mlm", "squeezebert_ner", "xlnet_ner")
 MLM = ("bert_mlm", "modernbert_mlm", "albert_mlm")
 IMAGE_CASES = ("dinov2", "swin", "convnext")
 # scored by the tag accuracy, predictions compared
-NER = ("bert_ner", "minilm_ner", "squeezebert_ner")
+NER = ("bert_ner", "minilm_ner", "squeezebert_ner", "xlnet_ner")
 # At LR the pretrained MiniLM's weights agree (rtol 1e-5 / atol 1e-6) after the 2 steps, but 2
 # of its 504 eval logits, near zero where the classifier's sums cancel (|x| ~ 9e-4), then differ
 # by 1.65e-6 (the weights' fp32 rounding amplified); a smaller step keeps every number in
@@ -61,7 +62,7 @@ MINILM_LR = 0.01
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 TEXT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
             intermediate_size=48, max_position_embeddings=40, pad_token_id=PAD, **NO_DROPOUT)
-JOB_S = 115.0  # one launched group, ten cases (2-core machine under load)
+JOB_S = 125.0  # one launched group, eleven cases (2-core machine under load)
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -81,6 +82,10 @@ def _model(name: str) -> torch.nn.Module:
                                           hidden_sizes=[8, 16, 24, 32], patch_size=2,
                                           image_size=28, num_labels=3, layer_scale_init_value=0.5)
         return transformers.ConvNextForImageClassification(cfg)
+    if name == "xlnet_ner":
+        return transformers.XLNetForTokenClassification(transformers.XLNetConfig(
+            vocab_size=VOCAB, d_model=32, n_layer=3, n_head=2, d_inner=48, num_labels=NUM_LABELS,
+            pad_token_id=PAD, dropout=0.0))
     if name == "squeezebert_ner":
         return transformers.SqueezeBertForTokenClassification(transformers.SqueezeBertConfig(
             num_labels=NUM_LABELS, embedding_size=TEXT["hidden_size"], **TEXT))
@@ -159,7 +164,7 @@ def _samples(name: str, n: int, seed: int) -> list[dict]:
         length = int(torch.randint(3, 13, (), generator=g))
         ids = torch.randint(2, VOCAB, (length,), generator=g).tolist()
         row = {"input_ids": ids}
-        if name in ("bert_ner", "squeezebert_ner"):
+        if name in ("bert_ner", "squeezebert_ner", "xlnet_ner"):
             labels = torch.randint(0, NUM_LABELS, (length,), generator=g).tolist()
             row["labels"] = [-100] + labels[1:]  # a position not scored, as for subwords
         elif name == "roberta_qa":
@@ -172,7 +177,7 @@ def _samples(name: str, n: int, seed: int) -> list[dict]:
 def _collator(name: str):
     if name in IMAGE_CASES:
         return transformers.default_data_collator
-    if name in ("bert_ner", "squeezebert_ner"):
+    if name in ("bert_ner", "squeezebert_ner", "xlnet_ner"):
         return transformers.DataCollatorForTokenClassification(_tokenizer())
     if name == "minilm_ner":  # one width (the rows' 48-token limit) for every microbatch:
         # the pretrained model's logits of the same row differ in fp32 with the width it is
