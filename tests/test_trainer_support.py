@@ -428,3 +428,21 @@ def test_seq2seq_in_a_door_without_encoder_decoders_is_refused_before_any_proces
                                          "this door does not take encoder-decoders yet"):
         stage_model(build_zoo("t5"))
     assert type(stage_model(build_zoo("t5"), seq2seq=True)).__name__ == "T5StagedModel"
+
+
+def test_seq2seq_user_loss_without_decoder_ids_is_refused_when_counting_items():
+    """Label smoothing and compute_loss_func call the model without its labels (stock pops
+    them), so an encoder-decoder batch without decoder_input_ids would make stock's BART build
+    its decoder input from input_ids (T5: an error) while the engine runs the labels' shift:
+    refused when the engine counts a microbatch's items, before the step's first collective;
+    with decoder_input_ids the count is the model's own. Another model gets no such rule."""
+    from hf_cephalo.runtime import seq2seq_user_loss_items, stage_model
+    from tests.zoo_fixtures import build_zoo, seq2seq_batch
+
+    count = seq2seq_user_loss_items(stage_model(build_zoo("bart"), seq2seq=True))
+    batch = seq2seq_batch(3, seed=0)
+    with pytest.raises(ValueError, match="without labels and without decoder_input_ids"):
+        count(batch)
+    ids = torch.zeros_like(batch["labels"]).clamp(min=0)
+    assert count({**batch, "decoder_input_ids": ids}) == int((batch["labels"] != -100).sum())
+    assert seq2seq_user_loss_items(stage_model(build_zoo("qwen3"))) is None

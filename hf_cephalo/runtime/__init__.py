@@ -57,7 +57,7 @@ _EXPORTS = {
     **_from("pretrained", "load_named_model"),
     **_from("report", "format_plan_table"),
     # staged models (hf_cephalo.models): staging a Hugging Face model and what a door wraps
-    **_from("door_models", "stage_model"),  # seq2seq at the doors
+    **_from("door_models", "stage_model", "seq2seq_user_loss_items"),  # seq2seq at the doors
     **_from("hf_cephalo.models.registry", "supported_model_classes"),
     **_from("hf_cephalo.models.base", "StagedModel", "WrappedStagedModel", "Microbatch",
             "refuse_global_loss"),

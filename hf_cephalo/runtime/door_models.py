@@ -16,7 +16,9 @@ encoder's and the decoder's axes apart: runtime/global_width.py), on 2 ranks wit
 and on 3 with an idle rank (tests/test_generic_trainer_parity.py); so do T5 with
 ``label_smoothing_factor`` (stock's smoother on the decoder's logits, unshifted; the eval loss
 too) and BART with a ``compute_loss_func`` (handed the label tokens != -100 as
-``num_items_in_batch``, as stock does), on 2 ranks. A user loss runs on the stand-in model's
+``num_items_in_batch``, as stock does), on 2 ranks, where the batch carries
+``decoder_input_ids`` (``check_decoder_inputs``: stock removes the labels before such a
+forward). A user loss runs on the stand-in model's
 outputs (``logits`` (m, T, V), T the decoder's positions; ``runtime/user_loss.py``). The
 accelerate loop takes them too (``CephaloAccelerator.prepare``; T5 with the model's own loss on
 2 ranks and on 3 with an idle rank equals one process with the whole global batch:
@@ -26,9 +28,11 @@ and reference models, whose outputs and item counts are those of one token seque
 
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import nn
 
-from hf_cephalo.models.base import StagedModel
+from hf_cephalo.models.base import Microbatch, StagedModel
 from hf_cephalo.models.registry import stage_model as stage_any_model
 from hf_cephalo.models.seq2seq import Seq2SeqStagedModel
 
@@ -50,3 +54,36 @@ def stage_model(model: nn.Module, *, seq2seq: bool = False) -> StagedModel:
             "does not take encoder-decoders yet (its outputs and item counts are checked for "
             "one token sequence per row, not an encoder's and a decoder's). Nothing was run")
     return staged
+
+
+def check_decoder_inputs(staged: StagedModel, inputs: dict) -> None:
+    """ValueError where ``staged`` is an encoder-decoder and ``inputs`` (a model call's, or a
+    microbatch a loss of the user's will call the model on without its labels) carry neither
+    ``labels`` nor ``decoder_input_ids``: stock's model then builds its decoder input from
+    something else than the labels' shift (BART from ``input_ids``; T5 fails), while the
+    engine's forward runs on the labels' shift; nothing otherwise."""
+    if isinstance(staged, Seq2SeqStagedModel) and inputs.get("labels") is None and \
+            inputs.get("decoder_input_ids") is None:
+        raise ValueError(
+            f"{type(staged.model).__name__} is an encoder-decoder and the model is called "
+            "without labels and without decoder_input_ids (stock Trainer removes the labels "
+            "before the forward for label smoothing and compute_loss_func): its forward would "
+            "then build its decoder input from something other than the labels (BART: "
+            "input_ids; T5: an error), which the engine does not run. Put decoder_input_ids "
+            "in the batch: DataCollatorForSeq2Seq(tokenizer, model=model) makes them from the "
+            "labels")
+
+
+def seq2seq_user_loss_items(staged: StagedModel) -> Callable[[Microbatch], int] | None:
+    """For an encoder-decoder under a loss that calls the model without its labels (label
+    smoothing, ``compute_loss_func``): the model's item count, after ``check_decoder_inputs``
+    on the microbatch less its labels (the engine counts items before a step's first
+    collective); None for any other model."""
+    if not isinstance(staged, Seq2SeqStagedModel):
+        return None
+
+    def count(microbatch: Microbatch) -> int:
+        if microbatch.get("labels") is not None:
+            check_decoder_inputs(staged, {k: v for k, v in microbatch.items() if k != "labels"})
+        return staged.count_items(microbatch)
+    return count

@@ -33,6 +33,7 @@ from hf_cephalo.runtime.head_calls import HeadCalls
 from hf_cephalo.models.registry import causal_lm_class_names
 from hf_cephalo.models.base import (HeadEvalOutput, HeadOutput, Microbatch, StagedModel,
                                     WrappedStagedModel, global_num_items, refuse_global_loss)
+from hf_cephalo.runtime.door_models import check_decoder_inputs
 from hf_cephalo.models.hf_common import (CausalLMStagedModel, causal_adapter, empty_logits,
                                          is_causal_lm)
 
@@ -140,6 +141,7 @@ class EngineOutputs:
                                  "and returns the logits only")
         if self._view is not None:
             self._check_inputs(inputs)
+            check_decoder_inputs(self._staged, inputs)  # an encoder-decoder called without both
             if inputs.get("output_router_logits") and \
                     self._staged.global_loss_output() is None:
                 raise ValueError("compute_loss called the model with output_router_logits=True, "

@@ -46,7 +46,7 @@ from hf_cephalo.integrations.trainer.training_args import CephaloArguments, job_
 from hf_cephalo.runtime import (ClusterProfile, CompileOptions, HeadCalls, ItemCountStagedModel,
                                 Plan, Session, UserLossStagedModel, decay_groups, engine_names,
                                 is_causal_lm, label_count, packs_without_padding,
-                                parameter_names, stock_count_shifts,
+                                parameter_names, seq2seq_user_loss_items, stock_count_shifts,
                                 stock_item_count, stock_smoother_shift, supported_model_classes)
 from hf_cephalo.runtime import format_plan_table  # noqa: F401 (exported)
 
@@ -246,6 +246,10 @@ class CephaloTrainerMixin(TrainerDataMixin, EngineEvaluationMixin, EngineCheckpo
         unshifted where stock's smoother does not shift (``stock_smoother_shift``: a class
         outside transformers' causal-LM mapping). None (the model's own count): a classifier,
         or a loss whose count stock takes as the model does."""
+        if self.compute_loss_func is not None or self.label_smoother is not None:
+            seq2seq = seq2seq_user_loss_items(staged)  # an encoder-decoder: decoder ids needed
+            if seq2seq is not None:
+                return seq2seq
         if not is_causal_lm(staged):
             return None
         if self.compute_loss_func is not None:  # stock's count for its loss type
