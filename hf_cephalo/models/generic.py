@@ -764,7 +764,7 @@ def trace_layout(model: nn.Module, microbatch: Microbatch, layers_name: str) -> 
     called = before | after  # embed_only: called modules only (a stub stands in for calls)
     reads.place_uncalled(before, after)
     check_order(type(model).__name__, order, len(layers), called_at, StructureError)
-    check_streams(type(model).__name__, seen, StructureError, layers[0])
+    check_streams(type(model).__name__, seen, StructureError, [layers[j] for j in order])
     if BAD_FORM in output_len:
         raise StructureError(form_problem(model, seen, output_len.index(BAD_FORM)))
     if len(set(output_len)) != 1:

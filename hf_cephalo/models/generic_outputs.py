@@ -135,31 +135,51 @@ class FakeLayerChain:
 
 
 def check_streams(name: str, seen: list[tuple], error: type[Exception],
-                  layer: nn.Module) -> None:
+                  called: list[nn.Module]) -> None:
     """Raise ``error`` where a layer call takes, besides its hidden states, a tensor the layer
-    call before it returned beside its hidden states: a second stream from layer to layer
-    (Zaya's router states, LiLT's layout stream), which the stubs cannot hand on (they return
-    None there, and each layer gets the arguments recorded before any layer ran). ``seen``:
-    per layer call, (hidden states input, output, args, kwargs) of the traced forward;
-    ``layer``: one of the layers (its forward's parameter names name the argument)."""
-    params = list(inspect.signature(layer.forward).parameters)
+    call before it returned beside its hidden states, and its output depends on it: a second
+    stream from layer to layer (Zaya's router states, LiLT's layout stream, Kolibri 1.1's key
+    pool), which the stubs cannot hand on (they return None there, and each layer gets the
+    arguments recorded before any layer ran). A stream the layer ignores (GLM-5's top-k
+    indices, which its layers recompute unless configured to share them) is no refusal: run
+    again with None there (no grad), the layer's output is bit for bit the same. ``seen``: per
+    layer call, (hidden states input, output, args, kwargs) of the traced forward; ``called``:
+    the layer module of each call."""
     for i in range(1, len(seen)):
         out = seen[i - 1][1]
         extra = out[1:] if isinstance(out, (tuple, list)) else \
             list(out.values())[1:] if isinstance(out, dict) else []
         made = {id(t) for t in pytree.tree_leaves(extra) if torch.is_tensor(t)}
-        _, _, args, kwargs = seen[i]
-        rest = {**dict(enumerate(args[1:], 1)),
-                **{k: v for k, v in kwargs.items() if args or k != "hidden_states"}}
-        fed = [(params[k] if k < len(params) else f"argument {k + 1}") if isinstance(k, int)
-               else k for k, v in rest.items()
-               if any(torch.is_tensor(t) and id(t) in made for t in pytree.tree_leaves(v))]
-        if fed:
+        _, own, args, kwargs = seen[i]
+        keys = [k for k in [*range(1, len(args)), *kwargs] if args or k != "hidden_states"]
+        fed = [k for k in keys if any(
+            torch.is_tensor(t) and id(t) in made for t in pytree.tree_leaves(
+                args[k] if isinstance(k, int) else kwargs[k]))]
+        if fed and _reads(called[i], args, kwargs, fed, own):
+            params = list(inspect.signature(called[i].forward).parameters)
+            names = [(params[k] if k < len(params) else f"argument {k + 1}")
+                     if isinstance(k, int) else k for k in fed]
             raise error(f"{name}'s layers carry a second stream of hidden states (layer {i} "
-                        f"takes {', '.join(fed)} from what layer {i - 1} returned beside its "
+                        f"takes {', '.join(names)} from what layer {i - 1} returned beside its "
                         "hidden states); the generic path hands one hidden-states tensor from "
                         "layer to layer and gives every layer the other arguments the forward "
                         "computed before the first layer ran")
+
+
+def _reads(layer: nn.Module, args: tuple, kwargs: dict, fed: list, own: Any) -> bool:
+    """Whether ``layer``'s output changes when the arguments ``fed`` are None (no grad); a
+    layer that cannot run so reads them."""
+    args = tuple(None if k in fed else a for k, a in enumerate(args))
+    kwargs = {k: None if k in fed else v for k, v in kwargs.items()}
+    try:
+        with torch.no_grad():
+            again = layer(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - it needs them
+        return True
+    first = [t for t in pytree.tree_leaves(own) if torch.is_tensor(t)][:1]
+    second = [t for t in pytree.tree_leaves(again) if torch.is_tensor(t)][:1]
+    return not (first and second and first[0].shape == second[0].shape
+                and torch.equal(first[0], second[0]))
 
 
 def form_problem(model: nn.Module, seen: list[tuple[Any, Any]], i: int) -> str:
