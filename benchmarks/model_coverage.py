@@ -483,7 +483,8 @@ def summary(rows: list[Row]) -> str:
 def _table(rows: list[Row]) -> list[str]:
     lines = ["| model type | class | status | reason |", "|---|---|---|---|"]
     for r in rows:
-        detail = r.detail.replace("|", "\\|") if r.status != "exact" or r.detail else ""
+        detail = r.detail.replace("|", "\\|").replace("\n", " ") \
+            if r.status != "exact" or r.detail else ""
         lines.append(f"| {r.model_type} | `{r.name}` | {r.status} | {detail} |")
     return lines
 

@@ -37,8 +37,8 @@ def causal_lm_problem(model: nn.Module, batch: Microbatch) -> tuple[str | None, 
         with torch.no_grad():
             out = model(**forward_inputs(model, batch), labels=batch["labels"], **extra)
     except Exception as exc:  # noqa: BLE001 - a forward that needs other inputs is no text LM
-        return (f"it fails on text alone ({type(exc).__name__}: {str(exc)[:200]})"
-                f"{_needs(model, exc)}"), True
+        first = (str(exc).splitlines() or [""])[0][:200]  # one line: it goes into tables
+        return f"it fails on text alone ({type(exc).__name__}: {first}){_needs(model, exc)}", True
     logits, loss = getattr(out, "logits", None), getattr(out, "loss", None)
     ids = batch["input_ids"]
     if not torch.is_tensor(logits) or logits.dim() != 3 or logits.shape[:2] != ids.shape:
