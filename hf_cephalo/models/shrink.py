@@ -496,27 +496,32 @@ def _rebuilds(cfg: Any) -> bool:
     """Whether the config class builds again from ``cfg``'s declared fields, i.e. accepts its
     sizes where it checks them on loading rather than in ``validate_architecture`` (NeoMME's
     rotated head widths, a multiple of 4: a head of 8 with partial_rotary_factor 0.25 rotates
-    2). True for a config without declared fields (``_rebuilt``: nothing to rebuild)."""
+    2). True for a config without declared fields (nothing to rebuild)."""
     try:
-        params = inspect.signature(type(cfg).__init__).parameters
-        if sum(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) < 2:
+        if _declared_fields(cfg) is None:
             return True
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            type(cfg)(**{k: v for k, v in cfg.to_dict().items() if k in params})
-        return True
-    except Exception:  # noqa: BLE001 - any rejection
+    except Exception:  # noqa: BLE001 - no signature to read: no rebuild
         return False
+    return _rebuilt(cfg) is not None
+
+
+def _declared_fields(cfg: Any) -> Any:
+    """The signature parameters of the config class's constructor, None where it declares no
+    fields (``**kwargs`` only: nothing tells fields from derived ones)."""
+    params = inspect.signature(type(cfg).__init__).parameters
+    if sum(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) < 2:
+        return None
+    return params
 
 
 def _rebuilt(cfg: Any) -> tuple[Any, Any] | None:
     """(the config class built again from ``cfg``'s declared fields, those fields' signature
     parameters), so what the class derives from them can be read; None for a config without
-    declared fields (nothing tells fields from derived ones) or one that does not rebuild (it
-    keeps its shrunk fields)."""
+    declared fields (``_declared_fields``) or one that does not rebuild (it keeps its shrunk
+    fields)."""
     try:
-        params = inspect.signature(type(cfg).__init__).parameters
-        if sum(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) < 2:
+        params = _declared_fields(cfg)
+        if params is None:
             return None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
